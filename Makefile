@@ -1,0 +1,139 @@
+# ShardTrain — plain GNU make. Objects go under $(BUILD)/obj with -MMD -MP header dependencies;
+# `make -j` is safe. The first target that needs the toolchain installs missing Debian packages
+# (as root) or prints the apt-get line (otherwise). See README.md for the user-facing targets.
+SHELL   := /bin/bash
+.DEFAULT_GOAL := all
+
+# ---- knobs --------------------------------------------------------------------------------------
+# NP: ranks for `make run`; PYTHON: Debian's python3 (the tests need only its standard library,
+# the checkpoint tests its h5py); SAN: e.g. address,undefined (see `make sanitize`).
+NP      ?= 2
+MPICXX  ?= mpicxx
+MPIRUN  ?= mpirun
+PYTHON  ?= /usr/bin/python3
+BUILD   ?= build
+OPT     ?= -O3 -march=native
+CUDA    ?= 0
+SAN     ?=
+
+ifeq ($(filter $(CUDA),0 1),)
+$(error CUDA must be 0 or 1, got '$(CUDA)')
+endif
+
+DEB_PACKAGES := g++ make pkg-config python3 openmpi-bin libopenmpi-dev libopenblas-openmp-dev \
+                libboost-program-options-dev libhdf5-openmpi-dev hdf5-tools libgtest-dev \
+                libbenchmark-dev
+
+# The OpenMP build of OpenBLAS shares the OpenMP thread pool with our own loops, so the two
+# never oversubscribe the cores (the pthread build keeps a second pool that fights ours).
+OPENBLAS_LIB := /usr/lib/x86_64-linux-gnu/openblas-openmp
+OPENBLAS_INC := /usr/include/x86_64-linux-gnu/openblas-openmp
+
+# OMPI_SKIP_MPICXX: we use the C API; the deprecated C++ bindings only add warnings.
+CPPFLAGS := -Isrc -Itests -I$(OPENBLAS_INC) -DOMPI_SKIP_MPICXX=1
+CXXFLAGS := -std=c++17 $(OPT) -g -fopenmp -Wall -Wextra -Wno-unused-parameter -MMD -MP
+LDFLAGS  := -fopenmp -L$(OPENBLAS_LIB) -Wl,-rpath,$(OPENBLAS_LIB)
+LDLIBS   := -lopenblas -lboost_program_options -lpthread
+ifneq ($(SAN),)
+CXXFLAGS += -fsanitize=$(SAN) -fno-omit-frame-pointer
+LDFLAGS  += -fsanitize=$(SAN)
+endif
+
+# Root runs of mpirun need Open MPI's explicit consent; tests and `make run` inherit these.
+ifeq ($(shell id -u),0)
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+endif
+
+# ---- sources ------------------------------------------------------------------------------------
+SRCS       := $(shell find src -name '*.cpp' | sort)
+LIB_SRCS   := $(filter-out src/app/main.cpp,$(SRCS))
+UNIT_SRCS  := $(shell find tests/unit tests/support -name '*.cpp' | sort)
+MPI_SRCS   := $(shell find tests/mpi -name '*.cpp' | sort)
+BENCH_SRCS := $(shell find tests/bench -name '*.cpp' | sort)
+
+obj = $(patsubst %.cpp,$(BUILD)/obj/%.o,$(1))
+LIB_OBJS   := $(call obj,$(LIB_SRCS))
+MAIN_OBJ   := $(call obj,src/app/main.cpp)
+UNIT_OBJS  := $(call obj,$(UNIT_SRCS))
+MPI_OBJS   := $(call obj,$(MPI_SRCS))
+BENCH_OBJS := $(call obj,$(BENCH_SRCS))
+
+EXE        := $(BUILD)/shardtrain
+UNIT_TESTS := $(BUILD)/unit_tests
+MPI_TESTS  := $(BUILD)/mpi_tests
+BENCH_BIN  := $(BUILD)/layer_bench
+DEPS_STAMP := $(BUILD)/.deps-ok
+
+.PHONY: all deps run test bench sanitize print-config clean
+all: $(EXE)
+
+# ---- dependencies -------------------------------------------------------------------------------
+deps: $(DEPS_STAMP)
+$(DEPS_STAMP):
+	@missing=""; for p in $(DEB_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "→ installing Debian packages:$$missing"; \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing || exit 1; \
+	  else \
+	    echo "missing Debian packages; install them with:"; \
+	    echo "  sudo apt-get install -y$$missing"; exit 1; \
+	  fi; \
+	fi
+	@mkdir -p $(BUILD) && touch $@
+	@echo "✓ dependencies: $(words $(DEB_PACKAGES)) Debian packages present"
+
+# ---- build --------------------------------------------------------------------------------------
+$(BUILD)/obj/%.o: %.cpp | $(DEPS_STAMP)
+	@mkdir -p $(@D)
+	@printf "  CXX   %-40s\n" $<
+	@$(MPICXX) $(CPPFLAGS) $(CXXFLAGS) -c $< -o $@
+
+$(EXE): $(LIB_OBJS) $(MAIN_OBJ)
+	@printf "  LINK  %s\n" $@
+	@$(MPICXX) $(LDFLAGS) $^ $(LDLIBS) -o $@
+
+$(UNIT_TESTS): $(LIB_OBJS) $(UNIT_OBJS)
+	@printf "  LINK  %s\n" $@
+	@$(MPICXX) $(LDFLAGS) $^ $(LDLIBS) -lgtest -o $@
+
+$(MPI_TESTS): $(LIB_OBJS) $(MPI_OBJS)
+	@printf "  LINK  %s\n" $@
+	@$(MPICXX) $(LDFLAGS) $^ $(LDLIBS) -lgtest -o $@
+
+$(BENCH_BIN): $(LIB_OBJS) $(BENCH_OBJS)
+	@printf "  LINK  %s\n" $@
+	@$(MPICXX) $(LDFLAGS) $^ $(LDLIBS) -lbenchmark -o $@
+
+# ---- user-facing targets ------------------------------------------------------------------------
+DATA_DIR := inputs/data
+DEFAULT_DATA := $(DATA_DIR)/synth_train.bin
+
+$(DEFAULT_DATA): $(EXE)
+	@$(EXE) data synth --out-dir $(DATA_DIR)
+
+run: $(EXE) $(DEFAULT_DATA)
+	$(MPIRUN) --oversubscribe --bind-to none -np $(NP) $(EXE) train --config inputs/default.ini
+
+test: $(EXE) $(UNIT_TESTS) $(MPI_TESTS)
+	@$(PYTHON) tests/run_tests.py --build $(BUILD)
+
+bench: $(EXE) $(BENCH_BIN)
+	@$(PYTHON) tests/bench/run_bench.py --build $(BUILD)
+
+sanitize:
+	@$(MAKE) --no-print-directory BUILD=build-san SAN=address,undefined OPT=-O1 test
+
+print-config:
+	@echo "MPICXX=$(MPICXX) ($(shell $(MPICXX) --version 2>/dev/null | head -1))"
+	@echo "MPIRUN=$(MPIRUN) NP=$(NP) PYTHON=$(PYTHON) BUILD=$(BUILD) OPT=$(OPT) SAN=$(SAN)"
+	@echo "OpenBLAS: $(OPENBLAS_LIB)"
+	@if [ "$(CUDA)" = 1 ]; then echo "✓ CUDA backend requested"; else echo "→ CUDA disabled (CUDA=0)"; fi
+
+clean:
+	rm -rf $(BUILD) build-san
+
+-include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

@@ -1,0 +1,25 @@
+// The machine-readable record of a run: JSON Lines written by rank 0 to train.metrics_file, one
+// object per optimizer step ("kind":"step") and per evaluation ("kind":"eval"); see DESIGN.md.
+// The file is opened once and flushed per line, so a killed run leaves whole lines only.
+#pragma once
+
+#include <cstdio>
+#include <string>
+
+namespace shardtrain {
+
+class MetricsWriter {
+ public:
+  // Opens `path` for writing when non-empty and `enabled` (rank 0); otherwise writes nothing.
+  MetricsWriter(const std::string& path, bool enabled);
+  ~MetricsWriter();
+  MetricsWriter(const MetricsWriter&) = delete;
+  MetricsWriter& operator=(const MetricsWriter&) = delete;
+
+  void write_line(const std::string& json_object);
+
+ private:
+  std::FILE* file_ = nullptr;
+};
+
+}  // namespace shardtrain

@@ -1,0 +1,75 @@
+// Options of `shardtrain train`: one struct per INI section, parsed with Boost.Program_options
+// from `--config FILE` and from `--section.key=value` on the command line (which wins). Every
+// option is declared once, in options.cpp, with its default and meaning; --help prints them and
+// resolved_ini() writes the resolved configuration back as INI text.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/config.hpp"
+
+namespace shardtrain {
+
+struct TrainOptions {
+  int steps = 20;
+  int global_batch = 8;  // sequences per optimizer step
+  int micro_batch = 2;   // sequences per rank per forward/backward
+  int seq_len = 32;
+  double lr = 1e-3;
+  double min_lr_ratio = 0.1;
+  int warmup_steps = 0;
+  double weight_decay = 0.1;
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  double grad_clip = 1.0;
+  uint64_t seed = 1337;
+  int eval_every = 0;
+  int eval_batches = 2;
+  std::string metrics_file;
+  std::string run_name = "run";
+  int threads = 0;           // per rank; 0 = the cores available to this rank
+  double peak_gflops = 0;    // per rank, for MFU; 0 = measure an SGEMM at start-up
+};
+
+struct DataOptions {
+  std::string train_file = "inputs/data/synth_train.bin";
+  std::string val_file;
+};
+
+struct FsdpOptions {
+  std::string sharding_strategy = "FULL_SHARD";
+  double comm_timeout = 300;  // seconds; 0 disables the watchdog
+};
+
+// Fault injection for the tests of the error paths; never set in production configs.
+struct DebugOptions {
+  int stall_rank = -1;
+  int stall_step = 0;
+  double stall_seconds = 0;
+};
+
+struct Config {
+  std::string config_file;
+  ModelConfig model;
+  TrainOptions train;
+  DataOptions data;
+  FsdpOptions fsdp;
+  DebugOptions debug;
+};
+
+struct ParsedTrainArgs {
+  Config config;
+  bool help = false;
+};
+
+// Parses `train` arguments (argv after the subcommand). Throws UsageError naming the option.
+ParsedTrainArgs parse_train_args(const std::vector<std::string>& args);
+// Checks value ranges and combinations that need the rank count. Throws UsageError.
+void validate_config(const Config& config, int world);
+// Every option with its default and meaning.
+std::string train_help();
+// The resolved configuration as INI text.
+std::string resolved_ini(const Config& config);
+
+}  // namespace shardtrain

@@ -1,0 +1,273 @@
+// The training loop (see trainer.hpp). Batch semantics are those of DESIGN.md: a step covers
+// train.global_batch sequences; rank r's micro-batch m holds sequences (m*ranks + r)*B .. +B-1 of
+// the step, so the rank count only changes how the same sequences are split. The loss is the
+// mean over every token of the global batch: each token's loss gets weight 1/(global_batch*T)
+// before the reduce-scatter sums the ranks.
+#include "app/trainer.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <memory>
+
+#include "app/metrics.hpp"
+#include "app/perf.hpp"
+#include "comm/comm.hpp"
+#include "comm/watchdog.hpp"
+#include "data/sampler.hpp"
+#include "data/token_file.hpp"
+#include "optim/adamw.hpp"
+#include "shard/fsdp_engine.hpp"
+
+namespace shardtrain {
+namespace {
+
+std::string format_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 4) bytes /= 1024, u++;
+  return strprintf(u == 0 ? "%.0f %s" : "%.1f %s", bytes, units[u]);
+}
+
+std::string format_duration(double seconds) {
+  long s = std::lround(std::max(0.0, seconds));
+  if (s >= 3600) return strprintf("%ldh%02ldm", s / 3600, (s / 60) % 60);
+  if (s >= 60) return strprintf("%ldm%02lds", s / 60, s % 60);
+  return strprintf("%lds", s);
+}
+
+// Peak bytes per memory category and in total, as one vector for a single MAX all-reduce.
+using MemoryPeaks = std::array<double, MEM_CATEGORY_COUNT + 1>;
+
+MemoryPeaks local_memory_peaks(const MemoryTracker& m) {
+  MemoryPeaks p{};
+  for (int c = 0; c < MEM_CATEGORY_COUNT; c++) p[c] = static_cast<double>(m.peak(static_cast<MemCategory>(c)));
+  p[MEM_CATEGORY_COUNT] = static_cast<double>(m.total_peak());
+  return p;
+}
+
+std::string memory_json(const MemoryPeaks& p) {
+  std::string s = "{";
+  for (int c = 0; c < MEM_CATEGORY_COUNT; c++)
+    s += strprintf("%s\"%s\":%.0f", c ? "," : "", mem_category_name(static_cast<MemCategory>(c)), p[c]);
+  return s + "}";
+}
+
+class Trainer {
+ public:
+  Trainer(const Runtime& rt, const Config& config);
+  int run();
+
+ private:
+  void open_data();
+  void print_summary();
+  double train_step(int step);
+  double evaluate();
+
+  const Runtime& rt_;
+  const Config& cfg_;
+  const int B_, T_, G_, accum_;
+  int threads_ = 1;
+  double peak_gflops_ = 0;
+  Watchdog watchdog_;
+  std::unique_ptr<Comm> comm_;
+  std::unique_ptr<TokenFile> train_file_, val_file_;
+  std::unique_ptr<SequenceSampler> sampler_;
+  ParamTable table_;
+  MemoryTracker memory_;
+  FsdpEngine engine_;
+  OptimConfig optim_config_;
+  AdamW optimizer_;
+  std::unique_ptr<GptModel<float>> model_;
+  std::vector<int> tokens_, targets_;
+};
+
+OptimConfig optim_config_from(const TrainOptions& t) {
+  OptimConfig o;
+  o.lr = t.lr;
+  o.min_lr_ratio = t.min_lr_ratio;
+  o.warmup_steps = t.warmup_steps;
+  o.total_steps = t.steps;
+  o.weight_decay = t.weight_decay;
+  o.beta1 = t.beta1;
+  o.beta2 = t.beta2;
+  o.eps = t.eps;
+  o.grad_clip = t.grad_clip;
+  return o;
+}
+
+Trainer::Trainer(const Runtime& rt, const Config& config)
+    : rt_(rt),
+      cfg_(config),
+      B_(config.train.micro_batch),
+      T_(config.train.seq_len),
+      G_(config.train.global_batch),
+      accum_(config.train.global_batch / (config.train.micro_batch * rt.world())),
+      watchdog_(config.fsdp.comm_timeout, strprintf("[rank %d/%d %s]", rt.rank(), rt.world(), rt.host().c_str())),
+      comm_(make_mpi_comm(rt.world_comm(), &watchdog_)),
+      table_(config.model),
+      engine_(table_, *comm_, memory_),
+      optim_config_(optim_config_from(config.train)),
+      optimizer_(optim_config_, engine_, memory_) {
+  threads_ = cfg_.train.threads > 0 ? cfg_.train.threads : default_threads_per_rank(rt.local_size());
+  set_compute_threads(threads_);
+  open_data();
+  model_ = std::make_unique<GptModel<float>>(table_, B_, T_);
+  memory_.add(MEM_ACTIVATIONS, model_->activation_bytes());
+  tokens_.resize(static_cast<size_t>(B_) * T_);
+  targets_.resize(tokens_.size());
+  engine_.init_parameters(cfg_.train.seed);
+  if (cfg_.train.peak_gflops > 0) {
+    peak_gflops_ = cfg_.train.peak_gflops;
+  } else {
+    comm_->barrier("barrier(sgemm peak)");  // every rank measures at once: the peak under shared load
+    double peak = measure_sgemm_gflops(1024, 3);
+    comm_->all_reduce_max(Span<double>(&peak, 1), "all_reduce(sgemm peak)");
+    peak_gflops_ = peak;
+  }
+}
+
+void Trainer::open_data() {
+  const int V = cfg_.model.vocab_size;
+  auto open = [&](const std::string& path, const char* option) {
+    std::unique_ptr<TokenFile> file;
+    rt_.agree_on([&] { file = std::make_unique<TokenFile>(path); });
+    // Each rank scans a disjoint part for out-of-range tokens; the verdict is agreed.
+    rt_.agree(check_token_range(*file, V, rt_.rank(), rt_.world()));
+    (void)option;
+    return file;
+  };
+  train_file_ = open(cfg_.data.train_file, "data.train_file");
+  rt_.agree_on([&] {
+    sampler_ = std::make_unique<SequenceSampler>(cfg_.train.seed, train_file_->num_tokens(), T_, G_, train_file_->path());
+  });
+  if (!cfg_.data.val_file.empty()) {
+    val_file_ = open(cfg_.data.val_file, "data.val_file");
+    rt_.agree_on([&] {
+      if (val_file_->num_tokens() < static_cast<size_t>(T_) + 1)
+        throw DataError(strprintf("data file '%s': %zu tokens, too short for one sequence of train.seq_len=%d + 1",
+                                  val_file_->path().c_str(), val_file_->num_tokens(), T_));
+    });
+  }
+}
+
+void Trainer::print_summary() {
+  const ModelConfig& m = cfg_.model;
+  const size_t total = table_.total_params();
+  rt_.info("shardtrain train: run '%s' on %d ranks x %d threads, FULL_SHARD", cfg_.train.run_name.c_str(), rt_.world(),
+           threads_);
+  rt_.info("model: GPT-2 L=%d C=%d H=%d V=%d max_seq_len=%d | %.2fM parameters in %zu units (root + %d blocks) | "
+           "%.2fM per rank",
+           m.n_layer, m.n_embd, m.n_head, m.vocab_size, m.max_seq_len, total / 1e6, table_.units().size(), m.n_layer,
+           engine_.local_param_count() / 1e6);
+  rt_.info("batch: %d sequences x %d tokens = %d tokens/step | micro_batch %d per rank | gradient accumulation %d",
+           G_, T_, G_ * T_, B_, accum_);
+  std::string mem;
+  for (int c = 0; c < MEM_CATEGORY_COUNT; c++) {
+    size_t bytes = memory_.current(static_cast<MemCategory>(c));
+    if (bytes) mem += strprintf("%s%s %s", mem.empty() ? "" : ", ", mem_category_name(static_cast<MemCategory>(c)),
+                                format_bytes(bytes).c_str());
+  }
+  rt_.info("memory per rank: %s | total %s", mem.c_str(), format_bytes(memory_.total_current()).c_str());
+  rt_.info("compute: OpenBLAS %s | SGEMM peak %.1f GFLOP/s per rank (%s) | %.1f MFLOP per token",
+           blas_description().c_str(), peak_gflops_, cfg_.train.peak_gflops > 0 ? "given" : "measured",
+           table_.flops_per_token(T_) / 1e6);
+  rt_.info("data: %s (%zu tokens)%s", train_file_->path().c_str(), train_file_->num_tokens(),
+           val_file_ ? strprintf(" | val %s (%zu tokens)", val_file_->path().c_str(), val_file_->num_tokens()).c_str()
+                     : "");
+}
+
+double Trainer::train_step(int step) {
+  engine_.zero_grads();
+  const float dloss = 1.0f / (static_cast<float>(G_) * T_);
+  double loss_sum = 0;
+  for (int micro = 0; micro < accum_; micro++) {
+    for (int b = 0; b < B_; b++) {
+      uint64_t seq = static_cast<uint64_t>(micro * rt_.world() + rt_.rank()) * B_ + b;
+      sampler_->fill(*train_file_, step, seq, &tokens_[static_cast<size_t>(b) * T_], &targets_[static_cast<size_t>(b) * T_]);
+    }
+    loss_sum += engine_.train_micro_batch(*model_, tokens_.data(), targets_.data(), dloss);
+  }
+  return loss_sum;
+}
+
+double Trainer::evaluate() {
+  const size_t windows = (val_file_->num_tokens() - 1) / T_;
+  const uint16_t* data = val_file_->tokens();
+  double loss_sum = 0;
+  for (int batch = 0; batch < cfg_.train.eval_batches; batch++) {
+    for (int micro = 0; micro < accum_; micro++) {
+      for (int b = 0; b < B_; b++) {
+        uint64_t seq = static_cast<uint64_t>(batch) * G_ + static_cast<uint64_t>(micro * rt_.world() + rt_.rank()) * B_ + b;
+        const uint16_t* start = data + (seq % windows) * T_;
+        for (int t = 0; t < T_; t++) {
+          tokens_[static_cast<size_t>(b) * T_ + t] = start[t];
+          targets_[static_cast<size_t>(b) * T_ + t] = start[t + 1];
+        }
+      }
+      loss_sum += engine_.eval_micro_batch(*model_, tokens_.data(), targets_.data());
+    }
+  }
+  comm_->all_reduce_sum(Span<double>(&loss_sum, 1), "all_reduce(val loss)");
+  return loss_sum / (static_cast<double>(cfg_.train.eval_batches) * G_ * T_);
+}
+
+int Trainer::run() {
+  std::unique_ptr<MetricsWriter> metrics;
+  rt_.agree_on([&] { metrics = std::make_unique<MetricsWriter>(cfg_.train.metrics_file, rt_.is_root()); });
+  print_summary();
+  const int steps = cfg_.train.steps;
+  const double flops_per_step = table_.flops_per_token(T_) * G_ * T_;
+  double elapsed = 0;
+  for (int step = 0; step < steps; step++) {
+    comm_->barrier("barrier(step start)");  // time the step between barriers
+    const double t0 = MPI_Wtime();
+    double sums[2] = {train_step(step), 0.0};
+    if (rt_.rank() == cfg_.debug.stall_rank && step == cfg_.debug.stall_step)
+      usleep(static_cast<useconds_t>(cfg_.debug.stall_seconds * 1e6));
+    sums[1] = optimizer_.local_grad_sq_norm();
+    comm_->all_reduce_sum(Span<double>(sums, 2), "all_reduce(loss, grad norm)");
+    const double loss = sums[0] / (static_cast<double>(G_) * T_);
+    const double grad_norm = std::sqrt(sums[1]);
+    if (!std::isfinite(loss) || !std::isfinite(grad_norm)) {
+      rt_.info("error: step %d: loss %g, gradient norm %g are not finite; the run diverged (lower train.lr or "
+               "raise train.warmup_steps)", step + 1, loss, grad_norm);
+      return EXIT_CODE_INTERNAL;
+    }
+    const double lr = optimizer_.step(step, grad_norm);
+    MemoryPeaks peaks = local_memory_peaks(memory_);
+    comm_->all_reduce_max(Span<double>(peaks.data(), peaks.size()), "all_reduce(memory peaks)");
+    const double seconds = MPI_Wtime() - t0;
+    if (step > 0 || steps == 1) elapsed += seconds;  // the first step pays for page faults
+    const double avg = elapsed / std::max(1, step + (steps == 1 ? 1 : 0));
+    const double tokens_per_s = G_ * T_ / seconds;
+    const double mfu = flops_per_step / seconds / (rt_.world() * peak_gflops_ * 1e9);
+    rt_.info("step %5d/%d | loss %.4f | lr %.2e | norm %.3f | %.0f tok/s | MFU %.1f%% | peak mem %s | eta %s", step + 1,
+             steps, loss, lr, grad_norm, tokens_per_s, 100 * mfu, format_bytes(peaks[MEM_CATEGORY_COUNT]).c_str(),
+             format_duration(avg * (steps - step - 1)).c_str());
+    metrics->write_line(strprintf(
+        "{\"kind\":\"step\",\"step\":%d,\"loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%.9g,\"tokens_per_s\":%.6g,\"mfu\":%.6g,"
+        "\"step_seconds\":%.6g,\"peak_mem_bytes\":%.0f,\"peak_mem\":%s}",
+        step + 1, loss, lr, grad_norm, tokens_per_s, mfu, seconds, peaks[MEM_CATEGORY_COUNT], memory_json(peaks).c_str()));
+    const bool eval_now = val_file_ && cfg_.train.eval_every > 0 &&
+                          ((step + 1) % cfg_.train.eval_every == 0 || step + 1 == steps);
+    if (eval_now) {
+      double val_loss = evaluate();
+      rt_.info("eval  %5d/%d | val loss %.4f", step + 1, steps, val_loss);
+      metrics->write_line(strprintf("{\"kind\":\"eval\",\"step\":%d,\"val_loss\":%.9g}", step + 1, val_loss));
+    }
+  }
+  rt_.info("done: %d steps, %.1f s, uniform-guess loss ln(V) = %.4f", steps, elapsed, std::log(cfg_.model.vocab_size));
+  return EXIT_CODE_OK;
+}
+
+}  // namespace
+
+int run_training(const Runtime& rt, const Config& config) {
+  Trainer trainer(rt, config);
+  return trainer.run();
+}
+
+}  // namespace shardtrain

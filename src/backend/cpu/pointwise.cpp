@@ -1,0 +1,102 @@
+// The memory-bound layers: token+position embedding, GELU, residual add, and the fused softmax
+// cross-entropy over the vocabulary. Scatter-adds into embedding gradients run over fixed column
+// blocks so that each element is summed in token order, whatever the thread count.
+#include <algorithm>
+#include <cmath>
+
+#include "backend/cpu/gemm.hpp"
+#include "backend/cpu/ops.hpp"
+#include "backend/math.hpp"
+
+namespace shardtrain::cpu {
+
+template <typename Real>
+void encoder_forward(Real* out, const int* tokens, const Real* wte, const Real* wpe, int B, int T, int C) {
+#pragma omp parallel for schedule(static)
+  for (int bt = 0; bt < B * T; bt++) {
+    const Real* e = wte + static_cast<size_t>(tokens[bt]) * C;
+    const Real* p = wpe + static_cast<size_t>(bt % T) * C;
+    Real* o = out + static_cast<size_t>(bt) * C;
+    for (int i = 0; i < C; i++) o[i] = e[i] + p[i];
+  }
+}
+
+template <typename Real>
+void encoder_backward(Real* dwte, Real* dwpe, const Real* dout, const int* tokens, int B, int T, int C) {
+  int blocks = (C + COLUMN_BLOCK - 1) / COLUMN_BLOCK;
+#pragma omp parallel for schedule(static)
+  for (int blk = 0; blk < blocks; blk++) {
+    int lo = blk * COLUMN_BLOCK, hi = std::min(C, lo + COLUMN_BLOCK);
+    for (int bt = 0; bt < B * T; bt++) {
+      const Real* d = dout + static_cast<size_t>(bt) * C;
+      Real* e = dwte + static_cast<size_t>(tokens[bt]) * C;
+      Real* p = dwpe + static_cast<size_t>(bt % T) * C;
+      for (int i = lo; i < hi; i++) {
+        e[i] += d[i];
+        p[i] += d[i];
+      }
+    }
+  }
+}
+
+template <typename Real>
+void gelu_forward(Real* out, const Real* inp, size_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (size_t i = 0; i < n; i++) out[i] = gelu_value(inp[i]);
+}
+
+template <typename Real>
+void gelu_backward(Real* dinp, const Real* dout, const Real* inp, size_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (size_t i = 0; i < n; i++) dinp[i] = dout[i] * gelu_derivative(inp[i]);
+}
+
+template <typename Real>
+void residual_forward(Real* out, const Real* a, const Real* b, size_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (size_t i = 0; i < n; i++) out[i] = a[i] + b[i];
+}
+
+template <typename Real>
+void softmax_crossentropy_forward(Real* losses, Real* logits_to_probs, const int* targets, int N, int V) {
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; n++) {
+    Real* r = logits_to_probs + static_cast<size_t>(n) * V;
+    Real max = r[0];
+    for (int i = 1; i < V; i++) max = r[i] > max ? r[i] : max;
+    // -log p[target] = log(sum exp(l - max)) - (l[target] - max): exact even when p underflows.
+    Real target_shifted = r[targets[n]] - max;
+    Real sum = 0;
+    for (int i = 0; i < V; i++) {
+      r[i] = std::exp(r[i] - max);
+      sum += r[i];
+    }
+    Real inv = Real(1) / sum;
+    for (int i = 0; i < V; i++) r[i] *= inv;
+    losses[n] = std::log(sum) - target_shifted;
+  }
+}
+
+template <typename Real>
+void softmax_crossentropy_backward(Real* probs_to_dlogits, const int* targets, Real dloss, int N, int V) {
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; n++) {
+    Real* r = probs_to_dlogits + static_cast<size_t>(n) * V;
+    for (int i = 0; i < V; i++) r[i] *= dloss;
+    r[targets[n]] -= dloss;
+  }
+}
+
+#define INSTANTIATE(Real)                                                                                   \
+  template void encoder_forward<Real>(Real*, const int*, const Real*, const Real*, int, int, int);          \
+  template void encoder_backward<Real>(Real*, Real*, const Real*, const int*, int, int, int);               \
+  template void gelu_forward<Real>(Real*, const Real*, size_t);                                             \
+  template void gelu_backward<Real>(Real*, const Real*, const Real*, size_t);                               \
+  template void residual_forward<Real>(Real*, const Real*, const Real*, size_t);                            \
+  template void softmax_crossentropy_forward<Real>(Real*, Real*, const int*, int, int);                     \
+  template void softmax_crossentropy_backward<Real>(Real*, const int*, Real, int, int);
+INSTANTIATE(float)
+INSTANTIATE(double)
+#undef INSTANTIATE
+
+}  // namespace shardtrain::cpu

@@ -1,0 +1,56 @@
+// The one communication interface the engine and optimizer use: typed spans in, element counts
+// derived here, never at call sites.
+//
+// Contract (DESIGN.md, "collective discipline"): every rank of the communicator calls the same
+// collectives in the same order with the same sizes. `what` names the collective for the
+// watchdog's message; pass a string literal. The MPI implementation works on host buffers; a
+// NCCL one (CUDA backend) will implement the same interface on device buffers.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+namespace shardtrain {
+
+class Watchdog;
+
+template <typename T>
+struct Span {
+  T* data = nullptr;
+  size_t size = 0;
+  Span() = default;
+  Span(T* d, size_t n) : data(d), size(n) {}
+  template <typename U>
+  Span(std::vector<U>& v) : data(v.data()), size(v.size()) {}
+  template <typename U>
+  Span(const std::vector<U>& v) : data(v.data()), size(v.size()) {}
+  template <typename U>
+  Span(const Span<U>& other) : data(other.data), size(other.size) {}
+  T& operator[](size_t i) const { return data[i]; }
+};
+
+class Comm {
+ public:
+  virtual ~Comm() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // full.size == shard.size * size(); rank r's shard lands at full[r*shard.size ...].
+  // shard may alias that slot of full (in-place gather).
+  virtual void all_gather(Span<const float> shard, Span<float> full, const char* what) = 0;
+  // shard = sum over ranks of their full[rank()*shard.size ...]; full.size == shard.size * size().
+  virtual void reduce_scatter_sum(Span<const float> full, Span<float> shard, const char* what) = 0;
+  // Elementwise over ranks, in place.
+  virtual void all_reduce_sum(Span<double> values, const char* what) = 0;
+  virtual void all_reduce_max(Span<double> values, const char* what) = 0;
+  virtual void broadcast(Span<char> bytes, int root, const char* what) = 0;
+  virtual void barrier(const char* what) = 0;
+};
+
+// An MPI communicator on host memory. `watchdog` (may be null) times every blocking collective.
+std::unique_ptr<Comm> make_mpi_comm(MPI_Comm comm, Watchdog* watchdog);
+
+}  // namespace shardtrain

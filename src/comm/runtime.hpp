@@ -1,0 +1,57 @@
+// The process's MPI runtime: bootstrap, who we are (rank, world, node-local rank, host), rank-0
+// logging, and the collective agreement on input errors.
+//
+// One Runtime object lives in main() and is passed down; there are no globals. Every check whose
+// outcome could differ between ranks (a file one rank cannot read) goes through agree(), so that
+// all ranks fail together with the same message instead of some waiting in a collective forever.
+#pragma once
+
+#include <mpi.h>
+
+#include <string>
+
+#include "core/error.hpp"
+
+namespace shardtrain {
+
+class Runtime {
+ public:
+  Runtime(int* argc, char*** argv);
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  int local_rank() const { return local_rank_; }
+  int local_size() const { return local_size_; }
+  bool is_root() const { return rank_ == 0; }
+  const std::string& host() const { return host_; }
+  MPI_Comm world_comm() const { return MPI_COMM_WORLD; }
+
+  // Collective. Each rank passes its own error message ("" when fine). When any rank failed, every
+  // rank throws InputError carrying the message of the lowest failing rank.
+  void agree(const std::string& local_error) const;
+  // Runs `check` on every rank and agrees on the outcome: an InputError on any rank becomes the
+  // same InputError on all ranks.
+  template <typename F>
+  void agree_on(F&& check) const {
+    std::string error;
+    try {
+      check();
+    } catch (const InputError& e) {
+      error = e.what();
+    }
+    agree(error);
+  }
+
+  // Rank 0 prints to stdout (info) or stderr (warn); the others stay silent.
+  void info(const char* fmt, ...) const __attribute__((format(printf, 2, 3)));
+  void warn(const char* fmt, ...) const __attribute__((format(printf, 2, 3)));
+
+ private:
+  int rank_ = 0, world_ = 1, local_rank_ = 0, local_size_ = 1;
+  std::string host_;
+};
+
+}  // namespace shardtrain

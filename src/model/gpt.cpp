@@ -1,0 +1,161 @@
+// GPT-2 forward/backward on explicit buffers (see gpt.hpp). Each block:
+//   ln1 = LN(x); qkv = ln1 Wqkv^T + b; y = attn(qkv); r2 = x + y Wp^T + b;
+//   ln2 = LN(r2); h = gelu(ln2 Wfc^T + b); out = r2 + h Wfp^T + b.
+// The backward runs the same steps in reverse with one running residual gradient dresid_.
+#include "model/gpt.hpp"
+
+#include <algorithm>
+
+#include "backend/cpu/ops.hpp"
+#include "core/error.hpp"
+
+namespace shardtrain {
+
+using namespace cpu;
+
+template <typename Real>
+GptModel<Real>::GptModel(const ParamTable& table, int batch, int seq_len)
+    : table_(table), cfg_(table.config()), B_(batch), T_(seq_len) {
+  SHARD_CHECK(seq_len <= cfg_.max_seq_len, "seq_len %d > max_seq_len %d", seq_len, cfg_.max_seq_len);
+  const size_t BT = static_cast<size_t>(B_) * T_, C = cfg_.n_embd, NH = cfg_.n_head, L = cfg_.n_layer;
+  tokens_.resize(BT);
+  targets_.resize(BT);
+  resid_.assign(L + 1, std::vector<Real>(BT * C));
+  layers_.resize(L);
+  for (Layer& a : layers_) {
+    a.ln1.resize(BT * C), a.ln1_mean.resize(BT), a.ln1_rstd.resize(BT);
+    a.qkv.resize(BT * 3 * C), a.att.resize(B_ * NH * T_ * T_), a.atty.resize(BT * C), a.resid2.resize(BT * C);
+    a.ln2.resize(BT * C), a.ln2_mean.resize(BT), a.ln2_rstd.resize(BT);
+    a.fch.resize(BT * 4 * C), a.fch_gelu.resize(BT * 4 * C);
+  }
+  lnf_.resize(BT * C), lnf_mean_.resize(BT), lnf_rstd_.resize(BT);
+  probs_.resize(BT * cfg_.vocab_size), losses_.resize(BT);
+  dresid_.resize(BT * C), dln_.resize(BT * C), dqkv_.resize(BT * 3 * C), dfch_.resize(BT * 4 * C);
+  datt_.resize(B_ * NH * T_ * T_);
+}
+
+template <typename Real>
+size_t GptModel<Real>::activation_bytes() const {
+  size_t n = 0;
+  for (const auto& r : resid_) n += r.size();
+  for (const Layer& a : layers_)
+    n += a.ln1.size() + a.ln1_mean.size() + a.ln1_rstd.size() + a.qkv.size() + a.att.size() + a.atty.size() +
+         a.resid2.size() + a.ln2.size() + a.ln2_mean.size() + a.ln2_rstd.size() + a.fch.size() + a.fch_gelu.size();
+  n += lnf_.size() + lnf_mean_.size() + lnf_rstd_.size() + probs_.size() + losses_.size();
+  n += dresid_.size() + dln_.size() + dqkv_.size() + dfch_.size() + datt_.size();
+  return n * sizeof(Real) + (tokens_.size() + targets_.size()) * sizeof(int);
+}
+
+template <typename Real>
+void GptModel<Real>::embed_forward(const Real* root, const int* tokens) {
+  std::copy(tokens, tokens + tokens_.size(), tokens_.begin());
+  encoder_forward(resid_[0].data(), tokens_.data(), root + table_.root_offset(ROOT_WTE),
+                  root + table_.root_offset(ROOT_WPE), B_, T_, cfg_.n_embd);
+}
+
+template <typename Real>
+void GptModel<Real>::block_forward(int l, const Real* w) {
+  const int N = B_ * T_, C = cfg_.n_embd, NH = cfg_.n_head;
+  const ParamTable& t = table_;
+  Layer& a = layers_[l];
+  const Real* x = resid_[l].data();
+  layernorm_forward(a.ln1.data(), a.ln1_mean.data(), a.ln1_rstd.data(), x, w + t.block_offset(BLOCK_LN1_W),
+                    w + t.block_offset(BLOCK_LN1_B), N, C);
+  matmul_forward(a.qkv.data(), a.ln1.data(), w + t.block_offset(BLOCK_QKV_W), w + t.block_offset(BLOCK_QKV_B), N, C,
+                 3 * C);
+  attention_forward(a.atty.data(), a.att.data(), a.qkv.data(), B_, T_, C, NH);
+  // The projection output is only needed summed into the residual: reuse resid2 for it.
+  matmul_forward(a.resid2.data(), a.atty.data(), w + t.block_offset(BLOCK_ATTPROJ_W),
+                 w + t.block_offset(BLOCK_ATTPROJ_B), N, C, C);
+  residual_forward(a.resid2.data(), a.resid2.data(), x, a.resid2.size());
+  layernorm_forward(a.ln2.data(), a.ln2_mean.data(), a.ln2_rstd.data(), a.resid2.data(),
+                    w + t.block_offset(BLOCK_LN2_W), w + t.block_offset(BLOCK_LN2_B), N, C);
+  matmul_forward(a.fch.data(), a.ln2.data(), w + t.block_offset(BLOCK_FC_W), w + t.block_offset(BLOCK_FC_B), N, C,
+                 4 * C);
+  gelu_forward(a.fch_gelu.data(), a.fch.data(), a.fch.size());
+  Real* out = resid_[l + 1].data();
+  matmul_forward(out, a.fch_gelu.data(), w + t.block_offset(BLOCK_FCPROJ_W), w + t.block_offset(BLOCK_FCPROJ_B), N,
+                 4 * C, C);
+  residual_forward(out, out, a.resid2.data(), resid_[l + 1].size());
+}
+
+template <typename Real>
+double GptModel<Real>::head_forward(const Real* root, const int* targets) {
+  const int N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size;
+  std::copy(targets, targets + targets_.size(), targets_.begin());
+  layernorm_forward(lnf_.data(), lnf_mean_.data(), lnf_rstd_.data(), resid_[cfg_.n_layer].data(),
+                    root + table_.root_offset(ROOT_LNF_W), root + table_.root_offset(ROOT_LNF_B), N, C);
+  matmul_forward(probs_.data(), lnf_.data(), root + table_.root_offset(ROOT_WTE), static_cast<const Real*>(nullptr), N,
+                 C, V);
+  softmax_crossentropy_forward(losses_.data(), probs_.data(), targets_.data(), N, V);
+  double sum = 0;
+  for (Real l : losses_) sum += l;
+  return sum;
+}
+
+template <typename Real>
+void GptModel<Real>::head_backward(Real* g, const Real* root, Real dloss) {
+  const int N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size;
+  const ParamTable& t = table_;
+  softmax_crossentropy_backward(probs_.data(), targets_.data(), dloss, N, V);
+  matmul_backward(dln_.data(), g + t.root_offset(ROOT_WTE), static_cast<Real*>(nullptr), probs_.data(), lnf_.data(),
+                  root + t.root_offset(ROOT_WTE), N, C, V);
+  std::fill(dresid_.begin(), dresid_.end(), Real(0));
+  layernorm_backward(dresid_.data(), g + t.root_offset(ROOT_LNF_W), g + t.root_offset(ROOT_LNF_B), dln_.data(),
+                     resid_[cfg_.n_layer].data(), root + t.root_offset(ROOT_LNF_W), lnf_mean_.data(), lnf_rstd_.data(),
+                     N, C);
+}
+
+template <typename Real>
+void GptModel<Real>::block_backward(int l, Real* g, const Real* w) {
+  const int N = B_ * T_, C = cfg_.n_embd, NH = cfg_.n_head;
+  const ParamTable& t = table_;
+  Layer& a = layers_[l];
+  auto W = [&](BlockParam p) { return w + t.block_offset(p); };
+  auto G = [&](BlockParam p) { return g + t.block_offset(p); };
+  // MLP: out = r2 + proj(gelu(fc(ln2(r2)))); dresid_ holds d(out) and becomes d(r2).
+  matmul_backward(dfch_.data(), G(BLOCK_FCPROJ_W), G(BLOCK_FCPROJ_B), dresid_.data(), a.fch_gelu.data(),
+                  W(BLOCK_FCPROJ_W), N, 4 * C, C);
+  gelu_backward(dfch_.data(), dfch_.data(), a.fch.data(), dfch_.size());
+  matmul_backward(dln_.data(), G(BLOCK_FC_W), G(BLOCK_FC_B), dfch_.data(), a.ln2.data(), W(BLOCK_FC_W), N, C, 4 * C);
+  layernorm_backward(dresid_.data(), G(BLOCK_LN2_W), G(BLOCK_LN2_B), dln_.data(), a.resid2.data(), W(BLOCK_LN2_W),
+                     a.ln2_mean.data(), a.ln2_rstd.data(), N, C);
+  // Attention: r2 = x + proj(attn(qkv(ln1(x)))); dresid_ becomes d(x).
+  matmul_backward(dln_.data(), G(BLOCK_ATTPROJ_W), G(BLOCK_ATTPROJ_B), dresid_.data(), a.atty.data(),
+                  W(BLOCK_ATTPROJ_W), N, C, C);
+  attention_backward(dqkv_.data(), datt_.data(), dln_.data(), a.qkv.data(), a.att.data(), B_, T_, C, NH);
+  matmul_backward(dln_.data(), G(BLOCK_QKV_W), G(BLOCK_QKV_B), dqkv_.data(), a.ln1.data(), W(BLOCK_QKV_W), N, C,
+                  3 * C);
+  layernorm_backward(dresid_.data(), G(BLOCK_LN1_W), G(BLOCK_LN1_B), dln_.data(), resid_[l].data(), W(BLOCK_LN1_W),
+                     a.ln1_mean.data(), a.ln1_rstd.data(), N, C);
+}
+
+template <typename Real>
+void GptModel<Real>::embed_backward(Real* g) {
+  encoder_backward(g + table_.root_offset(ROOT_WTE), g + table_.root_offset(ROOT_WPE), dresid_.data(), tokens_.data(),
+                   B_, T_, cfg_.n_embd);
+}
+
+template <typename Real>
+double forward_backward_unsharded(GptModel<Real>& model, const ParamTable& table, const std::vector<const Real*>& units,
+                                  const std::vector<Real*>& unit_grads, const int* tokens, const int* targets,
+                                  Real dloss) {
+  const int L = table.config().n_layer;
+  model.embed_forward(units[ROOT_UNIT], tokens);
+  for (int l = 0; l < L; l++) model.block_forward(l, units[block_unit(l)]);
+  double loss = model.head_forward(units[ROOT_UNIT], targets);
+  model.head_backward(unit_grads[ROOT_UNIT], units[ROOT_UNIT], dloss);
+  for (int l = L - 1; l >= 0; l--) model.block_backward(l, unit_grads[block_unit(l)], units[block_unit(l)]);
+  model.embed_backward(unit_grads[ROOT_UNIT]);
+  return loss;
+}
+
+template class GptModel<float>;
+template class GptModel<double>;
+template double forward_backward_unsharded<float>(GptModel<float>&, const ParamTable&, const std::vector<const float*>&,
+                                                  const std::vector<float*>&, const int*, const int*, float);
+template double forward_backward_unsharded<double>(GptModel<double>&, const ParamTable&,
+                                                   const std::vector<const double*>&, const std::vector<double*>&,
+                                                   const int*, const int*, double);
+
+}  // namespace shardtrain

@@ -1,0 +1,76 @@
+// The one parameter table: name, shape, unit, offset in the unit's flat buffer, init rule and
+// weight-decay flag of every parameter. It drives allocation, initialization, sharding, the
+// optimizer's decay masks and (later) checkpoint dataset names; nothing is indexed by a bare
+// integer elsewhere.
+//
+// Units are the FSDP granularity: unit 0 is "root" (wte, wpe, ln_f), units 1..L are the blocks
+// "h.0".."h.{L-1}". The LM head is tied to wte and has no entry of its own: the root unit stays
+// gathered from the start of forward to the end of backward, so both uses of wte add into one
+// gradient that is reduce-scattered once.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "model/config.hpp"
+
+namespace shardtrain {
+
+enum InitRule {
+  INIT_NORMAL,           // N(0, 0.02)
+  INIT_NORMAL_RESIDUAL,  // N(0, 0.02 / sqrt(2 L)): the two projections into the residual stream
+  INIT_ZEROS,
+  INIT_ONES,
+};
+
+struct ParamInfo {
+  std::string name;
+  std::vector<int> shape;
+  size_t numel = 0;
+  int unit = 0;
+  size_t offset = 0;  // in the unit's flat buffer
+  InitRule init = INIT_ZEROS;
+  bool weight_decay = false;
+  int id = 0;  // position in the table; keys the init RNG
+};
+
+struct UnitInfo {
+  std::string name;
+  size_t numel = 0;  // sum of its parameters, before padding
+  std::vector<int> params;
+};
+
+// Offsets of the block parameters inside a block unit, identical for every block.
+enum BlockParam {
+  BLOCK_LN1_W, BLOCK_LN1_B, BLOCK_QKV_W, BLOCK_QKV_B, BLOCK_ATTPROJ_W, BLOCK_ATTPROJ_B,
+  BLOCK_LN2_W, BLOCK_LN2_B, BLOCK_FC_W, BLOCK_FC_B, BLOCK_FCPROJ_W, BLOCK_FCPROJ_B, BLOCK_PARAM_COUNT,
+};
+enum RootParam { ROOT_WTE, ROOT_WPE, ROOT_LNF_W, ROOT_LNF_B, ROOT_PARAM_COUNT };
+
+constexpr int ROOT_UNIT = 0;
+inline int block_unit(int layer) { return 1 + layer; }
+
+class ParamTable {
+ public:
+  explicit ParamTable(const ModelConfig& config);
+
+  const ModelConfig& config() const { return config_; }
+  const std::vector<ParamInfo>& params() const { return params_; }
+  const std::vector<UnitInfo>& units() const { return units_; }
+  size_t total_params() const;
+  // Offset of a block parameter inside its unit (the same for every block).
+  size_t block_offset(BlockParam p) const { return params_[units_[1].params[p]].offset; }
+  size_t root_offset(RootParam p) const { return params_[units_[ROOT_UNIT].params[p]].offset; }
+  // Model FLOPs per trained token: 6*(non-embedding params + V*C) + 12*L*T*C.
+  double flops_per_token(int seq_len) const;
+
+ private:
+  void add(int unit, const std::string& name, std::vector<int> shape, InitRule init, bool decay);
+
+  ModelConfig config_;
+  std::vector<ParamInfo> params_;
+  std::vector<UnitInfo> units_;
+};
+
+}  // namespace shardtrain

@@ -1,0 +1,68 @@
+"""Helpers for the end-to-end tests: run build/shardtrain under a real mpirun (always inside
+`timeout`), create test data with the program itself, and read the JSON Lines metrics."""
+import json
+import os
+import subprocess
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUILD = os.environ.get("SHARDTRAIN_BUILD", os.path.join(ROOT, "build"))
+EXE = os.path.join(BUILD, "shardtrain")
+DATA_DIR = os.path.join(BUILD, "test-data")
+
+if os.geteuid() == 0:  # Open MPI refuses root without explicit consent
+    os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+
+
+class Skip(Exception):
+    """Raised by a test that cannot run here; counted as skipped."""
+
+
+def mpirun_command(np_, argv, timeout=120):
+    # --bind-to none: ranks must not be pinned to one core each when they use 2 threads.
+    return ["timeout", "-k", "5", str(timeout), "mpirun", "--oversubscribe", "--bind-to", "none",
+            "-np", str(np_), *argv]
+
+
+def run(np_, args, timeout=120, cwd=ROOT):
+    """Runs `shardtrain ARGS` on np_ ranks; returns the CompletedProcess (text output)."""
+    return subprocess.run(mpirun_command(np_, [EXE, *args], timeout), cwd=cwd, capture_output=True, text=True)
+
+
+def run_single(args, timeout=60, cwd=ROOT):
+    """Runs `shardtrain ARGS` as one process without mpirun (singleton MPI)."""
+    return subprocess.run(["timeout", "-k", "5", str(timeout), EXE, *args], cwd=cwd, capture_output=True, text=True)
+
+
+def ensure_data():
+    """The synthetic corpus, written once per build by the program itself."""
+    train = os.path.join(DATA_DIR, "synth_train.bin")
+    if not os.path.exists(train):
+        proc = run_single(["data", "synth", "--out-dir", DATA_DIR])
+        assert proc.returncode == 0, proc.stderr
+    return train, os.path.join(DATA_DIR, "synth_val.bin")
+
+
+def tiny_args(*overrides):
+    """`train` arguments for inputs/tiny.ini on the test data, plus --section.key=value overrides."""
+    train, val = ensure_data()
+    options = {"--data.train_file": train, "--data.val_file": val}
+    for item in overrides:  # a later value for the same key replaces the earlier one
+        key, _, value = item.partition("=")
+        options[key] = value
+    return ["train", "--config", os.path.join(ROOT, "inputs", "tiny.ini"),
+            *(f"{key}={value}" for key, value in options.items())]
+
+
+def read_metrics(path, kind="step"):
+    with open(path) as f:
+        return [r for r in (json.loads(line) for line in f if line.strip()) if r["kind"] == kind]
+
+
+def tempdir():
+    return tempfile.mkdtemp(prefix="shardtrain-test-")
+
+
+def rel_diff(a, b):
+    return abs(a - b) / max(abs(a), abs(b), 1e-30)

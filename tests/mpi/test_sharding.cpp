@@ -1,0 +1,139 @@
+// Multi-rank properties of Comm and the FULL_SHARD engine, run on 1..4 ranks.
+// Collectives are checked with small integers, which every reduction order sums exactly (==).
+// The engine is checked against the unsharded model: the gradient gathered from the shards must
+// equal the sum over ranks of each rank's unsharded micro-batch gradient, computed here by every
+// rank for all ranks' data (float; tolerance from summation order, see kGradRtol).
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cmath>
+#include <vector>
+
+#include "comm/comm.hpp"
+#include "model/gpt.hpp"
+#include "shard/fsdp_engine.hpp"
+
+using namespace shardtrain;
+
+namespace {
+
+bool collective_ok(bool local) {
+  int mine = local ? 1 : 0, all = 0;
+  MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  return all == 1;
+}
+
+ModelConfig awkward_model() {
+  ModelConfig c;
+  c.n_layer = 2;
+  c.n_embd = 20;  // unit sizes that 3 does not divide: uneven padding
+  c.n_head = 2;
+  c.vocab_size = 37;
+  c.max_seq_len = 9;
+  return c;
+}
+
+void fill_tokens(std::vector<int>& v, int rank, int vocab, int salt) {
+  for (size_t i = 0; i < v.size(); i++) v[i] = static_cast<int>((i * 7 + rank * 13 + salt * 5 + 3) % vocab);
+}
+
+}  // namespace
+
+TEST(Comm, AllGatherPlacesEachShardExactly) {
+  auto comm = make_mpi_comm(MPI_COMM_WORLD, nullptr);
+  const int n = comm->size(), r = comm->rank();
+  for (size_t shard : {size_t(1), size_t(5), size_t(1000)}) {
+    std::vector<float> mine(shard), full(shard * n, -1.0f);
+    for (size_t i = 0; i < shard; i++) mine[i] = static_cast<float>(r * 10000 + i);
+    comm->all_gather(Span<const float>(mine), Span<float>(full), "test");
+    bool ok = true;
+    for (int q = 0; q < n; q++)
+      for (size_t i = 0; i < shard; i++) ok &= full[q * shard + i] == static_cast<float>(q * 10000 + i);
+    EXPECT_TRUE(collective_ok(ok)) << "shard " << shard;
+  }
+}
+
+TEST(Comm, ReduceScatterSumsExactly) {
+  auto comm = make_mpi_comm(MPI_COMM_WORLD, nullptr);
+  const int n = comm->size(), r = comm->rank();
+  const size_t shard = 7;
+  std::vector<float> full(shard * n), mine(shard);
+  for (size_t i = 0; i < full.size(); i++) full[i] = static_cast<float>((r + 1) * (i % 11));
+  comm->reduce_scatter_sum(Span<const float>(full), Span<float>(mine), "test");
+  bool ok = true;
+  const float rank_sum = n * (n + 1) / 2.0f;
+  for (size_t i = 0; i < shard; i++) ok &= mine[i] == rank_sum * ((r * shard + i) % 11);
+  EXPECT_TRUE(collective_ok(ok));
+}
+
+TEST(Engine, InitializationIsIndependentOfRankCount) {
+  ParamTable table(awkward_model());
+  MemoryTracker mem_world, mem_self;
+  auto world = make_mpi_comm(MPI_COMM_WORLD, nullptr);
+  auto self = make_mpi_comm(MPI_COMM_SELF, nullptr);
+  FsdpEngine sharded(table, *world, mem_world), whole(table, *self, mem_self);
+  sharded.init_parameters(42);
+  whole.init_parameters(42);
+  bool ok = true;
+  for (size_t u = 0; u < table.units().size(); u++) {
+    std::vector<float> a = sharded.gather_unit(static_cast<int>(u), false);
+    std::vector<float> b = whole.gather_unit(static_cast<int>(u), false);
+    ok &= a == b;
+  }
+  EXPECT_TRUE(collective_ok(ok));
+}
+
+TEST(Engine, ShardedGradientEqualsSumOfUnshardedGradients) {
+  const ModelConfig cfg = awkward_model();
+  ParamTable table(cfg);
+  MemoryTracker memory;
+  auto comm = make_mpi_comm(MPI_COMM_WORLD, nullptr);
+  const int n = comm->size(), r = comm->rank();
+  const int B = 2, T = 5;
+  FsdpEngine engine(table, *comm, memory);
+  engine.init_parameters(7);
+  GptModel<float> model(table, B, T);
+  std::vector<int> tokens(B * T), targets(B * T);
+  const float dloss = 1.0f / (B * T * n);
+  // Two micro-batches, so the shard gradients also accumulate.
+  double local_loss = 0;
+  for (int micro = 0; micro < 2; micro++) {
+    fill_tokens(tokens, r, cfg.vocab_size, micro);
+    fill_tokens(targets, r + 100, cfg.vocab_size, micro);
+    local_loss += engine.train_micro_batch(model, tokens.data(), targets.data(), dloss);
+  }
+
+  // Oracle: every rank's data through the unsharded model, gradients summed in rank order.
+  std::vector<std::vector<float>> units, grads;
+  for (size_t u = 0; u < table.units().size(); u++) {
+    units.push_back(engine.gather_unit(static_cast<int>(u), false));
+    grads.emplace_back(units.back().size(), 0.0f);
+  }
+  std::vector<const float*> unit_ptrs;
+  std::vector<float*> grad_ptrs;
+  for (size_t u = 0; u < units.size(); u++) unit_ptrs.push_back(units[u].data()), grad_ptrs.push_back(grads[u].data());
+  GptModel<float> reference(table, B, T);
+  double oracle_loss_of_this_rank = 0;
+  for (int q = 0; q < n; q++) {
+    for (int micro = 0; micro < 2; micro++) {
+      fill_tokens(tokens, q, cfg.vocab_size, micro);
+      fill_tokens(targets, q + 100, cfg.vocab_size, micro);
+      double l = forward_backward_unsharded(reference, table, unit_ptrs, grad_ptrs, tokens.data(), targets.data(), dloss);
+      if (q == r) oracle_loss_of_this_rank += l;
+    }
+  }
+  // Float sums of 2n micro-batch gradients in a different order: relative error ~ 2n * 2^-24
+  // per element; 1e-5 relative plus 1e-7 absolute (elements that nearly cancel) is ample.
+  const double kGradRtol = 1e-5, kGradAtol = 1e-7;
+  bool ok = std::fabs(local_loss - oracle_loss_of_this_rank) <= 1e-6 * std::fabs(oracle_loss_of_this_rank);
+  double worst = 0;
+  for (size_t u = 0; u < units.size(); u++) {
+    std::vector<float> g = engine.gather_unit(static_cast<int>(u), true);
+    for (size_t i = 0; i < g.size(); i++) {
+      double err = std::fabs(g[i] - grads[u][i]), limit = kGradAtol + kGradRtol * std::fabs(grads[u][i]);
+      worst = std::max(worst, err / limit);
+      ok &= err <= limit;
+    }
+  }
+  EXPECT_TRUE(collective_ok(ok)) << "worst error / threshold on rank " << r << ": " << worst;
+}
