@@ -3,8 +3,8 @@
 // -log p of each choice so the corpus can state its own entropy. Word lists are constant tables.
 #include "data/synth.hpp"
 
-#include <cctype>
 #include <cmath>
+#include <utility>
 
 #include "backend/math.hpp"
 
@@ -21,20 +21,29 @@ struct Verb {
   const char* many;
 };
 
-constexpr Noun NOUNS[] = {{"cat", "cats"},     {"dog", "dogs"},     {"bird", "birds"},       {"fox", "foxes"},
-                          {"mouse", "mice"},   {"child", "children"}, {"box", "boxes"},      {"tree", "trees"},
-                          {"boat", "boats"},   {"apple", "apples"}, {"stone", "stones"},     {"horse", "horses"},
-                          {"fish", "fish"},    {"book", "books"},   {"lamp", "lamps"},       {"frog", "frogs"},
-                          {"sheep", "sheep"},  {"wolf", "wolves"},  {"key", "keys"},         {"cup", "cups"}};
-constexpr Verb VERBS[] = {{"sees", "see"},       {"chases", "chase"},   {"likes", "like"},   {"finds", "find"},
-                          {"eats", "eat"},       {"carries", "carry"},  {"watches", "watch"}, {"follows", "follow"},
-                          {"pushes", "push"},    {"hides", "hide"},     {"holds", "hold"},   {"helps", "help"}};
-constexpr const char* ADJECTIVES[] = {"red",   "blue",  "green",  "small", "big",    "old",    "young", "happy",
-                                      "quiet", "fast",  "slow",   "bright", "dark",  "little", "yellow", "brown"};
-constexpr const char* NAMES[] = {"Anna", "Ben", "Clara", "David", "Emma", "Felix", "Grace", "Henry",
-                                 "Iris", "Jack", "Kate", "Leo",   "Mia",  "Noah",  "Olga",  "Paul"};
-constexpr const char* PLACES[] = {"garden", "kitchen", "forest", "river",  "house",
-                                  "school", "park",    "market", "barn",   "field"};
+constexpr Noun NOUNS[] = {
+    {"cat", "cats"},     {"dog", "dogs"},       {"bird", "birds"},   {"fox", "foxes"},    {"mouse", "mice"},
+    {"child", "children"}, {"box", "boxes"},    {"tree", "trees"},   {"boat", "boats"},   {"apple", "apples"},
+    {"stone", "stones"}, {"horse", "horses"},   {"fish", "fish"},    {"book", "books"},   {"lamp", "lamps"},
+    {"frog", "frogs"},   {"sheep", "sheep"},    {"wolf", "wolves"},  {"key", "keys"},     {"cup", "cups"},
+    {"bell", "bells"},   {"coat", "coats"},     {"duck", "ducks"},   {"goat", "goats"},   {"hat", "hats"},
+    {"king", "kings"},   {"queen", "queens"},   {"ship", "ships"},   {"star", "stars"},   {"train", "trains"},
+    {"bear", "bears"},   {"leaf", "leaves"}};
+constexpr Verb VERBS[] = {{"sees", "see"},     {"chases", "chase"},   {"likes", "like"},     {"finds", "find"},
+                          {"eats", "eat"},     {"carries", "carry"},  {"watches", "watch"},  {"follows", "follow"},
+                          {"pushes", "push"},  {"hides", "hide"},     {"holds", "hold"},     {"helps", "help"},
+                          {"paints", "paint"}, {"counts", "count"},   {"wants", "want"},     {"meets", "meet"}};
+constexpr const char* ADJECTIVES[] = {"red",    "blue",  "green",  "small", "big",   "old",    "young",  "happy",
+                                      "quiet",  "fast",  "slow",   "bright", "dark", "little", "yellow", "brown",
+                                      "white",  "black", "tall",   "short", "warm",  "cold",   "soft",   "loud",
+                                      "clever", "lazy",  "brave",  "shy",   "round", "heavy",  "gentle", "busy"};
+constexpr const char* ADVERBS[] = {"often", "never", "always", "sometimes", "quickly", "slowly", "quietly", "rarely"};
+constexpr const char* NAMES[] = {"Anna", "Ben",   "Clara", "David", "Emma",  "Felix", "Grace", "Henry",
+                                 "Iris", "Jack",  "Kate",  "Leo",   "Mia",   "Noah",  "Olga",  "Paul",
+                                 "Rosa", "Sam",   "Tom",   "Uma",   "Vera",  "Will",  "Xena",  "Yuri",
+                                 "Zoe",  "Adam",  "Bella", "Carl",  "Dora",  "Eric",  "Fiona", "Gus"};
+constexpr const char* PLACES[] = {"garden", "kitchen", "forest", "river", "house",  "school", "park",  "market",
+                                  "barn",   "field",   "castle", "lake",  "cave",   "city",   "shop",  "hill"};
 constexpr const char* NUMBER_WORDS[] = {"zero",    "one",      "two",      "three",   "four",     "five",     "six",
                                         "seven",   "eight",    "nine",     "ten",     "eleven",   "twelve",   "thirteen",
                                         "fourteen", "fifteen", "sixteen",  "seventeen", "eighteen", "nineteen", "twenty"};
@@ -73,7 +82,7 @@ class SynthWriter {
 
   // Ends a sentence: capitalised, then a space or (one time in six) a paragraph break.
   void end_sentence() {
-    sentence_[0] = static_cast<char>(std::toupper(static_cast<unsigned char>(sentence_[0])));
+    if (sentence_[0] >= 'a' && sentence_[0] <= 'z') sentence_[0] = static_cast<char>(sentence_[0] - 'a' + 'A');
     text_ += sentence_;
     text_ += chance(1.0 / 6.0) ? "\n" : " ";
     sentence_.clear();
@@ -89,38 +98,34 @@ class SynthWriter {
   std::string text_, sentence_;
 };
 
-// "the small red fox chases the mice." — agreement between subject number and verb form.
+// "the small red fox often chases the mice in the barn." — subject number decides the verb form.
+void noun_phrase(SynthWriter& w, bool many) {
+  w.put("the ");
+  for (int i = 0; i < 2 && w.chance(0.5); i++) w.put(std::string(w.pick_from(ADJECTIVES)) + " ");
+  const Noun& noun = w.pick_from(NOUNS);
+  w.put(many ? noun.many : noun.one);
+}
+
 void describe(SynthWriter& w) {
   const bool many = w.chance(0.3);
-  w.put("the ");
-  if (w.chance(0.6)) w.put(std::string(w.pick_from(ADJECTIVES)) + " ");
-  const Noun& subject = w.pick_from(NOUNS);
+  noun_phrase(w, many);
+  if (w.chance(0.3)) w.put(std::string(" ") + w.pick_from(ADVERBS));
   const Verb& verb = w.pick_from(VERBS);
-  w.put(std::string(many ? subject.many : subject.one) + " " + (many ? verb.many : verb.one) + " the ");
-  if (w.chance(0.5)) w.put(std::string(w.pick_from(ADJECTIVES)) + " ");
-  const Noun& object = w.pick_from(NOUNS);
-  w.put(w.chance(0.5) ? object.many : object.one);
+  w.put(std::string(" ") + (many ? verb.many : verb.one) + " ");
+  noun_phrase(w, w.chance(0.5));
+  if (w.chance(0.3)) w.put(std::string(" in the ") + w.pick_from(PLACES));
   w.put(".");
 }
 
-// "seven plus two is nine." / "9 minus 4 is 5." — the answer is determined by the question.
+// "seven plus two is nine." / "37 plus 45 is 82." — the answer is determined by the question.
+// In digits the operands go up to 99 (12 for times), which carries most of the corpus's entropy.
 void arithmetic(SynthWriter& w) {
-  const bool digits = w.chance(0.4);
+  const bool digits = w.chance(0.5);
   const int op = static_cast<int>(w.pick(3));  // plus, minus, times
-  int a, b, result;
-  if (op == 0) {
-    a = static_cast<int>(w.pick(11));
-    b = static_cast<int>(w.pick(11));
-    result = a + b;
-  } else if (op == 1) {
-    a = static_cast<int>(w.pick(21));
-    b = static_cast<int>(w.pick(static_cast<size_t>(a) + 1));
-    result = a - b;
-  } else {
-    a = static_cast<int>(w.pick(5));
-    b = static_cast<int>(w.pick(5));
-    result = a * b;
-  }
+  const size_t range = op == 2 ? (digits ? 13 : 5) : (digits ? 100 : 11);
+  int a = static_cast<int>(w.pick(range)), b = static_cast<int>(w.pick(range));
+  if (op == 1 && b > a) std::swap(a, b);  // no negative results
+  const int result = op == 0 ? a + b : op == 1 ? a - b : a * b;
   auto say = [&](int n) {
     if (digits) w.number(n);
     else w.put(NUMBER_WORDS[n]);
@@ -144,8 +149,9 @@ void counting(SynthWriter& w) {
 
 // A three-sentence story whose last sentence is determined by the first two (copy + subtract).
 void story(SynthWriter& w) {
-  const char* giver = w.pick_from(NAMES);
-  const char* taker = NAMES[w.pick(count_of(NAMES))];
+  const size_t giver_index = w.pick(count_of(NAMES));
+  const char* giver = NAMES[giver_index];
+  const char* taker = NAMES[(giver_index + 1 + w.pick(count_of(NAMES) - 1)) % count_of(NAMES)];  // someone else
   const Noun& thing = w.pick_from(NOUNS);
   const int have = 2 + static_cast<int>(w.pick(9));
   const int give = 1 + static_cast<int>(w.pick(static_cast<size_t>(have) - 1));
@@ -176,17 +182,32 @@ void likes(SynthWriter& w) {
   w.put(std::string("what does ") + name + " like? " + what + ".");
 }
 
+// "Leo's code is qxvb. what is Leo's code? qxvb." — random letters, recalled by copying.
+void secret_code(SynthWriter& w) {
+  const char* name = w.pick_from(NAMES);
+  std::string code;
+  const size_t length = 3 + w.pick(4);
+  for (size_t i = 0; i < length; i++) code += static_cast<char>('a' + w.pick(26));
+  w.put(std::string(name) + "'s code is " + code + ".");
+  if (w.chance(0.5)) {
+    w.end_sentence();
+    w.put(std::string("what is ") + name + "'s code? " + code + ".");
+  }
+}
+
 // Generates sentences until at least num_bytes; returns the writer for text and entropy.
 SynthWriter generate(uint64_t seed, size_t num_bytes) {
   SynthWriter w(seed);
-  // Sentence kinds by weight (out of 20): description 6, arithmetic 5, story 3, where 2, likes 2, counting 2.
+  // Sentence kinds by weight (out of 20): description 7, arithmetic 5, code 3, story 2, where 1,
+  // likes 1, counting 1. The copy-heavy kinds are rarer so most bytes carry some information.
   while (w.text().size() < num_bytes) {
     const size_t kind = w.pick(20);
-    if (kind < 6) describe(w);
-    else if (kind < 11) arithmetic(w);
-    else if (kind < 14) story(w);
-    else if (kind < 16) where_is(w);
-    else if (kind < 18) likes(w);
+    if (kind < 7) describe(w);
+    else if (kind < 12) arithmetic(w);
+    else if (kind < 15) secret_code(w);
+    else if (kind < 17) story(w);
+    else if (kind < 18) where_is(w);
+    else if (kind < 19) likes(w);
     else counting(w);
     w.end_sentence();
   }

@@ -1,0 +1,308 @@
+// Layer micro-benchmarks of the CPU backend (float, on the threads OpenMP gives) at GPT-2 small
+// shapes: B=4, T=64 (N = B*T = 256 rows), C=768, NH=12, V=50257.
+//
+// Counters and their formulas (rates are per second of wall-clock time: every benchmark uses
+// UseRealTime, because the work runs on OpenMP/OpenBLAS threads, not on the timing thread):
+//   BM_Sgemm_Peak                 FLOP/s  = 2 n^3 (n = 2048, cblas_sgemm, the reference peak)
+//   BM_MatmulForward/<shape>      FLOP/s  = 2 N C OC
+//   BM_MatmulBackward/<shape>     FLOP/s  = 4 N C OC (dinp and dweight GEMMs; bias sums ignored)
+//   BM_AttentionForward           FLOP/s  = 4 B T^2 C (q k^T and att v over the full TxT)
+//   BM_AttentionBackward          FLOP/s  = 8 B T^2 C (four TxT GEMMs per head)
+//   BM_LayernormForward           bytes/s = 4 (2 N C) (read inp, write out; per-row stats ignored)
+//   BM_LayernormBackward          bytes/s = 4 (4 N C) (read dout, inp; read+write dinp)
+//   BM_GeluForward                bytes/s = 4 (2 n), n = N 4C
+//   BM_GeluBackward               bytes/s = 4 (3 n)
+//   BM_SoftmaxCrossentropyForward bytes/s = 4 (2 N V) (logits read, probabilities written in place)
+//   BM_AdamW                      bytes/s = 4 (7 n), n = 10M (param, m, v, grad read; param, m, v written)
+// The byte counts are the minimum traffic; multi-pass kernels move more.
+// Shapes: qkv C->3C, attn_proj C->C, fc C->4C, fc_proj 4C->C, lm_head C->V (no bias, like the tied head).
+//
+// After the table, the console reporter prints each FLOP/s benchmark as a fraction of
+// BM_Sgemm_Peak (fraction = FLOP/s / peak FLOP/s). For a machine-readable record use
+// --benchmark_out=FILE --benchmark_out_format=json.
+//
+// Run alone (one MPI process): the library links code that uses MPI in its error paths, so main
+// brackets the benchmarks with MPI_Init/MPI_Finalize. Under mpirun only rank 0 benchmarks.
+#include <benchmark/benchmark.h>
+#include <cblas.h>
+#include <mpi.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/ops.hpp"
+#include "backend/math.hpp"
+
+namespace {
+
+using namespace shardtrain;
+
+constexpr int B = 4, T = 64, C = 768, NH = 12, V = 50257;
+constexpr int N = B * T;
+constexpr int PEAK_N = 2048;
+constexpr size_t ADAMW_N = 10'000'000;
+constexpr double MIN_TIME_S = 0.2;
+constexpr double WARMUP_S = 0.05;
+
+// Deterministic values in [-scale, scale), a pure function of (seed, index).
+std::vector<float> filled(size_t n, uint64_t seed, float scale = 1.0f) {
+  std::vector<float> v(n);
+#pragma omp parallel for schedule(static)
+  for (size_t i = 0; i < n; i++) v[i] = scale * static_cast<float>(2.0 * counter_uniform(seed, i) - 1.0);
+  return v;
+}
+
+std::vector<int> targets(size_t n, int vocab, uint64_t seed) {
+  std::vector<int> t(n);
+  for (size_t i = 0; i < n; i++) t[i] = static_cast<int>(counter_uniform(seed, i) * vocab);
+  return t;
+}
+
+void set_flops(benchmark::State& state, double flops_per_iter) {
+  state.counters["FLOP/s"] =
+      benchmark::Counter(flops_per_iter * static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
+}
+
+void set_bytes(benchmark::State& state, double bytes_per_iter) {
+  state.counters["bytes/s"] =
+      benchmark::Counter(bytes_per_iter * static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
+}
+
+void BM_Sgemm_Peak(benchmark::State& state) {
+  const int n = PEAK_N;
+  auto a = filled(size_t(n) * n, 1), b = filled(size_t(n) * n, 2);
+  std::vector<float> c(size_t(n) * n);
+  for (auto _ : state) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(),
+                n);
+    benchmark::DoNotOptimize(c.data());
+    benchmark::ClobberMemory();
+  }
+  set_flops(state, 2.0 * n * n * n);
+}
+
+struct GemmShape {
+  const char* name;
+  int in, out;  // C and OC of matmul_forward
+  bool bias;
+};
+const GemmShape GEMM_SHAPES[] = {
+    {"qkv", C, 3 * C, true},     {"attn_proj", C, C, true}, {"fc", C, 4 * C, true},
+    {"fc_proj", 4 * C, C, true}, {"lm_head", C, V, false},
+};
+
+void BM_MatmulForward(benchmark::State& state, GemmShape s) {
+  auto inp = filled(size_t(N) * s.in, 3), weight = filled(size_t(s.out) * s.in, 4, 0.02f);
+  auto bias = filled(s.out, 5, 0.02f);
+  std::vector<float> out(size_t(N) * s.out);
+  for (auto _ : state) {
+    cpu::matmul_forward(out.data(), inp.data(), weight.data(), s.bias ? bias.data() : nullptr, N, s.in, s.out);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  set_flops(state, 2.0 * N * s.in * s.out);
+}
+
+// dweight and dbias accumulate (+=) over the iterations; their values do not change the work.
+void BM_MatmulBackward(benchmark::State& state, GemmShape s) {
+  auto inp = filled(size_t(N) * s.in, 3), weight = filled(size_t(s.out) * s.in, 4, 0.02f);
+  auto dout = filled(size_t(N) * s.out, 6, 0.01f);
+  std::vector<float> dinp(size_t(N) * s.in), dweight(size_t(s.out) * s.in), dbias(s.out);
+  for (auto _ : state) {
+    cpu::matmul_backward(dinp.data(), dweight.data(), s.bias ? dbias.data() : nullptr, dout.data(), inp.data(),
+                         weight.data(), N, s.in, s.out);
+    benchmark::DoNotOptimize(dinp.data());
+    benchmark::DoNotOptimize(dweight.data());
+    benchmark::ClobberMemory();
+  }
+  set_flops(state, 4.0 * N * s.in * s.out);
+}
+
+void BM_AttentionForward(benchmark::State& state) {
+  auto qkv = filled(size_t(N) * 3 * C, 7, 0.5f);
+  std::vector<float> out(size_t(N) * C), att(size_t(B) * NH * T * T);
+  for (auto _ : state) {
+    cpu::attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  set_flops(state, 4.0 * B * T * T * C);
+}
+
+void BM_AttentionBackward(benchmark::State& state) {
+  auto qkv = filled(size_t(N) * 3 * C, 7, 0.5f), dout = filled(size_t(N) * C, 8, 0.01f);
+  std::vector<float> out(size_t(N) * C), att(size_t(B) * NH * T * T), scratch(att.size()), dqkv(qkv.size());
+  cpu::attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH);
+  for (auto _ : state) {
+    cpu::attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH);
+    benchmark::DoNotOptimize(dqkv.data());
+    benchmark::ClobberMemory();
+  }
+  set_flops(state, 8.0 * B * T * T * C);
+}
+
+void BM_LayernormForward(benchmark::State& state) {
+  auto inp = filled(size_t(N) * C, 9), weight = filled(C, 10), bias = filled(C, 11);
+  std::vector<float> out(size_t(N) * C), mean(N), rstd(N);
+  for (auto _ : state) {
+    cpu::layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), weight.data(), bias.data(), N, C);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  set_bytes(state, 4.0 * 2 * N * C);
+}
+
+// dinp, dweight and dbias accumulate (+=) over the iterations; their values do not change the work.
+void BM_LayernormBackward(benchmark::State& state) {
+  auto inp = filled(size_t(N) * C, 9), weight = filled(C, 10), bias = filled(C, 11);
+  auto dout = filled(size_t(N) * C, 12, 0.01f);
+  std::vector<float> out(size_t(N) * C), mean(N), rstd(N), dinp(size_t(N) * C), dweight(C), dbias(C);
+  cpu::layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), weight.data(), bias.data(), N, C);
+  for (auto _ : state) {
+    cpu::layernorm_backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), inp.data(), weight.data(),
+                            mean.data(), rstd.data(), N, C);
+    benchmark::DoNotOptimize(dinp.data());
+    benchmark::ClobberMemory();
+  }
+  set_bytes(state, 4.0 * 4 * N * C);
+}
+
+void BM_GeluForward(benchmark::State& state) {
+  const size_t n = size_t(N) * 4 * C;
+  auto inp = filled(n, 13, 3.0f);
+  std::vector<float> out(n);
+  for (auto _ : state) {
+    cpu::gelu_forward(out.data(), inp.data(), n);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  set_bytes(state, 4.0 * 2 * n);
+}
+
+void BM_GeluBackward(benchmark::State& state) {
+  const size_t n = size_t(N) * 4 * C;
+  auto inp = filled(n, 13, 3.0f), dout = filled(n, 14, 0.01f);
+  std::vector<float> dinp(n);
+  for (auto _ : state) {
+    cpu::gelu_backward(dinp.data(), dout.data(), inp.data(), n);
+    benchmark::DoNotOptimize(dinp.data());
+    benchmark::ClobberMemory();
+  }
+  set_bytes(state, 4.0 * 3 * n);
+}
+
+// In place: after the first iteration the buffer holds probabilities and each later iteration
+// takes their softmax again. The values stay finite and the work (one exp per element) is the same.
+void BM_SoftmaxCrossentropyForward(benchmark::State& state) {
+  auto logits = filled(size_t(N) * V, 15, 5.0f);
+  auto tgt = targets(N, V, 16);
+  std::vector<float> losses(N);
+  for (auto _ : state) {
+    cpu::softmax_crossentropy_forward(losses.data(), logits.data(), tgt.data(), N, V);
+    benchmark::DoNotOptimize(losses.data());
+    benchmark::ClobberMemory();
+  }
+  set_bytes(state, 4.0 * 2 * N * V);
+}
+
+// The optimizer's inner loop (optim/adamw.cpp) over one 10M-element segment.
+void BM_AdamW(benchmark::State& state) {
+  const size_t n = ADAMW_N;
+  auto param = filled(n, 17, 0.02f), grad = filled(n, 18, 0.01f);
+  std::vector<float> m(n, 0.0f), v(n, 0.0f);
+  const float beta1 = 0.9f, beta2 = 0.95f;
+  const AdamWStep s{3e-4f, beta1, beta2, 1e-8f, 0.1f, 1.0f - beta1, 1.0f - beta2};
+  float* p = param.data();
+  float* pm = m.data();
+  float* pv = v.data();
+  const float* g = grad.data();
+  const float decay = 1.0f;
+  for (auto _ : state) {
+#pragma omp parallel for simd schedule(static)
+    for (size_t i = 0; i < n; i++) adamw_update(&p[i], &pm[i], &pv[i], g[i], decay, s);
+    benchmark::DoNotOptimize(p);
+    benchmark::ClobberMemory();
+  }
+  set_bytes(state, 4.0 * 7 * n);
+}
+
+// Console table, then each FLOP/s benchmark's fraction of BM_Sgemm_Peak.
+class PeakFractionReporter : public benchmark::ConsoleReporter {
+ public:
+  void ReportRuns(const std::vector<Run>& reports) override {
+    for (const Run& r : reports) {
+      if (r.run_type != Run::RT_Iteration || r.error_occurred) continue;
+      auto it = r.counters.find("FLOP/s");
+      if (it == r.counters.end()) continue;
+      const std::string& name = r.run_name.function_name;
+      if (flops_.count(name) == 0) order_.push_back(name);
+      flops_[name] = std::max(flops_[name], it->second.value);
+    }
+    ConsoleReporter::ReportRuns(reports);
+  }
+
+  void PrintFractions() const {
+    auto peak = flops_.find("BM_Sgemm_Peak");
+    if (peak == flops_.end() || peak->second <= 0) return;
+    std::printf("\nFraction of SGEMM peak (fraction = FLOP/s / FLOP/s of BM_Sgemm_Peak, %.1f GFLOP/s, %d threads)\n",
+                peak->second / 1e9, omp_get_max_threads());
+    std::printf("%-36s %12s %9s\n", "benchmark", "GFLOP/s", "fraction");
+    for (const std::string& name : order_) {
+      double f = flops_.at(name);
+      std::printf("%-36s %12.1f %9.3f\n", name.c_str(), f / 1e9, f / peak->second);
+    }
+  }
+
+ private:
+  std::map<std::string, double> flops_;
+  std::vector<std::string> order_;
+};
+
+benchmark::internal::Benchmark* configure(benchmark::internal::Benchmark* b) {
+  return b->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(MIN_TIME_S)->MinWarmUpTime(WARMUP_S);
+}
+
+void register_benchmarks() {
+  configure(benchmark::RegisterBenchmark("BM_Sgemm_Peak", BM_Sgemm_Peak));
+  for (const GemmShape& s : GEMM_SHAPES)
+    configure(benchmark::RegisterBenchmark((std::string("BM_MatmulForward/") + s.name).c_str(), BM_MatmulForward, s));
+  for (const GemmShape& s : GEMM_SHAPES)
+    configure(
+        benchmark::RegisterBenchmark((std::string("BM_MatmulBackward/") + s.name).c_str(), BM_MatmulBackward, s));
+  configure(benchmark::RegisterBenchmark("BM_AttentionForward", BM_AttentionForward));
+  configure(benchmark::RegisterBenchmark("BM_AttentionBackward", BM_AttentionBackward));
+  configure(benchmark::RegisterBenchmark("BM_LayernormForward", BM_LayernormForward));
+  configure(benchmark::RegisterBenchmark("BM_LayernormBackward", BM_LayernormBackward));
+  configure(benchmark::RegisterBenchmark("BM_GeluForward", BM_GeluForward));
+  configure(benchmark::RegisterBenchmark("BM_GeluBackward", BM_GeluBackward));
+  configure(benchmark::RegisterBenchmark("BM_SoftmaxCrossentropyForward", BM_SoftmaxCrossentropyForward));
+  configure(benchmark::RegisterBenchmark("BM_AdamW", BM_AdamW));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  int status = 0;
+  if (rank == 0) {
+    benchmark::Initialize(&argc, argv);
+    if (benchmark::ReportUnrecognizedArguments(argc, argv)) {
+      status = 2;
+    } else {
+      register_benchmarks();
+      PeakFractionReporter reporter;
+      benchmark::RunSpecifiedBenchmarks(&reporter);
+      reporter.PrintFractions();
+      benchmark::Shutdown();
+    }
+  }
+  MPI_Finalize();
+  return status;
+}

@@ -1,0 +1,161 @@
+// The model as a whole: central finite differences in double of the full GPT-2 forward/backward
+// (every parameter tensor, the tied embedding included), float against double, and the
+// parameter table against GPT-2's published sizes.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "backend/math.hpp"
+#include "model/gpt.hpp"
+
+using namespace shardtrain;
+
+namespace {
+
+ModelConfig tiny_config() {
+  ModelConfig c;
+  c.n_layer = 2;
+  c.n_embd = 12;
+  c.n_head = 3;
+  c.vocab_size = 11;
+  c.max_seq_len = 7;
+  return c;
+}
+
+// Parameters in double with values that keep every layer away from degenerate points:
+// weights ~ N(0, 0.3), LayerNorm gains ~ 1 +- 0.3.
+template <typename Real>
+std::vector<std::vector<Real>> random_units(const ParamTable& table) {
+  std::vector<std::vector<Real>> units;
+  for (const UnitInfo& u : table.units()) units.emplace_back(u.numel);
+  for (const ParamInfo& p : table.params()) {
+    for (size_t i = 0; i < p.numel; i++) {
+      double z = 0.3 * counter_normal(p.id + 99, i);
+      units[p.unit][p.offset + i] = static_cast<Real>(p.init == INIT_ONES ? 1.0 + z : z);
+    }
+  }
+  return units;
+}
+
+struct Batch {
+  std::vector<int> tokens, targets;
+};
+
+Batch make_batch(int B, int T, int V) {
+  Batch b{std::vector<int>(B * T), std::vector<int>(B * T)};
+  for (int i = 0; i < B * T; i++) b.tokens[i] = (i * 5 + 3) % V, b.targets[i] = (i * 7 + 1) % V;
+  return b;
+}
+
+template <typename Real>
+double forward_loss(GptModel<Real>& model, const ParamTable& table, const std::vector<std::vector<Real>>& units,
+                    const Batch& batch) {
+  model.embed_forward(units[ROOT_UNIT].data(), batch.tokens.data());
+  for (int l = 0; l < table.config().n_layer; l++) model.block_forward(l, units[block_unit(l)].data());
+  return model.head_forward(units[ROOT_UNIT].data(), batch.targets.data());
+}
+
+template <typename Real>
+double loss_and_grads(GptModel<Real>& model, const ParamTable& table, std::vector<std::vector<Real>>& units,
+                      std::vector<std::vector<Real>>& grads, const Batch& batch, Real dloss) {
+  std::vector<const Real*> u;
+  std::vector<Real*> g;
+  grads.clear();
+  for (auto& unit : units) {
+    grads.emplace_back(unit.size(), Real(0));
+    u.push_back(unit.data());
+    g.push_back(grads.back().data());
+  }
+  return forward_backward_unsharded(model, table, u, g, batch.tokens.data(), batch.targets.data(), dloss);
+}
+
+}  // namespace
+
+// Error model: central differences with h = 1e-5 in double have truncation error ~h^2 |L'''| ~ 1e-10
+// and rounding error ~ 1e-16 |L| / h ~ 1e-11; the thresholds leave 100x margin.
+TEST(ModelGradient, MatchesCentralFiniteDifferencesForEveryTensor) {
+  ParamTable table(tiny_config());
+  const int B = 2, T = 5;
+  GptModel<double> model(table, B, T);
+  auto units = random_units<double>(table);
+  std::vector<std::vector<double>> grads;
+  Batch batch = make_batch(B, T, table.config().vocab_size);
+  const double dloss = 1.0 / (B * T);
+  loss_and_grads(model, table, units, grads, batch, dloss);
+  const double h = 1e-5, atol = 1e-8, rtol = 1e-6;
+  for (const ParamInfo& p : table.params()) {
+    // First, last and a few interior elements of every tensor.
+    for (size_t i : {size_t(0), p.numel / 3, p.numel / 2 + 1, p.numel - 1}) {
+      if (i >= p.numel) continue;
+      double& x = units[p.unit][p.offset + i];
+      const double saved = x;
+      x = saved + h;
+      double up = forward_loss(model, table, units, batch) * dloss;
+      x = saved - h;
+      double down = forward_loss(model, table, units, batch) * dloss;
+      x = saved;
+      const double numeric = (up - down) / (2 * h), analytic = grads[p.unit][p.offset + i];
+      EXPECT_NEAR(analytic, numeric, atol + rtol * std::fabs(numeric)) << p.name << "[" << i << "]";
+    }
+  }
+}
+
+// fp32 against fp64 on the same parameters: a forward of depth ~10 layers with C=12 keeps the
+// relative loss error near 1e-6; gradients within 1e-4 relative to the tensor's largest element.
+TEST(ModelPrecision, FloatAgreesWithDouble) {
+  ParamTable table(tiny_config());
+  const int B = 2, T = 7;
+  GptModel<double> model64(table, B, T);
+  GptModel<float> model32(table, B, T);
+  auto units64 = random_units<double>(table);
+  auto units32 = random_units<float>(table);
+  std::vector<std::vector<double>> grads64;
+  std::vector<std::vector<float>> grads32;
+  Batch batch = make_batch(B, T, table.config().vocab_size);
+  double l64 = loss_and_grads(model64, table, units64, grads64, batch, 1.0 / (B * T));
+  double l32 = loss_and_grads(model32, table, units32, grads32, batch, 1.0f / (B * T));
+  EXPECT_NEAR(l32, l64, 1e-5 * std::fabs(l64));
+  for (const ParamInfo& p : table.params()) {
+    double scale = 0;
+    for (size_t i = 0; i < p.numel; i++) scale = std::max(scale, std::fabs(grads64[p.unit][p.offset + i]));
+    for (size_t i = 0; i < p.numel; i++)
+      ASSERT_NEAR(grads32[p.unit][p.offset + i], grads64[p.unit][p.offset + i], 1e-4 * scale + 1e-9) << p.name << "[" << i << "]";
+  }
+}
+
+TEST(ParamTable, Gpt2SmallHasTheKnownParameterCount) {
+  ModelConfig c;
+  c.n_layer = 12, c.n_embd = 768, c.n_head = 12, c.vocab_size = 50257, c.max_seq_len = 1024;
+  ParamTable table(c);
+  EXPECT_EQ(table.total_params(), 124439808u);  // GPT-2 small with the tied head (llm.c: 124M)
+  EXPECT_EQ(table.units().size(), 13u);
+  EXPECT_EQ(table.params().size(), 4u + 12u * 12u);
+  // Offsets are contiguous within each unit and cover it exactly.
+  for (const UnitInfo& u : table.units()) {
+    size_t next = 0;
+    for (int id : u.params) {
+      EXPECT_EQ(table.params()[id].offset, next) << table.params()[id].name;
+      next += table.params()[id].numel;
+    }
+    EXPECT_EQ(next, u.numel) << u.name;
+  }
+}
+
+TEST(ParamTable, ShippedShapesHaveTheirNominalSizes) {
+  auto count = [](int L, int C, int H) {
+    ModelConfig c;
+    c.n_layer = L, c.n_embd = C, c.n_head = H, c.vocab_size = 50257, c.max_seq_len = 1024;
+    return ParamTable(c).total_params();
+  };
+  EXPECT_NEAR(count(12, 640, 10) / 1e6, 92.0, 1.0);
+  EXPECT_NEAR(count(20, 1024, 16) / 1e6, 304.0, 1.5);
+}
+
+TEST(ParamTable, FlopsPerTokenFollowsTheFormula) {
+  ModelConfig c;
+  c.n_layer = 12, c.n_embd = 768, c.n_head = 12, c.vocab_size = 50257, c.max_seq_len = 1024;
+  ParamTable table(c);
+  const double non_embedding = 124439808.0 - 50257.0 * 768 - 1024.0 * 768;
+  EXPECT_DOUBLE_EQ(table.flops_per_token(64), 6 * (non_embedding + 50257.0 * 768) + 12.0 * 12 * 64 * 768);
+}
