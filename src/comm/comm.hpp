@@ -41,13 +41,16 @@ class Comm {
   // full.size == shard.size * size(); rank r's shard lands at full[r*shard.size ...].
   // shard may alias that slot of full (in-place gather).
   virtual void all_gather(Span<const float> shard, Span<float> full, const char* what) = 0;
-  // shard = sum over ranks of their full[rank()*shard.size ...]; full.size == shard.size * size().
-  virtual void reduce_scatter_sum(Span<const float> full, Span<float> shard, const char* what) = 0;
+  // shard += sum over ranks of their full[rank()*shard.size ...]; full.size == shard.size * size().
+  // Accumulating into the shard saves the gradient-accumulation pass and a shard-sized buffer.
+  virtual void reduce_scatter_add(Span<const float> full, Span<float> shard, const char* what) = 0;
   // Elementwise over ranks, in place.
   virtual void all_reduce_sum(Span<double> values, const char* what) = 0;
   virtual void all_reduce_max(Span<double> values, const char* what) = 0;
   virtual void broadcast(Span<char> bytes, int root, const char* what) = 0;
   virtual void barrier(const char* what) = 0;
+  // Bytes of internal staging buffers (for memory accounting).
+  virtual size_t buffer_bytes() const { return 0; }
 };
 
 // An MPI communicator on host memory. `watchdog` (may be null) times every blocking collective.

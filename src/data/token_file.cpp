@@ -124,7 +124,7 @@ std::string check_token_range(const TokenFile& file, int vocab_size, int part, i
   SHARD_CHECK(vocab_size > 0 && vocab_size <= 65536, "vocab_size %d outside (0, 65536]", vocab_size);
   SHARD_CHECK(num_parts > 0 && part >= 0 && part < num_parts, "part %d of %d", part, num_parts);
   const size_t n = file.num_tokens();
-  // Split by the 128-bit-safe product: n < 2^31 and num_parts < 2^31 keep n * part in 64 bits.
+  // n < 2^31 (int32 header) and num_parts < 2^31 keep n * part within 64 bits.
   const size_t begin = n * static_cast<size_t>(part) / static_cast<size_t>(num_parts);
   const size_t end = n * static_cast<size_t>(part + 1) / static_cast<size_t>(num_parts);
   if (file.max_token_in(begin, end) < vocab_size) return "";
@@ -158,10 +158,10 @@ void write_token_file(const std::string& path, const std::vector<uint16_t>& toke
   bool ok = std::fwrite(header, sizeof header, 1, f) == 1;
   if (ok && !tokens.empty()) ok = std::fwrite(tokens.data(), sizeof(uint16_t), tokens.size(), f) == tokens.size();
   ok = ok && std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0;  // data on disk before the rename makes it visible
-  const int saved_errno = errno;
-  if (std::fclose(f) != 0 && ok) ok = false;
-  else errno = saved_errno;
-  if (!ok) fail("write");
+  const int write_errno = errno;
+  const bool closed = std::fclose(f) == 0;
+  if (!ok) errno = write_errno;  // report the write's reason, not fclose's
+  if (!ok || !closed) fail("write");
   if (std::rename(tmp.c_str(), path.c_str()) != 0) fail("rename into place");
 }
 

@@ -26,16 +26,18 @@ FsdpEngine::FsdpEngine(const ParamTable& table, Comm& comm, MemoryTracker& memor
     if (&u != &table.units()[ROOT_UNIT]) max_block_padded_ = std::max(max_block_padded_, s.padded_numel);
     shards_.push_back(std::move(s));
   }
+  if (ranks == 1) return;
   root_full_.resize(shards_[ROOT_UNIT].padded_numel);
   root_grad_full_.resize(shards_[ROOT_UNIT].padded_numel);
   block_full_.resize(max_block_padded_);
   block_grad_full_.resize(max_block_padded_);
   size_t max_shard = 0;
   for (const UnitShard& s : shards_) max_shard = std::max(max_shard, s.shard_numel);
-  shard_scratch_.resize(max_shard);
-  memory_.add(MEM_GATHERED_UNITS, (root_full_.size() + block_full_.size()) * sizeof(float));
-  memory_.add(MEM_GRADIENTS, (root_grad_full_.size() + block_grad_full_.size()) * sizeof(float));
-  memory_.add(MEM_COMM_BUFFERS, shard_scratch_.size() * sizeof(float));
+  unsharded_bytes_ = (root_full_.size() + block_full_.size()) * sizeof(float);
+  comm_bytes_ = 2 * max_shard * sizeof(float);  // the ring reduce-scatter's two chunk buffers
+  memory_.add(MEM_GATHERED_UNITS, unsharded_bytes_);
+  memory_.add(MEM_GRADIENTS, unsharded_bytes_);
+  memory_.add(MEM_COMM_BUFFERS, comm_bytes_);
 }
 
 FsdpEngine::~FsdpEngine() {
@@ -43,9 +45,9 @@ FsdpEngine::~FsdpEngine() {
     memory_.sub(MEM_SHARDED_PARAMS, s.shard_numel * sizeof(float));
     memory_.sub(MEM_GRADIENTS, s.shard_numel * sizeof(float));
   }
-  memory_.sub(MEM_GATHERED_UNITS, (root_full_.size() + block_full_.size()) * sizeof(float));
-  memory_.sub(MEM_GRADIENTS, (root_grad_full_.size() + block_grad_full_.size()) * sizeof(float));
-  memory_.sub(MEM_COMM_BUFFERS, shard_scratch_.size() * sizeof(float));
+  memory_.sub(MEM_GATHERED_UNITS, unsharded_bytes_);
+  memory_.sub(MEM_GRADIENTS, unsharded_bytes_);
+  memory_.sub(MEM_COMM_BUFFERS, comm_bytes_);
 }
 
 size_t FsdpEngine::local_param_count() const {
@@ -84,55 +86,53 @@ void FsdpEngine::zero_grads() {
   for (UnitShard& s : shards_) std::fill(s.grads.begin(), s.grads.end(), 0.0f);
 }
 
-void FsdpEngine::gather_params(int unit, std::vector<float>& full) {
+const float* FsdpEngine::gather_params(int unit, std::vector<float>& buffer) {
   const UnitShard& s = shards_[unit];
-  std::copy(s.params.begin(), s.params.end(), full.begin() + s.begin);
-  comm_.all_gather(Span<const float>(full.data() + s.begin, s.shard_numel), Span<float>(full.data(), s.padded_numel),
-                   "all_gather(params)");
+  if (comm_.size() == 1) return s.params.data();
+  std::copy(s.params.begin(), s.params.end(), buffer.begin() + s.begin);
+  comm_.all_gather(Span<const float>(buffer.data() + s.begin, s.shard_numel),
+                   Span<float>(buffer.data(), s.padded_numel), "all_gather(params)");
+  return buffer.data();
 }
 
-void FsdpEngine::reduce_scatter_grads(int unit, const std::vector<float>& full_grad) {
+float* FsdpEngine::gradient_target(int unit, std::vector<float>& buffer) {
+  if (comm_.size() == 1) return shards_[unit].grads.data();
+  std::fill(buffer.begin(), buffer.begin() + shards_[unit].padded_numel, 0.0f);
+  return buffer.data();
+}
+
+void FsdpEngine::reduce_scatter_grads(int unit, const std::vector<float>& buffer) {
+  if (comm_.size() == 1) return;
   UnitShard& s = shards_[unit];
-  comm_.reduce_scatter_sum(Span<const float>(full_grad.data(), s.padded_numel),
-                           Span<float>(shard_scratch_.data(), s.shard_numel), "reduce_scatter(grads)");
-  float* g = s.grads.data();
-  const float* add = shard_scratch_.data();
-#pragma omp parallel for simd schedule(static)
-  for (size_t i = 0; i < s.shard_numel; i++) g[i] += add[i];
+  comm_.reduce_scatter_add(Span<const float>(buffer.data(), s.padded_numel), Span<float>(s.grads),
+                           "reduce_scatter(grads)");
 }
 
 double FsdpEngine::train_micro_batch(GptModel<float>& model, const int* tokens, const int* targets, float dloss) {
   const int L = table_.config().n_layer;
-  gather_params(ROOT_UNIT, root_full_);
-  model.embed_forward(root_full_.data(), tokens);
-  for (int l = 0; l < L; l++) {
-    gather_params(block_unit(l), block_full_);
-    model.block_forward(l, block_full_.data());
-  }
-  double loss = model.head_forward(root_full_.data(), targets);
+  const float* root = gather_params(ROOT_UNIT, root_full_);
+  model.embed_forward(root, tokens);
+  for (int l = 0; l < L; l++) model.block_forward(l, gather_params(block_unit(l), block_full_));
+  double loss = model.head_forward(root, targets);
 
-  std::fill(root_grad_full_.begin(), root_grad_full_.end(), 0.0f);
-  model.head_backward(root_grad_full_.data(), root_full_.data(), dloss);
+  float* root_grad = gradient_target(ROOT_UNIT, root_grad_full_);
+  model.head_backward(root_grad, root, dloss);
   for (int l = L - 1; l >= 0; l--) {
-    gather_params(block_unit(l), block_full_);
-    std::fill(block_grad_full_.begin(), block_grad_full_.end(), 0.0f);
-    model.block_backward(l, block_grad_full_.data(), block_full_.data());
+    const float* block = gather_params(block_unit(l), block_full_);
+    model.block_backward(l, gradient_target(block_unit(l), block_grad_full_), block);
     reduce_scatter_grads(block_unit(l), block_grad_full_);
   }
-  model.embed_backward(root_grad_full_.data());
+  model.embed_backward(root_grad);
   reduce_scatter_grads(ROOT_UNIT, root_grad_full_);
   return loss;
 }
 
 double FsdpEngine::eval_micro_batch(GptModel<float>& model, const int* tokens, const int* targets) {
   const int L = table_.config().n_layer;
-  gather_params(ROOT_UNIT, root_full_);
-  model.embed_forward(root_full_.data(), tokens);
-  for (int l = 0; l < L; l++) {
-    gather_params(block_unit(l), block_full_);
-    model.block_forward(l, block_full_.data());
-  }
-  return model.head_forward(root_full_.data(), targets);
+  const float* root = gather_params(ROOT_UNIT, root_full_);
+  model.embed_forward(root, tokens);
+  for (int l = 0; l < L; l++) model.block_forward(l, gather_params(block_unit(l), block_full_));
+  return model.head_forward(root, targets);
 }
 
 std::vector<float> FsdpEngine::gather_unit(int unit, bool gradients) {

@@ -7,6 +7,9 @@
 // once and kept until the end of backward; each block is gathered before its forward, released,
 // gathered again before its backward, and its full gradient is reduce-scattered and added to the
 // local gradient shard. All ranks issue the same collectives in the same order.
+// On one rank the shard is the whole unit: compute then reads and accumulates into the shard
+// buffers directly, with no gather copies, no unsharded gradient buffers and no extra pass
+// (as PyTorch FSDP falls back to NO_SHARD on a world of one).
 #pragma once
 
 #include <cstdint>
@@ -52,16 +55,22 @@ class FsdpEngine {
   std::vector<float> gather_unit(int unit, bool gradients);
 
  private:
-  void gather_params(int unit, std::vector<float>& full);
-  void reduce_scatter_grads(int unit, const std::vector<float>& full_grad);
+  // The unit's full parameters: gathered into `buffer`, or the shard itself on one rank.
+  const float* gather_params(int unit, std::vector<float>& buffer);
+  // Where the unit's backward accumulates its full gradient: `buffer` zeroed, or the shard.
+  float* gradient_target(int unit, std::vector<float>& buffer);
+  // Adds the reduce-scattered `buffer` to the gradient shard (nothing to do on one rank).
+  void reduce_scatter_grads(int unit, const std::vector<float>& buffer);
 
   const ParamTable& table_;
   Comm& comm_;
   MemoryTracker& memory_;
   std::vector<UnitShard> shards_;
   size_t max_block_padded_ = 0;
-  // Unsharded working buffers: the root unit and one block, parameters and gradients.
-  std::vector<float> root_full_, root_grad_full_, block_full_, block_grad_full_, shard_scratch_;
+  // Unsharded working buffers (empty on one rank): the root unit and one block, parameters and
+  // gradients.
+  std::vector<float> root_full_, root_grad_full_, block_full_, block_grad_full_;
+  size_t unsharded_bytes_ = 0, comm_bytes_ = 0;
 };
 
 }  // namespace shardtrain

@@ -53,17 +53,19 @@ TEST(Comm, AllGatherPlacesEachShardExactly) {
   }
 }
 
-TEST(Comm, ReduceScatterSumsExactly) {
+TEST(Comm, ReduceScatterAddsTheRankSumExactly) {
   auto comm = make_mpi_comm(MPI_COMM_WORLD, nullptr);
   const int n = comm->size(), r = comm->rank();
-  const size_t shard = 7;
-  std::vector<float> full(shard * n), mine(shard);
-  for (size_t i = 0; i < full.size(); i++) full[i] = static_cast<float>((r + 1) * (i % 11));
-  comm->reduce_scatter_sum(Span<const float>(full), Span<float>(mine), "test");
-  bool ok = true;
-  const float rank_sum = n * (n + 1) / 2.0f;
-  for (size_t i = 0; i < shard; i++) ok &= mine[i] == rank_sum * ((r * shard + i) % 11);
-  EXPECT_TRUE(collective_ok(ok));
+  for (size_t shard : {size_t(1), size_t(7), size_t(100003)}) {
+    std::vector<float> full(shard * n), mine(shard, 1000.0f);  // the shard accumulates onto 1000
+    for (size_t i = 0; i < full.size(); i++) full[i] = static_cast<float>((r + 1) * (i % 11));
+    for (int repeat = 0; repeat < 2; repeat++)
+      comm->reduce_scatter_add(Span<const float>(full), Span<float>(mine), "test");
+    bool ok = true;
+    const float rank_sum = n * (n + 1) / 2.0f;
+    for (size_t i = 0; i < shard; i++) ok &= mine[i] == 1000.0f + 2 * rank_sum * ((r * shard + i) % 11);
+    EXPECT_TRUE(collective_ok(ok)) << "shard " << shard;
+  }
 }
 
 TEST(Engine, InitializationIsIndependentOfRankCount) {
