@@ -63,15 +63,18 @@ void softmax_crossentropy_forward(Real* losses, Real* logits_to_probs, const int
   for (int n = 0; n < N; n++) {
     Real* r = logits_to_probs + static_cast<size_t>(n) * V;
     Real max = r[0];
+#pragma omp simd reduction(max : max)
     for (int i = 1; i < V; i++) max = r[i] > max ? r[i] : max;
     // -log p[target] = log(sum exp(l - max)) - (l[target] - max): exact even when p underflows.
     Real target_shifted = r[targets[n]] - max;
     Real sum = 0;
+#pragma omp simd reduction(+ : sum)
     for (int i = 0; i < V; i++) {
-      r[i] = std::exp(r[i] - max);
+      r[i] = exp_fast(r[i] - max);
       sum += r[i];
     }
     Real inv = Real(1) / sum;
+#pragma omp simd
     for (int i = 0; i < V; i++) r[i] *= inv;
     losses[n] = std::log(sum) - target_shifted;
   }

@@ -1,0 +1,79 @@
+// The shared per-element math (backend/math.hpp) against independent formulas: exp_fast against
+// libm, GELU's sigmoid form against GPT-2's tanh form, its derivative against finite
+// differences, the counter RNG's moments, AdamW's element update and the LR schedule.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "backend/math.hpp"
+#include "optim/adamw.hpp"
+
+using namespace shardtrain;
+
+TEST(Math, ExpFastIsWithinFourUlpOfLibm) {
+  double worst = 0;
+  for (double x = -87.0; x <= 88.0; x += 0.00731) {
+    double ref = std::exp(static_cast<double>(static_cast<float>(x)));
+    double got = exp_fast(static_cast<float>(x));
+    worst = std::max(worst, std::fabs(got - ref) / ref);
+  }
+  EXPECT_LT(worst, 4 * 5.96e-8) << "max relative error " << worst;
+  EXPECT_TRUE(std::isfinite(exp_fast(1000.0f)));
+  EXPECT_GE(exp_fast(-1000.0f), 0.0f);
+}
+
+TEST(Math, GeluEqualsGpt2TanhForm) {
+  for (double x = -8; x <= 8; x += 0.01) {
+    double tanh_form = 0.5 * x * (1 + std::tanh(std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
+    EXPECT_NEAR(gelu_value(x), tanh_form, 1e-14 * (1 + std::fabs(x)));
+    EXPECT_NEAR(gelu_value(static_cast<float>(x)), tanh_form, 3e-7 * (1 + std::fabs(x)));
+  }
+}
+
+TEST(Math, GeluDerivativeMatchesCentralDifferences) {
+  const double h = 1e-5;
+  for (double x = -6; x <= 6; x += 0.037) {
+    double numeric = (gelu_value(x + h) - gelu_value(x - h)) / (2 * h);
+    EXPECT_NEAR(gelu_derivative(x), numeric, 1e-9) << x;
+  }
+}
+
+TEST(Math, CounterNormalHasUnitMomentsAndIsAPureFunction) {
+  const int n = 200000;
+  double sum = 0, sq = 0;
+  for (int i = 0; i < n; i++) {
+    double z = counter_normal(12345, i);
+    sum += z, sq += z * z;
+  }
+  // Standard errors: mean 1/sqrt(n) = 0.0022, variance sqrt(2/n) = 0.0032; 5 sigma bounds.
+  EXPECT_NEAR(sum / n, 0.0, 0.011);
+  EXPECT_NEAR(sq / n, 1.0, 0.016);
+  EXPECT_EQ(counter_normal(7, 99), counter_normal(7, 99));
+  EXPECT_NE(counter_normal(7, 99), counter_normal(8, 99));
+}
+
+TEST(Math, AdamWUpdateMatchesTheTextbookFormula) {
+  AdamWStep s{1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 1 - 0.9f * 0.9f, 1 - 0.95f * 0.95f};  // step 2
+  float p = 0.5f, m = 0.2f, v = 0.03f;
+  const float g = -0.4f;
+  adamw_update(&p, &m, &v, g, 1.0f, s);
+  double m2 = 0.9 * 0.2 + 0.1 * -0.4, v2 = 0.95 * 0.03 + 0.05 * 0.16;
+  double update = (m2 / (1 - 0.81)) / (std::sqrt(v2 / (1 - 0.9025)) + 1e-8) + 0.1 * 0.5;
+  EXPECT_NEAR(m, m2, 1e-7);
+  EXPECT_NEAR(v, v2, 1e-7);
+  EXPECT_NEAR(p, 0.5 - 1e-2 * update, 1e-6);
+  float q = 0.5f, mq = 0.2f, vq = 0.03f;
+  adamw_update(&q, &mq, &vq, g, 0.0f, s);  // no decay: differs by exactly lr * wd * p
+  EXPECT_NEAR(q - p, 1e-2 * 0.1 * 0.5, 1e-6);
+}
+
+TEST(LrSchedule, WarmupThenCosineToTheMinimum) {
+  OptimConfig c;
+  c.lr = 1.0, c.min_lr_ratio = 0.1, c.warmup_steps = 4, c.total_steps = 14;
+  EXPECT_DOUBLE_EQ(lr_at_step(c, 0), 0.25);
+  EXPECT_DOUBLE_EQ(lr_at_step(c, 3), 1.0);
+  EXPECT_DOUBLE_EQ(lr_at_step(c, 4), 1.0);
+  EXPECT_NEAR(lr_at_step(c, 13), 0.1, 1e-12);
+  EXPECT_NEAR(lr_at_step(c, 8), 0.1 + 0.45 * (1 + std::cos(M_PI * 4 / 9)), 1e-12);
+  for (int s = 4; s < 13; s++) EXPECT_GE(lr_at_step(c, s), lr_at_step(c, s + 1));
+}
