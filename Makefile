@@ -125,7 +125,7 @@ bench: $(EXE) $(BENCH_BIN)
 	@$(PYTHON) tests/bench/run_bench.py --build $(BUILD)
 
 sanitize:
-	@$(MAKE) --no-print-directory BUILD=build-san SAN=address,undefined OPT=-O1 test
+	@ASAN_OPTIONS=detect_leaks=0 $(MAKE) --no-print-directory BUILD=build-san SAN=address,undefined OPT=-O1 test
 
 print-config:
 	@echo "MPICXX=$(MPICXX) ($(shell $(MPICXX) --version 2>/dev/null | head -1))"

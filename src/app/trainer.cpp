@@ -123,7 +123,7 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
     peak_gflops_ = cfg_.train.peak_gflops;
   } else {
     comm_->barrier("barrier(sgemm peak)");  // every rank measures at once: the peak under shared load
-    double peak = measure_sgemm_gflops(2048, 2);
+    double peak = measure_sgemm_gflops(2048, 5);
     comm_->all_reduce_max(Span<double>(&peak, 1), "all_reduce(sgemm peak)");
     peak_gflops_ = peak;
   }
