@@ -1,0 +1,55 @@
+// The test oracle for the GPT-2 layer ops of backend/cpu/ops.hpp: obvious, naive loops in double
+// precision, written from the math (no BLAS, no OpenMP, no shared code with src/backend/), so a bug
+// in the fast ops cannot hide in the reference. Not for training: it is slow on purpose.
+//
+// Shapes, argument order and the accumulation rule are those of ops.hpp: parameter gradients are
+// accumulated (+=), activation gradients are written (=), except layernorm_backward's dinp, which
+// is accumulated. GPT-2 numerics: LayerNorm eps 1e-5 with the biased (1/C) variance; tanh-GELU;
+// causal attention with scale 1/sqrt(C/NH) over qkv rows [q(C) | k(C) | v(C)], head h using
+// channels h*hs..(h+1)*hs of each; loss = -log softmax(logits)[target].
+// The only difference from ops.hpp: attention_backward needs no scratch buffer.
+#pragma once
+
+#include <cstddef>
+
+namespace shardtrain::reference {
+
+// out(B,T,C) = wte[tokens[b,t]] + wpe[t].
+void encoder_forward(double* out, const int* tokens, const double* wte, const double* wpe, int B, int T, int C);
+// dwte(V,C) += dout scattered by token; dwpe(T..,C) += dout summed over the batch.
+void encoder_backward(double* dwte, double* dwpe, const double* dout, const int* tokens, int B, int T, int C);
+
+// out(N,C) = (inp - mean) * rstd * weight + bias, rstd = 1/sqrt(biased var + 1e-5); saves mean(N), rstd(N).
+void layernorm_forward(double* out, double* mean, double* rstd, const double* inp, const double* weight,
+                       const double* bias, int N, int C);
+// dinp(N,C) +=, dweight(C) +=, dbias(C) +=; uses the given mean and rstd.
+void layernorm_backward(double* dinp, double* dweight, double* dbias, const double* dout, const double* inp,
+                        const double* weight, const double* mean, const double* rstd, int N, int C);
+
+// out(N,OC) = inp(N,C) @ weight(OC,C)^T + bias(OC); bias may be null.
+void matmul_forward(double* out, const double* inp, const double* weight, const double* bias, int N, int C, int OC);
+// dinp(N,C) = dout @ weight (skipped if null); dweight(OC,C) += dout^T @ inp; dbias(OC) += sum_n dout
+// (skipped if null).
+void matmul_backward(double* dinp, double* dweight, double* dbias, const double* dout, const double* inp,
+                     const double* weight, int N, int C, int OC);
+
+// out(B,T,C), att(B,NH,T,T) softmax probabilities, exactly 0 above the diagonal.
+void attention_forward(double* out, double* att, const double* qkv, int B, int T, int C, int NH);
+// dqkv(B,T,3C) = gradient w.r.t. qkv, given the saved att.
+void attention_backward(double* dqkv, const double* dout, const double* qkv, const double* att, int B, int T, int C,
+                        int NH);
+
+// out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), n elements.
+void gelu_forward(double* out, const double* inp, size_t n);
+// dinp = dout * gelu'(inp).
+void gelu_backward(double* dinp, const double* dout, const double* inp, size_t n);
+
+// out = a + b.
+void residual_forward(double* out, const double* a, const double* b, size_t n);
+
+// In place: logits(N,V) -> softmax probabilities; losses(N) = -log prob[target].
+void softmax_crossentropy_forward(double* losses, double* logits_to_probs, const int* targets, int N, int V);
+// In place: probs(N,V) -> (probs - onehot(target)) * dloss.
+void softmax_crossentropy_backward(double* probs_to_dlogits, const int* targets, double dloss, int N, int V);
+
+}  // namespace shardtrain::reference
