@@ -22,7 +22,7 @@ endif
 
 DEB_PACKAGES := g++ make pkg-config python3 openmpi-bin libopenmpi-dev libopenblas-openmp-dev \
                 libboost-program-options-dev libhdf5-openmpi-dev hdf5-tools libgtest-dev \
-                libbenchmark-dev
+                libbenchmark-dev python3-h5py python3-numpy
 
 # The OpenMP build of OpenBLAS shares the OpenMP thread pool with our own loops, so the two
 # never oversubscribe the cores (the pthread build keeps a second pool that fights ours).
@@ -30,10 +30,13 @@ OPENBLAS_LIB := /usr/lib/x86_64-linux-gnu/openblas-openmp
 OPENBLAS_INC := /usr/include/x86_64-linux-gnu/openblas-openmp
 
 # OMPI_SKIP_MPICXX: we use the C API; the deprecated C++ bindings only add warnings.
-CPPFLAGS := -Isrc -Itests -I$(OPENBLAS_INC) -DOMPI_SKIP_MPICXX=1
+# Parallel HDF5 (Debian's Open MPI flavour, explicit: pkg-config's hdf5.pc is an alternatives link).
+HDF5_INC := /usr/include/hdf5/openmpi
+HDF5_LIB := /usr/lib/x86_64-linux-gnu/hdf5/openmpi
+CPPFLAGS := -Isrc -Itests -I$(OPENBLAS_INC) -I$(HDF5_INC) -DOMPI_SKIP_MPICXX=1
 CXXFLAGS := -std=c++17 $(OPT) -g -fopenmp -Wall -Wextra -Wno-unused-parameter -MMD -MP
-LDFLAGS  := -fopenmp -L$(OPENBLAS_LIB) -Wl,-rpath,$(OPENBLAS_LIB)
-LDLIBS   := -lopenblas -lboost_program_options -lpthread
+LDFLAGS  := -fopenmp -L$(OPENBLAS_LIB) -Wl,-rpath,$(OPENBLAS_LIB) -L$(HDF5_LIB)
+LDLIBS   := -lopenblas -lhdf5 -lboost_program_options -lpthread
 ifneq ($(SAN),)
 CXXFLAGS += -fsanitize=$(SAN) -fno-omit-frame-pointer
 LDFLAGS  += -fsanitize=$(SAN)

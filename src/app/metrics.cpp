@@ -2,15 +2,30 @@
 #include "app/metrics.hpp"
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 
 #include "core/error.hpp"
 
 namespace shardtrain {
 
-MetricsWriter::MetricsWriter(const std::string& path, bool enabled) {
+// The "step" field of a metrics record, or -1.
+static long record_step(const std::string& line) {
+  size_t at = line.find("\"step\":");
+  return at == std::string::npos ? -1 : std::atol(line.c_str() + at + 7);
+}
+
+MetricsWriter::MetricsWriter(const std::string& path, bool enabled, long resume_step) {
   if (path.empty() || !enabled) return;
+  std::string kept;
+  if (resume_step >= 0) {
+    std::ifstream old(path);
+    for (std::string line; std::getline(old, line);)
+      if (record_step(line) >= 0 && record_step(line) <= resume_step) kept += line + "\n";
+  }
   file_ = std::fopen(path.c_str(), "w");
+  if (file_) std::fputs(kept.c_str(), file_);
   if (!file_)
     throw UsageError("cannot write train.metrics_file '" + path + "': " + std::strerror(errno) +
                      " (check that the directory exists and is writable)");

@@ -10,8 +10,10 @@ namespace shardtrain {
 
 class MetricsWriter {
  public:
-  // Opens `path` for writing when non-empty and `enabled` (rank 0); otherwise writes nothing.
-  MetricsWriter(const std::string& path, bool enabled);
+  // Opens `path` when non-empty and `enabled` (rank 0); otherwise writes nothing. A fresh run
+  // (resume_step < 0) truncates the file; a resumed one keeps the records up to resume_step and
+  // appends after them, so the file reads as one run.
+  MetricsWriter(const std::string& path, bool enabled, long resume_step);
   ~MetricsWriter();
   MetricsWriter(const MetricsWriter&) = delete;
   MetricsWriter& operator=(const MetricsWriter&) = delete;

@@ -62,6 +62,15 @@ void declare_options(OptionList& o, Config& c) {
   o.add("fsdp.sharding_strategy", &c.fsdp.sharding_strategy, "FULL_SHARD (ZeRO-3)");
   o.add("fsdp.comm_timeout", &c.fsdp.comm_timeout,
         "seconds a collective may wait before all ranks are aborted; 0 disables the watchdog");
+  o.add("checkpoint.dir", &c.checkpoint.dir, "checkpoint folder; empty = checkpoints/<train.run_name>");
+  o.add("checkpoint.every", &c.checkpoint.every, "save every N steps; 0 = only at the end");
+  o.add("checkpoint.format", &c.checkpoint.format,
+        "sharded (each unit's flat shards + index) or gathered (one dataset per parameter, full shape)");
+  o.add("checkpoint.resume", &c.checkpoint.resume,
+        "auto (newest valid checkpoint in checkpoint.dir, if any), none, or a checkpoint file");
+  o.add("checkpoint.keep", &c.checkpoint.keep, "newest complete checkpoints kept; older ones are removed");
+  o.add("checkpoint.init_from", &c.checkpoint.init_from, "llm.c GPT-2 checkpoint (.bin) to initialise the weights from");
+  o.add("checkpoint.save", &c.checkpoint.save, "write checkpoints (true/false)");
   o.add("debug.stall_rank", &c.debug.stall_rank, "testing only: this rank sleeps stall_seconds at stall_step");
   o.add("debug.stall_step", &c.debug.stall_step, "testing only: step of the injected stall");
   o.add("debug.stall_seconds", &c.debug.stall_seconds, "testing only: length of the injected stall");
@@ -90,7 +99,7 @@ ParsedTrainArgs parse_train_args(const std::vector<std::string>& raw_args) {
   declare_options(options, parsed.config);
   po::options_description cli;
   cli.add_options()("help,h", "print the options")("config", po::value<std::string>(&parsed.config.config_file),
-                                                   "INI file with [model] [train] [data] [fsdp] sections");
+                                                   "INI file with [model] [train] [data] [fsdp] [checkpoint] sections");
   cli.add(options.desc);
   po::variables_map vm;
   try {
@@ -157,6 +166,11 @@ void validate_config(const Config& c, int world) {
   require(!c.data.train_file.empty(), "data.train_file is required");
   require(c.fsdp.sharding_strategy == "FULL_SHARD",
           "fsdp.sharding_strategy='" + c.fsdp.sharding_strategy + "' is not available; allowed: FULL_SHARD");
+  require(c.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 = only at the end)");
+  require(c.checkpoint.format == "sharded" || c.checkpoint.format == "gathered",
+          "checkpoint.format='" + c.checkpoint.format + "' is not a format; allowed: sharded, gathered");
+  require(!c.checkpoint.resume.empty(), "checkpoint.resume must be auto, none or a checkpoint file");
+  require(c.checkpoint.keep >= 1, "checkpoint.keep must be >= 1");
   require(c.fsdp.comm_timeout >= 0, "fsdp.comm_timeout must be >= 0 seconds (0 disables the watchdog)");
 }
 
@@ -166,10 +180,15 @@ std::string train_help() {
   declare_options(options, defaults);
   std::ostringstream s;
   s << "usage: shardtrain train [--config FILE] [--section.key=value ...]\n\n"
-    << "  --config FILE     INI file with [model] [train] [data] [fsdp] sections; the command line wins\n"
+    << "  --config FILE     INI file with [model] [train] [data] [fsdp] [checkpoint] sections; the command\n"
+    << "                    line wins\n"
     << "  --help            this text\n\n"
     << options.desc;
   return s.str();
+}
+
+std::string checkpoint_dir(const Config& config) {
+  return config.checkpoint.dir.empty() ? "checkpoints/" + config.train.run_name : config.checkpoint.dir;
 }
 
 std::string resolved_ini(const Config& config) {

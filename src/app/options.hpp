@@ -42,6 +42,16 @@ struct FsdpOptions {
   double comm_timeout = 300;  // seconds; 0 disables the watchdog
 };
 
+struct CheckpointOptions {
+  std::string dir;            // empty = checkpoints/<train.run_name>
+  int every = 0;              // save every N steps (and at the end when > 0); 0 = only at the end
+  std::string format = "sharded";  // sharded | gathered
+  std::string resume = "auto";     // auto | none | PATH
+  int keep = 2;               // newest complete checkpoints kept
+  std::string init_from;      // llm.c GPT-2 checkpoint to start from (fresh optimizer)
+  bool save = true;           // false: never write checkpoints
+};
+
 // Fault injection for the tests of the error paths; never set in production configs.
 struct DebugOptions {
   int stall_rank = -1;
@@ -55,6 +65,7 @@ struct Config {
   TrainOptions train;
   DataOptions data;
   FsdpOptions fsdp;
+  CheckpointOptions checkpoint;
   DebugOptions debug;
 };
 
@@ -71,5 +82,7 @@ void validate_config(const Config& config, int world);
 std::string train_help();
 // The resolved configuration as INI text.
 std::string resolved_ini(const Config& config);
+// The checkpoint folder: checkpoint.dir, or checkpoints/<train.run_name>.
+std::string checkpoint_dir(const Config& config);
 
 }  // namespace shardtrain

@@ -10,10 +10,13 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <map>
 #include <memory>
+#include <sstream>
 
 #include "app/metrics.hpp"
 #include "app/perf.hpp"
+#include "ckpt/checkpoint_manager.hpp"
 #include "comm/comm.hpp"
 #include "comm/watchdog.hpp"
 #include "data/sampler.hpp"
@@ -63,6 +66,12 @@ class Trainer {
  private:
   void open_data();
   void print_summary();
+  // Loads the checkpoint that checkpoint.resume selects; returns its step (0: fresh start).
+  int resume();
+  // Loads one checkpoint; returns its step, or -1 when fall_back and the file is unusable.
+  int try_load(const std::string& path, bool fall_back);
+  void warn_config_changes(const CheckpointState& state);
+  void save(int step);
   double train_step(int step);
   double evaluate();
 
@@ -82,6 +91,7 @@ class Trainer {
   AdamW optimizer_;
   std::unique_ptr<GptModel<float>> model_;
   std::vector<int> tokens_, targets_;
+  CheckpointManager checkpoints_;
 };
 
 OptimConfig optim_config_from(const TrainOptions& t) {
@@ -110,7 +120,8 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
       table_(config.model),
       engine_(table_, *comm_, memory_),
       optim_config_(optim_config_from(config.train)),
-      optimizer_(optim_config_, engine_, memory_) {
+      optimizer_(optim_config_, engine_, memory_),
+      checkpoints_(rt, *comm_, checkpoint_dir(config), config.checkpoint.keep) {
   threads_ = cfg_.train.threads > 0 ? cfg_.train.threads : default_threads_per_rank(rt.local_size());
   set_compute_threads(threads_);
   open_data();
@@ -179,6 +190,86 @@ void Trainer::print_summary() {
                      : "");
 }
 
+// Parses "[section]\nkey = value" lines into section.key -> value.
+std::map<std::string, std::string> parse_ini(const std::string& text) {
+  std::map<std::string, std::string> values;
+  std::istringstream in(text);
+  std::string line, section;
+  while (std::getline(in, line)) {
+    if (line.size() > 2 && line.front() == '[') {
+      section = line.substr(1, line.find(']') - 1);
+    } else if (size_t eq = line.find(" = "); eq != std::string::npos) {
+      values[section + "." + line.substr(0, eq)] = line.substr(eq + 3);
+    }
+  }
+  return values;
+}
+
+void Trainer::warn_config_changes(const CheckpointState& state) {
+  auto before = parse_ini(state.config_ini), now = parse_ini(resolved_ini(cfg_));
+  std::string changed;
+  for (const auto& [key, value] : now) {
+    auto it = before.find(key);
+    if (it != before.end() && it->second != value && key != "checkpoint.resume")
+      changed += strprintf("%s%s: %s -> %s", changed.empty() ? "" : ", ", key.c_str(), it->second.c_str(), value.c_str());
+  }
+  if (!changed.empty()) rt_.warn("resuming with a changed configuration: %s", changed.c_str());
+}
+
+int Trainer::try_load(const std::string& path, bool fall_back) {
+  CheckpointState state;
+  try {
+    rt_.agree_on([&] { state = read_checkpoint_state(path); });
+    // The same file's metadata on every rank: the verdict is identical without an agreement.
+    std::string mismatch = model_mismatch(path, state.model, cfg_.model);
+    if (!mismatch.empty()) throw UsageError(mismatch);
+    if (state.step > cfg_.train.steps)
+      throw UsageError(strprintf("checkpoint '%s' is at step %lld, past train.steps=%d; raise train.steps",
+                                 path.c_str(), static_cast<long long>(state.step), cfg_.train.steps));
+    rt_.agree_on([&] { state = load_checkpoint(path, engine_, optimizer_, MPI_COMM_WORLD); });
+  } catch (const UsageError&) {
+    throw;
+  } catch (const InputError& e) {
+    if (!fall_back) throw;
+    rt_.warn("skipping unusable checkpoint: %s", e.what());
+    return -1;
+  }
+  warn_config_changes(state);
+  rt_.info("resumed from %s at step %lld (saved on %lld ranks, %s layout)", path.c_str(),
+           static_cast<long long>(state.step), static_cast<long long>(state.world_size), state.layout.c_str());
+  return static_cast<int>(state.step);
+}
+
+int Trainer::resume() {
+  const std::string& mode = cfg_.checkpoint.resume;
+  if (mode == "none") return 0;
+  if (mode != "auto") return try_load(mode, false);
+  std::vector<std::string> candidates = checkpoints_.candidates();
+  for (const std::string& path : candidates)
+    if (int step = try_load(path, true); step >= 0) return step;
+  if (!candidates.empty()) {
+    rt_.warn("no usable checkpoint in %s; starting from scratch", checkpoints_.dir().c_str());
+    engine_.init_parameters(cfg_.train.seed);  // a failed load may have overwritten part of the state
+    optimizer_.zero_state();
+  }
+  return 0;
+}
+
+void Trainer::save(int step) {
+  CheckpointState state;
+  state.layout = cfg_.checkpoint.format;
+  state.step = step;
+  state.tokens_seen = static_cast<int64_t>(step) * G_ * T_;
+  state.seed = cfg_.train.seed;
+  state.sampler_step = step;
+  state.world_size = rt_.world();
+  state.strategy = cfg_.fsdp.sharding_strategy;
+  state.config_ini = resolved_ini(cfg_);
+  const double t0 = MPI_Wtime();
+  std::string path = checkpoints_.save(state, engine_, optimizer_);
+  rt_.info("saved %s (%s, %.2f s)", path.c_str(), state.layout.c_str(), MPI_Wtime() - t0);
+}
+
 double Trainer::train_step(int step) {
   engine_.zero_grads();
   const float dloss = 1.0f / (static_cast<float>(G_) * T_);
@@ -215,13 +306,17 @@ double Trainer::evaluate() {
 }
 
 int Trainer::run() {
-  std::unique_ptr<MetricsWriter> metrics;
-  rt_.agree_on([&] { metrics = std::make_unique<MetricsWriter>(cfg_.train.metrics_file, rt_.is_root()); });
   print_summary();
+  const int start = resume();
+  std::unique_ptr<MetricsWriter> metrics;
+  rt_.agree_on([&] {
+    metrics = std::make_unique<MetricsWriter>(cfg_.train.metrics_file, rt_.is_root(), start > 0 ? start : -1);
+  });
   const int steps = cfg_.train.steps;
+  const int every = cfg_.checkpoint.every;
   const double flops_per_step = table_.flops_per_token(T_) * G_ * T_;
   double elapsed = 0;
-  for (int step = 0; step < steps; step++) {
+  for (int step = start; step < steps; step++) {
     comm_->barrier("barrier(step start)");  // time the step between barriers
     const double t0 = MPI_Wtime();
     double sums[2] = {train_step(step), 0.0};
@@ -240,8 +335,8 @@ int Trainer::run() {
     MemoryPeaks peaks = local_memory_peaks(memory_);
     comm_->all_reduce_max(Span<double>(peaks.data(), peaks.size()), "all_reduce(memory peaks)");
     const double seconds = MPI_Wtime() - t0;
-    if (step > 0 || steps == 1) elapsed += seconds;  // the first step pays for page faults
-    const double avg = elapsed / std::max(1, step + (steps == 1 ? 1 : 0));
+    if (step > start || steps == start + 1) elapsed += seconds;  // the first step pays for page faults
+    const double avg = elapsed / std::max(1, step - start + (steps == start + 1 ? 1 : 0));
     const double tokens_per_s = G_ * T_ / seconds;
     const double mfu = flops_per_step / seconds / (rt_.world() * peak_gflops_ * 1e9);
     rt_.info("step %5d/%d | loss %.4f | lr %.2e | norm %.3f | %.0f tok/s | MFU %.1f%% | peak mem %s | eta %s", step + 1,
@@ -258,6 +353,7 @@ int Trainer::run() {
       rt_.info("eval  %5d/%d | val loss %.4f", step + 1, steps, val_loss);
       metrics->write_line(strprintf("{\"kind\":\"eval\",\"step\":%d,\"val_loss\":%.9g}", step + 1, val_loss));
     }
+    if (cfg_.checkpoint.save && ((every > 0 && (step + 1) % every == 0) || step + 1 == steps)) save(step + 1);
   }
   rt_.info("done: %d steps, %.1f s, uniform-guess loss ln(V) = %.4f", steps, elapsed, std::log(cfg_.model.vocab_size));
   return EXIT_CODE_OK;

@@ -39,6 +39,11 @@ AdamW::AdamW(const OptimConfig& config, FsdpEngine& engine, MemoryTracker& memor
 
 AdamW::~AdamW() { memory_.sub(MEM_OPTIMIZER_STATE, bytes_); }
 
+void AdamW::zero_state() {
+  for (auto& m : m_) std::fill(m.begin(), m.end(), 0.0f);
+  for (auto& v : v_) std::fill(v.begin(), v.end(), 0.0f);
+}
+
 double AdamW::local_grad_sq_norm() const {
   double total = 0;
   for (const UnitShard& s : engine_.shards()) {

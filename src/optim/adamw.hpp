@@ -33,6 +33,8 @@ class AdamW {
   // Updates this rank's shards with the step's global gradient norm. Returns the lr used.
   double step(int step, double global_grad_norm);
 
+  // Back to the state before the first step (moments zero).
+  void zero_state();
   // The moments, per unit, for checkpoints.
   std::vector<std::vector<float>>& m() { return m_; }
   std::vector<std::vector<float>>& v() { return v_; }

@@ -57,7 +57,8 @@ def main():
     if not args.skip_layers:
         print("== layer benchmarks (Google Benchmark, OMP_NUM_THREADS=2)", flush=True)
         env = dict(os.environ, OMP_NUM_THREADS="2")
-        subprocess.run([os.path.join(build, "layer_bench"), "--benchmark_min_time=0.2"], env=env, check=True)
+        subprocess.run([os.path.join(build, "layer_bench"), "--benchmark_min_time=0.2", "--benchmark_color=false"],
+                       env=env, check=True)
     print(f"\n== training throughput: gpt2-124M, seq_len 64, micro_batch 4, global_batch 16, {args.steps} steps",
           flush=True)
     results = {}

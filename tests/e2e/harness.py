@@ -48,7 +48,9 @@ def tiny_args(*overrides):
     """`train` arguments for inputs/tiny.ini on the test data, plus --section.key=value overrides."""
     train, val = ensure_data()
     # A given SGEMM peak skips the start-up measurement (0.3 s per run); MFU is not tested here.
-    options = {"--data.train_file": train, "--data.val_file": val, "--train.peak_gflops": "100"}
+    # Each run gets its own checkpoint folder unless the test names one (auto-resume is the default).
+    options = {"--data.train_file": train, "--data.val_file": val, "--train.peak_gflops": "100",
+               "--checkpoint.dir": tempdir()}
     for item in overrides:  # a later value for the same key replaces the earlier one
         key, _, value = item.partition("=")
         options[key] = value

@@ -1,0 +1,57 @@
+// Parallel HDF5 checkpoints: every rank writes and reads only the part of each dataset that its
+// shards own, collectively (MPI-IO), so no rank ever holds more than its shards. Two layouts of
+// one versioned format (docs/checkpoint-format.md):
+//   gathered: /model/<param>, /optim/exp_avg/<param>, /optim/exp_avg_sq/<param>, full shapes;
+//   sharded:  /shards/<unit>/{params,exp_avg,exp_avg_sq}, each unit's flat buffer as written by
+//             the ranks (padded), with an index attribute mapping parameters to flat offsets.
+// Both load on any rank count: each rank reads the intersection of its new slice with each
+// dataset. Every dataset carries a checksum (a wrapping sum over elements of a hash of (flat
+// index, value bits)) that is independent of how the elements were split over ranks.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <string>
+
+#include "core/error.hpp"
+#include "optim/adamw.hpp"
+#include "shard/fsdp_engine.hpp"
+
+namespace shardtrain {
+
+constexpr const char* CKPT_FORMAT_NAME = "shardtrain-checkpoint";
+constexpr int64_t CKPT_FORMAT_VERSION = 1;
+
+// Everything besides the tensors that resuming needs.
+struct CheckpointState {
+  std::string layout = "sharded";  // sharded | gathered
+  int64_t step = 0;                // optimizer steps completed
+  int64_t tokens_seen = 0;
+  uint64_t seed = 0;               // init and data-order seed; the sampler is a pure function of it
+  int64_t sampler_step = 0;        // the sampler's position: the next step's sequences
+  int64_t world_size = 1;
+  std::string strategy = "FULL_SHARD";
+  std::string config_ini;          // the full resolved configuration at save time
+  ModelConfig model;               // the model's shape (also in config_ini)
+};
+
+// Collective over `comm`. Writes `path` (created or truncated). Throws CheckpointError.
+void save_checkpoint(const std::string& path, const CheckpointState& state, FsdpEngine& engine, AdamW& optimizer,
+                     MPI_Comm comm);
+
+// Collective over `comm`. Reads the metadata, checks format, version and that the model shape
+// matches `engine`'s, then fills this rank's shards and moments and verifies every checksum.
+// Throws CheckpointError naming the file and the defect.
+CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, AdamW& optimizer, MPI_Comm comm);
+
+// "" when the shapes agree, else a message naming every model.* key that differs.
+std::string model_mismatch(const std::string& path, const ModelConfig& stored, const ModelConfig& configured);
+
+// Reads only the root attributes (serial open), for `inspect` and for choosing a checkpoint.
+CheckpointState read_checkpoint_state(const std::string& path);
+
+// The element checksum shared by writer, reader and tests.
+uint64_t checksum_elements(const float* values, size_t count, uint64_t first_index);
+
+}  // namespace shardtrain

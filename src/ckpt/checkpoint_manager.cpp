@@ -1,0 +1,117 @@
+// See checkpoint_manager.hpp. Folder operations run on rank 0; their outcome is agreed.
+#include "ckpt/checkpoint_manager.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+namespace shardtrain {
+namespace fs = std::filesystem;
+
+namespace {
+
+// The step of "ckpt-00000020.h5", or -1 for any other name.
+int64_t step_of(const std::string& name) {
+  if (name.size() != 16 || name.compare(0, 5, "ckpt-") != 0 || name.compare(13, 3, ".h5") != 0) return -1;
+  for (size_t i = 5; i < 13; i++)
+    if (!std::isdigit(static_cast<unsigned char>(name[i]))) return -1;
+  return std::stoll(name.substr(5, 8));
+}
+
+std::string fsync_path(const std::string& path) {
+  int fd = open(path.c_str(), O_RDONLY);
+  if (fd < 0) return "cannot open '" + path + "' to sync: " + std::strerror(errno);
+  int rc = fsync(fd);
+  close(fd);
+  return rc == 0 ? "" : "fsync of '" + path + "' failed: " + std::strerror(errno);
+}
+
+// Sorted newest first.
+std::vector<std::pair<int64_t, std::string>> complete_checkpoints(const std::string& dir) {
+  std::vector<std::pair<int64_t, std::string>> found;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    int64_t step = step_of(entry.path().filename().string());
+    if (step >= 0) found.emplace_back(step, entry.path().string());
+  }
+  std::sort(found.rbegin(), found.rend());
+  return found;
+}
+
+}  // namespace
+
+CheckpointManager::CheckpointManager(const Runtime& rt, Comm& comm, std::string dir, int keep)
+    : rt_(rt), comm_(comm), dir_(std::move(dir)), keep_(keep) {}
+
+std::string CheckpointManager::file_name(int64_t step) { return strprintf("ckpt-%08lld.h5", static_cast<long long>(step)); }
+
+std::string CheckpointManager::save(const CheckpointState& state, FsdpEngine& engine, AdamW& optimizer) {
+  const std::string final_path = dir_ + "/" + file_name(state.step);
+  const std::string tmp_path = final_path + ".tmp";
+  std::string error;
+  if (rt_.is_root()) {
+    std::error_code ec;
+    fs::create_directories(dir_, ec);
+    if (ec) error = "cannot create checkpoint.dir '" + dir_ + "': " + ec.message();
+  }
+  rt_.agree(error);
+  try {
+    rt_.agree_on([&] { save_checkpoint(tmp_path, state, engine, optimizer, MPI_COMM_WORLD); });
+  } catch (const InputError&) {
+    if (rt_.is_root()) std::remove(tmp_path.c_str());  // never leave a half-written file behind
+    throw;
+  }
+  if (rt_.is_root()) {
+    // Data first, then the name: a crash at any point leaves either no new checkpoint or a
+    // complete one, and `latest` only ever names complete files.
+    error = fsync_path(tmp_path);
+    if (error.empty() && std::rename(tmp_path.c_str(), final_path.c_str()) != 0)
+      error = "cannot rename '" + tmp_path + "': " + std::strerror(errno);
+    if (error.empty()) error = fsync_path(dir_);
+    if (error.empty()) {
+      const std::string latest_tmp = dir_ + "/latest.tmp";
+      std::ofstream(latest_tmp) << file_name(state.step) << "\n";
+      error = fsync_path(latest_tmp);
+      if (error.empty() && std::rename(latest_tmp.c_str(), (dir_ + "/latest").c_str()) != 0)
+        error = "cannot update '" + dir_ + "/latest': " + std::strerror(errno);
+      if (error.empty()) error = fsync_path(dir_);
+    }
+    if (error.empty()) {
+      auto found = complete_checkpoints(dir_);
+      for (size_t i = static_cast<size_t>(keep_); i < found.size(); i++)
+        if (found[i].first < state.step) std::remove(found[i].second.c_str());
+    }
+    if (!error.empty()) std::remove(tmp_path.c_str());
+  }
+  rt_.agree(error.empty() ? "" : "checkpoint save failed: " + error);
+  return final_path;
+}
+
+std::vector<std::string> CheckpointManager::candidates() {
+  std::string joined;
+  if (rt_.is_root()) {
+    std::vector<std::string> list;
+    std::ifstream latest(dir_ + "/latest");
+    std::string name;
+    if (latest >> name && step_of(name) >= 0 && fs::exists(dir_ + "/" + name)) list.push_back(dir_ + "/" + name);
+    for (const auto& [step, path] : complete_checkpoints(dir_))
+      if (std::find(list.begin(), list.end(), path) == list.end()) list.push_back(path);
+    for (const std::string& p : list) joined += p + "\n";
+  }
+  uint64_t size = joined.size();
+  comm_.broadcast(Span<char>(reinterpret_cast<char*>(&size), sizeof size), 0, "broadcast(checkpoint list)");
+  joined.resize(size);
+  comm_.broadcast(Span<char>(joined.data(), joined.size()), 0, "broadcast(checkpoint list)");
+  std::vector<std::string> list;
+  size_t start = 0;
+  for (size_t nl; (nl = joined.find('\n', start)) != std::string::npos; start = nl + 1)
+    list.push_back(joined.substr(start, nl - start));
+  return list;
+}
+
+}  // namespace shardtrain

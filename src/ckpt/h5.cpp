@@ -1,0 +1,78 @@
+// See h5.hpp.
+#include "ckpt/h5.hpp"
+
+namespace shardtrain {
+
+void h5_quiet() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
+
+hid_t h5_check_id(hid_t id, const std::string& file, const char* what) {
+  if (id < 0) throw CheckpointError("checkpoint '" + file + "': " + what + " failed");
+  return id;
+}
+
+void h5_check(herr_t status, const std::string& file, const char* what) {
+  if (status < 0) throw CheckpointError("checkpoint '" + file + "': " + what + " failed");
+}
+
+static void write_attr(hid_t obj, const char* name, hid_t type, const void* value, const std::string& file) {
+  H5Id space(h5_check_id(H5Screate(H5S_SCALAR), file, "H5Screate"), H5Sclose);
+  H5Id attr(h5_check_id(H5Acreate2(obj, name, type, space, H5P_DEFAULT, H5P_DEFAULT), file, name), H5Aclose);
+  h5_check(H5Awrite(attr, type, value), file, name);
+}
+
+void h5_write_attr_i64(hid_t obj, const char* name, int64_t value, const std::string& file) {
+  write_attr(obj, name, H5T_NATIVE_INT64, &value, file);
+}
+
+void h5_write_attr_u64(hid_t obj, const char* name, uint64_t value, const std::string& file) {
+  write_attr(obj, name, H5T_NATIVE_UINT64, &value, file);
+}
+
+void h5_write_attr_str(hid_t obj, const char* name, const std::string& value, const std::string& file) {
+  H5Id type(h5_check_id(H5Tcopy(H5T_C_S1), file, "H5Tcopy"), H5Tclose);
+  h5_check(H5Tset_size(type, value.empty() ? 1 : value.size()), file, "H5Tset_size");
+  h5_check(H5Tset_strpad(type, H5T_STR_NULLPAD), file, "H5Tset_strpad");
+  write_attr(obj, name, type, value.empty() ? "" : value.data(), file);
+}
+
+bool h5_has_attr(hid_t obj, const char* name) { return H5Aexists(obj, name) > 0; }
+
+static H5Id open_attr(hid_t obj, const char* name, const std::string& file) {
+  if (!h5_has_attr(obj, name)) throw CheckpointError("checkpoint '" + file + "': attribute '" + name + "' is missing");
+  return H5Id(h5_check_id(H5Aopen(obj, name, H5P_DEFAULT), file, name), H5Aclose);
+}
+
+int64_t h5_read_attr_i64(hid_t obj, const char* name, const std::string& file) {
+  H5Id attr = open_attr(obj, name, file);
+  int64_t value = 0;
+  h5_check(H5Aread(attr, H5T_NATIVE_INT64, &value), file, name);
+  return value;
+}
+
+uint64_t h5_read_attr_u64(hid_t obj, const char* name, const std::string& file) {
+  H5Id attr = open_attr(obj, name, file);
+  uint64_t value = 0;
+  h5_check(H5Aread(attr, H5T_NATIVE_UINT64, &value), file, name);
+  return value;
+}
+
+std::string h5_read_attr_str(hid_t obj, const char* name, const std::string& file) {
+  H5Id attr = open_attr(obj, name, file);
+  H5Id type(h5_check_id(H5Aget_type(attr), file, name), H5Tclose);
+  if (H5Tget_class(type) != H5T_STRING || H5Tis_variable_str(type) > 0)
+    throw CheckpointError("checkpoint '" + file + "': attribute '" + name + "' is not a fixed-length string");
+  std::vector<char> buffer(H5Tget_size(type) + 1, '\0');
+  h5_check(H5Aread(attr, type, buffer.data()), file, name);
+  return std::string(buffer.data());
+}
+
+std::vector<hsize_t> h5_dataset_dims(hid_t dataset, const std::string& file) {
+  H5Id space(h5_check_id(H5Dget_space(dataset), file, "H5Dget_space"), H5Sclose);
+  int rank = H5Sget_simple_extent_ndims(space);
+  if (rank < 0) throw CheckpointError("checkpoint '" + file + "': unreadable dataspace");
+  std::vector<hsize_t> dims(rank);
+  H5Sget_simple_extent_dims(space, dims.data(), nullptr);
+  return dims;
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,61 @@
+// Thin RAII and checking over the HDF5 C API, for the checkpoint reader and writer.
+//
+// Every failing HDF5 call becomes a CheckpointError naming the file and the call, never a crash;
+// HDF5's own error-stack printing is switched off (h5_quiet) so the user sees one line. Versioned
+// names (H5Dopen2, H5Acreate2, ...) throughout: Debian builds HDF5 with the 1.8 API as default.
+#pragma once
+
+#include <hdf5.h>
+
+#include <string>
+#include <vector>
+
+#include "core/error.hpp"
+
+namespace shardtrain {
+
+void h5_quiet();
+
+// Owns one HDF5 identifier and closes it with the matching H5?close.
+class H5Id {
+ public:
+  using Closer = herr_t (*)(hid_t);
+  H5Id() = default;
+  H5Id(hid_t id, Closer closer) : id_(id), closer_(closer) {}
+  ~H5Id() { reset(); }
+  H5Id(H5Id&& o) noexcept : id_(o.id_), closer_(o.closer_) { o.id_ = H5I_INVALID_HID; }
+  H5Id& operator=(H5Id&& o) noexcept {
+    if (this != &o) reset(), id_ = o.id_, closer_ = o.closer_, o.id_ = H5I_INVALID_HID;
+    return *this;
+  }
+  H5Id(const H5Id&) = delete;
+  H5Id& operator=(const H5Id&) = delete;
+  hid_t get() const { return id_; }
+  operator hid_t() const { return id_; }
+  void reset() {
+    if (id_ >= 0 && closer_) closer_(id_);
+    id_ = H5I_INVALID_HID;
+  }
+
+ private:
+  hid_t id_ = H5I_INVALID_HID;
+  Closer closer_ = nullptr;
+};
+
+// Throws CheckpointError("checkpoint 'file': what failed") when id < 0 / status < 0.
+hid_t h5_check_id(hid_t id, const std::string& file, const char* what);
+void h5_check(herr_t status, const std::string& file, const char* what);
+
+// Scalar and string attributes (collective in parallel files: every rank writes the same value).
+void h5_write_attr_i64(hid_t obj, const char* name, int64_t value, const std::string& file);
+void h5_write_attr_u64(hid_t obj, const char* name, uint64_t value, const std::string& file);
+void h5_write_attr_str(hid_t obj, const char* name, const std::string& value, const std::string& file);
+bool h5_has_attr(hid_t obj, const char* name);
+int64_t h5_read_attr_i64(hid_t obj, const char* name, const std::string& file);
+uint64_t h5_read_attr_u64(hid_t obj, const char* name, const std::string& file);
+std::string h5_read_attr_str(hid_t obj, const char* name, const std::string& file);
+
+// Dimensions of a dataset's dataspace.
+std::vector<hsize_t> h5_dataset_dims(hid_t dataset, const std::string& file);
+
+}  // namespace shardtrain

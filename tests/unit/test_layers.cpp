@@ -1,0 +1,782 @@
+// The CPU layer ops (backend/cpu/ops.hpp) against the naive double oracle (support/reference_ops)
+// and against central finite differences, over awkward shapes (nothing a power of two or a
+// multiple of a block size). For every op and shape:
+//   (a) Float...MatchesReference: the float instantiation vs the double reference, under the
+//       tolerance model written next to it;
+//   (b) Double...MatchesReference: the double instantiation vs the reference at 1e-12;
+//   (c) ...FiniteDifferences: each backward (the double instantiation, and the reference itself)
+//       vs central differences of L = sum(out * R) for a fixed random R;
+//   (d) BackwardTwice...: parameter gradients accumulate (+=, prefilled values kept), activation
+//       gradients are written (=, prefilled NaN garbage must not leak), layernorm dinp accumulates.
+// Every buffer an op touches lives in a GuardedBuffer whose NaN sentinels are checked after each
+// call; outputs and written gradients are prefilled with NaN so an element left unwritten fails.
+// Inputs the float op sees are exactly the inputs the reference sees (float widened to double).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <ostream>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "backend/cpu/ops.hpp"
+#include "support/reference_ops.hpp"
+#include "support/tensor_check.hpp"
+
+namespace {
+
+namespace cpu = shardtrain::cpu;
+namespace ref = shardtrain::reference;
+using shardtrain::testing::expect_close;
+using shardtrain::testing::expect_guards_intact;
+using shardtrain::testing::fill_indices;
+using shardtrain::testing::fill_uniform;
+using shardtrain::testing::fill_value;
+using shardtrain::testing::GuardedBuffer;
+using shardtrain::testing::quiet_nan;
+using shardtrain::testing::Tolerance;
+
+// ---- tolerance models ----------------------------------------------------------------------------
+//
+// u = 2^-24 is fp32's unit roundoff. A sum of K fp32 terms, in any order, blocked or not, with or
+// without FMA, errs by at most gamma_K * sum|terms| ~ K u sum|terms| (Higham, Thm 3.1); with random
+// rounding it is ~sqrt(K) u sum|terms| in practice. Our inputs are O(1) (|x| <= 1..4) and so are
+// the outputs, so we allow atol = rtol = 4 K u: about 4 sqrt(K) times the typical error and near
+// the worst case for a typical row. K is the longest chain of roundings that feeds one output
+// element (the reduction length plus the few pointwise operations around it). exp_fast (~2 ulp),
+// sqrt and division add O(1) u each and are absorbed by the factor 4.
+// The double instantiation uses the same model with u = 2^-53; K u is < 1e-14 for every shape
+// here, so a flat 1e-12 (atol and rtol) holds with a wide margin and still catches any real bug.
+constexpr double kU32 = 0x1p-24;
+constexpr Tolerance kDoubleTol{1e-12, 1e-12};
+
+Tolerance fp32_sum(int K) { return {4.0 * K * kU32, 4.0 * K * kU32}; }
+
+// The model of the element type under test: the fp32 model given, or the flat double one.
+template <typename Real>
+Tolerance model(Tolerance fp32) {
+  return std::is_same_v<Real, float> ? fp32 : kDoubleTol;
+}
+
+template <typename Real>
+const char* type_name() {
+  return std::is_same_v<Real, float> ? "float" : "double";
+}
+
+// ---- finite differences --------------------------------------------------------------------------
+//
+// The gradient of L(x) = sum_j out_j(x) R_j, numerically: dL/dx_i ~ sum_j (out_j(x+h e_i) -
+// out_j(x-h e_i)) R_j / (2h), with h = 1e-6 and the step actually taken ((x+h)-(x-h) in double).
+// Differencing the outputs before summing avoids the cancellation of the large sum L itself.
+// Error model: truncation ~ h^2/6 |L'''| ~ 1e-13, rounding ~ K 2^-53 |out| / h ~ 1e-9; we allow
+// rtol 1e-6 and atol 1e-7 * max(1, max|analytic|), which still catches any wrong term (a missing
+// or wrong gradient term changes results at O(1) relative).
+constexpr double kFdStep = 1e-6;
+constexpr Tolerance kFdTol{1e-7, 1e-6};
+
+// Every index when n is small; otherwise ~kFdMaxPoints evenly spread, always including the last.
+constexpr size_t kFdMaxPoints = 160;
+std::vector<size_t> fd_indices(size_t n) {
+  std::vector<size_t> idx;
+  if (n <= kFdMaxPoints) {
+    for (size_t i = 0; i < n; i++) idx.push_back(i);
+    return idx;
+  }
+  const size_t stride = (n + kFdMaxPoints - 1) / kFdMaxPoints;
+  for (size_t i = stride / 2; i < n; i += stride) idx.push_back(i);
+  if (idx.back() != n - 1) idx.push_back(n - 1);
+  return idx;
+}
+
+using Forward = std::function<void(std::vector<double>& out)>;
+
+// forward() recomputes the outputs from the current contents of x (it reads x through a capture).
+void expect_matches_finite_differences(double* x, size_t n, const double* analytic, const std::vector<double>& R,
+                                       const Forward& forward, const std::string& label) {
+  const std::vector<size_t> idx = fd_indices(n);
+  std::vector<double> numeric(idx.size()), picked(idx.size());
+  std::vector<double> plus(R.size()), minus(R.size());
+  double scale = 1.0;
+  for (size_t i = 0; i < n; i++) scale = std::max(scale, std::fabs(analytic[i]));
+  for (size_t k = 0; k < idx.size(); k++) {
+    const size_t i = idx[k];
+    const double x0 = x[i];
+    const double xp = x0 + kFdStep, xm = x0 - kFdStep;
+    x[i] = xp;
+    forward(plus);
+    x[i] = xm;
+    forward(minus);
+    x[i] = x0;
+    double dl = 0;
+    for (size_t j = 0; j < R.size(); j++) dl += (plus[j] - minus[j]) * R[j];
+    numeric[k] = dl / (xp - xm);
+    picked[k] = analytic[i];
+  }
+  expect_close(picked.data(), numeric, kFdTol.atol * scale, kFdTol.rtol,
+               label + " (" + std::to_string(idx.size()) + " of " + std::to_string(n) + " elements)");
+}
+
+std::vector<double> random_vector(size_t n, uint64_t seed, double lo = -1.0, double hi = 1.0) {
+  std::vector<double> v(n);
+  fill_uniform(v.data(), n, seed, lo, hi);
+  return v;
+}
+
+// Readable test names: GoogleTest calls name_of(param) through this.
+struct ShapeName {
+  template <typename P>
+  std::string operator()(const ::testing::TestParamInfo<P>& info) const {
+    return name_of(info.param);
+  }
+};
+
+// ==================================================================================================
+// Encoder: out(B,T,C) = wte[token] + wpe[t]. wpe gets kExtraPositions rows beyond T, whose
+// gradient must stay untouched. V is small so tokens repeat (the scatter must accumulate).
+// ==================================================================================================
+struct EncoderShape {
+  int B, T, C, V;
+};
+std::string name_of(const EncoderShape& s) {
+  return "B" + std::to_string(s.B) + "_T" + std::to_string(s.T) + "_C" + std::to_string(s.C) + "_V" +
+         std::to_string(s.V);
+}
+void PrintTo(const EncoderShape& s, std::ostream* os) { *os << name_of(s); }
+constexpr int kExtraPositions = 3;
+
+template <typename Real>
+void check_encoder_forward(const EncoderShape& s) {
+  const size_t BT = static_cast<size_t>(s.B) * s.T, maxT = s.T + kExtraPositions;
+  GuardedBuffer<int> tokens(BT, "tokens");
+  GuardedBuffer<Real> wte(static_cast<size_t>(s.V) * s.C, "wte"), wpe(maxT * s.C, "wpe"), out(BT * s.C, "out");
+  fill_indices(tokens.data(), BT, 11, s.V);
+  fill_uniform(wte.data(), wte.size(), 12);
+  fill_uniform(wpe.data(), wpe.size(), 13);
+  fill_value(out.data(), out.size(), quiet_nan<Real>());
+  cpu::encoder_forward(out.data(), tokens.data(), wte.data(), wpe.data(), s.B, s.T, s.C);
+  expect_guards_intact("encoder_forward", tokens, wte, wpe, out);
+
+  std::vector<double> ref_out(out.size());
+  ref::encoder_forward(ref_out.data(), tokens.data(), wte.to_double().data(), wpe.to_double().data(), s.B, s.T, s.C);
+  // One rounding of a + b: |err| <= u |a + b| exactly.
+  expect_close(out.data(), ref_out, model<Real>({0.0, kU32}), std::string("encoder out ") + type_name<Real>());
+}
+
+// calls = 1 checks one backward; calls = 2 checks that the parameter gradients accumulate.
+template <typename Real>
+void check_encoder_backward(const EncoderShape& s, int calls) {
+  const size_t BT = static_cast<size_t>(s.B) * s.T, maxT = s.T + kExtraPositions;
+  GuardedBuffer<int> tokens(BT, "tokens");
+  GuardedBuffer<Real> dout(BT * s.C, "dout"), dwte(static_cast<size_t>(s.V) * s.C, "dwte"), dwpe(maxT * s.C, "dwpe");
+  fill_indices(tokens.data(), BT, 21, s.V);
+  fill_uniform(dout.data(), dout.size(), 22);
+  fill_uniform(dwte.data(), dwte.size(), 23);  // prefilled: parameter gradients accumulate
+  fill_uniform(dwpe.data(), dwpe.size(), 24);
+  std::vector<double> ref_dwte = dwte.to_double(), ref_dwpe = dwpe.to_double();
+  for (int call = 0; call < calls; call++) {
+    cpu::encoder_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), s.B, s.T, s.C);
+    expect_guards_intact("encoder_backward call " + std::to_string(call + 1), tokens, dout, dwte, dwpe);
+    ref::encoder_backward(ref_dwte.data(), ref_dwpe.data(), dout.to_double().data(), tokens.data(), s.B, s.T, s.C);
+  }
+  // dwte[v] = prefill + up to calls*B*T rows of dout (tokens repeat); dwpe[t] = prefill + calls*B rows.
+  const Tolerance tol = model<Real>(fp32_sum(calls * static_cast<int>(BT) + 1));
+  expect_close(dwte.data(), ref_dwte, tol, std::string("encoder dwte ") + type_name<Real>());
+  expect_close(dwpe.data(), ref_dwpe, tol, std::string("encoder dwpe ") + type_name<Real>());
+}
+
+void check_encoder_gradients(const EncoderShape& s, bool reference) {
+  const size_t BT = static_cast<size_t>(s.B) * s.T, maxT = s.T + kExtraPositions;
+  const auto forward_fn = reference ? &ref::encoder_forward : &cpu::encoder_forward<double>;
+  const auto backward_fn = reference ? &ref::encoder_backward : &cpu::encoder_backward<double>;
+  std::vector<int> tokens(BT);
+  fill_indices(tokens.data(), BT, 31, s.V);
+  std::vector<double> wte = random_vector(static_cast<size_t>(s.V) * s.C, 32);
+  std::vector<double> wpe = random_vector(maxT * s.C, 33);
+  const std::vector<double> R = random_vector(BT * s.C, 34);
+  std::vector<double> dwte(wte.size(), 0.0), dwpe(wpe.size(), 0.0);
+  backward_fn(dwte.data(), dwpe.data(), R.data(), tokens.data(), s.B, s.T, s.C);
+  const Forward forward = [&](std::vector<double>& out) {
+    forward_fn(out.data(), tokens.data(), wte.data(), wpe.data(), s.B, s.T, s.C);
+  };
+  const std::string who = reference ? "reference " : "cpu<double> ";
+  expect_matches_finite_differences(wte.data(), wte.size(), dwte.data(), R, forward, who + "encoder dwte");
+  expect_matches_finite_differences(wpe.data(), wpe.size(), dwpe.data(), R, forward, who + "encoder dwpe");
+}
+
+class EncoderTest : public ::testing::TestWithParam<EncoderShape> {};
+TEST_P(EncoderTest, ForwardFloatMatchesReference) { check_encoder_forward<float>(GetParam()); }
+TEST_P(EncoderTest, ForwardDoubleMatchesReference) { check_encoder_forward<double>(GetParam()); }
+TEST_P(EncoderTest, BackwardFloatMatchesReference) { check_encoder_backward<float>(GetParam(), 1); }
+TEST_P(EncoderTest, BackwardDoubleMatchesReference) { check_encoder_backward<double>(GetParam(), 1); }
+TEST_P(EncoderTest, BackwardMatchesFiniteDifferences) { check_encoder_gradients(GetParam(), false); }
+TEST_P(EncoderTest, ReferenceBackwardMatchesFiniteDifferences) { check_encoder_gradients(GetParam(), true); }
+TEST_P(EncoderTest, BackwardTwiceAccumulatesParameterGradients) { check_encoder_backward<float>(GetParam(), 2); }
+
+INSTANTIATE_TEST_SUITE_P(Shapes, EncoderTest,
+                         ::testing::Values(EncoderShape{1, 1, 12, 11}, EncoderShape{1, 5, 12, 50},
+                                           EncoderShape{2, 7, 24, 11}, EncoderShape{3, 13, 36, 50},
+                                           EncoderShape{2, 13, 12, 11}, EncoderShape{3, 5, 36, 11}),
+                         ShapeName());
+
+// ==================================================================================================
+// LayerNorm over rows of C, N = B*T rows. Inputs are uniform in [-2, 3) (non-zero mean, so a
+// one-pass variance would lose digits), weight in [0.5, 1.5), bias in [-0.5, 0.5).
+// ==================================================================================================
+struct LayerNormShape {
+  int B, T, C;
+};
+std::string name_of(const LayerNormShape& s) {
+  return "B" + std::to_string(s.B) + "_T" + std::to_string(s.T) + "_C" + std::to_string(s.C);
+}
+void PrintTo(const LayerNormShape& s, std::ostream* os) { *os << name_of(s); }
+
+template <typename Real>
+struct LayerNormInputs {
+  explicit LayerNormInputs(const LayerNormShape& s)
+      : N(s.B * s.T), C(s.C), inp(static_cast<size_t>(N) * C, "inp"), weight(C, "weight"), bias(C, "bias") {
+    fill_uniform(inp.data(), inp.size(), 41, -2.0, 3.0);
+    fill_uniform(weight.data(), weight.size(), 42, 0.5, 1.5);
+    fill_uniform(bias.data(), bias.size(), 43, -0.5, 0.5);
+  }
+  int N, C;
+  GuardedBuffer<Real> inp, weight, bias;
+};
+
+template <typename Real>
+void check_layernorm_forward(const LayerNormShape& s) {
+  LayerNormInputs<Real> in(s);
+  const int N = in.N, C = in.C;
+  GuardedBuffer<Real> out(static_cast<size_t>(N) * C, "out"), mean(N, "mean"), rstd(N, "rstd");
+  fill_value(out.data(), out.size(), quiet_nan<Real>());
+  fill_value(mean.data(), mean.size(), quiet_nan<Real>());
+  fill_value(rstd.data(), rstd.size(), quiet_nan<Real>());
+  cpu::layernorm_forward(out.data(), mean.data(), rstd.data(), in.inp.data(), in.weight.data(), in.bias.data(), N, C);
+  expect_guards_intact("layernorm_forward", out, mean, rstd, in.inp, in.weight, in.bias);
+
+  std::vector<double> ref_out(out.size()), ref_mean(N), ref_rstd(N);
+  ref::layernorm_forward(ref_out.data(), ref_mean.data(), ref_rstd.data(), in.inp.to_double().data(),
+                         in.weight.to_double().data(), in.bias.to_double().data(), N, C);
+  // mean: a sum of C terms; var: C squared differences; rstd, xhat, * weight + bias: a few more.
+  const Tolerance tol = model<Real>(fp32_sum(2 * C + 4));
+  const std::string type = type_name<Real>();
+  expect_close(out.data(), ref_out, tol, "layernorm out " + type);
+  expect_close(mean.data(), ref_mean, tol, "layernorm mean " + type);
+  expect_close(rstd.data(), ref_rstd, tol, "layernorm rstd " + type);
+}
+
+template <typename Real>
+void check_layernorm_backward(const LayerNormShape& s, int calls) {
+  LayerNormInputs<Real> in(s);
+  const int N = in.N, C = in.C;
+  GuardedBuffer<Real> out(static_cast<size_t>(N) * C, "out"), mean(N, "mean"), rstd(N, "rstd");
+  cpu::layernorm_forward(out.data(), mean.data(), rstd.data(), in.inp.data(), in.weight.data(), in.bias.data(), N, C);
+
+  GuardedBuffer<Real> dout(out.size(), "dout"), dinp(out.size(), "dinp"), dweight(C, "dweight"), dbias(C, "dbias");
+  fill_uniform(dout.data(), dout.size(), 44);
+  fill_uniform(dinp.data(), dinp.size(), 45);  // prefilled: all three gradients accumulate
+  fill_uniform(dweight.data(), dweight.size(), 46);
+  fill_uniform(dbias.data(), dbias.size(), 47);
+  std::vector<double> ref_dinp = dinp.to_double(), ref_dweight = dweight.to_double(), ref_dbias = dbias.to_double();
+  for (int call = 0; call < calls; call++) {
+    cpu::layernorm_backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), in.inp.data(), in.weight.data(),
+                            mean.data(), rstd.data(), N, C);
+    expect_guards_intact("layernorm_backward call " + std::to_string(call + 1), dinp, dweight, dbias, dout, in.inp,
+                         in.weight, mean, rstd);
+    // The reference sees the statistics the op saved, so this isolates the backward.
+    ref::layernorm_backward(ref_dinp.data(), ref_dweight.data(), ref_dbias.data(), dout.to_double().data(),
+                            in.inp.to_double().data(), in.weight.to_double().data(), mean.to_double().data(),
+                            rstd.to_double().data(), N, C);
+  }
+  // dinp: two sums over C per row; dweight, dbias: sums over N rows; plus the prefill.
+  const Tolerance tol = model<Real>(fp32_sum(2 * C + calls * N + 4));
+  const std::string type = type_name<Real>();
+  expect_close(dinp.data(), ref_dinp, tol, "layernorm dinp " + type);
+  expect_close(dweight.data(), ref_dweight, tol, "layernorm dweight " + type);
+  expect_close(dbias.data(), ref_dbias, tol, "layernorm dbias " + type);
+}
+
+void check_layernorm_gradients(const LayerNormShape& s, bool reference) {
+  const int N = s.B * s.T, C = s.C;
+  const auto forward_fn = reference ? &ref::layernorm_forward : &cpu::layernorm_forward<double>;
+  const auto backward_fn = reference ? &ref::layernorm_backward : &cpu::layernorm_backward<double>;
+  std::vector<double> inp = random_vector(static_cast<size_t>(N) * C, 51, -2.0, 3.0);
+  std::vector<double> weight = random_vector(C, 52, 0.5, 1.5), bias = random_vector(C, 53, -0.5, 0.5);
+  const std::vector<double> R = random_vector(inp.size(), 54);
+  std::vector<double> out(inp.size()), mean(N), rstd(N);
+  forward_fn(out.data(), mean.data(), rstd.data(), inp.data(), weight.data(), bias.data(), N, C);
+  std::vector<double> dinp(inp.size(), 0.0), dweight(C, 0.0), dbias(C, 0.0);
+  backward_fn(dinp.data(), dweight.data(), dbias.data(), R.data(), inp.data(), weight.data(), mean.data(), rstd.data(),
+              N, C);
+  const Forward forward = [&](std::vector<double>& y) {
+    std::vector<double> m(N), r(N);
+    forward_fn(y.data(), m.data(), r.data(), inp.data(), weight.data(), bias.data(), N, C);
+  };
+  const std::string who = reference ? "reference " : "cpu<double> ";
+  expect_matches_finite_differences(inp.data(), inp.size(), dinp.data(), R, forward, who + "layernorm dinp");
+  expect_matches_finite_differences(weight.data(), weight.size(), dweight.data(), R, forward, who + "layernorm dweight");
+  expect_matches_finite_differences(bias.data(), bias.size(), dbias.data(), R, forward, who + "layernorm dbias");
+}
+
+class LayerNormTest : public ::testing::TestWithParam<LayerNormShape> {};
+TEST_P(LayerNormTest, ForwardFloatMatchesReference) { check_layernorm_forward<float>(GetParam()); }
+TEST_P(LayerNormTest, ForwardDoubleMatchesReference) { check_layernorm_forward<double>(GetParam()); }
+TEST_P(LayerNormTest, BackwardFloatMatchesReference) { check_layernorm_backward<float>(GetParam(), 1); }
+TEST_P(LayerNormTest, BackwardDoubleMatchesReference) { check_layernorm_backward<double>(GetParam(), 1); }
+TEST_P(LayerNormTest, BackwardMatchesFiniteDifferences) { check_layernorm_gradients(GetParam(), false); }
+TEST_P(LayerNormTest, ReferenceBackwardMatchesFiniteDifferences) { check_layernorm_gradients(GetParam(), true); }
+// layernorm is the exception: dinp accumulates too (it adds onto the residual stream).
+TEST_P(LayerNormTest, BackwardTwiceAccumulatesAllGradients) { check_layernorm_backward<float>(GetParam(), 2); }
+
+std::vector<LayerNormShape> layernorm_shapes() {
+  std::vector<LayerNormShape> shapes;
+  for (int B : {1, 3})
+    for (int T : {1, 5, 7, 13})
+      for (int C : {12, 24, 36}) shapes.push_back({B, T, C});
+  return shapes;
+}
+INSTANTIATE_TEST_SUITE_P(Shapes, LayerNormTest, ::testing::ValuesIn(layernorm_shapes()), ShapeName());
+
+// ==================================================================================================
+// Matmul: out(N,OC) = inp(N,C) @ weight(OC,C)^T + bias, with and without bias; the backward with
+// and without dinp (the first layer's input needs no gradient).
+// ==================================================================================================
+struct MatmulShape {
+  int N, C, OC;
+  bool bias;
+};
+std::string name_of(const MatmulShape& s) {
+  return "N" + std::to_string(s.N) + "_C" + std::to_string(s.C) + "_OC" + std::to_string(s.OC) +
+         (s.bias ? "_bias" : "_nobias");
+}
+void PrintTo(const MatmulShape& s, std::ostream* os) { *os << name_of(s); }
+
+template <typename Real>
+struct MatmulInputs {
+  explicit MatmulInputs(const MatmulShape& s)
+      : inp(static_cast<size_t>(s.N) * s.C, "inp"),
+        weight(static_cast<size_t>(s.OC) * s.C, "weight"),
+        bias(s.bias ? s.OC : 0, "bias") {
+    fill_uniform(inp.data(), inp.size(), 61);
+    fill_uniform(weight.data(), weight.size(), 62);
+    fill_uniform(bias.data(), bias.size(), 63);
+  }
+  const Real* bias_or_null() const { return bias.size() ? bias.data() : nullptr; }
+  GuardedBuffer<Real> inp, weight, bias;
+};
+
+template <typename Real>
+void check_matmul_forward(const MatmulShape& s) {
+  MatmulInputs<Real> in(s);
+  GuardedBuffer<Real> out(static_cast<size_t>(s.N) * s.OC, "out");
+  fill_value(out.data(), out.size(), quiet_nan<Real>());
+  cpu::matmul_forward(out.data(), in.inp.data(), in.weight.data(), in.bias_or_null(), s.N, s.C, s.OC);
+  expect_guards_intact("matmul_forward", out, in.inp, in.weight, in.bias);
+
+  std::vector<double> ref_out(out.size());
+  const std::vector<double> bias = in.bias.to_double();
+  ref::matmul_forward(ref_out.data(), in.inp.to_double().data(), in.weight.to_double().data(),
+                      s.bias ? bias.data() : nullptr, s.N, s.C, s.OC);
+  // C products plus the bias.
+  expect_close(out.data(), ref_out, model<Real>(fp32_sum(s.C + 1)), std::string("matmul out ") + type_name<Real>());
+}
+
+// calls = 2: dweight, dbias accumulate; dinp is written. with_dinp = false passes dinp = null.
+template <typename Real>
+void check_matmul_backward(const MatmulShape& s, int calls, bool with_dinp) {
+  MatmulInputs<Real> in(s);
+  GuardedBuffer<Real> dout(static_cast<size_t>(s.N) * s.OC, "dout"), dinp(in.inp.size(), "dinp"),
+      dweight(in.weight.size(), "dweight"), dbias(in.bias.size(), "dbias");
+  fill_uniform(dout.data(), dout.size(), 64);
+  fill_value(dinp.data(), dinp.size(), quiet_nan<Real>());  // garbage: dinp is written, never read
+  fill_uniform(dweight.data(), dweight.size(), 65);          // prefilled: parameter gradients accumulate
+  fill_uniform(dbias.data(), dbias.size(), 66);
+  std::vector<double> ref_dinp(dinp.size()), ref_dweight = dweight.to_double(), ref_dbias = dbias.to_double();
+  for (int call = 0; call < calls; call++) {
+    cpu::matmul_backward(with_dinp ? dinp.data() : nullptr, dweight.data(), s.bias ? dbias.data() : nullptr,
+                         dout.data(), in.inp.data(), in.weight.data(), s.N, s.C, s.OC);
+    expect_guards_intact("matmul_backward call " + std::to_string(call + 1), dout, dinp, dweight, dbias, in.inp,
+                         in.weight);
+    ref::matmul_backward(ref_dinp.data(), ref_dweight.data(), s.bias ? ref_dbias.data() : nullptr,
+                         dout.to_double().data(), in.inp.to_double().data(), in.weight.to_double().data(), s.N, s.C,
+                         s.OC);
+  }
+  const std::string type = type_name<Real>();
+  if (with_dinp) {
+    expect_close(dinp.data(), ref_dinp, model<Real>(fp32_sum(s.OC)), "matmul dinp " + type);
+  } else {
+    for (size_t i = 0; i < dinp.size(); i++)
+      if (!std::isnan(dinp[i])) {
+        ADD_FAILURE() << "matmul_backward with dinp = null wrote dinp's buffer at " << i;
+        break;
+      }
+  }
+  // dweight, dbias: N terms per call plus the prefill.
+  const Tolerance tol = model<Real>(fp32_sum(calls * s.N + 1));
+  expect_close(dweight.data(), ref_dweight, tol, "matmul dweight " + type);
+  if (s.bias) expect_close(dbias.data(), ref_dbias, tol, "matmul dbias " + type);
+}
+
+void check_matmul_gradients(const MatmulShape& s, bool reference) {
+  const auto forward_fn = reference ? &ref::matmul_forward : &cpu::matmul_forward<double>;
+  const auto backward_fn = reference ? &ref::matmul_backward : &cpu::matmul_backward<double>;
+  std::vector<double> inp = random_vector(static_cast<size_t>(s.N) * s.C, 71);
+  std::vector<double> weight = random_vector(static_cast<size_t>(s.OC) * s.C, 72);
+  std::vector<double> bias = random_vector(s.OC, 73);
+  const std::vector<double> R = random_vector(static_cast<size_t>(s.N) * s.OC, 74);
+  std::vector<double> dinp(inp.size()), dweight(weight.size(), 0.0), dbias(bias.size(), 0.0);
+  backward_fn(dinp.data(), dweight.data(), s.bias ? dbias.data() : nullptr, R.data(), inp.data(), weight.data(), s.N,
+              s.C, s.OC);
+  const Forward forward = [&](std::vector<double>& out) {
+    forward_fn(out.data(), inp.data(), weight.data(), s.bias ? bias.data() : nullptr, s.N, s.C, s.OC);
+  };
+  const std::string who = reference ? "reference " : "cpu<double> ";
+  expect_matches_finite_differences(inp.data(), inp.size(), dinp.data(), R, forward, who + "matmul dinp");
+  expect_matches_finite_differences(weight.data(), weight.size(), dweight.data(), R, forward, who + "matmul dweight");
+  if (s.bias) expect_matches_finite_differences(bias.data(), bias.size(), dbias.data(), R, forward, who + "matmul dbias");
+}
+
+class MatmulTest : public ::testing::TestWithParam<MatmulShape> {};
+TEST_P(MatmulTest, ForwardFloatMatchesReference) { check_matmul_forward<float>(GetParam()); }
+TEST_P(MatmulTest, ForwardDoubleMatchesReference) { check_matmul_forward<double>(GetParam()); }
+TEST_P(MatmulTest, BackwardFloatMatchesReference) { check_matmul_backward<float>(GetParam(), 1, true); }
+TEST_P(MatmulTest, BackwardDoubleMatchesReference) { check_matmul_backward<double>(GetParam(), 1, true); }
+TEST_P(MatmulTest, BackwardWithoutDinpLeavesItAlone) { check_matmul_backward<float>(GetParam(), 1, false); }
+TEST_P(MatmulTest, BackwardMatchesFiniteDifferences) { check_matmul_gradients(GetParam(), false); }
+TEST_P(MatmulTest, ReferenceBackwardMatchesFiniteDifferences) { check_matmul_gradients(GetParam(), true); }
+TEST_P(MatmulTest, BackwardTwiceAccumulatesParamsOverwritesDinp) { check_matmul_backward<float>(GetParam(), 2, true); }
+
+std::vector<MatmulShape> matmul_shapes() {
+  std::vector<MatmulShape> shapes;
+  for (int N : {1, 5, 13, 39})
+    for (int C : {12, 36})
+      for (int OC : {20, 37})
+        for (bool bias : {true, false}) shapes.push_back({N, C, OC, bias});
+  shapes.push_back({21, 36, 108, true});  // the qkv projection, OC = 3C
+  shapes.push_back({7, 24, 96, true});    // the MLP up projection, OC = 4C
+  shapes.push_back({15, 36, 11, false});  // the tied classifier, OC = V
+  return shapes;
+}
+INSTANTIATE_TEST_SUITE_P(Shapes, MatmulTest, ::testing::ValuesIn(matmul_shapes()), ShapeName());
+
+// ==================================================================================================
+// Causal self-attention: qkv(B,T,3C) in [-2, 2), so scores spread over a few units.
+// ==================================================================================================
+struct AttentionShape {
+  int B, T, C, NH;
+};
+std::string name_of(const AttentionShape& s) {
+  return "B" + std::to_string(s.B) + "_T" + std::to_string(s.T) + "_C" + std::to_string(s.C) + "_NH" +
+         std::to_string(s.NH);
+}
+void PrintTo(const AttentionShape& s, std::ostream* os) { *os << name_of(s); }
+
+size_t att_size(const AttentionShape& s) { return static_cast<size_t>(s.B) * s.NH * s.T * s.T; }
+
+// fp32 attention: a score is hs products (|q k| <= 4) scaled; the softmax adds exp_fast and a sum
+// of up to T terms; out sums T products att * v. att errs ~ u (hs |score terms| + T): the longest
+// chain is ~ 4 hs + T. The backward chains datt (hs), the weighted sum (T), and dq/dk/dv (T).
+Tolerance fp32_attention_forward(const AttentionShape& s) { return fp32_sum(4 * (s.C / s.NH) + 2 * s.T); }
+Tolerance fp32_attention_backward(const AttentionShape& s) { return fp32_sum(4 * (s.C / s.NH) + 4 * s.T); }
+
+// Softmax rows: exactly 0 above the diagonal, non-negative, summing to 1 within row_tol.
+template <typename Real>
+void expect_causal_softmax_rows(const Real* att, const AttentionShape& s, double row_tol, const std::string& label) {
+  const int T = s.T;
+  for (int bh = 0; bh < s.B * s.NH; bh++)
+    for (int t = 0; t < T; t++) {
+      const Real* row = att + (static_cast<size_t>(bh) * T + t) * T;
+      double sum = 0;
+      for (int u = 0; u < T; u++) {
+        if (u > t && row[u] != Real(0)) {
+          ADD_FAILURE() << label << ": att[b*NH+h=" << bh << ", t=" << t << ", s=" << u << "] = " << row[u]
+                        << " above the diagonal (must be exactly 0)";
+          return;
+        }
+        if (!(row[u] >= Real(0))) {
+          ADD_FAILURE() << label << ": att[b*NH+h=" << bh << ", t=" << t << ", s=" << u << "] = " << row[u]
+                        << " is not a probability";
+          return;
+        }
+        sum += row[u];
+      }
+      if (!(std::fabs(sum - 1.0) <= row_tol)) {
+        ADD_FAILURE() << label << ": row b*NH+h=" << bh << ", t=" << t << " sums to " << sum << " (|sum-1| = "
+                      << std::fabs(sum - 1.0) << " > " << row_tol << ")";
+        return;
+      }
+    }
+}
+
+template <typename Real>
+void check_attention_forward(const AttentionShape& s) {
+  const size_t BT = static_cast<size_t>(s.B) * s.T;
+  GuardedBuffer<Real> qkv(BT * 3 * s.C, "qkv"), out(BT * s.C, "out"), att(att_size(s), "att");
+  fill_uniform(qkv.data(), qkv.size(), 81, -2.0, 2.0);
+  fill_value(out.data(), out.size(), quiet_nan<Real>());
+  fill_value(att.data(), att.size(), quiet_nan<Real>());  // the zeros above the diagonal must be written
+  cpu::attention_forward(out.data(), att.data(), qkv.data(), s.B, s.T, s.C, s.NH);
+  expect_guards_intact("attention_forward", qkv, out, att);
+
+  std::vector<double> ref_out(out.size()), ref_att(att.size());
+  ref::attention_forward(ref_out.data(), ref_att.data(), qkv.to_double().data(), s.B, s.T, s.C, s.NH);
+  const Tolerance tol = model<Real>(fp32_attention_forward(s));
+  const std::string type = type_name<Real>();
+  expect_close(att.data(), ref_att, tol, "attention att " + type);
+  expect_close(out.data(), ref_out, tol, "attention out " + type);
+  // A row sum is T probabilities, each within a few u: T + a few roundings.
+  expect_causal_softmax_rows(att.data(), s, model<Real>(fp32_sum(s.T + 2)).atol, "attention att rows " + type);
+}
+
+// Wraps the CPU backward so it has the reference's signature (the scratch is the op's business).
+void attention_backward_cpu_double(double* dqkv, const double* dout, const double* qkv, const double* att, int B,
+                                   int T, int C, int NH) {
+  std::vector<double> scratch(static_cast<size_t>(B) * NH * T * T, quiet_nan<double>());
+  cpu::attention_backward(dqkv, scratch.data(), dout, qkv, att, B, T, C, NH);
+}
+
+template <typename Real>
+void check_attention_backward(const AttentionShape& s, int calls) {
+  const size_t BT = static_cast<size_t>(s.B) * s.T;
+  GuardedBuffer<Real> qkv(BT * 3 * s.C, "qkv"), out(BT * s.C, "out"), att(att_size(s), "att");
+  fill_uniform(qkv.data(), qkv.size(), 82, -2.0, 2.0);
+  cpu::attention_forward(out.data(), att.data(), qkv.data(), s.B, s.T, s.C, s.NH);
+
+  GuardedBuffer<Real> dout(out.size(), "dout"), dqkv(qkv.size(), "dqkv"), scratch(att_size(s), "scratch");
+  fill_uniform(dout.data(), dout.size(), 83);
+  fill_value(dqkv.data(), dqkv.size(), quiet_nan<Real>());        // garbage: dqkv is written
+  fill_value(scratch.data(), scratch.size(), quiet_nan<Real>());  // garbage: the op owns its workspace
+  for (int call = 0; call < calls; call++) {
+    cpu::attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), s.B, s.T, s.C, s.NH);
+    expect_guards_intact("attention_backward call " + std::to_string(call + 1), dqkv, scratch, dout, qkv, att);
+  }
+  // The reference sees the probabilities the op saved, so this isolates the backward.
+  std::vector<double> ref_dqkv(dqkv.size());
+  ref::attention_backward(ref_dqkv.data(), dout.to_double().data(), qkv.to_double().data(), att.to_double().data(),
+                          s.B, s.T, s.C, s.NH);
+  expect_close(dqkv.data(), ref_dqkv, model<Real>(fp32_attention_backward(s)),
+               std::string("attention dqkv ") + type_name<Real>());
+}
+
+void check_attention_gradients(const AttentionShape& s, bool reference) {
+  const size_t BT = static_cast<size_t>(s.B) * s.T;
+  const auto forward_fn = reference ? &ref::attention_forward : &cpu::attention_forward<double>;
+  const auto backward_fn = reference ? &ref::attention_backward : &attention_backward_cpu_double;
+  std::vector<double> qkv = random_vector(BT * 3 * s.C, 91, -2.0, 2.0);
+  const std::vector<double> R = random_vector(BT * s.C, 92);
+  std::vector<double> out(BT * s.C), att(att_size(s)), dqkv(qkv.size());
+  forward_fn(out.data(), att.data(), qkv.data(), s.B, s.T, s.C, s.NH);
+  backward_fn(dqkv.data(), R.data(), qkv.data(), att.data(), s.B, s.T, s.C, s.NH);
+  std::vector<double> att_scratch(att.size());
+  const Forward forward = [&](std::vector<double>& y) {
+    forward_fn(y.data(), att_scratch.data(), qkv.data(), s.B, s.T, s.C, s.NH);
+  };
+  const std::string who = reference ? "reference " : "cpu<double> ";
+  expect_matches_finite_differences(qkv.data(), qkv.size(), dqkv.data(), R, forward, who + "attention dqkv");
+}
+
+class AttentionTest : public ::testing::TestWithParam<AttentionShape> {};
+TEST_P(AttentionTest, ForwardFloatMatchesReference) { check_attention_forward<float>(GetParam()); }
+TEST_P(AttentionTest, ForwardDoubleMatchesReference) { check_attention_forward<double>(GetParam()); }
+TEST_P(AttentionTest, BackwardFloatMatchesReference) { check_attention_backward<float>(GetParam(), 1); }
+TEST_P(AttentionTest, BackwardDoubleMatchesReference) { check_attention_backward<double>(GetParam(), 1); }
+TEST_P(AttentionTest, BackwardMatchesFiniteDifferences) { check_attention_gradients(GetParam(), false); }
+TEST_P(AttentionTest, ReferenceBackwardMatchesFiniteDifferences) { check_attention_gradients(GetParam(), true); }
+TEST_P(AttentionTest, BackwardTwiceOverwritesDqkv) { check_attention_backward<float>(GetParam(), 2); }
+
+std::vector<AttentionShape> attention_shapes() {
+  std::vector<AttentionShape> shapes;
+  const std::pair<int, int> heads[] = {{12, 1}, {12, 3}, {24, 2}, {36, 2}, {36, 3}};  // head sizes 12, 4, 12, 18, 12
+  for (int B : {1, 3})
+    for (int T : {1, 5, 7, 13})
+      for (auto [C, NH] : heads) shapes.push_back({B, T, C, NH});
+  return shapes;
+}
+INSTANTIATE_TEST_SUITE_P(Shapes, AttentionTest, ::testing::ValuesIn(attention_shapes()), ShapeName());
+
+// ==================================================================================================
+// GELU and the residual add: pointwise over n elements, n not a multiple of any vector width.
+// GELU inputs span [-6, 6) to reach both tails.
+// ==================================================================================================
+struct PointwiseShape {
+  size_t n;
+};
+std::string name_of(const PointwiseShape& s) { return "n" + std::to_string(s.n); }
+void PrintTo(const PointwiseShape& s, std::ostream* os) { *os << name_of(s); }
+
+// fp32 GELU as x * sigmoid(2u): u = sqrt(2/pi)(x + 0.044715 x^3) carries a relative error of a few
+// u, which exp turns into an absolute error of ~|2u| (<= 25 at |x| = 6) u in the exponent, i.e. a
+// relative error of ~25 u in the far negative tail. rtol 64 u; atol 16 u covers the zero crossing
+// of gelu' near x = -0.75 (where s and x s (1-s) 2u' cancel).
+constexpr Tolerance kFp32Gelu{16 * kU32, 64 * kU32};
+
+template <typename Real>
+void check_gelu_forward(const PointwiseShape& s) {
+  GuardedBuffer<Real> inp(s.n, "inp"), out(s.n, "out");
+  fill_uniform(inp.data(), s.n, 101, -6.0, 6.0);
+  fill_value(out.data(), s.n, quiet_nan<Real>());
+  cpu::gelu_forward(out.data(), inp.data(), s.n);
+  expect_guards_intact("gelu_forward", inp, out);
+  std::vector<double> ref_out(s.n);
+  ref::gelu_forward(ref_out.data(), inp.to_double().data(), s.n);
+  expect_close(out.data(), ref_out, model<Real>(kFp32Gelu), std::string("gelu out ") + type_name<Real>());
+}
+
+template <typename Real>
+void check_gelu_backward(const PointwiseShape& s, int calls) {
+  GuardedBuffer<Real> inp(s.n, "inp"), dout(s.n, "dout"), dinp(s.n, "dinp");
+  fill_uniform(inp.data(), s.n, 102, -6.0, 6.0);
+  fill_uniform(dout.data(), s.n, 103);
+  fill_value(dinp.data(), s.n, quiet_nan<Real>());  // garbage: dinp is written
+  for (int call = 0; call < calls; call++) {
+    cpu::gelu_backward(dinp.data(), dout.data(), inp.data(), s.n);
+    expect_guards_intact("gelu_backward call " + std::to_string(call + 1), inp, dout, dinp);
+  }
+  std::vector<double> ref_dinp(s.n);
+  ref::gelu_backward(ref_dinp.data(), dout.to_double().data(), inp.to_double().data(), s.n);
+  expect_close(dinp.data(), ref_dinp, model<Real>(kFp32Gelu), std::string("gelu dinp ") + type_name<Real>());
+}
+
+void check_gelu_gradients(const PointwiseShape& s, bool reference) {
+  const auto forward_fn = reference ? &ref::gelu_forward : &cpu::gelu_forward<double>;
+  const auto backward_fn = reference ? &ref::gelu_backward : &cpu::gelu_backward<double>;
+  std::vector<double> inp = random_vector(s.n, 104, -6.0, 6.0);
+  const std::vector<double> R = random_vector(s.n, 105);
+  std::vector<double> dinp(s.n);
+  backward_fn(dinp.data(), R.data(), inp.data(), s.n);
+  const Forward forward = [&](std::vector<double>& y) { forward_fn(y.data(), inp.data(), s.n); };
+  const std::string who = reference ? "reference " : "cpu<double> ";
+  expect_matches_finite_differences(inp.data(), inp.size(), dinp.data(), R, forward, who + "gelu dinp");
+}
+
+template <typename Real>
+void check_residual_forward(const PointwiseShape& s) {
+  GuardedBuffer<Real> a(s.n, "a"), b(s.n, "b"), out(s.n, "out");
+  fill_uniform(a.data(), s.n, 111);
+  fill_uniform(b.data(), s.n, 112);
+  fill_value(out.data(), s.n, quiet_nan<Real>());
+  cpu::residual_forward(out.data(), a.data(), b.data(), s.n);
+  expect_guards_intact("residual_forward", a, b, out);
+  std::vector<double> ref_out(s.n);
+  ref::residual_forward(ref_out.data(), a.to_double().data(), b.to_double().data(), s.n);
+  // One rounding: |err| <= u |a + b|.
+  expect_close(out.data(), ref_out, model<Real>({0.0, kU32}), std::string("residual out ") + type_name<Real>());
+}
+
+class GeluTest : public ::testing::TestWithParam<PointwiseShape> {};
+TEST_P(GeluTest, ForwardFloatMatchesReference) { check_gelu_forward<float>(GetParam()); }
+TEST_P(GeluTest, ForwardDoubleMatchesReference) { check_gelu_forward<double>(GetParam()); }
+TEST_P(GeluTest, BackwardFloatMatchesReference) { check_gelu_backward<float>(GetParam(), 1); }
+TEST_P(GeluTest, BackwardDoubleMatchesReference) { check_gelu_backward<double>(GetParam(), 1); }
+TEST_P(GeluTest, BackwardMatchesFiniteDifferences) { check_gelu_gradients(GetParam(), false); }
+TEST_P(GeluTest, ReferenceBackwardMatchesFiniteDifferences) { check_gelu_gradients(GetParam(), true); }
+TEST_P(GeluTest, BackwardTwiceOverwritesDinp) { check_gelu_backward<float>(GetParam(), 2); }
+
+class ResidualTest : public ::testing::TestWithParam<PointwiseShape> {};
+TEST_P(ResidualTest, ForwardFloatMatchesReference) { check_residual_forward<float>(GetParam()); }
+TEST_P(ResidualTest, ForwardDoubleMatchesReference) { check_residual_forward<double>(GetParam()); }
+
+const PointwiseShape kPointwiseShapes[] = {{1}, {7}, {37}, {257}, {1003}, {4099}};
+INSTANTIATE_TEST_SUITE_P(Sizes, GeluTest, ::testing::ValuesIn(kPointwiseShapes), ShapeName());
+INSTANTIATE_TEST_SUITE_P(Sizes, ResidualTest, ::testing::ValuesIn(kPointwiseShapes), ShapeName());
+
+// ==================================================================================================
+// Softmax cross-entropy, in place over logits(N,V). Logits are uniform in [-4, 4) + shift; a shift
+// of 100 overflows exp in float unless the row maximum is subtracted first.
+// ==================================================================================================
+struct CrossEntropyShape {
+  int N, V;
+  int shift;
+};
+std::string name_of(const CrossEntropyShape& s) {
+  return "N" + std::to_string(s.N) + "_V" + std::to_string(s.V) + (s.shift ? "_shift" + std::to_string(s.shift) : "");
+}
+void PrintTo(const CrossEntropyShape& s, std::ostream* os) { *os << name_of(s); }
+
+// probs: exp_fast and a sum of V terms, one division: fp32_sum(V + 4). The loss, -log p, adds an
+// absolute error of about u |logit| if it is formed as (max + log sum) - logit, so atol gets a
+// further 4 u (|shift| + 4).
+Tolerance fp32_probs(const CrossEntropyShape& s) { return fp32_sum(s.V + 4); }
+Tolerance fp32_losses(const CrossEntropyShape& s) {
+  const Tolerance t = fp32_sum(s.V + 4);
+  return {t.atol + 4 * kU32 * (std::abs(s.shift) + 4), t.rtol};
+}
+
+template <typename Real>
+void check_crossentropy_forward(const CrossEntropyShape& s) {
+  GuardedBuffer<Real> logits(static_cast<size_t>(s.N) * s.V, "logits"), losses(s.N, "losses");
+  GuardedBuffer<int> targets(s.N, "targets");
+  fill_uniform(logits.data(), logits.size(), 121, s.shift - 4.0, s.shift + 4.0);
+  fill_indices(targets.data(), s.N, 122, s.V);
+  fill_value(losses.data(), losses.size(), quiet_nan<Real>());
+  std::vector<double> ref_probs = logits.to_double(), ref_losses(s.N);
+  cpu::softmax_crossentropy_forward(losses.data(), logits.data(), targets.data(), s.N, s.V);
+  expect_guards_intact("softmax_crossentropy_forward", logits, losses, targets);
+  ref::softmax_crossentropy_forward(ref_losses.data(), ref_probs.data(), targets.data(), s.N, s.V);
+  const std::string type = type_name<Real>();
+  expect_close(logits.data(), ref_probs, model<Real>(fp32_probs(s)), "crossentropy probs " + type);
+  expect_close(losses.data(), ref_losses, model<Real>(fp32_losses(s)), "crossentropy losses " + type);
+}
+
+template <typename Real>
+void check_crossentropy_backward(const CrossEntropyShape& s) {
+  GuardedBuffer<Real> logits(static_cast<size_t>(s.N) * s.V, "probs"), losses(s.N, "losses");
+  GuardedBuffer<int> targets(s.N, "targets");
+  fill_uniform(logits.data(), logits.size(), 123, s.shift - 4.0, s.shift + 4.0);
+  fill_indices(targets.data(), s.N, 124, s.V);
+  cpu::softmax_crossentropy_forward(losses.data(), logits.data(), targets.data(), s.N, s.V);
+  // The mean over N tokens, as the trainer uses it; the reference gets dloss as the op sees it.
+  const Real dloss = Real(1.0 / s.N);
+  std::vector<double> ref_dlogits = logits.to_double();
+  cpu::softmax_crossentropy_backward(logits.data(), targets.data(), dloss, s.N, s.V);
+  expect_guards_intact("softmax_crossentropy_backward", logits, targets);
+  ref::softmax_crossentropy_backward(ref_dlogits.data(), targets.data(), static_cast<double>(dloss), s.N, s.V);
+  // Two roundings (p - 1 and * dloss).
+  expect_close(logits.data(), ref_dlogits, model<Real>({0.0, 4 * kU32}),
+               std::string("crossentropy dlogits ") + type_name<Real>());
+}
+
+void check_crossentropy_gradients(const CrossEntropyShape& s, bool reference) {
+  const auto forward_fn = reference ? &ref::softmax_crossentropy_forward : &cpu::softmax_crossentropy_forward<double>;
+  const auto backward_fn =
+      reference ? &ref::softmax_crossentropy_backward : &cpu::softmax_crossentropy_backward<double>;
+  std::vector<double> logits = random_vector(static_cast<size_t>(s.N) * s.V, 131, s.shift - 4.0, s.shift + 4.0);
+  std::vector<int> targets(s.N);
+  fill_indices(targets.data(), s.N, 132, s.V);
+  const double dloss = 0.37;  // L = dloss * sum_n loss_n, so R = dloss everywhere
+  const std::vector<double> R(s.N, dloss);
+  std::vector<double> dlogits = logits, losses(s.N);
+  forward_fn(losses.data(), dlogits.data(), targets.data(), s.N, s.V);
+  backward_fn(dlogits.data(), targets.data(), dloss, s.N, s.V);
+  std::vector<double> scratch(logits.size());
+  const Forward forward = [&](std::vector<double>& y) {
+    scratch = logits;  // the forward consumes its input
+    forward_fn(y.data(), scratch.data(), targets.data(), s.N, s.V);
+  };
+  const std::string who = reference ? "reference " : "cpu<double> ";
+  expect_matches_finite_differences(logits.data(), logits.size(), dlogits.data(), R, forward,
+                                    who + "crossentropy dlogits");
+}
+
+class CrossEntropyTest : public ::testing::TestWithParam<CrossEntropyShape> {};
+TEST_P(CrossEntropyTest, ForwardFloatMatchesReference) { check_crossentropy_forward<float>(GetParam()); }
+TEST_P(CrossEntropyTest, ForwardDoubleMatchesReference) { check_crossentropy_forward<double>(GetParam()); }
+TEST_P(CrossEntropyTest, BackwardFloatMatchesReference) { check_crossentropy_backward<float>(GetParam()); }
+TEST_P(CrossEntropyTest, BackwardDoubleMatchesReference) { check_crossentropy_backward<double>(GetParam()); }
+TEST_P(CrossEntropyTest, BackwardMatchesFiniteDifferences) { check_crossentropy_gradients(GetParam(), false); }
+TEST_P(CrossEntropyTest, ReferenceBackwardMatchesFiniteDifferences) { check_crossentropy_gradients(GetParam(), true); }
+
+std::vector<CrossEntropyShape> crossentropy_shapes() {
+  std::vector<CrossEntropyShape> shapes;
+  for (int N : {1, 5, 13, 39})
+    for (int V : {11, 50}) shapes.push_back({N, V, 0});
+  shapes.push_back({7, 257, 0});
+  shapes.push_back({5, 50, 100});
+  shapes.push_back({3, 11, -100});
+  return shapes;
+}
+INSTANTIATE_TEST_SUITE_P(Shapes, CrossEntropyTest, ::testing::ValuesIn(crossentropy_shapes()), ShapeName());
+
+}  // namespace
