@@ -87,7 +87,12 @@ def run_e2e_tests(tally, pattern):
             continue
         spec = importlib.util.spec_from_file_location(file[:-3], os.path.join(e2e_dir, file))
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except Exception:
+            tally.record(f"{file[:-3]} (import)", "failed")
+            print("      " + traceback.format_exc().replace("\n", "\n      "))
+            continue
         for name in sorted(n for n in dir(module) if n.startswith("test_")):
             full = f"{file[:-3]}.{name}"
             if pattern and pattern not in full:

@@ -7,10 +7,12 @@
 #include <string>
 #include <vector>
 
+#include "app/inspect.hpp"
 #include "app/options.hpp"
 #include "app/trainer.hpp"
 #include "comm/runtime.hpp"
 #include "core/error.hpp"
+#include "ckpt/llmc.hpp"
 #include "data/data_commands.hpp"
 
 namespace po = boost::program_options;
@@ -25,6 +27,8 @@ const char* USAGE =
     "  train          train a GPT model with fully sharded data parallelism (launch with mpirun/srun)\n"
     "  data synth     write the built-in synthetic corpus as byte-level token files\n"
     "  data encode    encode any text file as byte-level tokens (vocab_size 256)\n"
+    "  inspect FILE   print what a checkpoint holds: format, step, configuration, parameters and norms\n"
+    "  export         write a checkpoint's weights as an llm.c GPT-2 checkpoint\n"
     "\n"
     "'shardtrain <command> --help' lists a command's options.\n";
 
@@ -70,6 +74,35 @@ int run_data(const Runtime& rt, const std::vector<std::string>& args) {
   return EXIT_CODE_OK;
 }
 
+// `inspect FILE` and `export --checkpoint FILE --output FILE`: serial tools, run by rank 0.
+void run_checkpoint_tool(const Runtime& rt, const std::vector<std::string>& args) {
+  const bool inspect = args[0] == "inspect";
+  std::string checkpoint, output;
+  po::options_description desc(inspect ? "usage: shardtrain inspect FILE" : "export options");
+  desc.add_options()("help,h", "print the options")("checkpoint", po::value(&checkpoint)->required(),
+                                                    "shardtrain checkpoint (.h5), either layout");
+  if (!inspect) desc.add_options()("output", po::value(&output)->required(), "llm.c checkpoint file to write");
+  po::positional_options_description positional;
+  positional.add("checkpoint", 1);
+  po::variables_map vm;
+  try {
+    std::vector<std::string> rest(args.begin() + 1, args.end());
+    po::store(po::command_line_parser(rest).options(desc).positional(positional).run(), vm);
+    if (vm.count("help")) {
+      if (rt.is_root()) std::cout << desc << "\n";
+      return;
+    }
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw UsageError(std::string(e.what()) + "; see 'shardtrain " + args[0] + " --help'");
+  }
+  if (!rt.is_root()) return;
+  if (inspect)
+    inspect_checkpoint(checkpoint);
+  else
+    export_llmc(checkpoint, output);
+}
+
 int run_command(const Runtime& rt, const std::vector<std::string>& args) {
   if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
     if (rt.is_root()) std::fputs(USAGE, stdout);
@@ -92,7 +125,11 @@ int run_command(const Runtime& rt, const std::vector<std::string>& args) {
     rt.agree_on([&] { code = run_data(rt, rest); });
     return code;
   }
-  throw UsageError("unknown command '" + args[0] + "'; commands: train, data synth, data encode");
+  if (args[0] == "inspect" || args[0] == "export") {
+    rt.agree_on([&] { run_checkpoint_tool(rt, args); });
+    return EXIT_CODE_OK;
+  }
+  throw UsageError("unknown command '" + args[0] + "'; commands: train, data synth, data encode, inspect, export");
 }
 
 }  // namespace

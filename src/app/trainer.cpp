@@ -17,6 +17,7 @@
 #include "app/metrics.hpp"
 #include "app/perf.hpp"
 #include "ckpt/checkpoint_manager.hpp"
+#include "ckpt/llmc.hpp"
 #include "comm/comm.hpp"
 #include "comm/watchdog.hpp"
 #include "data/sampler.hpp"
@@ -68,6 +69,7 @@ class Trainer {
   void print_summary();
   // Loads the checkpoint that checkpoint.resume selects; returns its step (0: fresh start).
   int resume();
+  int resume_auto();
   // Loads one checkpoint; returns its step, or -1 when fall_back and the file is unusable.
   int try_load(const std::string& path, bool fall_back);
   void warn_config_changes(const CheckpointState& state);
@@ -242,8 +244,16 @@ int Trainer::try_load(const std::string& path, bool fall_back) {
 
 int Trainer::resume() {
   const std::string& mode = cfg_.checkpoint.resume;
-  if (mode == "none") return 0;
-  if (mode != "auto") return try_load(mode, false);
+  int step = 0;
+  if (mode != "none") step = mode == "auto" ? resume_auto() : try_load(mode, false);
+  if (step == 0 && !cfg_.checkpoint.init_from.empty()) {
+    rt_.agree_on([&] { load_llmc_shards(cfg_.checkpoint.init_from, engine_); });
+    rt_.info("initialised the weights from llm.c checkpoint %s", cfg_.checkpoint.init_from.c_str());
+  }
+  return step;
+}
+
+int Trainer::resume_auto() {
   std::vector<std::string> candidates = checkpoints_.candidates();
   for (const std::string& path : candidates)
     if (int step = try_load(path, true); step >= 0) return step;

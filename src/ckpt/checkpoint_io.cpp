@@ -300,14 +300,58 @@ CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, Ada
   return state;
 }
 
-CheckpointState read_checkpoint_state(const std::string& path) {
+static H5Id open_serial(const std::string& path) {
   h5_quiet();
   H5Id fapl(h5_check_id(H5Pcreate(H5P_FILE_ACCESS), path, "H5Pcreate"), H5Pclose);
   h5_check(H5Pset_file_locking(fapl, false, true), path, "H5Pset_file_locking");
   hid_t id = H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl);
   if (id < 0) throw CheckpointError("checkpoint '" + path + "': cannot open as HDF5 (missing, truncated or not a checkpoint)");
-  H5Id file(id, H5Fclose);
+  return H5Id(id, H5Fclose);
+}
+
+CheckpointState read_checkpoint_state(const std::string& path) {
+  H5Id file = open_serial(path);
   return read_state(file, path);
+}
+
+CheckpointReader::CheckpointReader(const std::string& path) : path_(path) {
+  H5Id file = open_serial(path);
+  state_ = read_state(file, path);
+  file_ = H5Freopen(file);
+  h5_check_id(file_, path, "H5Freopen");
+}
+
+CheckpointReader::~CheckpointReader() {
+  if (file_ >= 0) H5Fclose(file_);
+}
+
+std::string CheckpointReader::dataset_path(const ParamInfo& param, const std::string& unit_name, Tensor tensor) const {
+  if (state_.layout == "sharded")
+    return "/shards/" + unit_name + "/" + (tensor == TENSOR_PARAMS ? "params" : MOMENT_NAMES[tensor - 1]);
+  const char* prefix[3] = {"/model/", "/optim/exp_avg/", "/optim/exp_avg_sq/"};
+  return prefix[tensor] + param.name;
+}
+
+std::vector<float> CheckpointReader::read(const ParamInfo& param, const std::string& unit_name, Tensor tensor) const {
+  const std::string where = dataset_path(param, unit_name, tensor);
+  if (H5Lexists(file_, where.c_str(), H5P_DEFAULT) <= 0)
+    throw CheckpointError("checkpoint '" + path_ + "': dataset " + where + " is missing");
+  H5Id dataset(h5_check_id(H5Dopen2(file_, where.c_str(), H5P_DEFAULT), path_, "H5Dopen2"), H5Dclose);
+  std::vector<hsize_t> dims = h5_dataset_dims(dataset, path_);
+  // Gathered: the whole dataset; sharded: the parameter's run of the unit's flat buffer.
+  const uint64_t first = state_.layout == "sharded" ? param.offset : 0;
+  uint64_t total = 1;
+  for (hsize_t d : dims) total *= d;
+  if (dims.size() > 2 || total < first + param.numel)
+    throw CheckpointError("checkpoint '" + path_ + "': dataset " + where + " is too small for " + param.name);
+  H5Id space(h5_check_id(H5Dget_space(dataset), path_, "H5Dget_space"), H5Sclose);
+  select_flat_range(space, dims, first, param.numel, path_);
+  hsize_t n = param.numel;
+  H5Id memspace(h5_check_id(H5Screate_simple(1, &n, nullptr), path_, "H5Screate_simple"), H5Sclose);
+  std::vector<float> values(param.numel);
+  h5_check(H5Dread(dataset, H5T_NATIVE_FLOAT, memspace, space, H5P_DEFAULT, values.data()), path_,
+           ("reading " + where).c_str());
+  return values;
 }
 
 }  // namespace shardtrain

@@ -51,6 +51,25 @@ std::string model_mismatch(const std::string& path, const ModelConfig& stored, c
 // Reads only the root attributes (serial open), for `inspect` and for choosing a checkpoint.
 CheckpointState read_checkpoint_state(const std::string& path);
 
+// Serial, whole-tensor access to a checkpoint of either layout, one parameter at a time (for
+// `inspect` and `export`, which must not need the model in memory).
+class CheckpointReader {
+ public:
+  enum Tensor { TENSOR_PARAMS, TENSOR_EXP_AVG, TENSOR_EXP_AVG_SQ };
+  explicit CheckpointReader(const std::string& path);
+  ~CheckpointReader();
+  const CheckpointState& state() const { return state_; }
+  // The values of one parameter (its numel elements, row-major).
+  std::vector<float> read(const ParamInfo& param, const std::string& unit_name, Tensor tensor) const;
+  // The HDF5 path holding the parameter in this layout.
+  std::string dataset_path(const ParamInfo& param, const std::string& unit_name, Tensor tensor) const;
+
+ private:
+  std::string path_;
+  int64_t file_ = -1;
+  CheckpointState state_;
+};
+
 // The element checksum shared by writer, reader and tests.
 uint64_t checksum_elements(const float* values, size_t count, uint64_t first_index);
 

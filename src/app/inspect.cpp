@@ -1,0 +1,47 @@
+// See inspect.hpp.
+#include "app/inspect.hpp"
+
+#include <cmath>
+#include <cstdio>
+
+#include "ckpt/checkpoint_io.hpp"
+
+namespace shardtrain {
+
+static double l2_norm(const std::vector<float>& v) {
+  double sum = 0;
+  for (float x : v) sum += static_cast<double>(x) * x;
+  return std::sqrt(sum);
+}
+
+void inspect_checkpoint(const std::string& path) {
+  CheckpointReader reader(path);
+  const CheckpointState& s = reader.state();
+  const ModelConfig& m = s.model;
+  ParamTable table(m);
+  std::printf("checkpoint %s\n", path.c_str());
+  std::printf("format %s version %lld, layout %s\n", CKPT_FORMAT_NAME, static_cast<long long>(CKPT_FORMAT_VERSION),
+              s.layout.c_str());
+  std::printf("step %lld, tokens seen %lld, saved on %lld ranks (%s), seed %llu, sampler at step %lld\n",
+              static_cast<long long>(s.step), static_cast<long long>(s.tokens_seen),
+              static_cast<long long>(s.world_size), s.strategy.c_str(), static_cast<unsigned long long>(s.seed),
+              static_cast<long long>(s.sampler_step));
+  std::printf("model: GPT-2 L=%d C=%d H=%d V=%d max_seq_len=%d, %zu parameters (%.1f MiB fp32)\n", m.n_layer,
+              m.n_embd, m.n_head, m.vocab_size, m.max_seq_len, table.total_params(),
+              table.total_params() * 4.0 / (1 << 20));
+  std::printf("\nconfiguration at save time:\n%s\n", s.config_ini.c_str());
+  std::printf("%-28s %-12s %10s %12s %12s %12s  %s\n", "parameter", "shape", "elements", "norm", "exp_avg",
+              "exp_avg_sq", "dataset");
+  for (const ParamInfo& p : table.params()) {
+    const std::string& unit = table.units()[p.unit].name;
+    std::string shape;
+    for (size_t d = 0; d < p.shape.size(); d++) shape += (d ? "x" : "") + std::to_string(p.shape[d]);
+    double norms[3];
+    for (int t = 0; t < 3; t++)
+      norms[t] = l2_norm(reader.read(p, unit, static_cast<CheckpointReader::Tensor>(t)));
+    std::printf("%-28s %-12s %10zu %12.5g %12.5g %12.5g  %s\n", p.name.c_str(), shape.c_str(), p.numel, norms[0],
+                norms[1], norms[2], reader.dataset_path(p, unit, CheckpointReader::TENSOR_PARAMS).c_str());
+  }
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,12 @@
+// `shardtrain inspect FILE`: what a checkpoint holds -- format, step, the saved configuration and
+// every parameter with its shape, size and norms -- read one tensor at a time, without building
+// the model.
+#pragma once
+
+#include <string>
+
+namespace shardtrain {
+
+void inspect_checkpoint(const std::string& path);
+
+}  // namespace shardtrain
