@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <array>
 #include <cmath>
 #include <map>
@@ -16,6 +18,7 @@
 
 #include "app/metrics.hpp"
 #include "app/perf.hpp"
+#include "app/signals.hpp"
 #include "ckpt/checkpoint_manager.hpp"
 #include "ckpt/llmc.hpp"
 #include "comm/comm.hpp"
@@ -42,13 +45,16 @@ std::string format_duration(double seconds) {
   return strprintf("%lds", s);
 }
 
-// Peak bytes per memory category and in total, as one vector for a single MAX all-reduce.
-using MemoryPeaks = std::array<double, MEM_CATEGORY_COUNT + 1>;
+// Peak bytes per memory category and in total, plus the stop signal, as one vector for a single
+// MAX all-reduce per step.
+constexpr int PEAK_TOTAL = MEM_CATEGORY_COUNT, STOP_SIGNAL = MEM_CATEGORY_COUNT + 1;
+using MemoryPeaks = std::array<double, MEM_CATEGORY_COUNT + 2>;
 
 MemoryPeaks local_memory_peaks(const MemoryTracker& m) {
   MemoryPeaks p{};
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++) p[c] = static_cast<double>(m.peak(static_cast<MemCategory>(c)));
-  p[MEM_CATEGORY_COUNT] = static_cast<double>(m.total_peak());
+  p[PEAK_TOTAL] = static_cast<double>(m.total_peak());
+  p[STOP_SIGNAL] = stop_signal_received();
   return p;
 }
 
@@ -315,9 +321,17 @@ double Trainer::evaluate() {
   return loss_sum / (static_cast<double>(cfg_.train.eval_batches) * G_ * T_);
 }
 
+// The stop marker: its presence tells a batch script that the run stopped on a signal after
+// saving, and should be requeued (launchers do not always pass exit code 3 through).
+std::string stop_marker_path(const std::string& dir) { return dir + "/STOPPED"; }
+
 int Trainer::run() {
   print_summary();
   const int start = resume();
+  if (rt_.is_root()) std::filesystem::remove(stop_marker_path(checkpoints_.dir()));
+  if (start == cfg_.train.steps)
+    rt_.info("the checkpoint is already at train.steps=%d: nothing to train (raise train.steps, or set "
+             "checkpoint.resume=none to start over)", start);
   std::unique_ptr<MetricsWriter> metrics;
   rt_.agree_on([&] {
     metrics = std::make_unique<MetricsWriter>(cfg_.train.metrics_file, rt_.is_root(), start > 0 ? start : -1);
@@ -350,18 +364,29 @@ int Trainer::run() {
     const double tokens_per_s = G_ * T_ / seconds;
     const double mfu = flops_per_step / seconds / (rt_.world() * peak_gflops_ * 1e9);
     rt_.info("step %5d/%d | loss %.4f | lr %.2e | norm %.3f | %.0f tok/s | MFU %.1f%% | peak mem %s | eta %s", step + 1,
-             steps, loss, lr, grad_norm, tokens_per_s, 100 * mfu, format_bytes(peaks[MEM_CATEGORY_COUNT]).c_str(),
+             steps, loss, lr, grad_norm, tokens_per_s, 100 * mfu, format_bytes(peaks[PEAK_TOTAL]).c_str(),
              format_duration(avg * (steps - step - 1)).c_str());
     metrics->write_line(strprintf(
         "{\"kind\":\"step\",\"step\":%d,\"loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%.9g,\"tokens_per_s\":%.6g,\"mfu\":%.6g,"
         "\"step_seconds\":%.6g,\"peak_mem_bytes\":%.0f,\"peak_mem\":%s}",
-        step + 1, loss, lr, grad_norm, tokens_per_s, mfu, seconds, peaks[MEM_CATEGORY_COUNT], memory_json(peaks).c_str()));
+        step + 1, loss, lr, grad_norm, tokens_per_s, mfu, seconds, peaks[PEAK_TOTAL], memory_json(peaks).c_str()));
     const bool eval_now = val_file_ && cfg_.train.eval_every > 0 &&
                           ((step + 1) % cfg_.train.eval_every == 0 || step + 1 == steps);
     if (eval_now) {
       double val_loss = evaluate();
       rt_.info("eval  %5d/%d | val loss %.4f", step + 1, steps, val_loss);
       metrics->write_line(strprintf("{\"kind\":\"eval\",\"step\":%d,\"val_loss\":%.9g}", step + 1, val_loss));
+    }
+    const int signal = static_cast<int>(peaks[STOP_SIGNAL]);
+    if (signal != 0) {
+      rt_.info("stopping on %s after step %d: saving a checkpoint", signal_name(signal), step + 1);
+      save(step + 1);
+      if (rt_.is_root())
+        std::ofstream(stop_marker_path(checkpoints_.dir()))
+            << "step " << step + 1 << "\nsignal " << signal_name(signal) << "\n";
+      rt_.info("stopped at step %d on %s; checkpoint saved, exit code %d (resume with checkpoint.resume=auto)",
+               step + 1, signal_name(signal), EXIT_CODE_SIGNALLED);
+      return EXIT_CODE_SIGNALLED;
     }
     if (cfg_.checkpoint.save && ((every > 0 && (step + 1) % every == 0) || step + 1 == steps)) save(step + 1);
   }
@@ -372,6 +397,7 @@ int Trainer::run() {
 }  // namespace
 
 int run_training(const Runtime& rt, const Config& config) {
+  install_stop_signal_handlers();
   Trainer trainer(rt, config);
   return trainer.run();
 }

@@ -1,0 +1,14 @@
+// Graceful stop on SIGUSR1, SIGTERM and SIGINT (Slurm's pre-timeout signal, preemption, ^C):
+// the handler only records the signal; the training loop polls it at each step boundary, all
+// ranks agree (one MAX all-reduce), save a checkpoint, leave the stop marker and exit 3. A
+// second signal while saving changes nothing: the save runs to completion.
+#pragma once
+
+namespace shardtrain {
+
+void install_stop_signal_handlers();
+// The last stop signal received by this process, or 0.
+int stop_signal_received();
+const char* signal_name(int signal);
+
+}  // namespace shardtrain

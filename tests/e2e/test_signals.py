@@ -1,0 +1,87 @@
+"""Graceful stop: SIGUSR1/SIGTERM (from mpirun's forwarding or straight to the ranks) make every
+rank save a checkpoint at the next step boundary, leave the STOPPED marker and exit 3; the next
+run resumes automatically and ends with the same losses as a run that was never interrupted."""
+import os
+import signal
+import subprocess
+import time
+
+from harness import EXE, ROOT, mpirun_command, read_metrics, run, tempdir, tiny_args
+
+STEPS = 40
+
+
+def start(ckdir, metrics):
+    args = tiny_args(f"--train.steps={STEPS}", f"--checkpoint.dir={ckdir}", f"--train.metrics_file={metrics}",
+                     "--checkpoint.every=0")
+    return subprocess.Popen(mpirun_command(2, [EXE, *args], timeout=120), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_steps(metrics, n, proc, limit=60):
+    deadline = time.time() + limit
+    while time.time() < deadline:
+        if os.path.exists(metrics) and len(read_metrics(metrics)) >= n:
+            return
+        assert proc.poll() is None, f"run ended early: {proc.communicate()}"
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {n} steps after {limit} s")
+
+
+def rank_pids(ckdir):
+    out = subprocess.run(["pgrep", "-f", f"checkpoint.dir={ckdir}"], capture_output=True, text=True).stdout
+    pids = []
+    for pid in out.split():
+        try:
+            argv0 = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0]
+        except OSError:
+            continue
+        if argv0.endswith(b"shardtrain"):
+            pids.append(int(pid))
+    return pids
+
+
+def mpirun_pid(proc):
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    return int(children[0])
+
+
+def interrupted_then_resumed(send):
+    ckdir, metrics = tempdir(), os.path.join(tempdir(), "m.jsonl")
+    proc = start(ckdir, metrics)
+    wait_for_steps(metrics, 3, proc)
+    send(proc, ckdir)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3, f"exit {proc.returncode}\n{out[-2000:]}\n{err[-2000:]}"
+    marker = open(os.path.join(ckdir, "STOPPED")).read()
+    stopped_at = int(marker.split()[1])
+    assert stopped_at < STEPS and os.path.exists(os.path.join(ckdir, f"ckpt-{stopped_at:08d}.h5"))
+    again = run(2, tiny_args(f"--train.steps={STEPS}", f"--checkpoint.dir={ckdir}", f"--train.metrics_file={metrics}"))
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"at step {stopped_at}" in again.stdout
+    assert not os.path.exists(os.path.join(ckdir, "STOPPED"))
+    return [r["loss"] for r in read_metrics(metrics)]
+
+
+def uninterrupted():
+    metrics = os.path.join(tempdir(), "m.jsonl")
+    proc = run(2, tiny_args(f"--train.steps={STEPS}", f"--train.metrics_file={metrics}"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return [r["loss"] for r in read_metrics(metrics)]
+
+
+def test_sigusr1_through_mpirun_stops_saves_and_resumes_exactly():
+    losses = interrupted_then_resumed(lambda proc, ckdir: os.kill(mpirun_pid(proc), signal.SIGUSR1))
+    assert losses == uninterrupted()
+
+
+def test_sigterm_to_one_rank_stops_all_and_a_second_signal_is_harmless():
+    def send(proc, ckdir):
+        pids = rank_pids(ckdir)
+        assert len(pids) == 2, pids
+        os.kill(pids[1], signal.SIGTERM)
+        time.sleep(0.01)
+        os.kill(pids[1], signal.SIGTERM)  # again, possibly during the save
+        os.kill(pids[0], signal.SIGINT)
+    losses = interrupted_then_resumed(send)
+    assert losses == uninterrupted()
