@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "core/error.hpp"
+#include "shard/fsdp_engine.hpp"
 
 namespace po = boost::program_options;
 
@@ -59,7 +60,17 @@ void declare_options(OptionList& o, Config& c) {
   o.add("train.peak_gflops", &c.train.peak_gflops, "per-rank peak GFLOP/s for MFU; 0 = measure SGEMM at start");
   o.add("data.train_file", &c.data.train_file, "training tokens (llm.c .bin format)");
   o.add("data.val_file", &c.data.val_file, "validation tokens; empty = no validation");
-  o.add("fsdp.sharding_strategy", &c.fsdp.sharding_strategy, "FULL_SHARD (ZeRO-3)");
+  o.add("fsdp.sharding_strategy", &c.fsdp.sharding_strategy,
+        "FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (DDP) or HYBRID_SHARD (FULL_SHARD within groups, "
+        "replicated across them)");
+  o.add("fsdp.shard_group_size", &c.fsdp.shard_group_size,
+        "HYBRID_SHARD: ranks per shard group, dividing the rank count; 0 = the ranks of one node");
+  o.add("fsdp.reduce_every_microbatch", &c.fsdp.reduce_every_microbatch,
+        "reduce-scatter gradients after every micro-batch (less memory); false = accumulate unsharded gradients "
+        "and reduce once per step (less traffic)");
+  o.add("fsdp.activation_checkpointing", &c.fsdp.activation_checkpointing,
+        "keep only each block's input and recompute the block in backward (less activation memory, ~1/3 more "
+        "compute)");
   o.add("fsdp.comm_timeout", &c.fsdp.comm_timeout,
         "seconds a collective may wait before all ranks are aborted; 0 disables the watchdog");
   o.add("checkpoint.dir", &c.checkpoint.dir, "checkpoint folder; empty = checkpoints/<train.run_name>");
@@ -164,8 +175,16 @@ void validate_config(const Config& c, int world) {
   require(t.threads >= 0, "train.threads must be >= 0 (0 = automatic)");
   require(t.peak_gflops >= 0, "train.peak_gflops must be >= 0 (0 = measure)");
   require(!c.data.train_file.empty(), "data.train_file is required");
-  require(c.fsdp.sharding_strategy == "FULL_SHARD",
-          "fsdp.sharding_strategy='" + c.fsdp.sharding_strategy + "' is not available; allowed: FULL_SHARD");
+  ShardingStrategy strategy;
+  require(parse_sharding_strategy(c.fsdp.sharding_strategy, &strategy),
+          "fsdp.sharding_strategy='" + c.fsdp.sharding_strategy +
+              "' is not a strategy; allowed: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD");
+  require(c.fsdp.shard_group_size >= 0, "fsdp.shard_group_size must be >= 0 (0 = the ranks of one node)");
+  require(strategy == SHARDING_HYBRID_SHARD || c.fsdp.shard_group_size == 0,
+          "fsdp.shard_group_size is only meaningful with fsdp.sharding_strategy=HYBRID_SHARD; remove it or "
+          "switch the strategy");
+  require(c.fsdp.shard_group_size == 0 || world % c.fsdp.shard_group_size == 0,
+          strprintf("fsdp.shard_group_size=%d must divide the rank count %d", c.fsdp.shard_group_size, world));
   require(c.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 = only at the end)");
   require(c.checkpoint.format == "sharded" || c.checkpoint.format == "gathered",
           "checkpoint.format='" + c.checkpoint.format + "' is not a format; allowed: sharded, gathered");

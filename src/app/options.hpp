@@ -39,6 +39,9 @@ struct DataOptions {
 
 struct FsdpOptions {
   std::string sharding_strategy = "FULL_SHARD";
+  int shard_group_size = 0;            // HYBRID_SHARD: ranks per shard group; 0 = the ranks of a node
+  bool reduce_every_microbatch = true;  // false: accumulate unsharded, reduce once per step
+  bool activation_checkpointing = false;
   double comm_timeout = 300;  // seconds; 0 disables the watchdog
 };
 

@@ -89,7 +89,8 @@ class Trainer {
   int threads_ = 1;
   double peak_gflops_ = 0;
   Watchdog watchdog_;
-  std::unique_ptr<Comm> comm_;
+  ShardingStrategy strategy_;
+  std::unique_ptr<Comm> comm_, shard_comm_, replica_comm_;
   std::unique_ptr<TokenFile> train_file_, val_file_;
   std::unique_ptr<SequenceSampler> sampler_;
   ParamTable table_;
@@ -101,6 +102,42 @@ class Trainer {
   std::vector<int> tokens_, targets_;
   CheckpointManager checkpoints_;
 };
+
+ShardingStrategy strategy_from(const Config& config) {
+  ShardingStrategy s = SHARDING_FULL_SHARD;
+  parse_sharding_strategy(config.fsdp.sharding_strategy, &s);  // validated by validate_config
+  return s;
+}
+
+// Ranks per shard group: all for FULL_SHARD/SHARD_GRAD_OP, one for NO_SHARD, and for
+// HYBRID_SHARD fsdp.shard_group_size or the ranks of one node.
+int shard_group_size(const Runtime& rt, const Config& config, ShardingStrategy s) {
+  if (s == SHARDING_NO_SHARD) return 1;
+  if (s != SHARDING_HYBRID_SHARD) return rt.world();
+  int size = config.fsdp.shard_group_size > 0 ? config.fsdp.shard_group_size : rt.local_size();
+  if (rt.world() % size != 0)
+    throw UsageError(strprintf("HYBRID_SHARD: %d ranks per node do not divide the %d ranks; set fsdp.shard_group_size "
+                               "to a divisor of the rank count", size, rt.world()));
+  return size;
+}
+
+// Shard groups are consecutive ranks (one node under the usual block placement); replica
+// groups take the same position in every shard group.
+std::unique_ptr<Comm> split_comm(int color, int key, Watchdog* watchdog) {
+  MPI_Comm comm;
+  MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, color, key, &comm));
+  return make_mpi_comm(comm, watchdog);
+}
+
+std::unique_ptr<Comm> make_shard_comm(const Runtime& rt, const Config& c, ShardingStrategy s, Watchdog* watchdog) {
+  const int size = shard_group_size(rt, c, s);
+  return split_comm(rt.rank() / size, rt.rank(), watchdog);
+}
+
+std::unique_ptr<Comm> make_replica_comm(const Runtime& rt, const Config& c, ShardingStrategy s, Watchdog* watchdog) {
+  const int size = shard_group_size(rt, c, s);
+  return split_comm(rt.rank() % size, rt.rank(), watchdog);
+}
 
 OptimConfig optim_config_from(const TrainOptions& t) {
   OptimConfig o;
@@ -124,9 +161,12 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
       G_(config.train.global_batch),
       accum_(config.train.global_batch / (config.train.micro_batch * rt.world())),
       watchdog_(config.fsdp.comm_timeout, strprintf("[rank %d/%d %s]", rt.rank(), rt.world(), rt.host().c_str())),
+      strategy_(strategy_from(config)),
       comm_(make_mpi_comm(rt.world_comm(), &watchdog_)),
+      shard_comm_(make_shard_comm(rt, config, strategy_, &watchdog_)),
+      replica_comm_(make_replica_comm(rt, config, strategy_, &watchdog_)),
       table_(config.model),
-      engine_(table_, *comm_, memory_),
+      engine_(table_, *shard_comm_, *replica_comm_, memory_, EngineOptions{strategy_, config.fsdp.reduce_every_microbatch}),
       optim_config_(optim_config_from(config.train)),
       optimizer_(optim_config_, engine_, memory_),
       checkpoints_(rt, *comm_, checkpoint_dir(config), config.checkpoint.keep) {
@@ -175,8 +215,9 @@ void Trainer::open_data() {
 void Trainer::print_summary() {
   const ModelConfig& m = cfg_.model;
   const size_t total = table_.total_params();
-  rt_.info("shardtrain train: run '%s' on %d ranks x %d threads, FULL_SHARD", cfg_.train.run_name.c_str(), rt_.world(),
-           threads_);
+  rt_.info("shardtrain train: run '%s' on %d ranks x %d threads, %s (shard group %d, replicas %d)",
+           cfg_.train.run_name.c_str(), rt_.world(), threads_, sharding_strategy_name(strategy_), shard_comm_->size(),
+           replica_comm_->size());
   rt_.info("model: GPT-2 L=%d C=%d H=%d V=%d max_seq_len=%d | %.2fM parameters in %zu units (root + %d blocks) | "
            "%.2fM per rank",
            m.n_layer, m.n_embd, m.n_head, m.vocab_size, m.max_seq_len, total / 1e6, table_.units().size(), m.n_layer,
@@ -297,6 +338,7 @@ double Trainer::train_step(int step) {
     }
     loss_sum += engine_.train_micro_batch(*model_, tokens_.data(), targets_.data(), dloss);
   }
+  engine_.finish_step();
   return loss_sum;
 }
 

@@ -13,51 +13,64 @@
 namespace shardtrain {
 namespace {
 
-// One dataset and this rank's part of it: flat elements [first, first + count), stored at data.
+// One dataset and this rank's part of it: flat elements [first, first + count) at data are
+// transferred; [check_first, check_first + check_count) at check_data, a subrange owned by this
+// rank alone among its replicas, enter the checksum (each element counted once). A save transfers
+// only the owned part; a load reads the rank's whole shard.
 struct Piece {
   std::string path;
   std::vector<hsize_t> dims;
   uint64_t checked_numel;  // elements covered by the checksum (the unpadded ones)
   uint64_t first = 0, count = 0;
   float* data = nullptr;
+  uint64_t check_first = 0, check_count = 0;
+  float* check_data = nullptr;
 };
 
 const char* MOMENT_NAMES[2] = {"exp_avg", "exp_avg_sq"};
 
-std::vector<Piece> plan_pieces(const std::string& layout, FsdpEngine& engine, AdamW& optimizer) {
+// The part of flat range [lo, hi) (unit coordinates) that falls in [p_lo, p_hi), in p's coordinates.
+struct Run {
+  uint64_t first = 0, count = 0, unit_from = 0;
+};
+Run clip(uint64_t lo, uint64_t hi, uint64_t p_lo, uint64_t p_hi) {
+  const uint64_t from = std::max(lo, p_lo), to = std::min(hi, p_hi);
+  return from < to ? Run{from - p_lo, to - from, from} : Run{};
+}
+
+std::vector<Piece> plan_pieces(const std::string& layout, FsdpEngine& engine, AdamW& optimizer, bool for_save) {
   const ParamTable& table = engine.table();
   std::vector<Piece> pieces;
   for (size_t u = 0; u < table.units().size(); u++) {
     UnitShard& shard = engine.shards()[u];
     float* buffers[3] = {shard.params.data(), optimizer.m()[u].data(), optimizer.v()[u].data()};
     const std::string prefixes[3] = {"/model/", "/optim/exp_avg/", "/optim/exp_avg_sq/"};
-    const uint64_t lo = shard.begin, hi = shard.begin + shard.shard_numel;
+    const uint64_t own_lo = shard.begin + shard.owned_begin, own_hi = own_lo + shard.owned_count;
+    const uint64_t io_lo = for_save ? own_lo : shard.begin, io_hi = for_save ? own_hi : shard.begin + shard.shard_numel;
+    const UnitInfo& unit = table.units()[u];
     for (int k = 0; k < 3; k++) {
+      auto add = [&](std::string path, std::vector<hsize_t> dims, uint64_t p_lo, uint64_t numel) {
+        Piece p;
+        p.path = std::move(path);
+        p.dims = std::move(dims);
+        p.checked_numel = numel;
+        Run io = clip(io_lo, io_hi, p_lo, p_lo + numel), check = clip(own_lo, own_hi, p_lo, p_lo + numel);
+        p.first = io.first, p.count = io.count, p.data = buffers[k] + (io.unit_from - shard.begin);
+        p.check_first = check.first, p.check_count = check.count;
+        p.check_data = buffers[k] + (check.unit_from - shard.begin);
+        if (!io.count) p.data = nullptr;
+        if (!check.count) p.check_data = nullptr;
+        pieces.push_back(std::move(p));
+      };
       if (layout == "sharded") {
-        const UnitInfo& unit = table.units()[u];
-        Piece p;
-        p.path = "/shards/" + unit.name + "/" + (k == 0 ? "params" : MOMENT_NAMES[k - 1]);
-        p.dims = {shard.padded_numel};
-        p.checked_numel = unit.numel;
-        p.first = lo;
-        p.count = hi > unit.numel ? (lo < unit.numel ? unit.numel - lo : 0) : hi - lo;
-        p.data = buffers[k];
-        pieces.push_back(p);
-        continue;
-      }
-      for (int id : table.units()[u].params) {
-        const ParamInfo& param = table.params()[id];
-        Piece p;
-        p.path = prefixes[k] + param.name;
-        p.dims.assign(param.shape.begin(), param.shape.end());
-        p.checked_numel = param.numel;
-        const uint64_t from = std::max<uint64_t>(lo, param.offset), to = std::min<uint64_t>(hi, param.offset + param.numel);
-        if (from < to) {
-          p.first = from - param.offset;
-          p.count = to - from;
-          p.data = buffers[k] + (from - lo);
+        add("/shards/" + unit.name + "/" + (k == 0 ? "params" : MOMENT_NAMES[k - 1]), {shard.padded_numel}, 0,
+            unit.numel);
+      } else {
+        for (int id : unit.params) {
+          const ParamInfo& param = table.params()[id];
+          add(prefixes[k] + param.name, std::vector<hsize_t>(param.shape.begin(), param.shape.end()), param.offset,
+              param.numel);
         }
-        pieces.push_back(p);
       }
     }
   }
@@ -214,9 +227,10 @@ uint64_t checksum_elements(const float* values, size_t count, uint64_t first_ind
 void save_checkpoint(const std::string& path, const CheckpointState& state, FsdpEngine& engine, AdamW& optimizer,
                      MPI_Comm comm) {
   const ParamTable& table = engine.table();
-  std::vector<Piece> pieces = plan_pieces(state.layout, engine, optimizer);
+  std::vector<Piece> pieces = plan_pieces(state.layout, engine, optimizer, true);
   std::vector<uint64_t> sums(pieces.size());
-  for (size_t i = 0; i < pieces.size(); i++) sums[i] = checksum_elements(pieces[i].data, pieces[i].count, pieces[i].first);
+  for (size_t i = 0; i < pieces.size(); i++)
+    sums[i] = checksum_elements(pieces[i].check_data, pieces[i].check_count, pieces[i].check_first);
   allreduce_sum(sums, comm);
 
   H5Id file = open_parallel(path, comm, true);
@@ -261,7 +275,7 @@ CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, Ada
     std::fill(optimizer.m()[u].begin(), optimizer.m()[u].end(), 0.0f);
     std::fill(optimizer.v()[u].begin(), optimizer.v()[u].end(), 0.0f);
   }
-  std::vector<Piece> pieces = plan_pieces(state.layout, engine, optimizer);
+  std::vector<Piece> pieces = plan_pieces(state.layout, engine, optimizer, false);
   std::vector<uint64_t> stored(pieces.size()), computed(pieces.size());
   H5Id dxpl = collective_transfer(path);
   for (size_t i = 0; i < pieces.size(); i++) {
@@ -290,7 +304,7 @@ CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, Ada
     h5_check(H5Dread(dataset, H5T_NATIVE_FLOAT, memspace, space, dxpl, p.count ? p.data : &scratch), path,
              ("reading " + p.path).c_str());
     stored[i] = h5_read_attr_u64(dataset, "checksum", path);
-    computed[i] = checksum_elements(p.data, p.count, p.first);
+    computed[i] = checksum_elements(p.check_data, p.check_count, p.check_first);
   }
   allreduce_sum(computed, comm);
   for (size_t i = 0; i < pieces.size(); i++)

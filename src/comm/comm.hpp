@@ -45,6 +45,7 @@ class Comm {
   // Accumulating into the shard saves the gradient-accumulation pass and a shard-sized buffer.
   virtual void reduce_scatter_add(Span<const float> full, Span<float> shard, const char* what) = 0;
   // Elementwise over ranks, in place.
+  virtual void all_reduce_sum(Span<float> values, const char* what) = 0;
   virtual void all_reduce_sum(Span<double> values, const char* what) = 0;
   virtual void all_reduce_max(Span<double> values, const char* what) = 0;
   virtual void broadcast(Span<char> bytes, int root, const char* what) = 0;

@@ -80,6 +80,12 @@ class MpiComm final : public Comm {
 
   size_t buffer_bytes() const override { return (ring_send_.size() + ring_recv_.size()) * sizeof(float); }
 
+  void all_reduce_sum(Span<float> values, const char* what) override {
+    if (size_ == 1) return;
+    Watchdog::Scope scope(watchdog_, what);
+    MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, values.data, checked_count(values.size), MPI_FLOAT, MPI_SUM, comm_));
+  }
+
   void all_reduce_sum(Span<double> values, const char* what) override {
     Watchdog::Scope scope(watchdog_, what);
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, values.data, checked_count(values.size), MPI_DOUBLE, MPI_SUM, comm_));

@@ -47,10 +47,11 @@ void AdamW::zero_state() {
 double AdamW::local_grad_sq_norm() const {
   double total = 0;
   for (const UnitShard& s : engine_.shards()) {
-    const float* g = s.grads.data();
+    // Only the owned part: replicas hold the same gradient shard and must count it once.
+    const float* g = s.grads.data() + s.owned_begin;
     double sum = 0;
 #pragma omp parallel for reduction(+ : sum) schedule(static)
-    for (size_t i = 0; i < s.shard_numel; i++) sum += static_cast<double>(g[i]) * g[i];
+    for (size_t i = 0; i < s.owned_count; i++) sum += static_cast<double>(g[i]) * g[i];
     total += sum;
   }
   return total;

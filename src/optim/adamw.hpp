@@ -28,7 +28,8 @@ class AdamW {
   AdamW(const OptimConfig& config, FsdpEngine& engine, MemoryTracker& memory);
   ~AdamW();
 
-  // Sum of squared gradient elements of this rank's shards (padding is zero and counted once).
+  // Sum of squared gradient elements of the parts of this rank's shards it owns among its
+  // replicas (summed over all ranks, every element counts once; padding is zero).
   double local_grad_sq_norm() const;
   // Updates this rank's shards with the step's global gradient norm. Returns the lr used.
   double step(int step, double global_grad_norm);

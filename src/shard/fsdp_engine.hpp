@@ -1,18 +1,27 @@
-// The ZeRO-3 (FULL_SHARD) engine: flat units, their gather -> compute -> free life cycle, and the
-// reduce-scatter of gradients.
+// The FSDP engine: flat units, the sharding strategy, the gather -> compute -> free life cycle of
+// each unit's parameters, and the reduction of gradients.
 //
-// Each unit of the ParamTable is one flat buffer padded to a multiple of the rank count; rank r
-// keeps only elements [r*S, (r+1)*S) of it (S = padded / ranks) as fp32 master parameters and
-// gradients. For a micro-batch: the root unit (embeddings, final norm, tied head) is gathered
-// once and kept until the end of backward; each block is gathered before its forward, released,
-// gathered again before its backward, and its full gradient is reduce-scattered and added to the
-// local gradient shard. All ranks issue the same collectives in the same order.
-// On one rank the shard is the whole unit: compute then reads and accumulates into the shard
-// buffers directly, with no gather copies, no unsharded gradient buffers and no extra pass
-// (as PyTorch FSDP falls back to NO_SHARD on a world of one).
+// Each unit of the ParamTable is one flat buffer. It is sharded over the shard group: padded to a
+// multiple of the group size, rank g of the group keeps elements [g*S, (g+1)*S) as fp32 master
+// parameters, gradients (and, in the optimizer, moments). Replica groups hold identical shards
+// and sum their gradients once per step. The strategies are the four of PyTorch FSDP:
+//   FULL_SHARD     shard group = world. Root unit (embeddings, final norm, tied head) gathered
+//                  once per micro-batch and kept until the end of backward; each block gathered
+//                  before its forward, released, gathered again for its backward.
+//   SHARD_GRAD_OP  shard group = world; every unit stays gathered from its forward through its
+//                  backward (ZeRO-2: more memory, half the all-gathers).
+//   NO_SHARD       shard group = the rank itself (DDP): replicated parameters and optimizer state,
+//                  gradients all-reduced over the world once per step.
+//   HYBRID_SHARD   FULL_SHARD inside groups of shard_group_size ranks, replicated across groups.
+// Gradients of one micro-batch are reduce-scattered over the shard group into the gradient shard
+// (reduce_every_microbatch), or accumulated unsharded and reduce-scattered once per step. With a
+// shard group of one the shard is the whole unit: compute reads and accumulates into the shard
+// buffers directly. All ranks issue the same collectives in the same order.
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "comm/comm.hpp"
@@ -22,55 +31,89 @@
 
 namespace shardtrain {
 
-struct UnitShard {
-  size_t padded_numel = 0;  // the unit's flat size rounded up to a multiple of the rank count
-  size_t shard_numel = 0;   // padded_numel / ranks
+enum ShardingStrategy { SHARDING_FULL_SHARD, SHARDING_SHARD_GRAD_OP, SHARDING_NO_SHARD, SHARDING_HYBRID_SHARD };
+
+// Returns false for an unknown name.
+bool parse_sharding_strategy(const std::string& name, ShardingStrategy* out);
+const char* sharding_strategy_name(ShardingStrategy s);
+
+struct EngineOptions {
+  ShardingStrategy strategy = SHARDING_FULL_SHARD;
+  bool reduce_every_microbatch = true;
+};
+
+// Where this rank's data sits in one unit. "Owned" is the part of the shard this rank alone
+// answers for among its replicas: it is counted in the gradient norm and written to checkpoints,
+// so every element is counted and written exactly once.
+struct UnitLayout {
+  size_t numel = 0;         // the unit's parameters, unpadded
+  size_t padded_numel = 0;  // rounded up to a multiple of the shard group size
+  size_t shard_numel = 0;   // padded_numel / shard group size
   size_t begin = 0;         // this rank's first element in the unit's flat buffer
+  size_t owned_begin = 0, owned_count = 0;  // within the shard (local indices)
+};
+
+// Shard and replica group sizes and this rank's position in each.
+struct GroupShape {
+  int shard_size = 1, shard_rank = 0, replica_size = 1, replica_rank = 0;
+};
+
+struct UnitShard : UnitLayout {
   std::vector<float> params, grads;
 };
 
 class FsdpEngine {
  public:
-  FsdpEngine(const ParamTable& table, Comm& comm, MemoryTracker& memory);
+  FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_comm, MemoryTracker& memory,
+             EngineOptions options = {});
   ~FsdpEngine();
 
+  // The layout of every unit for a group shape, and the bytes each memory category of the engine
+  // takes on that rank: computed without allocating, the one source for the engine and planner.
+  static std::vector<UnitLayout> plan_layout(const ParamTable& table, const GroupShape& groups);
+  static std::array<size_t, MEM_CATEGORY_COUNT> plan_memory(const std::vector<UnitLayout>& layout,
+                                                            const EngineOptions& options);
+
   const ParamTable& table() const { return table_; }
-  Comm& comm() { return comm_; }
+  const EngineOptions& options() const { return options_; }
   std::vector<UnitShard>& shards() { return shards_; }
   const std::vector<UnitShard>& shards() const { return shards_; }
   size_t local_param_count() const;  // elements of this rank's shards, padding included
 
-  // Each rank initializes only its own slice; element values depend on (seed, parameter, index)
-  // alone, so the model is the same for any rank count.
+  // Each rank initializes only its own shard; element values depend on (seed, parameter, index)
+  // alone, so the model is the same for any rank count and strategy.
   void init_parameters(uint64_t seed);
   void zero_grads();
 
-  // Forward and backward of one micro-batch; gradients end up summed over ranks in the local
-  // gradient shards (+=). Returns the summed loss of this rank's tokens.
+  // Forward and backward of one micro-batch; gradients are accumulated toward the shards.
+  // Returns the summed loss of this rank's tokens.
   double train_micro_batch(GptModel<float>& model, const int* tokens, const int* targets, float dloss);
+  // Completes the step's gradient reduction (deferred reduce-scatters, replica all-reduce).
+  void finish_step();
   // Forward only (evaluation): the summed loss of this rank's tokens.
   double eval_micro_batch(GptModel<float>& model, const int* tokens, const int* targets);
 
-  // The full (unpadded) values of one unit, gathered on every rank: for tests and export.
+  // The full (unpadded) values of one unit, gathered on every rank: for tests.
   std::vector<float> gather_unit(int unit, bool gradients);
 
  private:
-  // The unit's full parameters: gathered into `buffer`, or the shard itself on one rank.
-  const float* gather_params(int unit, std::vector<float>& buffer);
-  // Where the unit's backward accumulates its full gradient: `buffer` zeroed, or the shard.
-  float* gradient_target(int unit, std::vector<float>& buffer);
-  // Adds the reduce-scattered `buffer` to the gradient shard (nothing to do on one rank).
-  void reduce_scatter_grads(int unit, const std::vector<float>& buffer);
+  const float* gather_params(int unit, bool for_backward);
+  float* gradient_target(int unit);
+  void reduce_micro_batch_grads(int unit);
+  std::vector<float>& param_buffer(int unit);
+  std::vector<float>& grad_buffer(int unit);
 
   const ParamTable& table_;
-  Comm& comm_;
+  Comm& shard_comm_;
+  Comm& replica_comm_;
   MemoryTracker& memory_;
+  EngineOptions options_;
   std::vector<UnitShard> shards_;
-  size_t max_block_padded_ = 0;
-  // Unsharded working buffers (empty on one rank): the root unit and one block, parameters and
-  // gradients.
-  std::vector<float> root_full_, root_grad_full_, block_full_, block_grad_full_;
-  size_t unsharded_bytes_ = 0, comm_bytes_ = 0;
+  std::array<size_t, MEM_CATEGORY_COUNT> engine_bytes_{};
+  // Unsharded working buffers (none with a shard group of one). FULL_SHARD keeps two parameter
+  // buffers (root, one block); SHARD_GRAD_OP one per unit. Gradients: root and one block per
+  // micro-batch, or one per unit when they accumulate unsharded over the step.
+  std::vector<std::vector<float>> param_buffers_, grad_buffers_;
 };
 
 }  // namespace shardtrain

@@ -73,7 +73,7 @@ TEST(Engine, InitializationIsIndependentOfRankCount) {
   MemoryTracker mem_world, mem_self;
   auto world = make_mpi_comm(MPI_COMM_WORLD, nullptr);
   auto self = make_mpi_comm(MPI_COMM_SELF, nullptr);
-  FsdpEngine sharded(table, *world, mem_world), whole(table, *self, mem_self);
+  FsdpEngine sharded(table, *world, *self, mem_world), whole(table, *self, *self, mem_self);
   sharded.init_parameters(42);
   whole.init_parameters(42);
   bool ok = true;
@@ -90,9 +90,10 @@ TEST(Engine, ShardedGradientEqualsSumOfUnshardedGradients) {
   ParamTable table(cfg);
   MemoryTracker memory;
   auto comm = make_mpi_comm(MPI_COMM_WORLD, nullptr);
+  auto self = make_mpi_comm(MPI_COMM_SELF, nullptr);
   const int n = comm->size(), r = comm->rank();
   const int B = 2, T = 5;
-  FsdpEngine engine(table, *comm, memory);
+  FsdpEngine engine(table, *comm, *self, memory);
   engine.init_parameters(7);
   GptModel<float> model(table, B, T);
   std::vector<int> tokens(B * T), targets(B * T);
@@ -104,6 +105,7 @@ TEST(Engine, ShardedGradientEqualsSumOfUnshardedGradients) {
     fill_tokens(targets, r + 100, cfg.vocab_size, micro);
     local_loss += engine.train_micro_batch(model, tokens.data(), targets.data(), dloss);
   }
+  engine.finish_step();
 
   // Oracle: every rank's data through the unsharded model, gradients summed in rank order.
   std::vector<std::vector<float>> units, grads;

@@ -1,0 +1,65 @@
+"""The FSDP controls change memory and traffic, never the math: every sharding strategy, deferred
+gradient reduction and activation checkpointing give the losses of the 1-rank FULL_SHARD run to
+1e-5 relative (fp32 summation order only), and checkpoints move between strategies."""
+import os
+
+from harness import read_metrics, rel_diff, run, tempdir, tiny_args
+
+STEPS = 8
+
+
+def losses(np_, *overrides, ckdir=None):
+    metrics = os.path.join(tempdir(), "m.jsonl")
+    extra = [f"--checkpoint.dir={ckdir}"] if ckdir else ["--checkpoint.save=false"]
+    proc = run(np_, tiny_args(f"--train.steps={STEPS}", f"--train.metrics_file={metrics}", *extra, *overrides))
+    assert proc.returncode == 0, f"{overrides} np={np_}: exit {proc.returncode}\n{proc.stderr[-2000:]}"
+    return [r["loss"] for r in read_metrics(metrics)], proc.stdout
+
+
+def assert_close(reference, other, label):
+    worst = max(rel_diff(a, b) for a, b in zip(reference, other))
+    assert len(reference) == len(other) and worst <= 1e-5, f"{label}: worst relative difference {worst:.2e}"
+
+
+def test_every_strategy_gives_the_same_losses():
+    reference, _ = losses(1)
+    cases = [
+        (2, "--fsdp.sharding_strategy=SHARD_GRAD_OP"),
+        (3, "--fsdp.sharding_strategy=SHARD_GRAD_OP"),
+        (2, "--fsdp.sharding_strategy=NO_SHARD"),
+        (3, "--fsdp.sharding_strategy=NO_SHARD"),
+        (4, "--fsdp.sharding_strategy=HYBRID_SHARD", "--fsdp.shard_group_size=2"),
+        (2, "--fsdp.sharding_strategy=HYBRID_SHARD"),  # group = the node's 2 ranks
+        (3, "--fsdp.reduce_every_microbatch=false"),
+        (4, "--fsdp.sharding_strategy=HYBRID_SHARD", "--fsdp.shard_group_size=2",
+         "--fsdp.reduce_every_microbatch=false"),
+    ]
+    for np_, *options in cases:
+        other, stdout = losses(np_, *options)
+        assert_close(reference, other, f"np={np_} {options}")
+
+
+def test_hybrid_groups_are_reported():
+    _, stdout = losses(4, "--fsdp.sharding_strategy=HYBRID_SHARD", "--fsdp.shard_group_size=2")
+    assert "HYBRID_SHARD (shard group 2, replicas 2)" in stdout
+
+
+def test_checkpoint_moves_between_strategies():
+    reference, _ = losses(1)
+    for layout in ("sharded", "gathered"):
+        ckdir = tempdir()
+        losses(2, "--fsdp.sharding_strategy=NO_SHARD", "--checkpoint.every=4", f"--checkpoint.format={layout}",
+               ckdir=ckdir)
+        middle = os.path.join(ckdir, "ckpt-00000004.h5")
+        resumed, stdout = losses(3, "--fsdp.sharding_strategy=FULL_SHARD", f"--checkpoint.resume={middle}",
+                                 ckdir=tempdir())
+        assert f"resumed from {middle}" in stdout
+        assert_close(reference[4:], resumed, f"{layout}: NO_SHARD x2 -> FULL_SHARD x3")
+
+
+def test_conflicting_hybrid_options_are_rejected():
+    for np_, options, needle in [(4, ["--fsdp.shard_group_size=2"], "HYBRID_SHARD"),
+                                 (4, ["--fsdp.sharding_strategy=HYBRID_SHARD", "--fsdp.shard_group_size=3"], "divide")]:
+        proc = run(np_, tiny_args(*options), timeout=60)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "fsdp.shard_group_size" in proc.stderr and needle in proc.stderr, proc.stderr[-2000:]
