@@ -173,7 +173,7 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
   threads_ = cfg_.train.threads > 0 ? cfg_.train.threads : default_threads_per_rank(rt.local_size());
   set_compute_threads(threads_);
   open_data();
-  model_ = std::make_unique<GptModel<float>>(table_, B_, T_);
+  model_ = std::make_unique<GptModel<float>>(table_, B_, T_, cfg_.fsdp.activation_checkpointing);
   memory_.add(MEM_ACTIVATIONS, model_->activation_bytes());
   tokens_.resize(static_cast<size_t>(B_) * T_);
   targets_.resize(tokens_.size());

@@ -14,14 +14,14 @@ namespace shardtrain {
 using namespace cpu;
 
 template <typename Real>
-GptModel<Real>::GptModel(const ParamTable& table, int batch, int seq_len)
-    : table_(table), cfg_(table.config()), B_(batch), T_(seq_len) {
+GptModel<Real>::GptModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing)
+    : table_(table), cfg_(table.config()), B_(batch), T_(seq_len), checkpointing_(activation_checkpointing) {
   SHARD_CHECK(seq_len <= cfg_.max_seq_len, "seq_len %d > max_seq_len %d", seq_len, cfg_.max_seq_len);
   const size_t BT = static_cast<size_t>(B_) * T_, C = cfg_.n_embd, NH = cfg_.n_head, L = cfg_.n_layer;
   tokens_.resize(BT);
   targets_.resize(BT);
   resid_.assign(L + 1, std::vector<Real>(BT * C));
-  layers_.resize(L);
+  layers_.resize(checkpointing_ ? 1 : L);
   for (Layer& a : layers_) {
     a.ln1.resize(BT * C), a.ln1_mean.resize(BT), a.ln1_rstd.resize(BT);
     a.qkv.resize(BT * 3 * C), a.att.resize(B_ * NH * T_ * T_), a.atty.resize(BT * C), a.resid2.resize(BT * C);
@@ -35,15 +35,15 @@ GptModel<Real>::GptModel(const ParamTable& table, int batch, int seq_len)
 }
 
 template <typename Real>
-size_t GptModel<Real>::activation_bytes() const {
-  size_t n = 0;
-  for (const auto& r : resid_) n += r.size();
-  for (const Layer& a : layers_)
-    n += a.ln1.size() + a.ln1_mean.size() + a.ln1_rstd.size() + a.qkv.size() + a.att.size() + a.atty.size() +
-         a.resid2.size() + a.ln2.size() + a.ln2_mean.size() + a.ln2_rstd.size() + a.fch.size() + a.fch_gelu.size();
-  n += lnf_.size() + lnf_mean_.size() + lnf_rstd_.size() + probs_.size() + losses_.size();
-  n += dresid_.size() + dln_.size() + dqkv_.size() + dfch_.size() + datt_.size();
-  return n * sizeof(Real) + (tokens_.size() + targets_.size()) * sizeof(int);
+size_t GptModel<Real>::plan_activation_bytes(const ModelConfig& c, int batch, int seq_len, bool checkpointing) {
+  const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, att = BT * c.n_head * seq_len;
+  const size_t L = c.n_layer, layers = checkpointing ? 1 : L;
+  // Per layer: ln1, qkv, att, atty, resid2, ln2, fch, fch_gelu, and four row statistics.
+  const size_t per_layer = BT * C * 4 + BT * 3 * C + att + 2 * BT * 4 * C + 4 * BT;
+  const size_t residual = (L + 1) * BT * C;
+  const size_t head = BT * C + 2 * BT + BT * c.vocab_size + BT;               // lnf + stats, probs, losses
+  const size_t scratch = BT * C * 2 + BT * 3 * C + BT * 4 * C + att;          // dresid, dln, dqkv, dfch, datt
+  return (layers * per_layer + residual + head + scratch) * sizeof(Real) + 2 * BT * sizeof(int);
 }
 
 template <typename Real>
@@ -57,7 +57,7 @@ template <typename Real>
 void GptModel<Real>::block_forward(int l, const Real* w) {
   const int N = B_ * T_, C = cfg_.n_embd, NH = cfg_.n_head;
   const ParamTable& t = table_;
-  Layer& a = layers_[l];
+  Layer& a = layer(l);
   const Real* x = resid_[l].data();
   layernorm_forward(a.ln1.data(), a.ln1_mean.data(), a.ln1_rstd.data(), x, w + t.block_offset(BLOCK_LN1_W),
                     w + t.block_offset(BLOCK_LN1_B), N, C);
@@ -110,7 +110,8 @@ template <typename Real>
 void GptModel<Real>::block_backward(int l, Real* g, const Real* w) {
   const int N = B_ * T_, C = cfg_.n_embd, NH = cfg_.n_head;
   const ParamTable& t = table_;
-  Layer& a = layers_[l];
+  if (checkpointing_) block_forward(l, w);  // recompute this block's activations from its saved input
+  Layer& a = layer(l);
   auto W = [&](BlockParam p) { return w + t.block_offset(p); };
   auto G = [&](BlockParam p) { return g + t.block_offset(p); };
   // MLP: out = r2 + proj(gelu(fc(ln2(r2)))); dresid_ holds d(out) and becomes d(r2).

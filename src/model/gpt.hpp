@@ -6,7 +6,9 @@
 //   embed_forward, block_forward(0..L-1), head_forward  -> sum of token losses
 //   head_backward, block_backward(L-1..0), embed_backward
 // with the root unit's parameters valid from embed_forward to embed_backward. Gradients are
-// accumulated (+=) into the unit gradient buffers. Templated on float (training) and double
+// accumulated (+=) into the unit gradient buffers. With activation checkpointing only each
+// block's input is kept; block_backward recomputes the block's forward into one shared set of
+// buffers first (deterministically: the same bits as without). Templated on float (training) and double
 // (finite-difference checks); forward_backward_unsharded runs the whole sequence with every unit
 // present, the oracle for the sharded engine.
 #pragma once
@@ -20,11 +22,15 @@ namespace shardtrain {
 template <typename Real>
 class GptModel {
  public:
-  GptModel(const ParamTable& table, int batch, int seq_len);
+  GptModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing = false);
+
+  // Bytes of activations and backward scratch for these dimensions, without allocating: the one
+  // source for the model's own accounting and the planner.
+  static size_t plan_activation_bytes(const ModelConfig& config, int batch, int seq_len, bool activation_checkpointing);
 
   int batch() const { return B_; }
   int seq_len() const { return T_; }
-  size_t activation_bytes() const;
+  size_t activation_bytes() const { return plan_activation_bytes(cfg_, B_, T_, checkpointing_); }
 
   void embed_forward(const Real* root, const int* tokens);
   void block_forward(int layer, const Real* block);
@@ -42,12 +48,15 @@ class GptModel {
   struct Layer {
     std::vector<Real> ln1, ln1_mean, ln1_rstd, qkv, att, atty, resid2, ln2, ln2_mean, ln2_rstd, fch, fch_gelu;
   };
+  Layer& layer(int l) { return layers_[checkpointing_ ? 0 : l]; }
+
   const ParamTable& table_;
   ModelConfig cfg_;
   int B_, T_;
+  bool checkpointing_;
   std::vector<int> tokens_, targets_;
   std::vector<std::vector<Real>> resid_;  // resid_[l]: input of block l; resid_[L]: output of the last
-  std::vector<Layer> layers_;
+  std::vector<Layer> layers_;  // one per block, or a single shared one when checkpointing
   std::vector<Real> lnf_, lnf_mean_, lnf_rstd_, probs_, losses_;
   // Backward scratch, shared by all layers.
   std::vector<Real> dresid_, dln_, dqkv_, dfch_, datt_;
