@@ -9,6 +9,7 @@
 
 #include "app/inspect.hpp"
 #include "app/options.hpp"
+#include "app/planner.hpp"
 #include "app/trainer.hpp"
 #include "comm/runtime.hpp"
 #include "core/error.hpp"
@@ -27,6 +28,7 @@ const char* USAGE =
     "  train          train a GPT model with fully sharded data parallelism (launch with mpirun/srun)\n"
     "  data synth     write the built-in synthetic corpus as byte-level token files\n"
     "  data encode    encode any text file as byte-level tokens (vocab_size 256)\n"
+    "  plan           predict each rank's memory for every strategy and option, and recommend one\n"
     "  inspect FILE   print what a checkpoint holds: format, step, configuration, parameters and norms\n"
     "  export         write a checkpoint's weights as an llm.c GPT-2 checkpoint\n"
     "\n"
@@ -125,11 +127,15 @@ int run_command(const Runtime& rt, const std::vector<std::string>& args) {
     rt.agree_on([&] { code = run_data(rt, rest); });
     return code;
   }
+  if (args[0] == "plan") {
+    rt.agree_on([&] { run_planner(rt, rest); });
+    return EXIT_CODE_OK;
+  }
   if (args[0] == "inspect" || args[0] == "export") {
     rt.agree_on([&] { run_checkpoint_tool(rt, args); });
     return EXIT_CODE_OK;
   }
-  throw UsageError("unknown command '" + args[0] + "'; commands: train, data synth, data encode, inspect, export");
+  throw UsageError("unknown command '" + args[0] + "'; commands: train, plan, data synth, data encode, inspect, export");
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <functional>
 #include <sstream>
 
+#include "app/memory_plan.hpp"
 #include "core/error.hpp"
 #include "shard/fsdp_engine.hpp"
 
@@ -71,6 +72,9 @@ void declare_options(OptionList& o, Config& c) {
   o.add("fsdp.activation_checkpointing", &c.fsdp.activation_checkpointing,
         "keep only each block's input and recompute the block in backward (less activation memory, ~1/3 more "
         "compute)");
+  o.add("fsdp.memory_limit", &c.fsdp.memory_limit,
+        "per-rank memory budget (e.g. 24GiB, 512MiB): a configuration that would exceed it stops before "
+        "allocating, with the need by category; empty = no limit");
   o.add("fsdp.comm_timeout", &c.fsdp.comm_timeout,
         "seconds a collective may wait before all ranks are aborted; 0 disables the watchdog");
   o.add("checkpoint.dir", &c.checkpoint.dir, "checkpoint folder; empty = checkpoints/<train.run_name>");
@@ -190,6 +194,7 @@ void validate_config(const Config& c, int world) {
           "checkpoint.format='" + c.checkpoint.format + "' is not a format; allowed: sharded, gathered");
   require(!c.checkpoint.resume.empty(), "checkpoint.resume must be auto, none or a checkpoint file");
   require(c.checkpoint.keep >= 1, "checkpoint.keep must be >= 1");
+  parse_memory_size(c.fsdp.memory_limit, "fsdp.memory_limit");
   require(c.fsdp.comm_timeout >= 0, "fsdp.comm_timeout must be >= 0 seconds (0 disables the watchdog)");
 }
 

@@ -42,6 +42,7 @@ struct FsdpOptions {
   int shard_group_size = 0;            // HYBRID_SHARD: ranks per shard group; 0 = the ranks of a node
   bool reduce_every_microbatch = true;  // false: accumulate unsharded, reduce once per step
   bool activation_checkpointing = false;
+  std::string memory_limit;   // e.g. 24GiB: emulates a device's memory; empty = none
   double comm_timeout = 300;  // seconds; 0 disables the watchdog
 };
 

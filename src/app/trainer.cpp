@@ -12,10 +12,12 @@
 #include <fstream>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <sstream>
 
+#include "app/memory_plan.hpp"
 #include "app/metrics.hpp"
 #include "app/perf.hpp"
 #include "app/signals.hpp"
@@ -31,13 +33,6 @@
 namespace shardtrain {
 namespace {
 
-std::string format_bytes(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (bytes >= 1024 && u < 4) bytes /= 1024, u++;
-  return strprintf(u == 0 ? "%.0f %s" : "%.1f %s", bytes, units[u]);
-}
-
 std::string format_duration(double seconds) {
   long s = std::lround(std::max(0.0, seconds));
   if (s >= 3600) return strprintf("%ldh%02ldm", s / 3600, (s / 60) % 60);
@@ -47,14 +42,25 @@ std::string format_duration(double seconds) {
 
 // Peak bytes per memory category and in total, plus the stop signal, as one vector for a single
 // MAX all-reduce per step.
-constexpr int PEAK_TOTAL = MEM_CATEGORY_COUNT, STOP_SIGNAL = MEM_CATEGORY_COUNT + 1;
-using MemoryPeaks = std::array<double, MEM_CATEGORY_COUNT + 2>;
+constexpr int PEAK_TOTAL = MEM_CATEGORY_COUNT, STOP_SIGNAL = MEM_CATEGORY_COUNT + 1,
+              RSS_GROWTH = MEM_CATEGORY_COUNT + 2;
+using MemoryPeaks = std::array<double, MEM_CATEGORY_COUNT + 3>;
 
-MemoryPeaks local_memory_peaks(const MemoryTracker& m) {
+// A field of /proc/self/status in bytes (VmRSS, VmHWM), or 0.
+double proc_status_bytes(const char* field) {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.compare(0, std::strlen(field), field) == 0 && line[std::strlen(field)] == ':')
+      return std::atof(line.c_str() + std::strlen(field) + 1) * 1024;  // reported in kB
+  return 0;
+}
+
+MemoryPeaks local_memory_peaks(const MemoryTracker& m, double rss_at_start) {
   MemoryPeaks p{};
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++) p[c] = static_cast<double>(m.peak(static_cast<MemCategory>(c)));
   p[PEAK_TOTAL] = static_cast<double>(m.total_peak());
   p[STOP_SIGNAL] = stop_signal_received();
+  p[RSS_GROWTH] = proc_status_bytes("VmHWM") - rss_at_start;
   return p;
 }
 
@@ -85,6 +91,7 @@ class Trainer {
 
   const Runtime& rt_;
   const Config& cfg_;
+  double rss_at_start_;
   const int B_, T_, G_, accum_;
   int threads_ = 1;
   double peak_gflops_ = 0;
@@ -93,6 +100,7 @@ class Trainer {
   std::unique_ptr<Comm> comm_, shard_comm_, replica_comm_;
   std::unique_ptr<TokenFile> train_file_, val_file_;
   std::unique_ptr<SequenceSampler> sampler_;
+  MemoryPlan plan_;  // checked against fsdp.memory_limit before anything below is allocated
   ParamTable table_;
   MemoryTracker memory_;
   FsdpEngine engine_;
@@ -139,6 +147,25 @@ std::unique_ptr<Comm> make_replica_comm(const Runtime& rt, const Config& c, Shar
   return split_comm(rt.rank() % size, rt.rank(), watchdog);
 }
 
+// The rank's planned bytes; an InputError (agreed) when they exceed fsdp.memory_limit.
+MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrategy strategy, const Comm& shard,
+                               const Comm& replica) {
+  GroupShape groups{shard.size(), shard.rank(), replica.size(), replica.rank()};
+  MemoryPlan plan = plan_rank_memory(c.model, groups, EngineOptions{strategy, c.fsdp.reduce_every_microbatch},
+                                     c.train.micro_batch, c.train.seq_len, c.fsdp.activation_checkpointing);
+  rt.agree_on([&] {
+    size_t limit = parse_memory_size(c.fsdp.memory_limit, "fsdp.memory_limit");
+    if (limit && plan.total() > limit)
+      throw UsageError(strprintf(
+          "out of memory: rank %d needs %s > fsdp.memory_limit=%s (%s); try a sharding strategy that shards "
+          "more (FULL_SHARD), fsdp.activation_checkpointing=true or a smaller train.micro_batch -- 'shardtrain "
+          "plan' lists what fits",
+          rt.rank(), format_bytes(static_cast<double>(plan.total())).c_str(), c.fsdp.memory_limit.c_str(),
+          plan.describe().c_str()));
+  });
+  return plan;
+}
+
 OptimConfig optim_config_from(const TrainOptions& t) {
   OptimConfig o;
   o.lr = t.lr;
@@ -156,6 +183,7 @@ OptimConfig optim_config_from(const TrainOptions& t) {
 Trainer::Trainer(const Runtime& rt, const Config& config)
     : rt_(rt),
       cfg_(config),
+      rss_at_start_(proc_status_bytes("VmRSS")),
       B_(config.train.micro_batch),
       T_(config.train.seq_len),
       G_(config.train.global_batch),
@@ -165,6 +193,7 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
       comm_(make_mpi_comm(rt.world_comm(), &watchdog_)),
       shard_comm_(make_shard_comm(rt, config, strategy_, &watchdog_)),
       replica_comm_(make_replica_comm(rt, config, strategy_, &watchdog_)),
+      plan_(checked_memory_plan(rt, config, strategy_, *shard_comm_, *replica_comm_)),
       table_(config.model),
       engine_(table_, *shard_comm_, *replica_comm_, memory_, EngineOptions{strategy_, config.fsdp.reduce_every_microbatch}),
       optim_config_(optim_config_from(config.train)),
@@ -175,6 +204,10 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
   open_data();
   model_ = std::make_unique<GptModel<float>>(table_, B_, T_, cfg_.fsdp.activation_checkpointing);
   memory_.add(MEM_ACTIVATIONS, model_->activation_bytes());
+  for (int c = 0; c < MEM_CATEGORY_COUNT; c++)  // the planner is exact: it is what was allocated
+    SHARD_CHECK(memory_.current(static_cast<MemCategory>(c)) == plan_.bytes[c], "%s: tracked %zu, planned %zu",
+                mem_category_name(static_cast<MemCategory>(c)), memory_.current(static_cast<MemCategory>(c)),
+                plan_.bytes[c]);
   tokens_.resize(static_cast<size_t>(B_) * T_);
   targets_.resize(tokens_.size());
   engine_.init_parameters(cfg_.train.seed);
@@ -398,7 +431,7 @@ int Trainer::run() {
       return EXIT_CODE_INTERNAL;
     }
     const double lr = optimizer_.step(step, grad_norm);
-    MemoryPeaks peaks = local_memory_peaks(memory_);
+    MemoryPeaks peaks = local_memory_peaks(memory_, rss_at_start_);
     comm_->all_reduce_max(Span<double>(peaks.data(), peaks.size()), "all_reduce(memory peaks)");
     const double seconds = MPI_Wtime() - t0;
     if (step > start || steps == start + 1) elapsed += seconds;  // the first step pays for page faults
@@ -410,8 +443,9 @@ int Trainer::run() {
              format_duration(avg * (steps - step - 1)).c_str());
     metrics->write_line(strprintf(
         "{\"kind\":\"step\",\"step\":%d,\"loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%.9g,\"tokens_per_s\":%.6g,\"mfu\":%.6g,"
-        "\"step_seconds\":%.6g,\"peak_mem_bytes\":%.0f,\"peak_mem\":%s}",
-        step + 1, loss, lr, grad_norm, tokens_per_s, mfu, seconds, peaks[PEAK_TOTAL], memory_json(peaks).c_str()));
+        "\"step_seconds\":%.6g,\"peak_mem_bytes\":%.0f,\"peak_mem\":%s,\"rss_growth_bytes\":%.0f}",
+        step + 1, loss, lr, grad_norm, tokens_per_s, mfu, seconds, peaks[PEAK_TOTAL], memory_json(peaks).c_str(),
+        peaks[RSS_GROWTH]));
     const bool eval_now = val_file_ && cfg_.train.eval_every > 0 &&
                           ((step + 1) % cfg_.train.eval_every == 0 || step + 1 == steps);
     if (eval_now) {

@@ -1,0 +1,31 @@
+// Every byte a rank allocates, predicted from the configuration alone: the engine's shards and
+// unsharded buffers (FsdpEngine::plan_memory), the optimizer's moments, and the model's
+// activations (GptModel::plan_activation_bytes). The trainer checks the prediction against
+// fsdp.memory_limit before it allocates anything, and `shardtrain plan` evaluates it for every
+// strategy and option on any rank count. All allocations are made at start-up, so the plan is
+// also each rank's peak.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+
+#include "app/options.hpp"
+#include "shard/fsdp_engine.hpp"
+
+namespace shardtrain {
+
+struct MemoryPlan {
+  std::array<size_t, MEM_CATEGORY_COUNT> bytes{};
+  size_t total() const;
+  std::string describe() const;  // "sharded_params 1.2 MiB, gradients ..."
+};
+
+MemoryPlan plan_rank_memory(const ModelConfig& model, const GroupShape& groups, const EngineOptions& engine,
+                            int micro_batch, int seq_len, bool activation_checkpointing);
+
+// "24GiB", "512MiB", "1.5GB", "1000000" (bytes) -> bytes; "" -> 0 (no limit). Throws UsageError.
+size_t parse_memory_size(const std::string& text, const char* option);
+std::string format_bytes(double bytes);
+
+}  // namespace shardtrain

@@ -1,0 +1,86 @@
+"""Memory: the planner predicts what the trainer tracks (exactly, by construction: both use the
+same sizing functions; the bar is 2%), tracking covers the process's real resident growth, the
+planner sizes any model without allocating it, and fsdp.memory_limit reproduces the FSDP headline:
+a model that does not fit under NO_SHARD on 4 ranks trains under FULL_SHARD."""
+import os
+import re
+import resource
+import subprocess
+import time
+
+from harness import EXE, ROOT, ensure_data, read_metrics, run, run_single, tempdir, tiny_args
+
+GPT2_AT_64 = ["--model.n_layer=12", "--model.n_embd=768", "--model.n_head=12", "--model.vocab_size=50257",
+              "--model.max_seq_len=1024", "--train.seq_len=64", "--train.micro_batch=1", "--train.global_batch=2",
+              "--train.steps=1", "--data.val_file="]
+
+
+def trained_peak(np_, *overrides):
+    metrics = os.path.join(tempdir(), "m.jsonl")
+    proc = run(np_, tiny_args("--train.steps=1", "--checkpoint.save=false", f"--train.metrics_file={metrics}",
+                              *overrides), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return read_metrics(metrics)[-1]
+
+
+def planned_peak(np_, strategy, reduce, checkpointing, *overrides):
+    args = tiny_args(*overrides)[1:]  # drop "train": the same config and overrides
+    proc = run_single(["plan", f"--world-size={np_}", *args])
+    assert proc.returncode == 0, proc.stderr
+    for line in proc.stdout.splitlines():
+        m = re.match(rf"PLAN strategy={strategy} reduce={reduce} checkpointing={checkpointing} peak_bytes=(\d+)", line)
+        if m:
+            return int(m.group(1))
+    raise AssertionError(f"no PLAN line for {strategy}/{reduce}/{checkpointing}:\n{proc.stdout}")
+
+
+def test_planner_predicts_the_tracked_peak():
+    cases = [
+        (2, "FULL_SHARD", "micro", "no", []),
+        (3, "SHARD_GRAD_OP", "step", "no", ["--fsdp.sharding_strategy=SHARD_GRAD_OP",
+                                             "--fsdp.reduce_every_microbatch=false"]),
+        (2, "NO_SHARD", "micro", "yes", ["--fsdp.sharding_strategy=NO_SHARD", "--fsdp.activation_checkpointing=true"]),
+        (2, "FULL_SHARD", "micro", "no", ["--model.n_layer=4", "--model.n_embd=128", "--model.max_seq_len=128",
+                                          "--train.seq_len=128", "--train.global_batch=16", "--train.micro_batch=4"]),
+    ]
+    for np_, strategy, reduce, ckpt, overrides in cases:
+        tracked = trained_peak(np_, *overrides)["peak_mem_bytes"]
+        planned = planned_peak(np_, strategy, reduce, ckpt, *overrides)
+        assert abs(planned - tracked) <= 0.02 * tracked, (strategy, overrides, planned, tracked)
+
+
+def test_tracking_covers_resident_growth_on_gpt2_small():
+    record = trained_peak(2, *GPT2_AT_64)
+    tracked, resident = record["peak_mem_bytes"], record["rss_growth_bytes"]
+    print(f"      gpt2-124M seq 64, 2 ranks: tracked {tracked / 2**20:.0f} MiB, resident growth "
+          f"{resident / 2**20:.0f} MiB ({tracked / resident:.2f})")
+    assert tracked >= 0.9 * resident
+    planned = planned_peak(2, "FULL_SHARD", "micro", "no", *GPT2_AT_64)
+    assert abs(planned - tracked) <= 0.02 * tracked
+
+
+def test_plans_gpt_300m_on_64_ranks_without_allocating_it():
+    start = time.time()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    proc = subprocess.run(["timeout", "60", EXE, "plan", "--config", os.path.join(ROOT, "inputs", "gpt-300M.ini"),
+                           "--world-size", "64", "--ranks-per-node", "8", "--memory-limit", "24GiB",
+                           "--train.global_batch=256"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert time.time() - start < 10
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 300 * 1024  # KiB: far below 1.2 GB of weights
+    assert "recommended: fsdp.sharding_strategy=" in proc.stdout
+    assert proc.stdout.count("PLAN strategy=") == 14
+
+
+def test_headline_no_shard_does_not_fit_full_shard_does():
+    train, _ = ensure_data()
+    config = ["train", "--config", os.path.join(ROOT, "inputs", "fsdp-headline.ini"), f"--data.train_file={train}",
+              f"--checkpoint.dir={tempdir()}", "--train.peak_gflops=100"]
+    ddp = run(4, [*config, "--fsdp.sharding_strategy=NO_SHARD"], timeout=120)
+    assert ddp.returncode == 2, ddp.stderr[-2000:]
+    assert "out of memory" in ddp.stderr and "fsdp.memory_limit=256MiB" in ddp.stderr
+    metrics = os.path.join(tempdir(), "m.jsonl")
+    fsdp = run(4, [*config, f"--train.metrics_file={metrics}"], timeout=300)
+    assert fsdp.returncode == 0, fsdp.stderr[-2000:]
+    steps = read_metrics(metrics)
+    assert len(steps) == 3 and steps[-1]["peak_mem_bytes"] <= 256 * 2**20
