@@ -20,6 +20,8 @@ namespace shardtrain {
 namespace {
 
 struct Candidate {
+  // NO_SHARD's gradients are unsharded anyway: it always all-reduces once per step.
+  const char* reduce_label() const { return reduce_every_microbatch && strategy != SHARDING_NO_SHARD ? "micro" : "step"; }
   ShardingStrategy strategy;
   bool reduce_every_microbatch;
   bool checkpointing;
@@ -118,8 +120,7 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
   for (const Candidate& c : candidates) {
     const auto& b = c.memory.bytes;
     std::printf("%-14s %-9s %-5s %10s %10s %10s %10s %10s %10s %11s %11s  %s\n", sharding_strategy_name(c.strategy),
-                c.reduce_every_microbatch ? "micro" : "step", c.checkpointing ? "yes" : "no",
-                format_bytes(b[MEM_SHARDED_PARAMS]).c_str(), format_bytes(b[MEM_GATHERED_UNITS]).c_str(),
+                c.reduce_label(), c.checkpointing ? "yes" : "no", format_bytes(b[MEM_SHARDED_PARAMS]).c_str(), format_bytes(b[MEM_GATHERED_UNITS]).c_str(),
                 format_bytes(b[MEM_GRADIENTS]).c_str(), format_bytes(b[MEM_OPTIMIZER_STATE]).c_str(),
                 format_bytes(b[MEM_ACTIVATIONS]).c_str(), format_bytes(b[MEM_COMM_BUFFERS]).c_str(),
                 format_bytes(c.memory.total()).c_str(), format_bytes(c.traffic_bytes).c_str(), c.fits ? "yes" : "NO");
@@ -127,8 +128,7 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
   // The same table for scripts: exact bytes.
   for (const Candidate& c : candidates)
     std::printf("PLAN strategy=%s reduce=%s checkpointing=%s peak_bytes=%zu traffic_bytes=%.0f fits=%d\n",
-                sharding_strategy_name(c.strategy), c.reduce_every_microbatch ? "micro" : "step",
-                c.checkpointing ? "yes" : "no", c.memory.total(), c.traffic_bytes, c.fits ? 1 : 0);
+                sharding_strategy_name(c.strategy), c.reduce_label(), c.checkpointing ? "yes" : "no", c.memory.total(), c.traffic_bytes, c.fits ? 1 : 0);
   std::vector<const Candidate*> fitting;
   for (const Candidate& c : candidates)
     if (c.fits) fitting.push_back(&c);
@@ -163,7 +163,7 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
   for (const Candidate& c : candidates)
     if (!c.fits && !c.checkpointing && c.traffic_bytes < best.traffic_bytes)
       std::printf("  %s (reduce per %s) would move less but needs %s per rank\n", sharding_strategy_name(c.strategy),
-                  c.reduce_every_microbatch ? "micro-batch" : "step", format_bytes(c.memory.total()).c_str());
+                  c.reduce_label(), format_bytes(c.memory.total()).c_str());
 }
 
 }  // namespace shardtrain

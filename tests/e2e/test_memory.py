@@ -39,7 +39,7 @@ def test_planner_predicts_the_tracked_peak():
         (2, "FULL_SHARD", "micro", "no", []),
         (3, "SHARD_GRAD_OP", "step", "no", ["--fsdp.sharding_strategy=SHARD_GRAD_OP",
                                              "--fsdp.reduce_every_microbatch=false"]),
-        (2, "NO_SHARD", "micro", "yes", ["--fsdp.sharding_strategy=NO_SHARD", "--fsdp.activation_checkpointing=true"]),
+        (2, "NO_SHARD", "step", "yes", ["--fsdp.sharding_strategy=NO_SHARD", "--fsdp.activation_checkpointing=true"]),
         (2, "FULL_SHARD", "micro", "no", ["--model.n_layer=4", "--model.n_embd=128", "--model.max_seq_len=128",
                                           "--train.seq_len=128", "--train.global_batch=16", "--train.micro_batch=4"]),
     ]
