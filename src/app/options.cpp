@@ -72,6 +72,11 @@ void declare_options(OptionList& o, Config& c) {
   o.add("fsdp.activation_checkpointing", &c.fsdp.activation_checkpointing,
         "keep only each block's input and recompute the block in backward (less activation memory, ~1/3 more "
         "compute)");
+  o.add("fsdp.param_dtype", &c.fsdp.param_dtype,
+        "fp32, bf16 or fp16: the type parameters are gathered and communicated in (fp32 master weights and "
+        "moments; on the CPU, compute widens to fp32); fp16 turns on dynamic loss scaling");
+  o.add("fsdp.reduce_dtype", &c.fsdp.reduce_dtype,
+        "fp32, bf16 or fp16: the type gradients are reduce-scattered in (replica all-reduces stay fp32)");
   o.add("fsdp.memory_limit", &c.fsdp.memory_limit,
         "per-rank memory budget (e.g. 24GiB, 512MiB): a configuration that would exceed it stops before "
         "allocating, with the need by category; empty = no limit");
@@ -89,6 +94,7 @@ void declare_options(OptionList& o, Config& c) {
   o.add("debug.stall_rank", &c.debug.stall_rank, "testing only: this rank sleeps stall_seconds at stall_step");
   o.add("debug.stall_step", &c.debug.stall_step, "testing only: step of the injected stall");
   o.add("debug.stall_seconds", &c.debug.stall_seconds, "testing only: length of the injected stall");
+  o.add("debug.inject_inf_step", &c.debug.inject_inf_step, "testing only: poison this step's gradient with inf");
 }
 
 void require(bool ok, const std::string& message) {
@@ -194,6 +200,11 @@ void validate_config(const Config& c, int world) {
           "checkpoint.format='" + c.checkpoint.format + "' is not a format; allowed: sharded, gathered");
   require(!c.checkpoint.resume.empty(), "checkpoint.resume must be auto, none or a checkpoint file");
   require(c.checkpoint.keep >= 1, "checkpoint.keep must be >= 1");
+  DType dtype;
+  require(parse_dtype(c.fsdp.param_dtype, &dtype),
+          "fsdp.param_dtype='" + c.fsdp.param_dtype + "' is not a type; allowed: fp32, bf16, fp16");
+  require(parse_dtype(c.fsdp.reduce_dtype, &dtype),
+          "fsdp.reduce_dtype='" + c.fsdp.reduce_dtype + "' is not a type; allowed: fp32, bf16, fp16");
   parse_memory_size(c.fsdp.memory_limit, "fsdp.memory_limit");
   require(c.fsdp.comm_timeout >= 0, "fsdp.comm_timeout must be >= 0 seconds (0 disables the watchdog)");
 }
@@ -209,6 +220,15 @@ std::string train_help() {
     << "  --help            this text\n\n"
     << options.desc;
   return s.str();
+}
+
+EngineOptions engine_options(const Config& c) {
+  EngineOptions o;
+  parse_sharding_strategy(c.fsdp.sharding_strategy, &o.strategy);
+  o.reduce_every_microbatch = c.fsdp.reduce_every_microbatch;
+  parse_dtype(c.fsdp.param_dtype, &o.param_dtype);
+  parse_dtype(c.fsdp.reduce_dtype, &o.reduce_dtype);
+  return o;
 }
 
 std::string checkpoint_dir(const Config& config) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "model/config.hpp"
+#include "shard/fsdp_engine.hpp"
 
 namespace shardtrain {
 
@@ -42,6 +43,8 @@ struct FsdpOptions {
   int shard_group_size = 0;            // HYBRID_SHARD: ranks per shard group; 0 = the ranks of a node
   bool reduce_every_microbatch = true;  // false: accumulate unsharded, reduce once per step
   bool activation_checkpointing = false;
+  std::string param_dtype = "fp32";   // fp32 | bf16 | fp16: gathered parameters and their all-gather
+  std::string reduce_dtype = "fp32";  // fp32 | bf16 | fp16: the gradient reduce-scatter's wire type
   std::string memory_limit;   // e.g. 24GiB: emulates a device's memory; empty = none
   double comm_timeout = 300;  // seconds; 0 disables the watchdog
 };
@@ -61,6 +64,7 @@ struct DebugOptions {
   int stall_rank = -1;
   int stall_step = 0;
   double stall_seconds = 0;
+  int inject_inf_step = 0;  // 1-based step whose gradient rank 0 poisons with inf; 0 = never
 };
 
 struct Config {
@@ -86,6 +90,8 @@ void validate_config(const Config& config, int world);
 std::string train_help();
 // The resolved configuration as INI text.
 std::string resolved_ini(const Config& config);
+// The engine's options from a validated Config.
+EngineOptions engine_options(const Config& config);
 // The checkpoint folder: checkpoint.dir, or checkpoints/<train.run_name>.
 std::string checkpoint_dir(const Config& config);
 

@@ -101,8 +101,10 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
       if (s == SHARDING_NO_SHARD && !every) continue;  // NO_SHARD always reduces once per step
       for (bool ckpt : {false, true}) {
         Candidate c{s, every, ckpt, shard, world / shard, {}, 0, false};
-        c.memory = plan_rank_memory(config.model, GroupShape{shard, 0, world / shard, 0},
-                                    EngineOptions{s, every}, config.train.micro_batch, config.train.seq_len, ckpt);
+        EngineOptions options = engine_options(config);
+        options.strategy = s, options.reduce_every_microbatch = every;
+        c.memory = plan_rank_memory(config.model, GroupShape{shard, 0, world / shard, 0}, options,
+                                    config.train.micro_batch, config.train.seq_len, ckpt);
         c.traffic_bytes = traffic_per_step(table, c, accumulation);
         c.fits = limit == 0 || c.memory.total() <= limit;
         candidates.push_back(c);

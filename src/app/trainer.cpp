@@ -33,6 +33,13 @@
 namespace shardtrain {
 namespace {
 
+// The stop marker: its presence tells a batch script that the run stopped on a signal after
+// saving, and should be requeued (launchers do not always pass exit code 3 through).
+std::string stop_marker_path(const std::string& dir) { return dir + "/STOPPED"; }
+
+// A JSON number; JSON has no inf or NaN, so those become null.
+std::string json_number(double x) { return std::isfinite(x) ? strprintf("%.9g", x) : "null"; }
+
 std::string format_duration(double seconds) {
   long s = std::lround(std::max(0.0, seconds));
   if (s >= 3600) return strprintf("%ldh%02ldm", s / 3600, (s / 60) % 60);
@@ -43,8 +50,12 @@ std::string format_duration(double seconds) {
 // Peak bytes per memory category and in total, plus the stop signal, as one vector for a single
 // MAX all-reduce per step.
 constexpr int PEAK_TOTAL = MEM_CATEGORY_COUNT, STOP_SIGNAL = MEM_CATEGORY_COUNT + 1,
-              RSS_GROWTH = MEM_CATEGORY_COUNT + 2;
-using MemoryPeaks = std::array<double, MEM_CATEGORY_COUNT + 3>;
+              RSS_GROWTH = MEM_CATEGORY_COUNT + 2, COMM_BYTES = MEM_CATEGORY_COUNT + 3;
+using MemoryPeaks = std::array<double, MEM_CATEGORY_COUNT + 4>;
+
+// fp16 dynamic loss scaling: start at 2^16, halve on overflow, double after this many good steps.
+constexpr double INITIAL_LOSS_SCALE = 65536;
+constexpr int LOSS_SCALE_GROWTH_INTERVAL = 200;
 
 // A field of /proc/self/status in bytes (VmRSS, VmHWM), or 0.
 double proc_status_bytes(const char* field) {
@@ -86,6 +97,18 @@ class Trainer {
   int try_load(const std::string& path, bool fall_back);
   void warn_config_changes(const CheckpointState& state);
   void save(int step);
+
+  struct StepOutcome {
+    double loss = 0, grad_norm = 0, lr = 0, seconds = 0, loss_scale = 1;
+    bool finite = true, skipped = false;
+    MemoryPeaks peaks{};
+  };
+  // One optimizer step: micro-batches, gradient reduction, norm, update (or an fp16 skip).
+  StepOutcome optimizer_step(int step);
+  void report_step(int step, const StepOutcome& out, double eta_seconds, MetricsWriter& metrics);
+  void stop_on_signal(int step, int signal);
+  uint64_t bytes_sent() const;
+  // Sum of the token losses of this rank's micro-batches.
   double train_step(int step);
   double evaluate();
 
@@ -109,6 +132,9 @@ class Trainer {
   std::unique_ptr<GptModel<float>> model_;
   std::vector<int> tokens_, targets_;
   CheckpointManager checkpoints_;
+  bool loss_scaling_;
+  double loss_scale_;
+  int64_t good_steps_ = 0;
 };
 
 ShardingStrategy strategy_from(const Config& config) {
@@ -151,8 +177,7 @@ std::unique_ptr<Comm> make_replica_comm(const Runtime& rt, const Config& c, Shar
 MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrategy strategy, const Comm& shard,
                                const Comm& replica) {
   GroupShape groups{shard.size(), shard.rank(), replica.size(), replica.rank()};
-  MemoryPlan plan = plan_rank_memory(c.model, groups, EngineOptions{strategy, c.fsdp.reduce_every_microbatch},
-                                     c.train.micro_batch, c.train.seq_len, c.fsdp.activation_checkpointing);
+  MemoryPlan plan = plan_rank_memory(c.model, groups, engine_options(c), c.train.micro_batch, c.train.seq_len, c.fsdp.activation_checkpointing);
   rt.agree_on([&] {
     size_t limit = parse_memory_size(c.fsdp.memory_limit, "fsdp.memory_limit");
     if (limit && plan.total() > limit)
@@ -195,10 +220,12 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
       replica_comm_(make_replica_comm(rt, config, strategy_, &watchdog_)),
       plan_(checked_memory_plan(rt, config, strategy_, *shard_comm_, *replica_comm_)),
       table_(config.model),
-      engine_(table_, *shard_comm_, *replica_comm_, memory_, EngineOptions{strategy_, config.fsdp.reduce_every_microbatch}),
+      engine_(table_, *shard_comm_, *replica_comm_, memory_, engine_options(config)),
       optim_config_(optim_config_from(config.train)),
       optimizer_(optim_config_, engine_, memory_),
-      checkpoints_(rt, *comm_, checkpoint_dir(config), config.checkpoint.keep) {
+      checkpoints_(rt, *comm_, checkpoint_dir(config), config.checkpoint.keep),
+      loss_scaling_(engine_options(config).param_dtype == DTYPE_FP16 || engine_options(config).reduce_dtype == DTYPE_FP16),
+      loss_scale_(loss_scaling_ ? INITIAL_LOSS_SCALE : 1.0) {
   threads_ = cfg_.train.threads > 0 ? cfg_.train.threads : default_threads_per_rank(rt.local_size());
   set_compute_threads(threads_);
   open_data();
@@ -317,6 +344,10 @@ int Trainer::try_load(const std::string& path, bool fall_back) {
     return -1;
   }
   warn_config_changes(state);
+  if (loss_scaling_) {
+    loss_scale_ = std::ldexp(1.0, static_cast<int>(state.loss_scale_log2));
+    good_steps_ = state.loss_scale_good_steps;
+  }
   rt_.info("resumed from %s at step %lld (saved on %lld ranks, %s layout)", path.c_str(),
            static_cast<long long>(state.step), static_cast<long long>(state.world_size), state.layout.c_str());
   return static_cast<int>(state.step);
@@ -355,14 +386,78 @@ void Trainer::save(int step) {
   state.world_size = rt_.world();
   state.strategy = cfg_.fsdp.sharding_strategy;
   state.config_ini = resolved_ini(cfg_);
+  state.loss_scale_log2 = std::lround(std::log2(loss_scale_));
+  state.loss_scale_good_steps = good_steps_;
   const double t0 = MPI_Wtime();
   std::string path = checkpoints_.save(state, engine_, optimizer_);
   rt_.info("saved %s (%s, %.2f s)", path.c_str(), state.layout.c_str(), MPI_Wtime() - t0);
 }
 
+Trainer::StepOutcome Trainer::optimizer_step(int step) {
+  comm_->barrier("barrier(step start)");  // time the step between barriers
+  const double t0 = MPI_Wtime();
+  const uint64_t bytes_before = bytes_sent();
+  double sums[2] = {train_step(step), 0.0};
+  if (rt_.rank() == cfg_.debug.stall_rank && step == cfg_.debug.stall_step)
+    usleep(static_cast<useconds_t>(cfg_.debug.stall_seconds * 1e6));
+  if (rt_.is_root() && step + 1 == cfg_.debug.inject_inf_step) engine_.shards()[ROOT_UNIT].grads[0] = INFINITY;
+  sums[1] = optimizer_.local_grad_sq_norm();
+  comm_->all_reduce_sum(Span<double>(sums, 2), "all_reduce(loss, grad norm)");
+  StepOutcome out;
+  out.loss = sums[0] / (static_cast<double>(G_) * T_);
+  out.grad_norm = std::sqrt(sums[1]) / loss_scale_;
+  out.loss_scale = loss_scale_;
+  out.finite = std::isfinite(out.loss) && std::isfinite(out.grad_norm);
+  if (!out.finite && loss_scaling_) {
+    // fp16 overflow: skip the update, halve the scale (the data of this step is consumed).
+    out.skipped = true, out.finite = true;
+    loss_scale_ /= 2, good_steps_ = 0;
+    rt_.info("step %d: inf/NaN gradients at fp16 loss scale %g: update skipped, loss scale halved to %g", step + 1,
+             out.loss_scale, loss_scale_);
+  } else if (out.finite) {
+    out.lr = optimizer_.step(step, out.grad_norm, loss_scale_);
+    if (loss_scaling_ && ++good_steps_ % LOSS_SCALE_GROWTH_INTERVAL == 0) loss_scale_ *= 2;
+  }
+  out.peaks = local_memory_peaks(memory_, rss_at_start_);
+  out.peaks[COMM_BYTES] = static_cast<double>(bytes_sent() - bytes_before);
+  comm_->all_reduce_max(Span<double>(out.peaks.data(), out.peaks.size()), "all_reduce(memory peaks)");
+  out.seconds = MPI_Wtime() - t0;
+  return out;
+}
+
+void Trainer::report_step(int step, const StepOutcome& out, double eta_seconds, MetricsWriter& metrics) {
+  const double tokens_per_s = G_ * T_ / out.seconds;
+  const double mfu = table_.flops_per_token(T_) * G_ * T_ / out.seconds / (rt_.world() * peak_gflops_ * 1e9);
+  rt_.info("step %5d/%d | loss %.4f | lr %.2e | norm %.3f | %.0f tok/s | MFU %.1f%% | peak mem %s | eta %s%s", step + 1,
+           cfg_.train.steps, out.loss, out.lr, out.grad_norm, tokens_per_s, 100 * mfu,
+           format_bytes(out.peaks[PEAK_TOTAL]).c_str(), format_duration(eta_seconds).c_str(),
+           out.skipped ? " | SKIPPED" : "");
+  metrics.write_line(strprintf(
+      "{\"kind\":\"step\",\"step\":%d,\"loss\":%s,\"lr\":%.9g,\"grad_norm\":%s,\"tokens_per_s\":%.6g,\"mfu\":%.6g,"
+      "\"step_seconds\":%.6g,\"peak_mem_bytes\":%.0f,\"peak_mem\":%s,\"rss_growth_bytes\":%.0f,"
+      "\"comm_bytes\":%.0f,\"loss_scale\":%g,\"skipped\":%s}",
+      step + 1, json_number(out.loss).c_str(), out.lr, json_number(out.grad_norm).c_str(), tokens_per_s, mfu,
+      out.seconds, out.peaks[PEAK_TOTAL],
+      memory_json(out.peaks).c_str(), out.peaks[RSS_GROWTH], out.peaks[COMM_BYTES], out.loss_scale,
+      out.skipped ? "true" : "false"));
+}
+
+void Trainer::stop_on_signal(int step, int signal) {
+  rt_.info("stopping on %s after step %d: saving a checkpoint", signal_name(signal), step);
+  save(step);
+  if (rt_.is_root())
+    std::ofstream(stop_marker_path(checkpoints_.dir())) << "step " << step << "\nsignal " << signal_name(signal) << "\n";
+  rt_.info("stopped at step %d on %s; checkpoint saved, exit code %d (resume with checkpoint.resume=auto)", step,
+           signal_name(signal), EXIT_CODE_SIGNALLED);
+}
+
+uint64_t Trainer::bytes_sent() const {
+  return comm_->bytes_sent() + shard_comm_->bytes_sent() + replica_comm_->bytes_sent();
+}
+
 double Trainer::train_step(int step) {
   engine_.zero_grads();
-  const float dloss = 1.0f / (static_cast<float>(G_) * T_);
+  const float dloss = static_cast<float>(loss_scale_ / (static_cast<double>(G_) * T_));
   double loss_sum = 0;
   for (int micro = 0; micro < accum_; micro++) {
     for (int b = 0; b < B_; b++) {
@@ -396,10 +491,6 @@ double Trainer::evaluate() {
   return loss_sum / (static_cast<double>(cfg_.train.eval_batches) * G_ * T_);
 }
 
-// The stop marker: its presence tells a batch script that the run stopped on a signal after
-// saving, and should be requeued (launchers do not always pass exit code 3 through).
-std::string stop_marker_path(const std::string& dir) { return dir + "/STOPPED"; }
-
 int Trainer::run() {
   print_summary();
   const int start = resume();
@@ -413,55 +504,24 @@ int Trainer::run() {
   });
   const int steps = cfg_.train.steps;
   const int every = cfg_.checkpoint.every;
-  const double flops_per_step = table_.flops_per_token(T_) * G_ * T_;
   double elapsed = 0;
   for (int step = start; step < steps; step++) {
-    comm_->barrier("barrier(step start)");  // time the step between barriers
-    const double t0 = MPI_Wtime();
-    double sums[2] = {train_step(step), 0.0};
-    if (rt_.rank() == cfg_.debug.stall_rank && step == cfg_.debug.stall_step)
-      usleep(static_cast<useconds_t>(cfg_.debug.stall_seconds * 1e6));
-    sums[1] = optimizer_.local_grad_sq_norm();
-    comm_->all_reduce_sum(Span<double>(sums, 2), "all_reduce(loss, grad norm)");
-    const double loss = sums[0] / (static_cast<double>(G_) * T_);
-    const double grad_norm = std::sqrt(sums[1]);
-    if (!std::isfinite(loss) || !std::isfinite(grad_norm)) {
+    const StepOutcome out = optimizer_step(step);
+    if (!out.finite) {
       rt_.info("error: step %d: loss %g, gradient norm %g are not finite; the run diverged (lower train.lr or "
-               "raise train.warmup_steps)", step + 1, loss, grad_norm);
+               "raise train.warmup_steps)", step + 1, out.loss, out.grad_norm);
       return EXIT_CODE_INTERNAL;
     }
-    const double lr = optimizer_.step(step, grad_norm);
-    MemoryPeaks peaks = local_memory_peaks(memory_, rss_at_start_);
-    comm_->all_reduce_max(Span<double>(peaks.data(), peaks.size()), "all_reduce(memory peaks)");
-    const double seconds = MPI_Wtime() - t0;
-    if (step > start || steps == start + 1) elapsed += seconds;  // the first step pays for page faults
+    if (step > start || steps == start + 1) elapsed += out.seconds;  // the first step pays for page faults
     const double avg = elapsed / std::max(1, step - start + (steps == start + 1 ? 1 : 0));
-    const double tokens_per_s = G_ * T_ / seconds;
-    const double mfu = flops_per_step / seconds / (rt_.world() * peak_gflops_ * 1e9);
-    rt_.info("step %5d/%d | loss %.4f | lr %.2e | norm %.3f | %.0f tok/s | MFU %.1f%% | peak mem %s | eta %s", step + 1,
-             steps, loss, lr, grad_norm, tokens_per_s, 100 * mfu, format_bytes(peaks[PEAK_TOTAL]).c_str(),
-             format_duration(avg * (steps - step - 1)).c_str());
-    metrics->write_line(strprintf(
-        "{\"kind\":\"step\",\"step\":%d,\"loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%.9g,\"tokens_per_s\":%.6g,\"mfu\":%.6g,"
-        "\"step_seconds\":%.6g,\"peak_mem_bytes\":%.0f,\"peak_mem\":%s,\"rss_growth_bytes\":%.0f}",
-        step + 1, loss, lr, grad_norm, tokens_per_s, mfu, seconds, peaks[PEAK_TOTAL], memory_json(peaks).c_str(),
-        peaks[RSS_GROWTH]));
-    const bool eval_now = val_file_ && cfg_.train.eval_every > 0 &&
-                          ((step + 1) % cfg_.train.eval_every == 0 || step + 1 == steps);
-    if (eval_now) {
+    report_step(step, out, avg * (steps - step - 1), *metrics);
+    if (val_file_ && cfg_.train.eval_every > 0 && ((step + 1) % cfg_.train.eval_every == 0 || step + 1 == steps)) {
       double val_loss = evaluate();
       rt_.info("eval  %5d/%d | val loss %.4f", step + 1, steps, val_loss);
       metrics->write_line(strprintf("{\"kind\":\"eval\",\"step\":%d,\"val_loss\":%.9g}", step + 1, val_loss));
     }
-    const int signal = static_cast<int>(peaks[STOP_SIGNAL]);
-    if (signal != 0) {
-      rt_.info("stopping on %s after step %d: saving a checkpoint", signal_name(signal), step + 1);
-      save(step + 1);
-      if (rt_.is_root())
-        std::ofstream(stop_marker_path(checkpoints_.dir()))
-            << "step " << step + 1 << "\nsignal " << signal_name(signal) << "\n";
-      rt_.info("stopped at step %d on %s; checkpoint saved, exit code %d (resume with checkpoint.resume=auto)",
-               step + 1, signal_name(signal), EXIT_CODE_SIGNALLED);
+    if (const int signal = static_cast<int>(out.peaks[STOP_SIGNAL])) {
+      stop_on_signal(step + 1, signal);
       return EXIT_CODE_SIGNALLED;
     }
     if (cfg_.checkpoint.save && ((every > 0 && (step + 1) % every == 0) || step + 1 == steps)) save(step + 1);

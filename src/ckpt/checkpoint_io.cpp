@@ -171,6 +171,8 @@ void write_state(hid_t file, const CheckpointState& s, const ModelConfig& model,
   h5_write_attr_i64(file, "world_size", s.world_size, path);
   h5_write_attr_str(file, "strategy", s.strategy, path);
   h5_write_attr_str(file, "config", s.config_ini, path);
+  h5_write_attr_i64(file, "loss_scale_log2", s.loss_scale_log2, path);
+  h5_write_attr_i64(file, "loss_scale_good_steps", s.loss_scale_good_steps, path);
   auto dims = model_dims(model);
   for (int i = 0; i < 5; i++) h5_write_attr_i64(file, MODEL_DIMS[i], dims[i], path);
 }
@@ -195,6 +197,8 @@ CheckpointState read_state(hid_t file, const std::string& path) {
   s.world_size = h5_read_attr_i64(file, "world_size", path);
   s.strategy = h5_read_attr_str(file, "strategy", path);
   s.config_ini = h5_read_attr_str(file, "config", path);
+  s.loss_scale_log2 = h5_read_attr_i64(file, "loss_scale_log2", path);
+  s.loss_scale_good_steps = h5_read_attr_i64(file, "loss_scale_good_steps", path);
   int64_t dims[5];
   for (int i = 0; i < 5; i++) dims[i] = h5_read_attr_i64(file, MODEL_DIMS[i], path);
   s.model.n_layer = static_cast<int>(dims[0]), s.model.n_embd = static_cast<int>(dims[1]);

@@ -34,6 +34,8 @@ struct CheckpointState {
   std::string strategy = "FULL_SHARD";
   std::string config_ini;          // the full resolved configuration at save time
   ModelConfig model;               // the model's shape (also in config_ini)
+  int64_t loss_scale_log2 = 0;     // fp16 dynamic loss scale = 2^loss_scale_log2
+  int64_t loss_scale_good_steps = 0;  // finite steps since the scale last changed
 };
 
 // Collective over `comm`. Writes `path` (created or truncated). Throws CheckpointError.

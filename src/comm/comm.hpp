@@ -10,8 +10,11 @@
 #include <mpi.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <vector>
+
+#include "backend/dtype.hpp"
 
 namespace shardtrain {
 
@@ -41,17 +44,21 @@ class Comm {
   // full.size == shard.size * size(); rank r's shard lands at full[r*shard.size ...].
   // shard may alias that slot of full (in-place gather).
   virtual void all_gather(Span<const float> shard, Span<float> full, const char* what) = 0;
+  virtual void all_gather(Span<const uint16_t> shard, Span<uint16_t> full, const char* what) = 0;
   // shard += sum over ranks of their full[rank()*shard.size ...]; full.size == shard.size * size().
   // Accumulating into the shard saves the gradient-accumulation pass and a shard-sized buffer.
-  virtual void reduce_scatter_add(Span<const float> full, Span<float> shard, const char* what) = 0;
+  // wire bf16/fp16: values travel, and partial sums are rounded, in 16 bits; each rank's own
+  // term and the final accumulation stay fp32.
+  virtual void reduce_scatter_add(Span<const float> full, Span<float> shard, DType wire, const char* what) = 0;
   // Elementwise over ranks, in place.
   virtual void all_reduce_sum(Span<float> values, const char* what) = 0;
   virtual void all_reduce_sum(Span<double> values, const char* what) = 0;
   virtual void all_reduce_max(Span<double> values, const char* what) = 0;
   virtual void broadcast(Span<char> bytes, int root, const char* what) = 0;
   virtual void barrier(const char* what) = 0;
-  // Bytes of internal staging buffers (for memory accounting).
-  virtual size_t buffer_bytes() const { return 0; }
+  // Bytes this rank has sent through collectives so far: exact for the ring reduce-scatter, the
+  // ring/Bruck volume (n-1)/n of the gathered buffer for all-gathers, 2(n-1)/n for all-reduces.
+  virtual uint64_t bytes_sent() const = 0;
 };
 
 // An MPI communicator on host memory. `watchdog` (may be null) times every blocking collective.

@@ -8,6 +8,7 @@
 // bit-identical (the determinism invariant).
 #include <algorithm>
 #include <climits>
+#include <cstring>
 #include <vector>
 
 #include "comm/comm.hpp"
@@ -33,19 +34,16 @@ class MpiComm final : public Comm {
   int size() const override { return size_; }
 
   void all_gather(Span<const float> shard, Span<float> full, const char* what) override {
-    SHARD_CHECK(full.size == shard.size * size_, "all_gather %s: full %zu != shard %zu x %d", what, full.size,
-                shard.size, size_);
-    Watchdog::Scope scope(watchdog_, what);
-    const float* own_slot = full.data + rank_ * shard.size;
-    if (shard.data == own_slot) {
-      MPI_CHECK(MPI_Allgather(MPI_IN_PLACE, 0, MPI_FLOAT, full.data, checked_count(shard.size), MPI_FLOAT, comm_));
-    } else {
-      MPI_CHECK(MPI_Allgather(shard.data, checked_count(shard.size), MPI_FLOAT, full.data,
-                              checked_count(shard.size), MPI_FLOAT, comm_));
-    }
+    gather(shard.data, full.data, shard.size, full.size, MPI_FLOAT, sizeof(float), what);
   }
 
-  void reduce_scatter_add(Span<const float> full, Span<float> shard, const char* what) override {
+  void all_gather(Span<const uint16_t> shard, Span<uint16_t> full, const char* what) override {
+    gather(shard.data, full.data, shard.size, full.size, MPI_UINT16_T, sizeof(uint16_t), what);
+  }
+
+  uint64_t bytes_sent() const override { return bytes_sent_; }
+
+  void reduce_scatter_add(Span<const float> full, Span<float> shard, DType wire, const char* what) override {
     SHARD_CHECK(full.size == shard.size * size_, "reduce_scatter %s: full %zu != shard %zu x %d", what,
                 full.size, shard.size, size_);
     const size_t n = shard.size;
@@ -55,6 +53,8 @@ class MpiComm final : public Comm {
       return;
     }
     Watchdog::Scope scope(watchdog_, what);
+    bytes_sent_ += static_cast<uint64_t>(size_ - 1) * n * dtype_bytes(wire);
+    if (wire != DTYPE_FP32) return reduce_scatter_add_16(chunk, shard.data, n, wire);
     if (ring_send_.size() < n) ring_send_.resize(n), ring_recv_.resize(n);
     const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
     // Step s sends the partial sum of chunk (rank-s-1) and receives that of chunk (rank-s-2);
@@ -78,11 +78,12 @@ class MpiComm final : public Comm {
     }
   }
 
-  size_t buffer_bytes() const override { return (ring_send_.size() + ring_recv_.size()) * sizeof(float); }
+
 
   void all_reduce_sum(Span<float> values, const char* what) override {
     if (size_ == 1) return;
     Watchdog::Scope scope(watchdog_, what);
+    bytes_sent_ += 2 * (size_ - 1) * values.size * sizeof(float) / size_;
     MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, values.data, checked_count(values.size), MPI_FLOAT, MPI_SUM, comm_));
   }
 
@@ -107,6 +108,47 @@ class MpiComm final : public Comm {
   }
 
  private:
+  void gather(const void* shard, void* full, size_t shard_n, size_t full_n, MPI_Datatype type, size_t bytes,
+              const char* what) {
+    SHARD_CHECK(full_n == shard_n * size_, "all_gather %s: full %zu != shard %zu x %d", what, full_n, shard_n, size_);
+    if (size_ == 1) {
+      if (shard != full) std::memcpy(full, shard, shard_n * bytes);
+      return;
+    }
+    Watchdog::Scope scope(watchdog_, what);
+    bytes_sent_ += static_cast<uint64_t>(size_ - 1) * shard_n * bytes;
+    const char* own_slot = static_cast<const char*>(full) + rank_ * shard_n * bytes;
+    if (shard == own_slot) {
+      MPI_CHECK(MPI_Allgather(MPI_IN_PLACE, 0, type, full, checked_count(shard_n), type, comm_));
+    } else {
+      MPI_CHECK(MPI_Allgather(shard, checked_count(shard_n), type, full, checked_count(shard_n), type, comm_));
+    }
+  }
+
+  // The ring of reduce_scatter_add with 16-bit messages: each hop widens the received partial,
+  // adds this rank's fp32 term and rounds again for the next hop.
+  template <typename ChunkFn>
+  void reduce_scatter_add_16(ChunkFn chunk, float* out, size_t n, DType wire) {
+    if (wire_send_.size() < n) wire_send_.resize(n), wire_recv_.resize(n);
+    const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+    uint16_t *send = wire_send_.data(), *recv = wire_recv_.data();
+    const float* first = chunk(rank_ - 1);
+#pragma omp parallel for simd schedule(static)
+    for (size_t i = 0; i < n; i++) send[i] = float_to_half(first[i], wire);
+    for (int s = 0; s < size_ - 1; s++) {
+      MPI_CHECK(MPI_Sendrecv(send, checked_count(n), MPI_UINT16_T, next, 0, recv, checked_count(n), MPI_UINT16_T,
+                             prev, 0, comm_, MPI_STATUS_IGNORE));
+      const float* own = chunk(rank_ - s - 2);
+      if (s < size_ - 2) {
+#pragma omp parallel for simd schedule(static)
+        for (size_t i = 0; i < n; i++) send[i] = float_to_half(half_to_float(recv[i], wire) + own[i], wire);
+      } else {
+#pragma omp parallel for simd schedule(static)
+        for (size_t i = 0; i < n; i++) out[i] += half_to_float(recv[i], wire) + own[i];
+      }
+    }
+  }
+
   static void add_into(float* out, const float* in, size_t n) {
 #pragma omp parallel for simd schedule(static)
     for (size_t i = 0; i < n; i++) out[i] += in[i];
@@ -115,6 +157,8 @@ class MpiComm final : public Comm {
   MPI_Comm comm_;
   Watchdog* watchdog_;
   std::vector<float> ring_send_, ring_recv_;
+  std::vector<uint16_t> wire_send_, wire_recv_;
+  uint64_t bytes_sent_ = 0;
   int rank_ = 0, size_ = 1;
 };
 

@@ -57,11 +57,11 @@ double AdamW::local_grad_sq_norm() const {
   return total;
 }
 
-double AdamW::step(int step, double global_grad_norm) {
+double AdamW::step(int step, double global_grad_norm, double grad_scale) {
   const double lr = lr_at_step(config_, step);
-  const float clip = (config_.grad_clip > 0 && global_grad_norm > config_.grad_clip)
-                         ? static_cast<float>(config_.grad_clip / (global_grad_norm + 1e-6))
-                         : 1.0f;
+  const double clip_factor =
+      (config_.grad_clip > 0 && global_grad_norm > config_.grad_clip) ? config_.grad_clip / (global_grad_norm + 1e-6) : 1.0;
+  const float clip = static_cast<float>(clip_factor / grad_scale);  // unscale and clip in one multiply
   AdamWStep s;
   s.lr = static_cast<float>(lr);
   s.beta1 = static_cast<float>(config_.beta1);

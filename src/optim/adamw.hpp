@@ -31,8 +31,10 @@ class AdamW {
   // Sum of squared gradient elements of the parts of this rank's shards it owns among its
   // replicas (summed over all ranks, every element counts once; padding is zero).
   double local_grad_sq_norm() const;
-  // Updates this rank's shards with the step's global gradient norm. Returns the lr used.
-  double step(int step, double global_grad_norm);
+  // Updates this rank's shards. The gradients hold grad_scale times the true gradient (the loss
+  // scale of fp16 training; 1 otherwise); global_grad_norm is the true (unscaled) norm.
+  // Returns the lr used.
+  double step(int step, double global_grad_norm, double grad_scale = 1.0);
 
   // Back to the state before the first step (moments zero).
   void zero_state();

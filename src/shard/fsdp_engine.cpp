@@ -59,12 +59,16 @@ std::array<size_t, MEM_CATEGORY_COUNT> FsdpEngine::plan_memory(const std::vector
   }
   bytes[MEM_SHARDED_PARAMS] = shards * sizeof(float);
   bytes[MEM_GRADIENTS] = shards * sizeof(float);
-  if (layout[ROOT_UNIT].padded_numel == layout[ROOT_UNIT].shard_numel) return bytes;  // shard group of one
+  const bool sharded = layout[ROOT_UNIT].padded_numel != layout[ROOT_UNIT].shard_numel;
+  const bool half_params = options.param_dtype != DTYPE_FP32;
   const size_t root_and_block = layout[ROOT_UNIT].padded_numel + max_block;
-  bytes[MEM_GATHERED_UNITS] =
-      (options.strategy == SHARDING_SHARD_GRAD_OP ? all_padded : root_and_block) * sizeof(float);
+  if (sharded || half_params)
+    bytes[MEM_GATHERED_UNITS] =
+        (options.strategy == SHARDING_SHARD_GRAD_OP ? all_padded : root_and_block) * sizeof(float);
+  if (half_params) bytes[MEM_COMM_BUFFERS] += std::max(layout[ROOT_UNIT].padded_numel, max_block) * sizeof(uint16_t);
+  if (!sharded) return bytes;
   bytes[MEM_GRADIENTS] += (options.reduce_every_microbatch ? root_and_block : all_padded) * sizeof(float);
-  bytes[MEM_COMM_BUFFERS] = 2 * max_shard * sizeof(float);  // the ring reduce-scatter's chunk buffers
+  bytes[MEM_COMM_BUFFERS] += 2 * max_shard * dtype_bytes(options.reduce_dtype);  // the ring's two chunk buffers
   return bytes;
 }
 
@@ -82,7 +86,7 @@ FsdpEngine::FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_
   }
   engine_bytes_ = plan_memory(layout, options_);
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++) memory_.add(static_cast<MemCategory>(c), engine_bytes_[c]);
-  if (shard_comm.size() == 1) return;
+  if (shard_comm.size() == 1 && options_.param_dtype == DTYPE_FP32) return;
   size_t max_block = 0;
   for (size_t u = 1; u < layout.size(); u++) max_block = std::max(max_block, layout[u].padded_numel);
   auto per_unit = [&] {
@@ -95,7 +99,8 @@ FsdpEngine::FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_
                                            std::vector<float>(max_block)};
   };
   param_buffers_ = options_.strategy == SHARDING_SHARD_GRAD_OP ? per_unit() : root_and_block();
-  grad_buffers_ = options_.reduce_every_microbatch ? root_and_block() : per_unit();
+  if (options_.param_dtype != DTYPE_FP32) wire_.resize(std::max(layout[ROOT_UNIT].padded_numel, max_block));
+  if (shard_comm.size() > 1) grad_buffers_ = options_.reduce_every_microbatch ? root_and_block() : per_unit();
 }
 
 FsdpEngine::~FsdpEngine() {
@@ -152,14 +157,27 @@ std::vector<float>& FsdpEngine::grad_buffer(int unit) {
 
 const float* FsdpEngine::gather_params(int unit, bool for_backward) {
   UnitShard& s = shards_[unit];
-  if (shard_comm_.size() == 1) return s.params.data();
+  if (param_buffers_.empty()) return s.params.data();  // fp32 on a shard group of one
   std::vector<float>& buffer = param_buffer(unit);
   // Units that stayed gathered since their forward need no second all-gather.
   if (for_backward && (unit == ROOT_UNIT || options_.strategy == SHARDING_SHARD_GRAD_OP)) return buffer.data();
-  std::copy(s.params.begin(), s.params.end(), buffer.begin() + s.begin);
-  shard_comm_.all_gather(Span<const float>(buffer.data() + s.begin, s.shard_numel),
-                         Span<float>(buffer.data(), s.padded_numel), "all_gather(params)");
-  return buffer.data();
+  if (options_.param_dtype == DTYPE_FP32) {
+    std::copy(s.params.begin(), s.params.end(), buffer.begin() + s.begin);
+    shard_comm_.all_gather(Span<const float>(buffer.data() + s.begin, s.shard_numel),
+                           Span<float>(buffer.data(), s.padded_numel), "all_gather(params)");
+    return buffer.data();
+  }
+  const DType t = options_.param_dtype;
+  uint16_t* wire = wire_.data();
+  const float* own = s.params.data();
+#pragma omp parallel for simd schedule(static)
+  for (size_t i = 0; i < s.shard_numel; i++) wire[s.begin + i] = float_to_half(own[i], t);
+  shard_comm_.all_gather(Span<const uint16_t>(wire + s.begin, s.shard_numel), Span<uint16_t>(wire, s.padded_numel),
+                         "all_gather(params)");
+  float* out = buffer.data();
+#pragma omp parallel for simd schedule(static)
+  for (size_t i = 0; i < s.padded_numel; i++) out[i] = half_to_float(wire[i], t);
+  return out;
 }
 
 float* FsdpEngine::gradient_target(int unit) {
@@ -173,7 +191,7 @@ void FsdpEngine::reduce_micro_batch_grads(int unit) {
   if (shard_comm_.size() == 1 || !options_.reduce_every_microbatch) return;
   UnitShard& s = shards_[unit];
   shard_comm_.reduce_scatter_add(Span<const float>(grad_buffer(unit).data(), s.padded_numel), Span<float>(s.grads),
-                                 "reduce_scatter(grads)");
+                                 options_.reduce_dtype, "reduce_scatter(grads)");
 }
 
 double FsdpEngine::train_micro_batch(GptModel<float>& model, const int* tokens, const int* targets, float dloss) {
@@ -199,7 +217,7 @@ void FsdpEngine::finish_step() {
   if (shard_comm_.size() > 1 && !options_.reduce_every_microbatch) {
     for (int u = static_cast<int>(shards_.size()) - 1; u >= 0; u--)
       shard_comm_.reduce_scatter_add(Span<const float>(grad_buffers_[u].data(), shards_[u].padded_numel),
-                                     Span<float>(shards_[u].grads), "reduce_scatter(grads)");
+                                     Span<float>(shards_[u].grads), options_.reduce_dtype, "reduce_scatter(grads)");
   }
   // The replica all-reduce is linear, so once per step equals once per micro-batch.
   if (replica_comm_.size() > 1)

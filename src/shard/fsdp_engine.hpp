@@ -16,7 +16,8 @@
 // Gradients of one micro-batch are reduce-scattered over the shard group into the gradient shard
 // (reduce_every_microbatch), or accumulated unsharded and reduce-scattered once per step. With a
 // shard group of one the shard is the whole unit: compute reads and accumulates into the shard
-// buffers directly. All ranks issue the same collectives in the same order.
+// buffers directly (unless parameters must be rounded to a 16-bit param_dtype first). All ranks
+// issue the same collectives in the same order.
 #pragma once
 
 #include <array>
@@ -24,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/dtype.hpp"
 #include "comm/comm.hpp"
 #include "model/gpt.hpp"
 #include "model/param_table.hpp"
@@ -37,9 +39,13 @@ enum ShardingStrategy { SHARDING_FULL_SHARD, SHARDING_SHARD_GRAD_OP, SHARDING_NO
 bool parse_sharding_strategy(const std::string& name, ShardingStrategy* out);
 const char* sharding_strategy_name(ShardingStrategy s);
 
+// param_dtype: the type parameters are gathered in (and computed from, after widening to fp32);
+// reduce_dtype: the wire type of the gradient reduce-scatter. Masters and moments stay fp32.
 struct EngineOptions {
   ShardingStrategy strategy = SHARDING_FULL_SHARD;
   bool reduce_every_microbatch = true;
+  DType param_dtype = DTYPE_FP32;
+  DType reduce_dtype = DTYPE_FP32;
 };
 
 // Where this rank's data sits in one unit. "Owned" is the part of the shard this rank alone
@@ -114,6 +120,7 @@ class FsdpEngine {
   // buffers (root, one block); SHARD_GRAD_OP one per unit. Gradients: root and one block per
   // micro-batch, or one per unit when they accumulate unsharded over the step.
   std::vector<std::vector<float>> param_buffers_, grad_buffers_;
+  std::vector<uint16_t> wire_;  // a gathered unit in a 16-bit param_dtype
 };
 
 }  // namespace shardtrain

@@ -132,12 +132,14 @@ bool expect_close(const A* actual, const double* ref, size_t n, double atol, dou
     std::printf("    [check] %-48s n=%-6zu used %6.3f of threshold (max abs %.3g, max rel %.3g)\n", label.c_str(), n,
                 st.worst_fraction, st.max_abs_diff, st.max_rel_diff);
   if (st.failures == 0) return true;
-  ADD_FAILURE() << label << ": " << st.failures << " of " << n << " elements outside |a-ref| <= atol + rtol*|ref|"
-                << " (atol " << atol << ", rtol " << rtol << ")\n"
-                << "  max abs diff " << st.max_abs_diff << ", max rel diff " << st.max_rel_diff << " (NaN elements: "
-                << st.nan_count << ")\n"
-                << "  worst index " << st.worst << ": actual " << st.worst_actual << ", ref " << st.worst_ref
-                << ", used " << st.worst_fraction << " x the threshold";
+  char detail[512];
+  std::snprintf(detail, sizeof detail,
+                ": %zu of %zu elements outside |a-ref| <= atol + rtol*|ref| (atol %.3g, rtol %.3g)\n"
+                "  max abs diff %.3g, max rel diff %.3g, NaN elements %zu\n"
+                "  worst index %zu: actual %.9g, ref %.9g, used %.3g x the threshold",
+                st.failures, n, atol, rtol, st.max_abs_diff, st.max_rel_diff, st.nan_count, st.worst, st.worst_actual,
+                st.worst_ref, st.worst_fraction);
+  ADD_FAILURE() << label << detail;
   return false;
 }
 
@@ -151,22 +153,31 @@ bool expect_close(const A* actual, const std::vector<double>& ref, Tolerance tol
   return expect_close(actual, ref.data(), ref.size(), tol.atol, tol.rtol, label);
 }
 
-// The sentinel written into guard zones: a quiet NaN with a payload for floating types (so a read
-// past the end poisons the result) and an unlikely bit pattern for integers. Compared bitwise.
+// The sentinel written into a buffer's guard zones: a quiet NaN for floating types (so a read past
+// the end poisons the result) and an unlikely bit pattern for integers. The payload bits carry a
+// hash of the buffer's name, so a NaN copied from another buffer's guard (out[n] = a[n] + b[n]
+// one past the end) does not pass for this buffer's own sentinel. Compared bitwise.
+inline uint64_t name_hash(const std::string& name) {
+  uint64_t h = 0xCBF29CE484222325ull;  // FNV-1a
+  for (unsigned char ch : name) h = (h ^ ch) * 0x100000001B3ull;
+  return h;
+}
+
 template <typename T>
-T guard_sentinel() {
+T guard_sentinel(const std::string& name) {
+  const uint64_t h = name_hash(name);
   if constexpr (std::is_same_v<T, float>) {
-    const uint32_t bits = 0x7FC0BEEFu;
+    const uint32_t bits = 0x7FC00000u | static_cast<uint32_t>(h & 0x3FFFFF) | 1u;
     float f;
     std::memcpy(&f, &bits, sizeof f);
     return f;
   } else if constexpr (std::is_same_v<T, double>) {
-    const uint64_t bits = 0x7FF8DEAD0000BEEFull;
+    const uint64_t bits = 0x7FF8000000000000ull | (h & 0x7FFFFFFFFFFFFull) | 1u;
     double d;
     std::memcpy(&d, &bits, sizeof d);
     return d;
   } else {
-    return static_cast<T>(0x5EB7A11D);
+    return static_cast<T>(0x5EB70000 ^ static_cast<int>(h & 0xFFFF));
   }
 }
 
@@ -176,10 +187,10 @@ template <typename T>
 class GuardedBuffer {
  public:
   explicit GuardedBuffer(size_t n, std::string name = "buffer", size_t guard = 16)
-      : n_(n), guard_(guard), name_(std::move(name)), storage_(n + 2 * guard) {
+      : n_(n), guard_(guard), name_(std::move(name)), sentinel_(guard_sentinel<T>(name_)), storage_(n + 2 * guard) {
     for (size_t i = 0; i < guard_; i++) {
-      storage_[i] = guard_sentinel<T>();
-      storage_[guard_ + n_ + i] = guard_sentinel<T>();
+      storage_[i] = sentinel_;
+      storage_[guard_ + n_ + i] = sentinel_;
     }
   }
   T* data() { return storage_.data() + guard_; }
@@ -194,10 +205,9 @@ class GuardedBuffer {
   // One ADD_FAILURE naming the buffer, the first overwritten guard element (negative: before the
   // data, >= size(): after it) and what was found there.
   bool expect_guards_intact(const std::string& label) const {
-    const T sentinel = guard_sentinel<T>();
     for (size_t i = 0; i < 2 * guard_; i++) {
       const size_t at = i < guard_ ? i : n_ + i;
-      if (std::memcmp(&storage_[at], &sentinel, sizeof(T)) != 0) {
+      if (std::memcmp(&storage_[at], &sentinel_, sizeof(T)) != 0) {
         const long offset = at < guard_ ? static_cast<long>(at) - static_cast<long>(guard_)
                                         : static_cast<long>(at - guard_);
         ADD_FAILURE() << label << ": guard zone of '" << name_ << "' overwritten at element " << offset
@@ -211,6 +221,7 @@ class GuardedBuffer {
  private:
   size_t n_, guard_;
   std::string name_;
+  T sentinel_;
   std::vector<T> storage_;
 };
 
