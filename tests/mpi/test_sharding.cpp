@@ -60,7 +60,7 @@ TEST(Comm, ReduceScatterAddsTheRankSumExactly) {
     std::vector<float> full(shard * n), mine(shard, 1000.0f);  // the shard accumulates onto 1000
     for (size_t i = 0; i < full.size(); i++) full[i] = static_cast<float>((r + 1) * (i % 11));
     for (int repeat = 0; repeat < 2; repeat++)
-      comm->reduce_scatter_add(Span<const float>(full), Span<float>(mine), "test");
+      comm->reduce_scatter_add(Span<const float>(full), Span<float>(mine), DTYPE_FP32, "test");
     bool ok = true;
     const float rank_sum = n * (n + 1) / 2.0f;
     for (size_t i = 0; i < shard; i++) ok &= mine[i] == 1000.0f + 2 * rank_sum * ((r * shard + i) % 11);
