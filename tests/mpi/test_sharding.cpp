@@ -68,6 +68,35 @@ TEST(Comm, ReduceScatterAddsTheRankSumExactly) {
   }
 }
 
+// Integers below 256 are exact in bf16 and fp16, so even 16-bit partial sums must be exact.
+TEST(Comm, ReduceScatterIn16BitWireIsExactOnSmallIntegers) {
+  auto comm = make_mpi_comm(MPI_COMM_WORLD, nullptr);
+  const int n = comm->size(), r = comm->rank();
+  const size_t shard = 1001;
+  for (DType wire : {DTYPE_BF16, DTYPE_FP16}) {
+    std::vector<float> full(shard * n), mine(shard, 0.5f);
+    for (size_t i = 0; i < full.size(); i++) full[i] = static_cast<float>((r + 1) * (i % 7));
+    uint64_t before = comm->bytes_sent();
+    comm->reduce_scatter_add(Span<const float>(full), Span<float>(mine), wire, "test");
+    bool ok = comm->bytes_sent() - before == static_cast<uint64_t>(n - 1) * shard * 2;
+    const float rank_sum = n * (n + 1) / 2.0f;
+    for (size_t i = 0; i < shard; i++) ok &= mine[i] == 0.5f + rank_sum * ((r * shard + i) % 7);
+    EXPECT_TRUE(collective_ok(ok)) << dtype_name(wire);
+  }
+}
+
+TEST(Comm, AllGatherOf16BitValues) {
+  auto comm = make_mpi_comm(MPI_COMM_WORLD, nullptr);
+  const int n = comm->size(), r = comm->rank();
+  std::vector<uint16_t> mine(13), full(13 * n);
+  for (size_t i = 0; i < mine.size(); i++) mine[i] = static_cast<uint16_t>(r * 1000 + i);
+  comm->all_gather(Span<const uint16_t>(mine), Span<uint16_t>(full), "test");
+  bool ok = true;
+  for (int q = 0; q < n; q++)
+    for (size_t i = 0; i < 13; i++) ok &= full[q * 13 + i] == q * 1000 + i;
+  EXPECT_TRUE(collective_ok(ok));
+}
+
 TEST(Engine, InitializationIsIndependentOfRankCount) {
   ParamTable table(awkward_model());
   MemoryTracker mem_world, mem_self;
