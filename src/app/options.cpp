@@ -77,6 +77,14 @@ void declare_options(OptionList& o, Config& c) {
         "moments; on the CPU, compute widens to fp32); fp16 turns on dynamic loss scaling");
   o.add("fsdp.reduce_dtype", &c.fsdp.reduce_dtype,
         "fp32, bf16 or fp16: the type gradients are reduce-scattered in (replica all-reduces stay fp32)");
+  o.add("fsdp.forward_prefetch", &c.fsdp.forward_prefetch,
+        "start the next block's all-gather before the current block's forward computes");
+  o.add("fsdp.backward_prefetch", &c.fsdp.backward_prefetch,
+        "NONE, BACKWARD_PRE (start the next block's all-gather before the current block's backward) or "
+        "BACKWARD_POST (after it)");
+  o.add("fsdp.limit_all_gathers", &c.fsdp.limit_all_gathers,
+        "unsharded blocks held at once (FULL_SHARD, HYBRID_SHARD): 2 lets one all-gather run ahead, each more "
+        "costs one block of memory; 1 disables prefetching");
   o.add("fsdp.memory_limit", &c.fsdp.memory_limit,
         "per-rank memory budget (e.g. 24GiB, 512MiB): a configuration that would exceed it stops before "
         "allocating, with the need by category; empty = no limit");
@@ -200,6 +208,11 @@ void validate_config(const Config& c, int world) {
           "checkpoint.format='" + c.checkpoint.format + "' is not a format; allowed: sharded, gathered");
   require(!c.checkpoint.resume.empty(), "checkpoint.resume must be auto, none or a checkpoint file");
   require(c.checkpoint.keep >= 1, "checkpoint.keep must be >= 1");
+  BackwardPrefetch prefetch;
+  require(parse_backward_prefetch(c.fsdp.backward_prefetch, &prefetch),
+          "fsdp.backward_prefetch='" + c.fsdp.backward_prefetch + "' is not a mode; allowed: NONE, BACKWARD_PRE, "
+          "BACKWARD_POST");
+  require(c.fsdp.limit_all_gathers >= 1, "fsdp.limit_all_gathers must be >= 1 (1 disables prefetching)");
   DType dtype;
   require(parse_dtype(c.fsdp.param_dtype, &dtype),
           "fsdp.param_dtype='" + c.fsdp.param_dtype + "' is not a type; allowed: fp32, bf16, fp16");
@@ -228,6 +241,9 @@ EngineOptions engine_options(const Config& c) {
   o.reduce_every_microbatch = c.fsdp.reduce_every_microbatch;
   parse_dtype(c.fsdp.param_dtype, &o.param_dtype);
   parse_dtype(c.fsdp.reduce_dtype, &o.reduce_dtype);
+  o.forward_prefetch = c.fsdp.forward_prefetch;
+  parse_backward_prefetch(c.fsdp.backward_prefetch, &o.backward_prefetch);
+  o.limit_all_gathers = c.fsdp.limit_all_gathers;
   return o;
 }
 

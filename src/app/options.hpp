@@ -45,6 +45,9 @@ struct FsdpOptions {
   bool activation_checkpointing = false;
   std::string param_dtype = "fp32";   // fp32 | bf16 | fp16: gathered parameters and their all-gather
   std::string reduce_dtype = "fp32";  // fp32 | bf16 | fp16: the gradient reduce-scatter's wire type
+  bool forward_prefetch = false;
+  std::string backward_prefetch = "BACKWARD_PRE";  // NONE | BACKWARD_PRE | BACKWARD_POST
+  int limit_all_gathers = 2;  // unsharded block buffers; 1 disables prefetching
   std::string memory_limit;   // e.g. 24GiB: emulates a device's memory; empty = none
   double comm_timeout = 300;  // seconds; 0 disables the watchdog
 };

@@ -2,7 +2,9 @@
 // (activation checkpointing repeats each block's forward, about a third more compute), then the
 // fewest bytes moved per step per rank. Traffic per rank per step, Psi = padded parameters,
 // N = shard group size, R = replicas, A = micro-batches per step (ring collectives move (n-1)/n):
-//   FULL_SHARD/HYBRID  A (2 Psi - Psi_root)(N-1)/N all-gathers + (A or 1) Psi (N-1)/N reduce-scatters
+//   FULL_SHARD/HYBRID  A (Psi + max(0, L - K) Psi_block)(N-1)/N all-gathers (the backward re-gathers
+//                      the blocks no longer held in the K = limit_all_gathers buffers)
+//                      + (A or 1) Psi (N-1)/N reduce-scatters
 //   SHARD_GRAD_OP      A Psi (N-1)/N all-gathers + (A or 1) Psi (N-1)/N reduce-scatters
 //   NO_SHARD / HYBRID replicas: all-reduce of 2 (Psi/N)(R-1)/R
 #include "app/planner.hpp"
@@ -31,22 +33,23 @@ struct Candidate {
   bool fits;
 };
 
-double traffic_per_step(const ParamTable& table, const Candidate& c, int accumulation) {
+double traffic_per_step(const ParamTable& table, const Candidate& c, const EngineOptions& options, int accumulation) {
   const double N = c.shard_size, R = c.replicas, A = accumulation;
-  double psi = 0, root = 0;
+  double psi = 0, block = 0;
   for (size_t u = 0; u < table.units().size(); u++) {
     double padded = std::ceil(static_cast<double>(table.units()[u].numel) / N) * N;
     psi += padded;
-    if (u == ROOT_UNIT) root = padded;
+    if (u != ROOT_UNIT) block = padded;
   }
-  double elements = 0;
-  const double reduces = c.reduce_every_microbatch ? A : 1;
+  double bytes = 0;
   if (N > 1) {
-    double gathers = c.strategy == SHARDING_SHARD_GRAD_OP ? A * psi : A * (2 * psi - root);
-    elements += (gathers + reduces * psi) * (N - 1) / N;
+    const double regathered = std::max(0, table.config().n_layer - options.limit_all_gathers) * block;
+    const double gathers = c.strategy == SHARDING_SHARD_GRAD_OP ? A * psi : A * (psi + regathered);
+    const double reduces = (c.reduce_every_microbatch ? A : 1) * psi;
+    bytes += (gathers * dtype_bytes(options.param_dtype) + reduces * dtype_bytes(options.reduce_dtype)) * (N - 1) / N;
   }
-  if (R > 1) elements += 2 * (psi / N) * (R - 1) / R;
-  return 4 * elements;
+  if (R > 1) bytes += 4 * 2 * (psi / N) * (R - 1) / R;  // replica all-reduce, fp32
+  return bytes;
 }
 
 }  // namespace
@@ -105,7 +108,7 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
         options.strategy = s, options.reduce_every_microbatch = every;
         c.memory = plan_rank_memory(config.model, GroupShape{shard, 0, world / shard, 0}, options,
                                     config.train.micro_batch, config.train.seq_len, ckpt);
-        c.traffic_bytes = traffic_per_step(table, c, accumulation);
+        c.traffic_bytes = traffic_per_step(table, c, options, accumulation);
         c.fits = limit == 0 || c.memory.total() <= limit;
         candidates.push_back(c);
       }

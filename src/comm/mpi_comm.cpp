@@ -41,6 +41,21 @@ class MpiComm final : public Comm {
     gather(shard.data, full.data, shard.size, full.size, MPI_UINT16_T, sizeof(uint16_t), what);
   }
 
+  int start_all_gather(Span<const float> shard, Span<float> full, const char* what) override {
+    return start_gather(shard.data, full.data, shard.size, full.size, MPI_FLOAT, sizeof(float), what);
+  }
+
+  int start_all_gather(Span<const uint16_t> shard, Span<uint16_t> full, const char* what) override {
+    return start_gather(shard.data, full.data, shard.size, full.size, MPI_UINT16_T, sizeof(uint16_t), what);
+  }
+
+  void wait(int handle) override {
+    SHARD_CHECK(handle >= 0 && handle < static_cast<int>(pending_.size()), "unknown request %d", handle);
+    Watchdog::Scope scope(watchdog_, pending_[handle].what);
+    MPI_CHECK(MPI_Wait(&pending_[handle].request, MPI_STATUS_IGNORE));
+    pending_[handle].what = nullptr;  // the slot is free again
+  }
+
   uint64_t bytes_sent() const override { return bytes_sent_; }
 
   void reduce_scatter_add(Span<const float> full, Span<float> shard, DType wire, const char* what) override {
@@ -125,6 +140,19 @@ class MpiComm final : public Comm {
     }
   }
 
+  int start_gather(const void* shard, void* full, size_t shard_n, size_t full_n, MPI_Datatype type, size_t bytes,
+                   const char* what) {
+    SHARD_CHECK(full_n == shard_n * size_, "all_gather %s: full %zu != shard %zu x %d", what, full_n, shard_n, size_);
+    SHARD_CHECK(shard == static_cast<const char*>(full) + rank_ * shard_n * bytes, "start_all_gather is in place");
+    size_t slot = 0;
+    while (slot < pending_.size() && pending_[slot].what) slot++;
+    if (slot == pending_.size()) pending_.push_back(Pending{});
+    pending_[slot].what = what;
+    bytes_sent_ += static_cast<uint64_t>(size_ - 1) * shard_n * bytes;
+    MPI_CHECK(MPI_Iallgather(MPI_IN_PLACE, 0, type, full, checked_count(shard_n), type, comm_, &pending_[slot].request));
+    return static_cast<int>(slot);
+  }
+
   // The ring of reduce_scatter_add with 16-bit messages: each hop widens the received partial,
   // adds this rank's fp32 term and rounds again for the next hop.
   template <typename ChunkFn>
@@ -158,6 +186,11 @@ class MpiComm final : public Comm {
   Watchdog* watchdog_;
   std::vector<float> ring_send_, ring_recv_;
   std::vector<uint16_t> wire_send_, wire_recv_;
+  struct Pending {
+    MPI_Request request = MPI_REQUEST_NULL;
+    const char* what = nullptr;  // null: the slot is free
+  };
+  std::vector<Pending> pending_;
   uint64_t bytes_sent_ = 0;
   int rank_ = 0, size_ = 1;
 };

@@ -31,6 +31,16 @@ const char* sharding_strategy_name(ShardingStrategy s) {
   return "?";
 }
 
+bool parse_backward_prefetch(const std::string& name, BackwardPrefetch* out) {
+  for (BackwardPrefetch p : {BACKWARD_PREFETCH_NONE, BACKWARD_PREFETCH_PRE, BACKWARD_PREFETCH_POST})
+    if (name == backward_prefetch_name(p)) return *out = p, true;
+  return false;
+}
+
+const char* backward_prefetch_name(BackwardPrefetch p) {
+  return p == BACKWARD_PREFETCH_PRE ? "BACKWARD_PRE" : (p == BACKWARD_PREFETCH_POST ? "BACKWARD_POST" : "NONE");
+}
+
 std::vector<UnitLayout> FsdpEngine::plan_layout(const ParamTable& table, const GroupShape& g) {
   std::vector<UnitLayout> layout;
   for (const UnitInfo& u : table.units()) {
@@ -62,10 +72,11 @@ std::array<size_t, MEM_CATEGORY_COUNT> FsdpEngine::plan_memory(const std::vector
   const bool sharded = layout[ROOT_UNIT].padded_numel != layout[ROOT_UNIT].shard_numel;
   const bool half_params = options.param_dtype != DTYPE_FP32;
   const size_t root_and_block = layout[ROOT_UNIT].padded_numel + max_block;
-  if (sharded || half_params)
-    bytes[MEM_GATHERED_UNITS] =
-        (options.strategy == SHARDING_SHARD_GRAD_OP ? all_padded : root_and_block) * sizeof(float);
-  if (half_params) bytes[MEM_COMM_BUFFERS] += std::max(layout[ROOT_UNIT].padded_numel, max_block) * sizeof(uint16_t);
+  const size_t slots = options.strategy == SHARDING_SHARD_GRAD_OP
+                           ? all_padded
+                           : layout[ROOT_UNIT].padded_numel + options.limit_all_gathers * max_block;
+  if (sharded || half_params) bytes[MEM_GATHERED_UNITS] = slots * sizeof(float);
+  if (half_params) bytes[MEM_COMM_BUFFERS] += slots * sizeof(uint16_t);
   if (!sharded) return bytes;
   bytes[MEM_GRADIENTS] += (options.reduce_every_microbatch ? root_and_block : all_padded) * sizeof(float);
   bytes[MEM_COMM_BUFFERS] += 2 * max_shard * dtype_bytes(options.reduce_dtype);  // the ring's two chunk buffers
@@ -89,18 +100,26 @@ FsdpEngine::FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_
   if (shard_comm.size() == 1 && options_.param_dtype == DTYPE_FP32) return;
   size_t max_block = 0;
   for (size_t u = 1; u < layout.size(); u++) max_block = std::max(max_block, layout[u].padded_numel);
-  auto per_unit = [&] {
-    std::vector<std::vector<float>> buffers;
-    for (const UnitLayout& l : layout) buffers.emplace_back(l.padded_numel, 0.0f);
-    return buffers;
+  const bool half = options_.param_dtype != DTYPE_FP32;
+  auto add_slot = [&](size_t size) {
+    ParamSlot slot;
+    slot.values.assign(size, 0.0f);
+    if (half) slot.wire.assign(size, 0);
+    slots_.push_back(std::move(slot));
   };
-  auto root_and_block = [&] {
-    return std::vector<std::vector<float>>{std::vector<float>(layout[ROOT_UNIT].padded_numel),
-                                           std::vector<float>(max_block)};
-  };
-  param_buffers_ = options_.strategy == SHARDING_SHARD_GRAD_OP ? per_unit() : root_and_block();
-  if (options_.param_dtype != DTYPE_FP32) wire_.resize(std::max(layout[ROOT_UNIT].padded_numel, max_block));
-  if (shard_comm.size() > 1) grad_buffers_ = options_.reduce_every_microbatch ? root_and_block() : per_unit();
+  if (options_.strategy == SHARDING_SHARD_GRAD_OP) {
+    for (const UnitLayout& l : layout) add_slot(l.padded_numel);
+  } else {
+    add_slot(layout[ROOT_UNIT].padded_numel);
+    for (int k = 0; k < options_.limit_all_gathers; k++) add_slot(max_block);
+  }
+  if (shard_comm.size() == 1) return;
+  if (options_.reduce_every_microbatch) {
+    grad_buffers_.emplace_back(layout[ROOT_UNIT].padded_numel);
+    grad_buffers_.emplace_back(max_block);
+  } else {
+    for (const UnitLayout& l : layout) grad_buffers_.emplace_back(l.padded_numel);
+  }
 }
 
 FsdpEngine::~FsdpEngine() {
@@ -145,39 +164,84 @@ void FsdpEngine::zero_grads() {
     for (auto& buffer : grad_buffers_) std::fill(buffer.begin(), buffer.end(), 0.0f);
 }
 
-std::vector<float>& FsdpEngine::param_buffer(int unit) {
-  if (options_.strategy == SHARDING_SHARD_GRAD_OP) return param_buffers_[unit];
-  return param_buffers_[unit == ROOT_UNIT ? 0 : 1];
-}
-
 std::vector<float>& FsdpEngine::grad_buffer(int unit) {
   if (!options_.reduce_every_microbatch) return grad_buffers_[unit];
   return grad_buffers_[unit == ROOT_UNIT ? 0 : 1];
 }
 
-const float* FsdpEngine::gather_params(int unit, bool for_backward) {
-  UnitShard& s = shards_[unit];
-  if (param_buffers_.empty()) return s.params.data();  // fp32 on a shard group of one
-  std::vector<float>& buffer = param_buffer(unit);
-  // Units that stayed gathered since their forward need no second all-gather.
-  if (for_backward && (unit == ROOT_UNIT || options_.strategy == SHARDING_SHARD_GRAD_OP)) return buffer.data();
+void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
+  const UnitShard& s = shards_[unit];
+  slot.unit = unit;
   if (options_.param_dtype == DTYPE_FP32) {
-    std::copy(s.params.begin(), s.params.end(), buffer.begin() + s.begin);
-    shard_comm_.all_gather(Span<const float>(buffer.data() + s.begin, s.shard_numel),
-                           Span<float>(buffer.data(), s.padded_numel), "all_gather(params)");
-    return buffer.data();
+    std::copy(s.params.begin(), s.params.end(), slot.values.begin() + s.begin);
+    Span<const float> own(slot.values.data() + s.begin, s.shard_numel);
+    Span<float> full(slot.values.data(), s.padded_numel);
+    if (async)
+      slot.handle = shard_comm_.start_all_gather(own, full, "all_gather(params, prefetched)");
+    else
+      shard_comm_.all_gather(own, full, "all_gather(params)");
+    return;
   }
   const DType t = options_.param_dtype;
-  uint16_t* wire = wire_.data();
-  const float* own = s.params.data();
+  uint16_t* wire = slot.wire.data();
+  const float* master = s.params.data();
 #pragma omp parallel for simd schedule(static)
-  for (size_t i = 0; i < s.shard_numel; i++) wire[s.begin + i] = float_to_half(own[i], t);
-  shard_comm_.all_gather(Span<const uint16_t>(wire + s.begin, s.shard_numel), Span<uint16_t>(wire, s.padded_numel),
-                         "all_gather(params)");
-  float* out = buffer.data();
+  for (size_t i = 0; i < s.shard_numel; i++) wire[s.begin + i] = float_to_half(master[i], t);
+  Span<const uint16_t> own(wire + s.begin, s.shard_numel);
+  Span<uint16_t> full(wire, s.padded_numel);
+  if (async) {
+    slot.handle = shard_comm_.start_all_gather(own, full, "all_gather(params, prefetched)");
+    return;
+  }
+  shard_comm_.all_gather(own, full, "all_gather(params)");
+  finish_gather(slot);
+}
+
+void FsdpEngine::finish_gather(ParamSlot& slot) {
+  if (slot.handle >= 0) shard_comm_.wait(slot.handle), slot.handle = -1;
+  if (options_.param_dtype == DTYPE_FP32) return;
+  const DType t = options_.param_dtype;
+  const uint16_t* wire = slot.wire.data();
+  float* out = slot.values.data();
 #pragma omp parallel for simd schedule(static)
-  for (size_t i = 0; i < s.padded_numel; i++) out[i] = half_to_float(wire[i], t);
-  return out;
+  for (size_t i = 0; i < shards_[slot.unit].padded_numel; i++) out[i] = half_to_float(wire[i], t);
+}
+
+const float* FsdpEngine::gather_params(int unit, bool for_backward) {
+  if (slots_.empty()) return shards_[unit].params.data();  // fp32 on a shard group of one
+  if (options_.strategy == SHARDING_SHARD_GRAD_OP || unit == ROOT_UNIT) {
+    ParamSlot& slot = slots_[options_.strategy == SHARDING_SHARD_GRAD_OP ? unit : 0];
+    // These stay gathered from their forward through their backward.
+    if (!for_backward || slot.unit != unit) start_gather(slot, unit, false);
+    return slot.values.data();
+  }
+  for (size_t i = 1; i < slots_.size(); i++) {
+    if (slots_[i].unit != unit) continue;  // a block still held (the last one of the forward) or prefetched
+    if (slots_[i].handle >= 0) finish_gather(slots_[i]);
+    current_slot_ = static_cast<int>(i);
+    return slots_[i].values.data();
+  }
+  // The previous block is done: any slot without a pending prefetch will do, the current one too.
+  int pick = -1;
+  for (size_t i = 1; i < slots_.size(); i++)
+    if (slots_[i].handle < 0 && (pick < 0 || static_cast<int>(i) != current_slot_)) pick = static_cast<int>(i);
+  SHARD_CHECK(pick > 0, "no free block buffer for unit %d", unit);
+  start_gather(slots_[pick], unit, false);
+  current_slot_ = pick;
+  return slots_[pick].values.data();
+}
+
+void FsdpEngine::prefetch_params(int unit) {
+  if (slots_.empty() || options_.strategy == SHARDING_SHARD_GRAD_OP || unit <= ROOT_UNIT ||
+      unit >= static_cast<int>(shards_.size()))
+    return;
+  for (size_t i = 1; i < slots_.size(); i++)
+    if (slots_[i].unit == unit) return;
+  for (size_t i = 1; i < slots_.size(); i++) {
+    if (static_cast<int>(i) == current_slot_ || slots_[i].handle >= 0) continue;
+    start_gather(slots_[i], unit, true);
+    return;
+  }
 }
 
 float* FsdpEngine::gradient_target(int unit) {
@@ -194,18 +258,41 @@ void FsdpEngine::reduce_micro_batch_grads(int unit) {
                                  options_.reduce_dtype, "reduce_scatter(grads)");
 }
 
+// Parameters change after every step: nothing gathered survives into the next micro-batch's
+// first use except through a new gather. (Within a micro-batch, a slot is reused while it holds
+// its unit: the forward's last block serves the first backward block without a second gather.)
+void FsdpEngine::forget_gathered() {
+  for (ParamSlot& slot : slots_) {
+    SHARD_CHECK(slot.handle < 0, "a prefetch is still pending at the end of a micro-batch");
+    slot.unit = -1;
+  }
+  current_slot_ = -1;
+}
+
+void FsdpEngine::forward_blocks(GptModel<float>& model) {
+  const int L = table_.config().n_layer;
+  for (int l = 0; l < L; l++) {
+    const float* block = gather_params(block_unit(l), false);
+    if (options_.forward_prefetch && l + 1 < L) prefetch_params(block_unit(l + 1));
+    model.block_forward(l, block);
+  }
+}
+
 double FsdpEngine::train_micro_batch(GptModel<float>& model, const int* tokens, const int* targets, float dloss) {
   const int L = table_.config().n_layer;
+  forget_gathered();
   const float* root = gather_params(ROOT_UNIT, false);
   model.embed_forward(root, tokens);
-  for (int l = 0; l < L; l++) model.block_forward(l, gather_params(block_unit(l), false));
+  forward_blocks(model);
   double loss = model.head_forward(root, targets);
 
   float* root_grad = gradient_target(ROOT_UNIT);
   model.head_backward(root_grad, root, dloss);
   for (int l = L - 1; l >= 0; l--) {
     const float* block = gather_params(block_unit(l), true);
+    if (options_.backward_prefetch == BACKWARD_PREFETCH_PRE && l > 0) prefetch_params(block_unit(l - 1));
     model.block_backward(l, gradient_target(block_unit(l)), block);
+    if (options_.backward_prefetch == BACKWARD_PREFETCH_POST && l > 0) prefetch_params(block_unit(l - 1));
     reduce_micro_batch_grads(block_unit(l));
   }
   model.embed_backward(root_grad);
@@ -225,10 +312,10 @@ void FsdpEngine::finish_step() {
 }
 
 double FsdpEngine::eval_micro_batch(GptModel<float>& model, const int* tokens, const int* targets) {
-  const int L = table_.config().n_layer;
+  forget_gathered();
   const float* root = gather_params(ROOT_UNIT, false);
   model.embed_forward(root, tokens);
-  for (int l = 0; l < L; l++) model.block_forward(l, gather_params(block_unit(l), false));
+  forward_blocks(model);
   return model.head_forward(root, targets);
 }
 

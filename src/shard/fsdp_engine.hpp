@@ -7,7 +7,9 @@
 // and sum their gradients once per step. The strategies are the four of PyTorch FSDP:
 //   FULL_SHARD     shard group = world. Root unit (embeddings, final norm, tied head) gathered
 //                  once per micro-batch and kept until the end of backward; each block gathered
-//                  before its forward, released, gathered again for its backward.
+//                  before its forward into one of limit_all_gathers block buffers, released when
+//                  the buffer is needed for another block, gathered again for its backward unless
+//                  its buffer still holds it (the last blocks of the forward).
 //   SHARD_GRAD_OP  shard group = world; every unit stays gathered from its forward through its
 //                  backward (ZeRO-2: more memory, half the all-gathers).
 //   NO_SHARD       shard group = the rank itself (DDP): replicated parameters and optimizer state,
@@ -39,13 +41,24 @@ enum ShardingStrategy { SHARDING_FULL_SHARD, SHARDING_SHARD_GRAD_OP, SHARDING_NO
 bool parse_sharding_strategy(const std::string& name, ShardingStrategy* out);
 const char* sharding_strategy_name(ShardingStrategy s);
 
+enum BackwardPrefetch { BACKWARD_PREFETCH_NONE, BACKWARD_PREFETCH_PRE, BACKWARD_PREFETCH_POST };
+bool parse_backward_prefetch(const std::string& name, BackwardPrefetch* out);
+const char* backward_prefetch_name(BackwardPrefetch p);
+
 // param_dtype: the type parameters are gathered in (and computed from, after widening to fp32);
 // reduce_dtype: the wire type of the gradient reduce-scatter. Masters and moments stay fp32.
+// Prefetch (FULL_SHARD, HYBRID_SHARD): the next block's all-gather is started before the current
+// block computes -- in forward when forward_prefetch, in backward before (PRE) or after (POST)
+// the current block's gradient computation -- into one of limit_all_gathers block buffers; with
+// one buffer there is nowhere to prefetch into.
 struct EngineOptions {
   ShardingStrategy strategy = SHARDING_FULL_SHARD;
   bool reduce_every_microbatch = true;
   DType param_dtype = DTYPE_FP32;
   DType reduce_dtype = DTYPE_FP32;
+  bool forward_prefetch = false;
+  BackwardPrefetch backward_prefetch = BACKWARD_PREFETCH_PRE;
+  int limit_all_gathers = 2;
 };
 
 // Where this rank's data sits in one unit. "Owned" is the part of the shard this rank alone
@@ -103,10 +116,21 @@ class FsdpEngine {
   std::vector<float> gather_unit(int unit, bool gradients);
 
  private:
+  // A buffer for one unsharded unit's parameters, filled by a blocking or a started all-gather.
+  struct ParamSlot {
+    std::vector<float> values;
+    std::vector<uint16_t> wire;  // the gathered unit in a 16-bit param_dtype
+    int unit = -1;               // the unit held (valid for the current micro-batch), or -1
+    int handle = -1;             // a started all-gather not yet waited for
+  };
   const float* gather_params(int unit, bool for_backward);
+  void prefetch_params(int unit);
+  void forget_gathered();
+  void forward_blocks(GptModel<float>& model);
+  void start_gather(ParamSlot& slot, int unit, bool async);
+  void finish_gather(ParamSlot& slot);
   float* gradient_target(int unit);
   void reduce_micro_batch_grads(int unit);
-  std::vector<float>& param_buffer(int unit);
   std::vector<float>& grad_buffer(int unit);
 
   const ParamTable& table_;
@@ -116,11 +140,13 @@ class FsdpEngine {
   EngineOptions options_;
   std::vector<UnitShard> shards_;
   std::array<size_t, MEM_CATEGORY_COUNT> engine_bytes_{};
-  // Unsharded working buffers (none with a shard group of one). FULL_SHARD keeps two parameter
-  // buffers (root, one block); SHARD_GRAD_OP one per unit. Gradients: root and one block per
-  // micro-batch, or one per unit when they accumulate unsharded over the step.
-  std::vector<std::vector<float>> param_buffers_, grad_buffers_;
-  std::vector<uint16_t> wire_;  // a gathered unit in a 16-bit param_dtype
+  // Unsharded working buffers (none with a shard group of one in fp32). Parameters: SHARD_GRAD_OP
+  // one slot per unit; FULL_SHARD/HYBRID slot 0 for the root and limit_all_gathers block slots.
+  // Gradients: root and one block per micro-batch, or one per unit when they accumulate
+  // unsharded over the step.
+  std::vector<ParamSlot> slots_;
+  int current_slot_ = -1;  // the block slot in use by the computation
+  std::vector<std::vector<float>> grad_buffers_;
 };
 
 }  // namespace shardtrain

@@ -2,7 +2,9 @@
 they round what is gathered or reduced, so losses move by about the formats' precision (bf16: 8
 significant bits), and the bytes each rank sends fall accordingly. The byte counts are checked
 exactly against the volume of our collectives: per micro-batch, all-gathers of (2 Psi - root)
-and a reduce-scatter of Psi, each sending (N-1)/N of it."""
+and a reduce-scatter of Psi, each sending (N-1)/N of it. The forward gathers Psi; the backward
+re-gathers only the blocks no longer held in the fsdp.limit_all_gathers (K) block buffers, the
+L - K first ones."""
 import os
 
 from harness import read_metrics, rel_diff, run, tempdir, tiny_args
@@ -22,14 +24,20 @@ def steps_of(np_, *overrides, ckdir=None):
 
 
 def test_bytes_sent_match_the_collectives_volume_and_halve_in_bf16():
-    fp32, _ = steps_of(2)
     accumulation, n = 24 // (2 * 2), 2  # global_batch / (micro_batch * ranks)
-    expected = 4 * accumulation * ((2 * PSI - ROOT) + PSI) * (n - 1) / n
-    assert fp32[-1]["comm_bytes"] == expected, (fp32[-1]["comm_bytes"], expected)
+
+    def expected(regathered_blocks, param_bytes=4, reduce_bytes=4):
+        gathers = PSI + regathered_blocks * BLOCK
+        return accumulation * (gathers * param_bytes + PSI * reduce_bytes) * (n - 1) / n
+
+    fp32, _ = steps_of(2)  # K = 2 = L: both blocks are still held for the backward
+    assert fp32[-1]["comm_bytes"] == expected(0), (fp32[-1]["comm_bytes"], expected(0))
+    one_buffer, _ = steps_of(2, "--fsdp.limit_all_gathers=1")
+    assert one_buffer[-1]["comm_bytes"] == expected(1)
     half, _ = steps_of(2, "--fsdp.param_dtype=bf16", "--fsdp.reduce_dtype=bf16")
-    assert half[-1]["comm_bytes"] == expected / 2
+    assert half[-1]["comm_bytes"] == expected(0) / 2
     gathers_only, _ = steps_of(2, "--fsdp.param_dtype=bf16")
-    assert gathers_only[-1]["comm_bytes"] == 4 * accumulation * ((2 * PSI - ROOT) / 2 + PSI) * (n - 1) / n
+    assert gathers_only[-1]["comm_bytes"] == expected(0, param_bytes=2)
 
 
 def test_half_precision_losses_stay_close_to_fp32():

@@ -75,3 +75,20 @@ def test_activation_checkpointing_recomputes_the_same_bits_with_less_memory():
         value, unit = line.split("activations ")[1].split(",")[0].split()[:2]
         return float(value) * {"B": 1, "KiB": 1024, "MiB": 1 << 20, "GiB": 1 << 30}[unit]
     assert activations(ckpt_out) < 0.8 * activations(plain_out)
+
+
+def test_prefetching_changes_timing_not_bits():
+    # Prefetched all-gathers fill the same buffers with the same values: identical losses.
+    plain, _ = losses(3, "--fsdp.backward_prefetch=NONE", "--fsdp.limit_all_gathers=1")
+    for options in (["--fsdp.backward_prefetch=BACKWARD_PRE"],
+                    ["--fsdp.backward_prefetch=BACKWARD_POST", "--fsdp.forward_prefetch=true"],
+                    ["--fsdp.forward_prefetch=true", "--fsdp.limit_all_gathers=3"],
+                    ["--fsdp.sharding_strategy=HYBRID_SHARD", "--fsdp.forward_prefetch=true"]):
+        other, _ = losses(3, *options)
+        assert other == plain, options
+
+
+def test_bad_prefetch_options_are_rejected():
+    for option, needle in (("--fsdp.backward_prefetch=SIDEWAYS", "BACKWARD_PRE"), ("--fsdp.limit_all_gathers=0", ">= 1")):
+        proc = run(2, tiny_args(option), timeout=60)
+        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr[-1000:]
