@@ -103,6 +103,8 @@ void declare_options(OptionList& o, Config& c) {
   o.add("debug.stall_step", &c.debug.stall_step, "testing only: step of the injected stall");
   o.add("debug.stall_seconds", &c.debug.stall_seconds, "testing only: length of the injected stall");
   o.add("debug.inject_inf_step", &c.debug.inject_inf_step, "testing only: poison this step's gradient with inf");
+  o.add("debug.skip_communication", &c.debug.skip_communication,
+        "benchmarks only: the engine's collectives move no data (wrong results; measures exposed communication)");
 }
 
 void require(bool ok, const std::string& message) {

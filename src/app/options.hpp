@@ -68,6 +68,7 @@ struct DebugOptions {
   int stall_step = 0;
   double stall_seconds = 0;
   int inject_inf_step = 0;  // 1-based step whose gradient rank 0 poisons with inf; 0 = never
+  bool skip_communication = false;  // benchmarks only: shard/replica collectives move nothing
 };
 
 struct Config {

@@ -165,12 +165,14 @@ std::unique_ptr<Comm> split_comm(int color, int key, Watchdog* watchdog) {
 
 std::unique_ptr<Comm> make_shard_comm(const Runtime& rt, const Config& c, ShardingStrategy s, Watchdog* watchdog) {
   const int size = shard_group_size(rt, c, s);
-  return split_comm(rt.rank() / size, rt.rank(), watchdog);
+  auto comm = split_comm(rt.rank() / size, rt.rank(), watchdog);
+  return c.debug.skip_communication ? make_silent_comm(*comm) : std::move(comm);
 }
 
 std::unique_ptr<Comm> make_replica_comm(const Runtime& rt, const Config& c, ShardingStrategy s, Watchdog* watchdog) {
   const int size = shard_group_size(rt, c, s);
-  return split_comm(rt.rank() % size, rt.rank(), watchdog);
+  auto comm = split_comm(rt.rank() % size, rt.rank(), watchdog);
+  return c.debug.skip_communication ? make_silent_comm(*comm) : std::move(comm);
 }
 
 // The rank's planned bytes; an InputError (agreed) when they exceed fsdp.memory_limit.
