@@ -6,6 +6,7 @@
 #include <boost/program_options.hpp>
 #include <fstream>
 #include <functional>
+#include <iomanip>
 #include <sstream>
 
 #include "app/memory_plan.hpp"
@@ -21,14 +22,18 @@ struct OptionList {
   po::options_description desc{"train options (INI section.key, or --section.key=value)"};
   std::vector<std::pair<std::string, std::function<std::string()>>> printers;
 
+  // 10 significant digits and true/false: readable in --help and exact enough in the INI record.
+  template <typename T>
+  static std::string text(const T& value) {
+    std::ostringstream s;
+    s << std::setprecision(10) << std::boolalpha << value;
+    return s.str();
+  }
+
   template <typename T>
   void add(const char* name, T* field, const char* help) {
-    desc.add_options()(name, po::value<T>(field)->default_value(*field), help);
-    printers.emplace_back(name, [field] {
-      std::ostringstream s;
-      s << *field;
-      return s.str();
-    });
+    desc.add_options()(name, po::value<T>(field)->default_value(*field, text(*field)), help);
+    printers.emplace_back(name, [field] { return text(*field); });
   }
 };
 
