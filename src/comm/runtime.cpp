@@ -48,24 +48,26 @@ void Runtime::agree(const std::string& local_error) const {
   throw InputError(std::string(text.begin(), text.end()));
 }
 
+// Rank 0 prints one line to `stream`, after `prefix`; other ranks print nothing.
+static void print_line(int rank, std::FILE* stream, const char* prefix, const char* fmt, va_list args) {
+  if (rank != 0) return;
+  std::string line = vstrprintf(fmt, args);
+  std::fprintf(stream, "%s%s\n", prefix, line.c_str());
+  std::fflush(stream);
+}
+
 void Runtime::info(const char* fmt, ...) const {
-  if (rank_ != 0) return;
   va_list args;
   va_start(args, fmt);
-  std::string line = vstrprintf(fmt, args);
+  print_line(rank_, stdout, "", fmt, args);
   va_end(args);
-  std::fprintf(stdout, "%s\n", line.c_str());
-  std::fflush(stdout);
 }
 
 void Runtime::warn(const char* fmt, ...) const {
-  if (rank_ != 0) return;
   va_list args;
   va_start(args, fmt);
-  std::string line = vstrprintf(fmt, args);
+  print_line(rank_, stderr, "warning: ", fmt, args);
   va_end(args);
-  std::fprintf(stderr, "warning: %s\n", line.c_str());
-  std::fflush(stderr);
 }
 
 }  // namespace shardtrain
