@@ -337,6 +337,7 @@ int Trainer::try_load(const std::string& path, bool fall_back) {
     if (state.step > cfg_.train.steps)
       throw UsageError(strprintf("checkpoint '%s' is at step %lld, past train.steps=%d; raise train.steps",
                                  path.c_str(), static_cast<long long>(state.step), cfg_.train.steps));
+    Watchdog::Scope scope(&watchdog_, "checkpoint load");  // HDF5's collectives are not ours to time
     rt_.agree_on([&] { state = load_checkpoint(path, engine_, optimizer_, MPI_COMM_WORLD); });
   } catch (const UsageError&) {
     throw;
@@ -391,6 +392,7 @@ void Trainer::save(int step) {
   state.loss_scale_log2 = std::lround(std::log2(loss_scale_));
   state.loss_scale_good_steps = good_steps_;
   const double t0 = MPI_Wtime();
+  Watchdog::Scope scope(&watchdog_, "checkpoint save");
   std::string path = checkpoints_.save(state, engine_, optimizer_);
   rt_.info("saved %s (%s, %.2f s)", path.c_str(), state.layout.c_str(), MPI_Wtime() - t0);
 }

@@ -20,12 +20,18 @@ Watchdog::~Watchdog() {
 
 Watchdog::Scope::Scope(Watchdog* dog, const char* what) : dog_(dog) {
   if (!dog_) return;
+  outer_what_ = dog_->current_.load();
+  outer_since_ = dog_->since_.load();
+  dog_->current_ = nullptr;  // never a window with the new name and the old start time
   dog_->since_ = MPI_Wtime();
   dog_->current_ = what;
 }
 
 Watchdog::Scope::~Scope() {
-  if (dog_) dog_->current_ = nullptr;
+  if (!dog_) return;
+  dog_->current_ = nullptr;
+  dog_->since_ = outer_since_;
+  dog_->current_ = outer_what_;
 }
 
 void Watchdog::loop() {

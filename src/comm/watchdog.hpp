@@ -21,7 +21,9 @@ class Watchdog {
 
   double timeout_seconds() const { return timeout_seconds_; }
 
-  // Marks one blocking collective for its lifetime. `what` must outlive the scope (a literal).
+  // Marks one blocking collective (or a collective phase, e.g. a checkpoint save) for its
+  // lifetime. `what` must outlive the scope (a literal). Scopes nest: an inner one restores the
+  // outer one's mark when it ends.
   class Scope {
    public:
     Scope(Watchdog* dog, const char* what);
@@ -29,6 +31,8 @@ class Watchdog {
 
    private:
     Watchdog* dog_;
+    const char* outer_what_ = nullptr;
+    double outer_since_ = 0;
   };
 
  private:
