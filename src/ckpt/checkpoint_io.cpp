@@ -9,6 +9,7 @@
 
 #include "backend/math.hpp"
 #include "ckpt/h5.hpp"
+#include "comm/runtime.hpp"
 
 namespace shardtrain {
 namespace {
@@ -238,6 +239,7 @@ void save_checkpoint(const std::string& path, const CheckpointState& state, Fsdp
   allreduce_sum(sums, comm);
 
   H5Id file = open_parallel(path, comm, true);
+  std::string local_error;
   write_state(file, state, table.config(), path);
   H5Id lcpl(h5_check_id(H5Pcreate(H5P_LINK_CREATE), path, "H5Pcreate"), H5Pclose);
   h5_check(H5Pset_create_intermediate_group(lcpl, 1), path, "H5Pset_create_intermediate_group");
@@ -252,7 +254,9 @@ void save_checkpoint(const std::string& path, const CheckpointState& state, Fsdp
     hsize_t mem_n = std::max<uint64_t>(p.count, 1);
     H5Id memspace(h5_check_id(H5Screate_simple(1, &mem_n, nullptr), path, "H5Screate_simple"), H5Sclose);
     if (p.count == 0) h5_check(H5Sselect_none(memspace), path, "H5Sselect_none");
-    h5_check(H5Dwrite(dataset, H5T_NATIVE_FLOAT, memspace, space, dxpl, p.data), path, "H5Dwrite");
+    // A failure here may be this rank's alone: note it and keep taking part in the collectives.
+    if (H5Dwrite(dataset, H5T_NATIVE_FLOAT, memspace, space, dxpl, p.data) < 0 && local_error.empty())
+      local_error = "checkpoint '" + path + "': writing " + p.path + " failed (disk full or not writable?)";
     h5_write_attr_u64(dataset, "checksum", sums[i], path);
     h5_write_attr_i64(dataset, "numel", static_cast<int64_t>(p.checked_numel), path);
   }
@@ -263,6 +267,8 @@ void save_checkpoint(const std::string& path, const CheckpointState& state, Fsdp
       h5_write_attr_str(group, "index", unit_index(table, u), path);
     }
   }
+  std::string error = agreed_error(local_error, comm);
+  if (!error.empty()) throw CheckpointError(error);
   h5_check(H5Fflush(file, H5F_SCOPE_GLOBAL), path, "H5Fflush");  // MPI_File_sync: data on disk
 }
 
@@ -281,6 +287,7 @@ CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, Ada
   }
   std::vector<Piece> pieces = plan_pieces(state.layout, engine, optimizer, false);
   std::vector<uint64_t> stored(pieces.size()), computed(pieces.size());
+  std::string local_error;
   H5Id dxpl = collective_transfer(path);
   for (size_t i = 0; i < pieces.size(); i++) {
     Piece& p = pieces[i];
@@ -305,11 +312,16 @@ CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, Ada
     H5Id memspace(h5_check_id(H5Screate_simple(1, &mem_n, nullptr), path, "H5Screate_simple"), H5Sclose);
     if (p.count == 0) h5_check(H5Sselect_none(memspace), path, "H5Sselect_none");
     float scratch = 0;
-    h5_check(H5Dread(dataset, H5T_NATIVE_FLOAT, memspace, space, dxpl, p.count ? p.data : &scratch), path,
-             ("reading " + p.path).c_str());
+    // A failure here may be this rank's alone (a damaged block only it reads): note it and keep
+    // taking part in the collective reads, so that no rank waits for one that has left.
+    if (H5Dread(dataset, H5T_NATIVE_FLOAT, memspace, space, dxpl, p.count ? p.data : &scratch) < 0 &&
+        local_error.empty())
+      local_error = "checkpoint '" + path + "': reading " + p.path + " failed (damaged data)";
     stored[i] = h5_read_attr_u64(dataset, "checksum", path);
     computed[i] = checksum_elements(p.check_data, p.check_count, p.check_first);
   }
+  std::string error = agreed_error(local_error, comm);
+  if (!error.empty()) throw CheckpointError(error);
   allreduce_sum(computed, comm);
   for (size_t i = 0; i < pieces.size(); i++)
     if (computed[i] != stored[i])

@@ -35,17 +35,25 @@ Runtime::~Runtime() {
   MPI_Finalize();
 }
 
-void Runtime::agree(const std::string& local_error) const {
-  int mine = local_error.empty() ? world_ : rank_;
-  int first_failing = world_;
-  MPI_CHECK(MPI_Allreduce(&mine, &first_failing, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
-  if (first_failing == world_) return;
-  int length = rank_ == first_failing ? static_cast<int>(local_error.size()) : 0;
-  MPI_CHECK(MPI_Bcast(&length, 1, MPI_INT, first_failing, MPI_COMM_WORLD));
+std::string agreed_error(const std::string& local_error, MPI_Comm comm) {
+  int rank = 0, size = 1;
+  MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  MPI_CHECK(MPI_Comm_size(comm, &size));
+  int mine = local_error.empty() ? size : rank;
+  int first_failing = size;
+  MPI_CHECK(MPI_Allreduce(&mine, &first_failing, 1, MPI_INT, MPI_MIN, comm));
+  if (first_failing == size) return "";
+  int length = rank == first_failing ? static_cast<int>(local_error.size()) : 0;
+  MPI_CHECK(MPI_Bcast(&length, 1, MPI_INT, first_failing, comm));
   std::vector<char> text(local_error.begin(), local_error.end());
   text.resize(length);
-  MPI_CHECK(MPI_Bcast(text.data(), length, MPI_CHAR, first_failing, MPI_COMM_WORLD));
-  throw InputError(std::string(text.begin(), text.end()));
+  MPI_CHECK(MPI_Bcast(text.data(), length, MPI_CHAR, first_failing, comm));
+  return std::string(text.begin(), text.end());
+}
+
+void Runtime::agree(const std::string& local_error) const {
+  std::string error = agreed_error(local_error, MPI_COMM_WORLD);
+  if (!error.empty()) throw InputError(error);
 }
 
 // Rank 0 prints one line to `stream`, after `prefix`; other ranks print nothing.

@@ -14,6 +14,10 @@
 
 namespace shardtrain {
 
+// Collective over `comm`: "" when every rank passes "", else the message of the lowest rank
+// that passed one, on every rank.
+std::string agreed_error(const std::string& local_error, MPI_Comm comm);
+
 class Runtime {
  public:
   Runtime(int* argc, char*** argv);
