@@ -60,15 +60,16 @@ LIB_OBJS   := $(call obj,$(LIB_SRCS))
 MAIN_OBJ   := $(call obj,src/app/main.cpp)
 UNIT_OBJS  := $(call obj,$(UNIT_SRCS))
 MPI_OBJS   := $(call obj,$(MPI_SRCS))
-BENCH_OBJS := $(call obj,$(BENCH_SRCS))
 
 EXE        := $(BUILD)/shardtrain
 UNIT_TESTS := $(BUILD)/unit_tests
 MPI_TESTS  := $(BUILD)/mpi_tests
-BENCH_BIN  := $(BUILD)/layer_bench
+# Each tests/bench/X.cpp is its own program $(BUILD)/X (its own main); BENCH_LIBS_X adds its libraries.
+BENCH_BINS := $(patsubst tests/bench/%.cpp,$(BUILD)/%,$(BENCH_SRCS))
+BENCH_LIBS_layer_bench := -lbenchmark
 DEPS_STAMP := $(BUILD)/.deps-ok
 
-.PHONY: all deps run test bench sanitize print-config clean
+.PHONY: all deps run test test-slurm bench sanitize print-config clean
 all: $(EXE)
 
 # ---- dependencies -------------------------------------------------------------------------------
@@ -107,9 +108,9 @@ $(MPI_TESTS): $(LIB_OBJS) $(MPI_OBJS)
 	@printf "  LINK  %s\n" $@
 	@$(MPICXX) $(LDFLAGS) $^ $(LDLIBS) -lgtest -o $@
 
-$(BENCH_BIN): $(LIB_OBJS) $(BENCH_OBJS)
+$(BENCH_BINS): $(BUILD)/%: $(BUILD)/obj/tests/bench/%.o $(LIB_OBJS)
 	@printf "  LINK  %s\n" $@
-	@$(MPICXX) $(LDFLAGS) $^ $(LDLIBS) -lbenchmark -o $@
+	@$(MPICXX) $(LDFLAGS) $^ $(LDLIBS) $(BENCH_LIBS_$*) -o $@
 
 # ---- user-facing targets ------------------------------------------------------------------------
 DATA_DIR := inputs/data
@@ -124,7 +125,12 @@ run: $(EXE) $(DEFAULT_DATA)
 test: $(EXE) $(UNIT_TESTS) $(MPI_TESTS)
 	@$(PYTHON) tests/run_tests.py --build $(BUILD)
 
-bench: $(EXE) $(BENCH_BIN)
+# A real single-node Slurm (installed with apt-get if missing, started and stopped by the test)
+# runs the scripts in slurm/: tests/slurm/run_slurm_tests.sh, about 2 minutes.
+test-slurm: $(EXE)
+	@bash tests/slurm/run_slurm_tests.sh --build $(BUILD)
+
+bench: $(EXE) $(BENCH_BINS)
 	@$(PYTHON) tests/bench/run_bench.py --build $(BUILD)
 
 sanitize:

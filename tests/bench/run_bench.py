@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""`make bench`: the layer benchmarks (Google Benchmark) and the training-throughput benchmark.
+"""`make bench`: the layer benchmarks (Google Benchmark), training throughput and checkpoint I/O.
 
 Training throughput: gpt2-124M at train.seq_len=64, micro_batch 4, global_batch 16, on
 1 rank x 2 threads and on 2 ranks x 1 thread (--bind-to none), STEPS steps each; the first step
@@ -7,9 +7,23 @@ Training throughput: gpt2-124M at train.seq_len=64, micro_batch 4, global_batch 
 trainer's own: model FLOP/s (6*(non-embedding params + V*C) + 12*L*T*C per token) divided by the
 FLOP/s of a 2048^3 OpenBLAS SGEMM that every rank measures at the same moment at start-up (so
 for 2 ranks, SGEMM runs on both at once). The machine's OpenBLAS environment is left as it is.
+
+Checkpoint I/O (build/ckpt_bench, see tests/bench/ckpt_bench.cpp): a gpt2-124M checkpoint (params,
+exp_avg, exp_avg_sq: 3 x 124.4M fp32 = 1493 MB of tensor data) saved and loaded on 1, 2 and 4 ranks
+(threads per rank as the trainer picks them: cores / ranks) in both layouts, after one warm-up
+repeat, CKPT_REPEATS times each, in a temporary folder under the build folder (not /tmp, which may
+be tmpfs). Each repeat first measures the disk itself on one rank (the others sleep): a plain file
+of the same size written with 16 MiB write() calls + fsync, then read back sequentially. Every
+timed write and read starts right after a page-cache drop (reads are cold; if the drop is not
+permitted the table says "warm cache"). The save includes the fsync of the file, as the checkpoint
+manager does it. MB/s is 10^6 bytes of tensor data per second. Ratios are per repeat (checkpoint
+MB/s / disk MB/s of the same repeat), min/median. Save memory: the growth of each rank's peak RSS
+during the save (clear_refs + VmHWM), max over ranks and repeats (warm-up included), against the
+64 MiB target.
 """
 import argparse
 import json
+import shutil
 import os
 import re
 import statistics
@@ -39,6 +53,81 @@ def train_run(build, ranks, threads, steps):
         return rows, peak, core
 
 
+CKPT_RANKS = (1, 2, 4)
+CKPT_LAYOUTS = ("sharded", "gathered")
+CKPT_GROWTH_TARGET_MIB = 64.0
+CKPT_RATIO_TARGET = 0.7
+
+
+def filesystem_of(path):
+    """'source type mounted-on' of the filesystem holding path (df), or a best effort."""
+    proc = subprocess.run(["df", "--output=source,fstype,target", path], capture_output=True, text=True)
+    lines = proc.stdout.strip().splitlines()
+    return " ".join(lines[-1].split()) if proc.returncode == 0 and len(lines) > 1 else "unknown"
+
+
+def ckpt_run(build, ranks, layout, repeats, tmp, profile=False):
+    from harness import mpirun_command
+    args = [os.path.join(build, "ckpt_bench"), "--layout", layout, "--dir", tmp, "--repeats", str(repeats),
+            "--warmup", "1"] + (["--profile", "1"] if profile else [])
+    proc = subprocess.run(mpirun_command(ranks, args, timeout=600 + 300 * repeats), cwd=ROOT, capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        sys.exit(f"checkpoint benchmark failed ({layout}, {ranks} ranks):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    rows, warmup = [], []
+    for line in proc.stdout.splitlines():
+        if line.startswith(("RESULT ", "WARMUP ")):
+            row = {k: v for k, v in (f.split("=", 1) for f in line.split()[1:] if "=" in f)}
+            (rows if line.startswith("RESULT ") else warmup).append(row)
+    if len(rows) != repeats:
+        sys.exit(f"checkpoint benchmark printed {len(rows)} RESULT lines, expected {repeats}:\n{proc.stdout}")
+    return rows, warmup
+
+
+def ckpt_section(build, repeats, profile=False):
+    tmp = tempfile.mkdtemp(prefix="ckpt-bench-", dir=build)
+    try:
+        print(f"\n== checkpoint I/O: gpt2-124M, 1 warm-up + {repeats} repeats per row, folder {tmp}", flush=True)
+        print(f"filesystem: {filesystem_of(tmp)}", flush=True)
+        columns = [("layout", "<9"), ("ranks", ">5"), ("thr", ">3"), ("save MB/s", ">9"), ("disk wr MB/s", ">12"),
+                   ("ratio min/med", ">13"), ("load MB/s", ">9"), ("cold rd MB/s", ">12"), ("ratio min/med", ">13"),
+                   ("save growth MiB", ">15"), ("shard MiB", ">9")]
+        print(" | ".join(f"{name:{fmt}}" for name, fmt in columns), flush=True)
+        cold_all = True
+        for layout in CKPT_LAYOUTS:
+            for ranks in CKPT_RANKS:
+                rows, warmup = ckpt_run(build, ranks, layout, repeats, tmp, profile)
+                mb = [int(r["bytes"]) / 1e6 for r in rows]
+                save = [m / float(r["save_s"]) for m, r in zip(mb, rows)]
+                write = [m / float(r["disk_write_s"]) for m, r in zip(mb, rows)]
+                load = [m / float(r["load_s"]) for m, r in zip(mb, rows)]
+                read = [m / float(r["disk_read_s"]) for m, r in zip(mb, rows)]
+                wr_ratio = [a / b for a, b in zip(save, write)]
+                rd_ratio = [a / b for a, b in zip(load, read)]
+                growth = max(float(r["save_growth_mib_max"]) for r in rows + warmup)
+                cold = all(r["cold"] == "1" for r in rows)
+                cold_all = cold_all and cold
+                med = statistics.median
+                cells = [layout, ranks, rows[0]["threads"], f"{med(save):.0f}", f"{med(write):.0f}",
+                         f"{min(wr_ratio):.2f}/{med(wr_ratio):.2f}" + (" " if med(wr_ratio) >= CKPT_RATIO_TARGET else "*"),
+                         f"{med(load):.0f}", f"{med(read):.0f}", f"{min(rd_ratio):.2f}/{med(rd_ratio):.2f} ",
+                         f"{growth:.1f} " + ("ok" if growth <= CKPT_GROWTH_TARGET_MIB else "OVER"),
+                         f"{float(rows[0]['shard_mib']):.0f}"]
+                line = " | ".join(f"{str(c):{fmt}}" for c, (_, fmt) in zip(cells, columns))
+                print(line + ("" if cold else "  (warm cache)"), flush=True)
+                if profile:  # the same bytes without HDF5 (see ckpt_bench.cpp), medians
+                    coll = med([m / float(r["mpiio_coll_s"]) for m, r in zip(mb, rows)])
+                    indep = med([m / float(r["mpiio_indep_s"]) for m, r in zip(mb, rows)])
+                    print(f"{'':<9}   profile: save {med(float(r['save_s']) for r in rows):.2f} s, of which checksums "
+                          f"{med(float(r['checksum_s_max']) for r in rows):.2f} s; MPI-IO alone, one call per "
+                          f"dataset: collective {coll:.0f} MB/s, independent {indep:.0f} MB/s", flush=True)
+        print(f"targets: save >= {CKPT_RATIO_TARGET} x the disk's write speed (* = median below); save growth "
+              f"<= {CKPT_GROWTH_TARGET_MIB:.0f} MiB (max over ranks and repeats, warm-up included)")
+        print("reads: " + ("cold (page cache dropped before each timed read and write)" if cold_all else
+                           "WARM CACHE in rows marked so: /proc/sys/vm/drop_caches was not writable"))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
 def summarize(values):
     return min(values), statistics.median(values), max(values)
 
@@ -47,6 +136,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--build", default="build")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--ckpt-repeats", type=int, default=3)
+    parser.add_argument("--ckpt-profile", action="store_true",
+                        help="also time the checksums and the same bytes through MPI-IO alone")
+    parser.add_argument("--only", choices=("layers", "train", "ckpt"), help="run one section only")
     parser.add_argument("--skip-layers", action="store_true")
     args = parser.parse_args()
     build = os.path.abspath(os.path.join(ROOT, args.build))
@@ -54,16 +147,24 @@ def main():
     if os.geteuid() == 0:
         os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    if not args.skip_layers:
+    sections = [args.only] if args.only else ["train", "ckpt"] if args.skip_layers else ["layers", "train", "ckpt"]
+    if "layers" in sections:
         print("== layer benchmarks (Google Benchmark, OMP_NUM_THREADS=2)", flush=True)
         env = dict(os.environ, OMP_NUM_THREADS="2")
         subprocess.run([os.path.join(build, "layer_bench"), "--benchmark_min_time=0.2", "--benchmark_color=false"],
                        env=env, check=True)
-    print(f"\n== training throughput: gpt2-124M, seq_len 64, micro_batch 4, global_batch 16, {args.steps} steps",
+    if "train" in sections:
+        train_section(build, args.steps)
+    if "ckpt" in sections:
+        ckpt_section(build, args.ckpt_repeats, args.ckpt_profile)
+
+
+def train_section(build, steps):
+    print(f"\n== training throughput: gpt2-124M, seq_len 64, micro_batch 4, global_batch 16, {steps} steps",
           flush=True)
     results = {}
     for ranks, threads in ((1, 2), (2, 1)):
-        rows, peak, core = train_run(build, ranks, threads, args.steps)
+        rows, peak, core = train_run(build, ranks, threads, steps)
         tps = summarize([r["tokens_per_s"] for r in rows])
         mfu = summarize([r["mfu"] for r in rows])
         results[(ranks, threads)] = tps
@@ -72,7 +173,6 @@ def main():
               f"MFU min {mfu[0]:.3f} median {mfu[1]:.3f} max {mfu[2]:.3f}", flush=True)
     ratio = results[(2, 1)][1] / results[(1, 2)][1]
     print(f"scaling: 2 ranks x 1 thread / 1 rank x 2 threads, median tokens/s: {ratio:.3f}")
-
 
 if __name__ == "__main__":
     main()
