@@ -41,7 +41,7 @@ def train_run(build, ranks, threads, steps):
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
         args = [os.path.join(build, "shardtrain"), "train", "--config", os.path.join(ROOT, "inputs", "gpt2-124M.ini"),
-                "--train.seq_len=64", "--train.micro_batch=4", "--train.global_batch=16", f"--train.steps={steps}",
+                "--train.seq_len=64", "--checkpoint.save=false", "--checkpoint.resume=none", "--train.micro_batch=4", "--train.global_batch=16", f"--train.steps={steps}",
                 f"--train.threads={threads}", f"--data.train_file={train}", "--data.val_file=",
                 f"--train.metrics_file={metrics}"]
         proc = subprocess.run(mpirun_command(ranks, args, timeout=1200), cwd=ROOT, capture_output=True, text=True)
