@@ -58,7 +58,16 @@ def theory_bytes(strategy, ranks, accumulation, param_bytes):
 
 
 def main():
-    build = os.path.abspath(os.path.join(ROOT, sys.argv[1] if len(sys.argv) > 1 else "build"))
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("build", nargs="?", default="build")
+    parser.add_argument("--strategies", default="FULL_SHARD,SHARD_GRAD_OP,NO_SHARD,HYBRID_SHARD")
+    parser.add_argument("--plot-only", action="store_true",
+                        help="only draw docs/strategy-memory.png from `shardtrain plan` (equal to the tracked peak)")
+    args = parser.parse_args()
+    build = os.path.abspath(os.path.join(ROOT, args.build))
+    if args.plot_only:
+        return plot_planned_memory(build)
     os.environ["SHARDTRAIN_BUILD"] = build
     if os.geteuid() == 0:
         os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
@@ -66,7 +75,7 @@ def main():
     print(f"{'strategy':<14} {'ranks':>5} {'dtype':>5} {'peak MiB/rank':>13} {'tokens/s':>9} {'MB sent/step':>12} "
           f"{'theory MB':>9} {'ratio':>6} {'exposed comm':>12}")
     memory = {}
-    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"):
+    for strategy in args.strategies.split(","):
         for ranks in (1, 2, 4):
             if strategy == "HYBRID_SHARD" and ranks != 4:
                 continue  # with one group it is FULL_SHARD
@@ -106,6 +115,43 @@ def main():
     ax.set_xlabel("ranks")
     ax.set_ylabel("peak tracked memory per rank (MiB)")
     ax.set_xticks([1, 2, 4])
+    ax.set_title("4-layer C=256 GPT, fp32, micro-batch 2 x 64 tokens")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    out = os.path.join(ROOT, "docs", "strategy-memory.png")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    print(f"wrote {out}")
+
+
+def plot_planned_memory(build):
+    """Memory per rank against rank count, per strategy, from the planner: the trainer asserts
+    that what it allocates equals this plan (tests/e2e/test_memory.py), so no run is needed."""
+    import re
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ranks = [1, 2, 4, 8, 16]
+    series = {}
+    for n in ranks:
+        proc = subprocess.run([os.path.join(build, "shardtrain"), "plan", f"--world-size={n}", f"--ranks-per-node={min(n, 2)}",
+                               *[m for m in MODEL if "global_batch" not in m],
+                               f"--train.global_batch={2 * n * max(1, 8 // n)}"],
+                              cwd=ROOT, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        for m in re.finditer(r"PLAN strategy=(\w+) reduce=(\w+) checkpointing=no peak_bytes=(\d+)", proc.stdout):
+            strategy, reduce, peak = m.group(1), m.group(2), int(m.group(3))
+            if reduce == "micro" or strategy == "NO_SHARD":
+                series.setdefault(strategy, {})[n] = peak / 2**20
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for strategy, points in series.items():
+        xs = sorted(points)
+        ax.plot(xs, [points[x] for x in xs], marker="o", label=strategy)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ranks)
+    ax.set_xticklabels([str(r) for r in ranks])
+    ax.set_xlabel("ranks (HYBRID_SHARD: 2 per shard group)")
+    ax.set_ylabel("peak memory per rank (MiB)")
     ax.set_title("4-layer C=256 GPT, fp32, micro-batch 2 x 64 tokens")
     ax.legend()
     ax.grid(alpha=0.3)
