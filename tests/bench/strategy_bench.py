@@ -10,8 +10,8 @@ A micro-batches per step), the usual ZeRO accounting: FULL_SHARD / SHARD_GRAD_OP
 per micro-batch (two all-gathers and a reduce-scatter; ZeRO-2 keeps parameters gathered, so
 2 Psi (N-1)/N is its own minimum), NO_SHARD (DDP) 2 Psi (N-1)/N per step. Our engine re-gathers
 only blocks no longer held, so FULL_SHARD measures below 3 Psi on shallow models.
-Writes docs/strategy-memory.png (memory per rank against ranks, per strategy) when matplotlib
-(Debian: python3-matplotlib) is installed.
+Draws docs/strategy-memory.png (memory per rank against 1-16 ranks, per strategy) from
+`shardtrain plan`, which equals the tracked peak, when matplotlib (python3-matplotlib) is installed.
 """
 import json
 import os
@@ -74,7 +74,6 @@ def main():
         os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     print(f"{'strategy':<14} {'ranks':>5} {'dtype':>5} {'peak MiB/rank':>13} {'tokens/s':>9} {'MB sent/step':>12} "
           f"{'theory MB':>9} {'ratio':>6} {'exposed comm':>12}")
-    memory = {}
     for strategy in args.strategies.split(","):
         for ranks in (1, 2, 4):
             if strategy == "HYBRID_SHARD" and ranks != 4:
@@ -99,29 +98,10 @@ def main():
                 exposed = max(0.0, 1 - t_silent / t_real)
                 print(f"{strategy:<14} {ranks:>5} {dtype:>5} {peak:>13.1f} {statistics.median(r['tokens_per_s'] for r in real):>9.0f} "
                       f"{sent:>12.2f} {theory:>9.2f} {ratio:>6} {100 * exposed:>11.0f}%", flush=True)
-                if dtype == "fp32":
-                    memory.setdefault(strategy, {})[ranks] = peak
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plot_planned_memory(build)  # the plan equals the tracked peaks printed above
     except ImportError:
         print("(matplotlib not installed: apt-get install python3-matplotlib for docs/strategy-memory.png)")
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for strategy, points in memory.items():
-        xs = sorted(points)
-        ax.plot(xs, [points[x] for x in xs], marker="o", label=strategy)
-    ax.set_xlabel("ranks")
-    ax.set_ylabel("peak tracked memory per rank (MiB)")
-    ax.set_xticks([1, 2, 4])
-    ax.set_title("4-layer C=256 GPT, fp32, micro-batch 2 x 64 tokens")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    out = os.path.join(ROOT, "docs", "strategy-memory.png")
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    print(f"wrote {out}")
 
 
 def plot_planned_memory(build):
