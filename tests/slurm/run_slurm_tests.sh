@@ -106,6 +106,7 @@ job_finished() {
   esac
 }
 job_running() { [ "$(job_field "$1" JobState)" = RUNNING ]; }
+running_or_end() { job_running "$1" || job_finished "$1"; }
 job_restarted() { [ "$(job_field "$1" Restarts)" -ge 1 ] 2>/dev/null; }
 # The jobcomp/filetxt record of the job's last end (without slurmdbd there is no sacct).
 jobcomp_state() { grep "^JobId=$1 " "$SD/log/jobcomp.log" 2>/dev/null | tail -1 | grep -o 'JobState=[A-Z_]*' | cut -d= -f2; }
@@ -119,6 +120,8 @@ show_output() { # the tail of a job's output file, on failure
 }
 metrics_steps() { grep -c '"kind":"step"' "$1" 2>/dev/null || true; }
 has_steps() { [ "$(metrics_steps "$1")" -ge "$2" ] 2>/dev/null; }
+# steps_or_end METRICS N ID: N steps in METRICS, or the job ended (then has_steps tells which)
+steps_or_end() { has_steps "$1" "$2" || job_finished "$3"; }
 # compare_losses A B: step records 1..STEPS in A, each loss == B's (the JSON text, so bit-for-bit).
 compare_losses() {
   /usr/bin/python3 - "$1" "$2" "$STEPS" <<'PY'
@@ -214,7 +217,7 @@ phase "cancel: scancel a running slurm/train-preemptible.sbatch job"
 id=$(METRICS_FILE=$W/st-cancel.metrics.jsonl EXTRA="$COMMON --train.steps=20000" submit st-cancel slurm/train-preemptible.sbatch)
 if [ -z "$id" ]; then
   fail "cancel: sbatch" "$(cat "$TMP/sbatch.err")"
-elif ! wait_for 120 has_steps "$W/st-cancel.metrics.jsonl" 5; then
+elif ! { wait_for 120 steps_or_end "$W/st-cancel.metrics.jsonl" 5 "$id" && has_steps "$W/st-cancel.metrics.jsonl" 5; }; then
   fail "cancel: job $id reached step 5" "state $(job_field "$id" JobState)"; show_output "$W/st-cancel-$id.out"
 else
   scancel "$id"
@@ -261,7 +264,7 @@ preempt() { # preempt LAUNCHER
   id=$(LAUNCHER=$launcher METRICS_FILE=$metrics EXTRA="$COMMON --train.steps=$STEPS" submit "$name" slurm/train-preemptible.sbatch)
   if [ -z "$id" ]; then fail "preempt-$launcher: sbatch" "$(cat "$TMP/sbatch.err")"; return; fi
   out=$W/$name-$id.out ck=$W/checkpoints/$name-$id
-  if ! wait_for 120 has_steps "$metrics" "$SIGNAL_AT"; then
+  if ! { wait_for 120 steps_or_end "$metrics" "$SIGNAL_AT" "$id" && has_steps "$metrics" "$SIGNAL_AT"; }; then
     fail "preempt-$launcher: job $id reached step $SIGNAL_AT" "state $(job_field "$id" JobState), $(metrics_steps "$metrics") steps"
     show_output "$out"; scancel "$id"; return
   fi
@@ -283,7 +286,8 @@ preempt() { # preempt LAUNCHER
     show_output "$out"
   fi
   start_reference
-  if wait_for 90 job_restarted "$id" && wait_for 90 job_running "$id"; then
+  if wait_for 90 job_restarted "$id" && wait_for 90 running_or_end "$id" && job_field "$id" Restarts | grep -qx 1 \
+      && ! [ "$(job_field "$id" JobState)" = FAILED ]; then
     pass "preempt-$launcher: requeued (Restarts=$(job_field "$id" Restarts)) and running again $(since "$t0") s after the signal"
   else
     fail "preempt-$launcher: requeued and running again" "state $(job_field "$id" JobState), Restarts=$(job_field "$id" Restarts)"
