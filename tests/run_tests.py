@@ -73,7 +73,8 @@ def run_mpi_tests(build, tally, pattern):
             if m:
                 seen = True
                 tally.record(f"{m.group(2)} [np={np_}]", "passed" if m.group(1) == "OK" else "failed")
-        if proc.returncode != 0 or not seen:
+        # Without a filter, a run that reports no test at all is a failure (a crash at start-up).
+        if proc.returncode != 0 or (not seen and not pattern):
             tally.record(f"mpi_tests [np={np_}] exit status", "failed", f"exit {proc.returncode}")
             print(proc.stdout[-4000:], proc.stderr[-4000:])
 

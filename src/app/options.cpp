@@ -63,7 +63,10 @@ void declare_options(OptionList& o, Config& c) {
   o.add("train.metrics_file", &c.train.metrics_file, "JSON Lines metrics written by rank 0; empty = none");
   o.add("train.run_name", &c.train.run_name, "name of the run, used in logs");
   o.add("train.threads", &c.train.threads, "threads per rank; 0 = the cores available to the rank");
-  o.add("train.peak_gflops", &c.train.peak_gflops, "per-rank peak GFLOP/s for MFU; 0 = measure SGEMM at start");
+  o.add("train.peak_gflops", &c.train.peak_gflops,
+        "per-rank peak GFLOP/s for MFU; 0 = measure SGEMM at start (cpu), the card's dense bf16 peak (cuda)");
+  o.add("train.device", &c.train.device,
+        "cpu (OpenBLAS + MPI) or cuda (one GPU per rank by node-local rank, NCCL; needs a make CUDA=1 build)");
   o.add("data.train_file", &c.data.train_file, "training tokens (llm.c .bin format)");
   o.add("data.val_file", &c.data.val_file, "validation tokens; empty = no validation");
   o.add("fsdp.sharding_strategy", &c.fsdp.sharding_strategy,
@@ -201,6 +204,10 @@ void validate_config(const Config& c, int world) {
   require(t.peak_gflops >= 0, "train.peak_gflops must be >= 0 (0 = measure)");
   require(!c.data.train_file.empty(), "data.train_file is required");
   ShardingStrategy strategy;
+  require(t.device == "cpu" || t.device == "cuda",
+          "train.device='" + t.device + "' is not a device; allowed: cpu, cuda");
+  require(t.device == "cpu" || !c.debug.skip_communication,
+          "debug.skip_communication is implemented for train.device=cpu only; remove it");
   require(parse_sharding_strategy(c.fsdp.sharding_strategy, &strategy),
           "fsdp.sharding_strategy='" + c.fsdp.sharding_strategy +
               "' is not a strategy; allowed: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD");

@@ -31,6 +31,7 @@ struct TrainOptions {
   std::string run_name = "run";
   int threads = 0;           // per rank; 0 = the cores available to this rank
   double peak_gflops = 0;    // per rank, for MFU; 0 = measure an SGEMM at start-up
+  std::string device = "cpu";  // cpu | cuda
 };
 
 struct DataOptions {

@@ -17,6 +17,7 @@
 #include <memory>
 #include <sstream>
 
+#include "app/compute_backend.hpp"
 #include "app/memory_plan.hpp"
 #include "app/metrics.hpp"
 #include "app/perf.hpp"
@@ -120,7 +121,9 @@ class Trainer {
   double peak_gflops_ = 0;
   Watchdog watchdog_;
   ShardingStrategy strategy_;
-  std::unique_ptr<Comm> comm_, shard_comm_, replica_comm_;
+  ComputeBackend compute_;
+  std::unique_ptr<Comm> comm_;  // MPI on host memory: agreement, metrics, checkpoints
+  std::unique_ptr<Comm> shard_comm_, replica_comm_;  // on the compute device's memory
   std::unique_ptr<TokenFile> train_file_, val_file_;
   std::unique_ptr<SequenceSampler> sampler_;
   MemoryPlan plan_;  // checked against fsdp.memory_limit before anything below is allocated
@@ -157,21 +160,23 @@ int shard_group_size(const Runtime& rt, const Config& config, ShardingStrategy s
 
 // Shard groups are consecutive ranks (one node under the usual block placement); replica
 // groups take the same position in every shard group.
-std::unique_ptr<Comm> split_comm(int color, int key, Watchdog* watchdog) {
+std::unique_ptr<Comm> split_comm(const ComputeBackend& compute, int color, int key, Watchdog* watchdog) {
   MPI_Comm comm;
   MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, color, key, &comm));
-  return make_mpi_comm(comm, watchdog);
+  return compute.make_comm(comm, watchdog);
 }
 
-std::unique_ptr<Comm> make_shard_comm(const Runtime& rt, const Config& c, ShardingStrategy s, Watchdog* watchdog) {
+std::unique_ptr<Comm> make_shard_comm(const Runtime& rt, const Config& c, ShardingStrategy s,
+                                      const ComputeBackend& compute, Watchdog* watchdog) {
   const int size = shard_group_size(rt, c, s);
-  auto comm = split_comm(rt.rank() / size, rt.rank(), watchdog);
+  auto comm = split_comm(compute, rt.rank() / size, rt.rank(), watchdog);
   return c.debug.skip_communication ? make_silent_comm(*comm) : std::move(comm);
 }
 
-std::unique_ptr<Comm> make_replica_comm(const Runtime& rt, const Config& c, ShardingStrategy s, Watchdog* watchdog) {
+std::unique_ptr<Comm> make_replica_comm(const Runtime& rt, const Config& c, ShardingStrategy s,
+                                        const ComputeBackend& compute, Watchdog* watchdog) {
   const int size = shard_group_size(rt, c, s);
-  auto comm = split_comm(rt.rank() % size, rt.rank(), watchdog);
+  auto comm = split_comm(compute, rt.rank() % size, rt.rank(), watchdog);
   return c.debug.skip_communication ? make_silent_comm(*comm) : std::move(comm);
 }
 
@@ -217,12 +222,13 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
       accum_(config.train.global_batch / (config.train.micro_batch * rt.world())),
       watchdog_(config.fsdp.comm_timeout, strprintf("[rank %d/%d %s]", rt.rank(), rt.world(), rt.host().c_str())),
       strategy_(strategy_from(config)),
+      compute_(config.train.device, rt),
       comm_(make_mpi_comm(rt.world_comm(), &watchdog_)),
-      shard_comm_(make_shard_comm(rt, config, strategy_, &watchdog_)),
-      replica_comm_(make_replica_comm(rt, config, strategy_, &watchdog_)),
+      shard_comm_(make_shard_comm(rt, config, strategy_, compute_, &watchdog_)),
+      replica_comm_(make_replica_comm(rt, config, strategy_, compute_, &watchdog_)),
       plan_(checked_memory_plan(rt, config, strategy_, *shard_comm_, *replica_comm_)),
       table_(config.model),
-      engine_(table_, *shard_comm_, *replica_comm_, memory_, engine_options(config)),
+      engine_(table_, *shard_comm_, *replica_comm_, memory_, engine_options(config), compute_.backend()),
       optim_config_(optim_config_from(config.train)),
       optimizer_(optim_config_, engine_, memory_),
       checkpoints_(rt, *comm_, checkpoint_dir(config), config.checkpoint.keep),
@@ -231,7 +237,8 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
   threads_ = cfg_.train.threads > 0 ? cfg_.train.threads : default_threads_per_rank(rt.local_size());
   set_compute_threads(threads_);
   open_data();
-  model_ = std::make_unique<GptModel<float>>(table_, B_, T_, cfg_.fsdp.activation_checkpointing);
+  model_ = std::make_unique<GptModel<float>>(table_, B_, T_, cfg_.fsdp.activation_checkpointing,
+                                             *compute_.backend().ops);
   memory_.add(MEM_ACTIVATIONS, model_->activation_bytes());
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++)  // the planner is exact: it is what was allocated
     SHARD_CHECK(memory_.current(static_cast<MemCategory>(c)) == plan_.bytes[c], "%s: tracked %zu, planned %zu",
@@ -242,6 +249,11 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
   engine_.init_parameters(cfg_.train.seed);
   if (cfg_.train.peak_gflops > 0) {
     peak_gflops_ = cfg_.train.peak_gflops;
+  } else if (compute_.on_gpu()) {
+    peak_gflops_ = compute_.gpu_peak_gflops();
+    if (peak_gflops_ <= 0)
+      rt_.warn("unknown GPU '%s': MFU is not reported; set train.peak_gflops to its dense bf16 peak in GFLOP/s",
+               compute_.describe().c_str());
   } else {
     comm_->barrier("barrier(sgemm peak)");  // every rank measures at once: the peak under shared load
     double peak = measure_sgemm_gflops(2048, 5);
@@ -293,9 +305,13 @@ void Trainer::print_summary() {
                                 format_bytes(bytes).c_str());
   }
   rt_.info("memory per rank: %s | total %s", mem.c_str(), format_bytes(memory_.total_current()).c_str());
-  rt_.info("compute: OpenBLAS %s | SGEMM peak %.1f GFLOP/s per rank (%s) | %.1f MFLOP per token",
-           blas_description().c_str(), peak_gflops_, cfg_.train.peak_gflops > 0 ? "given" : "measured",
-           table_.flops_per_token(T_) / 1e6);
+  if (compute_.on_gpu())
+    rt_.info("compute: %s | peak %.1f GFLOP/s per rank (%s) | %.1f MFLOP per token", compute_.describe().c_str(),
+             peak_gflops_, cfg_.train.peak_gflops > 0 ? "given" : "dense bf16 of the card", table_.flops_per_token(T_) / 1e6);
+  else
+    rt_.info("compute: OpenBLAS %s | SGEMM peak %.1f GFLOP/s per rank (%s) | %.1f MFLOP per token",
+             blas_description().c_str(), peak_gflops_, cfg_.train.peak_gflops > 0 ? "given" : "measured",
+             table_.flops_per_token(T_) / 1e6);
   rt_.info("data: %s (%zu tokens)%s", train_file_->path().c_str(), train_file_->num_tokens(),
            val_file_ ? strprintf(" | val %s (%zu tokens)", val_file_->path().c_str(), val_file_->num_tokens()).c_str()
                      : "");
@@ -404,7 +420,11 @@ Trainer::StepOutcome Trainer::optimizer_step(int step) {
   double sums[2] = {train_step(step), 0.0};
   if (rt_.rank() == cfg_.debug.stall_rank && step == cfg_.debug.stall_step)
     usleep(static_cast<useconds_t>(cfg_.debug.stall_seconds * 1e6));
-  if (rt_.is_root() && step + 1 == cfg_.debug.inject_inf_step) engine_.shards()[ROOT_UNIT].grads[0] = INFINITY;
+  if (rt_.is_root() && step + 1 == cfg_.debug.inject_inf_step) {
+    const float inf = INFINITY;
+    DeviceArray<float>& grads = engine_.shards()[ROOT_UNIT].grads;
+    grads.device()->copy(grads.data(), &inf, sizeof inf);
+  }
   sums[1] = optimizer_.local_grad_sq_norm();
   comm_->all_reduce_sum(Span<double>(sums, 2), "all_reduce(loss, grad norm)");
   StepOutcome out;
@@ -431,7 +451,8 @@ Trainer::StepOutcome Trainer::optimizer_step(int step) {
 
 void Trainer::report_step(int step, const StepOutcome& out, double eta_seconds, MetricsWriter& metrics) {
   const double tokens_per_s = G_ * T_ / out.seconds;
-  const double mfu = table_.flops_per_token(T_) * G_ * T_ / out.seconds / (rt_.world() * peak_gflops_ * 1e9);
+  const double mfu =
+      peak_gflops_ > 0 ? table_.flops_per_token(T_) * G_ * T_ / out.seconds / (rt_.world() * peak_gflops_ * 1e9) : 0;
   rt_.info("step %5d/%d | loss %.4f | lr %.2e | norm %.3f | %.0f tok/s | MFU %.1f%% | peak mem %s | eta %s%s", step + 1,
            cfg_.train.steps, out.loss, out.lr, out.grad_norm, tokens_per_s, 100 * mfu,
            format_bytes(out.peaks[PEAK_TOTAL]).c_str(), format_duration(eta_seconds).c_str(),

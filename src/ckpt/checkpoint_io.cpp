@@ -39,12 +39,44 @@ Run clip(uint64_t lo, uint64_t hi, uint64_t p_lo, uint64_t p_hi) {
   return from < to ? Run{from - p_lo, to - from, from} : Run{};
 }
 
-std::vector<Piece> plan_pieces(const std::string& layout, FsdpEngine& engine, AdamW& optimizer, bool for_save) {
+// HDF5 reads and writes host memory. Shards on the host are used in place; shards on a GPU pass
+// through host copies of the rank's parameters and moments (as large as the shards themselves).
+class HostShards {
+ public:
+  HostShards(FsdpEngine& engine, AdamW& optimizer, bool download) {
+    for (size_t u = 0; u < engine.shards().size(); u++) {
+      DeviceArray<float>* arrays[3] = {&engine.shards()[u].params, &optimizer.m()[u], &optimizer.v()[u]};
+      for (DeviceArray<float>* a : arrays) {
+        arrays_.push_back(a);
+        copies_.emplace_back(a->on_host() ? 0 : a->size());
+        if (download && !a->on_host()) a->device()->copy(copies_.back().data(), a->data(), a->bytes());
+      }
+    }
+  }
+  // k: 0 parameters, 1 first moment, 2 second moment.
+  float* buffer(size_t unit, int k) {
+    const size_t i = 3 * unit + k;
+    return arrays_[i]->on_host() ? arrays_[i]->data() : copies_[i].data();
+  }
+  void zero() {
+    for (size_t i = 0; i < arrays_.size(); i++) std::fill(buffer(i / 3, i % 3), buffer(i / 3, i % 3) + arrays_[i]->size(), 0.0f);
+  }
+  void upload() {
+    for (size_t i = 0; i < arrays_.size(); i++)
+      if (!arrays_[i]->on_host()) arrays_[i]->device()->copy(arrays_[i]->data(), copies_[i].data(), arrays_[i]->bytes());
+  }
+
+ private:
+  std::vector<DeviceArray<float>*> arrays_;
+  std::vector<std::vector<float>> copies_;
+};
+
+std::vector<Piece> plan_pieces(const std::string& layout, FsdpEngine& engine, HostShards& host, bool for_save) {
   const ParamTable& table = engine.table();
   std::vector<Piece> pieces;
   for (size_t u = 0; u < table.units().size(); u++) {
     UnitShard& shard = engine.shards()[u];
-    float* buffers[3] = {shard.params.data(), optimizer.m()[u].data(), optimizer.v()[u].data()};
+    float* buffers[3] = {host.buffer(u, 0), host.buffer(u, 1), host.buffer(u, 2)};
     const std::string prefixes[3] = {"/model/", "/optim/exp_avg/", "/optim/exp_avg_sq/"};
     const uint64_t own_lo = shard.begin + shard.owned_begin, own_hi = own_lo + shard.owned_count;
     const uint64_t io_lo = for_save ? own_lo : shard.begin, io_hi = for_save ? own_hi : shard.begin + shard.shard_numel;
@@ -232,7 +264,8 @@ uint64_t checksum_elements(const float* values, size_t count, uint64_t first_ind
 void save_checkpoint(const std::string& path, const CheckpointState& state, FsdpEngine& engine, AdamW& optimizer,
                      MPI_Comm comm) {
   const ParamTable& table = engine.table();
-  std::vector<Piece> pieces = plan_pieces(state.layout, engine, optimizer, true);
+  HostShards host(engine, optimizer, true);
+  std::vector<Piece> pieces = plan_pieces(state.layout, engine, host, true);
   std::vector<uint64_t> sums(pieces.size());
   for (size_t i = 0; i < pieces.size(); i++)
     sums[i] = checksum_elements(pieces[i].check_data, pieces[i].check_count, pieces[i].check_first);
@@ -280,12 +313,9 @@ CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, Ada
   if (!mismatch.empty()) throw CheckpointError(mismatch);
 
   // Shards are overwritten entirely: padding and the parts outside the file stay zero.
-  for (size_t u = 0; u < table.units().size(); u++) {
-    std::fill(engine.shards()[u].params.begin(), engine.shards()[u].params.end(), 0.0f);
-    std::fill(optimizer.m()[u].begin(), optimizer.m()[u].end(), 0.0f);
-    std::fill(optimizer.v()[u].begin(), optimizer.v()[u].end(), 0.0f);
-  }
-  std::vector<Piece> pieces = plan_pieces(state.layout, engine, optimizer, false);
+  HostShards host(engine, optimizer, false);
+  host.zero();
+  std::vector<Piece> pieces = plan_pieces(state.layout, engine, host, false);
   std::vector<uint64_t> stored(pieces.size()), computed(pieces.size());
   std::string local_error;
   H5Id dxpl = collective_transfer(path);
@@ -327,6 +357,7 @@ CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, Ada
     if (computed[i] != stored[i])
       throw CheckpointError("checkpoint '" + path + "': dataset " + pieces[i].path +
                             " fails its checksum (corrupted data); use another checkpoint");
+  host.upload();
   return state;
 }
 

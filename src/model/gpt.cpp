@@ -6,32 +6,32 @@
 
 #include <algorithm>
 
-#include "backend/cpu/ops.hpp"
 #include "core/error.hpp"
 
 namespace shardtrain {
 
-using namespace cpu;
-
 template <typename Real>
-GptModel<Real>::GptModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing)
-    : table_(table), cfg_(table.config()), B_(batch), T_(seq_len), checkpointing_(activation_checkpointing) {
+GptModel<Real>::GptModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
+                         const LayerOps<Real>& ops)
+    : table_(table), ops_(ops), cfg_(table.config()), B_(batch), T_(seq_len), checkpointing_(activation_checkpointing) {
   SHARD_CHECK(seq_len <= cfg_.max_seq_len, "seq_len %d > max_seq_len %d", seq_len, cfg_.max_seq_len);
   const size_t BT = static_cast<size_t>(B_) * T_, C = cfg_.n_embd, NH = cfg_.n_head, L = cfg_.n_layer;
-  tokens_.resize(BT);
-  targets_.resize(BT);
-  resid_.assign(L + 1, std::vector<Real>(BT * C));
+  Device& dev = ops.device();
+  auto array = [&](size_t n) { return Array(dev, n); };
+  tokens_ = DeviceArray<int>(dev, BT);
+  targets_ = DeviceArray<int>(dev, BT);
+  for (size_t l = 0; l <= L; l++) resid_.push_back(array(BT * C));
   layers_.resize(checkpointing_ ? 1 : L);
   for (Layer& a : layers_) {
-    a.ln1.resize(BT * C), a.ln1_mean.resize(BT), a.ln1_rstd.resize(BT);
-    a.qkv.resize(BT * 3 * C), a.att.resize(B_ * NH * T_ * T_), a.atty.resize(BT * C), a.resid2.resize(BT * C);
-    a.ln2.resize(BT * C), a.ln2_mean.resize(BT), a.ln2_rstd.resize(BT);
-    a.fch.resize(BT * 4 * C), a.fch_gelu.resize(BT * 4 * C);
+    a.ln1 = array(BT * C), a.ln1_mean = array(BT), a.ln1_rstd = array(BT);
+    a.qkv = array(BT * 3 * C), a.att = array(B_ * NH * T_ * T_), a.atty = array(BT * C), a.resid2 = array(BT * C);
+    a.ln2 = array(BT * C), a.ln2_mean = array(BT), a.ln2_rstd = array(BT);
+    a.fch = array(BT * 4 * C), a.fch_gelu = array(BT * 4 * C);
   }
-  lnf_.resize(BT * C), lnf_mean_.resize(BT), lnf_rstd_.resize(BT);
-  probs_.resize(BT * cfg_.vocab_size), losses_.resize(BT);
-  dresid_.resize(BT * C), dln_.resize(BT * C), dqkv_.resize(BT * 3 * C), dfch_.resize(BT * 4 * C);
-  datt_.resize(B_ * NH * T_ * T_);
+  lnf_ = array(BT * C), lnf_mean_ = array(BT), lnf_rstd_ = array(BT);
+  probs_ = array(BT * cfg_.vocab_size), losses_ = array(BT);
+  dresid_ = array(BT * C), dln_ = array(BT * C), dqkv_ = array(BT * 3 * C), dfch_ = array(BT * 4 * C);
+  datt_ = array(B_ * NH * T_ * T_);
 }
 
 template <typename Real>
@@ -48,8 +48,8 @@ size_t GptModel<Real>::plan_activation_bytes(const ModelConfig& c, int batch, in
 
 template <typename Real>
 void GptModel<Real>::embed_forward(const Real* root, const int* tokens) {
-  std::copy(tokens, tokens + tokens_.size(), tokens_.begin());
-  encoder_forward(resid_[0].data(), tokens_.data(), root + table_.root_offset(ROOT_WTE),
+  ops_.device().copy(tokens_.data(), tokens, tokens_.bytes());
+  ops_.encoder_forward(resid_[0].data(), tokens_.data(), root + table_.root_offset(ROOT_WTE),
                   root + table_.root_offset(ROOT_WPE), B_, T_, cfg_.n_embd);
 }
 
@@ -59,49 +59,47 @@ void GptModel<Real>::block_forward(int l, const Real* w) {
   const ParamTable& t = table_;
   Layer& a = layer(l);
   const Real* x = resid_[l].data();
-  layernorm_forward(a.ln1.data(), a.ln1_mean.data(), a.ln1_rstd.data(), x, w + t.block_offset(BLOCK_LN1_W),
+  ops_.layernorm_forward(a.ln1.data(), a.ln1_mean.data(), a.ln1_rstd.data(), x, w + t.block_offset(BLOCK_LN1_W),
                     w + t.block_offset(BLOCK_LN1_B), N, C);
-  matmul_forward(a.qkv.data(), a.ln1.data(), w + t.block_offset(BLOCK_QKV_W), w + t.block_offset(BLOCK_QKV_B), N, C,
+  ops_.matmul_forward(a.qkv.data(), a.ln1.data(), w + t.block_offset(BLOCK_QKV_W), w + t.block_offset(BLOCK_QKV_B), N, C,
                  3 * C);
-  attention_forward(a.atty.data(), a.att.data(), a.qkv.data(), B_, T_, C, NH);
+  ops_.attention_forward(a.atty.data(), a.att.data(), a.qkv.data(), B_, T_, C, NH);
   // The projection output is only needed summed into the residual: reuse resid2 for it.
-  matmul_forward(a.resid2.data(), a.atty.data(), w + t.block_offset(BLOCK_ATTPROJ_W),
+  ops_.matmul_forward(a.resid2.data(), a.atty.data(), w + t.block_offset(BLOCK_ATTPROJ_W),
                  w + t.block_offset(BLOCK_ATTPROJ_B), N, C, C);
-  residual_forward(a.resid2.data(), a.resid2.data(), x, a.resid2.size());
-  layernorm_forward(a.ln2.data(), a.ln2_mean.data(), a.ln2_rstd.data(), a.resid2.data(),
+  ops_.residual_forward(a.resid2.data(), a.resid2.data(), x, a.resid2.size());
+  ops_.layernorm_forward(a.ln2.data(), a.ln2_mean.data(), a.ln2_rstd.data(), a.resid2.data(),
                     w + t.block_offset(BLOCK_LN2_W), w + t.block_offset(BLOCK_LN2_B), N, C);
-  matmul_forward(a.fch.data(), a.ln2.data(), w + t.block_offset(BLOCK_FC_W), w + t.block_offset(BLOCK_FC_B), N, C,
+  ops_.matmul_forward(a.fch.data(), a.ln2.data(), w + t.block_offset(BLOCK_FC_W), w + t.block_offset(BLOCK_FC_B), N, C,
                  4 * C);
-  gelu_forward(a.fch_gelu.data(), a.fch.data(), a.fch.size());
+  ops_.gelu_forward(a.fch_gelu.data(), a.fch.data(), a.fch.size());
   Real* out = resid_[l + 1].data();
-  matmul_forward(out, a.fch_gelu.data(), w + t.block_offset(BLOCK_FCPROJ_W), w + t.block_offset(BLOCK_FCPROJ_B), N,
+  ops_.matmul_forward(out, a.fch_gelu.data(), w + t.block_offset(BLOCK_FCPROJ_W), w + t.block_offset(BLOCK_FCPROJ_B), N,
                  4 * C, C);
-  residual_forward(out, out, a.resid2.data(), resid_[l + 1].size());
+  ops_.residual_forward(out, out, a.resid2.data(), resid_[l + 1].size());
 }
 
 template <typename Real>
 double GptModel<Real>::head_forward(const Real* root, const int* targets) {
   const int N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size;
-  std::copy(targets, targets + targets_.size(), targets_.begin());
-  layernorm_forward(lnf_.data(), lnf_mean_.data(), lnf_rstd_.data(), resid_[cfg_.n_layer].data(),
+  ops_.device().copy(targets_.data(), targets, targets_.bytes());
+  ops_.layernorm_forward(lnf_.data(), lnf_mean_.data(), lnf_rstd_.data(), resid_[cfg_.n_layer].data(),
                     root + table_.root_offset(ROOT_LNF_W), root + table_.root_offset(ROOT_LNF_B), N, C);
-  matmul_forward(probs_.data(), lnf_.data(), root + table_.root_offset(ROOT_WTE), static_cast<const Real*>(nullptr), N,
+  ops_.matmul_forward(probs_.data(), lnf_.data(), root + table_.root_offset(ROOT_WTE), static_cast<const Real*>(nullptr), N,
                  C, V);
-  softmax_crossentropy_forward(losses_.data(), probs_.data(), targets_.data(), N, V);
-  double sum = 0;
-  for (Real l : losses_) sum += l;
-  return sum;
+  ops_.softmax_crossentropy_forward(losses_.data(), probs_.data(), targets_.data(), N, V);
+  return ops_.sum(losses_.data(), losses_.size());
 }
 
 template <typename Real>
 void GptModel<Real>::head_backward(Real* g, const Real* root, Real dloss) {
   const int N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size;
   const ParamTable& t = table_;
-  softmax_crossentropy_backward(probs_.data(), targets_.data(), dloss, N, V);
-  matmul_backward(dln_.data(), g + t.root_offset(ROOT_WTE), static_cast<Real*>(nullptr), probs_.data(), lnf_.data(),
+  ops_.softmax_crossentropy_backward(probs_.data(), targets_.data(), dloss, N, V);
+  ops_.matmul_backward(dln_.data(), g + t.root_offset(ROOT_WTE), static_cast<Real*>(nullptr), probs_.data(), lnf_.data(),
                   root + t.root_offset(ROOT_WTE), N, C, V);
-  std::fill(dresid_.begin(), dresid_.end(), Real(0));
-  layernorm_backward(dresid_.data(), g + t.root_offset(ROOT_LNF_W), g + t.root_offset(ROOT_LNF_B), dln_.data(),
+  dresid_.zero();
+  ops_.layernorm_backward(dresid_.data(), g + t.root_offset(ROOT_LNF_W), g + t.root_offset(ROOT_LNF_B), dln_.data(),
                      resid_[cfg_.n_layer].data(), root + t.root_offset(ROOT_LNF_W), lnf_mean_.data(), lnf_rstd_.data(),
                      N, C);
 }
@@ -115,25 +113,25 @@ void GptModel<Real>::block_backward(int l, Real* g, const Real* w) {
   auto W = [&](BlockParam p) { return w + t.block_offset(p); };
   auto G = [&](BlockParam p) { return g + t.block_offset(p); };
   // MLP: out = r2 + proj(gelu(fc(ln2(r2)))); dresid_ holds d(out) and becomes d(r2).
-  matmul_backward(dfch_.data(), G(BLOCK_FCPROJ_W), G(BLOCK_FCPROJ_B), dresid_.data(), a.fch_gelu.data(),
+  ops_.matmul_backward(dfch_.data(), G(BLOCK_FCPROJ_W), G(BLOCK_FCPROJ_B), dresid_.data(), a.fch_gelu.data(),
                   W(BLOCK_FCPROJ_W), N, 4 * C, C);
-  gelu_backward(dfch_.data(), dfch_.data(), a.fch.data(), dfch_.size());
-  matmul_backward(dln_.data(), G(BLOCK_FC_W), G(BLOCK_FC_B), dfch_.data(), a.ln2.data(), W(BLOCK_FC_W), N, C, 4 * C);
-  layernorm_backward(dresid_.data(), G(BLOCK_LN2_W), G(BLOCK_LN2_B), dln_.data(), a.resid2.data(), W(BLOCK_LN2_W),
+  ops_.gelu_backward(dfch_.data(), dfch_.data(), a.fch.data(), dfch_.size());
+  ops_.matmul_backward(dln_.data(), G(BLOCK_FC_W), G(BLOCK_FC_B), dfch_.data(), a.ln2.data(), W(BLOCK_FC_W), N, C, 4 * C);
+  ops_.layernorm_backward(dresid_.data(), G(BLOCK_LN2_W), G(BLOCK_LN2_B), dln_.data(), a.resid2.data(), W(BLOCK_LN2_W),
                      a.ln2_mean.data(), a.ln2_rstd.data(), N, C);
   // Attention: r2 = x + proj(attn(qkv(ln1(x)))); dresid_ becomes d(x).
-  matmul_backward(dln_.data(), G(BLOCK_ATTPROJ_W), G(BLOCK_ATTPROJ_B), dresid_.data(), a.atty.data(),
+  ops_.matmul_backward(dln_.data(), G(BLOCK_ATTPROJ_W), G(BLOCK_ATTPROJ_B), dresid_.data(), a.atty.data(),
                   W(BLOCK_ATTPROJ_W), N, C, C);
-  attention_backward(dqkv_.data(), datt_.data(), dln_.data(), a.qkv.data(), a.att.data(), B_, T_, C, NH);
-  matmul_backward(dln_.data(), G(BLOCK_QKV_W), G(BLOCK_QKV_B), dqkv_.data(), a.ln1.data(), W(BLOCK_QKV_W), N, C,
+  ops_.attention_backward(dqkv_.data(), datt_.data(), dln_.data(), a.qkv.data(), a.att.data(), B_, T_, C, NH);
+  ops_.matmul_backward(dln_.data(), G(BLOCK_QKV_W), G(BLOCK_QKV_B), dqkv_.data(), a.ln1.data(), W(BLOCK_QKV_W), N, C,
                   3 * C);
-  layernorm_backward(dresid_.data(), G(BLOCK_LN1_W), G(BLOCK_LN1_B), dln_.data(), resid_[l].data(), W(BLOCK_LN1_W),
+  ops_.layernorm_backward(dresid_.data(), G(BLOCK_LN1_W), G(BLOCK_LN1_B), dln_.data(), resid_[l].data(), W(BLOCK_LN1_W),
                      a.ln1_mean.data(), a.ln1_rstd.data(), N, C);
 }
 
 template <typename Real>
 void GptModel<Real>::embed_backward(Real* g) {
-  encoder_backward(g + table_.root_offset(ROOT_WTE), g + table_.root_offset(ROOT_WPE), dresid_.data(), tokens_.data(),
+  ops_.encoder_backward(g + table_.root_offset(ROOT_WTE), g + table_.root_offset(ROOT_WPE), dresid_.data(), tokens_.data(),
                    B_, T_, cfg_.n_embd);
 }
 

@@ -10,11 +10,13 @@
 // block's input is kept; block_backward recomputes the block's forward into one shared set of
 // buffers first (deterministically: the same bits as without). Templated on float (training) and double
 // (finite-difference checks); forward_backward_unsharded runs the whole sequence with every unit
-// present, the oracle for the sharded engine.
+// present, the oracle for the sharded engine. Every buffer lives on the device of `ops` (host for
+// the CPU backend, the GPU for the CUDA one); tokens and targets come from host memory.
 #pragma once
 
 #include <vector>
 
+#include "backend/layer_ops.hpp"
 #include "model/param_table.hpp"
 
 namespace shardtrain {
@@ -22,7 +24,8 @@ namespace shardtrain {
 template <typename Real>
 class GptModel {
  public:
-  GptModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing = false);
+  GptModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing = false,
+           const LayerOps<Real>& ops = cpu_layer_ops<Real>());
 
   // Bytes of activations and backward scratch for these dimensions, without allocating: the one
   // source for the model's own accounting and the planner.
@@ -36,8 +39,6 @@ class GptModel {
   void block_forward(int layer, const Real* block);
   // Returns the sum over the B*T tokens of -log p(target); leaves probabilities for head_backward.
   double head_forward(const Real* root, const int* targets);
-  // Per-token losses of the last head_forward.
-  const std::vector<Real>& token_losses() const { return losses_; }
 
   // dloss: the gradient of the optimised loss w.r.t. each token's loss (1 / tokens in the batch).
   void head_backward(Real* root_grad, const Real* root, Real dloss);
@@ -45,21 +46,23 @@ class GptModel {
   void embed_backward(Real* root_grad);
 
  private:
+  using Array = DeviceArray<Real>;
   struct Layer {
-    std::vector<Real> ln1, ln1_mean, ln1_rstd, qkv, att, atty, resid2, ln2, ln2_mean, ln2_rstd, fch, fch_gelu;
+    Array ln1, ln1_mean, ln1_rstd, qkv, att, atty, resid2, ln2, ln2_mean, ln2_rstd, fch, fch_gelu;
   };
   Layer& layer(int l) { return layers_[checkpointing_ ? 0 : l]; }
 
   const ParamTable& table_;
+  const LayerOps<Real>& ops_;
   ModelConfig cfg_;
   int B_, T_;
   bool checkpointing_;
-  std::vector<int> tokens_, targets_;
-  std::vector<std::vector<Real>> resid_;  // resid_[l]: input of block l; resid_[L]: output of the last
+  DeviceArray<int> tokens_, targets_;
+  std::vector<Array> resid_;  // resid_[l]: input of block l; resid_[L]: output of the last
   std::vector<Layer> layers_;  // one per block, or a single shared one when checkpointing
-  std::vector<Real> lnf_, lnf_mean_, lnf_rstd_, probs_, losses_;
+  Array lnf_, lnf_mean_, lnf_rstd_, probs_, losses_;
   // Backward scratch, shared by all layers.
-  std::vector<Real> dresid_, dln_, dqkv_, dfch_, datt_;
+  Array dresid_, dln_, dqkv_, dfch_, datt_;
 };
 
 // Forward and backward of one micro-batch with every unit present (no sharding). units[u] and

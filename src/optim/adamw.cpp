@@ -23,8 +23,8 @@ AdamW::AdamW(const OptimConfig& config, FsdpEngine& engine, MemoryTracker& memor
   const ParamTable& table = engine.table();
   for (size_t u = 0; u < engine.shards().size(); u++) {
     const UnitShard& s = engine.shards()[u];
-    m_.emplace_back(s.shard_numel, 0.0f);
-    v_.emplace_back(s.shard_numel, 0.0f);
+    m_.emplace_back(*engine.backend().device, s.shard_numel);
+    v_.emplace_back(*engine.backend().device, s.shard_numel);
     bytes_ += 2 * s.shard_numel * sizeof(float);
     std::vector<Segment> segs;
     for (int id : table.units()[u].params) {
@@ -40,19 +40,15 @@ AdamW::AdamW(const OptimConfig& config, FsdpEngine& engine, MemoryTracker& memor
 AdamW::~AdamW() { memory_.sub(MEM_OPTIMIZER_STATE, bytes_); }
 
 void AdamW::zero_state() {
-  for (auto& m : m_) std::fill(m.begin(), m.end(), 0.0f);
-  for (auto& v : v_) std::fill(v.begin(), v.end(), 0.0f);
+  for (auto& m : m_) m.zero();
+  for (auto& v : v_) v.zero();
 }
 
 double AdamW::local_grad_sq_norm() const {
   double total = 0;
   for (const UnitShard& s : engine_.shards()) {
     // Only the owned part: replicas hold the same gradient shard and must count it once.
-    const float* g = s.grads.data() + s.owned_begin;
-    double sum = 0;
-#pragma omp parallel for reduction(+ : sum) schedule(static)
-    for (size_t i = 0; i < s.owned_count; i++) sum += static_cast<double>(g[i]) * g[i];
-    total += sum;
+    total += engine_.backend().ops->sum_squares(s.grads.data() + s.owned_begin, s.owned_count);
   }
   return total;
 }
@@ -74,10 +70,9 @@ double AdamW::step(int step, double global_grad_norm, double grad_scale) {
     UnitShard& sh = engine_.shards()[u];
     float *p = sh.params.data(), *m = m_[u].data(), *v = v_[u].data();
     const float* g = sh.grads.data();
-    for (const Segment& seg : segments_[u]) {
-#pragma omp parallel for simd schedule(static)
-      for (size_t i = seg.begin; i < seg.end; i++) adamw_update(&p[i], &m[i], &v[i], g[i] * clip, seg.decay, s);
-    }
+    for (const Segment& seg : segments_[u])
+      engine_.backend().shard_ops->adamw(p + seg.begin, m + seg.begin, v + seg.begin, g + seg.begin, seg.end - seg.begin,
+                                         clip, seg.decay, s);
   }
   return lr;
 }

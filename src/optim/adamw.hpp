@@ -38,9 +38,9 @@ class AdamW {
 
   // Back to the state before the first step (moments zero).
   void zero_state();
-  // The moments, per unit, for checkpoints.
-  std::vector<std::vector<float>>& m() { return m_; }
-  std::vector<std::vector<float>>& v() { return v_; }
+  // The moments, per unit, beside the engine's shards (same device), for checkpoints.
+  std::vector<DeviceArray<float>>& m() { return m_; }
+  std::vector<DeviceArray<float>>& v() { return v_; }
 
  private:
   struct Segment {  // a run of this rank's shard with one weight-decay setting
@@ -50,7 +50,7 @@ class AdamW {
   OptimConfig config_;
   FsdpEngine& engine_;
   MemoryTracker& memory_;
-  std::vector<std::vector<float>> m_, v_;
+  std::vector<DeviceArray<float>> m_, v_;
   std::vector<std::vector<Segment>> segments_;
   size_t bytes_ = 0;
 };

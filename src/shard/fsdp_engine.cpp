@@ -84,15 +84,21 @@ std::array<size_t, MEM_CATEGORY_COUNT> FsdpEngine::plan_memory(const std::vector
 }
 
 FsdpEngine::FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_comm, MemoryTracker& memory,
-                       EngineOptions options)
-    : table_(table), shard_comm_(shard_comm), replica_comm_(replica_comm), memory_(memory), options_(options) {
+                       EngineOptions options, const Backend& backend)
+    : table_(table),
+      shard_comm_(shard_comm),
+      replica_comm_(replica_comm),
+      memory_(memory),
+      options_(options),
+      backend_(backend) {
+  Device& dev = *backend_.device;
   GroupShape groups{shard_comm.size(), shard_comm.rank(), replica_comm.size(), replica_comm.rank()};
   std::vector<UnitLayout> layout = plan_layout(table, groups);
   for (const UnitLayout& l : layout) {
     UnitShard s;
     static_cast<UnitLayout&>(s) = l;
-    s.params.assign(l.shard_numel, 0.0f);
-    s.grads.assign(l.shard_numel, 0.0f);
+    s.params = DeviceArray<float>(dev, l.shard_numel);
+    s.grads = DeviceArray<float>(dev, l.shard_numel);
     shards_.push_back(std::move(s));
   }
   engine_bytes_ = plan_memory(layout, options_);
@@ -103,8 +109,8 @@ FsdpEngine::FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_
   const bool half = options_.param_dtype != DTYPE_FP32;
   auto add_slot = [&](size_t size) {
     ParamSlot slot;
-    slot.values.assign(size, 0.0f);
-    if (half) slot.wire.assign(size, 0);
+    slot.values = DeviceArray<float>(dev, size);
+    if (half) slot.wire = DeviceArray<uint16_t>(dev, size);
     slots_.push_back(std::move(slot));
   };
   if (options_.strategy == SHARDING_SHARD_GRAD_OP) {
@@ -115,10 +121,10 @@ FsdpEngine::FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_
   }
   if (shard_comm.size() == 1) return;
   if (options_.reduce_every_microbatch) {
-    grad_buffers_.emplace_back(layout[ROOT_UNIT].padded_numel);
-    grad_buffers_.emplace_back(max_block);
+    grad_buffers_.emplace_back(dev, layout[ROOT_UNIT].padded_numel);
+    grad_buffers_.emplace_back(dev, max_block);
   } else {
-    for (const UnitLayout& l : layout) grad_buffers_.emplace_back(l.padded_numel);
+    for (const UnitLayout& l : layout) grad_buffers_.emplace_back(dev, l.padded_numel);
   }
 }
 
@@ -146,25 +152,26 @@ void FsdpEngine::init_parameters(uint64_t seed) {
   const int n_layer = table_.config().n_layer;
   for (size_t u = 0; u < shards_.size(); u++) {
     UnitShard& s = shards_[u];
-    std::fill(s.params.begin(), s.params.end(), 0.0f);  // padding stays zero
+    std::vector<float> values(s.shard_numel, 0.0f);  // on the host; padding stays zero
     const size_t lo = s.begin, hi = s.begin + s.shard_numel;
     for (int id : table_.units()[u].params) {
       const ParamInfo& p = table_.params()[id];
       const size_t from = std::max(lo, p.offset), to = std::min(hi, p.offset + p.numel);
       const uint64_t key = mix64(seed ^ mix64(static_cast<uint64_t>(p.id) + 1));
 #pragma omp parallel for schedule(static)
-      for (size_t e = from; e < to; e++) s.params[e - lo] = static_cast<float>(init_value(p, e - p.offset, key, n_layer));
+      for (size_t e = from; e < to; e++) values[e - lo] = static_cast<float>(init_value(p, e - p.offset, key, n_layer));
     }
+    backend_.device->copy(s.params.data(), values.data(), s.params.bytes());
   }
 }
 
 void FsdpEngine::zero_grads() {
-  for (UnitShard& s : shards_) std::fill(s.grads.begin(), s.grads.end(), 0.0f);
+  for (UnitShard& s : shards_) s.grads.zero();
   if (!options_.reduce_every_microbatch)
-    for (auto& buffer : grad_buffers_) std::fill(buffer.begin(), buffer.end(), 0.0f);
+    for (auto& buffer : grad_buffers_) buffer.zero();
 }
 
-std::vector<float>& FsdpEngine::grad_buffer(int unit) {
+DeviceArray<float>& FsdpEngine::grad_buffer(int unit) {
   if (!options_.reduce_every_microbatch) return grad_buffers_[unit];
   return grad_buffers_[unit == ROOT_UNIT ? 0 : 1];
 }
@@ -173,7 +180,7 @@ void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
   const UnitShard& s = shards_[unit];
   slot.unit = unit;
   if (options_.param_dtype == DTYPE_FP32) {
-    std::copy(s.params.begin(), s.params.end(), slot.values.begin() + s.begin);
+    backend_.device->copy(slot.values.data() + s.begin, s.params.data(), s.params.bytes());
     Span<const float> own(slot.values.data() + s.begin, s.shard_numel);
     Span<float> full(slot.values.data(), s.padded_numel);
     if (async)
@@ -182,11 +189,8 @@ void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
       shard_comm_.all_gather(own, full, "all_gather(params)");
     return;
   }
-  const DType t = options_.param_dtype;
   uint16_t* wire = slot.wire.data();
-  const float* master = s.params.data();
-#pragma omp parallel for simd schedule(static)
-  for (size_t i = 0; i < s.shard_numel; i++) wire[s.begin + i] = float_to_half(master[i], t);
+  backend_.shard_ops->to_half(wire + s.begin, s.params.data(), s.shard_numel, options_.param_dtype);
   Span<const uint16_t> own(wire + s.begin, s.shard_numel);
   Span<uint16_t> full(wire, s.padded_numel);
   if (async) {
@@ -200,11 +204,8 @@ void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
 void FsdpEngine::finish_gather(ParamSlot& slot) {
   if (slot.handle >= 0) shard_comm_.wait(slot.handle), slot.handle = -1;
   if (options_.param_dtype == DTYPE_FP32) return;
-  const DType t = options_.param_dtype;
-  const uint16_t* wire = slot.wire.data();
-  float* out = slot.values.data();
-#pragma omp parallel for simd schedule(static)
-  for (size_t i = 0; i < shards_[slot.unit].padded_numel; i++) out[i] = half_to_float(wire[i], t);
+  backend_.shard_ops->from_half(slot.values.data(), slot.wire.data(), shards_[slot.unit].padded_numel,
+                                options_.param_dtype);
 }
 
 const float* FsdpEngine::gather_params(int unit, bool for_backward) {
@@ -246,16 +247,17 @@ void FsdpEngine::prefetch_params(int unit) {
 
 float* FsdpEngine::gradient_target(int unit) {
   if (shard_comm_.size() == 1) return shards_[unit].grads.data();
-  std::vector<float>& buffer = grad_buffer(unit);
-  if (options_.reduce_every_microbatch) std::fill(buffer.begin(), buffer.begin() + shards_[unit].padded_numel, 0.0f);
+  DeviceArray<float>& buffer = grad_buffer(unit);
+  if (options_.reduce_every_microbatch) backend_.device->zero(buffer.data(), shards_[unit].padded_numel * sizeof(float));
   return buffer.data();
 }
 
 void FsdpEngine::reduce_micro_batch_grads(int unit) {
   if (shard_comm_.size() == 1 || !options_.reduce_every_microbatch) return;
   UnitShard& s = shards_[unit];
-  shard_comm_.reduce_scatter_add(Span<const float>(grad_buffer(unit).data(), s.padded_numel), Span<float>(s.grads),
-                                 options_.reduce_dtype, "reduce_scatter(grads)");
+  shard_comm_.reduce_scatter_add(Span<const float>(grad_buffer(unit).data(), s.padded_numel),
+                                 Span<float>(s.grads.data(), s.grads.size()), options_.reduce_dtype,
+                                 "reduce_scatter(grads)");
 }
 
 // Parameters change after every step: nothing gathered survives into the next micro-batch's
@@ -304,11 +306,13 @@ void FsdpEngine::finish_step() {
   if (shard_comm_.size() > 1 && !options_.reduce_every_microbatch) {
     for (int u = static_cast<int>(shards_.size()) - 1; u >= 0; u--)
       shard_comm_.reduce_scatter_add(Span<const float>(grad_buffers_[u].data(), shards_[u].padded_numel),
-                                     Span<float>(shards_[u].grads), options_.reduce_dtype, "reduce_scatter(grads)");
+                                     Span<float>(shards_[u].grads.data(), shards_[u].grads.size()), options_.reduce_dtype,
+                                     "reduce_scatter(grads)");
   }
   // The replica all-reduce is linear, so once per step equals once per micro-batch.
   if (replica_comm_.size() > 1)
-    for (UnitShard& s : shards_) replica_comm_.all_reduce_sum(Span<float>(s.grads), "all_reduce(grads)");
+    for (UnitShard& s : shards_)
+      replica_comm_.all_reduce_sum(Span<float>(s.grads.data(), s.grads.size()), "all_reduce(grads)");
 }
 
 double FsdpEngine::eval_micro_batch(GptModel<float>& model, const int* tokens, const int* targets) {
@@ -321,14 +325,16 @@ double FsdpEngine::eval_micro_batch(GptModel<float>& model, const int* tokens, c
 
 std::vector<float> FsdpEngine::gather_unit(int unit, bool gradients) {
   const UnitShard& s = shards_[unit];
-  std::vector<float> full(s.padded_numel);
-  const std::vector<float>& local = gradients ? s.grads : s.params;
-  std::copy(local.begin(), local.end(), full.begin() + s.begin);
+  Device& dev = *backend_.device;
+  DeviceArray<float> full(dev, s.padded_numel);
+  const DeviceArray<float>& local = gradients ? s.grads : s.params;
+  dev.copy(full.data() + s.begin, local.data(), local.bytes());
   if (shard_comm_.size() > 1)
-    shard_comm_.all_gather(Span<const float>(full.data() + s.begin, s.shard_numel), Span<float>(full),
-                           "all_gather(unit)");
-  full.resize(table_.units()[unit].numel);
-  return full;
+    shard_comm_.all_gather(Span<const float>(full.data() + s.begin, s.shard_numel),
+                           Span<float>(full.data(), full.size()), "all_gather(unit)");
+  std::vector<float> values(table_.units()[unit].numel);
+  dev.copy(values.data(), full.data(), values.size() * sizeof(float));
+  return values;
 }
 
 }  // namespace shardtrain

@@ -27,7 +27,9 @@
 #include <string>
 #include <vector>
 
+#include "backend/device.hpp"
 #include "backend/dtype.hpp"
+#include "backend/layer_ops.hpp"
 #include "comm/comm.hpp"
 #include "model/gpt.hpp"
 #include "model/param_table.hpp"
@@ -77,14 +79,16 @@ struct GroupShape {
   int shard_size = 1, shard_rank = 0, replica_size = 1, replica_rank = 0;
 };
 
+// The fp32 master parameters and gradient of this rank's shard of one unit, on the backend's device.
 struct UnitShard : UnitLayout {
-  std::vector<float> params, grads;
+  DeviceArray<float> params, grads;
 };
 
 class FsdpEngine {
  public:
+  // The communicators work on the backend's device memory (MPI: host, NCCL: GPU).
   FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_comm, MemoryTracker& memory,
-             EngineOptions options = {});
+             EngineOptions options = {}, const Backend& backend = cpu_backend());
   ~FsdpEngine();
 
   // The layout of every unit for a group shape, and the bytes each memory category of the engine
@@ -95,6 +99,7 @@ class FsdpEngine {
 
   const ParamTable& table() const { return table_; }
   const EngineOptions& options() const { return options_; }
+  const Backend& backend() const { return backend_; }
   std::vector<UnitShard>& shards() { return shards_; }
   const std::vector<UnitShard>& shards() const { return shards_; }
   size_t local_param_count() const;  // elements of this rank's shards, padding included
@@ -118,8 +123,8 @@ class FsdpEngine {
  private:
   // A buffer for one unsharded unit's parameters, filled by a blocking or a started all-gather.
   struct ParamSlot {
-    std::vector<float> values;
-    std::vector<uint16_t> wire;  // the gathered unit in a 16-bit param_dtype
+    DeviceArray<float> values;
+    DeviceArray<uint16_t> wire;  // the gathered unit in a 16-bit param_dtype
     int unit = -1;               // the unit held (valid for the current micro-batch), or -1
     int handle = -1;             // a started all-gather not yet waited for
   };
@@ -131,13 +136,14 @@ class FsdpEngine {
   void finish_gather(ParamSlot& slot);
   float* gradient_target(int unit);
   void reduce_micro_batch_grads(int unit);
-  std::vector<float>& grad_buffer(int unit);
+  DeviceArray<float>& grad_buffer(int unit);
 
   const ParamTable& table_;
   Comm& shard_comm_;
   Comm& replica_comm_;
   MemoryTracker& memory_;
   EngineOptions options_;
+  Backend backend_;
   std::vector<UnitShard> shards_;
   std::array<size_t, MEM_CATEGORY_COUNT> engine_bytes_{};
   // Unsharded working buffers (none with a shard group of one in fp32). Parameters: SHARD_GRAD_OP
@@ -146,7 +152,7 @@ class FsdpEngine {
   // unsharded over the step.
   std::vector<ParamSlot> slots_;
   int current_slot_ = -1;  // the block slot in use by the computation
-  std::vector<std::vector<float>> grad_buffers_;
+  std::vector<DeviceArray<float>> grad_buffers_;
 };
 
 }  // namespace shardtrain

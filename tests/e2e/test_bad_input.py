@@ -52,6 +52,15 @@ def test_unknown_sharding_strategy():
     expect_usage_error(tiny_args("--fsdp.sharding_strategy=ZERO9"), "fsdp.sharding_strategy", "FULL_SHARD")
 
 
+def test_unknown_device():
+    expect_usage_error(tiny_args("--train.device=tpu"), "train.device", "cpu, cuda")
+
+
+def test_cuda_device_needs_a_cuda_build():
+    # The tests run the CPU build (make test), which has no CUDA backend.
+    expect_usage_error(tiny_args("--train.device=cuda"), "train.device=cuda", "make CUDA=1")
+
+
 def test_missing_config_file():
     expect_usage_error(["train", "--config", "/nonexistent/x.ini"], "/nonexistent/x.ini")
 

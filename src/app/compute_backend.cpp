@@ -1,0 +1,68 @@
+// Selection of the compute backend (see compute_backend.hpp). The CUDA half is compiled only
+// with SHARDTRAIN_CUDA (make CUDA=1); without it, train.device=cuda is a usage error.
+#include "app/compute_backend.hpp"
+
+#include "core/error.hpp"
+
+#ifdef SHARDTRAIN_CUDA
+#include "backend/cuda/cuda_backend.hpp"
+#endif
+
+namespace shardtrain {
+
+#ifdef SHARDTRAIN_CUDA
+struct ComputeBackend::Cuda {
+  std::unique_ptr<CudaDevice> device;
+  std::unique_ptr<LayerOps<float>> ops;
+  std::unique_ptr<ShardOps> shard_ops;
+};
+bool cuda_backend_built() { return true; }
+#else
+struct ComputeBackend::Cuda {};
+bool cuda_backend_built() { return false; }
+#endif
+
+ComputeBackend::ComputeBackend(const std::string& device, const Runtime& rt) {
+  if (device == "cpu") {
+    backend_ = cpu_backend();
+    return;
+  }
+  SHARD_CHECK(device == "cuda", "unknown device '%s' (validated by the options)", device.c_str());
+#ifdef SHARDTRAIN_CUDA
+  cuda_ = std::make_unique<Cuda>();
+  rt.agree_on([&] { cuda_->device = CudaDevice::open(rt.local_rank()); });
+  cuda_->ops = make_cuda_layer_ops(*cuda_->device);
+  cuda_->shard_ops = make_cuda_shard_ops(*cuda_->device);
+  backend_ = Backend{cuda_->device.get(), cuda_->ops.get(), cuda_->shard_ops.get()};
+#else
+  (void)rt;
+  throw UsageError("train.device=cuda: this build has no CUDA backend; rebuild with 'make CUDA=1' (see docs/gpu.md) "
+                   "or use train.device=cpu");
+#endif
+}
+
+ComputeBackend::~ComputeBackend() = default;
+
+std::unique_ptr<Comm> ComputeBackend::make_comm(MPI_Comm comm, Watchdog* watchdog) const {
+#ifdef SHARDTRAIN_CUDA
+  if (cuda_) return make_nccl_comm(comm, *cuda_->device, watchdog);
+#endif
+  return make_mpi_comm(comm, watchdog);
+}
+
+double ComputeBackend::gpu_peak_gflops() const {
+  if (!on_gpu()) return 0;
+  // Dense (not 2:4 sparse) bf16 peaks from NVIDIA's data sheets, in GFLOP/s.
+  const std::string name = describe();
+  struct Card {
+    const char* key;
+    double gflops;
+  };
+  static const Card cards[] = {{"H100 PCIe", 756e3}, {"H100 NVL", 835e3}, {"H100", 989e3}, {"H200", 989e3},
+                               {"H20", 148e3},       {"A100", 312e3},     {"L40S", 362e3}, {"B200", 2250e3}};
+  for (const Card& c : cards)
+    if (name.find(c.key) != std::string::npos) return c.gflops;
+  return 0;
+}
+
+}  // namespace shardtrain

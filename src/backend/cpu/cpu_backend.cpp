@@ -1,0 +1,150 @@
+// The CPU backend behind the LayerOps/ShardOps interfaces: host memory, and the templates of
+// backend/cpu/ops.hpp for the layers.
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "backend/cpu/ops.hpp"
+#include "backend/layer_ops.hpp"
+
+namespace shardtrain {
+namespace {
+
+class HostDevice : public Device {
+ public:
+  DeviceKind kind() const override { return DEVICE_CPU; }
+  const char* name() const override { return "cpu"; }
+  void* allocate(size_t bytes) override {
+    if (bytes == 0) return nullptr;
+    void* p = std::calloc(1, bytes);
+    if (!p) throw std::bad_alloc();
+    return p;
+  }
+  void release(void* p, size_t) override { std::free(p); }
+  void copy(void* dst, const void* src, size_t bytes) override {
+    if (bytes) std::memmove(dst, src, bytes);
+  }
+  void zero(void* p, size_t bytes) override {
+    if (bytes) std::memset(p, 0, bytes);
+  }
+  void synchronize() override {}
+};
+
+template <typename Real>
+class CpuLayerOps : public LayerOps<Real> {
+ public:
+  Device& device() const override { return host_device(); }
+  void encoder_forward(Real* out, const int* tokens, const Real* wte, const Real* wpe, int B, int T,
+                       int C) const override {
+    cpu::encoder_forward(out, tokens, wte, wpe, B, T, C);
+  }
+  void encoder_backward(Real* dwte, Real* dwpe, const Real* dout, const int* tokens, int B, int T,
+                        int C) const override {
+    cpu::encoder_backward(dwte, dwpe, dout, tokens, B, T, C);
+  }
+  void layernorm_forward(Real* out, Real* mean, Real* rstd, const Real* inp, const Real* weight, const Real* bias,
+                         int N, int C) const override {
+    cpu::layernorm_forward(out, mean, rstd, inp, weight, bias, N, C);
+  }
+  void layernorm_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout, const Real* inp,
+                          const Real* weight, const Real* mean, const Real* rstd, int N, int C) const override {
+    cpu::layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+  }
+  void matmul_forward(Real* out, const Real* inp, const Real* weight, const Real* bias, int N, int C,
+                      int OC) const override {
+    cpu::matmul_forward(out, inp, weight, bias, N, C, OC);
+  }
+  void matmul_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout, const Real* inp, const Real* weight,
+                       int N, int C, int OC) const override {
+    cpu::matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
+  }
+  void attention_forward(Real* out, Real* att, const Real* qkv, int B, int T, int C, int NH) const override {
+    cpu::attention_forward(out, att, qkv, B, T, C, NH);
+  }
+  void attention_backward(Real* dqkv, Real* scratch, const Real* dout, const Real* qkv, const Real* att, int B, int T,
+                          int C, int NH) const override {
+    cpu::attention_backward(dqkv, scratch, dout, qkv, att, B, T, C, NH);
+  }
+  void gelu_forward(Real* out, const Real* inp, size_t n) const override { cpu::gelu_forward(out, inp, n); }
+  void gelu_backward(Real* dinp, const Real* dout, const Real* inp, size_t n) const override {
+    cpu::gelu_backward(dinp, dout, inp, n);
+  }
+  void residual_forward(Real* out, const Real* a, const Real* b, size_t n) const override {
+    cpu::residual_forward(out, a, b, n);
+  }
+  void softmax_crossentropy_forward(Real* losses, Real* logits_to_probs, const int* targets, int N,
+                                    int V) const override {
+    cpu::softmax_crossentropy_forward(losses, logits_to_probs, targets, N, V);
+  }
+  void softmax_crossentropy_backward(Real* probs_to_dlogits, const int* targets, Real dloss, int N,
+                                     int V) const override {
+    cpu::softmax_crossentropy_backward(probs_to_dlogits, targets, dloss, N, V);
+  }
+
+  double sum(const Real* x, size_t n) const override {
+    double s = 0;
+    for (size_t i = 0; i < n; i++) s += x[i];
+    return s;
+  }
+  double sum_squares(const Real* x, size_t n) const override {
+    double s = 0;
+#pragma omp parallel for reduction(+ : s) schedule(static)
+    for (size_t i = 0; i < n; i++) s += static_cast<double>(x[i]) * x[i];
+    return s;
+  }
+  size_t count_nonfinite(const Real* x, size_t n) const override {
+    size_t bad = 0;
+#pragma omp parallel for reduction(+ : bad) schedule(static)
+    for (size_t i = 0; i < n; i++) bad += !std::isfinite(x[i]);
+    return bad;
+  }
+  void scale(Real* x, size_t n, Real s) const override {
+#pragma omp parallel for simd schedule(static)
+    for (size_t i = 0; i < n; i++) x[i] *= s;
+  }
+};
+
+class CpuShardOps : public ShardOps {
+ public:
+  void to_half(uint16_t* out, const float* in, size_t n, DType type) const override {
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) out[i] = float_to_half(in[i], type);
+  }
+  void from_half(float* out, const uint16_t* in, size_t n, DType type) const override {
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) out[i] = half_to_float(in[i], type);
+  }
+  void adamw(float* param, float* m, float* v, const float* grad, size_t n, float grad_multiplier, float decay,
+             const AdamWStep& step) const override {
+#pragma omp parallel for simd schedule(static)
+    for (size_t i = 0; i < n; i++) adamw_update(&param[i], &m[i], &v[i], grad[i] * grad_multiplier, decay, step);
+  }
+};
+
+}  // namespace
+
+Device& host_device() {
+  static HostDevice device;
+  return device;
+}
+
+template <typename Real>
+const LayerOps<Real>& cpu_layer_ops() {
+  static const CpuLayerOps<Real> ops;
+  return ops;
+}
+template const LayerOps<float>& cpu_layer_ops<float>();
+template const LayerOps<double>& cpu_layer_ops<double>();
+
+const ShardOps& cpu_shard_ops() {
+  static const CpuShardOps ops;
+  return ops;
+}
+
+const Backend& cpu_backend() {
+  static const Backend backend{&host_device(), &cpu_layer_ops<float>(), &cpu_shard_ops()};
+  return backend;
+}
+
+}  // namespace shardtrain

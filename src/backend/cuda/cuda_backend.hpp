@@ -1,0 +1,89 @@
+// The CUDA backend's entry points, as plain C++ (no CUDA headers), for the host code that picks a
+// backend. Built only with `make CUDA=1` (SHARDTRAIN_CUDA defined).
+//
+//   CudaDevice      one GPU per rank (node-local rank modulo the visible GPUs), its compute
+//                   stream, cuBLASLt handle and workspace, and a caching allocator whose bytes
+//                   the engine's memory accounting sees: src/backend/cuda/cuda_device.cpp.
+//   LayerOps/ShardOps on that device: kernels/ (hand-written kernels, cuBLASLt GEMMs).
+//   NCCL Comm       the Comm interface on device buffers, bootstrapped over MPI, collectives on
+//                   their own stream ordered with events: src/comm/cuda/nccl_comm.cpp.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "backend/device.hpp"
+#include "backend/layer_ops.hpp"
+#include "comm/comm.hpp"
+
+struct CUstream_st;
+struct CUevent_st;
+struct cublasLtContext;
+
+namespace shardtrain {
+
+class Watchdog;
+
+// True when the CUDA runtime sees at least one GPU; `why` gets the reason when not.
+bool cuda_available(std::string* why);
+
+class CudaDevice : public Device {
+ public:
+  // Selects GPU local_rank % visible GPUs, creates the streams and the cuBLASLt handle.
+  // Throws InputError (one line, what to do) when no GPU can be used.
+  static std::unique_ptr<CudaDevice> open(int local_rank);
+  ~CudaDevice() override;
+
+  DeviceKind kind() const override { return DEVICE_CUDA; }
+  const char* name() const override { return name_.c_str(); }
+  void* allocate(size_t bytes) override;  // from the cache; cudaMalloc when it has no fit
+  void release(void* p, size_t bytes) override;  // back to the cache
+  void copy(void* dst, const void* src, size_t bytes) override;
+  void zero(void* p, size_t bytes) override;
+  void synchronize() override;
+
+  int ordinal() const { return ordinal_; }
+  CUstream_st* compute_stream() const { return compute_; }
+  cublasLtContext* cublaslt() const { return cublaslt_; }
+  void* gemm_workspace() const { return workspace_; }
+  size_t gemm_workspace_bytes() const { return workspace_bytes_; }
+  // Bytes obtained from cudaMalloc and not returned (cached blocks included), and its peak.
+  size_t reserved_bytes() const { return reserved_; }
+  size_t peak_reserved_bytes() const { return peak_reserved_; }
+  // Device memory of the card, and free right now (cudaMemGetInfo).
+  size_t total_memory() const;
+  size_t free_memory() const;
+  // Returns cached blocks to the driver.
+  void empty_cache();
+
+ private:
+  CudaDevice() = default;
+  struct Cache;
+  int ordinal_ = -1;
+  std::string name_;
+  CUstream_st* compute_ = nullptr;
+  cublasLtContext* cublaslt_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  size_t reserved_ = 0, peak_reserved_ = 0;
+  std::unique_ptr<Cache> cache_;
+};
+
+// Operations on the device's compute stream (kernels/).
+std::unique_ptr<LayerOps<float>> make_cuda_layer_ops(CudaDevice& device);
+std::unique_ptr<ShardOps> make_cuda_shard_ops(CudaDevice& device);
+
+// A NCCL communicator over the ranks of `comm`: rank 0 of `comm` creates the unique id, MPI
+// broadcasts it, every rank calls ncclCommInitRank on device.ordinal(). Collectives run on a
+// communication stream that waits (cudaEvent) for the compute stream's work issued before the
+// call; blocking calls make the compute stream wait for the collective; started all-gathers are
+// joined by wait(handle). Spans are device memory. `watchdog` (may be null) bounds every wait:
+// a collective that does not finish within its timeout, or an asynchronous NCCL error, aborts
+// the communicator and every rank with a message.
+std::unique_ptr<Comm> make_nccl_comm(MPI_Comm comm, CudaDevice& device, Watchdog* watchdog);
+
+}  // namespace shardtrain

@@ -1,0 +1,92 @@
+// Where the model's and the engine's buffers live and how bytes move between them: host memory
+// for the CPU backend, GPU memory from a caching allocator for the CUDA backend. The model, the
+// FSDP engine and the optimizer hold every large buffer as a DeviceArray and never touch its
+// elements directly unless the device is the host; what they compute on it goes through the
+// backend's LayerOps (backend/layer_ops.hpp).
+//
+// Ordering: every call is ordered after the work already issued to the device's compute stream.
+// copy() into host memory returns once the bytes are there; other calls may return earlier.
+#pragma once
+
+#include <cstddef>
+#include <utility>
+
+#include "core/error.hpp"
+
+namespace shardtrain {
+
+enum DeviceKind { DEVICE_CPU, DEVICE_CUDA };
+
+class Device {
+ public:
+  virtual ~Device() = default;
+  virtual DeviceKind kind() const = 0;
+  virtual const char* name() const = 0;
+  bool is_host() const { return kind() == DEVICE_CPU; }
+
+  // Zero-filled memory for `bytes` (0 gives null). Throws when the device has none left.
+  virtual void* allocate(size_t bytes) = 0;
+  virtual void release(void* p, size_t bytes) = 0;
+  // dst and src may each be host or device memory.
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  virtual void zero(void* p, size_t bytes) = 0;
+  // Returns when all work issued to the device so far has finished.
+  virtual void synchronize() = 0;
+};
+
+// The host: plain zeroed heap memory, memcpy.
+Device& host_device();
+
+// A fixed-size array of T on a device. Not copyable; moves transfer ownership.
+template <typename T>
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  DeviceArray(Device& device, size_t n) : device_(&device), size_(n) {
+    data_ = static_cast<T*>(device.allocate(n * sizeof(T)));
+  }
+  ~DeviceArray() { reset(); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  DeviceArray(DeviceArray&& o) noexcept { *this = std::move(o); }
+  DeviceArray& operator=(DeviceArray&& o) noexcept {
+    if (this != &o) {
+      reset();
+      std::swap(device_, o.device_);
+      std::swap(data_, o.data_);
+      std::swap(size_, o.size_);
+    }
+    return *this;
+  }
+
+  T* data() { return data_; }
+  const T* data() const { return data_; }
+  size_t size() const { return size_; }
+  size_t bytes() const { return size_ * sizeof(T); }
+  Device* device() const { return device_; }
+  bool on_host() const { return device_ == nullptr || device_->is_host(); }
+
+  // Element access and iteration only for arrays in host memory.
+  T& operator[](size_t i) { return data_[i]; }
+  const T& operator[](size_t i) const { return data_[i]; }
+  T* begin() { return data_; }
+  T* end() { return data_ + size_; }
+  const T* begin() const { return data_; }
+  const T* end() const { return data_ + size_; }
+
+  void zero() {
+    if (size_) device_->zero(data_, bytes());
+  }
+  void reset() {
+    if (data_) device_->release(data_, bytes());
+    data_ = nullptr;
+    size_ = 0;
+  }
+
+ private:
+  Device* device_ = nullptr;
+  T* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+}  // namespace shardtrain

@@ -1,0 +1,84 @@
+// The operations the model, the FSDP engine and the optimizer run on device buffers: one
+// interface, two implementations -- the CPU backend (backend/cpu/, OpenBLAS + OpenMP, for float
+// and double) and the CUDA backend (kernels/, cuBLASLt + hand-written kernels, for float).
+// Every pointer is memory of the backend's device() (DeviceArray data), except where a comment
+// says host. The layer operations have exactly the semantics, argument order and accumulation
+// rules of backend/cpu/ops.hpp, which documents them.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "backend/device.hpp"
+#include "backend/dtype.hpp"
+#include "backend/math.hpp"
+
+namespace shardtrain {
+
+template <typename Real>
+class LayerOps {
+ public:
+  virtual ~LayerOps() = default;
+  virtual Device& device() const = 0;
+
+  // Layers (backend/cpu/ops.hpp). `scratch` of attention_backward: B*NH*T*T elements.
+  virtual void encoder_forward(Real* out, const int* tokens, const Real* wte, const Real* wpe, int B, int T,
+                               int C) const = 0;
+  virtual void encoder_backward(Real* dwte, Real* dwpe, const Real* dout, const int* tokens, int B, int T,
+                                int C) const = 0;
+  virtual void layernorm_forward(Real* out, Real* mean, Real* rstd, const Real* inp, const Real* weight,
+                                 const Real* bias, int N, int C) const = 0;
+  virtual void layernorm_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout, const Real* inp,
+                                  const Real* weight, const Real* mean, const Real* rstd, int N, int C) const = 0;
+  virtual void matmul_forward(Real* out, const Real* inp, const Real* weight, const Real* bias, int N, int C,
+                              int OC) const = 0;
+  virtual void matmul_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout, const Real* inp,
+                               const Real* weight, int N, int C, int OC) const = 0;
+  virtual void attention_forward(Real* out, Real* att, const Real* qkv, int B, int T, int C, int NH) const = 0;
+  virtual void attention_backward(Real* dqkv, Real* scratch, const Real* dout, const Real* qkv, const Real* att,
+                                  int B, int T, int C, int NH) const = 0;
+  virtual void gelu_forward(Real* out, const Real* inp, size_t n) const = 0;
+  virtual void gelu_backward(Real* dinp, const Real* dout, const Real* inp, size_t n) const = 0;
+  virtual void residual_forward(Real* out, const Real* a, const Real* b, size_t n) const = 0;
+  virtual void softmax_crossentropy_forward(Real* losses, Real* logits_to_probs, const int* targets, int N,
+                                            int V) const = 0;
+  virtual void softmax_crossentropy_backward(Real* probs_to_dlogits, const int* targets, Real dloss, int N,
+                                             int V) const = 0;
+
+  // Reductions, returned to the host. sum in the order of the elements' index (CPU: sequential
+  // in double; CUDA: a fixed tree, so deterministic but not the CPU's bits).
+  virtual double sum(const Real* x, size_t n) const = 0;
+  virtual double sum_squares(const Real* x, size_t n) const = 0;
+  // Elements that are inf or NaN.
+  virtual size_t count_nonfinite(const Real* x, size_t n) const = 0;
+  // x *= s
+  virtual void scale(Real* x, size_t n, Real s) const = 0;
+};
+
+// fp32-only work of the engine and optimizer: 16-bit wire/parameter formats and the AdamW step.
+class ShardOps {
+ public:
+  virtual ~ShardOps() = default;
+  // out[i] = round(in[i]) to `type` (bf16 or fp16, round to nearest even as backend/dtype.hpp).
+  virtual void to_half(uint16_t* out, const float* in, size_t n, DType type) const = 0;
+  virtual void from_half(float* out, const uint16_t* in, size_t n, DType type) const = 0;
+  // For i in [0, n): adamw_update(&param[i], &m[i], &v[i], grad[i] * grad_multiplier, decay, step).
+  virtual void adamw(float* param, float* m, float* v, const float* grad, size_t n, float grad_multiplier,
+                     float decay, const AdamWStep& step) const = 0;
+};
+
+// What the engine, optimizer and trainer compute with: a device and its fp32 operations.
+struct Backend {
+  Device* device = nullptr;
+  const LayerOps<float>* ops = nullptr;
+  const ShardOps* shard_ops = nullptr;
+};
+
+// The CPU backend (host memory).
+template <typename Real>
+const LayerOps<Real>& cpu_layer_ops();
+const ShardOps& cpu_shard_ops();
+const Backend& cpu_backend();
+
+}  // namespace shardtrain
