@@ -11,13 +11,18 @@ NP      ?= 2
 MPICXX  ?= mpicxx
 MPIRUN  ?= mpirun
 PYTHON  ?= /usr/bin/python3
-BUILD   ?= build
-OPT     ?= -O3 -march=native
 CUDA    ?= 0
+OPT     ?= -O3 -march=native
 SAN     ?=
 
 ifeq ($(filter $(CUDA),0 1),)
 $(error CUDA must be 0 or 1, got '$(CUDA)')
+endif
+# The CUDA build keeps its objects apart: the same sources compile differently with it.
+ifeq ($(CUDA),1)
+BUILD   ?= build-cuda
+else
+BUILD   ?= build
 endif
 
 DEB_PACKAGES := g++ make pkg-config python3 openmpi-bin libopenmpi-dev libopenblas-openmp-dev \
@@ -49,7 +54,13 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 endif
 
 # ---- sources ------------------------------------------------------------------------------------
-SRCS       := $(shell find src -name '*.cpp' | sort)
+# Host code that needs the CUDA toolkit lives in folders named cuda/ (src/backend/cuda,
+# src/comm/cuda) and is built only with CUDA=1, as are the kernels (kernels/*.cu) and the GPU
+# tests (tests/gpu).
+SRCS       := $(shell find src -name '*.cpp' -not -path '*/cuda/*' | sort)
+ifeq ($(CUDA),1)
+SRCS       += $(shell find src -path '*/cuda/*' -name '*.cpp' | sort)
+endif
 LIB_SRCS   := $(filter-out src/app/main.cpp,$(SRCS))
 UNIT_SRCS  := $(shell find tests/unit tests/support -name '*.cpp' | sort)
 MPI_SRCS   := $(shell find tests/mpi -name '*.cpp' | sort)
@@ -57,6 +68,20 @@ BENCH_SRCS := $(shell find tests/bench -name '*.cpp' | sort)
 
 obj = $(patsubst %.cpp,$(BUILD)/obj/%.o,$(1))
 LIB_OBJS   := $(call obj,$(LIB_SRCS))
+ifeq ($(CUDA),1)
+# sm_90 machine code for H100/H200 and compute_90 PTX that newer GPUs compile at load time.
+CUDA_HOME  ?= /usr/local/cuda
+NVCC       ?= $(CUDA_HOME)/bin/nvcc
+CUDA_ARCH  ?= -gencode=arch=compute_90,code=sm_90 -gencode=arch=compute_90,code=compute_90
+NVCCFLAGS  := -std=c++17 -O3 $(CUDA_ARCH) -lineinfo --expt-relaxed-constexpr -Xcompiler -Wall,-Wno-unused-parameter -MMD -MP
+CU_SRCS    := $(shell find kernels -name '*.cu' | sort)
+LIB_OBJS   += $(patsubst %.cu,$(BUILD)/obj/%.o,$(CU_SRCS))
+GPU_SRCS   := $(shell find tests/gpu -name '*.cpp' 2>/dev/null | sort)
+GPU_TESTS  := $(BUILD)/gpu_tests
+CPPFLAGS   += -DSHARDTRAIN_CUDA=1 -I$(CUDA_HOME)/include
+LDFLAGS    += -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/lib -Wl,-rpath,$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib
+LDLIBS     += -lcudnn -lcublasLt -lcublas -lnccl -lcudart
+endif
 MAIN_OBJ   := $(call obj,src/app/main.cpp)
 UNIT_OBJS  := $(call obj,$(UNIT_SRCS))
 MPI_OBJS   := $(call obj,$(MPI_SRCS))
@@ -69,8 +94,8 @@ BENCH_BINS := $(patsubst tests/bench/%.cpp,$(BUILD)/%,$(BENCH_SRCS))
 BENCH_LIBS_layer_bench := -lbenchmark
 DEPS_STAMP := $(BUILD)/.deps-ok
 
-.PHONY: all deps run test test-slurm bench sanitize print-config clean
-all: $(EXE)
+.PHONY: all deps run test test-slurm test-gpu gpu-check bundle bench sanitize print-config clean
+all: $(EXE) $(GPU_TESTS)
 
 # ---- dependencies -------------------------------------------------------------------------------
 deps: $(DEPS_STAMP)
@@ -96,6 +121,11 @@ $(BUILD)/obj/%.o: %.cpp | $(DEPS_STAMP)
 	@printf "  CXX   %-40s\n" $<
 	@$(MPICXX) $(CPPFLAGS) $(CXXFLAGS) -c $< -o $@
 
+$(BUILD)/obj/%.o: %.cu | $(DEPS_STAMP)
+	@mkdir -p $(@D)
+	@printf "  NVCC  %-40s\n" $<
+	@$(NVCC) $(filter-out -DOMPI_SKIP_MPICXX=1,$(CPPFLAGS)) $(NVCCFLAGS) -c $< -o $@
+
 $(EXE): $(LIB_OBJS) $(MAIN_OBJ)
 	@printf "  LINK  %s\n" $@
 	@$(MPICXX) $(LDFLAGS) $^ $(LDLIBS) -o $@
@@ -105,6 +135,10 @@ $(UNIT_TESTS): $(LIB_OBJS) $(UNIT_OBJS)
 	@$(MPICXX) $(LDFLAGS) $^ $(LDLIBS) -lgtest -o $@
 
 $(MPI_TESTS): $(LIB_OBJS) $(MPI_OBJS)
+	@printf "  LINK  %s\n" $@
+	@$(MPICXX) $(LDFLAGS) $^ $(LDLIBS) -lgtest -o $@
+
+$(GPU_TESTS): $(LIB_OBJS) $(call obj,$(GPU_SRCS))
 	@printf "  LINK  %s\n" $@
 	@$(MPICXX) $(LDFLAGS) $^ $(LDLIBS) -lgtest -o $@
 
@@ -130,6 +164,24 @@ test: $(EXE) $(UNIT_TESTS) $(MPI_TESTS)
 test-slurm: $(EXE)
 	@bash tests/slurm/run_slurm_tests.sh --build $(BUILD)
 
+# The GPU suite (tools/gpu_check.sh, docs/gpu.md): kernel and NCCL tests against the CPU backend
+# and 20 training steps on the GPU against the CPU; gpu-check adds the benchmarks and writes every
+# number to gpu-report.md. Both build with CUDA=1; without a GPU they say so and exit 0.
+ifeq ($(CUDA),1)
+test-gpu: $(EXE) $(GPU_TESTS)
+	@bash tools/gpu_check.sh --bin $(BUILD) --tests-only
+gpu-check: $(EXE) $(GPU_TESTS)
+	@bash tools/gpu_check.sh --bin $(BUILD)
+else
+test-gpu gpu-check:
+	@$(MAKE) --no-print-directory CUDA=1 $@
+endif
+
+# A folder (bundle/) with the binaries and every library they need but glibc and CUDA's, to carry to
+# a GPU machine that has none of our Debian packages (tools/bundle.sh, docs/gpu.md).
+bundle: $(EXE) $(GPU_TESTS)
+	@bash tools/bundle.sh --build $(BUILD) --out bundle
+
 bench: $(EXE) $(BENCH_BINS)
 	@$(PYTHON) tests/bench/run_bench.py --build $(BUILD)
 
@@ -143,6 +195,6 @@ print-config:
 	@if [ "$(CUDA)" = 1 ]; then echo "✓ CUDA backend requested"; else echo "→ CUDA disabled (CUDA=0)"; fi
 
 clean:
-	rm -rf $(BUILD) build-san
+	rm -rf $(BUILD) build-san build-cuda bundle
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# Every GPU test and measurement in one command, with every number in one report file, so that a
+# short lease of a GPU machine is spent measuring (docs/gpu.md).
+#
+#   bash tools/gpu_check.sh [--bin DIR] [--report FILE] [--tests-only]
+#
+#   --bin DIR      where shardtrain and gpu_tests are (default: bundle/bin when bundle/env.sh
+#                  exists, which is then sourced; else build-cuda)
+#   --report FILE  the report (default: $OUT/gpu-report.md when OUT is set, else gpu-report.md)
+#   --tests-only   the kernel tests and the GPU-vs-CPU training check, no benchmarks (make test-gpu)
+#
+# Without a GPU it says so and exits 0. With one, it exits 1 when any test failed. It stays within
+# about 8 minutes: each step has its own time limit (STEP_LIMIT_S, default 150 s).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+BIN="" REPORT="" TESTS_ONLY=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bin) BIN=$2; shift 2 ;;
+    --report) REPORT=$2; shift 2 ;;
+    --tests-only) TESTS_ONLY=1; shift ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    *) echo "gpu_check: unknown argument '$1'; see --help" >&2; exit 2 ;;
+  esac
+done
+if [ -z "$BIN" ]; then
+  if [ -f bundle/env.sh ]; then BIN=bundle/bin; else BIN=build-cuda; fi
+fi
+if [ "$BIN" = bundle/bin ]; then
+  # shellcheck source=/dev/null
+  source bundle/env.sh || { echo "gpu_check: bundle/env.sh refused this machine (see above)"; exit 2; }
+fi
+[ -n "$REPORT" ] || REPORT=${OUT:+$OUT/}gpu-report.md
+STEP_LIMIT_S=${STEP_LIMIT_S:-150}
+PY=$(command -v python3 || true)
+for f in shardtrain gpu_tests; do
+  [ -x "$BIN/$f" ] || { echo "gpu_check: $BIN/$f is missing; build with 'make CUDA=1' (or make the bundle)"; exit 2; }
+done
+
+WORK=$(mktemp -d /tmp/shardtrain-gpu.XXXXXX)
+trap 'rm -rf "$WORK"' EXIT
+FAILED=0
+T0=$(date +%s)
+report() { printf '%s\n' "$*" | tee -a "$REPORT"; }
+section() { report ""; report "## $*"; report ""; }
+: >"$REPORT"
+
+report "# ShardTrain GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
+report ""
+report "- host: $(hostname), $(nproc) CPUs, glibc $(getconf GNU_LIBC_VERSION 2>/dev/null | cut -d' ' -f2)"
+report "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with local changes)')"
+if command -v nvidia-smi >/dev/null; then
+  report "- GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader 2>&1 | head -1)"
+else
+  report "- GPU: nvidia-smi not found"
+fi
+
+section "Kernel and communicator tests (gpu_tests)"
+timeout "$STEP_LIMIT_S" "$BIN/gpu_tests" --gtest_brief=1 >"$WORK/gpu_tests.log" 2>&1
+rc=$?
+if grep -q "no GPU" "$WORK/gpu_tests.log"; then
+  report "$(cat "$WORK/gpu_tests.log")"
+  report ""
+  report "No GPU here: nothing else to check."
+  exit 0
+fi
+report '```'
+report "$(grep -E '^\[( +OK|  FAILED|  PASSED|==========)' "$WORK/gpu_tests.log" | grep -v ' OK ' | tail -20)"
+report '```'
+[ $rc -eq 0 ] || { FAILED=1; report "gpu_tests FAILED (exit $rc):"; report '```'; report "$(tail -40 "$WORK/gpu_tests.log")"; report '```'; }
+
+# One training run: run NAME DEVICE NP CONFIG [OPTIONS...]; its metrics land in $WORK/NAME.jsonl.
+"$BIN/shardtrain" data synth --out-dir "$WORK/data" >/dev/null || { report "data synth failed"; exit 1; }
+run() {
+  local name=$1 device=$2 np=$3 config=$4; shift 4
+  timeout "$STEP_LIMIT_S" mpirun --oversubscribe --bind-to none -np "$np" "$BIN/shardtrain" train --config "$config" \
+    --train.device="$device" --train.run_name="$name" --train.metrics_file="$WORK/$name.jsonl" \
+    --checkpoint.dir="$WORK/ckpt-$name" --checkpoint.every=0 --checkpoint.resume=none \
+    --data.train_file="$WORK/data/synth_train.bin" --data.val_file= "$@" >"$WORK/$name.log" 2>&1
+}
+# losses A B: the largest relative difference of the step losses of two metrics files.
+compare_losses() {
+  "$PY" - "$1" "$2" <<'PY'
+import json, sys
+def losses(path):
+    return [json.loads(l)["loss"] for l in open(path) if '"kind":"step"' in l]
+a, b = losses(sys.argv[1]), losses(sys.argv[2])
+if not a or len(a) != len(b):
+    print(f"step counts differ: {len(a)} vs {len(b)}"); sys.exit(1)
+worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+print(f"{len(a)} steps, max relative difference {worst:.2e} (first {a[0]:.6f} vs {b[0]:.6f}, last {a[-1]:.6f} vs {b[-1]:.6f})")
+sys.exit(0 if worst <= 1e-3 else 1)
+PY
+}
+
+section "20 training steps on the GPU against the CPU (fp32, losses within 1e-3 relative)"
+CMP_OPTS=(--train.steps=20 --train.threads=4 --model.n_layer=4 --model.n_embd=256 --model.n_head=4 --train.seq_len=128
+          --train.micro_batch=4 --train.global_batch=8)
+for strategy in FULL_SHARD NO_SHARD; do
+  if run cmp-cpu-$strategy cpu 2 inputs/tiny.ini "${CMP_OPTS[@]}" --fsdp.sharding_strategy=$strategy &&
+     run cmp-gpu-$strategy cuda 1 inputs/tiny.ini "${CMP_OPTS[@]}" --fsdp.sharding_strategy=$strategy; then
+    if out=$(compare_losses "$WORK/cmp-gpu-$strategy.jsonl" "$WORK/cmp-cpu-$strategy.jsonl"); then
+      report "- ok   $strategy: GPU (1 rank) vs CPU (2 ranks): $out"
+    else
+      FAILED=1; report "- FAIL $strategy: GPU vs CPU: $out"
+    fi
+  else
+    FAILED=1; report "- FAIL $strategy: a run failed:"; report '```'
+    report "$(tail -15 "$WORK/cmp-cpu-$strategy.log" 2>/dev/null; tail -15 "$WORK/cmp-gpu-$strategy.log" 2>/dev/null)"; report '```'
+  fi
+done
+
+if [ "$TESTS_ONLY" = 0 ]; then
+  section "Training throughput on one GPU (median of steps 3..N; MFU against the card's dense bf16 peak)"
+  report "| config | dtype | micro-batch | seq | tokens/s | MFU | peak memory | log |"
+  report "|---|---|---:|---:|---:|---:|---:|---|"
+  bench() { # bench CONFIG MICRO PARAM_DTYPE STEPS
+    local config=$1 micro=$2 dtype=$3 steps=$4 name
+    name=bench-$(basename "$config" .ini)-$dtype-b$micro
+    if run "$name" cuda 1 "$config" --train.steps="$steps" --train.micro_batch="$micro" --train.global_batch="$micro" \
+        --train.warmup_steps=0 --fsdp.param_dtype="$dtype" --fsdp.reduce_dtype=fp32; then
+      "$PY" - "$WORK/$name.jsonl" "$config" "$dtype" "$micro" "$name" <<'PY' | tee -a "$REPORT"
+import json, statistics, sys
+path, config, dtype, micro, name = sys.argv[1:]
+steps = [json.loads(l) for l in open(path) if '"kind":"step"' in l][2:]
+tps = statistics.median(s["tokens_per_s"] for s in steps)
+mfu = statistics.median(s["mfu"] for s in steps)
+peak = max(s.get("peak_mem_bytes", 0) for s in steps)
+print(f"| {config} | {dtype} | {micro} | 1024 | {tps:,.0f} | {mfu:.3f} | {peak / 2**30:.1f} GiB | {name} |")
+PY
+    else
+      FAILED=1; report "| $config | $dtype | $micro | 1024 | failed: $(tail -1 "$WORK/$name.log") | | | $name |"
+    fi
+  }
+  for micro in 8 16; do bench inputs/gpt2-124M.ini "$micro" fp32 12; done
+  for micro in 4 8; do bench inputs/gpt-300M.ini "$micro" fp32 10; done
+  bench inputs/gpt-300M.ini 8 bf16 10
+fi
+
+section "Logs"
+for f in "$WORK"/*.log; do
+  report "<details><summary>$(basename "$f")</summary>"; report ""; report '```'
+  report "$(grep -v '^step ' "$f" | head -40; grep '^step ' "$f" | tail -3)"; report '```'; report "</details>"
+done
+report ""
+report "$( [ $FAILED = 0 ] && echo 'ALL PASSED' || echo 'SOME CHECKS FAILED' ) in $(( $(date +%s) - T0 )) s"
+exit $FAILED
