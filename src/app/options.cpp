@@ -90,6 +90,9 @@ void declare_options(OptionList& o, Config& c) {
   o.add("fsdp.backward_prefetch", &c.fsdp.backward_prefetch,
         "NONE, BACKWARD_PRE (start the next block's all-gather before the current block's backward) or "
         "BACKWARD_POST (after it)");
+  o.add("fsdp.cpu_offload", &c.fsdp.cpu_offload,
+        "keep the fp32 master shards, their gradients and the AdamW moments in (pinned) host memory and step the "
+        "optimizer on the CPU: less device memory, a copy of each shard per gather and per step");
   o.add("fsdp.limit_all_gathers", &c.fsdp.limit_all_gathers,
         "unsharded blocks held at once (FULL_SHARD, HYBRID_SHARD): 2 lets one all-gather run ahead, each more "
         "costs one block of memory; 1 disables prefetching");
@@ -258,6 +261,7 @@ EngineOptions engine_options(const Config& c) {
   o.forward_prefetch = c.fsdp.forward_prefetch;
   parse_backward_prefetch(c.fsdp.backward_prefetch, &o.backward_prefetch);
   o.limit_all_gathers = c.fsdp.limit_all_gathers;
+  o.cpu_offload = c.fsdp.cpu_offload;
   return o;
 }
 

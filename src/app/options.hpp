@@ -49,6 +49,7 @@ struct FsdpOptions {
   bool forward_prefetch = false;
   std::string backward_prefetch = "BACKWARD_PRE";  // NONE | BACKWARD_PRE | BACKWARD_POST
   int limit_all_gathers = 2;  // unsharded block buffers; 1 disables prefetching
+  bool cpu_offload = false;   // master shards, gradients and moments in host memory, AdamW on the CPU
   std::string memory_limit;   // e.g. 24GiB: emulates a device's memory; empty = none
   double comm_timeout = 300;  // seconds; 0 disables the watchdog
 };

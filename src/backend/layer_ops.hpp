@@ -71,6 +71,7 @@ class ShardOps {
 // What the engine, optimizer and trainer compute with: a device and its fp32 operations.
 struct Backend {
   Device* device = nullptr;
+  Device* host = nullptr;  // host memory the device copies to and from fastest (pinned for a GPU)
   const LayerOps<float>* ops = nullptr;
   const ShardOps* shard_ops = nullptr;
 };

@@ -23,9 +23,9 @@ AdamW::AdamW(const OptimConfig& config, FsdpEngine& engine, MemoryTracker& memor
   const ParamTable& table = engine.table();
   for (size_t u = 0; u < engine.shards().size(); u++) {
     const UnitShard& s = engine.shards()[u];
-    m_.emplace_back(*engine.backend().device, s.shard_numel);
-    v_.emplace_back(*engine.backend().device, s.shard_numel);
-    bytes_ += 2 * s.shard_numel * sizeof(float);
+    m_.emplace_back(engine.master_device(), s.shard_numel);
+    v_.emplace_back(engine.master_device(), s.shard_numel);
+    if (!engine.options().cpu_offload) bytes_ += 2 * s.shard_numel * sizeof(float);  // device memory only
     std::vector<Segment> segs;
     for (int id : table.units()[u].params) {
       const ParamInfo& p = table.params()[id];
@@ -48,7 +48,7 @@ double AdamW::local_grad_sq_norm() const {
   double total = 0;
   for (const UnitShard& s : engine_.shards()) {
     // Only the owned part: replicas hold the same gradient shard and must count it once.
-    total += engine_.backend().ops->sum_squares(s.grads.data() + s.owned_begin, s.owned_count);
+    total += engine_.master_ops().sum_squares(s.grads.data() + s.owned_begin, s.owned_count);
   }
   return total;
 }
@@ -71,7 +71,7 @@ double AdamW::step(int step, double global_grad_norm, double grad_scale) {
     float *p = sh.params.data(), *m = m_[u].data(), *v = v_[u].data();
     const float* g = sh.grads.data();
     for (const Segment& seg : segments_[u])
-      engine_.backend().shard_ops->adamw(p + seg.begin, m + seg.begin, v + seg.begin, g + seg.begin, seg.end - seg.begin,
+      engine_.master_shard_ops().adamw(p + seg.begin, m + seg.begin, v + seg.begin, g + seg.begin, seg.end - seg.begin,
                                          clip, seg.decay, s);
   }
   return lr;

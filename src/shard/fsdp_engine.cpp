@@ -67,7 +67,9 @@ std::array<size_t, MEM_CATEGORY_COUNT> FsdpEngine::plan_memory(const std::vector
     max_shard = std::max(max_shard, layout[u].shard_numel);
     if (u != ROOT_UNIT) max_block = std::max(max_block, layout[u].padded_numel);
   }
-  bytes[MEM_SHARDED_PARAMS] = shards * sizeof(float);
+  // With cpu_offload the master shards and their gradients are host memory; the device keeps a
+  // gradient shard for the reductions.
+  bytes[MEM_SHARDED_PARAMS] = options.cpu_offload ? 0 : shards * sizeof(float);
   bytes[MEM_GRADIENTS] = shards * sizeof(float);
   const bool sharded = layout[ROOT_UNIT].padded_numel != layout[ROOT_UNIT].shard_numel;
   const bool half_params = options.param_dtype != DTYPE_FP32;
@@ -75,7 +77,7 @@ std::array<size_t, MEM_CATEGORY_COUNT> FsdpEngine::plan_memory(const std::vector
   const size_t slots = options.strategy == SHARDING_SHARD_GRAD_OP
                            ? all_padded
                            : layout[ROOT_UNIT].padded_numel + options.limit_all_gathers * max_block;
-  if (sharded || half_params) bytes[MEM_GATHERED_UNITS] = slots * sizeof(float);
+  if (sharded || half_params || options.cpu_offload) bytes[MEM_GATHERED_UNITS] = slots * sizeof(float);
   if (half_params) bytes[MEM_COMM_BUFFERS] += slots * sizeof(uint16_t);
   if (!sharded) return bytes;
   bytes[MEM_GRADIENTS] += (options.reduce_every_microbatch ? root_and_block : all_padded) * sizeof(float);
@@ -92,18 +94,20 @@ FsdpEngine::FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_
       options_(options),
       backend_(backend) {
   Device& dev = *backend_.device;
+  Device& master = master_device();
   GroupShape groups{shard_comm.size(), shard_comm.rank(), replica_comm.size(), replica_comm.rank()};
   std::vector<UnitLayout> layout = plan_layout(table, groups);
   for (const UnitLayout& l : layout) {
     UnitShard s;
     static_cast<UnitLayout&>(s) = l;
-    s.params = DeviceArray<float>(dev, l.shard_numel);
-    s.grads = DeviceArray<float>(dev, l.shard_numel);
+    s.params = DeviceArray<float>(master, l.shard_numel);
+    s.grads = DeviceArray<float>(master, l.shard_numel);
+    if (options_.cpu_offload) device_grads_.emplace_back(dev, l.shard_numel);
     shards_.push_back(std::move(s));
   }
   engine_bytes_ = plan_memory(layout, options_);
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++) memory_.add(static_cast<MemCategory>(c), engine_bytes_[c]);
-  if (shard_comm.size() == 1 && options_.param_dtype == DTYPE_FP32) return;
+  if (shard_comm.size() == 1 && options_.param_dtype == DTYPE_FP32 && !options_.cpu_offload) return;
   size_t max_block = 0;
   for (size_t u = 1; u < layout.size(); u++) max_block = std::max(max_block, layout[u].padded_numel);
   const bool half = options_.param_dtype != DTYPE_FP32;
@@ -167,8 +171,13 @@ void FsdpEngine::init_parameters(uint64_t seed) {
 
 void FsdpEngine::zero_grads() {
   for (UnitShard& s : shards_) s.grads.zero();
+  for (auto& grads : device_grads_) grads.zero();
   if (!options_.reduce_every_microbatch)
     for (auto& buffer : grad_buffers_) buffer.zero();
+}
+
+DeviceArray<float>& FsdpEngine::grad_shard(int unit) {
+  return options_.cpu_offload ? device_grads_[unit] : shards_[unit].grads;
 }
 
 DeviceArray<float>& FsdpEngine::grad_buffer(int unit) {
@@ -190,7 +199,12 @@ void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
     return;
   }
   uint16_t* wire = slot.wire.data();
-  backend_.shard_ops->to_half(wire + s.begin, s.params.data(), s.shard_numel, options_.param_dtype);
+  const float* master = s.params.data();
+  if (options_.cpu_offload) {  // up to the device first, into the part of the slot the gather overwrites
+    backend_.device->copy(slot.values.data() + s.begin, master, s.params.bytes());
+    master = slot.values.data() + s.begin;
+  }
+  backend_.shard_ops->to_half(wire + s.begin, master, s.shard_numel, options_.param_dtype);
   Span<const uint16_t> own(wire + s.begin, s.shard_numel);
   Span<uint16_t> full(wire, s.padded_numel);
   if (async) {
@@ -246,7 +260,7 @@ void FsdpEngine::prefetch_params(int unit) {
 }
 
 float* FsdpEngine::gradient_target(int unit) {
-  if (shard_comm_.size() == 1) return shards_[unit].grads.data();
+  if (shard_comm_.size() == 1) return grad_shard(unit).data();
   DeviceArray<float>& buffer = grad_buffer(unit);
   if (options_.reduce_every_microbatch) backend_.device->zero(buffer.data(), shards_[unit].padded_numel * sizeof(float));
   return buffer.data();
@@ -256,7 +270,7 @@ void FsdpEngine::reduce_micro_batch_grads(int unit) {
   if (shard_comm_.size() == 1 || !options_.reduce_every_microbatch) return;
   UnitShard& s = shards_[unit];
   shard_comm_.reduce_scatter_add(Span<const float>(grad_buffer(unit).data(), s.padded_numel),
-                                 Span<float>(s.grads.data(), s.grads.size()), options_.reduce_dtype,
+                                 Span<float>(grad_shard(unit).data(), s.shard_numel), options_.reduce_dtype,
                                  "reduce_scatter(grads)");
 }
 
@@ -306,13 +320,15 @@ void FsdpEngine::finish_step() {
   if (shard_comm_.size() > 1 && !options_.reduce_every_microbatch) {
     for (int u = static_cast<int>(shards_.size()) - 1; u >= 0; u--)
       shard_comm_.reduce_scatter_add(Span<const float>(grad_buffers_[u].data(), shards_[u].padded_numel),
-                                     Span<float>(shards_[u].grads.data(), shards_[u].grads.size()), options_.reduce_dtype,
-                                     "reduce_scatter(grads)");
+                                     Span<float>(grad_shard(u).data(), shards_[u].shard_numel),
+                                     options_.reduce_dtype, "reduce_scatter(grads)");
   }
   // The replica all-reduce is linear, so once per step equals once per micro-batch.
   if (replica_comm_.size() > 1)
-    for (UnitShard& s : shards_)
-      replica_comm_.all_reduce_sum(Span<float>(s.grads.data(), s.grads.size()), "all_reduce(grads)");
+    for (size_t u = 0; u < shards_.size(); u++)
+      replica_comm_.all_reduce_sum(Span<float>(grad_shard(u).data(), shards_[u].shard_numel), "all_reduce(grads)");
+  if (options_.cpu_offload)
+    for (size_t u = 0; u < shards_.size(); u++) backend_.device->copy(shards_[u].grads.data(), device_grads_[u].data(), shards_[u].grads.bytes());
 }
 
 double FsdpEngine::eval_micro_batch(GptModel<float>& model, const int* tokens, const int* targets) {
@@ -326,7 +342,7 @@ double FsdpEngine::eval_micro_batch(GptModel<float>& model, const int* tokens, c
 std::vector<float> FsdpEngine::gather_unit(int unit, bool gradients) {
   const UnitShard& s = shards_[unit];
   Device& dev = *backend_.device;
-  DeviceArray<float> full(dev, s.padded_numel);
+  DeviceArray<float> full(dev, s.padded_numel);  // the communicators work on device memory
   const DeviceArray<float>& local = gradients ? s.grads : s.params;
   dev.copy(full.data() + s.begin, local.data(), local.bytes());
   if (shard_comm_.size() > 1)

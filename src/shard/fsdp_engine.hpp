@@ -20,6 +20,10 @@
 // shard group of one the shard is the whole unit: compute reads and accumulates into the shard
 // buffers directly (unless parameters must be rounded to a 16-bit param_dtype first). All ranks
 // issue the same collectives in the same order.
+// CPU offload: the fp32 master shards, their gradients and (in the optimizer) the moments live in
+// the backend's host memory and the optimizer steps there; the device keeps only the gathered
+// units and a device gradient shard per unit, which the reductions fill and finish_step copies
+// to the host. Each gather copies the master shard up first.
 #pragma once
 
 #include <array>
@@ -61,6 +65,7 @@ struct EngineOptions {
   bool forward_prefetch = false;
   BackwardPrefetch backward_prefetch = BACKWARD_PREFETCH_PRE;
   int limit_all_gathers = 2;
+  bool cpu_offload = false;
 };
 
 // Where this rank's data sits in one unit. "Owned" is the part of the shard this rank alone
@@ -100,6 +105,13 @@ class FsdpEngine {
   const ParamTable& table() const { return table_; }
   const EngineOptions& options() const { return options_; }
   const Backend& backend() const { return backend_; }
+  // Where the master shards live and the operations the optimizer runs on them: the host with
+  // cpu_offload, else the compute device.
+  Device& master_device() const { return options_.cpu_offload ? *backend_.host : *backend_.device; }
+  const LayerOps<float>& master_ops() const {
+    return options_.cpu_offload ? cpu_layer_ops<float>() : *backend_.ops;
+  }
+  const ShardOps& master_shard_ops() const { return options_.cpu_offload ? cpu_shard_ops() : *backend_.shard_ops; }
   std::vector<UnitShard>& shards() { return shards_; }
   const std::vector<UnitShard>& shards() const { return shards_; }
   size_t local_param_count() const;  // elements of this rank's shards, padding included
@@ -137,6 +149,7 @@ class FsdpEngine {
   float* gradient_target(int unit);
   void reduce_micro_batch_grads(int unit);
   DeviceArray<float>& grad_buffer(int unit);
+  DeviceArray<float>& grad_shard(int unit);  // the reduction's target on the device
 
   const ParamTable& table_;
   Comm& shard_comm_;
@@ -153,6 +166,7 @@ class FsdpEngine {
   std::vector<ParamSlot> slots_;
   int current_slot_ = -1;  // the block slot in use by the computation
   std::vector<DeviceArray<float>> grad_buffers_;
+  std::vector<DeviceArray<float>> device_grads_;  // cpu_offload: each unit's gradient shard on the device
 };
 
 }  // namespace shardtrain

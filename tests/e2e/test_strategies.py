@@ -92,3 +92,20 @@ def test_bad_prefetch_options_are_rejected():
     for option, needle in (("--fsdp.backward_prefetch=SIDEWAYS", "BACKWARD_PRE"), ("--fsdp.limit_all_gathers=0", ">= 1")):
         proc = run(2, tiny_args(option), timeout=60)
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr[-1000:]
+
+
+def test_cpu_offload_changes_where_state_lives_not_bits():
+    # The master shards, gradients and moments move to host memory (on the CPU backend the
+    # "device" is host memory too, so this exercises the staging path): identical losses, and
+    # the device accounting loses the sharded parameters and optimizer state.
+    def categories(stdout):
+        line = next(l for l in stdout.splitlines() if l.startswith("memory per rank"))
+        return {part.split()[0] for part in line.split(":", 1)[1].split("|")[0].split(",")}
+    for np_, options in ((1, []), (3, ["--fsdp.param_dtype=bf16"]),
+                         (4, ["--fsdp.sharding_strategy=HYBRID_SHARD", "--fsdp.shard_group_size=2"]),
+                         (2, ["--fsdp.sharding_strategy=NO_SHARD", "--fsdp.reduce_every_microbatch=false"])):
+        plain, plain_out = losses(np_, *options)
+        offloaded, offload_out = losses(np_, "--fsdp.cpu_offload=true", *options)
+        assert offloaded == plain, (np_, options)
+        assert {"sharded_params", "optimizer_state"} <= categories(plain_out)
+        assert not {"sharded_params", "optimizer_state"} & categories(offload_out), offload_out
