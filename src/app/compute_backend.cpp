@@ -13,6 +13,7 @@ namespace shardtrain {
 #ifdef SHARDTRAIN_CUDA
 struct ComputeBackend::Cuda {
   std::unique_ptr<CudaDevice> device;
+  std::unique_ptr<Device> pinned_host;
   std::unique_ptr<LayerOps<float>> ops;
   std::unique_ptr<ShardOps> shard_ops;
 };
@@ -31,9 +32,10 @@ ComputeBackend::ComputeBackend(const std::string& device, const Runtime& rt) {
 #ifdef SHARDTRAIN_CUDA
   cuda_ = std::make_unique<Cuda>();
   rt.agree_on([&] { cuda_->device = CudaDevice::open(rt.local_rank()); });
+  cuda_->pinned_host = make_pinned_host(*cuda_->device);
   cuda_->ops = make_cuda_layer_ops(*cuda_->device);
   cuda_->shard_ops = make_cuda_shard_ops(*cuda_->device);
-  backend_ = Backend{cuda_->device.get(), cuda_->ops.get(), cuda_->shard_ops.get()};
+  backend_ = Backend{cuda_->device.get(), cuda_->pinned_host.get(), cuda_->ops.get(), cuda_->shard_ops.get()};
 #else
   (void)rt;
   throw UsageError("train.device=cuda: this build has no CUDA backend; rebuild with 'make CUDA=1' (see docs/gpu.md) "

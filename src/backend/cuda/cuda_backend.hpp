@@ -73,6 +73,10 @@ class CudaDevice : public Device {
   std::unique_ptr<Cache> cache_;
 };
 
+// Page-locked host memory whose copies run on `gpu`'s compute stream (fsdp.cpu_offload):
+// src/backend/cuda/pinned_host.cpp.
+std::unique_ptr<Device> make_pinned_host(CudaDevice& gpu);
+
 // Operations on the device's compute stream (kernels/).
 std::unique_ptr<LayerOps<float>> make_cuda_layer_ops(CudaDevice& device);
 std::unique_ptr<ShardOps> make_cuda_shard_ops(CudaDevice& device);

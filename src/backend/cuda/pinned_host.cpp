@@ -1,0 +1,48 @@
+// Page-locked host memory for fsdp.cpu_offload: the master shards, gradients and moments the
+// optimizer steps on the CPU. Page-locked, the copies to and from the GPU run at full PCIe speed
+// and asynchronously on the GPU's compute stream, which orders them with the kernels; anything
+// the host does to this memory first waits for that stream.
+#include <cstring>
+
+#include "backend/cuda/cuda_backend.hpp"
+#include "backend/cuda/cuda_check.hpp"
+
+namespace shardtrain {
+namespace {
+
+class PinnedHost : public Device {
+ public:
+  explicit PinnedHost(CudaDevice& gpu) : gpu_(gpu) {}
+  DeviceKind kind() const override { return DEVICE_CPU; }  // the host reads and writes it directly
+  const char* name() const override { return "cpu (page-locked)"; }
+  void* allocate(size_t bytes) override {
+    if (bytes == 0) return nullptr;
+    void* p = nullptr;
+    if (cudaHostAlloc(&p, bytes, cudaHostAllocPortable) != cudaSuccess) {
+      (void)cudaGetLastError();
+      throw InputError(strprintf("fsdp.cpu_offload: cannot page-lock %zu bytes of host memory; lower the per-rank "
+                                 "state (more ranks, FULL_SHARD) or raise the locked-memory limit (ulimit -l)",
+                                 bytes));
+    }
+    std::memset(p, 0, bytes);
+    return p;
+  }
+  void release(void* p, size_t) override {
+    if (p) CUDA_CHECK(cudaFreeHost(p));
+  }
+  void copy(void* dst, const void* src, size_t bytes) override { gpu_.copy(dst, src, bytes); }
+  void zero(void* p, size_t bytes) override {
+    gpu_.synchronize();  // a copy from this memory may still be in flight
+    if (bytes) std::memset(p, 0, bytes);
+  }
+  void synchronize() override { gpu_.synchronize(); }
+
+ private:
+  CudaDevice& gpu_;
+};
+
+}  // namespace
+
+std::unique_ptr<Device> make_pinned_host(CudaDevice& gpu) { return std::make_unique<PinnedHost>(gpu); }
+
+}  // namespace shardtrain
