@@ -113,29 +113,32 @@ done
 
 if [ "$TESTS_ONLY" = 0 ]; then
   section "Training throughput on one GPU (median of steps 3..N; MFU against the card's dense bf16 peak)"
-  report "| config | dtype | micro-batch | seq | tokens/s | MFU | peak memory | log |"
-  report "|---|---|---:|---:|---:|---:|---:|---|"
-  bench() { # bench CONFIG MICRO PARAM_DTYPE STEPS
-    local config=$1 micro=$2 dtype=$3 steps=$4 name
-    name=bench-$(basename "$config" .ini)-$dtype-b$micro
+  report "| config | dtype | offload | micro-batch | seq | tokens/s | MFU | planned peak | GPU reserved | log |"
+  report "|---|---|---|---:|---:|---:|---:|---:|---:|---|"
+  bench() { # bench CONFIG MICRO PARAM_DTYPE STEPS OFFLOAD
+    local config=$1 micro=$2 dtype=$3 steps=$4 offload=$5 name
+    name=bench-$(basename "$config" .ini)-$dtype-b$micro$([ "$offload" = true ] && echo -offload)
     if run "$name" cuda 1 "$config" --train.steps="$steps" --train.micro_batch="$micro" --train.global_batch="$micro" \
-        --train.warmup_steps=0 --fsdp.param_dtype="$dtype" --fsdp.reduce_dtype=fp32; then
-      "$PY" - "$WORK/$name.jsonl" "$config" "$dtype" "$micro" "$name" <<'PY' | tee -a "$REPORT"
+        --train.warmup_steps=0 --fsdp.param_dtype="$dtype" --fsdp.reduce_dtype=fp32 --fsdp.cpu_offload="$offload"; then
+      "$PY" - "$WORK/$name.jsonl" "$config" "$dtype" "$offload" "$micro" "$name" <<'PY' | tee -a "$REPORT"
 import json, statistics, sys
-path, config, dtype, micro, name = sys.argv[1:]
+path, config, dtype, offload, micro, name = sys.argv[1:]
 steps = [json.loads(l) for l in open(path) if '"kind":"step"' in l][2:]
 tps = statistics.median(s["tokens_per_s"] for s in steps)
 mfu = statistics.median(s["mfu"] for s in steps)
-peak = max(s.get("peak_mem_bytes", 0) for s in steps)
-print(f"| {config} | {dtype} | {micro} | 1024 | {tps:,.0f} | {mfu:.3f} | {peak / 2**30:.1f} GiB | {name} |")
+gib = lambda key: max(s.get(key, 0) for s in steps) / 2**30
+print(f"| {config} | {dtype} | {offload} | {micro} | 1024 | {tps:,.0f} | {mfu:.3f} | {gib('peak_mem_bytes'):.2f} GiB "
+      f"| {gib('device_reserved_bytes'):.2f} GiB | {name} |")
 PY
     else
-      FAILED=1; report "| $config | $dtype | $micro | 1024 | failed: $(tail -1 "$WORK/$name.log") | | | $name |"
+      FAILED=1; report "| $config | $dtype | $offload | $micro | 1024 | failed: $(tail -1 "$WORK/$name.log") | | | | $name |"
     fi
   }
-  for micro in 8 16; do bench inputs/gpt2-124M.ini "$micro" fp32 12; done
-  for micro in 4 8; do bench inputs/gpt-300M.ini "$micro" fp32 10; done
-  bench inputs/gpt-300M.ini 8 bf16 10
+  for micro in 8 16; do bench inputs/gpt2-124M.ini "$micro" fp32 12 false; done
+  bench inputs/gpt2-124M.ini 8 bf16 12 false
+  for micro in 4 8; do bench inputs/gpt-300M.ini "$micro" fp32 10 false; done
+  bench inputs/gpt-300M.ini 8 bf16 10 false
+  bench inputs/gpt-300M.ini 8 bf16 10 true   # cpu_offload: the GPU memory it saves, the time it costs
 fi
 
 section "Logs"

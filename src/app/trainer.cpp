@@ -50,9 +50,11 @@ std::string format_duration(double seconds) {
 
 // Peak bytes per memory category and in total, plus the stop signal, as one vector for a single
 // MAX all-reduce per step.
+// DEVICE_RESERVED: what the GPU's caching allocator took at most (0 on the CPU backend).
 constexpr int PEAK_TOTAL = MEM_CATEGORY_COUNT, STOP_SIGNAL = MEM_CATEGORY_COUNT + 1,
-              RSS_GROWTH = MEM_CATEGORY_COUNT + 2, COMM_BYTES = MEM_CATEGORY_COUNT + 3;
-using MemoryPeaks = std::array<double, MEM_CATEGORY_COUNT + 4>;
+              RSS_GROWTH = MEM_CATEGORY_COUNT + 2, COMM_BYTES = MEM_CATEGORY_COUNT + 3,
+              DEVICE_RESERVED = MEM_CATEGORY_COUNT + 4;
+using MemoryPeaks = std::array<double, MEM_CATEGORY_COUNT + 5>;
 
 // fp16 dynamic loss scaling: start at 2^16, halve on overflow, double after this many good steps.
 constexpr double INITIAL_LOSS_SCALE = 65536;
@@ -67,12 +69,13 @@ double proc_status_bytes(const char* field) {
   return 0;
 }
 
-MemoryPeaks local_memory_peaks(const MemoryTracker& m, double rss_at_start) {
+MemoryPeaks local_memory_peaks(const MemoryTracker& m, double rss_at_start, const Device& device) {
   MemoryPeaks p{};
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++) p[c] = static_cast<double>(m.peak(static_cast<MemCategory>(c)));
   p[PEAK_TOTAL] = static_cast<double>(m.total_peak());
   p[STOP_SIGNAL] = stop_signal_received();
   p[RSS_GROWTH] = proc_status_bytes("VmHWM") - rss_at_start;
+  p[DEVICE_RESERVED] = static_cast<double>(device.peak_reserved_bytes());
   return p;
 }
 
@@ -442,7 +445,7 @@ Trainer::StepOutcome Trainer::optimizer_step(int step) {
     out.lr = optimizer_.step(step, out.grad_norm, loss_scale_);
     if (loss_scaling_ && ++good_steps_ % LOSS_SCALE_GROWTH_INTERVAL == 0) loss_scale_ *= 2;
   }
-  out.peaks = local_memory_peaks(memory_, rss_at_start_);
+  out.peaks = local_memory_peaks(memory_, rss_at_start_, *compute_.backend().device);
   out.peaks[COMM_BYTES] = static_cast<double>(bytes_sent() - bytes_before);
   comm_->all_reduce_max(Span<double>(out.peaks.data(), out.peaks.size()), "all_reduce(memory peaks)");
   out.seconds = MPI_Wtime() - t0;
@@ -453,17 +456,20 @@ void Trainer::report_step(int step, const StepOutcome& out, double eta_seconds, 
   const double tokens_per_s = G_ * T_ / out.seconds;
   const double mfu =
       peak_gflops_ > 0 ? table_.flops_per_token(T_) * G_ * T_ / out.seconds / (rt_.world() * peak_gflops_ * 1e9) : 0;
-  rt_.info("step %5d/%d | loss %.4f | lr %.2e | norm %.3f | %.0f tok/s | MFU %.1f%% | peak mem %s | eta %s%s", step + 1,
-           cfg_.train.steps, out.loss, out.lr, out.grad_norm, tokens_per_s, 100 * mfu,
-           format_bytes(out.peaks[PEAK_TOTAL]).c_str(), format_duration(eta_seconds).c_str(),
+  const std::string reserved =
+      compute_.on_gpu() ? " (GPU reserved " + format_bytes(out.peaks[DEVICE_RESERVED]) + ")" : std::string();
+  rt_.info("step %5d/%d | loss %.4f | lr %.2e | norm %.3f | %.0f tok/s | MFU %.1f%% | peak mem %s%s | eta %s%s",
+           step + 1, cfg_.train.steps, out.loss, out.lr, out.grad_norm, tokens_per_s, 100 * mfu,
+           format_bytes(out.peaks[PEAK_TOTAL]).c_str(), reserved.c_str(), format_duration(eta_seconds).c_str(),
            out.skipped ? " | SKIPPED" : "");
   metrics.write_line(strprintf(
       "{\"kind\":\"step\",\"step\":%d,\"loss\":%s,\"lr\":%.9g,\"grad_norm\":%s,\"tokens_per_s\":%.6g,\"mfu\":%.6g,"
       "\"step_seconds\":%.6g,\"peak_mem_bytes\":%.0f,\"peak_mem\":%s,\"rss_growth_bytes\":%.0f,"
-      "\"comm_bytes\":%.0f,\"loss_scale\":%g,\"skipped\":%s}",
+      "\"comm_bytes\":%.0f,\"device_reserved_bytes\":%.0f,\"loss_scale\":%g,\"skipped\":%s}",
       step + 1, json_number(out.loss).c_str(), out.lr, json_number(out.grad_norm).c_str(), tokens_per_s, mfu,
       out.seconds, out.peaks[PEAK_TOTAL],
-      memory_json(out.peaks).c_str(), out.peaks[RSS_GROWTH], out.peaks[COMM_BYTES], out.loss_scale,
+      memory_json(out.peaks).c_str(), out.peaks[RSS_GROWTH], out.peaks[COMM_BYTES], out.peaks[DEVICE_RESERVED],
+      out.loss_scale,
       out.skipped ? "true" : "false"));
 }
 

@@ -32,6 +32,9 @@ class Device {
   virtual void zero(void* p, size_t bytes) = 0;
   // Returns when all work issued to the device so far has finished.
   virtual void synchronize() = 0;
+  // The most memory this device has held from its allocator at once (a GPU's caching allocator:
+  // what the card had to provide); 0 where nobody counts (the host).
+  virtual size_t peak_reserved_bytes() const { return 0; }
 };
 
 // The host: plain zeroed heap memory, memcpy.

@@ -53,7 +53,7 @@ class CudaDevice : public Device {
   size_t gemm_workspace_bytes() const { return workspace_bytes_; }
   // Bytes obtained from cudaMalloc and not returned (cached blocks included), and its peak.
   size_t reserved_bytes() const { return reserved_; }
-  size_t peak_reserved_bytes() const { return peak_reserved_; }
+  size_t peak_reserved_bytes() const override { return peak_reserved_; }
   // Device memory of the card, and free right now (cudaMemGetInfo).
   size_t total_memory() const;
   size_t free_memory() const;
