@@ -38,7 +38,7 @@ OPENBLAS_INC := /usr/include/x86_64-linux-gnu/openblas-openmp
 # Parallel HDF5 (Debian's Open MPI flavour, explicit: pkg-config's hdf5.pc is an alternatives link).
 HDF5_INC := /usr/include/hdf5/openmpi
 HDF5_LIB := /usr/lib/x86_64-linux-gnu/hdf5/openmpi
-CPPFLAGS := -Isrc -Itests -I$(OPENBLAS_INC) -I$(HDF5_INC) -DOMPI_SKIP_MPICXX=1
+CPPFLAGS := -I. -Isrc -Itests -I$(OPENBLAS_INC) -I$(HDF5_INC) -DOMPI_SKIP_MPICXX=1
 CXXFLAGS := -std=c++17 $(OPT) -g -fopenmp -Wall -Wextra -Wno-unused-parameter -MMD -MP
 LDFLAGS  := -fopenmp -L$(OPENBLAS_LIB) -Wl,-rpath,$(OPENBLAS_LIB) -L$(HDF5_LIB)
 LDLIBS   := -lopenblas -lhdf5 -lboost_program_options -lpthread
@@ -124,7 +124,7 @@ $(BUILD)/obj/%.o: %.cpp | $(DEPS_STAMP)
 $(BUILD)/obj/%.o: %.cu | $(DEPS_STAMP)
 	@mkdir -p $(@D)
 	@printf "  NVCC  %-40s\n" $<
-	@$(NVCC) $(filter-out -DOMPI_SKIP_MPICXX=1,$(CPPFLAGS)) $(NVCCFLAGS) -c $< -o $@
+	@$(NVCC) $(CPPFLAGS) $(shell $(MPICXX) --showme:incdirs 2>/dev/null | sed 's/[^ ]*/-I&/g') $(NVCCFLAGS) -c $< -o $@
 
 $(EXE): $(LIB_OBJS) $(MAIN_OBJ)
 	@printf "  LINK  %s\n" $@

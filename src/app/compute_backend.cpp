@@ -31,7 +31,15 @@ ComputeBackend::ComputeBackend(const std::string& device, const Runtime& rt) {
   SHARD_CHECK(device == "cuda", "unknown device '%s' (validated by the options)", device.c_str());
 #ifdef SHARDTRAIN_CUDA
   cuda_ = std::make_unique<Cuda>();
-  rt.agree_on([&] { cuda_->device = CudaDevice::open(rt.local_rank()); });
+  rt.agree_on([&] {
+    // Two ranks on one GPU would make NCCL fail at set-up with an internal error: say it first.
+    const int gpus = cuda_device_count();
+    if (gpus > 0 && rt.local_size() > gpus)
+      throw UsageError(strprintf("train.device=cuda: %d ranks on node %s but %d visible GPUs; start one rank per GPU "
+                                 "(mpirun -np / srun --ntasks-per-node, --gpus-per-task=1)",
+                                 rt.local_size(), rt.host().c_str(), gpus));
+    cuda_->device = CudaDevice::open(rt.local_rank());
+  });
   cuda_->pinned_host = make_pinned_host(*cuda_->device);
   cuda_->ops = make_cuda_layer_ops(*cuda_->device);
   cuda_->shard_ops = make_cuda_shard_ops(*cuda_->device);

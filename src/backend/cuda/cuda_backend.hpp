@@ -30,6 +30,8 @@ class Watchdog;
 
 // True when the CUDA runtime sees at least one GPU; `why` gets the reason when not.
 bool cuda_available(std::string* why);
+// GPUs this process can see (0 on any error).
+int cuda_device_count();
 
 class CudaDevice : public Device {
  public:
@@ -85,7 +87,8 @@ std::unique_ptr<ShardOps> make_cuda_shard_ops(CudaDevice& device);
 // broadcasts it, every rank calls ncclCommInitRank on device.ordinal(). Collectives run on a
 // communication stream that waits (cudaEvent) for the compute stream's work issued before the
 // call; blocking calls make the compute stream wait for the collective; started all-gathers are
-// joined by wait(handle). Spans are device memory. `watchdog` (may be null) bounds every wait:
+// joined by wait(handle). Spans are device memory, except that all_reduce_*, broadcast and barrier
+// also take host memory (then MPI carries them). `watchdog` (may be null) bounds every wait:
 // a collective that does not finish within its timeout, or an asynchronous NCCL error, aborts
 // the communicator and every rank with a message.
 std::unique_ptr<Comm> make_nccl_comm(MPI_Comm comm, CudaDevice& device, Watchdog* watchdog);

@@ -1,0 +1,210 @@
+// CudaDevice: one GPU per rank, its compute stream, the cuBLASLt handle and GEMM workspace, and a
+// caching allocator. Not the layer math (kernels/) and not communication (comm/cuda/).
+//
+// Ordering: everything this file queues (zero-fill, memset, copies) goes on the compute stream,
+// in issue order with the kernels; the host waits only where the Device contract needs a host
+// result (a copy into host memory) or asks for it (synchronize).
+//
+// The allocator keeps released blocks for reuse instead of returning them to the driver: cudaMalloc
+// and cudaFree cost tens of microseconds to milliseconds, and cudaFree synchronizes the whole
+// device. Requests are rounded up to a size class (512 B up to 1 MiB, 2 MiB above), and a request
+// takes the smallest cached block of at least its class that wastes at most 1/8 of it; blocks are
+// never split or merged. A block released to the cache may be handed out again at once: its old
+// and new users are both ordered on the compute stream, so the new user's work runs after the
+// old one's. Work on another stream (the NCCL stream) must be joined back into the compute
+// stream before its buffers are released, which comm/cuda/nccl_comm.cpp does. The allocator is
+// driven by one host thread and is not thread-safe.
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <unordered_map>
+
+#include "backend/cuda/cuda_backend.hpp"
+#include "backend/cuda/cuda_check.hpp"
+
+namespace shardtrain {
+namespace {
+
+constexpr size_t kSmallLimit = size_t{1} << 20;  // up to this, classes of 512 B
+constexpr size_t kSmallGranule = 512;
+constexpr size_t kLargeGranule = size_t{2} << 20;  // above, classes of 2 MiB
+constexpr size_t kGemmWorkspaceBytes = size_t{32} << 20;
+
+size_t round_up(size_t bytes, size_t granule) { return (bytes + granule - 1) / granule * granule; }
+size_t size_class(size_t bytes) {
+  return bytes <= kSmallLimit ? round_up(bytes, kSmallGranule) : round_up(bytes, kLargeGranule);
+}
+
+std::string human_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 6) bytes /= 1024, u++;
+  return strprintf(u == 0 ? "%.0f %s" : "%.1f %s", bytes, units[u]);
+}
+
+bool is_host_memory(const void* p) {
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
+    (void)cudaGetLastError();  // an unknown pointer is plain (pageable) host memory
+    return true;
+  }
+  return attributes.type == cudaMemoryTypeUnregistered || attributes.type == cudaMemoryTypeHost;
+}
+
+}  // namespace
+
+struct CudaDevice::Cache {
+  std::multimap<size_t, void*> free_blocks;  // cached: block bytes -> block
+  std::unordered_map<void*, size_t> in_use;  // handed out: block -> block bytes
+};
+
+int cuda_device_count() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return count;
+}
+
+bool cuda_available(std::string* why) {
+  int count = 0;
+  cudaError_t rc = cudaGetDeviceCount(&count);
+  if (rc != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (why) *why = strprintf("the CUDA runtime found no usable GPU: %s", cudaGetErrorString(rc));
+    return false;
+  }
+  if (count == 0) {
+    if (why) *why = "the CUDA runtime sees no GPU (check CUDA_VISIBLE_DEVICES and the job's GPU request)";
+    return false;
+  }
+  if (why) why->clear();
+  return true;
+}
+
+std::unique_ptr<CudaDevice> CudaDevice::open(int local_rank) {
+  std::string why;
+  if (!cuda_available(&why)) throw InputError(why + "; run on a GPU node, or use train.device=cpu");
+  int count = 0;
+  CUDA_CHECK(cudaGetDeviceCount(&count));
+  std::unique_ptr<CudaDevice> device(new CudaDevice());
+  device->ordinal_ = local_rank % count;
+  CUDA_CHECK(cudaSetDevice(device->ordinal_));
+  cudaDeviceProp properties{};
+  CUDA_CHECK(cudaGetDeviceProperties(&properties, device->ordinal_));
+  device->name_ = strprintf("cuda:%d %s", device->ordinal_, properties.name);
+  device->cache_ = std::make_unique<Cache>();
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  device->compute_ = stream;
+  cublasLtHandle_t handle = nullptr;
+  CUBLAS_CHECK(cublasLtCreate(&handle));
+  device->cublaslt_ = handle;
+  device->workspace_ = device->allocate(kGemmWorkspaceBytes);
+  device->workspace_bytes_ = kGemmWorkspaceBytes;
+  return device;
+}
+
+// Teardown is best effort and ignores errors: a broken context has already been reported by the
+// call that broke it, and a destructor must not turn an exit-2 unwinding into an abort.
+CudaDevice::~CudaDevice() {
+  if (compute_) (void)cudaStreamSynchronize(compute_);
+  if (cache_) {
+    for (auto& block : cache_->free_blocks) (void)cudaFree(block.second);
+    // Blocks still handed out (the workspace, arrays that outlive the device) die with it.
+    for (auto& block : cache_->in_use) (void)cudaFree(block.first);
+  }
+  if (cublaslt_) (void)cublasLtDestroy(cublaslt_);
+  if (compute_) (void)cudaStreamDestroy(compute_);
+}
+
+void* CudaDevice::allocate(size_t bytes) {
+  if (bytes == 0) return nullptr;
+  const size_t request = bytes > SIZE_MAX - kLargeGranule ? SIZE_MAX : size_class(bytes);
+  void* p = nullptr;
+  size_t block_bytes = 0;
+  auto fit = cache_->free_blocks.lower_bound(request);
+  if (fit != cache_->free_blocks.end() && fit->first - request <= request / 8) {
+    p = fit->second;
+    block_bytes = fit->first;
+    cache_->free_blocks.erase(fit);
+  } else {
+    cudaError_t rc = request == SIZE_MAX ? cudaErrorMemoryAllocation : cudaMalloc(&p, request);
+    if (rc == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();  // not sticky, but it would stay the "last error" for the next launch check
+      empty_cache();
+      rc = request == SIZE_MAX ? cudaErrorMemoryAllocation : cudaMalloc(&p, request);
+      if (rc == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();
+        throw InputError(strprintf(
+            "out of GPU memory on %s: allocating %zu bytes (%s) failed with %s reserved by this rank, %s free "
+            "of %s; use a smaller train.micro_batch, fsdp.activation_checkpointing=true, "
+            "fsdp.sharding_strategy=FULL_SHARD or fsdp.cpu_offload=true ('shardtrain plan' lists what fits)",
+            name_.c_str(), bytes, human_bytes(static_cast<double>(bytes)).c_str(),
+            human_bytes(static_cast<double>(reserved_)).c_str(),
+            human_bytes(static_cast<double>(free_memory())).c_str(),
+            human_bytes(static_cast<double>(total_memory())).c_str()));
+      }
+    }
+    CUDA_CHECK(rc);
+    block_bytes = request;
+    reserved_ += block_bytes;
+    peak_reserved_ = std::max(peak_reserved_, reserved_);
+  }
+  cache_->in_use.emplace(p, block_bytes);
+  CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, compute_));
+  return p;
+}
+
+void CudaDevice::release(void* p, size_t bytes) {
+  if (!p) return;
+  auto block = cache_->in_use.find(p);
+  SHARD_CHECK(block != cache_->in_use.end(), "release of %zu bytes at %p, which %s did not allocate", bytes, p,
+              name_.c_str());
+  SHARD_CHECK(bytes <= block->second, "release of %zu bytes at %p, a block of %zu bytes", bytes, p, block->second);
+  cache_->free_blocks.emplace(block->second, p);
+  cache_->in_use.erase(block);
+}
+
+void CudaDevice::empty_cache() {
+  if (cache_->free_blocks.empty()) return;
+  // cudaFree waits for the device anyway; cached blocks may still be read by queued work.
+  CUDA_CHECK(cudaStreamSynchronize(compute_));
+  for (auto& block : cache_->free_blocks) {
+    CUDA_CHECK(cudaFree(block.second));
+    reserved_ -= block.first;
+  }
+  cache_->free_blocks.clear();
+}
+
+void CudaDevice::copy(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, compute_));
+  // Into host memory (pageable or page-locked) the caller reads the bytes next: wait for them.
+  // From host memory the call may return before the transfer ends, as the Device contract
+  // allows: the runtime stages a pageable source before returning, and a page-locked source
+  // stays untouched until the stream gets there (backend/cuda/pinned_host.cpp waits first).
+  if (is_host_memory(dst)) CUDA_CHECK(cudaStreamSynchronize(compute_));
+}
+
+void CudaDevice::zero(void* p, size_t bytes) {
+  if (bytes == 0) return;
+  CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, compute_));
+}
+
+void CudaDevice::synchronize() { CUDA_CHECK(cudaStreamSynchronize(compute_)); }
+
+size_t CudaDevice::total_memory() const {
+  size_t free_bytes = 0, total_bytes = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  return total_bytes;
+}
+
+size_t CudaDevice::free_memory() const {
+  size_t free_bytes = 0, total_bytes = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  return free_bytes;
+}
+
+}  // namespace shardtrain
