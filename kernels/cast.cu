@@ -1,0 +1,55 @@
+// fp32 <-> 16-bit conversions of the FSDP engine's wire and parameter formats (bf16 or fp16), with
+// backend/dtype.hpp's float_to_half / half_to_float: the same integer code as the CPU, so the
+// results are bit-identical to it, NaN payloads and subnormals included (round to nearest even).
+// Grid-stride loops with size_t indices; 16-bit elements are read and written one per thread
+// (the conversion is integer work and the kernels are bandwidth-bound either way).
+#include "common.cuh"
+
+namespace shardtrain::kernels {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <DType kType>
+__global__ void to_half_kernel(uint16_t* out, const float* in, size_t n) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    out[i] = float_to_half(in[i], kType);
+}
+
+template <DType kType>
+__global__ void from_half_kernel(float* out, const uint16_t* in, size_t n) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    out[i] = half_to_float(in[i], kType);
+}
+
+void check_half_type(DType type) {
+  SHARD_CHECK(type == DTYPE_BF16 || type == DTYPE_FP16, "16-bit conversion to %s", dtype_name(type));
+}
+
+}  // namespace
+
+void launch_to_half(uint16_t* out, const float* in, size_t n, DType type, const LaunchContext& ctx) {
+  check_half_type(type);
+  if (n == 0) return;
+  const unsigned grid = grid_for(n, kThreads, ctx);
+  if (type == DTYPE_BF16)
+    to_half_kernel<DTYPE_BF16><<<grid, kThreads, 0, ctx.stream>>>(out, in, n);
+  else
+    to_half_kernel<DTYPE_FP16><<<grid, kThreads, 0, ctx.stream>>>(out, in, n);
+  CUDA_CHECK_LAUNCH();
+}
+
+void launch_from_half(float* out, const uint16_t* in, size_t n, DType type, const LaunchContext& ctx) {
+  check_half_type(type);
+  if (n == 0) return;
+  const unsigned grid = grid_for(n, kThreads, ctx);
+  if (type == DTYPE_BF16)
+    from_half_kernel<DTYPE_BF16><<<grid, kThreads, 0, ctx.stream>>>(out, in, n);
+  else
+    from_half_kernel<DTYPE_FP16><<<grid, kThreads, 0, ctx.stream>>>(out, in, n);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace shardtrain::kernels

@@ -1,0 +1,177 @@
+// Device-side helpers shared by the kernels of kernels/*.cu: grid sizing, warp and block
+// reductions with a fixed tree (deterministic: the same inputs give the same bits on every run),
+// the deterministic two-stage column sum used by the bias and LayerNorm parameter gradients, and
+// the carving of one workspace into aligned sub-buffers. CUDA syntax; include only from .cu files.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "backend/cuda/cuda_check.hpp"
+#include "launch.hpp"
+
+namespace shardtrain::kernels {
+
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xFFFFFFFFu;
+
+inline size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
+
+// Blocks for a grid-stride loop over `work` items with `threads` per block: enough to fill every
+// SM (`blocks_per_sm` resident blocks each), never more than the work needs.
+inline unsigned grid_for(size_t work, int threads, const LaunchContext& ctx, int blocks_per_sm = 8) {
+  const size_t needed = std::max<size_t>(1, ceil_div(work, static_cast<size_t>(threads)));
+  const size_t fill = static_cast<size_t>(std::max(1, ctx.sm_count)) * blocks_per_sm;
+  return static_cast<unsigned>(std::min(needed, fill));
+}
+
+// True when every pointer given is 16-byte aligned (float4 loads and stores are legal).
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+template <typename... P>
+bool all_aligned16(const P*... p) {
+  return (aligned16(p) && ...);
+}
+
+// Sub-buffers of one workspace, each 256-byte aligned. With base == nullptr it only counts, so
+// one function both sizes a workspace and carves it: take() in the same order both times.
+class WorkspaceCarver {
+ public:
+  explicit WorkspaceCarver(void* base) : base_(static_cast<char*>(base)) {}
+  template <typename T>
+  T* take(size_t count) {
+    offset_ = (offset_ + 255) / 256 * 256;
+    T* p = base_ ? reinterpret_cast<T*>(base_ + offset_) : nullptr;
+    offset_ += count * sizeof(T);
+    return p;
+  }
+  size_t bytes() const { return offset_; }
+
+ private:
+  char* base_;
+  size_t offset_ = 0;
+};
+
+// ---- warp and block reductions (fixed shuffle trees) ----------------------------------------------
+template <typename T>
+__device__ inline T warp_sum(T v) {
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
+  return v;
+}
+
+__device__ inline float warp_max(float v) {
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
+  return v;
+}
+
+// Sum over the block, returned to every thread. blockDim.x must be a multiple of 32 (<= 1024);
+// `shared` holds 32 elements. Safe to call repeatedly with the same `shared`.
+template <typename T>
+__device__ inline T block_sum(T v, T* shared) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int warps = blockDim.x / kWarpSize;
+  v = warp_sum(v);
+  __syncthreads();  // the previous call's readers are done with `shared`
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  v = lane < warps ? shared[lane] : T(0);
+  return warp_sum(v);
+}
+
+__device__ inline float block_max(float v, float* shared) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int warps = blockDim.x / kWarpSize;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  v = lane < warps ? shared[lane] : -INFINITY;
+  return warp_max(v);
+}
+
+// ---- deterministic column sums --------------------------------------------------------------------
+// Sums over the N rows of kSums functions term(n, c, out[kSums]) of an (N, C) grid, added (+=) into
+// targets[s][c]. Stage 1: rows are cut into fixed chunks (a function of N only); a block of
+// 32 columns x 8 row-lanes sums one chunk, each lane over every 8th row, then the 8 lanes in order,
+// into partial[s][chunk][c]. Stage 2: one thread per column adds the chunks in order and then
+// the total to the target. No atomics: the same inputs give the same bits on every run.
+constexpr int kColumnSumRowLanes = 8;
+constexpr int kColumnSumMaxChunks = 256;
+constexpr int kColumnSumMinRows = 32;
+
+struct ColumnChunks {
+  int rows_per_chunk;
+  int chunks;
+};
+
+inline ColumnChunks column_chunks(int N) {
+  int rows = std::max(kColumnSumMinRows, static_cast<int>(ceil_div(static_cast<size_t>(N), kColumnSumMaxChunks)));
+  return {rows, std::max(1, static_cast<int>(ceil_div(static_cast<size_t>(N), static_cast<size_t>(rows))))};
+}
+
+// Floats of `partial` for column_sums_accumulate.
+inline size_t column_sums_partial_floats(int kSums, int N, int C) {
+  return static_cast<size_t>(kSums) * column_chunks(N).chunks * static_cast<size_t>(C);
+}
+
+template <int kSums, typename Term>
+__global__ void column_partial_sums_kernel(float* partial, int N, int C, int rows_per_chunk, Term term) {
+  __shared__ float lanes[kSums][kColumnSumRowLanes][kWarpSize];
+  const int c = blockIdx.x * kWarpSize + threadIdx.x;
+  const int chunk = blockIdx.y;
+  const int lo = chunk * rows_per_chunk, hi = min(N, lo + rows_per_chunk);
+  float acc[kSums];
+  for (int s = 0; s < kSums; s++) acc[s] = 0.0f;
+  if (c < C) {
+    for (int n = lo + threadIdx.y; n < hi; n += kColumnSumRowLanes) {
+      float t[kSums];
+      term(n, c, t);
+      for (int s = 0; s < kSums; s++) acc[s] += t[s];
+    }
+  }
+  for (int s = 0; s < kSums; s++) lanes[s][threadIdx.y][threadIdx.x] = acc[s];
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    for (int s = 0; s < kSums; s++) {
+      float total = 0.0f;
+      for (int lane = 0; lane < kColumnSumRowLanes; lane++) total += lanes[s][lane][threadIdx.x];
+      partial[(static_cast<size_t>(s) * gridDim.y + chunk) * C + c] = total;
+    }
+  }
+}
+
+struct ColumnTargets {
+  float* target[2];
+};
+
+template <int kSums>
+__global__ void column_sums_finish_kernel(ColumnTargets targets, const float* partial, int chunks, int C) {
+  for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += gridDim.x * blockDim.x) {
+    for (int s = 0; s < kSums; s++) {
+      float total = 0.0f;
+      for (int chunk = 0; chunk < chunks; chunk++) total += partial[(static_cast<size_t>(s) * chunks + chunk) * C + c];
+      targets.target[s][c] += total;
+    }
+  }
+}
+
+// Host half: targets[s][c] += sum over n of term(n, c)[s]. `partial`: column_sums_partial_floats().
+template <int kSums, typename Term>
+void column_sums_accumulate(ColumnTargets targets, float* partial, int N, int C, Term term, const LaunchContext& ctx) {
+  static_assert(kSums >= 1 && kSums <= 2, "at most two column sums at once");
+  if (N <= 0 || C <= 0) return;
+  const ColumnChunks ch = column_chunks(N);
+  const dim3 block(kWarpSize, kColumnSumRowLanes);
+  const dim3 grid(static_cast<unsigned>(ceil_div(static_cast<size_t>(C), kWarpSize)), static_cast<unsigned>(ch.chunks));
+  column_partial_sums_kernel<kSums><<<grid, block, 0, ctx.stream>>>(partial, N, C, ch.rows_per_chunk, term);
+  CUDA_CHECK_LAUNCH();
+  const int threads = 256;
+  column_sums_finish_kernel<kSums>
+      <<<static_cast<unsigned>(ceil_div(static_cast<size_t>(C), threads)), threads, 0, ctx.stream>>>(
+          targets, partial, ch.chunks, C);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace shardtrain::kernels

@@ -1,0 +1,167 @@
+// LayerOps<float> and ShardOps on a CudaDevice (backend/cuda/cuda_backend.hpp): each method
+// forwards to its launcher in kernels/launch.hpp on the device's compute stream, with the
+// device's cuBLASLt handle and GEMM workspace. The semantics are backend/cpu/ops.hpp's.
+//
+// Temporary device memory (attention's head-major copies, the encoder's sort, the two-stage
+// column sums) comes from one workspace owned by the ops object, allocated from the device's
+// caching allocator on first need and grown to the largest request so far. Reusing it across
+// ops is safe because everything runs in order on the compute stream; growing it releases the
+// old block to the allocator, whose reuse is ordered on that same stream (cuda_device.cpp).
+// The reductions use a fixed device scratch and a pinned host word, and are the only methods
+// that wait for the stream. An ops object must be destroyed before its device.
+#include <memory>
+
+#include "backend/cuda/cuda_backend.hpp"
+#include "common.cuh"
+
+namespace shardtrain {
+namespace {
+
+using kernels::GemmContext;
+using kernels::LaunchContext;
+
+LaunchContext launch_context(CudaDevice& device) {
+  LaunchContext ctx;
+  ctx.stream = device.compute_stream();
+  CUDA_CHECK(cudaDeviceGetAttribute(&ctx.sm_count, cudaDevAttrMultiProcessorCount, device.ordinal()));
+  return ctx;
+}
+
+class CudaLayerOps final : public LayerOps<float> {
+ public:
+  explicit CudaLayerOps(CudaDevice& device) : device_(device) {
+    gemm_.launch = launch_context(device);
+    gemm_.handle = device.cublaslt();
+    gemm_.workspace = device.gemm_workspace();
+    gemm_.workspace_bytes = device.gemm_workspace_bytes();
+    reduce_scratch_ = device_.allocate(kernels::reduce_scratch_bytes());
+    CUDA_CHECK(cudaMallocHost(&host_result_, sizeof(double)));
+  }
+  ~CudaLayerOps() override {
+    // Best effort, as CudaDevice's own teardown: queued work may still read the workspace.
+    (void)cudaStreamSynchronize(gemm_.launch.stream);
+    if (workspace_) device_.release(workspace_, workspace_bytes_);
+    device_.release(reduce_scratch_, kernels::reduce_scratch_bytes());
+    if (host_result_) (void)cudaFreeHost(host_result_);
+  }
+  CudaLayerOps(const CudaLayerOps&) = delete;
+  CudaLayerOps& operator=(const CudaLayerOps&) = delete;
+
+  Device& device() const override { return device_; }
+
+  void encoder_forward(float* out, const int* tokens, const float* wte, const float* wpe, int B, int T,
+                       int C) const override {
+    kernels::launch_encoder_forward(out, tokens, wte, wpe, B, T, C, launch());
+  }
+  void encoder_backward(float* dwte, float* dwpe, const float* dout, const int* tokens, int B, int T,
+                        int C) const override {
+    void* ws = workspace(kernels::encoder_backward_workspace_bytes(B, T));
+    kernels::launch_encoder_backward(dwte, dwpe, dout, tokens, B, T, C, ws, launch());
+  }
+  void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                         const float* bias, int N, int C) const override {
+    kernels::launch_layernorm_forward(out, mean, rstd, inp, weight, bias, N, C, launch());
+  }
+  void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                          const float* weight, const float* mean, const float* rstd, int N, int C) const override {
+    void* ws = workspace(kernels::layernorm_backward_workspace_bytes(N, C));
+    kernels::launch_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, ws, launch());
+  }
+  void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
+                      int OC) const override {
+    kernels::launch_matmul_forward(out, inp, weight, bias, N, C, OC, gemm_);
+  }
+  void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                       const float* weight, int N, int C, int OC) const override {
+    void* ws = dbias ? workspace(kernels::matmul_backward_workspace_bytes(N, OC)) : nullptr;
+    kernels::launch_matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, ws, gemm_);
+  }
+  void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) const override {
+    void* ws = workspace(kernels::attention_workspace_bytes(B, T, C));
+    kernels::launch_attention_forward(out, att, qkv, B, T, C, NH, ws, gemm_);
+  }
+  void attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv, const float* att, int B,
+                          int T, int C, int NH) const override {
+    void* ws = workspace(kernels::attention_workspace_bytes(B, T, C));
+    kernels::launch_attention_backward(dqkv, scratch, dout, qkv, att, B, T, C, NH, ws, gemm_);
+  }
+  void gelu_forward(float* out, const float* inp, size_t n) const override {
+    kernels::launch_gelu_forward(out, inp, n, launch());
+  }
+  void gelu_backward(float* dinp, const float* dout, const float* inp, size_t n) const override {
+    kernels::launch_gelu_backward(dinp, dout, inp, n, launch());
+  }
+  void residual_forward(float* out, const float* a, const float* b, size_t n) const override {
+    kernels::launch_residual_forward(out, a, b, n, launch());
+  }
+  void softmax_crossentropy_forward(float* losses, float* logits_to_probs, const int* targets, int N,
+                                    int V) const override {
+    kernels::launch_softmax_crossentropy_forward(losses, logits_to_probs, targets, N, V, launch());
+  }
+  void softmax_crossentropy_backward(float* probs_to_dlogits, const int* targets, float dloss, int N,
+                                     int V) const override {
+    kernels::launch_softmax_crossentropy_backward(probs_to_dlogits, targets, dloss, N, V, launch());
+  }
+
+  double sum(const float* x, size_t n) const override {
+    return kernels::reduce_sum(x, n, reduce_scratch_, host_result_, launch());
+  }
+  double sum_squares(const float* x, size_t n) const override {
+    return kernels::reduce_sum_squares(x, n, reduce_scratch_, host_result_, launch());
+  }
+  size_t count_nonfinite(const float* x, size_t n) const override {
+    return kernels::reduce_count_nonfinite(x, n, reduce_scratch_, host_result_, launch());
+  }
+  void scale(float* x, size_t n, float s) const override { kernels::launch_scale(x, n, s, launch()); }
+
+ private:
+  const LaunchContext& launch() const { return gemm_.launch; }
+
+  // At least `bytes` of device memory, valid until the next call (stream-ordered reuse).
+  void* workspace(size_t bytes) const {
+    if (bytes > workspace_bytes_) {
+      if (workspace_) device_.release(workspace_, workspace_bytes_);
+      workspace_ = nullptr;
+      workspace_bytes_ = 0;
+      workspace_ = device_.allocate(bytes);
+      workspace_bytes_ = bytes;
+    }
+    return workspace_;
+  }
+
+  CudaDevice& device_;
+  GemmContext gemm_;
+  void* reduce_scratch_ = nullptr;
+  void* host_result_ = nullptr;
+  mutable void* workspace_ = nullptr;
+  mutable size_t workspace_bytes_ = 0;
+};
+
+class CudaShardOps final : public ShardOps {
+ public:
+  explicit CudaShardOps(CudaDevice& device) : launch_(launch_context(device)) {}
+
+  void to_half(uint16_t* out, const float* in, size_t n, DType type) const override {
+    kernels::launch_to_half(out, in, n, type, launch_);
+  }
+  void from_half(float* out, const uint16_t* in, size_t n, DType type) const override {
+    kernels::launch_from_half(out, in, n, type, launch_);
+  }
+  void adamw(float* param, float* m, float* v, const float* grad, size_t n, float grad_multiplier, float decay,
+             const AdamWStep& step) const override {
+    kernels::launch_adamw(param, m, v, grad, n, grad_multiplier, decay, step, launch_);
+  }
+
+ private:
+  LaunchContext launch_;
+};
+
+}  // namespace
+
+std::unique_ptr<LayerOps<float>> make_cuda_layer_ops(CudaDevice& device) {
+  return std::make_unique<CudaLayerOps>(device);
+}
+
+std::unique_ptr<ShardOps> make_cuda_shard_ops(CudaDevice& device) { return std::make_unique<CudaShardOps>(device); }
+
+}  // namespace shardtrain

@@ -1,0 +1,107 @@
+// The launchers of the CUDA backend's kernels (kernels/*.cu), as plain C++: no CUDA syntax, only
+// the runtime's and cuBLASLt's C types, so a host-only translation unit could include it too.
+// kernels/cuda_ops.cu is the one user: it implements LayerOps<float> and ShardOps
+// (backend/layer_ops.hpp) with these calls.
+//
+// Every launcher has the semantics, argument order and accumulation rule of the CPU function of
+// the same name in backend/cpu/ops.hpp (parameter gradients +=, activation gradients =, except
+// layernorm_backward's dinp, +=). It validates its dimensions (SHARD_CHECK), queues its work on
+// ctx.stream and returns without waiting; only the reductions returning a host value wait.
+// Launchers that need temporary device memory take a `workspace` of at least the bytes that
+// their *_workspace_bytes() function gives for the same dimensions; the caller owns it and may
+// reuse it for the next launch on the same stream.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "backend/dtype.hpp"
+#include "backend/math.hpp"
+
+namespace shardtrain::kernels {
+
+// Where kernels run: the stream, and the SM count that sizes grid-stride grids.
+struct LaunchContext {
+  cudaStream_t stream = nullptr;
+  int sm_count = 1;
+};
+
+// What GEMMs need besides the stream: the cuBLASLt handle and its workspace.
+struct GemmContext {
+  LaunchContext launch;
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+// ---- GEMM (matmul.cu) ------------------------------------------------------------------------------
+// Row-major C(M,N) = alpha * op(A) @ op(B) + beta * C, as backend/cpu/gemm.hpp's gemm(): op(A) is
+// (M,K), stored (M,K) with leading dimension lda, or (K,M) when trans_a. `batch` matrices at
+// element strides stride_a/b/c (batch 1: strides unused). bias (length N, may be null) is added to
+// every row of the result (cuBLASLt's bias epilogue, or a fill + beta = 1 where the epilogue has
+// no kernel for the operands' alignment); beta must be 0 with a bias. fp32 in, fp32 out,
+// CUBLAS_COMPUTE_32F: exact fp32 arithmetic, no TF32.
+void gemm_row_major(const GemmContext& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha,
+                    const float* A, int lda, long long stride_a, const float* B, int ldb, long long stride_b, float beta,
+                    float* C, int ldc, long long stride_c, int batch, const float* bias);
+// The same with bf16 A and B (raw bits, backend/dtype.hpp's float_to_bf16), fp32 C, fp32
+// accumulation; no bias. For mixed-precision paths; not used by LayerOps<float>.
+void gemm_row_major_bf16(const GemmContext& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha,
+                         const uint16_t* A, int lda, long long stride_a, const uint16_t* B, int ldb, long long stride_b,
+                         float beta, float* C, int ldc, long long stride_c, int batch);
+
+// ---- layers ----------------------------------------------------------------------------------------
+void launch_encoder_forward(float* out, const int* tokens, const float* wte, const float* wpe, int B, int T, int C,
+                            const LaunchContext& ctx);
+size_t encoder_backward_workspace_bytes(int B, int T);
+void launch_encoder_backward(float* dwte, float* dwpe, const float* dout, const int* tokens, int B, int T, int C,
+                             void* workspace, const LaunchContext& ctx);
+
+void launch_layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                              const float* bias, int N, int C, const LaunchContext& ctx);
+size_t layernorm_backward_workspace_bytes(int N, int C);
+void launch_layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                               const float* weight, const float* mean, const float* rstd, int N, int C,
+                               void* workspace, const LaunchContext& ctx);
+
+void launch_matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC,
+                           const GemmContext& ctx);
+size_t matmul_backward_workspace_bytes(int N, int OC);
+void launch_matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                            const float* weight, int N, int C, int OC, void* workspace, const GemmContext& ctx);
+
+size_t attention_workspace_bytes(int B, int T, int C);
+void launch_attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH, void* workspace,
+                              const GemmContext& ctx);
+void launch_attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv, const float* att,
+                               int B, int T, int C, int NH, void* workspace, const GemmContext& ctx);
+
+void launch_gelu_forward(float* out, const float* inp, size_t n, const LaunchContext& ctx);
+void launch_gelu_backward(float* dinp, const float* dout, const float* inp, size_t n, const LaunchContext& ctx);
+void launch_residual_forward(float* out, const float* a, const float* b, size_t n, const LaunchContext& ctx);
+// x *= s
+void launch_scale(float* x, size_t n, float s, const LaunchContext& ctx);
+
+void launch_softmax_crossentropy_forward(float* losses, float* logits_to_probs, const int* targets, int N, int V,
+                                         const LaunchContext& ctx);
+void launch_softmax_crossentropy_backward(float* probs_to_dlogits, const int* targets, float dloss, int N, int V,
+                                          const LaunchContext& ctx);
+
+// ---- reductions to the host (reduce.cu) --------------------------------------------------------------
+// `scratch`: reduce_scratch_bytes() of device memory; `host_result`: 8 bytes of (preferably pinned)
+// host memory. Both belong to the caller; the launcher waits for the stream and returns the value.
+size_t reduce_scratch_bytes();
+double reduce_sum(const float* x, size_t n, void* scratch, void* host_result, const LaunchContext& ctx);
+double reduce_sum_squares(const float* x, size_t n, void* scratch, void* host_result, const LaunchContext& ctx);
+size_t reduce_count_nonfinite(const float* x, size_t n, void* scratch, void* host_result, const LaunchContext& ctx);
+
+// ---- shard work (cast.cu, adamw.cu) ----------------------------------------------------------------
+void launch_to_half(uint16_t* out, const float* in, size_t n, DType type, const LaunchContext& ctx);
+void launch_from_half(float* out, const uint16_t* in, size_t n, DType type, const LaunchContext& ctx);
+void launch_adamw(float* param, float* m, float* v, const float* grad, size_t n, float grad_multiplier, float decay,
+                  const AdamWStep& step, const LaunchContext& ctx);
+
+}  // namespace shardtrain::kernels

@@ -1,0 +1,113 @@
+// LayerNorm over the last dimension on the GPU, GPT-2 style (eps 1e-5, biased variance), with the
+// shapes and accumulation rule of backend/cpu/layernorm.cpp: out(N,C), saved mean(N) and rstd(N);
+// the backward accumulates dinp(N,C) += (it adds onto the residual-stream gradient), dweight(C)
+// += and dbias(C) +=.
+//
+// Forward and the backward's dinp: one warp per row (8 rows per 256-thread block); each lane
+// strides over the row, the warp sums with a fixed shuffle tree. The variance is two-pass (sum of
+// squared deviations from the mean), as on the CPU, so a large mean costs no digits. fp32
+// throughout; the per-row sums are reassociated (32 lane partials), so results differ from the
+// CPU's sequential sums in the last bits only.
+// dweight/dbias: column sums over rows with the deterministic two-stage reduction of common.cuh
+// (fixed row chunks, then chunks in order), no atomics.
+#include "common.cuh"
+
+namespace shardtrain::kernels {
+namespace {
+
+constexpr float kLayerNormEps = 1e-5f;
+constexpr int kRowsPerBlock = 8;
+
+__global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                                         const float* bias, int N, int C) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarpSize;
+  if (row >= N) return;
+  const float* x = inp + static_cast<size_t>(row) * C;
+  float* y = out + static_cast<size_t>(row) * C;
+  float sum = 0.0f;
+  for (int i = lane; i < C; i += kWarpSize) sum += x[i];
+  const float m = warp_sum(sum) / C;
+  float var = 0.0f;
+  for (int i = lane; i < C; i += kWarpSize) {
+    const float d = x[i] - m;
+    var += d * d;
+  }
+  const float s = 1.0f / sqrtf(warp_sum(var) / C + kLayerNormEps);
+  for (int i = lane; i < C; i += kWarpSize) y[i] = (x[i] - m) * s * weight[i] + bias[i];
+  if (lane == 0) {
+    mean[row] = m;
+    rstd[row] = s;
+  }
+}
+
+// dinp += rstd * (g - mean(g) - norm * mean(g * norm)), g = dout * weight, norm = (x - mean) * rstd.
+__global__ void layernorm_backward_dinp_kernel(float* dinp, const float* dout, const float* inp, const float* weight,
+                                               const float* mean, const float* rstd, int N, int C) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarpSize;
+  if (row >= N) return;
+  const size_t offset = static_cast<size_t>(row) * C;
+  const float* x = inp + offset;
+  const float* dy = dout + offset;
+  float* dx = dinp + offset;
+  const float m = mean[row], s = rstd[row];
+  float g_mean = 0.0f, g_norm_mean = 0.0f;
+  for (int i = lane; i < C; i += kWarpSize) {
+    const float g = dy[i] * weight[i];
+    g_mean += g;
+    g_norm_mean += g * (x[i] - m) * s;
+  }
+  g_mean = warp_sum(g_mean) / C;
+  g_norm_mean = warp_sum(g_norm_mean) / C;
+  for (int i = lane; i < C; i += kWarpSize) {
+    const float norm = (x[i] - m) * s;
+    dx[i] += s * (dy[i] * weight[i] - g_mean - norm * g_norm_mean);
+  }
+}
+
+// Row n, column c of the parameter gradients: {dweight term, dbias term}.
+struct LayerNormParamTerms {
+  const float* dout;
+  const float* inp;
+  const float* mean;
+  const float* rstd;
+  int C;
+  __device__ void operator()(int n, int c, float* t) const {
+    const size_t i = static_cast<size_t>(n) * C + c;
+    const float dy = dout[i];
+    t[0] = (inp[i] - mean[n]) * rstd[n] * dy;
+    t[1] = dy;
+  }
+};
+
+unsigned row_blocks(int N) { return static_cast<unsigned>(ceil_div(static_cast<size_t>(N), kRowsPerBlock)); }
+
+}  // namespace
+
+void launch_layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                              const float* bias, int N, int C, const LaunchContext& ctx) {
+  SHARD_CHECK(N >= 0 && C > 0, "layernorm_forward: N=%d C=%d", N, C);
+  if (N == 0) return;
+  layernorm_forward_kernel<<<row_blocks(N), kRowsPerBlock * kWarpSize, 0, ctx.stream>>>(out, mean, rstd, inp, weight,
+                                                                                        bias, N, C);
+  CUDA_CHECK_LAUNCH();
+}
+
+size_t layernorm_backward_workspace_bytes(int N, int C) {
+  return column_sums_partial_floats(2, std::max(N, 1), std::max(C, 1)) * sizeof(float);
+}
+
+void launch_layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                               const float* weight, const float* mean, const float* rstd, int N, int C,
+                               void* workspace, const LaunchContext& ctx) {
+  SHARD_CHECK(N >= 0 && C > 0, "layernorm_backward: N=%d C=%d", N, C);
+  if (N == 0) return;
+  layernorm_backward_dinp_kernel<<<row_blocks(N), kRowsPerBlock * kWarpSize, 0, ctx.stream>>>(dinp, dout, inp, weight,
+                                                                                              mean, rstd, N, C);
+  CUDA_CHECK_LAUNCH();
+  column_sums_accumulate<2>(ColumnTargets{{dweight, dbias}}, static_cast<float*>(workspace), N, C,
+                            LayerNormParamTerms{dout, inp, mean, rstd, C}, ctx);
+}
+
+}  // namespace shardtrain::kernels

@@ -1,0 +1,200 @@
+// Linear layers and every other GEMM of the CUDA backend, through cuBLASLt.
+//
+// Row-major to column-major: cuBLASLt is column-major, and a row-major (R,C) matrix with leading
+// dimension ld is the column-major (C,R) matrix with the same ld. So row-major C = op(A) op(B) is
+// column-major C^T = op(B)^T op(A)^T: gemm_row_major() calls the column-major GEMM with A and B
+// swapped, M and N swapped and the transpose flags kept. Callers then write exactly the calls of
+// backend/cpu/gemm.hpp's gemm(): matmul and attention read like their CPU versions.
+//
+// Precision: fp32 operands, fp32 output, CUBLAS_COMPUTE_32F (true fp32 FMAs, no TF32) so that the
+// GPU matches the CPU to fp32 reassociation error. A TF32 path would pass
+// CUBLAS_COMPUTE_32F_FAST_TF32 here; a bf16 path uses gemm_row_major_bf16 (bf16 A/B, fp32
+// accumulate and output).
+//
+// Alignment: cuBLASLt's heuristic assumes 256-byte aligned operands unless told otherwise, and a
+// kernel picked under that assumption fails or misreads on less aligned pointers (views into flat
+// buffers, test buffers with guard zones). Every call passes the true alignment of A, B, C and D
+// (of the base pointer and of every batch stride) as the minimum-alignment preferences. The bias
+// epilogue is used only for a 16-byte aligned bias (the epilogue kernels need it); otherwise the
+// bias is written into C first and the GEMM accumulates onto it with beta = 1, as the CPU does.
+// The heuristic's choice is a function of shapes and alignments, so a run with the same buffers
+// gets the same kernels and the same bits.
+//
+// The backward's bias gradient is a deterministic two-stage column sum (common.cuh), no atomics.
+#include <algorithm>
+
+#include "common.cuh"
+
+namespace shardtrain::kernels {
+namespace {
+
+// Largest power of two up to 256 dividing the address and every batch offset in bytes.
+uint32_t alignment_bytes(const void* p, long long stride_bytes) {
+  const uintptr_t bits = reinterpret_cast<uintptr_t>(p) | static_cast<uintptr_t>(stride_bytes) | uintptr_t{256};
+  return static_cast<uint32_t>(bits & (~bits + 1));  // lowest set bit
+}
+
+template <typename T>
+void set_desc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute, const T& value) {
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof value));
+}
+template <typename T>
+void set_layout(cublasLtMatrixLayout_t layout, cublasLtMatrixLayoutAttribute_t attribute, const T& value) {
+  CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, attribute, &value, sizeof value));
+}
+template <typename T>
+void set_preference(cublasLtMatmulPreference_t preference, cublasLtMatmulPreferenceAttributes_t attribute,
+                    const T& value) {
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, attribute, &value, sizeof value));
+}
+
+// A (rows x cols) column-major layout with leading dimension ld, `batch` matrices `stride` apart.
+cublasLtMatrixLayout_t make_layout(cudaDataType_t type, int rows, int cols, int ld, long long stride, int batch) {
+  cublasLtMatrixLayout_t layout = nullptr;
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout, type, static_cast<uint64_t>(rows), static_cast<uint64_t>(cols),
+                                          static_cast<int64_t>(ld)));
+  if (batch > 1) {
+    set_layout(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, static_cast<int32_t>(batch));
+    set_layout(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, static_cast<int64_t>(stride));
+  }
+  return layout;
+}
+
+size_t type_bytes(cudaDataType_t type) { return type == CUDA_R_32F ? 4 : 2; }
+
+// Column-major D = alpha op(A) op(B) + beta C (+ bias per row of D) with D == C: the one place that
+// talks to cuBLASLt. op(A) is (m,k), op(B) is (k,n), C is (m,n). Returns false only when
+// cuBLASLt has no kernel for the combination (the caller may retry differently).
+bool try_gemm_col_major(const GemmContext& ctx, bool trans_a, bool trans_b, int m, int n, int k, float alpha,
+                        const void* A, cudaDataType_t a_type, int lda, long long stride_a, const void* B,
+                        cudaDataType_t b_type, int ldb, long long stride_b, float beta, float* C, int ldc,
+                        long long stride_c, int batch, const float* bias) {
+  cublasLtMatmulDesc_t desc = nullptr;
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  set_desc(desc, CUBLASLT_MATMUL_DESC_TRANSA, static_cast<int32_t>(trans_a ? CUBLAS_OP_T : CUBLAS_OP_N));
+  set_desc(desc, CUBLASLT_MATMUL_DESC_TRANSB, static_cast<int32_t>(trans_b ? CUBLAS_OP_T : CUBLAS_OP_N));
+  if (bias) {
+    set_desc(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, static_cast<uint32_t>(CUBLASLT_EPILOGUE_BIAS));
+    set_desc(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias));
+  }
+  // Stored shapes: op(A) = A^T means A is stored (k,m).
+  cublasLtMatrixLayout_t a_layout = make_layout(a_type, trans_a ? k : m, trans_a ? m : k, lda, stride_a, batch);
+  cublasLtMatrixLayout_t b_layout = make_layout(b_type, trans_b ? n : k, trans_b ? k : n, ldb, stride_b, batch);
+  cublasLtMatrixLayout_t c_layout = make_layout(CUDA_R_32F, m, n, ldc, stride_c, batch);
+
+  cublasLtMatmulPreference_t preference = nullptr;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference));
+  set_preference(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<uint64_t>(ctx.workspace_bytes));
+  const long long batch_a = batch > 1 ? stride_a * static_cast<long long>(type_bytes(a_type)) : 0;
+  const long long batch_b = batch > 1 ? stride_b * static_cast<long long>(type_bytes(b_type)) : 0;
+  const long long batch_c = batch > 1 ? stride_c * 4LL : 0;
+  set_preference(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment_bytes(A, batch_a));
+  set_preference(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment_bytes(B, batch_b));
+  set_preference(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment_bytes(C, batch_c));
+  set_preference(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment_bytes(C, batch_c));
+
+  cublasLtMatmulHeuristicResult_t heuristic{};
+  int found = 0;
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(ctx.handle, desc, a_layout, b_layout, c_layout,
+                                                               c_layout, preference, 1, &heuristic, &found);
+  const bool ok = status == CUBLAS_STATUS_SUCCESS && found > 0;
+  if (status != CUBLAS_STATUS_SUCCESS && status != CUBLAS_STATUS_NOT_SUPPORTED) CUBLAS_CHECK(status);
+  if (ok)
+    CUBLAS_CHECK(cublasLtMatmul(ctx.handle, desc, &alpha, A, a_layout, B, b_layout, &beta, C, c_layout, C, c_layout,
+                                &heuristic.algo, ctx.workspace, ctx.workspace_bytes, ctx.launch.stream));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(preference));
+  CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(c_layout));
+  CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(b_layout));
+  CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(a_layout));
+  CUBLAS_CHECK(cublasLtMatmulDescDestroy(desc));
+  return ok;
+}
+
+// out(rows, cols) row-major, every row = bias(cols).
+__global__ void fill_rows_kernel(float* out, const float* bias, int cols, int ld, size_t n) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const size_t r = i / cols;
+    const int c = static_cast<int>(i % cols);
+    out[r * ld + c] = bias[c];
+  }
+}
+
+struct BiasTerm {
+  const float* dout;
+  int OC;
+  __device__ void operator()(int n, int c, float* t) const { t[0] = dout[static_cast<size_t>(n) * OC + c]; }
+};
+
+void check_gemm_args(int M, int N, int K, int batch) {
+  SHARD_CHECK(M >= 0 && N >= 0 && K >= 0 && batch >= 1, "gemm: M=%d N=%d K=%d batch=%d", M, N, K, batch);
+}
+
+[[noreturn]] void no_gemm_kernel(bool trans_a, bool trans_b, int M, int N, int K, const void* A, int lda,
+                                 const void* B, int ldb, const void* C, int ldc, int batch, const char* types) {
+  fatal_internal(__FILE__, __LINE__, __func__,
+                 strprintf("cuBLASLt has no kernel for the %s row-major GEMM %c%c M=%d N=%d K=%d batch=%d "
+                           "(A %p lda %d, B %p ldb %d, C %p ldc %d)",
+                           types, trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, batch, A, lda, B, ldb, C, ldc));
+}
+
+}  // namespace
+
+void gemm_row_major(const GemmContext& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha,
+                    const float* A, int lda, long long stride_a, const float* B, int ldb, long long stride_b, float beta,
+                    float* C, int ldc, long long stride_c, int batch, const float* bias) {
+  check_gemm_args(M, N, K, batch);
+  SHARD_CHECK(!bias || (beta == 0.0f && batch == 1), "gemm: a bias needs beta = 0 and batch = 1");
+  if (M == 0 || N == 0 || (K == 0 && beta == 1.0f && !bias)) return;  // nothing to compute, or C += 0
+  SHARD_CHECK(K > 0, "gemm: K = 0 is supported only as C += 0 (beta = 1, no bias)");
+  if (bias && aligned16(bias) &&
+      try_gemm_col_major(ctx, trans_b, trans_a, N, M, K, alpha, B, CUDA_R_32F, ldb, stride_b, A, CUDA_R_32F, lda,
+                         stride_a, beta, C, ldc, stride_c, batch, bias))
+    return;
+  if (bias) {  // C = bias in every row, then C = A B + C
+    const size_t n = static_cast<size_t>(M) * N;
+    fill_rows_kernel<<<grid_for(n, 256, ctx.launch), 256, 0, ctx.launch.stream>>>(C, bias, N, ldc, n);
+    CUDA_CHECK_LAUNCH();
+    beta = 1.0f;
+  }
+  if (!try_gemm_col_major(ctx, trans_b, trans_a, N, M, K, alpha, B, CUDA_R_32F, ldb, stride_b, A, CUDA_R_32F, lda,
+                          stride_a, beta, C, ldc, stride_c, batch, nullptr))
+    no_gemm_kernel(trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc, batch, "fp32");
+}
+
+void gemm_row_major_bf16(const GemmContext& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha,
+                         const uint16_t* A, int lda, long long stride_a, const uint16_t* B, int ldb, long long stride_b,
+                         float beta, float* C, int ldc, long long stride_c, int batch) {
+  check_gemm_args(M, N, K, batch);
+  if (M == 0 || N == 0 || (K == 0 && beta == 1.0f)) return;
+  SHARD_CHECK(K > 0, "gemm: K = 0 is supported only as C += 0 (beta = 1)");
+  if (!try_gemm_col_major(ctx, trans_b, trans_a, N, M, K, alpha, B, CUDA_R_16BF, ldb, stride_b, A, CUDA_R_16BF, lda,
+                          stride_a, beta, C, ldc, stride_c, batch, nullptr))
+    no_gemm_kernel(trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc, batch, "bf16 x bf16 -> fp32");
+}
+
+void launch_matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC,
+                           const GemmContext& ctx) {
+  SHARD_CHECK(N >= 0 && C >= 0 && OC >= 0, "matmul_forward: N=%d C=%d OC=%d", N, C, OC);
+  // out(N,OC) = inp(N,C) @ weight(OC,C)^T + bias(OC)
+  gemm_row_major(ctx, false, true, N, OC, C, 1.0f, inp, C, 0, weight, C, 0, 0.0f, out, OC, 0, 1, bias);
+}
+
+size_t matmul_backward_workspace_bytes(int N, int OC) {
+  return column_sums_partial_floats(1, std::max(N, 1), std::max(OC, 1)) * sizeof(float);
+}
+
+void launch_matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                            const float* weight, int N, int C, int OC, void* workspace, const GemmContext& ctx) {
+  SHARD_CHECK(N >= 0 && C >= 0 && OC >= 0, "matmul_backward: N=%d C=%d OC=%d", N, C, OC);
+  // dinp(N,C) = dout(N,OC) @ weight(OC,C)
+  if (dinp) gemm_row_major(ctx, false, false, N, C, OC, 1.0f, dout, OC, 0, weight, C, 0, 0.0f, dinp, C, 0, 1, nullptr);
+  // dweight(OC,C) += dout^T @ inp(N,C)
+  gemm_row_major(ctx, true, false, OC, C, N, 1.0f, dout, OC, 0, inp, C, 0, 1.0f, dweight, C, 0, 1, nullptr);
+  // dbias(OC) += column sums of dout
+  if (dbias)
+    column_sums_accumulate<1>(ColumnTargets{{dbias, nullptr}}, static_cast<float*>(workspace), N, OC,
+                              BiasTerm{dout, OC}, ctx.launch);
+}
+
+}  // namespace shardtrain::kernels

@@ -1,0 +1,786 @@
+// The CUDA backend's LayerOps<float> and ShardOps (kernels/) against the CPU backend's functions
+// (backend/cpu/ops.hpp, backend/dtype.hpp, backend/math.hpp), which the unit tests check against a
+// double reference and finite differences. For every op: fixed-seed random inputs, the CPU result
+// on host buffers, the CUDA result on device copies, compared element by element under the
+// tolerance model written next to the test (support/tensor_check.hpp reports the worst element).
+//
+// Shapes are awkward on purpose: sizes that are not multiples of 4, 32 or the block sizes, T = 1,
+// heads of odd size, and "misaligned" cases whose device pointers sit 4 bytes off a 16-byte
+// boundary (scalar fallbacks of the float4 kernels, cuBLASLt alignment preferences, the bias
+// epilogue's fallback). One case per GEMM-based op has a realistic GPT-2 shape. Every device
+// buffer has guard zones of sentinels checked on download; outputs and written gradients start
+// as NaN so an element left unwritten fails; accumulated gradients start non-zero and are run
+// twice (+= checked against the CPU doing the same). Deterministic ops are run twice from the
+// same state and must agree bit for bit.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/launch.hpp"
+#include "backend/cpu/ops.hpp"
+#include "backend/cuda/cuda_backend.hpp"
+#include "backend/dtype.hpp"
+#include "backend/layer_ops.hpp"
+#include "backend/math.hpp"
+#include "support/tensor_check.hpp"
+
+namespace {
+
+using namespace shardtrain;
+namespace cpu = shardtrain::cpu;
+using shardtrain::testing::expect_close;
+using shardtrain::testing::fill_indices;
+using shardtrain::testing::fill_uniform;
+using shardtrain::testing::guard_sentinel;
+using shardtrain::testing::Tolerance;
+
+// ---- tolerance models ----------------------------------------------------------------------------
+//
+// u = 2^-24. The unit tests (tests/unit/test_layers.cpp) show that the CPU's fp32 result of an
+// output fed by a chain of K roundings (a K-term sum plus a few pointwise operations) is within
+// atol = rtol = 4 K u of the exact value for our O(1) inputs. The GPU computes the same sums in
+// another order (lane partials and shuffle trees, cuBLASLt's blocking and split-K, FMAs) and is
+// bounded by the same model, so the two differ by at most 8 K u: fp32_pair(K). K is named next
+// to each use. GEMM-based ops get their K from the reduction length, so realistic shapes
+// (K ~ 1000) get a proportionally looser bound (~5e-4), still far below the O(1) error of any
+// wrong term. Elementwise ops that are one IEEE operation per element, and ops whose CUDA
+// version adds in the CPU's order, must be bit-identical: kExact.
+constexpr double kU32 = 0x1p-24;
+constexpr Tolerance kExact{0.0, 0.0};
+Tolerance fp32_pair(long K) { return {8.0 * K * kU32, 8.0 * K * kU32}; }
+// GELU: the same formula (backend/math.hpp) on both sides; only FMA contraction and exp_fast's
+// ~2 ulp differ, a few ulp of the result, except near gelu'(x) = 0 (x ~ -0.75) where its two
+// terms cancel: there the error is a few ulp of the terms (O(1)), hence the atol.
+constexpr Tolerance kGeluTol{1e-6, 1e-5};
+// AdamW: the same adamw_update on both sides, differing by FMA contraction only: ~1 ulp of m, v
+// and of the parameter, plus lr times a few ulp of the O(1) update ratio.
+constexpr Tolerance kAdamWTol{1e-7, 1e-6};
+
+std::vector<double> widen(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
+
+std::vector<float> uniform_vector(size_t n, uint64_t seed, double lo = -1.0, double hi = 1.0) {
+  std::vector<float> v(n);
+  fill_uniform(v.data(), n, seed, lo, hi);
+  return v;
+}
+
+std::vector<int> index_vector(size_t n, uint64_t seed, int bound) {
+  std::vector<int> v(n);
+  fill_indices(v.data(), n, seed, bound);
+  return v;
+}
+
+template <typename T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
+}
+
+// Bitwise equality with the first differing element named.
+template <typename T>
+void expect_same_bits(const std::vector<T>& actual, const std::vector<T>& expected, const std::string& label) {
+  ASSERT_EQ(actual.size(), expected.size()) << label;
+  for (size_t i = 0; i < actual.size(); i++) {
+    if (std::memcmp(&actual[i], &expected[i], sizeof(T)) != 0) {
+      ADD_FAILURE() << label << ": first difference at element " << i << " of " << actual.size() << ": got "
+                    << +actual[i] << ", expected " << +expected[i];
+      return;
+    }
+  }
+}
+
+// ---- the device under test -----------------------------------------------------------------------
+struct GpuContext {
+  std::unique_ptr<CudaDevice> device;
+  std::unique_ptr<LayerOps<float>> ops;
+  std::unique_ptr<ShardOps> shard_ops;
+};
+
+// One CudaDevice (GPU 0) and its ops per test suite.
+template <typename Base>
+class GpuSuite : public Base {
+ public:
+  static void SetUpTestSuite() {
+    gpu_ = new GpuContext;
+    gpu_->device = CudaDevice::open(0);
+    gpu_->ops = make_cuda_layer_ops(*gpu_->device);
+    gpu_->shard_ops = make_cuda_shard_ops(*gpu_->device);
+  }
+  static void TearDownTestSuite() {
+    delete gpu_;  // ops first, then the device (member order)
+    gpu_ = nullptr;
+  }
+
+ protected:
+  static CudaDevice& device() { return *gpu_->device; }
+  static const LayerOps<float>& ops() { return *gpu_->ops; }
+  static const ShardOps& shard_ops() { return *gpu_->shard_ops; }
+
+ private:
+  static inline GpuContext* gpu_ = nullptr;
+};
+
+// n elements of device memory between two guard zones of sentinels (support/tensor_check.hpp's,
+// a NaN whose payload names the buffer). `misalign` extra front elements shift data() off the
+// 16-byte alignment the allocator gives.
+template <typename T>
+class DeviceBuffer {
+ public:
+  static constexpr size_t kGuard = 16;
+  DeviceBuffer(Device& device, std::string name, size_t n, int misalign = 0)
+      : device_(&device), name_(std::move(name)), n_(n), front_(kGuard + misalign),
+        sentinel_(guard_sentinel<T>(name_)), storage_(device, n + front_ + kGuard) {
+    upload(std::vector<T>(n, T{}));
+  }
+  T* data() { return storage_.data() + front_; }
+  size_t size() const { return n_; }
+
+  void upload(const std::vector<T>& values) {
+    ASSERT_EQ(values.size(), n_) << name_;
+    std::vector<T> image(storage_.size(), sentinel_);
+    std::copy(values.begin(), values.end(), image.begin() + front_);
+    device_->copy(storage_.data(), image.data(), image.size() * sizeof(T));
+  }
+  void fill(T value) { upload(std::vector<T>(n_, value)); }
+
+  // The data, after checking both guard zones (one failure naming the first overwritten element).
+  std::vector<T> download(const std::string& label) {
+    std::vector<T> image(storage_.size());
+    device_->copy(image.data(), storage_.data(), image.size() * sizeof(T));
+    for (size_t i = 0; i < image.size(); i++) {
+      if (i >= front_ && i < front_ + n_) continue;
+      if (std::memcmp(&image[i], &sentinel_, sizeof(T)) != 0) {
+        ADD_FAILURE() << label << ": guard zone of '" << name_ << "' overwritten at element "
+                      << static_cast<long>(i) - static_cast<long>(front_) << " (size " << n_ << ")";
+        break;
+      }
+    }
+    return std::vector<T>(image.begin() + front_, image.begin() + front_ + n_);
+  }
+
+ private:
+  Device* device_;
+  std::string name_;
+  size_t n_, front_;
+  T sentinel_;
+  DeviceArray<T> storage_;
+};
+
+template <typename T>
+DeviceBuffer<T> on_device(Device& device, const std::string& name, const std::vector<T>& values, int misalign) {
+  DeviceBuffer<T> buffer(device, name, values.size(), misalign);
+  buffer.upload(values);
+  return buffer;
+}
+
+const float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+struct ShapeName {
+  template <typename P>
+  std::string operator()(const ::testing::TestParamInfo<P>& info) const {
+    return name_of(info.param);
+  }
+};
+std::string misaligned_suffix(int misalign) { return misalign ? "_misaligned" : ""; }
+
+// ==================================================================================================
+// Encoder. The CUDA backward adds in the CPU's order (a stable sort by token), so both directions
+// are bit-identical. wpe has 3 rows beyond T whose gradient must stay untouched; V is small so
+// tokens repeat.
+// ==================================================================================================
+struct EncoderShape {
+  int B, T, C, V, misalign;
+};
+std::string name_of(const EncoderShape& s) {
+  return "B" + std::to_string(s.B) + "_T" + std::to_string(s.T) + "_C" + std::to_string(s.C) + "_V" +
+         std::to_string(s.V) + misaligned_suffix(s.misalign);
+}
+void PrintTo(const EncoderShape& s, std::ostream* os) { *os << name_of(s); }
+
+class EncoderTest : public GpuSuite<::testing::TestWithParam<EncoderShape>> {};
+
+TEST_P(EncoderTest, ForwardMatchesCpu) {
+  const EncoderShape s = GetParam();
+  const size_t BT = static_cast<size_t>(s.B) * s.T, maxT = s.T + 3;
+  const std::vector<int> tokens = index_vector(BT, 11, s.V);
+  const std::vector<float> wte = uniform_vector(static_cast<size_t>(s.V) * s.C, 12), wpe = uniform_vector(maxT * s.C, 13);
+  std::vector<float> ref(BT * s.C);
+  cpu::encoder_forward(ref.data(), tokens.data(), wte.data(), wpe.data(), s.B, s.T, s.C);
+
+  auto d_tokens = on_device(device(), "tokens", tokens, s.misalign);
+  auto d_wte = on_device(device(), "wte", wte, s.misalign), d_wpe = on_device(device(), "wpe", wpe, s.misalign);
+  DeviceBuffer<float> d_out(device(), "out", ref.size(), s.misalign);
+  d_out.fill(kNaN);
+  ops().encoder_forward(d_out.data(), d_tokens.data(), d_wte.data(), d_wpe.data(), s.B, s.T, s.C);
+  expect_close(d_out.download("encoder_forward").data(), widen(ref), kExact, "encoder out");
+}
+
+TEST_P(EncoderTest, BackwardTwiceMatchesCpuBitwise) {
+  const EncoderShape s = GetParam();
+  const size_t BT = static_cast<size_t>(s.B) * s.T, maxT = s.T + 3;
+  const std::vector<int> tokens = index_vector(BT, 21, s.V);
+  const std::vector<float> dout = uniform_vector(BT * s.C, 22);
+  std::vector<float> dwte = uniform_vector(static_cast<size_t>(s.V) * s.C, 23), dwpe = uniform_vector(maxT * s.C, 24);
+  auto d_tokens = on_device(device(), "tokens", tokens, s.misalign);
+  auto d_dout = on_device(device(), "dout", dout, s.misalign);
+  auto d_dwte = on_device(device(), "dwte", dwte, s.misalign), d_dwpe = on_device(device(), "dwpe", dwpe, s.misalign);
+  for (int call = 0; call < 2; call++) {  // prefilled gradients, accumulated twice
+    cpu::encoder_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), s.B, s.T, s.C);
+    ops().encoder_backward(d_dwte.data(), d_dwpe.data(), d_dout.data(), d_tokens.data(), s.B, s.T, s.C);
+  }
+  expect_close(d_dwte.download("encoder_backward").data(), widen(dwte), kExact, "encoder dwte");
+  expect_close(d_dwpe.download("encoder_backward").data(), widen(dwpe), kExact, "encoder dwpe");
+  d_dout.download("encoder_backward (input)");
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, EncoderTest,
+                         ::testing::Values(EncoderShape{1, 1, 12, 11, 0}, EncoderShape{2, 7, 24, 11, 0},
+                                           EncoderShape{3, 13, 36, 50, 0}, EncoderShape{2, 5, 13, 7, 0},
+                                           EncoderShape{3, 13, 36, 50, 1}, EncoderShape{4, 64, 300, 1000, 0}),
+                         ShapeName());
+
+// ==================================================================================================
+// LayerNorm, N = B*T rows of C. Inputs in [-2, 3) (non-zero mean), weight in [0.5, 1.5).
+// ==================================================================================================
+struct LayerNormShape {
+  int B, T, C, misalign;
+};
+std::string name_of(const LayerNormShape& s) {
+  return "B" + std::to_string(s.B) + "_T" + std::to_string(s.T) + "_C" + std::to_string(s.C) +
+         misaligned_suffix(s.misalign);
+}
+void PrintTo(const LayerNormShape& s, std::ostream* os) { *os << name_of(s); }
+
+class LayerNormTest : public GpuSuite<::testing::TestWithParam<LayerNormShape>> {};
+
+struct LayerNormData {
+  explicit LayerNormData(const LayerNormShape& s)
+      : N(s.B * s.T), C(s.C), inp(uniform_vector(static_cast<size_t>(N) * C, 41, -2.0, 3.0)),
+        weight(uniform_vector(C, 42, 0.5, 1.5)), bias(uniform_vector(C, 43, -0.5, 0.5)),
+        out(inp.size()), mean(N), rstd(N) {
+    cpu::layernorm_forward(out.data(), mean.data(), rstd.data(), inp.data(), weight.data(), bias.data(), N, C);
+  }
+  int N, C;
+  std::vector<float> inp, weight, bias, out, mean, rstd;  // out, mean, rstd: the CPU's forward
+};
+
+TEST_P(LayerNormTest, ForwardMatchesCpu) {
+  const LayerNormShape s = GetParam();
+  LayerNormData d(s);
+  auto d_inp = on_device(device(), "inp", d.inp, s.misalign);
+  auto d_weight = on_device(device(), "weight", d.weight, s.misalign);
+  auto d_bias = on_device(device(), "bias", d.bias, s.misalign);
+  DeviceBuffer<float> d_out(device(), "out", d.out.size(), s.misalign), d_mean(device(), "mean", d.N, s.misalign),
+      d_rstd(device(), "rstd", d.N, s.misalign);
+  d_out.fill(kNaN);
+  d_mean.fill(kNaN);
+  d_rstd.fill(kNaN);
+  ops().layernorm_forward(d_out.data(), d_mean.data(), d_rstd.data(), d_inp.data(), d_weight.data(), d_bias.data(),
+                          d.N, d.C);
+  // mean: C terms; variance: C more; rstd, normalise, scale and shift: a few.
+  const Tolerance tol = fp32_pair(2 * d.C + 4);
+  expect_close(d_out.download("layernorm_forward").data(), widen(d.out), tol, "layernorm out");
+  expect_close(d_mean.download("layernorm_forward").data(), widen(d.mean), tol, "layernorm mean");
+  expect_close(d_rstd.download("layernorm_forward").data(), widen(d.rstd), tol, "layernorm rstd");
+}
+
+// All three gradients accumulate (dinp too: it adds onto the residual stream); both sides see
+// the CPU's saved statistics, which isolates the backward.
+TEST_P(LayerNormTest, BackwardTwiceMatchesCpu) {
+  const LayerNormShape s = GetParam();
+  LayerNormData d(s);
+  const std::vector<float> dout = uniform_vector(d.out.size(), 44);
+  std::vector<float> dinp = uniform_vector(d.out.size(), 45), dweight = uniform_vector(d.C, 46),
+                     dbias = uniform_vector(d.C, 47);
+  auto d_dout = on_device(device(), "dout", dout, s.misalign), d_inp = on_device(device(), "inp", d.inp, s.misalign);
+  auto d_weight = on_device(device(), "weight", d.weight, s.misalign);
+  auto d_mean = on_device(device(), "mean", d.mean, s.misalign), d_rstd = on_device(device(), "rstd", d.rstd, s.misalign);
+  auto d_dinp = on_device(device(), "dinp", dinp, s.misalign), d_dweight = on_device(device(), "dweight", dweight, s.misalign),
+       d_dbias = on_device(device(), "dbias", dbias, s.misalign);
+  for (int call = 0; call < 2; call++) {
+    cpu::layernorm_backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), d.inp.data(), d.weight.data(),
+                            d.mean.data(), d.rstd.data(), d.N, d.C);
+    ops().layernorm_backward(d_dinp.data(), d_dweight.data(), d_dbias.data(), d_dout.data(), d_inp.data(),
+                             d_weight.data(), d_mean.data(), d_rstd.data(), d.N, d.C);
+  }
+  // dinp: two row sums of C terms per call; dweight, dbias: 2 N rows onto the prefill.
+  expect_close(d_dinp.download("layernorm_backward").data(), widen(dinp), fp32_pair(4 * d.C + 8), "layernorm dinp");
+  const Tolerance param_tol = fp32_pair(2 * d.N + 4);
+  expect_close(d_dweight.download("layernorm_backward").data(), widen(dweight), param_tol, "layernorm dweight");
+  expect_close(d_dbias.download("layernorm_backward").data(), widen(dbias), param_tol, "layernorm dbias");
+}
+
+TEST_P(LayerNormTest, BackwardRepeatsBitwise) {
+  const LayerNormShape s = GetParam();
+  LayerNormData d(s);
+  const std::vector<float> dout = uniform_vector(d.out.size(), 48), zeros_c(d.C, 0.0f), zeros(d.out.size(), 0.0f);
+  auto d_dout = on_device(device(), "dout", dout, s.misalign), d_inp = on_device(device(), "inp", d.inp, s.misalign);
+  auto d_weight = on_device(device(), "weight", d.weight, s.misalign);
+  auto d_mean = on_device(device(), "mean", d.mean, s.misalign), d_rstd = on_device(device(), "rstd", d.rstd, s.misalign);
+  std::vector<float> first[3];
+  for (int run = 0; run < 2; run++) {
+    auto d_dinp = on_device(device(), "dinp", zeros, s.misalign), d_dweight = on_device(device(), "dweight", zeros_c, s.misalign),
+         d_dbias = on_device(device(), "dbias", zeros_c, s.misalign);
+    ops().layernorm_backward(d_dinp.data(), d_dweight.data(), d_dbias.data(), d_dout.data(), d_inp.data(),
+                             d_weight.data(), d_mean.data(), d_rstd.data(), d.N, d.C);
+    std::vector<float> got[3] = {d_dinp.download("run"), d_dweight.download("run"), d_dbias.download("run")};
+    for (int k = 0; k < 3; k++) {
+      if (run == 0) {
+        first[k] = got[k];
+      } else {
+        EXPECT_TRUE(same_bits(first[k], got[k])) << "layernorm_backward output " << k << " differs between runs";
+      }
+    }
+  }
+}
+
+std::vector<LayerNormShape> layernorm_shapes() {
+  std::vector<LayerNormShape> shapes;
+  for (int B : {1, 3})
+    for (int T : {1, 7, 13})
+      for (int C : {12, 36, 97}) shapes.push_back({B, T, C, 0});
+  shapes.push_back({3, 13, 36, 1});
+  shapes.push_back({2, 7, 97, 1});
+  shapes.push_back({4, 33, 768, 0});   // GPT-2 width, several row chunks in the column sums
+  shapes.push_back({3, 3001, 40, 0});  // N = 9003: the maximum number of column-sum chunks
+  return shapes;
+}
+INSTANTIATE_TEST_SUITE_P(Shapes, LayerNormTest, ::testing::ValuesIn(layernorm_shapes()), ShapeName());
+
+// ==================================================================================================
+// Matmul: out(N,OC) = inp(N,C) @ weight(OC,C)^T + bias, with and without bias; the backward with
+// and without dinp.
+// ==================================================================================================
+struct MatmulShape {
+  int N, C, OC;
+  bool bias;
+  int misalign;
+};
+std::string name_of(const MatmulShape& s) {
+  return "N" + std::to_string(s.N) + "_C" + std::to_string(s.C) + "_OC" + std::to_string(s.OC) +
+         (s.bias ? "_bias" : "_nobias") + misaligned_suffix(s.misalign);
+}
+void PrintTo(const MatmulShape& s, std::ostream* os) { *os << name_of(s); }
+
+class MatmulTest : public GpuSuite<::testing::TestWithParam<MatmulShape>> {};
+
+TEST_P(MatmulTest, ForwardMatchesCpu) {
+  const MatmulShape s = GetParam();
+  const std::vector<float> inp = uniform_vector(static_cast<size_t>(s.N) * s.C, 61),
+                           weight = uniform_vector(static_cast<size_t>(s.OC) * s.C, 62),
+                           bias = uniform_vector(s.bias ? s.OC : 0, 63);
+  std::vector<float> ref(static_cast<size_t>(s.N) * s.OC);
+  cpu::matmul_forward(ref.data(), inp.data(), weight.data(), s.bias ? bias.data() : nullptr, s.N, s.C, s.OC);
+  auto d_inp = on_device(device(), "inp", inp, s.misalign), d_weight = on_device(device(), "weight", weight, s.misalign);
+  auto d_bias = on_device(device(), "bias", bias, s.misalign);
+  DeviceBuffer<float> d_out(device(), "out", ref.size(), s.misalign);
+  d_out.fill(kNaN);
+  ops().matmul_forward(d_out.data(), d_inp.data(), d_weight.data(), s.bias ? d_bias.data() : nullptr, s.N, s.C, s.OC);
+  // C products and the bias.
+  expect_close(d_out.download("matmul_forward").data(), widen(ref), fp32_pair(s.C + 1), "matmul out");
+}
+
+void check_matmul_backward(const MatmulShape& s, bool with_dinp, Device& device, const LayerOps<float>& ops) {
+  const std::vector<float> inp = uniform_vector(static_cast<size_t>(s.N) * s.C, 61),
+                           weight = uniform_vector(static_cast<size_t>(s.OC) * s.C, 62),
+                           dout = uniform_vector(static_cast<size_t>(s.N) * s.OC, 64);
+  std::vector<float> dinp(inp.size(), kNaN), dweight = uniform_vector(weight.size(), 65),
+                     dbias = uniform_vector(s.bias ? s.OC : 0, 66);
+  auto d_inp = on_device(device, "inp", inp, s.misalign), d_weight = on_device(device, "weight", weight, s.misalign);
+  auto d_dout = on_device(device, "dout", dout, s.misalign), d_dinp = on_device(device, "dinp", dinp, s.misalign);
+  auto d_dweight = on_device(device, "dweight", dweight, s.misalign), d_dbias = on_device(device, "dbias", dbias, s.misalign);
+  for (int call = 0; call < 2; call++) {  // dinp written (NaN garbage before), dweight and dbias accumulate
+    cpu::matmul_backward(with_dinp ? dinp.data() : nullptr, dweight.data(), s.bias ? dbias.data() : nullptr,
+                         dout.data(), inp.data(), weight.data(), s.N, s.C, s.OC);
+    ops.matmul_backward(with_dinp ? d_dinp.data() : nullptr, d_dweight.data(), s.bias ? d_dbias.data() : nullptr,
+                        d_dout.data(), d_inp.data(), d_weight.data(), s.N, s.C, s.OC);
+  }
+  const std::vector<float> got_dinp = d_dinp.download("matmul_backward");
+  if (with_dinp)  // OC products
+    expect_close(got_dinp.data(), widen(dinp), fp32_pair(s.OC), "matmul dinp");
+  else
+    EXPECT_TRUE(std::all_of(got_dinp.begin(), got_dinp.end(), [](float x) { return std::isnan(x); }))
+        << "matmul_backward wrote dinp although it was null";
+  // 2 x N products onto the prefill.
+  const Tolerance tol = fp32_pair(2 * s.N + 1);
+  expect_close(d_dweight.download("matmul_backward").data(), widen(dweight), tol, "matmul dweight");
+  if (s.bias) expect_close(d_dbias.download("matmul_backward").data(), widen(dbias), tol, "matmul dbias");
+}
+
+TEST_P(MatmulTest, BackwardTwiceMatchesCpu) { check_matmul_backward(GetParam(), true, device(), ops()); }
+TEST_P(MatmulTest, BackwardWithoutDinpMatchesCpu) { check_matmul_backward(GetParam(), false, device(), ops()); }
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MatmulTest,
+                         ::testing::Values(MatmulShape{1, 1, 1, true, 0}, MatmulShape{5, 12, 7, true, 0},
+                                           MatmulShape{13, 36, 50, false, 0}, MatmulShape{7, 33, 65, true, 0},
+                                           MatmulShape{13, 36, 50, true, 1}, MatmulShape{7, 33, 65, false, 1},
+                                           MatmulShape{300, 97, 129, true, 0},
+                                           MatmulShape{1024, 768, 3072, true, 0}),  // realistic: B=4, T=256, MLP up
+                         ShapeName());
+
+// bf16 operands, fp32 accumulation (kernels/launch.hpp, not part of LayerOps): the bf16 values
+// widen to fp32 exactly and their products are exact in fp32, so the CPU's fp32 GEMM on the
+// widened values is the oracle with the fp32 model.
+class GemmBf16Test : public GpuSuite<::testing::Test> {};
+
+TEST_F(GemmBf16Test, MatchesCpuOnWidenedValues) {
+  for (const MatmulShape& s : {MatmulShape{37, 50, 29, false, 0}, MatmulShape{256, 768, 768, false, 0}}) {
+    std::vector<uint16_t> inp16(static_cast<size_t>(s.N) * s.C), weight16(static_cast<size_t>(s.OC) * s.C);
+    std::vector<float> inp(inp16.size()), weight(weight16.size());
+    const std::vector<float> inp_raw = uniform_vector(inp.size(), 71), weight_raw = uniform_vector(weight.size(), 72);
+    for (size_t i = 0; i < inp.size(); i++) inp[i] = bf16_to_float(inp16[i] = float_to_bf16(inp_raw[i]));
+    for (size_t i = 0; i < weight.size(); i++) weight[i] = bf16_to_float(weight16[i] = float_to_bf16(weight_raw[i]));
+    std::vector<float> ref(static_cast<size_t>(s.N) * s.OC);
+    cpu::matmul_forward(ref.data(), inp.data(), weight.data(), static_cast<const float*>(nullptr), s.N, s.C, s.OC);
+
+    auto d_inp = on_device(device(), "inp16", inp16, 0), d_weight = on_device(device(), "weight16", weight16, 0);
+    DeviceBuffer<float> d_out(device(), "out", ref.size());
+    d_out.fill(kNaN);
+    kernels::GemmContext ctx;
+    ctx.launch.stream = device().compute_stream();
+    ctx.handle = device().cublaslt();
+    ctx.workspace = device().gemm_workspace();
+    ctx.workspace_bytes = device().gemm_workspace_bytes();
+    kernels::gemm_row_major_bf16(ctx, false, true, s.N, s.OC, s.C, 1.0f, d_inp.data(), s.C, 0, d_weight.data(), s.C,
+                                 0, 0.0f, d_out.data(), s.OC, 0, 1);
+    expect_close(d_out.download("gemm_row_major_bf16").data(), widen(ref), fp32_pair(s.C + 1),
+                 "bf16 gemm " + name_of(s));
+  }
+}
+
+// ==================================================================================================
+// Attention. qkv in [-1, 1); the backward gets the CPU's saved probabilities on both sides.
+// ==================================================================================================
+struct AttentionShape {
+  int B, T, C, NH, misalign;
+};
+std::string name_of(const AttentionShape& s) {
+  return "B" + std::to_string(s.B) + "_T" + std::to_string(s.T) + "_C" + std::to_string(s.C) + "_NH" +
+         std::to_string(s.NH) + misaligned_suffix(s.misalign);
+}
+void PrintTo(const AttentionShape& s, std::ostream* os) { *os << name_of(s); }
+
+class AttentionTest : public GpuSuite<::testing::TestWithParam<AttentionShape>> {};
+
+TEST_P(AttentionTest, ForwardMatchesCpu) {
+  const AttentionShape s = GetParam();
+  const int hs = s.C / s.NH;
+  const size_t btc = static_cast<size_t>(s.B) * s.T * s.C, square = static_cast<size_t>(s.B) * s.NH * s.T * s.T;
+  const std::vector<float> qkv = uniform_vector(3 * btc, 81);
+  std::vector<float> out(btc), att(square);
+  cpu::attention_forward(out.data(), att.data(), qkv.data(), s.B, s.T, s.C, s.NH);
+  auto d_qkv = on_device(device(), "qkv", qkv, s.misalign);
+  DeviceBuffer<float> d_out(device(), "out", btc, s.misalign), d_att(device(), "att", square, s.misalign);
+  d_out.fill(kNaN);
+  d_att.fill(kNaN);  // the masked half must be written (zeros) too
+  ops().attention_forward(d_out.data(), d_att.data(), d_qkv.data(), s.B, s.T, s.C, s.NH);
+  // att: hs products, then the row max, exp and a sum over up to T; out: T more products.
+  expect_close(d_att.download("attention_forward").data(), widen(att), fp32_pair(hs + s.T + 8), "attention att");
+  expect_close(d_out.download("attention_forward").data(), widen(out), fp32_pair(hs + 2 * s.T + 8), "attention out");
+}
+
+TEST_P(AttentionTest, BackwardMatchesCpu) {
+  const AttentionShape s = GetParam();
+  const int hs = s.C / s.NH;
+  const size_t btc = static_cast<size_t>(s.B) * s.T * s.C, square = static_cast<size_t>(s.B) * s.NH * s.T * s.T;
+  const std::vector<float> qkv = uniform_vector(3 * btc, 82), dout = uniform_vector(btc, 83);
+  std::vector<float> out(btc), att(square), dqkv(3 * btc), scratch(square);
+  cpu::attention_forward(out.data(), att.data(), qkv.data(), s.B, s.T, s.C, s.NH);
+  cpu::attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), s.B, s.T, s.C, s.NH);
+  auto d_qkv = on_device(device(), "qkv", qkv, s.misalign), d_dout = on_device(device(), "dout", dout, s.misalign);
+  auto d_att = on_device(device(), "att", att, s.misalign);
+  DeviceBuffer<float> d_dqkv(device(), "dqkv", 3 * btc, s.misalign), d_scratch(device(), "scratch", square, s.misalign);
+  d_dqkv.fill(kNaN);  // written, never read
+  d_scratch.fill(kNaN);
+  ops().attention_backward(d_dqkv.data(), d_scratch.data(), d_dout.data(), d_qkv.data(), d_att.data(), s.B, s.T, s.C,
+                           s.NH);
+  // datt: hs products; its row dot: T; dq, dk, dv: T more products.
+  expect_close(d_dqkv.download("attention_backward").data(), widen(dqkv), fp32_pair(2 * hs + 3 * s.T + 8),
+               "attention dqkv");
+  d_scratch.download("attention_backward (scratch)");
+  d_att.download("attention_backward (att)");
+}
+
+TEST_P(AttentionTest, RepeatsBitwise) {
+  const AttentionShape s = GetParam();
+  const size_t btc = static_cast<size_t>(s.B) * s.T * s.C, square = static_cast<size_t>(s.B) * s.NH * s.T * s.T;
+  auto d_qkv = on_device(device(), "qkv", uniform_vector(3 * btc, 84), s.misalign);
+  auto d_dout = on_device(device(), "dout", uniform_vector(btc, 85), s.misalign);
+  DeviceBuffer<float> d_out(device(), "out", btc, s.misalign), d_att(device(), "att", square, s.misalign),
+      d_dqkv(device(), "dqkv", 3 * btc, s.misalign), d_scratch(device(), "scratch", square, s.misalign);
+  std::vector<float> first_out, first_dqkv;
+  for (int run = 0; run < 2; run++) {
+    ops().attention_forward(d_out.data(), d_att.data(), d_qkv.data(), s.B, s.T, s.C, s.NH);
+    ops().attention_backward(d_dqkv.data(), d_scratch.data(), d_dout.data(), d_qkv.data(), d_att.data(), s.B, s.T,
+                             s.C, s.NH);
+    std::vector<float> out = d_out.download("run"), dqkv = d_dqkv.download("run");
+    if (run == 0) {
+      first_out = out;
+      first_dqkv = dqkv;
+    } else {
+      EXPECT_TRUE(same_bits(first_out, out)) << "attention out differs between runs";
+      EXPECT_TRUE(same_bits(first_dqkv, dqkv)) << "attention dqkv differs between runs";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, AttentionTest,
+                         ::testing::Values(AttentionShape{1, 1, 12, 3, 0}, AttentionShape{2, 7, 24, 4, 0},
+                                           AttentionShape{3, 13, 36, 6, 0}, AttentionShape{1, 5, 18, 2, 0},
+                                           AttentionShape{2, 45, 64, 4, 0}, AttentionShape{2, 7, 24, 4, 1},
+                                           AttentionShape{1, 5, 18, 2, 1},
+                                           AttentionShape{4, 256, 768, 12, 0}),  // realistic: GPT-2 124M, T=256
+                         ShapeName());
+
+// ==================================================================================================
+// Elementwise: GELU, residual add, scale. n not a multiple of 4; misaligned cases take the scalar path.
+// ==================================================================================================
+struct PointwiseShape {
+  size_t n;
+  int misalign;
+};
+std::string name_of(const PointwiseShape& s) { return "n" + std::to_string(s.n) + misaligned_suffix(s.misalign); }
+void PrintTo(const PointwiseShape& s, std::ostream* os) { *os << name_of(s); }
+
+class PointwiseTest : public GpuSuite<::testing::TestWithParam<PointwiseShape>> {};
+
+TEST_P(PointwiseTest, GeluForwardMatchesCpu) {
+  const PointwiseShape s = GetParam();
+  const std::vector<float> inp = uniform_vector(s.n, 91, -6.0, 6.0);
+  std::vector<float> ref(s.n);
+  cpu::gelu_forward(ref.data(), inp.data(), s.n);
+  auto d_inp = on_device(device(), "inp", inp, s.misalign);
+  DeviceBuffer<float> d_out(device(), "out", s.n, s.misalign);
+  d_out.fill(kNaN);
+  ops().gelu_forward(d_out.data(), d_inp.data(), s.n);
+  expect_close(d_out.download("gelu_forward").data(), widen(ref), kGeluTol, "gelu out");
+}
+
+TEST_P(PointwiseTest, GeluBackwardMatchesCpu) {
+  const PointwiseShape s = GetParam();
+  const std::vector<float> inp = uniform_vector(s.n, 92, -6.0, 6.0), dout = uniform_vector(s.n, 93);
+  std::vector<float> ref(s.n);
+  cpu::gelu_backward(ref.data(), dout.data(), inp.data(), s.n);
+  auto d_inp = on_device(device(), "inp", inp, s.misalign), d_dout = on_device(device(), "dout", dout, s.misalign);
+  DeviceBuffer<float> d_dinp(device(), "dinp", s.n, s.misalign);
+  d_dinp.fill(kNaN);
+  ops().gelu_backward(d_dinp.data(), d_dout.data(), d_inp.data(), s.n);
+  expect_close(d_dinp.download("gelu_backward").data(), widen(ref), kGeluTol, "gelu dinp");
+}
+
+TEST_P(PointwiseTest, ResidualMatchesCpuBitwise) {
+  const PointwiseShape s = GetParam();
+  const std::vector<float> a = uniform_vector(s.n, 94), b = uniform_vector(s.n, 95);
+  std::vector<float> ref(s.n);
+  cpu::residual_forward(ref.data(), a.data(), b.data(), s.n);
+  auto d_a = on_device(device(), "a", a, s.misalign), d_b = on_device(device(), "b", b, s.misalign);
+  DeviceBuffer<float> d_out(device(), "out", s.n, s.misalign);
+  d_out.fill(kNaN);
+  ops().residual_forward(d_out.data(), d_a.data(), d_b.data(), s.n);
+  expect_close(d_out.download("residual_forward").data(), widen(ref), kExact, "residual out");
+  ops().residual_forward(d_a.data(), d_a.data(), d_b.data(), s.n);  // in place, out == a
+  expect_close(d_a.download("residual_forward in place").data(), widen(ref), kExact, "residual in place");
+}
+
+TEST_P(PointwiseTest, ScaleMatchesHostBitwise) {
+  const PointwiseShape s = GetParam();
+  std::vector<float> x = uniform_vector(s.n, 96);
+  auto d_x = on_device(device(), "x", x, s.misalign);
+  const float factor = 0.37f;
+  for (float& v : x) v *= factor;
+  ops().scale(d_x.data(), s.n, factor);
+  expect_close(d_x.download("scale").data(), widen(x), kExact, "scale");
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, PointwiseTest,
+                         ::testing::Values(PointwiseShape{1, 0}, PointwiseShape{3, 0}, PointwiseShape{4, 0},
+                                           PointwiseShape{1001, 0}, PointwiseShape{65537, 0}, PointwiseShape{3, 1},
+                                           PointwiseShape{1001, 1}, PointwiseShape{1000003, 0}),
+                         ShapeName());
+
+// ==================================================================================================
+// Fused softmax + cross-entropy over V; logits in [-4, 4).
+// ==================================================================================================
+struct CrossEntropyShape {
+  int N, V;
+};
+std::string name_of(const CrossEntropyShape& s) { return "N" + std::to_string(s.N) + "_V" + std::to_string(s.V); }
+void PrintTo(const CrossEntropyShape& s, std::ostream* os) { *os << name_of(s); }
+
+class CrossEntropyTest : public GpuSuite<::testing::TestWithParam<CrossEntropyShape>> {};
+
+TEST_P(CrossEntropyTest, ForwardMatchesCpu) {
+  const CrossEntropyShape s = GetParam();
+  const std::vector<int> targets = index_vector(s.N, 101, s.V);
+  const std::vector<float> logits = uniform_vector(static_cast<size_t>(s.N) * s.V, 102, -4.0, 4.0);
+  std::vector<float> probs = logits, losses(s.N);
+  cpu::softmax_crossentropy_forward(losses.data(), probs.data(), targets.data(), s.N, s.V);
+  auto d_targets = on_device(device(), "targets", targets, 0);
+  auto d_probs = on_device(device(), "logits", logits, 0);
+  DeviceBuffer<float> d_losses(device(), "losses", s.N);
+  d_losses.fill(kNaN);
+  ops().softmax_crossentropy_forward(d_losses.data(), d_probs.data(), d_targets.data(), s.N, s.V);
+  // The row sum of V exponentials (positive terms: relative error bounded by the chain length),
+  // exp_fast, the division and the log: K = V + 8. V = 513 and 1000 keep a dropped element visible
+  // (~1/V) above the bound.
+  const Tolerance tol = fp32_pair(s.V + 8);
+  expect_close(d_probs.download("softmax_crossentropy_forward").data(), widen(probs), tol, "crossentropy probs");
+  expect_close(d_losses.download("softmax_crossentropy_forward").data(), widen(losses), tol, "crossentropy losses");
+}
+
+TEST_P(CrossEntropyTest, BackwardMatchesCpuBitwise) {
+  const CrossEntropyShape s = GetParam();
+  const std::vector<int> targets = index_vector(s.N, 103, s.V);
+  std::vector<float> probs = uniform_vector(static_cast<size_t>(s.N) * s.V, 104, -4.0, 4.0), losses(s.N);
+  cpu::softmax_crossentropy_forward(losses.data(), probs.data(), targets.data(), s.N, s.V);
+  auto d_targets = on_device(device(), "targets", targets, 0);
+  auto d_probs = on_device(device(), "probs", probs, 0);
+  const float dloss = 1.0f / (3.0f * s.N);
+  cpu::softmax_crossentropy_backward(probs.data(), targets.data(), dloss, s.N, s.V);
+  ops().softmax_crossentropy_backward(d_probs.data(), d_targets.data(), dloss, s.N, s.V);
+  expect_close(d_probs.download("softmax_crossentropy_backward").data(), widen(probs), kExact, "crossentropy dlogits");
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CrossEntropyTest,
+                         ::testing::Values(CrossEntropyShape{1, 1}, CrossEntropyShape{3, 7}, CrossEntropyShape{5, 513},
+                                           CrossEntropyShape{4, 1000}, CrossEntropyShape{2, 50257}),
+                         ShapeName());
+
+// ==================================================================================================
+// Reductions to the host. sum, sum_squares: both sides add widened floats in double, in different
+// orders; each is within n 2^-53 sum|terms| of the exact value (Higham), so they differ by at
+// most twice that. count_nonfinite is exact.
+// ==================================================================================================
+class ReduceTest : public GpuSuite<::testing::TestWithParam<size_t>> {};
+
+TEST_P(ReduceTest, SumAndSumSquaresMatchCpu) {
+  const size_t n = GetParam();
+  const std::vector<float> x = uniform_vector(n, 111);
+  double sum = 0, sum_abs = 0, squares = 0;
+  for (float v : x) {
+    sum += v;
+    sum_abs += std::fabs(v);
+    squares += static_cast<double>(v) * v;
+  }
+  auto d_x = on_device(device(), "x", x, static_cast<int>(n % 2));
+  const double bound = 2.0 * static_cast<double>(n) * 0x1p-53;
+  const double got_sum = ops().sum(d_x.data(), n), got_squares = ops().sum_squares(d_x.data(), n);
+  EXPECT_LE(std::fabs(got_sum - sum), bound * sum_abs) << "sum of " << n;
+  EXPECT_LE(std::fabs(got_squares - squares), bound * squares) << "sum_squares of " << n;
+  EXPECT_EQ(ops().sum(d_x.data(), n), got_sum) << "sum repeats bitwise";
+  EXPECT_EQ(ops().sum_squares(d_x.data(), n), got_squares) << "sum_squares repeats bitwise";
+  d_x.download("reductions");
+}
+
+TEST_P(ReduceTest, CountNonfiniteIsExact) {
+  const size_t n = GetParam();
+  std::vector<float> x = uniform_vector(n, 112);
+  auto d_x = on_device(device(), "x", x, 0);
+  EXPECT_EQ(ops().count_nonfinite(d_x.data(), n), 0u);
+  if (n == 0) return;
+  const float specials[] = {kNaN, std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                            -kNaN};
+  size_t expected = 0;
+  for (size_t k = 0; k < 4; k++) {
+    const size_t at[] = {0, n - 1, n / 2, n / 3};
+    if (std::isfinite(x[at[k]])) expected++;
+    x[at[k]] = specials[k];
+  }
+  d_x.upload(x);
+  EXPECT_EQ(ops().count_nonfinite(d_x.data(), n), expected);
+  EXPECT_EQ(ops().count_nonfinite(d_x.data(), n), expected) << "repeated";
+  x[0] = std::numeric_limits<float>::max();  // large but finite
+  d_x.upload(x);
+  EXPECT_EQ(ops().count_nonfinite(d_x.data(), n), expected - 1);
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, ReduceTest, ::testing::Values(0, 1, 7, 1000, 4097, 1000003),
+                         [](const ::testing::TestParamInfo<size_t>& info) { return "n" + std::to_string(info.param); });
+
+// ==================================================================================================
+// ShardOps: 16-bit conversions must be bit-identical to backend/dtype.hpp on the host (the same
+// code); AdamW must match the host loop of adamw_update within kAdamWTol.
+// ==================================================================================================
+class ShardOpsTest : public GpuSuite<::testing::TestWithParam<DType>> {};
+
+// Every 16-bit pattern; floats of every magnitude (a stride through all 2^32 patterns), ties,
+// subnormals, overflow, infinities and NaN payloads.
+TEST_P(ShardOpsTest, HalfConversionsMatchHostBitwise) {
+  const DType type = GetParam();
+  std::vector<uint16_t> halves(65536);
+  for (uint32_t h = 0; h < 65536; h++) halves[h] = static_cast<uint16_t>(h);
+  std::vector<float> widened(halves.size());
+  for (size_t i = 0; i < halves.size(); i++) widened[i] = half_to_float(halves[i], type);
+  auto d_halves = on_device(device(), "halves", halves, 0);
+  DeviceBuffer<float> d_widened(device(), "widened", halves.size(), 1);
+  shard_ops().from_half(d_widened.data(), d_halves.data(), halves.size(), type);
+  expect_same_bits(d_widened.download("from_half"), widened, std::string("from_half ") + dtype_name(type));
+
+  std::vector<float> floats;
+  for (uint64_t bits = 0; bits < (uint64_t{1} << 32); bits += 4099) floats.push_back(bits_float(static_cast<uint32_t>(bits)));
+  for (uint32_t bits : {0x00000000u, 0x80000000u, 0x7F800000u, 0xFF800000u, 0x7FC00000u, 0x7F800001u, 0xFFC12345u,
+                        0x00000001u, 0x807FFFFFu, 0x3F808000u, 0x3F818000u, 0x477FEFFFu, 0x477FF000u, 0x33000000u,
+                        0x33000001u, 0x33800000u, 0x387FE000u, 0x38800000u, 0x7F7FFFFFu, 0xC77FF000u})
+    floats.push_back(bits_float(bits));
+  floats.push_back(65504.0f);
+  floats.push_back(65519.0f);
+  std::vector<uint16_t> rounded(floats.size());
+  for (size_t i = 0; i < floats.size(); i++) rounded[i] = float_to_half(floats[i], type);
+  auto d_floats = on_device(device(), "floats", floats, 1);
+  DeviceBuffer<uint16_t> d_rounded(device(), "rounded", floats.size(), 1);
+  shard_ops().to_half(d_rounded.data(), d_floats.data(), floats.size(), type);
+  expect_same_bits(d_rounded.download("to_half"), rounded, std::string("to_half ") + dtype_name(type));
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, ShardOpsTest, ::testing::Values(DTYPE_BF16, DTYPE_FP16),
+                         [](const ::testing::TestParamInfo<DType>& info) { return std::string(dtype_name(info.param)); });
+
+class AdamWTest : public GpuSuite<::testing::TestWithParam<PointwiseShape>> {};
+
+TEST_P(AdamWTest, TwoStepsMatchHost) {
+  const PointwiseShape s = GetParam();
+  std::vector<float> param = uniform_vector(s.n, 121), m(s.n, 0.0f), v(s.n, 0.0f);
+  auto d_param = on_device(device(), "param", param, s.misalign), d_m = on_device(device(), "m", m, s.misalign),
+       d_v = on_device(device(), "v", v, s.misalign);
+  for (int t = 1; t <= 2; t++) {
+    const std::vector<float> grad = uniform_vector(s.n, 122 + t, -2.0, 2.0);
+    auto d_grad = on_device(device(), "grad", grad, s.misalign);
+    AdamWStep step{};
+    step.lr = 1e-3f;
+    step.beta1 = 0.9f;
+    step.beta2 = 0.95f;
+    step.eps = 1e-8f;
+    step.weight_decay = 0.1f;
+    step.bias_correction1 = 1.0f - std::pow(step.beta1, static_cast<float>(t));
+    step.bias_correction2 = 1.0f - std::pow(step.beta2, static_cast<float>(t));
+    const float multiplier = 0.5f, decay = t == 1 ? 1.0f : 0.0f;  // with and without weight decay
+    for (size_t i = 0; i < s.n; i++) adamw_update(&param[i], &m[i], &v[i], grad[i] * multiplier, decay, step);
+    shard_ops().adamw(d_param.data(), d_m.data(), d_v.data(), d_grad.data(), s.n, multiplier, decay, step);
+    d_grad.download("adamw (grad)");
+  }
+  expect_close(d_param.download("adamw").data(), widen(param), kAdamWTol, "adamw param");
+  expect_close(d_m.download("adamw").data(), widen(m), kAdamWTol, "adamw m");
+  expect_close(d_v.download("adamw").data(), widen(v), kAdamWTol, "adamw v");
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, AdamWTest,
+                         ::testing::Values(PointwiseShape{1, 0}, PointwiseShape{5, 0}, PointwiseShape{1000, 0},
+                                           PointwiseShape{4099, 0}, PointwiseShape{5, 1}, PointwiseShape{4099, 1}),
+                         ShapeName());
+
+// The interface's own promises: device() is the device the ops were made for.
+class CudaOpsTest : public GpuSuite<::testing::Test> {};
+TEST_F(CudaOpsTest, DeviceIsTheCudaDevice) {
+  EXPECT_EQ(&ops().device(), static_cast<Device*>(&device()));
+  EXPECT_EQ(ops().device().kind(), DEVICE_CUDA);
+}
+
+}  // namespace
