@@ -29,8 +29,9 @@ LaunchContext launch_context(CudaDevice& device) {
 
 class CudaLayerOps final : public LayerOps<float> {
  public:
-  explicit CudaLayerOps(CudaDevice& device) : device_(device) {
+  CudaLayerOps(CudaDevice& device, DType gemm_operands) : device_(device) {
     gemm_.launch = launch_context(device);
+    gemm_.operands = gemm_operands;
     gemm_.handle = device.cublaslt();
     gemm_.workspace = device.gemm_workspace();
     gemm_.workspace_bytes = device.gemm_workspace_bytes();
@@ -158,8 +159,8 @@ class CudaShardOps final : public ShardOps {
 
 }  // namespace
 
-std::unique_ptr<LayerOps<float>> make_cuda_layer_ops(CudaDevice& device) {
-  return std::make_unique<CudaLayerOps>(device);
+std::unique_ptr<LayerOps<float>> make_cuda_layer_ops(CudaDevice& device, DType gemm_operands) {
+  return std::make_unique<CudaLayerOps>(device, gemm_operands);
 }
 
 std::unique_ptr<ShardOps> make_cuda_shard_ops(CudaDevice& device) { return std::make_unique<CudaShardOps>(device); }

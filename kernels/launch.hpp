@@ -29,12 +29,15 @@ struct LaunchContext {
   int sm_count = 1;
 };
 
-// What GEMMs need besides the stream: the cuBLASLt handle and its workspace.
+// What GEMMs need besides the stream: the cuBLASLt handle and its workspace, and the type the
+// fp32 operands are rounded to for the tensor cores (fsdp.param_dtype on the GPU: bf16 or fp16
+// operands, fp32 accumulation and output, as torch.autocast; fp32: exact fp32 arithmetic).
 struct GemmContext {
   LaunchContext launch;
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  DType operands = DTYPE_FP32;
 };
 
 // ---- GEMM (matmul.cu) ------------------------------------------------------------------------------
@@ -43,7 +46,9 @@ struct GemmContext {
 // element strides stride_a/b/c (batch 1: strides unused). bias (length N, may be null) is added to
 // every row of the result (cuBLASLt's bias epilogue, or a fill + beta = 1 where the epilogue has
 // no kernel for the operands' alignment); beta must be 0 with a bias. fp32 in, fp32 out,
-// CUBLAS_COMPUTE_32F: exact fp32 arithmetic, no TF32.
+// CUBLAS_COMPUTE_32F: exact fp32 arithmetic, no TF32 -- unless ctx.operands is bf16 or fp16: then
+// A and B are rounded to it (into stream-ordered temporary memory) and multiplied on the tensor
+// cores with fp32 accumulation.
 void gemm_row_major(const GemmContext& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha,
                     const float* A, int lda, long long stride_a, const float* B, int ldb, long long stride_b, float beta,
                     float* C, int ldc, long long stride_c, int batch, const float* bias);

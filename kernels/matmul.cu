@@ -7,9 +7,11 @@
 // backend/cpu/gemm.hpp's gemm(): matmul and attention read like their CPU versions.
 //
 // Precision: fp32 operands, fp32 output, CUBLAS_COMPUTE_32F (true fp32 FMAs, no TF32) so that the
-// GPU matches the CPU to fp32 reassociation error. A TF32 path would pass
-// CUBLAS_COMPUTE_32F_FAST_TF32 here; a bf16 path uses gemm_row_major_bf16 (bf16 A/B, fp32
-// accumulate and output).
+// GPU matches the CPU to fp32 reassociation error. With GemmContext::operands bf16 or fp16 (the
+// GPU's meaning of fsdp.param_dtype) the fp32 operands are rounded to it first, as torch.autocast
+// does, and the tensor cores multiply them with fp32 accumulation and output: the activations and
+// every non-GEMM op stay fp32. The rounded copies live in stream-ordered memory (cudaMallocAsync),
+// freed on the stream right after the GEMM. gemm_row_major_bf16 takes operands already in bf16.
 //
 // Alignment: cuBLASLt's heuristic assumes 256-byte aligned operands unless told otherwise, and a
 // kernel picked under that assumption fails or misreads on less aligned pointers (views into flat
@@ -138,6 +140,28 @@ void check_gemm_args(int M, int N, int K, int batch) {
                            types, trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, batch, A, lda, B, ldb, C, ldc));
 }
 
+// out[i] = in[i] rounded to bf16 or fp16 (backend/dtype.hpp, round to nearest even).
+__global__ void round_operand_kernel(uint16_t* out, const float* in, size_t n, DType type) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    out[i] = float_to_half(in[i], type);
+}
+
+// Elements from a row-major operand's first to its last, all batches: rows x cols stored with
+// leading dimension ld, `batch` matrices `stride` apart.
+size_t operand_extent(int rows, int cols, int ld, long long stride, int batch) {
+  return static_cast<size_t>(batch - 1) * static_cast<size_t>(stride) + static_cast<size_t>(rows - 1) * ld + cols;
+}
+
+// A copy of an fp32 operand rounded to `type`, in stream-ordered memory: free with cudaFreeAsync.
+uint16_t* rounded_operand(const float* x, size_t n, DType type, const LaunchContext& ctx) {
+  void* p = nullptr;
+  CUDA_CHECK(cudaMallocAsync(&p, n * sizeof(uint16_t), ctx.stream));
+  round_operand_kernel<<<grid_for(n, 256, ctx), 256, 0, ctx.stream>>>(static_cast<uint16_t*>(p), x, n, type);
+  CUDA_CHECK_LAUNCH();
+  return static_cast<uint16_t*>(p);
+}
+
 }  // namespace
 
 void gemm_row_major(const GemmContext& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha,
@@ -147,6 +171,25 @@ void gemm_row_major(const GemmContext& ctx, bool trans_a, bool trans_b, int M, i
   SHARD_CHECK(!bias || (beta == 0.0f && batch == 1), "gemm: a bias needs beta = 0 and batch = 1");
   if (M == 0 || N == 0 || (K == 0 && beta == 1.0f && !bias)) return;  // nothing to compute, or C += 0
   SHARD_CHECK(K > 0, "gemm: K = 0 is supported only as C += 0 (beta = 1, no bias)");
+  if (ctx.operands != DTYPE_FP32) {
+    if (bias) {  // C = bias in every row, then C = A B + C
+      const size_t n = static_cast<size_t>(M) * N;
+      fill_rows_kernel<<<grid_for(n, 256, ctx.launch), 256, 0, ctx.launch.stream>>>(C, bias, N, ldc, n);
+      CUDA_CHECK_LAUNCH();
+      beta = 1.0f;
+    }
+    const cudaDataType_t type = ctx.operands == DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+    uint16_t* a = rounded_operand(A, operand_extent(trans_a ? K : M, trans_a ? M : K, lda, stride_a, batch),
+                                  ctx.operands, ctx.launch);
+    uint16_t* b = rounded_operand(B, operand_extent(trans_b ? N : K, trans_b ? K : N, ldb, stride_b, batch),
+                                  ctx.operands, ctx.launch);
+    const bool ok = try_gemm_col_major(ctx, trans_b, trans_a, N, M, K, alpha, b, type, ldb, stride_b, a, type, lda,
+                                       stride_a, beta, C, ldc, stride_c, batch, nullptr);
+    CUDA_CHECK(cudaFreeAsync(a, ctx.launch.stream));
+    CUDA_CHECK(cudaFreeAsync(b, ctx.launch.stream));
+    if (!ok) no_gemm_kernel(trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc, batch, dtype_name(ctx.operands));
+    return;
+  }
   if (bias && aligned16(bias) &&
       try_gemm_col_major(ctx, trans_b, trans_a, N, M, K, alpha, B, CUDA_R_32F, ldb, stride_b, A, CUDA_R_32F, lda,
                          stride_a, beta, C, ldc, stride_c, batch, bias))

@@ -23,7 +23,7 @@ struct ComputeBackend::Cuda {};
 bool cuda_backend_built() { return false; }
 #endif
 
-ComputeBackend::ComputeBackend(const std::string& device, const Runtime& rt) {
+ComputeBackend::ComputeBackend(const std::string& device, DType compute_dtype, const Runtime& rt) {
   if (device == "cpu") {
     backend_ = cpu_backend();
     return;
@@ -41,11 +41,11 @@ ComputeBackend::ComputeBackend(const std::string& device, const Runtime& rt) {
     cuda_->device = CudaDevice::open(rt.local_rank());
   });
   cuda_->pinned_host = make_pinned_host(*cuda_->device);
-  cuda_->ops = make_cuda_layer_ops(*cuda_->device);
+  cuda_->ops = make_cuda_layer_ops(*cuda_->device, compute_dtype);
   cuda_->shard_ops = make_cuda_shard_ops(*cuda_->device);
   backend_ = Backend{cuda_->device.get(), cuda_->pinned_host.get(), cuda_->ops.get(), cuda_->shard_ops.get()};
 #else
-  (void)rt;
+  (void)rt, (void)compute_dtype;
   throw UsageError("train.device=cuda: this build has no CUDA backend; rebuild with 'make CUDA=1' (see docs/gpu.md) "
                    "or use train.device=cpu");
 #endif

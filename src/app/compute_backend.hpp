@@ -21,7 +21,9 @@ class ComputeBackend {
  public:
   // device: "cpu" or "cuda" (the GPU of node-local rank modulo the visible GPUs). Throws
   // UsageError when this build has no CUDA backend, InputError when no GPU can be used.
-  ComputeBackend(const std::string& device, const Runtime& rt);
+  // compute_dtype (fsdp.param_dtype): on a GPU, bf16 or fp16 runs the GEMMs on the tensor cores
+  // with operands in that type; the CPU computes in fp32 whatever it is.
+  ComputeBackend(const std::string& device, DType compute_dtype, const Runtime& rt);
   ~ComputeBackend();
 
   const Backend& backend() const { return backend_; }

@@ -225,7 +225,7 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
       accum_(config.train.global_batch / (config.train.micro_batch * rt.world())),
       watchdog_(config.fsdp.comm_timeout, strprintf("[rank %d/%d %s]", rt.rank(), rt.world(), rt.host().c_str())),
       strategy_(strategy_from(config)),
-      compute_(config.train.device, rt),
+      compute_(config.train.device, engine_options(config).param_dtype, rt),
       comm_(make_mpi_comm(rt.world_comm(), &watchdog_)),
       shard_comm_(make_shard_comm(rt, config, strategy_, compute_, &watchdog_)),
       replica_comm_(make_replica_comm(rt, config, strategy_, compute_, &watchdog_)),

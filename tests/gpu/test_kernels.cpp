@@ -456,6 +456,47 @@ TEST_F(GemmBf16Test, MatchesCpuOnWidenedValues) {
   }
 }
 
+// LayerOps with 16-bit GEMM operands (fsdp.param_dtype on a GPU): the fp32 operands are rounded
+// to bf16/fp16 on the device, so the oracle is the CPU's fp32 matmul on operands rounded the same
+// way on the host; the products of 16-bit values are exact in fp32, the bias is added in fp32.
+class GemmOperandsTest : public GpuSuite<::testing::TestWithParam<DType>> {};
+
+TEST_P(GemmOperandsTest, MatmulRoundsOperandsThenMatchesCpu) {
+  const DType type = GetParam();
+  auto rounded = [&](std::vector<float> v) {
+    for (float& x : v) x = half_to_float(float_to_half(x, type), type);
+    return v;
+  };
+  auto half_ops = make_cuda_layer_ops(device(), type);
+  for (const MatmulShape& s : {MatmulShape{37, 50, 29, true, 0}, MatmulShape{13, 36, 50, true, 1},
+                               MatmulShape{256, 768, 768, true, 0}}) {
+    const std::vector<float> inp = uniform_vector(static_cast<size_t>(s.N) * s.C, 81),
+                             weight = uniform_vector(static_cast<size_t>(s.OC) * s.C, 82),
+                             bias = uniform_vector(s.OC, 83), dout = uniform_vector(static_cast<size_t>(s.N) * s.OC, 84);
+    std::vector<float> ref(static_cast<size_t>(s.N) * s.OC), ref_dinp(inp.size()), ref_dweight(weight.size(), 0.0f);
+    const std::vector<float> inp_r = rounded(inp), weight_r = rounded(weight), dout_r = rounded(dout);
+    cpu::matmul_forward(ref.data(), inp_r.data(), weight_r.data(), bias.data(), s.N, s.C, s.OC);
+    cpu::matmul_backward(ref_dinp.data(), ref_dweight.data(), static_cast<float*>(nullptr), dout_r.data(), inp_r.data(),
+                         weight_r.data(), s.N, s.C, s.OC);
+
+    auto d_inp = on_device(device(), "inp", inp, s.misalign), d_weight = on_device(device(), "weight", weight, s.misalign);
+    auto d_bias = on_device(device(), "bias", bias, s.misalign), d_dout = on_device(device(), "dout", dout, s.misalign);
+    DeviceBuffer<float> d_out(device(), "out", ref.size(), s.misalign), d_dinp(device(), "dinp", inp.size(), s.misalign);
+    auto d_dweight = on_device(device(), "dweight", std::vector<float>(weight.size(), 0.0f), s.misalign);
+    d_out.fill(kNaN);
+    half_ops->matmul_forward(d_out.data(), d_inp.data(), d_weight.data(), d_bias.data(), s.N, s.C, s.OC);
+    half_ops->matmul_backward(d_dinp.data(), d_dweight.data(), nullptr, d_dout.data(), d_inp.data(), d_weight.data(),
+                              s.N, s.C, s.OC);
+    const std::string label = std::string(dtype_name(type)) + " operands " + name_of(s);
+    expect_close(d_out.download("matmul_forward").data(), widen(ref), fp32_pair(s.C + 1), label + " out");
+    expect_close(d_dinp.download("matmul_backward").data(), widen(ref_dinp), fp32_pair(s.OC), label + " dinp");
+    expect_close(d_dweight.download("matmul_backward").data(), widen(ref_dweight), fp32_pair(s.N), label + " dweight");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, GemmOperandsTest, ::testing::Values(DTYPE_BF16, DTYPE_FP16),
+                         [](const ::testing::TestParamInfo<DType>& info) { return std::string(dtype_name(info.param)); });
+
 // ==================================================================================================
 // Attention. qkv in [-1, 1); the backward gets the CPU's saved probabilities on both sides.
 // ==================================================================================================

@@ -79,8 +79,10 @@ class CudaDevice : public Device {
 // src/backend/cuda/pinned_host.cpp.
 std::unique_ptr<Device> make_pinned_host(CudaDevice& gpu);
 
-// Operations on the device's compute stream (kernels/).
-std::unique_ptr<LayerOps<float>> make_cuda_layer_ops(CudaDevice& device);
+// Operations on the device's compute stream (kernels/). gemm_operands: bf16 or fp16 rounds the
+// fp32 operands of every GEMM to it for the tensor cores (fp32 accumulation; fsdp.param_dtype on
+// a GPU), fp32 keeps exact fp32 GEMMs.
+std::unique_ptr<LayerOps<float>> make_cuda_layer_ops(CudaDevice& device, DType gemm_operands = DTYPE_FP32);
 std::unique_ptr<ShardOps> make_cuda_shard_ops(CudaDevice& device);
 
 // A NCCL communicator over the ranks of `comm`: rank 0 of `comm` creates the unique id, MPI
