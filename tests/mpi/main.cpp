@@ -3,9 +3,13 @@
 // prints. The process exit code is the verdict.
 #include <gtest/gtest.h>
 #include <mpi.h>
+#include <omp.h>
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
+  // Up to 4 ranks share 2 cores here: OpenMP teams of several threads per rank spin-wait against
+  // each other (seconds per parallel loop). These tests are about ranks, not threads.
+  omp_set_num_threads(1);
   ::testing::InitGoogleTest(&argc, argv);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
