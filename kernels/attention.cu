@@ -121,20 +121,38 @@ size_t attention_workspace_bytes(int B, int T, int C) {
   return carver.bytes();
 }
 
+// The dimensions both directions use, and the workspace cut into five head-major (B,NH,T,hs)
+// buffers: q, k, v, then y (forward) or dy, dv (backward).
+struct HeadLayout {
+  int hs, BNH;
+  size_t btc;
+  long long head, square;  // elements of one head's (T,hs) and (T,T) matrices: the batch strides
+  float scale;
+  float *q, *k, *v, *fourth, *fifth;
+  HeadLayout(int B, int T, int C, int NH, void* workspace)
+      : hs(C / NH),
+        BNH(B * NH),
+        btc(static_cast<size_t>(B) * T * C),
+        head(static_cast<long long>(T) * (C / NH)),
+        square(static_cast<long long>(T) * T),
+        scale(1.0f / sqrtf(static_cast<float>(C / NH))) {
+    WorkspaceCarver carver(workspace);
+    float** parts[5] = {&q, &k, &v, &fourth, &fifth};
+    for (float** p : parts) *p = carver.take<float>(btc);
+  }
+};
+
 void launch_attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH, void* workspace,
                               const GemmContext& ctx) {
   check_attention_args("attention_forward", B, T, C, NH);
   if (B == 0 || T == 0) return;
-  const int hs = C / NH, BNH = B * NH;
-  const size_t btc = static_cast<size_t>(B) * T * C;
-  const long long head = static_cast<long long>(T) * hs, square = static_cast<long long>(T) * T;
-  const float scale = 1.0f / sqrtf(static_cast<float>(hs));
+  const HeadLayout h(B, T, C, NH, workspace);
+  const int hs = h.hs, BNH = h.BNH;
+  const size_t btc = h.btc;
+  const long long head = h.head, square = h.square;
+  const float scale = h.scale;
   const LaunchContext& launch = ctx.launch;
-  WorkspaceCarver carver(workspace);
-  float* q = carver.take<float>(btc);
-  float* k = carver.take<float>(btc);
-  float* v = carver.take<float>(btc);
-  float* y = carver.take<float>(btc);
+  float *q = h.q, *k = h.k, *v = h.v, *y = h.fourth;
 
   split_heads_kernel<<<grid_for(btc, kThreads, launch), kThreads, 0, launch.stream>>>(Parts{{q, k, v}}, qkv, 3 * C, 3,
                                                                                       B, T, NH, hs);
@@ -155,17 +173,13 @@ void launch_attention_backward(float* dqkv, float* scratch, const float* dout, c
                                int B, int T, int C, int NH, void* workspace, const GemmContext& ctx) {
   check_attention_args("attention_backward", B, T, C, NH);
   if (B == 0 || T == 0) return;
-  const int hs = C / NH, BNH = B * NH;
-  const size_t btc = static_cast<size_t>(B) * T * C;
-  const long long head = static_cast<long long>(T) * hs, square = static_cast<long long>(T) * T;
-  const float scale = 1.0f / sqrtf(static_cast<float>(hs));
+  const HeadLayout h(B, T, C, NH, workspace);
+  const int hs = h.hs, BNH = h.BNH;
+  const size_t btc = h.btc;
+  const long long head = h.head, square = h.square;
+  const float scale = h.scale;
   const LaunchContext& launch = ctx.launch;
-  WorkspaceCarver carver(workspace);
-  float* q = carver.take<float>(btc);
-  float* k = carver.take<float>(btc);
-  float* v = carver.take<float>(btc);
-  float* dy = carver.take<float>(btc);
-  float* dv = carver.take<float>(btc);
+  float *q = h.q, *k = h.k, *v = h.v, *dy = h.fourth, *dv = h.fifth;
   float* dq = dy;  // dy is dead once datt and dv are computed
   float* dk = v;   // v is dead once datt is computed
   float* da = scratch;

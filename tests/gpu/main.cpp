@@ -11,6 +11,7 @@
 #include <string>
 
 #include "backend/cuda/cuda_backend.hpp"
+#include "support/mpi_gtest.hpp"
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
@@ -27,13 +28,5 @@ int main(int argc, char** argv) {
     return 0;
   }
 
-  if (rank != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-  }
-  int result = RUN_ALL_TESTS();
-  int worst = 0;
-  MPI_Allreduce(&result, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  MPI_Finalize();
-  return worst;
+  return shardtrain::testing::run_all_tests_on_every_rank();
 }

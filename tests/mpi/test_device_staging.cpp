@@ -20,8 +20,10 @@
 #include "model/gpt.hpp"
 #include "optim/adamw.hpp"
 #include "shard/fsdp_engine.hpp"
+#include "support/mpi_gtest.hpp"
 
 using namespace shardtrain;
+using shardtrain::testing::all_ranks;
 
 namespace {
 
@@ -44,12 +46,6 @@ class ForeignDevice : public Device {
  private:
   size_t copied_ = 0;
 };
-
-bool all_ranks(bool local) {
-  int mine = local ? 1 : 0, all = 0;
-  MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-  return all == 1;
-}
 
 ModelConfig small_model() {
   ModelConfig c;

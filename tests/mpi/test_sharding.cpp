@@ -12,16 +12,12 @@
 #include "comm/comm.hpp"
 #include "model/gpt.hpp"
 #include "shard/fsdp_engine.hpp"
+#include "support/mpi_gtest.hpp"
 
 using namespace shardtrain;
+using shardtrain::testing::all_ranks;
 
 namespace {
-
-bool collective_ok(bool local) {
-  int mine = local ? 1 : 0, all = 0;
-  MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-  return all == 1;
-}
 
 ModelConfig awkward_model() {
   ModelConfig c;
@@ -49,7 +45,7 @@ TEST(Comm, AllGatherPlacesEachShardExactly) {
     bool ok = true;
     for (int q = 0; q < n; q++)
       for (size_t i = 0; i < shard; i++) ok &= full[q * shard + i] == static_cast<float>(q * 10000 + i);
-    EXPECT_TRUE(collective_ok(ok)) << "shard " << shard;
+    EXPECT_TRUE(all_ranks(ok)) << "shard " << shard;
   }
 }
 
@@ -64,7 +60,7 @@ TEST(Comm, ReduceScatterAddsTheRankSumExactly) {
     bool ok = true;
     const float rank_sum = n * (n + 1) / 2.0f;
     for (size_t i = 0; i < shard; i++) ok &= mine[i] == 1000.0f + 2 * rank_sum * ((r * shard + i) % 11);
-    EXPECT_TRUE(collective_ok(ok)) << "shard " << shard;
+    EXPECT_TRUE(all_ranks(ok)) << "shard " << shard;
   }
 }
 
@@ -81,7 +77,7 @@ TEST(Comm, ReduceScatterIn16BitWireIsExactOnSmallIntegers) {
     bool ok = comm->bytes_sent() - before == static_cast<uint64_t>(n - 1) * shard * 2;
     const float rank_sum = n * (n + 1) / 2.0f;
     for (size_t i = 0; i < shard; i++) ok &= mine[i] == 0.5f + rank_sum * ((r * shard + i) % 7);
-    EXPECT_TRUE(collective_ok(ok)) << dtype_name(wire);
+    EXPECT_TRUE(all_ranks(ok)) << dtype_name(wire);
   }
 }
 
@@ -94,7 +90,7 @@ TEST(Comm, AllGatherOf16BitValues) {
   bool ok = true;
   for (int q = 0; q < n; q++)
     for (size_t i = 0; i < 13; i++) ok &= full[q * 13 + i] == q * 1000 + i;
-  EXPECT_TRUE(collective_ok(ok));
+  EXPECT_TRUE(all_ranks(ok));
 }
 
 TEST(Engine, InitializationIsIndependentOfRankCount) {
@@ -111,7 +107,7 @@ TEST(Engine, InitializationIsIndependentOfRankCount) {
     std::vector<float> b = whole.gather_unit(static_cast<int>(u), false);
     ok &= a == b;
   }
-  EXPECT_TRUE(collective_ok(ok));
+  EXPECT_TRUE(all_ranks(ok));
 }
 
 TEST(Engine, ShardedGradientEqualsSumOfUnshardedGradients) {
@@ -168,5 +164,5 @@ TEST(Engine, ShardedGradientEqualsSumOfUnshardedGradients) {
       ok &= err <= limit;
     }
   }
-  EXPECT_TRUE(collective_ok(ok)) << "worst error / threshold on rank " << r << ": " << worst;
+  EXPECT_TRUE(all_ranks(ok)) << "worst error / threshold on rank " << r << ": " << worst;
 }
