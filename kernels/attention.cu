@@ -33,6 +33,18 @@ struct ConstParts {
   const float* p[3];
 };
 
+// Head-major element i = [b,h,t,d] of a (B,NH,T,hs) tensor: its offset (b*T + t)*row_stride +
+// h*hs + d in the token-major (B,T,row_stride) layout.
+__device__ inline size_t token_major_offset(size_t i, int T, int NH, int hs, int row_stride) {
+  const int d = static_cast<int>(i % hs);
+  size_t rest = i / hs;
+  const int t = static_cast<int>(rest % T);
+  rest /= T;
+  const int h = static_cast<int>(rest % NH);
+  const size_t b = rest / NH;
+  return (b * T + t) * row_stride + static_cast<size_t>(h) * hs + d;
+}
+
 // dst.p[part][b,h,t,d] = src[(b*T + t)*row_stride + part*C + h*hs + d], part < parts.
 __global__ void split_heads_kernel(Parts dst, const float* src, int row_stride, int parts, int B, int T, int NH,
                                    int hs) {
@@ -40,13 +52,7 @@ __global__ void split_heads_kernel(Parts dst, const float* src, int row_stride, 
   const int C = NH * hs;
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    const int d = static_cast<int>(i % hs);
-    size_t rest = i / hs;
-    const int t = static_cast<int>(rest % T);
-    rest /= T;
-    const int h = static_cast<int>(rest % NH);
-    const size_t b = rest / NH;
-    const float* s = src + (b * T + t) * row_stride + h * hs + d;
+    const float* s = src + token_major_offset(i, T, NH, hs, row_stride);
     for (int part = 0; part < parts; part++) dst.p[part][i] = s[static_cast<size_t>(part) * C];
   }
 }
@@ -58,13 +64,7 @@ __global__ void merge_heads_kernel(float* dst, ConstParts src, int row_stride, i
   const int C = NH * hs;
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    const int d = static_cast<int>(i % hs);
-    size_t rest = i / hs;
-    const int t = static_cast<int>(rest % T);
-    rest /= T;
-    const int h = static_cast<int>(rest % NH);
-    const size_t b = rest / NH;
-    float* o = dst + (b * T + t) * row_stride + h * hs + d;
+    float* o = dst + token_major_offset(i, T, NH, hs, row_stride);
     for (int part = 0; part < parts; part++) o[static_cast<size_t>(part) * C] = src.p[part][i];
   }
 }
