@@ -1,6 +1,7 @@
-// See planner.hpp. Speed order among the combinations that fit: no recomputation first
-// (activation checkpointing repeats each block's forward, about a third more compute), then the
-// fewest bytes moved per step per rank. Traffic per rank per step, Psi = padded parameters,
+// See planner.hpp. Speed order among the combinations that fit: no CPU offload first (it copies
+// every shard to the device per gather and runs AdamW on the CPU: the last resort, considered for
+// FULL_SHARD only), then no recomputation (activation checkpointing repeats each block's forward,
+// about a third more compute), then the fewest bytes moved per step per rank. Traffic per rank per step, Psi = padded parameters,
 // N = shard group size, R = replicas, A = micro-batches per step (ring collectives move (n-1)/n):
 //   FULL_SHARD/HYBRID  A (Psi + max(0, L - K) Psi_block)(N-1)/N all-gathers (the backward re-gathers
 //                      the blocks no longer held in the K = limit_all_gathers buffers)
@@ -27,6 +28,7 @@ struct Candidate {
   ShardingStrategy strategy;
   bool reduce_every_microbatch;
   bool checkpointing;
+  bool offload;
   int shard_size, replicas;
   MemoryPlan memory;
   double traffic_bytes;
@@ -102,15 +104,18 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
     if (s == SHARDING_HYBRID_SHARD && (ranks_per_node == world || ranks_per_node == 1)) continue;  // = FULL/NO_SHARD
     for (bool every : {true, false}) {
       if (s == SHARDING_NO_SHARD && !every) continue;  // NO_SHARD always reduces once per step
-      for (bool ckpt : {false, true}) {
-        Candidate c{s, every, ckpt, shard, world / shard, {}, 0, false};
-        EngineOptions options = engine_options(config);
-        options.strategy = s, options.reduce_every_microbatch = every;
-        c.memory = plan_rank_memory(config.model, GroupShape{shard, 0, world / shard, 0}, options,
-                                    config.train.micro_batch, config.train.seq_len, ckpt);
-        c.traffic_bytes = traffic_per_step(table, c, options, accumulation);
-        c.fits = limit == 0 || c.memory.total() <= limit;
-        candidates.push_back(c);
+      for (bool offload : {false, true}) {
+        if (offload && s != SHARDING_FULL_SHARD) continue;
+        for (bool ckpt : {false, true}) {
+          Candidate c{s, every, ckpt, offload, shard, world / shard, {}, 0, false};
+          EngineOptions options = engine_options(config);
+          options.strategy = s, options.reduce_every_microbatch = every, options.cpu_offload = offload;
+          c.memory = plan_rank_memory(config.model, GroupShape{shard, 0, world / shard, 0}, options,
+                                      config.train.micro_batch, config.train.seq_len, ckpt);
+          c.traffic_bytes = traffic_per_step(table, c, options, accumulation);
+          c.fits = limit == 0 || c.memory.total() <= limit;
+          candidates.push_back(c);
+        }
       }
     }
   }
@@ -120,24 +125,27 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
               config.model.n_layer, config.model.n_embd, config.model.n_head, config.model.vocab_size,
               table.total_params() / 1e6, world, ranks_per_node, config.train.micro_batch, config.train.seq_len,
               accumulation, limit ? format_bytes(static_cast<double>(limit)).c_str() : "none");
-  std::printf("%-14s %-9s %-5s %10s %10s %10s %10s %10s %10s %11s %11s  %s\n", "strategy", "reduce", "ckpt",
-              "params", "gathered", "grads", "optimizer", "activ.", "comm", "peak/rank", "traffic/st", "fits");
+  std::printf("%-14s %-9s %-5s %-7s %10s %10s %10s %10s %10s %10s %11s %11s  %s\n", "strategy", "reduce", "ckpt",
+              "offload", "params", "gathered", "grads", "optimizer", "activ.", "comm", "peak/rank", "traffic/st", "fits");
   for (const Candidate& c : candidates) {
     const auto& b = c.memory.bytes;
-    std::printf("%-14s %-9s %-5s %10s %10s %10s %10s %10s %10s %11s %11s  %s\n", sharding_strategy_name(c.strategy),
-                c.reduce_label(), c.checkpointing ? "yes" : "no", format_bytes(b[MEM_SHARDED_PARAMS]).c_str(), format_bytes(b[MEM_GATHERED_UNITS]).c_str(),
+    std::printf("%-14s %-9s %-5s %-7s %10s %10s %10s %10s %10s %10s %11s %11s  %s\n",
+                sharding_strategy_name(c.strategy), c.reduce_label(), c.checkpointing ? "yes" : "no",
+                c.offload ? "yes" : "no", format_bytes(b[MEM_SHARDED_PARAMS]).c_str(), format_bytes(b[MEM_GATHERED_UNITS]).c_str(),
                 format_bytes(b[MEM_GRADIENTS]).c_str(), format_bytes(b[MEM_OPTIMIZER_STATE]).c_str(),
                 format_bytes(b[MEM_ACTIVATIONS]).c_str(), format_bytes(b[MEM_COMM_BUFFERS]).c_str(),
                 format_bytes(c.memory.total()).c_str(), format_bytes(c.traffic_bytes).c_str(), c.fits ? "yes" : "NO");
   }
   // The same table for scripts: exact bytes.
   for (const Candidate& c : candidates)
-    std::printf("PLAN strategy=%s reduce=%s checkpointing=%s peak_bytes=%zu traffic_bytes=%.0f fits=%d\n",
-                sharding_strategy_name(c.strategy), c.reduce_label(), c.checkpointing ? "yes" : "no", c.memory.total(), c.traffic_bytes, c.fits ? 1 : 0);
+    std::printf("PLAN strategy=%s reduce=%s checkpointing=%s offload=%s peak_bytes=%zu traffic_bytes=%.0f fits=%d\n",
+                sharding_strategy_name(c.strategy), c.reduce_label(), c.checkpointing ? "yes" : "no",
+                c.offload ? "yes" : "no", c.memory.total(), c.traffic_bytes, c.fits ? 1 : 0);
   std::vector<const Candidate*> fitting;
   for (const Candidate& c : candidates)
     if (c.fits) fitting.push_back(&c);
   std::sort(fitting.begin(), fitting.end(), [](const Candidate* a, const Candidate* b) {
+    if (a->offload != b->offload) return !a->offload;
     if (a->checkpointing != b->checkpointing) return !a->checkpointing;
     if (a->traffic_bytes != b->traffic_bytes) return a->traffic_bytes < b->traffic_bytes;
     return a->memory.total() < b->memory.total();
@@ -153,9 +161,9 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
   }
   const Candidate& best = *fitting.front();
   std::printf("\nrecommended: fsdp.sharding_strategy=%s fsdp.reduce_every_microbatch=%s "
-              "fsdp.activation_checkpointing=%s%s\n",
+              "fsdp.activation_checkpointing=%s fsdp.cpu_offload=%s%s\n",
               sharding_strategy_name(best.strategy), best.reduce_every_microbatch ? "true" : "false",
-              best.checkpointing ? "true" : "false",
+              best.checkpointing ? "true" : "false", best.offload ? "true" : "false",
               best.strategy == SHARDING_HYBRID_SHARD ? strprintf(" fsdp.shard_group_size=%d", best.shard_size).c_str()
                                                      : "");
   std::printf("why: it needs %s per rank%s and moves %s per step per rank, the least among the combinations "
@@ -163,10 +171,11 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
               format_bytes(best.memory.total()).c_str(),
               limit ? strprintf(" (limit %s)", format_bytes(static_cast<double>(limit)).c_str()).c_str() : "",
               format_bytes(best.traffic_bytes).c_str(),
-              best.checkpointing ? "; activation checkpointing is needed because nothing fits without it"
-                                 : " without recomputing activations");
+              best.offload ? "; CPU offload is needed because nothing fits on the device without it"
+              : best.checkpointing ? "; activation checkpointing is needed because nothing fits without it"
+                                   : " without recomputing activations");
   for (const Candidate& c : candidates)
-    if (!c.fits && !c.checkpointing && c.traffic_bytes < best.traffic_bytes)
+    if (!c.fits && !c.checkpointing && !c.offload && c.traffic_bytes < best.traffic_bytes)
       std::printf("  %s (reduce per %s) would move less but needs %s per rank\n", sharding_strategy_name(c.strategy),
                   c.reduce_label(), format_bytes(c.memory.total()).c_str());
 }

@@ -119,7 +119,7 @@ def plot_planned_memory(build):
                                f"--train.global_batch={2 * n * max(1, 8 // n)}"],
                               cwd=ROOT, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
-        for m in re.finditer(r"PLAN strategy=(\w+) reduce=(\w+) checkpointing=no peak_bytes=(\d+)", proc.stdout):
+        for m in re.finditer(r"PLAN strategy=(\w+) reduce=(\w+) checkpointing=no offload=no peak_bytes=(\d+)", proc.stdout):
             strategy, reduce, peak = m.group(1), m.group(2), int(m.group(3))
             if reduce == "micro" or strategy == "NO_SHARD":
                 series.setdefault(strategy, {})[n] = peak / 2**20
