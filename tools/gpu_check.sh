@@ -95,7 +95,7 @@ PY
 }
 
 section "20 training steps on the GPU against the CPU (fp32, losses within 1e-3 relative)"
-CMP_OPTS=(--train.steps=20 --train.threads=4 --model.n_layer=4 --model.n_embd=256 --model.n_head=4 --train.seq_len=128
+CMP_OPTS=(--train.steps=20 --train.threads=4 --model.n_layer=4 --model.n_embd=256 --model.n_head=4 --model.max_seq_len=128 --train.seq_len=128
           --train.micro_batch=4 --train.global_batch=8)
 for strategy in FULL_SHARD NO_SHARD; do
   if run cmp-cpu-$strategy cpu 2 inputs/tiny.ini "${CMP_OPTS[@]}" --fsdp.sharding_strategy=$strategy &&
