@@ -262,6 +262,7 @@ EngineOptions engine_options(const Config& c) {
   parse_backward_prefetch(c.fsdp.backward_prefetch, &o.backward_prefetch);
   o.limit_all_gathers = c.fsdp.limit_all_gathers;
   o.cpu_offload = c.fsdp.cpu_offload;
+  o.overlap_reduce_scatter = c.train.device == "cuda";  // NCCL progresses on its own stream; MPI does not
   return o;
 }
 

@@ -55,6 +55,10 @@ class Comm {
   // wire bf16/fp16: values travel, and partial sums are rounded, in 16 bits; each rank's own
   // term and the final accumulation stay fp32.
   virtual void reduce_scatter_add(Span<const float> full, Span<float> shard, DType wire, const char* what) = 0;
+  // The same, started: `full` must stay untouched and `shard` unread until wait(handle), which
+  // every rank calls in the same order. NCCL runs it on the communication stream while the
+  // device computes on; MPI (no asynchronous progress in Open MPI 4.1) completes it here.
+  virtual int start_reduce_scatter_add(Span<const float> full, Span<float> shard, DType wire, const char* what) = 0;
   // Elementwise over ranks, in place.
   virtual void all_reduce_sum(Span<float> values, const char* what) = 0;
   virtual void all_reduce_sum(Span<double> values, const char* what) = 0;

@@ -56,6 +56,11 @@ class MpiComm final : public Comm {
     pending_[handle].what = nullptr;  // the slot is free again
   }
 
+  int start_reduce_scatter_add(Span<const float> full, Span<float> shard, DType wire, const char* what) override {
+    reduce_scatter_add(full, shard, wire, what);
+    return finished_request(what);
+  }
+
   uint64_t bytes_sent() const override { return bytes_sent_; }
 
   void reduce_scatter_add(Span<const float> full, Span<float> shard, DType wire, const char* what) override {
@@ -140,14 +145,24 @@ class MpiComm final : public Comm {
     }
   }
 
-  int start_gather(const void* shard, void* full, size_t shard_n, size_t full_n, MPI_Datatype type, size_t bytes,
-                   const char* what) {
-    SHARD_CHECK(full_n == shard_n * size_, "all_gather %s: full %zu != shard %zu x %d", what, full_n, shard_n, size_);
-    SHARD_CHECK(shard == static_cast<const char*>(full) + rank_ * shard_n * bytes, "start_all_gather is in place");
+  // A free slot of pending_ for a request named `what`.
+  size_t take_slot(const char* what) {
     size_t slot = 0;
     while (slot < pending_.size() && pending_[slot].what) slot++;
     if (slot == pending_.size()) pending_.push_back(Pending{});
     pending_[slot].what = what;
+    pending_[slot].request = MPI_REQUEST_NULL;
+    return slot;
+  }
+
+  // A handle for work already complete: wait() returns at once (MPI_Wait on a null request).
+  int finished_request(const char* what) { return static_cast<int>(take_slot(what)); }
+
+  int start_gather(const void* shard, void* full, size_t shard_n, size_t full_n, MPI_Datatype type, size_t bytes,
+                   const char* what) {
+    SHARD_CHECK(full_n == shard_n * size_, "all_gather %s: full %zu != shard %zu x %d", what, full_n, shard_n, size_);
+    SHARD_CHECK(shard == static_cast<const char*>(full) + rank_ * shard_n * bytes, "start_all_gather is in place");
+    const size_t slot = take_slot(what);
     bytes_sent_ += static_cast<uint64_t>(size_ - 1) * shard_n * bytes;
     MPI_CHECK(MPI_Iallgather(MPI_IN_PLACE, 0, type, full, checked_count(shard_n), type, comm_, &pending_[slot].request));
     return static_cast<int>(slot);

@@ -80,7 +80,8 @@ std::array<size_t, MEM_CATEGORY_COUNT> FsdpEngine::plan_memory(const std::vector
   if (sharded || half_params || options.cpu_offload) bytes[MEM_GATHERED_UNITS] = slots * sizeof(float);
   if (half_params) bytes[MEM_COMM_BUFFERS] += slots * sizeof(uint16_t);
   if (!sharded) return bytes;
-  bytes[MEM_GRADIENTS] += (options.reduce_every_microbatch ? root_and_block : all_padded) * sizeof(float);
+  const size_t second_block = options.overlap_reduce_scatter ? max_block : 0;
+  bytes[MEM_GRADIENTS] += (options.reduce_every_microbatch ? root_and_block + second_block : all_padded) * sizeof(float);
   bytes[MEM_COMM_BUFFERS] += 2 * max_shard * dtype_bytes(options.reduce_dtype);  // the ring's two chunk buffers
   return bytes;
 }
@@ -127,9 +128,11 @@ FsdpEngine::FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_
   if (options_.reduce_every_microbatch) {
     grad_buffers_.emplace_back(dev, layout[ROOT_UNIT].padded_numel);
     grad_buffers_.emplace_back(dev, max_block);
+    if (options_.overlap_reduce_scatter) grad_buffers_.emplace_back(dev, max_block);
   } else {
     for (const UnitLayout& l : layout) grad_buffers_.emplace_back(dev, l.padded_numel);
   }
+  reduce_handles_.assign(grad_buffers_.size(), -1);
 }
 
 FsdpEngine::~FsdpEngine() {
@@ -182,7 +185,8 @@ DeviceArray<float>& FsdpEngine::grad_shard(int unit) {
 
 DeviceArray<float>& FsdpEngine::grad_buffer(int unit) {
   if (!options_.reduce_every_microbatch) return grad_buffers_[unit];
-  return grad_buffers_[unit == ROOT_UNIT ? 0 : 1];
+  if (unit == ROOT_UNIT) return grad_buffers_[0];
+  return grad_buffers_[options_.overlap_reduce_scatter ? 1 + unit % 2 : 1];  // neighbours alternate
 }
 
 void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
@@ -262,6 +266,7 @@ void FsdpEngine::prefetch_params(int unit) {
 float* FsdpEngine::gradient_target(int unit) {
   if (shard_comm_.size() == 1) return grad_shard(unit).data();
   DeviceArray<float>& buffer = grad_buffer(unit);
+  join_reduction(&buffer - grad_buffers_.data());  // its last reduction must have read it
   if (options_.reduce_every_microbatch) backend_.device->zero(buffer.data(), shards_[unit].padded_numel * sizeof(float));
   return buffer.data();
 }
@@ -269,9 +274,20 @@ float* FsdpEngine::gradient_target(int unit) {
 void FsdpEngine::reduce_micro_batch_grads(int unit) {
   if (shard_comm_.size() == 1 || !options_.reduce_every_microbatch) return;
   UnitShard& s = shards_[unit];
-  shard_comm_.reduce_scatter_add(Span<const float>(grad_buffer(unit).data(), s.padded_numel),
-                                 Span<float>(grad_shard(unit).data(), s.shard_numel), options_.reduce_dtype,
-                                 "reduce_scatter(grads)");
+  DeviceArray<float>& buffer = grad_buffer(unit);
+  Span<const float> full(buffer.data(), s.padded_numel);
+  Span<float> shard(grad_shard(unit).data(), s.shard_numel);
+  if (options_.overlap_reduce_scatter)
+    reduce_handles_[&buffer - grad_buffers_.data()] =
+        shard_comm_.start_reduce_scatter_add(full, shard, options_.reduce_dtype, "reduce_scatter(grads, started)");
+  else
+    shard_comm_.reduce_scatter_add(full, shard, options_.reduce_dtype, "reduce_scatter(grads)");
+}
+
+void FsdpEngine::join_reduction(size_t buffer) {
+  if (buffer >= reduce_handles_.size() || reduce_handles_[buffer] < 0) return;
+  shard_comm_.wait(reduce_handles_[buffer]);
+  reduce_handles_[buffer] = -1;
 }
 
 // Parameters change after every step: nothing gathered survives into the next micro-batch's
@@ -313,6 +329,7 @@ double FsdpEngine::train_micro_batch(GptModel<float>& model, const int* tokens, 
   }
   model.embed_backward(root_grad);
   reduce_micro_batch_grads(ROOT_UNIT);
+  for (size_t b = 0; b < reduce_handles_.size(); b++) join_reduction(b);  // the shards are complete
   return loss;
 }
 

@@ -66,6 +66,11 @@ struct EngineOptions {
   BackwardPrefetch backward_prefetch = BACKWARD_PREFETCH_PRE;
   int limit_all_gathers = 2;
   bool cpu_offload = false;
+  // Each block's gradient reduce-scatter is started, not waited for, and the next block's backward
+  // writes into a second block gradient buffer meanwhile (one block more memory); the reduction
+  // is joined before its buffer is reused. Worth it where communication progresses on its own
+  // (NCCL: the trainer sets it for train.device=cuda); MPI completes it at the start anyway.
+  bool overlap_reduce_scatter = false;
 };
 
 // Where this rank's data sits in one unit. "Owned" is the part of the shard this rank alone
@@ -167,6 +172,8 @@ class FsdpEngine {
   int current_slot_ = -1;  // the block slot in use by the computation
   std::vector<DeviceArray<float>> grad_buffers_;
   std::vector<DeviceArray<float>> device_grads_;  // cpu_offload: each unit's gradient shard on the device
+  std::vector<int> reduce_handles_;  // per gradient buffer: its started reduce-scatter, or -1
+  void join_reduction(size_t buffer);
 };
 
 }  // namespace shardtrain

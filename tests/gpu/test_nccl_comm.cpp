@@ -359,6 +359,28 @@ TEST_P(NcclReduceScatterTest, AccumulatesIntoTheShardLikeMpi) {
   EXPECT_TRUE(same_bits(download(device(), d_full).data(), full_values.data(), n, "full after reduce_scatter"));
 }
 
+TEST_P(NcclReduceScatterTest, StartedReductionsMatchBlockingOnesAtWait) {
+  // Two started reductions into two shards, the second before the first is joined (the engine's
+  // alternating block buffers), then the compute stream reads both shards after wait().
+  const DType wire = GetParam();
+  const size_t n = 65537;
+  const auto full_a = busy_floats(n, 6), full_b = busy_floats(n, 7), start = busy_floats(n, 8);
+  std::vector<float> expected_a(start), expected_b(start);
+  mpi().reduce_scatter_add(Span<const float>(full_a.data(), n), Span<float>(expected_a.data(), n), wire, "test");
+  mpi().reduce_scatter_add(Span<const float>(full_b.data(), n), Span<float>(expected_b.data(), n), wire, "test");
+  auto d_full_a = upload(device(), full_a), d_full_b = upload(device(), full_b);
+  auto d_shard_a = upload(device(), start), d_shard_b = upload(device(), start);
+  const int a = nccl().start_reduce_scatter_add(Span<const float>(d_full_a.data(), n), Span<float>(d_shard_a.data(), n),
+                                                wire, "reduce_scatter(started a)");
+  const int b = nccl().start_reduce_scatter_add(Span<const float>(d_full_b.data(), n), Span<float>(d_shard_b.data(), n),
+                                                wire, "reduce_scatter(started b)");
+  EXPECT_NE(a, b);
+  nccl().wait(a);
+  nccl().wait(b);
+  EXPECT_TRUE(same_bits(download(device(), d_shard_a).data(), expected_a.data(), n, "started reduction a"));
+  EXPECT_TRUE(same_bits(download(device(), d_shard_b).data(), expected_b.data(), n, "started reduction b"));
+}
+
 INSTANTIATE_TEST_SUITE_P(Wire, NcclReduceScatterTest, ::testing::Values(DTYPE_FP32, DTYPE_BF16, DTYPE_FP16),
                          [](const ::testing::TestParamInfo<DType>& info) { return std::string(dtype_name(info.param)); });
 

@@ -68,15 +68,16 @@ struct TrainingRun {
   GptModel<float> model;
   std::vector<double> losses;
 
-  TrainingRun(const Backend& backend, bool offload)
-      : engine(table, *world, *self, memory, options(offload), backend),
+  TrainingRun(const Backend& backend, bool offload, bool overlap = false)
+      : engine(table, *world, *self, memory, options(offload, overlap), backend),
         optimizer(OptimConfig{}, engine, memory),
         model(table, 2, 5, false, *backend.ops) {
     engine.init_parameters(11);
   }
-  static EngineOptions options(bool offload) {
+  static EngineOptions options(bool offload, bool overlap) {
     EngineOptions o;
     o.cpu_offload = offload;
+    o.overlap_reduce_scatter = overlap;
     return o;
   }
   void train(int steps) {
@@ -135,12 +136,16 @@ class SharedTempDir {
 
 TEST(DeviceStaging, TrainingOnAForeignDeviceGivesTheHostBits) {
   ForeignDevice device;
+  // The GPU's settings: state on the device or offloaded, reduce-scatters started and joined
+  // later from alternating block gradient buffers.
   for (bool offload : {false, true}) {
-    TrainingRun host(cpu_backend(), false), foreign(foreign_backend(device), offload);
-    host.train(3);
-    foreign.train(3);
-    EXPECT_TRUE(all_ranks(host.losses == foreign.losses)) << "offload " << offload;
-    EXPECT_TRUE(all_ranks(host.parameters() == foreign.parameters())) << "offload " << offload;
+    for (bool overlap : {false, true}) {
+      TrainingRun host(cpu_backend(), false), foreign(foreign_backend(device), offload, overlap);
+      host.train(3);
+      foreign.train(3);
+      EXPECT_TRUE(all_ranks(host.losses == foreign.losses)) << "offload " << offload << " overlap " << overlap;
+      EXPECT_TRUE(all_ranks(host.parameters() == foreign.parameters())) << "offload " << offload << " overlap " << overlap;
+    }
   }
   EXPECT_GT(device.copied(), 0u);
 }

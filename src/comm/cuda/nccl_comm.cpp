@@ -49,6 +49,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -189,33 +190,16 @@ class NcclComm final : public Comm {
   uint64_t bytes_sent() const override { return bytes_sent_; }
 
   void reduce_scatter_add(Span<const float> full, Span<float> shard, DType wire, const char* what) override {
-    SHARD_CHECK(full.size == shard.size * size_, "reduce_scatter %s: full %zu != shard %zu x %d", what, full.size,
-                shard.size, size_);
-    const size_t n = shard.size;
-    if (n == 0) return;
-    require_device(full.data, what, "full");
-    require_device(shard.data, what, "shard");
-    bytes_sent_ += static_cast<uint64_t>(size_ - 1) * n * dtype_bytes(wire);
-    const size_t own_begin = static_cast<size_t>(rank_) * n;  // this rank's chunk of full
-    if (wire == DTYPE_FP32) {
-      if (chunk_.size() < n) chunk_ = DeviceArray<float>(device_, n);  // before begin(): its zero-fill is compute work
-      begin(what);
-      enqueue("ncclReduceScatter(fp32)", what,
-              [&] { return ncclReduceScatter(full.data, chunk_.data(), n, ncclFloat32, ncclSum, comm_, stream_); });
-      launch_comm_add(shard.data, chunk_.data(), n, stream_);
-    } else {
-      if (wire_full_.size() < full.size) wire_full_ = DeviceArray<uint16_t>(device_, full.size);
-      if (wire_chunk_.size() < n) wire_chunk_ = DeviceArray<uint16_t>(device_, n);
-      begin(what);
-      launch_comm_to_wire(wire_full_.data(), full.data, full.size, own_begin, own_begin + n, wire, stream_);
-      const ncclDataType_t type = wire == DTYPE_BF16 ? ncclBfloat16 : ncclFloat16;
-      enqueue("ncclReduceScatter(16-bit)", what, [&] {
-        return ncclReduceScatter(wire_full_.data(), wire_chunk_.data(), n, type, ncclSum, comm_, stream_);
-      });
-      launch_comm_add_from_wire(shard.data, wire_chunk_.data(), full.data + own_begin, n, wire, stream_);
-    }
-    finish(what);
+    reduce_scatter(full, shard, wire, what);
     join();
+  }
+
+  // Queued like the blocking one; the compute stream goes on until wait(handle) joins it.
+  int start_reduce_scatter_add(Span<const float> full, Span<float> shard, DType wire, const char* what) override {
+    const size_t slot = take_slot(what);
+    reduce_scatter(full, shard, wire, what);
+    CUDA_CHECK(cudaEventRecord(pending_[slot].done, stream_));
+    return static_cast<int>(slot);
   }
 
   // Bytes are counted as comm/mpi_comm.cpp counts them (the fp32 all-reduce only).
@@ -289,13 +273,57 @@ class NcclComm final : public Comm {
     }
   }
 
-  int start_gather(const void* shard, void* full, size_t shard_n, size_t full_n, size_t elem_bytes, const char* what) {
-    SHARD_CHECK(full_n == shard_n * size_, "all_gather %s: full %zu != shard %zu x %d", what, full_n, shard_n, size_);
-    SHARD_CHECK(shard == static_cast<const char*>(full) + rank_ * shard_n * elem_bytes, "start_all_gather is in place");
+  // Queues a reduce-scatter into `shard` on the communication stream (see the file comment).
+  void reduce_scatter(Span<const float> full, Span<float> shard, DType wire, const char* what) {
+    SHARD_CHECK(full.size == shard.size * size_, "reduce_scatter %s: full %zu != shard %zu x %d", what, full.size,
+                shard.size, size_);
+    const size_t n = shard.size;
+    if (n == 0) return;
+    require_device(full.data, what, "full");
+    require_device(shard.data, what, "shard");
+    bytes_sent_ += static_cast<uint64_t>(size_ - 1) * n * dtype_bytes(wire);
+    const size_t own_begin = static_cast<size_t>(rank_) * n;  // this rank's chunk of full
+    // Growing a scratch buffer returns the old one to the compute-stream-ordered cache: first
+    // make the compute stream wait for the started reductions that may still use it.
+    auto grow = [&](auto& buffer, size_t size) {
+      using Array = std::decay_t<decltype(buffer)>;
+      if (buffer.size() >= size) return;
+      join();
+      buffer = Array(device_, size);  // before begin(): its zero-fill is compute work
+    };
+    if (wire == DTYPE_FP32) {
+      grow(chunk_, n);
+      begin(what);
+      enqueue("ncclReduceScatter(fp32)", what,
+              [&] { return ncclReduceScatter(full.data, chunk_.data(), n, ncclFloat32, ncclSum, comm_, stream_); });
+      launch_comm_add(shard.data, chunk_.data(), n, stream_);
+    } else {
+      grow(wire_full_, full.size);
+      grow(wire_chunk_, n);
+      begin(what);
+      launch_comm_to_wire(wire_full_.data(), full.data, full.size, own_begin, own_begin + n, wire, stream_);
+      const ncclDataType_t type = wire == DTYPE_BF16 ? ncclBfloat16 : ncclFloat16;
+      enqueue("ncclReduceScatter(16-bit)", what, [&] {
+        return ncclReduceScatter(wire_full_.data(), wire_chunk_.data(), n, type, ncclSum, comm_, stream_);
+      });
+      launch_comm_add_from_wire(shard.data, wire_chunk_.data(), full.data + own_begin, n, wire, stream_);
+    }
+    finish(what);
+  }
+
+  // A free slot of pending_ for a started collective named `what`.
+  size_t take_slot(const char* what) {
     size_t slot = 0;
     while (slot < pending_.size() && pending_[slot].what) slot++;
     if (slot == pending_.size()) pending_.push_back(Pending{new_event(), nullptr});
     pending_[slot].what = what;
+    return slot;
+  }
+
+  int start_gather(const void* shard, void* full, size_t shard_n, size_t full_n, size_t elem_bytes, const char* what) {
+    SHARD_CHECK(full_n == shard_n * size_, "all_gather %s: full %zu != shard %zu x %d", what, full_n, shard_n, size_);
+    SHARD_CHECK(shard == static_cast<const char*>(full) + rank_ * shard_n * elem_bytes, "start_all_gather is in place");
+    const size_t slot = take_slot(what);
     gather(shard, full, shard_n, full_n, elem_bytes, what, &pending_[slot]);
     return static_cast<int>(slot);
   }
