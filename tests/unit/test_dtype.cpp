@@ -29,7 +29,9 @@ void expect_nearest(DType t) {
       const double other = half_to_float(n, t);
       if (std::isinf(other) || std::signbit(other) != std::signbit(got)) continue;
       ASSERT_LE(err, std::fabs(other - f)) << dtype_name(t) << " " << f << " -> " << got << " but " << other;
-      if (err == std::fabs(other - f)) ASSERT_EQ(h & 1, 0) << "tie not to even: " << f;  // ties to even
+      if (err == std::fabs(other - f)) {  // a tie: to even
+        ASSERT_EQ(h & 1, 0) << "tie not to even: " << f;
+      }
     }
     checked++;
   }
