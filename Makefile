@@ -174,7 +174,8 @@ gpu-check: $(EXE) $(GPU_TESTS)
 	@bash tools/gpu_check.sh --bin $(BUILD)
 else
 test-gpu gpu-check:
-	@$(MAKE) --no-print-directory CUDA=1 $@
+	@if [ -x "$${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then $(MAKE) --no-print-directory CUDA=1 $@; \
+	 else echo "$@: no CUDA toolkit (no $${CUDA_HOME:-/usr/local/cuda}/bin/nvcc), so no GPU build: skipped"; fi
 endif
 
 # A folder (bundle/) with the binaries and every library they need but glibc and CUDA's, to carry to
