@@ -146,12 +146,24 @@ struct ColumnTargets {
   float* target[2];
 };
 
+// Stage 2, laid out as stage 1 (32 columns x 8 lanes per block, so a 768-wide sum keeps 24 blocks
+// busy instead of 3): lane y adds chunks y, y+8, ... in order, then lane 0 adds the 8 lanes in
+// order. The order is a function of the chunk count alone: deterministic.
 template <int kSums>
 __global__ void column_sums_finish_kernel(ColumnTargets targets, const float* partial, int chunks, int C) {
-  for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += gridDim.x * blockDim.x) {
+  __shared__ float lanes[kSums][kColumnSumRowLanes][kWarpSize];
+  const int c = blockIdx.x * kWarpSize + threadIdx.x;
+  float acc[kSums];
+  for (int s = 0; s < kSums; s++) acc[s] = 0.0f;
+  if (c < C)
+    for (int chunk = threadIdx.y; chunk < chunks; chunk += kColumnSumRowLanes)
+      for (int s = 0; s < kSums; s++) acc[s] += partial[(static_cast<size_t>(s) * chunks + chunk) * C + c];
+  for (int s = 0; s < kSums; s++) lanes[s][threadIdx.y][threadIdx.x] = acc[s];
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
     for (int s = 0; s < kSums; s++) {
       float total = 0.0f;
-      for (int chunk = 0; chunk < chunks; chunk++) total += partial[(static_cast<size_t>(s) * chunks + chunk) * C + c];
+      for (int lane = 0; lane < kColumnSumRowLanes; lane++) total += lanes[s][lane][threadIdx.x];
       targets.target[s][c] += total;
     }
   }
@@ -167,10 +179,7 @@ void column_sums_accumulate(ColumnTargets targets, float* partial, int N, int C,
   const dim3 grid(static_cast<unsigned>(ceil_div(static_cast<size_t>(C), kWarpSize)), static_cast<unsigned>(ch.chunks));
   column_partial_sums_kernel<kSums><<<grid, block, 0, ctx.stream>>>(partial, N, C, ch.rows_per_chunk, term);
   CUDA_CHECK_LAUNCH();
-  const int threads = 256;
-  column_sums_finish_kernel<kSums>
-      <<<static_cast<unsigned>(ceil_div(static_cast<size_t>(C), threads)), threads, 0, ctx.stream>>>(
-          targets, partial, ch.chunks, C);
+  column_sums_finish_kernel<kSums><<<grid.x, block, 0, ctx.stream>>>(targets, partial, ch.chunks, C);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -35,6 +35,7 @@ class CudaLayerOps final : public LayerOps<float> {
     gemm_.handle = device.cublaslt();
     gemm_.workspace = device.gemm_workspace();
     gemm_.workspace_bytes = device.gemm_workspace_bytes();
+    gemm_.operand_scratch = [this](size_t bytes) { return grow(&operands_, &operands_bytes_, bytes); };
     reduce_scratch_ = device_.allocate(kernels::reduce_scratch_bytes());
     CUDA_CHECK(cudaMallocHost(&host_result_, sizeof(double)));
   }
@@ -42,6 +43,7 @@ class CudaLayerOps final : public LayerOps<float> {
     // Best effort, as CudaDevice's own teardown: queued work may still read the workspace.
     (void)cudaStreamSynchronize(gemm_.launch.stream);
     if (workspace_) device_.release(workspace_, workspace_bytes_);
+    if (operands_) device_.release(operands_, operands_bytes_);
     device_.release(reduce_scratch_, kernels::reduce_scratch_bytes());
     if (host_result_) (void)cudaFreeHost(host_result_);
   }
@@ -119,15 +121,19 @@ class CudaLayerOps final : public LayerOps<float> {
   const LaunchContext& launch() const { return gemm_.launch; }
 
   // At least `bytes` of device memory, valid until the next call (stream-ordered reuse).
-  void* workspace(size_t bytes) const {
-    if (bytes > workspace_bytes_) {
-      if (workspace_) device_.release(workspace_, workspace_bytes_);
-      workspace_ = nullptr;
-      workspace_bytes_ = 0;
-      workspace_ = device_.allocate(bytes);
-      workspace_bytes_ = bytes;
+  void* workspace(size_t bytes) const { return grow(&workspace_, &workspace_bytes_, bytes); }
+
+  // A grow-only buffer: the old block goes back to the cache, whose reuse is ordered on the same
+  // compute stream as every use of it.
+  void* grow(void** buffer, size_t* size, size_t bytes) const {
+    if (bytes > *size) {
+      if (*buffer) device_.release(*buffer, *size);
+      *buffer = nullptr;
+      *size = 0;
+      *buffer = device_.allocate(bytes);
+      *size = bytes;
     }
-    return workspace_;
+    return *buffer;
   }
 
   CudaDevice& device_;
@@ -136,6 +142,8 @@ class CudaLayerOps final : public LayerOps<float> {
   void* host_result_ = nullptr;
   mutable void* workspace_ = nullptr;
   mutable size_t workspace_bytes_ = 0;
+  mutable void* operands_ = nullptr;  // the 16-bit GEMM operand copies (GemmContext::operand_scratch)
+  mutable size_t operands_bytes_ = 0;
 };
 
 class CudaShardOps final : public ShardOps {

@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <functional>
 #include <cstdint>
 
 #include "backend/dtype.hpp"
@@ -38,6 +39,10 @@ struct GemmContext {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   DType operands = DTYPE_FP32;
+  // Device memory of at least the given bytes for the 16-bit operand copies, valid until the next
+  // call and reused in stream order (the ops object's grow-only buffer, from the caching
+  // allocator). Empty: stream-ordered pool memory (cudaMallocAsync), for hand-made contexts.
+  std::function<void*(size_t)> operand_scratch;
 };
 
 // ---- GEMM (matmul.cu) ------------------------------------------------------------------------------

@@ -10,8 +10,10 @@
 // GPU matches the CPU to fp32 reassociation error. With GemmContext::operands bf16 or fp16 (the
 // GPU's meaning of fsdp.param_dtype) the fp32 operands are rounded to it first, as torch.autocast
 // does, and the tensor cores multiply them with fp32 accumulation and output: the activations and
-// every non-GEMM op stay fp32. The rounded copies live in stream-ordered memory (cudaMallocAsync),
-// freed on the stream right after the GEMM. gemm_row_major_bf16 takes operands already in bf16.
+// every non-GEMM op stay fp32. The rounded copies live in GemmContext::operand_scratch (the ops
+// object's buffer from the caching allocator, so the memory is counted and reused). Should
+// cuBLASLt have no 16-bit kernel for a shape and alignment, that GEMM runs in fp32 instead, with
+// one warning. gemm_row_major_bf16 takes operands already in bf16.
 //
 // Alignment: cuBLASLt's heuristic assumes 256-byte aligned operands unless told otherwise, and a
 // kernel picked under that assumption fails or misreads on less aligned pointers (views into flat
@@ -153,13 +155,34 @@ size_t operand_extent(int rows, int cols, int ld, long long stride, int batch) {
   return static_cast<size_t>(batch - 1) * static_cast<size_t>(stride) + static_cast<size_t>(rows - 1) * ld + cols;
 }
 
-// A copy of an fp32 operand rounded to `type`, in stream-ordered memory: free with cudaFreeAsync.
-uint16_t* rounded_operand(const float* x, size_t n, DType type, const LaunchContext& ctx) {
-  void* p = nullptr;
-  CUDA_CHECK(cudaMallocAsync(&p, n * sizeof(uint16_t), ctx.stream));
-  round_operand_kernel<<<grid_for(n, 256, ctx), 256, 0, ctx.stream>>>(static_cast<uint16_t*>(p), x, n, type);
+void round_operand(uint16_t* out, const float* x, size_t n, DType type, const LaunchContext& ctx) {
+  round_operand_kernel<<<grid_for(n, 256, ctx), 256, 0, ctx.stream>>>(out, x, n, type);
   CUDA_CHECK_LAUNCH();
-  return static_cast<uint16_t*>(p);
+}
+
+// C = alpha op(A) op(B) + beta C with A and B rounded to ctx.operands first (the bias, if any,
+// already in C with beta = 1). Returns false when cuBLASLt has no kernel for it.
+bool try_gemm_rounded(const GemmContext& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha,
+                      const float* A, int lda, long long stride_a, const float* B, int ldb, long long stride_b,
+                      float beta, float* C, int ldc, long long stride_c, int batch) {
+  const size_t na = operand_extent(trans_a ? K : M, trans_a ? M : K, lda, stride_a, batch);
+  const size_t nb = operand_extent(trans_b ? N : K, trans_b ? K : N, ldb, stride_b, batch);
+  WorkspaceCarver sizing(nullptr);
+  sizing.take<uint16_t>(na);
+  sizing.take<uint16_t>(nb);
+  void* base = ctx.operand_scratch ? ctx.operand_scratch(sizing.bytes()) : nullptr;
+  const bool pooled = base == nullptr;
+  if (pooled) CUDA_CHECK(cudaMallocAsync(&base, sizing.bytes(), ctx.launch.stream));
+  WorkspaceCarver carver(base);
+  uint16_t* a = carver.take<uint16_t>(na);
+  uint16_t* b = carver.take<uint16_t>(nb);
+  round_operand(a, A, na, ctx.operands, ctx.launch);
+  round_operand(b, B, nb, ctx.operands, ctx.launch);
+  const cudaDataType_t type = ctx.operands == DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+  const bool ok = try_gemm_col_major(ctx, trans_b, trans_a, N, M, K, alpha, b, type, ldb, stride_b, a, type, lda,
+                                     stride_a, beta, C, ldc, stride_c, batch, nullptr);
+  if (pooled) CUDA_CHECK(cudaFreeAsync(base, ctx.launch.stream));
+  return ok;
 }
 
 }  // namespace
@@ -178,16 +201,17 @@ void gemm_row_major(const GemmContext& ctx, bool trans_a, bool trans_b, int M, i
       CUDA_CHECK_LAUNCH();
       beta = 1.0f;
     }
-    const cudaDataType_t type = ctx.operands == DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
-    uint16_t* a = rounded_operand(A, operand_extent(trans_a ? K : M, trans_a ? M : K, lda, stride_a, batch),
-                                  ctx.operands, ctx.launch);
-    uint16_t* b = rounded_operand(B, operand_extent(trans_b ? N : K, trans_b ? K : N, ldb, stride_b, batch),
-                                  ctx.operands, ctx.launch);
-    const bool ok = try_gemm_col_major(ctx, trans_b, trans_a, N, M, K, alpha, b, type, ldb, stride_b, a, type, lda,
-                                       stride_a, beta, C, ldc, stride_c, batch, nullptr);
-    CUDA_CHECK(cudaFreeAsync(a, ctx.launch.stream));
-    CUDA_CHECK(cudaFreeAsync(b, ctx.launch.stream));
-    if (!ok) no_gemm_kernel(trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc, batch, dtype_name(ctx.operands));
+    if (try_gemm_rounded(ctx, trans_a, trans_b, M, N, K, alpha, A, lda, stride_a, B, ldb, stride_b, beta, C, ldc,
+                         stride_c, batch))
+      return;
+    static bool warned = false;  // a shape or alignment without a 16-bit kernel: exact fp32 instead
+    if (!warned)
+      std::fprintf(stderr, "warning: cuBLASLt has no %s kernel for a %c%c GEMM M=%d N=%d K=%d batch=%d; such GEMMs "
+                   "run in fp32\n", dtype_name(ctx.operands), trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, batch);
+    warned = true;
+    if (!try_gemm_col_major(ctx, trans_b, trans_a, N, M, K, alpha, B, CUDA_R_32F, ldb, stride_b, A, CUDA_R_32F, lda,
+                            stride_a, beta, C, ldc, stride_c, batch, nullptr))
+      no_gemm_kernel(trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc, batch, "fp32");
     return;
   }
   if (bias && aligned16(bias) &&

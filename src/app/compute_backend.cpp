@@ -4,6 +4,11 @@
 
 #include "core/error.hpp"
 
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
 #ifdef SHARDTRAIN_CUDA
 #include "backend/cuda/cuda_backend.hpp"
 #endif
@@ -11,6 +16,8 @@
 namespace shardtrain {
 
 #ifdef SHARDTRAIN_CUDA
+constexpr int kBusIdChars = 32;  // cudaDeviceGetPCIBusId's ids are 13 characters
+
 struct ComputeBackend::Cuda {
   std::unique_ptr<CudaDevice> device;
   std::unique_ptr<Device> pinned_host;
@@ -32,17 +39,30 @@ ComputeBackend::ComputeBackend(const std::string& device, DType compute_dtype, c
 #ifdef SHARDTRAIN_CUDA
   cuda_ = std::make_unique<Cuda>();
   rt.agree_on([&] {
-    // Two ranks on one GPU would make NCCL fail at set-up with an internal error: say it first.
-    const int gpus = cuda_device_count();
-    if (gpus > 0 && rt.local_size() > gpus)
-      throw UsageError(strprintf("train.device=cuda: %d ranks on node %s but %d visible GPUs; start one rank per GPU "
-                                 "(mpirun -np / srun --ntasks-per-node, --gpus-per-task=1)",
-                                 rt.local_size(), rt.host().c_str(), gpus));
     cuda_->device = CudaDevice::open(rt.local_rank());
+    cuda_->pinned_host = make_pinned_host(*cuda_->device);
+    cuda_->ops = make_cuda_layer_ops(*cuda_->device, compute_dtype);
+    cuda_->shard_ops = make_cuda_shard_ops(*cuda_->device);
   });
-  cuda_->pinned_host = make_pinned_host(*cuda_->device);
-  cuda_->ops = make_cuda_layer_ops(*cuda_->device, compute_dtype);
-  cuda_->shard_ops = make_cuda_shard_ops(*cuda_->device);
+  // Two ranks on one GPU would make NCCL fail at set-up with an internal error: say it first. (A
+  // rank may see one GPU only, e.g. under srun --gpus-per-task=1: compare the GPUs, not counts.)
+  const std::string mine = cuda_->device->pci_bus_id();
+  std::vector<char> ids(kBusIdChars * rt.local_size());
+  MPI_Comm node;
+  MPI_CHECK(MPI_Comm_split_type(rt.world_comm(), MPI_COMM_TYPE_SHARED, rt.rank(), MPI_INFO_NULL, &node));
+  char padded[kBusIdChars] = {};
+  std::snprintf(padded, sizeof padded, "%s", mine.c_str());
+  MPI_CHECK(MPI_Allgather(padded, kBusIdChars, MPI_CHAR, ids.data(), kBusIdChars, MPI_CHAR, node));
+  MPI_CHECK(MPI_Comm_free(&node));
+  rt.agree_on([&] {
+    for (int r = 0; r < rt.local_size(); r++)
+      if (r != rt.local_rank() && std::strncmp(&ids[kBusIdChars * r], padded, kBusIdChars) == 0)
+        throw UsageError(strprintf("train.device=cuda: node-local ranks %d and %d both got GPU %s on %s; start one "
+                                   "rank per GPU (mpirun -np <GPUs per node> per node, or srun --gpus-per-task=1)",
+                                   std::min(r, rt.local_rank()), std::max(r, rt.local_rank()), mine.c_str(),
+                                   rt.host().c_str()));
+  });
+  cuda_->device->abort_on_exhaustion();
   backend_ = Backend{cuda_->device.get(), cuda_->pinned_host.get(), cuda_->ops.get(), cuda_->shard_ops.get()};
 #else
   (void)rt, (void)compute_dtype;
@@ -58,6 +78,20 @@ std::unique_ptr<Comm> ComputeBackend::make_comm(MPI_Comm comm, Watchdog* watchdo
   if (cuda_) return make_nccl_comm(comm, *cuda_->device, watchdog);
 #endif
   return make_mpi_comm(comm, watchdog);
+}
+
+size_t ComputeBackend::gpu_free_bytes() const {
+#ifdef SHARDTRAIN_CUDA
+  if (cuda_) return cuda_->device->free_memory();
+#endif
+  return 0;
+}
+
+size_t ComputeBackend::gpu_total_bytes() const {
+#ifdef SHARDTRAIN_CUDA
+  if (cuda_) return cuda_->device->total_memory();
+#endif
+  return 0;
 }
 
 double ComputeBackend::gpu_peak_gflops() const {

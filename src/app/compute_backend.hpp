@@ -34,6 +34,9 @@ class ComputeBackend {
   std::string describe() const { return backend_.device->name(); }
   // Dense bf16 tensor-core peak of the GPU in GFLOP/s from its name (0 when unknown or on the host).
   double gpu_peak_gflops() const;
+  // Memory free on the GPU now (cudaMemGetInfo), and its total; 0 on the host.
+  size_t gpu_free_bytes() const;
+  size_t gpu_total_bytes() const;
 
  private:
   struct Cuda;

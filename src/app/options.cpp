@@ -263,6 +263,7 @@ EngineOptions engine_options(const Config& c) {
   o.limit_all_gathers = c.fsdp.limit_all_gathers;
   o.cpu_offload = c.fsdp.cpu_offload;
   o.overlap_reduce_scatter = c.train.device == "cuda";  // NCCL progresses on its own stream; MPI does not
+  o.nccl = c.train.device == "cuda";
   return o;
 }
 

@@ -185,7 +185,7 @@ std::unique_ptr<Comm> make_replica_comm(const Runtime& rt, const Config& c, Shar
 
 // The rank's planned bytes; an InputError (agreed) when they exceed fsdp.memory_limit.
 MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrategy strategy, const Comm& shard,
-                               const Comm& replica) {
+                               const Comm& replica, const ComputeBackend& compute) {
   GroupShape groups{shard.size(), shard.rank(), replica.size(), replica.rank()};
   MemoryPlan plan = plan_rank_memory(c.model, groups, engine_options(c), c.train.micro_batch, c.train.seq_len, c.fsdp.activation_checkpointing);
   rt.agree_on([&] {
@@ -197,6 +197,15 @@ MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrat
           "plan' lists what fits",
           rt.rank(), format_bytes(static_cast<double>(plan.total())).c_str(), c.fsdp.memory_limit.c_str(),
           plan.describe().c_str()));
+    // The GPU's own limit, checked the same way (the backend's workspaces come on top of the plan).
+    if (compute.on_gpu() && plan.total() > compute.gpu_free_bytes())
+      throw UsageError(strprintf(
+          "out of GPU memory: rank %d needs %s but %s has %s free of %s (%s); try a sharding strategy that shards "
+          "more (FULL_SHARD), fsdp.activation_checkpointing=true, fsdp.cpu_offload=true or a smaller "
+          "train.micro_batch -- 'shardtrain plan --memory-limit' lists what fits",
+          rt.rank(), format_bytes(static_cast<double>(plan.total())).c_str(), compute.describe().c_str(),
+          format_bytes(static_cast<double>(compute.gpu_free_bytes())).c_str(),
+          format_bytes(static_cast<double>(compute.gpu_total_bytes())).c_str(), plan.describe().c_str()));
   });
   return plan;
 }
@@ -229,7 +238,7 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
       comm_(make_mpi_comm(rt.world_comm(), &watchdog_)),
       shard_comm_(make_shard_comm(rt, config, strategy_, compute_, &watchdog_)),
       replica_comm_(make_replica_comm(rt, config, strategy_, compute_, &watchdog_)),
-      plan_(checked_memory_plan(rt, config, strategy_, *shard_comm_, *replica_comm_)),
+      plan_(checked_memory_plan(rt, config, strategy_, *shard_comm_, *replica_comm_, compute_)),
       table_(config.model),
       engine_(table_, *shard_comm_, *replica_comm_, memory_, engine_options(config), compute_.backend()),
       optim_config_(optim_config_from(config.train)),
@@ -445,6 +454,7 @@ Trainer::StepOutcome Trainer::optimizer_step(int step) {
     out.lr = optimizer_.step(step, out.grad_norm, loss_scale_);
     if (loss_scaling_ && ++good_steps_ % LOSS_SCALE_GROWTH_INTERVAL == 0) loss_scale_ *= 2;
   }
+  compute_.backend().device->synchronize();  // a GPU's queued optimizer step belongs to this step's time
   out.peaks = local_memory_peaks(memory_, rss_at_start_, *compute_.backend().device);
   out.peaks[COMM_BYTES] = static_cast<double>(bytes_sent() - bytes_before);
   comm_->all_reduce_max(Span<double>(out.peaks.data(), out.peaks.size()), "all_reduce(memory peaks)");

@@ -53,6 +53,11 @@ static std::string rank_prefix() {
   std::_Exit(code);
 }
 
+void fatal_input(const std::string& message) {
+  std::fprintf(stderr, "%s error: %s\n", rank_prefix().c_str(), message.c_str());
+  abort_all(EXIT_CODE_BAD_INPUT);
+}
+
 void fatal_internal(const char* file, int line, const char* func, const std::string& message) {
   std::fprintf(stderr, "%s internal error in %s (%s:%d): %s\n", rank_prefix().c_str(), func, file, line,
                message.c_str());

@@ -37,6 +37,10 @@ struct CheckpointError : InputError {
 std::string strprintf(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 std::string vstrprintf(const char* fmt, va_list args);
 
+// Bad input that only this rank can see, where agreeing is impossible (e.g. GPU memory running out
+// in the middle of a step): prints "[rank r/N host] error: message" and aborts every rank, exit 2.
+[[noreturn]] void fatal_input(const std::string& message);
+
 // Prints "[rank r/N host] internal error in func (file:line): message" and aborts all ranks.
 [[noreturn]] void fatal_internal(const char* file, int line, const char* func, const std::string& message);
 

@@ -82,7 +82,13 @@ std::array<size_t, MEM_CATEGORY_COUNT> FsdpEngine::plan_memory(const std::vector
   if (!sharded) return bytes;
   const size_t second_block = options.overlap_reduce_scatter ? max_block : 0;
   bytes[MEM_GRADIENTS] += (options.reduce_every_microbatch ? root_and_block + second_block : all_padded) * sizeof(float);
-  bytes[MEM_COMM_BUFFERS] += 2 * max_shard * dtype_bytes(options.reduce_dtype);  // the ring's two chunk buffers
+  if (!options.nccl) {
+    bytes[MEM_COMM_BUFFERS] += 2 * max_shard * dtype_bytes(options.reduce_dtype);  // the ring's two chunk buffers
+  } else if (options.reduce_dtype == DTYPE_FP32) {
+    bytes[MEM_COMM_BUFFERS] += max_shard * sizeof(float);  // the received chunk (src/comm/cuda/nccl_comm.cpp)
+  } else {  // the whole unit rounded to 16 bits, and the received chunk
+    bytes[MEM_COMM_BUFFERS] += (std::max(layout[ROOT_UNIT].padded_numel, max_block) + max_shard) * sizeof(uint16_t);
+  }
   return bytes;
 }
 
@@ -173,7 +179,8 @@ void FsdpEngine::init_parameters(uint64_t seed) {
 }
 
 void FsdpEngine::zero_grads() {
-  for (UnitShard& s : shards_) s.grads.zero();
+  if (!options_.cpu_offload)  // offloaded: finish_step overwrites them from the device
+    for (UnitShard& s : shards_) s.grads.zero();
   for (auto& grads : device_grads_) grads.zero();
   if (!options_.reduce_every_microbatch)
     for (auto& buffer : grad_buffers_) buffer.zero();

@@ -71,6 +71,9 @@ struct EngineOptions {
   // is joined before its buffer is reused. Worth it where communication progresses on its own
   // (NCCL: the trainer sets it for train.device=cuda); MPI completes it at the start anyway.
   bool overlap_reduce_scatter = false;
+  // The communicators are NCCL's (train.device=cuda): their reduce-scatter scratch differs from the
+  // MPI ring's, and the plan counts what they allocate.
+  bool nccl = false;
 };
 
 // Where this rank's data sits in one unit. "Owned" is the part of the shard this rank alone

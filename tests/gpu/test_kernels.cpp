@@ -550,6 +550,28 @@ TEST_P(AttentionTest, BackwardMatchesCpu) {
   d_att.download("attention_backward (att)");
 }
 
+// With bf16 GEMM operands (fsdp.param_dtype=bf16 on a GPU) every product rounds q, k, att, v, dy
+// to 8 significant bits: the outputs stay within a few bf16 ulps (2^-8 relative) of the fp32
+// CPU result, far from any wrong term's O(1) error. A loose bound: 3e-2 absolute and relative.
+TEST_P(AttentionTest, Bf16OperandsStayCloseToFp32) {
+  const AttentionShape s = GetParam();
+  const size_t btc = static_cast<size_t>(s.B) * s.T * s.C, square = static_cast<size_t>(s.B) * s.NH * s.T * s.T;
+  const std::vector<float> qkv = uniform_vector(3 * btc, 84), dout = uniform_vector(btc, 85);
+  std::vector<float> out(btc), att(square), dqkv(3 * btc), scratch(square);
+  cpu::attention_forward(out.data(), att.data(), qkv.data(), s.B, s.T, s.C, s.NH);
+  cpu::attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), s.B, s.T, s.C, s.NH);
+  auto bf16_ops = make_cuda_layer_ops(device(), DTYPE_BF16);
+  auto d_qkv = on_device(device(), "qkv", qkv, s.misalign), d_dout = on_device(device(), "dout", dout, s.misalign);
+  DeviceBuffer<float> d_out(device(), "out", btc, s.misalign), d_att(device(), "att", square, s.misalign);
+  DeviceBuffer<float> d_dqkv(device(), "dqkv", 3 * btc, s.misalign), d_scratch(device(), "scratch", square, s.misalign);
+  bf16_ops->attention_forward(d_out.data(), d_att.data(), d_qkv.data(), s.B, s.T, s.C, s.NH);
+  bf16_ops->attention_backward(d_dqkv.data(), d_scratch.data(), d_dout.data(), d_qkv.data(), d_att.data(), s.B, s.T,
+                               s.C, s.NH);
+  const Tolerance loose{3e-2, 3e-2};
+  expect_close(d_out.download("attention_forward bf16").data(), widen(out), loose, "bf16 attention out");
+  expect_close(d_dqkv.download("attention_backward bf16").data(), widen(dqkv), loose, "bf16 attention dqkv");
+}
+
 TEST_P(AttentionTest, RepeatsBitwise) {
   const AttentionShape s = GetParam();
   const size_t btc = static_cast<size_t>(s.B) * s.T * s.C, square = static_cast<size_t>(s.B) * s.NH * s.T * s.T;

@@ -61,6 +61,12 @@ class CudaDevice : public Device {
   size_t free_memory() const;
   // Returns cached blocks to the driver.
   void empty_cache();
+  // From now on running out of memory aborts every rank with exit 2 and the out-of-memory line
+  // (fatal_input) instead of throwing: in a multi-rank run one rank's exception cannot be agreed
+  // while the others wait in a collective.
+  void abort_on_exhaustion() { abort_on_exhaustion_ = true; }
+  // The GPU's PCI bus id ("0000:3b:00.0"): the same GPU seen by two ranks has the same one.
+  std::string pci_bus_id() const;
 
  private:
   CudaDevice() = default;
@@ -72,6 +78,7 @@ class CudaDevice : public Device {
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   size_t reserved_ = 0, peak_reserved_ = 0;
+  bool abort_on_exhaustion_ = false;
   std::unique_ptr<Cache> cache_;
 };
 

@@ -137,14 +137,16 @@ void* CudaDevice::allocate(size_t bytes) {
       rc = request == SIZE_MAX ? cudaErrorMemoryAllocation : cudaMalloc(&p, request);
       if (rc == cudaErrorMemoryAllocation) {
         (void)cudaGetLastError();
-        throw InputError(strprintf(
+        const std::string message = strprintf(
             "out of GPU memory on %s: allocating %zu bytes (%s) failed with %s reserved by this rank, %s free "
             "of %s; use a smaller train.micro_batch, fsdp.activation_checkpointing=true, "
             "fsdp.sharding_strategy=FULL_SHARD or fsdp.cpu_offload=true ('shardtrain plan' lists what fits)",
             name_.c_str(), bytes, human_bytes(static_cast<double>(bytes)).c_str(),
             human_bytes(static_cast<double>(reserved_)).c_str(),
             human_bytes(static_cast<double>(free_memory())).c_str(),
-            human_bytes(static_cast<double>(total_memory())).c_str()));
+            human_bytes(static_cast<double>(total_memory())).c_str());
+        if (abort_on_exhaustion_) fatal_input(message);
+        throw InputError(message);
       }
     }
     CUDA_CHECK(rc);
@@ -155,6 +157,12 @@ void* CudaDevice::allocate(size_t bytes) {
   cache_->in_use.emplace(p, block_bytes);
   CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, compute_));
   return p;
+}
+
+std::string CudaDevice::pci_bus_id() const {
+  char id[32] = "";
+  CUDA_CHECK(cudaDeviceGetPCIBusId(id, sizeof id, ordinal_));
+  return id;
 }
 
 void CudaDevice::release(void* p, size_t bytes) {

@@ -20,7 +20,8 @@ class PinnedHost : public Device {
     void* p = nullptr;
     if (cudaHostAlloc(&p, bytes, cudaHostAllocPortable) != cudaSuccess) {
       (void)cudaGetLastError();
-      throw InputError(strprintf("fsdp.cpu_offload: cannot page-lock %zu bytes of host memory; lower the per-rank "
+      // Only training runs allocate here, collectively: one rank's failure aborts them all.
+      fatal_input(strprintf("fsdp.cpu_offload: cannot page-lock %zu bytes of host memory; lower the per-rank "
                                  "state (more ranks, FULL_SHARD) or raise the locked-memory limit (ulimit -l)",
                                  bytes));
     }
