@@ -30,8 +30,6 @@ class Watchdog;
 
 // True when the CUDA runtime sees at least one GPU; `why` gets the reason when not.
 bool cuda_available(std::string* why);
-// GPUs this process can see (0 on any error).
-int cuda_device_count();
 
 class CudaDevice : public Device {
  public:

@@ -58,15 +58,6 @@ struct CudaDevice::Cache {
   std::unordered_map<void*, size_t> in_use;  // handed out: block -> block bytes
 };
 
-int cuda_device_count() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return count;
-}
-
 bool cuda_available(std::string* why) {
   int count = 0;
   cudaError_t rc = cudaGetDeviceCount(&count);
