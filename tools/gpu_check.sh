@@ -155,6 +155,7 @@ fi
 
 section "Logs"
 for f in "$WORK"/*.log; do
+  case $(basename "$f") in gpu_tests-*|gpu_probe.log) continue ;; esac  # failures are shown above
   report "<details><summary>$(basename "$f")</summary>"; report ""; report '```'
   report "$(grep -v '^step ' "$f" | head -40; grep '^step ' "$f" | tail -3)"; report '```'; report "</details>"
 done
