@@ -35,7 +35,8 @@ MemoryPlan plan_rank_memory(const ModelConfig& model, const GroupShape& groups, 
   std::vector<UnitLayout> layout = FsdpEngine::plan_layout(table, groups);
   MemoryPlan plan;
   plan.bytes = FsdpEngine::plan_memory(layout, engine);
-  plan.bytes[MEM_OPTIMIZER_STATE] = 2 * plan.bytes[MEM_SHARDED_PARAMS];  // AdamW's two moments per element (0 offloaded)
+  // AdamW's two moments per element, beside the master shards (none on the device when offloaded).
+  plan.bytes[MEM_OPTIMIZER_STATE] = 2 * plan.bytes[MEM_SHARDED_PARAMS];
   plan.bytes[MEM_ACTIVATIONS] =
       GptModel<float>::plan_activation_bytes(model, micro_batch, seq_len, activation_checkpointing);
   return plan;

@@ -1,8 +1,9 @@
 // See planner.hpp. Speed order among the combinations that fit: no CPU offload first (it copies
 // every shard to the device per gather and runs AdamW on the CPU: the last resort, considered for
 // FULL_SHARD only), then no recomputation (activation checkpointing repeats each block's forward,
-// about a third more compute), then the fewest bytes moved per step per rank. Traffic per rank per step, Psi = padded parameters,
-// N = shard group size, R = replicas, A = micro-batches per step (ring collectives move (n-1)/n):
+// about a third more compute), then the fewest bytes moved per step per rank. Traffic per rank per
+// step, Psi = padded parameters, N = shard group size, R = replicas, A = micro-batches per step
+// (ring collectives move (n-1)/n):
 //   FULL_SHARD/HYBRID  A (Psi + max(0, L - K) Psi_block)(N-1)/N all-gathers (the backward re-gathers
 //                      the blocks no longer held in the K = limit_all_gathers buffers)
 //                      + (A or 1) Psi (N-1)/N reduce-scatters
@@ -131,7 +132,8 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
     const auto& b = c.memory.bytes;
     std::printf("%-14s %-9s %-5s %-7s %10s %10s %10s %10s %10s %10s %11s %11s  %s\n",
                 sharding_strategy_name(c.strategy), c.reduce_label(), c.checkpointing ? "yes" : "no",
-                c.offload ? "yes" : "no", format_bytes(b[MEM_SHARDED_PARAMS]).c_str(), format_bytes(b[MEM_GATHERED_UNITS]).c_str(),
+                c.offload ? "yes" : "no", format_bytes(b[MEM_SHARDED_PARAMS]).c_str(),
+                format_bytes(b[MEM_GATHERED_UNITS]).c_str(),
                 format_bytes(b[MEM_GRADIENTS]).c_str(), format_bytes(b[MEM_OPTIMIZER_STATE]).c_str(),
                 format_bytes(b[MEM_ACTIVATIONS]).c_str(), format_bytes(b[MEM_COMM_BUFFERS]).c_str(),
                 format_bytes(c.memory.total()).c_str(), format_bytes(c.traffic_bytes).c_str(), c.fits ? "yes" : "NO");

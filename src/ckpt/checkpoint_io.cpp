@@ -59,11 +59,15 @@ class HostShards {
     return arrays_[i]->on_host() ? arrays_[i]->data() : copies_[i].data();
   }
   void zero() {
-    for (size_t i = 0; i < arrays_.size(); i++) std::fill(buffer(i / 3, i % 3), buffer(i / 3, i % 3) + arrays_[i]->size(), 0.0f);
+    for (size_t i = 0; i < arrays_.size(); i++) {
+      float* values = buffer(i / 3, i % 3);
+      std::fill(values, values + arrays_[i]->size(), 0.0f);
+    }
   }
   void upload() {
     for (size_t i = 0; i < arrays_.size(); i++)
-      if (!arrays_[i]->on_host()) arrays_[i]->device()->copy(arrays_[i]->data(), copies_[i].data(), arrays_[i]->bytes());
+      if (!arrays_[i]->on_host())
+        arrays_[i]->device()->copy(arrays_[i]->data(), copies_[i].data(), arrays_[i]->bytes());
   }
 
  private:

@@ -274,7 +274,8 @@ float* FsdpEngine::gradient_target(int unit) {
   if (shard_comm_.size() == 1) return grad_shard(unit).data();
   DeviceArray<float>& buffer = grad_buffer(unit);
   join_reduction(&buffer - grad_buffers_.data());  // its last reduction must have read it
-  if (options_.reduce_every_microbatch) backend_.device->zero(buffer.data(), shards_[unit].padded_numel * sizeof(float));
+  if (options_.reduce_every_microbatch)
+    backend_.device->zero(buffer.data(), shards_[unit].padded_numel * sizeof(float));
   return buffer.data();
 }
 
@@ -351,8 +352,9 @@ void FsdpEngine::finish_step() {
   if (replica_comm_.size() > 1)
     for (size_t u = 0; u < shards_.size(); u++)
       replica_comm_.all_reduce_sum(Span<float>(grad_shard(u).data(), shards_[u].shard_numel), "all_reduce(grads)");
-  if (options_.cpu_offload)
-    for (size_t u = 0; u < shards_.size(); u++) backend_.device->copy(shards_[u].grads.data(), device_grads_[u].data(), shards_[u].grads.bytes());
+  if (options_.cpu_offload)  // down to the host, where the optimizer steps
+    for (size_t u = 0; u < shards_.size(); u++)
+      backend_.device->copy(shards_[u].grads.data(), device_grads_[u].data(), shards_[u].grads.bytes());
 }
 
 double FsdpEngine::eval_micro_batch(GptModel<float>& model, const int* tokens, const int* targets) {
