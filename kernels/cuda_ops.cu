@@ -35,6 +35,7 @@ class CudaLayerOps final : public LayerOps<float> {
     gemm_.handle = device.cublaslt();
     gemm_.workspace = device.gemm_workspace();
     gemm_.workspace_bytes = device.gemm_workspace_bytes();
+    gemm_.plans = plans_.get();
     gemm_.operand_scratch = [this](size_t bytes) { return grow(&operands_, &operands_bytes_, bytes); };
     reduce_scratch_ = device_.allocate(kernels::reduce_scratch_bytes());
     CUDA_CHECK(cudaMallocHost(&host_result_, sizeof(double)));
@@ -137,6 +138,7 @@ class CudaLayerOps final : public LayerOps<float> {
   }
 
   CudaDevice& device_;
+  std::unique_ptr<kernels::GemmPlanCache, kernels::GemmPlanCacheDeleter> plans_ = kernels::make_gemm_plan_cache();
   GemmContext gemm_;
   void* reduce_scratch_ = nullptr;
   void* host_result_ = nullptr;

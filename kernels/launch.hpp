@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <functional>
+#include <memory>
 #include <cstdint>
 
 #include "backend/dtype.hpp"
@@ -29,6 +30,15 @@ struct LaunchContext {
   cudaStream_t stream = nullptr;
   int sm_count = 1;
 };
+
+// cuBLASLt descriptors, layouts and the heuristic's algorithm per distinct GEMM (types, shape,
+// leading dimensions, strides, alignments, bias or not): a training step repeats the same few
+// dozen GEMMs, so each is planned once. Owned by the ops object; defined in matmul.cu.
+struct GemmPlanCache;
+struct GemmPlanCacheDeleter {
+  void operator()(GemmPlanCache* cache) const;
+};
+std::unique_ptr<GemmPlanCache, GemmPlanCacheDeleter> make_gemm_plan_cache();
 
 // What GEMMs need besides the stream: the cuBLASLt handle and its workspace, and the type the
 // fp32 operands are rounded to for the tensor cores (fsdp.param_dtype on the GPU: bf16 or fp16
@@ -43,6 +53,7 @@ struct GemmContext {
   // call and reused in stream order (the ops object's grow-only buffer, from the caching
   // allocator). Empty: stream-ordered pool memory (cudaMallocAsync), for hand-made contexts.
   std::function<void*(size_t)> operand_scratch;
+  GemmPlanCache* plans = nullptr;  // null: plan every call afresh
 };
 
 // ---- GEMM (matmul.cu) ------------------------------------------------------------------------------

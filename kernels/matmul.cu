@@ -26,6 +26,8 @@
 //
 // The backward's bias gradient is a deterministic two-stage column sum (common.cuh), no atomics.
 #include <algorithm>
+#include <cstring>
+#include <unordered_map>
 
 #include "common.cuh"
 
@@ -66,6 +68,53 @@ cublasLtMatrixLayout_t make_layout(cudaDataType_t type, int rows, int cols, int 
 
 size_t type_bytes(cudaDataType_t type) { return type == CUDA_R_32F ? 4 : 2; }
 
+}  // namespace
+
+// What makes two GEMMs the same plan. Pointers enter only through their alignments, and the bias
+// pointer through its presence (it is set on the descriptor per call).
+struct GemmKey {
+  bool trans_a, trans_b, bias;
+  int m, n, k, lda, ldb, ldc, batch;
+  long long stride_a, stride_b, stride_c;
+  cudaDataType_t a_type, b_type;
+  uint32_t align_a, align_b, align_c;
+  size_t workspace_bytes;
+  bool operator==(const GemmKey& o) const { return std::memcmp(this, &o, sizeof o) == 0; }
+};
+struct GemmKeyHash {
+  size_t operator()(const GemmKey& key) const {  // FNV-1a over the bytes (the key is zero-initialised)
+    const unsigned char* p = reinterpret_cast<const unsigned char*>(&key);
+    size_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < sizeof key; i++) h = (h ^ p[i]) * 1099511628211ull;
+    return h;
+  }
+};
+struct GemmPlan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool found = false;
+};
+struct GemmPlanCache {
+  std::unordered_map<GemmKey, GemmPlan, GemmKeyHash> plans;
+};
+
+void GemmPlanCacheDeleter::operator()(GemmPlanCache* cache) const {
+  for (auto& entry : cache->plans) {  // best effort, as every teardown of the backend
+    (void)cublasLtMatrixLayoutDestroy(entry.second.c);
+    (void)cublasLtMatrixLayoutDestroy(entry.second.b);
+    (void)cublasLtMatrixLayoutDestroy(entry.second.a);
+    (void)cublasLtMatmulDescDestroy(entry.second.desc);
+  }
+  delete cache;
+}
+
+std::unique_ptr<GemmPlanCache, GemmPlanCacheDeleter> make_gemm_plan_cache() {
+  return std::unique_ptr<GemmPlanCache, GemmPlanCacheDeleter>(new GemmPlanCache);
+}
+
+namespace {
+
 // Column-major D = alpha op(A) op(B) + beta C (+ bias per row of D) with D == C: the one place that
 // talks to cuBLASLt. op(A) is (m,k), op(B) is (k,n), C is (m,n). Returns false only when
 // cuBLASLt has no kernel for the combination (the caller may retry differently).
@@ -73,44 +122,68 @@ bool try_gemm_col_major(const GemmContext& ctx, bool trans_a, bool trans_b, int 
                         const void* A, cudaDataType_t a_type, int lda, long long stride_a, const void* B,
                         cudaDataType_t b_type, int ldb, long long stride_b, float beta, float* C, int ldc,
                         long long stride_c, int batch, const float* bias) {
-  cublasLtMatmulDesc_t desc = nullptr;
-  CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  set_desc(desc, CUBLASLT_MATMUL_DESC_TRANSA, static_cast<int32_t>(trans_a ? CUBLAS_OP_T : CUBLAS_OP_N));
-  set_desc(desc, CUBLASLT_MATMUL_DESC_TRANSB, static_cast<int32_t>(trans_b ? CUBLAS_OP_T : CUBLAS_OP_N));
-  if (bias) {
-    set_desc(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, static_cast<uint32_t>(CUBLASLT_EPILOGUE_BIAS));
-    set_desc(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias));
-  }
-  // Stored shapes: op(A) = A^T means A is stored (k,m).
-  cublasLtMatrixLayout_t a_layout = make_layout(a_type, trans_a ? k : m, trans_a ? m : k, lda, stride_a, batch);
-  cublasLtMatrixLayout_t b_layout = make_layout(b_type, trans_b ? n : k, trans_b ? k : n, ldb, stride_b, batch);
-  cublasLtMatrixLayout_t c_layout = make_layout(CUDA_R_32F, m, n, ldc, stride_c, batch);
-
-  cublasLtMatmulPreference_t preference = nullptr;
-  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference));
-  set_preference(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<uint64_t>(ctx.workspace_bytes));
   const long long batch_a = batch > 1 ? stride_a * static_cast<long long>(type_bytes(a_type)) : 0;
   const long long batch_b = batch > 1 ? stride_b * static_cast<long long>(type_bytes(b_type)) : 0;
   const long long batch_c = batch > 1 ? stride_c * 4LL : 0;
-  set_preference(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment_bytes(A, batch_a));
-  set_preference(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment_bytes(B, batch_b));
-  set_preference(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment_bytes(C, batch_c));
-  set_preference(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment_bytes(C, batch_c));
+  GemmKey key;
+  std::memset(&key, 0, sizeof key);  // padding too: the key is hashed and compared as bytes
+  key.trans_a = trans_a, key.trans_b = trans_b, key.bias = bias != nullptr;
+  key.m = m, key.n = n, key.k = k, key.lda = lda, key.ldb = ldb, key.ldc = ldc, key.batch = batch;
+  key.stride_a = batch > 1 ? stride_a : 0, key.stride_b = batch > 1 ? stride_b : 0;
+  key.stride_c = batch > 1 ? stride_c : 0;
+  key.a_type = a_type, key.b_type = b_type;
+  key.align_a = alignment_bytes(A, batch_a), key.align_b = alignment_bytes(B, batch_b);
+  key.align_c = alignment_bytes(C, batch_c);
+  key.workspace_bytes = ctx.workspace_bytes;
 
-  cublasLtMatmulHeuristicResult_t heuristic{};
-  int found = 0;
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(ctx.handle, desc, a_layout, b_layout, c_layout,
-                                                               c_layout, preference, 1, &heuristic, &found);
-  const bool ok = status == CUBLAS_STATUS_SUCCESS && found > 0;
-  if (status != CUBLAS_STATUS_SUCCESS && status != CUBLAS_STATUS_NOT_SUPPORTED) CUBLAS_CHECK(status);
+  GemmPlan fresh;
+  GemmPlan* plan = &fresh;
+  bool cached = false;
+  if (ctx.plans) {
+    auto it = ctx.plans->plans.find(key);
+    cached = it != ctx.plans->plans.end();
+    if (cached) plan = &it->second;
+  }
+  if (!cached) {
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, static_cast<int32_t>(trans_a ? CUBLAS_OP_T : CUBLAS_OP_N));
+    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, static_cast<int32_t>(trans_b ? CUBLAS_OP_T : CUBLAS_OP_N));
+    if (bias) set_desc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, static_cast<uint32_t>(CUBLASLT_EPILOGUE_BIAS));
+    // Stored shapes: op(A) = A^T means A is stored (k,m).
+    plan->a = make_layout(a_type, trans_a ? k : m, trans_a ? m : k, lda, stride_a, batch);
+    plan->b = make_layout(b_type, trans_b ? n : k, trans_b ? k : n, ldb, stride_b, batch);
+    plan->c = make_layout(CUDA_R_32F, m, n, ldc, stride_c, batch);
+    if (bias) set_desc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias));
+
+    cublasLtMatmulPreference_t preference = nullptr;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference));
+    set_preference(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<uint64_t>(ctx.workspace_bytes));
+    set_preference(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_a);
+    set_preference(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_b);
+    set_preference(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c);
+    set_preference(preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_c);
+    cublasLtMatmulHeuristicResult_t heuristic{};
+    int found = 0;
+    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(ctx.handle, plan->desc, plan->a, plan->b, plan->c,
+                                                                 plan->c, preference, 1, &heuristic, &found);
+    if (status != CUBLAS_STATUS_SUCCESS && status != CUBLAS_STATUS_NOT_SUPPORTED) CUBLAS_CHECK(status);
+    CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(preference));
+    plan->found = status == CUBLAS_STATUS_SUCCESS && found > 0;
+    plan->algo = heuristic.algo;
+    if (ctx.plans) plan = &ctx.plans->plans.emplace(key, fresh).first->second;
+  } else if (bias) {
+    set_desc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias));
+  }
+  const bool ok = plan->found;
   if (ok)
-    CUBLAS_CHECK(cublasLtMatmul(ctx.handle, desc, &alpha, A, a_layout, B, b_layout, &beta, C, c_layout, C, c_layout,
-                                &heuristic.algo, ctx.workspace, ctx.workspace_bytes, ctx.launch.stream));
-  CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(preference));
-  CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(c_layout));
-  CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(b_layout));
-  CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(a_layout));
-  CUBLAS_CHECK(cublasLtMatmulDescDestroy(desc));
+    CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan->desc, &alpha, A, plan->a, B, plan->b, &beta, C, plan->c, C, plan->c,
+                                &plan->algo, ctx.workspace, ctx.workspace_bytes, ctx.launch.stream));
+  if (!ctx.plans) {  // no cache: this call's plan dies with it
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(fresh.c));
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(fresh.b));
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(fresh.a));
+    CUBLAS_CHECK(cublasLtMatmulDescDestroy(fresh.desc));
+  }
   return ok;
 }
 
