@@ -148,23 +148,21 @@ void launch_attention_forward(float* out, float* att, const float* qkv, int B, i
   if (B == 0 || T == 0) return;
   const HeadLayout h(B, T, C, NH, workspace);
   const int hs = h.hs, BNH = h.BNH;
-  const size_t btc = h.btc;
   const long long head = h.head, square = h.square;
-  const float scale = h.scale;
   const LaunchContext& launch = ctx.launch;
   float *q = h.q, *k = h.k, *v = h.v, *y = h.fourth;
 
-  split_heads_kernel<<<grid_for(btc, kThreads, launch), kThreads, 0, launch.stream>>>(Parts{{q, k, v}}, qkv, 3 * C, 3,
+  split_heads_kernel<<<grid_for(h.btc, kThreads, launch), kThreads, 0, launch.stream>>>(Parts{{q, k, v}}, qkv, 3 * C, 3,
                                                                                       B, T, NH, hs);
   CUDA_CHECK_LAUNCH();
   // att = scale * q @ k^T, per head (T,T)
-  gemm_row_major(ctx, false, true, T, T, hs, scale, q, hs, head, k, hs, head, 0.0f, att, T, square, BNH, nullptr);
+  gemm_row_major(ctx, false, true, T, T, hs, h.scale, q, hs, head, k, hs, head, 0.0f, att, T, square, BNH, nullptr);
   const size_t rows = static_cast<size_t>(BNH) * T;
   causal_softmax_forward_kernel<<<row_blocks(rows), kThreads, 0, launch.stream>>>(att, rows, T);
   CUDA_CHECK_LAUNCH();
   // y = att @ v, per head (T,hs)
   gemm_row_major(ctx, false, false, T, hs, T, 1.0f, att, T, square, v, hs, head, 0.0f, y, hs, head, BNH, nullptr);
-  merge_heads_kernel<<<grid_for(btc, kThreads, launch), kThreads, 0, launch.stream>>>(out, ConstParts{{y}}, C, 1, B,
+  merge_heads_kernel<<<grid_for(h.btc, kThreads, launch), kThreads, 0, launch.stream>>>(out, ConstParts{{y}}, C, 1, B,
                                                                                       T, NH, hs);
   CUDA_CHECK_LAUNCH();
 }
@@ -175,19 +173,17 @@ void launch_attention_backward(float* dqkv, float* scratch, const float* dout, c
   if (B == 0 || T == 0) return;
   const HeadLayout h(B, T, C, NH, workspace);
   const int hs = h.hs, BNH = h.BNH;
-  const size_t btc = h.btc;
   const long long head = h.head, square = h.square;
-  const float scale = h.scale;
   const LaunchContext& launch = ctx.launch;
   float *q = h.q, *k = h.k, *v = h.v, *dy = h.fourth, *dv = h.fifth;
   float* dq = dy;  // dy is dead once datt and dv are computed
   float* dk = v;   // v is dead once datt is computed
   float* da = scratch;
 
-  split_heads_kernel<<<grid_for(btc, kThreads, launch), kThreads, 0, launch.stream>>>(Parts{{q, k, v}}, qkv, 3 * C, 3,
+  split_heads_kernel<<<grid_for(h.btc, kThreads, launch), kThreads, 0, launch.stream>>>(Parts{{q, k, v}}, qkv, 3 * C, 3,
                                                                                       B, T, NH, hs);
   CUDA_CHECK_LAUNCH();
-  split_heads_kernel<<<grid_for(btc, kThreads, launch), kThreads, 0, launch.stream>>>(Parts{{dy}}, dout, C, 1, B, T,
+  split_heads_kernel<<<grid_for(h.btc, kThreads, launch), kThreads, 0, launch.stream>>>(Parts{{dy}}, dout, C, 1, B, T,
                                                                                       NH, hs);
   CUDA_CHECK_LAUNCH();
   // datt = dy @ v^T; dv = att^T @ dy
@@ -197,9 +193,9 @@ void launch_attention_backward(float* dqkv, float* scratch, const float* dout, c
   causal_softmax_backward_kernel<<<row_blocks(rows), kThreads, 0, launch.stream>>>(da, att, rows, T);
   CUDA_CHECK_LAUNCH();
   // dq = scale * dscore @ k; dk = scale * dscore^T @ q
-  gemm_row_major(ctx, false, false, T, hs, T, scale, da, T, square, k, hs, head, 0.0f, dq, hs, head, BNH, nullptr);
-  gemm_row_major(ctx, true, false, T, hs, T, scale, da, T, square, q, hs, head, 0.0f, dk, hs, head, BNH, nullptr);
-  merge_heads_kernel<<<grid_for(btc, kThreads, launch), kThreads, 0, launch.stream>>>(dqkv, ConstParts{{dq, dk, dv}},
+  gemm_row_major(ctx, false, false, T, hs, T, h.scale, da, T, square, k, hs, head, 0.0f, dq, hs, head, BNH, nullptr);
+  gemm_row_major(ctx, true, false, T, hs, T, h.scale, da, T, square, q, hs, head, 0.0f, dk, hs, head, BNH, nullptr);
+  merge_heads_kernel<<<grid_for(h.btc, kThreads, launch), kThreads, 0, launch.stream>>>(dqkv, ConstParts{{dq, dk, dv}},
                                                                                       3 * C, 3, B, T, NH, hs);
   CUDA_CHECK_LAUNCH();
 }

@@ -116,6 +116,13 @@ inline size_t column_sums_partial_floats(int kSums, int N, int C) {
   return static_cast<size_t>(kSums) * column_chunks(N).chunks * static_cast<size_t>(C);
 }
 
+// This thread's column of the row lanes, added in lane order (fixed: deterministic).
+__device__ inline float lane_total(const float (&lanes)[kColumnSumRowLanes][kWarpSize]) {
+  float total = 0.0f;
+  for (int lane = 0; lane < kColumnSumRowLanes; lane++) total += lanes[lane][threadIdx.x];
+  return total;
+}
+
 template <int kSums, typename Term>
 __global__ void column_partial_sums_kernel(float* partial, int N, int C, int rows_per_chunk, Term term) {
   __shared__ float lanes[kSums][kColumnSumRowLanes][kWarpSize];
@@ -133,13 +140,9 @@ __global__ void column_partial_sums_kernel(float* partial, int N, int C, int row
   }
   for (int s = 0; s < kSums; s++) lanes[s][threadIdx.y][threadIdx.x] = acc[s];
   __syncthreads();
-  if (threadIdx.y == 0 && c < C) {
-    for (int s = 0; s < kSums; s++) {
-      float total = 0.0f;
-      for (int lane = 0; lane < kColumnSumRowLanes; lane++) total += lanes[s][lane][threadIdx.x];
-      partial[(static_cast<size_t>(s) * gridDim.y + chunk) * C + c] = total;
-    }
-  }
+  if (threadIdx.y == 0 && c < C)
+    for (int s = 0; s < kSums; s++)
+      partial[(static_cast<size_t>(s) * gridDim.y + chunk) * C + c] = lane_total(lanes[s]);
 }
 
 struct ColumnTargets {
@@ -160,13 +163,8 @@ __global__ void column_sums_finish_kernel(ColumnTargets targets, const float* pa
       for (int s = 0; s < kSums; s++) acc[s] += partial[(static_cast<size_t>(s) * chunks + chunk) * C + c];
   for (int s = 0; s < kSums; s++) lanes[s][threadIdx.y][threadIdx.x] = acc[s];
   __syncthreads();
-  if (threadIdx.y == 0 && c < C) {
-    for (int s = 0; s < kSums; s++) {
-      float total = 0.0f;
-      for (int lane = 0; lane < kColumnSumRowLanes; lane++) total += lanes[s][lane][threadIdx.x];
-      targets.target[s][c] += total;
-    }
-  }
+  if (threadIdx.y == 0 && c < C)
+    for (int s = 0; s < kSums; s++) targets.target[s][c] += lane_total(lanes[s]);
 }
 
 // Host half: targets[s][c] += sum over n of term(n, c)[s]. `partial`: column_sums_partial_floats().
