@@ -61,6 +61,10 @@ void declare_options(OptionList& o, Config& c) {
   o.add("train.eval_every", &c.train.eval_every, "validation every N steps and at the end; 0 = never");
   o.add("train.eval_batches", &c.train.eval_batches, "global batches per validation");
   o.add("train.metrics_file", &c.train.metrics_file, "JSON Lines metrics written by rank 0; empty = none");
+  o.add("train.tensorboard_dir", &c.train.tensorboard_dir,
+        "folder for TensorBoard event files written by rank 0 (loss, val loss, lr, grad norm, tokens/s, MFU, "
+        "memory); empty = none");
+  o.add("train.log_every", &c.train.log_every, "print a step line every N steps (and the first and last)");
   o.add("train.run_name", &c.train.run_name, "name of the run, used in logs");
   o.add("train.threads", &c.train.threads, "threads per rank; 0 = the cores available to the rank");
   o.add("train.peak_gflops", &c.train.peak_gflops,
@@ -110,6 +114,8 @@ void declare_options(OptionList& o, Config& c) {
   o.add("checkpoint.keep", &c.checkpoint.keep, "newest complete checkpoints kept; older ones are removed");
   o.add("checkpoint.init_from", &c.checkpoint.init_from, "llm.c GPT-2 checkpoint (.bin) to initialise the weights from");
   o.add("checkpoint.save", &c.checkpoint.save, "write checkpoints (true/false)");
+  o.add("checkpoint.allow_data_change", &c.checkpoint.allow_data_change,
+        "resume even though data.train_file or data.val_file differ from the checkpoint's (true/false)");
   o.add("debug.stall_rank", &c.debug.stall_rank, "testing only: this rank sleeps stall_seconds at stall_step");
   o.add("debug.stall_step", &c.debug.stall_step, "testing only: step of the injected stall");
   o.add("debug.stall_seconds", &c.debug.stall_seconds, "testing only: length of the injected stall");
@@ -203,6 +209,7 @@ void validate_config(const Config& c, int world) {
   require(t.grad_clip >= 0, "train.grad_clip must be >= 0 (0 disables clipping)");
   require(t.eval_every >= 0, "train.eval_every must be >= 0");
   require(t.eval_batches >= 1, "train.eval_batches must be >= 1");
+  require(t.log_every >= 1, "train.log_every must be >= 1");
   require(t.threads >= 0, "train.threads must be >= 0 (0 = automatic)");
   require(t.peak_gflops >= 0, "train.peak_gflops must be >= 0 (0 = measure)");
   require(!c.data.train_file.empty(), "data.train_file is required");

@@ -27,7 +27,9 @@ struct TrainOptions {
   uint64_t seed = 1337;
   int eval_every = 0;
   int eval_batches = 2;
-  std::string metrics_file;
+  std::string metrics_file;     // empty = checkpoints/<run_name>/metrics.jsonl
+  std::string tensorboard_dir;  // TensorBoard event files; empty = none
+  int log_every = 1;            // console step lines every N steps
   std::string run_name = "run";
   int threads = 0;           // per rank; 0 = the cores available to this rank
   double peak_gflops = 0;    // per rank, for MFU; 0 = measure an SGEMM at start-up
@@ -62,6 +64,7 @@ struct CheckpointOptions {
   int keep = 2;               // newest complete checkpoints kept
   std::string init_from;      // llm.c GPT-2 checkpoint to start from (fresh optimizer)
   bool save = true;           // false: never write checkpoints
+  bool allow_data_change = false;  // resume although data.train_file/val_file differ from the checkpoint's
 };
 
 // Fault injection for the tests of the error paths; never set in production configs.
