@@ -7,6 +7,8 @@ which drive build/shardtrain through mpirun). Every mpirun is wrapped in `timeou
 is 0 only when nothing failed.
 """
 import argparse
+import fcntl
+import hashlib
 import importlib.util
 import json
 import os
@@ -79,6 +81,41 @@ def run_mpi_tests(build, tally, pattern):
             print(proc.stdout[-4000:], proc.stderr[-4000:])
 
 
+# What some e2e tests need beyond Debian's packages (the tensorboard package's event reader), pinned
+# with its dependencies. Installed once per build folder by ensure_test_venv, never at run time.
+TEST_VENV_REQUIREMENTS = [
+    "tensorboard==2.20.0", "tensorboard-data-server==0.7.2", "protobuf==7.36.2", "grpcio==1.85.1",
+    "absl-py==2.5.1", "Markdown==3.11.3", "MarkupSafe==3.0.4", "Werkzeug==3.1.9", "packaging==26.3",
+    "pillow==13.0.0", "typing_extensions==4.16.0",
+]
+
+
+def ensure_test_venv(build):
+    """Creates <build>/test-venv with TEST_VENV_REQUIREMENTS once (a stamp file names their hash);
+    --system-site-packages keeps Debian's numpy, h5py and matplotlib visible. Returns (python, None),
+    or (None, why not) when it cannot be made (PyPI unreachable): the tests that need it skip."""
+    venv = os.path.join(build, "test-venv")
+    python = os.path.join(venv, "bin", "python")
+    digest = hashlib.sha256("\n".join(TEST_VENV_REQUIREMENTS).encode()).hexdigest()[:12]
+    stamp = os.path.join(venv, f".installed-{digest}")
+    os.makedirs(build, exist_ok=True)
+    with open(os.path.join(build, ".test-venv.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two test runs on one build folder: one installs
+        if os.path.exists(stamp):
+            return python, None
+        print(f"== test virtual environment {venv}: installing {TEST_VENV_REQUIREMENTS[0]} (once)", flush=True)
+        steps = [["/usr/bin/python3", "-m", "venv", "--system-site-packages", "--clear", venv],
+                 [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--retries", "1",
+                  "--timeout", "20", *TEST_VENV_REQUIREMENTS]]
+        for cmd in steps:
+            proc = subprocess.run(["timeout", "900", *cmd], capture_output=True, text=True)
+            if proc.returncode != 0:
+                lines = (proc.stderr or proc.stdout).strip().splitlines() or [f"exit {proc.returncode}"]
+                return None, f"no test virtual environment: {' '.join(cmd[:4])} failed: {lines[-1][:300]}"
+        open(stamp, "w").close()
+    return python, None
+
+
 def run_e2e_tests(tally, pattern):
     print("== end-to-end tests (build/shardtrain under mpirun)", flush=True)
     import harness
@@ -124,6 +161,8 @@ def main():
     if args.suite in ("all", "mpi"):
         run_mpi_tests(build, tally, args.pattern)
     if args.suite in ("all", "e2e"):
+        python, why_not = ensure_test_venv(build)
+        os.environ["SHARDTRAIN_TEST_PYTHON" if python else "SHARDTRAIN_TEST_VENV_MISSING"] = python or why_not
         run_e2e_tests(tally, args.pattern)
     print(f"== {time.time() - start:.0f} s")
     for f in tally.failures:

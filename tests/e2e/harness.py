@@ -69,3 +69,13 @@ def tempdir():
 
 def rel_diff(a, b):
     return abs(a - b) / max(abs(a), abs(b), 1e-30)
+
+
+def venv_python():
+    """The python of the test virtual environment that tests/run_tests.py makes (the tensorboard
+    package); raises Skip, with the reason, where it could not be made."""
+    python = os.environ.get("SHARDTRAIN_TEST_PYTHON")
+    if not python:
+        raise Skip(os.environ.get("SHARDTRAIN_TEST_VENV_MISSING", "no test virtual environment: run the test "
+                                  "through tests/run_tests.py, which makes it"))
+    return python
