@@ -111,7 +111,8 @@ def ensure_test_venv(build):
             proc = subprocess.run(["timeout", "900", *cmd], capture_output=True, text=True)
             if proc.returncode != 0:
                 lines = (proc.stderr or proc.stdout).strip().splitlines() or [f"exit {proc.returncode}"]
-                return None, f"no test virtual environment: {' '.join(cmd[:4])} failed: {lines[-1][:300]}"
+                why = f"{' '.join(cmd[:4])} failed: {lines[-1][:300]}"
+                return None, f"no test virtual environment (is PyPI reachable?): {why}"
         open(stamp, "w").close()
     return python, None
 
