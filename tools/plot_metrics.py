@@ -139,8 +139,8 @@ def main():
     save(figure([("loss", "cross-entropy (nats)")], "Loss", loss), args.out, "loss.png")
     save(figure([("throughput", "tokens/s"), ("MFU", "% of peak")], "Throughput", throughput), args.out,
          "throughput.png")
-    save(figure([("peak total", "MiB")] + [(c, "MiB") for c in categories], "Peak memory per rank by category (max over ranks)",
-                memory), args.out, "memory.png")
+    save(figure([("peak total", "MiB")] + [(c, "MiB") for c in categories],
+                "Peak memory per rank by category (max over ranks)", memory), args.out, "memory.png")
     save(figure([("learning rate", "lr"), ("gradient norm", "L2 norm")], "Optimizer", optimizer), args.out,
          "optimizer.png")
 
