@@ -37,6 +37,11 @@ MemoryPlan plan_rank_memory(const ModelConfig& model, const GroupShape& groups, 
   plan.bytes = FsdpEngine::plan_memory(layout, engine);
   // AdamW's two moments per element, beside the master shards (none on the device when offloaded).
   plan.bytes[MEM_OPTIMIZER_STATE] = 2 * plan.bytes[MEM_SHARDED_PARAMS];
+  if (engine.cpu_offload) {
+    size_t shard_numel = 0;
+    for (const UnitLayout& unit : layout) shard_numel += unit.shard_numel;
+    plan.offloaded_bytes = 4 * shard_numel * sizeof(float);  // master, gradient, two moments
+  }
   plan.bytes[MEM_ACTIVATIONS] =
       GptModel<float>::plan_activation_bytes(model, micro_batch, seq_len, activation_checkpointing);
   return plan;

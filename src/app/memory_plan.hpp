@@ -16,7 +16,10 @@
 namespace shardtrain {
 
 struct MemoryPlan {
-  std::array<size_t, MEM_CATEGORY_COUNT> bytes{};
+  std::array<size_t, MEM_CATEGORY_COUNT> bytes{};  // on the compute device
+  // fsdp.cpu_offload: master shards, their gradients and the moments in host memory. On the CPU
+  // backend the host is the device, so these add to the same memory (offload saves nothing there).
+  size_t offloaded_bytes = 0;
   size_t total() const;
   std::string describe() const;  // "sharded_params 1.2 MiB, gradients ..."
 };

@@ -24,8 +24,10 @@ MetricsWriter::MetricsWriter(const std::string& path, bool enabled, long resume_
     for (std::string line; std::getline(old, line);)
       if (record_step(line) >= 0 && record_step(line) <= resume_step) kept += line + "\n";
   }
+  path_ = path;
   file_ = std::fopen(path.c_str(), "w");
-  if (file_) std::fputs(kept.c_str(), file_);
+  if (file_ && (std::fputs(kept.c_str(), file_) < 0 || std::fflush(file_) != 0))
+    throw UsageError("cannot write train.metrics_file '" + path + "': " + std::strerror(errno));
   if (!file_)
     throw UsageError("cannot write train.metrics_file '" + path + "': " + std::strerror(errno) +
                      " (check that the directory exists and is writable)");
@@ -36,10 +38,13 @@ MetricsWriter::~MetricsWriter() {
 }
 
 void MetricsWriter::write_line(const std::string& json_object) {
-  if (!file_) return;
-  std::fputs(json_object.c_str(), file_);
-  std::fputc('\n', file_);
-  std::fflush(file_);
+  if (!file_ || !error_.empty()) return;
+  if (std::fputs(json_object.c_str(), file_) < 0 || std::fputc('\n', file_) == EOF || std::fflush(file_) != 0)
+    error_ = "cannot write train.metrics_file '" + path_ + "': " + std::strerror(errno);
+}
+
+void MetricsWriter::check() const {
+  if (!error_.empty()) throw UsageError(error_);
 }
 
 }  // namespace shardtrain

@@ -18,10 +18,16 @@ class MetricsWriter {
   MetricsWriter(const MetricsWriter&) = delete;
   MetricsWriter& operator=(const MetricsWriter&) = delete;
 
+  // Writes and flushes one record; a failed write (a full disk) is remembered for check().
   void write_line(const std::string& json_object);
+  // Throws InputError naming the file and the OS error when a write has failed.
+  void check() const;
+  const std::string& path() const { return path_; }
 
  private:
+  std::string path_;
   std::FILE* file_ = nullptr;
+  std::string error_;
 };
 
 }  // namespace shardtrain

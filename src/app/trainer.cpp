@@ -22,6 +22,7 @@
 #include "app/metrics.hpp"
 #include "app/perf.hpp"
 #include "app/signals.hpp"
+#include "app/tensorboard.hpp"
 #include "ckpt/checkpoint_manager.hpp"
 #include "ckpt/llmc.hpp"
 #include "comm/comm.hpp"
@@ -38,6 +39,19 @@ namespace {
 // saving, and should be requeued (launchers do not always pass exit code 3 through).
 std::string stop_marker_path(const std::string& dir) { return dir + "/STOPPED"; }
 
+// train.metrics_file, or metrics.jsonl beside the run's checkpoints: each run keeps its own record.
+std::string metrics_path(const Config& config) {
+  return config.train.metrics_file.empty() ? checkpoint_dir(config) + "/metrics.jsonl" : config.train.metrics_file;
+}
+
+// A path made comparable across working directories ("" stays "").
+std::string comparable_path(const std::string& path) {
+  if (path.empty()) return path;
+  std::error_code ec;
+  std::filesystem::path p = std::filesystem::weakly_canonical(path, ec);
+  return ec ? path : p.string();
+}
+
 // A JSON number; JSON has no inf or NaN, so those become null.
 std::string json_number(double x) { return std::isfinite(x) ? strprintf("%.9g", x) : "null"; }
 
@@ -51,10 +65,11 @@ std::string format_duration(double seconds) {
 // Peak bytes per memory category and in total, plus the stop signal, as one vector for a single
 // MAX all-reduce per step.
 // DEVICE_RESERVED: what the GPU's caching allocator took at most (0 on the CPU backend).
+// HELD: the most the device's arrays held at once, counted at allocation (the plan's check).
 constexpr int PEAK_TOTAL = MEM_CATEGORY_COUNT, STOP_SIGNAL = MEM_CATEGORY_COUNT + 1,
               RSS_GROWTH = MEM_CATEGORY_COUNT + 2, COMM_BYTES = MEM_CATEGORY_COUNT + 3,
-              DEVICE_RESERVED = MEM_CATEGORY_COUNT + 4;
-using MemoryPeaks = std::array<double, MEM_CATEGORY_COUNT + 5>;
+              DEVICE_RESERVED = MEM_CATEGORY_COUNT + 4, HELD = MEM_CATEGORY_COUNT + 5;
+using MemoryPeaks = std::array<double, MEM_CATEGORY_COUNT + 6>;
 
 // fp16 dynamic loss scaling: start at 2^16, halve on overflow, double after this many good steps.
 constexpr double INITIAL_LOSS_SCALE = 65536;
@@ -76,6 +91,7 @@ MemoryPeaks local_memory_peaks(const MemoryTracker& m, double rss_at_start, cons
   p[STOP_SIGNAL] = stop_signal_received();
   p[RSS_GROWTH] = proc_status_bytes("VmHWM") - rss_at_start;
   p[DEVICE_RESERVED] = static_cast<double>(device.peak_reserved_bytes());
+  p[HELD] = static_cast<double>(device.peak_live_bytes());
   return p;
 }
 
@@ -100,6 +116,8 @@ class Trainer {
   // Loads one checkpoint; returns its step, or -1 when fall_back and the file is unusable.
   int try_load(const std::string& path, bool fall_back);
   void warn_config_changes(const CheckpointState& state);
+  // An InputError when the checkpoint was trained on other data or model files (unless allowed).
+  void check_same_inputs(const std::string& path, const CheckpointState& state);
   void save(int step);
 
   struct StepOutcome {
@@ -109,8 +127,10 @@ class Trainer {
   };
   // One optimizer step: micro-batches, gradient reduction, norm, update (or an fp16 skip).
   StepOutcome optimizer_step(int step);
-  void report_step(int step, const StepOutcome& out, double eta_seconds, MetricsWriter& metrics);
-  void stop_on_signal(int step, int signal);
+  // Writes the step's metrics record; prints its console line when `print`.
+  void report_step(int step, const StepOutcome& out, double eta_seconds, bool print);
+  // Saves (unless step's checkpoint exists or saving is off) and leaves the STOPPED marker.
+  void stop_on_signal(int step, int signal, bool saved_already);
   uint64_t bytes_sent() const;
   // Sum of the token losses of this rank's micro-batches.
   double train_step(int step);
@@ -122,6 +142,7 @@ class Trainer {
   const int B_, T_, G_, accum_;
   int threads_ = 1;
   double peak_gflops_ = 0;
+  std::string peak_source_;  // where peak_gflops_ comes from, for the start line and the warning
   Watchdog watchdog_;
   ShardingStrategy strategy_;
   ComputeBackend compute_;
@@ -130,6 +151,7 @@ class Trainer {
   std::unique_ptr<TokenFile> train_file_, val_file_;
   std::unique_ptr<SequenceSampler> sampler_;
   MemoryPlan plan_;  // checked against fsdp.memory_limit before anything below is allocated
+  double planned_peak_ = 0;  // the plan's bytes in the compute device's memory, offloaded state included on the CPU
   ParamTable table_;
   MemoryTracker memory_;
   FsdpEngine engine_;
@@ -138,6 +160,8 @@ class Trainer {
   std::unique_ptr<GptModel<float>> model_;
   std::vector<int> tokens_, targets_;
   CheckpointManager checkpoints_;
+  std::unique_ptr<MetricsWriter> metrics_;  // opened by run() once the resume step is known
+  std::unique_ptr<TensorBoardWriter> tensorboard_;
   bool loss_scaling_;
   double loss_scale_;
   int64_t good_steps_ = 0;
@@ -150,14 +174,18 @@ ShardingStrategy strategy_from(const Config& config) {
 }
 
 // Ranks per shard group: all for FULL_SHARD/SHARD_GRAD_OP, one for NO_SHARD, and for
-// HYBRID_SHARD fsdp.shard_group_size or the ranks of one node.
+// HYBRID_SHARD fsdp.shard_group_size or the ranks of one node. Agreed: nodes with different rank
+// counts must all fail here, not some in the split below while others wait in it.
 int shard_group_size(const Runtime& rt, const Config& config, ShardingStrategy s) {
   if (s == SHARDING_NO_SHARD) return 1;
   if (s != SHARDING_HYBRID_SHARD) return rt.world();
   int size = config.fsdp.shard_group_size > 0 ? config.fsdp.shard_group_size : rt.local_size();
-  if (rt.world() % size != 0)
-    throw UsageError(strprintf("HYBRID_SHARD: %d ranks per node do not divide the %d ranks; set fsdp.shard_group_size "
-                               "to a divisor of the rank count", size, rt.world()));
+  rt.agree_on([&] {
+    if (rt.world() % size != 0)
+      throw UsageError(strprintf("HYBRID_SHARD: the %d ranks on host %s do not divide the %d ranks; set "
+                                 "fsdp.shard_group_size to a divisor of the rank count, or place equal ranks per node",
+                                 size, rt.host().c_str(), rt.world()));
+  });
   return size;
 }
 
@@ -258,11 +286,14 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
                 plan_.bytes[c]);
   tokens_.resize(static_cast<size_t>(B_) * T_);
   targets_.resize(tokens_.size());
+  planned_peak_ = static_cast<double>(plan_.total() + (compute_.on_gpu() ? 0 : plan_.offloaded_bytes));
   engine_.init_parameters(cfg_.train.seed);
   if (cfg_.train.peak_gflops > 0) {
     peak_gflops_ = cfg_.train.peak_gflops;
+    peak_source_ = "given (train.peak_gflops)";
   } else if (compute_.on_gpu()) {
     peak_gflops_ = compute_.gpu_peak_gflops();
+    peak_source_ = "card's dense bf16";
     if (peak_gflops_ <= 0)
       rt_.warn("unknown GPU '%s': MFU is not reported; set train.peak_gflops to its dense bf16 peak in GFLOP/s",
                compute_.describe().c_str());
@@ -271,6 +302,7 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
     double peak = measure_sgemm_gflops(2048, 5);
     comm_->all_reduce_max(Span<double>(&peak, 1), "all_reduce(sgemm peak)");
     peak_gflops_ = peak;
+    peak_source_ = "measured SGEMM";
   }
 }
 
@@ -316,14 +348,21 @@ void Trainer::print_summary() {
     if (bytes) mem += strprintf("%s%s %s", mem.empty() ? "" : ", ", mem_category_name(static_cast<MemCategory>(c)),
                                 format_bytes(bytes).c_str());
   }
-  rt_.info("memory per rank: %s | total %s", mem.c_str(), format_bytes(memory_.total_current()).c_str());
+  const Device& device = *compute_.backend().device;
+  rt_.info("memory per rank, planned: %s | total %s | held now (counted): %s", mem.c_str(),
+           format_bytes(memory_.total_current()).c_str(), format_bytes(device.live_bytes()).c_str());
+  if (plan_.offloaded_bytes)
+    rt_.info("fsdp.cpu_offload: %s of master shards, gradients and moments in host memory%s",
+             format_bytes(plan_.offloaded_bytes).c_str(),
+             compute_.on_gpu() ? "" : "; on the CPU backend the host is the device, so this saves nothing");
   if (compute_.on_gpu())
     rt_.info("compute: %s | peak %.1f GFLOP/s per rank (%s) | %.1f MFLOP per token", compute_.describe().c_str(),
-             peak_gflops_, cfg_.train.peak_gflops > 0 ? "given" : "dense bf16 of the card", table_.flops_per_token(T_) / 1e6);
+             peak_gflops_, peak_source_.c_str(), table_.flops_per_token(T_) / 1e6);
   else
     rt_.info("compute: OpenBLAS %s | SGEMM peak %.1f GFLOP/s per rank (%s) | %.1f MFLOP per token",
-             blas_description().c_str(), peak_gflops_, cfg_.train.peak_gflops > 0 ? "given" : "measured",
+             blas_description().c_str(), peak_gflops_, peak_source_.c_str(),
              table_.flops_per_token(T_) / 1e6);
+  rt_.info("run folder: %s | metrics: %s", checkpoint_dir(cfg_).c_str(), metrics_path(cfg_).c_str());
   rt_.info("data: %s (%zu tokens)%s", train_file_->path().c_str(), train_file_->num_tokens(),
            val_file_ ? strprintf(" | val %s (%zu tokens)", val_file_->path().c_str(), val_file_->num_tokens()).c_str()
                      : "");
@@ -355,6 +394,22 @@ void Trainer::warn_config_changes(const CheckpointState& state) {
   if (!changed.empty()) rt_.warn("resuming with a changed configuration: %s", changed.c_str());
 }
 
+void Trainer::check_same_inputs(const std::string& path, const CheckpointState& state) {
+  if (cfg_.checkpoint.allow_data_change) return;
+  auto before = parse_ini(state.config_ini), now = parse_ini(resolved_ini(cfg_));
+  std::string changed;
+  for (const char* key : {"data.train_file", "data.val_file", "checkpoint.init_from"}) {
+    auto it = before.find(key);
+    if (it != before.end() && comparable_path(it->second) != comparable_path(now[key]))
+      changed += strprintf("%s%s was '%s', now '%s'", changed.empty() ? "" : "; ", key, it->second.c_str(),
+                           now[key].c_str());
+  }
+  if (!changed.empty())
+    throw UsageError("checkpoint '" + path + "' was trained on other inputs: " + changed +
+                     "; use another checkpoint.dir (or train.run_name) for a new run, or set "
+                     "checkpoint.allow_data_change=true to continue on the new inputs");
+}
+
 int Trainer::try_load(const std::string& path, bool fall_back) {
   CheckpointState state;
   try {
@@ -362,6 +417,7 @@ int Trainer::try_load(const std::string& path, bool fall_back) {
     // The same file's metadata on every rank: the verdict is identical without an agreement.
     std::string mismatch = model_mismatch(path, state.model, cfg_.model);
     if (!mismatch.empty()) throw UsageError(mismatch);
+    check_same_inputs(path, state);
     if (state.step > cfg_.train.steps)
       throw UsageError(strprintf("checkpoint '%s' is at step %lld, past train.steps=%d; raise train.steps",
                                  path.c_str(), static_cast<long long>(state.step), cfg_.train.steps));
@@ -462,34 +518,68 @@ Trainer::StepOutcome Trainer::optimizer_step(int step) {
   return out;
 }
 
-void Trainer::report_step(int step, const StepOutcome& out, double eta_seconds, MetricsWriter& metrics) {
+void Trainer::report_step(int step, const StepOutcome& out, double eta_seconds, bool print) {
   const double tokens_per_s = G_ * T_ / out.seconds;
-  const double mfu =
-      peak_gflops_ > 0 ? table_.flops_per_token(T_) * G_ * T_ / out.seconds / (rt_.world() * peak_gflops_ * 1e9) : 0;
+  const double achieved_gflops = table_.flops_per_token(T_) * tokens_per_s / rt_.world() / 1e9;  // per rank
+  if (peak_gflops_ > 0 && achieved_gflops > peak_gflops_) {
+    // A peak measured under load (or given too low) is no peak: the run itself is the better bound.
+    rt_.warn("the model ran at %.1f GFLOP/s per rank, above the %s peak of %.1f: MFU is now measured against "
+             "%.1f (set train.peak_gflops to the machine's real peak)", achieved_gflops, peak_source_.c_str(),
+             peak_gflops_, achieved_gflops);
+    peak_gflops_ = achieved_gflops;
+    peak_source_ = "the run's own best rate";
+  }
+  const double mfu = peak_gflops_ > 0 ? achieved_gflops / peak_gflops_ : 0;
   const std::string reserved =
-      compute_.on_gpu() ? " (GPU reserved " + format_bytes(out.peaks[DEVICE_RESERVED]) + ")" : std::string();
-  rt_.info("step %5d/%d | loss %.4f | lr %.2e | norm %.3f | %.0f tok/s | MFU %.1f%% | peak mem %s%s | eta %s%s",
-           step + 1, cfg_.train.steps, out.loss, out.lr, out.grad_norm, tokens_per_s, 100 * mfu,
-           format_bytes(out.peaks[PEAK_TOTAL]).c_str(), reserved.c_str(), format_duration(eta_seconds).c_str(),
-           out.skipped ? " | SKIPPED" : "");
-  metrics.write_line(strprintf(
+      compute_.on_gpu() ? ", GPU reserved " + format_bytes(out.peaks[DEVICE_RESERVED]) : std::string();
+  if (print)
+    rt_.info("step %5d/%d | loss %.4f | lr %.2e | norm %.3f | %.0f tok/s | MFU %.1f%% | mem %s held, %s planned%s "
+             "| eta %s%s",
+             step + 1, cfg_.train.steps, out.loss, out.lr, out.grad_norm, tokens_per_s, 100 * mfu,
+             format_bytes(out.peaks[HELD]).c_str(), format_bytes(planned_peak_).c_str(), reserved.c_str(),
+             format_duration(eta_seconds).c_str(), out.skipped ? " | SKIPPED" : "");
+  for (const auto& [tag, value] : {std::pair<const char*, double>{"train/loss", out.loss}, {"train/lr", out.lr},
+                                   {"train/grad_norm", out.grad_norm}, {"perf/tokens_per_s", tokens_per_s},
+                                   {"perf/mfu", mfu}, {"memory/held_bytes", out.peaks[HELD]},
+                                   {"memory/planned_bytes", planned_peak_}})
+    tensorboard_->scalar(tag, step + 1, value);
+  for (int c = 0; c < MEM_CATEGORY_COUNT; c++)
+    tensorboard_->scalar(std::string("memory/") + mem_category_name(static_cast<MemCategory>(c)) + "_bytes", step + 1,
+                         out.peaks[c]);
+  metrics_->write_line(strprintf(
       "{\"kind\":\"step\",\"step\":%d,\"loss\":%s,\"lr\":%.9g,\"grad_norm\":%s,\"tokens_per_s\":%.6g,\"mfu\":%.6g,"
-      "\"step_seconds\":%.6g,\"peak_mem_bytes\":%.0f,\"peak_mem\":%s,\"rss_growth_bytes\":%.0f,"
-      "\"comm_bytes\":%.0f,\"device_reserved_bytes\":%.0f,\"loss_scale\":%g,\"skipped\":%s}",
+      "\"step_seconds\":%.6g,\"peak_mem_bytes\":%.0f,\"held_mem_bytes\":%.0f,\"peak_mem\":%s,\"rss_growth_bytes\":%.0f,"
+      "\"comm_bytes\":%.0f,\"device_reserved_bytes\":%.0f,\"loss_scale\":%g,\"skipped\":%s,"
+      "\"peak_gflops\":%.6g}",
       step + 1, json_number(out.loss).c_str(), out.lr, json_number(out.grad_norm).c_str(), tokens_per_s, mfu,
-      out.seconds, out.peaks[PEAK_TOTAL],
+      out.seconds, planned_peak_, out.peaks[HELD],
       memory_json(out.peaks).c_str(), out.peaks[RSS_GROWTH], out.peaks[COMM_BYTES], out.peaks[DEVICE_RESERVED],
       out.loss_scale,
-      out.skipped ? "true" : "false"));
+      out.skipped ? "true" : "false", peak_gflops_));
 }
 
-void Trainer::stop_on_signal(int step, int signal) {
-  rt_.info("stopping on %s after step %d: saving a checkpoint", signal_name(signal), step);
-  save(step);
-  if (rt_.is_root())
-    std::ofstream(stop_marker_path(checkpoints_.dir())) << "step " << step << "\nsignal " << signal_name(signal) << "\n";
-  rt_.info("stopped at step %d on %s; checkpoint saved, exit code %d (resume with checkpoint.resume=auto)", step,
-           signal_name(signal), EXIT_CODE_SIGNALLED);
+void Trainer::stop_on_signal(int step, int signal, bool saved_already) {
+  if (!cfg_.checkpoint.save) {
+    rt_.info("stopped at step %d on %s; checkpoint.save=false, so nothing was saved; exit code %d", step,
+             signal_name(signal), EXIT_CODE_SIGNALLED);
+    return;
+  }
+  if (!saved_already) {
+    rt_.info("stopping on %s after step %d: saving a checkpoint", signal_name(signal), step);
+    save(step);
+  }
+  // The marker tells a batch script to requeue the job; a marker that cannot be written is an error.
+  std::string error;
+  if (rt_.is_root()) {
+    const std::string marker = stop_marker_path(checkpoints_.dir());
+    std::ofstream out(marker);
+    out << "step " << step << "\nsignal " << signal_name(signal) << "\n";
+    out.flush();
+    if (!out) error = "cannot write the stop marker '" + marker + "': " + std::strerror(errno);
+  }
+  rt_.agree(error);
+  rt_.info("stopped at step %d on %s; exit code %d (the next start with checkpoint.resume=auto continues from step "
+           "%d)", step, signal_name(signal), EXIT_CODE_SIGNALLED, step);
 }
 
 uint64_t Trainer::bytes_sent() const {
@@ -535,17 +625,40 @@ double Trainer::evaluate() {
 int Trainer::run() {
   print_summary();
   const int start = resume();
-  if (rt_.is_root()) std::filesystem::remove(stop_marker_path(checkpoints_.dir()));
-  if (start == cfg_.train.steps)
-    rt_.info("the checkpoint is already at train.steps=%d: nothing to train (raise train.steps, or set "
-             "checkpoint.resume=none to start over)", start);
-  std::unique_ptr<MetricsWriter> metrics;
-  rt_.agree_on([&] {
-    metrics = std::make_unique<MetricsWriter>(cfg_.train.metrics_file, rt_.is_root(), start > 0 ? start : -1);
-  });
   const int steps = cfg_.train.steps;
+  if (rt_.is_root()) std::filesystem::remove(stop_marker_path(checkpoints_.dir()));
+  if (start == steps) {
+    rt_.info("run '%s' already finished: the checkpoint in %s is at train.steps=%d, nothing to train (raise "
+             "train.steps to continue it; set checkpoint.resume=none or another train.run_name to start over)",
+             cfg_.train.run_name.c_str(), checkpoints_.dir().c_str(), steps);
+    return EXIT_CODE_OK;
+  }
+  if (cfg_.train.metrics_file.empty()) {  // the default metrics file lives in the run folder
+    std::string error;
+    std::error_code ec;
+    if (rt_.is_root() && !std::filesystem::is_directory(checkpoints_.dir(), ec)) {
+      std::filesystem::create_directories(checkpoints_.dir(), ec);
+      if (ec)
+        error = "cannot create the run folder '" + checkpoints_.dir() + "' (checkpoint.dir): " + ec.message() +
+                "; name a folder that can be created, or set train.metrics_file";
+    }
+    rt_.agree(error);
+  }
+  rt_.agree_on([&] {
+    metrics_ = std::make_unique<MetricsWriter>(metrics_path(cfg_), rt_.is_root(), start > 0 ? start : -1);
+    tensorboard_ = std::make_unique<TensorBoardWriter>(cfg_.train.tensorboard_dir, rt_.is_root(), start > 0 ? start : -1);
+  });
+  // A signal during start-up (MPI, data, resume) stops here, before any work: the newest
+  // checkpoint (if any) is already the state to resume from.
+  double early_signal = stop_signal_received();
+  comm_->all_reduce_max(Span<double>(&early_signal, 1), "all_reduce(stop signal)");
+  if (early_signal != 0) {
+    stop_on_signal(start, static_cast<int>(early_signal), true);
+    return EXIT_CODE_SIGNALLED;
+  }
   const int every = cfg_.checkpoint.every;
-  double elapsed = 0;
+  const double wall_start = MPI_Wtime();
+  double elapsed = 0, last_loss = NAN, last_val_loss = NAN;
   for (int step = start; step < steps; step++) {
     const StepOutcome out = optimizer_step(step);
     if (!out.finite) {
@@ -555,26 +668,37 @@ int Trainer::run() {
     }
     if (step > start || steps == start + 1) elapsed += out.seconds;  // the first step pays for page faults
     const double avg = elapsed / std::max(1, step - start + (steps == start + 1 ? 1 : 0));
-    report_step(step, out, avg * (steps - step - 1), *metrics);
+    const bool print = step == start || step + 1 == steps || (step + 1) % cfg_.train.log_every == 0;
+    report_step(step, out, avg * (steps - step - 1), print);
+    last_loss = out.loss;
     if (val_file_ && cfg_.train.eval_every > 0 && ((step + 1) % cfg_.train.eval_every == 0 || step + 1 == steps)) {
-      double val_loss = evaluate();
-      rt_.info("eval  %5d/%d | val loss %.4f", step + 1, steps, val_loss);
-      metrics->write_line(strprintf("{\"kind\":\"eval\",\"step\":%d,\"val_loss\":%.9g}", step + 1, val_loss));
+      last_val_loss = evaluate();
+      rt_.info("eval  %5d/%d | val loss %.4f", step + 1, steps, last_val_loss);
+      metrics_->write_line(strprintf("{\"kind\":\"eval\",\"step\":%d,\"val_loss\":%.9g}", step + 1, last_val_loss));
+      tensorboard_->scalar("val/loss", step + 1, last_val_loss);
     }
+    // Rank 0 writes the records; a failed write (a full disk) stops every rank together.
+    rt_.agree_on([&] {
+      metrics_->check();
+      tensorboard_->flush();
+    });
     if (const int signal = static_cast<int>(out.peaks[STOP_SIGNAL])) {
-      stop_on_signal(step + 1, signal);
+      stop_on_signal(step + 1, signal, false);
       return EXIT_CODE_SIGNALLED;
     }
     if (cfg_.checkpoint.save && ((every > 0 && (step + 1) % every == 0) || step + 1 == steps)) save(step + 1);
   }
-  rt_.info("done: %d steps, %.1f s, uniform-guess loss ln(V) = %.4f", steps, elapsed, std::log(cfg_.model.vocab_size));
+  const double wall = MPI_Wtime() - wall_start;
+  rt_.info("done: %d steps in %s | final loss %.4f | val loss %s | %.0f tok/s | uniform-guess loss ln(V) = %.4f",
+           steps - start, format_duration(wall).c_str(), last_loss,
+           std::isfinite(last_val_loss) ? strprintf("%.4f", last_val_loss).c_str() : "-",
+           static_cast<double>(steps - start) * G_ * T_ / wall, std::log(cfg_.model.vocab_size));
   return EXIT_CODE_OK;
 }
 
 }  // namespace
 
 int run_training(const Runtime& rt, const Config& config) {
-  install_stop_signal_handlers();
   Trainer trainer(rt, config);
   return trainer.run();
 }

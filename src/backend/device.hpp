@@ -35,6 +35,19 @@ class Device {
   // The most memory this device has held from its allocator at once (a GPU's caching allocator:
   // what the card had to provide); 0 where nobody counts (the host).
   virtual size_t peak_reserved_bytes() const { return 0; }
+
+  // What the DeviceArrays on this device hold now and held at most: counted at allocation, not
+  // planned, so the memory plan can be checked against it.
+  size_t live_bytes() const { return live_bytes_; }
+  size_t peak_live_bytes() const { return peak_live_bytes_; }
+  void count_allocation(size_t bytes) {
+    live_bytes_ += bytes;
+    if (live_bytes_ > peak_live_bytes_) peak_live_bytes_ = live_bytes_;
+  }
+  void count_release(size_t bytes) { live_bytes_ -= bytes; }
+
+ private:
+  size_t live_bytes_ = 0, peak_live_bytes_ = 0;
 };
 
 // The host: plain zeroed heap memory, memcpy.
@@ -47,6 +60,7 @@ class DeviceArray {
   DeviceArray() = default;
   DeviceArray(Device& device, size_t n) : device_(&device), size_(n) {
     data_ = static_cast<T*>(device.allocate(n * sizeof(T)));
+    device.count_allocation(bytes());
   }
   ~DeviceArray() { reset(); }
   DeviceArray(const DeviceArray&) = delete;
@@ -81,7 +95,7 @@ class DeviceArray {
     if (size_) device_->zero(data_, bytes());
   }
   void reset() {
-    if (data_) device_->release(data_, bytes());
+    if (data_) device_->release(data_, bytes()), device_->count_release(bytes());
     data_ = nullptr;
     size_ = 0;
   }
