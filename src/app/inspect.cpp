@@ -15,8 +15,9 @@ static double l2_norm(const std::vector<float>& v) {
 }
 
 void inspect_checkpoint(const std::string& path) {
-  CheckpointReader reader(path);
+  CheckpointReader reader(path);  // validates the whole file first
   const CheckpointState& s = reader.state();
+  if (!s.warning.empty()) std::fprintf(stderr, "warning: %s\n", s.warning.c_str());
   const ModelConfig& m = s.model;
   ParamTable table(m);
   std::printf("checkpoint %s\n", path.c_str());

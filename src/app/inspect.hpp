@@ -1,6 +1,6 @@
 // `shardtrain inspect FILE`: what a checkpoint holds -- format, step, the saved configuration and
 // every parameter with its shape, size and norms -- read one tensor at a time, without building
-// the model.
+// the model. A file that training would refuse (CheckpointReader's validation) is an error.
 #pragma once
 
 #include <string>

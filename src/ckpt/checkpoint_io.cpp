@@ -3,7 +3,16 @@
 // walk that one plan, so the two layouts share all the I/O code.
 #include "ckpt/checkpoint_io.hpp"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <array>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
@@ -27,8 +36,6 @@ struct Piece {
   uint64_t check_first = 0, check_count = 0;
   float* check_data = nullptr;
 };
-
-const char* MOMENT_NAMES[2] = {"exp_avg", "exp_avg_sq"};
 
 // The part of flat range [lo, hi) (unit coordinates) that falls in [p_lo, p_hi), in p's coordinates.
 struct Run {
@@ -75,41 +82,64 @@ class HostShards {
   std::vector<std::vector<float>> copies_;
 };
 
-std::vector<Piece> plan_pieces(const std::string& layout, FsdpEngine& engine, HostShards& host, bool for_save) {
-  const ParamTable& table = engine.table();
-  std::vector<Piece> pieces;
+const char* TENSOR_PARTS[3] = {"params", "exp_avg", "exp_avg_sq"};
+const char* TENSOR_PREFIXES[3] = {"/model/", "/optim/exp_avg/", "/optim/exp_avg_sq/"};
+
+// Where one tensor (0 parameters, 1 first moment, 2 second moment) of a parameter lives.
+std::string dataset_name(const std::string& layout, const std::string& unit_name, const std::string& param_name,
+                         int tensor) {
+  if (layout == "sharded") return "/shards/" + unit_name + "/" + TENSOR_PARTS[tensor];
+  return TENSOR_PREFIXES[tensor] + param_name;
+}
+
+// One dataset a checkpoint of this layout and model must hold: the plan of writer, loader and
+// validator alike.
+struct DatasetSpec {
+  std::string path;
+  std::vector<hsize_t> dims;  // gathered: the parameter's shape; sharded: {numel} (the file's is padded)
+  uint64_t numel = 0;         // elements under the checksum
+  size_t unit = 0;
+  int tensor = 0;
+  uint64_t unit_offset = 0;   // its first element in the unit's flat buffer
+};
+
+std::vector<DatasetSpec> dataset_specs(const ParamTable& table, const std::string& layout) {
+  std::vector<DatasetSpec> specs;
   for (size_t u = 0; u < table.units().size(); u++) {
-    UnitShard& shard = engine.shards()[u];
-    float* buffers[3] = {host.buffer(u, 0), host.buffer(u, 1), host.buffer(u, 2)};
-    const std::string prefixes[3] = {"/model/", "/optim/exp_avg/", "/optim/exp_avg_sq/"};
-    const uint64_t own_lo = shard.begin + shard.owned_begin, own_hi = own_lo + shard.owned_count;
-    const uint64_t io_lo = for_save ? own_lo : shard.begin, io_hi = for_save ? own_hi : shard.begin + shard.shard_numel;
     const UnitInfo& unit = table.units()[u];
     for (int k = 0; k < 3; k++) {
-      auto add = [&](std::string path, std::vector<hsize_t> dims, uint64_t p_lo, uint64_t numel) {
-        Piece p;
-        p.path = std::move(path);
-        p.dims = std::move(dims);
-        p.checked_numel = numel;
-        Run io = clip(io_lo, io_hi, p_lo, p_lo + numel), check = clip(own_lo, own_hi, p_lo, p_lo + numel);
-        p.first = io.first, p.count = io.count, p.data = buffers[k] + (io.unit_from - shard.begin);
-        p.check_first = check.first, p.check_count = check.count;
-        p.check_data = buffers[k] + (check.unit_from - shard.begin);
-        if (!io.count) p.data = nullptr;
-        if (!check.count) p.check_data = nullptr;
-        pieces.push_back(std::move(p));
-      };
       if (layout == "sharded") {
-        add("/shards/" + unit.name + "/" + (k == 0 ? "params" : MOMENT_NAMES[k - 1]), {shard.padded_numel}, 0,
-            unit.numel);
-      } else {
-        for (int id : unit.params) {
-          const ParamInfo& param = table.params()[id];
-          add(prefixes[k] + param.name, std::vector<hsize_t>(param.shape.begin(), param.shape.end()), param.offset,
-              param.numel);
-        }
+        specs.push_back({dataset_name(layout, unit.name, "", k), {unit.numel}, unit.numel, u, k, 0});
+        continue;
+      }
+      for (int id : unit.params) {
+        const ParamInfo& p = table.params()[id];
+        std::vector<hsize_t> dims(p.shape.begin(), p.shape.end());
+        specs.push_back({dataset_name(layout, unit.name, p.name, k), dims, p.numel, u, k, p.offset});
       }
     }
+  }
+  return specs;
+}
+
+std::vector<Piece> plan_pieces(const std::vector<DatasetSpec>& specs, const std::string& layout, FsdpEngine& engine,
+                               HostShards& host, bool for_save) {
+  std::vector<Piece> pieces;
+  for (const DatasetSpec& d : specs) {
+    UnitShard& shard = engine.shards()[d.unit];
+    float* buffer = host.buffer(d.unit, d.tensor);
+    const uint64_t own_lo = shard.begin + shard.owned_begin, own_hi = own_lo + shard.owned_count;
+    const uint64_t io_lo = for_save ? own_lo : shard.begin, io_hi = for_save ? own_hi : shard.begin + shard.shard_numel;
+    Piece p;
+    p.path = d.path;
+    p.dims = layout == "sharded" ? std::vector<hsize_t>{shard.padded_numel} : d.dims;
+    p.checked_numel = d.numel;
+    Run io = clip(io_lo, io_hi, d.unit_offset, d.unit_offset + d.numel);
+    Run check = clip(own_lo, own_hi, d.unit_offset, d.unit_offset + d.numel);
+    p.first = io.first, p.count = io.count, p.data = io.count ? buffer + (io.unit_from - shard.begin) : nullptr;
+    p.check_first = check.first, p.check_count = check.count;
+    p.check_data = check.count ? buffer + (check.unit_from - shard.begin) : nullptr;
+    pieces.push_back(std::move(p));
   }
   return pieces;
 }
@@ -197,21 +227,76 @@ std::array<int64_t, 5> model_dims(const ModelConfig& c) {
   return {c.n_layer, c.n_embd, c.n_head, c.vocab_size, c.max_seq_len};
 }
 
+// FNV-1a (64 bit) over "name\0value\0" of each root attribute, in the order written; integers in
+// decimal. Writer and reader feed it the same sequence, so the list of attributes exists once.
+class MetaChecksum {
+ public:
+  void add(const char* name, const std::string& value) {
+    bytes(name, std::strlen(name) + 1);
+    bytes(value.c_str(), value.size() + 1);
+  }
+  uint64_t value() const { return hash_; }
+
+ private:
+  void bytes(const char* p, size_t n) {
+    for (size_t i = 0; i < n; i++) hash_ = (hash_ ^ static_cast<unsigned char>(p[i])) * 0x100000001B3ull;
+  }
+  uint64_t hash_ = 0xCBF29CE484222325ull;
+};
+
+const char* META_CHECKSUM = "meta_checksum";
+
 void write_state(hid_t file, const CheckpointState& s, const ModelConfig& model, const std::string& path) {
-  h5_write_attr_str(file, "format", CKPT_FORMAT_NAME, path);
-  h5_write_attr_i64(file, "version", CKPT_FORMAT_VERSION, path);
-  h5_write_attr_str(file, "layout", s.layout, path);
-  h5_write_attr_i64(file, "step", s.step, path);
-  h5_write_attr_i64(file, "tokens_seen", s.tokens_seen, path);
-  h5_write_attr_u64(file, "seed", s.seed, path);
-  h5_write_attr_i64(file, "sampler_step", s.sampler_step, path);
-  h5_write_attr_i64(file, "world_size", s.world_size, path);
-  h5_write_attr_str(file, "strategy", s.strategy, path);
-  h5_write_attr_str(file, "config", s.config_ini, path);
-  h5_write_attr_i64(file, "loss_scale_log2", s.loss_scale_log2, path);
-  h5_write_attr_i64(file, "loss_scale_good_steps", s.loss_scale_good_steps, path);
+  MetaChecksum sum;
+  auto str = [&](const char* name, const std::string& v) { h5_write_attr_str(file, name, v, path), sum.add(name, v); };
+  auto i64 = [&](const char* name, int64_t v) {
+    h5_write_attr_i64(file, name, v, path), sum.add(name, std::to_string(v));
+  };
+  str("format", CKPT_FORMAT_NAME);
+  i64("version", CKPT_FORMAT_VERSION);
+  str("layout", s.layout);
+  i64("step", s.step);
+  i64("tokens_seen", s.tokens_seen);
+  h5_write_attr_u64(file, "seed", s.seed, path), sum.add("seed", std::to_string(s.seed));
+  i64("sampler_step", s.sampler_step);
+  i64("world_size", s.world_size);
+  str("strategy", s.strategy);
+  str("config", s.config_ini);
+  i64("loss_scale_log2", s.loss_scale_log2);
+  i64("loss_scale_good_steps", s.loss_scale_good_steps);
   auto dims = model_dims(model);
-  for (int i = 0; i < 5; i++) h5_write_attr_i64(file, MODEL_DIMS[i], dims[i], path);
+  for (int i = 0; i < 5; i++) i64(MODEL_DIMS[i], dims[i]);
+  h5_write_attr_u64(file, META_CHECKSUM, sum.value(), path);
+}
+
+// The rules validate_config applies to model.*, plus bounds that keep a damaged file from making
+// the reader build an absurd parameter table. "" when the shape is usable.
+std::string model_defect(const std::array<int64_t, 5>& d) {
+  const int64_t L = d[0], C = d[1], H = d[2], V = d[3], P = d[4];
+  if (L < 1 || L > (1 << 16)) return strprintf("model.n_layer=%lld is not in [1, 65536]", static_cast<long long>(L));
+  if (H < 1 || H > (1 << 20)) return strprintf("model.n_head=%lld is not in [1, 2^20]", static_cast<long long>(H));
+  if (C < 1 || C > (1 << 20) || C % H)
+    return strprintf("model.n_embd=%lld is not a multiple of model.n_head=%lld in [1, 2^20]",
+                     static_cast<long long>(C), static_cast<long long>(H));
+  if (V < 2 || V > 65536) return strprintf("model.vocab_size=%lld is not in [2, 65536]", static_cast<long long>(V));
+  if (P < 1 || P > (1 << 24)) return strprintf("model.max_seq_len=%lld is not in [1, 2^24]", static_cast<long long>(P));
+  if (static_cast<double>(L) * 13 * C * C > 1e13)
+    return strprintf("model.n_layer=%lld x model.n_embd=%lld is more than 10^13 parameters",
+                     static_cast<long long>(L), static_cast<long long>(C));
+  return "";
+}
+
+// Values no save writes: the sign of a damaged or hand-edited file. "" when all are plausible.
+std::string state_defect(const CheckpointState& s) {
+  const std::pair<const char*, int64_t> non_negative[4] = {
+      {"step", s.step}, {"tokens_seen", s.tokens_seen}, {"sampler_step", s.sampler_step},
+      {"loss_scale_good_steps", s.loss_scale_good_steps}};
+  for (const auto& [name, value] : non_negative)
+    if (value < 0) return strprintf("%s=%lld is negative", name, static_cast<long long>(value));
+  if (s.world_size < 1) return strprintf("world_size=%lld is not >= 1", static_cast<long long>(s.world_size));
+  if (s.loss_scale_log2 < -1000 || s.loss_scale_log2 > 1000)
+    return strprintf("loss_scale_log2=%lld is not in [-1000, 1000]", static_cast<long long>(s.loss_scale_log2));
+  return "";
 }
 
 CheckpointState read_state(hid_t file, const std::string& path) {
@@ -223,25 +308,178 @@ CheckpointState read_state(hid_t file, const std::string& path) {
     throw CheckpointError(strprintf("checkpoint '%s': format version %lld, this build reads version %lld",
                                     path.c_str(), static_cast<long long>(version),
                                     static_cast<long long>(CKPT_FORMAT_VERSION)));
+  MetaChecksum sum;
+  sum.add("format", CKPT_FORMAT_NAME);
+  sum.add("version", std::to_string(version));
+  auto str = [&](const char* name) {
+    std::string v = h5_read_attr_str(file, name, path);
+    sum.add(name, v);
+    return v;
+  };
+  auto i64 = [&](const char* name) {
+    int64_t v = h5_read_attr_i64(file, name, path);
+    sum.add(name, std::to_string(v));
+    return v;
+  };
   CheckpointState s;
-  s.layout = h5_read_attr_str(file, "layout", path);
-  if (s.layout != "sharded" && s.layout != "gathered")
-    throw CheckpointError("checkpoint '" + path + "': unknown layout '" + s.layout + "'");
-  s.step = h5_read_attr_i64(file, "step", path);
-  s.tokens_seen = h5_read_attr_i64(file, "tokens_seen", path);
+  s.layout = str("layout");
+  s.step = i64("step");
+  s.tokens_seen = i64("tokens_seen");
   s.seed = h5_read_attr_u64(file, "seed", path);
-  s.sampler_step = h5_read_attr_i64(file, "sampler_step", path);
-  s.world_size = h5_read_attr_i64(file, "world_size", path);
-  s.strategy = h5_read_attr_str(file, "strategy", path);
-  s.config_ini = h5_read_attr_str(file, "config", path);
-  s.loss_scale_log2 = h5_read_attr_i64(file, "loss_scale_log2", path);
-  s.loss_scale_good_steps = h5_read_attr_i64(file, "loss_scale_good_steps", path);
-  int64_t dims[5];
-  for (int i = 0; i < 5; i++) dims[i] = h5_read_attr_i64(file, MODEL_DIMS[i], path);
+  sum.add("seed", std::to_string(s.seed));
+  s.sampler_step = i64("sampler_step");
+  s.world_size = i64("world_size");
+  s.strategy = str("strategy");
+  s.config_ini = str("config");
+  s.loss_scale_log2 = i64("loss_scale_log2");
+  s.loss_scale_good_steps = i64("loss_scale_good_steps");
+  std::array<int64_t, 5> dims;
+  for (int i = 0; i < 5; i++) dims[i] = i64(MODEL_DIMS[i]);
+  const std::string where = "checkpoint '" + path + "': ";
+  if (!h5_has_attr(file, META_CHECKSUM))
+    s.warning = where + "no metadata checksum (written by an older build): its attributes are not verified";
+  else if (h5_read_attr_u64(file, META_CHECKSUM, path) != sum.value())
+    throw CheckpointError(where + "the metadata (root attributes or the stored config) fail their checksum: edited "
+                                  "or corrupted; use another checkpoint");
+  if (s.layout != "sharded" && s.layout != "gathered")
+    throw CheckpointError(where + "unknown layout '" + s.layout + "'");
+  std::string defect = model_defect(dims);
+  if (defect.empty()) defect = state_defect(s);
+  if (!defect.empty()) throw CheckpointError(where + "attribute " + defect + "; the file is damaged");
   s.model.n_layer = static_cast<int>(dims[0]), s.model.n_embd = static_cast<int>(dims[1]);
   s.model.n_head = static_cast<int>(dims[2]), s.model.vocab_size = static_cast<int>(dims[3]);
   s.model.max_seq_len = static_cast<int>(dims[4]);
   return s;
+}
+
+herr_t collect_link(hid_t, const char* name, const H5L_info_t*, void* names) {
+  static_cast<std::vector<std::string>*>(names)->push_back(std::string("/") + name);
+  return 0;
+}
+
+// The file must hold exactly the datasets of `specs` and the groups above them: a missing dataset
+// or an unknown object means a damaged file or one of another model. Collective reads only.
+void check_objects(hid_t file, const std::vector<DatasetSpec>& specs, const std::string& path) {
+  std::vector<std::string> found;
+  h5_check(H5Lvisit(file, H5_INDEX_NAME, H5_ITER_NATIVE, collect_link, &found), path, "H5Lvisit");
+  std::vector<std::string> expected;
+  for (const DatasetSpec& d : specs)
+    for (size_t slash = d.path.find('/', 1); slash != std::string::npos; slash = d.path.find('/', slash + 1))
+      expected.push_back(d.path.substr(0, slash));
+  for (const DatasetSpec& d : specs) expected.push_back(d.path);
+  std::sort(found.begin(), found.end());
+  std::sort(expected.begin(), expected.end());
+  expected.erase(std::unique(expected.begin(), expected.end()), expected.end());
+  for (const DatasetSpec& d : specs)
+    if (!std::binary_search(found.begin(), found.end(), d.path))
+      throw CheckpointError("checkpoint '" + path + "': dataset " + d.path + " is missing");
+  for (const std::string& name : found)
+    if (!std::binary_search(expected.begin(), expected.end(), name))
+      throw CheckpointError("checkpoint '" + path + "': unexpected object " + name +
+                            " (not part of this model's checkpoint): the file is damaged or edited");
+}
+
+// Checks one dataset against its spec (type, shape, `numel`) and returns its dims and stored checksum.
+std::pair<std::vector<hsize_t>, uint64_t> check_dataset(hid_t dataset, const DatasetSpec& d, const CheckpointState& s,
+                                                        const std::string& path) {
+  std::vector<hsize_t> dims = h5_dataset_dims(dataset, path);
+  H5Id type(h5_check_id(H5Dget_type(dataset), path, "H5Dget_type"), H5Tclose);
+  const bool has_attrs = h5_has_attr(dataset, "numel") && h5_has_attr(dataset, "checksum");
+  const int64_t numel = has_attrs ? h5_read_attr_i64(dataset, "numel", path) : -1;
+  // A sharded unit was padded for the rank count at save time (less than one element per rank).
+  const uint64_t world = static_cast<uint64_t>(s.world_size);
+  bool shape_ok = s.layout == "sharded" ? dims.size() == 1 && dims[0] >= d.numel && dims[0] - d.numel < world
+                                        : dims == d.dims;
+  std::string got;
+  for (size_t i = 0; i < dims.size(); i++) got += (i ? "x" : "") + std::to_string(dims[i]);
+  const std::string where = "checkpoint '" + path + "': dataset " + d.path;
+  if (H5Tget_class(type) != H5T_FLOAT || H5Tget_size(type) != 4)
+    throw CheckpointError(where + " is not float32");
+  if (!shape_ok) throw CheckpointError(where + " has shape " + got + ", which does not fit the model");
+  if (numel != static_cast<int64_t>(d.numel))
+    throw CheckpointError(where + (has_attrs ? " has numel " + std::to_string(numel) : " lacks its numel/checksum") +
+                          ", expected " + std::to_string(d.numel) + " elements");
+  return {dims, h5_read_attr_u64(dataset, "checksum", path)};
+}
+
+std::string checksum_failure(const std::string& path, const std::string& dataset) {
+  return "checkpoint '" + path + "': dataset " + dataset +
+         " fails its checksum (corrupted data); use another checkpoint";
+}
+
+// Reads flat elements [first, first + count) of a dataset (collectively when dxpl says so).
+herr_t read_flat(hid_t dataset, const std::vector<hsize_t>& dims, uint64_t first, uint64_t count, float* out,
+                 hid_t dxpl, const std::string& path) {
+  H5Id space(h5_check_id(H5Dget_space(dataset), path, "H5Dget_space"), H5Sclose);
+  select_flat_range(space, dims, first, count, path);
+  hsize_t mem_n = std::max<uint64_t>(count, 1);
+  H5Id memspace(h5_check_id(H5Screate_simple(1, &mem_n, nullptr), path, "H5Screate_simple"), H5Sclose);
+  if (count == 0) h5_check(H5Sselect_none(memspace), path, "H5Sselect_none");
+  float scratch = 0;
+  return H5Dread(dataset, H5T_NATIVE_FLOAT, memspace, space, dxpl, count ? out : &scratch);
+}
+
+std::string human_bytes(double bytes) {
+  const char* units[4] = {"bytes", "KiB", "MiB", "GiB"};
+  int u = 0;
+  for (; u < 3 && bytes >= 1024; u++) bytes /= 1024;
+  return strprintf(u ? "%.1f %s" : "%.0f %s", bytes, units[u]);
+}
+
+std::string folder_of(const std::string& path) {
+  size_t slash = path.rfind('/');
+  return slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+}
+
+// Why a write failed: errno from the MPI-IO layer when it names the cause.
+std::string write_failure(int error, const std::string& what, const std::string& path) {
+  const bool space = error == ENOSPC || error == EDQUOT;
+  return (space ? std::string(std::strerror(error)) + ": " : std::string()) + "writing " + what + " to '" + path +
+         "' failed" + (space ? "; free space in '" + folder_of(path) + "' or set checkpoint.dir to another disk"
+                             : " (" + (error ? std::string(std::strerror(error)) : "I/O error") + ")");
+}
+
+bool preallocate() {
+  const char* v = std::getenv("SHARDTRAIN_CHECKPOINT_PREALLOCATE");
+  return !v || std::strcmp(v, "0") != 0;
+}
+
+// Rank 0 reserves the file's blocks, so that no write of the save can fail for want of space: HDF5
+// cannot close a file whose metadata write failed on one rank only (the ranks then wait in
+// different barriers). KEEP_SIZE: the file looks empty to HDF5. "" when reserved, or when the file
+// system cannot reserve (then a failed write is still agreed on, as below).
+std::string reserve_space(const std::string& path, uint64_t bytes) {
+  int fd = open(path.c_str(), O_WRONLY | O_CREAT, 0644);
+  if (fd < 0) return "";  // HDF5's create names the problem
+  int rc = fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(bytes)), error = errno;
+  close(fd);
+  if (rc == 0 || (error != ENOSPC && error != EDQUOT)) return "";
+  struct statvfs fs {};
+  const double free = statvfs(folder_of(path).c_str(), &fs) == 0 ? static_cast<double>(fs.f_bavail) * fs.f_frsize : 0;
+  return std::string(std::strerror(error)) + ": checkpoint '" + path + "' needs " + human_bytes(bytes) + ", '" +
+         folder_of(path) + "' has " + human_bytes(free) + " free; free space or set checkpoint.dir to another disk";
+}
+
+// Gives back the reserved blocks past the file's end (HDF5 left it at its real size).
+void release_reserve(const std::string& path, uint64_t bytes) {
+  int fd = open(path.c_str(), O_WRONLY);
+  if (fd < 0) return;
+  struct stat st {};
+  if (fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) < bytes)
+    fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, st.st_size, static_cast<off_t>(bytes) - st.st_size);
+  close(fd);
+}
+
+// An upper bound of the file's size: the data plus generous room for HDF5's metadata (object
+// headers, the attributes, the group B-trees and heaps).
+uint64_t file_size_bound(const std::vector<Piece>& pieces, const std::string& config) {
+  uint64_t bytes = 64 << 10;
+  for (const Piece& p : pieces) {
+    uint64_t n = 4;
+    for (hsize_t d : p.dims) n *= d;
+    bytes += n + 2048 + 2 * p.path.size();
+  }
+  return bytes + 2 * config.size();
 }
 
 }  // namespace
@@ -269,44 +507,97 @@ void save_checkpoint(const std::string& path, const CheckpointState& state, Fsdp
                      MPI_Comm comm) {
   const ParamTable& table = engine.table();
   HostShards host(engine, optimizer, true);
-  std::vector<Piece> pieces = plan_pieces(state.layout, engine, host, true);
+  std::vector<Piece> pieces = plan_pieces(dataset_specs(table, state.layout), state.layout, engine, host, true);
   std::vector<uint64_t> sums(pieces.size());
   for (size_t i = 0; i < pieces.size(); i++)
     sums[i] = checksum_elements(pieces[i].check_data, pieces[i].check_count, pieces[i].check_first);
   allreduce_sum(sums, comm);
+  int rank = 0;
+  MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  const bool reserve = rank == 0 && preallocate();
+  const uint64_t bytes = file_size_bound(pieces, state.config_ini);
 
-  H5Id file = open_parallel(path, comm, true);
-  std::string local_error;
-  write_state(file, state, table.config(), path);
-  H5Id lcpl(h5_check_id(H5Pcreate(H5P_LINK_CREATE), path, "H5Pcreate"), H5Pclose);
-  h5_check(H5Pset_create_intermediate_group(lcpl, 1), path, "H5Pset_create_intermediate_group");
-  H5Id dxpl = collective_transfer(path);
-  for (size_t i = 0; i < pieces.size(); i++) {
-    const Piece& p = pieces[i];
-    H5Id space(h5_check_id(H5Screate_simple(static_cast<int>(p.dims.size()), p.dims.data(), nullptr), path,
-                           "H5Screate_simple"), H5Sclose);
-    H5Id dataset(h5_check_id(H5Dcreate2(file, p.path.c_str(), H5T_IEEE_F32LE, space, lcpl, H5P_DEFAULT, H5P_DEFAULT),
-                             path, "H5Dcreate2"), H5Dclose);
-    select_flat_range(space, p.dims, p.first, p.count, path);
-    hsize_t mem_n = std::max<uint64_t>(p.count, 1);
-    H5Id memspace(h5_check_id(H5Screate_simple(1, &mem_n, nullptr), path, "H5Screate_simple"), H5Sclose);
-    if (p.count == 0) h5_check(H5Sselect_none(memspace), path, "H5Sselect_none");
-    // A failure here may be this rank's alone: note it and keep taking part in the collectives.
-    if (H5Dwrite(dataset, H5T_NATIVE_FLOAT, memspace, space, dxpl, p.data) < 0 && local_error.empty())
-      local_error = "checkpoint '" + path + "': writing " + p.path + " failed (disk full or not writable?)";
-    h5_write_attr_u64(dataset, "checksum", sums[i], path);
-    h5_write_attr_i64(dataset, "numel", static_cast<int64_t>(p.checked_numel), path);
-  }
-  if (state.layout == "sharded") {
-    for (size_t u = 0; u < table.units().size(); u++) {
-      H5Id group(h5_check_id(H5Gopen2(file, ("/shards/" + table.units()[u].name).c_str(), H5P_DEFAULT), path,
-                             "H5Gopen2"), H5Gclose);
-      h5_write_attr_str(group, "index", unit_index(table, u), path);
+  // Every phase runs on all ranks or on none, and ends agreeing on its outcome: a rank that failed
+  // (often alone: a write error may reach only the rank that did the I/O) never skips a collective
+  // that the others enter.
+  std::string error = agreed_error(reserve ? reserve_space(path, bytes) : "", comm);
+  auto phase = [&](auto&& body) {
+    if (!error.empty()) return;
+    try {
+      body();
+    } catch (const CheckpointError& e) {
+      error = e.what();
     }
+    error = agreed_error(error, comm);
+  };
+  H5Id file, lcpl, dxpl;
+  std::vector<H5Id> datasets, groups;
+  phase([&] {
+    file = open_parallel(path, comm, true);
+    if (reserve) {  // H5Fcreate truncated the file: reserve again
+      std::string e = reserve_space(path, bytes);
+      if (!e.empty()) throw CheckpointError(e);
+    }
+  });
+  // All metadata first, written while the file is small; then the data; so the final close has
+  // (almost) nothing left to write.
+  phase([&] {
+    write_state(file, state, table.config(), path);
+    lcpl = H5Id(h5_check_id(H5Pcreate(H5P_LINK_CREATE), path, "H5Pcreate"), H5Pclose);
+    h5_check(H5Pset_create_intermediate_group(lcpl, 1), path, "H5Pset_create_intermediate_group");
+    for (size_t i = 0; i < pieces.size(); i++) {
+      const Piece& p = pieces[i];
+      H5Id space(h5_check_id(H5Screate_simple(static_cast<int>(p.dims.size()), p.dims.data(), nullptr), path,
+                             "H5Screate_simple"), H5Sclose);
+      datasets.emplace_back(h5_check_id(H5Dcreate2(file, p.path.c_str(), H5T_IEEE_F32LE, space, lcpl, H5P_DEFAULT,
+                                                   H5P_DEFAULT), path, "H5Dcreate2"), H5Dclose);
+      h5_write_attr_u64(datasets.back(), "checksum", sums[i], path);
+      h5_write_attr_i64(datasets.back(), "numel", static_cast<int64_t>(p.checked_numel), path);
+    }
+    if (state.layout == "sharded") {
+      for (size_t u = 0; u < table.units().size(); u++) {
+        groups.emplace_back(h5_check_id(H5Gopen2(file, ("/shards/" + table.units()[u].name).c_str(), H5P_DEFAULT),
+                                        path, "H5Gopen2"), H5Gclose);
+        h5_write_attr_str(groups.back(), "index", unit_index(table, u), path);
+      }
+    }
+  });
+  phase([&] { h5_check(H5Fflush(file, H5F_SCOPE_GLOBAL), path, "H5Fflush(metadata)"); });
+  phase([&] {
+    dxpl = collective_transfer(path);
+    std::string local;
+    for (size_t i = 0; i < pieces.size(); i++) {
+      const Piece& p = pieces[i];
+      H5Id space(h5_check_id(H5Dget_space(datasets[i]), path, "H5Dget_space"), H5Sclose);
+      select_flat_range(space, p.dims, p.first, p.count, path);
+      hsize_t mem_n = std::max<uint64_t>(p.count, 1);
+      H5Id memspace(h5_check_id(H5Screate_simple(1, &mem_n, nullptr), path, "H5Screate_simple"), H5Sclose);
+      if (p.count == 0) h5_check(H5Sselect_none(memspace), path, "H5Sselect_none");
+      // A failure may be this rank's alone: note it and go on taking part in the collective writes.
+      errno = 0;
+      if (H5Dwrite(datasets[i], H5T_NATIVE_FLOAT, memspace, space, dxpl, p.data) < 0 && local.empty())
+        local = write_failure(errno, p.path, path);
+    }
+    if (!local.empty()) throw CheckpointError(local);
+  });
+  phase([&] {
+    errno = 0;
+    if (H5Fflush(file, H5F_SCOPE_GLOBAL) < 0) throw CheckpointError(write_failure(errno, "the data", path));
+  });
+  if (!error.empty() && rank == 0 && file >= 0) {
+    // The file is discarded: free its space now, so that closing it cannot fail for want of it.
+    [[maybe_unused]] int rc = truncate(path.c_str(), 0);
   }
-  std::string error = agreed_error(local_error, comm);
+  MPI_CHECK(MPI_Barrier(comm));
+  datasets.clear(), groups.clear(), lcpl.reset(), dxpl.reset();
+  if (file >= 0) {
+    errno = 0;
+    std::string closing = H5Fclose(file.release()) < 0 ? write_failure(errno, "the metadata", path) : "";
+    closing = agreed_error(closing, comm);
+    if (error.empty()) error = closing;
+  }
   if (!error.empty()) throw CheckpointError(error);
-  h5_check(H5Fflush(file, H5F_SCOPE_GLOBAL), path, "H5Fflush");  // MPI_File_sync: data on disk
+  if (reserve) release_reserve(path, bytes);
 }
 
 CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, AdamW& optimizer, MPI_Comm comm) {
@@ -315,52 +606,37 @@ CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, Ada
   CheckpointState state = read_state(file, path);
   std::string mismatch = model_mismatch(path, state.model, table.config());
   if (!mismatch.empty()) throw CheckpointError(mismatch);
+  int rank = 0;
+  MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  if (rank == 0 && !state.warning.empty()) std::fprintf(stderr, "warning: %s\n", state.warning.c_str());
+  // Metadata reads are collective (rank 0 reads and broadcasts): these verdicts are the same on
+  // every rank without an agreement.
+  std::vector<DatasetSpec> specs = dataset_specs(table, state.layout);
+  check_objects(file, specs, path);
 
   // Shards are overwritten entirely: padding and the parts outside the file stay zero.
   HostShards host(engine, optimizer, false);
   host.zero();
-  std::vector<Piece> pieces = plan_pieces(state.layout, engine, host, false);
+  std::vector<Piece> pieces = plan_pieces(specs, state.layout, engine, host, false);
   std::vector<uint64_t> stored(pieces.size()), computed(pieces.size());
   std::string local_error;
   H5Id dxpl = collective_transfer(path);
   for (size_t i = 0; i < pieces.size(); i++) {
     Piece& p = pieces[i];
-    if (H5Lexists(file, p.path.c_str(), H5P_DEFAULT) <= 0)
-      throw CheckpointError("checkpoint '" + path + "': dataset " + p.path + " is missing");
     H5Id dataset(h5_check_id(H5Dopen2(file, p.path.c_str(), H5P_DEFAULT), path, "H5Dopen2"), H5Dclose);
-    std::vector<hsize_t> dims = h5_dataset_dims(dataset, path);
-    const int64_t numel = h5_read_attr_i64(dataset, "numel", path);
-    // A sharded unit was padded for the rank count at save time: only its numel must agree.
-    bool shape_ok = state.layout == "sharded" ? (dims.size() == 1 && dims[0] >= p.checked_numel &&
-                                                 numel == static_cast<int64_t>(p.checked_numel))
-                                              : dims == p.dims;
-    if (!shape_ok) {
-      std::string got;
-      for (size_t d = 0; d < dims.size(); d++) got += (d ? "x" : "") + std::to_string(dims[d]);
-      throw CheckpointError("checkpoint '" + path + "': dataset " + p.path + " has shape " + got +
-                            ", which does not fit the model");
-    }
-    H5Id space(h5_check_id(H5Dget_space(dataset), path, "H5Dget_space"), H5Sclose);
-    select_flat_range(space, dims, p.first, p.count, path);
-    hsize_t mem_n = std::max<uint64_t>(p.count, 1);
-    H5Id memspace(h5_check_id(H5Screate_simple(1, &mem_n, nullptr), path, "H5Screate_simple"), H5Sclose);
-    if (p.count == 0) h5_check(H5Sselect_none(memspace), path, "H5Sselect_none");
-    float scratch = 0;
+    auto [dims, checksum] = check_dataset(dataset, specs[i], state, path);
+    stored[i] = checksum;
     // A failure here may be this rank's alone (a damaged block only it reads): note it and keep
     // taking part in the collective reads, so that no rank waits for one that has left.
-    if (H5Dread(dataset, H5T_NATIVE_FLOAT, memspace, space, dxpl, p.count ? p.data : &scratch) < 0 &&
-        local_error.empty())
+    if (read_flat(dataset, dims, p.first, p.count, p.data, dxpl, path) < 0 && local_error.empty())
       local_error = "checkpoint '" + path + "': reading " + p.path + " failed (damaged data)";
-    stored[i] = h5_read_attr_u64(dataset, "checksum", path);
     computed[i] = checksum_elements(p.check_data, p.check_count, p.check_first);
   }
   std::string error = agreed_error(local_error, comm);
   if (!error.empty()) throw CheckpointError(error);
   allreduce_sum(computed, comm);
   for (size_t i = 0; i < pieces.size(); i++)
-    if (computed[i] != stored[i])
-      throw CheckpointError("checkpoint '" + path + "': dataset " + pieces[i].path +
-                            " fails its checksum (corrupted data); use another checkpoint");
+    if (computed[i] != stored[i]) throw CheckpointError(checksum_failure(path, pieces[i].path));
   host.upload();
   return state;
 }
@@ -370,7 +646,8 @@ static H5Id open_serial(const std::string& path) {
   H5Id fapl(h5_check_id(H5Pcreate(H5P_FILE_ACCESS), path, "H5Pcreate"), H5Pclose);
   h5_check(H5Pset_file_locking(fapl, false, true), path, "H5Pset_file_locking");
   hid_t id = H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl);
-  if (id < 0) throw CheckpointError("checkpoint '" + path + "': cannot open as HDF5 (missing, truncated or not a checkpoint)");
+  if (id < 0)
+    throw CheckpointError("checkpoint '" + path + "': cannot open as HDF5 (missing, truncated or not a checkpoint)");
   return H5Id(id, H5Fclose);
 }
 
@@ -382,6 +659,23 @@ CheckpointState read_checkpoint_state(const std::string& path) {
 CheckpointReader::CheckpointReader(const std::string& path) : path_(path) {
   H5Id file = open_serial(path);
   state_ = read_state(file, path);
+  std::vector<DatasetSpec> specs = dataset_specs(ParamTable(state_.model), state_.layout);
+  check_objects(file, specs, path);
+  std::vector<float> chunk;
+  for (const DatasetSpec& d : specs) {
+    H5Id dataset(h5_check_id(H5Dopen2(file, d.path.c_str(), H5P_DEFAULT), path, "H5Dopen2"), H5Dclose);
+    auto [dims, stored] = check_dataset(dataset, d, state_, path);
+    uint64_t sum = 0;
+    const uint64_t step = 1 << 22;  // 16 MiB at a time
+    for (uint64_t first = 0; first < d.numel; first += step) {
+      const uint64_t n = std::min(step, d.numel - first);
+      chunk.resize(n);
+      h5_check(read_flat(dataset, dims, first, n, chunk.data(), H5P_DEFAULT, path), path,
+               ("reading " + d.path).c_str());
+      sum += checksum_elements(chunk.data(), n, first);
+    }
+    if (sum != stored) throw CheckpointError(checksum_failure(path, d.path));
+  }
   file_ = H5Freopen(file);
   h5_check_id(file_, path, "H5Freopen");
 }
@@ -391,31 +685,18 @@ CheckpointReader::~CheckpointReader() {
 }
 
 std::string CheckpointReader::dataset_path(const ParamInfo& param, const std::string& unit_name, Tensor tensor) const {
-  if (state_.layout == "sharded")
-    return "/shards/" + unit_name + "/" + (tensor == TENSOR_PARAMS ? "params" : MOMENT_NAMES[tensor - 1]);
-  const char* prefix[3] = {"/model/", "/optim/exp_avg/", "/optim/exp_avg_sq/"};
-  return prefix[tensor] + param.name;
+  return dataset_name(state_.layout, unit_name, param.name, tensor);
 }
 
 std::vector<float> CheckpointReader::read(const ParamInfo& param, const std::string& unit_name, Tensor tensor) const {
   const std::string where = dataset_path(param, unit_name, tensor);
-  if (H5Lexists(file_, where.c_str(), H5P_DEFAULT) <= 0)
-    throw CheckpointError("checkpoint '" + path_ + "': dataset " + where + " is missing");
   H5Id dataset(h5_check_id(H5Dopen2(file_, where.c_str(), H5P_DEFAULT), path_, "H5Dopen2"), H5Dclose);
-  std::vector<hsize_t> dims = h5_dataset_dims(dataset, path_);
-  // Gathered: the whole dataset; sharded: the parameter's run of the unit's flat buffer.
+  // Gathered: the whole dataset; sharded: the parameter's run of the unit's flat buffer (the
+  // constructor checked both shapes).
   const uint64_t first = state_.layout == "sharded" ? param.offset : 0;
-  uint64_t total = 1;
-  for (hsize_t d : dims) total *= d;
-  if (dims.size() > 2 || total < first + param.numel)
-    throw CheckpointError("checkpoint '" + path_ + "': dataset " + where + " is too small for " + param.name);
-  H5Id space(h5_check_id(H5Dget_space(dataset), path_, "H5Dget_space"), H5Sclose);
-  select_flat_range(space, dims, first, param.numel, path_);
-  hsize_t n = param.numel;
-  H5Id memspace(h5_check_id(H5Screate_simple(1, &n, nullptr), path_, "H5Screate_simple"), H5Sclose);
   std::vector<float> values(param.numel);
-  h5_check(H5Dread(dataset, H5T_NATIVE_FLOAT, memspace, space, H5P_DEFAULT, values.data()), path_,
-           ("reading " + where).c_str());
+  h5_check(read_flat(dataset, h5_dataset_dims(dataset, path_), first, param.numel, values.data(), H5P_DEFAULT, path_),
+           path_, ("reading " + where).c_str());
   return values;
 }
 

@@ -6,7 +6,12 @@
 //             the ranks (padded), with an index attribute mapping parameters to flat offsets.
 // Both load on any rank count: each rank reads the intersection of its new slice with each
 // dataset. Every dataset carries a checksum (a wrapping sum over elements of a hash of (flat
-// index, value bits)) that is independent of how the elements were split over ranks.
+// index, value bits)) that is independent of how the elements were split over ranks; the root
+// attributes carry one more (`meta_checksum`, FNV-1a over every attribute's name and value).
+//
+// One validation serves training and the tools: load_checkpoint and CheckpointReader both check the
+// metadata (format, version, checksum, sane values), that the file holds exactly the datasets of
+// its layout for its model, their shapes, and every data checksum.
 #pragma once
 
 #include <mpi.h>
@@ -36,9 +41,13 @@ struct CheckpointState {
   ModelConfig model;               // the model's shape (also in config_ini)
   int64_t loss_scale_log2 = 0;     // fp16 dynamic loss scale = 2^loss_scale_log2
   int64_t loss_scale_good_steps = 0;  // finite steps since the scale last changed
+  std::string warning;             // read only: why the file is usable but not fully verified ("" if it is)
 };
 
-// Collective over `comm`. Writes `path` (created or truncated). Throws CheckpointError.
+// Collective over `comm`. Writes `path` (created or truncated). Throws CheckpointError, the same on
+// every rank (each collective phase agrees on its outcome, so no rank is left in HDF5's barriers).
+// Rank 0 first reserves the file's disk space (fallocate) unless the environment variable
+// SHARDTRAIN_CHECKPOINT_PREALLOCATE is 0: a full disk is then reported before HDF5 holds the file.
 void save_checkpoint(const std::string& path, const CheckpointState& state, FsdpEngine& engine, AdamW& optimizer,
                      MPI_Comm comm);
 
@@ -50,7 +59,7 @@ CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, Ada
 // "" when the shapes agree, else a message naming every model.* key that differs.
 std::string model_mismatch(const std::string& path, const ModelConfig& stored, const ModelConfig& configured);
 
-// Reads only the root attributes (serial open), for `inspect` and for choosing a checkpoint.
+// Reads and checks only the root attributes (serial open), for choosing a checkpoint.
 CheckpointState read_checkpoint_state(const std::string& path);
 
 // Serial, whole-tensor access to a checkpoint of either layout, one parameter at a time (for
@@ -58,6 +67,8 @@ CheckpointState read_checkpoint_state(const std::string& path);
 class CheckpointReader {
  public:
   enum Tensor { TENSOR_PARAMS, TENSOR_EXP_AVG, TENSOR_EXP_AVG_SQ };
+  // Validates the whole file as load_checkpoint does (reading each dataset once, in bounded
+  // pieces); throws CheckpointError naming the file and the defect.
   explicit CheckpointReader(const std::string& path);
   ~CheckpointReader();
   const CheckpointState& state() const { return state_; }

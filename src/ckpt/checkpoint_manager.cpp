@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <string>
 
 namespace shardtrain {
 namespace fs = std::filesystem;
@@ -48,7 +49,45 @@ std::vector<std::pair<int64_t, std::string>> complete_checkpoints(const std::str
 CheckpointManager::CheckpointManager(const Runtime& rt, Comm& comm, std::string dir, int keep)
     : rt_(rt), comm_(comm), dir_(std::move(dir)), keep_(keep) {}
 
-std::string CheckpointManager::file_name(int64_t step) { return strprintf("ckpt-%08lld.h5", static_cast<long long>(step)); }
+std::string CheckpointManager::file_name(int64_t step) {
+  return strprintf("ckpt-%08lld.h5", static_cast<long long>(step));
+}
+
+std::string CheckpointManager::write_file_synced(const std::string& path, const std::string& text) {
+  int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) return "cannot write '" + path + "': " + std::strerror(errno);
+  int error = 0;
+  for (size_t done = 0; done < text.size() && !error;) {
+    ssize_t n = write(fd, text.data() + done, text.size() - done);
+    if (n > 0)
+      done += static_cast<size_t>(n);
+    else if (n == 0 || errno != EINTR)
+      error = n == 0 ? EIO : errno;
+  }
+  if (!error && fsync(fd) != 0) error = errno;
+  if (close(fd) != 0 && !error) error = errno;
+  return error ? "cannot write '" + path + "': " + std::strerror(error) : "";
+}
+
+void CheckpointManager::check_dir() {
+  std::string error;
+  if (rt_.is_root()) {
+    // The nearest part of the path that exists must be a folder.
+    std::error_code ec;
+    for (fs::path p = dir_; !p.empty(); p = p.parent_path()) {
+      fs::file_status st = fs::status(p, ec);
+      if (fs::exists(st)) {
+        if (!fs::is_directory(st))
+          error = "checkpoint.dir '" + dir_ + "' " +
+                  (p == fs::path(dir_) ? "is a file" : "cannot be created: '" + p.string() + "' is a file") +
+                  "; name a folder (it is created if missing)";
+        break;
+      }
+      if (p == p.parent_path()) break;
+    }
+  }
+  rt_.agree(error);
+}
 
 std::string CheckpointManager::save(const CheckpointState& state, FsdpEngine& engine, AdamW& optimizer) {
   const std::string final_path = dir_ + "/" + file_name(state.step);
@@ -62,9 +101,9 @@ std::string CheckpointManager::save(const CheckpointState& state, FsdpEngine& en
   rt_.agree(error);
   try {
     rt_.agree_on([&] { save_checkpoint(tmp_path, state, engine, optimizer, MPI_COMM_WORLD); });
-  } catch (const InputError&) {
+  } catch (const InputError& e) {
     if (rt_.is_root()) std::remove(tmp_path.c_str());  // never leave a half-written file behind
-    throw;
+    throw InputError(std::string("checkpoint save failed: ") + e.what());
   }
   if (rt_.is_root()) {
     // Data first, then the name: a crash at any point leaves either no new checkpoint or a
@@ -75,10 +114,10 @@ std::string CheckpointManager::save(const CheckpointState& state, FsdpEngine& en
     if (error.empty()) error = fsync_path(dir_);
     if (error.empty()) {
       const std::string latest_tmp = dir_ + "/latest.tmp";
-      std::ofstream(latest_tmp) << file_name(state.step) << "\n";
-      error = fsync_path(latest_tmp);
+      error = write_file_synced(latest_tmp, file_name(state.step) + "\n");
       if (error.empty() && std::rename(latest_tmp.c_str(), (dir_ + "/latest").c_str()) != 0)
         error = "cannot update '" + dir_ + "/latest': " + std::strerror(errno);
+      if (!error.empty()) std::remove(latest_tmp.c_str());  // `latest` still names the previous checkpoint
       if (error.empty()) error = fsync_path(dir_);
     }
     if (error.empty()) {
@@ -93,6 +132,7 @@ std::string CheckpointManager::save(const CheckpointState& state, FsdpEngine& en
 }
 
 std::vector<std::string> CheckpointManager::candidates() {
+  check_dir();
   std::string joined;
   if (rt_.is_root()) {
     std::vector<std::string> list;

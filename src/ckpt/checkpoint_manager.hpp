@@ -21,12 +21,18 @@ class CheckpointManager {
   CheckpointManager(const Runtime& rt, Comm& comm, std::string dir, int keep);
 
   const std::string& dir() const { return dir_; }
+  // Collective. Throws InputError (agreed) when checkpoint.dir cannot be a folder: it, or a
+  // folder above it, is a file. Call before training starts (candidates() calls it too).
+  void check_dir();
   // Collective. Returns the committed path. Throws InputError (agreed by all ranks) on failure.
   std::string save(const CheckpointState& state, FsdpEngine& engine, AdamW& optimizer);
   // Collective. Complete checkpoints in the folder, newest first (`latest`'s target leads).
   std::vector<std::string> candidates();
 
   static std::string file_name(int64_t step);
+  // Writes `text` to `path` and fsyncs it; "" or why it failed (disk full, ...). For small files
+  // that others rely on: `latest`, and the trainer's STOPPED marker.
+  static std::string write_file_synced(const std::string& path, const std::string& text);
 
  private:
   const Runtime& rt_;

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -39,6 +40,7 @@ size_t llmc_element_offset(const ParamTable& table, const ParamInfo& param) {
 
 void export_llmc(const std::string& checkpoint_path, const std::string& out_path) {
   CheckpointReader reader(checkpoint_path);
+  if (!reader.state().warning.empty()) std::fprintf(stderr, "warning: %s\n", reader.state().warning.c_str());
   const ModelConfig& m = reader.state().model;
   ParamTable table(m);
   int header[256] = {0};
@@ -102,9 +104,17 @@ void load_llmc_shards(const std::string& path, FsdpEngine& engine) {
       if (from >= to) continue;
       long long element = static_cast<long long>(llmc_element_offset(table, p)) + (id == 0 ? 0 : vocab_extra) +
                           static_cast<long long>(from - p.offset);
+      float* slice = values.data() + (from - s.begin);
       if (std::fseek(in, 1024 + element * 4, SEEK_SET) != 0 ||
-          std::fread(values.data() + (from - s.begin), sizeof(float), to - from, in) != to - from)
-        throw CheckpointError("checkpoint.init_from '" + path + "': file too short (truncated?) while reading " + p.name);
+          std::fread(slice, sizeof(float), to - from, in) != to - from)
+        throw CheckpointError("checkpoint.init_from '" + path + "': file too short (truncated?) while reading " +
+                              p.name);
+      // Caught here, not steps later as a divergence. Each rank checks its slice; the caller agrees.
+      const float* bad = std::find_if(slice, slice + (to - from), [](float x) { return !std::isfinite(x); });
+      if (bad != slice + (to - from))
+        throw CheckpointError(strprintf("checkpoint.init_from '%s': tensor %s holds %g at element %zu: the file is "
+                                        "damaged or comes from a run that diverged; use another file",
+                                        path.c_str(), p.name.c_str(), *bad, from - p.offset + (bad - slice)));
     }
     s.params.device()->copy(s.params.data(), values.data(), s.params.bytes());
   }

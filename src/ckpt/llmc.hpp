@@ -14,12 +14,14 @@ namespace shardtrain {
 constexpr int LLMC_MAGIC = 20240326;
 constexpr int LLMC_VERSION_FP32 = 3;
 
-// Writes the weights of a shardtrain checkpoint (either layout) as an llm.c fp32 checkpoint.
-// Serial; reads one parameter at a time. Throws CheckpointError / UsageError.
+// Writes the weights of a shardtrain checkpoint (either layout) as an llm.c fp32 checkpoint,
+// after validating it as training would (CheckpointReader). Serial; reads one parameter at a
+// time. Throws CheckpointError / UsageError.
 void export_llmc(const std::string& checkpoint_path, const std::string& out_path);
 
 // Fills this rank's parameter shards from an llm.c checkpoint, reading only its own slices.
-// Throws CheckpointError naming the file (bad header, other model shape, short file).
+// Throws CheckpointError naming the file (bad header, other model shape, short file) and, for a
+// NaN or infinite weight in this rank's slices, the tensor: call it under Runtime::agree_on.
 void load_llmc_shards(const std::string& path, FsdpEngine& engine);
 
 // Element offset of the parameter's first element in the llm.c tensor area.
