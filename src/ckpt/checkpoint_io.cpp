@@ -431,8 +431,15 @@ std::string folder_of(const std::string& path) {
   return slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
 }
 
-// Why a write failed: errno from the MPI-IO layer when it names the cause.
+double free_bytes(const std::string& folder) {
+  struct statvfs fs {};
+  return statvfs(folder.c_str(), &fs) == 0 ? static_cast<double>(fs.f_bavail) * fs.f_frsize : 0;
+}
+
+// Why a write failed: errno from the MPI-IO layer when it names the cause. A rank whose collective
+// write failed because another rank's I/O did may see no errno: then a (nearly) full disk is the cause.
 std::string write_failure(int error, const std::string& what, const std::string& path) {
+  if (error != ENOSPC && error != EDQUOT && free_bytes(folder_of(path)) < (64 << 10)) error = ENOSPC;
   const bool space = error == ENOSPC || error == EDQUOT;
   return (space ? std::string(std::strerror(error)) + ": " : std::string()) + "writing " + what + " to '" + path +
          "' failed" + (space ? "; free space in '" + folder_of(path) + "' or set checkpoint.dir to another disk"
@@ -454,10 +461,9 @@ std::string reserve_space(const std::string& path, uint64_t bytes) {
   int rc = fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(bytes)), error = errno;
   close(fd);
   if (rc == 0 || (error != ENOSPC && error != EDQUOT)) return "";
-  struct statvfs fs {};
-  const double free = statvfs(folder_of(path).c_str(), &fs) == 0 ? static_cast<double>(fs.f_bavail) * fs.f_frsize : 0;
   return std::string(std::strerror(error)) + ": checkpoint '" + path + "' needs " + human_bytes(bytes) + ", '" +
-         folder_of(path) + "' has " + human_bytes(free) + " free; free space or set checkpoint.dir to another disk";
+         folder_of(path) + "' has " + human_bytes(free_bytes(folder_of(path))) +
+         " free; free space or set checkpoint.dir to another disk";
 }
 
 // Gives back the reserved blocks past the file's end (HDF5 left it at its real size).

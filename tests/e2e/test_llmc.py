@@ -72,3 +72,30 @@ def test_init_from_rejects_another_model():
     proc = run(2, tiny_args(f"--checkpoint.init_from={out}", "--model.n_layer=3"))
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "model.n_layer" in proc.stderr and out in proc.stderr
+
+
+def test_init_from_rejects_non_finite_weights():
+    """A NaN or inf weight in the llm.c file is named (file and tensor) at load, exit 2 on every
+    rank before training -- not steps later as "the run diverged". ln_f.bias is the file's last
+    tensor and lies in rank 1's slice only (the root unit is wte, wpe, ln_f): the verdict of one
+    rank must reach the other."""
+    ckdir = tempdir()
+    proc = run(1, tiny_args("--train.steps=1", f"--checkpoint.dir={ckdir}"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    good = os.path.join(tempdir(), "model.bin")
+    assert run_single(["export", os.path.join(ckdir, "ckpt-00000001.h5"), "--output", good]).returncode == 0
+    size = os.path.getsize(good)
+    qkv = 1024 + 4 * (256 * C + MAXT * C + 2 * L * C + 5)  # element 5 of h.0's qkv weight (llm.c order)
+    for offset, value, tensor in ((size - 4, np.nan, "ln_f.bias"), (qkv, np.inf, "h.0.attn.qkv.weight")):
+        bad = os.path.join(tempdir(), "bad.bin")
+        with open(good, "rb") as f:
+            raw = bytearray(f.read())
+        raw[offset:offset + 4] = np.float32(value).tobytes()
+        with open(bad, "wb") as f:
+            f.write(raw)
+        proc = run(2, tiny_args(f"--checkpoint.init_from={bad}", "--train.steps=2", f"--checkpoint.dir={tempdir()}"),
+                   timeout=60)
+        assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stderr[-2000:]}"
+        errors = [l for l in proc.stderr.splitlines() if "error" in l.lower()]
+        assert len(errors) == 1 and bad in errors[0] and tensor in errors[0], proc.stderr
+        assert "diverged, lower" not in proc.stderr and "step     1" not in proc.stdout, proc.stdout[-2000:]
