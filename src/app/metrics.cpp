@@ -22,7 +22,9 @@ MetricsWriter::MetricsWriter(const std::string& path, bool enabled, long resume_
   if (resume_step >= 0) {
     std::ifstream old(path);
     for (std::string line; std::getline(old, line);)
-      if (record_step(line) >= 0 && record_step(line) <= resume_step) kept += line + "\n";
+      // A run killed mid-write leaves a partial last line: keep whole records only.
+      if (!line.empty() && line.back() == '}' && record_step(line) >= 0 && record_step(line) <= resume_step)
+        kept += line + "\n";
   }
   path_ = path;
   file_ = std::fopen(path.c_str(), "w");
@@ -39,7 +41,8 @@ MetricsWriter::~MetricsWriter() {
 
 void MetricsWriter::write_line(const std::string& json_object) {
   if (!file_ || !error_.empty()) return;
-  if (std::fputs(json_object.c_str(), file_) < 0 || std::fputc('\n', file_) == EOF || std::fflush(file_) != 0)
+  // One buffered string, flushed in one write: a kill leaves whole lines and at most one partial one.
+  if (std::fputs((json_object + "\n").c_str(), file_) < 0 || std::fflush(file_) != 0)
     error_ = "cannot write train.metrics_file '" + path_ + "': " + std::strerror(errno);
 }
 

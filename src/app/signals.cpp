@@ -1,8 +1,14 @@
 // See signals.hpp. The handler is async-signal-safe: it stores one sig_atomic_t.
 #include "app/signals.hpp"
 
+#include <sys/prctl.h>
+#include <unistd.h>
+
 #include <csignal>
+#include <cstdlib>
 #include <initializer_list>
+
+#include "core/error.hpp"
 
 namespace shardtrain {
 namespace {
@@ -19,6 +25,14 @@ void install_stop_signal_handlers() {
 }
 
 int stop_signal_received() { return g_stop_signal; }
+
+void exit_with_mpirun() {
+  // Open MPI's launcher (mpirun or its orted) is our parent and says so in the environment.
+  if (!std::getenv("OMPI_MCA_orte_local_daemon_uri")) return;
+  const pid_t launcher = getppid();
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() != launcher) std::_Exit(EXIT_CODE_INTERNAL);  // it died before the line above
+}
 
 const char* signal_name(int signal) {
   switch (signal) {

@@ -9,6 +9,10 @@ namespace shardtrain {
 void install_stop_signal_handlers();
 // The last stop signal received by this process, or 0.
 int stop_signal_received();
+// Under mpirun: this process is killed when mpirun dies. A second Ctrl-C makes mpirun exit at once
+// without waiting for its ranks, which would otherwise run on for a second or more as orphans,
+// still writing metrics and checkpoints that a restarted run is already using.
+void exit_with_mpirun();
 const char* signal_name(int signal);
 
 }  // namespace shardtrain
