@@ -4,10 +4,17 @@
 
 #include <algorithm>
 #include <boost/program_options.hpp>
+#include <charconv>
+#include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iomanip>
+#include <iterator>
+#include <map>
+#include <set>
 #include <sstream>
+#include <type_traits>
 
 #include "app/memory_plan.hpp"
 #include "core/error.hpp"
@@ -18,9 +25,16 @@ namespace po = boost::program_options;
 namespace shardtrain {
 namespace {
 
+// Text options hold paths and names; bounded so the resolved INI stays small enough for a checkpoint.
+constexpr size_t MAX_OPTION_TEXT = 4096;
+constexpr size_t MAX_RUN_NAME = 200;      // a folder name, with room for suffixes such as ".log"
+constexpr size_t MAX_CONFIG_FILE = 16 << 20;
+
 struct OptionList {
   po::options_description desc{"train options (INI section.key, or --section.key=value)"};
   std::vector<std::pair<std::string, std::function<std::string()>>> printers;
+  std::vector<std::pair<const char*, const double*>> reals;       // must be finite
+  std::vector<std::pair<const char*, const std::string*>> texts;  // at most MAX_OPTION_TEXT bytes
 
   // 10 significant digits and true/false: readable in --help and exact enough in the INI record.
   template <typename T>
@@ -33,6 +47,15 @@ struct OptionList {
   template <typename T>
   void add(const char* name, T* field, const char* help) {
     desc.add_options()(name, po::value<T>(field)->default_value(*field, text(*field)), help);
+    printers.emplace_back(name, [field] { return text(*field); });
+    if constexpr (std::is_same_v<T, double>) reals.emplace_back(name, field);
+    if constexpr (std::is_same_v<T, std::string>) texts.emplace_back(name, field);
+  }
+
+  // Boost reads "-1" into an unsigned option as 2^64-1, so unsigned options are parsed strictly here.
+  void add(const char* name, uint64_t* field, const char* help) {
+    auto parse = [name, field](const std::string& v) { *field = parse_whole_number(v, name, 0, UINT64_MAX); };
+    desc.add_options()(name, po::value<std::string>()->default_value(text(*field))->notifier(parse), help);
     printers.emplace_back(name, [field] { return text(*field); });
   }
 };
@@ -112,7 +135,8 @@ void declare_options(OptionList& o, Config& c) {
   o.add("checkpoint.resume", &c.checkpoint.resume,
         "auto (newest valid checkpoint in checkpoint.dir, if any), none, or a checkpoint file");
   o.add("checkpoint.keep", &c.checkpoint.keep, "newest complete checkpoints kept; older ones are removed");
-  o.add("checkpoint.init_from", &c.checkpoint.init_from, "llm.c GPT-2 checkpoint (.bin) to initialise the weights from");
+  o.add("checkpoint.init_from", &c.checkpoint.init_from,
+        "llm.c GPT-2 checkpoint (.bin) to initialise the weights from");
   o.add("checkpoint.save", &c.checkpoint.save, "write checkpoints (true/false)");
   o.add("checkpoint.allow_data_change", &c.checkpoint.allow_data_change,
         "resume even though data.train_file or data.val_file differ from the checkpoint's (true/false)");
@@ -128,7 +152,181 @@ void require(bool ok, const std::string& message) {
   if (!ok) throw UsageError(message);
 }
 
+// Characters a terminal shows as nothing, or that would break a one-line message.
+bool invisible(uint32_t cp) {
+  return cp < 0x20 || (cp >= 0x7f && cp <= 0xa0) || cp == 0xad || (cp >= 0x200b && cp <= 0x200f) ||
+         (cp >= 0x2028 && cp <= 0x202e) || (cp >= 0x2060 && cp <= 0x2064) || cp == 0xfeff;
+}
+
+// The UTF-8 character at s[i]: its length, or 0 for an invalid sequence.
+size_t utf8_char(const std::string& s, size_t i, uint32_t* cp) {
+  const unsigned char lead = s[i];
+  const size_t n = lead < 0x80 ? 1 : (lead >> 5) == 6 ? 2 : (lead >> 4) == 14 ? 3 : (lead >> 3) == 30 ? 4 : 0;
+  if (n == 0 || i + n > s.size()) return 0;
+  *cp = n == 1 ? lead : lead & (0x7f >> n);
+  for (size_t k = 1; k < n; k++) {
+    const unsigned char next = s[i + k];
+    if ((next >> 6) != 2) return 0;
+    *cp = (*cp << 6) | (next & 0x3f);
+  }
+  return n;
+}
+
+// Boost's error_with_option_name::what() replaces each %placeholder% of its template until none is left,
+// which never ends when a value or option name holds one itself (--model.n_layer=%value%). The same
+// formatting from the same fields, in one pass (the derived class only grants access to them).
+struct BoostErrorFields : po::error_with_option_name {
+  static std::string format(const po::error_with_option_name& e) {
+    std::map<std::string, std::string> values = e.*(&BoostErrorFields::m_substitutions);
+    values["canonical_option"] = e.get_option_name();
+    values["prefix"] = (e.*(&BoostErrorFields::get_canonical_option_prefix))();
+    std::string message = e.m_error_template;
+    for (const auto& [name, from_to] : e.*(&BoostErrorFields::m_substitution_defaults)) {
+      if (!values[name].empty()) continue;  // e.g. "option '%canonical_option%'" -> "option" without a name
+      for (size_t at = 0; (at = message.find(from_to.first, at)) != std::string::npos; at += from_to.second.size())
+        message.replace(at, from_to.first.size(), from_to.second);
+    }
+    std::string out;
+    for (size_t i = 0; i < message.size();) {
+      const size_t end = message[i] == '%' ? message.find('%', i + 1) : std::string::npos;
+      const auto value = end == std::string::npos ? values.end() : values.find(message.substr(i + 1, end - i - 1));
+      if (value == values.end()) {
+        out += message[i++];
+      } else {
+        out += printable_text(value->second);
+        i = end + 1;
+      }
+    }
+    return out;
+  }
+};
+
+std::string trim(const std::string& s) {
+  const size_t begin = s.find_first_not_of(" \t\r");
+  return begin == std::string::npos ? "" : s.substr(begin, s.find_last_not_of(" \t\r") - begin + 1);
+}
+
+// The config file's text for Boost. A leading UTF-8 byte order mark (some editors write one) is dropped;
+// NUL bytes and invisible characters in keys or section names are named with their line, since Boost
+// would cut the name at a NUL or print a name that looks right but matches no option.
+std::string read_config_text(const std::string& path) {
+  const std::string file = "config file '" + printable_text(path) + "' (--config)";
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) throw UsageError(file + " is a directory; give an INI file");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw UsageError("cannot read " + file + ": check the path");
+  const uintmax_t size = std::filesystem::file_size(path, ec);
+  if (!ec && size > MAX_CONFIG_FILE)
+    throw UsageError(strprintf("%s is %ju bytes, more than an INI file has (at most %zu); check the path",
+                               file.c_str(), size, MAX_CONFIG_FILE));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) throw UsageError("cannot read " + file + ": read error");
+  if (text.compare(0, 3, "\xEF\xBB\xBF") == 0) text.erase(0, 3);
+  std::istringstream lines(text);
+  size_t number = 0;
+  for (std::string line; std::getline(lines, line);) {
+    number++;
+    if (line.find('\0') != std::string::npos)
+      throw UsageError(strprintf("%s line %zu contains a NUL byte: not a text file (binary, or UTF-16?); save it "
+                                 "as UTF-8 text", file.c_str(), number));
+    const std::string key = trim(line.substr(0, std::min(line.find('#'), line.find('='))));
+    for (size_t i = 0; i < key.size();) {
+      uint32_t cp = 0;
+      const size_t n = utf8_char(key, i, &cp);
+      if (n == 1 && !invisible(cp)) {
+        i++;
+        continue;
+      }
+      throw UsageError(strprintf("%s line %zu: '%s' contains %s, which no option name has (they are ASCII "
+                                 "letters, digits, '_' and '.'); retype it",
+                                 file.c_str(), number, printable_text(key).c_str(),
+                                 n == 0 ? strprintf("the byte 0x%02X", static_cast<unsigned char>(key[i])).c_str()
+                                        : strprintf("the character U+%04X", cp).c_str()));
+    }
+  }
+  return text;
+}
+
+// A key given twice on the command line: the last one wins, so scripts can append overrides.
+void keep_last_occurrence(std::vector<po::option>& options) {
+  std::set<std::string> seen;
+  std::vector<po::option> kept;
+  for (auto o = options.rbegin(); o != options.rend(); ++o)
+    if (o->string_key.empty() || seen.insert(o->string_key).second) kept.push_back(*o);
+  options.assign(kept.rbegin(), kept.rend());
+}
+
+// train.run_name names the folder checkpoints/<run_name>/ (and the Slurm scripts' log files).
+void check_run_name(const std::string& name) {
+  const std::string option = "train.run_name='" + printable_text(name) + "'";
+  require(!name.empty() && name.size() <= MAX_RUN_NAME,
+          strprintf("train.run_name is %zu bytes long; give a name of 1 to %zu bytes (it names the run's folder)",
+                    name.size(), MAX_RUN_NAME));
+  require(name != "." && name != ".." && name.find('/') == std::string::npos,
+          option + " must be a folder name, without '/': it names checkpoints/<run_name>/ (checkpoint.dir takes "
+                   "a path)");
+  require(std::none_of(name.begin(), name.end(), [](unsigned char ch) { return ch < 0x20 || ch == 0x7f; }),
+          option + " contains a control character; use letters, digits, '-', '_' and '.'");
+}
+
 }  // namespace
+
+std::string printable_text(const std::string& text, size_t max_chars) {
+  std::string out;
+  size_t i = 0;
+  for (size_t chars = 0; i < text.size() && chars < max_chars; chars++) {
+    uint32_t cp = 0;
+    const size_t n = utf8_char(text, i, &cp);
+    if (n == 0)
+      out += strprintf("<0x%02X>", static_cast<unsigned char>(text[i]));
+    else
+      out += invisible(cp) ? strprintf("<U+%04X>", cp) : text.substr(i, n);
+    i += std::max<size_t>(n, 1);
+  }
+  if (i < text.size()) out += strprintf("... (%zu bytes in all)", text.size());
+  return out;
+}
+
+std::string option_error_text(const po::error& e) {
+  const auto* named = dynamic_cast<const po::error_with_option_name*>(&e);
+  if (!named) return e.what();  // a fixed text
+  std::string text = BoostErrorFields::format(*named);
+  if (const auto* ambiguous = dynamic_cast<const po::ambiguous_option*>(&e)) {
+    for (size_t i = 0; i < ambiguous->alternatives().size(); i++)
+      text += (i ? ", " : ": could be ") + printable_text(ambiguous->alternatives()[i]);
+  }
+  return text;
+}
+
+void reject_stray_words(const std::vector<std::string>& words, const std::string& command) {
+  if (words.empty()) return;
+  const std::string word = printable_text(words.front());
+  const size_t eq = word.find('=');
+  const std::string fix = eq != std::string::npos && eq > 0 && word[0] != '-'
+                              ? "options take two dashes: --" + word
+                              : "options are written --name=value";
+  throw UsageError("unexpected argument '" + word + "': " + fix + "; see 'shardtrain " + command + " --help'");
+}
+
+// A number without a unit, or under a byte, would silently mean no limit at all.
+void check_memory_limit(const std::string& text, const char* option) {
+  if (text.empty()) return;
+  const size_t bytes = parse_memory_size(text, option);
+  require(std::isalpha(static_cast<unsigned char>(text.back())) && bytes >= 1,
+          std::string(option) + "='" + printable_text(text) +
+              "' is not a size: write a number with a unit, e.g. 24GiB, 512MiB, 1.5GB (empty = no limit)");
+}
+
+uint64_t parse_whole_number(const std::string& text, const std::string& option, uint64_t min, uint64_t max) {
+  uint64_t value = 0;
+  const char* end = text.data() + text.size();
+  const auto [stop, ec] = std::from_chars(text.data(), end, value);
+  if (text.empty() || ec != std::errc() || stop != end || value < min || value > max)
+    throw UsageError(strprintf("%s='%s' must be a whole number from %ju to %ju", option.c_str(),
+                               printable_text(text).c_str(), static_cast<uintmax_t>(min),
+                               static_cast<uintmax_t>(max)));
+  return value;
+}
 
 ParsedTrainArgs parse_train_args(const std::vector<std::string>& raw_args) {
   // "--key=" (an empty value, e.g. --data.val_file= to switch validation off) becomes
@@ -150,9 +348,12 @@ ParsedTrainArgs parse_train_args(const std::vector<std::string>& raw_args) {
                                                    "INI file with [model] [train] [data] [fsdp] [checkpoint] sections");
   cli.add(options.desc);
   po::variables_map vm;
+  std::string where = "on the command line";
   try {
     int style = po::command_line_style::default_style & ~po::command_line_style::allow_guessing;
     po::parsed_options from_cli = po::command_line_parser(args).options(cli).style(style).run();
+    reject_stray_words(po::collect_unrecognized(from_cli.options, po::include_positional), "train");
+    keep_last_occurrence(from_cli.options);
     po::store(from_cli, vm);
     if (vm.count("help")) {
       parsed.help = true;
@@ -160,10 +361,10 @@ ParsedTrainArgs parse_train_args(const std::vector<std::string>& raw_args) {
     }
     if (vm.count("config")) {
       const std::string path = vm["config"].as<std::string>();
-      std::ifstream file(path);
-      if (!file) throw UsageError("cannot read config file '" + path + "' (--config): check the path");
+      std::istringstream text(read_config_text(path));
+      where = "in " + printable_text(path);
       // The command line wins: drop the file's values for keys given there.
-      po::parsed_options from_file = po::parse_config_file(file, options.desc);
+      po::parsed_options from_file = po::parse_config_file(text, options.desc);
       auto& opts = from_file.options;
       opts.erase(std::remove_if(opts.begin(), opts.end(),
                                 [&](const po::option& o) {
@@ -174,10 +375,11 @@ ParsedTrainArgs parse_train_args(const std::vector<std::string>& raw_args) {
                  opts.end());
       po::store(from_file, vm);
     }
+    where.clear();
     po::notify(vm);
   } catch (const po::error& e) {
-    std::string where = vm.count("config") ? " (in " + vm["config"].as<std::string>() + " or the command line)" : "";
-    throw UsageError(std::string(e.what()) + where + "; see 'shardtrain train --help'");
+    throw UsageError(option_error_text(e) + (where.empty() ? "" : " (" + where + ")") +
+                     "; see 'shardtrain train --help'");
   }
   return parsed;
 }
@@ -185,6 +387,15 @@ ParsedTrainArgs parse_train_args(const std::vector<std::string>& raw_args) {
 void validate_config(const Config& c, int world) {
   const ModelConfig& m = c.model;
   const TrainOptions& t = c.train;
+  Config copy = c;
+  OptionList options;
+  declare_options(options, copy);
+  for (const auto& [name, value] : options.reals)
+    require(std::isfinite(*value), strprintf("%s=%g must be a finite number", name, *value));
+  check_run_name(t.run_name);
+  for (const auto& [name, value] : options.texts)
+    require(value->size() <= MAX_OPTION_TEXT, strprintf("%s is %zu bytes long; at most %zu (paths and names)", name,
+                                                        value->size(), MAX_OPTION_TEXT));
   require(m.n_layer >= 1, "model.n_layer must be >= 1");
   require(m.n_head >= 1, "model.n_head must be >= 1");
   require(m.n_embd >= 1 && m.n_embd % m.n_head == 0,
@@ -196,10 +407,11 @@ void validate_config(const Config& c, int world) {
           strprintf("train.seq_len=%d must be in [1, model.max_seq_len=%d]", t.seq_len, m.max_seq_len));
   require(t.steps >= 1, "train.steps must be >= 1");
   require(t.micro_batch >= 1, "train.micro_batch must be >= 1");
-  require(t.global_batch >= 1 && t.global_batch % (t.micro_batch * world) == 0,
-          strprintf("train.global_batch=%d must be a multiple of train.micro_batch x ranks = %d x %d = %d "
+  const int64_t per_pass = int64_t{t.micro_batch} * world;  // 64-bit: the int product overflows
+  require(t.global_batch >= 1 && t.global_batch % per_pass == 0,
+          strprintf("train.global_batch=%d must be a multiple of train.micro_batch x ranks = %d x %d = %lld "
                     "(global_batch / (micro_batch x ranks) is the gradient accumulation)",
-                    t.global_batch, t.micro_batch, world, t.micro_batch * world));
+                    t.global_batch, t.micro_batch, world, static_cast<long long>(per_pass)));
   require(t.lr > 0, "train.lr must be > 0");
   require(t.min_lr_ratio >= 0 && t.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]");
   require(t.warmup_steps >= 0, "train.warmup_steps must be >= 0");
@@ -215,11 +427,11 @@ void validate_config(const Config& c, int world) {
   require(!c.data.train_file.empty(), "data.train_file is required");
   ShardingStrategy strategy;
   require(t.device == "cpu" || t.device == "cuda",
-          "train.device='" + t.device + "' is not a device; allowed: cpu, cuda");
+          "train.device='" + printable_text(t.device) + "' is not a device; allowed: cpu, cuda");
   require(t.device == "cpu" || !c.debug.skip_communication,
           "debug.skip_communication is implemented for train.device=cpu only; remove it");
   require(parse_sharding_strategy(c.fsdp.sharding_strategy, &strategy),
-          "fsdp.sharding_strategy='" + c.fsdp.sharding_strategy +
+          "fsdp.sharding_strategy='" + printable_text(c.fsdp.sharding_strategy) +
               "' is not a strategy; allowed: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD");
   require(c.fsdp.shard_group_size >= 0, "fsdp.shard_group_size must be >= 0 (0 = the ranks of one node)");
   require(strategy == SHARDING_HYBRID_SHARD || c.fsdp.shard_group_size == 0,
@@ -229,20 +441,21 @@ void validate_config(const Config& c, int world) {
           strprintf("fsdp.shard_group_size=%d must divide the rank count %d", c.fsdp.shard_group_size, world));
   require(c.checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 = only at the end)");
   require(c.checkpoint.format == "sharded" || c.checkpoint.format == "gathered",
-          "checkpoint.format='" + c.checkpoint.format + "' is not a format; allowed: sharded, gathered");
+          "checkpoint.format='" + printable_text(c.checkpoint.format) +
+              "' is not a format; allowed: sharded, gathered");
   require(!c.checkpoint.resume.empty(), "checkpoint.resume must be auto, none or a checkpoint file");
   require(c.checkpoint.keep >= 1, "checkpoint.keep must be >= 1");
   BackwardPrefetch prefetch;
   require(parse_backward_prefetch(c.fsdp.backward_prefetch, &prefetch),
-          "fsdp.backward_prefetch='" + c.fsdp.backward_prefetch + "' is not a mode; allowed: NONE, BACKWARD_PRE, "
-          "BACKWARD_POST");
+          "fsdp.backward_prefetch='" + printable_text(c.fsdp.backward_prefetch) +
+              "' is not a mode; allowed: NONE, BACKWARD_PRE, BACKWARD_POST");
   require(c.fsdp.limit_all_gathers >= 1, "fsdp.limit_all_gathers must be >= 1 (1 disables prefetching)");
   DType dtype;
   require(parse_dtype(c.fsdp.param_dtype, &dtype),
-          "fsdp.param_dtype='" + c.fsdp.param_dtype + "' is not a type; allowed: fp32, bf16, fp16");
+          "fsdp.param_dtype='" + printable_text(c.fsdp.param_dtype) + "' is not a type; allowed: fp32, bf16, fp16");
   require(parse_dtype(c.fsdp.reduce_dtype, &dtype),
-          "fsdp.reduce_dtype='" + c.fsdp.reduce_dtype + "' is not a type; allowed: fp32, bf16, fp16");
-  parse_memory_size(c.fsdp.memory_limit, "fsdp.memory_limit");
+          "fsdp.reduce_dtype='" + printable_text(c.fsdp.reduce_dtype) + "' is not a type; allowed: fp32, bf16, fp16");
+  check_memory_limit(c.fsdp.memory_limit, "fsdp.memory_limit");
   require(c.fsdp.comm_timeout >= 0, "fsdp.comm_timeout must be >= 0 seconds (0 disables the watchdog)");
 }
 

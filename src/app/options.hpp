@@ -11,6 +11,10 @@
 #include "model/config.hpp"
 #include "shard/fsdp_engine.hpp"
 
+namespace boost::program_options {
+class error;
+}
+
 namespace shardtrain {
 
 struct TrainOptions {
@@ -103,5 +107,21 @@ std::string resolved_ini(const Config& config);
 EngineOptions engine_options(const Config& config);
 // The checkpoint folder: checkpoint.dir, or checkpoints/<train.run_name>.
 std::string checkpoint_dir(const Config& config);
+
+// Shared by every command's option parsing:
+// Boost's message for a parse error, formatted here: Boost's own what() never returns when a value or
+// option name contains a placeholder such as %value%.
+std::string option_error_text(const boost::program_options::error& e);
+// Throws UsageError naming the first word no option took (Boost ignores them), e.g. from
+// po::collect_unrecognized(parsed.options, po::include_positional); `command` is e.g. "train".
+void reject_stray_words(const std::vector<std::string>& words, const std::string& command);
+// A whole number in [min, max] written in decimal digits only (no sign, no suffix, no wrap-around of
+// "-1" as strtoull and Boost do). Throws UsageError naming `option`.
+uint64_t parse_whole_number(const std::string& text, const std::string& option, uint64_t min, uint64_t max);
+// `text` for a one-line message: control and invisible characters as <U+XXXX>, invalid UTF-8 as
+// <0xNN>, cut after max_chars with the full length said.
+std::string printable_text(const std::string& text, size_t max_chars = 80);
+// Throws UsageError unless `text` (fsdp.memory_limit, plan --memory-limit) is empty or a size with a unit.
+void check_memory_limit(const std::string& text, const char* option);
 
 }  // namespace shardtrain

@@ -3,19 +3,34 @@ the option or file, quickly (no hang) -- on 2 ranks, so a rank-local failure mus
 import os
 import struct
 
-from harness import ROOT, ensure_data, run, run_single, tempdir, tiny_args
+from harness import ROOT, ensure_data, read_metrics, run, run_single, tempdir, tiny_args
 
 RANKS = 2
 
 
-def expect_usage_error(args, *needles, np_=RANKS):
-    proc = run(np_, args, timeout=60)
+def expect_usage_error(args, *needles, np_=RANKS, timeout=60):
+    proc = run(np_, args, timeout=timeout)
     assert proc.returncode == 2, f"exit {proc.returncode}, expected 2\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
     errors = [l for l in proc.stderr.splitlines() if "error" in l]
     assert len(errors) == 1, f"expected one error line, got:\n{proc.stderr}"
     for needle in needles:
         assert needle in errors[0], f"{needle!r} not in {errors[0]!r}"
     return errors[0]
+
+
+def write_config(content, name="bad.ini"):
+    """A config file holding `content` (str as UTF-8, or bytes)."""
+    path = os.path.join(tempdir(), name)
+    with open(path, "wb") as f:
+        f.write(content.encode() if isinstance(content, str) else content)
+    return path
+
+
+def tiny_args_with_config(path, *overrides):
+    """tiny_args with another config file in place of inputs/tiny.ini."""
+    args = tiny_args(*overrides)
+    args[args.index("--config") + 1] = path
+    return args
 
 
 def write_tokens(path, tokens, magic=20240520, version=1, count=None, extra=b""):
@@ -66,9 +81,7 @@ def test_missing_config_file():
 
 
 def test_unknown_key_in_config_file():
-    path = os.path.join(tempdir(), "bad.ini")
-    with open(path, "w") as f:
-        f.write("[model]\nn_layers = 2\n")
+    path = write_config("[model]\nn_layers = 2\n")
     expect_usage_error(["train", "--config", path], "model.n_layers")
 
 
@@ -113,3 +126,77 @@ def test_help_lists_every_option_with_default():
     for key in ("model.n_layer", "train.global_batch", "data.train_file", "fsdp.comm_timeout"):
         assert key in proc.stdout, key
     assert "(=FULL_SHARD)" in proc.stdout
+
+
+# Boost.Program_options formats its messages by substituting %placeholders% until none is left: a
+# value or option name holding one hung every rank at 100% CPU. A short timeout, so a hang fails fast.
+def test_placeholder_in_value_does_not_hang():
+    expect_usage_error(tiny_args("--model.n_layer=%value%x"), "model.n_layer", "'%value%x'", timeout=20)
+
+
+def test_placeholder_in_option_name_does_not_hang():
+    expect_usage_error(tiny_args("--%canonical_option%=1"), "--%canonical_option%=1", timeout=20)
+
+
+def test_placeholder_in_config_value_does_not_hang():
+    path = write_config("[model]\nn_layer = %value%\n")
+    expect_usage_error(["train", "--config", path], "model.n_layer", "'%value%'", path, timeout=20)
+
+
+def test_micro_batch_times_ranks_beyond_int():
+    # 2^30 x 4 ranks wrapped to 0 in an int product: SIGFPE in the divisibility check.
+    expect_usage_error(tiny_args("--train.micro_batch=1073741824"), "train.global_batch", "4294967296", np_=4)
+
+
+def test_non_finite_values():
+    # inf learning rates used to train into "the run diverged"; eps=inf and nan were accepted.
+    for option in ("train.lr=inf", "train.weight_decay=inf", "train.eps=inf", "train.beta1=nan",
+                   "fsdp.comm_timeout=inf"):
+        expect_usage_error(tiny_args(f"--{option}"), option, "finite")
+
+
+def test_negative_seed():
+    # Boost read -1 into the unsigned seed as 2^64-1.
+    expect_usage_error(tiny_args("--train.seed=-1"), "train.seed", "'-1'")
+
+
+def test_memory_limit_without_unit():
+    # 0.5 (bytes) parsed as a limit of 0 = no limit at all.
+    expect_usage_error(tiny_args("--fsdp.memory_limit=0.5"), "fsdp.memory_limit", "'0.5'", "512MiB")
+
+
+def test_huge_run_name():
+    # 1 MiB (in a file: one command-line argument is at most 128 KiB) was an internal error at save time.
+    path = write_config("[train]\nrun_name = " + "r" * (1 << 20) + "\n")
+    expect_usage_error(["train", "--config", path], "train.run_name", "1048576 bytes", "200")
+
+
+def test_run_name_must_be_a_folder_name():
+    expect_usage_error(tiny_args("--train.run_name=a/b"), "train.run_name", "'a/b'", "checkpoint.dir")
+
+
+def test_config_is_a_directory():
+    folder = tempdir()
+    expect_usage_error(["train", "--config", folder], folder, "is a directory")
+
+
+def test_config_with_byte_order_mark_is_read():
+    # Saved by some Windows editors: the mark used to turn the first line into an invalid one.
+    with open(os.path.join(ROOT, "inputs", "tiny.ini")) as f:
+        path = write_config("\ufeff" + f.read(), "bom.ini")
+    metrics = os.path.join(tempdir(), "m.jsonl")
+    proc = run(RANKS, tiny_args_with_config(path, "--train.steps=2", "--checkpoint.save=false",
+                                            f"--train.metrics_file={metrics}"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [r["step"] for r in read_metrics(metrics)][-1] == 2
+
+
+def test_invisible_character_in_config_key():
+    path = write_config("[model]\nn_\u200blayer = 2\n")
+    expect_usage_error(["train", "--config", path], path, "line 2", "U+200B")
+
+
+def test_nul_byte_in_config():
+    # Boost cut the option name at the NUL and complained about a different key.
+    path = write_config(b"[model]\nn_la\0yer = 2\n")
+    expect_usage_error(["train", "--config", path], path, "line 2", "NUL")
