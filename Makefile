@@ -39,6 +39,7 @@ OPENBLAS_INC := /usr/include/x86_64-linux-gnu/openblas-openmp
 HDF5_INC := /usr/include/hdf5/openmpi
 HDF5_LIB := /usr/lib/x86_64-linux-gnu/hdf5/openmpi
 CPPFLAGS := -I. -Isrc -Itests -I$(OPENBLAS_INC) -I$(HDF5_INC) -DOMPI_SKIP_MPICXX=1
+CPPFLAGS += -DSHARDTRAIN_VERSION='"$(shell git describe --always --dirty 2>/dev/null)"'
 CXXFLAGS := -std=c++17 $(OPT) -g -fopenmp -Wall -Wextra -Wno-unused-parameter -MMD -MP
 LDFLAGS  := -fopenmp -L$(OPENBLAS_LIB) -Wl,-rpath,$(OPENBLAS_LIB) -L$(HDF5_LIB)
 LDLIBS   := -lopenblas -lhdf5 -lboost_program_options -lpthread

@@ -10,11 +10,14 @@
 #include "app/inspect.hpp"
 #include "app/options.hpp"
 #include "app/planner.hpp"
+#include "app/signals.hpp"
 #include "app/trainer.hpp"
+#include "app/version.hpp"
 #include "comm/runtime.hpp"
 #include "core/error.hpp"
 #include "ckpt/llmc.hpp"
 #include "data/data_commands.hpp"
+#include "data/synth.hpp"
 
 namespace po = boost::program_options;
 using namespace shardtrain;
@@ -31,47 +34,63 @@ const char* USAGE =
     "  plan           predict each rank's memory for every strategy and option, and recommend one\n"
     "  inspect FILE   print what a checkpoint holds: format, step, configuration, parameters and norms\n"
     "  export         write a checkpoint's weights as an llm.c GPT-2 checkpoint\n"
+    "  version        print the version (also --version)\n"
     "\n"
     "'shardtrain <command> --help' lists a command's options.\n";
+
+// Parses a tool's own options (not train's): positional words are returned, not ignored.
+std::vector<std::string> parse_tool_options(const std::vector<std::string>& args, const po::options_description& desc,
+                                            po::variables_map& vm) {
+  po::parsed_options parsed = po::command_line_parser(args).options(desc).run();
+  po::store(parsed, vm);
+  return po::collect_unrecognized(parsed.options, po::include_positional);
+}
 
 int run_data(const Runtime& rt, const std::vector<std::string>& args) {
   if (args.empty() || (args[0] != "synth" && args[0] != "encode"))
     throw UsageError("'shardtrain data' needs 'synth' or 'encode'; see 'shardtrain --help'");
   const bool synth = args[0] == "synth";
-  std::string out_dir = "inputs/data", input, output;
-  uint64_t seed = 1;
-  size_t train_bytes = 4 << 20, val_bytes = 256 << 10;
+  // The counts are read as text: Boost reads "-1" into an unsigned option as 2^64-1.
+  std::string out_dir = "inputs/data", input, output, seed = "1";
+  std::string train_bytes = std::to_string(4 << 20), val_bytes = std::to_string(256 << 10);
   double val_fraction = 0.05;
   po::options_description desc(synth ? "data synth options" : "data encode options");
   desc.add_options()("help,h", "print the options");
   if (synth) {
-    desc.add_options()("out-dir", po::value(&out_dir)->default_value(out_dir), "folder for synth_train.bin and synth_val.bin")(
-        "seed", po::value(&seed)->default_value(seed), "corpus seed")(
-        "train-bytes", po::value(&train_bytes)->default_value(train_bytes), "tokens in the training file")(
-        "val-bytes", po::value(&val_bytes)->default_value(val_bytes), "tokens in the validation file");
+    const std::string most = strprintf(", at most %zu", SYNTH_MAX_BYTES);
+    desc.add_options()  // one option per line
+        ("out-dir", po::value(&out_dir)->default_value(out_dir), "folder for synth_train.bin and synth_val.bin")
+        ("seed", po::value(&seed)->default_value(seed), "corpus seed")
+        ("train-bytes", po::value(&train_bytes)->default_value(train_bytes),
+         ("tokens in the training file" + most).c_str())
+        ("val-bytes", po::value(&val_bytes)->default_value(val_bytes),
+         ("tokens in the validation file" + most + "; 0 = none").c_str());
   } else {
     desc.add_options()("input", po::value(&input)->required(), "text file to encode")(
         "output", po::value(&output)->required(), "token file to write (the training part)")(
-        "val-fraction", po::value(&val_fraction)->default_value(val_fraction),
+        "val-fraction", po::value(&val_fraction)->default_value(val_fraction, "0.05"),
         "fraction of the text, from its end, written as the validation file");
   }
+  const std::string help = "; see 'shardtrain data " + args[0] + " --help'";
   po::variables_map vm;
   try {
-    std::vector<std::string> rest(args.begin() + 1, args.end());
-    po::store(po::command_line_parser(rest).options(desc).run(), vm);
+    const std::vector<std::string> words = parse_tool_options({args.begin() + 1, args.end()}, desc, vm);
     if (vm.count("help")) {
       if (rt.is_root()) std::cout << desc << "\n";
       return EXIT_CODE_OK;
     }
+    reject_stray_words(words, "data " + args[0]);
     po::notify(vm);
   } catch (const po::error& e) {
-    throw UsageError(std::string(e.what()) + "; see 'shardtrain data " + args[0] + " --help'");
+    throw UsageError(option_error_text(e) + help);
   }
-  if (rt.is_root()) {  // one writer; the other ranks (if any) just wait
-    if (synth)
-      data_synth(out_dir, seed, train_bytes, val_bytes);
-    else
-      data_encode(input, output, val_fraction);
+  if (synth) {
+    const uint64_t seed_value = parse_whole_number(seed, "--seed", 0, UINT64_MAX);
+    const size_t train_count = parse_whole_number(train_bytes, "--train-bytes", 1, SYNTH_MAX_BYTES);
+    const size_t val_count = parse_whole_number(val_bytes, "--val-bytes", 0, SYNTH_MAX_BYTES);
+    if (rt.is_root()) data_synth(out_dir, seed_value, train_count, val_count);  // one writer; the others wait
+  } else if (rt.is_root()) {
+    data_encode(input, output, val_fraction);
   }
   return EXIT_CODE_OK;
 }
@@ -79,24 +98,29 @@ int run_data(const Runtime& rt, const std::vector<std::string>& args) {
 // `inspect FILE` and `export --checkpoint FILE --output FILE`: serial tools, run by rank 0.
 void run_checkpoint_tool(const Runtime& rt, const std::vector<std::string>& args) {
   const bool inspect = args[0] == "inspect";
+  const std::string usage = inspect ? "shardtrain inspect FILE" : "shardtrain export --checkpoint FILE --output FILE";
   std::string checkpoint, output;
-  po::options_description desc(inspect ? "usage: shardtrain inspect FILE" : "export options");
-  desc.add_options()("help,h", "print the options")("checkpoint", po::value(&checkpoint)->required(),
-                                                    "shardtrain checkpoint (.h5), either layout");
+  po::options_description desc("usage: " + usage + "\n\n" + args[0] + " options");
+  desc.add_options()("help,h", "print the options")(
+      "checkpoint", po::value(&checkpoint), "shardtrain checkpoint (.h5), either layout (or as the first word)");
   if (!inspect) desc.add_options()("output", po::value(&output)->required(), "llm.c checkpoint file to write");
-  po::positional_options_description positional;
-  positional.add("checkpoint", 1);
+  const std::string help = "; see 'shardtrain " + args[0] + " --help'";
   po::variables_map vm;
   try {
-    std::vector<std::string> rest(args.begin() + 1, args.end());
-    po::store(po::command_line_parser(rest).options(desc).positional(positional).run(), vm);
+    std::vector<std::string> words = parse_tool_options({args.begin() + 1, args.end()}, desc, vm);
     if (vm.count("help")) {
       if (rt.is_root()) std::cout << desc << "\n";
       return;
     }
+    if (!vm.count("checkpoint")) {  // the checkpoint as the first word
+      if (words.empty()) throw UsageError("missing argument FILE, the checkpoint: " + usage + help);
+      checkpoint = words.front();
+      words.erase(words.begin());
+    }
+    reject_stray_words(words, args[0]);
     po::notify(vm);
   } catch (const po::error& e) {
-    throw UsageError(std::string(e.what()) + "; see 'shardtrain " + args[0] + " --help'");
+    throw UsageError(option_error_text(e) + help);
   }
   if (!rt.is_root()) return;
   if (inspect)
@@ -109,6 +133,12 @@ int run_command(const Runtime& rt, const std::vector<std::string>& args) {
   if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
     if (rt.is_root()) std::fputs(USAGE, stdout);
     if (args.empty()) throw UsageError("no command given; see 'shardtrain --help'");
+    return EXIT_CODE_OK;
+  }
+  if (args[0] == "--version" || args[0] == "version") {
+    if (rt.is_root())
+      std::printf("shardtrain %s%s\n", SHARDTRAIN_RELEASE,
+                  *SHARDTRAIN_VERSION ? strprintf(" (git %s)", SHARDTRAIN_VERSION).c_str() : "");
     return EXIT_CODE_OK;
   }
   const std::vector<std::string> rest(args.begin() + 1, args.end());
@@ -135,12 +165,15 @@ int run_command(const Runtime& rt, const std::vector<std::string>& args) {
     rt.agree_on([&] { run_checkpoint_tool(rt, args); });
     return EXIT_CODE_OK;
   }
-  throw UsageError("unknown command '" + args[0] + "'; commands: train, plan, data synth, data encode, inspect, export");
+  throw UsageError("unknown command '" + printable_text(args[0]) +
+                   "'; commands: train, plan, data synth, data encode, inspect, export, version");
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Before MPI_Init: a stop signal in the first moments of a training run is recorded, not fatal.
+  if (argc > 1 && std::string(argv[1]) == "train") install_stop_signal_handlers(), exit_with_mpirun();
   Runtime rt(&argc, &argv);
   std::vector<std::string> args(argv + 1, argv + argc);
   try {

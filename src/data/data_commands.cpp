@@ -28,7 +28,8 @@ std::vector<uint16_t> bytes_to_tokens(const std::string& bytes, size_t begin, si
 
 void write_and_report(const std::string& path, const std::vector<uint16_t>& tokens) {
   write_token_file(path, tokens);
-  std::printf("wrote %s: %zu tokens (byte-level, vocab 256)\n", path.c_str(), tokens.size());
+  std::printf("wrote %s: %zu token%s (byte-level, vocab 256)\n", path.c_str(), tokens.size(),
+              tokens.size() == 1 ? "" : "s");
   std::fflush(stdout);
 }
 
@@ -54,7 +55,8 @@ std::string read_whole_file(const std::string& path) {
 }  // namespace
 
 void data_synth(const std::string& out_dir, uint64_t seed, size_t train_bytes, size_t val_bytes) {
-  if (train_bytes == 0) throw UsageError("--train-bytes must be positive");
+  SHARD_CHECK(train_bytes >= 1 && train_bytes <= SYNTH_MAX_BYTES && val_bytes <= SYNTH_MAX_BYTES,
+              "data_synth(train_bytes=%zu, val_bytes=%zu): the caller checks the bounds", train_bytes, val_bytes);
   std::error_code ec;
   std::filesystem::create_directories(out_dir, ec);
   if (ec)
@@ -81,9 +83,9 @@ void data_encode(const std::string& text_path, const std::string& out_path, doub
   if (bytes.empty()) throw DataError(strprintf("input file '%s': is empty; nothing to encode", text_path.c_str()));
   const size_t val_bytes = static_cast<size_t>(static_cast<double>(bytes.size()) * val_fraction);
   if (val_fraction > 0 && val_bytes == 0)
-    throw DataError(strprintf("input file '%s': %zu bytes are too few for a --val-fraction=%g validation part; use a "
-                              "larger file, a larger fraction, or 0 for no validation file",
-                              text_path.c_str(), bytes.size(), val_fraction));
+    throw DataError(strprintf("input file '%s': too small (%zu byte%s) for a --val-fraction=%g validation part; use "
+                              "a larger file, a larger fraction, or 0 for no validation file",
+                              text_path.c_str(), bytes.size(), bytes.size() == 1 ? "" : "s", val_fraction));
   const size_t train_bytes = bytes.size() - val_bytes;
   if (train_bytes == 0)  // only when rounding makes bytes * val_fraction == bytes
     throw UsageError(strprintf("--val-fraction=%g leaves no training bytes of input file '%s'", val_fraction,

@@ -12,6 +12,7 @@ namespace shardtrain {
 // Writes out_dir/synth_train.bin (synth_corpus(seed, train_bytes)) and out_dir/synth_val.bin
 // (synth_corpus(~seed, val_bytes): a different seed, so validation text is unseen), creating
 // out_dir if needed, and prints one line per file (path, tokens). val_bytes == 0 skips the val file.
+// Needs train_bytes in [1, SYNTH_MAX_BYTES] and val_bytes <= SYNTH_MAX_BYTES (see synth.hpp).
 void data_synth(const std::string& out_dir, uint64_t seed, size_t train_bytes, size_t val_bytes);
 
 // Encodes every byte of text_path. With val_fraction in (0, 1) the last

@@ -11,6 +11,9 @@
 
 namespace shardtrain {
 
+// The largest corpus `data synth` writes: it is built in memory (about 3 bytes per token).
+constexpr size_t SYNTH_MAX_BYTES = size_t{1} << 30;
+
 // Exactly num_bytes bytes of corpus text for `seed`.
 std::string synth_corpus(uint64_t seed, size_t num_bytes);
 
