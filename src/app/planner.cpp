@@ -23,6 +23,8 @@
 namespace shardtrain {
 namespace {
 
+constexpr uint64_t MAX_PLANNED_RANKS = 1 << 20;
+
 struct Candidate {
   // NO_SHARD's gradients are unsharded anyway: it always all-reduces once per step.
   const char* reduce_label() const { return reduce_every_microbatch && strategy != SHARDING_NO_SHARD ? "micro" : "step"; }
@@ -55,6 +57,95 @@ double traffic_per_step(const ParamTable& table, const Candidate& c, const Engin
   return bytes;
 }
 
+// Every strategy and option for `config`'s model and batch shape on `world` ranks.
+std::vector<Candidate> plan_candidates(const Config& config, int world, int ranks_per_node, size_t limit) {
+  const ParamTable table(config.model);
+  const int accumulation = std::max(1, config.train.global_batch / (config.train.micro_batch * world));
+  std::vector<Candidate> candidates;
+  const ShardingStrategy strategies[] = {SHARDING_NO_SHARD, SHARDING_HYBRID_SHARD, SHARDING_SHARD_GRAD_OP,
+                                         SHARDING_FULL_SHARD};
+  for (ShardingStrategy s : strategies) {
+    int shard = s == SHARDING_NO_SHARD ? 1 : (s == SHARDING_HYBRID_SHARD ? ranks_per_node : world);
+    if (s == SHARDING_HYBRID_SHARD && (ranks_per_node == world || ranks_per_node == 1)) continue;  // = FULL/NO_SHARD
+    for (bool every : {true, false}) {
+      if (s == SHARDING_NO_SHARD && every) continue;  // NO_SHARD always reduces once per step
+      for (bool offload : {false, true}) {
+        if (offload && s != SHARDING_FULL_SHARD) continue;
+        for (bool ckpt : {false, true}) {
+          Candidate c{s, every, ckpt, offload, shard, world / shard, {}, 0, false};
+          EngineOptions options = engine_options(config);
+          options.strategy = s, options.reduce_every_microbatch = every, options.cpu_offload = offload;
+          c.memory = plan_rank_memory(config.model, GroupShape{shard, 0, world / shard, 0}, options,
+                                      config.train.micro_batch, config.train.seq_len, ckpt);
+          c.traffic_bytes = traffic_per_step(table, c, options, accumulation);
+          c.fits = limit == 0 || c.memory.total() <= limit;
+          candidates.push_back(c);
+        }
+      }
+    }
+  }
+  return candidates;
+}
+
+// The fastest candidate that fits (see the top of this file), or null.
+const Candidate* recommend(const std::vector<Candidate>& candidates) {
+  const Candidate* best = nullptr;
+  auto faster = [](const Candidate& a, const Candidate& b) {
+    if (a.offload != b.offload) return !a.offload;
+    if (a.checkpointing != b.checkpointing) return !a.checkpointing;
+    if (a.traffic_bytes != b.traffic_bytes) return a.traffic_bytes < b.traffic_bytes;
+    return a.memory.total() < b.memory.total();
+  };
+  for (const Candidate& c : candidates)
+    if (c.fits && (!best || faster(c, *best))) best = &c;
+  return best;
+}
+
+std::string describe_fit(const Candidate& c) {
+  return strprintf("%s per rank with %s%s%s", format_bytes(static_cast<double>(c.memory.total())).c_str(),
+                   sharding_strategy_name(c.strategy), c.checkpointing ? " + activation checkpointing" : "",
+                   c.offload ? " + CPU offload" : "");
+}
+
+// When nothing fits: the nearest changes that would, one dimension at a time, with their numbers.
+std::string what_would_fit(const Config& config, int world, int ranks_per_node, size_t limit) {
+  std::vector<std::string> ways;
+  auto fits = [&](const Config& c, int ranks, int per_node, const std::string& change) {
+    std::vector<Candidate> candidates = plan_candidates(c, ranks, per_node, limit);
+    const Candidate* best = recommend(candidates);
+    if (best) ways.push_back(change + " (" + describe_fit(*best) + ")");
+    return best != nullptr;
+  };
+  const int per_rank = config.train.global_batch / world;  // sequences per rank per step
+  for (int micro = config.train.micro_batch - 1; micro >= 1; micro--) {
+    Config c = config;
+    c.train.micro_batch = micro;
+    // global_batch stays a multiple of micro_batch x ranks
+    if (per_rank % micro == 0 && fits(c, world, ranks_per_node, strprintf("train.micro_batch=%d", micro))) break;
+  }
+  if (config.fsdp.param_dtype == "fp32") {
+    Config c = config;
+    c.fsdp.param_dtype = "bf16";
+    fits(c, world, ranks_per_node, "fsdp.param_dtype=bf16");
+  }
+  for (int64_t ranks = int64_t{world} * 2; ranks <= 65536; ranks *= 2) {
+    Config c = config;
+    c.train.global_batch = static_cast<int>(std::max<int64_t>(config.train.global_batch, ranks * config.train.micro_batch));
+    const int per_node = static_cast<int>(std::min<int64_t>(ranks_per_node, ranks));
+    if (fits(c, static_cast<int>(ranks), per_node, strprintf("%lld ranks", static_cast<long long>(ranks)))) break;
+  }
+  for (int seq = config.train.seq_len / 2; seq >= 1; seq /= 2) {
+    Config c = config;
+    c.train.seq_len = seq;
+    if (fits(c, world, ranks_per_node, strprintf("train.seq_len=%d", seq))) break;
+  }
+  std::string text;
+  for (const std::string& way : ways) text += (text.empty() ? "" : "; ") + way;
+  return text.empty() ? "no single change of micro-batch, param dtype, rank count (up to 65536) or sequence length "
+                        "fits; raise the limit"
+                      : text;
+}
+
 }  // namespace
 
 void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
@@ -68,11 +159,11 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
       return std::nullopt;
     };
     if (auto v = value("world-size")) {
-      world = std::atoi(v->c_str());
+      world = static_cast<int>(parse_whole_number(*v, "--world-size", 1, MAX_PLANNED_RANKS));
     } else if (auto limit = value("memory-limit")) {
       limit_text = *limit;
     } else if (auto per_node = value("ranks-per-node")) {
-      ranks_per_node = std::atoi(per_node->c_str());
+      ranks_per_node = static_cast<int>(parse_whole_number(*per_node, "--ranks-per-node", 1, MAX_PLANNED_RANKS));
     } else {
       train_args.push_back(args[i]);
     }
@@ -96,30 +187,7 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
   const size_t limit = parse_memory_size(limit_text.empty() ? config.fsdp.memory_limit : limit_text, "--memory-limit");
   const int accumulation = config.train.global_batch / (config.train.micro_batch * world);
   ParamTable table(config.model);
-
-  std::vector<Candidate> candidates;
-  const ShardingStrategy strategies[] = {SHARDING_NO_SHARD, SHARDING_HYBRID_SHARD, SHARDING_SHARD_GRAD_OP,
-                                         SHARDING_FULL_SHARD};
-  for (ShardingStrategy s : strategies) {
-    int shard = s == SHARDING_NO_SHARD ? 1 : (s == SHARDING_HYBRID_SHARD ? ranks_per_node : world);
-    if (s == SHARDING_HYBRID_SHARD && (ranks_per_node == world || ranks_per_node == 1)) continue;  // = FULL/NO_SHARD
-    for (bool every : {true, false}) {
-      if (s == SHARDING_NO_SHARD && !every) continue;  // NO_SHARD always reduces once per step
-      for (bool offload : {false, true}) {
-        if (offload && s != SHARDING_FULL_SHARD) continue;
-        for (bool ckpt : {false, true}) {
-          Candidate c{s, every, ckpt, offload, shard, world / shard, {}, 0, false};
-          EngineOptions options = engine_options(config);
-          options.strategy = s, options.reduce_every_microbatch = every, options.cpu_offload = offload;
-          c.memory = plan_rank_memory(config.model, GroupShape{shard, 0, world / shard, 0}, options,
-                                      config.train.micro_batch, config.train.seq_len, ckpt);
-          c.traffic_bytes = traffic_per_step(table, c, options, accumulation);
-          c.fits = limit == 0 || c.memory.total() <= limit;
-          candidates.push_back(c);
-        }
-      }
-    }
-  }
+  std::vector<Candidate> candidates = plan_candidates(config, world, ranks_per_node, limit);
   if (!rt.is_root()) return;
   std::printf("plan: GPT-2 L=%d C=%d H=%d V=%d (%.1fM parameters), %d ranks (%d per node), micro_batch %d x "
               "seq_len %d, %d micro-batches per step, memory limit %s\n\n",
@@ -143,25 +211,14 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
     std::printf("PLAN strategy=%s reduce=%s checkpointing=%s offload=%s peak_bytes=%zu traffic_bytes=%.0f fits=%d\n",
                 sharding_strategy_name(c.strategy), c.reduce_label(), c.checkpointing ? "yes" : "no",
                 c.offload ? "yes" : "no", c.memory.total(), c.traffic_bytes, c.fits ? 1 : 0);
-  std::vector<const Candidate*> fitting;
-  for (const Candidate& c : candidates)
-    if (c.fits) fitting.push_back(&c);
-  std::sort(fitting.begin(), fitting.end(), [](const Candidate* a, const Candidate* b) {
-    if (a->offload != b->offload) return !a->offload;
-    if (a->checkpointing != b->checkpointing) return !a->checkpointing;
-    if (a->traffic_bytes != b->traffic_bytes) return a->traffic_bytes < b->traffic_bytes;
-    return a->memory.total() < b->memory.total();
-  });
-  if (fitting.empty()) {
-    const Candidate* least = &candidates[0];
-    for (const Candidate& c : candidates)
-      if (c.memory.total() < least->memory.total()) least = &c;
-    std::printf("\nnothing fits: the smallest need is %s per rank (%s with activation checkpointing); use more "
-                "ranks, a smaller train.micro_batch or train.seq_len, or a larger limit\n",
-                format_bytes(least->memory.total()).c_str(), sharding_strategy_name(least->strategy));
-    return;
+  const Candidate* recommended = recommend(candidates);
+  if (!recommended) {
+    std::fflush(stdout);
+    throw UsageError(strprintf("nothing fits in %s per rank on %d ranks; what would: %s",
+                               format_bytes(static_cast<double>(limit)).c_str(), world,
+                               what_would_fit(config, world, ranks_per_node, limit).c_str()));
   }
-  const Candidate& best = *fitting.front();
+  const Candidate& best = *recommended;
   std::printf("\nrecommended: fsdp.sharding_strategy=%s fsdp.reduce_every_microbatch=%s "
               "fsdp.activation_checkpointing=%s fsdp.cpu_offload=%s%s\n",
               sharding_strategy_name(best.strategy), best.reduce_every_microbatch ? "true" : "false",

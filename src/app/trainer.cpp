@@ -84,6 +84,26 @@ double proc_status_bytes(const char* field) {
   return 0;
 }
 
+// Memory this node can still give: MemAvailable, or less where a cgroup limit says so; 0 if unknown.
+double node_available_bytes() {
+  double available = 0;
+  std::ifstream meminfo("/proc/meminfo");
+  for (std::string key; meminfo >> key;) {
+    double kib = 0;
+    meminfo >> kib;
+    meminfo.ignore(64, '\n');
+    if (key == "MemAvailable:") available = kib * 1024;
+  }
+  std::ifstream max_file("/sys/fs/cgroup/memory.max"), current_file("/sys/fs/cgroup/memory.current");
+  std::string max_text;
+  double current = 0;
+  if (max_file >> max_text && max_text != "max" && current_file >> current) {
+    const double cgroup_left = std::atof(max_text.c_str()) - current;
+    if (available <= 0 || cgroup_left < available) available = std::max(0.0, cgroup_left);
+  }
+  return available;
+}
+
 MemoryPeaks local_memory_peaks(const MemoryTracker& m, double rss_at_start, const Device& device) {
   MemoryPeaks p{};
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++) p[c] = static_cast<double>(m.peak(static_cast<MemCategory>(c)));
@@ -217,6 +237,18 @@ MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrat
   GroupShape groups{shard.size(), shard.rank(), replica.size(), replica.rank()};
   MemoryPlan plan = plan_rank_memory(c.model, groups, engine_options(c), c.train.micro_batch, c.train.seq_len, c.fsdp.activation_checkpointing);
   rt.agree_on([&] {
+    // Host memory: the whole plan on the CPU backend, the offloaded state on a GPU. Checked against
+    // what the node has available, shared by its ranks, so a model that cannot fit stops here
+    // with the numbers instead of failing an allocation (or waking the OOM killer) later.
+    const double host_need = static_cast<double>((compute.on_gpu() ? 0 : plan.total()) + plan.offloaded_bytes);
+    const double available = node_available_bytes();
+    if (available > 0 && host_need * rt.local_size() > available)
+      throw UsageError(strprintf(
+          "out of memory: rank %d needs %s of host memory and this node has %s available for its %d rank%s (%s "
+          "each) (%s); shard over more ranks or nodes, or use fsdp.activation_checkpointing=true or a smaller "
+          "train.micro_batch -- 'shardtrain plan' lists what fits",
+          rt.rank(), format_bytes(host_need).c_str(), format_bytes(available).c_str(), rt.local_size(),
+          rt.local_size() == 1 ? "" : "s", format_bytes(available / rt.local_size()).c_str(), plan.describe().c_str()));
     size_t limit = parse_memory_size(c.fsdp.memory_limit, "fsdp.memory_limit");
     if (limit && plan.total() > limit)
       throw UsageError(strprintf(

@@ -157,3 +157,46 @@ def test_repeated_signals_to_mpirun_never_lose_the_previous_checkpoint():
                                 f"--train.metrics_file={metrics}", "--train.eval_every=0")))
     assert "resumed from" in again.stdout and "skipping unusable" not in again.stderr
     assert [r["loss"] for r in read_metrics(metrics)] == uninterrupted()
+
+
+def test_model_beyond_the_node_memory_is_refused_before_allocating():
+    proc = run(2, tiny_args("--model.n_layer=48", "--model.n_embd=4096", "--model.n_head=32"), timeout=60)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    errors = [l for l in proc.stderr.splitlines() if "error" in l]
+    assert len(errors) == 1 and "out of memory" in errors[0] and "available" in errors[0], errors
+
+
+def plan(*args):
+    from harness import run_single
+    return run_single(["plan", "--config", os.path.join(ROOT, "inputs", "gpt2-124M.ini"), *args])
+
+
+def test_plan_says_what_would_fit_and_it_does():
+    proc = plan("--world-size", "2", "--memory-limit", "1500MiB")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    line = [l for l in proc.stderr.splitlines() if "error" in l][0]
+    assert "nothing fits" in line and "what would:" in line, line
+    ways = line.split("what would: ")[1].split("; ")
+    assert ways and all("per rank with" in w for w in ways), ways
+    for way in ways:  # each suggestion, applied, must make the plan recommend something within the limit
+        change = way.split(" (")[0]
+        if change.endswith(" ranks"):
+            extra = ["--world-size", change.split()[0], f"--train.global_batch={int(change.split()[0]) * 4}"]
+        else:
+            extra = ["--world-size", "2", f"--{change}"]
+        again = plan(*extra, "--memory-limit", "1500MiB")
+        assert again.returncode == 0 and "recommended:" in again.stdout, (way, again.stderr[-2000:])
+
+
+def test_plan_recommendation_agrees_with_its_table():
+    from harness import run_single
+    proc = run_single(["plan", "--config", os.path.join(ROOT, "inputs", "tiny.ini"), "--world-size", "2"])
+    assert proc.returncode == 0, proc.stderr
+    rec = [l for l in proc.stdout.splitlines() if l.startswith("recommended:")][0]
+    opts = dict(kv.split("=") for kv in rec.split()[1:])
+    rows = [dict(kv.split("=") for kv in l.split()[1:]) for l in proc.stdout.splitlines() if l.startswith("PLAN ")]
+    match = [r for r in rows if r["strategy"] == opts["fsdp.sharding_strategy"]
+             and r["reduce"] == ("micro" if opts["fsdp.reduce_every_microbatch"] == "true" else "step")
+             and r["checkpointing"] == ("yes" if opts["fsdp.activation_checkpointing"] == "true" else "no")
+             and r["offload"] == ("yes" if opts["fsdp.cpu_offload"] == "true" else "no")]
+    assert len(match) == 1 and match[0]["fits"] == "1", (rec, rows)
