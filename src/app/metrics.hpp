@@ -1,5 +1,5 @@
 // The machine-readable record of a run: JSON Lines written by rank 0 to train.metrics_file, one
-// object per optimizer step ("kind":"step") and per evaluation ("kind":"eval"); see DESIGN.md.
+// object per optimizer step ("kind":"step") and per evaluation ("kind":"eval"); see docs/monitoring.md.
 // The file is opened once and flushed per line, so a killed run leaves whole lines only.
 #pragma once
 

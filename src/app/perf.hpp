@@ -1,5 +1,5 @@
 // Machine facts used for reporting: the threads a rank should use, and the SGEMM peak that MFU
-// is measured against (shared/DESIGN.md: MFU = model FLOP/s / FLOP/s of a large OpenBLAS SGEMM
+// is measured against (MFU = model FLOP/s / FLOP/s of a large OpenBLAS SGEMM
 // measured in the same run, on all ranks at once).
 #pragma once
 

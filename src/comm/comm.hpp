@@ -1,7 +1,7 @@
 // The one communication interface the engine and optimizer use: typed spans in, element counts
 // derived here, never at call sites.
 //
-// Contract (DESIGN.md, "collective discipline"): every rank of the communicator calls the same
+// Contract ("collective discipline", docs/architecture.md): every rank of the communicator calls the same
 // collectives in the same order with the same sizes. `what` names the collective for the
 // watchdog's message; pass a string literal. The MPI implementation works on host buffers; a
 // NCCL one (CUDA backend) will implement the same interface on device buffers.

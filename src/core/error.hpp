@@ -3,7 +3,7 @@
 // Bad input (options, config, data, checkpoints) is reported by throwing a typed InputError;
 // app/main.cpp turns it into one line and exit code 2 on every rank. A broken internal invariant
 // is SHARD_CHECK, always compiled in, which prints where and why and aborts every rank (exit 1).
-// Exit codes are the contract of shared/DESIGN.md: 0 done, 1 internal, 2 bad input, 3 signalled.
+// Exit codes are the product's contract (README): 0 done, 1 internal, 2 bad input, 3 signalled.
 #pragma once
 
 #include <cstdarg>

@@ -1,4 +1,4 @@
-// The model's shape: the five numbers that fix every parameter's shape (shared/DESIGN.md).
+// The model's shape: the five numbers that fix every parameter's shape (docs/architecture.md).
 #pragma once
 
 namespace shardtrain {

@@ -1,7 +1,7 @@
 """Training runs on the tiny model: world-size invariance (the strongest test we have: the rank
 count may only change floating-point summation order), bit-exact reruns, learning, validation.
 
-Tolerances (DESIGN.md): 1, 2 and 3 ranks (3 pads the units unevenly) run the same sequences with
+Tolerances (docs/architecture.md): 1, 2 and 3 ranks (3 pads the units unevenly) run the same sequences with
 the same micro-batch and threads per rank, so only the order of the gradient sums differs: fp32
 round-off, ~1e-7 relative per sum. Step-1 loss: identical forward -> 1e-6. Gradient norm: one
 re-ordered sum -> 1e-5. After 20 AdamW steps the differences grow but stay below 1e-5."""
