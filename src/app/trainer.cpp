@@ -1,4 +1,4 @@
-// The training loop (see trainer.hpp). Batch semantics are those of DESIGN.md: a step covers
+// The training loop (see trainer.hpp). Batch semantics (docs/architecture.md): a step covers
 // train.global_batch sequences; rank r's micro-batch m holds sequences (m*ranks + r)*B .. +B-1 of
 // the step, so the rank count only changes how the same sequences are split. The loss is the
 // mean over every token of the global batch: each token's loss gets weight 1/(global_batch*T)
@@ -604,10 +604,8 @@ void Trainer::stop_on_signal(int step, int signal, bool saved_already) {
   std::string error;
   if (rt_.is_root()) {
     const std::string marker = stop_marker_path(checkpoints_.dir());
-    std::ofstream out(marker);
-    out << "step " << step << "\nsignal " << signal_name(signal) << "\n";
-    out.flush();
-    if (!out) error = "cannot write the stop marker '" + marker + "': " + std::strerror(errno);
+    error = CheckpointManager::write_file_synced(marker, strprintf("step %d\nsignal %s\n", step, signal_name(signal)));
+    if (!error.empty()) error = "cannot write the stop marker: " + error;
   }
   rt_.agree(error);
   rt_.info("stopped at step %d on %s; exit code %d (the next start with checkpoint.resume=auto continues from step "
@@ -656,6 +654,7 @@ double Trainer::evaluate() {
 
 int Trainer::run() {
   print_summary();
+  checkpoints_.check_dir();  // a file where the run folder should be: exit 2 on every rank, before any use
   const int start = resume();
   const int steps = cfg_.train.steps;
   if (rt_.is_root()) std::filesystem::remove(stop_marker_path(checkpoints_.dir()));
@@ -665,7 +664,7 @@ int Trainer::run() {
              cfg_.train.run_name.c_str(), checkpoints_.dir().c_str(), steps);
     return EXIT_CODE_OK;
   }
-  if (cfg_.train.metrics_file.empty()) {  // the default metrics file lives in the run folder
+  if (cfg_.train.metrics_file.empty() || cfg_.checkpoint.save) {  // metrics, STOPPED and checkpoints live there
     std::string error;
     std::error_code ec;
     if (rt_.is_root() && !std::filesystem::is_directory(checkpoints_.dir(), ec)) {
