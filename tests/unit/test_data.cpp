@@ -357,7 +357,7 @@ TEST_F(DataTest, EncodeErrorsNameTheFile) {
   write_bytes(path("empty.txt"), "");
   expect_data_error([&] { data_encode(path("empty.txt"), path("o.bin"), 0.1); }, "empty.txt", "empty");
   write_bytes(path("tiny.txt"), "abc");
-  expect_data_error([&] { data_encode(path("tiny.txt"), path("o.bin"), 0.1); }, "tiny.txt", "too few");
+  expect_data_error([&] { data_encode(path("tiny.txt"), path("o.bin"), 0.1); }, "tiny.txt", "too small");
   expect_data_error([&] { data_encode(path("tiny.txt"), path("missing/o.bin"), 0.0); }, "missing/o.bin", "cannot create");
   EXPECT_THROW(data_encode(path("tiny.txt"), path("o.bin"), 1.0), UsageError);
   EXPECT_THROW(data_encode(path("tiny.txt"), path("o.bin"), -0.5), UsageError);
