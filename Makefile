@@ -155,7 +155,7 @@ $(DEFAULT_DATA): $(EXE)
 	@$(EXE) data synth --out-dir $(DATA_DIR)
 
 run: $(EXE) $(DEFAULT_DATA)
-	$(MPIRUN) --oversubscribe --bind-to none -np $(NP) $(EXE) train --config inputs/default.ini
+	$(MPIRUN) --oversubscribe --bind-to none --mca odls_base_sigkill_timeout 3 -np $(NP) $(EXE) train --config inputs/default.ini
 
 test: $(EXE) $(UNIT_TESTS) $(MPI_TESTS)
 	@$(PYTHON) tests/run_tests.py --build $(BUILD)

@@ -154,13 +154,17 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
   std::vector<std::string> train_args;
   for (size_t i = 0; i < args.size(); i++) {  // our three options; the rest are train options
     auto value = [&](const std::string& name) -> std::optional<std::string> {
-      if (args[i] == "--" + name && i + 1 < args.size()) return args[++i];
+      if (args[i] == "--" + name) {
+        if (i + 1 == args.size()) throw UsageError("--" + name + " needs a value; see 'shardtrain plan --help'");
+        return args[++i];
+      }
       if (args[i].rfind("--" + name + "=", 0) == 0) return args[i].substr(name.size() + 3);
       return std::nullopt;
     };
     if (auto v = value("world-size")) {
       world = static_cast<int>(parse_whole_number(*v, "--world-size", 1, MAX_PLANNED_RANKS));
     } else if (auto limit = value("memory-limit")) {
+      check_memory_limit(*limit, "--memory-limit");
       limit_text = *limit;
     } else if (auto per_node = value("ranks-per-node")) {
       ranks_per_node = static_cast<int>(parse_whole_number(*per_node, "--ranks-per-node", 1, MAX_PLANNED_RANKS));

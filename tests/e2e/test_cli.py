@@ -58,6 +58,13 @@ def test_plan_world_size_is_parsed_strictly():
         expect_usage_error(["plan", "--config", "inputs/tiny.ini", "--world-size", value], "--world-size", value)
 
 
+def test_plan_options_need_values():
+    # A trailing --world-size went to the train options as an unknown option; 0.5 meant no limit.
+    plan = ["plan", "--config", "inputs/tiny.ini"]
+    expect_usage_error([*plan, "--world-size"], "--world-size needs a value")
+    expect_usage_error([*plan, "--world-size", "2", "--memory-limit", "0.5"], "--memory-limit", "'0.5'", "512MiB")
+
+
 def test_plan_micro_batch_times_ranks_beyond_int():
     # 65536 x 65536 wrapped to 0 in an int product: SIGFPE.
     expect_usage_error(["plan", "--config", "inputs/tiny.ini", "--world-size", "65536", "--train.micro_batch=65536"],
