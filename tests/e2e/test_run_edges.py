@@ -129,7 +129,7 @@ def test_sigint_to_mpirun_with_time_to_save_resumes_exactly():
     """One Ctrl-C to mpirun: with odls_base_sigkill_timeout the ranks get SIGTERM that many seconds
     later and as long again to save (docs/cluster.md); the run resumes bit for bit."""
     ckdir, metrics = tempdir(), os.path.join(tempdir(), "m.jsonl")
-    proc = signalled_run(ckdir, metrics, mpirun_args=("--mca", "odls_base_sigkill_timeout", "2"))
+    proc = signalled_run(ckdir, metrics, mpirun_args=("--mca", "odls_base_sigkill_timeout", "5"))
     wait_for_steps(metrics, 3, proc)
     os.kill(mpirun_of(proc), signal.SIGINT)
     out, err = proc.communicate(timeout=60)
