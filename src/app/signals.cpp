@@ -1,6 +1,7 @@
 // See signals.hpp. The handler is async-signal-safe: it stores one sig_atomic_t.
 #include "app/signals.hpp"
 
+#include <fcntl.h>
 #include <sys/prctl.h>
 #include <unistd.h>
 
@@ -13,10 +14,27 @@
 namespace shardtrain {
 namespace {
 volatile std::sig_atomic_t g_stop_signal = 0;  // the one process-wide state a signal handler may touch
-extern "C" void record_stop_signal(int signal) { g_stop_signal = signal; }
+// Set before the handlers are installed, read only by them.
+volatile std::sig_atomic_t g_output_unblocks_on_stop = 0;
+
+extern "C" void record_stop_signal(int signal) {
+  g_stop_signal = signal;
+  if (!g_output_unblocks_on_stop) return;
+  // mpirun stops reading its ranks' output as soon as it is signalled, so rank 0 blocks in a
+  // write to the full pty and never reaches the step boundary to save. The interrupted write
+  // restarts (SA_RESTART) as a non-blocking one: log lines are dropped instead. fcntl is
+  // async-signal-safe; the pty is this process's alone, so no other program sees the flag.
+  for (int fd : {STDOUT_FILENO, STDERR_FILENO}) {
+    const int flags = fcntl(fd, F_GETFL);
+    if (flags != -1) fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+  }
+}
+
+bool launched_by_mpirun() { return std::getenv("OMPI_MCA_orte_local_daemon_uri") != nullptr; }
 }  // namespace
 
 void install_stop_signal_handlers() {
+  g_output_unblocks_on_stop = launched_by_mpirun();
   struct sigaction action {};
   action.sa_handler = record_stop_signal;
   sigemptyset(&action.sa_mask);
@@ -28,7 +46,7 @@ int stop_signal_received() { return g_stop_signal; }
 
 void exit_with_mpirun() {
   // Open MPI's launcher (mpirun or its orted) is our parent and says so in the environment.
-  if (!std::getenv("OMPI_MCA_orte_local_daemon_uri")) return;
+  if (!launched_by_mpirun()) return;
   const pid_t launcher = getppid();
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (getppid() != launcher) std::_Exit(EXIT_CODE_INTERNAL);  // it died before the line above

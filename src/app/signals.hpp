@@ -1,7 +1,9 @@
 // Graceful stop on SIGUSR1, SIGTERM and SIGINT (Slurm's pre-timeout signal, preemption, ^C):
 // the handler only records the signal; the training loop polls it at each step boundary, all
 // ranks agree (one MAX all-reduce), save a checkpoint, leave the stop marker and exit 3. A
-// second signal while saving changes nothing: the save runs to completion.
+// second signal while saving changes nothing: the save runs to completion. Under mpirun, which
+// stops relaying its ranks' output once signalled, output turns non-blocking at the first stop
+// signal: lines that cannot be written are dropped, the save still happens.
 #pragma once
 
 namespace shardtrain {
