@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "ckpt/checkpoint_io.hpp"
+#include "core/counted.hpp"
 
 namespace shardtrain {
 
@@ -23,9 +24,9 @@ void inspect_checkpoint(const std::string& path) {
   std::printf("checkpoint %s\n", path.c_str());
   std::printf("format %s version %lld, layout %s\n", CKPT_FORMAT_NAME, static_cast<long long>(CKPT_FORMAT_VERSION),
               s.layout.c_str());
-  std::printf("step %lld, tokens seen %lld, saved on %lld ranks (%s), seed %llu, sampler at step %lld\n",
+  std::printf("step %lld, tokens seen %lld, saved on %s (%s), seed %llu, sampler at step %lld\n",
               static_cast<long long>(s.step), static_cast<long long>(s.tokens_seen),
-              static_cast<long long>(s.world_size), s.strategy.c_str(), static_cast<unsigned long long>(s.seed),
+              counted(s.world_size, "rank").c_str(), s.strategy.c_str(), static_cast<unsigned long long>(s.seed),
               static_cast<long long>(s.sampler_step));
   std::printf("model: GPT-2 L=%d C=%d H=%d V=%d max_seq_len=%d, %zu parameters (%.1f MiB fp32)\n", m.n_layer,
               m.n_embd, m.n_head, m.vocab_size, m.max_seq_len, table.total_params(),

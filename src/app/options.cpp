@@ -328,7 +328,7 @@ uint64_t parse_whole_number(const std::string& text, const std::string& option, 
   return value;
 }
 
-ParsedTrainArgs parse_train_args(const std::vector<std::string>& raw_args) {
+ParsedTrainArgs parse_train_args(const std::vector<std::string>& raw_args, const char* command) {
   // "--key=" (an empty value, e.g. --data.val_file= to switch validation off) becomes
   // "--key" "", which Boost accepts.
   std::vector<std::string> args;
@@ -379,7 +379,7 @@ ParsedTrainArgs parse_train_args(const std::vector<std::string>& raw_args) {
     po::notify(vm);
   } catch (const po::error& e) {
     throw UsageError(option_error_text(e) + (where.empty() ? "" : " (" + where + ")") +
-                     "; see 'shardtrain train --help'");
+                     "; see 'shardtrain " + command + " --help'");
   }
   return parsed;
 }

@@ -95,8 +95,9 @@ struct ParsedTrainArgs {
   bool help = false;
 };
 
-// Parses `train` arguments (argv after the subcommand). Throws UsageError naming the option.
-ParsedTrainArgs parse_train_args(const std::vector<std::string>& args);
+// Parses `train` arguments (argv after the subcommand). Throws UsageError naming the option and
+// pointing at `shardtrain <command> --help` (`plan` takes the same options).
+ParsedTrainArgs parse_train_args(const std::vector<std::string>& args, const char* command = "train");
 // Checks value ranges and combinations that need the rank count. Throws UsageError.
 void validate_config(const Config& config, int world);
 // Every option with its default and meaning.

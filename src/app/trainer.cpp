@@ -24,6 +24,7 @@
 #include "app/signals.hpp"
 #include "app/tensorboard.hpp"
 #include "ckpt/checkpoint_manager.hpp"
+#include "core/counted.hpp"
 #include "ckpt/llmc.hpp"
 #include "comm/comm.hpp"
 #include "comm/watchdog.hpp"
@@ -365,12 +366,12 @@ void Trainer::open_data() {
 void Trainer::print_summary() {
   const ModelConfig& m = cfg_.model;
   const size_t total = table_.total_params();
-  rt_.info("shardtrain train: run '%s' on %d ranks x %d threads, %s (shard group %d, replicas %d)",
-           cfg_.train.run_name.c_str(), rt_.world(), threads_, sharding_strategy_name(strategy_), shard_comm_->size(),
-           replica_comm_->size());
-  rt_.info("model: GPT-2 L=%d C=%d H=%d V=%d max_seq_len=%d | %.2fM parameters in %zu units (root + %d blocks) | "
-           "%.2fM per rank",
-           m.n_layer, m.n_embd, m.n_head, m.vocab_size, m.max_seq_len, total / 1e6, table_.units().size(), m.n_layer,
+  rt_.info("shardtrain train: run '%s' on %s x %s, %s (shard group %d, replicas %d)", cfg_.train.run_name.c_str(),
+           counted(rt_.world(), "rank").c_str(), counted(threads_, "thread").c_str(),
+           sharding_strategy_name(strategy_), shard_comm_->size(), replica_comm_->size());
+  rt_.info("model: GPT-2 L=%d C=%d H=%d V=%d max_seq_len=%d | %.2fM parameters in %s (root + %s) | %.2fM per rank",
+           m.n_layer, m.n_embd, m.n_head, m.vocab_size, m.max_seq_len, total / 1e6,
+           counted(static_cast<long long>(table_.units().size()), "unit").c_str(), counted(m.n_layer, "block").c_str(),
            engine_.local_param_count() / 1e6);
   rt_.info("batch: %d sequences x %d tokens = %d tokens/step | micro_batch %d per rank | gradient accumulation %d",
            G_, T_, G_ * T_, B_, accum_);
@@ -467,8 +468,8 @@ int Trainer::try_load(const std::string& path, bool fall_back) {
     loss_scale_ = std::ldexp(1.0, static_cast<int>(state.loss_scale_log2));
     good_steps_ = state.loss_scale_good_steps;
   }
-  rt_.info("resumed from %s at step %lld (saved on %lld ranks, %s layout)", path.c_str(),
-           static_cast<long long>(state.step), static_cast<long long>(state.world_size), state.layout.c_str());
+  rt_.info("resumed from %s at step %lld (saved on %s, %s layout)", path.c_str(), static_cast<long long>(state.step),
+           counted(state.world_size, "rank").c_str(), state.layout.c_str());
   return static_cast<int>(state.step);
 }
 
@@ -720,8 +721,8 @@ int Trainer::run() {
     if (cfg_.checkpoint.save && ((every > 0 && (step + 1) % every == 0) || step + 1 == steps)) save(step + 1);
   }
   const double wall = MPI_Wtime() - wall_start;
-  rt_.info("done: %d steps in %s | final loss %.4f | val loss %s | %.0f tok/s | uniform-guess loss ln(V) = %.4f",
-           steps - start, format_duration(wall).c_str(), last_loss,
+  rt_.info("done: %s in %s | final loss %.4f | val loss %s | %.0f tok/s | uniform-guess loss ln(V) = %.4f",
+           counted(steps - start, "step").c_str(), format_duration(wall).c_str(), last_loss,
            std::isfinite(last_val_loss) ? strprintf("%.4f", last_val_loss).c_str() : "-",
            static_cast<double>(steps - start) * G_ * T_ / wall, std::log(cfg_.model.vocab_size));
   return EXIT_CODE_OK;

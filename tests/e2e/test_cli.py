@@ -63,6 +63,15 @@ def test_plan_options_need_values():
     plan = ["plan", "--config", "inputs/tiny.ini"]
     expect_usage_error([*plan, "--world-size"], "--world-size needs a value")
     expect_usage_error([*plan, "--world-size", "2", "--memory-limit", "0.5"], "--memory-limit", "'0.5'", "512MiB")
+    # 1e30 bytes overflowed the conversion to size_t (undefined behaviour; a limit of 0 or garbage).
+    expect_usage_error([*plan, "--world-size", "2", "--memory-limit", "1e30GiB"], "--memory-limit", "8 EiB")
+    expect_usage_error([*tiny_args(), "--fsdp.memory_limit=1e30"], "fsdp.memory_limit", "8 EiB")
+
+
+def test_plan_option_errors_point_at_plan_help():
+    error = expect_usage_error(["plan", "--config", "inputs/tiny.ini", "--world-size", "2", "--train.nope=1"],
+                               "train.nope")
+    assert "'shardtrain plan --help'" in error, error
 
 
 def test_plan_micro_batch_times_ranks_beyond_int():
@@ -78,3 +87,10 @@ def test_data_synth_byte_counts():
     expect_usage_error(["data", "synth", "--out-dir", out, "--train-bytes=5000000000"], "--train-bytes",
                        "1073741824", timeout=20)
     assert os.listdir(out) == []
+
+
+def test_counts_of_one_are_singular():
+    proc = run(1, tiny_args("--train.steps=1", "--checkpoint.save=false", "--model.n_layer=1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for phrase in ("on 1 rank x", "(root + 1 block)", "done: 1 step in"):
+        assert phrase in proc.stdout, (phrase, proc.stdout)
