@@ -47,26 +47,4 @@ MemoryPlan plan_rank_memory(const ModelConfig& model, const GroupShape& groups, 
   return plan;
 }
 
-size_t parse_memory_size(const std::string& text, const char* option) {
-  if (text.empty()) return 0;
-  char* end = nullptr;
-  double value = std::strtod(text.c_str(), &end);
-  std::string unit(end);
-  const struct {
-    const char* name;
-    double scale;
-  } units[] = {{"", 1}, {"B", 1}, {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0},
-               {"TiB", 1099511627776.0}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}};
-  // 2^63 bytes (8 EiB) is beyond any machine and still converts to size_t without overflow.
-  constexpr double largest = 9223372036854775808.0;
-  for (const auto& u : units) {
-    if (unit != u.name || end == text.c_str() || !(value > 0) || !std::isfinite(value)) continue;
-    if (value * u.scale >= largest)
-      throw UsageError(std::string(option) + "='" + text + "' is larger than any machine; write a size below 8 EiB");
-    return static_cast<size_t>(value * u.scale);
-  }
-  throw UsageError(std::string(option) + "='" + text +
-                   "' is not a size; write a positive number with an optional unit, e.g. 24GiB, 512MiB, 1.5GB");
-}
-
 }  // namespace shardtrain

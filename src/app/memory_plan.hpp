@@ -27,8 +27,6 @@ struct MemoryPlan {
 MemoryPlan plan_rank_memory(const ModelConfig& model, const GroupShape& groups, const EngineOptions& engine,
                             int micro_batch, int seq_len, bool activation_checkpointing);
 
-// "24GiB", "512MiB", "1.5GB", "1000000" (bytes) -> bytes; "" -> 0 (no limit). Throws UsageError.
-size_t parse_memory_size(const std::string& text, const char* option);
 std::string format_bytes(double bytes);
 
 }  // namespace shardtrain

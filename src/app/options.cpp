@@ -58,7 +58,34 @@ struct OptionList {
     desc.add_options()(name, po::value<std::string>()->default_value(text(*field))->notifier(parse), help);
     printers.emplace_back(name, [field] { return text(*field); });
   }
+
+  void add(const char* name, MemorySize* field, const char* help) {
+    auto parse = [name, field](const std::string& v) { *field = parse_memory_limit(v, name); };
+    desc.add_options()(name, po::value<std::string>()->default_value(field->text)->notifier(parse), help);
+    printers.emplace_back(name, [field] { return field->text; });
+  }
+
+  // One of `choices`, each written as name(choice); the help lists them.
+  template <typename E, size_t N>
+  void add_choice(const char* name, E* field, const E (&choices)[N], const char* (*choice_name)(E),
+                  const std::string& help) {
+    std::string allowed;
+    for (E e : choices) allowed += std::string(allowed.empty() ? "" : ", ") + choice_name(e);
+    auto parse = [=](const std::string& v) {
+      for (E e : choices)
+        if (v == choice_name(e)) return void(*field = e);
+      throw UsageError(std::string(name) + "='" + printable_text(v) + "' is not allowed; allowed: " + allowed);
+    };
+    desc.add_options()(name, po::value<std::string>()->default_value(choice_name(*field))->notifier(parse),
+                       (allowed + ": " + help).c_str());
+    printers.emplace_back(name, [field, choice_name] { return std::string(choice_name(*field)); });
+  }
 };
+
+constexpr ShardingStrategy STRATEGIES[] = {SHARDING_FULL_SHARD, SHARDING_SHARD_GRAD_OP, SHARDING_NO_SHARD,
+                                           SHARDING_HYBRID_SHARD};
+constexpr DType DTYPES[] = {DTYPE_FP32, DTYPE_BF16, DTYPE_FP16};
+constexpr BackwardPrefetch PREFETCHES[] = {BACKWARD_PREFETCH_NONE, BACKWARD_PREFETCH_PRE, BACKWARD_PREFETCH_POST};
 
 // The single list of options. `c` holds the defaults on entry and receives parsed values.
 void declare_options(OptionList& o, Config& c) {
@@ -96,9 +123,8 @@ void declare_options(OptionList& o, Config& c) {
         "cpu (OpenBLAS + MPI) or cuda (one GPU per rank by node-local rank, NCCL; needs a make CUDA=1 build)");
   o.add("data.train_file", &c.data.train_file, "training tokens (llm.c .bin format)");
   o.add("data.val_file", &c.data.val_file, "validation tokens; empty = no validation");
-  o.add("fsdp.sharding_strategy", &c.fsdp.sharding_strategy,
-        "FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (DDP) or HYBRID_SHARD (FULL_SHARD within groups, "
-        "replicated across them)");
+  o.add_choice("fsdp.sharding_strategy", &c.fsdp.sharding_strategy, STRATEGIES, sharding_strategy_name,
+               "ZeRO-3, ZeRO-2, DDP, or FULL_SHARD within groups replicated across them");
   o.add("fsdp.shard_group_size", &c.fsdp.shard_group_size,
         "HYBRID_SHARD: ranks per shard group, dividing the rank count; 0 = the ranks of one node");
   o.add("fsdp.reduce_every_microbatch", &c.fsdp.reduce_every_microbatch,
@@ -107,16 +133,16 @@ void declare_options(OptionList& o, Config& c) {
   o.add("fsdp.activation_checkpointing", &c.fsdp.activation_checkpointing,
         "keep only each block's input and recompute the block in backward (less activation memory, ~1/3 more "
         "compute)");
-  o.add("fsdp.param_dtype", &c.fsdp.param_dtype,
-        "fp32, bf16 or fp16: the type parameters are gathered and communicated in (fp32 master weights and "
-        "moments; on the CPU, compute widens to fp32); fp16 turns on dynamic loss scaling");
-  o.add("fsdp.reduce_dtype", &c.fsdp.reduce_dtype,
-        "fp32, bf16 or fp16: the type gradients are reduce-scattered in (replica all-reduces stay fp32)");
+  o.add_choice("fsdp.param_dtype", &c.fsdp.param_dtype, DTYPES, dtype_name,
+               "the type parameters are gathered and communicated in (fp32 master weights and moments; on the "
+               "CPU, compute widens to fp32); fp16 turns on dynamic loss scaling");
+  o.add_choice("fsdp.reduce_dtype", &c.fsdp.reduce_dtype, DTYPES, dtype_name,
+               "the type gradients are reduce-scattered in (replica all-reduces stay fp32)");
   o.add("fsdp.forward_prefetch", &c.fsdp.forward_prefetch,
         "start the next block's all-gather before the current block's forward computes");
-  o.add("fsdp.backward_prefetch", &c.fsdp.backward_prefetch,
-        "NONE, BACKWARD_PRE (start the next block's all-gather before the current block's backward) or "
-        "BACKWARD_POST (after it)");
+  o.add_choice("fsdp.backward_prefetch", &c.fsdp.backward_prefetch, PREFETCHES, backward_prefetch_name,
+               "start the next block's all-gather before the current block's backward (PRE), after it (POST), "
+               "or not");
   o.add("fsdp.cpu_offload", &c.fsdp.cpu_offload,
         "keep the fp32 master shards, their gradients and the AdamW moments in (pinned) host memory and step the "
         "optimizer on the CPU: less device memory, a copy of each shard per gather and per step");
@@ -308,13 +334,27 @@ void reject_stray_words(const std::vector<std::string>& words, const std::string
   throw UsageError("unexpected argument '" + word + "': " + fix + "; see 'shardtrain " + command + " --help'");
 }
 
-// A number without a unit, or under a byte, would silently mean no limit at all.
-void check_memory_limit(const std::string& text, const char* option) {
-  if (text.empty()) return;
-  const size_t bytes = parse_memory_size(text, option);
-  require(std::isalpha(static_cast<unsigned char>(text.back())) && bytes >= 1,
-          std::string(option) + "='" + printable_text(text) +
-              "' is not a size: write a number with a unit, e.g. 24GiB, 512MiB, 1.5GB (empty = no limit)");
+MemorySize parse_memory_limit(const std::string& text, const char* option) {
+  if (text.empty()) return {};
+  const std::string usage = std::string(option) + "='" + printable_text(text) +
+                            "' is not a size: write a number with a unit, e.g. 24GiB, 512MiB, 1.5GB (empty = no limit)";
+  char* end = nullptr;
+  const double value = std::strtod(text.c_str(), &end);
+  const std::string unit(end);
+  const struct {
+    const char* name;
+    double scale;
+  } units[] = {{"B", 1}, {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
+               {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}};
+  // A number without a unit, or under a byte, would silently mean no limit at all.
+  for (const auto& u : units) {
+    if (unit != u.name || end == text.c_str() || !std::isfinite(value) || !(value * u.scale >= 1)) continue;
+    // 2^63 bytes (8 EiB) is beyond any machine and still converts to size_t without overflow.
+    require(value * u.scale < 9223372036854775808.0,
+            std::string(option) + "='" + printable_text(text) + "' is larger than any machine; write a size below 8 EiB");
+    return {static_cast<size_t>(value * u.scale), text};
+  }
+  throw UsageError(usage);
 }
 
 uint64_t parse_whole_number(const std::string& text, const std::string& option, uint64_t min, uint64_t max) {
@@ -425,16 +465,12 @@ void validate_config(const Config& c, int world) {
   require(t.threads >= 0, "train.threads must be >= 0 (0 = automatic)");
   require(t.peak_gflops >= 0, "train.peak_gflops must be >= 0 (0 = measure)");
   require(!c.data.train_file.empty(), "data.train_file is required");
-  ShardingStrategy strategy;
   require(t.device == "cpu" || t.device == "cuda",
           "train.device='" + printable_text(t.device) + "' is not a device; allowed: cpu, cuda");
   require(t.device == "cpu" || !c.debug.skip_communication,
           "debug.skip_communication is implemented for train.device=cpu only; remove it");
-  require(parse_sharding_strategy(c.fsdp.sharding_strategy, &strategy),
-          "fsdp.sharding_strategy='" + printable_text(c.fsdp.sharding_strategy) +
-              "' is not a strategy; allowed: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD");
   require(c.fsdp.shard_group_size >= 0, "fsdp.shard_group_size must be >= 0 (0 = the ranks of one node)");
-  require(strategy == SHARDING_HYBRID_SHARD || c.fsdp.shard_group_size == 0,
+  require(c.fsdp.sharding_strategy == SHARDING_HYBRID_SHARD || c.fsdp.shard_group_size == 0,
           "fsdp.shard_group_size is only meaningful with fsdp.sharding_strategy=HYBRID_SHARD; remove it or "
           "switch the strategy");
   require(c.fsdp.shard_group_size == 0 || world % c.fsdp.shard_group_size == 0,
@@ -445,17 +481,7 @@ void validate_config(const Config& c, int world) {
               "' is not a format; allowed: sharded, gathered");
   require(!c.checkpoint.resume.empty(), "checkpoint.resume must be auto, none or a checkpoint file");
   require(c.checkpoint.keep >= 1, "checkpoint.keep must be >= 1");
-  BackwardPrefetch prefetch;
-  require(parse_backward_prefetch(c.fsdp.backward_prefetch, &prefetch),
-          "fsdp.backward_prefetch='" + printable_text(c.fsdp.backward_prefetch) +
-              "' is not a mode; allowed: NONE, BACKWARD_PRE, BACKWARD_POST");
   require(c.fsdp.limit_all_gathers >= 1, "fsdp.limit_all_gathers must be >= 1 (1 disables prefetching)");
-  DType dtype;
-  require(parse_dtype(c.fsdp.param_dtype, &dtype),
-          "fsdp.param_dtype='" + printable_text(c.fsdp.param_dtype) + "' is not a type; allowed: fp32, bf16, fp16");
-  require(parse_dtype(c.fsdp.reduce_dtype, &dtype),
-          "fsdp.reduce_dtype='" + printable_text(c.fsdp.reduce_dtype) + "' is not a type; allowed: fp32, bf16, fp16");
-  check_memory_limit(c.fsdp.memory_limit, "fsdp.memory_limit");
   require(c.fsdp.comm_timeout >= 0, "fsdp.comm_timeout must be >= 0 seconds (0 disables the watchdog)");
 }
 
@@ -474,17 +500,25 @@ std::string train_help() {
 
 EngineOptions engine_options(const Config& c) {
   EngineOptions o;
-  parse_sharding_strategy(c.fsdp.sharding_strategy, &o.strategy);
+  o.strategy = c.fsdp.sharding_strategy;
   o.reduce_every_microbatch = c.fsdp.reduce_every_microbatch;
-  parse_dtype(c.fsdp.param_dtype, &o.param_dtype);
-  parse_dtype(c.fsdp.reduce_dtype, &o.reduce_dtype);
+  o.param_dtype = c.fsdp.param_dtype;
+  o.reduce_dtype = c.fsdp.reduce_dtype;
   o.forward_prefetch = c.fsdp.forward_prefetch;
-  parse_backward_prefetch(c.fsdp.backward_prefetch, &o.backward_prefetch);
+  o.backward_prefetch = c.fsdp.backward_prefetch;
   o.limit_all_gathers = c.fsdp.limit_all_gathers;
   o.cpu_offload = c.fsdp.cpu_offload;
   o.overlap_reduce_scatter = c.train.device == "cuda";  // NCCL progresses on its own stream; MPI does not
   o.nccl = c.train.device == "cuda";
   return o;
+}
+
+std::map<std::string, std::string> ini_option_values(const std::string& ini_text) {
+  std::istringstream in(ini_text);
+  std::map<std::string, std::string> values;
+  for (const po::option& o : po::parse_config_file(in, po::options_description(), true).options)
+    if (!o.value.empty()) values.emplace(o.string_key, o.value.front());
+  return values;
 }
 
 std::string checkpoint_dir(const Config& config) {

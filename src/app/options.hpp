@@ -1,10 +1,13 @@
 // Options of `shardtrain train`: one struct per INI section, parsed with Boost.Program_options
 // from `--config FILE` and from `--section.key=value` on the command line (which wins). Every
 // option is declared once, in options.cpp, with its default and meaning; --help prints them and
-// resolved_ini() writes the resolved configuration back as INI text.
+// resolved_ini() writes the resolved configuration back as INI text. options.cpp is the one place
+// that turns text into values: strategies, types and sizes arrive here typed and checked, and
+// everything below takes these structs.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -45,18 +48,24 @@ struct DataOptions {
   std::string val_file;
 };
 
+// A size in bytes with the text it was written as (for messages and the INI record).
+struct MemorySize {
+  size_t bytes = 0;  // 0 = none
+  std::string text;
+};
+
 struct FsdpOptions {
-  std::string sharding_strategy = "FULL_SHARD";
+  ShardingStrategy sharding_strategy = SHARDING_FULL_SHARD;
   int shard_group_size = 0;            // HYBRID_SHARD: ranks per shard group; 0 = the ranks of a node
   bool reduce_every_microbatch = true;  // false: accumulate unsharded, reduce once per step
   bool activation_checkpointing = false;
-  std::string param_dtype = "fp32";   // fp32 | bf16 | fp16: gathered parameters and their all-gather
-  std::string reduce_dtype = "fp32";  // fp32 | bf16 | fp16: the gradient reduce-scatter's wire type
+  DType param_dtype = DTYPE_FP32;   // gathered parameters and their all-gather
+  DType reduce_dtype = DTYPE_FP32;  // the gradient reduce-scatter's wire type
   bool forward_prefetch = false;
-  std::string backward_prefetch = "BACKWARD_PRE";  // NONE | BACKWARD_PRE | BACKWARD_POST
+  BackwardPrefetch backward_prefetch = BACKWARD_PREFETCH_PRE;
   int limit_all_gathers = 2;  // unsharded block buffers; 1 disables prefetching
   bool cpu_offload = false;   // master shards, gradients and moments in host memory, AdamW on the CPU
-  std::string memory_limit;   // e.g. 24GiB: emulates a device's memory; empty = none
+  MemorySize memory_limit;    // e.g. 24GiB: emulates a device's memory; none by default
   double comm_timeout = 300;  // seconds; 0 disables the watchdog
 };
 
@@ -122,7 +131,11 @@ uint64_t parse_whole_number(const std::string& text, const std::string& option, 
 // `text` for a one-line message: control and invisible characters as <U+XXXX>, invalid UTF-8 as
 // <0xNN>, cut after max_chars with the full length said.
 std::string printable_text(const std::string& text, size_t max_chars = 80);
-// Throws UsageError unless `text` (fsdp.memory_limit, plan --memory-limit) is empty or a size with a unit.
-void check_memory_limit(const std::string& text, const char* option);
+// fsdp.memory_limit, plan --memory-limit: empty (none) or a positive size with a unit (24GiB, 512MiB,
+// 1.5GB). Throws UsageError naming `option`.
+MemorySize parse_memory_limit(const std::string& text, const char* option);
+// option -> value of every `key = value` under its `[section]` in INI text, as Boost reads the config
+// file (unknown keys kept: a checkpoint's record may hold options of another version).
+std::map<std::string, std::string> ini_option_values(const std::string& ini_text);
 
 }  // namespace shardtrain

@@ -124,9 +124,9 @@ std::string what_would_fit(const Config& config, int world, int ranks_per_node, 
     // global_batch stays a multiple of micro_batch x ranks
     if (per_rank % micro == 0 && fits(c, world, ranks_per_node, strprintf("train.micro_batch=%d", micro))) break;
   }
-  if (config.fsdp.param_dtype == "fp32") {
+  if (config.fsdp.param_dtype == DTYPE_FP32) {
     Config c = config;
-    c.fsdp.param_dtype = "bf16";
+    c.fsdp.param_dtype = DTYPE_BF16;
     fits(c, world, ranks_per_node, "fsdp.param_dtype=bf16");
   }
   for (int64_t ranks = int64_t{world} * 2; ranks <= 65536; ranks *= 2) {
@@ -151,7 +151,7 @@ std::string what_would_fit(const Config& config, int world, int ranks_per_node, 
 
 void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
   int world = 0, ranks_per_node = 0;
-  std::string limit_text;
+  MemorySize limit_option;
   std::vector<std::string> train_args;
   for (size_t i = 0; i < args.size(); i++) {  // our three options; the rest are train options
     auto value = [&](const std::string& name) -> std::optional<std::string> {
@@ -165,8 +165,7 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
     if (auto v = value("world-size")) {
       world = static_cast<int>(parse_whole_number(*v, "--world-size", 1, MAX_PLANNED_RANKS));
     } else if (auto limit = value("memory-limit")) {
-      check_memory_limit(*limit, "--memory-limit");
-      limit_text = *limit;
+      limit_option = parse_memory_limit(*limit, "--memory-limit");
     } else if (auto per_node = value("ranks-per-node")) {
       ranks_per_node = static_cast<int>(parse_whole_number(*per_node, "--ranks-per-node", 1, MAX_PLANNED_RANKS));
     } else {
@@ -189,7 +188,7 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
     throw UsageError("--ranks-per-node must divide --world-size");
   if (ranks_per_node == 0) ranks_per_node = world;
   validate_config(config, world);
-  const size_t limit = parse_memory_size(limit_text.empty() ? config.fsdp.memory_limit : limit_text, "--memory-limit");
+  const size_t limit = limit_option.bytes ? limit_option.bytes : config.fsdp.memory_limit.bytes;
   const int accumulation = config.train.global_batch / (config.train.micro_batch * world);
   ParamTable table(config.model);
   std::vector<Candidate> candidates = plan_candidates(config, world, ranks_per_node, limit);

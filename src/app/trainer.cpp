@@ -63,14 +63,14 @@ std::string format_duration(double seconds) {
   return strprintf("%lds", s);
 }
 
-// Peak bytes per memory category and in total, plus the stop signal, as one vector for a single
-// MAX all-reduce per step.
+// What every rank contributes to the one MAX all-reduce at the end of a step: peak bytes per
+// memory category and in total, the stop signal, resident growth, bytes sent.
 // DEVICE_RESERVED: what the GPU's caching allocator took at most (0 on the CPU backend).
 // HELD: the most the device's arrays held at once, counted at allocation (the plan's check).
 constexpr int PEAK_TOTAL = MEM_CATEGORY_COUNT, STOP_SIGNAL = MEM_CATEGORY_COUNT + 1,
               RSS_GROWTH = MEM_CATEGORY_COUNT + 2, COMM_BYTES = MEM_CATEGORY_COUNT + 3,
               DEVICE_RESERVED = MEM_CATEGORY_COUNT + 4, HELD = MEM_CATEGORY_COUNT + 5;
-using MemoryPeaks = std::array<double, MEM_CATEGORY_COUNT + 6>;
+using StepMaxima = std::array<double, MEM_CATEGORY_COUNT + 6>;
 
 // fp16 dynamic loss scaling: start at 2^16, halve on overflow, double after this many good steps.
 constexpr double INITIAL_LOSS_SCALE = 65536;
@@ -105,8 +105,8 @@ double node_available_bytes() {
   return available;
 }
 
-MemoryPeaks local_memory_peaks(const MemoryTracker& m, double rss_at_start, const Device& device) {
-  MemoryPeaks p{};
+StepMaxima local_step_maxima(const MemoryTracker& m, double rss_at_start, const Device& device) {
+  StepMaxima p{};
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++) p[c] = static_cast<double>(m.peak(static_cast<MemCategory>(c)));
   p[PEAK_TOTAL] = static_cast<double>(m.total_peak());
   p[STOP_SIGNAL] = stop_signal_received();
@@ -116,7 +116,7 @@ MemoryPeaks local_memory_peaks(const MemoryTracker& m, double rss_at_start, cons
   return p;
 }
 
-std::string memory_json(const MemoryPeaks& p) {
+std::string memory_json(const StepMaxima& p) {
   std::string s = "{";
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++)
     s += strprintf("%s\"%s\":%.0f", c ? "," : "", mem_category_name(static_cast<MemCategory>(c)), p[c]);
@@ -144,17 +144,17 @@ class Trainer {
   struct StepOutcome {
     double loss = 0, grad_norm = 0, lr = 0, seconds = 0, loss_scale = 1;
     bool finite = true, skipped = false;
-    MemoryPeaks peaks{};
+    StepMaxima maxima{};
   };
   // One optimizer step: micro-batches, gradient reduction, norm, update (or an fp16 skip).
-  StepOutcome optimizer_step(int step);
+  StepOutcome run_step(int step);
   // Writes the step's metrics record; prints its console line when `print`.
   void report_step(int step, const StepOutcome& out, double eta_seconds, bool print);
   // Saves (unless step's checkpoint exists or saving is off) and leaves the STOPPED marker.
   void stop_on_signal(int step, int signal, bool saved_already);
   uint64_t bytes_sent() const;
   // Sum of the token losses of this rank's micro-batches.
-  double train_step(int step);
+  double accumulate_gradients(int step);
   double evaluate();
 
   const Runtime& rt_;
@@ -187,12 +187,6 @@ class Trainer {
   double loss_scale_;
   int64_t good_steps_ = 0;
 };
-
-ShardingStrategy strategy_from(const Config& config) {
-  ShardingStrategy s = SHARDING_FULL_SHARD;
-  parse_sharding_strategy(config.fsdp.sharding_strategy, &s);  // validated by validate_config
-  return s;
-}
 
 // Ranks per shard group: all for FULL_SHARD/SHARD_GRAD_OP, one for NO_SHARD, and for
 // HYBRID_SHARD fsdp.shard_group_size or the ranks of one node. Agreed: nodes with different rank
@@ -250,13 +244,13 @@ MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrat
           "train.micro_batch -- 'shardtrain plan' lists what fits",
           rt.rank(), format_bytes(host_need).c_str(), format_bytes(available).c_str(), rt.local_size(),
           rt.local_size() == 1 ? "" : "s", format_bytes(available / rt.local_size()).c_str(), plan.describe().c_str()));
-    size_t limit = parse_memory_size(c.fsdp.memory_limit, "fsdp.memory_limit");
+    const size_t limit = c.fsdp.memory_limit.bytes;
     if (limit && plan.total() > limit)
       throw UsageError(strprintf(
           "out of memory: rank %d needs %s > fsdp.memory_limit=%s (%s); try a sharding strategy that shards "
           "more (FULL_SHARD), fsdp.activation_checkpointing=true or a smaller train.micro_batch -- 'shardtrain "
           "plan' lists what fits",
-          rt.rank(), format_bytes(static_cast<double>(plan.total())).c_str(), c.fsdp.memory_limit.c_str(),
+          rt.rank(), format_bytes(static_cast<double>(plan.total())).c_str(), c.fsdp.memory_limit.text.c_str(),
           plan.describe().c_str()));
     // The GPU's own limit, checked the same way (the backend's workspaces come on top of the plan).
     if (compute.on_gpu() && plan.total() > compute.gpu_free_bytes())
@@ -294,7 +288,7 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
       G_(config.train.global_batch),
       accum_(config.train.global_batch / (config.train.micro_batch * rt.world())),
       watchdog_(config.fsdp.comm_timeout, strprintf("[rank %d/%d %s]", rt.rank(), rt.world(), rt.host().c_str())),
-      strategy_(strategy_from(config)),
+      strategy_(config.fsdp.sharding_strategy),
       compute_(config.train.device, engine_options(config).param_dtype, rt),
       comm_(make_mpi_comm(rt.world_comm(), &watchdog_)),
       shard_comm_(make_shard_comm(rt, config, strategy_, compute_, &watchdog_)),
@@ -401,23 +395,8 @@ void Trainer::print_summary() {
                      : "");
 }
 
-// Parses "[section]\nkey = value" lines into section.key -> value.
-std::map<std::string, std::string> parse_ini(const std::string& text) {
-  std::map<std::string, std::string> values;
-  std::istringstream in(text);
-  std::string line, section;
-  while (std::getline(in, line)) {
-    if (line.size() > 2 && line.front() == '[') {
-      section = line.substr(1, line.find(']') - 1);
-    } else if (size_t eq = line.find(" = "); eq != std::string::npos) {
-      values[section + "." + line.substr(0, eq)] = line.substr(eq + 3);
-    }
-  }
-  return values;
-}
-
 void Trainer::warn_config_changes(const CheckpointState& state) {
-  auto before = parse_ini(state.config_ini), now = parse_ini(resolved_ini(cfg_));
+  auto before = ini_option_values(state.config_ini), now = ini_option_values(resolved_ini(cfg_));
   std::string changed;
   for (const auto& [key, value] : now) {
     auto it = before.find(key);
@@ -429,7 +408,7 @@ void Trainer::warn_config_changes(const CheckpointState& state) {
 
 void Trainer::check_same_inputs(const std::string& path, const CheckpointState& state) {
   if (cfg_.checkpoint.allow_data_change) return;
-  auto before = parse_ini(state.config_ini), now = parse_ini(resolved_ini(cfg_));
+  auto before = ini_option_values(state.config_ini), now = ini_option_values(resolved_ini(cfg_));
   std::string changed;
   for (const char* key : {"data.train_file", "data.val_file", "checkpoint.init_from"}) {
     auto it = before.find(key);
@@ -504,7 +483,7 @@ void Trainer::save(int step) {
   state.seed = cfg_.train.seed;
   state.sampler_step = step;
   state.world_size = rt_.world();
-  state.strategy = cfg_.fsdp.sharding_strategy;
+  state.strategy = sharding_strategy_name(cfg_.fsdp.sharding_strategy);
   state.config_ini = resolved_ini(cfg_);
   state.loss_scale_log2 = std::lround(std::log2(loss_scale_));
   state.loss_scale_good_steps = good_steps_;
@@ -514,11 +493,11 @@ void Trainer::save(int step) {
   rt_.info("saved %s (%s, %.2f s)", path.c_str(), state.layout.c_str(), MPI_Wtime() - t0);
 }
 
-Trainer::StepOutcome Trainer::optimizer_step(int step) {
+Trainer::StepOutcome Trainer::run_step(int step) {
   comm_->barrier("barrier(step start)");  // time the step between barriers
   const double t0 = MPI_Wtime();
   const uint64_t bytes_before = bytes_sent();
-  double sums[2] = {train_step(step), 0.0};
+  double sums[2] = {accumulate_gradients(step), 0.0};
   if (rt_.rank() == cfg_.debug.stall_rank && step == cfg_.debug.stall_step)
     usleep(static_cast<useconds_t>(cfg_.debug.stall_seconds * 1e6));
   if (rt_.is_root() && step + 1 == cfg_.debug.inject_inf_step) {
@@ -544,9 +523,9 @@ Trainer::StepOutcome Trainer::optimizer_step(int step) {
     if (loss_scaling_ && ++good_steps_ % LOSS_SCALE_GROWTH_INTERVAL == 0) loss_scale_ *= 2;
   }
   compute_.backend().device->synchronize();  // a GPU's queued optimizer step belongs to this step's time
-  out.peaks = local_memory_peaks(memory_, rss_at_start_, *compute_.backend().device);
-  out.peaks[COMM_BYTES] = static_cast<double>(bytes_sent() - bytes_before);
-  comm_->all_reduce_max(Span<double>(out.peaks.data(), out.peaks.size()), "all_reduce(memory peaks)");
+  out.maxima = local_step_maxima(memory_, rss_at_start_, *compute_.backend().device);
+  out.maxima[COMM_BYTES] = static_cast<double>(bytes_sent() - bytes_before);
+  comm_->all_reduce_max(Span<double>(out.maxima.data(), out.maxima.size()), "all_reduce(step maxima)");
   out.seconds = MPI_Wtime() - t0;
   return out;
 }
@@ -564,29 +543,29 @@ void Trainer::report_step(int step, const StepOutcome& out, double eta_seconds, 
   }
   const double mfu = peak_gflops_ > 0 ? achieved_gflops / peak_gflops_ : 0;
   const std::string reserved =
-      compute_.on_gpu() ? ", GPU reserved " + format_bytes(out.peaks[DEVICE_RESERVED]) : std::string();
+      compute_.on_gpu() ? ", GPU reserved " + format_bytes(out.maxima[DEVICE_RESERVED]) : std::string();
   if (print)
     rt_.info("step %5d/%d | loss %.4f | lr %.2e | norm %.3f | %.0f tok/s | MFU %.1f%% | mem %s held, %s planned%s "
              "| eta %s%s",
              step + 1, cfg_.train.steps, out.loss, out.lr, out.grad_norm, tokens_per_s, 100 * mfu,
-             format_bytes(out.peaks[HELD]).c_str(), format_bytes(planned_peak_).c_str(), reserved.c_str(),
+             format_bytes(out.maxima[HELD]).c_str(), format_bytes(planned_peak_).c_str(), reserved.c_str(),
              format_duration(eta_seconds).c_str(), out.skipped ? " | SKIPPED" : "");
   for (const auto& [tag, value] : {std::pair<const char*, double>{"train/loss", out.loss}, {"train/lr", out.lr},
                                    {"train/grad_norm", out.grad_norm}, {"perf/tokens_per_s", tokens_per_s},
-                                   {"perf/mfu", mfu}, {"memory/held_bytes", out.peaks[HELD]},
+                                   {"perf/mfu", mfu}, {"memory/held_bytes", out.maxima[HELD]},
                                    {"memory/planned_bytes", planned_peak_}})
     tensorboard_->scalar(tag, step + 1, value);
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++)
     tensorboard_->scalar(std::string("memory/") + mem_category_name(static_cast<MemCategory>(c)) + "_bytes", step + 1,
-                         out.peaks[c]);
+                         out.maxima[c]);
   metrics_->write_line(strprintf(
       "{\"kind\":\"step\",\"step\":%d,\"loss\":%s,\"lr\":%.9g,\"grad_norm\":%s,\"tokens_per_s\":%.6g,\"mfu\":%.6g,"
       "\"step_seconds\":%.6g,\"peak_mem_bytes\":%.0f,\"held_mem_bytes\":%.0f,\"peak_mem\":%s,\"rss_growth_bytes\":%.0f,"
       "\"comm_bytes\":%.0f,\"device_reserved_bytes\":%.0f,\"loss_scale\":%g,\"skipped\":%s,"
       "\"peak_gflops\":%.6g}",
       step + 1, json_number(out.loss).c_str(), out.lr, json_number(out.grad_norm).c_str(), tokens_per_s, mfu,
-      out.seconds, planned_peak_, out.peaks[HELD],
-      memory_json(out.peaks).c_str(), out.peaks[RSS_GROWTH], out.peaks[COMM_BYTES], out.peaks[DEVICE_RESERVED],
+      out.seconds, planned_peak_, out.maxima[HELD],
+      memory_json(out.maxima).c_str(), out.maxima[RSS_GROWTH], out.maxima[COMM_BYTES], out.maxima[DEVICE_RESERVED],
       out.loss_scale,
       out.skipped ? "true" : "false", peak_gflops_));
 }
@@ -617,7 +596,7 @@ uint64_t Trainer::bytes_sent() const {
   return comm_->bytes_sent() + shard_comm_->bytes_sent() + replica_comm_->bytes_sent();
 }
 
-double Trainer::train_step(int step) {
+double Trainer::accumulate_gradients(int step) {
   engine_.zero_grads();
   const float dloss = static_cast<float>(loss_scale_ / (static_cast<double>(G_) * T_));
   double loss_sum = 0;
@@ -692,7 +671,7 @@ int Trainer::run() {
   const double wall_start = MPI_Wtime();
   double elapsed = 0, last_loss = NAN, last_val_loss = NAN;
   for (int step = start; step < steps; step++) {
-    const StepOutcome out = optimizer_step(step);
+    const StepOutcome out = run_step(step);
     if (!out.finite) {
       rt_.info("error: step %d: loss %g, gradient norm %g are not finite; the run diverged (lower train.lr or "
                "raise train.warmup_steps)", step + 1, out.loss, out.grad_norm);
@@ -714,7 +693,7 @@ int Trainer::run() {
       metrics_->check();
       tensorboard_->flush();
     });
-    if (const int signal = static_cast<int>(out.peaks[STOP_SIGNAL])) {
+    if (const int signal = static_cast<int>(out.maxima[STOP_SIGNAL])) {
       stop_on_signal(step + 1, signal, false);
       return EXIT_CODE_SIGNALLED;
     }

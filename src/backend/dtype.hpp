@@ -15,11 +15,6 @@ namespace shardtrain {
 enum DType { DTYPE_FP32, DTYPE_BF16, DTYPE_FP16 };
 
 inline const char* dtype_name(DType t) { return t == DTYPE_FP32 ? "fp32" : (t == DTYPE_BF16 ? "bf16" : "fp16"); }
-inline bool parse_dtype(const std::string& name, DType* out) {
-  for (DType t : {DTYPE_FP32, DTYPE_BF16, DTYPE_FP16})
-    if (name == dtype_name(t)) return *out = t, true;
-  return false;
-}
 inline size_t dtype_bytes(DType t) { return t == DTYPE_FP32 ? 4 : 2; }
 
 HOST_DEVICE inline uint32_t float_bits(float f) {

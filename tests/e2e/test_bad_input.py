@@ -65,6 +65,8 @@ def test_seq_len_beyond_position_table():
 
 def test_unknown_sharding_strategy():
     expect_usage_error(tiny_args("--fsdp.sharding_strategy=ZERO9"), "fsdp.sharding_strategy", "FULL_SHARD")
+    expect_usage_error(tiny_args("--fsdp.param_dtype=fp8"), "fsdp.param_dtype='fp8'", "fp32, bf16, fp16")
+    expect_usage_error(tiny_args("--fsdp.backward_prefetch=EARLY"), "'EARLY'", "NONE, BACKWARD_PRE, BACKWARD_POST")
 
 
 def test_unknown_device():

@@ -65,7 +65,7 @@ def test_plan_options_need_values():
     expect_usage_error([*plan, "--world-size", "2", "--memory-limit", "0.5"], "--memory-limit", "'0.5'", "512MiB")
     # 1e30 bytes overflowed the conversion to size_t (undefined behaviour; a limit of 0 or garbage).
     expect_usage_error([*plan, "--world-size", "2", "--memory-limit", "1e30GiB"], "--memory-limit", "8 EiB")
-    expect_usage_error([*tiny_args(), "--fsdp.memory_limit=1e30"], "fsdp.memory_limit", "8 EiB")
+    expect_usage_error([*tiny_args(), "--fsdp.memory_limit=1e30GB"], "fsdp.memory_limit", "8 EiB")
 
 
 def test_plan_option_errors_point_at_plan_help():

@@ -48,6 +48,19 @@ def test_resume_on_other_data_is_refused_unless_allowed():
                         "--train.run_name=renamed", f"--train.metrics_file={os.path.join(tempdir(), 'm.jsonl')}")))
 
 
+def test_resume_names_each_changed_option():
+    ckdir = os.path.join(tempdir(), "run")
+    ok(run(2, tiny_args(f"--checkpoint.dir={ckdir}", "--train.steps=2", "--fsdp.memory_limit=64MiB")))
+    proc = ok(run(2, tiny_args(f"--checkpoint.dir={ckdir}", "--train.steps=3", "--train.lr=0.002",
+                               "--fsdp.param_dtype=bf16", "--fsdp.memory_limit=32MiB")))
+    warning = [l for l in proc.stderr.splitlines() if "changed configuration" in l]
+    assert len(warning) == 1, proc.stderr
+    for change in ("train.steps: 2 -> 3", "train.lr: 0.003 -> 0.002", "fsdp.param_dtype: fp32 -> bf16",
+                   "fsdp.memory_limit: 64MiB -> 32MiB"):
+        assert change in warning[0], (change, warning[0])
+    assert "checkpoint.resume" not in warning[0] and "checkpoint.dir" not in warning[0], warning[0]
+
+
 def test_failed_metrics_write_stops_every_rank():
     proc = run(2, tiny_args("--train.metrics_file=/dev/full"))  # opens, but every write fails with ENOSPC
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
