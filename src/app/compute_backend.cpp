@@ -5,8 +5,6 @@
 #include "core/error.hpp"
 
 #include <algorithm>
-#include <cstdio>
-#include <cstring>
 #include <vector>
 
 #ifdef SHARDTRAIN_CUDA
@@ -16,8 +14,6 @@
 namespace shardtrain {
 
 #ifdef SHARDTRAIN_CUDA
-constexpr int kBusIdChars = 32;  // cudaDeviceGetPCIBusId's ids are 13 characters
-
 struct ComputeBackend::Cuda {
   std::unique_ptr<CudaDevice> device;
   std::unique_ptr<Device> pinned_host;
@@ -47,16 +43,10 @@ ComputeBackend::ComputeBackend(const std::string& device, DType compute_dtype, c
   // Two ranks on one GPU would make NCCL fail at set-up with an internal error: say it first. (A
   // rank may see one GPU only, e.g. under srun --gpus-per-task=1: compare the GPUs, not counts.)
   const std::string mine = cuda_->device->pci_bus_id();
-  std::vector<char> ids(kBusIdChars * rt.local_size());
-  MPI_Comm node;
-  MPI_CHECK(MPI_Comm_split_type(rt.world_comm(), MPI_COMM_TYPE_SHARED, rt.rank(), MPI_INFO_NULL, &node));
-  char padded[kBusIdChars] = {};
-  std::snprintf(padded, sizeof padded, "%s", mine.c_str());
-  MPI_CHECK(MPI_Allgather(padded, kBusIdChars, MPI_CHAR, ids.data(), kBusIdChars, MPI_CHAR, node));
-  MPI_CHECK(MPI_Comm_free(&node));
+  const std::vector<std::string> ids = rt.node_all_gather(mine);
   rt.agree_on([&] {
     for (int r = 0; r < rt.local_size(); r++)
-      if (r != rt.local_rank() && std::strncmp(&ids[kBusIdChars * r], padded, kBusIdChars) == 0)
+      if (r != rt.local_rank() && ids[r] == mine)
         throw UsageError(strprintf("train.device=cuda: node-local ranks %d and %d both got GPU %s on %s; start one "
                                    "rank per GPU (mpirun -np <GPUs per node> per node, or srun --gpus-per-task=1)",
                                    std::min(r, rt.local_rank()), std::max(r, rt.local_rank()), mine.c_str(),

@@ -19,6 +19,8 @@
 #include "backend/math.hpp"
 #include "ckpt/h5.hpp"
 #include "comm/runtime.hpp"
+#include "comm/watchdog.hpp"
+#include "core/format.hpp"
 
 namespace shardtrain {
 namespace {
@@ -182,7 +184,6 @@ void select_flat_range(hid_t space, const std::vector<hsize_t>& dims, uint64_t f
 }
 
 H5Id open_parallel(const std::string& path, MPI_Comm comm, bool create) {
-  h5_quiet();
   H5Id fapl(h5_check_id(H5Pcreate(H5P_FILE_ACCESS), path, "H5Pcreate"), H5Pclose);
   h5_check(H5Pset_fapl_mpio(fapl, comm, MPI_INFO_NULL), path, "H5Pset_fapl_mpio");
   // One rank reads metadata and broadcasts; metadata is written in one collective operation.
@@ -205,8 +206,18 @@ H5Id collective_transfer(const std::string& file) {
   return dxpl;
 }
 
-void allreduce_sum(std::vector<uint64_t>& values, MPI_Comm comm) {
-  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_UINT64_T, MPI_SUM, comm));
+// values[i] = their sum over the ranks, wrapping (the checksums' arithmetic). Comm sums floating
+// point only: each value travels as four 16-bit digits in doubles, whose sums over up to 2^37
+// ranks are exact, and the carries are put back here.
+void sum_over_ranks(std::vector<uint64_t>& values, Comm& comm) {
+  std::vector<double> digits(4 * values.size());
+  for (size_t i = 0; i < values.size(); i++)
+    for (int k = 0; k < 4; k++) digits[4 * i + k] = static_cast<double>((values[i] >> (16 * k)) & 0xFFFF);
+  comm.all_reduce_sum(Span<double>(digits), "all_reduce(checkpoint checksums)");
+  for (size_t i = 0; i < values.size(); i++) {
+    values[i] = 0;
+    for (int k = 0; k < 4; k++) values[i] += static_cast<uint64_t>(digits[4 * i + k]) << (16 * k);
+  }
 }
 
 // "name offset numel shape" per parameter: the map from parameters to a unit's flat offsets.
@@ -419,13 +430,6 @@ herr_t read_flat(hid_t dataset, const std::vector<hsize_t>& dims, uint64_t first
   return H5Dread(dataset, H5T_NATIVE_FLOAT, memspace, space, dxpl, count ? out : &scratch);
 }
 
-std::string human_bytes(double bytes) {
-  const char* units[4] = {"bytes", "KiB", "MiB", "GiB"};
-  int u = 0;
-  for (; u < 3 && bytes >= 1024; u++) bytes /= 1024;
-  return strprintf(u ? "%.1f %s" : "%.0f %s", bytes, units[u]);
-}
-
 std::string folder_of(const std::string& path) {
   size_t slash = path.rfind('/');
   return slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
@@ -510,26 +514,28 @@ uint64_t checksum_elements(const float* values, size_t count, uint64_t first_ind
 }
 
 void save_checkpoint(const std::string& path, const CheckpointState& state, FsdpEngine& engine, AdamW& optimizer,
-                     MPI_Comm comm) {
+                     const CheckpointComm& ranks) {
+  H5QuietErrors quiet;
+  Comm& comm = ranks.comm;
   const ParamTable& table = engine.table();
   HostShards host(engine, optimizer, true);
   std::vector<Piece> pieces = plan_pieces(dataset_specs(table, state.layout), state.layout, engine, host, true);
   std::vector<uint64_t> sums(pieces.size());
   for (size_t i = 0; i < pieces.size(); i++)
     sums[i] = checksum_elements(pieces[i].check_data, pieces[i].check_count, pieces[i].check_first);
-  allreduce_sum(sums, comm);
-  int rank = 0;
-  MPI_CHECK(MPI_Comm_rank(comm, &rank));
-  const bool reserve = rank == 0 && preallocate();
+  sum_over_ranks(sums, comm);
+  const bool reserve = comm.rank() == 0 && preallocate();
   const uint64_t bytes = file_size_bound(pieces, state.config_ini);
 
   // Every phase runs on all ranks or on none, and ends agreeing on its outcome: a rank that failed
   // (often alone: a write error may reach only the rank that did the I/O) never skips a collective
-  // that the others enter.
+  // that the others enter. The watchdog times each phase's HDF5 collectives as one (`what`), or
+  // each write on its own (what == nullptr).
   std::string error = agreed_error(reserve ? reserve_space(path, bytes) : "", comm);
-  auto phase = [&](auto&& body) {
+  auto phase = [&](const char* what, auto&& body) {
     if (!error.empty()) return;
     try {
+      Watchdog::Scope scope(what ? ranks.watchdog : nullptr, what);
       body();
     } catch (const CheckpointError& e) {
       error = e.what();
@@ -538,8 +544,8 @@ void save_checkpoint(const std::string& path, const CheckpointState& state, Fsdp
   };
   H5Id file, lcpl, dxpl;
   std::vector<H5Id> datasets, groups;
-  phase([&] {
-    file = open_parallel(path, comm, true);
+  phase("checkpoint save: H5Fcreate", [&] {
+    file = open_parallel(path, ranks.file_comm, true);
     if (reserve) {  // H5Fcreate truncated the file: reserve again
       std::string e = reserve_space(path, bytes);
       if (!e.empty()) throw CheckpointError(e);
@@ -547,7 +553,7 @@ void save_checkpoint(const std::string& path, const CheckpointState& state, Fsdp
   });
   // All metadata first, written while the file is small; then the data; so the final close has
   // (almost) nothing left to write.
-  phase([&] {
+  phase("checkpoint save: metadata", [&] {
     write_state(file, state, table.config(), path);
     lcpl = H5Id(h5_check_id(H5Pcreate(H5P_LINK_CREATE), path, "H5Pcreate"), H5Pclose);
     h5_check(H5Pset_create_intermediate_group(lcpl, 1), path, "H5Pset_create_intermediate_group");
@@ -568,8 +574,9 @@ void save_checkpoint(const std::string& path, const CheckpointState& state, Fsdp
       }
     }
   });
-  phase([&] { h5_check(H5Fflush(file, H5F_SCOPE_GLOBAL), path, "H5Fflush(metadata)"); });
-  phase([&] {
+  phase("checkpoint save: H5Fflush(metadata)",
+        [&] { h5_check(H5Fflush(file, H5F_SCOPE_GLOBAL), path, "H5Fflush(metadata)"); });
+  phase(nullptr, [&] {
     dxpl = collective_transfer(path);
     std::string local;
     for (size_t i = 0; i < pieces.size(); i++) {
@@ -581,22 +588,24 @@ void save_checkpoint(const std::string& path, const CheckpointState& state, Fsdp
       if (p.count == 0) h5_check(H5Sselect_none(memspace), path, "H5Sselect_none");
       // A failure may be this rank's alone: note it and go on taking part in the collective writes.
       errno = 0;
+      Watchdog::Scope scope(ranks.watchdog, "checkpoint save: H5Dwrite");
       if (H5Dwrite(datasets[i], H5T_NATIVE_FLOAT, memspace, space, dxpl, p.data) < 0 && local.empty())
         local = write_failure(errno, p.path, path);
     }
     if (!local.empty()) throw CheckpointError(local);
   });
-  phase([&] {
+  phase("checkpoint save: H5Fflush(data)", [&] {
     errno = 0;
     if (H5Fflush(file, H5F_SCOPE_GLOBAL) < 0) throw CheckpointError(write_failure(errno, "the data", path));
   });
-  if (!error.empty() && rank == 0 && file >= 0) {
+  if (!error.empty() && comm.rank() == 0 && file >= 0) {
     // The file is discarded: free its space now, so that closing it cannot fail for want of it.
     [[maybe_unused]] int rc = truncate(path.c_str(), 0);
   }
-  MPI_CHECK(MPI_Barrier(comm));
-  datasets.clear(), groups.clear(), lcpl.reset(), dxpl.reset();
+  comm.barrier("barrier(checkpoint close)");
   if (file >= 0) {
+    Watchdog::Scope scope(ranks.watchdog, "checkpoint save: H5Fclose");
+    datasets.clear(), groups.clear(), lcpl.reset(), dxpl.reset();
     errno = 0;
     std::string closing = H5Fclose(file.release()) < 0 ? write_failure(errno, "the metadata", path) : "";
     closing = agreed_error(closing, comm);
@@ -606,19 +615,26 @@ void save_checkpoint(const std::string& path, const CheckpointState& state, Fsdp
   if (reserve) release_reserve(path, bytes);
 }
 
-CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, AdamW& optimizer, MPI_Comm comm) {
+CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, AdamW& optimizer,
+                                const CheckpointComm& ranks) {
+  H5QuietErrors quiet;
+  Comm& comm = ranks.comm;
   const ParamTable& table = engine.table();
-  H5Id file = open_parallel(path, comm, false);
-  CheckpointState state = read_state(file, path);
-  std::string mismatch = model_mismatch(path, state.model, table.config());
-  if (!mismatch.empty()) throw CheckpointError(mismatch);
-  int rank = 0;
-  MPI_CHECK(MPI_Comm_rank(comm, &rank));
-  if (rank == 0 && !state.warning.empty()) std::fprintf(stderr, "warning: %s\n", state.warning.c_str());
-  // Metadata reads are collective (rank 0 reads and broadcasts): these verdicts are the same on
-  // every rank without an agreement.
-  std::vector<DatasetSpec> specs = dataset_specs(table, state.layout);
-  check_objects(file, specs, path);
+  H5Id file;
+  CheckpointState state;
+  std::vector<DatasetSpec> specs;
+  {
+    Watchdog::Scope scope(ranks.watchdog, "checkpoint load: H5Fopen and metadata");
+    file = open_parallel(path, ranks.file_comm, false);
+    state = read_state(file, path);
+    std::string mismatch = model_mismatch(path, state.model, table.config());
+    if (!mismatch.empty()) throw CheckpointError(mismatch);
+    if (comm.rank() == 0 && !state.warning.empty()) std::fprintf(stderr, "warning: %s\n", state.warning.c_str());
+    // Metadata reads are collective (rank 0 reads and broadcasts): these verdicts are the same on
+    // every rank without an agreement.
+    specs = dataset_specs(table, state.layout);
+    check_objects(file, specs, path);
+  }
 
   // Shards are overwritten entirely: padding and the parts outside the file stay zero.
   HostShards host(engine, optimizer, false);
@@ -629,6 +645,7 @@ CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, Ada
   H5Id dxpl = collective_transfer(path);
   for (size_t i = 0; i < pieces.size(); i++) {
     Piece& p = pieces[i];
+    Watchdog::Scope scope(ranks.watchdog, "checkpoint load: H5Dread");
     H5Id dataset(h5_check_id(H5Dopen2(file, p.path.c_str(), H5P_DEFAULT), path, "H5Dopen2"), H5Dclose);
     auto [dims, checksum] = check_dataset(dataset, specs[i], state, path);
     stored[i] = checksum;
@@ -640,15 +657,23 @@ CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, Ada
   }
   std::string error = agreed_error(local_error, comm);
   if (!error.empty()) throw CheckpointError(error);
-  allreduce_sum(computed, comm);
+  sum_over_ranks(computed, comm);
   for (size_t i = 0; i < pieces.size(); i++)
     if (computed[i] != stored[i]) throw CheckpointError(checksum_failure(path, pieces[i].path));
+  {
+    Watchdog::Scope scope(ranks.watchdog, "checkpoint load: H5Fclose");
+    dxpl.reset(), file.reset();
+  }
   host.upload();
   return state;
 }
 
+CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, AdamW& optimizer, MPI_Comm comm) {
+  std::unique_ptr<Comm> host_comm = make_mpi_comm(comm, nullptr);
+  return load_checkpoint(path, engine, optimizer, CheckpointComm{*host_comm, comm, nullptr});
+}
+
 static H5Id open_serial(const std::string& path) {
-  h5_quiet();
   H5Id fapl(h5_check_id(H5Pcreate(H5P_FILE_ACCESS), path, "H5Pcreate"), H5Pclose);
   h5_check(H5Pset_file_locking(fapl, false, true), path, "H5Pset_file_locking");
   hid_t id = H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl);
@@ -658,11 +683,13 @@ static H5Id open_serial(const std::string& path) {
 }
 
 CheckpointState read_checkpoint_state(const std::string& path) {
+  H5QuietErrors quiet;
   H5Id file = open_serial(path);
   return read_state(file, path);
 }
 
 CheckpointReader::CheckpointReader(const std::string& path) : path_(path) {
+  H5QuietErrors quiet;
   H5Id file = open_serial(path);
   state_ = read_state(file, path);
   std::vector<DatasetSpec> specs = dataset_specs(ParamTable(state_.model), state_.layout);
@@ -695,6 +722,7 @@ std::string CheckpointReader::dataset_path(const ParamInfo& param, const std::st
 }
 
 std::vector<float> CheckpointReader::read(const ParamInfo& param, const std::string& unit_name, Tensor tensor) const {
+  H5QuietErrors quiet;
   const std::string where = dataset_path(param, unit_name, tensor);
   H5Id dataset(h5_check_id(H5Dopen2(file_, where.c_str(), H5P_DEFAULT), path_, "H5Dopen2"), H5Dclose);
   // Gathered: the whole dataset; sharded: the parameter's run of the unit's flat buffer (the

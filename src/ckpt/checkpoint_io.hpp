@@ -19,11 +19,14 @@
 #include <cstdint>
 #include <string>
 
+#include "comm/comm.hpp"
 #include "core/error.hpp"
 #include "optim/adamw.hpp"
 #include "shard/fsdp_engine.hpp"
 
 namespace shardtrain {
+
+class Watchdog;
 
 constexpr const char* CKPT_FORMAT_NAME = "shardtrain-checkpoint";
 constexpr int64_t CKPT_FORMAT_VERSION = 1;
@@ -44,16 +47,30 @@ struct CheckpointState {
   std::string warning;             // read only: why the file is usable but not fully verified ("" if it is)
 };
 
-// Collective over `comm`. Writes `path` (created or truncated). Throws CheckpointError, the same on
+// The ranks that write or read one checkpoint together, and how they talk: `comm` (on host
+// memory) carries our own collectives -- agreement, checksums -- and times them; `file_comm` is the
+// same ranks as the MPI communicator parallel HDF5 needs (from Runtime::world_comm); `watchdog`
+// (may be null) times each of HDF5's collective calls on its own, never a whole save.
+struct CheckpointComm {
+  Comm& comm;
+  MPI_Comm file_comm;
+  Watchdog* watchdog = nullptr;
+};
+
+// Collective over `ranks`. Writes `path` (created or truncated). Throws CheckpointError, the same on
 // every rank (each collective phase agrees on its outcome, so no rank is left in HDF5's barriers).
 // Rank 0 first reserves the file's disk space (fallocate) unless the environment variable
 // SHARDTRAIN_CHECKPOINT_PREALLOCATE is 0: a full disk is then reported before HDF5 holds the file.
 void save_checkpoint(const std::string& path, const CheckpointState& state, FsdpEngine& engine, AdamW& optimizer,
-                     MPI_Comm comm);
+                     const CheckpointComm& ranks);
 
-// Collective over `comm`. Reads the metadata, checks format, version and that the model shape
+// Collective over `ranks`. Reads the metadata, checks format, version and that the model shape
 // matches `engine`'s, then fills this rank's shards and moments and verifies every checksum.
 // Throws CheckpointError naming the file and the defect.
+CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, AdamW& optimizer,
+                                const CheckpointComm& ranks);
+// Transitional, until app/trainer.cpp loads through CheckpointManager::load: the same over an MPI
+// communicator, without a watchdog.
 CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, AdamW& optimizer, MPI_Comm comm);
 
 // "" when the shapes agree, else a message naming every model.* key that differs.

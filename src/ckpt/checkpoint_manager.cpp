@@ -46,8 +46,11 @@ std::vector<std::pair<int64_t, std::string>> complete_checkpoints(const std::str
 
 }  // namespace
 
-CheckpointManager::CheckpointManager(const Runtime& rt, Comm& comm, std::string dir, int keep)
-    : rt_(rt), comm_(comm), dir_(std::move(dir)), keep_(keep) {}
+CheckpointManager::CheckpointManager(const Runtime& rt, Comm& comm, std::string dir, int keep, Watchdog* watchdog)
+    : rt_(rt), comm_(comm), dir_(std::move(dir)), keep_(keep), watchdog_(watchdog) {
+  SHARD_CHECK(comm_.size() == rt_.world(), "checkpoints are written by all %d ranks, not %d", rt_.world(),
+              comm_.size());
+}
 
 std::string CheckpointManager::file_name(int64_t step) {
   return strprintf("ckpt-%08lld.h5", static_cast<long long>(step));
@@ -100,7 +103,7 @@ std::string CheckpointManager::save(const CheckpointState& state, FsdpEngine& en
   }
   rt_.agree(error);
   try {
-    rt_.agree_on([&] { save_checkpoint(tmp_path, state, engine, optimizer, MPI_COMM_WORLD); });
+    rt_.agree_on([&] { save_checkpoint(tmp_path, state, engine, optimizer, ranks()); });
   } catch (const InputError& e) {
     if (rt_.is_root()) std::remove(tmp_path.c_str());  // never leave a half-written file behind
     throw InputError(std::string("checkpoint save failed: ") + e.what());
@@ -129,6 +132,10 @@ std::string CheckpointManager::save(const CheckpointState& state, FsdpEngine& en
   }
   rt_.agree(error.empty() ? "" : "checkpoint save failed: " + error);
   return final_path;
+}
+
+CheckpointState CheckpointManager::load(const std::string& path, FsdpEngine& engine, AdamW& optimizer) {
+  return load_checkpoint(path, engine, optimizer, ranks());
 }
 
 std::vector<std::string> CheckpointManager::candidates() {

@@ -18,7 +18,8 @@ namespace shardtrain {
 
 class CheckpointManager {
  public:
-  CheckpointManager(const Runtime& rt, Comm& comm, std::string dir, int keep);
+  // `comm`: all ranks, on host memory. `watchdog` (may be null) times HDF5's collective calls.
+  CheckpointManager(const Runtime& rt, Comm& comm, std::string dir, int keep, Watchdog* watchdog = nullptr);
 
   const std::string& dir() const { return dir_; }
   // Collective. Throws InputError (agreed) when checkpoint.dir cannot be a folder: it, or a
@@ -26,6 +27,8 @@ class CheckpointManager {
   void check_dir();
   // Collective. Returns the committed path. Throws InputError (agreed by all ranks) on failure.
   std::string save(const CheckpointState& state, FsdpEngine& engine, AdamW& optimizer);
+  // Collective. load_checkpoint of `path` over this manager's ranks.
+  CheckpointState load(const std::string& path, FsdpEngine& engine, AdamW& optimizer);
   // Collective. Complete checkpoints in the folder, newest first (`latest`'s target leads).
   std::vector<std::string> candidates();
 
@@ -35,10 +38,13 @@ class CheckpointManager {
   static std::string write_file_synced(const std::string& path, const std::string& text);
 
  private:
+  CheckpointComm ranks() const { return CheckpointComm{comm_, rt_.world_comm(), watchdog_}; }
+
   const Runtime& rt_;
   Comm& comm_;
   std::string dir_;
   int keep_;
+  Watchdog* watchdog_;
 };
 
 }  // namespace shardtrain

@@ -3,7 +3,12 @@
 
 namespace shardtrain {
 
-void h5_quiet() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
+H5QuietErrors::H5QuietErrors() {
+  H5Eget_auto2(H5E_DEFAULT, &handler_, &data_);
+  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+}
+
+H5QuietErrors::~H5QuietErrors() { H5Eset_auto2(H5E_DEFAULT, handler_, data_); }
 
 hid_t h5_check_id(hid_t id, const std::string& file, const char* what) {
   if (id < 0) throw CheckpointError("checkpoint '" + file + "': " + what + " failed");

@@ -1,8 +1,9 @@
 // Thin RAII and checking over the HDF5 C API, for the checkpoint reader and writer.
 //
 // Every failing HDF5 call becomes a CheckpointError naming the file and the call, never a crash;
-// HDF5's own error-stack printing is switched off (h5_quiet) so the user sees one line. Versioned
-// names (H5Dopen2, H5Acreate2, ...) throughout: Debian builds HDF5 with the 1.8 API as default.
+// HDF5's own error-stack printing is switched off while our calls run (H5QuietErrors) so the user
+// sees one line. Versioned names (H5Dopen2, H5Acreate2, ...) throughout: Debian builds HDF5 with
+// the 1.8 API as default.
 #pragma once
 
 #include <hdf5.h>
@@ -14,7 +15,20 @@
 
 namespace shardtrain {
 
-void h5_quiet();
+// For its lifetime, HDF5 prints no error stack (our checks report each failure as one line);
+// then the handler that was set before is back. HDF5's handler is process-wide (per thread in
+// thread-safe builds), so every entry point into our HDF5 code holds one.
+class H5QuietErrors {
+ public:
+  H5QuietErrors();
+  ~H5QuietErrors();
+  H5QuietErrors(const H5QuietErrors&) = delete;
+  H5QuietErrors& operator=(const H5QuietErrors&) = delete;
+
+ private:
+  H5E_auto2_t handler_ = nullptr;
+  void* data_ = nullptr;
+};
 
 // Owns one HDF5 identifier and closes it with the matching H5?close.
 class H5Id {

@@ -9,14 +9,21 @@
 #include <mpi.h>
 
 #include <string>
+#include <vector>
 
 #include "core/error.hpp"
 
 namespace shardtrain {
 
-// Collective over `comm`: "" when every rank passes "", else the message of the lowest rank
-// that passed one, on every rank.
-std::string agreed_error(const std::string& local_error, MPI_Comm comm);
+class Comm;
+
+// Collective over `comm` (host memory): "" when every rank passes "", else the message of the
+// lowest rank that passed one, on every rank.
+std::string agreed_error(const std::string& local_error, Comm& comm);
+
+// "" when MPI_Init_thread's `provided` level is enough for us, else why not: the watchdog's
+// thread may call MPI_Abort while the main thread is inside a collective.
+std::string mpi_thread_level_error(int provided);
 
 class Runtime {
  public:
@@ -31,7 +38,11 @@ class Runtime {
   int local_size() const { return local_size_; }
   bool is_root() const { return rank_ == 0; }
   const std::string& host() const { return host_; }
+  // The one way to the raw MPI communicator of all ranks, for what must have one (a Comm,
+  // parallel HDF5); everything else talks through Comm and this class.
   MPI_Comm world_comm() const { return MPI_COMM_WORLD; }
+  // Collective over this node's ranks: each one's `mine`, by node-local rank.
+  std::vector<std::string> node_all_gather(const std::string& mine) const;
 
   // Collective. Each rank passes its own error message ("" when fine). When any rank failed, every
   // rank throws InputError carrying the message of the lowest failing rank.
@@ -56,6 +67,7 @@ class Runtime {
  private:
   int rank_ = 0, world_ = 1, local_rank_ = 0, local_size_ = 1;
   std::string host_;
+  MPI_Comm node_ = MPI_COMM_NULL;  // this node's ranks
 };
 
 }  // namespace shardtrain

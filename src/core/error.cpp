@@ -29,7 +29,7 @@ std::string strprintf(const char* fmt, ...) {
   return s;
 }
 
-static std::string rank_prefix() {
+std::string rank_label() {
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
@@ -54,12 +54,12 @@ static std::string rank_prefix() {
 }
 
 void fatal_input(const std::string& message) {
-  std::fprintf(stderr, "%s error: %s\n", rank_prefix().c_str(), message.c_str());
+  std::fprintf(stderr, "%s error: %s\n", rank_label().c_str(), message.c_str());
   abort_all(EXIT_CODE_BAD_INPUT);
 }
 
 void fatal_internal(const char* file, int line, const char* func, const std::string& message) {
-  std::fprintf(stderr, "%s internal error in %s (%s:%d): %s\n", rank_prefix().c_str(), func, file, line,
+  std::fprintf(stderr, "%s internal error in %s (%s:%d): %s\n", rank_label().c_str(), func, file, line,
                message.c_str());
   abort_all(EXIT_CODE_INTERNAL);
 }

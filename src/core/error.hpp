@@ -37,6 +37,10 @@ struct CheckpointError : InputError {
 std::string strprintf(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 std::string vstrprintf(const char* fmt, va_list args);
 
+// "[rank r/N host]": how every message of one rank names it (rank and size in MPI_COMM_WORLD;
+// "[rank 0/1 host]" before MPI_Init and after MPI_Finalize).
+std::string rank_label();
+
 // Bad input that only this rank can see, where agreeing is impossible (e.g. GPU memory running out
 // in the middle of a step): prints "[rank r/N host] error: message" and aborts every rank, exit 2.
 [[noreturn]] void fatal_input(const std::string& message);

@@ -278,14 +278,14 @@ int main(int argc, char** argv) {
     auto self = make_mpi_comm(MPI_COMM_SELF, nullptr);  // FULL_SHARD: no replicas
     ParamTable table(opt.model);
     MemoryTracker memory;
-    FsdpEngine engine(table, *world, *self, memory);
+    FsdpEngine engine(table, *world, *self, memory, {}, cpu_backend());
     AdamW optimizer(OptimConfig{}, engine, memory);
     engine.init_parameters(opt.seed);
     // Nonzero moments, a function of the flat index (m signed, v positive).
     size_t shard_elems = 0;
     for (size_t u = 0; u < engine.shards().size(); u++) {
       const UnitShard& s = engine.shards()[u];
-      std::vector<float>&m = optimizer.m()[u], &v = optimizer.v()[u];
+      DeviceArray<float>&m = optimizer.m()[u], &v = optimizer.v()[u];
       for (size_t i = 0; i < m.size(); i++) {
         const size_t g = s.begin + i + u * 7919;
         m[i] = 1e-3f * static_cast<float>(static_cast<int>(g % 2001) - 1000);
@@ -348,7 +348,7 @@ int main(int argc, char** argv) {
       MPI_Barrier(MPI_COMM_WORLD);
       const double t0 = MPI_Wtime();
       try {
-        save_checkpoint(ckpt_path, state, engine, optimizer, MPI_COMM_WORLD);
+        save_checkpoint(ckpt_path, state, engine, optimizer, CheckpointComm{*world, MPI_COMM_WORLD});
       } catch (const std::exception& e) {
         die(std::string("save failed: ") + e.what());
       }
@@ -368,7 +368,7 @@ int main(int argc, char** argv) {
       MPI_Barrier(MPI_COMM_WORLD);
       const double t3 = MPI_Wtime();
       try {
-        load_checkpoint(ckpt_path, engine, optimizer, MPI_COMM_WORLD);
+        load_checkpoint(ckpt_path, engine, optimizer, CheckpointComm{*world, MPI_COMM_WORLD});
       } catch (const std::exception& e) {
         die(std::string("load failed: ") + e.what());
       }

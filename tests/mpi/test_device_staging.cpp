@@ -167,10 +167,11 @@ TEST(DeviceStaging, CheckpointsMoveBetweenHostAndForeignDevice) {
       MPI_Comm_size(MPI_COMM_WORLD, &world);
       state.world_size = world;  // sharded datasets are padded for it, and the load checks that
       const std::string from_device = dir.file("from-device.h5"), from_host = dir.file("from-host.h5");
-      save_checkpoint(from_device, state, writer.engine, writer.optimizer, MPI_COMM_WORLD);
-      save_checkpoint(from_host, state, writer_on_host.engine, writer_on_host.optimizer, MPI_COMM_WORLD);
-      load_checkpoint(from_device, reader.engine, reader.optimizer, MPI_COMM_WORLD);
-      load_checkpoint(from_host, reader_on_device.engine, reader_on_device.optimizer, MPI_COMM_WORLD);
+      const CheckpointComm ranks{*writer.world, MPI_COMM_WORLD};
+      save_checkpoint(from_device, state, writer.engine, writer.optimizer, ranks);
+      save_checkpoint(from_host, state, writer_on_host.engine, writer_on_host.optimizer, ranks);
+      load_checkpoint(from_device, reader.engine, reader.optimizer, ranks);
+      load_checkpoint(from_host, reader_on_device.engine, reader_on_device.optimizer, ranks);
       // Both continue for two steps: the same bits as the writer continuing without a checkpoint.
       writer.train(2);
       reader.train(2);
