@@ -81,10 +81,11 @@ def run_mpi_tests(build, tally, pattern):
             print(proc.stdout[-4000:], proc.stderr[-4000:])
 
 
-# What some e2e tests need beyond Debian's packages (the tensorboard package's event reader), pinned
-# with its dependencies. Installed once per build folder by ensure_test_venv, never at run time.
+# What some e2e tests need beyond Debian's packages (the tensorboard package's event reader, Hugging
+# Face's safetensors reader and writer), pinned with their dependencies. Installed once per build
+# folder by ensure_test_venv, never at run time.
 TEST_VENV_REQUIREMENTS = [
-    "tensorboard==2.20.0", "tensorboard-data-server==0.7.2", "protobuf==7.36.2", "grpcio==1.85.1",
+    "tensorboard==2.20.0", "safetensors==0.7.0", "tensorboard-data-server==0.7.2", "protobuf==7.36.2", "grpcio==1.85.1",
     "absl-py==2.5.1", "Markdown==3.11.3", "MarkupSafe==3.0.4", "Werkzeug==3.1.9", "packaging==26.3",
     "pillow==13.0.0", "typing_extensions==4.16.0",
 ]

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "app/hf_export.hpp"
 #include "app/inspect.hpp"
 #include "app/options.hpp"
 #include "app/planner.hpp"
@@ -95,15 +96,22 @@ int run_data(const Runtime& rt, const std::vector<std::string>& args) {
   return EXIT_CODE_OK;
 }
 
-// `inspect FILE` and `export --checkpoint FILE --output FILE`: serial tools, run by rank 0.
+// `inspect FILE` and `export --checkpoint FILE --output PATH`: inspect and the llm.c export are serial
+// tools run by rank 0; the Hugging Face export is shared by all ranks.
 void run_checkpoint_tool(const Runtime& rt, const std::vector<std::string>& args) {
   const bool inspect = args[0] == "inspect";
-  const std::string usage = inspect ? "shardtrain inspect FILE" : "shardtrain export --checkpoint FILE --output FILE";
-  std::string checkpoint, output;
+  const std::string usage = inspect ? "shardtrain inspect FILE"
+                                    : "shardtrain export --checkpoint FILE --output PATH [--format llmc|hf] [--dtype fp32|bf16|fp16]";
+  std::string checkpoint, output, format = "llmc", dtype = "fp32";
   po::options_description desc("usage: " + usage + "\n\n" + args[0] + " options");
   desc.add_options()("help,h", "print the options")(
       "checkpoint", po::value(&checkpoint), "shardtrain checkpoint (.h5), either layout (or as the first word)");
-  if (!inspect) desc.add_options()("output", po::value(&output)->required(), "llm.c checkpoint file to write");
+  if (!inspect)
+    desc.add_options()("output", po::value(&output)->required(),
+                       "llmc: the llm.c checkpoint file to write; hf: the folder for config.json and model.safetensors")(
+        "format", po::value(&format)->default_value(format),
+        "llmc (llm.c GPT-2 fp32 weights) or hf (a Hugging Face GPT-2 folder the transformers library loads)")(
+        "dtype", po::value(&dtype)->default_value(dtype), "hf: the type of the exported weights, fp32, bf16 or fp16");
   const std::string help = "; see 'shardtrain " + args[0] + " --help'";
   po::variables_map vm;
   try {
@@ -122,6 +130,17 @@ void run_checkpoint_tool(const Runtime& rt, const std::vector<std::string>& args
   } catch (const po::error& e) {
     throw UsageError(option_error_text(e) + help);
   }
+  if (!inspect && format == "hf") {
+    DType type = DTYPE_FP32;
+    bool known = false;
+    for (DType t : {DTYPE_FP32, DTYPE_BF16, DTYPE_FP16})
+      if (dtype == dtype_name(t)) type = t, known = true;
+    if (!known) throw UsageError("--dtype='" + printable_text(dtype) + "' is not allowed; allowed: fp32, bf16, fp16");
+    return export_hf_folder(rt, checkpoint, output, type);
+  }
+  if (!inspect && format != "llmc")
+    throw UsageError("--format='" + printable_text(format) + "' is not allowed; allowed: llmc, hf");
+  if (!inspect && dtype != "fp32") throw UsageError("--dtype applies to --format=hf; llm.c weights are fp32");
   if (!rt.is_root()) return;
   if (inspect)
     inspect_checkpoint(checkpoint);

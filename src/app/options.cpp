@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "app/memory_plan.hpp"
+#include "ckpt/hf_model.hpp"
 #include "core/error.hpp"
 #include "shard/fsdp_engine.hpp"
 
@@ -162,7 +163,8 @@ void declare_options(OptionList& o, Config& c) {
         "auto (newest valid checkpoint in checkpoint.dir, if any), none, or a checkpoint file");
   o.add("checkpoint.keep", &c.checkpoint.keep, "newest complete checkpoints kept; older ones are removed");
   o.add("checkpoint.init_from", &c.checkpoint.init_from,
-        "llm.c GPT-2 checkpoint (.bin) to initialise the weights from");
+        "weights to start from: an llm.c GPT-2 checkpoint (.bin) or a Hugging Face GPT-2 folder (config.json + "
+        "safetensors; it also gives model.*)");
   o.add("checkpoint.save", &c.checkpoint.save, "write checkpoints (true/false)");
   o.add("checkpoint.allow_data_change", &c.checkpoint.allow_data_change,
         "resume even though data.train_file or data.val_file differ from the checkpoint's (true/false)");
@@ -368,6 +370,32 @@ uint64_t parse_whole_number(const std::string& text, const std::string& option, 
   return value;
 }
 
+namespace {
+
+// A Hugging Face folder in checkpoint.init_from brings its model's shape (config.json): model.* keys
+// left at their defaults take it; keys the configuration sets must agree with it.
+void take_model_shape_from_hf_folder(const po::variables_map& vm, Config& c) {
+  if (c.checkpoint.init_from.empty() || !is_hf_model_folder(c.checkpoint.init_from)) return;
+  const ModelConfig hf = read_hf_model_config(c.checkpoint.init_from);
+  const std::pair<const char*, std::pair<int*, int>> keys[] = {
+      {"model.n_layer", {&c.model.n_layer, hf.n_layer}}, {"model.n_embd", {&c.model.n_embd, hf.n_embd}},
+      {"model.n_head", {&c.model.n_head, hf.n_head}}, {"model.vocab_size", {&c.model.vocab_size, hf.vocab_size}},
+      {"model.max_seq_len", {&c.model.max_seq_len, hf.max_seq_len}}};
+  std::string mismatches;
+  for (const auto& [key, field_and_value] : keys) {
+    auto [field, value] = field_and_value;
+    if (vm[key].defaulted())
+      *field = value;
+    else if (*field != value)
+      mismatches += strprintf("%s%s=%d but config.json says %d", mismatches.empty() ? "" : ", ", key, *field, value);
+  }
+  require(mismatches.empty(), "checkpoint.init_from='" + printable_text(c.checkpoint.init_from) + "': " + mismatches +
+                                  "; the shape comes from the folder's config.json: remove these model.* keys from "
+                                  "the configuration (or set them to its values)");
+}
+
+}  // namespace
+
 ParsedTrainArgs parse_train_args(const std::vector<std::string>& raw_args, const char* command) {
   // "--key=" (an empty value, e.g. --data.val_file= to switch validation off) becomes
   // "--key" "", which Boost accepts.
@@ -421,6 +449,7 @@ ParsedTrainArgs parse_train_args(const std::vector<std::string>& raw_args, const
     throw UsageError(option_error_text(e) + (where.empty() ? "" : " (" + where + ")") +
                      "; see 'shardtrain " + command + " --help'");
   }
+  take_model_shape_from_hf_folder(vm, parsed.config);
   return parsed;
 }
 

@@ -24,6 +24,7 @@
 #include "app/signals.hpp"
 #include "app/tensorboard.hpp"
 #include "ckpt/checkpoint_manager.hpp"
+#include "ckpt/hf_model.hpp"
 #include "core/counted.hpp"
 #include "ckpt/llmc.hpp"
 #include "comm/comm.hpp"
@@ -457,8 +458,10 @@ int Trainer::resume() {
   int step = 0;
   if (mode != "none") step = mode == "auto" ? resume_auto() : try_load(mode, false);
   if (step == 0 && !cfg_.checkpoint.init_from.empty()) {
-    rt_.agree_on([&] { load_llmc_shards(cfg_.checkpoint.init_from, engine_); });
-    rt_.info("initialised the weights from llm.c checkpoint %s", cfg_.checkpoint.init_from.c_str());
+    const std::string& from = cfg_.checkpoint.init_from;
+    const bool hf = is_hf_model_folder(from);
+    rt_.agree_on([&] { hf ? load_hf_shards(from, engine_) : load_llmc_shards(from, engine_); });
+    rt_.info("initialised the weights from %s %s", hf ? "Hugging Face folder" : "llm.c checkpoint", from.c_str());
   }
   return step;
 }

@@ -2,7 +2,8 @@
 `build/shardtrain` and `mpirun` line of its sh blocks runs and succeeds. Only what a test must change
 is changed: training runs are cut to a few steps (a later --train.steps wins), mpirun gets
 --oversubscribe (4 ranks on 2 cores), the README's placeholder step number in checkpoint names becomes
-the one the runs reached, and its example text file `mybook.txt` is written first. GPU lines
+the one the runs reached, and its example text file `mybook.txt` and Hugging Face folder
+`models/gpt2` (a small random GPT-2) are written first. GPU lines
 (build-cuda/) and make targets are left to their own tests."""
 import os
 import re
@@ -10,7 +11,7 @@ import shlex
 import shutil
 import subprocess
 
-from harness import BUILD, ROOT, Skip, ensure_data, mpirun_command, tempdir
+from harness import BUILD, ROOT, Skip, ensure_data, mpirun_command, tempdir, venv_python
 
 STEPS = 3
 
@@ -41,6 +42,11 @@ def scratch_project():
         os.symlink(path, os.path.join(top, "inputs", "data", os.path.basename(path)))
     with open(os.path.join(top, "mybook.txt"), "w") as f:
         f.write("It was the best of times, it was the worst of times, it was the age of wisdom.\n" * 400)
+    # The README's Hugging Face folder: a small random GPT-2, written by the safetensors package.
+    reference = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_reference.py")
+    proc = subprocess.run([venv_python(), reference, "make", os.path.join(top, "models", "gpt2"), "2", "64", "4",
+                           "256", "128", "F32", "1", "transformer."], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
     return top
 
 
@@ -74,3 +80,4 @@ def test_readme_commands_run_as_written():
     # help, two trainings, encode + own-data training, plan, inspect, export, h5dump at least
     assert ran >= 8, ran
     assert os.path.getsize(os.path.join(top, "model.bin")) > 0
+    assert os.path.getsize(os.path.join(top, "gpt2-mybook", "model.safetensors")) > 0

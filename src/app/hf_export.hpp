@@ -1,0 +1,17 @@
+// `shardtrain export --format hf`: a shardtrain checkpoint (either layout) as a Hugging Face GPT-2
+// folder -- config.json and model.safetensors -- that the transformers library loads.
+#pragma once
+
+#include <string>
+
+#include "backend/dtype.hpp"
+#include "comm/runtime.hpp"
+
+namespace shardtrain {
+
+// Collective. The ranks share the parameters round-robin; each reads its parameters from the
+// checkpoint and writes their bytes into one file laid out identically by all, which rank 0 then
+// renames into place (a reader never sees a partial model.safetensors). Throws InputError, agreed.
+void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const std::string& out_dir, DType dtype);
+
+}  // namespace shardtrain

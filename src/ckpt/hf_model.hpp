@@ -1,0 +1,57 @@
+// Hugging Face model folders (config.json + model.safetensors, or shards listed by
+// model.safetensors.index.json) to and from our parameters. GPT-2 only for now:
+//   ours                     Hugging Face (GPT2LMHeadModel; "transformer." prefix optional)
+//   wte, wpe, ln_f.*         wte.weight, wpe.weight, ln_f.*
+//   h.N.ln_1.*, h.N.ln_2.*   the same names
+//   h.N.attn.qkv.*           h.N.attn.c_attn.*   Conv1D: weights stored (in, out), ours (out, in)
+//   h.N.attn.proj.*          h.N.attn.c_proj.*   Conv1D
+//   h.N.mlp.fc.*             h.N.mlp.c_fc.*      Conv1D
+//   h.N.mlp.proj.*           h.N.mlp.c_proj.*    Conv1D
+// The LM head is tied to wte (lm_head.weight is absent, or ignored when tie_word_embeddings);
+// the causal-mask buffers of older files (attn.bias, attn.masked_bias) are ignored.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "backend/dtype.hpp"
+#include "ckpt/safetensors.hpp"
+#include "model/config.hpp"
+#include "shard/fsdp_engine.hpp"
+
+namespace shardtrain {
+
+// Whether `path` is a folder holding a Hugging Face config.json.
+bool is_hf_model_folder(const std::string& path);
+
+// The model shape config.json describes. Throws CheckpointError naming the folder and the key for
+// what ShardTrain does not implement (another model_type, activation_function not gelu_new, an
+// untied head, n_inner not 4 x n_embd, layer_norm_epsilon not 1e-5, ...) or a malformed file.
+ModelConfig read_hf_model_config(const std::string& folder);
+
+// Our parameter's Hugging Face tensor name (canonical, with the "transformer." prefix) and whether
+// it is stored transposed.
+struct HfTensor {
+  std::string name;
+  bool transposed = false;
+  std::vector<int64_t> shape;  // as stored in the file
+};
+HfTensor hf_tensor_of(const ParamInfo& param);
+
+// Fills this rank's parameter shards from a Hugging Face folder, reading only the elements of its
+// own shards (byte ranges of the safetensors files). Every tensor must be present with its shape
+// and a floating-point dtype (F32, BF16, F16); nothing unexpected may be left over. Throws
+// CheckpointError naming the file and the tensor: call it under Runtime::agree_on.
+void load_hf_shards(const std::string& folder, FsdpEngine& engine);
+
+// config.json for a model of this shape (GPT2LMHeadModel, tied head).
+std::string hf_config_json(const ModelConfig& model, DType dtype);
+
+// The one-file layout of an exported model: every parameter in table order, in `dtype`, with the
+// metadata Hugging Face requires ("format": "pt").
+SafetensorsLayout hf_export_layout(const ParamTable& table, DType dtype);
+// Our parameter's values (row-major, ours) in the file's order (the transposed ones transposed).
+std::vector<float> to_hf_order(const ParamInfo& param, const std::vector<float>& values);
+
+}  // namespace shardtrain
