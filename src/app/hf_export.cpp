@@ -39,47 +39,60 @@ void sync_folder(const std::string& folder) {
 
 }  // namespace
 
-void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const std::string& out_dir, DType dtype) {
+void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const std::string& out_dir, DType dtype,
+                      uint64_t max_file_bytes) {
   std::unique_ptr<CheckpointReader> reader;
   rt.agree_on([&] { reader = std::make_unique<CheckpointReader>(checkpoint); });
   if (rt.is_root() && !reader->state().warning.empty()) std::fprintf(stderr, "warning: %s\n", reader->state().warning.c_str());
   const ModelConfig& model = reader->state().model;
   const ParamTable table(model);
-  const SafetensorsLayout layout = hf_export_layout(table, dtype);
-  const std::string file = out_dir + "/model.safetensors", tmp = file + ".tmp";
+  const HfExportPlan plan = hf_export_plan(table, dtype, max_file_bytes);
+  auto path_of = [&](const HfExportFile& f) { return out_dir + "/" + f.name; };
+  auto remove_temporaries = [&] {
+    if (rt.is_root())
+      for (const HfExportFile& f : plan.files) std::remove((path_of(f) + ".tmp").c_str());
+  };
   rt.agree_on([&] {
     if (!rt.is_root()) return;
     std::error_code error;
     std::filesystem::create_directories(out_dir, error);
     if (error) throw UsageError("export --output '" + out_dir + "': cannot create the folder: " + error.message());
-    create_safetensors_file(tmp, layout);
+    for (const HfExportFile& f : plan.files) create_safetensors_file(path_of(f) + ".tmp", f.layout);
   });
   try {
     rt.agree_on([&] {
-      SafetensorsWriter writer(tmp, layout);
+      std::vector<std::unique_ptr<SafetensorsWriter>> writers;
+      for (const HfExportFile& f : plan.files)
+        writers.push_back(std::make_unique<SafetensorsWriter>(path_of(f) + ".tmp", f.layout));
       for (const ParamInfo& p : table.params()) {
         if (p.id % rt.world() != rt.rank()) continue;
         const std::vector<float> values =
             to_hf_order(p, reader->read(p, table.units()[p.unit].name, CheckpointReader::TENSOR_PARAMS));
-        writer.write_fp32(static_cast<size_t>(p.id), 0, values.size(), values.data());
+        const auto [file, entry] = plan.where[p.id];
+        writers[file]->write_fp32(entry, 0, values.size(), values.data());
       }
-      writer.finish();
+      for (auto& w : writers) w->finish();
     });
     rt.agree_on([&] {
       if (!rt.is_root()) return;
-      if (std::rename(tmp.c_str(), file.c_str()) != 0)
-        throw CheckpointError("cannot write '" + file + "': " + std::strerror(errno));
+      // The weights first, then the index and config.json that point at them.
+      for (const HfExportFile& f : plan.files)
+        if (std::rename((path_of(f) + ".tmp").c_str(), path_of(f).c_str()) != 0)
+          throw CheckpointError("cannot write '" + path_of(f) + "': " + std::strerror(errno));
+      if (plan.files.size() > 1) write_file_atomically(out_dir + "/model.safetensors.index.json", plan.index_json());
       write_file_atomically(out_dir + "/config.json", hf_config_json(model, dtype));
       sync_folder(out_dir);
     });
   } catch (const InputError&) {
-    if (rt.is_root()) std::remove(tmp.c_str());
+    remove_temporaries();
     throw;
   }
-  rt.info("wrote %s: Hugging Face GPT-2 (config.json, model.safetensors %s, %zu tensors, %s) from step %lld, "
-          "written by %s", out_dir.c_str(), dtype_name(dtype), table.params().size(),
-          format_bytes(static_cast<double>(layout.file_bytes())).c_str(),
-          static_cast<long long>(reader->state().step), counted(rt.world(), "rank").c_str());
+  rt.info("wrote %s: Hugging Face GPT-2 (config.json, %s, %s in %s, %s) from step %lld, written by %s",
+          out_dir.c_str(), plan.files.size() == 1 ? "model.safetensors" : "model.safetensors.index.json",
+          counted(static_cast<long long>(table.params().size()), "tensor").c_str(),
+          counted(static_cast<long long>(plan.files.size()), "file").c_str(),
+          format_bytes(static_cast<double>(plan.tensor_bytes)).c_str(), static_cast<long long>(reader->state().step),
+          counted(rt.world(), "rank").c_str());
 }
 
 }  // namespace shardtrain

@@ -2,6 +2,7 @@
 // folder -- config.json and model.safetensors -- that the transformers library loads.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "backend/dtype.hpp"
@@ -10,8 +11,10 @@
 namespace shardtrain {
 
 // Collective. The ranks share the parameters round-robin; each reads its parameters from the
-// checkpoint and writes their bytes into one file laid out identically by all, which rank 0 then
-// renames into place (a reader never sees a partial model.safetensors). Throws InputError, agreed.
-void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const std::string& out_dir, DType dtype);
+// checkpoint and writes their bytes into files laid out identically by all, which rank 0 then
+// renames into place (a reader never sees a partial file). Above `max_file_bytes` (0 = no limit)
+// the weights are split into several files with an index. Throws InputError, agreed.
+void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const std::string& out_dir, DType dtype,
+                      uint64_t max_file_bytes);
 
 }  // namespace shardtrain

@@ -101,8 +101,8 @@ int run_data(const Runtime& rt, const std::vector<std::string>& args) {
 void run_checkpoint_tool(const Runtime& rt, const std::vector<std::string>& args) {
   const bool inspect = args[0] == "inspect";
   const std::string usage = inspect ? "shardtrain inspect FILE"
-                                    : "shardtrain export --checkpoint FILE --output PATH [--format llmc|hf] [--dtype fp32|bf16|fp16]";
-  std::string checkpoint, output, format = "llmc", dtype = "fp32";
+                                    : "shardtrain export --checkpoint FILE --output PATH [--format llmc|hf] [hf options]";
+  std::string checkpoint, output, format = "llmc", dtype = "fp32", max_file_size = "5GB";
   po::options_description desc("usage: " + usage + "\n\n" + args[0] + " options");
   desc.add_options()("help,h", "print the options")(
       "checkpoint", po::value(&checkpoint), "shardtrain checkpoint (.h5), either layout (or as the first word)");
@@ -111,7 +111,10 @@ void run_checkpoint_tool(const Runtime& rt, const std::vector<std::string>& args
                        "llmc: the llm.c checkpoint file to write; hf: the folder for config.json and model.safetensors")(
         "format", po::value(&format)->default_value(format),
         "llmc (llm.c GPT-2 fp32 weights) or hf (a Hugging Face GPT-2 folder the transformers library loads)")(
-        "dtype", po::value(&dtype)->default_value(dtype), "hf: the type of the exported weights, fp32, bf16 or fp16");
+        "dtype", po::value(&dtype)->default_value(dtype), "hf: the type of the exported weights, fp32, bf16 or fp16")(
+        "max-file-size", po::value(&max_file_size)->default_value(max_file_size),
+        "hf: larger weights are split into files of at most this size with model.safetensors.index.json, as "
+        "transformers' save_pretrained does");
   const std::string help = "; see 'shardtrain " + args[0] + " --help'";
   po::variables_map vm;
   try {
@@ -136,7 +139,7 @@ void run_checkpoint_tool(const Runtime& rt, const std::vector<std::string>& args
     for (DType t : {DTYPE_FP32, DTYPE_BF16, DTYPE_FP16})
       if (dtype == dtype_name(t)) type = t, known = true;
     if (!known) throw UsageError("--dtype='" + printable_text(dtype) + "' is not allowed; allowed: fp32, bf16, fp16");
-    return export_hf_folder(rt, checkpoint, output, type);
+    return export_hf_folder(rt, checkpoint, output, type, parse_memory_limit(max_file_size, "--max-file-size").bytes);
   }
   if (!inspect && format != "llmc")
     throw UsageError("--format='" + printable_text(format) + "' is not allowed; allowed: llmc, hf");

@@ -231,13 +231,36 @@ std::string hf_config_json(const ModelConfig& m, DType dtype) {
   return j.dump(2) + "\n";
 }
 
-SafetensorsLayout hf_export_layout(const ParamTable& table, DType dtype) {
-  std::vector<SafetensorsEntry> entries;
+HfExportPlan hf_export_plan(const ParamTable& table, DType dtype, uint64_t max_file_bytes) {
+  std::vector<std::vector<SafetensorsEntry>> groups(1);
+  HfExportPlan plan;
+  uint64_t in_group = 0;
   for (const ParamInfo& p : table.params()) {
     const HfTensor t = hf_tensor_of(p);
-    entries.push_back({t.name, dtype, t.shape});
+    const uint64_t bytes = p.numel * dtype_bytes(dtype);
+    if (max_file_bytes && in_group > 0 && in_group + bytes > max_file_bytes) groups.emplace_back(), in_group = 0;
+    plan.where.emplace_back(groups.size() - 1, groups.back().size());
+    groups.back().push_back({t.name, dtype, t.shape});
+    in_group += bytes;
+    plan.tensor_bytes += bytes;
   }
-  return SafetensorsLayout(entries, {{"format", "pt"}});
+  for (size_t f = 0; f < groups.size(); f++) {
+    const std::string name = groups.size() == 1 ? "model.safetensors"
+                                                : strprintf("model-%05zu-of-%05zu.safetensors", f + 1, groups.size());
+    plan.files.push_back({name, SafetensorsLayout(groups[f], {{"format", "pt"}})});
+  }
+  return plan;
+}
+
+std::string HfExportPlan::index_json() const {
+  if (files.size() == 1) return "";
+  nlohmann::ordered_json j;
+  j["metadata"] = {{"total_size", tensor_bytes}};
+  nlohmann::ordered_json map = nlohmann::ordered_json::object();
+  for (const HfExportFile& f : files)
+    for (const SafetensorsEntry& e : f.layout.entries()) map[e.name] = f.name;
+  j["weight_map"] = map;
+  return j.dump(2) + "\n";
 }
 
 std::vector<float> to_hf_order(const ParamInfo& p, const std::vector<float>& values) {

@@ -48,9 +48,22 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine);
 // config.json for a model of this shape (GPT2LMHeadModel, tied head).
 std::string hf_config_json(const ModelConfig& model, DType dtype);
 
-// The one-file layout of an exported model: every parameter in table order, in `dtype`, with the
-// metadata Hugging Face requires ("format": "pt").
-SafetensorsLayout hf_export_layout(const ParamTable& table, DType dtype);
+// The files of an exported model: every parameter in table order, in `dtype`, with the metadata
+// Hugging Face requires ("format": "pt"). One model.safetensors when the tensors fit in
+// `max_file_bytes` (0 = no limit), else model-0000k-of-0000n.safetensors, each holding whole
+// tensors up to the limit (a larger tensor gets a file of its own), plus the index.
+struct HfExportFile {
+  std::string name;
+  SafetensorsLayout layout;
+};
+struct HfExportPlan {
+  std::vector<HfExportFile> files;
+  std::vector<std::pair<size_t, size_t>> where;  // by parameter id: (file, entry in the file)
+  uint64_t tensor_bytes = 0;                     // the index's metadata.total_size
+  // model.safetensors.index.json's text, or "" for one file.
+  std::string index_json() const;
+};
+HfExportPlan hf_export_plan(const ParamTable& table, DType dtype, uint64_t max_file_bytes);
 // Our parameter's values (row-major, ours) in the file's order (the transposed ones transposed).
 std::vector<float> to_hf_order(const ParamInfo& param, const std::vector<float>& values);
 

@@ -6,7 +6,7 @@ tanh GELU, LayerNorm eps 1e-5, tied head), in float64 numpy. Commands print JSON
   hf_reference.py make FOLDER L C H V T DTYPE SEED PREFIX   random GPT-2 weights + config.json
   hf_reference.py loss FOLDER TOKENS...                     mean next-token cross-entropy
   hf_reference.py tensors FILE                              {name: [dtype, shape, sha256 of bytes]}, metadata
-  hf_reference.py equal FILE_A FILE_B                       whether every tensor is bit-identical
+  hf_reference.py equal A B                                 whether every tensor is bit-identical (files or folders)
 """
 import hashlib
 import json
@@ -58,6 +58,21 @@ def make(folder, L, C, H, V, T, dtype, seed, prefix):
         json.dump(config, f)
 
 
+def load_folder(folder):
+    """Every tensor of a model folder: model.safetensors, or the files its index names."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        return load_file(os.path.join(folder, "model.safetensors"))
+    weight_map = json.load(open(index))["weight_map"]
+    tensors = {}
+    for file in sorted(set(weight_map.values())):
+        part = load_file(os.path.join(folder, file))
+        assert all(weight_map[name] == file for name in part), f"{file} holds tensors its index puts elsewhere"
+        tensors.update(part)
+    assert sorted(tensors) == sorted(weight_map), "the index and the files disagree"
+    return tensors
+
+
 def layer_norm(x, w, b):
     mean = x.mean(-1, keepdims=True)
     var = ((x - mean) ** 2).mean(-1, keepdims=True)
@@ -71,7 +86,7 @@ def gelu_new(x):
 def loss(folder, tokens):
     config = json.load(open(os.path.join(folder, "config.json")))
     L, C, H = config["n_layer"], config["n_embd"], config["n_head"]
-    raw = load_file(os.path.join(folder, "model.safetensors"))
+    raw = load_folder(folder)
     w = {k[len("transformer."):] if k.startswith("transformer.") else k: v.astype(np.float64) for k, v in raw.items()}
     inputs, targets = np.array(tokens[:-1]), np.array(tokens[1:])
     T, hd = len(inputs), C // H
@@ -108,7 +123,8 @@ def tensors(path):
 
 
 def equal(path_a, path_b):
-    a, b = load_file(path_a), load_file(path_b)
+    """Files or folders: the same tensors, bit for bit."""
+    a, b = ((load_folder(p) if os.path.isdir(p) else load_file(p)) for p in (path_a, path_b))
     return sorted(a) == sorted(b) and all(a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]) for k in a)
 
 

@@ -40,6 +40,15 @@ def periodic_data(seed=7):
     return path, pattern.tolist() + [int(pattern[0])]
 
 
+def tiny_shapes():
+    """(name, shape) of every GPT-2 tensor of the test model."""
+    shapes = [("wte", (V, C)), ("wpe", (MAXT, C)), ("ln_f.w", (C,)), ("ln_f.b", (C,))]
+    for _ in range(L):
+        shapes += [("ln", (C,))] * 4 + [("qkv", (C, 3 * C)), ("qkvb", (3 * C,)), ("proj", (C, C)), ("projb", (C,)),
+                                        ("fc", (C, 4 * C)), ("fcb", (4 * C,)), ("fcproj", (4 * C, C)), ("fcprojb", (C,))]
+    return shapes
+
+
 def first_loss(folder, data, *extra, np_=2):
     metrics = os.path.join(tempdir(), "m.jsonl")
     proc = run(np_, tiny_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}", "--data.val_file=",
@@ -84,6 +93,23 @@ def test_export_round_trips_bit_for_bit_and_loads_in_the_reference():
     expected = reference("loss", folder, *window)["loss"]
     assert reference("loss", out, *window)["loss"] == expected
     again, _ = first_loss(out, data)
+    assert rel_diff(again, expected) < 2e-6, (again, expected)
+    # Split at a size limit, as save_pretrained does: files of whole tensors and an index.
+    split = os.path.join(tempdir(), "exported-split")
+    proc = run(3, ["export", "--format", "hf", "--max-file-size", "20KiB", "--checkpoint", ckpt, "--output", split])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    index = json.load(open(os.path.join(split, "model.safetensors.index.json")))
+    weight_files = sorted(set(index["weight_map"].values()))
+    assert len(weight_files) > 1 and sorted(os.listdir(split)) == sorted(
+        weight_files + ["config.json", "model.safetensors.index.json"]), os.listdir(split)
+    assert weight_files == [f"model-{k:05d}-of-{len(weight_files):05d}.safetensors" for k in range(1, len(weight_files) + 1)]
+    assert index["metadata"]["total_size"] == sum(4 * np.prod(s) for _, s in tiny_shapes()), index["metadata"]
+    for name in weight_files:  # at most 20 KiB of tensors, or one tensor larger than that
+        held = reference("tensors", os.path.join(split, name))["tensors"]
+        nbytes = sum(4 * int(np.prod(shape)) for _, shape, _ in held.values())
+        assert nbytes <= 20 * 1024 or len(held) == 1, (name, nbytes, len(held))
+    assert reference("equal", split, folder)["equal"]
+    again, _ = first_loss(split, data)
     assert rel_diff(again, expected) < 2e-6, (again, expected)
     # fp16 export: each weight rounded to nearest even, as numpy's float16 does.
     half = os.path.join(tempdir(), "exported-f16")
