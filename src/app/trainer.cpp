@@ -288,7 +288,7 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
       T_(config.train.seq_len),
       G_(config.train.global_batch),
       accum_(config.train.global_batch / (config.train.micro_batch * rt.world())),
-      watchdog_(config.fsdp.comm_timeout, strprintf("[rank %d/%d %s]", rt.rank(), rt.world(), rt.host().c_str())),
+      watchdog_(config.fsdp.comm_timeout),
       strategy_(config.fsdp.sharding_strategy),
       compute_(config.train.device, engine_options(config).param_dtype, rt),
       comm_(make_mpi_comm(rt.world_comm(), &watchdog_)),
@@ -299,7 +299,7 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
       engine_(table_, *shard_comm_, *replica_comm_, memory_, engine_options(config), compute_.backend()),
       optim_config_(optim_config_from(config.train)),
       optimizer_(optim_config_, engine_, memory_),
-      checkpoints_(rt, *comm_, checkpoint_dir(config), config.checkpoint.keep),
+      checkpoints_(rt, *comm_, checkpoint_dir(config), config.checkpoint.keep, &watchdog_),
       loss_scaling_(engine_options(config).param_dtype == DTYPE_FP16 || engine_options(config).reduce_dtype == DTYPE_FP16),
       loss_scale_(loss_scaling_ ? INITIAL_LOSS_SCALE : 1.0) {
   threads_ = cfg_.train.threads > 0 ? cfg_.train.threads : default_threads_per_rank(rt.local_size());
@@ -434,8 +434,7 @@ int Trainer::try_load(const std::string& path, bool fall_back) {
     if (state.step > cfg_.train.steps)
       throw UsageError(strprintf("checkpoint '%s' is at step %lld, past train.steps=%d; raise train.steps",
                                  path.c_str(), static_cast<long long>(state.step), cfg_.train.steps));
-    Watchdog::Scope scope(&watchdog_, "checkpoint load");  // HDF5's collectives are not ours to time
-    rt_.agree_on([&] { state = load_checkpoint(path, engine_, optimizer_, MPI_COMM_WORLD); });
+    rt_.agree_on([&] { state = checkpoints_.load(path, engine_, optimizer_); });  // each collective timed on its own
   } catch (const UsageError&) {
     throw;
   } catch (const InputError& e) {
@@ -491,7 +490,6 @@ void Trainer::save(int step) {
   state.loss_scale_log2 = std::lround(std::log2(loss_scale_));
   state.loss_scale_good_steps = good_steps_;
   const double t0 = MPI_Wtime();
-  Watchdog::Scope scope(&watchdog_, "checkpoint save");
   std::string path = checkpoints_.save(state, engine_, optimizer_);
   rt_.info("saved %s (%s, %.2f s)", path.c_str(), state.layout.c_str(), MPI_Wtime() - t0);
 }
