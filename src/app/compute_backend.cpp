@@ -53,7 +53,9 @@ ComputeBackend::ComputeBackend(const std::string& device, DType compute_dtype, c
                                    rt.host().c_str()));
   });
   cuda_->device->abort_on_exhaustion();
-  backend_ = Backend{cuda_->device.get(), cuda_->pinned_host.get(), cuda_->ops.get(), cuda_->shard_ops.get()};
+  // Offloaded state is host memory (page-locked): the CPU's operations step it.
+  backend_ = Backend{cuda_->device.get(),    cuda_->pinned_host.get(), cuda_->ops.get(),
+                     cuda_->shard_ops.get(), &cpu_layer_ops<float>(),   &cpu_shard_ops()};
 #else
   (void)rt, (void)compute_dtype;
   throw UsageError("train.device=cuda: this build has no CUDA backend; rebuild with 'make CUDA=1' (see docs/gpu.md) "

@@ -68,12 +68,16 @@ class ShardOps {
                      float decay, const AdamWStep& step) const = 0;
 };
 
-// What the engine, optimizer and trainer compute with: a device and its fp32 operations.
+// What the engine, optimizer and trainer compute with: a device and its fp32 operations, and
+// the host memory beside it with the operations on that memory (where fsdp.cpu_offload keeps
+// and steps the master shards).
 struct Backend {
   Device* device = nullptr;
   Device* host = nullptr;  // host memory the device copies to and from fastest (pinned for a GPU)
   const LayerOps<float>* ops = nullptr;
   const ShardOps* shard_ops = nullptr;
+  const LayerOps<float>* host_ops = nullptr;
+  const ShardOps* host_shard_ops = nullptr;
 };
 
 // The CPU backend (host memory).

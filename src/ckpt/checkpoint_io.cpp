@@ -39,15 +39,6 @@ struct Piece {
   float* check_data = nullptr;
 };
 
-// The part of flat range [lo, hi) (unit coordinates) that falls in [p_lo, p_hi), in p's coordinates.
-struct Run {
-  uint64_t first = 0, count = 0, unit_from = 0;
-};
-Run clip(uint64_t lo, uint64_t hi, uint64_t p_lo, uint64_t p_hi) {
-  const uint64_t from = std::max(lo, p_lo), to = std::min(hi, p_hi);
-  return from < to ? Run{from - p_lo, to - from, from} : Run{};
-}
-
 // HDF5 reads and writes host memory. Shards on the host are used in place; shards on a GPU pass
 // through host copies of the rank's parameters and moments (as large as the shards themselves).
 class HostShards {
@@ -128,19 +119,19 @@ std::vector<Piece> plan_pieces(const std::vector<DatasetSpec>& specs, const std:
                                HostShards& host, bool for_save) {
   std::vector<Piece> pieces;
   for (const DatasetSpec& d : specs) {
-    UnitShard& shard = engine.shards()[d.unit];
+    const UnitLayout& shard = engine.shards()[d.unit].layout;
     float* buffer = host.buffer(d.unit, d.tensor);
-    const uint64_t own_lo = shard.begin + shard.owned_begin, own_hi = own_lo + shard.owned_count;
-    const uint64_t io_lo = for_save ? own_lo : shard.begin, io_hi = for_save ? own_hi : shard.begin + shard.shard_numel;
+    const FlatRange dataset{d.unit_offset, d.unit_offset + d.numel};
+    const FlatRange io = intersect(for_save ? shard.owned_range() : shard.shard_range(), dataset);
+    const FlatRange check = intersect(shard.owned_range(), dataset);
     Piece p;
     p.path = d.path;
     p.dims = layout == "sharded" ? std::vector<hsize_t>{shard.padded_numel} : d.dims;
     p.checked_numel = d.numel;
-    Run io = clip(io_lo, io_hi, d.unit_offset, d.unit_offset + d.numel);
-    Run check = clip(own_lo, own_hi, d.unit_offset, d.unit_offset + d.numel);
-    p.first = io.first, p.count = io.count, p.data = io.count ? buffer + (io.unit_from - shard.begin) : nullptr;
-    p.check_first = check.first, p.check_count = check.count;
-    p.check_data = check.count ? buffer + (check.unit_from - shard.begin) : nullptr;
+    if (!io.empty()) p.first = io.begin - dataset.begin, p.count = io.size(), p.data = buffer + (io.begin - shard.begin);
+    if (!check.empty())
+      p.check_first = check.begin - dataset.begin, p.check_count = check.size(),
+      p.check_data = buffer + (check.begin - shard.begin);
     pieces.push_back(std::move(p));
   }
   return pieces;

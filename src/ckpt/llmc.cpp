@@ -97,14 +97,15 @@ void load_llmc_shards(const std::string& path, FsdpEngine& engine) {
   const long long vocab_extra = static_cast<long long>(header[7] - llmc_padded_vocab(m.vocab_size)) * m.n_embd;
   for (size_t u = 0; u < engine.shards().size(); u++) {
     UnitShard& s = engine.shards()[u];
-    std::vector<float> values(s.shard_numel, 0.0f);  // read on the host, then to the shard's device
+    std::vector<float> values(s.layout.shard_numel, 0.0f);  // read on the host, then to the shard's device
     for (int id : table.units()[u].params) {
       const ParamInfo& p = table.params()[id];
-      const size_t from = std::max(s.begin, p.offset), to = std::min(s.begin + s.shard_numel, p.offset + p.numel);
-      if (from >= to) continue;
+      const FlatRange part = intersect(s.layout.shard_range(), p.range());
+      if (part.empty()) continue;
+      const size_t from = part.begin, to = part.end;
       long long element = static_cast<long long>(llmc_element_offset(table, p)) + (id == 0 ? 0 : vocab_extra) +
                           static_cast<long long>(from - p.offset);
-      float* slice = values.data() + (from - s.begin);
+      float* slice = values.data() + (from - s.layout.begin);
       if (std::fseek(in, 1024 + element * 4, SEEK_SET) != 0 ||
           std::fread(slice, sizeof(float), to - from, in) != to - from)
         throw CheckpointError("checkpoint.init_from '" + path + "': file too short (truncated?) while reading " +

@@ -24,8 +24,7 @@ namespace shardtrain {
 template <typename Real>
 class GptModel {
  public:
-  GptModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing = false,
-           const LayerOps<Real>& ops = cpu_layer_ops<Real>());
+  GptModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing, const LayerOps<Real>& ops);
 
   // Bytes of activations and backward scratch for these dimensions, without allocating: the one
   // source for the model's own accounting and the planner.

@@ -1,7 +1,7 @@
 // The one parameter table: name, shape, unit, offset in the unit's flat buffer, init rule and
 // weight-decay flag of every parameter. It drives allocation, initialization, sharding, the
-// optimizer's decay masks and (later) checkpoint dataset names; nothing is indexed by a bare
-// integer elsewhere.
+// optimizer's decay masks and checkpoint dataset names; nothing is indexed by a bare integer
+// elsewhere.
 //
 // Units are the FSDP granularity: unit 0 is "root" (wte, wpe, ln_f), units 1..L are the blocks
 // "h.0".."h.{L-1}". The LM head is tied to wte and has no entry of its own: the root unit stays
@@ -9,6 +9,7 @@
 // gradient that is reduce-scattered once.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <string>
 #include <vector>
@@ -16,6 +17,19 @@
 #include "model/config.hpp"
 
 namespace shardtrain {
+
+// Elements [begin, end) of one unit's flat buffer: a parameter, a rank's shard, a dataset.
+struct FlatRange {
+  size_t begin = 0, end = 0;
+  size_t size() const { return end > begin ? end - begin : 0; }
+  bool empty() const { return end <= begin; }
+};
+
+// The elements in both ranges; empty (size 0) where they do not meet.
+inline FlatRange intersect(const FlatRange& a, const FlatRange& b) {
+  const size_t begin = std::max(a.begin, b.begin);
+  return {begin, std::max(begin, std::min(a.end, b.end))};
+}
 
 enum InitRule {
   INIT_NORMAL,           // N(0, 0.02)
@@ -33,6 +47,7 @@ struct ParamInfo {
   InitRule init = INIT_ZEROS;
   bool weight_decay = false;
   int id = 0;  // position in the table; keys the init RNG
+  FlatRange range() const { return {offset, offset + numel}; }
 };
 
 struct UnitInfo {

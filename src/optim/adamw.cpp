@@ -23,14 +23,15 @@ AdamW::AdamW(const OptimConfig& config, FsdpEngine& engine, MemoryTracker& memor
   const ParamTable& table = engine.table();
   for (size_t u = 0; u < engine.shards().size(); u++) {
     const UnitShard& s = engine.shards()[u];
-    m_.emplace_back(engine.master_device(), s.shard_numel);
-    v_.emplace_back(engine.master_device(), s.shard_numel);
-    if (!engine.options().cpu_offload) bytes_ += 2 * s.shard_numel * sizeof(float);  // device memory only
+    const UnitLayout& l = s.layout;
+    m_.emplace_back(engine.master_device(), l.shard_numel);
+    v_.emplace_back(engine.master_device(), l.shard_numel);
+    if (!engine.options().cpu_offload) bytes_ += 2 * l.shard_numel * sizeof(float);  // device memory only
     std::vector<Segment> segs;
     for (int id : table.units()[u].params) {
       const ParamInfo& p = table.params()[id];
-      size_t from = std::max(s.begin, p.offset), to = std::min(s.begin + s.shard_numel, p.offset + p.numel);
-      if (from < to) segs.push_back(Segment{from - s.begin, to - s.begin, p.weight_decay ? 1.0f : 0.0f});
+      const FlatRange part = intersect(l.shard_range(), p.range());
+      if (!part.empty()) segs.push_back(Segment{part.begin - l.begin, part.end - l.begin, p.weight_decay ? 1.0f : 0.0f});
     }
     segments_.push_back(std::move(segs));
   }
@@ -48,7 +49,7 @@ double AdamW::local_grad_sq_norm() const {
   double total = 0;
   for (const UnitShard& s : engine_.shards()) {
     // Only the owned part: replicas hold the same gradient shard and must count it once.
-    total += engine_.master_ops().sum_squares(s.grads.data() + s.owned_begin, s.owned_count);
+    total += engine_.master_ops().sum_squares(s.grads.data() + s.layout.owned_begin, s.layout.owned_count);
   }
   return total;
 }

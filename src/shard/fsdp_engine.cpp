@@ -93,24 +93,23 @@ std::array<size_t, MEM_CATEGORY_COUNT> FsdpEngine::plan_memory(const std::vector
 }
 
 FsdpEngine::FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_comm, MemoryTracker& memory,
-                       EngineOptions options, const Backend& backend)
+                       const EngineOptions& options, const Backend& backend)
     : table_(table),
       shard_comm_(shard_comm),
       replica_comm_(replica_comm),
       memory_(memory),
       options_(options),
       backend_(backend) {
+  SHARD_CHECK(backend_.device && backend_.ops && backend_.shard_ops, "a backend without its device operations");
+  SHARD_CHECK(!options_.cpu_offload || (backend_.host && backend_.host_ops && backend_.host_shard_ops),
+              "cpu_offload with a backend that has no host operations");
   Device& dev = *backend_.device;
   Device& master = master_device();
   GroupShape groups{shard_comm.size(), shard_comm.rank(), replica_comm.size(), replica_comm.rank()};
   std::vector<UnitLayout> layout = plan_layout(table, groups);
   for (const UnitLayout& l : layout) {
-    UnitShard s;
-    static_cast<UnitLayout&>(s) = l;
-    s.params = DeviceArray<float>(master, l.shard_numel);
-    s.grads = DeviceArray<float>(master, l.shard_numel);
+    shards_.emplace_back(l, master);
     if (options_.cpu_offload) device_grads_.emplace_back(dev, l.shard_numel);
-    shards_.push_back(std::move(s));
   }
   engine_bytes_ = plan_memory(layout, options_);
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++) memory_.add(static_cast<MemCategory>(c), engine_bytes_[c]);
@@ -147,7 +146,7 @@ FsdpEngine::~FsdpEngine() {
 
 size_t FsdpEngine::local_param_count() const {
   size_t n = 0;
-  for (const UnitShard& s : shards_) n += s.shard_numel;
+  for (const UnitShard& s : shards_) n += s.layout.shard_numel;
   return n;
 }
 
@@ -165,14 +164,14 @@ void FsdpEngine::init_parameters(uint64_t seed) {
   const int n_layer = table_.config().n_layer;
   for (size_t u = 0; u < shards_.size(); u++) {
     UnitShard& s = shards_[u];
-    std::vector<float> values(s.shard_numel, 0.0f);  // on the host; padding stays zero
-    const size_t lo = s.begin, hi = s.begin + s.shard_numel;
+    std::vector<float> values(s.layout.shard_numel, 0.0f);  // on the host; padding stays zero
     for (int id : table_.units()[u].params) {
       const ParamInfo& p = table_.params()[id];
-      const size_t from = std::max(lo, p.offset), to = std::min(hi, p.offset + p.numel);
+      const FlatRange part = intersect(s.layout.shard_range(), p.range());
       const uint64_t key = mix64(seed ^ mix64(static_cast<uint64_t>(p.id) + 1));
 #pragma omp parallel for schedule(static)
-      for (size_t e = from; e < to; e++) values[e - lo] = static_cast<float>(init_value(p, e - p.offset, key, n_layer));
+      for (size_t e = part.begin; e < part.end; e++)
+        values[e - s.layout.begin] = static_cast<float>(init_value(p, e - p.offset, key, n_layer));
     }
     backend_.device->copy(s.params.data(), values.data(), s.params.bytes());
   }
@@ -200,9 +199,9 @@ void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
   const UnitShard& s = shards_[unit];
   slot.unit = unit;
   if (options_.param_dtype == DTYPE_FP32) {
-    backend_.device->copy(slot.values.data() + s.begin, s.params.data(), s.params.bytes());
-    Span<const float> own(slot.values.data() + s.begin, s.shard_numel);
-    Span<float> full(slot.values.data(), s.padded_numel);
+    backend_.device->copy(slot.values.data() + s.layout.begin, s.params.data(), s.params.bytes());
+    Span<const float> own(slot.values.data() + s.layout.begin, s.layout.shard_numel);
+    Span<float> full(slot.values.data(), s.layout.padded_numel);
     if (async)
       slot.handle = shard_comm_.start_all_gather(own, full, "all_gather(params, prefetched)");
     else
@@ -212,12 +211,12 @@ void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
   uint16_t* wire = slot.wire.data();
   const float* master = s.params.data();
   if (options_.cpu_offload) {  // up to the device first, into the part of the slot the gather overwrites
-    backend_.device->copy(slot.values.data() + s.begin, master, s.params.bytes());
-    master = slot.values.data() + s.begin;
+    backend_.device->copy(slot.values.data() + s.layout.begin, master, s.params.bytes());
+    master = slot.values.data() + s.layout.begin;
   }
-  backend_.shard_ops->to_half(wire + s.begin, master, s.shard_numel, options_.param_dtype);
-  Span<const uint16_t> own(wire + s.begin, s.shard_numel);
-  Span<uint16_t> full(wire, s.padded_numel);
+  backend_.shard_ops->to_half(wire + s.layout.begin, master, s.layout.shard_numel, options_.param_dtype);
+  Span<const uint16_t> own(wire + s.layout.begin, s.layout.shard_numel);
+  Span<uint16_t> full(wire, s.layout.padded_numel);
   if (async) {
     slot.handle = shard_comm_.start_all_gather(own, full, "all_gather(params, prefetched)");
     return;
@@ -229,7 +228,7 @@ void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
 void FsdpEngine::finish_gather(ParamSlot& slot) {
   if (slot.handle >= 0) shard_comm_.wait(slot.handle), slot.handle = -1;
   if (options_.param_dtype == DTYPE_FP32) return;
-  backend_.shard_ops->from_half(slot.values.data(), slot.wire.data(), shards_[slot.unit].padded_numel,
+  backend_.shard_ops->from_half(slot.values.data(), slot.wire.data(), shards_[slot.unit].layout.padded_numel,
                                 options_.param_dtype);
 }
 
@@ -275,7 +274,7 @@ float* FsdpEngine::gradient_target(int unit) {
   DeviceArray<float>& buffer = grad_buffer(unit);
   join_reduction(&buffer - grad_buffers_.data());  // its last reduction must have read it
   if (options_.reduce_every_microbatch)
-    backend_.device->zero(buffer.data(), shards_[unit].padded_numel * sizeof(float));
+    backend_.device->zero(buffer.data(), shards_[unit].layout.padded_numel * sizeof(float));
   return buffer.data();
 }
 
@@ -283,8 +282,8 @@ void FsdpEngine::reduce_micro_batch_grads(int unit) {
   if (shard_comm_.size() == 1 || !options_.reduce_every_microbatch) return;
   UnitShard& s = shards_[unit];
   DeviceArray<float>& buffer = grad_buffer(unit);
-  Span<const float> full(buffer.data(), s.padded_numel);
-  Span<float> shard(grad_shard(unit).data(), s.shard_numel);
+  Span<const float> full(buffer.data(), s.layout.padded_numel);
+  Span<float> shard(grad_shard(unit).data(), s.layout.shard_numel);
   if (options_.overlap_reduce_scatter)
     reduce_handles_[&buffer - grad_buffers_.data()] =
         shard_comm_.start_reduce_scatter_add(full, shard, options_.reduce_dtype, "reduce_scatter(grads, started)");
@@ -344,14 +343,14 @@ double FsdpEngine::train_micro_batch(GptModel<float>& model, const int* tokens, 
 void FsdpEngine::finish_step() {
   if (shard_comm_.size() > 1 && !options_.reduce_every_microbatch) {
     for (int u = static_cast<int>(shards_.size()) - 1; u >= 0; u--)
-      shard_comm_.reduce_scatter_add(Span<const float>(grad_buffers_[u].data(), shards_[u].padded_numel),
-                                     Span<float>(grad_shard(u).data(), shards_[u].shard_numel),
+      shard_comm_.reduce_scatter_add(Span<const float>(grad_buffers_[u].data(), shards_[u].layout.padded_numel),
+                                     Span<float>(grad_shard(u).data(), shards_[u].layout.shard_numel),
                                      options_.reduce_dtype, "reduce_scatter(grads)");
   }
   // The replica all-reduce is linear, so once per step equals once per micro-batch.
   if (replica_comm_.size() > 1)
     for (size_t u = 0; u < shards_.size(); u++)
-      replica_comm_.all_reduce_sum(Span<float>(grad_shard(u).data(), shards_[u].shard_numel), "all_reduce(grads)");
+      replica_comm_.all_reduce_sum(Span<float>(grad_shard(u).data(), shards_[u].layout.shard_numel), "all_reduce(grads)");
   if (options_.cpu_offload)  // down to the host, where the optimizer steps
     for (size_t u = 0; u < shards_.size(); u++)
       backend_.device->copy(shards_[u].grads.data(), device_grads_[u].data(), shards_[u].grads.bytes());
@@ -368,11 +367,11 @@ double FsdpEngine::eval_micro_batch(GptModel<float>& model, const int* tokens, c
 std::vector<float> FsdpEngine::gather_unit(int unit, bool gradients) {
   const UnitShard& s = shards_[unit];
   Device& dev = *backend_.device;
-  DeviceArray<float> full(dev, s.padded_numel);  // the communicators work on device memory
+  DeviceArray<float> full(dev, s.layout.padded_numel);  // the communicators work on device memory
   const DeviceArray<float>& local = gradients ? s.grads : s.params;
-  dev.copy(full.data() + s.begin, local.data(), local.bytes());
+  dev.copy(full.data() + s.layout.begin, local.data(), local.bytes());
   if (shard_comm_.size() > 1)
-    shard_comm_.all_gather(Span<const float>(full.data() + s.begin, s.shard_numel),
+    shard_comm_.all_gather(Span<const float>(full.data() + s.layout.begin, s.layout.shard_numel),
                            Span<float>(full.data(), full.size()), "all_gather(unit)");
   std::vector<float> values(table_.units()[unit].numel);
   dev.copy(values.data(), full.data(), values.size() * sizeof(float));

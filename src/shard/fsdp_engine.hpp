@@ -85,6 +85,9 @@ struct UnitLayout {
   size_t shard_numel = 0;   // padded_numel / shard group size
   size_t begin = 0;         // this rank's first element in the unit's flat buffer
   size_t owned_begin = 0, owned_count = 0;  // within the shard (local indices)
+  // This rank's shard, and the part of it the rank owns, in the unit's flat coordinates.
+  FlatRange shard_range() const { return {begin, begin + shard_numel}; }
+  FlatRange owned_range() const { return {begin + owned_begin, begin + owned_begin + owned_count}; }
 };
 
 // Shard and replica group sizes and this rank's position in each.
@@ -92,8 +95,11 @@ struct GroupShape {
   int shard_size = 1, shard_rank = 0, replica_size = 1, replica_rank = 0;
 };
 
-// The fp32 master parameters and gradient of this rank's shard of one unit, on the backend's device.
-struct UnitShard : UnitLayout {
+// The fp32 master parameters and gradient of this rank's shard of one unit, on `device`.
+struct UnitShard {
+  UnitShard(const UnitLayout& layout, Device& device)
+      : layout(layout), params(device, layout.shard_numel), grads(device, layout.shard_numel) {}
+  UnitLayout layout;
   DeviceArray<float> params, grads;
 };
 
@@ -101,7 +107,7 @@ class FsdpEngine {
  public:
   // The communicators work on the backend's device memory (MPI: host, NCCL: GPU).
   FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_comm, MemoryTracker& memory,
-             EngineOptions options = {}, const Backend& backend = cpu_backend());
+             const EngineOptions& options, const Backend& backend);
   ~FsdpEngine();
 
   // The layout of every unit for a group shape, and the bytes each memory category of the engine
@@ -113,13 +119,13 @@ class FsdpEngine {
   const ParamTable& table() const { return table_; }
   const EngineOptions& options() const { return options_; }
   const Backend& backend() const { return backend_; }
-  // Where the master shards live and the operations the optimizer runs on them: the host with
-  // cpu_offload, else the compute device.
+  // Where the master shards live and the operations the optimizer runs on them: the backend's
+  // host memory with cpu_offload, else the compute device.
   Device& master_device() const { return options_.cpu_offload ? *backend_.host : *backend_.device; }
-  const LayerOps<float>& master_ops() const {
-    return options_.cpu_offload ? cpu_layer_ops<float>() : *backend_.ops;
+  const LayerOps<float>& master_ops() const { return options_.cpu_offload ? *backend_.host_ops : *backend_.ops; }
+  const ShardOps& master_shard_ops() const {
+    return options_.cpu_offload ? *backend_.host_shard_ops : *backend_.shard_ops;
   }
-  const ShardOps& master_shard_ops() const { return options_.cpu_offload ? cpu_shard_ops() : *backend_.shard_ops; }
   std::vector<UnitShard>& shards() { return shards_; }
   const std::vector<UnitShard>& shards() const { return shards_; }
   size_t local_param_count() const;  // elements of this rank's shards, padding included

@@ -168,14 +168,13 @@ std::vector<IoPiece> io_pieces(const std::string& layout, FsdpEngine& engine, Ad
   std::vector<IoPiece> pieces;
   MPI_Offset base = 0;
   for (size_t u = 0; u < table.units().size(); u++) {
-    const UnitShard& shard = engine.shards()[u];
-    const float* buffers[3] = {shard.params.data(), optimizer.m()[u].data(), optimizer.v()[u].data()};
-    const size_t own_lo = shard.begin + shard.owned_begin, own_hi = own_lo + shard.owned_count;
+    const UnitLayout& shard = engine.shards()[u].layout;
+    const float* buffers[3] = {engine.shards()[u].params.data(), optimizer.m()[u].data(), optimizer.v()[u].data()};
     for (int k = 0; k < 3; k++) {
       auto add = [&](size_t lo, size_t numel) {  // a dataset holding unit elements [lo, lo + numel)
-        const size_t from = std::max(lo, own_lo), to = std::min(lo + numel, own_hi);
-        IoPiece piece{base + static_cast<MPI_Offset>((from - lo) * 4), buffers[k] + (from - shard.begin), 0};
-        if (from < to) piece.count = to - from;
+        const FlatRange own = intersect(shard.owned_range(), FlatRange{lo, lo + numel});
+        IoPiece piece{base + static_cast<MPI_Offset>((own.begin - lo) * 4), buffers[k] + (own.begin - shard.begin),
+                      own.size()};
         pieces.push_back(piece);
         base += static_cast<MPI_Offset>(numel * 4);
       };
@@ -287,7 +286,7 @@ int main(int argc, char** argv) {
       const UnitShard& s = engine.shards()[u];
       DeviceArray<float>&m = optimizer.m()[u], &v = optimizer.v()[u];
       for (size_t i = 0; i < m.size(); i++) {
-        const size_t g = s.begin + i + u * 7919;
+        const size_t g = s.layout.begin + i + u * 7919;
         m[i] = 1e-3f * static_cast<float>(static_cast<int>(g % 2001) - 1000);
         v[i] = 1e-6f * static_cast<float>(1 + g % 997);
       }

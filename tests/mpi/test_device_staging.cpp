@@ -105,7 +105,8 @@ struct TrainingRun {
 };
 
 Backend foreign_backend(ForeignDevice& device) {
-  return Backend{&device, &host_device(), &cpu_layer_ops<float>(), &cpu_shard_ops()};
+  return Backend{&device,          &host_device(),          &cpu_layer_ops<float>(),
+                 &cpu_shard_ops(), &cpu_layer_ops<float>(), &cpu_shard_ops()};
 }
 
 // A folder every rank sees, made by rank 0 and removed with the object.

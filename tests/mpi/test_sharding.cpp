@@ -98,7 +98,8 @@ TEST(Engine, InitializationIsIndependentOfRankCount) {
   MemoryTracker mem_world, mem_self;
   auto world = make_mpi_comm(MPI_COMM_WORLD, nullptr);
   auto self = make_mpi_comm(MPI_COMM_SELF, nullptr);
-  FsdpEngine sharded(table, *world, *self, mem_world), whole(table, *self, *self, mem_self);
+  FsdpEngine sharded(table, *world, *self, mem_world, {}, cpu_backend());
+  FsdpEngine whole(table, *self, *self, mem_self, {}, cpu_backend());
   sharded.init_parameters(42);
   whole.init_parameters(42);
   bool ok = true;
@@ -118,9 +119,9 @@ TEST(Engine, ShardedGradientEqualsSumOfUnshardedGradients) {
   auto self = make_mpi_comm(MPI_COMM_SELF, nullptr);
   const int n = comm->size(), r = comm->rank();
   const int B = 2, T = 5;
-  FsdpEngine engine(table, *comm, *self, memory);
+  FsdpEngine engine(table, *comm, *self, memory, {}, cpu_backend());
   engine.init_parameters(7);
-  GptModel<float> model(table, B, T);
+  GptModel<float> model(table, B, T, false, cpu_layer_ops<float>());
   std::vector<int> tokens(B * T), targets(B * T);
   const float dloss = 1.0f / (B * T * n);
   // Two micro-batches, so the shard gradients also accumulate.
@@ -141,7 +142,7 @@ TEST(Engine, ShardedGradientEqualsSumOfUnshardedGradients) {
   std::vector<const float*> unit_ptrs;
   std::vector<float*> grad_ptrs;
   for (size_t u = 0; u < units.size(); u++) unit_ptrs.push_back(units[u].data()), grad_ptrs.push_back(grads[u].data());
-  GptModel<float> reference(table, B, T);
+  GptModel<float> reference(table, B, T, false, cpu_layer_ops<float>());
   double oracle_loss_of_this_rank = 0;
   for (int q = 0; q < n; q++) {
     for (int micro = 0; micro < 2; micro++) {

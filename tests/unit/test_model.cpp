@@ -77,7 +77,7 @@ double loss_and_grads(GptModel<Real>& model, const ParamTable& table, std::vecto
 TEST(ModelGradient, MatchesCentralFiniteDifferencesForEveryTensor) {
   ParamTable table(tiny_config());
   const int B = 2, T = 5;
-  GptModel<double> model(table, B, T);
+  GptModel<double> model(table, B, T, false, cpu_layer_ops<double>());
   auto units = random_units<double>(table);
   std::vector<std::vector<double>> grads;
   Batch batch = make_batch(B, T, table.config().vocab_size);
@@ -106,8 +106,8 @@ TEST(ModelGradient, MatchesCentralFiniteDifferencesForEveryTensor) {
 TEST(ModelPrecision, FloatAgreesWithDouble) {
   ParamTable table(tiny_config());
   const int B = 2, T = 7;
-  GptModel<double> model64(table, B, T);
-  GptModel<float> model32(table, B, T);
+  GptModel<double> model64(table, B, T, false, cpu_layer_ops<double>());
+  GptModel<float> model32(table, B, T, false, cpu_layer_ops<float>());
   auto units64 = random_units<double>(table);
   auto units32 = random_units<float>(table);
   std::vector<std::vector<double>> grads64;
@@ -165,7 +165,8 @@ TEST(ParamTable, FlopsPerTokenFollowsTheFormula) {
 TEST(ModelCheckpointing, RecomputationGivesIdenticalGradients) {
   ParamTable table(tiny_config());
   const int B = 2, T = 6;
-  GptModel<double> plain(table, B, T, false), recomputing(table, B, T, true);
+  GptModel<double> plain(table, B, T, false, cpu_layer_ops<double>());
+  GptModel<double> recomputing(table, B, T, true, cpu_layer_ops<double>());
   auto units = random_units<double>(table);
   std::vector<std::vector<double>> g1, g2;
   Batch batch = make_batch(B, T, table.config().vocab_size);

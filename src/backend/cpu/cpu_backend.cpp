@@ -143,7 +143,8 @@ const ShardOps& cpu_shard_ops() {
 }
 
 const Backend& cpu_backend() {
-  static const Backend backend{&host_device(), &host_device(), &cpu_layer_ops<float>(), &cpu_shard_ops()};
+  static const Backend backend{&host_device(),         &host_device(),   &cpu_layer_ops<float>(),
+                               &cpu_shard_ops(),       &cpu_layer_ops<float>(), &cpu_shard_ops()};
   return backend;
 }
 
