@@ -659,11 +659,6 @@ CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, Ada
   return state;
 }
 
-CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, AdamW& optimizer, MPI_Comm comm) {
-  std::unique_ptr<Comm> host_comm = make_mpi_comm(comm, nullptr);
-  return load_checkpoint(path, engine, optimizer, CheckpointComm{*host_comm, comm, nullptr});
-}
-
 static H5Id open_serial(const std::string& path) {
   H5Id fapl(h5_check_id(H5Pcreate(H5P_FILE_ACCESS), path, "H5Pcreate"), H5Pclose);
   h5_check(H5Pset_file_locking(fapl, false, true), path, "H5Pset_file_locking");

@@ -69,9 +69,6 @@ void save_checkpoint(const std::string& path, const CheckpointState& state, Fsdp
 // Throws CheckpointError naming the file and the defect.
 CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, AdamW& optimizer,
                                 const CheckpointComm& ranks);
-// Transitional, until app/trainer.cpp loads through CheckpointManager::load: the same over an MPI
-// communicator, without a watchdog.
-CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, AdamW& optimizer, MPI_Comm comm);
 
 // "" when the shapes agree, else a message naming every model.* key that differs.
 std::string model_mismatch(const std::string& path, const ModelConfig& stored, const ModelConfig& configured);
