@@ -46,8 +46,9 @@ class LayerOps {
   virtual void softmax_crossentropy_backward(Real* probs_to_dlogits, const int* targets, Real dloss, int N,
                                              int V) const = 0;
 
-  // Reductions, returned to the host. sum in the order of the elements' index (CPU: sequential
-  // in double; CUDA: a fixed tree, so deterministic but not the CPU's bits).
+  // Reductions, returned to the host, in an order fixed by n alone -- not by threads -- so
+  // deterministic (CPU, in double: sum sequential; sum_squares sequential within blocks of 4096
+  // elements, then over the blocks in order. CUDA: a fixed tree, not the CPU's bits).
   virtual double sum(const Real* x, size_t n) const = 0;
   virtual double sum_squares(const Real* x, size_t n) const = 0;
   // Elements that are inf or NaN.
