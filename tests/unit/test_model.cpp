@@ -152,12 +152,85 @@ TEST(ParamTable, ShippedShapesHaveTheirNominalSizes) {
   EXPECT_NEAR(count(20, 1024, 16) / 1e6, 304.0, 1.5);
 }
 
-TEST(ParamTable, FlopsPerTokenFollowsTheFormula) {
-  ModelConfig c;
-  c.n_layer = 12, c.n_embd = 768, c.n_head = 12, c.vocab_size = 50257, c.max_seq_len = 1024;
-  ParamTable table(c);
-  const double non_embedding = 124439808.0 - 50257.0 * 768 - 1024.0 * 768;
-  EXPECT_DOUBLE_EQ(table.flops_per_token(64), 6 * (non_embedding + 50257.0 * 768) + 12.0 * 12 * 64 * 768);
+namespace {
+
+// The CPU's operations, counting the multiply-adds of the forward pass in the cost model that
+// MFU uses: one per parameter element per token where a parameter is applied (GEMM weights and
+// biases, LayerNorm gains and shifts; the embedding lookups apply none), and attention's QK^T and
+// AV over the whole context. Counted from the shapes the model actually runs.
+class CountingOps : public LayerOps<double> {
+ public:
+  double multiply_adds() const { return macs_; }
+  Device& device() const override { return cpu().device(); }
+  void encoder_forward(double* out, const int* tokens, const double* wte, const double* wpe, int B, int T,
+                       int C) const override {
+    cpu().encoder_forward(out, tokens, wte, wpe, B, T, C);
+  }
+  void layernorm_forward(double* out, double* mean, double* rstd, const double* inp, const double* weight,
+                         const double* bias, int N, int C) const override {
+    macs_ += 2.0 * N * C;
+    cpu().layernorm_forward(out, mean, rstd, inp, weight, bias, N, C);
+  }
+  void matmul_forward(double* out, const double* inp, const double* weight, const double* bias, int N, int C,
+                      int OC) const override {
+    macs_ += static_cast<double>(N) * C * OC + (bias ? static_cast<double>(N) * OC : 0.0);
+    cpu().matmul_forward(out, inp, weight, bias, N, C, OC);
+  }
+  void attention_forward(double* out, double* att, const double* qkv, int B, int T, int C, int NH) const override {
+    macs_ += 2.0 * B * T * T * C;  // per head: T x T scores of head_dim, then T x head_dim outputs of T
+    cpu().attention_forward(out, att, qkv, B, T, C, NH);
+  }
+  void gelu_forward(double* out, const double* inp, size_t n) const override { cpu().gelu_forward(out, inp, n); }
+  void residual_forward(double* out, const double* a, const double* b, size_t n) const override {
+    cpu().residual_forward(out, a, b, n);
+  }
+  void softmax_crossentropy_forward(double* losses, double* logits_to_probs, const int* targets, int N,
+                                    int V) const override {
+    cpu().softmax_crossentropy_forward(losses, logits_to_probs, targets, N, V);
+  }
+  double sum(const double* x, size_t n) const override { return cpu().sum(x, n); }
+
+  // Not used by a forward pass.
+  void encoder_backward(double*, double*, const double*, const int*, int, int, int) const override { unused(); }
+  void layernorm_backward(double*, double*, double*, const double*, const double*, const double*, const double*,
+                          const double*, int, int) const override {
+    unused();
+  }
+  void matmul_backward(double*, double*, double*, const double*, const double*, const double*, int, int,
+                       int) const override {
+    unused();
+  }
+  void attention_backward(double*, double*, const double*, const double*, const double*, int, int, int,
+                          int) const override {
+    unused();
+  }
+  void gelu_backward(double*, const double*, const double*, size_t) const override { unused(); }
+  void softmax_crossentropy_backward(double*, const int*, double, int, int) const override { unused(); }
+  double sum_squares(const double*, size_t) const override { return unused(), 0; }
+  size_t count_nonfinite(const double*, size_t) const override { return unused(), 0; }
+  void scale(double*, size_t, double) const override { unused(); }
+
+ private:
+  static const LayerOps<double>& cpu() { return cpu_layer_ops<double>(); }
+  static void unused() { ADD_FAILURE() << "a forward pass called a backward operation"; }
+  mutable double macs_ = 0;
+};
+
+}  // namespace
+
+// Training costs three forward passes' worth (the backward two) of two FLOPs per multiply-add.
+TEST(ParamTable, FlopsPerTokenCountsTheMultiplyAddsTheModelRuns) {
+  for (int seq_len : {16, 5}) {
+    ModelConfig c = tiny_config();
+    c.max_seq_len = 16;
+    ParamTable table(c);
+    const int B = 2;
+    CountingOps counting;
+    GptModel<double> model(table, B, seq_len, false, counting);
+    forward_loss(model, table, random_units<double>(table), make_batch(B, seq_len, c.vocab_size));
+    const double per_token = 2 * 3 * counting.multiply_adds() / (B * seq_len);
+    EXPECT_DOUBLE_EQ(table.flops_per_token(seq_len), per_token) << "seq_len " << seq_len;
+  }
 }
 
 // Activation checkpointing recomputes each block's forward in backward: the same operations on
