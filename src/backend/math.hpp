@@ -1,6 +1,6 @@
 // Per-element math written once, for the CPU loops and (as HOST_DEVICE) for the CUDA kernels, so
-// that the CPU tests cover the GPU's arithmetic too: GELU, the counter-based RNG that makes
-// initialization a pure function of (seed, parameter, element), and the AdamW element update.
+// that the CPU tests cover the GPU's arithmetic too: exp_fast, GELU and the AdamW element update.
+// (The counter RNG, which serves data/ and ckpt/ too, is core/random.hpp.)
 #pragma once
 
 #include <cmath>
@@ -61,27 +61,6 @@ HOST_DEVICE inline Real gelu_derivative(Real x) {
   Real s = gelu_sigmoid(x);
   Real du = Real(GELU_SCALE) * (Real(1) + Real(3 * GELU_CUBIC) * x * x);
   return s + x * s * (Real(1) - s) * Real(2) * du;
-}
-
-// SplitMix64 finaliser: a bijective 64-bit mix with good avalanche, the core of the counter RNG.
-HOST_DEVICE inline uint64_t mix64(uint64_t z) {
-  z += 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-// Uniform in (0, 1), a pure function of (key, counter).
-HOST_DEVICE inline double counter_uniform(uint64_t key, uint64_t counter) {
-  uint64_t bits = mix64(key ^ mix64(counter));
-  return (static_cast<double>(bits >> 11) + 0.5) * (1.0 / 9007199254740992.0);
-}
-
-// Standard normal from two counter uniforms (Box–Muller); element i uses counters 2i and 2i+1.
-HOST_DEVICE inline double counter_normal(uint64_t key, uint64_t index) {
-  double u1 = counter_uniform(key, 2 * index);
-  double u2 = counter_uniform(key, 2 * index + 1);
-  return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
 }
 
 // One AdamW element (decoupled weight decay, bias-corrected moments). `decay` is 0 for

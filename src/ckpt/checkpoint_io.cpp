@@ -16,11 +16,11 @@
 #include <cstring>
 #include <sstream>
 
-#include "backend/math.hpp"
 #include "ckpt/h5.hpp"
 #include "comm/runtime.hpp"
 #include "comm/watchdog.hpp"
 #include "core/format.hpp"
+#include "core/random.hpp"
 
 namespace shardtrain {
 namespace {

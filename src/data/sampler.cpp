@@ -2,8 +2,8 @@
 // mix64, so every rank, thread count and run computes the same windows: nothing is stateful.
 #include "data/sampler.hpp"
 
-#include "backend/math.hpp"
 #include "core/error.hpp"
+#include "core/random.hpp"
 
 namespace shardtrain {
 

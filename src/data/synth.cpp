@@ -6,7 +6,7 @@
 #include <cmath>
 #include <utility>
 
-#include "backend/math.hpp"
+#include "core/random.hpp"
 
 namespace shardtrain {
 

@@ -8,8 +8,8 @@
 #include <algorithm>
 #include <cmath>
 
-#include "backend/math.hpp"
 #include "core/error.hpp"
+#include "core/random.hpp"
 
 namespace shardtrain {
 

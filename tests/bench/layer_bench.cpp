@@ -37,6 +37,7 @@
 
 #include "backend/cpu/ops.hpp"
 #include "backend/math.hpp"
+#include "core/random.hpp"
 
 namespace {
 

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "backend/dtype.hpp"
+#include "core/random.hpp"
 
 using namespace shardtrain;
 

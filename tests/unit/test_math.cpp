@@ -1,11 +1,13 @@
-// The shared per-element math (backend/math.hpp) against independent formulas: exp_fast against
-// libm, GELU's sigmoid form against GPT-2's tanh form, its derivative against finite
-// differences, the counter RNG's moments, AdamW's element update and the LR schedule.
+// The shared per-element math (backend/math.hpp) and the counter RNG (core/random.hpp) against
+// independent formulas: exp_fast against libm, GELU's sigmoid form against GPT-2's tanh form, its
+// derivative against finite differences, the counter RNG's moments, AdamW's element update and
+// the LR schedule.
 #include <gtest/gtest.h>
 
 #include <cmath>
 
 #include "backend/math.hpp"
+#include "core/random.hpp"
 #include "optim/adamw.hpp"
 
 using namespace shardtrain;

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <vector>
 
-#include "backend/math.hpp"
+#include "core/random.hpp"
 #include "model/gpt.hpp"
 
 using namespace shardtrain;
