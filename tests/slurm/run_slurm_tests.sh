@@ -301,7 +301,7 @@ preempt() { # preempt LAUNCHER
       && grep -q "SLURM_RESTART_COUNT=0 " "$out" && grep -q "SLURM_RESTART_COUNT=1 " "$out" \
       && grep -q "^requeueing job $id" "$out" \
       && grep -q "^resumed from checkpoints/$name-$id/$(printf 'ckpt-%08d.h5' "${stopped:-0}") at step ${stopped:-0} " "$out" \
-      && grep -q "^done: $STEPS steps" "$W/logs/$name-$id-r1.log" && [ -f "$W/logs/$name-$id-r0.log" ] \
+      && grep -q "^done: $((STEPS - ${stopped:-0})) steps" "$W/logs/$name-$id-r1.log" && [ -f "$W/logs/$name-$id-r0.log" ] \
       && [ ! -e "$ck/STOPPED" ]; then
     pass "preempt-$launcher: job $id resumed at step $stopped and COMPLETED (exit $ec; logs $name-$id-r0.log, -r1.log)"
   else
