@@ -1,10 +1,12 @@
 // The shared per-element math (backend/math.hpp) and the counter RNG (core/random.hpp) against
-// independent formulas: exp_fast against libm, GELU's sigmoid form against GPT-2's tanh form, its
-// derivative against finite differences, the counter RNG's moments, AdamW's element update and
-// the LR schedule.
+// independent formulas: exp_fast against libm over its range and at its clamped ends, GELU's
+// sigmoid form against GPT-2's tanh form, its derivative against finite differences, the counter
+// RNG's moments, AdamW's element update and the LR schedule.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
+#include <vector>
 
 #include "backend/math.hpp"
 #include "core/random.hpp"
@@ -12,16 +14,41 @@
 
 using namespace shardtrain;
 
-TEST(Math, ExpFastIsWithinFourUlpOfLibm) {
+namespace {
+
+// Relative error of exp_fast(x) against libm's exp in double; x is taken as the float it is.
+double exp_fast_error(float x) {
+  const double ref = std::exp(static_cast<double>(x));
+  return std::fabs(exp_fast(x) - ref) / ref;
+}
+
+}  // namespace
+
+TEST(Math, ExpFastIsWithinFourUlpOfLibmOverTheWholeClampedRange) {
   double worst = 0;
-  for (double x = -87.0; x <= 88.0; x += 0.00731) {
-    double ref = std::exp(static_cast<double>(static_cast<float>(x)));
-    double got = exp_fast(static_cast<float>(x));
-    worst = std::max(worst, std::fabs(got - ref) / ref);
+  float worst_x = 0;
+  std::vector<float> xs = {-87.3f, 88.3f, 0.0f, -0.0f, 1e-30f, -1e-30f, 0.5f * 0.6931472f, -0.5f * 0.6931472f};
+  for (double x = -87.3; x <= 88.3; x += 0.00731) xs.push_back(static_cast<float>(x));
+  for (float x : xs) {
+    const double error = exp_fast_error(x);
+    if (error > worst) worst = error, worst_x = x;
   }
-  EXPECT_LT(worst, 4 * 5.96e-8) << "max relative error " << worst;
-  EXPECT_TRUE(std::isfinite(exp_fast(1000.0f)));
-  EXPECT_GE(exp_fast(-1000.0f), 0.0f);
+  EXPECT_LT(worst, 4 * 0x1p-24) << "max relative error " << worst << " at x = " << worst_x;
+}
+
+// Beyond [-87.3, 88.3] the input is clamped: the result is exp_fast of the end, which is a normal
+// float at the bottom (no 0, no subnormal, as a later division may need) and finite at the top.
+TEST(Math, ExpFastSaturatesAtTheClampedEnds) {
+  const float bottom = exp_fast(-87.3f), top = exp_fast(88.3f);
+  EXPECT_GE(bottom, std::numeric_limits<float>::min());
+  EXPECT_LT(bottom, 2 * std::numeric_limits<float>::min());
+  EXPECT_LT(exp_fast_error(-87.3f), 4 * 0x1p-24);
+  EXPECT_TRUE(std::isfinite(top));
+  EXPECT_GT(top, 0.5f * std::numeric_limits<float>::max());
+  EXPECT_LT(exp_fast_error(88.3f), 4 * 0x1p-24);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (float x : {-87.31f, -88.0f, -103.0f, -1000.0f, -1e30f, -inf}) EXPECT_EQ(exp_fast(x), bottom) << x;
+  for (float x : {88.31f, 88.8f, 89.0f, 1000.0f, 1e30f, inf}) EXPECT_EQ(exp_fast(x), top) << x;
 }
 
 TEST(Math, GeluEqualsGpt2TanhForm) {
