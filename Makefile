@@ -27,7 +27,8 @@ endif
 
 DEB_PACKAGES := g++ make pkg-config python3 openmpi-bin libopenmpi-dev libopenblas-openmp-dev \
                 libboost-program-options-dev libhdf5-openmpi-dev hdf5-tools libgtest-dev \
-                libbenchmark-dev nlohmann-json3-dev python3-h5py python3-numpy python3-matplotlib
+                libbenchmark-dev nlohmann-json3-dev python3-h5py python3-numpy python3-matplotlib \
+                libpcre2-dev libutf8proc-dev
 
 # The OpenMP build of OpenBLAS shares the OpenMP thread pool with our own loops, so the two
 # never oversubscribe the cores (the pthread build keeps a second pool that fights ours).
@@ -42,7 +43,7 @@ CPPFLAGS := -I. -Isrc -Itests -I$(OPENBLAS_INC) -I$(HDF5_INC) -DOMPI_SKIP_MPICXX
 CPPFLAGS += -DSHARDTRAIN_VERSION='"$(shell git describe --always --dirty 2>/dev/null)"'
 CXXFLAGS := -std=c++17 $(OPT) -g -fopenmp -Wall -Wextra -Wno-unused-parameter -MMD -MP
 LDFLAGS  := -fopenmp -L$(OPENBLAS_LIB) -Wl,-rpath,$(OPENBLAS_LIB) -L$(HDF5_LIB)
-LDLIBS   := -lopenblas -lhdf5 -lboost_program_options -lpthread
+LDLIBS   := -lopenblas -lhdf5 -lboost_program_options -lpcre2-8 -lutf8proc -lpthread
 ifneq ($(SAN),)
 CXXFLAGS += -fsanitize=$(SAN) -fno-omit-frame-pointer
 LDFLAGS  += -fsanitize=$(SAN)

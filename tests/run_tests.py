@@ -82,12 +82,16 @@ def run_mpi_tests(build, tally, pattern):
 
 
 # What some e2e tests need beyond Debian's packages (the tensorboard package's event reader, Hugging
-# Face's safetensors reader and writer), pinned with their dependencies. Installed once per build
+# Face's safetensors reader and writer, its tokenizers package as the tokenizer's oracle), pinned with
+# their dependencies (tokenizers needs huggingface_hub and its tree). Installed once per build
 # folder by ensure_test_venv, never at run time.
 TEST_VENV_REQUIREMENTS = [
     "tensorboard==2.20.0", "safetensors==0.7.0", "tensorboard-data-server==0.7.2", "protobuf==7.36.2", "grpcio==1.85.1",
     "absl-py==2.5.1", "Markdown==3.11.3", "MarkupSafe==3.0.4", "Werkzeug==3.1.9", "packaging==26.3",
     "pillow==13.0.0", "typing_extensions==4.16.0",
+    "tokenizers==0.22.1", "huggingface-hub==1.33.0", "click==8.5.1", "filelock==4.2.12", "fsspec==2026.9.0",
+    "hf-xet==1.8.0", "httpx==0.28.1", "httpcore==1.0.9", "h11==0.16.0", "anyio==4.16.0", "idna==3.20",
+    "certifi==2026.10.18", "pyyaml==6.0.3", "tqdm==4.70.1",
 ]
 
 

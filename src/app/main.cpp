@@ -52,7 +52,7 @@ int run_data(const Runtime& rt, const std::vector<std::string>& args) {
     throw UsageError("'shardtrain data' needs 'synth' or 'encode'; see 'shardtrain --help'");
   const bool synth = args[0] == "synth";
   // The counts are read as text: Boost reads "-1" into an unsigned option as 2^64-1.
-  std::string out_dir = "inputs/data", input, output, seed = "1";
+  std::string out_dir = "inputs/data", input, output, seed = "1", tokenizer, separator;
   std::string train_bytes = std::to_string(4 << 20), val_bytes = std::to_string(256 << 10);
   double val_fraction = 0.05;
   po::options_description desc(synth ? "data synth options" : "data encode options");
@@ -67,10 +67,15 @@ int run_data(const Runtime& rt, const std::vector<std::string>& args) {
         ("val-bytes", po::value(&val_bytes)->default_value(val_bytes),
          ("tokens in the validation file" + most + "; 0 = none").c_str());
   } else {
-    desc.add_options()("input", po::value(&input)->required(), "text file to encode")(
+    desc.add_options()("input", po::value(&input)->required(),
+                       "text file to encode; with --tokenizer also a .jsonl file (a \"text\" field per line) or a "
+                       "folder of them (one document per text file)")(
         "output", po::value(&output)->required(), "token file to write (the training part)")(
         "val-fraction", po::value(&val_fraction)->default_value(val_fraction, "0.05"),
-        "fraction of the text, from its end, written as the validation file");
+        "fraction of the text (tokens with --tokenizer), from its end, written as the validation file")(
+        "tokenizer", po::value(&tokenizer), "Hugging Face tokenizer.json (byte-level BPE) instead of bytes; see docs/data.md")(
+        "separator", po::value(&separator),
+        "with --tokenizer: the token put before each document (default: the tokenizer's end-of-text token; none: no token)");
   }
   const std::string help = "; see 'shardtrain data " + args[0] + " --help'";
   po::variables_map vm;
@@ -90,7 +95,10 @@ int run_data(const Runtime& rt, const std::vector<std::string>& args) {
     const size_t train_count = parse_whole_number(train_bytes, "--train-bytes", 1, SYNTH_MAX_BYTES);
     const size_t val_count = parse_whole_number(val_bytes, "--val-bytes", 0, SYNTH_MAX_BYTES);
     if (rt.is_root()) data_synth(out_dir, seed_value, train_count, val_count);  // one writer; the others wait
+  } else if (rt.is_root() && vm.count("tokenizer")) {
+    data_encode_tokenized(input, tokenizer, output, val_fraction, separator);
   } else if (rt.is_root()) {
+    if (vm.count("separator")) throw UsageError("--separator needs --tokenizer" + help);
     data_encode(input, output, val_fraction);
   }
   return EXIT_CODE_OK;

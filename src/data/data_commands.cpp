@@ -1,20 +1,25 @@
-// `data synth` and `data encode`: turn bytes into uint16 tokens one for one and write them with
-// write_token_file (atomic rename). Input problems are found before anything is written, so a
-// failed command leaves no half-made output behind.
+// `data synth` and `data encode`: turn bytes into uint16 tokens one for one (or text into a
+// tokenizer.json's tokens) and write them with write_token_file (atomic rename). Input problems are
+// found before anything is written, so a failed command leaves no half-made output behind.
 #include "data/data_commands.hpp"
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <optional>
+#include <nlohmann/json.hpp>
 #include <system_error>
 #include <vector>
 
 #include "core/error.hpp"
 #include "data/synth.hpp"
 #include "data/token_file.hpp"
+#include "data/tokenizer.hpp"
 
 namespace shardtrain {
 
@@ -52,7 +57,84 @@ std::string read_whole_file(const std::string& path) {
   return bytes;
 }
 
+bool is_jsonl(const std::string& path) { return ends_with(path, ".jsonl"); }
+
+// The files a --input names: itself, or every regular file under a folder sorted by path.
+std::vector<std::string> input_files(const std::string& input) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(input, ec)) return {input};
+  std::vector<std::string> files;
+  for (auto it = std::filesystem::recursive_directory_iterator(input, ec);
+       !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (!name.empty() && name[0] == '.') {
+      if (it->is_directory(ec)) it.disable_recursion_pending();
+      continue;
+    }
+    if (it->is_regular_file(ec)) files.push_back(it->path().string());
+  }
+  if (ec) throw DataError(strprintf("input folder '%s': cannot list (%s)", input.c_str(), ec.message().c_str()));
+  if (files.empty()) throw DataError(strprintf("input folder '%s': holds no files; give text or .jsonl files", input.c_str()));
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+// Calls doc(text) for each document of one file (valid UTF-8 after replacement).
+template <class Doc>
+void for_each_document(const std::string& path, Doc&& doc) {
+  const std::string text = utf8_with_replacements(read_whole_file(path));
+  if (!is_jsonl(path)) {
+    doc(text);
+    return;
+  }
+  size_t line_no = 0;
+  for (size_t begin = 0; begin < text.size();) {
+    size_t end = text.find('\n', begin);
+    if (end == std::string::npos) end = text.size();
+    const std::string_view line(text.data() + begin, end - begin);
+    line_no++;
+    begin = end + 1;
+    if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;  // blank lines hold no document
+    nlohmann::json record;
+    try {
+      record = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::parse_error& e) {
+      throw DataError(strprintf("input file '%s' line %zu, byte %zu: not a JSON object (%s); write one JSON object per "
+                                "line", path.c_str(), line_no, e.byte, e.what()));
+    }
+    auto it = record.is_object() ? record.find("text") : record.end();
+    if (it == record.end() || !it->is_string())
+      throw DataError(strprintf("input file '%s' line %zu: no \"text\" string field; each line needs {\"text\": \"...\"}",
+                                path.c_str(), line_no));
+    doc(it->get_ref<const std::string&>());
+  }
+}
+
+// The token put before each document, or none.
+std::optional<uint32_t> document_separator(const Tokenizer& tokenizer, const std::string& separator,
+                                           const std::string& tokenizer_path, std::string& name) {
+  if (separator == "none") return std::nullopt;
+  if (!separator.empty()) {
+    name = separator;
+    if (auto id = tokenizer.token_id(separator)) return id;
+    throw UsageError(strprintf("--separator '%s' is not a token of '%s'", separator.c_str(), tokenizer_path.c_str()));
+  }
+  if (tokenizer.adds_special_tokens()) return std::nullopt;  // its template already marks every document
+  for (const char* candidate : DOCUMENT_SEPARATORS)
+    if (tokenizer.is_special(candidate)) {
+      name = candidate;
+      return tokenizer.token_id(candidate);
+    }
+  throw DataError(strprintf("tokenizer file '%s': has none of the special tokens <|endoftext|>, <|end_of_text|>, </s>, "
+                            "<eos>, <|begin_of_text|>, <s>, <bos> to put between documents; name one with --separator "
+                            "TOKEN or give --separator none",
+                            tokenizer_path.c_str()));
+}
+
 }  // namespace
+
+const char* const DOCUMENT_SEPARATORS[7] = {"<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>",
+                                            "<|begin_of_text|>", "<s>", "<bos>"};
 
 void data_synth(const std::string& out_dir, uint64_t seed, size_t train_bytes, size_t val_bytes) {
   SHARD_CHECK(train_bytes >= 1 && train_bytes <= SYNTH_MAX_BYTES && val_bytes <= SYNTH_MAX_BYTES,
@@ -92,6 +174,54 @@ void data_encode(const std::string& text_path, const std::string& out_path, doub
                                text_path.c_str()));
   write_and_report(out_path, bytes_to_tokens(bytes, 0, train_bytes));
   if (val_bytes > 0) write_and_report(val_path_for(out_path), bytes_to_tokens(bytes, train_bytes, bytes.size()));
+}
+
+void data_encode_tokenized(const std::string& input, const std::string& tokenizer_path, const std::string& out_path,
+                           double val_fraction, const std::string& separator) {
+  if (!(val_fraction >= 0 && val_fraction < 1))  // also rejects NaN
+    throw UsageError(strprintf("--val-fraction=%g must be in [0, 1)", val_fraction));
+  Tokenizer tokenizer(tokenizer_path);
+  if (tokenizer.vocab_size() > 65536)
+    throw DataError(strprintf("tokenizer file '%s': has token ids up to %u, beyond the 16-bit token files "
+                              "(65536 ids); the 32-bit format is not supported yet",
+                              tokenizer_path.c_str(), tokenizer.vocab_size() - 1));
+  std::string separator_name;
+  const std::optional<uint32_t> sep = document_separator(tokenizer, separator, tokenizer_path, separator_name);
+  const std::vector<std::string> files = input_files(input);
+
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<uint32_t> ids;
+  size_t documents = 0, bytes = 0;
+  for (const std::string& file : files)
+    for_each_document(file, [&](const std::string& text) {
+      if (sep) ids.push_back(*sep);
+      tokenizer.encode(text, ids);
+      documents++;
+      bytes += text.size();
+    });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (ids.empty()) throw DataError(strprintf("input '%s': holds no text; nothing to encode", input.c_str()));
+
+  const size_t val_count = static_cast<size_t>(static_cast<double>(ids.size()) * val_fraction);
+  if (val_fraction > 0 && val_count == 0)
+    throw DataError(strprintf("input '%s': too small (%zu tokens) for a --val-fraction=%g validation part; use more "
+                              "text, a larger fraction, or 0 for no validation file",
+                              input.c_str(), ids.size(), val_fraction));
+  const size_t train_count = ids.size() - val_count;
+  std::printf("encoded %zu document%s (%zu bytes) in %.2f s (%.1f MB/s), %s\n", documents, documents == 1 ? "" : "s",
+              bytes, seconds, seconds > 0 ? static_cast<double>(bytes) / seconds / 1e6 : 0.0,
+              sep ? strprintf("%s (id %u) before each", separator_name.c_str(), *sep).c_str()
+                  : tokenizer.adds_special_tokens() ? "the tokenizer's template marks each" : "no separator");
+  const auto write_part = [&](const std::string& path, size_t begin, size_t end) {
+    write_token_file(path, std::vector<uint16_t>(ids.begin() + static_cast<std::ptrdiff_t>(begin),
+                                                 ids.begin() + static_cast<std::ptrdiff_t>(end)));
+    std::printf("wrote %s: %zu token%s (tokenizer %s, vocab %u: needs model.vocab_size >= %u)\n", path.c_str(),
+                end - begin, end - begin == 1 ? "" : "s", tokenizer_path.c_str(), tokenizer.vocab_size(),
+                tokenizer.vocab_size());
+    std::fflush(stdout);
+  };
+  write_part(out_path, 0, train_count);
+  if (val_count > 0) write_part(val_path_for(out_path), train_count, ids.size());
 }
 
 }  // namespace shardtrain

@@ -1,6 +1,6 @@
 // The bodies of `shardtrain data synth` and `shardtrain data encode` (app/main.cpp parses their
-// options and calls these on one rank). Both write byte-level token files: token = byte value,
-// so the files need model.vocab_size >= 256. Errors throw DataError/UsageError naming the file.
+// options and calls these on one rank). Without a tokenizer both write byte-level token files:
+// token = byte value, so the files need model.vocab_size >= 256. Errors throw DataError/UsageError naming the file.
 #pragma once
 
 #include <cstddef>
@@ -19,6 +19,18 @@ void data_synth(const std::string& out_dir, uint64_t seed, size_t train_bytes, s
 // floor(bytes * val_fraction) bytes go to the validation file val_path_for(out_path) and the rest
 // to out_path; with 0 everything goes to out_path. Prints one line per file written.
 void data_encode(const std::string& text_path, const std::string& out_path, double val_fraction);
+
+// `data encode --tokenizer`: encodes documents with a Hugging Face tokenizer.json (tokenizer.hpp).
+// `input` is a text file (one document), a .jsonl file (one document per line, its "text" field) or
+// a folder (every file under it, sorted by path, each read as one of the two by its name; names
+// starting with '.' skipped). Invalid UTF-8 becomes U+FFFD first. Every document is the reference's
+// encode(text).ids; unless the tokenizer's template already adds special tokens to each, the
+// separator token goes before each document, as llm.c's data scripts put <|endoftext|>: `separator`
+// names it ("none": no separator; "": the first of DOCUMENT_SEPARATORS the tokenizer has). With
+// val_fraction > 0 the last floor(tokens * val_fraction) tokens go to val_path_for(out_path).
+extern const char* const DOCUMENT_SEPARATORS[7];
+void data_encode_tokenized(const std::string& input, const std::string& tokenizer_path, const std::string& out_path,
+                           double val_fraction, const std::string& separator);
 
 // The validation file named after the training file: "x_train.bin" -> "x_val.bin",
 // "x.bin" -> "x_val.bin", anything else -> "x" + "_val.bin".

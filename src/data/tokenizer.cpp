@@ -1,0 +1,739 @@
+// tokenizer.json loading and the encode pipeline, in the reference's order: added tokens that are
+// not normalized are cut out of the raw text; each remaining piece is normalized (NFC) and the
+// normalized added tokens are cut out of it; each remaining piece is pre-tokenized (Split regexes,
+// then ByteLevel) into words; each word is BPE-encoded (cached); the post-processor's template
+// wraps the result.
+#include "data/tokenizer.hpp"
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+#include <utf8proc.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "core/error.hpp"
+#include "data/bpe.hpp"
+
+namespace shardtrain {
+
+using nlohmann::json;
+
+std::string utf8_with_replacements(std::string_view bytes) {
+  static const char kReplacement[] = "\xEF\xBF\xBD";
+  std::string out;
+  out.reserve(bytes.size());
+  const auto* b = reinterpret_cast<const unsigned char*>(bytes.data());
+  const size_t n = bytes.size();
+  size_t i = 0;
+  while (i < n) {
+    const size_t run = i;
+    while (i < n && b[i] < 0x80) i++;
+    out.append(bytes.data() + run, i - run);
+    if (i == n) break;
+    // Unicode's table of well-formed sequences: the second byte's range depends on the lead.
+    const unsigned lead = b[i];
+    int need = 0;
+    unsigned lo = 0x80, hi = 0xBF;
+    if (lead >= 0xC2 && lead <= 0xDF) need = 1;
+    else if (lead == 0xE0) need = 2, lo = 0xA0;
+    else if (lead == 0xED) need = 2, hi = 0x9F;
+    else if (lead >= 0xE1 && lead <= 0xEF) need = 2;
+    else if (lead == 0xF0) need = 3, lo = 0x90;
+    else if (lead == 0xF4) need = 3, hi = 0x8F;
+    else if (lead >= 0xF1 && lead <= 0xF3) need = 3;
+    size_t j = i + 1;
+    int got = 0;
+    while (got < need && j < n && b[j] >= (got == 0 ? lo : 0x80u) && b[j] <= (got == 0 ? hi : 0xBFu)) j++, got++;
+    if (need > 0 && got == need) out.append(bytes.data() + i, j - i);
+    else out.append(kReplacement, 3);  // one U+FFFD for the lead and the valid start it had
+    i = j;
+  }
+  return out;
+}
+
+namespace {
+
+// ---- PCRE2 --------------------------------------------------------------------------------------
+
+// tokenizers runs its regexes on Oniguruma, whose \s is Unicode's White_Space and \w is letters,
+// marks, decimal digits and connector punctuation; PCRE2's UCP classes differ (its \s takes U+180E).
+// Spelling them as properties gives Oniguruma's meaning with PCRE2's own tables.
+std::string oniguruma_classes(const std::string& pattern) {
+  std::string out;
+  int depth = 0;  // inside [...] (Oniguruma nests classes)
+  for (size_t i = 0; i < pattern.size(); i++) {
+    const char c = pattern[i];
+    if (c == '\\' && i + 1 < pattern.size()) {
+      const char d = pattern[++i];
+      const bool inside = depth > 0;
+      if (d == 's') out += inside ? "\\p{White_Space}" : "[\\p{White_Space}]";
+      else if (d == 'S') out += "\\P{White_Space}";
+      else if (d == 'w') out += inside ? "\\p{L}\\p{M}\\p{Nd}\\p{Pc}" : "[\\p{L}\\p{M}\\p{Nd}\\p{Pc}]";
+      else if (d == 'W' && !inside) out += "[^\\p{L}\\p{M}\\p{Nd}\\p{Pc}]";
+      else out += {c, d};
+      continue;
+    }
+    if (c == '[') depth++;
+    else if (c == ']' && depth > 0) depth--;
+    out += c;
+  }
+  return out;
+}
+
+class Regex {
+ public:
+  // Throws DataError(where + the compiler's message) on a bad pattern.
+  Regex(const std::string& pattern, bool literal, const std::string& where) {
+    int code = 0;
+    PCRE2_SIZE offset = 0;
+    const std::string compiled = literal ? pattern : oniguruma_classes(pattern);
+    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(compiled.data()), compiled.size(),
+                          PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0), &code, &offset, nullptr);
+    if (code_ == nullptr) {
+      PCRE2_UCHAR message[256];
+      pcre2_get_error_message(code, message, sizeof message);
+      throw DataError(where + strprintf(": regex does not compile at pattern offset %zu: %s", offset,
+                                        reinterpret_cast<const char*>(message)));
+    }
+    pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE);  // without JIT, pcre2_match interprets: same results
+    match_ = pcre2_match_data_create_from_pattern(code_, nullptr);
+    context_ = pcre2_match_context_create(nullptr);
+    stack_ = pcre2_jit_stack_create(32 << 10, 64 << 20, nullptr);  // long whitespace runs backtrack deep
+    pcre2_jit_stack_assign(context_, nullptr, stack_);
+  }
+  ~Regex() {
+    pcre2_jit_stack_free(stack_);
+    pcre2_match_context_free(context_);
+    pcre2_match_data_free(match_);
+    pcre2_code_free(code_);
+  }
+  Regex(const Regex&) = delete;
+  Regex& operator=(const Regex&) = delete;
+
+  // Calls emit(piece) for every match and every non-empty gap between matches, in order (Split's
+  // "Isolated" behaviour). An empty match only separates the text around it.
+  template <class Emit>
+  void split_isolated(std::string_view text, Emit&& emit) const {
+    size_t done = 0, from = 0;
+    while (from <= text.size()) {
+      size_t begin = 0, end = 0;
+      if (!find(text, from, 0, begin, end)) break;
+      if (begin > done) emit(text.substr(done, begin - done));
+      if (end > begin) emit(text.substr(begin, end - begin));
+      done = end;
+      from = end > begin ? end : next_char(text, end);
+    }
+    if (done < text.size()) emit(text.substr(done));
+  }
+
+  // Whether the pattern matches at exactly `pos`.
+  bool matches_at(std::string_view text, size_t pos) const {
+    size_t begin = 0, end = 0;
+    return find(text, pos, PCRE2_ANCHORED, begin, end);
+  }
+
+ private:
+  static size_t next_char(std::string_view text, size_t pos) {
+    pos++;
+    while (pos < text.size() && (static_cast<unsigned char>(text[pos]) & 0xC0) == 0x80) pos++;
+    return pos;
+  }
+
+  bool find(std::string_view text, size_t from, uint32_t options, size_t& begin, size_t& end) const {
+    const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(text.data()), text.size(), from,
+                               options | PCRE2_NO_UTF_CHECK, match_, context_);
+    if (rc == PCRE2_ERROR_NOMATCH) return false;
+    if (rc < 0) {
+      PCRE2_UCHAR message[256];
+      pcre2_get_error_message(rc, message, sizeof message);
+      throw DataError(strprintf("tokenizer regex failed on a text of %zu bytes: %s", text.size(),
+                                reinterpret_cast<const char*>(message)));
+    }
+    const PCRE2_SIZE* ovector = pcre2_get_ovector_pointer(match_);
+    begin = ovector[0];
+    end = ovector[1];
+    return true;
+  }
+
+  pcre2_code* code_ = nullptr;
+  pcre2_match_data* match_ = nullptr;
+  pcre2_match_context* context_ = nullptr;
+  pcre2_jit_stack* stack_ = nullptr;
+};
+
+// GPT-2's split pattern, ByteLevel's own when use_regex is true.
+constexpr const char* kGpt2Pattern =
+    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
+// ---- byte level ---------------------------------------------------------------------------------
+
+// GPT-2's bytes_to_unicode: printable Latin-1 bytes stand for themselves, the other 68 bytes for
+// U+0100.. in byte order. Returns each byte's character as UTF-8.
+std::vector<std::string> byte_level_chars() {
+  std::vector<std::string> chars(256);
+  uint32_t extra = 256;
+  for (int b = 0; b < 256; b++) {
+    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+    const uint32_t cp = printable ? static_cast<uint32_t>(b) : extra++;
+    utf8proc_uint8_t buf[4];
+    const utf8proc_ssize_t len = utf8proc_encode_char(static_cast<utf8proc_int32_t>(cp), buf);
+    chars[b].assign(reinterpret_cast<const char*>(buf), static_cast<size_t>(len));
+  }
+  return chars;
+}
+
+// ---- added tokens -------------------------------------------------------------------------------
+
+struct AddedToken {
+  std::string content;
+  uint32_t id = 0;
+  bool single_word = false, lstrip = false, rstrip = false, normalized = true, special = false;
+};
+
+// One piece of a split text: a token already decided (id) or text still to encode.
+struct Piece {
+  size_t begin, end;
+  int64_t id;  // -1: text
+};
+
+// Character classes Rust's char methods use for added tokens' options.
+struct CharClasses {
+  Regex word{R"([\p{Alphabetic}\p{N}_])", false, "word characters"};
+  Regex space{R"(\p{White_Space})", false, "white space"};
+};
+
+size_t char_start_before(std::string_view text, size_t pos) {
+  do pos--;
+  while (pos > 0 && (static_cast<unsigned char>(text[pos]) & 0xC0) == 0x80);
+  return pos;
+}
+
+size_t char_end_after(std::string_view text, size_t pos) {
+  do pos++;
+  while (pos < text.size() && (static_cast<unsigned char>(text[pos]) & 0xC0) == 0x80);
+  return pos;
+}
+
+// A set of added tokens matched leftmost-longest without overlaps (the reference's Aho-Corasick
+// automaton), with their single_word / lstrip / rstrip options applied as the reference applies them.
+class AddedTokenMatcher {
+ public:
+  void add(const AddedToken* token, std::string pattern) {
+    if (pattern.empty()) return;
+    entries_.push_back({token, std::move(pattern)});
+  }
+  void finish() {
+    std::stable_sort(entries_.begin(), entries_.end(),
+                     [](const Entry& a, const Entry& b) { return a.pattern.size() > b.pattern.size(); });
+    for (size_t i = 0; i < entries_.size(); i++)
+      by_first_byte_[static_cast<unsigned char>(entries_[i].pattern[0])].push_back(i);
+  }
+  bool empty() const { return entries_.empty(); }
+
+  void split(std::string_view text, const CharClasses& classes, std::vector<Piece>& pieces) const {
+    pieces.clear();
+    size_t done = 0, pos = 0;
+    while (pos < text.size()) {
+      const Entry* hit = longest_at(text, pos);
+      if (hit == nullptr) {
+        pos++;
+        continue;
+      }
+      size_t begin = pos, end = pos + hit->pattern.size();
+      pos = end;  // the automaton moves on past every match, also one the options reject
+      const AddedToken& t = *hit->token;
+      if (t.single_word) {
+        const bool word_before = begin > 0 && classes.word.matches_at(text, char_start_before(text, begin));
+        const bool word_after = end < text.size() && classes.word.matches_at(text, end);
+        if (word_before || word_after) continue;
+      }
+      if (t.lstrip) {
+        size_t b = begin;
+        while (b > 0 && classes.space.matches_at(text, char_start_before(text, b))) b = char_start_before(text, b);
+        begin = std::max(b, done);  // spaces an earlier token already took stay with it
+      }
+      if (t.rstrip)
+        while (end < text.size() && classes.space.matches_at(text, end)) end = char_end_after(text, end);
+      if (done < begin) pieces.push_back({done, begin, -1});
+      pieces.push_back({begin, end, t.id});
+      done = end;
+    }
+    if (done < text.size()) pieces.push_back({done, text.size(), -1});
+  }
+
+ private:
+  struct Entry {
+    const AddedToken* token;
+    std::string pattern;
+  };
+  const Entry* longest_at(std::string_view text, size_t pos) const {
+    for (size_t i : by_first_byte_[static_cast<unsigned char>(text[pos])]) {
+      const std::string& p = entries_[i].pattern;
+      if (p.size() <= text.size() - pos && text.compare(pos, p.size(), p) == 0) return &entries_[i];
+    }
+    return nullptr;
+  }
+  std::vector<Entry> entries_;
+  std::vector<size_t> by_first_byte_[256];
+};
+
+// ---- JSON reading with positions ----------------------------------------------------------------
+
+class JsonFile {
+ public:
+  explicit JsonFile(const std::string& path) : path_(path) {}
+
+  [[noreturn]] void fail(const std::string& pointer, const std::string& problem) const {
+    throw DataError(strprintf("tokenizer file '%s' at %s: %s", path_.c_str(), pointer.empty() ? "/" : pointer.c_str(),
+                              problem.c_str()));
+  }
+  [[noreturn]] void unsupported(const std::string& pointer, const std::string& what) const {
+    fail(pointer, what + " is not supported; ShardTrain encodes Hugging Face byte-level BPE tokenizers only (docs/data.md)");
+  }
+
+  const json& member(const json& object, const std::string& pointer, const char* key) const {
+    if (!object.is_object()) fail(pointer, "expected a JSON object");
+    auto it = object.find(key);
+    if (it == object.end()) fail(pointer, strprintf("missing \"%s\"", key));
+    return *it;
+  }
+  // The member, or null where it is absent.
+  static const json& optional(const json& object, const char* key) {
+    static const json null_value;
+    auto it = object.find(key);
+    return it == object.end() ? null_value : *it;
+  }
+  std::string string_at(const json& value, const std::string& pointer) const {
+    if (!value.is_string()) fail(pointer, "expected a string");
+    return value.get<std::string>();
+  }
+  bool bool_at(const json& object, const std::string& pointer, const char* key, bool fallback) const {
+    const json& v = optional(object, key);
+    if (v.is_null()) return fallback;
+    if (!v.is_boolean()) fail(pointer + "/" + key, "expected true or false");
+    return v.get<bool>();
+  }
+  uint32_t id_at(const json& value, const std::string& pointer) const {
+    if (!value.is_number_unsigned() || value.get<uint64_t>() > UINT32_MAX) fail(pointer, "expected a token id (a whole number >= 0)");
+    return static_cast<uint32_t>(value.get<uint64_t>());
+  }
+  std::string type_of(const json& object, const std::string& pointer) const {
+    return string_at(member(object, pointer, "type"), pointer + "/type");
+  }
+
+ private:
+  std::string path_;
+};
+
+std::string escape_pointer(const std::string& key) {
+  std::string out;
+  for (char c : key) out += c == '~' ? "~0" : c == '/' ? "~1" : std::string(1, c);
+  return out;
+}
+
+}  // namespace
+
+// ---- the tokenizer ------------------------------------------------------------------------------
+
+struct Tokenizer::Impl {
+  std::string path;
+  // Normalizer.
+  bool nfc = false;
+  // Added tokens: cut out of the raw text (normalized=false) or of the normalized text.
+  std::vector<AddedToken> added;
+  AddedTokenMatcher raw_matcher, normalized_matcher;
+  CharClasses classes;
+  // Pre-tokenizer: Split stages, then ByteLevel.
+  std::vector<std::unique_ptr<Regex>> splits;
+  bool prefix_space = false;
+  std::unique_ptr<Regex> byte_level_regex;  // null: use_regex false
+  // Model.
+  std::unordered_map<std::string, uint32_t> vocab;
+  BpeMerges merges;
+  bool ignore_merges = false, fuse_unk = false, byte_fallback = false;
+  std::optional<uint32_t> unk_id;
+  std::vector<std::string> byte_chars;                // raw byte -> its ByteLevel character
+  std::vector<std::vector<uint32_t>> byte_symbols;    // raw byte -> initial symbols (empty: unknown)
+  // Post-processor: ids around every text.
+  std::vector<uint32_t> prefix, suffix;
+  bool has_template = false;
+  uint32_t max_id = 0;
+  // Word cache: raw word bytes -> (offset, count) in cache_ids.
+  std::unordered_map<std::string, std::pair<uint32_t, uint32_t>> cache;
+  std::vector<uint32_t> cache_ids;
+  std::string key, scratch;
+  std::vector<uint32_t> symbols;
+
+  void load(const json& root, const JsonFile& file);
+  void load_normalizer(const json& n, const JsonFile& file, const std::string& pointer);
+  void load_pre_tokenizer(const json& p, const JsonFile& file);
+  void load_model(const json& m, const JsonFile& file);
+  void load_post_processor(const json& p, const JsonFile& file, const std::string& pointer);
+
+  std::string normalize(std::string_view text) const;
+  void pre_tokenize(size_t stage, std::string_view piece, std::vector<uint32_t>& out);
+  void encode_word(std::string_view raw, std::vector<uint32_t>& out);
+  void bpe(std::string_view raw, std::vector<uint32_t>& out);
+};
+
+void Tokenizer::Impl::load_normalizer(const json& n, const JsonFile& file, const std::string& pointer) {
+  if (n.is_null()) return;
+  const std::string type = file.type_of(n, pointer);
+  if (type == "NFC") {
+    nfc = true;
+  } else if (type == "Sequence") {
+    const json& list = file.member(n, pointer, "normalizers");
+    if (!list.is_array()) file.fail(pointer + "/normalizers", "expected a list");
+    for (size_t i = 0; i < list.size(); i++) load_normalizer(list[i], file, pointer + "/normalizers/" + std::to_string(i));
+  } else {
+    file.unsupported(pointer + "/type", "normalizer \"" + type + "\"");
+  }
+}
+
+void Tokenizer::Impl::load_pre_tokenizer(const json& p, const JsonFile& file) {
+  const std::string top = "/pre_tokenizer";
+  if (p.is_null()) file.unsupported(top, "a tokenizer without a pre-tokenizer (null)");
+  std::vector<std::pair<const json*, std::string>> stages;
+  if (file.type_of(p, top) == "Sequence") {
+    const json& list = file.member(p, top, "pretokenizers");
+    if (!list.is_array()) file.fail(top + "/pretokenizers", "expected a list");
+    for (size_t i = 0; i < list.size(); i++) stages.push_back({&list[i], top + "/pretokenizers/" + std::to_string(i)});
+  } else {
+    stages.push_back({&p, top});
+  }
+  for (size_t i = 0; i < stages.size(); i++) {
+    const json& s = *stages[i].first;
+    const std::string& at = stages[i].second;
+    const std::string type = file.type_of(s, at);
+    const bool last = i + 1 == stages.size();
+    if (type == "ByteLevel" && last) {
+      prefix_space = file.bool_at(s, at, "add_prefix_space", true);
+      if (file.bool_at(s, at, "use_regex", true)) byte_level_regex = std::make_unique<Regex>(kGpt2Pattern, false, "GPT-2 pattern");
+    } else if (type == "ByteLevel") {
+      file.unsupported(at, "ByteLevel before another pre-tokenizer");
+    } else if (type == "Split") {
+      const std::string behavior = file.string_at(file.member(s, at, "behavior"), at + "/behavior");
+      if (behavior != "Isolated") file.unsupported(at + "/behavior", "Split behavior \"" + behavior + "\"");
+      if (file.bool_at(s, at, "invert", false)) file.unsupported(at + "/invert", "Split with invert true");
+      const json& pattern = file.member(s, at, "pattern");
+      if (pattern.is_object() && pattern.contains("Regex"))
+        splits.push_back(std::make_unique<Regex>(file.string_at(pattern["Regex"], at + "/pattern/Regex"), false,
+                                                 "tokenizer '" + path + "' at " + at + "/pattern/Regex"));
+      else if (pattern.is_object() && pattern.contains("String"))
+        splits.push_back(std::make_unique<Regex>(file.string_at(pattern["String"], at + "/pattern/String"), true,
+                                                 "tokenizer '" + path + "' at " + at + "/pattern/String"));
+      else
+        file.fail(at + "/pattern", "expected {\"Regex\": ...} or {\"String\": ...}");
+      if (last) file.unsupported(at, "a pre-tokenizer that does not end in ByteLevel");
+    } else {
+      file.unsupported(at + "/type", "pre-tokenizer \"" + type + "\"");
+    }
+  }
+}
+
+void Tokenizer::Impl::load_model(const json& m, const JsonFile& file) {
+  const std::string at = "/model";
+  if (!m.is_object()) file.fail(at, "expected a JSON object");
+  // Old files have no "type"; the reference then recognises BPE by its merges.
+  const std::string type = m.contains("type") ? file.type_of(m, at) : (m.contains("merges") ? "BPE" : "?");
+  if (type != "BPE") file.unsupported(at + "/type", "model \"" + type + "\"");
+  const json& dropout = JsonFile::optional(m, "dropout");
+  if (!dropout.is_null() && !(dropout.is_number() && dropout.get<double>() == 0))
+    file.unsupported(at + "/dropout", "BPE dropout (random merges)");
+  for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
+    const json& v = JsonFile::optional(m, key);
+    if (!v.is_null() && !(v.is_string() && v.get<std::string>().empty()))
+      file.unsupported(at + "/" + key, std::string("a BPE ") + key);
+  }
+  ignore_merges = file.bool_at(m, at, "ignore_merges", false);
+  fuse_unk = file.bool_at(m, at, "fuse_unk", false);
+  byte_fallback = file.bool_at(m, at, "byte_fallback", false);
+
+  const json& v = file.member(m, at, "vocab");
+  if (!v.is_object()) file.fail(at + "/vocab", "expected an object {token: id}");
+  vocab.reserve(v.size());
+  for (auto it = v.begin(); it != v.end(); ++it) {
+    const uint32_t id = file.id_at(it.value(), at + "/vocab/" + escape_pointer(it.key()));
+    vocab.emplace(it.key(), id);
+    max_id = std::max(max_id, id);
+  }
+  const json& unk = JsonFile::optional(m, "unk_token");
+  if (!unk.is_null()) {
+    auto it = vocab.find(file.string_at(unk, at + "/unk_token"));
+    if (it == vocab.end()) file.fail(at + "/unk_token", "the unk_token is not in the vocabulary");
+    unk_id = it->second;
+  }
+
+  const json& list = file.member(m, at, "merges");
+  if (!list.is_array()) file.fail(at + "/merges", "expected a list");
+  for (size_t i = 0; i < list.size(); i++) {
+    const std::string here = at + "/merges/" + std::to_string(i);
+    std::string left, right;
+    const json& e = list[i];
+    if (e.is_string()) {  // "a b": exactly one space, as the reference splits it
+      const std::string s = e.get<std::string>();
+      const size_t space = s.find(' ');
+      if (space == std::string::npos || s.find(' ', space + 1) != std::string::npos)
+        file.fail(here, "a merge string must be two tokens separated by one space");
+      left = s.substr(0, space);
+      right = s.substr(space + 1);
+    } else if (e.is_array() && e.size() == 2 && e[0].is_string() && e[1].is_string()) {
+      left = e[0].get<std::string>();
+      right = e[1].get<std::string>();
+    } else {
+      file.fail(here, "expected \"a b\" or [\"a\", \"b\"]");
+    }
+    auto a = vocab.find(left), b = vocab.find(right), ab = vocab.find(left + right);
+    for (auto* found : {&a, &b, &ab})
+      if (*found == vocab.end())
+        file.fail(here, "merge token \"" + (found == &a ? left : found == &b ? right : left + right) +
+                            "\" is not in the vocabulary");
+    merges.add(a->second, b->second, ab->second);
+  }
+
+  byte_chars = byte_level_chars();
+  byte_symbols.resize(256);
+  for (int byte = 0; byte < 256; byte++) {
+    auto it = vocab.find(byte_chars[byte]);
+    if (it != vocab.end()) {
+      byte_symbols[byte] = {it->second};
+    } else if (byte_fallback) {  // <0xXX> for each UTF-8 byte of the character, if all exist
+      std::vector<uint32_t> ids;
+      for (unsigned char c : byte_chars[byte]) {
+        auto f = vocab.find(strprintf("<0x%02X>", c));
+        if (f == vocab.end()) break;
+        ids.push_back(f->second);
+      }
+      if (ids.size() == byte_chars[byte].size()) byte_symbols[byte] = ids;
+    }
+  }
+}
+
+void Tokenizer::Impl::load_post_processor(const json& p, const JsonFile& file, const std::string& at) {
+  if (p.is_null()) return;
+  const std::string type = file.type_of(p, at);
+  if (type == "ByteLevel") return;  // offsets only
+  if (type == "Sequence") {
+    const json& list = file.member(p, at, "processors");
+    if (!list.is_array()) file.fail(at + "/processors", "expected a list");
+    for (size_t i = 0; i < list.size(); i++) load_post_processor(list[i], file, at + "/processors/" + std::to_string(i));
+    return;
+  }
+  // Each processor wraps what the ones before it made.
+  std::vector<uint32_t> before, after;
+  if (type == "RobertaProcessing" || type == "BertProcessing") {
+    for (const char* key : {"cls", "sep"}) {
+      const json& pair = file.member(p, at, key);
+      if (!pair.is_array() || pair.size() != 2) file.fail(at + "/" + key, "expected [token, id]");
+      (key[0] == 'c' ? before : after).push_back(file.id_at(pair[1], at + "/" + key + "/1"));
+    }
+  } else if (type == "TemplateProcessing") {
+    const json& single = file.member(p, at, "single");
+    const json& specials = file.member(p, at, "special_tokens");
+    if (!single.is_array()) file.fail(at + "/single", "expected a list");
+    int sequences = 0;
+    for (size_t i = 0; i < single.size(); i++) {
+      const std::string here = at + "/single/" + std::to_string(i);
+      const json& piece = single[i];
+      if (piece.is_object() && piece.contains("Sequence")) {
+        const json& id = file.member(piece["Sequence"], here + "/Sequence", "id");
+        if (id != "A") file.fail(here + "/Sequence/id", "a single-sequence template can only hold sequence A");
+        sequences++;
+      } else if (piece.is_object() && piece.contains("SpecialToken")) {
+        const std::string name = file.string_at(file.member(piece["SpecialToken"], here + "/SpecialToken", "id"),
+                                                here + "/SpecialToken/id");
+        const json& entry = file.member(specials, at + "/special_tokens", name.c_str());
+        const std::string entry_at = at + "/special_tokens/" + escape_pointer(name);
+        const json& ids = file.member(entry, entry_at, "ids");
+        if (!ids.is_array()) file.fail(entry_at + "/ids", "expected a list of ids");
+        for (size_t k = 0; k < ids.size(); k++)
+          (sequences == 0 ? before : after).push_back(file.id_at(ids[k], entry_at + "/ids/" + std::to_string(k)));
+      } else {
+        file.fail(here, "expected {\"Sequence\": ...} or {\"SpecialToken\": ...}");
+      }
+    }
+    if (sequences != 1) file.fail(at + "/single", "the template must hold sequence $A exactly once");
+  } else {
+    file.unsupported(at + "/type", "post-processor \"" + type + "\"");
+  }
+  prefix.insert(prefix.begin(), before.begin(), before.end());
+  suffix.insert(suffix.end(), after.begin(), after.end());
+  for (uint32_t id : before) max_id = std::max(max_id, id);
+  for (uint32_t id : after) max_id = std::max(max_id, id);
+  has_template = has_template || !before.empty() || !after.empty();
+}
+
+void Tokenizer::Impl::load(const json& root, const JsonFile& file) {
+  if (!root.is_object()) file.fail("", "expected a JSON object (a tokenizer.json file)");
+  for (const char* key : {"truncation", "padding"})
+    if (!JsonFile::optional(root, key).is_null())
+      file.unsupported(std::string("/") + key, std::string(key) + " (it would change documents' tokens; set it to null)");
+  load_normalizer(JsonFile::optional(root, "normalizer"), file, "/normalizer");
+  load_pre_tokenizer(JsonFile::optional(root, "pre_tokenizer"), file);
+  load_model(file.member(root, "", "model"), file);
+  load_post_processor(JsonFile::optional(root, "post_processor"), file, "/post_processor");
+
+  const json& list = JsonFile::optional(root, "added_tokens");
+  if (!list.is_null() && !list.is_array()) file.fail("/added_tokens", "expected a list");
+  added.reserve(list.size());  // the matchers point into it
+  for (size_t i = 0; i < list.size(); i++) {
+    const std::string at = "/added_tokens/" + std::to_string(i);
+    AddedToken t;
+    t.id = file.id_at(file.member(list[i], at, "id"), at + "/id");
+    t.content = file.string_at(file.member(list[i], at, "content"), at + "/content");
+    t.single_word = file.bool_at(list[i], at, "single_word", false);
+    t.lstrip = file.bool_at(list[i], at, "lstrip", false);
+    t.rstrip = file.bool_at(list[i], at, "rstrip", false);
+    t.special = file.bool_at(list[i], at, "special", false);
+    t.normalized = file.bool_at(list[i], at, "normalized", !t.special);
+    max_id = std::max(max_id, t.id);
+    added.push_back(std::move(t));
+  }
+  for (const AddedToken& t : added) {
+    if (t.normalized) normalized_matcher.add(&t, normalize(t.content));
+    else raw_matcher.add(&t, t.content);
+  }
+  raw_matcher.finish();
+  normalized_matcher.finish();
+}
+
+std::string Tokenizer::Impl::normalize(std::string_view text) const {
+  if (!nfc || std::all_of(text.begin(), text.end(), [](char c) { return static_cast<unsigned char>(c) < 0x80; }))
+    return std::string(text);
+  utf8proc_uint8_t* result = nullptr;
+  const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()),
+                                          static_cast<utf8proc_ssize_t>(text.size()), &result,
+                                          static_cast<utf8proc_option_t>(UTF8PROC_STABLE | UTF8PROC_COMPOSE));
+  if (n < 0) throw DataError(strprintf("NFC normalization failed: %s", utf8proc_errmsg(n)));
+  std::string out(reinterpret_cast<const char*>(result), static_cast<size_t>(n));
+  std::free(result);
+  return out;
+}
+
+void Tokenizer::Impl::pre_tokenize(size_t stage, std::string_view piece, std::vector<uint32_t>& out) {
+  if (piece.empty()) return;
+  if (stage < splits.size()) {
+    splits[stage]->split_isolated(piece, [&](std::string_view p) { pre_tokenize(stage + 1, p, out); });
+    return;
+  }
+  std::string with_space;
+  if (prefix_space && piece[0] != ' ') {
+    with_space.reserve(piece.size() + 1);
+    with_space.append(1, ' ').append(piece);
+    piece = with_space;
+  }
+  if (byte_level_regex) byte_level_regex->split_isolated(piece, [&](std::string_view w) { encode_word(w, out); });
+  else encode_word(piece, out);
+}
+
+void Tokenizer::Impl::encode_word(std::string_view raw, std::vector<uint32_t>& out) {
+  key.assign(raw);
+  auto hit = cache.find(key);
+  if (hit != cache.end()) {
+    out.insert(out.end(), cache_ids.begin() + hit->second.first,
+               cache_ids.begin() + hit->second.first + hit->second.second);
+    return;
+  }
+  const size_t start = out.size();
+  bpe(raw, out);
+  if (cache.size() >= (1u << 20) || cache_ids.size() >= (64u << 20)) {  // bounded memory, same results
+    cache.clear();
+    cache_ids.clear();
+  }
+  cache.emplace(key, std::make_pair(static_cast<uint32_t>(cache_ids.size()), static_cast<uint32_t>(out.size() - start)));
+  cache_ids.insert(cache_ids.end(), out.begin() + static_cast<std::ptrdiff_t>(start), out.end());
+}
+
+void Tokenizer::Impl::bpe(std::string_view raw, std::vector<uint32_t>& out) {
+  if (ignore_merges) {  // a word that is a token as a whole stays one
+    scratch.clear();
+    for (unsigned char c : raw) scratch += byte_chars[c];
+    auto it = vocab.find(scratch);
+    if (it != vocab.end()) {
+      out.push_back(it->second);
+      return;
+    }
+  }
+  symbols.clear();
+  bool unk_before = false;
+  for (unsigned char c : raw) {
+    const std::vector<uint32_t>& s = byte_symbols[c];
+    if (!s.empty()) {
+      symbols.insert(symbols.end(), s.begin(), s.end());
+      unk_before = false;
+    } else if (unk_id && !(fuse_unk && unk_before)) {  // unknown without unk_token: dropped, as the reference does
+      symbols.push_back(*unk_id);
+      unk_before = true;
+    }
+  }
+  merges.apply(symbols);
+  out.insert(out.end(), symbols.begin(), symbols.end());
+}
+
+Tokenizer::Tokenizer(const std::string& path) : impl_(std::make_unique<Impl>()) {
+  impl_->path = path;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw DataError(strprintf("tokenizer file '%s': cannot open; check the --tokenizer path", path.c_str()));
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  json root;
+  try {
+    root = json::parse(text);
+  } catch (const json::parse_error& e) {
+    std::string what = e.what();
+    const size_t bracket = what.find("] ");
+    if (bracket != std::string::npos) what = what.substr(bracket + 2);
+    throw DataError(strprintf("tokenizer file '%s': malformed JSON (byte %zu): %s", path.c_str(), e.byte, what.c_str()));
+  }
+  impl_->load(root, JsonFile(path));
+}
+
+Tokenizer::~Tokenizer() = default;
+
+void Tokenizer::encode(std::string_view text, std::vector<uint32_t>& out) {
+  Impl& m = *impl_;
+  out.insert(out.end(), m.prefix.begin(), m.prefix.end());
+  std::vector<Piece> raw_pieces, normalized_pieces;
+  if (m.raw_matcher.empty()) raw_pieces.push_back({0, text.size(), -1});
+  else m.raw_matcher.split(text, m.classes, raw_pieces);
+  for (const Piece& p : raw_pieces) {
+    if (p.id >= 0) {
+      out.push_back(static_cast<uint32_t>(p.id));
+      continue;
+    }
+    const std::string normalized = m.normalize(text.substr(p.begin, p.end - p.begin));
+    const std::string_view n = normalized;
+    if (m.normalized_matcher.empty()) normalized_pieces.assign(1, {0, n.size(), -1});
+    else m.normalized_matcher.split(n, m.classes, normalized_pieces);
+    for (const Piece& q : normalized_pieces) {
+      if (q.id >= 0) out.push_back(static_cast<uint32_t>(q.id));
+      else m.pre_tokenize(0, n.substr(q.begin, q.end - q.begin), out);
+    }
+  }
+  out.insert(out.end(), m.suffix.begin(), m.suffix.end());
+}
+
+uint32_t Tokenizer::vocab_size() const { return impl_->max_id + 1; }
+
+bool Tokenizer::adds_special_tokens() const { return impl_->has_template; }
+
+std::optional<uint32_t> Tokenizer::token_id(const std::string& content) const {
+  for (const AddedToken& t : impl_->added)
+    if (t.content == content) return t.id;
+  auto it = impl_->vocab.find(content);
+  if (it != impl_->vocab.end()) return it->second;
+  return std::nullopt;
+}
+
+bool Tokenizer::is_special(const std::string& content) const {
+  for (const AddedToken& t : impl_->added)
+    if (t.content == content) return t.special;
+  return false;
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,51 @@
+// Hugging Face byte-level BPE tokenizers (tokenizer.json), encoding text token for token as the
+// Python `tokenizers` package's Tokenizer.encode(text).ids does. Supported (anything else is a
+// DataError naming the component): normalizer null, NFC, or a Sequence of NFC; pre-tokenizer
+// ByteLevel, or a Sequence of Split(Regex or String, Isolated) ending in ByteLevel; model BPE (merges
+// as "a b" strings or [a, b] pairs, ignore_merges, unk_token, fuse_unk, byte_fallback); added and
+// special tokens (single_word, lstrip, rstrip, normalized) matched as the reference matches them;
+// post-processor null, ByteLevel, TemplateProcessing, RobertaProcessing, BertProcessing or a
+// Sequence of these. Regexes run on PCRE2 (UTF + UCP, JIT), NFC is utf8proc's.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace shardtrain {
+
+class Tokenizer {
+ public:
+  // Loads and checks `path`; throws DataError naming the file and the JSON position (line and
+  // column for syntax, a JSON pointer such as /model/merges/7 for content) of any problem.
+  explicit Tokenizer(const std::string& path);
+  ~Tokenizer();
+  Tokenizer(const Tokenizer&) = delete;
+  Tokenizer& operator=(const Tokenizer&) = delete;
+
+  // Appends the ids of `text` (valid UTF-8) to `out`: the reference's encode(text).ids, with the
+  // post-processor's special tokens (add_special_tokens=True, its default).
+  void encode(std::string_view text, std::vector<uint32_t>& out);
+
+  // One more than the largest id of the vocabulary, the added tokens and the post-processor.
+  uint32_t vocab_size() const;
+  // Whether encode() adds special tokens of its own (a BOS/EOS template) around every text.
+  bool adds_special_tokens() const;
+  // The id of an added token or vocabulary entry, written as in the file.
+  std::optional<uint32_t> token_id(const std::string& content) const;
+  // Whether `content` is an added token marked special.
+  bool is_special(const std::string& content) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// `bytes` decoded as UTF-8 with every invalid sequence replaced by U+FFFD, one per maximal invalid
+// subpart: Python's bytes.decode("utf-8", errors="replace").
+std::string utf8_with_replacements(std::string_view bytes);
+
+}  // namespace shardtrain

@@ -1,0 +1,140 @@
+"""The Python `tokenizers` package's side of the tokenizer tests and benchmark, run by the test virtual
+environment's python. The corpus functions need only the standard library (the e2e tests, which run
+under Debian's python, import them); the commands import `tokenizers`.
+
+  tokenizer_reference.py train STYLE OUT.json          train a tokenizer.json of a style (see STYLES)
+  tokenizer_reference.py encode TOKENIZER INPUT        {"docs": [ids per document]} as the reference
+                                                       reads INPUT (a text file, a .jsonl file, a folder)
+  tokenizer_reference.py bench TOKENIZER INPUT         {"bytes", "seconds"} of encode_batch over INPUT
+"""
+import json
+import os
+import random
+import sys
+import time
+
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+WORDS = ("the of and to in is was for that with as on by he at from his it an were are which this be or had not "
+         "but first one their its new after who they have her she two been other when there all during into school "
+         "time may years more most only over city some world would where later up such used many can state about "
+         "national out known university united then made").split()
+PIECES = [
+    "it's", "don't", "they're", "we've", "I'm", "you'll", "she'd", "IT'S", "DON'T", "They'RE", "o'clock", "'tis",
+    "café", "naïve", "résumé", "cafe\u0301", "A\u030angstro\u0308m", "\u1100\u1161\u11a8", "Ω Ω", "ﬁne ﬀ",
+    "中文字符测试", "日本語のテキスト", "한국어 문장", "Ελληνικά", "русский текст", "עברית", "العربية", "हिन्दी",
+    "12345678", "3.14159", "2024-05-20", "1,000,000", "٣٤٥", "x²+y³", "½", "Ⅻ",
+    "def f(x):\n    return x**2  # square\n", "if (a && b) { c++; }\n", "\tindent\t\ttabs", "a->b != c",
+    "printf(\"%d\\n\", n);", "<div class=\"x\">", "foo_bar_baz", "$HOME/.bashrc", "https://example.com/a?b=c",
+    "😀", "👨\u200d👩\u200d👧", "🇫🇷🇩🇪", "👍🏽", "✨ sparkle", "♥", "\U0001F600\U0001F601",
+    "   ", "\t\t", "\n\n\n", "  \n  ", " \r\n", "\u00a0", "\u3000", "\u2028", "\u0085", "\u180e", "!\u180e!",
+    "                    ", " \u00a0 ", "end.", "...", "!!!", "?!", "—", "«quote»", "“smart”",
+    "Hello<|endoftext|>World", "<|endoftext|>", " <|endoftext|> ", "<|begin_of_text|>x", "x<|end_of_text|>",
+    "<|im_start|>user", "<mask>", " <mask> ", "a<mask>b", "[CUSTOM]", "the[CUSTOM]x", " [CUSTOM] ",
+]
+
+
+def make_corpus(seed, documents, words_per_document):
+    """Documents of words and the PIECES above in random order, reproducible from the seed."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(documents):
+        parts = []
+        for _ in range(words_per_document):
+            r = rng.random()
+            token = rng.choice(PIECES) if r < 0.25 else rng.choice(WORDS)
+            if r > 0.9:
+                token = token.capitalize()
+            parts.append(token)
+            parts.append(rng.choice([" ", " ", " ", " ", "  ", "\n", ", ", ". ", ""]))
+        docs.append("".join(parts))
+    return docs
+
+
+# Styles the tests train; each returns (tokenizer, trainer).
+def build(style):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if style == "gpt2":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        specials = ["<|endoftext|>"]
+    elif style == "roberta":  # prefix space, post-processor, added tokens with options
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=True)
+        specials = ["<s>", "</s>", AddedToken("<mask>", lstrip=True, special=True)]
+    elif style in ("llama3", "qwen2-nfc"):
+        llama = style == "llama3"
+        tok = Tokenizer(models.BPE(ignore_merges=llama))
+        if not llama:
+            tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN if llama else QWEN2_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        specials = ["<|begin_of_text|>", "<|end_of_text|>"] if llama else ["<|endoftext|>", "<|im_start|>"]
+    else:
+        raise SystemExit(f"unknown style {style}")
+    trainer = trainers.BpeTrainer(vocab_size=1500, min_frequency=2, special_tokens=specials, initial_alphabet=alphabet,
+                                  show_progress=False)
+    return tok, trainer
+
+
+def train(style, out):
+    from tokenizers import AddedToken, processors
+    tok, trainer = build(style)
+    tok.train_from_iterator(make_corpus(1, 400, 120), trainer)
+    if style == "roberta":
+        tok.add_tokens([AddedToken("[CUSTOM]", single_word=True, rstrip=True, normalized=True)])
+        tok.post_processor = processors.RobertaProcessing(("</s>", tok.token_to_id("</s>")),
+                                                          ("<s>", tok.token_to_id("<s>")))
+    if style == "llama3":  # as Meta's files: ByteLevel offsets, then the BOS template
+        bos = "<|begin_of_text|>"
+        tok.post_processor = processors.Sequence([
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1",
+                                          special_tokens=[(bos, tok.token_to_id(bos))])])
+    tok.save(out)
+
+
+def read_documents(path):
+    """Documents as ShardTrain reads them: bytes decoded with errors="replace"; .jsonl: one {"text"}
+    per non-blank line; a folder: its files sorted by path, names starting with '.' skipped."""
+    if os.path.isdir(path):
+        files = []
+        for root, dirs, names in os.walk(path):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            files += [os.path.join(root, n) for n in names if not n.startswith(".")]
+        return [doc for f in sorted(files) for doc in read_documents(f)]
+    with open(path, "rb") as f:
+        text = f.read().decode("utf-8", errors="replace")
+    if not path.endswith(".jsonl"):
+        return [text]
+    return [json.loads(line)["text"] for line in text.split("\n") if line.strip(" \t\r")]
+
+
+def main():
+    command = sys.argv[1]
+    if command == "train":
+        train(sys.argv[2], sys.argv[3])
+        return
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(sys.argv[2])
+    docs = read_documents(sys.argv[3])
+    if command == "encode":
+        print(json.dumps({"docs": [tok.encode(d).ids for d in docs]}))
+    elif command == "bench":  # RAYON_NUM_THREADS=1 in the environment makes encode_batch one core
+        start = time.perf_counter()
+        tok.encode_batch(docs)
+        seconds = time.perf_counter() - start
+        print(json.dumps({"bytes": sum(len(d.encode()) for d in docs), "seconds": seconds}))
+    else:
+        raise SystemExit(f"unknown command {command}")
+
+
+if __name__ == "__main__":
+    main()
