@@ -6,7 +6,7 @@
 
 #include <algorithm>
 
-#include "backend/cuda/cuda_check.hpp"
+#include "cuda_check.hpp"
 #include "backend/dtype.hpp"
 
 namespace shardtrain {

@@ -10,7 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "backend/cuda/cuda_check.hpp"
+#include "cuda_check.hpp"
 #include "launch.hpp"
 
 namespace shardtrain::kernels {

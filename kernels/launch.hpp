@@ -1,7 +1,7 @@
 // The launchers of the CUDA backend's kernels (kernels/*.cu), as plain C++: no CUDA syntax, only
-// the runtime's and cuBLASLt's C types, so a host-only translation unit could include it too.
-// kernels/cuda_ops.cu is the one user: it implements LayerOps<float> and ShardOps
-// (backend/layer_ops.hpp) with these calls.
+// the runtime's and cuBLASLt's C types, for host-only translation units (built by mpicxx):
+// src/backend/cuda/cuda_ops.cpp implements LayerOps<float> and ShardOps (backend/layer_ops.hpp)
+// with these calls. Nothing here knows a Device: a stream and the SM count are all they need.
 //
 // Every launcher has the semantics, argument order and accumulation rule of the CPU function of
 // the same name in backend/cpu/ops.hpp (parameter gradients +=, activation gradients =, except

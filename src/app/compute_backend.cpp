@@ -9,6 +9,7 @@
 
 #ifdef SHARDTRAIN_CUDA
 #include "backend/cuda/cuda_backend.hpp"
+#include "comm/cuda/nccl_comm.hpp"
 #endif
 
 namespace shardtrain {

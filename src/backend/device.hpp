@@ -6,6 +6,7 @@
 //
 // Ordering: every call is ordered after the work already issued to the device's compute stream.
 // copy() into host memory returns once the bytes are there; other calls may return earlier.
+// Streams and events (below) let code that queues work of its own order it with that stream.
 #pragma once
 
 #include <cstddef>
@@ -15,7 +16,15 @@
 
 namespace shardtrain {
 
+// Where a device's memory is, which decides who may touch it: DEVICE_CPU memory is host memory
+// that the CPU reads and writes directly (plain or page-locked), DEVICE_CUDA memory is a GPU's.
 enum DeviceKind { DEVICE_CPU, DEVICE_CUDA };
+
+// Opaque handles of a device's streams and events (declared, never defined). On a DEVICE_CUDA
+// device they are the CUDA runtime's cudaStream_t and cudaEvent_t (backend/cuda/cuda_handles.hpp
+// converts), for the libraries that take those (NCCL).
+struct DeviceStream;
+struct DeviceEvent;
 
 class Device {
  public:
@@ -36,6 +45,29 @@ class Device {
   // what the card had to provide); 0 where nobody counts (the host).
   virtual size_t peak_reserved_bytes() const { return 0; }
 
+  // ---- streams and events ----
+  // For work queued on streams of its own that must be ordered against the compute stream (the
+  // NCCL communicator's collectives). A stream runs its work in order; an event marks the work
+  // queued on a stream so far. The host runs everything in program order and has no streams:
+  // compute_stream() is null there and the other calls fail.
+  virtual DeviceStream* compute_stream() const { return nullptr; }
+  // `urgent`: scheduled ahead of queued compute work where the device can (work that other
+  // ranks wait on).
+  virtual DeviceStream* create_stream(bool urgent) { no_streams(); }
+  virtual DeviceEvent* create_event() { no_streams(); }
+  // Teardown, best effort (never fails): destroy_stream first waits for the stream's work.
+  virtual void destroy_stream(DeviceStream* stream) { no_streams(); }
+  virtual void destroy_event(DeviceEvent* event) { no_streams(); }
+  // Marks the work queued on `stream` so far.
+  virtual void record(DeviceEvent* event, DeviceStream* stream) { no_streams(); }
+  // Work queued on `stream` from now on runs after the work `event` marks; the host does not wait.
+  virtual void wait(DeviceStream* stream, DeviceEvent* event) { no_streams(); }
+  // True once the work `event` marks has finished; never waits.
+  virtual bool finished(DeviceEvent* event) { no_streams(); }
+  // Makes this the device that the calling thread's runtime calls address (a thread of its own
+  // that queries events, say); nothing on the host.
+  virtual void bind_thread() {}
+
   // What the DeviceArrays on this device hold now and held at most: counted at allocation, not
   // planned, so the memory plan can be checked against it.
   size_t live_bytes() const { return live_bytes_; }
@@ -47,6 +79,9 @@ class Device {
   void count_release(size_t bytes) { live_bytes_ -= bytes; }
 
  private:
+  [[noreturn]] void no_streams() const {
+    fatal_internal(__FILE__, __LINE__, __func__, strprintf("%s has no streams: its work runs in program order", name()));
+  }
   size_t live_bytes_ = 0, peak_live_bytes_ = 0;
 };
 

@@ -3,8 +3,8 @@
 //
 // Contract ("collective discipline", docs/architecture.md): every rank of the communicator calls the same
 // collectives in the same order with the same sizes. `what` names the collective for the
-// watchdog's message; pass a string literal. The MPI implementation works on host buffers; a
-// NCCL one (CUDA backend) will implement the same interface on device buffers.
+// watchdog's message; pass a string literal. The MPI implementation (below) works on host
+// buffers; the NCCL one (comm/cuda/nccl_comm.hpp, built with CUDA=1) on a GPU's buffers.
 #pragma once
 
 #include <mpi.h>

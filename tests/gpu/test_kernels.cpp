@@ -28,6 +28,7 @@
 #include "kernels/launch.hpp"
 #include "backend/cpu/ops.hpp"
 #include "backend/cuda/cuda_backend.hpp"
+#include "backend/cuda/cuda_handles.hpp"
 #include "backend/dtype.hpp"
 #include "backend/layer_ops.hpp"
 #include "backend/math.hpp"
@@ -445,7 +446,7 @@ TEST_F(GemmBf16Test, MatchesCpuOnWidenedValues) {
     DeviceBuffer<float> d_out(device(), "out", ref.size());
     d_out.fill(kNaN);
     kernels::GemmContext ctx;
-    ctx.launch.stream = device().compute_stream();
+    ctx.launch.stream = cuda_stream(device().compute_stream());
     ctx.handle = device().cublaslt();
     ctx.workspace = device().gemm_workspace();
     ctx.workspace_bytes = device().gemm_workspace_bytes();

@@ -21,12 +21,14 @@
 #include <type_traits>
 #include <vector>
 
-#include "kernels/comm_kernels.hpp"
 #include "backend/cuda/cuda_backend.hpp"
+#include "backend/cuda/cuda_handles.hpp"
 #include "backend/dtype.hpp"
 #include "comm/comm.hpp"
+#include "comm/cuda/nccl_comm.hpp"
 #include "comm/watchdog.hpp"
 #include "core/error.hpp"
+#include "kernels/comm_kernels.hpp"
 #include "support/tensor_check.hpp"
 
 namespace shardtrain {
@@ -410,7 +412,7 @@ TEST_P(NcclWireKernelTest, ToWireRoundsExactlyLikeTheCpuAndZeroesTheOwnSlot) {
   const size_t n = in.size(), zero_begin = n / 3, zero_end = n / 3 + 101;
   auto d_in = upload(device(), in);
   DeviceArray<uint16_t> d_out(device(), n);
-  launch_comm_to_wire(d_out.data(), d_in.data(), n, zero_begin, zero_end, wire, device().compute_stream());
+  launch_comm_to_wire(d_out.data(), d_in.data(), n, zero_begin, zero_end, wire, cuda_stream(device().compute_stream()));
   const auto out = download(device(), d_out);
   for (size_t i = 0; i < n; i++) {
     const uint16_t expected = (i >= zero_begin && i < zero_end) ? 0 : float_to_half(in[i], wire);
@@ -436,8 +438,8 @@ TEST_P(NcclWireKernelTest, AddFromWireWidensLikeTheCpu) {
   auto d_own = upload(device(), own);
   auto d_shard = upload(device(), shard0);
   auto d_shard_no_own = upload(device(), shard0);
-  launch_comm_add_from_wire(d_shard.data(), d_wire.data(), d_own.data(), n, wire, device().compute_stream());
-  launch_comm_add_from_wire(d_shard_no_own.data(), d_wire.data(), nullptr, n, wire, device().compute_stream());
+  launch_comm_add_from_wire(d_shard.data(), d_wire.data(), d_own.data(), n, wire, cuda_stream(device().compute_stream()));
+  launch_comm_add_from_wire(d_shard_no_own.data(), d_wire.data(), nullptr, n, wire, cuda_stream(device().compute_stream()));
   EXPECT_TRUE(same_bits(download(device(), d_shard).data(), expected.data(), n, "add_from_wire"));
   EXPECT_TRUE(same_bits(download(device(), d_shard_no_own).data(), expected_no_own.data(), n, "add_from_wire, no own"));
 }

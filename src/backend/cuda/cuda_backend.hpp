@@ -2,14 +2,14 @@
 // backend. Built only with `make CUDA=1` (SHARDTRAIN_CUDA defined).
 //
 //   CudaDevice      one GPU per rank (node-local rank modulo the visible GPUs), its compute
-//                   stream, cuBLASLt handle and workspace, and a caching allocator whose bytes
-//                   the engine's memory accounting sees: src/backend/cuda/cuda_device.cpp.
-//   LayerOps/ShardOps on that device: kernels/ (hand-written kernels, cuBLASLt GEMMs).
-//   NCCL Comm       the Comm interface on device buffers, bootstrapped over MPI, collectives on
-//                   their own stream ordered with events: src/comm/cuda/nccl_comm.cpp.
+//                   stream, the streams and events of Device's interface, cuBLASLt handle and
+//                   workspace, and a caching allocator whose bytes the engine's memory accounting
+//                   sees: src/backend/cuda/cuda_device.cpp.
+//   LayerOps/ShardOps on that device: src/backend/cuda/cuda_ops.cpp, over the launchers of
+//                   kernels/ (hand-written kernels, cuBLASLt GEMMs).
+// The NCCL communicator is a layer above (comm/cuda/nccl_comm.hpp): it sees the GPU only through
+// Device.
 #pragma once
-
-#include <mpi.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -18,15 +18,11 @@
 
 #include "backend/device.hpp"
 #include "backend/layer_ops.hpp"
-#include "comm/comm.hpp"
 
 struct CUstream_st;
-struct CUevent_st;
 struct cublasLtContext;
 
 namespace shardtrain {
-
-class Watchdog;
 
 // True when the CUDA runtime sees at least one GPU; `why` gets the reason when not.
 bool cuda_available(std::string* why);
@@ -46,8 +42,17 @@ class CudaDevice : public Device {
   void zero(void* p, size_t bytes) override;
   void synchronize() override;
 
+  DeviceStream* compute_stream() const override;
+  DeviceStream* create_stream(bool urgent) override;
+  DeviceEvent* create_event() override;
+  void destroy_stream(DeviceStream* stream) override;
+  void destroy_event(DeviceEvent* event) override;
+  void record(DeviceEvent* event, DeviceStream* stream) override;
+  void wait(DeviceStream* stream, DeviceEvent* event) override;
+  bool finished(DeviceEvent* event) override;
+  void bind_thread() override;  // cudaSetDevice(ordinal())
+
   int ordinal() const { return ordinal_; }
-  CUstream_st* compute_stream() const { return compute_; }
   cublasLtContext* cublaslt() const { return cublaslt_; }
   void* gemm_workspace() const { return workspace_; }
   size_t gemm_workspace_bytes() const { return workspace_bytes_; }
@@ -81,23 +86,15 @@ class CudaDevice : public Device {
 };
 
 // Page-locked host memory whose copies run on `gpu`'s compute stream (fsdp.cpu_offload):
-// src/backend/cuda/pinned_host.cpp.
+// src/backend/cuda/pinned_host.cpp. Its kind() is DEVICE_CPU: kind() says where the memory is,
+// and this is host memory that the CPU reads and writes directly (the offloaded optimizer steps
+// it there); page-locking only makes the copies to and from the GPU fast and asynchronous.
 std::unique_ptr<Device> make_pinned_host(CudaDevice& gpu);
 
-// Operations on the device's compute stream (kernels/). gemm_operands: bf16 or fp16 rounds the
-// fp32 operands of every GEMM to it for the tensor cores (fp32 accumulation; fsdp.param_dtype on
-// a GPU), fp32 keeps exact fp32 GEMMs.
+// Operations on the device's compute stream (src/backend/cuda/cuda_ops.cpp). gemm_operands: bf16
+// or fp16 rounds the fp32 operands of every GEMM to it for the tensor cores (fp32 accumulation;
+// fsdp.param_dtype on a GPU), fp32 keeps exact fp32 GEMMs.
 std::unique_ptr<LayerOps<float>> make_cuda_layer_ops(CudaDevice& device, DType gemm_operands = DTYPE_FP32);
 std::unique_ptr<ShardOps> make_cuda_shard_ops(CudaDevice& device);
-
-// A NCCL communicator over the ranks of `comm`: rank 0 of `comm` creates the unique id, MPI
-// broadcasts it, every rank calls ncclCommInitRank on device.ordinal(). Collectives run on a
-// communication stream that waits (cudaEvent) for the compute stream's work issued before the
-// call; blocking calls make the compute stream wait for the collective; started all-gathers are
-// joined by wait(handle). Spans are device memory, except that all_reduce_*, broadcast and barrier
-// also take host memory (then MPI carries them). `watchdog` (may be null) bounds every wait:
-// a collective that does not finish within its timeout, or an asynchronous NCCL error, aborts
-// the communicator and every rank with a message.
-std::unique_ptr<Comm> make_nccl_comm(MPI_Comm comm, CudaDevice& device, Watchdog* watchdog);
 
 }  // namespace shardtrain

@@ -1,5 +1,6 @@
-// CudaDevice: one GPU per rank, its compute stream, the cuBLASLt handle and GEMM workspace, and a
-// caching allocator. Not the layer math (kernels/) and not communication (comm/cuda/).
+// CudaDevice: one GPU per rank, its compute stream, Device's streams and events (CUDA streams and
+// events), the cuBLASLt handle and GEMM workspace, and a caching allocator. Not the layer math
+// (cuda_ops.cpp, kernels/) and not communication (comm/cuda/).
 //
 // Ordering: everything this file queues (zero-fill, memset, copies) goes on the compute stream,
 // in issue order with the kernels; the host waits only where the Device contract needs a host
@@ -20,7 +21,8 @@
 #include <unordered_map>
 
 #include "backend/cuda/cuda_backend.hpp"
-#include "backend/cuda/cuda_check.hpp"
+#include "backend/cuda/cuda_handles.hpp"
+#include "kernels/cuda_check.hpp"
 
 namespace shardtrain {
 namespace {
@@ -193,6 +195,48 @@ void CudaDevice::zero(void* p, size_t bytes) {
 }
 
 void CudaDevice::synchronize() { CUDA_CHECK(cudaStreamSynchronize(compute_)); }
+
+DeviceStream* CudaDevice::compute_stream() const { return device_stream(compute_); }
+
+DeviceStream* CudaDevice::create_stream(bool urgent) {
+  // A lower number is a higher priority; "greatest" is the most urgent the device offers.
+  int least_priority = 0, greatest_priority = 0;
+  CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, urgent ? greatest_priority : least_priority));
+  return device_stream(stream);
+}
+
+DeviceEvent* CudaDevice::create_event() {
+  cudaEvent_t event = nullptr;
+  CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  return device_event(event);
+}
+
+// Best effort, as the destructor: teardown must not turn an exit-2 unwinding into an abort.
+void CudaDevice::destroy_stream(DeviceStream* stream) {
+  (void)cudaStreamSynchronize(cuda_stream(stream));
+  (void)cudaStreamDestroy(cuda_stream(stream));
+}
+
+void CudaDevice::destroy_event(DeviceEvent* event) { (void)cudaEventDestroy(cuda_event(event)); }
+
+void CudaDevice::record(DeviceEvent* event, DeviceStream* stream) {
+  CUDA_CHECK(cudaEventRecord(cuda_event(event), cuda_stream(stream)));
+}
+
+void CudaDevice::wait(DeviceStream* stream, DeviceEvent* event) {
+  CUDA_CHECK(cudaStreamWaitEvent(cuda_stream(stream), cuda_event(event), 0));
+}
+
+bool CudaDevice::finished(DeviceEvent* event) {
+  const cudaError_t rc = cudaEventQuery(cuda_event(event));
+  if (rc == cudaErrorNotReady) return false;
+  CUDA_CHECK(rc);
+  return true;
+}
+
+void CudaDevice::bind_thread() { CUDA_CHECK(cudaSetDevice(ordinal_)); }
 
 size_t CudaDevice::total_memory() const {
   size_t free_bytes = 0, total_bytes = 0;

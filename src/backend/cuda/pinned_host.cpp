@@ -5,7 +5,7 @@
 #include <cstring>
 
 #include "backend/cuda/cuda_backend.hpp"
-#include "backend/cuda/cuda_check.hpp"
+#include "kernels/cuda_check.hpp"
 
 namespace shardtrain {
 namespace {
@@ -13,7 +13,9 @@ namespace {
 class PinnedHost : public Device {
  public:
   explicit PinnedHost(CudaDevice& gpu) : gpu_(gpu) {}
-  DeviceKind kind() const override { return DEVICE_CPU; }  // the host reads and writes it directly
+  // Host memory, page-locked or not: the CPU reads and writes it directly, so is_host() must
+  // say so (checkpoints then read the offloaded state in place instead of staging a copy).
+  DeviceKind kind() const override { return DEVICE_CPU; }
   const char* name() const override { return "cpu (page-locked)"; }
   void* allocate(size_t bytes) override {
     if (bytes == 0) return nullptr;

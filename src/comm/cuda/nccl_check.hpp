@@ -1,4 +1,4 @@
-// NCCL_CHECK: the NCCL member of backend/cuda/cuda_check.hpp's family. Evaluates the call once; a
+// NCCL_CHECK: the NCCL member of kernels/cuda_check.hpp's family. Evaluates the call once; a
 // result other than ncclSuccess names the statement, NCCL's error string and its last-error text,
 // and aborts every rank (fatal_internal). Only for calls that have no communicator in flight
 // (ncclGetUniqueId, ncclGetVersion): calls on a nonblocking communicator may answer

@@ -1,6 +1,9 @@
 // Comm over NCCL on device buffers: the CUDA backend's shard and replica communicators. Same
 // semantics as comm/mpi_comm.cpp (read it first); this file is about streams, events and hangs.
 //
+// The GPU is seen only through Device (backend/device.hpp): its memory, and the streams and events
+// below (created, recorded and waited through Device; their CUDA handles passed to NCCL).
+//
 // Streams. Collectives run on this communicator's own non-blocking stream. Every call first
 // records an event on the device's compute stream and makes the communication stream wait for
 // it, so a collective sees all compute work issued before the call. A blocking call then records
@@ -53,13 +56,14 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/comm_kernels.hpp"
-#include "backend/cuda/cuda_backend.hpp"
-#include "backend/cuda/cuda_check.hpp"
-#include "comm/comm.hpp"
+#include "comm/cuda/nccl_comm.hpp"
+#include "backend/cuda/cuda_handles.hpp"
+#include "backend/device.hpp"
 #include "comm/cuda/nccl_check.hpp"
 #include "comm/watchdog.hpp"
 #include "core/error.hpp"
+#include "kernels/comm_kernels.hpp"
+#include "kernels/cuda_check.hpp"
 
 namespace shardtrain {
 namespace {
@@ -83,16 +87,11 @@ bool is_device_memory(const void* p) {
   return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
 }
 
-cudaEvent_t new_event() {
-  cudaEvent_t event = nullptr;
-  CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-  return event;
-}
-
 class NcclComm final : public Comm {
  public:
-  NcclComm(MPI_Comm comm, CudaDevice& device, Watchdog* watchdog)
+  NcclComm(MPI_Comm comm, Device& device, Watchdog* watchdog)
       : mpi_comm_(comm), device_(device), compute_(device.compute_stream()), watchdog_(watchdog) {
+    SHARD_CHECK(device.kind() == DEVICE_CUDA, "a NCCL communicator on %s, not a GPU", device.name());
     MPI_CHECK(MPI_Comm_rank(mpi_comm_, &rank_));
     MPI_CHECK(MPI_Comm_size(mpi_comm_, &size_));
     int world_rank = 0, world_size = 1;
@@ -102,7 +101,7 @@ class NcclComm final : public Comm {
     gethostname(host, sizeof host - 1);
     rank_label_ = strprintf("[rank %d/%d %s]", world_rank, world_size, host);
     timeout_ = watchdog_ ? watchdog_->timeout_seconds() : 0;
-    CUDA_CHECK(cudaSetDevice(device_.ordinal()));
+    device_.bind_thread();
     ncclUniqueId id{};
     if (rank_ == 0) NCCL_CHECK(ncclGetUniqueId(&id));
     {
@@ -119,15 +118,11 @@ class NcclComm final : public Comm {
                      "set-up (ncclCommInitRankConfig)");
     }
     settle("set-up (ncclCommInitRankConfig)");
-    // The highest priority: a collective's blocks are scheduled ahead of queued compute blocks,
-    // so a ring that peers are waiting on is not held up behind this rank's kernels.
-    int least_priority = 0, greatest_priority = 0;
-    CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
-    cudaStream_t stream = nullptr;
-    CUDA_CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, greatest_priority));
-    stream_ = stream;
-    compute_ready_ = new_event();
-    comm_done_ = new_event();
+    // Urgent: a collective's blocks are scheduled ahead of queued compute blocks, so a ring that
+    // peers are waiting on is not held up behind this rank's kernels.
+    stream_ = device_.create_stream(/*urgent=*/true);
+    compute_ready_ = device_.create_event();
+    comm_done_ = device_.create_event();
     if (timeout_ > 0) monitor_ = std::thread([this] { monitor_loop(); });
   }
 
@@ -148,16 +143,14 @@ class NcclComm final : public Comm {
       enqueue_locked(ncclCommDestroy(comm_), "ncclCommDestroy", "tear-down (ncclCommDestroy)");
       comm_ = nullptr;
     }
-    // The scratch buffers go back to the device's cache when the members die: join their last
-    // use into the compute stream first. Teardown of CUDA objects is best effort.
-    if (cudaEventRecord(comm_done_, stream_) == cudaSuccess) (void)cudaStreamWaitEvent(compute_, comm_done_, 0);
-    (void)cudaStreamSynchronize(stream_);
-    for (auto& pair : spare_events_) (void)cudaEventDestroy(pair.first), (void)cudaEventDestroy(pair.second);
-    for (auto& watch : watches_) (void)cudaEventDestroy(watch.start), (void)cudaEventDestroy(watch.done);
-    for (auto& pending : pending_) (void)cudaEventDestroy(pending.done);
-    (void)cudaEventDestroy(compute_ready_);
-    (void)cudaEventDestroy(comm_done_);
-    (void)cudaStreamDestroy(stream_);
+    // The scratch buffers go back to the device's cache when the members die: destroy_stream
+    // first waits for the stream's work, their last use. Teardown is best effort.
+    device_.destroy_stream(stream_);
+    for (auto& pair : spare_events_) device_.destroy_event(pair.first), device_.destroy_event(pair.second);
+    for (auto& watch : watches_) device_.destroy_event(watch.start), device_.destroy_event(watch.done);
+    for (auto& pending : pending_) device_.destroy_event(pending.done);
+    device_.destroy_event(compute_ready_);
+    device_.destroy_event(comm_done_);
   }
 
   int rank() const override { return rank_; }
@@ -183,7 +176,7 @@ class NcclComm final : public Comm {
     SHARD_CHECK(handle >= 0 && handle < static_cast<int>(pending_.size()) && pending_[handle].what,
                 "unknown request %d", handle);
     settle(pending_[handle].what);
-    CUDA_CHECK(cudaStreamWaitEvent(compute_, pending_[handle].done, 0));
+    device_.wait(compute_, pending_[handle].done);
     pending_[handle].what = nullptr;  // the slot is free again
   }
 
@@ -198,7 +191,7 @@ class NcclComm final : public Comm {
   int start_reduce_scatter_add(Span<const float> full, Span<float> shard, DType wire, const char* what) override {
     const size_t slot = take_slot(what);
     reduce_scatter(full, shard, wire, what);
-    CUDA_CHECK(cudaEventRecord(pending_[slot].done, stream_));
+    device_.record(pending_[slot].done, stream_);
     return static_cast<int>(slot);
   }
 
@@ -226,7 +219,7 @@ class NcclComm final : public Comm {
     }
     begin(what);
     enqueue("ncclBroadcast", what,
-            [&] { return ncclBroadcast(bytes.data, bytes.data, bytes.size, ncclUint8, root, comm_, stream_); });
+            [&] { return ncclBroadcast(bytes.data, bytes.data, bytes.size, ncclUint8, root, comm_, nccl_stream()); });
     finish(what);
     join();
   }
@@ -241,13 +234,13 @@ class NcclComm final : public Comm {
   // One queued collective, for the monitor: `start` is recorded just before it on the
   // communication stream, `done` just after.
   struct Watch {
-    cudaEvent_t start = nullptr, done = nullptr;
+    DeviceEvent *start = nullptr, *done = nullptr;
     const char* what = nullptr;
     bool started = false;
     Clock::time_point started_at;
   };
   struct Pending {
-    cudaEvent_t done = nullptr;
+    DeviceEvent* done = nullptr;
     const char* what = nullptr;  // null: the slot is free
   };
 
@@ -264,10 +257,11 @@ class NcclComm final : public Comm {
     // Raw bytes: no arithmetic, so one NCCL type serves fp32 and every 16-bit format. In place
     // when shard is this rank's slot of full, which NCCL recognises.
     if (bytes)
-      enqueue("ncclAllGather", what, [&] { return ncclAllGather(shard, full, bytes, ncclUint8, comm_, stream_); });
+      enqueue("ncclAllGather", what,
+              [&] { return ncclAllGather(shard, full, bytes, ncclUint8, comm_, nccl_stream()); });
     finish(what);
     if (pending) {
-      CUDA_CHECK(cudaEventRecord(pending->done, stream_));
+      device_.record(pending->done, stream_);
     } else {
       join();
     }
@@ -295,18 +289,18 @@ class NcclComm final : public Comm {
       grow(chunk_, n);
       begin(what);
       enqueue("ncclReduceScatter(fp32)", what,
-              [&] { return ncclReduceScatter(full.data, chunk_.data(), n, ncclFloat32, ncclSum, comm_, stream_); });
-      launch_comm_add(shard.data, chunk_.data(), n, stream_);
+              [&] { return ncclReduceScatter(full.data, chunk_.data(), n, ncclFloat32, ncclSum, comm_, nccl_stream()); });
+      launch_comm_add(shard.data, chunk_.data(), n, nccl_stream());
     } else {
       grow(wire_full_, full.size);
       grow(wire_chunk_, n);
       begin(what);
-      launch_comm_to_wire(wire_full_.data(), full.data, full.size, own_begin, own_begin + n, wire, stream_);
+      launch_comm_to_wire(wire_full_.data(), full.data, full.size, own_begin, own_begin + n, wire, nccl_stream());
       const ncclDataType_t type = wire == DTYPE_BF16 ? ncclBfloat16 : ncclFloat16;
       enqueue("ncclReduceScatter(16-bit)", what, [&] {
-        return ncclReduceScatter(wire_full_.data(), wire_chunk_.data(), n, type, ncclSum, comm_, stream_);
+        return ncclReduceScatter(wire_full_.data(), wire_chunk_.data(), n, type, ncclSum, comm_, nccl_stream());
       });
-      launch_comm_add_from_wire(shard.data, wire_chunk_.data(), full.data + own_begin, n, wire, stream_);
+      launch_comm_add_from_wire(shard.data, wire_chunk_.data(), full.data + own_begin, n, wire, nccl_stream());
     }
     finish(what);
   }
@@ -315,7 +309,7 @@ class NcclComm final : public Comm {
   size_t take_slot(const char* what) {
     size_t slot = 0;
     while (slot < pending_.size() && pending_[slot].what) slot++;
-    if (slot == pending_.size()) pending_.push_back(Pending{new_event(), nullptr});
+    if (slot == pending_.size()) pending_.push_back(Pending{device_.create_event(), nullptr});
     pending_[slot].what = what;
     return slot;
   }
@@ -337,7 +331,7 @@ class NcclComm final : public Comm {
       return;
     }
     begin(what);
-    enqueue("ncclAllReduce", what, [&] { return ncclAllReduce(values, values, n, type, op, comm_, stream_); });
+    enqueue("ncclAllReduce", what, [&] { return ncclAllReduce(values, values, n, type, op, comm_, nccl_stream()); });
     finish(what);
     join();
   }
@@ -351,28 +345,28 @@ class NcclComm final : public Comm {
   // the collective's start event follows.
   void begin(const char* what) {
     settle(what);
-    CUDA_CHECK(cudaEventRecord(compute_ready_, compute_));
-    CUDA_CHECK(cudaStreamWaitEvent(stream_, compute_ready_, 0));
+    device_.record(compute_ready_, compute_);
+    device_.wait(stream_, compute_ready_);
     if (!monitor_.joinable()) return;
     std::lock_guard<std::mutex> lock(mutex_);
-    if (spare_events_.empty()) spare_events_.emplace_back(new_event(), new_event());
+    if (spare_events_.empty()) spare_events_.emplace_back(device_.create_event(), device_.create_event());
     current_ = Watch{spare_events_.back().first, spare_events_.back().second, what, false, {}};
     spare_events_.pop_back();
-    CUDA_CHECK(cudaEventRecord(current_.start, stream_));
+    device_.record(current_.start, stream_);
   }
 
   // Hands the collective queued since begin() to the monitor.
   void finish(const char* what) {
     if (!monitor_.joinable()) return;
     std::lock_guard<std::mutex> lock(mutex_);
-    CUDA_CHECK(cudaEventRecord(current_.done, stream_));
+    device_.record(current_.done, stream_);
     watches_.push_back(current_);
   }
 
   // The compute stream waits for everything queued on the communication stream.
   void join() {
-    CUDA_CHECK(cudaEventRecord(comm_done_, stream_));
-    CUDA_CHECK(cudaStreamWaitEvent(compute_, comm_done_, 0));
+    device_.record(comm_done_, stream_);
+    device_.wait(compute_, comm_done_);
   }
 
   // Makes the NCCL call `call` under the lock; waits out an in-progress answer.
@@ -427,24 +421,20 @@ class NcclComm final : public Comm {
   }
 
   void monitor_loop() {
-    CUDA_CHECK(cudaSetDevice(device_.ordinal()));
+    device_.bind_thread();
     while (!stop_) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
       std::lock_guard<std::mutex> lock(mutex_);
       check_state_locked(watches_.empty() ? "communicator (between collectives)" : watches_.front().what);
       while (!watches_.empty()) {
-        cudaError_t rc = cudaEventQuery(watches_.front().done);
-        if (rc == cudaErrorNotReady) break;
-        CUDA_CHECK(rc);
+        if (!device_.finished(watches_.front().done)) break;
         spare_events_.emplace_back(watches_.front().start, watches_.front().done);
         watches_.pop_front();
       }
       if (watches_.empty()) continue;
       Watch& running = watches_.front();  // one stream: only the oldest can be running
       if (!running.started) {
-        cudaError_t rc = cudaEventQuery(running.start);
-        if (rc == cudaErrorNotReady) continue;
-        CUDA_CHECK(rc);
+        if (!device_.finished(running.start)) continue;
         running.started = true;
         running.started_at = Clock::now();
       }
@@ -469,9 +459,12 @@ class NcclComm final : public Comm {
     fatal_internal(__FILE__, __LINE__, __func__, message + "; NCCL communicator aborted, aborting all ranks");
   }
 
+  // NCCL takes the communication stream as the runtime's handle.
+  cudaStream_t nccl_stream() const { return cuda_stream(stream_); }
+
   MPI_Comm mpi_comm_;
-  CudaDevice& device_;
-  cudaStream_t compute_;
+  Device& device_;
+  DeviceStream* compute_;
   Watchdog* watchdog_;
   std::string rank_label_;  // "[rank r/N host]" in MPI_COMM_WORLD, as core/error.cpp prints it
   double timeout_ = 0;      // seconds; 0: no bound
@@ -479,8 +472,8 @@ class NcclComm final : public Comm {
   uint64_t bytes_sent_ = 0;
 
   ncclComm_t comm_ = nullptr;
-  cudaStream_t stream_ = nullptr;
-  cudaEvent_t compute_ready_ = nullptr, comm_done_ = nullptr;
+  DeviceStream* stream_ = nullptr;
+  DeviceEvent *compute_ready_ = nullptr, *comm_done_ = nullptr;
   std::vector<Pending> pending_;
   DeviceArray<float> chunk_;
   DeviceArray<uint16_t> wire_full_, wire_chunk_;
@@ -488,7 +481,7 @@ class NcclComm final : public Comm {
   // Shared with the monitor thread, under mutex_ (as is every NCCL call on comm_).
   std::mutex mutex_;
   std::deque<Watch> watches_;
-  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> spare_events_;
+  std::vector<std::pair<DeviceEvent*, DeviceEvent*>> spare_events_;
   Watch current_;
   std::atomic<bool> stop_{false};
   std::thread monitor_;
@@ -496,7 +489,7 @@ class NcclComm final : public Comm {
 
 }  // namespace
 
-std::unique_ptr<Comm> make_nccl_comm(MPI_Comm comm, CudaDevice& device, Watchdog* watchdog) {
+std::unique_ptr<Comm> make_nccl_comm(MPI_Comm comm, Device& device, Watchdog* watchdog) {
   return std::make_unique<NcclComm>(comm, device, watchdog);
 }
 

@@ -1,6 +1,7 @@
 // LayerOps<float> and ShardOps on a CudaDevice (backend/cuda/cuda_backend.hpp): each method
-// forwards to its launcher in kernels/launch.hpp on the device's compute stream, with the
-// device's cuBLASLt handle and GEMM workspace. The semantics are backend/cpu/ops.hpp's.
+// forwards to its launcher in kernels/launch.hpp (plain C++: this file needs no nvcc) on the
+// device's compute stream, with the device's cuBLASLt handle and GEMM workspace. The semantics
+// are backend/cpu/ops.hpp's.
 //
 // Temporary device memory (attention's head-major copies, the encoder's sort, the two-stage
 // column sums) comes from one workspace owned by the ops object, allocated from the device's
@@ -12,7 +13,9 @@
 #include <memory>
 
 #include "backend/cuda/cuda_backend.hpp"
-#include "common.cuh"
+#include "backend/cuda/cuda_handles.hpp"
+#include "kernels/cuda_check.hpp"
+#include "kernels/launch.hpp"
 
 namespace shardtrain {
 namespace {
@@ -22,7 +25,7 @@ using kernels::LaunchContext;
 
 LaunchContext launch_context(CudaDevice& device) {
   LaunchContext ctx;
-  ctx.stream = device.compute_stream();
+  ctx.stream = cuda_stream(device.compute_stream());
   CUDA_CHECK(cudaDeviceGetAttribute(&ctx.sm_count, cudaDevAttrMultiProcessorCount, device.ordinal()));
   return ctx;
 }

@@ -1,6 +1,7 @@
-// Every CUDA runtime, cuBLAS(Lt), cuDNN and NCCL call goes through one of these: a failure
-// names the statement and the library's own error string and aborts every rank
-// (fatal_internal), never a silent wrong result or a hang. Include only in CUDA=1 sources.
+// Every CUDA runtime and cuBLAS(Lt) call goes through one of these (NCCL's: comm/cuda/nccl_check.hpp):
+// a failure names the statement and the library's own error string and aborts every rank
+// (fatal_internal), never a silent wrong result or a hang. Include only in CUDA=1 sources. Here,
+// in the lowest CUDA layer, so that the kernels, backend/cuda and comm/cuda all share it.
 #pragma once
 
 #include <cublasLt.h>
