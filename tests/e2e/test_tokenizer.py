@@ -1,0 +1,245 @@
+"""`data encode --tokenizer`: token for token the Python `tokenizers` package (the oracle, pinned in
+the test virtual environment) on tokenizer.json files that package trains here (GPT-2, RoBERTa-like,
+Llama-3 and Qwen-2 styles, one with NFC) over a corpus of Unicode, whitespace runs, digits,
+contractions, code, emoji, special tokens inside text and invalid UTF-8; unsupported components and
+malformed files exit 2 with one line naming the file and the position."""
+import copy
+import json
+import os
+import struct
+import subprocess
+
+import harness
+import tokenizer_reference as ref
+from harness import run_single, tempdir
+
+HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tokenizer_reference.py")
+STYLES = ("gpt2", "roberta", "llama3", "qwen2-nfc")
+_trained = {}
+
+# Documents aimed at the edges, beside the random corpus: as bytes, some not UTF-8.
+EDGE_DOCS = [
+    b"", b" ", b"<|endoftext|>", b"\xff\xfe bad \xe0\x80 \xed\xa0\x80 trunc \xf0\x9f\x98 end \xc3",
+    b"e\xcc\x81 A\xcc\x8a \xe1\x84\x80\xe1\x85\xa1 NFC changes these", (" " * 300 + "x" + "\n" * 50).encode(),
+    "IT'S 'S 's 'LL we'D I'M ſ'S".encode(), "1234567890123 ١٢٣ ½".encode(), "!\u180e! a\u180eb \u0085x\u2028y".encode(),
+    "x<|end_of_text|>y<|begin_of_text|><|begin_of_text|>".encode(), "a <mask>  b   <mask>c [CUSTOM] [CUSTOM]x".encode(),
+]
+
+
+def reference(*args, env=None):
+    proc = subprocess.run(["timeout", "600", harness.venv_python(), HELPER, *args], capture_output=True, text=True,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def trained(style):
+    """tokenizer.json of a style, trained once per test run by the reference."""
+    if style not in _trained:
+        path = os.path.join(tempdir(), f"{style}.json")
+        reference("train", style, path)
+        _trained[style] = path
+    return _trained[style]
+
+
+def corpus_folder():
+    folder = os.path.join(tempdir(), "docs")
+    os.makedirs(folder)
+    for i, doc in enumerate(ref.make_corpus(7, 40, 150)):
+        with open(os.path.join(folder, f"doc{i:03d}.txt"), "w", encoding="utf-8") as f:
+            f.write(doc)
+    for i, doc in enumerate(EDGE_DOCS):
+        with open(os.path.join(folder, f"edge{i:03d}.txt"), "wb") as f:
+            f.write(doc)
+    return folder
+
+
+def read_tokens(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    count = struct.unpack("<i", data[8:12])[0]
+    return list(struct.unpack(f"<{count}H", data[1024:1024 + 2 * count]))
+
+
+def token_id(tokenizer, content):
+    with open(tokenizer) as f:
+        return next(t["id"] for t in json.load(f)["added_tokens"] if t["content"] == content)
+
+
+def encode(tokenizer, source, *extra):
+    out = os.path.join(tempdir(), "out.bin")
+    proc = run_single(["data", "encode", "--tokenizer", tokenizer, "--input", source, "--output", out,
+                       "--val-fraction", "0", *extra], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_tokens(out), proc.stdout
+
+
+def expected(tokenizer, source, separator):
+    docs = json.loads(reference("encode", tokenizer, source))["docs"]
+    return docs, [t for d in docs for t in ([separator] if separator is not None else []) + d]
+
+
+def assert_same(got, want, docs, separator):
+    if got == want:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    # Name the document the first difference falls in.
+    start = 0
+    for n, d in enumerate(docs):
+        end = start + len(d) + (separator is not None)
+        if at < end:
+            break
+        start = end
+    raise AssertionError(f"{len(got)} tokens, the reference {len(want)}; first difference at token {at} "
+                         f"(document {n}): got {got[at:at + 8]}, want {want[at:at + 8]}")
+
+
+def test_styles_match_the_reference_token_for_token():
+    folder = corpus_folder()
+    for style in STYLES:
+        tokenizer = trained(style)
+        # The RoBERTa and Llama-3 files have templates that mark each document themselves.
+        separator = None if style in ("roberta", "llama3") else token_id(tokenizer, "<|endoftext|>")
+        got, stdout = encode(tokenizer, folder)
+        docs, want = expected(tokenizer, folder, separator)
+        assert len(docs) == 40 + len(EDGE_DOCS)
+        assert_same(got, want, docs, separator)
+        assert "before each" in stdout if separator is not None else "template marks each" in stdout, stdout
+
+
+def test_jsonl_input_with_invalid_bytes():
+    tokenizer = trained("qwen2-nfc")
+    path = os.path.join(tempdir(), "docs.jsonl")
+    with open(path, "wb") as f:
+        for doc in ref.make_corpus(3, 30, 80):
+            f.write(json.dumps({"text": doc, "id": 1}, ensure_ascii=False).encode() + b"\n")
+            f.write(b"\n")  # blank lines hold no document
+        f.write(b'{"text": "raw \xff\xc3 bytes in a JSON string e\xcc\x81"}\n')
+        f.write(json.dumps({"text": "escaped \u00e9 \ud83d\ude00 <|endoftext|>"}).encode() + b"\n")
+    separator = token_id(tokenizer, "<|endoftext|>")
+    got, _ = encode(tokenizer, path)
+    docs, want = expected(tokenizer, path, separator)
+    assert len(docs) == 32
+    assert_same(got, want, docs, separator)
+
+
+def test_merges_stored_as_strings_give_the_same_tokens():
+    tokenizer = trained("gpt2")
+    with open(tokenizer) as f:
+        spec = json.load(f)
+    assert isinstance(spec["model"]["merges"][0], list), "the package now stores merges as pairs"
+    spec["model"]["merges"] = [f"{a} {b}" for a, b in spec["model"]["merges"]]
+    legacy = os.path.join(tempdir(), "legacy.json")
+    with open(legacy, "w") as f:
+        json.dump(spec, f)
+    folder = corpus_folder()
+    separator = token_id(tokenizer, "<|endoftext|>")
+    got, _ = encode(legacy, folder)
+    docs, want = expected(legacy, folder, separator)
+    assert_same(got, want, docs, separator)
+    assert got == encode(tokenizer, folder)[0]
+
+
+def test_separator_option_and_validation_split():
+    tokenizer = trained("llama3")
+    folder = corpus_folder()
+    docs, plain = expected(tokenizer, folder, None)
+    assert encode(tokenizer, folder)[0] == plain  # the template's <|begin_of_text|> marks each document
+    end = token_id(tokenizer, "<|end_of_text|>")
+    got, stdout = encode(tokenizer, folder, "--separator", "<|end_of_text|>")
+    assert got == [t for d in docs for t in [end] + d], stdout
+    # The last floor(tokens * fraction) tokens go to the validation file.
+    tmp = tempdir()
+    out = os.path.join(tmp, "corpus_train.bin")
+    proc = run_single(["data", "encode", "--tokenizer", tokenizer, "--input", folder, "--output", out,
+                       "--val-fraction", "0.1"])
+    assert proc.returncode == 0, proc.stderr
+    train, val = read_tokens(out), read_tokens(os.path.join(tmp, "corpus_val.bin"))
+    assert train + val == plain and len(val) == int(len(plain) * 0.1)
+    assert "needs model.vocab_size >= 1500" in proc.stdout, proc.stdout
+    # Without --tokenizer the byte-level encoder is unchanged; --separator alone is a usage error.
+    proc = run_single(["data", "encode", "--input", os.path.join(folder, "doc000.txt"), "--output", out,
+                       "--val-fraction", "0", "--separator", "x"])
+    assert proc.returncode == 2 and "--separator needs --tokenizer" in proc.stderr, proc.stderr
+
+
+def expect_exit_2(spec_or_text, *needles, source=None):
+    """Writes a tokenizer file (a dict as JSON, or raw text), encodes with it: exit 2, one error line."""
+    path = os.path.join(tempdir(), "tok.json")
+    with open(path, "w") as f:
+        f.write(spec_or_text if isinstance(spec_or_text, str) else json.dumps(spec_or_text))
+    if source is None:
+        source = os.path.join(tempdir(), "a.txt")
+        with open(source, "w") as f:
+            f.write("hello world")
+    proc = run_single(["data", "encode", "--tokenizer", path, "--input", source, "--output",
+                       os.path.join(tempdir(), "o.bin")])
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "error" in lines[0], proc.stderr
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} not in {lines[0]!r}"
+
+
+def test_unsupported_components_exit_2():
+    with open(trained("gpt2")) as f:
+        base = json.load(f)
+
+    def variant(pointer, value):
+        spec = copy.deepcopy(base)
+        *parents, last = pointer.strip("/").split("/")
+        node = spec
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        node[last] = value
+        return spec
+
+    expect_exit_2(variant("/pre_tokenizer", {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always",
+                                             "split": True}), "pre-tokenizer \"Metaspace\"", "/pre_tokenizer/type")
+    expect_exit_2(variant("/model/type", "WordPiece"), "model \"WordPiece\"", "not supported")
+    expect_exit_2(variant("/model", {"type": "Unigram", "unk_id": 0, "vocab": [["a", 0.0]]}), "model \"Unigram\"")
+    expect_exit_2(variant("/normalizer", {"type": "NFKC"}), "normalizer \"NFKC\"", "/normalizer/type")
+    expect_exit_2(variant("/normalizer", {"type": "Sequence", "normalizers": [{"type": "NFC"}, {"type": "Lowercase"}]}),
+                  "normalizer \"Lowercase\"", "/normalizer/normalizers/1/type")
+    split = {"type": "Split", "pattern": {"Regex": "\\s+"}, "behavior": "Removed", "invert": False}
+    expect_exit_2(variant("/pre_tokenizer", {"type": "Sequence", "pretokenizers": [split, base["pre_tokenizer"]]}),
+                  "Split behavior \"Removed\"", "/pre_tokenizer/pretokenizers/0/behavior")
+    expect_exit_2(variant("/post_processor", {"type": "BertPostProcessor?"}), "post-processor")
+    expect_exit_2(variant("/model/dropout", 0.1), "dropout")
+    expect_exit_2(variant("/truncation", {"max_length": 8, "strategy": "LongestFirst", "stride": 0,
+                                          "direction": "Right"}), "truncation")
+    # Ids beyond 16 bits need the 32-bit token files, which come later.
+    big = copy.deepcopy(base)
+    big["added_tokens"].append({"id": 70000, "content": "<big>", "single_word": False, "lstrip": False,
+                                "rstrip": False, "normalized": False, "special": True})
+    expect_exit_2(big, "70000", "32-bit format is not supported yet")
+
+
+def test_malformed_files_exit_2():
+    with open(trained("gpt2")) as f:
+        text = f.read()
+    base = json.loads(text)
+    expect_exit_2(text[:5000], "malformed JSON", "line", "column")
+    expect_exit_2("[1, 2]", "expected a JSON object")
+    spec = copy.deepcopy(base)
+    spec["model"]["merges"][7] = ["Ġnot-a-token", "x"]
+    expect_exit_2(spec, "/model/merges/7", "not in the vocabulary")
+    spec = copy.deepcopy(base)
+    spec["model"]["merges"][3] = "one two three"
+    expect_exit_2(spec, "/model/merges/3", "one space")
+    spec = copy.deepcopy(base)
+    spec["model"]["vocab"]["Ġthe"] = "five"
+    expect_exit_2(spec, "/model/vocab/Ġthe", "token id")
+    spec = copy.deepcopy(base)
+    del spec["model"]["vocab"]
+    expect_exit_2(spec, "/model", "missing \"vocab\"")
+    spec = copy.deepcopy(base)
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "(unclosed"}, "behavior": "Isolated", "invert": False},
+        base["pre_tokenizer"]]}
+    expect_exit_2(spec, "/pre_tokenizer/pretokenizers/0/pattern/Regex", "does not compile")
+    # A malformed JSON Lines input names its line.
+    source = os.path.join(tempdir(), "bad.jsonl")
+    with open(source, "w") as f:
+        f.write('{"text": "fine"}\n{"text": 3}\n')
+    expect_exit_2(text, "bad.jsonl", "line 2", "\"text\"", source=source)
