@@ -1,8 +1,10 @@
-// fp32 <-> 16-bit conversions of the FSDP engine's wire and parameter formats (bf16 or fp16), with
-// backend/dtype.hpp's float_to_half / half_to_float: the same integer code as the CPU, so the
-// results are bit-identical to it, NaN payloads and subnormals included (round to nearest even).
-// Grid-stride loops with size_t indices; 16-bit elements are read and written one per thread
-// (the conversion is integer work and the kernels are bandwidth-bound either way).
+// fp32 <-> 16-bit conversions (bf16 or fp16) with backend/dtype.hpp's float_to_half /
+// half_to_float: the same integer code as the CPU, so the results are bit-identical to it, NaN
+// payloads and subnormals included (round to nearest even). The one fp32 -> 16-bit kernel of the
+// backend: ShardOps::to_half, the 16-bit GEMM operands (matmul.cu) and the NCCL communicator's
+// wire (which zeroes this rank's own slot) all launch it. Grid-stride loops with size_t indices;
+// 16-bit elements are read and written one per thread (the conversion is integer work and the
+// kernels are bandwidth-bound either way).
 #include "common.cuh"
 
 namespace shardtrain::kernels {
@@ -11,10 +13,10 @@ namespace {
 constexpr int kThreads = 256;
 
 template <DType kType>
-__global__ void to_half_kernel(uint16_t* out, const float* in, size_t n) {
+__global__ void to_half_kernel(uint16_t* out, const float* in, size_t n, size_t zero_begin, size_t zero_end) {
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<size_t>(gridDim.x) * blockDim.x)
-    out[i] = float_to_half(in[i], kType);
+    out[i] = (i >= zero_begin && i < zero_end) ? uint16_t{0} : float_to_half(in[i], kType);
 }
 
 template <DType kType>
@@ -30,14 +32,15 @@ void check_half_type(DType type) {
 
 }  // namespace
 
-void launch_to_half(uint16_t* out, const float* in, size_t n, DType type, const LaunchContext& ctx) {
+void launch_to_half(uint16_t* out, const float* in, size_t n, DType type, const LaunchContext& ctx, size_t zero_begin,
+                    size_t zero_end) {
   check_half_type(type);
   if (n == 0) return;
   const unsigned grid = grid_for(n, kThreads, ctx);
   if (type == DTYPE_BF16)
-    to_half_kernel<DTYPE_BF16><<<grid, kThreads, 0, ctx.stream>>>(out, in, n);
+    to_half_kernel<DTYPE_BF16><<<grid, kThreads, 0, ctx.stream>>>(out, in, n, zero_begin, zero_end);
   else
-    to_half_kernel<DTYPE_FP16><<<grid, kThreads, 0, ctx.stream>>>(out, in, n);
+    to_half_kernel<DTYPE_FP16><<<grid, kThreads, 0, ctx.stream>>>(out, in, n, zero_begin, zero_end);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -95,8 +95,9 @@ __device__ inline float block_max(float v, float* shared) {
 // Sums over the N rows of kSums functions term(n, c, out[kSums]) of an (N, C) grid, added (+=) into
 // targets[s][c]. Stage 1: rows are cut into fixed chunks (a function of N only); a block of
 // 32 columns x 8 row-lanes sums one chunk, each lane over every 8th row, then the 8 lanes in order,
-// into partial[s][chunk][c]. Stage 2: one thread per column adds the chunks in order and then
-// the total to the target. No atomics: the same inputs give the same bits on every run.
+// into partial[s][chunk][c]. Stage 2, in the same 32 x 8 layout: lane y adds chunks y, y+8, ...
+// in order, then the 8 lanes are added in order and the total to the target. No atomics: the
+// same inputs give the same bits on every run.
 constexpr int kColumnSumRowLanes = 8;
 constexpr int kColumnSumMaxChunks = 256;
 constexpr int kColumnSumMinRows = 32;

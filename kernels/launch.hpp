@@ -1,7 +1,8 @@
 // The launchers of the CUDA backend's kernels (kernels/*.cu), as plain C++: no CUDA syntax, only
 // the runtime's and cuBLASLt's C types, for host-only translation units (built by mpicxx):
 // src/backend/cuda/cuda_ops.cpp implements LayerOps<float> and ShardOps (backend/layer_ops.hpp)
-// with these calls. Nothing here knows a Device: a stream and the SM count are all they need.
+// with these calls; the NCCL communicator (comm/cuda/nccl_comm.cpp) rounds its wire with
+// launch_to_half. Nothing here knows a Device: a stream and the SM count are all they need.
 //
 // Every launcher has the semantics, argument order and accumulation rule of the CPU function of
 // the same name in backend/cpu/ops.hpp (parameter gradients +=, activation gradients =, except
@@ -120,7 +121,10 @@ double reduce_sum_squares(const float* x, size_t n, void* scratch, void* host_re
 size_t reduce_count_nonfinite(const float* x, size_t n, void* scratch, void* host_result, const LaunchContext& ctx);
 
 // ---- shard work (cast.cu, adamw.cu) ----------------------------------------------------------------
-void launch_to_half(uint16_t* out, const float* in, size_t n, DType type, const LaunchContext& ctx);
+// out[i] = float_to_half(in[i], type), except +0 for i in [zero_begin, zero_end) (the NCCL wire's
+// own slot, whose term is added later in fp32; empty by default). Every fp32 -> 16-bit rounding.
+void launch_to_half(uint16_t* out, const float* in, size_t n, DType type, const LaunchContext& ctx,
+                    size_t zero_begin = 0, size_t zero_end = 0);
 void launch_from_half(float* out, const uint16_t* in, size_t n, DType type, const LaunchContext& ctx);
 void launch_adamw(float* param, float* m, float* v, const float* grad, size_t n, float grad_multiplier, float decay,
                   const AdamWStep& step, const LaunchContext& ctx);

@@ -197,6 +197,14 @@ __global__ void fill_rows_kernel(float* out, const float* bias, int cols, int ld
   }
 }
 
+// C(M,N) = bias in every row: the bias term of a GEMM that then accumulates with beta = 1, as
+// the CPU does, where the bias epilogue cannot be used.
+void fill_bias_rows(float* C, const float* bias, int M, int N, int ldc, const LaunchContext& ctx) {
+  const size_t n = static_cast<size_t>(M) * N;
+  fill_rows_kernel<<<grid_for(n, 256, ctx), 256, 0, ctx.stream>>>(C, bias, N, ldc, n);
+  CUDA_CHECK_LAUNCH();
+}
+
 struct BiasTerm {
   const float* dout;
   int OC;
@@ -215,22 +223,10 @@ void check_gemm_args(int M, int N, int K, int batch) {
                            types, trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, batch, A, lda, B, ldb, C, ldc));
 }
 
-// out[i] = in[i] rounded to bf16 or fp16 (backend/dtype.hpp, round to nearest even).
-__global__ void round_operand_kernel(uint16_t* out, const float* in, size_t n, DType type) {
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x)
-    out[i] = float_to_half(in[i], type);
-}
-
 // Elements from a row-major operand's first to its last, all batches: rows x cols stored with
 // leading dimension ld, `batch` matrices `stride` apart.
 size_t operand_extent(int rows, int cols, int ld, long long stride, int batch) {
   return static_cast<size_t>(batch - 1) * static_cast<size_t>(stride) + static_cast<size_t>(rows - 1) * ld + cols;
-}
-
-void round_operand(uint16_t* out, const float* x, size_t n, DType type, const LaunchContext& ctx) {
-  round_operand_kernel<<<grid_for(n, 256, ctx), 256, 0, ctx.stream>>>(out, x, n, type);
-  CUDA_CHECK_LAUNCH();
 }
 
 // C = alpha op(A) op(B) + beta C with A and B rounded to ctx.operands first (the bias, if any,
@@ -249,8 +245,8 @@ bool try_gemm_rounded(const GemmContext& ctx, bool trans_a, bool trans_b, int M,
   WorkspaceCarver carver(base);
   uint16_t* a = carver.take<uint16_t>(na);
   uint16_t* b = carver.take<uint16_t>(nb);
-  round_operand(a, A, na, ctx.operands, ctx.launch);
-  round_operand(b, B, nb, ctx.operands, ctx.launch);
+  launch_to_half(a, A, na, ctx.operands, ctx.launch);
+  launch_to_half(b, B, nb, ctx.operands, ctx.launch);
   const cudaDataType_t type = ctx.operands == DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
   const bool ok = try_gemm_col_major(ctx, trans_b, trans_a, N, M, K, alpha, b, type, ldb, stride_b, a, type, lda,
                                      stride_a, beta, C, ldc, stride_c, batch, nullptr);
@@ -267,13 +263,16 @@ void gemm_row_major(const GemmContext& ctx, bool trans_a, bool trans_b, int M, i
   SHARD_CHECK(!bias || (beta == 0.0f && batch == 1), "gemm: a bias needs beta = 0 and batch = 1");
   if (M == 0 || N == 0 || (K == 0 && beta == 1.0f && !bias)) return;  // nothing to compute, or C += 0
   SHARD_CHECK(K > 0, "gemm: K = 0 is supported only as C += 0 (beta = 1, no bias)");
+  // fp32 with a 16-byte aligned bias: cuBLASLt's bias epilogue, when it has a kernel for it.
+  if (ctx.operands == DTYPE_FP32 && bias && aligned16(bias) &&
+      try_gemm_col_major(ctx, trans_b, trans_a, N, M, K, alpha, B, CUDA_R_32F, ldb, stride_b, A, CUDA_R_32F, lda,
+                         stride_a, beta, C, ldc, stride_c, batch, bias))
+    return;
+  if (bias) {  // C = bias in every row, then C = A B + C
+    fill_bias_rows(C, bias, M, N, ldc, ctx.launch);
+    beta = 1.0f;
+  }
   if (ctx.operands != DTYPE_FP32) {
-    if (bias) {  // C = bias in every row, then C = A B + C
-      const size_t n = static_cast<size_t>(M) * N;
-      fill_rows_kernel<<<grid_for(n, 256, ctx.launch), 256, 0, ctx.launch.stream>>>(C, bias, N, ldc, n);
-      CUDA_CHECK_LAUNCH();
-      beta = 1.0f;
-    }
     if (try_gemm_rounded(ctx, trans_a, trans_b, M, N, K, alpha, A, lda, stride_a, B, ldb, stride_b, beta, C, ldc,
                          stride_c, batch))
       return;
@@ -282,20 +281,6 @@ void gemm_row_major(const GemmContext& ctx, bool trans_a, bool trans_b, int M, i
       std::fprintf(stderr, "warning: cuBLASLt has no %s kernel for a %c%c GEMM M=%d N=%d K=%d batch=%d; such GEMMs "
                    "run in fp32\n", dtype_name(ctx.operands), trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, batch);
     warned = true;
-    if (!try_gemm_col_major(ctx, trans_b, trans_a, N, M, K, alpha, B, CUDA_R_32F, ldb, stride_b, A, CUDA_R_32F, lda,
-                            stride_a, beta, C, ldc, stride_c, batch, nullptr))
-      no_gemm_kernel(trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc, batch, "fp32");
-    return;
-  }
-  if (bias && aligned16(bias) &&
-      try_gemm_col_major(ctx, trans_b, trans_a, N, M, K, alpha, B, CUDA_R_32F, ldb, stride_b, A, CUDA_R_32F, lda,
-                         stride_a, beta, C, ldc, stride_c, batch, bias))
-    return;
-  if (bias) {  // C = bias in every row, then C = A B + C
-    const size_t n = static_cast<size_t>(M) * N;
-    fill_rows_kernel<<<grid_for(n, 256, ctx.launch), 256, 0, ctx.launch.stream>>>(C, bias, N, ldc, n);
-    CUDA_CHECK_LAUNCH();
-    beta = 1.0f;
   }
   if (!try_gemm_col_major(ctx, trans_b, trans_a, N, M, K, alpha, B, CUDA_R_32F, ldb, stride_b, A, CUDA_R_32F, lda,
                           stride_a, beta, C, ldc, stride_c, batch, nullptr))
@@ -338,9 +323,9 @@ bool try_matmul_backward_rounded(float* dinp, float* dweight, const float* dout,
   uint16_t* dout16 = carver.take<uint16_t>(n_dout);
   uint16_t* weight16 = carver.take<uint16_t>(n_weight);
   uint16_t* inp16 = carver.take<uint16_t>(n_inp);
-  round_operand(dout16, dout, n_dout, ctx.operands, ctx.launch);
-  if (dinp) round_operand(weight16, weight, n_weight, ctx.operands, ctx.launch);
-  round_operand(inp16, inp, n_inp, ctx.operands, ctx.launch);
+  launch_to_half(dout16, dout, n_dout, ctx.operands, ctx.launch);
+  if (dinp) launch_to_half(weight16, weight, n_weight, ctx.operands, ctx.launch);
+  launch_to_half(inp16, inp, n_inp, ctx.operands, ctx.launch);
   const cudaDataType_t type = ctx.operands == DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
   // As gemm_row_major maps them: row-major dinp(N,C) = dout(N,OC) @ weight(OC,C), and
   // dweight(OC,C) += dout^T @ inp(N,C), as column-major products with A and B swapped.

@@ -4,10 +4,11 @@
 //
 // Oracle: the MPI communicator (comm/mpi_comm.cpp) on host copies of the same data. On one rank
 // no reduction order is involved, so the NCCL results must match it bit for bit (a 16-bit wire
-// included: this rank's own term stays fp32 by contract). The wire conversion kernels are also
-// checked directly against backend/dtype.hpp's rounding, on values chosen to hit every rounding
-// case. Device buffers carry guard zones (tests/support/tensor_check.hpp) copied up and down with
-// the data, so a write past either end shows. Every comparison is exact.
+// included: this rank's own term stays fp32 by contract). The wire kernels (launch_to_half with
+// the own slot zeroed, the widening add) are also checked directly against backend/dtype.hpp's
+// rounding, on values chosen to hit every rounding case. Device buffers carry guard zones
+// (tests/support/tensor_check.hpp) copied up and down with the data, so a write past either end
+// shows. Every comparison is exact.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -29,6 +30,8 @@
 #include "comm/watchdog.hpp"
 #include "core/error.hpp"
 #include "kernels/comm_kernels.hpp"
+#include "kernels/cuda_check.hpp"
+#include "kernels/launch.hpp"
 #include "support/tensor_check.hpp"
 
 namespace shardtrain {
@@ -124,6 +127,13 @@ class GpuTest : public ::testing::Test {
   CudaDevice& device() { return *device_; }
   Comm& nccl() { return *nccl_; }
   Comm& mpi() { return *mpi_; }
+  // The device's compute stream, for launching the wire kernels directly.
+  kernels::LaunchContext launch() {
+    kernels::LaunchContext ctx;
+    ctx.stream = cuda_stream(device().compute_stream());
+    CUDA_CHECK(cudaDeviceGetAttribute(&ctx.sm_count, cudaDevAttrMultiProcessorCount, device().ordinal()));
+    return ctx;
+  }
 
   static std::unique_ptr<CudaDevice> device_;
   static std::unique_ptr<Watchdog> watchdog_;
@@ -412,7 +422,7 @@ TEST_P(NcclWireKernelTest, ToWireRoundsExactlyLikeTheCpuAndZeroesTheOwnSlot) {
   const size_t n = in.size(), zero_begin = n / 3, zero_end = n / 3 + 101;
   auto d_in = upload(device(), in);
   DeviceArray<uint16_t> d_out(device(), n);
-  launch_comm_to_wire(d_out.data(), d_in.data(), n, zero_begin, zero_end, wire, cuda_stream(device().compute_stream()));
+  kernels::launch_to_half(d_out.data(), d_in.data(), n, wire, launch(), zero_begin, zero_end);
   const auto out = download(device(), d_out);
   for (size_t i = 0; i < n; i++) {
     const uint16_t expected = (i >= zero_begin && i < zero_end) ? 0 : float_to_half(in[i], wire);
@@ -438,8 +448,8 @@ TEST_P(NcclWireKernelTest, AddFromWireWidensLikeTheCpu) {
   auto d_own = upload(device(), own);
   auto d_shard = upload(device(), shard0);
   auto d_shard_no_own = upload(device(), shard0);
-  launch_comm_add_from_wire(d_shard.data(), d_wire.data(), d_own.data(), n, wire, cuda_stream(device().compute_stream()));
-  launch_comm_add_from_wire(d_shard_no_own.data(), d_wire.data(), nullptr, n, wire, cuda_stream(device().compute_stream()));
+  launch_comm_add_from_wire(d_shard.data(), d_wire.data(), d_own.data(), n, wire, launch());
+  launch_comm_add_from_wire(d_shard_no_own.data(), d_wire.data(), nullptr, n, wire, launch());
   EXPECT_TRUE(same_bits(download(device(), d_shard).data(), expected.data(), n, "add_from_wire"));
   EXPECT_TRUE(same_bits(download(device(), d_shard_no_own).data(), expected_no_own.data(), n, "add_from_wire, no own"));
 }

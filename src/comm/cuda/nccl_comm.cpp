@@ -34,7 +34,7 @@
 // communicator holds `mutex_`, so the abort never runs beside another NCCL call.
 //
 // reduce_scatter_add with a 16-bit wire: the fp32 full buffer is rounded to bf16/fp16 on the
-// device with this rank's own chunk set to zero, ncclReduceScatter sums the other ranks' terms
+// device (kernels' launch_to_half) with this rank's own chunk set to zero, ncclReduceScatter sums the other ranks' terms
 // in 16 bits, and shard += widen(sum) + own chunk in fp32: as in the MPI ring, values travel
 // and partial sums round in 16 bits while this rank's own term and the accumulation stay fp32
 // (on one rank the result is the MPI one bit for bit; on more, NCCL's reduction order is its own).
@@ -64,6 +64,7 @@
 #include "core/error.hpp"
 #include "kernels/comm_kernels.hpp"
 #include "kernels/cuda_check.hpp"
+#include "kernels/launch.hpp"
 
 namespace shardtrain {
 namespace {
@@ -102,6 +103,9 @@ class NcclComm final : public Comm {
     rank_label_ = strprintf("[rank %d/%d %s]", world_rank, world_size, host);
     timeout_ = watchdog_ ? watchdog_->timeout_seconds() : 0;
     device_.bind_thread();
+    int ordinal = 0;
+    CUDA_CHECK(cudaGetDevice(&ordinal));
+    CUDA_CHECK(cudaDeviceGetAttribute(&launch_.sm_count, cudaDevAttrMultiProcessorCount, ordinal));
     ncclUniqueId id{};
     if (rank_ == 0) NCCL_CHECK(ncclGetUniqueId(&id));
     {
@@ -121,6 +125,7 @@ class NcclComm final : public Comm {
     // Urgent: a collective's blocks are scheduled ahead of queued compute blocks, so a ring that
     // peers are waiting on is not held up behind this rank's kernels.
     stream_ = device_.create_stream(/*urgent=*/true);
+    launch_.stream = cuda_stream(stream_);
     compute_ready_ = device_.create_event();
     comm_done_ = device_.create_event();
     if (timeout_ > 0) monitor_ = std::thread([this] { monitor_loop(); });
@@ -290,17 +295,17 @@ class NcclComm final : public Comm {
       begin(what);
       enqueue("ncclReduceScatter(fp32)", what,
               [&] { return ncclReduceScatter(full.data, chunk_.data(), n, ncclFloat32, ncclSum, comm_, nccl_stream()); });
-      launch_comm_add(shard.data, chunk_.data(), n, nccl_stream());
+      launch_comm_add(shard.data, chunk_.data(), n, launch_);
     } else {
       grow(wire_full_, full.size);
       grow(wire_chunk_, n);
       begin(what);
-      launch_comm_to_wire(wire_full_.data(), full.data, full.size, own_begin, own_begin + n, wire, nccl_stream());
+      kernels::launch_to_half(wire_full_.data(), full.data, full.size, wire, launch_, own_begin, own_begin + n);
       const ncclDataType_t type = wire == DTYPE_BF16 ? ncclBfloat16 : ncclFloat16;
       enqueue("ncclReduceScatter(16-bit)", what, [&] {
         return ncclReduceScatter(wire_full_.data(), wire_chunk_.data(), n, type, ncclSum, comm_, nccl_stream());
       });
-      launch_comm_add_from_wire(shard.data, wire_chunk_.data(), full.data + own_begin, n, wire, nccl_stream());
+      launch_comm_add_from_wire(shard.data, wire_chunk_.data(), full.data + own_begin, n, wire, launch_);
     }
     finish(what);
   }
@@ -473,6 +478,7 @@ class NcclComm final : public Comm {
 
   ncclComm_t comm_ = nullptr;
   DeviceStream* stream_ = nullptr;
+  kernels::LaunchContext launch_;  // the communication stream, for the wire kernels
   DeviceEvent *compute_ready_ = nullptr, *comm_done_ = nullptr;
   std::vector<Pending> pending_;
   DeviceArray<float> chunk_;
