@@ -69,11 +69,6 @@ struct GemmContext {
 void gemm_row_major(const GemmContext& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha,
                     const float* A, int lda, long long stride_a, const float* B, int ldb, long long stride_b, float beta,
                     float* C, int ldc, long long stride_c, int batch, const float* bias);
-// The same with bf16 A and B (raw bits, backend/dtype.hpp's float_to_bf16), fp32 C, fp32
-// accumulation; no bias. For mixed-precision paths; not used by LayerOps<float>.
-void gemm_row_major_bf16(const GemmContext& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha,
-                         const uint16_t* A, int lda, long long stride_a, const uint16_t* B, int ldb, long long stride_b,
-                         float beta, float* C, int ldc, long long stride_c, int batch);
 
 // ---- layers ----------------------------------------------------------------------------------------
 void launch_encoder_forward(float* out, const int* tokens, const float* wte, const float* wpe, int B, int T, int C,

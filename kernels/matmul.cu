@@ -13,7 +13,7 @@
 // every non-GEMM op stay fp32. The rounded copies live in GemmContext::operand_scratch (the ops
 // object's buffer from the caching allocator, so the memory is counted and reused). Should
 // cuBLASLt have no 16-bit kernel for a shape and alignment, that GEMM runs in fp32 instead, with
-// one warning. gemm_row_major_bf16 takes operands already in bf16.
+// one warning.
 //
 // Alignment: cuBLASLt's heuristic assumes 256-byte aligned operands unless told otherwise, and a
 // kernel picked under that assumption fails or misreads on less aligned pointers (views into flat
@@ -26,10 +26,11 @@
 //
 // The backward's bias gradient is a deterministic two-stage column sum (common.cuh), no atomics.
 #include <algorithm>
-#include <cstring>
+#include <tuple>
 #include <unordered_map>
 
 #include "common.cuh"
+#include "core/random.hpp"
 
 namespace shardtrain::kernels {
 namespace {
@@ -71,22 +72,26 @@ size_t type_bytes(cudaDataType_t type) { return type == CUDA_R_32F ? 4 : 2; }
 }  // namespace
 
 // What makes two GEMMs the same plan. Pointers enter only through their alignments, and the bias
-// pointer through its presence (it is set on the descriptor per call).
+// pointer through its presence (it is set on the descriptor per call). Compared and hashed field
+// by field, never as bytes: padding between the fields holds no defined value.
 struct GemmKey {
-  bool trans_a, trans_b, bias;
-  int m, n, k, lda, ldb, ldc, batch;
-  long long stride_a, stride_b, stride_c;
-  cudaDataType_t a_type, b_type;
-  uint32_t align_a, align_b, align_c;
-  size_t workspace_bytes;
-  bool operator==(const GemmKey& o) const { return std::memcmp(this, &o, sizeof o) == 0; }
+  bool trans_a = false, trans_b = false, bias = false;
+  int m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldc = 0, batch = 0;
+  long long stride_a = 0, stride_b = 0, stride_c = 0;
+  cudaDataType_t a_type = CUDA_R_32F, b_type = CUDA_R_32F;
+  uint32_t align_a = 0, align_b = 0, align_c = 0;
+  size_t workspace_bytes = 0;
+  auto fields() const {
+    return std::tie(trans_a, trans_b, bias, m, n, k, lda, ldb, ldc, batch, stride_a, stride_b, stride_c, a_type,
+                    b_type, align_a, align_b, align_c, workspace_bytes);
+  }
+  bool operator==(const GemmKey& o) const { return fields() == o.fields(); }
 };
 struct GemmKeyHash {
-  size_t operator()(const GemmKey& key) const {  // FNV-1a over the bytes (the key is zero-initialised)
-    const unsigned char* p = reinterpret_cast<const unsigned char*>(&key);
-    size_t h = 1469598103934665603ull;
-    for (size_t i = 0; i < sizeof key; i++) h = (h ^ p[i]) * 1099511628211ull;
-    return h;
+  size_t operator()(const GemmKey& key) const {  // each field's value mixed into the hash in turn
+    uint64_t h = 0;
+    std::apply([&h](const auto&... field) { ((h = mix64(h ^ static_cast<uint64_t>(field))), ...); }, key.fields());
+    return static_cast<size_t>(h);
   }
 };
 struct GemmPlan {
@@ -126,7 +131,6 @@ bool try_gemm_col_major(const GemmContext& ctx, bool trans_a, bool trans_b, int 
   const long long batch_b = batch > 1 ? stride_b * static_cast<long long>(type_bytes(b_type)) : 0;
   const long long batch_c = batch > 1 ? stride_c * 4LL : 0;
   GemmKey key;
-  std::memset(&key, 0, sizeof key);  // padding too: the key is hashed and compared as bytes
   key.trans_a = trans_a, key.trans_b = trans_b, key.bias = bias != nullptr;
   key.m = m, key.n = n, key.k = k, key.lda = lda, key.ldb = ldb, key.ldc = ldc, key.batch = batch;
   key.stride_a = batch > 1 ? stride_a : 0, key.stride_b = batch > 1 ? stride_b : 0;
@@ -285,17 +289,6 @@ void gemm_row_major(const GemmContext& ctx, bool trans_a, bool trans_b, int M, i
   if (!try_gemm_col_major(ctx, trans_b, trans_a, N, M, K, alpha, B, CUDA_R_32F, ldb, stride_b, A, CUDA_R_32F, lda,
                           stride_a, beta, C, ldc, stride_c, batch, nullptr))
     no_gemm_kernel(trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc, batch, "fp32");
-}
-
-void gemm_row_major_bf16(const GemmContext& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha,
-                         const uint16_t* A, int lda, long long stride_a, const uint16_t* B, int ldb, long long stride_b,
-                         float beta, float* C, int ldc, long long stride_c, int batch) {
-  check_gemm_args(M, N, K, batch);
-  if (M == 0 || N == 0 || (K == 0 && beta == 1.0f)) return;
-  SHARD_CHECK(K > 0, "gemm: K = 0 is supported only as C += 0 (beta = 1)");
-  if (!try_gemm_col_major(ctx, trans_b, trans_a, N, M, K, alpha, B, CUDA_R_16BF, ldb, stride_b, A, CUDA_R_16BF, lda,
-                          stride_a, beta, C, ldc, stride_c, batch, nullptr))
-    no_gemm_kernel(trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc, batch, "bf16 x bf16 -> fp32");
 }
 
 void launch_matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC,

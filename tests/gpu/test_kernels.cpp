@@ -25,10 +25,8 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/launch.hpp"
 #include "backend/cpu/ops.hpp"
 #include "backend/cuda/cuda_backend.hpp"
-#include "backend/cuda/cuda_handles.hpp"
 #include "backend/dtype.hpp"
 #include "backend/layer_ops.hpp"
 #include "backend/math.hpp"
@@ -426,36 +424,6 @@ INSTANTIATE_TEST_SUITE_P(Shapes, MatmulTest,
                                            MatmulShape{300, 97, 129, true, 0},
                                            MatmulShape{1024, 768, 3072, true, 0}),  // realistic: B=4, T=256, MLP up
                          ShapeName());
-
-// bf16 operands, fp32 accumulation (kernels/launch.hpp, not part of LayerOps): the bf16 values
-// widen to fp32 exactly and their products are exact in fp32, so the CPU's fp32 GEMM on the
-// widened values is the oracle with the fp32 model.
-class GemmBf16Test : public GpuSuite<::testing::Test> {};
-
-TEST_F(GemmBf16Test, MatchesCpuOnWidenedValues) {
-  for (const MatmulShape& s : {MatmulShape{37, 50, 29, false, 0}, MatmulShape{256, 768, 768, false, 0}}) {
-    std::vector<uint16_t> inp16(static_cast<size_t>(s.N) * s.C), weight16(static_cast<size_t>(s.OC) * s.C);
-    std::vector<float> inp(inp16.size()), weight(weight16.size());
-    const std::vector<float> inp_raw = uniform_vector(inp.size(), 71), weight_raw = uniform_vector(weight.size(), 72);
-    for (size_t i = 0; i < inp.size(); i++) inp[i] = bf16_to_float(inp16[i] = float_to_bf16(inp_raw[i]));
-    for (size_t i = 0; i < weight.size(); i++) weight[i] = bf16_to_float(weight16[i] = float_to_bf16(weight_raw[i]));
-    std::vector<float> ref(static_cast<size_t>(s.N) * s.OC);
-    cpu::matmul_forward(ref.data(), inp.data(), weight.data(), static_cast<const float*>(nullptr), s.N, s.C, s.OC);
-
-    auto d_inp = on_device(device(), "inp16", inp16, 0), d_weight = on_device(device(), "weight16", weight16, 0);
-    DeviceBuffer<float> d_out(device(), "out", ref.size());
-    d_out.fill(kNaN);
-    kernels::GemmContext ctx;
-    ctx.launch.stream = cuda_stream(device().compute_stream());
-    ctx.handle = device().cublaslt();
-    ctx.workspace = device().gemm_workspace();
-    ctx.workspace_bytes = device().gemm_workspace_bytes();
-    kernels::gemm_row_major_bf16(ctx, false, true, s.N, s.OC, s.C, 1.0f, d_inp.data(), s.C, 0, d_weight.data(), s.C,
-                                 0, 0.0f, d_out.data(), s.OC, 0, 1);
-    expect_close(d_out.download("gemm_row_major_bf16").data(), widen(ref), fp32_pair(s.C + 1),
-                 "bf16 gemm " + name_of(s));
-  }
-}
 
 // LayerOps with 16-bit GEMM operands (fsdp.param_dtype on a GPU): the fp32 operands are rounded
 // to bf16/fp16 on the device, so the oracle is the CPU's fp32 matmul on operands rounded the same
