@@ -7,22 +7,16 @@
 // directly, and sums each chunk in a fixed rank order: reruns on the same rank count are
 // bit-identical (the determinism invariant).
 #include <algorithm>
-#include <climits>
 #include <cstring>
 #include <vector>
 
 #include "comm/comm.hpp"
-
+#include "comm/comm_impl.hpp"
 #include "comm/watchdog.hpp"
 #include "core/error.hpp"
 
 namespace shardtrain {
 namespace {
-
-int checked_count(size_t n) {
-  SHARD_CHECK(n <= static_cast<size_t>(INT_MAX), "message of %zu elements exceeds MPI's int count", n);
-  return static_cast<int>(n);
-}
 
 class MpiComm final : public Comm {
  public:
@@ -146,23 +140,20 @@ class MpiComm final : public Comm {
   }
 
   // A free slot of pending_ for a request named `what`.
-  size_t take_slot(const char* what) {
-    size_t slot = 0;
-    while (slot < pending_.size() && pending_[slot].what) slot++;
-    if (slot == pending_.size()) pending_.push_back(Pending{});
-    pending_[slot].what = what;
+  size_t take_pending(const char* what) {
+    const size_t slot = take_slot(pending_, what, [] { return Pending{}; });
     pending_[slot].request = MPI_REQUEST_NULL;
     return slot;
   }
 
   // A handle for work already complete: wait() returns at once (MPI_Wait on a null request).
-  int finished_request(const char* what) { return static_cast<int>(take_slot(what)); }
+  int finished_request(const char* what) { return static_cast<int>(take_pending(what)); }
 
   int start_gather(const void* shard, void* full, size_t shard_n, size_t full_n, MPI_Datatype type, size_t bytes,
                    const char* what) {
     SHARD_CHECK(full_n == shard_n * size_, "all_gather %s: full %zu != shard %zu x %d", what, full_n, shard_n, size_);
     SHARD_CHECK(shard == static_cast<const char*>(full) + rank_ * shard_n * bytes, "start_all_gather is in place");
-    const size_t slot = take_slot(what);
+    const size_t slot = take_pending(what);
     bytes_sent_ += static_cast<uint64_t>(size_ - 1) * shard_n * bytes;
     MPI_CHECK(MPI_Iallgather(MPI_IN_PLACE, 0, type, full, checked_count(shard_n), type, comm_, &pending_[slot].request));
     return static_cast<int>(slot);

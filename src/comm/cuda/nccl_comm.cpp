@@ -46,7 +46,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <climits>
 #include <cstdio>
 #include <deque>
 #include <mutex>
@@ -59,6 +58,7 @@
 #include "comm/cuda/nccl_comm.hpp"
 #include "backend/cuda/cuda_handles.hpp"
 #include "backend/device.hpp"
+#include "comm/comm_impl.hpp"
 #include "comm/cuda/nccl_check.hpp"
 #include "comm/watchdog.hpp"
 #include "core/error.hpp"
@@ -72,11 +72,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-int checked_count(size_t n) {
-  SHARD_CHECK(n <= static_cast<size_t>(INT_MAX), "message of %zu elements exceeds MPI's int count", n);
-  return static_cast<int>(n);
-}
 
 // Memory the GPU can use as a NCCL buffer: cudaMalloc'ed or managed.
 bool is_device_memory(const void* p) {
@@ -194,7 +189,7 @@ class NcclComm final : public Comm {
 
   // Queued like the blocking one; the compute stream goes on until wait(handle) joins it.
   int start_reduce_scatter_add(Span<const float> full, Span<float> shard, DType wire, const char* what) override {
-    const size_t slot = take_slot(what);
+    const size_t slot = take_pending(what);
     reduce_scatter(full, shard, wire, what);
     device_.record(pending_[slot].done, stream_);
     return static_cast<int>(slot);
@@ -311,18 +306,14 @@ class NcclComm final : public Comm {
   }
 
   // A free slot of pending_ for a started collective named `what`.
-  size_t take_slot(const char* what) {
-    size_t slot = 0;
-    while (slot < pending_.size() && pending_[slot].what) slot++;
-    if (slot == pending_.size()) pending_.push_back(Pending{device_.create_event(), nullptr});
-    pending_[slot].what = what;
-    return slot;
+  size_t take_pending(const char* what) {
+    return take_slot(pending_, what, [&] { return Pending{device_.create_event(), nullptr}; });
   }
 
   int start_gather(const void* shard, void* full, size_t shard_n, size_t full_n, size_t elem_bytes, const char* what) {
     SHARD_CHECK(full_n == shard_n * size_, "all_gather %s: full %zu != shard %zu x %d", what, full_n, shard_n, size_);
     SHARD_CHECK(shard == static_cast<const char*>(full) + rank_ * shard_n * elem_bytes, "start_all_gather is in place");
-    const size_t slot = take_slot(what);
+    const size_t slot = take_pending(what);
     gather(shard, full, shard_n, full_n, elem_bytes, what, &pending_[slot]);
     return static_cast<int>(slot);
   }
