@@ -202,9 +202,10 @@ struct Piece {
   int64_t id;  // -1: text
 };
 
-// Character classes Rust's char methods use for added tokens' options.
+// The classes the reference tests added tokens' options with: the Rust regex crate's \w (for
+// single_word) and \s (for lstrip and rstrip).
 struct CharClasses {
-  Regex word{R"([\p{Alphabetic}\p{N}_])", false, "word characters"};
+  Regex word{R"([\p{Alphabetic}\p{M}\p{Nd}\p{Pc}\p{Join_Control}])", false, "word characters"};
   Regex space{R"(\p{White_Space})", false, "white space"};
 };
 

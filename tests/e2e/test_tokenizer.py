@@ -6,6 +6,7 @@ malformed files exit 2 with one line naming the file and the position."""
 import copy
 import json
 import os
+import random
 import struct
 import subprocess
 
@@ -23,7 +24,15 @@ EDGE_DOCS = [
     b"e\xcc\x81 A\xcc\x8a \xe1\x84\x80\xe1\x85\xa1 NFC changes these", (" " * 300 + "x" + "\n" * 50).encode(),
     "IT'S 'S 's 'LL we'D I'M ſ'S".encode(), "1234567890123 ١٢٣ ½".encode(), "!\u180e! a\u180eb \u0085x\u2028y".encode(),
     "x<|end_of_text|>y<|begin_of_text|><|begin_of_text|>".encode(), "a <mask>  b   <mask>c [CUSTOM] [CUSTOM]x".encode(),
+    "e\u0301[CUSTOM] ½[CUSTOM] \u200d[CUSTOM] ²[CUSTOM]_ [CUSTOM]\u3000 x".encode(),  # single_word's \w
 ]
+# Characters for random short documents: where the classes of the split patterns and of the added
+# tokens' options meet (marks, joiners, odd spaces, digits of other scripts, parts of added tokens).
+FUZZ_POOL = list("abcxyzABC  \t\n\r'sStTrRlLdDmMvVeE0123456789.,!?-_()[]{}<>|/\\\"#$%&*+=:;@^`~") + [
+    "\u00e9", "e\u0301", "\u0301", "A\u030a", "\u1100", "\u1161", "中", "の", "한", "Ω", "ſ", "\u212a", "ﬁ",
+    "\u00a0", "\u3000", "\u2028", "\u0085", "\u180e", "\u200b", "\u200d", "\ufeff", "😀", "🏽", "🇫", "٣", "½", "²",
+    "\U00010400", "\ufffd", "\x00", "\x7f", "\u0900", "\u093f", "\u0e31", "\u2019", "<|endoftext|>",
+    "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<mask>", "[CUSTOM]", "<s>", "</s>", "<|", "|>"]
 
 
 def reference(*args, env=None):
@@ -105,6 +114,20 @@ def test_styles_match_the_reference_token_for_token():
         assert len(docs) == 40 + len(EDGE_DOCS)
         assert_same(got, want, docs, separator)
         assert "before each" in stdout if separator is not None else "template marks each" in stdout, stdout
+
+
+def test_random_short_documents_match_the_reference():
+    folder = os.path.join(tempdir(), "fuzz")
+    os.makedirs(folder)
+    rng = random.Random(5)
+    for i in range(1500):
+        with open(os.path.join(folder, f"d{i:05d}.txt"), "w", encoding="utf-8", newline="") as f:
+            f.write("".join(rng.choice(FUZZ_POOL) for _ in range(rng.randint(0, 30))))
+    for style in STYLES:
+        tokenizer = trained(style)
+        separator = None if style in ("roberta", "llama3") else token_id(tokenizer, "<|endoftext|>")
+        docs, want = expected(tokenizer, folder, separator)
+        assert_same(encode(tokenizer, folder)[0], want, docs, separator)
 
 
 def test_jsonl_input_with_invalid_bytes():
