@@ -808,11 +808,25 @@ INSTANTIATE_TEST_SUITE_P(Sizes, AdamWTest,
                                            PointwiseShape{4099, 0}, PointwiseShape{5, 1}, PointwiseShape{4099, 1}),
                          ShapeName());
 
-// The interface's own promises: device() is the device the ops were made for.
+// The interface's own promises: device() is the device the ops were made for, and their work is
+// queued on its compute stream, in order with its copies: a copy to the host right after an op
+// sees the op's result with no synchronisation in between. 64 MiB makes a kernel on another
+// stream (or not yet finished) show as stale data.
 class CudaOpsTest : public GpuSuite<::testing::Test> {};
-TEST_F(CudaOpsTest, DeviceIsTheCudaDevice) {
+TEST_F(CudaOpsTest, OpsRunInOrderOnTheDevicesComputeStream) {
   EXPECT_EQ(&ops().device(), static_cast<Device*>(&device()));
-  EXPECT_EQ(ops().device().kind(), DEVICE_CUDA);
+  const size_t n = size_t{16} << 20;
+  std::vector<float> values(n);
+  for (size_t i = 0; i < n; i++) values[i] = static_cast<float>(i % 1000 + 1);
+  DeviceArray<float> x(device(), n), y(device(), n);
+  device().copy(x.data(), values.data(), x.bytes());
+  ops().scale(x.data(), n, 2.0f);                          // x = 2 v
+  ops().residual_forward(y.data(), x.data(), x.data(), n);  // y = 4 v, exact for these integers
+  std::vector<float> back(n, -1.0f);
+  device().copy(back.data(), y.data(), y.bytes());
+  size_t wrong = 0;
+  for (size_t i = 0; i < n; i++) wrong += back[i] != 4.0f * values[i];
+  EXPECT_EQ(wrong, 0u) << "elements of 2 v + 2 v not equal to 4 v";
 }
 
 }  // namespace

@@ -1,14 +1,17 @@
-// GPU tests of the CUDA device (caching allocator, copies, stream ordering) and of the NCCL
+// GPU tests of the CUDA device (caching allocator, copies, streams and events) and of the NCCL
 // communicator, on one rank over MPI_COMM_SELF: the test machine has one GPU, and NCCL does not
 // support two ranks on one GPU. Multi-rank NCCL runs are the job of the end-to-end tests.
 //
-// Oracle: the MPI communicator (comm/mpi_comm.cpp) on host copies of the same data. On one rank
-// no reduction order is involved, so the NCCL results must match it bit for bit (a 16-bit wire
-// included: this rank's own term stays fp32 by contract). The wire kernels (launch_to_half with
-// the own slot zeroed, the widening add) are also checked directly against backend/dtype.hpp's
-// rounding, on values chosen to hit every rounding case. Device buffers carry guard zones
-// (tests/support/tensor_check.hpp) copied up and down with the data, so a write past either end
-// shows. Every comparison is exact.
+// Oracle: the MPI communicator (comm/mpi_comm.cpp) on host copies of the same data, and host
+// formulas over every rank's terms. On one rank no reduction order is involved, so the NCCL
+// results must match bit for bit (a 16-bit wire included: this rank's own term stays fp32 by
+// contract). Inputs are nonzero (rank-dependent where a host formula is the oracle), and
+// accumulating collectives start from a nonzero shard, so a result differs from its input and
+// from zero. On one rank the 16-bit wire itself carries only zeros (the own slot is zeroed, its
+// term added in fp32): its rounding and widening kernels are checked directly against
+// backend/dtype.hpp, on values chosen to hit every rounding case. Device buffers carry guard
+// zones (tests/support/tensor_check.hpp) copied up and down with the data, so a write past either
+// end shows. Every comparison is exact.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -134,6 +137,10 @@ class GpuTest : public ::testing::Test {
     CUDA_CHECK(cudaDeviceGetAttribute(&ctx.sm_count, cudaDevAttrMultiProcessorCount, device().ordinal()));
     return ctx;
   }
+  // Nonzero test data that differs between ranks: busy_floats seeded by (seed, rank).
+  std::vector<float> rank_floats(size_t n, int rank, uint64_t seed) {
+    return busy_floats(n, seed * 1000 + static_cast<uint64_t>(rank));
+  }
 
   static std::unique_ptr<CudaDevice> device_;
   static std::unique_ptr<Watchdog> watchdog_;
@@ -228,6 +235,36 @@ TEST_F(CudaDeviceMemoryTest, CopyRoundTripsHostDeviceDeviceHost) {
   device().synchronize();
   device().release(a, bytes);
   device().release(b, bytes);
+}
+
+// Device's streams and events are the GPU's: a stream of its own that waits for an event recorded
+// on the compute stream sees the compute stream's work, and the compute stream, waiting for an
+// event of that stream, sees its work in turn. 64 MiB makes a missing wait show as stale data.
+TEST_F(CudaDeviceMemoryTest, EventsOrderAStreamOfItsOwnWithTheComputeStream) {
+  const size_t n = size_t{16} << 20;
+  std::vector<float> values(n);
+  for (size_t i = 0; i < n; i++) values[i] = static_cast<float>(i % 1000 + 1);
+  DeviceArray<float> a(device(), n), b(device(), n);
+  DeviceStream* side = device().create_stream(/*urgent=*/true);
+  DeviceEvent* uploaded = device().create_event();
+  DeviceEvent* copied = device().create_event();
+  ASSERT_NE(side, nullptr);
+  ASSERT_NE(side, device().compute_stream());
+  device().copy(a.data(), values.data(), a.bytes());  // queued on the compute stream
+  device().record(uploaded, device().compute_stream());
+  device().wait(side, uploaded);
+  CUDA_CHECK(cudaMemcpyAsync(b.data(), a.data(), a.bytes(), cudaMemcpyDeviceToDevice, cuda_stream(side)));
+  device().record(copied, side);
+  device().wait(device().compute_stream(), copied);
+  const auto back = download(device(), b);  // on the compute stream, after the side stream's copy
+  EXPECT_TRUE(device().finished(uploaded));
+  EXPECT_TRUE(device().finished(copied));
+  size_t wrong = 0;
+  for (size_t i = 0; i < n; i++) wrong += back[i] != values[i];
+  EXPECT_EQ(wrong, 0u) << "elements of the copy on the side stream not equal to the upload";
+  device().destroy_event(uploaded);
+  device().destroy_event(copied);
+  device().destroy_stream(side);
 }
 
 TEST_F(CudaDeviceMemoryTest, ImpossibleAllocationThrowsInputErrorNamingTheBytes) {
@@ -503,18 +540,77 @@ TEST_F(NcclCommTest, BarrierReturns) {
   nccl().barrier("barrier(test again)");
 }
 
-TEST_F(NcclCommTest, SendsNoBytesOnOneRank) {
+// Every collective on nonzero, rank-dependent data against host formulas over the terms of all
+// ranks (here one): the gathers and reductions write results that differ from what their output
+// buffers held (and the reductions from zero), and one rank sends no bytes.
+TEST_F(NcclCommTest, OneRankCollectivesMatchHostFormulasAndSendNoBytes) {
   const size_t n = 4096;
-  DeviceArray<float> full(device(), n), shard(device(), n);
-  DeviceArray<uint16_t> full16(device(), n);
-  nccl().all_gather(Span<const float>(full.data(), n), Span<float>(full.data(), n), "all_gather(bytes)");
-  nccl().wait(nccl().start_all_gather(Span<const uint16_t>(full16.data(), n), Span<uint16_t>(full16.data(), n),
-                                      "prefetch(bytes)"));
-  nccl().reduce_scatter_add(Span<const float>(full.data(), n), Span<float>(shard.data(), n), DTYPE_BF16,
-                            "reduce_scatter(bytes)");
-  nccl().all_reduce_sum(Span<float>(shard.data(), n), "all_reduce(bytes)");
+  const int rank = nccl().rank(), ranks = nccl().size();
+  ASSERT_EQ(ranks, 1) << "the byte count below holds for one rank";
+  const size_t total = n * static_cast<size_t>(ranks), own = static_cast<size_t>(rank) * n;
+  auto bf16_of = [](const std::vector<float>& v) {
+    std::vector<uint16_t> out(v.size());
+    for (size_t i = 0; i < v.size(); i++) out[i] = float_to_bf16(v[i]);
+    return out;
+  };
+
+  // Out of place into a buffer of other values: slot r becomes rank r's shard.
+  const auto shard_values = rank_floats(n, rank, 21);
+  auto d_shard = upload(device(), shard_values);
+  auto d_gathered = upload(device(), rank_floats(total, rank, 22));
+  nccl().all_gather(Span<const float>(d_shard.data(), n), Span<float>(d_gathered.data(), total), "all_gather(one rank)");
+  // Started, in place as the engine prefetches: this rank's slot holds its shard, the others NaN.
+  const auto shard16 = bf16_of(rank_floats(n, rank, 23));
+  std::vector<uint16_t> gathered16(total, 0x7FC1);
+  std::copy(shard16.begin(), shard16.end(), gathered16.begin() + own);
+  auto d_gathered16 = upload(device(), gathered16);
+  nccl().wait(nccl().start_all_gather(Span<const uint16_t>(d_gathered16.data() + own, n),
+                                      Span<uint16_t>(d_gathered16.data(), total), "prefetch(one rank)"));
+  std::vector<float> gathered_expected;
+  std::vector<uint16_t> gathered16_expected;
+  for (int r = 0; r < ranks; r++) {
+    const auto theirs = rank_floats(n, r, 21);
+    const auto theirs16 = bf16_of(rank_floats(n, r, 23));
+    gathered_expected.insert(gathered_expected.end(), theirs.begin(), theirs.end());
+    gathered16_expected.insert(gathered16_expected.end(), theirs16.begin(), theirs16.end());
+  }
+  EXPECT_TRUE(same_bits(download(device(), d_gathered).data(), gathered_expected.data(), total, "all_gather"));
+  EXPECT_TRUE(
+      same_bits(download(device(), d_gathered16).data(), gathered16_expected.data(), total, "started all_gather"));
+
+  // shard += the sum over ranks r of rank r's full[own ...], onto a nonzero shard, on both wires.
+  const auto full_values = rank_floats(total, rank, 24), start = rank_floats(n, rank, 25);
+  std::vector<float> reduced_expected = start;
+  for (int r = 0; r < ranks; r++) {
+    const auto theirs = rank_floats(total, r, 24);
+    for (size_t i = 0; i < n; i++) reduced_expected[i] += theirs[own + i];
+  }
+  for (DType wire : {DTYPE_FP32, DTYPE_BF16}) {
+    auto d_full = upload(device(), full_values);
+    auto d_reduced = upload(device(), start);
+    nccl().reduce_scatter_add(Span<const float>(d_full.data(), total), Span<float>(d_reduced.data(), n), wire,
+                              "reduce_scatter(one rank)");
+    const auto got = download(device(), d_reduced);
+    EXPECT_TRUE(same_bits(got.data(), reduced_expected.data(), n,
+                          std::string("reduce_scatter_add, wire ") + dtype_name(wire)));
+    size_t unchanged = 0;
+    for (size_t i = 0; i < n; i++) unchanged += got[i] == start[i] || got[i] == 0.0f;
+    EXPECT_EQ(unchanged, 0u) << dtype_name(wire) << ": elements equal to the shard before the reduction, or zero";
+  }
+
+  // Elementwise over ranks, in place (on one rank: the rank's own terms).
+  const auto summands = rank_floats(n, rank, 26);
+  std::vector<float> summed(n, 0.0f);
+  for (int r = 0; r < ranks; r++) {
+    const auto theirs = rank_floats(n, r, 26);
+    for (size_t i = 0; i < n; i++) summed[i] += theirs[i];
+  }
+  auto d_summed = upload(device(), summands);
+  nccl().all_reduce_sum(Span<float>(d_summed.data(), n), "all_reduce(one rank)");
+  EXPECT_TRUE(same_bits(download(device(), d_summed).data(), summed.data(), n, "all_reduce_sum"));
+
   device().synchronize();
-  EXPECT_EQ(nccl().bytes_sent(), 0u);
+  EXPECT_EQ(nccl().bytes_sent(), 0u) << "one rank sends nothing";
 }
 
 TEST_F(NcclCommTest, ACommunicatorWithoutWatchdogWorksAndTearsDown) {
