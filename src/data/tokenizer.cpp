@@ -284,6 +284,73 @@ class AddedTokenMatcher {
   std::vector<size_t> by_first_byte_[256];
 };
 
+// ---- word cache ---------------------------------------------------------------------------------
+
+// Raw word bytes -> its token ids: open addressing with the hash kept in the slot, keys and ids in
+// two flat arrays, so a hit costs one probe and no allocation. It doubles up to kMaxSlots, then is
+// emptied when full (bounded memory; the ids never depend on what is cached).
+class WordCache {
+ public:
+  WordCache() : slots_(size_t{1} << 12) {}
+
+  // The cached ids of `word`, or null.
+  const uint32_t* find(std::string_view word, uint64_t hash, uint32_t& count) const {
+    const size_t mask = slots_.size() - 1;
+    for (size_t i = hash & mask;; i = (i + 1) & mask) {
+      const Slot& s = slots_[i];
+      if (s.key_len == kEmpty) return nullptr;
+      if (s.hash == hash && s.key_len == word.size() && keys_.compare(s.key_at, s.key_len, word) == 0) {
+        count = s.ids_len;
+        return ids_.data() + s.ids_at;
+      }
+    }
+  }
+
+  void insert(std::string_view word, uint64_t hash, const uint32_t* ids, size_t count) {
+    if (used_ >= slots_.size() / 2) grow();
+    if (keys_.size() + word.size() > UINT32_MAX || ids_.size() + count > UINT32_MAX) clear();
+    place(Slot{hash, static_cast<uint32_t>(keys_.size()), static_cast<uint32_t>(word.size()),
+               static_cast<uint32_t>(ids_.size()), static_cast<uint32_t>(count)});
+    keys_.append(word);
+    ids_.insert(ids_.end(), ids, ids + count);
+  }
+
+ private:
+  static constexpr size_t kMaxSlots = size_t{1} << 22;
+  static constexpr uint32_t kEmpty = UINT32_MAX;
+  struct Slot {
+    uint64_t hash = 0;
+    uint32_t key_at = 0, key_len = kEmpty, ids_at = 0, ids_len = 0;
+  };
+
+  void place(const Slot& slot) {
+    const size_t mask = slots_.size() - 1;
+    size_t i = slot.hash & mask;
+    while (slots_[i].key_len != kEmpty) i = (i + 1) & mask;
+    slots_[i] = slot;
+    used_++;
+  }
+  void grow() {
+    if (slots_.size() >= kMaxSlots) return clear();
+    std::vector<Slot> old(slots_.size() * 2);
+    old.swap(slots_);
+    used_ = 0;
+    for (const Slot& s : old)
+      if (s.key_len != kEmpty) place(s);
+  }
+  void clear() {
+    std::fill(slots_.begin(), slots_.end(), Slot{});
+    keys_.clear();
+    ids_.clear();
+    used_ = 0;
+  }
+
+  std::vector<Slot> slots_;
+  std::string keys_;
+  std::vector<uint32_t> ids_;
+  size_t used_ = 0;
+};
+
 // ---- JSON reading with positions ----------------------------------------------------------------
 
 class JsonFile {
@@ -365,10 +432,8 @@ struct Tokenizer::Impl {
   std::vector<uint32_t> prefix, suffix;
   bool has_template = false;
   uint32_t max_id = 0;
-  // Word cache: raw word bytes -> (offset, count) in cache_ids.
-  std::unordered_map<std::string, std::pair<uint32_t, uint32_t>> cache;
-  std::vector<uint32_t> cache_ids;
-  std::string key, scratch;
+  WordCache cache;
+  std::string scratch;
   std::vector<uint32_t> symbols;
 
   void load(const json& root, const JsonFile& file);
@@ -604,16 +669,35 @@ void Tokenizer::Impl::load(const json& root, const JsonFile& file) {
   normalized_matcher.finish();
 }
 
+// NFC on the non-ASCII runs only: an ASCII character never composes with what precedes it nor is
+// reordered (it is a starter that no composition has second), so text splits before each one. The
+// ASCII character before a run goes with it: it may compose with a following mark.
 std::string Tokenizer::Impl::normalize(std::string_view text) const {
-  if (!nfc || std::all_of(text.begin(), text.end(), [](char c) { return static_cast<unsigned char>(c) < 0x80; }))
-    return std::string(text);
-  utf8proc_uint8_t* result = nullptr;
-  const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data()),
-                                          static_cast<utf8proc_ssize_t>(text.size()), &result,
-                                          static_cast<utf8proc_option_t>(UTF8PROC_STABLE | UTF8PROC_COMPOSE));
-  if (n < 0) throw DataError(strprintf("NFC normalization failed: %s", utf8proc_errmsg(n)));
-  std::string out(reinterpret_cast<const char*>(result), static_cast<size_t>(n));
-  std::free(result);
+  if (!nfc) return std::string(text);
+  const auto ascii = [&](size_t i) { return static_cast<unsigned char>(text[i]) < 0x80; };
+  std::string out;
+  out.reserve(text.size());
+  size_t i = 0;
+  while (i < text.size()) {
+    size_t run = i;
+    while (run < text.size() && ascii(run)) run++;
+    if (run == text.size()) {
+      out.append(text.substr(i));
+      break;
+    }
+    const size_t begin = run > i ? run - 1 : run;
+    size_t end = run;
+    while (end < text.size() && !ascii(end)) end++;
+    out.append(text.substr(i, begin - i));
+    utf8proc_uint8_t* result = nullptr;
+    const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data() + begin),
+                                            static_cast<utf8proc_ssize_t>(end - begin), &result,
+                                            static_cast<utf8proc_option_t>(UTF8PROC_STABLE | UTF8PROC_COMPOSE));
+    if (n < 0) throw DataError(strprintf("NFC normalization failed: %s", utf8proc_errmsg(n)));
+    out.append(reinterpret_cast<const char*>(result), static_cast<size_t>(n));
+    std::free(result);
+    i = end;
+  }
   return out;
 }
 
@@ -634,21 +718,15 @@ void Tokenizer::Impl::pre_tokenize(size_t stage, std::string_view piece, std::ve
 }
 
 void Tokenizer::Impl::encode_word(std::string_view raw, std::vector<uint32_t>& out) {
-  key.assign(raw);
-  auto hit = cache.find(key);
-  if (hit != cache.end()) {
-    out.insert(out.end(), cache_ids.begin() + hit->second.first,
-               cache_ids.begin() + hit->second.first + hit->second.second);
+  const uint64_t hash = std::hash<std::string_view>()(raw);
+  uint32_t count = 0;
+  if (const uint32_t* ids = cache.find(raw, hash, count)) {
+    out.insert(out.end(), ids, ids + count);
     return;
   }
   const size_t start = out.size();
   bpe(raw, out);
-  if (cache.size() >= (1u << 20) || cache_ids.size() >= (64u << 20)) {  // bounded memory, same results
-    cache.clear();
-    cache_ids.clear();
-  }
-  cache.emplace(key, std::make_pair(static_cast<uint32_t>(cache_ids.size()), static_cast<uint32_t>(out.size() - start)));
-  cache_ids.insert(cache_ids.end(), out.begin() + static_cast<std::ptrdiff_t>(start), out.end());
+  cache.insert(raw, hash, out.data() + start, out.size() - start);
 }
 
 void Tokenizer::Impl::bpe(std::string_view raw, std::vector<uint32_t>& out) {
