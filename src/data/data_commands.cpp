@@ -99,8 +99,8 @@ void for_each_document(const std::string& path, Doc&& doc) {
     try {
       record = nlohmann::json::parse(line);
     } catch (const nlohmann::json::parse_error& e) {
-      throw DataError(strprintf("input file '%s' line %zu, byte %zu: not a JSON object (%s); write one JSON object per "
-                                "line", path.c_str(), line_no, e.byte, e.what()));
+      throw DataError(strprintf("input file '%s' line %zu: malformed JSON (%s); write one JSON object per line",
+                                path.c_str(), line_no, json_error_text(e.what()).c_str()));
     }
     auto it = record.is_object() ? record.find("text") : record.end();
     if (it == record.end() || !it->is_string())

@@ -57,6 +57,12 @@ std::string utf8_with_replacements(std::string_view bytes) {
   return out;
 }
 
+std::string json_error_text(const char* what) {
+  const std::string text = what;
+  const size_t tag_end = text.rfind("] ", text.find("parse error"));
+  return text.compare(0, 16, "[json.exception.") == 0 && tag_end != std::string::npos ? text.substr(tag_end + 2) : text;
+}
+
 namespace {
 
 // ---- PCRE2 --------------------------------------------------------------------------------------
@@ -764,10 +770,8 @@ Tokenizer::Tokenizer(const std::string& path) : impl_(std::make_unique<Impl>()) 
   try {
     root = json::parse(text);
   } catch (const json::parse_error& e) {
-    std::string what = e.what();
-    const size_t bracket = what.find("] ");
-    if (bracket != std::string::npos) what = what.substr(bracket + 2);
-    throw DataError(strprintf("tokenizer file '%s': malformed JSON (byte %zu): %s", path.c_str(), e.byte, what.c_str()));
+    throw DataError(strprintf("tokenizer file '%s': malformed JSON (byte %zu): %s", path.c_str(), e.byte,
+                              json_error_text(e.what()).c_str()));
   }
   impl_->load(root, JsonFile(path));
 }

@@ -48,4 +48,7 @@ class Tokenizer {
 // subpart: Python's bytes.decode("utf-8", errors="replace").
 std::string utf8_with_replacements(std::string_view bytes);
 
+// A JSON library parse error's message without its "[json.exception.parse_error.N] " tag.
+std::string json_error_text(const char* what);
+
 }  // namespace shardtrain

@@ -266,3 +266,6 @@ def test_malformed_files_exit_2():
     with open(source, "w") as f:
         f.write('{"text": "fine"}\n{"text": 3}\n')
     expect_exit_2(text, "bad.jsonl", "line 2", "\"text\"", source=source)
+    with open(source, "w") as f:
+        f.write('{"text": "fine"}\n\n{"text": "unclosed}\n')
+    expect_exit_2(text, "bad.jsonl", "line 3", "malformed JSON", "column", source=source)
