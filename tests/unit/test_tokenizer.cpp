@@ -4,9 +4,12 @@
 // tokenizers package.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -78,20 +81,18 @@ TEST(TokenizerUtf8, ReplacesAsPythonDoes) {
   EXPECT_EQ(utf8_with_replacements("\xF4\x90\x80\x80"), r + r + r + r);  // beyond U+10FFFF
 }
 
-class TokenizerFile : public ::testing::Test {
- protected:
-  void SetUp() override {
-    char name[] = "/tmp/shardtrain_test_tokenizer_XXXXXX";
-    ASSERT_NE(mkdtemp(name), nullptr) << std::strerror(errno);
-    dir_ = name;
-  }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
-  std::string write(const std::string& text) {
-    const std::string path = dir_ + "/tokenizer.json";
+// A tokenizer file holding `text`, removed when the object goes.
+struct TempTokenizerFile {
+  explicit TempTokenizerFile(const std::string& text) {
+    char name[] = "/tmp/shardtrain_test_tokenizer_XXXXXX.json";
+    const int fd = mkstemps(name, 5);
+    EXPECT_GE(fd, 0) << std::strerror(errno);
+    if (fd >= 0) close(fd);
+    path = name;
     std::ofstream(path) << text;
-    return path;
   }
-  std::string dir_;
+  ~TempTokenizerFile() { std::remove(path.c_str()); }
+  std::string path;
 };
 
 // "Ġ" is the ByteLevel character of the space byte.
@@ -108,8 +109,9 @@ const char* kTiny = R"({
             "merges": ["a b", ["Ġ", "ab"]]}
 })";
 
-TEST_F(TokenizerFile, EncodesWordsAndAddedTokens) {
-  Tokenizer t(write(kTiny));
+TEST(TokenizerFile, EncodesWordsAndAddedTokens) {
+  TempTokenizerFile file(kTiny);
+  Tokenizer t(file.path);
   std::vector<uint32_t> ids;
   t.encode("ab ab<|endoftext|>ba!", ids);
   EXPECT_EQ(ids, (std::vector<uint32_t>{3, 4, 9, 1, 0, 5}));
@@ -122,16 +124,17 @@ TEST_F(TokenizerFile, EncodesWordsAndAddedTokens) {
   EXPECT_TRUE(t.is_special("<|endoftext|>"));
 }
 
-TEST_F(TokenizerFile, RefusesWithThePosition) {
+TEST(TokenizerFile, RefusesWithThePosition) {
   std::string bad = kTiny;
   bad.replace(bad.find("\"a b\""), 5, "\"a q\"");
+  TempTokenizerFile file(bad), truncated("{\"model\": ");
   try {
-    Tokenizer t(write(bad));
+    Tokenizer t(file.path);
     FAIL() << "no error";
   } catch (const DataError& e) {
     EXPECT_NE(std::string(e.what()).find("/model/merges/0"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(Tokenizer(write("{\"model\": ")), DataError);
+  EXPECT_THROW(Tokenizer(truncated.path), DataError);
 }
 
 }  // namespace
