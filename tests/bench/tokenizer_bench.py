@@ -4,10 +4,11 @@
 same tokenizer.json. Run by hand:
 
   /usr/bin/python3 tests/bench/tokenizer_bench.py [--build build] [--style gpt2] [--mb 20]
-                                                  [--tokenizer FILE] [--input FILE.jsonl] [--repeat 3]
+                                                  [--tokenizer FILE] [--input FILE.jsonl|FOLDER] [--repeat 3]
 
 Without --tokenizer it trains one of tests/e2e/tokenizer_reference.py's styles (gpt2, roberta,
-llama3, qwen2-nfc, or "all"); without --input it writes --mb MB of that file's generated corpus.
+llama3, qwen2-nfc, or "all"); without --input it writes --mb MB of that file's generated corpus
+(--input takes what `data encode` takes: a text or .jsonl file, a folder).
 The reference runs in the test virtual environment (made by tests/run_tests.py's ensure_test_venv).
 MB/s is input bytes (UTF-8, 10^6 per MB) over the encoding time: ours as the command reports it
 (reading the documents and encoding, not loading the tokenizer or writing the file) and as the whole
@@ -89,7 +90,9 @@ def main():
         write_corpus(source, args.mb)
     styles = ["given"] if args.tokenizer else (
         ["gpt2", "roberta", "llama3", "qwen2-nfc"] if args.style == "all" else [args.style])
-    print(f"input {source}: {os.path.getsize(source) / 1e6:.1f} MB; one core each (RAYON_NUM_THREADS=1 for the "
+    size = sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(source) for n in names) \
+        if os.path.isdir(source) else os.path.getsize(source)
+    print(f"input {source}: {size / 1e6:.1f} MB; one core each (RAYON_NUM_THREADS=1 for the "
           f"reference, OMP_NUM_THREADS=1 for shardtrain), best of {args.repeat}")
     for style in styles:
         tokenizer = args.tokenizer
