@@ -190,12 +190,15 @@ void data_encode_tokenized(const std::string& input, const std::string& tokenize
   const std::vector<std::string> files = input_files(input);
 
   const auto start = std::chrono::steady_clock::now();
-  std::vector<uint32_t> ids;
+  std::vector<uint16_t> ids;  // 2 bytes a token: every id fits, checked above
+  std::vector<uint32_t> doc;
   size_t documents = 0, bytes = 0;
   for (const std::string& file : files)
     for_each_document(file, [&](const std::string& text) {
-      if (sep) ids.push_back(*sep);
-      tokenizer.encode(text, ids);
+      doc.clear();
+      if (sep) doc.push_back(*sep);
+      tokenizer.encode(text, doc);
+      ids.insert(ids.end(), doc.begin(), doc.end());
       documents++;
       bytes += text.size();
     });
@@ -212,16 +215,18 @@ void data_encode_tokenized(const std::string& input, const std::string& tokenize
               bytes, seconds, seconds > 0 ? static_cast<double>(bytes) / seconds / 1e6 : 0.0,
               sep ? strprintf("%s (id %u) before each", separator_name.c_str(), *sep).c_str()
                   : tokenizer.adds_special_tokens() ? "the tokenizer's template marks each" : "no separator");
-  const auto write_part = [&](const std::string& path, size_t begin, size_t end) {
-    write_token_file(path, std::vector<uint16_t>(ids.begin() + static_cast<std::ptrdiff_t>(begin),
-                                                 ids.begin() + static_cast<std::ptrdiff_t>(end)));
+  const auto write_part = [&](const std::string& path, const std::vector<uint16_t>& tokens) {
+    write_token_file(path, tokens);
     std::printf("wrote %s: %zu token%s (tokenizer %s, vocab %u: needs model.vocab_size >= %u)\n", path.c_str(),
-                end - begin, end - begin == 1 ? "" : "s", tokenizer_path.c_str(), tokenizer.vocab_size(),
+                tokens.size(), tokens.size() == 1 ? "" : "s", tokenizer_path.c_str(), tokenizer.vocab_size(),
                 tokenizer.vocab_size());
     std::fflush(stdout);
   };
-  write_part(out_path, 0, train_count);
-  if (val_count > 0) write_part(val_path_for(out_path), train_count, ids.size());
+  // The validation tail is copied out first, so the training part is written without a copy.
+  const std::vector<uint16_t> val(ids.begin() + static_cast<std::ptrdiff_t>(train_count), ids.end());
+  ids.resize(train_count);
+  write_part(out_path, ids);
+  if (val_count > 0) write_part(val_path_for(out_path), val);
 }
 
 }  // namespace shardtrain

@@ -186,6 +186,24 @@ def test_separator_option_and_validation_split():
     assert proc.returncode == 2 and "--separator needs --tokenizer" in proc.stderr, proc.stderr
 
 
+def test_training_reads_the_tokens():
+    tokenizer = trained("gpt2")
+    tmp = tempdir()
+    text = os.path.join(tmp, "corpus.jsonl")
+    with open(text, "w") as f:
+        for doc in ref.make_corpus(11, 60, 200):
+            f.write(json.dumps({"text": doc}) + "\n")
+    out = os.path.join(tmp, "corpus_train.bin")
+    proc = run_single(["data", "encode", "--tokenizer", tokenizer, "--input", text, "--output", out])
+    assert proc.returncode == 0, proc.stderr
+    metrics = os.path.join(tmp, "m.jsonl")
+    proc = harness.run(2, harness.tiny_args(f"--data.train_file={out}", f"--data.val_file={tmp}/corpus_val.bin",
+                                            "--model.vocab_size=1500", "--train.steps=3",
+                                            f"--train.metrics_file={metrics}"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(harness.read_metrics(metrics)) == 3
+
+
 def expect_exit_2(spec_or_text, *needles, source=None):
     """Writes a tokenizer file (a dict as JSON, or raw text), encodes with it: exit 2, one error line."""
     path = os.path.join(tempdir(), "tok.json")
