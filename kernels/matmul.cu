@@ -102,6 +102,7 @@ struct GemmPlan {
 };
 struct GemmPlanCache {
   std::unordered_map<GemmKey, GemmPlan, GemmKeyHash> plans;
+  bool warned_fp32_fallback = false;  // said once per ops object, not once per process
 };
 
 void GemmPlanCacheDeleter::operator()(GemmPlanCache* cache) const {
@@ -280,11 +281,11 @@ void gemm_row_major(const GemmContext& ctx, bool trans_a, bool trans_b, int M, i
     if (try_gemm_rounded(ctx, trans_a, trans_b, M, N, K, alpha, A, lda, stride_a, B, ldb, stride_b, beta, C, ldc,
                          stride_c, batch))
       return;
-    static bool warned = false;  // a shape or alignment without a 16-bit kernel: exact fp32 instead
-    if (!warned)
+    // A shape or alignment without a 16-bit kernel: exact fp32 instead, said once per plan cache.
+    if (!ctx.plans || !ctx.plans->warned_fp32_fallback)
       std::fprintf(stderr, "warning: cuBLASLt has no %s kernel for a %c%c GEMM M=%d N=%d K=%d batch=%d; such GEMMs "
                    "run in fp32\n", dtype_name(ctx.operands), trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, batch);
-    warned = true;
+    if (ctx.plans) ctx.plans->warned_fp32_fallback = true;
   }
   if (!try_gemm_col_major(ctx, trans_b, trans_a, N, M, K, alpha, B, CUDA_R_32F, ldb, stride_b, A, CUDA_R_32F, lda,
                           stride_a, beta, C, ldc, stride_c, batch, nullptr))

@@ -15,6 +15,7 @@
 #include "ckpt/checkpoint_io.hpp"
 #include "ckpt/hf_model.hpp"
 #include "core/counted.hpp"
+#include "core/format.hpp"
 
 namespace shardtrain {
 namespace {
@@ -91,7 +92,7 @@ void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const st
           out_dir.c_str(), plan.files.size() == 1 ? "model.safetensors" : "model.safetensors.index.json",
           counted(static_cast<long long>(table.params().size()), "tensor").c_str(),
           counted(static_cast<long long>(plan.files.size()), "file").c_str(),
-          format_bytes(static_cast<double>(plan.tensor_bytes)).c_str(), static_cast<long long>(reader->state().step),
+          human_bytes(static_cast<double>(plan.tensor_bytes)).c_str(), static_cast<long long>(reader->state().step),
           counted(rt.world(), "rank").c_str());
 }
 

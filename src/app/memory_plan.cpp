@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "core/error.hpp"
+#include "core/format.hpp"
 
 namespace shardtrain {
 
@@ -14,18 +15,11 @@ size_t MemoryPlan::total() const {
   return t;
 }
 
-std::string format_bytes(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (bytes >= 1024 && u < 4) bytes /= 1024, u++;
-  return strprintf(u == 0 ? "%.0f %s" : "%.1f %s", bytes, units[u]);
-}
-
 std::string MemoryPlan::describe() const {
   std::string s;
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++)
     if (bytes[c]) s += strprintf("%s%s %s", s.empty() ? "" : ", ", mem_category_name(static_cast<MemCategory>(c)),
-                                 format_bytes(static_cast<double>(bytes[c])).c_str());
+                                 human_bytes(static_cast<double>(bytes[c])).c_str());
   return s;
 }
 

@@ -27,6 +27,5 @@ struct MemoryPlan {
 MemoryPlan plan_rank_memory(const ModelConfig& model, const GroupShape& groups, const EngineOptions& engine,
                             int micro_batch, int seq_len, bool activation_checkpointing);
 
-std::string format_bytes(double bytes);
 
 }  // namespace shardtrain

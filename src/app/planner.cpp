@@ -20,6 +20,7 @@
 #include "app/memory_plan.hpp"
 #include "app/options.hpp"
 #include "core/counted.hpp"
+#include "core/format.hpp"
 
 namespace shardtrain {
 namespace {
@@ -103,7 +104,7 @@ const Candidate* recommend(const std::vector<Candidate>& candidates) {
 }
 
 std::string describe_fit(const Candidate& c) {
-  return strprintf("%s per rank with %s%s%s", format_bytes(static_cast<double>(c.memory.total())).c_str(),
+  return strprintf("%s per rank with %s%s%s", human_bytes(static_cast<double>(c.memory.total())).c_str(),
                    sharding_strategy_name(c.strategy), c.checkpointing ? " + activation checkpointing" : "",
                    c.offload ? " + CPU offload" : "");
 }
@@ -197,18 +198,18 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
               "seq_len %d, %s per step, memory limit %s\n\n",
               config.model.n_layer, config.model.n_embd, config.model.n_head, config.model.vocab_size,
               table.total_params() / 1e6, counted(world, "rank").c_str(), ranks_per_node, config.train.micro_batch,
-              config.train.seq_len, counted(accumulation, "micro-batch", "micro-batches").c_str(), limit ? format_bytes(static_cast<double>(limit)).c_str() : "none");
+              config.train.seq_len, counted(accumulation, "micro-batch", "micro-batches").c_str(), limit ? human_bytes(static_cast<double>(limit)).c_str() : "none");
   std::printf("%-14s %-9s %-5s %-7s %10s %10s %10s %10s %10s %10s %11s %11s  %s\n", "strategy", "reduce", "ckpt",
               "offload", "params", "gathered", "grads", "optimizer", "activ.", "comm", "peak/rank", "traffic/st", "fits");
   for (const Candidate& c : candidates) {
     const auto& b = c.memory.bytes;
     std::printf("%-14s %-9s %-5s %-7s %10s %10s %10s %10s %10s %10s %11s %11s  %s\n",
                 sharding_strategy_name(c.strategy), c.reduce_label(), c.checkpointing ? "yes" : "no",
-                c.offload ? "yes" : "no", format_bytes(b[MEM_SHARDED_PARAMS]).c_str(),
-                format_bytes(b[MEM_GATHERED_UNITS]).c_str(),
-                format_bytes(b[MEM_GRADIENTS]).c_str(), format_bytes(b[MEM_OPTIMIZER_STATE]).c_str(),
-                format_bytes(b[MEM_ACTIVATIONS]).c_str(), format_bytes(b[MEM_COMM_BUFFERS]).c_str(),
-                format_bytes(c.memory.total()).c_str(), format_bytes(c.traffic_bytes).c_str(), c.fits ? "yes" : "NO");
+                c.offload ? "yes" : "no", human_bytes(b[MEM_SHARDED_PARAMS]).c_str(),
+                human_bytes(b[MEM_GATHERED_UNITS]).c_str(),
+                human_bytes(b[MEM_GRADIENTS]).c_str(), human_bytes(b[MEM_OPTIMIZER_STATE]).c_str(),
+                human_bytes(b[MEM_ACTIVATIONS]).c_str(), human_bytes(b[MEM_COMM_BUFFERS]).c_str(),
+                human_bytes(c.memory.total()).c_str(), human_bytes(c.traffic_bytes).c_str(), c.fits ? "yes" : "NO");
   }
   // The same table for scripts: exact bytes.
   for (const Candidate& c : candidates)
@@ -219,7 +220,7 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
   if (!recommended) {
     std::fflush(stdout);
     throw UsageError(strprintf("nothing fits in %s per rank on %d ranks; what would: %s",
-                               format_bytes(static_cast<double>(limit)).c_str(), world,
+                               human_bytes(static_cast<double>(limit)).c_str(), world,
                                what_would_fit(config, world, ranks_per_node, limit).c_str()));
   }
   const Candidate& best = *recommended;
@@ -231,16 +232,16 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
                                                      : "");
   std::printf("why: it needs %s per rank%s and moves %s per step per rank, the least among the combinations "
               "that fit%s.\n",
-              format_bytes(best.memory.total()).c_str(),
-              limit ? strprintf(" (limit %s)", format_bytes(static_cast<double>(limit)).c_str()).c_str() : "",
-              format_bytes(best.traffic_bytes).c_str(),
+              human_bytes(best.memory.total()).c_str(),
+              limit ? strprintf(" (limit %s)", human_bytes(static_cast<double>(limit)).c_str()).c_str() : "",
+              human_bytes(best.traffic_bytes).c_str(),
               best.offload ? "; CPU offload is needed because nothing fits on the device without it"
               : best.checkpointing ? "; activation checkpointing is needed because nothing fits without it"
                                    : " without recomputing activations");
   for (const Candidate& c : candidates)
     if (!c.fits && !c.checkpointing && !c.offload && c.traffic_bytes < best.traffic_bytes)
       std::printf("  %s (reduce per %s) would move less but needs %s per rank\n", sharding_strategy_name(c.strategy),
-                  c.reduce_label(), format_bytes(c.memory.total()).c_str());
+                  c.reduce_label(), human_bytes(c.memory.total()).c_str());
 }
 
 }  // namespace shardtrain

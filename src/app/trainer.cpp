@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -26,6 +27,7 @@
 #include "ckpt/checkpoint_manager.hpp"
 #include "ckpt/hf_model.hpp"
 #include "core/counted.hpp"
+#include "core/format.hpp"
 #include "ckpt/llmc.hpp"
 #include "comm/comm.hpp"
 #include "comm/watchdog.hpp"
@@ -72,6 +74,11 @@ constexpr int PEAK_TOTAL = MEM_CATEGORY_COUNT, STOP_SIGNAL = MEM_CATEGORY_COUNT 
               RSS_GROWTH = MEM_CATEGORY_COUNT + 2, COMM_BYTES = MEM_CATEGORY_COUNT + 3,
               DEVICE_RESERVED = MEM_CATEGORY_COUNT + 4, HELD = MEM_CATEGORY_COUNT + 5;
 using StepMaxima = std::array<double, MEM_CATEGORY_COUNT + 6>;
+
+// Seconds on a monotonic clock, for step, save and run times.
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 // fp16 dynamic loss scaling: start at 2^16, halve on overflow, double after this many good steps.
 constexpr double INITIAL_LOSS_SCALE = 65536;
@@ -207,23 +214,22 @@ int shard_group_size(const Runtime& rt, const Config& config, ShardingStrategy s
 
 // Shard groups are consecutive ranks (one node under the usual block placement); replica
 // groups take the same position in every shard group.
-std::unique_ptr<Comm> split_comm(const ComputeBackend& compute, int color, int key, Watchdog* watchdog) {
-  MPI_Comm comm;
-  MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, color, key, &comm));
-  return compute.make_comm(comm, watchdog);
+std::unique_ptr<Comm> split_comm(const Runtime& rt, const ComputeBackend& compute, int color, int key,
+                                 Watchdog* watchdog) {
+  return compute.make_comm(rt.split_world(color, key), watchdog);
 }
 
 std::unique_ptr<Comm> make_shard_comm(const Runtime& rt, const Config& c, ShardingStrategy s,
                                       const ComputeBackend& compute, Watchdog* watchdog) {
   const int size = shard_group_size(rt, c, s);
-  auto comm = split_comm(compute, rt.rank() / size, rt.rank(), watchdog);
+  auto comm = split_comm(rt, compute, rt.rank() / size, rt.rank(), watchdog);
   return c.debug.skip_communication ? make_silent_comm(*comm) : std::move(comm);
 }
 
 std::unique_ptr<Comm> make_replica_comm(const Runtime& rt, const Config& c, ShardingStrategy s,
                                         const ComputeBackend& compute, Watchdog* watchdog) {
   const int size = shard_group_size(rt, c, s);
-  auto comm = split_comm(compute, rt.rank() % size, rt.rank(), watchdog);
+  auto comm = split_comm(rt, compute, rt.rank() % size, rt.rank(), watchdog);
   return c.debug.skip_communication ? make_silent_comm(*comm) : std::move(comm);
 }
 
@@ -243,15 +249,15 @@ MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrat
           "out of memory: rank %d needs %s of host memory and this node has %s available for its %d rank%s (%s "
           "each) (%s); shard over more ranks or nodes, or use fsdp.activation_checkpointing=true or a smaller "
           "train.micro_batch -- 'shardtrain plan' lists what fits",
-          rt.rank(), format_bytes(host_need).c_str(), format_bytes(available).c_str(), rt.local_size(),
-          rt.local_size() == 1 ? "" : "s", format_bytes(available / rt.local_size()).c_str(), plan.describe().c_str()));
+          rt.rank(), human_bytes(host_need).c_str(), human_bytes(available).c_str(), rt.local_size(),
+          rt.local_size() == 1 ? "" : "s", human_bytes(available / rt.local_size()).c_str(), plan.describe().c_str()));
     const size_t limit = c.fsdp.memory_limit.bytes;
     if (limit && plan.total() > limit)
       throw UsageError(strprintf(
           "out of memory: rank %d needs %s > fsdp.memory_limit=%s (%s); try a sharding strategy that shards "
           "more (FULL_SHARD), fsdp.activation_checkpointing=true or a smaller train.micro_batch -- 'shardtrain "
           "plan' lists what fits",
-          rt.rank(), format_bytes(static_cast<double>(plan.total())).c_str(), c.fsdp.memory_limit.text.c_str(),
+          rt.rank(), human_bytes(static_cast<double>(plan.total())).c_str(), c.fsdp.memory_limit.text.c_str(),
           plan.describe().c_str()));
     // The GPU's own limit, checked the same way (the backend's workspaces come on top of the plan).
     if (compute.on_gpu() && plan.total() > compute.gpu_free_bytes())
@@ -259,9 +265,9 @@ MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrat
           "out of GPU memory: rank %d needs %s but %s has %s free of %s (%s); try a sharding strategy that shards "
           "more (FULL_SHARD), fsdp.activation_checkpointing=true, fsdp.cpu_offload=true or a smaller "
           "train.micro_batch -- 'shardtrain plan --memory-limit' lists what fits",
-          rt.rank(), format_bytes(static_cast<double>(plan.total())).c_str(), compute.describe().c_str(),
-          format_bytes(static_cast<double>(compute.gpu_free_bytes())).c_str(),
-          format_bytes(static_cast<double>(compute.gpu_total_bytes())).c_str(), plan.describe().c_str()));
+          rt.rank(), human_bytes(static_cast<double>(plan.total())).c_str(), compute.describe().c_str(),
+          human_bytes(static_cast<double>(compute.gpu_free_bytes())).c_str(),
+          human_bytes(static_cast<double>(compute.gpu_total_bytes())).c_str(), plan.describe().c_str()));
   });
   return plan;
 }
@@ -374,14 +380,14 @@ void Trainer::print_summary() {
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++) {
     size_t bytes = memory_.current(static_cast<MemCategory>(c));
     if (bytes) mem += strprintf("%s%s %s", mem.empty() ? "" : ", ", mem_category_name(static_cast<MemCategory>(c)),
-                                format_bytes(bytes).c_str());
+                                human_bytes(bytes).c_str());
   }
   const Device& device = *compute_.backend().device;
   rt_.info("memory per rank, planned: %s | total %s | held now (counted): %s", mem.c_str(),
-           format_bytes(memory_.total_current()).c_str(), format_bytes(device.live_bytes()).c_str());
+           human_bytes(memory_.total_current()).c_str(), human_bytes(device.live_bytes()).c_str());
   if (plan_.offloaded_bytes)
     rt_.info("fsdp.cpu_offload: %s of master shards, gradients and moments in host memory%s",
-             format_bytes(plan_.offloaded_bytes).c_str(),
+             human_bytes(plan_.offloaded_bytes).c_str(),
              compute_.on_gpu() ? "" : "; on the CPU backend the host is the device, so this saves nothing");
   if (compute_.on_gpu())
     rt_.info("compute: %s | peak %.1f GFLOP/s per rank (%s) | %.1f MFLOP per token", compute_.describe().c_str(),
@@ -489,14 +495,14 @@ void Trainer::save(int step) {
   state.config_ini = resolved_ini(cfg_);
   state.loss_scale_log2 = std::lround(std::log2(loss_scale_));
   state.loss_scale_good_steps = good_steps_;
-  const double t0 = MPI_Wtime();
+  const double t0 = now_seconds();
   std::string path = checkpoints_.save(state, engine_, optimizer_);
-  rt_.info("saved %s (%s, %.2f s)", path.c_str(), state.layout.c_str(), MPI_Wtime() - t0);
+  rt_.info("saved %s (%s, %.2f s)", path.c_str(), state.layout.c_str(), now_seconds() - t0);
 }
 
 Trainer::StepOutcome Trainer::run_step(int step) {
   comm_->barrier("barrier(step start)");  // time the step between barriers
-  const double t0 = MPI_Wtime();
+  const double t0 = now_seconds();
   const uint64_t bytes_before = bytes_sent();
   double sums[2] = {accumulate_gradients(step), 0.0};
   if (rt_.rank() == cfg_.debug.stall_rank && step == cfg_.debug.stall_step)
@@ -527,7 +533,7 @@ Trainer::StepOutcome Trainer::run_step(int step) {
   out.maxima = local_step_maxima(memory_, rss_at_start_, *compute_.backend().device);
   out.maxima[COMM_BYTES] = static_cast<double>(bytes_sent() - bytes_before);
   comm_->all_reduce_max(Span<double>(out.maxima.data(), out.maxima.size()), "all_reduce(step maxima)");
-  out.seconds = MPI_Wtime() - t0;
+  out.seconds = now_seconds() - t0;
   return out;
 }
 
@@ -544,12 +550,12 @@ void Trainer::report_step(int step, const StepOutcome& out, double eta_seconds, 
   }
   const double mfu = peak_gflops_ > 0 ? achieved_gflops / peak_gflops_ : 0;
   const std::string reserved =
-      compute_.on_gpu() ? ", GPU reserved " + format_bytes(out.maxima[DEVICE_RESERVED]) : std::string();
+      compute_.on_gpu() ? ", GPU reserved " + human_bytes(out.maxima[DEVICE_RESERVED]) : std::string();
   if (print)
     rt_.info("step %5d/%d | loss %.4f | lr %.2e | norm %.3f | %.0f tok/s | MFU %.1f%% | mem %s held, %s planned%s "
              "| eta %s%s",
              step + 1, cfg_.train.steps, out.loss, out.lr, out.grad_norm, tokens_per_s, 100 * mfu,
-             format_bytes(out.maxima[HELD]).c_str(), format_bytes(planned_peak_).c_str(), reserved.c_str(),
+             human_bytes(out.maxima[HELD]).c_str(), human_bytes(planned_peak_).c_str(), reserved.c_str(),
              format_duration(eta_seconds).c_str(), out.skipped ? " | SKIPPED" : "");
   for (const auto& [tag, value] : {std::pair<const char*, double>{"train/loss", out.loss}, {"train/lr", out.lr},
                                    {"train/grad_norm", out.grad_norm}, {"perf/tokens_per_s", tokens_per_s},
@@ -669,7 +675,7 @@ int Trainer::run() {
     return EXIT_CODE_SIGNALLED;
   }
   const int every = cfg_.checkpoint.every;
-  const double wall_start = MPI_Wtime();
+  const double wall_start = now_seconds();
   double elapsed = 0, last_loss = NAN, last_val_loss = NAN;
   for (int step = start; step < steps; step++) {
     const StepOutcome out = run_step(step);
@@ -700,7 +706,7 @@ int Trainer::run() {
     }
     if (cfg_.checkpoint.save && ((every > 0 && (step + 1) % every == 0) || step + 1 == steps)) save(step + 1);
   }
-  const double wall = MPI_Wtime() - wall_start;
+  const double wall = now_seconds() - wall_start;
   rt_.info("done: %s in %s | final loss %.4f | val loss %s | %.0f tok/s | uniform-guess loss ln(V) = %.4f",
            counted(steps - start, "step").c_str(), format_duration(wall).c_str(), last_loss,
            std::isfinite(last_val_loss) ? strprintf("%.4f", last_val_loss).c_str() : "-",

@@ -44,8 +44,16 @@ Runtime::Runtime(int* argc, char*** argv) {
 
 Runtime::~Runtime() {
   std::fflush(stdout);
+  for (MPI_Comm& comm : splits_) MPI_Comm_free(&comm);
   MPI_Comm_free(&node_);
   MPI_Finalize();
+}
+
+MPI_Comm Runtime::split_world(int color, int key) const {
+  MPI_Comm comm;
+  MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, color, key, &comm));
+  splits_.push_back(comm);
+  return comm;
 }
 
 std::vector<std::string> Runtime::node_all_gather(const std::string& mine) const {

@@ -41,6 +41,9 @@ class Runtime {
   // The one way to the raw MPI communicator of all ranks, for what must have one (a Comm,
   // parallel HDF5); everything else talks through Comm and this class.
   MPI_Comm world_comm() const { return MPI_COMM_WORLD; }
+  // Collective. The ranks of equal `color`, ordered by `key`, as a raw communicator for a Comm to
+  // wrap; the Runtime owns it and frees it before MPI_Finalize.
+  MPI_Comm split_world(int color, int key) const;
   // Collective over this node's ranks: each one's `mine`, by node-local rank.
   std::vector<std::string> node_all_gather(const std::string& mine) const;
 
@@ -68,6 +71,7 @@ class Runtime {
   int rank_ = 0, world_ = 1, local_rank_ = 0, local_size_ = 1;
   std::string host_;
   MPI_Comm node_ = MPI_COMM_NULL;  // this node's ranks
+  mutable std::vector<MPI_Comm> splits_;  // handed out by split_world
 };
 
 }  // namespace shardtrain

@@ -2,7 +2,7 @@
 // from a small probabilistic grammar — descriptions with subject-verb agreement, arithmetic in
 // words and digits, counting, and little stories whose later sentences repeat earlier names and
 // numbers (so in-context copying pays off). A pure function of the seed through the counter RNG
-// of backend/math.hpp (never std:: distributions, whose output differs between library versions).
+// of core/random.hpp (never std:: distributions, whose output differs between library versions).
 #pragma once
 
 #include <cstddef>

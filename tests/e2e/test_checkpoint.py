@@ -152,7 +152,7 @@ GOLDEN = 0x9E3779B97F4A7C15
 
 
 def mix64(z):
-    """SplitMix64's finaliser (backend/math.hpp) on a uint64 array; arithmetic wraps mod 2^64."""
+    """SplitMix64's finaliser (core/random.hpp) on a uint64 array; arithmetic wraps mod 2^64."""
     z = z + np.uint64(GOLDEN)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)

@@ -535,11 +535,6 @@ TEST_F(NcclCommTest, BroadcastsHostAndDeviceBytes) {
   EXPECT_EQ(download(device(), d_bytes), bytes);
 }
 
-TEST_F(NcclCommTest, BarrierReturns) {
-  nccl().barrier("barrier(test)");
-  nccl().barrier("barrier(test again)");
-}
-
 // Every collective on nonzero, rank-dependent data against host formulas over the terms of all
 // ranks (here one): the gathers and reductions write results that differ from what their output
 // buffers held (and the reductions from zero), and one rank sends no bytes.

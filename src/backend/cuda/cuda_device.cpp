@@ -22,6 +22,7 @@
 
 #include "backend/cuda/cuda_backend.hpp"
 #include "backend/cuda/cuda_handles.hpp"
+#include "core/format.hpp"
 #include "kernels/cuda_check.hpp"
 
 namespace shardtrain {
@@ -35,13 +36,6 @@ constexpr size_t kGemmWorkspaceBytes = size_t{32} << 20;
 size_t round_up(size_t bytes, size_t granule) { return (bytes + granule - 1) / granule * granule; }
 size_t size_class(size_t bytes) {
   return bytes <= kSmallLimit ? round_up(bytes, kSmallGranule) : round_up(bytes, kLargeGranule);
-}
-
-std::string human_bytes(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-  int u = 0;
-  while (bytes >= 1024 && u < 6) bytes /= 1024, u++;
-  return strprintf(u == 0 ? "%.0f %s" : "%.1f %s", bytes, units[u]);
 }
 
 bool is_host_memory(const void* p) {

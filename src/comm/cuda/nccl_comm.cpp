@@ -90,12 +90,7 @@ class NcclComm final : public Comm {
     SHARD_CHECK(device.kind() == DEVICE_CUDA, "a NCCL communicator on %s, not a GPU", device.name());
     MPI_CHECK(MPI_Comm_rank(mpi_comm_, &rank_));
     MPI_CHECK(MPI_Comm_size(mpi_comm_, &size_));
-    int world_rank = 0, world_size = 1;
-    MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
-    MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
-    char host[256] = "?";
-    gethostname(host, sizeof host - 1);
-    rank_label_ = strprintf("[rank %d/%d %s]", world_rank, world_size, host);
+    rank_label_ = rank_label();
     timeout_ = watchdog_ ? watchdog_->timeout_seconds() : 0;
     device_.bind_thread();
     int ordinal = 0;
