@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
@@ -67,10 +68,19 @@ namespace {
 
 // ---- PCRE2 --------------------------------------------------------------------------------------
 
-// tokenizers runs its regexes on Oniguruma, whose \s is Unicode's White_Space and \w is letters,
-// marks, decimal digits and connector punctuation; PCRE2's UCP classes differ (its \s takes U+180E).
-// Spelling them as properties gives Oniguruma's meaning with PCRE2's own tables.
-std::string oniguruma_classes(const std::string& pattern) {
+// tokenizers runs its regexes on Oniguruma with Ruby's syntax, where PCRE2 (UTF, UCP) differs:
+// \s is Unicode's White_Space (PCRE2's also takes U+180E); \w is Alphabetic, marks, decimal digits
+// and connector punctuation (PCRE2's: letters, numbers, "_"), outside a class also the Latin-1
+// superscripts and fractions ²³¹¼½¾ (Oniguruma's Latin-1 table; the reference agrees, measured);
+// \h is a hex digit (PCRE2's: horizontal space); \b and \B follow \w; the inline option m means
+// "dot matches newline" (PCRE2's s); ^ and $ always match at line ends (PCRE2_MULTILINE, set when
+// compiling). Rewriting these with Unicode properties gives Oniguruma's meaning with PCRE2's own
+// tables. Inside a character class \W and \H keep PCRE2's meaning (a negated class has no
+// spelling there).
+std::string oniguruma_to_pcre2(const std::string& pattern) {
+  static const char* const kWord = "\\p{Alphabetic}\\p{M}\\p{Nd}\\p{Pc}";
+  const std::string word_chars = std::string(kWord) + "\\x{B2}\\x{B3}\\x{B9}\\x{BC}-\\x{BE}";
+  const std::string word = "[" + word_chars + "]";
   std::string out;
   int depth = 0;  // inside [...] (Oniguruma nests classes)
   for (size_t i = 0; i < pattern.size(); i++) {
@@ -80,10 +90,23 @@ std::string oniguruma_classes(const std::string& pattern) {
       const bool inside = depth > 0;
       if (d == 's') out += inside ? "\\p{White_Space}" : "[\\p{White_Space}]";
       else if (d == 'S') out += "\\P{White_Space}";
-      else if (d == 'w') out += inside ? "\\p{L}\\p{M}\\p{Nd}\\p{Pc}" : "[\\p{L}\\p{M}\\p{Nd}\\p{Pc}]";
-      else if (d == 'W' && !inside) out += "[^\\p{L}\\p{M}\\p{Nd}\\p{Pc}]";
+      else if (d == 'w') out += inside ? kWord : word;
+      else if (d == 'W' && !inside) out += "[^" + word_chars + "]";
+      else if (d == 'h') out += inside ? "0-9a-fA-F" : "[0-9a-fA-F]";
+      else if (d == 'H' && !inside) out += "[^0-9a-fA-F]";
+      else if (d == 'b' && !inside) out += "(?:(?<=" + word + ")(?!" + word + ")|(?<!" + word + ")(?=" + word + "))";
+      else if (d == 'B' && !inside) out += "(?:(?<=" + word + ")(?=" + word + ")|(?<!" + word + ")(?!" + word + "))";
       else out += {c, d};
       continue;
+    }
+    if (depth == 0 && c == '(' && pattern.compare(i, 2, "(?") == 0) {  // (?imx-imx) or (?imx-imx:
+      size_t k = i + 2;
+      while (k < pattern.size() && std::strchr("imx-", pattern[k]) != nullptr) k++;
+      if (k > i + 2 && k < pattern.size() && (pattern[k] == ')' || pattern[k] == ':')) {
+        for (size_t f = i; f < k; f++) out += pattern[f] == 'm' ? 's' : pattern[f];
+        i = k - 1;
+        continue;
+      }
     }
     if (c == '[') depth++;
     else if (c == ']' && depth > 0) depth--;
@@ -98,9 +121,9 @@ class Regex {
   Regex(const std::string& pattern, bool literal, const std::string& where) {
     int code = 0;
     PCRE2_SIZE offset = 0;
-    const std::string compiled = literal ? pattern : oniguruma_classes(pattern);
+    const std::string compiled = literal ? pattern : oniguruma_to_pcre2(pattern);
     code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(compiled.data()), compiled.size(),
-                          PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0), &code, &offset, nullptr);
+                          PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : PCRE2_MULTILINE), &code, &offset, nullptr);
     if (code_ == nullptr) {
       PCRE2_UCHAR message[256];
       pcre2_get_error_message(code, message, sizeof message);

@@ -9,6 +9,7 @@ import os
 import random
 import struct
 import subprocess
+import unicodedata
 
 import harness
 import tokenizer_reference as ref
@@ -128,6 +129,29 @@ def test_random_short_documents_match_the_reference():
         separator = None if style in ("roberta", "llama3") else token_id(tokenizer, "<|endoftext|>")
         docs, want = expected(tokenizer, folder, separator)
         assert_same(encode(tokenizer, folder)[0], want, docs, separator)
+
+
+# Patterns whose classes and anchors mean other things in PCRE2 than in the reference's Oniguruma.
+PROBE_PATTERNS = [r"\w+", r"[\w]+", r"\W+", r"\s+", r"[^\s]+", r"\d+", r"\h+", r"[\h_]+", r"\b\w", r"\B.",
+                  r"^\w+", r"\w+$", r"(?m).+", r"(?i:k|s|ǆ)", r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"]
+
+
+def test_split_patterns_mean_what_they_mean_in_oniguruma():
+    # Every character Unicode 3.2 already had (older than both libraries' tables, so their versions
+    # do not matter), each between two snowmen, and lines for the anchors.
+    chars = (chr(c) for c in range(1, 0x20000) if unicodedata.ucd_3_2_0.category(chr(c)) not in ("Cn", "Cs"))
+    text = os.path.join(tempdir(), "chars.txt")
+    with open(text, "w", encoding="utf-8", newline="") as f:
+        f.write("\u2603".join(chars) + "\nab cd\nef Gh\n\n")
+    for pattern in PROBE_PATTERNS:
+        tokenizer = os.path.join(tempdir(), "probe.json")
+        reference("probe", pattern, tokenizer)
+        docs, want = expected(tokenizer, text, None)
+        got, _ = encode(tokenizer, text, "--separator", "none")
+        if got != want:
+            at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            raise AssertionError(f"pattern {pattern!r}: cuts differ from token {at}: got {got[at - 4:at + 4]}, "
+                                 f"want {want[at - 4:at + 4]}")
 
 
 def test_jsonl_input_with_invalid_bytes():
