@@ -459,7 +459,7 @@ struct Tokenizer::Impl {
   std::vector<std::vector<uint32_t>> byte_symbols;    // raw byte -> initial symbols (empty: unknown)
   // Post-processor: ids around every text.
   std::vector<uint32_t> prefix, suffix;
-  bool has_template = false;
+  bool has_template = false, adding_processor = false;
   uint32_t max_id = 0;
   WordCache cache;
   std::string scratch;
@@ -620,7 +620,11 @@ void Tokenizer::Impl::load_post_processor(const json& p, const JsonFile& file, c
     for (size_t i = 0; i < list.size(); i++) load_post_processor(list[i], file, at + "/processors/" + std::to_string(i));
     return;
   }
-  // Each processor wraps what the ones before it made.
+  // The reference applies a second template of a Sequence not at all, and RoBERTa/BERT after a
+  // template to a pair: one processor that adds tokens is what is supported.
+  if ((type == "RobertaProcessing" || type == "BertProcessing" || type == "TemplateProcessing") && adding_processor)
+    file.unsupported(at, "a second post-processor that adds tokens (\"" + type + "\" in a Sequence)");
+  adding_processor = true;
   std::vector<uint32_t> before, after;
   if (type == "RobertaProcessing" || type == "BertProcessing") {
     for (const char* key : {"cls", "sep"}) {
@@ -657,11 +661,11 @@ void Tokenizer::Impl::load_post_processor(const json& p, const JsonFile& file, c
   } else {
     file.unsupported(at + "/type", "post-processor \"" + type + "\"");
   }
-  prefix.insert(prefix.begin(), before.begin(), before.end());
-  suffix.insert(suffix.end(), after.begin(), after.end());
+  prefix = before;
+  suffix = after;
   for (uint32_t id : before) max_id = std::max(max_id, id);
   for (uint32_t id : after) max_id = std::max(max_id, id);
-  has_template = has_template || !before.empty() || !after.empty();
+  has_template = !before.empty() || !after.empty();
 }
 
 void Tokenizer::Impl::load(const json& root, const JsonFile& file) {

@@ -270,6 +270,14 @@ def test_unsupported_components_exit_2():
     expect_exit_2(variant("/pre_tokenizer", {"type": "Sequence", "pretokenizers": [split, base["pre_tokenizer"]]}),
                   "Split behavior \"Removed\"", "/pre_tokenizer/pretokenizers/0/behavior")
     expect_exit_2(variant("/post_processor", {"type": "BertPostProcessor?"}), "post-processor")
+    # The reference ignores a second template of a Sequence: one that adds tokens is supported.
+    template = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+                                                         {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [], "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0],
+                                                                  "tokens": ["<|endoftext|>"]}}}
+    expect_exit_2(variant("/post_processor", {"type": "Sequence", "processors": [template, {"type": "ByteLevel"},
+                                                                                 template]}),
+                  "/post_processor/processors/2", "second post-processor that adds tokens")
     expect_exit_2(variant("/model/dropout", 0.1), "dropout")
     expect_exit_2(variant("/truncation", {"max_length": 8, "strategy": "LongestFirst", "stride": 0,
                                           "direction": "Right"}), "truncation")
