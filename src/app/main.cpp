@@ -159,7 +159,7 @@ void run_checkpoint_tool(const Runtime& rt, const std::vector<std::string>& args
     export_llmc(checkpoint, output);
 }
 
-int run_command(const Runtime& rt, const std::vector<std::string>& args) {
+int run_command(Runtime& rt, const std::vector<std::string>& args) {
   if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
     if (rt.is_root()) std::fputs(USAGE, stdout);
     if (args.empty()) throw UsageError("no command given; see 'shardtrain --help'");
@@ -180,6 +180,7 @@ int run_command(const Runtime& rt, const std::vector<std::string>& args) {
       return EXIT_CODE_OK;
     }
     rt.agree_on([&] { validate_config(parsed.config, rt.world()); });
+    rt.set_collective_timeout(parsed.config.fsdp.comm_timeout);
     return run_training(rt, parsed.config);
   }
   if (args[0] == "data") {

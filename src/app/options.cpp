@@ -169,7 +169,8 @@ void declare_options(OptionList& o, Config& c) {
   o.add("checkpoint.allow_data_change", &c.checkpoint.allow_data_change,
         "resume even though data.train_file or data.val_file differ from the checkpoint's (true/false)");
   o.add("debug.stall_rank", &c.debug.stall_rank, "testing only: this rank sleeps stall_seconds at stall_step");
-  o.add("debug.stall_step", &c.debug.stall_step, "testing only: step of the injected stall");
+  o.add("debug.stall_step", &c.debug.stall_step,
+        "testing only: step of the injected stall; -1: during start-up, before the data files are opened");
   o.add("debug.stall_seconds", &c.debug.stall_seconds, "testing only: length of the injected stall");
   o.add("debug.inject_inf_step", &c.debug.inject_inf_step, "testing only: poison this step's gradient with inf");
   o.add("debug.skip_communication", &c.debug.skip_communication,

@@ -310,6 +310,8 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
       loss_scale_(loss_scaling_ ? INITIAL_LOSS_SCALE : 1.0) {
   threads_ = cfg_.train.threads > 0 ? cfg_.train.threads : default_threads_per_rank(rt.local_size());
   set_compute_threads(threads_);
+  if (rt.rank() == cfg_.debug.stall_rank && cfg_.debug.stall_step < 0)  // the tests' start-up stall
+    usleep(static_cast<useconds_t>(cfg_.debug.stall_seconds * 1e6));
   open_data();
   model_ = std::make_unique<GptModel<float>>(table_, B_, T_, cfg_.fsdp.activation_checkpointing,
                                              *compute_.backend().ops);

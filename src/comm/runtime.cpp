@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "comm/comm.hpp"
+#include "comm/watchdog.hpp"
 #include "core/error.hpp"
 
 namespace shardtrain {
@@ -40,23 +41,37 @@ Runtime::Runtime(int* argc, char*** argv) {
   char name[256] = "";
   gethostname(name, sizeof name - 1);
   host_ = name;
+  set_collective_timeout(DEFAULT_COLLECTIVE_TIMEOUT);
 }
 
 Runtime::~Runtime() {
   std::fflush(stdout);
   for (MPI_Comm& comm : splits_) MPI_Comm_free(&comm);
   MPI_Comm_free(&node_);
-  MPI_Finalize();
+  {
+    // A peer that never reaches MPI_Finalize (stuck, or gone without mpirun noticing) would hold
+    // every other rank here forever.
+    Watchdog::Scope scope(watchdog_.get(), "MPI_Finalize");
+    MPI_Finalize();
+  }
+  watchdog_.reset();
+}
+
+void Runtime::set_collective_timeout(double seconds) {
+  watchdog_.reset();  // its monitor thread ends before the next one starts
+  watchdog_ = std::make_unique<Watchdog>(seconds);
 }
 
 MPI_Comm Runtime::split_world(int color, int key) const {
   MPI_Comm comm;
+  Watchdog::Scope scope(watchdog_.get(), "MPI_Comm_split");
   MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, color, key, &comm));
   splits_.push_back(comm);
   return comm;
 }
 
 std::vector<std::string> Runtime::node_all_gather(const std::string& mine) const {
+  Watchdog::Scope scope(watchdog_.get(), "node_all_gather");
   int length = static_cast<int>(mine.size());
   std::vector<int> lengths(local_size_), offsets(local_size_);
   MPI_CHECK(MPI_Allgather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, node_));
@@ -100,6 +115,7 @@ std::string agreed_error(const std::string& local_error, Comm& comm) {
 }
 
 void Runtime::agree(const std::string& local_error) const {
+  Watchdog::Scope scope(watchdog_.get(), "agreement on the inputs");
   std::string error = agreed_error(local_error, MPI_COMM_WORLD);
   if (!error.empty()) throw InputError(error);
 }

@@ -8,6 +8,7 @@
 
 #include <mpi.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,7 @@
 namespace shardtrain {
 
 class Comm;
+class Watchdog;
 
 // Collective over `comm` (host memory): "" when every rank passes "", else the message of the
 // lowest rank that passed one, on every rank.
@@ -29,6 +31,13 @@ class Runtime {
  public:
   Runtime(int* argc, char*** argv);
   ~Runtime();
+
+  // The Runtime's own collectives (the agreements, splits, gathers) and MPI_Finalize are timed like
+  // the engine's: one that waits longer than this (a rank stuck reading a file, a peer gone) aborts
+  // every rank with a message instead of hanging. DEFAULT_COLLECTIVE_TIMEOUT until the options are
+  // known; then fsdp.comm_timeout (0 disables).
+  static constexpr double DEFAULT_COLLECTIVE_TIMEOUT = 300;
+  void set_collective_timeout(double seconds);
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
 
@@ -72,6 +81,7 @@ class Runtime {
   std::string host_;
   MPI_Comm node_ = MPI_COMM_NULL;  // this node's ranks
   mutable std::vector<MPI_Comm> splits_;  // handed out by split_world
+  std::unique_ptr<Watchdog> watchdog_;
 };
 
 }  // namespace shardtrain

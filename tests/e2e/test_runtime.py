@@ -16,6 +16,18 @@ def test_watchdog_aborts_a_stalled_rank():
     assert elapsed < 40, f"abort took {elapsed:.0f} s"
 
 
+def test_watchdog_covers_start_up():
+    """A rank stuck before the start-up agreements (opening the data files): the others wait in the
+    Runtime's own collective, which is timed too."""
+    start = time.time()
+    proc = run(2, tiny_args("--fsdp.comm_timeout=3", "--debug.stall_rank=1", "--debug.stall_step=-1",
+                            "--debug.stall_seconds=60"), timeout=50)
+    elapsed = time.time() - start
+    assert proc.returncode not in (0, 124, 137), f"exit {proc.returncode}: the run should abort, not finish or hang"
+    assert "agreement on the inputs" in proc.stderr and "fsdp.comm_timeout=3" in proc.stderr, proc.stderr[-2000:]
+    assert elapsed < 40, f"abort took {elapsed:.0f} s"
+
+
 def test_encode_own_text_and_train_on_it():
     tmp = tempdir()
     text = os.path.join(tmp, "text.txt")
