@@ -162,7 +162,7 @@ test: $(EXE) $(UNIT_TESTS) $(MPI_TESTS)
 	@$(PYTHON) tests/run_tests.py --build $(BUILD)
 
 # A real single-node Slurm (installed with apt-get if missing, started and stopped by the test)
-# runs the scripts in slurm/: tests/slurm/run_slurm_tests.sh, under 1.5 minutes on 2 cores.
+# runs the scripts in slurm/: tests/slurm/run_slurm_tests.sh, about 2 minutes on 2 cores (113 s measured).
 test-slurm: $(EXE)
 	@bash tests/slurm/run_slurm_tests.sh --build $(BUILD)
 
