@@ -74,7 +74,8 @@ std::vector<std::string> input_files(const std::string& input) {
     if (it->is_regular_file(ec)) files.push_back(it->path().string());
   }
   if (ec) throw DataError(strprintf("input folder '%s': cannot list (%s)", input.c_str(), ec.message().c_str()));
-  if (files.empty()) throw DataError(strprintf("input folder '%s': holds no files; give text or .jsonl files", input.c_str()));
+  if (files.empty())
+    throw DataError(strprintf("input folder '%s': holds no files; give text or .jsonl files", input.c_str()));
   std::sort(files.begin(), files.end());
   return files;
 }

@@ -391,7 +391,8 @@ class JsonFile {
                               problem.c_str()));
   }
   [[noreturn]] void unsupported(const std::string& pointer, const std::string& what) const {
-    fail(pointer, what + " is not supported; ShardTrain encodes Hugging Face byte-level BPE tokenizers only (docs/data.md)");
+    fail(pointer,
+         what + " is not supported; ShardTrain encodes Hugging Face byte-level BPE tokenizers only (docs/data.md)");
   }
 
   const json& member(const json& object, const std::string& pointer, const char* key) const {
@@ -417,7 +418,8 @@ class JsonFile {
     return v.get<bool>();
   }
   uint32_t id_at(const json& value, const std::string& pointer) const {
-    if (!value.is_number_unsigned() || value.get<uint64_t>() > UINT32_MAX) fail(pointer, "expected a token id (a whole number >= 0)");
+    if (!value.is_number_unsigned() || value.get<uint64_t>() > UINT32_MAX)
+      fail(pointer, "expected a token id (a whole number >= 0)");
     return static_cast<uint32_t>(value.get<uint64_t>());
   }
   std::string type_of(const json& object, const std::string& pointer) const {
@@ -485,7 +487,8 @@ void Tokenizer::Impl::load_normalizer(const json& n, const JsonFile& file, const
   } else if (type == "Sequence") {
     const json& list = file.member(n, pointer, "normalizers");
     if (!list.is_array()) file.fail(pointer + "/normalizers", "expected a list");
-    for (size_t i = 0; i < list.size(); i++) load_normalizer(list[i], file, pointer + "/normalizers/" + std::to_string(i));
+    for (size_t i = 0; i < list.size(); i++)
+      load_normalizer(list[i], file, pointer + "/normalizers/" + std::to_string(i));
   } else {
     file.unsupported(pointer + "/type", "normalizer \"" + type + "\"");
   }
@@ -509,7 +512,8 @@ void Tokenizer::Impl::load_pre_tokenizer(const json& p, const JsonFile& file) {
     const bool last = i + 1 == stages.size();
     if (type == "ByteLevel" && last) {
       prefix_space = file.bool_at(s, at, "add_prefix_space", true);
-      if (file.bool_at(s, at, "use_regex", true)) byte_level_regex = std::make_unique<Regex>(kGpt2Pattern, false, "GPT-2 pattern");
+      if (file.bool_at(s, at, "use_regex", true))
+        byte_level_regex = std::make_unique<Regex>(kGpt2Pattern, false, "GPT-2 pattern");
     } else if (type == "ByteLevel") {
       file.unsupported(at, "ByteLevel before another pre-tokenizer");
     } else if (type == "Split") {
@@ -617,7 +621,8 @@ void Tokenizer::Impl::load_post_processor(const json& p, const JsonFile& file, c
   if (type == "Sequence") {
     const json& list = file.member(p, at, "processors");
     if (!list.is_array()) file.fail(at + "/processors", "expected a list");
-    for (size_t i = 0; i < list.size(); i++) load_post_processor(list[i], file, at + "/processors/" + std::to_string(i));
+    for (size_t i = 0; i < list.size(); i++)
+      load_post_processor(list[i], file, at + "/processors/" + std::to_string(i));
     return;
   }
   // The reference applies a second template of a Sequence not at all, and RoBERTa/BERT after a
@@ -672,7 +677,8 @@ void Tokenizer::Impl::load(const json& root, const JsonFile& file) {
   if (!root.is_object()) file.fail("", "expected a JSON object (a tokenizer.json file)");
   for (const char* key : {"truncation", "padding"})
     if (!JsonFile::optional(root, key).is_null())
-      file.unsupported(std::string("/") + key, std::string(key) + " (it would change documents' tokens; set it to null)");
+      file.unsupported(std::string("/") + key,
+                       std::string(key) + " (it would change documents' tokens; set it to null)");
   load_normalizer(JsonFile::optional(root, "normalizer"), file, "/normalizer");
   load_pre_tokenizer(JsonFile::optional(root, "pre_tokenizer"), file);
   load_model(file.member(root, "", "model"), file);

@@ -33,7 +33,8 @@ FUZZ_POOL = list("abcxyzABC  \t\n\r'sStTrRlLdDmMvVeE0123456789.,!?-_()[]{}<>|/\\
     "\u00e9", "e\u0301", "\u0301", "A\u030a", "\u1100", "\u1161", "中", "の", "한", "Ω", "ſ", "\u212a", "ﬁ",
     "\u00a0", "\u3000", "\u2028", "\u0085", "\u180e", "\u200b", "\u200d", "\ufeff", "😀", "🏽", "🇫", "٣", "½", "²",
     "\U00010400", "\ufffd", "\x00", "\x7f", "\u0900", "\u093f", "\u0e31", "\u2019", "<|endoftext|>",
-    "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<mask>", "[CUSTOM]", "<s>", "</s>", "<|", "|>"]
+    "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<mask>", "[CUSTOM]", "<s>", "</s>", "<|", "|>", "<R>",
+    "cafe\u0301", "caf\u00e9"]
 
 
 def reference(*args, env=None):
@@ -152,6 +153,35 @@ def test_split_patterns_mean_what_they_mean_in_oniguruma():
             at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
             raise AssertionError(f"pattern {pattern!r}: cuts differ from token {at}: got {got[at - 4:at + 4]}, "
                                  f"want {want[at - 4:at + 4]}")
+
+
+def test_characters_missing_from_the_vocabulary():
+    """unk_token, fuse_unk, byte_fallback, or dropped: on a GPT-2 file without the ByteLevel characters
+    of bytes 0-3 (no merge uses them)."""
+    with open(trained("gpt2")) as f:
+        spec = json.load(f)
+    model = spec["model"]
+    used = {t for pair in model["merges"] for t in pair}
+    for c in ["Ā", "ā", "Ă", "ă"]:
+        assert c not in used
+        del model["vocab"][c]
+    tmp = tempdir()
+    text = os.path.join(tmp, "text.txt")
+    with open(text, "w") as f:
+        f.write("a\x00\x00\x01b \x02\x03x\x00 \x01")
+    top = max(model["vocab"].values())
+    variants = {"dropped": {}, "unk": {"unk_token": "<|endoftext|>"},
+                "fused": {"unk_token": "<|endoftext|>", "fuse_unk": True},
+                "fallback": {"unk_token": "<|endoftext|>", "byte_fallback": True,  # U+0100, U+0101: C4 80, C4 81
+                             "vocab": dict(model["vocab"], **{"<0xC4>": top + 1, "<0x80>": top + 2,
+                                                              "<0x81>": top + 3})}}
+    for name, change in variants.items():
+        path = os.path.join(tmp, f"{name}.json")
+        with open(path, "w") as f:
+            json.dump(dict(spec, model=dict(model, **change)), f)
+        docs, want = expected(path, text, None)
+        got, _ = encode(path, text, "--separator", "none")
+        assert got == want, f"{name}: got {got}, want {want}"
 
 
 def test_jsonl_input_with_invalid_bytes():

@@ -35,7 +35,7 @@ PIECES = [
     "   ", "\t\t", "\n\n\n", "  \n  ", " \r\n", "\u00a0", "\u3000", "\u2028", "\u0085", "\u180e", "!\u180e!",
     "                    ", " \u00a0 ", "end.", "...", "!!!", "?!", "—", "«quote»", "“smart”",
     "Hello<|endoftext|>World", "<|endoftext|>", " <|endoftext|> ", "<|begin_of_text|>x", "x<|end_of_text|>",
-    "<|im_start|>user", "<mask>", " <mask> ", "a<mask>b", "[CUSTOM]", "the[CUSTOM]x", " [CUSTOM] ",
+    "<|im_start|>user", "<mask>", " <mask> ", "a<mask>b", "[CUSTOM]", "the[CUSTOM]x", " [CUSTOM] ", "<R>  x", "a<R>",
 ]
 
 
@@ -58,7 +58,7 @@ def make_corpus(seed, documents, words_per_document):
 
 # Styles the tests train; each returns (tokenizer, trainer).
 def build(style):
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import AddedToken, Tokenizer, Regex, decoders, models, normalizers, pre_tokenizers, trainers
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if style == "gpt2":
         tok = Tokenizer(models.BPE())
@@ -104,6 +104,8 @@ def train(style, out):
         tok.add_tokens([AddedToken("[CUSTOM]", single_word=True, rstrip=True, normalized=True)])
         tok.post_processor = processors.RobertaProcessing(("</s>", tok.token_to_id("</s>")),
                                                           ("<s>", tok.token_to_id("<s>")))
+    if style == "qwen2-nfc":  # an added token matched after NFC, one that eats the spaces after it
+        tok.add_tokens([AddedToken("cafe\u0301", normalized=True), AddedToken("<R>", rstrip=True, normalized=False)])
     if style == "llama3":  # as Meta's files: ByteLevel offsets, then the BOS template
         bos = "<|begin_of_text|>"
         tok.post_processor = processors.Sequence([
