@@ -2,6 +2,7 @@
 // mix64, so every rank, thread count and run computes the same windows: nothing is stateful.
 #include "data/sampler.hpp"
 
+#include "core/counted.hpp"
 #include "core/error.hpp"
 #include "core/random.hpp"
 
@@ -51,11 +52,11 @@ SequenceSampler::SequenceSampler(uint64_t seed, size_t num_tokens, int seq_len, 
   if (global_batch <= 0) throw UsageError(strprintf("train.global_batch=%d must be positive", global_batch));
   windows_ = num_tokens > 0 ? (num_tokens - 1) / static_cast<size_t>(seq_len) : 0;
   if (windows_ < static_cast<uint64_t>(global_batch))
-    throw DataError(strprintf("data file '%s': %zu tokens make %llu windows of train.seq_len=%d (+1 target), too short "
-                              "for one batch of train.global_batch=%d sequences (needs at least %llu tokens); use more "
-                              "data or a smaller train.seq_len or train.global_batch",
-                              path.c_str(), num_tokens, static_cast<unsigned long long>(windows_), seq_len,
-                              global_batch,
+    throw DataError(strprintf("data file '%s': %s make %s of train.seq_len=%d (+1 target), too short for one batch "
+                              "of train.global_batch=%d sequences (needs at least %llu tokens); use more data or a "
+                              "smaller train.seq_len or train.global_batch",
+                              path.c_str(), counted(static_cast<long long>(num_tokens), "token").c_str(),
+                              counted(static_cast<long long>(windows_), "window").c_str(), seq_len, global_batch,
                               static_cast<unsigned long long>(global_batch) * static_cast<unsigned>(seq_len) + 1));
 }
 

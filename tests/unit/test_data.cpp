@@ -286,6 +286,8 @@ TEST(Sampler, TooShortFileIsADataError) {
   EXPECT_NO_THROW(SequenceSampler(1, 4 * 32 + 1, 32, 4, "ok.bin"));
   for (size_t n : {size_t(0), size_t(1), size_t(4 * 32)})
     expect_data_error([&] { SequenceSampler(1, n, 32, 4, "short.bin"); }, "short.bin", "too short for one batch");
+  // Counts of one are singular: 33 tokens make 1 window.
+  expect_data_error([&] { SequenceSampler(1, 33, 32, 4, "one.bin"); }, "33 tokens make 1 window of", "one.bin");
   EXPECT_THROW(SequenceSampler(1, 1000, 0, 4, "x.bin"), UsageError);
   EXPECT_THROW(SequenceSampler(1, 1000, 8, 0, "x.bin"), UsageError);
 }
