@@ -113,14 +113,15 @@ double node_available_bytes() {
   return available;
 }
 
-StepMaxima local_step_maxima(const MemoryTracker& m, double rss_at_start, const Device& device) {
+// `comm_buffers`: the communicators' own buffers outside the device's count (Comm::uncounted_buffer_bytes).
+StepMaxima local_step_maxima(const MemoryTracker& m, double rss_at_start, const Device& device, size_t comm_buffers) {
   StepMaxima p{};
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++) p[c] = static_cast<double>(m.peak(static_cast<MemCategory>(c)));
   p[PEAK_TOTAL] = static_cast<double>(m.total_peak());
   p[STOP_SIGNAL] = stop_signal_received();
   p[RSS_GROWTH] = proc_status_bytes("VmHWM") - rss_at_start;
   p[DEVICE_RESERVED] = static_cast<double>(device.peak_reserved_bytes());
-  p[HELD] = static_cast<double>(device.peak_live_bytes());
+  p[HELD] = static_cast<double>(device.peak_live_bytes() + comm_buffers);
   return p;
 }
 
@@ -161,6 +162,7 @@ class Trainer {
   // Saves (unless step's checkpoint exists or saving is off) and leaves the STOPPED marker.
   void stop_on_signal(int step, int signal, bool saved_already);
   uint64_t bytes_sent() const;
+  size_t uncounted_comm_buffer_bytes() const;
   // Sum of the token losses of this rank's micro-batches.
   double accumulate_gradients(int step);
   double evaluate();
@@ -385,8 +387,9 @@ void Trainer::print_summary() {
                                 human_bytes(bytes).c_str());
   }
   const Device& device = *compute_.backend().device;
-  rt_.info("memory per rank, planned: %s | total %s | held now (counted): %s", mem.c_str(),
-           human_bytes(memory_.total_current()).c_str(), human_bytes(device.live_bytes()).c_str());
+  rt_.info("memory per rank, planned: %s | total %s | held before the first step (counted; the communicators' "
+           "buffers come with their first use): %s", mem.c_str(), human_bytes(memory_.total_current()).c_str(),
+           human_bytes(static_cast<double>(device.live_bytes() + uncounted_comm_buffer_bytes())).c_str());
   if (plan_.offloaded_bytes)
     rt_.info("fsdp.cpu_offload: %s of master shards, gradients and moments in host memory%s",
              human_bytes(plan_.offloaded_bytes).c_str(),
@@ -532,7 +535,7 @@ Trainer::StepOutcome Trainer::run_step(int step) {
     if (loss_scaling_ && ++good_steps_ % LOSS_SCALE_GROWTH_INTERVAL == 0) loss_scale_ *= 2;
   }
   compute_.backend().device->synchronize();  // a GPU's queued optimizer step belongs to this step's time
-  out.maxima = local_step_maxima(memory_, rss_at_start_, *compute_.backend().device);
+  out.maxima = local_step_maxima(memory_, rss_at_start_, *compute_.backend().device, uncounted_comm_buffer_bytes());
   out.maxima[COMM_BYTES] = static_cast<double>(bytes_sent() - bytes_before);
   comm_->all_reduce_max(Span<double>(out.maxima.data(), out.maxima.size()), "all_reduce(step maxima)");
   out.seconds = now_seconds() - t0;
@@ -603,6 +606,11 @@ void Trainer::stop_on_signal(int step, int signal, bool saved_already) {
 
 uint64_t Trainer::bytes_sent() const {
   return comm_->bytes_sent() + shard_comm_->bytes_sent() + replica_comm_->bytes_sent();
+}
+
+size_t Trainer::uncounted_comm_buffer_bytes() const {
+  return comm_->uncounted_buffer_bytes() + shard_comm_->uncounted_buffer_bytes() +
+         replica_comm_->uncounted_buffer_bytes();
 }
 
 double Trainer::accumulate_gradients(int step) {

@@ -68,6 +68,9 @@ class Comm {
   // Bytes this rank has sent through collectives so far: exact for the ring reduce-scatter, the
   // ring/Bruck volume (n-1)/n of the gathered buffer for all-gathers, 2(n-1)/n for all-reduces.
   virtual uint64_t bytes_sent() const = 0;
+  // Bytes of the communicator's own working buffers that no DeviceArray counts (the MPI ring's
+  // chunk buffers, host vectors kept from call to call); 0 where they come from the device.
+  virtual size_t uncounted_buffer_bytes() const { return 0; }
 };
 
 // An MPI communicator on host memory. `watchdog` (may be null) times every blocking collective.

@@ -56,6 +56,10 @@ class MpiComm final : public Comm {
   }
 
   uint64_t bytes_sent() const override { return bytes_sent_; }
+  size_t uncounted_buffer_bytes() const override {
+    return (ring_send_.capacity() + ring_recv_.capacity()) * sizeof(float) +
+           (wire_send_.capacity() + wire_recv_.capacity()) * sizeof(uint16_t);
+  }
 
   void reduce_scatter_add(Span<const float> full, Span<float> shard, DType wire, const char* what) override {
     SHARD_CHECK(full.size == shard.size * size_, "reduce_scatter %s: full %zu != shard %zu x %d", what,
