@@ -33,6 +33,7 @@ const char* USAGE =
     "  data synth     write the built-in synthetic corpus as byte-level token files\n"
     "  data encode    encode text, JSON Lines or a folder of them: byte-level tokens (vocab_size 256), or with\n"
     "                 --tokenizer a Hugging Face byte-level BPE tokenizer.json\n"
+    "  data decode    a token file back to text (bytes, or with --tokenizer its tokenizer.json)\n"
     "  plan           predict each rank's memory for every strategy and option, and recommend one\n"
     "  inspect FILE   print what a checkpoint holds: format, step, configuration, parameters and norms\n"
     "  export         write a checkpoint's weights as an llm.c GPT-2 checkpoint, or (--format hf) as a Hugging\n"
@@ -50,14 +51,14 @@ std::vector<std::string> parse_tool_options(const std::vector<std::string>& args
 }
 
 int run_data(const Runtime& rt, const std::vector<std::string>& args) {
-  if (args.empty() || (args[0] != "synth" && args[0] != "encode"))
-    throw UsageError("'shardtrain data' needs 'synth' or 'encode'; see 'shardtrain --help'");
-  const bool synth = args[0] == "synth";
+  if (args.empty() || (args[0] != "synth" && args[0] != "encode" && args[0] != "decode"))
+    throw UsageError("'shardtrain data' needs 'synth', 'encode' or 'decode'; see 'shardtrain --help'");
+  const bool synth = args[0] == "synth", decode = args[0] == "decode";
   // The counts are read as text: Boost reads "-1" into an unsigned option as 2^64-1.
-  std::string out_dir = "inputs/data", input, output, seed = "1", tokenizer, separator;
+  std::string out_dir = "inputs/data", input, output, seed = "1", tokenizer, separator, first = "0", count = "0";
   std::string train_bytes = std::to_string(4 << 20), val_bytes = std::to_string(256 << 10);
   double val_fraction = 0.05;
-  po::options_description desc(synth ? "data synth options" : "data encode options");
+  po::options_description desc("data " + args[0] + " options");
   desc.add_options()("help,h", "print the options");
   if (synth) {
     const std::string most = strprintf(", at most %zu", SYNTH_MAX_BYTES);
@@ -68,6 +69,13 @@ int run_data(const Runtime& rt, const std::vector<std::string>& args) {
          ("tokens in the training file" + most).c_str())
         ("val-bytes", po::value(&val_bytes)->default_value(val_bytes),
          ("tokens in the validation file" + most + "; 0 = none").c_str());
+  } else if (decode) {
+    output = "-";
+    desc.add_options()("input", po::value(&input)->required(), "token file to decode (llm.c .bin)")(
+        "output", po::value(&output)->default_value(output), "text file to write; - = standard output")(
+        "tokenizer", po::value(&tokenizer), "the tokenizer.json the file was encoded with; without it, byte-level")(
+        "first", po::value(&first)->default_value(first), "index of the first token to decode")(
+        "count", po::value(&count)->default_value(count), "tokens to decode; 0 = to the end");
   } else {
     desc.add_options()("input", po::value(&input)->required(),
                        "text file to encode; with --tokenizer also a .jsonl file (a \"text\" field per line) or a "
@@ -97,6 +105,10 @@ int run_data(const Runtime& rt, const std::vector<std::string>& args) {
     const size_t train_count = parse_whole_number(train_bytes, "--train-bytes", 1, SYNTH_MAX_BYTES);
     const size_t val_count = parse_whole_number(val_bytes, "--val-bytes", 0, SYNTH_MAX_BYTES);
     if (rt.is_root()) data_synth(out_dir, seed_value, train_count, val_count);  // one writer; the others wait
+  } else if (decode) {
+    const uint64_t first_value = parse_whole_number(first, "--first", 0, UINT64_MAX);
+    const uint64_t count_value = parse_whole_number(count, "--count", 0, UINT64_MAX);
+    if (rt.is_root()) data_decode(input, tokenizer, output, first_value, count_value);
   } else if (rt.is_root() && vm.count("tokenizer")) {
     data_encode_tokenized(input, tokenizer, output, val_fraction, separator);
   } else if (rt.is_root()) {

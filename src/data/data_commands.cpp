@@ -230,4 +230,37 @@ void data_encode_tokenized(const std::string& input, const std::string& tokenize
   if (val_count > 0) write_part(val_path_for(out_path), val);
 }
 
+void data_decode(const std::string& token_path, const std::string& tokenizer_path, const std::string& out_path,
+                 uint64_t first, uint64_t count) {
+  TokenFile file(token_path);
+  if (first > file.num_tokens())
+    throw UsageError(strprintf("--first=%llu is past the %zu tokens of '%s'", static_cast<unsigned long long>(first),
+                               file.num_tokens(), token_path.c_str()));
+  const uint64_t end = count == 0 ? file.num_tokens() : std::min<uint64_t>(file.num_tokens(), first + count);
+  std::string text;
+  if (tokenizer_path.empty()) {
+    std::string bytes;
+    for (uint64_t i = first; i < end; i++) {
+      if (file.tokens()[i] > 255)
+        throw DataError(strprintf("data file '%s': token %u at index %llu is not a byte; decode it with --tokenizer "
+                                  "(the tokenizer.json it was encoded with)",
+                                  token_path.c_str(), file.tokens()[i], static_cast<unsigned long long>(i)));
+      bytes += static_cast<char>(file.tokens()[i]);
+    }
+    text = utf8_with_replacements(bytes);
+  } else {
+    const Tokenizer tokenizer(tokenizer_path);
+    text = tokenizer.decode(std::vector<uint32_t>(file.tokens() + first, file.tokens() + end));
+  }
+  if (out_path == "-") {
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    std::fflush(stdout);
+    return;
+  }
+  std::ofstream out(out_path, std::ios::binary);
+  out.write(text.data(), static_cast<std::streamsize>(text.size()));
+  out.close();
+  if (!out) throw UsageError(strprintf("cannot write '%s': %s", out_path.c_str(), std::strerror(errno)));
+}
+
 }  // namespace shardtrain

@@ -32,6 +32,13 @@ extern const char* const DOCUMENT_SEPARATORS[7];
 void data_encode_tokenized(const std::string& input, const std::string& tokenizer_path, const std::string& out_path,
                            double val_fraction, const std::string& separator);
 
+// `data decode`: tokens [first, first + count) of a token file (count 0: to its end) back to text,
+// written to `out_path` ("-": standard output). With a tokenizer.json, as the reference's
+// decode(ids) (Tokenizer::decode); without, byte-level: each token is its byte, a token above 255 is
+// a DataError. Invalid UTF-8 becomes U+FFFD either way.
+void data_decode(const std::string& token_path, const std::string& tokenizer_path, const std::string& out_path,
+                 uint64_t first, uint64_t count);
+
 // The validation file named after the training file: "x_train.bin" -> "x_val.bin",
 // "x.bin" -> "x_val.bin", anything else -> "x" + "_val.bin".
 std::string val_path_for(const std::string& out_path);

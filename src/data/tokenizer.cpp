@@ -463,6 +463,11 @@ struct Tokenizer::Impl {
   std::vector<uint32_t> prefix, suffix;
   bool has_template = false, adding_processor = false;
   uint32_t max_id = 0;
+  // Decoding: id -> token string (added tokens win, as in the reference), and ByteLevel's
+  // character -> byte table; decoder_problem is why decode() cannot run ("" when it can).
+  std::vector<std::optional<std::string>> id_to_token;
+  std::unordered_map<std::string, uint8_t> char_to_byte;
+  std::string decoder_problem;
   WordCache cache;
   std::string scratch;
   std::vector<uint32_t> symbols;
@@ -706,6 +711,17 @@ void Tokenizer::Impl::load(const json& root, const JsonFile& file) {
   }
   raw_matcher.finish();
   normalized_matcher.finish();
+
+  id_to_token.assign(static_cast<size_t>(max_id) + 1, std::nullopt);
+  for (const auto& [token, id] : vocab) id_to_token[id] = token;
+  for (const AddedToken& t : added) id_to_token[t.id] = t.content;
+  for (int b = 0; b < 256; b++) char_to_byte.emplace(byte_chars[b], static_cast<uint8_t>(b));
+  const json& decoder = JsonFile::optional(root, "decoder");
+  const std::string type = decoder.is_object() && decoder.contains("type") && decoder["type"].is_string()
+                               ? decoder["type"].get<std::string>()
+                               : std::string(decoder.is_null() ? "none" : "?");
+  if (type != "ByteLevel")
+    decoder_problem = "its decoder (/decoder) is " + type + "; decoding supports ByteLevel";
 }
 
 // NFC on the non-ASCII runs only: an ASCII character never composes with what precedes it nor is
@@ -850,6 +866,32 @@ bool Tokenizer::is_special(const std::string& content) const {
   for (const AddedToken& t : impl_->added)
     if (t.content == content) return t.special;
   return false;
+}
+
+std::string Tokenizer::decode(const std::vector<uint32_t>& ids) const {
+  const Impl& m = *impl_;
+  if (!m.decoder_problem.empty())
+    throw DataError(strprintf("tokenizer file '%s': %s", m.path.c_str(), m.decoder_problem.c_str()));
+  std::string bytes, mapped;
+  for (uint32_t id : ids) {
+    if (id >= m.id_to_token.size() || !m.id_to_token[id])
+      throw DataError(strprintf("token id %u is not in tokenizer file '%s' (ids up to %u); decode with the tokenizer "
+                                "the file was encoded with",
+                                id, m.path.c_str(), m.max_id));
+    const std::string& token = *m.id_to_token[id];
+    mapped.clear();
+    bool all_bytes = true;
+    for (size_t i = 0; i < token.size() && all_bytes;) {
+      const unsigned char lead = static_cast<unsigned char>(token[i]);
+      const size_t n = lead < 0x80 ? 1 : (lead >> 5) == 6 ? 2 : (lead >> 4) == 14 ? 3 : 4;
+      auto it = m.char_to_byte.find(token.substr(i, n));
+      if (it == m.char_to_byte.end()) all_bytes = false;
+      else mapped += static_cast<char>(it->second);
+      i += n;
+    }
+    bytes += all_bytes ? mapped : token;
+  }
+  return utf8_with_replacements(bytes);
 }
 
 }  // namespace shardtrain

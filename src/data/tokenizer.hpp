@@ -39,6 +39,13 @@ class Tokenizer {
   // Whether `content` is an added token marked special.
   bool is_special(const std::string& content) const;
 
+  // The text of `ids` as the reference's decode(ids, skip_special_tokens=False) gives it: each
+  // token's string (added tokens as written), through the ByteLevel decoder (a token whose every
+  // character stands for a byte becomes those bytes, any other its own UTF-8), the whole as UTF-8
+  // with invalid sequences replaced by U+FFFD. Throws DataError for an id the tokenizer does not
+  // have, or a decoder other than ByteLevel.
+  std::string decode(const std::vector<uint32_t>& ids) const;
+
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;

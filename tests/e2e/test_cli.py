@@ -6,7 +6,7 @@ import re
 from harness import read_metrics, run, run_single, tempdir, tiny_args
 from test_bad_input import expect_usage_error
 
-HELP_COMMANDS = (["train"], ["plan"], ["data", "synth"], ["data", "encode"], ["inspect"], ["export"])
+HELP_COMMANDS = (["train"], ["plan"], ["data", "synth"], ["data", "encode"], ["data", "decode"], ["inspect"], ["export"])
 
 
 def test_version():

@@ -8,6 +8,7 @@ under Debian's python, import them); the commands import `tokenizers`.
   tokenizer_reference.py encode TOKENIZER INPUT        {"docs": [ids per document]} as the reference
                                                        reads INPUT (a text file, a .jsonl file, a folder)
   tokenizer_reference.py bench TOKENIZER INPUT         {"bytes", "seconds"} of encode_batch over INPUT
+  tokenizer_reference.py decode TOKENIZER IDS.json     {"text": decode(ids, skip_special_tokens=False)}
 """
 import json
 import os
@@ -138,6 +139,10 @@ def main():
         return
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(sys.argv[2])
+    if command == "decode":
+        with open(sys.argv[3]) as f:
+            print(json.dumps({"text": tok.decode(json.load(f), skip_special_tokens=False)}))
+        return
     docs = read_documents(sys.argv[3])
     if command == "encode":
         print(json.dumps({"docs": [tok.encode(d).ids for d in docs]}))
