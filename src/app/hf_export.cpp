@@ -1,18 +1,14 @@
 // See hf_export.hpp.
 #include "app/hf_export.hpp"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 
-#include "app/memory_plan.hpp"
 #include "ckpt/checkpoint_io.hpp"
+#include "ckpt/checkpoint_manager.hpp"
 #include "ckpt/hf_model.hpp"
 #include "core/counted.hpp"
 #include "core/format.hpp"
@@ -23,19 +19,13 @@ namespace {
 // Writes `text` to `path` through a temporary name, synced before the rename.
 void write_file_atomically(const std::string& path, const std::string& text) {
   const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  bool ok = fd >= 0 && ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fsync(fd) == 0;
-  const int saved = errno;
-  if (fd >= 0) ok = ::close(fd) == 0 && ok;
-  if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
+  std::string error = CheckpointManager::write_file_synced(tmp, text);
+  if (error.empty() && std::rename(tmp.c_str(), path.c_str()) != 0)
+    error = "cannot write '" + path + "': " + std::strerror(errno);
+  if (!error.empty()) {
     std::remove(tmp.c_str());
-    throw CheckpointError("cannot write '" + path + "': " + std::strerror(ok ? errno : saved));
+    throw CheckpointError(error);
   }
-}
-
-void sync_folder(const std::string& folder) {
-  const int fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd >= 0) ::fsync(fd), ::close(fd);
 }
 
 }  // namespace
@@ -82,7 +72,8 @@ void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const st
           throw CheckpointError("cannot write '" + path_of(f) + "': " + std::strerror(errno));
       if (plan.files.size() > 1) write_file_atomically(out_dir + "/model.safetensors.index.json", plan.index_json());
       write_file_atomically(out_dir + "/config.json", hf_config_json(model, dtype));
-      sync_folder(out_dir);
+      const std::string synced = CheckpointManager::fsync_path(out_dir);
+      if (!synced.empty()) throw CheckpointError(synced);
     });
   } catch (const InputError&) {
     remove_temporaries();

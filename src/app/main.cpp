@@ -155,14 +155,9 @@ void run_checkpoint_tool(const Runtime& rt, const std::vector<std::string>& args
   } catch (const po::error& e) {
     throw UsageError(option_error_text(e) + help);
   }
-  if (!inspect && format == "hf") {
-    DType type = DTYPE_FP32;
-    bool known = false;
-    for (DType t : {DTYPE_FP32, DTYPE_BF16, DTYPE_FP16})
-      if (dtype == dtype_name(t)) type = t, known = true;
-    if (!known) throw UsageError("--dtype='" + printable_text(dtype) + "' is not allowed; allowed: fp32, bf16, fp16");
-    return export_hf_folder(rt, checkpoint, output, type, parse_memory_limit(max_file_size, "--max-file-size").bytes);
-  }
+  if (!inspect && format == "hf")
+    return export_hf_folder(rt, checkpoint, output, parse_dtype_option(dtype, "--dtype"),
+                            parse_memory_limit(max_file_size, "--max-file-size").bytes);
   if (!inspect && format != "llmc")
     throw UsageError("--format='" + printable_text(format) + "' is not allowed; allowed: llmc, hf");
   if (!inspect && dtype != "fp32") throw UsageError("--dtype applies to --format=hf; llm.c weights are fp32");

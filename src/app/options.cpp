@@ -31,6 +31,24 @@ constexpr size_t MAX_OPTION_TEXT = 4096;
 constexpr size_t MAX_RUN_NAME = 200;      // a folder name, with room for suffixes such as ".log"
 constexpr size_t MAX_CONFIG_FILE = 16 << 20;
 
+// The names of `choices`, comma-separated, for help texts and messages.
+template <typename E, size_t N>
+std::string choice_list(const E (&choices)[N], const char* (*choice_name)(E)) {
+  std::string allowed;
+  for (E e : choices) allowed += std::string(allowed.empty() ? "" : ", ") + choice_name(e);
+  return allowed;
+}
+
+// The choice whose name is `text`; a UsageError naming `option` and what is allowed otherwise.
+template <typename E, size_t N>
+E choice_from_text(const std::string& text, const std::string& option, const E (&choices)[N],
+                   const char* (*choice_name)(E)) {
+  for (E e : choices)
+    if (text == choice_name(e)) return e;
+  throw UsageError(option + "='" + printable_text(text) + "' is not allowed; allowed: " +
+                   choice_list(choices, choice_name));
+}
+
 struct OptionList {
   po::options_description desc{"train options (INI section.key, or --section.key=value)"};
   std::vector<std::pair<std::string, std::function<std::string()>>> printers;
@@ -70,15 +88,9 @@ struct OptionList {
   template <typename E, size_t N>
   void add_choice(const char* name, E* field, const E (&choices)[N], const char* (*choice_name)(E),
                   const std::string& help) {
-    std::string allowed;
-    for (E e : choices) allowed += std::string(allowed.empty() ? "" : ", ") + choice_name(e);
-    auto parse = [=](const std::string& v) {
-      for (E e : choices)
-        if (v == choice_name(e)) return void(*field = e);
-      throw UsageError(std::string(name) + "='" + printable_text(v) + "' is not allowed; allowed: " + allowed);
-    };
+    auto parse = [=](const std::string& v) { *field = choice_from_text(v, name, choices, choice_name); };
     desc.add_options()(name, po::value<std::string>()->default_value(choice_name(*field))->notifier(parse),
-                       (allowed + ": " + help).c_str());
+                       (choice_list(choices, choice_name) + ": " + help).c_str());
     printers.emplace_back(name, [field, choice_name] { return std::string(choice_name(*field)); });
   }
 };
@@ -335,6 +347,10 @@ void reject_stray_words(const std::vector<std::string>& words, const std::string
                               ? "options take two dashes: --" + word
                               : "options are written --name=value";
   throw UsageError("unexpected argument '" + word + "': " + fix + "; see 'shardtrain " + command + " --help'");
+}
+
+DType parse_dtype_option(const std::string& text, const std::string& option) {
+  return choice_from_text(text, option, DTYPES, dtype_name);
 }
 
 MemorySize parse_memory_limit(const std::string& text, const char* option) {

@@ -131,6 +131,8 @@ uint64_t parse_whole_number(const std::string& text, const std::string& option, 
 // `text` for a one-line message: control and invisible characters as <U+XXXX>, invalid UTF-8 as
 // <0xNN>, cut after max_chars with the full length said.
 std::string printable_text(const std::string& text, size_t max_chars = 80);
+// fp32, bf16 or fp16 as an option's value (a tool's --dtype); UsageError naming `option` otherwise.
+DType parse_dtype_option(const std::string& text, const std::string& option);
 // fsdp.memory_limit, plan --memory-limit: empty (none) or a positive size with a unit (24GiB, 512MiB,
 // 1.5GB). Throws UsageError naming `option`.
 MemorySize parse_memory_limit(const std::string& text, const char* option);

@@ -24,14 +24,6 @@ int64_t step_of(const std::string& name) {
   return std::stoll(name.substr(5, 8));
 }
 
-std::string fsync_path(const std::string& path) {
-  int fd = open(path.c_str(), O_RDONLY);
-  if (fd < 0) return "cannot open '" + path + "' to sync: " + std::strerror(errno);
-  int rc = fsync(fd);
-  close(fd);
-  return rc == 0 ? "" : "fsync of '" + path + "' failed: " + std::strerror(errno);
-}
-
 // Sorted newest first.
 std::vector<std::pair<int64_t, std::string>> complete_checkpoints(const std::string& dir) {
   std::vector<std::pair<int64_t, std::string>> found;
@@ -54,6 +46,14 @@ CheckpointManager::CheckpointManager(const Runtime& rt, Comm& comm, std::string 
 
 std::string CheckpointManager::file_name(int64_t step) {
   return strprintf("ckpt-%08lld.h5", static_cast<long long>(step));
+}
+
+std::string CheckpointManager::fsync_path(const std::string& path) {
+  int fd = open(path.c_str(), O_RDONLY);
+  if (fd < 0) return "cannot open '" + path + "' to sync: " + std::strerror(errno);
+  int rc = fsync(fd);
+  close(fd);
+  return rc == 0 ? "" : "fsync of '" + path + "' failed: " + std::strerror(errno);
 }
 
 std::string CheckpointManager::write_file_synced(const std::string& path, const std::string& text) {

@@ -36,6 +36,8 @@ class CheckpointManager {
   // Writes `text` to `path` and fsyncs it; "" or why it failed (disk full, ...). For small files
   // that others rely on: `latest`, and the trainer's STOPPED marker.
   static std::string write_file_synced(const std::string& path, const std::string& text);
+  // fsync of a file or folder (after a rename, the folder); "" or why it failed.
+  static std::string fsync_path(const std::string& path);
 
  private:
   CheckpointComm ranks() const { return CheckpointComm{comm_, rt_.world_comm(), watchdog_}; }

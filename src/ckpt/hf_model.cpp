@@ -148,6 +148,13 @@ HfTensor hf_tensor_of(const ParamInfo& p) {
 void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
   const ParamTable& table = engine.table();
   const HfFiles files = open_hf_files(folder);
+  // Each parameter's tensor in the files, checked before anything is read.
+  struct Source {
+    const SafetensorsReader* reader;
+    const SafetensorsTensor* tensor;
+    bool transposed;
+  };
+  std::vector<Source> sources;
   std::set<std::string> used;
   for (const ParamInfo& p : table.params()) {
     const HfTensor want = hf_tensor_of(p);
@@ -167,6 +174,7 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
       throw CheckpointError("safetensors file '" + it->second.first->path() + "': tensor '" + t.name + "' is " +
                             t.dtype + "; ShardTrain reads F32, BF16 and F16 weights");
     used.insert(key);
+    sources.push_back({it->second.first, it->second.second, want.transposed});
   }
   for (const auto& [key, where] : files.tensors)
     if (!used.count(key) && !ignorable(key))
@@ -181,11 +189,10 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
       const ParamInfo& p = table.params()[id];
       const FlatRange part = intersect(s.layout.shard_range(), p.range());
       if (part.empty()) continue;
-      const HfTensor want = hf_tensor_of(p);
-      const auto& [reader, tensor] = files.tensors.at(want.name.substr(std::string(PREFIX).size()));
+      const auto [reader, tensor, transposed] = sources[p.id];
       float* slice = values.data() + (part.begin - s.layout.begin);
       const size_t first = part.begin - p.offset, count = part.size();
-      if (!want.transposed) {
+      if (!transposed) {
         reader->read_fp32(*tensor, first, count, slice);
       } else {
         // Ours is (out, in), the file's (in, out): our rows [o0, o1] are the file's columns, read

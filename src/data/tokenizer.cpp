@@ -115,6 +115,13 @@ std::string oniguruma_to_pcre2(const std::string& pattern) {
   return out;
 }
 
+// The offset of the UTF-8 character after the one at `pos`.
+size_t next_char(std::string_view text, size_t pos) {
+  pos++;
+  while (pos < text.size() && (static_cast<unsigned char>(text[pos]) & 0xC0) == 0x80) pos++;
+  return pos;
+}
+
 class Regex {
  public:
   // Throws DataError(where + the compiler's message) on a bad pattern.
@@ -168,12 +175,6 @@ class Regex {
   }
 
  private:
-  static size_t next_char(std::string_view text, size_t pos) {
-    pos++;
-    while (pos < text.size() && (static_cast<unsigned char>(text[pos]) & 0xC0) == 0x80) pos++;
-    return pos;
-  }
-
   bool find(std::string_view text, size_t from, uint32_t options, size_t& begin, size_t& end) const {
     const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(text.data()), text.size(), from,
                                options | PCRE2_NO_UTF_CHECK, match_, context_);
@@ -881,13 +882,11 @@ std::string Tokenizer::decode(const std::vector<uint32_t>& ids) const {
     const std::string& token = *m.id_to_token[id];
     mapped.clear();
     bool all_bytes = true;
-    for (size_t i = 0; i < token.size() && all_bytes;) {
-      const unsigned char lead = static_cast<unsigned char>(token[i]);
-      const size_t n = lead < 0x80 ? 1 : (lead >> 5) == 6 ? 2 : (lead >> 4) == 14 ? 3 : 4;
-      auto it = m.char_to_byte.find(token.substr(i, n));
+    for (size_t i = 0, next; i < token.size() && all_bytes; i = next) {
+      next = next_char(token, i);
+      auto it = m.char_to_byte.find(token.substr(i, next - i));
       if (it == m.char_to_byte.end()) all_bytes = false;
       else mapped += static_cast<char>(it->second);
-      i += n;
     }
     bytes += all_bytes ? mapped : token;
   }

@@ -1,7 +1,8 @@
 """Hugging Face's side of the interop tests, run by the test virtual environment's python (it has the
 `safetensors` package): write GPT-2 folders as transformers lays them out, read safetensors files
 back, and compute GPT-2's loss the way transformers' GPT2LMHeadModel does (Conv1D weights (in, out),
-tanh GELU, LayerNorm eps 1e-5, tied head), in float64 numpy. Commands print JSON.
+tanh GELU, LayerNorm eps 1e-5, tied head), in float64 numpy. Commands print JSON. gpt2_shapes needs
+only numpy (the e2e tests, under Debian's python, import it); the commands import `safetensors`.
 
   hf_reference.py make FOLDER L C H V T DTYPE SEED PREFIX   random GPT-2 weights + config.json
   hf_reference.py loss FOLDER TOKENS...                     mean next-token cross-entropy
@@ -14,18 +15,6 @@ import os
 import sys
 
 import numpy as np
-from safetensors import safe_open
-from safetensors.numpy import load_file, save_file
-
-
-def gpt2_names(n_layer):
-    names = ["wte.weight", "wpe.weight"]
-    for l in range(n_layer):
-        h = f"h.{l}."
-        names += [h + n for n in ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
-                                  "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
-                                  "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias")]
-    return names + ["ln_f.weight", "ln_f.bias"]
 
 
 def gpt2_shapes(L, C, V, T):
@@ -41,6 +30,7 @@ def gpt2_shapes(L, C, V, T):
 
 
 def make(folder, L, C, H, V, T, dtype, seed, prefix):
+    from safetensors.numpy import save_file
     rng = np.random.default_rng(seed)
     tensors = {}
     for name, shape in gpt2_shapes(L, C, V, T).items():
@@ -60,6 +50,7 @@ def make(folder, L, C, H, V, T, dtype, seed, prefix):
 
 def load_folder(folder):
     """Every tensor of a model folder: model.safetensors, or the files its index names."""
+    from safetensors.numpy import load_file
     index = os.path.join(folder, "model.safetensors.index.json")
     if not os.path.exists(index):
         return load_file(os.path.join(folder, "model.safetensors"))
@@ -113,6 +104,7 @@ def loss(folder, tokens):
 
 
 def tensors(path):
+    from safetensors import safe_open
     out = {}
     with safe_open(path, framework="numpy") as f:
         metadata = f.metadata()
@@ -124,6 +116,7 @@ def tensors(path):
 
 def equal(path_a, path_b):
     """Files or folders: the same tensors, bit for bit."""
+    from safetensors.numpy import load_file
     a, b = ((load_folder(p) if os.path.isdir(p) else load_file(p)) for p in (path_a, path_b))
     return sorted(a) == sorted(b) and all(a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]) for k in a)
 

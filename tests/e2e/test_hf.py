@@ -12,6 +12,7 @@ import numpy as np
 
 import harness
 from harness import read_metrics, rel_diff, run, tempdir, tiny_args
+from hf_reference import gpt2_shapes
 from test_bad_input import expect_usage_error, write_tokens
 
 L, C, H, V, MAXT, SEQ = 2, 40, 4, 256, 64, 32  # inputs/tiny.ini's model and seq_len
@@ -38,15 +39,6 @@ def periodic_data(seed=7):
     path = os.path.join(tempdir(), "periodic.bin")
     write_tokens(path, np.tile(pattern, 400).tolist() + [int(pattern[0])])
     return path, pattern.tolist() + [int(pattern[0])]
-
-
-def tiny_shapes():
-    """(name, shape) of every GPT-2 tensor of the test model."""
-    shapes = [("wte", (V, C)), ("wpe", (MAXT, C)), ("ln_f.w", (C,)), ("ln_f.b", (C,))]
-    for _ in range(L):
-        shapes += [("ln", (C,))] * 4 + [("qkv", (C, 3 * C)), ("qkvb", (3 * C,)), ("proj", (C, C)), ("projb", (C,)),
-                                        ("fc", (C, 4 * C)), ("fcb", (4 * C,)), ("fcproj", (4 * C, C)), ("fcprojb", (C,))]
-    return shapes
 
 
 def first_loss(folder, data, *extra, np_=2):
@@ -103,7 +95,8 @@ def test_export_round_trips_bit_for_bit_and_loads_in_the_reference():
     assert len(weight_files) > 1 and sorted(os.listdir(split)) == sorted(
         weight_files + ["config.json", "model.safetensors.index.json"]), os.listdir(split)
     assert weight_files == [f"model-{k:05d}-of-{len(weight_files):05d}.safetensors" for k in range(1, len(weight_files) + 1)]
-    assert index["metadata"]["total_size"] == sum(4 * np.prod(s) for _, s in tiny_shapes()), index["metadata"]
+    total = sum(4 * np.prod(shape) for shape in gpt2_shapes(L, C, V, MAXT).values())
+    assert index["metadata"]["total_size"] == total, index["metadata"]
     for name in weight_files:  # at most 20 KiB of tensors, or one tensor larger than that
         held = reference("tensors", os.path.join(split, name))["tensors"]
         nbytes = sum(4 * int(np.prod(shape)) for _, shape, _ in held.values())
