@@ -28,8 +28,7 @@ void inspect_checkpoint(const std::string& path) {
               static_cast<long long>(s.step), static_cast<long long>(s.tokens_seen),
               counted(s.world_size, "rank").c_str(), s.strategy.c_str(), static_cast<unsigned long long>(s.seed),
               static_cast<long long>(s.sampler_step));
-  std::printf("model: GPT-2 L=%d C=%d H=%d V=%d max_seq_len=%d, %zu parameters (%.1f MiB fp32)\n", m.n_layer,
-              m.n_embd, m.n_head, m.vocab_size, m.max_seq_len, table.total_params(),
+  std::printf("model: %s, %zu parameters (%.1f MiB fp32)\n", model_summary(m).c_str(), table.total_params(),
               table.total_params() * 4.0 / (1 << 20));
   std::printf("\nconfiguration at save time:\n%s\n", s.config_ini.c_str());
   std::printf("%-28s %-12s %10s %12s %12s %12s  %s\n", "parameter", "shape", "elements", "norm", "exp_avg",

@@ -36,8 +36,7 @@ MemoryPlan plan_rank_memory(const ModelConfig& model, const GroupShape& groups, 
     for (const UnitLayout& unit : layout) shard_numel += unit.shard_numel;
     plan.offloaded_bytes = 4 * shard_numel * sizeof(float);  // master, gradient, two moments
   }
-  plan.bytes[MEM_ACTIVATIONS] =
-      GptModel<float>::plan_activation_bytes(model, micro_batch, seq_len, activation_checkpointing);
+  plan.bytes[MEM_ACTIVATIONS] = plan_activation_bytes(model, micro_batch, seq_len, activation_checkpointing);
   return plan;
 }
 

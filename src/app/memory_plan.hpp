@@ -1,6 +1,6 @@
 // Every byte a rank allocates, predicted from the configuration alone: the engine's shards and
 // unsharded buffers (FsdpEngine::plan_memory), the optimizer's moments, and the model's
-// activations (GptModel::plan_activation_bytes). The trainer checks the prediction against
+// activations (plan_activation_bytes, model/model.hpp). The trainer checks the prediction against
 // fsdp.memory_limit before it allocates anything, and `shardtrain plan` evaluates it for every
 // strategy and option on any rank count. All allocations are made at start-up, so the plan is
 // also each rank's peak.

@@ -98,15 +98,27 @@ struct OptionList {
 constexpr ShardingStrategy STRATEGIES[] = {SHARDING_FULL_SHARD, SHARDING_SHARD_GRAD_OP, SHARDING_NO_SHARD,
                                            SHARDING_HYBRID_SHARD};
 constexpr DType DTYPES[] = {DTYPE_FP32, DTYPE_BF16, DTYPE_FP16};
+constexpr ModelArch ARCHS[] = {ARCH_GPT2, ARCH_LLAMA};
 constexpr BackwardPrefetch PREFETCHES[] = {BACKWARD_PREFETCH_NONE, BACKWARD_PREFETCH_PRE, BACKWARD_PREFETCH_POST};
 
 // The single list of options. `c` holds the defaults on entry and receives parsed values.
 void declare_options(OptionList& o, Config& c) {
+  o.add_choice("model.arch", &c.model.arch, ARCHS, model_arch_name,
+               "the architecture: GPT-2 (learned positions, LayerNorm, GELU, biases, tied head) or Llama (rotary "
+               "positions, RMSNorm, SwiGLU, grouped-query attention, no biases)");
   o.add("model.n_layer", &c.model.n_layer, "transformer blocks (L)");
   o.add("model.n_embd", &c.model.n_embd, "width (C); a multiple of model.n_head");
   o.add("model.n_head", &c.model.n_head, "attention heads (H)");
   o.add("model.vocab_size", &c.model.vocab_size, "vocabulary size (V), at most 65536 (uint16 tokens)");
-  o.add("model.max_seq_len", &c.model.max_seq_len, "rows of the position-embedding table");
+  o.add("model.max_seq_len", &c.model.max_seq_len,
+        "longest sequence: gpt2's rows of the position-embedding table, llama's max_position_embeddings");
+  o.add("model.n_kv_head", &c.model.n_kv_head,
+        "llama: key/value heads, a divisor of model.n_head (grouped-query attention); 0 = model.n_head");
+  o.add("model.intermediate_size", &c.model.intermediate_size, "llama: width of the SwiGLU MLP; 0 = 4 x model.n_embd");
+  o.add("model.rope_theta", &c.model.rope_theta, "llama: base of the rotary embedding's frequencies");
+  o.add("model.norm_eps", &c.model.norm_eps, "llama: RMSNorm epsilon (gpt2's LayerNorm has 1e-5)");
+  o.add("model.tie_embeddings", &c.model.tie_embeddings,
+        "llama: the LM head is the token embedding (true) or its own lm_head.weight (false); gpt2 is tied");
   o.add("train.steps", &c.train.steps, "optimizer steps");
   o.add("train.global_batch", &c.train.global_batch,
         "sequences per optimizer step; a multiple of micro_batch x ranks (the rest is gradient accumulation)");
@@ -470,6 +482,34 @@ ParsedTrainArgs parse_train_args(const std::vector<std::string>& raw_args, const
   return parsed;
 }
 
+namespace {
+
+// The llama-only keys must keep gpt2's values under gpt2; under llama they must make a shape.
+void validate_architecture(const ModelConfig& m) {
+  if (m.arch == ARCH_GPT2) {
+    const ModelConfig gpt2;
+    const std::pair<const char*, bool> llama_only[] = {
+        {"model.n_kv_head", m.n_kv_head != 0 && m.n_kv_head != m.n_head},
+        {"model.intermediate_size", m.intermediate_size != 0 && m.intermediate_size != 4 * m.n_embd},
+        {"model.rope_theta", m.rope_theta != gpt2.rope_theta},
+        {"model.norm_eps", m.norm_eps != gpt2.norm_eps},
+        {"model.tie_embeddings", !m.tie_embeddings}};
+    for (const auto& [key, set] : llama_only)
+      require(!set, std::string(key) + " is a llama option; remove it, or set model.arch=llama");
+    return;
+  }
+  require(m.n_kv_head >= 0 && m.n_kv_head <= m.n_head && m.n_head % m.kv_heads() == 0,
+          strprintf("model.n_kv_head=%d must divide model.n_head=%d (0 = model.n_head)", m.n_kv_head, m.n_head));
+  require(m.head_size() % 2 == 0,
+          strprintf("model.n_embd / model.n_head = %d must be even: rotary embeddings turn pairs of dimensions",
+                    m.head_size()));
+  require(m.intermediate_size >= 0, "model.intermediate_size must be >= 0 (0 = 4 x model.n_embd)");
+  require(m.rope_theta > 0, "model.rope_theta must be > 0");
+  require(m.norm_eps > 0, "model.norm_eps must be > 0");
+}
+
+}  // namespace
+
 void validate_config(const Config& c, int world) {
   const ModelConfig& m = c.model;
   const TrainOptions& t = c.train;
@@ -489,6 +529,7 @@ void validate_config(const Config& c, int world) {
   require(m.vocab_size >= 2 && m.vocab_size <= 65536,
           strprintf("model.vocab_size=%d must be in [2, 65536] (tokens are uint16)", m.vocab_size));
   require(m.max_seq_len >= 1, "model.max_seq_len must be >= 1");
+  validate_architecture(m);
   require(t.seq_len >= 1 && t.seq_len <= m.max_seq_len,
           strprintf("train.seq_len=%d must be in [1, model.max_seq_len=%d]", t.seq_len, m.max_seq_len));
   require(t.steps >= 1, "train.steps must be >= 1");

@@ -194,10 +194,9 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
   ParamTable table(config.model);
   std::vector<Candidate> candidates = plan_candidates(config, world, ranks_per_node, limit);
   if (!rt.is_root()) return;
-  std::printf("plan: GPT-2 L=%d C=%d H=%d V=%d (%.1fM parameters), %s (%d per node), micro_batch %d x "
+  std::printf("plan: %s (%.1fM parameters), %s (%d per node), micro_batch %d x "
               "seq_len %d, %s per step, memory limit %s\n\n",
-              config.model.n_layer, config.model.n_embd, config.model.n_head, config.model.vocab_size,
-              table.total_params() / 1e6, counted(world, "rank").c_str(), ranks_per_node, config.train.micro_batch,
+              model_summary(config.model).c_str(), table.total_params() / 1e6, counted(world, "rank").c_str(), ranks_per_node, config.train.micro_batch,
               config.train.seq_len, counted(accumulation, "micro-batch", "micro-batches").c_str(), limit ? human_bytes(static_cast<double>(limit)).c_str() : "none");
   std::printf("%-14s %-9s %-5s %-7s %10s %10s %10s %10s %10s %10s %11s %11s  %s\n", "strategy", "reduce", "ckpt",
               "offload", "params", "gathered", "grads", "optimizer", "activ.", "comm", "peak/rank", "traffic/st", "fits");

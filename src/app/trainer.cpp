@@ -188,7 +188,7 @@ class Trainer {
   FsdpEngine engine_;
   OptimConfig optim_config_;
   AdamW optimizer_;
-  std::unique_ptr<GptModel<float>> model_;
+  std::unique_ptr<TransformerModel<float>> model_;
   std::vector<int> tokens_, targets_;
   CheckpointManager checkpoints_;
   std::unique_ptr<MetricsWriter> metrics_;  // opened by run() once the resume step is known
@@ -315,8 +315,7 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
   if (rt.rank() == cfg_.debug.stall_rank && cfg_.debug.stall_step < 0)  // the tests' start-up stall
     usleep(static_cast<useconds_t>(cfg_.debug.stall_seconds * 1e6));
   open_data();
-  model_ = std::make_unique<GptModel<float>>(table_, B_, T_, cfg_.fsdp.activation_checkpointing,
-                                             *compute_.backend().ops);
+  model_ = make_model<float>(table_, B_, T_, cfg_.fsdp.activation_checkpointing, *compute_.backend().ops);
   memory_.add(MEM_ACTIVATIONS, model_->activation_bytes());
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++)  // the planner is exact: it is what was allocated
     SHARD_CHECK(memory_.current(static_cast<MemCategory>(c)) == plan_.bytes[c], "%s: tracked %zu, planned %zu",
@@ -374,8 +373,7 @@ void Trainer::print_summary() {
   rt_.info("shardtrain train: run '%s' on %s x %s, %s (shard group %d, replicas %d)", cfg_.train.run_name.c_str(),
            counted(rt_.world(), "rank").c_str(), counted(threads_, "thread").c_str(),
            sharding_strategy_name(strategy_), shard_comm_->size(), replica_comm_->size());
-  rt_.info("model: GPT-2 L=%d C=%d H=%d V=%d max_seq_len=%d | %.2fM parameters in %s (root + %s) | %.2fM per rank",
-           m.n_layer, m.n_embd, m.n_head, m.vocab_size, m.max_seq_len, total / 1e6,
+  rt_.info("model: %s | %.2fM parameters in %s (root + %s) | %.2fM per rank", model_summary(m).c_str(), total / 1e6,
            counted(static_cast<long long>(table_.units().size()), "unit").c_str(), counted(m.n_layer, "block").c_str(),
            engine_.local_param_count() / 1e6);
   rt_.info("batch: %d sequences x %d tokens = %d tokens/step | micro_batch %d per rank | gradient accumulation %d",

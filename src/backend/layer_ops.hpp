@@ -35,9 +35,21 @@ class LayerOps {
                               int OC) const = 0;
   virtual void matmul_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout, const Real* inp,
                                const Real* weight, int N, int C, int OC) const = 0;
-  virtual void attention_forward(Real* out, Real* att, const Real* qkv, int B, int T, int C, int NH) const = 0;
+  virtual void attention_forward(Real* out, Real* att, const Real* qkv, int B, int T, int NH, int KV,
+                                 int HS) const = 0;
   virtual void attention_backward(Real* dqkv, Real* scratch, const Real* dout, const Real* qkv, const Real* att,
-                                  int B, int T, int C, int NH) const = 0;
+                                  int B, int T, int NH, int KV, int HS) const = 0;
+  // Llama's layers. cos, sin: rope tables (T, HS/2) in device memory.
+  virtual void rmsnorm_forward(Real* out, Real* rstd, const Real* inp, const Real* weight, Real eps, int N,
+                               int C) const = 0;
+  virtual void rmsnorm_backward(Real* dinp, Real* dweight, const Real* dout, const Real* inp, const Real* weight,
+                                const Real* rstd, int N, int C) const = 0;
+  virtual void rope_forward(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV,
+                            int HS) const = 0;
+  virtual void rope_backward(Real* dqkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV,
+                             int HS) const = 0;
+  virtual void swiglu_forward(Real* out, const Real* gate_up, int N, int I) const = 0;
+  virtual void swiglu_backward(Real* dgate_up, const Real* dout, const Real* gate_up, int N, int I) const = 0;
   virtual void gelu_forward(Real* out, const Real* inp, size_t n) const = 0;
   virtual void gelu_backward(Real* dinp, const Real* dout, const Real* inp, size_t n) const = 0;
   virtual void residual_forward(Real* out, const Real* a, const Real* b, size_t n) const = 0;

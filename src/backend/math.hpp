@@ -1,5 +1,5 @@
 // Per-element math written once, for the CPU loops and (as HOST_DEVICE) for the CUDA kernels, so
-// that the CPU tests cover the GPU's arithmetic too: exp_fast, GELU and the AdamW element update.
+// that the CPU tests cover the GPU's arithmetic too: exp_fast, GELU, SiLU and the AdamW element update.
 // (The counter RNG, which serves data/ and ckpt/ too, is core/random.hpp.)
 #pragma once
 
@@ -62,6 +62,18 @@ HOST_DEVICE inline Real gelu_derivative(Real x) {
   Real s = gelu_sigmoid(x);
   Real du = Real(GELU_SCALE) * (Real(1) + Real(3 * GELU_CUBIC) * x * x);
   return s + x * s * (Real(1) - s) * Real(2) * du;
+}
+
+// SiLU (Llama's MLP gate): x * sigmoid(x), and its derivative s (1 + x (1 - s)).
+template <typename Real>
+HOST_DEVICE inline Real silu_value(Real x) {
+  return x / (Real(1) + exp_fast(-x));
+}
+
+template <typename Real>
+HOST_DEVICE inline Real silu_derivative(Real x) {
+  Real s = Real(1) / (Real(1) + exp_fast(-x));
+  return s * (Real(1) + x * (Real(1) - s));
 }
 
 // One AdamW element (decoupled weight decay, bias-corrected moments). `decay` is 0 for

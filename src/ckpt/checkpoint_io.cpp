@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <array>
 #include <cerrno>
 #include <cstdio>
@@ -229,6 +230,16 @@ std::array<int64_t, 5> model_dims(const ModelConfig& c) {
   return {c.n_layer, c.n_embd, c.n_head, c.vocab_size, c.max_seq_len};
 }
 
+// Version 2's architecture attributes, after the five dimensions. Written resolved (n_kv_head and
+// intermediate_size never 0), for gpt2 too; a version-1 file is gpt2 with gpt2's values.
+const char* MODEL_ARCH = "model.arch";
+const char* MODEL_ARCH_INTS[3] = {"model.n_kv_head", "model.intermediate_size", "model.tie_embeddings"};
+const char* MODEL_ARCH_REALS[2] = {"model.rope_theta", "model.norm_eps"};
+
+std::array<int64_t, 3> model_arch_ints(const ModelConfig& c) { return {c.kv_heads(), c.mlp_size(), c.tied()}; }
+std::array<double, 2> model_arch_reals(const ModelConfig& c) { return {c.rope_theta, c.norm_eps}; }
+std::string real_text(double v) { return strprintf("%.17g", v); }  // exact, for the checksum and messages
+
 // FNV-1a (64 bit) over "name\0value\0" of each root attribute, in the order written; integers in
 // decimal. Writer and reader feed it the same sequence, so the list of attributes exists once.
 class MetaChecksum {
@@ -268,6 +279,12 @@ void write_state(hid_t file, const CheckpointState& s, const ModelConfig& model,
   i64("loss_scale_good_steps", s.loss_scale_good_steps);
   auto dims = model_dims(model);
   for (int i = 0; i < 5; i++) i64(MODEL_DIMS[i], dims[i]);
+  str(MODEL_ARCH, model_arch_name(model.arch));
+  auto ints = model_arch_ints(model);
+  for (int i = 0; i < 3; i++) i64(MODEL_ARCH_INTS[i], ints[i]);
+  auto reals = model_arch_reals(model);
+  for (int i = 0; i < 2; i++)
+    h5_write_attr_f64(file, MODEL_ARCH_REALS[i], reals[i], path), sum.add(MODEL_ARCH_REALS[i], real_text(reals[i]));
   h5_write_attr_u64(file, META_CHECKSUM, sum.value(), path);
 }
 
@@ -285,6 +302,23 @@ std::string model_defect(const std::array<int64_t, 5>& d) {
   if (static_cast<double>(L) * 13 * C * C > 1e13)
     return strprintf("model.n_layer=%lld x model.n_embd=%lld is more than 10^13 parameters",
                      static_cast<long long>(L), static_cast<long long>(C));
+  return "";
+}
+
+// The same for the architecture attributes of version 2, given plausible dimensions.
+std::string model_arch_defect(const ModelConfig& m) {
+  if (m.arch == ARCH_GPT2 && (m.n_kv_head != m.n_head || m.intermediate_size != 4 * m.n_embd || !m.tie_embeddings ||
+                              m.rope_theta != ModelConfig().rope_theta || m.norm_eps != ModelConfig().norm_eps))
+    return "model.arch=gpt2 with llama's options";
+  if (m.n_kv_head < 1 || m.n_kv_head > m.n_head || m.n_head % m.n_kv_head)
+    return strprintf("model.n_kv_head=%d does not divide model.n_head=%d", m.n_kv_head, m.n_head);
+  if (m.intermediate_size < 1 || m.intermediate_size > (1 << 24) ||
+      static_cast<double>(m.n_layer) * 3 * m.n_embd * m.intermediate_size > 1e13)
+    return strprintf("model.intermediate_size=%d is not in [1, 2^24] or makes more than 10^13 parameters",
+                     m.intermediate_size);
+  if (m.arch == ARCH_LLAMA && m.head_size() % 2) return strprintf("llama's head size %d is odd", m.head_size());
+  if (!(m.rope_theta > 0) || !std::isfinite(m.rope_theta)) return "model.rope_theta=" + real_text(m.rope_theta);
+  if (!(m.norm_eps > 0) || !std::isfinite(m.norm_eps)) return "model.norm_eps=" + real_text(m.norm_eps);
   return "";
 }
 
@@ -306,8 +340,8 @@ CheckpointState read_state(hid_t file, const std::string& path) {
     throw CheckpointError("checkpoint '" + path + "': not a " + CKPT_FORMAT_NAME + " file (no 'format' attribute '" +
                           CKPT_FORMAT_NAME + "')");
   int64_t version = h5_read_attr_i64(file, "version", path);
-  if (version != CKPT_FORMAT_VERSION)
-    throw CheckpointError(strprintf("checkpoint '%s': format version %lld, this build reads version %lld",
+  if (version < 1 || version > CKPT_FORMAT_VERSION)
+    throw CheckpointError(strprintf("checkpoint '%s': format version %lld, this build reads versions 1 to %lld",
                                     path.c_str(), static_cast<long long>(version),
                                     static_cast<long long>(CKPT_FORMAT_VERSION)));
   MetaChecksum sum;
@@ -337,6 +371,17 @@ CheckpointState read_state(hid_t file, const std::string& path) {
   s.loss_scale_good_steps = i64("loss_scale_good_steps");
   std::array<int64_t, 5> dims;
   for (int i = 0; i < 5; i++) dims[i] = i64(MODEL_DIMS[i]);
+  std::string arch = model_arch_name(ARCH_GPT2);
+  std::array<int64_t, 3> arch_ints{};
+  std::array<double, 2> arch_reals = model_arch_reals(ModelConfig());
+  if (version >= 2) {
+    arch = str(MODEL_ARCH);
+    for (int i = 0; i < 3; i++) arch_ints[i] = i64(MODEL_ARCH_INTS[i]);
+    for (int i = 0; i < 2; i++) {
+      arch_reals[i] = h5_read_attr_f64(file, MODEL_ARCH_REALS[i], path);
+      sum.add(MODEL_ARCH_REALS[i], real_text(arch_reals[i]));
+    }
+  }
   const std::string where = "checkpoint '" + path + "': ";
   if (!h5_has_attr(file, META_CHECKSUM))
     s.warning = where + "no metadata checksum (written by an older build): its attributes are not verified";
@@ -348,9 +393,23 @@ CheckpointState read_state(hid_t file, const std::string& path) {
   std::string defect = model_defect(dims);
   if (defect.empty()) defect = state_defect(s);
   if (!defect.empty()) throw CheckpointError(where + "attribute " + defect + "; the file is damaged");
-  s.model.n_layer = static_cast<int>(dims[0]), s.model.n_embd = static_cast<int>(dims[1]);
-  s.model.n_head = static_cast<int>(dims[2]), s.model.vocab_size = static_cast<int>(dims[3]);
-  s.model.max_seq_len = static_cast<int>(dims[4]);
+  ModelConfig& m = s.model;
+  m.n_layer = static_cast<int>(dims[0]), m.n_embd = static_cast<int>(dims[1]);
+  m.n_head = static_cast<int>(dims[2]), m.vocab_size = static_cast<int>(dims[3]);
+  m.max_seq_len = static_cast<int>(dims[4]);
+  if (arch != model_arch_name(ARCH_GPT2) && arch != model_arch_name(ARCH_LLAMA))
+    throw CheckpointError(where + "attribute model.arch is neither gpt2 nor llama: not an architecture this build "
+                                  "knows");
+  m.arch = arch == model_arch_name(ARCH_LLAMA) ? ARCH_LLAMA : ARCH_GPT2;
+  if (version < 2) arch_ints = model_arch_ints(m);  // gpt2's own values
+  for (int i = 0; i < 3; i++)
+    if (arch_ints[i] < 0 || arch_ints[i] > (1 << 24))
+      throw CheckpointError(where + "attribute " + MODEL_ARCH_INTS[i] + " is out of range; the file is damaged");
+  m.n_kv_head = static_cast<int>(arch_ints[0]), m.intermediate_size = static_cast<int>(arch_ints[1]);
+  m.tie_embeddings = arch_ints[2] != 0;
+  m.rope_theta = arch_reals[0], m.norm_eps = arch_reals[1];
+  defect = model_arch_defect(m);
+  if (!defect.empty()) throw CheckpointError(where + "attribute " + defect + "; the file is damaged");
   return s;
 }
 
@@ -486,12 +545,17 @@ uint64_t file_size_bound(const std::vector<Piece>& pieces, const std::string& co
 }  // namespace
 
 std::string model_mismatch(const std::string& path, const ModelConfig& stored, const ModelConfig& configured) {
-  auto a = model_dims(stored), b = model_dims(configured);
   std::string differences;
-  for (int i = 0; i < 5; i++)
-    if (a[i] != b[i])
-      differences += strprintf("%s%s=%lld (configured %lld)", differences.empty() ? "" : ", ", MODEL_DIMS[i],
-                               static_cast<long long>(a[i]), static_cast<long long>(b[i]));
+  auto differ = [&](const char* key, const std::string& a, const std::string& b) {
+    if (a != b) differences += (differences.empty() ? "" : ", ") + std::string(key) + "=" + a + " (configured " + b + ")";
+  };
+  differ(MODEL_ARCH, model_arch_name(stored.arch), model_arch_name(configured.arch));
+  auto a = model_dims(stored), b = model_dims(configured);
+  for (int i = 0; i < 5; i++) differ(MODEL_DIMS[i], std::to_string(a[i]), std::to_string(b[i]));
+  auto ai = model_arch_ints(stored), bi = model_arch_ints(configured);
+  for (int i = 0; i < 3; i++) differ(MODEL_ARCH_INTS[i], std::to_string(ai[i]), std::to_string(bi[i]));
+  auto ar = model_arch_reals(stored), br = model_arch_reals(configured);
+  for (int i = 0; i < 2; i++) differ(MODEL_ARCH_REALS[i], strprintf("%g", ar[i]), strprintf("%g", br[i]));
   if (differences.empty()) return "";
   return "checkpoint '" + path + "' holds another model: " + differences +
          "; set model.* to match, or use another checkpoint.dir";

@@ -29,7 +29,7 @@ namespace shardtrain {
 class Watchdog;
 
 constexpr const char* CKPT_FORMAT_NAME = "shardtrain-checkpoint";
-constexpr int64_t CKPT_FORMAT_VERSION = 1;
+constexpr int64_t CKPT_FORMAT_VERSION = 2;  // 2: the model's architecture (1: gpt2, still read)
 
 // Everything besides the tensors that resuming needs.
 struct CheckpointState {

@@ -33,6 +33,10 @@ void h5_write_attr_u64(hid_t obj, const char* name, uint64_t value, const std::s
   write_attr(obj, name, H5T_NATIVE_UINT64, &value, file);
 }
 
+void h5_write_attr_f64(hid_t obj, const char* name, double value, const std::string& file) {
+  write_attr(obj, name, H5T_NATIVE_DOUBLE, &value, file);
+}
+
 void h5_write_attr_str(hid_t obj, const char* name, const std::string& value, const std::string& file) {
   H5Id type(h5_check_id(H5Tcopy(H5T_C_S1), file, "H5Tcopy"), H5Tclose);
   h5_check(H5Tset_size(type, value.empty() ? 1 : value.size()), file, "H5Tset_size");
@@ -58,6 +62,13 @@ uint64_t h5_read_attr_u64(hid_t obj, const char* name, const std::string& file) 
   H5Id attr = open_attr(obj, name, file);
   uint64_t value = 0;
   h5_check(H5Aread(attr, H5T_NATIVE_UINT64, &value), file, name);
+  return value;
+}
+
+double h5_read_attr_f64(hid_t obj, const char* name, const std::string& file) {
+  H5Id attr = open_attr(obj, name, file);
+  double value = 0;
+  h5_check(H5Aread(attr, H5T_NATIVE_DOUBLE, &value), file, name);
   return value;
 }
 

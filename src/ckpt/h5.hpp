@@ -69,10 +69,12 @@ void h5_check(herr_t status, const std::string& file, const char* what);
 // Scalar and string attributes (collective in parallel files: every rank writes the same value).
 void h5_write_attr_i64(hid_t obj, const char* name, int64_t value, const std::string& file);
 void h5_write_attr_u64(hid_t obj, const char* name, uint64_t value, const std::string& file);
+void h5_write_attr_f64(hid_t obj, const char* name, double value, const std::string& file);
 void h5_write_attr_str(hid_t obj, const char* name, const std::string& value, const std::string& file);
 bool h5_has_attr(hid_t obj, const char* name);
 int64_t h5_read_attr_i64(hid_t obj, const char* name, const std::string& file);
 uint64_t h5_read_attr_u64(hid_t obj, const char* name, const std::string& file);
+double h5_read_attr_f64(hid_t obj, const char* name, const std::string& file);
 std::string h5_read_attr_str(hid_t obj, const char* name, const std::string& file);
 
 // Dimensions of a dataset's dataspace.

@@ -42,6 +42,9 @@ void export_llmc(const std::string& checkpoint_path, const std::string& out_path
   CheckpointReader reader(checkpoint_path);
   if (!reader.state().warning.empty()) std::fprintf(stderr, "warning: %s\n", reader.state().warning.c_str());
   const ModelConfig& m = reader.state().model;
+  if (m.arch != ARCH_GPT2)
+    throw UsageError("checkpoint '" + checkpoint_path + "' holds a " + model_arch_name(m.arch) +
+                     " model; llm.c's file format is GPT-2's: export it with --format hf");
   ParamTable table(m);
   int header[256] = {0};
   header[0] = LLMC_MAGIC, header[1] = LLMC_VERSION_FP32, header[2] = m.max_seq_len, header[3] = m.vocab_size;
@@ -72,6 +75,9 @@ void export_llmc(const std::string& checkpoint_path, const std::string& out_path
 void load_llmc_shards(const std::string& path, FsdpEngine& engine) {
   const ParamTable& table = engine.table();
   const ModelConfig& m = table.config();
+  if (m.arch != ARCH_GPT2)
+    throw UsageError("checkpoint.init_from '" + path + "' is an llm.c file, which holds GPT-2 weights, but "
+                     "model.arch=" + model_arch_name(m.arch) + "; give a Hugging Face folder instead");
   std::FILE* in = std::fopen(path.c_str(), "rb");
   if (!in) throw CheckpointError("checkpoint.init_from '" + path + "': cannot open: " + std::strerror(errno));
   struct Closer {

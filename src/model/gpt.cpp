@@ -1,4 +1,4 @@
-// GPT-2 forward/backward on explicit buffers (see gpt.hpp). Each block:
+// GPT-2 forward/backward on explicit buffers (see model.hpp, gpt.hpp). Each block:
 //   ln1 = LN(x); qkv = ln1 Wqkv^T + b; y = attn(qkv); r2 = x + y Wp^T + b;
 //   ln2 = LN(r2); h = gelu(ln2 Wfc^T + b); out = r2 + h Wfp^T + b.
 // The backward runs the same steps in reverse with one running residual gradient dresid_.
@@ -35,7 +35,7 @@ GptModel<Real>::GptModel(const ParamTable& table, int batch, int seq_len, bool a
 }
 
 template <typename Real>
-size_t GptModel<Real>::plan_activation_bytes(const ModelConfig& c, int batch, int seq_len, bool checkpointing) {
+size_t GptModel<Real>::plan_activation_elements(const ModelConfig& c, int batch, int seq_len, bool checkpointing) {
   const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, att = BT * c.n_head * seq_len;
   const size_t L = c.n_layer, layers = checkpointing ? 1 : L;
   // Per layer: ln1, qkv, att, atty, resid2, ln2, fch, fch_gelu, and four row statistics.
@@ -43,7 +43,7 @@ size_t GptModel<Real>::plan_activation_bytes(const ModelConfig& c, int batch, in
   const size_t residual = (L + 1) * BT * C;
   const size_t head = BT * C + 2 * BT + BT * c.vocab_size + BT;               // lnf + stats, probs, losses
   const size_t scratch = BT * C * 2 + BT * 3 * C + BT * 4 * C + att;          // dresid, dln, dqkv, dfch, datt
-  return (layers * per_layer + residual + head + scratch) * sizeof(Real) + 2 * BT * sizeof(int);
+  return layers * per_layer + residual + head + scratch;
 }
 
 template <typename Real>
@@ -63,7 +63,7 @@ void GptModel<Real>::block_forward(int l, const Real* w) {
                     w + t.block_offset(BLOCK_LN1_B), N, C);
   ops_.matmul_forward(a.qkv.data(), a.ln1.data(), w + t.block_offset(BLOCK_QKV_W), w + t.block_offset(BLOCK_QKV_B), N, C,
                  3 * C);
-  ops_.attention_forward(a.atty.data(), a.att.data(), a.qkv.data(), B_, T_, C, NH);
+  ops_.attention_forward(a.atty.data(), a.att.data(), a.qkv.data(), B_, T_, NH, NH, C / NH);
   // The projection output is only needed summed into the residual: reuse resid2 for it.
   ops_.matmul_forward(a.resid2.data(), a.atty.data(), w + t.block_offset(BLOCK_ATTPROJ_W),
                  w + t.block_offset(BLOCK_ATTPROJ_B), N, C, C);
@@ -122,7 +122,8 @@ void GptModel<Real>::block_backward(int l, Real* g, const Real* w) {
   // Attention: r2 = x + proj(attn(qkv(ln1(x)))); dresid_ becomes d(x).
   ops_.matmul_backward(dln_.data(), G(BLOCK_ATTPROJ_W), G(BLOCK_ATTPROJ_B), dresid_.data(), a.atty.data(),
                   W(BLOCK_ATTPROJ_W), N, C, C);
-  ops_.attention_backward(dqkv_.data(), datt_.data(), dln_.data(), a.qkv.data(), a.att.data(), B_, T_, C, NH);
+  ops_.attention_backward(dqkv_.data(), datt_.data(), dln_.data(), a.qkv.data(), a.att.data(), B_, T_, NH, NH,
+                          C / NH);
   ops_.matmul_backward(dln_.data(), G(BLOCK_QKV_W), G(BLOCK_QKV_B), dqkv_.data(), a.ln1.data(), W(BLOCK_QKV_W), N, C,
                   3 * C);
   ops_.layernorm_backward(dresid_.data(), G(BLOCK_LN1_W), G(BLOCK_LN1_B), dln_.data(), resid_[l].data(), W(BLOCK_LN1_W),
@@ -135,26 +136,7 @@ void GptModel<Real>::embed_backward(Real* g) {
                    B_, T_, cfg_.n_embd);
 }
 
-template <typename Real>
-double forward_backward_unsharded(GptModel<Real>& model, const ParamTable& table, const std::vector<const Real*>& units,
-                                  const std::vector<Real*>& unit_grads, const int* tokens, const int* targets,
-                                  Real dloss) {
-  const int L = table.config().n_layer;
-  model.embed_forward(units[ROOT_UNIT], tokens);
-  for (int l = 0; l < L; l++) model.block_forward(l, units[block_unit(l)]);
-  double loss = model.head_forward(units[ROOT_UNIT], targets);
-  model.head_backward(unit_grads[ROOT_UNIT], units[ROOT_UNIT], dloss);
-  for (int l = L - 1; l >= 0; l--) model.block_backward(l, unit_grads[block_unit(l)], units[block_unit(l)]);
-  model.embed_backward(unit_grads[ROOT_UNIT]);
-  return loss;
-}
-
 template class GptModel<float>;
 template class GptModel<double>;
-template double forward_backward_unsharded<float>(GptModel<float>&, const ParamTable&, const std::vector<const float*>&,
-                                                  const std::vector<float*>&, const int*, const int*, float);
-template double forward_backward_unsharded<double>(GptModel<double>&, const ParamTable&,
-                                                   const std::vector<const double*>&, const std::vector<double*>&,
-                                                   const int*, const int*, double);
 
 }  // namespace shardtrain

@@ -308,7 +308,7 @@ void FsdpEngine::forget_gathered() {
   current_slot_ = -1;
 }
 
-void FsdpEngine::forward_blocks(GptModel<float>& model) {
+void FsdpEngine::forward_blocks(TransformerModel<float>& model) {
   const int L = table_.config().n_layer;
   for (int l = 0; l < L; l++) {
     const float* block = gather_params(block_unit(l), false);
@@ -317,7 +317,7 @@ void FsdpEngine::forward_blocks(GptModel<float>& model) {
   }
 }
 
-double FsdpEngine::train_micro_batch(GptModel<float>& model, const int* tokens, const int* targets, float dloss) {
+double FsdpEngine::train_micro_batch(TransformerModel<float>& model, const int* tokens, const int* targets, float dloss) {
   const int L = table_.config().n_layer;
   forget_gathered();
   const float* root = gather_params(ROOT_UNIT, false);
@@ -356,7 +356,7 @@ void FsdpEngine::finish_step() {
       backend_.device->copy(shards_[u].grads.data(), device_grads_[u].data(), shards_[u].grads.bytes());
 }
 
-double FsdpEngine::eval_micro_batch(GptModel<float>& model, const int* tokens, const int* targets) {
+double FsdpEngine::eval_micro_batch(TransformerModel<float>& model, const int* tokens, const int* targets) {
   forget_gathered();
   const float* root = gather_params(ROOT_UNIT, false);
   model.embed_forward(root, tokens);

@@ -35,7 +35,7 @@
 #include "backend/dtype.hpp"
 #include "backend/layer_ops.hpp"
 #include "comm/comm.hpp"
-#include "model/gpt.hpp"
+#include "model/model.hpp"
 #include "model/param_table.hpp"
 #include "shard/memory.hpp"
 
@@ -137,11 +137,11 @@ class FsdpEngine {
 
   // Forward and backward of one micro-batch; gradients are accumulated toward the shards.
   // Returns the summed loss of this rank's tokens.
-  double train_micro_batch(GptModel<float>& model, const int* tokens, const int* targets, float dloss);
+  double train_micro_batch(TransformerModel<float>& model, const int* tokens, const int* targets, float dloss);
   // Completes the step's gradient reduction (deferred reduce-scatters, replica all-reduce).
   void finish_step();
   // Forward only (evaluation): the summed loss of this rank's tokens.
-  double eval_micro_batch(GptModel<float>& model, const int* tokens, const int* targets);
+  double eval_micro_batch(TransformerModel<float>& model, const int* tokens, const int* targets);
 
   // The full (unpadded) values of one unit, gathered on every rank: for tests.
   std::vector<float> gather_unit(int unit, bool gradients);
@@ -157,7 +157,7 @@ class FsdpEngine {
   const float* gather_params(int unit, bool for_backward);
   void prefetch_params(int unit);
   void forget_gathered();
-  void forward_blocks(GptModel<float>& model);
+  void forward_blocks(TransformerModel<float>& model);
   void start_gather(ParamSlot& slot, int unit, bool async);
   void finish_gather(ParamSlot& slot);
   float* gradient_target(int unit);

@@ -1,13 +1,14 @@
-// The model as a whole: central finite differences in double of the full GPT-2 forward/backward
-// (every parameter tensor, the tied embedding included), float against double, and the
-// parameter table against GPT-2's published sizes.
+// The models as a whole, GPT-2 and Llama (tied and untied, grouped-query): central finite
+// differences in double of the full forward/backward (every parameter tensor, the tied embedding
+// included), float against double, recomputation, the FLOP count, and the parameter tables
+// against the published sizes of real models.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <vector>
 
 #include "core/random.hpp"
-#include "model/gpt.hpp"
+#include "model/model.hpp"
 
 using namespace shardtrain;
 
@@ -22,6 +23,32 @@ ModelConfig tiny_config() {
   c.max_seq_len = 7;
   return c;
 }
+
+// Llama with 4 query heads on 2 key/value heads (head size 4), an MLP that is not 4 C, an untied
+// head, and a theta that turns every pair noticeably within a few positions.
+ModelConfig tiny_llama_config() {
+  ModelConfig c = tiny_config();
+  c.arch = ARCH_LLAMA;
+  c.n_embd = 16, c.n_head = 4, c.n_kv_head = 2, c.intermediate_size = 20;
+  c.rope_theta = 100.0, c.norm_eps = 1e-5, c.tie_embeddings = false;
+  return c;
+}
+
+// Tied, one key/value head for all query heads.
+ModelConfig tiny_llama_tied_config() {
+  ModelConfig c = tiny_llama_config();
+  c.n_kv_head = 1, c.tie_embeddings = true;
+  return c;
+}
+
+struct ArchCase {
+  const char* name;
+  ModelConfig (*config)();
+};
+const ArchCase ARCH_CASES[] = {{"gpt2", tiny_config}, {"llama", tiny_llama_config}, {"llama_tied", tiny_llama_tied_config}};
+
+class ModelArchTest : public ::testing::TestWithParam<ArchCase> {};
+std::string arch_case_name(const ::testing::TestParamInfo<ArchCase>& info) { return info.param.name; }
 
 // Parameters in double with values that keep every layer away from degenerate points:
 // weights ~ N(0, 0.3), LayerNorm gains ~ 1 +- 0.3.
@@ -49,7 +76,7 @@ Batch make_batch(int B, int T, int V) {
 }
 
 template <typename Real>
-double forward_loss(GptModel<Real>& model, const ParamTable& table, const std::vector<std::vector<Real>>& units,
+double forward_loss(TransformerModel<Real>& model, const ParamTable& table, const std::vector<std::vector<Real>>& units,
                     const Batch& batch) {
   model.embed_forward(units[ROOT_UNIT].data(), batch.tokens.data());
   for (int l = 0; l < table.config().n_layer; l++) model.block_forward(l, units[block_unit(l)].data());
@@ -57,7 +84,7 @@ double forward_loss(GptModel<Real>& model, const ParamTable& table, const std::v
 }
 
 template <typename Real>
-double loss_and_grads(GptModel<Real>& model, const ParamTable& table, std::vector<std::vector<Real>>& units,
+double loss_and_grads(TransformerModel<Real>& model, const ParamTable& table, std::vector<std::vector<Real>>& units,
                       std::vector<std::vector<Real>>& grads, const Batch& batch, Real dloss) {
   std::vector<const Real*> u;
   std::vector<Real*> g;
@@ -74,10 +101,11 @@ double loss_and_grads(GptModel<Real>& model, const ParamTable& table, std::vecto
 
 // Error model: central differences with h = 1e-5 in double have truncation error ~h^2 |L'''| ~ 1e-10
 // and rounding error ~ 1e-16 |L| / h ~ 1e-11; the thresholds leave 100x margin.
-TEST(ModelGradient, MatchesCentralFiniteDifferencesForEveryTensor) {
-  ParamTable table(tiny_config());
+TEST_P(ModelArchTest, GradientMatchesCentralFiniteDifferencesForEveryTensor) {
+  ParamTable table(GetParam().config());
   const int B = 2, T = 5;
-  GptModel<double> model(table, B, T, false, cpu_layer_ops<double>());
+  auto model_ptr = make_model<double>(table, B, T, false, cpu_layer_ops<double>());
+  TransformerModel<double>& model = *model_ptr;
   auto units = random_units<double>(table);
   std::vector<std::vector<double>> grads;
   Batch batch = make_batch(B, T, table.config().vocab_size);
@@ -103,18 +131,18 @@ TEST(ModelGradient, MatchesCentralFiniteDifferencesForEveryTensor) {
 
 // fp32 against fp64 on the same parameters: a forward of depth ~10 layers with C=12 keeps the
 // relative loss error near 1e-6; gradients within 1e-4 relative to the tensor's largest element.
-TEST(ModelPrecision, FloatAgreesWithDouble) {
-  ParamTable table(tiny_config());
+TEST_P(ModelArchTest, FloatAgreesWithDouble) {
+  ParamTable table(GetParam().config());
   const int B = 2, T = 7;
-  GptModel<double> model64(table, B, T, false, cpu_layer_ops<double>());
-  GptModel<float> model32(table, B, T, false, cpu_layer_ops<float>());
+  auto model64 = make_model<double>(table, B, T, false, cpu_layer_ops<double>());
+  auto model32 = make_model<float>(table, B, T, false, cpu_layer_ops<float>());
   auto units64 = random_units<double>(table);
   auto units32 = random_units<float>(table);
   std::vector<std::vector<double>> grads64;
   std::vector<std::vector<float>> grads32;
   Batch batch = make_batch(B, T, table.config().vocab_size);
-  double l64 = loss_and_grads(model64, table, units64, grads64, batch, 1.0 / (B * T));
-  double l32 = loss_and_grads(model32, table, units32, grads32, batch, 1.0f / (B * T));
+  double l64 = loss_and_grads(*model64, table, units64, grads64, batch, 1.0 / (B * T));
+  double l32 = loss_and_grads(*model32, table, units32, grads32, batch, 1.0f / (B * T));
   EXPECT_NEAR(l32, l64, 1e-5 * std::fabs(l64));
   for (const ParamInfo& p : table.params()) {
     double scale = 0;
@@ -152,6 +180,30 @@ TEST(ParamTable, ShippedShapesHaveTheirNominalSizes) {
   EXPECT_NEAR(count(20, 1024, 16) / 1e6, 304.0, 1.5);
 }
 
+// Hugging Face's published parameter counts: SmolLM-135M (tied) and TinyLlama-1.1B (untied).
+TEST(ParamTable, LlamaShapesHaveTheParameterCountsOfTheRealModels) {
+  ModelConfig smol;
+  smol.arch = ARCH_LLAMA, smol.n_layer = 30, smol.n_embd = 576, smol.n_head = 9, smol.n_kv_head = 3;
+  smol.intermediate_size = 1536, smol.vocab_size = 49152, smol.max_seq_len = 2048, smol.tie_embeddings = true;
+  EXPECT_EQ(ParamTable(smol).total_params(), 134515008u);
+  ModelConfig tiny = smol;
+  tiny.n_layer = 22, tiny.n_embd = 2048, tiny.n_head = 32, tiny.n_kv_head = 4, tiny.intermediate_size = 5632;
+  tiny.vocab_size = 32000, tiny.tie_embeddings = false;
+  const ParamTable table(tiny);
+  EXPECT_EQ(table.total_params(), 1100048384u);
+  // Hugging Face's names less "model.", q|k|v and gate|up adjacent in that order.
+  const auto& p = table.params();
+  EXPECT_EQ(p[table.units()[ROOT_UNIT].params[LLAMA_LM_HEAD]].name, "lm_head.weight");
+  const std::vector<int>& block = table.units()[block_unit(21)].params;
+  ASSERT_EQ(block.size(), static_cast<size_t>(LLAMA_BLOCK_PARAM_COUNT));
+  EXPECT_EQ(p[block[LLAMA_K_W]].name, "layers.21.self_attn.k_proj.weight");
+  EXPECT_EQ(p[block[LLAMA_K_W]].shape, (std::vector<int>{256, 2048}));
+  EXPECT_EQ(p[block[LLAMA_DOWN_W]].name, "layers.21.mlp.down_proj.weight");
+  EXPECT_EQ(p[block[LLAMA_K_W]].offset, p[block[LLAMA_Q_W]].offset + p[block[LLAMA_Q_W]].numel);
+  EXPECT_EQ(p[block[LLAMA_V_W]].offset, p[block[LLAMA_K_W]].offset + p[block[LLAMA_K_W]].numel);
+  EXPECT_EQ(p[block[LLAMA_UP_W]].offset, p[block[LLAMA_GATE_W]].offset + p[block[LLAMA_GATE_W]].numel);
+}
+
 namespace {
 
 // The CPU's operations, counting the multiply-adds of the forward pass in the cost model that
@@ -171,16 +223,29 @@ class CountingOps : public LayerOps<double> {
     macs_ += 2.0 * N * C;
     cpu().layernorm_forward(out, mean, rstd, inp, weight, bias, N, C);
   }
+  void rmsnorm_forward(double* out, double* rstd, const double* inp, const double* weight, double eps, int N,
+                       int C) const override {
+    macs_ += 1.0 * N * C;  // the gain only
+    cpu().rmsnorm_forward(out, rstd, inp, weight, eps, N, C);
+  }
   void matmul_forward(double* out, const double* inp, const double* weight, const double* bias, int N, int C,
                       int OC) const override {
     macs_ += static_cast<double>(N) * C * OC + (bias ? static_cast<double>(N) * OC : 0.0);
     cpu().matmul_forward(out, inp, weight, bias, N, C, OC);
   }
-  void attention_forward(double* out, double* att, const double* qkv, int B, int T, int C, int NH) const override {
-    macs_ += 2.0 * B * T * T * C;  // per head: T x T scores of head_dim, then T x head_dim outputs of T
-    cpu().attention_forward(out, att, qkv, B, T, C, NH);
+  void attention_forward(double* out, double* att, const double* qkv, int B, int T, int NH, int KV,
+                         int HS) const override {
+    macs_ += 2.0 * B * T * T * NH * HS;  // per query head: T x T scores of HS, then T x HS outputs of T
+    cpu().attention_forward(out, att, qkv, B, T, NH, KV, HS);
+  }
+  void rope_forward(double* qkv, const double* cos, const double* sin, int B, int T, int NH, int KV,
+                    int HS) const override {
+    cpu().rope_forward(qkv, cos, sin, B, T, NH, KV, HS);
   }
   void gelu_forward(double* out, const double* inp, size_t n) const override { cpu().gelu_forward(out, inp, n); }
+  void swiglu_forward(double* out, const double* gate_up, int N, int I) const override {
+    cpu().swiglu_forward(out, gate_up, N, I);
+  }
   void residual_forward(double* out, const double* a, const double* b, size_t n) const override {
     cpu().residual_forward(out, a, b, n);
   }
@@ -196,15 +261,21 @@ class CountingOps : public LayerOps<double> {
                           const double*, int, int) const override {
     unused();
   }
+  void rmsnorm_backward(double*, double*, const double*, const double*, const double*, const double*, int,
+                        int) const override {
+    unused();
+  }
   void matmul_backward(double*, double*, double*, const double*, const double*, const double*, int, int,
                        int) const override {
     unused();
   }
-  void attention_backward(double*, double*, const double*, const double*, const double*, int, int, int,
+  void attention_backward(double*, double*, const double*, const double*, const double*, int, int, int, int,
                           int) const override {
     unused();
   }
+  void rope_backward(double*, const double*, const double*, int, int, int, int, int) const override { unused(); }
   void gelu_backward(double*, const double*, const double*, size_t) const override { unused(); }
+  void swiglu_backward(double*, const double*, const double*, int, int) const override { unused(); }
   void softmax_crossentropy_backward(double*, const int*, double, int, int) const override { unused(); }
   double sum_squares(const double*, size_t) const override { return unused(), 0; }
   size_t count_nonfinite(const double*, size_t) const override { return unused(), 0; }
@@ -219,15 +290,15 @@ class CountingOps : public LayerOps<double> {
 }  // namespace
 
 // Training costs three forward passes' worth (the backward two) of two FLOPs per multiply-add.
-TEST(ParamTable, FlopsPerTokenCountsTheMultiplyAddsTheModelRuns) {
+TEST_P(ModelArchTest, FlopsPerTokenCountsTheMultiplyAddsTheModelRuns) {
   for (int seq_len : {16, 5}) {
-    ModelConfig c = tiny_config();
+    ModelConfig c = GetParam().config();
     c.max_seq_len = 16;
     ParamTable table(c);
     const int B = 2;
     CountingOps counting;
-    GptModel<double> model(table, B, seq_len, false, counting);
-    forward_loss(model, table, random_units<double>(table), make_batch(B, seq_len, c.vocab_size));
+    auto model = make_model<double>(table, B, seq_len, false, counting);
+    forward_loss(*model, table, random_units<double>(table), make_batch(B, seq_len, c.vocab_size));
     const double per_token = 2 * 3 * counting.multiply_adds() / (B * seq_len);
     EXPECT_DOUBLE_EQ(table.flops_per_token(seq_len), per_token) << "seq_len " << seq_len;
   }
@@ -235,17 +306,19 @@ TEST(ParamTable, FlopsPerTokenCountsTheMultiplyAddsTheModelRuns) {
 
 // Activation checkpointing recomputes each block's forward in backward: the same operations on
 // the same inputs, so the gradients are bit-identical, and the model holds fewer activations.
-TEST(ModelCheckpointing, RecomputationGivesIdenticalGradients) {
-  ParamTable table(tiny_config());
+TEST_P(ModelArchTest, RecomputationGivesIdenticalGradients) {
+  ParamTable table(GetParam().config());
   const int B = 2, T = 6;
-  GptModel<double> plain(table, B, T, false, cpu_layer_ops<double>());
-  GptModel<double> recomputing(table, B, T, true, cpu_layer_ops<double>());
+  auto plain = make_model<double>(table, B, T, false, cpu_layer_ops<double>());
+  auto recomputing = make_model<double>(table, B, T, true, cpu_layer_ops<double>());
   auto units = random_units<double>(table);
   std::vector<std::vector<double>> g1, g2;
   Batch batch = make_batch(B, T, table.config().vocab_size);
-  double l1 = loss_and_grads(plain, table, units, g1, batch, 1.0 / (B * T));
-  double l2 = loss_and_grads(recomputing, table, units, g2, batch, 1.0 / (B * T));
+  double l1 = loss_and_grads(*plain, table, units, g1, batch, 1.0 / (B * T));
+  double l2 = loss_and_grads(*recomputing, table, units, g2, batch, 1.0 / (B * T));
   EXPECT_EQ(l1, l2);
   EXPECT_EQ(g1, g2);
-  EXPECT_LT(recomputing.activation_bytes(), plain.activation_bytes());
+  EXPECT_LT(recomputing->activation_bytes(), plain->activation_bytes());
 }
+
+INSTANTIATE_TEST_SUITE_P(Archs, ModelArchTest, ::testing::ValuesIn(ARCH_CASES), arch_case_name);

@@ -61,12 +61,34 @@ class CpuLayerOps : public LayerOps<Real> {
                        int N, int C, int OC) const override {
     cpu::matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
   }
-  void attention_forward(Real* out, Real* att, const Real* qkv, int B, int T, int C, int NH) const override {
-    cpu::attention_forward(out, att, qkv, B, T, C, NH);
+  void attention_forward(Real* out, Real* att, const Real* qkv, int B, int T, int NH, int KV,
+                         int HS) const override {
+    cpu::attention_forward(out, att, qkv, B, T, NH, KV, HS);
   }
   void attention_backward(Real* dqkv, Real* scratch, const Real* dout, const Real* qkv, const Real* att, int B, int T,
-                          int C, int NH) const override {
-    cpu::attention_backward(dqkv, scratch, dout, qkv, att, B, T, C, NH);
+                          int NH, int KV, int HS) const override {
+    cpu::attention_backward(dqkv, scratch, dout, qkv, att, B, T, NH, KV, HS);
+  }
+  void rmsnorm_forward(Real* out, Real* rstd, const Real* inp, const Real* weight, Real eps, int N,
+                       int C) const override {
+    cpu::rmsnorm_forward(out, rstd, inp, weight, eps, N, C);
+  }
+  void rmsnorm_backward(Real* dinp, Real* dweight, const Real* dout, const Real* inp, const Real* weight,
+                        const Real* rstd, int N, int C) const override {
+    cpu::rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, N, C);
+  }
+  void rope_forward(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS) const override {
+    cpu::rope_forward(qkv, cos, sin, B, T, NH, KV, HS);
+  }
+  void rope_backward(Real* dqkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV,
+                     int HS) const override {
+    cpu::rope_backward(dqkv, cos, sin, B, T, NH, KV, HS);
+  }
+  void swiglu_forward(Real* out, const Real* gate_up, int N, int I) const override {
+    cpu::swiglu_forward(out, gate_up, N, I);
+  }
+  void swiglu_backward(Real* dgate_up, const Real* dout, const Real* gate_up, int N, int I) const override {
+    cpu::swiglu_backward(dgate_up, dout, gate_up, N, I);
   }
   void gelu_forward(Real* out, const Real* inp, size_t n) const override { cpu::gelu_forward(out, inp, n); }
   void gelu_backward(Real* dinp, const Real* dout, const Real* inp, size_t n) const override {

@@ -1,5 +1,6 @@
-// LayerNorm over the last dimension, GPT-2 style: eps 1e-5, biased variance. The forward saves
-// mean and rstd per row for the backward. Parameter gradients are column sums done in fixed
+// The norms over the last dimension. LayerNorm, GPT-2 style: eps 1e-5, biased variance; the forward
+// saves mean and rstd per row for the backward. RMSNorm, Llama style: no mean, no bias, eps given;
+// the forward saves rstd. Parameter gradients are column sums done in fixed
 // column blocks; dinp is accumulated (+=) onto the residual-stream gradient.
 #include <algorithm>
 #include <cmath>
@@ -68,6 +69,47 @@ void layernorm_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout
   }
 }
 
+template <typename Real>
+void rmsnorm_forward(Real* out, Real* rstd, const Real* inp, const Real* weight, Real eps, int N, int C) {
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; n++) {
+    const Real* x = inp + static_cast<size_t>(n) * C;
+    Real* y = out + static_cast<size_t>(n) * C;
+    Real squares = 0;
+    for (int i = 0; i < C; i++) squares += x[i] * x[i];
+    Real s = Real(1) / std::sqrt(squares / C + eps);
+    for (int i = 0; i < C; i++) y[i] = x[i] * s * weight[i];
+    rstd[n] = s;
+  }
+}
+
+template <typename Real>
+void rmsnorm_backward(Real* dinp, Real* dweight, const Real* dout, const Real* inp, const Real* weight,
+                      const Real* rstd, int N, int C) {
+  // dinp = rstd * (g - norm * mean(g * norm)), with g = dout * weight and norm = inp * rstd.
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; n++) {
+    const Real* x = inp + static_cast<size_t>(n) * C;
+    const Real* dy = dout + static_cast<size_t>(n) * C;
+    Real* dx = dinp + static_cast<size_t>(n) * C;
+    const Real s = rstd[n];
+    Real g_norm_mean = 0;
+    for (int i = 0; i < C; i++) g_norm_mean += dy[i] * weight[i] * x[i] * s;
+    g_norm_mean /= C;
+    for (int i = 0; i < C; i++) dx[i] += s * (dy[i] * weight[i] - x[i] * s * g_norm_mean);
+  }
+  int blocks = (C + COLUMN_BLOCK - 1) / COLUMN_BLOCK;
+#pragma omp parallel for schedule(static)
+  for (int blk = 0; blk < blocks; blk++) {
+    int lo = blk * COLUMN_BLOCK, hi = std::min(C, lo + COLUMN_BLOCK);
+    for (int n = 0; n < N; n++) {
+      const Real* x = inp + static_cast<size_t>(n) * C;
+      const Real* dy = dout + static_cast<size_t>(n) * C;
+      for (int i = lo; i < hi; i++) dweight[i] += x[i] * rstd[n] * dy[i];
+    }
+  }
+}
+
 template void layernorm_forward<float>(float*, float*, float*, const float*, const float*, const float*, int, int);
 template void layernorm_forward<double>(double*, double*, double*, const double*, const double*, const double*, int,
                                         int);
@@ -75,5 +117,12 @@ template void layernorm_backward<float>(float*, float*, float*, const float*, co
                                         const float*, const float*, int, int);
 template void layernorm_backward<double>(double*, double*, double*, const double*, const double*, const double*,
                                          const double*, const double*, int, int);
+
+template void rmsnorm_forward<float>(float*, float*, const float*, const float*, float, int, int);
+template void rmsnorm_forward<double>(double*, double*, const double*, const double*, double, int, int);
+template void rmsnorm_backward<float>(float*, float*, const float*, const float*, const float*, const float*, int,
+                                      int);
+template void rmsnorm_backward<double>(double*, double*, const double*, const double*, const double*, const double*,
+                                       int, int);
 
 }  // namespace shardtrain::cpu

@@ -1,8 +1,8 @@
-// The GPT-2 layer math on the CPU: OpenBLAS GEMMs plus OpenMP loops, templated on the element
+// The transformer layer math on the CPU (GPT-2's and Llama's): OpenBLAS GEMMs plus OpenMP loops, templated on the element
 // type and instantiated for float (training) and double (finite-difference gradient checks).
 //
-// Shapes follow llm.c: B batch, T time, C channels, OC output channels, NH heads, V vocabulary,
-// N = B*T rows. Linear weights are (OC, C) row-major, out = inp @ weight^T + bias.
+// Shapes follow llm.c: B batch, T time, C channels, OC output channels, NH query heads, KV
+// key/value heads, HS head size, I MLP width, V vocabulary, N = B*T rows. Linear weights are (OC, C) row-major, out = inp @ weight^T + bias.
 // Argument order: <op>_forward(outputs..., saved..., inputs..., params..., dims) and
 // <op>_backward(d_inputs..., d_params..., d_out, inputs..., params..., saved..., dims).
 // Accumulation rule: parameter gradients are ACCUMULATED (+=), so one buffer can collect the
@@ -15,10 +15,10 @@
 
 namespace shardtrain::cpu {
 
-// out(B,T,C) = wte[tokens[b,t]] + wpe[t]
+// out(B,T,C) = wte[tokens[b,t]] + wpe[t]; wpe may be null (no position table: llama).
 template <typename Real>
 void encoder_forward(Real* out, const int* tokens, const Real* wte, const Real* wpe, int B, int T, int C);
-// dwte(V,C) += scatter of dout by token; dwpe(maxT,C) += dout summed over batch.
+// dwte(V,C) += scatter of dout by token; dwpe(maxT,C) += dout summed over batch (skipped if null).
 template <typename Real>
 void encoder_backward(Real* dwte, Real* dwpe, const Real* dout, const int* tokens, int B, int T, int C);
 
@@ -31,6 +31,14 @@ template <typename Real>
 void layernorm_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout, const Real* inp,
                         const Real* weight, const Real* mean, const Real* rstd, int N, int C);
 
+// RMSNorm (Llama): out(N,C) = inp * rstd * weight, rstd = 1 / sqrt(mean(inp^2) + eps); saves rstd(N).
+template <typename Real>
+void rmsnorm_forward(Real* out, Real* rstd, const Real* inp, const Real* weight, Real eps, int N, int C);
+// dinp(N,C) +=, dweight(C) +=.
+template <typename Real>
+void rmsnorm_backward(Real* dinp, Real* dweight, const Real* dout, const Real* inp, const Real* weight,
+                      const Real* rstd, int N, int C);
+
 // out(N,OC) = inp(N,C) @ weight(OC,C)^T + bias(OC); bias may be null.
 template <typename Real>
 void matmul_forward(Real* out, const Real* inp, const Real* weight, const Real* bias, int N, int C, int OC);
@@ -40,14 +48,33 @@ template <typename Real>
 void matmul_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout, const Real* inp,
                      const Real* weight, int N, int C, int OC);
 
-// Causal self-attention. qkv(B,T,3C) holds q|k|v, each (NH heads x C/NH); out(B,T,C);
-// att(B,NH,T,T) saves the softmax probabilities (zero above the diagonal). Scale 1/sqrt(C/NH).
+// Causal self-attention with grouped-query heads. Each row of qkv(B,T,(NH+2KV)*HS) holds q (NH
+// heads) | k (KV heads) | v (KV heads) of HS each; query head h reads key/value head h / (NH/KV)
+// (KV = NH: plain multi-head attention, GPT-2's 3C rows). out(B,T,NH*HS); att(B,NH,T,T) saves
+// the softmax probabilities (zero above the diagonal). Scale 1/sqrt(HS).
 template <typename Real>
-void attention_forward(Real* out, Real* att, const Real* qkv, int B, int T, int C, int NH);
-// dqkv(B,T,3C) = gradient w.r.t. qkv. scratch: (B,NH,T,T) elements of workspace.
+void attention_forward(Real* out, Real* att, const Real* qkv, int B, int T, int NH, int KV, int HS);
+// dqkv(B,T,(NH+2KV)*HS) = gradient w.r.t. qkv. scratch: (B,NH,T,T) elements of workspace.
 template <typename Real>
 void attention_backward(Real* dqkv, Real* scratch, const Real* dout, const Real* qkv, const Real* att, int B,
-                        int T, int C, int NH);
+                        int T, int NH, int KV, int HS);
+
+// Rotary position embedding in place on the q and k heads of qkv (layout as attention; v is
+// untouched), Hugging Face's "rotate_half" form: in each head vector, element i < HS/2 pairs with
+// i + HS/2 and the pair at position t turns by the angle with cos[t][i], sin[t][i] (tables (T, HS/2)):
+//   x[i] <- x[i] cos - x[i + HS/2] sin,  x[i + HS/2] <- x[i + HS/2] cos + x[i] sin.
+template <typename Real>
+void rope_forward(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS);
+// In place on dqkv: the inverse turn (the rotation's transpose), giving the gradient before rope.
+template <typename Real>
+void rope_backward(Real* dqkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS);
+
+// SwiGLU: out(N,I) = silu(gate) * up, where each row of gate_up(N,2I) holds gate (I) | up (I).
+template <typename Real>
+void swiglu_forward(Real* out, const Real* gate_up, int N, int I);
+// dgate_up(N,2I) = gradient w.r.t. gate_up (written).
+template <typename Real>
+void swiglu_backward(Real* dgate_up, const Real* dout, const Real* gate_up, int N, int I);
 
 // out = gelu(inp), n elements (tanh approximation, backend/math.hpp).
 template <typename Real>

@@ -1,4 +1,4 @@
-// The memory-bound layers: token+position embedding, GELU, residual add, and the fused softmax
+// The memory-bound layers: token(+position) embedding, GELU, SwiGLU, residual add, and the fused softmax
 // cross-entropy over the vocabulary. Scatter-adds into embedding gradients run over fixed column
 // blocks so that each element is summed in token order, whatever the thread count.
 #include <algorithm>
@@ -15,8 +15,12 @@ void encoder_forward(Real* out, const int* tokens, const Real* wte, const Real* 
 #pragma omp parallel for schedule(static)
   for (int bt = 0; bt < B * T; bt++) {
     const Real* e = wte + static_cast<size_t>(tokens[bt]) * C;
-    const Real* p = wpe + static_cast<size_t>(bt % T) * C;
     Real* o = out + static_cast<size_t>(bt) * C;
+    if (!wpe) {
+      for (int i = 0; i < C; i++) o[i] = e[i];
+      continue;
+    }
+    const Real* p = wpe + static_cast<size_t>(bt % T) * C;
     for (int i = 0; i < C; i++) o[i] = e[i] + p[i];
   }
 }
@@ -30,11 +34,10 @@ void encoder_backward(Real* dwte, Real* dwpe, const Real* dout, const int* token
     for (int bt = 0; bt < B * T; bt++) {
       const Real* d = dout + static_cast<size_t>(bt) * C;
       Real* e = dwte + static_cast<size_t>(tokens[bt]) * C;
+      for (int i = lo; i < hi; i++) e[i] += d[i];
+      if (!dwpe) continue;
       Real* p = dwpe + static_cast<size_t>(bt % T) * C;
-      for (int i = lo; i < hi; i++) {
-        e[i] += d[i];
-        p[i] += d[i];
-      }
+      for (int i = lo; i < hi; i++) p[i] += d[i];
     }
   }
 }
@@ -49,6 +52,35 @@ template <typename Real>
 void gelu_backward(Real* dinp, const Real* dout, const Real* inp, size_t n) {
 #pragma omp parallel for simd schedule(static)
   for (size_t i = 0; i < n; i++) dinp[i] = dout[i] * gelu_derivative(inp[i]);
+}
+
+template <typename Real>
+void swiglu_forward(Real* out, const Real* gate_up, int N, int I) {
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; n++) {
+    const Real* g = gate_up + static_cast<size_t>(n) * 2 * I;
+    const Real* u = g + I;
+    Real* o = out + static_cast<size_t>(n) * I;
+#pragma omp simd
+    for (int i = 0; i < I; i++) o[i] = silu_value(g[i]) * u[i];
+  }
+}
+
+template <typename Real>
+void swiglu_backward(Real* dgate_up, const Real* dout, const Real* gate_up, int N, int I) {
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; n++) {
+    const Real* g = gate_up + static_cast<size_t>(n) * 2 * I;
+    const Real* u = g + I;
+    const Real* dy = dout + static_cast<size_t>(n) * I;
+    Real* dg = dgate_up + static_cast<size_t>(n) * 2 * I;
+    Real* du = dg + I;
+#pragma omp simd
+    for (int i = 0; i < I; i++) {
+      dg[i] = dy[i] * u[i] * silu_derivative(g[i]);
+      du[i] = dy[i] * silu_value(g[i]);
+    }
+  }
 }
 
 template <typename Real>
@@ -95,6 +127,8 @@ void softmax_crossentropy_backward(Real* probs_to_dlogits, const int* targets, R
   template void encoder_backward<Real>(Real*, Real*, const Real*, const int*, int, int, int);               \
   template void gelu_forward<Real>(Real*, const Real*, size_t);                                             \
   template void gelu_backward<Real>(Real*, const Real*, const Real*, size_t);                               \
+  template void swiglu_forward<Real>(Real*, const Real*, int, int);                                         \
+  template void swiglu_backward<Real>(Real*, const Real*, const Real*, int, int);                           \
   template void residual_forward<Real>(Real*, const Real*, const Real*, size_t);                            \
   template void softmax_crossentropy_forward<Real>(Real*, Real*, const int*, int, int);                     \
   template void softmax_crossentropy_backward<Real>(Real*, const int*, Real, int, int);

@@ -1,0 +1,156 @@
+// Llama forward/backward on explicit buffers (see model.hpp, llama.hpp). Each block:
+//   n1 = rms(x) w1; q|k|v = n1 Wqkv^T; rope(q, k); y = attn(q, k, v); r2 = x + y Wo^T;
+//   n2 = rms(r2) w2; g|u = n2 Wgu^T; out = r2 + (silu(g) * u) Wdown^T.
+// The backward runs the same steps in reverse with one running residual gradient dresid_.
+#include "model/llama.hpp"
+
+#include <cmath>
+
+#include "core/error.hpp"
+
+namespace shardtrain {
+
+template <typename Real>
+LlamaModel<Real>::LlamaModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
+                             const LayerOps<Real>& ops)
+    : table_(table), ops_(ops), cfg_(table.config()), B_(batch), T_(seq_len), checkpointing_(activation_checkpointing) {
+  SHARD_CHECK(cfg_.arch == ARCH_LLAMA, "LlamaModel of a %s table", model_arch_name(cfg_.arch));
+  SHARD_CHECK(seq_len <= cfg_.max_seq_len, "seq_len %d > max_seq_len %d", seq_len, cfg_.max_seq_len);
+  SHARD_CHECK(cfg_.head_size() % 2 == 0, "rotary embeddings need an even head size, not %d", cfg_.head_size());
+  const size_t BT = static_cast<size_t>(B_) * T_, C = cfg_.n_embd, NH = cfg_.n_head, I = cfg_.mlp_size();
+  const size_t QKV = cfg_.qkv_size(), L = cfg_.n_layer, half = cfg_.head_size() / 2;
+  Device& dev = ops.device();
+  auto array = [&](size_t n) { return Array(dev, n); };
+  tokens_ = DeviceArray<int>(dev, BT);
+  targets_ = DeviceArray<int>(dev, BT);
+  // Hugging Face's tables: inv_freq[i] = theta^(-2i/d) and the angle t * inv_freq[i], both rounded
+  // to fp32 as its rotary embedding computes them; cos and sin of that angle.
+  std::vector<Real> cos(T_ * half), sin(T_ * half);
+  for (int t = 0; t < T_; t++)
+    for (size_t i = 0; i < half; i++) {
+      const float inv_freq = static_cast<float>(std::pow(cfg_.rope_theta, -2.0 * i / cfg_.head_size()));
+      const double angle = static_cast<float>(t) * inv_freq;
+      cos[t * half + i] = static_cast<Real>(std::cos(angle)), sin[t * half + i] = static_cast<Real>(std::sin(angle));
+    }
+  rope_cos_ = array(cos.size()), rope_sin_ = array(sin.size());
+  dev.copy(rope_cos_.data(), cos.data(), rope_cos_.bytes());
+  dev.copy(rope_sin_.data(), sin.data(), rope_sin_.bytes());
+  for (size_t l = 0; l <= L; l++) resid_.push_back(array(BT * C));
+  layers_.resize(checkpointing_ ? 1 : L);
+  for (Layer& a : layers_) {
+    a.ln1 = array(BT * C), a.ln1_rstd = array(BT), a.qkv = array(BT * QKV), a.att = array(B_ * NH * T_ * T_);
+    a.atty = array(BT * C), a.resid2 = array(BT * C), a.ln2 = array(BT * C), a.ln2_rstd = array(BT);
+    a.gate_up = array(BT * 2 * I), a.act = array(BT * I);
+  }
+  lnf_ = array(BT * C), lnf_rstd_ = array(BT);
+  probs_ = array(BT * cfg_.vocab_size), losses_ = array(BT);
+  dresid_ = array(BT * C), dln_ = array(BT * C), dqkv_ = array(BT * QKV), dgate_up_ = array(BT * 2 * I);
+  dact_ = array(BT * I), datt_ = array(B_ * NH * T_ * T_);
+}
+
+template <typename Real>
+size_t LlamaModel<Real>::plan_activation_elements(const ModelConfig& c, int batch, int seq_len, bool checkpointing) {
+  const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, att = BT * c.n_head * seq_len;
+  const size_t QKV = c.qkv_size(), I = c.mlp_size(), L = c.n_layer, layers = checkpointing ? 1 : L;
+  const size_t rope = 2 * static_cast<size_t>(seq_len) * (c.head_size() / 2);
+  // Per layer: ln1, qkv, att, atty, resid2, ln2, gate_up, act, and two row statistics.
+  const size_t per_layer = BT * C * 4 + BT * QKV + att + BT * 2 * I + BT * I + 2 * BT;
+  const size_t residual = (L + 1) * BT * C;
+  const size_t head = BT * C + BT + BT * c.vocab_size + BT;         // lnf + rstd, probs, losses
+  const size_t scratch = BT * C * 2 + BT * QKV + BT * 3 * I + att;  // dresid, dln, dqkv, dgate_up, dact, datt
+  return rope + layers * per_layer + residual + head + scratch;
+}
+
+template <typename Real>
+size_t LlamaModel<Real>::head_offset() const {
+  return table_.root_offset(cfg_.tie_embeddings ? LLAMA_EMBED : LLAMA_LM_HEAD);
+}
+
+template <typename Real>
+void LlamaModel<Real>::embed_forward(const Real* root, const int* tokens) {
+  ops_.device().copy(tokens_.data(), tokens, tokens_.bytes());
+  ops_.encoder_forward(resid_[0].data(), tokens_.data(), root + table_.root_offset(LLAMA_EMBED), nullptr, B_, T_,
+                       cfg_.n_embd);
+}
+
+template <typename Real>
+void LlamaModel<Real>::block_forward(int l, const Real* w) {
+  const int N = B_ * T_, C = cfg_.n_embd, NH = cfg_.n_head, KV = cfg_.kv_heads(), HS = cfg_.head_size();
+  const int I = cfg_.mlp_size();
+  const Real eps = static_cast<Real>(cfg_.norm_eps);
+  auto W = [&](LlamaBlockParam p) { return w + table_.block_offset(p); };
+  Layer& a = layer(l);
+  const Real* x = resid_[l].data();
+  ops_.rmsnorm_forward(a.ln1.data(), a.ln1_rstd.data(), x, W(LLAMA_ATTN_NORM_W), eps, N, C);
+  ops_.matmul_forward(a.qkv.data(), a.ln1.data(), W(LLAMA_Q_W), nullptr, N, C, cfg_.qkv_size());  // q|k|v fused
+  ops_.rope_forward(a.qkv.data(), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS);
+  ops_.attention_forward(a.atty.data(), a.att.data(), a.qkv.data(), B_, T_, NH, KV, HS);
+  // The projection output is only needed summed into the residual: reuse resid2 for it.
+  ops_.matmul_forward(a.resid2.data(), a.atty.data(), W(LLAMA_O_W), nullptr, N, C, C);
+  ops_.residual_forward(a.resid2.data(), a.resid2.data(), x, a.resid2.size());
+  ops_.rmsnorm_forward(a.ln2.data(), a.ln2_rstd.data(), a.resid2.data(), W(LLAMA_MLP_NORM_W), eps, N, C);
+  ops_.matmul_forward(a.gate_up.data(), a.ln2.data(), W(LLAMA_GATE_W), nullptr, N, C, 2 * I);  // gate|up fused
+  ops_.swiglu_forward(a.act.data(), a.gate_up.data(), N, I);
+  Real* out = resid_[l + 1].data();
+  ops_.matmul_forward(out, a.act.data(), W(LLAMA_DOWN_W), nullptr, N, I, C);
+  ops_.residual_forward(out, out, a.resid2.data(), resid_[l + 1].size());
+}
+
+template <typename Real>
+double LlamaModel<Real>::head_forward(const Real* root, const int* targets) {
+  const int N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size;
+  ops_.device().copy(targets_.data(), targets, targets_.bytes());
+  ops_.rmsnorm_forward(lnf_.data(), lnf_rstd_.data(), resid_[cfg_.n_layer].data(), root + table_.root_offset(LLAMA_NORM_W),
+                       static_cast<Real>(cfg_.norm_eps), N, C);
+  ops_.matmul_forward(probs_.data(), lnf_.data(), root + head_offset(), nullptr, N, C, V);
+  ops_.softmax_crossentropy_forward(losses_.data(), probs_.data(), targets_.data(), N, V);
+  return ops_.sum(losses_.data(), losses_.size());
+}
+
+template <typename Real>
+void LlamaModel<Real>::head_backward(Real* g, const Real* root, Real dloss) {
+  const int N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size;
+  ops_.softmax_crossentropy_backward(probs_.data(), targets_.data(), dloss, N, V);
+  ops_.matmul_backward(dln_.data(), g + head_offset(), nullptr, probs_.data(), lnf_.data(), root + head_offset(), N, C,
+                       V);
+  dresid_.zero();
+  const size_t norm = table_.root_offset(LLAMA_NORM_W);
+  ops_.rmsnorm_backward(dresid_.data(), g + norm, dln_.data(), resid_[cfg_.n_layer].data(), root + norm,
+                        lnf_rstd_.data(), N, C);
+}
+
+template <typename Real>
+void LlamaModel<Real>::block_backward(int l, Real* g, const Real* w) {
+  const int N = B_ * T_, C = cfg_.n_embd, NH = cfg_.n_head, KV = cfg_.kv_heads(), HS = cfg_.head_size();
+  const int I = cfg_.mlp_size();
+  if (checkpointing_) block_forward(l, w);  // recompute this block's activations from its saved input
+  Layer& a = layer(l);
+  auto W = [&](LlamaBlockParam p) { return w + table_.block_offset(p); };
+  auto G = [&](LlamaBlockParam p) { return g + table_.block_offset(p); };
+  // MLP: out = r2 + down(swiglu(gate_up(norm2(r2)))); dresid_ holds d(out) and becomes d(r2).
+  ops_.matmul_backward(dact_.data(), G(LLAMA_DOWN_W), nullptr, dresid_.data(), a.act.data(), W(LLAMA_DOWN_W), N, I, C);
+  ops_.swiglu_backward(dgate_up_.data(), dact_.data(), a.gate_up.data(), N, I);
+  ops_.matmul_backward(dln_.data(), G(LLAMA_GATE_W), nullptr, dgate_up_.data(), a.ln2.data(), W(LLAMA_GATE_W), N, C,
+                       2 * I);
+  ops_.rmsnorm_backward(dresid_.data(), G(LLAMA_MLP_NORM_W), dln_.data(), a.resid2.data(), W(LLAMA_MLP_NORM_W),
+                        a.ln2_rstd.data(), N, C);
+  // Attention: r2 = x + o(attn(rope(qkv(norm1(x))))); dresid_ becomes d(x).
+  ops_.matmul_backward(dln_.data(), G(LLAMA_O_W), nullptr, dresid_.data(), a.atty.data(), W(LLAMA_O_W), N, C, C);
+  ops_.attention_backward(dqkv_.data(), datt_.data(), dln_.data(), a.qkv.data(), a.att.data(), B_, T_, NH, KV, HS);
+  ops_.rope_backward(dqkv_.data(), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS);
+  ops_.matmul_backward(dln_.data(), G(LLAMA_Q_W), nullptr, dqkv_.data(), a.ln1.data(), W(LLAMA_Q_W), N, C,
+                       cfg_.qkv_size());
+  ops_.rmsnorm_backward(dresid_.data(), G(LLAMA_ATTN_NORM_W), dln_.data(), resid_[l].data(), W(LLAMA_ATTN_NORM_W),
+                        a.ln1_rstd.data(), N, C);
+}
+
+template <typename Real>
+void LlamaModel<Real>::embed_backward(Real* g) {
+  ops_.encoder_backward(g + table_.root_offset(LLAMA_EMBED), nullptr, dresid_.data(), tokens_.data(), B_, T_,
+                        cfg_.n_embd);
+}
+
+template class LlamaModel<float>;
+template class LlamaModel<double>;
+
+}  // namespace shardtrain

@@ -1,0 +1,59 @@
+// Llama (model/model.hpp's interface), as Hugging Face's LlamaForCausalLM computes it: RMSNorm
+// before attention and MLP and at the end, rotary positions on q and k ("rotate_half" layout),
+// grouped-query attention, the SwiGLU MLP down(silu(gate(x)) * up(x)), no biases, and an LM head
+// tied to the token embedding or its own matrix. The q|k|v and gate|up weights lie adjacent in the
+// block unit (model/param_table.hpp), so each group is one GEMM.
+#pragma once
+
+#include <vector>
+
+#include "model/model.hpp"
+
+namespace shardtrain {
+
+template <typename Real>
+class LlamaModel : public TransformerModel<Real> {
+ public:
+  LlamaModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
+             const LayerOps<Real>& ops);
+
+  // Elements of activations, backward scratch and rope tables, tokens and targets aside.
+  static size_t plan_activation_elements(const ModelConfig& config, int batch, int seq_len,
+                                         bool activation_checkpointing);
+
+  int batch() const override { return B_; }
+  int seq_len() const override { return T_; }
+  size_t activation_bytes() const override {
+    return plan_activation_bytes(cfg_, B_, T_, checkpointing_, sizeof(Real));
+  }
+
+  void embed_forward(const Real* root, const int* tokens) override;
+  void block_forward(int layer, const Real* block) override;
+  double head_forward(const Real* root, const int* targets) override;
+  void head_backward(Real* root_grad, const Real* root, Real dloss) override;
+  void block_backward(int layer, Real* block_grad, const Real* block) override;
+  void embed_backward(Real* root_grad) override;
+
+ private:
+  using Array = DeviceArray<Real>;
+  struct Layer {
+    Array ln1, ln1_rstd, qkv, att, atty, resid2, ln2, ln2_rstd, gate_up, act;
+  };
+  Layer& layer(int l) { return layers_[checkpointing_ ? 0 : l]; }
+  size_t head_offset() const;  // the LM head's weight in the root unit: lm_head, or the tied embedding
+
+  const ParamTable& table_;
+  const LayerOps<Real>& ops_;
+  ModelConfig cfg_;
+  int B_, T_;
+  bool checkpointing_;
+  DeviceArray<int> tokens_, targets_;
+  Array rope_cos_, rope_sin_;  // (T, head_size / 2)
+  std::vector<Array> resid_;   // resid_[l]: input of block l; resid_[L]: output of the last
+  std::vector<Layer> layers_;  // one per block, or a single shared one when checkpointing
+  Array lnf_, lnf_rstd_, probs_, losses_;
+  // Backward scratch, shared by all layers.
+  Array dresid_, dln_, dqkv_, dgate_up_, dact_, datt_;
+};
+
+}  // namespace shardtrain

@@ -1,0 +1,51 @@
+// The architecture dispatch of model/model.hpp, and the unsharded forward/backward.
+#include "model/model.hpp"
+
+#include "model/gpt.hpp"
+#include "model/llama.hpp"
+
+namespace shardtrain {
+
+template <typename Real>
+std::unique_ptr<TransformerModel<Real>> make_model(const ParamTable& table, int batch, int seq_len,
+                                                   bool activation_checkpointing, const LayerOps<Real>& ops) {
+  if (table.config().arch == ARCH_LLAMA)
+    return std::make_unique<LlamaModel<Real>>(table, batch, seq_len, activation_checkpointing, ops);
+  return std::make_unique<GptModel<Real>>(table, batch, seq_len, activation_checkpointing, ops);
+}
+
+size_t plan_activation_bytes(const ModelConfig& config, int batch, int seq_len, bool activation_checkpointing,
+                             size_t real_bytes) {
+  const size_t elements =
+      config.arch == ARCH_LLAMA
+          ? LlamaModel<float>::plan_activation_elements(config, batch, seq_len, activation_checkpointing)
+          : GptModel<float>::plan_activation_elements(config, batch, seq_len, activation_checkpointing);
+  return elements * real_bytes + 2 * static_cast<size_t>(batch) * seq_len * sizeof(int);  // + tokens, targets
+}
+
+template <typename Real>
+double forward_backward_unsharded(TransformerModel<Real>& model, const ParamTable& table,
+                                  const std::vector<const Real*>& units, const std::vector<Real*>& unit_grads,
+                                  const int* tokens, const int* targets, Real dloss) {
+  const int L = table.config().n_layer;
+  model.embed_forward(units[ROOT_UNIT], tokens);
+  for (int l = 0; l < L; l++) model.block_forward(l, units[block_unit(l)]);
+  double loss = model.head_forward(units[ROOT_UNIT], targets);
+  model.head_backward(unit_grads[ROOT_UNIT], units[ROOT_UNIT], dloss);
+  for (int l = L - 1; l >= 0; l--) model.block_backward(l, unit_grads[block_unit(l)], units[block_unit(l)]);
+  model.embed_backward(unit_grads[ROOT_UNIT]);
+  return loss;
+}
+
+template std::unique_ptr<TransformerModel<float>> make_model<float>(const ParamTable&, int, int, bool,
+                                                                    const LayerOps<float>&);
+template std::unique_ptr<TransformerModel<double>> make_model<double>(const ParamTable&, int, int, bool,
+                                                                      const LayerOps<double>&);
+template double forward_backward_unsharded<float>(TransformerModel<float>&, const ParamTable&,
+                                                  const std::vector<const float*>&, const std::vector<float*>&,
+                                                  const int*, const int*, float);
+template double forward_backward_unsharded<double>(TransformerModel<double>&, const ParamTable&,
+                                                   const std::vector<const double*>&, const std::vector<double*>&,
+                                                   const int*, const int*, double);
+
+}  // namespace shardtrain
