@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""`make bench`: the layer benchmarks (Google Benchmark), training throughput and checkpoint I/O.
+"""`make bench`: the layer benchmarks (Google Benchmark), training throughput, checkpoint I/O, architectures.
 
 Training throughput: gpt2-124M at train.seq_len=64, micro_batch 4, global_batch 16, on
 1 rank x 2 threads and on 2 ranks x 1 thread (--bind-to none), STEPS steps each; the first step
@@ -7,6 +7,8 @@ Training throughput: gpt2-124M at train.seq_len=64, micro_batch 4, global_batch 
 trainer's own: model FLOP/s (6*(non-embedding params + V*C) + 12*L*T*C per token) divided by the
 FLOP/s of a 2048^3 OpenBLAS SGEMM that every rank measures at the same moment at start-up (so
 for 2 ranks, SGEMM runs on both at once). The machine's OpenBLAS environment is left as it is.
+
+Architectures (--only arch): gpt2-124M beside llama-135M at T = 64 and T = 1024 (see arch_section).
 
 Checkpoint I/O (build/ckpt_bench, see tests/bench/ckpt_bench.cpp): a gpt2-124M checkpoint (params,
 exp_avg, exp_avg_sq: 3 x 124.4M fp32 = 1493 MB of tensor data) saved and loaded on 1, 2 and 4 ranks
@@ -35,13 +37,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))
 
 
-def train_run(build, ranks, threads, steps):
+def train_run(build, ranks, threads, steps, config="gpt2-124M.ini", seq_len=64, micro_batch=4, global_batch=16):
     from harness import ensure_data, mpirun_command
     train, _ = ensure_data()
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
-        args = [os.path.join(build, "shardtrain"), "train", "--config", os.path.join(ROOT, "inputs", "gpt2-124M.ini"),
-                "--train.seq_len=64", "--checkpoint.save=false", "--checkpoint.resume=none", "--train.micro_batch=4", "--train.global_batch=16", f"--train.steps={steps}",
+        args = [os.path.join(build, "shardtrain"), "train", "--config", os.path.join(ROOT, "inputs", config),
+                f"--train.seq_len={seq_len}", "--checkpoint.save=false", "--checkpoint.resume=none",
+                f"--train.micro_batch={micro_batch}", f"--train.global_batch={global_batch}", f"--train.steps={steps}",
                 f"--train.threads={threads}", f"--data.train_file={train}", "--data.val_file=",
                 f"--train.metrics_file={metrics}"]
         proc = subprocess.run(mpirun_command(ranks, args, timeout=1200), cwd=ROOT, capture_output=True, text=True)
@@ -139,7 +142,8 @@ def main():
     parser.add_argument("--ckpt-repeats", type=int, default=3)
     parser.add_argument("--ckpt-profile", action="store_true",
                         help="also time the checksums and the same bytes through MPI-IO alone")
-    parser.add_argument("--only", choices=("layers", "train", "ckpt"), help="run one section only")
+    parser.add_argument("--only", choices=("layers", "train", "ckpt", "arch"), help="run one section only")
+    parser.add_argument("--arch-rounds", type=int, default=2)
     parser.add_argument("--skip-layers", action="store_true")
     args = parser.parse_args()
     build = os.path.abspath(os.path.join(ROOT, args.build))
@@ -147,7 +151,7 @@ def main():
     if os.geteuid() == 0:
         os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    sections = [args.only] if args.only else ["train", "ckpt"] if args.skip_layers else ["layers", "train", "ckpt"]
+    sections = [args.only] if args.only else ["train", "ckpt", "arch"] if args.skip_layers else ["layers", "train", "ckpt", "arch"]
     if "layers" in sections:
         print("== layer benchmarks (Google Benchmark, OMP_NUM_THREADS=2)", flush=True)
         env = dict(os.environ, OMP_NUM_THREADS="2")
@@ -157,6 +161,8 @@ def main():
         train_section(build, args.steps)
     if "ckpt" in sections:
         ckpt_section(build, args.ckpt_repeats, args.ckpt_profile)
+    if "arch" in sections:
+        arch_section(build, args.steps, args.arch_rounds)
 
 
 def train_section(build, steps):
@@ -173,6 +179,37 @@ def train_section(build, steps):
               f"MFU min {mfu[0]:.3f} median {mfu[1]:.3f} max {mfu[2]:.3f}", flush=True)
     ratio = results[(2, 1)][1] / results[(1, 2)][1]
     print(f"scaling: 2 ranks x 1 thread / 1 rank x 2 threads, median tokens/s: {ratio:.3f}")
+
+# (seq_len, micro_batch, global_batch): about 1k tokens per micro-batch at T = 64, one sequence at T = 1024.
+ARCH_SHAPES = ((64, 4, 16), (1024, 1, 1))
+ARCH_CONFIGS = ("gpt2-124M.ini", "llama-135M.ini")
+
+
+def arch_section(build, steps, rounds):
+    """gpt2-124M beside llama-135M (SmolLM-135M's shape) on 1 rank x 2 threads, interleaved: each round
+    runs both models at each sequence length, so the two see the same machine load."""
+    print(f"\n== architectures: {', '.join(ARCH_CONFIGS)}, 1 rank x 2 threads, {rounds} rounds of {steps} steps "
+          "(first step of each run dropped)", flush=True)
+    rows = {}
+    for _ in range(rounds):
+        for seq_len, micro, global_batch in ARCH_SHAPES:
+            for config in ARCH_CONFIGS:
+                run_rows, peak, _ = train_run(build, 1, 2, steps, config, seq_len, micro, global_batch)
+                rows.setdefault((config, seq_len), []).extend((r, peak) for r in run_rows)
+    for seq_len, _, _ in ARCH_SHAPES:
+        medians = {}
+        for config in ARCH_CONFIGS:
+            data = rows[(config, seq_len)]
+            tps = summarize([r["tokens_per_s"] for r, _ in data])
+            mfu = summarize([r["mfu"] for r, _ in data])
+            peaks = summarize([p for _, p in data])
+            medians[config] = mfu[1]
+            print(f"T={seq_len:5d} {config:16s} | SGEMM peak median {peaks[1]:.1f} GFLOP/s | tokens/s min {tps[0]:.1f} "
+                  f"median {tps[1]:.1f} max {tps[2]:.1f} | MFU min {mfu[0]:.3f} median {mfu[1]:.3f} max {mfu[2]:.3f}",
+                  flush=True)
+        print(f"T={seq_len:5d} MFU llama / gpt2 (medians): {medians[ARCH_CONFIGS[1]] / medians[ARCH_CONFIGS[0]]:.3f}",
+              flush=True)
+
 
 if __name__ == "__main__":
     main()
