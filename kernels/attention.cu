@@ -1,19 +1,31 @@
-// Causal multi-head self-attention on the GPU with the CPU's saved-state interface
-// (backend/cpu/attention.cpp): qkv(B,T,3C) holds q|k|v, each NH heads of hs = C/NH; out(B,T,C);
-// att(B,NH,T,T) keeps the softmax probabilities, zero above the diagonal; scale 1/sqrt(hs).
+// Causal self-attention with grouped-query heads on the GPU, with the CPU's saved-state interface
+// (backend/cpu/attention.cpp), and the rotary embedding applied to its q and k. Each row of
+// qkv(B,T,(NH+2KV)*HS) holds q (NH heads) | k (KV heads) | v (KV heads) of HS each; query head h
+// reads key/value head h / G, G = NH/KV (KV = NH: GPT-2's multi-head attention). out(B,T,NH*HS);
+// att(B,NH,T,T) keeps the softmax probabilities, zero above the diagonal; scale 1/sqrt(HS).
 //
-// Forward: split qkv into head-major q, k, v (B,NH,T,hs) (one permute kernel); att = scale q k^T
-// as one strided-batched cuBLASLt GEMM over the B*NH heads (the full T x T, like the CPU); the
-// causal softmax in place, one warp per row; y = att v (batched GEMM); merge y's heads into
-// out(B,T,C).
+// The G query heads of one key/value head are consecutive, so in head-major layout their q (and
+// their rows of att, dy, dscore) form one stacked (G*T, .) matrix. Every product is then one
+// strided-batched cuBLASLt GEMM over the B*KV key/value heads, each multiplying a group's stack by
+// its one k or v -- no copies of k and v per query head. For KV = NH these are exactly the B*NH
+// per-head GEMMs of plain multi-head attention.
+// Forward: split qkv into head-major q (B,NH,T,HS), k, v (B,KV,T,HS); att = scale q k^T (the full
+// T x T, like the CPU); the causal softmax in place, one warp per row; y = att v; merge y into out.
 // Backward: split qkv and dout; datt = dy v^T into `scratch`; dv = att^T dy; softmax backward in
 // place (dscore = att * (datt - sum(att * datt)), zero above the diagonal); dq = scale dscore k;
 // dk = scale dscore^T q; merge dq|dk|dv into dqkv (written, =).
+// The key/value gradients shared by a group are sums over its G query heads: dv = [att_1; ...;
+// att_G]^T [dy_1; ...; dy_G] is one GEMM whose reduction runs over the G*T stacked rows, and so is
+// dk. The group's sum is part of cuBLASLt's fixed reduction order -- deterministic, no per-head
+// partials, no atomics.
 //
-// The head-major copies live in a workspace of attention_workspace_bytes(): 5 slots of B*T*C
-// floats. Forward: q k v y. Backward: q k v dy dv, then dq overwrites dy (dead after dv and datt)
-// and dk overwrites v (dead after datt). fp32 GEMMs (matmul.cu); expf in the softmax as the CPU's
-// std::exp (both within 2 ulp).
+// The head-major copies live in a workspace of attention_workspace_bytes(): q, k, v, then y
+// (forward) or dy, dv (backward); dq overwrites dy (dead after dv and datt) and dk overwrites v
+// (dead after datt). fp32 GEMMs (matmul.cu); expf in the softmax as the CPU's std::exp (both
+// within 2 ulp).
+//
+// Rope: one thread per rotated pair (x[i], x[i + HS/2]) of every q and k head vector, in place on
+// the token-major qkv (or dqkv); the backward is the same turn with the sine negated.
 #include <cmath>
 
 #include "common.cuh"
@@ -23,50 +35,78 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kRowsPerBlock = kThreads / kWarpSize;
-constexpr int kSlots = 5;
 
-// Up to three same-shaped tensors: the parts q|k|v of a permute.
-struct Parts {
+// The head-major sides of a permute: part p is (B, heads[p], T, HS) at p[p]. The parts' heads are
+// consecutive in the token-major rows, which they fill: q|k|v of qkv, or all heads of out.
+struct HeadParts {
   float* p[3];
-};
-struct ConstParts {
-  const float* p[3];
+  int heads[3];  // 0 for unused parts
 };
 
-// Head-major element i = [b,h,t,d] of a (B,NH,T,hs) tensor: its offset (b*T + t)*row_stride +
-// h*hs + d in the token-major (B,T,row_stride) layout.
-__device__ inline size_t token_major_offset(size_t i, int T, int NH, int hs, int row_stride) {
-  const int d = static_cast<int>(i % hs);
-  size_t rest = i / hs;
-  const int t = static_cast<int>(rest % T);
-  rest /= T;
-  const int h = static_cast<int>(rest % NH);
-  const size_t b = rest / NH;
-  return (b * T + t) * row_stride + static_cast<size_t>(h) * hs + d;
+// Token-major element `i` (in units of kVec floats) of the (B, T, sum heads, HS) rows: its
+// position in the head-major part that holds it.
+template <int kVec>
+__device__ inline float* head_major(const HeadParts& parts, size_t i, int row_vecs, int T, int HS) {
+  const int head_vecs = HS / kVec;
+  const size_t bt = i / row_vecs;
+  const int within = static_cast<int>(i - bt * row_vecs);
+  int h = within / head_vecs;
+  const int d = within - h * head_vecs;
+  int part = 0;
+  while (h >= parts.heads[part]) h -= parts.heads[part++];
+  const size_t b = bt / T;
+  const int t = static_cast<int>(bt - b * T);
+  return parts.p[part] + (((b * parts.heads[part] + h) * T + t) * head_vecs + d) * kVec;
 }
 
-// dst.p[part][b,h,t,d] = src[(b*T + t)*row_stride + part*C + h*hs + d], part < parts.
-__global__ void split_heads_kernel(Parts dst, const float* src, int row_stride, int parts, int B, int T, int NH,
-                                   int hs) {
-  const size_t n = static_cast<size_t>(B) * NH * T * hs;
-  const int C = NH * hs;
+// parts[b,h,t,:] = src[(b*T + t) row + h], over the whole rows. kVec 4: float4 copies.
+template <int kVec>
+__global__ void split_heads_kernel(HeadParts parts, const float* src, int B, int T, int HS) {
+  using V = typename VecOf<kVec>::type;
+  const int row_vecs = (parts.heads[0] + parts.heads[1] + parts.heads[2]) * HS / kVec;
+  const size_t n = static_cast<size_t>(B) * T * row_vecs;
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    const float* s = src + token_major_offset(i, T, NH, hs, row_stride);
-    for (int part = 0; part < parts; part++) dst.p[part][i] = s[static_cast<size_t>(part) * C];
-  }
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    *reinterpret_cast<V*>(head_major<kVec>(parts, i, row_vecs, T, HS)) = reinterpret_cast<const V*>(src)[i];
 }
 
-// dst[(b*T + t)*row_stride + part*C + h*hs + d] = src.p[part][b,h,t,d], part < parts.
-__global__ void merge_heads_kernel(float* dst, ConstParts src, int row_stride, int parts, int B, int T, int NH,
-                                   int hs) {
-  const size_t n = static_cast<size_t>(B) * NH * T * hs;
-  const int C = NH * hs;
+// The inverse: dst[(b*T + t) row + h] = parts[b,h,t,:].
+template <int kVec>
+__global__ void merge_heads_kernel(float* dst, HeadParts parts, int B, int T, int HS) {
+  using V = typename VecOf<kVec>::type;
+  const int row_vecs = (parts.heads[0] + parts.heads[1] + parts.heads[2]) * HS / kVec;
+  const size_t n = static_cast<size_t>(B) * T * row_vecs;
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    float* o = dst + token_major_offset(i, T, NH, hs, row_stride);
-    for (int part = 0; part < parts; part++) o[static_cast<size_t>(part) * C] = src.p[part][i];
-  }
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    reinterpret_cast<V*>(dst)[i] = *reinterpret_cast<const V*>(head_major<kVec>(parts, i, row_vecs, T, HS));
+}
+
+// float4 copies when HS and every pointer allow them (the workspace parts are 256-byte aligned; a
+// misaligned token-major buffer takes the scalar path). The bits are the same either way.
+bool permute_vec4(const float* token_major, const HeadParts& parts, int HS) {
+  return HS % 4 == 0 && aligned16(token_major) && all_aligned16(parts.p[0], parts.p[1], parts.p[2]);
+}
+
+size_t row_floats(const HeadParts& parts, int B, int T, int HS) {
+  return static_cast<size_t>(B) * T * (parts.heads[0] + parts.heads[1] + parts.heads[2]) * HS;
+}
+
+void split_heads(HeadParts parts, const float* src, int B, int T, int HS, const LaunchContext& ctx) {
+  const size_t n = row_floats(parts, B, T, HS);
+  if (permute_vec4(src, parts, HS))
+    split_heads_kernel<4><<<grid_for(n / 4, kThreads, ctx), kThreads, 0, ctx.stream>>>(parts, src, B, T, HS);
+  else
+    split_heads_kernel<1><<<grid_for(n, kThreads, ctx), kThreads, 0, ctx.stream>>>(parts, src, B, T, HS);
+  CUDA_CHECK_LAUNCH();
+}
+
+void merge_heads(float* dst, HeadParts parts, int B, int T, int HS, const LaunchContext& ctx) {
+  const size_t n = row_floats(parts, B, T, HS);
+  if (permute_vec4(dst, parts, HS))
+    merge_heads_kernel<4><<<grid_for(n / 4, kThreads, ctx), kThreads, 0, ctx.stream>>>(dst, parts, B, T, HS);
+  else
+    merge_heads_kernel<1><<<grid_for(n, kThreads, ctx), kThreads, 0, ctx.stream>>>(dst, parts, B, T, HS);
+  CUDA_CHECK_LAUNCH();
 }
 
 // Row r of the (rows, T) score matrix, query position t = r % T: softmax over s <= t in place,
@@ -106,98 +146,139 @@ __global__ void causal_softmax_backward_kernel(float* datt, const float* att, si
   for (int s = t + 1 + lane; s < T; s += kWarpSize) d[s] = 0.0f;
 }
 
-void check_attention_args(const char* what, int B, int T, int C, int NH) {
-  SHARD_CHECK(B >= 0 && T >= 0 && C > 0 && NH > 0 && C % NH == 0, "%s: B=%d T=%d C=%d NH=%d (C must divide by NH)",
-              what, B, T, C, NH);
+// Pair i < HS/2 of q-or-k head `head` of token bt: x[i], x[i + HS/2] turned by the angle of
+// (t, i), as backend/cpu/attention.cpp's rope_turn; sign -1 turns back. heads = NH + KV (the
+// query heads, then the key heads: v is untouched).
+__global__ void rope_kernel(float* qkv, const float* cos_table, const float* sin_table, int T, int heads, int row,
+                            int HS, float sign, size_t n) {
+  const int half = HS / 2;
+  for (size_t idx = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; idx < n;
+       idx += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const int i = static_cast<int>(idx % half);
+    const size_t rest = idx / half;
+    const int head = static_cast<int>(rest % heads);
+    const size_t bt = rest / heads;
+    const size_t angle = (bt % T) * half + i;
+    float* x = qkv + bt * row + static_cast<size_t>(head) * HS;
+    const float c = cos_table[angle], s = sign * sin_table[angle];
+    const float lo = x[i], hi = x[i + half];
+    x[i] = lo * c - hi * s;
+    x[i + half] = hi * c + lo * s;
+  }
+}
+
+void check_attention_args(const char* what, int B, int T, int NH, int KV, int HS) {
+  SHARD_CHECK(B >= 0 && T >= 0 && NH > 0 && KV > 0 && HS > 0 && NH % KV == 0,
+              "%s: B=%d T=%d NH=%d KV=%d HS=%d (NH must divide by KV)", what, B, T, NH, KV, HS);
 }
 
 unsigned row_blocks(size_t rows) { return static_cast<unsigned>(ceil_div(rows, kRowsPerBlock)); }
 
-}  // namespace
-
-size_t attention_workspace_bytes(int B, int T, int C) {
-  WorkspaceCarver carver(nullptr);
-  for (int slot = 0; slot < kSlots; slot++) carver.take<float>(static_cast<size_t>(B) * T * C);
-  return carver.bytes();
+void launch_rope(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS, float sign,
+                 const char* what, const LaunchContext& ctx) {
+  SHARD_CHECK(B >= 0 && T >= 0 && NH > 0 && KV > 0 && HS > 0 && HS % 2 == 0 && NH % KV == 0,
+              "%s: B=%d T=%d NH=%d KV=%d HS=%d (HS must be even, NH divide by KV)", what, B, T, NH, KV, HS);
+  const size_t n = static_cast<size_t>(B) * T * (NH + KV) * (HS / 2);
+  if (n == 0) return;
+  rope_kernel<<<grid_for(n, kThreads, ctx), kThreads, 0, ctx.stream>>>(qkv, cos, sin, T, NH + KV, (NH + 2 * KV) * HS,
+                                                                        HS, sign, n);
+  CUDA_CHECK_LAUNCH();
 }
 
-// The dimensions both directions use, and the workspace cut into five head-major (B,NH,T,hs)
-// buffers: q, k, v, then y (forward) or dy, dv (backward).
+// The dimensions both directions use, and the workspace cut into head-major buffers: q (NH heads),
+// k, v (KV heads), then y (NH) or dy (NH) and dv (KV).
 struct HeadLayout {
-  int hs, BNH;
-  size_t btc;
-  long long head, square;  // elements of one head's (T,hs) and (T,T) matrices: the batch strides
+  int Gt;     // rows of a group's stacked matrices: G query heads x T
+  int batch;  // B * KV: one GEMM batch per key/value head and its group
+  long long q_stride, kv_stride, att_stride;  // elements of a group's q stack, one k or v, a group's att
   float scale;
   float *q, *k, *v, *fourth, *fifth;
-  HeadLayout(int B, int T, int C, int NH, void* workspace)
-      : hs(C / NH),
-        BNH(B * NH),
-        btc(static_cast<size_t>(B) * T * C),
-        head(static_cast<long long>(T) * (C / NH)),
-        square(static_cast<long long>(T) * T),
-        scale(1.0f / sqrtf(static_cast<float>(C / NH))) {
+  size_t bytes;  // of the workspace (with workspace null, the carving only counts)
+  HeadLayout(int B, int T, int NH, int KV, int HS, void* workspace)
+      : Gt(NH / KV * T),
+        batch(B * KV),
+        q_stride(static_cast<long long>(NH / KV) * T * HS),
+        kv_stride(static_cast<long long>(T) * HS),
+        att_stride(static_cast<long long>(NH / KV) * T * T),
+        scale(1.0f / sqrtf(static_cast<float>(HS))) {
     WorkspaceCarver carver(workspace);
-    float** parts[5] = {&q, &k, &v, &fourth, &fifth};
-    for (float** p : parts) *p = carver.take<float>(btc);
+    const size_t query = static_cast<size_t>(B) * T * NH * HS, kv = static_cast<size_t>(B) * T * KV * HS;
+    q = carver.take<float>(query);
+    k = carver.take<float>(kv);
+    v = carver.take<float>(kv);
+    fourth = carver.take<float>(query);
+    fifth = carver.take<float>(kv);
+    bytes = carver.bytes();
   }
 };
 
-void launch_attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH, void* workspace,
-                              const GemmContext& ctx) {
-  check_attention_args("attention_forward", B, T, C, NH);
-  if (B == 0 || T == 0) return;
-  const HeadLayout h(B, T, C, NH, workspace);
-  const int hs = h.hs, BNH = h.BNH;
-  const long long head = h.head, square = h.square;
-  const LaunchContext& launch = ctx.launch;
-  float *q = h.q, *k = h.k, *v = h.v, *y = h.fourth;
+}  // namespace
 
-  split_heads_kernel<<<grid_for(h.btc, kThreads, launch), kThreads, 0, launch.stream>>>(Parts{{q, k, v}}, qkv, 3 * C, 3,
-                                                                                      B, T, NH, hs);
-  CUDA_CHECK_LAUNCH();
-  // att = scale * q @ k^T, per head (T,T)
-  gemm_row_major(ctx, false, true, T, T, hs, h.scale, q, hs, head, k, hs, head, 0.0f, att, T, square, BNH, nullptr);
-  const size_t rows = static_cast<size_t>(BNH) * T;
+size_t attention_workspace_bytes(int B, int T, int NH, int KV, int HS) {
+  check_attention_args("attention_workspace_bytes", B, T, NH, KV, HS);
+  return HeadLayout(B, T, NH, KV, HS, nullptr).bytes;
+}
+
+void launch_attention_forward(float* out, float* att, const float* qkv, int B, int T, int NH, int KV, int HS,
+                              void* workspace, const GemmContext& ctx) {
+  check_attention_args("attention_forward", B, T, NH, KV, HS);
+  if (B == 0 || T == 0) return;
+  const HeadLayout h(B, T, NH, KV, HS, workspace);
+  const LaunchContext& launch = ctx.launch;
+  float* y = h.fourth;
+
+  split_heads(HeadParts{{h.q, h.k, h.v}, {NH, KV, KV}}, qkv, B, T, HS, launch);
+  // att = scale * q @ k^T: per group (G*T, T), its stacked queries against its one k
+  gemm_row_major(ctx, false, true, h.Gt, T, HS, h.scale, h.q, HS, h.q_stride, h.k, HS, h.kv_stride, 0.0f, att, T,
+                 h.att_stride, h.batch, nullptr);
+  const size_t rows = static_cast<size_t>(B) * NH * T;
   causal_softmax_forward_kernel<<<row_blocks(rows), kThreads, 0, launch.stream>>>(att, rows, T);
   CUDA_CHECK_LAUNCH();
-  // y = att @ v, per head (T,hs)
-  gemm_row_major(ctx, false, false, T, hs, T, 1.0f, att, T, square, v, hs, head, 0.0f, y, hs, head, BNH, nullptr);
-  merge_heads_kernel<<<grid_for(h.btc, kThreads, launch), kThreads, 0, launch.stream>>>(out, ConstParts{{y}}, C, 1, B,
-                                                                                      T, NH, hs);
-  CUDA_CHECK_LAUNCH();
+  // y = att @ v: per group (G*T, HS)
+  gemm_row_major(ctx, false, false, h.Gt, HS, T, 1.0f, att, T, h.att_stride, h.v, HS, h.kv_stride, 0.0f, y, HS,
+                 h.q_stride, h.batch, nullptr);
+  merge_heads(out, HeadParts{{y, nullptr, nullptr}, {NH, 0, 0}}, B, T, HS, launch);
 }
 
 void launch_attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv, const float* att,
-                               int B, int T, int C, int NH, void* workspace, const GemmContext& ctx) {
-  check_attention_args("attention_backward", B, T, C, NH);
+                               int B, int T, int NH, int KV, int HS, void* workspace, const GemmContext& ctx) {
+  check_attention_args("attention_backward", B, T, NH, KV, HS);
   if (B == 0 || T == 0) return;
-  const HeadLayout h(B, T, C, NH, workspace);
-  const int hs = h.hs, BNH = h.BNH;
-  const long long head = h.head, square = h.square;
+  const HeadLayout h(B, T, NH, KV, HS, workspace);
   const LaunchContext& launch = ctx.launch;
-  float *q = h.q, *k = h.k, *v = h.v, *dy = h.fourth, *dv = h.fifth;
+  float *dy = h.fourth, *dv = h.fifth;
   float* dq = dy;  // dy is dead once datt and dv are computed
-  float* dk = v;   // v is dead once datt is computed
+  float* dk = h.v;  // v is dead once datt is computed
   float* da = scratch;
 
-  split_heads_kernel<<<grid_for(h.btc, kThreads, launch), kThreads, 0, launch.stream>>>(Parts{{q, k, v}}, qkv, 3 * C, 3,
-                                                                                      B, T, NH, hs);
-  CUDA_CHECK_LAUNCH();
-  split_heads_kernel<<<grid_for(h.btc, kThreads, launch), kThreads, 0, launch.stream>>>(Parts{{dy}}, dout, C, 1, B, T,
-                                                                                      NH, hs);
-  CUDA_CHECK_LAUNCH();
-  // datt = dy @ v^T; dv = att^T @ dy
-  gemm_row_major(ctx, false, true, T, T, hs, 1.0f, dy, hs, head, v, hs, head, 0.0f, da, T, square, BNH, nullptr);
-  gemm_row_major(ctx, true, false, T, hs, T, 1.0f, att, T, square, dy, hs, head, 0.0f, dv, hs, head, BNH, nullptr);
-  const size_t rows = static_cast<size_t>(BNH) * T;
+  split_heads(HeadParts{{h.q, h.k, h.v}, {NH, KV, KV}}, qkv, B, T, HS, launch);
+  split_heads(HeadParts{{dy, nullptr, nullptr}, {NH, 0, 0}}, dout, B, T, HS, launch);
+  // datt = dy @ v^T per group (G*T, T); dv = att^T @ dy, the group's G heads summed inside the
+  // GEMM's reduction over its G*T stacked rows (a fixed order)
+  gemm_row_major(ctx, false, true, h.Gt, T, HS, 1.0f, dy, HS, h.q_stride, h.v, HS, h.kv_stride, 0.0f, da, T,
+                 h.att_stride, h.batch, nullptr);
+  gemm_row_major(ctx, true, false, T, HS, h.Gt, 1.0f, att, T, h.att_stride, dy, HS, h.q_stride, 0.0f, dv, HS,
+                 h.kv_stride, h.batch, nullptr);
+  const size_t rows = static_cast<size_t>(B) * NH * T;
   causal_softmax_backward_kernel<<<row_blocks(rows), kThreads, 0, launch.stream>>>(da, att, rows, T);
   CUDA_CHECK_LAUNCH();
-  // dq = scale * dscore @ k; dk = scale * dscore^T @ q
-  gemm_row_major(ctx, false, false, T, hs, T, h.scale, da, T, square, k, hs, head, 0.0f, dq, hs, head, BNH, nullptr);
-  gemm_row_major(ctx, true, false, T, hs, T, h.scale, da, T, square, q, hs, head, 0.0f, dk, hs, head, BNH, nullptr);
-  merge_heads_kernel<<<grid_for(h.btc, kThreads, launch), kThreads, 0, launch.stream>>>(dqkv, ConstParts{{dq, dk, dv}},
-                                                                                      3 * C, 3, B, T, NH, hs);
-  CUDA_CHECK_LAUNCH();
+  // dq = scale * dscore @ k per group (G*T, HS); dk = scale * dscore^T @ q, summed over the group
+  // as dv
+  gemm_row_major(ctx, false, false, h.Gt, HS, T, h.scale, da, T, h.att_stride, h.k, HS, h.kv_stride, 0.0f, dq, HS,
+                 h.q_stride, h.batch, nullptr);
+  gemm_row_major(ctx, true, false, T, HS, h.Gt, h.scale, da, T, h.att_stride, h.q, HS, h.q_stride, 0.0f, dk, HS,
+                 h.kv_stride, h.batch, nullptr);
+  merge_heads(dqkv, HeadParts{{dq, dk, dv}, {NH, KV, KV}}, B, T, HS, launch);
+}
+
+void launch_rope_forward(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS,
+                         const LaunchContext& ctx) {
+  launch_rope(qkv, cos, sin, B, T, NH, KV, HS, 1.0f, "rope_forward", ctx);
+}
+
+void launch_rope_backward(float* dqkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS,
+                          const LaunchContext& ctx) {
+  launch_rope(dqkv, cos, sin, B, T, NH, KV, HS, -1.0f, "rope_backward", ctx);
 }
 
 }  // namespace shardtrain::kernels

@@ -1,6 +1,6 @@
-// Device-side helpers shared by the kernels of kernels/*.cu: grid sizing, warp and block
-// reductions with a fixed tree (deterministic: the same inputs give the same bits on every run),
-// the deterministic two-stage column sum used by the bias and LayerNorm parameter gradients, and
+// Device-side helpers shared by the kernels of kernels/*.cu: grid sizing, float4 access, warp and
+// block reductions with a fixed tree (deterministic: the same inputs give the same bits on every
+// run), the deterministic two-stage column sum used by the bias and norm parameter gradients, and
 // the carving of one workspace into aligned sub-buffers. CUDA syntax; include only from .cu files.
 #pragma once
 
@@ -34,6 +34,18 @@ template <typename... P>
 bool all_aligned16(const P*... p) {
   return (aligned16(p) && ...);
 }
+
+// The load/store type of kVec consecutive floats: float, or float4 (16-byte aligned addresses).
+template <int kVec>
+struct VecOf;
+template <>
+struct VecOf<1> {
+  using type = float;
+};
+template <>
+struct VecOf<4> {
+  using type = float4;
+};
 
 // Sub-buffers of one workspace, each 256-byte aligned. With base == nullptr it only counts, so
 // one function both sizes a workspace and carves it: take() in the same order both times.

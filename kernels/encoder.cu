@@ -1,5 +1,7 @@
 // Token + position embedding on the GPU: out(B,T,C) = wte[tokens[b,t]] + wpe[t], and its backward
-// dwte(V,C) += scatter of dout by token, dwpe(maxT,C) += dout summed over the batch.
+// dwte(V,C) += scatter of dout by token, dwpe(maxT,C) += dout summed over the batch. A null wpe
+// (dwpe) means no position table (llama): the forward copies the token rows (no + 0, which would
+// turn -0 into +0), the backward skips dwpe.
 //
 // The backward is deterministic and adds in exactly the CPU's order (backend/cpu/pointwise.cpp):
 // each gradient element starts from its old value and adds the rows of dout in increasing b*T+t,
@@ -17,6 +19,8 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// kWpe false: no position table, wpe is null.
+template <bool kWpe>
 __global__ void encoder_forward_kernel(float* out, const int* tokens, const float* wte, const float* wpe, int T, int C,
                                        size_t n) {
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
@@ -24,11 +28,13 @@ __global__ void encoder_forward_kernel(float* out, const int* tokens, const floa
     const size_t bt = i / C;
     const int c = static_cast<int>(i % C);
     const int t = static_cast<int>(bt % T);
-    out[i] = wte[static_cast<size_t>(tokens[bt]) * C + c] + wpe[static_cast<size_t>(t) * C + c];
+    const float e = wte[static_cast<size_t>(tokens[bt]) * C + c];
+    out[i] = kWpe ? e + wpe[static_cast<size_t>(t) * C + c] : e;
   }
 }
 
 // C % 4 == 0 and 16-byte aligned tables: one float4 per thread and step. n4 = B*T*C/4.
+template <bool kWpe>
 __global__ void encoder_forward_vec4_kernel(float4* out, const int* tokens, const float4* wte, const float4* wpe,
                                             int T, int C4, size_t n4) {
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n4;
@@ -37,9 +43,28 @@ __global__ void encoder_forward_vec4_kernel(float4* out, const int* tokens, cons
     const int c4 = static_cast<int>(i % C4);
     const int t = static_cast<int>(bt % T);
     const float4 e = wte[static_cast<size_t>(tokens[bt]) * C4 + c4];
-    const float4 p = wpe[static_cast<size_t>(t) * C4 + c4];
-    out[i] = make_float4(e.x + p.x, e.y + p.y, e.z + p.z, e.w + p.w);
+    if (kWpe) {
+      const float4 p = wpe[static_cast<size_t>(t) * C4 + c4];
+      out[i] = make_float4(e.x + p.x, e.y + p.y, e.z + p.z, e.w + p.w);
+    } else {
+      out[i] = e;
+    }
   }
+}
+
+template <bool kWpe>
+void encoder_forward(float* out, const int* tokens, const float* wte, const float* wpe, int T, int C, size_t n,
+                     const LaunchContext& ctx) {
+  if (C % 4 == 0 && all_aligned16(out, wte, wpe)) {  // a null wpe counts as aligned
+    const size_t n4 = n / 4;
+    encoder_forward_vec4_kernel<kWpe><<<grid_for(n4, kThreads, ctx), kThreads, 0, ctx.stream>>>(
+        reinterpret_cast<float4*>(out), tokens, reinterpret_cast<const float4*>(wte),
+        reinterpret_cast<const float4*>(wpe), T, C / 4, n4);
+  } else {
+    encoder_forward_kernel<kWpe><<<grid_for(n, kThreads, ctx), kThreads, 0, ctx.stream>>>(out, tokens, wte, wpe, T, C,
+                                                                                          n);
+  }
+  CUDA_CHECK_LAUNCH();
 }
 
 // dwpe[t][c] += dout[b][t][c] for b = 0, 1, ... in order.
@@ -104,15 +129,10 @@ void launch_encoder_forward(float* out, const int* tokens, const float* wte, con
   SHARD_CHECK(B >= 0 && T >= 0 && C >= 0, "encoder_forward: B=%d T=%d C=%d", B, T, C);
   const size_t n = static_cast<size_t>(B) * T * C;
   if (n == 0) return;
-  if (C % 4 == 0 && all_aligned16(out, wte, wpe)) {
-    const size_t n4 = n / 4;
-    encoder_forward_vec4_kernel<<<grid_for(n4, kThreads, ctx), kThreads, 0, ctx.stream>>>(
-        reinterpret_cast<float4*>(out), tokens, reinterpret_cast<const float4*>(wte),
-        reinterpret_cast<const float4*>(wpe), T, C / 4, n4);
-  } else {
-    encoder_forward_kernel<<<grid_for(n, kThreads, ctx), kThreads, 0, ctx.stream>>>(out, tokens, wte, wpe, T, C, n);
-  }
-  CUDA_CHECK_LAUNCH();
+  if (wpe)
+    encoder_forward<true>(out, tokens, wte, wpe, T, C, n, ctx);
+  else
+    encoder_forward<false>(out, tokens, wte, nullptr, T, C, n, ctx);
 }
 
 size_t encoder_backward_workspace_bytes(int B, int T) {
@@ -124,9 +144,11 @@ void launch_encoder_backward(float* dwte, float* dwpe, const float* dout, const 
   SHARD_CHECK(B >= 0 && T >= 0 && C >= 0, "encoder_backward: B=%d T=%d C=%d", B, T, C);
   const int BT = B * T;
   if (BT == 0 || C == 0) return;
-  encoder_backward_wpe_kernel<<<grid_for(static_cast<size_t>(T) * C, kThreads, ctx), kThreads, 0, ctx.stream>>>(
-      dwpe, dout, B, T, C);
-  CUDA_CHECK_LAUNCH();
+  if (dwpe) {
+    encoder_backward_wpe_kernel<<<grid_for(static_cast<size_t>(T) * C, kThreads, ctx), kThreads, 0, ctx.stream>>>(
+        dwpe, dout, B, T, C);
+    CUDA_CHECK_LAUNCH();
+  }
 
   EncoderWorkspace w = carve_encoder_workspace(workspace, BT);
   iota_kernel<<<grid_for(BT, kThreads, ctx), kThreads, 0, ctx.stream>>>(w.positions_in, BT);

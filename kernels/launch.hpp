@@ -6,8 +6,9 @@
 //
 // Every launcher has the semantics, argument order and accumulation rule of the CPU function of
 // the same name in backend/cpu/ops.hpp (parameter gradients +=, activation gradients =, except
-// layernorm_backward's dinp, +=). It validates its dimensions (SHARD_CHECK), queues its work on
-// ctx.stream and returns without waiting; only the reductions returning a host value wait.
+// layernorm_backward's and rmsnorm_backward's dinp, +=). It validates its dimensions
+// (SHARD_CHECK), queues its work on ctx.stream and returns without waiting; only the reductions
+// returning a host value wait.
 // Launchers that need temporary device memory take a `workspace` of at least the bytes that
 // their *_workspace_bytes() function gives for the same dimensions; the caller owns it and may
 // reuse it for the next launch on the same stream.
@@ -71,6 +72,7 @@ void gemm_row_major(const GemmContext& ctx, bool trans_a, bool trans_b, int M, i
                     float* C, int ldc, long long stride_c, int batch, const float* bias);
 
 // ---- layers ----------------------------------------------------------------------------------------
+// wpe / dwpe may be null: no position table (llama), the position part is skipped.
 void launch_encoder_forward(float* out, const int* tokens, const float* wte, const float* wpe, int B, int T, int C,
                             const LaunchContext& ctx);
 size_t encoder_backward_workspace_bytes(int B, int T);
@@ -84,17 +86,38 @@ void launch_layernorm_backward(float* dinp, float* dweight, float* dbias, const 
                                const float* weight, const float* mean, const float* rstd, int N, int C,
                                void* workspace, const LaunchContext& ctx);
 
+// RMSNorm (layernorm.cu): saves rstd(N); the backward's dinp and dweight are accumulated (+=).
+void launch_rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, float eps, int N, int C,
+                            const LaunchContext& ctx);
+size_t rmsnorm_backward_workspace_bytes(int N, int C);
+void launch_rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                             const float* rstd, int N, int C, void* workspace, const LaunchContext& ctx);
+
 void launch_matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC,
                            const GemmContext& ctx);
 size_t matmul_backward_workspace_bytes(int N, int OC);
 void launch_matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                             const float* weight, int N, int C, int OC, void* workspace, const GemmContext& ctx);
 
-size_t attention_workspace_bytes(int B, int T, int C);
-void launch_attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH, void* workspace,
-                              const GemmContext& ctx);
+// Grouped-query attention: qkv rows q (NH heads) | k (KV heads) | v (KV heads) of HS each,
+// NH % KV == 0. The same workspace serves both directions.
+size_t attention_workspace_bytes(int B, int T, int NH, int KV, int HS);
+void launch_attention_forward(float* out, float* att, const float* qkv, int B, int T, int NH, int KV, int HS,
+                              void* workspace, const GemmContext& ctx);
 void launch_attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv, const float* att,
-                               int B, int T, int C, int NH, void* workspace, const GemmContext& ctx);
+                               int B, int T, int NH, int KV, int HS, void* workspace, const GemmContext& ctx);
+
+// Rotary embedding in place on the q and k heads of qkv (attention.cu); cos, sin: (T, HS/2) device
+// tables; HS even. The backward turns dqkv back (the rotation's transpose).
+void launch_rope_forward(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS,
+                         const LaunchContext& ctx);
+void launch_rope_backward(float* dqkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS,
+                          const LaunchContext& ctx);
+
+// SwiGLU (pointwise.cu): gate_up rows gate (I) | up (I); the backward writes dgate_up (=).
+void launch_swiglu_forward(float* out, const float* gate_up, int N, int I, const LaunchContext& ctx);
+void launch_swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, int N, int I,
+                            const LaunchContext& ctx);
 
 void launch_gelu_forward(float* out, const float* inp, size_t n, const LaunchContext& ctx);
 void launch_gelu_backward(float* dinp, const float* dout, const float* inp, size_t n, const LaunchContext& ctx);

@@ -1,11 +1,13 @@
 // The elementwise layers on the GPU: GELU forward/backward (backend/math.hpp's gelu_value and
-// gelu_derivative, the very functions the CPU loops call), the residual add, and x *= s.
+// gelu_derivative, the very functions the CPU loops call), SwiGLU forward/backward (silu_value,
+// silu_derivative), the residual add, and x *= s.
 //
 // One grid-stride kernel template: float4 loads and stores when every pointer is 16-byte aligned
 // (the n % 4 tail then goes to the first threads), scalar otherwise. Each element's result does
 // not depend on which path computed it. residual and scale are one IEEE operation per element,
-// bit-identical to the CPU; GELU differs from the CPU in the last bits at most (FMA contraction
-// and exp_fast's ~2 ulp).
+// bit-identical to the CPU; GELU and SwiGLU differ from the CPU in the last bits at most (FMA
+// contraction and exp_fast's ~2 ulp). SwiGLU reads rows of gate (I) | up (I): its own kernels, one
+// element (n, i) per thread, float4 when I % 4 == 0 and every pointer is 16-byte aligned.
 #include "common.cuh"
 
 namespace shardtrain::kernels {
@@ -54,7 +56,83 @@ void launch_elementwise(float* out, const float* a, const float* b, size_t n, Op
   CUDA_CHECK_LAUNCH();
 }
 
+// out = silu(gate) * up, dgate = dout * up * silu'(gate), dup = dout * silu(gate): the CPU's
+// expressions (backend/cpu/pointwise.cpp), in its order; float4 overloads go component by component.
+__device__ inline float swiglu_value(float g, float u) { return silu_value(g) * u; }
+__device__ inline float4 swiglu_value(float4 g, float4 u) {
+  return make_float4(swiglu_value(g.x, u.x), swiglu_value(g.y, u.y), swiglu_value(g.z, u.z), swiglu_value(g.w, u.w));
+}
+__device__ inline void swiglu_grad(float dy, float g, float u, float& dg, float& du) {
+  dg = dy * u * silu_derivative(g);
+  du = dy * silu_value(g);
+}
+__device__ inline void swiglu_grad(float4 dy, float4 g, float4 u, float4& dg, float4& du) {
+  swiglu_grad(dy.x, g.x, u.x, dg.x, du.x);
+  swiglu_grad(dy.y, g.y, u.y, dg.y, du.y);
+  swiglu_grad(dy.z, g.z, u.z, dg.z, du.z);
+  swiglu_grad(dy.w, g.w, u.w, dg.w, du.w);
+}
+
+// Element i (in units of kVec floats) of an (N, I) tensor: the index of its gate in the (N, 2I)
+// rows; its up is row_vecs further.
+__device__ inline size_t gate_index(size_t i, int row_vecs) { return i + i / row_vecs * row_vecs; }
+
+template <int kVec>
+__global__ void swiglu_forward_kernel(float* out, const float* gate_up, int row_vecs, size_t n) {
+  using V = typename VecOf<kVec>::type;
+  const V* gu = reinterpret_cast<const V*>(gate_up);
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const size_t g = gate_index(i, row_vecs);
+    reinterpret_cast<V*>(out)[i] = swiglu_value(gu[g], gu[g + row_vecs]);
+  }
+}
+
+template <int kVec>
+__global__ void swiglu_backward_kernel(float* dgate_up, const float* dout, const float* gate_up, int row_vecs,
+                                       size_t n) {
+  using V = typename VecOf<kVec>::type;
+  const V* gu = reinterpret_cast<const V*>(gate_up);
+  V* dgu = reinterpret_cast<V*>(dgate_up);
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const size_t g = gate_index(i, row_vecs);
+    V dg, du;
+    swiglu_grad(reinterpret_cast<const V*>(dout)[i], gu[g], gu[g + row_vecs], dg, du);
+    dgu[g] = dg;
+    dgu[g + row_vecs] = du;
+  }
+}
+
+void check_swiglu_args(const char* what, int N, int I) {
+  SHARD_CHECK(N >= 0 && I >= 0, "%s: N=%d I=%d", what, N, I);
+}
+
 }  // namespace
+
+void launch_swiglu_forward(float* out, const float* gate_up, int N, int I, const LaunchContext& ctx) {
+  check_swiglu_args("swiglu_forward", N, I);
+  const size_t n = static_cast<size_t>(N) * I;
+  if (n == 0) return;
+  if (I % 4 == 0 && all_aligned16(out, gate_up))
+    swiglu_forward_kernel<4><<<grid_for(n / 4, kThreads, ctx), kThreads, 0, ctx.stream>>>(out, gate_up, I / 4, n / 4);
+  else
+    swiglu_forward_kernel<1><<<grid_for(n, kThreads, ctx), kThreads, 0, ctx.stream>>>(out, gate_up, I, n);
+  CUDA_CHECK_LAUNCH();
+}
+
+void launch_swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, int N, int I,
+                            const LaunchContext& ctx) {
+  check_swiglu_args("swiglu_backward", N, I);
+  const size_t n = static_cast<size_t>(N) * I;
+  if (n == 0) return;
+  if (I % 4 == 0 && all_aligned16(dgate_up, dout, gate_up))
+    swiglu_backward_kernel<4><<<grid_for(n / 4, kThreads, ctx), kThreads, 0, ctx.stream>>>(dgate_up, dout, gate_up,
+                                                                                            I / 4, n / 4);
+  else
+    swiglu_backward_kernel<1><<<grid_for(n, kThreads, ctx), kThreads, 0, ctx.stream>>>(dgate_up, dout, gate_up, I, n);
+  CUDA_CHECK_LAUNCH();
+}
 
 void launch_gelu_forward(float* out, const float* inp, size_t n, const LaunchContext& ctx) {
   launch_elementwise<1>(out, inp, nullptr, n, GeluForward{}, ctx);

@@ -5,9 +5,11 @@
 // tolerance model written next to the test (support/tensor_check.hpp reports the worst element).
 //
 // Shapes are awkward on purpose: sizes that are not multiples of 4, 32 or the block sizes, T = 1,
-// heads of odd size, and "misaligned" cases whose device pointers sit 4 bytes off a 16-byte
+// heads of odd size, grouped-query attention (groups of 2, 3, 4 query heads, and a single
+// key/value head), and "misaligned" cases whose device pointers sit 4 bytes off a 16-byte
 // boundary (scalar fallbacks of the float4 kernels, cuBLASLt alignment preferences, the bias
-// epilogue's fallback). One case per GEMM-based op has a realistic GPT-2 shape. Every device
+// epilogue's fallback). One case per GEMM-based op has a realistic GPT-2 shape (attention, rope
+// and SwiGLU a Llama one too). Every device
 // buffer has guard zones of sentinels checked on download; outputs and written gradients start
 // as NaN so an element left unwritten fails; accumulated gradients start non-zero and are run
 // twice (+= checked against the CPU doing the same). Deterministic ops are run twice from the
@@ -240,6 +242,32 @@ TEST_P(EncoderTest, BackwardTwiceMatchesCpuBitwise) {
   d_dout.download("encoder_backward (input)");
 }
 
+// Llama: no position table (null wpe, dwpe). The forward copies the token rows bit for bit, -0
+// included (an added +0 would make it +0); the backward leaves the absent dwpe alone.
+TEST_P(EncoderTest, WithoutPositionTableMatchesCpuBitwise) {
+  const EncoderShape s = GetParam();
+  const size_t BT = static_cast<size_t>(s.B) * s.T;
+  const std::vector<int> tokens = index_vector(BT, 14, s.V);
+  std::vector<float> wte = uniform_vector(static_cast<size_t>(s.V) * s.C, 15);
+  for (size_t i = 0; i < wte.size(); i += 7) wte[i] = -0.0f;
+  const std::vector<float> dout = uniform_vector(BT * s.C, 16);
+  std::vector<float> ref(BT * s.C), dwte = uniform_vector(wte.size(), 17);
+  cpu::encoder_forward(ref.data(), tokens.data(), wte.data(), static_cast<const float*>(nullptr), s.B, s.T, s.C);
+
+  auto d_tokens = on_device(device(), "tokens", tokens, s.misalign);
+  auto d_wte = on_device(device(), "wte", wte, s.misalign);
+  auto d_dout = on_device(device(), "dout", dout, s.misalign), d_dwte = on_device(device(), "dwte", dwte, s.misalign);
+  DeviceBuffer<float> d_out(device(), "out", ref.size(), s.misalign);
+  d_out.fill(kNaN);
+  ops().encoder_forward(d_out.data(), d_tokens.data(), d_wte.data(), nullptr, s.B, s.T, s.C);
+  expect_same_bits(d_out.download("encoder_forward without wpe"), ref, "encoder out without wpe");
+  for (int call = 0; call < 2; call++) {
+    cpu::encoder_backward(dwte.data(), static_cast<float*>(nullptr), dout.data(), tokens.data(), s.B, s.T, s.C);
+    ops().encoder_backward(d_dwte.data(), nullptr, d_dout.data(), d_tokens.data(), s.B, s.T, s.C);
+  }
+  expect_same_bits(d_dwte.download("encoder_backward without dwpe"), dwte, "encoder dwte without dwpe");
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, EncoderTest,
                          ::testing::Values(EncoderShape{1, 1, 12, 11, 0}, EncoderShape{2, 7, 24, 11, 0},
                                            EncoderShape{3, 13, 36, 50, 0}, EncoderShape{2, 5, 13, 7, 0},
@@ -355,6 +383,90 @@ std::vector<LayerNormShape> layernorm_shapes() {
 INSTANTIATE_TEST_SUITE_P(Shapes, LayerNormTest, ::testing::ValuesIn(layernorm_shapes()), ShapeName());
 
 // ==================================================================================================
+// RMSNorm (Llama), on LayerNorm's shapes. Inputs in [-2, 3), weight in [0.5, 1.5).
+// ==================================================================================================
+constexpr float kRmsNormEps = 1e-5f;
+
+class RmsNormTest : public GpuSuite<::testing::TestWithParam<LayerNormShape>> {};
+
+struct RmsNormData {
+  explicit RmsNormData(const LayerNormShape& s)
+      : N(s.B * s.T), C(s.C), inp(uniform_vector(static_cast<size_t>(N) * C, 131, -2.0, 3.0)),
+        weight(uniform_vector(C, 132, 0.5, 1.5)), out(inp.size()), rstd(N) {
+    cpu::rmsnorm_forward(out.data(), rstd.data(), inp.data(), weight.data(), kRmsNormEps, N, C);
+  }
+  int N, C;
+  std::vector<float> inp, weight, out, rstd;  // out, rstd: the CPU's forward
+};
+
+TEST_P(RmsNormTest, ForwardMatchesCpu) {
+  const LayerNormShape s = GetParam();
+  RmsNormData d(s);
+  auto d_inp = on_device(device(), "inp", d.inp, s.misalign);
+  auto d_weight = on_device(device(), "weight", d.weight, s.misalign);
+  DeviceBuffer<float> d_out(device(), "out", d.out.size(), s.misalign), d_rstd(device(), "rstd", d.N, s.misalign);
+  d_out.fill(kNaN);
+  d_rstd.fill(kNaN);
+  ops().rmsnorm_forward(d_out.data(), d_rstd.data(), d_inp.data(), d_weight.data(), kRmsNormEps, d.N, d.C);
+  // The sum of C squares; rstd, normalise and scale: a few.
+  const Tolerance tol = fp32_pair(d.C + 4);
+  expect_close(d_out.download("rmsnorm_forward").data(), widen(d.out), tol, "rmsnorm out");
+  expect_close(d_rstd.download("rmsnorm_forward").data(), widen(d.rstd), tol, "rmsnorm rstd");
+}
+
+// dinp and dweight accumulate (dinp adds onto the residual stream, as LayerNorm's); both sides see
+// the CPU's saved rstd.
+TEST_P(RmsNormTest, BackwardTwiceMatchesCpu) {
+  const LayerNormShape s = GetParam();
+  RmsNormData d(s);
+  const std::vector<float> dout = uniform_vector(d.out.size(), 133);
+  std::vector<float> dinp = uniform_vector(d.out.size(), 134), dweight = uniform_vector(d.C, 135);
+  auto d_dout = on_device(device(), "dout", dout, s.misalign), d_inp = on_device(device(), "inp", d.inp, s.misalign);
+  auto d_weight = on_device(device(), "weight", d.weight, s.misalign);
+  auto d_rstd = on_device(device(), "rstd", d.rstd, s.misalign);
+  auto d_dinp = on_device(device(), "dinp", dinp, s.misalign);
+  auto d_dweight = on_device(device(), "dweight", dweight, s.misalign);
+  for (int call = 0; call < 2; call++) {
+    cpu::rmsnorm_backward(dinp.data(), dweight.data(), dout.data(), d.inp.data(), d.weight.data(), d.rstd.data(), d.N,
+                          d.C);
+    ops().rmsnorm_backward(d_dinp.data(), d_dweight.data(), d_dout.data(), d_inp.data(), d_weight.data(),
+                           d_rstd.data(), d.N, d.C);
+  }
+  // dinp: one row sum of C terms per call; dweight: 2 N rows onto the prefill.
+  expect_close(d_dinp.download("rmsnorm_backward").data(), widen(dinp), fp32_pair(2 * d.C + 8), "rmsnorm dinp");
+  expect_close(d_dweight.download("rmsnorm_backward").data(), widen(dweight), fp32_pair(2 * d.N + 4),
+               "rmsnorm dweight");
+}
+
+TEST_P(RmsNormTest, RepeatsBitwise) {
+  const LayerNormShape s = GetParam();
+  RmsNormData d(s);
+  const std::vector<float> dout = uniform_vector(d.out.size(), 136), zeros_c(d.C, 0.0f), zeros(d.out.size(), 0.0f);
+  auto d_dout = on_device(device(), "dout", dout, s.misalign), d_inp = on_device(device(), "inp", d.inp, s.misalign);
+  auto d_weight = on_device(device(), "weight", d.weight, s.misalign);
+  std::vector<float> first[4];
+  for (int run = 0; run < 2; run++) {
+    DeviceBuffer<float> d_out(device(), "out", d.out.size(), s.misalign), d_rstd(device(), "rstd", d.N, s.misalign);
+    auto d_dinp = on_device(device(), "dinp", zeros, s.misalign);
+    auto d_dweight = on_device(device(), "dweight", zeros_c, s.misalign);
+    ops().rmsnorm_forward(d_out.data(), d_rstd.data(), d_inp.data(), d_weight.data(), kRmsNormEps, d.N, d.C);
+    ops().rmsnorm_backward(d_dinp.data(), d_dweight.data(), d_dout.data(), d_inp.data(), d_weight.data(),
+                           d_rstd.data(), d.N, d.C);
+    std::vector<float> got[4] = {d_out.download("run"), d_rstd.download("run"), d_dinp.download("run"),
+                                 d_dweight.download("run")};
+    for (int k = 0; k < 4; k++) {
+      if (run == 0) {
+        first[k] = got[k];
+      } else {
+        EXPECT_TRUE(same_bits(first[k], got[k])) << "rmsnorm output " << k << " differs between runs";
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, RmsNormTest, ::testing::ValuesIn(layernorm_shapes()), ShapeName());
+
+// ==================================================================================================
 // Matmul: out(N,OC) = inp(N,C) @ weight(OC,C)^T + bias, with and without bias; the backward with
 // and without dinp.
 // ==================================================================================================
@@ -467,56 +579,113 @@ INSTANTIATE_TEST_SUITE_P(Types, GemmOperandsTest, ::testing::Values(DTYPE_BF16, 
                          [](const ::testing::TestParamInfo<DType>& info) { return std::string(dtype_name(info.param)); });
 
 // ==================================================================================================
-// Attention. qkv in [-1, 1); the backward gets the CPU's saved probabilities on both sides.
+// Attention with grouped-query heads: rows of qkv hold q (NH heads) | k (KV) | v (KV) of HS each.
+// qkv in [-1, 1); the backward gets the CPU's saved probabilities on both sides. KV = NH is GPT-2's
+// multi-head attention; KV < NH shares each k, v among NH/KV query heads (KV = 1: multi-query).
 // ==================================================================================================
 struct AttentionShape {
-  int B, T, C, NH, misalign;
+  int B, T, NH, KV, HS, misalign;
+  int group() const { return NH / KV; }
+  size_t qkv_size() const { return static_cast<size_t>(B) * T * (NH + 2 * KV) * HS; }
+  size_t out_size() const { return static_cast<size_t>(B) * T * NH * HS; }
+  size_t square() const { return static_cast<size_t>(B) * NH * T * T; }
 };
 std::string name_of(const AttentionShape& s) {
-  return "B" + std::to_string(s.B) + "_T" + std::to_string(s.T) + "_C" + std::to_string(s.C) + "_NH" +
-         std::to_string(s.NH) + misaligned_suffix(s.misalign);
+  return "B" + std::to_string(s.B) + "_T" + std::to_string(s.T) + "_NH" + std::to_string(s.NH) + "_KV" +
+         std::to_string(s.KV) + "_HS" + std::to_string(s.HS) + misaligned_suffix(s.misalign);
 }
 void PrintTo(const AttentionShape& s, std::ostream* os) { *os << name_of(s); }
 
 class AttentionTest : public GpuSuite<::testing::TestWithParam<AttentionShape>> {};
 
+// datt: HS products; its row dot: T; dq: T more products; dk, dv: the group's G*T products.
+Tolerance attention_backward_tol(const AttentionShape& s) { return fp32_pair(2 * s.HS + (2 + s.group()) * s.T + 8); }
+
 TEST_P(AttentionTest, ForwardMatchesCpu) {
   const AttentionShape s = GetParam();
-  const int hs = s.C / s.NH;
-  const size_t btc = static_cast<size_t>(s.B) * s.T * s.C, square = static_cast<size_t>(s.B) * s.NH * s.T * s.T;
-  const std::vector<float> qkv = uniform_vector(3 * btc, 81);
-  std::vector<float> out(btc), att(square);
-  cpu::attention_forward(out.data(), att.data(), qkv.data(), s.B, s.T, s.C, s.NH);
+  const std::vector<float> qkv = uniform_vector(s.qkv_size(), 81);
+  std::vector<float> out(s.out_size()), att(s.square());
+  cpu::attention_forward(out.data(), att.data(), qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
   auto d_qkv = on_device(device(), "qkv", qkv, s.misalign);
-  DeviceBuffer<float> d_out(device(), "out", btc, s.misalign), d_att(device(), "att", square, s.misalign);
+  DeviceBuffer<float> d_out(device(), "out", out.size(), s.misalign), d_att(device(), "att", att.size(), s.misalign);
   d_out.fill(kNaN);
   d_att.fill(kNaN);  // the masked half must be written (zeros) too
-  ops().attention_forward(d_out.data(), d_att.data(), d_qkv.data(), s.B, s.T, s.C, s.NH);
-  // att: hs products, then the row max, exp and a sum over up to T; out: T more products.
-  expect_close(d_att.download("attention_forward").data(), widen(att), fp32_pair(hs + s.T + 8), "attention att");
-  expect_close(d_out.download("attention_forward").data(), widen(out), fp32_pair(hs + 2 * s.T + 8), "attention out");
+  ops().attention_forward(d_out.data(), d_att.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  // att: HS products, then the row max, exp and a sum over up to T; out: T more products.
+  expect_close(d_att.download("attention_forward").data(), widen(att), fp32_pair(s.HS + s.T + 8), "attention att");
+  expect_close(d_out.download("attention_forward").data(), widen(out), fp32_pair(s.HS + 2 * s.T + 8),
+               "attention out");
 }
 
 TEST_P(AttentionTest, BackwardMatchesCpu) {
   const AttentionShape s = GetParam();
-  const int hs = s.C / s.NH;
-  const size_t btc = static_cast<size_t>(s.B) * s.T * s.C, square = static_cast<size_t>(s.B) * s.NH * s.T * s.T;
-  const std::vector<float> qkv = uniform_vector(3 * btc, 82), dout = uniform_vector(btc, 83);
-  std::vector<float> out(btc), att(square), dqkv(3 * btc), scratch(square);
-  cpu::attention_forward(out.data(), att.data(), qkv.data(), s.B, s.T, s.C, s.NH);
-  cpu::attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), s.B, s.T, s.C, s.NH);
+  const std::vector<float> qkv = uniform_vector(s.qkv_size(), 82), dout = uniform_vector(s.out_size(), 83);
+  std::vector<float> out(s.out_size()), att(s.square()), dqkv(s.qkv_size()), scratch(s.square());
+  cpu::attention_forward(out.data(), att.data(), qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  cpu::attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), s.B, s.T, s.NH, s.KV,
+                          s.HS);
   auto d_qkv = on_device(device(), "qkv", qkv, s.misalign), d_dout = on_device(device(), "dout", dout, s.misalign);
   auto d_att = on_device(device(), "att", att, s.misalign);
-  DeviceBuffer<float> d_dqkv(device(), "dqkv", 3 * btc, s.misalign), d_scratch(device(), "scratch", square, s.misalign);
+  DeviceBuffer<float> d_dqkv(device(), "dqkv", dqkv.size(), s.misalign),
+      d_scratch(device(), "scratch", s.square(), s.misalign);
   d_dqkv.fill(kNaN);  // written, never read
   d_scratch.fill(kNaN);
-  ops().attention_backward(d_dqkv.data(), d_scratch.data(), d_dout.data(), d_qkv.data(), d_att.data(), s.B, s.T, s.C,
-                           s.NH);
-  // datt: hs products; its row dot: T; dq, dk, dv: T more products.
-  expect_close(d_dqkv.download("attention_backward").data(), widen(dqkv), fp32_pair(2 * hs + 3 * s.T + 8),
+  ops().attention_backward(d_dqkv.data(), d_scratch.data(), d_dout.data(), d_qkv.data(), d_att.data(), s.B, s.T, s.NH,
+                           s.KV, s.HS);
+  expect_close(d_dqkv.download("attention_backward").data(), widen(dqkv), attention_backward_tol(s),
                "attention dqkv");
   d_scratch.download("attention_backward (scratch)");
   d_att.download("attention_backward (att)");
+}
+
+// The grouping's meaning, independent of the CPU's grouped code: grouped-query attention is
+// multi-head attention with each k, v head repeated for its NH/KV query heads, and its k, v
+// gradients are the sums of the repeated heads' gradients. The oracle is the CPU's multi-head
+// path (KV = NH) on the repeated qkv; the group sums are taken in double on the host.
+TEST_P(AttentionTest, GroupedEqualsRepeatedHeads) {
+  const AttentionShape s = GetParam();
+  if (s.KV == s.NH) GTEST_SKIP() << "multi-head: nothing repeated";
+  const int G = s.group(), row = (s.NH + 2 * s.KV) * s.HS, wide = 3 * s.NH * s.HS;
+  const size_t BT = static_cast<size_t>(s.B) * s.T;
+  const std::vector<float> qkv = uniform_vector(s.qkv_size(), 86), dout = uniform_vector(s.out_size(), 87);
+  // Repeated: q as is, then k head h / G and v head h / G for every query head h.
+  std::vector<float> repeated(BT * wide);
+  for (size_t bt = 0; bt < BT; bt++) {
+    const float* src = qkv.data() + bt * row;
+    float* dst = repeated.data() + bt * wide;
+    std::copy(src, src + s.NH * s.HS, dst);
+    for (int h = 0; h < s.NH; h++)
+      for (int part = 1; part <= 2; part++) {
+        const float* head = src + (s.NH + (part - 1) * s.KV + h / G) * s.HS;
+        std::copy(head, head + s.HS, dst + (part * s.NH + h) * s.HS);
+      }
+  }
+  std::vector<float> out(s.out_size()), att(s.square()), drepeated(repeated.size()), scratch(s.square());
+  cpu::attention_forward(out.data(), att.data(), repeated.data(), s.B, s.T, s.NH, s.NH, s.HS);
+  cpu::attention_backward(drepeated.data(), scratch.data(), dout.data(), repeated.data(), att.data(), s.B, s.T, s.NH,
+                          s.NH, s.HS);
+  std::vector<double> dqkv(s.qkv_size(), 0.0);  // dq as is; dk, dv summed over each group in double
+  for (size_t bt = 0; bt < BT; bt++) {
+    const float* src = drepeated.data() + bt * wide;
+    double* dst = dqkv.data() + bt * row;
+    for (int i = 0; i < s.NH * s.HS; i++) dst[i] = src[i];
+    for (int h = 0; h < s.NH; h++)
+      for (int part = 1; part <= 2; part++)
+        for (int d = 0; d < s.HS; d++)
+          dst[(s.NH + (part - 1) * s.KV + h / G) * s.HS + d] += src[(part * s.NH + h) * s.HS + d];
+  }
+
+  auto d_qkv = on_device(device(), "qkv", qkv, s.misalign), d_dout = on_device(device(), "dout", dout, s.misalign);
+  DeviceBuffer<float> d_out(device(), "out", out.size(), s.misalign), d_att(device(), "att", att.size(), s.misalign);
+  DeviceBuffer<float> d_dqkv(device(), "dqkv", s.qkv_size(), s.misalign),
+      d_scratch(device(), "scratch", s.square(), s.misalign);
+  d_dqkv.fill(kNaN);
+  ops().attention_forward(d_out.data(), d_att.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  ops().attention_backward(d_dqkv.data(), d_scratch.data(), d_dout.data(), d_qkv.data(), d_att.data(), s.B, s.T, s.NH,
+                           s.KV, s.HS);
+  expect_close(d_att.download("grouped attention").data(), widen(att), fp32_pair(s.HS + s.T + 8), "grouped att");
+  expect_close(d_out.download("grouped attention").data(), widen(out), fp32_pair(s.HS + 2 * s.T + 8), "grouped out");
+  expect_close(d_dqkv.download("grouped attention").data(), dqkv, attention_backward_tol(s), "grouped dqkv");
 }
 
 // With bf16 GEMM operands (fsdp.param_dtype=bf16 on a GPU) every product rounds q, k, att, v, dy
@@ -524,18 +693,19 @@ TEST_P(AttentionTest, BackwardMatchesCpu) {
 // CPU result, far from any wrong term's O(1) error. A loose bound: 3e-2 absolute and relative.
 TEST_P(AttentionTest, Bf16OperandsStayCloseToFp32) {
   const AttentionShape s = GetParam();
-  const size_t btc = static_cast<size_t>(s.B) * s.T * s.C, square = static_cast<size_t>(s.B) * s.NH * s.T * s.T;
-  const std::vector<float> qkv = uniform_vector(3 * btc, 84), dout = uniform_vector(btc, 85);
-  std::vector<float> out(btc), att(square), dqkv(3 * btc), scratch(square);
-  cpu::attention_forward(out.data(), att.data(), qkv.data(), s.B, s.T, s.C, s.NH);
-  cpu::attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), s.B, s.T, s.C, s.NH);
+  const std::vector<float> qkv = uniform_vector(s.qkv_size(), 84), dout = uniform_vector(s.out_size(), 85);
+  std::vector<float> out(s.out_size()), att(s.square()), dqkv(s.qkv_size()), scratch(s.square());
+  cpu::attention_forward(out.data(), att.data(), qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  cpu::attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), s.B, s.T, s.NH, s.KV,
+                          s.HS);
   auto bf16_ops = make_cuda_layer_ops(device(), DTYPE_BF16);
   auto d_qkv = on_device(device(), "qkv", qkv, s.misalign), d_dout = on_device(device(), "dout", dout, s.misalign);
-  DeviceBuffer<float> d_out(device(), "out", btc, s.misalign), d_att(device(), "att", square, s.misalign);
-  DeviceBuffer<float> d_dqkv(device(), "dqkv", 3 * btc, s.misalign), d_scratch(device(), "scratch", square, s.misalign);
-  bf16_ops->attention_forward(d_out.data(), d_att.data(), d_qkv.data(), s.B, s.T, s.C, s.NH);
+  DeviceBuffer<float> d_out(device(), "out", out.size(), s.misalign), d_att(device(), "att", att.size(), s.misalign);
+  DeviceBuffer<float> d_dqkv(device(), "dqkv", dqkv.size(), s.misalign),
+      d_scratch(device(), "scratch", s.square(), s.misalign);
+  bf16_ops->attention_forward(d_out.data(), d_att.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
   bf16_ops->attention_backward(d_dqkv.data(), d_scratch.data(), d_dout.data(), d_qkv.data(), d_att.data(), s.B, s.T,
-                               s.C, s.NH);
+                               s.NH, s.KV, s.HS);
   const Tolerance loose{3e-2, 3e-2};
   expect_close(d_out.download("attention_forward bf16").data(), widen(out), loose, "bf16 attention out");
   expect_close(d_dqkv.download("attention_backward bf16").data(), widen(dqkv), loose, "bf16 attention dqkv");
@@ -543,16 +713,15 @@ TEST_P(AttentionTest, Bf16OperandsStayCloseToFp32) {
 
 TEST_P(AttentionTest, RepeatsBitwise) {
   const AttentionShape s = GetParam();
-  const size_t btc = static_cast<size_t>(s.B) * s.T * s.C, square = static_cast<size_t>(s.B) * s.NH * s.T * s.T;
-  auto d_qkv = on_device(device(), "qkv", uniform_vector(3 * btc, 84), s.misalign);
-  auto d_dout = on_device(device(), "dout", uniform_vector(btc, 85), s.misalign);
-  DeviceBuffer<float> d_out(device(), "out", btc, s.misalign), d_att(device(), "att", square, s.misalign),
-      d_dqkv(device(), "dqkv", 3 * btc, s.misalign), d_scratch(device(), "scratch", square, s.misalign);
+  auto d_qkv = on_device(device(), "qkv", uniform_vector(s.qkv_size(), 84), s.misalign);
+  auto d_dout = on_device(device(), "dout", uniform_vector(s.out_size(), 85), s.misalign);
+  DeviceBuffer<float> d_out(device(), "out", s.out_size(), s.misalign), d_att(device(), "att", s.square(), s.misalign),
+      d_dqkv(device(), "dqkv", s.qkv_size(), s.misalign), d_scratch(device(), "scratch", s.square(), s.misalign);
   std::vector<float> first_out, first_dqkv;
   for (int run = 0; run < 2; run++) {
-    ops().attention_forward(d_out.data(), d_att.data(), d_qkv.data(), s.B, s.T, s.C, s.NH);
+    ops().attention_forward(d_out.data(), d_att.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
     ops().attention_backward(d_dqkv.data(), d_scratch.data(), d_dout.data(), d_qkv.data(), d_att.data(), s.B, s.T,
-                             s.C, s.NH);
+                             s.NH, s.KV, s.HS);
     std::vector<float> out = d_out.download("run"), dqkv = d_dqkv.download("run");
     if (run == 0) {
       first_out = out;
@@ -564,12 +733,104 @@ TEST_P(AttentionTest, RepeatsBitwise) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, AttentionTest,
-                         ::testing::Values(AttentionShape{1, 1, 12, 3, 0}, AttentionShape{2, 7, 24, 4, 0},
-                                           AttentionShape{3, 13, 36, 6, 0}, AttentionShape{1, 5, 18, 2, 0},
-                                           AttentionShape{2, 45, 64, 4, 0}, AttentionShape{2, 7, 24, 4, 1},
-                                           AttentionShape{1, 5, 18, 2, 1},
-                                           AttentionShape{4, 256, 768, 12, 0}),  // realistic: GPT-2 124M, T=256
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, AttentionTest,
+    ::testing::Values(AttentionShape{1, 1, 3, 3, 4, 0}, AttentionShape{2, 7, 4, 4, 6, 0},
+                      AttentionShape{3, 13, 6, 6, 6, 0}, AttentionShape{1, 5, 2, 2, 9, 0},
+                      AttentionShape{2, 45, 4, 4, 16, 0}, AttentionShape{2, 7, 4, 4, 6, 1},
+                      AttentionShape{1, 5, 2, 2, 9, 1},
+                      AttentionShape{4, 256, 12, 12, 64, 0},  // realistic: GPT-2 124M, T=256
+                      // grouped: G = 2, 3, 4 and multi-query (KV = 1), odd head sizes, misaligned
+                      AttentionShape{1, 1, 4, 2, 4, 0}, AttentionShape{2, 7, 4, 2, 6, 0},
+                      AttentionShape{3, 13, 6, 2, 6, 0}, AttentionShape{1, 5, 4, 1, 5, 0},
+                      AttentionShape{2, 45, 8, 2, 16, 0}, AttentionShape{2, 7, 6, 3, 7, 1},
+                      AttentionShape{2, 33, 4, 1, 8, 1},
+                      AttentionShape{2, 256, 32, 4, 64, 0}),  // realistic: TinyLlama's heads, T=256
+    ShapeName());
+
+// ==================================================================================================
+// Rope, in place on the q and k heads of qkv (layout as attention), tables of real Llama angles
+// t * 10000^(-2i/HS). Each element is x cos -/+ y sin: two products and a sum, whose roundings
+// (and FMA contraction on either side) differ by a few ulp of |x| + |y|: fp32_pair(2). v must stay
+// bit-identical. One thread per element pair, nothing summed: runs repeat bitwise.
+// ==================================================================================================
+using RopeShape = AttentionShape;
+
+class RopeTest : public GpuSuite<::testing::TestWithParam<RopeShape>> {};
+
+struct RopeTables {
+  RopeTables(int T, int HS) : cos(static_cast<size_t>(T) * (HS / 2)), sin(cos.size()) {
+    for (int t = 0; t < T; t++)
+      for (int i = 0; i < HS / 2; i++) {
+        const double angle = t * std::pow(10000.0, -2.0 * i / HS);
+        cos[static_cast<size_t>(t) * (HS / 2) + i] = static_cast<float>(std::cos(angle));
+        sin[static_cast<size_t>(t) * (HS / 2) + i] = static_cast<float>(std::sin(angle));
+      }
+  }
+  std::vector<float> cos, sin;
+};
+
+void check_rope(const RopeShape& s, bool backward, Device& device, const LayerOps<float>& ops) {
+  const RopeTables tables(s.T, s.HS);
+  const std::vector<float> input = uniform_vector(s.qkv_size(), backward ? 142 : 141);
+  std::vector<float> ref = input;
+  if (backward)
+    cpu::rope_backward(ref.data(), tables.cos.data(), tables.sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  else
+    cpu::rope_forward(ref.data(), tables.cos.data(), tables.sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  auto d_cos = on_device(device, "cos", tables.cos, s.misalign);
+  auto d_sin = on_device(device, "sin", tables.sin, s.misalign);
+  const std::string label = backward ? "rope_backward" : "rope_forward";
+  std::vector<float> first;
+  for (int run = 0; run < 2; run++) {
+    auto d_x = on_device(device, "qkv", input, s.misalign);
+    if (backward)
+      ops.rope_backward(d_x.data(), d_cos.data(), d_sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+    else
+      ops.rope_forward(d_x.data(), d_cos.data(), d_sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+    const std::vector<float> got = d_x.download(label);
+    if (run == 1) {
+      EXPECT_TRUE(same_bits(first, got)) << label << " differs between runs";
+      break;
+    }
+    first = got;
+    expect_close(got.data(), widen(ref), fp32_pair(2), label);
+    const size_t row = static_cast<size_t>(s.NH + 2 * s.KV) * s.HS, v_begin = static_cast<size_t>(s.NH + s.KV) * s.HS;
+    for (size_t bt = 0; bt < static_cast<size_t>(s.B) * s.T; bt++) {  // v untouched, bit for bit
+      const std::vector<float> want(input.begin() + bt * row + v_begin, input.begin() + (bt + 1) * row),
+          have(got.begin() + bt * row + v_begin, got.begin() + (bt + 1) * row);
+      if (!same_bits(want, have)) {
+        ADD_FAILURE() << label << " changed v of token " << bt;
+        break;
+      }
+    }
+  }
+  d_cos.download(label + " (cos)");
+  d_sin.download(label + " (sin)");
+}
+
+TEST_P(RopeTest, ForwardMatchesCpu) { check_rope(GetParam(), false, device(), ops()); }
+TEST_P(RopeTest, BackwardMatchesCpu) { check_rope(GetParam(), true, device(), ops()); }
+
+// The backward is the forward's inverse (a rotation's transpose): the round trip gives back the
+// input to a few ulp.
+TEST_P(RopeTest, BackwardUndoesForward) {
+  const RopeShape s = GetParam();
+  const RopeTables tables(s.T, s.HS);
+  const std::vector<float> input = uniform_vector(s.qkv_size(), 143);
+  auto d_cos = on_device(device(), "cos", tables.cos, s.misalign);
+  auto d_sin = on_device(device(), "sin", tables.sin, s.misalign);
+  auto d_x = on_device(device(), "qkv", input, s.misalign);
+  ops().rope_forward(d_x.data(), d_cos.data(), d_sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  ops().rope_backward(d_x.data(), d_cos.data(), d_sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  expect_close(d_x.download("rope round trip").data(), widen(input), fp32_pair(4), "rope round trip");
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, RopeTest,
+                         ::testing::Values(RopeShape{1, 1, 1, 1, 2, 0}, RopeShape{2, 7, 4, 4, 6, 0},
+                                           RopeShape{3, 13, 6, 2, 10, 0}, RopeShape{1, 5, 4, 1, 2, 0},
+                                           RopeShape{2, 7, 6, 3, 14, 1}, RopeShape{2, 33, 4, 2, 8, 1},
+                                           RopeShape{2, 256, 32, 4, 64, 0}),  // realistic: TinyLlama, T=256
                          ShapeName());
 
 // ==================================================================================================
@@ -636,6 +897,87 @@ INSTANTIATE_TEST_SUITE_P(Sizes, PointwiseTest,
                          ::testing::Values(PointwiseShape{1, 0}, PointwiseShape{3, 0}, PointwiseShape{4, 0},
                                            PointwiseShape{1001, 0}, PointwiseShape{65537, 0}, PointwiseShape{3, 1},
                                            PointwiseShape{1001, 1}, PointwiseShape{1000003, 0}),
+                         ShapeName());
+
+// ==================================================================================================
+// SwiGLU: rows of gate_up hold gate (I) | up (I); gates in [-6, 6), ups and dout in [-1, 1).
+// Misaligned cases and I % 4 != 0 take the scalar path, the others float4.
+// ==================================================================================================
+struct SwiGluShape {
+  int N, I, misalign;
+};
+std::string name_of(const SwiGluShape& s) {
+  return "N" + std::to_string(s.N) + "_I" + std::to_string(s.I) + misaligned_suffix(s.misalign);
+}
+void PrintTo(const SwiGluShape& s, std::ostream* os) { *os << name_of(s); }
+
+class SwiGluTest : public GpuSuite<::testing::TestWithParam<SwiGluShape>> {};
+
+// silu_value and silu_derivative (backend/math.hpp) on both sides: FMA contraction and exp_fast's
+// ~2 ulp, a few ulp of the result, except near silu'(x) = 0 (x ~ -1.28) where its two terms cancel:
+// a few ulp of the O(1) terms, hence the atol (as GELU's).
+constexpr Tolerance kSiluTol{1e-6, 1e-5};
+
+std::vector<float> gate_up_vector(const SwiGluShape& s, uint64_t seed) {
+  const std::vector<float> gates = uniform_vector(static_cast<size_t>(s.N) * s.I, seed, -6.0, 6.0),
+                           ups = uniform_vector(gates.size(), seed + 1);
+  std::vector<float> gate_up(2 * gates.size());
+  for (int n = 0; n < s.N; n++) {
+    const size_t row = static_cast<size_t>(n) * s.I;
+    std::copy(gates.begin() + row, gates.begin() + row + s.I, gate_up.begin() + 2 * row);
+    std::copy(ups.begin() + row, ups.begin() + row + s.I, gate_up.begin() + 2 * row + s.I);
+  }
+  return gate_up;
+}
+
+TEST_P(SwiGluTest, ForwardMatchesCpu) {
+  const SwiGluShape s = GetParam();
+  const std::vector<float> gate_up = gate_up_vector(s, 151);
+  std::vector<float> ref(static_cast<size_t>(s.N) * s.I);
+  cpu::swiglu_forward(ref.data(), gate_up.data(), s.N, s.I);
+  auto d_gate_up = on_device(device(), "gate_up", gate_up, s.misalign);
+  std::vector<float> first;
+  for (int run = 0; run < 2; run++) {
+    DeviceBuffer<float> d_out(device(), "out", ref.size(), s.misalign);
+    d_out.fill(kNaN);
+    ops().swiglu_forward(d_out.data(), d_gate_up.data(), s.N, s.I);
+    const std::vector<float> got = d_out.download("swiglu_forward");
+    if (run == 0) {
+      expect_close(got.data(), widen(ref), kSiluTol, "swiglu out");
+      first = got;
+    } else {
+      EXPECT_TRUE(same_bits(first, got)) << "swiglu out differs between runs";
+    }
+  }
+}
+
+// dgate_up is written (=): NaN before, every element after.
+TEST_P(SwiGluTest, BackwardMatchesCpu) {
+  const SwiGluShape s = GetParam();
+  const std::vector<float> gate_up = gate_up_vector(s, 153), dout = uniform_vector(static_cast<size_t>(s.N) * s.I, 155);
+  std::vector<float> ref(gate_up.size());
+  cpu::swiglu_backward(ref.data(), dout.data(), gate_up.data(), s.N, s.I);
+  auto d_gate_up = on_device(device(), "gate_up", gate_up, s.misalign);
+  auto d_dout = on_device(device(), "dout", dout, s.misalign);
+  std::vector<float> first;
+  for (int run = 0; run < 2; run++) {
+    DeviceBuffer<float> d_dgate_up(device(), "dgate_up", ref.size(), s.misalign);
+    d_dgate_up.fill(kNaN);
+    ops().swiglu_backward(d_dgate_up.data(), d_dout.data(), d_gate_up.data(), s.N, s.I);
+    const std::vector<float> got = d_dgate_up.download("swiglu_backward");
+    if (run == 0) {
+      expect_close(got.data(), widen(ref), kSiluTol, "swiglu dgate_up");
+      first = got;
+    } else {
+      EXPECT_TRUE(same_bits(first, got)) << "swiglu dgate_up differs between runs";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, SwiGluTest,
+                         ::testing::Values(SwiGluShape{1, 1, 0}, SwiGluShape{3, 5, 0}, SwiGluShape{7, 12, 0},
+                                           SwiGluShape{7, 12, 1}, SwiGluShape{13, 101, 0}, SwiGluShape{13, 100, 1},
+                                           SwiGluShape{512, 5632, 0}),  // realistic: TinyLlama's MLP, 512 tokens
                          ShapeName());
 
 // ==================================================================================================

@@ -4,7 +4,7 @@
 // are backend/cpu/ops.hpp's.
 //
 // Temporary device memory (attention's head-major copies, the encoder's sort, the two-stage
-// column sums) comes from one workspace owned by the ops object, allocated from the device's
+// column sums of the norms and biases) comes from one workspace owned by the ops object, allocated from the device's
 // caching allocator on first need and grown to the largest request so far. Reusing it across
 // ops is safe because everything runs in order on the compute stream; growing it releases the
 // old block to the allocator, whose reuse is ordered on that same stream (cuda_device.cpp).
@@ -83,14 +83,38 @@ class CudaLayerOps final : public LayerOps<float> {
     void* ws = dbias ? workspace(kernels::matmul_backward_workspace_bytes(N, OC)) : nullptr;
     kernels::launch_matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, ws, gemm_);
   }
-  void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) const override {
-    void* ws = workspace(kernels::attention_workspace_bytes(B, T, C));
-    kernels::launch_attention_forward(out, att, qkv, B, T, C, NH, ws, gemm_);
+  void attention_forward(float* out, float* att, const float* qkv, int B, int T, int NH, int KV,
+                         int HS) const override {
+    void* ws = workspace(kernels::attention_workspace_bytes(B, T, NH, KV, HS));
+    kernels::launch_attention_forward(out, att, qkv, B, T, NH, KV, HS, ws, gemm_);
   }
   void attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv, const float* att, int B,
-                          int T, int C, int NH) const override {
-    void* ws = workspace(kernels::attention_workspace_bytes(B, T, C));
-    kernels::launch_attention_backward(dqkv, scratch, dout, qkv, att, B, T, C, NH, ws, gemm_);
+                          int T, int NH, int KV, int HS) const override {
+    void* ws = workspace(kernels::attention_workspace_bytes(B, T, NH, KV, HS));
+    kernels::launch_attention_backward(dqkv, scratch, dout, qkv, att, B, T, NH, KV, HS, ws, gemm_);
+  }
+  void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, float eps, int N,
+                       int C) const override {
+    kernels::launch_rmsnorm_forward(out, rstd, inp, weight, eps, N, C, launch());
+  }
+  void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                        const float* rstd, int N, int C) const override {
+    void* ws = workspace(kernels::rmsnorm_backward_workspace_bytes(N, C));
+    kernels::launch_rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, N, C, ws, launch());
+  }
+  void rope_forward(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int KV,
+                    int HS) const override {
+    kernels::launch_rope_forward(qkv, cos, sin, B, T, NH, KV, HS, launch());
+  }
+  void rope_backward(float* dqkv, const float* cos, const float* sin, int B, int T, int NH, int KV,
+                     int HS) const override {
+    kernels::launch_rope_backward(dqkv, cos, sin, B, T, NH, KV, HS, launch());
+  }
+  void swiglu_forward(float* out, const float* gate_up, int N, int I) const override {
+    kernels::launch_swiglu_forward(out, gate_up, N, I, launch());
+  }
+  void swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, int N, int I) const override {
+    kernels::launch_swiglu_backward(dgate_up, dout, gate_up, N, I, launch());
   }
   void gelu_forward(float* out, const float* inp, size_t n) const override {
     kernels::launch_gelu_forward(out, inp, n, launch());
