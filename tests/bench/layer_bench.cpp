@@ -1,5 +1,7 @@
 // Layer micro-benchmarks of the CPU backend (float, on the threads OpenMP gives) at GPT-2 small
-// shapes: B=4, T=64 (N = B*T = 256 rows), C=768, NH=12, V=50257.
+// shapes: B=4, T=64 (N = B*T = 256 rows), C=768, NH=12, V=50257; and Llama's own layers (RMSNorm,
+// rotary embedding, SwiGLU) at llama-135M (SmolLM-135M) shapes: B=4, T=256 (N = 1024 rows), C=576,
+// NH=9 query heads, KV=3 key/value heads, HS=64, I=1536 (the MLP width).
 //
 // Counters and their formulas (rates are per second of wall-clock time: every benchmark uses
 // UseRealTime, because the work runs on OpenMP/OpenBLAS threads, not on the timing thread):
@@ -10,6 +12,11 @@
 //   BM_AttentionBackward          FLOP/s  = 8 B T^2 C (four TxT GEMMs per head)
 //   BM_LayernormForward           bytes/s = 4 (2 N C) (read inp, write out; per-row stats ignored)
 //   BM_LayernormBackward          bytes/s = 4 (4 N C) (read dout, inp; read+write dinp)
+//   BM_RmsnormForward             bytes/s = 4 (2 N C) (llama shapes; read inp, write out)
+//   BM_RmsnormBackward            bytes/s = 4 (4 N C) (llama shapes; read dout, inp; read+write dinp)
+//   BM_RopeForward/Backward       bytes/s = 4 (2 N (NH+KV) HS) (llama shapes; q and k heads read+written in place)
+//   BM_SwigluForward              bytes/s = 4 (3 N I) (llama shapes; read gate|up, write out)
+//   BM_SwigluBackward             bytes/s = 4 (5 N I) (llama shapes; read dout, gate|up; write dgate|dup)
 //   BM_GeluForward                bytes/s = 4 (2 n), n = N 4C
 //   BM_GeluBackward               bytes/s = 4 (3 n)
 //   BM_SoftmaxCrossentropyForward bytes/s = 4 (2 N V) (logits read, probabilities written in place)
@@ -45,6 +52,13 @@ using namespace shardtrain;
 
 constexpr int B = 4, T = 64, C = 768, NH = 12, V = 50257;
 constexpr int N = B * T;
+// llama-135M: head size 64, three query heads per key/value head, rope theta 10000, RMSNorm eps 1e-5.
+namespace llama {
+constexpr int B = 4, T = 256, C = 576, NH = 9, KV = 3, HS = 64, I = 1536;
+constexpr int N = B * T;
+constexpr double ROPE_THETA = 10000.0;
+constexpr float EPS = 1e-5f;
+}  // namespace llama
 constexpr int PEAK_N = 2048;
 constexpr size_t ADAMW_N = 10'000'000;
 constexpr double MIN_TIME_S = 0.2;
@@ -128,7 +142,7 @@ void BM_AttentionForward(benchmark::State& state) {
   auto qkv = filled(size_t(N) * 3 * C, 7, 0.5f);
   std::vector<float> out(size_t(N) * C), att(size_t(B) * NH * T * T);
   for (auto _ : state) {
-    cpu::attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH);
+    cpu::attention_forward(out.data(), att.data(), qkv.data(), B, T, NH, NH, C / NH);
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
@@ -138,9 +152,9 @@ void BM_AttentionForward(benchmark::State& state) {
 void BM_AttentionBackward(benchmark::State& state) {
   auto qkv = filled(size_t(N) * 3 * C, 7, 0.5f), dout = filled(size_t(N) * C, 8, 0.01f);
   std::vector<float> out(size_t(N) * C), att(size_t(B) * NH * T * T), scratch(att.size()), dqkv(qkv.size());
-  cpu::attention_forward(out.data(), att.data(), qkv.data(), B, T, C, NH);
+  cpu::attention_forward(out.data(), att.data(), qkv.data(), B, T, NH, NH, C / NH);
   for (auto _ : state) {
-    cpu::attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH);
+    cpu::attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), B, T, NH, NH, C / NH);
     benchmark::DoNotOptimize(dqkv.data());
     benchmark::ClobberMemory();
   }
@@ -171,6 +185,87 @@ void BM_LayernormBackward(benchmark::State& state) {
     benchmark::ClobberMemory();
   }
   set_bytes(state, 4.0 * 4 * N * C);
+}
+
+void BM_RmsnormForward(benchmark::State& state) {
+  constexpr int N = llama::N, C = llama::C;
+  auto inp = filled(size_t(N) * C, 19), weight = filled(C, 20);
+  std::vector<float> out(size_t(N) * C), rstd(N);
+  for (auto _ : state) {
+    cpu::rmsnorm_forward(out.data(), rstd.data(), inp.data(), weight.data(), llama::EPS, N, C);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  set_bytes(state, 4.0 * 2 * N * C);
+}
+
+// dinp and dweight accumulate (+=) over the iterations; their values do not change the work.
+void BM_RmsnormBackward(benchmark::State& state) {
+  constexpr int N = llama::N, C = llama::C;
+  auto inp = filled(size_t(N) * C, 19), weight = filled(C, 20), dout = filled(size_t(N) * C, 21, 0.01f);
+  std::vector<float> out(size_t(N) * C), rstd(N), dinp(size_t(N) * C), dweight(C);
+  cpu::rmsnorm_forward(out.data(), rstd.data(), inp.data(), weight.data(), llama::EPS, N, C);
+  for (auto _ : state) {
+    cpu::rmsnorm_backward(dinp.data(), dweight.data(), dout.data(), inp.data(), weight.data(), rstd.data(), N, C);
+    benchmark::DoNotOptimize(dinp.data());
+    benchmark::ClobberMemory();
+  }
+  set_bytes(state, 4.0 * 4 * N * C);
+}
+
+// The rope tables (T, HS/2) as the model builds them: angle = t * theta^(-2i/HS).
+void rope_tables(std::vector<float>& cos, std::vector<float>& sin) {
+  constexpr int T = llama::T, HS = llama::HS;
+  cos.resize(size_t(T) * HS / 2);
+  sin.resize(cos.size());
+  for (int t = 0; t < T; t++)
+    for (int i = 0; i < HS / 2; i++) {
+      const double angle = t * std::pow(llama::ROPE_THETA, -2.0 * i / HS);
+      cos[size_t(t) * HS / 2 + i] = static_cast<float>(std::cos(angle));
+      sin[size_t(t) * HS / 2 + i] = static_cast<float>(std::sin(angle));
+    }
+}
+
+// In place: each iteration turns the q and k heads once more (forward) or back (backward); the
+// turns are rotations, so the values stay bounded and the work is the same.
+void BM_Rope(benchmark::State& state, bool backward) {
+  constexpr int B = llama::B, T = llama::T, N = llama::N, NH = llama::NH, KV = llama::KV, HS = llama::HS;
+  auto qkv = filled(size_t(N) * (NH + 2 * KV) * HS, 22, 0.5f);
+  std::vector<float> cos, sin;
+  rope_tables(cos, sin);
+  for (auto _ : state) {
+    if (backward)
+      cpu::rope_backward(qkv.data(), cos.data(), sin.data(), B, T, NH, KV, HS);
+    else
+      cpu::rope_forward(qkv.data(), cos.data(), sin.data(), B, T, NH, KV, HS);
+    benchmark::DoNotOptimize(qkv.data());
+    benchmark::ClobberMemory();
+  }
+  set_bytes(state, 4.0 * 2 * N * (NH + KV) * HS);
+}
+
+void BM_SwigluForward(benchmark::State& state) {
+  constexpr int N = llama::N, I = llama::I;
+  auto gate_up = filled(size_t(N) * 2 * I, 23, 3.0f);
+  std::vector<float> out(size_t(N) * I);
+  for (auto _ : state) {
+    cpu::swiglu_forward(out.data(), gate_up.data(), N, I);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  set_bytes(state, 4.0 * 3 * N * I);
+}
+
+void BM_SwigluBackward(benchmark::State& state) {
+  constexpr int N = llama::N, I = llama::I;
+  auto gate_up = filled(size_t(N) * 2 * I, 23, 3.0f), dout = filled(size_t(N) * I, 24, 0.01f);
+  std::vector<float> dgate_up(size_t(N) * 2 * I);
+  for (auto _ : state) {
+    cpu::swiglu_backward(dgate_up.data(), dout.data(), gate_up.data(), N, I);
+    benchmark::DoNotOptimize(dgate_up.data());
+    benchmark::ClobberMemory();
+  }
+  set_bytes(state, 4.0 * 5 * N * I);
 }
 
 void BM_GeluForward(benchmark::State& state) {
@@ -279,6 +374,12 @@ void register_benchmarks() {
   configure(benchmark::RegisterBenchmark("BM_AttentionBackward", BM_AttentionBackward));
   configure(benchmark::RegisterBenchmark("BM_LayernormForward", BM_LayernormForward));
   configure(benchmark::RegisterBenchmark("BM_LayernormBackward", BM_LayernormBackward));
+  configure(benchmark::RegisterBenchmark("BM_RmsnormForward", BM_RmsnormForward));
+  configure(benchmark::RegisterBenchmark("BM_RmsnormBackward", BM_RmsnormBackward));
+  configure(benchmark::RegisterBenchmark("BM_RopeForward", BM_Rope, false));
+  configure(benchmark::RegisterBenchmark("BM_RopeBackward", BM_Rope, true));
+  configure(benchmark::RegisterBenchmark("BM_SwigluForward", BM_SwigluForward));
+  configure(benchmark::RegisterBenchmark("BM_SwigluBackward", BM_SwigluBackward));
   configure(benchmark::RegisterBenchmark("BM_GeluForward", BM_GeluForward));
   configure(benchmark::RegisterBenchmark("BM_GeluBackward", BM_GeluBackward));
   configure(benchmark::RegisterBenchmark("BM_SoftmaxCrossentropyForward", BM_SoftmaxCrossentropyForward));

@@ -1,20 +1,28 @@
-// The CPU layer ops (backend/cpu/ops.hpp) against the naive double oracle (support/reference_ops)
-// and against central finite differences, over awkward shapes (nothing a power of two or a
-// multiple of a block size). For every op and shape:
+// The CPU layer ops (backend/cpu/ops.hpp), GPT-2's and Llama's, against the naive double oracle
+// (support/reference_ops) and against central finite differences, over awkward shapes (nothing a
+// power of two or a multiple of a block size). For every op and shape:
 //   (a) Float...MatchesReference: the float instantiation vs the double reference, under the
 //       tolerance model written next to it;
 //   (b) Double...MatchesReference: the double instantiation vs the reference at 1e-12;
 //   (c) ...FiniteDifferences: each backward (the double instantiation, and the reference itself)
 //       vs central differences of L = sum(out * R) for a fixed random R;
 //   (d) BackwardTwice...: parameter gradients accumulate (+=, prefilled values kept), activation
-//       gradients are written (=, prefilled NaN garbage must not leak), layernorm dinp accumulates.
+//       gradients are written (=, prefilled NaN garbage must not leak), layernorm's and rmsnorm's
+//       dinp accumulate.
+// Besides: the encoder without a position table; grouped-query attention against multi-head
+// attention on repeated key/value heads; rope by hand at known angles and as its backward's
+// adjoint and inverse; and the ops that reduce across threads (GQA's shared key/value gradients,
+// rmsnorm's dweight) give the same bits on every call and with 1, 2 or 3 OpenMP threads.
 // Every buffer an op touches lives in a GuardedBuffer whose NaN sentinels are checked after each
 // call; outputs and written gradients are prefilled with NaN so an element left unwritten fails.
 // Inputs the float op sees are exactly the inputs the reference sees (float widened to double).
 #include <gtest/gtest.h>
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <ostream>
 #include <string>
@@ -125,6 +133,20 @@ std::vector<double> random_vector(size_t n, uint64_t seed, double lo = -1.0, dou
   return v;
 }
 
+// Determinism checks: runs fn with the OpenMP default team size set to n, then restores it.
+template <typename Fn>
+void with_threads(int n, Fn fn) {
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(n);
+  fn();
+  omp_set_num_threads(saved);
+}
+
+template <typename Real>
+bool same_bits(const std::vector<Real>& a, const std::vector<Real>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(Real)) == 0;
+}
+
 // Readable test names: GoogleTest calls name_of(param) through this.
 struct ShapeName {
   template <typename P>
@@ -134,8 +156,9 @@ struct ShapeName {
 };
 
 // ==================================================================================================
-// Encoder: out(B,T,C) = wte[token] + wpe[t]. wpe gets kExtraPositions rows beyond T, whose
-// gradient must stay untouched. V is small so tokens repeat (the scatter must accumulate).
+// Encoder: out(B,T,C) = wte[token] + wpe[t], or wte[token] alone when wpe is null (Llama: no
+// position table). wpe gets kExtraPositions rows beyond T, whose gradient must stay untouched. V is
+// small so tokens repeat (the scatter must accumulate).
 // ==================================================================================================
 struct EncoderShape {
   int B, T, C, V;
@@ -147,8 +170,9 @@ std::string name_of(const EncoderShape& s) {
 void PrintTo(const EncoderShape& s, std::ostream* os) { *os << name_of(s); }
 constexpr int kExtraPositions = 3;
 
+// positions = false passes wpe = null.
 template <typename Real>
-void check_encoder_forward(const EncoderShape& s) {
+void check_encoder_forward(const EncoderShape& s, bool positions) {
   const size_t BT = static_cast<size_t>(s.B) * s.T, maxT = s.T + kExtraPositions;
   GuardedBuffer<int> tokens(BT, "tokens");
   GuardedBuffer<Real> wte(static_cast<size_t>(s.V) * s.C, "wte"), wpe(maxT * s.C, "wpe"), out(BT * s.C, "out");
@@ -156,18 +180,24 @@ void check_encoder_forward(const EncoderShape& s) {
   fill_uniform(wte.data(), wte.size(), 12);
   fill_uniform(wpe.data(), wpe.size(), 13);
   fill_value(out.data(), out.size(), quiet_nan<Real>());
-  cpu::encoder_forward(out.data(), tokens.data(), wte.data(), wpe.data(), s.B, s.T, s.C);
+  cpu::encoder_forward(out.data(), tokens.data(), wte.data(), positions ? wpe.data() : nullptr, s.B, s.T, s.C);
   expect_guards_intact("encoder_forward", tokens, wte, wpe, out);
 
   std::vector<double> ref_out(out.size());
-  ref::encoder_forward(ref_out.data(), tokens.data(), wte.to_double().data(), wpe.to_double().data(), s.B, s.T, s.C);
+  const std::vector<double> ref_wpe = wpe.to_double();
+  ref::encoder_forward(ref_out.data(), tokens.data(), wte.to_double().data(), positions ? ref_wpe.data() : nullptr,
+                       s.B, s.T, s.C);
   // One rounding of a + b: |err| <= u |a + b|; 2 u so the check does not sit on its own bound.
-  expect_close(out.data(), ref_out, model<Real>({0.0, 2 * kU32}), std::string("encoder out ") + type_name<Real>());
+  // Without positions the rows are copies: exact.
+  const Tolerance tol = positions ? model<Real>({0.0, 2 * kU32}) : Tolerance{0.0, 0.0};
+  expect_close(out.data(), ref_out, tol,
+               std::string("encoder out ") + (positions ? "" : "without wpe ") + type_name<Real>());
 }
 
 // calls = 1 checks one backward; calls = 2 checks that the parameter gradients accumulate.
+// positions = false passes dwpe = null; dwte must then be what it is with a dwpe, bit for bit.
 template <typename Real>
-void check_encoder_backward(const EncoderShape& s, int calls) {
+void check_encoder_backward(const EncoderShape& s, int calls, bool positions) {
   const size_t BT = static_cast<size_t>(s.B) * s.T, maxT = s.T + kExtraPositions;
   GuardedBuffer<int> tokens(BT, "tokens");
   GuardedBuffer<Real> dout(BT * s.C, "dout"), dwte(static_cast<size_t>(s.V) * s.C, "dwte"), dwpe(maxT * s.C, "dwpe");
@@ -175,19 +205,30 @@ void check_encoder_backward(const EncoderShape& s, int calls) {
   fill_uniform(dout.data(), dout.size(), 22);
   fill_uniform(dwte.data(), dwte.size(), 23);  // prefilled: parameter gradients accumulate
   fill_uniform(dwpe.data(), dwpe.size(), 24);
+  std::vector<Real> dwte_with_dwpe(dwte.data(), dwte.data() + dwte.size()), dwpe_scratch(dwpe.size(), Real(0));
   std::vector<double> ref_dwte = dwte.to_double(), ref_dwpe = dwpe.to_double();
   for (int call = 0; call < calls; call++) {
-    cpu::encoder_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), s.B, s.T, s.C);
+    cpu::encoder_backward(dwte.data(), positions ? dwpe.data() : nullptr, dout.data(), tokens.data(), s.B, s.T, s.C);
     expect_guards_intact("encoder_backward call " + std::to_string(call + 1), tokens, dout, dwte, dwpe);
-    ref::encoder_backward(ref_dwte.data(), ref_dwpe.data(), dout.to_double().data(), tokens.data(), s.B, s.T, s.C);
+    ref::encoder_backward(ref_dwte.data(), positions ? ref_dwpe.data() : nullptr, dout.to_double().data(),
+                          tokens.data(), s.B, s.T, s.C);
+    if (!positions)
+      cpu::encoder_backward(dwte_with_dwpe.data(), dwpe_scratch.data(), dout.data(), tokens.data(), s.B, s.T, s.C);
   }
   // dwte[v] = prefill + up to calls*B*T rows of dout (tokens repeat); dwpe[t] = prefill + calls*B rows.
   const Tolerance tol = model<Real>(fp32_sum(calls * static_cast<int>(BT) + 1));
-  expect_close(dwte.data(), ref_dwte, tol, std::string("encoder dwte ") + type_name<Real>());
-  expect_close(dwpe.data(), ref_dwpe, tol, std::string("encoder dwpe ") + type_name<Real>());
+  const std::string type = type_name<Real>();
+  if (positions) {
+    expect_close(dwte.data(), ref_dwte, tol, "encoder dwte " + type);
+    expect_close(dwpe.data(), ref_dwpe, tol, "encoder dwpe " + type);
+  } else {
+    expect_close(dwte.data(), ref_dwte, tol, "encoder dwte without dwpe " + type);
+    EXPECT_EQ(std::memcmp(dwte.data(), dwte_with_dwpe.data(), dwte.size() * sizeof(Real)), 0)
+        << "encoder dwte without dwpe differs from dwte with one";
+  }
 }
 
-void check_encoder_gradients(const EncoderShape& s, bool reference) {
+void check_encoder_gradients(const EncoderShape& s, bool reference, bool positions) {
   const size_t BT = static_cast<size_t>(s.B) * s.T, maxT = s.T + kExtraPositions;
   const auto forward_fn = reference ? &ref::encoder_forward : &cpu::encoder_forward<double>;
   const auto backward_fn = reference ? &ref::encoder_backward : &cpu::encoder_backward<double>;
@@ -197,23 +238,36 @@ void check_encoder_gradients(const EncoderShape& s, bool reference) {
   std::vector<double> wpe = random_vector(maxT * s.C, 33);
   const std::vector<double> R = random_vector(BT * s.C, 34);
   std::vector<double> dwte(wte.size(), 0.0), dwpe(wpe.size(), 0.0);
-  backward_fn(dwte.data(), dwpe.data(), R.data(), tokens.data(), s.B, s.T, s.C);
+  backward_fn(dwte.data(), positions ? dwpe.data() : nullptr, R.data(), tokens.data(), s.B, s.T, s.C);
   const Forward forward = [&](std::vector<double>& out) {
-    forward_fn(out.data(), tokens.data(), wte.data(), wpe.data(), s.B, s.T, s.C);
+    forward_fn(out.data(), tokens.data(), wte.data(), positions ? wpe.data() : nullptr, s.B, s.T, s.C);
   };
-  const std::string who = reference ? "reference " : "cpu<double> ";
+  const std::string who = std::string(reference ? "reference " : "cpu<double> ") + (positions ? "" : "no-wpe ");
   expect_matches_finite_differences(wte.data(), wte.size(), dwte.data(), R, forward, who + "encoder dwte");
-  expect_matches_finite_differences(wpe.data(), wpe.size(), dwpe.data(), R, forward, who + "encoder dwpe");
+  if (positions)
+    expect_matches_finite_differences(wpe.data(), wpe.size(), dwpe.data(), R, forward, who + "encoder dwpe");
 }
 
 class EncoderTest : public ::testing::TestWithParam<EncoderShape> {};
-TEST_P(EncoderTest, ForwardFloatMatchesReference) { check_encoder_forward<float>(GetParam()); }
-TEST_P(EncoderTest, ForwardDoubleMatchesReference) { check_encoder_forward<double>(GetParam()); }
-TEST_P(EncoderTest, BackwardFloatMatchesReference) { check_encoder_backward<float>(GetParam(), 1); }
-TEST_P(EncoderTest, BackwardDoubleMatchesReference) { check_encoder_backward<double>(GetParam(), 1); }
-TEST_P(EncoderTest, BackwardMatchesFiniteDifferences) { check_encoder_gradients(GetParam(), false); }
-TEST_P(EncoderTest, ReferenceBackwardMatchesFiniteDifferences) { check_encoder_gradients(GetParam(), true); }
-TEST_P(EncoderTest, BackwardTwiceAccumulatesParameterGradients) { check_encoder_backward<float>(GetParam(), 2); }
+TEST_P(EncoderTest, ForwardFloatMatchesReference) { check_encoder_forward<float>(GetParam(), true); }
+TEST_P(EncoderTest, ForwardDoubleMatchesReference) { check_encoder_forward<double>(GetParam(), true); }
+TEST_P(EncoderTest, BackwardFloatMatchesReference) { check_encoder_backward<float>(GetParam(), 1, true); }
+TEST_P(EncoderTest, BackwardDoubleMatchesReference) { check_encoder_backward<double>(GetParam(), 1, true); }
+TEST_P(EncoderTest, BackwardMatchesFiniteDifferences) { check_encoder_gradients(GetParam(), false, true); }
+TEST_P(EncoderTest, ReferenceBackwardMatchesFiniteDifferences) { check_encoder_gradients(GetParam(), true, true); }
+TEST_P(EncoderTest, BackwardTwiceAccumulatesParameterGradients) { check_encoder_backward<float>(GetParam(), 2, true); }
+// Llama: no position table. The output is the token rows exactly; dwte is the same scatter.
+TEST_P(EncoderTest, ForwardWithoutWpeCopiesTokenRowsFloat) { check_encoder_forward<float>(GetParam(), false); }
+TEST_P(EncoderTest, ForwardWithoutWpeCopiesTokenRowsDouble) { check_encoder_forward<double>(GetParam(), false); }
+TEST_P(EncoderTest, BackwardWithoutDwpeFloatMatchesReference) { check_encoder_backward<float>(GetParam(), 1, false); }
+TEST_P(EncoderTest, BackwardWithoutDwpeDoubleMatchesReference) {
+  check_encoder_backward<double>(GetParam(), 1, false);
+}
+TEST_P(EncoderTest, BackwardWithoutDwpeMatchesFiniteDifferences) { check_encoder_gradients(GetParam(), false, false); }
+TEST_P(EncoderTest, ReferenceBackwardWithoutDwpeMatchesFiniteDifferences) {
+  check_encoder_gradients(GetParam(), true, false);
+}
+TEST_P(EncoderTest, BackwardTwiceWithoutDwpeAccumulatesDwte) { check_encoder_backward<float>(GetParam(), 2, false); }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, EncoderTest,
                          ::testing::Values(EncoderShape{1, 1, 12, 11}, EncoderShape{1, 5, 12, 50},
@@ -340,6 +394,161 @@ std::vector<LayerNormShape> layernorm_shapes() {
 INSTANTIATE_TEST_SUITE_P(Shapes, LayerNormTest, ::testing::ValuesIn(layernorm_shapes()), ShapeName());
 
 // ==================================================================================================
+// RMSNorm (Llama) over rows of C, N = B*T rows, with the eps given. Most shapes: inputs uniform in
+// [-2, 3), eps 1e-5. "Tiny" shapes: inputs in [-0.02, 0.03) with eps 1e-4, comparable to their mean
+// square (~2.3e-4), so a dropped, fixed or misplaced eps shows; rstd ~ 55 there. C = 41 crosses
+// the 32-column block of the dweight sums. Weight in [0.5, 1.5).
+// ==================================================================================================
+struct RmsNormShape {
+  int B, T, C;
+  bool tiny;
+};
+std::string name_of(const RmsNormShape& s) {
+  return "B" + std::to_string(s.B) + "_T" + std::to_string(s.T) + "_C" + std::to_string(s.C) + (s.tiny ? "_tiny" : "");
+}
+void PrintTo(const RmsNormShape& s, std::ostream* os) { *os << name_of(s); }
+
+double rmsnorm_eps(const RmsNormShape& s) { return s.tiny ? 1e-4 : 1e-5; }
+
+template <typename Real>
+struct RmsNormInputs {
+  explicit RmsNormInputs(const RmsNormShape& s)
+      : N(s.B * s.T), C(s.C), eps(static_cast<Real>(rmsnorm_eps(s))), inp(static_cast<size_t>(N) * C, "inp"),
+        weight(C, "weight") {
+    fill_uniform(inp.data(), inp.size(), 141, s.tiny ? -0.02 : -2.0, s.tiny ? 0.03 : 3.0);
+    fill_uniform(weight.data(), weight.size(), 142, 0.5, 1.5);
+  }
+  int N, C;
+  Real eps;
+  GuardedBuffer<Real> inp, weight;
+};
+
+// Scales a tolerance's atol by the size of rstd: the backward's terms are ~ rstd |dout w| (up to
+// ~55 for the tiny inputs), and its cancellations err in proportion to them.
+Tolerance scaled_atol(Tolerance t, const std::vector<double>& rstd) {
+  double f = 1.0;
+  for (double r : rstd) f = std::max(f, r);
+  return {t.atol * f, t.rtol};
+}
+
+template <typename Real>
+void check_rmsnorm_forward(const RmsNormShape& s) {
+  RmsNormInputs<Real> in(s);
+  const int N = in.N, C = in.C;
+  GuardedBuffer<Real> out(static_cast<size_t>(N) * C, "out"), rstd(N, "rstd");
+  fill_value(out.data(), out.size(), quiet_nan<Real>());
+  fill_value(rstd.data(), rstd.size(), quiet_nan<Real>());
+  cpu::rmsnorm_forward(out.data(), rstd.data(), in.inp.data(), in.weight.data(), in.eps, N, C);
+  expect_guards_intact("rmsnorm_forward", out, rstd, in.inp, in.weight);
+
+  std::vector<double> ref_out(out.size()), ref_rstd(N);
+  // The reference gets eps as the op saw it (rounded to Real).
+  ref::rmsnorm_forward(ref_out.data(), ref_rstd.data(), in.inp.to_double().data(), in.weight.to_double().data(),
+                       static_cast<double>(in.eps), N, C);
+  // The mean square: a sum of C squares; then + eps, sqrt, division and two products.
+  const Tolerance tol = model<Real>(fp32_sum(C + 5));
+  const std::string type = type_name<Real>();
+  expect_close(out.data(), ref_out, tol, "rmsnorm out " + type);
+  expect_close(rstd.data(), ref_rstd, tol, "rmsnorm rstd " + type);
+}
+
+// calls = 2: dinp and dweight both accumulate (dinp adds onto the residual stream, like layernorm's).
+template <typename Real>
+void check_rmsnorm_backward(const RmsNormShape& s, int calls) {
+  RmsNormInputs<Real> in(s);
+  const int N = in.N, C = in.C;
+  GuardedBuffer<Real> out(static_cast<size_t>(N) * C, "out"), rstd(N, "rstd");
+  cpu::rmsnorm_forward(out.data(), rstd.data(), in.inp.data(), in.weight.data(), in.eps, N, C);
+
+  GuardedBuffer<Real> dout(out.size(), "dout"), dinp(out.size(), "dinp"), dweight(C, "dweight");
+  fill_uniform(dout.data(), dout.size(), 143);
+  fill_uniform(dinp.data(), dinp.size(), 144);  // prefilled: both gradients accumulate
+  fill_uniform(dweight.data(), dweight.size(), 145);
+  std::vector<double> ref_dinp = dinp.to_double(), ref_dweight = dweight.to_double();
+  for (int call = 0; call < calls; call++) {
+    cpu::rmsnorm_backward(dinp.data(), dweight.data(), dout.data(), in.inp.data(), in.weight.data(), rstd.data(), N,
+                          C);
+    expect_guards_intact("rmsnorm_backward call " + std::to_string(call + 1), dinp, dweight, dout, in.inp, in.weight,
+                         rstd);
+    // The reference sees the rstd the op saved, so this isolates the backward.
+    ref::rmsnorm_backward(ref_dinp.data(), ref_dweight.data(), dout.to_double().data(), in.inp.to_double().data(),
+                          in.weight.to_double().data(), rstd.to_double().data(), N, C);
+  }
+  // dinp: a sum over C per row and a few roundings; dweight: sums over N rows; plus the prefill.
+  const Tolerance tol = scaled_atol(model<Real>(fp32_sum(C + calls * N + 4)), rstd.to_double());
+  const std::string type = type_name<Real>();
+  expect_close(dinp.data(), ref_dinp, tol, "rmsnorm dinp " + type);
+  expect_close(dweight.data(), ref_dweight, tol, "rmsnorm dweight " + type);
+}
+
+void check_rmsnorm_gradients(const RmsNormShape& s, bool reference) {
+  const int N = s.B * s.T, C = s.C;
+  const double eps = rmsnorm_eps(s);
+  const auto forward_fn = reference ? &ref::rmsnorm_forward : &cpu::rmsnorm_forward<double>;
+  const auto backward_fn = reference ? &ref::rmsnorm_backward : &cpu::rmsnorm_backward<double>;
+  std::vector<double> inp = random_vector(static_cast<size_t>(N) * C, 151, s.tiny ? -0.02 : -2.0, s.tiny ? 0.03 : 3.0);
+  std::vector<double> weight = random_vector(C, 152, 0.5, 1.5);
+  const std::vector<double> R = random_vector(inp.size(), 153);
+  std::vector<double> out(inp.size()), rstd(N);
+  forward_fn(out.data(), rstd.data(), inp.data(), weight.data(), eps, N, C);
+  std::vector<double> dinp(inp.size(), 0.0), dweight(C, 0.0);
+  backward_fn(dinp.data(), dweight.data(), R.data(), inp.data(), weight.data(), rstd.data(), N, C);
+  const Forward forward = [&](std::vector<double>& y) {
+    std::vector<double> r(N);
+    forward_fn(y.data(), r.data(), inp.data(), weight.data(), eps, N, C);
+  };
+  const std::string who = reference ? "reference " : "cpu<double> ";
+  expect_matches_finite_differences(inp.data(), inp.size(), dinp.data(), R, forward, who + "rmsnorm dinp");
+  expect_matches_finite_differences(weight.data(), weight.size(), dweight.data(), R, forward, who + "rmsnorm dweight");
+}
+
+// dweight is a sum over rows: fixed column blocks, each summed in row order, whatever the threads.
+void check_rmsnorm_deterministic(const RmsNormShape& s) {
+  RmsNormInputs<float> in(s);
+  const int N = in.N, C = in.C;
+  std::vector<float> out(static_cast<size_t>(N) * C), rstd(N), dout(out.size());
+  fill_uniform(dout.data(), dout.size(), 146);
+  cpu::rmsnorm_forward(out.data(), rstd.data(), in.inp.data(), in.weight.data(), in.eps, N, C);
+  auto run = [&](std::vector<float>& dinp, std::vector<float>& dweight) {
+    dinp.assign(out.size(), 0.0f);
+    dweight.assign(C, 0.0f);
+    cpu::rmsnorm_backward(dinp.data(), dweight.data(), dout.data(), in.inp.data(), in.weight.data(), rstd.data(), N,
+                          C);
+  };
+  std::vector<float> dinp1, dweight1, dinp_again, dweight_again;
+  with_threads(1, [&] { run(dinp1, dweight1); });
+  for (int threads : {1, 2, 3}) {
+    with_threads(threads, [&] { run(dinp_again, dweight_again); });
+    EXPECT_TRUE(same_bits(dinp1, dinp_again)) << "rmsnorm dinp differs between 1 and " << threads << " threads";
+    EXPECT_TRUE(same_bits(dweight1, dweight_again)) << "rmsnorm dweight differs between 1 and " << threads
+                                                    << " threads";
+  }
+  // Not vacuous: the sums are real numbers, checked against the reference elsewhere.
+  for (float v : dweight1) ASSERT_TRUE(std::isfinite(v) && v != 0.0f) << "rmsnorm dweight " << v;
+}
+
+class RmsNormTest : public ::testing::TestWithParam<RmsNormShape> {};
+TEST_P(RmsNormTest, ForwardFloatMatchesReference) { check_rmsnorm_forward<float>(GetParam()); }
+TEST_P(RmsNormTest, ForwardDoubleMatchesReference) { check_rmsnorm_forward<double>(GetParam()); }
+TEST_P(RmsNormTest, BackwardFloatMatchesReference) { check_rmsnorm_backward<float>(GetParam(), 1); }
+TEST_P(RmsNormTest, BackwardDoubleMatchesReference) { check_rmsnorm_backward<double>(GetParam(), 1); }
+TEST_P(RmsNormTest, BackwardMatchesFiniteDifferences) { check_rmsnorm_gradients(GetParam(), false); }
+TEST_P(RmsNormTest, ReferenceBackwardMatchesFiniteDifferences) { check_rmsnorm_gradients(GetParam(), true); }
+// Like layernorm's, rmsnorm's dinp accumulates too (it adds onto the residual stream).
+TEST_P(RmsNormTest, BackwardTwiceAccumulatesAllGradients) { check_rmsnorm_backward<float>(GetParam(), 2); }
+TEST_P(RmsNormTest, BackwardSameBitsOnEveryThreadCount) { check_rmsnorm_deterministic(GetParam()); }
+
+std::vector<RmsNormShape> rmsnorm_shapes() {
+  std::vector<RmsNormShape> shapes;
+  for (int B : {1, 3})
+    for (int T : {1, 5, 13})
+      for (int C : {12, 36, 41}) shapes.push_back({B, T, C, false});
+  for (int C : {12, 41}) shapes.push_back({2, 7, C, true});
+  return shapes;
+}
+INSTANTIATE_TEST_SUITE_P(Shapes, RmsNormTest, ::testing::ValuesIn(rmsnorm_shapes()), ShapeName());
+
+// ==================================================================================================
 // Matmul: out(N,OC) = inp(N,C) @ weight(OC,C)^T + bias, with and without bias; the backward with
 // and without dinp (the first layer's input needs no gradient).
 // ==================================================================================================
@@ -462,24 +671,31 @@ std::vector<MatmulShape> matmul_shapes() {
 INSTANTIATE_TEST_SUITE_P(Shapes, MatmulTest, ::testing::ValuesIn(matmul_shapes()), ShapeName());
 
 // ==================================================================================================
-// Causal self-attention: qkv(B,T,3C) in [-2, 2), so scores spread over a few units.
+// Causal self-attention with grouped-query heads: qkv(B,T,(NH+2KV)*HS) in [-2, 2), so scores spread
+// over a few units. KV = NH is GPT-2's multi-head attention; KV < NH shares each key/value head
+// among NH/KV consecutive query heads, whose gradients must sum into it. Odd head sizes are allowed.
 // ==================================================================================================
 struct AttentionShape {
-  int B, T, C, NH;
+  int B, T, NH, KV, HS;
 };
 std::string name_of(const AttentionShape& s) {
-  return "B" + std::to_string(s.B) + "_T" + std::to_string(s.T) + "_C" + std::to_string(s.C) + "_NH" +
-         std::to_string(s.NH);
+  return "B" + std::to_string(s.B) + "_T" + std::to_string(s.T) + "_NH" + std::to_string(s.NH) + "_KV" +
+         std::to_string(s.KV) + "_HS" + std::to_string(s.HS);
 }
 void PrintTo(const AttentionShape& s, std::ostream* os) { *os << name_of(s); }
 
 size_t att_size(const AttentionShape& s) { return static_cast<size_t>(s.B) * s.NH * s.T * s.T; }
+size_t qkv_size(const AttentionShape& s) { return static_cast<size_t>(s.B) * s.T * (s.NH + 2 * s.KV) * s.HS; }
+size_t attention_out_size(const AttentionShape& s) { return static_cast<size_t>(s.B) * s.T * s.NH * s.HS; }
 
-// fp32 attention: a score is hs products (|q k| <= 4) scaled; the softmax adds exp_fast and a sum
-// of up to T terms; out sums T products att * v. att errs ~ u (hs |score terms| + T): the longest
-// chain is ~ 4 hs + T. The backward chains datt (hs), the weighted sum (T), and dq/dk/dv (T).
-Tolerance fp32_attention_forward(const AttentionShape& s) { return fp32_sum(4 * (s.C / s.NH) + 2 * s.T); }
-Tolerance fp32_attention_backward(const AttentionShape& s) { return fp32_sum(4 * (s.C / s.NH) + 4 * s.T); }
+// fp32 attention: a score is HS products (|q k| <= 4) scaled; the softmax adds exp_fast and a sum
+// of up to T terms; out sums T products att * v. att errs ~ u (HS |score terms| + T): the longest
+// chain is ~ 4 HS + T. The backward chains datt (HS), the weighted sum (T), and dq/dk/dv (T); a
+// shared k or v sums the NH/KV query heads' shares on top, so T grows to T * NH/KV.
+Tolerance fp32_attention_forward(const AttentionShape& s) { return fp32_sum(4 * s.HS + 2 * s.T); }
+Tolerance fp32_attention_backward(const AttentionShape& s) {
+  return fp32_sum(4 * s.HS + 3 * s.T + s.T * (s.NH / s.KV));
+}
 
 // Softmax rows: exactly 0 above the diagonal, non-negative, summing to 1 within row_tol.
 template <typename Real>
@@ -512,16 +728,15 @@ void expect_causal_softmax_rows(const Real* att, const AttentionShape& s, double
 
 template <typename Real>
 void check_attention_forward(const AttentionShape& s) {
-  const size_t BT = static_cast<size_t>(s.B) * s.T;
-  GuardedBuffer<Real> qkv(BT * 3 * s.C, "qkv"), out(BT * s.C, "out"), att(att_size(s), "att");
+  GuardedBuffer<Real> qkv(qkv_size(s), "qkv"), out(attention_out_size(s), "out"), att(att_size(s), "att");
   fill_uniform(qkv.data(), qkv.size(), 81, -2.0, 2.0);
   fill_value(out.data(), out.size(), quiet_nan<Real>());
   fill_value(att.data(), att.size(), quiet_nan<Real>());  // the zeros above the diagonal must be written
-  cpu::attention_forward(out.data(), att.data(), qkv.data(), s.B, s.T, s.C, s.NH);
+  cpu::attention_forward(out.data(), att.data(), qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
   expect_guards_intact("attention_forward", qkv, out, att);
 
   std::vector<double> ref_out(out.size()), ref_att(att.size());
-  ref::attention_forward(ref_out.data(), ref_att.data(), qkv.to_double().data(), s.B, s.T, s.C, s.NH);
+  ref::attention_forward(ref_out.data(), ref_att.data(), qkv.to_double().data(), s.B, s.T, s.NH, s.KV, s.HS);
   const Tolerance tol = model<Real>(fp32_attention_forward(s));
   const std::string type = type_name<Real>();
   expect_close(att.data(), ref_att, tol, "attention att " + type);
@@ -532,49 +747,122 @@ void check_attention_forward(const AttentionShape& s) {
 
 // Wraps the CPU backward so it has the reference's signature (the scratch is the op's business).
 void attention_backward_cpu_double(double* dqkv, const double* dout, const double* qkv, const double* att, int B,
-                                   int T, int C, int NH) {
+                                   int T, int NH, int KV, int HS) {
   std::vector<double> scratch(static_cast<size_t>(B) * NH * T * T, quiet_nan<double>());
-  cpu::attention_backward(dqkv, scratch.data(), dout, qkv, att, B, T, C, NH);
+  cpu::attention_backward(dqkv, scratch.data(), dout, qkv, att, B, T, NH, KV, HS);
 }
 
 template <typename Real>
 void check_attention_backward(const AttentionShape& s, int calls) {
-  const size_t BT = static_cast<size_t>(s.B) * s.T;
-  GuardedBuffer<Real> qkv(BT * 3 * s.C, "qkv"), out(BT * s.C, "out"), att(att_size(s), "att");
+  GuardedBuffer<Real> qkv(qkv_size(s), "qkv"), out(attention_out_size(s), "out"), att(att_size(s), "att");
   fill_uniform(qkv.data(), qkv.size(), 82, -2.0, 2.0);
-  cpu::attention_forward(out.data(), att.data(), qkv.data(), s.B, s.T, s.C, s.NH);
+  cpu::attention_forward(out.data(), att.data(), qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
 
   GuardedBuffer<Real> dout(out.size(), "dout"), dqkv(qkv.size(), "dqkv"), scratch(att_size(s), "scratch");
   fill_uniform(dout.data(), dout.size(), 83);
   fill_value(dqkv.data(), dqkv.size(), quiet_nan<Real>());        // garbage: dqkv is written
   fill_value(scratch.data(), scratch.size(), quiet_nan<Real>());  // garbage: the op owns its workspace
   for (int call = 0; call < calls; call++) {
-    cpu::attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), s.B, s.T, s.C, s.NH);
+    cpu::attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), s.B, s.T, s.NH, s.KV,
+                            s.HS);
     expect_guards_intact("attention_backward call " + std::to_string(call + 1), dqkv, scratch, dout, qkv, att);
   }
   // The reference sees the probabilities the op saved, so this isolates the backward.
   std::vector<double> ref_dqkv(dqkv.size());
   ref::attention_backward(ref_dqkv.data(), dout.to_double().data(), qkv.to_double().data(), att.to_double().data(),
-                          s.B, s.T, s.C, s.NH);
+                          s.B, s.T, s.NH, s.KV, s.HS);
   expect_close(dqkv.data(), ref_dqkv, model<Real>(fp32_attention_backward(s)),
                std::string("attention dqkv ") + type_name<Real>());
 }
 
 void check_attention_gradients(const AttentionShape& s, bool reference) {
-  const size_t BT = static_cast<size_t>(s.B) * s.T;
   const auto forward_fn = reference ? &ref::attention_forward : &cpu::attention_forward<double>;
   const auto backward_fn = reference ? &ref::attention_backward : &attention_backward_cpu_double;
-  std::vector<double> qkv = random_vector(BT * 3 * s.C, 91, -2.0, 2.0);
-  const std::vector<double> R = random_vector(BT * s.C, 92);
-  std::vector<double> out(BT * s.C), att(att_size(s)), dqkv(qkv.size());
-  forward_fn(out.data(), att.data(), qkv.data(), s.B, s.T, s.C, s.NH);
-  backward_fn(dqkv.data(), R.data(), qkv.data(), att.data(), s.B, s.T, s.C, s.NH);
+  std::vector<double> qkv = random_vector(qkv_size(s), 91, -2.0, 2.0);
+  const std::vector<double> R = random_vector(attention_out_size(s), 92);
+  std::vector<double> out(R.size()), att(att_size(s)), dqkv(qkv.size());
+  forward_fn(out.data(), att.data(), qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  backward_fn(dqkv.data(), R.data(), qkv.data(), att.data(), s.B, s.T, s.NH, s.KV, s.HS);
   std::vector<double> att_scratch(att.size());
   const Forward forward = [&](std::vector<double>& y) {
-    forward_fn(y.data(), att_scratch.data(), qkv.data(), s.B, s.T, s.C, s.NH);
+    forward_fn(y.data(), att_scratch.data(), qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
   };
   const std::string who = reference ? "reference " : "cpu<double> ";
   expect_matches_finite_differences(qkv.data(), qkv.size(), dqkv.data(), R, forward, who + "attention dqkv");
+}
+
+// Grouped-query attention is multi-head attention on a qkv whose key/value heads are repeated
+// (head h gets kv head h / (NH/KV)), and the shared key/value gradients are the repeated heads'
+// gradients summed over each group. This checks the op against itself at KV = NH (which the
+// reference and finite differences pin down) through that identity, independently of the
+// reference's GQA indexing.
+void check_attention_gqa_equals_repeated_mha(const AttentionShape& s) {
+  const int NH = s.NH, KV = s.KV, HS = s.HS, group = NH / KV;
+  const size_t BT = static_cast<size_t>(s.B) * s.T;
+  const size_t row = static_cast<size_t>(NH + 2 * KV) * HS, mha_row = static_cast<size_t>(3 * NH) * HS;
+  const std::vector<double> qkv = random_vector(qkv_size(s), 93, -2.0, 2.0);
+  const std::vector<double> dout = random_vector(attention_out_size(s), 94);
+  std::vector<double> mha(BT * mha_row);
+  for (size_t bt = 0; bt < BT; bt++)
+    for (int h = 0; h < NH; h++)
+      for (int i = 0; i < HS; i++) {
+        const int kv = h / group;
+        mha[bt * mha_row + static_cast<size_t>(h) * HS + i] = qkv[bt * row + static_cast<size_t>(h) * HS + i];
+        mha[bt * mha_row + static_cast<size_t>(NH + h) * HS + i] = qkv[bt * row + static_cast<size_t>(NH + kv) * HS + i];
+        mha[bt * mha_row + static_cast<size_t>(2 * NH + h) * HS + i] =
+            qkv[bt * row + static_cast<size_t>(NH + KV + kv) * HS + i];
+      }
+  std::vector<double> out(dout.size()), att(att_size(s)), dqkv(qkv.size());
+  std::vector<double> mha_out(dout.size()), mha_att(att_size(s)), mha_dqkv(mha.size());
+  cpu::attention_forward(out.data(), att.data(), qkv.data(), s.B, s.T, NH, KV, HS);
+  cpu::attention_forward(mha_out.data(), mha_att.data(), mha.data(), s.B, s.T, NH, NH, HS);
+  attention_backward_cpu_double(dqkv.data(), dout.data(), qkv.data(), att.data(), s.B, s.T, NH, KV, HS);
+  attention_backward_cpu_double(mha_dqkv.data(), dout.data(), mha.data(), mha_att.data(), s.B, s.T, NH, NH, HS);
+  // Fold the repeated heads' gradients back: dq as is, dk and dv summed over each group.
+  std::vector<double> folded(qkv.size(), 0.0);
+  for (size_t bt = 0; bt < BT; bt++)
+    for (int h = 0; h < NH; h++)
+      for (int i = 0; i < HS; i++) {
+        const int kv = h / group;
+        folded[bt * row + static_cast<size_t>(h) * HS + i] = mha_dqkv[bt * mha_row + static_cast<size_t>(h) * HS + i];
+        folded[bt * row + static_cast<size_t>(NH + kv) * HS + i] +=
+            mha_dqkv[bt * mha_row + static_cast<size_t>(NH + h) * HS + i];
+        folded[bt * row + static_cast<size_t>(NH + KV + kv) * HS + i] +=
+            mha_dqkv[bt * mha_row + static_cast<size_t>(2 * NH + h) * HS + i];
+      }
+  expect_close(out.data(), mha_out, kDoubleTol, "GQA out vs repeated-kv MHA out");
+  expect_close(att.data(), mha_att, kDoubleTol, "GQA att vs repeated-kv MHA att");
+  expect_close(dqkv.data(), folded, kDoubleTol, "GQA dqkv vs repeated-kv MHA dqkv, k and v summed per group");
+}
+
+// The shared key/value gradients are summed in a fixed order by one thread: the same inputs give
+// the same bits on every call and with any number of threads (float, where the order shows).
+void check_attention_deterministic(const AttentionShape& s) {
+  std::vector<float> qkv(qkv_size(s)), dout(attention_out_size(s));
+  fill_uniform(qkv.data(), qkv.size(), 95, -2.0, 2.0);
+  fill_uniform(dout.data(), dout.size(), 96);
+  auto run = [&](std::vector<float>& out, std::vector<float>& dqkv) {
+    std::vector<float> att(att_size(s)), scratch(att_size(s));
+    out.assign(dout.size(), quiet_nan<float>());
+    dqkv.assign(qkv.size(), quiet_nan<float>());
+    cpu::attention_forward(out.data(), att.data(), qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
+    cpu::attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), s.B, s.T, s.NH, s.KV,
+                            s.HS);
+  };
+  std::vector<float> out1, dqkv1, out_again, dqkv_again;
+  with_threads(1, [&] { run(out1, dqkv1); });
+  for (int threads : {1, 2, 3}) {
+    with_threads(threads, [&] { run(out_again, dqkv_again); });
+    EXPECT_TRUE(same_bits(out1, out_again)) << "attention out differs between 1 and " << threads << " threads";
+    EXPECT_TRUE(same_bits(dqkv1, dqkv_again)) << "attention dqkv differs between 1 and " << threads << " threads";
+  }
+  // Not vacuous (NaN garbage left behind would compare equal too): everything written and finite,
+  // and most gradients non-zero (only the first position's queries get exactly 0: one-key softmax).
+  size_t finite = 0, nonzero = 0;
+  for (float v : dqkv1) finite += std::isfinite(v), nonzero += v != 0.0f;
+  for (float v : out1) finite += std::isfinite(v);
+  EXPECT_EQ(finite, dqkv1.size() + out1.size()) << "attention left non-finite values";
+  EXPECT_GT(nonzero, dqkv1.size() / 2) << "dqkv is mostly zero";
 }
 
 class AttentionTest : public ::testing::TestWithParam<AttentionShape> {};
@@ -586,15 +874,203 @@ TEST_P(AttentionTest, BackwardMatchesFiniteDifferences) { check_attention_gradie
 TEST_P(AttentionTest, ReferenceBackwardMatchesFiniteDifferences) { check_attention_gradients(GetParam(), true); }
 TEST_P(AttentionTest, BackwardTwiceOverwritesDqkv) { check_attention_backward<float>(GetParam(), 2); }
 
+// {NH, KV, HS}: GPT-2-style multi-head (KV = NH; head sizes 12, 4, 12, 18, 12) and grouped-query
+// with groups of 3, 4 and 3 query heads (one of them multi-query, KV = 1), odd head sizes.
+struct Heads {
+  int NH, KV, HS;
+};
+constexpr Heads kMhaHeads[] = {{1, 1, 12}, {3, 3, 4}, {2, 2, 12}, {2, 2, 18}, {3, 3, 12}};
+constexpr Heads kGqaHeads[] = {{6, 2, 5}, {4, 1, 7}, {3, 1, 9}};
+
 std::vector<AttentionShape> attention_shapes() {
   std::vector<AttentionShape> shapes;
-  const std::pair<int, int> heads[] = {{12, 1}, {12, 3}, {24, 2}, {36, 2}, {36, 3}};  // head sizes 12, 4, 12, 18, 12
   for (int B : {1, 3})
-    for (int T : {1, 5, 7, 13})
-      for (auto [C, NH] : heads) shapes.push_back({B, T, C, NH});
+    for (int T : {1, 5, 7, 13}) {
+      for (const Heads& h : kMhaHeads) shapes.push_back({B, T, h.NH, h.KV, h.HS});
+      for (const Heads& h : kGqaHeads) shapes.push_back({B, T, h.NH, h.KV, h.HS});
+    }
   return shapes;
 }
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionTest, ::testing::ValuesIn(attention_shapes()), ShapeName());
+
+class GqaAttentionTest : public ::testing::TestWithParam<AttentionShape> {};
+TEST_P(GqaAttentionTest, EqualsMultiHeadOnRepeatedKvWithGroupSummedGradients) {
+  check_attention_gqa_equals_repeated_mha(GetParam());
+}
+TEST_P(GqaAttentionTest, SameBitsOnEveryCallAndThreadCount) { check_attention_deterministic(GetParam()); }
+
+std::vector<AttentionShape> gqa_shapes() {
+  std::vector<AttentionShape> shapes;
+  for (const Heads& h : kGqaHeads) shapes.push_back({2, 13, h.NH, h.KV, h.HS});
+  shapes.push_back({3, 7, 8, 2, 6});  // groups of 4 over B * KV = 6 parallel iterations
+  return shapes;
+}
+INSTANTIATE_TEST_SUITE_P(Shapes, GqaAttentionTest, ::testing::ValuesIn(gqa_shapes()), ShapeName());
+
+// ==================================================================================================
+// Rotary position embedding, in place on the q and k heads of qkv (the attention layout above), v
+// untouched. The tables (T, HS/2) are the reference's rope_tables with theta = 100 (angles up to
+// ~13 rad over the positions here), rounded to the element type: the op and the reference see the
+// same numbers. HS must be even; T, NH, KV and HS/2 are odd where they can be.
+// ==================================================================================================
+constexpr double kRopeTheta = 100.0;
+
+template <typename Real>
+struct RopeTables {
+  RopeTables(int T, int HS, double theta)
+      : cos(static_cast<size_t>(T) * (HS / 2), "cos"), sin(static_cast<size_t>(T) * (HS / 2), "sin") {
+    std::vector<double> c(cos.size()), s(sin.size());
+    ref::rope_tables(c.data(), s.data(), T, HS, theta);
+    for (size_t i = 0; i < c.size(); i++) cos[i] = static_cast<Real>(c[i]), sin[i] = static_cast<Real>(s[i]);
+  }
+  GuardedBuffer<Real> cos, sin;
+};
+
+// The v heads of every row of `after` are bit for bit those of `before`.
+template <typename Real>
+void expect_v_untouched(const Real* after, const Real* before, const AttentionShape& s, const std::string& label) {
+  const size_t row = static_cast<size_t>(s.NH + 2 * s.KV) * s.HS, v0 = static_cast<size_t>(s.NH + s.KV) * s.HS;
+  for (size_t bt = 0; bt < static_cast<size_t>(s.B) * s.T; bt++)
+    if (std::memcmp(after + bt * row + v0, before + bt * row + v0, (row - v0) * sizeof(Real)) != 0) {
+      ADD_FAILURE() << label << ": the v heads of row " << bt << " changed";
+      return;
+    }
+}
+
+// Each output is a x cos -+ b x sin: two products and a sum.
+constexpr int kRopeChain = 3;
+
+// backward = false: rope_forward on qkv; true: rope_backward on a gradient.
+template <typename Real>
+void check_rope(const AttentionShape& s, bool backward) {
+  GuardedBuffer<Real> x(qkv_size(s), backward ? "dqkv" : "qkv");
+  RopeTables<Real> tables(s.T, s.HS, kRopeTheta);
+  fill_uniform(x.data(), x.size(), backward ? 162 : 161, -2.0, 2.0);
+  const std::vector<Real> before(x.data(), x.data() + x.size());
+  std::vector<double> ref_x = x.to_double();
+  const std::vector<double> cos = tables.cos.to_double(), sin = tables.sin.to_double();
+  if (backward) {
+    cpu::rope_backward(x.data(), tables.cos.data(), tables.sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+    ref::rope_backward(ref_x.data(), cos.data(), sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  } else {
+    cpu::rope_forward(x.data(), tables.cos.data(), tables.sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+    ref::rope_forward(ref_x.data(), cos.data(), sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  }
+  const std::string label = std::string(backward ? "rope_backward " : "rope_forward ") + type_name<Real>();
+  expect_guards_intact(label, x, tables.cos, tables.sin);
+  expect_close(x.data(), ref_x, model<Real>(fp32_sum(kRopeChain)), label);
+  expect_v_untouched(x.data(), before.data(), s, label);
+}
+
+// L = sum(rope(qkv) * R) over the whole row, v included (it passes through, so its gradient is R,
+// which the in-place backward leaves in place).
+void check_rope_gradients(const AttentionShape& s, bool reference) {
+  const auto forward_fn = reference ? &ref::rope_forward : &cpu::rope_forward<double>;
+  const auto backward_fn = reference ? &ref::rope_backward : &cpu::rope_backward<double>;
+  std::vector<double> cos(static_cast<size_t>(s.T) * (s.HS / 2)), sin(cos.size());
+  ref::rope_tables(cos.data(), sin.data(), s.T, s.HS, kRopeTheta);
+  std::vector<double> qkv = random_vector(qkv_size(s), 163, -2.0, 2.0);
+  const std::vector<double> R = random_vector(qkv.size(), 164);
+  std::vector<double> dqkv = R;
+  backward_fn(dqkv.data(), cos.data(), sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  const Forward forward = [&](std::vector<double>& y) {
+    y = qkv;
+    forward_fn(y.data(), cos.data(), sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  };
+  const std::string who = reference ? "reference " : "cpu<double> ";
+  expect_matches_finite_differences(qkv.data(), qkv.size(), dqkv.data(), R, forward, who + "rope dqkv");
+}
+
+// The backward is the forward's adjoint: <rope(x), y> = <x, rope_backward(y)> for any x, y. And,
+// the tables being true rotations (cos^2 + sin^2 = 1), it is also the inverse: backward(forward(x)) = x.
+void check_rope_adjoint_and_inverse(const AttentionShape& s) {
+  std::vector<double> cos(static_cast<size_t>(s.T) * (s.HS / 2)), sin(cos.size());
+  ref::rope_tables(cos.data(), sin.data(), s.T, s.HS, kRopeTheta);
+  const std::vector<double> x = random_vector(qkv_size(s), 165, -2.0, 2.0), y = random_vector(x.size(), 166);
+  std::vector<double> rx = x, by = y;
+  cpu::rope_forward(rx.data(), cos.data(), sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  cpu::rope_backward(by.data(), cos.data(), sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  double lhs = 0, rhs = 0, magnitude = 0;
+  for (size_t i = 0; i < x.size(); i++) {
+    lhs += rx[i] * y[i];
+    rhs += x[i] * by[i];
+    magnitude += std::fabs(rx[i] * y[i]) + std::fabs(x[i] * by[i]);
+  }
+  EXPECT_NEAR(lhs, rhs, 1e-13 * magnitude) << "<rope(x), y> != <x, rope_backward(y)>";
+  std::vector<double> round_trip = rx;
+  cpu::rope_backward(round_trip.data(), cos.data(), sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  expect_close(round_trip.data(), x, kDoubleTol, "rope_backward(rope_forward(x)) vs x");
+}
+
+// One hand-worked case: HS = 4, theta = 10000, so inv_freq = {10000^0, 10000^(-2/4)} = {1, 0.01}
+// and at position t = 1 the two pairs turn by 1 rad and 0.01 rad; t = 0 turns by nothing. Rotate-half
+// pairs element i with i + 2 (interleaved pairs would take i with i + 1 instead): a unit vector
+// e_0 goes to (cos 1, 0, sin 1, 0), e_1 to (0, cos .01, 0, sin .01), e_3 to (0, -sin .01, 0, cos .01).
+// qkv rows: q0 | q1 | k0 | v0 (NH = 2, KV = 1); B = 2 checks that position means t, not b*T + t.
+template <typename Real>
+void check_rope_by_hand() {
+  const int B = 2, T = 2, NH = 2, KV = 1, HS = 4, row = (NH + 2 * KV) * HS;
+  const double inv_freq[2] = {1.0, std::pow(10000.0, -2.0 / 4)};  // = 0.01
+  GuardedBuffer<Real> cos(T * HS / 2, "cos"), sin(T * HS / 2, "sin"), qkv(B * T * row, "qkv");
+  for (int t = 0; t < T; t++)
+    for (int i = 0; i < HS / 2; i++) {
+      cos[t * 2 + i] = static_cast<Real>(std::cos(t * inv_freq[i]));
+      sin[t * 2 + i] = static_cast<Real>(std::sin(t * inv_freq[i]));
+    }
+  const double c1 = std::cos(1.0), s1 = std::sin(1.0), c2 = std::cos(0.01), s2 = std::sin(0.01);
+  // Per batch: q0, q1, k0, v0 and what rope makes of them at t = 1.
+  const double in[2][4][4] = {{{1, 0, 0, 0}, {0, 1, 0, 0}, {0, 0, 0, 1}, {5, 6, 7, 8}},
+                              {{0, 0, 1, 0}, {1, 2, 3, 4}, {1, 0, 0, 0}, {-1, -2, -3, -4}}};
+  const double at_t1[2][4][4] = {
+      {{c1, 0, s1, 0}, {0, c2, 0, s2}, {0, -s2, 0, c2}, {5, 6, 7, 8}},
+      {{-s1, 0, c1, 0}, {1 * c1 - 3 * s1, 2 * c2 - 4 * s2, 3 * c1 + 1 * s1, 4 * c2 + 2 * s2}, {c1, 0, s1, 0},
+       {-1, -2, -3, -4}}};
+  std::vector<double> input(qkv.size()), expected(qkv.size());
+  for (int b = 0; b < B; b++)
+    for (int t = 0; t < T; t++)
+      for (int head = 0; head < 4; head++)
+        for (int i = 0; i < HS; i++) {
+          const size_t at = (static_cast<size_t>(b) * T + t) * row + head * HS + i;
+          input[at] = in[b][head][i];
+          expected[at] = t == 0 ? in[b][head][i] : at_t1[b][head][i];
+          qkv[at] = static_cast<Real>(input[at]);
+        }
+  const std::vector<Real> before(qkv.data(), qkv.data() + qkv.size());
+  const Tolerance tol = model<Real>({4 * kU32, 4 * kU32});
+  const std::string type = type_name<Real>();
+  cpu::rope_forward(qkv.data(), cos.data(), sin.data(), B, T, NH, KV, HS);
+  expect_guards_intact("rope_forward by hand", qkv, cos, sin);
+  expect_close(qkv.data(), expected, tol, "rope_forward by hand " + type);
+  expect_v_untouched(qkv.data(), before.data(), {B, T, NH, KV, HS}, "rope_forward by hand " + type);
+  // Back: the inverse turn restores the unit vectors.
+  cpu::rope_backward(qkv.data(), cos.data(), sin.data(), B, T, NH, KV, HS);
+  expect_guards_intact("rope_backward by hand", qkv, cos, sin);
+  expect_close(qkv.data(), input, tol, "rope_backward by hand " + type);
+  expect_v_untouched(qkv.data(), before.data(), {B, T, NH, KV, HS}, "rope_backward by hand " + type);
+}
+
+TEST(RopeByHand, RotateHalfPairsAtKnownAnglesFloat) { check_rope_by_hand<float>(); }
+TEST(RopeByHand, RotateHalfPairsAtKnownAnglesDouble) { check_rope_by_hand<double>(); }
+
+class RopeTest : public ::testing::TestWithParam<AttentionShape> {};
+TEST_P(RopeTest, ForwardFloatMatchesReference) { check_rope<float>(GetParam(), false); }
+TEST_P(RopeTest, ForwardDoubleMatchesReference) { check_rope<double>(GetParam(), false); }
+TEST_P(RopeTest, BackwardFloatMatchesReference) { check_rope<float>(GetParam(), true); }
+TEST_P(RopeTest, BackwardDoubleMatchesReference) { check_rope<double>(GetParam(), true); }
+TEST_P(RopeTest, BackwardMatchesFiniteDifferences) { check_rope_gradients(GetParam(), false); }
+TEST_P(RopeTest, ReferenceBackwardMatchesFiniteDifferences) { check_rope_gradients(GetParam(), true); }
+TEST_P(RopeTest, BackwardIsAdjointAndInverseOfForward) { check_rope_adjoint_and_inverse(GetParam()); }
+
+std::vector<AttentionShape> rope_shapes() {
+  std::vector<AttentionShape> shapes;
+  // {NH, KV, HS}: multi-head, grouped (3 and 4 per group), multi-query; HS/2 = 1, 3, 5, 2.
+  const Heads heads[] = {{3, 3, 6}, {6, 2, 10}, {4, 1, 2}, {8, 2, 4}};
+  for (int B : {1, 3})
+    for (int T : {1, 7, 13})
+      for (const Heads& h : heads) shapes.push_back({B, T, h.NH, h.KV, h.HS});
+  return shapes;
+}
+INSTANTIATE_TEST_SUITE_P(Shapes, RopeTest, ::testing::ValuesIn(rope_shapes()), ShapeName());
 
 // ==================================================================================================
 // GELU and the residual add: pointwise over n elements, n not a multiple of any vector width.
@@ -681,6 +1157,88 @@ TEST_P(ResidualTest, ForwardDoubleMatchesReference) { check_residual_forward<dou
 const PointwiseShape kPointwiseShapes[] = {{1}, {7}, {37}, {257}, {1003}, {4099}};
 INSTANTIATE_TEST_SUITE_P(Sizes, GeluTest, ::testing::ValuesIn(kPointwiseShapes), ShapeName());
 INSTANTIATE_TEST_SUITE_P(Sizes, ResidualTest, ::testing::ValuesIn(kPointwiseShapes), ShapeName());
+
+// ==================================================================================================
+// SwiGLU (Llama's MLP): out(N,I) = silu(gate) * up over rows gate_up(N,2I) = [gate | up]. Gates
+// span [-8, 8) to reach both tails of silu; up is in [-1, 1).
+// ==================================================================================================
+struct SwigluShape {
+  int N, I;
+};
+std::string name_of(const SwigluShape& s) { return "N" + std::to_string(s.N) + "_I" + std::to_string(s.I); }
+void PrintTo(const SwigluShape& s, std::ostream* os) { *os << name_of(s); }
+
+// fp32 silu as g / (1 + exp_fast(-g)): exp_fast errs by ~2 u relative, then 1 + e, the division
+// and the product with up add a rounding each: ~6 u relative; rtol 32 u. silu'(g) = s (1 + g (1 - s))
+// crosses zero near g = -1.28, where 1 + g (1 - s) cancels and errs by a few u absolutely; atol 8 u.
+// For large g, 1 - s keeps only s's absolute error, ~|g| u <= 8 u where silu' ~ 1: inside rtol.
+constexpr Tolerance kFp32Swiglu{8 * kU32, 32 * kU32};
+
+template <typename Real>
+void fill_gate_up(Real* gate_up, const SwigluShape& s, uint64_t seed) {
+  for (int n = 0; n < s.N; n++) {
+    fill_uniform(gate_up + static_cast<size_t>(n) * 2 * s.I, s.I, seed + 2 * n, -8.0, 8.0);
+    fill_uniform(gate_up + static_cast<size_t>(n) * 2 * s.I + s.I, s.I, seed + 2 * n + 1, -1.0, 1.0);
+  }
+}
+
+template <typename Real>
+void check_swiglu_forward(const SwigluShape& s) {
+  const size_t NI = static_cast<size_t>(s.N) * s.I;
+  GuardedBuffer<Real> gate_up(2 * NI, "gate_up"), out(NI, "out");
+  fill_gate_up(gate_up.data(), s, 171);
+  fill_value(out.data(), out.size(), quiet_nan<Real>());
+  cpu::swiglu_forward(out.data(), gate_up.data(), s.N, s.I);
+  expect_guards_intact("swiglu_forward", gate_up, out);
+  std::vector<double> ref_out(NI);
+  ref::swiglu_forward(ref_out.data(), gate_up.to_double().data(), s.N, s.I);
+  expect_close(out.data(), ref_out, model<Real>(kFp32Swiglu), std::string("swiglu out ") + type_name<Real>());
+}
+
+// calls = 2: dgate_up is written (=); prefilled NaN garbage must not leak.
+template <typename Real>
+void check_swiglu_backward(const SwigluShape& s, int calls) {
+  const size_t NI = static_cast<size_t>(s.N) * s.I;
+  GuardedBuffer<Real> gate_up(2 * NI, "gate_up"), dout(NI, "dout"), dgate_up(2 * NI, "dgate_up");
+  fill_gate_up(gate_up.data(), s, 172);
+  fill_uniform(dout.data(), dout.size(), 173);
+  fill_value(dgate_up.data(), dgate_up.size(), quiet_nan<Real>());  // garbage: dgate_up is written
+  for (int call = 0; call < calls; call++) {
+    cpu::swiglu_backward(dgate_up.data(), dout.data(), gate_up.data(), s.N, s.I);
+    expect_guards_intact("swiglu_backward call " + std::to_string(call + 1), gate_up, dout, dgate_up);
+  }
+  std::vector<double> ref_dgate_up(2 * NI);
+  ref::swiglu_backward(ref_dgate_up.data(), dout.to_double().data(), gate_up.to_double().data(), s.N, s.I);
+  expect_close(dgate_up.data(), ref_dgate_up, model<Real>(kFp32Swiglu),
+               std::string("swiglu dgate_up ") + type_name<Real>());
+}
+
+void check_swiglu_gradients(const SwigluShape& s, bool reference) {
+  const size_t NI = static_cast<size_t>(s.N) * s.I;
+  const auto forward_fn = reference ? &ref::swiglu_forward : &cpu::swiglu_forward<double>;
+  const auto backward_fn = reference ? &ref::swiglu_backward : &cpu::swiglu_backward<double>;
+  std::vector<double> gate_up(2 * NI);
+  fill_gate_up(gate_up.data(), s, 174);
+  const std::vector<double> R = random_vector(NI, 175);
+  std::vector<double> dgate_up(2 * NI);
+  backward_fn(dgate_up.data(), R.data(), gate_up.data(), s.N, s.I);
+  const Forward forward = [&](std::vector<double>& y) { forward_fn(y.data(), gate_up.data(), s.N, s.I); };
+  const std::string who = reference ? "reference " : "cpu<double> ";
+  expect_matches_finite_differences(gate_up.data(), gate_up.size(), dgate_up.data(), R, forward,
+                                    who + "swiglu dgate_up");
+}
+
+class SwigluTest : public ::testing::TestWithParam<SwigluShape> {};
+TEST_P(SwigluTest, ForwardFloatMatchesReference) { check_swiglu_forward<float>(GetParam()); }
+TEST_P(SwigluTest, ForwardDoubleMatchesReference) { check_swiglu_forward<double>(GetParam()); }
+TEST_P(SwigluTest, BackwardFloatMatchesReference) { check_swiglu_backward<float>(GetParam(), 1); }
+TEST_P(SwigluTest, BackwardDoubleMatchesReference) { check_swiglu_backward<double>(GetParam(), 1); }
+TEST_P(SwigluTest, BackwardMatchesFiniteDifferences) { check_swiglu_gradients(GetParam(), false); }
+TEST_P(SwigluTest, ReferenceBackwardMatchesFiniteDifferences) { check_swiglu_gradients(GetParam(), true); }
+TEST_P(SwigluTest, BackwardTwiceOverwritesDgateUp) { check_swiglu_backward<float>(GetParam(), 2); }
+
+const SwigluShape kSwigluShapes[] = {{1, 1}, {1, 7}, {5, 37}, {13, 11}, {3, 257}, {2, 1003}};
+INSTANTIATE_TEST_SUITE_P(Shapes, SwigluTest, ::testing::ValuesIn(kSwigluShapes), ShapeName());
 
 // ==================================================================================================
 // Softmax cross-entropy, in place over logits(N,V). Logits are uniform in [-4, 4) + shift; a shift

@@ -1,6 +1,7 @@
 // The shared per-element math (backend/math.hpp) and the counter RNG (core/random.hpp) against
 // independent formulas: exp_fast against libm over its range and at its clamped ends, GELU's
-// sigmoid form against GPT-2's tanh form, its derivative against finite differences, the counter
+// sigmoid form against GPT-2's tanh form, its derivative against finite differences, SiLU against
+// x (1 + tanh(x/2)) / 2 and its derivative against finite differences and in the tails, the counter
 // RNG's moments, AdamW's element update and the LR schedule.
 #include <gtest/gtest.h>
 
@@ -64,6 +65,60 @@ TEST(Math, GeluDerivativeMatchesCentralDifferences) {
   for (double x = -6; x <= 6; x += 0.037) {
     double numeric = (gelu_value(x + h) - gelu_value(x - h)) / (2 * h);
     EXPECT_NEAR(gelu_derivative(x), numeric, 1e-9) << x;
+  }
+}
+
+namespace {
+// SiLU written another way: x sigmoid(x) with sigmoid(x) = (1 + tanh(x/2)) / 2 (no exp).
+double silu_tanh_form(double x) { return x * 0.5 * (1 + std::tanh(0.5 * x)); }
+double silu_derivative_tanh_form(double x) {
+  const double s = 0.5 * (1 + std::tanh(0.5 * x));
+  return s + x * s * (1 - s);
+}
+}  // namespace
+
+// float: exp_fast errs by ~2 ulp, then 1 + e, the division: ~4 u relative; allow 8 u (+ a tiny
+// atol for x = 0). The derivative s (1 + x (1 - s)): 1 - s keeps only s's absolute error (~u) once
+// s -> 1, which x scales to ~|x| u absolute; and it crosses zero near x = -1.28, where 1 + x (1 - s)
+// cancels: (4 + |x|) u absolute on top of 8 u relative. Double: the same with u = 2^-53.
+TEST(Math, SiluEqualsXTimesTanhSigmoid) {
+  const double u = 0x1p-24;
+  for (double x = -20; x <= 20; x += 0.013) {
+    const double ref = silu_tanh_form(x);
+    EXPECT_NEAR(silu_value(x), ref, 1e-15 * (1 + std::fabs(x))) << x;
+    const float xf = static_cast<float>(x);
+    EXPECT_NEAR(silu_value(xf), silu_tanh_form(xf), 8 * u * std::fabs(silu_tanh_form(xf)) + 1e-30) << x;
+    // 1 - s loses ~|x| u of s's relative accuracy, and x multiplies it back: ~|x| u absolute.
+    EXPECT_NEAR(silu_derivative(x), silu_derivative_tanh_form(x), 1e-15 * (1 + std::fabs(x))) << x;
+    EXPECT_NEAR(silu_derivative(xf), silu_derivative_tanh_form(xf),
+                (4 + std::fabs(x)) * u + 8 * u * std::fabs(silu_derivative_tanh_form(xf)))
+        << x;
+  }
+  EXPECT_EQ(silu_value(0.0), 0.0);
+  EXPECT_EQ(silu_derivative(0.0), 0.5);
+}
+
+TEST(Math, SiluDerivativeMatchesCentralDifferences) {
+  const double h = 1e-5;
+  for (double x = -12; x <= 12; x += 0.037) {
+    const double numeric = (silu_value(x + h) - silu_value(x - h)) / (2 * h);
+    EXPECT_NEAR(silu_derivative(x), numeric, 1e-9) << x;
+  }
+}
+
+// In float, exp_fast's clamp keeps both tails finite: silu -> x for large x (derivative 1) and -> 0
+// from below for very negative x (derivative -> 0), never NaN or inf.
+TEST(Math, SiluFloatTailsAreFiniteAndExact) {
+  for (float x : {20.0f, 88.0f, 100.0f, 1e4f, 1e30f}) {
+    EXPECT_EQ(silu_value(x), x) << x;
+    EXPECT_EQ(silu_derivative(x), 1.0f) << x;
+  }
+  for (float x : {-60.0f, -88.0f, -100.0f, -1e4f}) {
+    const float v = silu_value(x), d = silu_derivative(x);
+    EXPECT_TRUE(std::isfinite(v) && std::isfinite(d)) << x;
+    EXPECT_LE(v, 0.0f) << x;
+    EXPECT_LT(std::fabs(v), 1e-20f) << x;
+    EXPECT_LT(std::fabs(d), 1e-20f) << x;
   }
 }
 
