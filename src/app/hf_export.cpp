@@ -58,7 +58,7 @@ void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const st
       for (const ParamInfo& p : table.params()) {
         if (p.id % rt.world() != rt.rank()) continue;
         const std::vector<float> values =
-            to_hf_order(p, reader->read(p, table.units()[p.unit].name, CheckpointReader::TENSOR_PARAMS));
+            to_hf_order(model.arch, p, reader->read(p, table.units()[p.unit].name, CheckpointReader::TENSOR_PARAMS));
         const auto [file, entry] = plan.where[p.id];
         writers[file]->write_fp32(entry, 0, values.size(), values.data());
       }
@@ -79,8 +79,9 @@ void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const st
     remove_temporaries();
     throw;
   }
-  rt.info("wrote %s: Hugging Face GPT-2 (config.json, %s, %s in %s, %s) from step %lld, written by %s",
-          out_dir.c_str(), plan.files.size() == 1 ? "model.safetensors" : "model.safetensors.index.json",
+  rt.info("wrote %s: Hugging Face %s (config.json, %s, %s in %s, %s) from step %lld, written by %s",
+          out_dir.c_str(), hf_architecture(model.arch),
+          plan.files.size() == 1 ? "model.safetensors" : "model.safetensors.index.json",
           counted(static_cast<long long>(table.params().size()), "tensor").c_str(),
           counted(static_cast<long long>(plan.files.size()), "file").c_str(),
           human_bytes(static_cast<double>(plan.tensor_bytes)).c_str(), static_cast<long long>(reader->state().step),

@@ -1,5 +1,6 @@
-// `shardtrain export --format hf`: a shardtrain checkpoint (either layout) as a Hugging Face GPT-2
-// folder -- config.json and model.safetensors -- that the transformers library loads.
+// `shardtrain export --format hf`: a shardtrain checkpoint (either layout) as a Hugging Face folder
+// -- config.json and model.safetensors -- that the transformers library loads: GPT2LMHeadModel or
+// LlamaForCausalLM, after the checkpoint's architecture.
 #pragma once
 
 #include <cstdint>

@@ -187,8 +187,8 @@ void declare_options(OptionList& o, Config& c) {
         "auto (newest valid checkpoint in checkpoint.dir, if any), none, or a checkpoint file");
   o.add("checkpoint.keep", &c.checkpoint.keep, "newest complete checkpoints kept; older ones are removed");
   o.add("checkpoint.init_from", &c.checkpoint.init_from,
-        "weights to start from: an llm.c GPT-2 checkpoint (.bin) or a Hugging Face GPT-2 folder (config.json + "
-        "safetensors; it also gives model.*)");
+        "weights to start from: an llm.c GPT-2 checkpoint (.bin) or a Hugging Face GPT-2 or Llama folder "
+        "(config.json + safetensors; it also gives model.*)");
   o.add("checkpoint.save", &c.checkpoint.save, "write checkpoints (true/false)");
   o.add("checkpoint.allow_data_change", &c.checkpoint.allow_data_change,
         "resume even though data.train_file or data.val_file differ from the checkpoint's (true/false)");
@@ -401,22 +401,38 @@ uint64_t parse_whole_number(const std::string& text, const std::string& option, 
 
 namespace {
 
-// A Hugging Face folder in checkpoint.init_from brings its model's shape (config.json): model.* keys
-// left at their defaults take it; keys the configuration sets must agree with it.
+// A Hugging Face folder in checkpoint.init_from brings its model's architecture and shape
+// (config.json): model.* keys left at their defaults take it; keys the configuration sets must agree
+// with it. The llama keys come from a llama folder only (a gpt2 folder leaves them to validation).
 void take_model_shape_from_hf_folder(const po::variables_map& vm, Config& c) {
   if (c.checkpoint.init_from.empty() || !is_hf_model_folder(c.checkpoint.init_from)) return;
   const ModelConfig hf = read_hf_model_config(c.checkpoint.init_from);
-  const std::pair<const char*, std::pair<int*, int>> keys[] = {
-      {"model.n_layer", {&c.model.n_layer, hf.n_layer}}, {"model.n_embd", {&c.model.n_embd, hf.n_embd}},
-      {"model.n_head", {&c.model.n_head, hf.n_head}}, {"model.vocab_size", {&c.model.vocab_size, hf.vocab_size}},
-      {"model.max_seq_len", {&c.model.max_seq_len, hf.max_seq_len}}};
   std::string mismatches;
-  for (const auto& [key, field_and_value] : keys) {
-    auto [field, value] = field_and_value;
+  auto take = [&](const char* key, auto* field, auto value, auto show) {
     if (vm[key].defaulted())
       *field = value;
     else if (*field != value)
-      mismatches += strprintf("%s%s=%d but config.json says %d", mismatches.empty() ? "" : ", ", key, *field, value);
+      mismatches += std::string(mismatches.empty() ? "" : ", ") + key + "=" + show(*field) + " but config.json says " +
+                    show(value);
+  };
+  auto whole = [](int v) { return std::to_string(v); };
+  auto real = [](double v) { return strprintf("%.10g", v); };
+  take("model.arch", &c.model.arch, hf.arch, [](ModelArch a) { return std::string(model_arch_name(a)); });
+  take("model.n_layer", &c.model.n_layer, hf.n_layer, whole);
+  take("model.n_embd", &c.model.n_embd, hf.n_embd, whole);
+  take("model.n_head", &c.model.n_head, hf.n_head, whole);
+  take("model.vocab_size", &c.model.vocab_size, hf.vocab_size, whole);
+  take("model.max_seq_len", &c.model.max_seq_len, hf.max_seq_len, whole);
+  if (hf.arch == ARCH_LLAMA) {
+    // 0 means n_head key/value heads and an MLP of 4 n_embd: compare what they mean.
+    if (c.model.n_kv_head == 0) c.model.n_kv_head = c.model.n_head;
+    if (c.model.intermediate_size == 0) c.model.intermediate_size = 4 * c.model.n_embd;
+    take("model.n_kv_head", &c.model.n_kv_head, hf.n_kv_head, whole);
+    take("model.intermediate_size", &c.model.intermediate_size, hf.intermediate_size, whole);
+    take("model.rope_theta", &c.model.rope_theta, hf.rope_theta, real);
+    take("model.norm_eps", &c.model.norm_eps, hf.norm_eps, real);
+    take("model.tie_embeddings", &c.model.tie_embeddings, hf.tie_embeddings,
+         [](bool b) { return std::string(b ? "true" : "false"); });
   }
   require(mismatches.empty(), "checkpoint.init_from='" + printable_text(c.checkpoint.init_from) + "': " + mismatches +
                                   "; the shape comes from the folder's config.json: remove these model.* keys from "

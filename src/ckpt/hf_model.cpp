@@ -16,10 +16,31 @@
 namespace shardtrain {
 namespace {
 
-constexpr const char* PREFIX = "transformer.";
-
-// Layer-norm epsilon of our kernels (backend/cpu/layernorm.cpp, kernels/layernorm.cu).
+// Layer-norm epsilon of our GPT-2 kernels (backend/cpu/layernorm.cpp, kernels/layernorm.cu).
 constexpr double OUR_LAYER_NORM_EPS = 1e-5;
+
+// The prefix of the base model's tensors (transformers' base_model_prefix), which files may leave
+// out (a GPT2Model's or LlamaModel's own save); Llama's lm_head.weight never has it.
+const char* hf_prefix(ModelArch arch) { return arch == ARCH_LLAMA ? "model." : "transformer."; }
+
+bool ends_with(const std::string& name, const std::string& suffix) {
+  return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// A tensor's name in a file, less the base model's prefix: the key we look parameters up by.
+std::string hf_key(ModelArch arch, const std::string& name) {
+  const std::string prefix = hf_prefix(arch);
+  return name.rfind(prefix, 0) == 0 ? name.substr(prefix.size()) : name;
+}
+
+// Tensors of real files that are not parameters: GPT-2's causal-mask buffers and its tied head;
+// Llama's rotary inv_freq buffers (older files) and a tied model's lm_head.weight (an untied
+// model's is a parameter, so never left over).
+bool ignorable(ModelArch arch, const std::string& key) {
+  if (key == "lm_head.weight") return true;
+  if (arch == ARCH_LLAMA) return ends_with(key, ".self_attn.rotary_emb.inv_freq");
+  return ends_with(key, ".attn.bias") || ends_with(key, ".attn.masked_bias");
+}
 
 nlohmann::json read_json(const std::string& path, const std::string& what) {
   std::ifstream in(path);
@@ -33,13 +54,13 @@ nlohmann::json read_json(const std::string& path, const std::string& what) {
   }
 }
 
-// The tensors of a folder: name -> the file that holds it.
+// The tensors of a folder: key (hf_key) -> the file that holds it.
 struct HfFiles {
   std::vector<std::unique_ptr<SafetensorsReader>> readers;
   std::map<std::string, std::pair<const SafetensorsReader*, const SafetensorsTensor*>> tensors;
 };
 
-HfFiles open_hf_files(const std::string& folder) {
+HfFiles open_hf_files(const std::string& folder, ModelArch arch) {
   HfFiles files;
   const std::string single = folder + "/model.safetensors", index = folder + "/model.safetensors.index.json";
   std::vector<std::string> names;
@@ -65,25 +86,149 @@ HfFiles open_hf_files(const std::string& folder) {
   for (const std::string& name : names) {
     files.readers.push_back(std::make_unique<SafetensorsReader>(folder + "/" + name));
     const SafetensorsReader& r = *files.readers.back();
-    for (const SafetensorsTensor& t : r.tensors()) {
-      std::string key = t.name.rfind(PREFIX, 0) == 0 ? t.name.substr(std::string(PREFIX).size()) : t.name;
-      if (!files.tensors.emplace(key, std::make_pair(&r, &t)).second)
+    for (const SafetensorsTensor& t : r.tensors())
+      if (!files.tensors.emplace(hf_key(arch, t.name), std::make_pair(&r, &t)).second)
         throw CheckpointError("Hugging Face folder '" + folder + "': tensor '" + t.name + "' appears twice");
-    }
   }
   return files;
 }
 
-// Buffers of older GPT-2 files that are not parameters.
-bool ignorable(const std::string& name) {
-  auto ends_with = [&](const char* suffix) {
-    const std::string s(suffix);
-    return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
-  };
-  return ends_with(".attn.bias") || ends_with(".attn.masked_bias") || name == "lm_head.weight";
+// config.json's values, each checked for its type; a key that is absent (or null, where a null
+// means "the default" to transformers too) takes the default given.
+class HfConfig {
+ public:
+  explicit HfConfig(const std::string& folder)
+      : path_(folder + "/config.json"), j_(read_json(path_, "Hugging Face config")) {
+    if (!j_.is_object()) fail("not a JSON object");
+  }
+  [[noreturn]] void fail(const std::string& why) const {
+    throw CheckpointError("Hugging Face config '" + path_ + "': " + why);
+  }
+  // The value of `key`, or null when absent.
+  const nlohmann::json& operator[](const char* key) const {
+    static const nlohmann::json null;
+    return j_.contains(key) ? j_[key] : null;
+  }
+  bool present(const char* key) const { return j_.contains(key); }
+  bool has(const char* key) const { return !(*this)[key].is_null(); }
+  // A positive whole number; required when `fallback` is 0.
+  int whole(const char* key, int fallback = 0) const {
+    const nlohmann::json& v = (*this)[key];
+    if (v.is_null() && fallback > 0) return fallback;
+    if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > (1 << 30))
+      fail(std::string(key) + (v.is_null() ? " is missing" : " " + v.dump() + " is not a positive whole number"));
+    return static_cast<int>(v.get<int64_t>());
+  }
+  double positive(const char* key, double fallback) const {
+    const nlohmann::json& v = (*this)[key];
+    if (v.is_null()) return fallback;
+    if (!v.is_number() || !(v.get<double>() > 0) || !std::isfinite(v.get<double>()))
+      fail(std::string(key) + " " + v.dump() + " is not a positive number");
+    return v.get<double>();
+  }
+  bool flag(const char* key, bool fallback) const {
+    const nlohmann::json& v = (*this)[key];
+    if (v.is_null()) return fallback;
+    if (!v.is_boolean()) fail(std::string(key) + " " + v.dump() + " is not true or false");
+    return v.get<bool>();
+  }
+  std::string text(const char* key, const std::string& fallback) const {
+    const nlohmann::json& v = (*this)[key];
+    if (v.is_null()) return fallback;
+    if (!v.is_string()) fail(std::string(key) + " " + v.dump() + " is not a string");
+    return v.get<std::string>();
+  }
+
+ private:
+  std::string path_;
+  nlohmann::json j_;
+};
+
+ModelConfig gpt2_model_config(const HfConfig& j) {
+  ModelConfig m;
+  m.n_layer = j.whole("n_layer");
+  m.n_embd = j.whole("n_embd");
+  m.n_head = j.whole("n_head");
+  m.vocab_size = j.whole("vocab_size");
+  m.max_seq_len = j.has("n_positions") || !j.has("n_ctx") ? j.whole("n_positions") : j.whole("n_ctx");
+  const std::string act = j.text("activation_function", "gelu_new");
+  if (act != "gelu_new" && act != "gelu_pytorch_tanh")
+    j.fail("activation_function '" + act + "' is not implemented; ShardTrain's GPT-2 uses the tanh GELU (gelu_new)");
+  if (j.has("n_inner") && j["n_inner"] != 4 * m.n_embd)
+    j.fail("n_inner " + j["n_inner"].dump() + " is not implemented; ShardTrain's MLP is 4 x n_embd");
+  if (!j.flag("tie_word_embeddings", true))
+    j.fail("tie_word_embeddings false is not implemented; ShardTrain ties the LM head to wte");
+  if (std::fabs(j.positive("layer_norm_epsilon", OUR_LAYER_NORM_EPS) - OUR_LAYER_NORM_EPS) > 1e-12)
+    j.fail("layer_norm_epsilon " + j["layer_norm_epsilon"].dump() + " is not implemented; ShardTrain uses 1e-05");
+  for (const char* key : {"scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"})
+    if (j.flag(key, false)) j.fail(std::string(key) + " true is not implemented");
+  if (!j.flag("scale_attn_weights", true)) j.fail("scale_attn_weights false is not implemented");
+  if (m.n_embd % m.n_head != 0) j.fail("n_embd is not a multiple of n_head");
+  return m;
+}
+
+// LlamaConfig's keys, absent ones taking its defaults (MistralConfig's for a mistral folder). The
+// rotary settings may also come as transformers 5's rope_parameters; either dict may only name the
+// plain rotary embedding (rope_type default) and its theta.
+ModelConfig llama_model_config(const HfConfig& j, bool mistral) {
+  ModelConfig m;
+  m.arch = ARCH_LLAMA;
+  m.n_layer = j.whole("num_hidden_layers");
+  m.n_embd = j.whole("hidden_size");
+  m.n_head = j.whole("num_attention_heads");
+  // Null means "as many as the query heads" to both; MistralConfig's default when absent is 8.
+  m.n_kv_head = mistral && !j.present("num_key_value_heads") ? 8 : j.whole("num_key_value_heads", m.n_head);
+  m.intermediate_size = j.whole("intermediate_size");
+  m.vocab_size = j.whole("vocab_size");
+  m.max_seq_len = j.whole("max_position_embeddings", mistral ? 4096 * 32 : 2048);
+  m.rope_theta = j.positive("rope_theta", 10000.0);
+  m.norm_eps = j.positive("rms_norm_eps", 1e-6);
+  m.tie_embeddings = j.flag("tie_word_embeddings", false);
+  for (const char* key : {"rope_scaling", "rope_parameters"}) {
+    const nlohmann::json& rope = j[key];
+    if (rope.is_null()) continue;
+    if (!rope.is_object()) j.fail(std::string(key) + " " + rope.dump() + " is not a JSON object or null");
+    const nlohmann::json type =
+        rope.contains("rope_type") ? rope["rope_type"] : rope.value("type", nlohmann::json("default"));
+    for (const auto& item : rope.items())
+      if (type != "default" || (item.key() != "rope_type" && item.key() != "type" && item.key() != "rope_theta"))
+        j.fail(std::string(key) + " " + rope.dump() +
+               " is not implemented; ShardTrain's rotary embedding is the plain one (rope_type default, rope_theta)");
+    if (rope.contains("rope_theta")) {
+      if (!rope["rope_theta"].is_number() || !(rope["rope_theta"].get<double>() > 0))
+        j.fail(std::string(key) + ".rope_theta " + rope["rope_theta"].dump() + " is not a positive number");
+      m.rope_theta = rope["rope_theta"].get<double>();
+    }
+  }
+  const std::string act = j.text("hidden_act", "silu");
+  if (act != "silu" && act != "swish")
+    j.fail("hidden_act '" + act + "' is not implemented; ShardTrain's Llama MLP uses silu");
+  for (const char* key : {"attention_bias", "mlp_bias"})
+    if (j.flag(key, false)) j.fail(std::string(key) + " true is not implemented; ShardTrain's Llama has no biases");
+  if (m.n_embd % m.n_head != 0) j.fail("hidden_size is not a multiple of num_attention_heads");
+  if (j.has("head_dim") && j.whole("head_dim") != m.head_size())
+    j.fail(strprintf("head_dim %d is not implemented; ShardTrain's head size is hidden_size / num_attention_heads = %d",
+                     j.whole("head_dim"), m.head_size()));
+  if (m.head_size() % 2 != 0)
+    j.fail(strprintf("hidden_size / num_attention_heads = %d is odd; rotary embeddings turn pairs of dimensions",
+                     m.head_size()));
+  if (m.n_head % m.n_kv_head != 0) j.fail("num_attention_heads is not a multiple of num_key_value_heads");
+  // Mistral's window masks keys sliding_window or more positions back; one that no sequence
+  // reaches changes nothing.
+  if (mistral) {
+    const bool absent = !j.present("sliding_window");  // MistralConfig's default is 4096
+    const int window = absent ? 4096 : j.has("sliding_window") ? j.whole("sliding_window") : 0;
+    if (window > 0 && window < m.max_seq_len)
+      j.fail(strprintf("sliding_window %d%s is not implemented; ShardTrain's attention sees every earlier position "
+                       "(null, or at least max_position_embeddings = %d, is read)",
+                       window, absent ? " (MistralConfig's default, the key being absent)" : "", m.max_seq_len));
+  }
+  return m;
 }
 
 }  // namespace
+
+const char* hf_architecture(ModelArch arch) { return arch == ARCH_LLAMA ? "LlamaForCausalLM" : "GPT2LMHeadModel"; }
 
 bool is_hf_model_folder(const std::string& path) {
   struct stat st {};
@@ -91,47 +236,23 @@ bool is_hf_model_folder(const std::string& path) {
 }
 
 ModelConfig read_hf_model_config(const std::string& folder) {
-  const std::string path = folder + "/config.json";
-  const nlohmann::json j = read_json(path, "Hugging Face config");
-  auto fail = [&](const std::string& why) { throw CheckpointError("Hugging Face config '" + path + "': " + why); };
-  if (!j.is_object()) fail("not a JSON object");
-  const std::string type = j.value("model_type", "");
-  if (type != "gpt2")
-    fail("model_type '" + type + "' is not implemented; ShardTrain reads gpt2 models");
-  auto whole = [&](const char* key, const char* alternative) -> int {
-    const nlohmann::json* v = j.contains(key) ? &j[key] : (alternative && j.contains(alternative) ? &j[alternative] : nullptr);
-    if (!v || !v->is_number_integer() || v->get<int64_t>() < 1 || v->get<int64_t>() > (1 << 30))
-      fail(std::string(key) + " is missing or not a positive whole number");
-    return static_cast<int>(v->get<int64_t>());
-  };
-  ModelConfig m;
-  m.n_layer = whole("n_layer", nullptr);
-  m.n_embd = whole("n_embd", nullptr);
-  m.n_head = whole("n_head", nullptr);
-  m.vocab_size = whole("vocab_size", nullptr);
-  m.max_seq_len = whole("n_positions", "n_ctx");
-  const std::string act = j.value("activation_function", "gelu_new");
-  if (act != "gelu_new" && act != "gelu_pytorch_tanh")
-    fail("activation_function '" + act + "' is not implemented; ShardTrain's GPT-2 uses the tanh GELU (gelu_new)");
-  if (j.contains("n_inner") && !j["n_inner"].is_null() && j["n_inner"] != 4 * m.n_embd)
-    fail("n_inner " + j["n_inner"].dump() + " is not implemented; ShardTrain's MLP is 4 x n_embd");
-  if (!j.value("tie_word_embeddings", true))
-    fail("tie_word_embeddings false is not implemented; ShardTrain ties the LM head to wte");
-  if (j.contains("layer_norm_epsilon") && (!j["layer_norm_epsilon"].is_number() ||
-                                           std::fabs(j["layer_norm_epsilon"].get<double>() - OUR_LAYER_NORM_EPS) > 1e-12))
-    fail("layer_norm_epsilon " + j["layer_norm_epsilon"].dump() + " is not implemented; ShardTrain uses 1e-05");
-  for (const char* key : {"scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"})
-    if (j.value(key, false)) fail(std::string(key) + " true is not implemented");
-  if (!j.value("scale_attn_weights", true)) fail("scale_attn_weights false is not implemented");
-  if (m.n_embd % m.n_head != 0) fail("n_embd is not a multiple of n_head");
-  return m;
+  const HfConfig j(folder);
+  const std::string type = j.text("model_type", "");
+  if (type == "gpt2") return gpt2_model_config(j);
+  if (type == "llama" || type == "mistral") return llama_model_config(j, type == "mistral");
+  j.fail("model_type '" + type + "' is not implemented; ShardTrain reads gpt2, llama and mistral models");
 }
 
-HfTensor hf_tensor_of(const ParamInfo& p) {
+HfTensor hf_tensor_of(ModelArch arch, const ParamInfo& p) {
+  HfTensor t;
+  for (int d : p.shape) t.shape.push_back(d);
+  if (arch == ARCH_LLAMA) {  // Hugging Face's names less the prefix, nn.Linear's (out, in) as ours
+    t.name = p.name == "lm_head.weight" ? p.name : hf_prefix(arch) + p.name;
+    return t;
+  }
   static const std::pair<const char*, const char*> renames[] = {
       {".attn.qkv.", ".attn.c_attn."}, {".attn.proj.", ".attn.c_proj."}, {".mlp.fc.", ".mlp.c_fc."},
       {".mlp.proj.", ".mlp.c_proj."}};
-  HfTensor t;
   t.name = p.name == "wte" || p.name == "wpe" ? p.name + ".weight" : p.name;
   for (const auto& [ours, theirs] : renames) {
     const size_t at = t.name.find(ours);
@@ -139,15 +260,15 @@ HfTensor hf_tensor_of(const ParamInfo& p) {
     t.name.replace(at, std::string(ours).size(), theirs);
     t.transposed = p.shape.size() == 2;  // Conv1D weights; biases are vectors either way
   }
-  for (int d : p.shape) t.shape.push_back(d);
   if (t.transposed) std::swap(t.shape[0], t.shape[1]);
-  t.name = PREFIX + t.name;
+  t.name = hf_prefix(arch) + t.name;
   return t;
 }
 
 void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
   const ParamTable& table = engine.table();
-  const HfFiles files = open_hf_files(folder);
+  const ModelArch arch = table.config().arch;
+  const HfFiles files = open_hf_files(folder, arch);
   // Each parameter's tensor in the files, checked before anything is read.
   struct Source {
     const SafetensorsReader* reader;
@@ -157,8 +278,8 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
   std::vector<Source> sources;
   std::set<std::string> used;
   for (const ParamInfo& p : table.params()) {
-    const HfTensor want = hf_tensor_of(p);
-    const std::string key = want.name.substr(std::string(PREFIX).size());
+    const HfTensor want = hf_tensor_of(arch, p);
+    const std::string key = hf_key(arch, want.name);
     auto it = files.tensors.find(key);
     if (it == files.tensors.end())
       throw CheckpointError("Hugging Face folder '" + folder + "': tensor '" + want.name + "' is missing");
@@ -177,9 +298,10 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
     sources.push_back({it->second.first, it->second.second, want.transposed});
   }
   for (const auto& [key, where] : files.tensors)
-    if (!used.count(key) && !ignorable(key))
+    if (!used.count(key) && !ignorable(arch, key))
       throw CheckpointError("safetensors file '" + where.first->path() + "': unexpected tensor '" + where.second->name +
-                            "' (not part of a GPT-2 of config.json's shape)");
+                            "' (not part of a " +
+                            hf_architecture(arch) + " of config.json's shape)");
 
   for (size_t u = 0; u < engine.shards().size(); u++) {
     UnitShard& s = engine.shards()[u];
@@ -218,22 +340,50 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
 
 std::string hf_config_json(const ModelConfig& m, DType dtype) {
   nlohmann::ordered_json j;
-  j["architectures"] = {"GPT2LMHeadModel"};
-  j["model_type"] = "gpt2";
-  j["n_layer"] = m.n_layer;
-  j["n_embd"] = m.n_embd;
-  j["n_head"] = m.n_head;
-  j["vocab_size"] = m.vocab_size;
-  j["n_positions"] = m.max_seq_len;
-  j["n_ctx"] = m.max_seq_len;
-  j["n_inner"] = nullptr;
-  j["activation_function"] = "gelu_new";
-  j["layer_norm_epsilon"] = OUR_LAYER_NORM_EPS;
-  j["tie_word_embeddings"] = true;
-  j["scale_attn_weights"] = true;
-  j["resid_pdrop"] = 0.0;
-  j["embd_pdrop"] = 0.0;
-  j["attn_pdrop"] = 0.0;
+  if (m.arch == ARCH_LLAMA) {
+    // LlamaForCausalLM as transformers 4 writes it. The token ids are not known to a checkpoint:
+    // null, rather than absent, which LlamaConfig would read as its own defaults 1 and 2.
+    j["architectures"] = {hf_architecture(m.arch)};
+    j["model_type"] = "llama";
+    j["hidden_size"] = m.n_embd;
+    j["intermediate_size"] = m.mlp_size();
+    j["num_hidden_layers"] = m.n_layer;
+    j["num_attention_heads"] = m.n_head;
+    j["num_key_value_heads"] = m.kv_heads();
+    j["head_dim"] = m.head_size();
+    j["vocab_size"] = m.vocab_size;
+    j["max_position_embeddings"] = m.max_seq_len;
+    j["hidden_act"] = "silu";
+    j["rms_norm_eps"] = m.norm_eps;
+    j["rope_theta"] = m.rope_theta;
+    j["rope_scaling"] = nullptr;
+    j["attention_bias"] = false;
+    j["attention_dropout"] = 0.0;
+    j["mlp_bias"] = false;
+    j["pretraining_tp"] = 1;
+    j["tie_word_embeddings"] = m.tie_embeddings;
+    j["bos_token_id"] = nullptr;
+    j["eos_token_id"] = nullptr;
+    j["initializer_range"] = 0.02;
+    j["use_cache"] = true;
+  } else {
+    j["architectures"] = {hf_architecture(m.arch)};
+    j["model_type"] = "gpt2";
+    j["n_layer"] = m.n_layer;
+    j["n_embd"] = m.n_embd;
+    j["n_head"] = m.n_head;
+    j["vocab_size"] = m.vocab_size;
+    j["n_positions"] = m.max_seq_len;
+    j["n_ctx"] = m.max_seq_len;
+    j["n_inner"] = nullptr;
+    j["activation_function"] = "gelu_new";
+    j["layer_norm_epsilon"] = OUR_LAYER_NORM_EPS;
+    j["tie_word_embeddings"] = true;
+    j["scale_attn_weights"] = true;
+    j["resid_pdrop"] = 0.0;
+    j["embd_pdrop"] = 0.0;
+    j["attn_pdrop"] = 0.0;
+  }
   j["torch_dtype"] = dtype == DTYPE_FP32 ? "float32" : dtype == DTYPE_BF16 ? "bfloat16" : "float16";
   return j.dump(2) + "\n";
 }
@@ -243,7 +393,7 @@ HfExportPlan hf_export_plan(const ParamTable& table, DType dtype, uint64_t max_f
   HfExportPlan plan;
   uint64_t in_group = 0;
   for (const ParamInfo& p : table.params()) {
-    const HfTensor t = hf_tensor_of(p);
+    const HfTensor t = hf_tensor_of(table.config().arch, p);
     const uint64_t bytes = p.numel * dtype_bytes(dtype);
     if (max_file_bytes && in_group > 0 && in_group + bytes > max_file_bytes) groups.emplace_back(), in_group = 0;
     plan.where.emplace_back(groups.size() - 1, groups.back().size());
@@ -270,8 +420,8 @@ std::string HfExportPlan::index_json() const {
   return j.dump(2) + "\n";
 }
 
-std::vector<float> to_hf_order(const ParamInfo& p, const std::vector<float>& values) {
-  if (!hf_tensor_of(p).transposed) return values;
+std::vector<float> to_hf_order(ModelArch arch, const ParamInfo& p, const std::vector<float>& values) {
+  if (!hf_tensor_of(arch, p).transposed) return values;
   const size_t out = p.shape[0], in = p.shape[1];
   std::vector<float> t(values.size());
   for (size_t o = 0; o < out; o++)

@@ -1,14 +1,21 @@
 // Hugging Face model folders (config.json + model.safetensors, or shards listed by
-// model.safetensors.index.json) to and from our parameters. GPT-2 only for now:
-//   ours                     Hugging Face (GPT2LMHeadModel; "transformer." prefix optional)
+// model.safetensors.index.json) to and from our parameters.
+//
+// GPT-2 (GPT2LMHeadModel; the "transformer." prefix optional in files):
+//   ours                     Hugging Face
 //   wte, wpe, ln_f.*         wte.weight, wpe.weight, ln_f.*
 //   h.N.ln_1.*, h.N.ln_2.*   the same names
 //   h.N.attn.qkv.*           h.N.attn.c_attn.*   Conv1D: weights stored (in, out), ours (out, in)
 //   h.N.attn.proj.*          h.N.attn.c_proj.*   Conv1D
 //   h.N.mlp.fc.*             h.N.mlp.c_fc.*      Conv1D
 //   h.N.mlp.proj.*           h.N.mlp.c_proj.*    Conv1D
-// The LM head is tied to wte (lm_head.weight is absent, or ignored when tie_word_embeddings);
-// the causal-mask buffers of older files (attn.bias, attn.masked_bias) are ignored.
+// The LM head is tied to wte (lm_head.weight is absent, or ignored); the causal-mask buffers of
+// older files (attn.bias, attn.masked_bias) are ignored.
+//
+// Llama (LlamaForCausalLM; config.json's model_type llama, or mistral without a sliding window):
+// ours are Hugging Face's names less the "model." prefix (optional in files, as in a LlamaModel's),
+// nn.Linear (out, in) as ours, nothing transposed; lm_head.weight is never prefixed, present when
+// untied (ignored when tied). The rotary inv_freq buffers of older files are ignored.
 #pragma once
 
 #include <map>
@@ -22,22 +29,27 @@
 
 namespace shardtrain {
 
+// The transformers class of a model: GPT2LMHeadModel or LlamaForCausalLM.
+const char* hf_architecture(ModelArch arch);
+
 // Whether `path` is a folder holding a Hugging Face config.json.
 bool is_hf_model_folder(const std::string& path);
 
-// The model shape config.json describes. Throws CheckpointError naming the folder and the key for
-// what ShardTrain does not implement (another model_type, activation_function not gelu_new, an
-// untied head, n_inner not 4 x n_embd, layer_norm_epsilon not 1e-5, ...) or a malformed file.
+// The model config.json describes (architecture and shape). Throws CheckpointError naming the file
+// and the key for what ShardTrain does not implement (another model_type; gpt2: activation_function
+// not gelu_new, an untied head, n_inner not 4 x n_embd, layer_norm_epsilon not 1e-5, ...; llama:
+// rope_scaling, head_dim not hidden_size / num_attention_heads, attention or MLP biases, hidden_act
+// not silu, a sliding window, ...) or a malformed file.
 ModelConfig read_hf_model_config(const std::string& folder);
 
-// Our parameter's Hugging Face tensor name (canonical, with the "transformer." prefix) and whether
-// it is stored transposed.
+// Our parameter's Hugging Face tensor name (canonical: with the "transformer." or "model." prefix,
+// lm_head.weight without) and whether it is stored transposed.
 struct HfTensor {
   std::string name;
   bool transposed = false;
   std::vector<int64_t> shape;  // as stored in the file
 };
-HfTensor hf_tensor_of(const ParamInfo& param);
+HfTensor hf_tensor_of(ModelArch arch, const ParamInfo& param);
 
 // Fills this rank's parameter shards from a Hugging Face folder, reading only the elements of its
 // own shards (byte ranges of the safetensors files). Every tensor must be present with its shape
@@ -45,7 +57,7 @@ HfTensor hf_tensor_of(const ParamInfo& param);
 // CheckpointError naming the file and the tensor: call it under Runtime::agree_on.
 void load_hf_shards(const std::string& folder, FsdpEngine& engine);
 
-// config.json for a model of this shape (GPT2LMHeadModel, tied head).
+// config.json for a model of this shape: GPT2LMHeadModel (tied head) or LlamaForCausalLM.
 std::string hf_config_json(const ModelConfig& model, DType dtype);
 
 // The files of an exported model: every parameter in table order, in `dtype`, with the metadata
@@ -65,6 +77,6 @@ struct HfExportPlan {
 };
 HfExportPlan hf_export_plan(const ParamTable& table, DType dtype, uint64_t max_file_bytes);
 // Our parameter's values (row-major, ours) in the file's order (the transposed ones transposed).
-std::vector<float> to_hf_order(const ParamInfo& param, const std::vector<float>& values);
+std::vector<float> to_hf_order(ModelArch arch, const ParamInfo& param, const std::vector<float>& values);
 
 }  // namespace shardtrain

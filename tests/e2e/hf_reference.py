@@ -1,13 +1,24 @@
 """Hugging Face's side of the interop tests, run by the test virtual environment's python (it has the
-`safetensors` package): write GPT-2 folders as transformers lays them out, read safetensors files
-back, and compute GPT-2's loss the way transformers' GPT2LMHeadModel does (Conv1D weights (in, out),
-tanh GELU, LayerNorm eps 1e-5, tied head), in float64 numpy. Commands print JSON. gpt2_shapes needs
-only numpy (the e2e tests, under Debian's python, import it); the commands import `safetensors`.
+`safetensors` package): write GPT-2 and Llama folders as transformers lays them out, read safetensors
+files back, and compute the loss the way transformers computes it, in float64 numpy: GPT2LMHeadModel
+(Conv1D weights (in, out), tanh GELU, LayerNorm eps 1e-5, tied head) and LlamaForCausalLM
+(modeling_llama: RMSNorm, rotary embeddings with rotate_half, repeat_kv for grouped-query attention,
+SwiGLU, final norm, tied or untied head). Commands print JSON. gpt2_shapes and llama_shapes need only
+numpy (the e2e tests, under Debian's python, import them); the commands import `safetensors`.
+numpy has no bfloat16: BF16 files are written and read here byte by byte (the package checks the
+layout: every file written is opened with safe_open).
 
-  hf_reference.py make FOLDER L C H V T DTYPE SEED PREFIX   random GPT-2 weights + config.json
-  hf_reference.py loss FOLDER TOKENS...                     mean next-token cross-entropy
-  hf_reference.py tensors FILE                              {name: [dtype, shape, sha256 of bytes]}, metadata
-  hf_reference.py equal A B                                 whether every tensor is bit-identical (files or folders)
+  hf_reference.py make FOLDER L C H V T DTYPE SEED PREFIX      random GPT-2 weights + config.json
+  hf_reference.py make-llama FOLDER L C H KV I V T TIED DTYPE SEED PREFIX [EXTRAS]
+                                                               random Llama weights + config.json (KV 0: the
+                                                               key left out; PREFIX "-": none; EXTRAS, comma-
+                                                               separated: lm_head (written although tied),
+                                                               inv_freq (older files' rotary buffers))
+  hf_reference.py loss FOLDER TOKENS...                        mean next-token cross-entropy (config.json's model_type)
+  hf_reference.py tensors FILE                                 {name: [dtype, shape, sha256 of bytes]}, metadata
+  hf_reference.py equal A B                                    whether every tensor is bit-identical (files or folders)
+  hf_reference.py rounded F32 OTHER                            whether OTHER's tensors are F32's rounded to nearest
+                                                               even (F16 or BF16), names and shapes alike
 """
 import hashlib
 import json
@@ -27,6 +38,117 @@ def gpt2_shapes(L, C, V, T):
                        h + "mlp.c_fc.weight": (C, 4 * C), h + "mlp.c_fc.bias": (4 * C,),
                        h + "mlp.c_proj.weight": (4 * C, C), h + "mlp.c_proj.bias": (C,)})
     return shapes
+
+
+def llama_shapes(L, C, H, KV, I, V, tied):
+    """LlamaForCausalLM's tensors, as transformers names them ("model." prefix, lm_head.weight without)."""
+    KVD = KV * (C // H)
+    shapes = {"model.embed_tokens.weight": (V, C), "model.norm.weight": (C,)}
+    if not tied:
+        shapes["lm_head.weight"] = (V, C)
+    for l in range(L):
+        p = f"model.layers.{l}."
+        shapes.update({p + "input_layernorm.weight": (C,), p + "self_attn.q_proj.weight": (C, C),
+                       p + "self_attn.k_proj.weight": (KVD, C), p + "self_attn.v_proj.weight": (KVD, C),
+                       p + "self_attn.o_proj.weight": (C, C), p + "post_attention_layernorm.weight": (C,),
+                       p + "mlp.gate_proj.weight": (I, C), p + "mlp.up_proj.weight": (I, C),
+                       p + "mlp.down_proj.weight": (C, I)})
+    return shapes
+
+
+def bf16_bits(values):
+    """float32 -> bfloat16 bits, rounded to nearest even (finite values)."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def save_tensors(tensors, path):
+    """{name: float array} -> a safetensors file: F32/F16 arrays through the package, a file with
+    bfloat16 (given as ("BF16", float32 values)) written here and opened with the package as a check."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+    if not any(isinstance(v, tuple) for v in tensors.values()):
+        save_file(tensors, path, metadata={"format": "pt"})
+        return
+    header, chunks, offset = {"__metadata__": {"format": "pt"}}, [], 0
+    for name in sorted(tensors):
+        value = tensors[name]
+        if isinstance(value, tuple):
+            dtype, shape, data = "BF16", list(value[1].shape), bf16_bits(value[1]).astype("<u2").tobytes()
+        else:
+            dtype = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}[value.dtype]
+            shape, data = list(value.shape), value.astype(value.dtype.newbyteorder("<")).tobytes()
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + b"".join(chunks))
+    with safe_open(path, framework="numpy") as f:
+        assert sorted(f.keys()) == sorted(tensors), "the package reads other tensors than were written"
+        for name in f.keys():
+            assert f.get_slice(name).get_shape() == header[name]["shape"], name
+
+
+def read_tensors(path):
+    """Every tensor of one file as numpy arrays: the package's load_file, or for a file holding
+    BF16 (which numpy lacks) the raw bytes, widened to float32 exactly."""
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+    with safe_open(path, framework="numpy") as f:
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    if "BF16" not in dtypes.values():
+        return load_file(path)
+    raw = open(path, "rb").read()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = (8 + n + o for o in info["data_offsets"])
+        np_type = {"BF16": "<u2", "F16": "<f2", "F32": "<f4"}[info["dtype"]]
+        array = np.frombuffer(raw[begin:end], dtype=np_type).reshape(info["shape"])
+        out[name] = (array.astype(np.uint32) << 16).view(np.float32) if info["dtype"] == "BF16" else array
+    return out
+
+
+def make_llama(folder, L, C, H, KV, I, V, T, tied, dtype, seed, prefix, extras=()):
+    """Random weights, scaled so attention is far from uniform (q and k large: the rotary angles
+    matter) and every layer moves the residual stream. Extras are tensors real files may hold that
+    are not parameters: a tied model's lm_head.weight, the inv_freq buffers of transformers < 4.31."""
+    rng = np.random.default_rng(seed)
+    scale = {"embed_tokens": 0.4, "q_proj": 0.3, "k_proj": 0.3, "v_proj": 0.15, "o_proj": 0.15, "gate_proj": 0.15,
+             "up_proj": 0.15, "down_proj": 0.1, "lm_head": 0.1}
+    tensors = {}
+    shapes = llama_shapes(L, C, H, KV or H, I, V, tied)
+    if "lm_head" in extras:
+        shapes["lm_head.weight"] = (V, C)
+    if "inv_freq" in extras:
+        shapes.update({f"model.layers.{l}.self_attn.rotary_emb.inv_freq": (C // H // 2,) for l in range(L)})
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            values = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif name.endswith("inv_freq"):
+            values = 10000.0 ** -(np.arange(0, C // H, 2) / (C // H))
+        else:
+            values = scale[name.split(".")[-2]] * rng.standard_normal(shape)
+        name = name[len("model."):] if name.startswith("model.") else name
+        values = values.astype(np.float32)
+        tensors[(prefix if name != "lm_head.weight" else "") + name] = (
+            ("BF16", values) if dtype == "BF16" else values.astype({"F32": np.float32, "F16": np.float16}[dtype]))
+    os.makedirs(folder, exist_ok=True)
+    save_tensors(tensors, os.path.join(folder, "model.safetensors"))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": C, "intermediate_size": I,
+              "num_hidden_layers": L, "num_attention_heads": H, "num_key_value_heads": KV, "vocab_size": V,
+              "max_position_embeddings": T, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "rope_scaling": None, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": tied,
+              "torch_dtype": {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[dtype]}
+    if not KV:
+        del config["num_key_value_heads"]
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
 
 
 def make(folder, L, C, H, V, T, dtype, seed, prefix):
@@ -50,14 +172,13 @@ def make(folder, L, C, H, V, T, dtype, seed, prefix):
 
 def load_folder(folder):
     """Every tensor of a model folder: model.safetensors, or the files its index names."""
-    from safetensors.numpy import load_file
     index = os.path.join(folder, "model.safetensors.index.json")
     if not os.path.exists(index):
-        return load_file(os.path.join(folder, "model.safetensors"))
+        return read_tensors(os.path.join(folder, "model.safetensors"))
     weight_map = json.load(open(index))["weight_map"]
     tensors = {}
     for file in sorted(set(weight_map.values())):
-        part = load_file(os.path.join(folder, file))
+        part = read_tensors(os.path.join(folder, file))
         assert all(weight_map[name] == file for name in part), f"{file} holds tensors its index puts elsewhere"
         tensors.update(part)
     assert sorted(tensors) == sorted(weight_map), "the index and the files disagree"
@@ -74,8 +195,67 @@ def gelu_new(x):
     return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
 
 
+def cross_entropy(logits, targets):
+    logits = logits - logits.max(-1, keepdims=True)
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    return float(-log_probs[np.arange(len(targets)), targets].mean())
+
+
+def rms_norm(x, w, eps):
+    """LlamaRMSNorm: x * rsqrt(mean(x^2) + eps) * weight (fp32 there, float64 here)."""
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def rotary_cos_sin(T, d, theta):
+    """LlamaRotaryEmbedding, rope_type default: inv_freq = 1 / theta^(arange(0, d, 2) / d) and the
+    angles position * inv_freq, each computed in float32 as transformers does; emb = cat(freqs,
+    freqs); cos and sin of it held in float32."""
+    inv_freq = np.float32(1.0) / (np.float32(theta) ** (np.arange(0, d, 2).astype(np.float32) / np.float32(d)))
+    freqs = np.arange(T, dtype=np.float32)[:, None] * inv_freq[None, :]
+    emb = np.concatenate([freqs, freqs], -1).astype(np.float64)
+    return np.cos(emb).astype(np.float32).astype(np.float64), np.sin(emb).astype(np.float32).astype(np.float64)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], -1)
+
+
+def llama_loss(config, raw, tokens):
+    """LlamaForCausalLM's forward (modeling_llama) and its shifted cross-entropy."""
+    L, C, H = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
+    KV = config.get("num_key_value_heads") or H
+    d = config.get("head_dim") or C // H
+    eps, theta = config.get("rms_norm_eps", 1e-6), config.get("rope_theta", 10000.0)
+    w = {k[len("model."):] if k.startswith("model.") else k: v.astype(np.float64) for k, v in raw.items()}
+    inputs, targets = np.array(tokens[:-1]), np.array(tokens[1:])
+    T = len(inputs)
+    cos, sin = rotary_cos_sin(T, d, theta)
+    mask = np.triu(np.full((T, T), -np.inf), 1)
+    x = w["embed_tokens.weight"][inputs]
+    for l in range(L):
+        p = f"layers.{l}."
+        h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
+        q, k, v = ((h @ w[p + f"self_attn.{n}_proj.weight"].T).reshape(T, -1, d).transpose(1, 0, 2) for n in "qkv")
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin  # apply_rotary_pos_emb
+        k, v = np.repeat(k, H // KV, axis=0), np.repeat(v, H // KV, axis=0)  # repeat_kv: head j serves H/KV queries
+        att = q @ k.transpose(0, 2, 1) / np.sqrt(d) + mask
+        att = np.exp(att - att.max(-1, keepdims=True))
+        att /= att.sum(-1, keepdims=True)
+        x = x + (att @ v).transpose(1, 0, 2).reshape(T, H * d) @ w[p + "self_attn.o_proj.weight"].T
+        h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
+        gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+        x = x + (gate / (1.0 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
+    x = rms_norm(x, w["norm.weight"], eps)
+    # Tied: the head is the embedding (tie_weights), whatever lm_head.weight a file may hold.
+    head = w["embed_tokens.weight"] if config.get("tie_word_embeddings", False) else w["lm_head.weight"]
+    return cross_entropy(x @ head.T, targets)
+
+
 def loss(folder, tokens):
     config = json.load(open(os.path.join(folder, "config.json")))
+    if config["model_type"] in ("llama", "mistral"):
+        return llama_loss(config, load_folder(folder), tokens)
     L, C, H = config["n_layer"], config["n_embd"], config["n_head"]
     raw = load_folder(folder)
     w = {k[len("transformer."):] if k.startswith("transformer.") else k: v.astype(np.float64) for k, v in raw.items()}
@@ -97,28 +277,43 @@ def loss(folder, tokens):
         x = x + gelu_new(h @ w[p + "mlp.c_fc.weight"] + w[p + "mlp.c_fc.bias"]) @ w[p + "mlp.c_proj.weight"] \
             + w[p + "mlp.c_proj.bias"]
     x = layer_norm(x, w["ln_f.weight"], w["ln_f.bias"])
-    logits = x @ w["wte.weight"].T
-    logits -= logits.max(-1, keepdims=True)
-    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    return float(-log_probs[np.arange(T), targets].mean())
+    return cross_entropy(x @ w["wte.weight"].T, targets)
 
 
 def tensors(path):
+    """numpy's dtype name (bfloat16 for BF16), shape and the sha256 of the stored bytes of each tensor."""
     from safetensors import safe_open
-    out = {}
     with safe_open(path, framework="numpy") as f:
         metadata = f.metadata()
-        for name in f.keys():
-            array = f.get_tensor(name)
-            out[name] = [str(array.dtype), list(array.shape), hashlib.sha256(array.tobytes()).hexdigest()]
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    out = {}
+    for name, array in read_tensors(path).items():
+        stored, dtype = (bf16_bits(array), "bfloat16") if dtypes[name] == "BF16" else (array, str(array.dtype))
+        out[name] = [dtype, list(array.shape), hashlib.sha256(stored.tobytes()).hexdigest()]
     return {"tensors": out, "metadata": metadata}
 
 
 def equal(path_a, path_b):
     """Files or folders: the same tensors, bit for bit."""
-    from safetensors.numpy import load_file
-    a, b = ((load_folder(p) if os.path.isdir(p) else load_file(p)) for p in (path_a, path_b))
+    a, b = ((load_folder(p) if os.path.isdir(p) else read_tensors(p)) for p in (path_a, path_b))
     return sorted(a) == sorted(b) and all(a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]) for k in a)
+
+
+def rounded(path_f32, path_other):
+    """OTHER holds F32's tensors rounded to nearest even: F16 as numpy rounds, BF16 by the bits."""
+    from safetensors import safe_open
+    a = read_tensors(path_f32)
+    with safe_open(path_other, framework="numpy") as f:
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    if sorted(dtypes) != sorted(a):
+        return False
+    b = read_tensors(path_other)
+    for name, dtype in dtypes.items():
+        want = bf16_bits(a[name]) if dtype == "BF16" else a[name].astype(np.float16).view(np.uint16)
+        got = bf16_bits(b[name]) if dtype == "BF16" else b[name].view(np.uint16)  # BF16 widened exactly: same bits
+        if dtype not in ("BF16", "F16") or b[name].shape != a[name].shape or not np.array_equal(want, got):
+            return False
+    return True
 
 
 if __name__ == "__main__":
@@ -128,11 +323,18 @@ if __name__ == "__main__":
         make(folder, int(L), int(C), int(H), int(V), int(T), {"F32": np.float32, "F16": np.float16}[dtype], int(seed),
              "" if prefix == "-" else prefix)
         print(json.dumps({"ok": True}))
+    elif command == "make-llama":
+        folder, L, C, H, KV, I, V, T, tied, dtype, seed, prefix = args[:12]
+        make_llama(folder, int(L), int(C), int(H), int(KV), int(I), int(V), int(T), tied == "tied", dtype, int(seed),
+                   "" if prefix == "-" else prefix, args[12].split(",") if len(args) > 12 else ())
+        print(json.dumps({"ok": True}))
     elif command == "loss":
         print(json.dumps({"loss": loss(args[0], [int(t) for t in args[1:]])}))
     elif command == "tensors":
         print(json.dumps(tensors(args[0])))
     elif command == "equal":
         print(json.dumps({"equal": equal(args[0], args[1])}))
+    elif command == "rounded":
+        print(json.dumps({"rounded": rounded(args[0], args[1])}))
     else:
         sys.exit(f"unknown command {command}")

@@ -1,8 +1,9 @@
-"""Hugging Face GPT-2 folders in and out. The oracle is Hugging Face's side, independent of ours:
-folders written and read by the `safetensors` package, and GPT-2's loss computed by a float64 numpy
-transcription of transformers' GPT2LMHeadModel (tests/e2e/hf_reference.py). The data file repeats one
-random sequence with period seq_len, so every training sequence is that sequence whatever the
-sampler picks, and the first step's loss is the reference's loss on it."""
+"""Hugging Face GPT-2 and Llama folders in and out. The oracle is Hugging Face's side, independent of
+ours: folders written and read by the `safetensors` package, and the loss computed by float64 numpy
+transcriptions of transformers' GPT2LMHeadModel and LlamaForCausalLM (tests/e2e/hf_reference.py).
+The data file repeats one random sequence with period seq_len, so every training sequence is that
+sequence whatever the sampler picks, and the first step's loss is the reference's loss on it."""
+import hashlib
 import json
 import os
 import shutil
@@ -10,12 +11,15 @@ import subprocess
 
 import numpy as np
 
+import h5py
+
 import harness
 from harness import read_metrics, rel_diff, run, tempdir, tiny_args
-from hf_reference import gpt2_shapes
-from test_bad_input import expect_usage_error, write_tokens
+from hf_reference import gpt2_shapes, llama_shapes
+from test_bad_input import expect_usage_error, tiny_args_with_config, write_tokens
 
 L, C, H, V, MAXT, SEQ = 2, 40, 4, 256, 64, 32  # inputs/tiny.ini's model and seq_len
+KV, I = 2, 104  # and inputs/llama-tiny.ini's grouped-query attention and MLP width
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -41,10 +45,44 @@ def periodic_data(seed=7):
     return path, pattern.tolist() + [int(pattern[0])]
 
 
-def first_loss(folder, data, *extra, np_=2):
+DROP = object()
+
+
+def llama_folder(dtype="F32", tied=False, kv=KV, seed=1, prefix="model.", extras=(), config=None):
+    """A random Llama folder (kv 0: num_key_value_heads left out); `config` updates config.json, a
+    value of DROP removing the key."""
+    folder = os.path.join(tempdir(), "llama-hf")
+    reference("make-llama", folder, L, C, H, kv, I, V, MAXT, "tied" if tied else "untied", dtype, seed,
+              prefix or "-", ",".join(extras))
+    if config:
+        path = os.path.join(folder, "config.json")
+        c = json.load(open(path))
+        for key, value in config.items():
+            c.pop(key) if value is DROP else c.update({key: value})
+        json.dump(c, open(path, "w"))
+    return folder
+
+
+def no_model_ini():
+    """inputs/tiny.ini without its [model] section: the shape then comes from the folder alone."""
+    path = os.path.join(tempdir(), "no-model.ini")
+    keep, lines = True, []
+    for line in open(os.path.join(harness.ROOT, "inputs", "tiny.ini")):
+        if line.startswith("["):
+            keep = line.strip() != "[model]"
+        lines.append(line) if keep else None
+    open(path, "w").write("".join(lines))
+    return path
+
+
+def llama_args(*overrides):
+    return tiny_args_with_config(no_model_ini(), *overrides)
+
+
+def first_loss(folder, data, *extra, np_=2, args=tiny_args):
     metrics = os.path.join(tempdir(), "m.jsonl")
-    proc = run(np_, tiny_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}", "--data.val_file=",
-                              "--train.steps=1", "--train.lr=1e-30", f"--train.metrics_file={metrics}", *extra))
+    proc = run(np_, args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}", "--data.val_file=",
+                         "--train.steps=1", "--train.lr=1e-30", f"--train.metrics_file={metrics}", *extra))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "initialised the weights from Hugging Face folder" in proc.stdout, proc.stdout
     return read_metrics(metrics)[0]["loss"], proc
@@ -194,3 +232,150 @@ def test_export_options_are_checked():
                        "llmc, hf")
     expect_usage_error(["export", "--format", "hf", "--dtype", "fp8", "--checkpoint", "x.h5", "--output", "y"],
                        "--dtype='fp8'")
+
+
+# ---------------------------------------------------------------- Llama
+
+
+def test_llama_import_gives_transformers_loss():
+    """Grouped-query and plain multi-head attention, untied and tied heads, F32, BF16 and F16 files,
+    with and without the "model." prefix, a mistral folder without a sliding window, LlamaConfig's
+    defaults for left-out keys, and the non-parameter tensors real files carry, on 1-3 ranks."""
+    data, window = periodic_data()
+    cases = [
+        (llama_folder("F32", extras=["inv_freq"]), (1, 2, 3), "KV=2 MLP=104 V=256 max_seq_len=64 rope_theta=10000 "
+         "norm_eps=1e-05 untied"),
+        # LlamaConfig's defaults: num_key_value_heads = num_attention_heads, rope_theta 10000, rms_norm_eps 1e-6.
+        (llama_folder("BF16", tied=True, kv=0, seed=2, extras=["lm_head"],
+                      config={"rope_theta": DROP, "rms_norm_eps": DROP}), (2,), "KV=4 MLP=104 V=256 "
+         "max_seq_len=64 rope_theta=10000 norm_eps=1e-06 tied"),
+        (llama_folder("F16", kv=1, seed=3, prefix="", config={"model_type": "mistral", "sliding_window": None,
+                                                              "rope_theta": 500000.0}), (1,), "KV=1 MLP=104 V=256 "
+         "max_seq_len=64 rope_theta=500000 norm_eps=1e-05 untied"),
+    ]
+    for folder, ranks, summary in cases:
+        expected = reference("loss", folder, *window)["loss"]
+        for np_ in ranks:
+            loss, proc = first_loss(folder, data, np_=np_, args=llama_args)
+            assert f"Llama L=2 C=40 H=4 {summary}" in proc.stdout, proc.stdout
+            assert rel_diff(loss, expected) < 2e-6, (folder, np_, loss, expected)
+
+
+def test_llama_export_round_trips_and_matches_the_checkpoint():
+    data, window = periodic_data()
+    # Import -> checkpoint (lr 1e-30: the imported weights) -> export: the same file, bit for bit.
+    folder = llama_folder("F32")
+    ckdir = tempdir()
+    proc = run(2, llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}", "--data.val_file=",
+                             "--train.steps=1", "--train.lr=1e-30", f"--checkpoint.dir={ckdir}"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = os.path.join(tempdir(), "exported")
+    ckpt = os.path.join(ckdir, "ckpt-00000001.h5")
+    proc = run(3, ["export", "--format", "hf", "--checkpoint", ckpt, "--output", out])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "LlamaForCausalLM" in proc.stdout, proc.stdout
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"], os.listdir(out)
+    assert reference("equal", out, folder)["equal"]
+    config = json.load(open(os.path.join(out, "config.json")))
+    expected_config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": C, "intermediate_size": I,
+        "num_hidden_layers": L, "num_attention_heads": H, "num_key_value_heads": KV, "head_dim": C // H,
+        "vocab_size": V, "max_position_embeddings": MAXT, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "rope_scaling": None, "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": None, "eos_token_id": None}
+    assert {k: config.get(k, "absent") for k in expected_config} == expected_config, config
+    assert reference("loss", out, *window) == reference("loss", folder, *window)
+
+    # Trained (a tied model, so the head's gradient is the embedding's too), gathered checkpoint ->
+    # export: every tensor is the checkpoint's, named as transformers names it.
+    folder = llama_folder("BF16", tied=True, seed=4)
+    ckdir = tempdir()
+    proc = run(2, llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}", "--data.val_file=",
+                             "--train.steps=3", "--train.lr=1e-2", "--train.warmup_steps=0",
+                             "--checkpoint.format=gathered", f"--checkpoint.dir={ckdir}"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = os.path.join(ckdir, "ckpt-00000003.h5")
+    out = os.path.join(tempdir(), "exported-trained")
+    proc = run(2, ["export", "--format", "hf", "--checkpoint", ckpt, "--output", out])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    view = reference("tensors", os.path.join(out, "model.safetensors"))
+    assert view["metadata"] == {"format": "pt"}, view["metadata"]
+    shapes = llama_shapes(L, C, H, KV, I, V, tied=True)
+    assert sorted(view["tensors"]) == sorted(shapes) and "lm_head.weight" not in shapes
+    with h5py.File(ckpt, "r") as f:
+        for name, (dtype, shape, digest) in view["tensors"].items():
+            values = f["model"][name[len("model."):]][...]
+            assert (dtype, tuple(shape)) == ("float32", shapes[name]) and values.dtype == np.float32, name
+            assert digest == hashlib.sha256(values.astype("<f4").tobytes()).hexdigest(), name
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["tie_word_embeddings"] is True and config["num_key_value_heads"] == KV, config
+    # The exported model, imported again, gives the reference's loss on it.
+    expected = reference("loss", out, *window)["loss"]
+    again, _ = first_loss(out, data, args=llama_args)
+    assert rel_diff(again, expected) < 2e-6, (again, expected)
+    # bf16: each weight rounded to nearest even.
+    half = os.path.join(tempdir(), "exported-bf16")
+    proc = run(1, ["export", "--format", "hf", "--dtype", "bf16", "--checkpoint", ckpt, "--output", half])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    weights = "model.safetensors"
+    assert reference("rounded", os.path.join(out, weights), os.path.join(half, weights))["rounded"]
+    assert json.load(open(os.path.join(half, "config.json")))["torch_dtype"] == "bfloat16"
+
+
+def test_llama_shape_comes_from_config_json():
+    folder = llama_folder("F32")
+    # Keys the configuration sets must agree with config.json; each disagreement is named.
+    expect_usage_error(llama_args(f"--checkpoint.init_from={folder}", "--model.n_kv_head=4"), "model.n_kv_head=4",
+                       "config.json says 2", "remove")
+    expect_usage_error(tiny_args(f"--checkpoint.init_from={folder}", "--model.arch=gpt2",
+                                 "--model.tie_embeddings=true", "--model.norm_eps=1e-6"),
+                       "model.arch=gpt2 but config.json says llama", "model.norm_eps=1e-06 but config.json says 1e-05",
+                       "model.tie_embeddings=true but config.json says false")
+
+
+def test_llama_bad_folders_are_refused_naming_file_and_key():
+    good = llama_folder("F32")
+    weights = os.path.join(good, "model.safetensors")
+    raw = open(weights, "rb").read()
+    header_len = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + header_len])
+
+    def variant(name, tensors=None, config=None):
+        folder = os.path.join(tempdir(), name)
+        shutil.copytree(good, folder)
+        if tensors is not None:
+            text = json.dumps(tensors).encode()
+            open(os.path.join(folder, "model.safetensors"), "wb").write(
+                len(text).to_bytes(8, "little") + text + raw[8 + header_len:])
+        if config is not None:
+            c = json.load(open(os.path.join(good, "config.json")))
+            c.update(config)
+            json.dump(c, open(os.path.join(folder, "config.json"), "w"))
+        return folder
+
+    cases = []
+    for key, value, needle in (
+            ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "rope_scaling {"),
+            ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}, "rope_parameters {"),
+            ("head_dim", 20, "head_dim 20"), ("attention_bias", True, "attention_bias true"),
+            ("mlp_bias", True, "mlp_bias true"), ("hidden_act", "gelu", "hidden_act 'gelu'"),
+            ("num_key_value_heads", 3, "num_key_value_heads"),
+            ("sliding_window", 16, "sliding_window 16")):
+        config = {key: value, "model_type": "mistral"} if key == "sliding_window" else {key: value}
+        cases.append((variant(f"config-{key}", config=config), ["config.json", needle, "error"]))
+    cases.append((variant("mistral-default-window", config={"model_type": "mistral", "max_position_embeddings": 8192}),
+                  ["sliding_window 4096", "default"]))
+    missing = dict(header)  # its bytes now belong to an older file's rotary buffer, which is ignored
+    missing["model.layers.0.self_attn.rotary_emb.inv_freq"] = missing.pop("lm_head.weight")
+    cases.append((variant("missing", tensors=missing), ["'lm_head.weight' is missing"]))
+    wrong = json.loads(json.dumps(header))
+    wrong["model.layers.1.self_attn.k_proj.weight"]["shape"] = [KV * C // H * 2, C // 2]
+    cases.append((variant("shape", tensors=wrong), ["model.safetensors", "model.layers.1.self_attn.k_proj.weight",
+                                                    "shape [40, 20]", "[20, 40]"]))
+    extra = json.loads(json.dumps(header))
+    end = len(raw) - 8 - header_len  # an empty tensor after the last one keeps the data area tiled
+    extra["model.layers.0.self_attn.q_proj.bias"] = {"dtype": "F32", "shape": [0], "data_offsets": [end, end]}
+    cases.append((variant("unexpected", tensors=extra), ["unexpected tensor 'model.layers.0.self_attn.q_proj.bias'",
+                                                         "LlamaForCausalLM"]))
+    for folder, needles in cases:
+        expect_usage_error(llama_args(f"--checkpoint.init_from={folder}", "--train.steps=1"), *needles)
