@@ -37,7 +37,7 @@ const char* USAGE =
     "  plan           predict each rank's memory for every strategy and option, and recommend one\n"
     "  inspect FILE   print what a checkpoint holds: format, step, configuration, parameters and norms\n"
     "  export         write a checkpoint's weights as an llm.c GPT-2 checkpoint, or (--format hf) as a Hugging\n"
-    "                 Face GPT-2 folder\n"
+    "                 Face GPT-2 or Llama folder\n"
     "  version        print the version (also --version)\n"
     "\n"
     "'shardtrain <command> --help' lists a command's options.\n";
@@ -132,7 +132,8 @@ void run_checkpoint_tool(const Runtime& rt, const std::vector<std::string>& args
     desc.add_options()("output", po::value(&output)->required(),
                        "llmc: the llm.c checkpoint file to write; hf: the folder for config.json and model.safetensors")(
         "format", po::value(&format)->default_value(format),
-        "llmc (llm.c GPT-2 fp32 weights) or hf (a Hugging Face GPT-2 folder the transformers library loads)")(
+        "llmc (llm.c GPT-2 fp32 weights) or hf (a Hugging Face GPT-2 or Llama folder the transformers library "
+        "loads)")(
         "dtype", po::value(&dtype)->default_value(dtype), "hf: the type of the exported weights, fp32, bf16 or fp16")(
         "max-file-size", po::value(&max_file_size)->default_value(max_file_size),
         "hf: larger weights are split into files of at most this size with model.safetensors.index.json, as "
