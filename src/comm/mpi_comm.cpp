@@ -73,7 +73,7 @@ class MpiComm final : public Comm {
     Watchdog::Scope scope(watchdog_, what);
     bytes_sent_ += static_cast<uint64_t>(size_ - 1) * n * dtype_bytes(wire);
     if (wire != DTYPE_FP32) return reduce_scatter_add_16(chunk, shard.data, n, wire);
-    if (ring_send_.size() < n) ring_send_.resize(n), ring_recv_.resize(n);
+    if (ring_send_.size() < n) grow_exactly(ring_send_, n), grow_exactly(ring_recv_, n);
     const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
     // Step s sends the partial sum of chunk (rank-s-1) and receives that of chunk (rank-s-2);
     // after size-1 steps the received partial is this rank's own chunk, missing only our term.
@@ -167,7 +167,7 @@ class MpiComm final : public Comm {
   // adds this rank's fp32 term and rounds again for the next hop.
   template <typename ChunkFn>
   void reduce_scatter_add_16(ChunkFn chunk, float* out, size_t n, DType wire) {
-    if (wire_send_.size() < n) wire_send_.resize(n), wire_recv_.resize(n);
+    if (wire_send_.size() < n) grow_exactly(wire_send_, n), grow_exactly(wire_recv_, n);
     const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
     uint16_t *send = wire_send_.data(), *recv = wire_recv_.data();
     const float* first = chunk(rank_ - 1);
@@ -185,6 +185,15 @@ class MpiComm final : public Comm {
         for (size_t i = 0; i < n; i++) out[i] += half_to_float(recv[i], wire) + own[i];
       }
     }
+  }
+
+  // To exactly n elements: resize alone grows the capacity geometrically (to twice the old size
+  // when a larger unit comes after a smaller one, as llama's root after its blocks), and the plan
+  // counts n (uncounted_buffer_bytes reports the capacity).
+  template <typename T>
+  static void grow_exactly(std::vector<T>& v, size_t n) {
+    v.reserve(n);
+    v.resize(n);
   }
 
   static void add_into(float* out, const float* in, size_t n) {
