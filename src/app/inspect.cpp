@@ -22,7 +22,7 @@ void inspect_checkpoint(const std::string& path) {
   const ModelConfig& m = s.model;
   ParamTable table(m);
   std::printf("checkpoint %s\n", path.c_str());
-  std::printf("format %s version %lld, layout %s\n", CKPT_FORMAT_NAME, static_cast<long long>(CKPT_FORMAT_VERSION),
+  std::printf("format %s version %lld, layout %s\n", CKPT_FORMAT_NAME, static_cast<long long>(s.version),
               s.layout.c_str());
   std::printf("step %lld, tokens seen %lld, saved on %s (%s), seed %llu, sampler at step %lld\n",
               static_cast<long long>(s.step), static_cast<long long>(s.tokens_seen),

@@ -358,6 +358,7 @@ CheckpointState read_state(hid_t file, const std::string& path) {
     return v;
   };
   CheckpointState s;
+  s.version = version;
   s.layout = str("layout");
   s.step = i64("step");
   s.tokens_seen = i64("tokens_seen");

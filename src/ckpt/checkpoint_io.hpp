@@ -45,6 +45,7 @@ struct CheckpointState {
   int64_t loss_scale_log2 = 0;     // fp16 dynamic loss scale = 2^loss_scale_log2
   int64_t loss_scale_good_steps = 0;  // finite steps since the scale last changed
   std::string warning;             // read only: why the file is usable but not fully verified ("" if it is)
+  int64_t version = CKPT_FORMAT_VERSION;  // read only: the file's format version (saves write CKPT_FORMAT_VERSION)
 };
 
 // The ranks that write or read one checkpoint together, and how they talk: `comm` (on host

@@ -72,14 +72,23 @@ def assert_valid(path):
 META_ORDER = ("format", "version", "layout", "step", "tokens_seen", "seed", "sampler_step", "world_size", "strategy",
               "config", "loss_scale_log2", "loss_scale_good_steps", "model.n_layer", "model.n_embd", "model.n_head",
               "model.vocab_size", "model.max_seq_len")
+# Version 2 appends the architecture (reals as C's %.17g); version 1 files have none of these.
+META_ORDER_V2 = ("model.arch", "model.n_kv_head", "model.intermediate_size", "model.tie_embeddings",
+                 "model.rope_theta", "model.norm_eps")
 
 
 def meta_checksum(attrs):
-    """FNV-1a 64 over name NUL value NUL of each attribute in META_ORDER, integers in decimal."""
+    """FNV-1a 64 over name NUL value NUL of each attribute in META_ORDER (and, from version 2,
+    META_ORDER_V2), integers in decimal, reals as %.17g."""
     h = 0xCBF29CE484222325
-    for name in META_ORDER:
+    for name in META_ORDER + (META_ORDER_V2 if int(attrs["version"]) >= 2 else ()):
         value = attrs[name]
-        text = value if isinstance(value, bytes) else str(int(value)).encode()
+        if isinstance(value, (bytes, str)):
+            text = value if isinstance(value, bytes) else value.encode()
+        elif isinstance(value, (float, np.floating)):
+            text = ("%.17g" % float(value)).encode()
+        else:
+            text = str(int(value)).encode()
         for byte in name.encode() + b"\0" + text + b"\0":
             h = ((h ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
     return h
@@ -92,7 +101,7 @@ def set_attrs(path, reseal=True, **values):
         for key, value in values.items():
             f.attrs[key.replace("model_", "model.")] = np.int64(value)
         if reseal:
-            f.attrs["meta_checksum"] = np.uint64(meta_checksum({k: f.attrs[k] for k in META_ORDER}))
+            f.attrs["meta_checksum"] = np.uint64(meta_checksum(f.attrs))
 
 
 def test_metadata_checksum_matches_its_definition():
