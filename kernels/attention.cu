@@ -24,6 +24,10 @@
 // (dead after datt). fp32 GEMMs (matmul.cu); expf in the softmax as the CPU's std::exp (both
 // within 2 ulp).
 //
+// Decode (generation with a key/value cache): the new tokens' k, v are copied into the cache, then
+// one block per (new token, query head) scores its q against the cached keys up to its own
+// position, takes the softmax and sums the cached values: a row, not a matrix, so no GEMM.
+//
 // Rope: one thread per rotated pair (x[i], x[i + HS/2]) of every q and k head vector, in place on
 // the token-major qkv (or dqkv); the backward is the same turn with the sine negated.
 #include <cmath>
@@ -167,6 +171,74 @@ __global__ void rope_kernel(float* qkv, const float* cos_table, const float* sin
   }
 }
 
+// Generation: k and v of the Q new tokens' qkv rows into cache rows start..start+Q-1.
+__global__ void kv_append_kernel(float* k_cache, float* v_cache, const float* qkv, int start, int row, int q_width,
+                                 int kv_width, size_t n) {
+  for (size_t idx = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; idx < n;
+       idx += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const size_t i = idx / (2 * kv_width);
+    const int within = static_cast<int>(idx - i * 2 * kv_width);  // k's then v's elements
+    const float value = qkv[i * row + q_width + within];
+    float* cache = within < kv_width ? k_cache : v_cache;
+    cache[(start + i) * kv_width + within % kv_width] = value;
+  }
+}
+
+// One block per (new token i, query head h): scores of its q against the cached k rows 0..start+i
+// into scratch, the softmax (block max and sum, fixed trees), then out = sum_p a_p v_p with the
+// threads split into `groups` of HS (each group every groups-th position), the groups' partial sums
+// added in group order. No atomics: the bits repeat.
+__global__ void attention_decode_kernel(float* out, float* scratch, const float* k_cache, const float* v_cache,
+                                        const float* qkv, int start, int T, int NH, int KV, int HS, float scale) {
+  extern __shared__ float q[];  // HS
+  __shared__ float reduce[kWarpSize];
+  __shared__ float partial[kThreads];
+  const int i = blockIdx.x / NH, h = blockIdx.x % NH, kv = h / (NH / KV), len = start + i + 1;
+  const int row = (NH + 2 * KV) * HS, kv_width = KV * HS;
+  for (int d = threadIdx.x; d < HS; d += blockDim.x) q[d] = qkv[static_cast<size_t>(i) * row + h * HS + d];
+  __syncthreads();
+  float* s = scratch + (static_cast<size_t>(i) * NH + h) * T;
+  float max = -INFINITY;
+  for (int p = threadIdx.x; p < len; p += blockDim.x) {
+    const float* k = k_cache + static_cast<size_t>(p) * kv_width + kv * HS;
+    float dot = 0.0f;
+    for (int d = 0; d < HS; d++) dot += q[d] * k[d];
+    s[p] = dot * scale;
+    max = fmaxf(max, s[p]);
+  }
+  max = block_max(max, reduce);
+  float sum = 0.0f;
+  for (int p = threadIdx.x; p < len; p += blockDim.x) {
+    const float e = expf(s[p] - max);
+    s[p] = e;
+    sum += e;
+  }
+  const float inv = 1.0f / block_sum(sum, reduce);  // its barriers also publish s to the block
+  const int groups = HS <= static_cast<int>(blockDim.x) ? static_cast<int>(blockDim.x) / HS : 1;
+  const float* v = v_cache + kv * HS;
+  float* o = out + static_cast<size_t>(i) * NH * HS + h * HS;
+  if (groups == 1) {
+    for (int d = threadIdx.x; d < HS; d += blockDim.x) {
+      float acc = 0.0f;
+      for (int p = 0; p < len; p++) acc += s[p] * v[static_cast<size_t>(p) * kv_width + d];
+      o[d] = acc * inv;
+    }
+    return;
+  }
+  const int g = threadIdx.x / HS, d = threadIdx.x % HS;
+  if (g < groups) {
+    float acc = 0.0f;
+    for (int p = g; p < len; p += groups) acc += s[p] * v[static_cast<size_t>(p) * kv_width + d];
+    partial[threadIdx.x] = acc;
+  }
+  __syncthreads();
+  if (threadIdx.x < HS) {
+    float acc = 0.0f;
+    for (int k = 0; k < groups; k++) acc += partial[k * HS + threadIdx.x];
+    o[threadIdx.x] = acc * inv;
+  }
+}
+
 void check_attention_args(const char* what, int B, int T, int NH, int KV, int HS) {
   SHARD_CHECK(B >= 0 && T >= 0 && NH > 0 && KV > 0 && HS > 0 && NH % KV == 0,
               "%s: B=%d T=%d NH=%d KV=%d HS=%d (NH must divide by KV)", what, B, T, NH, KV, HS);
@@ -269,6 +341,22 @@ void launch_attention_backward(float* dqkv, float* scratch, const float* dout, c
   gemm_row_major(ctx, true, false, T, HS, h.Gt, h.scale, da, T, h.att_stride, h.q, HS, h.q_stride, 0.0f, dk, HS,
                  h.kv_stride, h.batch, nullptr);
   merge_heads(dqkv, HeadParts{{dq, dk, dv}, {NH, KV, KV}}, B, T, HS, launch);
+}
+
+void launch_attention_decode(float* out, float* scratch, float* k_cache, float* v_cache, const float* qkv, int Q,
+                             int start, int NH, int KV, int HS, const LaunchContext& ctx) {
+  check_attention_args("attention_decode", 1, Q, NH, KV, HS);
+  SHARD_CHECK(start >= 0, "attention_decode: start=%d", start);
+  if (Q == 0) return;
+  const int kv_width = KV * HS;
+  const size_t n = static_cast<size_t>(Q) * 2 * kv_width;
+  kv_append_kernel<<<grid_for(n, kThreads, ctx), kThreads, 0, ctx.stream>>>(k_cache, v_cache, qkv, start,
+                                                                             (NH + 2 * KV) * HS, NH * HS, kv_width, n);
+  CUDA_CHECK_LAUNCH();
+  const float scale = 1.0f / sqrtf(static_cast<float>(HS));
+  attention_decode_kernel<<<static_cast<unsigned>(Q) * NH, kThreads, HS * sizeof(float), ctx.stream>>>(
+      out, scratch, k_cache, v_cache, qkv, start, start + Q, NH, KV, HS, scale);
+  CUDA_CHECK_LAUNCH();
 }
 
 void launch_rope_forward(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS,

@@ -107,6 +107,11 @@ void launch_attention_forward(float* out, float* att, const float* qkv, int B, i
 void launch_attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv, const float* att,
                                int B, int T, int NH, int KV, int HS, void* workspace, const GemmContext& ctx);
 
+// Generation: Q new tokens' q|k|v rows at positions start..start+Q-1; k, v appended to the caches
+// (max_len, KV*HS), each query attending causally over the cache; scratch Q*NH*(start+Q) floats.
+void launch_attention_decode(float* out, float* scratch, float* k_cache, float* v_cache, const float* qkv, int Q,
+                             int start, int NH, int KV, int HS, const LaunchContext& ctx);
+
 // Rotary embedding in place on the q and k heads of qkv (attention.cu); cos, sin: (T, HS/2) device
 // tables; HS even. The backward turns dqkv back (the rotation's transpose).
 void launch_rope_forward(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS,

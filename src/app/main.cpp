@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "app/generate.hpp"
 #include "app/hf_export.hpp"
 #include "app/inspect.hpp"
 #include "app/options.hpp"
@@ -34,6 +35,7 @@ const char* USAGE =
     "  data encode    encode text, JSON Lines or a folder of them: byte-level tokens (vocab_size 256), or with\n"
     "                 --tokenizer a Hugging Face byte-level BPE tokenizer.json\n"
     "  data decode    a token file back to text (bytes, or with --tokenizer its tokenizer.json)\n"
+    "  generate       continue a prompt with a trained checkpoint (greedy or sampled; any rank count)\n"
     "  plan           predict each rank's memory for every strategy and option, and recommend one\n"
     "  inspect FILE   print what a checkpoint holds: format, step, configuration, parameters and norms\n"
     "  export         write a checkpoint's weights as an llm.c GPT-2 checkpoint, or (--format hf) as a Hugging\n"
@@ -198,6 +200,7 @@ int run_command(Runtime& rt, const std::vector<std::string>& args) {
     rt.agree_on([&] { code = run_data(rt, rest); });
     return code;
   }
+  if (args[0] == "generate") return run_generate(rt, rest);
   if (args[0] == "plan") {
     rt.agree_on([&] { run_planner(rt, rest); });
     return EXIT_CODE_OK;
@@ -207,7 +210,7 @@ int run_command(Runtime& rt, const std::vector<std::string>& args) {
     return EXIT_CODE_OK;
   }
   throw UsageError("unknown command '" + printable_text(args[0]) +
-                   "'; commands: train, plan, data synth, data encode, inspect, export, version");
+                   "'; commands: train, generate, plan, data synth, data encode, data decode, inspect, export, version");
 }
 
 }  // namespace

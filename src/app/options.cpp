@@ -148,6 +148,9 @@ void declare_options(OptionList& o, Config& c) {
         "cpu (OpenBLAS + MPI) or cuda (one GPU per rank by node-local rank, NCCL; needs a make CUDA=1 build)");
   o.add("data.train_file", &c.data.train_file, "training tokens (llm.c .bin format)");
   o.add("data.val_file", &c.data.val_file, "validation tokens; empty = no validation");
+  o.add("data.tokenizer", &c.data.tokenizer,
+        "the tokenizer.json the data was encoded with (data encode --tokenizer), recorded in checkpoints for "
+        "'shardtrain generate'; empty = bytes");
   o.add_choice("fsdp.sharding_strategy", &c.fsdp.sharding_strategy, STRATEGIES, sharding_strategy_name,
                "ZeRO-3, ZeRO-2, DDP, or FULL_SHARD within groups replicated across them");
   o.add("fsdp.shard_group_size", &c.fsdp.shard_group_size,

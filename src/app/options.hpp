@@ -46,6 +46,7 @@ struct TrainOptions {
 struct DataOptions {
   std::string train_file = "inputs/data/synth_train.bin";
   std::string val_file;
+  std::string tokenizer;  // the tokenizer.json the files were encoded with ("" = bytes), for `generate`
 };
 
 // A size in bytes with the text it was written as (for messages and the INI record).

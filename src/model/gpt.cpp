@@ -136,6 +136,84 @@ void GptModel<Real>::embed_backward(Real* g) {
                    B_, T_, cfg_.n_embd);
 }
 
+template <typename Real>
+void GptModel<Real>::copy_head_probs(int row, Real* host) const {
+  SHARD_CHECK(row >= 0 && row < B_ * T_, "row %d of %d", row, B_ * T_);
+  const size_t V = cfg_.vocab_size;
+  ops_.device().copy(host, probs_.data() + row * V, V * sizeof(Real));
+}
+
+template <typename Real>
+size_t GptModel<Real>::plan_decode_elements(const ModelConfig& c, int max_len, int max_chunk) {
+  const size_t C = c.n_embd, L = c.n_layer, M = max_len, n = max_chunk;
+  const size_t cache = 2 * L * M * C;
+  // x, ln, atty, resid2; mean, rstd; qkv; fch, fch_gelu; the scores; the logits
+  const size_t step = 4 * n * C + 2 * n + 3 * n * C + 2 * n * 4 * C + n * c.n_head * M + c.vocab_size;
+  return cache + step;
+}
+
+template <typename Real>
+void GptModel<Real>::begin_decode(int max_len, int max_chunk) {
+  SHARD_CHECK(max_len >= 1 && max_len <= cfg_.max_seq_len && max_chunk >= 1 && max_chunk <= max_len,
+              "begin_decode(%d, %d) with max_seq_len %d", max_len, max_chunk, cfg_.max_seq_len);
+  end_decode();
+  const size_t C = cfg_.n_embd, M = max_len, n = max_chunk;
+  Device& dev = ops_.device();
+  auto array = [&](size_t count) { return Array(dev, count); };
+  Decode& d = dec_;
+  d.max_len = max_len, d.max_chunk = max_chunk;
+  d.tokens = DeviceArray<int>(dev, n);
+  for (int l = 0; l < cfg_.n_layer; l++) d.k.push_back(array(M * C)), d.v.push_back(array(M * C));
+  d.x = array(n * C), d.ln = array(n * C), d.mean = array(n), d.rstd = array(n), d.qkv = array(n * 3 * C);
+  d.atty = array(n * C), d.resid2 = array(n * C), d.fch = array(n * 4 * C), d.fch_gelu = array(n * 4 * C);
+  d.scores = array(n * cfg_.n_head * M), d.logits = array(cfg_.vocab_size);
+}
+
+template <typename Real>
+void GptModel<Real>::decode_embed(const Real* root, const int* tokens, int n) {
+  Decode& d = dec_;
+  SHARD_CHECK(d.max_len > 0 && n >= 1 && n <= d.max_chunk && d.pos + n <= d.max_len,
+              "decode_embed of %d tokens at position %d (max_len %d, max_chunk %d)", n, d.pos, d.max_len,
+              d.max_chunk);
+  const size_t C = cfg_.n_embd;
+  d.start = d.pos, d.n = n, d.pos += n;
+  ops_.device().copy(d.tokens.data(), tokens, n * sizeof(int));
+  // Positions start..start+n-1: the position table from row start on.
+  ops_.encoder_forward(d.x.data(), d.tokens.data(), root + table_.root_offset(ROOT_WTE),
+                       root + table_.root_offset(ROOT_WPE) + d.start * C, 1, n, C);
+}
+
+template <typename Real>
+void GptModel<Real>::decode_block(int l, const Real* w) {
+  Decode& d = dec_;
+  const int N = d.n, C = cfg_.n_embd, NH = cfg_.n_head;
+  auto W = [&](BlockParam p) { return w + table_.block_offset(p); };
+  ops_.layernorm_forward(d.ln.data(), d.mean.data(), d.rstd.data(), d.x.data(), W(BLOCK_LN1_W), W(BLOCK_LN1_B), N, C);
+  ops_.matmul_forward(d.qkv.data(), d.ln.data(), W(BLOCK_QKV_W), W(BLOCK_QKV_B), N, C, 3 * C);
+  ops_.attention_decode(d.atty.data(), d.scores.data(), d.k[l].data(), d.v[l].data(), d.qkv.data(), N, d.start, NH,
+                        NH, C / NH);
+  ops_.matmul_forward(d.resid2.data(), d.atty.data(), W(BLOCK_ATTPROJ_W), W(BLOCK_ATTPROJ_B), N, C, C);
+  ops_.residual_forward(d.resid2.data(), d.resid2.data(), d.x.data(), static_cast<size_t>(N) * C);
+  ops_.layernorm_forward(d.ln.data(), d.mean.data(), d.rstd.data(), d.resid2.data(), W(BLOCK_LN2_W), W(BLOCK_LN2_B),
+                         N, C);
+  ops_.matmul_forward(d.fch.data(), d.ln.data(), W(BLOCK_FC_W), W(BLOCK_FC_B), N, C, 4 * C);
+  ops_.gelu_forward(d.fch_gelu.data(), d.fch.data(), static_cast<size_t>(N) * 4 * C);
+  ops_.matmul_forward(d.x.data(), d.fch_gelu.data(), W(BLOCK_FCPROJ_W), W(BLOCK_FCPROJ_B), N, 4 * C, C);
+  ops_.residual_forward(d.x.data(), d.x.data(), d.resid2.data(), static_cast<size_t>(N) * C);
+}
+
+template <typename Real>
+void GptModel<Real>::decode_head(const Real* root, Real* logits) {
+  Decode& d = dec_;
+  const int C = cfg_.n_embd, V = cfg_.vocab_size;
+  const Real* last = d.x.data() + static_cast<size_t>(d.n - 1) * C;
+  ops_.layernorm_forward(d.ln.data(), d.mean.data(), d.rstd.data(), last, root + table_.root_offset(ROOT_LNF_W),
+                         root + table_.root_offset(ROOT_LNF_B), 1, C);
+  ops_.matmul_forward(d.logits.data(), d.ln.data(), root + table_.root_offset(ROOT_WTE),
+                      static_cast<const Real*>(nullptr), 1, C, V);
+  ops_.device().copy(logits, d.logits.data(), d.logits.bytes());
+}
+
 template class GptModel<float>;
 template class GptModel<double>;
 

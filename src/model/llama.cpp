@@ -18,23 +18,12 @@ LlamaModel<Real>::LlamaModel(const ParamTable& table, int batch, int seq_len, bo
   SHARD_CHECK(seq_len <= cfg_.max_seq_len, "seq_len %d > max_seq_len %d", seq_len, cfg_.max_seq_len);
   SHARD_CHECK(cfg_.head_size() % 2 == 0, "rotary embeddings need an even head size, not %d", cfg_.head_size());
   const size_t BT = static_cast<size_t>(B_) * T_, C = cfg_.n_embd, NH = cfg_.n_head, I = cfg_.mlp_size();
-  const size_t QKV = cfg_.qkv_size(), L = cfg_.n_layer, half = cfg_.head_size() / 2;
+  const size_t QKV = cfg_.qkv_size(), L = cfg_.n_layer;
   Device& dev = ops.device();
   auto array = [&](size_t n) { return Array(dev, n); };
   tokens_ = DeviceArray<int>(dev, BT);
   targets_ = DeviceArray<int>(dev, BT);
-  // Hugging Face's tables: inv_freq[i] = theta^(-2i/d) and the angle t * inv_freq[i], both rounded
-  // to fp32 as its rotary embedding computes them; cos and sin of that angle.
-  std::vector<Real> cos(T_ * half), sin(T_ * half);
-  for (int t = 0; t < T_; t++)
-    for (size_t i = 0; i < half; i++) {
-      const float inv_freq = static_cast<float>(std::pow(cfg_.rope_theta, -2.0 * i / cfg_.head_size()));
-      const double angle = static_cast<float>(t) * inv_freq;
-      cos[t * half + i] = static_cast<Real>(std::cos(angle)), sin[t * half + i] = static_cast<Real>(std::sin(angle));
-    }
-  rope_cos_ = array(cos.size()), rope_sin_ = array(sin.size());
-  dev.copy(rope_cos_.data(), cos.data(), rope_cos_.bytes());
-  dev.copy(rope_sin_.data(), sin.data(), rope_sin_.bytes());
+  make_rope_tables(T_, rope_cos_, rope_sin_);
   for (size_t l = 0; l <= L; l++) resid_.push_back(array(BT * C));
   layers_.resize(checkpointing_ ? 1 : L);
   for (Layer& a : layers_) {
@@ -46,6 +35,24 @@ LlamaModel<Real>::LlamaModel(const ParamTable& table, int batch, int seq_len, bo
   probs_ = array(BT * cfg_.vocab_size), losses_ = array(BT);
   dresid_ = array(BT * C), dln_ = array(BT * C), dqkv_ = array(BT * QKV), dgate_up_ = array(BT * 2 * I);
   dact_ = array(BT * I), datt_ = array(B_ * NH * T_ * T_);
+}
+
+// Hugging Face's tables: inv_freq[i] = theta^(-2i/d) and the angle t * inv_freq[i], both rounded
+// to fp32 as its rotary embedding computes them; cos and sin of that angle.
+template <typename Real>
+void LlamaModel<Real>::make_rope_tables(int T, Array& cos_table, Array& sin_table) const {
+  const size_t half = cfg_.head_size() / 2;
+  std::vector<Real> cos(T * half), sin(T * half);
+  for (int t = 0; t < T; t++)
+    for (size_t i = 0; i < half; i++) {
+      const float inv_freq = static_cast<float>(std::pow(cfg_.rope_theta, -2.0 * i / cfg_.head_size()));
+      const double angle = static_cast<float>(t) * inv_freq;
+      cos[t * half + i] = static_cast<Real>(std::cos(angle)), sin[t * half + i] = static_cast<Real>(std::sin(angle));
+    }
+  Device& dev = ops_.device();
+  cos_table = Array(dev, cos.size()), sin_table = Array(dev, sin.size());
+  dev.copy(cos_table.data(), cos.data(), cos_table.bytes());
+  dev.copy(sin_table.data(), sin.data(), sin_table.bytes());
 }
 
 template <typename Real>
@@ -148,6 +155,89 @@ template <typename Real>
 void LlamaModel<Real>::embed_backward(Real* g) {
   ops_.encoder_backward(g + table_.root_offset(LLAMA_EMBED), nullptr, dresid_.data(), tokens_.data(), B_, T_,
                         cfg_.n_embd);
+}
+
+template <typename Real>
+void LlamaModel<Real>::copy_head_probs(int row, Real* host) const {
+  SHARD_CHECK(row >= 0 && row < B_ * T_, "row %d of %d", row, B_ * T_);
+  const size_t V = cfg_.vocab_size;
+  ops_.device().copy(host, probs_.data() + row * V, V * sizeof(Real));
+}
+
+template <typename Real>
+size_t LlamaModel<Real>::plan_decode_elements(const ModelConfig& c, int max_len, int max_chunk) {
+  const size_t C = c.n_embd, L = c.n_layer, M = max_len, n = max_chunk, I = c.mlp_size();
+  const size_t cache = 2 * L * M * c.kv_heads() * c.head_size();
+  const size_t rope = 2 * M * (c.head_size() / 2);
+  // x, ln, atty, resid2; rstd; qkv; gate_up, act; the scores; the logits
+  const size_t step = 4 * n * C + n + n * c.qkv_size() + n * 3 * I + n * c.n_head * M + c.vocab_size;
+  return cache + rope + step;
+}
+
+template <typename Real>
+void LlamaModel<Real>::begin_decode(int max_len, int max_chunk) {
+  SHARD_CHECK(max_len >= 1 && max_len <= cfg_.max_seq_len && max_chunk >= 1 && max_chunk <= max_len,
+              "begin_decode(%d, %d) with max_seq_len %d", max_len, max_chunk, cfg_.max_seq_len);
+  end_decode();
+  const size_t C = cfg_.n_embd, M = max_len, n = max_chunk, I = cfg_.mlp_size();
+  const size_t KVC = static_cast<size_t>(cfg_.kv_heads()) * cfg_.head_size();
+  Device& dev = ops_.device();
+  auto array = [&](size_t count) { return Array(dev, count); };
+  Decode& d = dec_;
+  d.max_len = max_len, d.max_chunk = max_chunk;
+  d.tokens = DeviceArray<int>(dev, n);
+  make_rope_tables(max_len, d.rope_cos, d.rope_sin);
+  for (int l = 0; l < cfg_.n_layer; l++) d.k.push_back(array(M * KVC)), d.v.push_back(array(M * KVC));
+  d.x = array(n * C), d.ln = array(n * C), d.rstd = array(n), d.qkv = array(n * cfg_.qkv_size());
+  d.atty = array(n * C), d.resid2 = array(n * C), d.gate_up = array(n * 2 * I), d.act = array(n * I);
+  d.scores = array(n * cfg_.n_head * M), d.logits = array(cfg_.vocab_size);
+}
+
+template <typename Real>
+void LlamaModel<Real>::decode_embed(const Real* root, const int* tokens, int n) {
+  Decode& d = dec_;
+  SHARD_CHECK(d.max_len > 0 && n >= 1 && n <= d.max_chunk && d.pos + n <= d.max_len,
+              "decode_embed of %d tokens at position %d (max_len %d, max_chunk %d)", n, d.pos, d.max_len,
+              d.max_chunk);
+  d.start = d.pos, d.n = n, d.pos += n;
+  ops_.device().copy(d.tokens.data(), tokens, n * sizeof(int));
+  ops_.encoder_forward(d.x.data(), d.tokens.data(), root + table_.root_offset(LLAMA_EMBED), nullptr, 1, n,
+                       cfg_.n_embd);
+}
+
+template <typename Real>
+void LlamaModel<Real>::decode_block(int l, const Real* w) {
+  Decode& d = dec_;
+  const int N = d.n, C = cfg_.n_embd, NH = cfg_.n_head, KV = cfg_.kv_heads(), HS = cfg_.head_size();
+  const int I = cfg_.mlp_size();
+  const Real eps = static_cast<Real>(cfg_.norm_eps);
+  auto W = [&](LlamaBlockParam p) { return w + table_.block_offset(p); };
+  const size_t half = HS / 2;
+  ops_.rmsnorm_forward(d.ln.data(), d.rstd.data(), d.x.data(), W(LLAMA_ATTN_NORM_W), eps, N, C);
+  ops_.matmul_forward(d.qkv.data(), d.ln.data(), W(LLAMA_Q_W), nullptr, N, C, cfg_.qkv_size());
+  // Positions start..start+N-1: the tables from row start on, as one sequence of N.
+  ops_.rope_forward(d.qkv.data(), d.rope_cos.data() + d.start * half, d.rope_sin.data() + d.start * half, 1, N, NH,
+                    KV, HS);
+  ops_.attention_decode(d.atty.data(), d.scores.data(), d.k[l].data(), d.v[l].data(), d.qkv.data(), N, d.start, NH,
+                        KV, HS);
+  ops_.matmul_forward(d.resid2.data(), d.atty.data(), W(LLAMA_O_W), nullptr, N, C, C);
+  ops_.residual_forward(d.resid2.data(), d.resid2.data(), d.x.data(), static_cast<size_t>(N) * C);
+  ops_.rmsnorm_forward(d.ln.data(), d.rstd.data(), d.resid2.data(), W(LLAMA_MLP_NORM_W), eps, N, C);
+  ops_.matmul_forward(d.gate_up.data(), d.ln.data(), W(LLAMA_GATE_W), nullptr, N, C, 2 * I);
+  ops_.swiglu_forward(d.act.data(), d.gate_up.data(), N, I);
+  ops_.matmul_forward(d.x.data(), d.act.data(), W(LLAMA_DOWN_W), nullptr, N, I, C);
+  ops_.residual_forward(d.x.data(), d.x.data(), d.resid2.data(), static_cast<size_t>(N) * C);
+}
+
+template <typename Real>
+void LlamaModel<Real>::decode_head(const Real* root, Real* logits) {
+  Decode& d = dec_;
+  const int C = cfg_.n_embd, V = cfg_.vocab_size;
+  const Real* last = d.x.data() + static_cast<size_t>(d.n - 1) * C;
+  ops_.rmsnorm_forward(d.ln.data(), d.rstd.data(), last, root + table_.root_offset(LLAMA_NORM_W),
+                       static_cast<Real>(cfg_.norm_eps), 1, C);
+  ops_.matmul_forward(d.logits.data(), d.ln.data(), root + head_offset(), nullptr, 1, C, V);
+  ops_.device().copy(logits, d.logits.data(), d.logits.bytes());
 }
 
 template class LlamaModel<float>;

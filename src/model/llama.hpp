@@ -33,6 +33,19 @@ class LlamaModel : public TransformerModel<Real> {
   void head_backward(Real* root_grad, const Real* root, Real dloss) override;
   void block_backward(int layer, Real* block_grad, const Real* block) override;
   void embed_backward(Real* root_grad) override;
+  void copy_head_probs(int row, Real* host) const override;
+
+  // Elements of a decode state (model.hpp's plan_decode_bytes), its tokens aside.
+  static size_t plan_decode_elements(const ModelConfig& config, int max_len, int max_chunk);
+  void begin_decode(int max_len, int max_chunk) override;
+  void end_decode() override { dec_ = Decode(); }
+  size_t decode_bytes() const override {
+    return dec_.max_len ? plan_decode_bytes(cfg_, dec_.max_len, dec_.max_chunk, sizeof(Real)) : 0;
+  }
+  int decode_position() const override { return dec_.pos; }
+  void decode_embed(const Real* root, const int* tokens, int n) override;
+  void decode_block(int layer, const Real* block) override;
+  void decode_head(const Real* root, Real* logits) override;
 
  private:
   using Array = DeviceArray<Real>;
@@ -54,6 +67,18 @@ class LlamaModel : public TransformerModel<Real> {
   Array lnf_, lnf_rstd_, probs_, losses_;
   // Backward scratch, shared by all layers.
   Array dresid_, dln_, dqkv_, dgate_up_, dact_, datt_;
+  // Rope tables (T, head_size / 2) on the device, Hugging Face's angles.
+  void make_rope_tables(int T, Array& cos, Array& sin) const;
+  // Generation: the key/value cache and one step's buffers (rows of its tokens; the head uses row 0
+  // of ln and rstd).
+  struct Decode {
+    int max_len = 0, max_chunk = 0;
+    int start = 0, n = 0, pos = 0;  // the step's first position and tokens; tokens fed so far
+    DeviceArray<int> tokens;
+    Array rope_cos, rope_sin;  // (max_len, head_size / 2)
+    std::vector<Array> k, v;   // per layer, (max_len, n_kv_head * head_size), keys after rope
+    Array x, ln, rstd, qkv, atty, resid2, gate_up, act, scores, logits;
+  } dec_;
 };
 
 }  // namespace shardtrain

@@ -23,6 +23,13 @@ size_t plan_activation_bytes(const ModelConfig& config, int batch, int seq_len, 
   return elements * real_bytes + 2 * static_cast<size_t>(batch) * seq_len * sizeof(int);  // + tokens, targets
 }
 
+size_t plan_decode_bytes(const ModelConfig& config, int max_len, int max_chunk, size_t real_bytes) {
+  const size_t elements = config.arch == ARCH_LLAMA
+                              ? LlamaModel<float>::plan_decode_elements(config, max_len, max_chunk)
+                              : GptModel<float>::plan_decode_elements(config, max_len, max_chunk);
+  return elements * real_bytes + static_cast<size_t>(max_chunk) * sizeof(int);  // + the step's tokens
+}
+
 template <typename Real>
 double forward_backward_unsharded(TransformerModel<Real>& model, const ParamTable& table,
                                   const std::vector<const Real*>& units, const std::vector<Real*>& unit_grads,

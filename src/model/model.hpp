@@ -43,6 +43,29 @@ class TransformerModel {
   virtual void head_backward(Real* root_grad, const Real* root, Real dloss) = 0;
   virtual void block_backward(int layer, Real* block_grad, const Real* block) = 0;
   virtual void embed_backward(Real* root_grad) = 0;
+
+  // The softmax probabilities head_forward left for row r = b*T + t (V values), copied to host
+  // memory: the full-recompute reference of the tests (valid until head_backward overwrites them).
+  virtual void copy_head_probs(int row, Real* host) const = 0;
+
+  // Generation: incremental decoding of one sequence with a key/value cache. begin_decode(max_len,
+  // max_chunk) allocates every layer's cache for max_len positions and the buffers of a step of up
+  // to max_chunk tokens -- decode_bytes() in all, plan_decode_bytes() -- and empties the cache
+  // (again on every call). A step feeds the next n tokens (host memory) at positions pos..pos+n-1,
+  // pos = decode_position() the tokens fed so far, pos + n <= max_len:
+  //   decode_embed(root, tokens, n), decode_block(0..L-1), decode_head(root, logits) (may be left out)
+  // with the parameters of a forward. decode_block appends the n positions' k and v (llama: after
+  // rope) to its layer's cache and attends each of them over the cached positions up to its own;
+  // decode_head writes the V logits of the step's last token to `logits` (host memory). Whatever
+  // the steps' sizes, the logits are the ones a full forward over the sequence gives at that
+  // position, up to rounding (tests/unit/test_generation.cpp). end_decode frees it all.
+  virtual void begin_decode(int max_len, int max_chunk) = 0;
+  virtual void end_decode() = 0;
+  virtual size_t decode_bytes() const = 0;
+  virtual int decode_position() const = 0;
+  virtual void decode_embed(const Real* root, const int* tokens, int n) = 0;
+  virtual void decode_block(int layer, const Real* block) = 0;
+  virtual void decode_head(const Real* root, Real* logits) = 0;
 };
 
 // The model of the table's architecture.
@@ -54,6 +77,10 @@ std::unique_ptr<TransformerModel<Real>> make_model(const ParamTable& table, int 
 // source for the models' own accounting and the planner.
 size_t plan_activation_bytes(const ModelConfig& config, int batch, int seq_len, bool activation_checkpointing,
                              size_t real_bytes = sizeof(float));
+
+// Bytes of a decode state (TransformerModel::begin_decode): the key/value cache, L x 2 x max_len x
+// n_kv_head x head_size elements, and the buffers of a step of max_chunk tokens.
+size_t plan_decode_bytes(const ModelConfig& config, int max_len, int max_chunk, size_t real_bytes = sizeof(float));
 
 // Forward and backward of one micro-batch with every unit present (no sharding). units[u] and
 // unit_grads[u] are flat unit buffers; gradients are accumulated. Returns the summed token loss.

@@ -364,6 +364,20 @@ double FsdpEngine::eval_micro_batch(TransformerModel<float>& model, const int* t
   return model.head_forward(root, targets);
 }
 
+void FsdpEngine::decode_step(TransformerModel<float>& model, const int* tokens, int n, float* logits, bool first) {
+  const int L = table_.config().n_layer;
+  if (first) forget_gathered();
+  // Not the first step: the root's slot still holds it (gather_params gathers again only if not).
+  const float* root = gather_params(ROOT_UNIT, !first);
+  model.decode_embed(root, tokens, n);
+  for (int l = 0; l < L; l++) {
+    const float* block = gather_params(block_unit(l), false);
+    if (options_.forward_prefetch && l + 1 < L) prefetch_params(block_unit(l + 1));
+    model.decode_block(l, block);
+  }
+  if (logits) model.decode_head(root, logits);
+}
+
 std::vector<float> FsdpEngine::gather_unit(int unit, bool gradients) {
   const UnitShard& s = shards_[unit];
   Device& dev = *backend_.device;

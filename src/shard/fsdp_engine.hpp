@@ -143,6 +143,14 @@ class FsdpEngine {
   // Forward only (evaluation): the summed loss of this rank's tokens.
   double eval_micro_batch(TransformerModel<float>& model, const int* tokens, const int* targets);
 
+  // Generation: one step of the model's decode path (model/model.hpp) over n tokens (host memory),
+  // the units gathered as in a forward -- each block into a block buffer before its decode_block,
+  // the next one prefetched with forward_prefetch -- except that the root stays gathered from the
+  // generation's first step (`first`) to its last. logits: host memory for the V logits of the
+  // step's last token, or null to skip the head (a rank that does not sample). Collective over the
+  // shard group; the parameters must not change between the steps of one generation.
+  void decode_step(TransformerModel<float>& model, const int* tokens, int n, float* logits, bool first);
+
   // The full (unpadded) values of one unit, gathered on every rank: for tests.
   std::vector<float> gather_unit(int unit, bool gradients);
 

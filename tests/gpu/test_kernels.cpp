@@ -749,6 +749,79 @@ INSTANTIATE_TEST_SUITE_P(
     ShapeName());
 
 // ==================================================================================================
+// Attention for generation (attention_decode): Q new tokens at positions start..start+Q-1, their k
+// and v appended to caches of max_len rows that already hold `start` positions, each query attending
+// causally over the cache. Random cache contents everywhere: the rows past start+Q must come back
+// untouched, the appended rows bit-identical to the new tokens' k and v. Head sizes past the block
+// (one thread per dimension) and not dividing it (idle threads in the value sum); GQA and MQA.
+// ==================================================================================================
+struct DecodeShape {
+  int Q, start, max_len, NH, KV, HS;
+  int T() const { return start + Q; }
+};
+std::string name_of(const DecodeShape& s) {
+  return "Q" + std::to_string(s.Q) + "_start" + std::to_string(s.start) + "_M" + std::to_string(s.max_len) + "_NH" +
+         std::to_string(s.NH) + "_KV" + std::to_string(s.KV) + "_HS" + std::to_string(s.HS);
+}
+void PrintTo(const DecodeShape& s, std::ostream* os) { *os << name_of(s); }
+
+class AttentionDecodeTest : public GpuSuite<::testing::TestWithParam<DecodeShape>> {};
+
+TEST_P(AttentionDecodeTest, MatchesCpu) {
+  const DecodeShape s = GetParam();
+  const size_t row = static_cast<size_t>(s.NH + 2 * s.KV) * s.HS, cache = static_cast<size_t>(s.max_len) * s.KV * s.HS;
+  const std::vector<float> qkv = uniform_vector(s.Q * row, 91);
+  std::vector<float> k = uniform_vector(cache, 92), v = uniform_vector(cache, 93);
+  auto d_qkv = on_device(device(), "qkv", qkv, 0), d_k = on_device(device(), "k_cache", k, 0),
+       d_v = on_device(device(), "v_cache", v, 0);
+  const size_t out_size = static_cast<size_t>(s.Q) * s.NH * s.HS, scores = static_cast<size_t>(s.Q) * s.NH * s.T();
+  std::vector<float> out(out_size), scratch(scores);
+  cpu::attention_decode(out.data(), scratch.data(), k.data(), v.data(), qkv.data(), s.Q, s.start, s.NH, s.KV, s.HS);
+  DeviceBuffer<float> d_out(device(), "out", out_size), d_scratch(device(), "scratch", scores);
+  d_out.fill(kNaN);
+  d_scratch.fill(kNaN);
+  ops().attention_decode(d_out.data(), d_scratch.data(), d_k.data(), d_v.data(), d_qkv.data(), s.Q, s.start, s.NH,
+                         s.KV, s.HS);
+  expect_same_bits(d_k.download("attention_decode k_cache"), k, "k_cache");
+  expect_same_bits(d_v.download("attention_decode v_cache"), v, "v_cache");
+  // Scores: HS products; the softmax over up to T; out: T more products (as attention_forward).
+  expect_close(d_out.download("attention_decode").data(), widen(out), fp32_pair(s.HS + 2 * s.T() + 8),
+               "attention_decode out");
+  d_scratch.download("attention_decode (scratch)");
+}
+
+TEST_P(AttentionDecodeTest, RepeatsBitwise) {
+  const DecodeShape s = GetParam();
+  const size_t row = static_cast<size_t>(s.NH + 2 * s.KV) * s.HS, cache = static_cast<size_t>(s.max_len) * s.KV * s.HS;
+  auto d_qkv = on_device(device(), "qkv", uniform_vector(s.Q * row, 94), 0);
+  auto d_k = on_device(device(), "k_cache", uniform_vector(cache, 95), 0);
+  auto d_v = on_device(device(), "v_cache", uniform_vector(cache, 96), 0);
+  DeviceBuffer<float> d_out(device(), "out", static_cast<size_t>(s.Q) * s.NH * s.HS),
+      d_scratch(device(), "scratch", static_cast<size_t>(s.Q) * s.NH * s.T());
+  std::vector<float> first;
+  for (int run = 0; run < 2; run++) {  // the second run appends the same k, v again: the same state
+    ops().attention_decode(d_out.data(), d_scratch.data(), d_k.data(), d_v.data(), d_qkv.data(), s.Q, s.start, s.NH,
+                           s.KV, s.HS);
+    std::vector<float> out = d_out.download("run");
+    if (run == 0)
+      first = out;
+    else
+      EXPECT_TRUE(same_bits(first, out)) << "attention_decode out differs between runs";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, AttentionDecodeTest,
+    ::testing::Values(DecodeShape{1, 0, 1, 3, 3, 4}, DecodeShape{1, 6, 8, 4, 2, 6}, DecodeShape{5, 0, 5, 4, 4, 8},
+                      DecodeShape{3, 10, 20, 6, 3, 7}, DecodeShape{3, 17, 24, 4, 2, 96},
+                      DecodeShape{2, 5, 9, 2, 1, 300},
+                      DecodeShape{1, 255, 256, 12, 12, 64},   // realistic: GPT-2 124M, one token after 255
+                      DecodeShape{64, 0, 1024, 12, 12, 64},   // GPT-2 124M, a prefill chunk
+                      DecodeShape{4, 100, 128, 9, 3, 64},     // SmolLM-135M's heads
+                      DecodeShape{1, 2000, 2048, 32, 4, 64}),  // TinyLlama's heads, a long context
+    ShapeName());
+
+// ==================================================================================================
 // Rope, in place on the q and k heads of qkv (layout as attention), tables of real Llama angles
 // t * 10000^(-2i/HS). Each element is x cos -/+ y sin: two products and a sum, whose roundings
 // (and FMA contraction on either side) differ by a few ulp of |x| + |y|: fp32_pair(2). v must stay

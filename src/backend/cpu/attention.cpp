@@ -1,10 +1,15 @@
-// Causal self-attention with grouped-query heads, and the rotary embedding applied to its q and k.
+// Causal self-attention with grouped-query heads, its one-query-row form against a key/value cache
+// (generation), and the rotary embedding applied to its q and k.
 // Forward: one (batch, query head) pair per OpenMP iteration with single-threaded GEMMs inside:
 // scores = q k^T * scale, masked row softmax, out = att v. The full TxT score GEMM computes the
 // masked half too; it is cheaper than row-by-row GEMVs at these sizes. Backward: one (batch,
 // key/value head) pair per iteration, its query heads in order, so the key/value gradients that
-// several query heads share are summed in a fixed order by one thread (no atomics).
+// several query heads share are summed in a fixed order by one thread (no atomics). Decode: one
+// (new token, query head) pair per iteration, scores, softmax and the weighted sum of v as plain
+// loops over the cached positions (a row, not a matrix: no GEMM to gain from).
 #include <cmath>
+#include <cstring>
+#include <limits>
 
 #include "backend/cpu/gemm.hpp"
 #include "backend/cpu/ops.hpp"
@@ -82,6 +87,48 @@ void attention_backward(Real* dqkv, Real* scratch, const Real* dout, const Real*
   }
 }
 
+template <typename Real>
+void attention_decode(Real* out, Real* scratch, Real* k_cache, Real* v_cache, const Real* qkv, int Q, int start,
+                      int NH, int KV, int HS) {
+  const int row = (NH + 2 * KV) * HS, group = NH / KV, C = NH * HS, KVC = KV * HS, T = start + Q;
+  const Real scale = Real(1) / std::sqrt(Real(HS));
+  for (int i = 0; i < Q; i++) {
+    std::memcpy(k_cache + static_cast<size_t>(start + i) * KVC, qkv + static_cast<size_t>(i) * row + C,
+                KVC * sizeof(Real));
+    std::memcpy(v_cache + static_cast<size_t>(start + i) * KVC, qkv + static_cast<size_t>(i) * row + C + KVC,
+                KVC * sizeof(Real));
+  }
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int i = 0; i < Q; i++) {
+    for (int h = 0; h < NH; h++) {
+      const int len = start + i + 1, kv = h / group;
+      const Real* q = qkv + static_cast<size_t>(i) * row + h * HS;
+      Real* s = scratch + (static_cast<size_t>(i) * NH + h) * T;
+      Real max = -std::numeric_limits<Real>::infinity();
+      for (int p = 0; p < len; p++) {
+        const Real* k = k_cache + static_cast<size_t>(p) * KVC + kv * HS;
+        Real dot = 0;
+        for (int d = 0; d < HS; d++) dot += q[d] * k[d];
+        s[p] = dot * scale;
+        max = s[p] > max ? s[p] : max;
+      }
+      Real sum = 0;
+      for (int p = 0; p < len; p++) {
+        s[p] = std::exp(s[p] - max);
+        sum += s[p];
+      }
+      const Real inv = Real(1) / sum;
+      Real* o = out + static_cast<size_t>(i) * C + h * HS;
+      for (int d = 0; d < HS; d++) o[d] = 0;
+      for (int p = 0; p < len; p++) {
+        const Real a = s[p] * inv;
+        const Real* v = v_cache + static_cast<size_t>(p) * KVC + kv * HS;
+        for (int d = 0; d < HS; d++) o[d] += a * v[d];
+      }
+    }
+  }
+}
+
 // Turns every q and k head vector of each token by its position's angles; sign = -1 turns back.
 template <typename Real>
 void rope_turn(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS, Real sign) {
@@ -116,6 +163,7 @@ void rope_backward(Real* dqkv, const Real* cos, const Real* sin, int B, int T, i
   template void attention_forward<Real>(Real*, Real*, const Real*, int, int, int, int, int);                    \
   template void attention_backward<Real>(Real*, Real*, const Real*, const Real*, const Real*, int, int, int, int, \
                                          int);                                                                  \
+  template void attention_decode<Real>(Real*, Real*, Real*, Real*, const Real*, int, int, int, int, int);         \
   template void rope_forward<Real>(Real*, const Real*, const Real*, int, int, int, int, int);                    \
   template void rope_backward<Real>(Real*, const Real*, const Real*, int, int, int, int, int);
 INSTANTIATE(float)

@@ -69,6 +69,10 @@ class CpuLayerOps : public LayerOps<Real> {
                           int NH, int KV, int HS) const override {
     cpu::attention_backward(dqkv, scratch, dout, qkv, att, B, T, NH, KV, HS);
   }
+  void attention_decode(Real* out, Real* scratch, Real* k_cache, Real* v_cache, const Real* qkv, int Q, int start,
+                        int NH, int KV, int HS) const override {
+    cpu::attention_decode(out, scratch, k_cache, v_cache, qkv, Q, start, NH, KV, HS);
+  }
   void rmsnorm_forward(Real* out, Real* rstd, const Real* inp, const Real* weight, Real eps, int N,
                        int C) const override {
     cpu::rmsnorm_forward(out, rstd, inp, weight, eps, N, C);

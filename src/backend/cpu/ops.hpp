@@ -59,6 +59,16 @@ template <typename Real>
 void attention_backward(Real* dqkv, Real* scratch, const Real* dout, const Real* qkv, const Real* att, int B,
                         int T, int NH, int KV, int HS);
 
+// Attention for generation with a key/value cache (one sequence). qkv(Q,(NH+2KV)*HS) holds Q new
+// tokens at positions start..start+Q-1, laid out as above (rope already applied). Their k and v
+// are first copied to rows start..start+Q-1 of k_cache and v_cache (each (max_len, KV*HS), row p
+// the k or v heads of position p); then query row i attends causally over cache rows 0..start+i:
+// out(Q,NH*HS) = softmax(q k^T / sqrt(HS)) v, what attention_forward gives for that position of
+// the whole sequence (up to rounding). scratch: Q*NH*(start+Q) elements (the scores).
+template <typename Real>
+void attention_decode(Real* out, Real* scratch, Real* k_cache, Real* v_cache, const Real* qkv, int Q, int start,
+                      int NH, int KV, int HS);
+
 // Rotary position embedding in place on the q and k heads of qkv (layout as attention; v is
 // untouched), Hugging Face's "rotate_half" form: in each head vector, element i < HS/2 pairs with
 // i + HS/2 and the pair at position t turns by the angle with cos[t][i], sin[t][i] (tables (T, HS/2)):

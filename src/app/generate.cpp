@@ -1,0 +1,376 @@
+// See generate.hpp. The collectives, identical on every rank: the option and input agreements, the
+// checkpoint's list and load, the prompt's broadcast from rank 0, then per step the engine's gathers
+// (FsdpEngine::decode_step) and the broadcast of the token rank 0 drew.
+#include "app/generate.hpp"
+
+#include <boost/program_options.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <numeric>
+
+#include "app/compute_backend.hpp"
+#include "app/options.hpp"
+#include "app/perf.hpp"
+#include "ckpt/checkpoint_io.hpp"
+#include "ckpt/checkpoint_manager.hpp"
+#include "comm/comm.hpp"
+#include "comm/watchdog.hpp"
+#include "core/counted.hpp"
+#include "core/format.hpp"
+#include "core/random.hpp"
+#include "data/tokenizer.hpp"
+#include "model/model.hpp"
+#include "optim/adamw.hpp"
+#include "shard/fsdp_engine.hpp"
+
+namespace po = boost::program_options;
+
+namespace shardtrain {
+
+int sample_token(const float* logits, int allowed, const SamplingOptions& o, uint64_t draw) {
+  SHARD_CHECK(allowed >= 1, "sample_token over %d tokens", allowed);
+  if (o.temperature == 0) {
+    int best = 0;
+    for (int i = 1; i < allowed; i++)
+      if (logits[i] > logits[best]) best = i;
+    return best;
+  }
+  // Candidates by logit (then id), cut to the k most likely.
+  std::vector<int> ids(allowed);
+  std::iota(ids.begin(), ids.end(), 0);
+  auto before = [&](int a, int b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+  const size_t keep = o.top_k > 0 ? std::min<size_t>(o.top_k, ids.size()) : ids.size();
+  std::partial_sort(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(keep), ids.end(), before);
+  ids.resize(keep);
+  // Softmax of logits / temperature over them, in double.
+  std::vector<double> p(keep);
+  double total = 0;
+  for (size_t j = 0; j < keep; j++) {
+    p[j] = std::exp((static_cast<double>(logits[ids[j]]) - logits[ids[0]]) / o.temperature);
+    total += p[j];
+  }
+  // The nucleus: the fewest leading candidates whose probability reaches top_p.
+  if (o.top_p < 1) {
+    double mass = 0;
+    size_t n = 0;
+    while (n < keep && (n == 0 || mass < o.top_p * total)) mass += p[n++];
+    p.resize(n), ids.resize(n), total = mass;
+  }
+  const double u = counter_uniform(mix64(o.seed ^ 0x67656E6572617465ull), draw) * total;  // "generate"
+  double cumulative = 0;
+  for (size_t j = 0; j < p.size(); j++) {
+    cumulative += p[j];
+    if (u < cumulative) return ids[j];
+  }
+  return ids.back();  // u within rounding of the total
+}
+
+namespace {
+
+constexpr int PREFILL_CHUNK = 64;  // prompt tokens per prefill step (docs/generate.md)
+
+struct GenerateOptions {
+  std::string checkpoint, prompt, tokenizer;
+  bool tokenizer_given = false;
+  int max_tokens = 64;
+  SamplingOptions sampling;
+  std::string device = "cpu";
+  int threads = 0;
+  double comm_timeout = 300;
+};
+
+const char* USAGE_LINE = "shardtrain generate --checkpoint PATH --prompt TEXT [--max-tokens N] [options]";
+
+// A real number of `text`, or a UsageError naming the option and what it allows.
+double parse_real(const std::string& text, const std::string& option, const std::string& allowed, double min,
+                  double max, bool min_included) {
+  char* end = nullptr;
+  const double value = std::strtod(text.c_str(), &end);
+  const bool number = !text.empty() && end == text.c_str() + text.size() && std::isfinite(value);
+  if (!number || value > max || value < min || (!min_included && value == min))
+    throw UsageError(strprintf("--%s='%s' is not allowed: %s; see 'shardtrain generate --help'", option.c_str(),
+                               printable_text(text).c_str(), allowed.c_str()));
+  return value;
+}
+
+// Returns false when --help was asked for (the text printed by rank 0).
+bool parse_generate_args(const Runtime& rt, const std::vector<std::string>& raw_args, GenerateOptions& o) {
+  // "--key=" (an empty value: --tokenizer= for bytes) becomes "--key" "", which Boost accepts.
+  std::vector<std::string> args;
+  for (const std::string& a : raw_args) {
+    if (a.size() > 3 && a.compare(0, 2, "--") == 0 && a.back() == '=' && a.find('=') == a.size() - 1) {
+      args.push_back(a.substr(0, a.size() - 1));
+      args.emplace_back();
+    } else {
+      args.push_back(a);
+    }
+  }
+  std::string max_tokens = "64", temperature = "1", top_k = "0", top_p = "1", seed = "1337", threads = "0",
+              timeout = "300";
+  po::options_description desc(std::string("usage: ") + USAGE_LINE + "\n\ngenerate options");
+  desc.add_options()  // one option per line
+      ("help,h", "print the options")
+      ("checkpoint", po::value(&o.checkpoint)->required(),
+       "checkpoint (.h5) to generate from, either layout, saved on any rank count; or a run folder (its newest "
+       "checkpoint)")
+      ("prompt", po::value(&o.prompt)->required(), "the text to continue (at least one token)")
+      ("max-tokens", po::value(&max_tokens)->default_value(max_tokens),
+       "tokens to generate at most; fewer when prompt and output reach model.max_seq_len")
+      ("temperature", po::value(&temperature)->default_value(temperature),
+       "divides the logits before the softmax; 0 = greedy (the most likely token every time)")
+      ("top-k", po::value(&top_k)->default_value(top_k), "sample among the k most likely tokens only; 0 = all")
+      ("top-p", po::value(&top_p)->default_value(top_p),
+       "sample among the fewest most likely tokens whose probabilities reach p (nucleus sampling); 1 = all")
+      ("seed", po::value(&seed)->default_value(seed),
+       "sampling seed: a seed, checkpoint and options give the same text on any rank count")
+      ("tokenizer", po::value(&o.tokenizer),
+       "Hugging Face tokenizer.json for the prompt and the output; default: the run's data.tokenizer, recorded in "
+       "the checkpoint, else bytes; --tokenizer= (empty) = bytes")
+      ("device", po::value(&o.device)->default_value(o.device),
+       "cpu, or cuda (one GPU per rank by node-local rank; needs a make CUDA=1 build)")
+      ("threads", po::value(&threads)->default_value(threads), "threads per rank; 0 = the cores available to the rank")
+      ("comm-timeout", po::value(&timeout)->default_value(timeout),
+       "seconds before a stuck collective aborts every rank; 0 = off");
+  po::variables_map vm;
+  try {
+    const int style = po::command_line_style::default_style & ~po::command_line_style::allow_guessing;
+    po::parsed_options parsed = po::command_line_parser(args).options(desc).style(style).run();
+    po::store(parsed, vm);
+    if (vm.count("help")) {
+      if (rt.is_root()) std::cout << desc << "\n";
+      return false;
+    }
+    reject_stray_words(po::collect_unrecognized(parsed.options, po::include_positional), "generate");
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw UsageError(option_error_text(e) + "; see 'shardtrain generate --help'");
+  }
+  o.tokenizer_given = vm.count("tokenizer") > 0;
+  o.max_tokens = static_cast<int>(parse_whole_number(max_tokens, "--max-tokens", 1, 1 << 30));
+  o.sampling.temperature =
+      parse_real(temperature, "temperature", "give a number >= 0 (0 = greedy)", 0, 1e6, true);
+  o.sampling.top_k = static_cast<int>(parse_whole_number(top_k, "--top-k", 0, 1 << 30));
+  o.sampling.top_p = parse_real(top_p, "top-p", "give a number in (0, 1] (1 = no cut)", 0, 1, false);
+  o.sampling.seed = parse_whole_number(seed, "--seed", 0, UINT64_MAX);
+  o.threads = static_cast<int>(parse_whole_number(threads, "--threads", 0, 4096));
+  o.comm_timeout = parse_real(timeout, "comm-timeout", "give seconds >= 0 (0 = off)", 0, 1e9, true);
+  if (o.device != "cpu" && o.device != "cuda")
+    throw UsageError("--device='" + printable_text(o.device) + "' is not allowed; allowed: cpu, cuda");
+  if (o.prompt.empty())
+    throw UsageError("--prompt is empty: give the text to continue (at least one token)");
+  return true;
+}
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Broadcasts a vector of ints from rank 0 (its size first).
+void broadcast_ints(Comm& comm, std::vector<int>& values, const char* what) {
+  uint64_t n = values.size();
+  comm.broadcast(Span<char>(reinterpret_cast<char*>(&n), sizeof n), 0, what);
+  values.resize(n);
+  comm.broadcast(Span<char>(reinterpret_cast<char*>(values.data()), n * sizeof(int)), 0, what);
+}
+
+class Generator {
+ public:
+  Generator(const Runtime& rt, const GenerateOptions& o)
+      : rt_(rt),
+        o_(o),
+        watchdog_(o.comm_timeout),
+        compute_(o.device, DTYPE_FP32, rt),
+        comm_(make_mpi_comm(rt.world_comm(), &watchdog_)) {
+    threads_ = o.threads > 0 ? o.threads : default_threads_per_rank(rt.local_size());
+    set_compute_threads(threads_);
+  }
+
+  int run();
+
+ private:
+  std::string resolve_checkpoint();
+  void encode_prompt(const CheckpointState& state);
+  std::string text_of(const std::vector<int>& ids) const;
+
+  const Runtime& rt_;
+  const GenerateOptions& o_;
+  int threads_ = 1;
+  Watchdog watchdog_;
+  ComputeBackend compute_;
+  std::unique_ptr<Comm> comm_;  // MPI on host memory: agreements, the prompt and the tokens
+  std::string tokenizer_path_;  // "" = bytes
+  std::unique_ptr<Tokenizer> tokenizer_;  // rank 0's
+  int allowed_ = 256;  // ids the tokenizer can write: rank 0 samples among these
+  std::vector<int> prompt_;
+};
+
+// The file, or the newest complete checkpoint of a run folder.
+std::string Generator::resolve_checkpoint() {
+  bool folder = false;
+  rt_.agree_on([&] {
+    std::error_code ec;
+    if (!std::filesystem::exists(o_.checkpoint, ec))
+      throw UsageError("--checkpoint='" + printable_text(o_.checkpoint) + "': no such file or folder");
+    folder = std::filesystem::is_directory(o_.checkpoint, ec);
+  });
+  if (!folder) return o_.checkpoint;
+  CheckpointManager manager(rt_, *comm_, o_.checkpoint, 1, &watchdog_);
+  const std::vector<std::string> candidates = manager.candidates();
+  if (candidates.empty())
+    throw UsageError("--checkpoint='" + printable_text(o_.checkpoint) +
+                     "' is a folder without a complete checkpoint (ckpt-*.h5); name a checkpoint file or a run folder");
+  return candidates.front();
+}
+
+// Rank 0 encodes the prompt and everyone receives its ids; the verdicts are agreed.
+void Generator::encode_prompt(const CheckpointState& state) {
+  const ModelConfig& m = state.model;
+  if (o_.tokenizer_given) {
+    tokenizer_path_ = o_.tokenizer;
+  } else {
+    const auto recorded = ini_option_values(state.config_ini);
+    auto it = recorded.find("data.tokenizer");
+    if (it != recorded.end()) tokenizer_path_ = it->second;
+  }
+  rt_.agree_on([&] {
+    if (!rt_.is_root()) return;
+    if (tokenizer_path_.empty()) {
+      allowed_ = std::min(256, m.vocab_size);
+      for (unsigned char c : o_.prompt) prompt_.push_back(c);
+    } else {
+      if (!std::filesystem::exists(tokenizer_path_))
+        throw UsageError("tokenizer '" + printable_text(tokenizer_path_) + "' " +
+                         (o_.tokenizer_given ? "(--tokenizer)" : "(the run's data.tokenizer, recorded in the checkpoint)") +
+                         " does not exist; name the tokenizer.json with --tokenizer, or --tokenizer= for bytes");
+      tokenizer_ = std::make_unique<Tokenizer>(tokenizer_path_);
+      allowed_ = static_cast<int>(std::min<uint32_t>(tokenizer_->vocab_size(), m.vocab_size));
+      std::vector<uint32_t> ids;
+      tokenizer_->encode(utf8_with_replacements(o_.prompt), ids);
+      prompt_.assign(ids.begin(), ids.end());
+    }
+    if (prompt_.empty()) throw UsageError("--prompt encodes to no tokens: give the text to continue");
+    for (int id : prompt_)
+      if (id >= m.vocab_size)
+        throw UsageError(strprintf("--prompt has token id %d, past the model's model.vocab_size=%d: the tokenizer "
+                                   "'%s' is not the model's",
+                                   id, m.vocab_size, printable_text(tokenizer_path_).c_str()));
+    if (static_cast<int>(prompt_.size()) >= m.max_seq_len)
+      throw UsageError(strprintf("--prompt is %s, and model.max_seq_len=%d leaves no room to generate; give a "
+                                 "shorter prompt",
+                                 counted(static_cast<long long>(prompt_.size()), "token").c_str(), m.max_seq_len));
+  });
+  broadcast_ints(*comm_, prompt_, "broadcast(prompt)");
+}
+
+std::string Generator::text_of(const std::vector<int>& ids) const {
+  if (!tokenizer_) {
+    std::string bytes;
+    for (int id : ids) bytes += static_cast<char>(id);
+    return utf8_with_replacements(bytes);
+  }
+  return tokenizer_->decode(std::vector<uint32_t>(ids.begin(), ids.end()));
+}
+
+int Generator::run() {
+  const std::string path = resolve_checkpoint();
+  CheckpointState state;
+  rt_.agree_on([&] { state = read_checkpoint_state(path); });
+  encode_prompt(state);
+  const ModelConfig& m = state.model;
+  const int P = static_cast<int>(prompt_.size());
+
+  // Every rank holds its shards of the parameters, FULL_SHARD over the world (one rank: all of it).
+  auto shard_comm = compute_.make_comm(rt_.split_world(0, rt_.rank()), &watchdog_);
+  auto replica_comm = compute_.make_comm(rt_.split_world(rt_.rank(), 0), &watchdog_);
+  const ParamTable table(m);
+  MemoryTracker memory;
+  EngineOptions options;
+  options.forward_prefetch = rt_.world() > 1;
+  options.nccl = compute_.on_gpu();
+  FsdpEngine engine(table, *shard_comm, *replica_comm, memory, options, compute_.backend());
+  {
+    // The load fills the moments too: they live only until it returns.
+    AdamW moments(OptimConfig(), engine, memory);
+    CheckpointManager manager(rt_, *comm_, std::filesystem::path(path).parent_path().string(), 1, &watchdog_);
+    rt_.agree_on([&] { manager.load(path, engine, moments); });
+  }
+
+  // Positions fed: the prompt and every generated token but the last, within max_seq_len.
+  const int total_limit = std::min<long long>(m.max_seq_len, static_cast<long long>(P) + o_.max_tokens);
+  const int max_len = std::max(P, total_limit - 1);
+  auto model = make_model<float>(table, 1, 1, false, *compute_.backend().ops);
+  model->begin_decode(max_len, std::min(P, PREFILL_CHUNK));
+  memory.add(MEM_ACTIVATIONS, model->activation_bytes() + model->decode_bytes());
+  if (rt_.is_root())
+    std::fprintf(stderr,
+                 "generate: %s (step %lld) | %s | %s x %s, %s | tokenizer %s | prompt %s | memory per rank %s "
+                 "(key/value cache and buffers %s)\n",
+                 path.c_str(), static_cast<long long>(state.step), model_summary(m).c_str(),
+                 counted(rt_.world(), "rank").c_str(), counted(threads_, "thread").c_str(), compute_.describe().c_str(),
+                 tokenizer_path_.empty() ? "bytes" : tokenizer_path_.c_str(), counted(P, "token").c_str(),
+                 human_bytes(static_cast<double>(memory.total_current())).c_str(),
+                 human_bytes(static_cast<double>(model->decode_bytes())).c_str());
+
+  std::vector<float> logits(rt_.is_root() ? m.vocab_size : 0);
+  float* my_logits = rt_.is_root() ? logits.data() : nullptr;  // only rank 0 samples
+  comm_->barrier("barrier(generate start)");
+  const double t0 = now_seconds();
+  // Prefill: the prompt in steps of up to PREFILL_CHUNK tokens; the last step's logits predict the
+  // first new token.
+  for (int begin = 0; begin < P; begin += PREFILL_CHUNK) {
+    const int n = std::min(PREFILL_CHUNK, P - begin);
+    engine.decode_step(*model, prompt_.data() + begin, n, begin + n == P ? my_logits : nullptr, begin == 0);
+  }
+  const double t1 = now_seconds();
+  std::vector<int> output;
+  for (;;) {
+    int token = rt_.is_root() ? sample_token(logits.data(), allowed_, o_.sampling, output.size()) : 0;
+    comm_->broadcast(Span<char>(reinterpret_cast<char*>(&token), sizeof token), 0, "broadcast(token)");
+    output.push_back(token);
+    if (P + static_cast<int>(output.size()) >= total_limit) break;
+    engine.decode_step(*model, &token, 1, my_logits, false);
+  }
+  const double t2 = now_seconds();
+  model->end_decode();
+
+  const int G = static_cast<int>(output.size());
+  rt_.agree_on([&] {
+    if (!rt_.is_root()) return;
+    std::string text = o_.prompt + text_of(output);
+    if (text.empty() || text.back() != '\n') text += '\n';
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    std::fflush(stdout);
+    if (G < o_.max_tokens)
+      std::fprintf(stderr,
+                   "generate: stopped after %s: the prompt's %s and the output reached model.max_seq_len=%d, the "
+                   "longest sequence this model takes (--max-tokens=%d not reached)\n",
+                   counted(G, "token").c_str(), counted(P, "token").c_str(), m.max_seq_len, o_.max_tokens);
+    // The first token comes from the prefill's logits: G - 1 decode steps.
+    std::fprintf(stderr, "generate: %s in %.2f s: prefill %.0f tokens/s (%d in %.3f s), generation %.1f tokens/s\n",
+                 counted(G, "token").c_str(), t2 - t0, P / std::max(t1 - t0, 1e-9), P, t1 - t0,
+                 G > 1 ? (G - 1) / std::max(t2 - t1, 1e-9) : 0.0);
+  });
+  return EXIT_CODE_OK;
+}
+
+}  // namespace
+
+int run_generate(Runtime& rt, const std::vector<std::string>& args) {
+  GenerateOptions options;
+  bool go = true;
+  rt.agree_on([&] { go = parse_generate_args(rt, args, options); });
+  if (!go) return EXIT_CODE_OK;
+  rt.set_collective_timeout(options.comm_timeout);
+  Generator generator(rt, options);
+  return generator.run();
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,178 @@
+"""`shardtrain generate` end to end: tiny GPT-2 and Llama models trained for a few seconds, then
+text from their checkpoints. Greedy output is the same on 1, 2 and 3 ranks (3 pads the shards
+unevenly), and so is sampled output for a seed, which another seed changes; generation stops at
+model.max_seq_len with a message; the tokenizer the run recorded (data.tokenizer) encodes the prompt
+and decodes the output unless --tokenizer overrides it; bad options and inputs exit 2 with one line.
+The decode path itself is held to a full recompute in tests/unit/test_generation.cpp."""
+import json
+import os
+import re
+
+from harness import ROOT, ensure_data, run, run_single, tempdir
+
+PROMPT = "Dora has eight wolves. Dora gives"
+_trained = {}
+
+
+def trained(config, *overrides, key=None):
+    """A checkpoint folder of `config` (inputs/<config>.ini) after 30 steps on 2 ranks, made once."""
+    key = key or config
+    if key not in _trained:
+        train, val = ensure_data()
+        folder = tempdir()
+        options = {"--data.train_file": train, "--data.val_file": val, "--train.peak_gflops": "100",
+                   "--checkpoint.dir": folder, "--train.steps": "30", "--train.eval_every": "0"}
+        for item in overrides:
+            name, _, value = item.partition("=")
+            options[name] = value
+        proc = run(2, ["train", "--config", os.path.join(ROOT, "inputs", f"{config}.ini"),
+                       *(f"{k}={v}" for k, v in options.items())])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        _trained[key] = folder
+    return _trained[key]
+
+
+def generate(np_, checkpoint, *args):
+    proc = run(np_, ["generate", "--checkpoint", checkpoint, *args])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+def generated_count(proc):
+    m = re.search(r"generate: (\d+) tokens? in ", proc.stderr)
+    assert m, proc.stderr
+    return int(m.group(1))
+
+
+def prompt_tokens(proc):
+    m = re.search(r"\| prompt (\d+) tokens? \|", proc.stderr)
+    assert m, proc.stderr
+    return int(m.group(1))
+
+
+def test_greedy_output_is_the_same_on_1_2_3_ranks():
+    for config in ("tiny", "llama-tiny"):
+        folder = trained(config)
+        outputs = [generate(np_, folder, "--prompt", PROMPT, "--max-tokens", "24", "--temperature", "0")
+                   for np_ in (1, 2, 3)]
+        first = outputs[0].stdout
+        assert first.startswith(PROMPT) and len(first) > len(PROMPT), (config, first)
+        for proc in outputs:
+            assert proc.stdout == first, (config, proc.stdout, first)
+            assert generated_count(proc) == 24, proc.stderr
+            assert "stopped after" not in proc.stderr  # max_seq_len not reached
+        # The checkpoint file itself, named directly, gives the same text.
+        checkpoint = os.path.join(folder, "ckpt-00000030.h5")
+        assert generate(1, checkpoint, "--prompt", PROMPT, "--max-tokens", "24", "--temperature", "0").stdout == first
+
+
+def test_sampled_output_depends_on_the_seed_not_on_the_rank_count():
+    for config in ("tiny", "llama-tiny"):
+        folder = trained(config)
+        sample = ["--prompt", PROMPT, "--max-tokens", "30", "--temperature", "1.2", "--top-k", "40", "--top-p", "0.95"]
+        one = generate(1, folder, *sample, "--seed", "5").stdout
+        three = generate(3, folder, *sample, "--seed", "5").stdout
+        other = generate(2, folder, *sample, "--seed", "6").stdout
+        assert one == three, (config, one, three)
+        assert other != one, (config, one, other)
+        greedy = generate(1, folder, "--prompt", PROMPT, "--max-tokens", "30", "--temperature", "0").stdout
+        assert one != greedy, config
+
+
+def test_stops_at_max_seq_len_with_a_message():
+    folder = trained("tiny")  # max_seq_len 64
+    proc = generate(2, folder, "--prompt", "Dora has", "--max-tokens", "500", "--temperature", "0")
+    assert generated_count(proc) == 64 - len("Dora has"), proc.stderr
+    assert "stopped after 56 tokens: the prompt's 8 tokens and the output reached model.max_seq_len=64" in proc.stderr
+    assert proc.stdout.startswith("Dora has")
+    # One token short of the limit: no message.
+    proc = generate(1, folder, "--prompt", "Dora has", "--max-tokens", "55", "--temperature", "0")
+    assert generated_count(proc) == 55 and "stopped after" not in proc.stderr, proc.stderr
+
+
+def write_bpe_tokenizer(path):
+    """A byte-level BPE tokenizer.json by hand: GPT-2's byte alphabet and seven merges (vocabulary 263)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    vocab = {chars[b]: b for b in range(256)}
+    merges = [("h", "e"), ("Ġ", "t"), ("Ġt", "he"), ("Ġ", "a"), ("e", "r"), ("Ġ", "s"), ("a", "s")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    with open(path, "w") as f:
+        json.dump({"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+                   "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
+                   "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                             "ignore_merges": False, "vocab": vocab, "merges": [f"{a} {b}" for a, b in merges]}}, f)
+    return len(vocab)
+
+
+def test_the_tokenizer_recorded_in_the_checkpoint():
+    top = tempdir()
+    tokenizer = os.path.join(top, "tokenizer.json")
+    vocab = write_bpe_tokenizer(tokenizer)
+    text = os.path.join(top, "text.txt")
+    with open(text, "w") as f:
+        f.write("the cat sat on the mat as the rat ran after her. " * 400)
+    proc = run_single(["data", "encode", "--tokenizer", tokenizer, "--input", text, "--output",
+                       os.path.join(top, "cat.bin"), "--separator", "none"])
+    assert proc.returncode == 0, proc.stderr
+    folder = trained("tiny", f"--data.train_file={os.path.join(top, 'cat.bin')}",
+                     f"--data.val_file={os.path.join(top, 'cat_val.bin')}", f"--data.tokenizer={tokenizer}",
+                     "--model.vocab_size=272", key="bpe")
+    prompt = "the cat sat on"
+    proc = generate(2, folder, "--prompt", prompt, "--max-tokens", "12", "--temperature", "0")
+    assert f"tokenizer {tokenizer}" in proc.stderr and prompt_tokens(proc) < len(prompt), proc.stderr
+    assert proc.stdout.startswith(prompt) and generated_count(proc) == 12, proc.stdout
+    # The same file given explicitly; then bytes (a byte prompt is 14 tokens, the output other text).
+    assert generate(1, folder, "--prompt", prompt, "--max-tokens", "12", "--temperature", "0",
+                    "--tokenizer", tokenizer).stdout == proc.stdout
+    as_bytes = generate(1, folder, "--prompt", prompt, "--max-tokens", "12", "--temperature", "0", "--tokenizer=")
+    assert "tokenizer bytes" in as_bytes.stderr and prompt_tokens(as_bytes) == len(prompt), as_bytes.stderr
+    # Only ids the tokenizer can write are sampled, though the model has 272.
+    for seed in ("1", "2"):
+        sampled = generate(1, folder, "--prompt", prompt, "--max-tokens", "40", "--temperature", "3", "--seed", seed)
+        assert sampled.stdout.startswith(prompt), sampled.stdout
+    # A recorded tokenizer that is gone: exit 2, naming it and the way out.
+    os.rename(tokenizer, tokenizer + ".moved")
+    proc = run_single(["generate", "--checkpoint", folder, "--prompt", prompt])
+    assert proc.returncode == 2, proc.stderr
+    assert "the run's data.tokenizer, recorded in the checkpoint" in proc.stderr and "--tokenizer" in proc.stderr
+    # A tokenizer whose ids the model does not have (tiny's 256 tokens, the BPE's 263).
+    os.rename(tokenizer + ".moved", tokenizer)
+    proc = run_single(["generate", "--checkpoint", trained("tiny"), "--prompt", prompt, "--tokenizer", tokenizer])
+    assert proc.returncode == 2 and "past the model's model.vocab_size=256" in proc.stderr, proc.stderr
+    assert vocab == 263
+
+
+def test_bad_options_exit_2_with_one_line():
+    folder = trained("tiny")
+    empty = tempdir()
+    cases = [
+        (["--prompt", "x"], "'--checkpoint' is required"),
+        (["--checkpoint", folder], "'--prompt' is required"),
+        (["--checkpoint", folder, "--prompt", ""], "--prompt is empty"),
+        (["--checkpoint", folder, "--prompt", "x", "--max-tokens", "0"], "--max-tokens='0' must be a whole number"),
+        (["--checkpoint", folder, "--prompt", "x", "--temperature", "-1"], "--temperature='-1' is not allowed"),
+        (["--checkpoint", folder, "--prompt", "x", "--top-p", "0"], "--top-p='0' is not allowed"),
+        (["--checkpoint", folder, "--prompt", "x", "--top-k", "-3"], "--top-k='-3' must be a whole number"),
+        (["--checkpoint", folder, "--prompt", "x", "--device", "gpu"], "--device='gpu' is not allowed"),
+        (["--checkpoint", os.path.join(empty, "none.h5"), "--prompt", "x"], "no such file or folder"),
+        (["--checkpoint", empty, "--prompt", "x"], "a folder without a complete checkpoint"),
+        (["--checkpoint", folder, "--prompt", "y" * 64], "--prompt is 64 tokens, and model.max_seq_len=64 leaves no room"),
+    ]
+    for args, message in cases:
+        proc = run_single(["generate", *args])
+        assert proc.returncode == 2, (args, proc.returncode, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("shardtrain: error: ") and message in lines[0], (args, lines)
+    # Every rank exits 2; rank 0 alone says why.
+    proc = run(3, ["generate", "--checkpoint", folder, "--prompt", "x", "--top-p", "2"])
+    assert proc.returncode == 2 and proc.stderr.count("shardtrain: error:") == 1, proc.stderr

@@ -1,0 +1,289 @@
+// Generation: the models' decode path with a key/value cache (model/model.hpp) against a naive
+// full recompute -- the training forward over the whole prefix, its last position's probabilities
+// -- at every step of a greedy generation, for GPT-2 and Llama (tied and untied, grouped-query and
+// multi-query), in double (to 1e-12) and float; prompts fed in chunks of any size; the decode
+// state's memory equal to its plan; FsdpEngine::decode_step on one rank; and the sampler
+// (temperature, top-k, top-p, the seed).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <vector>
+
+#include "app/generate.hpp"
+#include "comm/comm.hpp"
+#include "core/random.hpp"
+#include "model/model.hpp"
+#include "shard/fsdp_engine.hpp"
+
+using namespace shardtrain;
+
+namespace {
+
+ModelConfig gpt_config() {
+  ModelConfig c;
+  c.n_layer = 2, c.n_embd = 12, c.n_head = 3, c.vocab_size = 23, c.max_seq_len = 14;
+  return c;
+}
+
+// 4 query heads on 2 key/value heads, an MLP that is not 4 C, untied, rope turning fast.
+ModelConfig llama_config() {
+  ModelConfig c = gpt_config();
+  c.arch = ARCH_LLAMA;
+  c.n_embd = 16, c.n_head = 4, c.n_kv_head = 2, c.intermediate_size = 20;
+  c.rope_theta = 100.0, c.tie_embeddings = false;
+  return c;
+}
+
+// Tied, one key/value head for all query heads (multi-query).
+ModelConfig llama_tied_mqa_config() {
+  ModelConfig c = llama_config();
+  c.n_kv_head = 1, c.tie_embeddings = true;
+  return c;
+}
+
+struct ArchCase {
+  const char* name;
+  ModelConfig (*config)();
+};
+const ArchCase ARCH_CASES[] = {
+    {"gpt2", gpt_config}, {"llama_gqa_untied", llama_config}, {"llama_mqa_tied", llama_tied_mqa_config}};
+
+class GenerationTest : public ::testing::TestWithParam<ArchCase> {};
+std::string arch_case_name(const ::testing::TestParamInfo<ArchCase>& info) { return info.param.name; }
+
+// Weights ~ N(0, 0.5) (norm gains 1 +- 0.5): logits spread enough that greedy choices are clear.
+template <typename Real>
+std::vector<std::vector<Real>> random_units(const ParamTable& table, uint64_t seed) {
+  std::vector<std::vector<Real>> units;
+  for (const UnitInfo& u : table.units()) units.emplace_back(u.numel);
+  for (const ParamInfo& p : table.params())
+    for (size_t i = 0; i < p.numel; i++) {
+      const double z = 0.5 * counter_normal(seed * 1000 + p.id, i);
+      units[p.unit][p.offset + i] = static_cast<Real>(p.init == INIT_ONES ? 1.0 + z : z);
+    }
+  return units;
+}
+
+// The naive reference: a fresh training model over the whole sequence, the softmax probabilities
+// of its last position.
+template <typename Real>
+std::vector<Real> full_recompute_probs(const ParamTable& table, const std::vector<std::vector<Real>>& units,
+                                       const std::vector<int>& tokens) {
+  const int T = static_cast<int>(tokens.size());
+  auto model = make_model<Real>(table, 1, T, false, cpu_layer_ops<Real>());
+  model->embed_forward(units[ROOT_UNIT].data(), tokens.data());
+  for (int l = 0; l < table.config().n_layer; l++) model->block_forward(l, units[block_unit(l)].data());
+  const std::vector<int> targets(T, 0);
+  model->head_forward(units[ROOT_UNIT].data(), targets.data());
+  std::vector<Real> probs(table.config().vocab_size);
+  model->copy_head_probs(T - 1, probs.data());
+  return probs;
+}
+
+template <typename Real>
+std::vector<double> softmax(const std::vector<Real>& logits) {
+  const double max = *std::max_element(logits.begin(), logits.end());
+  std::vector<double> p(logits.size());
+  double sum = 0;
+  for (size_t i = 0; i < p.size(); i++) sum += p[i] = std::exp(logits[i] - max);
+  for (double& x : p) x /= sum;
+  return p;
+}
+
+template <typename V>
+int argmax(const V& v) {
+  return static_cast<int>(std::max_element(v.begin(), v.end()) - v.begin());
+}
+
+// One decode step of n tokens with every unit present; returns the step's logits.
+template <typename Real>
+std::vector<Real> decode(TransformerModel<Real>& model, const ParamTable& table,
+                         const std::vector<std::vector<Real>>& units, const int* tokens, int n) {
+  model.decode_embed(units[ROOT_UNIT].data(), tokens, n);
+  for (int l = 0; l < table.config().n_layer; l++) model.decode_block(l, units[block_unit(l)].data());
+  std::vector<Real> logits(table.config().vocab_size);
+  model.decode_head(units[ROOT_UNIT].data(), logits.data());
+  return logits;
+}
+
+// Greedy generation from a 3-token prompt to max_seq_len: at every step the decode path's argmax
+// is the full recompute's, and its probabilities agree to `tol`.
+template <typename Real>
+void check_greedy_against_full_recompute(const ModelConfig& config, double tol) {
+  const ParamTable table(config);
+  const auto units = random_units<Real>(table, 7);
+  const int M = config.max_seq_len;
+  auto model = make_model<Real>(table, 1, 1, false, cpu_layer_ops<Real>());
+  model->begin_decode(M, 3);
+  std::vector<int> sequence = {5, 17, 2};
+  std::vector<Real> logits = decode(*model, table, units, sequence.data(), 3);
+  std::map<int, int> distinct;
+  while (true) {
+    const std::vector<Real> reference = full_recompute_probs(table, units, sequence);
+    const std::vector<double> probs = softmax(logits);
+    const int t = static_cast<int>(sequence.size());
+    ASSERT_EQ(argmax(logits), argmax(reference)) << "greedy token after " << t << " tokens";
+    for (size_t v = 0; v < probs.size(); v++)
+      ASSERT_NEAR(probs[v], reference[v], tol) << "token " << v << " after " << t << " tokens";
+    const int next = argmax(logits);
+    distinct[next]++;
+    if (t == M) break;
+    sequence.push_back(next);
+    ASSERT_EQ(model->decode_position(), t);
+    logits = decode(*model, table, units, &next, 1);
+  }
+  EXPECT_EQ(model->decode_position(), M);
+  // Not a degenerate test: the greedy path visits several tokens.
+  EXPECT_GE(distinct.size(), 2u);
+}
+
+}  // namespace
+
+TEST_P(GenerationTest, GreedyDecodeEqualsFullRecomputeAtEveryStepInDouble) {
+  check_greedy_against_full_recompute<double>(GetParam().config(), 1e-12);
+}
+
+TEST_P(GenerationTest, GreedyDecodeEqualsFullRecomputeAtEveryStepInFloat) {
+  check_greedy_against_full_recompute<float>(GetParam().config(), 2e-5);
+}
+
+// Prompts fed one token at a time, in uneven chunks or whole give the same logits (to rounding:
+// matrix products of other row counts), and begin_decode empties the cache for the next sequence.
+TEST_P(GenerationTest, ChunkedPrefillGivesTheLogitsOfOneTokenSteps) {
+  const ModelConfig config = GetParam().config();
+  const ParamTable table(config);
+  const auto units = random_units<double>(table, 11);
+  const std::vector<int> tokens = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8};
+  const int n = static_cast<int>(tokens.size());
+  auto model = make_model<double>(table, 1, 1, false, cpu_layer_ops<double>());
+  model->begin_decode(n, 1);
+  std::vector<std::vector<double>> single;  // logits after each token
+  for (int i = 0; i < n; i++) single.push_back(decode(*model, table, units, &tokens[i], 1));
+  for (const std::vector<int>& chunks : std::vector<std::vector<int>>{{12}, {5, 7}, {3, 4, 5}, {1, 10, 1}}) {
+    model->begin_decode(n, *std::max_element(chunks.begin(), chunks.end()));
+    int fed = 0;
+    for (int size : chunks) {
+      const std::vector<double> logits = decode(*model, table, units, tokens.data() + fed, size);
+      fed += size;
+      for (size_t v = 0; v < logits.size(); v++)
+        ASSERT_NEAR(logits[v], single[fed - 1][v], 1e-12) << "chunk ending at " << fed << ", token " << v;
+    }
+  }
+}
+
+// What begin_decode allocates is what plan_decode_bytes says, and the cache is L x 2 x max_len x
+// n_kv_head x head_size elements: one more position costs exactly that (plus its score slots and,
+// for llama, its rope row).
+TEST_P(GenerationTest, DecodeMemoryEqualsItsPlan) {
+  const ModelConfig c = GetParam().config();
+  const ParamTable table(c);
+  auto model = make_model<float>(table, 1, 1, false, cpu_layer_ops<float>());
+  Device& dev = cpu_layer_ops<float>().device();
+  const size_t before = dev.live_bytes();
+  model->begin_decode(10, 4);
+  EXPECT_EQ(dev.live_bytes() - before, model->decode_bytes());
+  EXPECT_EQ(model->decode_bytes(), plan_decode_bytes(c, 10, 4));
+  const size_t per_position = 2 * c.n_layer * c.kv_heads() * c.head_size() + 4 * c.n_head +
+                              (c.arch == ARCH_LLAMA ? c.head_size() : 0);
+  EXPECT_EQ(plan_decode_bytes(c, 11, 4) - plan_decode_bytes(c, 10, 4), per_position * sizeof(float));
+  model->begin_decode(5, 2);  // again: the old state is freed first
+  EXPECT_EQ(dev.live_bytes() - before, plan_decode_bytes(c, 5, 2));
+  model->end_decode();
+  EXPECT_EQ(dev.live_bytes(), before);
+  EXPECT_EQ(model->decode_bytes(), 0u);
+}
+
+// The engine's inference entry point on one rank (the shard is the whole unit) gives the model's
+// own decode of the engine's parameters, over several steps that keep the root gathered.
+TEST_P(GenerationTest, EngineDecodeStepEqualsTheModelsDecode) {
+  const ParamTable table(GetParam().config());
+  auto shard = make_mpi_comm(MPI_COMM_SELF, nullptr), replica = make_mpi_comm(MPI_COMM_SELF, nullptr);
+  MemoryTracker memory;
+  FsdpEngine engine(table, *shard, *replica, memory, EngineOptions(), cpu_backend());
+  engine.init_parameters(3);
+  std::vector<std::vector<float>> units;
+  for (size_t u = 0; u < table.units().size(); u++) units.push_back(engine.gather_unit(static_cast<int>(u), false));
+  auto direct = make_model<float>(table, 1, 1, false, cpu_layer_ops<float>());
+  auto through_engine = make_model<float>(table, 1, 1, false, cpu_layer_ops<float>());
+  direct->begin_decode(8, 3);
+  through_engine->begin_decode(8, 3);
+  const std::vector<int> tokens = {1, 2, 3, 4, 5, 6};
+  std::vector<float> logits(table.config().vocab_size);
+  engine.decode_step(*through_engine, tokens.data(), 3, logits.data(), true);
+  EXPECT_EQ(decode(*direct, table, units, tokens.data(), 3), logits) << "the prompt";
+  for (int i = 3; i < 6; i++) {
+    const bool head = i != 4;  // step 4 leaves the head out, as ranks that do not sample do
+    engine.decode_step(*through_engine, &tokens[i], 1, head ? logits.data() : nullptr, false);
+    const std::vector<float> expected = decode(*direct, table, units, &tokens[i], 1);
+    if (head) {
+      EXPECT_EQ(expected, logits) << "step " << i;
+    }
+  }
+  EXPECT_EQ(through_engine->decode_position(), 6);
+}
+
+INSTANTIATE_TEST_SUITE_P(Archs, GenerationTest, ::testing::ValuesIn(ARCH_CASES), arch_case_name);
+
+// ---- sampling ------------------------------------------------------------------------------------
+
+TEST(Sampling, GreedyTakesTheArgmaxAndTheLowestIdAmongEquals) {
+  const std::vector<float> logits = {0.5f, 2.0f, -1.0f, 2.0f, 1.9f};
+  SamplingOptions greedy;
+  greedy.temperature = 0;
+  for (uint64_t draw = 0; draw < 5; draw++) EXPECT_EQ(sample_token(logits.data(), 5, greedy, draw), 1);
+  EXPECT_EQ(sample_token(logits.data(), 1, greedy, 0), 0);  // only the allowed ids
+  // top_k = 1 and a tiny top_p are greedy at any temperature and seed.
+  for (uint64_t seed = 0; seed < 20; seed++) {
+    SamplingOptions k1, p0;
+    k1.top_k = 1, k1.seed = seed, k1.temperature = 5;
+    p0.top_p = 1e-9, p0.seed = seed, p0.temperature = 5;
+    EXPECT_EQ(sample_token(logits.data(), 5, k1, seed), 1);
+    EXPECT_EQ(sample_token(logits.data(), 5, p0, seed), 1);
+  }
+}
+
+// Frequencies over many draws follow softmax(logits / T) after the cuts (binomial standard errors
+// are below 0.004 at 20000 draws; the bound is 0.015).
+TEST(Sampling, FrequenciesFollowTheCutAndTemperedSoftmax) {
+  const std::vector<float> logits = {std::log(0.1f), std::log(0.4f), std::log(0.2f), std::log(0.3f)};
+  auto frequencies = [&](const SamplingOptions& o, int allowed) {
+    std::vector<double> f(logits.size());
+    const int draws = 20000;
+    for (int d = 0; d < draws; d++) f[sample_token(logits.data(), allowed, o, d)] += 1.0 / draws;
+    return f;
+  };
+  auto expect = [](const std::vector<double>& got, const std::vector<double>& want, const char* what) {
+    for (size_t i = 0; i < want.size(); i++) EXPECT_NEAR(got[i], want[i], 0.015) << what << " token " << i;
+  };
+  SamplingOptions plain;
+  expect(frequencies(plain, 4), {0.1, 0.4, 0.2, 0.3}, "T=1");
+  SamplingOptions hot;
+  hot.temperature = 2;  // p^(1/2), renormalised
+  const double z = std::sqrt(0.1) + std::sqrt(0.4) + std::sqrt(0.2) + std::sqrt(0.3);
+  expect(frequencies(hot, 4), {std::sqrt(0.1) / z, std::sqrt(0.4) / z, std::sqrt(0.2) / z, std::sqrt(0.3) / z}, "T=2");
+  SamplingOptions k2;
+  k2.top_k = 2;  // 0.4 and 0.3
+  expect(frequencies(k2, 4), {0, 0.4 / 0.7, 0, 0.3 / 0.7}, "top_k=2");
+  SamplingOptions p;
+  p.top_p = 0.75;  // 0.4 + 0.3 = 0.7 < 0.75: 0.2 joins
+  expect(frequencies(p, 4), {0, 0.4 / 0.9, 0.2 / 0.9, 0.3 / 0.9}, "top_p=0.75");
+  expect(frequencies(plain, 3), {0.1 / 0.7, 0.4 / 0.7, 0.2 / 0.7, 0}, "allowed=3");
+}
+
+// A pure function of (logits, options, draw): the same seed repeats, another seed differs.
+TEST(Sampling, TheSeedFixesTheDraws) {
+  std::vector<float> logits(50);
+  for (int i = 0; i < 50; i++) logits[i] = static_cast<float>(std::sin(i * 0.7));
+  SamplingOptions a, b;
+  a.seed = 1, b.seed = 2;
+  std::vector<int> first, again, other;
+  for (uint64_t d = 0; d < 40; d++) {
+    first.push_back(sample_token(logits.data(), 50, a, d));
+    again.push_back(sample_token(logits.data(), 50, a, d));
+    other.push_back(sample_token(logits.data(), 50, b, d));
+  }
+  EXPECT_EQ(first, again);
+  EXPECT_NE(first, other);
+}
