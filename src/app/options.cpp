@@ -19,6 +19,7 @@
 #include "app/memory_plan.hpp"
 #include "ckpt/hf_model.hpp"
 #include "core/error.hpp"
+#include "data/token_file.hpp"
 #include "shard/fsdp_engine.hpp"
 
 namespace po = boost::program_options;
@@ -109,7 +110,8 @@ void declare_options(OptionList& o, Config& c) {
   o.add("model.n_layer", &c.model.n_layer, "transformer blocks (L)");
   o.add("model.n_embd", &c.model.n_embd, "width (C); a multiple of model.n_head");
   o.add("model.n_head", &c.model.n_head, "attention heads (H)");
-  o.add("model.vocab_size", &c.model.vocab_size, "vocabulary size (V), at most 65536 (uint16 tokens)");
+  o.add("model.vocab_size", &c.model.vocab_size,
+        "vocabulary size (V), at most 2^24 (token files hold 16-bit ids up to 65536, 32-bit ids above)");
   o.add("model.max_seq_len", &c.model.max_seq_len,
         "longest sequence: gpt2's rows of the position-embedding table, llama's max_position_embeddings");
   o.add("model.n_kv_head", &c.model.n_kv_head,
@@ -146,8 +148,10 @@ void declare_options(OptionList& o, Config& c) {
         "per-rank peak GFLOP/s for MFU; 0 = measure SGEMM at start (cpu), the card's dense bf16 peak (cuda)");
   o.add("train.device", &c.train.device,
         "cpu (OpenBLAS + MPI) or cuda (one GPU per rank by node-local rank, NCCL; needs a make CUDA=1 build)");
-  o.add("data.train_file", &c.data.train_file, "training tokens (llm.c .bin format)");
-  o.add("data.val_file", &c.data.val_file, "validation tokens; empty = no validation");
+  o.add("data.train_file", &c.data.train_file,
+        "training tokens: an llm.c .bin file, or comma-separated files and glob patterns read as one stream "
+        "(docs/data.md)");
+  o.add("data.val_file", &c.data.val_file, "validation tokens, the same forms; empty = no validation");
   o.add("data.tokenizer", &c.data.tokenizer,
         "the tokenizer.json the data was encoded with (data encode --tokenizer), recorded in checkpoints for "
         "'shardtrain generate'; empty = bytes");
@@ -194,7 +198,8 @@ void declare_options(OptionList& o, Config& c) {
         "(config.json + safetensors; it also gives model.*)");
   o.add("checkpoint.save", &c.checkpoint.save, "write checkpoints (true/false)");
   o.add("checkpoint.allow_data_change", &c.checkpoint.allow_data_change,
-        "resume even though data.train_file or data.val_file differ from the checkpoint's (true/false)");
+        "resume even though the files of data.train_file or data.val_file (names, sizes) or "
+        "checkpoint.init_from differ from the checkpoint's (true/false)");
   o.add("debug.stall_rank", &c.debug.stall_rank, "testing only: this rank sleeps stall_seconds at stall_step");
   o.add("debug.stall_step", &c.debug.stall_step,
         "testing only: step of the injected stall; -1: during start-up, before the data files are opened");
@@ -545,8 +550,8 @@ void validate_config(const Config& c, int world) {
   require(m.n_head >= 1, "model.n_head must be >= 1");
   require(m.n_embd >= 1 && m.n_embd % m.n_head == 0,
           strprintf("model.n_embd=%d must be a positive multiple of model.n_head=%d", m.n_embd, m.n_head));
-  require(m.vocab_size >= 2 && m.vocab_size <= 65536,
-          strprintf("model.vocab_size=%d must be in [2, 65536] (tokens are uint16)", m.vocab_size));
+  require(m.vocab_size >= 2 && m.vocab_size <= MAX_VOCAB_SIZE,
+          strprintf("model.vocab_size=%d must be in [2, %d]", m.vocab_size, MAX_VOCAB_SIZE));
   require(m.max_seq_len >= 1, "model.max_seq_len must be >= 1");
   validate_architecture(m);
   require(t.seq_len >= 1 && t.seq_len <= m.max_seq_len,

@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <sstream>
+#include <tuple>
 
 #include "app/compute_backend.hpp"
 #include "app/memory_plan.hpp"
@@ -31,8 +32,8 @@
 #include "ckpt/llmc.hpp"
 #include "comm/comm.hpp"
 #include "comm/watchdog.hpp"
+#include "data/dataset.hpp"
 #include "data/sampler.hpp"
-#include "data/token_file.hpp"
 #include "optim/adamw.hpp"
 #include "shard/fsdp_engine.hpp"
 
@@ -179,7 +180,7 @@ class Trainer {
   ComputeBackend compute_;
   std::unique_ptr<Comm> comm_;  // MPI on host memory: agreement, metrics, checkpoints
   std::unique_ptr<Comm> shard_comm_, replica_comm_;  // on the compute device's memory
-  std::unique_ptr<TokenFile> train_file_, val_file_;
+  std::unique_ptr<TokenDataset> train_data_, val_data_;
   std::unique_ptr<SequenceSampler> sampler_;
   MemoryPlan plan_;  // checked against fsdp.memory_limit before anything below is allocated
   double planned_peak_ = 0;  // the plan's bytes in the compute device's memory, offloaded state included on the CPU
@@ -345,25 +346,35 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
 
 void Trainer::open_data() {
   const int V = cfg_.model.vocab_size;
-  auto open = [&](const std::string& path, const char* option) {
-    std::unique_ptr<TokenFile> file;
-    rt_.agree_on([&] { file = std::make_unique<TokenFile>(path); });
-    // Each rank scans a disjoint part for out-of-range tokens; the verdict is agreed.
-    rt_.agree(check_token_range(*file, V, rt_.rank(), rt_.world()));
-    (void)option;
-    return file;
+  auto open = [&](const char* option, const std::string& value) {
+    std::unique_ptr<TokenDataset> data;
+    rt_.agree_on([&] { data = std::make_unique<TokenDataset>(option, value, T_); });
+    // Every rank must read the same files: a glob could expand differently on another node.
+    std::string identity = data->identity();
+    uint64_t length = identity.size();
+    comm_->broadcast(Span<char>(reinterpret_cast<char*>(&length), sizeof length), 0, "broadcast(data files)");
+    std::string first(length, '\0');
+    if (rt_.is_root()) first = identity;
+    comm_->broadcast(Span<char>(first.data(), first.size()), 0, "broadcast(data files)");
+    const std::string differs = dataset_difference(first, identity);
+    rt_.agree(differs.empty() ? "" : strprintf("%s: rank %d does not see the files rank 0 sees: %s; every rank must "
+                                               "read the same data",
+                                               option, rt_.rank(), differs.c_str()));
+    // Each rank scans a disjoint part of each file for out-of-range tokens; the verdict is agreed.
+    rt_.agree(data->check_tokens(V, rt_.rank(), rt_.world()));
+    const std::string skipped = data->skipped_warning();
+    if (!skipped.empty()) rt_.warn("%s", skipped.c_str());
+    return data;
   };
-  train_file_ = open(cfg_.data.train_file, "data.train_file");
+  train_data_ = open("data.train_file", cfg_.data.train_file);
   rt_.agree_on([&] {
-    sampler_ = std::make_unique<SequenceSampler>(cfg_.train.seed, train_file_->num_tokens(), T_, G_, train_file_->path());
+    train_data_->require_windows(static_cast<uint64_t>(G_), strprintf("one batch of train.global_batch=%d sequences", G_),
+                                 "use more data or a smaller train.seq_len or train.global_batch");
+    sampler_ = std::make_unique<SequenceSampler>(cfg_.train.seed, train_data_->windows(), G_);
   });
   if (!cfg_.data.val_file.empty()) {
-    val_file_ = open(cfg_.data.val_file, "data.val_file");
-    rt_.agree_on([&] {
-      if (val_file_->num_tokens() < static_cast<size_t>(T_) + 1)
-        throw DataError(strprintf("data file '%s': %zu tokens, too short for one sequence of train.seq_len=%d + 1",
-                                  val_file_->path().c_str(), val_file_->num_tokens(), T_));
-    });
+    val_data_ = open("data.val_file", cfg_.data.val_file);
+    rt_.agree_on([&] { val_data_->require_windows(1, "one sequence", "use more data or a smaller train.seq_len"); });
   }
 }
 
@@ -400,9 +411,8 @@ void Trainer::print_summary() {
              blas_description().c_str(), peak_gflops_, peak_source_.c_str(),
              table_.flops_per_token(T_) / 1e6);
   rt_.info("run folder: %s | metrics: %s", checkpoint_dir(cfg_).c_str(), metrics_path(cfg_).c_str());
-  rt_.info("data: %s (%zu tokens)%s", train_file_->path().c_str(), train_file_->num_tokens(),
-           val_file_ ? strprintf(" | val %s (%zu tokens)", val_file_->path().c_str(), val_file_->num_tokens()).c_str()
-                     : "");
+  rt_.info("data: %s%s", train_data_->describe().c_str(),
+           val_data_ ? strprintf(" | val %s", val_data_->describe().c_str()).c_str() : "");
 }
 
 void Trainer::warn_config_changes(const CheckpointState& state) {
@@ -420,11 +430,24 @@ void Trainer::check_same_inputs(const std::string& path, const CheckpointState& 
   if (cfg_.checkpoint.allow_data_change) return;
   auto before = ini_option_values(state.config_ini), now = ini_option_values(resolved_ini(cfg_));
   std::string changed;
-  for (const char* key : {"data.train_file", "data.val_file", "checkpoint.init_from"}) {
+  auto add = [&](const std::string& what) { changed += (changed.empty() ? "" : "; ") + what; };
+  std::vector<const char*> by_path = {"checkpoint.init_from"};
+  if (state.has_dataset) {  // the data by their files' names and sizes
+    const std::tuple<const char*, const std::string&, const TokenDataset*> data[2] = {
+        {"data.train_file", state.dataset_train, train_data_.get()}, {"data.val_file", state.dataset_val, val_data_.get()}};
+    for (const auto& [key, recorded, dataset] : data) {
+      const std::string difference = dataset_difference(recorded, dataset ? dataset->identity() : "");
+      if (!difference.empty()) add(strprintf("%s: %s", key, difference.c_str()));
+    }
+  } else {
+    rt_.warn("checkpoint '%s' records no dataset identity (written by an older build): its data are compared by the "
+             "data.* paths only", path.c_str());
+    by_path.insert(by_path.begin(), {"data.train_file", "data.val_file"});
+  }
+  for (const char* key : by_path) {
     auto it = before.find(key);
     if (it != before.end() && comparable_path(it->second) != comparable_path(now[key]))
-      changed += strprintf("%s%s was '%s', now '%s'", changed.empty() ? "" : "; ", key, it->second.c_str(),
-                           now[key].c_str());
+      add(strprintf("%s was '%s', now '%s'", key, it->second.c_str(), now[key].c_str()));
   }
   if (!changed.empty())
     throw UsageError("checkpoint '" + path + "' was trained on other inputs: " + changed +
@@ -498,6 +521,8 @@ void Trainer::save(int step) {
   state.config_ini = resolved_ini(cfg_);
   state.loss_scale_log2 = std::lround(std::log2(loss_scale_));
   state.loss_scale_good_steps = good_steps_;
+  state.dataset_train = train_data_->identity();
+  state.dataset_val = val_data_ ? val_data_->identity() : "";
   const double t0 = now_seconds();
   std::string path = checkpoints_.save(state, engine_, optimizer_);
   rt_.info("saved %s (%s, %.2f s)", path.c_str(), state.layout.c_str(), now_seconds() - t0);
@@ -618,7 +643,8 @@ double Trainer::accumulate_gradients(int step) {
   for (int micro = 0; micro < accum_; micro++) {
     for (int b = 0; b < B_; b++) {
       uint64_t seq = static_cast<uint64_t>(micro * rt_.world() + rt_.rank()) * B_ + b;
-      sampler_->fill(*train_file_, step, seq, &tokens_[static_cast<size_t>(b) * T_], &targets_[static_cast<size_t>(b) * T_]);
+      train_data_->fill(sampler_->window(step, seq), &tokens_[static_cast<size_t>(b) * T_],
+                        &targets_[static_cast<size_t>(b) * T_]);
     }
     loss_sum += engine_.train_micro_batch(*model_, tokens_.data(), targets_.data(), dloss);
   }
@@ -627,18 +653,13 @@ double Trainer::accumulate_gradients(int step) {
 }
 
 double Trainer::evaluate() {
-  const size_t windows = (val_file_->num_tokens() - 1) / T_;
-  const uint16_t* data = val_file_->tokens();
   double loss_sum = 0;
   for (int batch = 0; batch < cfg_.train.eval_batches; batch++) {
     for (int micro = 0; micro < accum_; micro++) {
       for (int b = 0; b < B_; b++) {
         uint64_t seq = static_cast<uint64_t>(batch) * G_ + static_cast<uint64_t>(micro * rt_.world() + rt_.rank()) * B_ + b;
-        const uint16_t* start = data + (seq % windows) * T_;
-        for (int t = 0; t < T_; t++) {
-          tokens_[static_cast<size_t>(b) * T_ + t] = start[t];
-          targets_[static_cast<size_t>(b) * T_ + t] = start[t + 1];
-        }
+        val_data_->fill(seq % val_data_->windows(), &tokens_[static_cast<size_t>(b) * T_],
+                        &targets_[static_cast<size_t>(b) * T_]);
       }
       loss_sum += engine_.eval_micro_batch(*model_, tokens_.data(), targets_.data());
     }
@@ -697,7 +718,7 @@ int Trainer::run() {
     const bool print = step == start || step + 1 == steps || (step + 1) % cfg_.train.log_every == 0;
     report_step(step, out, avg * (steps - step - 1), print);
     last_loss = out.loss;
-    if (val_file_ && cfg_.train.eval_every > 0 && ((step + 1) % cfg_.train.eval_every == 0 || step + 1 == steps)) {
+    if (val_data_ && cfg_.train.eval_every > 0 && ((step + 1) % cfg_.train.eval_every == 0 || step + 1 == steps)) {
       last_val_loss = evaluate();
       rt_.info("eval  %5d/%d | val loss %.4f", step + 1, steps, last_val_loss);
       metrics_->write_line(strprintf("{\"kind\":\"eval\",\"step\":%d,\"val_loss\":%.9g}", step + 1, last_val_loss));

@@ -22,6 +22,7 @@
 #include "comm/watchdog.hpp"
 #include "core/format.hpp"
 #include "core/random.hpp"
+#include "data/token_file.hpp"
 
 namespace shardtrain {
 namespace {
@@ -258,6 +259,8 @@ class MetaChecksum {
 };
 
 const char* META_CHECKSUM = "meta_checksum";
+// The data's identity, after the architecture; optional for readers (older files lack it).
+const char* DATASET_ATTRS[2] = {"dataset.train", "dataset.val"};
 
 void write_state(hid_t file, const CheckpointState& s, const ModelConfig& model, const std::string& path) {
   MetaChecksum sum;
@@ -285,6 +288,8 @@ void write_state(hid_t file, const CheckpointState& s, const ModelConfig& model,
   auto reals = model_arch_reals(model);
   for (int i = 0; i < 2; i++)
     h5_write_attr_f64(file, MODEL_ARCH_REALS[i], reals[i], path), sum.add(MODEL_ARCH_REALS[i], real_text(reals[i]));
+  str(DATASET_ATTRS[0], s.dataset_train);
+  str(DATASET_ATTRS[1], s.dataset_val);
   h5_write_attr_u64(file, META_CHECKSUM, sum.value(), path);
 }
 
@@ -297,7 +302,8 @@ std::string model_defect(const std::array<int64_t, 5>& d) {
   if (C < 1 || C > (1 << 20) || C % H)
     return strprintf("model.n_embd=%lld is not a multiple of model.n_head=%lld in [1, 2^20]",
                      static_cast<long long>(C), static_cast<long long>(H));
-  if (V < 2 || V > 65536) return strprintf("model.vocab_size=%lld is not in [2, 65536]", static_cast<long long>(V));
+  if (V < 2 || V > MAX_VOCAB_SIZE)
+    return strprintf("model.vocab_size=%lld is not in [2, %d]", static_cast<long long>(V), MAX_VOCAB_SIZE);
   if (P < 1 || P > (1 << 24)) return strprintf("model.max_seq_len=%lld is not in [1, 2^24]", static_cast<long long>(P));
   if (static_cast<double>(L) * 13 * C * C > 1e13)
     return strprintf("model.n_layer=%lld x model.n_embd=%lld is more than 10^13 parameters",
@@ -382,6 +388,11 @@ CheckpointState read_state(hid_t file, const std::string& path) {
       arch_reals[i] = h5_read_attr_f64(file, MODEL_ARCH_REALS[i], path);
       sum.add(MODEL_ARCH_REALS[i], real_text(arch_reals[i]));
     }
+  }
+  s.has_dataset = h5_has_attr(file, DATASET_ATTRS[0]);
+  if (s.has_dataset) {
+    s.dataset_train = str(DATASET_ATTRS[0]);
+    s.dataset_val = str(DATASET_ATTRS[1]);
   }
   const std::string where = "checkpoint '" + path + "': ";
   if (!h5_has_attr(file, META_CHECKSUM))

@@ -44,6 +44,10 @@ struct CheckpointState {
   ModelConfig model;               // the model's shape (also in config_ini)
   int64_t loss_scale_log2 = 0;     // fp16 dynamic loss scale = 2^loss_scale_log2
   int64_t loss_scale_good_steps = 0;  // finite steps since the scale last changed
+  // The data's identity (TokenDataset::identity of data.train_file and data.val_file: a line
+  // "<bytes> <path>" per file); always written, read when present (has_dataset; older files lack it).
+  std::string dataset_train, dataset_val;
+  bool has_dataset = false;
   std::string warning;             // read only: why the file is usable but not fully verified ("" if it is)
   int64_t version = CKPT_FORMAT_VERSION;  // read only: the file's format version (saves write CKPT_FORMAT_VERSION)
 };

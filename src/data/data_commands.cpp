@@ -16,6 +16,7 @@
 #include <system_error>
 #include <vector>
 
+#include "core/counted.hpp"
 #include "core/error.hpp"
 #include "data/synth.hpp"
 #include "data/token_file.hpp"
@@ -177,57 +178,94 @@ void data_encode(const std::string& text_path, const std::string& out_path, doub
   if (val_bytes > 0) write_and_report(val_path_for(out_path), bytes_to_tokens(bytes, train_bytes, bytes.size()));
 }
 
+std::string shard_path(const std::string& out_path, size_t index) {
+  const std::string number = strprintf("_%06zu", index);
+  if (ends_with(out_path, ".bin")) return out_path.substr(0, out_path.size() - 4) + number + ".bin";
+  return out_path + number;
+}
+
 void data_encode_tokenized(const std::string& input, const std::string& tokenizer_path, const std::string& out_path,
                            double val_fraction, const std::string& separator) {
+  EncodeLayout layout;
+  layout.val_fraction = val_fraction;
+  data_encode_tokenized(input, tokenizer_path, out_path, layout, separator);
+}
+
+void data_encode_tokenized(const std::string& input, const std::string& tokenizer_path, const std::string& out_path,
+                           const EncodeLayout& layout, const std::string& separator) {
+  const double val_fraction = layout.val_fraction;
   if (!(val_fraction >= 0 && val_fraction < 1))  // also rejects NaN
     throw UsageError(strprintf("--val-fraction=%g must be in [0, 1)", val_fraction));
+  if (layout.val_last_shard && (layout.shard_tokens == 0 || val_fraction > 0))
+    throw UsageError("--val-shard needs --shard-tokens and --val-fraction=0: the last shard is the validation file");
+  if (layout.shard_tokens > static_cast<uint64_t>(INT32_MAX))
+    throw UsageError(strprintf("--shard-tokens=%llu is more than a token file holds (%d)",
+                               static_cast<unsigned long long>(layout.shard_tokens), INT32_MAX));
   Tokenizer tokenizer(tokenizer_path);
-  if (tokenizer.vocab_size() > 65536)
-    throw DataError(strprintf("tokenizer file '%s': has token ids up to %u, beyond the 16-bit token files "
-                              "(65536 ids); the 32-bit format is not supported yet",
-                              tokenizer_path.c_str(), tokenizer.vocab_size() - 1));
+  const size_t token_bytes = token_bytes_for_vocab(tokenizer.vocab_size());
   std::string separator_name;
   const std::optional<uint32_t> sep = document_separator(tokenizer, separator, tokenizer_path, separator_name);
   const std::vector<std::string> files = input_files(input);
 
   const auto start = std::chrono::steady_clock::now();
-  std::vector<uint16_t> ids;  // 2 bytes a token: every id fits, checked above
+  std::vector<uint32_t> ids;
   std::vector<uint32_t> doc;
-  size_t documents = 0, bytes = 0;
+  std::vector<size_t> doc_starts;  // each document's first token
+  size_t bytes = 0;
   for (const std::string& file : files)
     for_each_document(file, [&](const std::string& text) {
       doc.clear();
       if (sep) doc.push_back(*sep);
       tokenizer.encode(text, doc);
+      doc_starts.push_back(ids.size());
       ids.insert(ids.end(), doc.begin(), doc.end());
-      documents++;
       bytes += text.size();
     });
+  const size_t documents = doc_starts.size();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (ids.empty()) throw DataError(strprintf("input '%s': holds no text; nothing to encode", input.c_str()));
 
-  const size_t val_count = static_cast<size_t>(static_cast<double>(ids.size()) * val_fraction);
-  if (val_fraction > 0 && val_count == 0)
-    throw DataError(strprintf("input '%s': too small (%zu tokens) for a --val-fraction=%g validation part; use more "
-                              "text, a larger fraction, or 0 for no validation file",
-                              input.c_str(), ids.size(), val_fraction));
-  const size_t train_count = ids.size() - val_count;
-  std::printf("encoded %zu document%s (%zu bytes) in %.2f s (%.1f MB/s), %s\n", documents, documents == 1 ? "" : "s",
-              bytes, seconds, seconds > 0 ? static_cast<double>(bytes) / seconds / 1e6 : 0.0,
+  // The validation part: the last floor(documents * fraction) documents (with fewer documents than
+  // that makes one, e.g. one text file: the last floor(tokens * fraction) tokens), or the last shard.
+  size_t train_count = ids.size();
+  if (val_fraction > 0) {
+    const size_t val_documents = static_cast<size_t>(static_cast<double>(documents) * val_fraction);
+    const size_t val_tokens = static_cast<size_t>(static_cast<double>(ids.size()) * val_fraction);
+    train_count = val_documents > 0 ? doc_starts[documents - val_documents] : ids.size() - val_tokens;
+    if (train_count == ids.size())
+      throw DataError(strprintf("input '%s': too small (%s, %zu tokens) for a --val-fraction=%g validation part; use "
+                                "more text, a larger fraction, or 0 for no validation file",
+                                input.c_str(), counted(static_cast<long long>(documents), "document").c_str(),
+                                ids.size(), val_fraction));
+  } else if (layout.val_last_shard) {
+    if (ids.size() <= layout.shard_tokens)
+      throw DataError(strprintf("input '%s': %zu tokens make one shard of --shard-tokens=%llu, none left for "
+                                "training beside the validation shard; use smaller shards",
+                                input.c_str(), ids.size(), static_cast<unsigned long long>(layout.shard_tokens)));
+    train_count = (ids.size() - 1) / layout.shard_tokens * layout.shard_tokens;
+  }
+  if (train_count == 0)
+    throw DataError(strprintf("input '%s': the training part holds no tokens; use a smaller --val-fraction",
+                              input.c_str()));
+  std::printf("encoded %s (%zu bytes) in %.2f s (%.1f MB/s), %s\n",
+              counted(static_cast<long long>(documents), "document").c_str(), bytes, seconds,
+              seconds > 0 ? static_cast<double>(bytes) / seconds / 1e6 : 0.0,
               sep ? strprintf("%s (id %u) before each", separator_name.c_str(), *sep).c_str()
                   : tokenizer.adds_special_tokens() ? "the tokenizer's template marks each" : "no separator");
-  const auto write_part = [&](const std::string& path, const std::vector<uint16_t>& tokens) {
-    write_token_file(path, tokens);
-    std::printf("wrote %s: %zu token%s (tokenizer %s, vocab %u: needs model.vocab_size >= %u)\n", path.c_str(),
-                tokens.size(), tokens.size() == 1 ? "" : "s", tokenizer_path.c_str(), tokenizer.vocab_size(),
-                tokenizer.vocab_size());
+  const auto write_part = [&](const std::string& path, size_t begin, size_t end) {
+    write_token_file(path, ids.data() + begin, end - begin, token_bytes);
+    std::printf("wrote %s: %s (tokenizer %s, vocab %u: needs model.vocab_size >= %u; %d-bit tokens)\n", path.c_str(),
+                counted(static_cast<long long>(end - begin), "token").c_str(), tokenizer_path.c_str(),
+                tokenizer.vocab_size(), tokenizer.vocab_size(), static_cast<int>(8 * token_bytes));
     std::fflush(stdout);
   };
-  // The validation tail is copied out first, so the training part is written without a copy.
-  const std::vector<uint16_t> val(ids.begin() + static_cast<std::ptrdiff_t>(train_count), ids.end());
-  ids.resize(train_count);
-  write_part(out_path, ids);
-  if (val_count > 0) write_part(val_path_for(out_path), val);
+  if (layout.shard_tokens == 0) {
+    write_part(out_path, 0, train_count);
+  } else {
+    for (size_t begin = 0, index = 0; begin < train_count; begin += layout.shard_tokens, index++)
+      write_part(shard_path(out_path, index), begin, std::min<size_t>(train_count, begin + layout.shard_tokens));
+  }
+  if (train_count < ids.size()) write_part(val_path_for(out_path), train_count, ids.size());
 }
 
 void data_decode(const std::string& token_path, const std::string& tokenizer_path, const std::string& out_path,
@@ -241,16 +279,18 @@ void data_decode(const std::string& token_path, const std::string& tokenizer_pat
   if (tokenizer_path.empty()) {
     std::string bytes;
     for (uint64_t i = first; i < end; i++) {
-      if (file.tokens()[i] > 255)
+      if (file.token(i) > 255)
         throw DataError(strprintf("data file '%s': token %u at index %llu is not a byte; decode it with --tokenizer "
                                   "(the tokenizer.json it was encoded with)",
-                                  token_path.c_str(), file.tokens()[i], static_cast<unsigned long long>(i)));
-      bytes += static_cast<char>(file.tokens()[i]);
+                                  token_path.c_str(), file.token(i), static_cast<unsigned long long>(i)));
+      bytes += static_cast<char>(file.token(i));
     }
     text = utf8_with_replacements(bytes);
   } else {
     const Tokenizer tokenizer(tokenizer_path);
-    text = tokenizer.decode(std::vector<uint32_t>(file.tokens() + first, file.tokens() + end));
+    std::vector<uint32_t> ids(end - first);
+    for (uint64_t i = first; i < end; i++) ids[i - first] = file.token(i);
+    text = tokenizer.decode(ids);
   }
   if (out_path == "-") {
     std::fwrite(text.data(), 1, text.size(), stdout);

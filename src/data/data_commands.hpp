@@ -20,17 +20,36 @@ void data_synth(const std::string& out_dir, uint64_t seed, size_t train_bytes, s
 // to out_path; with 0 everything goes to out_path. Prints one line per file written.
 void data_encode(const std::string& text_path, const std::string& out_path, double val_fraction);
 
+// How `data encode --tokenizer` lays out its output.
+struct EncodeLayout {
+  // The last floor(documents * val_fraction) whole documents go to the validation file
+  // val_path_for(out_path); 0: none.
+  double val_fraction = 0.05;
+  // 0: the training tokens in out_path. Else in files of shard_tokens tokens each (the last holds the
+  // rest), shard_path(out_path, 0), shard_path(out_path, 1), ...
+  uint64_t shard_tokens = 0;
+  // With shard_tokens and val_fraction 0: the last shard is the validation file val_path_for(out_path).
+  bool val_last_shard = false;
+};
+
 // `data encode --tokenizer`: encodes documents with a Hugging Face tokenizer.json (tokenizer.hpp).
 // `input` is a text file (one document), a .jsonl file (one document per line, its "text" field) or
 // a folder (every file under it, sorted by path, each read as one of the two by its name; names
 // starting with '.' skipped). Invalid UTF-8 becomes U+FFFD first. Every document is the reference's
 // encode(text).ids; unless the tokenizer's template already adds special tokens to each, the
 // separator token goes before each document, as llm.c's data scripts put <|endoftext|>: `separator`
-// names it ("none": no separator; "": the first of DOCUMENT_SEPARATORS the tokenizer has). With
-// val_fraction > 0 the last floor(tokens * val_fraction) tokens go to val_path_for(out_path).
+// names it ("none": no separator; "": the first of DOCUMENT_SEPARATORS the tokenizer has). Files
+// hold 16-bit tokens when every id of the tokenizer fits, else 32-bit ones (token_file.hpp). The
+// output is the same bytes whatever the machine: the encoder is sequential.
 extern const char* const DOCUMENT_SEPARATORS[7];
 void data_encode_tokenized(const std::string& input, const std::string& tokenizer_path, const std::string& out_path,
+                           const EncodeLayout& layout, const std::string& separator);
+// The same with EncodeLayout's defaults but for val_fraction.
+void data_encode_tokenized(const std::string& input, const std::string& tokenizer_path, const std::string& out_path,
                            double val_fraction, const std::string& separator);
+
+// Shard `index` of out_path: "x_train.bin" -> "x_train_000003.bin", "x" -> "x_000003".
+std::string shard_path(const std::string& out_path, size_t index);
 
 // `data decode`: tokens [first, first + count) of a token file (count 0: to its end) back to text,
 // written to `out_path` ("-": standard output). With a tokenizer.json, as the reference's

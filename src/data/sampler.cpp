@@ -2,7 +2,6 @@
 // mix64, so every rank, thread count and run computes the same windows: nothing is stateful.
 #include "data/sampler.hpp"
 
-#include "core/counted.hpp"
 #include "core/error.hpp"
 #include "core/random.hpp"
 
@@ -45,19 +44,10 @@ uint64_t WindowPermutation::operator()(uint64_t position) const {
   return x;
 }
 
-SequenceSampler::SequenceSampler(uint64_t seed, size_t num_tokens, int seq_len, int global_batch,
-                                 const std::string& path)
-    : seed_(seed), num_tokens_(num_tokens), seq_len_(seq_len), global_batch_(global_batch) {
-  if (seq_len <= 0) throw UsageError(strprintf("train.seq_len=%d must be positive", seq_len));
+SequenceSampler::SequenceSampler(uint64_t seed, uint64_t windows, int global_batch)
+    : seed_(seed), global_batch_(global_batch), windows_(windows) {
   if (global_batch <= 0) throw UsageError(strprintf("train.global_batch=%d must be positive", global_batch));
-  windows_ = num_tokens > 0 ? (num_tokens - 1) / static_cast<size_t>(seq_len) : 0;
-  if (windows_ < static_cast<uint64_t>(global_batch))
-    throw DataError(strprintf("data file '%s': %s make %s of train.seq_len=%d (+1 target), too short for one batch "
-                              "of train.global_batch=%d sequences (needs at least %llu tokens); use more data or a "
-                              "smaller train.seq_len or train.global_batch",
-                              path.c_str(), counted(static_cast<long long>(num_tokens), "token").c_str(),
-                              counted(static_cast<long long>(windows_), "window").c_str(), seq_len, global_batch,
-                              static_cast<unsigned long long>(global_batch) * static_cast<unsigned>(seq_len) + 1));
+  SHARD_CHECK(windows >= 1, "a sampler over no windows");
 }
 
 int SequenceSampler::epoch_of(uint64_t step) const {
@@ -68,22 +58,11 @@ uint64_t SequenceSampler::permute(uint64_t epoch, uint64_t position) const {
   return WindowPermutation(windows_, epoch_key(seed_, epoch))(position);
 }
 
-size_t SequenceSampler::window_start(uint64_t step, uint64_t seq_in_step) const {
+uint64_t SequenceSampler::window(uint64_t step, uint64_t seq_in_step) const {
   SHARD_CHECK(seq_in_step < static_cast<uint64_t>(global_batch_), "sequence %llu of a %d-sequence batch",
               static_cast<unsigned long long>(seq_in_step), global_batch_);
   const uint64_t g = step * static_cast<uint64_t>(global_batch_) + seq_in_step;
-  return static_cast<size_t>(permute(g / windows_, g % windows_)) * static_cast<size_t>(seq_len_);
-}
-
-void SequenceSampler::fill(const TokenFile& file, uint64_t step, uint64_t seq_in_step, int* inputs,
-                           int* targets) const {
-  SHARD_CHECK(file.num_tokens() == num_tokens_, "sampler built for %zu tokens, file '%s' has %zu", num_tokens_,
-              file.path().c_str(), file.num_tokens());
-  const uint16_t* window = file.tokens() + window_start(step, seq_in_step);
-  for (int t = 0; t < seq_len_; t++) {
-    inputs[t] = window[t];
-    targets[t] = window[t + 1];
-  }
+  return permute(g / windows_, g % windows_);
 }
 
 }  // namespace shardtrain

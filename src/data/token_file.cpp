@@ -1,6 +1,6 @@
 // Reading (mmap) and writing (temp file + rename) of llm.c token files. The header is copied out
 // of the mapping with memcpy, not read through a cast pointer; tokens are used in place, which is
-// safe because the 1024-byte header keeps them 2-byte aligned in the page-aligned mapping.
+// safe because the 1024-byte header keeps them 4-byte aligned in the page-aligned mapping.
 #include "data/token_file.hpp"
 
 #include <fcntl.h>
@@ -58,25 +58,30 @@ TokenFile::TokenFile(const std::string& path) : path_(path) {
   try {
     int32_t header[TOKEN_FILE_HEADER_INTS];
     std::memcpy(header, map_, sizeof header);
-    if (header[0] != TOKEN_FILE_MAGIC)
-      throw_data_error(path, strprintf("bad magic %d (expected %d: not an llm.c token file; %s)", header[0],
-                                       TOKEN_FILE_MAGIC, RECREATE_HINT));
-    if (header[1] != TOKEN_FILE_VERSION)
-      throw_data_error(path, strprintf("unsupported version %d (expected %d; re-encode it with 'shardtrain data "
-                                       "encode')",
-                                       header[1], TOKEN_FILE_VERSION));
+    if (header[0] != TOKEN_FILE_MAGIC && header[0] != TOKEN_FILE_MAGIC_32)
+      throw_data_error(path, strprintf("bad magic %d (expected %d for 16-bit or %d for 32-bit tokens: not an llm.c "
+                                       "token file; %s)",
+                                       header[0], TOKEN_FILE_MAGIC, TOKEN_FILE_MAGIC_32, RECREATE_HINT));
+    const bool wide = header[0] == TOKEN_FILE_MAGIC_32;
+    const int32_t version = wide ? TOKEN_FILE_VERSION_32 : TOKEN_FILE_VERSION;
+    if (header[1] != version)
+      throw_data_error(path, strprintf("unsupported version %d (expected %d with magic %d; re-encode it with "
+                                       "'shardtrain data encode')",
+                                       header[1], version, header[0]));
     if (header[2] < 0)
       throw_data_error(path, strprintf("negative token count %d in the header (corrupt file; %s)", header[2],
                                        RECREATE_HINT));
     const size_t count = static_cast<size_t>(header[2]);
-    const size_t expected = TOKEN_FILE_HEADER_BYTES + count * sizeof(uint16_t);
+    const size_t width = wide ? 4 : 2;
+    const size_t expected = TOKEN_FILE_HEADER_BYTES + count * width;
     if (file_bytes != expected)
-      throw_data_error(path, strprintf("%zu bytes but the header says %zu tokens, which needs %zu + 2*%zu = %zu bytes "
+      throw_data_error(path, strprintf("%zu bytes but the header says %zu tokens, which needs %zu + %zu*%zu = %zu bytes "
                                        "(%s; re-create the file)",
-                                       file_bytes, count, TOKEN_FILE_HEADER_BYTES, count, expected,
+                                       file_bytes, count, TOKEN_FILE_HEADER_BYTES, width, count, expected,
                                        file_bytes < expected ? "truncated" : "trailing bytes after the tokens"));
     num_tokens_ = count;
-    tokens_ = reinterpret_cast<const uint16_t*>(static_cast<const char*>(map_) + TOKEN_FILE_HEADER_BYTES);
+    token_bytes_ = width;
+    tokens_ = static_cast<const char*>(map_) + TOKEN_FILE_HEADER_BYTES;
   } catch (...) {
     unmap();
     throw;
@@ -90,6 +95,7 @@ TokenFile::TokenFile(TokenFile&& other) noexcept
       map_(std::exchange(other.map_, nullptr)),
       map_bytes_(std::exchange(other.map_bytes_, 0)),
       num_tokens_(std::exchange(other.num_tokens_, 0)),
+      token_bytes_(other.token_bytes_),
       tokens_(std::exchange(other.tokens_, nullptr)) {}
 
 TokenFile& TokenFile::operator=(TokenFile&& other) noexcept {
@@ -99,6 +105,7 @@ TokenFile& TokenFile::operator=(TokenFile&& other) noexcept {
     map_ = std::exchange(other.map_, nullptr);
     map_bytes_ = std::exchange(other.map_bytes_, 0);
     num_tokens_ = std::exchange(other.num_tokens_, 0);
+    token_bytes_ = other.token_bytes_;
     tokens_ = std::exchange(other.tokens_, nullptr);
   }
   return *this;
@@ -112,36 +119,65 @@ void TokenFile::unmap() {
   num_tokens_ = 0;
 }
 
-uint16_t TokenFile::max_token_in(size_t begin, size_t end) const {
-  SHARD_CHECK(begin <= end && end <= num_tokens_, "range [%zu, %zu) outside the %zu tokens of '%s'", begin, end,
-              num_tokens_, path_.c_str());
-  uint16_t best = 0;
-  for (size_t i = begin; i < end; i++) best = std::max(best, tokens_[i]);  // vectorises; memory-bound anyway
+void TokenFile::copy_tokens(size_t begin, size_t count, int* out) const {
+  SHARD_CHECK(begin <= num_tokens_ && count <= num_tokens_ - begin, "tokens [%zu, +%zu) outside the %zu of '%s'", begin,
+              count, num_tokens_, path_.c_str());
+  if (token_bytes_ == 2) {
+    const uint16_t* in = static_cast<const uint16_t*>(tokens_) + begin;
+    for (size_t i = 0; i < count; i++) out[i] = in[i];
+  } else {
+    const uint32_t* in = static_cast<const uint32_t*>(tokens_) + begin;
+    for (size_t i = 0; i < count; i++) out[i] = static_cast<int>(in[i]);
+  }
+}
+
+namespace {
+
+template <class Token>
+uint32_t max_of(const void* tokens, size_t begin, size_t end) {
+  const Token* t = static_cast<const Token*>(tokens);
+  Token best = 0;
+  for (size_t i = begin; i < end; i++) best = std::max(best, t[i]);  // vectorises; memory-bound anyway
   return best;
 }
 
+}  // namespace
+
+uint32_t TokenFile::max_token_in(size_t begin, size_t end) const {
+  SHARD_CHECK(begin <= end && end <= num_tokens_, "range [%zu, %zu) outside the %zu tokens of '%s'", begin, end,
+              num_tokens_, path_.c_str());
+  return token_bytes_ == 2 ? max_of<uint16_t>(tokens_, begin, end) : max_of<uint32_t>(tokens_, begin, end);
+}
+
 std::string check_token_range(const TokenFile& file, int vocab_size, int part, int num_parts) {
-  SHARD_CHECK(vocab_size > 0 && vocab_size <= 65536, "vocab_size %d outside (0, 65536]", vocab_size);
+  SHARD_CHECK(vocab_size > 0, "vocab_size %d", vocab_size);
   SHARD_CHECK(num_parts > 0 && part >= 0 && part < num_parts, "part %d of %d", part, num_parts);
   const size_t n = file.num_tokens();
   // n < 2^31 (int32 header) and num_parts < 2^31 keep n * part within 64 bits.
   const size_t begin = n * static_cast<size_t>(part) / static_cast<size_t>(num_parts);
   const size_t end = n * static_cast<size_t>(part + 1) / static_cast<size_t>(num_parts);
-  if (file.max_token_in(begin, end) < vocab_size) return "";
+  const uint32_t vocab = static_cast<uint32_t>(vocab_size);
+  if (file.max_token_in(begin, end) < vocab) return "";
   // Rare error path: find the first offender in this part for the message.
   for (size_t i = begin; i < end; i++) {
-    if (file.tokens()[i] >= vocab_size)
+    if (file.token(i) >= vocab)
       return strprintf("data file '%s': token %u at index %zu is >= model.vocab_size=%d (the file was encoded for a "
                        "larger vocabulary; raise model.vocab_size or re-encode the data)",
-                       file.path().c_str(), static_cast<unsigned>(file.tokens()[i]), i, vocab_size);
+                       file.path().c_str(), file.token(i), i, vocab_size);
   }
   return "";  // unreachable: max_token_in found one
 }
 
-void write_token_file(const std::string& path, const std::vector<uint16_t>& tokens) {
-  if (tokens.size() > static_cast<size_t>(INT32_MAX))
-    throw DataError(strprintf("data file '%s': %zu tokens exceed the format's limit of %d; split the input", path.c_str(),
-                              tokens.size(), INT32_MAX));
+namespace {
+
+// Writes the header and then `body(f)` (which returns false on a write error) to path + ".tmp",
+// syncs it and renames it over `path`.
+template <class Body>
+void write_atomically(const std::string& path, size_t count, size_t token_bytes, Body&& body) {
+  SHARD_CHECK(token_bytes == 2 || token_bytes == 4, "token width %zu", token_bytes);
+  if (count > static_cast<size_t>(INT32_MAX))
+    throw DataError(strprintf("data file '%s': %zu tokens exceed the format's limit of %d; write shards", path.c_str(),
+                              count, INT32_MAX));
   const std::string tmp = path + ".tmp";
   auto fail = [&](const char* what) {
     const std::string reason = std::strerror(errno);
@@ -152,17 +188,40 @@ void write_token_file(const std::string& path, const std::vector<uint16_t>& toke
   std::FILE* f = std::fopen(tmp.c_str(), "wb");
   if (!f) fail("create");
   int32_t header[TOKEN_FILE_HEADER_INTS] = {};
-  header[0] = TOKEN_FILE_MAGIC;
-  header[1] = TOKEN_FILE_VERSION;
-  header[2] = static_cast<int32_t>(tokens.size());
-  bool ok = std::fwrite(header, sizeof header, 1, f) == 1;
-  if (ok && !tokens.empty()) ok = std::fwrite(tokens.data(), sizeof(uint16_t), tokens.size(), f) == tokens.size();
+  header[0] = token_bytes == 2 ? TOKEN_FILE_MAGIC : TOKEN_FILE_MAGIC_32;
+  header[1] = token_bytes == 2 ? TOKEN_FILE_VERSION : TOKEN_FILE_VERSION_32;
+  header[2] = static_cast<int32_t>(count);
+  bool ok = std::fwrite(header, sizeof header, 1, f) == 1 && body(f);
   ok = ok && std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0;  // data on disk before the rename makes it visible
   const int write_errno = errno;
   const bool closed = std::fclose(f) == 0;
   if (!ok) errno = write_errno;  // report the write's reason, not fclose's
   if (!ok || !closed) fail("write");
   if (std::rename(tmp.c_str(), path.c_str()) != 0) fail("rename into place");
+}
+
+}  // namespace
+
+void write_token_file(const std::string& path, const uint32_t* tokens, size_t count, size_t token_bytes) {
+  write_atomically(path, count, token_bytes, [&](std::FILE* f) {
+    if (token_bytes == 4) return count == 0 || std::fwrite(tokens, sizeof(uint32_t), count, f) == count;
+    std::vector<uint16_t> narrow;  // in pieces: a copy of the whole part would double its memory
+    for (size_t begin = 0; begin < count; begin += narrow.size()) {
+      narrow.resize(std::min<size_t>(count - begin, size_t(1) << 16));
+      for (size_t i = 0; i < narrow.size(); i++) {
+        SHARD_CHECK(tokens[begin + i] < TOKEN_FILE_16BIT_VOCAB, "token %u in a 16-bit file", tokens[begin + i]);
+        narrow[i] = static_cast<uint16_t>(tokens[begin + i]);
+      }
+      if (std::fwrite(narrow.data(), sizeof(uint16_t), narrow.size(), f) != narrow.size()) return false;
+    }
+    return true;
+  });
+}
+
+void write_token_file(const std::string& path, const std::vector<uint16_t>& tokens) {
+  write_atomically(path, tokens.size(), 2, [&](std::FILE* f) {
+    return tokens.empty() || std::fwrite(tokens.data(), sizeof(uint16_t), tokens.size(), f) == tokens.size();
+  });
 }
 
 }  // namespace shardtrain

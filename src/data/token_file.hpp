@@ -1,8 +1,10 @@
-// llm.c token files: a 1024-byte header of 256 little-endian int32 (magic 20240520, version 1,
-// token count, the rest zero) followed by exactly that many uint16 tokens. TokenFile maps a file
-// read-only (never loads it whole) and validates the header and the exact size on open; every
-// problem is a DataError whose one line names the file, what is wrong and how to fix it.
-// This layer knows nothing about MPI: callers agree on the outcome across ranks.
+// llm.c token files: a 1024-byte header of 256 little-endian int32 (magic, version, token count,
+// the rest zero) followed by exactly that many tokens, in one of llm.c's two formats
+// (dev/data/data_common.py): magic 20240520 / version 1 with uint16 tokens ("gpt-2"), and
+// magic 20240801 / version 7 with uint32 tokens ("llama-3", for vocabularies beyond 65,536).
+// TokenFile maps a file read-only (never loads it whole) and validates the header and the exact
+// size on open; every problem is a DataError whose one line names the file, what is wrong and how
+// to fix it. This layer knows nothing about MPI: callers agree on the outcome across ranks.
 #pragma once
 
 #include <cstddef>
@@ -12,10 +14,18 @@
 
 namespace shardtrain {
 
-constexpr int32_t TOKEN_FILE_MAGIC = 20240520;
+constexpr int32_t TOKEN_FILE_MAGIC = 20240520;  // uint16 tokens
 constexpr int32_t TOKEN_FILE_VERSION = 1;
+constexpr int32_t TOKEN_FILE_MAGIC_32 = 20240801;  // uint32 tokens
+constexpr int32_t TOKEN_FILE_VERSION_32 = 7;
 constexpr size_t TOKEN_FILE_HEADER_INTS = 256;
 constexpr size_t TOKEN_FILE_HEADER_BYTES = TOKEN_FILE_HEADER_INTS * sizeof(int32_t);  // 1024
+// Ids up to this many fit the 16-bit format; a larger vocabulary needs the 32-bit one.
+constexpr uint64_t TOKEN_FILE_16BIT_VOCAB = 65536;
+// The largest model.vocab_size the trainer takes (options, checkpoints): 2^24 ids, far beyond the
+// tokenizers in use (Llama 3: 128,256; Gemma: 262,144), and a bound that keeps a damaged
+// checkpoint from describing an absurd embedding.
+constexpr int MAX_VOCAB_SIZE = 1 << 24;
 
 class TokenFile {
  public:
@@ -29,10 +39,17 @@ class TokenFile {
 
   const std::string& path() const { return path_; }
   size_t num_tokens() const { return num_tokens_; }
-  const uint16_t* tokens() const { return tokens_; }
+  size_t token_bytes() const { return token_bytes_; }  // 2 or 4
+  size_t file_bytes() const { return map_bytes_; }
+  uint32_t token(size_t i) const {
+    return token_bytes_ == 2 ? static_cast<const uint16_t*>(tokens_)[i] : static_cast<const uint32_t*>(tokens_)[i];
+  }
+  // Copies tokens [begin, begin + count) to `out` as int; the caller has checked them against the
+  // vocabulary (ids below 2^31).
+  void copy_tokens(size_t begin, size_t count, int* out) const;
 
   // Largest token in [begin, end) (0 for an empty range); ranks scan disjoint parts.
-  uint16_t max_token_in(size_t begin, size_t end) const;
+  uint32_t max_token_in(size_t begin, size_t end) const;
 
  private:
   void unmap();
@@ -41,7 +58,8 @@ class TokenFile {
   void* map_ = nullptr;
   size_t map_bytes_ = 0;
   size_t num_tokens_ = 0;
-  const uint16_t* tokens_ = nullptr;
+  size_t token_bytes_ = 2;
+  const void* tokens_ = nullptr;
 };
 
 // Checks part `part` of `num_parts` (contiguous, near-equal) of the file for tokens >= vocab_size.
@@ -50,7 +68,12 @@ class TokenFile {
 std::string check_token_range(const TokenFile& file, int vocab_size, int part, int num_parts);
 
 // Writes a token file atomically: path + ".tmp", flushed and synced, then renamed over path.
+// token_bytes 2 writes the 16-bit format (every token must be below 65536), 4 the 32-bit one.
 // Throws DataError naming the file on any I/O failure or if there are more than INT32_MAX tokens.
-void write_token_file(const std::string& path, const std::vector<uint16_t>& tokens);
+void write_token_file(const std::string& path, const uint32_t* tokens, size_t count, size_t token_bytes);
+void write_token_file(const std::string& path, const std::vector<uint16_t>& tokens);  // the 16-bit format
+
+// 2 when every id of a vocabulary of `vocab_size` fits the 16-bit format, else 4.
+inline size_t token_bytes_for_vocab(uint64_t vocab_size) { return vocab_size <= TOKEN_FILE_16BIT_VOCAB ? 2 : 4; }
 
 }  // namespace shardtrain

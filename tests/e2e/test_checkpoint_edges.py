@@ -75,13 +75,16 @@ META_ORDER = ("format", "version", "layout", "step", "tokens_seen", "seed", "sam
 # Version 2 appends the architecture (reals as C's %.17g); version 1 files have none of these.
 META_ORDER_V2 = ("model.arch", "model.n_kv_head", "model.intermediate_size", "model.tie_embeddings",
                  "model.rope_theta", "model.norm_eps")
+# Then, in files that have them, the data's identity (older files do not).
+META_ORDER_DATASET = ("dataset.train", "dataset.val")
 
 
 def meta_checksum(attrs):
     """FNV-1a 64 over name NUL value NUL of each attribute in META_ORDER (and, from version 2,
-    META_ORDER_V2), integers in decimal, reals as %.17g."""
+    META_ORDER_V2; then META_ORDER_DATASET where present), integers in decimal, reals as %.17g."""
     h = 0xCBF29CE484222325
-    for name in META_ORDER + (META_ORDER_V2 if int(attrs["version"]) >= 2 else ()):
+    for name in (META_ORDER + (META_ORDER_V2 if int(attrs["version"]) >= 2 else ()) +
+                 (META_ORDER_DATASET if "dataset.train" in attrs else ())):
         value = attrs[name]
         if isinstance(value, (bytes, str)):
             text = value if isinstance(value, bytes) else value.encode()

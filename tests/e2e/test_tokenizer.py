@@ -225,14 +225,14 @@ def test_separator_option_and_validation_split():
     end = token_id(tokenizer, "<|end_of_text|>")
     got, stdout = encode(tokenizer, folder, "--separator", "<|end_of_text|>")
     assert got == [t for d in docs for t in [end] + d], stdout
-    # The last floor(tokens * fraction) tokens go to the validation file.
+    # The last floor(documents * fraction) whole documents go to the validation file.
     tmp = tempdir()
     out = os.path.join(tmp, "corpus_train.bin")
     proc = run_single(["data", "encode", "--tokenizer", tokenizer, "--input", folder, "--output", out,
                        "--val-fraction", "0.1"])
     assert proc.returncode == 0, proc.stderr
     train, val = read_tokens(out), read_tokens(os.path.join(tmp, "corpus_val.bin"))
-    assert train + val == plain and len(val) == int(len(plain) * 0.1)
+    assert train + val == plain and val == [t for d in docs[len(docs) - int(len(docs) * 0.1):] for t in d]
     assert "needs model.vocab_size >= 1500" in proc.stdout, proc.stdout
     # Without --tokenizer the byte-level encoder is unchanged; --separator alone is a usage error.
     proc = run_single(["data", "encode", "--input", os.path.join(folder, "doc000.txt"), "--output", out,
@@ -311,11 +311,27 @@ def test_unsupported_components_exit_2():
     expect_exit_2(variant("/model/dropout", 0.1), "dropout")
     expect_exit_2(variant("/truncation", {"max_length": 8, "strategy": "LongestFirst", "stride": 0,
                                           "direction": "Right"}), "truncation")
-    # Ids beyond 16 bits need the 32-bit token files, which come later.
+    # Ids beyond 16 bits: llm.c's 32-bit files (magic 20240801, version 7), the same ids.
     big = copy.deepcopy(base)
     big["added_tokens"].append({"id": 70000, "content": "<big>", "single_word": False, "lstrip": False,
                                 "rstrip": False, "normalized": False, "special": True})
-    expect_exit_2(big, "70000", "32-bit format is not supported yet")
+    big_path, source = os.path.join(tempdir(), "big.json"), os.path.join(tempdir(), "a.txt")
+    with open(big_path, "w") as f:
+        json.dump(big, f)
+    with open(source, "w") as f:
+        f.write("hello world<big>")
+    out = os.path.join(tempdir(), "big.bin")
+    proc = run_single(["data", "encode", "--tokenizer", big_path, "--input", source, "--output", out,
+                       "--val-fraction", "0"])
+    assert proc.returncode == 0 and "needs model.vocab_size >= 70001; 32-bit tokens" in proc.stdout, proc.stderr
+    with open(out, "rb") as f:
+        magic, version, count = struct.unpack("<3i", f.read(12))
+        f.seek(1024)
+        ids = list(struct.unpack(f"<{count}I", f.read()))
+    assert (magic, version) == (20240801, 7) and ids[-1] == 70000, (magic, version, ids)
+    with open(source, "w") as f:
+        f.write("hello world")
+    assert ids[:-1] == encode(trained("gpt2"), source)[0], ids
 
 
 def test_malformed_files_exit_2():
