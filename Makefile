@@ -155,8 +155,11 @@ DEFAULT_DATA := $(DATA_DIR)/synth_train.bin
 $(DEFAULT_DATA): $(EXE)
 	@$(EXE) data synth --out-dir $(DATA_DIR)
 
+# Training, then a short sample of what the model learned (a second on one rank: docs/generate.md).
 run: $(EXE) $(DEFAULT_DATA)
 	$(MPIRUN) --oversubscribe --bind-to none --mca odls_base_sigkill_timeout 3 -np $(NP) $(EXE) train --config inputs/default.ini
+	@echo "→ what the model writes after 'Dora has eight wolves.' (shardtrain generate, docs/generate.md):"
+	@$(EXE) generate --checkpoint checkpoints/default --prompt "Dora has eight wolves." --max-tokens 64 --temperature 0.7
 
 test: $(EXE) $(UNIT_TESTS) $(MPI_TESTS)
 	@$(PYTHON) tests/run_tests.py --build $(BUILD)

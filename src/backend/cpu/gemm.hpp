@@ -19,6 +19,16 @@ inline void gemm(bool trans_a, bool trans_b, int M, int N, int K, double alpha, 
               alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
+// Row-major y = alpha * A(M,N) @ x + beta * y (A with leading dimension lda): one row of a matrix
+// product (a decode step's N = 1) without GEMM's packing of A, which costs as much as the product.
+inline void gemv(int M, int N, float alpha, const float* A, int lda, const float* x, float beta, float* y) {
+  cblas_sgemv(CblasRowMajor, CblasNoTrans, M, N, alpha, A, lda, x, 1, beta, y, 1);
+}
+
+inline void gemv(int M, int N, double alpha, const double* A, int lda, const double* x, double beta, double* y) {
+  cblas_dgemv(CblasRowMajor, CblasNoTrans, M, N, alpha, A, lda, x, 1, beta, y, 1);
+}
+
 // Columns are processed in blocks of this many so that column-sum loops (bias and LayerNorm
 // parameter gradients) read whole cache lines and still split evenly over threads.
 constexpr int COLUMN_BLOCK = 32;

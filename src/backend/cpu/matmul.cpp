@@ -1,4 +1,5 @@
-// Linear layers: out(N,OC) = inp(N,C) @ weight(OC,C)^T + bias. Both directions are GEMMs; the
+// Linear layers: out(N,OC) = inp(N,C) @ weight(OC,C)^T + bias. Both directions are GEMMs (a single
+// row forward, as generation runs, a matrix-vector product); the
 // bias gradient is a column sum done in fixed column blocks (deterministic, no atomics).
 #include <algorithm>
 
@@ -15,7 +16,10 @@ void matmul_forward(Real* out, const Real* inp, const Real* weight, const Real* 
     for (int n = 0; n < N; n++) std::copy(bias, bias + OC, out + static_cast<size_t>(n) * OC);
     beta = 1;
   }
-  gemm(false, true, N, OC, C, Real(1), inp, C, weight, C, beta, out, OC);
+  if (N == 1)  // one row (generation): weight @ inp as a matrix-vector product, no packing
+    gemv(OC, C, Real(1), weight, C, inp, beta, out);
+  else
+    gemm(false, true, N, OC, C, Real(1), inp, C, weight, C, beta, out, OC);
 }
 
 template <typename Real>
