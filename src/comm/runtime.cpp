@@ -42,6 +42,184 @@ Runtime::Runtime(int* argc, char*** argv) {
   gethostname(name, sizeof name - 1);
   host_ = name;
   set_collective_timeout(DEFAULT_COLLECTIVE_TIMEOUT);
+  gather_layout();
+}
+
+// Every rank learns every rank's node: a node is named by its lowest rank (node-local rank 0, as
+// the split is keyed by rank), and only those leaders contribute their host name.
+void Runtime::gather_layout() {
+  Watchdog::Scope scope(watchdog_.get(), "gather the node layout");
+  int leader = rank_;
+  MPI_CHECK(MPI_Bcast(&leader, 1, MPI_INT, 0, node_));
+  std::vector<int> leaders(world_);
+  MPI_CHECK(MPI_Allgather(&leader, 1, MPI_INT, leaders.data(), 1, MPI_INT, MPI_COMM_WORLD));
+  int length = local_rank_ == 0 ? static_cast<int>(host_.size()) : 0;
+  std::vector<int> lengths(world_), offsets(world_);
+  MPI_CHECK(MPI_Allgather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, MPI_COMM_WORLD));
+  int total = 0;
+  for (int r = 0; r < world_; r++) offsets[r] = total, total += lengths[r];
+  std::vector<char> names(std::max(total, 1));
+  MPI_CHECK(MPI_Allgatherv(host_.data(), length, MPI_CHAR, names.data(), lengths.data(), offsets.data(), MPI_CHAR,
+                           MPI_COMM_WORLD));
+  std::vector<int> node_of_leader(world_, -1);
+  layout_.node_of_rank.assign(world_, 0);
+  layout_.host_of_node.clear();
+  for (int r = 0; r < world_; r++) {
+    const int l = leaders[r];
+    if (node_of_leader[l] < 0) {  // leaders come in rank order: nodes are numbered by their lowest rank
+      node_of_leader[l] = layout_.nodes();
+      layout_.host_of_node.emplace_back(names.data() + offsets[l], lengths[l]);
+    }
+    layout_.node_of_rank[r] = node_of_leader[l];
+  }
+}
+
+std::vector<int> NodeLayout::ranks_on(int node) const {
+  std::vector<int> found;
+  for (int r = 0; r < ranks(); r++)
+    if (node_of_rank[r] == node) found.push_back(r);
+  return found;
+}
+
+GroupPlan plan_groups(const NodeLayout& layout, int group_size) {
+  GroupPlan plan;
+  const int world = layout.ranks();
+  std::vector<std::vector<int>> nodes(layout.nodes());
+  for (int r = 0; r < world; r++) nodes[layout.node_of_rank[r]].push_back(r);
+  int size = group_size;
+  if (size == 0) {
+    bool equal = true;
+    for (const auto& ranks : nodes) equal = equal && ranks.size() == nodes[0].size();
+    if (!equal) {
+      std::string counts;
+      for (size_t n = 0; n < nodes.size() && n < 8; n++)
+        counts += strprintf("%s%s %zu rank%s", n ? ", " : "", layout.host_of_node[n].c_str(), nodes[n].size(),
+                            nodes[n].size() == 1 ? "" : "s");
+      if (nodes.size() > 8) counts += strprintf(", ... (%zu nodes)", nodes.size());
+      plan.error = strprintf(
+          "HYBRID_SHARD with fsdp.shard_group_size=0 shards within each node, and the nodes have different rank "
+          "counts (%s); start the same number of ranks on every node (srun --ntasks-per-node=N, mpirun --map-by "
+          "ppr:N:node) or set fsdp.shard_group_size to a divisor of the %d ranks",
+          counts.c_str(), world);
+      return plan;
+    }
+    size = static_cast<int>(nodes[0].size());
+  }
+  if (size < 1 || world % size != 0) {
+    plan.error = strprintf("shard groups of %d ranks do not divide the %d ranks; set fsdp.shard_group_size to a divisor "
+                           "of the rank count", size, world);
+    return plan;
+  }
+  plan.group_size = size;
+  plan.shard_of_rank.assign(world, 0);
+  plan.replica_of_rank.assign(world, 0);
+  int position = 0;  // in node order
+  for (const auto& ranks : nodes)
+    for (int r : ranks) plan.shard_of_rank[r] = position / size, plan.replica_of_rank[r] = position % size, position++;
+  return plan;
+}
+
+namespace {
+
+// "{0 1 2 5}", runs of three or more as "0-2".
+std::string rank_set(const std::vector<int>& ranks) {
+  std::string text = "{";
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) j++;
+    text += (i ? " " : "") + (j >= i + 2 ? strprintf("%d-%d", ranks[i], ranks[j]) : std::to_string(ranks[i]));
+    if (j == i + 1) text += " " + std::to_string(ranks[j]);
+    i = j + 1;
+  }
+  return text + "}";
+}
+
+// The members of each group, by group number (ascending ranks).
+std::vector<std::vector<int>> members(const std::vector<int>& group_of_rank) {
+  std::vector<std::vector<int>> groups;
+  for (int r = 0; r < static_cast<int>(group_of_rank.size()); r++) {
+    if (group_of_rank[r] >= static_cast<int>(groups.size())) groups.resize(group_of_rank[r] + 1);
+    groups[group_of_rank[r]].push_back(r);
+  }
+  return groups;
+}
+
+// "h1" or "h1+h2": the hosts of `ranks`, in node order.
+std::string hosts_of(const NodeLayout& layout, const std::vector<int>& ranks) {
+  std::vector<int> nodes;
+  for (int r : ranks) nodes.push_back(layout.node_of_rank[r]);
+  std::sort(nodes.begin(), nodes.end());
+  nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
+  std::string text;
+  for (int n : nodes) text += (text.empty() ? "" : "+") + layout.host_of_node[n];
+  return text;
+}
+
+constexpr size_t MAX_LISTED_GROUPS = 8;
+
+}  // namespace
+
+std::string GroupPlan::describe(const NodeLayout& layout) const {
+  const auto shards = members(shard_of_rank), replicas = members(replica_of_rank);
+  std::string text = strprintf("%zu shard group%s of %d rank%s: ", shards.size(), shards.size() == 1 ? "" : "s",
+                               group_size, group_size == 1 ? "" : "s");
+  for (size_t g = 0; g < shards.size() && g < MAX_LISTED_GROUPS; g++)
+    text += (g ? ", " : "") + rank_set(shards[g]) + " on " + hosts_of(layout, shards[g]);
+  if (shards.size() > MAX_LISTED_GROUPS) text += strprintf(", ... (%zu more)", shards.size() - MAX_LISTED_GROUPS);
+  if (shards.size() == 1) return text + " | no replicas";
+  text += strprintf(" | %zu replica group%s:", replicas.size(), replicas.size() == 1 ? "" : "s");
+  for (size_t g = 0; g < replicas.size() && g < MAX_LISTED_GROUPS; g++) text += " " + rank_set(replicas[g]);
+  if (replicas.size() > MAX_LISTED_GROUPS) text += strprintf(" ... (%zu more)", replicas.size() - MAX_LISTED_GROUPS);
+  return text;
+}
+
+std::vector<std::string> GroupPlan::straddling(const NodeLayout& layout) const {
+  std::vector<std::string> found;
+  std::vector<int> per_node(layout.nodes(), 0);
+  for (int node : layout.node_of_rank) per_node[node]++;
+  for (const auto& ranks : members(shard_of_rank)) {
+    std::vector<int> here(layout.nodes(), 0);
+    for (int r : ranks) here[layout.node_of_rank[r]]++;
+    int nodes = 0;
+    bool partial = false;
+    for (int n = 0; n < layout.nodes(); n++)
+      if (here[n]) nodes++, partial = partial || here[n] < per_node[n];
+    if (nodes > 1 && partial) found.push_back(rank_set(ranks) + " on " + hosts_of(layout, ranks));
+  }
+  return found;
+}
+
+GroupPlan Runtime::checked_plan(int group_size) const {
+  GroupPlan plan = plan_groups(layout_, group_size);
+  // Every rank plans from the same layout, so every rank throws the same error here, before any split.
+  if (!plan.error.empty()) throw UsageError(plan.error);
+  return plan;
+}
+
+MPI_Comm Runtime::split(int color, int key, const char* what) const {
+  MPI_Comm comm;
+  Watchdog::Scope scope(watchdog_.get(), what);
+  MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, color, key, &comm));
+  splits_.push_back(comm);
+  return comm;
+}
+
+MPI_Comm Runtime::shard_group_comm(int group_size) const {
+  const GroupPlan plan = checked_plan(group_size);
+  if (layout_.nodes() > 1 || (plan.group_size > 1 && plan.group_size < world_))
+    info("groups: %s", plan.describe(layout_).c_str());
+  // A group over whole nodes is a choice; one over part of a node and part of another is a layout
+  // that does not fit the group size, and its all-gathers cross the network needlessly.
+  for (const std::string& group : plan.straddling(layout_))
+    warn("shard group %s holds part of a host's ranks with another host's: its all-gathers and reduce-scatters "
+         "cross the network; start the same number of ranks on every node, a multiple of fsdp.shard_group_size=%d",
+         group.c_str(), plan.group_size);
+  return split(plan.shard_of_rank[rank_], rank_, "MPI_Comm_split(shard groups)");
+}
+
+MPI_Comm Runtime::replica_group_comm(int group_size) const {
+  const GroupPlan plan = checked_plan(group_size);
+  return split(plan.replica_of_rank[rank_], rank_, "MPI_Comm_split(replica groups)");
 }
 
 Runtime::~Runtime() {
@@ -62,13 +240,7 @@ void Runtime::set_collective_timeout(double seconds) {
   watchdog_ = std::make_unique<Watchdog>(seconds);
 }
 
-MPI_Comm Runtime::split_world(int color, int key) const {
-  MPI_Comm comm;
-  Watchdog::Scope scope(watchdog_.get(), "MPI_Comm_split");
-  MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, color, key, &comm));
-  splits_.push_back(comm);
-  return comm;
-}
+MPI_Comm Runtime::split_world(int color, int key) const { return split(color, key, "MPI_Comm_split"); }
 
 std::vector<std::string> Runtime::node_all_gather(const std::string& mine) const {
   Watchdog::Scope scope(watchdog_.get(), "node_all_gather");

@@ -27,6 +27,35 @@ std::string agreed_error(const std::string& local_error, Comm& comm);
 // thread may call MPI_Abort while the main thread is inside a collective.
 std::string mpi_thread_level_error(int provided);
 
+// Where the ranks run, the same on every rank: the node of each world rank (a node is what
+// MPI_COMM_TYPE_SHARED groups, numbered in the order of their lowest rank) and each node's host name.
+struct NodeLayout {
+  std::vector<int> node_of_rank;
+  std::vector<std::string> host_of_node;
+  int nodes() const { return static_cast<int>(host_of_node.size()); }
+  int ranks() const { return static_cast<int>(node_of_rank.size()); }
+  std::vector<int> ranks_on(int node) const;
+};
+
+// The shard groups and replica groups for shard groups of `group_size` ranks (0: the ranks of one
+// node, which needs the same number of ranks on every node). The ranks in node order (node by node,
+// by rank within a node) are cut into consecutive groups, so a shard group is a node, or part of
+// one, whenever group_size divides the ranks per node, however the launcher numbered the ranks
+// (`--map-by node` included); under the usual block placement that is rank / group_size. Replica
+// group k holds the k-th rank of every shard group. Pure (tests/unit/test_groups.cpp).
+struct GroupPlan {
+  int group_size = 0;                // resolved: ranks per shard group
+  std::vector<int> shard_of_rank;    // each world rank's shard group (its MPI_Comm_split color)
+  std::vector<int> replica_of_rank;  // each world rank's replica group
+  std::string error;                 // non-empty: the layout cannot have these groups (why, and the fix)
+  // "2 shard groups of 2 ranks: {0 2} on h1, {1 3} on h2 | 2 replica groups: {0 1} {2 3}"
+  std::string describe(const NodeLayout& layout) const;
+  // The shard groups that hold part of one host's ranks together with ranks of another host,
+  // described ("{2 3} on h1+h2"); groups of whole hosts are not listed.
+  std::vector<std::string> straddling(const NodeLayout& layout) const;
+};
+GroupPlan plan_groups(const NodeLayout& layout, int group_size);
+
 class Runtime {
  public:
   Runtime(int* argc, char*** argv);
@@ -55,6 +84,16 @@ class Runtime {
   MPI_Comm split_world(int color, int key) const;
   // Collective over this node's ranks: each one's `mine`, by node-local rank.
   std::vector<std::string> node_all_gather(const std::string& mine) const;
+  // Every rank's node and every node's host (gathered at start-up).
+  const NodeLayout& layout() const { return layout_; }
+  // Collective. This rank's shard group, or its replica group, for shard groups of `group_size`
+  // ranks (0: the ranks of one node) as plan_groups lays them out, as a raw communicator for a Comm
+  // to wrap; the Runtime owns it. A layout that cannot have those groups (group_size 0 on nodes with
+  // different rank counts) throws UsageError on every rank with the same message (all plan from the
+  // same layout) before any split. shard_group_comm logs the groups (rank 0) when there are several
+  // nodes or several shard groups, and warns when a shard group spans hosts.
+  MPI_Comm shard_group_comm(int group_size) const;
+  MPI_Comm replica_group_comm(int group_size) const;
 
   // Collective. Each rank passes its own error message ("" when fine). When any rank failed, every
   // rank throws InputError carrying the message of the lowest failing rank.
@@ -80,6 +119,10 @@ class Runtime {
   int rank_ = 0, world_ = 1, local_rank_ = 0, local_size_ = 1;
   std::string host_;
   MPI_Comm node_ = MPI_COMM_NULL;  // this node's ranks
+  NodeLayout layout_;
+  void gather_layout();
+  GroupPlan checked_plan(int group_size) const;
+  MPI_Comm split(int color, int key, const char* what) const;
   mutable std::vector<MPI_Comm> splits_;  // handed out by split_world
   std::unique_ptr<Watchdog> watchdog_;
 };
