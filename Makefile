@@ -96,7 +96,7 @@ BENCH_BINS := $(patsubst tests/bench/%.cpp,$(BUILD)/%,$(BENCH_SRCS))
 BENCH_LIBS_layer_bench := -lbenchmark
 DEPS_STAMP := $(BUILD)/.deps-ok
 
-.PHONY: all deps run test test-slurm test-gpu gpu-check bundle bench sanitize print-config clean
+.PHONY: all deps run test test-slurm test-cluster test-gpu gpu-check bundle bench sanitize print-config clean
 all: $(EXE) $(GPU_TESTS)
 
 # ---- dependencies -------------------------------------------------------------------------------
@@ -168,6 +168,12 @@ test: $(EXE) $(UNIT_TESTS) $(MPI_TESTS)
 # runs the scripts in slurm/: tests/slurm/run_slurm_tests.sh, about 2 minutes on 2 cores (113 s measured).
 test-slurm: $(EXE)
 	@bash tests/slurm/run_slurm_tests.sh --build $(BUILD)
+
+# A real 2-host Slurm cluster made of network namespaces (tests/cluster/netns_cluster.sh; set up and
+# torn down by the test, nothing left behind) runs the multi-node script across the hosts:
+# tests/cluster/run_cluster_tests.sh, about 25 s on 2 cores (21 s measured); budget 5 minutes.
+test-cluster: $(EXE)
+	@bash tests/cluster/run_cluster_tests.sh --build $(BUILD)
 
 # The GPU suite (tools/gpu_check.sh, docs/gpu.md): kernel and NCCL tests against the CPU backend
 # and 20 training steps on the GPU against the CPU; gpu-check adds the benchmarks and writes every
