@@ -197,7 +197,7 @@ void data_encode_tokenized(const std::string& input, const std::string& tokenize
   if (!(val_fraction >= 0 && val_fraction < 1))  // also rejects NaN
     throw UsageError(strprintf("--val-fraction=%g must be in [0, 1)", val_fraction));
   if (layout.val_last_shard && (layout.shard_tokens == 0 || val_fraction > 0))
-    throw UsageError("--val-shard needs --shard-tokens and --val-fraction=0: the last shard is the validation file");
+    throw UsageError("--val-shard needs --shard-tokens and no --val-fraction: the last shard is the validation file");
   if (layout.shard_tokens > static_cast<uint64_t>(INT32_MAX))
     throw UsageError(strprintf("--shard-tokens=%llu is more than a token file holds (%d)",
                                static_cast<unsigned long long>(layout.shard_tokens), INT32_MAX));

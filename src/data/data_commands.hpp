@@ -44,7 +44,8 @@ struct EncodeLayout {
 extern const char* const DOCUMENT_SEPARATORS[7];
 void data_encode_tokenized(const std::string& input, const std::string& tokenizer_path, const std::string& out_path,
                            const EncodeLayout& layout, const std::string& separator);
-// The same with EncodeLayout's defaults but for val_fraction.
+// The same with EncodeLayout's defaults but for val_fraction: the call of src/app/main.cpp until it
+// passes --shard-tokens and --val-shard (then this overload goes).
 void data_encode_tokenized(const std::string& input, const std::string& tokenizer_path, const std::string& out_path,
                            double val_fraction, const std::string& separator);
 

@@ -367,11 +367,12 @@ TEST_F(EncodeLayoutTest, ValidationIsTheLastWholeDocuments) {
   // One document (a text file): the last floor(tokens * fraction) tokens.
   std::ofstream(path("one.txt")) << "ab ab ab ab";  // <|endoftext|> ab Ġ ab Ġ ab Ġ ab: 8 tokens
   ::testing::internal::CaptureStdout();
-  data_encode_tokenized(path("one.txt"), path("tok.json"), path("one.bin"), 0.25, "");
+  data_encode_tokenized(path("one.txt"), path("tok.json"), path("one.bin"), layout, "");
   ::testing::internal::GetCapturedStdout();
   EXPECT_EQ(file_tokens(path("one.bin")), (std::vector<uint32_t>{9, 3, 2, 3, 2, 3}));
   EXPECT_EQ(file_tokens(path("one_val.bin")), (std::vector<uint32_t>{2, 3}));
-  expect_error<DataError>([&] { data_encode_tokenized(path("one.txt"), path("tok.json"), path("o.bin"), 0.1, ""); },
+  layout.val_fraction = 0.1;
+  expect_error<DataError>([&] { data_encode_tokenized(path("one.txt"), path("tok.json"), path("o.bin"), layout, ""); },
                           {"one.txt", "too small (1 document, 8 tokens)", "--val-fraction=0.1"});
 }
 
