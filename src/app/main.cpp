@@ -58,8 +58,9 @@ int run_data(const Runtime& rt, const std::vector<std::string>& args) {
   const bool synth = args[0] == "synth", decode = args[0] == "decode";
   // The counts are read as text: Boost reads "-1" into an unsigned option as 2^64-1.
   std::string out_dir = "inputs/data", input, output, seed = "1", tokenizer, separator, first = "0", count = "0";
-  std::string train_bytes = std::to_string(4 << 20), val_bytes = std::to_string(256 << 10);
+  std::string train_bytes = std::to_string(4 << 20), val_bytes = std::to_string(256 << 10), shard_tokens = "0";
   double val_fraction = 0.05;
+  bool val_shard = false;
   po::options_description desc("data " + args[0] + " options");
   desc.add_options()("help,h", "print the options");
   if (synth) {
@@ -84,7 +85,11 @@ int run_data(const Runtime& rt, const std::vector<std::string>& args) {
                        "folder of them (one document per text file)")(
         "output", po::value(&output)->required(), "token file to write (the training part)")(
         "val-fraction", po::value(&val_fraction)->default_value(val_fraction, "0.05"),
-        "fraction of the text (tokens with --tokenizer), from its end, written as the validation file")(
+        "fraction written as the validation file, from the end: of the bytes; with --tokenizer of the documents "
+        "(of the tokens when that is no whole document)")(
+        "shard-tokens", po::value(&shard_tokens)->default_value(shard_tokens),
+        "with --tokenizer: the training tokens in files of this many, OUTPUT_000000.bin, ...; 0 = one file")(
+        "val-shard", po::bool_switch(&val_shard), "with --shard-tokens: the last shard is the validation file")(
         "tokenizer", po::value(&tokenizer), "Hugging Face tokenizer.json (byte-level BPE) instead of bytes; see docs/data.md")(
         "separator", po::value(&separator),
         "with --tokenizer: the token put before each document (default: the tokenizer's end-of-text token; none: no token)");
@@ -112,9 +117,16 @@ int run_data(const Runtime& rt, const std::vector<std::string>& args) {
     const uint64_t count_value = parse_whole_number(count, "--count", 0, UINT64_MAX);
     if (rt.is_root()) data_decode(input, tokenizer, output, first_value, count_value);
   } else if (rt.is_root() && vm.count("tokenizer")) {
-    data_encode_tokenized(input, tokenizer, output, val_fraction, separator);
+    if (val_shard && !vm["val-fraction"].defaulted())
+      throw UsageError("--val-shard and --val-fraction both choose the validation part; give one" + help);
+    EncodeLayout layout;
+    layout.val_fraction = val_shard ? 0 : val_fraction;
+    layout.shard_tokens = parse_whole_number(shard_tokens, "--shard-tokens", 0, INT32_MAX);
+    layout.val_last_shard = val_shard;
+    data_encode_tokenized(input, tokenizer, output, layout, separator);
   } else if (rt.is_root()) {
     if (vm.count("separator")) throw UsageError("--separator needs --tokenizer" + help);
+    if (val_shard || shard_tokens != "0") throw UsageError("--shard-tokens and --val-shard need --tokenizer" + help);
     data_encode(input, output, val_fraction);
   }
   return EXIT_CODE_OK;

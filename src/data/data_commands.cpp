@@ -185,13 +185,6 @@ std::string shard_path(const std::string& out_path, size_t index) {
 }
 
 void data_encode_tokenized(const std::string& input, const std::string& tokenizer_path, const std::string& out_path,
-                           double val_fraction, const std::string& separator) {
-  EncodeLayout layout;
-  layout.val_fraction = val_fraction;
-  data_encode_tokenized(input, tokenizer_path, out_path, layout, separator);
-}
-
-void data_encode_tokenized(const std::string& input, const std::string& tokenizer_path, const std::string& out_path,
                            const EncodeLayout& layout, const std::string& separator) {
   const double val_fraction = layout.val_fraction;
   if (!(val_fraction >= 0 && val_fraction < 1))  // also rejects NaN

@@ -44,10 +44,6 @@ struct EncodeLayout {
 extern const char* const DOCUMENT_SEPARATORS[7];
 void data_encode_tokenized(const std::string& input, const std::string& tokenizer_path, const std::string& out_path,
                            const EncodeLayout& layout, const std::string& separator);
-// The same with EncodeLayout's defaults but for val_fraction: the call of src/app/main.cpp until it
-// passes --shard-tokens and --val-shard (then this overload goes).
-void data_encode_tokenized(const std::string& input, const std::string& tokenizer_path, const std::string& out_path,
-                           double val_fraction, const std::string& separator);
 
 // Shard `index` of out_path: "x_train.bin" -> "x_train_000003.bin", "x" -> "x_000003".
 std::string shard_path(const std::string& out_path, size_t index);
