@@ -199,40 +199,26 @@ class Trainer {
   int64_t good_steps_ = 0;
 };
 
-// Ranks per shard group: all for FULL_SHARD/SHARD_GRAD_OP, one for NO_SHARD, and for
-// HYBRID_SHARD fsdp.shard_group_size or the ranks of one node. Agreed: nodes with different rank
-// counts must all fail here, not some in the split below while others wait in it.
+// Ranks per shard group: all for FULL_SHARD/SHARD_GRAD_OP, one for NO_SHARD, and for HYBRID_SHARD
+// fsdp.shard_group_size, where 0 means the ranks of one node.
 int shard_group_size(const Runtime& rt, const Config& config, ShardingStrategy s) {
   if (s == SHARDING_NO_SHARD) return 1;
   if (s != SHARDING_HYBRID_SHARD) return rt.world();
-  int size = config.fsdp.shard_group_size > 0 ? config.fsdp.shard_group_size : rt.local_size();
-  rt.agree_on([&] {
-    if (rt.world() % size != 0)
-      throw UsageError(strprintf("HYBRID_SHARD: the %d ranks on host %s do not divide the %d ranks; set "
-                                 "fsdp.shard_group_size to a divisor of the rank count, or place equal ranks per node",
-                                 size, rt.host().c_str(), rt.world()));
-  });
-  return size;
+  return config.fsdp.shard_group_size;
 }
 
-// Shard groups are consecutive ranks (one node under the usual block placement); replica
+// The groups follow the nodes (Runtime::shard_group_comm: node by node, whatever the rank order), and
+// nodes with different rank counts for a node-sized group stop every rank before the split; replica
 // groups take the same position in every shard group.
-std::unique_ptr<Comm> split_comm(const Runtime& rt, const ComputeBackend& compute, int color, int key,
-                                 Watchdog* watchdog) {
-  return compute.make_comm(rt.split_world(color, key), watchdog);
-}
-
 std::unique_ptr<Comm> make_shard_comm(const Runtime& rt, const Config& c, ShardingStrategy s,
                                       const ComputeBackend& compute, Watchdog* watchdog) {
-  const int size = shard_group_size(rt, c, s);
-  auto comm = split_comm(rt, compute, rt.rank() / size, rt.rank(), watchdog);
+  auto comm = compute.make_comm(rt.shard_group_comm(shard_group_size(rt, c, s)), watchdog);
   return c.debug.skip_communication ? make_silent_comm(*comm) : std::move(comm);
 }
 
 std::unique_ptr<Comm> make_replica_comm(const Runtime& rt, const Config& c, ShardingStrategy s,
                                         const ComputeBackend& compute, Watchdog* watchdog) {
-  const int size = shard_group_size(rt, c, s);
-  auto comm = split_comm(rt, compute, rt.rank() % size, rt.rank(), watchdog);
+  auto comm = compute.make_comm(rt.replica_group_comm(shard_group_size(rt, c, s)), watchdog);
   return c.debug.skip_communication ? make_silent_comm(*comm) : std::move(comm);
 }
 
