@@ -295,6 +295,7 @@ int Generator::run() {
   EngineOptions options;
   options.forward_prefetch = rt_.world() > 1;
   options.nccl = compute_.on_gpu();
+  options.inference = true;  // no gradients
   FsdpEngine engine(table, *shard_comm, *replica_comm, memory, options, compute_.backend());
   {
     // The load fills the moments too: they live only until it returns.

@@ -70,7 +70,7 @@ std::array<size_t, MEM_CATEGORY_COUNT> FsdpEngine::plan_memory(const std::vector
   // With cpu_offload the master shards and their gradients are host memory; the device keeps a
   // gradient shard for the reductions.
   bytes[MEM_SHARDED_PARAMS] = options.cpu_offload ? 0 : shards * sizeof(float);
-  bytes[MEM_GRADIENTS] = shards * sizeof(float);
+  bytes[MEM_GRADIENTS] = options.inference ? 0 : shards * sizeof(float);
   const bool sharded = layout[ROOT_UNIT].padded_numel != layout[ROOT_UNIT].shard_numel;
   const bool half_params = options.param_dtype != DTYPE_FP32;
   const size_t root_and_block = layout[ROOT_UNIT].padded_numel + max_block;
@@ -79,7 +79,7 @@ std::array<size_t, MEM_CATEGORY_COUNT> FsdpEngine::plan_memory(const std::vector
                            : layout[ROOT_UNIT].padded_numel + options.limit_all_gathers * max_block;
   if (sharded || half_params || options.cpu_offload) bytes[MEM_GATHERED_UNITS] = slots * sizeof(float);
   if (half_params) bytes[MEM_COMM_BUFFERS] += slots * sizeof(uint16_t);
-  if (!sharded) return bytes;
+  if (!sharded || options.inference) return bytes;
   const size_t second_block = options.overlap_reduce_scatter ? max_block : 0;
   bytes[MEM_GRADIENTS] += (options.reduce_every_microbatch ? root_and_block + second_block : all_padded) * sizeof(float);
   if (!options.nccl) {
@@ -108,8 +108,8 @@ FsdpEngine::FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_
   GroupShape groups{shard_comm.size(), shard_comm.rank(), replica_comm.size(), replica_comm.rank()};
   std::vector<UnitLayout> layout = plan_layout(table, groups);
   for (const UnitLayout& l : layout) {
-    shards_.emplace_back(l, master);
-    if (options_.cpu_offload) device_grads_.emplace_back(dev, l.shard_numel);
+    shards_.emplace_back(l, master, !options_.inference);
+    if (options_.cpu_offload && !options_.inference) device_grads_.emplace_back(dev, l.shard_numel);
   }
   engine_bytes_ = plan_memory(layout, options_);
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++) memory_.add(static_cast<MemCategory>(c), engine_bytes_[c]);
@@ -129,7 +129,7 @@ FsdpEngine::FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_
     add_slot(layout[ROOT_UNIT].padded_numel);
     for (int k = 0; k < options_.limit_all_gathers; k++) add_slot(max_block);
   }
-  if (shard_comm.size() == 1) return;
+  if (shard_comm.size() == 1 || options_.inference) return;
   if (options_.reduce_every_microbatch) {
     grad_buffers_.emplace_back(dev, layout[ROOT_UNIT].padded_numel);
     grad_buffers_.emplace_back(dev, max_block);
@@ -318,6 +318,7 @@ void FsdpEngine::forward_blocks(TransformerModel<float>& model) {
 }
 
 double FsdpEngine::train_micro_batch(TransformerModel<float>& model, const int* tokens, const int* targets, float dloss) {
+  SHARD_CHECK(!options_.inference, "train_micro_batch on an inference engine (no gradients)");
   const int L = table_.config().n_layer;
   forget_gathered();
   const float* root = gather_params(ROOT_UNIT, false);

@@ -74,6 +74,9 @@ struct EngineOptions {
   // The communicators are NCCL's (train.device=cuda): their reduce-scatter scratch differs from the
   // MPI ring's, and the plan counts what they allocate.
   bool nccl = false;
+  // Generation only (decode_step): no gradients -- the shards carry none, no gradient or reduction
+  // buffers are made and the plan counts none; training with it is a bug.
+  bool inference = false;
 };
 
 // Where this rank's data sits in one unit. "Owned" is the part of the shard this rank alone
@@ -97,8 +100,8 @@ struct GroupShape {
 
 // The fp32 master parameters and gradient of this rank's shard of one unit, on `device`.
 struct UnitShard {
-  UnitShard(const UnitLayout& layout, Device& device)
-      : layout(layout), params(device, layout.shard_numel), grads(device, layout.shard_numel) {}
+  UnitShard(const UnitLayout& layout, Device& device, bool with_grads = true)
+      : layout(layout), params(device, layout.shard_numel), grads(device, with_grads ? layout.shard_numel : 0) {}
   UnitLayout layout;
   DeviceArray<float> params, grads;
 };

@@ -196,12 +196,19 @@ TEST_P(GenerationTest, DecodeMemoryEqualsItsPlan) {
 }
 
 // The engine's inference entry point on one rank (the shard is the whole unit) gives the model's
-// own decode of the engine's parameters, over several steps that keep the root gathered.
+// own decode of the engine's parameters, over several steps that keep the root gathered. An
+// inference engine holds no gradients, and plans none.
 TEST_P(GenerationTest, EngineDecodeStepEqualsTheModelsDecode) {
   const ParamTable table(GetParam().config());
   auto shard = make_mpi_comm(MPI_COMM_SELF, nullptr), replica = make_mpi_comm(MPI_COMM_SELF, nullptr);
   MemoryTracker memory;
-  FsdpEngine engine(table, *shard, *replica, memory, EngineOptions(), cpu_backend());
+  EngineOptions options;
+  options.inference = true;
+  const size_t before = cpu_backend().device->live_bytes();
+  FsdpEngine engine(table, *shard, *replica, memory, options, cpu_backend());
+  EXPECT_EQ(memory.current(MEM_GRADIENTS), 0u);
+  EXPECT_EQ(cpu_backend().device->live_bytes() - before, memory.total_current());
+  EXPECT_EQ(memory.total_current(), table.total_params() * sizeof(float));  // the parameters alone
   engine.init_parameters(3);
   std::vector<std::vector<float>> units;
   for (size_t u = 0; u < table.units().size(); u++) units.push_back(engine.gather_unit(static_cast<int>(u), false));
