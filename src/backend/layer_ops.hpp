@@ -13,7 +13,6 @@
 #include "backend/device.hpp"
 #include "backend/dtype.hpp"
 #include "backend/math.hpp"
-#include "core/error.hpp"
 
 namespace shardtrain {
 
@@ -53,9 +52,7 @@ class LayerOps {
   // the cache and attended causally over it. `scratch`: Q*NH*(start+Q) elements. Not pure: a
   // backend that does not generate (a test's counting stand-in) need not provide it.
   virtual void attention_decode(Real* out, Real* scratch, Real* k_cache, Real* v_cache, const Real* qkv, int Q,
-                                int start, int NH, int KV, int HS) const {
-    SHARD_CHECK(false, "attention_decode: this backend has no generation path");
-  }
+                                int start, int NH, int KV, int HS) const = 0;
   virtual void swiglu_forward(Real* out, const Real* gate_up, int N, int I) const = 0;
   virtual void swiglu_backward(Real* dgate_up, const Real* dout, const Real* gate_up, int N, int I) const = 0;
   virtual void gelu_forward(Real* out, const Real* inp, size_t n) const = 0;

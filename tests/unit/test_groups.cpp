@@ -62,7 +62,9 @@ TEST(Groups, SmallerGroupsStayInsideNodes) {
   EXPECT_EQ(plan.shard_of_rank, (std::vector<int>{0, 2, 0, 2, 1, 3, 1, 3}));
   for (int r = 0; r < 8; r++)
     for (int q = 0; q < 8; q++)
-      if (plan.shard_of_rank[r] == plan.shard_of_rank[q]) EXPECT_EQ(layout.node_of_rank[r], layout.node_of_rank[q]);
+      if (plan.shard_of_rank[r] == plan.shard_of_rank[q]) {
+        EXPECT_EQ(layout.node_of_rank[r], layout.node_of_rank[q]);
+      }
   // Replica group k: the k-th rank of every shard group, one from each group.
   EXPECT_EQ(plan.replica_of_rank, (std::vector<int>{0, 0, 1, 1, 0, 0, 1, 1}));
   EXPECT_TRUE(plan.straddling(layout).empty());

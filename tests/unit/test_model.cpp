@@ -274,6 +274,9 @@ class CountingOps : public LayerOps<double> {
     unused();
   }
   void rope_backward(double*, const double*, const double*, int, int, int, int, int) const override { unused(); }
+  void attention_decode(double*, double*, double*, double*, const double*, int, int, int, int, int) const override {
+    unused();
+  }
   void gelu_backward(double*, const double*, const double*, size_t) const override { unused(); }
   void swiglu_backward(double*, const double*, const double*, int, int) const override { unused(); }
   void softmax_crossentropy_backward(double*, const int*, double, int, int) const override { unused(); }
@@ -283,7 +286,7 @@ class CountingOps : public LayerOps<double> {
 
  private:
   static const LayerOps<double>& cpu() { return cpu_layer_ops<double>(); }
-  static void unused() { ADD_FAILURE() << "a forward pass called a backward operation"; }
+  static void unused() { ADD_FAILURE() << "a training forward pass called a backward or decode operation"; }
   mutable double macs_ = 0;
 };
 
