@@ -26,6 +26,9 @@
 #
 # run_cluster_tests.sh sources this file. Needs root, ip (iproute2), unshare, slurm-wlm and munge.
 
+# The slurm.conf lines shared with the one-host test Slurm (slurm_local_common_conf).
+. "$(dirname "${BASH_SOURCE[0]}")/../slurm/local_slurm.sh"
+
 CLUSTER_NET=10.77.0          # the /24 of the cluster network; the namespaces keep it private
 CLUSTER_CTL_ADDR=$CLUSTER_NET.254
 CLUSTER_CPUS=4               # per host, as configured (SlurmdParameters=config_overrides); the hosts
@@ -123,26 +126,7 @@ SlurmctldDebug=info
 SlurmdDebug=info
 # the hosts share this machine's cores: take CPUs as configured below, not as slurmd -C counts them
 SlurmdParameters=config_overrides
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-SchedulerType=sched/backfill
-SchedulerParameters=sched_interval=2,bf_interval=1
-MpiDefault=pmix
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/filetxt
-JobCompLoc=$d/log/jobcomp.log
-MinJobAge=600
-KillWait=10
-OverTimeLimit=0
-InactiveLimit=0
-ReturnToService=2
-SlurmdTimeout=60
-SlurmctldTimeout=60
-MailProg=/bin/true
-JobRequeue=1
+$(slurm_local_common_conf "$d")
 CONF
   for i in $(seq "$CLUSTER_HOSTS"); do
     echo "NodeName=h$i NodeAddr=$CLUSTER_NET.$i CPUs=$CLUSTER_CPUS Boards=1 SocketsPerBoard=1 CoresPerSocket=$CLUSTER_CPUS ThreadsPerCore=1 RealMemory=2000 State=UNKNOWN" >>"$d/slurm.conf"

@@ -45,6 +45,36 @@ slurm_local_free_port() {
   return 1
 }
 
+# The slurm.conf lines every test Slurm shares (this one and tests/cluster's): no cgroups, no
+# accounting, core scheduling with quick passes, PMIx, requeue. $1: the state folder.
+slurm_local_common_conf() {
+  local d=$1
+  cat <<CONF
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+# the defaults (60 s, 30 s) let an eligible or requeued job wait up to a minute for a scheduler pass
+SchedulerParameters=sched_interval=2,bf_interval=1
+# Debian's Open MPI speaks PMIx only (no PMI-1/PMI-2): a plain srun must use pmix
+MpiDefault=pmix
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/filetxt
+JobCompLoc=$d/log/jobcomp.log
+MinJobAge=600
+KillWait=10
+OverTimeLimit=0
+InactiveLimit=0
+ReturnToService=2
+SlurmdTimeout=60
+SlurmctldTimeout=60
+MailProg=/bin/true
+JobRequeue=1
+CONF
+}
+
 # Writes $1/slurm.conf for this machine.
 slurm_local_write_conf() {
   local d=$1 host line cpus sockets cores threads mem ctld_port slurmd_port
@@ -83,28 +113,7 @@ SlurmctldLogFile=$d/log/slurmctld.log
 SlurmdLogFile=$d/log/slurmd.log
 SlurmctldDebug=info
 SlurmdDebug=info
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-SchedulerType=sched/backfill
-# the defaults (60 s, 30 s) let an eligible or requeued job wait up to a minute for a scheduler pass
-SchedulerParameters=sched_interval=2,bf_interval=1
-# Debian's Open MPI speaks PMIx only (no PMI-1/PMI-2): a plain srun must use pmix
-MpiDefault=pmix
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/filetxt
-JobCompLoc=$d/log/jobcomp.log
-MinJobAge=600
-KillWait=10
-OverTimeLimit=0
-InactiveLimit=0
-ReturnToService=2
-SlurmdTimeout=60
-SlurmctldTimeout=60
-MailProg=/bin/true
-JobRequeue=1
+$(slurm_local_common_conf "$d")
 NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus Boards=1 SocketsPerBoard=$sockets CoresPerSocket=$cores ThreadsPerCore=$threads RealMemory=$mem State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 CONF
