@@ -172,11 +172,8 @@ void GptModel<Real>::begin_decode(int max_len, int max_chunk) {
 template <typename Real>
 void GptModel<Real>::decode_embed(const Real* root, const int* tokens, int n) {
   Decode& d = dec_;
-  SHARD_CHECK(d.max_len > 0 && n >= 1 && n <= d.max_chunk && d.pos + n <= d.max_len,
-              "decode_embed of %d tokens at position %d (max_len %d, max_chunk %d)", n, d.pos, d.max_len,
-              d.max_chunk);
   const size_t C = cfg_.n_embd;
-  d.start = d.pos, d.n = n, d.pos += n;
+  d.advance(n);
   ops_.device().copy(d.tokens.data(), tokens, n * sizeof(int));
   // Positions start..start+n-1: the position table from row start on.
   ops_.encoder_forward(d.x.data(), d.tokens.data(), root + table_.root_offset(ROOT_WTE),

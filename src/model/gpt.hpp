@@ -63,9 +63,7 @@ class GptModel : public TransformerModel<Real> {
   Array dresid_, dln_, dqkv_, dfch_, datt_;
   // Generation: the key/value cache and one step's buffers (rows of its tokens; the head uses row 0
   // of ln, mean, rstd).
-  struct Decode {
-    int max_len = 0, max_chunk = 0;
-    int start = 0, n = 0, pos = 0;  // the step's first position and tokens; tokens fed so far
+  struct Decode : DecodeCursor {
     DeviceArray<int> tokens;
     std::vector<Array> k, v;  // per layer, (max_len, C): row p holds position p's heads
     Array x, ln, mean, rstd, qkv, atty, resid2, fch, fch_gelu, scores, logits;

@@ -196,10 +196,7 @@ void LlamaModel<Real>::begin_decode(int max_len, int max_chunk) {
 template <typename Real>
 void LlamaModel<Real>::decode_embed(const Real* root, const int* tokens, int n) {
   Decode& d = dec_;
-  SHARD_CHECK(d.max_len > 0 && n >= 1 && n <= d.max_chunk && d.pos + n <= d.max_len,
-              "decode_embed of %d tokens at position %d (max_len %d, max_chunk %d)", n, d.pos, d.max_len,
-              d.max_chunk);
-  d.start = d.pos, d.n = n, d.pos += n;
+  d.advance(n);
   ops_.device().copy(d.tokens.data(), tokens, n * sizeof(int));
   ops_.encoder_forward(d.x.data(), d.tokens.data(), root + table_.root_offset(LLAMA_EMBED), nullptr, 1, n,
                        cfg_.n_embd);

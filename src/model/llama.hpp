@@ -71,9 +71,7 @@ class LlamaModel : public TransformerModel<Real> {
   void make_rope_tables(int T, Array& cos, Array& sin) const;
   // Generation: the key/value cache and one step's buffers (rows of its tokens; the head uses row 0
   // of ln and rstd).
-  struct Decode {
-    int max_len = 0, max_chunk = 0;
-    int start = 0, n = 0, pos = 0;  // the step's first position and tokens; tokens fed so far
+  struct Decode : DecodeCursor {
     DeviceArray<int> tokens;
     Array rope_cos, rope_sin;  // (max_len, head_size / 2)
     std::vector<Array> k, v;   // per layer, (max_len, n_kv_head * head_size), keys after rope

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "backend/layer_ops.hpp"
+#include "core/error.hpp"
 #include "model/param_table.hpp"
 
 namespace shardtrain {
@@ -66,6 +67,20 @@ class TransformerModel {
   virtual void decode_embed(const Real* root, const int* tokens, int n) = 0;
   virtual void decode_block(int layer, const Real* block) = 0;
   virtual void decode_head(const Real* root, Real* logits) = 0;
+};
+
+// Where an incremental decode stands (TransformerModel::begin_decode): the cache's length and the
+// largest step, the current step's first position and token count, and the tokens fed so far.
+struct DecodeCursor {
+  int max_len = 0, max_chunk = 0;
+  int start = 0, n = 0, pos = 0;
+  // Starts a step of `tokens` tokens at the next position; it must fit the cache and the step buffers.
+  void advance(int tokens) {
+    SHARD_CHECK(max_len > 0 && tokens >= 1 && tokens <= max_chunk && pos + tokens <= max_len,
+                "decode_embed of %d tokens at position %d (max_len %d, max_chunk %d)", tokens, pos, max_len,
+                max_chunk);
+    start = pos, n = tokens, pos += tokens;
+  }
 };
 
 // The model of the table's architecture.
