@@ -50,26 +50,8 @@ OVERHEAD_LIMIT=0.35  # HYBRID_SHARD's measured cross-host bytes may exceed the r
 # shellcheck source=netns_cluster.sh
 . "$HERE/netns_cluster.sh"
 
-PASSED=0 FAILED=0 SKIPPED=0
-FAILURES=()
-pass() { PASSED=$((PASSED + 1)); echo "  ok   $1${2:+  ($2)}"; }
-fail() { FAILED=$((FAILED + 1)); FAILURES+=("$1"); echo "  FAIL $1${2:+  ($2)}"; }
-skip() { SKIPPED=$((SKIPPED + 1)); echo "  skip $1${2:+  ($2)}"; }
-now() { date +%s.%N; }
-since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
-T_ALL=$(now)
-PHASE_T=
-phase() {
-  [ -z "$PHASE_T" ] || echo "   ($PHASE_NAME: $(since "$PHASE_T") s)"
-  PHASE_NAME=$1; PHASE_T=$(now)
-  [ "$1" = end ] || echo "== $1"
-}
-summary() {
-  phase end
-  echo "== $(since "$T_ALL") s in all"
-  for f in ${FAILURES[@]+"${FAILURES[@]}"}; do echo "FAILED: $f"; done
-  echo "$PASSED passed, $FAILED failed, $SKIPPED skipped"
-}
+# shellcheck source=../support/shell_report.sh
+. "$HERE/../support/shell_report.sh"
 
 if [ "$(id -u)" != 0 ]; then
   echo "== the cluster tests need root (network namespaces, a private Slurm as SlurmUser=root)"

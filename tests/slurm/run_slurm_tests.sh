@@ -39,20 +39,8 @@ JOB_TIMEOUT=240    # seconds any one job may take
 # shellcheck source=local_slurm.sh
 . "$HERE/local_slurm.sh"
 
-PASSED=0 FAILED=0 SKIPPED=0
-FAILURES=()
-pass() { PASSED=$((PASSED + 1)); echo "  ok   $1${2:+  ($2)}"; }
-fail() { FAILED=$((FAILED + 1)); FAILURES+=("$1"); echo "  FAIL $1${2:+  ($2)}"; }
-skip() { SKIPPED=$((SKIPPED + 1)); echo "  skip $1${2:+  ($2)}"; }
-now() { date +%s.%N; }
-since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
-T_ALL=$(now)
-PHASE_T=
-phase() { # phase NAME: ends the previous phase (prints its time), starts the next
-  [ -z "$PHASE_T" ] || echo "   ($PHASE_NAME: $(since "$PHASE_T") s)"
-  PHASE_NAME=$1; PHASE_T=$(now)
-  [ "$1" = end ] || echo "== $1"
-}
+# shellcheck source=../support/shell_report.sh
+. "$HERE/../support/shell_report.sh"
 
 if [ "$(id -u)" != 0 ]; then
   echo "== Slurm tests need root (a private slurmctld/slurmd as SlurmUser=root, munged as the munge user)"
@@ -323,8 +311,5 @@ preempt() { # preempt LAUNCHER
 preempt srun
 preempt mpirun
 
-phase end
-echo "== $(since "$T_ALL") s in all"
-for f in ${FAILURES[@]+"${FAILURES[@]}"}; do echo "FAILED: $f"; done
-echo "$PASSED passed, $FAILED failed, $SKIPPED skipped"
+summary
 [ "$FAILED" = 0 ]
