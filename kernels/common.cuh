@@ -1,7 +1,8 @@
 // Device-side helpers shared by the kernels of kernels/*.cu: grid sizing, float4 access, warp and
 // block reductions with a fixed tree (deterministic: the same inputs give the same bits on every
-// run), the deterministic two-stage column sum used by the bias and norm parameter gradients, and
-// the carving of one workspace into aligned sub-buffers. CUDA syntax; include only from .cu files.
+// run), the deterministic two-stage column sum used by the bias and norm parameter gradients, the
+// carving of one workspace into aligned sub-buffers, and the device copy of the counter RNG's
+// dropout decision. CUDA syntax; include only from .cu files.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/random.hpp"
 #include "cuda_check.hpp"
 #include "launch.hpp"
 
@@ -65,6 +67,51 @@ class WorkspaceCarver {
   char* base_;
   size_t offset_ = 0;
 };
+
+// ---- the counter RNG on the device (dropout) -------------------------------------------------------
+// Mirrors of core/random.hpp's mix64, counter_bits, counter_keep, dropout_threshold24 and
+// dropout_row_key, callable from kernels: the same integer arithmetic, so the same bits and the
+// same keep decisions as the CPU backend's dropout. The static_asserts below check them against
+// the host functions at compile time; the GPU tests compare whole masks.
+__host__ __device__ constexpr uint64_t rng_mix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+__host__ __device__ constexpr uint64_t rng_counter_bits(uint64_t key, uint64_t counter) {
+  return rng_mix64(key ^ rng_mix64(counter));
+}
+// Keep with probability 1 - threshold24 / 2^24: the top 24 bits of the draw against the threshold.
+__host__ __device__ constexpr bool rng_counter_keep(uint64_t key, uint64_t counter, uint32_t threshold24) {
+  return static_cast<uint32_t>(rng_counter_bits(key, counter) >> 40) >= threshold24;
+}
+// round(p * 2^24), p clamped to [0, 1] (NaN: 0).
+__host__ __device__ constexpr uint32_t rng_dropout_threshold24(float p) {
+  if (!(p > 0.0f)) return 0;
+  if (p >= 1.0f) return uint32_t{1} << 24;
+  return static_cast<uint32_t>(static_cast<double>(p) * 16777216.0 + 0.5);
+}
+__host__ __device__ constexpr uint64_t rng_dropout_row_key(uint64_t row_key, uint64_t site) {
+  return rng_mix64(row_key ^ rng_mix64(site ^ 0xD1B54A32D192ED03ull));
+}
+
+static_assert(rng_mix64(0) == ::shardtrain::mix64(0) && rng_mix64(~0ull) == ::shardtrain::mix64(~0ull) &&
+                  rng_mix64(0x0123456789ABCDEFull) == ::shardtrain::mix64(0x0123456789ABCDEFull),
+              "mix64 mirror");
+static_assert(rng_dropout_row_key(42, 7) == ::shardtrain::dropout_row_key(42, 7) &&
+                  rng_dropout_row_key(~0ull, 0) == ::shardtrain::dropout_row_key(~0ull, 0),
+              "dropout_row_key mirror");
+static_assert(rng_counter_bits(0x5EEDull, 12345) == ::shardtrain::counter_bits(0x5EEDull, 12345) &&
+                  rng_counter_keep(0x5EEDull, 12345, 1u << 23) ==
+                      ::shardtrain::counter_keep(0x5EEDull, 12345, 1u << 23) &&
+                  rng_counter_keep(3, 4, 0) && !rng_counter_keep(3, 4, 1u << 24),
+              "counter_keep mirror");
+static_assert(rng_dropout_threshold24(0.0f) == 0 && rng_dropout_threshold24(1.0f) == (1u << 24) &&
+                  rng_dropout_threshold24(0.1f) == ::shardtrain::dropout_threshold24(0.1f) &&
+                  rng_dropout_threshold24(0.5f) == (1u << 23) &&
+                  rng_dropout_threshold24(1e-9f) == ::shardtrain::dropout_threshold24(1e-9f),
+              "dropout_threshold24 mirror");
 
 // ---- warp and block reductions (fixed shuffle trees) ----------------------------------------------
 template <typename T>
@@ -158,6 +205,8 @@ __global__ void column_partial_sums_kernel(float* partial, int N, int C, int row
       partial[(static_cast<size_t>(s) * gridDim.y + chunk) * C + c] = lane_total(lanes[s]);
 }
 
+// The sums' destinations. A null target (a frozen parameter's gradient) is summed like the others
+// but not stored, so that the other sums keep their bits; all null: nothing is launched.
 struct ColumnTargets {
   float* target[2];
 };
@@ -177,7 +226,8 @@ __global__ void column_sums_finish_kernel(ColumnTargets targets, const float* pa
   for (int s = 0; s < kSums; s++) lanes[s][threadIdx.y][threadIdx.x] = acc[s];
   __syncthreads();
   if (threadIdx.y == 0 && c < C)
-    for (int s = 0; s < kSums; s++) targets.target[s][c] += lane_total(lanes[s]);
+    for (int s = 0; s < kSums; s++)
+      if (targets.target[s]) targets.target[s][c] += lane_total(lanes[s]);
 }
 
 // Host half: targets[s][c] += sum over n of term(n, c)[s]. `partial`: column_sums_partial_floats().
@@ -185,6 +235,9 @@ template <int kSums, typename Term>
 void column_sums_accumulate(ColumnTargets targets, float* partial, int N, int C, Term term, const LaunchContext& ctx) {
   static_assert(kSums >= 1 && kSums <= 2, "at most two column sums at once");
   if (N <= 0 || C <= 0) return;
+  bool any_target = false;
+  for (int s = 0; s < kSums; s++) any_target = any_target || targets.target[s] != nullptr;
+  if (!any_target) return;
   const ColumnChunks ch = column_chunks(N);
   const dim3 block(kWarpSize, kColumnSumRowLanes);
   const dim3 grid(static_cast<unsigned>(ceil_div(static_cast<size_t>(C), kWarpSize)), static_cast<unsigned>(ch.chunks));

@@ -1,7 +1,8 @@
 // Token + position embedding on the GPU: out(B,T,C) = wte[tokens[b,t]] + wpe[t], and its backward
 // dwte(V,C) += scatter of dout by token, dwpe(maxT,C) += dout summed over the batch. A null wpe
 // (dwpe) means no position table (llama): the forward copies the token rows (no + 0, which would
-// turn -0 into +0), the backward skips dwpe.
+// turn -0 into +0), the backward skips dwpe. A null dwte (a frozen token table) skips the sort and
+// the scatter; the workspace is then not read.
 //
 // The backward is deterministic and adds in exactly the CPU's order (backend/cpu/pointwise.cpp):
 // each gradient element starts from its old value and adds the rows of dout in increasing b*T+t,
@@ -144,11 +145,14 @@ void launch_encoder_backward(float* dwte, float* dwpe, const float* dout, const 
   SHARD_CHECK(B >= 0 && T >= 0 && C >= 0, "encoder_backward: B=%d T=%d C=%d", B, T, C);
   const int BT = B * T;
   if (BT == 0 || C == 0) return;
+  // dwte and dwpe each may be null (frozen, or no position table); the sort and its workspace
+  // serve dwte only.
   if (dwpe) {
     encoder_backward_wpe_kernel<<<grid_for(static_cast<size_t>(T) * C, kThreads, ctx), kThreads, 0, ctx.stream>>>(
         dwpe, dout, B, T, C);
     CUDA_CHECK_LAUNCH();
   }
+  if (!dwte) return;
 
   EncoderWorkspace w = carve_encoder_workspace(workspace, BT);
   iota_kernel<<<grid_for(BT, kThreads, ctx), kThreads, 0, ctx.stream>>>(w.positions_in, BT);

@@ -72,6 +72,10 @@ void gemm_row_major(const GemmContext& ctx, bool trans_a, bool trans_b, int M, i
                     float* C, int ldc, long long stride_c, int batch, const float* bias);
 
 // ---- layers ----------------------------------------------------------------------------------------
+// Parameter gradients may be null (frozen parameters, or no position table), as on the CPU: dwte,
+// dwpe, layernorm's dweight and dbias, rmsnorm's dweight, matmul's dweight and dbias (and matmul's
+// dinp); a null one is neither computed nor written, and a launcher whose only outputs are null
+// launches nothing and does not read its workspace.
 // wpe / dwpe may be null: no position table (llama), the position part is skipped.
 void launch_encoder_forward(float* out, const int* tokens, const float* wte, const float* wpe, int B, int T, int C,
                             const LaunchContext& ctx);
@@ -129,6 +133,10 @@ void launch_gelu_backward(float* dinp, const float* dout, const float* inp, size
 void launch_residual_forward(float* out, const float* a, const float* b, size_t n, const LaunchContext& ctx);
 // x *= s
 void launch_scale(float* x, size_t n, float s, const LaunchContext& ctx);
+// Dropout (pointwise.cu), backend/cpu/ops.hpp's: out = keep ? inp / (1 - p) : 0 over N rows of C,
+// the CPU's mask bit for bit; row_keys: N keys in device memory; out may be inp; p in [0, 1].
+void launch_dropout(float* out, const float* inp, const uint64_t* row_keys, uint64_t site, int N, int C, float p,
+                    const LaunchContext& ctx);
 
 void launch_softmax_crossentropy_forward(float* losses, float* logits_to_probs, const int* targets, int N, int V,
                                          const LaunchContext& ctx);

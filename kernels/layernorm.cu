@@ -3,6 +3,7 @@
 // mean(N) and rstd(N); the backward accumulates dinp(N,C) += (it adds onto the residual-stream
 // gradient), dweight(C) += and dbias(C) +=. RMSNorm, Llama style (no mean, no bias, eps given):
 // out(N,C) = inp * rstd * weight, saved rstd(N); the backward accumulates dinp += and dweight +=.
+// A null dweight or dbias (frozen parameter) is skipped; dinp is computed the same regardless.
 //
 // Forward and the backward's dinp: one warp per row (8 rows per 256-thread block); each lane
 // strides over the row, the warp sums with a fixed shuffle tree. The variance is two-pass (sum of
@@ -150,8 +151,12 @@ void launch_layernorm_backward(float* dinp, float* dweight, float* dbias, const 
   layernorm_backward_dinp_kernel<<<row_blocks(N), kRowsPerBlock * kWarpSize, 0, ctx.stream>>>(dinp, dout, inp, weight,
                                                                                               mean, rstd, N, C);
   CUDA_CHECK_LAUNCH();
-  column_sums_accumulate<2>(ColumnTargets{{dweight, dbias}}, static_cast<float*>(workspace), N, C,
-                            LayerNormParamTerms{dout, inp, mean, rstd, C}, ctx);
+  // dweight and dbias each may be null (frozen): both null, no column sums (and no workspace read);
+  // one null, the pair is still summed (so the other's bits are those of the full backward) but
+  // only the non-null one is stored.
+  if (dweight || dbias)
+    column_sums_accumulate<2>(ColumnTargets{{dweight, dbias}}, static_cast<float*>(workspace), N, C,
+                              LayerNormParamTerms{dout, inp, mean, rstd, C}, ctx);
 }
 
 void launch_rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, float eps, int N, int C,
@@ -174,8 +179,9 @@ void launch_rmsnorm_backward(float* dinp, float* dweight, const float* dout, con
   rmsnorm_backward_dinp_kernel<<<row_blocks(N), kRowsPerBlock * kWarpSize, 0, ctx.stream>>>(dinp, dout, inp, weight,
                                                                                             rstd, N, C);
   CUDA_CHECK_LAUNCH();
-  column_sums_accumulate<1>(ColumnTargets{{dweight, nullptr}}, static_cast<float*>(workspace), N, C,
-                            RmsNormWeightTerm{dout, inp, rstd, C}, ctx);
+  if (dweight)  // null: a frozen weight, no column sums (and no workspace read)
+    column_sums_accumulate<1>(ColumnTargets{{dweight, nullptr}}, static_cast<float*>(workspace), N, C,
+                              RmsNormWeightTerm{dout, inp, rstd, C}, ctx);
 }
 
 }  // namespace shardtrain::kernels

@@ -306,7 +306,8 @@ size_t matmul_backward_workspace_bytes(int N, int OC) {
 namespace {
 
 // The two backward products with 16-bit operands, each operand rounded once (dout feeds both; for
-// the tied head it is N x V, the largest tensor of the step). False when cuBLASLt lacks a kernel.
+// the tied head it is N x V, the largest tensor of the step). A null dinp or dweight skips its
+// product and the rounding of the operand only it reads. False when cuBLASLt lacks a kernel.
 bool try_matmul_backward_rounded(float* dinp, float* dweight, const float* dout, const float* inp,
                                  const float* weight, int N, int C, int OC, const GemmContext& ctx) {
   const size_t n_dout = static_cast<size_t>(N) * OC, n_weight = static_cast<size_t>(OC) * C,
@@ -319,15 +320,15 @@ bool try_matmul_backward_rounded(float* dinp, float* dweight, const float* dout,
   uint16_t* inp16 = carver.take<uint16_t>(n_inp);
   launch_to_half(dout16, dout, n_dout, ctx.operands, ctx.launch);
   if (dinp) launch_to_half(weight16, weight, n_weight, ctx.operands, ctx.launch);
-  launch_to_half(inp16, inp, n_inp, ctx.operands, ctx.launch);
+  if (dweight) launch_to_half(inp16, inp, n_inp, ctx.operands, ctx.launch);
   const cudaDataType_t type = ctx.operands == DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
   // As gemm_row_major maps them: row-major dinp(N,C) = dout(N,OC) @ weight(OC,C), and
   // dweight(OC,C) += dout^T @ inp(N,C), as column-major products with A and B swapped.
   if (dinp && !try_gemm_col_major(ctx, false, false, C, N, OC, 1.0f, weight16, type, C, 0, dout16, type, OC, 0, 0.0f,
                                   dinp, C, 0, 1, nullptr))
     return false;
-  return try_gemm_col_major(ctx, false, true, C, OC, N, 1.0f, inp16, type, C, 0, dout16, type, OC, 0, 1.0f, dweight, C,
-                            0, 1, nullptr);
+  return !dweight || try_gemm_col_major(ctx, false, true, C, OC, N, 1.0f, inp16, type, C, 0, dout16, type, OC, 0, 1.0f,
+                                        dweight, C, 0, 1, nullptr);
 }
 
 }  // namespace
@@ -335,15 +336,18 @@ bool try_matmul_backward_rounded(float* dinp, float* dweight, const float* dout,
 void launch_matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                             const float* weight, int N, int C, int OC, void* workspace, const GemmContext& ctx) {
   SHARD_CHECK(N >= 0 && C >= 0 && OC >= 0, "matmul_backward: N=%d C=%d OC=%d", N, C, OC);
-  const bool rounded_once = ctx.operands != DTYPE_FP32 && ctx.operand_scratch && N > 0 && C > 0 && OC > 0 &&
-                            try_matmul_backward_rounded(dinp, dweight, dout, inp, weight, N, C, OC, ctx);
-  if (!rounded_once) {  // fp32, or per-GEMM rounding (with its fp32 fallback)
+  // Each of dinp, dweight, dbias may be null (no input gradient wanted; frozen weight or bias).
+  const bool products = dinp || dweight;
+  const bool rounded_once = products && ctx.operands != DTYPE_FP32 && ctx.operand_scratch && N > 0 && C > 0 &&
+                            OC > 0 && try_matmul_backward_rounded(dinp, dweight, dout, inp, weight, N, C, OC, ctx);
+  if (products && !rounded_once) {  // fp32, or per-GEMM rounding (with its fp32 fallback)
     // dinp(N,C) = dout(N,OC) @ weight(OC,C)
     if (dinp) gemm_row_major(ctx, false, false, N, C, OC, 1.0f, dout, OC, 0, weight, C, 0, 0.0f, dinp, C, 0, 1, nullptr);
     // dweight(OC,C) += dout^T @ inp(N,C)
-    gemm_row_major(ctx, true, false, OC, C, N, 1.0f, dout, OC, 0, inp, C, 0, 1.0f, dweight, C, 0, 1, nullptr);
+    if (dweight)
+      gemm_row_major(ctx, true, false, OC, C, N, 1.0f, dout, OC, 0, inp, C, 0, 1.0f, dweight, C, 0, 1, nullptr);
   }
-  // dbias(OC) += column sums of dout
+  // dbias(OC) += column sums of dout (its workspace: matmul_backward_workspace_bytes, only with a dbias)
   if (dbias)
     column_sums_accumulate<1>(ColumnTargets{{dbias, nullptr}}, static_cast<float*>(workspace), N, OC,
                               BiasTerm{dout, OC}, ctx.launch);

@@ -1,6 +1,7 @@
 // The elementwise layers on the GPU: GELU forward/backward (backend/math.hpp's gelu_value and
 // gelu_derivative, the very functions the CPU loops call), SwiGLU forward/backward (silu_value,
-// silu_derivative), the residual add, and x *= s.
+// silu_derivative), the residual add, x *= s, and counter-keyed dropout (the CPU's mask and
+// division, bit-identical: common.cuh's mirror of core/random.hpp decides which elements stay).
 //
 // One grid-stride kernel template: float4 loads and stores when every pointer is 16-byte aligned
 // (the n % 4 tail then goes to the first threads), scalar otherwise. Each element's result does
@@ -104,6 +105,36 @@ __global__ void swiglu_backward_kernel(float* dgate_up, const float* dout, const
   }
 }
 
+// Dropout: element (r, c) kept iff rng_counter_keep(row key of r, c, threshold24) (common.cuh, the
+// CPU's decision bit for bit), then divided by keep_fraction = 1 - p with the IEEE division
+// (__fdiv_rn: the CPU's x / (1 - p) whatever the compiler flags), else +0. i counts kVec-float
+// vectors of the (N, C) tensor, row_vecs of them per row (kVec 4: C % 4 == 0, so a vector never
+// straddles two rows). Each thread reads its element before writing it: out may be inp.
+__device__ inline float dropout_value(float x, uint64_t key, uint64_t c, uint32_t threshold24, float keep_fraction) {
+  return rng_counter_keep(key, c, threshold24) ? __fdiv_rn(x, keep_fraction) : 0.0f;
+}
+__device__ inline float4 dropout_value(float4 x, uint64_t key, uint64_t c, uint32_t threshold24,
+                                       float keep_fraction) {
+  return make_float4(dropout_value(x.x, key, c, threshold24, keep_fraction),
+                     dropout_value(x.y, key, c + 1, threshold24, keep_fraction),
+                     dropout_value(x.z, key, c + 2, threshold24, keep_fraction),
+                     dropout_value(x.w, key, c + 3, threshold24, keep_fraction));
+}
+
+template <int kVec>
+__global__ void dropout_kernel(float* out, const float* inp, const uint64_t* row_keys, uint64_t site, int row_vecs,
+                               size_t n, uint32_t threshold24, float keep_fraction) {
+  using V = typename VecOf<kVec>::type;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const size_t r = i / row_vecs;
+    const uint64_t c = static_cast<uint64_t>(i % row_vecs) * kVec;
+    const uint64_t key = rng_dropout_row_key(row_keys[r], site);
+    const V x = reinterpret_cast<const V*>(inp)[i];
+    reinterpret_cast<V*>(out)[i] = dropout_value(x, key, c, threshold24, keep_fraction);
+  }
+}
+
 void check_swiglu_args(const char* what, int N, int I) {
   SHARD_CHECK(N >= 0 && I >= 0, "%s: N=%d I=%d", what, N, I);
 }
@@ -144,6 +175,26 @@ void launch_gelu_backward(float* dinp, const float* dout, const float* inp, size
 
 void launch_residual_forward(float* out, const float* a, const float* b, size_t n, const LaunchContext& ctx) {
   launch_elementwise<2>(out, a, b, n, Add{}, ctx);
+}
+
+void launch_dropout(float* out, const float* inp, const uint64_t* row_keys, uint64_t site, int N, int C, float p,
+                    const LaunchContext& ctx) {
+  SHARD_CHECK(N >= 0 && C >= 0 && p >= 0.0f && p <= 1.0f, "dropout: N=%d C=%d p=%g", N, C, static_cast<double>(p));
+  const size_t n = static_cast<size_t>(N) * C;
+  if (n == 0) return;
+  if (p == 0.0f) {  // the identity (x / 1 == x): a copy, or nothing in place
+    if (out != inp) CUDA_CHECK(cudaMemcpyAsync(out, inp, n * sizeof(float), cudaMemcpyDeviceToDevice, ctx.stream));
+    return;
+  }
+  const uint32_t threshold24 = ::shardtrain::dropout_threshold24(p);  // core/random.hpp's, as the CPU's
+  const float keep_fraction = 1.0f - p;
+  if (C % 4 == 0 && all_aligned16(out, inp))
+    dropout_kernel<4><<<grid_for(n / 4, kThreads, ctx), kThreads, 0, ctx.stream>>>(out, inp, row_keys, site, C / 4,
+                                                                                    n / 4, threshold24, keep_fraction);
+  else
+    dropout_kernel<1><<<grid_for(n, kThreads, ctx), kThreads, 0, ctx.stream>>>(out, inp, row_keys, site, C, n,
+                                                                                threshold24, keep_fraction);
+  CUDA_CHECK_LAUNCH();
 }
 
 void launch_scale(float* x, size_t n, float s, const LaunchContext& ctx) {

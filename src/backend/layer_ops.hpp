@@ -23,6 +23,10 @@ class LayerOps {
   virtual Device& device() const = 0;
 
   // Layers (backend/cpu/ops.hpp). `scratch` of attention_backward: B*NH*T*T elements.
+  // Null gradients (frozen parameters): dwte and dwpe of encoder_backward, dweight and dbias of
+  // layernorm_backward and matmul_backward, dweight of rmsnorm_backward each may be null -- then
+  // neither computed nor touched, and every other output the same bits as with it; matmul's
+  // dinp may be null too (no input gradient wanted).
   virtual void encoder_forward(Real* out, const int* tokens, const Real* wte, const Real* wpe, int B, int T,
                                int C) const = 0;
   virtual void encoder_backward(Real* dwte, Real* dwpe, const Real* dout, const int* tokens, int B, int T,
@@ -58,6 +62,12 @@ class LayerOps {
   virtual void gelu_forward(Real* out, const Real* inp, size_t n) const = 0;
   virtual void gelu_backward(Real* dinp, const Real* dout, const Real* inp, size_t n) const = 0;
   virtual void residual_forward(Real* out, const Real* a, const Real* b, size_t n) const = 0;
+  // Dropout of N rows of C keyed by the counter RNG (backend/cpu/ops.hpp): out = keep ? inp / (1 - p)
+  // : 0, keep(r, c) a pure function of (row_keys[r], site, c, p), the same mask on every backend.
+  // row_keys: N keys in the device's memory. In place (out == inp) allowed; p in [0, 1], p = 0 the
+  // identity. Backward: the same call (same row_keys, site, p) on the output gradient.
+  virtual void dropout(Real* out, const Real* inp, const uint64_t* row_keys, uint64_t site, int N, int C,
+                       float p) const = 0;
   virtual void softmax_crossentropy_forward(Real* losses, Real* logits_to_probs, const int* targets, int N,
                                             int V) const = 0;
   virtual void softmax_crossentropy_backward(Real* probs_to_dlogits, const int* targets, Real dloss, int N,

@@ -1223,6 +1223,177 @@ INSTANTIATE_TEST_SUITE_P(Sizes, AdamWTest,
                                            PointwiseShape{4099, 0}, PointwiseShape{5, 1}, PointwiseShape{4099, 1}),
                          ShapeName());
 
+// ==================================================================================================
+// Null parameter gradients (frozen parameters): a null dweight, dbias, dwte or dwpe is neither
+// computed nor written, no kernel dereferences it, and every other output has the bits of the
+// call with all gradients present (on the GPU: the same GPU call). Prefilled gradients, two calls.
+// ==================================================================================================
+class NullGradientsTest : public GpuSuite<::testing::Test> {};
+
+// For every subset of the K nullable gradients (all present first): fresh device copies of their
+// prefills, then call(ptrs) -- ptrs[k] gradient k's device pointer or null -- which runs the op
+// twice and returns the outputs that are always present (norms: dinp), downloaded. Present
+// gradients and the always-present outputs must have the all-present run's bits; absent
+// gradients' buffers must keep their prefills.
+template <typename Call>
+void check_null_gradients(Device& device, const std::vector<std::vector<float>>& prefills,
+                          const std::vector<std::string>& names, Call call, const std::string& op) {
+  const size_t K = prefills.size();
+  std::vector<std::vector<float>> full;
+  std::vector<float> full_always;
+  for (unsigned mask = (1u << K) - 1;; mask--) {
+    std::vector<DeviceBuffer<float>> bufs;
+    bufs.reserve(K);
+    for (size_t k = 0; k < K; k++) bufs.push_back(on_device(device, names[k], prefills[k], 0));
+    std::vector<float*> ptrs(K);
+    for (size_t k = 0; k < K; k++) ptrs[k] = (mask >> k) & 1 ? bufs[k].data() : nullptr;
+    const std::vector<float> always = call(ptrs);
+    std::vector<std::vector<float>> got;
+    for (size_t k = 0; k < K; k++) got.push_back(bufs[k].download(op + " " + names[k]));
+    const std::string label = op + " with present-mask " + std::to_string(mask);
+    if (full.empty()) {
+      full = got;
+      full_always = always;
+    }
+    for (size_t k = 0; k < K; k++) expect_same_bits(got[k], (mask >> k) & 1 ? full[k] : prefills[k], label + " " + names[k]);
+    expect_same_bits(always, full_always, label + " (always-present outputs)");
+    if (mask == 0) break;
+  }
+}
+
+TEST_F(NullGradientsTest, LayerNormAndRmsNorm) {
+  for (const LayerNormShape& s : {LayerNormShape{3, 13, 36, 0}, LayerNormShape{2, 7, 97, 1},
+                                  LayerNormShape{4, 33, 768, 0}}) {
+    const LayerNormData d(s);
+    const RmsNormData r(s);
+    const std::vector<float> dout = uniform_vector(d.out.size(), 161), dinp = uniform_vector(d.out.size(), 162);
+    auto d_dout = on_device(device(), "dout", dout, s.misalign), d_inp = on_device(device(), "inp", d.inp, s.misalign);
+    auto d_weight = on_device(device(), "weight", d.weight, s.misalign);
+    auto d_mean = on_device(device(), "mean", d.mean, s.misalign), d_rstd = on_device(device(), "rstd", d.rstd, s.misalign);
+    check_null_gradients(
+        device(), {uniform_vector(d.C, 163), uniform_vector(d.C, 164)}, {"dweight", "dbias"},
+        [&](const std::vector<float*>& g) {
+          auto d_dinp = on_device(device(), "dinp", dinp, s.misalign);  // accumulated
+          for (int call = 0; call < 2; call++)
+            ops().layernorm_backward(d_dinp.data(), g[0], g[1], d_dout.data(), d_inp.data(), d_weight.data(),
+                                     d_mean.data(), d_rstd.data(), d.N, d.C);
+          return d_dinp.download("layernorm_backward dinp");
+        },
+        "layernorm_backward " + name_of(s));
+
+    auto r_inp = on_device(device(), "inp", r.inp, s.misalign), r_weight = on_device(device(), "weight", r.weight, s.misalign);
+    auto r_rstd = on_device(device(), "rstd", r.rstd, s.misalign);
+    check_null_gradients(
+        device(), {uniform_vector(r.C, 165)}, {"dweight"},
+        [&](const std::vector<float*>& g) {
+          auto r_dinp = on_device(device(), "dinp", dinp, s.misalign);
+          for (int call = 0; call < 2; call++)
+            ops().rmsnorm_backward(r_dinp.data(), g[0], d_dout.data(), r_inp.data(), r_weight.data(), r_rstd.data(),
+                                   r.N, r.C);
+          return r_dinp.download("rmsnorm_backward dinp");
+        },
+        "rmsnorm_backward " + name_of(s));
+  }
+}
+
+TEST_F(NullGradientsTest, Matmul) {
+  for (const MatmulShape& s : {MatmulShape{13, 36, 50, true, 0}, MatmulShape{7, 33, 65, true, 1},
+                               MatmulShape{256, 768, 768, true, 0}}) {
+    const std::vector<float> inp = uniform_vector(static_cast<size_t>(s.N) * s.C, 171),
+                             weight = uniform_vector(static_cast<size_t>(s.OC) * s.C, 172),
+                             dout = uniform_vector(static_cast<size_t>(s.N) * s.OC, 173);
+    auto d_inp = on_device(device(), "inp", inp, s.misalign), d_weight = on_device(device(), "weight", weight, s.misalign);
+    auto d_dout = on_device(device(), "dout", dout, s.misalign);
+    // dinp is written, so its "prefill" is NaN: absent, it must stay NaN.
+    const std::vector<std::vector<float>> prefills = {std::vector<float>(inp.size(), kNaN),
+                                                      uniform_vector(weight.size(), 174), uniform_vector(s.OC, 175)};
+    for (DType operands : {DTYPE_FP32, DTYPE_BF16}) {  // fp32, and the once-rounded 16-bit path
+      auto layer_ops = make_cuda_layer_ops(device(), operands);
+      check_null_gradients(
+          device(), prefills, {"dinp", "dweight", "dbias"},
+          [&](const std::vector<float*>& g) {
+            for (int call = 0; call < 2; call++)
+              layer_ops->matmul_backward(g[0], g[1], g[2], d_dout.data(), d_inp.data(), d_weight.data(), s.N, s.C,
+                                         s.OC);
+            return std::vector<float>();
+          },
+          std::string("matmul_backward ") + dtype_name(operands) + " " + name_of(s));
+    }
+  }
+}
+
+TEST_F(NullGradientsTest, Encoder) {
+  for (const EncoderShape& s : {EncoderShape{2, 7, 24, 11, 0}, EncoderShape{3, 13, 36, 50, 1}}) {
+    const size_t BT = static_cast<size_t>(s.B) * s.T, maxT = s.T + 3;
+    auto d_tokens = on_device(device(), "tokens", index_vector(BT, 181, s.V), s.misalign);
+    auto d_dout = on_device(device(), "dout", uniform_vector(BT * s.C, 182), s.misalign);
+    check_null_gradients(
+        device(), {uniform_vector(static_cast<size_t>(s.V) * s.C, 183), uniform_vector(maxT * s.C, 184)},
+        {"dwte", "dwpe"},
+        [&](const std::vector<float*>& g) {
+          for (int call = 0; call < 2; call++)
+            ops().encoder_backward(g[0], g[1], d_dout.data(), d_tokens.data(), s.B, s.T, s.C);
+          return std::vector<float>();
+        },
+        "encoder_backward " + name_of(s));
+  }
+}
+
+// ==================================================================================================
+// Dropout: the CUDA mask is the CPU's bit for bit (the same integer decision, common.cuh's mirror
+// of core/random.hpp), and so is the scale (the same IEEE division). float4 path (C % 4 == 0,
+// aligned) and scalar path (C odd, or misaligned); in place; repeats; p = 0 and p = 1.
+// ==================================================================================================
+struct DropoutShape {
+  int N, C, misalign;
+  float p;
+};
+std::string name_of(const DropoutShape& s) {
+  return "N" + std::to_string(s.N) + "_C" + std::to_string(s.C) + "_p" +
+         std::to_string(static_cast<int>(s.p * 1000)) + misaligned_suffix(s.misalign);
+}
+void PrintTo(const DropoutShape& s, std::ostream* os) { *os << name_of(s); }
+
+class DropoutTest : public GpuSuite<::testing::TestWithParam<DropoutShape>> {};
+
+std::vector<uint64_t> key_vector(size_t n, uint64_t seed) {
+  shardtrain::testing::TestRng rng(seed);
+  std::vector<uint64_t> keys(n);
+  for (uint64_t& k : keys) k = rng.next();
+  return keys;
+}
+
+TEST_P(DropoutTest, MatchesCpuBitwise) {
+  const DropoutShape s = GetParam();
+  const size_t n = static_cast<size_t>(s.N) * s.C;
+  const std::vector<uint64_t> keys = key_vector(s.N, 191);
+  const std::vector<float> inp = uniform_vector(n, 192);
+  for (uint64_t site : {uint64_t{0}, uint64_t{12345}}) {
+    std::vector<float> ref(n);
+    cpu::dropout(ref.data(), inp.data(), keys.data(), site, s.N, s.C, s.p);
+    auto d_keys = on_device(device(), "row_keys", keys, s.misalign);
+    auto d_inp = on_device(device(), "inp", inp, s.misalign);
+    DeviceBuffer<float> d_out(device(), "out", n, s.misalign);
+    for (int run = 0; run < 2; run++) {  // the second run repeats the first bit for bit
+      d_out.fill(kNaN);
+      ops().dropout(d_out.data(), d_inp.data(), d_keys.data(), site, s.N, s.C, s.p);
+      expect_same_bits(d_out.download("dropout"), ref, "dropout " + name_of(s) + " site " + std::to_string(site));
+    }
+    ops().dropout(d_inp.data(), d_inp.data(), d_keys.data(), site, s.N, s.C, s.p);  // in place
+    expect_same_bits(d_inp.download("dropout in place"), ref, "dropout in place " + name_of(s));
+    d_keys.download("dropout (row_keys)");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, DropoutTest,
+                         ::testing::Values(DropoutShape{1, 1, 0, 0.5f}, DropoutShape{5, 12, 0, 0.1f},
+                                           DropoutShape{5, 12, 1, 0.1f}, DropoutShape{13, 37, 0, 0.5f},
+                                           DropoutShape{7, 33, 1, 0.9f}, DropoutShape{3, 8, 0, 1.0f},
+                                           DropoutShape{4, 9, 0, 0.0f}, DropoutShape{4, 12, 1, 0.0f},
+                                           DropoutShape{1024, 768, 0, 0.1f},    // realistic: LoRA input, GPT-2
+                                           DropoutShape{512, 2048, 0, 0.05f}),  // TinyLlama width
+                         ShapeName());
+
 // The interface's own promises: device() is the device the ops were made for, and their work is
 // queued on its compute stream, in order with its copies: a copy to the host right after an op
 // sees the op's result with no synchronisation in between. 64 MiB makes a kernel on another

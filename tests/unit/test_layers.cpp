@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <ostream>
 #include <string>
 #include <type_traits>
@@ -31,6 +32,8 @@
 #include <vector>
 
 #include "backend/cpu/ops.hpp"
+#include "backend/layer_ops.hpp"
+#include "core/random.hpp"
 #include "support/reference_ops.hpp"
 #include "support/tensor_check.hpp"
 
@@ -1340,5 +1343,400 @@ std::vector<CrossEntropyShape> crossentropy_shapes() {
   return shapes;
 }
 INSTANTIATE_TEST_SUITE_P(Shapes, CrossEntropyTest, ::testing::ValuesIn(crossentropy_shapes()), ShapeName());
+
+
+// ==================================================================================================
+// Null parameter gradients (frozen parameters): every backward accepts a null dweight, dbias,
+// dwte or dwpe, computes nothing for it and gives every other output the same bits as the call
+// with all gradients present. Each case runs the full call on copies of the same prefilled
+// buffers, then the call with some gradients null, and compares the remaining outputs bitwise.
+// ==================================================================================================
+template <typename Real>
+std::vector<Real> copy_of(const GuardedBuffer<Real>& b) {
+  return std::vector<Real>(b.data(), b.data() + b.size());
+}
+
+template <typename Real>
+void expect_same_bits(const GuardedBuffer<Real>& actual, const std::vector<Real>& expected, const std::string& label) {
+  ASSERT_EQ(actual.size(), expected.size()) << label;
+  EXPECT_EQ(std::memcmp(actual.data(), expected.data(), expected.size() * sizeof(Real)), 0)
+      << label << " differs from the call with every gradient present";
+}
+
+// A buffer prefilled from a seed: the same contents before every run.
+template <typename Real>
+void refill(GuardedBuffer<Real>& b, uint64_t seed) {
+  fill_uniform(b.data(), b.size(), seed);
+}
+
+template <typename Real>
+void check_matmul_null_gradients(const MatmulShape& s) {
+  MatmulInputs<Real> in(s);
+  GuardedBuffer<Real> dout(static_cast<size_t>(s.N) * s.OC, "dout"), dinp(in.inp.size(), "dinp"),
+      dweight(in.weight.size(), "dweight"), dbias(static_cast<size_t>(s.OC), "dbias");
+  fill_uniform(dout.data(), dout.size(), 67);
+  auto run = [&](bool with_dinp, bool with_dweight, bool with_dbias) {
+    fill_value(dinp.data(), dinp.size(), quiet_nan<Real>());
+    refill(dweight, 68);
+    refill(dbias, 69);
+    cpu::matmul_backward(with_dinp ? dinp.data() : nullptr, with_dweight ? dweight.data() : nullptr,
+                         with_dbias ? dbias.data() : nullptr, dout.data(), in.inp.data(), in.weight.data(), s.N, s.C,
+                         s.OC);
+    expect_guards_intact("matmul_backward with null gradients", dout, dinp, dweight, dbias, in.inp, in.weight);
+  };
+  run(true, true, true);
+  const std::vector<Real> full_dinp = copy_of(dinp), full_dweight = copy_of(dweight), full_dbias = copy_of(dbias);
+  const std::vector<Real> prefill_dweight = [&] { refill(dweight, 68); return copy_of(dweight); }();
+  const std::vector<Real> prefill_dbias = [&] { refill(dbias, 69); return copy_of(dbias); }();
+  const std::string type = type_name<Real>();
+  for (int mask = 0; mask < 8; mask++) {
+    const bool with_dinp = mask & 1, with_dweight = mask & 2, with_dbias = mask & 4;
+    run(with_dinp, with_dweight, with_dbias);
+    const std::string label = "matmul (dinp " + std::to_string(with_dinp) + ", dweight " +
+                              std::to_string(with_dweight) + ", dbias " + std::to_string(with_dbias) + ") " + type;
+    if (with_dinp)
+      expect_same_bits(dinp, full_dinp, label + " dinp");
+    else
+      EXPECT_TRUE(std::all_of(dinp.data(), dinp.data() + dinp.size(), [](Real x) { return std::isnan(x); }))
+          << label << ": dinp written although null";
+    expect_same_bits(dweight, with_dweight ? full_dweight : prefill_dweight, label + " dweight");
+    expect_same_bits(dbias, with_dbias ? full_dbias : prefill_dbias, label + " dbias");
+  }
+}
+
+template <typename Real>
+void check_layernorm_null_gradients(const LayerNormShape& s) {
+  LayerNormInputs<Real> in(s);
+  const int N = in.N, C = in.C;
+  GuardedBuffer<Real> out(static_cast<size_t>(N) * C, "out"), mean(N, "mean"), rstd(N, "rstd");
+  cpu::layernorm_forward(out.data(), mean.data(), rstd.data(), in.inp.data(), in.weight.data(), in.bias.data(), N, C);
+  GuardedBuffer<Real> dout(out.size(), "dout"), dinp(out.size(), "dinp"), dweight(C, "dweight"), dbias(C, "dbias");
+  fill_uniform(dout.data(), dout.size(), 48);
+  auto run = [&](bool with_dweight, bool with_dbias) {
+    refill(dinp, 49);  // dinp accumulates
+    refill(dweight, 50);
+    refill(dbias, 51);
+    cpu::layernorm_backward(dinp.data(), with_dweight ? dweight.data() : nullptr, with_dbias ? dbias.data() : nullptr,
+                            dout.data(), in.inp.data(), in.weight.data(), mean.data(), rstd.data(), N, C);
+    expect_guards_intact("layernorm_backward with null gradients", dinp, dweight, dbias, dout, in.inp, in.weight,
+                         mean, rstd);
+  };
+  run(false, false);  // the prefills, untouched
+  const std::vector<Real> prefill_dweight = copy_of(dweight), prefill_dbias = copy_of(dbias);
+  run(true, true);
+  const std::vector<Real> full_dinp = copy_of(dinp), full_dweight = copy_of(dweight), full_dbias = copy_of(dbias);
+  const std::string type = type_name<Real>();
+  for (int mask = 0; mask < 4; mask++) {
+    const bool with_dweight = mask & 1, with_dbias = mask & 2;
+    run(with_dweight, with_dbias);
+    const std::string label =
+        "layernorm (dweight " + std::to_string(with_dweight) + ", dbias " + std::to_string(with_dbias) + ") " + type;
+    expect_same_bits(dinp, full_dinp, label + " dinp");
+    expect_same_bits(dweight, with_dweight ? full_dweight : prefill_dweight, label + " dweight");
+    expect_same_bits(dbias, with_dbias ? full_dbias : prefill_dbias, label + " dbias");
+  }
+}
+
+template <typename Real>
+void check_rmsnorm_null_gradients(const RmsNormShape& s) {
+  RmsNormInputs<Real> in(s);
+  const int N = in.N, C = in.C;
+  GuardedBuffer<Real> out(static_cast<size_t>(N) * C, "out"), rstd(N, "rstd");
+  cpu::rmsnorm_forward(out.data(), rstd.data(), in.inp.data(), in.weight.data(), in.eps, N, C);
+  GuardedBuffer<Real> dout(out.size(), "dout"), dinp(out.size(), "dinp"), dweight(C, "dweight");
+  fill_uniform(dout.data(), dout.size(), 147);
+  auto run = [&](bool with_dweight) {
+    refill(dinp, 148);
+    refill(dweight, 149);
+    cpu::rmsnorm_backward(dinp.data(), with_dweight ? dweight.data() : nullptr, dout.data(), in.inp.data(),
+                          in.weight.data(), rstd.data(), N, C);
+    expect_guards_intact("rmsnorm_backward with null dweight", dinp, dweight, dout, in.inp, in.weight, rstd);
+  };
+  run(true);
+  const std::vector<Real> full_dinp = copy_of(dinp);
+  run(false);
+  const std::string label = std::string("rmsnorm (no dweight) ") + type_name<Real>();
+  expect_same_bits(dinp, full_dinp, label + " dinp");
+  GuardedBuffer<Real> prefill(C, "prefill");
+  refill(prefill, 149);
+  expect_same_bits(dweight, copy_of(prefill), label + " dweight buffer");
+}
+
+template <typename Real>
+void check_encoder_null_gradients(const EncoderShape& s) {
+  const size_t BT = static_cast<size_t>(s.B) * s.T, maxT = s.T + kExtraPositions;
+  GuardedBuffer<int> tokens(BT, "tokens");
+  GuardedBuffer<Real> dout(BT * s.C, "dout"), dwte(static_cast<size_t>(s.V) * s.C, "dwte"), dwpe(maxT * s.C, "dwpe");
+  fill_indices(tokens.data(), BT, 25, s.V);
+  fill_uniform(dout.data(), dout.size(), 26);
+  auto run = [&](bool with_dwte, bool with_dwpe) {
+    refill(dwte, 27);
+    refill(dwpe, 28);
+    cpu::encoder_backward(with_dwte ? dwte.data() : nullptr, with_dwpe ? dwpe.data() : nullptr, dout.data(),
+                          tokens.data(), s.B, s.T, s.C);
+    expect_guards_intact("encoder_backward with null gradients", tokens, dout, dwte, dwpe);
+  };
+  run(false, false);  // both null: nothing to do, the prefills untouched
+  const std::vector<Real> prefill_dwte = copy_of(dwte), prefill_dwpe = copy_of(dwpe);
+  run(true, true);
+  const std::vector<Real> full_dwte = copy_of(dwte), full_dwpe = copy_of(dwpe);
+  const std::string type = type_name<Real>();
+  for (int mask = 0; mask < 4; mask++) {
+    const bool with_dwte = mask & 1, with_dwpe = mask & 2;
+    run(with_dwte, with_dwpe);
+    const std::string label =
+        "encoder (dwte " + std::to_string(with_dwte) + ", dwpe " + std::to_string(with_dwpe) + ") " + type;
+    expect_same_bits(dwte, with_dwte ? full_dwte : prefill_dwte, label + " dwte");
+    expect_same_bits(dwpe, with_dwpe ? full_dwpe : prefill_dwpe, label + " dwpe");
+  }
+}
+
+TEST_P(MatmulTest, NullGradientsLeaveTheOthersBitwiseFloat) { check_matmul_null_gradients<float>(GetParam()); }
+TEST_P(MatmulTest, NullGradientsLeaveTheOthersBitwiseDouble) { check_matmul_null_gradients<double>(GetParam()); }
+TEST_P(LayerNormTest, NullGradientsLeaveTheOthersBitwiseFloat) { check_layernorm_null_gradients<float>(GetParam()); }
+TEST_P(LayerNormTest, NullGradientsLeaveTheOthersBitwiseDouble) { check_layernorm_null_gradients<double>(GetParam()); }
+TEST_P(RmsNormTest, NullDweightLeavesDinpBitwiseFloat) { check_rmsnorm_null_gradients<float>(GetParam()); }
+TEST_P(RmsNormTest, NullDweightLeavesDinpBitwiseDouble) { check_rmsnorm_null_gradients<double>(GetParam()); }
+TEST_P(EncoderTest, NullGradientsLeaveTheOthersBitwiseFloat) { check_encoder_null_gradients<float>(GetParam()); }
+TEST_P(EncoderTest, NullGradientsLeaveTheOthersBitwiseDouble) { check_encoder_null_gradients<double>(GetParam()); }
+
+// ==================================================================================================
+// Dropout keyed by the counter RNG: out = keep ? inp / (1 - p) : 0, keep(r, c) =
+// counter_keep(dropout_row_key(row_keys[r], site), c, dropout_threshold24(p)). Inputs are in
+// [0.5, 1.5) so a kept element is never 0 and the mask can be read off the output.
+// ==================================================================================================
+struct DropoutShape {
+  int N, C;
+  float p;
+};
+std::string name_of(const DropoutShape& s) {
+  return "N" + std::to_string(s.N) + "_C" + std::to_string(s.C) + "_p" + std::to_string(static_cast<int>(s.p * 1000));
+}
+void PrintTo(const DropoutShape& s, std::ostream* os) { *os << name_of(s); }
+
+std::vector<uint64_t> random_keys(size_t n, uint64_t seed) {
+  shardtrain::testing::TestRng rng(seed);
+  std::vector<uint64_t> keys(n);
+  for (uint64_t& k : keys) k = rng.next();
+  return keys;
+}
+
+// The mask as the documented formula gives it (1 kept, 0 dropped), row-major (N, C).
+std::vector<uint8_t> expected_mask(const std::vector<uint64_t>& row_keys, uint64_t site, int C, float p) {
+  const uint32_t threshold = shardtrain::dropout_threshold24(p);
+  std::vector<uint8_t> mask(row_keys.size() * C);
+  for (size_t r = 0; r < row_keys.size(); r++) {
+    const uint64_t key = shardtrain::dropout_row_key(row_keys[r], site);
+    for (int c = 0; c < C; c++) mask[r * C + c] = shardtrain::counter_keep(key, c, threshold);
+  }
+  return mask;
+}
+
+template <typename Real>
+std::vector<uint8_t> mask_of(const Real* out, size_t n) {
+  std::vector<uint8_t> mask(n);
+  for (size_t i = 0; i < n; i++) mask[i] = out[i] != Real(0);
+  return mask;
+}
+
+// Every element is +0 where the formula drops it and exactly inp / (1 - p) where it keeps it.
+template <typename Real>
+void check_dropout_formula(const DropoutShape& s) {
+  const size_t n = static_cast<size_t>(s.N) * s.C;
+  const std::vector<uint64_t> keys = random_keys(s.N, 201);
+  const uint64_t site = 7;
+  GuardedBuffer<Real> inp(n, "inp"), out(n, "out");
+  GuardedBuffer<uint64_t> row_keys(s.N, "row_keys");
+  std::copy(keys.begin(), keys.end(), row_keys.data());
+  fill_uniform(inp.data(), n, 202, 0.5, 1.5);
+  fill_value(out.data(), n, quiet_nan<Real>());
+  cpu::dropout(out.data(), inp.data(), row_keys.data(), site, s.N, s.C, s.p);
+  expect_guards_intact("dropout", inp, out, row_keys);
+  const std::vector<uint8_t> mask = expected_mask(keys, site, s.C, s.p);
+  const Real keep_fraction = Real(1) - Real(s.p);
+  size_t wrong = 0, first_wrong = n;
+  for (size_t i = 0; i < n; i++) {
+    const Real want = mask[i] ? inp[i] / keep_fraction : Real(0);
+    if (std::memcmp(&out[i], &want, sizeof(Real)) != 0) {
+      wrong++;
+      first_wrong = std::min(first_wrong, i);
+    }
+  }
+  EXPECT_EQ(wrong, 0u) << "dropout " << name_of(s) << " " << type_name<Real>() << ": first wrong element "
+                       << first_wrong;
+}
+
+// In place (out == inp) gives the out-of-place bits; the same keys give the same output on every
+// call and thread count (a pure function of the keys, no state).
+template <typename Real>
+void check_dropout_in_place_and_repeatable(const DropoutShape& s) {
+  const size_t n = static_cast<size_t>(s.N) * s.C;
+  const std::vector<uint64_t> keys = random_keys(s.N, 203);
+  std::vector<Real> inp(n), out(n);
+  fill_uniform(inp.data(), n, 204);
+  cpu::dropout(out.data(), inp.data(), keys.data(), 11, s.N, s.C, s.p);
+  std::vector<Real> in_place = inp;
+  cpu::dropout(in_place.data(), in_place.data(), keys.data(), 11, s.N, s.C, s.p);
+  EXPECT_TRUE(same_bits(out, in_place)) << "dropout in place differs from out of place, " << name_of(s);
+  for (int threads : {1, 2, 3}) {
+    std::vector<Real> again(n, quiet_nan<Real>());
+    with_threads(threads, [&] { cpu::dropout(again.data(), inp.data(), keys.data(), 11, s.N, s.C, s.p); });
+    EXPECT_TRUE(same_bits(out, again)) << "dropout differs on a repeat with " << threads << " threads, " << name_of(s);
+  }
+}
+
+// Backward = the same call on the output gradient: the op is linear with a diagonal matrix, so
+// <dropout(x), R> = <x, dropout(R)> (double: equal to rounding).
+void check_dropout_adjoint(const DropoutShape& s) {
+  const size_t n = static_cast<size_t>(s.N) * s.C;
+  const std::vector<uint64_t> keys = random_keys(s.N, 205);
+  const std::vector<double> x = random_vector(n, 206), R = random_vector(n, 207);
+  std::vector<double> y(n), dx(n);
+  cpu::dropout(y.data(), x.data(), keys.data(), 3, s.N, s.C, s.p);
+  cpu::dropout(dx.data(), R.data(), keys.data(), 3, s.N, s.C, s.p);
+  double forward = 0, adjoint = 0, scale = 0;
+  for (size_t i = 0; i < n; i++) {
+    forward += y[i] * R[i];
+    adjoint += x[i] * dx[i];
+    scale += std::fabs(y[i] * R[i]);
+  }
+  EXPECT_NEAR(forward, adjoint, 1e-13 * std::max(1.0, scale)) << "dropout adjoint, " << name_of(s);
+}
+
+class DropoutTest : public ::testing::TestWithParam<DropoutShape> {};
+TEST_P(DropoutTest, MaskAndScaleAreTheFormulaFloat) { check_dropout_formula<float>(GetParam()); }
+TEST_P(DropoutTest, MaskAndScaleAreTheFormulaDouble) { check_dropout_formula<double>(GetParam()); }
+TEST_P(DropoutTest, InPlaceEqualsOutOfPlaceAndRepeatsFloat) { check_dropout_in_place_and_repeatable<float>(GetParam()); }
+TEST_P(DropoutTest, InPlaceEqualsOutOfPlaceAndRepeatsDouble) {
+  check_dropout_in_place_and_repeatable<double>(GetParam());
+}
+TEST_P(DropoutTest, BackwardIsTheSameCallAdjoint) { check_dropout_adjoint(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(Shapes, DropoutTest,
+                         ::testing::Values(DropoutShape{1, 1, 0.5f}, DropoutShape{5, 12, 0.1f},
+                                           DropoutShape{13, 37, 0.5f}, DropoutShape{7, 33, 0.9f},
+                                           DropoutShape{39, 100, 0.25f}, DropoutShape{3, 5, 1.0f},
+                                           DropoutShape{4, 9, 0.0f}),
+                         ShapeName());
+
+// The fraction dropped over 2^20 elements is the Bernoulli rate threshold/2^24 (within 2^-25 of p)
+// up to 5 binomial standard deviations; the scale is exactly 1 / (1 - p).
+TEST(DropoutStatistics, DroppedFractionIsPWithinFiveSigma) {
+  const int N = 1024, C = 1024;
+  const size_t n = static_cast<size_t>(N) * C;
+  const std::vector<uint64_t> keys = random_keys(N, 211);
+  std::vector<float> ones(n, 1.0f), out(n);
+  for (float p : {0.01f, 0.1f, 0.25f, 0.5f, 0.9f}) {
+    const double q = shardtrain::dropout_threshold24(p) / 16777216.0;
+    EXPECT_LE(std::fabs(q - p), 0x1p-25) << "threshold of p = " << p;
+    cpu::dropout(out.data(), ones.data(), keys.data(), 5, N, C, p);
+    size_t dropped = 0;
+    for (float v : out) {
+      if (v == 0.0f) {
+        dropped++;
+      } else if (v != 1.0f / (1.0f - p)) {
+        ADD_FAILURE() << "kept element " << v << " is not 1 / (1 - p) for p = " << p;
+        break;
+      }
+    }
+    const double mean = n * q, sigma = std::sqrt(n * q * (1 - q));
+    EXPECT_LE(std::fabs(static_cast<double>(dropped) - mean), 5 * sigma)
+        << "p = " << p << ": dropped " << dropped << " of " << n << ", expected " << mean << " +- " << sigma;
+  }
+}
+
+// Masks of different sites, of different row keys and of different rows agree where independent
+// Bernoulli(q) draws would: on a fraction q^2 + (1-q)^2 of the positions, within 5 sigma. Rows
+// with equal keys get equal masks; changing one row's key changes that row's mask only. Row keys
+// as simple as 0, 1, 2, ... still give independent rows (the row key is mixed with the site).
+TEST(DropoutStatistics, MasksDependOnKeyAndSiteOnly) {
+  const int N = 256, C = 1024;
+  const size_t n = static_cast<size_t>(N) * C;
+  const float p = 0.3f;
+  const double q = shardtrain::dropout_threshold24(p) / 16777216.0, agree = q * q + (1 - q) * (1 - q);
+  const double sigma = std::sqrt(n * agree * (1 - agree));
+  std::vector<float> ones(n, 1.0f);
+  auto mask = [&](const std::vector<uint64_t>& keys, uint64_t site) {
+    std::vector<float> out(n);
+    cpu::dropout(out.data(), ones.data(), keys.data(), site, N, C, p);
+    return mask_of(out.data(), n);
+  };
+  auto expect_independent = [&](const std::vector<uint8_t>& a, const std::vector<uint8_t>& b, const std::string& what) {
+    size_t same = 0;
+    for (size_t i = 0; i < n; i++) same += a[i] == b[i];
+    EXPECT_LE(std::fabs(static_cast<double>(same) - n * agree), 5 * sigma)
+        << what << ": " << same << " of " << n << " positions agree, independent masks give " << n * agree;
+  };
+  std::vector<uint64_t> simple(N);
+  for (int r = 0; r < N; r++) simple[r] = static_cast<uint64_t>(r);
+  const std::vector<uint64_t> keys = random_keys(N, 212);
+  const std::vector<uint8_t> base = mask(keys, 1);
+  EXPECT_EQ(base, mask(keys, 1)) << "the same keys and site gave another mask";
+  EXPECT_EQ(base, expected_mask(keys, 1, C, p)) << "the mask is not the documented formula";
+  expect_independent(base, mask(keys, 2), "sites 1 and 2");
+  expect_independent(base, mask(keys, 1ull << 40), "sites 1 and 2^40");
+  expect_independent(base, mask(random_keys(N, 213), 1), "other row keys");
+  const std::vector<uint8_t> simple_mask = mask(simple, 0);
+  expect_independent(simple_mask, mask(simple, 1), "row keys 0..N-1, sites 0 and 1");
+  // Row r against row r + 1 (a shifted copy of the mask), for simple and for random keys.
+  for (const std::vector<uint8_t>* m : {&base, &simple_mask}) {
+    std::vector<uint8_t> shifted(m->begin() + C, m->end());
+    shifted.insert(shifted.end(), m->begin(), m->begin() + C);
+    expect_independent(*m, shifted, m == &base ? "neighbouring rows" : "neighbouring rows of keys 0..N-1");
+  }
+  // Column c against column c + 1 within each row.
+  std::vector<uint8_t> next_column(n);
+  for (size_t i = 0; i < n; i++) next_column[i] = base[(i / C) * C + (i % C + 1) % C];
+  expect_independent(base, next_column, "neighbouring columns");
+
+  std::vector<uint64_t> equal(N, keys[0]);  // every row the same key: every row the same mask
+  const std::vector<uint8_t> equal_mask = mask(equal, 1);
+  for (int r = 1; r < N; r++)
+    ASSERT_TRUE(std::equal(equal_mask.begin(), equal_mask.begin() + C, equal_mask.begin() + static_cast<size_t>(r) * C))
+        << "rows with equal keys got different masks (row " << r << ")";
+  std::vector<uint64_t> one_changed = keys;
+  one_changed[17] ^= 1;
+  const std::vector<uint8_t> changed = mask(one_changed, 1);
+  for (int r = 0; r < N; r++) {
+    const bool same_row = std::equal(base.begin() + static_cast<size_t>(r) * C, base.begin() + (r + 1) * size_t(C),
+                                     changed.begin() + static_cast<size_t>(r) * C);
+    EXPECT_EQ(same_row, r != 17) << "row " << r << " after flipping one bit of row 17's key";
+  }
+}
+
+// p = 0 is the identity, bit for bit (NaN payloads and -0 included), in place and out of place;
+// p = 1 writes +0 everywhere (inf and NaN inputs included).
+TEST(DropoutEdges, ZeroIsIdentityOneIsZeros) {
+  const int N = 3, C = 7;
+  const size_t n = static_cast<size_t>(N) * C;
+  const std::vector<uint64_t> keys = random_keys(N, 214);
+  std::vector<float> inp(n);
+  fill_uniform(inp.data(), n, 215);
+  inp[0] = -0.0f;
+  inp[1] = std::numeric_limits<float>::infinity();
+  inp[2] = shardtrain::testing::guard_sentinel<float>("payload");
+  std::vector<float> out(n, 5.0f);
+  cpu::dropout(out.data(), inp.data(), keys.data(), 9, N, C, 0.0f);
+  EXPECT_TRUE(same_bits(out, inp)) << "p = 0 out of place";
+  std::vector<float> in_place = inp;
+  cpu::dropout(in_place.data(), in_place.data(), keys.data(), 9, N, C, 0.0f);
+  EXPECT_TRUE(same_bits(in_place, inp)) << "p = 0 in place";
+  cpu::dropout(out.data(), inp.data(), keys.data(), 9, N, C, 1.0f);
+  EXPECT_TRUE(same_bits(out, std::vector<float>(n, 0.0f))) << "p = 1";
+  std::vector<double> empty;
+  cpu::dropout(empty.data(), empty.data(), static_cast<const uint64_t*>(nullptr), 9, 0, C, 0.5f);  // N = 0: nothing
+}
+
+// The CPU backend's LayerOps forwards dropout to cpu::dropout.
+TEST(DropoutEdges, LayerOpsInterfaceIsTheCpuFunction) {
+  const int N = 5, C = 12;
+  const size_t n = static_cast<size_t>(N) * C;
+  const std::vector<uint64_t> keys = random_keys(N, 216);
+  std::vector<float> inp(n), a(n), b(n);
+  fill_uniform(inp.data(), n, 217);
+  cpu::dropout(a.data(), inp.data(), keys.data(), 4, N, C, 0.4f);
+  shardtrain::cpu_layer_ops<float>().dropout(b.data(), inp.data(), keys.data(), 4, N, C, 0.4f);
+  EXPECT_TRUE(same_bits(a, b));
+}
 
 }  // namespace

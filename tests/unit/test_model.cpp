@@ -249,6 +249,10 @@ class CountingOps : public LayerOps<double> {
   void residual_forward(double* out, const double* a, const double* b, size_t n) const override {
     cpu().residual_forward(out, a, b, n);
   }
+  void dropout(double* out, const double* inp, const uint64_t* row_keys, uint64_t site, int N, int C,
+               float p) const override {
+    cpu().dropout(out, inp, row_keys, site, N, C, p);  // no multiply-adds
+  }
   void softmax_crossentropy_forward(double* losses, double* logits_to_probs, const int* targets, int N,
                                     int V) const override {
     cpu().softmax_crossentropy_forward(losses, logits_to_probs, targets, N, V);

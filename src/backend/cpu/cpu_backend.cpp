@@ -101,6 +101,10 @@ class CpuLayerOps : public LayerOps<Real> {
   void residual_forward(Real* out, const Real* a, const Real* b, size_t n) const override {
     cpu::residual_forward(out, a, b, n);
   }
+  void dropout(Real* out, const Real* inp, const uint64_t* row_keys, uint64_t site, int N, int C,
+               float p) const override {
+    cpu::dropout(out, inp, row_keys, site, N, C, p);
+  }
   void softmax_crossentropy_forward(Real* losses, Real* logits_to_probs, const int* targets, int N,
                                     int V) const override {
     cpu::softmax_crossentropy_forward(losses, logits_to_probs, targets, N, V);

@@ -1,7 +1,8 @@
 // The norms over the last dimension. LayerNorm, GPT-2 style: eps 1e-5, biased variance; the forward
 // saves mean and rstd per row for the backward. RMSNorm, Llama style: no mean, no bias, eps given;
 // the forward saves rstd. Parameter gradients are column sums done in fixed
-// column blocks; dinp is accumulated (+=) onto the residual-stream gradient.
+// column blocks, skipped where null (frozen); dinp is accumulated (+=) onto the residual-stream
+// gradient, the same bits with or without the parameter gradients.
 #include <algorithm>
 #include <cmath>
 
@@ -54,6 +55,7 @@ void layernorm_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout
       dx[i] += s * (dy[i] * weight[i] - g_mean - norm * g_norm_mean);
     }
   }
+  if (!dweight && !dbias) return;  // frozen weight and bias
   int blocks = (C + COLUMN_BLOCK - 1) / COLUMN_BLOCK;
 #pragma omp parallel for schedule(static)
   for (int blk = 0; blk < blocks; blk++) {
@@ -61,10 +63,10 @@ void layernorm_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout
     for (int n = 0; n < N; n++) {
       const Real* x = inp + static_cast<size_t>(n) * C;
       const Real* dy = dout + static_cast<size_t>(n) * C;
-      for (int i = lo; i < hi; i++) {
-        dbias[i] += dy[i];
-        dweight[i] += (x[i] - mean[n]) * rstd[n] * dy[i];
-      }
+      if (dbias)
+        for (int i = lo; i < hi; i++) dbias[i] += dy[i];
+      if (dweight)
+        for (int i = lo; i < hi; i++) dweight[i] += (x[i] - mean[n]) * rstd[n] * dy[i];
     }
   }
 }
@@ -98,6 +100,7 @@ void rmsnorm_backward(Real* dinp, Real* dweight, const Real* dout, const Real* i
     g_norm_mean /= C;
     for (int i = 0; i < C; i++) dx[i] += s * (dy[i] * weight[i] - x[i] * s * g_norm_mean);
   }
+  if (!dweight) return;  // frozen weight
   int blocks = (C + COLUMN_BLOCK - 1) / COLUMN_BLOCK;
 #pragma omp parallel for schedule(static)
   for (int blk = 0; blk < blocks; blk++) {

@@ -1,6 +1,7 @@
 // Linear layers: out(N,OC) = inp(N,C) @ weight(OC,C)^T + bias. Both directions are GEMMs (a single
 // row forward, as generation runs, a matrix-vector product); the
-// bias gradient is a column sum done in fixed column blocks (deterministic, no atomics).
+// bias gradient is a column sum done in fixed column blocks (deterministic, no atomics). Each
+// gradient of the backward may be null (frozen weight or bias, or no input gradient wanted).
 #include <algorithm>
 
 #include "backend/cpu/gemm.hpp"
@@ -26,7 +27,7 @@ template <typename Real>
 void matmul_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout, const Real* inp, const Real* weight,
                      int N, int C, int OC) {
   if (dinp) gemm(false, false, N, C, OC, Real(1), dout, OC, weight, C, Real(0), dinp, C);
-  gemm(true, false, OC, C, N, Real(1), dout, OC, inp, C, Real(1), dweight, C);
+  if (dweight) gemm(true, false, OC, C, N, Real(1), dout, OC, inp, C, Real(1), dweight, C);
   if (dbias) {
     int blocks = (OC + COLUMN_BLOCK - 1) / COLUMN_BLOCK;
 #pragma omp parallel for schedule(static)

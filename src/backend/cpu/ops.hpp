@@ -7,18 +7,25 @@
 // <op>_backward(d_inputs..., d_params..., d_out, inputs..., params..., saved..., dims).
 // Accumulation rule: parameter gradients are ACCUMULATED (+=), so one buffer can collect the
 // contributions of tied uses and of several micro-batches; activation gradients are WRITTEN (=),
-// except layernorm_backward's dinp, which is accumulated because it adds onto the residual stream.
+// except layernorm_backward's and rmsnorm_backward's dinp, which are accumulated because they add
+// onto the residual stream.
+// Null parameter gradients: every parameter gradient of a backward (dwte, dwpe, dweight, dbias) may
+// be null -- a frozen parameter -- and is then neither computed nor touched; the other outputs are
+// the same, bit for bit, as with it. The input gradients are still computed (matmul's dinp may be
+// null too: no gradient flows further down).
 // Every loop has a fixed schedule and no atomics: same inputs and threads give the same bits.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 namespace shardtrain::cpu {
 
 // out(B,T,C) = wte[tokens[b,t]] + wpe[t]; wpe may be null (no position table: llama).
 template <typename Real>
 void encoder_forward(Real* out, const int* tokens, const Real* wte, const Real* wpe, int B, int T, int C);
-// dwte(V,C) += scatter of dout by token; dwpe(maxT,C) += dout summed over batch (skipped if null).
+// dwte(V,C) += scatter of dout by token; dwpe(maxT,C) += dout summed over batch. Each skipped if
+// null (both null: nothing to do).
 template <typename Real>
 void encoder_backward(Real* dwte, Real* dwpe, const Real* dout, const int* tokens, int B, int T, int C);
 
@@ -26,7 +33,7 @@ void encoder_backward(Real* dwte, Real* dwpe, const Real* dout, const int* token
 template <typename Real>
 void layernorm_forward(Real* out, Real* mean, Real* rstd, const Real* inp, const Real* weight, const Real* bias,
                        int N, int C);
-// dinp(N,C) +=, dweight(C) +=, dbias(C) +=.
+// dinp(N,C) +=, dweight(C) +=, dbias(C) +=. dweight and dbias each may be null (skipped).
 template <typename Real>
 void layernorm_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout, const Real* inp,
                         const Real* weight, const Real* mean, const Real* rstd, int N, int C);
@@ -34,7 +41,7 @@ void layernorm_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout
 // RMSNorm (Llama): out(N,C) = inp * rstd * weight, rstd = 1 / sqrt(mean(inp^2) + eps); saves rstd(N).
 template <typename Real>
 void rmsnorm_forward(Real* out, Real* rstd, const Real* inp, const Real* weight, Real eps, int N, int C);
-// dinp(N,C) +=, dweight(C) +=.
+// dinp(N,C) +=, dweight(C) += (skipped if null).
 template <typename Real>
 void rmsnorm_backward(Real* dinp, Real* dweight, const Real* dout, const Real* inp, const Real* weight,
                       const Real* rstd, int N, int C);
@@ -42,8 +49,8 @@ void rmsnorm_backward(Real* dinp, Real* dweight, const Real* dout, const Real* i
 // out(N,OC) = inp(N,C) @ weight(OC,C)^T + bias(OC); bias may be null.
 template <typename Real>
 void matmul_forward(Real* out, const Real* inp, const Real* weight, const Real* bias, int N, int C, int OC);
-// dinp(N,C) = dout @ weight (skipped if dinp is null); dweight(OC,C) += dout^T @ inp;
-// dbias(OC) += column sums of dout (skipped if null).
+// dinp(N,C) = dout @ weight; dweight(OC,C) += dout^T @ inp; dbias(OC) += column sums of dout.
+// Each of the three skipped if null.
 template <typename Real>
 void matmul_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout, const Real* inp,
                      const Real* weight, int N, int C, int OC);
@@ -96,6 +103,19 @@ void gelu_backward(Real* dinp, const Real* dout, const Real* inp, size_t n);
 // out = a + b, n elements (the residual stream).
 template <typename Real>
 void residual_forward(Real* out, const Real* a, const Real* b, size_t n);
+
+// Dropout over N rows of C, keyed by a counter RNG (core/random.hpp), so the mask is a pure
+// function of (row_keys[r], site, c, p) -- no state, the same on every backend, thread count and
+// rerun:  out[r*C + c] = keep(r, c) ? inp[r*C + c] / (1 - p) : 0, with
+//   keep(r, c) = counter_keep(dropout_row_key(row_keys[r], site), c, dropout_threshold24(p)),
+// the top 24 bits of the counter draw against round(p * 2^24) (an integer comparison, so the CUDA
+// backend decides identically). row_keys: N keys (host memory here; device memory on a GPU
+// backend). p in [0, 1]: p = 0 copies (nothing when out == inp); p = 1 writes zeros. In place
+// (out == inp) is allowed. A dropped element is +0 whatever the input (NaN and inf included).
+// Backward: the same call with the same row_keys, site and p on the output gradient gives the
+// input gradient (the same mask and scale): dropout(dinp, dout, row_keys, site, N, C, p).
+template <typename Real>
+void dropout(Real* out, const Real* inp, const uint64_t* row_keys, uint64_t site, int N, int C, float p);
 
 // In place: logits(N,V) become softmax probabilities; losses(N) = -log prob[target].
 template <typename Real>

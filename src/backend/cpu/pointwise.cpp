@@ -1,12 +1,16 @@
-// The memory-bound layers: token(+position) embedding, GELU, SwiGLU, residual add, and the fused softmax
-// cross-entropy over the vocabulary. Scatter-adds into embedding gradients run over fixed column
-// blocks so that each element is summed in token order, whatever the thread count.
+// The memory-bound layers: token(+position) embedding, GELU, SwiGLU, residual add, counter-keyed
+// dropout, and the fused softmax cross-entropy over the vocabulary. Scatter-adds into embedding
+// gradients run over fixed column blocks so that each element is summed in token order, whatever
+// the thread count; a null dwte or dwpe (frozen table) is skipped.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "backend/cpu/gemm.hpp"
 #include "backend/cpu/ops.hpp"
 #include "backend/math.hpp"
+#include "core/error.hpp"
+#include "core/random.hpp"
 
 namespace shardtrain::cpu {
 
@@ -27,17 +31,21 @@ void encoder_forward(Real* out, const int* tokens, const Real* wte, const Real* 
 
 template <typename Real>
 void encoder_backward(Real* dwte, Real* dwpe, const Real* dout, const int* tokens, int B, int T, int C) {
+  if (!dwte && !dwpe) return;  // both tables frozen (or absent)
   int blocks = (C + COLUMN_BLOCK - 1) / COLUMN_BLOCK;
 #pragma omp parallel for schedule(static)
   for (int blk = 0; blk < blocks; blk++) {
     int lo = blk * COLUMN_BLOCK, hi = std::min(C, lo + COLUMN_BLOCK);
     for (int bt = 0; bt < B * T; bt++) {
       const Real* d = dout + static_cast<size_t>(bt) * C;
-      Real* e = dwte + static_cast<size_t>(tokens[bt]) * C;
-      for (int i = lo; i < hi; i++) e[i] += d[i];
-      if (!dwpe) continue;
-      Real* p = dwpe + static_cast<size_t>(bt % T) * C;
-      for (int i = lo; i < hi; i++) p[i] += d[i];
+      if (dwte) {
+        Real* e = dwte + static_cast<size_t>(tokens[bt]) * C;
+        for (int i = lo; i < hi; i++) e[i] += d[i];
+      }
+      if (dwpe) {
+        Real* p = dwpe + static_cast<size_t>(bt % T) * C;
+        for (int i = lo; i < hi; i++) p[i] += d[i];
+      }
     }
   }
 }
@@ -90,6 +98,26 @@ void residual_forward(Real* out, const Real* a, const Real* b, size_t n) {
 }
 
 template <typename Real>
+void dropout(Real* out, const Real* inp, const uint64_t* row_keys, uint64_t site, int N, int C, float p) {
+  SHARD_CHECK(N >= 0 && C >= 0 && p >= 0.0f && p <= 1.0f, "dropout: N=%d C=%d p=%g", N, C, static_cast<double>(p));
+  const size_t n = static_cast<size_t>(N) * C;
+  if (p == 0.0f) {  // the identity: every element kept, and x / 1 == x
+    if (out != inp && n) std::memmove(out, inp, n * sizeof(Real));
+    return;
+  }
+  const uint32_t threshold = dropout_threshold24(p);
+  const Real keep_fraction = Real(1) - Real(p);  // a division, as the formula reads (CUDA: the same one)
+#pragma omp parallel for schedule(static)
+  for (int r = 0; r < N; r++) {
+    const uint64_t key = dropout_row_key(row_keys[r], site);
+    const Real* x = inp + static_cast<size_t>(r) * C;
+    Real* y = out + static_cast<size_t>(r) * C;
+    for (int c = 0; c < C; c++)
+      y[c] = counter_keep(key, static_cast<uint64_t>(c), threshold) ? x[c] / keep_fraction : Real(0);
+  }
+}
+
+template <typename Real>
 void softmax_crossentropy_forward(Real* losses, Real* logits_to_probs, const int* targets, int N, int V) {
 #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; n++) {
@@ -130,6 +158,7 @@ void softmax_crossentropy_backward(Real* probs_to_dlogits, const int* targets, R
   template void swiglu_forward<Real>(Real*, const Real*, int, int);                                         \
   template void swiglu_backward<Real>(Real*, const Real*, const Real*, int, int);                           \
   template void residual_forward<Real>(Real*, const Real*, const Real*, size_t);                            \
+  template void dropout<Real>(Real*, const Real*, const uint64_t*, uint64_t, int, int, float);              \
   template void softmax_crossentropy_forward<Real>(Real*, Real*, const int*, int, int);                     \
   template void softmax_crossentropy_backward<Real>(Real*, const int*, Real, int, int);
 INSTANTIATE(float)

@@ -5,7 +5,8 @@
 //
 // Temporary device memory (attention's head-major copies, the encoder's sort, the two-stage
 // column sums of the norms and biases) comes from one workspace owned by the ops object, allocated from the device's
-// caching allocator on first need and grown to the largest request so far. Reusing it across
+// caching allocator on first need and grown to the largest request so far; a backward whose
+// parameter gradients are all null (frozen) asks for none. Reusing it across
 // ops is safe because everything runs in order on the compute stream; growing it releases the
 // old block to the allocator, whose reuse is ordered on that same stream (cuda_device.cpp).
 // The reductions use a fixed device scratch and a pinned host word, and are the only methods
@@ -62,7 +63,7 @@ class CudaLayerOps final : public LayerOps<float> {
   }
   void encoder_backward(float* dwte, float* dwpe, const float* dout, const int* tokens, int B, int T,
                         int C) const override {
-    void* ws = workspace(kernels::encoder_backward_workspace_bytes(B, T));
+    void* ws = dwte ? workspace(kernels::encoder_backward_workspace_bytes(B, T)) : nullptr;  // dwte's sort
     kernels::launch_encoder_backward(dwte, dwpe, dout, tokens, B, T, C, ws, launch());
   }
   void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
@@ -71,7 +72,7 @@ class CudaLayerOps final : public LayerOps<float> {
   }
   void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                           const float* weight, const float* mean, const float* rstd, int N, int C) const override {
-    void* ws = workspace(kernels::layernorm_backward_workspace_bytes(N, C));
+    void* ws = dweight || dbias ? workspace(kernels::layernorm_backward_workspace_bytes(N, C)) : nullptr;
     kernels::launch_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, ws, launch());
   }
   void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
@@ -99,7 +100,7 @@ class CudaLayerOps final : public LayerOps<float> {
   }
   void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
                         const float* rstd, int N, int C) const override {
-    void* ws = workspace(kernels::rmsnorm_backward_workspace_bytes(N, C));
+    void* ws = dweight ? workspace(kernels::rmsnorm_backward_workspace_bytes(N, C)) : nullptr;
     kernels::launch_rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, N, C, ws, launch());
   }
   void attention_decode(float* out, float* scratch, float* k_cache, float* v_cache, const float* qkv, int Q,
@@ -128,6 +129,10 @@ class CudaLayerOps final : public LayerOps<float> {
   }
   void residual_forward(float* out, const float* a, const float* b, size_t n) const override {
     kernels::launch_residual_forward(out, a, b, n, launch());
+  }
+  void dropout(float* out, const float* inp, const uint64_t* row_keys, uint64_t site, int N, int C,
+               float p) const override {
+    kernels::launch_dropout(out, inp, row_keys, site, N, C, p, launch());
   }
   void softmax_crossentropy_forward(float* losses, float* logits_to_probs, const int* targets, int N,
                                     int V) const override {
