@@ -70,6 +70,13 @@ struct GemmContext {
 void gemm_row_major(const GemmContext& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha,
                     const float* A, int lda, long long stride_a, const float* B, int ldb, long long stride_b, float beta,
                     float* C, int ldc, long long stride_c, int batch, const float* bias);
+// LayerOps::gemm: one row-major C(M,N) = alpha * op(A) @ op(B) + beta * C with cblas_sgemm's
+// contract (backend/cpu/gemm.hpp's gemm()): any alpha and beta (beta = 0: C is not read), leading
+// dimensions at least the stored row lengths (ldc > N: C is a column slice of a wider matrix),
+// K = 0 as C = beta * C without reading A or B. Always fp32 operands and CUBLAS_COMPUTE_32F (no
+// TF32), whatever ctx.operands: the adapters' products, which must match the CPU closely.
+void launch_gemm(const GemmContext& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A,
+                 int lda, const float* B, int ldb, float beta, float* C, int ldc);
 
 // ---- layers ----------------------------------------------------------------------------------------
 // Parameter gradients may be null (frozen parameters, or no position table), as on the CPU: dwte,

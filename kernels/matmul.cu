@@ -24,6 +24,10 @@
 // The heuristic's choice is a function of shapes and alignments, so a run with the same buffers
 // gets the same kernels and the same bits.
 //
+// launch_gemm (LayerOps::gemm, the adapters' small products) is gemm_row_major's fp32 path with
+// cblas's contract: any alpha and beta, K = 0 as C = beta C, and always fp32 operands
+// (GemmContext::operands is ignored), so that adapters match the CPU to fp32 reassociation.
+//
 // The backward's bias gradient is a deterministic two-stage column sum (common.cuh), no atomics.
 #include <algorithm>
 #include <tuple>
@@ -290,6 +294,42 @@ void gemm_row_major(const GemmContext& ctx, bool trans_a, bool trans_b, int M, i
   if (!try_gemm_col_major(ctx, trans_b, trans_a, N, M, K, alpha, B, CUDA_R_32F, ldb, stride_b, A, CUDA_R_32F, lda,
                           stride_a, beta, C, ldc, stride_c, batch, nullptr))
     no_gemm_kernel(trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc, batch, "fp32");
+}
+
+namespace {
+
+// Row-major C(M,N) with leading dimension ld: C = beta * C, and beta = 0 writes 0 whatever C held
+// (NaN included): cblas's result for K = 0.
+__global__ void scale_rows_kernel(float* C, float beta, int cols, int ld, size_t n) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    float& c = C[(i / cols) * ld + i % cols];
+    c = beta == 0.0f ? 0.0f : beta * c;
+  }
+}
+
+}  // namespace
+
+void launch_gemm(const GemmContext& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A,
+                 int lda, const float* B, int ldb, float beta, float* C, int ldc) {
+  check_gemm_args(M, N, K, 1);
+  // cblas's rule: each leading dimension at least the stored row length (and at least 1).
+  SHARD_CHECK(lda >= std::max(1, trans_a ? M : K) && ldb >= std::max(1, trans_b ? K : N) && ldc >= std::max(1, N),
+              "gemm %c%c M=%d N=%d K=%d: leading dimensions lda=%d ldb=%d ldc=%d shorter than their rows",
+              trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, lda, ldb, ldc);
+  if (M == 0 || N == 0) return;
+  if (K == 0) {  // no product term: C = beta C, as cblas, with no GEMM; A and B unread
+    if (beta != 1.0f) {
+      const size_t n = static_cast<size_t>(M) * N;
+      scale_rows_kernel<<<grid_for(n, 256, ctx.launch), 256, 0, ctx.launch.stream>>>(C, beta, N, ldc, n);
+      CUDA_CHECK_LAUNCH();
+    }
+    return;
+  }
+  // fp32 operands whatever ctx.operands says: the gemm_row_major fp32 path, without its rounding.
+  if (!try_gemm_col_major(ctx, trans_b, trans_a, N, M, K, alpha, B, CUDA_R_32F, ldb, 0, A, CUDA_R_32F, lda, 0, beta, C,
+                          ldc, 0, 1, nullptr))
+    no_gemm_kernel(trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc, 1, "fp32");
 }
 
 void launch_matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC,

@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "backend/cpu/gemm.hpp"
 #include "backend/cpu/ops.hpp"
 #include "backend/cuda/cuda_backend.hpp"
 #include "backend/dtype.hpp"
@@ -577,6 +578,141 @@ TEST_P(GemmOperandsTest, MatmulRoundsOperandsThenMatchesCpu) {
 
 INSTANTIATE_TEST_SUITE_P(Types, GemmOperandsTest, ::testing::Values(DTYPE_BF16, DTYPE_FP16),
                          [](const ::testing::TestParamInfo<DType>& info) { return std::string(dtype_name(info.param)); });
+
+// ==================================================================================================
+// LayerOps::gemm (the adapters' products): row-major C = alpha op(A) op(B) + beta C against cblas
+// (backend/cpu/gemm.hpp), always fp32 whatever the ops' GEMM operand type. C is a column slice
+// (offset, N columns) of a wider (M, ldc) matrix whose other columns must keep their bits; A and B
+// have padded leading dimensions. beta = 0: the slice starts as NaN and must not be read. Two
+// calls from the same prefill (beta != 0: the second accumulates onto the first), twice over, on
+// the default ops and on ops with bf16 GEMM operands: all four runs must agree bit for bit.
+// ==================================================================================================
+struct GemmShape {
+  bool trans_a, trans_b;
+  int M, N, K;
+  float alpha, beta;
+  int ldc, offset;    // C: columns [offset, offset + N) of an (M, ldc) matrix
+  int pad_a, pad_b;  // lda, ldb: the stored row length + pad
+  int misalign;
+  int a_rows() const { return trans_a ? K : M; }
+  int a_cols() const { return trans_a ? M : K; }
+  int b_rows() const { return trans_b ? N : K; }
+  int b_cols() const { return trans_b ? K : N; }
+  int lda() const { return std::max(1, a_cols() + pad_a); }
+  int ldb() const { return std::max(1, b_cols() + pad_b); }
+};
+std::string scalar_name(float x) {  // 0.75 -> "0p75", -1.5 -> "m1p5"
+  std::string digits = std::to_string(std::lround(std::fabs(x) * 100.0f));
+  digits.insert(0, 3 - std::min<size_t>(3, digits.size()), '0');
+  std::string name = digits.substr(0, digits.size() - 2) + "p" + digits.substr(digits.size() - 2);
+  while (name.back() == '0') name.pop_back();
+  if (name.back() == 'p') name.pop_back();
+  return (x < 0 ? "m" : "") + name;
+}
+std::string name_of(const GemmShape& s) {
+  return std::string(s.trans_a ? "T" : "N") + (s.trans_b ? "T" : "N") + "_M" + std::to_string(s.M) + "_N" +
+         std::to_string(s.N) + "_K" + std::to_string(s.K) + "_alpha" + scalar_name(s.alpha) + "_beta" +
+         scalar_name(s.beta) + "_ldc" + std::to_string(s.ldc) + "_off" + std::to_string(s.offset) + "_pad" +
+         std::to_string(s.pad_a) + "x" + std::to_string(s.pad_b) + misaligned_suffix(s.misalign);
+}
+void PrintTo(const GemmShape& s, std::ostream* os) { *os << name_of(s); }
+
+std::vector<GemmShape> gemm_shapes() {
+  std::vector<GemmShape> shapes;
+  // All four transpose combinations with beta 0 and 1, at odd sizes; C a middle or a last slice.
+  int i = 0;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true})
+      for (float beta : {0.0f, 1.0f}) {
+        const bool last = i % 2 == 1;
+        shapes.push_back({ta, tb, 37, 5, 19, beta == 0.0f ? 0.75f : -1.5f, beta, 5 + 7, last ? 7 : 3, i % 3,
+                          (i + 1) % 3, i / 4});
+        i++;
+      }
+  shapes.push_back({false, false, 37, 5, 19, 1.0f, 0.0f, 5, 0, 0, 0, 0});   // plain: ldc = N, no padding
+  shapes.push_back({true, false, 37, 5, 19, 2.0f, -0.5f, 13, 8, 1, 0, 1});  // beta neither 0 nor 1
+  shapes.push_back({false, true, 1, 1, 1, 1.0f, 1.0f, 3, 1, 0, 0, 0});      // 1 x 1 x 1
+  shapes.push_back({true, true, 9, 33, 65, 0.5f, 1.0f, 40, 6, 2, 3, 1});
+  // K = 0: no product, C = beta C (cblas), A and B unread.
+  shapes.push_back({false, false, 6, 7, 0, 1.0f, 0.0f, 10, 2, 0, 0, 0});
+  shapes.push_back({true, true, 6, 7, 0, 1.0f, 0.5f, 10, 3, 0, 0, 1});
+  shapes.push_back({false, true, 6, 7, 0, 1.0f, 1.0f, 10, 3, 0, 0, 0});
+  // Realistic LoRA of GPT-2's q projection (B=4, T=256: 1024 rows, C=768, r=8, scaling 2): h = x A^T,
+  // then into the q columns of the fused qkv (1024, 2304) out_q += 2 h B^T; backward with dout_q
+  // those columns of dqkv: dh = 2 dout_q B, dB += 2 dout_q^T h, dA += dh^T x, dx += dh A.
+  shapes.push_back({false, true, 1024, 8, 768, 1.0f, 0.0f, 8, 0, 0, 0, 0});
+  shapes.push_back({false, true, 1024, 768, 8, 2.0f, 1.0f, 2304, 0, 0, 0, 0});
+  shapes.push_back({false, false, 1024, 8, 768, 2.0f, 0.0f, 8, 0, 2304 - 768, 0, 0});
+  shapes.push_back({true, false, 768, 8, 1024, 2.0f, 1.0f, 8, 0, 2304 - 768, 0, 0});
+  shapes.push_back({true, false, 8, 768, 1024, 1.0f, 1.0f, 768, 0, 0, 0, 0});
+  shapes.push_back({false, false, 1024, 768, 8, 1.0f, 1.0f, 768, 0, 0, 0, 0});
+  return shapes;
+}
+
+class GemmTest : public GpuSuite<::testing::TestWithParam<GemmShape>> {};
+
+TEST_P(GemmTest, MatchesCpu) {
+  const GemmShape s = GetParam();
+  ASSERT_LE(s.offset + s.N, s.ldc);
+  const std::vector<float> A = uniform_vector(static_cast<size_t>(s.a_rows()) * s.lda(), 91),
+                           B = uniform_vector(static_cast<size_t>(s.b_rows()) * s.ldb(), 92);
+  std::vector<float> prefill = uniform_vector(static_cast<size_t>(s.M) * s.ldc, 93);
+  auto in_slice = [&](size_t e) {
+    const int col = static_cast<int>(e % s.ldc);
+    return col >= s.offset && col < s.offset + s.N;
+  };
+  if (s.beta == 0.0f)  // not read
+    for (size_t e = 0; e < prefill.size(); e++)
+      if (in_slice(e)) prefill[e] = kNaN;
+  std::vector<float> ref = prefill;
+  for (int call = 0; call < 2; call++)
+    cpu::gemm(s.trans_a, s.trans_b, s.M, s.N, s.K, s.alpha, A.data(), s.lda(), B.data(), s.ldb(), s.beta,
+              ref.data() + s.offset, s.ldc);
+
+  // The default ops and ops with bf16 GEMM operands: LayerOps::gemm is fp32 either way, so both
+  // match the CPU, and each other bit for bit.
+  auto bf16_ops = make_cuda_layer_ops(device(), DTYPE_BF16);
+  auto d_A = on_device(device(), "A", A, s.misalign), d_B = on_device(device(), "B", B, s.misalign);
+  DeviceBuffer<float> d_C(device(), "C", prefill.size(), s.misalign);  // the same pointers every run
+  std::vector<float> first;
+  for (const LayerOps<float>* layer_ops : {&ops(), static_cast<const LayerOps<float>*>(bf16_ops.get())})
+    for (int run = 0; run < 2; run++) {
+      d_C.upload(prefill);
+      for (int call = 0; call < 2; call++)
+        layer_ops->gemm(s.trans_a, s.trans_b, s.M, s.N, s.K, s.alpha, d_A.data(), s.lda(), d_B.data(), s.ldb(), s.beta,
+                        d_C.data() + s.offset, s.ldc);
+      const std::vector<float> got = d_C.download("gemm");
+      const std::string label = "gemm " + name_of(s) + (layer_ops == &ops() ? "" : " (bf16 operand ops)") + " run " +
+                                std::to_string(run);
+      std::vector<float> slice, ref_slice, outside, prefill_outside;
+      for (size_t e = 0; e < got.size(); e++) {
+        if (in_slice(e)) {
+          slice.push_back(got[e]);
+          ref_slice.push_back(ref[e]);
+        } else {
+          outside.push_back(got[e]);
+          prefill_outside.push_back(prefill[e]);
+        }
+      }
+      expect_same_bits(outside, prefill_outside, label + ": columns outside the slice");
+      if (s.K == 0) {  // C = beta C: one IEEE multiplication (or 0) per element on both sides
+        expect_same_bits(slice, ref_slice, label);
+      } else {
+        // Two calls of K products, alpha and beta: 2 (K + 2) roundings, of terms up to |alpha| in size.
+        const Tolerance tol = fp32_pair(2L * (s.K + 2));
+        expect_close(slice.data(), widen(ref_slice), {tol.atol * std::max(1.0f, std::fabs(s.alpha)), tol.rtol},
+                     label);
+      }
+      if (first.empty())
+        first = got;
+      else
+        expect_same_bits(got, first, label + " against the first run");
+      d_A.download(label + " (A)");
+      d_B.download(label + " (B)");
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GemmTest, ::testing::ValuesIn(gemm_shapes()), ShapeName());
 
 // ==================================================================================================
 // Attention with grouped-query heads: rows of qkv hold q (NH heads) | k (KV) | v (KV) of HS each.

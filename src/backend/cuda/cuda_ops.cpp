@@ -84,6 +84,10 @@ class CudaLayerOps final : public LayerOps<float> {
     void* ws = dbias ? workspace(kernels::matmul_backward_workspace_bytes(N, OC)) : nullptr;
     kernels::launch_matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, ws, gemm_);
   }
+  void gemm(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
+            int ldb, float beta, float* C, int ldc) const override {
+    kernels::launch_gemm(gemm_, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);  // fp32 always
+  }
   void attention_forward(float* out, float* att, const float* qkv, int B, int T, int NH, int KV,
                          int HS) const override {
     void* ws = workspace(kernels::attention_workspace_bytes(B, T, NH, KV, HS));
