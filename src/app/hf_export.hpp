@@ -15,7 +15,14 @@ namespace shardtrain {
 // checkpoint and writes their bytes into files laid out identically by all, which rank 0 then
 // renames into place (a reader never sees a partial file). Above `max_file_bytes` (0 = no limit)
 // the weights are split into several files with an index. Throws InputError, agreed.
+// A checkpoint with adapters needs `merge`: each adapted weight is exported as PEFT's merge makes
+// it, W + (alpha / rank) B A.
 void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const std::string& out_dir, DType dtype,
-                      uint64_t max_file_bytes);
+                      uint64_t max_file_bytes, bool merge = false);
+
+// Collective. `shardtrain export --adapter`: the checkpoint's adapters as a PEFT folder
+// (adapter_config.json, adapter_model.safetensors; ckpt/peft.hpp), written by rank 0 through
+// temporary names renamed into place. Throws InputError, agreed.
+void export_peft_folder(const Runtime& rt, const std::string& checkpoint, const std::string& out_dir, DType dtype);
 
 }  // namespace shardtrain

@@ -137,8 +137,10 @@ int run_data(const Runtime& rt, const std::vector<std::string>& args) {
 void run_checkpoint_tool(const Runtime& rt, const std::vector<std::string>& args) {
   const bool inspect = args[0] == "inspect";
   const std::string usage = inspect ? "shardtrain inspect FILE"
-                                    : "shardtrain export --checkpoint FILE --output PATH [--format llmc|hf] [hf options]";
+                                    : "shardtrain export --checkpoint FILE --output PATH [--format llmc|hf [--merge] | "
+                                      "--adapter] [hf options]";
   std::string checkpoint, output, format = "llmc", dtype = "fp32", max_file_size = "5GB";
+  bool adapter = false, merge = false;
   po::options_description desc("usage: " + usage + "\n\n" + args[0] + " options");
   desc.add_options()("help,h", "print the options")(
       "checkpoint", po::value(&checkpoint), "shardtrain checkpoint (.h5), either layout (or as the first word)");
@@ -151,7 +153,13 @@ void run_checkpoint_tool(const Runtime& rt, const std::vector<std::string>& args
         "dtype", po::value(&dtype)->default_value(dtype), "hf: the type of the exported weights, fp32, bf16 or fp16")(
         "max-file-size", po::value(&max_file_size)->default_value(max_file_size),
         "hf: larger weights are split into files of at most this size with model.safetensors.index.json, as "
-        "transformers' save_pretrained does");
+        "transformers' save_pretrained does")(
+        "adapter", po::bool_switch(&adapter),
+        "write the checkpoint's adapters as a Hugging Face PEFT folder (adapter_config.json, "
+        "adapter_model.safetensors) instead of the model; --dtype applies")(
+        "merge", po::bool_switch(&merge),
+        "hf: fold the checkpoint's adapters into the weights (W + alpha/rank B A, PEFT's merge) and export a plain "
+        "model");
   const std::string help = "; see 'shardtrain " + args[0] + " --help'";
   po::variables_map vm;
   try {
@@ -170,9 +178,13 @@ void run_checkpoint_tool(const Runtime& rt, const std::vector<std::string>& args
   } catch (const po::error& e) {
     throw UsageError(option_error_text(e) + help);
   }
+  if (adapter && (merge || vm["format"].defaulted() == false))
+    throw UsageError("export --adapter writes the adapters alone: it takes neither --merge nor --format");
+  if (adapter) return export_peft_folder(rt, checkpoint, output, parse_dtype_option(dtype, "--dtype"));
   if (!inspect && format == "hf")
     return export_hf_folder(rt, checkpoint, output, parse_dtype_option(dtype, "--dtype"),
-                            parse_memory_limit(max_file_size, "--max-file-size").bytes);
+                            parse_memory_limit(max_file_size, "--max-file-size").bytes, merge);
+  if (merge) throw UsageError("--merge applies to --format=hf (llm.c's format has no adapters to fold)");
   if (!inspect && format != "llmc")
     throw UsageError("--format='" + printable_text(format) + "' is not allowed; allowed: llmc, hf");
   if (!inspect && dtype != "fp32") throw UsageError("--dtype applies to --format=hf; llm.c weights are fp32");

@@ -23,20 +23,20 @@ std::string MemoryPlan::describe() const {
   return s;
 }
 
-MemoryPlan plan_rank_memory(const ModelConfig& model, const GroupShape& groups, const EngineOptions& engine,
+MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, const EngineOptions& engine,
                             int micro_batch, int seq_len, bool activation_checkpointing) {
-  ParamTable table(model);
   std::vector<UnitLayout> layout = FsdpEngine::plan_layout(table, groups);
   MemoryPlan plan;
   plan.bytes = FsdpEngine::plan_memory(layout, engine);
-  // AdamW's two moments per element, beside the master shards (none on the device when offloaded).
-  plan.bytes[MEM_OPTIMIZER_STATE] = 2 * plan.bytes[MEM_SHARDED_PARAMS];
-  if (engine.cpu_offload) {
-    size_t shard_numel = 0;
-    for (const UnitLayout& unit : layout) shard_numel += unit.shard_numel;
-    plan.offloaded_bytes = 4 * shard_numel * sizeof(float);  // master, gradient, two moments
-  }
-  plan.bytes[MEM_ACTIVATIONS] = plan_activation_bytes(model, micro_batch, seq_len, activation_checkpointing);
+  // AdamW's two moments per trainable element, beside the master shards (none on the device when
+  // offloaded); frozen parameters have none.
+  size_t shard_numel = 0, trainable_shard_numel = 0;
+  for (const UnitLayout& unit : layout)
+    shard_numel += unit.shard_numel(), trainable_shard_numel += unit.trainable.shard_numel;
+  if (!engine.cpu_offload) plan.bytes[MEM_OPTIMIZER_STATE] = 2 * trainable_shard_numel * sizeof(float);
+  if (engine.cpu_offload)  // master, gradient, two moments
+    plan.offloaded_bytes = (shard_numel + 3 * trainable_shard_numel) * sizeof(float);
+  plan.bytes[MEM_ACTIVATIONS] = plan_activation_bytes(table, micro_batch, seq_len, activation_checkpointing);
   return plan;
 }
 

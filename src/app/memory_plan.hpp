@@ -24,7 +24,8 @@ struct MemoryPlan {
   std::string describe() const;  // "sharded_params 1.2 MiB, gradients ..."
 };
 
-MemoryPlan plan_rank_memory(const ModelConfig& model, const GroupShape& groups, const EngineOptions& engine,
+// `table`: the model with what the configuration freezes (config_param_table).
+MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, const EngineOptions& engine,
                             int micro_batch, int seq_len, bool activation_checkpointing);
 
 

@@ -100,6 +100,7 @@ constexpr ShardingStrategy STRATEGIES[] = {SHARDING_FULL_SHARD, SHARDING_SHARD_G
                                            SHARDING_HYBRID_SHARD};
 constexpr DType DTYPES[] = {DTYPE_FP32, DTYPE_BF16, DTYPE_FP16};
 constexpr ModelArch ARCHS[] = {ARCH_GPT2, ARCH_LLAMA};
+constexpr AdapterType ADAPTERS[] = {ADAPTER_NONE, ADAPTER_LORA};
 constexpr BackwardPrefetch PREFETCHES[] = {BACKWARD_PREFETCH_NONE, BACKWARD_PREFETCH_PRE, BACKWARD_PREFETCH_POST};
 
 // The single list of options. `c` holds the defaults on entry and receives parsed values.
@@ -146,6 +147,9 @@ void declare_options(OptionList& o, Config& c) {
   o.add("train.threads", &c.train.threads, "threads per rank; 0 = the cores available to the rank");
   o.add("train.peak_gflops", &c.train.peak_gflops,
         "per-rank peak GFLOP/s for MFU; 0 = measure SGEMM at start (cpu), the card's dense bf16 peak (cuda)");
+  o.add("train.freeze", &c.train.freeze,
+        "parameters not trained: comma-separated glob patterns over parameter names (fnmatch: * ? [0-5]), "
+        "e.g. wte,h.[0-5].* (docs/freezing.md); frozen parameters get no gradients and no optimizer state");
   o.add("train.device", &c.train.device,
         "cpu (OpenBLAS + MPI) or cuda (one GPU per rank by node-local rank, NCCL; needs a make CUDA=1 build)");
   o.add("data.train_file", &c.data.train_file,
@@ -155,6 +159,18 @@ void declare_options(OptionList& o, Config& c) {
   o.add("data.tokenizer", &c.data.tokenizer,
         "the tokenizer.json the data was encoded with (data encode --tokenizer), recorded in checkpoints for "
         "'shardtrain generate'; empty = bytes");
+  o.add_choice("adapter.type", &c.adapter.type, ADAPTERS, adapter_type_name,
+               "adapters on the frozen base model, Hugging Face PEFT's LoRA (docs/adapters.md); none trains the "
+               "model itself");
+  o.add("adapter.targets", &c.adapter.targets,
+        "the linear layers adapted: comma-separated Hugging Face module paths or their dotted suffixes, e.g. "
+        "attn.c_attn,mlp.c_fc (gpt2) or self_attn.q_proj,self_attn.v_proj (llama)");
+  o.add("adapter.rank", &c.adapter.rank, "LoRA rank r: A is (r, in), B is (out, r)");
+  o.add("adapter.alpha", &c.adapter.alpha, "LoRA alpha: the adapter's output is scaled by alpha / rank");
+  o.add("adapter.dropout", &c.adapter.dropout, "dropout probability on the adapter's input, in training");
+  o.add("adapter.init_from", &c.adapter.init_from,
+        "a Hugging Face PEFT LoRA folder (adapter_config.json, adapter_model.safetensors) to start the adapters "
+        "from, with the same rank, alpha and layers; empty = PEFT's initialisation (A uniform, B zero)");
   o.add_choice("fsdp.sharding_strategy", &c.fsdp.sharding_strategy, STRATEGIES, sharding_strategy_name,
                "ZeRO-3, ZeRO-2, DDP, or FULL_SHARD within groups replicated across them");
   o.add("fsdp.shard_group_size", &c.fsdp.shard_group_size,
@@ -194,8 +210,8 @@ void declare_options(OptionList& o, Config& c) {
         "auto (newest valid checkpoint in checkpoint.dir, if any), none, or a checkpoint file");
   o.add("checkpoint.keep", &c.checkpoint.keep, "newest complete checkpoints kept; older ones are removed");
   o.add("checkpoint.init_from", &c.checkpoint.init_from,
-        "weights to start from: an llm.c GPT-2 checkpoint (.bin) or a Hugging Face GPT-2 or Llama folder "
-        "(config.json + safetensors; it also gives model.*)");
+        "weights to start from: a ShardTrain checkpoint (.h5, the same model.*), an llm.c GPT-2 checkpoint "
+        "(.bin) or a Hugging Face GPT-2 or Llama folder (config.json + safetensors; it also gives model.*)");
   o.add("checkpoint.save", &c.checkpoint.save, "write checkpoints (true/false)");
   o.add("checkpoint.allow_data_change", &c.checkpoint.allow_data_change,
         "resume even though the files of data.train_file or data.val_file (names, sizes) or "
@@ -466,7 +482,7 @@ ParsedTrainArgs parse_train_args(const std::vector<std::string>& raw_args, const
   declare_options(options, parsed.config);
   po::options_description cli;
   cli.add_options()("help,h", "print the options")("config", po::value<std::string>(&parsed.config.config_file),
-                                                   "INI file with [model] [train] [data] [fsdp] [checkpoint] sections");
+                                                   "INI file with [model] [train] [data] [fsdp] [checkpoint] [adapter] sections");
   cli.add(options.desc);
   po::variables_map vm;
   std::string where = "on the command line";
@@ -594,6 +610,26 @@ void validate_config(const Config& c, int world) {
   require(c.checkpoint.keep >= 1, "checkpoint.keep must be >= 1");
   require(c.fsdp.limit_all_gathers >= 1, "fsdp.limit_all_gathers must be >= 1 (1 disables prefetching)");
   require(c.fsdp.comm_timeout >= 0, "fsdp.comm_timeout must be >= 0 seconds (0 disables the watchdog)");
+  const AdapterOptions& a = c.adapter;
+  require(a.rank >= 1, "adapter.rank must be >= 1");
+  require(a.alpha > 0, "adapter.alpha must be > 0");
+  require(a.dropout >= 0 && a.dropout < 1, "adapter.dropout must be in [0, 1)");
+  require(a.type != ADAPTER_NONE || (a.targets.empty() && a.init_from.empty()),
+          "adapter.targets or adapter.init_from is set but adapter.type=none: set adapter.type (lora) or remove "
+          "them");
+  config_param_table(c);  // train.freeze's patterns, adapter.targets
+}
+
+AdapterConfig adapter_config(const Config& c) {
+  AdapterConfig a;
+  a.type = c.adapter.type;
+  a.targets = split_freeze_patterns(c.adapter.targets);  // the same comma list
+  a.rank = c.adapter.rank, a.alpha = c.adapter.alpha, a.dropout = c.adapter.dropout;
+  return a;
+}
+
+ParamTable config_param_table(const Config& c) {
+  return ParamTable(c.model, split_freeze_patterns(c.train.freeze), adapter_config(c));
 }
 
 std::string train_help() {
@@ -602,8 +638,8 @@ std::string train_help() {
   declare_options(options, defaults);
   std::ostringstream s;
   s << "usage: shardtrain train [--config FILE] [--section.key=value ...]\n\n"
-    << "  --config FILE     INI file with [model] [train] [data] [fsdp] [checkpoint] sections; the command\n"
-    << "                    line wins\n"
+    << "  --config FILE     INI file with [model] [train] [data] [fsdp] [checkpoint] [adapter] sections; the\n"
+    << "                    command line wins\n"
     << "  --help            this text\n\n"
     << options.desc;
   return s.str();

@@ -41,6 +41,7 @@ struct TrainOptions {
   int threads = 0;           // per rank; 0 = the cores available to this rank
   double peak_gflops = 0;    // per rank, for MFU; 0 = measure an SGEMM at start-up
   std::string device = "cpu";  // cpu | cuda
+  std::string freeze;          // comma-separated glob patterns of parameters not trained
 };
 
 struct DataOptions {
@@ -90,6 +91,16 @@ struct DebugOptions {
   bool skip_communication = false;  // benchmarks only: shard/replica collectives move nothing
 };
 
+// [adapter]: adapters on the frozen base (model/adapter.hpp, docs/adapters.md).
+struct AdapterOptions {
+  AdapterType type = ADAPTER_NONE;
+  std::string targets;  // comma-separated module paths or their dotted suffixes
+  int rank = 8;
+  double alpha = 16;
+  double dropout = 0;
+  std::string init_from;  // a PEFT adapter folder to start from
+};
+
 struct Config {
   std::string config_file;
   ModelConfig model;
@@ -97,6 +108,7 @@ struct Config {
   DataOptions data;
   FsdpOptions fsdp;
   CheckpointOptions checkpoint;
+  AdapterOptions adapter;
   DebugOptions debug;
 };
 
@@ -116,6 +128,10 @@ std::string train_help();
 std::string resolved_ini(const Config& config);
 // The engine's options from a validated Config.
 EngineOptions engine_options(const Config& config);
+// The parameter table the configuration trains: the model with train.freeze applied. Throws
+// UsageError for a pattern that matches nothing or freezes what cannot be (model/param_table.hpp).
+ParamTable config_param_table(const Config& config);
+AdapterConfig adapter_config(const Config& config);
 // The checkpoint folder: checkpoint.dir, or checkpoints/<train.run_name>.
 std::string checkpoint_dir(const Config& config);
 

@@ -61,7 +61,7 @@ double traffic_per_step(const ParamTable& table, const Candidate& c, const Engin
 
 // Every strategy and option for `config`'s model and batch shape on `world` ranks.
 std::vector<Candidate> plan_candidates(const Config& config, int world, int ranks_per_node, size_t limit) {
-  const ParamTable table(config.model);
+  const ParamTable table = config_param_table(config);
   const int accumulation = std::max(1, config.train.global_batch / (config.train.micro_batch * world));
   std::vector<Candidate> candidates;
   const ShardingStrategy strategies[] = {SHARDING_NO_SHARD, SHARDING_HYBRID_SHARD, SHARDING_SHARD_GRAD_OP,
@@ -77,7 +77,7 @@ std::vector<Candidate> plan_candidates(const Config& config, int world, int rank
           Candidate c{s, every, ckpt, offload, shard, world / shard, {}, 0, false};
           EngineOptions options = engine_options(config);
           options.strategy = s, options.reduce_every_microbatch = every, options.cpu_offload = offload;
-          c.memory = plan_rank_memory(config.model, GroupShape{shard, 0, world / shard, 0}, options,
+          c.memory = plan_rank_memory(table, GroupShape{shard, 0, world / shard, 0}, options,
                                       config.train.micro_batch, config.train.seq_len, ckpt);
           c.traffic_bytes = traffic_per_step(table, c, options, accumulation);
           c.fits = limit == 0 || c.memory.total() <= limit;

@@ -27,6 +27,7 @@
 #include "app/tensorboard.hpp"
 #include "ckpt/checkpoint_manager.hpp"
 #include "ckpt/hf_model.hpp"
+#include "ckpt/peft.hpp"
 #include "core/counted.hpp"
 #include "core/format.hpp"
 #include "ckpt/llmc.hpp"
@@ -226,7 +227,8 @@ std::unique_ptr<Comm> make_replica_comm(const Runtime& rt, const Config& c, Shar
 MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrategy strategy, const Comm& shard,
                                const Comm& replica, const ComputeBackend& compute) {
   GroupShape groups{shard.size(), shard.rank(), replica.size(), replica.rank()};
-  MemoryPlan plan = plan_rank_memory(c.model, groups, engine_options(c), c.train.micro_batch, c.train.seq_len, c.fsdp.activation_checkpointing);
+  MemoryPlan plan = plan_rank_memory(config_param_table(c), groups, engine_options(c), c.train.micro_batch,
+                                     c.train.seq_len, c.fsdp.activation_checkpointing);
   rt.agree_on([&] {
     // Host memory: the whole plan on the CPU backend, the offloaded state on a GPU. Checked against
     // what the node has available, shared by its ranks, so a model that cannot fit stops here
@@ -290,12 +292,13 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
       shard_comm_(make_shard_comm(rt, config, strategy_, compute_, &watchdog_)),
       replica_comm_(make_replica_comm(rt, config, strategy_, compute_, &watchdog_)),
       plan_(checked_memory_plan(rt, config, strategy_, *shard_comm_, *replica_comm_, compute_)),
-      table_(config.model),
+      table_(config_param_table(config)),
       engine_(table_, *shard_comm_, *replica_comm_, memory_, engine_options(config), compute_.backend()),
       optim_config_(optim_config_from(config.train)),
       optimizer_(optim_config_, engine_, memory_),
       checkpoints_(rt, *comm_, checkpoint_dir(config), config.checkpoint.keep, &watchdog_),
-      loss_scaling_(engine_options(config).param_dtype == DTYPE_FP16 || engine_options(config).reduce_dtype == DTYPE_FP16),
+      loss_scaling_(engine_options(config).param_dtype == DTYPE_FP16 ||
+                    engine_options(config).reduce_dtype == DTYPE_FP16),
       loss_scale_(loss_scaling_ ? INITIAL_LOSS_SCALE : 1.0) {
   threads_ = cfg_.train.threads > 0 ? cfg_.train.threads : default_threads_per_rank(rt.local_size());
   set_compute_threads(threads_);
@@ -373,6 +376,27 @@ void Trainer::print_summary() {
   rt_.info("model: %s | %.2fM parameters in %s (root + %s) | %.2fM per rank", model_summary(m).c_str(), total / 1e6,
            counted(static_cast<long long>(table_.units().size()), "unit").c_str(), counted(m.n_layer, "block").c_str(),
            engine_.local_param_count() / 1e6);
+  if (table_.adapter().type != ADAPTER_NONE) {
+    const AdapterConfig& a = table_.adapter();
+    size_t layers = 0;
+    for (int l = 0; l < m.n_layer; l++)
+      for (size_t k = 0; k < linear_sites(m).size(); k++) layers += table_.adapter_param(l, static_cast<int>(k)) >= 0;
+    rt_.info("adapters: %s rank %d alpha %g (scaling %g) dropout %g on %s (%s) | %.3fM trainable parameters, the "
+             "base's %.2fM frozen",
+             adapter_type_name(a.type), a.rank, a.alpha, a.scaling(), a.dropout, counted(static_cast<long long>(layers), "layer").c_str(),
+             cfg_.adapter.targets.c_str(), table_.trainable_params() / 1e6,
+             (table_.total_params() - table_.trainable_params()) / 1e6);
+  } else if (table_.any_frozen()) {
+    size_t frozen_tensors = 0;
+    for (const ParamInfo& p : table_.params()) frozen_tensors += p.frozen;
+    // A tied LM head is the token embedding (the root's first parameter in both architectures):
+    // freezing one freezes the other.
+    const bool head = m.tied() && table_.frozen(ROOT_UNIT, 0);
+    rt_.info("frozen (train.freeze=%s): %s, %.2fM parameters; %.2fM trainable%s", cfg_.train.freeze.c_str(),
+             counted(static_cast<long long>(frozen_tensors), "tensor").c_str(),
+             (table_.total_params() - table_.trainable_params()) / 1e6, table_.trainable_params() / 1e6,
+             head ? " | the LM head is the tied token embedding: frozen with it" : "");
+  }
   rt_.info("batch: %d sequences x %d tokens = %d tokens/step | micro_batch %d per rank | gradient accumulation %d",
            G_, T_, G_ * T_, B_, accum_);
   std::string mem;
@@ -447,6 +471,7 @@ int Trainer::try_load(const std::string& path, bool fall_back) {
     rt_.agree_on([&] { state = read_checkpoint_state(path); });
     // The same file's metadata on every rank: the verdict is identical without an agreement.
     std::string mismatch = model_mismatch(path, state.model, cfg_.model);
+    if (mismatch.empty()) mismatch = adapter_mismatch(path, state.adapter, table_.adapter());
     if (!mismatch.empty()) throw UsageError(mismatch);
     check_same_inputs(path, state);
     if (state.step > cfg_.train.steps)
@@ -476,9 +501,24 @@ int Trainer::resume() {
   if (mode != "none") step = mode == "auto" ? resume_auto() : try_load(mode, false);
   if (step == 0 && !cfg_.checkpoint.init_from.empty()) {
     const std::string& from = cfg_.checkpoint.init_from;
-    const bool hf = is_hf_model_folder(from);
-    rt_.agree_on([&] { hf ? load_hf_shards(from, engine_) : load_llmc_shards(from, engine_); });
-    rt_.info("initialised the weights from %s %s", hf ? "Hugging Face folder" : "llm.c checkpoint", from.c_str());
+    if (is_hdf5_file(from)) {  // a ShardTrain checkpoint: its weights, not its optimizer state or step
+      CheckpointState state;
+      rt_.agree_on([&] { state = read_checkpoint_state(from); });
+      std::string mismatch = model_mismatch(from, state.model, cfg_.model);
+      if (!mismatch.empty()) throw UsageError(mismatch);
+      rt_.agree_on([&] { checkpoints_.load(from, engine_, optimizer_, true); });
+      optimizer_.zero_state();
+      rt_.info("initialised the weights from ShardTrain checkpoint %s (its step %lld; optimizer state from zero)",
+               from.c_str(), static_cast<long long>(state.step));
+    } else {
+      const bool hf = is_hf_model_folder(from);
+      rt_.agree_on([&] { hf ? load_hf_shards(from, engine_) : load_llmc_shards(from, engine_); });
+      rt_.info("initialised the weights from %s %s", hf ? "Hugging Face folder" : "llm.c checkpoint", from.c_str());
+    }
+  }
+  if (step == 0 && !cfg_.adapter.init_from.empty()) {
+    rt_.agree_on([&] { load_peft_adapter(cfg_.adapter.init_from, engine_); });
+    rt_.info("initialised the adapters from PEFT folder %s", cfg_.adapter.init_from.c_str());
   }
   return step;
 }
@@ -523,8 +563,11 @@ Trainer::StepOutcome Trainer::run_step(int step) {
     usleep(static_cast<useconds_t>(cfg_.debug.stall_seconds * 1e6));
   if (rt_.is_root() && step + 1 == cfg_.debug.inject_inf_step) {
     const float inf = INFINITY;
-    DeviceArray<float>& grads = engine_.shards()[ROOT_UNIT].grads;
-    grads.device()->copy(grads.data(), &inf, sizeof inf);
+    for (UnitShard& shard : engine_.shards())  // the first gradient it has (frozen units have none)
+      if (shard.grads.size() > 0) {
+        shard.grads.device()->copy(shard.grads.data(), &inf, sizeof inf);
+        break;
+      }
   }
   sums[1] = optimizer_.local_grad_sq_norm();
   comm_->all_reduce_sum(Span<double>(sums, 2), "all_reduce(loss, grad norm)");

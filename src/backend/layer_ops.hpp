@@ -39,6 +39,11 @@ class LayerOps {
                               int OC) const = 0;
   virtual void matmul_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout, const Real* inp,
                                const Real* weight, int N, int C, int OC) const = 0;
+  // Row-major C(M,N) = alpha op(A) op(B) + beta C, leading dimensions given: the adapters'
+  // products (model/lora.hpp), whose outputs and output gradients are column slices of a fused
+  // product (ldc > N). op(X) = X^T where trans_X.
+  virtual void gemm(bool trans_a, bool trans_b, int M, int N, int K, Real alpha, const Real* A, int lda,
+                    const Real* B, int ldb, Real beta, Real* C, int ldc) const = 0;
   virtual void attention_forward(Real* out, Real* att, const Real* qkv, int B, int T, int NH, int KV,
                                  int HS) const = 0;
   virtual void attention_backward(Real* dqkv, Real* scratch, const Real* dout, const Real* qkv, const Real* att,

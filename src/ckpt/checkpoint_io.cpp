@@ -27,14 +27,14 @@
 namespace shardtrain {
 namespace {
 
-// One dataset and this rank's part of it: flat elements [first, first + count) at data are
-// transferred; [check_first, check_first + check_count) at check_data, a subrange owned by this
-// rank alone among its replicas, enter the checksum (each element counted once). A save transfers
-// only the owned part; a load reads the rank's whole shard.
+// One run of one dataset (DatasetSpec below) and this rank's part of it: flat elements
+// [first, first + count) of the dataset at data are transferred; [check_first, check_first +
+// check_count) at check_data, a subrange owned by this rank alone among its replicas, enter the
+// dataset's checksum (each element counted once). A save transfers only the owned part; a load
+// reads the rank's whole shard. Every rank has the same pieces (some empty): one collective
+// transfer each.
 struct Piece {
-  std::string path;
-  std::vector<hsize_t> dims;
-  uint64_t checked_numel;  // elements covered by the checksum (the unpadded ones)
+  size_t spec = 0;  // the dataset
   uint64_t first = 0, count = 0;
   float* data = nullptr;
   uint64_t check_first = 0, check_count = 0;
@@ -43,9 +43,12 @@ struct Piece {
 
 // HDF5 reads and writes host memory. Shards on the host are used in place; shards on a GPU pass
 // through host copies of the rank's parameters and moments (as large as the shards themselves).
+// Frozen parameters have no moments: their moment datasets are written as zeros and, on load,
+// read (for the checksum) into a scratch buffer and dropped.
 class HostShards {
  public:
   HostShards(FsdpEngine& engine, AdamW& optimizer, bool download) {
+    size_t frozen_shard = 0;
     for (size_t u = 0; u < engine.shards().size(); u++) {
       DeviceArray<float>* arrays[3] = {&engine.shards()[u].params, &optimizer.m()[u], &optimizer.v()[u]};
       for (DeviceArray<float>* a : arrays) {
@@ -53,9 +56,16 @@ class HostShards {
         copies_.emplace_back(a->on_host() ? 0 : a->size());
         if (download && !a->on_host()) a->device()->copy(copies_.back().data(), a->data(), a->bytes());
       }
+      frozen_shard = std::max(frozen_shard, engine.shards()[u].layout.frozen.shard_numel);
     }
+    frozen_moments_.assign(frozen_shard, 0.0f);
   }
-  // k: 0 parameters, 1 first moment, 2 second moment.
+  // k: 0 parameters, 1 first moment, 2 second moment. Element `index` of the unit's shard buffer
+  // (UnitLayout::local_part), in `space`.
+  float* at(size_t unit, int k, const UnitLayout& layout, const SpaceLayout& space, size_t index) {
+    if (k > 0 && &space == &layout.frozen) return frozen_moments_.data() + (index - space.local);
+    return buffer(unit, k) + index;
+  }
   float* buffer(size_t unit, int k) {
     const size_t i = 3 * unit + k;
     return arrays_[i]->on_host() ? arrays_[i]->data() : copies_[i].data();
@@ -75,6 +85,7 @@ class HostShards {
  private:
   std::vector<DeviceArray<float>*> arrays_;
   std::vector<std::vector<float>> copies_;
+  std::vector<float> frozen_moments_;
 };
 
 const char* TENSOR_PARTS[3] = {"params", "exp_avg", "exp_avg_sq"};
@@ -87,56 +98,92 @@ std::string dataset_name(const std::string& layout, const std::string& unit_name
   return TENSOR_PREFIXES[tensor] + param_name;
 }
 
+// Elements [first, first + numel) of a dataset that are unit elements [unit_begin, unit_begin +
+// numel) of the run's table, all in one of the unit's spaces.
+struct DatasetRun {
+  uint64_t first = 0;
+  size_t unit_begin = 0, numel = 0;
+};
+
 // One dataset a checkpoint of this layout and model must hold: the plan of writer, loader and
-// validator alike.
+// validator alike. Datasets are in declaration order (ParamInfo::file_offset), whatever the run
+// froze; `runs` map them onto the run's unit coordinates. The file's table is the run's, or (a base
+// model loaded under adapters) the run's without its adapters: the same parameters by id, the
+// adapters' coming after all of them.
 struct DatasetSpec {
   std::string path;
   std::vector<hsize_t> dims;  // gathered: the parameter's shape; sharded: {numel} (the file's is padded)
   uint64_t numel = 0;         // elements under the checksum
   size_t unit = 0;
   int tensor = 0;
-  uint64_t unit_offset = 0;   // its first element in the unit's flat buffer
+  std::vector<DatasetRun> runs;
 };
 
-std::vector<DatasetSpec> dataset_specs(const ParamTable& table, const std::string& layout) {
+std::vector<DatasetSpec> dataset_specs(const ParamTable& table, const ParamTable& run, const std::string& layout) {
+  SHARD_CHECK(table.params().size() <= run.params().size(), "a checkpoint with more parameters than the run");
   std::vector<DatasetSpec> specs;
   for (size_t u = 0; u < table.units().size(); u++) {
     const UnitInfo& unit = table.units()[u];
     for (int k = 0; k < 3; k++) {
       if (layout == "sharded") {
-        specs.push_back({dataset_name(layout, unit.name, "", k), {unit.numel}, unit.numel, u, k, 0});
+        // The unit's parameters in declaration order; neighbours frozen alike are neighbours in
+        // the unit too, and one run.
+        DatasetSpec d{dataset_name(layout, unit.name, "", k), {unit.numel}, unit.numel, u, k, {}};
+        bool last_frozen = false;
+        for (int id : unit.params) {
+          const ParamInfo& p = table.params()[id];
+          const ParamInfo& q = run.params()[id];
+          DatasetRun* last = d.runs.empty() ? nullptr : &d.runs.back();
+          if (last && q.frozen == last_frozen && last->unit_begin + last->numel == q.offset)
+            last->numel += p.numel;
+          else
+            d.runs.push_back({p.file_offset, q.offset, p.numel});
+          last_frozen = q.frozen;
+        }
+        specs.push_back(std::move(d));
         continue;
       }
       for (int id : unit.params) {
         const ParamInfo& p = table.params()[id];
         std::vector<hsize_t> dims(p.shape.begin(), p.shape.end());
-        specs.push_back({dataset_name(layout, unit.name, p.name, k), dims, p.numel, u, k, p.offset});
+        specs.push_back(
+            {dataset_name(layout, unit.name, p.name, k), dims, p.numel, u, k, {{0, run.params()[id].offset, p.numel}}});
       }
     }
   }
   return specs;
 }
 
-std::vector<Piece> plan_pieces(const std::vector<DatasetSpec>& specs, const std::string& layout, FsdpEngine& engine,
-                               HostShards& host, bool for_save) {
+std::vector<Piece> plan_pieces(const std::vector<DatasetSpec>& specs, FsdpEngine& engine, HostShards& host,
+                               bool for_save) {
   std::vector<Piece> pieces;
-  for (const DatasetSpec& d : specs) {
+  for (size_t i = 0; i < specs.size(); i++) {
+    const DatasetSpec& d = specs[i];
     const UnitLayout& shard = engine.shards()[d.unit].layout;
-    float* buffer = host.buffer(d.unit, d.tensor);
-    const FlatRange dataset{d.unit_offset, d.unit_offset + d.numel};
-    const FlatRange io = intersect(for_save ? shard.owned_range() : shard.shard_range(), dataset);
-    const FlatRange check = intersect(shard.owned_range(), dataset);
-    Piece p;
-    p.path = d.path;
-    p.dims = layout == "sharded" ? std::vector<hsize_t>{shard.padded_numel} : d.dims;
-    p.checked_numel = d.numel;
-    if (!io.empty()) p.first = io.begin - dataset.begin, p.count = io.size(), p.data = buffer + (io.begin - shard.begin);
-    if (!check.empty())
-      p.check_first = check.begin - dataset.begin, p.check_count = check.size(),
-      p.check_data = buffer + (check.begin - shard.begin);
-    pieces.push_back(std::move(p));
+    for (const DatasetRun& run : d.runs) {
+      const FlatRange range{run.unit_begin, run.unit_begin + run.numel};
+      const SpaceLayout& space = shard.space_of(run.unit_begin);
+      const UnitLayout::Local io = shard.local_part(range, for_save), check = shard.local_part(range, true);
+      Piece p;
+      p.spec = i;
+      if (!io.range.empty())
+        p.first = run.first + (io.range.begin - run.unit_begin), p.count = io.range.size(),
+        p.data = host.at(d.unit, d.tensor, shard, space, io.index);
+      if (!check.range.empty())
+        p.check_first = run.first + (check.range.begin - run.unit_begin), p.check_count = check.range.size(),
+        p.check_data = host.at(d.unit, d.tensor, shard, space, check.index);
+      pieces.push_back(p);
+    }
   }
   return pieces;
+}
+
+// The dataset's shape in a new file: a sharded unit's flat buffer padded to a multiple of the
+// rank count (the format's promise; readers accept any padding below it).
+std::vector<hsize_t> file_dims(const DatasetSpec& d, const std::string& layout, int world) {
+  if (layout != "sharded") return d.dims;
+  const hsize_t w = static_cast<hsize_t>(world);
+  return {(d.numel + w - 1) / w * w};
 }
 
 uint64_t element_hash(uint64_t index, float value) {
@@ -218,7 +265,7 @@ std::string unit_index(const ParamTable& table, size_t unit) {
   std::ostringstream s;
   for (int id : table.units()[unit].params) {
     const ParamInfo& p = table.params()[id];
-    s << p.name << " " << p.offset << " " << p.numel << " ";
+    s << p.name << " " << p.file_offset << " " << p.numel << " ";
     for (size_t d = 0; d < p.shape.size(); d++) s << (d ? "x" : "") << p.shape[d];
     s << "\n";
   }
@@ -261,8 +308,20 @@ class MetaChecksum {
 const char* META_CHECKSUM = "meta_checksum";
 // The data's identity, after the architecture; optional for readers (older files lack it).
 const char* DATASET_ATTRS[2] = {"dataset.train", "dataset.val"};
+// Version 3: the adapter's settings, after the data's identity.
+const char* ADAPTER_TYPE = "adapter.type";
+const char* ADAPTER_TARGETS = "adapter.targets";
+const char* ADAPTER_RANK = "adapter.rank";
+const char* ADAPTER_REALS[2] = {"adapter.alpha", "adapter.dropout"};
 
-void write_state(hid_t file, const CheckpointState& s, const ModelConfig& model, const std::string& path) {
+std::string join_targets(const std::vector<std::string>& targets) {
+  std::string s;
+  for (const std::string& t : targets) s += (s.empty() ? "" : ",") + t;
+  return s;
+}
+
+void write_state(hid_t file, const CheckpointState& s, const ModelConfig& model, const AdapterConfig& adapter,
+                 const std::string& path) {
   MetaChecksum sum;
   auto str = [&](const char* name, const std::string& v) { h5_write_attr_str(file, name, v, path), sum.add(name, v); };
   auto i64 = [&](const char* name, int64_t v) {
@@ -290,6 +349,12 @@ void write_state(hid_t file, const CheckpointState& s, const ModelConfig& model,
     h5_write_attr_f64(file, MODEL_ARCH_REALS[i], reals[i], path), sum.add(MODEL_ARCH_REALS[i], real_text(reals[i]));
   str(DATASET_ATTRS[0], s.dataset_train);
   str(DATASET_ATTRS[1], s.dataset_val);
+  str(ADAPTER_TYPE, adapter_type_name(adapter.type));
+  str(ADAPTER_TARGETS, join_targets(adapter.targets));
+  i64(ADAPTER_RANK, adapter.rank);
+  const double adapter_reals[2] = {adapter.alpha, adapter.dropout};
+  for (int i = 0; i < 2; i++)
+    h5_write_attr_f64(file, ADAPTER_REALS[i], adapter_reals[i], path), sum.add(ADAPTER_REALS[i], real_text(adapter_reals[i]));
   h5_write_attr_u64(file, META_CHECKSUM, sum.value(), path);
 }
 
@@ -395,6 +460,26 @@ CheckpointState read_state(hid_t file, const std::string& path) {
     s.dataset_val = str(DATASET_ATTRS[1]);
   }
   const std::string where = "checkpoint '" + path + "': ";
+  if (version >= 3) {
+    AdapterConfig& a = s.adapter;
+    const std::string type = str(ADAPTER_TYPE), targets = str(ADAPTER_TARGETS);
+    const int64_t rank = i64(ADAPTER_RANK);
+    double reals[2];
+    for (int i = 0; i < 2; i++) {
+      reals[i] = h5_read_attr_f64(file, ADAPTER_REALS[i], path);
+      sum.add(ADAPTER_REALS[i], real_text(reals[i]));
+    }
+    if (!parse_adapter_type(type, &a.type) || rank < 1 || rank > (1 << 20) || !(reals[0] > 0) ||
+        !(reals[1] >= 0 && reals[1] < 1))
+      throw CheckpointError(where + "attributes adapter.* hold no valid adapter (type '" + type +
+                            "'); the file is damaged");
+    for (size_t begin = 0; !targets.empty() && begin <= targets.size();) {
+      size_t comma = std::min(targets.find(',', begin), targets.size());
+      a.targets.push_back(targets.substr(begin, comma - begin));
+      begin = comma + 1;
+    }
+    a.rank = static_cast<int>(rank), a.alpha = reals[0], a.dropout = reals[1];
+  }
   if (!h5_has_attr(file, META_CHECKSUM))
     s.warning = where + "no metadata checksum (written by an older build): its attributes are not verified";
   else if (h5_read_attr_u64(file, META_CHECKSUM, path) != sum.value())
@@ -544,17 +629,35 @@ void release_reserve(const std::string& path, uint64_t bytes) {
 
 // An upper bound of the file's size: the data plus generous room for HDF5's metadata (object
 // headers, the attributes, the group B-trees and heaps).
-uint64_t file_size_bound(const std::vector<Piece>& pieces, const std::string& config) {
+uint64_t file_size_bound(const std::vector<DatasetSpec>& specs, const std::string& layout, int world,
+                         const std::string& config) {
   uint64_t bytes = 64 << 10;
-  for (const Piece& p : pieces) {
+  for (const DatasetSpec& d : specs) {
     uint64_t n = 4;
-    for (hsize_t d : p.dims) n *= d;
-    bytes += n + 2048 + 2 * p.path.size();
+    for (hsize_t dim : file_dims(d, layout, world)) n *= dim;
+    bytes += n + 2048 + 2 * d.path.size();
   }
   return bytes + 2 * config.size();
 }
 
 }  // namespace
+
+std::string adapter_mismatch(const std::string& path, const AdapterConfig& stored, const AdapterConfig& configured) {
+  std::string differences;
+  auto differ = [&](const char* key, const std::string& a, const std::string& b) {
+    if (a != b) differences += (differences.empty() ? "" : ", ") + std::string(key) + "=" + a + " (configured " + b + ")";
+  };
+  differ(ADAPTER_TYPE, adapter_type_name(stored.type), adapter_type_name(configured.type));
+  if (stored.type != ADAPTER_NONE && configured.type != ADAPTER_NONE) {
+    differ(ADAPTER_TARGETS, join_targets(stored.targets), join_targets(configured.targets));
+    differ(ADAPTER_RANK, std::to_string(stored.rank), std::to_string(configured.rank));
+  }
+  if (differences.empty()) return "";
+  return "checkpoint '" + path + "' holds other adapters: " + differences + "; set adapter.* to match" +
+         (stored.type != ADAPTER_NONE && configured.type == ADAPTER_NONE
+              ? ", or fold them into the model with `shardtrain export --merge`"
+              : "");
+}
 
 std::string model_mismatch(const std::string& path, const ModelConfig& stored, const ModelConfig& configured) {
   std::string differences;
@@ -586,13 +689,13 @@ void save_checkpoint(const std::string& path, const CheckpointState& state, Fsdp
   Comm& comm = ranks.comm;
   const ParamTable& table = engine.table();
   HostShards host(engine, optimizer, true);
-  std::vector<Piece> pieces = plan_pieces(dataset_specs(table, state.layout), state.layout, engine, host, true);
-  std::vector<uint64_t> sums(pieces.size());
-  for (size_t i = 0; i < pieces.size(); i++)
-    sums[i] = checksum_elements(pieces[i].check_data, pieces[i].check_count, pieces[i].check_first);
+  const std::vector<DatasetSpec> specs = dataset_specs(table, table, state.layout);
+  std::vector<Piece> pieces = plan_pieces(specs, engine, host, true);
+  std::vector<uint64_t> sums(specs.size());
+  for (const Piece& p : pieces) sums[p.spec] += checksum_elements(p.check_data, p.check_count, p.check_first);
   sum_over_ranks(sums, comm);
   const bool reserve = comm.rank() == 0 && preallocate();
-  const uint64_t bytes = file_size_bound(pieces, state.config_ini);
+  const uint64_t bytes = file_size_bound(specs, state.layout, comm.size(), state.config_ini);
 
   // Every phase runs on all ranks or on none, and ends agreeing on its outcome: a rank that failed
   // (often alone: a write error may reach only the rank that did the I/O) never skips a collective
@@ -621,17 +724,21 @@ void save_checkpoint(const std::string& path, const CheckpointState& state, Fsdp
   // All metadata first, written while the file is small; then the data; so the final close has
   // (almost) nothing left to write.
   phase("checkpoint save: metadata", [&] {
-    write_state(file, state, table.config(), path);
+    write_state(file, state, table.config(), table.adapter(), path);
     lcpl = H5Id(h5_check_id(H5Pcreate(H5P_LINK_CREATE), path, "H5Pcreate"), H5Pclose);
     h5_check(H5Pset_create_intermediate_group(lcpl, 1), path, "H5Pset_create_intermediate_group");
-    for (size_t i = 0; i < pieces.size(); i++) {
-      const Piece& p = pieces[i];
-      H5Id space(h5_check_id(H5Screate_simple(static_cast<int>(p.dims.size()), p.dims.data(), nullptr), path,
-                             "H5Screate_simple"), H5Sclose);
-      datasets.emplace_back(h5_check_id(H5Dcreate2(file, p.path.c_str(), H5T_IEEE_F32LE, space, lcpl, H5P_DEFAULT,
-                                                   H5P_DEFAULT), path, "H5Dcreate2"), H5Dclose);
+    for (size_t i = 0; i < specs.size(); i++) {
+      const DatasetSpec& d = specs[i];
+      const std::vector<hsize_t> dims = file_dims(d, state.layout, comm.size());
+      H5Id space(
+          h5_check_id(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), path, "H5Screate_simple"),
+          H5Sclose);
+      datasets.emplace_back(
+          h5_check_id(H5Dcreate2(file, d.path.c_str(), H5T_IEEE_F32LE, space, lcpl, H5P_DEFAULT, H5P_DEFAULT), path,
+                      "H5Dcreate2"),
+          H5Dclose);
       h5_write_attr_u64(datasets.back(), "checksum", sums[i], path);
-      h5_write_attr_i64(datasets.back(), "numel", static_cast<int64_t>(p.checked_numel), path);
+      h5_write_attr_i64(datasets.back(), "numel", static_cast<int64_t>(d.numel), path);
     }
     if (state.layout == "sharded") {
       for (size_t u = 0; u < table.units().size(); u++) {
@@ -646,18 +753,18 @@ void save_checkpoint(const std::string& path, const CheckpointState& state, Fsdp
   phase(nullptr, [&] {
     dxpl = collective_transfer(path);
     std::string local;
-    for (size_t i = 0; i < pieces.size(); i++) {
-      const Piece& p = pieces[i];
-      H5Id space(h5_check_id(H5Dget_space(datasets[i]), path, "H5Dget_space"), H5Sclose);
-      select_flat_range(space, p.dims, p.first, p.count, path);
+    for (const Piece& p : pieces) {
+      const DatasetSpec& d = specs[p.spec];
+      H5Id space(h5_check_id(H5Dget_space(datasets[p.spec]), path, "H5Dget_space"), H5Sclose);
+      select_flat_range(space, file_dims(d, state.layout, comm.size()), p.first, p.count, path);
       hsize_t mem_n = std::max<uint64_t>(p.count, 1);
       H5Id memspace(h5_check_id(H5Screate_simple(1, &mem_n, nullptr), path, "H5Screate_simple"), H5Sclose);
       if (p.count == 0) h5_check(H5Sselect_none(memspace), path, "H5Sselect_none");
       // A failure may be this rank's alone: note it and go on taking part in the collective writes.
       errno = 0;
       Watchdog::Scope scope(ranks.watchdog, "checkpoint save: H5Dwrite");
-      if (H5Dwrite(datasets[i], H5T_NATIVE_FLOAT, memspace, space, dxpl, p.data) < 0 && local.empty())
-        local = write_failure(errno, p.path, path);
+      if (H5Dwrite(datasets[p.spec], H5T_NATIVE_FLOAT, memspace, space, dxpl, p.data) < 0 && local.empty())
+        local = write_failure(errno, d.path, path);
     }
     if (!local.empty()) throw CheckpointError(local);
   });
@@ -683,50 +790,60 @@ void save_checkpoint(const std::string& path, const CheckpointState& state, Fsdp
 }
 
 CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, AdamW& optimizer,
-                                const CheckpointComm& ranks) {
+                                const CheckpointComm& ranks, bool base_model_ok) {
   H5QuietErrors quiet;
   Comm& comm = ranks.comm;
   const ParamTable& table = engine.table();
   H5Id file;
   CheckpointState state;
   std::vector<DatasetSpec> specs;
+  std::unique_ptr<ParamTable> file_table;
   {
     Watchdog::Scope scope(ranks.watchdog, "checkpoint load: H5Fopen and metadata");
     file = open_parallel(path, ranks.file_comm, false);
     state = read_state(file, path);
     std::string mismatch = model_mismatch(path, state.model, table.config());
+    // A base model under adapters: its parameters, the adapters keep theirs.
+    const bool base_only = state.adapter.type == ADAPTER_NONE && table.adapter().type != ADAPTER_NONE && base_model_ok;
+    if (mismatch.empty() && !base_only) mismatch = adapter_mismatch(path, state.adapter, table.adapter());
     if (!mismatch.empty()) throw CheckpointError(mismatch);
     if (comm.rank() == 0 && !state.warning.empty()) std::fprintf(stderr, "warning: %s\n", state.warning.c_str());
     // Metadata reads are collective (rank 0 reads and broadcasts): these verdicts are the same on
     // every rank without an agreement.
-    specs = dataset_specs(table, state.layout);
+    file_table = std::make_unique<ParamTable>(state.model, std::vector<std::string>{}, state.adapter);
+    specs = dataset_specs(*file_table, table, state.layout);
     check_objects(file, specs, path);
   }
 
-  // Shards are overwritten entirely: padding and the parts outside the file stay zero.
+  // Shards are overwritten entirely -- padding and the parts outside the file stay zero -- unless
+  // the file lacks some (the adapters of a base-only load), which keep their values.
   HostShards host(engine, optimizer, false);
-  host.zero();
-  std::vector<Piece> pieces = plan_pieces(specs, state.layout, engine, host, false);
-  std::vector<uint64_t> stored(pieces.size()), computed(pieces.size());
+  if (file_table->params().size() == table.params().size()) host.zero();
+  std::vector<Piece> pieces = plan_pieces(specs, engine, host, false);
+  std::vector<uint64_t> stored(specs.size()), computed(specs.size());
   std::string local_error;
   H5Id dxpl = collective_transfer(path);
-  for (size_t i = 0; i < pieces.size(); i++) {
-    Piece& p = pieces[i];
+  size_t next = 0;  // pieces are in the order of their datasets
+  for (size_t i = 0; i < specs.size(); i++) {
     Watchdog::Scope scope(ranks.watchdog, "checkpoint load: H5Dread");
-    H5Id dataset(h5_check_id(H5Dopen2(file, p.path.c_str(), H5P_DEFAULT), path, "H5Dopen2"), H5Dclose);
+    H5Id dataset(h5_check_id(H5Dopen2(file, specs[i].path.c_str(), H5P_DEFAULT), path, "H5Dopen2"), H5Dclose);
     auto [dims, checksum] = check_dataset(dataset, specs[i], state, path);
     stored[i] = checksum;
-    // A failure here may be this rank's alone (a damaged block only it reads): note it and keep
-    // taking part in the collective reads, so that no rank waits for one that has left.
-    if (read_flat(dataset, dims, p.first, p.count, p.data, dxpl, path) < 0 && local_error.empty())
-      local_error = "checkpoint '" + path + "': reading " + p.path + " failed (damaged data)";
-    computed[i] = checksum_elements(p.check_data, p.check_count, p.check_first);
+    for (; next < pieces.size() && pieces[next].spec == i; next++) {
+      const Piece& p = pieces[next];
+      // A failure here may be this rank's alone (a damaged block only it reads): note it and keep
+      // taking part in the collective reads, so that no rank waits for one that has left. The
+      // checksum is taken at once: frozen moments share one scratch buffer.
+      if (read_flat(dataset, dims, p.first, p.count, p.data, dxpl, path) < 0 && local_error.empty())
+        local_error = "checkpoint '" + path + "': reading " + specs[i].path + " failed (damaged data)";
+      computed[i] += checksum_elements(p.check_data, p.check_count, p.check_first);
+    }
   }
   std::string error = agreed_error(local_error, comm);
   if (!error.empty()) throw CheckpointError(error);
   sum_over_ranks(computed, comm);
-  for (size_t i = 0; i < pieces.size(); i++)
-    if (computed[i] != stored[i]) throw CheckpointError(checksum_failure(path, pieces[i].path));
+  for (size_t i = 0; i < specs.size(); i++)
+    if (computed[i] != stored[i]) throw CheckpointError(checksum_failure(path, specs[i].path));
   {
     Watchdog::Scope scope(ranks.watchdog, "checkpoint load: H5Fclose");
     dxpl.reset(), file.reset();
@@ -744,6 +861,16 @@ static H5Id open_serial(const std::string& path) {
   return H5Id(id, H5Fclose);
 }
 
+bool is_hdf5_file(const std::string& path) {
+  static const char SIGNATURE[8] = {'\x89', 'H', 'D', 'F', '\r', '\n', '\x1a', '\n'};
+  char head[8] = {};
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return false;
+  const bool ok = std::fread(head, 1, sizeof head, f) == sizeof head && std::memcmp(head, SIGNATURE, 8) == 0;
+  std::fclose(f);
+  return ok;
+}
+
 CheckpointState read_checkpoint_state(const std::string& path) {
   H5QuietErrors quiet;
   H5Id file = open_serial(path);
@@ -754,7 +881,8 @@ CheckpointReader::CheckpointReader(const std::string& path) : path_(path) {
   H5QuietErrors quiet;
   H5Id file = open_serial(path);
   state_ = read_state(file, path);
-  std::vector<DatasetSpec> specs = dataset_specs(ParamTable(state_.model), state_.layout);
+  const ParamTable table(state_.model, {}, state_.adapter);
+  std::vector<DatasetSpec> specs = dataset_specs(table, table, state_.layout);
   check_objects(file, specs, path);
   std::vector<float> chunk;
   for (const DatasetSpec& d : specs) {
@@ -789,7 +917,7 @@ std::vector<float> CheckpointReader::read(const ParamInfo& param, const std::str
   H5Id dataset(h5_check_id(H5Dopen2(file_, where.c_str(), H5P_DEFAULT), path_, "H5Dopen2"), H5Dclose);
   // Gathered: the whole dataset; sharded: the parameter's run of the unit's flat buffer (the
   // constructor checked both shapes).
-  const uint64_t first = state_.layout == "sharded" ? param.offset : 0;
+  const uint64_t first = state_.layout == "sharded" ? param.file_offset : 0;
   std::vector<float> values(param.numel);
   h5_check(read_flat(dataset, h5_dataset_dims(dataset, path_), first, param.numel, values.data(), H5P_DEFAULT, path_),
            path_, ("reading " + where).c_str());

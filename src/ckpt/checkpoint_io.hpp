@@ -29,7 +29,8 @@ namespace shardtrain {
 class Watchdog;
 
 constexpr const char* CKPT_FORMAT_NAME = "shardtrain-checkpoint";
-constexpr int64_t CKPT_FORMAT_VERSION = 2;  // 2: the model's architecture (1: gpt2, still read)
+// 3: the adapter's settings; 2: the model's architecture (1: gpt2); all still read.
+constexpr int64_t CKPT_FORMAT_VERSION = 3;
 
 // Everything besides the tensors that resuming needs.
 struct CheckpointState {
@@ -42,6 +43,7 @@ struct CheckpointState {
   std::string strategy = "FULL_SHARD";
   std::string config_ini;          // the full resolved configuration at save time
   ModelConfig model;               // the model's shape (also in config_ini)
+  AdapterConfig adapter;           // its adapters (type none: none; files before version 3 have none)
   int64_t loss_scale_log2 = 0;     // fp16 dynamic loss scale = 2^loss_scale_log2
   int64_t loss_scale_good_steps = 0;  // finite steps since the scale last changed
   // The data's identity (TokenDataset::identity of data.train_file and data.val_file: a line
@@ -70,13 +72,20 @@ void save_checkpoint(const std::string& path, const CheckpointState& state, Fsdp
                      const CheckpointComm& ranks);
 
 // Collective over `ranks`. Reads the metadata, checks format, version and that the model shape
-// matches `engine`'s, then fills this rank's shards and moments and verifies every checksum.
-// Throws CheckpointError naming the file and the defect.
+// and adapters match `engine`'s, then fills this rank's shards and moments and verifies every
+// checksum. base_model_ok: a file without adapters may load under adapters (checkpoint.init_from),
+// filling the base model; the adapters keep their values. Throws CheckpointError naming the file
+// and the defect.
 CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, AdamW& optimizer,
-                                const CheckpointComm& ranks);
+                                const CheckpointComm& ranks, bool base_model_ok = false);
 
 // "" when the shapes agree, else a message naming every model.* key that differs.
 std::string model_mismatch(const std::string& path, const ModelConfig& stored, const ModelConfig& configured);
+// The same for the adapters (type, targets, rank: what fixes their parameters).
+std::string adapter_mismatch(const std::string& path, const AdapterConfig& stored, const AdapterConfig& configured);
+
+// Whether the file begins with HDF5's signature (a checkpoint, as opposed to an llm.c file).
+bool is_hdf5_file(const std::string& path);
 
 // Reads and checks only the root attributes (serial open), for choosing a checkpoint.
 CheckpointState read_checkpoint_state(const std::string& path);

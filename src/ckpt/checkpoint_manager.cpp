@@ -134,8 +134,9 @@ std::string CheckpointManager::save(const CheckpointState& state, FsdpEngine& en
   return final_path;
 }
 
-CheckpointState CheckpointManager::load(const std::string& path, FsdpEngine& engine, AdamW& optimizer) {
-  return load_checkpoint(path, engine, optimizer, ranks());
+CheckpointState CheckpointManager::load(const std::string& path, FsdpEngine& engine, AdamW& optimizer,
+                                        bool base_model_ok) {
+  return load_checkpoint(path, engine, optimizer, ranks(), base_model_ok);
 }
 
 std::vector<std::string> CheckpointManager::candidates() {

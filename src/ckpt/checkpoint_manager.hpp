@@ -28,7 +28,7 @@ class CheckpointManager {
   // Collective. Returns the committed path. Throws InputError (agreed by all ranks) on failure.
   std::string save(const CheckpointState& state, FsdpEngine& engine, AdamW& optimizer);
   // Collective. load_checkpoint of `path` over this manager's ranks.
-  CheckpointState load(const std::string& path, FsdpEngine& engine, AdamW& optimizer);
+  CheckpointState load(const std::string& path, FsdpEngine& engine, AdamW& optimizer, bool base_model_ok = false);
   // Collective. Complete checkpoints in the folder, newest first (`latest`'s target leads).
   std::vector<std::string> candidates();
 

@@ -11,6 +11,7 @@
 #include <set>
 #include <sstream>
 
+#include "ckpt/json_file.hpp"
 #include "core/error.hpp"
 
 namespace shardtrain {
@@ -40,18 +41,6 @@ bool ignorable(ModelArch arch, const std::string& key) {
   if (key == "lm_head.weight") return true;
   if (arch == ARCH_LLAMA) return ends_with(key, ".self_attn.rotary_emb.inv_freq");
   return ends_with(key, ".attn.bias") || ends_with(key, ".attn.masked_bias");
-}
-
-nlohmann::json read_json(const std::string& path, const std::string& what) {
-  std::ifstream in(path);
-  if (!in) throw CheckpointError(what + " '" + path + "': cannot open");
-  std::stringstream text;
-  text << in.rdbuf();
-  try {
-    return nlohmann::json::parse(text.str());
-  } catch (const nlohmann::json::exception& e) {
-    throw CheckpointError(what + " '" + path + "': malformed JSON: " + e.what());
-  }
 }
 
 // The tensors of a folder: key (hf_key) -> the file that holds it.
@@ -278,6 +267,10 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
   std::vector<Source> sources;
   std::set<std::string> used;
   for (const ParamInfo& p : table.params()) {
+    if (p.adapter) {  // the base model's folder has none: they keep their initial values
+      sources.push_back({nullptr, nullptr, false});
+      continue;
+    }
     const HfTensor want = hf_tensor_of(arch, p);
     const std::string key = hf_key(arch, want.name);
     auto it = files.tensors.find(key);
@@ -305,14 +298,16 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
 
   for (size_t u = 0; u < engine.shards().size(); u++) {
     UnitShard& s = engine.shards()[u];
-    std::vector<float> values(s.layout.shard_numel, 0.0f);  // read on the host, then to the shard's device
+    std::vector<float> values(s.layout.shard_numel());  // read on the host, then to the shard's device
+    s.params.device()->copy(values.data(), s.params.data(), s.params.bytes());  // what the file lacks stays
     std::vector<float> block;
     for (int id : table.units()[u].params) {
       const ParamInfo& p = table.params()[id];
-      const FlatRange part = intersect(s.layout.shard_range(), p.range());
-      if (part.empty()) continue;
+      const UnitLayout::Local local = s.layout.local_part(p.range());
+      const FlatRange part = local.range;
+      if (part.empty() || p.adapter) continue;
       const auto [reader, tensor, transposed] = sources[p.id];
-      float* slice = values.data() + (part.begin - s.layout.begin);
+      float* slice = values.data() + local.index;
       const size_t first = part.begin - p.offset, count = part.size();
       if (!transposed) {
         reader->read_fp32(*tensor, first, count, slice);

@@ -45,6 +45,9 @@ void export_llmc(const std::string& checkpoint_path, const std::string& out_path
   if (m.arch != ARCH_GPT2)
     throw UsageError("checkpoint '" + checkpoint_path + "' holds a " + model_arch_name(m.arch) +
                      " model; llm.c's file format is GPT-2's: export it with --format hf");
+  if (reader.state().adapter.type != ADAPTER_NONE)
+    throw UsageError("checkpoint '" + checkpoint_path + "' holds adapters, which llm.c's format cannot: export "
+                     "them with --adapter, or the merged model with --format hf --merge");
   ParamTable table(m);
   int header[256] = {0};
   header[0] = LLMC_MAGIC, header[1] = LLMC_VERSION_FP32, header[2] = m.max_seq_len, header[3] = m.vocab_size;
@@ -75,6 +78,7 @@ void export_llmc(const std::string& checkpoint_path, const std::string& out_path
 void load_llmc_shards(const std::string& path, FsdpEngine& engine) {
   const ParamTable& table = engine.table();
   const ModelConfig& m = table.config();
+  const ParamTable base(m);  // the file's layout: the model without adapters (theirs come after, by id)
   if (m.arch != ARCH_GPT2)
     throw UsageError("checkpoint.init_from '" + path + "' is an llm.c file, which holds GPT-2 weights, but "
                      "model.arch=" + model_arch_name(m.arch) + "; give a Hugging Face folder instead");
@@ -103,15 +107,18 @@ void load_llmc_shards(const std::string& path, FsdpEngine& engine) {
   const long long vocab_extra = static_cast<long long>(header[7] - llmc_padded_vocab(m.vocab_size)) * m.n_embd;
   for (size_t u = 0; u < engine.shards().size(); u++) {
     UnitShard& s = engine.shards()[u];
-    std::vector<float> values(s.layout.shard_numel, 0.0f);  // read on the host, then to the shard's device
+    std::vector<float> values(s.layout.shard_numel());  // read on the host, then to the shard's device
+    s.params.device()->copy(values.data(), s.params.data(), s.params.bytes());  // what the file lacks stays
     for (int id : table.units()[u].params) {
       const ParamInfo& p = table.params()[id];
-      const FlatRange part = intersect(s.layout.shard_range(), p.range());
-      if (part.empty()) continue;
+      const UnitLayout::Local local = s.layout.local_part(p.range());
+      const FlatRange part = local.range;
+      if (part.empty() || p.adapter) continue;
       const size_t from = part.begin, to = part.end;
-      long long element = static_cast<long long>(llmc_element_offset(table, p)) + (id == 0 ? 0 : vocab_extra) +
+      long long element = static_cast<long long>(llmc_element_offset(base, base.params()[id])) +
+                          (id == 0 ? 0 : vocab_extra) +
                           static_cast<long long>(from - p.offset);
-      float* slice = values.data() + (from - s.layout.begin);
+      float* slice = values.data() + local.index;
       if (std::fseek(in, 1024 + element * 4, SEEK_SET) != 0 ||
           std::fread(slice, sizeof(float), to - from, in) != to - from)
         throw CheckpointError("checkpoint.init_from '" + path + "': file too short (truncated?) while reading " +

@@ -32,6 +32,7 @@ GptModel<Real>::GptModel(const ParamTable& table, int batch, int seq_len, bool a
   probs_ = array(BT * cfg_.vocab_size), losses_ = array(BT);
   dresid_ = array(BT * C), dln_ = array(BT * C), dqkv_ = array(BT * 3 * C), dfch_ = array(BT * 4 * C);
   datt_ = array(B_ * NH * T_ * T_);
+  if (table.adapter().type == ADAPTER_LORA) lora_ = std::make_unique<LoraLayers<Real>>(table, B_ * T_, ops);
 }
 
 template <typename Real>
@@ -49,33 +50,32 @@ size_t GptModel<Real>::plan_activation_elements(const ModelConfig& c, int batch,
 template <typename Real>
 void GptModel<Real>::embed_forward(const Real* root, const int* tokens) {
   ops_.device().copy(tokens_.data(), tokens, tokens_.bytes());
-  ops_.encoder_forward(resid_[0].data(), tokens_.data(), root + table_.root_offset(ROOT_WTE),
-                  root + table_.root_offset(ROOT_WPE), B_, T_, cfg_.n_embd);
+  ops_.encoder_forward(resid_[0].data(), tokens_.data(), param_in(table_, root, ROOT_UNIT, ROOT_WTE),
+                       param_in(table_, root, ROOT_UNIT, ROOT_WPE), B_, T_, cfg_.n_embd);
 }
 
 template <typename Real>
 void GptModel<Real>::block_forward(int l, const Real* w) {
   const int N = B_ * T_, C = cfg_.n_embd, NH = cfg_.n_head;
-  const ParamTable& t = table_;
   Layer& a = layer(l);
+  auto W = [&](BlockParam p) { return param_in(table_, w, block_unit(l), p); };
   const Real* x = resid_[l].data();
-  ops_.layernorm_forward(a.ln1.data(), a.ln1_mean.data(), a.ln1_rstd.data(), x, w + t.block_offset(BLOCK_LN1_W),
-                    w + t.block_offset(BLOCK_LN1_B), N, C);
-  ops_.matmul_forward(a.qkv.data(), a.ln1.data(), w + t.block_offset(BLOCK_QKV_W), w + t.block_offset(BLOCK_QKV_B), N, C,
-                 3 * C);
+  ops_.layernorm_forward(a.ln1.data(), a.ln1_mean.data(), a.ln1_rstd.data(), x, W(BLOCK_LN1_W), W(BLOCK_LN1_B), N, C);
+  ops_.matmul_forward(a.qkv.data(), a.ln1.data(), W(BLOCK_QKV_W), W(BLOCK_QKV_B), N, C, 3 * C);
+  adapt_forward(l, PRODUCT_QKV, a.ln1.data(), a.qkv.data(), w);
   ops_.attention_forward(a.atty.data(), a.att.data(), a.qkv.data(), B_, T_, NH, NH, C / NH);
   // The projection output is only needed summed into the residual: reuse resid2 for it.
-  ops_.matmul_forward(a.resid2.data(), a.atty.data(), w + t.block_offset(BLOCK_ATTPROJ_W),
-                 w + t.block_offset(BLOCK_ATTPROJ_B), N, C, C);
+  ops_.matmul_forward(a.resid2.data(), a.atty.data(), W(BLOCK_ATTPROJ_W), W(BLOCK_ATTPROJ_B), N, C, C);
+  adapt_forward(l, PRODUCT_ATTN_OUT, a.atty.data(), a.resid2.data(), w);
   ops_.residual_forward(a.resid2.data(), a.resid2.data(), x, a.resid2.size());
-  ops_.layernorm_forward(a.ln2.data(), a.ln2_mean.data(), a.ln2_rstd.data(), a.resid2.data(),
-                    w + t.block_offset(BLOCK_LN2_W), w + t.block_offset(BLOCK_LN2_B), N, C);
-  ops_.matmul_forward(a.fch.data(), a.ln2.data(), w + t.block_offset(BLOCK_FC_W), w + t.block_offset(BLOCK_FC_B), N, C,
-                 4 * C);
+  ops_.layernorm_forward(a.ln2.data(), a.ln2_mean.data(), a.ln2_rstd.data(), a.resid2.data(), W(BLOCK_LN2_W),
+                         W(BLOCK_LN2_B), N, C);
+  ops_.matmul_forward(a.fch.data(), a.ln2.data(), W(BLOCK_FC_W), W(BLOCK_FC_B), N, C, 4 * C);
+  adapt_forward(l, PRODUCT_MLP_UP, a.ln2.data(), a.fch.data(), w);
   ops_.gelu_forward(a.fch_gelu.data(), a.fch.data(), a.fch.size());
   Real* out = resid_[l + 1].data();
-  ops_.matmul_forward(out, a.fch_gelu.data(), w + t.block_offset(BLOCK_FCPROJ_W), w + t.block_offset(BLOCK_FCPROJ_B), N,
-                 4 * C, C);
+  ops_.matmul_forward(out, a.fch_gelu.data(), W(BLOCK_FCPROJ_W), W(BLOCK_FCPROJ_B), N, 4 * C, C);
+  adapt_forward(l, PRODUCT_MLP_DOWN, a.fch_gelu.data(), out, w);
   ops_.residual_forward(out, out, a.resid2.data(), resid_[l + 1].size());
 }
 
@@ -83,10 +83,10 @@ template <typename Real>
 double GptModel<Real>::head_forward(const Real* root, const int* targets) {
   const int N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size;
   ops_.device().copy(targets_.data(), targets, targets_.bytes());
-  ops_.layernorm_forward(lnf_.data(), lnf_mean_.data(), lnf_rstd_.data(), resid_[cfg_.n_layer].data(),
-                    root + table_.root_offset(ROOT_LNF_W), root + table_.root_offset(ROOT_LNF_B), N, C);
-  ops_.matmul_forward(probs_.data(), lnf_.data(), root + table_.root_offset(ROOT_WTE), static_cast<const Real*>(nullptr), N,
-                 C, V);
+  auto R = [&](RootParam p) { return param_in(table_, root, ROOT_UNIT, p); };
+  ops_.layernorm_forward(lnf_.data(), lnf_mean_.data(), lnf_rstd_.data(), resid_[cfg_.n_layer].data(), R(ROOT_LNF_W),
+                         R(ROOT_LNF_B), N, C);
+  ops_.matmul_forward(probs_.data(), lnf_.data(), R(ROOT_WTE), static_cast<const Real*>(nullptr), N, C, V);
   ops_.softmax_crossentropy_forward(losses_.data(), probs_.data(), targets_.data(), N, V);
   return ops_.sum(losses_.data(), losses_.size());
 }
@@ -94,46 +94,49 @@ double GptModel<Real>::head_forward(const Real* root, const int* targets) {
 template <typename Real>
 void GptModel<Real>::head_backward(Real* g, const Real* root, Real dloss) {
   const int N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size;
-  const ParamTable& t = table_;
+  auto R = [&](RootParam p) { return param_in(table_, root, ROOT_UNIT, p); };
+  auto G = [&](RootParam p) { return grad_in(table_, g, ROOT_UNIT, p); };
   ops_.softmax_crossentropy_backward(probs_.data(), targets_.data(), dloss, N, V);
-  ops_.matmul_backward(dln_.data(), g + t.root_offset(ROOT_WTE), static_cast<Real*>(nullptr), probs_.data(), lnf_.data(),
-                  root + t.root_offset(ROOT_WTE), N, C, V);
+  ops_.matmul_backward(dln_.data(), G(ROOT_WTE), static_cast<Real*>(nullptr), probs_.data(), lnf_.data(), R(ROOT_WTE),
+                       N, C, V);
   dresid_.zero();
-  ops_.layernorm_backward(dresid_.data(), g + t.root_offset(ROOT_LNF_W), g + t.root_offset(ROOT_LNF_B), dln_.data(),
-                     resid_[cfg_.n_layer].data(), root + t.root_offset(ROOT_LNF_W), lnf_mean_.data(), lnf_rstd_.data(),
-                     N, C);
+  ops_.layernorm_backward(dresid_.data(), G(ROOT_LNF_W), G(ROOT_LNF_B), dln_.data(), resid_[cfg_.n_layer].data(),
+                          R(ROOT_LNF_W), lnf_mean_.data(), lnf_rstd_.data(), N, C);
 }
 
 template <typename Real>
 void GptModel<Real>::block_backward(int l, Real* g, const Real* w) {
   const int N = B_ * T_, C = cfg_.n_embd, NH = cfg_.n_head;
-  const ParamTable& t = table_;
   if (checkpointing_) block_forward(l, w);  // recompute this block's activations from its saved input
   Layer& a = layer(l);
-  auto W = [&](BlockParam p) { return w + t.block_offset(p); };
-  auto G = [&](BlockParam p) { return g + t.block_offset(p); };
+  auto W = [&](BlockParam p) { return param_in(table_, w, block_unit(l), p); };
+  auto G = [&](BlockParam p) { return grad_in(table_, g, block_unit(l), p); };
   // MLP: out = r2 + proj(gelu(fc(ln2(r2)))); dresid_ holds d(out) and becomes d(r2).
   ops_.matmul_backward(dfch_.data(), G(BLOCK_FCPROJ_W), G(BLOCK_FCPROJ_B), dresid_.data(), a.fch_gelu.data(),
                   W(BLOCK_FCPROJ_W), N, 4 * C, C);
+  adapt_backward(l, PRODUCT_MLP_DOWN, a.fch_gelu.data(), dresid_.data(), dfch_.data(), w, g);
   ops_.gelu_backward(dfch_.data(), dfch_.data(), a.fch.data(), dfch_.size());
   ops_.matmul_backward(dln_.data(), G(BLOCK_FC_W), G(BLOCK_FC_B), dfch_.data(), a.ln2.data(), W(BLOCK_FC_W), N, C, 4 * C);
+  adapt_backward(l, PRODUCT_MLP_UP, a.ln2.data(), dfch_.data(), dln_.data(), w, g);
   ops_.layernorm_backward(dresid_.data(), G(BLOCK_LN2_W), G(BLOCK_LN2_B), dln_.data(), a.resid2.data(), W(BLOCK_LN2_W),
                      a.ln2_mean.data(), a.ln2_rstd.data(), N, C);
   // Attention: r2 = x + proj(attn(qkv(ln1(x)))); dresid_ becomes d(x).
   ops_.matmul_backward(dln_.data(), G(BLOCK_ATTPROJ_W), G(BLOCK_ATTPROJ_B), dresid_.data(), a.atty.data(),
                   W(BLOCK_ATTPROJ_W), N, C, C);
+  adapt_backward(l, PRODUCT_ATTN_OUT, a.atty.data(), dresid_.data(), dln_.data(), w, g);
   ops_.attention_backward(dqkv_.data(), datt_.data(), dln_.data(), a.qkv.data(), a.att.data(), B_, T_, NH, NH,
                           C / NH);
   ops_.matmul_backward(dln_.data(), G(BLOCK_QKV_W), G(BLOCK_QKV_B), dqkv_.data(), a.ln1.data(), W(BLOCK_QKV_W), N, C,
                   3 * C);
+  adapt_backward(l, PRODUCT_QKV, a.ln1.data(), dqkv_.data(), dln_.data(), w, g);
   ops_.layernorm_backward(dresid_.data(), G(BLOCK_LN1_W), G(BLOCK_LN1_B), dln_.data(), resid_[l].data(), W(BLOCK_LN1_W),
                      a.ln1_mean.data(), a.ln1_rstd.data(), N, C);
 }
 
 template <typename Real>
 void GptModel<Real>::embed_backward(Real* g) {
-  ops_.encoder_backward(g + table_.root_offset(ROOT_WTE), g + table_.root_offset(ROOT_WPE), dresid_.data(), tokens_.data(),
-                   B_, T_, cfg_.n_embd);
+  ops_.encoder_backward(grad_in(table_, g, ROOT_UNIT, ROOT_WTE), grad_in(table_, g, ROOT_UNIT, ROOT_WPE),
+                        dresid_.data(), tokens_.data(), B_, T_, cfg_.n_embd);
 }
 
 template <typename Real>
@@ -176,15 +179,15 @@ void GptModel<Real>::decode_embed(const Real* root, const int* tokens, int n) {
   d.advance(n);
   ops_.device().copy(d.tokens.data(), tokens, n * sizeof(int));
   // Positions start..start+n-1: the position table from row start on.
-  ops_.encoder_forward(d.x.data(), d.tokens.data(), root + table_.root_offset(ROOT_WTE),
-                       root + table_.root_offset(ROOT_WPE) + d.start * C, 1, n, C);
+  ops_.encoder_forward(d.x.data(), d.tokens.data(), param_in(table_, root, ROOT_UNIT, ROOT_WTE),
+                       param_in(table_, root, ROOT_UNIT, ROOT_WPE) + d.start * C, 1, n, C);
 }
 
 template <typename Real>
 void GptModel<Real>::decode_block(int l, const Real* w) {
   Decode& d = dec_;
   const int N = d.n, C = cfg_.n_embd, NH = cfg_.n_head;
-  auto W = [&](BlockParam p) { return w + table_.block_offset(p); };
+  auto W = [&](BlockParam p) { return param_in(table_, w, block_unit(l), p); };
   ops_.layernorm_forward(d.ln.data(), d.mean.data(), d.rstd.data(), d.x.data(), W(BLOCK_LN1_W), W(BLOCK_LN1_B), N, C);
   ops_.matmul_forward(d.qkv.data(), d.ln.data(), W(BLOCK_QKV_W), W(BLOCK_QKV_B), N, C, 3 * C);
   ops_.attention_decode(d.atty.data(), d.scores.data(), d.k[l].data(), d.v[l].data(), d.qkv.data(), N, d.start, NH,
@@ -204,9 +207,9 @@ void GptModel<Real>::decode_head(const Real* root, Real* logits) {
   Decode& d = dec_;
   const int C = cfg_.n_embd, V = cfg_.vocab_size;
   const Real* last = d.x.data() + static_cast<size_t>(d.n - 1) * C;
-  ops_.layernorm_forward(d.ln.data(), d.mean.data(), d.rstd.data(), last, root + table_.root_offset(ROOT_LNF_W),
-                         root + table_.root_offset(ROOT_LNF_B), 1, C);
-  ops_.matmul_forward(d.logits.data(), d.ln.data(), root + table_.root_offset(ROOT_WTE),
+  ops_.layernorm_forward(d.ln.data(), d.mean.data(), d.rstd.data(), last, param_in(table_, root, ROOT_UNIT, ROOT_LNF_W),
+                         param_in(table_, root, ROOT_UNIT, ROOT_LNF_B), 1, C);
+  ops_.matmul_forward(d.logits.data(), d.ln.data(), param_in(table_, root, ROOT_UNIT, ROOT_WTE),
                       static_cast<const Real*>(nullptr), 1, C, V);
   ops_.device().copy(logits, d.logits.data(), d.logits.bytes());
 }

@@ -4,6 +4,7 @@
 
 #include <vector>
 
+#include "model/lora.hpp"
 #include "model/model.hpp"
 
 namespace shardtrain {
@@ -20,7 +21,7 @@ class GptModel : public TransformerModel<Real> {
   int batch() const override { return B_; }
   int seq_len() const override { return T_; }
   size_t activation_bytes() const override {
-    return plan_activation_bytes(cfg_, B_, T_, checkpointing_, sizeof(Real));
+    return plan_activation_bytes(table_, B_, T_, checkpointing_, sizeof(Real));
   }
 
   void embed_forward(const Real* root, const int* tokens) override;
@@ -52,6 +53,15 @@ class GptModel : public TransformerModel<Real> {
 
   const ParamTable& table_;
   const LayerOps<Real>& ops_;
+  std::unique_ptr<LoraLayers<Real>> lora_;  // with adapter.type = lora
+  // The adapters of a block's product, after its base forward or backward (model/lora.hpp).
+  void adapt_forward(int l, BlockProduct product, const Real* x, Real* out, const Real* w) const {
+    if (lora_) lora_->forward(l, product, x, out, B_ * T_, w);
+  }
+  void adapt_backward(int l, BlockProduct product, const Real* x, const Real* dout, Real* dx, const Real* w,
+                      Real* g) const {
+    if (lora_) lora_->backward(l, product, x, dout, dx, B_ * T_, w, g);
+  }
   ModelConfig cfg_;
   int B_, T_;
   bool checkpointing_;

@@ -35,6 +35,7 @@ LlamaModel<Real>::LlamaModel(const ParamTable& table, int batch, int seq_len, bo
   probs_ = array(BT * cfg_.vocab_size), losses_ = array(BT);
   dresid_ = array(BT * C), dln_ = array(BT * C), dqkv_ = array(BT * QKV), dgate_up_ = array(BT * 2 * I);
   dact_ = array(BT * I), datt_ = array(B_ * NH * T_ * T_);
+  if (table.adapter().type == ADAPTER_LORA) lora_ = std::make_unique<LoraLayers<Real>>(table, B_ * T_, ops);
 }
 
 // Hugging Face's tables: inv_freq[i] = theta^(-2i/d) and the angle t * inv_freq[i], both rounded
@@ -69,15 +70,10 @@ size_t LlamaModel<Real>::plan_activation_elements(const ModelConfig& c, int batc
 }
 
 template <typename Real>
-size_t LlamaModel<Real>::head_offset() const {
-  return table_.root_offset(cfg_.tie_embeddings ? LLAMA_EMBED : LLAMA_LM_HEAD);
-}
-
-template <typename Real>
 void LlamaModel<Real>::embed_forward(const Real* root, const int* tokens) {
   ops_.device().copy(tokens_.data(), tokens, tokens_.bytes());
-  ops_.encoder_forward(resid_[0].data(), tokens_.data(), root + table_.root_offset(LLAMA_EMBED), nullptr, B_, T_,
-                       cfg_.n_embd);
+  ops_.encoder_forward(resid_[0].data(), tokens_.data(), param_in(table_, root, ROOT_UNIT, LLAMA_EMBED), nullptr, B_,
+                       T_, cfg_.n_embd);
 }
 
 template <typename Real>
@@ -85,21 +81,25 @@ void LlamaModel<Real>::block_forward(int l, const Real* w) {
   const int N = B_ * T_, C = cfg_.n_embd, NH = cfg_.n_head, KV = cfg_.kv_heads(), HS = cfg_.head_size();
   const int I = cfg_.mlp_size();
   const Real eps = static_cast<Real>(cfg_.norm_eps);
-  auto W = [&](LlamaBlockParam p) { return w + table_.block_offset(p); };
+  auto W = [&](LlamaBlockParam p) { return param_in(table_, w, block_unit(l), p); };
   Layer& a = layer(l);
   const Real* x = resid_[l].data();
   ops_.rmsnorm_forward(a.ln1.data(), a.ln1_rstd.data(), x, W(LLAMA_ATTN_NORM_W), eps, N, C);
   ops_.matmul_forward(a.qkv.data(), a.ln1.data(), W(LLAMA_Q_W), nullptr, N, C, cfg_.qkv_size());  // q|k|v fused
+  adapt_forward(l, PRODUCT_QKV, a.ln1.data(), a.qkv.data(), w);
   ops_.rope_forward(a.qkv.data(), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS);
   ops_.attention_forward(a.atty.data(), a.att.data(), a.qkv.data(), B_, T_, NH, KV, HS);
   // The projection output is only needed summed into the residual: reuse resid2 for it.
   ops_.matmul_forward(a.resid2.data(), a.atty.data(), W(LLAMA_O_W), nullptr, N, C, C);
+  adapt_forward(l, PRODUCT_ATTN_OUT, a.atty.data(), a.resid2.data(), w);
   ops_.residual_forward(a.resid2.data(), a.resid2.data(), x, a.resid2.size());
   ops_.rmsnorm_forward(a.ln2.data(), a.ln2_rstd.data(), a.resid2.data(), W(LLAMA_MLP_NORM_W), eps, N, C);
   ops_.matmul_forward(a.gate_up.data(), a.ln2.data(), W(LLAMA_GATE_W), nullptr, N, C, 2 * I);  // gate|up fused
+  adapt_forward(l, PRODUCT_MLP_UP, a.ln2.data(), a.gate_up.data(), w);
   ops_.swiglu_forward(a.act.data(), a.gate_up.data(), N, I);
   Real* out = resid_[l + 1].data();
   ops_.matmul_forward(out, a.act.data(), W(LLAMA_DOWN_W), nullptr, N, I, C);
+  adapt_forward(l, PRODUCT_MLP_DOWN, a.act.data(), out, w);
   ops_.residual_forward(out, out, a.resid2.data(), resid_[l + 1].size());
 }
 
@@ -107,9 +107,9 @@ template <typename Real>
 double LlamaModel<Real>::head_forward(const Real* root, const int* targets) {
   const int N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size;
   ops_.device().copy(targets_.data(), targets, targets_.bytes());
-  ops_.rmsnorm_forward(lnf_.data(), lnf_rstd_.data(), resid_[cfg_.n_layer].data(), root + table_.root_offset(LLAMA_NORM_W),
-                       static_cast<Real>(cfg_.norm_eps), N, C);
-  ops_.matmul_forward(probs_.data(), lnf_.data(), root + head_offset(), nullptr, N, C, V);
+  ops_.rmsnorm_forward(lnf_.data(), lnf_rstd_.data(), resid_[cfg_.n_layer].data(),
+                       param_in(table_, root, ROOT_UNIT, LLAMA_NORM_W), static_cast<Real>(cfg_.norm_eps), N, C);
+  ops_.matmul_forward(probs_.data(), lnf_.data(), param_in(table_, root, ROOT_UNIT, head_param()), nullptr, N, C, V);
   ops_.softmax_crossentropy_forward(losses_.data(), probs_.data(), targets_.data(), N, V);
   return ops_.sum(losses_.data(), losses_.size());
 }
@@ -118,12 +118,12 @@ template <typename Real>
 void LlamaModel<Real>::head_backward(Real* g, const Real* root, Real dloss) {
   const int N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size;
   ops_.softmax_crossentropy_backward(probs_.data(), targets_.data(), dloss, N, V);
-  ops_.matmul_backward(dln_.data(), g + head_offset(), nullptr, probs_.data(), lnf_.data(), root + head_offset(), N, C,
-                       V);
+  ops_.matmul_backward(dln_.data(), grad_in(table_, g, ROOT_UNIT, head_param()), nullptr, probs_.data(), lnf_.data(),
+                       param_in(table_, root, ROOT_UNIT, head_param()), N, C, V);
   dresid_.zero();
-  const size_t norm = table_.root_offset(LLAMA_NORM_W);
-  ops_.rmsnorm_backward(dresid_.data(), g + norm, dln_.data(), resid_[cfg_.n_layer].data(), root + norm,
-                        lnf_rstd_.data(), N, C);
+  ops_.rmsnorm_backward(dresid_.data(), grad_in(table_, g, ROOT_UNIT, LLAMA_NORM_W), dln_.data(),
+                        resid_[cfg_.n_layer].data(), param_in(table_, root, ROOT_UNIT, LLAMA_NORM_W), lnf_rstd_.data(),
+                        N, C);
 }
 
 template <typename Real>
@@ -132,28 +132,32 @@ void LlamaModel<Real>::block_backward(int l, Real* g, const Real* w) {
   const int I = cfg_.mlp_size();
   if (checkpointing_) block_forward(l, w);  // recompute this block's activations from its saved input
   Layer& a = layer(l);
-  auto W = [&](LlamaBlockParam p) { return w + table_.block_offset(p); };
-  auto G = [&](LlamaBlockParam p) { return g + table_.block_offset(p); };
+  auto W = [&](LlamaBlockParam p) { return param_in(table_, w, block_unit(l), p); };
+  auto G = [&](LlamaBlockParam p) { return grad_in(table_, g, block_unit(l), p); };
   // MLP: out = r2 + down(swiglu(gate_up(norm2(r2)))); dresid_ holds d(out) and becomes d(r2).
   ops_.matmul_backward(dact_.data(), G(LLAMA_DOWN_W), nullptr, dresid_.data(), a.act.data(), W(LLAMA_DOWN_W), N, I, C);
+  adapt_backward(l, PRODUCT_MLP_DOWN, a.act.data(), dresid_.data(), dact_.data(), w, g);
   ops_.swiglu_backward(dgate_up_.data(), dact_.data(), a.gate_up.data(), N, I);
   ops_.matmul_backward(dln_.data(), G(LLAMA_GATE_W), nullptr, dgate_up_.data(), a.ln2.data(), W(LLAMA_GATE_W), N, C,
                        2 * I);
+  adapt_backward(l, PRODUCT_MLP_UP, a.ln2.data(), dgate_up_.data(), dln_.data(), w, g);
   ops_.rmsnorm_backward(dresid_.data(), G(LLAMA_MLP_NORM_W), dln_.data(), a.resid2.data(), W(LLAMA_MLP_NORM_W),
                         a.ln2_rstd.data(), N, C);
   // Attention: r2 = x + o(attn(rope(qkv(norm1(x))))); dresid_ becomes d(x).
   ops_.matmul_backward(dln_.data(), G(LLAMA_O_W), nullptr, dresid_.data(), a.atty.data(), W(LLAMA_O_W), N, C, C);
+  adapt_backward(l, PRODUCT_ATTN_OUT, a.atty.data(), dresid_.data(), dln_.data(), w, g);
   ops_.attention_backward(dqkv_.data(), datt_.data(), dln_.data(), a.qkv.data(), a.att.data(), B_, T_, NH, KV, HS);
   ops_.rope_backward(dqkv_.data(), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS);
   ops_.matmul_backward(dln_.data(), G(LLAMA_Q_W), nullptr, dqkv_.data(), a.ln1.data(), W(LLAMA_Q_W), N, C,
                        cfg_.qkv_size());
+  adapt_backward(l, PRODUCT_QKV, a.ln1.data(), dqkv_.data(), dln_.data(), w, g);
   ops_.rmsnorm_backward(dresid_.data(), G(LLAMA_ATTN_NORM_W), dln_.data(), resid_[l].data(), W(LLAMA_ATTN_NORM_W),
                         a.ln1_rstd.data(), N, C);
 }
 
 template <typename Real>
 void LlamaModel<Real>::embed_backward(Real* g) {
-  ops_.encoder_backward(g + table_.root_offset(LLAMA_EMBED), nullptr, dresid_.data(), tokens_.data(), B_, T_,
+  ops_.encoder_backward(grad_in(table_, g, ROOT_UNIT, LLAMA_EMBED), nullptr, dresid_.data(), tokens_.data(), B_, T_,
                         cfg_.n_embd);
 }
 
@@ -198,7 +202,7 @@ void LlamaModel<Real>::decode_embed(const Real* root, const int* tokens, int n) 
   Decode& d = dec_;
   d.advance(n);
   ops_.device().copy(d.tokens.data(), tokens, n * sizeof(int));
-  ops_.encoder_forward(d.x.data(), d.tokens.data(), root + table_.root_offset(LLAMA_EMBED), nullptr, 1, n,
+  ops_.encoder_forward(d.x.data(), d.tokens.data(), param_in(table_, root, ROOT_UNIT, LLAMA_EMBED), nullptr, 1, n,
                        cfg_.n_embd);
 }
 
@@ -208,7 +212,7 @@ void LlamaModel<Real>::decode_block(int l, const Real* w) {
   const int N = d.n, C = cfg_.n_embd, NH = cfg_.n_head, KV = cfg_.kv_heads(), HS = cfg_.head_size();
   const int I = cfg_.mlp_size();
   const Real eps = static_cast<Real>(cfg_.norm_eps);
-  auto W = [&](LlamaBlockParam p) { return w + table_.block_offset(p); };
+  auto W = [&](LlamaBlockParam p) { return param_in(table_, w, block_unit(l), p); };
   const size_t half = HS / 2;
   ops_.rmsnorm_forward(d.ln.data(), d.rstd.data(), d.x.data(), W(LLAMA_ATTN_NORM_W), eps, N, C);
   ops_.matmul_forward(d.qkv.data(), d.ln.data(), W(LLAMA_Q_W), nullptr, N, C, cfg_.qkv_size());
@@ -231,9 +235,9 @@ void LlamaModel<Real>::decode_head(const Real* root, Real* logits) {
   Decode& d = dec_;
   const int C = cfg_.n_embd, V = cfg_.vocab_size;
   const Real* last = d.x.data() + static_cast<size_t>(d.n - 1) * C;
-  ops_.rmsnorm_forward(d.ln.data(), d.rstd.data(), last, root + table_.root_offset(LLAMA_NORM_W),
+  ops_.rmsnorm_forward(d.ln.data(), d.rstd.data(), last, param_in(table_, root, ROOT_UNIT, LLAMA_NORM_W),
                        static_cast<Real>(cfg_.norm_eps), 1, C);
-  ops_.matmul_forward(d.logits.data(), d.ln.data(), root + head_offset(), nullptr, 1, C, V);
+  ops_.matmul_forward(d.logits.data(), d.ln.data(), param_in(table_, root, ROOT_UNIT, head_param()), nullptr, 1, C, V);
   ops_.device().copy(logits, d.logits.data(), d.logits.bytes());
 }
 

@@ -3,6 +3,7 @@
 
 #include "model/gpt.hpp"
 #include "model/llama.hpp"
+#include "model/lora.hpp"
 
 namespace shardtrain {
 
@@ -14,12 +15,14 @@ std::unique_ptr<TransformerModel<Real>> make_model(const ParamTable& table, int 
   return std::make_unique<GptModel<Real>>(table, batch, seq_len, activation_checkpointing, ops);
 }
 
-size_t plan_activation_bytes(const ModelConfig& config, int batch, int seq_len, bool activation_checkpointing,
+size_t plan_activation_bytes(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
                              size_t real_bytes) {
+  const ModelConfig& config = table.config();
   const size_t elements =
-      config.arch == ARCH_LLAMA
-          ? LlamaModel<float>::plan_activation_elements(config, batch, seq_len, activation_checkpointing)
-          : GptModel<float>::plan_activation_elements(config, batch, seq_len, activation_checkpointing);
+      (config.arch == ARCH_LLAMA
+           ? LlamaModel<float>::plan_activation_elements(config, batch, seq_len, activation_checkpointing)
+           : GptModel<float>::plan_activation_elements(config, batch, seq_len, activation_checkpointing)) +
+      LoraLayers<float>::plan_elements(table, batch * seq_len);
   return elements * real_bytes + 2 * static_cast<size_t>(batch) * seq_len * sizeof(int);  // + tokens, targets
 }
 

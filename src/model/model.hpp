@@ -90,7 +90,7 @@ std::unique_ptr<TransformerModel<Real>> make_model(const ParamTable& table, int 
 
 // Bytes of activations and backward scratch for these dimensions, without allocating: the one
 // source for the models' own accounting and the planner.
-size_t plan_activation_bytes(const ModelConfig& config, int batch, int seq_len, bool activation_checkpointing,
+size_t plan_activation_bytes(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
                              size_t real_bytes = sizeof(float));
 
 // Bytes of a decode state (TransformerModel::begin_decode): the key/value cache, L x 2 x max_len x

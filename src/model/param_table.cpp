@@ -3,6 +3,10 @@
 // Hugging Face Conv1D weights are the exception, transposed on import and export).
 #include "model/param_table.hpp"
 
+#include <fnmatch.h>
+
+#include <algorithm>
+
 #include "core/error.hpp"
 
 namespace shardtrain {
@@ -16,12 +20,112 @@ std::string model_summary(const ModelConfig& c) {
                    c.norm_eps, c.tie_embeddings ? "tied" : "untied");
 }
 
-ParamTable::ParamTable(const ModelConfig& c) : config_(c) {
-  units_.push_back(UnitInfo{"root", 0, {}});
+std::vector<std::string> split_freeze_patterns(const std::string& list) {
+  std::vector<std::string> patterns;
+  size_t start = 0;
+  while (start <= list.size()) {
+    size_t comma = list.find(',', start);
+    if (comma == std::string::npos) comma = list.size();
+    std::string item = list.substr(start, comma - start);
+    const size_t a = item.find_first_not_of(" \t"), b = item.find_last_not_of(" \t");
+    item = a == std::string::npos ? "" : item.substr(a, b - a + 1);
+    if (!item.empty()) patterns.push_back(item);
+    start = comma + 1;
+  }
+  return patterns;
+}
+
+ParamTable::ParamTable(const ModelConfig& c, const std::vector<std::string>& freeze, const AdapterConfig& adapter)
+    : config_(c), adapter_(adapter) {
+  units_.push_back(UnitInfo{"root", 0, 0, {}});
   if (c.arch == ARCH_LLAMA)
     add_llama_params();
   else
     add_gpt2_params();
+  add_adapters();
+  apply_freeze(freeze);
+}
+
+void ParamTable::add_adapters() {
+  if (adapter_.type == ADAPTER_NONE) return;
+  const std::vector<LinearSite> sites = linear_sites(config_);
+  std::string layers;
+  for (const LinearSite& site : sites) layers += (layers.empty() ? "" : ", ") + std::string(site.module);
+  if (adapter_.targets.empty())
+    throw UsageError(std::string("adapter.type=") + adapter_type_name(adapter_.type) +
+                     " adapts nothing: set adapter.targets to linear layers, e.g. " + sites[0].module + " (" +
+                     model_arch_name(config_.arch) + ": " + layers + ")");
+  std::vector<bool> used(adapter_.targets.size(), false);
+  adapter_params_.assign(config_.n_layer, std::vector<int>(sites.size(), -1));
+  for (int l = 0; l < config_.n_layer; l++) {
+    const int u = block_unit(l);
+    for (size_t k = 0; k < sites.size(); k++) {
+      const LinearSite& site = sites[k];
+      const std::string path = hf_module_path(config_, l, site);
+      bool match = false;
+      for (size_t t = 0; t < adapter_.targets.size(); t++)
+        if (target_matches(adapter_.targets[t], path)) used[t] = match = true;
+      if (!match) continue;
+      if (adapter_.rank > std::min(site.in, site.out))
+        throw UsageError(strprintf("adapter.rank=%d is larger than %s (%d inputs, %d outputs): a rank above "
+                                   "min(in, out) adds parameters and nothing else; lower adapter.rank",
+                                   adapter_.rank, path.c_str(), site.in, site.out));
+      std::string base = param(u, site.weight).name;
+      base = base.substr(0, base.size() - std::string(".weight").size());
+      adapter_params_[l][k] = static_cast<int>(units_[u].params.size());
+      add(u, base + ".lora_A.weight", {adapter_.rank, site.in}, INIT_KAIMING_UNIFORM, true);
+      add(u, base + ".lora_B.weight", {site.out, adapter_.rank}, INIT_ZEROS, true);
+      params_[params_.size() - 2].adapter = params_.back().adapter = true;
+    }
+  }
+  for (size_t t = 0; t < adapter_.targets.size(); t++)
+    if (!used[t])
+      throw UsageError("adapter.targets: '" + adapter_.targets[t] + "' matches no linear layer of this " +
+                       model_arch_name(config_.arch) + " model (" + hf_module_path(config_, 0, sites[0]) +
+                       ", ...; the layers of a block: " + layers + ")");
+  for (ParamInfo& p : params_) p.frozen = !p.adapter;  // the base is frozen
+}
+
+void ParamTable::apply_freeze(const std::vector<std::string>& patterns) {
+  for (const std::string& pattern : patterns) {
+    bool matched = false;
+    for (ParamInfo& p : params_)
+      if (fnmatch(pattern.c_str(), p.name.c_str(), 0) == 0) p.frozen = matched = true;
+    if (!matched)
+      throw UsageError("train.freeze: pattern '" + pattern + "' matches no parameter (names as in `shardtrain " +
+                       "inspect`, e.g. " + params_.back().name + "; globs: * ? [0-5])");
+  }
+  if (std::all_of(params_.begin(), params_.end(), [](const ParamInfo& p) { return p.frozen; }))
+    throw UsageError("train.freeze freezes every parameter: nothing would train; freeze fewer");
+  // The groups a Llama layer multiplies as one matrix must stay adjacent: all frozen or none.
+  if (config_.arch == ARCH_LLAMA) {
+    for (size_t u = 1; u < units_.size(); u++) {
+      auto same = [&](std::initializer_list<int> group) {
+        const ParamInfo& first = param(static_cast<int>(u), *group.begin());
+        for (int q : group)
+          if (param(static_cast<int>(u), q).frozen != first.frozen)
+            throw UsageError("train.freeze freezes part of " + units_[u].name + "'s " +
+                             (*group.begin() == LLAMA_Q_W ? "q_proj|k_proj|v_proj" : "gate_proj|up_proj") +
+                             ", which is multiplied as one matrix: freeze all of the group or none of it");
+      };
+      same({LLAMA_Q_W, LLAMA_K_W, LLAMA_V_W});
+      same({LLAMA_GATE_W, LLAMA_UP_W});
+    }
+  }
+  assign_offsets();
+}
+
+// Trainable first, then frozen, each in declaration order.
+void ParamTable::assign_offsets() {
+  for (UnitInfo& unit : units_) {
+    size_t at = 0;
+    for (bool frozen : {false, true})
+      for (int id : unit.params)
+        if (params_[id].frozen == frozen) params_[id].offset = at, at += params_[id].numel;
+    unit.trainable_numel = 0;
+    for (int id : unit.params)
+      if (!params_[id].frozen) unit.trainable_numel += params_[id].numel;
+  }
 }
 
 void ParamTable::add_gpt2_params() {
@@ -34,7 +138,7 @@ void ParamTable::add_gpt2_params() {
   for (int l = 0; l < c.n_layer; l++) {
     std::string h = "h." + std::to_string(l);
     int u = block_unit(l);
-    units_.push_back(UnitInfo{h, 0, {}});
+    units_.push_back(UnitInfo{h, 0, 0, {}});
     // Order must match enum BlockParam.
     add(u, h + ".ln_1.weight", {C}, INIT_ONES, false);
     add(u, h + ".ln_1.bias", {C}, INIT_ZEROS, false);
@@ -61,7 +165,7 @@ void ParamTable::add_llama_params() {
   for (int l = 0; l < c.n_layer; l++) {
     std::string h = "layers." + std::to_string(l);
     int u = block_unit(l);
-    units_.push_back(UnitInfo{h, 0, {}});
+    units_.push_back(UnitInfo{h, 0, 0, {}});
     // Order must match enum LlamaBlockParam.
     add(u, h + ".input_layernorm.weight", {C}, INIT_ONES, false);
     add(u, h + ".self_attn.q_proj.weight", {C, C}, INIT_NORMAL, true);
@@ -82,7 +186,7 @@ void ParamTable::add(int unit, const std::string& name, std::vector<int> shape, 
   for (int d : shape) p.numel *= static_cast<size_t>(d);
   p.shape = std::move(shape);
   p.unit = unit;
-  p.offset = units_[unit].numel;
+  p.offset = p.file_offset = units_[unit].numel;
   p.init = init;
   p.weight_decay = decay;
   p.id = static_cast<int>(params_.size());
@@ -94,6 +198,21 @@ void ParamTable::add(int unit, const std::string& name, std::vector<int> shape, 
 size_t ParamTable::total_params() const {
   size_t n = 0;
   for (const auto& u : units_) n += u.numel;
+  return n;
+}
+
+int ParamTable::backward_floor() const {
+  // The token embedding (both architectures) and GPT-2's position table take the input gradient.
+  const bool embeddings_frozen = frozen(ROOT_UNIT, 0) && (config_.arch != ARCH_GPT2 || frozen(ROOT_UNIT, ROOT_WPE));
+  if (!embeddings_frozen) return 0;
+  int layer = 0;
+  while (layer < config_.n_layer && units_[block_unit(layer)].trainable_numel == 0) layer++;
+  return layer;
+}
+
+size_t ParamTable::trainable_params() const {
+  size_t n = 0;
+  for (const auto& u : units_) n += u.trainable_numel;
   return n;
 }
 

@@ -11,6 +11,13 @@
 // forward to the end of backward, so both uses of the embedding add into one gradient that is
 // reduce-scattered once. Llama's q|k|v and gate|up weights are adjacent in the unit, in that
 // order, so the model multiplies each group as one fused matrix.
+//
+// Frozen parameters (train.freeze): each unit's flat buffer is laid out trainable parameters
+// first, then frozen ones, each group in declaration order, so the trainable ones form one
+// contiguous range [0, trainable_numel) -- the only part with gradients, reduce-scatters and
+// optimizer state (shard/fsdp_engine.hpp). `offset` is that layout's (what the model and the
+// engine use); `file_offset` is the declaration order's, the same whatever is frozen, which
+// checkpoints use, so a checkpoint loads whatever either run froze.
 #pragma once
 
 #include <algorithm>
@@ -18,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "model/adapter.hpp"
 #include "model/config.hpp"
 
 namespace shardtrain {
@@ -40,6 +48,7 @@ enum InitRule {
   INIT_NORMAL_RESIDUAL,  // N(0, 0.02 / sqrt(2 L)): the two projections into the residual stream
   INIT_ZEROS,
   INIT_ONES,
+  INIT_KAIMING_UNIFORM,  // U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = shape[1]: PEFT's LoRA A
 };
 
 struct ParamInfo {
@@ -47,7 +56,10 @@ struct ParamInfo {
   std::vector<int> shape;
   size_t numel = 0;
   int unit = 0;
-  size_t offset = 0;  // in the unit's flat buffer
+  size_t offset = 0;       // in the unit's flat buffer: trainable parameters first
+  size_t file_offset = 0;  // in declaration order (checkpoints' unit coordinates)
+  bool frozen = false;
+  bool adapter = false;  // an adapter's parameter (model/adapter.hpp), not the base model's
   InitRule init = INIT_ZEROS;
   bool weight_decay = false;
   int id = 0;  // position in the table; keys the init RNG
@@ -56,8 +68,9 @@ struct ParamInfo {
 
 struct UnitInfo {
   std::string name;
-  size_t numel = 0;  // sum of its parameters, before padding
-  std::vector<int> params;
+  size_t numel = 0;            // sum of its parameters, before padding
+  size_t trainable_numel = 0;  // of its trainable parameters: elements [0, trainable_numel)
+  std::vector<int> params;     // in declaration order
 };
 
 // Positions of the parameters inside a block unit (the same for every block) and the root unit.
@@ -79,18 +92,41 @@ inline int block_unit(int layer) { return 1 + layer; }
 // or "Llama L=30 C=576 H=9 KV=3 MLP=1536 V=49152 max_seq_len=2048 rope_theta=10000 tied".
 std::string model_summary(const ModelConfig& config);
 
+// Adapters (model/adapter.hpp): each adapted linear layer of block l adds, after the block's own
+// parameters, "<its weight's name less .weight>.lora_A.weight" (rank, in) and ".lora_B.weight"
+// (out, rank) -- e.g. h.3.attn.qkv.lora_A.weight, layers.3.self_attn.q_proj.lora_B.weight -- and
+// every parameter of the base model is frozen. Throws UsageError for a target that matches no
+// layer or a rank the layers cannot take.
+//
+// Names matched by train.freeze: comma-separated shell glob patterns (fnmatch(3) without flags:
+// `*` and `?` also match dots, `[0-5]` a character class), each matched against every parameter
+// name. Throws UsageError when a pattern matches nothing, when the patterns split a group the
+// model multiplies as one matrix (Llama's q|k|v or gate|up of a layer), or freeze everything.
+std::vector<std::string> split_freeze_patterns(const std::string& list);
+
 class ParamTable {
  public:
-  explicit ParamTable(const ModelConfig& config);
+  explicit ParamTable(const ModelConfig& config, const std::vector<std::string>& freeze = {},
+                      const AdapterConfig& adapter = {});
 
   const ModelConfig& config() const { return config_; }
+  const AdapterConfig& adapter() const { return adapter_; }
+  // The position in block `layer`'s unit (as param() takes it) of the adapter on linear_sites()[site]:
+  // its lora_A; lora_B follows. -1 where that layer has no adapter.
+  int adapter_param(int layer, int site) const { return adapter_params_.empty() ? -1 : adapter_params_[layer][site]; }
   const std::vector<ParamInfo>& params() const { return params_; }
   const std::vector<UnitInfo>& units() const { return units_; }
   size_t total_params() const;
-  // Offset of a block parameter (BlockParam or LlamaBlockParam) inside its unit, the same for
-  // every block; of a root parameter (RootParam or LlamaRootParam) inside the root unit.
-  size_t block_offset(int p) const { return params_[units_[1].params[p]].offset; }
-  size_t root_offset(int p) const { return params_[units_[ROOT_UNIT].params[p]].offset; }
+  size_t trainable_params() const;
+  bool any_frozen() const { return trainable_params() != total_params(); }
+  // Parameter p of a unit (BlockParam/LlamaBlockParam for a block, RootParam/LlamaRootParam for
+  // the root): its offset in the unit's flat buffer, and whether it is frozen.
+  const ParamInfo& param(int unit, int p) const { return params_[units_[unit].params[p]]; }
+  size_t offset(int unit, int p) const { return param(unit, p).offset; }
+  bool frozen(int unit, int p) const { return param(unit, p).frozen; }
+  // The lowest block whose backward is needed: below it no block has a trainable parameter and
+  // neither do the embedding tables its input gradient would reach. 0 when the embeddings train.
+  int backward_floor() const;
   // Model FLOPs per trained token: 6 * (parameters outside the embedding tables + V*C for the LM
   // head) + 12*L*T*C for attention's scores and weighted sums.
   double flops_per_token(int seq_len) const;
@@ -99,10 +135,27 @@ class ParamTable {
   void add_gpt2_params();
   void add_llama_params();
   void add(int unit, const std::string& name, std::vector<int> shape, InitRule init, bool decay);
+  void add_adapters();
+  void apply_freeze(const std::vector<std::string>& patterns);
+  void assign_offsets();
 
   ModelConfig config_;
+  AdapterConfig adapter_;
+  std::vector<std::vector<int>> adapter_params_;  // [layer][site]
   std::vector<ParamInfo> params_;
   std::vector<UnitInfo> units_;
 };
+
+// Parameter p (BlockParam/RootParam or the Llama enums) of a unit in its gathered buffer, and its
+// gradient in the unit's gradient buffer: null for a frozen parameter (and for a unit without a
+// gradient buffer, all frozen), so the layer skips that gradient and passes the input's on.
+template <typename Real>
+const Real* param_in(const ParamTable& table, const Real* unit_values, int unit, int p) {
+  return unit_values + table.offset(unit, p);
+}
+template <typename Real>
+Real* grad_in(const ParamTable& table, Real* unit_grads, int unit, int p) {
+  return unit_grads && !table.frozen(unit, p) ? unit_grads + table.offset(unit, p) : nullptr;
+}
 
 }  // namespace shardtrain

@@ -23,15 +23,17 @@ AdamW::AdamW(const OptimConfig& config, FsdpEngine& engine, MemoryTracker& memor
   const ParamTable& table = engine.table();
   for (size_t u = 0; u < engine.shards().size(); u++) {
     const UnitShard& s = engine.shards()[u];
-    const UnitLayout& l = s.layout;
-    m_.emplace_back(engine.master_device(), l.shard_numel);
-    v_.emplace_back(engine.master_device(), l.shard_numel);
-    if (!engine.options().cpu_offload) bytes_ += 2 * l.shard_numel * sizeof(float);  // device memory only
+    const SpaceLayout& trainable = s.layout.trainable;  // frozen parameters have no moments
+    m_.emplace_back(engine.master_device(), trainable.shard_numel);
+    v_.emplace_back(engine.master_device(), trainable.shard_numel);
+    if (!engine.options().cpu_offload) bytes_ += 2 * trainable.shard_numel * sizeof(float);  // device memory only
     std::vector<Segment> segs;
     for (int id : table.units()[u].params) {
       const ParamInfo& p = table.params()[id];
-      const FlatRange part = intersect(l.shard_range(), p.range());
-      if (!part.empty()) segs.push_back(Segment{part.begin - l.begin, part.end - l.begin, p.weight_decay ? 1.0f : 0.0f});
+      if (p.frozen) continue;
+      const UnitLayout::Local part = s.layout.local_part(p.range());
+      if (!part.range.empty())
+        segs.push_back(Segment{part.index, part.index + part.range.size(), p.weight_decay ? 1.0f : 0.0f});
     }
     segments_.push_back(std::move(segs));
   }
@@ -49,7 +51,8 @@ double AdamW::local_grad_sq_norm() const {
   double total = 0;
   for (const UnitShard& s : engine_.shards()) {
     // Only the owned part: replicas hold the same gradient shard and must count it once.
-    total += engine_.master_ops().sum_squares(s.grads.data() + s.layout.owned_begin, s.layout.owned_count);
+    total += engine_.master_ops().sum_squares(s.grads.data() + s.layout.trainable.owned_begin,
+                                              s.layout.trainable.owned_count);
   }
   return total;
 }

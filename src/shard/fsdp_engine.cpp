@@ -1,8 +1,10 @@
 // The FSDP engine (see fsdp_engine.hpp). Collectives per micro-batch, identical on every rank:
 // FULL_SHARD/HYBRID: gather(root), gather(h.0..h.L-1), then for h.L-1..h.0: gather(h.l) and
-// reduce_scatter(h.l), then reduce_scatter(root); SHARD_GRAD_OP the same without the backward
-// gathers; reduce-scatters move to finish_step() when they are deferred. finish_step() then
-// all-reduces the gradient shards over the replica group.
+// reduce_scatter(h.l), then reduce_scatter(root) -- a unit with frozen parameters gathers each of
+// its two spaces, reduces only the trainable one, and the backward stops above the blocks that
+// neither train nor lead to a trainable embedding (ParamTable::backward_floor); SHARD_GRAD_OP the same without the
+// backward gathers; reduce-scatters move to finish_step() when they are deferred. finish_step() then all-reduces the
+// gradient shards over the replica group.
 #include "shard/fsdp_engine.hpp"
 
 #include <algorithm>
@@ -41,17 +43,30 @@ const char* backward_prefetch_name(BackwardPrefetch p) {
   return p == BACKWARD_PREFETCH_PRE ? "BACKWARD_PRE" : (p == BACKWARD_PREFETCH_POST ? "BACKWARD_POST" : "NONE");
 }
 
+static SpaceLayout plan_space(size_t base, size_t numel, bool lead_padding, size_t local, const GroupShape& g) {
+  const size_t group = static_cast<size_t>(g.shard_size);
+  SpaceLayout s;
+  s.base = base;
+  s.numel = numel;
+  s.padded_numel = (numel + group - 1) / group * group;
+  s.lead = lead_padding ? s.padded_numel - numel : 0;
+  s.shard_numel = s.padded_numel / group;
+  s.begin = s.shard_numel * g.shard_rank;
+  const size_t chunk = (s.shard_numel + g.replica_size - 1) / g.replica_size;
+  s.owned_begin = std::min(s.shard_numel, chunk * g.replica_rank);
+  s.owned_count = std::min(s.shard_numel, s.owned_begin + chunk) - s.owned_begin;
+  s.local = local;
+  return s;
+}
+
 std::vector<UnitLayout> FsdpEngine::plan_layout(const ParamTable& table, const GroupShape& g) {
   std::vector<UnitLayout> layout;
   for (const UnitInfo& u : table.units()) {
     UnitLayout l;
     l.numel = u.numel;
-    l.padded_numel = (u.numel + g.shard_size - 1) / g.shard_size * g.shard_size;
-    l.shard_numel = l.padded_numel / g.shard_size;
-    l.begin = l.shard_numel * g.shard_rank;
-    const size_t chunk = (l.shard_numel + g.replica_size - 1) / g.replica_size;
-    l.owned_begin = std::min(l.shard_numel, chunk * g.replica_rank);
-    l.owned_count = std::min(l.shard_numel, l.owned_begin + chunk) - l.owned_begin;
+    const size_t frozen = u.numel - u.trainable_numel;
+    l.trainable = plan_space(0, u.trainable_numel, frozen > 0, 0, g);
+    l.frozen = plan_space(u.trainable_numel, frozen, false, l.trainable.shard_numel, g);
     layout.push_back(l);
   }
   return layout;
@@ -60,34 +75,40 @@ std::vector<UnitLayout> FsdpEngine::plan_layout(const ParamTable& table, const G
 std::array<size_t, MEM_CATEGORY_COUNT> FsdpEngine::plan_memory(const std::vector<UnitLayout>& layout,
                                                                const EngineOptions& options) {
   std::array<size_t, MEM_CATEGORY_COUNT> bytes{};
-  size_t shards = 0, all_padded = 0, max_block = 0, max_shard = 0;
+  // Parameters: whole units; gradients and their reductions: trainable spaces only.
+  size_t shards = 0, grad_shards = 0, all_padded = 0, all_trainable = 0, max_block = 0, max_block_trainable = 0,
+         max_grad_shard = 0;
   for (size_t u = 0; u < layout.size(); u++) {
-    shards += layout[u].shard_numel;
-    all_padded += layout[u].padded_numel;
-    max_shard = std::max(max_shard, layout[u].shard_numel);
-    if (u != ROOT_UNIT) max_block = std::max(max_block, layout[u].padded_numel);
+    shards += layout[u].shard_numel();
+    grad_shards += layout[u].trainable.shard_numel;
+    all_padded += layout[u].padded_numel();
+    all_trainable += layout[u].trainable.padded_numel;
+    max_grad_shard = std::max(max_grad_shard, layout[u].trainable.shard_numel);
+    if (u != ROOT_UNIT) max_block = std::max(max_block, layout[u].padded_numel());
+    if (u != ROOT_UNIT) max_block_trainable = std::max(max_block_trainable, layout[u].trainable.padded_numel);
   }
   // With cpu_offload the master shards and their gradients are host memory; the device keeps a
   // gradient shard for the reductions.
   bytes[MEM_SHARDED_PARAMS] = options.cpu_offload ? 0 : shards * sizeof(float);
-  bytes[MEM_GRADIENTS] = options.inference ? 0 : shards * sizeof(float);
-  const bool sharded = layout[ROOT_UNIT].padded_numel != layout[ROOT_UNIT].shard_numel;
+  bytes[MEM_GRADIENTS] = options.inference ? 0 : grad_shards * sizeof(float);
+  const bool sharded = layout[ROOT_UNIT].padded_numel() != layout[ROOT_UNIT].shard_numel();
   const bool half_params = options.param_dtype != DTYPE_FP32;
-  const size_t root_and_block = layout[ROOT_UNIT].padded_numel + max_block;
-  const size_t slots = options.strategy == SHARDING_SHARD_GRAD_OP
-                           ? all_padded
-                           : layout[ROOT_UNIT].padded_numel + options.limit_all_gathers * max_block;
+  const size_t root = layout[ROOT_UNIT].padded_numel(), root_trainable = layout[ROOT_UNIT].trainable.padded_numel;
+  const size_t slots =
+      options.strategy == SHARDING_SHARD_GRAD_OP ? all_padded : root + options.limit_all_gathers * max_block;
   if (sharded || half_params || options.cpu_offload) bytes[MEM_GATHERED_UNITS] = slots * sizeof(float);
   if (half_params) bytes[MEM_COMM_BUFFERS] += slots * sizeof(uint16_t);
   if (!sharded || options.inference) return bytes;
-  const size_t second_block = options.overlap_reduce_scatter ? max_block : 0;
-  bytes[MEM_GRADIENTS] += (options.reduce_every_microbatch ? root_and_block + second_block : all_padded) * sizeof(float);
+  const size_t second_block = options.overlap_reduce_scatter ? max_block_trainable : 0;
+  bytes[MEM_GRADIENTS] +=
+      (options.reduce_every_microbatch ? root_trainable + max_block_trainable + second_block : all_trainable) *
+      sizeof(float);
   if (!options.nccl) {
-    bytes[MEM_COMM_BUFFERS] += 2 * max_shard * dtype_bytes(options.reduce_dtype);  // the ring's two chunk buffers
+    bytes[MEM_COMM_BUFFERS] += 2 * max_grad_shard * dtype_bytes(options.reduce_dtype);  // the ring's two chunk buffers
   } else if (options.reduce_dtype == DTYPE_FP32) {
-    bytes[MEM_COMM_BUFFERS] += max_shard * sizeof(float);  // the received chunk (src/comm/cuda/nccl_comm.cpp)
+    bytes[MEM_COMM_BUFFERS] += max_grad_shard * sizeof(float);  // the received chunk (src/comm/cuda/nccl_comm.cpp)
   } else {  // the whole unit rounded to 16 bits, and the received chunk
-    bytes[MEM_COMM_BUFFERS] += (std::max(layout[ROOT_UNIT].padded_numel, max_block) + max_shard) * sizeof(uint16_t);
+    bytes[MEM_COMM_BUFFERS] += (std::max(root_trainable, max_block_trainable) + max_grad_shard) * sizeof(uint16_t);
   }
   return bytes;
 }
@@ -109,13 +130,16 @@ FsdpEngine::FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_
   std::vector<UnitLayout> layout = plan_layout(table, groups);
   for (const UnitLayout& l : layout) {
     shards_.emplace_back(l, master, !options_.inference);
-    if (options_.cpu_offload && !options_.inference) device_grads_.emplace_back(dev, l.shard_numel);
+    if (options_.cpu_offload && !options_.inference) device_grads_.emplace_back(dev, l.trainable.shard_numel);
   }
   engine_bytes_ = plan_memory(layout, options_);
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++) memory_.add(static_cast<MemCategory>(c), engine_bytes_[c]);
   if (shard_comm.size() == 1 && options_.param_dtype == DTYPE_FP32 && !options_.cpu_offload) return;
-  size_t max_block = 0;
-  for (size_t u = 1; u < layout.size(); u++) max_block = std::max(max_block, layout[u].padded_numel);
+  size_t max_block = 0, max_block_trainable = 0;
+  for (size_t u = 1; u < layout.size(); u++) {
+    max_block = std::max(max_block, layout[u].padded_numel());
+    max_block_trainable = std::max(max_block_trainable, layout[u].trainable.padded_numel);
+  }
   const bool half = options_.param_dtype != DTYPE_FP32;
   auto add_slot = [&](size_t size) {
     ParamSlot slot;
@@ -124,18 +148,18 @@ FsdpEngine::FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_
     slots_.push_back(std::move(slot));
   };
   if (options_.strategy == SHARDING_SHARD_GRAD_OP) {
-    for (const UnitLayout& l : layout) add_slot(l.padded_numel);
+    for (const UnitLayout& l : layout) add_slot(l.padded_numel());
   } else {
-    add_slot(layout[ROOT_UNIT].padded_numel);
+    add_slot(layout[ROOT_UNIT].padded_numel());
     for (int k = 0; k < options_.limit_all_gathers; k++) add_slot(max_block);
   }
   if (shard_comm.size() == 1 || options_.inference) return;
   if (options_.reduce_every_microbatch) {
-    grad_buffers_.emplace_back(dev, layout[ROOT_UNIT].padded_numel);
-    grad_buffers_.emplace_back(dev, max_block);
-    if (options_.overlap_reduce_scatter) grad_buffers_.emplace_back(dev, max_block);
+    grad_buffers_.emplace_back(dev, layout[ROOT_UNIT].trainable.padded_numel);
+    grad_buffers_.emplace_back(dev, max_block_trainable);
+    if (options_.overlap_reduce_scatter) grad_buffers_.emplace_back(dev, max_block_trainable);
   } else {
-    for (const UnitLayout& l : layout) grad_buffers_.emplace_back(dev, l.padded_numel);
+    for (const UnitLayout& l : layout) grad_buffers_.emplace_back(dev, l.trainable.padded_numel);
   }
   reduce_handles_.assign(grad_buffers_.size(), -1);
 }
@@ -146,7 +170,7 @@ FsdpEngine::~FsdpEngine() {
 
 size_t FsdpEngine::local_param_count() const {
   size_t n = 0;
-  for (const UnitShard& s : shards_) n += s.layout.shard_numel;
+  for (const UnitShard& s : shards_) n += s.layout.shard_numel();
   return n;
 }
 
@@ -156,6 +180,7 @@ static double init_value(const ParamInfo& p, size_t index, uint64_t key, int n_l
     case INIT_NORMAL_RESIDUAL: return 0.02 / std::sqrt(2.0 * n_layer) * counter_normal(key, index);
     case INIT_ONES: return 1.0;
     case INIT_ZEROS: return 0.0;
+    case INIT_KAIMING_UNIFORM: return (2.0 * counter_uniform(key, index) - 1.0) / std::sqrt(p.shape[1]);
   }
   return 0.0;
 }
@@ -164,14 +189,15 @@ void FsdpEngine::init_parameters(uint64_t seed) {
   const int n_layer = table_.config().n_layer;
   for (size_t u = 0; u < shards_.size(); u++) {
     UnitShard& s = shards_[u];
-    std::vector<float> values(s.layout.shard_numel, 0.0f);  // on the host; padding stays zero
+    std::vector<float> values(s.layout.shard_numel(), 0.0f);  // on the host; padding stays zero
     for (int id : table_.units()[u].params) {
       const ParamInfo& p = table_.params()[id];
-      const FlatRange part = intersect(s.layout.shard_range(), p.range());
+      const UnitLayout::Local part = s.layout.local_part(p.range());
       const uint64_t key = mix64(seed ^ mix64(static_cast<uint64_t>(p.id) + 1));
+      float* out = values.data() + part.index - part.range.begin;
 #pragma omp parallel for schedule(static)
-      for (size_t e = part.begin; e < part.end; e++)
-        values[e - s.layout.begin] = static_cast<float>(init_value(p, e - p.offset, key, n_layer));
+      for (size_t e = part.range.begin; e < part.range.end; e++)
+        out[e] = static_cast<float>(init_value(p, e - p.offset, key, n_layer));
     }
     backend_.device->copy(s.params.data(), values.data(), s.params.bytes());
   }
@@ -195,65 +221,78 @@ DeviceArray<float>& FsdpEngine::grad_buffer(int unit) {
   return grad_buffers_[options_.overlap_reduce_scatter ? 1 + unit % 2 : 1];  // neighbours alternate
 }
 
+// Each space is gathered on its own: the trainable one into the slot's first
+// trainable.padded_numel elements, the frozen one after it.
 void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
   const UnitShard& s = shards_[unit];
   slot.unit = unit;
-  if (options_.param_dtype == DTYPE_FP32) {
-    backend_.device->copy(slot.values.data() + s.layout.begin, s.params.data(), s.params.bytes());
-    Span<const float> own(slot.values.data() + s.layout.begin, s.layout.shard_numel);
-    Span<float> full(slot.values.data(), s.layout.padded_numel);
+  const bool half = options_.param_dtype != DTYPE_FP32;
+  const SpaceLayout* spaces[2] = {&s.layout.trainable, &s.layout.frozen};
+  size_t at = 0;  // the space's first element in the slot
+  for (int k = 0; k < 2; k++) {
+    const SpaceLayout& sp = *spaces[k];
+    const size_t slot_begin = at;
+    at += sp.padded_numel;
+    if (sp.numel == 0) continue;
+    float* own_values = slot.values.data() + slot_begin + sp.begin;
+    const float* master = s.params.data() + sp.local;
+    if (!half || options_.cpu_offload) {  // up to the device first, into the part of the slot the gather overwrites
+      backend_.device->copy(own_values, master, sp.shard_numel * sizeof(float));
+      master = own_values;
+    }
+    const char* what = async ? "all_gather(params, prefetched)" : "all_gather(params)";
+    if (!half) {
+      Span<const float> own(own_values, sp.shard_numel);
+      Span<float> full(slot.values.data() + slot_begin, sp.padded_numel);
+      if (async)
+        slot.handles[k] = shard_comm_.start_all_gather(own, full, what);
+      else
+        shard_comm_.all_gather(own, full, what);
+      continue;
+    }
+    uint16_t* wire = slot.wire.data() + slot_begin;
+    backend_.shard_ops->to_half(wire + sp.begin, master, sp.shard_numel, options_.param_dtype);
+    Span<const uint16_t> own(wire + sp.begin, sp.shard_numel);
+    Span<uint16_t> full(wire, sp.padded_numel);
     if (async)
-      slot.handle = shard_comm_.start_all_gather(own, full, "all_gather(params, prefetched)");
+      slot.handles[k] = shard_comm_.start_all_gather(own, full, what);
     else
-      shard_comm_.all_gather(own, full, "all_gather(params)");
-    return;
+      shard_comm_.all_gather(own, full, what);
   }
-  uint16_t* wire = slot.wire.data();
-  const float* master = s.params.data();
-  if (options_.cpu_offload) {  // up to the device first, into the part of the slot the gather overwrites
-    backend_.device->copy(slot.values.data() + s.layout.begin, master, s.params.bytes());
-    master = slot.values.data() + s.layout.begin;
-  }
-  backend_.shard_ops->to_half(wire + s.layout.begin, master, s.layout.shard_numel, options_.param_dtype);
-  Span<const uint16_t> own(wire + s.layout.begin, s.layout.shard_numel);
-  Span<uint16_t> full(wire, s.layout.padded_numel);
-  if (async) {
-    slot.handle = shard_comm_.start_all_gather(own, full, "all_gather(params, prefetched)");
-    return;
-  }
-  shard_comm_.all_gather(own, full, "all_gather(params)");
-  finish_gather(slot);
+  if (!async) finish_gather(slot);
 }
 
 void FsdpEngine::finish_gather(ParamSlot& slot) {
-  if (slot.handle >= 0) shard_comm_.wait(slot.handle), slot.handle = -1;
+  for (int& handle : slot.handles)
+    if (handle >= 0) shard_comm_.wait(handle), handle = -1;
   if (options_.param_dtype == DTYPE_FP32) return;
-  backend_.shard_ops->from_half(slot.values.data(), slot.wire.data(), shards_[slot.unit].layout.padded_numel,
+  backend_.shard_ops->from_half(slot.values.data(), slot.wire.data(), shards_[slot.unit].layout.padded_numel(),
                                 options_.param_dtype);
 }
 
 const float* FsdpEngine::gather_params(int unit, bool for_backward) {
-  if (slots_.empty()) return shards_[unit].params.data();  // fp32 on a shard group of one
+  if (slots_.empty()) return shards_[unit].params.data();  // fp32 on a shard group of one: no padding
+  const size_t lead = shards_[unit].layout.lead();
   if (options_.strategy == SHARDING_SHARD_GRAD_OP || unit == ROOT_UNIT) {
     ParamSlot& slot = slots_[options_.strategy == SHARDING_SHARD_GRAD_OP ? unit : 0];
     // These stay gathered from their forward through their backward.
     if (!for_backward || slot.unit != unit) start_gather(slot, unit, false);
-    return slot.values.data();
+    return slot.values.data() + lead;
   }
   for (size_t i = 1; i < slots_.size(); i++) {
     if (slots_[i].unit != unit) continue;  // a block still held (the last one of the forward) or prefetched
-    if (slots_[i].handle >= 0) finish_gather(slots_[i]);
+    if (slots_[i].pending()) finish_gather(slots_[i]);
     current_slot_ = static_cast<int>(i);
-    return slots_[i].values.data();
+    return slots_[i].values.data() + lead;
   }
   // The previous block is done: any slot without a pending prefetch will do, the current one too.
   int pick = -1;
   for (size_t i = 1; i < slots_.size(); i++)
-    if (slots_[i].handle < 0 && (pick < 0 || static_cast<int>(i) != current_slot_)) pick = static_cast<int>(i);
+    if (!slots_[i].pending() && (pick < 0 || static_cast<int>(i) != current_slot_)) pick = static_cast<int>(i);
   SHARD_CHECK(pick > 0, "no free block buffer for unit %d", unit);
   start_gather(slots_[pick], unit, false);
   current_slot_ = pick;
-  return slots_[pick].values.data();
+  return slots_[pick].values.data() + lead;
 }
 
 void FsdpEngine::prefetch_params(int unit) {
@@ -263,27 +302,31 @@ void FsdpEngine::prefetch_params(int unit) {
   for (size_t i = 1; i < slots_.size(); i++)
     if (slots_[i].unit == unit) return;
   for (size_t i = 1; i < slots_.size(); i++) {
-    if (static_cast<int>(i) == current_slot_ || slots_[i].handle >= 0) continue;
+    if (static_cast<int>(i) == current_slot_ || slots_[i].pending()) continue;
     start_gather(slots_[i], unit, true);
     return;
   }
 }
 
+// Where the model accumulates a unit's gradient: the unit's coordinates (its trainable
+// parameters, [0, trainable numel)); null when the whole unit is frozen.
 float* FsdpEngine::gradient_target(int unit) {
+  const SpaceLayout& trainable = shards_[unit].layout.trainable;
+  if (trainable.numel == 0) return nullptr;
   if (shard_comm_.size() == 1) return grad_shard(unit).data();
   DeviceArray<float>& buffer = grad_buffer(unit);
   join_reduction(&buffer - grad_buffers_.data());  // its last reduction must have read it
-  if (options_.reduce_every_microbatch)
-    backend_.device->zero(buffer.data(), shards_[unit].layout.padded_numel * sizeof(float));
-  return buffer.data();
+  if (options_.reduce_every_microbatch) backend_.device->zero(buffer.data(), trainable.padded_numel * sizeof(float));
+  return buffer.data() + trainable.lead;
 }
 
 void FsdpEngine::reduce_micro_batch_grads(int unit) {
   if (shard_comm_.size() == 1 || !options_.reduce_every_microbatch) return;
-  UnitShard& s = shards_[unit];
+  const SpaceLayout& trainable = shards_[unit].layout.trainable;
+  if (trainable.numel == 0) return;
   DeviceArray<float>& buffer = grad_buffer(unit);
-  Span<const float> full(buffer.data(), s.layout.padded_numel);
-  Span<float> shard(grad_shard(unit).data(), s.layout.shard_numel);
+  Span<const float> full(buffer.data(), trainable.padded_numel);
+  Span<float> shard(grad_shard(unit).data(), trainable.shard_numel);
   if (options_.overlap_reduce_scatter)
     reduce_handles_[&buffer - grad_buffers_.data()] =
         shard_comm_.start_reduce_scatter_add(full, shard, options_.reduce_dtype, "reduce_scatter(grads, started)");
@@ -302,7 +345,7 @@ void FsdpEngine::join_reduction(size_t buffer) {
 // its unit: the forward's last block serves the first backward block without a second gather.)
 void FsdpEngine::forget_gathered() {
   for (ParamSlot& slot : slots_) {
-    SHARD_CHECK(slot.handle < 0, "a prefetch is still pending at the end of a micro-batch");
+    SHARD_CHECK(!slot.pending(), "a prefetch is still pending at the end of a micro-batch");
     slot.unit = -1;
   }
   current_slot_ = -1;
@@ -328,14 +371,16 @@ double FsdpEngine::train_micro_batch(TransformerModel<float>& model, const int* 
 
   float* root_grad = gradient_target(ROOT_UNIT);
   model.head_backward(root_grad, root, dloss);
-  for (int l = L - 1; l >= 0; l--) {
+  // Frozen blocks below every trainable parameter need no backward (nor gathers for it).
+  const int floor = table_.backward_floor();
+  for (int l = L - 1; l >= floor; l--) {
     const float* block = gather_params(block_unit(l), true);
-    if (options_.backward_prefetch == BACKWARD_PREFETCH_PRE && l > 0) prefetch_params(block_unit(l - 1));
+    if (options_.backward_prefetch == BACKWARD_PREFETCH_PRE && l > floor) prefetch_params(block_unit(l - 1));
     model.block_backward(l, gradient_target(block_unit(l)), block);
-    if (options_.backward_prefetch == BACKWARD_PREFETCH_POST && l > 0) prefetch_params(block_unit(l - 1));
+    if (options_.backward_prefetch == BACKWARD_PREFETCH_POST && l > floor) prefetch_params(block_unit(l - 1));
     reduce_micro_batch_grads(block_unit(l));
   }
-  model.embed_backward(root_grad);
+  if (floor == 0) model.embed_backward(root_grad);
   reduce_micro_batch_grads(ROOT_UNIT);
   for (size_t b = 0; b < reduce_handles_.size(); b++) join_reduction(b);  // the shards are complete
   return loss;
@@ -343,15 +388,20 @@ double FsdpEngine::train_micro_batch(TransformerModel<float>& model, const int* 
 
 void FsdpEngine::finish_step() {
   if (shard_comm_.size() > 1 && !options_.reduce_every_microbatch) {
-    for (int u = static_cast<int>(shards_.size()) - 1; u >= 0; u--)
-      shard_comm_.reduce_scatter_add(Span<const float>(grad_buffers_[u].data(), shards_[u].layout.padded_numel),
-                                     Span<float>(grad_shard(u).data(), shards_[u].layout.shard_numel),
-                                     options_.reduce_dtype, "reduce_scatter(grads)");
+    for (int u = static_cast<int>(shards_.size()) - 1; u >= 0; u--) {
+      const SpaceLayout& trainable = shards_[u].layout.trainable;
+      if (trainable.numel == 0) continue;
+      shard_comm_.reduce_scatter_add(Span<const float>(grad_buffers_[u].data(), trainable.padded_numel),
+                                     Span<float>(grad_shard(u).data(), trainable.shard_numel), options_.reduce_dtype,
+                                     "reduce_scatter(grads)");
+    }
   }
   // The replica all-reduce is linear, so once per step equals once per micro-batch.
   if (replica_comm_.size() > 1)
     for (size_t u = 0; u < shards_.size(); u++)
-      replica_comm_.all_reduce_sum(Span<float>(grad_shard(u).data(), shards_[u].layout.shard_numel), "all_reduce(grads)");
+      if (shards_[u].layout.trainable.numel > 0)
+        replica_comm_.all_reduce_sum(Span<float>(grad_shard(u).data(), shards_[u].layout.trainable.shard_numel),
+                                     "all_reduce(grads)");
   if (options_.cpu_offload)  // down to the host, where the optimizer steps
     for (size_t u = 0; u < shards_.size(); u++)
       backend_.device->copy(shards_[u].grads.data(), device_grads_[u].data(), shards_[u].grads.bytes());
@@ -382,14 +432,17 @@ void FsdpEngine::decode_step(TransformerModel<float>& model, const int* tokens, 
 std::vector<float> FsdpEngine::gather_unit(int unit, bool gradients) {
   const UnitShard& s = shards_[unit];
   Device& dev = *backend_.device;
-  DeviceArray<float> full(dev, s.layout.padded_numel);  // the communicators work on device memory
-  const DeviceArray<float>& local = gradients ? s.grads : s.params;
-  dev.copy(full.data() + s.layout.begin, local.data(), local.bytes());
-  if (shard_comm_.size() > 1)
-    shard_comm_.all_gather(Span<const float>(full.data() + s.layout.begin, s.layout.shard_numel),
-                           Span<float>(full.data(), full.size()), "all_gather(unit)");
-  std::vector<float> values(table_.units()[unit].numel);
-  dev.copy(values.data(), full.data(), values.size() * sizeof(float));
+  std::vector<float> values(table_.units()[unit].numel, 0.0f);  // frozen parameters: zero gradients
+  for (const SpaceLayout* sp : {&s.layout.trainable, &s.layout.frozen}) {
+    if (sp->numel == 0 || (gradients && sp == &s.layout.frozen)) continue;
+    DeviceArray<float> full(dev, sp->padded_numel);  // the communicators work on device memory
+    const float* local = (gradients ? s.grads.data() : s.params.data()) + sp->local;
+    dev.copy(full.data() + sp->begin, local, sp->shard_numel * sizeof(float));
+    if (shard_comm_.size() > 1)
+      shard_comm_.all_gather(Span<const float>(full.data() + sp->begin, sp->shard_numel),
+                             Span<float>(full.data(), full.size()), "all_gather(unit)");
+    dev.copy(values.data() + sp->base, full.data() + sp->lead, sp->numel * sizeof(float));
+  }
   return values;
 }
 

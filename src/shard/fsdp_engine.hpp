@@ -3,7 +3,9 @@
 //
 // Each unit of the ParamTable is one flat buffer. It is sharded over the shard group: padded to a
 // multiple of the group size, rank g of the group keeps elements [g*S, (g+1)*S) as fp32 master
-// parameters, gradients (and, in the optimizer, moments). Replica groups hold identical shards
+// parameters, gradients (and, in the optimizer, moments). A unit with frozen parameters is two
+// flat spaces, sharded each on its own (SpaceLayout below): gradients, their reductions and the
+// optimizer cover the trainable one alone. Replica groups hold identical shards
 // and sum their gradients once per step. The strategies are the four of PyTorch FSDP:
 //   FULL_SHARD     shard group = world. Root unit (embeddings, final norm, tied head) gathered
 //                  once per micro-batch and kept until the end of backward; each block gathered
@@ -79,18 +81,60 @@ struct EngineOptions {
   bool inference = false;
 };
 
-// Where this rank's data sits in one unit. "Owned" is the part of the shard this rank alone
+// One of a unit's two flat spaces -- its trainable parameters [0, T) and its frozen ones [T, numel)
+// in unit coordinates (model/param_table.hpp) -- sharded on its own over the shard group: padded
+// to a multiple of the group size, rank g keeps padded elements [g*S, (g+1)*S). Only the
+// trainable space has gradients, reduce-scatters and optimizer state, so a frozen parameter costs
+// its shard and its gathers alone. Gathered, the trainable space's padding comes first (`lead`)
+// and the frozen space's last, so that the two spaces' all-gathers fill disjoint buffers while the
+// unit's elements lie contiguous between them. "Owned" is the part of the shard this rank alone
 // answers for among its replicas: it is counted in the gradient norm and written to checkpoints,
 // so every element is counted and written exactly once.
-struct UnitLayout {
-  size_t numel = 0;         // the unit's parameters, unpadded
-  size_t padded_numel = 0;  // rounded up to a multiple of the shard group size
+struct SpaceLayout {
+  size_t base = 0;          // unit coordinate of the space's first element
+  size_t numel = 0;         // its elements, unpadded
+  size_t lead = 0;          // padding before them (the trainable space of a unit with frozen parameters)
+  size_t padded_numel = 0;  // lead + numel + padding after, a multiple of the shard group size
   size_t shard_numel = 0;   // padded_numel / shard group size
-  size_t begin = 0;         // this rank's first element in the unit's flat buffer
-  size_t owned_begin = 0, owned_count = 0;  // within the shard (local indices)
-  // This rank's shard, and the part of it the rank owns, in the unit's flat coordinates.
-  FlatRange shard_range() const { return {begin, begin + shard_numel}; }
-  FlatRange owned_range() const { return {begin + owned_begin, begin + owned_begin + owned_count}; }
+  size_t begin = 0;         // this rank's first padded element
+  size_t owned_begin = 0, owned_count = 0;  // within the shard (shard indices)
+  size_t local = 0;                         // where the shard starts in the rank's shard buffer of the unit
+  // The unit coordinates of this rank's shard, and of the part it owns (padding left out).
+  FlatRange shard_range() const { return to_unit({begin, begin + shard_numel}); }
+  FlatRange owned_range() const { return to_unit({begin + owned_begin, begin + owned_begin + owned_count}); }
+  // The index in the rank's shard buffer of unit coordinate x (inside shard_range()).
+  size_t local_index(size_t x) const { return local + (x - base + lead - begin); }
+  bool contains(size_t x) const { return x >= base && x < base + numel; }
+
+ private:
+  FlatRange to_unit(FlatRange padded) const {
+    const FlatRange real = intersect(padded, {lead, lead + numel});
+    return real.empty() ? FlatRange{base, base} : FlatRange{real.begin - lead + base, real.end - lead + base};
+  }
+};
+
+// Where this rank's data sits in one unit: its two spaces. The rank's shard buffer holds the
+// trainable space's shard, then the frozen space's; its gradient buffer the trainable shard only.
+struct UnitLayout {
+  size_t numel = 0;  // the unit's parameters, unpadded
+  SpaceLayout trainable, frozen;
+  size_t padded_numel() const { return trainable.padded_numel + frozen.padded_numel; }  // gathered
+  size_t shard_numel() const { return trainable.shard_numel + frozen.shard_numel; }
+  // The unit's first element in its gathered buffer.
+  size_t lead() const { return trainable.lead; }
+  // The space holding unit coordinate x.
+  const SpaceLayout& space_of(size_t x) const { return trainable.contains(x) ? trainable : frozen; }
+  // This rank's part of a unit range that lies in one space (a parameter): the unit coordinates
+  // it holds (or owns) and the index of their first element in the rank's shard buffer.
+  struct Local {
+    FlatRange range;
+    size_t index = 0;
+  };
+  Local local_part(const FlatRange& r, bool owned = false) const {
+    const SpaceLayout& s = space_of(r.begin);
+    const FlatRange part = intersect(owned ? s.owned_range() : s.shard_range(), r);
+    return {part, part.empty() ? 0 : s.local_index(part.begin)};
+  }
 };
 
 // Shard and replica group sizes and this rank's position in each.
@@ -98,10 +142,13 @@ struct GroupShape {
   int shard_size = 1, shard_rank = 0, replica_size = 1, replica_rank = 0;
 };
 
-// The fp32 master parameters and gradient of this rank's shard of one unit, on `device`.
+// The fp32 master parameters of this rank's shard of one unit (trainable space, then frozen) and
+// the gradient of its trainable space, on `device`.
 struct UnitShard {
   UnitShard(const UnitLayout& layout, Device& device, bool with_grads = true)
-      : layout(layout), params(device, layout.shard_numel), grads(device, with_grads ? layout.shard_numel : 0) {}
+      : layout(layout),
+        params(device, layout.shard_numel()),
+        grads(device, with_grads ? layout.trainable.shard_numel : 0) {}
   UnitLayout layout;
   DeviceArray<float> params, grads;
 };
@@ -158,12 +205,14 @@ class FsdpEngine {
   std::vector<float> gather_unit(int unit, bool gradients);
 
  private:
-  // A buffer for one unsharded unit's parameters, filled by a blocking or a started all-gather.
+  // A buffer for one unsharded unit's parameters, filled by blocking or started all-gathers (one
+  // per space: trainable, frozen).
   struct ParamSlot {
     DeviceArray<float> values;
     DeviceArray<uint16_t> wire;  // the gathered unit in a 16-bit param_dtype
     int unit = -1;               // the unit held (valid for the current micro-batch), or -1
-    int handle = -1;             // a started all-gather not yet waited for
+    int handles[2] = {-1, -1};   // started all-gathers not yet waited for
+    bool pending() const { return handles[0] >= 0 || handles[1] >= 0; }
   };
   const float* gather_params(int unit, bool for_backward);
   void prefetch_params(int unit);

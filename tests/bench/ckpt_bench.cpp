@@ -172,14 +172,14 @@ std::vector<IoPiece> io_pieces(const std::string& layout, FsdpEngine& engine, Ad
     const float* buffers[3] = {engine.shards()[u].params.data(), optimizer.m()[u].data(), optimizer.v()[u].data()};
     for (int k = 0; k < 3; k++) {
       auto add = [&](size_t lo, size_t numel) {  // a dataset holding unit elements [lo, lo + numel)
-        const FlatRange own = intersect(shard.owned_range(), FlatRange{lo, lo + numel});
-        IoPiece piece{base + static_cast<MPI_Offset>((own.begin - lo) * 4), buffers[k] + (own.begin - shard.begin),
-                      own.size()};
+        const UnitLayout::Local own = shard.local_part(FlatRange{lo, lo + numel}, true);  // nothing frozen
+        IoPiece piece{base + static_cast<MPI_Offset>((own.range.begin - lo) * 4), buffers[k] + own.index,
+                      own.range.size()};
         pieces.push_back(piece);
         base += static_cast<MPI_Offset>(numel * 4);
       };
       if (layout == "sharded") {
-        add(0, shard.padded_numel);
+        add(0, shard.numel);
       } else {
         for (int id : table.units()[u].params) add(table.params()[id].offset, table.params()[id].numel);
       }
@@ -286,7 +286,7 @@ int main(int argc, char** argv) {
       const UnitShard& s = engine.shards()[u];
       DeviceArray<float>&m = optimizer.m()[u], &v = optimizer.v()[u];
       for (size_t i = 0; i < m.size(); i++) {
-        const size_t g = s.layout.begin + i + u * 7919;
+        const size_t g = s.layout.trainable.begin + i + u * 7919;
         m[i] = 1e-3f * static_cast<float>(static_cast<int>(g % 2001) - 1000);
         v[i] = 1e-6f * static_cast<float>(1 + g % 997);
       }

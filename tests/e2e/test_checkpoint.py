@@ -224,7 +224,9 @@ def test_gathered_checkpoint_reads_with_h5py():
     with h5py.File(path, "r") as f:
         attrs = f.attrs
         assert text(attrs["format"]) == "shardtrain-checkpoint"
-        assert int(attrs["version"]) == 2  # 2: the architecture attributes (test_llama.py: version 1 still loads)
+        # 3: the adapter's attributes; 2: the architecture's (test_llama.py: version 1 still loads)
+        assert int(attrs["version"]) == 3
+        assert text(attrs["adapter.type"]) == "none" and text(attrs["adapter.targets"]) == ""
         assert text(attrs["model.arch"]) == "gpt2"
         assert int(attrs["model.n_kv_head"]) == 4 and int(attrs["model.intermediate_size"]) == 160
         assert int(attrs["model.tie_embeddings"]) == 1

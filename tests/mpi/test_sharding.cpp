@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "comm/comm.hpp"
@@ -166,4 +168,106 @@ TEST(Engine, ShardedGradientEqualsSumOfUnshardedGradients) {
     }
   }
   EXPECT_TRUE(all_ranks(ok)) << "worst error / threshold on rank " << r << ": " << worst;
+}
+
+// Frozen parameters (train.freeze): the engine shards a unit's trainable and frozen parameters as
+// two spaces and keeps gradients for the trainable one only. Oracle: the unsharded model of the
+// same values with nothing frozen; each trainable parameter's gathered gradient must equal its
+// gradient there, and frozen ones have none (zeros), for units mixed, wholly frozen and untouched,
+// under the options that move gradients differently.
+TEST(Engine, FrozenParametersGetNoGradientAndTheOthersTheirsUnchanged) {
+  const ModelConfig cfg = awkward_model();
+  const ParamTable whole(cfg);
+  auto comm = make_mpi_comm(MPI_COMM_WORLD, nullptr);
+  auto self = make_mpi_comm(MPI_COMM_SELF, nullptr);
+  const int n = comm->size(), r = comm->rank();
+  const int B = 2, T = 5;
+  const std::vector<std::vector<std::string>> freezes = {
+      {"wpe", "h.0.ln_1.*", "h.1.mlp.fc.weight"},  // mixed units
+      {"h.0.*"},                                   // a whole block
+      {"wte", "wpe"},                              // the embeddings and with them the tied head
+      {"wte", "wpe", "h.0.*"},                     // the backward stops above h.0
+  };
+  std::vector<EngineOptions> options(4);
+  options[1].strategy = SHARDING_SHARD_GRAD_OP;
+  options[2].reduce_every_microbatch = false;
+  options[3].forward_prefetch = true, options[3].limit_all_gathers = 3;
+  bool ok = true;
+  std::string failure;
+  for (const auto& freeze : freezes) {
+    const ParamTable table(cfg, freeze);
+    for (const EngineOptions& o : options) {
+      MemoryTracker memory;
+      FsdpEngine engine(table, *comm, *self, memory, o, cpu_backend());
+      engine.init_parameters(7);
+      GptModel<float> model(table, B, T, false, cpu_layer_ops<float>());
+      std::vector<int> tokens(B * T), targets(B * T);
+      const float dloss = 1.0f / (B * T * n);
+      for (int micro = 0; micro < 2; micro++) {
+        fill_tokens(tokens, r, cfg.vocab_size, micro);
+        fill_tokens(targets, r + 100, cfg.vocab_size, micro);
+        engine.train_micro_batch(model, tokens.data(), targets.data(), dloss);
+      }
+      engine.finish_step();
+      // The same values in the unfrozen table's layout, and its gradients over every rank's data.
+      std::vector<std::vector<float>> units, grads, values(table.units().size()), got(table.units().size());
+      for (const UnitInfo& u : whole.units()) units.emplace_back(u.numel), grads.emplace_back(u.numel, 0.0f);
+      for (size_t u = 0; u < table.units().size(); u++) {
+        values[u] = engine.gather_unit(static_cast<int>(u), false);
+        got[u] = engine.gather_unit(static_cast<int>(u), true);
+      }
+      for (size_t id = 0; id < table.params().size(); id++) {
+        const ParamInfo &p = table.params()[id], &q = whole.params()[id];
+        std::copy_n(values[p.unit].data() + p.offset, p.numel, units[q.unit].data() + q.offset);
+      }
+      std::vector<const float*> unit_ptrs;
+      std::vector<float*> grad_ptrs;
+      for (size_t u = 0; u < units.size(); u++)
+        unit_ptrs.push_back(units[u].data()), grad_ptrs.push_back(grads[u].data());
+      GptModel<float> reference(whole, B, T, false, cpu_layer_ops<float>());
+      for (int q = 0; q < n; q++)
+        for (int micro = 0; micro < 2; micro++) {
+          fill_tokens(tokens, q, cfg.vocab_size, micro);
+          fill_tokens(targets, q + 100, cfg.vocab_size, micro);
+          forward_backward_unsharded(reference, whole, unit_ptrs, grad_ptrs, tokens.data(), targets.data(), dloss);
+        }
+      for (size_t id = 0; id < table.params().size(); id++) {
+        const ParamInfo &p = table.params()[id], &q = whole.params()[id];
+        for (size_t i = 0; i < p.numel; i++) {
+          const double expected = p.frozen ? 0.0 : grads[q.unit][q.offset + i];
+          const double g = got[p.unit][p.offset + i];
+          if (std::fabs(g - expected) > 1e-7 + 1e-5 * std::fabs(expected)) {
+            if (ok)
+              failure = p.name + "[" + std::to_string(i) + "] with " + freeze[0] + ": " + std::to_string(g) +
+                        " != " + std::to_string(expected);
+            ok = false;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_TRUE(all_ranks(ok)) << failure;
+}
+
+// Frozen parameters take no gradient memory: the engine charges gradients (shards and unsharded
+// buffers) for the trainable space alone, and exactly what plan_memory predicts.
+TEST(Engine, FrozenParametersChargeNoGradientMemory) {
+  const ModelConfig cfg = awkward_model();
+  auto comm = make_mpi_comm(MPI_COMM_WORLD, nullptr);
+  auto self = make_mpi_comm(MPI_COMM_SELF, nullptr);
+  MemoryTracker all_memory, frozen_memory;
+  const ParamTable whole(cfg), table(cfg, {"wte", "h.0.*"});
+  FsdpEngine a(whole, *comm, *self, all_memory, {}, cpu_backend());
+  FsdpEngine b(table, *comm, *self, frozen_memory, {}, cpu_backend());
+  size_t trainable_shards = 0;
+  for (const UnitShard& s : b.shards()) trainable_shards += s.grads.size();
+  const GroupShape g{comm->size(), comm->rank(), 1, 0};
+  bool ok = frozen_memory.current(MEM_GRADIENTS) < all_memory.current(MEM_GRADIENTS) &&
+            // Two spaces are padded each: at most one more element per unit.
+            frozen_memory.current(MEM_SHARDED_PARAMS) <=
+                all_memory.current(MEM_SHARDED_PARAMS) + table.units().size() * sizeof(float) &&
+            FsdpEngine::plan_memory(FsdpEngine::plan_layout(table, g), {})[MEM_GRADIENTS] ==
+                frozen_memory.current(MEM_GRADIENTS) &&
+            trainable_shards * comm->size() < table.trainable_params() + comm->size() * table.units().size();
+  EXPECT_TRUE(all_ranks(ok));
 }

@@ -249,6 +249,11 @@ class CountingOps : public LayerOps<double> {
   void residual_forward(double* out, const double* a, const double* b, size_t n) const override {
     cpu().residual_forward(out, a, b, n);
   }
+  void gemm(bool ta, bool tb, int M, int N, int K, double alpha, const double* A, int lda, const double* B, int ldb,
+            double beta, double* C, int ldc) const override {
+    macs_ += static_cast<double>(M) * N * K;
+    cpu().gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  }
   void dropout(double* out, const double* inp, const uint64_t* row_keys, uint64_t site, int N, int C,
                float p) const override {
     cpu().dropout(out, inp, row_keys, site, N, C, p);  // no multiply-adds

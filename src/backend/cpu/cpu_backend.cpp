@@ -7,6 +7,7 @@
 #include <new>
 #include <vector>
 
+#include "backend/cpu/gemm.hpp"
 #include "backend/cpu/ops.hpp"
 #include "backend/layer_ops.hpp"
 
@@ -60,6 +61,10 @@ class CpuLayerOps : public LayerOps<Real> {
   void matmul_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout, const Real* inp, const Real* weight,
                        int N, int C, int OC) const override {
     cpu::matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
+  }
+  void gemm(bool trans_a, bool trans_b, int M, int N, int K, Real alpha, const Real* A, int lda, const Real* B,
+            int ldb, Real beta, Real* C, int ldc) const override {
+    cpu::gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   }
   void attention_forward(Real* out, Real* att, const Real* qkv, int B, int T, int NH, int KV,
                          int HS) const override {

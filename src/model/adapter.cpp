@@ -1,0 +1,43 @@
+// See adapter.hpp.
+#include "model/adapter.hpp"
+
+#include "model/param_table.hpp"
+
+namespace shardtrain {
+
+const char* adapter_type_name(AdapterType type) { return type == ADAPTER_LORA ? "lora" : "none"; }
+
+bool parse_adapter_type(const std::string& name, AdapterType* out) {
+  for (AdapterType t : {ADAPTER_NONE, ADAPTER_LORA})
+    if (name == adapter_type_name(t)) return *out = t, true;
+  return false;
+}
+
+std::vector<LinearSite> linear_sites(const ModelConfig& c) {
+  const int C = c.n_embd;
+  if (c.arch == ARCH_GPT2)
+    return {{"attn.c_attn", BLOCK_QKV_W, PRODUCT_QKV, C, 3 * C, 0, 3 * C},
+            {"attn.c_proj", BLOCK_ATTPROJ_W, PRODUCT_ATTN_OUT, C, C, 0, C},
+            {"mlp.c_fc", BLOCK_FC_W, PRODUCT_MLP_UP, C, 4 * C, 0, 4 * C},
+            {"mlp.c_proj", BLOCK_FCPROJ_W, PRODUCT_MLP_DOWN, 4 * C, C, 0, C}};
+  const int KV = c.kv_heads() * c.head_size(), QKV = c.qkv_size(), I = c.mlp_size();
+  return {{"self_attn.q_proj", LLAMA_Q_W, PRODUCT_QKV, C, C, 0, QKV},
+          {"self_attn.k_proj", LLAMA_K_W, PRODUCT_QKV, C, KV, C, QKV},
+          {"self_attn.v_proj", LLAMA_V_W, PRODUCT_QKV, C, KV, C + KV, QKV},
+          {"self_attn.o_proj", LLAMA_O_W, PRODUCT_ATTN_OUT, C, C, 0, C},
+          {"mlp.gate_proj", LLAMA_GATE_W, PRODUCT_MLP_UP, C, I, 0, 2 * I},
+          {"mlp.up_proj", LLAMA_UP_W, PRODUCT_MLP_UP, C, I, I, 2 * I},
+          {"mlp.down_proj", LLAMA_DOWN_W, PRODUCT_MLP_DOWN, I, C, 0, C}};
+}
+
+std::string hf_module_path(const ModelConfig& c, int layer, const LinearSite& site) {
+  return (c.arch == ARCH_GPT2 ? "transformer.h." : "model.layers.") + std::to_string(layer) + "." + site.module;
+}
+
+bool target_matches(const std::string& target, const std::string& path) {
+  if (target == path) return true;
+  return path.size() > target.size() && path.compare(path.size() - target.size(), target.size(), target) == 0 &&
+         path[path.size() - target.size() - 1] == '.';
+}
+
+}  // namespace shardtrain

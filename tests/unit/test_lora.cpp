@@ -1,0 +1,261 @@
+// LoRA (model/lora.hpp) against independent oracles, in double:
+// - the layer's products against naive loops, for a slice of a fused product (Llama's q and v
+//   columns of q|k|v);
+// - the whole model with adapters against the base model with merged weights W + s B A (PEFT's
+//   merge), which must give the same loss;
+// - every adapter tensor's gradient against central finite differences, the base's untouched;
+// - the parameter table: names, shapes, the base frozen, the refusals.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "backend/layer_ops.hpp"
+#include "core/error.hpp"
+#include "core/random.hpp"
+#include "model/lora.hpp"
+#include "model/model.hpp"
+
+using namespace shardtrain;
+
+namespace {
+
+ModelConfig gpt2_config() {
+  ModelConfig c;
+  c.n_layer = 2, c.n_embd = 12, c.n_head = 3, c.vocab_size = 11, c.max_seq_len = 7;
+  return c;
+}
+
+ModelConfig llama_config() {
+  ModelConfig c = gpt2_config();
+  c.arch = ARCH_LLAMA;
+  c.n_embd = 16, c.n_head = 4, c.n_kv_head = 2, c.intermediate_size = 20, c.rope_theta = 100.0;
+  c.tie_embeddings = false;
+  return c;
+}
+
+AdapterConfig lora(std::vector<std::string> targets, int rank = 3, double alpha = 5) {
+  AdapterConfig a;
+  a.type = ADAPTER_LORA, a.targets = std::move(targets), a.rank = rank, a.alpha = alpha;
+  return a;
+}
+
+// Every parameter random (B too, so that every path carries signal); gains around 1.
+std::vector<std::vector<double>> random_units(const ParamTable& table) {
+  std::vector<std::vector<double>> units;
+  for (const UnitInfo& u : table.units()) units.emplace_back(u.numel);
+  for (const ParamInfo& p : table.params())
+    for (size_t i = 0; i < p.numel; i++)
+      units[p.unit][p.offset + i] = 0.3 * counter_normal(p.id + 17, i) + (p.init == INIT_ONES ? 1.0 : 0.0);
+  return units;
+}
+
+struct Batch {
+  std::vector<int> tokens, targets;
+};
+
+Batch make_batch(int B, int T, int V) {
+  Batch b{std::vector<int>(B * T), std::vector<int>(B * T)};
+  for (int i = 0; i < B * T; i++) b.tokens[i] = (i * 5 + 3) % V, b.targets[i] = (i * 7 + 1) % V;
+  return b;
+}
+
+double loss_and_grads(const ParamTable& table, std::vector<std::vector<double>>& units,
+                      std::vector<std::vector<double>>* grads, const Batch& batch, int B, int T) {
+  auto model = make_model<double>(table, B, T, false, cpu_layer_ops<double>());
+  std::vector<const double*> u;
+  std::vector<double*> g;
+  std::vector<std::vector<double>> scratch;
+  std::vector<std::vector<double>>& out = grads ? *grads : scratch;
+  out.clear();
+  for (auto& unit : units) out.emplace_back(unit.size(), 0.0), u.push_back(unit.data()), g.push_back(out.back().data());
+  return forward_backward_unsharded(*model, table, u, g, batch.tokens.data(), batch.targets.data(), 1.0 / (B * T));
+}
+
+}  // namespace
+
+TEST(Lora, TableAddsAdaptersAfterEachBlockAndFreezesTheBase) {
+  const ParamTable table(llama_config(), {}, lora({"self_attn.q_proj", "layers.1.mlp.down_proj"}));
+  const ParamTable base(llama_config());
+  std::vector<std::string> adapters;
+  for (const ParamInfo& p : table.params()) {
+    EXPECT_EQ(p.frozen, !p.adapter) << p.name;
+    if (p.adapter) adapters.push_back(p.name);
+  }
+  EXPECT_EQ(adapters, (std::vector<std::string>{
+                          "layers.0.self_attn.q_proj.lora_A.weight", "layers.0.self_attn.q_proj.lora_B.weight",
+                          "layers.1.self_attn.q_proj.lora_A.weight", "layers.1.self_attn.q_proj.lora_B.weight",
+                          "layers.1.mlp.down_proj.lora_A.weight", "layers.1.mlp.down_proj.lora_B.weight"}));
+  const int down = table.adapter_param(1, 6);
+  ASSERT_GE(down, 0);
+  EXPECT_EQ(table.param(block_unit(1), down).shape, (std::vector<int>{3, 20}));      // A: (r, in)
+  EXPECT_EQ(table.param(block_unit(1), down + 1).shape, (std::vector<int>{16, 3}));  // B: (out, r)
+  EXPECT_EQ(table.adapter_param(0, 6), -1);
+  // The base keeps its ids, names and declaration order; the adapters come after it.
+  for (size_t id = 0; id < base.params().size(); id++) {
+    EXPECT_EQ(table.params()[id].name, base.params()[id].name);
+    EXPECT_EQ(table.params()[id].file_offset, base.params()[id].offset);
+  }
+  EXPECT_EQ(table.trainable_params(), 2 * (3 * 16 + 16 * 3) + (3 * 20 + 16 * 3));
+}
+
+TEST(Lora, RefusesTargetsThatMatchNothingAndRanksAboveTheLayer) {
+  auto error = [](const ModelConfig& c, const AdapterConfig& a) -> std::string {
+    try {
+      ParamTable table(c, {}, a);
+    } catch (const UsageError& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_NE(error(gpt2_config(), lora({"attn.c_attn", "c_atn"})).find("'c_atn' matches no linear layer"),
+            std::string::npos);
+  EXPECT_NE(error(gpt2_config(), lora({"q_proj"})).find("matches no linear layer"), std::string::npos);
+  EXPECT_NE(error(gpt2_config(), lora({})).find("adapts nothing"), std::string::npos);
+  EXPECT_NE(error(llama_config(), lora({"self_attn.k_proj"}, 9)).find("adapter.rank=9 is larger than"),
+            std::string::npos);  // k_proj has 8 outputs
+  // GPT-2's c_proj names two layers: a full path picks one, the bare name both (PEFT's rule).
+  const ParamTable one(gpt2_config(), {}, lora({"mlp.c_proj"})), both(gpt2_config(), {}, lora({"c_proj"}));
+  const size_t attn_c_proj = 2 * (3 * 12 + 12 * 3);  // two blocks of A (3, 12) and B (12, 3)
+  EXPECT_EQ(both.trainable_params(), one.trainable_params() + attn_c_proj);
+  EXPECT_LT(one.trainable_params(), both.trainable_params());
+  EXPECT_EQ(one.adapter_param(0, 1), -1);  // attn.c_proj is not adapted
+  EXPECT_GE(both.adapter_param(0, 1), 0);
+}
+
+// The products of one adapted layer against naive loops: u = x A^T, y[:, slice] += s u B^T, and
+// the backward's dB, dA and dx (accumulated onto what is there).
+TEST(Lora, LayerMatchesNaiveLoopsOnASliceOfAFusedProduct) {
+  const ModelConfig c = llama_config();
+  const ParamTable table(c, {}, lora({"self_attn.v_proj"}, 3, 5));
+  const std::vector<LinearSite> sites = linear_sites(c);
+  const LinearSite& v = sites[2];
+  ASSERT_EQ(std::string(v.module), "self_attn.v_proj");
+  const int n = 7, r = 3, unit = block_unit(1);
+  const double s = 5.0 / 3;
+  std::vector<std::vector<double>> units = random_units(table);
+  const double* w = units[unit].data();
+  const int a = table.adapter_param(1, 2);
+  const double* A = w + table.offset(unit, a);
+  const double* Bm = w + table.offset(unit, a + 1);
+  std::vector<double> x(n * v.in), y(n * v.width), dy(n * v.width), dx(n * v.in);
+  for (size_t i = 0; i < x.size(); i++) x[i] = counter_normal(1, i);
+  for (size_t i = 0; i < y.size(); i++) y[i] = counter_normal(2, i), dy[i] = counter_normal(3, i);
+  for (size_t i = 0; i < dx.size(); i++) dx[i] = counter_normal(4, i);
+  const std::vector<double> y0 = y, dx0 = dx;
+  std::vector<double> grads(units[unit].size(), 0.0);
+  LoraLayers<double> layers(table, n, cpu_layer_ops<double>());
+  layers.forward(1, PRODUCT_QKV, x.data(), y.data(), n, w);
+  layers.backward(1, PRODUCT_QKV, x.data(), dy.data(), dx.data(), n, w, grads.data());
+  const double* dA = grads.data() + table.offset(unit, a);
+  const double* dB = grads.data() + table.offset(unit, a + 1);
+  std::vector<double> u(n * r, 0.0), du(n * r, 0.0);
+  for (int i = 0; i < n; i++)
+    for (int k = 0; k < r; k++) {
+      for (int j = 0; j < v.in; j++) u[i * r + k] += x[i * v.in + j] * A[k * v.in + j];
+      for (int o = 0; o < v.out; o++) du[i * r + k] += s * dy[i * v.width + v.column + o] * Bm[o * r + k];
+    }
+  for (int i = 0; i < n; i++)
+    for (int col = 0; col < v.width; col++) {
+      double expected = y0[i * v.width + col];
+      if (col >= v.column && col < v.column + v.out)
+        for (int k = 0; k < r; k++) expected += s * u[i * r + k] * Bm[(col - v.column) * r + k];
+      EXPECT_NEAR(y[i * v.width + col], expected, 1e-12) << i << "," << col;
+    }
+  for (int o = 0; o < v.out; o++)
+    for (int k = 0; k < r; k++) {
+      double expected = 0;
+      for (int i = 0; i < n; i++) expected += s * dy[i * v.width + v.column + o] * u[i * r + k];
+      EXPECT_NEAR(dB[o * r + k], expected, 1e-12);
+    }
+  for (int k = 0; k < r; k++)
+    for (int j = 0; j < v.in; j++) {
+      double expected = 0;
+      for (int i = 0; i < n; i++) expected += du[i * r + k] * x[i * v.in + j];
+      EXPECT_NEAR(dA[k * v.in + j], expected, 1e-12);
+    }
+  for (int i = 0; i < n; i++)
+    for (int j = 0; j < v.in; j++) {
+      double expected = dx0[i * v.in + j];
+      for (int k = 0; k < r; k++) expected += du[i * r + k] * A[k * v.in + j];
+      EXPECT_NEAR(dx[i * v.in + j], expected, 1e-12);
+    }
+}
+
+// PEFT's merge: the adapted model is the base model with W <- W + s B A.
+TEST(Lora, ModelEqualsTheBaseWithMergedWeights) {
+  const std::vector<std::pair<ModelConfig, std::vector<std::string>>> cases = {
+      {gpt2_config(), {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"}},
+      {llama_config(), {"self_attn.q_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.up_proj", "down_proj"}},
+  };
+  const int B = 2, T = 5;
+  for (const auto& [config, targets] : cases) {
+    const ParamTable table(config, {}, lora(targets)), base(config);
+    std::vector<std::vector<double>> units = random_units(table), merged;
+    for (const UnitInfo& u : base.units()) merged.emplace_back(u.numel);
+    for (size_t id = 0; id < base.params().size(); id++) {
+      const ParamInfo &p = table.params()[id], &q = base.params()[id];
+      std::copy_n(units[p.unit].data() + p.offset, p.numel, merged[q.unit].data() + q.offset);
+    }
+    const double s = table.adapter().scaling();
+    const std::vector<LinearSite> sites = linear_sites(config);
+    for (int l = 0; l < config.n_layer; l++)
+      for (size_t k = 0; k < sites.size(); k++) {
+        const int a = table.adapter_param(l, static_cast<int>(k));
+        if (a < 0) continue;
+        const int u = block_unit(l), r = table.adapter().rank, in = sites[k].in;
+        const double* A = units[u].data() + table.offset(u, a);
+        const double* Bm = units[u].data() + table.offset(u, a + 1);
+        double* W = merged[u].data() + base.offset(u, sites[k].weight);
+        for (int o = 0; o < sites[k].out; o++)
+          for (int j = 0; j < in; j++)
+            for (int m = 0; m < r; m++) W[o * in + j] += s * Bm[o * r + m] * A[m * in + j];
+      }
+    const Batch batch = make_batch(B, T, config.vocab_size);
+    const double adapted = loss_and_grads(table, units, nullptr, batch, B, T);
+    const double reference = loss_and_grads(base, merged, nullptr, batch, B, T);
+    EXPECT_NEAR(adapted, reference, 1e-11 * std::fabs(reference)) << model_arch_name(config.arch);
+    // And the adapters matter: the base's own weights give another loss.
+    std::vector<std::vector<double>> unmerged;
+    for (const UnitInfo& u : base.units()) unmerged.emplace_back(u.numel);
+    for (size_t id = 0; id < base.params().size(); id++) {
+      const ParamInfo &p = table.params()[id], &q = base.params()[id];
+      std::copy_n(units[p.unit].data() + p.offset, p.numel, unmerged[q.unit].data() + q.offset);
+    }
+    EXPECT_GT(std::fabs(adapted - loss_and_grads(base, unmerged, nullptr, batch, B, T)), 1e-3);
+  }
+}
+
+// Central differences (h = 1e-5, double): truncation ~1e-10, rounding ~1e-11.
+TEST(Lora, AdapterGradientsMatchFiniteDifferencesAndTheBaseGetsNone) {
+  const std::vector<std::pair<ModelConfig, std::vector<std::string>>> cases = {
+      {gpt2_config(), {"attn.c_attn", "mlp.c_proj"}},
+      {llama_config(), {"self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "o_proj"}},
+  };
+  const int B = 2, T = 5;
+  for (const auto& [config, targets] : cases) {
+    const ParamTable table(config, {}, lora(targets, 2, 3));
+    std::vector<std::vector<double>> units = random_units(table), grads;
+    const Batch batch = make_batch(B, T, config.vocab_size);
+    loss_and_grads(table, units, &grads, batch, B, T);
+    for (const ParamInfo& p : table.params()) {
+      if (!p.adapter) {
+        for (size_t i = 0; i < p.numel; i++) ASSERT_EQ(grads[p.unit][p.offset + i], 0.0) << p.name;
+        continue;
+      }
+      for (size_t i : {size_t(0), p.numel / 2, p.numel - 1}) {
+        double& x = units[p.unit][p.offset + i];
+        const double saved = x, h = 1e-5;
+        x = saved + h;
+        const double up = loss_and_grads(table, units, nullptr, batch, B, T);
+        x = saved - h;
+        const double down = loss_and_grads(table, units, nullptr, batch, B, T);
+        x = saved;
+        // The summed loss; the gradients are of its mean.
+        const double numeric = (up - down) / (2 * h) / (B * T), analytic = grads[p.unit][p.offset + i];
+        EXPECT_NEAR(analytic, numeric, 1e-8 + 1e-6 * std::fabs(numeric)) << p.name << "[" << i << "]";
+      }
+    }
+  }
+}
