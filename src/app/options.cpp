@@ -100,7 +100,6 @@ constexpr ShardingStrategy STRATEGIES[] = {SHARDING_FULL_SHARD, SHARDING_SHARD_G
                                            SHARDING_HYBRID_SHARD};
 constexpr DType DTYPES[] = {DTYPE_FP32, DTYPE_BF16, DTYPE_FP16};
 constexpr ModelArch ARCHS[] = {ARCH_GPT2, ARCH_LLAMA};
-constexpr AdapterType ADAPTERS[] = {ADAPTER_NONE, ADAPTER_LORA};
 constexpr BackwardPrefetch PREFETCHES[] = {BACKWARD_PREFETCH_NONE, BACKWARD_PREFETCH_PRE, BACKWARD_PREFETCH_POST};
 
 // The single list of options. `c` holds the defaults on entry and receives parsed values.
@@ -159,7 +158,7 @@ void declare_options(OptionList& o, Config& c) {
   o.add("data.tokenizer", &c.data.tokenizer,
         "the tokenizer.json the data was encoded with (data encode --tokenizer), recorded in checkpoints for "
         "'shardtrain generate'; empty = bytes");
-  o.add_choice("adapter.type", &c.adapter.type, ADAPTERS, adapter_type_name,
+  o.add_choice("adapter.type", &c.adapter.type, ADAPTER_TYPES, adapter_type_name,
                "adapters on the frozen base model, Hugging Face PEFT's LoRA (docs/adapters.md); none trains the "
                "model itself");
   o.add("adapter.targets", &c.adapter.targets,

@@ -29,8 +29,9 @@
 #include "ckpt/hf_model.hpp"
 #include "ckpt/peft.hpp"
 #include "core/counted.hpp"
-#include "core/format.hpp"
 #include "ckpt/llmc.hpp"
+#include "core/format.hpp"
+#include "core/random.hpp"
 #include "comm/comm.hpp"
 #include "comm/watchdog.hpp"
 #include "data/dataset.hpp"
@@ -192,6 +193,7 @@ class Trainer {
   AdamW optimizer_;
   std::unique_ptr<TransformerModel<float>> model_;
   std::vector<int> tokens_, targets_;
+  std::vector<uint64_t> dropout_keys_;  // per token of a micro-batch: dropout_token_key
   CheckpointManager checkpoints_;
   std::unique_ptr<MetricsWriter> metrics_;  // opened by run() once the resume step is known
   std::unique_ptr<TensorBoardWriter> tensorboard_;
@@ -312,6 +314,7 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
                 mem_category_name(static_cast<MemCategory>(c)), memory_.current(static_cast<MemCategory>(c)),
                 plan_.bytes[c]);
   tokens_.resize(static_cast<size_t>(B_) * T_);
+  dropout_keys_.resize(tokens_.size());
   targets_.resize(tokens_.size());
   planned_peak_ = static_cast<double>(plan_.total() + (compute_.on_gpu() ? 0 : plan_.offloaded_bytes));
   engine_.init_parameters(cfg_.train.seed);
@@ -674,9 +677,13 @@ double Trainer::accumulate_gradients(int step) {
       uint64_t seq = static_cast<uint64_t>(micro * rt_.world() + rt_.rank()) * B_ + b;
       train_data_->fill(sampler_->window(step, seq), &tokens_[static_cast<size_t>(b) * T_],
                         &targets_[static_cast<size_t>(b) * T_]);
+      for (int t = 0; t < T_; t++)  // the dropout stream: by (seed, step, sequence, position)
+        dropout_keys_[static_cast<size_t>(b) * T_ + t] = dropout_token_key(cfg_.train.seed, step, seq, t);
     }
+    model_->set_dropout_keys(dropout_keys_.data());
     loss_sum += engine_.train_micro_batch(*model_, tokens_.data(), targets_.data(), dloss);
   }
+  model_->set_dropout_keys(nullptr);
   engine_.finish_step();
   return loss_sum;
 }

@@ -55,6 +55,14 @@ constexpr bool counter_keep(uint64_t key, uint64_t counter, uint32_t threshold24
 // key (the site through a salted mix64, then the pair through another), so that masks of different
 // rows or sites share no XOR relation, even for row keys as simple as mix64(row). Element (r, c)
 // of a dropout call is kept iff counter_keep(dropout_row_key(row_keys[r], site), c, threshold24).
+// The dropout stream's key of one token of training (adapter.dropout): position t of global
+// sequence `sequence` of optimizer step `step` -- the same whatever the rank count, in a resumed
+// run and in a recomputed forward (activation checkpointing). Each dropout site (dropout_row_key)
+// and element (the counter) then draws its own number.
+constexpr uint64_t dropout_token_key(uint64_t seed, uint64_t step, uint64_t sequence, uint64_t t) {
+  return mix64(mix64(seed ^ 0x6A09E667F3BCC909ull) ^ mix64(step) ^ mix64(mix64(sequence) ^ t));
+}
+
 constexpr uint64_t dropout_row_key(uint64_t row_key, uint64_t site) {
   return mix64(row_key ^ mix64(site ^ 0xD1B54A32D192ED03ull));
 }

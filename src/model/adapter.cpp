@@ -8,7 +8,7 @@ namespace shardtrain {
 const char* adapter_type_name(AdapterType type) { return type == ADAPTER_LORA ? "lora" : "none"; }
 
 bool parse_adapter_type(const std::string& name, AdapterType* out) {
-  for (AdapterType t : {ADAPTER_NONE, ADAPTER_LORA})
+  for (AdapterType t : ADAPTER_TYPES)
     if (name == adapter_type_name(t)) return *out = t, true;
   return false;
 }

@@ -12,6 +12,7 @@
 namespace shardtrain {
 
 enum AdapterType { ADAPTER_NONE, ADAPTER_LORA };
+constexpr AdapterType ADAPTER_TYPES[] = {ADAPTER_NONE, ADAPTER_LORA};
 const char* adapter_type_name(AdapterType type);
 // Returns false for an unknown name.
 bool parse_adapter_type(const std::string& name, AdapterType* out);

@@ -35,6 +35,9 @@ class LlamaModel : public TransformerModel<Real> {
   void block_backward(int layer, Real* block_grad, const Real* block) override;
   void embed_backward(Real* root_grad) override;
   void copy_head_probs(int row, Real* host) const override;
+  void set_dropout_keys(const uint64_t* keys) override {
+    if (lora_) lora_->set_row_keys(keys);
+  }
 
   // Elements of a decode state (model.hpp's plan_decode_bytes), its tokens aside.
   static size_t plan_decode_elements(const ModelConfig& config, int max_len, int max_chunk);

@@ -1,10 +1,13 @@
 // See lora.hpp. Row-major products (LayerOps::gemm) for a layer with in inputs and out outputs,
-// its output a column slice [column, column + out) of a product `width` wide:
-//   forward   u = x A^T (n, r);  y[:, slice] += s u B^T
-//   backward  u again;  dB += s dy[:, slice]^T u;  du = s dy[:, slice] B;  dA += du^T x;  dx += du A
+// its output a column slice [column, column + out) of a product `width` wide, x~ = dropout(x):
+//   forward   u = x~ A^T (n, r);  y[:, slice] += s u B^T
+//   backward  x~, u again;  dB += s dy[:, slice]^T u;  du = s dy[:, slice] B;  dA += du^T x~;
+//             dx += dropout(du A), with x~'s mask
 #include "model/lora.hpp"
 
 #include <algorithm>
+
+#include "core/error.hpp"
 
 namespace shardtrain {
 
@@ -15,13 +18,40 @@ LoraLayers<Real>::LoraLayers(const ParamTable& table, int rows, const LayerOps<R
       sites_(linear_sites(table.config())),
       scaling_(static_cast<Real>(table.adapter().scaling())),
       rank_(table.adapter().rank),
+      rows_(rows),
+      dropout_(static_cast<float>(table.adapter().dropout)),
       u_(ops.device(), static_cast<size_t>(rows) * rank_),
-      du_(ops.device(), static_cast<size_t>(rows) * rank_) {}
+      du_(ops.device(), static_cast<size_t>(rows) * rank_) {
+  if (dropout_ == 0) return;
+  int widest = 0;
+  for (const LinearSite& site : sites_) widest = std::max(widest, site.in);
+  row_keys_ = DeviceArray<uint64_t>(ops.device(), rows);
+  dropped_ = DeviceArray<Real>(ops.device(), static_cast<size_t>(rows) * widest);
+  dx_ = DeviceArray<Real>(ops.device(), static_cast<size_t>(rows) * widest);
+}
 
 template <typename Real>
-size_t LoraLayers<Real>::plan_elements(const ParamTable& table, int rows) {
+size_t LoraLayers<Real>::plan_bytes(const ParamTable& table, int rows, size_t real_bytes) {
   if (table.adapter().type != ADAPTER_LORA) return 0;
-  return 2 * static_cast<size_t>(rows) * table.adapter().rank;
+  size_t bytes = 2 * static_cast<size_t>(rows) * table.adapter().rank * real_bytes;
+  if (table.adapter().dropout == 0) return bytes;
+  size_t widest = 0;
+  for (const LinearSite& site : linear_sites(table.config())) widest = std::max(widest, static_cast<size_t>(site.in));
+  return bytes + rows * sizeof(uint64_t) + 2 * rows * widest * real_bytes;
+}
+
+template <typename Real>
+void LoraLayers<Real>::set_row_keys(const uint64_t* keys) {
+  dropping_ = keys && dropout_ > 0;
+  if (dropping_) ops_.device().copy(row_keys_.data(), keys, row_keys_.bytes());
+}
+
+template <typename Real>
+const Real* LoraLayers<Real>::input(int layer, size_t site, const Real* x, int n, int in) const {
+  if (!dropping_) return x;
+  SHARD_CHECK(n <= rows_, "%d rows for dropout keys of %d", n, rows_);
+  ops_.dropout(dropped_.data(), x, row_keys_.data(), site_key(layer, site), n, in, dropout_);
+  return dropped_.data();
 }
 
 template <typename Real>
@@ -34,7 +64,8 @@ void LoraLayers<Real>::forward(int layer, BlockProduct product, const Real* x, R
     if (site.product != product || a < 0) continue;
     const Real* A = unit + table_.offset(unit_index, a);
     const Real* B = unit + table_.offset(unit_index, a + 1);
-    ops_.gemm(false, true, n, r, site.in, Real(1), x, site.in, A, site.in, Real(0), u_.data(), r);
+    const Real* xin = input(layer, k, x, n, site.in);
+    ops_.gemm(false, true, n, r, site.in, Real(1), xin, site.in, A, site.in, Real(0), u_.data(), r);
     ops_.gemm(false, true, n, site.out, r, scaling_, u_.data(), r, B, r, Real(1), out + site.column, site.width);
   }
 }
@@ -52,11 +83,19 @@ void LoraLayers<Real>::backward(int layer, BlockProduct product, const Real* x, 
     Real* dA = grad_in(table_, unit_grads, unit_index, a);
     Real* dB = grad_in(table_, unit_grads, unit_index, a + 1);
     const Real* dy = dout + site.column;
-    ops_.gemm(false, true, n, r, site.in, Real(1), x, site.in, A, site.in, Real(0), u_.data(), r);
+    const Real* xin = input(layer, k, x, n, site.in);
+    ops_.gemm(false, true, n, r, site.in, Real(1), xin, site.in, A, site.in, Real(0), u_.data(), r);
     if (dB) ops_.gemm(true, false, site.out, r, n, scaling_, dy, site.width, u_.data(), r, Real(1), dB, r);
     ops_.gemm(false, false, n, r, site.out, scaling_, dy, site.width, B, r, Real(0), du_.data(), r);
-    if (dA) ops_.gemm(true, false, r, site.in, n, Real(1), du_.data(), r, x, site.in, Real(1), dA, site.in);
-    ops_.gemm(false, false, n, site.in, r, Real(1), du_.data(), r, A, site.in, Real(1), dx, site.in);
+    if (dA) ops_.gemm(true, false, r, site.in, n, Real(1), du_.data(), r, xin, site.in, Real(1), dA, site.in);
+    if (!dropping_) {
+      ops_.gemm(false, false, n, site.in, r, Real(1), du_.data(), r, A, site.in, Real(1), dx, site.in);
+      continue;
+    }
+    // Through the dropout: the gradient of x~ masked as x~ was.
+    ops_.gemm(false, false, n, site.in, r, Real(1), du_.data(), r, A, site.in, Real(0), dx_.data(), site.in);
+    ops_.dropout(dx_.data(), dx_.data(), row_keys_.data(), site_key(layer, k), n, site.in, dropout_);
+    ops_.residual_forward(dx, dx, dx_.data(), static_cast<size_t>(n) * site.in);
   }
 }
 

@@ -3,8 +3,11 @@
 //   y += s dropout(x) A^T B^T,   s = alpha / rank,
 // A (rank, in) and B (out, rank) being the adapter's parameters in the block's unit
 // (ParamTable::adapter_param). Nothing of the forward is kept: the backward recomputes the
-// rank-wide u = x A^T, so an adapter costs two scratch buffers of rows x rank, not activations
-// per layer. Both directions run after the base layer's own: the forward adds into the product's
+// rank-wide u = x A^T (and the dropped input, from the counter stream), so an adapter costs
+// scratch buffers, not activations per layer. Dropout (adapter.dropout > 0) is on while training
+// row keys are set (set_row_keys): each row's key (dropout_token_key) and each adapted layer's
+// site give every element its own number, so the mask is a pure function of (seed, step,
+// sequence, position, layer, element). Both directions run after the base layer's own: the forward adds into the product's
 // output (a column slice where the product is fused), the backward adds into the input gradient
 // the base layer wrote.
 #pragma once
@@ -23,8 +26,13 @@ class LoraLayers {
   // rows: the B*T rows of a micro-batch (or the most a decode step takes).
   LoraLayers(const ParamTable& table, int rows, const LayerOps<Real>& ops);
 
-  // Elements of scratch for `rows` rows: the plan of the models' activation accounting.
-  static size_t plan_elements(const ParamTable& table, int rows);
+  // Bytes of scratch for `rows` rows of `real_bytes` elements: the plan of the models' activation
+  // accounting.
+  static size_t plan_bytes(const ParamTable& table, int rows, size_t real_bytes);
+
+  // The training rows' dropout keys (host memory, one per row, dropout_token_key), or null: no
+  // dropout (evaluation). Kept until the next call.
+  void set_row_keys(const uint64_t* keys);
 
   // After the base forward of `product` in block `layer`: each adapted layer of it adds its term
   // to out (n rows of the product's width). unit: the block's gathered parameters.
@@ -40,8 +48,14 @@ class LoraLayers {
   const LayerOps<Real>& ops_;
   std::vector<LinearSite> sites_;
   Real scaling_;
-  int rank_;
-  mutable DeviceArray<Real> u_, du_;
+  int rank_, rows_;
+  float dropout_;
+  bool dropping_ = false;
+  DeviceArray<uint64_t> row_keys_;
+  mutable DeviceArray<Real> u_, du_, dropped_, dx_;  // the last two with dropout: rows x the widest input
+  // The layer's input, dropped out where training (into dropped_); the site keys the layer.
+  const Real* input(int layer, size_t site, const Real* x, int n, int in) const;
+  uint64_t site_key(int layer, size_t site) const { return 1 + static_cast<uint64_t>(layer) * sites_.size() + site; }
 };
 
 }  // namespace shardtrain

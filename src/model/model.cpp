@@ -19,11 +19,11 @@ size_t plan_activation_bytes(const ParamTable& table, int batch, int seq_len, bo
                              size_t real_bytes) {
   const ModelConfig& config = table.config();
   const size_t elements =
-      (config.arch == ARCH_LLAMA
-           ? LlamaModel<float>::plan_activation_elements(config, batch, seq_len, activation_checkpointing)
-           : GptModel<float>::plan_activation_elements(config, batch, seq_len, activation_checkpointing)) +
-      LoraLayers<float>::plan_elements(table, batch * seq_len);
-  return elements * real_bytes + 2 * static_cast<size_t>(batch) * seq_len * sizeof(int);  // + tokens, targets
+      config.arch == ARCH_LLAMA
+          ? LlamaModel<float>::plan_activation_elements(config, batch, seq_len, activation_checkpointing)
+          : GptModel<float>::plan_activation_elements(config, batch, seq_len, activation_checkpointing);
+  return elements * real_bytes + LoraLayers<float>::plan_bytes(table, batch * seq_len, real_bytes) +
+         2 * static_cast<size_t>(batch) * seq_len * sizeof(int);  // + tokens, targets
 }
 
 size_t plan_decode_bytes(const ModelConfig& config, int max_len, int max_chunk, size_t real_bytes) {

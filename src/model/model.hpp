@@ -49,6 +49,10 @@ class TransformerModel {
   // memory: the full-recompute reference of the tests (valid until head_backward overwrites them).
   virtual void copy_head_probs(int row, Real* host) const = 0;
 
+  // Training rows' dropout keys for the micro-batches that follow (B*T, host memory; the adapters'
+  // dropout, model/lora.hpp), or null for none (evaluation). Without dropout, nothing to do.
+  virtual void set_dropout_keys(const uint64_t* keys) = 0;
+
   // Generation: incremental decoding of one sequence with a key/value cache. begin_decode(max_len,
   // max_chunk) allocates every layer's cache for max_len positions and the buffers of a step of up
   // to max_chunk tokens -- decode_bytes() in all, plan_decode_bytes() -- and empties the cache

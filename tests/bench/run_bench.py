@@ -10,6 +10,9 @@ for 2 ranks, SGEMM runs on both at once). The machine's OpenBLAS environment is 
 
 Architectures (--only arch): gpt2-124M beside llama-135M at T = 64 and T = 1024 (see arch_section).
 
+Adapters (--only adapters): gpt2-124M full fine-tuning against LoRA (rank 8 and 64 on all four linear
+layers) and against freezing all but the last two blocks, on 1, 2 and 4 ranks (see adapter_section).
+
 Checkpoint I/O (build/ckpt_bench, see tests/bench/ckpt_bench.cpp): a gpt2-124M checkpoint (params,
 exp_avg, exp_avg_sq: 3 x 124.4M fp32 = 1493 MB of tensor data) saved and loaded on 1, 2 and 4 ranks
 (threads per rank as the trainer picks them: cores / ranks) in both layouts, after one warm-up
@@ -37,7 +40,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))
 
 
-def train_run(build, ranks, threads, steps, config="gpt2-124M.ini", seq_len=64, micro_batch=4, global_batch=16):
+def train_run(build, ranks, threads, steps, config="gpt2-124M.ini", seq_len=64, micro_batch=4, global_batch=16,
+              extra=()):
     from harness import ensure_data, mpirun_command
     train, _ = ensure_data()
     with tempfile.TemporaryDirectory() as tmp:
@@ -46,7 +50,7 @@ def train_run(build, ranks, threads, steps, config="gpt2-124M.ini", seq_len=64, 
                 f"--train.seq_len={seq_len}", "--checkpoint.save=false", "--checkpoint.resume=none",
                 f"--train.micro_batch={micro_batch}", f"--train.global_batch={global_batch}", f"--train.steps={steps}",
                 f"--train.threads={threads}", f"--data.train_file={train}", "--data.val_file=",
-                f"--train.metrics_file={metrics}"]
+                f"--train.metrics_file={metrics}", *extra]
         proc = subprocess.run(mpirun_command(ranks, args, timeout=1200), cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"benchmark run failed ({ranks} ranks):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -142,7 +146,8 @@ def main():
     parser.add_argument("--ckpt-repeats", type=int, default=3)
     parser.add_argument("--ckpt-profile", action="store_true",
                         help="also time the checksums and the same bytes through MPI-IO alone")
-    parser.add_argument("--only", choices=("layers", "train", "ckpt", "arch"), help="run one section only")
+    parser.add_argument("--only", choices=("layers", "train", "ckpt", "arch", "adapters"),
+                        help="run one section only")
     parser.add_argument("--arch-rounds", type=int, default=2)
     parser.add_argument("--skip-layers", action="store_true")
     args = parser.parse_args()
@@ -151,7 +156,9 @@ def main():
     if os.geteuid() == 0:
         os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    sections = [args.only] if args.only else ["train", "ckpt", "arch"] if args.skip_layers else ["layers", "train", "ckpt", "arch"]
+    sections = [args.only] if args.only else ["train", "ckpt", "arch", "adapters"]
+    if not args.only and not args.skip_layers:
+        sections.insert(0, "layers")
     if "layers" in sections:
         print("== layer benchmarks (Google Benchmark, OMP_NUM_THREADS=2)", flush=True)
         env = dict(os.environ, OMP_NUM_THREADS="2")
@@ -163,6 +170,8 @@ def main():
         ckpt_section(build, args.ckpt_repeats, args.ckpt_profile)
     if "arch" in sections:
         arch_section(build, args.steps, args.arch_rounds)
+    if "adapters" in sections:
+        adapter_section(build, args.steps)
 
 
 def train_section(build, steps):
@@ -209,6 +218,36 @@ def arch_section(build, steps, rounds):
                   flush=True)
         print(f"T={seq_len:5d} MFU llama / gpt2 (medians): {medians[ARCH_CONFIGS[1]] / medians[ARCH_CONFIGS[0]]:.3f}",
               flush=True)
+
+
+ALL_LINEAR = "attn.c_attn,attn.c_proj,mlp.c_fc,mlp.c_proj"
+ADAPTER_CASES = (("full fine-tuning", ()),
+                 ("LoRA r=8", ("--adapter.type=lora", f"--adapter.targets={ALL_LINEAR}", "--adapter.rank=8")),
+                 ("LoRA r=64", ("--adapter.type=lora", f"--adapter.targets={ALL_LINEAR}", "--adapter.rank=64")),
+                 ("last 2 blocks", ("--train.freeze=wte,wpe,h.[0-9].*",)))
+MEMORY_COLUMNS = ("sharded_params", "gathered_units", "gradients", "optimizer_state", "activations", "comm_buffers")
+
+
+def adapter_section(build, steps):
+    """gpt2-124M (T = 64, micro_batch 4, global_batch 16) trained in full, with LoRA and with all
+    but the last two blocks frozen, FULL_SHARD on 1 rank x 2 threads, 2 ranks x 1 thread and 4
+    ranks x 1 thread (oversubscribed on 2 cores: its tokens/s say little, its memory is exact). Each
+    rank count runs the four cases back to back; tokens/s are medians over the steps after the
+    first, and the ratio to full fine-tuning is taken within the rank count. Memory is the trainer's
+    own count of one rank's bytes by category (what it allocated; held = planned)."""
+    print(f"\n== adapters: gpt2-124M, seq_len 64, micro_batch 4, global_batch 16, {steps} steps, FULL_SHARD",
+          flush=True)
+    print("ranks | case | tokens/s median | / full | MiB per rank: " + " ".join(MEMORY_COLUMNS) + " total", flush=True)
+    for ranks, threads in ((1, 2), (2, 1), (4, 1)):
+        full = None
+        for name, extra in ADAPTER_CASES:
+            rows, _, _ = train_run(build, ranks, threads, steps, extra=extra)
+            tps = summarize([r["tokens_per_s"] for r in rows])[1]
+            full = full or tps
+            mem = rows[-1]["peak_mem"]
+            mib = [mem[c] / 2**20 for c in MEMORY_COLUMNS]
+            print(f"{ranks} x {threads} | {name:16s} | {tps:8.1f} | {tps / full:5.2f} | " +
+                  " ".join(f"{m:7.1f}" for m in mib) + f" {sum(mib):8.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -213,3 +213,22 @@ def test_conflicting_and_bad_settings_exit_2():
                                              "--adapter.rank=2", "--adapter.alpha=8",
                                              f"--adapter.init_from={os.path.join(FIXTURES, 'gpt2', 'lora')}"]
     expect_usage_error(bad, "r=4 but adapter.rank=2")
+
+
+def test_dropout_is_the_same_stream_on_any_rank_count_with_recomputation_and_resume():
+    dropout = "--adapter.dropout=0.2"
+    reference, _ = lora_run(1, dropout)
+    assert max(rel_diff(a, b) for a, b in zip(reference, lora_run(1)[0])) > 1e-4  # dropout changes training
+    for np_, options in [(3, ()), (2, ("--fsdp.activation_checkpointing=true",)),
+                         (4, ("--fsdp.sharding_strategy=SHARD_GRAD_OP",))]:
+        losses, _ = lora_run(np_, dropout, *options)
+        assert max(rel_diff(a, b) for a, b in zip(losses, reference)) < 1e-5, (np_, options, losses, reference)
+    d = tempdir()
+    ok(run(2, tiny_args(*LORA, dropout, f"--train.steps={STEPS}", f"--checkpoint.dir={d}", "--checkpoint.every=3",
+                        "--checkpoint.keep=100")), "saving run")
+    metrics = os.path.join(tempdir(), "m.jsonl")
+    ok(run(2, tiny_args(*LORA, dropout, f"--train.steps={STEPS}", f"--checkpoint.dir={tempdir()}",
+                        f"--checkpoint.resume={os.path.join(d, ckpt_name(3))}", f"--train.metrics_file={metrics}")),
+       "resume")
+    straight, _ = lora_run(2, dropout)
+    assert [r["loss"] for r in read_metrics(metrics)] == straight[3:]

@@ -81,3 +81,4 @@ def test_readme_commands_run_as_written():
     assert ran >= 8, ran
     assert os.path.getsize(os.path.join(top, "model.bin")) > 0
     assert os.path.getsize(os.path.join(top, "gpt2-mybook", "model.safetensors")) > 0
+    assert os.path.getsize(os.path.join(top, "gpt2-lora", "adapter_model.safetensors")) > 0

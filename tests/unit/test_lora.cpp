@@ -259,3 +259,83 @@ TEST(Lora, AdapterGradientsMatchFiniteDifferencesAndTheBaseGetsNone) {
     }
   }
 }
+
+// Dropout on the adapter's input (adapter.dropout): the layer equals the naive loops run on the
+// input masked by the documented stream -- element (r, c) of adapted layer k of block l kept iff
+// counter_keep(dropout_row_key(key_r, 1 + l * sites + k), c, dropout_threshold24(p)), kept ones
+// divided by 1 - p -- and its gradients match finite differences (the mask is a pure function of
+// the keys, so the loss is differentiable in the parameters). Without keys: no dropout.
+TEST(Lora, DropoutFollowsTheCounterStreamAndKeepsGradientsExact) {
+  const ModelConfig c = gpt2_config();
+  AdapterConfig a = lora({"attn.c_attn", "mlp.c_proj"}, 2, 3);
+  a.dropout = 0.3;
+  const ParamTable table(c, {}, a);
+  const int B = 2, T = 5, n = B * T;
+  std::vector<uint64_t> keys(n);
+  for (int r = 0; r < n; r++) keys[r] = dropout_token_key(42, 7, r / T, r % T);
+  std::vector<std::vector<double>> units = random_units(table);
+  // The layer: c_attn of block 1 (site 0), against loops over the masked input.
+  const std::vector<LinearSite> sites = linear_sites(c);
+  const LinearSite& site = sites[0];
+  const int unit = block_unit(1), ap = table.adapter_param(1, 0), r = 2;
+  const double s = 1.5, p = 0.3;
+  const double* A = units[unit].data() + table.offset(unit, ap);
+  const double* Bm = units[unit].data() + table.offset(unit, ap + 1);
+  std::vector<double> x(n * site.in), y(n * site.width, 0.0), xd(x.size());
+  for (size_t i = 0; i < x.size(); i++) x[i] = counter_normal(9, i);
+  size_t dropped = 0;
+  for (int row = 0; row < n; row++)
+    for (int col = 0; col < site.in; col++) {
+      const bool keep = counter_keep(dropout_row_key(keys[row], 1 + 1 * sites.size() + 0), col, dropout_threshold24(p));
+      // p reaches the layer as a float (LayerOps::dropout), 0.3f.
+      xd[row * site.in + col] = keep ? x[row * site.in + col] / (1 - static_cast<double>(static_cast<float>(p))) : 0.0;
+      dropped += !keep;
+    }
+  EXPECT_GT(dropped, x.size() / 5);
+  EXPECT_LT(dropped, x.size() * 2 / 5);
+  LoraLayers<double> layers(table, n, cpu_layer_ops<double>());
+  layers.set_row_keys(keys.data());
+  layers.forward(1, PRODUCT_QKV, x.data(), y.data(), n, units[unit].data());
+  for (int row = 0; row < n; row++)
+    for (int o = 0; o < site.out; o++) {
+      double expected = 0;
+      for (int k = 0; k < r; k++) {
+        double u = 0;
+        for (int j = 0; j < site.in; j++) u += xd[row * site.in + j] * A[k * site.in + j];
+        expected += s * u * Bm[o * r + k];
+      }
+      ASSERT_NEAR(y[row * site.width + o], expected, 1e-12);
+    }
+  // The whole model: finite differences of the adapters with dropout on; and the loss differs
+  // from the loss without it.
+  auto loss_with_keys = [&](std::vector<std::vector<double>>& v, std::vector<std::vector<double>>* g,
+                            const uint64_t* k) {
+    auto model = make_model<double>(table, B, T, false, cpu_layer_ops<double>());
+    model->set_dropout_keys(k);
+    std::vector<const double*> vp;
+    std::vector<double*> gp;
+    std::vector<std::vector<double>> scratch, &out = g ? *g : scratch;
+    out.clear();
+    for (auto& unit_values : v) out.emplace_back(unit_values.size(), 0.0), vp.push_back(unit_values.data()),
+        gp.push_back(out.back().data());
+    const Batch batch = make_batch(B, T, c.vocab_size);
+    return forward_backward_unsharded(*model, table, vp, gp, batch.tokens.data(), batch.targets.data(), 1.0 / n);
+  };
+  std::vector<std::vector<double>> grads;
+  const double with = loss_with_keys(units, &grads, keys.data());
+  EXPECT_GT(std::fabs(with - loss_with_keys(units, nullptr, nullptr)), 1e-6);
+  for (const ParamInfo& q : table.params()) {
+    if (!q.adapter) continue;
+    for (size_t i : {size_t(0), q.numel - 1}) {
+      double& w = units[q.unit][q.offset + i];
+      const double saved = w, h = 1e-5;
+      w = saved + h;
+      const double up = loss_with_keys(units, nullptr, keys.data());
+      w = saved - h;
+      const double down = loss_with_keys(units, nullptr, keys.data());
+      w = saved;
+      const double numeric = (up - down) / (2 * h) / n, analytic = grads[q.unit][q.offset + i];
+      EXPECT_NEAR(analytic, numeric, 1e-8 + 1e-6 * std::fabs(numeric)) << q.name << "[" << i << "]";
+    }
+  }
+}
