@@ -145,6 +145,20 @@ void launch_scale(float* x, size_t n, float s, const LaunchContext& ctx);
 void launch_dropout(float* out, const float* inp, const uint64_t* row_keys, uint64_t site, int N, int C, float p,
                     const LaunchContext& ctx);
 
+// DoRA's per-output-feature arithmetic (dora.cu; divide: pointwise.cu), backend/cpu/ops.hpp's:
+// out[r] = sqrt(sum_c x[r*cols + c]^2), x dense (rows, cols);
+// y[r*ld + c] = scale[c] * (y[r*ld + c] - shift[c]) + shift[c] in place, shift may be null (0);
+// out[c] += (sum_r a[r*lda + c] * b[r*ldb + c]) / divisor[c] (rows = 0: out[c] += 0 / divisor[c]);
+// out[i] = a[i] / b[i] (out may be a or b). ld, lda, ldb >= cols: column slices of wider rows,
+// 4-byte aligned suffices. Sums in double, deterministic (no atomics, fixed orders).
+void launch_row_norms(float* out, const float* x, int rows, int cols, const LaunchContext& ctx);
+void launch_column_affine(float* y, int ld, int rows, int cols, const float* scale, const float* shift,
+                          const LaunchContext& ctx);
+size_t column_dot_accumulate_workspace_bytes(int rows, int cols);
+void launch_column_dot_accumulate(float* out, const float* a, int lda, const float* b, int ldb, int rows, int cols,
+                                  const float* divisor, void* workspace, const LaunchContext& ctx);
+void launch_divide(float* out, const float* a, const float* b, size_t n, const LaunchContext& ctx);
+
 void launch_softmax_crossentropy_forward(float* losses, float* logits_to_probs, const int* targets, int N, int V,
                                          const LaunchContext& ctx);
 void launch_softmax_crossentropy_backward(float* probs_to_dlogits, const int* targets, float dloss, int N, int V,

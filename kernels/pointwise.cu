@@ -1,14 +1,16 @@
 // The elementwise layers on the GPU: GELU forward/backward (backend/math.hpp's gelu_value and
 // gelu_derivative, the very functions the CPU loops call), SwiGLU forward/backward (silu_value,
-// silu_derivative), the residual add, x *= s, and counter-keyed dropout (the CPU's mask and
-// division, bit-identical: common.cuh's mirror of core/random.hpp decides which elements stay).
+// silu_derivative), the residual add, x *= s, out = a / b (DoRA's quotient), and counter-keyed
+// dropout (the CPU's mask and division, bit-identical: common.cuh's mirror of core/random.hpp
+// decides which elements stay).
 //
 // One grid-stride kernel template: float4 loads and stores when every pointer is 16-byte aligned
 // (the n % 4 tail then goes to the first threads), scalar otherwise. Each element's result does
-// not depend on which path computed it. residual and scale are one IEEE operation per element,
-// bit-identical to the CPU; GELU and SwiGLU differ from the CPU in the last bits at most (FMA
-// contraction and exp_fast's ~2 ulp). SwiGLU reads rows of gate (I) | up (I): its own kernels, one
-// element (n, i) per thread, float4 when I % 4 == 0 and every pointer is 16-byte aligned.
+// not depend on which path computed it. residual, scale and divide are one IEEE operation per
+// element, bit-identical to the CPU; GELU and SwiGLU differ from the CPU in the last bits at most
+// (FMA contraction and exp_fast's ~2 ulp). SwiGLU reads rows of gate (I) | up (I): its own
+// kernels, one element (n, i) per thread, float4 when I % 4 == 0 and every pointer is 16-byte
+// aligned.
 #include "common.cuh"
 
 namespace shardtrain::kernels {
@@ -28,6 +30,9 @@ struct Add {
 struct Scale {
   float s;
   __device__ float operator()(float x, float) const { return x * s; }
+};
+struct Divide {  // the IEEE division whatever the compiler flags (the CPU's a / b)
+  __device__ float operator()(float a, float b) const { return __fdiv_rn(a, b); }
 };
 
 // out[i] = op(a[i], b[i]) (b[i] = 0 when kInputs == 1). out may alias a or b.
@@ -199,6 +204,10 @@ void launch_dropout(float* out, const float* inp, const uint64_t* row_keys, uint
 
 void launch_scale(float* x, size_t n, float s, const LaunchContext& ctx) {
   launch_elementwise<1>(x, x, nullptr, n, Scale{s}, ctx);
+}
+
+void launch_divide(float* out, const float* a, const float* b, size_t n, const LaunchContext& ctx) {
+  launch_elementwise<2>(out, a, b, n, Divide{}, ctx);
 }
 
 }  // namespace shardtrain::kernels

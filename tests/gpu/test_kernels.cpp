@@ -1102,6 +1102,33 @@ TEST_P(PointwiseTest, ScaleMatchesHostBitwise) {
   expect_close(d_x.download("scale").data(), widen(x), kExact, "scale");
 }
 
+// DoRA's quotient: one IEEE division per element on both sides (__fdiv_rn), bit-identical; signs
+// mixed, one a / +0 (an infinity on both sides; 0 / 0 is avoided: the two NaNs' bits differ).
+// Out of place, then in place on a and on b.
+TEST_P(PointwiseTest, DivideMatchesCpuBitwise) {
+  const PointwiseShape s = GetParam();
+  std::vector<float> a = uniform_vector(s.n, 97, -4.0, 4.0), b = uniform_vector(s.n, 98, 0.25, 2.0);
+  for (size_t i = 1; i < s.n; i += 2) b[i] = -b[i];
+  if (s.n > 2) {
+    a[s.n / 2] = 1.5f;
+    b[s.n / 2] = 0.0f;
+  }
+  std::vector<float> ref(s.n);
+  cpu::divide(ref.data(), a.data(), b.data(), s.n);
+  auto d_a = on_device(device(), "a", a, s.misalign), d_b = on_device(device(), "b", b, s.misalign);
+  DeviceBuffer<float> d_out(device(), "out", s.n, s.misalign);
+  for (int run = 0; run < 2; run++) {  // the second run repeats the first bit for bit
+    d_out.fill(kNaN);
+    ops().divide(d_out.data(), d_a.data(), d_b.data(), s.n);
+    expect_same_bits(d_out.download("divide"), ref, "divide " + name_of(s));
+  }
+  ops().divide(d_a.data(), d_a.data(), d_b.data(), s.n);  // out == a
+  expect_same_bits(d_a.download("divide in place (a)"), ref, "divide in place on a " + name_of(s));
+  d_a.upload(a);
+  ops().divide(d_b.data(), d_a.data(), d_b.data(), s.n);  // out == b
+  expect_same_bits(d_b.download("divide in place (b)"), ref, "divide in place on b " + name_of(s));
+}
+
 INSTANTIATE_TEST_SUITE_P(Sizes, PointwiseTest,
                          ::testing::Values(PointwiseShape{1, 0}, PointwiseShape{3, 0}, PointwiseShape{4, 0},
                                            PointwiseShape{1001, 0}, PointwiseShape{65537, 0}, PointwiseShape{3, 1},
@@ -1529,6 +1556,180 @@ INSTANTIATE_TEST_SUITE_P(Shapes, DropoutTest,
                                            DropoutShape{1024, 768, 0, 0.1f},    // realistic: LoRA input, GPT-2
                                            DropoutShape{512, 2048, 0, 0.05f}),  // TinyLlama width
                          ShapeName());
+
+// ==================================================================================================
+// DoRA's per-output-feature ops (backend/cpu/ops.hpp): row_norms of a dense (rows, cols) matrix
+// (the weight's norms); column_affine (the gains) and column_dot_accumulate (the magnitude's
+// gradient) on columns [offset, offset + cols) of a (rows, ld) matrix -- a slice of a fused product
+// -- whose other columns must keep their bits; column_dot's b has rows of cols + pad_b. The
+// misaligned cases shift every device pointer 4 bytes off 16.
+//
+// Tolerances. row_norms and column_dot_accumulate sum widened floats in double on both sides, and
+// the products are exact in double, so the two differ only by double reassociation (~1e-16
+// relative) before one rounding to float: a quotient or norm at most one float ulp (2^-23 relative)
+// apart, 4u relative allowed. column_dot adds that quotient q to out in fp32 (one more rounding of
+// out + q); two calls: atol 8u max|q|, rtol 8u. column_affine is three roundings per call, the GPU
+// always fusing the multiply-add (fmaf), the CPU as its compiler contracts it: fp32_pair(3) per call;
+// the GPU is also checked bit for bit against a host loop of std::fma, the expression it evaluates.
+// Every op runs twice from the same state and must repeat bit for bit.
+// ==================================================================================================
+constexpr Tolerance kDoubleSumOnce{0.0, 4.0 * kU32};
+
+struct DoraShape {
+  int rows, cols;
+  int ld, offset;  // column_affine's y and column_dot's a: columns [offset, offset + cols) of (rows, ld)
+  int pad_b;       // column_dot's b: ldb = cols + pad_b
+  int misalign;
+  int ldb() const { return cols + pad_b; }
+};
+std::string name_of(const DoraShape& s) {
+  return "R" + std::to_string(s.rows) + "_C" + std::to_string(s.cols) + "_ld" + std::to_string(s.ld) + "_off" +
+         std::to_string(s.offset) + "_padb" + std::to_string(s.pad_b) + misaligned_suffix(s.misalign);
+}
+void PrintTo(const DoraShape& s, std::ostream* os) { *os << name_of(s); }
+
+class DoraTest : public GpuSuite<::testing::TestWithParam<DoraShape>> {};
+
+// The elements of a (rows, ld) matrix inside the slice (in_slice) or outside it, in order.
+std::vector<float> pick(const std::vector<float>& m, const DoraShape& s, bool in_slice) {
+  std::vector<float> picked;
+  for (size_t e = 0; e < m.size(); e++) {
+    const int col = static_cast<int>(e % static_cast<size_t>(s.ld));
+    if ((col >= s.offset && col < s.offset + s.cols) == in_slice) picked.push_back(m[e]);
+  }
+  return picked;
+}
+
+TEST_P(DoraTest, RowNormsMatchCpu) {
+  const DoraShape s = GetParam();
+  const std::vector<float> x = uniform_vector(static_cast<size_t>(s.rows) * s.cols, 201);
+  std::vector<float> ref(s.rows);
+  cpu::row_norms(ref.data(), x.data(), s.rows, s.cols);
+  auto d_x = on_device(device(), "x", x, s.misalign);
+  DeviceBuffer<float> d_out(device(), "out", ref.size(), s.misalign);
+  std::vector<float> first;
+  for (int run = 0; run < 2; run++) {
+    d_out.fill(kNaN);
+    ops().row_norms(d_out.data(), d_x.data(), s.rows, s.cols);
+    const std::vector<float> got = d_out.download("row_norms");
+    if (run == 0) {
+      expect_close(got.data(), widen(ref), kDoubleSumOnce, "row_norms " + name_of(s));
+      first = got;
+    } else {
+      expect_same_bits(got, first, "row_norms " + name_of(s) + " rerun");
+    }
+  }
+  expect_same_bits(d_x.download("row_norms (x)"), x, "row_norms leaves x alone");
+}
+
+TEST_P(DoraTest, ColumnAffineMatchesCpu) {
+  const DoraShape s = GetParam();
+  ASSERT_LE(s.offset + s.cols, s.ld);
+  std::vector<float> prefill = uniform_vector(static_cast<size_t>(s.rows) * s.ld, 211, -2.0, 2.0);
+  for (size_t e = 0; e < prefill.size(); e += 11) prefill[e] = -0.0f;  // null shift: +0 on both sides
+  const std::vector<float> scale = uniform_vector(s.cols, 212, 0.5, 1.5), shift = uniform_vector(s.cols, 213);
+  for (bool with_shift : {true, false}) {
+    const std::string label = "column_affine " + name_of(s) + (with_shift ? "" : " (null shift)");
+    std::vector<float> ref = prefill, fused = prefill;
+    for (int call = 0; call < 2; call++) {
+      cpu::column_affine(ref.data() + s.offset, s.ld, s.rows, s.cols, scale.data(),
+                         with_shift ? shift.data() : nullptr);
+      for (int r = 0; r < s.rows; r++)
+        for (int c = 0; c < s.cols; c++) {
+          float& v = fused[static_cast<size_t>(r) * s.ld + s.offset + c];
+          const float b = with_shift ? shift[c] : 0.0f;
+          v = std::fma(scale[c], v - b, b);
+        }
+    }
+    const std::vector<float> ref_slice = pick(ref, s, true), fused_slice = pick(fused, s, true),
+                             prefill_outside = pick(prefill, s, false);
+    auto d_scale = on_device(device(), "scale", scale, s.misalign);
+    auto d_shift = on_device(device(), "shift", shift, s.misalign);
+    DeviceBuffer<float> d_y(device(), "y", prefill.size(), s.misalign);
+    std::vector<float> first;
+    for (int run = 0; run < 2; run++) {
+      d_y.upload(prefill);
+      for (int call = 0; call < 2; call++)
+        ops().column_affine(d_y.data() + s.offset, s.ld, s.rows, s.cols, d_scale.data(),
+                            with_shift ? d_shift.data() : nullptr);
+      const std::vector<float> got = d_y.download("column_affine");
+      if (run == 0) {
+        const std::vector<float> slice = pick(got, s, true);
+        expect_close(slice.data(), widen(ref_slice), fp32_pair(2 * 3), label);
+        expect_same_bits(slice, fused_slice, label + " against std::fma on the host");
+        expect_same_bits(pick(got, s, false), prefill_outside, label + ": columns outside the slice");
+        first = got;
+      } else {
+        expect_same_bits(got, first, label + " rerun");
+      }
+    }
+    d_scale.download(label + " (scale)");
+    d_shift.download(label + " (shift)");
+  }
+}
+
+TEST_P(DoraTest, ColumnDotAccumulateTwiceMatchesCpu) {
+  const DoraShape s = GetParam();
+  ASSERT_LE(s.offset + s.cols, s.ld);
+  const std::vector<float> a = uniform_vector(static_cast<size_t>(s.rows) * s.ld, 221),
+                           b = uniform_vector(static_cast<size_t>(s.rows) * s.ldb(), 222);
+  std::vector<float> divisor = uniform_vector(s.cols, 223, 0.5, 2.0);
+  for (size_t c = 2; c < divisor.size(); c += 3) divisor[c] = -divisor[c];
+  const std::vector<float> prefill = uniform_vector(s.cols, 224);
+  std::vector<float> ref = prefill;
+  for (int call = 0; call < 2; call++)
+    cpu::column_dot_accumulate(ref.data(), a.data() + s.offset, s.ld, b.data(), s.ldb(), s.rows, s.cols,
+                               divisor.data());
+  double q_max = 0;  // bounds every |q| and the double sums' error
+  for (int c = 0; c < s.cols; c++) {
+    double abs_sum = 0;
+    for (int r = 0; r < s.rows; r++)
+      abs_sum += std::fabs(static_cast<double>(a[static_cast<size_t>(r) * s.ld + s.offset + c]) *
+                           b[static_cast<size_t>(r) * s.ldb() + c]);
+    q_max = std::max(q_max, abs_sum / std::fabs(divisor[c]));
+  }
+  const Tolerance tol{8.0 * kU32 * q_max, 8.0 * kU32};
+
+  auto d_a = on_device(device(), "a", a, s.misalign), d_b = on_device(device(), "b", b, s.misalign);
+  auto d_divisor = on_device(device(), "divisor", divisor, s.misalign);
+  DeviceBuffer<float> d_out(device(), "out", prefill.size(), s.misalign);
+  const std::string label = "column_dot_accumulate " + name_of(s);
+  std::vector<float> first;
+  for (int run = 0; run < 2; run++) {
+    d_out.upload(prefill);
+    for (int call = 0; call < 2; call++)  // prefilled, accumulated twice
+      ops().column_dot_accumulate(d_out.data(), d_a.data() + s.offset, s.ld, d_b.data(), s.ldb(), s.rows, s.cols,
+                                  d_divisor.data());
+    const std::vector<float> got = d_out.download("column_dot_accumulate");
+    if (run == 0) {
+      expect_close(got.data(), widen(ref), tol, label);
+      if (s.rows == 0) expect_same_bits(got, ref, label + ": out + 0 / divisor");
+      first = got;
+    } else {
+      expect_same_bits(got, first, label + " rerun");
+    }
+  }
+  expect_same_bits(d_a.download(label + " (a)"), a, label + " leaves a alone");
+  expect_same_bits(d_b.download(label + " (b)"), b, label + " leaves b alone");
+  d_divisor.download(label + " (divisor)");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, DoraTest,
+    ::testing::Values(DoraShape{37, 19, 19, 0, 0, 0},        // odd, dense
+                      DoraShape{37, 19, 24, 0, 3, 1},        // padded rows, misaligned
+                      DoraShape{37, 41, 49, 5, 0, 1},        // a slice at column offset 5 of width 41
+                      DoraShape{37, 41, 46, 5, 2, 0},        // ... the last columns
+                      DoraShape{1, 1, 3, 1, 0, 0},           // one element
+                      DoraShape{0, 19, 24, 5, 0, 0},         // no rows: no norms; out += 0 / divisor
+                      DoraShape{37, 0, 8, 3, 0, 0},          // no columns: norms 0, nothing else
+                      DoraShape{300, 257, 261, 3, 1, 1},     // several row chunks, 257 = 8 * 32 + 1
+                      DoraShape{2304, 768, 768, 0, 0, 0},    // GPT-2: the fused qkv weight's 2304 row norms
+                      DoraShape{1024, 768, 2304, 768, 0, 0}, // GPT-2, B=4 T=256: the k slice of qkv
+                      DoraShape{1024, 2048, 2560, 0, 0, 0},  // TinyLlama: the q slice of q | k | v
+                      DoraShape{1024, 256, 2560, 2048, 0, 1},  // ... its k slice, misaligned
+                      DoraShape{2048, 5632, 5632, 0, 0, 0}),   // TinyLlama's down projection (2048 x 5632)
+    ShapeName());
 
 // The interface's own promises: device() is the device the ops were made for, and their work is
 // queued on its compute stream, in order with its copies: a copy to the host right after an op

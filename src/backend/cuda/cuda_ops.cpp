@@ -4,11 +4,12 @@
 // are backend/cpu/ops.hpp's.
 //
 // Temporary device memory (attention's head-major copies, the encoder's sort, the two-stage
-// column sums of the norms and biases) comes from one workspace owned by the ops object, allocated from the device's
-// caching allocator on first need and grown to the largest request so far; a backward whose
-// parameter gradients are all null (frozen) asks for none. Reusing it across
-// ops is safe because everything runs in order on the compute stream; growing it releases the
-// old block to the allocator, whose reuse is ordered on that same stream (cuda_device.cpp).
+// column sums of the norms and biases and of DoRA's magnitude gradient) comes from one workspace
+// owned by the ops object, allocated from the device's caching allocator on first need and grown
+// to the largest request so far; a backward whose parameter gradients are all null (frozen) asks
+// for none. Reusing it across ops is safe because everything runs in order on the compute stream;
+// growing it releases the old block to the allocator, whose reuse is ordered on that same stream
+// (cuda_device.cpp).
 // The reductions use a fixed device scratch and a pinned host word, and are the only methods
 // that wait for the stream. An ops object must be destroyed before its device.
 #include <memory>
@@ -133,6 +134,20 @@ class CudaLayerOps final : public LayerOps<float> {
   }
   void residual_forward(float* out, const float* a, const float* b, size_t n) const override {
     kernels::launch_residual_forward(out, a, b, n, launch());
+  }
+  void row_norms(float* out, const float* x, int rows, int cols) const override {
+    kernels::launch_row_norms(out, x, rows, cols, launch());
+  }
+  void column_affine(float* y, int ld, int rows, int cols, const float* scale, const float* shift) const override {
+    kernels::launch_column_affine(y, ld, rows, cols, scale, shift, launch());
+  }
+  void column_dot_accumulate(float* out, const float* a, int lda, const float* b, int ldb, int rows, int cols,
+                             const float* divisor) const override {
+    void* ws = cols > 0 ? workspace(kernels::column_dot_accumulate_workspace_bytes(rows, cols)) : nullptr;  // partials
+    kernels::launch_column_dot_accumulate(out, a, lda, b, ldb, rows, cols, divisor, ws, launch());
+  }
+  void divide(float* out, const float* a, const float* b, size_t n) const override {
+    kernels::launch_divide(out, a, b, n, launch());
   }
   void dropout(float* out, const float* inp, const uint64_t* row_keys, uint64_t site, int N, int C,
                float p) const override {
