@@ -67,6 +67,13 @@ class LayerOps {
   virtual void gelu_forward(Real* out, const Real* inp, size_t n) const = 0;
   virtual void gelu_backward(Real* dinp, const Real* dout, const Real* inp, size_t n) const = 0;
   virtual void residual_forward(Real* out, const Real* a, const Real* b, size_t n) const = 0;
+  // DoRA's per-output-feature arithmetic (backend/cpu/ops.hpp): row norms of a dense matrix, a
+  // column-wise affine map and a column-wise dot product over a strided slice, a quotient.
+  virtual void row_norms(Real* out, const Real* x, int rows, int cols) const = 0;
+  virtual void column_affine(Real* y, int ld, int rows, int cols, const Real* scale, const Real* shift) const = 0;
+  virtual void column_dot_accumulate(Real* out, const Real* a, int lda, const Real* b, int ldb, int rows, int cols,
+                                     const Real* divisor) const = 0;
+  virtual void divide(Real* out, const Real* a, const Real* b, size_t n) const = 0;
   // Dropout of N rows of C keyed by the counter RNG (backend/cpu/ops.hpp): out = keep ? inp / (1 - p)
   // : 0, keep(r, c) a pure function of (row_keys[r], site, c, p), the same mask on every backend.
   // row_keys: N keys in the device's memory. In place (out == inp) allowed; p in [0, 1], p = 0 the

@@ -25,6 +25,8 @@ std::vector<PeftTensor> peft_tensors(const ParamTable& table) {
       const std::string module = "base_model.model." + hf_module_path(c, l, sites[k]);
       out.push_back({table.param(block_unit(l), a).id, module + ".lora_A.weight"});
       out.push_back({table.param(block_unit(l), a + 1).id, module + ".lora_B.weight"});
+      if (table.adapter().type == ADAPTER_DORA)  // PEFT's name has no ".weight"
+        out.push_back({table.param(block_unit(l), a + 2).id, module + ".lora_magnitude_vector"});
     }
   return out;
 }
@@ -44,7 +46,7 @@ std::string peft_adapter_config_json(const ParamTable& table) {
   j["fan_in_fan_out"] = c.arch == ARCH_GPT2;  // transformers' Conv1D stores GPT-2's weights (in, out)
   j["bias"] = "none";
   j["lora_bias"] = false;
-  j["use_dora"] = false;
+  j["use_dora"] = a.type == ADAPTER_DORA;
   j["use_rslora"] = false;
   j["init_lora_weights"] = true;
   j["inference_mode"] = true;
@@ -68,8 +70,10 @@ void check_peft_config(const std::string& path, const nlohmann::json& j, const A
   if (!j.is_object() || !j.contains("peft_type") || !j["peft_type"].is_string())
     throw CheckpointError("PEFT adapter config '" + path + "': no peft_type");
   const std::string type = j["peft_type"].get<std::string>();
-  if (type != "LORA") fail("peft_type " + type + "; adapter.type=lora reads LORA adapters");
-  if (flag("use_dora")) fail("use_dora is true: DoRA is not implemented");
+  if (type != "LORA") fail("peft_type " + type + "; adapter.type=lora and dora read LORA adapters");
+  if (flag("use_dora") != (a.type == ADAPTER_DORA))
+    fail(std::string("use_dora is ") + (flag("use_dora") ? "true" : "false") + " but adapter.type=" +
+         adapter_type_name(a.type) + "; set adapter.type=" + (flag("use_dora") ? "dora" : "lora"));
   if (flag("use_rslora")) fail("use_rslora is true: rsLoRA's scaling alpha/sqrt(r) is not implemented");
   if (flag("lora_bias")) fail("lora_bias is true: LoRA biases are not implemented");
   if (nonempty("rank_pattern") || nonempty("alpha_pattern"))
@@ -83,6 +87,42 @@ void check_peft_config(const std::string& path, const nlohmann::json& j, const A
 }
 
 }  // namespace
+
+void init_dora_magnitudes(FsdpEngine& engine, Comm& world) {
+  const ParamTable& table = engine.table();
+  if (table.adapter().type != ADAPTER_DORA) return;
+  const std::vector<LinearSite> sites = linear_sites(table.config());
+  for (int l = 0; l < table.config().n_layer; l++) {
+    const int u = block_unit(l);
+    UnitShard& s = engine.shards()[u];
+    std::vector<float> values(s.layout.shard_numel());
+    s.params.device()->copy(values.data(), s.params.data(), s.params.bytes());
+    // Squared row norms of every adapted weight of the block, from the elements this rank owns.
+    std::vector<double> squares;
+    std::vector<size_t> first_row;  // per adapted site: its rows' position in `squares`
+    for (size_t k = 0; k < sites.size(); k++) {
+      first_row.push_back(squares.size());
+      if (table.adapter_param(l, static_cast<int>(k)) < 0) continue;
+      const ParamInfo& w = table.param(u, sites[k].weight);
+      squares.resize(squares.size() + sites[k].out, 0.0);
+      const UnitLayout::Local owned = s.layout.local_part(w.range(), true);
+      for (size_t e = owned.range.begin; e < owned.range.end; e++) {
+        const double x = values[owned.index + (e - owned.range.begin)];
+        squares[first_row[k] + (e - w.offset) / sites[k].in] += x * x;
+      }
+    }
+    world.all_reduce_sum(Span<double>(squares), "all_reduce(DoRA weight norms)");
+    for (size_t k = 0; k < sites.size(); k++) {
+      const int a = table.adapter_param(l, static_cast<int>(k));
+      if (a < 0) continue;
+      const ParamInfo& m = table.param(u, a + 2);
+      const UnitLayout::Local local = s.layout.local_part(m.range());
+      for (size_t o = local.range.begin; o < local.range.end; o++)
+        values[local.index + (o - local.range.begin)] = static_cast<float>(std::sqrt(squares[first_row[k] + o - m.offset]));
+    }
+    s.params.device()->copy(s.params.data(), values.data(), s.params.bytes());
+  }
+}
 
 void load_peft_adapter(const std::string& folder, FsdpEngine& engine) {
   const ParamTable& table = engine.table();

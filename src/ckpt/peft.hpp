@@ -22,6 +22,12 @@ std::vector<PeftTensor> peft_tensors(const ParamTable& table);
 // adapter_config.json of the table's adapters.
 std::string peft_adapter_config_json(const ParamTable& table);
 
+// DoRA: each magnitude set to the row norms of the base weight it adapts (PEFT's initialisation,
+// ||W + s B A|| with B = 0), once the base is in place. Collective over `world` (every rank, host
+// memory): each rank sums the squares of the weight elements it owns, row by row, and one
+// all-reduce per block completes the norms -- no weight is gathered.
+void init_dora_magnitudes(FsdpEngine& engine, Comm& world);
+
 // Fills this rank's shards of the adapter parameters from a PEFT folder, reading only its own
 // elements. The folder's adapter must be the configured one (type, rank, alpha, the same layers):
 // throws CheckpointError (UsageError for a mismatch of settings) naming the file and the key or

@@ -5,7 +5,14 @@
 
 namespace shardtrain {
 
-const char* adapter_type_name(AdapterType type) { return type == ADAPTER_LORA ? "lora" : "none"; }
+const char* adapter_type_name(AdapterType type) {
+  switch (type) {
+    case ADAPTER_LORA: return "lora";
+    case ADAPTER_DORA: return "dora";
+    case ADAPTER_NONE: break;
+  }
+  return "none";
+}
 
 bool parse_adapter_type(const std::string& name, AdapterType* out) {
   for (AdapterType t : ADAPTER_TYPES)
@@ -16,18 +23,18 @@ bool parse_adapter_type(const std::string& name, AdapterType* out) {
 std::vector<LinearSite> linear_sites(const ModelConfig& c) {
   const int C = c.n_embd;
   if (c.arch == ARCH_GPT2)
-    return {{"attn.c_attn", BLOCK_QKV_W, PRODUCT_QKV, C, 3 * C, 0, 3 * C},
-            {"attn.c_proj", BLOCK_ATTPROJ_W, PRODUCT_ATTN_OUT, C, C, 0, C},
-            {"mlp.c_fc", BLOCK_FC_W, PRODUCT_MLP_UP, C, 4 * C, 0, 4 * C},
-            {"mlp.c_proj", BLOCK_FCPROJ_W, PRODUCT_MLP_DOWN, 4 * C, C, 0, C}};
+    return {{"attn.c_attn", BLOCK_QKV_W, BLOCK_QKV_B, PRODUCT_QKV, C, 3 * C, 0, 3 * C},
+            {"attn.c_proj", BLOCK_ATTPROJ_W, BLOCK_ATTPROJ_B, PRODUCT_ATTN_OUT, C, C, 0, C},
+            {"mlp.c_fc", BLOCK_FC_W, BLOCK_FC_B, PRODUCT_MLP_UP, C, 4 * C, 0, 4 * C},
+            {"mlp.c_proj", BLOCK_FCPROJ_W, BLOCK_FCPROJ_B, PRODUCT_MLP_DOWN, 4 * C, C, 0, C}};
   const int KV = c.kv_heads() * c.head_size(), QKV = c.qkv_size(), I = c.mlp_size();
-  return {{"self_attn.q_proj", LLAMA_Q_W, PRODUCT_QKV, C, C, 0, QKV},
-          {"self_attn.k_proj", LLAMA_K_W, PRODUCT_QKV, C, KV, C, QKV},
-          {"self_attn.v_proj", LLAMA_V_W, PRODUCT_QKV, C, KV, C + KV, QKV},
-          {"self_attn.o_proj", LLAMA_O_W, PRODUCT_ATTN_OUT, C, C, 0, C},
-          {"mlp.gate_proj", LLAMA_GATE_W, PRODUCT_MLP_UP, C, I, 0, 2 * I},
-          {"mlp.up_proj", LLAMA_UP_W, PRODUCT_MLP_UP, C, I, I, 2 * I},
-          {"mlp.down_proj", LLAMA_DOWN_W, PRODUCT_MLP_DOWN, I, C, 0, C}};
+  return {{"self_attn.q_proj", LLAMA_Q_W, -1, PRODUCT_QKV, C, C, 0, QKV},
+          {"self_attn.k_proj", LLAMA_K_W, -1, PRODUCT_QKV, C, KV, C, QKV},
+          {"self_attn.v_proj", LLAMA_V_W, -1, PRODUCT_QKV, C, KV, C + KV, QKV},
+          {"self_attn.o_proj", LLAMA_O_W, -1, PRODUCT_ATTN_OUT, C, C, 0, C},
+          {"mlp.gate_proj", LLAMA_GATE_W, -1, PRODUCT_MLP_UP, C, I, 0, 2 * I},
+          {"mlp.up_proj", LLAMA_UP_W, -1, PRODUCT_MLP_UP, C, I, I, 2 * I},
+          {"mlp.down_proj", LLAMA_DOWN_W, -1, PRODUCT_MLP_DOWN, I, C, 0, C}};
 }
 
 std::string hf_module_path(const ModelConfig& c, int layer, const LinearSite& site) {

@@ -11,8 +11,10 @@
 
 namespace shardtrain {
 
-enum AdapterType { ADAPTER_NONE, ADAPTER_LORA };
-constexpr AdapterType ADAPTER_TYPES[] = {ADAPTER_NONE, ADAPTER_LORA};
+// LoRA, and DoRA: LoRA whose layer output is rescaled per output feature by a trained magnitude
+// over the (detached) norm of the adapted weight (model/lora.hpp).
+enum AdapterType { ADAPTER_NONE, ADAPTER_LORA, ADAPTER_DORA };
+constexpr AdapterType ADAPTER_TYPES[] = {ADAPTER_NONE, ADAPTER_LORA, ADAPTER_DORA};
 const char* adapter_type_name(AdapterType type);
 // Returns false for an unknown name.
 bool parse_adapter_type(const std::string& name, AdapterType* out);
@@ -37,6 +39,7 @@ enum BlockProduct { PRODUCT_QKV, PRODUCT_ATTN_OUT, PRODUCT_MLP_UP, PRODUCT_MLP_D
 struct LinearSite {
   const char* module;  // its path inside the block: "attn.c_attn", "self_attn.q_proj"
   int weight;          // the base weight: BlockParam or LlamaBlockParam
+  int bias;            // its bias (the same enums), or -1 (Llama has none)
   BlockProduct product;
   int in, out;
   int column, width;

@@ -32,7 +32,7 @@ GptModel<Real>::GptModel(const ParamTable& table, int batch, int seq_len, bool a
   probs_ = array(BT * cfg_.vocab_size), losses_ = array(BT);
   dresid_ = array(BT * C), dln_ = array(BT * C), dqkv_ = array(BT * 3 * C), dfch_ = array(BT * 4 * C);
   datt_ = array(B_ * NH * T_ * T_);
-  if (table.adapter().type == ADAPTER_LORA) lora_ = std::make_unique<LoraLayers<Real>>(table, B_ * T_, ops);
+  if (table.adapter().type != ADAPTER_NONE) lora_ = std::make_unique<LoraLayers<Real>>(table, B_ * T_, ops);
 }
 
 template <typename Real>
@@ -112,23 +112,26 @@ void GptModel<Real>::block_backward(int l, Real* g, const Real* w) {
   auto W = [&](BlockParam p) { return param_in(table_, w, block_unit(l), p); };
   auto G = [&](BlockParam p) { return grad_in(table_, g, block_unit(l), p); };
   // MLP: out = r2 + proj(gelu(fc(ln2(r2)))); dresid_ holds d(out) and becomes d(r2).
-  ops_.matmul_backward(dfch_.data(), G(BLOCK_FCPROJ_W), G(BLOCK_FCPROJ_B), dresid_.data(), a.fch_gelu.data(),
-                  W(BLOCK_FCPROJ_W), N, 4 * C, C);
-  adapt_backward(l, PRODUCT_MLP_DOWN, a.fch_gelu.data(), dresid_.data(), dfch_.data(), w, g);
+  const Real* d = adapt_output_grad(l, PRODUCT_MLP_DOWN, a.fch_gelu.data(), dresid_.data(), w, g);
+  ops_.matmul_backward(dfch_.data(), G(BLOCK_FCPROJ_W), G(BLOCK_FCPROJ_B), d, a.fch_gelu.data(), W(BLOCK_FCPROJ_W), N,
+                       4 * C, C);
+  adapt_backward(l, PRODUCT_MLP_DOWN, a.fch_gelu.data(), d, dfch_.data(), w, g);
   ops_.gelu_backward(dfch_.data(), dfch_.data(), a.fch.data(), dfch_.size());
-  ops_.matmul_backward(dln_.data(), G(BLOCK_FC_W), G(BLOCK_FC_B), dfch_.data(), a.ln2.data(), W(BLOCK_FC_W), N, C, 4 * C);
-  adapt_backward(l, PRODUCT_MLP_UP, a.ln2.data(), dfch_.data(), dln_.data(), w, g);
+  d = adapt_output_grad(l, PRODUCT_MLP_UP, a.ln2.data(), dfch_.data(), w, g);
+  ops_.matmul_backward(dln_.data(), G(BLOCK_FC_W), G(BLOCK_FC_B), d, a.ln2.data(), W(BLOCK_FC_W), N, C, 4 * C);
+  adapt_backward(l, PRODUCT_MLP_UP, a.ln2.data(), d, dln_.data(), w, g);
   ops_.layernorm_backward(dresid_.data(), G(BLOCK_LN2_W), G(BLOCK_LN2_B), dln_.data(), a.resid2.data(), W(BLOCK_LN2_W),
                      a.ln2_mean.data(), a.ln2_rstd.data(), N, C);
   // Attention: r2 = x + proj(attn(qkv(ln1(x)))); dresid_ becomes d(x).
-  ops_.matmul_backward(dln_.data(), G(BLOCK_ATTPROJ_W), G(BLOCK_ATTPROJ_B), dresid_.data(), a.atty.data(),
-                  W(BLOCK_ATTPROJ_W), N, C, C);
-  adapt_backward(l, PRODUCT_ATTN_OUT, a.atty.data(), dresid_.data(), dln_.data(), w, g);
+  d = adapt_output_grad(l, PRODUCT_ATTN_OUT, a.atty.data(), dresid_.data(), w, g);
+  ops_.matmul_backward(dln_.data(), G(BLOCK_ATTPROJ_W), G(BLOCK_ATTPROJ_B), d, a.atty.data(), W(BLOCK_ATTPROJ_W), N, C,
+                       C);
+  adapt_backward(l, PRODUCT_ATTN_OUT, a.atty.data(), d, dln_.data(), w, g);
   ops_.attention_backward(dqkv_.data(), datt_.data(), dln_.data(), a.qkv.data(), a.att.data(), B_, T_, NH, NH,
                           C / NH);
-  ops_.matmul_backward(dln_.data(), G(BLOCK_QKV_W), G(BLOCK_QKV_B), dqkv_.data(), a.ln1.data(), W(BLOCK_QKV_W), N, C,
-                  3 * C);
-  adapt_backward(l, PRODUCT_QKV, a.ln1.data(), dqkv_.data(), dln_.data(), w, g);
+  d = adapt_output_grad(l, PRODUCT_QKV, a.ln1.data(), dqkv_.data(), w, g);
+  ops_.matmul_backward(dln_.data(), G(BLOCK_QKV_W), G(BLOCK_QKV_B), d, a.ln1.data(), W(BLOCK_QKV_W), N, C, 3 * C);
+  adapt_backward(l, PRODUCT_QKV, a.ln1.data(), d, dln_.data(), w, g);
   ops_.layernorm_backward(dresid_.data(), G(BLOCK_LN1_W), G(BLOCK_LN1_B), dln_.data(), resid_[l].data(), W(BLOCK_LN1_W),
                      a.ln1_mean.data(), a.ln1_rstd.data(), N, C);
 }

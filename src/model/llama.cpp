@@ -35,7 +35,7 @@ LlamaModel<Real>::LlamaModel(const ParamTable& table, int batch, int seq_len, bo
   probs_ = array(BT * cfg_.vocab_size), losses_ = array(BT);
   dresid_ = array(BT * C), dln_ = array(BT * C), dqkv_ = array(BT * QKV), dgate_up_ = array(BT * 2 * I);
   dact_ = array(BT * I), datt_ = array(B_ * NH * T_ * T_);
-  if (table.adapter().type == ADAPTER_LORA) lora_ = std::make_unique<LoraLayers<Real>>(table, B_ * T_, ops);
+  if (table.adapter().type != ADAPTER_NONE) lora_ = std::make_unique<LoraLayers<Real>>(table, B_ * T_, ops);
 }
 
 // Hugging Face's tables: inv_freq[i] = theta^(-2i/d) and the angle t * inv_freq[i], both rounded
@@ -135,22 +135,24 @@ void LlamaModel<Real>::block_backward(int l, Real* g, const Real* w) {
   auto W = [&](LlamaBlockParam p) { return param_in(table_, w, block_unit(l), p); };
   auto G = [&](LlamaBlockParam p) { return grad_in(table_, g, block_unit(l), p); };
   // MLP: out = r2 + down(swiglu(gate_up(norm2(r2)))); dresid_ holds d(out) and becomes d(r2).
-  ops_.matmul_backward(dact_.data(), G(LLAMA_DOWN_W), nullptr, dresid_.data(), a.act.data(), W(LLAMA_DOWN_W), N, I, C);
-  adapt_backward(l, PRODUCT_MLP_DOWN, a.act.data(), dresid_.data(), dact_.data(), w, g);
+  const Real* d = adapt_output_grad(l, PRODUCT_MLP_DOWN, a.act.data(), dresid_.data(), w, g);
+  ops_.matmul_backward(dact_.data(), G(LLAMA_DOWN_W), nullptr, d, a.act.data(), W(LLAMA_DOWN_W), N, I, C);
+  adapt_backward(l, PRODUCT_MLP_DOWN, a.act.data(), d, dact_.data(), w, g);
   ops_.swiglu_backward(dgate_up_.data(), dact_.data(), a.gate_up.data(), N, I);
-  ops_.matmul_backward(dln_.data(), G(LLAMA_GATE_W), nullptr, dgate_up_.data(), a.ln2.data(), W(LLAMA_GATE_W), N, C,
-                       2 * I);
-  adapt_backward(l, PRODUCT_MLP_UP, a.ln2.data(), dgate_up_.data(), dln_.data(), w, g);
+  d = adapt_output_grad(l, PRODUCT_MLP_UP, a.ln2.data(), dgate_up_.data(), w, g);
+  ops_.matmul_backward(dln_.data(), G(LLAMA_GATE_W), nullptr, d, a.ln2.data(), W(LLAMA_GATE_W), N, C, 2 * I);
+  adapt_backward(l, PRODUCT_MLP_UP, a.ln2.data(), d, dln_.data(), w, g);
   ops_.rmsnorm_backward(dresid_.data(), G(LLAMA_MLP_NORM_W), dln_.data(), a.resid2.data(), W(LLAMA_MLP_NORM_W),
                         a.ln2_rstd.data(), N, C);
   // Attention: r2 = x + o(attn(rope(qkv(norm1(x))))); dresid_ becomes d(x).
-  ops_.matmul_backward(dln_.data(), G(LLAMA_O_W), nullptr, dresid_.data(), a.atty.data(), W(LLAMA_O_W), N, C, C);
-  adapt_backward(l, PRODUCT_ATTN_OUT, a.atty.data(), dresid_.data(), dln_.data(), w, g);
+  d = adapt_output_grad(l, PRODUCT_ATTN_OUT, a.atty.data(), dresid_.data(), w, g);
+  ops_.matmul_backward(dln_.data(), G(LLAMA_O_W), nullptr, d, a.atty.data(), W(LLAMA_O_W), N, C, C);
+  adapt_backward(l, PRODUCT_ATTN_OUT, a.atty.data(), d, dln_.data(), w, g);
   ops_.attention_backward(dqkv_.data(), datt_.data(), dln_.data(), a.qkv.data(), a.att.data(), B_, T_, NH, KV, HS);
   ops_.rope_backward(dqkv_.data(), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS);
-  ops_.matmul_backward(dln_.data(), G(LLAMA_Q_W), nullptr, dqkv_.data(), a.ln1.data(), W(LLAMA_Q_W), N, C,
-                       cfg_.qkv_size());
-  adapt_backward(l, PRODUCT_QKV, a.ln1.data(), dqkv_.data(), dln_.data(), w, g);
+  d = adapt_output_grad(l, PRODUCT_QKV, a.ln1.data(), dqkv_.data(), w, g);
+  ops_.matmul_backward(dln_.data(), G(LLAMA_Q_W), nullptr, d, a.ln1.data(), W(LLAMA_Q_W), N, C, cfg_.qkv_size());
+  adapt_backward(l, PRODUCT_QKV, a.ln1.data(), d, dln_.data(), w, g);
   ops_.rmsnorm_backward(dresid_.data(), G(LLAMA_ATTN_NORM_W), dln_.data(), resid_[l].data(), W(LLAMA_ATTN_NORM_W),
                         a.ln1_rstd.data(), N, C);
 }

@@ -67,6 +67,11 @@ class LlamaModel : public TransformerModel<Real> {
   void adapt_forward(int l, BlockProduct product, const Real* x, Real* out, const Real* w) const {
     if (lora_) lora_->forward(l, product, x, out, B_ * T_, w);
   }
+  // The output gradient the base backward of a product takes (DoRA scales it; lora.hpp).
+  const Real* adapt_output_grad(int l, BlockProduct product, const Real* x, const Real* dout, const Real* w,
+                                Real* g) const {
+    return lora_ ? lora_->output_grad(l, product, x, dout, B_ * T_, w, g) : dout;
+  }
   void adapt_backward(int l, BlockProduct product, const Real* x, const Real* dout, Real* dx, const Real* w,
                       Real* g) const {
     if (lora_) lora_->backward(l, product, x, dout, dx, B_ * T_, w, g);

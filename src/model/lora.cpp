@@ -22,9 +22,21 @@ LoraLayers<Real>::LoraLayers(const ParamTable& table, int rows, const LayerOps<R
       dropout_(static_cast<float>(table.adapter().dropout)),
       u_(ops.device(), static_cast<size_t>(rows) * rank_),
       du_(ops.device(), static_cast<size_t>(rows) * rank_) {
+  int widest = 0, most_out = 0, widest_product = 0;
+  size_t largest = 0;
+  for (const LinearSite& site : sites_) {
+    widest = std::max(widest, site.in), most_out = std::max(most_out, site.out);
+    widest_product = std::max(widest_product, site.width);
+    largest = std::max(largest, static_cast<size_t>(site.in) * site.out);
+  }
+  if (dora()) {
+    weight_ = DeviceArray<Real>(ops.device(), largest);
+    norm_ = DeviceArray<Real>(ops.device(), most_out);
+    gain_ = DeviceArray<Real>(ops.device(), most_out);
+    z_ = DeviceArray<Real>(ops.device(), static_cast<size_t>(rows) * most_out);
+    dz_ = DeviceArray<Real>(ops.device(), static_cast<size_t>(rows) * widest_product);
+  }
   if (dropout_ == 0) return;
-  int widest = 0;
-  for (const LinearSite& site : sites_) widest = std::max(widest, site.in);
   row_keys_ = DeviceArray<uint64_t>(ops.device(), rows);
   dropped_ = DeviceArray<Real>(ops.device(), static_cast<size_t>(rows) * widest);
   dx_ = DeviceArray<Real>(ops.device(), static_cast<size_t>(rows) * widest);
@@ -32,12 +44,31 @@ LoraLayers<Real>::LoraLayers(const ParamTable& table, int rows, const LayerOps<R
 
 template <typename Real>
 size_t LoraLayers<Real>::plan_bytes(const ParamTable& table, int rows, size_t real_bytes) {
-  if (table.adapter().type != ADAPTER_LORA) return 0;
+  if (table.adapter().type == ADAPTER_NONE) return 0;
   size_t bytes = 2 * static_cast<size_t>(rows) * table.adapter().rank * real_bytes;
+  size_t widest = 0, most_out = 0, widest_product = 0, largest = 0;
+  for (const LinearSite& site : linear_sites(table.config())) {
+    widest = std::max(widest, static_cast<size_t>(site.in));
+    most_out = std::max(most_out, static_cast<size_t>(site.out));
+    widest_product = std::max(widest_product, static_cast<size_t>(site.width));
+    largest = std::max(largest, static_cast<size_t>(site.in) * site.out);
+  }
+  if (table.adapter().type == ADAPTER_DORA)
+    bytes += (largest + 2 * most_out + rows * (most_out + widest_product)) * real_bytes;
   if (table.adapter().dropout == 0) return bytes;
-  size_t widest = 0;
-  for (const LinearSite& site : linear_sites(table.config())) widest = std::max(widest, static_cast<size_t>(site.in));
   return bytes + rows * sizeof(uint64_t) + 2 * rows * widest * real_bytes;
+}
+
+template <typename Real>
+void LoraLayers<Real>::dora_gains(int layer, size_t k, const Real* unit) const {
+  const LinearSite& site = sites_[k];
+  const int u = block_unit(layer), a = table_.adapter_param(layer, static_cast<int>(k)), r = rank_;
+  const Real* W = param_in(table_, unit, u, site.weight);
+  ops_.device().copy(weight_.data(), W, static_cast<size_t>(site.out) * site.in * sizeof(Real));
+  ops_.gemm(false, false, site.out, site.in, r, scaling_, param_in(table_, unit, u, a + 1), r,
+            param_in(table_, unit, u, a), site.in, Real(1), weight_.data(), site.in);  // W + s B A
+  ops_.row_norms(norm_.data(), weight_.data(), site.out, site.in);
+  ops_.divide(gain_.data(), param_in(table_, unit, u, a + 2), norm_.data(), site.out);
 }
 
 template <typename Real>
@@ -67,7 +98,40 @@ void LoraLayers<Real>::forward(int layer, BlockProduct product, const Real* x, R
     const Real* xin = input(layer, k, x, n, site.in);
     ops_.gemm(false, true, n, r, site.in, Real(1), xin, site.in, A, site.in, Real(0), u_.data(), r);
     ops_.gemm(false, true, n, site.out, r, scaling_, u_.data(), r, B, r, Real(1), out + site.column, site.width);
+    if (!dora()) continue;
+    // out = x W^T + b + s u B^T  ->  b + g (x) (x W^T + s u B^T)
+    dora_gains(layer, k, unit);
+    const Real* bias = site.bias >= 0 ? param_in(table_, unit, unit_index, site.bias) : nullptr;
+    ops_.column_affine(out + site.column, site.width, n, site.out, gain_.data(), bias);
   }
+}
+
+template <typename Real>
+const Real* LoraLayers<Real>::output_grad(int layer, BlockProduct product, const Real* x, const Real* dout, int n,
+                                          const Real* unit, Real* unit_grads) const {
+  if (!dora()) return dout;
+  const int unit_index = block_unit(layer), r = rank_;
+  bool copied = false;
+  for (size_t k = 0; k < sites_.size(); k++) {
+    const LinearSite& site = sites_[k];
+    const int a = table_.adapter_param(layer, static_cast<int>(k));
+    if (site.product != product || a < 0) continue;
+    if (!copied) ops_.device().copy(dz_.data(), dout, static_cast<size_t>(n) * site.width * sizeof(Real));
+    copied = true;
+    dora_gains(layer, k, unit);
+    if (Real* dm = grad_in(table_, unit_grads, unit_index, a + 2)) {
+      // dm += sum over rows of dy (x) z / n, z = x W^T + s x A^T B^T again.
+      const Real* A = param_in(table_, unit, unit_index, a);
+      ops_.gemm(false, true, n, site.out, site.in, Real(1), x, site.in, param_in(table_, unit, unit_index, site.weight),
+                site.in, Real(0), z_.data(), site.out);
+      ops_.gemm(false, true, n, r, site.in, Real(1), x, site.in, A, site.in, Real(0), u_.data(), r);
+      ops_.gemm(false, true, n, site.out, r, scaling_, u_.data(), r, param_in(table_, unit, unit_index, a + 1), r,
+                Real(1), z_.data(), site.out);
+      ops_.column_dot_accumulate(dm, dout + site.column, site.width, z_.data(), site.out, n, site.out, norm_.data());
+    }
+    ops_.column_affine(dz_.data() + site.column, site.width, n, site.out, gain_.data(), nullptr);
+  }
+  return copied ? dz_.data() : dout;
 }
 
 template <typename Real>

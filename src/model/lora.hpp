@@ -7,9 +7,15 @@
 // scratch buffers, not activations per layer. Dropout (adapter.dropout > 0) is on while training
 // row keys are set (set_row_keys): each row's key (dropout_token_key) and each adapted layer's
 // site give every element its own number, so the mask is a pure function of (seed, step,
-// sequence, position, layer, element). Both directions run after the base layer's own: the forward adds into the product's
-// output (a column slice where the product is fused), the backward adds into the input gradient
-// the base layer wrote.
+// sequence, position, layer, element). Both directions run after the base layer's own: the
+// forward adds into the product's output (a column slice where the product is fused), the
+// backward adds into the input gradient the base layer wrote.
+//
+// DoRA (adapter.type = dora) adds a magnitude m (out) per layer and computes
+//   y = b + g (x) (x W^T + s x A^T B^T),   g = m / ||W + s B A||_row,
+// the norm of each output feature's row taken as a constant (detached, as PEFT does): m gets its
+// gradient through g, A and B through the scaled output gradient g (x) dy, which output_grad
+// hands the base layer's and the adapters' backward. Its dropout is not implemented.
 #pragma once
 
 #include <cstddef>
@@ -37,9 +43,14 @@ class LoraLayers {
   // After the base forward of `product` in block `layer`: each adapted layer of it adds its term
   // to out (n rows of the product's width). unit: the block's gathered parameters.
   void forward(int layer, BlockProduct product, const Real* x, Real* out, int n, const Real* unit) const;
+  // Before the base backward of `product`: the output gradient that the base layer's backward and
+  // then backward() take -- dout itself, or with DoRA a copy whose adapted columns are scaled by
+  // their gains; DoRA's magnitude gradients accumulate into unit_grads here, from dout.
+  const Real* output_grad(int layer, BlockProduct product, const Real* x, const Real* dout, int n, const Real* unit,
+                          Real* unit_grads) const;
   // After the base backward of `product`: dx (n, in) += the adapters' input gradient, given the
-  // product's output gradient dout; their parameter gradients accumulate into unit_grads (null:
-  // none, the adapters frozen).
+  // product's output gradient dout (output_grad's); their parameter gradients accumulate into
+  // unit_grads (null: none, the adapters frozen).
   void backward(int layer, BlockProduct product, const Real* x, const Real* dout, Real* dx, int n, const Real* unit,
                 Real* unit_grads) const;
 
@@ -53,6 +64,12 @@ class LoraLayers {
   bool dropping_ = false;
   DeviceArray<uint64_t> row_keys_;
   mutable DeviceArray<Real> u_, du_, dropped_, dx_;  // the last two with dropout: rows x the widest input
+  // DoRA: the adapted weight W + s B A, its row norms and the gains; the product before the gains
+  // (rows x out) and the scaled output gradient (rows x width).
+  mutable DeviceArray<Real> weight_, norm_, gain_, z_, dz_;
+  bool dora() const { return table_.adapter().type == ADAPTER_DORA; }
+  // DoRA: the gains of block `layer`'s adapted layer `site` into gain_, its norms into norm_.
+  void dora_gains(int layer, size_t site, const Real* unit) const;
   // The layer's input, dropped out where training (into dropped_); the site keys the layer.
   const Real* input(int layer, size_t site, const Real* x, int n, int in) const;
   uint64_t site_key(int layer, size_t site) const { return 1 + static_cast<uint64_t>(layer) * sites_.size() + site; }

@@ -75,7 +75,8 @@ void ParamTable::add_adapters() {
       adapter_params_[l][k] = static_cast<int>(units_[u].params.size());
       add(u, base + ".lora_A.weight", {adapter_.rank, site.in}, INIT_KAIMING_UNIFORM, true);
       add(u, base + ".lora_B.weight", {site.out, adapter_.rank}, INIT_ZEROS, true);
-      params_[params_.size() - 2].adapter = params_.back().adapter = true;
+      if (adapter_.type == ADAPTER_DORA) add(u, base + ".lora_magnitude_vector", {site.out}, INIT_WEIGHT_NORMS, false);
+      for (size_t id = units_[u].params[adapter_params_[l][k]]; id < params_.size(); id++) params_[id].adapter = true;
     }
   }
   for (size_t t = 0; t < adapter_.targets.size(); t++)

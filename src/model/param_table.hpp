@@ -49,6 +49,8 @@ enum InitRule {
   INIT_ZEROS,
   INIT_ONES,
   INIT_KAIMING_UNIFORM,  // U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = shape[1]: PEFT's LoRA A
+  INIT_WEIGHT_NORMS,     // DoRA's magnitude: the row norms of the base weight it adapts, set once
+                         // the base is in place (init_dora_magnitudes); ones until then
 };
 
 struct ParamInfo {
@@ -94,8 +96,8 @@ std::string model_summary(const ModelConfig& config);
 
 // Adapters (model/adapter.hpp): each adapted linear layer of block l adds, after the block's own
 // parameters, "<its weight's name less .weight>.lora_A.weight" (rank, in) and ".lora_B.weight"
-// (out, rank) -- e.g. h.3.attn.qkv.lora_A.weight, layers.3.self_attn.q_proj.lora_B.weight -- and
-// every parameter of the base model is frozen. Throws UsageError for a target that matches no
+// (out, rank) -- e.g. h.3.attn.qkv.lora_A.weight, layers.3.self_attn.q_proj.lora_B.weight -- DoRA
+// also ".lora_magnitude_vector" (out), and every parameter of the base model is frozen. Throws UsageError for a target that matches no
 // layer or a rank the layers cannot take.
 //
 // Names matched by train.freeze: comma-separated shell glob patterns (fnmatch(3) without flags:
@@ -112,7 +114,7 @@ class ParamTable {
   const ModelConfig& config() const { return config_; }
   const AdapterConfig& adapter() const { return adapter_; }
   // The position in block `layer`'s unit (as param() takes it) of the adapter on linear_sites()[site]:
-  // its lora_A; lora_B follows. -1 where that layer has no adapter.
+  // its lora_A; lora_B follows, then DoRA's magnitude. -1 where that layer has no adapter.
   int adapter_param(int layer, int site) const { return adapter_params_.empty() ? -1 : adapter_params_[layer][site]; }
   const std::vector<ParamInfo>& params() const { return params_; }
   const std::vector<UnitInfo>& units() const { return units_; }

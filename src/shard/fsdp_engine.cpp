@@ -181,6 +181,7 @@ static double init_value(const ParamInfo& p, size_t index, uint64_t key, int n_l
     case INIT_ONES: return 1.0;
     case INIT_ZEROS: return 0.0;
     case INIT_KAIMING_UNIFORM: return (2.0 * counter_uniform(key, index) - 1.0) / std::sqrt(p.shape[1]);
+    case INIT_WEIGHT_NORMS: return 1.0;  // until init_dora_magnitudes sees the base
   }
   return 0.0;
 }

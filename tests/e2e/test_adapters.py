@@ -75,30 +75,40 @@ def first_loss(np_, args):
     return read_metrics(metrics)[0]["loss"], proc
 
 
-def test_peft_lora_imports_with_pefts_loss():
+METHODS = ("lora", "dora")
+
+
+def fixture_adapter(arch, method, init=True):
+    """The options of a fixture's adapter (rank 4, alpha 8), started from its PEFT folder."""
+    options = [f"--adapter.type={method}", f"--adapter.targets={FIXTURE_TARGETS[arch]}", "--adapter.rank=4",
+               "--adapter.alpha=8"]
+    return options + ([f"--adapter.init_from={os.path.join(FIXTURES, arch, method)}"] if init else [])
+
+
+def test_peft_adapters_import_with_pefts_loss():
     for arch in ("gpt2", "llama"):
-        peft = np.load(os.path.join(FIXTURES, arch, "lora", "logits.npy"))
         base = np.load(os.path.join(FIXTURES, arch, "base_logits.npy"))
         for b, sequence in enumerate(TOKENS):
-            adapter = [f"--adapter.type=lora", f"--adapter.targets={FIXTURE_TARGETS[arch]}", "--adapter.rank=4",
-                       "--adapter.alpha=8", f"--adapter.init_from={os.path.join(FIXTURES, arch, 'lora')}"]
-            expected, without = reference_loss(peft[b], sequence), reference_loss(base[b], sequence)
-            assert abs(expected - without) > 1e-3  # the adapter matters at this tolerance
-            for np_ in (1, 3):
-                loss, proc = first_loss(np_, fixture_args(arch, sequence) + adapter)
-                assert "initialised the adapters from PEFT folder" in proc.stdout
-                assert rel_diff(loss, expected) < 1e-5, (arch, b, np_, loss, expected, without)
+            without = reference_loss(base[b], sequence)
+            for method in METHODS:
+                expected = reference_loss(np.load(os.path.join(FIXTURES, arch, method, "logits.npy"))[b], sequence)
+                assert abs(expected - without) > 5e-4  # the adapter matters at this tolerance
+                for np_ in (1, 3):
+                    loss, proc = first_loss(np_, fixture_args(arch, sequence) + fixture_adapter(arch, method))
+                    assert "initialised the adapters from PEFT folder" in proc.stdout
+                    assert rel_diff(loss, expected) < 1e-6, (arch, method, b, np_, loss, expected, without)
+                # Freshly initialised, an adapter changes nothing: B = 0 (and DoRA's m = ||W||).
+                loss, _ = first_loss(2, fixture_args(arch, sequence) + fixture_adapter(arch, method, init=False))
+                assert rel_diff(loss, without) < 1e-6, (arch, method, b, loss, without)
             loss, _ = first_loss(2, fixture_args(arch, sequence))
-            assert rel_diff(loss, without) < 1e-5, (arch, b, loss, without)
+            assert rel_diff(loss, without) < 1e-6, (arch, b, loss, without)
 
 
 @functools.lru_cache(maxsize=None)
-def peft_round_trip(arch):
+def peft_round_trip(arch, method):
     """(checkpoint, exported adapter folder, merged folder) of one lr-1e-30 step from the fixture."""
     d = tempdir()
-    adapter = [f"--adapter.type=lora", f"--adapter.targets={FIXTURE_TARGETS[arch]}", "--adapter.rank=4",
-               "--adapter.alpha=8", f"--adapter.init_from={os.path.join(FIXTURES, arch, 'lora')}"]
-    ok(run(2, fixture_args(arch, TOKENS[0]) + adapter + [f"--checkpoint.dir={d}"]), "train")
+    ok(run(2, fixture_args(arch, TOKENS[0]) + fixture_adapter(arch, method) + [f"--checkpoint.dir={d}"]), "train")
     ckpt = latest(d)
     out, merged = os.path.join(tempdir(), "adapter"), os.path.join(tempdir(), "merged")
     ok(run(2, ["export", "--adapter", "--checkpoint", ckpt, "--output", out]), "export --adapter")
@@ -107,16 +117,16 @@ def peft_round_trip(arch):
 
 
 def test_export_writes_pefts_folder_and_merge_pefts_weights():
-    for arch in ("gpt2", "llama"):
-        ckpt, out, merged = peft_round_trip(arch)
-        fixture = os.path.join(FIXTURES, arch, "lora")
+    for arch, method in ((arch, method) for arch in ("gpt2", "llama") for method in METHODS):
+        ckpt, out, merged = peft_round_trip(arch, method)
+        fixture = os.path.join(FIXTURES, arch, method)
         assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors"]
         ours, meta = safetensors_arrays(os.path.join(out, "adapter_model.safetensors"))
         theirs, _ = safetensors_arrays(os.path.join(fixture, "adapter_model.safetensors"))
         assert meta == {"format": "pt"}
         assert sorted(ours) == sorted(theirs), sorted(set(ours) ^ set(theirs))
         for name in theirs:
-            assert ours[name].shape == theirs[name].shape and np.array_equal(ours[name], theirs[name]), name
+            assert ours[name].shape == theirs[name].shape and np.array_equal(ours[name], theirs[name]), (method, name)
         config, reference = (json.load(open(os.path.join(p, "adapter_config.json"))) for p in (out, fixture))
         for key in ("peft_type", "r", "lora_alpha", "fan_in_fan_out", "use_dora", "use_rslora", "lora_bias", "bias"):
             assert config[key] == reference[key], (arch, key, config[key], reference[key])
@@ -128,7 +138,7 @@ def test_export_writes_pefts_folder_and_merge_pefts_weights():
         assert sorted(got) == sorted(want)
         changed = 0
         for name in want:
-            assert np.allclose(got[name], want[name], rtol=1e-5, atol=1e-6), (arch, name)
+            assert np.allclose(got[name], want[name], rtol=1e-5, atol=1e-6), (arch, method, name)
             changed += not np.array_equal(want[name], base[name])
         assert changed == 2 * len(FIXTURE_TARGETS[arch].split(",")), changed  # the adapted weights of 2 layers
 
@@ -213,6 +223,23 @@ def test_conflicting_and_bad_settings_exit_2():
                                              "--adapter.rank=2", "--adapter.alpha=8",
                                              f"--adapter.init_from={os.path.join(FIXTURES, 'gpt2', 'lora')}"]
     expect_usage_error(bad, "r=4 but adapter.rank=2")
+    # A LoRA folder into a DoRA run; DoRA with dropout.
+    expect_usage_error(fixture_args("gpt2", TOKENS[0]) + fixture_adapter("gpt2", "lora")[1:] + ["--adapter.type=dora"],
+                       "use_dora is false but adapter.type=dora")
+    expect_usage_error(tiny_args(*LORA, "--adapter.type=dora", "--adapter.dropout=0.1"), "adapter.type=dora")
+
+
+def test_dora_trains_the_same_on_any_rank_count():
+    dora = ("--adapter.type=dora",)
+    reference, path = lora_run(1, *dora)
+    assert reference[-1] < reference[0] - 1e-3
+    assert max(rel_diff(a, b) for a, b in zip(reference, lora_run(1)[0])) > 1e-5  # not LoRA's run
+    for np_, options in [(3, ()), (2, ("--fsdp.activation_checkpointing=true",)),
+                         (4, ("--fsdp.sharding_strategy=HYBRID_SHARD", "--fsdp.shard_group_size=2"))]:
+        losses, _ = lora_run(np_, *dora, *options)
+        assert max(rel_diff(a, b) for a, b in zip(losses, reference)) < 1e-5, (np_, options, losses, reference)
+    magnitudes = [v for k, v in params_of(path).items() if k.startswith("model/") and k.endswith("lora_magnitude_vector")]
+    assert len(magnitudes) == 4 and all(m.shape == (40,) for m in magnitudes)
 
 
 def test_dropout_is_the_same_stream_on_any_rank_count_with_recomputation_and_resume():

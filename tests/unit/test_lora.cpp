@@ -339,3 +339,135 @@ TEST(Lora, DropoutFollowsTheCounterStreamAndKeepsGradientsExact) {
     }
   }
 }
+
+namespace {
+
+// DoRA's merge (PEFT): W <- (m / ||W + s B A||_row) (W + s B A), on the base table's weights; the
+// biases stay. `units` in the adapted table's layout; returns the base table's units.
+std::vector<std::vector<double>> dora_merged(const ParamTable& table, const ParamTable& base,
+                                             const std::vector<std::vector<double>>& units) {
+  std::vector<std::vector<double>> merged;
+  for (const UnitInfo& u : base.units()) merged.emplace_back(u.numel);
+  for (size_t id = 0; id < base.params().size(); id++) {
+    const ParamInfo &p = table.params()[id], &q = base.params()[id];
+    std::copy_n(units[p.unit].data() + p.offset, p.numel, merged[q.unit].data() + q.offset);
+  }
+  const double s = table.adapter().scaling();
+  const int r = table.adapter().rank;
+  const std::vector<LinearSite> sites = linear_sites(table.config());
+  for (int l = 0; l < table.config().n_layer; l++)
+    for (size_t k = 0; k < sites.size(); k++) {
+      const int a = table.adapter_param(l, static_cast<int>(k));
+      if (a < 0) continue;
+      const int u = block_unit(l), in = sites[k].in;
+      const double* A = units[u].data() + table.offset(u, a);
+      const double* Bm = units[u].data() + table.offset(u, a + 1);
+      const double* m = units[u].data() + table.offset(u, a + 2);
+      double* W = merged[u].data() + base.offset(u, sites[k].weight);
+      for (int o = 0; o < sites[k].out; o++) {
+        double norm = 0;
+        for (int j = 0; j < in; j++) {
+          for (int q = 0; q < r; q++) W[o * in + j] += s * Bm[o * r + q] * A[q * in + j];
+          norm += W[o * in + j] * W[o * in + j];
+        }
+        for (int j = 0; j < in; j++) W[o * in + j] *= m[o] / std::sqrt(norm);
+      }
+    }
+  return merged;
+}
+
+AdapterConfig dora(std::vector<std::string> targets) {
+  AdapterConfig a = lora(std::move(targets), 2, 3);
+  a.type = ADAPTER_DORA;
+  return a;
+}
+
+}  // namespace
+
+TEST(Dora, ModelEqualsTheBaseWithPeftsMergedWeights) {
+  const std::vector<std::pair<ModelConfig, std::vector<std::string>>> cases = {
+      {gpt2_config(), {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"}},  // biases: not rescaled
+      {llama_config(), {"self_attn.q_proj", "self_attn.v_proj", "o_proj", "gate_proj", "mlp.down_proj"}},
+  };
+  const int B = 2, T = 5;
+  for (const auto& [config, targets] : cases) {
+    const ParamTable table(config, {}, dora(targets)), base(config);
+    std::vector<std::vector<double>> units = random_units(table);
+    const Batch batch = make_batch(B, T, config.vocab_size);
+    std::vector<std::vector<double>> merged = dora_merged(table, base, units);
+    const double adapted = loss_and_grads(table, units, nullptr, batch, B, T);
+    EXPECT_NEAR(adapted, loss_and_grads(base, merged, nullptr, batch, B, T), 1e-11 * std::fabs(adapted))
+        << model_arch_name(config.arch);
+  }
+}
+
+// Finite differences of the detached-norm formulation: moving A or B moves ||W + s B A|| too, which
+// DoRA's gradient ignores, so the numeric side keeps every gain m / n fixed by moving m with n.
+TEST(Dora, GradientsMatchFiniteDifferencesWithTheNormDetached) {
+  const std::vector<std::pair<ModelConfig, std::vector<std::string>>> cases = {
+      {gpt2_config(), {"attn.c_attn", "mlp.c_proj"}},
+      {llama_config(), {"self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj"}},
+  };
+  const int B = 2, T = 5;
+  for (const auto& [config, targets] : cases) {
+    const ParamTable table(config, {}, dora(targets)), base(config);
+    std::vector<std::vector<double>> units = random_units(table), grads;
+    const Batch batch = make_batch(B, T, config.vocab_size);
+    loss_and_grads(table, units, &grads, batch, B, T);
+    const std::vector<LinearSite> sites = linear_sites(config);
+    // The row norms n = ||W + s B A|| of every adapted weight, in adapter order.
+    auto norms = [&](const std::vector<std::vector<double>>& v) {
+      std::vector<std::vector<double>> out;
+      for (int l = 0; l < config.n_layer; l++)
+        for (size_t k = 0; k < sites.size(); k++) {
+          const int a = table.adapter_param(l, static_cast<int>(k));
+          if (a < 0) continue;
+          const int u = block_unit(l), in = sites[k].in;
+          std::vector<double> n(sites[k].out);
+          for (int o = 0; o < sites[k].out; o++) {
+            double sq = 0;
+            for (int j = 0; j < in; j++) {
+              double w = v[u][table.offset(u, sites[k].weight) + o * in + j];
+              for (int q = 0; q < table.adapter().rank; q++)
+                w += table.adapter().scaling() * v[u][table.offset(u, a + 1) + o * table.adapter().rank + q] *
+                     v[u][table.offset(u, a) + q * in + j];
+              sq += w * w;
+            }
+            n[o] = std::sqrt(sq);
+          }
+          out.push_back(n);
+        }
+      return out;
+    };
+    // The loss with every gain m / n held at its value for the unperturbed parameters.
+    const std::vector<std::vector<double>> n0 = norms(units);
+    auto detached_loss = [&](std::vector<std::vector<double>> v) {
+      const std::vector<std::vector<double>> n1 = norms(v);
+      size_t i = 0;
+      for (int l = 0; l < config.n_layer; l++)
+        for (size_t k = 0; k < sites.size(); k++) {
+          const int a = table.adapter_param(l, static_cast<int>(k));
+          if (a < 0) continue;
+          double* m = v[block_unit(l)].data() + table.offset(block_unit(l), a + 2);
+          for (size_t o = 0; o < n1[i].size(); o++) m[o] *= n1[i][o] / n0[i][o];
+          i++;
+        }
+      return loss_and_grads(table, v, nullptr, batch, B, T);
+    };
+    for (const ParamInfo& p : table.params()) {
+      if (!p.adapter) continue;
+      for (size_t i : {size_t(0), p.numel - 1}) {
+        const double h = 1e-5;
+        std::vector<std::vector<double>> up = units, down = units;
+        up[p.unit][p.offset + i] += h, down[p.unit][p.offset + i] -= h;
+        // The magnitude's own perturbation is not compensated: only A and B move the norm.
+        const double numeric =
+            (p.shape.size() == 1 ? loss_and_grads(table, up, nullptr, batch, B, T) -
+                                       loss_and_grads(table, down, nullptr, batch, B, T)
+                                 : detached_loss(up) - detached_loss(down)) /
+            (2 * h) / (B * T);
+        EXPECT_NEAR(grads[p.unit][p.offset + i], numeric, 1e-8 + 1e-6 * std::fabs(numeric)) << p.name << "[" << i << "]";
+      }
+    }
+  }
+}

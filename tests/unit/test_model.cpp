@@ -249,6 +249,18 @@ class CountingOps : public LayerOps<double> {
   void residual_forward(double* out, const double* a, const double* b, size_t n) const override {
     cpu().residual_forward(out, a, b, n);
   }
+  void row_norms(double* out, const double* x, int rows, int cols) const override {
+    cpu().row_norms(out, x, rows, cols);
+  }
+  void column_affine(double* y, int ld, int rows, int cols, const double* scale, const double* shift) const override {
+    macs_ += static_cast<double>(rows) * cols;
+    cpu().column_affine(y, ld, rows, cols, scale, shift);
+  }
+  void column_dot_accumulate(double* out, const double* a, int lda, const double* b, int ldb, int rows, int cols,
+                             const double* divisor) const override {
+    cpu().column_dot_accumulate(out, a, lda, b, ldb, rows, cols, divisor);
+  }
+  void divide(double* out, const double* a, const double* b, size_t n) const override { cpu().divide(out, a, b, n); }
   void gemm(bool ta, bool tb, int M, int N, int K, double alpha, const double* A, int lda, const double* B, int ldb,
             double beta, double* C, int ldc) const override {
     macs_ += static_cast<double>(M) * N * K;

@@ -103,6 +103,15 @@ class CpuLayerOps : public LayerOps<Real> {
   void gelu_backward(Real* dinp, const Real* dout, const Real* inp, size_t n) const override {
     cpu::gelu_backward(dinp, dout, inp, n);
   }
+  void row_norms(Real* out, const Real* x, int rows, int cols) const override { cpu::row_norms(out, x, rows, cols); }
+  void column_affine(Real* y, int ld, int rows, int cols, const Real* scale, const Real* shift) const override {
+    cpu::column_affine(y, ld, rows, cols, scale, shift);
+  }
+  void column_dot_accumulate(Real* out, const Real* a, int lda, const Real* b, int ldb, int rows, int cols,
+                             const Real* divisor) const override {
+    cpu::column_dot_accumulate(out, a, lda, b, ldb, rows, cols, divisor);
+  }
+  void divide(Real* out, const Real* a, const Real* b, size_t n) const override { cpu::divide(out, a, b, n); }
   void residual_forward(Real* out, const Real* a, const Real* b, size_t n) const override {
     cpu::residual_forward(out, a, b, n);
   }

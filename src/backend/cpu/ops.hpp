@@ -104,6 +104,22 @@ void gelu_backward(Real* dinp, const Real* dout, const Real* inp, size_t n);
 template <typename Real>
 void residual_forward(Real* out, const Real* a, const Real* b, size_t n);
 
+// DoRA's per-output-feature arithmetic (model/lora.hpp) on a matrix of `rows` x `cols` with row
+// stride ld (a column slice of a wider product where ld > cols):
+// out[r] = sqrt(sum_c x[r*cols + c]^2), x dense (rows, cols); accumulated in double.
+template <typename Real>
+void row_norms(Real* out, const Real* x, int rows, int cols);
+// y[r*ld + c] = scale[c] * (y[r*ld + c] - shift[c]) + shift[c]; shift may be null (0).
+template <typename Real>
+void column_affine(Real* y, int ld, int rows, int cols, const Real* scale, const Real* shift);
+// out[c] += (sum_r a[r*lda + c] * b[r*ldb + c]) / divisor[c]; the sum in double, rows in order.
+template <typename Real>
+void column_dot_accumulate(Real* out, const Real* a, int lda, const Real* b, int ldb, int rows, int cols,
+                           const Real* divisor);
+// out[i] = a[i] / b[i].
+template <typename Real>
+void divide(Real* out, const Real* a, const Real* b, size_t n);
+
 // Dropout over N rows of C, keyed by a counter RNG (core/random.hpp), so the mask is a pure
 // function of (row_keys[r], site, c, p) -- no state, the same on every backend, thread count and
 // rerun:  out[r*C + c] = keep(r, c) ? inp[r*C + c] / (1 - p) : 0, with

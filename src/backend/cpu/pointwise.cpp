@@ -98,6 +98,46 @@ void residual_forward(Real* out, const Real* a, const Real* b, size_t n) {
 }
 
 template <typename Real>
+void row_norms(Real* out, const Real* x, int rows, int cols) {
+#pragma omp parallel for schedule(static)
+  for (int r = 0; r < rows; r++) {
+    double sum = 0;
+    for (int c = 0; c < cols; c++) sum += static_cast<double>(x[static_cast<size_t>(r) * cols + c]) * x[static_cast<size_t>(r) * cols + c];
+    out[r] = static_cast<Real>(std::sqrt(sum));
+  }
+}
+
+template <typename Real>
+void column_affine(Real* y, int ld, int rows, int cols, const Real* scale, const Real* shift) {
+#pragma omp parallel for schedule(static)
+  for (int r = 0; r < rows; r++) {
+    Real* row = y + static_cast<size_t>(r) * ld;
+    for (int c = 0; c < cols; c++) {
+      const Real b = shift ? shift[c] : Real(0);
+      row[c] = scale[c] * (row[c] - b) + b;
+    }
+  }
+}
+
+template <typename Real>
+void column_dot_accumulate(Real* out, const Real* a, int lda, const Real* b, int ldb, int rows, int cols,
+                           const Real* divisor) {
+#pragma omp parallel for schedule(static)
+  for (int c = 0; c < cols; c++) {
+    double sum = 0;
+    for (int r = 0; r < rows; r++)
+      sum += static_cast<double>(a[static_cast<size_t>(r) * lda + c]) * b[static_cast<size_t>(r) * ldb + c];
+    out[c] += static_cast<Real>(sum / divisor[c]);
+  }
+}
+
+template <typename Real>
+void divide(Real* out, const Real* a, const Real* b, size_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (size_t i = 0; i < n; i++) out[i] = a[i] / b[i];
+}
+
+template <typename Real>
 void dropout(Real* out, const Real* inp, const uint64_t* row_keys, uint64_t site, int N, int C, float p) {
   SHARD_CHECK(N >= 0 && C >= 0 && p >= 0.0f && p <= 1.0f, "dropout: N=%d C=%d p=%g", N, C, static_cast<double>(p));
   const size_t n = static_cast<size_t>(N) * C;
@@ -159,6 +199,10 @@ void softmax_crossentropy_backward(Real* probs_to_dlogits, const int* targets, R
   template void swiglu_backward<Real>(Real*, const Real*, const Real*, int, int);                           \
   template void residual_forward<Real>(Real*, const Real*, const Real*, size_t);                            \
   template void dropout<Real>(Real*, const Real*, const uint64_t*, uint64_t, int, int, float);              \
+  template void row_norms<Real>(Real*, const Real*, int, int);                                              \
+  template void column_affine<Real>(Real*, int, int, int, const Real*, const Real*);                        \
+  template void column_dot_accumulate<Real>(Real*, const Real*, int, const Real*, int, int, int, const Real*); \
+  template void divide<Real>(Real*, const Real*, const Real*, size_t);                                      \
   template void softmax_crossentropy_forward<Real>(Real*, Real*, const int*, int, int);                     \
   template void softmax_crossentropy_backward<Real>(Real*, const int*, Real, int, int);
 INSTANTIATE(float)
