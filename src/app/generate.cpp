@@ -290,7 +290,7 @@ int Generator::run() {
   // Every rank holds its shards of the parameters, FULL_SHARD over the world (one rank: all of it).
   auto shard_comm = compute_.make_comm(rt_.split_world(0, rt_.rank()), &watchdog_);
   auto replica_comm = compute_.make_comm(rt_.split_world(rt_.rank(), 0), &watchdog_);
-  const ParamTable table(m);
+  const ParamTable table(m, {}, state.adapter);  // a model trained with adapters: with them
   MemoryTracker memory;
   EngineOptions options;
   options.forward_prefetch = rt_.world() > 1;

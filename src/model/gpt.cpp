@@ -163,6 +163,7 @@ void GptModel<Real>::begin_decode(int max_len, int max_chunk) {
   SHARD_CHECK(max_len >= 1 && max_len <= cfg_.max_seq_len && max_chunk >= 1 && max_chunk <= max_len,
               "begin_decode(%d, %d) with max_seq_len %d", max_len, max_chunk, cfg_.max_seq_len);
   end_decode();
+  if (lora_) decode_lora_ = std::make_unique<LoraLayers<Real>>(table_, max_chunk, ops_);
   const size_t C = cfg_.n_embd, M = max_len, n = max_chunk;
   Device& dev = ops_.device();
   auto array = [&](size_t count) { return Array(dev, count); };
@@ -193,15 +194,19 @@ void GptModel<Real>::decode_block(int l, const Real* w) {
   auto W = [&](BlockParam p) { return param_in(table_, w, block_unit(l), p); };
   ops_.layernorm_forward(d.ln.data(), d.mean.data(), d.rstd.data(), d.x.data(), W(BLOCK_LN1_W), W(BLOCK_LN1_B), N, C);
   ops_.matmul_forward(d.qkv.data(), d.ln.data(), W(BLOCK_QKV_W), W(BLOCK_QKV_B), N, C, 3 * C);
+  decode_adapt(l, PRODUCT_QKV, d.ln.data(), d.qkv.data(), N, w);
   ops_.attention_decode(d.atty.data(), d.scores.data(), d.k[l].data(), d.v[l].data(), d.qkv.data(), N, d.start, NH,
                         NH, C / NH);
   ops_.matmul_forward(d.resid2.data(), d.atty.data(), W(BLOCK_ATTPROJ_W), W(BLOCK_ATTPROJ_B), N, C, C);
+  decode_adapt(l, PRODUCT_ATTN_OUT, d.atty.data(), d.resid2.data(), N, w);
   ops_.residual_forward(d.resid2.data(), d.resid2.data(), d.x.data(), static_cast<size_t>(N) * C);
   ops_.layernorm_forward(d.ln.data(), d.mean.data(), d.rstd.data(), d.resid2.data(), W(BLOCK_LN2_W), W(BLOCK_LN2_B),
                          N, C);
   ops_.matmul_forward(d.fch.data(), d.ln.data(), W(BLOCK_FC_W), W(BLOCK_FC_B), N, C, 4 * C);
+  decode_adapt(l, PRODUCT_MLP_UP, d.ln.data(), d.fch.data(), N, w);
   ops_.gelu_forward(d.fch_gelu.data(), d.fch.data(), static_cast<size_t>(N) * 4 * C);
   ops_.matmul_forward(d.x.data(), d.fch_gelu.data(), W(BLOCK_FCPROJ_W), W(BLOCK_FCPROJ_B), N, 4 * C, C);
+  decode_adapt(l, PRODUCT_MLP_DOWN, d.fch_gelu.data(), d.x.data(), N, w);
   ops_.residual_forward(d.x.data(), d.x.data(), d.resid2.data(), static_cast<size_t>(N) * C);
 }
 

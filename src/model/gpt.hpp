@@ -38,9 +38,11 @@ class GptModel : public TransformerModel<Real> {
   // Elements of a decode state (model.hpp's plan_decode_bytes), its tokens aside.
   static size_t plan_decode_elements(const ModelConfig& config, int max_len, int max_chunk);
   void begin_decode(int max_len, int max_chunk) override;
-  void end_decode() override { dec_ = Decode(); }
+  void end_decode() override { dec_ = Decode(), decode_lora_.reset(); }
   size_t decode_bytes() const override {
-    return dec_.max_len ? plan_decode_bytes(cfg_, dec_.max_len, dec_.max_chunk, sizeof(Real)) : 0;
+    return dec_.max_len ? plan_decode_bytes(cfg_, dec_.max_len, dec_.max_chunk, sizeof(Real)) +
+                              LoraLayers<Real>::plan_bytes(table_, dec_.max_chunk, sizeof(Real))
+                        : 0;
   }
   int decode_position() const override { return dec_.pos; }
   void decode_embed(const Real* root, const int* tokens, int n) override;
@@ -56,7 +58,11 @@ class GptModel : public TransformerModel<Real> {
 
   const ParamTable& table_;
   const LayerOps<Real>& ops_;
-  std::unique_ptr<LoraLayers<Real>> lora_;  // with adapter.type = lora
+  std::unique_ptr<LoraLayers<Real>> lora_;         // with adapters: B*T rows
+  std::unique_ptr<LoraLayers<Real>> decode_lora_;  // and a decode step's rows
+  void decode_adapt(int l, BlockProduct product, const Real* x, Real* out, int n, const Real* w) const {
+    if (decode_lora_) decode_lora_->forward(l, product, x, out, n, w);
+  }
   // The adapters of a block's product, after its base forward or backward (model/lora.hpp).
   void adapt_forward(int l, BlockProduct product, const Real* x, Real* out, const Real* w) const {
     if (lora_) lora_->forward(l, product, x, out, B_ * T_, w);

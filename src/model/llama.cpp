@@ -185,6 +185,7 @@ void LlamaModel<Real>::begin_decode(int max_len, int max_chunk) {
   SHARD_CHECK(max_len >= 1 && max_len <= cfg_.max_seq_len && max_chunk >= 1 && max_chunk <= max_len,
               "begin_decode(%d, %d) with max_seq_len %d", max_len, max_chunk, cfg_.max_seq_len);
   end_decode();
+  if (lora_) decode_lora_ = std::make_unique<LoraLayers<Real>>(table_, max_chunk, ops_);
   const size_t C = cfg_.n_embd, M = max_len, n = max_chunk, I = cfg_.mlp_size();
   const size_t KVC = static_cast<size_t>(cfg_.kv_heads()) * cfg_.head_size();
   Device& dev = ops_.device();
@@ -218,17 +219,21 @@ void LlamaModel<Real>::decode_block(int l, const Real* w) {
   const size_t half = HS / 2;
   ops_.rmsnorm_forward(d.ln.data(), d.rstd.data(), d.x.data(), W(LLAMA_ATTN_NORM_W), eps, N, C);
   ops_.matmul_forward(d.qkv.data(), d.ln.data(), W(LLAMA_Q_W), nullptr, N, C, cfg_.qkv_size());
+  decode_adapt(l, PRODUCT_QKV, d.ln.data(), d.qkv.data(), N, w);
   // Positions start..start+N-1: the tables from row start on, as one sequence of N.
   ops_.rope_forward(d.qkv.data(), d.rope_cos.data() + d.start * half, d.rope_sin.data() + d.start * half, 1, N, NH,
                     KV, HS);
   ops_.attention_decode(d.atty.data(), d.scores.data(), d.k[l].data(), d.v[l].data(), d.qkv.data(), N, d.start, NH,
                         KV, HS);
   ops_.matmul_forward(d.resid2.data(), d.atty.data(), W(LLAMA_O_W), nullptr, N, C, C);
+  decode_adapt(l, PRODUCT_ATTN_OUT, d.atty.data(), d.resid2.data(), N, w);
   ops_.residual_forward(d.resid2.data(), d.resid2.data(), d.x.data(), static_cast<size_t>(N) * C);
   ops_.rmsnorm_forward(d.ln.data(), d.rstd.data(), d.resid2.data(), W(LLAMA_MLP_NORM_W), eps, N, C);
   ops_.matmul_forward(d.gate_up.data(), d.ln.data(), W(LLAMA_GATE_W), nullptr, N, C, 2 * I);
+  decode_adapt(l, PRODUCT_MLP_UP, d.ln.data(), d.gate_up.data(), N, w);
   ops_.swiglu_forward(d.act.data(), d.gate_up.data(), N, I);
   ops_.matmul_forward(d.x.data(), d.act.data(), W(LLAMA_DOWN_W), nullptr, N, I, C);
+  decode_adapt(l, PRODUCT_MLP_DOWN, d.act.data(), d.x.data(), N, w);
   ops_.residual_forward(d.x.data(), d.x.data(), d.resid2.data(), static_cast<size_t>(N) * C);
 }
 

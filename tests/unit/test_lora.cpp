@@ -471,3 +471,38 @@ TEST(Dora, GradientsMatchFiniteDifferencesWithTheNormDetached) {
     }
   }
 }
+
+// Generation with adapters: the decode path (key/value cache, steps of a few tokens) gives the
+// probabilities of a full forward at the last position, with LoRA and with DoRA.
+TEST(Lora, DecodingWithAdaptersGivesTheFullForwardsProbabilities) {
+  const int T = 6;
+  for (AdapterType type : {ADAPTER_LORA, ADAPTER_DORA})
+    for (const ModelConfig& config : {gpt2_config(), llama_config()}) {
+      AdapterConfig a = lora(config.arch == ARCH_GPT2 ? std::vector<std::string>{"c_attn", "mlp.c_proj"}
+                                                      : std::vector<std::string>{"q_proj", "v_proj", "up_proj"});
+      a.type = type;
+      const ParamTable table(config, {}, a);
+      std::vector<std::vector<double>> units = random_units(table);
+      const Batch batch = make_batch(1, T, config.vocab_size);
+      auto full = make_model<double>(table, 1, T, false, cpu_layer_ops<double>());
+      full->embed_forward(units[ROOT_UNIT].data(), batch.tokens.data());
+      for (int l = 0; l < config.n_layer; l++) full->block_forward(l, units[block_unit(l)].data());
+      full->head_forward(units[ROOT_UNIT].data(), batch.targets.data());
+      std::vector<double> probs(config.vocab_size), logits(config.vocab_size);
+      full->copy_head_probs(T - 1, probs.data());
+      auto step = make_model<double>(table, 1, 1, false, cpu_layer_ops<double>());
+      step->begin_decode(T, 4);
+      for (int start = 0; start < T; start += 4) {  // 4 tokens, then 2
+        const int n = std::min(4, T - start);
+        step->decode_embed(units[ROOT_UNIT].data(), batch.tokens.data() + start, n);
+        for (int l = 0; l < config.n_layer; l++) step->decode_block(l, units[block_unit(l)].data());
+      }
+      step->decode_head(units[ROOT_UNIT].data(), logits.data());
+      double max = logits[0], sum = 0;
+      for (double x : logits) max = std::max(max, x);
+      for (double x : logits) sum += std::exp(x - max);
+      for (int v = 0; v < config.vocab_size; v++)
+        EXPECT_NEAR(std::exp(logits[v] - max) / sum, probs[v], 1e-12)
+            << adapter_type_name(type) << " " << model_arch_name(config.arch) << " " << v;
+    }
+}
