@@ -2,6 +2,7 @@
 #include "app/hf_export.hpp"
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -38,17 +39,26 @@ std::vector<float> merged_weight(const CheckpointReader& reader, const ParamTabl
   for (size_t k = 0; k < sites.size(); k++) {
     const int a = adapted.adapter_param(layer, static_cast<int>(k));
     if (a < 0 || adapted.param(p.unit, sites[k].weight).id != p.id) continue;
-    const ParamInfo &pa = adapted.param(p.unit, a), &pb = adapted.param(p.unit, a + 1);
-    const std::vector<float> A = reader.read(pa, adapted.units()[p.unit].name, CheckpointReader::TENSOR_PARAMS);
-    const std::vector<float> B = reader.read(pb, adapted.units()[p.unit].name, CheckpointReader::TENSOR_PARAMS);
+    auto read = [&](int q) { return reader.read(adapted.param(p.unit, q), adapted.units()[p.unit].name,
+                                                CheckpointReader::TENSOR_PARAMS); };
+    const std::vector<float> A = read(a), B = read(a + 1);
     const int r = adapted.adapter().rank, in = sites[k].in, out = sites[k].out;
     const double s = adapted.adapter().scaling();
-    for (int o = 0; o < out; o++)
+    const bool dora = adapted.adapter().type == ADAPTER_DORA;
+    const std::vector<float> magnitude = dora ? read(a + 2) : std::vector<float>();
+    for (int o = 0; o < out; o++) {
+      std::vector<double> row(in);
+      double norm = 0;
       for (int j = 0; j < in; j++) {
         double delta = 0;
         for (int m = 0; m < r; m++) delta += static_cast<double>(B[o * r + m]) * A[m * in + j];
-        w[static_cast<size_t>(o) * in + j] += static_cast<float>(s * delta);
+        row[j] = w[static_cast<size_t>(o) * in + j] + s * delta;
+        norm += row[j] * row[j];
       }
+      // DoRA: the row rescaled to its magnitude, m / ||W + s B A||.
+      const double gain = dora ? magnitude[o] / std::sqrt(norm) : 1.0;
+      for (int j = 0; j < in; j++) w[static_cast<size_t>(o) * in + j] = static_cast<float>(gain * row[j]);
+    }
   }
   return w;
 }
@@ -62,6 +72,10 @@ void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const st
   if (rt.is_root() && !reader->state().warning.empty()) std::fprintf(stderr, "warning: %s\n", reader->state().warning.c_str());
   const ModelConfig& model = reader->state().model;
   const AdapterConfig& adapter = reader->state().adapter;
+  if (reader->state().adapters_only)
+    throw UsageError("checkpoint '" + checkpoint + "' holds adapters alone (checkpoint.adapters_only), without their "
+                     "base model: export them with --adapter (a PEFT folder, for PEFT to load or merge onto the "
+                     "base), or resume it with checkpoint.adapters_only=false to write a full checkpoint");
   if (adapter.type != ADAPTER_NONE && !merge)
     throw UsageError("checkpoint '" + checkpoint + "' holds " + adapter_type_name(adapter.type) +
                      " adapters on its base model: export them with --adapter (a PEFT folder), or fold them into "

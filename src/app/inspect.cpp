@@ -20,7 +20,7 @@ void inspect_checkpoint(const std::string& path) {
   const CheckpointState& s = reader.state();
   if (!s.warning.empty()) std::fprintf(stderr, "warning: %s\n", s.warning.c_str());
   const ModelConfig& m = s.model;
-  ParamTable table(m);
+  const ParamTable& table = reader.table();  // the model with the file's adapters
   std::printf("checkpoint %s\n", path.c_str());
   std::printf("format %s version %lld, layout %s\n", CKPT_FORMAT_NAME, static_cast<long long>(s.version),
               s.layout.c_str());
@@ -28,12 +28,27 @@ void inspect_checkpoint(const std::string& path) {
               static_cast<long long>(s.step), static_cast<long long>(s.tokens_seen),
               counted(s.world_size, "rank").c_str(), s.strategy.c_str(), static_cast<unsigned long long>(s.seed),
               static_cast<long long>(s.sampler_step));
-  std::printf("model: %s, %zu parameters (%.1f MiB fp32)\n", model_summary(m).c_str(), table.total_params(),
-              table.total_params() * 4.0 / (1 << 20));
+  const ParamTable base(m);
+  std::printf("model: %s, %zu parameters (%.1f MiB fp32)\n", model_summary(m).c_str(), base.total_params(),
+              base.total_params() * 4.0 / (1 << 20));
+  if (s.adapter.type != ADAPTER_NONE) {
+    std::string targets;
+    for (const std::string& t : s.adapter.targets) targets += (targets.empty() ? "" : ",") + t;
+    std::printf("adapters: %s rank %d alpha %g dropout %g on %s, %zu parameters\n", adapter_type_name(s.adapter.type),
+                s.adapter.rank, s.adapter.alpha, s.adapter.dropout, targets.c_str(),
+                table.total_params() - base.total_params());
+  }
+  if (s.has_base_checksum)
+    std::printf("base model checksum %s%s\n", checksum_text(s.base_checksum).c_str(),
+                s.adapters_only ? " (not in the file)" : "");
+  if (s.adapters_only)
+    std::printf("adapter-only checkpoint: the adapters and their optimizer state alone; resume it with the base model "
+                "of that checksum as checkpoint.init_from\n");
   std::printf("\nconfiguration at save time:\n%s\n", s.config_ini.c_str());
   std::printf("%-28s %-12s %10s %12s %12s %12s  %s\n", "parameter", "shape", "elements", "norm", "exp_avg",
               "exp_avg_sq", "dataset");
   for (const ParamInfo& p : table.params()) {
+    if (!reader.holds(p)) continue;
     const std::string& unit = table.units()[p.unit].name;
     std::string shape;
     for (size_t d = 0; d < p.shape.size(); d++) shape += (d ? "x" : "") + std::to_string(p.shape[d]);

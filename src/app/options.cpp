@@ -159,8 +159,8 @@ void declare_options(OptionList& o, Config& c) {
         "the tokenizer.json the data was encoded with (data encode --tokenizer), recorded in checkpoints for "
         "'shardtrain generate'; empty = bytes");
   o.add_choice("adapter.type", &c.adapter.type, ADAPTER_TYPES, adapter_type_name,
-               "adapters on the frozen base model, Hugging Face PEFT's LoRA (docs/adapters.md); none trains the "
-               "model itself");
+               "adapters on the frozen base model, Hugging Face PEFT's LoRA or DoRA (docs/adapters.md); none trains "
+               "the model itself");
   o.add("adapter.targets", &c.adapter.targets,
         "the linear layers adapted: comma-separated Hugging Face module paths or their dotted suffixes, e.g. "
         "attn.c_attn,mlp.c_fc (gpt2) or self_attn.q_proj,self_attn.v_proj (llama)");
@@ -215,6 +215,9 @@ void declare_options(OptionList& o, Config& c) {
   o.add("checkpoint.allow_data_change", &c.checkpoint.allow_data_change,
         "resume even though the files of data.train_file or data.val_file (names, sizes) or "
         "checkpoint.init_from differ from the checkpoint's (true/false)");
+  o.add("checkpoint.adapters_only", &c.checkpoint.adapters_only,
+        "with adapters: checkpoints hold the adapters and their optimizer state alone, and the base model's "
+        "checksum; a resume takes the base from checkpoint.init_from and refuses another (true/false)");
   o.add("debug.stall_rank", &c.debug.stall_rank, "testing only: this rank sleeps stall_seconds at stall_step");
   o.add("debug.stall_step", &c.debug.stall_step,
         "testing only: step of the injected stall; -1: during start-up, before the data files are opened");
@@ -607,12 +610,22 @@ void validate_config(const Config& c, int world) {
               "' is not a format; allowed: sharded, gathered");
   require(!c.checkpoint.resume.empty(), "checkpoint.resume must be auto, none or a checkpoint file");
   require(c.checkpoint.keep >= 1, "checkpoint.keep must be >= 1");
+  require(!c.checkpoint.adapters_only || c.adapter.type != ADAPTER_NONE,
+          "checkpoint.adapters_only=true saves the adapters alone, but adapter.type=none: there are none; set "
+          "adapter.type (lora) or remove checkpoint.adapters_only");
+  require(!c.checkpoint.adapters_only || !c.checkpoint.init_from.empty(),
+          "checkpoint.adapters_only=true leaves the base model out of the checkpoints, so a resume must load it "
+          "from checkpoint.init_from, which is empty: set it to the base model (a Hugging Face folder, llm.c "
+          "file or ShardTrain checkpoint)");
   require(c.fsdp.limit_all_gathers >= 1, "fsdp.limit_all_gathers must be >= 1 (1 disables prefetching)");
   require(c.fsdp.comm_timeout >= 0, "fsdp.comm_timeout must be >= 0 seconds (0 disables the watchdog)");
   const AdapterOptions& a = c.adapter;
   require(a.rank >= 1, "adapter.rank must be >= 1");
   require(a.alpha > 0, "adapter.alpha must be > 0");
   require(a.dropout >= 0 && a.dropout < 1, "adapter.dropout must be in [0, 1)");
+  require(a.type != ADAPTER_DORA || a.dropout == 0,
+          "adapter.dropout with adapter.type=dora is not implemented (PEFT's DoRA also rescales the dropped "
+          "input's base product); set adapter.dropout=0 or use adapter.type=lora");
   require(a.type != ADAPTER_NONE || (a.targets.empty() && a.init_from.empty()),
           "adapter.targets or adapter.init_from is set but adapter.type=none: set adapter.type (lora) or remove "
           "them");

@@ -80,6 +80,7 @@ struct CheckpointOptions {
   std::string init_from;      // llm.c GPT-2 checkpoint to start from (fresh optimizer)
   bool save = true;           // false: never write checkpoints
   bool allow_data_change = false;  // resume although data.train_file/val_file differ from the checkpoint's
+  bool adapters_only = false;  // saves hold the adapters alone (and the base's checksum); needs adapters and init_from
 };
 
 // Fault injection for the tests of the error paths; never set in production configs.

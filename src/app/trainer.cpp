@@ -148,6 +148,11 @@ class Trainer {
   int resume_auto();
   // Loads one checkpoint; returns its step, or -1 when fall_back and the file is unusable.
   int try_load(const std::string& path, bool fall_back);
+  // The weights of checkpoint.init_from (base_loaded_ says they are in place).
+  void load_init_from();
+  // An adapter-only checkpoint goes onto its base: loads checkpoint.init_from (if not yet) and
+  // compares its checksum with the file's. UsageError when there is no base or another one.
+  void check_adapter_base(const std::string& path, const CheckpointState& state);
   void warn_config_changes(const CheckpointState& state);
   // An InputError when the checkpoint was trained on other data or model files (unless allowed).
   void check_same_inputs(const std::string& path, const CheckpointState& state);
@@ -200,6 +205,7 @@ class Trainer {
   bool loss_scaling_;
   double loss_scale_;
   int64_t good_steps_ = 0;
+  bool base_loaded_ = false;  // checkpoint.init_from's weights are in the engine (and nothing overwrote them)
 };
 
 // Ranks per shard group: all for FULL_SHARD/SHARD_GRAD_OP, one for NO_SHARD, and for HYBRID_SHARD
@@ -444,7 +450,9 @@ void Trainer::check_same_inputs(const std::string& path, const CheckpointState& 
   auto before = ini_option_values(state.config_ini), now = ini_option_values(resolved_ini(cfg_));
   std::string changed;
   auto add = [&](const std::string& what) { changed += (changed.empty() ? "" : "; ") + what; };
-  std::vector<const char*> by_path = {"checkpoint.init_from"};
+  // An adapter-only checkpoint's base is compared by its contents (check_adapter_base), wherever it lies.
+  std::vector<const char*> by_path;
+  if (!state.adapters_only) by_path.push_back("checkpoint.init_from");
   if (state.has_dataset) {  // the data by their files' names and sizes
     const std::tuple<const char*, const std::string&, const TokenDataset*> data[2] = {
         {"data.train_file", state.dataset_train, train_data_.get()}, {"data.val_file", state.dataset_val, val_data_.get()}};
@@ -480,12 +488,16 @@ int Trainer::try_load(const std::string& path, bool fall_back) {
     if (state.step > cfg_.train.steps)
       throw UsageError(strprintf("checkpoint '%s' is at step %lld, past train.steps=%d; raise train.steps",
                                  path.c_str(), static_cast<long long>(state.step), cfg_.train.steps));
+    if (state.adapters_only) check_adapter_base(path, state);
     rt_.agree_on([&] { state = checkpoints_.load(path, engine_, optimizer_); });  // each collective timed on its own
   } catch (const UsageError&) {
     throw;
   } catch (const InputError& e) {
     if (!fall_back) throw;
     rt_.warn("skipping unusable checkpoint: %s", e.what());
+    // A failed load of a full checkpoint may have overwritten part of the base; an adapter-only one
+    // writes the adapters alone.
+    if (!state.adapters_only) base_loaded_ = false;
     return -1;
   }
   warn_config_changes(state);
@@ -493,32 +505,59 @@ int Trainer::try_load(const std::string& path, bool fall_back) {
     loss_scale_ = std::ldexp(1.0, static_cast<int>(state.loss_scale_log2));
     good_steps_ = state.loss_scale_good_steps;
   }
-  rt_.info("resumed from %s at step %lld (saved on %s, %s layout)", path.c_str(), static_cast<long long>(state.step),
-           counted(state.world_size, "rank").c_str(), state.layout.c_str());
+  rt_.info("resumed from %s at step %lld (saved on %s, %s layout%s)", path.c_str(), static_cast<long long>(state.step),
+           counted(state.world_size, "rank").c_str(), state.layout.c_str(),
+           state.adapters_only ? ", adapters only: on the base from checkpoint.init_from, whose checksum matches" : "");
   return static_cast<int>(state.step);
+}
+
+void Trainer::check_adapter_base(const std::string& path, const CheckpointState& state) {
+  const std::string& from = cfg_.checkpoint.init_from;
+  if (from.empty())
+    throw UsageError("checkpoint '" + path + "' holds adapters alone (checkpoint.adapters_only), without the base "
+                     "model they were trained on (base checksum " + checksum_text(state.base_checksum) +
+                     "): give that base as checkpoint.init_from");
+  if (!base_loaded_) {
+    try {
+      load_init_from();
+    } catch (const InputError& e) {  // the base's own problem, not this checkpoint's: never skipped
+      throw UsageError(e.what());
+    }
+  }
+  const uint64_t base = base_model_checksum(engine_, *comm_);
+  if (base != state.base_checksum)
+    throw UsageError(base_mismatch(path, state.base_checksum, base, "checkpoint.init_from='" + from + "'"));
+}
+
+void Trainer::load_init_from() {
+  const std::string& from = cfg_.checkpoint.init_from;
+  if (is_hdf5_file(from)) {  // a ShardTrain checkpoint: its weights, not its optimizer state or step
+    CheckpointState state;
+    rt_.agree_on([&] { state = read_checkpoint_state(from); });
+    std::string mismatch = model_mismatch(from, state.model, cfg_.model);
+    if (!mismatch.empty()) throw UsageError(mismatch);
+    if (state.adapters_only)
+      throw UsageError("checkpoint.init_from='" + from + "' holds adapters alone (checkpoint.adapters_only), no base "
+                       "model: give the base model as checkpoint.init_from and this file as checkpoint.resume");
+    rt_.agree_on([&] { checkpoints_.load(from, engine_, optimizer_, true); });
+    optimizer_.zero_state();
+    rt_.info("initialised the weights from ShardTrain checkpoint %s (its step %lld; optimizer state from zero)",
+             from.c_str(), static_cast<long long>(state.step));
+  } else {
+    const bool hf = is_hf_model_folder(from);
+    rt_.agree_on([&] { hf ? load_hf_shards(from, engine_) : load_llmc_shards(from, engine_); });
+    rt_.info("initialised the weights from %s %s", hf ? "Hugging Face folder" : "llm.c checkpoint", from.c_str());
+  }
+  base_loaded_ = true;
 }
 
 int Trainer::resume() {
   const std::string& mode = cfg_.checkpoint.resume;
   int step = 0;
+  // An adapter-only checkpoint loads checkpoint.init_from first (check_adapter_base): its base.
   if (mode != "none") step = mode == "auto" ? resume_auto() : try_load(mode, false);
-  if (step == 0 && !cfg_.checkpoint.init_from.empty()) {
-    const std::string& from = cfg_.checkpoint.init_from;
-    if (is_hdf5_file(from)) {  // a ShardTrain checkpoint: its weights, not its optimizer state or step
-      CheckpointState state;
-      rt_.agree_on([&] { state = read_checkpoint_state(from); });
-      std::string mismatch = model_mismatch(from, state.model, cfg_.model);
-      if (!mismatch.empty()) throw UsageError(mismatch);
-      rt_.agree_on([&] { checkpoints_.load(from, engine_, optimizer_, true); });
-      optimizer_.zero_state();
-      rt_.info("initialised the weights from ShardTrain checkpoint %s (its step %lld; optimizer state from zero)",
-               from.c_str(), static_cast<long long>(state.step));
-    } else {
-      const bool hf = is_hf_model_folder(from);
-      rt_.agree_on([&] { hf ? load_hf_shards(from, engine_) : load_llmc_shards(from, engine_); });
-      rt_.info("initialised the weights from %s %s", hf ? "Hugging Face folder" : "llm.c checkpoint", from.c_str());
-    }
-  }
+  if (step == 0 && !cfg_.checkpoint.init_from.empty() && !base_loaded_) load_init_from();
+  if (step == 0) init_dora_magnitudes(engine_, *comm_);  // from the base now in place
   if (step == 0 && !cfg_.adapter.init_from.empty()) {
     rt_.agree_on([&] { load_peft_adapter(cfg_.adapter.init_from, engine_); });
     rt_.info("initialised the adapters from PEFT folder %s", cfg_.adapter.init_from.c_str());
@@ -534,6 +573,7 @@ int Trainer::resume_auto() {
     rt_.warn("no usable checkpoint in %s; starting from scratch", checkpoints_.dir().c_str());
     engine_.init_parameters(cfg_.train.seed);  // a failed load may have overwritten part of the state
     optimizer_.zero_state();
+    base_loaded_ = false;
   }
   return 0;
 }
@@ -552,9 +592,11 @@ void Trainer::save(int step) {
   state.loss_scale_good_steps = good_steps_;
   state.dataset_train = train_data_->identity();
   state.dataset_val = val_data_ ? val_data_->identity() : "";
+  state.adapters_only = cfg_.checkpoint.adapters_only;
   const double t0 = now_seconds();
   std::string path = checkpoints_.save(state, engine_, optimizer_);
-  rt_.info("saved %s (%s, %.2f s)", path.c_str(), state.layout.c_str(), now_seconds() - t0);
+  rt_.info("saved %s (%s%s, %.2f s)", path.c_str(), state.layout.c_str(), state.adapters_only ? ", adapters only" : "",
+           now_seconds() - t0);
 }
 
 Trainer::StepOutcome Trainer::run_step(int step) {

@@ -105,11 +105,27 @@ struct DatasetRun {
   size_t unit_begin = 0, numel = 0;
 };
 
+// Whether a file holds a parameter: every one, or (adapters_only) the adapters' alone.
+bool stored(const ParamInfo& p, bool adapters_only) { return !adapters_only || p.adapter; }
+
+// Where a parameter starts in its unit's flat dataset (sharded layout): the unit's stored
+// parameters laid end to end in declaration order. All stored: ParamInfo::file_offset.
+size_t stored_offset(const ParamTable& table, const ParamInfo& p, bool adapters_only) {
+  if (!adapters_only) return p.file_offset;
+  size_t at = 0;
+  for (int id : table.units()[p.unit].params) {
+    if (id == p.id) break;
+    if (stored(table.params()[id], adapters_only)) at += table.params()[id].numel;
+  }
+  return at;
+}
+
 // One dataset a checkpoint of this layout and model must hold: the plan of writer, loader and
 // validator alike. Datasets are in declaration order (ParamInfo::file_offset), whatever the run
 // froze; `runs` map them onto the run's unit coordinates. The file's table is the run's, or (a base
 // model loaded under adapters) the run's without its adapters: the same parameters by id, the
-// adapters' coming after all of them.
+// adapters' coming after all of them. An adapter-only file holds the adapters alone: gathered,
+// their datasets; sharded, one flat dataset per unit that has adapters, its adapters end to end.
 struct DatasetSpec {
   std::string path;
   std::vector<hsize_t> dims;  // gathered: the parameter's shape; sharded: {numel} (the file's is padded)
@@ -119,25 +135,32 @@ struct DatasetSpec {
   std::vector<DatasetRun> runs;
 };
 
-std::vector<DatasetSpec> dataset_specs(const ParamTable& table, const ParamTable& run, const std::string& layout) {
+std::vector<DatasetSpec> dataset_specs(const ParamTable& table, const ParamTable& run, const std::string& layout,
+                                       bool adapters_only) {
   SHARD_CHECK(table.params().size() <= run.params().size(), "a checkpoint with more parameters than the run");
   std::vector<DatasetSpec> specs;
   for (size_t u = 0; u < table.units().size(); u++) {
     const UnitInfo& unit = table.units()[u];
+    size_t unit_numel = 0;  // the elements of the unit that the file holds
+    for (int id : unit.params) unit_numel += stored(table.params()[id], adapters_only) ? table.params()[id].numel : 0;
+    if (unit_numel == 0) continue;  // an adapter-only file: a unit without adapters has no datasets
     for (int k = 0; k < 3; k++) {
       if (layout == "sharded") {
-        // The unit's parameters in declaration order; neighbours frozen alike are neighbours in
-        // the unit too, and one run.
-        DatasetSpec d{dataset_name(layout, unit.name, "", k), {unit.numel}, unit.numel, u, k, {}};
+        // The unit's stored parameters in declaration order; neighbours frozen alike are
+        // neighbours in the unit too, and one run.
+        DatasetSpec d{dataset_name(layout, unit.name, "", k), {unit_numel}, unit_numel, u, k, {}};
         bool last_frozen = false;
         for (int id : unit.params) {
           const ParamInfo& p = table.params()[id];
+          if (!stored(p, adapters_only)) continue;
           const ParamInfo& q = run.params()[id];
+          const size_t first = stored_offset(table, p, adapters_only);
           DatasetRun* last = d.runs.empty() ? nullptr : &d.runs.back();
-          if (last && q.frozen == last_frozen && last->unit_begin + last->numel == q.offset)
+          if (last && q.frozen == last_frozen && last->unit_begin + last->numel == q.offset &&
+              last->first + last->numel == first)
             last->numel += p.numel;
           else
-            d.runs.push_back({p.file_offset, q.offset, p.numel});
+            d.runs.push_back({first, q.offset, p.numel});
           last_frozen = q.frozen;
         }
         specs.push_back(std::move(d));
@@ -145,6 +168,7 @@ std::vector<DatasetSpec> dataset_specs(const ParamTable& table, const ParamTable
       }
       for (int id : unit.params) {
         const ParamInfo& p = table.params()[id];
+        if (!stored(p, adapters_only)) continue;
         std::vector<hsize_t> dims(p.shape.begin(), p.shape.end());
         specs.push_back(
             {dataset_name(layout, unit.name, p.name, k), dims, p.numel, u, k, {{0, run.params()[id].offset, p.numel}}});
@@ -260,12 +284,13 @@ void sum_over_ranks(std::vector<uint64_t>& values, Comm& comm) {
   }
 }
 
-// "name offset numel shape" per parameter: the map from parameters to a unit's flat offsets.
-std::string unit_index(const ParamTable& table, size_t unit) {
+// "name offset numel shape" per stored parameter: the map from parameters to a unit's flat offsets.
+std::string unit_index(const ParamTable& table, size_t unit, bool adapters_only) {
   std::ostringstream s;
   for (int id : table.units()[unit].params) {
     const ParamInfo& p = table.params()[id];
-    s << p.name << " " << p.file_offset << " " << p.numel << " ";
+    if (!stored(p, adapters_only)) continue;
+    s << p.name << " " << stored_offset(table, p, adapters_only) << " " << p.numel << " ";
     for (size_t d = 0; d < p.shape.size(); d++) s << (d ? "x" : "") << p.shape[d];
     s << "\n";
   }
@@ -313,6 +338,9 @@ const char* ADAPTER_TYPE = "adapter.type";
 const char* ADAPTER_TARGETS = "adapter.targets";
 const char* ADAPTER_RANK = "adapter.rank";
 const char* ADAPTER_REALS[2] = {"adapter.alpha", "adapter.dropout"};
+// Version 4: adapter-only files and the base model's identity, after the adapter's settings.
+const char* ADAPTERS_ONLY = "adapters_only";
+const char* BASE_CHECKSUM = "base_checksum";
 
 std::string join_targets(const std::vector<std::string>& targets) {
   std::string s;
@@ -321,7 +349,7 @@ std::string join_targets(const std::vector<std::string>& targets) {
 }
 
 void write_state(hid_t file, const CheckpointState& s, const ModelConfig& model, const AdapterConfig& adapter,
-                 const std::string& path) {
+                 uint64_t base_checksum, const std::string& path) {
   MetaChecksum sum;
   auto str = [&](const char* name, const std::string& v) { h5_write_attr_str(file, name, v, path), sum.add(name, v); };
   auto i64 = [&](const char* name, int64_t v) {
@@ -355,6 +383,8 @@ void write_state(hid_t file, const CheckpointState& s, const ModelConfig& model,
   const double adapter_reals[2] = {adapter.alpha, adapter.dropout};
   for (int i = 0; i < 2; i++)
     h5_write_attr_f64(file, ADAPTER_REALS[i], adapter_reals[i], path), sum.add(ADAPTER_REALS[i], real_text(adapter_reals[i]));
+  i64(ADAPTERS_ONLY, s.adapters_only ? 1 : 0);
+  h5_write_attr_u64(file, BASE_CHECKSUM, base_checksum, path), sum.add(BASE_CHECKSUM, std::to_string(base_checksum));
   h5_write_attr_u64(file, META_CHECKSUM, sum.value(), path);
 }
 
@@ -480,6 +510,14 @@ CheckpointState read_state(hid_t file, const std::string& path) {
     }
     a.rank = static_cast<int>(rank), a.alpha = reals[0], a.dropout = reals[1];
   }
+  int64_t adapters_only = 0;
+  if (version >= 4) {
+    adapters_only = i64(ADAPTERS_ONLY);
+    s.base_checksum = h5_read_attr_u64(file, BASE_CHECKSUM, path);
+    sum.add(BASE_CHECKSUM, std::to_string(s.base_checksum));
+    s.has_base_checksum = true;
+    s.adapters_only = adapters_only == 1;
+  }
   if (!h5_has_attr(file, META_CHECKSUM))
     s.warning = where + "no metadata checksum (written by an older build): its attributes are not verified";
   else if (h5_read_attr_u64(file, META_CHECKSUM, path) != sum.value())
@@ -487,6 +525,12 @@ CheckpointState read_state(hid_t file, const std::string& path) {
                                   "or corrupted; use another checkpoint");
   if (s.layout != "sharded" && s.layout != "gathered")
     throw CheckpointError(where + "unknown layout '" + s.layout + "'");
+  if (adapters_only != 0 && adapters_only != 1)
+    throw CheckpointError(where + strprintf("attribute adapters_only=%lld is neither 0 nor 1; the file is damaged",
+                                            static_cast<long long>(adapters_only)));
+  if (s.adapters_only && s.adapter.type == ADAPTER_NONE)
+    throw CheckpointError(where + "attribute adapters_only=1 but adapter.type=none: no adapters to hold; the file is "
+                                  "damaged");
   std::string defect = model_defect(dims);
   if (defect.empty()) defect = state_defect(s);
   if (!defect.empty()) throw CheckpointError(where + "attribute " + defect + "; the file is damaged");
@@ -683,17 +727,70 @@ uint64_t checksum_elements(const float* values, size_t count, uint64_t first_ind
   return sum;
 }
 
+// This rank's share of base_model_checksum: the base elements it owns (one rank among replicas),
+// each hashed at its index in the base model laid end to end -- unit by unit, each unit's base
+// parameters in declaration order. unit_params(u): the rank's shard buffer of unit u, on the host.
+template <typename F>
+static uint64_t local_base_checksum(FsdpEngine& engine, F&& unit_params) {
+  const ParamTable& table = engine.table();
+  uint64_t sum = 0, at = 0;
+  for (size_t u = 0; u < table.units().size(); u++) {
+    const UnitLayout& layout = engine.shards()[u].layout;
+    const float* values = nullptr;
+    for (int id : table.units()[u].params) {
+      const ParamInfo& p = table.params()[id];
+      if (p.adapter) continue;
+      const UnitLayout::Local own = layout.local_part(p.range(), true);
+      if (!own.range.empty()) {
+        if (!values) values = unit_params(u);
+        sum += checksum_elements(values + own.index, own.range.size(), at + (own.range.begin - p.offset));
+      }
+      at += p.numel;
+    }
+  }
+  return sum;
+}
+
+uint64_t base_model_checksum(FsdpEngine& engine, Comm& comm) {
+  std::vector<float> copy;  // a unit's shard, where it lives on a GPU
+  std::vector<uint64_t> sum = {local_base_checksum(engine, [&](size_t u) -> const float* {
+    DeviceArray<float>& params = engine.shards()[u].params;
+    if (params.on_host()) return params.data();
+    copy.resize(params.size());
+    params.device()->copy(copy.data(), params.data(), params.bytes());
+    return copy.data();
+  })};
+  sum_over_ranks(sum, comm);
+  return sum[0];
+}
+
+std::string checksum_text(uint64_t checksum) {
+  return strprintf("0x%016llx", static_cast<unsigned long long>(checksum));
+}
+
+std::string base_mismatch(const std::string& path, uint64_t stored, uint64_t loaded, const std::string& base_from) {
+  return "checkpoint '" + path + "' holds adapters trained on another base model: its base checksum is " +
+         checksum_text(stored) + ", the base loaded here (" + base_from + ") has " + checksum_text(loaded) +
+         "; give the base it was trained on as checkpoint.init_from";
+}
+
 void save_checkpoint(const std::string& path, const CheckpointState& state, FsdpEngine& engine, AdamW& optimizer,
                      const CheckpointComm& ranks) {
   H5QuietErrors quiet;
   Comm& comm = ranks.comm;
   const ParamTable& table = engine.table();
+  SHARD_CHECK(!state.adapters_only || table.adapter().type != ADAPTER_NONE,
+              "an adapter-only checkpoint of a run without adapters");
   HostShards host(engine, optimizer, true);
-  const std::vector<DatasetSpec> specs = dataset_specs(table, table, state.layout);
+  const std::vector<DatasetSpec> specs = dataset_specs(table, table, state.layout, state.adapters_only);
   std::vector<Piece> pieces = plan_pieces(specs, engine, host, true);
-  std::vector<uint64_t> sums(specs.size());
+  // The datasets' checksums and, last, the base model's: one all-reduce.
+  std::vector<uint64_t> sums(specs.size() + 1);
   for (const Piece& p : pieces) sums[p.spec] += checksum_elements(p.check_data, p.check_count, p.check_first);
+  sums.back() = local_base_checksum(engine, [&](size_t u) -> const float* { return host.buffer(u, 0); });
   sum_over_ranks(sums, comm);
+  const uint64_t base_checksum = sums.back();
+  sums.pop_back();
   const bool reserve = comm.rank() == 0 && preallocate();
   const uint64_t bytes = file_size_bound(specs, state.layout, comm.size(), state.config_ini);
 
@@ -724,7 +821,7 @@ void save_checkpoint(const std::string& path, const CheckpointState& state, Fsdp
   // All metadata first, written while the file is small; then the data; so the final close has
   // (almost) nothing left to write.
   phase("checkpoint save: metadata", [&] {
-    write_state(file, state, table.config(), table.adapter(), path);
+    write_state(file, state, table.config(), table.adapter(), base_checksum, path);
     lcpl = H5Id(h5_check_id(H5Pcreate(H5P_LINK_CREATE), path, "H5Pcreate"), H5Pclose);
     h5_check(H5Pset_create_intermediate_group(lcpl, 1), path, "H5Pset_create_intermediate_group");
     for (size_t i = 0; i < specs.size(); i++) {
@@ -741,10 +838,12 @@ void save_checkpoint(const std::string& path, const CheckpointState& state, Fsdp
       h5_write_attr_i64(datasets.back(), "numel", static_cast<int64_t>(d.numel), path);
     }
     if (state.layout == "sharded") {
-      for (size_t u = 0; u < table.units().size(); u++) {
+      for (size_t i = 0; i < specs.size(); i++) {
+        if (specs[i].tensor != 0) continue;  // one index per unit that has datasets
+        const size_t u = specs[i].unit;
         groups.emplace_back(h5_check_id(H5Gopen2(file, ("/shards/" + table.units()[u].name).c_str(), H5P_DEFAULT),
                                         path, "H5Gopen2"), H5Gclose);
-        h5_write_attr_str(groups.back(), "index", unit_index(table, u), path);
+        h5_write_attr_str(groups.back(), "index", unit_index(table, u, state.adapters_only), path);
       }
     }
   });
@@ -807,18 +906,31 @@ CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, Ada
     const bool base_only = state.adapter.type == ADAPTER_NONE && table.adapter().type != ADAPTER_NONE && base_model_ok;
     if (mismatch.empty() && !base_only) mismatch = adapter_mismatch(path, state.adapter, table.adapter());
     if (!mismatch.empty()) throw CheckpointError(mismatch);
+    if (state.adapters_only && base_model_ok)
+      throw CheckpointError("checkpoint '" + path + "' holds adapters alone (checkpoint.adapters_only), no base model "
+                            "to start from: give the base model as checkpoint.init_from, and this file as "
+                            "checkpoint.resume");
     if (comm.rank() == 0 && !state.warning.empty()) std::fprintf(stderr, "warning: %s\n", state.warning.c_str());
     // Metadata reads are collective (rank 0 reads and broadcasts): these verdicts are the same on
     // every rank without an agreement.
     file_table = std::make_unique<ParamTable>(state.model, std::vector<std::string>{}, state.adapter);
-    specs = dataset_specs(*file_table, table, state.layout);
+    specs = dataset_specs(*file_table, table, state.layout, state.adapters_only);
     check_objects(file, specs, path);
+  }
+  if (state.adapters_only) {  // the adapters go onto the base the engine holds: it must be theirs
+    const uint64_t base = base_model_checksum(engine, comm);
+    if (base != state.base_checksum)  // (training checks this first, naming checkpoint.init_from)
+      throw CheckpointError("checkpoint '" + path + "' holds adapters alone (checkpoint.adapters_only), for the base "
+                            "model of checksum " + checksum_text(state.base_checksum) + ", not the model here (" +
+                            checksum_text(base) + "): a training run resumes it with that base as "
+                            "checkpoint.init_from; export --adapter writes its adapters");
   }
 
   // Shards are overwritten entirely -- padding and the parts outside the file stay zero -- unless
-  // the file lacks some (the adapters of a base-only load), which keep their values.
+  // the file lacks some (the adapters of a base-only load, the base of an adapter-only one), which
+  // keep their values.
   HostShards host(engine, optimizer, false);
-  if (file_table->params().size() == table.params().size()) host.zero();
+  if (!state.adapters_only && file_table->params().size() == table.params().size()) host.zero();
   std::vector<Piece> pieces = plan_pieces(specs, engine, host, false);
   std::vector<uint64_t> stored(specs.size()), computed(specs.size());
   std::string local_error;
@@ -881,8 +993,8 @@ CheckpointReader::CheckpointReader(const std::string& path) : path_(path) {
   H5QuietErrors quiet;
   H5Id file = open_serial(path);
   state_ = read_state(file, path);
-  const ParamTable table(state_.model, {}, state_.adapter);
-  std::vector<DatasetSpec> specs = dataset_specs(table, table, state_.layout);
+  table_ = std::make_unique<ParamTable>(state_.model, std::vector<std::string>{}, state_.adapter);
+  std::vector<DatasetSpec> specs = dataset_specs(*table_, *table_, state_.layout, state_.adapters_only);
   check_objects(file, specs, path);
   std::vector<float> chunk;
   for (const DatasetSpec& d : specs) {
@@ -911,13 +1023,24 @@ std::string CheckpointReader::dataset_path(const ParamInfo& param, const std::st
   return dataset_name(state_.layout, unit_name, param.name, tensor);
 }
 
+bool CheckpointReader::holds(const ParamInfo& param) const {
+  SHARD_CHECK(param.id >= 0 && static_cast<size_t>(param.id) < table_->params().size() &&
+                  table_->params()[param.id].name == param.name,
+              "parameter %s is not checkpoint '%s''s", param.name.c_str(), path_.c_str());
+  return stored(table_->params()[param.id], state_.adapters_only);
+}
+
 std::vector<float> CheckpointReader::read(const ParamInfo& param, const std::string& unit_name, Tensor tensor) const {
   H5QuietErrors quiet;
+  if (!holds(param))
+    throw CheckpointError("checkpoint '" + path_ + "' holds adapters alone (checkpoint.adapters_only), not " +
+                          param.name + " of the base model");
   const std::string where = dataset_path(param, unit_name, tensor);
   H5Id dataset(h5_check_id(H5Dopen2(file_, where.c_str(), H5P_DEFAULT), path_, "H5Dopen2"), H5Dclose);
   // Gathered: the whole dataset; sharded: the parameter's run of the unit's flat buffer (the
   // constructor checked both shapes).
-  const uint64_t first = state_.layout == "sharded" ? param.file_offset : 0;
+  const uint64_t first =
+      state_.layout == "sharded" ? stored_offset(*table_, table_->params()[param.id], state_.adapters_only) : 0;
   std::vector<float> values(param.numel);
   h5_check(read_flat(dataset, h5_dataset_dims(dataset, path_), first, param.numel, values.data(), H5P_DEFAULT, path_),
            path_, ("reading " + where).c_str());

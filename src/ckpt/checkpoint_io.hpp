@@ -4,6 +4,9 @@
 //   gathered: /model/<param>, /optim/exp_avg/<param>, /optim/exp_avg_sq/<param>, full shapes;
 //   sharded:  /shards/<unit>/{params,exp_avg,exp_avg_sq}, each unit's flat buffer as written by
 //             the ranks (padded), with an index attribute mapping parameters to flat offsets.
+// An adapter-only checkpoint (checkpoint.adapters_only) holds the adapters' parameters alone, in
+// either layout (sharded: each unit's adapters laid end to end), and the checksum of the base model
+// they were trained on (base_model_checksum), which a resume compares with the base it loaded.
 // Both load on any rank count: each rank reads the intersection of its new slice with each
 // dataset. Every dataset carries a checksum (a wrapping sum over elements of a hash of (flat
 // index, value bits)) that is independent of how the elements were split over ranks; the root
@@ -17,6 +20,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "comm/comm.hpp"
@@ -29,8 +33,9 @@ namespace shardtrain {
 class Watchdog;
 
 constexpr const char* CKPT_FORMAT_NAME = "shardtrain-checkpoint";
-// 3: the adapter's settings; 2: the model's architecture (1: gpt2); all still read.
-constexpr int64_t CKPT_FORMAT_VERSION = 3;
+// 4: adapter-only files and the base model's checksum; 3: the adapter's settings; 2: the model's
+// architecture (1: gpt2); all still read.
+constexpr int64_t CKPT_FORMAT_VERSION = 4;
 
 // Everything besides the tensors that resuming needs.
 struct CheckpointState {
@@ -50,6 +55,13 @@ struct CheckpointState {
   // "<bytes> <path>" per file); always written, read when present (has_dataset; older files lack it).
   std::string dataset_train, dataset_val;
   bool has_dataset = false;
+  // Version 4. adapters_only: the file holds the adapters' parameters and moments alone (the base
+  // model comes from checkpoint.init_from); base_checksum: base_model_checksum of the base model the
+  // run had at save time, written by every save (save_checkpoint computes it; the field is ignored
+  // there). has_base_checksum: read only, the file records it (version 4).
+  bool adapters_only = false;
+  uint64_t base_checksum = 0;
+  bool has_base_checksum = false;
   std::string warning;             // read only: why the file is usable but not fully verified ("" if it is)
   int64_t version = CKPT_FORMAT_VERSION;  // read only: the file's format version (saves write CKPT_FORMAT_VERSION)
 };
@@ -74,8 +86,9 @@ void save_checkpoint(const std::string& path, const CheckpointState& state, Fsdp
 // Collective over `ranks`. Reads the metadata, checks format, version and that the model shape
 // and adapters match `engine`'s, then fills this rank's shards and moments and verifies every
 // checksum. base_model_ok: a file without adapters may load under adapters (checkpoint.init_from),
-// filling the base model; the adapters keep their values. Throws CheckpointError naming the file
-// and the defect.
+// filling the base model; the adapters keep their values. An adapter-only file fills the adapters
+// and their moments alone, over the base model that `engine` already holds, which must have the
+// file's base checksum. Throws CheckpointError naming the file and the defect.
 CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, AdamW& optimizer,
                                 const CheckpointComm& ranks, bool base_model_ok = false);
 
@@ -83,6 +96,17 @@ CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, Ada
 std::string model_mismatch(const std::string& path, const ModelConfig& stored, const ModelConfig& configured);
 // The same for the adapters (type, targets, rank: what fixes their parameters).
 std::string adapter_mismatch(const std::string& path, const AdapterConfig& stored, const AdapterConfig& configured);
+
+// Collective over `comm` (all ranks of the engine). The base model's identity: the element checksum
+// (checksum_elements) of its parameters -- every one that is not an adapter's -- laid end to end in
+// declaration order, unit after unit; each rank hashes the elements it owns. It does not depend on
+// the rank count, strategy, layout or what is frozen (docs/checkpoint-format.md, "Base checksum").
+uint64_t base_model_checksum(FsdpEngine& engine, Comm& comm);
+// The refusal of an adapter-only checkpoint over another base: names the file, both checksums and
+// the fix. `base_from` says where the loaded base came from (e.g. "checkpoint.init_from='...'").
+std::string base_mismatch(const std::string& path, uint64_t stored, uint64_t loaded, const std::string& base_from);
+// A base checksum as it is printed: 0x and 16 hexadecimal digits.
+std::string checksum_text(uint64_t checksum);
 
 // Whether the file begins with HDF5's signature (a checkpoint, as opposed to an llm.c file).
 bool is_hdf5_file(const std::string& path);
@@ -100,7 +124,12 @@ class CheckpointReader {
   explicit CheckpointReader(const std::string& path);
   ~CheckpointReader();
   const CheckpointState& state() const { return state_; }
-  // The values of one parameter (its numel elements, row-major).
+  // The file's parameter table: its model with its adapters.
+  const ParamTable& table() const { return *table_; }
+  // Whether the file holds the parameter (of table(), or of a table of the same model without
+  // adapters): all do, but an adapter-only file holds the adapters alone.
+  bool holds(const ParamInfo& param) const;
+  // The values of one parameter (its numel elements, row-major); the file must hold it.
   std::vector<float> read(const ParamInfo& param, const std::string& unit_name, Tensor tensor) const;
   // The HDF5 path holding the parameter in this layout.
   std::string dataset_path(const ParamInfo& param, const std::string& unit_name, Tensor tensor) const;
@@ -109,6 +138,7 @@ class CheckpointReader {
   std::string path_;
   int64_t file_ = -1;
   CheckpointState state_;
+  std::unique_ptr<ParamTable> table_;
 };
 
 // The element checksum shared by writer, reader and tests.

@@ -224,7 +224,7 @@ def test_llama_checkpoint_records_the_architecture():
     shapes = llama_shapes()
     with h5py.File(gathered, "r") as f:
         a = f.attrs
-        assert int(a["version"]) == 3 and text(a["layout"]) == "gathered"
+        assert int(a["version"]) == 4 and text(a["layout"]) == "gathered"
         assert text(a["model.arch"]) == "llama"
         assert [int(a[k]) for k in ("model.n_layer", "model.n_embd", "model.n_head", "model.vocab_size",
                                     "model.max_seq_len")] == [2, 40, 4, 256, 64]
@@ -296,7 +296,7 @@ def test_llama_inspect():
     for fmt in ("gathered", "sharded"):
         path = os.path.join(baseline(fmt)[0], ckpt_name(STEPS))
         proc = ok(run_single(["inspect", path]), "inspect")
-        assert SUMMARY in proc.stdout and "version 3" in proc.stdout, proc.stdout[:2000]
+        assert SUMMARY in proc.stdout and "version 4" in proc.stdout, proc.stdout[:2000]
         arrays = read_datasets(path) if fmt == "gathered" else reassemble(path)
         rows = {l.split()[0]: l.split() for l in proc.stdout.splitlines() if l.split() and l.split()[0] in
                 llama_shapes()}
@@ -309,9 +309,10 @@ def test_llama_inspect():
 
 
 def version_1_copy(path, reseal):
-    """`path` (a gpt2 checkpoint of version 3) as the older format wrote it: version 1, no
-    architecture or adapter attributes; with reseal, the metadata checksum of version 1 (which covers no
-    architecture), recomputed here; else none (files from before the checksum)."""
+    """`path` (a gpt2 checkpoint of version 4) as the older format wrote it: version 1, no
+    architecture, adapter or base-checksum attributes; with reseal, the metadata checksum of
+    version 1 (which covers no architecture), recomputed here; else none (files from before the
+    checksum)."""
     out = os.path.join(tempdir(), os.path.basename(path))
     shutil.copy(path, out)
     with h5py.File(out, "r+") as f:
@@ -319,7 +320,7 @@ def version_1_copy(path, reseal):
         f.attrs["version"] = np.int64(1)
         for key in ("model.arch", "model.n_kv_head", "model.intermediate_size", "model.tie_embeddings",
                     "model.rope_theta", "model.norm_eps", "adapter.type", "adapter.targets", "adapter.rank",
-                    "adapter.alpha", "adapter.dropout"):
+                    "adapter.alpha", "adapter.dropout", "adapters_only", "base_checksum"):
             del f.attrs[key]
         if reseal:
             f.attrs["meta_checksum"] = np.uint64(meta_checksum(f.attrs))
