@@ -13,7 +13,8 @@ namespace shardtrain {
 template <typename Real>
 GptModel<Real>::GptModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
                          const LayerOps<Real>& ops)
-    : table_(table), ops_(ops), cfg_(table.config()), B_(batch), T_(seq_len), checkpointing_(activation_checkpointing) {
+    : table_(table), ops_(ops), adapters_(table, batch * seq_len, ops), cfg_(table.config()), B_(batch), T_(seq_len),
+      checkpointing_(activation_checkpointing) {
   SHARD_CHECK(seq_len <= cfg_.max_seq_len, "seq_len %d > max_seq_len %d", seq_len, cfg_.max_seq_len);
   const size_t BT = static_cast<size_t>(B_) * T_, C = cfg_.n_embd, NH = cfg_.n_head, L = cfg_.n_layer;
   Device& dev = ops.device();
@@ -32,7 +33,6 @@ GptModel<Real>::GptModel(const ParamTable& table, int batch, int seq_len, bool a
   probs_ = array(BT * cfg_.vocab_size), losses_ = array(BT);
   dresid_ = array(BT * C), dln_ = array(BT * C), dqkv_ = array(BT * 3 * C), dfch_ = array(BT * 4 * C);
   datt_ = array(B_ * NH * T_ * T_);
-  if (table.adapter().type != ADAPTER_NONE) lora_ = std::make_unique<LoraLayers<Real>>(table, B_ * T_, ops);
 }
 
 template <typename Real>
@@ -62,20 +62,20 @@ void GptModel<Real>::block_forward(int l, const Real* w) {
   const Real* x = resid_[l].data();
   ops_.layernorm_forward(a.ln1.data(), a.ln1_mean.data(), a.ln1_rstd.data(), x, W(BLOCK_LN1_W), W(BLOCK_LN1_B), N, C);
   ops_.matmul_forward(a.qkv.data(), a.ln1.data(), W(BLOCK_QKV_W), W(BLOCK_QKV_B), N, C, 3 * C);
-  adapt_forward(l, PRODUCT_QKV, a.ln1.data(), a.qkv.data(), w);
+  adapters_.forward(l, PRODUCT_QKV, a.ln1.data(), a.qkv.data(), w);
   ops_.attention_forward(a.atty.data(), a.att.data(), a.qkv.data(), B_, T_, NH, NH, C / NH);
   // The projection output is only needed summed into the residual: reuse resid2 for it.
   ops_.matmul_forward(a.resid2.data(), a.atty.data(), W(BLOCK_ATTPROJ_W), W(BLOCK_ATTPROJ_B), N, C, C);
-  adapt_forward(l, PRODUCT_ATTN_OUT, a.atty.data(), a.resid2.data(), w);
+  adapters_.forward(l, PRODUCT_ATTN_OUT, a.atty.data(), a.resid2.data(), w);
   ops_.residual_forward(a.resid2.data(), a.resid2.data(), x, a.resid2.size());
   ops_.layernorm_forward(a.ln2.data(), a.ln2_mean.data(), a.ln2_rstd.data(), a.resid2.data(), W(BLOCK_LN2_W),
                          W(BLOCK_LN2_B), N, C);
   ops_.matmul_forward(a.fch.data(), a.ln2.data(), W(BLOCK_FC_W), W(BLOCK_FC_B), N, C, 4 * C);
-  adapt_forward(l, PRODUCT_MLP_UP, a.ln2.data(), a.fch.data(), w);
+  adapters_.forward(l, PRODUCT_MLP_UP, a.ln2.data(), a.fch.data(), w);
   ops_.gelu_forward(a.fch_gelu.data(), a.fch.data(), a.fch.size());
   Real* out = resid_[l + 1].data();
   ops_.matmul_forward(out, a.fch_gelu.data(), W(BLOCK_FCPROJ_W), W(BLOCK_FCPROJ_B), N, 4 * C, C);
-  adapt_forward(l, PRODUCT_MLP_DOWN, a.fch_gelu.data(), out, w);
+  adapters_.forward(l, PRODUCT_MLP_DOWN, a.fch_gelu.data(), out, w);
   ops_.residual_forward(out, out, a.resid2.data(), resid_[l + 1].size());
 }
 
@@ -112,26 +112,26 @@ void GptModel<Real>::block_backward(int l, Real* g, const Real* w) {
   auto W = [&](BlockParam p) { return param_in(table_, w, block_unit(l), p); };
   auto G = [&](BlockParam p) { return grad_in(table_, g, block_unit(l), p); };
   // MLP: out = r2 + proj(gelu(fc(ln2(r2)))); dresid_ holds d(out) and becomes d(r2).
-  const Real* d = adapt_output_grad(l, PRODUCT_MLP_DOWN, a.fch_gelu.data(), dresid_.data(), w, g);
+  const Real* d = adapters_.output_grad(l, PRODUCT_MLP_DOWN, a.fch_gelu.data(), dresid_.data(), w, g);
   ops_.matmul_backward(dfch_.data(), G(BLOCK_FCPROJ_W), G(BLOCK_FCPROJ_B), d, a.fch_gelu.data(), W(BLOCK_FCPROJ_W), N,
                        4 * C, C);
-  adapt_backward(l, PRODUCT_MLP_DOWN, a.fch_gelu.data(), d, dfch_.data(), w, g);
+  adapters_.backward(l, PRODUCT_MLP_DOWN, a.fch_gelu.data(), d, dfch_.data(), w, g);
   ops_.gelu_backward(dfch_.data(), dfch_.data(), a.fch.data(), dfch_.size());
-  d = adapt_output_grad(l, PRODUCT_MLP_UP, a.ln2.data(), dfch_.data(), w, g);
+  d = adapters_.output_grad(l, PRODUCT_MLP_UP, a.ln2.data(), dfch_.data(), w, g);
   ops_.matmul_backward(dln_.data(), G(BLOCK_FC_W), G(BLOCK_FC_B), d, a.ln2.data(), W(BLOCK_FC_W), N, C, 4 * C);
-  adapt_backward(l, PRODUCT_MLP_UP, a.ln2.data(), d, dln_.data(), w, g);
+  adapters_.backward(l, PRODUCT_MLP_UP, a.ln2.data(), d, dln_.data(), w, g);
   ops_.layernorm_backward(dresid_.data(), G(BLOCK_LN2_W), G(BLOCK_LN2_B), dln_.data(), a.resid2.data(), W(BLOCK_LN2_W),
                      a.ln2_mean.data(), a.ln2_rstd.data(), N, C);
   // Attention: r2 = x + proj(attn(qkv(ln1(x)))); dresid_ becomes d(x).
-  d = adapt_output_grad(l, PRODUCT_ATTN_OUT, a.atty.data(), dresid_.data(), w, g);
+  d = adapters_.output_grad(l, PRODUCT_ATTN_OUT, a.atty.data(), dresid_.data(), w, g);
   ops_.matmul_backward(dln_.data(), G(BLOCK_ATTPROJ_W), G(BLOCK_ATTPROJ_B), d, a.atty.data(), W(BLOCK_ATTPROJ_W), N, C,
                        C);
-  adapt_backward(l, PRODUCT_ATTN_OUT, a.atty.data(), d, dln_.data(), w, g);
+  adapters_.backward(l, PRODUCT_ATTN_OUT, a.atty.data(), d, dln_.data(), w, g);
   ops_.attention_backward(dqkv_.data(), datt_.data(), dln_.data(), a.qkv.data(), a.att.data(), B_, T_, NH, NH,
                           C / NH);
-  d = adapt_output_grad(l, PRODUCT_QKV, a.ln1.data(), dqkv_.data(), w, g);
+  d = adapters_.output_grad(l, PRODUCT_QKV, a.ln1.data(), dqkv_.data(), w, g);
   ops_.matmul_backward(dln_.data(), G(BLOCK_QKV_W), G(BLOCK_QKV_B), d, a.ln1.data(), W(BLOCK_QKV_W), N, C, 3 * C);
-  adapt_backward(l, PRODUCT_QKV, a.ln1.data(), d, dln_.data(), w, g);
+  adapters_.backward(l, PRODUCT_QKV, a.ln1.data(), d, dln_.data(), w, g);
   ops_.layernorm_backward(dresid_.data(), G(BLOCK_LN1_W), G(BLOCK_LN1_B), dln_.data(), resid_[l].data(), W(BLOCK_LN1_W),
                      a.ln1_mean.data(), a.ln1_rstd.data(), N, C);
 }
@@ -163,7 +163,7 @@ void GptModel<Real>::begin_decode(int max_len, int max_chunk) {
   SHARD_CHECK(max_len >= 1 && max_len <= cfg_.max_seq_len && max_chunk >= 1 && max_chunk <= max_len,
               "begin_decode(%d, %d) with max_seq_len %d", max_len, max_chunk, cfg_.max_seq_len);
   end_decode();
-  if (lora_) decode_lora_ = std::make_unique<LoraLayers<Real>>(table_, max_chunk, ops_);
+  adapters_.begin_decode(max_chunk);
   const size_t C = cfg_.n_embd, M = max_len, n = max_chunk;
   Device& dev = ops_.device();
   auto array = [&](size_t count) { return Array(dev, count); };
@@ -194,19 +194,19 @@ void GptModel<Real>::decode_block(int l, const Real* w) {
   auto W = [&](BlockParam p) { return param_in(table_, w, block_unit(l), p); };
   ops_.layernorm_forward(d.ln.data(), d.mean.data(), d.rstd.data(), d.x.data(), W(BLOCK_LN1_W), W(BLOCK_LN1_B), N, C);
   ops_.matmul_forward(d.qkv.data(), d.ln.data(), W(BLOCK_QKV_W), W(BLOCK_QKV_B), N, C, 3 * C);
-  decode_adapt(l, PRODUCT_QKV, d.ln.data(), d.qkv.data(), N, w);
+  adapters_.decode_forward(l, PRODUCT_QKV, d.ln.data(), d.qkv.data(), N, w);
   ops_.attention_decode(d.atty.data(), d.scores.data(), d.k[l].data(), d.v[l].data(), d.qkv.data(), N, d.start, NH,
                         NH, C / NH);
   ops_.matmul_forward(d.resid2.data(), d.atty.data(), W(BLOCK_ATTPROJ_W), W(BLOCK_ATTPROJ_B), N, C, C);
-  decode_adapt(l, PRODUCT_ATTN_OUT, d.atty.data(), d.resid2.data(), N, w);
+  adapters_.decode_forward(l, PRODUCT_ATTN_OUT, d.atty.data(), d.resid2.data(), N, w);
   ops_.residual_forward(d.resid2.data(), d.resid2.data(), d.x.data(), static_cast<size_t>(N) * C);
   ops_.layernorm_forward(d.ln.data(), d.mean.data(), d.rstd.data(), d.resid2.data(), W(BLOCK_LN2_W), W(BLOCK_LN2_B),
                          N, C);
   ops_.matmul_forward(d.fch.data(), d.ln.data(), W(BLOCK_FC_W), W(BLOCK_FC_B), N, C, 4 * C);
-  decode_adapt(l, PRODUCT_MLP_UP, d.ln.data(), d.fch.data(), N, w);
+  adapters_.decode_forward(l, PRODUCT_MLP_UP, d.ln.data(), d.fch.data(), N, w);
   ops_.gelu_forward(d.fch_gelu.data(), d.fch.data(), static_cast<size_t>(N) * 4 * C);
   ops_.matmul_forward(d.x.data(), d.fch_gelu.data(), W(BLOCK_FCPROJ_W), W(BLOCK_FCPROJ_B), N, 4 * C, C);
-  decode_adapt(l, PRODUCT_MLP_DOWN, d.fch_gelu.data(), d.x.data(), N, w);
+  adapters_.decode_forward(l, PRODUCT_MLP_DOWN, d.fch_gelu.data(), d.x.data(), N, w);
   ops_.residual_forward(d.x.data(), d.x.data(), d.resid2.data(), static_cast<size_t>(N) * C);
 }
 

@@ -13,7 +13,8 @@ namespace shardtrain {
 template <typename Real>
 LlamaModel<Real>::LlamaModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
                              const LayerOps<Real>& ops)
-    : table_(table), ops_(ops), cfg_(table.config()), B_(batch), T_(seq_len), checkpointing_(activation_checkpointing) {
+    : table_(table), ops_(ops), adapters_(table, batch * seq_len, ops), cfg_(table.config()), B_(batch), T_(seq_len),
+      checkpointing_(activation_checkpointing) {
   SHARD_CHECK(cfg_.arch == ARCH_LLAMA, "LlamaModel of a %s table", model_arch_name(cfg_.arch));
   SHARD_CHECK(seq_len <= cfg_.max_seq_len, "seq_len %d > max_seq_len %d", seq_len, cfg_.max_seq_len);
   SHARD_CHECK(cfg_.head_size() % 2 == 0, "rotary embeddings need an even head size, not %d", cfg_.head_size());
@@ -35,7 +36,6 @@ LlamaModel<Real>::LlamaModel(const ParamTable& table, int batch, int seq_len, bo
   probs_ = array(BT * cfg_.vocab_size), losses_ = array(BT);
   dresid_ = array(BT * C), dln_ = array(BT * C), dqkv_ = array(BT * QKV), dgate_up_ = array(BT * 2 * I);
   dact_ = array(BT * I), datt_ = array(B_ * NH * T_ * T_);
-  if (table.adapter().type != ADAPTER_NONE) lora_ = std::make_unique<LoraLayers<Real>>(table, B_ * T_, ops);
 }
 
 // Hugging Face's tables: inv_freq[i] = theta^(-2i/d) and the angle t * inv_freq[i], both rounded
@@ -86,20 +86,20 @@ void LlamaModel<Real>::block_forward(int l, const Real* w) {
   const Real* x = resid_[l].data();
   ops_.rmsnorm_forward(a.ln1.data(), a.ln1_rstd.data(), x, W(LLAMA_ATTN_NORM_W), eps, N, C);
   ops_.matmul_forward(a.qkv.data(), a.ln1.data(), W(LLAMA_Q_W), nullptr, N, C, cfg_.qkv_size());  // q|k|v fused
-  adapt_forward(l, PRODUCT_QKV, a.ln1.data(), a.qkv.data(), w);
+  adapters_.forward(l, PRODUCT_QKV, a.ln1.data(), a.qkv.data(), w);
   ops_.rope_forward(a.qkv.data(), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS);
   ops_.attention_forward(a.atty.data(), a.att.data(), a.qkv.data(), B_, T_, NH, KV, HS);
   // The projection output is only needed summed into the residual: reuse resid2 for it.
   ops_.matmul_forward(a.resid2.data(), a.atty.data(), W(LLAMA_O_W), nullptr, N, C, C);
-  adapt_forward(l, PRODUCT_ATTN_OUT, a.atty.data(), a.resid2.data(), w);
+  adapters_.forward(l, PRODUCT_ATTN_OUT, a.atty.data(), a.resid2.data(), w);
   ops_.residual_forward(a.resid2.data(), a.resid2.data(), x, a.resid2.size());
   ops_.rmsnorm_forward(a.ln2.data(), a.ln2_rstd.data(), a.resid2.data(), W(LLAMA_MLP_NORM_W), eps, N, C);
   ops_.matmul_forward(a.gate_up.data(), a.ln2.data(), W(LLAMA_GATE_W), nullptr, N, C, 2 * I);  // gate|up fused
-  adapt_forward(l, PRODUCT_MLP_UP, a.ln2.data(), a.gate_up.data(), w);
+  adapters_.forward(l, PRODUCT_MLP_UP, a.ln2.data(), a.gate_up.data(), w);
   ops_.swiglu_forward(a.act.data(), a.gate_up.data(), N, I);
   Real* out = resid_[l + 1].data();
   ops_.matmul_forward(out, a.act.data(), W(LLAMA_DOWN_W), nullptr, N, I, C);
-  adapt_forward(l, PRODUCT_MLP_DOWN, a.act.data(), out, w);
+  adapters_.forward(l, PRODUCT_MLP_DOWN, a.act.data(), out, w);
   ops_.residual_forward(out, out, a.resid2.data(), resid_[l + 1].size());
 }
 
@@ -135,24 +135,24 @@ void LlamaModel<Real>::block_backward(int l, Real* g, const Real* w) {
   auto W = [&](LlamaBlockParam p) { return param_in(table_, w, block_unit(l), p); };
   auto G = [&](LlamaBlockParam p) { return grad_in(table_, g, block_unit(l), p); };
   // MLP: out = r2 + down(swiglu(gate_up(norm2(r2)))); dresid_ holds d(out) and becomes d(r2).
-  const Real* d = adapt_output_grad(l, PRODUCT_MLP_DOWN, a.act.data(), dresid_.data(), w, g);
+  const Real* d = adapters_.output_grad(l, PRODUCT_MLP_DOWN, a.act.data(), dresid_.data(), w, g);
   ops_.matmul_backward(dact_.data(), G(LLAMA_DOWN_W), nullptr, d, a.act.data(), W(LLAMA_DOWN_W), N, I, C);
-  adapt_backward(l, PRODUCT_MLP_DOWN, a.act.data(), d, dact_.data(), w, g);
+  adapters_.backward(l, PRODUCT_MLP_DOWN, a.act.data(), d, dact_.data(), w, g);
   ops_.swiglu_backward(dgate_up_.data(), dact_.data(), a.gate_up.data(), N, I);
-  d = adapt_output_grad(l, PRODUCT_MLP_UP, a.ln2.data(), dgate_up_.data(), w, g);
+  d = adapters_.output_grad(l, PRODUCT_MLP_UP, a.ln2.data(), dgate_up_.data(), w, g);
   ops_.matmul_backward(dln_.data(), G(LLAMA_GATE_W), nullptr, d, a.ln2.data(), W(LLAMA_GATE_W), N, C, 2 * I);
-  adapt_backward(l, PRODUCT_MLP_UP, a.ln2.data(), d, dln_.data(), w, g);
+  adapters_.backward(l, PRODUCT_MLP_UP, a.ln2.data(), d, dln_.data(), w, g);
   ops_.rmsnorm_backward(dresid_.data(), G(LLAMA_MLP_NORM_W), dln_.data(), a.resid2.data(), W(LLAMA_MLP_NORM_W),
                         a.ln2_rstd.data(), N, C);
   // Attention: r2 = x + o(attn(rope(qkv(norm1(x))))); dresid_ becomes d(x).
-  d = adapt_output_grad(l, PRODUCT_ATTN_OUT, a.atty.data(), dresid_.data(), w, g);
+  d = adapters_.output_grad(l, PRODUCT_ATTN_OUT, a.atty.data(), dresid_.data(), w, g);
   ops_.matmul_backward(dln_.data(), G(LLAMA_O_W), nullptr, d, a.atty.data(), W(LLAMA_O_W), N, C, C);
-  adapt_backward(l, PRODUCT_ATTN_OUT, a.atty.data(), d, dln_.data(), w, g);
+  adapters_.backward(l, PRODUCT_ATTN_OUT, a.atty.data(), d, dln_.data(), w, g);
   ops_.attention_backward(dqkv_.data(), datt_.data(), dln_.data(), a.qkv.data(), a.att.data(), B_, T_, NH, KV, HS);
   ops_.rope_backward(dqkv_.data(), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS);
-  d = adapt_output_grad(l, PRODUCT_QKV, a.ln1.data(), dqkv_.data(), w, g);
+  d = adapters_.output_grad(l, PRODUCT_QKV, a.ln1.data(), dqkv_.data(), w, g);
   ops_.matmul_backward(dln_.data(), G(LLAMA_Q_W), nullptr, d, a.ln1.data(), W(LLAMA_Q_W), N, C, cfg_.qkv_size());
-  adapt_backward(l, PRODUCT_QKV, a.ln1.data(), d, dln_.data(), w, g);
+  adapters_.backward(l, PRODUCT_QKV, a.ln1.data(), d, dln_.data(), w, g);
   ops_.rmsnorm_backward(dresid_.data(), G(LLAMA_ATTN_NORM_W), dln_.data(), resid_[l].data(), W(LLAMA_ATTN_NORM_W),
                         a.ln1_rstd.data(), N, C);
 }
@@ -185,7 +185,7 @@ void LlamaModel<Real>::begin_decode(int max_len, int max_chunk) {
   SHARD_CHECK(max_len >= 1 && max_len <= cfg_.max_seq_len && max_chunk >= 1 && max_chunk <= max_len,
               "begin_decode(%d, %d) with max_seq_len %d", max_len, max_chunk, cfg_.max_seq_len);
   end_decode();
-  if (lora_) decode_lora_ = std::make_unique<LoraLayers<Real>>(table_, max_chunk, ops_);
+  adapters_.begin_decode(max_chunk);
   const size_t C = cfg_.n_embd, M = max_len, n = max_chunk, I = cfg_.mlp_size();
   const size_t KVC = static_cast<size_t>(cfg_.kv_heads()) * cfg_.head_size();
   Device& dev = ops_.device();
@@ -219,21 +219,21 @@ void LlamaModel<Real>::decode_block(int l, const Real* w) {
   const size_t half = HS / 2;
   ops_.rmsnorm_forward(d.ln.data(), d.rstd.data(), d.x.data(), W(LLAMA_ATTN_NORM_W), eps, N, C);
   ops_.matmul_forward(d.qkv.data(), d.ln.data(), W(LLAMA_Q_W), nullptr, N, C, cfg_.qkv_size());
-  decode_adapt(l, PRODUCT_QKV, d.ln.data(), d.qkv.data(), N, w);
+  adapters_.decode_forward(l, PRODUCT_QKV, d.ln.data(), d.qkv.data(), N, w);
   // Positions start..start+N-1: the tables from row start on, as one sequence of N.
   ops_.rope_forward(d.qkv.data(), d.rope_cos.data() + d.start * half, d.rope_sin.data() + d.start * half, 1, N, NH,
                     KV, HS);
   ops_.attention_decode(d.atty.data(), d.scores.data(), d.k[l].data(), d.v[l].data(), d.qkv.data(), N, d.start, NH,
                         KV, HS);
   ops_.matmul_forward(d.resid2.data(), d.atty.data(), W(LLAMA_O_W), nullptr, N, C, C);
-  decode_adapt(l, PRODUCT_ATTN_OUT, d.atty.data(), d.resid2.data(), N, w);
+  adapters_.decode_forward(l, PRODUCT_ATTN_OUT, d.atty.data(), d.resid2.data(), N, w);
   ops_.residual_forward(d.resid2.data(), d.resid2.data(), d.x.data(), static_cast<size_t>(N) * C);
   ops_.rmsnorm_forward(d.ln.data(), d.rstd.data(), d.resid2.data(), W(LLAMA_MLP_NORM_W), eps, N, C);
   ops_.matmul_forward(d.gate_up.data(), d.ln.data(), W(LLAMA_GATE_W), nullptr, N, C, 2 * I);
-  decode_adapt(l, PRODUCT_MLP_UP, d.ln.data(), d.gate_up.data(), N, w);
+  adapters_.decode_forward(l, PRODUCT_MLP_UP, d.ln.data(), d.gate_up.data(), N, w);
   ops_.swiglu_forward(d.act.data(), d.gate_up.data(), N, I);
   ops_.matmul_forward(d.x.data(), d.act.data(), W(LLAMA_DOWN_W), nullptr, N, I, C);
-  decode_adapt(l, PRODUCT_MLP_DOWN, d.act.data(), d.x.data(), N, w);
+  adapters_.decode_forward(l, PRODUCT_MLP_DOWN, d.act.data(), d.x.data(), N, w);
   ops_.residual_forward(d.x.data(), d.x.data(), d.resid2.data(), static_cast<size_t>(N) * C);
 }
 

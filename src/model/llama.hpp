@@ -35,14 +35,12 @@ class LlamaModel : public TransformerModel<Real> {
   void block_backward(int layer, Real* block_grad, const Real* block) override;
   void embed_backward(Real* root_grad) override;
   void copy_head_probs(int row, Real* host) const override;
-  void set_dropout_keys(const uint64_t* keys) override {
-    if (lora_) lora_->set_row_keys(keys);
-  }
+  void set_dropout_keys(const uint64_t* keys) override { adapters_.set_dropout_keys(keys); }
 
   // Elements of a decode state (model.hpp's plan_decode_bytes), its tokens aside.
   static size_t plan_decode_elements(const ModelConfig& config, int max_len, int max_chunk);
   void begin_decode(int max_len, int max_chunk) override;
-  void end_decode() override { dec_ = Decode(), decode_lora_.reset(); }
+  void end_decode() override { dec_ = Decode(), adapters_.end_decode(); }
   size_t decode_bytes() const override {
     return dec_.max_len ? plan_decode_bytes(cfg_, dec_.max_len, dec_.max_chunk, sizeof(Real)) +
                               LoraLayers<Real>::plan_bytes(table_, dec_.max_chunk, sizeof(Real))
@@ -64,24 +62,7 @@ class LlamaModel : public TransformerModel<Real> {
 
   const ParamTable& table_;
   const LayerOps<Real>& ops_;
-  std::unique_ptr<LoraLayers<Real>> lora_;         // with adapters: B*T rows
-  std::unique_ptr<LoraLayers<Real>> decode_lora_;  // and a decode step's rows
-  void decode_adapt(int l, BlockProduct product, const Real* x, Real* out, int n, const Real* w) const {
-    if (decode_lora_) decode_lora_->forward(l, product, x, out, n, w);
-  }
-  // The adapters of a block's product, after its base forward or backward (model/lora.hpp).
-  void adapt_forward(int l, BlockProduct product, const Real* x, Real* out, const Real* w) const {
-    if (lora_) lora_->forward(l, product, x, out, B_ * T_, w);
-  }
-  // The output gradient the base backward of a product takes (DoRA scales it; lora.hpp).
-  const Real* adapt_output_grad(int l, BlockProduct product, const Real* x, const Real* dout, const Real* w,
-                                Real* g) const {
-    return lora_ ? lora_->output_grad(l, product, x, dout, B_ * T_, w, g) : dout;
-  }
-  void adapt_backward(int l, BlockProduct product, const Real* x, const Real* dout, Real* dx, const Real* w,
-                      Real* g) const {
-    if (lora_) lora_->backward(l, product, x, dout, dx, B_ * T_, w, g);
-  }
+  ModelAdapters<Real> adapters_;  // LoRA/DoRA around the block products (model/lora.hpp)
   ModelConfig cfg_;
   int B_, T_;
   bool checkpointing_;

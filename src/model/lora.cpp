@@ -60,6 +60,16 @@ size_t LoraLayers<Real>::plan_bytes(const ParamTable& table, int rows, size_t re
 }
 
 template <typename Real>
+std::vector<std::pair<size_t, int>> LoraLayers<Real>::adapted(int layer, BlockProduct product) const {
+  std::vector<std::pair<size_t, int>> out;
+  for (size_t k = 0; k < sites_.size(); k++) {
+    const int a = table_.adapter_param(layer, static_cast<int>(k));
+    if (sites_[k].product == product && a >= 0) out.emplace_back(k, a);
+  }
+  return out;
+}
+
+template <typename Real>
 void LoraLayers<Real>::dora_gains(int layer, size_t k, const Real* unit) const {
   const LinearSite& site = sites_[k];
   const int u = block_unit(layer), a = table_.adapter_param(layer, static_cast<int>(k)), r = rank_;
@@ -89,10 +99,8 @@ template <typename Real>
 void LoraLayers<Real>::forward(int layer, BlockProduct product, const Real* x, Real* out, int n,
                                const Real* unit) const {
   const int unit_index = block_unit(layer), r = rank_;
-  for (size_t k = 0; k < sites_.size(); k++) {
+  for (const auto& [k, a] : adapted(layer, product)) {
     const LinearSite& site = sites_[k];
-    const int a = table_.adapter_param(layer, static_cast<int>(k));
-    if (site.product != product || a < 0) continue;
     const Real* A = unit + table_.offset(unit_index, a);
     const Real* B = unit + table_.offset(unit_index, a + 1);
     const Real* xin = input(layer, k, x, n, site.in);
@@ -112,10 +120,8 @@ const Real* LoraLayers<Real>::output_grad(int layer, BlockProduct product, const
   if (!dora()) return dout;
   const int unit_index = block_unit(layer), r = rank_;
   bool copied = false;
-  for (size_t k = 0; k < sites_.size(); k++) {
+  for (const auto& [k, a] : adapted(layer, product)) {
     const LinearSite& site = sites_[k];
-    const int a = table_.adapter_param(layer, static_cast<int>(k));
-    if (site.product != product || a < 0) continue;
     if (!copied) ops_.device().copy(dz_.data(), dout, static_cast<size_t>(n) * site.width * sizeof(Real));
     copied = true;
     dora_gains(layer, k, unit);
@@ -138,10 +144,8 @@ template <typename Real>
 void LoraLayers<Real>::backward(int layer, BlockProduct product, const Real* x, const Real* dout, Real* dx, int n,
                                 const Real* unit, Real* unit_grads) const {
   const int unit_index = block_unit(layer), r = rank_;
-  for (size_t k = 0; k < sites_.size(); k++) {
+  for (const auto& [k, a] : adapted(layer, product)) {
     const LinearSite& site = sites_[k];
-    const int a = table_.adapter_param(layer, static_cast<int>(k));
-    if (site.product != product || a < 0) continue;
     const Real* A = unit + table_.offset(unit_index, a);
     const Real* B = unit + table_.offset(unit_index, a + 1);
     Real* dA = grad_in(table_, unit_grads, unit_index, a);

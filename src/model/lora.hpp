@@ -19,6 +19,8 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "backend/layer_ops.hpp"
@@ -68,11 +70,50 @@ class LoraLayers {
   // (rows x out) and the scaled output gradient (rows x width).
   mutable DeviceArray<Real> weight_, norm_, gain_, z_, dz_;
   bool dora() const { return table_.adapter().type == ADAPTER_DORA; }
+  // The adapted layers of `product` in block `layer`: their sites_ index and lora_A's position.
+  std::vector<std::pair<size_t, int>> adapted(int layer, BlockProduct product) const;
   // DoRA: the gains of block `layer`'s adapted layer `site` into gain_, its norms into norm_.
   void dora_gains(int layer, size_t site, const Real* unit) const;
   // The layer's input, dropped out where training (into dropped_); the site keys the layer.
   const Real* input(int layer, size_t site, const Real* x, int n, int in) const;
   uint64_t site_key(int layer, size_t site) const { return 1 + static_cast<uint64_t>(layer) * sites_.size() + site; }
+};
+
+// A model's adapters, which GptModel and LlamaModel call around each block product: LoRA or DoRA
+// where the table has adapters, nothing otherwise. One LoraLayers for a micro-batch's rows and,
+// while a generation decodes, one for a step's.
+template <typename Real>
+class ModelAdapters {
+ public:
+  ModelAdapters(const ParamTable& table, int rows, const LayerOps<Real>& ops) : table_(table), ops_(ops), rows_(rows) {
+    if (table.adapter().type != ADAPTER_NONE) train_ = std::make_unique<LoraLayers<Real>>(table, rows, ops);
+  }
+  void forward(int l, BlockProduct product, const Real* x, Real* out, const Real* w) const {
+    if (train_) train_->forward(l, product, x, out, rows_, w);
+  }
+  const Real* output_grad(int l, BlockProduct product, const Real* x, const Real* dout, const Real* w, Real* g) const {
+    return train_ ? train_->output_grad(l, product, x, dout, rows_, w, g) : dout;
+  }
+  void backward(int l, BlockProduct product, const Real* x, const Real* dout, Real* dx, const Real* w, Real* g) const {
+    if (train_) train_->backward(l, product, x, dout, dx, rows_, w, g);
+  }
+  void set_dropout_keys(const uint64_t* keys) {
+    if (train_) train_->set_row_keys(keys);
+  }
+  // Generation: steps of up to max_chunk rows.
+  void begin_decode(int max_chunk) {
+    if (train_) decode_ = std::make_unique<LoraLayers<Real>>(table_, max_chunk, ops_);
+  }
+  void end_decode() { decode_.reset(); }
+  void decode_forward(int l, BlockProduct product, const Real* x, Real* out, int n, const Real* w) const {
+    if (decode_) decode_->forward(l, product, x, out, n, w);
+  }
+
+ private:
+  const ParamTable& table_;
+  const LayerOps<Real>& ops_;
+  int rows_;
+  std::unique_ptr<LoraLayers<Real>> train_, decode_;
 };
 
 }  // namespace shardtrain

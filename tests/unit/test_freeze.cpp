@@ -11,22 +11,23 @@
 #include "core/error.hpp"
 #include "core/random.hpp"
 #include "model/model.hpp"
+#include "support/model_fixtures.hpp"
 
 using namespace shardtrain;
+using namespace shardtrain::testing;
 
 namespace {
 
+// Three blocks, so that the backward can stop at each height.
 ModelConfig gpt2_config() {
-  ModelConfig c;
-  c.n_layer = 3, c.n_embd = 12, c.n_head = 3, c.vocab_size = 11, c.max_seq_len = 7;
+  ModelConfig c = tiny_gpt2_config();
+  c.n_layer = 3;
   return c;
 }
 
 ModelConfig llama_config(bool tied) {
-  ModelConfig c = gpt2_config();
-  c.arch = ARCH_LLAMA;
-  c.n_embd = 16, c.n_head = 4, c.n_kv_head = 2, c.intermediate_size = 20, c.rope_theta = 100.0;
-  c.tie_embeddings = tied;
+  ModelConfig c = tiny_llama_config();
+  c.n_layer = 3, c.tie_embeddings = tied;
   return c;
 }
 

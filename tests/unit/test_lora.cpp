@@ -16,49 +16,20 @@
 #include "core/random.hpp"
 #include "model/lora.hpp"
 #include "model/model.hpp"
+#include "support/model_fixtures.hpp"
 
 using namespace shardtrain;
+using namespace shardtrain::testing;
 
 namespace {
 
-ModelConfig gpt2_config() {
-  ModelConfig c;
-  c.n_layer = 2, c.n_embd = 12, c.n_head = 3, c.vocab_size = 11, c.max_seq_len = 7;
-  return c;
-}
-
-ModelConfig llama_config() {
-  ModelConfig c = gpt2_config();
-  c.arch = ARCH_LLAMA;
-  c.n_embd = 16, c.n_head = 4, c.n_kv_head = 2, c.intermediate_size = 20, c.rope_theta = 100.0;
-  c.tie_embeddings = false;
-  return c;
-}
+// Every parameter random, B too, so that every path carries signal.
+std::vector<std::vector<double>> adapter_units(const ParamTable& table) { return random_units<double>(table, 0.3, 17); }
 
 AdapterConfig lora(std::vector<std::string> targets, int rank = 3, double alpha = 5) {
   AdapterConfig a;
   a.type = ADAPTER_LORA, a.targets = std::move(targets), a.rank = rank, a.alpha = alpha;
   return a;
-}
-
-// Every parameter random (B too, so that every path carries signal); gains around 1.
-std::vector<std::vector<double>> random_units(const ParamTable& table) {
-  std::vector<std::vector<double>> units;
-  for (const UnitInfo& u : table.units()) units.emplace_back(u.numel);
-  for (const ParamInfo& p : table.params())
-    for (size_t i = 0; i < p.numel; i++)
-      units[p.unit][p.offset + i] = 0.3 * counter_normal(p.id + 17, i) + (p.init == INIT_ONES ? 1.0 : 0.0);
-  return units;
-}
-
-struct Batch {
-  std::vector<int> tokens, targets;
-};
-
-Batch make_batch(int B, int T, int V) {
-  Batch b{std::vector<int>(B * T), std::vector<int>(B * T)};
-  for (int i = 0; i < B * T; i++) b.tokens[i] = (i * 5 + 3) % V, b.targets[i] = (i * 7 + 1) % V;
-  return b;
 }
 
 double loss_and_grads(const ParamTable& table, std::vector<std::vector<double>>& units,
@@ -76,8 +47,8 @@ double loss_and_grads(const ParamTable& table, std::vector<std::vector<double>>&
 }  // namespace
 
 TEST(Lora, TableAddsAdaptersAfterEachBlockAndFreezesTheBase) {
-  const ParamTable table(llama_config(), {}, lora({"self_attn.q_proj", "layers.1.mlp.down_proj"}));
-  const ParamTable base(llama_config());
+  const ParamTable table(tiny_llama_config(), {}, lora({"self_attn.q_proj", "layers.1.mlp.down_proj"}));
+  const ParamTable base(tiny_llama_config());
   std::vector<std::string> adapters;
   for (const ParamInfo& p : table.params()) {
     EXPECT_EQ(p.frozen, !p.adapter) << p.name;
@@ -109,14 +80,14 @@ TEST(Lora, RefusesTargetsThatMatchNothingAndRanksAboveTheLayer) {
     }
     return "";
   };
-  EXPECT_NE(error(gpt2_config(), lora({"attn.c_attn", "c_atn"})).find("'c_atn' matches no linear layer"),
+  EXPECT_NE(error(tiny_gpt2_config(), lora({"attn.c_attn", "c_atn"})).find("'c_atn' matches no linear layer"),
             std::string::npos);
-  EXPECT_NE(error(gpt2_config(), lora({"q_proj"})).find("matches no linear layer"), std::string::npos);
-  EXPECT_NE(error(gpt2_config(), lora({})).find("adapts nothing"), std::string::npos);
-  EXPECT_NE(error(llama_config(), lora({"self_attn.k_proj"}, 9)).find("adapter.rank=9 is larger than"),
+  EXPECT_NE(error(tiny_gpt2_config(), lora({"q_proj"})).find("matches no linear layer"), std::string::npos);
+  EXPECT_NE(error(tiny_gpt2_config(), lora({})).find("adapts nothing"), std::string::npos);
+  EXPECT_NE(error(tiny_llama_config(), lora({"self_attn.k_proj"}, 9)).find("adapter.rank=9 is larger than"),
             std::string::npos);  // k_proj has 8 outputs
   // GPT-2's c_proj names two layers: a full path picks one, the bare name both (PEFT's rule).
-  const ParamTable one(gpt2_config(), {}, lora({"mlp.c_proj"})), both(gpt2_config(), {}, lora({"c_proj"}));
+  const ParamTable one(tiny_gpt2_config(), {}, lora({"mlp.c_proj"})), both(tiny_gpt2_config(), {}, lora({"c_proj"}));
   const size_t attn_c_proj = 2 * (3 * 12 + 12 * 3);  // two blocks of A (3, 12) and B (12, 3)
   EXPECT_EQ(both.trainable_params(), one.trainable_params() + attn_c_proj);
   EXPECT_LT(one.trainable_params(), both.trainable_params());
@@ -127,14 +98,14 @@ TEST(Lora, RefusesTargetsThatMatchNothingAndRanksAboveTheLayer) {
 // The products of one adapted layer against naive loops: u = x A^T, y[:, slice] += s u B^T, and
 // the backward's dB, dA and dx (accumulated onto what is there).
 TEST(Lora, LayerMatchesNaiveLoopsOnASliceOfAFusedProduct) {
-  const ModelConfig c = llama_config();
+  const ModelConfig c = tiny_llama_config();
   const ParamTable table(c, {}, lora({"self_attn.v_proj"}, 3, 5));
   const std::vector<LinearSite> sites = linear_sites(c);
   const LinearSite& v = sites[2];
   ASSERT_EQ(std::string(v.module), "self_attn.v_proj");
   const int n = 7, r = 3, unit = block_unit(1);
   const double s = 5.0 / 3;
-  std::vector<std::vector<double>> units = random_units(table);
+  std::vector<std::vector<double>> units = adapter_units(table);
   const double* w = units[unit].data();
   const int a = table.adapter_param(1, 2);
   const double* A = w + table.offset(unit, a);
@@ -186,13 +157,13 @@ TEST(Lora, LayerMatchesNaiveLoopsOnASliceOfAFusedProduct) {
 // PEFT's merge: the adapted model is the base model with W <- W + s B A.
 TEST(Lora, ModelEqualsTheBaseWithMergedWeights) {
   const std::vector<std::pair<ModelConfig, std::vector<std::string>>> cases = {
-      {gpt2_config(), {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"}},
-      {llama_config(), {"self_attn.q_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.up_proj", "down_proj"}},
+      {tiny_gpt2_config(), {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"}},
+      {tiny_llama_config(), {"self_attn.q_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.up_proj", "down_proj"}},
   };
   const int B = 2, T = 5;
   for (const auto& [config, targets] : cases) {
     const ParamTable table(config, {}, lora(targets)), base(config);
-    std::vector<std::vector<double>> units = random_units(table), merged;
+    std::vector<std::vector<double>> units = adapter_units(table), merged;
     for (const UnitInfo& u : base.units()) merged.emplace_back(u.numel);
     for (size_t id = 0; id < base.params().size(); id++) {
       const ParamInfo &p = table.params()[id], &q = base.params()[id];
@@ -230,13 +201,13 @@ TEST(Lora, ModelEqualsTheBaseWithMergedWeights) {
 // Central differences (h = 1e-5, double): truncation ~1e-10, rounding ~1e-11.
 TEST(Lora, AdapterGradientsMatchFiniteDifferencesAndTheBaseGetsNone) {
   const std::vector<std::pair<ModelConfig, std::vector<std::string>>> cases = {
-      {gpt2_config(), {"attn.c_attn", "mlp.c_proj"}},
-      {llama_config(), {"self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "o_proj"}},
+      {tiny_gpt2_config(), {"attn.c_attn", "mlp.c_proj"}},
+      {tiny_llama_config(), {"self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "o_proj"}},
   };
   const int B = 2, T = 5;
   for (const auto& [config, targets] : cases) {
     const ParamTable table(config, {}, lora(targets, 2, 3));
-    std::vector<std::vector<double>> units = random_units(table), grads;
+    std::vector<std::vector<double>> units = adapter_units(table), grads;
     const Batch batch = make_batch(B, T, config.vocab_size);
     loss_and_grads(table, units, &grads, batch, B, T);
     for (const ParamInfo& p : table.params()) {
@@ -266,14 +237,14 @@ TEST(Lora, AdapterGradientsMatchFiniteDifferencesAndTheBaseGetsNone) {
 // divided by 1 - p -- and its gradients match finite differences (the mask is a pure function of
 // the keys, so the loss is differentiable in the parameters). Without keys: no dropout.
 TEST(Lora, DropoutFollowsTheCounterStreamAndKeepsGradientsExact) {
-  const ModelConfig c = gpt2_config();
+  const ModelConfig c = tiny_gpt2_config();
   AdapterConfig a = lora({"attn.c_attn", "mlp.c_proj"}, 2, 3);
   a.dropout = 0.3;
   const ParamTable table(c, {}, a);
   const int B = 2, T = 5, n = B * T;
   std::vector<uint64_t> keys(n);
   for (int r = 0; r < n; r++) keys[r] = dropout_token_key(42, 7, r / T, r % T);
-  std::vector<std::vector<double>> units = random_units(table);
+  std::vector<std::vector<double>> units = adapter_units(table);
   // The layer: c_attn of block 1 (site 0), against loops over the masked input.
   const std::vector<LinearSite> sites = linear_sites(c);
   const LinearSite& site = sites[0];
@@ -386,13 +357,13 @@ AdapterConfig dora(std::vector<std::string> targets) {
 
 TEST(Dora, ModelEqualsTheBaseWithPeftsMergedWeights) {
   const std::vector<std::pair<ModelConfig, std::vector<std::string>>> cases = {
-      {gpt2_config(), {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"}},  // biases: not rescaled
-      {llama_config(), {"self_attn.q_proj", "self_attn.v_proj", "o_proj", "gate_proj", "mlp.down_proj"}},
+      {tiny_gpt2_config(), {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"}},  // biases: not rescaled
+      {tiny_llama_config(), {"self_attn.q_proj", "self_attn.v_proj", "o_proj", "gate_proj", "mlp.down_proj"}},
   };
   const int B = 2, T = 5;
   for (const auto& [config, targets] : cases) {
     const ParamTable table(config, {}, dora(targets)), base(config);
-    std::vector<std::vector<double>> units = random_units(table);
+    std::vector<std::vector<double>> units = adapter_units(table);
     const Batch batch = make_batch(B, T, config.vocab_size);
     std::vector<std::vector<double>> merged = dora_merged(table, base, units);
     const double adapted = loss_and_grads(table, units, nullptr, batch, B, T);
@@ -405,13 +376,13 @@ TEST(Dora, ModelEqualsTheBaseWithPeftsMergedWeights) {
 // DoRA's gradient ignores, so the numeric side keeps every gain m / n fixed by moving m with n.
 TEST(Dora, GradientsMatchFiniteDifferencesWithTheNormDetached) {
   const std::vector<std::pair<ModelConfig, std::vector<std::string>>> cases = {
-      {gpt2_config(), {"attn.c_attn", "mlp.c_proj"}},
-      {llama_config(), {"self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj"}},
+      {tiny_gpt2_config(), {"attn.c_attn", "mlp.c_proj"}},
+      {tiny_llama_config(), {"self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj"}},
   };
   const int B = 2, T = 5;
   for (const auto& [config, targets] : cases) {
     const ParamTable table(config, {}, dora(targets)), base(config);
-    std::vector<std::vector<double>> units = random_units(table), grads;
+    std::vector<std::vector<double>> units = adapter_units(table), grads;
     const Batch batch = make_batch(B, T, config.vocab_size);
     loss_and_grads(table, units, &grads, batch, B, T);
     const std::vector<LinearSite> sites = linear_sites(config);
@@ -477,12 +448,12 @@ TEST(Dora, GradientsMatchFiniteDifferencesWithTheNormDetached) {
 TEST(Lora, DecodingWithAdaptersGivesTheFullForwardsProbabilities) {
   const int T = 6;
   for (AdapterType type : {ADAPTER_LORA, ADAPTER_DORA})
-    for (const ModelConfig& config : {gpt2_config(), llama_config()}) {
+    for (const ModelConfig& config : {tiny_gpt2_config(), tiny_llama_config()}) {
       AdapterConfig a = lora(config.arch == ARCH_GPT2 ? std::vector<std::string>{"c_attn", "mlp.c_proj"}
                                                       : std::vector<std::string>{"q_proj", "v_proj", "up_proj"});
       a.type = type;
       const ParamTable table(config, {}, a);
-      std::vector<std::vector<double>> units = random_units(table);
+      std::vector<std::vector<double>> units = adapter_units(table);
       const Batch batch = make_batch(1, T, config.vocab_size);
       auto full = make_model<double>(table, 1, T, false, cpu_layer_ops<double>());
       full->embed_forward(units[ROOT_UNIT].data(), batch.tokens.data());

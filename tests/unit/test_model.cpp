@@ -9,30 +9,12 @@
 
 #include "core/random.hpp"
 #include "model/model.hpp"
+#include "support/model_fixtures.hpp"
 
 using namespace shardtrain;
+using namespace shardtrain::testing;
 
 namespace {
-
-ModelConfig tiny_config() {
-  ModelConfig c;
-  c.n_layer = 2;
-  c.n_embd = 12;
-  c.n_head = 3;
-  c.vocab_size = 11;
-  c.max_seq_len = 7;
-  return c;
-}
-
-// Llama with 4 query heads on 2 key/value heads (head size 4), an MLP that is not 4 C, an untied
-// head, and a theta that turns every pair noticeably within a few positions.
-ModelConfig tiny_llama_config() {
-  ModelConfig c = tiny_config();
-  c.arch = ARCH_LLAMA;
-  c.n_embd = 16, c.n_head = 4, c.n_kv_head = 2, c.intermediate_size = 20;
-  c.rope_theta = 100.0, c.norm_eps = 1e-5, c.tie_embeddings = false;
-  return c;
-}
 
 // Tied, one key/value head for all query heads.
 ModelConfig tiny_llama_tied_config() {
@@ -45,35 +27,10 @@ struct ArchCase {
   const char* name;
   ModelConfig (*config)();
 };
-const ArchCase ARCH_CASES[] = {{"gpt2", tiny_config}, {"llama", tiny_llama_config}, {"llama_tied", tiny_llama_tied_config}};
+const ArchCase ARCH_CASES[] = {{"gpt2", tiny_gpt2_config}, {"llama", tiny_llama_config}, {"llama_tied", tiny_llama_tied_config}};
 
 class ModelArchTest : public ::testing::TestWithParam<ArchCase> {};
 std::string arch_case_name(const ::testing::TestParamInfo<ArchCase>& info) { return info.param.name; }
-
-// Parameters in double with values that keep every layer away from degenerate points:
-// weights ~ N(0, 0.3), LayerNorm gains ~ 1 +- 0.3.
-template <typename Real>
-std::vector<std::vector<Real>> random_units(const ParamTable& table) {
-  std::vector<std::vector<Real>> units;
-  for (const UnitInfo& u : table.units()) units.emplace_back(u.numel);
-  for (const ParamInfo& p : table.params()) {
-    for (size_t i = 0; i < p.numel; i++) {
-      double z = 0.3 * counter_normal(p.id + 99, i);
-      units[p.unit][p.offset + i] = static_cast<Real>(p.init == INIT_ONES ? 1.0 + z : z);
-    }
-  }
-  return units;
-}
-
-struct Batch {
-  std::vector<int> tokens, targets;
-};
-
-Batch make_batch(int B, int T, int V) {
-  Batch b{std::vector<int>(B * T), std::vector<int>(B * T)};
-  for (int i = 0; i < B * T; i++) b.tokens[i] = (i * 5 + 3) % V, b.targets[i] = (i * 7 + 1) % V;
-  return b;
-}
 
 template <typename Real>
 double forward_loss(TransformerModel<Real>& model, const ParamTable& table, const std::vector<std::vector<Real>>& units,
@@ -106,7 +63,7 @@ TEST_P(ModelArchTest, GradientMatchesCentralFiniteDifferencesForEveryTensor) {
   const int B = 2, T = 5;
   auto model_ptr = make_model<double>(table, B, T, false, cpu_layer_ops<double>());
   TransformerModel<double>& model = *model_ptr;
-  auto units = random_units<double>(table);
+  auto units = random_units<double>(table, 0.3, 99);
   std::vector<std::vector<double>> grads;
   Batch batch = make_batch(B, T, table.config().vocab_size);
   const double dloss = 1.0 / (B * T);
@@ -136,8 +93,8 @@ TEST_P(ModelArchTest, FloatAgreesWithDouble) {
   const int B = 2, T = 7;
   auto model64 = make_model<double>(table, B, T, false, cpu_layer_ops<double>());
   auto model32 = make_model<float>(table, B, T, false, cpu_layer_ops<float>());
-  auto units64 = random_units<double>(table);
-  auto units32 = random_units<float>(table);
+  auto units64 = random_units<double>(table, 0.3, 99);
+  auto units32 = random_units<float>(table, 0.3, 99);
   std::vector<std::vector<double>> grads64;
   std::vector<std::vector<float>> grads32;
   Batch batch = make_batch(B, T, table.config().vocab_size);
@@ -322,7 +279,7 @@ TEST_P(ModelArchTest, FlopsPerTokenCountsTheMultiplyAddsTheModelRuns) {
     const int B = 2;
     CountingOps counting;
     auto model = make_model<double>(table, B, seq_len, false, counting);
-    forward_loss(*model, table, random_units<double>(table), make_batch(B, seq_len, c.vocab_size));
+    forward_loss(*model, table, random_units<double>(table, 0.3, 99), make_batch(B, seq_len, c.vocab_size));
     const double per_token = 2 * 3 * counting.multiply_adds() / (B * seq_len);
     EXPECT_DOUBLE_EQ(table.flops_per_token(seq_len), per_token) << "seq_len " << seq_len;
   }
@@ -335,7 +292,7 @@ TEST_P(ModelArchTest, RecomputationGivesIdenticalGradients) {
   const int B = 2, T = 6;
   auto plain = make_model<double>(table, B, T, false, cpu_layer_ops<double>());
   auto recomputing = make_model<double>(table, B, T, true, cpu_layer_ops<double>());
-  auto units = random_units<double>(table);
+  auto units = random_units<double>(table, 0.3, 99);
   std::vector<std::vector<double>> g1, g2;
   Batch batch = make_batch(B, T, table.config().vocab_size);
   double l1 = loss_and_grads(*plain, table, units, g1, batch, 1.0 / (B * T));

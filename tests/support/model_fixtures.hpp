@@ -1,0 +1,55 @@
+// Shared fixtures of the model tests: small shapes of both architectures, parameters with values
+// away from degenerate points, and a deterministic batch.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/random.hpp"
+#include "model/param_table.hpp"
+
+namespace shardtrain::testing {
+
+// GPT-2: L=2, C=12, H=3, V=11, max_seq_len 7.
+inline ModelConfig tiny_gpt2_config() {
+  ModelConfig c;
+  c.n_layer = 2, c.n_embd = 12, c.n_head = 3, c.vocab_size = 11, c.max_seq_len = 7;
+  return c;
+}
+
+// Llama with 4 query heads on 2 key/value heads (head size 4), an MLP that is not 4 C, an untied
+// head, and a theta that turns every pair noticeably within a few positions.
+inline ModelConfig tiny_llama_config() {
+  ModelConfig c = tiny_gpt2_config();
+  c.arch = ARCH_LLAMA;
+  c.n_embd = 16, c.n_head = 4, c.n_kv_head = 2, c.intermediate_size = 20;
+  c.rope_theta = 100.0, c.norm_eps = 1e-5, c.tie_embeddings = false;
+  return c;
+}
+
+// Every parameter ~ N(0, scale) from the counter stream keyed by salt + its id (norm gains 1 +- it),
+// in the table's unit layout.
+template <typename Real>
+std::vector<std::vector<Real>> random_units(const ParamTable& table, double scale, uint64_t salt) {
+  std::vector<std::vector<Real>> units;
+  for (const UnitInfo& u : table.units()) units.emplace_back(u.numel);
+  for (const ParamInfo& p : table.params())
+    for (size_t i = 0; i < p.numel; i++) {
+      const double z = scale * counter_normal(salt + p.id, i);
+      units[p.unit][p.offset + i] = static_cast<Real>(p.init == INIT_ONES ? 1.0 + z : z);
+    }
+  return units;
+}
+
+struct Batch {
+  std::vector<int> tokens, targets;
+};
+
+// B sequences of T tokens below V, and their targets: fixed arithmetic patterns.
+inline Batch make_batch(int B, int T, int V) {
+  Batch b{std::vector<int>(B * T), std::vector<int>(B * T)};
+  for (int i = 0; i < B * T; i++) b.tokens[i] = (i * 5 + 3) % V, b.targets[i] = (i * 7 + 1) % V;
+  return b;
+}
+
+}  // namespace shardtrain::testing
