@@ -42,20 +42,23 @@ struct Candidate {
 
 double traffic_per_step(const ParamTable& table, const Candidate& c, const EngineOptions& options, int accumulation) {
   const double N = c.shard_size, R = c.replicas, A = accumulation;
-  double psi = 0, block = 0;
+  // Every parameter is gathered; only the trainable ones (docs/freezing.md) are reduced.
+  auto padded = [N](size_t numel) { return std::ceil(static_cast<double>(numel) / N) * N; };
+  double psi = 0, trainable = 0, block = 0;
   for (size_t u = 0; u < table.units().size(); u++) {
-    double padded = std::ceil(static_cast<double>(table.units()[u].numel) / N) * N;
-    psi += padded;
-    if (u != ROOT_UNIT) block = padded;
+    const UnitInfo& unit = table.units()[u];
+    psi += padded(unit.numel);
+    trainable += padded(unit.trainable_numel);
+    if (u != ROOT_UNIT) block = padded(unit.numel);
   }
   double bytes = 0;
   if (N > 1) {
     const double regathered = std::max(0, table.config().n_layer - options.limit_all_gathers) * block;
     const double gathers = c.strategy == SHARDING_SHARD_GRAD_OP ? A * psi : A * (psi + regathered);
-    const double reduces = (c.reduce_every_microbatch ? A : 1) * psi;
+    const double reduces = (c.reduce_every_microbatch ? A : 1) * trainable;
     bytes += (gathers * dtype_bytes(options.param_dtype) + reduces * dtype_bytes(options.reduce_dtype)) * (N - 1) / N;
   }
-  if (R > 1) bytes += 4 * 2 * (psi / N) * (R - 1) / R;  // replica all-reduce, fp32
+  if (R > 1) bytes += 4 * 2 * (trainable / N) * (R - 1) / R;  // replica all-reduce, fp32
   return bytes;
 }
 
