@@ -155,3 +155,23 @@ def test_llama_freezes_whole_groups_only():
 def test_bad_patterns_exit_2_naming_them():
     expect_usage_error(tiny_args("--train.freeze=h.0.*,nothing.here"), "pattern 'nothing.here' matches no parameter")
     expect_usage_error(tiny_args("--train.freeze=*"), "freezes every parameter")
+
+
+def test_frozen_parameters_are_gathered_but_never_reduced():
+    """Bytes sent per step on 2 ranks, exactly: every parameter is all-gathered (PSI per
+    micro-batch; both blocks stay held for the backward), only the trainable ones are
+    reduce-scattered; each collective sends (N-1)/N of its volume. MIXED's spaces are all even, so
+    nothing is padded. `plan` predicts the same bytes."""
+    from test_precision import PSI
+    trainable = (256 * 40 + 2 * 40) + (19720 - 2 * 40) + (19720 - 160 * 40)  # root, h.0, h.1 less MIXED
+    accumulation, n = 24 // (2 * 2), 2
+    expected = accumulation * (PSI * 4 + trainable * 4) * (n - 1) / n
+    metrics = os.path.join(tempdir(), "m.jsonl")
+    ok(run(2, tiny_args(f"--train.freeze={MIXED}", "--train.steps=2", "--checkpoint.save=false",
+                        f"--train.metrics_file={metrics}")), "traffic")
+    assert read_metrics(metrics)[-1]["comm_bytes"] == expected, (read_metrics(metrics)[-1]["comm_bytes"], expected)
+    proc = run_single(["plan", "--world-size=2", *tiny_args(f"--train.freeze={MIXED}")[1:]])
+    assert f"strategy=FULL_SHARD reduce=micro checkpointing=no offload=no" in proc.stdout
+    line = next(l for l in proc.stdout.splitlines()
+                if l.startswith("PLAN strategy=FULL_SHARD reduce=micro checkpointing=no offload=no"))
+    assert f"traffic_bytes={expected:.0f}" in line, (line, expected)
