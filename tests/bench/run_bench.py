@@ -149,6 +149,7 @@ def main():
     parser.add_argument("--only", choices=("layers", "train", "ckpt", "arch", "adapters"),
                         help="run one section only")
     parser.add_argument("--arch-rounds", type=int, default=2)
+    parser.add_argument("--adapter-models", default="gpt2,llama", help="adapters section: gpt2, llama or both")
     parser.add_argument("--skip-layers", action="store_true")
     args = parser.parse_args()
     build = os.path.abspath(os.path.join(ROOT, args.build))
@@ -171,7 +172,7 @@ def main():
     if "arch" in sections:
         arch_section(build, args.steps, args.arch_rounds)
     if "adapters" in sections:
-        adapter_section(build, args.steps)
+        adapter_section(build, args.steps, args.adapter_models.split(","))
 
 
 def train_section(build, steps):
@@ -220,28 +221,43 @@ def arch_section(build, steps, rounds):
               flush=True)
 
 
-ALL_LINEAR = "attn.c_attn,attn.c_proj,mlp.c_fc,mlp.c_proj"
-ADAPTER_CASES = (("full fine-tuning", ()),
-                 ("LoRA r=8", ("--adapter.type=lora", f"--adapter.targets={ALL_LINEAR}", "--adapter.rank=8")),
-                 ("LoRA r=64", ("--adapter.type=lora", f"--adapter.targets={ALL_LINEAR}", "--adapter.rank=64")),
-                 ("last 2 blocks", ("--train.freeze=wte,wpe,h.[0-9].*",)))
+def adapter_cases(all_linear, all_but_last_two):
+    return (("full fine-tuning", ()),
+            ("LoRA r=8", ("--adapter.type=lora", f"--adapter.targets={all_linear}", "--adapter.rank=8")),
+            ("LoRA r=64", ("--adapter.type=lora", f"--adapter.targets={all_linear}", "--adapter.rank=64")),
+            ("last 2 blocks", (f"--train.freeze={all_but_last_two}",)))
+
+
+# Per model: every linear layer adapted; frozen: the embeddings and all blocks but the last two.
+ADAPTER_MODELS = {
+    "gpt2": ("gpt2-124M.ini", adapter_cases("attn.c_attn,attn.c_proj,mlp.c_fc,mlp.c_proj", "wte,wpe,h.[0-9].*")),
+    "llama": ("llama-135M.ini", adapter_cases("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                                              "embed_tokens.weight,layers.?.*,layers.1?.*,layers.2[0-7].*")),
+}
 MEMORY_COLUMNS = ("sharded_params", "gathered_units", "gradients", "optimizer_state", "activations", "comm_buffers")
 
 
-def adapter_section(build, steps):
-    """gpt2-124M (T = 64, micro_batch 4, global_batch 16) trained in full, with LoRA and with all
-    but the last two blocks frozen, FULL_SHARD on 1 rank x 2 threads, 2 ranks x 1 thread and 4
+def adapter_section(build, steps, models):
+    """gpt2-124M or llama-135M (T = 64, micro_batch 4, global_batch 16) trained in full, with LoRA
+    and with all but the last two blocks frozen, FULL_SHARD on 1 rank x 2 threads, 2 ranks x 1 thread and 4
     ranks x 1 thread (oversubscribed on 2 cores: its tokens/s say little, its memory is exact). Each
     rank count runs the four cases back to back; tokens/s are medians over the steps after the
     first, and the ratio to full fine-tuning is taken within the rank count. Memory is the trainer's
     own count of one rank's bytes by category (what it allocated; held = planned)."""
-    print(f"\n== adapters: gpt2-124M, seq_len 64, micro_batch 4, global_batch 16, {steps} steps, FULL_SHARD",
-          flush=True)
-    print("ranks | case | tokens/s median | / full | MiB per rank: " + " ".join(MEMORY_COLUMNS) + " total", flush=True)
+    for model in models:
+        config, cases = ADAPTER_MODELS[model]
+        print(f"\n== adapters: {config}, seq_len 64, micro_batch 4, global_batch 16, {steps} steps, FULL_SHARD",
+              flush=True)
+        print("ranks | case | tokens/s median | / full | MiB per rank: " + " ".join(MEMORY_COLUMNS) + " total",
+              flush=True)
+        adapter_model_runs(build, steps, config, cases)
+
+
+def adapter_model_runs(build, steps, config, cases):
     for ranks, threads in ((1, 2), (2, 1), (4, 1)):
         full = None
-        for name, extra in ADAPTER_CASES:
-            rows, _, _ = train_run(build, ranks, threads, steps, extra=extra)
+        for name, extra in cases:
+            rows, _, _ = train_run(build, ranks, threads, steps, config=config, extra=extra)
             tps = summarize([r["tokens_per_s"] for r in rows])[1]
             full = full or tps
             mem = rows[-1]["peak_mem"]
