@@ -10,8 +10,9 @@ for 2 ranks, SGEMM runs on both at once). The machine's OpenBLAS environment is 
 
 Architectures (--only arch): gpt2-124M beside llama-135M at T = 64 and T = 1024 (see arch_section).
 
-Adapters (--only adapters): gpt2-124M full fine-tuning against LoRA (rank 8 and 64 on all four linear
-layers) and against freezing all but the last two blocks, on 1, 2 and 4 ranks (see adapter_section).
+Adapters (--only adapters): gpt2-124M and llama-135M (--adapter-models) full fine-tuning against LoRA
+(rank 8 and 64 on every linear layer) and against freezing all but the last two blocks, on 1, 2 and 4
+ranks (see adapter_section).
 
 Checkpoint I/O (build/ckpt_bench, see tests/bench/ckpt_bench.cpp): a gpt2-124M checkpoint (params,
 exp_avg, exp_avg_sq: 3 x 124.4M fp32 = 1493 MB of tensor data) saved and loaded on 1, 2 and 4 ranks
