@@ -46,8 +46,8 @@ std::vector<float> merged_weight(const CheckpointReader& reader, const ParamTabl
     const double s = adapted.adapter().scaling();
     const bool dora = adapted.adapter().type == ADAPTER_DORA;
     const std::vector<float> magnitude = dora ? read(a + 2) : std::vector<float>();
+    std::vector<double> row(in);
     for (int o = 0; o < out; o++) {
-      std::vector<double> row(in);
       double norm = 0;
       for (int j = 0; j < in; j++) {
         double delta = 0;

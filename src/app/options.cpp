@@ -635,13 +635,13 @@ void validate_config(const Config& c, int world) {
 AdapterConfig adapter_config(const Config& c) {
   AdapterConfig a;
   a.type = c.adapter.type;
-  a.targets = split_freeze_patterns(c.adapter.targets);  // the same comma list
+  a.targets = split_comma_list(c.adapter.targets);
   a.rank = c.adapter.rank, a.alpha = c.adapter.alpha, a.dropout = c.adapter.dropout;
   return a;
 }
 
 ParamTable config_param_table(const Config& c) {
-  return ParamTable(c.model, split_freeze_patterns(c.train.freeze), adapter_config(c));
+  return ParamTable(c.model, split_comma_list(c.train.freeze), adapter_config(c));
 }
 
 std::string train_help() {

@@ -387,9 +387,10 @@ void Trainer::print_summary() {
            engine_.local_param_count() / 1e6);
   if (table_.adapter().type != ADAPTER_NONE) {
     const AdapterConfig& a = table_.adapter();
+    const size_t sites = linear_sites(m).size();
     size_t layers = 0;
     for (int l = 0; l < m.n_layer; l++)
-      for (size_t k = 0; k < linear_sites(m).size(); k++) layers += table_.adapter_param(l, static_cast<int>(k)) >= 0;
+      for (size_t k = 0; k < sites; k++) layers += table_.adapter_param(l, static_cast<int>(k)) >= 0;
     rt_.info("adapters: %s rank %d alpha %g (scaling %g) dropout %g on %s (%s) | %.3fM trainable parameters, the "
              "base's %.2fM frozen",
              adapter_type_name(a.type), a.rank, a.alpha, a.scaling(), a.dropout, counted(static_cast<long long>(layers), "layer").c_str(),

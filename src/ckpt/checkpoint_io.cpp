@@ -503,11 +503,7 @@ CheckpointState read_state(hid_t file, const std::string& path) {
         !(reals[1] >= 0 && reals[1] < 1))
       throw CheckpointError(where + "attributes adapter.* hold no valid adapter (type '" + type +
                             "'); the file is damaged");
-    for (size_t begin = 0; !targets.empty() && begin <= targets.size();) {
-      size_t comma = std::min(targets.find(',', begin), targets.size());
-      a.targets.push_back(targets.substr(begin, comma - begin));
-      begin = comma + 1;
-    }
+    a.targets = split_comma_list(targets);  // as join_targets wrote them
     a.rank = static_cast<int>(rank), a.alpha = reals[0], a.dropout = reals[1];
   }
   int64_t adapters_only = 0;

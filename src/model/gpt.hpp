@@ -38,9 +38,7 @@ class GptModel : public TransformerModel<Real> {
   void begin_decode(int max_len, int max_chunk) override;
   void end_decode() override { dec_ = Decode(), adapters_.end_decode(); }
   size_t decode_bytes() const override {
-    return dec_.max_len ? plan_decode_bytes(cfg_, dec_.max_len, dec_.max_chunk, sizeof(Real)) +
-                              LoraLayers<Real>::plan_bytes(table_, dec_.max_chunk, sizeof(Real))
-                        : 0;
+    return dec_.max_len ? plan_decode_bytes(table_, dec_.max_len, dec_.max_chunk, sizeof(Real)) : 0;
   }
   int decode_position() const override { return dec_.pos; }
   void decode_embed(const Real* root, const int* tokens, int n) override;

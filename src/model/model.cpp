@@ -26,11 +26,13 @@ size_t plan_activation_bytes(const ParamTable& table, int batch, int seq_len, bo
          2 * static_cast<size_t>(batch) * seq_len * sizeof(int);  // + tokens, targets
 }
 
-size_t plan_decode_bytes(const ModelConfig& config, int max_len, int max_chunk, size_t real_bytes) {
+size_t plan_decode_bytes(const ParamTable& table, int max_len, int max_chunk, size_t real_bytes) {
+  const ModelConfig& config = table.config();
   const size_t elements = config.arch == ARCH_LLAMA
                               ? LlamaModel<float>::plan_decode_elements(config, max_len, max_chunk)
                               : GptModel<float>::plan_decode_elements(config, max_len, max_chunk);
-  return elements * real_bytes + static_cast<size_t>(max_chunk) * sizeof(int);  // + the step's tokens
+  return elements * real_bytes + LoraLayers<float>::plan_bytes(table, max_chunk, real_bytes) +
+         static_cast<size_t>(max_chunk) * sizeof(int);  // + the step's tokens
 }
 
 template <typename Real>

@@ -98,8 +98,8 @@ size_t plan_activation_bytes(const ParamTable& table, int batch, int seq_len, bo
                              size_t real_bytes = sizeof(float));
 
 // Bytes of a decode state (TransformerModel::begin_decode): the key/value cache, L x 2 x max_len x
-// n_kv_head x head_size elements, and the buffers of a step of max_chunk tokens.
-size_t plan_decode_bytes(const ModelConfig& config, int max_len, int max_chunk, size_t real_bytes = sizeof(float));
+// n_kv_head x head_size elements, and the buffers of a step of max_chunk tokens (the adapters' too).
+size_t plan_decode_bytes(const ParamTable& table, int max_len, int max_chunk, size_t real_bytes = sizeof(float));
 
 // Forward and backward of one micro-batch with every unit present (no sharding). units[u] and
 // unit_grads[u] are flat unit buffers; gradients are accumulated. Returns the summed token loss.

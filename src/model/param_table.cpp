@@ -20,7 +20,7 @@ std::string model_summary(const ModelConfig& c) {
                    c.norm_eps, c.tie_embeddings ? "tied" : "untied");
 }
 
-std::vector<std::string> split_freeze_patterns(const std::string& list) {
+std::vector<std::string> split_comma_list(const std::string& list) {
   std::vector<std::string> patterns;
   size_t start = 0;
   while (start <= list.size()) {

@@ -97,14 +97,17 @@ std::string model_summary(const ModelConfig& config);
 // Adapters (model/adapter.hpp): each adapted linear layer of block l adds, after the block's own
 // parameters, "<its weight's name less .weight>.lora_A.weight" (rank, in) and ".lora_B.weight"
 // (out, rank) -- e.g. h.3.attn.qkv.lora_A.weight, layers.3.self_attn.q_proj.lora_B.weight -- DoRA
-// also ".lora_magnitude_vector" (out), and every parameter of the base model is frozen. Throws UsageError for a target that matches no
-// layer or a rank the layers cannot take.
+// also ".lora_magnitude_vector" (out), and every parameter of the base model is frozen. Throws
+// UsageError for a target that matches no layer or a rank the layers cannot take.
 //
 // Names matched by train.freeze: comma-separated shell glob patterns (fnmatch(3) without flags:
 // `*` and `?` also match dots, `[0-5]` a character class), each matched against every parameter
 // name. Throws UsageError when a pattern matches nothing, when the patterns split a group the
 // model multiplies as one matrix (Llama's q|k|v or gate|up of a layer), or freeze everything.
-std::vector<std::string> split_freeze_patterns(const std::string& list);
+//
+// The items of a comma-separated value (train.freeze, adapter.targets): blanks around each
+// trimmed, empty ones dropped.
+std::vector<std::string> split_comma_list(const std::string& list);
 
 class ParamTable {
  public:

@@ -43,8 +43,8 @@ std::string usage_error(const ModelConfig& c, const std::vector<std::string>& fr
 }  // namespace
 
 TEST(Freeze, PatternsSplitOnCommasAndIgnoreBlanks) {
-  EXPECT_EQ(split_freeze_patterns(" wte, h.[0-5].* ,,wpe"), (std::vector<std::string>{"wte", "h.[0-5].*", "wpe"}));
-  EXPECT_TRUE(split_freeze_patterns("").empty());
+  EXPECT_EQ(split_comma_list(" wte, h.[0-5].* ,,wpe"), (std::vector<std::string>{"wte", "h.[0-5].*", "wpe"}));
+  EXPECT_TRUE(split_comma_list("").empty());
 }
 
 TEST(Freeze, TrainableParametersComeFirstAndFilesKeepDeclarationOrder) {

@@ -173,12 +173,12 @@ TEST_P(GenerationTest, DecodeMemoryEqualsItsPlan) {
   const size_t before = dev.live_bytes();
   model->begin_decode(10, 4);
   EXPECT_EQ(dev.live_bytes() - before, model->decode_bytes());
-  EXPECT_EQ(model->decode_bytes(), plan_decode_bytes(c, 10, 4));
+  EXPECT_EQ(model->decode_bytes(), plan_decode_bytes(table, 10, 4));
   const size_t per_position = 2 * c.n_layer * c.kv_heads() * c.head_size() + 4 * c.n_head +
                               (c.arch == ARCH_LLAMA ? c.head_size() : 0);
-  EXPECT_EQ(plan_decode_bytes(c, 11, 4) - plan_decode_bytes(c, 10, 4), per_position * sizeof(float));
+  EXPECT_EQ(plan_decode_bytes(table, 11, 4) - plan_decode_bytes(table, 10, 4), per_position * sizeof(float));
   model->begin_decode(5, 2);  // again: the old state is freed first
-  EXPECT_EQ(dev.live_bytes() - before, plan_decode_bytes(c, 5, 2));
+  EXPECT_EQ(dev.live_bytes() - before, plan_decode_bytes(table, 5, 2));
   model->end_decode();
   EXPECT_EQ(dev.live_bytes(), before);
   EXPECT_EQ(model->decode_bytes(), 0u);
