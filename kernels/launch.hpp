@@ -159,6 +159,17 @@ void launch_column_dot_accumulate(float* out, const float* a, int lda, const flo
                                   const float* divisor, void* workspace, const LaunchContext& ctx);
 void launch_divide(float* out, const float* a, const float* b, size_t n, const LaunchContext& ctx);
 
+// LoHa's and LoKr's weight deltas (kron.cu), backend/cpu/ops.hpp's multiply, kron and
+// kron_backward: out[i] = (s * a[i]) * b[i] (out may be a or b); out (p*r, q*t) = kron(A (p, q),
+// B (r, t)) with elements (s * A[i, j]) * B[k, l] -- both bit-identical to the CPU; dA (p, q) and dB
+// (r, t) written (=), either may be null, each element a sum in double in a fixed order (a
+// function of the shape), times s in double, rounded once. No workspace, no atomics.
+void launch_multiply(float* out, const float* a, const float* b, size_t n, float s, const LaunchContext& ctx);
+void launch_kron(float* out, const float* A, int p, int q, const float* B, int r, int t, float s,
+                 const LaunchContext& ctx);
+void launch_kron_backward(float* dA, float* dB, const float* dout, const float* A, int p, int q, const float* B, int r,
+                          int t, float s, const LaunchContext& ctx);
+
 void launch_softmax_crossentropy_forward(float* losses, float* logits_to_probs, const int* targets, int N, int V,
                                          const LaunchContext& ctx);
 void launch_softmax_crossentropy_backward(float* probs_to_dlogits, const int* targets, float dloss, int N, int V,

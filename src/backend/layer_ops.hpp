@@ -74,6 +74,17 @@ class LayerOps {
   virtual void column_dot_accumulate(Real* out, const Real* a, int lda, const Real* b, int ldb, int rows, int cols,
                                      const Real* divisor) const = 0;
   virtual void divide(Real* out, const Real* a, const Real* b, size_t n) const = 0;
+  // LoHa's and LoKr's weight deltas (model/delta_adapters.hpp); exact rules in backend/cpu/ops.hpp.
+  // out[i] = s * a[i] * b[i] for i < n (out may be a or b).
+  virtual void multiply(Real* out, const Real* a, const Real* b, size_t n, Real s) const = 0;
+  // Row-major Kronecker product: out (p*r, q*t) = s * kron(A (p, q), B (r, t)), i.e.
+  // out[(i*r + k) * (q*t) + j*t + l] = s * A[i*q + j] * B[k*t + l].
+  virtual void kron(Real* out, const Real* A, int p, int q, const Real* B, int r, int t, Real s) const = 0;
+  // Its gradients given dout (p*r, q*t), both overwritten (not accumulated; either may be null):
+  //   dA[i, j] = s * sum_{k,l} dout[(i*r+k), (j*t+l)] * B[k, l];
+  //   dB[k, l] = s * sum_{i,j} dout[(i*r+k), (j*t+l)] * A[i, j].
+  virtual void kron_backward(Real* dA, Real* dB, const Real* dout, const Real* A, int p, int q, const Real* B, int r,
+                             int t, Real s) const = 0;
   // Dropout of N rows of C keyed by the counter RNG (backend/cpu/ops.hpp): out = keep ? inp / (1 - p)
   // : 0, keep(r, c) a pure function of (row_keys[r], site, c, p), the same mask on every backend.
   // row_keys: N keys in the device's memory. In place (out == inp) allowed; p in [0, 1], p = 0 the

@@ -1129,6 +1129,28 @@ TEST_P(PointwiseTest, DivideMatchesCpuBitwise) {
   expect_same_bits(d_b.download("divide in place (b)"), ref, "divide in place on b " + name_of(s));
 }
 
+// LoHa's scaled Hadamard product: (s * a) * b, two IEEE multiplications on both sides, bit-identical.
+// Out of place, then in place on a and on b.
+TEST_P(PointwiseTest, MultiplyMatchesCpuBitwise) {
+  const PointwiseShape s = GetParam();
+  const std::vector<float> a = uniform_vector(s.n, 99, -4.0, 4.0), b = uniform_vector(s.n, 100, -2.0, 2.0);
+  const float factor = -0.37f;
+  std::vector<float> ref(s.n);
+  cpu::multiply(ref.data(), a.data(), b.data(), s.n, factor);
+  auto d_a = on_device(device(), "a", a, s.misalign), d_b = on_device(device(), "b", b, s.misalign);
+  DeviceBuffer<float> d_out(device(), "out", s.n, s.misalign);
+  for (int run = 0; run < 2; run++) {
+    d_out.fill(kNaN);
+    ops().multiply(d_out.data(), d_a.data(), d_b.data(), s.n, factor);
+    expect_same_bits(d_out.download("multiply"), ref, "multiply " + name_of(s));
+  }
+  ops().multiply(d_a.data(), d_a.data(), d_b.data(), s.n, factor);  // out == a
+  expect_same_bits(d_a.download("multiply in place (a)"), ref, "multiply in place on a " + name_of(s));
+  d_a.upload(a);
+  ops().multiply(d_b.data(), d_a.data(), d_b.data(), s.n, factor);  // out == b
+  expect_same_bits(d_b.download("multiply in place (b)"), ref, "multiply in place on b " + name_of(s));
+}
+
 INSTANTIATE_TEST_SUITE_P(Sizes, PointwiseTest,
                          ::testing::Values(PointwiseShape{1, 0}, PointwiseShape{3, 0}, PointwiseShape{4, 0},
                                            PointwiseShape{1001, 0}, PointwiseShape{65537, 0}, PointwiseShape{3, 1},
@@ -1729,6 +1751,132 @@ INSTANTIATE_TEST_SUITE_P(
                       DoraShape{1024, 2048, 2560, 0, 0, 0},  // TinyLlama: the q slice of q | k | v
                       DoraShape{1024, 256, 2560, 2048, 0, 1},  // ... its k slice, misaligned
                       DoraShape{2048, 5632, 5632, 0, 0, 0}),   // TinyLlama's down projection (2048 x 5632)
+    ShapeName());
+
+// ==================================================================================================
+// LoKr's Kronecker product out (p*r, q*t) = s * kron(A (p, q), B (r, t)) and its gradients dA, dB
+// (backend/cpu/ops.hpp). The forward is (s * A) * B, two IEEE multiplications on both sides:
+// bit-identical. The backward sums widened floats in double on both sides (exact products); a sum
+// of at most 64 terms is one thread's, in the CPU's order: bit-identical; longer ones (a warp's or
+// a block's lanes and shuffle tree) differ from the CPU by double reassociation only, at most
+// terms * 2^-53 of the terms' absolute sum, before each side's one rounding to float (<= 1 ulp,
+// 2u relative, apart): atol |s| max(sum|terms|) terms 2^-51, rtol 4u. Gradients are written: NaN
+// prefills must vanish; a null dA or dB leaves the other's bits; every op repeats bit for bit.
+// ==================================================================================================
+struct KronShape {
+  int p, q, r, t;
+  int misalign;
+  size_t a_size() const { return static_cast<size_t>(p) * q; }
+  size_t b_size() const { return static_cast<size_t>(r) * t; }
+  size_t out_size() const { return a_size() * b_size(); }
+};
+std::string name_of(const KronShape& s) {
+  return "p" + std::to_string(s.p) + "_q" + std::to_string(s.q) + "_r" + std::to_string(s.r) + "_t" +
+         std::to_string(s.t) + misaligned_suffix(s.misalign);
+}
+void PrintTo(const KronShape& s, std::ostream* os) { *os << name_of(s); }
+
+class KronTest : public GpuSuite<::testing::TestWithParam<KronShape>> {};
+
+constexpr float kKronScale = -0.75f;
+
+TEST_P(KronTest, ForwardMatchesCpuBitwise) {
+  const KronShape s = GetParam();
+  const std::vector<float> A = uniform_vector(s.a_size(), 301, -2.0, 2.0), B = uniform_vector(s.b_size(), 302);
+  std::vector<float> ref(s.out_size());
+  cpu::kron(ref.data(), A.data(), s.p, s.q, B.data(), s.r, s.t, kKronScale);
+  auto d_A = on_device(device(), "A", A, s.misalign), d_B = on_device(device(), "B", B, s.misalign);
+  DeviceBuffer<float> d_out(device(), "out", ref.size(), s.misalign);
+  for (int run = 0; run < 2; run++) {
+    d_out.fill(kNaN);
+    ops().kron(d_out.data(), d_A.data(), s.p, s.q, d_B.data(), s.r, s.t, kKronScale);
+    expect_same_bits(d_out.download("kron"), ref, "kron " + name_of(s));
+  }
+  expect_same_bits(d_A.download("kron (A)"), A, "kron leaves A alone");
+  expect_same_bits(d_B.download("kron (B)"), B, "kron leaves B alone");
+}
+
+TEST_P(KronTest, BackwardMatchesCpu) {
+  const KronShape s = GetParam();
+  const std::vector<float> A = uniform_vector(s.a_size(), 311, -2.0, 2.0), B = uniform_vector(s.b_size(), 312),
+                           dout = uniform_vector(s.out_size(), 313);
+  std::vector<float> ref_a(s.a_size()), ref_b(s.b_size());
+  cpu::kron_backward(ref_a.data(), ref_b.data(), dout.data(), A.data(), s.p, s.q, B.data(), s.r, s.t, kKronScale);
+  // The terms' absolute sums, for the tolerance: sum|dout| |B| per dA element, sum|dout| |A| per dB.
+  double abs_a = 0, abs_b = 0;
+  {
+    std::vector<double> sum_a(s.a_size()), sum_b(s.b_size());
+    const size_t cols = static_cast<size_t>(s.q) * s.t;
+    for (int i = 0; i < s.p; i++)
+      for (int k = 0; k < s.r; k++)
+        for (int j = 0; j < s.q; j++)
+          for (int l = 0; l < s.t; l++) {
+            const double d = std::fabs(static_cast<double>(dout[(static_cast<size_t>(i) * s.r + k) * cols +
+                                                                static_cast<size_t>(j) * s.t + l]));
+            sum_a[static_cast<size_t>(i) * s.q + j] += d * std::fabs(B[static_cast<size_t>(k) * s.t + l]);
+            sum_b[static_cast<size_t>(k) * s.t + l] += d * std::fabs(A[static_cast<size_t>(i) * s.q + j]);
+          }
+    for (double v : sum_a) abs_a = std::max(abs_a, v);
+    for (double v : sum_b) abs_b = std::max(abs_b, v);
+  }
+  const double scale = std::fabs(static_cast<double>(kKronScale));
+  const Tolerance tol_a{scale * abs_a * static_cast<double>(s.b_size()) * 0x1p-51, 4.0 * kU32},
+      tol_b{scale * abs_b * static_cast<double>(s.a_size()) * 0x1p-51, 4.0 * kU32};
+  const bool serial_a = s.b_size() <= 64, serial_b = s.a_size() <= 64;  // one thread per element
+
+  auto d_A = on_device(device(), "A", A, s.misalign), d_B = on_device(device(), "B", B, s.misalign);
+  auto d_dout = on_device(device(), "dout", dout, s.misalign);
+  DeviceBuffer<float> d_dA(device(), "dA", ref_a.size(), s.misalign), d_dB(device(), "dB", ref_b.size(), s.misalign);
+  const std::string label = "kron_backward " + name_of(s);
+  std::vector<float> first_a, first_b;
+  for (int run = 0; run < 2; run++) {
+    d_dA.fill(kNaN);
+    d_dB.fill(kNaN);
+    ops().kron_backward(d_dA.data(), d_dB.data(), d_dout.data(), d_A.data(), s.p, s.q, d_B.data(), s.r, s.t,
+                        kKronScale);
+    const std::vector<float> got_a = d_dA.download("kron_backward (dA)"), got_b = d_dB.download("kron_backward (dB)");
+    if (run == 0) {
+      expect_close(got_a.data(), widen(ref_a), tol_a, label + " dA");
+      expect_close(got_b.data(), widen(ref_b), tol_b, label + " dB");
+      if (serial_a) expect_same_bits(got_a, ref_a, label + " dA, one thread per element");
+      if (serial_b) expect_same_bits(got_b, ref_b, label + " dB, one thread per element");
+      first_a = got_a;
+      first_b = got_b;
+    } else {
+      expect_same_bits(got_a, first_a, label + " dA rerun");
+      expect_same_bits(got_b, first_b, label + " dB rerun");
+    }
+  }
+  // One gradient null: not written, the other the same bits.
+  d_dA.fill(kNaN);
+  d_dB.fill(kNaN);
+  ops().kron_backward(d_dA.data(), nullptr, d_dout.data(), d_A.data(), s.p, s.q, d_B.data(), s.r, s.t, kKronScale);
+  expect_same_bits(d_dA.download("kron_backward (dA, dB null)"), first_a, label + " dA with dB null");
+  const std::vector<float> untouched_b = d_dB.download("kron_backward (dB untouched)");
+  for (size_t e = 0; e < untouched_b.size(); e++)
+    ASSERT_TRUE(std::isnan(untouched_b[e])) << label << ": dB element " << e << " written through a null dB";
+  ops().kron_backward(nullptr, d_dB.data(), d_dout.data(), d_A.data(), s.p, s.q, d_B.data(), s.r, s.t, kKronScale);
+  expect_same_bits(d_dB.download("kron_backward (dB, dA null)"), first_b, label + " dB with dA null");
+  expect_same_bits(d_A.download(label + " (A)"), A, label + " leaves A alone");
+  expect_same_bits(d_B.download(label + " (B)"), B, label + " leaves B alone");
+  expect_same_bits(d_dout.download(label + " (dout)"), dout, label + " leaves dout alone");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, KronTest,
+    ::testing::Values(KronShape{3, 5, 2, 7, 0},      // odd; both sums serial (14 and 15 terms)
+                      KronShape{3, 5, 2, 7, 1},      // ... misaligned
+                      KronShape{1, 9, 1, 4, 0},      // 1 x N factors
+                      KronShape{4, 1, 3, 1, 0},      // N x 1 factors
+                      KronShape{1, 1, 1, 1, 0},      // one element
+                      KronShape{2, 3, 0, 4, 0},      // empty B: dA = s * 0
+                      KronShape{0, 3, 2, 2, 0},      // empty A: dB = s * 0
+                      KronShape{5, 13, 9, 11, 1},    // dA's 99 terms and dB's 65: warp sums
+                      KronShape{3, 7, 97, 91, 0},    // dA's 8827 terms: block sums; dB's 21: serial
+                      KronShape{8, 8, 96, 96, 0},    // LoKr factor 8 of 768 x 768 (GPT-2): 9216 / 64 terms
+                      KronShape{64, 64, 64, 64, 0},  // 4096 x 4096 split evenly: 4096 terms both ways
+                      KronShape{8, 8, 512, 512, 1},  // factor 8 of 4096 x 4096, misaligned: 262144 / 64
+                      KronShape{32, 64, 64, 88, 0}),  // TinyLlama's up projection: 2048 x 5632 = 32*64 x 64*88
     ShapeName());
 
 // The interface's own promises: device() is the device the ops were made for, and their work is

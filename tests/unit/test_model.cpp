@@ -218,6 +218,13 @@ class CountingOps : public LayerOps<double> {
     cpu().column_dot_accumulate(out, a, lda, b, ldb, rows, cols, divisor);
   }
   void divide(double* out, const double* a, const double* b, size_t n) const override { cpu().divide(out, a, b, n); }
+  // LoHa's and LoKr's weight deltas: once per step, not per token, so no multiply-adds counted.
+  void multiply(double* out, const double* a, const double* b, size_t n, double s) const override {
+    cpu().multiply(out, a, b, n, s);
+  }
+  void kron(double* out, const double* A, int p, int q, const double* B, int r, int t, double s) const override {
+    cpu().kron(out, A, p, q, B, r, t, s);
+  }
   void gemm(bool ta, bool tb, int M, int N, int K, double alpha, const double* A, int lda, const double* B, int ldb,
             double beta, double* C, int ldc) const override {
     macs_ += static_cast<double>(M) * N * K;
@@ -258,6 +265,10 @@ class CountingOps : public LayerOps<double> {
   void gelu_backward(double*, const double*, const double*, size_t) const override { unused(); }
   void swiglu_backward(double*, const double*, const double*, int, int) const override { unused(); }
   void softmax_crossentropy_backward(double*, const int*, double, int, int) const override { unused(); }
+  void kron_backward(double*, double*, const double*, const double*, int, int, const double*, int, int,
+                     double) const override {
+    unused();
+  }
   double sum_squares(const double*, size_t) const override { return unused(), 0; }
   size_t count_nonfinite(const double*, size_t) const override { return unused(), 0; }
   void scale(double*, size_t, double) const override { unused(); }

@@ -112,6 +112,16 @@ class CpuLayerOps : public LayerOps<Real> {
     cpu::column_dot_accumulate(out, a, lda, b, ldb, rows, cols, divisor);
   }
   void divide(Real* out, const Real* a, const Real* b, size_t n) const override { cpu::divide(out, a, b, n); }
+  void multiply(Real* out, const Real* a, const Real* b, size_t n, Real s) const override {
+    cpu::multiply(out, a, b, n, s);
+  }
+  void kron(Real* out, const Real* A, int p, int q, const Real* B, int r, int t, Real s) const override {
+    cpu::kron(out, A, p, q, B, r, t, s);
+  }
+  void kron_backward(Real* dA, Real* dB, const Real* dout, const Real* A, int p, int q, const Real* B, int r, int t,
+                     Real s) const override {
+    cpu::kron_backward(dA, dB, dout, A, p, q, B, r, t, s);
+  }
   void residual_forward(Real* out, const Real* a, const Real* b, size_t n) const override {
     cpu::residual_forward(out, a, b, n);
   }

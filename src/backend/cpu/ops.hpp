@@ -120,6 +120,27 @@ void column_dot_accumulate(Real* out, const Real* a, int lda, const Real* b, int
 template <typename Real>
 void divide(Real* out, const Real* a, const Real* b, size_t n);
 
+// LoHa's and LoKr's weight deltas (model/delta_adapters.hpp), adapter_ops.cpp. Every product is
+// evaluated left to right, as written: (s * a) * b, two roundings, which the CUDA backend repeats.
+// out[i] = s * a[i] * b[i] for i < n; out may be a or b.
+template <typename Real>
+void multiply(Real* out, const Real* a, const Real* b, size_t n, Real s);
+// Row-major Kronecker product, out (p*r, q*t) = s * kron(A (p, q), B (r, t)):
+//   out[(i*r + k) * (q*t) + j*t + l] = s * A[i*q + j] * B[k*t + l].
+// out must not overlap A or B. Any of p, q, r, t may be 0 (nothing written).
+template <typename Real>
+void kron(Real* out, const Real* A, int p, int q, const Real* B, int r, int t, Real s);
+// Its gradients given dout (p*r, q*t), WRITTEN (=, not accumulated: they feed the factors'
+// gradients, not a parameter buffer):
+//   dA[i*q + j] = s * sum_{k,l} dout[(i*r + k) * (q*t) + j*t + l] * B[k*t + l],
+//   dB[k*t + l] = s * sum_{i,j} dout[(i*r + k) * (q*t) + j*t + l] * A[i*q + j].
+// Each sum in double, its terms in row-major order ((k, l) for dA, (i, j) for dB), then times s
+// in double and rounded once. dA or dB may be null (not computed; the other keeps its bits). An
+// empty sum (r*t = 0 for dA, p*q = 0 for dB) writes s * 0. Outputs must not overlap the inputs.
+template <typename Real>
+void kron_backward(Real* dA, Real* dB, const Real* dout, const Real* A, int p, int q, const Real* B, int r, int t,
+                   Real s);
+
 // Dropout over N rows of C, keyed by a counter RNG (core/random.hpp), so the mask is a pure
 // function of (row_keys[r], site, c, p) -- no state, the same on every backend, thread count and
 // rerun:  out[r*C + c] = keep(r, c) ? inp[r*C + c] / (1 - p) : 0, with

@@ -149,6 +149,16 @@ class CudaLayerOps final : public LayerOps<float> {
   void divide(float* out, const float* a, const float* b, size_t n) const override {
     kernels::launch_divide(out, a, b, n, launch());
   }
+  void multiply(float* out, const float* a, const float* b, size_t n, float s) const override {
+    kernels::launch_multiply(out, a, b, n, s, launch());
+  }
+  void kron(float* out, const float* A, int p, int q, const float* B, int r, int t, float s) const override {
+    kernels::launch_kron(out, A, p, q, B, r, t, s, launch());
+  }
+  void kron_backward(float* dA, float* dB, const float* dout, const float* A, int p, int q, const float* B, int r,
+                     int t, float s) const override {
+    kernels::launch_kron_backward(dA, dB, dout, A, p, q, B, r, t, s, launch());
+  }
   void dropout(float* out, const float* inp, const uint64_t* row_keys, uint64_t site, int N, int C,
                float p) const override {
     kernels::launch_dropout(out, inp, row_keys, site, N, C, p, launch());
