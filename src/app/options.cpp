@@ -159,14 +159,27 @@ void declare_options(OptionList& o, Config& c) {
         "the tokenizer.json the data was encoded with (data encode --tokenizer), recorded in checkpoints for "
         "'shardtrain generate'; empty = bytes");
   o.add_choice("adapter.type", &c.adapter.type, ADAPTER_TYPES, adapter_type_name,
-               "adapters on the frozen base model, Hugging Face PEFT's LoRA or DoRA (docs/adapters.md); none trains "
-               "the model itself");
+               "adapters on the frozen base model, Hugging Face PEFT's LoRA, DoRA, LoHa, LoKr or OFT "
+               "(docs/adapters.md); none trains the model itself");
   o.add("adapter.targets", &c.adapter.targets,
         "the linear layers adapted: comma-separated Hugging Face module paths or their dotted suffixes, e.g. "
         "attn.c_attn,mlp.c_fc (gpt2) or self_attn.q_proj,self_attn.v_proj (llama)");
-  o.add("adapter.rank", &c.adapter.rank, "LoRA rank r: A is (r, in), B is (out, r)");
-  o.add("adapter.alpha", &c.adapter.alpha, "LoRA alpha: the adapter's output is scaled by alpha / rank");
-  o.add("adapter.dropout", &c.adapter.dropout, "dropout probability on the adapter's input, in training");
+  o.add("adapter.rank", &c.adapter.rank,
+        "rank r of the low-rank factors: LoRA's A is (r, in), B is (out, r); LoHa's and LoKr's factors alike "
+        "(OFT has none)");
+  o.add("adapter.alpha", &c.adapter.alpha, "the adapter's output or weight delta is scaled by alpha / rank (not OFT)");
+  o.add("adapter.dropout", &c.adapter.dropout, "LoRA: dropout probability on the adapter's input, in training");
+  o.add("adapter.decompose_both", &c.adapter.decompose_both,
+        "LoKr: the first Kronecker factor may be a low-rank product too (PEFT's decompose_both)");
+  o.add("adapter.decompose_factor", &c.adapter.decompose_factor,
+        "LoKr: the first factor's dimensions divide the layer's by this (PEFT's decompose_factor); -1 = nearest "
+        "the square root");
+  o.add("adapter.block_size", &c.adapter.block_size,
+        "OFT: inputs per rotation block (PEFT's oft_block_size); it must divide every adapted layer's inputs");
+  o.add("adapter.cayley_neumann", &c.adapter.cayley_neumann,
+        "OFT: each rotation is the Cayley-Neumann series (PEFT's default) rather than the exact Cayley transform");
+  o.add("adapter.neumann_terms", &c.adapter.neumann_terms, "OFT: terms of the Cayley-Neumann series");
+  o.add("adapter.block_share", &c.adapter.block_share, "OFT: one rotation shared by all blocks of a layer");
   o.add("adapter.init_from", &c.adapter.init_from,
         "a Hugging Face PEFT LoRA folder (adapter_config.json, adapter_model.safetensors) to start the adapters "
         "from, with the same rank, alpha and layers; empty = PEFT's initialisation (A uniform, B zero)");
@@ -626,6 +639,13 @@ void validate_config(const Config& c, int world) {
   require(a.type != ADAPTER_DORA || a.dropout == 0,
           "adapter.dropout with adapter.type=dora is not implemented (PEFT's DoRA also rescales the dropped "
           "input's base product); set adapter.dropout=0 or use adapter.type=lora");
+  require(!changes_weight(a.type) || a.dropout == 0,
+          std::string("adapter.dropout is LoRA's input dropout; adapter.type=") + adapter_type_name(a.type) +
+              " has none (PEFT's rank and module dropout of LoHa and LoKr are not implemented): set "
+              "adapter.dropout=0");
+  require(a.decompose_factor == -1 || a.decompose_factor >= 1, "adapter.decompose_factor must be -1 or >= 1");
+  require(a.block_size >= 2, "adapter.block_size must be >= 2 (OFT rotates blocks of at least two inputs)");
+  require(a.neumann_terms >= 1, "adapter.neumann_terms must be >= 1");
   require(a.type != ADAPTER_NONE || (a.targets.empty() && a.init_from.empty()),
           "adapter.targets or adapter.init_from is set but adapter.type=none: set adapter.type (lora) or remove "
           "them");
@@ -637,6 +657,9 @@ AdapterConfig adapter_config(const Config& c) {
   a.type = c.adapter.type;
   a.targets = split_comma_list(c.adapter.targets);
   a.rank = c.adapter.rank, a.alpha = c.adapter.alpha, a.dropout = c.adapter.dropout;
+  a.decompose_both = c.adapter.decompose_both, a.decompose_factor = c.adapter.decompose_factor;
+  a.block_size = c.adapter.block_size, a.cayley_neumann = c.adapter.cayley_neumann;
+  a.neumann_terms = c.adapter.neumann_terms, a.block_share = c.adapter.block_share;
   return a;
 }
 

@@ -100,6 +100,12 @@ struct AdapterOptions {
   double alpha = 16;
   double dropout = 0;
   std::string init_from;  // a PEFT adapter folder to start from
+  bool decompose_both = false;  // LoKr
+  int decompose_factor = -1;
+  int block_size = 32;  // OFT
+  bool cayley_neumann = true;
+  int neumann_terms = 5;
+  bool block_share = false;
 };
 
 struct Config {

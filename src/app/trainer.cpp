@@ -391,9 +391,8 @@ void Trainer::print_summary() {
     size_t layers = 0;
     for (int l = 0; l < m.n_layer; l++)
       for (size_t k = 0; k < sites; k++) layers += table_.adapter_param(l, static_cast<int>(k)) >= 0;
-    rt_.info("adapters: %s rank %d alpha %g (scaling %g) dropout %g on %s (%s) | %.3fM trainable parameters, the "
-             "base's %.2fM frozen",
-             adapter_type_name(a.type), a.rank, a.alpha, a.scaling(), a.dropout, counted(static_cast<long long>(layers), "layer").c_str(),
+    rt_.info("adapters: %s on %s (%s) | %.3fM trainable parameters, the base's %.2fM frozen",
+             adapter_settings(a).c_str(), counted(static_cast<long long>(layers), "layer").c_str(),
              cfg_.adapter.targets.c_str(), table_.trainable_params() / 1e6,
              (table_.total_params() - table_.trainable_params()) / 1e6);
   } else if (table_.any_frozen()) {

@@ -341,6 +341,13 @@ const char* ADAPTER_REALS[2] = {"adapter.alpha", "adapter.dropout"};
 // Version 4: adapter-only files and the base model's identity, after the adapter's settings.
 const char* ADAPTERS_ONLY = "adapters_only";
 const char* BASE_CHECKSUM = "base_checksum";
+// Version 5: the settings of LoKr and OFT, after the base model's identity.
+const char* ADAPTER_METHOD_INTS[6] = {"adapter.decompose_both", "adapter.decompose_factor", "adapter.block_size",
+                                      "adapter.cayley_neumann", "adapter.neumann_terms", "adapter.block_share"};
+
+std::array<int64_t, 6> adapter_method_ints(const AdapterConfig& a) {
+  return {a.decompose_both, a.decompose_factor, a.block_size, a.cayley_neumann, a.neumann_terms, a.block_share};
+}
 
 std::string join_targets(const std::vector<std::string>& targets) {
   std::string s;
@@ -385,6 +392,8 @@ void write_state(hid_t file, const CheckpointState& s, const ModelConfig& model,
     h5_write_attr_f64(file, ADAPTER_REALS[i], adapter_reals[i], path), sum.add(ADAPTER_REALS[i], real_text(adapter_reals[i]));
   i64(ADAPTERS_ONLY, s.adapters_only ? 1 : 0);
   h5_write_attr_u64(file, BASE_CHECKSUM, base_checksum, path), sum.add(BASE_CHECKSUM, std::to_string(base_checksum));
+  const std::array<int64_t, 6> method_ints = adapter_method_ints(adapter);
+  for (int i = 0; i < 6; i++) i64(ADAPTER_METHOD_INTS[i], method_ints[i]);
   h5_write_attr_u64(file, META_CHECKSUM, sum.value(), path);
 }
 
@@ -513,6 +522,18 @@ CheckpointState read_state(hid_t file, const std::string& path) {
     sum.add(BASE_CHECKSUM, std::to_string(s.base_checksum));
     s.has_base_checksum = true;
     s.adapters_only = adapters_only == 1;
+  }
+  if (version >= 5) {
+    std::array<int64_t, 6> v;
+    for (int i = 0; i < 6; i++) v[i] = i64(ADAPTER_METHOD_INTS[i]);
+    AdapterConfig& a = s.adapter;
+    auto flag = [](int64_t x) { return x == 0 || x == 1; };
+    if (!flag(v[0]) || !(v[1] == -1 || (v[1] >= 1 && v[1] <= (1 << 20))) || v[2] < 2 || v[2] > (1 << 20) ||
+        !flag(v[3]) || v[4] < 1 || v[4] > 1000 || !flag(v[5]))
+      throw CheckpointError(where + "attributes adapter.decompose_both ... adapter.block_share hold no valid "
+                                    "settings; the file is damaged");
+    a.decompose_both = v[0], a.decompose_factor = static_cast<int>(v[1]), a.block_size = static_cast<int>(v[2]);
+    a.cayley_neumann = v[3], a.neumann_terms = static_cast<int>(v[4]), a.block_share = v[5];
   }
   if (!h5_has_attr(file, META_CHECKSUM))
     s.warning = where + "no metadata checksum (written by an older build): its attributes are not verified";
@@ -691,6 +712,11 @@ std::string adapter_mismatch(const std::string& path, const AdapterConfig& store
   if (stored.type != ADAPTER_NONE && configured.type != ADAPTER_NONE) {
     differ(ADAPTER_TARGETS, join_targets(stored.targets), join_targets(configured.targets));
     differ(ADAPTER_RANK, std::to_string(stored.rank), std::to_string(configured.rank));
+    const std::array<int64_t, 6> a = adapter_method_ints(stored), b = adapter_method_ints(configured);
+    if (stored.type == configured.type && stored.type == ADAPTER_LOKR)
+      for (int i = 0; i < 2; i++) differ(ADAPTER_METHOD_INTS[i], std::to_string(a[i]), std::to_string(b[i]));
+    if (stored.type == configured.type && stored.type == ADAPTER_OFT)
+      for (int i = 2; i < 6; i++) differ(ADAPTER_METHOD_INTS[i], std::to_string(a[i]), std::to_string(b[i]));
   }
   if (differences.empty()) return "";
   return "checkpoint '" + path + "' holds other adapters: " + differences + "; set adapter.* to match" +

@@ -35,7 +35,7 @@ class Watchdog;
 constexpr const char* CKPT_FORMAT_NAME = "shardtrain-checkpoint";
 // 4: adapter-only files and the base model's checksum; 3: the adapter's settings; 2: the model's
 // architecture (1: gpt2); all still read.
-constexpr int64_t CKPT_FORMAT_VERSION = 4;
+constexpr int64_t CKPT_FORMAT_VERSION = 5;
 
 // Everything besides the tensors that resuming needs.
 struct CheckpointState {

@@ -1,6 +1,9 @@
 // See adapter.hpp.
 #include "model/adapter.hpp"
 
+#include <algorithm>
+
+#include "core/error.hpp"
 #include "model/param_table.hpp"
 
 namespace shardtrain {
@@ -9,6 +12,9 @@ const char* adapter_type_name(AdapterType type) {
   switch (type) {
     case ADAPTER_LORA: return "lora";
     case ADAPTER_DORA: return "dora";
+    case ADAPTER_LOHA: return "loha";
+    case ADAPTER_LOKR: return "lokr";
+    case ADAPTER_OFT: return "oft";
     case ADAPTER_NONE: break;
   }
   return "none";
@@ -18,6 +24,41 @@ bool parse_adapter_type(const std::string& name, AdapterType* out) {
   for (AdapterType t : ADAPTER_TYPES)
     if (name == adapter_type_name(t)) return *out = t, true;
   return false;
+}
+
+std::pair<int, int> lokr_factorization(int dim, int factor) {
+  if (factor > 0 && dim % factor == 0) return {factor, dim / factor};  // as given, not sorted
+  if (factor <= 0) factor = dim;
+  int m = 1, n = dim;
+  while (m < n) {
+    int next = m + 1;
+    while (dim % next != 0) next++;
+    if (next > factor) break;
+    m = next, n = dim / next;
+  }
+  return {std::min(m, n), std::max(m, n)};
+}
+
+std::string adapter_settings(const AdapterConfig& a) {
+  std::string s = adapter_type_name(a.type);
+  if (a.type == ADAPTER_NONE) return s;
+  if (a.type == ADAPTER_OFT)
+    return s + strprintf(" blocks of %d, %s", a.block_size,
+                         a.cayley_neumann ? strprintf("Cayley-Neumann %d terms", a.neumann_terms).c_str()
+                                          : "exact Cayley") +
+           (a.block_share ? ", one rotation per layer" : "");
+  s += strprintf(" rank %d alpha %g (scaling %g)", a.rank, a.alpha, a.scaling());
+  if (a.type == ADAPTER_LORA || a.type == ADAPTER_DORA) s += strprintf(" dropout %g", a.dropout);
+  if (a.type == ADAPTER_LOKR)
+    s += strprintf(", decompose_factor %d%s", a.decompose_factor, a.decompose_both ? ", decompose_both" : "");
+  return s;
+}
+
+LokrShape lokr_shape(const AdapterConfig& adapter, int in, int out) {
+  const auto [a, b] = lokr_factorization(out, adapter.decompose_factor);
+  const auto [c, d] = lokr_factorization(in, adapter.decompose_factor);
+  // PEFT: "r < max(...) / 2" in real numbers.
+  return {a, b, c, d, adapter.decompose_both && 2 * adapter.rank < std::max(a, c), 2 * adapter.rank < std::max(b, d)};
 }
 
 std::vector<LinearSite> linear_sites(const ModelConfig& c) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model/config.hpp"
@@ -12,12 +13,20 @@
 namespace shardtrain {
 
 // LoRA, and DoRA: LoRA whose layer output is rescaled per output feature by a trained magnitude
-// over the (detached) norm of the adapted weight (model/lora.hpp).
-enum AdapterType { ADAPTER_NONE, ADAPTER_LORA, ADAPTER_DORA };
-constexpr AdapterType ADAPTER_TYPES[] = {ADAPTER_NONE, ADAPTER_LORA, ADAPTER_DORA};
+// over the (detached) norm of the adapted weight (model/lora.hpp). LoHa, LoKr and OFT change the
+// weight itself: a Hadamard product of two low-rank products, a Kronecker product, a block-diagonal
+// rotation of the inputs (model/delta_adapters.hpp).
+enum AdapterType { ADAPTER_NONE, ADAPTER_LORA, ADAPTER_DORA, ADAPTER_LOHA, ADAPTER_LOKR, ADAPTER_OFT };
+constexpr AdapterType ADAPTER_TYPES[] = {ADAPTER_NONE, ADAPTER_LORA, ADAPTER_DORA,
+                                         ADAPTER_LOHA, ADAPTER_LOKR, ADAPTER_OFT};
 const char* adapter_type_name(AdapterType type);
 // Returns false for an unknown name.
 bool parse_adapter_type(const std::string& name, AdapterType* out);
+
+// Whether the method changes the weight (LoHa, LoKr, OFT) rather than adding a product's output.
+inline bool changes_weight(AdapterType type) {
+  return type == ADAPTER_LOHA || type == ADAPTER_LOKR || type == ADAPTER_OFT;
+}
 
 struct AdapterConfig {
   AdapterType type = ADAPTER_NONE;
@@ -26,9 +35,36 @@ struct AdapterConfig {
   std::vector<std::string> targets;
   int rank = 8;
   double alpha = 16;
-  double dropout = 0;  // on the adapter's input, in training
+  double dropout = 0;  // on the adapter's input, in training (LoRA)
+  // LoKr: w1 too may be a low-rank product (w2 always may); the Kronecker factors' first
+  // dimension divides the layer's by decompose_factor (-1: the divisor pair nearest the square root).
+  bool decompose_both = false;
+  int decompose_factor = -1;
+  // OFT: rotation blocks of block_size inputs (PEFT's oft_block_size), each one the truncated
+  // Cayley-Neumann series of neumann_terms terms or (cayley_neumann false) the exact Cayley
+  // transform; block_share: one rotation for all the blocks of a layer.
+  int block_size = 32;
+  bool cayley_neumann = true;
+  int neumann_terms = 5;
+  bool block_share = false;
+  // alpha / rank (LoRA, DoRA, LoHa, LoKr; OFT has no scaling).
   double scaling() const { return alpha / rank; }
+  bool weight_delta() const { return changes_weight(type); }
 };
+
+// LoKr's shapes for a layer of `in` inputs and `out` outputs: delta W = s kron(w1 (a, c), w2 (b, d)),
+// out = a b and in = c d (PEFT's factorization); each factor a rank-`rank` product where PEFT
+// makes it one (w1 only with decompose_both).
+struct LokrShape {
+  int a, b, c, d;
+  bool w1_low_rank, w2_low_rank;
+};
+LokrShape lokr_shape(const AdapterConfig& adapter, int in, int out);
+// The method and its settings as the start line and `inspect` print them: "lora rank 8 alpha 16
+// (scaling 2) dropout 0", "oft blocks of 32, Cayley-Neumann 5 terms".
+std::string adapter_settings(const AdapterConfig& adapter);
+// PEFT's factorization(dim, factor): dim = m n, (m, n) as PEFT orders them.
+std::pair<int, int> lokr_factorization(int dim, int factor);
 
 // The four matrix products of a block, in both architectures. Llama multiplies q|k|v and gate|up
 // as one matrix each.

@@ -4,7 +4,7 @@
 
 #include <vector>
 
-#include "model/lora.hpp"
+#include "model/adapter_layers.hpp"
 #include "model/model.hpp"
 
 namespace shardtrain {
@@ -54,7 +54,7 @@ class GptModel : public TransformerModel<Real> {
 
   const ParamTable& table_;
   const LayerOps<Real>& ops_;
-  ModelAdapters<Real> adapters_;  // LoRA/DoRA around the block products (model/lora.hpp)
+  ModelAdapters<Real> adapters_;  // the adapters around the block products (model/adapter_layers.hpp)
   ModelConfig cfg_;
   int B_, T_;
   bool checkpointing_;

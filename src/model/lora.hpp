@@ -24,12 +24,13 @@
 #include <vector>
 
 #include "backend/layer_ops.hpp"
+#include "model/adapter_layers.hpp"
 #include "model/param_table.hpp"
 
 namespace shardtrain {
 
 template <typename Real>
-class LoraLayers {
+class LoraLayers : public AdapterLayers<Real> {
  public:
   // rows: the B*T rows of a micro-batch (or the most a decode step takes).
   LoraLayers(const ParamTable& table, int rows, const LayerOps<Real>& ops);
@@ -38,23 +39,14 @@ class LoraLayers {
   // accounting.
   static size_t plan_bytes(const ParamTable& table, int rows, size_t real_bytes);
 
-  // The training rows' dropout keys (host memory, one per row, dropout_token_key), or null: no
-  // dropout (evaluation). Kept until the next call.
-  void set_row_keys(const uint64_t* keys);
-
-  // After the base forward of `product` in block `layer`: each adapted layer of it adds its term
-  // to out (n rows of the product's width). unit: the block's gathered parameters.
-  void forward(int layer, BlockProduct product, const Real* x, Real* out, int n, const Real* unit) const;
-  // Before the base backward of `product`: the output gradient that the base layer's backward and
-  // then backward() take -- dout itself, or with DoRA a copy whose adapted columns are scaled by
-  // their gains; DoRA's magnitude gradients accumulate into unit_grads here, from dout.
+  // The AdapterLayers calls (model/adapter_layers.hpp): DoRA's output_grad scales the adapted
+  // columns by their gains and accumulates the magnitudes' gradients from dout.
+  void set_row_keys(const uint64_t* keys) override;
+  void forward(int layer, BlockProduct product, const Real* x, Real* out, int n, const Real* unit) const override;
   const Real* output_grad(int layer, BlockProduct product, const Real* x, const Real* dout, int n, const Real* unit,
-                          Real* unit_grads) const;
-  // After the base backward of `product`: dx (n, in) += the adapters' input gradient, given the
-  // product's output gradient dout (output_grad's); their parameter gradients accumulate into
-  // unit_grads (null: none, the adapters frozen).
+                          Real* unit_grads) const override;
   void backward(int layer, BlockProduct product, const Real* x, const Real* dout, Real* dx, int n, const Real* unit,
-                Real* unit_grads) const;
+                Real* unit_grads) const override;
 
  private:
   const ParamTable& table_;
@@ -77,43 +69,6 @@ class LoraLayers {
   // The layer's input, dropped out where training (into dropped_); the site keys the layer.
   const Real* input(int layer, size_t site, const Real* x, int n, int in) const;
   uint64_t site_key(int layer, size_t site) const { return 1 + static_cast<uint64_t>(layer) * sites_.size() + site; }
-};
-
-// A model's adapters, which GptModel and LlamaModel call around each block product: LoRA or DoRA
-// where the table has adapters, nothing otherwise. One LoraLayers for a micro-batch's rows and,
-// while a generation decodes, one for a step's.
-template <typename Real>
-class ModelAdapters {
- public:
-  ModelAdapters(const ParamTable& table, int rows, const LayerOps<Real>& ops) : table_(table), ops_(ops), rows_(rows) {
-    if (table.adapter().type != ADAPTER_NONE) train_ = std::make_unique<LoraLayers<Real>>(table, rows, ops);
-  }
-  void forward(int l, BlockProduct product, const Real* x, Real* out, const Real* w) const {
-    if (train_) train_->forward(l, product, x, out, rows_, w);
-  }
-  const Real* output_grad(int l, BlockProduct product, const Real* x, const Real* dout, const Real* w, Real* g) const {
-    return train_ ? train_->output_grad(l, product, x, dout, rows_, w, g) : dout;
-  }
-  void backward(int l, BlockProduct product, const Real* x, const Real* dout, Real* dx, const Real* w, Real* g) const {
-    if (train_) train_->backward(l, product, x, dout, dx, rows_, w, g);
-  }
-  void set_dropout_keys(const uint64_t* keys) {
-    if (train_) train_->set_row_keys(keys);
-  }
-  // Generation: steps of up to max_chunk rows.
-  void begin_decode(int max_chunk) {
-    if (train_) decode_ = std::make_unique<LoraLayers<Real>>(table_, max_chunk, ops_);
-  }
-  void end_decode() { decode_.reset(); }
-  void decode_forward(int l, BlockProduct product, const Real* x, Real* out, int n, const Real* w) const {
-    if (decode_) decode_->forward(l, product, x, out, n, w);
-  }
-
- private:
-  const ParamTable& table_;
-  const LayerOps<Real>& ops_;
-  int rows_;
-  std::unique_ptr<LoraLayers<Real>> train_, decode_;
 };
 
 }  // namespace shardtrain

@@ -3,7 +3,7 @@
 
 #include "model/gpt.hpp"
 #include "model/llama.hpp"
-#include "model/lora.hpp"
+#include "model/adapter_layers.hpp"
 
 namespace shardtrain {
 
@@ -22,7 +22,7 @@ size_t plan_activation_bytes(const ParamTable& table, int batch, int seq_len, bo
       config.arch == ARCH_LLAMA
           ? LlamaModel<float>::plan_activation_elements(config, batch, seq_len, activation_checkpointing)
           : GptModel<float>::plan_activation_elements(config, batch, seq_len, activation_checkpointing);
-  return elements * real_bytes + LoraLayers<float>::plan_bytes(table, batch * seq_len, real_bytes) +
+  return elements * real_bytes + plan_adapter_bytes(table, batch * seq_len, real_bytes) +
          2 * static_cast<size_t>(batch) * seq_len * sizeof(int);  // + tokens, targets
 }
 
@@ -31,7 +31,7 @@ size_t plan_decode_bytes(const ParamTable& table, int max_len, int max_chunk, si
   const size_t elements = config.arch == ARCH_LLAMA
                               ? LlamaModel<float>::plan_decode_elements(config, max_len, max_chunk)
                               : GptModel<float>::plan_decode_elements(config, max_len, max_chunk);
-  return elements * real_bytes + LoraLayers<float>::plan_bytes(table, max_chunk, real_bytes) +
+  return elements * real_bytes + plan_adapter_bytes(table, max_chunk, real_bytes) +
          static_cast<size_t>(max_chunk) * sizeof(int);  // + the step's tokens
 }
 

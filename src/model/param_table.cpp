@@ -66,16 +66,10 @@ void ParamTable::add_adapters() {
       for (size_t t = 0; t < adapter_.targets.size(); t++)
         if (target_matches(adapter_.targets[t], path)) used[t] = match = true;
       if (!match) continue;
-      if (adapter_.rank > std::min(site.in, site.out))
-        throw UsageError(strprintf("adapter.rank=%d is larger than %s (%d inputs, %d outputs): a rank above "
-                                   "min(in, out) adds parameters and nothing else; lower adapter.rank",
-                                   adapter_.rank, path.c_str(), site.in, site.out));
       std::string base = param(u, site.weight).name;
       base = base.substr(0, base.size() - std::string(".weight").size());
       adapter_params_[l][k] = static_cast<int>(units_[u].params.size());
-      add(u, base + ".lora_A.weight", {adapter_.rank, site.in}, INIT_KAIMING_UNIFORM, true);
-      add(u, base + ".lora_B.weight", {site.out, adapter_.rank}, INIT_ZEROS, true);
-      if (adapter_.type == ADAPTER_DORA) add(u, base + ".lora_magnitude_vector", {site.out}, INIT_WEIGHT_NORMS, false);
+      add_adapter(u, base, path, site);
       for (size_t id = units_[u].params[adapter_params_[l][k]]; id < params_.size(); id++) params_[id].adapter = true;
     }
   }
@@ -85,6 +79,58 @@ void ParamTable::add_adapters() {
                        model_arch_name(config_.arch) + " model (" + hf_module_path(config_, 0, sites[0]) +
                        ", ...; the layers of a block: " + layers + ")");
   for (ParamInfo& p : params_) p.frozen = !p.adapter;  // the base is frozen
+}
+
+void ParamTable::add_adapter(int u, const std::string& base, const std::string& path, const LinearSite& site) {
+  const int r = adapter_.rank, in = site.in, out = site.out;
+  if (adapter_.type != ADAPTER_LOKR && adapter_.type != ADAPTER_OFT && r > std::min(in, out))
+    throw UsageError(strprintf("adapter.rank=%d is larger than %s (%d inputs, %d outputs): a rank above "
+                               "min(in, out) adds parameters and nothing else; lower adapter.rank",
+                               r, path.c_str(), in, out));
+  switch (adapter_.type) {
+    case ADAPTER_LORA:
+    case ADAPTER_DORA:
+      add(u, base + ".lora_A.weight", {r, in}, INIT_KAIMING_UNIFORM, true);
+      add(u, base + ".lora_B.weight", {out, r}, INIT_ZEROS, true);
+      if (adapter_.type == ADAPTER_DORA) add(u, base + ".lora_magnitude_vector", {out}, INIT_WEIGHT_NORMS, false);
+      return;
+    case ADAPTER_LOHA:  // PEFT: the second product starts at zero, so delta W does
+      add(u, base + ".hada_w1_a", {out, r}, INIT_KAIMING_UNIFORM, true);
+      add(u, base + ".hada_w1_b", {r, in}, INIT_KAIMING_UNIFORM, true);
+      add(u, base + ".hada_w2_a", {out, r}, INIT_KAIMING_UNIFORM, true);
+      add(u, base + ".hada_w2_b", {r, in}, INIT_ZEROS, true);
+      return;
+    case ADAPTER_LOKR: {  // PEFT: w1 (or its first factor) starts at zero
+      const LokrShape k = lokr_shape(adapter_, in, out);
+      if (k.w1_low_rank) {
+        add(u, base + ".lokr_w1_a", {k.a, r}, INIT_ZEROS, true);
+        add(u, base + ".lokr_w1_b", {r, k.c}, INIT_KAIMING_UNIFORM, true);
+      } else {
+        add(u, base + ".lokr_w1", {k.a, k.c}, INIT_ZEROS, true);
+      }
+      if (k.w2_low_rank) {
+        add(u, base + ".lokr_w2_a", {k.b, r}, INIT_KAIMING_UNIFORM, true);
+        add(u, base + ".lokr_w2_b", {r, k.d}, INIT_KAIMING_UNIFORM, true);
+      } else {
+        add(u, base + ".lokr_w2", {k.b, k.d}, INIT_KAIMING_UNIFORM, true);
+      }
+      return;
+    }
+    case ADAPTER_OFT: {  // PEFT: zero, the identity rotation
+      const int b = adapter_.block_size;
+      if (in % b != 0) {
+        int below = b, above = b;
+        while (in % below != 0) below--;
+        while (in % above != 0) above++;
+        throw UsageError(strprintf("adapter.block_size=%d does not divide the %d inputs of %s: OFT's blocks must "
+                                   "tile them; set adapter.block_size to a divisor such as %d or %d",
+                                   b, in, path.c_str(), below, above));
+      }
+      add(u, base + ".oft_R.weight", {adapter_.block_share ? 1 : in / b, b * (b - 1) / 2}, INIT_ZEROS, true);
+      return;
+    }
+    case ADAPTER_NONE: break;
+  }
 }
 
 void ParamTable::apply_freeze(const std::vector<std::string>& patterns) {

@@ -95,10 +95,14 @@ inline int block_unit(int layer) { return 1 + layer; }
 std::string model_summary(const ModelConfig& config);
 
 // Adapters (model/adapter.hpp): each adapted linear layer of block l adds, after the block's own
-// parameters, "<its weight's name less .weight>.lora_A.weight" (rank, in) and ".lora_B.weight"
-// (out, rank) -- e.g. h.3.attn.qkv.lora_A.weight, layers.3.self_attn.q_proj.lora_B.weight -- DoRA
-// also ".lora_magnitude_vector" (out), and every parameter of the base model is frozen. Throws
-// UsageError for a target that matches no layer or a rank the layers cannot take.
+// parameters, "<its weight's name less .weight>." followed by PEFT's names: LoRA "lora_A.weight"
+// (rank, in) and "lora_B.weight" (out, rank) -- e.g. h.3.attn.qkv.lora_A.weight,
+// layers.3.self_attn.q_proj.lora_B.weight -- DoRA also "lora_magnitude_vector" (out); LoHa
+// hada_w1_a (out, rank), hada_w1_b (rank, in), hada_w2_a, hada_w2_b; LoKr lokr_w1 (a, c) or
+// lokr_w1_a (a, rank) and lokr_w1_b (rank, c), then lokr_w2 (b, d) or lokr_w2_a, lokr_w2_b
+// (lokr_shape); OFT "oft_R.weight" (blocks, b (b - 1) / 2). Every parameter of the base model is
+// frozen. Throws UsageError for a target that matches no layer, a rank the layers cannot take,
+// or OFT blocks that do not tile a layer's inputs.
 //
 // Names matched by train.freeze: comma-separated shell glob patterns (fnmatch(3) without flags:
 // `*` and `?` also match dots, `[0-5]` a character class), each matched against every parameter
@@ -117,7 +121,7 @@ class ParamTable {
   const ModelConfig& config() const { return config_; }
   const AdapterConfig& adapter() const { return adapter_; }
   // The position in block `layer`'s unit (as param() takes it) of the adapter on linear_sites()[site]:
-  // its lora_A; lora_B follows, then DoRA's magnitude. -1 where that layer has no adapter.
+  // its first parameter, the others following in the order above. -1 where that layer has none.
   int adapter_param(int layer, int site) const { return adapter_params_.empty() ? -1 : adapter_params_[layer][site]; }
   const std::vector<ParamInfo>& params() const { return params_; }
   const std::vector<UnitInfo>& units() const { return units_; }
@@ -141,6 +145,8 @@ class ParamTable {
   void add_llama_params();
   void add(int unit, const std::string& name, std::vector<int> shape, InitRule init, bool decay);
   void add_adapters();
+  // The adapter parameters of one layer (its weight's name less ".weight", its module path).
+  void add_adapter(int unit, const std::string& base, const std::string& path, const LinearSite& site);
   void apply_freeze(const std::vector<std::string>& patterns);
   void assign_offsets();
 

@@ -1,0 +1,78 @@
+// The adapters' arithmetic around a block's matrix products, as the models call it: LoRA and DoRA
+// add a low-rank product's output (model/lora.hpp); LoHa, LoKr and OFT add x dW^T for a weight
+// delta dW built from their parameters (model/delta_adapters.hpp). Each runs after the base layer's
+// own forward and backward, on the block's gathered unit, and keeps nothing between the two: the
+// backward rebuilds what it needs (so activation checkpointing recomputes nothing else).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "backend/layer_ops.hpp"
+#include "model/param_table.hpp"
+
+namespace shardtrain {
+
+template <typename Real>
+class AdapterLayers {
+ public:
+  virtual ~AdapterLayers() = default;
+  // The training rows' dropout keys (host memory, one per row, dropout_token_key), or null: no
+  // dropout (evaluation). Kept until the next call.
+  virtual void set_row_keys(const uint64_t* keys) = 0;
+  // After the base forward of `product` in block `layer`: each adapted layer of it adds its term
+  // to out (n rows of the product's width). unit: the block's gathered parameters.
+  virtual void forward(int layer, BlockProduct product, const Real* x, Real* out, int n, const Real* unit) const = 0;
+  // Before the base backward of `product`: the output gradient that the base layer's backward and
+  // then backward() take -- dout itself, or (DoRA) a rescaled copy; parameter gradients that need
+  // dout itself accumulate into unit_grads here.
+  virtual const Real* output_grad(int layer, BlockProduct product, const Real* x, const Real* dout, int n,
+                                  const Real* unit, Real* unit_grads) const = 0;
+  // After the base backward of `product`: dx (n, in) += the adapters' input gradient, given the
+  // product's output gradient dout (output_grad's); their parameter gradients accumulate into
+  // unit_grads (null, or a frozen parameter: none).
+  virtual void backward(int layer, BlockProduct product, const Real* x, const Real* dout, Real* dx, int n,
+                        const Real* unit, Real* unit_grads) const = 0;
+};
+
+// The table's method for `rows` rows (null without adapters), and its scratch bytes for
+// `rows` rows of `real_bytes` elements: the plan of the models' activation accounting.
+template <typename Real>
+std::unique_ptr<AdapterLayers<Real>> make_adapter_layers(const ParamTable& table, int rows, const LayerOps<Real>& ops);
+size_t plan_adapter_bytes(const ParamTable& table, int rows, size_t real_bytes);
+
+// A model's adapters, which GptModel and LlamaModel call around each block product: one
+// AdapterLayers for a micro-batch's rows and, while a generation decodes, one for a step's.
+template <typename Real>
+class ModelAdapters {
+ public:
+  ModelAdapters(const ParamTable& table, int rows, const LayerOps<Real>& ops)
+      : table_(table), ops_(ops), rows_(rows), train_(make_adapter_layers(table, rows, ops)) {}
+  void forward(int l, BlockProduct product, const Real* x, Real* out, const Real* w) const {
+    if (train_) train_->forward(l, product, x, out, rows_, w);
+  }
+  const Real* output_grad(int l, BlockProduct product, const Real* x, const Real* dout, const Real* w, Real* g) const {
+    return train_ ? train_->output_grad(l, product, x, dout, rows_, w, g) : dout;
+  }
+  void backward(int l, BlockProduct product, const Real* x, const Real* dout, Real* dx, const Real* w, Real* g) const {
+    if (train_) train_->backward(l, product, x, dout, dx, rows_, w, g);
+  }
+  void set_dropout_keys(const uint64_t* keys) {
+    if (train_) train_->set_row_keys(keys);
+  }
+  // Generation: steps of up to max_chunk rows.
+  void begin_decode(int max_chunk) { decode_ = make_adapter_layers(table_, max_chunk, ops_); }
+  void end_decode() { decode_.reset(); }
+  void decode_forward(int l, BlockProduct product, const Real* x, Real* out, int n, const Real* w) const {
+    if (decode_) decode_->forward(l, product, x, out, n, w);
+  }
+
+ private:
+  const ParamTable& table_;
+  const LayerOps<Real>& ops_;
+  int rows_;
+  std::unique_ptr<AdapterLayers<Real>> train_, decode_;
+};
+
+}  // namespace shardtrain
