@@ -11,8 +11,8 @@ for 2 ranks, SGEMM runs on both at once). The machine's OpenBLAS environment is 
 Architectures (--only arch): gpt2-124M beside llama-135M at T = 64 and T = 1024 (see arch_section).
 
 Adapters (--only adapters): gpt2-124M and llama-135M (--adapter-models) full fine-tuning against LoRA
-(rank 8 and 64 on every linear layer) and against freezing all but the last two blocks, on 1, 2 and 4
-ranks (see adapter_section).
+(rank 8 and 64 on every linear layer), LoHa, LoKr, OFT and freezing all but the last two blocks, on 1,
+2 and 4 ranks (--adapter-cases picks some; see adapter_section).
 
 Checkpoint I/O (build/ckpt_bench, see tests/bench/ckpt_bench.cpp): a gpt2-124M checkpoint (params,
 exp_avg, exp_avg_sq: 3 x 124.4M fp32 = 1493 MB of tensor data) saved and loaded on 1, 2 and 4 ranks
@@ -151,6 +151,9 @@ def main():
                         help="run one section only")
     parser.add_argument("--arch-rounds", type=int, default=2)
     parser.add_argument("--adapter-models", default="gpt2,llama", help="adapters section: gpt2, llama or both")
+    parser.add_argument("--adapter-cases", default="",
+                        help="adapters section: comma-separated case names to run besides full fine-tuning "
+                             "(e.g. 'LoHa r=8,OFT b=32'); empty = all")
     parser.add_argument("--skip-layers", action="store_true")
     args = parser.parse_args()
     build = os.path.abspath(os.path.join(ROOT, args.build))
@@ -173,7 +176,8 @@ def main():
     if "arch" in sections:
         arch_section(build, args.steps, args.arch_rounds)
     if "adapters" in sections:
-        adapter_section(build, args.steps, args.adapter_models.split(","))
+        adapter_section(build, args.steps, args.adapter_models.split(","),
+                        [c for c in args.adapter_cases.split(",") if c])
 
 
 def train_section(build, steps):
@@ -226,7 +230,10 @@ def adapter_cases(all_linear, all_but_last_two):
     return (("full fine-tuning", ()),
             ("LoRA r=8", ("--adapter.type=lora", f"--adapter.targets={all_linear}", "--adapter.rank=8")),
             ("LoRA r=64", ("--adapter.type=lora", f"--adapter.targets={all_linear}", "--adapter.rank=64")),
-            ("last 2 blocks", (f"--train.freeze={all_but_last_two}",)))
+            ("last 2 blocks", (f"--train.freeze={all_but_last_two}",)),
+            ("LoHa r=8", ("--adapter.type=loha", f"--adapter.targets={all_linear}", "--adapter.rank=8")),
+            ("LoKr r=8", ("--adapter.type=lokr", f"--adapter.targets={all_linear}", "--adapter.rank=8")),
+            ("OFT b=32", ("--adapter.type=oft", f"--adapter.targets={all_linear}", "--adapter.block_size=32")))
 
 
 # Per model: every linear layer adapted; frozen: the embeddings and all blocks but the last two.
@@ -238,15 +245,16 @@ ADAPTER_MODELS = {
 MEMORY_COLUMNS = ("sharded_params", "gathered_units", "gradients", "optimizer_state", "activations", "comm_buffers")
 
 
-def adapter_section(build, steps, models):
-    """gpt2-124M or llama-135M (T = 64, micro_batch 4, global_batch 16) trained in full, with LoRA
-    and with all but the last two blocks frozen, FULL_SHARD on 1 rank x 2 threads, 2 ranks x 1 thread and 4
+def adapter_section(build, steps, models, only_cases):
+    """gpt2-124M or llama-135M (T = 64, micro_batch 4, global_batch 16) trained in full, with LoRA,
+    LoHa, LoKr and OFT on every linear layer and with all but the last two blocks frozen, FULL_SHARD on 1 rank x 2 threads, 2 ranks x 1 thread and 4
     ranks x 1 thread (oversubscribed on 2 cores: its tokens/s say little, its memory is exact). Each
     rank count runs the four cases back to back; tokens/s are medians over the steps after the
     first, and the ratio to full fine-tuning is taken within the rank count. Memory is the trainer's
     own count of one rank's bytes by category (what it allocated; held = planned)."""
     for model in models:
         config, cases = ADAPTER_MODELS[model]
+        cases = [c for c in cases if not only_cases or c[0] in only_cases or c[0] == "full fine-tuning"]
         print(f"\n== adapters: {config}, seq_len 64, micro_batch 4, global_batch 16, {steps} steps, FULL_SHARD",
               flush=True)
         print("ranks | case | tokens/s median | / full | MiB per rank: " + " ".join(MEMORY_COLUMNS) + " total",
