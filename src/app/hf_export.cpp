@@ -14,6 +14,7 @@
 #include "ckpt/peft.hpp"
 #include "core/counted.hpp"
 #include "core/format.hpp"
+#include "model/oft.hpp"
 
 namespace shardtrain {
 namespace {
@@ -30,7 +31,82 @@ void write_file_atomically(const std::string& path, const std::string& text) {
   }
 }
 
-// A base weight's values, with its adapter folded in where it has one: W + s B A (PEFT's merge).
+// W (out, in) with a LoHa, LoKr or OFT adapter folded in (PEFT's merge), in double: W + dW with
+//   LoHa  dW = s (w1_a w1_b) (.) (w2_a w2_b)
+//   LoKr  dW = s kron(w1, w2), each factor maybe a rank-r product (lokr_shape)
+//   OFT   W' = W blockdiag(R_1, ..., R_nb)^T (model/oft.hpp's rotations; one R with block_share).
+// param(i): the site's i-th adapter parameter, in the table's order.
+template <typename Read>
+void merge_weight_delta(const AdapterConfig& a, const LinearSite& site, std::vector<float>& w, Read param) {
+  const int in = site.in, out = site.out, r = a.rank;
+  const double s = a.scaling();
+  // (m, n) = x (m, k) y (k, n), in double.
+  auto product = [](const std::vector<float>& x, const std::vector<float>& y, int m, int k, int n) {
+    std::vector<double> p(static_cast<size_t>(m) * n, 0.0);
+    for (int i = 0; i < m; i++)
+      for (int q = 0; q < k; q++) {
+        const double xi = x[static_cast<size_t>(i) * k + q];
+        for (int j = 0; j < n; j++) p[static_cast<size_t>(i) * n + j] += xi * y[static_cast<size_t>(q) * n + j];
+      }
+    return p;
+  };
+  auto as_double = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
+  switch (a.type) {
+    case ADAPTER_LOHA: {
+      const std::vector<double> p1 = product(param(0), param(1), out, r, in), p2 = product(param(2), param(3), out, r, in);
+      for (size_t e = 0; e < w.size(); e++) w[e] = static_cast<float>(w[e] + s * p1[e] * p2[e]);
+      return;
+    }
+    case ADAPTER_LOKR: {
+      const LokrShape k = lokr_shape(a, in, out);
+      int next = 0;
+      std::vector<double> w1, w2;
+      if (k.w1_low_rank) {
+        w1 = product(param(next), param(next + 1), k.a, r, k.c);
+        next += 2;
+      } else {
+        w1 = as_double(param(next++));
+      }
+      w2 = k.w2_low_rank ? product(param(next), param(next + 1), k.b, r, k.d) : as_double(param(next));
+      // kron(w1, w2)[i b + p, j d + q] = w1[i, j] w2[p, q]
+      for (int i = 0; i < k.a; i++)
+        for (int j = 0; j < k.c; j++) {
+          const double x = s * w1[static_cast<size_t>(i) * k.c + j];
+          for (int p = 0; p < k.b; p++)
+            for (int q = 0; q < k.d; q++) {
+              float& e = w[static_cast<size_t>(i * k.b + p) * in + j * k.d + q];
+              e = static_cast<float>(e + x * w2[static_cast<size_t>(p) * k.d + q]);
+            }
+        }
+      return;
+    }
+    case ADAPTER_OFT: {
+      const int b = a.block_size, per_block = b * (b - 1) / 2;
+      const std::vector<float> v = param(0);
+      const OftRotation rotation{b, a.cayley_neumann, a.neumann_terms};
+      std::vector<double> R(static_cast<size_t>(b) * b), row(b);
+      for (int j = 0; j < in / b; j++) {
+        const std::vector<double> params(v.begin() + (a.block_share ? 0 : j) * per_block,
+                                         v.begin() + ((a.block_share ? 0 : j) + 1) * per_block);
+        rotation.forward(params.data(), R.data());
+        for (int o = 0; o < out; o++) {  // W'[o, j b + p] = sum_q W[o, j b + q] R[p, q]
+          float* wo = w.data() + static_cast<size_t>(o) * in + j * b;
+          for (int p = 0; p < b; p++) {
+            double sum = 0;
+            for (int q = 0; q < b; q++) sum += static_cast<double>(wo[q]) * R[static_cast<size_t>(p) * b + q];
+            row[p] = sum;
+          }
+          for (int p = 0; p < b; p++) wo[p] = static_cast<float>(row[p]);
+        }
+      }
+      return;
+    }
+    default: SHARD_CHECK(false, "merge_weight_delta for adapter.type=%s", adapter_type_name(a.type));
+  }
+}
+
+// A base weight's values, with its adapter folded in where it has one, as PEFT's merge does:
+// LoRA W + s B A, DoRA the same rescaled per row to m / ||W + s B A||, LoHa/LoKr/OFT above.
 std::vector<float> merged_weight(const CheckpointReader& reader, const ParamTable& adapted, const ParamInfo& p) {
   std::vector<float> w = reader.read(p, adapted.units()[p.unit].name, CheckpointReader::TENSOR_PARAMS);
   if (adapted.adapter().type == ADAPTER_NONE || p.unit == ROOT_UNIT) return w;
@@ -41,6 +117,10 @@ std::vector<float> merged_weight(const CheckpointReader& reader, const ParamTabl
     if (a < 0 || adapted.param(p.unit, sites[k].weight).id != p.id) continue;
     auto read = [&](int q) { return reader.read(adapted.param(p.unit, q), adapted.units()[p.unit].name,
                                                 CheckpointReader::TENSOR_PARAMS); };
+    if (adapted.adapter().weight_delta()) {
+      merge_weight_delta(adapted.adapter(), sites[k], w, [&](int i) { return read(a + i); });
+      continue;
+    }
     const std::vector<float> A = read(a), B = read(a + 1);
     const int r = adapted.adapter().rank, in = sites[k].in, out = sites[k].out;
     const double s = adapted.adapter().scaling();
@@ -140,6 +220,11 @@ void export_peft_folder(const Runtime& rt, const std::string& checkpoint, const 
   if (state.adapter.type == ADAPTER_NONE)
     throw UsageError("export --adapter: checkpoint '" + checkpoint +
                      "' has no adapters (adapter.type=none); export the model with --format hf");
+  if (state.model.arch == ARCH_GPT2 && state.adapter.weight_delta())
+    throw UsageError("export --adapter: checkpoint '" + checkpoint + "' holds " + adapter_type_name(state.adapter.type) +
+                     " adapters on a GPT-2 model, and PEFT 0.21.2 cannot load " + peft_type_name(state.adapter.type) +
+                     " on GPT-2's Conv1D layers (it takes only LoRA and DoRA there); export the merged model with "
+                     "--format hf --merge instead");
   const ParamTable table(state.model, {}, state.adapter);
   const std::vector<PeftTensor> tensors = peft_tensors(table);
   std::vector<SafetensorsEntry> entries;

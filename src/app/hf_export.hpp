@@ -16,13 +16,16 @@ namespace shardtrain {
 // renames into place (a reader never sees a partial file). Above `max_file_bytes` (0 = no limit)
 // the weights are split into several files with an index. Throws InputError, agreed.
 // A checkpoint with adapters needs `merge`: each adapted weight is exported as PEFT's merge makes
-// it, W + (alpha / rank) B A.
+// it (merge_and_unload), computed on the host in double: LoRA W + (alpha / rank) B A, DoRA that
+// rescaled per row to its magnitude, LoHa and LoKr W + dW, OFT W blockdiag(R)^T
+// (model/delta_adapters.hpp).
 void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const std::string& out_dir, DType dtype,
                       uint64_t max_file_bytes, bool merge = false);
 
 // Collective. `shardtrain export --adapter`: the checkpoint's adapters as a PEFT folder
 // (adapter_config.json, adapter_model.safetensors; ckpt/peft.hpp), written by rank 0 through
-// temporary names renamed into place. Throws InputError, agreed.
+// temporary names renamed into place. Throws InputError, agreed; UsageError for LoHa, LoKr or OFT
+// on GPT-2, which PEFT 0.21.2 cannot load (it applies them to no transformers Conv1D layer).
 void export_peft_folder(const Runtime& rt, const std::string& checkpoint, const std::string& out_dir, DType dtype);
 
 }  // namespace shardtrain

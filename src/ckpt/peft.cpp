@@ -1,6 +1,7 @@
-// See peft.hpp. The config keys PEFT 0.21.2 needs to load a LoRA adapter, and the ones we check on
-// the way in: a setting we do not implement (DoRA, rsLoRA, a LoRA bias, per-module ranks) is
-// refused rather than silently computed otherwise.
+// See peft.hpp. The config keys PEFT 0.21.2 needs to load each method's adapter, and the ones we
+// check on the way in: a setting we do not implement (rsLoRA, a LoRA bias, per-module ranks, LoHa's
+// and LoKr's rank and module dropout, constrained OFT, OFT blocks given by their count) is refused
+// rather than silently computed otherwise.
 #include "ckpt/peft.hpp"
 
 #include <cmath>
@@ -18,72 +19,211 @@ std::vector<PeftTensor> peft_tensors(const ParamTable& table) {
   const ModelConfig& c = table.config();
   const std::vector<LinearSite> sites = linear_sites(c);
   std::vector<PeftTensor> out;
-  for (int l = 0; l < c.n_layer; l++)
+  for (int l = 0; l < c.n_layer; l++) {
+    const UnitInfo& unit = table.units()[block_unit(l)];
     for (size_t k = 0; k < sites.size(); k++) {
       const int a = table.adapter_param(l, static_cast<int>(k));
       if (a < 0) continue;
-      const std::string module = "base_model.model." + hf_module_path(c, l, sites[k]);
-      out.push_back({table.param(block_unit(l), a).id, module + ".lora_A.weight"});
-      out.push_back({table.param(block_unit(l), a + 1).id, module + ".lora_B.weight"});
-      if (table.adapter().type == ADAPTER_DORA)  // PEFT's name has no ".weight"
-        out.push_back({table.param(block_unit(l), a + 2).id, module + ".lora_magnitude_vector"});
+      // The table names a layer's adapter parameters "<its weight's name less .weight>.<PEFT's
+      // suffix>" (model/param_table.hpp): the suffix follows the module path in PEFT's name.
+      std::string base = table.param(block_unit(l), sites[k].weight).name;
+      base = base.substr(0, base.size() - std::string(".weight").size()) + ".";
+      const std::string module = "base_model.model." + hf_module_path(c, l, sites[k]) + ".";
+      for (size_t q = a; q < unit.params.size(); q++) {
+        const ParamInfo& p = table.params()[unit.params[q]];
+        if (!p.adapter || p.name.compare(0, base.size(), base) != 0) break;
+        out.push_back({p.id, module + p.name.substr(base.size())});
+      }
     }
+  }
   return out;
+}
+
+const char* peft_type_name(AdapterType type) {
+  switch (type) {
+    case ADAPTER_LORA:
+    case ADAPTER_DORA: return "LORA";
+    case ADAPTER_LOHA: return "LOHA";
+    case ADAPTER_LOKR: return "LOKR";
+    case ADAPTER_OFT: return "OFT";
+    case ADAPTER_NONE: break;
+  }
+  return "";
 }
 
 std::string peft_adapter_config_json(const ParamTable& table) {
   const AdapterConfig& a = table.adapter();
   const ModelConfig& c = table.config();
   nlohmann::json j;
-  j["peft_type"] = "LORA";
+  j["peft_type"] = peft_type_name(a.type);
   j["task_type"] = "CAUSAL_LM";
   j["peft_version"] = "0.21.2";
   j["base_model_name_or_path"] = nullptr;
-  j["r"] = a.rank;
-  j["lora_alpha"] = a.alpha;
-  j["lora_dropout"] = a.dropout;
+  j["revision"] = nullptr;
   j["target_modules"] = a.targets;
-  j["fan_in_fan_out"] = c.arch == ARCH_GPT2;  // transformers' Conv1D stores GPT-2's weights (in, out)
-  j["bias"] = "none";
-  j["lora_bias"] = false;
-  j["use_dora"] = a.type == ADAPTER_DORA;
-  j["use_rslora"] = false;
-  j["init_lora_weights"] = true;
   j["inference_mode"] = true;
-  j["rank_pattern"] = nlohmann::json::object();
-  j["alpha_pattern"] = nlohmann::json::object();
   j["modules_to_save"] = nullptr;
   j["layers_to_transform"] = nullptr;
   j["layers_pattern"] = nullptr;
   j["exclude_modules"] = nullptr;
   j["auto_mapping"] = {{"base_model_class", c.arch == ARCH_GPT2 ? "GPT2LMHeadModel" : "LlamaForCausalLM"}};
+  const bool conv1d = c.arch == ARCH_GPT2;  // transformers' Conv1D stores GPT-2's weights (in, out)
+  switch (a.type) {
+    case ADAPTER_LORA:
+    case ADAPTER_DORA:
+      j["r"] = a.rank;
+      j["lora_alpha"] = a.alpha;
+      j["lora_dropout"] = a.dropout;
+      j["fan_in_fan_out"] = conv1d;
+      j["bias"] = "none";
+      j["lora_bias"] = false;
+      j["use_dora"] = a.type == ADAPTER_DORA;
+      j["use_rslora"] = false;
+      j["init_lora_weights"] = true;
+      j["rank_pattern"] = nlohmann::json::object();
+      j["alpha_pattern"] = nlohmann::json::object();
+      break;
+    case ADAPTER_LOHA:
+    case ADAPTER_LOKR:
+      j["r"] = a.rank;
+      j["alpha"] = a.alpha;
+      j["rank_dropout"] = 0.0;
+      j["module_dropout"] = 0.0;
+      j["use_effective_conv2d"] = false;
+      j["init_weights"] = true;
+      j["rank_pattern"] = nlohmann::json::object();
+      j["alpha_pattern"] = nlohmann::json::object();
+      if (a.type == ADAPTER_LOKR) {
+        j["decompose_both"] = a.decompose_both;
+        j["decompose_factor"] = a.decompose_factor;
+        j["rank_dropout_scale"] = false;
+      }
+      break;
+    case ADAPTER_OFT:  // the block size given, so r = 0 (PEFT takes exactly one of the two)
+      j["r"] = 0;
+      j["oft_block_size"] = a.block_size;
+      j["use_cayley_neumann"] = a.cayley_neumann;
+      j["num_cayley_neumann_terms"] = a.neumann_terms;
+      j["block_share"] = a.block_share;
+      j["coft"] = false;
+      j["eps"] = 6e-5;
+      j["module_dropout"] = 0.0;
+      j["fan_in_fan_out"] = conv1d;
+      j["bias"] = "none";
+      j["init_weights"] = true;
+      break;
+    case ADAPTER_NONE: break;
+  }
   return j.dump(2) + "\n";
 }
 
 namespace {
 
-// The folder's adapter settings against the configured ones.
+// The folder's adapter settings against the configured ones. r and alpha must be there; an absent
+// key of another setting takes PEFT 0.21.2's default (PEFT saves them all).
 void check_peft_config(const std::string& path, const nlohmann::json& j, const AdapterConfig& a) {
   auto fail = [&](const std::string& what) { throw UsageError("PEFT adapter config '" + path + "': " + what); };
   auto flag = [&](const char* key) { return j.contains(key) && j[key].is_boolean() && j[key].get<bool>(); };
   auto nonempty = [&](const char* key) { return j.contains(key) && j[key].is_object() && !j[key].empty(); };
+  auto text = [&](const char* key) { return j.contains(key) ? j[key].dump() : std::string("(none)"); };
+  auto boolean = [&](const char* key, bool fallback) {
+    if (!j.contains(key) || j[key].is_null()) return fallback;
+    if (!j[key].is_boolean()) fail(std::string(key) + "=" + j[key].dump() + " is not true or false");
+    return j[key].get<bool>();
+  };
+  auto number = [&](const char* key, double fallback) {
+    if (!j.contains(key) || j[key].is_null()) return fallback;
+    if (!j[key].is_number()) fail(std::string(key) + "=" + j[key].dump() + " is not a number");
+    return j[key].get<double>();
+  };
+  auto on_off = [](bool b) { return b ? "true" : "false"; };
   if (!j.is_object() || !j.contains("peft_type") || !j["peft_type"].is_string())
     throw CheckpointError("PEFT adapter config '" + path + "': no peft_type");
   const std::string type = j["peft_type"].get<std::string>();
-  if (type != "LORA") fail("peft_type " + type + "; adapter.type=lora and dora read LORA adapters");
-  if (flag("use_dora") != (a.type == ADAPTER_DORA))
-    fail(std::string("use_dora is ") + (flag("use_dora") ? "true" : "false") + " but adapter.type=" +
-         adapter_type_name(a.type) + "; set adapter.type=" + (flag("use_dora") ? "dora" : "lora"));
-  if (flag("use_rslora")) fail("use_rslora is true: rsLoRA's scaling alpha/sqrt(r) is not implemented");
-  if (flag("lora_bias")) fail("lora_bias is true: LoRA biases are not implemented");
-  if (nonempty("rank_pattern") || nonempty("alpha_pattern"))
-    fail("rank_pattern/alpha_pattern give layers their own rank or alpha, which adapter.* cannot");
-  if (!j.contains("r") || !j["r"].is_number_integer() || j["r"].get<int>() != a.rank)
-    fail("r=" + (j.contains("r") ? j["r"].dump() : std::string("(none)")) + " but adapter.rank=" +
-         std::to_string(a.rank) + "; set adapter.rank to the adapter's");
-  if (!j.contains("lora_alpha") || !j["lora_alpha"].is_number() || j["lora_alpha"].get<double>() != a.alpha)
-    fail("lora_alpha=" + (j.contains("lora_alpha") ? j["lora_alpha"].dump() : std::string("(none)")) +
-         " but adapter.alpha=" + strprintf("%g", a.alpha) + "; set adapter.alpha to the adapter's");
+  if (type != peft_type_name(a.type)) {
+    const char* ours = type == "LORA" ? (flag("use_dora") ? "dora" : "lora")
+                       : type == "LOHA" ? "loha"
+                       : type == "LOKR" ? "lokr"
+                       : type == "OFT"  ? "oft"
+                                        : nullptr;
+    fail("peft_type " + type + " but adapter.type=" + adapter_type_name(a.type) + " (which reads " +
+         peft_type_name(a.type) + " adapters); " +
+         (ours ? std::string("set adapter.type=") + ours
+               : std::string("ShardTrain reads LORA, LOHA, LOKR and OFT adapters alone")));
+  }
+  auto check_rank_alpha = [&](const char* alpha_key) {
+    if (!j.contains("r") || !j["r"].is_number_integer() || j["r"].get<int>() != a.rank)
+      fail("r=" + text("r") + " but adapter.rank=" + std::to_string(a.rank) + "; set adapter.rank to the adapter's");
+    if (!j.contains(alpha_key) || !j[alpha_key].is_number() || j[alpha_key].get<double>() != a.alpha)
+      fail(std::string(alpha_key) + "=" + text(alpha_key) + " but adapter.alpha=" + strprintf("%g", a.alpha) +
+           "; set adapter.alpha to the adapter's");
+    if (nonempty("rank_pattern") || nonempty("alpha_pattern"))
+      fail("rank_pattern/alpha_pattern give layers their own rank or alpha, which adapter.* cannot");
+  };
+  switch (a.type) {
+    case ADAPTER_LORA:
+    case ADAPTER_DORA:
+      if (flag("use_dora") != (a.type == ADAPTER_DORA))
+        fail(std::string("use_dora is ") + on_off(flag("use_dora")) + " but adapter.type=" + adapter_type_name(a.type) +
+             "; set adapter.type=" + (flag("use_dora") ? "dora" : "lora"));
+      if (flag("use_rslora")) fail("use_rslora is true: rsLoRA's scaling alpha/sqrt(r) is not implemented");
+      if (flag("lora_bias")) fail("lora_bias is true: LoRA biases are not implemented");
+      check_rank_alpha("lora_alpha");
+      return;
+    case ADAPTER_LOHA:
+    case ADAPTER_LOKR: {
+      // use_effective_conv2d concerns convolutions alone; init_weights only the initial values.
+      check_rank_alpha("alpha");
+      for (const char* key : {"rank_dropout", "module_dropout"})
+        if (number(key, 0) > 0)
+          fail(std::string(key) + "=" + j[key].dump() + ": " + type + "'s " + key +
+               " is not implemented; set it to 0 in the adapter's config to train or continue it without");
+      if (a.type != ADAPTER_LOKR) return;
+      const bool both = boolean("decompose_both", false);
+      if (both != a.decompose_both)
+        fail(std::string("decompose_both is ") + on_off(both) + " but adapter.decompose_both=" +
+             on_off(a.decompose_both) + "; set adapter.decompose_both=" + on_off(both));
+      const double factor = number("decompose_factor", -1);
+      if (factor != a.decompose_factor)
+        fail("decompose_factor=" + strprintf("%g", factor) + " but adapter.decompose_factor=" +
+             std::to_string(a.decompose_factor) + "; set adapter.decompose_factor=" + strprintf("%g", factor));
+      return;
+    }
+    case ADAPTER_OFT: {
+      // module_dropout is saved but never applied by PEFT 0.21.2; init_weights concerns the initial values.
+      if (!j.contains("oft_block_size"))
+        fail("no oft_block_size: a config of PEFT before 0.14 (oft_r), which PEFT 0.21.2 refuses too; "
+             "save the adapter again with a recent PEFT");
+      const double r = number("r", 0), block = number("oft_block_size", 32);
+      if (r != 0 && block == 0)
+        fail("r=" + strprintf("%g", r) + " sets the number of OFT blocks of each layer, so their size depends on "
+             "the layer, which adapter.block_size cannot express; save the adapter with oft_block_size (the "
+             "block size) and r=0");
+      if (r != 0)
+        fail("r=" + strprintf("%g", r) + " and oft_block_size=" + strprintf("%g", block) +
+             " are both set (PEFT takes exactly one); set r=0 in the adapter's config");
+      if (block != a.block_size)
+        fail("oft_block_size=" + strprintf("%g", block) + " but adapter.block_size=" + std::to_string(a.block_size) +
+             "; set adapter.block_size=" + strprintf("%g", block));
+      const bool neumann = boolean("use_cayley_neumann", true);
+      if (neumann != a.cayley_neumann)
+        fail(std::string("use_cayley_neumann is ") + on_off(neumann) + " but adapter.cayley_neumann=" +
+             on_off(a.cayley_neumann) + "; set adapter.cayley_neumann=" + on_off(neumann));
+      const double terms = number("num_cayley_neumann_terms", 5);
+      if (neumann && terms != a.neumann_terms)
+        fail("num_cayley_neumann_terms=" + strprintf("%g", terms) + " but adapter.neumann_terms=" +
+             std::to_string(a.neumann_terms) + "; set adapter.neumann_terms=" + strprintf("%g", terms));
+      const bool share = boolean("block_share", false);
+      if (share != a.block_share)
+        fail(std::string("block_share is ") + on_off(share) + " but adapter.block_share=" + on_off(a.block_share) +
+             "; set adapter.block_share=" + on_off(share));
+      if (boolean("coft", false))
+        fail("coft is true: constrained OFT (each rotation's parameters projected onto a ball of radius eps) is "
+             "not implemented");
+      return;
+    }
+    case ADAPTER_NONE: return;
+  }
 }
 
 }  // namespace

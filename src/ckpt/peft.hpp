@@ -1,7 +1,11 @@
 // Hugging Face PEFT adapter folders (peft 0.21.2): adapter_config.json and adapter_model.safetensors,
 // read into and written from the adapters of a ParamTable (model/adapter.hpp). PEFT's tensor names
-// are "base_model.model.<Hugging Face module path>.lora_A.weight" and ".lora_B.weight", in
-// nn.Linear's layout -- also for GPT-2's Conv1D layers, for which the config says fan_in_fan_out.
+// are "base_model.model.<Hugging Face module path>." followed by the method's own: lora_A.weight,
+// lora_B.weight (DoRA also lora_magnitude_vector), hada_w1_a ... hada_w2_b, lokr_w1 or lokr_w1_a
+// and lokr_w1_b then lokr_w2 or lokr_w2_a and lokr_w2_b, oft_R.weight -- the suffixes the table's
+// names carry. All in nn.Linear's layout, also for GPT-2's Conv1D layers, for which a LoRA config
+// says fan_in_fan_out (PEFT 0.21.2 applies LoHa, LoKr and OFT to no Conv1D layer: no such folder
+// exists for GPT-2).
 #pragma once
 
 #include <string>
@@ -19,7 +23,10 @@ struct PeftTensor {
 // Every adapter parameter of the table, in table order, with PEFT's name.
 std::vector<PeftTensor> peft_tensors(const ParamTable& table);
 
-// adapter_config.json of the table's adapters.
+// PEFT's peft_type of an adapter type: LORA (lora and dora), LOHA, LOKR, OFT; "" for none.
+const char* peft_type_name(AdapterType type);
+
+// adapter_config.json of the table's adapters: the keys PEFT 0.21.2 saves for the method.
 std::string peft_adapter_config_json(const ParamTable& table);
 
 // DoRA: each magnitude set to the row norms of the base weight it adapts (PEFT's initialisation,
@@ -29,7 +36,8 @@ std::string peft_adapter_config_json(const ParamTable& table);
 void init_dora_magnitudes(FsdpEngine& engine, Comm& world);
 
 // Fills this rank's shards of the adapter parameters from a PEFT folder, reading only its own
-// elements. The folder's adapter must be the configured one (type, rank, alpha, the same layers):
+// elements. The folder's adapter must be the configured one (type, the method's settings -- rank and
+// alpha, LoKr's decompositions, OFT's block size, rotation and sharing --, the same layers):
 // throws CheckpointError (UsageError for a mismatch of settings) naming the file and the key or
 // tensor; call it under Runtime::agree_on.
 void load_peft_adapter(const std::string& folder, FsdpEngine& engine);

@@ -9,7 +9,8 @@ under test:
 - the uninterrupted run: a resume from an adapter-only file (its base from checkpoint.init_from)
   gives the same losses, exactly on the same rank count, to 1e-5 on another, in both layouts;
 - another base, no base, and the commands that need the base exit 2 with one line;
-- `export --adapter` of an adapter-only file equals that of the full checkpoint of the step."""
+- `export --adapter` of an adapter-only file equals that of the full checkpoint of the step;
+- LoHa, LoKr and OFT: their parameters alone in the file, and the resume continues the run."""
 import functools
 import json
 import os
@@ -101,7 +102,7 @@ def test_adapter_only_file_is_small_and_holds_the_adapters_alone():
                     assert index[:4] == ["h.0.attn.qkv.lora_A.weight", "0", "160", "4x40"], index
                     assert int(f["shards/h.0/params"].attrs["numel"]) == 160 + 480 + 640 + 160
         proc = ok(run_single(["inspect", os.path.join(only_dir, ckpt_name(STEPS))]), "inspect")
-        assert "adapter-only checkpoint" in proc.stdout and "version 4" in proc.stdout, proc.stdout[:2000]
+        assert "adapter-only checkpoint" in proc.stdout and "version 5" in proc.stdout, proc.stdout[:2000]
         assert f"base model checksum 0x{expected_base:016x} (not in the file)" in proc.stdout, proc.stdout[:2000]
         prefix = "/" + names[0].split("/")[0] + "/"  # /model/ or /shards/: a row of the parameter table
         rows = [l.split()[0] for l in proc.stdout.splitlines() if l.split() and l.split()[-1].startswith(prefix)]
@@ -248,3 +249,18 @@ def test_dora_magnitudes_travel_in_adapter_only_files():
     assert "h.0.attn.qkv.lora_magnitude_vector" in index and "h.0.ln_1" not in index, index
     losses = resumed_losses(3, "sharded", saved, dora)
     assert max(rel_diff(a, b) for a, b in zip(losses, straight[SAVE_AT:])) < 1e-5, (losses, straight)
+
+
+def test_loha_lokr_and_oft_parameters_travel_in_adapter_only_files():
+    """Their parameters are adapters like LoRA's: an adapter-only file holds them alone (with their
+    moments), and a resume from it on another rank count continues the run."""
+    cases = (("sharded", ("--adapter.type=oft", "--adapter.block_size=8"), (".oft_R.weight",), 4),
+             ("gathered", ("--adapter.type=lokr", "--adapter.rank=1", "--adapter.decompose_both=true"),
+              (".lokr_w1_a", ".lokr_w1_b", ".lokr_w2_a", ".lokr_w2_b"), 16),
+             ("sharded", ("--adapter.type=loha",), (".hada_w1_a", ".hada_w1_b", ".hada_w2_a", ".hada_w2_b"), 16))
+    for fmt, method, suffixes, count in cases:
+        straight, saved = adapter_run(2, fmt, True, *method)
+        stored = params_of(os.path.join(saved, ckpt_name(SAVE_AT)))
+        assert len(stored) == 3 * count and all(k.endswith(suffixes) for k in stored), sorted(stored)
+        losses = resumed_losses(3, fmt, saved, *method)
+        assert max(rel_diff(a, b) for a, b in zip(losses, straight[SAVE_AT:])) < 1e-5, (method, losses, straight)
