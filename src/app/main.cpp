@@ -158,7 +158,7 @@ void run_checkpoint_tool(const Runtime& rt, const std::vector<std::string>& args
         "write the checkpoint's adapters as a Hugging Face PEFT folder (adapter_config.json, "
         "adapter_model.safetensors) instead of the model; --dtype applies")(
         "merge", po::bool_switch(&merge),
-        "hf: fold the checkpoint's adapters into the weights (W + alpha/rank B A, PEFT's merge) and export a plain "
+        "hf: fold the checkpoint's adapters into the weights as PEFT's merge_and_unload does and export a plain "
         "model");
   const std::string help = "; see 'shardtrain " + args[0] + " --help'";
   po::variables_map vm;

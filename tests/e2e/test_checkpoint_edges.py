@@ -81,17 +81,21 @@ META_ORDER_DATASET = ("dataset.train", "dataset.val")
 META_ORDER_V3 = ("adapter.type", "adapter.targets", "adapter.rank", "adapter.alpha", "adapter.dropout")
 # Version 4 appends whether the file holds the adapters alone, and the base model's checksum.
 META_ORDER_V4 = ("adapters_only", "base_checksum")
+# Version 5 appends LoKr's and OFT's settings and the distillation teacher's checksum.
+META_ORDER_V5 = ("adapter.decompose_both", "adapter.decompose_factor", "adapter.block_size", "adapter.cayley_neumann",
+                 "adapter.neumann_terms", "adapter.block_share", "distill.teacher_checksum")
 
 
 def meta_checksum(attrs):
     """FNV-1a 64 over name NUL value NUL of each attribute in META_ORDER (and, from version 2,
     META_ORDER_V2; then META_ORDER_DATASET where present; from version 3 META_ORDER_V3; from version 4
-    META_ORDER_V4), integers in decimal, reals as %.17g."""
+    META_ORDER_V4; from version 5 META_ORDER_V5), integers in decimal, reals as %.17g."""
     h = 0xCBF29CE484222325
     for name in (META_ORDER + (META_ORDER_V2 if int(attrs["version"]) >= 2 else ()) +
                  (META_ORDER_DATASET if "dataset.train" in attrs else ()) +
                  (META_ORDER_V3 if int(attrs["version"]) >= 3 else ()) +
-                 (META_ORDER_V4 if int(attrs["version"]) >= 4 else ())):
+                 (META_ORDER_V4 if int(attrs["version"]) >= 4 else ()) +
+                 (META_ORDER_V5 if int(attrs["version"]) >= 5 else ())):
         value = attrs[name]
         if isinstance(value, (bytes, str)):
             text = value if isinstance(value, bytes) else value.encode()
