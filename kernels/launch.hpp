@@ -175,6 +175,14 @@ void launch_softmax_crossentropy_forward(float* losses, float* logits_to_probs, 
 void launch_softmax_crossentropy_backward(float* probs_to_dlogits, const int* targets, float dloss, int N, int V,
                                           const LaunchContext& ctx);
 
+// Knowledge distillation's fused loss (distill.cu), backend/cpu/ops.hpp's distill_loss_forward:
+// losses (N) = alpha CE + (1 - alpha) T^2 KL(teacher_T || student_T), the student's logits (N,V)
+// overwritten with the loss's gradient (not times dloss); teacher read only; targets in device
+// memory. One block per row, the CPU's arithmetic (double row sums and per-element math, exp_fast
+// in float) with fixed block-tree sums in place of the CPU's sequential ones. No workspace, no atomics.
+void launch_distill_loss_forward(float* losses, float* student_to_grad, const float* teacher, const int* targets,
+                                 int N, int V, float alpha, float temperature, const LaunchContext& ctx);
+
 // ---- reductions to the host (reduce.cu) --------------------------------------------------------------
 // `scratch`: reduce_scratch_bytes() of device memory; `host_result`: 8 bytes of (preferably pinned)
 // host memory. Both belong to the caller; the launcher waits for the stream and returns the value.

@@ -95,6 +95,16 @@ class LayerOps {
                                             int V) const = 0;
   virtual void softmax_crossentropy_backward(Real* probs_to_dlogits, const int* targets, Real dloss, int N,
                                              int V) const = 0;
+  // Knowledge distillation (docs/distillation.md) on N rows of V logits, temperature T > 0 and
+  // weight alpha in [0, 1]: each row's loss
+  //   losses[r] = alpha * CE(softmax(s), target) + (1 - alpha) * T^2 * KL(softmax(t / T) || softmax(s / T))
+  // and, in place of the student's logits s, the gradient of losses[r] with respect to them,
+  //   alpha * (softmax(s) - onehot(target)) + (1 - alpha) * T * (softmax(s / T) - softmax(t / T)),
+  // which the caller scales by its dloss (LayerOps::scale). teacher (t) is read only. Row statistics
+  // (max, log-sum-exp, the KL sum) in at least fp32 with max-subtraction; KL uses log-probabilities,
+  // so a teacher probability that underflows to 0 contributes 0, never NaN.
+  virtual void distill_loss_forward(Real* losses, Real* student_to_grad, const Real* teacher, const int* targets,
+                                    int N, int V, Real alpha, Real temperature) const = 0;
 
   // Reductions, returned to the host, in an order fixed by n alone -- not by threads -- so
   // deterministic (CPU, in double: sum sequential; sum_squares sequential within blocks of 4096

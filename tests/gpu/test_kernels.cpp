@@ -1287,6 +1287,125 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CrossEntropyTest,
                          ShapeName());
 
 // ==================================================================================================
+// Knowledge distillation's fused loss (distill_loss_forward): student and teacher logits in
+// [-4, 4), alpha in {0, 0.3, 1}, T in {0.5, 1, 2.5}. The kernel runs the CPU's per-element
+// arithmetic (the same float arguments to exp_fast, everything else in double) and differs only in
+// the order of its double row sums and in exp_fast's FMA contraction (<= 2 ulp, 4 u, of an
+// exponential on either side). So each probability p_i (of softmax(s), softmax(s/T), softmax(t/T))
+// is within 16 u p_i of the CPU's (its exponential's 8 u and the normalisation's 8 u), and:
+//   gradient: alpha (16 u) + (1 - alpha) T (2 x 16 u), plus one rounding of each side (rtol 2 u);
+//   loss: the CE's log Z1 within 8 u; the KL sum sum_i p_i d_i (d_i = log p_i - log q_i, |d_i| <= 2
+//   (A + log V), A = spread / T the largest argument, spread = 8 here) within 16 u sum p_i |d_i|
+//   + 2 x 8 u for the two log Z's; times the weights, plus one rounding of each side.
+// ==================================================================================================
+struct DistillShape {
+  int N, V;
+};
+std::string name_of(const DistillShape& s) { return "N" + std::to_string(s.N) + "_V" + std::to_string(s.V); }
+void PrintTo(const DistillShape& s, std::ostream* os) { *os << name_of(s); }
+
+Tolerance distill_grad_tol(double alpha, double T) { return {16 * kU32 * (alpha + 2 * (1 - alpha) * T), 2 * kU32}; }
+Tolerance distill_loss_tol(double alpha, double T, int V, double spread = 8.0) {
+  const double A = spread / T;
+  const double kl = 16 * 2 * (A + std::log(static_cast<double>(V))) + 16;
+  return {kU32 * (8 * alpha + (1 - alpha) * T * T * kl), 2 * kU32};
+}
+
+class DistillLossTest : public GpuSuite<::testing::TestWithParam<DistillShape>> {};
+
+// Against the CPU; the teacher is left bit for bit as it was, losses (NaN before) are all written,
+// and a second run from the same inputs gives the same bits.
+TEST_P(DistillLossTest, MatchesCpu) {
+  const DistillShape s = GetParam();
+  const size_t n = static_cast<size_t>(s.N) * s.V;
+  const std::vector<int> targets = index_vector(s.N, 161, s.V);
+  const std::vector<float> student = uniform_vector(n, 162, -4.0, 4.0), teacher = uniform_vector(n, 163, -4.0, 4.0);
+  auto d_targets = on_device(device(), "targets", targets, 0);
+  auto d_teacher = on_device(device(), "teacher", teacher, 0);
+  for (float alpha : {0.0f, 0.3f, 1.0f})
+    for (float T : {0.5f, 1.0f, 2.5f}) {
+      const std::string label = "distill alpha=" + std::to_string(alpha) + " T=" + std::to_string(T);
+      std::vector<float> grad = student, losses(s.N);
+      cpu::distill_loss_forward(losses.data(), grad.data(), teacher.data(), targets.data(), s.N, s.V, alpha, T);
+      std::vector<float> first_grad, first_losses;
+      for (int run = 0; run < 2; run++) {
+        auto d_grad = on_device(device(), "student", student, 0);
+        DeviceBuffer<float> d_losses(device(), "losses", s.N);
+        d_losses.fill(kNaN);
+        ops().distill_loss_forward(d_losses.data(), d_grad.data(), d_teacher.data(), d_targets.data(), s.N, s.V,
+                                   alpha, T);
+        const std::vector<float> got_grad = d_grad.download(label), got_losses = d_losses.download(label);
+        if (run == 0) {
+          expect_close(got_grad.data(), widen(grad), distill_grad_tol(alpha, T), label + " gradient");
+          expect_close(got_losses.data(), widen(losses), distill_loss_tol(alpha, T, s.V), label + " losses");
+          first_grad = got_grad, first_losses = got_losses;
+        } else {
+          expect_same_bits(got_grad, first_grad, label + " gradient, second run");
+          expect_same_bits(got_losses, first_losses, label + " losses, second run");
+        }
+      }
+    }
+  expect_same_bits(d_teacher.download("teacher"), teacher, "distill teacher (read only)");
+}
+
+// A teacher equal to the student: the KL term and its gradient are exactly 0 (as on the CPU), so
+// with alpha = 0 every loss and every gradient element is 0.
+TEST_P(DistillLossTest, TeacherEqualToStudentGivesZeroWithAlphaZero) {
+  const DistillShape s = GetParam();
+  const size_t n = static_cast<size_t>(s.N) * s.V;
+  const std::vector<int> targets = index_vector(s.N, 164, s.V);
+  const std::vector<float> logits = uniform_vector(n, 165, -4.0, 4.0);
+  auto d_targets = on_device(device(), "targets", targets, 0);
+  auto d_teacher = on_device(device(), "teacher", logits, 0);
+  for (float T : {0.5f, 1.0f, 2.5f}) {
+    auto d_grad = on_device(device(), "student", logits, 0);
+    DeviceBuffer<float> d_losses(device(), "losses", s.N);
+    d_losses.fill(kNaN);
+    ops().distill_loss_forward(d_losses.data(), d_grad.data(), d_teacher.data(), d_targets.data(), s.N, s.V, 0.0f, T);
+    const std::string label = "distill teacher=student alpha=0 T=" + std::to_string(T);
+    expect_close(d_grad.download(label).data(), std::vector<double>(n, 0.0), kExact, label + " gradient");
+    expect_close(d_losses.download(label).data(), std::vector<double>(s.N, 0.0), kExact, label + " losses");
+  }
+}
+
+// +-80 logits, a teacher row whose probabilities underflow at T = 0.5 (exp(-320)), a student row
+// shifted by 1000: finite, and the CPU's values under the same model with a spread of 160.
+TEST_P(DistillLossTest, ExtremeLogitsStayFiniteAndMatchCpu) {
+  const DistillShape s = GetParam();
+  if (s.N < 3) GTEST_SKIP() << "needs 3 rows";
+  const size_t n = static_cast<size_t>(s.N) * s.V;
+  const std::vector<int> targets = index_vector(s.N, 166, s.V);
+  std::vector<float> student = uniform_vector(n, 167, -80.0, 80.0), teacher = uniform_vector(n, 168, -80.0, 80.0);
+  for (int i = 0; i < s.V; i++) {
+    student[static_cast<size_t>(1) * s.V + i] += 1000.0f;
+    teacher[static_cast<size_t>(2) * s.V + i] = i == 1 ? 80.0f : -80.0f;
+  }
+  auto d_targets = on_device(device(), "targets", targets, 0);
+  auto d_teacher = on_device(device(), "teacher", teacher, 0);
+  for (float alpha : {0.0f, 0.3f, 1.0f})
+    for (float T : {0.5f, 2.5f}) {
+      const std::string label = "distill extreme alpha=" + std::to_string(alpha) + " T=" + std::to_string(T);
+      std::vector<float> grad = student, losses(s.N);
+      cpu::distill_loss_forward(losses.data(), grad.data(), teacher.data(), targets.data(), s.N, s.V, alpha, T);
+      auto d_grad = on_device(device(), "student", student, 0);
+      DeviceBuffer<float> d_losses(device(), "losses", s.N);
+      d_losses.fill(kNaN);
+      ops().distill_loss_forward(d_losses.data(), d_grad.data(), d_teacher.data(), d_targets.data(), s.N, s.V,
+                                 alpha, T);
+      const std::vector<float> got_grad = d_grad.download(label), got_losses = d_losses.download(label);
+      for (float g : got_grad) ASSERT_TRUE(std::isfinite(g)) << label;
+      for (float l : got_losses) ASSERT_TRUE(std::isfinite(l)) << label;
+      expect_close(got_grad.data(), widen(grad), distill_grad_tol(alpha, T), label + " gradient");
+      expect_close(got_losses.data(), widen(losses), distill_loss_tol(alpha, T, s.V, 160.0), label + " losses");
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, DistillLossTest,
+                         ::testing::Values(DistillShape{1, 2}, DistillShape{3, 37}, DistillShape{5, 513},
+                                           DistillShape{4, 1000}, DistillShape{3, 50257}),
+                         ShapeName());
+
+// ==================================================================================================
 // Reductions to the host. sum, sum_squares: both sides add widened floats in double, in different
 // orders; each is within n 2^-53 sum|terms| of the exact value (Higham), so they differ by at
 // most twice that. count_nonfinite is exact.

@@ -238,6 +238,10 @@ class CountingOps : public LayerOps<double> {
                                     int V) const override {
     cpu().softmax_crossentropy_forward(losses, logits_to_probs, targets, N, V);
   }
+  void distill_loss_forward(double* losses, double* student_to_grad, const double* teacher, const int* targets,
+                            int N, int V, double alpha, double temperature) const override {
+    cpu().distill_loss_forward(losses, student_to_grad, teacher, targets, N, V, alpha, temperature);  // no parameters
+  }
   double sum(const double* x, size_t n) const override { return cpu().sum(x, n); }
 
   // Not used by a forward pass.

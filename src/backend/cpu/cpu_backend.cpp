@@ -137,6 +137,10 @@ class CpuLayerOps : public LayerOps<Real> {
                                      int V) const override {
     cpu::softmax_crossentropy_backward(probs_to_dlogits, targets, dloss, N, V);
   }
+  void distill_loss_forward(Real* losses, Real* student_to_grad, const Real* teacher, const int* targets, int N,
+                            int V, Real alpha, Real temperature) const override {
+    cpu::distill_loss_forward(losses, student_to_grad, teacher, targets, N, V, alpha, temperature);
+  }
 
   double sum(const Real* x, size_t n) const override {
     double s = 0;

@@ -162,4 +162,29 @@ void softmax_crossentropy_forward(Real* losses, Real* logits_to_probs, const int
 template <typename Real>
 void softmax_crossentropy_backward(Real* probs_to_dlogits, const int* targets, Real dloss, int N, int V);
 
+// Knowledge distillation's loss on N rows of V logits (docs/distillation.md), distill_loss.cpp:
+// student s (N,V), teacher t (N,V, read only), targets (N, each in [0, V)), alpha in [0, 1],
+// temperature T > 0. Per row,
+//   losses[r] = alpha * CE(softmax(s), target) + (1 - alpha) * T^2 * KL(softmax(t / T) || softmax(s / T)),
+// and s is overwritten with d losses[r] / d s (not yet times dloss: the caller scales it),
+//   alpha * (softmax(s) - onehot(target)) + (1 - alpha) * T * (softmax(s / T) - softmax(t / T)).
+// Each row on its own, in this order (the CUDA kernel, kernels/distill.cu, repeats it with another
+// summation order): m_s = max s, m_t = max t; in double, with w = 1 / T, x_i = s_i - m_s and
+// y_i = t_i - m_t, the three exponentials e1_i = exp_fast(Real(x_i)), e2_i = exp_fast(Real(x_i w)),
+// e3_i = exp_fast(Real(y_i w)) (float rows use float exponentials, the cross-entropy op's), summed
+// in double in index order into Z1, Z2, Z3 (each >= 1: the maximum contributes exp(0)); then
+//   CE = log Z1 - x_target,   KL = sum_i p_i (log p_i - log q_i),   p_i = e3_i / Z3,
+//   log p_i = y_i w - log Z3,   log q_i = x_i w - log Z2,
+//   grad_i = alpha (e1_i / Z1 - [i = target]) + (1 - alpha) T (e2_i / Z2 - e3_i / Z3),
+// all in double (divisions, never products, before the differences, so no FMA contraction can
+// split two equal terms); a term with p_i = 0 adds 0, so an underflowing teacher probability is
+// harmless. Each gradient element and each loss is rounded to Real once. A teacher equal to the
+// student gives KL = 0 and a KL gradient of 0 exactly (the same operations on the same numbers).
+// Rows run in parallel, each sequentially: the bits do not depend on the thread count. N = 0 does
+// nothing; V >= 1. A target outside [0, V), T <= 0 or alpha outside [0, 1] is a SHARD_CHECK failure
+// (the CUDA kernel, which cannot check device-resident targets up front, gives such a row a NaN loss).
+template <typename Real>
+void distill_loss_forward(Real* losses, Real* student_to_grad, const Real* teacher, const int* targets, int N,
+                          int V, Real alpha, Real temperature);
+
 }  // namespace shardtrain::cpu

@@ -171,6 +171,10 @@ class CudaLayerOps final : public LayerOps<float> {
                                      int V) const override {
     kernels::launch_softmax_crossentropy_backward(probs_to_dlogits, targets, dloss, N, V, launch());
   }
+  void distill_loss_forward(float* losses, float* student_to_grad, const float* teacher, const int* targets, int N,
+                            int V, float alpha, float temperature) const override {
+    kernels::launch_distill_loss_forward(losses, student_to_grad, teacher, targets, N, V, alpha, temperature, launch());
+  }
 
   double sum(const float* x, size_t n) const override {
     return kernels::reduce_sum(x, n, reduce_scratch_, host_result_, launch());
