@@ -1,6 +1,8 @@
 // See memory_plan.hpp.
 #include "app/memory_plan.hpp"
 
+#include "app/teacher.hpp"
+
 #include <cmath>
 #include <cstdlib>
 
@@ -12,15 +14,27 @@ namespace shardtrain {
 size_t MemoryPlan::total() const {
   size_t t = 0;
   for (size_t b : bytes) t += b;
+  for (size_t b : teacher) t += b;
   return t;
 }
 
-std::string MemoryPlan::describe() const {
+std::string describe_categories(const std::array<size_t, MEM_CATEGORY_COUNT>& bytes) {
   std::string s;
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++)
     if (bytes[c]) s += strprintf("%s%s %s", s.empty() ? "" : ", ", mem_category_name(static_cast<MemCategory>(c)),
                                  human_bytes(static_cast<double>(bytes[c])).c_str());
   return s;
+}
+
+std::string MemoryPlan::describe() const {
+  const std::string t = describe_categories(teacher);
+  return describe_categories(bytes) + (t.empty() ? "" : " | teacher: " + t);
+}
+
+void add_teacher_plan(MemoryPlan& plan, const Config& c, const GroupShape& groups, const EngineOptions& engine) {
+  if (c.distill.teacher.empty()) return;
+  plan.teacher = plan_teacher_memory(teacher_param_table(c.distill.teacher), groups, engine, c.train.micro_batch,
+                                     c.train.seq_len);
 }
 
 MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, const EngineOptions& engine,

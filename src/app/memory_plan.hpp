@@ -20,13 +20,19 @@ struct MemoryPlan {
   // fsdp.cpu_offload: master shards, their gradients and the moments in host memory. On the CPU
   // backend the host is the device, so these add to the same memory (offload saves nothing there).
   size_t offloaded_bytes = 0;
-  size_t total() const;
-  std::string describe() const;  // "sharded_params 1.2 MiB, gradients ..."
+  // distill.teacher: the frozen teacher's bytes, beside `bytes` (app/teacher.hpp's plan_teacher_memory).
+  std::array<size_t, MEM_CATEGORY_COUNT> teacher{};
+  size_t total() const;  // the student's and the teacher's
+  std::string describe() const;  // "sharded_params 1.2 MiB, gradients ... | teacher: sharded_params ..."
 };
 
-// `table`: the model with what the configuration freezes (config_param_table).
+// `table`: the model with what the configuration freezes (config_param_table). Without the teacher;
+// with_teacher adds it (reading distill.teacher's configuration from its file; call under agree_on).
 MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, const EngineOptions& engine,
                             int micro_batch, int seq_len, bool activation_checkpointing);
+// "sharded_params 1.2 MiB, gradients ..." of the categories that hold bytes.
+std::string describe_categories(const std::array<size_t, MEM_CATEGORY_COUNT>& bytes);
+void add_teacher_plan(MemoryPlan& plan, const Config& config, const GroupShape& groups, const EngineOptions& engine);
 
 
 }  // namespace shardtrain

@@ -183,6 +183,12 @@ void declare_options(OptionList& o, Config& c) {
   o.add("adapter.init_from", &c.adapter.init_from,
         "a Hugging Face PEFT LoRA folder (adapter_config.json, adapter_model.safetensors) to start the adapters "
         "from, with the same rank, alpha and layers; empty = PEFT's initialisation (A uniform, B zero)");
+  o.add("distill.teacher", &c.distill.teacher,
+        "knowledge distillation from this frozen teacher, sharded beside the student: a ShardTrain checkpoint or a "
+        "Hugging Face model folder with the student's vocabulary (docs/distillation.md); empty = none");
+  o.add("distill.alpha", &c.distill.alpha,
+        "the loss is alpha CE + (1 - alpha) T^2 KL(teacher_T || student_T): the cross-entropy's weight, in [0, 1]");
+  o.add("distill.temperature", &c.distill.temperature, "T of the distillation loss's softened distributions, > 0");
   o.add_choice("fsdp.sharding_strategy", &c.fsdp.sharding_strategy, STRATEGIES, sharding_strategy_name,
                "ZeRO-3, ZeRO-2, DDP, or FULL_SHARD within groups replicated across them");
   o.add("fsdp.shard_group_size", &c.fsdp.shard_group_size,
@@ -497,7 +503,7 @@ ParsedTrainArgs parse_train_args(const std::vector<std::string>& raw_args, const
   declare_options(options, parsed.config);
   po::options_description cli;
   cli.add_options()("help,h", "print the options")("config", po::value<std::string>(&parsed.config.config_file),
-                                                   "INI file with [model] [train] [data] [fsdp] [checkpoint] [adapter] sections");
+                                                   "INI file with [model] [train] [data] [fsdp] [checkpoint] [adapter] [distill] sections");
   cli.add(options.desc);
   po::variables_map vm;
   std::string where = "on the command line";
@@ -649,6 +655,8 @@ void validate_config(const Config& c, int world) {
   require(a.type != ADAPTER_NONE || (a.targets.empty() && a.init_from.empty()),
           "adapter.targets or adapter.init_from is set but adapter.type=none: set adapter.type (lora) or remove "
           "them");
+  require(c.distill.alpha >= 0 && c.distill.alpha <= 1, "distill.alpha must be in [0, 1]");
+  require(c.distill.temperature > 0, "distill.temperature must be > 0");
   config_param_table(c);  // train.freeze's patterns, adapter.targets
 }
 
@@ -673,8 +681,8 @@ std::string train_help() {
   declare_options(options, defaults);
   std::ostringstream s;
   s << "usage: shardtrain train [--config FILE] [--section.key=value ...]\n\n"
-    << "  --config FILE     INI file with [model] [train] [data] [fsdp] [checkpoint] [adapter] sections; the\n"
-    << "                    command line wins\n"
+    << "  --config FILE     INI file with [model] [train] [data] [fsdp] [checkpoint] [adapter] [distill]\n"
+    << "                    sections; the command line wins\n"
     << "  --help            this text\n\n"
     << options.desc;
   return s.str();

@@ -108,6 +108,13 @@ struct AdapterOptions {
   bool block_share = false;
 };
 
+// [distill]: knowledge distillation from a frozen teacher model (app/teacher.hpp, docs/distillation.md).
+struct DistillOptions {
+  std::string teacher;  // a ShardTrain checkpoint or a Hugging Face model folder; empty = no distillation
+  double alpha = 0.5;   // the cross-entropy's weight; the KL term gets 1 - alpha
+  double temperature = 2;
+};
+
 struct Config {
   std::string config_file;
   ModelConfig model;
@@ -116,6 +123,7 @@ struct Config {
   FsdpOptions fsdp;
   CheckpointOptions checkpoint;
   AdapterOptions adapter;
+  DistillOptions distill;
   DebugOptions debug;
 };
 

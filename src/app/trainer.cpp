@@ -24,6 +24,7 @@
 #include "app/metrics.hpp"
 #include "app/perf.hpp"
 #include "app/signals.hpp"
+#include "app/teacher.hpp"
 #include "app/tensorboard.hpp"
 #include "ckpt/checkpoint_manager.hpp"
 #include "ckpt/hf_model.hpp"
@@ -197,6 +198,7 @@ class Trainer {
   OptimConfig optim_config_;
   AdamW optimizer_;
   std::unique_ptr<TransformerModel<float>> model_;
+  std::unique_ptr<Teacher> teacher_;  // distill.teacher, beside the student
   std::vector<int> tokens_, targets_;
   std::vector<uint64_t> dropout_keys_;  // per token of a micro-batch: dropout_token_key
   CheckpointManager checkpoints_;
@@ -237,6 +239,7 @@ MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrat
   GroupShape groups{shard.size(), shard.rank(), replica.size(), replica.rank()};
   MemoryPlan plan = plan_rank_memory(config_param_table(c), groups, engine_options(c), c.train.micro_batch,
                                      c.train.seq_len, c.fsdp.activation_checkpointing);
+  rt.agree_on([&] { add_teacher_plan(plan, c, groups, engine_options(c)); });
   rt.agree_on([&] {
     // Host memory: the whole plan on the CPU backend, the offloaded state on a GPU. Checked against
     // what the node has available, shared by its ranks, so a model that cannot fit stops here
@@ -319,6 +322,9 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
     SHARD_CHECK(memory_.current(static_cast<MemCategory>(c)) == plan_.bytes[c], "%s: tracked %zu, planned %zu",
                 mem_category_name(static_cast<MemCategory>(c)), memory_.current(static_cast<MemCategory>(c)),
                 plan_.bytes[c]);
+  if (!cfg_.distill.teacher.empty())
+    teacher_ = std::make_unique<Teacher>(rt, *comm_, *shard_comm_, *replica_comm_, compute_, engine_options(config),
+                                         cfg_.distill.teacher, cfg_.model, B_, T_, &watchdog_);
   tokens_.resize(static_cast<size_t>(B_) * T_);
   dropout_keys_.resize(tokens_.size());
   targets_.resize(tokens_.size());
@@ -418,6 +424,17 @@ void Trainer::print_summary() {
   rt_.info("memory per rank, planned: %s | total %s | held before the first step (counted; the communicators' "
            "buffers come with their first use): %s", mem.c_str(), human_bytes(memory_.total_current()).c_str(),
            human_bytes(static_cast<double>(device.live_bytes() + uncounted_comm_buffer_bytes())).c_str());
+  if (teacher_) {
+    std::array<size_t, MEM_CATEGORY_COUNT> teacher_bytes{};
+    for (int c = 0; c < MEM_CATEGORY_COUNT; c++) teacher_bytes[c] = teacher_->memory().current(static_cast<MemCategory>(c));
+    const std::string tmem = describe_categories(teacher_bytes);
+    rt_.info("distillation: teacher %s (%s, %.2fM parameters, checksum %s), frozen and sharded beside the student | "
+             "loss %g CE + %g T^2 KL at T = %g | teacher memory per rank: %s | total %s",
+             cfg_.distill.teacher.c_str(), model_summary(teacher_->config()).c_str(),
+             teacher_->table().total_params() / 1e6, checksum_text(teacher_->checksum()).c_str(), cfg_.distill.alpha,
+             1 - cfg_.distill.alpha, cfg_.distill.temperature, tmem.c_str(),
+             human_bytes(teacher_->memory().total_current()).c_str());
+  }
   if (plan_.offloaded_bytes)
     rt_.info("fsdp.cpu_offload: %s of master shards, gradients and moments in host memory%s",
              human_bytes(plan_.offloaded_bytes).c_str(),
@@ -485,6 +502,11 @@ int Trainer::try_load(const std::string& path, bool fall_back) {
     if (mismatch.empty()) mismatch = adapter_mismatch(path, state.adapter, table_.adapter());
     if (!mismatch.empty()) throw UsageError(mismatch);
     check_same_inputs(path, state);
+    if (teacher_ && state.teacher_checksum && state.teacher_checksum != teacher_->checksum())
+      throw UsageError("checkpoint '" + path + "' was distilled from a teacher with checksum " +
+                       checksum_text(state.teacher_checksum) + ", distill.teacher='" + cfg_.distill.teacher +
+                       "' has " + checksum_text(teacher_->checksum()) +
+                       ": resume with the same teacher (or start a new run)");
     if (state.step > cfg_.train.steps)
       throw UsageError(strprintf("checkpoint '%s' is at step %lld, past train.steps=%d; raise train.steps",
                                  path.c_str(), static_cast<long long>(state.step), cfg_.train.steps));
@@ -593,6 +615,7 @@ void Trainer::save(int step) {
   state.dataset_train = train_data_->identity();
   state.dataset_val = val_data_ ? val_data_->identity() : "";
   state.adapters_only = cfg_.checkpoint.adapters_only;
+  state.teacher_checksum = teacher_ ? teacher_->checksum() : 0;
   const double t0 = now_seconds();
   std::string path = checkpoints_.save(state, engine_, optimizer_);
   rt_.info("saved %s (%s%s, %.2f s)", path.c_str(), state.layout.c_str(), state.adapters_only ? ", adapters only" : "",
@@ -723,6 +746,9 @@ double Trainer::accumulate_gradients(int step) {
         dropout_keys_[static_cast<size_t>(b) * T_ + t] = dropout_token_key(cfg_.train.seed, step, seq, t);
     }
     model_->set_dropout_keys(dropout_keys_.data());
+    if (teacher_)
+      model_->set_teacher_logits(teacher_->logits(tokens_.data()), static_cast<float>(cfg_.distill.alpha),
+                                 static_cast<float>(cfg_.distill.temperature));
     loss_sum += engine_.train_micro_batch(*model_, tokens_.data(), targets_.data(), dloss);
   }
   model_->set_dropout_keys(nullptr);
@@ -731,6 +757,7 @@ double Trainer::accumulate_gradients(int step) {
 }
 
 double Trainer::evaluate() {
+  model_->set_teacher_logits(nullptr, 1, 1);  // validation: the student's cross-entropy
   double loss_sum = 0;
   for (int batch = 0; batch < cfg_.train.eval_batches; batch++) {
     for (int micro = 0; micro < accum_; micro++) {

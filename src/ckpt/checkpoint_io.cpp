@@ -341,7 +341,8 @@ const char* ADAPTER_REALS[2] = {"adapter.alpha", "adapter.dropout"};
 // Version 4: adapter-only files and the base model's identity, after the adapter's settings.
 const char* ADAPTERS_ONLY = "adapters_only";
 const char* BASE_CHECKSUM = "base_checksum";
-// Version 5: the settings of LoKr and OFT, after the base model's identity.
+// Version 5: the settings of LoKr and OFT, after the base model's identity, then the teacher's.
+const char* TEACHER_CHECKSUM = "distill.teacher_checksum";
 const char* ADAPTER_METHOD_INTS[6] = {"adapter.decompose_both", "adapter.decompose_factor", "adapter.block_size",
                                       "adapter.cayley_neumann", "adapter.neumann_terms", "adapter.block_share"};
 
@@ -394,6 +395,8 @@ void write_state(hid_t file, const CheckpointState& s, const ModelConfig& model,
   h5_write_attr_u64(file, BASE_CHECKSUM, base_checksum, path), sum.add(BASE_CHECKSUM, std::to_string(base_checksum));
   const std::array<int64_t, 6> method_ints = adapter_method_ints(adapter);
   for (int i = 0; i < 6; i++) i64(ADAPTER_METHOD_INTS[i], method_ints[i]);
+  h5_write_attr_u64(file, TEACHER_CHECKSUM, s.teacher_checksum, path);
+  sum.add(TEACHER_CHECKSUM, std::to_string(s.teacher_checksum));
   h5_write_attr_u64(file, META_CHECKSUM, sum.value(), path);
 }
 
@@ -534,6 +537,8 @@ CheckpointState read_state(hid_t file, const std::string& path) {
                                     "settings; the file is damaged");
     a.decompose_both = v[0], a.decompose_factor = static_cast<int>(v[1]), a.block_size = static_cast<int>(v[2]);
     a.cayley_neumann = v[3], a.neumann_terms = static_cast<int>(v[4]), a.block_share = v[5];
+    s.teacher_checksum = h5_read_attr_u64(file, TEACHER_CHECKSUM, path);
+    sum.add(TEACHER_CHECKSUM, std::to_string(s.teacher_checksum));
   }
   if (!h5_has_attr(file, META_CHECKSUM))
     s.warning = where + "no metadata checksum (written by an older build): its attributes are not verified";

@@ -62,6 +62,8 @@ struct CheckpointState {
   bool adapters_only = false;
   uint64_t base_checksum = 0;
   bool has_base_checksum = false;
+  // Version 5: the distillation teacher's checksum (base_model_checksum of its weights), 0 without one.
+  uint64_t teacher_checksum = 0;
   std::string warning;             // read only: why the file is usable but not fully verified ("" if it is)
   int64_t version = CKPT_FORMAT_VERSION;  // read only: the file's format version (saves write CKPT_FORMAT_VERSION)
 };

@@ -80,14 +80,21 @@ void GptModel<Real>::block_forward(int l, const Real* w) {
 }
 
 template <typename Real>
-double GptModel<Real>::head_forward(const Real* root, const int* targets) {
+const Real* GptModel<Real>::head_logits(const Real* root) {
   const int N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size;
-  ops_.device().copy(targets_.data(), targets, targets_.bytes());
   auto R = [&](RootParam p) { return param_in(table_, root, ROOT_UNIT, p); };
   ops_.layernorm_forward(lnf_.data(), lnf_mean_.data(), lnf_rstd_.data(), resid_[cfg_.n_layer].data(), R(ROOT_LNF_W),
                          R(ROOT_LNF_B), N, C);
   ops_.matmul_forward(probs_.data(), lnf_.data(), R(ROOT_WTE), static_cast<const Real*>(nullptr), N, C, V);
-  ops_.softmax_crossentropy_forward(losses_.data(), probs_.data(), targets_.data(), N, V);
+  return probs_.data();
+}
+
+template <typename Real>
+double GptModel<Real>::head_forward(const Real* root, const int* targets) {
+  const int N = B_ * T_, V = cfg_.vocab_size;
+  ops_.device().copy(targets_.data(), targets, targets_.bytes());
+  head_logits(root);
+  this->head_loss_.forward(ops_, losses_.data(), probs_.data(), targets_.data(), N, V);
   return ops_.sum(losses_.data(), losses_.size());
 }
 
@@ -96,7 +103,7 @@ void GptModel<Real>::head_backward(Real* g, const Real* root, Real dloss) {
   const int N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size;
   auto R = [&](RootParam p) { return param_in(table_, root, ROOT_UNIT, p); };
   auto G = [&](RootParam p) { return grad_in(table_, g, ROOT_UNIT, p); };
-  ops_.softmax_crossentropy_backward(probs_.data(), targets_.data(), dloss, N, V);
+  this->head_loss_.backward(ops_, probs_.data(), targets_.data(), dloss, N, V);
   ops_.matmul_backward(dln_.data(), G(ROOT_WTE), static_cast<Real*>(nullptr), probs_.data(), lnf_.data(), R(ROOT_WTE),
                        N, C, V);
   dresid_.zero();

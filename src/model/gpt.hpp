@@ -30,6 +30,7 @@ class GptModel : public TransformerModel<Real> {
   void head_backward(Real* root_grad, const Real* root, Real dloss) override;
   void block_backward(int layer, Real* block_grad, const Real* block) override;
   void embed_backward(Real* root_grad) override;
+  const Real* head_logits(const Real* root) override;
   void copy_head_probs(int row, Real* host) const override;
   void set_dropout_keys(const uint64_t* keys) override { adapters_.set_dropout_keys(keys); }
 

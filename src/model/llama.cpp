@@ -104,20 +104,27 @@ void LlamaModel<Real>::block_forward(int l, const Real* w) {
 }
 
 template <typename Real>
-double LlamaModel<Real>::head_forward(const Real* root, const int* targets) {
+const Real* LlamaModel<Real>::head_logits(const Real* root) {
   const int N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size;
-  ops_.device().copy(targets_.data(), targets, targets_.bytes());
   ops_.rmsnorm_forward(lnf_.data(), lnf_rstd_.data(), resid_[cfg_.n_layer].data(),
                        param_in(table_, root, ROOT_UNIT, LLAMA_NORM_W), static_cast<Real>(cfg_.norm_eps), N, C);
   ops_.matmul_forward(probs_.data(), lnf_.data(), param_in(table_, root, ROOT_UNIT, head_param()), nullptr, N, C, V);
-  ops_.softmax_crossentropy_forward(losses_.data(), probs_.data(), targets_.data(), N, V);
+  return probs_.data();
+}
+
+template <typename Real>
+double LlamaModel<Real>::head_forward(const Real* root, const int* targets) {
+  const int N = B_ * T_, V = cfg_.vocab_size;
+  ops_.device().copy(targets_.data(), targets, targets_.bytes());
+  head_logits(root);
+  this->head_loss_.forward(ops_, losses_.data(), probs_.data(), targets_.data(), N, V);
   return ops_.sum(losses_.data(), losses_.size());
 }
 
 template <typename Real>
 void LlamaModel<Real>::head_backward(Real* g, const Real* root, Real dloss) {
   const int N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size;
-  ops_.softmax_crossentropy_backward(probs_.data(), targets_.data(), dloss, N, V);
+  this->head_loss_.backward(ops_, probs_.data(), targets_.data(), dloss, N, V);
   ops_.matmul_backward(dln_.data(), grad_in(table_, g, ROOT_UNIT, head_param()), nullptr, probs_.data(), lnf_.data(),
                        param_in(table_, root, ROOT_UNIT, head_param()), N, C, V);
   dresid_.zero();

@@ -25,10 +25,42 @@
 
 namespace shardtrain {
 
+// The loss head's last step, which both models share: cross-entropy of the logits against the
+// targets, or, with a teacher's logits of the same micro-batch (distillation), LayerOps::distill_loss_forward's
+// alpha CE + (1 - alpha) T^2 KL(teacher_T || student_T).
+template <typename Real>
+struct HeadLoss {
+  const Real* teacher = nullptr;  // N x V logits in the device's memory, or null: cross-entropy
+  Real alpha = 1, temperature = 1;
+  // losses (N) and, in place of the logits, what backward turns into the logits' gradient.
+  void forward(const LayerOps<Real>& ops, Real* losses, Real* logits, const int* targets, int N, int V) const {
+    if (teacher)
+      ops.distill_loss_forward(losses, logits, teacher, targets, N, V, alpha, temperature);
+    else
+      ops.softmax_crossentropy_forward(losses, logits, targets, N, V);
+  }
+  void backward(const LayerOps<Real>& ops, Real* to_dlogits, const int* targets, Real dloss, int N, int V) const {
+    if (teacher)
+      ops.scale(to_dlogits, static_cast<size_t>(N) * V, dloss);
+    else
+      ops.softmax_crossentropy_backward(to_dlogits, targets, dloss, N, V);
+  }
+};
+
 template <typename Real>
 class TransformerModel {
  public:
   virtual ~TransformerModel() = default;
+
+  // Distillation (app/teacher.hpp): head_forward's loss against a teacher's logits of the same
+  // micro-batch (B*T x V, device memory, kept by the caller until head_backward), or (null) the
+  // cross-entropy alone.
+  void set_teacher_logits(const Real* logits, Real alpha, Real temperature) {
+    head_loss_ = HeadLoss<Real>{logits, alpha, temperature};
+  }
+  // The forward's logits without a loss (a teacher's): B*T x V in the device's memory, valid until
+  // the next forward.
+  virtual const Real* head_logits(const Real* root) = 0;
 
   virtual int batch() const = 0;
   virtual int seq_len() const = 0;
@@ -37,7 +69,8 @@ class TransformerModel {
 
   virtual void embed_forward(const Real* root, const int* tokens) = 0;
   virtual void block_forward(int layer, const Real* block) = 0;
-  // Returns the sum over the B*T tokens of -log p(target); leaves probabilities for head_backward.
+  // Returns the sum over the B*T tokens of -log p(target) (with a teacher: of the distillation loss);
+  // leaves probabilities (the loss's logit gradient) for head_backward.
   virtual double head_forward(const Real* root, const int* targets) = 0;
 
   // dloss: the gradient of the optimised loss w.r.t. each token's loss (1 / tokens in the batch).
@@ -71,6 +104,9 @@ class TransformerModel {
   virtual void decode_embed(const Real* root, const int* tokens, int n) = 0;
   virtual void decode_block(int layer, const Real* block) = 0;
   virtual void decode_head(const Real* root, Real* logits) = 0;
+
+ protected:
+  HeadLoss<Real> head_loss_;
 };
 
 // Where an incremental decode stands (TransformerModel::begin_decode): the cache's length and the

@@ -416,6 +416,14 @@ double FsdpEngine::eval_micro_batch(TransformerModel<float>& model, const int* t
   return model.head_forward(root, targets);
 }
 
+const float* FsdpEngine::forward_logits(TransformerModel<float>& model, const int* tokens) {
+  forget_gathered();
+  const float* root = gather_params(ROOT_UNIT, false);
+  model.embed_forward(root, tokens);
+  forward_blocks(model);
+  return model.head_logits(root);
+}
+
 void FsdpEngine::decode_step(TransformerModel<float>& model, const int* tokens, int n, float* logits, bool first) {
   const int L = table_.config().n_layer;
   if (first) forget_gathered();

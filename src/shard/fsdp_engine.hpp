@@ -192,6 +192,9 @@ class FsdpEngine {
   void finish_step();
   // Forward only (evaluation): the summed loss of this rank's tokens.
   double eval_micro_batch(TransformerModel<float>& model, const int* tokens, const int* targets);
+  // Forward only, to the logits (a distillation teacher's): model.head_logits' B*T x V, in the
+  // device's memory until the model's next forward.
+  const float* forward_logits(TransformerModel<float>& model, const int* tokens);
 
   // Generation: one step of the model's decode path (model/model.hpp) over n tokens (host memory),
   // the units gathered as in a forward -- each block into a block buffer before its decode_block,
