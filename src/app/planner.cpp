@@ -214,6 +214,16 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
                 human_bytes(b[MEM_ACTIVATIONS]).c_str(), human_bytes(b[MEM_COMM_BUFFERS]).c_str(),
                 human_bytes(c.memory.total()).c_str(), human_bytes(c.traffic_bytes).c_str(), c.fits ? "yes" : "NO");
   }
+  if (!config.distill.teacher.empty()) {  // its bytes depend on the shard group alone; peak/rank includes them
+    std::vector<int> shown;
+    for (const Candidate& c : candidates) {
+      if (std::find(shown.begin(), shown.end(), c.shard_size) != shown.end()) continue;
+      shown.push_back(c.shard_size);
+      std::printf("%steacher (distill.teacher, frozen, in peak/rank) with a shard group of %d: %s\n",
+                  shown.size() == 1 ? "\n" : "", c.shard_size, describe_categories(c.memory.teacher).c_str());
+    }
+    std::printf("\n");
+  }
   // The same table for scripts: exact bytes.
   for (const Candidate& c : candidates)
     std::printf("PLAN strategy=%s reduce=%s checkpointing=%s offload=%s peak_bytes=%zu traffic_bytes=%.0f fits=%d\n",

@@ -9,13 +9,14 @@ property against an independent oracle:
   uneven padding on 3 ranks;
 - a resume is exact (the steps after a saved step 2 are the straight run's, bit for bit), and a
   resume with another teacher exits 2 naming both checksums;
-- the teacher's memory is reported per rank by category;
+- the teacher's memory is reported per rank by category (the trainer checks it against its plan at
+  start-up), and `plan` adds it to every candidate's peak;
 - bad settings exit 2 on every rank naming the problem: another vocabulary, a path that is no
   model, alpha outside [0, 1]."""
 import functools
 import os
 
-from harness import read_metrics, rel_diff, run, tempdir, tiny_args
+from harness import read_metrics, rel_diff, run, run_single, tempdir, tiny_args
 from test_bad_input import expect_usage_error
 from test_checkpoint import ckpt_name
 from test_freeze import latest
@@ -93,3 +94,16 @@ def test_bad_teachers_and_settings_exit_2():
                        "distill.alpha must be in [0, 1]")
     expect_usage_error(tiny_args(f"--distill.teacher={start_checkpoint()}", "--distill.temperature=0"),
                        "distill.temperature must be > 0")
+
+
+def test_plan_counts_the_teacher():
+    def peaks(*extra):
+        proc = run_single(["plan", "--world-size=2", *tiny_args(*extra)[1:]])
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout, [int(l.split("peak_bytes=")[1].split()[0]) for l in proc.stdout.splitlines()
+                             if l.startswith("PLAN ")]
+    _, alone = peaks()
+    out, with_teacher = peaks(f"--distill.teacher={start_checkpoint('llama')}")
+    assert len(alone) == len(with_teacher) > 0
+    assert all(t > a for a, t in zip(alone, with_teacher)), (alone, with_teacher)
+    assert "teacher (distill.teacher, frozen, in peak/rank) with a shard group of 2: sharded_params" in out, out
