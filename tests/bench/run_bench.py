@@ -14,6 +14,9 @@ Adapters (--only adapters): gpt2-124M and llama-135M (--adapter-models) full fin
 (rank 8 and 64 on every linear layer), LoHa, LoKr, OFT and freezing all but the last two blocks, on 1,
 2 and 4 ranks (--adapter-cases picks some; see adapter_section).
 
+Distillation (--only distill): gpt2-124M alone and distilled from a gpt-300M teacher on 1, 2 and 4
+ranks, tokens/s and each model's memory per rank (see distill_section).
+
 Checkpoint I/O (build/ckpt_bench, see tests/bench/ckpt_bench.cpp): a gpt2-124M checkpoint (params,
 exp_avg, exp_avg_sq: 3 x 124.4M fp32 = 1493 MB of tensor data) saved and loaded on 1, 2 and 4 ranks
 (threads per rank as the trainer picks them: cores / ranks) in both layouts, after one warm-up
@@ -42,7 +45,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))
 
 
 def train_run(build, ranks, threads, steps, config="gpt2-124M.ini", seq_len=64, micro_batch=4, global_batch=16,
-              extra=()):
+              extra=(), stdout=None):
     from harness import ensure_data, mpirun_command
     train, _ = ensure_data()
     with tempfile.TemporaryDirectory() as tmp:
@@ -55,6 +58,8 @@ def train_run(build, ranks, threads, steps, config="gpt2-124M.ini", seq_len=64, 
         proc = subprocess.run(mpirun_command(ranks, args, timeout=1200), cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"benchmark run failed ({ranks} ranks):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        if stdout is not None:
+            stdout.append(proc.stdout)
         rows = [json.loads(l) for l in open(metrics) if '"kind":"step"' in l][1:]
         peak = float(re.search(r"SGEMM peak ([\d.]+) GFLOP/s", proc.stdout).group(1))
         core = re.search(r"compute: OpenBLAS (\S+)", proc.stdout).group(1)
@@ -147,7 +152,7 @@ def main():
     parser.add_argument("--ckpt-repeats", type=int, default=3)
     parser.add_argument("--ckpt-profile", action="store_true",
                         help="also time the checksums and the same bytes through MPI-IO alone")
-    parser.add_argument("--only", choices=("layers", "train", "ckpt", "arch", "adapters"),
+    parser.add_argument("--only", choices=("layers", "train", "ckpt", "arch", "adapters", "distill"),
                         help="run one section only")
     parser.add_argument("--arch-rounds", type=int, default=2)
     parser.add_argument("--adapter-models", default="gpt2,llama", help="adapters section: gpt2, llama or both")
@@ -161,7 +166,7 @@ def main():
     if os.geteuid() == 0:
         os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    sections = [args.only] if args.only else ["train", "ckpt", "arch", "adapters"]
+    sections = [args.only] if args.only else ["train", "ckpt", "arch", "adapters", "distill"]
     if not args.only and not args.skip_layers:
         sections.insert(0, "layers")
     if "layers" in sections:
@@ -178,6 +183,8 @@ def main():
     if "adapters" in sections:
         adapter_section(build, args.steps, args.adapter_models.split(","),
                         [c for c in args.adapter_cases.split(",") if c])
+    if "distill" in sections:
+        distill_section(build, args.steps)
 
 
 def train_section(build, steps):
@@ -273,6 +280,43 @@ def adapter_model_runs(build, steps, config, cases):
             mib = [mem[c] / 2**20 for c in MEMORY_COLUMNS]
             print(f"{ranks} x {threads} | {name:16s} | {tps:8.1f} | {tps / full:5.2f} | " +
                   " ".join(f"{m:7.1f}" for m in mib) + f" {sum(mib):8.1f}", flush=True)
+
+
+def distill_section(build, steps):
+    """gpt2-124M (T = 64, micro_batch 4, global_batch 16) trained alone and distilled from a gpt-300M
+    teacher, FULL_SHARD on 1 rank x 2 threads, 2 ranks x 1 thread and 4 ranks x 1 thread (oversubscribed:
+    its memory is exact, its tokens/s say little). The teacher's weights come from one saved step of
+    gpt-300M (random: speed and memory do not depend on them). Tokens/s are medians over the steps
+    after the first, the ratio taken within the rank count; memory is each model's bytes on one rank
+    by category, as the trainer allocated them (the student's from the metrics, the teacher's from
+    its start line)."""
+    from harness import ensure_data, mpirun_command
+    train, _ = ensure_data()
+    with tempfile.TemporaryDirectory() as tmp:
+        args = [os.path.join(build, "shardtrain"), "train", "--config", os.path.join(ROOT, "inputs", "gpt-300M.ini"),
+                "--train.seq_len=64", "--train.micro_batch=1", "--train.global_batch=1", "--train.steps=1",
+                "--train.threads=2", f"--data.train_file={train}", "--data.val_file=", f"--checkpoint.dir={tmp}",
+                "--checkpoint.format=gathered"]
+        proc = subprocess.run(mpirun_command(1, args, timeout=1200), cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"teacher run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        teacher = os.path.join(tmp, "ckpt-00000001.h5")
+        print(f"\n== distillation: gpt2-124M student, gpt-300M teacher, seq_len 64, micro_batch 4, global_batch 16, "
+              f"{steps} steps, FULL_SHARD, alpha 0.5, T 2", flush=True)
+        print("ranks | case | tokens/s median | / alone | student MiB per rank: " + " ".join(MEMORY_COLUMNS) +
+              " total | teacher per rank", flush=True)
+        for ranks, threads in ((1, 2), (2, 1), (4, 1)):
+            alone = None
+            for name, extra in (("student alone", ()), ("distilled", (f"--distill.teacher={teacher}",))):
+                out = []
+                rows, _, _ = train_run(build, ranks, threads, steps, extra=extra, stdout=out)
+                tps = summarize([r["tokens_per_s"] for r in rows])[1]
+                alone = alone or tps
+                mib = [rows[-1]["peak_mem"][c] / 2**20 for c in MEMORY_COLUMNS]
+                found = re.search(r"teacher memory per rank: (.*?) \| total (\S+ \S+)", out[0])
+                teacher_mem = f"{found.group(1)} (total {found.group(2)})" if found else "-"
+                print(f"{ranks} x {threads} | {name:13s} | {tps:8.1f} | {tps / alone:5.2f} | " +
+                      " ".join(f"{m:7.1f}" for m in mib) + f" {sum(mib):8.1f} | {teacher_mem}", flush=True)
 
 
 if __name__ == "__main__":
