@@ -1,8 +1,6 @@
 // See memory_plan.hpp.
 #include "app/memory_plan.hpp"
 
-#include "app/teacher.hpp"
-
 #include <cmath>
 #include <cstdlib>
 
@@ -31,11 +29,6 @@ std::string MemoryPlan::describe() const {
   return describe_categories(bytes) + (t.empty() ? "" : " | teacher: " + t);
 }
 
-void add_teacher_plan(MemoryPlan& plan, const Config& c, const GroupShape& groups, const EngineOptions& engine) {
-  if (c.distill.teacher.empty()) return;
-  plan.teacher = plan_teacher_memory(teacher_param_table(c.distill.teacher), groups, engine, c.train.micro_batch,
-                                     c.train.seq_len);
-}
 
 MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, const EngineOptions& engine,
                             int micro_batch, int seq_len, bool activation_checkpointing) {

@@ -26,13 +26,12 @@ struct MemoryPlan {
   std::string describe() const;  // "sharded_params 1.2 MiB, gradients ... | teacher: sharded_params ..."
 };
 
-// `table`: the model with what the configuration freezes (config_param_table). Without the teacher;
-// with_teacher adds it (reading distill.teacher's configuration from its file; call under agree_on).
+// `table`: the model with what the configuration freezes (config_param_table). Without the
+// teacher: app/teacher.hpp's plan_teacher_memory gives MemoryPlan::teacher.
 MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, const EngineOptions& engine,
                             int micro_batch, int seq_len, bool activation_checkpointing);
 // "sharded_params 1.2 MiB, gradients ..." of the categories that hold bytes.
 std::string describe_categories(const std::array<size_t, MEM_CATEGORY_COUNT>& bytes);
-void add_teacher_plan(MemoryPlan& plan, const Config& config, const GroupShape& groups, const EngineOptions& engine);
 
 
 }  // namespace shardtrain

@@ -19,6 +19,7 @@
 
 #include "app/memory_plan.hpp"
 #include "app/options.hpp"
+#include "app/teacher.hpp"
 #include "core/counted.hpp"
 #include "core/format.hpp"
 
@@ -65,6 +66,8 @@ double traffic_per_step(const ParamTable& table, const Candidate& c, const Engin
 // Every strategy and option for `config`'s model and batch shape on `world` ranks.
 std::vector<Candidate> plan_candidates(const Config& config, int world, int ranks_per_node, size_t limit) {
   const ParamTable table = config_param_table(config);
+  std::optional<ParamTable> teacher;  // distill.teacher's model, read once
+  if (!config.distill.teacher.empty()) teacher.emplace(teacher_param_table(config.distill.teacher));
   const int accumulation = std::max(1, config.train.global_batch / (config.train.micro_batch * world));
   std::vector<Candidate> candidates;
   const ShardingStrategy strategies[] = {SHARDING_NO_SHARD, SHARDING_HYBRID_SHARD, SHARDING_SHARD_GRAD_OP,
@@ -82,7 +85,9 @@ std::vector<Candidate> plan_candidates(const Config& config, int world, int rank
           options.strategy = s, options.reduce_every_microbatch = every, options.cpu_offload = offload;
           c.memory = plan_rank_memory(table, GroupShape{shard, 0, world / shard, 0}, options,
                                       config.train.micro_batch, config.train.seq_len, ckpt);
-          add_teacher_plan(c.memory, config, GroupShape{shard, 0, world / shard, 0}, options);
+          if (teacher)
+            c.memory.teacher = plan_teacher_memory(*teacher, GroupShape{shard, 0, world / shard, 0}, options,
+                                                   config.train.micro_batch, config.train.seq_len);
           c.traffic_bytes = traffic_per_step(table, c, options, accumulation);
           c.fits = limit == 0 || c.memory.total() <= limit;
           candidates.push_back(c);

@@ -239,7 +239,11 @@ MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrat
   GroupShape groups{shard.size(), shard.rank(), replica.size(), replica.rank()};
   MemoryPlan plan = plan_rank_memory(config_param_table(c), groups, engine_options(c), c.train.micro_batch,
                                      c.train.seq_len, c.fsdp.activation_checkpointing);
-  rt.agree_on([&] { add_teacher_plan(plan, c, groups, engine_options(c)); });
+  if (!c.distill.teacher.empty())
+    rt.agree_on([&] {
+      plan.teacher = plan_teacher_memory(teacher_param_table(c.distill.teacher), groups, engine_options(c),
+                                         c.train.micro_batch, c.train.seq_len);
+    });
   rt.agree_on([&] {
     // Host memory: the whole plan on the CPU backend, the offloaded state on a GPU. Checked against
     // what the node has available, shared by its ranks, so a model that cannot fit stops here
