@@ -34,25 +34,7 @@ void inspect_checkpoint(const std::string& path) {
   if (s.adapter.type != ADAPTER_NONE) {
     std::string targets;
     for (const std::string& t : s.adapter.targets) targets += (targets.empty() ? "" : ",") + t;
-    // The method's own settings: OFT has no rank and no scaling.
-    const AdapterConfig& a = s.adapter;
-    std::string settings;
-    switch (a.type) {
-      case ADAPTER_LORA:
-      case ADAPTER_DORA: settings = strprintf("rank %d alpha %g dropout %g", a.rank, a.alpha, a.dropout); break;
-      case ADAPTER_LOHA: settings = strprintf("rank %d alpha %g", a.rank, a.alpha); break;
-      case ADAPTER_LOKR:
-        settings = strprintf("rank %d alpha %g decompose_both %s decompose_factor %d", a.rank, a.alpha,
-                             a.decompose_both ? "true" : "false", a.decompose_factor);
-        break;
-      case ADAPTER_OFT:
-        settings = strprintf("block_size %d rotation %s block_share %s", a.block_size,
-                             a.cayley_neumann ? strprintf("cayley-neumann %d terms", a.neumann_terms).c_str() : "exact",
-                             a.block_share ? "true" : "false");
-        break;
-      case ADAPTER_NONE: break;
-    }
-    std::printf("adapters: %s %s on %s, %zu parameters\n", adapter_type_name(a.type), settings.c_str(), targets.c_str(),
+    std::printf("adapters: %s on %s, %zu parameters\n", adapter_settings(s.adapter).c_str(), targets.c_str(),
                 table.total_params() - base.total_params());
   }
   if (s.has_base_checksum)

@@ -40,18 +40,22 @@ std::pair<int, int> lokr_factorization(int dim, int factor) {
 }
 
 std::string adapter_settings(const AdapterConfig& a) {
-  std::string s = adapter_type_name(a.type);
-  if (a.type == ADAPTER_NONE) return s;
-  if (a.type == ADAPTER_OFT)
-    return s + strprintf(" blocks of %d, %s", a.block_size,
-                         a.cayley_neumann ? strprintf("Cayley-Neumann %d terms", a.neumann_terms).c_str()
-                                          : "exact Cayley") +
-           (a.block_share ? ", one rotation per layer" : "");
-  s += strprintf(" rank %d alpha %g (scaling %g)", a.rank, a.alpha, a.scaling());
-  if (a.type == ADAPTER_LORA || a.type == ADAPTER_DORA) s += strprintf(" dropout %g", a.dropout);
-  if (a.type == ADAPTER_LOKR)
-    s += strprintf(", decompose_factor %d%s", a.decompose_factor, a.decompose_both ? ", decompose_both" : "");
-  return s;
+  const std::string name = adapter_type_name(a.type);
+  switch (a.type) {
+    case ADAPTER_LORA:
+    case ADAPTER_DORA: return name + strprintf(" rank %d alpha %g dropout %g", a.rank, a.alpha, a.dropout);
+    case ADAPTER_LOHA: return name + strprintf(" rank %d alpha %g", a.rank, a.alpha);
+    case ADAPTER_LOKR:
+      return name + strprintf(" rank %d alpha %g decompose_both %s decompose_factor %d", a.rank, a.alpha,
+                              a.decompose_both ? "true" : "false", a.decompose_factor);
+    case ADAPTER_OFT:  // no rank, no scaling
+      return name + strprintf(" block_size %d rotation %s block_share %s", a.block_size,
+                              a.cayley_neumann ? strprintf("cayley-neumann %d terms", a.neumann_terms).c_str()
+                                               : "exact",
+                              a.block_share ? "true" : "false");
+    case ADAPTER_NONE: break;
+  }
+  return name;
 }
 
 LokrShape lokr_shape(const AdapterConfig& adapter, int in, int out) {

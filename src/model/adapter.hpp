@@ -61,7 +61,7 @@ struct LokrShape {
 };
 LokrShape lokr_shape(const AdapterConfig& adapter, int in, int out);
 // The method and its settings as the start line and `inspect` print them: "lora rank 8 alpha 16
-// (scaling 2) dropout 0", "oft blocks of 32, Cayley-Neumann 5 terms".
+// dropout 0", "oft block_size 32 rotation cayley-neumann 5 terms block_share false".
 std::string adapter_settings(const AdapterConfig& adapter);
 // PEFT's factorization(dim, factor): dim = m n, (m, n) as PEFT orders them.
 std::pair<int, int> lokr_factorization(int dim, int factor);
