@@ -41,6 +41,19 @@ std::vector<std::vector<Real>> random_units(const ParamTable& table, double scal
   return units;
 }
 
+// The central difference (f(x + h) - f(x - h)) / 2h of f = loss() in x, h = 1e-5 (double: truncation
+// ~1e-10, rounding ~1e-11 for the tests' losses); x is restored.
+template <typename Loss>
+double central_difference(double& x, Loss loss) {
+  const double saved = x, h = 1e-5;
+  x = saved + h;
+  const double up = loss();
+  x = saved - h;
+  const double down = loss();
+  x = saved;
+  return (up - down) / (2 * h);
+}
+
 struct Batch {
   std::vector<int> tokens, targets;
 };

@@ -44,6 +44,16 @@ class TestRng {
   uint64_t state_;
 };
 
+// The unit roundoff of Real (2^-24 for float, 2^-53 for double), and its name for messages.
+template <typename Real>
+constexpr double unit_roundoff() {
+  return std::is_same_v<Real, float> ? 0x1p-24 : 0x1p-53;
+}
+template <typename Real>
+const char* type_name() {
+  return std::is_same_v<Real, float> ? "float" : "double";
+}
+
 // Fills p[0..n) with values uniform in [lo, hi), rounded to T. Same seed, same values.
 template <typename T>
 void fill_uniform(T* p, size_t n, uint64_t seed, double lo = -1.0, double hi = 1.0) {

@@ -33,12 +33,7 @@ using shardtrain::testing::fill_value;
 using shardtrain::testing::GuardedBuffer;
 using shardtrain::testing::quiet_nan;
 using shardtrain::testing::Tolerance;
-
-// Unit roundoff of Real.
-template <typename Real>
-constexpr double unit_roundoff() {
-  return std::is_same_v<Real, float> ? 0x1p-24 : 0x1p-53;
-}
+using shardtrain::testing::unit_roundoff;
 
 // (s * a) * b: two roundings, each within u relative of its exact value, so within 2u + u^2 of
 // s * a * b, which the reference computes in double (exact for float inputs up to 2^-53).

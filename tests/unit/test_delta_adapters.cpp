@@ -307,14 +307,10 @@ TEST(DeltaAdapters, AdapterGradientsMatchFiniteDifferencesAndTheBaseGetsNone) {
           continue;
         }
         for (size_t i : {size_t(0), p.numel / 2, p.numel - 1}) {
-          double& x = units[p.unit][p.offset + i];
-          const double saved = x, h = 1e-5;
-          x = saved + h;
-          const double up = loss_of(table, units, nullptr, B, T);
-          x = saved - h;
-          const double down = loss_of(table, units, nullptr, B, T);
-          x = saved;
-          const double numeric = (up - down) / (2 * h) / (B * T), analytic = grads[p.unit][p.offset + i];
+          const double numeric =
+              central_difference(units[p.unit][p.offset + i], [&] { return loss_of(table, units, nullptr, B, T); }) /
+              (B * T);
+          const double analytic = grads[p.unit][p.offset + i];
           EXPECT_NEAR(analytic, numeric, 1e-8 + 1e-6 * std::fabs(numeric)) << label(a) << " " << p.name << "[" << i << "]";
         }
       }

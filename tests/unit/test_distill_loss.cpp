@@ -38,16 +38,8 @@ using shardtrain::testing::fill_value;
 using shardtrain::testing::GuardedBuffer;
 using shardtrain::testing::quiet_nan;
 using shardtrain::testing::Tolerance;
-
-template <typename Real>
-constexpr double unit_roundoff() {
-  return std::is_same_v<Real, float> ? 0x1p-24 : 0x1p-53;
-}
-
-template <typename Real>
-const char* type_name() {
-  return std::is_same_v<Real, float> ? "float" : "double";
-}
+using shardtrain::testing::unit_roundoff;
+using shardtrain::testing::type_name;
 
 template <typename Real>
 ::testing::AssertionResult bits_equal(const Real* actual, const Real* expected, size_t n) {

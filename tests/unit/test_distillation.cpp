@@ -73,14 +73,9 @@ TEST(Distillation, StudentGradientsMatchFiniteDifferencesWithAnotherTeacher) {
     loss_of(student, units, &grads, batch, t.data(), alpha, temperature);
     for (const ParamInfo& p : student.params())
       for (size_t i : {size_t(0), p.numel / 2, p.numel - 1}) {
-        double& x = units[p.unit][p.offset + i];
-        const double saved = x, h = 1e-5;
-        x = saved + h;
-        const double up = loss_of(student, units, nullptr, batch, t.data(), alpha, temperature);
-        x = saved - h;
-        const double down = loss_of(student, units, nullptr, batch, t.data(), alpha, temperature);
-        x = saved;
-        const double numeric = (up - down) / (2 * h);
+        const double numeric = central_difference(units[p.unit][p.offset + i], [&] {
+          return loss_of(student, units, nullptr, batch, t.data(), alpha, temperature);
+        });
         EXPECT_NEAR(grads[p.unit][p.offset + i], numeric, 1e-7 + 1e-6 * std::fabs(numeric))
             << "alpha " << alpha << " T " << temperature << " " << p.name << "[" << i << "]";
       }

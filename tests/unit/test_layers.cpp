@@ -49,6 +49,7 @@ using shardtrain::testing::fill_value;
 using shardtrain::testing::GuardedBuffer;
 using shardtrain::testing::quiet_nan;
 using shardtrain::testing::Tolerance;
+using shardtrain::testing::type_name;
 
 // ---- tolerance models ----------------------------------------------------------------------------
 //
@@ -70,11 +71,6 @@ Tolerance fp32_sum(int K) { return {4.0 * K * kU32, 4.0 * K * kU32}; }
 template <typename Real>
 Tolerance model(Tolerance fp32) {
   return std::is_same_v<Real, float> ? fp32 : kDoubleTol;
-}
-
-template <typename Real>
-const char* type_name() {
-  return std::is_same_v<Real, float> ? "float" : "double";
 }
 
 // ---- finite differences --------------------------------------------------------------------------

@@ -216,15 +216,11 @@ TEST(Lora, AdapterGradientsMatchFiniteDifferencesAndTheBaseGetsNone) {
         continue;
       }
       for (size_t i : {size_t(0), p.numel / 2, p.numel - 1}) {
-        double& x = units[p.unit][p.offset + i];
-        const double saved = x, h = 1e-5;
-        x = saved + h;
-        const double up = loss_and_grads(table, units, nullptr, batch, B, T);
-        x = saved - h;
-        const double down = loss_and_grads(table, units, nullptr, batch, B, T);
-        x = saved;
         // The summed loss; the gradients are of its mean.
-        const double numeric = (up - down) / (2 * h) / (B * T), analytic = grads[p.unit][p.offset + i];
+        const double numeric = central_difference(units[p.unit][p.offset + i], [&] {
+                                 return loss_and_grads(table, units, nullptr, batch, B, T);
+                               }) / (B * T);
+        const double analytic = grads[p.unit][p.offset + i];
         EXPECT_NEAR(analytic, numeric, 1e-8 + 1e-6 * std::fabs(numeric)) << p.name << "[" << i << "]";
       }
     }
@@ -298,14 +294,9 @@ TEST(Lora, DropoutFollowsTheCounterStreamAndKeepsGradientsExact) {
   for (const ParamInfo& q : table.params()) {
     if (!q.adapter) continue;
     for (size_t i : {size_t(0), q.numel - 1}) {
-      double& w = units[q.unit][q.offset + i];
-      const double saved = w, h = 1e-5;
-      w = saved + h;
-      const double up = loss_with_keys(units, nullptr, keys.data());
-      w = saved - h;
-      const double down = loss_with_keys(units, nullptr, keys.data());
-      w = saved;
-      const double numeric = (up - down) / (2 * h) / n, analytic = grads[q.unit][q.offset + i];
+      const double numeric =
+          central_difference(units[q.unit][q.offset + i], [&] { return loss_with_keys(units, nullptr, keys.data()); }) / n;
+      const double analytic = grads[q.unit][q.offset + i];
       EXPECT_NEAR(analytic, numeric, 1e-8 + 1e-6 * std::fabs(numeric)) << q.name << "[" << i << "]";
     }
   }
