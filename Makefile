@@ -28,7 +28,7 @@ endif
 DEB_PACKAGES := g++ make pkg-config python3 openmpi-bin libopenmpi-dev libopenblas-openmp-dev \
                 libboost-program-options-dev libhdf5-openmpi-dev hdf5-tools libgtest-dev \
                 libbenchmark-dev nlohmann-json3-dev python3-h5py python3-numpy python3-matplotlib \
-                libpcre2-dev libutf8proc-dev
+                libpcre2-dev libutf8proc-dev libdnnl-dev libblis-openmp-dev
 
 # The OpenMP build of OpenBLAS shares the OpenMP thread pool with our own loops, so the two
 # never oversubscribe the cores (the pthread build keeps a second pool that fights ours).
@@ -43,7 +43,7 @@ CPPFLAGS := -I. -Isrc -Itests -I$(OPENBLAS_INC) -I$(HDF5_INC) -DOMPI_SKIP_MPICXX
 CPPFLAGS += -DSHARDTRAIN_VERSION='"$(shell git describe --always --dirty 2>/dev/null)"'
 CXXFLAGS := -std=c++17 $(OPT) -g -fopenmp -Wall -Wextra -Wno-unused-parameter -MMD -MP
 LDFLAGS  := -fopenmp -L$(OPENBLAS_LIB) -Wl,-rpath,$(OPENBLAS_LIB) -L$(HDF5_LIB)
-LDLIBS   := -lopenblas -lhdf5 -lboost_program_options -lpcre2-8 -lutf8proc -lpthread
+LDLIBS   := -lopenblas -ldnnl -lhdf5 -lboost_program_options -lpcre2-8 -lutf8proc -lpthread
 ifneq ($(SAN),)
 CXXFLAGS += -fsanitize=$(SAN) -fno-omit-frame-pointer
 LDFLAGS  += -fsanitize=$(SAN)
@@ -94,6 +94,9 @@ MPI_TESTS  := $(BUILD)/mpi_tests
 # Each tests/bench/X.cpp is its own program $(BUILD)/X (its own main); BENCH_LIBS_X adds its libraries.
 BENCH_BINS := $(patsubst tests/bench/%.cpp,$(BUILD)/%,$(BENCH_SRCS))
 BENCH_LIBS_layer_bench := -lbenchmark
+# BLIS only for the GEMM library comparison (OpenMP build, beside OpenBLAS: its own bli_ API).
+BLIS_LIB := /usr/lib/x86_64-linux-gnu/blis-openmp
+BENCH_LIBS_gemm_bench := -L$(BLIS_LIB) -Wl,-rpath,$(BLIS_LIB) -lblis
 DEPS_STAMP := $(BUILD)/.deps-ok
 
 .PHONY: all deps run test test-slurm test-cluster test-gpu gpu-check bundle bench sanitize print-config clean

@@ -3,6 +3,7 @@
 #include "app/compute_backend.hpp"
 
 #include "core/error.hpp"
+#include "model/config.hpp"
 
 #include <algorithm>
 #include <vector>
@@ -27,9 +28,31 @@ struct ComputeBackend::Cuda {};
 bool cuda_backend_built() { return false; }
 #endif
 
-ComputeBackend::ComputeBackend(const std::string& device, DType compute_dtype, const Runtime& rt) {
+std::vector<cpu::LinearShape> linear_layers(const ModelConfig& m) {
+  const int C = m.n_embd, I = m.mlp_size();
+  const int mlp_in_out = m.arch == ARCH_LLAMA ? 2 * I : I;  // llama's gate|up fused
+  return {{C, m.qkv_size()}, {C, C}, {C, mlp_in_out}, {I, C}, {C, m.vocab_size}};
+}
+
+bool cpu_bf16_compute(const std::string& device, DType compute_dtype) {
+  return device == "cpu" && compute_dtype == DTYPE_BF16;
+}
+
+size_t plan_gemm_workspace_bytes(const std::string& device, DType compute_dtype, const GemmWorkload& workload) {
+  return cpu_bf16_compute(device, compute_dtype) ? cpu::Bf16Gemm::plan_workspace_bytes(workload.layers, workload.rows)
+                                                 : 0;
+}
+
+ComputeBackend::ComputeBackend(const std::string& device, DType compute_dtype, const Runtime& rt,
+                               const GemmWorkload& workload)
+    : compute_dtype_(compute_dtype) {
   if (device == "cpu") {
     backend_ = cpu_backend();
+    if (cpu_bf16_compute(device, compute_dtype)) {
+      cpu_bf16_ = std::make_unique<cpu::Bf16Gemm>(workload.layers, workload.rows);
+      cpu_bf16_ops_ = make_cpu_bf16_layer_ops(*cpu_bf16_);
+      backend_.ops = cpu_bf16_ops_.get();
+    }
     return;
   }
   SHARD_CHECK(device == "cuda", "unknown device '%s' (validated by the options)", device.c_str());
@@ -65,6 +88,16 @@ ComputeBackend::ComputeBackend(const std::string& device, DType compute_dtype, c
 }
 
 ComputeBackend::~ComputeBackend() = default;
+
+std::string ComputeBackend::gemm_description() const {
+  if (cpu_bf16_) return "bf16 operands, fp32 accumulation: " + cpu_bf16_->describe();
+  if (on_gpu())
+    return compute_dtype_ == DTYPE_FP32 ? "fp32 (cuBLASLt)"
+                                        : std::string(dtype_name(compute_dtype_)) + " operands, fp32 accumulation (cuBLASLt)";
+  return "fp32 (OpenBLAS)";
+}
+
+size_t ComputeBackend::gemm_workspace_bytes() const { return cpu_bf16_ ? cpu_bf16_->workspace_bytes() : 0; }
 
 std::unique_ptr<Comm> ComputeBackend::make_comm(MPI_Comm comm, Watchdog* watchdog) const {
 #ifdef SHARDTRAIN_CUDA

@@ -8,7 +8,9 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "backend/cpu/bf16_gemm.hpp"
 #include "backend/layer_ops.hpp"
 #include "comm/comm.hpp"
 #include "comm/runtime.hpp"
@@ -16,14 +18,30 @@
 namespace shardtrain {
 
 class Watchdog;
+struct ModelConfig;
+
+// What the CPU's bf16 GEMMs (backend/cpu/bf16_gemm.hpp) are sized for: the linear layers of the
+// models a run multiplies (the student's, and a distillation teacher's) and their input rows.
+struct GemmWorkload {
+  std::vector<cpu::LinearShape> layers;
+  int rows = 0;
+};
+// Every linear layer's weight shape, the LM head included (not the adapters' low-rank products).
+std::vector<cpu::LinearShape> linear_layers(const ModelConfig& model);
+// True where fsdp.param_dtype makes the host compute its GEMMs in bf16: bf16 on train.device=cpu.
+bool cpu_bf16_compute(const std::string& device, DType compute_dtype);
+// The workspace bytes the backend allocates for `workload` at start-up (the plan's "workspace"):
+// the CPU's bf16 operand copies and oneDNN's scratchpad, 0 where it computes in fp32.
+size_t plan_gemm_workspace_bytes(const std::string& device, DType compute_dtype, const GemmWorkload& workload);
 
 class ComputeBackend {
  public:
   // device: "cpu" or "cuda" (the GPU of node-local rank modulo the visible GPUs). Throws
   // UsageError when this build has no CUDA backend, InputError when no GPU can be used.
   // compute_dtype (fsdp.param_dtype): on a GPU, bf16 or fp16 runs the GEMMs on the tensor cores
-  // with operands in that type; the CPU computes in fp32 whatever it is.
-  ComputeBackend(const std::string& device, DType compute_dtype, const Runtime& rt);
+  // with operands in that type; on the CPU bf16 runs the linear layers' GEMMs in bf16 with fp32
+  // accumulation (oneDNN), sized for `workload`; fp16 is a storage and wire format there.
+  ComputeBackend(const std::string& device, DType compute_dtype, const Runtime& rt, const GemmWorkload& workload = {});
   ~ComputeBackend();
 
   const Backend& backend() const { return backend_; }
@@ -32,6 +50,11 @@ class ComputeBackend {
   std::unique_ptr<Comm> make_comm(MPI_Comm comm, Watchdog* watchdog) const;
   // e.g. "cpu" or "cuda:0 NVIDIA H100 80GB HBM3".
   std::string describe() const { return backend_.device->name(); }
+  // The GEMMs' arithmetic for the start line: "fp32 (OpenBLAS)", "bf16 operands, fp32
+  // accumulation (oneDNN 2.6.3 bf16 matmul)", ...
+  std::string gemm_description() const;
+  // Bytes the GEMMs' workspace holds now (the plan's "workspace" on the CPU).
+  size_t gemm_workspace_bytes() const;
   // Dense bf16 tensor-core peak of the GPU in GFLOP/s from its name (0 when unknown or on the host).
   double gpu_peak_gflops() const;
   // Memory free on the GPU now (cudaMemGetInfo), and its total; 0 on the host.
@@ -41,6 +64,9 @@ class ComputeBackend {
  private:
   struct Cuda;
   std::unique_ptr<Cuda> cuda_;
+  std::unique_ptr<cpu::Bf16Gemm> cpu_bf16_;
+  std::unique_ptr<LayerOps<float>> cpu_bf16_ops_;
+  DType compute_dtype_;
   Backend backend_;
 };
 

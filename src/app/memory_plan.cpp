@@ -30,6 +30,13 @@ std::string MemoryPlan::describe() const {
 }
 
 
+GemmWorkload gemm_workload(const ModelConfig& student, const ModelConfig* teacher, int rows) {
+  GemmWorkload w{linear_layers(student), rows};
+  if (teacher)
+    for (const cpu::LinearShape& l : linear_layers(*teacher)) w.layers.push_back(l);
+  return w;
+}
+
 MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, const EngineOptions& engine,
                             int micro_batch, int seq_len, bool activation_checkpointing) {
   std::vector<UnitLayout> layout = FsdpEngine::plan_layout(table, groups);

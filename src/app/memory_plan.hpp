@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "app/compute_backend.hpp"
 #include "app/options.hpp"
 #include "shard/fsdp_engine.hpp"
 
@@ -30,6 +31,10 @@ struct MemoryPlan {
 // teacher: app/teacher.hpp's plan_teacher_memory gives MemoryPlan::teacher.
 MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, const EngineOptions& engine,
                             int micro_batch, int seq_len, bool activation_checkpointing);
+// The GEMMs' workspace of a run: the student's layers and, when distilling, the teacher's, at
+// micro_batch x seq_len rows (its bytes: plan_gemm_workspace_bytes, in the plan's "workspace").
+GemmWorkload gemm_workload(const ModelConfig& student, const ModelConfig* teacher, int rows);
+
 // "sharded_params 1.2 MiB, gradients ..." of the categories that hold bytes.
 std::string describe_categories(const std::array<size_t, MEM_CATEGORY_COUNT>& bytes);
 

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <tuple>
 
@@ -185,6 +186,7 @@ class Trainer {
   std::string peak_source_;  // where peak_gflops_ comes from, for the start line and the warning
   Watchdog watchdog_;
   ShardingStrategy strategy_;
+  GemmWorkload gemm_workload_;  // what the compute backend's GEMM workspace is sized for
   ComputeBackend compute_;
   std::unique_ptr<Comm> comm_;  // MPI on host memory: agreement, metrics, checkpoints
   std::unique_ptr<Comm> shard_comm_, replica_comm_;  // on the compute device's memory
@@ -233,12 +235,20 @@ std::unique_ptr<Comm> make_replica_comm(const Runtime& rt, const Config& c, Shar
   return c.debug.skip_communication ? make_silent_comm(*comm) : std::move(comm);
 }
 
+// The GEMMs of the student and, when distilling, the teacher (its configuration read here).
+GemmWorkload run_gemm_workload(const Runtime& rt, const Config& c) {
+  std::optional<ModelConfig> teacher;
+  if (!c.distill.teacher.empty()) rt.agree_on([&] { teacher = teacher_param_table(c.distill.teacher).config(); });
+  return gemm_workload(c.model, teacher ? &*teacher : nullptr, c.train.micro_batch * c.train.seq_len);
+}
+
 // The rank's planned bytes; an InputError (agreed) when they exceed fsdp.memory_limit.
 MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrategy strategy, const Comm& shard,
-                               const Comm& replica, const ComputeBackend& compute) {
+                               const Comm& replica, const ComputeBackend& compute, const GemmWorkload& gemms) {
   GroupShape groups{shard.size(), shard.rank(), replica.size(), replica.rank()};
   MemoryPlan plan = plan_rank_memory(config_param_table(c), groups, engine_options(c), c.train.micro_batch,
                                      c.train.seq_len, c.fsdp.activation_checkpointing);
+  plan.bytes[MEM_WORKSPACE] = plan_gemm_workspace_bytes(c.train.device, engine_options(c).param_dtype, gemms);
   if (!c.distill.teacher.empty())
     rt.agree_on([&] {
       plan.teacher = plan_teacher_memory(teacher_param_table(c.distill.teacher), groups, engine_options(c),
@@ -302,11 +312,12 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
       accum_(config.train.global_batch / (config.train.micro_batch * rt.world())),
       watchdog_(config.fsdp.comm_timeout),
       strategy_(config.fsdp.sharding_strategy),
-      compute_(config.train.device, engine_options(config).param_dtype, rt),
+      gemm_workload_(run_gemm_workload(rt, config)),
+      compute_(config.train.device, engine_options(config).param_dtype, rt, gemm_workload_),
       comm_(make_mpi_comm(rt.world_comm(), &watchdog_)),
       shard_comm_(make_shard_comm(rt, config, strategy_, compute_, &watchdog_)),
       replica_comm_(make_replica_comm(rt, config, strategy_, compute_, &watchdog_)),
-      plan_(checked_memory_plan(rt, config, strategy_, *shard_comm_, *replica_comm_, compute_)),
+      plan_(checked_memory_plan(rt, config, strategy_, *shard_comm_, *replica_comm_, compute_, gemm_workload_)),
       table_(config_param_table(config)),
       engine_(table_, *shard_comm_, *replica_comm_, memory_, engine_options(config), compute_.backend()),
       optim_config_(optim_config_from(config.train)),
@@ -322,6 +333,7 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
   open_data();
   model_ = make_model<float>(table_, B_, T_, cfg_.fsdp.activation_checkpointing, *compute_.backend().ops);
   memory_.add(MEM_ACTIVATIONS, model_->activation_bytes());
+  memory_.add(MEM_WORKSPACE, compute_.gemm_workspace_bytes());
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++)  // the planner is exact: it is what was allocated
     SHARD_CHECK(memory_.current(static_cast<MemCategory>(c)) == plan_.bytes[c], "%s: tracked %zu, planned %zu",
                 mem_category_name(static_cast<MemCategory>(c)), memory_.current(static_cast<MemCategory>(c)),
@@ -447,8 +459,8 @@ void Trainer::print_summary() {
     rt_.info("compute: %s | peak %.1f GFLOP/s per rank (%s) | %.1f MFLOP per token", compute_.describe().c_str(),
              peak_gflops_, peak_source_.c_str(), table_.flops_per_token(T_) / 1e6);
   else
-    rt_.info("compute: OpenBLAS %s | SGEMM peak %.1f GFLOP/s per rank (%s) | %.1f MFLOP per token",
-             blas_description().c_str(), peak_gflops_, peak_source_.c_str(),
+    rt_.info("compute: GEMMs %s | OpenBLAS %s | SGEMM peak %.1f GFLOP/s per rank (%s) | %.1f MFLOP per token",
+             compute_.gemm_description().c_str(), blas_description().c_str(), peak_gflops_, peak_source_.c_str(),
              table_.flops_per_token(T_) / 1e6);
   rt_.info("run folder: %s | metrics: %s", checkpoint_dir(cfg_).c_str(), metrics_path(cfg_).c_str());
   rt_.info("data: %s%s", train_data_->describe().c_str(),

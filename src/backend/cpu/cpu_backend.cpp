@@ -5,8 +5,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <type_traits>
 #include <vector>
 
+#include "backend/cpu/bf16_gemm.hpp"
 #include "backend/cpu/gemm.hpp"
 #include "backend/cpu/ops.hpp"
 #include "backend/layer_ops.hpp"
@@ -37,6 +39,8 @@ class HostDevice : public Device {
 template <typename Real>
 class CpuLayerOps : public LayerOps<Real> {
  public:
+  // bf16: the linear layers' products through it (float only; fsdp.param_dtype=bf16).
+  explicit CpuLayerOps(cpu::Bf16Gemm* bf16 = nullptr) : bf16_(bf16) {}
   Device& device() const override { return host_device(); }
   void encoder_forward(Real* out, const int* tokens, const Real* wte, const Real* wpe, int B, int T,
                        int C) const override {
@@ -56,10 +60,14 @@ class CpuLayerOps : public LayerOps<Real> {
   }
   void matmul_forward(Real* out, const Real* inp, const Real* weight, const Real* bias, int N, int C,
                       int OC) const override {
+    if constexpr (std::is_same_v<Real, float>)
+      if (bf16_) return bf16_->forward(out, inp, weight, bias, N, C, OC);
     cpu::matmul_forward(out, inp, weight, bias, N, C, OC);
   }
   void matmul_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout, const Real* inp, const Real* weight,
                        int N, int C, int OC) const override {
+    if constexpr (std::is_same_v<Real, float>)
+      if (bf16_) return bf16_->backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
     cpu::matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
   }
   void gemm(bool trans_a, bool trans_b, int M, int N, int K, Real alpha, const Real* A, int lda, const Real* B,
@@ -172,6 +180,9 @@ class CpuLayerOps : public LayerOps<Real> {
 #pragma omp parallel for simd schedule(static)
     for (size_t i = 0; i < n; i++) x[i] *= s;
   }
+
+ private:
+  cpu::Bf16Gemm* bf16_ = nullptr;
 };
 
 class CpuShardOps : public ShardOps {
@@ -205,6 +216,10 @@ const LayerOps<Real>& cpu_layer_ops() {
 }
 template const LayerOps<float>& cpu_layer_ops<float>();
 template const LayerOps<double>& cpu_layer_ops<double>();
+
+std::unique_ptr<LayerOps<float>> make_cpu_bf16_layer_ops(cpu::Bf16Gemm& gemm) {
+  return std::make_unique<CpuLayerOps<float>>(&gemm);
+}
 
 const ShardOps& cpu_shard_ops() {
   static const CpuShardOps ops;

@@ -1,0 +1,235 @@
+// See bf16_gemm.hpp.
+#include "backend/cpu/bf16_gemm.hpp"
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <new>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <tuple>
+#include <vector>
+
+#include "backend/cpu/gemm.hpp"
+#include "backend/cpu/ops.hpp"
+#include "backend/dtype.hpp"
+#include "core/error.hpp"
+
+namespace shardtrain::cpu {
+namespace {
+
+// Row-major C(M,N) = op(A)(M,K) op(B)(K,N) (+ C when accumulate), leading dimensions given.
+struct Product {
+  bool trans_a, trans_b;
+  int M, N, K, lda, ldb, ldc;
+  bool accumulate;
+  auto key() const { return std::make_tuple(trans_a, trans_b, M, N, K, lda, ldb, ldc, accumulate); }
+};
+
+dnnl::matmul::primitive_desc describe_product(const Product& p, const dnnl::engine& engine) {
+  using dt = dnnl::memory::data_type;
+  using dims = dnnl::memory::dims;
+  // A transposed operand is the same memory read with swapped strides.
+  const dnnl::memory::desc a({p.M, p.K}, dt::bf16, p.trans_a ? dims{1, p.lda} : dims{p.lda, 1});
+  const dnnl::memory::desc b({p.K, p.N}, dt::bf16, p.trans_b ? dims{1, p.ldb} : dims{p.ldb, 1});
+  const dnnl::memory::desc c({p.M, p.N}, dt::f32, dims{p.ldc, 1});
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  if (p.accumulate) {
+    dnnl::post_ops sum;
+    sum.append_sum(1.0f);
+    attr.set_post_ops(sum);
+  }
+  return dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, b, c), attr, engine);
+}
+
+// The products of one linear layer: forward (onto a bias or not), the backward's dinp and dweight.
+enum { FORWARD, FORWARD_ONTO_BIAS, DINP, DWEIGHT };
+std::vector<Product> layer_products(int N, int C, int OC) {
+  return {{false, true, N, OC, C, C, C, OC, false},
+          {false, true, N, OC, C, C, C, OC, true},
+          {false, false, N, C, OC, OC, C, C, false},
+          {true, false, OC, C, N, OC, C, C, true}};
+}
+
+std::vector<Product> model_products(const std::vector<LinearShape>& layers, int rows) {
+  std::vector<Product> all;
+  for (const LinearShape& l : layers)
+    for (const Product& p : layer_products(rows, l.in, l.out)) all.push_back(p);
+  return all;
+}
+
+void round_to_bf16(uint16_t* out, const float* in, size_t n) {
+#pragma omp parallel for schedule(static)
+  for (size_t i = 0; i < n; i++) out[i] = float_to_bf16(in[i]);
+}
+
+float round_through_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
+
+// 16-bit operand elements the largest layer needs: the backward's dout (rows x out), weight
+// (out x in) and input (rows x in) copies. Without oneDNN's kernels the same bytes hold fp32 halves.
+size_t operand_elements(const std::vector<LinearShape>& layers, int rows) {
+  size_t most = 0;
+  for (const LinearShape& l : layers)
+    most = std::max(most, static_cast<size_t>(rows) * (l.in + l.out) + static_cast<size_t>(l.in) * l.out);
+  return most;
+}
+
+}  // namespace
+
+struct Bf16Gemm::Impl {
+  explicit Impl(bool onednn) : native(onednn) {}
+  bool native;
+  std::vector<uint16_t> operands;   // the 16-bit copies (or, without oneDNN's kernels, fp32 halves of K)
+  std::vector<uint8_t> scratchpad;  // oneDNN's, the largest any cached product asked for
+  dnnl::engine engine{dnnl::engine::kind::cpu, 0};
+  dnnl::stream stream{engine};
+  std::map<decltype(Product{}.key()), dnnl::matmul> cache;
+  std::mutex mutex;
+
+  uint16_t* reserve(size_t elements) {
+    if (operands.size() < elements) operands.resize(elements);  // beyond the plan: generation's prefill
+    return operands.data();
+  }
+
+  dnnl::matmul& primitive(const Product& p) {
+    auto it = cache.find(p.key());
+    if (it == cache.end()) {
+      auto pd = describe_product(p, engine);
+      if (scratchpad.size() < pd.scratchpad_desc().get_size()) scratchpad.resize(pd.scratchpad_desc().get_size());
+      it = cache.emplace(p.key(), dnnl::matmul(pd)).first;
+    }
+    return it->second;
+  }
+
+  // C = op(A16) op(B16) (+ C) with oneDNN; A16, B16 already rounded.
+  void run_native(const Product& p, const uint16_t* a, const uint16_t* b, float* c) {
+    dnnl::matmul& matmul = primitive(p);
+    dnnl::matmul::primitive_desc desc(const_cast<dnnl_primitive_desc_t>(matmul.get_primitive_desc()));
+    dnnl::memory am(desc.src_desc(), engine, const_cast<uint16_t*>(a));
+    dnnl::memory bm(desc.weights_desc(), engine, const_cast<uint16_t*>(b));
+    dnnl::memory cm(desc.dst_desc(), engine, c);
+    dnnl::memory sm(desc.scratchpad_desc(), engine, scratchpad.data());
+    matmul.execute(stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm},
+                                {DNNL_ARG_SCRATCHPAD, sm}});
+    stream.wait();
+  }
+
+  // The same product from fp32 operands as SGEMMs on their bf16-rounded values, K split in halves
+  // so that the widened blocks fit the workspace the 16-bit copies would have used.
+  void run_emulated(const Product& p, const float* A, const float* B, float* C) {
+    const int kb = std::max(1, p.K / 2);
+    float* block = reinterpret_cast<float*>(reserve(2 * static_cast<size_t>(kb) * (p.M + p.N)));
+    for (int k0 = 0; k0 < p.K; k0 += kb) {
+      const int k = std::min(kb, p.K - k0);
+      float* a = block;  // op(A)[:, k0:k0+k] kept in A's orientation
+      float* b = block + static_cast<size_t>(p.M) * k;
+#pragma omp parallel for schedule(static)
+      for (int i = 0; i < (p.trans_a ? k : p.M); i++)
+        for (int j = 0; j < (p.trans_a ? p.M : k); j++)
+          a[static_cast<size_t>(i) * (p.trans_a ? p.M : k) + j] =
+              round_through_bf16(p.trans_a ? A[static_cast<size_t>(k0 + i) * p.lda + j]
+                                           : A[static_cast<size_t>(i) * p.lda + k0 + j]);
+#pragma omp parallel for schedule(static)
+      for (int i = 0; i < (p.trans_b ? p.N : k); i++)
+        for (int j = 0; j < (p.trans_b ? k : p.N); j++)
+          b[static_cast<size_t>(i) * (p.trans_b ? k : p.N) + j] =
+              round_through_bf16(p.trans_b ? B[static_cast<size_t>(i) * p.ldb + k0 + j]
+                                           : B[static_cast<size_t>(k0 + i) * p.ldb + j]);
+      const float beta = (p.accumulate || k0 > 0) ? 1.0f : 0.0f;
+      gemm(p.trans_a, p.trans_b, p.M, p.N, k, 1.0f, a, p.trans_a ? p.M : k, b, p.trans_b ? k : p.N, beta, C, p.ldc);
+    }
+  }
+};
+
+bool Bf16Gemm::native_bf16() {
+  const auto isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
+  const auto bf16 = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_bf16);
+  return (isa & bf16) == bf16;
+}
+
+Bf16Gemm::Bf16Gemm(const std::vector<LinearShape>& layers, int rows, bool onednn)
+    : impl_(std::make_unique<Impl>(onednn)) {
+  impl_->operands.resize(operand_elements(layers, rows));
+  if (impl_->native)  // every kernel now: the scratchpad reaches its size at start-up
+    for (const Product& p : model_products(layers, rows)) impl_->primitive(p);
+}
+
+size_t Bf16Gemm::plan_workspace_bytes(const std::vector<LinearShape>& layers, int rows) {
+  size_t scratchpad = 0;
+  if (native_bf16()) {
+    dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+    for (const Product& p : model_products(layers, rows))
+      scratchpad = std::max(scratchpad, describe_product(p, engine).scratchpad_desc().get_size());
+  }
+  return operand_elements(layers, rows) * sizeof(uint16_t) + scratchpad;
+}
+
+Bf16Gemm::~Bf16Gemm() = default;
+
+void Bf16Gemm::forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC) {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  if (bias) {
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) std::copy(bias, bias + OC, out + static_cast<size_t>(n) * OC);
+  }
+  const Product p = layer_products(N, C, OC)[bias ? FORWARD_ONTO_BIAS : FORWARD];
+  if (!impl_->native) {
+    impl_->run_emulated(p, inp, weight, out);
+    return;
+  }
+  uint16_t* inp16 = impl_->reserve(static_cast<size_t>(N) * C + static_cast<size_t>(OC) * C);
+  uint16_t* weight16 = inp16 + static_cast<size_t>(N) * C;
+  round_to_bf16(inp16, inp, static_cast<size_t>(N) * C);
+  round_to_bf16(weight16, weight, static_cast<size_t>(OC) * C);
+  impl_->run_native(p, inp16, weight16, out);
+}
+
+void Bf16Gemm::backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                        const float* weight, int N, int C, int OC) {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  const std::vector<Product> products = layer_products(N, C, OC);
+  const size_t n_dout = static_cast<size_t>(N) * OC, n_weight = static_cast<size_t>(OC) * C,
+               n_inp = static_cast<size_t>(N) * C;
+  if (!impl_->native) {
+    if (dinp) impl_->run_emulated(products[DINP], dout, weight, dinp);
+    if (dweight) impl_->run_emulated(products[DWEIGHT], dout, inp, dweight);
+  } else {
+    uint16_t* dout16 = impl_->reserve(n_dout + n_weight + n_inp);
+    uint16_t* weight16 = dout16 + n_dout;
+    uint16_t* inp16 = weight16 + n_weight;
+    if (dinp || dweight) round_to_bf16(dout16, dout, n_dout);
+    if (dinp) {
+      round_to_bf16(weight16, weight, n_weight);
+      impl_->run_native(products[DINP], dout16, weight16, dinp);
+    }
+    if (dweight) {
+      round_to_bf16(inp16, inp, n_inp);
+      impl_->run_native(products[DWEIGHT], dout16, inp16, dweight);
+    }
+  }
+  // The bias gradient is a sum, not a product: fp32, as without bf16.
+  if (dbias) matmul_backward<float>(nullptr, nullptr, dbias, dout, nullptr, nullptr, N, C, OC);
+}
+
+size_t Bf16Gemm::workspace_bytes() const {
+  return impl_->operands.size() * sizeof(uint16_t) + impl_->scratchpad.size();
+}
+
+std::string Bf16Gemm::describe() const {
+  const dnnl_version_t* v = dnnl_version();
+  if (!impl_->native)
+    return "OpenBLAS SGEMM on bf16-rounded operands (this CPU has no bf16 dot products: oneDNN would only "
+           "emulate them, slower)";
+  return strprintf("oneDNN %d.%d.%d bf16 matmul", v->major, v->minor, v->patch);
+}
+
+size_t gemm_operand_elements(const LinearShape* shapes, size_t count, int rows) {
+  size_t most = 0;
+  for (size_t i = 0; i < count; i++) {
+    const size_t in = shapes[i].in, out = shapes[i].out;
+    most = std::max(most, static_cast<size_t>(rows) * (in + out) + in * out);
+  }
+  return most;
+}
+
+}  // namespace shardtrain::cpu

@@ -1,0 +1,66 @@
+// The CPU's linear layers with bf16 operands and fp32 accumulation (fsdp.param_dtype=bf16): what
+// the GPU's tensor cores compute, at twice the fp32 rate on CPUs with bf16 dot-product
+// instructions (AVX512-BF16, AMX). Each operand is rounded to bf16 once per layer (the weights,
+// gathered from bf16 shards, round exactly; dout feeds both backward products from one copy),
+// then multiplied by oneDNN's matmul. Where the CPU has no bf16 dot products oneDNN only emulates
+// them, slower than its own fp32 SGEMM (docs/performance.md), so there the same products run as
+// OpenBLAS SGEMMs on the bf16-rounded operands, widened back to fp32 a half of K at a time: the
+// same arithmetic (products of bf16 values are exact in fp32), in the same workspace.
+//
+// The workspace -- the operand copies and oneDNN's scratchpad (user mode: ours, so counted) -- is
+// sized for the model's layers at construction, exactly as plan_workspace_bytes predicts; a product
+// beyond it (a generation prompt longer than the training rows) grows it, and workspace_bytes()
+// says so.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace shardtrain::cpu {
+
+// A linear layer's weight shape (out x in).
+struct LinearShape {
+  int in = 0, out = 0;
+};
+
+class Bf16Gemm {
+ public:
+  // The workspace for these layers' products with `rows` input rows, allocated now. `onednn`:
+  // oneDNN's bf16 kernels, or the SGEMMs on rounded operands (what runs where native_bf16() is
+  // false; the tests take both on any CPU).
+  Bf16Gemm(const std::vector<LinearShape>& layers, int rows, bool onednn = native_bf16());
+  // The bytes that constructor allocates, on this CPU (oneDNN's scratchpad depends on its kernels).
+  static size_t plan_workspace_bytes(const std::vector<LinearShape>& layers, int rows);
+  ~Bf16Gemm();
+  Bf16Gemm(const Bf16Gemm&) = delete;
+  Bf16Gemm& operator=(const Bf16Gemm&) = delete;
+
+  // The semantics of cpu::matmul_forward / matmul_backward (backend/cpu/ops.hpp), float only.
+  void forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC);
+  void backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp, const float* weight,
+                int N, int C, int OC);
+
+  // Bytes held now: the operand copies and oneDNN's scratchpad.
+  size_t workspace_bytes() const;
+  // For the start line: "oneDNN 2.6.3 bf16 (avx512_core_bf16)" or "OpenBLAS SGEMM on bf16-rounded
+  // operands (this CPU has no bf16 dot products)".
+  std::string describe() const;
+  // Whether oneDNN's bf16 kernels run (the CPU has bf16 dot products and DNNL_MAX_CPU_ISA allows them).
+  static bool native_bf16();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace shardtrain::cpu
+
+namespace shardtrain {
+template <typename Real>
+class LayerOps;
+// The CPU's layer operations with the linear layers' products through `gemm` (which must outlive them).
+std::unique_ptr<LayerOps<float>> make_cpu_bf16_layer_ops(cpu::Bf16Gemm& gemm);
+}  // namespace shardtrain
