@@ -2,6 +2,7 @@
 #include "app/perf.hpp"
 
 #include <cblas.h>
+#include <immintrin.h>
 #include <omp.h>
 #include <sched.h>
 
@@ -10,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "backend/cpu/bf16_gemm.hpp"
 #include "core/error.hpp"
 
 extern "C" {
@@ -43,6 +45,96 @@ double measure_sgemm_gflops(int n, int repeats) {
     if (r > 0) best = std::max(best, 2.0 * n * n * n / s / 1e9);
   }
   return best;
+}
+
+double measure_bf16_gemm_gflops(int n, int repeats) {
+  cpu::Bf16Gemm gemm({{n, n}}, n);
+  std::vector<float> a(static_cast<size_t>(n) * n, 0.5f), b(a.size(), 0.25f), c(a.size(), 0.0f);
+  double best = 0;
+  for (int r = 0; r < repeats + 1; r++) {  // the first run also creates the kernel
+    auto t0 = std::chrono::steady_clock::now();
+    gemm.forward(c.data(), a.data(), b.data(), nullptr, n, n, n);
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (r > 0) best = std::max(best, 2.0 * n * n * n / s / 1e9);
+  }
+  return best;
+}
+
+namespace {
+
+// CHAINS independent accumulators per thread, ITERATIONS rounds: 2 x lanes x CHAINS x ITERATIONS
+// FLOP (a bf16 dot product: 2 products per fp32 lane, so 4 x lanes). Twelve chains cover a 4-cycle
+// latency on two pipes with room; the multipliers keep the values finite and away from denormals.
+constexpr int CHAINS = 12;
+constexpr long ITERATIONS = 1 << 20;
+
+__attribute__((target("avx512f"))) double fma_avx512_flops() {
+  __m512 acc[CHAINS];
+  for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_set1_ps(1.0f + c * 1e-3f);
+  const __m512 m = _mm512_set1_ps(0.999999f), a = _mm512_set1_ps(1e-7f);
+  for (long i = 0; i < ITERATIONS; i++)
+    for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_fmadd_ps(acc[c], m, a);
+  float sink = 0;
+  for (int c = 0; c < CHAINS; c++) sink += _mm512_reduce_add_ps(acc[c]);
+  volatile float keep = sink;
+  (void)keep;
+  return 2.0 * 16 * CHAINS * ITERATIONS;
+}
+
+__attribute__((target("avx2,fma"))) double fma_avx2_flops() {
+  __m256 acc[CHAINS];
+  for (int c = 0; c < CHAINS; c++) acc[c] = _mm256_set1_ps(1.0f + c * 1e-3f);
+  const __m256 m = _mm256_set1_ps(0.999999f), a = _mm256_set1_ps(1e-7f);
+  for (long i = 0; i < ITERATIONS; i++)
+    for (int c = 0; c < CHAINS; c++) acc[c] = _mm256_fmadd_ps(acc[c], m, a);
+  alignas(32) float lanes[8];
+  float sink = 0;
+  for (int c = 0; c < CHAINS; c++) {
+    _mm256_store_ps(lanes, acc[c]);
+    for (float x : lanes) sink += x;
+  }
+  volatile float keep = sink;
+  (void)keep;
+  return 2.0 * 8 * CHAINS * ITERATIONS;
+}
+
+__attribute__((target("avx512f,avx512bf16"))) double dot_bf16_flops() {
+  __m512 acc[CHAINS];
+  for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_set1_ps(1.0f + c * 1e-3f);
+  // Products of 2^-10 x 2^-10 pairs: the sums grow by 2^-19 per round, far from overflow.
+  const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_set1_ps(0x1p-10f), _mm512_set1_ps(0x1p-10f));
+  for (long i = 0; i < ITERATIONS; i++)
+    for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_dpbf16_ps(acc[c], x, x);
+  float sink = 0;
+  for (int c = 0; c < CHAINS; c++) sink += _mm512_reduce_add_ps(acc[c]);
+  volatile float keep = sink;
+  (void)keep;
+  return 4.0 * 16 * CHAINS * ITERATIONS;
+}
+
+}  // namespace
+
+FmaPeak measure_fma_peak(bool bf16) {
+  __builtin_cpu_init();
+  double (*kernel)() = nullptr;
+  FmaPeak peak;
+  if (bf16) {
+    if (__builtin_cpu_supports("avx512bf16")) kernel = dot_bf16_flops, peak.unit = "avx512_bf16 dot products";
+  } else if (__builtin_cpu_supports("avx512f")) {
+    kernel = fma_avx512_flops, peak.unit = "avx512 fma";
+  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    kernel = fma_avx2_flops, peak.unit = "avx2 fma";
+  }
+  if (!kernel) return peak;
+  for (int round = 0; round < 3; round++) {  // the best of three: the first also wakes the cores
+    double flop = 0;
+    auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel reduction(+ : flop)
+    flop += kernel();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    peak.gflops = std::max(peak.gflops, flop / s / 1e9);
+  }
+  return peak;
 }
 
 std::string blas_description() {

@@ -184,6 +184,9 @@ class Trainer {
   int threads_ = 1;
   double peak_gflops_ = 0;
   std::string peak_source_;  // where peak_gflops_ comes from, for the start line and the warning
+  // The CPU's arithmetic peak in the precision in use (measure_fma_peak): hardware MFU's denominator, 0 if unknown.
+  double hardware_peak_gflops_ = 0;
+  std::string hardware_peak_unit_;
   Watchdog watchdog_;
   ShardingStrategy strategy_;
   GemmWorkload gemm_workload_;  // what the compute backend's GEMM workspace is sized for
@@ -356,11 +359,19 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
       rt_.warn("unknown GPU '%s': MFU is not reported; set train.peak_gflops to its dense bf16 peak in GFLOP/s",
                compute_.describe().c_str());
   } else {
-    comm_->barrier("barrier(sgemm peak)");  // every rank measures at once: the peak under shared load
-    double peak = measure_sgemm_gflops(2048, 5);
-    comm_->all_reduce_max(Span<double>(&peak, 1), "all_reduce(sgemm peak)");
-    peak_gflops_ = peak;
-    peak_source_ = "measured SGEMM";
+    // Every rank measures at once: the peaks under shared load. The GEMM and the hardware peak are
+    // of the precision the GEMMs run in: bf16 dot products where the CPU has them and
+    // fsdp.param_dtype=bf16 asks for them, fp32 otherwise.
+    const bool bf16 = cpu_bf16_compute(cfg_.train.device, engine_options(cfg_).param_dtype);
+    comm_->barrier("barrier(gemm peak)");
+    double peaks[2] = {bf16 ? measure_bf16_gemm_gflops(2048, 5) : measure_sgemm_gflops(2048, 5), 0};
+    const FmaPeak hardware = measure_fma_peak(bf16 && cpu::Bf16Gemm::native_bf16());
+    peaks[1] = hardware.gflops;
+    comm_->all_reduce_max(Span<double>(peaks, 2), "all_reduce(gemm peak)");
+    peak_gflops_ = peaks[0];
+    peak_source_ = bf16 ? "measured bf16 GEMM" : "measured SGEMM";
+    hardware_peak_gflops_ = peaks[1];
+    hardware_peak_unit_ = hardware.unit;
   }
 }
 
@@ -459,8 +470,13 @@ void Trainer::print_summary() {
     rt_.info("compute: %s | peak %.1f GFLOP/s per rank (%s) | %.1f MFLOP per token", compute_.describe().c_str(),
              peak_gflops_, peak_source_.c_str(), table_.flops_per_token(T_) / 1e6);
   else
-    rt_.info("compute: GEMMs %s | OpenBLAS %s | SGEMM peak %.1f GFLOP/s per rank (%s) | %.1f MFLOP per token",
-             compute_.gemm_description().c_str(), blas_description().c_str(), peak_gflops_, peak_source_.c_str(),
+    rt_.info("compute: GEMMs %s | OpenBLAS %s | %s peak %.1f GFLOP/s per rank (%s)%s | %.1f MFLOP per token",
+             compute_.gemm_description().c_str(), blas_description().c_str(),
+             cpu_bf16_compute(cfg_.train.device, engine_options(cfg_).param_dtype) ? "bf16 GEMM" : "SGEMM",
+             peak_gflops_, peak_source_.c_str(),
+             hardware_peak_gflops_ > 0 ? strprintf(" | hardware peak %.1f GFLOP/s per rank (%s, measured)",
+                                                   hardware_peak_gflops_, hardware_peak_unit_.c_str()).c_str()
+                                       : "",
              table_.flops_per_token(T_) / 1e6);
   rt_.info("run folder: %s | metrics: %s", checkpoint_dir(cfg_).c_str(), metrics_path(cfg_).c_str());
   rt_.info("data: %s%s", train_data_->describe().c_str(),
@@ -690,6 +706,7 @@ void Trainer::report_step(int step, const StepOutcome& out, double eta_seconds, 
     peak_source_ = "the run's own best rate";
   }
   const double mfu = peak_gflops_ > 0 ? achieved_gflops / peak_gflops_ : 0;
+  const double hardware_mfu = hardware_peak_gflops_ > 0 ? achieved_gflops / hardware_peak_gflops_ : 0;
   const std::string reserved =
       compute_.on_gpu() ? ", GPU reserved " + human_bytes(out.maxima[DEVICE_RESERVED]) : std::string();
   if (print)
@@ -700,7 +717,8 @@ void Trainer::report_step(int step, const StepOutcome& out, double eta_seconds, 
              format_duration(eta_seconds).c_str(), out.skipped ? " | SKIPPED" : "");
   for (const auto& [tag, value] : {std::pair<const char*, double>{"train/loss", out.loss}, {"train/lr", out.lr},
                                    {"train/grad_norm", out.grad_norm}, {"perf/tokens_per_s", tokens_per_s},
-                                   {"perf/mfu", mfu}, {"memory/held_bytes", out.maxima[HELD]},
+                                   {"perf/mfu", mfu}, {"perf/hardware_mfu", hardware_mfu},
+                                   {"memory/held_bytes", out.maxima[HELD]},
                                    {"memory/planned_bytes", planned_peak_}})
     tensorboard_->scalar(tag, step + 1, value);
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++)
@@ -710,12 +728,12 @@ void Trainer::report_step(int step, const StepOutcome& out, double eta_seconds, 
       "{\"kind\":\"step\",\"step\":%d,\"loss\":%s,\"lr\":%.9g,\"grad_norm\":%s,\"tokens_per_s\":%.6g,\"mfu\":%.6g,"
       "\"step_seconds\":%.6g,\"peak_mem_bytes\":%.0f,\"held_mem_bytes\":%.0f,\"peak_mem\":%s,\"rss_growth_bytes\":%.0f,"
       "\"comm_bytes\":%.0f,\"device_reserved_bytes\":%.0f,\"loss_scale\":%g,\"skipped\":%s,"
-      "\"peak_gflops\":%.6g}",
+        "\"peak_gflops\":%.6g,\"hardware_mfu\":%.6g,\"hardware_peak_gflops\":%.6g}",
       step + 1, json_number(out.loss).c_str(), out.lr, json_number(out.grad_norm).c_str(), tokens_per_s, mfu,
       out.seconds, planned_peak_, out.maxima[HELD],
       memory_json(out.maxima).c_str(), out.maxima[RSS_GROWTH], out.maxima[COMM_BYTES], out.maxima[DEVICE_RESERVED],
       out.loss_scale,
-      out.skipped ? "true" : "false", peak_gflops_));
+      out.skipped ? "true" : "false", peak_gflops_, hardware_mfu, hardware_peak_gflops_));
 }
 
 void Trainer::stop_on_signal(int step, int signal, bool saved_already) {

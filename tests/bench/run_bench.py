@@ -61,8 +61,8 @@ def train_run(build, ranks, threads, steps, config="gpt2-124M.ini", seq_len=64, 
         if stdout is not None:
             stdout.append(proc.stdout)
         rows = [json.loads(l) for l in open(metrics) if '"kind":"step"' in l][1:]
-        peak = float(re.search(r"SGEMM peak ([\d.]+) GFLOP/s", proc.stdout).group(1))
-        core = re.search(r"compute: OpenBLAS (\S+)", proc.stdout).group(1)
+        peak = float(re.search(r"GEMM peak ([\d.]+) GFLOP/s", proc.stdout).group(1))
+        core = re.search(r"\| OpenBLAS (\S+)", proc.stdout).group(1)
         return rows, peak, core
 
 
