@@ -1,28 +1,25 @@
-// Causal self-attention with grouped-query heads on the GPU, with the CPU's saved-state interface
-// (backend/cpu/attention.cpp), and the rotary embedding applied to its q and k. Each row of
+// Causal self-attention with grouped-query heads on the GPU, with the CPU's interface
+// (backend/cpu/ops.hpp), and the rotary embedding applied to its q and k. Each row of
 // qkv(B,T,(NH+2KV)*HS) holds q (NH heads) | k (KV heads) | v (KV heads) of HS each; query head h
 // reads key/value head h / G, G = NH/KV (KV = NH: GPT-2's multi-head attention). out(B,T,NH*HS);
-// att(B,NH,T,T) keeps the softmax probabilities, zero above the diagonal; scale 1/sqrt(HS).
+// lse(B,NH,T) each query row's log-sum-exp; scale 1/sqrt(HS).
 //
-// The G query heads of one key/value head are consecutive, so in head-major layout their q (and
-// their rows of att, dy, dscore) form one stacked (G*T, .) matrix. Every product is then one
-// strided-batched cuBLASLt GEMM over the B*KV key/value heads, each multiplying a group's stack by
-// its one k or v -- no copies of k and v per query head. For KV = NH these are exactly the B*NH
-// per-head GEMMs of plain multi-head attention.
-// Forward: split qkv into head-major q (B,NH,T,HS), k, v (B,KV,T,HS); att = scale q k^T (the full
-// T x T, like the CPU); the causal softmax in place, one warp per row; y = att v; merge y into out.
-// Backward: split qkv and dout; datt = dy v^T into `scratch`; dv = att^T dy; softmax backward in
-// place (dscore = att * (datt - sum(att * datt)), zero above the diagonal); dq = scale dscore k;
-// dk = scale dscore^T q; merge dq|dk|dv into dqkv (written, =).
-// The key/value gradients shared by a group are sums over its G query heads: dv = [att_1; ...;
-// att_G]^T [dy_1; ...; dy_G] is one GEMM whose reduction runs over the G*T stacked rows, and so is
-// dk. The group's sum is part of cuBLASLt's fixed reduction order -- deterministic, no per-head
-// partials, no atomics.
-//
-// The head-major copies live in a workspace of attention_workspace_bytes(): q, k, v, then y
-// (forward) or dy, dv (backward); dq overwrites dy (dead after dv and datt) and dk overwrites v
-// (dead after datt). fp32 GEMMs (matmul.cu); expf in the softmax as the CPU's std::exp (both
-// within 2 ulp).
+// Tiled as backend/cpu/attention.cpp (flash attention): no T x T matrix, fp32 throughout, tiles of
+// kTile = 32 query rows and 32 keys (a warp's width), read from the token-major rows directly into
+// shared memory (no head-major copies). A block has kWarps warps; a warp owns kTile / kWarps query
+// rows (or keys), a lane one key (or query row) of the tile for the scores, and dimensions lane,
+// lane + 32, ... of the warp's output rows in registers (HS <= 32 * kMaxDimsPerLane).
+// Forward: one block per (query tile, head, batch); for the key tiles up to the diagonal in order,
+// each row's scores (lane = key), the online softmax (warp max and sum, fixed shuffle trees; the
+// running output rescaled when the max grows), out += p v with p broadcast lane by lane. At the
+// end out /= l and lse = m + log(l).
+// Backward: D = rowsum(dout * out), one warp per row; then two kernels that recompute
+// p = exp(score - lse): dK and dV, one block per (key tile, key/value head, batch), summing its
+// group's query heads and the query tiles from the diagonal on, in order; dQ, one block per (query
+// tile, head, batch), summing the key tiles in order. dS = p (dP - D), dP = dout v^T. Each output
+// element has one owner thread that adds its terms in a fixed order: no atomics, the bits repeat
+// (not the CPU's bits: other summation orders; within fp32 rounding of it). The only workspace is
+// D (B*NH*T floats).
 //
 // Decode (generation with a key/value cache): the new tokens' k, v are copied into the cache, then
 // one block per (new token, query head) scores its q against the cached keys up to its own
@@ -31,123 +28,280 @@
 // Rope: one thread per rotated pair (x[i], x[i + HS/2]) of every q and k head vector, in place on
 // the token-major qkv (or dqkv); the backward is the same turn with the sine negated.
 #include <cmath>
+#include <type_traits>
 
+#include "backend/math.hpp"
 #include "common.cuh"
 
 namespace shardtrain::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kRowsPerBlock = kThreads / kWarpSize;
+constexpr int kTile = kWarpSize;                // query rows and keys per tile: one per lane
+constexpr int kWarps = 8;                       // per attention block
+constexpr int kRowsPerWarp = kTile / kWarps;    // rows (or keys) a warp owns
+constexpr int kMaxDimsPerLane = 8;              // HS <= 256
+constexpr int kAttentionThreads = kWarps * kWarpSize;
 
-// The head-major sides of a permute: part p is (B, heads[p], T, HS) at p[p]. The parts' heads are
-// consecutive in the token-major rows, which they fill: q|k|v of qkv, or all heads of out.
-struct HeadParts {
-  float* p[3];
-  int heads[3];  // 0 for unused parts
+// A (kTile, HS) tile in shared memory, rows padded to HS + 1 floats so that lanes reading one
+// column of different rows hit different banks.
+struct SharedTile {
+  float* p;
+  int stride;
+  __device__ float* row(int i) const { return p + i * stride; }
 };
 
-// Token-major element `i` (in units of kVec floats) of the (B, T, sum heads, HS) rows: its
-// position in the head-major part that holds it.
-template <int kVec>
-__device__ inline float* head_major(const HeadParts& parts, size_t i, int row_vecs, int T, int HS) {
-  const int head_vecs = HS / kVec;
-  const size_t bt = i / row_vecs;
-  const int within = static_cast<int>(i - bt * row_vecs);
-  int h = within / head_vecs;
-  const int d = within - h * head_vecs;
-  int part = 0;
-  while (h >= parts.heads[part]) h -= parts.heads[part++];
-  const size_t b = bt / T;
-  const int t = static_cast<int>(bt - b * T);
-  return parts.p[part] + (((b * parts.heads[part] + h) * T + t) * head_vecs + d) * kVec;
-}
-
-// parts[b,h,t,:] = src[(b*T + t) row + h], over the whole rows. kVec 4: float4 copies.
-template <int kVec>
-__global__ void split_heads_kernel(HeadParts parts, const float* src, int B, int T, int HS) {
-  using V = typename VecOf<kVec>::type;
-  const int row_vecs = (parts.heads[0] + parts.heads[1] + parts.heads[2]) * HS / kVec;
-  const size_t n = static_cast<size_t>(B) * T * row_vecs;
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x)
-    *reinterpret_cast<V*>(head_major<kVec>(parts, i, row_vecs, T, HS)) = reinterpret_cast<const V*>(src)[i];
-}
-
-// The inverse: dst[(b*T + t) row + h] = parts[b,h,t,:].
-template <int kVec>
-__global__ void merge_heads_kernel(float* dst, HeadParts parts, int B, int T, int HS) {
-  using V = typename VecOf<kVec>::type;
-  const int row_vecs = (parts.heads[0] + parts.heads[1] + parts.heads[2]) * HS / kVec;
-  const size_t n = static_cast<size_t>(B) * T * row_vecs;
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x)
-    reinterpret_cast<V*>(dst)[i] = *reinterpret_cast<const V*>(head_major<kVec>(parts, i, row_vecs, T, HS));
-}
-
-// float4 copies when HS and every pointer allow them (the workspace parts are 256-byte aligned; a
-// misaligned token-major buffer takes the scalar path). The bits are the same either way.
-bool permute_vec4(const float* token_major, const HeadParts& parts, int HS) {
-  return HS % 4 == 0 && aligned16(token_major) && all_aligned16(parts.p[0], parts.p[1], parts.p[2]);
-}
-
-size_t row_floats(const HeadParts& parts, int B, int T, int HS) {
-  return static_cast<size_t>(B) * T * (parts.heads[0] + parts.heads[1] + parts.heads[2]) * HS;
-}
-
-void split_heads(HeadParts parts, const float* src, int B, int T, int HS, const LaunchContext& ctx) {
-  const size_t n = row_floats(parts, B, T, HS);
-  if (permute_vec4(src, parts, HS))
-    split_heads_kernel<4><<<grid_for(n / 4, kThreads, ctx), kThreads, 0, ctx.stream>>>(parts, src, B, T, HS);
-  else
-    split_heads_kernel<1><<<grid_for(n, kThreads, ctx), kThreads, 0, ctx.stream>>>(parts, src, B, T, HS);
-  CUDA_CHECK_LAUNCH();
-}
-
-void merge_heads(float* dst, HeadParts parts, int B, int T, int HS, const LaunchContext& ctx) {
-  const size_t n = row_floats(parts, B, T, HS);
-  if (permute_vec4(dst, parts, HS))
-    merge_heads_kernel<4><<<grid_for(n / 4, kThreads, ctx), kThreads, 0, ctx.stream>>>(dst, parts, B, T, HS);
-  else
-    merge_heads_kernel<1><<<grid_for(n, kThreads, ctx), kThreads, 0, ctx.stream>>>(dst, parts, B, T, HS);
-  CUDA_CHECK_LAUNCH();
-}
-
-// Row r of the (rows, T) score matrix, query position t = r % T: softmax over s <= t in place,
-// zero for s > t. One warp per row.
-__global__ void causal_softmax_forward_kernel(float* att, size_t rows, int T) {
-  const int lane = threadIdx.x % kWarpSize;
-  const size_t row = blockIdx.x * static_cast<size_t>(kRowsPerBlock) + threadIdx.x / kWarpSize;
-  if (row >= rows) return;
-  const int t = static_cast<int>(row % T);
-  float* r = att + row * T;
-  float max = -INFINITY;
-  for (int s = lane; s <= t; s += kWarpSize) max = fmaxf(max, r[s]);
-  max = warp_max(max);
-  float sum = 0.0f;
-  for (int s = lane; s <= t; s += kWarpSize) {
-    const float e = expf(r[s] - max);
-    r[s] = e;
-    sum += e;
+// rows [r0, r0 + n) of one head of token-major rows (`row` floats apart, the head at `col`) into
+// the tile; all threads of the block.
+__device__ void load_tile(SharedTile tile, const float* base, int r0, int n, size_t row, int col, int HS) {
+  for (int idx = threadIdx.x; idx < n * HS; idx += blockDim.x) {
+    const int i = idx / HS, d = idx - i * HS;
+    tile.row(i)[d] = base[(r0 + i) * row + col + d];
   }
-  const float inv = 1.0f / warp_sum(sum);
-  for (int s = lane; s <= t; s += kWarpSize) r[s] *= inv;
-  for (int s = t + 1 + lane; s < T; s += kWarpSize) r[s] = 0.0f;
 }
 
-// In place on datt: dscore[s] = att[s] * (datt[s] - sum_s' att[s'] datt[s']) for s <= t, 0 above.
-__global__ void causal_softmax_backward_kernel(float* datt, const float* att, size_t rows, int T) {
+__device__ float dot_rows(const float* a, const float* b, int HS) {
+  float acc = 0.0f;
+  for (int d = 0; d < HS; d++) acc = fmaf(a[d], b[d], acc);
+  return acc;
+}
+
+// acc[c] += w * x[lane + 32 c] for the lane's dimensions.
+template <int kDims>
+__device__ void add_scaled_row(float (&acc)[kDims], float w, const float* x, int lane, int HS) {
+#pragma unroll
+  for (int c = 0; c < kDims; c++) {
+    const int d = lane + c * kWarpSize;
+    if (d < HS) acc[c] = fmaf(w, x[d], acc[c]);
+  }
+}
+
+struct AttentionDims {
+  int T, NH, KV, HS, group;
+  size_t row;  // floats of a qkv row
+  float scale;
+  __device__ const float* head(const float* qkv, int b) const { return qkv + static_cast<size_t>(b) * T * row; }
+  __device__ size_t stat(int b, int h, int t) const { return (static_cast<size_t>(b) * NH + h) * T + t; }
+  __device__ size_t y(int b, int t, int h) const { return (static_cast<size_t>(b) * T + t) * NH * HS + h * HS; }
+};
+
+template <int kDims>
+__global__ void __launch_bounds__(kAttentionThreads)
+    attention_forward_kernel(float* out, float* lse, const float* qkv, AttentionDims dims) {
+  extern __shared__ float smem[];
+  const int HS = dims.HS, stride = HS + 1;
+  const SharedTile qs{smem, stride}, ks{smem + kTile * stride, stride}, vs{smem + 2 * kTile * stride, stride};
+  const int b = blockIdx.z, h = blockIdx.y, kv = h / dims.group, t0 = blockIdx.x * kTile;
+  const int nq = min(kTile, dims.T - t0), warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const float* base = dims.head(qkv, b);
+  load_tile(qs, base, t0, nq, dims.row, h * HS, HS);
+  float m[kRowsPerWarp], l[kRowsPerWarp], o[kRowsPerWarp][kDims];
+#pragma unroll
+  for (int j = 0; j < kRowsPerWarp; j++) {
+    m[j] = -INFINITY, l[j] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kDims; c++) o[j][c] = 0.0f;
+  }
+  for (int k0 = 0; k0 < t0 + nq; k0 += kTile) {
+    const int nk = min(kTile, t0 + nq - k0);  // keys past the tile's last query are all masked
+    __syncthreads();                          // the previous tile's readers are done
+    load_tile(ks, base, k0, nk, dims.row, (dims.NH + kv) * HS, HS);
+    load_tile(vs, base, k0, nk, dims.row, (dims.NH + dims.KV + kv) * HS, HS);
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kRowsPerWarp; j++) {
+      const int i = warp * kRowsPerWarp + j;
+      if (i >= nq) break;  // warp-uniform
+      const bool visible = lane < nk && k0 + lane <= t0 + i;
+      const float score = visible ? dims.scale * dot_rows(qs.row(i), ks.row(lane), HS) : -INFINITY;
+      // The first key tile holds key 0, visible to every row: m is finite from then on.
+      const float m_new = fmaxf(m[j], warp_max(score));
+      const float p = visible ? exp_fast(score - m_new) : 0.0f;
+      const float rescale = k0 == 0 ? 0.0f : exp_fast(m[j] - m_new);
+      l[j] = l[j] * rescale + warp_sum(p);
+#pragma unroll
+      for (int c = 0; c < kDims; c++) o[j][c] *= rescale;
+      for (int s = 0; s < nk; s++) add_scaled_row(o[j], __shfl_sync(kFullMask, p, s), vs.row(s), lane, HS);
+      m[j] = m_new;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kRowsPerWarp; j++) {
+    const int i = warp * kRowsPerWarp + j;
+    if (i >= nq) break;
+    const float inv = 1.0f / l[j];
+    float* y = out + dims.y(b, t0 + i, h);
+#pragma unroll
+    for (int c = 0; c < kDims; c++) {
+      const int d = lane + c * kWarpSize;
+      if (d < HS) y[d] = o[j][c] * inv;
+    }
+    if (lane == 0) lse[dims.stat(b, h, t0 + i)] = m[j] + logf(l[j]);
+  }
+}
+
+// D[b,h,t] = dout . out over the head's HS elements: one warp per (b, t, h) row.
+__global__ void attention_row_dot_kernel(float* D, const float* dout, const float* out, AttentionDims dims,
+                                         size_t rows) {
+  const size_t r = (blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x) / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
-  const size_t row = blockIdx.x * static_cast<size_t>(kRowsPerBlock) + threadIdx.x / kWarpSize;
-  if (row >= rows) return;
-  const int t = static_cast<int>(row % T);
-  const float* a = att + row * T;
-  float* d = datt + row * T;
-  float dot = 0.0f;
-  for (int s = lane; s <= t; s += kWarpSize) dot += a[s] * d[s];
-  dot = warp_sum(dot);
-  for (int s = lane; s <= t; s += kWarpSize) d[s] = a[s] * (d[s] - dot);
-  for (int s = t + 1 + lane; s < T; s += kWarpSize) d[s] = 0.0f;
+  if (r >= rows) return;
+  const int h = static_cast<int>(r % dims.NH);
+  const size_t bt = r / dims.NH;
+  const int b = static_cast<int>(bt / dims.T), t = static_cast<int>(bt % dims.T);
+  const float* dy = dout + dims.y(b, t, h);
+  const float* y = out + dims.y(b, t, h);
+  float acc = 0.0f;
+  for (int d = lane; d < dims.HS; d += kWarpSize) acc = fmaf(dy[d], y[d], acc);
+  acc = warp_sum(acc);
+  if (lane == 0) D[dims.stat(b, h, t)] = acc;
+}
+
+// dK, dV of one key tile: warp-owned keys, lane = query row of each query tile.
+template <int kDims>
+__global__ void __launch_bounds__(kAttentionThreads)
+    attention_backward_kv_kernel(float* dqkv, const float* dout, const float* qkv, const float* lse, const float* D,
+                                 AttentionDims dims) {
+  extern __shared__ float smem[];
+  const int HS = dims.HS, stride = HS + 1;
+  const SharedTile ks{smem, stride}, vs{smem + kTile * stride, stride}, qs{smem + 2 * kTile * stride, stride},
+      dys{smem + 3 * kTile * stride, stride};
+  float* row_lse = smem + 4 * kTile * stride;
+  float* row_D = row_lse + kTile;
+  const int b = blockIdx.z, kv = blockIdx.y, k0 = blockIdx.x * kTile, nk = min(kTile, dims.T - k0);
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, C = dims.NH * HS;
+  const float* base = dims.head(qkv, b);
+  const float* dout_b = dout + static_cast<size_t>(b) * dims.T * C;
+  load_tile(ks, base, k0, nk, dims.row, (dims.NH + kv) * HS, HS);
+  load_tile(vs, base, k0, nk, dims.row, (dims.NH + dims.KV + kv) * HS, HS);
+  float dk[kRowsPerWarp][kDims], dv[kRowsPerWarp][kDims];
+#pragma unroll
+  for (int j = 0; j < kRowsPerWarp; j++)
+#pragma unroll
+    for (int c = 0; c < kDims; c++) dk[j][c] = 0.0f, dv[j][c] = 0.0f;
+  for (int g = 0; g < dims.group; g++) {
+    const int h = kv * dims.group + g;
+    for (int t0 = k0; t0 < dims.T; t0 += kTile) {
+      const int nq = min(kTile, dims.T - t0);
+      __syncthreads();
+      load_tile(qs, base, t0, nq, dims.row, h * HS, HS);
+      load_tile(dys, dout_b, t0, nq, C, h * HS, HS);
+      for (int i = threadIdx.x; i < nq; i += blockDim.x)
+        row_lse[i] = lse[dims.stat(b, h, t0 + i)], row_D[i] = D[dims.stat(b, h, t0 + i)];
+      __syncthreads();
+#pragma unroll
+      for (int j = 0; j < kRowsPerWarp; j++) {
+        const int key = warp * kRowsPerWarp + j;
+        if (key >= nk) break;  // warp-uniform
+        float p = 0.0f, ds = 0.0f;
+        if (lane < nq && t0 + lane >= k0 + key) {
+          p = exp_fast(dims.scale * dot_rows(qs.row(lane), ks.row(key), HS) - row_lse[lane]);
+          ds = p * (dot_rows(dys.row(lane), vs.row(key), HS) - row_D[lane]);
+        }
+        for (int i = 0; i < nq; i++) {
+          add_scaled_row(dv[j], __shfl_sync(kFullMask, p, i), dys.row(i), lane, HS);
+          add_scaled_row(dk[j], __shfl_sync(kFullMask, ds, i), qs.row(i), lane, HS);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kRowsPerWarp; j++) {
+    const int key = warp * kRowsPerWarp + j;
+    if (key >= nk) break;
+    float* row = dqkv + (static_cast<size_t>(b) * dims.T + k0 + key) * dims.row;
+#pragma unroll
+    for (int c = 0; c < kDims; c++) {
+      const int d = lane + c * kWarpSize;
+      if (d < HS) {
+        row[(dims.NH + kv) * HS + d] = dk[j][c] * dims.scale;
+        row[(dims.NH + dims.KV + kv) * HS + d] = dv[j][c];
+      }
+    }
+  }
+}
+
+// dQ of one query tile: warp-owned query rows, lane = key of each key tile.
+template <int kDims>
+__global__ void __launch_bounds__(kAttentionThreads)
+    attention_backward_q_kernel(float* dqkv, const float* dout, const float* qkv, const float* lse, const float* D,
+                                AttentionDims dims) {
+  extern __shared__ float smem[];
+  const int HS = dims.HS, stride = HS + 1;
+  const SharedTile qs{smem, stride}, dys{smem + kTile * stride, stride}, ks{smem + 2 * kTile * stride, stride},
+      vs{smem + 3 * kTile * stride, stride};
+  const int b = blockIdx.z, h = blockIdx.y, kv = h / dims.group, t0 = blockIdx.x * kTile;
+  const int nq = min(kTile, dims.T - t0), warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int C = dims.NH * HS;
+  const float* base = dims.head(qkv, b);
+  load_tile(qs, base, t0, nq, dims.row, h * HS, HS);
+  load_tile(dys, dout + static_cast<size_t>(b) * dims.T * C, t0, nq, C, h * HS, HS);
+  float dq[kRowsPerWarp][kDims], row_lse[kRowsPerWarp], row_D[kRowsPerWarp];
+#pragma unroll
+  for (int j = 0; j < kRowsPerWarp; j++) {
+    const int i = min(warp * kRowsPerWarp + j, nq - 1);
+    row_lse[j] = lse[dims.stat(b, h, t0 + i)], row_D[j] = D[dims.stat(b, h, t0 + i)];
+#pragma unroll
+    for (int c = 0; c < kDims; c++) dq[j][c] = 0.0f;
+  }
+  for (int k0 = 0; k0 < t0 + nq; k0 += kTile) {
+    const int nk = min(kTile, t0 + nq - k0);
+    __syncthreads();
+    load_tile(ks, base, k0, nk, dims.row, (dims.NH + kv) * HS, HS);
+    load_tile(vs, base, k0, nk, dims.row, (dims.NH + dims.KV + kv) * HS, HS);
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kRowsPerWarp; j++) {
+      const int i = warp * kRowsPerWarp + j;
+      if (i >= nq) break;  // warp-uniform
+      float ds = 0.0f;
+      if (lane < nk && k0 + lane <= t0 + i) {
+        const float p = exp_fast(dims.scale * dot_rows(qs.row(i), ks.row(lane), HS) - row_lse[j]);
+        ds = p * (dot_rows(dys.row(i), vs.row(lane), HS) - row_D[j]);
+      }
+      for (int s = 0; s < nk; s++) add_scaled_row(dq[j], __shfl_sync(kFullMask, ds, s), ks.row(s), lane, HS);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kRowsPerWarp; j++) {
+    const int i = warp * kRowsPerWarp + j;
+    if (i >= nq) break;
+    float* row = dqkv + (static_cast<size_t>(b) * dims.T + t0 + i) * dims.row + h * HS;
+#pragma unroll
+    for (int c = 0; c < kDims; c++) {
+      const int d = lane + c * kWarpSize;
+      if (d < HS) row[d] = dq[j][c] * dims.scale;
+    }
+  }
+}
+
+// Calls fn(std::integral_constant<int, kDims>) with the register width the head size needs.
+template <typename Fn>
+void with_dims_per_lane(int HS, Fn fn) {
+  const int lanes = (HS + kWarpSize - 1) / kWarpSize;
+  if (lanes <= 1)
+    fn(std::integral_constant<int, 1>());
+  else if (lanes <= 2)
+    fn(std::integral_constant<int, 2>());
+  else if (lanes <= 4)
+    fn(std::integral_constant<int, 4>());
+  else
+    fn(std::integral_constant<int, kMaxDimsPerLane>());
+}
+
+// Launches `kernel` with `shared` bytes of dynamic shared memory, opting in above the 48 KiB default.
+template <typename Kernel, typename... Args>
+void launch_tiled(Kernel kernel, dim3 grid, size_t shared, const LaunchContext& ctx, Args... args) {
+  if (shared > 48 * 1024)
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+  kernel<<<grid, kAttentionThreads, shared, ctx.stream>>>(args...);
+  CUDA_CHECK_LAUNCH();
+}
+
+size_t tile_floats(int HS) { return static_cast<size_t>(kTile) * (HS + 1); }
+
+AttentionDims attention_dims(int T, int NH, int KV, int HS) {
+  return {T, NH, KV, HS, NH / KV, static_cast<size_t>(NH + 2 * KV) * HS, 1.0f / sqrtf(static_cast<float>(HS))};
 }
 
 // Pair i < HS/2 of q-or-k head `head` of token bt: x[i], x[i + HS/2] turned by the angle of
@@ -244,7 +398,12 @@ void check_attention_args(const char* what, int B, int T, int NH, int KV, int HS
               "%s: B=%d T=%d NH=%d KV=%d HS=%d (NH must divide by KV)", what, B, T, NH, KV, HS);
 }
 
-unsigned row_blocks(size_t rows) { return static_cast<unsigned>(ceil_div(rows, kRowsPerBlock)); }
+// The tiled kernels keep a warp's rows in registers: HS up to 32 * kMaxDimsPerLane.
+void check_tiled_args(const char* what, int B, int T, int NH, int KV, int HS) {
+  check_attention_args(what, B, T, NH, KV, HS);
+  SHARD_CHECK(HS <= kWarpSize * kMaxDimsPerLane, "%s: head size %d > %d, the most the tiled kernels hold", what, HS,
+              kWarpSize * kMaxDimsPerLane);
+}
 
 void launch_rope(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS, float sign,
                  const char* what, const LaunchContext& ctx) {
@@ -257,90 +416,44 @@ void launch_rope(float* qkv, const float* cos, const float* sin, int B, int T, i
   CUDA_CHECK_LAUNCH();
 }
 
-// The dimensions both directions use, and the workspace cut into head-major buffers: q (NH heads),
-// k, v (KV heads), then y (NH) or dy (NH) and dv (KV).
-struct HeadLayout {
-  int Gt;     // rows of a group's stacked matrices: G query heads x T
-  int batch;  // B * KV: one GEMM batch per key/value head and its group
-  long long q_stride, kv_stride, att_stride;  // elements of a group's q stack, one k or v, a group's att
-  float scale;
-  float *q, *k, *v, *fourth, *fifth;
-  size_t bytes;  // of the workspace (with workspace null, the carving only counts)
-  HeadLayout(int B, int T, int NH, int KV, int HS, void* workspace)
-      : Gt(NH / KV * T),
-        batch(B * KV),
-        q_stride(static_cast<long long>(NH / KV) * T * HS),
-        kv_stride(static_cast<long long>(T) * HS),
-        att_stride(static_cast<long long>(NH / KV) * T * T),
-        scale(1.0f / sqrtf(static_cast<float>(HS))) {
-    WorkspaceCarver carver(workspace);
-    const size_t query = static_cast<size_t>(B) * T * NH * HS, kv = static_cast<size_t>(B) * T * KV * HS;
-    q = carver.take<float>(query);
-    k = carver.take<float>(kv);
-    v = carver.take<float>(kv);
-    fourth = carver.take<float>(query);
-    fifth = carver.take<float>(kv);
-    bytes = carver.bytes();
-  }
-};
-
 }  // namespace
 
-size_t attention_workspace_bytes(int B, int T, int NH, int KV, int HS) {
-  check_attention_args("attention_workspace_bytes", B, T, NH, KV, HS);
-  return HeadLayout(B, T, NH, KV, HS, nullptr).bytes;
+size_t attention_backward_workspace_bytes(int B, int T, int NH, int KV, int HS) {
+  check_tiled_args("attention_backward_workspace_bytes", B, T, NH, KV, HS);
+  return static_cast<size_t>(B) * NH * T * sizeof(float);  // D
 }
 
-void launch_attention_forward(float* out, float* att, const float* qkv, int B, int T, int NH, int KV, int HS,
-                              void* workspace, const GemmContext& ctx) {
-  check_attention_args("attention_forward", B, T, NH, KV, HS);
+void launch_attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
+                              const LaunchContext& ctx) {
+  check_tiled_args("attention_forward", B, T, NH, KV, HS);
   if (B == 0 || T == 0) return;
-  const HeadLayout h(B, T, NH, KV, HS, workspace);
-  const LaunchContext& launch = ctx.launch;
-  float* y = h.fourth;
-
-  split_heads(HeadParts{{h.q, h.k, h.v}, {NH, KV, KV}}, qkv, B, T, HS, launch);
-  // att = scale * q @ k^T: per group (G*T, T), its stacked queries against its one k
-  gemm_row_major(ctx, false, true, h.Gt, T, HS, h.scale, h.q, HS, h.q_stride, h.k, HS, h.kv_stride, 0.0f, att, T,
-                 h.att_stride, h.batch, nullptr);
-  const size_t rows = static_cast<size_t>(B) * NH * T;
-  causal_softmax_forward_kernel<<<row_blocks(rows), kThreads, 0, launch.stream>>>(att, rows, T);
-  CUDA_CHECK_LAUNCH();
-  // y = att @ v: per group (G*T, HS)
-  gemm_row_major(ctx, false, false, h.Gt, HS, T, 1.0f, att, T, h.att_stride, h.v, HS, h.kv_stride, 0.0f, y, HS,
-                 h.q_stride, h.batch, nullptr);
-  merge_heads(out, HeadParts{{y, nullptr, nullptr}, {NH, 0, 0}}, B, T, HS, launch);
+  const AttentionDims dims = attention_dims(T, NH, KV, HS);
+  const dim3 grid(static_cast<unsigned>(ceil_div(T, kTile)), NH, B);
+  with_dims_per_lane(HS, [&](auto lanes) {
+    launch_tiled(attention_forward_kernel<decltype(lanes)::value>, grid, 3 * tile_floats(HS) * sizeof(float), ctx,
+                 out, lse, qkv, dims);
+  });
 }
 
-void launch_attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv, const float* att,
-                               int B, int T, int NH, int KV, int HS, void* workspace, const GemmContext& ctx) {
-  check_attention_args("attention_backward", B, T, NH, KV, HS);
+void launch_attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
+                               int B, int T, int NH, int KV, int HS, void* workspace, const LaunchContext& ctx) {
+  check_tiled_args("attention_backward", B, T, NH, KV, HS);
   if (B == 0 || T == 0) return;
-  const HeadLayout h(B, T, NH, KV, HS, workspace);
-  const LaunchContext& launch = ctx.launch;
-  float *dy = h.fourth, *dv = h.fifth;
-  float* dq = dy;  // dy is dead once datt and dv are computed
-  float* dk = h.v;  // v is dead once datt is computed
-  float* da = scratch;
-
-  split_heads(HeadParts{{h.q, h.k, h.v}, {NH, KV, KV}}, qkv, B, T, HS, launch);
-  split_heads(HeadParts{{dy, nullptr, nullptr}, {NH, 0, 0}}, dout, B, T, HS, launch);
-  // datt = dy @ v^T per group (G*T, T); dv = att^T @ dy, the group's G heads summed inside the
-  // GEMM's reduction over its G*T stacked rows (a fixed order)
-  gemm_row_major(ctx, false, true, h.Gt, T, HS, 1.0f, dy, HS, h.q_stride, h.v, HS, h.kv_stride, 0.0f, da, T,
-                 h.att_stride, h.batch, nullptr);
-  gemm_row_major(ctx, true, false, T, HS, h.Gt, 1.0f, att, T, h.att_stride, dy, HS, h.q_stride, 0.0f, dv, HS,
-                 h.kv_stride, h.batch, nullptr);
-  const size_t rows = static_cast<size_t>(B) * NH * T;
-  causal_softmax_backward_kernel<<<row_blocks(rows), kThreads, 0, launch.stream>>>(da, att, rows, T);
+  const AttentionDims dims = attention_dims(T, NH, KV, HS);
+  float* D = static_cast<float*>(workspace);
+  const size_t rows = static_cast<size_t>(B) * T * NH;
+  attention_row_dot_kernel<<<static_cast<unsigned>(ceil_div(rows * kWarpSize, kThreads)), kThreads, 0, ctx.stream>>>(
+      D, dout, out, dims, rows);
   CUDA_CHECK_LAUNCH();
-  // dq = scale * dscore @ k per group (G*T, HS); dk = scale * dscore^T @ q, summed over the group
-  // as dv
-  gemm_row_major(ctx, false, false, h.Gt, HS, T, h.scale, da, T, h.att_stride, h.k, HS, h.kv_stride, 0.0f, dq, HS,
-                 h.q_stride, h.batch, nullptr);
-  gemm_row_major(ctx, true, false, T, HS, h.Gt, h.scale, da, T, h.att_stride, h.q, HS, h.q_stride, 0.0f, dk, HS,
-                 h.kv_stride, h.batch, nullptr);
-  merge_heads(dqkv, HeadParts{{dq, dk, dv}, {NH, KV, KV}}, B, T, HS, launch);
+  const unsigned tiles = static_cast<unsigned>(ceil_div(T, kTile));
+  with_dims_per_lane(HS, [&](auto lanes) {
+    constexpr int kDims = decltype(lanes)::value;
+    launch_tiled(attention_backward_kv_kernel<kDims>, dim3(tiles, KV, B),
+                 (4 * tile_floats(HS) + 2 * kTile) * sizeof(float), ctx, dqkv, dout, qkv, lse,
+                 static_cast<const float*>(D), dims);
+    launch_tiled(attention_backward_q_kernel<kDims>, dim3(tiles, NH, B), 4 * tile_floats(HS) * sizeof(float), ctx,
+                 dqkv, dout, qkv, lse, static_cast<const float*>(D), dims);
+  });
 }
 
 void launch_attention_decode(float* out, float* scratch, float* k_cache, float* v_cache, const float* qkv, int Q,

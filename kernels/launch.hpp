@@ -110,13 +110,13 @@ size_t matmul_backward_workspace_bytes(int N, int OC);
 void launch_matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                             const float* weight, int N, int C, int OC, void* workspace, const GemmContext& ctx);
 
-// Grouped-query attention: qkv rows q (NH heads) | k (KV heads) | v (KV heads) of HS each,
-// NH % KV == 0. The same workspace serves both directions.
-size_t attention_workspace_bytes(int B, int T, int NH, int KV, int HS);
-void launch_attention_forward(float* out, float* att, const float* qkv, int B, int T, int NH, int KV, int HS,
-                              void* workspace, const GemmContext& ctx);
-void launch_attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv, const float* att,
-                               int B, int T, int NH, int KV, int HS, void* workspace, const GemmContext& ctx);
+// Grouped-query attention, tiled (attention.cu): qkv rows q (NH heads) | k (KV heads) | v (KV
+// heads) of HS each, NH % KV == 0, HS <= 256; lse (B,NH,T). The backward's workspace: B*NH*T floats.
+size_t attention_backward_workspace_bytes(int B, int T, int NH, int KV, int HS);
+void launch_attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
+                              const LaunchContext& ctx);
+void launch_attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
+                               int B, int T, int NH, int KV, int HS, void* workspace, const LaunchContext& ctx);
 
 // Generation: Q new tokens' q|k|v rows at positions start..start+Q-1; k, v appended to the caches
 // (max_len, KV*HS), each query attending causally over the cache; scratch Q*NH*(start+Q) floats.

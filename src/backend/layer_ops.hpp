@@ -22,7 +22,8 @@ class LayerOps {
   virtual ~LayerOps() = default;
   virtual Device& device() const = 0;
 
-  // Layers (backend/cpu/ops.hpp). `scratch` of attention_backward: B*NH*T*T elements.
+  // Layers (backend/cpu/ops.hpp). attention_forward saves lse (B*NH*T elements: O(T) memory, no
+  // T x T probabilities); attention_backward takes it and the forward's out.
   // Null gradients (frozen parameters): dwte and dwpe of encoder_backward, dweight and dbias of
   // layernorm_backward and matmul_backward, dweight of rmsnorm_backward each may be null -- then
   // neither computed nor touched, and every other output the same bits as with it; matmul's
@@ -44,9 +45,9 @@ class LayerOps {
   // product (ldc > N). op(X) = X^T where trans_X.
   virtual void gemm(bool trans_a, bool trans_b, int M, int N, int K, Real alpha, const Real* A, int lda,
                     const Real* B, int ldb, Real beta, Real* C, int ldc) const = 0;
-  virtual void attention_forward(Real* out, Real* att, const Real* qkv, int B, int T, int NH, int KV,
+  virtual void attention_forward(Real* out, Real* lse, const Real* qkv, int B, int T, int NH, int KV,
                                  int HS) const = 0;
-  virtual void attention_backward(Real* dqkv, Real* scratch, const Real* dout, const Real* qkv, const Real* att,
+  virtual void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Real* out, const Real* lse,
                                   int B, int T, int NH, int KV, int HS) const = 0;
   // Llama's layers. cos, sin: rope tables (T, HS/2) in device memory.
   virtual void rmsnorm_forward(Real* out, Real* rstd, const Real* inp, const Real* weight, Real eps, int N,

@@ -25,25 +25,24 @@ GptModel<Real>::GptModel(const ParamTable& table, int batch, int seq_len, bool a
   layers_.resize(checkpointing_ ? 1 : L);
   for (Layer& a : layers_) {
     a.ln1 = array(BT * C), a.ln1_mean = array(BT), a.ln1_rstd = array(BT);
-    a.qkv = array(BT * 3 * C), a.att = array(B_ * NH * T_ * T_), a.atty = array(BT * C), a.resid2 = array(BT * C);
+    a.qkv = array(BT * 3 * C), a.lse = array(BT * NH), a.atty = array(BT * C), a.resid2 = array(BT * C);
     a.ln2 = array(BT * C), a.ln2_mean = array(BT), a.ln2_rstd = array(BT);
     a.fch = array(BT * 4 * C), a.fch_gelu = array(BT * 4 * C);
   }
   lnf_ = array(BT * C), lnf_mean_ = array(BT), lnf_rstd_ = array(BT);
   probs_ = array(BT * cfg_.vocab_size), losses_ = array(BT);
   dresid_ = array(BT * C), dln_ = array(BT * C), dqkv_ = array(BT * 3 * C), dfch_ = array(BT * 4 * C);
-  datt_ = array(B_ * NH * T_ * T_);
 }
 
 template <typename Real>
 size_t GptModel<Real>::plan_activation_elements(const ModelConfig& c, int batch, int seq_len, bool checkpointing) {
-  const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, att = BT * c.n_head * seq_len;
+  const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, lse = BT * c.n_head;
   const size_t L = c.n_layer, layers = checkpointing ? 1 : L;
-  // Per layer: ln1, qkv, att, atty, resid2, ln2, fch, fch_gelu, and four row statistics.
-  const size_t per_layer = BT * C * 4 + BT * 3 * C + att + 2 * BT * 4 * C + 4 * BT;
+  // Per layer: ln1, qkv, attention's lse, atty, resid2, ln2, fch, fch_gelu, and four row statistics.
+  const size_t per_layer = BT * C * 4 + BT * 3 * C + lse + 2 * BT * 4 * C + 4 * BT;
   const size_t residual = (L + 1) * BT * C;
   const size_t head = BT * C + 2 * BT + BT * c.vocab_size + BT;               // lnf + stats, probs, losses
-  const size_t scratch = BT * C * 2 + BT * 3 * C + BT * 4 * C + att;          // dresid, dln, dqkv, dfch, datt
+  const size_t scratch = BT * C * 2 + BT * 3 * C + BT * 4 * C;  // dresid, dln, dqkv, dfch
   return layers * per_layer + residual + head + scratch;
 }
 
@@ -63,7 +62,7 @@ void GptModel<Real>::block_forward(int l, const Real* w) {
   ops_.layernorm_forward(a.ln1.data(), a.ln1_mean.data(), a.ln1_rstd.data(), x, W(BLOCK_LN1_W), W(BLOCK_LN1_B), N, C);
   ops_.matmul_forward(a.qkv.data(), a.ln1.data(), W(BLOCK_QKV_W), W(BLOCK_QKV_B), N, C, 3 * C);
   adapters_.forward(l, PRODUCT_QKV, a.ln1.data(), a.qkv.data(), w);
-  ops_.attention_forward(a.atty.data(), a.att.data(), a.qkv.data(), B_, T_, NH, NH, C / NH);
+  ops_.attention_forward(a.atty.data(), a.lse.data(), a.qkv.data(), B_, T_, NH, NH, C / NH);
   // The projection output is only needed summed into the residual: reuse resid2 for it.
   ops_.matmul_forward(a.resid2.data(), a.atty.data(), W(BLOCK_ATTPROJ_W), W(BLOCK_ATTPROJ_B), N, C, C);
   adapters_.forward(l, PRODUCT_ATTN_OUT, a.atty.data(), a.resid2.data(), w);
@@ -134,7 +133,7 @@ void GptModel<Real>::block_backward(int l, Real* g, const Real* w) {
   ops_.matmul_backward(dln_.data(), G(BLOCK_ATTPROJ_W), G(BLOCK_ATTPROJ_B), d, a.atty.data(), W(BLOCK_ATTPROJ_W), N, C,
                        C);
   adapters_.backward(l, PRODUCT_ATTN_OUT, a.atty.data(), d, dln_.data(), w, g);
-  ops_.attention_backward(dqkv_.data(), datt_.data(), dln_.data(), a.qkv.data(), a.att.data(), B_, T_, NH, NH,
+  ops_.attention_backward(dqkv_.data(), dln_.data(), a.qkv.data(), a.atty.data(), a.lse.data(), B_, T_, NH, NH,
                           C / NH);
   d = adapters_.output_grad(l, PRODUCT_QKV, a.ln1.data(), dqkv_.data(), w, g);
   ops_.matmul_backward(dln_.data(), G(BLOCK_QKV_W), G(BLOCK_QKV_B), d, a.ln1.data(), W(BLOCK_QKV_W), N, C, 3 * C);

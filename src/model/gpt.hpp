@@ -49,7 +49,7 @@ class GptModel : public TransformerModel<Real> {
  private:
   using Array = DeviceArray<Real>;
   struct Layer {
-    Array ln1, ln1_mean, ln1_rstd, qkv, att, atty, resid2, ln2, ln2_mean, ln2_rstd, fch, fch_gelu;
+    Array ln1, ln1_mean, ln1_rstd, qkv, lse, atty, resid2, ln2, ln2_mean, ln2_rstd, fch, fch_gelu;
   };
   Layer& layer(int l) { return layers_[checkpointing_ ? 0 : l]; }
 
@@ -64,7 +64,7 @@ class GptModel : public TransformerModel<Real> {
   std::vector<Layer> layers_;  // one per block, or a single shared one when checkpointing
   Array lnf_, lnf_mean_, lnf_rstd_, probs_, losses_;
   // Backward scratch, shared by all layers.
-  Array dresid_, dln_, dqkv_, dfch_, datt_;
+  Array dresid_, dln_, dqkv_, dfch_;
   // Generation: the key/value cache and one step's buffers (rows of its tokens; the head uses row 0
   // of ln, mean, rstd).
   struct Decode : DecodeCursor {

@@ -28,14 +28,14 @@ LlamaModel<Real>::LlamaModel(const ParamTable& table, int batch, int seq_len, bo
   for (size_t l = 0; l <= L; l++) resid_.push_back(array(BT * C));
   layers_.resize(checkpointing_ ? 1 : L);
   for (Layer& a : layers_) {
-    a.ln1 = array(BT * C), a.ln1_rstd = array(BT), a.qkv = array(BT * QKV), a.att = array(B_ * NH * T_ * T_);
+    a.ln1 = array(BT * C), a.ln1_rstd = array(BT), a.qkv = array(BT * QKV), a.lse = array(BT * NH);
     a.atty = array(BT * C), a.resid2 = array(BT * C), a.ln2 = array(BT * C), a.ln2_rstd = array(BT);
     a.gate_up = array(BT * 2 * I), a.act = array(BT * I);
   }
   lnf_ = array(BT * C), lnf_rstd_ = array(BT);
   probs_ = array(BT * cfg_.vocab_size), losses_ = array(BT);
   dresid_ = array(BT * C), dln_ = array(BT * C), dqkv_ = array(BT * QKV), dgate_up_ = array(BT * 2 * I);
-  dact_ = array(BT * I), datt_ = array(B_ * NH * T_ * T_);
+  dact_ = array(BT * I);
 }
 
 // Hugging Face's tables: inv_freq[i] = theta^(-2i/d) and the angle t * inv_freq[i], both rounded
@@ -58,14 +58,14 @@ void LlamaModel<Real>::make_rope_tables(int T, Array& cos_table, Array& sin_tabl
 
 template <typename Real>
 size_t LlamaModel<Real>::plan_activation_elements(const ModelConfig& c, int batch, int seq_len, bool checkpointing) {
-  const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, att = BT * c.n_head * seq_len;
+  const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, lse = BT * c.n_head;
   const size_t QKV = c.qkv_size(), I = c.mlp_size(), L = c.n_layer, layers = checkpointing ? 1 : L;
   const size_t rope = 2 * static_cast<size_t>(seq_len) * (c.head_size() / 2);
-  // Per layer: ln1, qkv, att, atty, resid2, ln2, gate_up, act, and two row statistics.
-  const size_t per_layer = BT * C * 4 + BT * QKV + att + BT * 2 * I + BT * I + 2 * BT;
+  // Per layer: ln1, qkv, attention's lse, atty, resid2, ln2, gate_up, act, and two row statistics.
+  const size_t per_layer = BT * C * 4 + BT * QKV + lse + BT * 2 * I + BT * I + 2 * BT;
   const size_t residual = (L + 1) * BT * C;
   const size_t head = BT * C + BT + BT * c.vocab_size + BT;         // lnf + rstd, probs, losses
-  const size_t scratch = BT * C * 2 + BT * QKV + BT * 3 * I + att;  // dresid, dln, dqkv, dgate_up, dact, datt
+  const size_t scratch = BT * C * 2 + BT * QKV + BT * 3 * I;  // dresid, dln, dqkv, dgate_up, dact
   return rope + layers * per_layer + residual + head + scratch;
 }
 
@@ -88,7 +88,7 @@ void LlamaModel<Real>::block_forward(int l, const Real* w) {
   ops_.matmul_forward(a.qkv.data(), a.ln1.data(), W(LLAMA_Q_W), nullptr, N, C, cfg_.qkv_size());  // q|k|v fused
   adapters_.forward(l, PRODUCT_QKV, a.ln1.data(), a.qkv.data(), w);
   ops_.rope_forward(a.qkv.data(), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS);
-  ops_.attention_forward(a.atty.data(), a.att.data(), a.qkv.data(), B_, T_, NH, KV, HS);
+  ops_.attention_forward(a.atty.data(), a.lse.data(), a.qkv.data(), B_, T_, NH, KV, HS);
   // The projection output is only needed summed into the residual: reuse resid2 for it.
   ops_.matmul_forward(a.resid2.data(), a.atty.data(), W(LLAMA_O_W), nullptr, N, C, C);
   adapters_.forward(l, PRODUCT_ATTN_OUT, a.atty.data(), a.resid2.data(), w);
@@ -155,7 +155,7 @@ void LlamaModel<Real>::block_backward(int l, Real* g, const Real* w) {
   d = adapters_.output_grad(l, PRODUCT_ATTN_OUT, a.atty.data(), dresid_.data(), w, g);
   ops_.matmul_backward(dln_.data(), G(LLAMA_O_W), nullptr, d, a.atty.data(), W(LLAMA_O_W), N, C, C);
   adapters_.backward(l, PRODUCT_ATTN_OUT, a.atty.data(), d, dln_.data(), w, g);
-  ops_.attention_backward(dqkv_.data(), datt_.data(), dln_.data(), a.qkv.data(), a.att.data(), B_, T_, NH, KV, HS);
+  ops_.attention_backward(dqkv_.data(), dln_.data(), a.qkv.data(), a.atty.data(), a.lse.data(), B_, T_, NH, KV, HS);
   ops_.rope_backward(dqkv_.data(), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS);
   d = adapters_.output_grad(l, PRODUCT_QKV, a.ln1.data(), dqkv_.data(), w, g);
   ops_.matmul_backward(dln_.data(), G(LLAMA_Q_W), nullptr, d, a.ln1.data(), W(LLAMA_Q_W), N, C, cfg_.qkv_size());

@@ -53,7 +53,7 @@ class LlamaModel : public TransformerModel<Real> {
  private:
   using Array = DeviceArray<Real>;
   struct Layer {
-    Array ln1, ln1_rstd, qkv, att, atty, resid2, ln2, ln2_rstd, gate_up, act;
+    Array ln1, ln1_rstd, qkv, lse, atty, resid2, ln2, ln2_rstd, gate_up, act;
   };
   Layer& layer(int l) { return layers_[checkpointing_ ? 0 : l]; }
   // The LM head's weight in the root unit: lm_head, or the tied embedding.
@@ -71,7 +71,7 @@ class LlamaModel : public TransformerModel<Real> {
   std::vector<Layer> layers_;  // one per block, or a single shared one when checkpointing
   Array lnf_, lnf_rstd_, probs_, losses_;
   // Backward scratch, shared by all layers.
-  Array dresid_, dln_, dqkv_, dgate_up_, dact_, datt_;
+  Array dresid_, dln_, dqkv_, dgate_up_, dact_;
   // Rope tables (T, head_size / 2) on the device, Hugging Face's angles.
   void make_rope_tables(int T, Array& cos, Array& sin) const;
   // Generation: the key/value cache and one step's buffers (rows of its tokens; the head uses row 0

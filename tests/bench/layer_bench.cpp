@@ -8,8 +8,13 @@
 //   BM_Sgemm_Peak                 FLOP/s  = 2 n^3 (n = 2048, cblas_sgemm, the reference peak)
 //   BM_MatmulForward/<shape>      FLOP/s  = 2 N C OC
 //   BM_MatmulBackward/<shape>     FLOP/s  = 4 N C OC (dinp and dweight GEMMs; bias sums ignored)
-//   BM_AttentionForward           FLOP/s  = 4 B T^2 C (q k^T and att v over the full TxT)
-//   BM_AttentionBackward          FLOP/s  = 8 B T^2 C (four TxT GEMMs per head)
+//   BM_AttentionForward           FLOP/s  = 4 B T^2 C (q k^T and att v counted over the full TxT)
+//   BM_AttentionBackward          FLOP/s  = 8 B T^2 C (four TxT products per head, full TxT)
+//   BM_AttentionTrain/T<T>/<path> FLOP/s  = 6 B T^2 C (forward + backward, the causal half of the six
+//                                 TxT products), B = 1, NH = 12, HS = 64, T = 256, 1024, 4096; path
+//                                 tiled (cpu::attention_*) or materialised (the pre-issue-17 T x T
+//                                 path, kept in this file as the baseline); counter "saved+scratch
+//                                 MiB": what the forward keeps for the backward plus its scratch
 //   BM_LayernormForward           bytes/s = 4 (2 N C) (read inp, write out; per-row stats ignored)
 //   BM_LayernormBackward          bytes/s = 4 (4 N C) (read dout, inp; read+write dinp)
 //   BM_RmsnormForward             bytes/s = 4 (2 N C) (llama shapes; read inp, write out)
@@ -140,9 +145,9 @@ void BM_MatmulBackward(benchmark::State& state, GemmShape s) {
 
 void BM_AttentionForward(benchmark::State& state) {
   auto qkv = filled(size_t(N) * 3 * C, 7, 0.5f);
-  std::vector<float> out(size_t(N) * C), att(size_t(B) * NH * T * T);
+  std::vector<float> out(size_t(N) * C), lse(size_t(B) * NH * T);
   for (auto _ : state) {
-    cpu::attention_forward(out.data(), att.data(), qkv.data(), B, T, NH, NH, C / NH);
+    cpu::attention_forward(out.data(), lse.data(), qkv.data(), B, T, NH, NH, C / NH);
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
@@ -151,14 +156,96 @@ void BM_AttentionForward(benchmark::State& state) {
 
 void BM_AttentionBackward(benchmark::State& state) {
   auto qkv = filled(size_t(N) * 3 * C, 7, 0.5f), dout = filled(size_t(N) * C, 8, 0.01f);
-  std::vector<float> out(size_t(N) * C), att(size_t(B) * NH * T * T), scratch(att.size()), dqkv(qkv.size());
-  cpu::attention_forward(out.data(), att.data(), qkv.data(), B, T, NH, NH, C / NH);
+  std::vector<float> out(size_t(N) * C), lse(size_t(B) * NH * T), dqkv(qkv.size());
+  cpu::attention_forward(out.data(), lse.data(), qkv.data(), B, T, NH, NH, C / NH);
   for (auto _ : state) {
-    cpu::attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), B, T, NH, NH, C / NH);
+    cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, NH, NH, C / NH);
     benchmark::DoNotOptimize(dqkv.data());
     benchmark::ClobberMemory();
   }
   set_flops(state, 8.0 * B * T * T * C);
+}
+
+// The attention ShardTrain had before the tiled one (backend/cpu/attention.cpp before issue 17),
+// kept here only as the baseline of BM_AttentionTrain: per (batch, head) the full T x T scores in
+// one GEMM, the causal softmax in place, the probabilities kept (B*NH*T*T) for the backward, which
+// takes as much scratch again. Multi-head only (KV = NH).
+namespace materialised {
+void forward(float* out, float* att, const float* qkv, int B, int T, int NH, int HS) {
+  const int row = 3 * NH * HS, C = NH * HS;
+  const float scale = 1.0f / std::sqrt(float(HS));
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int b = 0; b < B; b++)
+    for (int h = 0; h < NH; h++) {
+      const float* base = qkv + size_t(b) * T * row;
+      float* a = att + (size_t(b) * NH + h) * T * T;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, HS, scale, base + h * HS, row,
+                  base + (NH + h) * HS, row, 0.0f, a, T);
+      for (int t = 0; t < T; t++) {
+        float* r = a + size_t(t) * T;
+        float max = r[0], sum = 0;
+        for (int s = 1; s <= t; s++) max = std::max(max, r[s]);
+        for (int s = 0; s <= t; s++) sum += (r[s] = std::exp(r[s] - max));
+        for (int s = 0; s <= t; s++) r[s] /= sum;
+        for (int s = t + 1; s < T; s++) r[s] = 0;
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, HS, T, 1.0f, a, T, base + (2 * NH + h) * HS, row,
+                  0.0f, out + size_t(b) * T * C + h * HS, C);
+    }
+}
+void backward(float* dqkv, float* scratch, const float* dout, const float* qkv, const float* att, int B, int T, int NH,
+              int HS) {
+  const int row = 3 * NH * HS, C = NH * HS;
+  const float scale = 1.0f / std::sqrt(float(HS));
+  auto gemm = [](bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* Bm, int ldb,
+                 float beta, float* Cm, int ldc) {
+    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M, N, K, alpha, A, lda,
+                Bm, ldb, beta, Cm, ldc);
+  };
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int b = 0; b < B; b++)
+    for (int h = 0; h < NH; h++) {
+      const size_t base = size_t(b) * T * row, head = (size_t(b) * NH + h) * T * T;
+      const float *q = qkv + base + h * HS, *k = qkv + base + (NH + h) * HS, *v = qkv + base + (2 * NH + h) * HS;
+      const float *a = att + head, *dy = dout + size_t(b) * T * C + h * HS;
+      float* da = scratch + head;
+      gemm(false, true, T, T, HS, 1.0f, dy, C, v, row, 0.0f, da, T);
+      gemm(true, false, T, HS, T, 1.0f, a, T, dy, C, 0.0f, dqkv + base + (2 * NH + h) * HS, row);
+      for (int t = 0; t < T; t++) {
+        const float* ar = a + size_t(t) * T;
+        float* dr = da + size_t(t) * T;
+        float dot = 0;
+        for (int s = 0; s <= t; s++) dot += ar[s] * dr[s];
+        for (int s = 0; s <= t; s++) dr[s] = ar[s] * (dr[s] - dot);
+        for (int s = t + 1; s < T; s++) dr[s] = 0;
+      }
+      gemm(false, false, T, HS, T, scale, da, T, k, row, 0.0f, dqkv + base + h * HS, row);
+      gemm(true, false, T, HS, T, scale, da, T, q, row, 0.0f, dqkv + base + (NH + h) * HS, row);
+    }
+}
+}  // namespace materialised
+
+// One training step's attention, forward then backward, at GPT-2's heads (12 x 64), B = 1, for
+// long sequences: the tiled op against the materialised baseline.
+void BM_AttentionTrain(benchmark::State& state, int seq_len, bool tiled) {
+  const int Bt = 1, Nt = Bt * seq_len, HS = C / NH;
+  auto qkv = filled(size_t(Nt) * 3 * C, 7, 0.5f), dout = filled(size_t(Nt) * C, 8, 0.01f);
+  std::vector<float> out(size_t(Nt) * C), dqkv(qkv.size());
+  std::vector<float> saved(tiled ? size_t(Bt) * NH * seq_len : size_t(Bt) * NH * seq_len * seq_len);
+  std::vector<float> scratch(tiled ? 0 : saved.size());
+  for (auto _ : state) {
+    if (tiled) {
+      cpu::attention_forward(out.data(), saved.data(), qkv.data(), Bt, seq_len, NH, NH, HS);
+      cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), saved.data(), Bt, seq_len, NH, NH, HS);
+    } else {
+      materialised::forward(out.data(), saved.data(), qkv.data(), Bt, seq_len, NH, HS);
+      materialised::backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), saved.data(), Bt, seq_len, NH, HS);
+    }
+    benchmark::DoNotOptimize(dqkv.data());
+    benchmark::ClobberMemory();
+  }
+  set_flops(state, 6.0 * Bt * seq_len * seq_len * C);
+  state.counters["saved+scratch MiB"] = double(saved.size() + scratch.size()) * sizeof(float) / (1 << 20);
 }
 
 void BM_LayernormForward(benchmark::State& state) {
@@ -372,6 +459,11 @@ void register_benchmarks() {
         benchmark::RegisterBenchmark((std::string("BM_MatmulBackward/") + s.name).c_str(), BM_MatmulBackward, s));
   configure(benchmark::RegisterBenchmark("BM_AttentionForward", BM_AttentionForward));
   configure(benchmark::RegisterBenchmark("BM_AttentionBackward", BM_AttentionBackward));
+  for (int seq_len : {256, 1024, 4096})
+    for (bool tiled : {true, false})
+      configure(benchmark::RegisterBenchmark(
+          ("BM_AttentionTrain/T" + std::to_string(seq_len) + (tiled ? "/tiled" : "/materialised")).c_str(),
+          BM_AttentionTrain, seq_len, tiled));
   configure(benchmark::RegisterBenchmark("BM_LayernormForward", BM_LayernormForward));
   configure(benchmark::RegisterBenchmark("BM_LayernormBackward", BM_LayernormBackward));
   configure(benchmark::RegisterBenchmark("BM_RmsnormForward", BM_RmsnormForward));

@@ -159,7 +159,8 @@ inline size_t att_at(int b, int h, int t, int s, int NH, int T) {
 }
 }  // namespace
 
-void attention_forward(double* out, double* att, const double* qkv, int B, int T, int NH, int KV, int HS) {
+void attention_forward(double* out, double* att, double* lse, const double* qkv, int B, int T, int NH, int KV,
+                       int HS) {
   const QkvLayout L{T, NH, KV, HS};
   const double scale = 1.0 / std::sqrt(static_cast<double>(HS));
   std::vector<double> score(T);
@@ -177,6 +178,7 @@ void attention_forward(double* out, double* att, const double* qkv, int B, int T
         }
         double sum = 0;
         for (int s = 0; s <= t; s++) sum += std::exp(score[s] - maxval);
+        if (lse) lse[(static_cast<size_t>(b) * NH + h) * T + t] = maxval + std::log(sum);
         for (int s = 0; s < T; s++)
           att[att_at(b, h, t, s, NH, T)] = s <= t ? std::exp(score[s] - maxval) / sum : 0.0;
         // out[b,t,h*HS+i] = sum_s att[t,s] * v_s[i]

@@ -10,7 +10,8 @@
 // each, query head h reading key/value head h / (NH/KV). Llama numerics: RMSNorm with a given eps;
 // rotary embedding in Hugging Face's rotate_half layout (element i pairs with i + HS/2); SwiGLU
 // silu(gate) * up with silu(x) = x sigmoid(x).
-// The only difference from ops.hpp: attention_backward needs no scratch buffer.
+// The difference from ops.hpp: attention keeps the whole T x T probabilities (att), ops.hpp only
+// each row's log-sum-exp.
 #pragma once
 
 #include <cstddef>
@@ -42,8 +43,11 @@ void matmul_forward(double* out, const double* inp, const double* weight, const 
 void matmul_backward(double* dinp, double* dweight, double* dbias, const double* dout, const double* inp,
                      const double* weight, int N, int C, int OC);
 
-// qkv(B,T,(NH+2KV)*HS); out(B,T,NH*HS), att(B,NH,T,T) softmax probabilities, exactly 0 above the diagonal.
-void attention_forward(double* out, double* att, const double* qkv, int B, int T, int NH, int KV, int HS);
+// qkv(B,T,(NH+2KV)*HS); out(B,T,NH*HS), att(B,NH,T,T) softmax probabilities, exactly 0 above the diagonal
+// (the naive materialised form, unlike ops.hpp's); lse(B,NH,T) each row's log sum_{s<=t} exp(score)
+// (skipped if null).
+void attention_forward(double* out, double* att, double* lse, const double* qkv, int B, int T, int NH, int KV,
+                       int HS);
 // dqkv(B,T,(NH+2KV)*HS) = gradient w.r.t. qkv (written), given the saved att.
 void attention_backward(double* dqkv, const double* dout, const double* qkv, const double* att, int B, int T, int NH,
                         int KV, int HS);

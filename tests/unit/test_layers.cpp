@@ -673,119 +673,106 @@ INSTANTIATE_TEST_SUITE_P(Shapes, MatmulTest, ::testing::ValuesIn(matmul_shapes()
 // Causal self-attention with grouped-query heads: qkv(B,T,(NH+2KV)*HS) in [-2, 2), so scores spread
 // over a few units. KV = NH is GPT-2's multi-head attention; KV < NH shares each key/value head
 // among NH/KV consecutive query heads, whose gradients must sum into it. Odd head sizes are allowed.
+// The op is tiled (no T x T matrix; it saves each row's log-sum-exp): `tiles` of 0 means the
+// default; small and odd tiles put partial tiles, several key tiles per query tile, key tiles that
+// start past a query tile's first rows, and tiles larger than T into cases of a few dozen rows.
 // ==================================================================================================
 struct AttentionShape {
   int B, T, NH, KV, HS;
+  cpu::AttentionTiles tiles = {0, 0};
+  cpu::AttentionTiles op_tiles() const { return tiles.query ? tiles : cpu::AttentionTiles(); }
 };
 std::string name_of(const AttentionShape& s) {
-  return "B" + std::to_string(s.B) + "_T" + std::to_string(s.T) + "_NH" + std::to_string(s.NH) + "_KV" +
-         std::to_string(s.KV) + "_HS" + std::to_string(s.HS);
+  std::string name = "B" + std::to_string(s.B) + "_T" + std::to_string(s.T) + "_NH" + std::to_string(s.NH) + "_KV" +
+                     std::to_string(s.KV) + "_HS" + std::to_string(s.HS);
+  if (s.tiles.query) name += "_tiles" + std::to_string(s.tiles.query) + "x" + std::to_string(s.tiles.key);
+  return name;
 }
 void PrintTo(const AttentionShape& s, std::ostream* os) { *os << name_of(s); }
 
 size_t att_size(const AttentionShape& s) { return static_cast<size_t>(s.B) * s.NH * s.T * s.T; }
+size_t lse_size(const AttentionShape& s) { return static_cast<size_t>(s.B) * s.NH * s.T; }
 size_t qkv_size(const AttentionShape& s) { return static_cast<size_t>(s.B) * s.T * (s.NH + 2 * s.KV) * s.HS; }
 size_t attention_out_size(const AttentionShape& s) { return static_cast<size_t>(s.B) * s.T * s.NH * s.HS; }
 
-// fp32 attention: a score is HS products (|q k| <= 4) scaled; the softmax adds exp_fast and a sum
-// of up to T terms; out sums T products att * v. att errs ~ u (HS |score terms| + T): the longest
-// chain is ~ 4 HS + T. The backward chains datt (HS), the weighted sum (T), and dq/dk/dv (T); a
-// shared k or v sums the NH/KV query heads' shares on top, so T grows to T * NH/KV.
-Tolerance fp32_attention_forward(const AttentionShape& s) { return fp32_sum(4 * s.HS + 2 * s.T); }
-Tolerance fp32_attention_backward(const AttentionShape& s) {
-  return fp32_sum(4 * s.HS + 3 * s.T + s.T * (s.NH / s.KV));
+// The op's forward and backward at the shape's tiles.
+template <typename Real>
+void attention_forward_op(Real* out, Real* lse, const Real* qkv, const AttentionShape& s) {
+  cpu::attention_forward(out, lse, qkv, s.B, s.T, s.NH, s.KV, s.HS, s.op_tiles());
+}
+template <typename Real>
+void attention_backward_op(Real* dqkv, const Real* dout, const Real* qkv, const Real* out, const Real* lse,
+                           const AttentionShape& s) {
+  cpu::attention_backward(dqkv, dout, qkv, out, lse, s.B, s.T, s.NH, s.KV, s.HS, s.op_tiles());
 }
 
-// Softmax rows: exactly 0 above the diagonal, non-negative, summing to 1 within row_tol.
-template <typename Real>
-void expect_causal_softmax_rows(const Real* att, const AttentionShape& s, double row_tol, const std::string& label) {
-  const int T = s.T;
-  for (int bh = 0; bh < s.B * s.NH; bh++)
-    for (int t = 0; t < T; t++) {
-      const Real* row = att + (static_cast<size_t>(bh) * T + t) * T;
-      double sum = 0;
-      for (int u = 0; u < T; u++) {
-        if (u > t && row[u] != Real(0)) {
-          ADD_FAILURE() << label << ": att[b*NH+h=" << bh << ", t=" << t << ", s=" << u << "] = " << row[u]
-                        << " above the diagonal (must be exactly 0)";
-          return;
-        }
-        if (!(row[u] >= Real(0))) {
-          ADD_FAILURE() << label << ": att[b*NH+h=" << bh << ", t=" << t << ", s=" << u << "] = " << row[u]
-                        << " is not a probability";
-          return;
-        }
-        sum += row[u];
-      }
-      if (!(std::fabs(sum - 1.0) <= row_tol)) {
-        ADD_FAILURE() << label << ": row b*NH+h=" << bh << ", t=" << t << " sums to " << sum << " (|sum-1| = "
-                      << std::fabs(sum - 1.0) << " > " << row_tol << ")";
-        return;
-      }
-    }
+// fp32 attention: a score is HS products (|q k| <= 4) scaled; the softmax adds exp_fast and a sum
+// of up to T terms, the online form one rescaling per key tile; out sums T products p * v. The
+// chain is ~ 4 HS + 2 T. The backward recomputes p from lse (the forward's chain), then chains dP
+// (HS), dS (the row's D: HS) and dq/dk/dv (T); a shared k or v sums the NH/KV query heads' shares
+// on top, so T grows to T * NH/KV.
+Tolerance fp32_attention_forward(const AttentionShape& s) { return fp32_sum(4 * s.HS + 2 * s.T); }
+Tolerance fp32_attention_backward(const AttentionShape& s) {
+  return fp32_sum(6 * s.HS + 3 * s.T + s.T * (s.NH / s.KV));
 }
 
 template <typename Real>
 void check_attention_forward(const AttentionShape& s) {
-  GuardedBuffer<Real> qkv(qkv_size(s), "qkv"), out(attention_out_size(s), "out"), att(att_size(s), "att");
+  GuardedBuffer<Real> qkv(qkv_size(s), "qkv"), out(attention_out_size(s), "out"), lse(lse_size(s), "lse");
   fill_uniform(qkv.data(), qkv.size(), 81, -2.0, 2.0);
   fill_value(out.data(), out.size(), quiet_nan<Real>());
-  fill_value(att.data(), att.size(), quiet_nan<Real>());  // the zeros above the diagonal must be written
-  cpu::attention_forward(out.data(), att.data(), qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
-  expect_guards_intact("attention_forward", qkv, out, att);
+  fill_value(lse.data(), lse.size(), quiet_nan<Real>());
+  attention_forward_op(out.data(), lse.data(), qkv.data(), s);
+  expect_guards_intact("attention_forward", qkv, out, lse);
 
-  std::vector<double> ref_out(out.size()), ref_att(att.size());
-  ref::attention_forward(ref_out.data(), ref_att.data(), qkv.to_double().data(), s.B, s.T, s.NH, s.KV, s.HS);
+  std::vector<double> ref_out(out.size()), ref_att(att_size(s)), ref_lse(lse.size());
+  ref::attention_forward(ref_out.data(), ref_att.data(), ref_lse.data(), qkv.to_double().data(), s.B, s.T, s.NH, s.KV,
+                         s.HS);
   const Tolerance tol = model<Real>(fp32_attention_forward(s));
   const std::string type = type_name<Real>();
-  expect_close(att.data(), ref_att, tol, "attention att " + type);
   expect_close(out.data(), ref_out, tol, "attention out " + type);
-  // A row sum is T probabilities, each within a few u: T + a few roundings.
-  expect_causal_softmax_rows(att.data(), s, model<Real>(fp32_sum(s.T + 2)).atol, "attention att rows " + type);
+  expect_close(lse.data(), ref_lse, tol, "attention lse " + type);
 }
 
-// Wraps the CPU backward so it has the reference's signature (the scratch is the op's business).
-void attention_backward_cpu_double(double* dqkv, const double* dout, const double* qkv, const double* att, int B,
-                                   int T, int NH, int KV, int HS) {
-  std::vector<double> scratch(static_cast<size_t>(B) * NH * T * T, quiet_nan<double>());
-  cpu::attention_backward(dqkv, scratch.data(), dout, qkv, att, B, T, NH, KV, HS);
-}
-
+// The backward from the op's own saved out and lse, against the reference's backward from its
+// materialised probabilities: the recomputation is part of what is checked.
 template <typename Real>
 void check_attention_backward(const AttentionShape& s, int calls) {
-  GuardedBuffer<Real> qkv(qkv_size(s), "qkv"), out(attention_out_size(s), "out"), att(att_size(s), "att");
+  GuardedBuffer<Real> qkv(qkv_size(s), "qkv"), out(attention_out_size(s), "out"), lse(lse_size(s), "lse");
   fill_uniform(qkv.data(), qkv.size(), 82, -2.0, 2.0);
-  cpu::attention_forward(out.data(), att.data(), qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  attention_forward_op(out.data(), lse.data(), qkv.data(), s);
 
-  GuardedBuffer<Real> dout(out.size(), "dout"), dqkv(qkv.size(), "dqkv"), scratch(att_size(s), "scratch");
+  GuardedBuffer<Real> dout(out.size(), "dout"), dqkv(qkv.size(), "dqkv");
   fill_uniform(dout.data(), dout.size(), 83);
-  fill_value(dqkv.data(), dqkv.size(), quiet_nan<Real>());        // garbage: dqkv is written
-  fill_value(scratch.data(), scratch.size(), quiet_nan<Real>());  // garbage: the op owns its workspace
+  fill_value(dqkv.data(), dqkv.size(), quiet_nan<Real>());  // garbage: dqkv is written
   for (int call = 0; call < calls; call++) {
-    cpu::attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), s.B, s.T, s.NH, s.KV,
-                            s.HS);
-    expect_guards_intact("attention_backward call " + std::to_string(call + 1), dqkv, scratch, dout, qkv, att);
+    attention_backward_op(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), s);
+    expect_guards_intact("attention_backward call " + std::to_string(call + 1), dqkv, dout, qkv, out, lse);
   }
-  // The reference sees the probabilities the op saved, so this isolates the backward.
-  std::vector<double> ref_dqkv(dqkv.size());
-  ref::attention_backward(ref_dqkv.data(), dout.to_double().data(), qkv.to_double().data(), att.to_double().data(),
-                          s.B, s.T, s.NH, s.KV, s.HS);
+  const std::vector<double> wide_qkv = qkv.to_double();
+  std::vector<double> ref_out(out.size()), ref_att(att_size(s)), ref_dqkv(dqkv.size());
+  ref::attention_forward(ref_out.data(), ref_att.data(), nullptr, wide_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  ref::attention_backward(ref_dqkv.data(), dout.to_double().data(), wide_qkv.data(), ref_att.data(), s.B, s.T, s.NH,
+                          s.KV, s.HS);
   expect_close(dqkv.data(), ref_dqkv, model<Real>(fp32_attention_backward(s)),
                std::string("attention dqkv ") + type_name<Real>());
 }
 
+// Central differences of L = sum(out * R) through the op's forward (double), against its backward
+// and, separately, the reference's.
 void check_attention_gradients(const AttentionShape& s, bool reference) {
-  const auto forward_fn = reference ? &ref::attention_forward : &cpu::attention_forward<double>;
-  const auto backward_fn = reference ? &ref::attention_backward : &attention_backward_cpu_double;
   std::vector<double> qkv = random_vector(qkv_size(s), 91, -2.0, 2.0);
   const std::vector<double> R = random_vector(attention_out_size(s), 92);
-  std::vector<double> out(R.size()), att(att_size(s)), dqkv(qkv.size());
-  forward_fn(out.data(), att.data(), qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
-  backward_fn(dqkv.data(), R.data(), qkv.data(), att.data(), s.B, s.T, s.NH, s.KV, s.HS);
-  std::vector<double> att_scratch(att.size());
-  const Forward forward = [&](std::vector<double>& y) {
-    forward_fn(y.data(), att_scratch.data(), qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
-  };
+  std::vector<double> out(R.size()), att(att_size(s)), lse(lse_size(s)), dqkv(qkv.size());
+  if (reference) {
+    ref::attention_forward(out.data(), att.data(), nullptr, qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
+    ref::attention_backward(dqkv.data(), R.data(), qkv.data(), att.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  } else {
+    attention_forward_op(out.data(), lse.data(), qkv.data(), s);
+    attention_backward_op(dqkv.data(), R.data(), qkv.data(), out.data(), lse.data(), s);
+  }
+  std::vector<double> lse_scratch(lse.size());
+  const Forward forward = [&](std::vector<double>& y) { attention_forward_op(y.data(), lse_scratch.data(), qkv.data(), s); };
   const std::string who = reference ? "reference " : "cpu<double> ";
   expect_matches_finite_differences(qkv.data(), qkv.size(), dqkv.data(), R, forward, who + "attention dqkv");
 }
@@ -811,12 +798,14 @@ void check_attention_gqa_equals_repeated_mha(const AttentionShape& s) {
         mha[bt * mha_row + static_cast<size_t>(2 * NH + h) * HS + i] =
             qkv[bt * row + static_cast<size_t>(NH + KV + kv) * HS + i];
       }
-  std::vector<double> out(dout.size()), att(att_size(s)), dqkv(qkv.size());
-  std::vector<double> mha_out(dout.size()), mha_att(att_size(s)), mha_dqkv(mha.size());
-  cpu::attention_forward(out.data(), att.data(), qkv.data(), s.B, s.T, NH, KV, HS);
-  cpu::attention_forward(mha_out.data(), mha_att.data(), mha.data(), s.B, s.T, NH, NH, HS);
-  attention_backward_cpu_double(dqkv.data(), dout.data(), qkv.data(), att.data(), s.B, s.T, NH, KV, HS);
-  attention_backward_cpu_double(mha_dqkv.data(), dout.data(), mha.data(), mha_att.data(), s.B, s.T, NH, NH, HS);
+  AttentionShape mha_shape = s;
+  mha_shape.KV = NH;
+  std::vector<double> out(dout.size()), lse(lse_size(s)), dqkv(qkv.size());
+  std::vector<double> mha_out(dout.size()), mha_lse(lse_size(s)), mha_dqkv(mha.size());
+  attention_forward_op(out.data(), lse.data(), qkv.data(), s);
+  attention_forward_op(mha_out.data(), mha_lse.data(), mha.data(), mha_shape);
+  attention_backward_op(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), s);
+  attention_backward_op(mha_dqkv.data(), dout.data(), mha.data(), mha_out.data(), mha_lse.data(), mha_shape);
   // Fold the repeated heads' gradients back: dq as is, dk and dv summed over each group.
   std::vector<double> folded(qkv.size(), 0.0);
   for (size_t bt = 0; bt < BT; bt++)
@@ -830,29 +819,30 @@ void check_attention_gqa_equals_repeated_mha(const AttentionShape& s) {
             mha_dqkv[bt * mha_row + static_cast<size_t>(2 * NH + h) * HS + i];
       }
   expect_close(out.data(), mha_out, kDoubleTol, "GQA out vs repeated-kv MHA out");
-  expect_close(att.data(), mha_att, kDoubleTol, "GQA att vs repeated-kv MHA att");
+  expect_close(lse.data(), mha_lse, kDoubleTol, "GQA lse vs repeated-kv MHA lse");
   expect_close(dqkv.data(), folded, kDoubleTol, "GQA dqkv vs repeated-kv MHA dqkv, k and v summed per group");
 }
 
-// The shared key/value gradients are summed in a fixed order by one thread: the same inputs give
-// the same bits on every call and with any number of threads (float, where the order shows).
+// Every output element is computed by one task in a fixed order (the shared key/value gradients
+// summed over the group and the query tiles inside one task): the same inputs give the same bits
+// on every call and with any number of threads (float, where the order shows).
 void check_attention_deterministic(const AttentionShape& s) {
   std::vector<float> qkv(qkv_size(s)), dout(attention_out_size(s));
   fill_uniform(qkv.data(), qkv.size(), 95, -2.0, 2.0);
   fill_uniform(dout.data(), dout.size(), 96);
-  auto run = [&](std::vector<float>& out, std::vector<float>& dqkv) {
-    std::vector<float> att(att_size(s)), scratch(att_size(s));
+  auto run = [&](std::vector<float>& out, std::vector<float>& lse, std::vector<float>& dqkv) {
     out.assign(dout.size(), quiet_nan<float>());
+    lse.assign(lse_size(s), quiet_nan<float>());
     dqkv.assign(qkv.size(), quiet_nan<float>());
-    cpu::attention_forward(out.data(), att.data(), qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
-    cpu::attention_backward(dqkv.data(), scratch.data(), dout.data(), qkv.data(), att.data(), s.B, s.T, s.NH, s.KV,
-                            s.HS);
+    attention_forward_op(out.data(), lse.data(), qkv.data(), s);
+    attention_backward_op(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), s);
   };
-  std::vector<float> out1, dqkv1, out_again, dqkv_again;
-  with_threads(1, [&] { run(out1, dqkv1); });
+  std::vector<float> out1, lse1, dqkv1, out_again, lse_again, dqkv_again;
+  with_threads(1, [&] { run(out1, lse1, dqkv1); });
   for (int threads : {1, 2, 3}) {
-    with_threads(threads, [&] { run(out_again, dqkv_again); });
+    with_threads(threads, [&] { run(out_again, lse_again, dqkv_again); });
     EXPECT_TRUE(same_bits(out1, out_again)) << "attention out differs between 1 and " << threads << " threads";
+    EXPECT_TRUE(same_bits(lse1, lse_again)) << "attention lse differs between 1 and " << threads << " threads";
     EXPECT_TRUE(same_bits(dqkv1, dqkv_again)) << "attention dqkv differs between 1 and " << threads << " threads";
   }
   // Not vacuous (NaN garbage left behind would compare equal too): everything written and finite,
@@ -860,7 +850,8 @@ void check_attention_deterministic(const AttentionShape& s) {
   size_t finite = 0, nonzero = 0;
   for (float v : dqkv1) finite += std::isfinite(v), nonzero += v != 0.0f;
   for (float v : out1) finite += std::isfinite(v);
-  EXPECT_EQ(finite, dqkv1.size() + out1.size()) << "attention left non-finite values";
+  for (float v : lse1) finite += std::isfinite(v);
+  EXPECT_EQ(finite, dqkv1.size() + out1.size() + lse1.size()) << "attention left non-finite values";
   EXPECT_GT(nonzero, dqkv1.size() / 2) << "dqkv is mostly zero";
 }
 
@@ -869,28 +860,47 @@ TEST_P(AttentionTest, ForwardFloatMatchesReference) { check_attention_forward<fl
 TEST_P(AttentionTest, ForwardDoubleMatchesReference) { check_attention_forward<double>(GetParam()); }
 TEST_P(AttentionTest, BackwardFloatMatchesReference) { check_attention_backward<float>(GetParam(), 1); }
 TEST_P(AttentionTest, BackwardDoubleMatchesReference) { check_attention_backward<double>(GetParam(), 1); }
-TEST_P(AttentionTest, BackwardMatchesFiniteDifferences) { check_attention_gradients(GetParam(), false); }
-TEST_P(AttentionTest, ReferenceBackwardMatchesFiniteDifferences) { check_attention_gradients(GetParam(), true); }
 TEST_P(AttentionTest, BackwardTwiceOverwritesDqkv) { check_attention_backward<float>(GetParam(), 2); }
 
-// {NH, KV, HS}: GPT-2-style multi-head (KV = NH; head sizes 12, 4, 12, 18, 12) and grouped-query
-// with groups of 3, 4 and 3 query heads (one of them multi-query, KV = 1), odd head sizes.
+// {NH, KV, HS}: GPT-2-style multi-head (KV = NH; head sizes 12, 4, 18) and grouped-query with
+// groups of 2, 3 and 4 query heads (one multi-query, KV = 1), odd head sizes.
 struct Heads {
   int NH, KV, HS;
 };
-constexpr Heads kMhaHeads[] = {{1, 1, 12}, {3, 3, 4}, {2, 2, 12}, {2, 2, 18}, {3, 3, 12}};
-constexpr Heads kGqaHeads[] = {{6, 2, 5}, {4, 1, 7}, {3, 1, 9}};
+constexpr Heads kMhaHeads[] = {{1, 1, 12}, {3, 3, 4}, {2, 2, 18}};
+constexpr Heads kGqaHeads[] = {{4, 2, 5}, {6, 2, 5}, {4, 1, 7}, {8, 2, 9}};
+// Tiles {query, key}: the default; smaller than T with the key tile a non-multiple of the query
+// tile and vice versa; one-row query tiles; tiles no smaller than T (one tile).
+constexpr cpu::AttentionTiles kTiles[] = {{0, 0}, {4, 6}, {5, 3}, {1, 7}, {256, 512}};
 
 std::vector<AttentionShape> attention_shapes() {
   std::vector<AttentionShape> shapes;
-  for (int B : {1, 3})
-    for (int T : {1, 5, 7, 13}) {
-      for (const Heads& h : kMhaHeads) shapes.push_back({B, T, h.NH, h.KV, h.HS});
-      for (const Heads& h : kGqaHeads) shapes.push_back({B, T, h.NH, h.KV, h.HS});
-    }
+  for (int T : {1, 7, 33, 130}) {
+    for (const Heads& h : kMhaHeads) shapes.push_back({1, T, h.NH, h.KV, h.HS});
+    for (const Heads& h : kGqaHeads) shapes.push_back({2, T, h.NH, h.KV, h.HS});
+    for (const cpu::AttentionTiles& tiles : kTiles)
+      if (tiles.query) shapes.push_back({2, T, 6, 2, 5, tiles}), shapes.push_back({1, T, 3, 3, 12, tiles});
+  }
   return shapes;
 }
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionTest, ::testing::ValuesIn(attention_shapes()), ShapeName());
+
+// Finite differences cost a forward per input element: small cases, every tile shape.
+class AttentionGradientTest : public ::testing::TestWithParam<AttentionShape> {};
+TEST_P(AttentionGradientTest, BackwardMatchesFiniteDifferences) { check_attention_gradients(GetParam(), false); }
+TEST_P(AttentionGradientTest, ReferenceBackwardMatchesFiniteDifferences) {
+  check_attention_gradients(GetParam(), true);
+}
+std::vector<AttentionShape> attention_gradient_shapes() {
+  std::vector<AttentionShape> shapes;
+  for (int T : {1, 5, 13})
+    for (const cpu::AttentionTiles& tiles : kTiles) {
+      shapes.push_back({1, T, 2, 2, 6, tiles});
+      shapes.push_back({2, T, 4, 1, 3, tiles});
+    }
+  return shapes;
+}
+INSTANTIATE_TEST_SUITE_P(Shapes, AttentionGradientTest, ::testing::ValuesIn(attention_gradient_shapes()), ShapeName());
 
 class GqaAttentionTest : public ::testing::TestWithParam<AttentionShape> {};
 TEST_P(GqaAttentionTest, EqualsMultiHeadOnRepeatedKvWithGroupSummedGradients) {
@@ -901,7 +911,9 @@ TEST_P(GqaAttentionTest, SameBitsOnEveryCallAndThreadCount) { check_attention_de
 std::vector<AttentionShape> gqa_shapes() {
   std::vector<AttentionShape> shapes;
   for (const Heads& h : kGqaHeads) shapes.push_back({2, 13, h.NH, h.KV, h.HS});
-  shapes.push_back({3, 7, 8, 2, 6});  // groups of 4 over B * KV = 6 parallel iterations
+  shapes.push_back({3, 7, 8, 2, 6});      // groups of 4 over B * KV = 6 parallel iterations
+  shapes.push_back({1, 130, 8, 2, 16});   // several default tiles on each side
+  shapes.push_back({2, 33, 4, 2, 8, {4, 6}});  // many small tiles: many tasks per thread
   return shapes;
 }
 INSTANTIATE_TEST_SUITE_P(Shapes, GqaAttentionTest, ::testing::ValuesIn(gqa_shapes()), ShapeName());

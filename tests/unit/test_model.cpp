@@ -190,10 +190,10 @@ class CountingOps : public LayerOps<double> {
     macs_ += static_cast<double>(N) * C * OC + (bias ? static_cast<double>(N) * OC : 0.0);
     cpu().matmul_forward(out, inp, weight, bias, N, C, OC);
   }
-  void attention_forward(double* out, double* att, const double* qkv, int B, int T, int NH, int KV,
+  void attention_forward(double* out, double* lse, const double* qkv, int B, int T, int NH, int KV,
                          int HS) const override {
     macs_ += 2.0 * B * T * T * NH * HS;  // per query head: T x T scores of HS, then T x HS outputs of T
-    cpu().attention_forward(out, att, qkv, B, T, NH, KV, HS);
+    cpu().attention_forward(out, lse, qkv, B, T, NH, KV, HS);
   }
   void rope_forward(double* qkv, const double* cos, const double* sin, int B, int T, int NH, int KV,
                     int HS) const override {
@@ -258,7 +258,7 @@ class CountingOps : public LayerOps<double> {
                        int) const override {
     unused();
   }
-  void attention_backward(double*, double*, const double*, const double*, const double*, int, int, int, int,
+  void attention_backward(double*, const double*, const double*, const double*, const double*, int, int, int, int,
                           int) const override {
     unused();
   }

@@ -1,88 +1,218 @@
 // Causal self-attention with grouped-query heads, its one-query-row form against a key/value cache
 // (generation), and the rotary embedding applied to its q and k.
-// Forward: one (batch, query head) pair per OpenMP iteration with single-threaded GEMMs inside:
-// scores = q k^T * scale, masked row softmax, out = att v. The full TxT score GEMM computes the
-// masked half too; it is cheaper than row-by-row GEMVs at these sizes. Backward: one (batch,
-// key/value head) pair per iteration, its query heads in order, so the key/value gradients that
-// several query heads share are summed in a fixed order by one thread (no atomics). Decode: one
-// (new token, query head) pair per iteration, scores, softmax and the weighted sum of v as plain
-// loops over the cached positions (a row, not a matrix: no GEMM to gain from).
+//
+// Training attention is tiled (flash-attention's algorithm) so that no T x T matrix exists: memory
+// is O(T) -- the output, each query row's log-sum-exp, and per-thread tiles.
+// Forward: one (batch, query head, query tile) per task. For the key tiles up to the diagonal in
+// order: scores S = scale q k^T (a GEMM), an online softmax (running row max m and sum l; when m
+// grows, the partial output and l are rescaled by exp(m_old - m_new)), out += P v (a GEMM). At the
+// end out /= l and lse = m + log(l) is saved.
+// Backward: D = rowsum(dout * out) per query row, then two passes that each recompute the
+// probabilities P = exp(S - lse) of their tiles: dK and dV by key tiles (one task per (batch,
+// key/value head, key tile), summing its group's query heads and all later query tiles in a fixed
+// order), and dQ by query tiles (one task per (batch, query head, query tile), summing the key
+// tiles in order). dS = P * (dP - D) with dP = dout v^T. Every output element is computed by one
+// task in a fixed order, with single-threaded GEMMs inside the parallel loop: no atomics, the same
+// bits for any thread count (the tasks are scheduled dynamically, largest first, for the causal
+// imbalance; which thread runs a task does not change its arithmetic).
+// Decode: one (new token, query head) pair per iteration, scores, softmax and the weighted sum of v
+// as plain loops over the cached positions (a row, not a matrix: no GEMM to gain from).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "backend/cpu/gemm.hpp"
 #include "backend/cpu/ops.hpp"
+#include "backend/math.hpp"
+#include "core/error.hpp"
 
 namespace shardtrain::cpu {
+namespace {
+
+// Where one (batch, head) lives in the token-major rows: qkv's q|k|v (row elements apart) and the
+// (B,T,NH*HS) output and its gradient (C apart), lse and D (B,NH,T).
+struct HeadView {
+  int T, NH, KV, HS, row, C, group;
+  size_t q_offset(int b, int h) const { return static_cast<size_t>(b) * T * row + static_cast<size_t>(h) * HS; }
+  size_t k_offset(int b, int kv) const { return q_offset(b, NH + kv); }
+  size_t v_offset(int b, int kv) const { return q_offset(b, NH + KV + kv); }
+  size_t y_offset(int b, int h) const { return static_cast<size_t>(b) * T * C + static_cast<size_t>(h) * HS; }
+  size_t stat_offset(int b, int h) const { return (static_cast<size_t>(b) * NH + h) * T; }
+};
+
+HeadView head_view(int T, int NH, int KV, int HS) {
+  SHARD_CHECK(T >= 0 && NH > 0 && KV > 0 && HS > 0 && NH % KV == 0, "attention: T=%d NH=%d KV=%d HS=%d", T, NH, KV,
+              HS);
+  return {T, NH, KV, HS, (NH + 2 * KV) * HS, NH * HS, NH / KV};
+}
+
+int tiles_of(int n, int tile) { return (n + tile - 1) / tile; }
+
+// Keys of a (query rows t0.., key columns k0..) tile that row t may see: s <= t, within [0, nk).
+int visible_keys(int t, int k0, int nk) { return std::clamp(t - k0 + 1, 0, nk); }
+
+// P = exp(S - lse_t) on the visible keys of each of the nq rows of the (nq, nk) tile, 0 elsewhere.
+template <typename Real>
+void probabilities(Real* p, int nq, int nk, int t0, int k0, const Real* lse) {
+  for (int i = 0; i < nq; i++) {
+    Real* r = p + static_cast<size_t>(i) * nk;
+    const int n = visible_keys(t0 + i, k0, nk);
+    const Real shift = lse[i];
+#pragma omp simd
+    for (int j = 0; j < n; j++) r[j] = exp_fast(r[j] - shift);
+    for (int j = n; j < nk; j++) r[j] = 0;
+  }
+}
+
+// dS = P * (dP - D_t) in place on dP (P is 0 where masked, so dS is too).
+template <typename Real>
+void score_gradient(Real* dp, const Real* p, int nq, int nk, const Real* D) {
+  for (int i = 0; i < nq; i++) {
+    Real* d = dp + static_cast<size_t>(i) * nk;
+    const Real* r = p + static_cast<size_t>(i) * nk;
+    const Real Di = D[i];
+#pragma omp simd
+    for (int j = 0; j < nk; j++) d[j] = r[j] * (d[j] - Di);
+  }
+}
+
+}  // namespace
 
 template <typename Real>
-void attention_forward(Real* out, Real* att, const Real* qkv, int B, int T, int NH, int KV, int HS) {
-  const int row = (NH + 2 * KV) * HS, group = NH / KV, C = NH * HS;
+void attention_forward(Real* out, Real* lse, const Real* qkv, int B, int T, int NH, int KV, int HS,
+                       AttentionTiles tiles) {
+  const HeadView V = head_view(T, NH, KV, HS);
   const Real scale = Real(1) / std::sqrt(Real(HS));
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int b = 0; b < B; b++) {
-    for (int h = 0; h < NH; h++) {
-      const Real* base = qkv + static_cast<size_t>(b) * T * row;
-      const Real* q = base + h * HS;
-      const Real* k = base + (NH + h / group) * HS;
-      const Real* v = base + (NH + KV + h / group) * HS;
-      Real* a = att + (static_cast<size_t>(b) * NH + h) * T * T;
-      gemm(false, true, T, T, HS, scale, q, row, k, row, Real(0), a, T);
-      for (int t = 0; t < T; t++) {
-        Real* r = a + static_cast<size_t>(t) * T;
-        Real max = r[0];
-        for (int s = 1; s <= t; s++) max = r[s] > max ? r[s] : max;
-        Real sum = 0;
-        for (int s = 0; s <= t; s++) {
-          r[s] = std::exp(r[s] - max);
-          sum += r[s];
+  const int BQ = tiles.query, BK = tiles.key, q_tiles = tiles_of(T, BQ), tasks = B * NH * q_tiles;
+#pragma omp parallel
+  {
+    std::vector<Real> s(static_cast<size_t>(BQ) * BK), acc(static_cast<size_t>(BQ) * HS), m(BQ), l(BQ);
+#pragma omp for schedule(dynamic, 1)
+    for (int task = 0; task < tasks; task++) {
+      const int qt = q_tiles - 1 - task % q_tiles, bh = task / q_tiles, b = bh / NH, h = bh % NH;  // last tiles first
+      const int t0 = qt * BQ, nq = std::min(BQ, T - t0), kv = h / V.group;
+      const Real* q = qkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row;
+      const Real* k = qkv + V.k_offset(b, kv);
+      const Real* v = qkv + V.v_offset(b, kv);
+      std::fill(acc.begin(), acc.begin() + static_cast<size_t>(nq) * HS, Real(0));
+      for (int k0 = 0; k0 < t0 + nq; k0 += BK) {
+        const int nk = std::min(BK, t0 + nq - k0);  // keys past the tile's last query are all masked
+        gemm(false, true, nq, nk, HS, scale, q, V.row, k + static_cast<size_t>(k0) * V.row, V.row, Real(0), s.data(),
+             nk);
+        for (int i = 0; i < nq; i++) {
+          Real* r = s.data() + static_cast<size_t>(i) * nk;
+          const int n = visible_keys(t0 + i, k0, nk);
+          // The first key tile holds key 0, visible to every row: m is finite from then on.
+          Real row_max = k0 == 0 ? r[0] : m[i];
+#pragma omp simd reduction(max : row_max)
+          for (int j = 0; j < n; j++) row_max = std::max(row_max, r[j]);
+          Real sum = 0;
+#pragma omp simd reduction(+ : sum)
+          for (int j = 0; j < n; j++) {
+            r[j] = exp_fast(r[j] - row_max);
+            sum += r[j];
+          }
+          for (int j = n; j < nk; j++) r[j] = 0;
+          if (k0 == 0) {
+            l[i] = sum;
+          } else {
+            const Real rescale = exp_fast(m[i] - row_max);
+            l[i] = l[i] * rescale + sum;
+            Real* o = acc.data() + static_cast<size_t>(i) * HS;
+            for (int d = 0; d < HS; d++) o[d] *= rescale;
+          }
+          m[i] = row_max;
         }
-        Real inv = Real(1) / sum;
-        for (int s = 0; s <= t; s++) r[s] *= inv;
-        for (int s = t + 1; s < T; s++) r[s] = 0;
+        gemm(false, false, nq, HS, nk, Real(1), s.data(), nk, v + static_cast<size_t>(k0) * V.row, V.row, Real(1),
+             acc.data(), HS);
       }
-      Real* o = out + static_cast<size_t>(b) * T * C + h * HS;
-      gemm(false, false, T, HS, T, Real(1), a, T, v, row, Real(0), o, C);
+      Real* o = out + V.y_offset(b, h) + static_cast<size_t>(t0) * V.C;
+      Real* row_lse = lse + V.stat_offset(b, h) + t0;
+      for (int i = 0; i < nq; i++) {
+        const Real inv = Real(1) / l[i];
+        for (int d = 0; d < HS; d++) o[static_cast<size_t>(i) * V.C + d] = acc[static_cast<size_t>(i) * HS + d] * inv;
+        row_lse[i] = m[i] + std::log(l[i]);
+      }
     }
   }
 }
 
 template <typename Real>
-void attention_backward(Real* dqkv, Real* scratch, const Real* dout, const Real* qkv, const Real* att, int B, int T,
-                        int NH, int KV, int HS) {
-  const int row = (NH + 2 * KV) * HS, group = NH / KV, C = NH * HS;
+void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Real* out, const Real* lse, int B, int T,
+                        int NH, int KV, int HS, AttentionTiles tiles) {
+  const HeadView V = head_view(T, NH, KV, HS);
   const Real scale = Real(1) / std::sqrt(Real(HS));
+  const int BQ = tiles.query, BK = tiles.key;
+  // D[b,h,t] = dout . out of that head's row: the softmax backward's per-row sum, sum_s P dP.
+  std::vector<Real> D(static_cast<size_t>(B) * NH * T);
 #pragma omp parallel for collapse(2) schedule(static)
-  for (int b = 0; b < B; b++) {
-    for (int kv = 0; kv < KV; kv++) {
-      const size_t base = static_cast<size_t>(b) * T * row;
-      const Real* k = qkv + base + (NH + kv) * HS;
-      const Real* v = qkv + base + (NH + KV + kv) * HS;
-      Real* dk = dqkv + base + (NH + kv) * HS;
-      Real* dv = dqkv + base + (NH + KV + kv) * HS;
-      for (int g = 0; g < group; g++) {
-        const int h = kv * group + g;
-        const Real beta = g == 0 ? Real(0) : Real(1);  // the first query head writes dk, dv; the rest add
-        const Real* q = qkv + base + h * HS;
-        Real* dq = dqkv + base + h * HS;
-        const Real* a = att + (static_cast<size_t>(b) * NH + h) * T * T;
-        const Real* dy = dout + static_cast<size_t>(b) * T * C + h * HS;
-        Real* da = scratch + (static_cast<size_t>(b) * NH + h) * T * T;
-        gemm(false, true, T, T, HS, Real(1), dy, C, v, row, Real(0), da, T);  // datt = dy v^T
-        gemm(true, false, T, HS, T, Real(1), a, T, dy, C, beta, dv, row);     // dv (+)= att^T dy
-        // Softmax backward: dscore = att * (datt - sum_s att*datt); zero where masked.
-        for (int t = 0; t < T; t++) {
-          const Real* ar = a + static_cast<size_t>(t) * T;
-          Real* dr = da + static_cast<size_t>(t) * T;
-          Real dot = 0;
-          for (int s = 0; s <= t; s++) dot += ar[s] * dr[s];
-          for (int s = 0; s <= t; s++) dr[s] = ar[s] * (dr[s] - dot);
-          for (int s = t + 1; s < T; s++) dr[s] = 0;
-        }
-        gemm(false, false, T, HS, T, scale, da, T, k, row, Real(0), dq, row);  // dq = dscore k * scale
-        gemm(true, false, T, HS, T, scale, da, T, q, row, beta, dk, row);      // dk (+)= dscore^T q * scale
+  for (int b = 0; b < B; b++)
+    for (int h = 0; h < NH; h++)
+      for (int t = 0; t < T; t++) {
+        const Real* dy = dout + V.y_offset(b, h) + static_cast<size_t>(t) * V.C;
+        const Real* y = out + V.y_offset(b, h) + static_cast<size_t>(t) * V.C;
+        Real dot = 0;
+        for (int d = 0; d < HS; d++) dot += dy[d] * y[d];
+        D[V.stat_offset(b, h) + t] = dot;
       }
+
+  const int k_tiles = tiles_of(T, BK), q_tiles = tiles_of(T, BQ);
+#pragma omp parallel
+  {
+    std::vector<Real> p(static_cast<size_t>(BQ) * BK), dp(p.size());
+    std::vector<Real> dk(static_cast<size_t>(BK) * HS), dv(dk.size()), dq(static_cast<size_t>(BQ) * HS);
+    // dK, dV of key tile [k0, k0 + nk): every query head of the group, every query row t >= k0.
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int task = 0; task < B * KV * k_tiles; task++) {
+      const int kt = task % k_tiles, bkv = task / k_tiles, b = bkv / KV, kv = bkv % KV;  // first tiles first
+      const int k0 = kt * BK, nk = std::min(BK, T - k0);
+      const Real* k = qkv + V.k_offset(b, kv) + static_cast<size_t>(k0) * V.row;
+      const Real* v = qkv + V.v_offset(b, kv) + static_cast<size_t>(k0) * V.row;
+      for (int g = 0; g < V.group; g++) {
+        const int h = kv * V.group + g;
+        const Real beta0 = g == 0 ? Real(0) : Real(1);  // the first product writes dk, dv; the rest add
+        for (int t0 = k0; t0 < T; t0 += BQ) {
+          const int nq = std::min(BQ, T - t0);
+          const Real beta = t0 == k0 ? beta0 : Real(1);
+          const Real* q = qkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row;
+          const Real* dy = dout + V.y_offset(b, h) + static_cast<size_t>(t0) * V.C;
+          gemm(false, true, nq, nk, HS, scale, q, V.row, k, V.row, Real(0), p.data(), nk);
+          probabilities(p.data(), nq, nk, t0, k0, lse + V.stat_offset(b, h) + t0);
+          gemm(true, false, nk, HS, nq, Real(1), p.data(), nk, dy, V.C, beta, dv.data(), HS);  // dv += P^T dy
+          gemm(false, true, nq, nk, HS, Real(1), dy, V.C, v, V.row, Real(0), dp.data(), nk);   // dP = dy v^T
+          score_gradient(dp.data(), p.data(), nq, nk, D.data() + V.stat_offset(b, h) + t0);
+          gemm(true, false, nk, HS, nq, scale, dp.data(), nk, q, V.row, beta, dk.data(), HS);  // dk += dS^T q scale
+        }
+      }
+      Real* dk_out = dqkv + V.k_offset(b, kv) + static_cast<size_t>(k0) * V.row;
+      Real* dv_out = dqkv + V.v_offset(b, kv) + static_cast<size_t>(k0) * V.row;
+      for (int j = 0; j < nk; j++) {
+        std::memcpy(dk_out + static_cast<size_t>(j) * V.row, dk.data() + static_cast<size_t>(j) * HS, HS * sizeof(Real));
+        std::memcpy(dv_out + static_cast<size_t>(j) * V.row, dv.data() + static_cast<size_t>(j) * HS, HS * sizeof(Real));
+      }
+    }
+    // dQ of query tile [t0, t0 + nq): the key tiles up to the diagonal, in order.
+#pragma omp for schedule(dynamic, 1)
+    for (int task = 0; task < B * NH * q_tiles; task++) {
+      const int qt = q_tiles - 1 - task % q_tiles, bh = task / q_tiles, b = bh / NH, h = bh % NH;  // last tiles first
+      const int t0 = qt * BQ, nq = std::min(BQ, T - t0), kv = h / V.group;
+      const Real* q = qkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row;
+      const Real* dy = dout + V.y_offset(b, h) + static_cast<size_t>(t0) * V.C;
+      for (int k0 = 0; k0 < t0 + nq; k0 += BK) {
+        const int nk = std::min(BK, t0 + nq - k0);
+        const Real* k = qkv + V.k_offset(b, kv) + static_cast<size_t>(k0) * V.row;
+        const Real* v = qkv + V.v_offset(b, kv) + static_cast<size_t>(k0) * V.row;
+        gemm(false, true, nq, nk, HS, scale, q, V.row, k, V.row, Real(0), p.data(), nk);
+        probabilities(p.data(), nq, nk, t0, k0, lse + V.stat_offset(b, h) + t0);
+        gemm(false, true, nq, nk, HS, Real(1), dy, V.C, v, V.row, Real(0), dp.data(), nk);
+        score_gradient(dp.data(), p.data(), nq, nk, D.data() + V.stat_offset(b, h) + t0);
+        gemm(false, false, nq, HS, nk, scale, dp.data(), nk, k, V.row, k0 == 0 ? Real(0) : Real(1), dq.data(), HS);
+      }
+      Real* dq_out = dqkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row;
+      for (int i = 0; i < nq; i++)
+        std::memcpy(dq_out + static_cast<size_t>(i) * V.row, dq.data() + static_cast<size_t>(i) * HS, HS * sizeof(Real));
     }
   }
 }
@@ -160,9 +290,9 @@ void rope_backward(Real* dqkv, const Real* cos, const Real* sin, int B, int T, i
 }
 
 #define INSTANTIATE(Real)                                                                                       \
-  template void attention_forward<Real>(Real*, Real*, const Real*, int, int, int, int, int);                    \
-  template void attention_backward<Real>(Real*, Real*, const Real*, const Real*, const Real*, int, int, int, int, \
-                                         int);                                                                  \
+  template void attention_forward<Real>(Real*, Real*, const Real*, int, int, int, int, int, AttentionTiles);     \
+  template void attention_backward<Real>(Real*, const Real*, const Real*, const Real*, const Real*, int, int, int, \
+                                         int, int, AttentionTiles);                                             \
   template void attention_decode<Real>(Real*, Real*, Real*, Real*, const Real*, int, int, int, int, int);         \
   template void rope_forward<Real>(Real*, const Real*, const Real*, int, int, int, int, int);                    \
   template void rope_backward<Real>(Real*, const Real*, const Real*, int, int, int, int, int);

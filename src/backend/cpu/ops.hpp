@@ -57,14 +57,21 @@ void matmul_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout, c
 
 // Causal self-attention with grouped-query heads. Each row of qkv(B,T,(NH+2KV)*HS) holds q (NH
 // heads) | k (KV heads) | v (KV heads) of HS each; query head h reads key/value head h / (NH/KV)
-// (KV = NH: plain multi-head attention, GPT-2's 3C rows). out(B,T,NH*HS); att(B,NH,T,T) saves
-// the softmax probabilities (zero above the diagonal). Scale 1/sqrt(HS).
+// (KV = NH: plain multi-head attention, GPT-2's 3C rows). out(B,T,NH*HS); scale 1/sqrt(HS).
+// lse(B,NH,T) saves each query row's log-sum-exp of its scaled scores, log sum_{s<=t} exp(score),
+// all the backward needs besides qkv and out: memory O(T), no T x T matrix (attention.cpp tiles
+// it). `tiles`: the query and key tile sizes, a speed choice (tests vary them; the default is
+// the measured best, docs/performance.md); the values differ between tile sizes only by rounding.
+struct AttentionTiles {
+  int query = 64, key = 128;
+};
 template <typename Real>
-void attention_forward(Real* out, Real* att, const Real* qkv, int B, int T, int NH, int KV, int HS);
-// dqkv(B,T,(NH+2KV)*HS) = gradient w.r.t. qkv. scratch: (B,NH,T,T) elements of workspace.
+void attention_forward(Real* out, Real* lse, const Real* qkv, int B, int T, int NH, int KV, int HS,
+                       AttentionTiles tiles = AttentionTiles());
+// dqkv(B,T,(NH+2KV)*HS) = gradient w.r.t. qkv (written), given the forward's out and lse.
 template <typename Real>
-void attention_backward(Real* dqkv, Real* scratch, const Real* dout, const Real* qkv, const Real* att, int B,
-                        int T, int NH, int KV, int HS);
+void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Real* out, const Real* lse, int B,
+                        int T, int NH, int KV, int HS, AttentionTiles tiles = AttentionTiles());
 
 // Attention for generation with a key/value cache (one sequence). qkv(Q,(NH+2KV)*HS) holds Q new
 // tokens at positions start..start+Q-1, laid out as above (rope already applied). Their k and v

@@ -3,7 +3,7 @@
 // device's compute stream, with the device's cuBLASLt handle and GEMM workspace. The semantics
 // are backend/cpu/ops.hpp's.
 //
-// Temporary device memory (attention's head-major copies, the encoder's sort, the two-stage
+// Temporary device memory (attention backward's per-row sums, the encoder's sort, the two-stage
 // column sums of the norms and biases and of DoRA's magnitude gradient) comes from one workspace
 // owned by the ops object, allocated from the device's caching allocator on first need and grown
 // to the largest request so far; a backward whose parameter gradients are all null (frozen) asks
@@ -89,15 +89,14 @@ class CudaLayerOps final : public LayerOps<float> {
             int ldb, float beta, float* C, int ldc) const override {
     kernels::launch_gemm(gemm_, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);  // fp32 always
   }
-  void attention_forward(float* out, float* att, const float* qkv, int B, int T, int NH, int KV,
+  void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV,
                          int HS) const override {
-    void* ws = workspace(kernels::attention_workspace_bytes(B, T, NH, KV, HS));
-    kernels::launch_attention_forward(out, att, qkv, B, T, NH, KV, HS, ws, gemm_);
+    kernels::launch_attention_forward(out, lse, qkv, B, T, NH, KV, HS, launch());
   }
-  void attention_backward(float* dqkv, float* scratch, const float* dout, const float* qkv, const float* att, int B,
+  void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int B,
                           int T, int NH, int KV, int HS) const override {
-    void* ws = workspace(kernels::attention_workspace_bytes(B, T, NH, KV, HS));
-    kernels::launch_attention_backward(dqkv, scratch, dout, qkv, att, B, T, NH, KV, HS, ws, gemm_);
+    void* ws = workspace(kernels::attention_backward_workspace_bytes(B, T, NH, KV, HS));  // each row's D
+    kernels::launch_attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS, ws, launch());
   }
   void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, float eps, int N,
                        int C) const override {
