@@ -14,6 +14,15 @@ Adapters (--only adapters): gpt2-124M and llama-135M (--adapter-models) full fin
 (rank 8 and 64 on every linear layer), LoHa, LoKr, OFT and freezing all but the last two blocks, on 1,
 2 and 4 ranks (--adapter-cases picks some; see adapter_section).
 
+GEMM libraries (--only gemm, build/gemm_bench): OpenBLAS, BLIS and oneDNN in fp32 and oneDNN in bf16
+on every linear layer's three products of gpt2-124M and llama-135M at N = 256, 1024, 4096 rows and a
+2048^3 square, 1 and 2 threads, interleaved per repeat; per model, rows and threads the layers are
+summed: GFLOP/s = the products' FLOP / the sum of their median times, and each library against OpenBLAS.
+
+CPU bf16 compute (--only bf16): gpt2-124M and llama-135M training at T = 64 (as above) on 1 rank x 2
+threads, fp32 and fsdp.param_dtype=bf16 interleaved for --bf16-rounds rounds: tokens/s min/median,
+their ratio, MFU against the same-run GEMM and the hardware peak, and the final-step loss difference.
+
 Distillation (--only distill): gpt2-124M alone and distilled from a gpt-300M teacher on 1, 2 and 4
 ranks, tokens/s and each model's memory per rank (see distill_section).
 
@@ -152,7 +161,7 @@ def main():
     parser.add_argument("--ckpt-repeats", type=int, default=3)
     parser.add_argument("--ckpt-profile", action="store_true",
                         help="also time the checksums and the same bytes through MPI-IO alone")
-    parser.add_argument("--only", choices=("layers", "train", "ckpt", "arch", "adapters", "distill"),
+    parser.add_argument("--only", choices=("layers", "train", "ckpt", "arch", "adapters", "distill", "gemm", "bf16"),
                         help="run one section only")
     parser.add_argument("--arch-rounds", type=int, default=2)
     parser.add_argument("--adapter-models", default="gpt2,llama", help="adapters section: gpt2, llama or both")
@@ -160,13 +169,15 @@ def main():
                         help="adapters section: comma-separated case names to run besides full fine-tuning "
                              "(e.g. 'LoHa r=8,OFT b=32'); empty = all")
     parser.add_argument("--skip-layers", action="store_true")
+    parser.add_argument("--bf16-rounds", type=int, default=3)
+    parser.add_argument("--gemm-repeats", type=int, default=5)
     args = parser.parse_args()
     build = os.path.abspath(os.path.join(ROOT, args.build))
     os.environ["SHARDTRAIN_BUILD"] = build
     if os.geteuid() == 0:
         os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    sections = [args.only] if args.only else ["train", "ckpt", "arch", "adapters", "distill"]
+    sections = [args.only] if args.only else ["train", "ckpt", "arch", "adapters", "distill", "gemm", "bf16"]
     if not args.only and not args.skip_layers:
         sections.insert(0, "layers")
     if "layers" in sections:
@@ -185,6 +196,65 @@ def main():
                         [c for c in args.adapter_cases.split(",") if c])
     if "distill" in sections:
         distill_section(build, args.steps)
+    if "gemm" in sections:
+        gemm_section(build, args.gemm_repeats)
+    if "bf16" in sections:
+        bf16_section(build, args.steps, args.bf16_rounds)
+
+
+GEMM_LIBS = ("openblas", "blis", "onednn-f32", "onednn-bf16")
+
+
+def gemm_section(build, repeats):
+    print(f"\n== GEMM libraries: build/gemm_bench --repeats {repeats} (median GFLOP/s, layers summed by time)",
+          flush=True)
+    proc = subprocess.run([os.path.join(build, "gemm_bench"), "--repeats", str(repeats)], capture_output=True,
+                          text=True, check=True)
+    print(proc.stdout.splitlines()[0])
+    groups = {}  # (model, rows, threads) -> [flop, seconds per library]
+    for line in proc.stdout.splitlines():
+        m = re.match(r"(\S+) (\S+) N=(\d+) \S+ \((\d+)x(\d+)x(\d+)\)\s+(\d+) \|(.*)", line)
+        square = re.match(r"square 2048\^3\s+(\d+) \|(.*)", line)
+        if not m and not square:
+            continue
+        if m:
+            key, flop = (m.group(1), int(m.group(3)), int(m.group(7))), 2.0 * int(m.group(4)) * int(m.group(5)) * int(m.group(6))
+            cells = m.group(8)
+        else:
+            key, flop, cells = ("square 2048^3", 2048, int(square.group(1))), 2.0 * 2048 ** 3, square.group(2)
+        medians = [float(x) for x in re.findall(r"\S+ [\d.]+/([\d.]+)", cells)]
+        g = groups.setdefault(key, [0.0, [0.0] * len(GEMM_LIBS)])
+        g[0] += flop
+        for i, gflops in enumerate(medians):
+            g[1][i] += flop / (gflops * 1e9)
+    print(f"{'shape':<14} {'N':>5} {'thr':>3} | " + " | ".join(f"{lib:>17}" for lib in GEMM_LIBS))
+    for (model, rows, threads), (flop, seconds) in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
+        rates = [flop / s / 1e9 for s in seconds]
+        print(f"{model:<14} {rows:>5} {threads:>3} | " +
+              " | ".join(f"{r:7.1f} ({r / rates[0]:.2f}x)" for r in rates), flush=True)
+
+
+def bf16_section(build, steps, rounds):
+    print(f"\n== CPU bf16 compute: 1 rank x 2 threads, T = 64, micro_batch 4, global_batch 16, {rounds} rounds of "
+          f"{steps} steps, fp32 and bf16 interleaved (first step of each run dropped)", flush=True)
+    for config in ARCH_CONFIGS:
+        runs = {"fp32": [], "bf16": []}
+        for _ in range(rounds):
+            for dtype in runs:
+                out = []
+                rows, peak, _ = train_run(build, 1, 2, steps, config, extra=[f"--fsdp.param_dtype={dtype}"], stdout=out)
+                runs[dtype].append((rows, peak))
+        tps = {d: summarize([r["tokens_per_s"] for rows, _ in v for r in rows]) for d, v in runs.items()}
+        for dtype, v in runs.items():
+            mfu = summarize([r["mfu"] for rows, _ in v for r in rows])
+            hw = summarize([r["hardware_mfu"] for rows, _ in v for r in rows])
+            peaks = summarize([p for _, p in v])
+            print(f"{config:16s} {dtype} | tokens/s min {tps[dtype][0]:.1f} median {tps[dtype][1]:.1f} | GEMM peak "
+                  f"median {peaks[1]:.1f} GFLOP/s | MFU median {mfu[1]:.3f} | hardware MFU median {hw[1]:.3f}",
+                  flush=True)
+        loss = [abs(a[-1]["loss"] - b[-1]["loss"]) / a[-1]["loss"] for (a, _), (b, _) in zip(runs["fp32"], runs["bf16"])]
+        print(f"{config:16s} bf16 / fp32 median tokens/s: {tps['bf16'][1] / tps['fp32'][1]:.2f} | final loss "
+              f"relative difference max {max(loss):.2e}", flush=True)
 
 
 def train_section(build, steps):
