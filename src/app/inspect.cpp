@@ -3,6 +3,10 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <sstream>
+#include <utility>
+#include <vector>
 
 #include "ckpt/checkpoint_io.hpp"
 #include "core/counted.hpp"
@@ -13,6 +17,26 @@ static double l2_norm(const std::vector<float>& v) {
   double sum = 0;
   for (float x : v) sum += static_cast<double>(x) * x;
   return std::sqrt(sum);
+}
+
+// The data a run trained on, as the checkpoint records it (TokenDataset::identity: a line "<bytes>
+// <path>" per file, in stream order): what a resume compares, by file name and size.
+static void print_dataset_identity(const char* option, const std::string& identity) {
+  std::vector<std::pair<unsigned long long, std::string>> files;
+  unsigned long long total = 0;
+  std::istringstream lines(identity);
+  for (std::string line; std::getline(lines, line);) {
+    const size_t space = line.find(' ');
+    files.emplace_back(std::strtoull(line.substr(0, space).c_str(), nullptr, 10),
+                       space == std::string::npos ? "" : line.substr(space + 1));
+    total += files.back().first;
+  }
+  if (files.empty()) {
+    std::printf("%s: none\n", option);
+    return;
+  }
+  std::printf("%s: %s, %llu bytes\n", option, counted(static_cast<long long>(files.size()), "file").c_str(), total);
+  for (const auto& [bytes, path] : files) std::printf("  %12llu  %s\n", bytes, path.c_str());
 }
 
 void inspect_checkpoint(const std::string& path) {
@@ -43,6 +67,12 @@ void inspect_checkpoint(const std::string& path) {
   if (s.adapters_only)
     std::printf("adapter-only checkpoint: the adapters and their optimizer state alone; resume it with the base model "
                 "of that checksum as checkpoint.init_from\n");
+  if (s.has_dataset) {
+    print_dataset_identity("data.train_file", s.dataset_train);
+    print_dataset_identity("data.val_file", s.dataset_val);
+  } else {
+    std::printf("data files: not recorded (a checkpoint of an older build)\n");
+  }
   std::printf("\nconfiguration at save time:\n%s\n", s.config_ini.c_str());
   std::printf("%-28s %-12s %10s %12s %12s %12s  %s\n", "parameter", "shape", "elements", "norm", "exp_avg",
               "exp_avg_sq", "dataset");

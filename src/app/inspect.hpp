@@ -1,4 +1,5 @@
-// `shardtrain inspect FILE`: what a checkpoint holds -- format, step, the saved configuration and
+// `shardtrain inspect FILE`: what a checkpoint holds -- format, step, the data files it trained on
+// (names and sizes, what a resume compares), the saved configuration and
 // every parameter with its shape, size and norms -- read one tensor at a time, without building
 // the model. A file that training would refuse (CheckpointReader's validation) is an error.
 #pragma once

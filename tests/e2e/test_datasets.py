@@ -5,7 +5,8 @@ from, in the same order, so training on them must give the losses of training on
 bit on the same rank count (and, as ever, to 1e-5 on 1, 2 and 3 ranks); a 32-bit file of ids below
 65,536 must train bit for bit as the 16-bit file of the same ids. Token files are written here in
 llm.c's layout (dev/data/data_common.py), not by the program. Checkpoint attributes are read with
-h5py; the metadata checksum is recomputed by test_checkpoint_edges's definition."""
+h5py, and `inspect` must list the same files and sizes as the file system; the metadata checksum is
+recomputed by test_checkpoint_edges's definition."""
 import json
 import os
 import random
@@ -60,6 +61,12 @@ def train(np_, *overrides, ok=True):
 def losses(metrics):
     steps, evals = metrics
     return [r["loss"] for r in steps], [r["val_loss"] for r in evals]
+
+
+def inspect_lines(checkpoint):
+    proc = run_single(["inspect", checkpoint])
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
 
 
 def warnings(proc):
@@ -124,6 +131,13 @@ def test_resume_on_other_data_is_refused_naming_the_difference():
         val = os.path.realpath(ensure_data()[1])
         assert bytes(f.attrs["dataset.val"]).decode() == f"{os.path.getsize(val)} {ensure_data()[1]}\n"
         assert int(f.attrs["meta_checksum"]) == meta_checksum(f.attrs)
+    # inspect shows that identity, file by file, with the sizes on disk.
+    shown = inspect_lines(ckpt)
+    sizes = [os.path.getsize(p) for p in (a, b)]
+    start = shown.index(f"data.train_file: 2 files, {sum(sizes)} bytes")
+    assert [l.split() for l in shown[start + 1:start + 3]] == [[str(sizes[0]), a], [str(sizes[1]), b]], shown
+    assert shown[start + 3] == f"data.val_file: 1 file, {os.path.getsize(val)} bytes", shown
+    assert shown[start + 4].split() == [str(os.path.getsize(val)), ensure_data()[1]], shown
     # Another file list: one more file, a file of another size (the same name), the same files moved.
     expect_usage_error(tiny_args(f"--checkpoint.dir={ckdir}", f"--data.train_file={a},{b},{c}", "--train.steps=4"),
                        ckpt, "data.train_file: file 3 of 3", "c.bin' (21024 bytes) is new", "checkpoint.allow_data_change")
@@ -145,6 +159,7 @@ def test_resume_on_other_data_is_refused_naming_the_difference():
         for name in ("dataset.train", "dataset.val"):
             del f.attrs[name]
         f.attrs["meta_checksum"] = np.uint64(meta_checksum(f.attrs))
+    assert "data files: not recorded (a checkpoint of an older build)" in inspect_lines(ckpt)
     old, _ = train(2, f"--checkpoint.dir={tempdir()}", f"--checkpoint.resume={ckpt}", f"--data.train_file={a},{b}",
                    "--train.steps=3")
     assert "at step 2" in old.stdout and any("records no dataset identity" in l for l in warnings(old)), old.stderr
