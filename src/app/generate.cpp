@@ -26,6 +26,7 @@
 #include "core/counted.hpp"
 #include "core/format.hpp"
 #include "core/random.hpp"
+#include "data/data_commands.hpp"
 #include "data/tokenizer.hpp"
 #include "model/model.hpp"
 #include "optim/adamw.hpp"
@@ -77,9 +78,15 @@ namespace {
 
 constexpr int PREFILL_CHUNK = 64;  // prompt tokens per prefill step (docs/generate.md)
 
+// The special tokens generation stops at, where the tokenizer has them (besides the post-processor's
+// appended ids): those `data encode` puts between documents, and the chat formats' turn ends.
+const char* const CHAT_TURN_ENDS[] = {"<|eot_id|>", "<|im_end|>"};
+
 struct GenerateOptions {
   std::string checkpoint, prompt, tokenizer;
   bool tokenizer_given = false;
+  std::vector<std::string> stops;  // --stop: texts that end the output
+  bool ignore_eos = false;
   int max_tokens = 64;
   SamplingOptions sampling;
   std::string device = "cpu";
@@ -131,6 +138,10 @@ bool parse_generate_args(const Runtime& rt, const std::vector<std::string>& raw_
        "sample among the fewest most likely tokens whose probabilities reach p (nucleus sampling); 1 = all")
       ("seed", po::value(&seed)->default_value(seed),
        "sampling seed: a seed, checkpoint and options give the same text on any rank count")
+      ("stop", po::value(&o.stops)->composing(),
+       "stop when the output contains this text (not written); repeat for several")
+      ("ignore-eos", po::bool_switch(&o.ignore_eos),
+       "go on past the tokenizer's end-of-text token (written as its text) instead of stopping there")
       ("tokenizer", po::value(&o.tokenizer),
        "Hugging Face tokenizer.json for the prompt and the output; default: the run's data.tokenizer, recorded in "
        "the checkpoint, else bytes; --tokenizer= (empty) = bytes")
@@ -166,6 +177,8 @@ bool parse_generate_args(const Runtime& rt, const std::vector<std::string>& raw_
     throw UsageError("--device='" + printable_text(o.device) + "' is not allowed; allowed: cpu, cuda");
   if (o.prompt.empty())
     throw UsageError("--prompt is empty: give the text to continue (at least one token)");
+  for (const std::string& stop : o.stops)
+    if (stop.empty()) throw UsageError("--stop is empty: give the text that ends the output");
   return true;
 }
 
@@ -180,6 +193,68 @@ void broadcast_ints(Comm& comm, std::vector<int>& values, const char* what) {
   values.resize(n);
   comm.broadcast(Span<char>(reinterpret_cast<char*>(values.data()), n * sizeof(int)), 0, what);
 }
+
+// Rank 0's standard output: the prompt, then each token's text as it comes, flushed. Bytes that
+// end in an incomplete UTF-8 character wait for the next token, and text that may be the start of
+// a --stop text waits until it is not, so what is written is the prompt and the whole output's
+// decode (tokenizer.hpp: utf8_complete_prefix), cut before the first stop text.
+class TextStream {
+ public:
+  explicit TextStream(const std::vector<std::string>& stops) : stops_(stops) {}
+
+  void write_prompt(const std::string& prompt) { write(prompt); }
+  // The stop text add() found.
+  const std::string& matched() const { return *matched_; }
+
+  // Adds one token's bytes; true when the output now holds a stop text (the text before it written).
+  bool add(const std::string& bytes) {
+    pending_bytes_ += bytes;
+    const size_t complete = utf8_complete_prefix(pending_bytes_);
+    held_ += utf8_with_replacements(std::string_view(pending_bytes_).substr(0, complete));
+    pending_bytes_.erase(0, complete);
+    size_t first = std::string::npos;
+    for (const std::string& stop : stops_) {
+      const size_t at = held_.find(stop);
+      if (at < first) first = at, matched_ = &stop;
+    }
+    if (first != std::string::npos) {
+      write(std::string_view(held_).substr(0, first));
+      held_.clear();
+      return true;
+    }
+    // Hold the longest end of the text that begins a stop text.
+    size_t hold = 0;
+    for (const std::string& stop : stops_)
+      for (size_t k = std::min(stop.size() - 1, held_.size()); k > hold; k--)
+        if (held_.compare(held_.size() - k, k, stop, 0, k) == 0) {
+          hold = k;
+          break;
+        }
+    write(std::string_view(held_).substr(0, held_.size() - hold));
+    held_.erase(0, held_.size() - hold);
+    return false;
+  }
+
+  // Writes what is held (an incomplete character as U+FFFD) and a final newline if the text has none.
+  void finish() {
+    write(held_ + utf8_with_replacements(pending_bytes_));
+    if (last_ != '\n') write("\n");
+  }
+
+ private:
+  void write(std::string_view text) {
+    if (text.empty()) return;
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    std::fflush(stdout);
+    last_ = text.back();
+  }
+
+  const std::vector<std::string>& stops_;
+  std::string pending_bytes_;  // the start of a UTF-8 character
+  std::string held_;           // text that may begin a stop text
+  const std::string* matched_ = nullptr;
+  char last_ = '\n';
+};
 
 class Generator {
  public:
@@ -198,7 +273,9 @@ class Generator {
  private:
   std::string resolve_checkpoint();
   void encode_prompt(const CheckpointState& state);
-  std::string text_of(const std::vector<int>& ids) const;
+  std::string bytes_of(int id) const;
+  std::string stops_summary() const;
+  void find_stop_tokens();
 
   const Runtime& rt_;
   const GenerateOptions& o_;
@@ -210,6 +287,7 @@ class Generator {
   std::unique_ptr<Tokenizer> tokenizer_;  // rank 0's
   int allowed_ = 256;  // ids the tokenizer can write: rank 0 samples among these
   std::vector<int> prompt_;
+  std::map<int, std::string> stop_tokens_;  // id -> its text, unless --ignore-eos (rank 0's)
 };
 
 // The file, or the newest complete checkpoint of a run folder.
@@ -254,7 +332,13 @@ void Generator::encode_prompt(const CheckpointState& state) {
       allowed_ = static_cast<int>(std::min<uint32_t>(tokenizer_->vocab_size(), m.vocab_size));
       std::vector<uint32_t> ids;
       tokenizer_->encode(utf8_with_replacements(o_.prompt), ids);
+      // A text to continue has no end: without the template's appended ids (its EOS).
+      const std::vector<uint32_t>& appended = tokenizer_->appended_ids();
+      if (!appended.empty() && ids.size() >= appended.size() &&
+          std::equal(appended.begin(), appended.end(), ids.end() - static_cast<std::ptrdiff_t>(appended.size())))
+        ids.resize(ids.size() - appended.size());
       prompt_.assign(ids.begin(), ids.end());
+      find_stop_tokens();
     }
     if (prompt_.empty()) throw UsageError("--prompt encodes to no tokens: give the text to continue");
     for (int id : prompt_)
@@ -270,13 +354,29 @@ void Generator::encode_prompt(const CheckpointState& state) {
   broadcast_ints(*comm_, prompt_, "broadcast(prompt)");
 }
 
-std::string Generator::text_of(const std::vector<int>& ids) const {
-  if (!tokenizer_) {
-    std::string bytes;
-    for (int id : ids) bytes += static_cast<char>(id);
-    return utf8_with_replacements(bytes);
-  }
-  return tokenizer_->decode(std::vector<uint32_t>(ids.begin(), ids.end()));
+std::string Generator::bytes_of(int id) const {
+  return tokenizer_ ? tokenizer_->token_bytes(static_cast<uint32_t>(id)) : std::string(1, static_cast<char>(id));
+}
+
+// For the start line: what ends the output before the length limits.
+std::string Generator::stops_summary() const {
+  std::string text;
+  for (const auto& [id, name] : stop_tokens_) text += (text.empty() ? "" : ", ") + strprintf("%s (id %d)", printable_text(name).c_str(), id);
+  for (const std::string& stop : o_.stops) text += (text.empty() ? "" : ", ") + ("--stop '" + printable_text(stop) + "'");
+  return text.empty() ? "--max-tokens or model.max_seq_len only" : text;
+}
+
+// The tokenizer's end-of-text tokens: the post-processor's appended ids, and the special tokens that
+// `data encode` puts between documents or that end a chat turn. A model trained on encoded
+// documents writes one where a document ends. Bytes have none.
+void Generator::find_stop_tokens() {
+  if (!tokenizer_ || o_.ignore_eos) return;
+  for (uint32_t id : tokenizer_->appended_ids())
+    stop_tokens_[static_cast<int>(id)] = tokenizer_->decode({id});
+  std::vector<const char*> names(std::begin(DOCUMENT_SEPARATORS), std::end(DOCUMENT_SEPARATORS));
+  names.insert(names.end(), std::begin(CHAT_TURN_ENDS), std::end(CHAT_TURN_ENDS));
+  for (const char* name : names)
+    if (tokenizer_->is_special(name)) stop_tokens_[static_cast<int>(*tokenizer_->token_id(name))] = name;
 }
 
 int Generator::run() {
@@ -312,11 +412,12 @@ int Generator::run() {
   memory.add(MEM_ACTIVATIONS, model->activation_bytes() + model->decode_bytes());
   if (rt_.is_root())
     std::fprintf(stderr,
-                 "generate: %s (step %lld) | %s | %s x %s, %s | tokenizer %s | prompt %s | memory per rank %s "
-                 "(key/value cache and buffers %s)\n",
+                 "generate: %s (step %lld) | %s | %s x %s, %s | tokenizer %s | prompt %s | stops at %s | memory per "
+                 "rank %s (key/value cache and buffers %s)\n",
                  path.c_str(), static_cast<long long>(state.step), model_summary(m).c_str(),
                  counted(rt_.world(), "rank").c_str(), counted(threads_, "thread").c_str(), compute_.describe().c_str(),
                  tokenizer_path_.empty() ? "bytes" : tokenizer_path_.c_str(), counted(P, "token").c_str(),
+                 stops_summary().c_str(),
                  human_bytes(static_cast<double>(memory.total_current())).c_str(),
                  human_bytes(static_cast<double>(model->decode_bytes())).c_str());
 
@@ -331,25 +432,48 @@ int Generator::run() {
     engine.decode_step(*model, prompt_.data() + begin, n, begin + n == P ? my_logits : nullptr, begin == 0);
   }
   const double t1 = now_seconds();
-  std::vector<int> output;
+  // Rank 0 draws each token, writes its text and decides whether it ends the output; every rank
+  // receives the token and the verdict.
+  enum Verdict : int { GO_ON, STOP_TOKEN, STOP_TEXT, BAD_TOKEN };
+  TextStream stream(o_.stops);
+  if (rt_.is_root()) stream.write_prompt(o_.prompt);
+  std::string bad_token;  // rank 0's: why a token could not be written
+  int generated = 0, verdict = GO_ON, last_token = -1;
   for (;;) {
-    int token = rt_.is_root() ? sample_token(logits.data(), allowed_, o_.sampling, output.size()) : 0;
-    comm_->broadcast(Span<char>(reinterpret_cast<char*>(&token), sizeof token), 0, "broadcast(token)");
-    output.push_back(token);
-    if (P + static_cast<int>(output.size()) >= total_limit) break;
-    engine.decode_step(*model, &token, 1, my_logits, false);
+    int message[2] = {0, GO_ON};  // the token, the verdict
+    if (rt_.is_root()) {
+      message[0] = sample_token(logits.data(), allowed_, o_.sampling, generated);
+      if (stop_tokens_.count(message[0])) {
+        message[1] = STOP_TOKEN;
+      } else {
+        try {
+          if (stream.add(bytes_of(message[0]))) message[1] = STOP_TEXT;
+        } catch (const InputError& e) {
+          bad_token = e.what();
+          message[1] = BAD_TOKEN;
+        }
+      }
+    }
+    comm_->broadcast(Span<char>(reinterpret_cast<char*>(message), sizeof message), 0, "broadcast(token)");
+    generated++, last_token = message[0], verdict = message[1];
+    if (verdict != GO_ON || P + generated >= total_limit) break;
+    engine.decode_step(*model, &message[0], 1, my_logits, false);
   }
   const double t2 = now_seconds();
   model->end_decode();
 
-  const int G = static_cast<int>(output.size());
+  const int G = generated;
   rt_.agree_on([&] {
     if (!rt_.is_root()) return;
-    std::string text = o_.prompt + text_of(output);
-    if (text.empty() || text.back() != '\n') text += '\n';
-    std::fwrite(text.data(), 1, text.size(), stdout);
-    std::fflush(stdout);
-    if (G < o_.max_tokens)
+    if (!bad_token.empty()) throw DataError(bad_token);
+    stream.finish();
+    if (verdict == STOP_TOKEN)
+      std::fprintf(stderr, "generate: stopped after %s at the end-of-text token %s (id %d), not written (--ignore-eos goes on)\n",
+                   counted(G, "token").c_str(), printable_text(stop_tokens_.at(last_token)).c_str(), last_token);
+    else if (verdict == STOP_TEXT)
+      std::fprintf(stderr, "generate: stopped after %s at --stop '%s', not written\n", counted(G, "token").c_str(),
+                   printable_text(stream.matched()).c_str());
+    else if (G < o_.max_tokens)
       std::fprintf(stderr,
                    "generate: stopped after %s: the prompt's %s and the output reached model.max_seq_len=%d, the "
                    "longest sequence this model takes (--max-tokens=%d not reached)\n",

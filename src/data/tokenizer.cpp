@@ -58,6 +58,33 @@ std::string utf8_with_replacements(std::string_view bytes) {
   return out;
 }
 
+size_t utf8_complete_prefix(std::string_view bytes) {
+  const auto* b = reinterpret_cast<const unsigned char*>(bytes.data());
+  const size_t n = bytes.size();
+  // The last byte that is no continuation byte; a sequence starts there if it is a lead.
+  size_t lead_at = n;
+  for (size_t back = 1; back <= std::min<size_t>(3, n); back++)
+    if (b[n - back] < 0x80 || b[n - back] > 0xBF) {
+      lead_at = n - back;
+      break;
+    }
+  if (lead_at == n) return n;
+  const unsigned lead = b[lead_at];
+  int need = 0;
+  unsigned lo = 0x80, hi = 0xBF;
+  if (lead >= 0xC2 && lead <= 0xDF) need = 1;
+  else if (lead == 0xE0) need = 2, lo = 0xA0;
+  else if (lead == 0xED) need = 2, hi = 0x9F;
+  else if (lead >= 0xE1 && lead <= 0xEF) need = 2;
+  else if (lead == 0xF0) need = 3, lo = 0x90;
+  else if (lead == 0xF4) need = 3, hi = 0x8F;
+  else if (lead >= 0xF1 && lead <= 0xF3) need = 3;
+  const size_t got = n - lead_at - 1;
+  if (got >= static_cast<size_t>(need)) return n;  // complete, or no lead at all
+  if (got >= 1 && (b[lead_at + 1] < lo || b[lead_at + 1] > hi)) return n;  // already invalid
+  return lead_at;
+}
+
 std::string json_error_text(const char* what) {
   const std::string text = what;
   const size_t tag_end = text.rfind("] ", text.find("parse error"));
@@ -869,28 +896,31 @@ bool Tokenizer::is_special(const std::string& content) const {
   return false;
 }
 
-std::string Tokenizer::decode(const std::vector<uint32_t>& ids) const {
+std::string Tokenizer::token_bytes(uint32_t id) const {
   const Impl& m = *impl_;
   if (!m.decoder_problem.empty())
     throw DataError(strprintf("tokenizer file '%s': %s", m.path.c_str(), m.decoder_problem.c_str()));
-  std::string bytes, mapped;
-  for (uint32_t id : ids) {
-    if (id >= m.id_to_token.size() || !m.id_to_token[id])
-      throw DataError(strprintf("token id %u is not in tokenizer file '%s' (ids up to %u); decode with the tokenizer "
-                                "the file was encoded with",
-                                id, m.path.c_str(), m.max_id));
-    const std::string& token = *m.id_to_token[id];
-    mapped.clear();
-    bool all_bytes = true;
-    for (size_t i = 0, next; i < token.size() && all_bytes; i = next) {
-      next = next_char(token, i);
-      auto it = m.char_to_byte.find(token.substr(i, next - i));
-      if (it == m.char_to_byte.end()) all_bytes = false;
-      else mapped += static_cast<char>(it->second);
-    }
-    bytes += all_bytes ? mapped : token;
+  if (id >= m.id_to_token.size() || !m.id_to_token[id])
+    throw DataError(strprintf("token id %u is not in tokenizer file '%s' (ids up to %u); decode with the tokenizer "
+                              "the file was encoded with",
+                              id, m.path.c_str(), m.max_id));
+  const std::string& token = *m.id_to_token[id];
+  std::string mapped;
+  for (size_t i = 0, next; i < token.size(); i = next) {
+    next = next_char(token, i);
+    auto it = m.char_to_byte.find(token.substr(i, next - i));
+    if (it == m.char_to_byte.end()) return token;
+    mapped += static_cast<char>(it->second);
   }
+  return mapped;
+}
+
+std::string Tokenizer::decode(const std::vector<uint32_t>& ids) const {
+  std::string bytes;
+  for (uint32_t id : ids) bytes += token_bytes(id);
   return utf8_with_replacements(bytes);
 }
+
+const std::vector<uint32_t>& Tokenizer::appended_ids() const { return impl_->suffix; }
 
 }  // namespace shardtrain

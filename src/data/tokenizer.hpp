@@ -45,6 +45,12 @@ class Tokenizer {
   // with invalid sequences replaced by U+FFFD. Throws DataError for an id the tokenizer does not
   // have, or a decoder other than ByteLevel.
   std::string decode(const std::vector<uint32_t>& ids) const;
+  // One token's part of decode(): its bytes before the UTF-8 check (a character may continue in
+  // the next token). Throws as decode() does.
+  std::string token_bytes(uint32_t id) const;
+  // The ids the post-processor appends to every text (a template's EOS, e.g. "$A </s>"); empty
+  // for most byte-level tokenizers.
+  const std::vector<uint32_t>& appended_ids() const;
 
  private:
   struct Impl;
@@ -54,6 +60,12 @@ class Tokenizer {
 // `bytes` decoded as UTF-8 with every invalid sequence replaced by U+FFFD, one per maximal invalid
 // subpart: Python's bytes.decode("utf-8", errors="replace").
 std::string utf8_with_replacements(std::string_view bytes);
+
+// Where a trailing, still incomplete UTF-8 sequence of `bytes` starts (a lead byte and the valid
+// continuation bytes it has so far), else bytes.size(). Text written in pieces cut there decodes, piece
+// by piece through utf8_with_replacements, to the same text as the whole: a generator writes the
+// prefix and holds the rest until the next token completes (or breaks) it.
+size_t utf8_complete_prefix(std::string_view bytes);
 
 // A JSON library parse error's message without its "[json.exception.parse_error.N] " tag.
 std::string json_error_text(const char* what);
