@@ -1,14 +1,21 @@
 """`shardtrain generate` end to end: tiny GPT-2 and Llama models trained for a few seconds, then
 text from their checkpoints. Greedy output is the same on 1, 2 and 3 ranks (3 pads the shards
 unevenly), and so is sampled output for a seed, which another seed changes; generation stops at
-model.max_seq_len with a message; the tokenizer the run recorded (data.tokenizer) encodes the prompt
-and decodes the output unless --tokenizer overrides it; bad options and inputs exit 2 with one line.
-The decode path itself is held to a full recompute in tests/unit/test_generation.cpp."""
+model.max_seq_len with a message, at the tokenizer's end-of-text token (a model trained on
+documents that data encode separated with it) and at --stop texts, each time with exactly the text
+of the same greedy run not stopped (--ignore-eos) cut there; the output streams (under strace: one
+write per generated character, none of a character's bytes written before its last); the tokenizer
+the run recorded (data.tokenizer) encodes the prompt and decodes the output unless --tokenizer
+overrides it; bad options and inputs exit 2 with one line. The decode path itself is held to a full
+recompute in tests/unit/test_generation.cpp."""
 import json
 import os
+import random
 import re
+import shutil
+import subprocess
 
-from harness import ROOT, ensure_data, run, run_single, tempdir
+from harness import EXE, ROOT, Skip, ensure_data, run, run_single, tempdir
 
 PROMPT = "Dora has eight wolves. Dora gives"
 _trained = {}
@@ -90,8 +97,9 @@ def test_stops_at_max_seq_len_with_a_message():
     assert generated_count(proc) == 55 and "stopped after" not in proc.stderr, proc.stderr
 
 
-def write_bpe_tokenizer(path):
-    """A byte-level BPE tokenizer.json by hand: GPT-2's byte alphabet and seven merges (vocabulary 263)."""
+def write_bpe_tokenizer(path, end_of_text=False):
+    """A byte-level BPE tokenizer.json by hand: GPT-2's byte alphabet and seven merges (vocabulary
+    263), and with end_of_text the special token <|endoftext|> as id 263."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = {}, 0
     for b in range(256):
@@ -105,13 +113,15 @@ def write_bpe_tokenizer(path):
     for a, b in merges:
         vocab[a + b] = len(vocab)
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    added = [{"id": len(vocab), "content": "<|endoftext|>", "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": True}] if end_of_text else []
     with open(path, "w") as f:
-        json.dump({"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+        json.dump({"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
                    "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
                    "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                              "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
                              "ignore_merges": False, "vocab": vocab, "merges": [f"{a} {b}" for a, b in merges]}}, f)
-    return len(vocab)
+    return len(vocab) + len(added)
 
 
 def test_the_tokenizer_recorded_in_the_checkpoint():
@@ -167,6 +177,7 @@ def test_bad_options_exit_2_with_one_line():
         (["--checkpoint", os.path.join(empty, "none.h5"), "--prompt", "x"], "no such file or folder"),
         (["--checkpoint", empty, "--prompt", "x"], "a folder without a complete checkpoint"),
         (["--checkpoint", folder, "--prompt", "y" * 64], "--prompt is 64 tokens, and model.max_seq_len=64 leaves no room"),
+        (["--checkpoint", folder, "--prompt", "x", "--stop="], "--stop is empty"),
     ]
     for args, message in cases:
         proc = run_single(["generate", *args])
@@ -176,3 +187,105 @@ def test_bad_options_exit_2_with_one_line():
     # Every rank exits 2; rank 0 alone says why.
     proc = run(3, ["generate", "--checkpoint", folder, "--prompt", "x", "--top-p", "2"])
     assert proc.returncode == 2 and proc.stderr.count("shardtrain: error:") == 1, proc.stderr
+
+
+def sentence_model():
+    """(checkpoint folder, tokenizer): tiny trained 80 steps on one-sentence documents, each
+    preceded by <|endoftext|> (data encode's separator), so that greedy output writes it after a
+    sentence's full stop."""
+    if "sentences" not in _trained:
+        top = tempdir()
+        tokenizer = os.path.join(top, "tokenizer.json")
+        assert write_bpe_tokenizer(tokenizer, end_of_text=True) == 264
+        rng = random.Random(3)
+        docs = os.path.join(top, "docs.jsonl")
+        with open(docs, "w") as f:
+            for _ in range(3000):
+                sentence = f"{rng.choice(NAMES)} has {rng.choice(NUMBERS)} {rng.choice(ANIMALS)}."
+                f.write(json.dumps({"text": sentence}) + "\n")
+        proc = run_single(["data", "encode", "--tokenizer", tokenizer, "--input", docs, "--output",
+                           os.path.join(top, "s.bin")])
+        assert proc.returncode == 0 and "<|endoftext|> (id 263) before each" in proc.stdout + proc.stderr, \
+            proc.stdout + proc.stderr
+        folder = trained("tiny", f"--data.train_file={os.path.join(top, 's.bin')}",
+                         f"--data.val_file={os.path.join(top, 's_val.bin')}", f"--data.tokenizer={tokenizer}",
+                         "--model.vocab_size=264", "--train.steps=80", "--train.lr=1e-2", key="sentences")
+        _trained["sentences"] = (folder, tokenizer)
+    return _trained["sentences"]
+
+
+NAMES, NUMBERS, ANIMALS = ("Dora", "Noah", "Gus", "Leo"), ("two", "five", "seven"), ("wolves", "birds", "cats")
+
+
+def test_stops_at_the_end_of_text_token_and_at_stop_texts():
+    folder, _ = sentence_model()
+    prompt = "Dora has"
+    greedy = ["--prompt", prompt, "--max-tokens", "40", "--temperature", "0"]
+    # The reference: the same greedy run, not stopped (its decode is held to a full recompute in
+    # tests/unit/test_generation.cpp); the end-of-text token is written as its text.
+    whole = generate(1, folder, *greedy, "--ignore-eos")
+    assert generated_count(whole) == 40 and "stopped after" not in whole.stderr, whole.stderr
+    output = whole.stdout[len(prompt):]
+    assert whole.stdout.startswith(prompt) and "<|endoftext|>" in output, whole.stdout
+    assert "stops at --max-tokens or model.max_seq_len only" in whole.stderr, whole.stderr
+    before = output[:output.index("<|endoftext|>")]
+    # Stopped: the text before the token, on any rank count, the token counted as generated.
+    for np_ in (1, 3):
+        stopped = generate(np_, folder, *greedy)
+        assert "| stops at <|endoftext|> (id 263) |" in stopped.stderr, stopped.stderr
+        assert stopped.stdout == prompt + before + ("" if before.endswith("\n") else "\n"), (stopped.stdout, before)
+        tokens = generated_count(stopped)
+        assert tokens < 40 and f"stopped after {tokens} tokens at the end-of-text token <|endoftext|> (id 263)" \
+            in stopped.stderr, stopped.stderr
+    # --stop texts: the first place any of them occurs in the output ends it (the prompt does not
+    # count); texts spanning tokens, and beyond the end-of-text token with --ignore-eos.
+    assert output.count("<|endoftext|>") >= 2, output
+    for stops in (["."], ["s.", " has"], [output[-7:-3]], [prompt], ["<|endoftext|>"], ["no such text"]):
+        args = [a for stop in stops for a in ("--stop", stop)]
+        proc = generate(2, folder, *greedy, "--ignore-eos", *args)
+        found = [(output.index(stop), stop) for stop in stops if stop in output]
+        if found:
+            end, matched = min(found)
+            assert proc.stdout == prompt + output[:end] + "\n", (stops, proc.stdout, output)
+            assert f"at --stop '{matched}', not written" in proc.stderr, proc.stderr
+        else:
+            assert proc.stdout == whole.stdout and generated_count(proc) == 40, (stops, proc.stdout)
+
+
+def test_output_streams_token_by_token():
+    """Under strace, the process's writes to standard output: the prompt, then each generated
+    character as soon as its last byte is generated (a byte-level model writes é, € and 😀 as 2, 3
+    and 4 tokens: nothing is written until the character is whole), then the final newline. The
+    model: tiny trained 80 steps on a French line with those characters."""
+    if shutil.which("strace") is None:
+        raise Skip("strace is not installed")
+    top = tempdir()
+    text = os.path.join(top, "text.txt")
+    with open(text, "w") as f:
+        f.write("Le café coûte 5 € 😀 et le thé 3 € 😀.\n" * 600)
+    proc = run_single(["data", "encode", "--input", text, "--output", os.path.join(top, "u.bin")])
+    assert proc.returncode == 0, proc.stderr
+    folder = trained("tiny", f"--data.train_file={os.path.join(top, 'u.bin')}",
+                     f"--data.val_file={os.path.join(top, 'u_val.bin')}", "--train.steps=80", "--train.lr=1e-2",
+                     key="unicode")
+    prompt = "Le café"
+    log = os.path.join(top, "writes.log")
+    args = ["--checkpoint", folder, "--prompt", prompt, "--max-tokens", "50", "--temperature", "0"]
+    traced = subprocess.run(["timeout", "-k", "5", "60", "strace", "-f", "-qq", "-e", "trace=write", "-xx",
+                             "-s", "100000", "-o", log, EXE, "generate", *args], capture_output=True)
+    assert traced.returncode == 0, traced.stderr[-3000:]
+    writes = []
+    with open(log) as f:
+        for line in f:
+            m = re.search(r'write\(1, "((?:\\x[0-9a-f]{2})*)"', line)
+            if m:
+                writes.append(bytes.fromhex(m.group(1).replace("\\x", "")))
+    assert b"".join(writes) == traced.stdout
+    stdout = traced.stdout.decode()
+    output = stdout[len(prompt):-1]
+    # (The last character may be cut by --max-tokens: one U+FFFD, written with what was held.)
+    assert stdout.startswith(prompt) and stdout.endswith("\n") and "\ufffd" not in output[:-1], stdout
+    assert any(len(c.encode()) > 1 for c in output) and any(len(c.encode()) == 4 for c in output), output
+    assert [w.decode() for w in writes] == [prompt, *output, "\n"], writes
+    # The same text as the untraced run on 2 ranks.
+    assert generate(2, folder, *args[2:]).stdout == stdout
