@@ -164,6 +164,26 @@ void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const st
     throw UsageError("--merge folds adapters into the weights, but checkpoint '" + checkpoint + "' has none");
   const ParamTable table(model), adapted(model, {}, adapter);
   const HfExportPlan plan = hf_export_plan(table, dtype, max_file_bytes);
+  // The ranks share the parameters round-robin, each read whole from the checkpoint.
+  write_hf_folder(rt, model, out_dir, dtype, plan, [&](std::vector<std::unique_ptr<SafetensorsWriter>>& writers) {
+    for (const ParamInfo& p : table.params()) {
+      if (p.id % rt.world() != rt.rank()) continue;
+      const std::vector<float> values = to_hf_order(model.arch, p, merged_weight(*reader, adapted, p));
+      const auto [file, entry] = plan.where[p.id];
+      writers[file]->write_fp32(entry, 0, values.size(), values.data());
+    }
+  });
+  rt.info("wrote %s: Hugging Face %s (config.json, %s, %s in %s, %s) from step %lld, written by %s",
+          out_dir.c_str(), hf_architecture(model.arch),
+          plan.files.size() == 1 ? "model.safetensors" : "model.safetensors.index.json",
+          counted(static_cast<long long>(table.params().size()), "tensor").c_str(),
+          counted(static_cast<long long>(plan.files.size()), "file").c_str(),
+          human_bytes(static_cast<double>(plan.tensor_bytes)).c_str(), static_cast<long long>(reader->state().step),
+          counted(rt.world(), "rank").c_str());
+}
+
+void write_hf_folder(const Runtime& rt, const ModelConfig& model, const std::string& out_dir, DType dtype,
+                     const HfExportPlan& plan, const std::function<void(SafetensorsWriters&)>& write_tensors) {
   auto path_of = [&](const HfExportFile& f) { return out_dir + "/" + f.name; };
   auto remove_temporaries = [&] {
     if (rt.is_root())
@@ -173,20 +193,15 @@ void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const st
     if (!rt.is_root()) return;
     std::error_code error;
     std::filesystem::create_directories(out_dir, error);
-    if (error) throw UsageError("export --output '" + out_dir + "': cannot create the folder: " + error.message());
+    if (error) throw UsageError("--output '" + out_dir + "': cannot create the folder: " + error.message());
     for (const HfExportFile& f : plan.files) create_safetensors_file(path_of(f) + ".tmp", f.layout);
   });
   try {
     rt.agree_on([&] {
-      std::vector<std::unique_ptr<SafetensorsWriter>> writers;
+      SafetensorsWriters writers;
       for (const HfExportFile& f : plan.files)
         writers.push_back(std::make_unique<SafetensorsWriter>(path_of(f) + ".tmp", f.layout));
-      for (const ParamInfo& p : table.params()) {
-        if (p.id % rt.world() != rt.rank()) continue;
-        const std::vector<float> values = to_hf_order(model.arch, p, merged_weight(*reader, adapted, p));
-        const auto [file, entry] = plan.where[p.id];
-        writers[file]->write_fp32(entry, 0, values.size(), values.data());
-      }
+      write_tensors(writers);
       for (auto& w : writers) w->finish();
     });
     rt.agree_on([&] {
@@ -204,13 +219,6 @@ void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const st
     remove_temporaries();
     throw;
   }
-  rt.info("wrote %s: Hugging Face %s (config.json, %s, %s in %s, %s) from step %lld, written by %s",
-          out_dir.c_str(), hf_architecture(model.arch),
-          plan.files.size() == 1 ? "model.safetensors" : "model.safetensors.index.json",
-          counted(static_cast<long long>(table.params().size()), "tensor").c_str(),
-          counted(static_cast<long long>(plan.files.size()), "file").c_str(),
-          human_bytes(static_cast<double>(plan.tensor_bytes)).c_str(), static_cast<long long>(reader->state().step),
-          counted(rt.world(), "rank").c_str());
 }
 
 void export_peft_folder(const Runtime& rt, const std::string& checkpoint, const std::string& out_dir, DType dtype) {

@@ -4,9 +4,13 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "backend/dtype.hpp"
+#include "ckpt/hf_model.hpp"
 #include "comm/runtime.hpp"
 
 namespace shardtrain {
@@ -21,6 +25,17 @@ namespace shardtrain {
 // (model/delta_adapters.hpp).
 void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const std::string& out_dir, DType dtype,
                       uint64_t max_file_bytes, bool merge = false);
+
+using SafetensorsWriters = std::vector<std::unique_ptr<SafetensorsWriter>>;
+
+// Collective. Writes the Hugging Face folder of `model` laid out as `plan` (hf_export_plan):
+// rank 0 creates the folder and the plan's files under temporary names at their full size (disk
+// space reserved); every rank opens them and write_tensors(writers) writes its own ranges; after all
+// have synced, rank 0 renames the files into place, then writes the index (several files) and
+// config.json through temporary names too, so a reader never sees a partial folder. Throws
+// InputError, agreed; the temporaries are removed.
+void write_hf_folder(const Runtime& rt, const ModelConfig& model, const std::string& out_dir, DType dtype,
+                     const HfExportPlan& plan, const std::function<void(SafetensorsWriters&)>& write_tensors);
 
 // Collective. `shardtrain export --adapter`: the checkpoint's adapters as a PEFT folder
 // (adapter_config.json, adapter_model.safetensors; ckpt/peft.hpp), written by rank 0 through

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "app/convert.hpp"
 #include "app/generate.hpp"
 #include "app/hf_export.hpp"
 #include "app/inspect.hpp"
@@ -40,6 +41,7 @@ const char* USAGE =
     "  inspect FILE   print what a checkpoint holds: format, step, configuration, parameters and norms\n"
     "  export         write a checkpoint's weights as an llm.c GPT-2 checkpoint, or (--format hf) as a Hugging\n"
     "                 Face GPT-2 or Llama folder\n"
+    "  convert        a Hugging Face GPT-2 or Llama folder to a checkpoint or back, on N ranks, without training\n"
     "  version        print the version (also --version)\n"
     "\n"
     "'shardtrain <command> --help' lists a command's options.\n";
@@ -225,6 +227,7 @@ int run_command(Runtime& rt, const std::vector<std::string>& args) {
     return code;
   }
   if (args[0] == "generate") return run_generate(rt, rest);
+  if (args[0] == "convert") return run_convert(rt, rest);
   if (args[0] == "plan") {
     rt.agree_on([&] { run_planner(rt, rest); });
     return EXIT_CODE_OK;
@@ -234,7 +237,8 @@ int run_command(Runtime& rt, const std::vector<std::string>& args) {
     return EXIT_CODE_OK;
   }
   throw UsageError("unknown command '" + printable_text(args[0]) +
-                   "'; commands: train, generate, plan, data synth, data encode, data decode, inspect, export, version");
+                   "'; commands: train, generate, plan, data synth, data encode, data decode, inspect, export, convert, "
+                   "version");
 }
 
 }  // namespace

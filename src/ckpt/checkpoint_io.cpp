@@ -44,46 +44,51 @@ struct Piece {
 // HDF5 reads and writes host memory. Shards on the host are used in place; shards on a GPU pass
 // through host copies of the rank's parameters and moments (as large as the shards themselves).
 // Frozen parameters have no moments: their moment datasets are written as zeros and, on load,
-// read (for the checksum) into a scratch buffer and dropped.
+// read (for the checksum) into a scratch buffer and dropped. Without an optimizer (a weights-only
+// save or load) there are no moments at all: at() and buffer() give null for them.
 class HostShards {
  public:
-  HostShards(FsdpEngine& engine, AdamW& optimizer, bool download) {
+  HostShards(FsdpEngine& engine, AdamW* optimizer, bool download) {
     size_t frozen_shard = 0;
     for (size_t u = 0; u < engine.shards().size(); u++) {
-      DeviceArray<float>* arrays[3] = {&engine.shards()[u].params, &optimizer.m()[u], &optimizer.v()[u]};
+      DeviceArray<float>* arrays[3] = {&engine.shards()[u].params, optimizer ? &optimizer->m()[u] : nullptr,
+                                       optimizer ? &optimizer->v()[u] : nullptr};
       for (DeviceArray<float>* a : arrays) {
         arrays_.push_back(a);
-        copies_.emplace_back(a->on_host() ? 0 : a->size());
-        if (download && !a->on_host()) a->device()->copy(copies_.back().data(), a->data(), a->bytes());
+        copies_.emplace_back(!a || a->on_host() ? 0 : a->size());
+        if (download && a && !a->on_host()) a->device()->copy(copies_.back().data(), a->data(), a->bytes());
       }
       frozen_shard = std::max(frozen_shard, engine.shards()[u].layout.frozen.shard_numel);
     }
-    frozen_moments_.assign(frozen_shard, 0.0f);
+    if (optimizer) frozen_moments_.assign(frozen_shard, 0.0f);
   }
+  bool has_moments() const { return arrays_.size() < 2 || arrays_[1]; }
   // k: 0 parameters, 1 first moment, 2 second moment. Element `index` of the unit's shard buffer
   // (UnitLayout::local_part), in `space`.
   float* at(size_t unit, int k, const UnitLayout& layout, const SpaceLayout& space, size_t index) {
+    if (k > 0 && !has_moments()) return nullptr;
     if (k > 0 && &space == &layout.frozen) return frozen_moments_.data() + (index - space.local);
     return buffer(unit, k) + index;
   }
   float* buffer(size_t unit, int k) {
     const size_t i = 3 * unit + k;
+    if (!arrays_[i]) return nullptr;
     return arrays_[i]->on_host() ? arrays_[i]->data() : copies_[i].data();
   }
   void zero() {
     for (size_t i = 0; i < arrays_.size(); i++) {
       float* values = buffer(i / 3, i % 3);
-      std::fill(values, values + arrays_[i]->size(), 0.0f);
+      if (values) std::fill(values, values + arrays_[i]->size(), 0.0f);
     }
   }
   void upload() {
     for (size_t i = 0; i < arrays_.size(); i++)
-      if (!arrays_[i]->on_host())
+      if (arrays_[i] && !arrays_[i]->on_host())
         arrays_[i]->device()->copy(arrays_[i]->data(), copies_[i].data(), arrays_[i]->bytes());
   }
 
  private:
-  std::vector<DeviceArray<float>*> arrays_;
+  std::vector<DeviceArray<float>*> arrays_;  // per unit: parameters, first moment, second moment (null: none)
   std::vector<std::vector<float>> copies_;
   std::vector<float> frozen_moments_;
 };
@@ -214,6 +219,15 @@ uint64_t element_hash(uint64_t index, float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof bits);
   return mix64(index * 0x9E3779B97F4A7C15ull + bits);
+}
+
+// The element checksum of `count` zeros from flat index `first`: the moments of a weights-only
+// save, which are never held in memory.
+uint64_t checksum_of_zeros(size_t count, uint64_t first) {
+  uint64_t sum = 0;
+#pragma omp parallel for reduction(+ : sum) schedule(static)
+  for (size_t i = 0; i < count; i++) sum += element_hash(first + i, 0.0f);
+  return sum;
 }
 
 // Selects flat elements [first, first+count) of a 1-D or 2-D dataspace: at most three blocks
@@ -801,8 +815,11 @@ std::string base_mismatch(const std::string& path, uint64_t stored, uint64_t loa
          "; give the base it was trained on as checkpoint.init_from";
 }
 
-void save_checkpoint(const std::string& path, const CheckpointState& state, FsdpEngine& engine, AdamW& optimizer,
-                     const CheckpointComm& ranks) {
+// save_checkpoint, or with optimizer null save_checkpoint_weights: the moments' datasets are then
+// created but never written, and read as zeros (HDF5 writes no fill value to a dataset of the
+// default fill value, and a file's unwritten bytes are zeros).
+static void save_checkpoint_impl(const std::string& path, const CheckpointState& state, FsdpEngine& engine,
+                                 AdamW* optimizer, const CheckpointComm& ranks) {
   H5QuietErrors quiet;
   Comm& comm = ranks.comm;
   const ParamTable& table = engine.table();
@@ -813,7 +830,9 @@ void save_checkpoint(const std::string& path, const CheckpointState& state, Fsdp
   std::vector<Piece> pieces = plan_pieces(specs, engine, host, true);
   // The datasets' checksums and, last, the base model's: one all-reduce.
   std::vector<uint64_t> sums(specs.size() + 1);
-  for (const Piece& p : pieces) sums[p.spec] += checksum_elements(p.check_data, p.check_count, p.check_first);
+  for (const Piece& p : pieces)
+    sums[p.spec] += p.check_data ? checksum_elements(p.check_data, p.check_count, p.check_first)
+                                 : checksum_of_zeros(p.check_count, p.check_first);
   sums.back() = local_base_checksum(engine, [&](size_t u) -> const float* { return host.buffer(u, 0); });
   sum_over_ranks(sums, comm);
   const uint64_t base_checksum = sums.back();
@@ -881,6 +900,7 @@ void save_checkpoint(const std::string& path, const CheckpointState& state, Fsdp
     std::string local;
     for (const Piece& p : pieces) {
       const DatasetSpec& d = specs[p.spec];
+      if (d.tensor > 0 && !optimizer) continue;  // the same on every rank: no collective is skipped by one alone
       H5Id space(h5_check_id(H5Dget_space(datasets[p.spec]), path, "H5Dget_space"), H5Sclose);
       select_flat_range(space, file_dims(d, state.layout, comm.size()), p.first, p.count, path);
       hsize_t mem_n = std::max<uint64_t>(p.count, 1);
@@ -915,8 +935,22 @@ void save_checkpoint(const std::string& path, const CheckpointState& state, Fsdp
   if (reserve) release_reserve(path, bytes);
 }
 
-CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, AdamW& optimizer,
-                                const CheckpointComm& ranks, bool base_model_ok) {
+void save_checkpoint(const std::string& path, const CheckpointState& state, FsdpEngine& engine, AdamW& optimizer,
+                     const CheckpointComm& ranks) {
+  save_checkpoint_impl(path, state, engine, &optimizer, ranks);
+}
+
+void save_checkpoint_weights(const std::string& path, const CheckpointState& state, FsdpEngine& engine,
+                             const CheckpointComm& ranks) {
+  SHARD_CHECK(state.step == 0, "a weights-only checkpoint at step %lld: its zero moments are a fresh optimizer's only",
+              static_cast<long long>(state.step));
+  save_checkpoint_impl(path, state, engine, nullptr, ranks);
+}
+
+// load_checkpoint, or with optimizer null load_checkpoint_weights: the moments' datasets are
+// checked (type, shape, numel) but not read, so their checksums are not verified.
+static CheckpointState load_checkpoint_impl(const std::string& path, FsdpEngine& engine, AdamW* optimizer,
+                                            const CheckpointComm& ranks, bool base_model_ok) {
   H5QuietErrors quiet;
   Comm& comm = ranks.comm;
   const ParamTable& table = engine.table();
@@ -968,7 +1002,9 @@ CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, Ada
     H5Id dataset(h5_check_id(H5Dopen2(file, specs[i].path.c_str(), H5P_DEFAULT), path, "H5Dopen2"), H5Dclose);
     auto [dims, checksum] = check_dataset(dataset, specs[i], state, path);
     stored[i] = checksum;
+    const bool skip = specs[i].tensor > 0 && !optimizer;  // the same on every rank
     for (; next < pieces.size() && pieces[next].spec == i; next++) {
+      if (skip) continue;
       const Piece& p = pieces[next];
       // A failure here may be this rank's alone (a damaged block only it reads): note it and keep
       // taking part in the collective reads, so that no rank waits for one that has left. The
@@ -982,13 +1018,23 @@ CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, Ada
   if (!error.empty()) throw CheckpointError(error);
   sum_over_ranks(computed, comm);
   for (size_t i = 0; i < specs.size(); i++)
-    if (computed[i] != stored[i]) throw CheckpointError(checksum_failure(path, specs[i].path));
+    if (computed[i] != stored[i] && (optimizer || specs[i].tensor == 0))
+      throw CheckpointError(checksum_failure(path, specs[i].path));
   {
     Watchdog::Scope scope(ranks.watchdog, "checkpoint load: H5Fclose");
     dxpl.reset(), file.reset();
   }
   host.upload();
   return state;
+}
+
+CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, AdamW& optimizer,
+                                const CheckpointComm& ranks, bool base_model_ok) {
+  return load_checkpoint_impl(path, engine, &optimizer, ranks, base_model_ok);
+}
+
+CheckpointState load_checkpoint_weights(const std::string& path, FsdpEngine& engine, const CheckpointComm& ranks) {
+  return load_checkpoint_impl(path, engine, nullptr, ranks, false);
 }
 
 static H5Id open_serial(const std::string& path) {

@@ -85,6 +85,13 @@ struct CheckpointComm {
 void save_checkpoint(const std::string& path, const CheckpointState& state, FsdpEngine& engine, AdamW& optimizer,
                      const CheckpointComm& ranks);
 
+// Collective over `ranks`. A checkpoint of weights alone, without an optimizer (`shardtrain
+// convert`): its moments are zeros -- a fresh optimizer's, so only at step 0 -- written without
+// ever being held in memory (the datasets are left unwritten: zeros in the file), with the
+// checksum of zeros. Training resumes or starts from it as from any checkpoint of step 0.
+void save_checkpoint_weights(const std::string& path, const CheckpointState& state, FsdpEngine& engine,
+                             const CheckpointComm& ranks);
+
 // Collective over `ranks`. Reads the metadata, checks format, version and that the model shape
 // and adapters match `engine`'s, then fills this rank's shards and moments and verifies every
 // checksum. base_model_ok: a file without adapters may load under adapters (checkpoint.init_from),
@@ -93,6 +100,11 @@ void save_checkpoint(const std::string& path, const CheckpointState& state, Fsdp
 // file's base checksum. Throws CheckpointError naming the file and the defect.
 CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, AdamW& optimizer,
                                 const CheckpointComm& ranks, bool base_model_ok = false);
+
+// Collective over `ranks`. load_checkpoint of the parameters alone (no optimizer: `shardtrain
+// convert`, which needs no moments): the moments' datasets are checked for their shape but neither
+// read nor verified against their checksums. No adapter-only files.
+CheckpointState load_checkpoint_weights(const std::string& path, FsdpEngine& engine, const CheckpointComm& ranks);
 
 // "" when the shapes agree, else a message naming every model.* key that differs.
 std::string model_mismatch(const std::string& path, const ModelConfig& stored, const ModelConfig& configured);

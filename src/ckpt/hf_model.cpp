@@ -19,6 +19,41 @@ namespace {
 
 // Layer-norm epsilon of our GPT-2 kernels (backend/cpu/layernorm.cpp, kernels/layernorm.cu).
 constexpr double OUR_LAYER_NORM_EPS = 1e-5;
+// Elements of a transposed (Conv1D) weight moved through one buffer: the bound of what reading or
+// writing one beside the shards holds (16 MiB).
+constexpr size_t TRANSPOSE_CHUNK = 1 << 22;
+
+// Calls f(first, count) for consecutive pieces of our flat elements [first, first + count) of a
+// matrix of `cols` columns, each of at most TRANSPOSE_CHUNK / cols rows (whole rows but the first
+// and last), so a transposed piece fits in a bounded buffer.
+template <typename F>
+void for_row_pieces(size_t first, size_t count, size_t cols, F f) {
+  const size_t rows = std::max<size_t>(1, TRANSPOSE_CHUNK / cols);
+  for (size_t at = first, end = first + count; at < end;) {
+    const size_t piece_end = std::min(end, (at / cols + rows) * cols);
+    f(at, piece_end - at);
+    at = piece_end;
+  }
+}
+
+// This rank's host view of a unit shard: the shard itself on the host, else a copy (download) that
+// upload() puts back.
+class HostShard {
+ public:
+  explicit HostShard(DeviceArray<float>& params) : params_(params) {
+    if (params.on_host()) return;
+    copy_.resize(params.size());
+    params.device()->copy(copy_.data(), params.data(), params.bytes());
+  }
+  float* data() { return params_.on_host() ? params_.data() : copy_.data(); }
+  void upload() {
+    if (!params_.on_host()) params_.device()->copy(params_.data(), copy_.data(), params_.bytes());
+  }
+
+ private:
+  DeviceArray<float>& params_;
+  std::vector<float> copy_;
+};
 
 // The prefix of the base model's tensors (transformers' base_model_prefix), which files may leave
 // out (a GPT2Model's or LlamaModel's own save); Llama's lm_head.weight never has it.
@@ -298,8 +333,7 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
 
   for (size_t u = 0; u < engine.shards().size(); u++) {
     UnitShard& s = engine.shards()[u];
-    std::vector<float> values(s.layout.shard_numel());  // read on the host, then to the shard's device
-    s.params.device()->copy(values.data(), s.params.data(), s.params.bytes());  // what the file lacks stays
+    HostShard values(s.params);  // what the file lacks (adapters, padding) keeps its value
     std::vector<float> block;
     for (int id : table.units()[u].params) {
       const ParamInfo& p = table.params()[id];
@@ -313,15 +347,15 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
         reader->read_fp32(*tensor, first, count, slice);
       } else {
         // Ours is (out, in), the file's (in, out): our rows [o0, o1] are the file's columns, read
-        // as one contiguous run per file row.
+        // as one contiguous run per file row, a bounded piece of rows at a time.
         const size_t in = p.shape[1], out = p.shape[0];
-        const size_t o0 = first / in, o1 = (first + count - 1) / in, width = o1 - o0 + 1;
-        block.resize(in * width);
-        for (size_t i = 0; i < in; i++) reader->read_fp32(*tensor, i * out + o0, width, block.data() + i * width);
-        for (size_t k = 0; k < count; k++) {
-          const size_t flat = first + k;
-          slice[k] = block[(flat % in) * width + (flat / in - o0)];
-        }
+        for_row_pieces(first, count, in, [&](size_t pf, size_t pc) {
+          const size_t o0 = pf / in, o1 = (pf + pc - 1) / in, width = o1 - o0 + 1;
+          block.resize(in * width);
+          for (size_t i = 0; i < in; i++) reader->read_fp32(*tensor, i * out + o0, width, block.data() + i * width);
+          for (size_t flat = pf; flat < pf + pc; flat++)
+            slice[flat - first] = block[(flat % in) * width + (flat / in - o0)];
+        });
       }
       const float* bad = std::find_if(slice, slice + count, [](float x) { return !std::isfinite(x); });
       if (bad != slice + count)
@@ -329,7 +363,43 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
                                         "from a run that diverged; use another model",
                                         reader->path().c_str(), tensor->name.c_str(), *bad));
     }
-    s.params.device()->copy(s.params.data(), values.data(), s.params.bytes());
+    values.upload();
+  }
+}
+
+void write_hf_shards(FsdpEngine& engine, const HfExportPlan& plan,
+                     std::vector<std::unique_ptr<SafetensorsWriter>>& writers) {
+  const ParamTable& table = engine.table();
+  std::vector<float> run;
+  for (size_t u = 0; u < engine.shards().size(); u++) {
+    UnitShard& s = engine.shards()[u];
+    HostShard values(s.params);
+    for (int id : table.units()[u].params) {
+      const ParamInfo& p = table.params()[id];
+      const UnitLayout::Local own = s.layout.local_part(p.range(), true);
+      if (own.range.empty()) continue;
+      const float* slice = values.data() + own.index;
+      const size_t first = own.range.begin - p.offset, count = own.range.size();
+      SafetensorsWriter& writer = *writers[plan.where[p.id].first];
+      const size_t entry = plan.where[p.id].second;
+      if (!hf_tensor_of(table.config().arch, p).transposed) {
+        writer.write_fp32(entry, first, count, slice);
+        continue;
+      }
+      // Ours (out, in) -> the file's (in, out): per file row i, the run of our rows that this rank
+      // owns in column i (the first and last of our rows may be partly another rank's).
+      const size_t in = p.shape[1], out = p.shape[0];
+      for_row_pieces(first, count, in, [&](size_t pf, size_t pc) {
+        const size_t o0 = pf / in, o1 = (pf + pc - 1) / in, c0 = pf % in, c1 = (pf + pc - 1) % in;
+        for (size_t i = 0; i < in; i++) {
+          const size_t begin = o0 + (i < c0 ? 1 : 0), end = o1 + (i <= c1 ? 1 : 0);  // rows [begin, end)
+          if (begin >= end) continue;
+          run.resize(end - begin);
+          for (size_t o = begin; o < end; o++) run[o - begin] = slice[o * in + i - first];
+          writer.write_fp32(entry, i * out + begin, run.size(), run.data());
+        }
+      });
+    }
   }
 }
 

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -52,7 +53,8 @@ struct HfTensor {
 HfTensor hf_tensor_of(ModelArch arch, const ParamInfo& param);
 
 // Fills this rank's parameter shards from a Hugging Face folder, reading only the elements of its
-// own shards (byte ranges of the safetensors files). Every tensor must be present with its shape
+// own shards (byte ranges of the safetensors files) straight into them (a transposed weight through
+// a bounded buffer; shards on a GPU through a host copy of a unit's). Every tensor must be present with its shape
 // and a floating-point dtype (F32, BF16, F16); nothing unexpected may be left over. Throws
 // CheckpointError naming the file and the tensor: call it under Runtime::agree_on.
 void load_hf_shards(const std::string& folder, FsdpEngine& engine);
@@ -76,6 +78,12 @@ struct HfExportPlan {
   std::string index_json() const;
 };
 HfExportPlan hf_export_plan(const ParamTable& table, DType dtype, uint64_t max_file_bytes);
+// Writes the part of this rank's parameter shards that it owns (one rank among replicas, padding
+// left out) into the files of `plan`, opened in `writers` (one per file): every element of the
+// model is written by exactly one rank. A transposed weight goes through a bounded buffer (16 MiB),
+// a run per row of the file; nothing else is copied (shards on a GPU: one host copy of a unit's).
+void write_hf_shards(FsdpEngine& engine, const HfExportPlan& plan,
+                     std::vector<std::unique_ptr<SafetensorsWriter>>& writers);
 // Our parameter's values (row-major, ours) in the file's order (the transposed ones transposed).
 std::vector<float> to_hf_order(ModelArch arch, const ParamInfo& param, const std::vector<float>& values);
 
