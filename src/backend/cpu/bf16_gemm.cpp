@@ -11,6 +11,7 @@
 
 #include "backend/cpu/gemm.hpp"
 #include "backend/cpu/ops.hpp"
+#include "backend/device.hpp"
 #include "backend/dtype.hpp"
 #include "core/error.hpp"
 
@@ -79,23 +80,27 @@ size_t operand_elements(const std::vector<LinearShape>& layers, int rows) {
 struct Bf16Gemm::Impl {
   explicit Impl(bool onednn) : native(onednn) {}
   bool native;
-  std::vector<uint16_t> operands;   // the 16-bit copies (or, without oneDNN's kernels, fp32 halves of K)
-  std::vector<uint8_t> scratchpad;  // oneDNN's, the largest any cached product asked for
+  // Host DeviceArrays, so that the memory the run reports as held counts them.
+  DeviceArray<uint16_t> operands;   // the 16-bit copies (or, without oneDNN's kernels, fp32 halves of K)
+  DeviceArray<uint8_t> scratchpad;  // oneDNN's, the largest any cached product asked for
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream{engine};
   std::map<decltype(Product{}.key()), dnnl::matmul> cache;
   std::mutex mutex;
 
-  uint16_t* reserve(size_t elements) {
-    if (operands.size() < elements) operands.resize(elements);  // beyond the plan: generation's prefill
-    return operands.data();
+  // Scratch of at least `n` elements (its old contents are not kept).
+  template <typename T>
+  static T* grow(DeviceArray<T>& array, size_t n) {
+    if (array.size() < n) array = DeviceArray<T>(host_device(), n);  // beyond the plan: generation's prefill
+    return array.data();
   }
+  uint16_t* reserve(size_t elements) { return grow(operands, elements); }
 
   dnnl::matmul& primitive(const Product& p) {
     auto it = cache.find(p.key());
     if (it == cache.end()) {
       auto pd = describe_product(p, engine);
-      if (scratchpad.size() < pd.scratchpad_desc().get_size()) scratchpad.resize(pd.scratchpad_desc().get_size());
+      grow(scratchpad, pd.scratchpad_desc().get_size());
       it = cache.emplace(p.key(), dnnl::matmul(pd)).first;
     }
     return it->second;
@@ -149,7 +154,7 @@ bool Bf16Gemm::native_bf16() {
 
 Bf16Gemm::Bf16Gemm(const std::vector<LinearShape>& layers, int rows, bool onednn)
     : impl_(std::make_unique<Impl>(onednn)) {
-  impl_->operands.resize(operand_elements(layers, rows));
+  impl_->reserve(operand_elements(layers, rows));
   if (impl_->native)  // every kernel now: the scratchpad reaches its size at start-up
     for (const Product& p : model_products(layers, rows)) impl_->primitive(p);
 }
@@ -212,7 +217,7 @@ void Bf16Gemm::backward(float* dinp, float* dweight, float* dbias, const float* 
 }
 
 size_t Bf16Gemm::workspace_bytes() const {
-  return impl_->operands.size() * sizeof(uint16_t) + impl_->scratchpad.size();
+  return impl_->operands.bytes() + impl_->scratchpad.bytes();
 }
 
 std::string Bf16Gemm::describe() const {
