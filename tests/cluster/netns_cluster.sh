@@ -34,6 +34,10 @@ CLUSTER_CTL_ADDR=$CLUSTER_NET.254
 CLUSTER_CPUS=4               # per host, as configured (SlurmdParameters=config_overrides); the hosts
                              # share this machine's cores, so this is a slot count, not hardware
 
+# A host that stops answering is marked DOWN after this many seconds (Slurm's default: 300), and a
+# requeued job of it may run again (the lost-host test waits for that)
+CLUSTER_SLURMD_TIMEOUT=${CLUSTER_SLURMD_TIMEOUT:-20}
+
 cluster_say() { [ "${CLUSTER_QUIET:-0}" = 1 ] || echo "$@"; }
 
 # cluster_load DIR: reads DIR/cluster.env (namespace prefix, host count) into CLUSTER_*.
@@ -61,6 +65,70 @@ cluster_exec() {
 cluster_counters() {
   local s=/sys/class/net/eth0/statistics
   ip netns exec "$(cluster_ns "$1")" sh -c "echo \$(cat $s/tx_bytes $s/rx_bytes $s/tx_packets $s/rx_packets)"
+}
+
+# cluster_has_netem: 0 when this kernel has sch_netem (a delay can be added to the links).
+cluster_has_netem() {
+  local ns=stnetem$$ ok=1
+  ip netns add "$ns" 2>/dev/null || return 1
+  ip -n "$ns" link add va type veth peer name vb 2>/dev/null \
+    && ip netns exec "$ns" tc qdisc add dev va root netem delay 1ms 2>/dev/null && ok=0
+  ip netns del "$ns"
+  return "$ok"
+}
+
+# cluster_shape RATE [DELAY]: limits what every host hN sends on its link (eth0 egress) to RATE
+# (tc units: 100mbit, 1gbit) with a token bucket (tbf; root qdisc 1:), and delays it by DELAY
+# (e.g. 1ms) with netem under it where the kernel has sch_netem (else DELAY is ignored and
+# cluster_shape says so on stderr). RATE "none" removes the shaping. ctl's link is left alone.
+# Both directions between two hosts are shaped, as on a real link: each end shapes its own egress.
+cluster_shape() {
+  local rate=$1 delay=${2:-} h ns bits burst
+  for h in $(cluster_hosts); do
+    ns=$(cluster_ns "$h")
+    ip netns exec "$ns" tc qdisc del dev eth0 root 2>/dev/null || true
+    [ "$rate" = none ] && continue
+    # burst: 1 ms at RATE, at least 16 kB (more than one 1514-byte frame); queue: 50 ms at RATE
+    bits=$(tc_rate_bits "$rate") || { echo "cluster_shape: cannot read rate '$rate' (use e.g. 100mbit, 1gbit)" >&2; return 1; }
+    burst=$(( bits / 8000 > 16000 ? bits / 8000 : 16000 ))
+    ip netns exec "$ns" tc qdisc add dev eth0 root handle 1: tbf rate "$rate" burst "$burst" latency 50ms || return 1
+    if [ -n "$delay" ]; then
+      ip netns exec "$ns" tc qdisc add dev eth0 parent 1:1 handle 10: netem delay "$delay" 2>/dev/null \
+        || echo "cluster_shape: no netem here (sch_netem missing): rate $rate without the delay $delay" >&2
+    fi
+  done
+}
+# tc_rate_bits RATE: bits per second of a tc rate (kbit, mbit, gbit; plain numbers are bits)
+tc_rate_bits() {
+  awk -v r="$1" 'BEGIN { n = r + 0; u = tolower(substr(r, length(n "") + 1));
+    m = (u == "" || u == "bit") ? 1 : (u == "kbit") ? 1e3 : (u == "mbit") ? 1e6 : (u == "gbit") ? 1e9 : -1;
+    if (n <= 0 || m < 0) exit 1; printf "%d\n", n * m }'
+}
+# cluster_qdisc_stats HOST: "sent_bytes overlimits drops" of HOST's tbf (0 0 0 without shaping).
+cluster_qdisc_stats() {
+  ip netns exec "$(cluster_ns "$1")" tc -s qdisc show dev eth0 2>/dev/null | awk '
+    $1 == "qdisc" { tbf = ($2 == "tbf") }
+    tbf && $1 == "Sent" { b = $2; gsub(/[^0-9]/, "", $7); d = $7; gsub(/[^0-9]/, "", $9); o = $9; tbf = 0 }
+    END { printf "%d %d %d\n", b, o, d }'
+}
+
+# cluster_lose_host HOST: the host drops off the network and dies, as in a power cut: its link goes
+# down first (so no FIN or RST reaches the others: their peers just stop answering), then every
+# process in its network namespace -- slurmd, slurmstepd, ranks -- gets SIGKILL.
+cluster_lose_host() {
+  local ns pids; ns=$(cluster_ns "$1")
+  ip -n "$ns" link set eth0 down || return 1
+  pids=$(ip netns pids "$ns" 2>/dev/null | tr '\n' ' ')
+  # shellcheck disable=SC2086
+  [ -z "${pids// /}" ] || kill -KILL $pids 2>/dev/null || true
+  rm -f "$CLUSTER_DIR/run/slurmd-$1.pid"
+}
+
+# cluster_revive_host HOST: the link up again and a fresh slurmd (ReturnToService=2 makes the
+# node usable as soon as it registers).
+cluster_revive_host() {
+  ip -n "$(cluster_ns "$1")" link set eth0 up || return 1
+  cluster_exec "$1" slurmd -f "$CLUSTER_DIR/slurm.conf" -N "$1"
 }
 
 cluster_install() {
@@ -126,7 +194,7 @@ SlurmctldDebug=info
 SlurmdDebug=info
 # the hosts share this machine's cores: take CPUs as configured below, not as slurmd -C counts them
 SlurmdParameters=config_overrides
-$(slurm_local_common_conf "$d")
+$(slurm_local_common_conf "$d" | sed "s/^SlurmdTimeout=.*/SlurmdTimeout=$CLUSTER_SLURMD_TIMEOUT/")
 CONF
   for i in $(seq "$CLUSTER_HOSTS"); do
     echo "NodeName=h$i NodeAddr=$CLUSTER_NET.$i CPUs=$CLUSTER_CPUS Boards=1 SocketsPerBoard=1 CoresPerSocket=$CLUSTER_CPUS ThreadsPerCore=1 RealMemory=2000 State=UNKNOWN" >>"$d/slurm.conf"

@@ -45,6 +45,11 @@ EXE=$BUILD/shardtrain
 JOB_TIMEOUT=120    # seconds any one job may take
 RANKS_PER_HOST=2
 STEPS=20           # inputs/tiny.ini
+SLOW_RATE=100mbit  # the slow-link case: every host's egress (tc tbf)
+SLOW_DELAY=1ms     # ... plus this delay where the kernel has sch_netem
+LOST_STEPS=100     # the lost-host case: steps, checkpoint.every=10, h2 is lost once step LOST_AT is logged
+LOST_AT=35
+LOST_TIMEOUT=5     # its fsdp.comm_timeout (seconds)
 OVERHEAD_LIMIT=0.35  # HYBRID_SHARD's measured cross-host bytes may exceed the replica all-reduce by this much
 
 # shellcheck source=netns_cluster.sh
@@ -116,10 +121,10 @@ between_hosts() {
     { tx += $7 - $2; txp += $9 - $4 }
     END { printf "%d %d\n", tx - ctl_b, txp - ctl_p }'
 }
-# submit NAME [sbatch options...]: the multi-node script on the cluster; prints the job id
+# submit NAME [sbatch options...]: the multi-node script (or $SCRIPT) on the cluster; prints the job id
 submit() {
   local name=$1; shift
-  on ctl sbatch --parsable --job-name="$name" --chdir="$W" --time=00:10:00 "$@" "$ROOT/slurm/train-multinode.sbatch" \
+  on ctl sbatch --parsable --job-name="$name" --chdir="$W" --time=00:10:00 "$@" "$ROOT/${SCRIPT:-slurm/train-multinode.sbatch}" \
     2>"$TMP/sbatch.err" | cut -d';' -f1
 }
 # run_job NAME [sbatch options...]: submits, waits, sets JOB, OUT, JOB_STATE, JOB_EXIT, TRAFFIC ("bytes packets")
@@ -203,11 +208,12 @@ if [ "$(root_net)" = "$ROOT_NET_BEFORE" ]; then
 else
   fail "the root namespace is untouched" "before: $ROOT_NET_BEFORE; now: $(root_net)"
 fi
-if on h1 tc qdisc add dev eth0 root netem delay 1ms 2>/dev/null; then
-  on h1 tc qdisc del dev eth0 root
-  pass "tc netem works here" "slow-link runs are not part of this suite yet"
+if cluster_has_netem; then
+  HAS_NETEM=1
+  pass "tc netem works here" "the slow links get a $SLOW_DELAY delay besides the rate limit"
 else
-  skip "slow links (tc netem)" "this kernel has no sch_netem: $(on h1 tc qdisc add dev eth0 root netem delay 1ms 2>&1 | head -1)"
+  HAS_NETEM=0
+  skip "slow links: netem delay" "this kernel has no sch_netem ($(on h1 tc qdisc add dev eth0 root netem delay 1ms 2>&1 | head -1)); the slow-link case runs with tbf's rate limit only"
 fi
 
 # ---- what every job gets (sbatch passes the environment) ------------------------------------------
@@ -221,7 +227,7 @@ export OMPI_MCA_btl_tcp_if_include=$CLUSTER_NET.0/24 OMPI_MCA_oob_tcp_if_include
 export OMPI_MCA_mpi_yield_when_idle=1
 export SHARDTRAIN=$EXE CONFIG=$ROOT/inputs/tiny.ini SHARDTRAIN_HOME=$ROOT
 COMMON="--data.train_file=$TMP/data/synth_train.bin --data.val_file=$TMP/data/synth_val.bin --train.peak_gflops=100"
-unset LAUNCHER EXTRA RUN_NAME CKPT_DIR LOG_DIR METRICS_FILE MAX_REQUEUES SRUN_ARGS MPIRUN_ARGS THREADS
+unset LAUNCHER EXTRA RUN_NAME CKPT_DIR LOG_DIR METRICS_FILE MAX_REQUEUES REQUEUE_ON_FAILURE SRUN_ARGS MPIRUN_ARGS THREADS SCRIPT
 STRATEGIES="FULL_SHARD SHARD_GRAD_OP NO_SHARD HYBRID_SHARD"
 extra_for() { [ "$1" = HYBRID_SHARD ] && echo "--fsdp.shard_group_size=2" || true; }
 for s in $STRATEGIES; do
@@ -364,6 +370,154 @@ if [ "$JOB_STATE" = FAILED ] && [ "$JOB_EXIT" = 2:0 ] && [ "$errors" = 1 ] \
   pass "unequal: job $JOB FAILED with exit 2 on all 4 ranks (h1: 0-2, h2: 3), one line" "$(grep '^shardtrain: error: ' "$OUT" | cut -c1-150)..."
 else
   fail "unequal: exit 2 on every rank with one line" "state $JOB_STATE, exit $JOB_EXIT, $errors error lines"; show_output "$OUT" 15
+fi
+
+# ---- slow links ---------------------------------------------------------------------------------------
+phase "slow links: each host's link limited to $SLOW_RATE (tc tbf$([ "$HAS_NETEM" = 1 ] && echo " + netem delay $SLOW_DELAY")), FULL_SHARD and HYBRID_SHARD"
+# No timing here (docs/performance.md has the step times, from tests/bench/cluster_slow_link.sh):
+# the shaper carried all the traffic between the hosts and throttled it, the losses do not change,
+# and HYBRID_SHARD moves only its replica all-reduce across the limited links.
+if cluster_shape "$SLOW_RATE" "$([ "$HAS_NETEM" = 1 ] && echo "$SLOW_DELAY")"; then
+  for s in FULL_SHARD HYBRID_SHARD; do
+    declare -A QD_BEFORE QD_AFTER
+    for h in $(cluster_hosts); do QD_BEFORE[$h]=$(cluster_qdisc_stats "$h"); done
+    METRICS_FILE=$W/slow-$s.metrics.jsonl EXTRA="$COMMON --fsdp.sharding_strategy=$s" \
+      run_job "st-slow-$s" --nodes=2 --ntasks-per-node="$RANKS_PER_HOST" --cpus-per-task=1
+    if [ "$JOB_STATE" != COMPLETED ] || [ "$JOB_EXIT" != 0:0 ]; then
+      fail "slow $s: job $JOB COMPLETED" "state $JOB_STATE, exit $JOB_EXIT"; show_output "$OUT"; continue
+    fi
+    read -r sb sp <<<"$TRAFFIC"
+    BYTES[slow-$s]=$sb
+    # tbf's counters on both hosts: what went through the shaper, how often it held packets back
+    shaped=0 over=0 drops=0
+    for h in $(cluster_hosts); do
+      read -r b0 o0 d0 <<<"${QD_BEFORE[$h]}"; read -r b1 o1 d1 <<<"$(cluster_qdisc_stats "$h")"
+      shaped=$((shaped + b1 - b0)) over=$((over + o1 - o0)) drops=$((drops + d1 - d0))
+    done
+    if msg=$(compare "$W/slow-$s.metrics.jsonl" "$REF/$s.jsonl" 2>&1); then
+      pass "slow $s: job $JOB COMPLETED, losses == the 1-host run" "$msg"
+    else
+      fail "slow $s: losses == the 1-host run" "$msg"
+    fi
+    # every byte between the hosts left through a tbf (its count also holds what went to ctl)
+    if [ "$shaped" -ge "$sb" ] && { [ "$s" != FULL_SHARD ] || [ "$over" -gt 0 ]; }; then
+      pass "slow $s: the $SLOW_RATE shapers carried the $(mb "$sb") between the hosts" \
+        "tbf sent $(mb "$shaped"), held packets back $over times, dropped $drops"
+    else
+      fail "slow $s: the shapers carried the traffic and throttled it" \
+        "tbf sent $(mb "$shaped") for $(mb "$sb") between the hosts, overlimits $over"
+    fi
+  done
+  cluster_shape none
+  if [ -n "${BYTES[slow-HYBRID_SHARD]:-}" ] && [ -n "${BYTES[slow-FULL_SHARD]:-}" ]; then
+    theory=$((4 * SHARD[HYBRID_SHARD] * STEPS))
+    if awk -v m="${BYTES[slow-HYBRID_SHARD]}" -v t="$theory" -v l="$OVERHEAD_LIMIT" 'BEGIN { exit !(m >= t && m <= t * (1 + l)) }' \
+        && [ "${BYTES[slow-FULL_SHARD]}" -gt $((3 * BYTES[slow-HYBRID_SHARD])) ]; then
+      pass "slow links: HYBRID_SHARD sends only its replica all-reduce across them, FULL_SHARD $(awk -v a="${BYTES[slow-FULL_SHARD]}" -v b="${BYTES[slow-HYBRID_SHARD]}" 'BEGIN { printf "%.1f", a / b }')x as much" \
+        "$(mb "${BYTES[slow-HYBRID_SHARD]}") (theory $(mb "$theory"), $(pct "${BYTES[slow-HYBRID_SHARD]}" "$theory")) vs $(mb "${BYTES[slow-FULL_SHARD]}")"
+    else
+      fail "slow links: HYBRID_SHARD's bytes across them" \
+        "${BYTES[slow-HYBRID_SHARD]} (theory $theory) vs FULL_SHARD ${BYTES[slow-FULL_SHARD]}"
+    fi
+  fi
+else
+  fail "slow links: tc tbf on the hosts' links" "cluster_shape $SLOW_RATE failed"
+  cluster_shape none
+fi
+
+# ---- a lost host ------------------------------------------------------------------------------------
+phase "lost host: h2 drops off the network mid-run; the ranks on h1 end within fsdp.comm_timeout=$LOST_TIMEOUT s, the job requeues and resumes"
+# slurm/train-preemptible.sbatch on 2 hosts x 2 ranks, HYBRID_SHARD, a checkpoint every 10 steps.
+# Its uninterrupted twin first (same script, layout and arguments): the reference for the losses.
+LOST_EXTRA="$COMMON --fsdp.sharding_strategy=HYBRID_SHARD --train.steps=$LOST_STEPS --checkpoint.every=10 --train.eval_every=0 --fsdp.comm_timeout=$LOST_TIMEOUT"
+SCRIPT=slurm/train-preemptible.sbatch METRICS_FILE=$W/lost-ref.metrics.jsonl EXTRA="$LOST_EXTRA" \
+  run_job st-lost-ref --nodes=2 --ntasks-per-node="$RANKS_PER_HOST" --cpus-per-task=1
+lost_ref_ok=0
+if [ "$JOB_STATE" = COMPLETED ] && [ "$JOB_EXIT" = 0:0 ]; then
+  lost_ref_ok=1; pass "lost host: the uninterrupted run, job $JOB COMPLETED" "$(grep -o 'final loss [0-9.]*' "$OUT" | tail -1)"
+else
+  fail "lost host: the uninterrupted run" "state $JOB_STATE, exit $JOB_EXIT"; show_output "$OUT"
+fi
+ranks_on() { # ranks_on HOST: the PIDs of the shardtrain processes in HOST's network namespace
+  local p; for p in $(ip netns pids "$(cluster_ns "$1")" 2>/dev/null); do
+    [ "$(cat "/proc/$p/comm" 2>/dev/null)" = shardtrain ] && echo "$p"; done; true
+}
+no_ranks_on() { [ -z "$(ranks_on "$1")" ]; }
+lost_metrics=$W/lost.metrics.jsonl
+JOB=$(SCRIPT=slurm/train-preemptible.sbatch METRICS_FILE=$lost_metrics EXTRA="$LOST_EXTRA" \
+  submit st-lost --nodes=2 --ntasks-per-node="$RANKS_PER_HOST" --cpus-per-task=1)
+OUT=$W/st-lost-$JOB.out
+steps_in() { grep -c '"kind":"step"' "$1" 2>/dev/null || true; }
+at_step() { [ "$(steps_in "$lost_metrics")" -ge "$LOST_AT" ] 2>/dev/null || job_finished "$JOB"; }
+if [ -z "$JOB" ]; then
+  fail "lost host: sbatch" "$(cat "$TMP/sbatch.err")"
+elif ! wait_for "$JOB_TIMEOUT" at_step || job_finished "$JOB"; then
+  fail "lost host: job $JOB reached step $LOST_AT" "state $(job_field "$JOB" JobState), $(steps_in "$lost_metrics") steps"; show_output "$OUT"
+else
+  h1_ranks=$(ranks_on h1 | wc -l) h2_ranks=$(ranks_on h2 | wc -l)
+  t_lost=$(now)
+  cluster_lose_host h2
+  lost_step=$(steps_in "$lost_metrics")
+  bound=$((LOST_TIMEOUT + 10))
+  if [ "$h1_ranks" = 2 ] && [ "$h2_ranks" = 2 ] && wait_for "$bound" no_ranks_on h1; then
+    gone=$(since "$t_lost")
+    sleep 1   # the batch shell's tee writes the ranks' last lines
+    if grep -Eq "^\[rank [0-9]/4 h1\] error: collective .* did not complete within fsdp.comm_timeout=$LOST_TIMEOUT s" "$OUT"; then
+      pass "lost host: h2 (link down, its slurmd, steps and 2 ranks SIGKILLed) after step $lost_step; both ranks on h1 gone $gone s later (bound $bound s)" \
+        "$(grep -Em1 '^\[rank [0-9]/4 h1\] error: collective' "$OUT" | cut -c1-120)..."
+    else
+      fail "lost host: the ranks on h1 ended by the watchdog" "gone in $gone s, but no 'did not complete within fsdp.comm_timeout=$LOST_TIMEOUT s' from a rank on h1"
+      show_output "$OUT" 15
+    fi
+  else
+    fail "lost host: both ranks on h1 gone within fsdp.comm_timeout + 10 s = $bound s" \
+      "ranks before: h1 $h1_ranks, h2 $h2_ranks; still on h1: $(ranks_on h1 | tr '\n' ' ')"
+    show_output "$OUT" 15
+  fi
+  # The batch shell (on h1) finds no STOPPED marker and a newer checkpoint than at its start: it
+  # requeues the job. The requeued job waits until Slurm marks h2 DOWN (SlurmdTimeout), and runs
+  # again once h2 is back (ReturnToService=2).
+  requeued() { [ "$(job_field "$JOB" Restarts)" = 1 ] || job_finished "$JOB"; }
+  h2_down() { on ctl sinfo -h -n h2 -o %T | grep -q '^down'; }
+  if wait_for 60 requeued && [ "$(job_field "$JOB" Restarts)" = 1 ] \
+      && grep -q "^launcher failed (code [1-9][0-9]*) without a stop marker after saving ckpt-[0-9]*\.h5 .*requeueing job $JOB" "$OUT"; then
+    pass "lost host: the batch shell requeued job $JOB $(since "$t_lost") s after the loss" "$(grep -m1 '^launcher failed' "$OUT" | cut -c1-110)..."
+  else
+    fail "lost host: job $JOB requeued by the script" "state $(job_field "$JOB" JobState), Restarts=$(job_field "$JOB" Restarts)"; show_output "$OUT" 15
+  fi
+  if wait_for $((CLUSTER_SLURMD_TIMEOUT + 40)) h2_down; then
+    pass "lost host: Slurm marked h2 DOWN $(since "$t_lost") s after the loss (SlurmdTimeout=$CLUSTER_SLURMD_TIMEOUT)" \
+      "job $JOB $(job_field "$JOB" JobState)"
+  else
+    fail "lost host: h2 DOWN within SlurmdTimeout + 40 s" "$(on ctl sinfo -h -N -o '%N %T' | tr '\n' ' ')"
+  fi
+  cluster_revive_host h2 || fail "lost host: h2 back (link up, slurmd)"
+  if wait_for "$JOB_TIMEOUT" job_finished "$JOB" && [ "$(job_field "$JOB" JobState)" = COMPLETED ] \
+      && grep -q "SLURM_RESTART_COUNT=1 on h\[1-2\]" "$OUT" && grep -q "^resumed from .* at step" "$OUT"; then
+    pass "lost host: h2 back, job $JOB ran again on h[1-2] and COMPLETED" "$(grep -m1 '^resumed from' "$OUT")"
+  else
+    fail "lost host: job $JOB resumed and completed" "state $(job_field "$JOB" JobState), Restarts=$(job_field "$JOB" Restarts)"; show_output "$OUT" 15
+  fi
+  if [ "$lost_ref_ok" = 1 ]; then
+    if msg=$(/usr/bin/python3 - "$lost_metrics" "$W/lost-ref.metrics.jsonl" "$LOST_STEPS" <<'PY'
+import json, sys
+def steps(path):
+    return [r for r in (json.loads(l) for l in open(path) if l.strip()) if r["kind"] == "step"]
+got, ref, n = steps(sys.argv[1]), steps(sys.argv[2]), int(sys.argv[3])
+for name, rows in (("killed and resumed", got), ("uninterrupted", ref)):
+    if [r["step"] for r in rows] != list(range(1, n + 1)):
+        sys.exit(f"the {name} run's step records are not 1..{n} ({len(rows)} records)")
+diff = [(a["step"], a["loss"], b["loss"]) for a, b in zip(got, ref) if a["loss"] != b["loss"] or a["grad_norm"] != b["grad_norm"]]
+if diff:
+    sys.exit(f"{len(diff)} steps differ, first: step {diff[0][0]}: {diff[0][1]!r} != {diff[0][2]!r}")
+print(f"{n} losses and gradient norms bit-identical, final {got[-1]['loss']}")
+PY
+    ); then
+      pass "lost host: losses of the killed and resumed job == the uninterrupted run" "$msg"
+    else
+      fail "lost host: losses of the killed and resumed job == the uninterrupted run" "$msg"
+    fi
+  fi
 fi
 
 # ---- teardown ---------------------------------------------------------------------------------------
