@@ -2,8 +2,10 @@
 // the checkpoint into an FSDP engine (any rank count), and every rank runs the same incremental
 // forward -- the model's decode path with a key/value cache (model/model.hpp), the parameters
 // gathered block by block as in training (FsdpEngine::decode_step). Rank 0 samples each token from
-// the logits and broadcasts it. The prompt is encoded, and the output decoded, with the tokenizer
-// the run recorded (data.tokenizer) or --tokenizer; bytes by default.
+// the logits, writes its text at once (streamed; an incomplete UTF-8 character held for the next
+// token) and broadcasts it with whether it ends the output (the tokenizer's end-of-text tokens, a
+// --stop text). The prompt is encoded, and the output decoded, with the tokenizer the run recorded
+// (data.tokenizer) or --tokenizer; bytes by default.
 #pragma once
 
 #include <cstdint>
