@@ -26,6 +26,17 @@ their ratio, MFU against the same-run GEMM and the hardware peak, and the final-
 Distillation (--only distill): gpt2-124M alone and distilled from a gpt-300M teacher on 1, 2 and 4
 ranks, tokens/s and each model's memory per rank (see distill_section).
 
+Convert (--only convert): a random-weights Hugging Face folder of inputs/llama-1.1B.ini's shape (F32,
+4.4 GB; numpy, tensor by tensor) converted to a sharded checkpoint and back (`shardtrain convert`), and
+the same checkpoint exported (`export --format hf`), on 1 and 2 ranks (--convert-ranks), --convert-repeats
+times, in a folder under the build folder; the disk's write and read speed measured before each repeat
+(1 GiB of random bytes, write + fsync, then a cold read). Every input's page cache is dropped
+(posix_fadvise DONTNEED) before it is read. MB/s: 10^6 bytes of model (the F32 tensors) per second of
+the command's wall time (MPI start-up included); ratio: against the same repeat's disk write speed,
+min/median. Memory: each rank's RssAnon sampled every 20 ms from /proc/<pid>/status, the peak over the
+run, max over ranks and repeats, against the rank's parameter shard + 256 MiB. The round trip's
+model.safetensors must equal the input byte for byte.
+
 Checkpoint I/O (build/ckpt_bench, see tests/bench/ckpt_bench.cpp): a gpt2-124M checkpoint (params,
 exp_avg, exp_avg_sq: 3 x 124.4M fp32 = 1493 MB of tensor data) saved and loaded on 1, 2 and 4 ranks
 (threads per rank as the trainer picks them: cores / ranks) in both layouts, after one warm-up
@@ -48,6 +59,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))
@@ -161,7 +173,8 @@ def main():
     parser.add_argument("--ckpt-repeats", type=int, default=3)
     parser.add_argument("--ckpt-profile", action="store_true",
                         help="also time the checksums and the same bytes through MPI-IO alone")
-    parser.add_argument("--only", choices=("layers", "train", "ckpt", "arch", "adapters", "distill", "gemm", "bf16"),
+    parser.add_argument("--only", choices=("layers", "train", "ckpt", "arch", "adapters", "distill", "gemm", "bf16",
+                                           "convert"),
                         help="run one section only")
     parser.add_argument("--arch-rounds", type=int, default=2)
     parser.add_argument("--adapter-models", default="gpt2,llama", help="adapters section: gpt2, llama or both")
@@ -171,6 +184,10 @@ def main():
     parser.add_argument("--skip-layers", action="store_true")
     parser.add_argument("--bf16-rounds", type=int, default=3)
     parser.add_argument("--gemm-repeats", type=int, default=5)
+    parser.add_argument("--convert-ranks", default="1,2", help="convert section: rank counts, comma-separated")
+    parser.add_argument("--convert-repeats", type=int, default=2)
+    parser.add_argument("--convert-export", action=argparse.BooleanOptionalAction, default=True,
+                        help="convert section: also time export --format hf of the checkpoint")
     args = parser.parse_args()
     build = os.path.abspath(os.path.join(ROOT, args.build))
     os.environ["SHARDTRAIN_BUILD"] = build
@@ -200,6 +217,9 @@ def main():
         gemm_section(build, args.gemm_repeats)
     if "bf16" in sections:
         bf16_section(build, args.steps, args.bf16_rounds)
+    if "convert" in sections:
+        convert_section(build, [int(r) for r in args.convert_ranks.split(",")], args.convert_repeats,
+                        args.convert_export)
 
 
 GEMM_LIBS = ("openblas", "blis", "onednn-f32", "onednn-bf16")
@@ -387,6 +407,212 @@ def distill_section(build, steps):
                 teacher_mem = f"{found.group(1)} (total {found.group(2)})" if found else "-"
                 print(f"{ranks} x {threads} | {name:13s} | {tps:8.1f} | {tps / alone:5.2f} | " +
                       " ".join(f"{m:7.1f}" for m in mib) + f" {sum(mib):8.1f} | {teacher_mem}", flush=True)
+
+
+CONVERT_CONFIG = "llama-1.1B.ini"
+CONVERT_BAR_MIB = 256  # the issue's bar: every rank's peak RssAnon <= its parameter shard + this
+
+
+def llama_model_of(ini):
+    import configparser
+    c = configparser.ConfigParser(inline_comment_prefixes=("#",))
+    c.read(ini)
+    m = c["model"]
+    return {k: m[k] for k in m}
+
+
+def write_random_llama_folder(folder, model, seed=1):
+    """A random-weights LlamaForCausalLM folder of `model`'s shape ([model] of an INI): config.json and
+    one F32 model.safetensors, N(0, 0.02) matrices and unit norms, written tensor by tensor in slices of
+    at most 64 MiB. Returns the tensors' bytes."""
+    import numpy as np
+    L, C, H, KV = (int(model[k]) for k in ("n_layer", "n_embd", "n_head", "n_kv_head"))
+    I, V, T = (int(model[k]) for k in ("intermediate_size", "vocab_size", "max_seq_len"))
+    d = C // H
+    # In ShardTrain's order and JSON spacing, so that a round trip can be compared byte for byte.
+    shapes = {"model.embed_tokens.weight": (V, C), "model.norm.weight": (C,), "lm_head.weight": (V, C)}
+    for l in range(L):
+        p = f"model.layers.{l}."
+        shapes.update({p + "input_layernorm.weight": (C,), p + "self_attn.q_proj.weight": (C, C),
+                       p + "self_attn.k_proj.weight": (KV * d, C), p + "self_attn.v_proj.weight": (KV * d, C),
+                       p + "self_attn.o_proj.weight": (C, C), p + "post_attention_layernorm.weight": (C,),
+                       p + "mlp.gate_proj.weight": (I, C), p + "mlp.up_proj.weight": (I, C),
+                       p + "mlp.down_proj.weight": (C, I)})
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in shapes.items():
+        n = 4 * int(np.prod(shape))
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    with open(os.path.join(folder, "model.safetensors"), "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for name, shape in shapes.items():
+            if len(shape) == 1:
+                f.write(np.ones(shape, "<f4").tobytes())
+                continue
+            rows = max(1, (16 << 20) // shape[1])
+            for r in range(0, shape[0], rows):
+                block = rng.standard_normal((min(rows, shape[0] - r), shape[1]), dtype=np.float32) * np.float32(0.02)
+                f.write(block.astype("<f4").tobytes())
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": C, "intermediate_size": I,
+              "num_hidden_layers": L, "num_attention_heads": H, "num_key_value_heads": KV, "vocab_size": V,
+              "max_position_embeddings": T, "rms_norm_eps": float(model["norm_eps"]),
+              "rope_theta": float(model["rope_theta"]), "tie_word_embeddings": False, "torch_dtype": "float32"}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return offset
+
+
+def llama_shard_bytes(model, ranks):
+    """One rank's parameter shard (FULL_SHARD over `ranks`): each unit padded to a multiple of ranks."""
+    L, C, H, KV = (int(model[k]) for k in ("n_layer", "n_embd", "n_head", "n_kv_head"))
+    I, V = int(model["intermediate_size"]), int(model["vocab_size"])
+    root = 2 * V * C + C  # embed_tokens, lm_head (untied), norm
+    block = 2 * C * C + 2 * KV * (C // H) * C + 3 * C * I + 2 * C
+    return 4 * (-(-root // ranks) + L * -(-block // ranks))
+
+
+def drop_page_cache(path):
+    """Drops the cached pages of a file, or of every file under a folder (the next read is cold)."""
+    paths = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs] if os.path.isdir(path) else [path]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def disk_speed(folder, size=1 << 30):
+    """(write MB/s, cold read MB/s) of a plain file of `size` random bytes in `folder`: 16 MiB writes +
+    fsync, then the cache dropped and 16 MiB reads."""
+    chunk = os.urandom(16 << 20)
+    path = os.path.join(folder, "disk-speed.bin")
+    t0 = time.monotonic()
+    with open(path, "wb", buffering=0) as f:
+        for _ in range(size // len(chunk)):
+            f.write(chunk)
+        os.fsync(f.fileno())
+    write = size / 1e6 / (time.monotonic() - t0)
+    drop_page_cache(path)
+    t0 = time.monotonic()
+    with open(path, "rb", buffering=0) as f:
+        while f.read(16 << 20):
+            pass
+    read = size / 1e6 / (time.monotonic() - t0)
+    os.remove(path)
+    return write, read
+
+
+def child_pids(pid):
+    try:
+        return [int(c) for t in os.listdir(f"/proc/{pid}/task")
+                for c in open(f"/proc/{pid}/task/{t}/children").read().split()]
+    except OSError:
+        return []
+
+
+def rank_pids(root_pid):
+    """The shardtrain processes below root_pid (timeout -> mpirun -> ranks), by the kernel's child lists:
+    other jobs' ranks are not among them."""
+    pids, frontier = [], [root_pid]
+    for _ in range(3):
+        frontier = [c for p in frontier for c in child_pids(p)]
+        for c in frontier:
+            try:
+                if open(f"/proc/{c}/comm").read().strip() == "shardtrain":
+                    pids.append(c)
+            except OSError:
+                pass
+    return pids
+
+
+def run_sampling_rss_anon(cmd, expected, timeout):
+    """Runs cmd (mpirun of `expected` ranks); returns (wall seconds, stdout, peak RssAnon in bytes of each rank
+    process), RssAnon sampled every 20 ms from /proc/<pid>/status. Exits on failure."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peaks, ranks = {}, []
+    while True:
+        try:
+            out, err = proc.communicate(timeout=0.02)
+            break
+        except subprocess.TimeoutExpired:
+            if len(ranks) < expected:
+                ranks = rank_pids(proc.pid)
+            for pid in ranks:
+                try:
+                    for line in open(f"/proc/{pid}/status"):
+                        if line.startswith("RssAnon:"):
+                            peaks[pid] = max(peaks.get(pid, 0), int(line.split()[1]) * 1024)
+                except OSError:
+                    pass
+            if time.monotonic() - t0 > timeout:
+                proc.kill()
+    wall = time.monotonic() - t0
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{out[-3000:]}\n{err[-3000:]}")
+    return wall, out, list(peaks.values())
+
+
+def same_bytes(a, b):
+    import filecmp
+    return filecmp.cmp(a, b, shallow=False)
+
+
+def convert_section(build, rank_counts, repeats, with_export):
+    from harness import mpirun_command
+    exe = os.path.join(build, "shardtrain")
+    model = llama_model_of(os.path.join(ROOT, "inputs", CONVERT_CONFIG))
+    tmp = tempfile.mkdtemp(prefix="convert-bench-", dir=build)
+    try:
+        folder = os.path.join(tmp, "hf")
+        model_bytes = write_random_llama_folder(folder, model)
+        print(f"\n== convert: {CONVERT_CONFIG}'s shape, random F32 weights ({model_bytes / 1e9:.2f} GB of tensors), "
+              f"{repeats} repeats per row, folder {tmp}", flush=True)
+        print(f"filesystem: {filesystem_of(tmp)}", flush=True)
+        columns = [("ranks", ">5"), ("step", "<22"), ("wall s min/med", ">14"), ("MB/s med", ">8"),
+                   ("disk wr MB/s", ">12"), ("disk rd MB/s", ">12"), ("/ disk wr min/med", ">17"),
+                   ("RssAnon MiB max", ">15"), ("shard MiB", ">9"), ("bar", ">4")]
+        print(" | ".join(f"{name:{fmt}}" for name, fmt in columns), flush=True)
+        ckpt, back, exported = (os.path.join(tmp, n) for n in ("model.h5", "back", "exported"))
+        steps = [("HF -> ckpt (convert)", folder, ["convert", "--input", folder, "--output", ckpt]),
+                 ("ckpt -> HF (convert)", ckpt, ["convert", "--input", ckpt, "--output", back])]
+        if with_export:
+            steps.append(("ckpt -> HF (export)", ckpt, ["export", "--format", "hf", "--checkpoint", ckpt,
+                                                        "--output", exported]))
+        for ranks in rank_counts:
+            shard_mib = llama_shard_bytes(model, ranks) / 2**20
+            results = {name: [] for name, _, _ in steps}
+            for _ in range(repeats):
+                write, read = disk_speed(tmp)
+                for name, source, args in steps:
+                    drop_page_cache(source)
+                    wall, _, peaks = run_sampling_rss_anon(mpirun_command(ranks, [exe, *args], timeout=1800), ranks,
+                                                          1800)
+                    results[name].append((wall, write, read, max(peaks) / 2**20 if peaks else float("nan")))
+                if not same_bytes(os.path.join(back, "model.safetensors"), os.path.join(folder, "model.safetensors")):
+                    sys.exit("convert's round trip changed model.safetensors")
+                for path in (ckpt, back, exported):
+                    shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+            for name, rows in results.items():
+                med = statistics.median
+                walls = [r[0] for r in rows]
+                ratios = [model_bytes / 1e6 / r[0] / r[1] for r in rows]
+                peak = max(r[3] for r in rows)
+                cells = [ranks, name, f"{min(walls):.1f}/{med(walls):.1f}", f"{model_bytes / 1e6 / med(walls):.0f}",
+                         f"{med(r[1] for r in rows):.0f}", f"{med(r[2] for r in rows):.0f}",
+                         f"{min(ratios):.2f}/{med(ratios):.2f}", f"{peak:.0f}", f"{shard_mib:.0f}",
+                         "ok" if peak <= shard_mib + CONVERT_BAR_MIB else "OVER"]
+                print(" | ".join(f"{str(c):{fmt}}" for c, (_, fmt) in zip(cells, columns)), flush=True)
+        print(f"bar: each rank's peak RssAnon <= its parameter shard + {CONVERT_BAR_MIB} MiB; the round trip's "
+              "model.safetensors equal to the input byte for byte (checked)")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
