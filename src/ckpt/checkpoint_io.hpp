@@ -103,7 +103,8 @@ CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, Ada
 
 // Collective over `ranks`. load_checkpoint of the parameters alone (no optimizer: `shardtrain
 // convert`, which needs no moments): the moments' datasets are checked for their shape but neither
-// read nor verified against their checksums. No adapter-only files.
+// read nor verified against their checksums. An adapter-only file loads as with load_checkpoint
+// (onto the base the engine holds); convert refuses every file with adapters before.
 CheckpointState load_checkpoint_weights(const std::string& path, FsdpEngine& engine, const CheckpointComm& ranks);
 
 // "" when the shapes agree, else a message naming every model.* key that differs.
