@@ -78,8 +78,8 @@ namespace {
 
 constexpr int PREFILL_CHUNK = 64;  // prompt tokens per prefill step (docs/generate.md)
 
-// The special tokens generation stops at, where the tokenizer has them (besides the post-processor's
-// appended ids): those `data encode` puts between documents, and the chat formats' turn ends.
+// Special tokens that end a chat turn (Llama 3, Qwen 2): generation stops at them, where the
+// tokenizer has them, as at data encode's DOCUMENT_SEPARATORS (Generator::find_stop_tokens).
 const char* const CHAT_TURN_ENDS[] = {"<|eot_id|>", "<|im_end|>"};
 
 struct GenerateOptions {
