@@ -28,7 +28,7 @@ endif
 DEB_PACKAGES := g++ make pkg-config python3 openmpi-bin libopenmpi-dev libopenblas-openmp-dev \
                 libboost-program-options-dev libhdf5-openmpi-dev hdf5-tools libgtest-dev \
                 libbenchmark-dev nlohmann-json3-dev python3-h5py python3-numpy python3-matplotlib \
-                libpcre2-dev libutf8proc-dev libdnnl-dev libblis-openmp-dev
+                libpcre2-dev libutf8proc-dev libdnnl-dev libblis-openmp-dev strace
 
 # The OpenMP build of OpenBLAS shares the OpenMP thread pool with our own loops, so the two
 # never oversubscribe the cores (the pthread build keeps a second pool that fights ours).
