@@ -25,7 +25,19 @@
 #              replica all-reduce (2 (R-1)/R of the shard per rank per step) plus a bounded overhead
 #  unequal     HYBRID_SHARD on 3 + 1 ranks without fsdp.shard_group_size: every rank exits 2, one
 #              error line that names the counts and the fix
+#  slow links  every host's link limited to 100 Mbit/s (tc tbf; plus a netem delay where the kernel has
+#              sch_netem, else that part is skipped): FULL_SHARD and HYBRID_SHARD complete with the
+#              1-host losses, the shapers carried all the bytes between the hosts and throttled
+#              FULL_SHARD's, HYBRID_SHARD sent only its replica all-reduce across them (no timing:
+#              tests/bench/cluster_slow_link.sh measures the step times)
+#  lost host   slurm/train-preemptible.sbatch, 2 hosts x 2 ranks, fsdp.comm_timeout=5: h2's link goes
+#              down and its processes are SIGKILLed mid-run; both ranks on h1 exit within the timeout
+#              + 10 s with the watchdog's message; the batch shell requeues (no STOPPED marker, a newer
+#              checkpoint); h2 goes DOWN, comes back; the job resumes and completes with losses
+#              bit-identical to an uninterrupted job
 #  teardown    no namespace, process or link of the cluster left
+#
+# Time budget: 5 minutes (about 100 s on 2 cores, docs/cluster.md section 9).
 set -uo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
