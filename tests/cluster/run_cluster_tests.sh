@@ -532,6 +532,19 @@ PY
   fi
 fi
 
+# The rule's other side: a failed attempt that saved nothing new (here a bad option, exit 2 at start-up)
+# is not requeued, so a fault that recurs before the next save cannot restart the job forever.
+SCRIPT=slurm/train-preemptible.sbatch METRICS_FILE=$W/noprogress.metrics.jsonl EXTRA="$COMMON --fsdp.sharding_strategy=NOPE" \
+  run_job st-noprogress --nodes=2 --ntasks-per-node="$RANKS_PER_HOST" --cpus-per-task=1
+sleep 1   # a wrong requeue would show as Restarts=1 by now (the script requeues before it exits)
+if [ "$JOB_STATE" = FAILED ] && [ "$JOB_EXIT" = 2:0 ] && [ "$(job_field "$JOB" Restarts)" = 0 ] \
+    && grep -q '^not requeueing the failed attempt (code 2): newest checkpoint none' "$OUT"; then
+  pass "lost host: a failed attempt without a new checkpoint is not requeued (job $JOB FAILED, exit 2, Restarts=0)" \
+    "$(grep -m1 '^not requeueing' "$OUT" | cut -c1-100)..."
+else
+  fail "lost host: no requeue without progress" "state $JOB_STATE, exit $JOB_EXIT, Restarts=$(job_field "$JOB" Restarts)"; show_output "$OUT" 10
+fi
+
 # ---- teardown ---------------------------------------------------------------------------------------
 phase "teardown"
 pfx=$CLUSTER_PFX conf=$CD/slurm.conf
