@@ -34,10 +34,11 @@
 #              down and its processes are SIGKILLed mid-run; both ranks on h1 exit within the timeout
 #              + 10 s with the watchdog's message; the batch shell requeues (no STOPPED marker, a newer
 #              checkpoint); h2 goes DOWN, comes back; the job resumes and completes with losses
-#              bit-identical to an uninterrupted job
+#              bit-identical to an uninterrupted job; a preemptible job failing at start-up (exit 2,
+#              no new checkpoint) is not requeued
 #  teardown    no namespace, process or link of the cluster left
 #
-# Time budget: 5 minutes (about 100 s on 2 cores, docs/cluster.md section 9).
+# Time budget: 5 minutes (73 to 97 s on 2 cores, docs/cluster.md section 9).
 set -uo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
