@@ -19,7 +19,8 @@ double measure_sgemm_gflops(int n, int repeats);
 double measure_bf16_gemm_gflops(int n, int repeats);
 
 // The arithmetic peak of this process's threads, measured: every thread runs independent chains
-// of vector multiply-adds (enough to hide their latency) from registers, no memory traffic.
+// of vector multiply-adds (enough to hide their latency) from registers, no memory traffic, and
+// its rate is taken over its own CPU time (so other processes on the cores do not lower it).
 // fp32: AVX-512 or AVX2 FMA; bf16: AVX512-BF16 dot products (vdpbf16ps: 2 products per fp32
 // lane). `unit` says which instructions ran; gflops is 0 where the CPU has none for the precision.
 struct FmaPeak {
