@@ -1,7 +1,9 @@
 """Helpers for the end-to-end tests: run build/shardtrain under a real mpirun (always inside
 `timeout`), create test data with the program itself, and read the JSON Lines metrics."""
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 
@@ -63,8 +65,20 @@ def read_metrics(path, kind="step"):
         return [r for r in (json.loads(line) for line in f if line.strip()) if r["kind"] == kind]
 
 
+_TEMPDIRS = []
+
+
 def tempdir():
-    return tempfile.mkdtemp(prefix="shardtrain-test-")
+    """A fresh folder, removed when the test process exits (a test leaves nothing in /tmp)."""
+    path = tempfile.mkdtemp(prefix="shardtrain-test-")
+    _TEMPDIRS.append(path)
+    return path
+
+
+@atexit.register
+def _remove_tempdirs():
+    for path in _TEMPDIRS:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def rel_diff(a, b):
