@@ -22,6 +22,26 @@
 #include "data/bpe.hpp"
 
 namespace shardtrain {
+namespace {
+
+// A UTF-8 lead byte's continuation bytes (0 for no lead) and the range its first continuation
+// byte must lie in: Unicode's table of well-formed sequences.
+struct Utf8Lead {
+  int need;
+  unsigned lo, hi;
+};
+Utf8Lead utf8_lead(unsigned lead) {
+  if (lead >= 0xC2 && lead <= 0xDF) return {1, 0x80, 0xBF};
+  if (lead == 0xE0) return {2, 0xA0, 0xBF};
+  if (lead == 0xED) return {2, 0x80, 0x9F};
+  if (lead >= 0xE1 && lead <= 0xEF) return {2, 0x80, 0xBF};
+  if (lead == 0xF0) return {3, 0x90, 0xBF};
+  if (lead == 0xF4) return {3, 0x80, 0x8F};
+  if (lead >= 0xF1 && lead <= 0xF3) return {3, 0x80, 0xBF};
+  return {0, 0x80, 0xBF};
+}
+
+}  // namespace
 
 using nlohmann::json;
 
@@ -37,17 +57,7 @@ std::string utf8_with_replacements(std::string_view bytes) {
     while (i < n && b[i] < 0x80) i++;
     out.append(bytes.data() + run, i - run);
     if (i == n) break;
-    // Unicode's table of well-formed sequences: the second byte's range depends on the lead.
-    const unsigned lead = b[i];
-    int need = 0;
-    unsigned lo = 0x80, hi = 0xBF;
-    if (lead >= 0xC2 && lead <= 0xDF) need = 1;
-    else if (lead == 0xE0) need = 2, lo = 0xA0;
-    else if (lead == 0xED) need = 2, hi = 0x9F;
-    else if (lead >= 0xE1 && lead <= 0xEF) need = 2;
-    else if (lead == 0xF0) need = 3, lo = 0x90;
-    else if (lead == 0xF4) need = 3, hi = 0x8F;
-    else if (lead >= 0xF1 && lead <= 0xF3) need = 3;
+    const auto [need, lo, hi] = utf8_lead(b[i]);
     size_t j = i + 1;
     int got = 0;
     while (got < need && j < n && b[j] >= (got == 0 ? lo : 0x80u) && b[j] <= (got == 0 ? hi : 0xBFu)) j++, got++;
@@ -69,16 +79,7 @@ size_t utf8_complete_prefix(std::string_view bytes) {
       break;
     }
   if (lead_at == n) return n;
-  const unsigned lead = b[lead_at];
-  int need = 0;
-  unsigned lo = 0x80, hi = 0xBF;
-  if (lead >= 0xC2 && lead <= 0xDF) need = 1;
-  else if (lead == 0xE0) need = 2, lo = 0xA0;
-  else if (lead == 0xED) need = 2, hi = 0x9F;
-  else if (lead >= 0xE1 && lead <= 0xEF) need = 2;
-  else if (lead == 0xF0) need = 3, lo = 0x90;
-  else if (lead == 0xF4) need = 3, hi = 0x8F;
-  else if (lead >= 0xF1 && lead <= 0xF3) need = 3;
+  const auto [need, lo, hi] = utf8_lead(b[lead_at]);
   const size_t got = n - lead_at - 1;
   if (got >= static_cast<size_t>(need)) return n;  // complete, or no lead at all
   if (got >= 1 && (b[lead_at + 1] < lo || b[lead_at + 1] > hi)) return n;  // already invalid
