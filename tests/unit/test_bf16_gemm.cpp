@@ -108,8 +108,9 @@ TEST_P(Bf16GemmTest, ForwardMatchesRoundedOperandsToSummationError) {
         for (int n = 0; n < s.N; n++) base.insert(base.end(), bias.begin(), bias.end());
       for (size_t i = 0; i < base.size(); i++) want.bound[i] += 0x1p-23 * std::fabs(base[i] + want.value[i]);
       expect_within(out, want, base, "forward");
-      if (s.C > 1)  // with K = 1 a single product: the bound is tight enough either way
+      if (s.C > 1) {  // with K = 1 a single product: the bound is tight enough either way
         EXPECT_GT(worst_ratio(want, product(inp, false, weight, true, s.N, s.OC, s.C, false)), 10.0);
+      }
     }
 }
 
