@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
-#include <new>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <tuple>
 #include <vector>
@@ -13,6 +12,7 @@
 #include "backend/cpu/ops.hpp"
 #include "backend/device.hpp"
 #include "backend/dtype.hpp"
+#include "backend/layer_ops.hpp"
 #include "core/error.hpp"
 
 namespace shardtrain::cpu {
@@ -43,28 +43,39 @@ dnnl::matmul::primitive_desc describe_product(const Product& p, const dnnl::engi
   return dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, b, c), attr, engine);
 }
 
-// The products of one linear layer: forward (onto a bias or not), the backward's dinp and dweight.
-enum { FORWARD, FORWARD_ONTO_BIAS, DINP, DWEIGHT };
-std::vector<Product> layer_products(int N, int C, int OC) {
-  return {{false, true, N, OC, C, C, C, OC, false},
-          {false, true, N, OC, C, C, C, OC, true},
-          {false, false, N, C, OC, OC, C, C, false},
-          {true, false, OC, C, N, OC, C, C, true}};
+// The products of one linear layer out(N,OC) = inp(N,C) weight(OC,C)^T: the forward (onto a bias
+// or not), the backward's dinp = dout weight and dweight += dout^T inp.
+enum ProductKind { FORWARD, FORWARD_ONTO_BIAS, DINP, DWEIGHT, PRODUCT_KINDS };
+Product layer_product(ProductKind kind, int N, int C, int OC) {
+  switch (kind) {
+    case FORWARD: return {false, true, N, OC, C, C, C, OC, false};
+    case FORWARD_ONTO_BIAS: return {false, true, N, OC, C, C, C, OC, true};
+    case DINP: return {false, false, N, C, OC, OC, C, C, false};
+    default: return {true, false, OC, C, N, OC, C, C, true};
+  }
 }
 
 std::vector<Product> model_products(const std::vector<LinearShape>& layers, int rows) {
   std::vector<Product> all;
   for (const LinearShape& l : layers)
-    for (const Product& p : layer_products(rows, l.in, l.out)) all.push_back(p);
+    for (int kind = 0; kind < PRODUCT_KINDS; kind++)
+      all.push_back(layer_product(static_cast<ProductKind>(kind), rows, l.in, l.out));
   return all;
 }
 
-void round_to_bf16(uint16_t* out, const float* in, size_t n) {
-#pragma omp parallel for schedule(static)
-  for (size_t i = 0; i < n; i++) out[i] = float_to_bf16(in[i]);
-}
+void round_to_bf16(uint16_t* out, const float* in, size_t n) { cpu_shard_ops().to_half(out, in, n, DTYPE_BF16); }
 
-float round_through_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
+// Columns [k0, k0 + k) of a rows x K matrix X, each element rounded to bf16 and widened back, into
+// dst in X's own orientation: (rows, k) row-major, or (k, rows) where X is stored transposed.
+void round_column_block(float* dst, const float* X, int ld, bool transposed, int rows, int k0, int k) {
+  const int outer = transposed ? k : rows, inner = transposed ? rows : k;
+#pragma omp parallel for schedule(static)
+  for (int i = 0; i < outer; i++)
+    for (int j = 0; j < inner; j++) {
+      const float x = transposed ? X[static_cast<size_t>(k0 + i) * ld + j] : X[static_cast<size_t>(i) * ld + k0 + j];
+      dst[static_cast<size_t>(i) * inner + j] = bf16_to_float(float_to_bf16(x));
+    }
+}
 
 // 16-bit operand elements the largest layer needs: the backward's dout (rows x out), weight
 // (out x in) and input (rows x in) copies. Without oneDNN's kernels the same bytes hold fp32 halves.
@@ -126,20 +137,12 @@ struct Bf16Gemm::Impl {
     float* block = reinterpret_cast<float*>(reserve(2 * static_cast<size_t>(kb) * (p.M + p.N)));
     for (int k0 = 0; k0 < p.K; k0 += kb) {
       const int k = std::min(kb, p.K - k0);
-      float* a = block;  // op(A)[:, k0:k0+k] kept in A's orientation
+      // op(A)[:, k0:k0+k] in A's orientation; rows k0.. of op(B) as columns of op(B)^T (N x K),
+      // which is B itself where trans_b and B read transposed where not.
+      float* a = block;
       float* b = block + static_cast<size_t>(p.M) * k;
-#pragma omp parallel for schedule(static)
-      for (int i = 0; i < (p.trans_a ? k : p.M); i++)
-        for (int j = 0; j < (p.trans_a ? p.M : k); j++)
-          a[static_cast<size_t>(i) * (p.trans_a ? p.M : k) + j] =
-              round_through_bf16(p.trans_a ? A[static_cast<size_t>(k0 + i) * p.lda + j]
-                                           : A[static_cast<size_t>(i) * p.lda + k0 + j]);
-#pragma omp parallel for schedule(static)
-      for (int i = 0; i < (p.trans_b ? p.N : k); i++)
-        for (int j = 0; j < (p.trans_b ? k : p.N); j++)
-          b[static_cast<size_t>(i) * (p.trans_b ? k : p.N) + j] =
-              round_through_bf16(p.trans_b ? B[static_cast<size_t>(i) * p.ldb + k0 + j]
-                                           : B[static_cast<size_t>(k0 + i) * p.ldb + j]);
+      round_column_block(a, A, p.lda, p.trans_a, p.M, k0, k);
+      round_column_block(b, B, p.ldb, !p.trans_b, p.N, k0, k);
       const float beta = (p.accumulate || k0 > 0) ? 1.0f : 0.0f;
       gemm(p.trans_a, p.trans_b, p.M, p.N, k, 1.0f, a, p.trans_a ? p.M : k, b, p.trans_b ? k : p.N, beta, C, p.ldc);
     }
@@ -177,7 +180,7 @@ void Bf16Gemm::forward(float* out, const float* inp, const float* weight, const 
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) std::copy(bias, bias + OC, out + static_cast<size_t>(n) * OC);
   }
-  const Product p = layer_products(N, C, OC)[bias ? FORWARD_ONTO_BIAS : FORWARD];
+  const Product p = layer_product(bias ? FORWARD_ONTO_BIAS : FORWARD, N, C, OC);
   if (!impl_->native) {
     impl_->run_emulated(p, inp, weight, out);
     return;
@@ -192,12 +195,11 @@ void Bf16Gemm::forward(float* out, const float* inp, const float* weight, const 
 void Bf16Gemm::backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                         const float* weight, int N, int C, int OC) {
   std::lock_guard<std::mutex> lock(impl_->mutex);
-  const std::vector<Product> products = layer_products(N, C, OC);
   const size_t n_dout = static_cast<size_t>(N) * OC, n_weight = static_cast<size_t>(OC) * C,
                n_inp = static_cast<size_t>(N) * C;
   if (!impl_->native) {
-    if (dinp) impl_->run_emulated(products[DINP], dout, weight, dinp);
-    if (dweight) impl_->run_emulated(products[DWEIGHT], dout, inp, dweight);
+    if (dinp) impl_->run_emulated(layer_product(DINP, N, C, OC), dout, weight, dinp);
+    if (dweight) impl_->run_emulated(layer_product(DWEIGHT, N, C, OC), dout, inp, dweight);
   } else {
     uint16_t* dout16 = impl_->reserve(n_dout + n_weight + n_inp);
     uint16_t* weight16 = dout16 + n_dout;
@@ -205,16 +207,18 @@ void Bf16Gemm::backward(float* dinp, float* dweight, float* dbias, const float* 
     if (dinp || dweight) round_to_bf16(dout16, dout, n_dout);
     if (dinp) {
       round_to_bf16(weight16, weight, n_weight);
-      impl_->run_native(products[DINP], dout16, weight16, dinp);
+      impl_->run_native(layer_product(DINP, N, C, OC), dout16, weight16, dinp);
     }
     if (dweight) {
       round_to_bf16(inp16, inp, n_inp);
-      impl_->run_native(products[DWEIGHT], dout16, inp16, dweight);
+      impl_->run_native(layer_product(DWEIGHT, N, C, OC), dout16, inp16, dweight);
     }
   }
   // The bias gradient is a sum, not a product: fp32, as without bf16.
   if (dbias) matmul_backward<float>(nullptr, nullptr, dbias, dout, nullptr, nullptr, N, C, OC);
 }
+
+bool Bf16Gemm::onednn() const { return impl_->native; }
 
 size_t Bf16Gemm::workspace_bytes() const {
   return impl_->operands.bytes() + impl_->scratchpad.bytes();
@@ -226,15 +230,6 @@ std::string Bf16Gemm::describe() const {
     return "OpenBLAS SGEMM on bf16-rounded operands (this CPU has no bf16 dot products: oneDNN would only "
            "emulate them, slower)";
   return strprintf("oneDNN %d.%d.%d bf16 matmul", v->major, v->minor, v->patch);
-}
-
-size_t gemm_operand_elements(const LinearShape* shapes, size_t count, int rows) {
-  size_t most = 0;
-  for (size_t i = 0; i < count; i++) {
-    const size_t in = shapes[i].in, out = shapes[i].out;
-    most = std::max(most, static_cast<size_t>(rows) * (in + out) + in * out);
-  }
-  return most;
 }
 
 }  // namespace shardtrain::cpu
