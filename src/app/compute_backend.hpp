@@ -55,6 +55,10 @@ class ComputeBackend {
   std::string gemm_description() const;
   // Bytes the GEMMs' workspace holds now (the plan's "workspace" on the CPU).
   size_t gemm_workspace_bytes() const;
+  // Whether the host multiplies in bf16 (fsdp.param_dtype=bf16 on the CPU), and whether with the
+  // CPU's bf16 dot products (oneDNN) rather than SGEMMs on the rounded operands.
+  bool cpu_bf16_gemms() const { return cpu_bf16_ != nullptr; }
+  bool cpu_bf16_dot_products() const { return cpu_bf16_ && cpu_bf16_->onednn(); }
   // Dense bf16 tensor-core peak of the GPU in GFLOP/s from its name (0 when unknown or on the host).
   double gpu_peak_gflops() const;
   // Memory free on the GPU now (cudaMemGetInfo), and its total; 0 on the host.

@@ -189,7 +189,8 @@ class Trainer {
   std::string hardware_peak_unit_;
   Watchdog watchdog_;
   ShardingStrategy strategy_;
-  GemmWorkload gemm_workload_;  // what the compute backend's GEMM workspace is sized for
+  std::optional<ParamTable> teacher_table_;  // distill.teacher's, for the plan and the GEMM workspace
+  GemmWorkload gemm_workload_;               // what the compute backend's GEMM workspace is sized for
   ComputeBackend compute_;
   std::unique_ptr<Comm> comm_;  // MPI on host memory: agreement, metrics, checkpoints
   std::unique_ptr<Comm> shard_comm_, replica_comm_;  // on the compute device's memory
@@ -238,25 +239,28 @@ std::unique_ptr<Comm> make_replica_comm(const Runtime& rt, const Config& c, Shar
   return c.debug.skip_communication ? make_silent_comm(*comm) : std::move(comm);
 }
 
-// The GEMMs of the student and, when distilling, the teacher (its configuration read here).
-GemmWorkload run_gemm_workload(const Runtime& rt, const Config& c) {
-  std::optional<ModelConfig> teacher;
-  if (!c.distill.teacher.empty()) rt.agree_on([&] { teacher = teacher_param_table(c.distill.teacher).config(); });
-  return gemm_workload(c.model, teacher ? &*teacher : nullptr, c.train.micro_batch * c.train.seq_len);
+// distill.teacher's parameter table (read from its file once, agreed), or none.
+std::optional<ParamTable> read_teacher_table(const Runtime& rt, const Config& c) {
+  std::optional<ParamTable> teacher;
+  if (!c.distill.teacher.empty()) rt.agree_on([&] { teacher.emplace(teacher_param_table(c.distill.teacher)); });
+  return teacher;
+}
+
+// The GEMMs of the student and, when distilling, the teacher.
+GemmWorkload run_gemm_workload(const Config& c, const std::optional<ParamTable>& teacher) {
+  return gemm_workload(c.model, teacher ? &teacher->config() : nullptr, c.train.micro_batch * c.train.seq_len);
 }
 
 // The rank's planned bytes; an InputError (agreed) when they exceed fsdp.memory_limit.
 MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrategy strategy, const Comm& shard,
-                               const Comm& replica, const ComputeBackend& compute, const GemmWorkload& gemms) {
+                               const Comm& replica, const ComputeBackend& compute, const GemmWorkload& gemms,
+                               const std::optional<ParamTable>& teacher) {
   GroupShape groups{shard.size(), shard.rank(), replica.size(), replica.rank()};
   MemoryPlan plan = plan_rank_memory(config_param_table(c), groups, engine_options(c), c.train.micro_batch,
                                      c.train.seq_len, c.fsdp.activation_checkpointing);
   plan.bytes[MEM_WORKSPACE] = plan_gemm_workspace_bytes(c.train.device, engine_options(c).param_dtype, gemms);
-  if (!c.distill.teacher.empty())
-    rt.agree_on([&] {
-      plan.teacher = plan_teacher_memory(teacher_param_table(c.distill.teacher), groups, engine_options(c),
-                                         c.train.micro_batch, c.train.seq_len);
-    });
+  if (teacher)
+    plan.teacher = plan_teacher_memory(*teacher, groups, engine_options(c), c.train.micro_batch, c.train.seq_len);
   rt.agree_on([&] {
     // Host memory: the whole plan on the CPU backend, the offloaded state on a GPU. Checked against
     // what the node has available, shared by its ranks, so a model that cannot fit stops here
@@ -315,12 +319,14 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
       accum_(config.train.global_batch / (config.train.micro_batch * rt.world())),
       watchdog_(config.fsdp.comm_timeout),
       strategy_(config.fsdp.sharding_strategy),
-      gemm_workload_(run_gemm_workload(rt, config)),
+      teacher_table_(read_teacher_table(rt, config)),
+      gemm_workload_(run_gemm_workload(config, teacher_table_)),
       compute_(config.train.device, engine_options(config).param_dtype, rt, gemm_workload_),
       comm_(make_mpi_comm(rt.world_comm(), &watchdog_)),
       shard_comm_(make_shard_comm(rt, config, strategy_, compute_, &watchdog_)),
       replica_comm_(make_replica_comm(rt, config, strategy_, compute_, &watchdog_)),
-      plan_(checked_memory_plan(rt, config, strategy_, *shard_comm_, *replica_comm_, compute_, gemm_workload_)),
+      plan_(checked_memory_plan(rt, config, strategy_, *shard_comm_, *replica_comm_, compute_, gemm_workload_,
+                                  teacher_table_)),
       table_(config_param_table(config)),
       engine_(table_, *shard_comm_, *replica_comm_, memory_, engine_options(config), compute_.backend()),
       optim_config_(optim_config_from(config.train)),
@@ -362,10 +368,10 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
     // Every rank measures at once: the peaks under shared load. The GEMM and the hardware peak are
     // of the precision the GEMMs run in: bf16 dot products where the CPU has them and
     // fsdp.param_dtype=bf16 asks for them, fp32 otherwise.
-    const bool bf16 = cpu_bf16_compute(cfg_.train.device, engine_options(cfg_).param_dtype);
+    const bool bf16 = compute_.cpu_bf16_gemms();
     comm_->barrier("barrier(gemm peak)");
     double peaks[2] = {bf16 ? measure_bf16_gemm_gflops(2048, 5) : measure_sgemm_gflops(2048, 5), 0};
-    const FmaPeak hardware = measure_fma_peak(bf16 && cpu::Bf16Gemm::native_bf16());
+    const FmaPeak hardware = measure_fma_peak(compute_.cpu_bf16_dot_products());
     peaks[1] = hardware.gflops;
     comm_->all_reduce_max(Span<double>(peaks, 2), "all_reduce(gemm peak)");
     peak_gflops_ = peaks[0];
@@ -472,7 +478,7 @@ void Trainer::print_summary() {
   else
     rt_.info("compute: GEMMs %s | OpenBLAS %s | %s peak %.1f GFLOP/s per rank (%s)%s | %.1f MFLOP per token",
              compute_.gemm_description().c_str(), blas_description().c_str(),
-             cpu_bf16_compute(cfg_.train.device, engine_options(cfg_).param_dtype) ? "bf16 GEMM" : "SGEMM",
+             compute_.cpu_bf16_gemms() ? "bf16 GEMM" : "SGEMM",
              peak_gflops_, peak_source_.c_str(),
              hardware_peak_gflops_ > 0 ? strprintf(" | hardware peak %.1f GFLOP/s per rank (%s, measured)",
                                                    hardware_peak_gflops_, hardware_peak_unit_.c_str()).c_str()
@@ -728,7 +734,7 @@ void Trainer::report_step(int step, const StepOutcome& out, double eta_seconds, 
       "{\"kind\":\"step\",\"step\":%d,\"loss\":%s,\"lr\":%.9g,\"grad_norm\":%s,\"tokens_per_s\":%.6g,\"mfu\":%.6g,"
       "\"step_seconds\":%.6g,\"peak_mem_bytes\":%.0f,\"held_mem_bytes\":%.0f,\"peak_mem\":%s,\"rss_growth_bytes\":%.0f,"
       "\"comm_bytes\":%.0f,\"device_reserved_bytes\":%.0f,\"loss_scale\":%g,\"skipped\":%s,"
-        "\"peak_gflops\":%.6g,\"hardware_mfu\":%.6g,\"hardware_peak_gflops\":%.6g}",
+      "\"peak_gflops\":%.6g,\"hardware_mfu\":%.6g,\"hardware_peak_gflops\":%.6g}",
       step + 1, json_number(out.loss).c_str(), out.lr, json_number(out.grad_norm).c_str(), tokens_per_s, mfu,
       out.seconds, planned_peak_, out.maxima[HELD],
       memory_json(out.maxima).c_str(), out.maxima[RSS_GROWTH], out.maxima[COMM_BYTES], out.maxima[DEVICE_RESERVED],

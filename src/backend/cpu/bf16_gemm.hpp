@@ -48,6 +48,8 @@ class Bf16Gemm {
   // For the start line: "oneDNN 2.6.3 bf16 (avx512_core_bf16)" or "OpenBLAS SGEMM on bf16-rounded
   // operands (this CPU has no bf16 dot products)".
   std::string describe() const;
+  // Whether this instance multiplies with oneDNN's kernels (else SGEMMs on rounded operands).
+  bool onednn() const;
   // Whether oneDNN's bf16 kernels run (the CPU has bf16 dot products and DNNL_MAX_CPU_ISA allows them).
   static bool native_bf16();
 
