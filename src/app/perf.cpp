@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -69,16 +70,26 @@ namespace {
 constexpr int CHAINS = 12;
 constexpr long ITERATIONS = 1 << 23;
 
+// Makes every chain's value observable (summed into a volatile), so that none is optimised away.
+template <typename Vec>
+void keep_alive(const Vec (&acc)[CHAINS]) {
+  float lanes[sizeof(Vec) / sizeof(float)];
+  float sink = 0;
+  for (const Vec& v : acc) {
+    std::memcpy(lanes, &v, sizeof v);
+    for (float x : lanes) sink += x;
+  }
+  volatile float keep = sink;
+  (void)keep;
+}
+
 __attribute__((target("avx512f"))) double fma_avx512_flops() {
   __m512 acc[CHAINS];
   for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_set1_ps(1.0f + c * 1e-3f);
   const __m512 m = _mm512_set1_ps(0.999999f), a = _mm512_set1_ps(1e-7f);
   for (long i = 0; i < ITERATIONS; i++)
     for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_fmadd_ps(acc[c], m, a);
-  float sink = 0;
-  for (int c = 0; c < CHAINS; c++) sink += _mm512_reduce_add_ps(acc[c]);
-  volatile float keep = sink;
-  (void)keep;
+  keep_alive(acc);
   return 2.0 * 16 * CHAINS * ITERATIONS;
 }
 
@@ -88,14 +99,7 @@ __attribute__((target("avx2,fma"))) double fma_avx2_flops() {
   const __m256 m = _mm256_set1_ps(0.999999f), a = _mm256_set1_ps(1e-7f);
   for (long i = 0; i < ITERATIONS; i++)
     for (int c = 0; c < CHAINS; c++) acc[c] = _mm256_fmadd_ps(acc[c], m, a);
-  alignas(32) float lanes[8];
-  float sink = 0;
-  for (int c = 0; c < CHAINS; c++) {
-    _mm256_store_ps(lanes, acc[c]);
-    for (float x : lanes) sink += x;
-  }
-  volatile float keep = sink;
-  (void)keep;
+  keep_alive(acc);
   return 2.0 * 8 * CHAINS * ITERATIONS;
 }
 
@@ -106,10 +110,7 @@ __attribute__((target("avx512f,avx512bf16"))) double dot_bf16_flops() {
   const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_set1_ps(0x1p-10f), _mm512_set1_ps(0x1p-10f));
   for (long i = 0; i < ITERATIONS; i++)
     for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_dpbf16_ps(acc[c], x, x);
-  float sink = 0;
-  for (int c = 0; c < CHAINS; c++) sink += _mm512_reduce_add_ps(acc[c]);
-  volatile float keep = sink;
-  (void)keep;
+  keep_alive(acc);
   return 4.0 * 16 * CHAINS * ITERATIONS;
 }
 
