@@ -5,9 +5,7 @@
 #include "app/convert.hpp"
 
 #include <boost/program_options.hpp>
-#include <cerrno>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <memory>
@@ -179,10 +177,8 @@ void folder_to_checkpoint(const Runtime& rt, const ConvertOptions& o, Watchdog& 
     // Data first, then the name (as CheckpointManager commits a save).
     rt.agree_on([&] {
       if (!rt.is_root()) return;
-      std::string error = CheckpointManager::fsync_path(tmp);
-      if (error.empty() && std::rename(tmp.c_str(), o.output.c_str()) != 0)
-        error = "cannot rename '" + tmp + "' to '" + o.output + "': " + std::strerror(errno);
-      if (error.empty()) error = CheckpointManager::fsync_path(fs::absolute(o.output).parent_path().string());
+      const std::string error =
+          CheckpointManager::commit_synced(tmp, o.output, fs::absolute(o.output).parent_path().string());
       if (!error.empty()) throw CheckpointError(error);
     });
   } catch (const InputError&) {

@@ -56,6 +56,14 @@ std::string CheckpointManager::fsync_path(const std::string& path) {
   return rc == 0 ? "" : "fsync of '" + path + "' failed: " + std::strerror(errno);
 }
 
+std::string CheckpointManager::commit_synced(const std::string& tmp, const std::string& final_path,
+                                             const std::string& dir) {
+  std::string error = fsync_path(tmp);
+  if (error.empty() && std::rename(tmp.c_str(), final_path.c_str()) != 0)
+    error = "cannot rename '" + tmp + "' to '" + final_path + "': " + std::strerror(errno);
+  return error.empty() ? fsync_path(dir) : error;
+}
+
 std::string CheckpointManager::write_file_synced(const std::string& path, const std::string& text) {
   int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0) return "cannot write '" + path + "': " + std::strerror(errno);
@@ -111,10 +119,7 @@ std::string CheckpointManager::save(const CheckpointState& state, FsdpEngine& en
   if (rt_.is_root()) {
     // Data first, then the name: a crash at any point leaves either no new checkpoint or a
     // complete one, and `latest` only ever names complete files.
-    error = fsync_path(tmp_path);
-    if (error.empty() && std::rename(tmp_path.c_str(), final_path.c_str()) != 0)
-      error = "cannot rename '" + tmp_path + "': " + std::strerror(errno);
-    if (error.empty()) error = fsync_path(dir_);
+    error = commit_synced(tmp_path, final_path, dir_);
     if (error.empty()) {
       const std::string latest_tmp = dir_ + "/latest.tmp";
       error = write_file_synced(latest_tmp, file_name(state.step) + "\n");

@@ -38,6 +38,10 @@ class CheckpointManager {
   static std::string write_file_synced(const std::string& path, const std::string& text);
   // fsync of a file or folder (after a rename, the folder); "" or why it failed.
   static std::string fsync_path(const std::string& path);
+  // Commits a written file under its name: fsync `tmp`, rename it to `final_path`, fsync the folder
+  // `dir` holding both. A crash at any point leaves either no file or the complete one. "" or why
+  // it failed (`tmp` is left in place then).
+  static std::string commit_synced(const std::string& tmp, const std::string& final_path, const std::string& dir);
 
  private:
   CheckpointComm ranks() const { return CheckpointComm{comm_, rt_.world_comm(), watchdog_}; }
