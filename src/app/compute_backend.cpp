@@ -43,9 +43,10 @@ size_t plan_gemm_workspace_bytes(const std::string& device, DType compute_dtype,
                                                  : 0;
 }
 
-ComputeBackend::ComputeBackend(const std::string& device, DType compute_dtype, const Runtime& rt,
-                               const GemmWorkload& workload)
-    : compute_dtype_(compute_dtype) {
+ComputeBackend::ComputeBackend(const ComputeOptions& options, const Runtime& rt, const GemmWorkload& workload)
+    : options_(options) {
+  const std::string& device = options.device;
+  const DType compute_dtype = options.compute_dtype;
   if (device == "cpu") {
     backend_ = cpu_backend();
     if (cpu_bf16_compute(device, compute_dtype)) {
@@ -92,8 +93,8 @@ ComputeBackend::~ComputeBackend() = default;
 std::string ComputeBackend::gemm_description() const {
   if (cpu_bf16_) return "bf16 operands, fp32 accumulation: " + cpu_bf16_->describe();
   if (on_gpu())
-    return compute_dtype_ == DTYPE_FP32 ? "fp32 (cuBLASLt)"
-                                        : std::string(dtype_name(compute_dtype_)) + " operands, fp32 accumulation (cuBLASLt)";
+    return options_.compute_dtype == DTYPE_FP32 ? "fp32 (cuBLASLt)"
+                                        : std::string(dtype_name(options_.compute_dtype)) + " operands, fp32 accumulation (cuBLASLt)";
   return "fp32 (OpenBLAS)";
 }
 

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "app/compute_options.hpp"
 #include "backend/cpu/bf16_gemm.hpp"
 #include "backend/layer_ops.hpp"
 #include "comm/comm.hpp"
@@ -36,15 +37,16 @@ size_t plan_gemm_workspace_bytes(const std::string& device, DType compute_dtype,
 
 class ComputeBackend {
  public:
-  // device: "cpu" or "cuda" (the GPU of node-local rank modulo the visible GPUs). Throws
+  // options.device: "cpu" or "cuda" (the GPU of node-local rank modulo the visible GPUs). Throws
   // UsageError when this build has no CUDA backend, InputError when no GPU can be used.
-  // compute_dtype (fsdp.param_dtype): on a GPU, bf16 or fp16 runs the GEMMs on the tensor cores
-  // with operands in that type; on the CPU bf16 runs the linear layers' GEMMs in bf16 with fp32
-  // accumulation (oneDNN), sized for `workload`; fp16 is a storage and wire format there.
-  ComputeBackend(const std::string& device, DType compute_dtype, const Runtime& rt, const GemmWorkload& workload = {});
+  // options.compute_dtype (fsdp.param_dtype): on a GPU, bf16 or fp16 runs the GEMMs on the tensor
+  // cores with operands in that type; on the CPU bf16 runs the linear layers' GEMMs in bf16 with
+  // fp32 accumulation (oneDNN), sized for `workload`; fp16 is a storage and wire format there.
+  ComputeBackend(const ComputeOptions& options, const Runtime& rt, const GemmWorkload& workload = {});
   ~ComputeBackend();
 
   const Backend& backend() const { return backend_; }
+  const ComputeOptions& options() const { return options_; }
   bool on_gpu() const { return backend_.device->kind() == DEVICE_CUDA; }
   // A communicator over `comm` on the device's memory: MPI for the host, NCCL for a GPU.
   std::unique_ptr<Comm> make_comm(MPI_Comm comm, Watchdog* watchdog) const;
@@ -70,7 +72,7 @@ class ComputeBackend {
   std::unique_ptr<Cuda> cuda_;
   std::unique_ptr<cpu::Bf16Gemm> cpu_bf16_;
   std::unique_ptr<LayerOps<float>> cpu_bf16_ops_;
-  DType compute_dtype_;
+  ComputeOptions options_;
   Backend backend_;
 };
 

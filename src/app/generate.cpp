@@ -262,7 +262,7 @@ class Generator {
       : rt_(rt),
         o_(o),
         watchdog_(o.comm_timeout),
-        compute_(o.device, DTYPE_FP32, rt),
+        compute_(ComputeOptions{o.device}, rt),
         comm_(make_mpi_comm(rt.world_comm(), &watchdog_)) {
     threads_ = o.threads > 0 ? o.threads : default_threads_per_rank(rt.local_size());
     set_compute_threads(threads_);

@@ -38,7 +38,8 @@ GemmWorkload gemm_workload(const ModelConfig& student, const ModelConfig* teache
 }
 
 MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, const EngineOptions& engine,
-                            int micro_batch, int seq_len, bool activation_checkpointing) {
+                            int micro_batch, int seq_len, bool activation_checkpointing,
+                            const ComputeOptions& compute, const GemmWorkload& gemms) {
   std::vector<UnitLayout> layout = FsdpEngine::plan_layout(table, groups);
   MemoryPlan plan;
   plan.bytes = FsdpEngine::plan_memory(layout, engine);
@@ -51,6 +52,7 @@ MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, c
   if (engine.cpu_offload)  // master, gradient, two moments
     plan.offloaded_bytes = (shard_numel + 3 * trainable_shard_numel) * sizeof(float);
   plan.bytes[MEM_ACTIVATIONS] = plan_activation_bytes(table, micro_batch, seq_len, activation_checkpointing);
+  plan.bytes[MEM_WORKSPACE] = plan_gemm_workspace_bytes(compute.device, compute.compute_dtype, gemms);
   return plan;
 }
 

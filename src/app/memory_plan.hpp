@@ -28,9 +28,11 @@ struct MemoryPlan {
 };
 
 // `table`: the model with what the configuration freezes (config_param_table). Without the
-// teacher: app/teacher.hpp's plan_teacher_memory gives MemoryPlan::teacher.
+// teacher: app/teacher.hpp's plan_teacher_memory gives MemoryPlan::teacher. `compute`: the device
+// and its kernels; `gemms`: the linear layers multiplied (gemm_workload), for the GEMMs' workspace.
 MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, const EngineOptions& engine,
-                            int micro_batch, int seq_len, bool activation_checkpointing);
+                            int micro_batch, int seq_len, bool activation_checkpointing,
+                            const ComputeOptions& compute, const GemmWorkload& gemms);
 // The GEMMs' workspace of a run: the student's layers and, when distilling, the teacher's, at
 // micro_batch x seq_len rows (its bytes: plan_gemm_workspace_bytes, in the plan's "workspace").
 GemmWorkload gemm_workload(const ModelConfig& student, const ModelConfig* teacher, int rows);

@@ -151,6 +151,9 @@ void declare_options(OptionList& o, Config& c) {
         "e.g. wte,h.[0-5].* (docs/freezing.md); frozen parameters get no gradients and no optimizer state");
   o.add("train.device", &c.train.device,
         "cpu (OpenBLAS + MPI) or cuda (one GPU per rank by node-local rank, NCCL; needs a make CUDA=1 build)");
+  o.add_choice("train.attention", &c.train.attention, ATTENTION_KERNELS, attention_kernel_name,
+               "train.device=cuda: the tiled fp32 attention kernels or cuDNN's fused scaled-dot-product attention "
+               "(bf16 inputs, fp32 statistics); auto = tiled. The CPU has the tiled kernels only");
   o.add("data.train_file", &c.data.train_file,
         "training tokens: an llm.c .bin file, or comma-separated files and glob patterns read as one stream "
         "(docs/data.md)");
@@ -220,6 +223,9 @@ void declare_options(OptionList& o, Config& c) {
         "allocating, with the need by category; empty = no limit");
   o.add("fsdp.comm_timeout", &c.fsdp.comm_timeout,
         "seconds a collective may wait before all ranks are aborted; 0 disables the watchdog");
+  o.add_choice("fsdp.comm_backend", &c.fsdp.comm_backend, COMM_BACKENDS, comm_backend_name,
+               "collectives on device buffers: nccl (one GPU per rank) or mpi (host MPI; on GPUs through host "
+               "staging buffers, so several ranks may share one GPU); auto = nccl on cuda, mpi on cpu");
   o.add("checkpoint.dir", &c.checkpoint.dir, "checkpoint folder; empty = checkpoints/<train.run_name>");
   o.add("checkpoint.every", &c.checkpoint.every, "save every N steps; 0 = only at the end");
   o.add("checkpoint.format", &c.checkpoint.format,
@@ -615,6 +621,10 @@ void validate_config(const Config& c, int world) {
   require(!c.data.train_file.empty(), "data.train_file is required");
   require(t.device == "cpu" || t.device == "cuda",
           "train.device='" + printable_text(t.device) + "' is not a device; allowed: cpu, cuda");
+  require(t.device == "cuda" || c.fsdp.comm_backend != COMM_NCCL,
+          "fsdp.comm_backend=nccl needs train.device=cuda; on the CPU collectives are MPI's (use auto or mpi)");
+  require(t.device == "cuda" || c.train.attention != ATTENTION_CUDNN,
+          "train.attention=cudnn needs train.device=cuda; the CPU has the tiled kernels (use auto or tiled)");
   require(t.device == "cpu" || !c.debug.skip_communication,
           "debug.skip_communication is implemented for train.device=cpu only; remove it");
   require(c.fsdp.shard_group_size >= 0, "fsdp.shard_group_size must be >= 0 (0 = the ranks of one node)");
@@ -698,8 +708,17 @@ EngineOptions engine_options(const Config& c) {
   o.backward_prefetch = c.fsdp.backward_prefetch;
   o.limit_all_gathers = c.fsdp.limit_all_gathers;
   o.cpu_offload = c.fsdp.cpu_offload;
-  o.overlap_reduce_scatter = c.train.device == "cuda";  // NCCL progresses on its own stream; MPI does not
-  o.nccl = c.train.device == "cuda";
+  o.nccl = compute_options(c).nccl();
+  o.overlap_reduce_scatter = o.nccl;  // NCCL progresses on its own stream; MPI does not
+  return o;
+}
+
+ComputeOptions compute_options(const Config& c) {
+  ComputeOptions o;
+  o.device = c.train.device;
+  o.compute_dtype = c.fsdp.param_dtype;
+  o.comm = c.fsdp.comm_backend;
+  o.attention = c.train.attention;
   return o;
 }
 

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "app/compute_options.hpp"
 #include "model/config.hpp"
 #include "shard/fsdp_engine.hpp"
 
@@ -41,6 +42,7 @@ struct TrainOptions {
   int threads = 0;           // per rank; 0 = the cores available to this rank
   double peak_gflops = 0;    // per rank, for MFU; 0 = measure an SGEMM at start-up
   std::string device = "cpu";  // cpu | cuda
+  AttentionKernel attention = ATTENTION_AUTO;  // the GPU's attention kernels
   std::string freeze;          // comma-separated glob patterns of parameters not trained
 };
 
@@ -69,6 +71,7 @@ struct FsdpOptions {
   bool cpu_offload = false;   // master shards, gradients and moments in host memory, AdamW on the CPU
   MemorySize memory_limit;    // e.g. 24GiB: emulates a device's memory; none by default
   double comm_timeout = 300;  // seconds; 0 disables the watchdog
+  CommBackend comm_backend = COMM_AUTO;  // collectives on device buffers: NCCL or MPI
 };
 
 struct CheckpointOptions {
@@ -143,6 +146,8 @@ std::string train_help();
 std::string resolved_ini(const Config& config);
 // The engine's options from a validated Config.
 EngineOptions engine_options(const Config& config);
+// train.device, fsdp.param_dtype, fsdp.comm_backend and train.attention.
+ComputeOptions compute_options(const Config& config);
 // The parameter table the configuration trains: the model with train.freeze applied. Throws
 // UsageError for a pattern that matches nothing or freezes what cannot be (model/param_table.hpp).
 ParamTable config_param_table(const Config& config);

@@ -69,10 +69,8 @@ std::vector<Candidate> plan_candidates(const Config& config, int world, int rank
   std::optional<ParamTable> teacher;  // distill.teacher's model, read once
   if (!config.distill.teacher.empty()) teacher.emplace(teacher_param_table(config.distill.teacher));
   const int accumulation = std::max(1, config.train.global_batch / (config.train.micro_batch * world));
-  const size_t gemm_workspace = plan_gemm_workspace_bytes(
-      config.train.device, engine_options(config).param_dtype,
-      gemm_workload(config.model, teacher ? &teacher->config() : nullptr,
-                    config.train.micro_batch * config.train.seq_len));
+  const GemmWorkload gemms = gemm_workload(config.model, teacher ? &teacher->config() : nullptr,
+                                           config.train.micro_batch * config.train.seq_len);
   std::vector<Candidate> candidates;
   const ShardingStrategy strategies[] = {SHARDING_NO_SHARD, SHARDING_HYBRID_SHARD, SHARDING_SHARD_GRAD_OP,
                                          SHARDING_FULL_SHARD};
@@ -88,8 +86,8 @@ std::vector<Candidate> plan_candidates(const Config& config, int world, int rank
           EngineOptions options = engine_options(config);
           options.strategy = s, options.reduce_every_microbatch = every, options.cpu_offload = offload;
           c.memory = plan_rank_memory(table, GroupShape{shard, 0, world / shard, 0}, options,
-                                      config.train.micro_batch, config.train.seq_len, ckpt);
-          c.memory.bytes[MEM_WORKSPACE] = gemm_workspace;
+                                      config.train.micro_batch, config.train.seq_len, ckpt,
+                                      compute_options(config), gemms);
           if (teacher)
             c.memory.teacher = plan_teacher_memory(*teacher, GroupShape{shard, 0, world / shard, 0}, options,
                                                    config.train.micro_batch, config.train.seq_len);

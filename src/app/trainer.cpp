@@ -257,8 +257,7 @@ MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrat
                                const std::optional<ParamTable>& teacher) {
   GroupShape groups{shard.size(), shard.rank(), replica.size(), replica.rank()};
   MemoryPlan plan = plan_rank_memory(config_param_table(c), groups, engine_options(c), c.train.micro_batch,
-                                     c.train.seq_len, c.fsdp.activation_checkpointing);
-  plan.bytes[MEM_WORKSPACE] = plan_gemm_workspace_bytes(c.train.device, engine_options(c).param_dtype, gemms);
+                                     c.train.seq_len, c.fsdp.activation_checkpointing, compute.options(), gemms);
   if (teacher)
     plan.teacher = plan_teacher_memory(*teacher, groups, engine_options(c), c.train.micro_batch, c.train.seq_len);
   rt.agree_on([&] {
@@ -321,7 +320,7 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
       strategy_(config.fsdp.sharding_strategy),
       teacher_table_(read_teacher_table(rt, config)),
       gemm_workload_(run_gemm_workload(config, teacher_table_)),
-      compute_(config.train.device, engine_options(config).param_dtype, rt, gemm_workload_),
+      compute_(compute_options(config), rt, gemm_workload_),
       comm_(make_mpi_comm(rt.world_comm(), &watchdog_)),
       shard_comm_(make_shard_comm(rt, config, strategy_, compute_, &watchdog_)),
       replica_comm_(make_replica_comm(rt, config, strategy_, compute_, &watchdog_)),

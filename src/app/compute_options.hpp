@@ -1,0 +1,44 @@
+// What a run computes on and with (train.device, fsdp.param_dtype, fsdp.comm_backend,
+// train.attention), as the compute backend (app/compute_backend.hpp) and the memory plan
+// (app/memory_plan.hpp) take it. options.cpp fills it from the configuration (compute_options).
+#pragma once
+
+#include <string>
+
+#include "backend/dtype.hpp"
+
+namespace shardtrain {
+
+// The collectives on device buffers. NCCL: one GPU per rank, collectives on the GPU. MPI: host
+// MPI; on a GPU each collective goes through host staging buffers, so several ranks may share
+// one GPU. AUTO: NCCL on cuda, MPI on the CPU (the only choice there).
+enum CommBackend { COMM_AUTO, COMM_NCCL, COMM_MPI };
+constexpr CommBackend COMM_BACKENDS[] = {COMM_AUTO, COMM_NCCL, COMM_MPI};
+inline const char* comm_backend_name(CommBackend b) {
+  return b == COMM_NCCL ? "nccl" : b == COMM_MPI ? "mpi" : "auto";
+}
+
+// The attention kernels of a GPU run: the tiled fp32 kernels (kernels/attention.cu) or cuDNN's
+// fused scaled-dot-product attention. AUTO: the tiled kernels. The CPU has the tiled ones only.
+enum AttentionKernel { ATTENTION_AUTO, ATTENTION_TILED, ATTENTION_CUDNN };
+constexpr AttentionKernel ATTENTION_KERNELS[] = {ATTENTION_AUTO, ATTENTION_TILED, ATTENTION_CUDNN};
+inline const char* attention_kernel_name(AttentionKernel a) {
+  return a == ATTENTION_TILED ? "tiled" : a == ATTENTION_CUDNN ? "cudnn" : "auto";
+}
+
+struct ComputeOptions {
+  std::string device = "cpu";  // cpu | cuda
+  // fsdp.param_dtype: on a GPU bf16/fp16 GEMM operands for the tensor cores; on the CPU bf16
+  // GEMMs (oneDNN), fp16 only a storage and wire format.
+  DType compute_dtype = DTYPE_FP32;
+  CommBackend comm = COMM_AUTO;
+  AttentionKernel attention = ATTENTION_AUTO;
+
+  bool gpu() const { return device == "cuda"; }
+  // AUTO resolved.
+  CommBackend comm_backend() const { return comm != COMM_AUTO ? comm : gpu() ? COMM_NCCL : COMM_MPI; }
+  bool nccl() const { return comm_backend() == COMM_NCCL; }
+  AttentionKernel attention_kernel() const { return attention != ATTENTION_AUTO ? attention : ATTENTION_TILED; }
+};
+
+}  // namespace shardtrain
