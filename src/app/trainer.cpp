@@ -670,7 +670,7 @@ Trainer::StepOutcome Trainer::run_step(int step) {
     const float inf = INFINITY;
     for (UnitShard& shard : engine_.shards())  // the first gradient it has (frozen units have none)
       if (shard.grads.size() > 0) {
-        shard.grads.device()->copy(shard.grads.data(), &inf, sizeof inf);
+        shard.grads.device()->copy_to_device(shard.grads.data(), &inf, sizeof inf);
         break;
       }
   }

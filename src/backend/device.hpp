@@ -5,11 +5,18 @@
 // backend's LayerOps (backend/layer_ops.hpp).
 //
 // Ordering: every call is ordered after the work already issued to the device's compute stream.
-// copy() into host memory returns once the bytes are there; other calls may return earlier.
-// Streams and events (below) let code that queues work of its own order it with that stream.
+// Copies name their direction (no pointer queries on the way): copy_to_host returns once the
+// bytes are there, the others may return earlier. Streams and events (below) let code that queues
+// work of its own order it with that stream.
+//
+// Host synchronizations -- the host waiting for the device's queued work: copy_to_host,
+// synchronize(), and the LayerOps reductions that return a value -- are counted (host_syncs()),
+// so that a training step can be held to one (docs/architecture.md, "One host synchronization
+// per step") on any backend, the host included.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <utility>
 
 #include "core/error.hpp"
@@ -36,11 +43,30 @@ class Device {
   // Zero-filled memory for `bytes` (0 gives null). Throws when the device has none left.
   virtual void* allocate(size_t bytes) = 0;
   virtual void release(void* p, size_t bytes) = 0;
-  // dst and src may each be host or device memory.
-  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
   virtual void zero(void* p, size_t bytes) = 0;
-  // Returns when all work issued to the device so far has finished.
-  virtual void synchronize() = 0;
+
+  // ---- copies; `src`/`dst` without "host" are this device's memory ----
+  // Into host memory; returns once the bytes are there (a host synchronization).
+  void copy_to_host(void* host_dst, const void* src, size_t bytes) {
+    count_host_sync();
+    transfer(host_dst, src, bytes, COPY_TO_HOST);
+  }
+  // Into host memory, queued: the bytes are there after the next synchronize(). host_dst must be
+  // memory of the backend's host device (Backend::host: page-locked beside a GPU).
+  void start_copy_to_host(void* host_dst, const void* src, size_t bytes) {
+    transfer(host_dst, src, bytes, COPY_TO_HOST_QUEUED);
+  }
+  // From host memory, which the caller may reuse once the call returns.
+  void copy_to_device(void* dst, const void* host_src, size_t bytes) { transfer(dst, host_src, bytes, COPY_TO_DEVICE); }
+  void copy_on_device(void* dst, const void* src, size_t bytes) { transfer(dst, src, bytes, COPY_ON_DEVICE); }
+  // Returns when all work issued to the device so far has finished (a host synchronization).
+  void synchronize() {
+    count_host_sync();
+    wait_for_work();
+  }
+  // Times the host has waited for this device (the list above); for the per-step check.
+  uint64_t host_syncs() const { return host_syncs_; }
+  void count_host_sync() { host_syncs_++; }
   // The most memory this device has held from its allocator at once (a GPU's caching allocator:
   // what the card had to provide); 0 where nobody counts (the host).
   virtual size_t peak_reserved_bytes() const { return 0; }
@@ -78,11 +104,17 @@ class Device {
   }
   void count_release(size_t bytes) { live_bytes_ -= bytes; }
 
+ protected:
+  enum CopyKind { COPY_TO_HOST, COPY_TO_HOST_QUEUED, COPY_TO_DEVICE, COPY_ON_DEVICE };
+  virtual void transfer(void* dst, const void* src, size_t bytes, CopyKind kind) = 0;
+  virtual void wait_for_work() = 0;
+
  private:
   [[noreturn]] void no_streams() const {
     fatal_internal(__FILE__, __LINE__, __func__, strprintf("%s has no streams: its work runs in program order", name()));
   }
   size_t live_bytes_ = 0, peak_live_bytes_ = 0;
+  uint64_t host_syncs_ = 0;
 };
 
 // The host: plain zeroed heap memory, memcpy.

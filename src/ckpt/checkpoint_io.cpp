@@ -56,7 +56,7 @@ class HostShards {
       for (DeviceArray<float>* a : arrays) {
         arrays_.push_back(a);
         copies_.emplace_back(!a || a->on_host() ? 0 : a->size());
-        if (download && a && !a->on_host()) a->device()->copy(copies_.back().data(), a->data(), a->bytes());
+        if (download && a && !a->on_host()) a->device()->copy_to_host(copies_.back().data(), a->data(), a->bytes());
       }
       frozen_shard = std::max(frozen_shard, engine.shards()[u].layout.frozen.shard_numel);
     }
@@ -84,7 +84,7 @@ class HostShards {
   void upload() {
     for (size_t i = 0; i < arrays_.size(); i++)
       if (arrays_[i] && !arrays_[i]->on_host())
-        arrays_[i]->device()->copy(arrays_[i]->data(), copies_[i].data(), arrays_[i]->bytes());
+        arrays_[i]->device()->copy_to_device(arrays_[i]->data(), copies_[i].data(), arrays_[i]->bytes());
   }
 
  private:
@@ -798,7 +798,7 @@ uint64_t base_model_checksum(FsdpEngine& engine, Comm& comm) {
     DeviceArray<float>& params = engine.shards()[u].params;
     if (params.on_host()) return params.data();
     copy.resize(params.size());
-    params.device()->copy(copy.data(), params.data(), params.bytes());
+    params.device()->copy_to_host(copy.data(), params.data(), params.bytes());
     return copy.data();
   })};
   sum_over_ranks(sum, comm);

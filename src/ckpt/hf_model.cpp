@@ -43,11 +43,11 @@ class HostShard {
   explicit HostShard(DeviceArray<float>& params) : params_(params) {
     if (params.on_host()) return;
     copy_.resize(params.size());
-    params.device()->copy(copy_.data(), params.data(), params.bytes());
+    params.device()->copy_to_host(copy_.data(), params.data(), params.bytes());
   }
   float* data() { return params_.on_host() ? params_.data() : copy_.data(); }
   void upload() {
-    if (!params_.on_host()) params_.device()->copy(params_.data(), copy_.data(), params_.bytes());
+    if (!params_.on_host()) params_.device()->copy_to_device(params_.data(), copy_.data(), params_.bytes());
   }
 
  private:

@@ -108,7 +108,7 @@ void load_llmc_shards(const std::string& path, FsdpEngine& engine) {
   for (size_t u = 0; u < engine.shards().size(); u++) {
     UnitShard& s = engine.shards()[u];
     std::vector<float> values(s.layout.shard_numel());  // read on the host, then to the shard's device
-    s.params.device()->copy(values.data(), s.params.data(), s.params.bytes());  // what the file lacks stays
+    s.params.device()->copy_to_host(values.data(), s.params.data(), s.params.bytes());  // what the file lacks stays
     for (int id : table.units()[u].params) {
       const ParamInfo& p = table.params()[id];
       const UnitLayout::Local local = s.layout.local_part(p.range());
@@ -130,7 +130,7 @@ void load_llmc_shards(const std::string& path, FsdpEngine& engine) {
                                         "damaged or comes from a run that diverged; use another file",
                                         path.c_str(), p.name.c_str(), *bad, from - p.offset + (bad - slice)));
     }
-    s.params.device()->copy(s.params.data(), values.data(), s.params.bytes());
+    s.params.device()->copy_to_device(s.params.data(), values.data(), s.params.bytes());
   }
 }
 

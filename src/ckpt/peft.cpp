@@ -236,7 +236,7 @@ void init_dora_magnitudes(FsdpEngine& engine, Comm& world) {
     const int u = block_unit(l);
     UnitShard& s = engine.shards()[u];
     std::vector<float> values(s.layout.shard_numel());
-    s.params.device()->copy(values.data(), s.params.data(), s.params.bytes());
+    s.params.device()->copy_to_host(values.data(), s.params.data(), s.params.bytes());
     // Squared row norms of every adapted weight of the block, from the elements this rank owns.
     std::vector<double> squares;
     std::vector<size_t> first_row;  // per adapted site: its rows' position in `squares`
@@ -260,7 +260,7 @@ void init_dora_magnitudes(FsdpEngine& engine, Comm& world) {
       for (size_t o = local.range.begin; o < local.range.end; o++)
         values[local.index + (o - local.range.begin)] = static_cast<float>(std::sqrt(squares[first_row[k] + o - m.offset]));
     }
-    s.params.device()->copy(s.params.data(), values.data(), s.params.bytes());
+    s.params.device()->copy_to_device(s.params.data(), values.data(), s.params.bytes());
   }
 }
 
@@ -290,7 +290,7 @@ void load_peft_adapter(const std::string& folder, FsdpEngine& engine) {
                             "' is not one the configured adapters have (adapter.targets adapts fewer layers?)");
   for (UnitShard& s : engine.shards()) {
     std::vector<float> values(s.layout.shard_numel());
-    s.params.device()->copy(values.data(), s.params.data(), s.params.bytes());  // the base stays
+    s.params.device()->copy_to_host(values.data(), s.params.data(), s.params.bytes());  // the base stays
     bool any = false;
     for (int id : table.units()[&s - engine.shards().data()].params) {
       const ParamInfo& p = table.params()[id];
@@ -305,7 +305,7 @@ void load_peft_adapter(const std::string& folder, FsdpEngine& engine) {
                                 strprintf("%g", slice[i]) + ": the file is damaged; use another adapter");
       any = true;
     }
-    if (any) s.params.device()->copy(s.params.data(), values.data(), s.params.bytes());
+    if (any) s.params.device()->copy_to_device(s.params.data(), values.data(), s.params.bytes());
   }
 }
 

@@ -69,13 +69,13 @@ void DeltaLayers<Real>::oft_rotations(const Real* v, int blocks) const {
   const int b = a.block_size, nv = b * (b - 1) / 2;
   host_.resize(static_cast<size_t>(blocks) * std::max(nv, b * b));
   host_double_.resize(static_cast<size_t>(blocks) * (nv + b * b));
-  ops_.device().copy(host_.data(), v, static_cast<size_t>(blocks) * nv * sizeof(Real));
+  ops_.device().copy_to_host(host_.data(), v, static_cast<size_t>(blocks) * nv * sizeof(Real));
   double* params = host_double_.data();
   double* rotations = params + static_cast<size_t>(blocks) * nv;
   for (size_t i = 0; i < static_cast<size_t>(blocks) * nv; i++) params[i] = host_[i];
   for (int j = 0; j < blocks; j++) oft_rotation(a).forward(params + j * nv, rotations + static_cast<size_t>(j) * b * b);
   for (size_t i = 0; i < static_cast<size_t>(blocks) * b * b; i++) host_[i] = static_cast<Real>(rotations[i]);
-  ops_.device().copy(work_[0].data(), host_.data(), static_cast<size_t>(blocks) * b * b * sizeof(Real));
+  ops_.device().copy_to_device(work_[0].data(), host_.data(), static_cast<size_t>(blocks) * b * b * sizeof(Real));
 }
 
 template <typename Real>
@@ -111,7 +111,7 @@ void DeltaLayers<Real>::build_delta(int layer, size_t k, int first, const Real* 
       const int b = a.block_size, blocks = oft_blocks(a, in);
       oft_rotations(param(0), blocks);
       const Real* W = param_in(table_, unit, u, site.weight);
-      ops_.device().copy(delta, W, static_cast<size_t>(out) * in * sizeof(Real));
+      ops_.device().copy_on_device(delta, W, static_cast<size_t>(out) * in * sizeof(Real));
       for (int j = 0; j < in / b; j++)  // dW_j = W_j R_j^T - W_j over the block's columns
         ops_.gemm(false, true, out, b, b, Real(1), W + j * b, in, work_[0].data() + (a.block_share ? 0 : j) * b * b,
                   b, Real(-1), delta + j * b, in);
@@ -171,14 +171,14 @@ void DeltaLayers<Real>::delta_backward(int layer, size_t k, int first, const Rea
       double* v = host_double_.data();  // the parameters again, the rotations' gradients, dv
       double* dR = v + params;
       double* dv_host = dR + rotations;
-      ops_.device().copy(host_.data(), param(0), params * sizeof(Real));
+      ops_.device().copy_to_host(host_.data(), param(0), params * sizeof(Real));
       for (size_t i = 0; i < params; i++) v[i] = host_[i];
-      ops_.device().copy(host_.data(), work_[1].data(), rotations * sizeof(Real));
+      ops_.device().copy_to_host(host_.data(), work_[1].data(), rotations * sizeof(Real));
       for (size_t i = 0; i < rotations; i++) dR[i] = host_[i];
       for (int j = 0; j < blocks; j++)
         oft_rotation(a).backward(v + j * nv, dR + static_cast<size_t>(j) * b * b, dv_host + j * nv);
       for (size_t i = 0; i < params; i++) host_[i] = static_cast<Real>(dv_host[i]);
-      ops_.device().copy(work_[2].data(), host_.data(), params * sizeof(Real));
+      ops_.device().copy_to_device(work_[2].data(), host_.data(), params * sizeof(Real));
       ops_.residual_forward(dv, dv, work_[2].data(), params);
       return;
     }

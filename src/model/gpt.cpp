@@ -48,7 +48,7 @@ size_t GptModel<Real>::plan_activation_elements(const ModelConfig& c, int batch,
 
 template <typename Real>
 void GptModel<Real>::embed_forward(const Real* root, const int* tokens) {
-  ops_.device().copy(tokens_.data(), tokens, tokens_.bytes());
+  ops_.device().copy_to_device(tokens_.data(), tokens, tokens_.bytes());
   ops_.encoder_forward(resid_[0].data(), tokens_.data(), param_in(table_, root, ROOT_UNIT, ROOT_WTE),
                        param_in(table_, root, ROOT_UNIT, ROOT_WPE), B_, T_, cfg_.n_embd);
 }
@@ -91,7 +91,7 @@ const Real* GptModel<Real>::head_logits(const Real* root) {
 template <typename Real>
 double GptModel<Real>::head_forward(const Real* root, const int* targets) {
   const int N = B_ * T_, V = cfg_.vocab_size;
-  ops_.device().copy(targets_.data(), targets, targets_.bytes());
+  ops_.device().copy_to_device(targets_.data(), targets, targets_.bytes());
   head_logits(root);
   this->head_loss_.forward(ops_, losses_.data(), probs_.data(), targets_.data(), N, V);
   return ops_.sum(losses_.data(), losses_.size());
@@ -152,7 +152,7 @@ template <typename Real>
 void GptModel<Real>::copy_head_probs(int row, Real* host) const {
   SHARD_CHECK(row >= 0 && row < B_ * T_, "row %d of %d", row, B_ * T_);
   const size_t V = cfg_.vocab_size;
-  ops_.device().copy(host, probs_.data() + row * V, V * sizeof(Real));
+  ops_.device().copy_to_host(host, probs_.data() + row * V, V * sizeof(Real));
 }
 
 template <typename Real>
@@ -187,7 +187,7 @@ void GptModel<Real>::decode_embed(const Real* root, const int* tokens, int n) {
   Decode& d = dec_;
   const size_t C = cfg_.n_embd;
   d.advance(n);
-  ops_.device().copy(d.tokens.data(), tokens, n * sizeof(int));
+  ops_.device().copy_to_device(d.tokens.data(), tokens, n * sizeof(int));
   // Positions start..start+n-1: the position table from row start on.
   ops_.encoder_forward(d.x.data(), d.tokens.data(), param_in(table_, root, ROOT_UNIT, ROOT_WTE),
                        param_in(table_, root, ROOT_UNIT, ROOT_WPE) + d.start * C, 1, n, C);
@@ -225,7 +225,7 @@ void GptModel<Real>::decode_head(const Real* root, Real* logits) {
                          param_in(table_, root, ROOT_UNIT, ROOT_LNF_B), 1, C);
   ops_.matmul_forward(d.logits.data(), d.ln.data(), param_in(table_, root, ROOT_UNIT, ROOT_WTE),
                       static_cast<const Real*>(nullptr), 1, C, V);
-  ops_.device().copy(logits, d.logits.data(), d.logits.bytes());
+  ops_.device().copy_to_host(logits, d.logits.data(), d.logits.bytes());
 }
 
 template class GptModel<float>;

@@ -52,8 +52,8 @@ void LlamaModel<Real>::make_rope_tables(int T, Array& cos_table, Array& sin_tabl
     }
   Device& dev = ops_.device();
   cos_table = Array(dev, cos.size()), sin_table = Array(dev, sin.size());
-  dev.copy(cos_table.data(), cos.data(), cos_table.bytes());
-  dev.copy(sin_table.data(), sin.data(), sin_table.bytes());
+  dev.copy_to_device(cos_table.data(), cos.data(), cos_table.bytes());
+  dev.copy_to_device(sin_table.data(), sin.data(), sin_table.bytes());
 }
 
 template <typename Real>
@@ -71,7 +71,7 @@ size_t LlamaModel<Real>::plan_activation_elements(const ModelConfig& c, int batc
 
 template <typename Real>
 void LlamaModel<Real>::embed_forward(const Real* root, const int* tokens) {
-  ops_.device().copy(tokens_.data(), tokens, tokens_.bytes());
+  ops_.device().copy_to_device(tokens_.data(), tokens, tokens_.bytes());
   ops_.encoder_forward(resid_[0].data(), tokens_.data(), param_in(table_, root, ROOT_UNIT, LLAMA_EMBED), nullptr, B_,
                        T_, cfg_.n_embd);
 }
@@ -115,7 +115,7 @@ const Real* LlamaModel<Real>::head_logits(const Real* root) {
 template <typename Real>
 double LlamaModel<Real>::head_forward(const Real* root, const int* targets) {
   const int N = B_ * T_, V = cfg_.vocab_size;
-  ops_.device().copy(targets_.data(), targets, targets_.bytes());
+  ops_.device().copy_to_device(targets_.data(), targets, targets_.bytes());
   head_logits(root);
   this->head_loss_.forward(ops_, losses_.data(), probs_.data(), targets_.data(), N, V);
   return ops_.sum(losses_.data(), losses_.size());
@@ -174,7 +174,7 @@ template <typename Real>
 void LlamaModel<Real>::copy_head_probs(int row, Real* host) const {
   SHARD_CHECK(row >= 0 && row < B_ * T_, "row %d of %d", row, B_ * T_);
   const size_t V = cfg_.vocab_size;
-  ops_.device().copy(host, probs_.data() + row * V, V * sizeof(Real));
+  ops_.device().copy_to_host(host, probs_.data() + row * V, V * sizeof(Real));
 }
 
 template <typename Real>
@@ -211,7 +211,7 @@ template <typename Real>
 void LlamaModel<Real>::decode_embed(const Real* root, const int* tokens, int n) {
   Decode& d = dec_;
   d.advance(n);
-  ops_.device().copy(d.tokens.data(), tokens, n * sizeof(int));
+  ops_.device().copy_to_device(d.tokens.data(), tokens, n * sizeof(int));
   ops_.encoder_forward(d.x.data(), d.tokens.data(), param_in(table_, root, ROOT_UNIT, LLAMA_EMBED), nullptr, 1, n,
                        cfg_.n_embd);
 }
@@ -252,7 +252,7 @@ void LlamaModel<Real>::decode_head(const Real* root, Real* logits) {
   ops_.rmsnorm_forward(d.ln.data(), d.rstd.data(), last, param_in(table_, root, ROOT_UNIT, LLAMA_NORM_W),
                        static_cast<Real>(cfg_.norm_eps), 1, C);
   ops_.matmul_forward(d.logits.data(), d.ln.data(), param_in(table_, root, ROOT_UNIT, head_param()), nullptr, 1, C, V);
-  ops_.device().copy(logits, d.logits.data(), d.logits.bytes());
+  ops_.device().copy_to_host(logits, d.logits.data(), d.logits.bytes());
 }
 
 template class LlamaModel<float>;

@@ -74,7 +74,7 @@ void LoraLayers<Real>::dora_gains(int layer, size_t k, const Real* unit) const {
   const LinearSite& site = sites_[k];
   const int u = block_unit(layer), a = table_.adapter_param(layer, static_cast<int>(k)), r = rank_;
   const Real* W = param_in(table_, unit, u, site.weight);
-  ops_.device().copy(weight_.data(), W, static_cast<size_t>(site.out) * site.in * sizeof(Real));
+  ops_.device().copy_on_device(weight_.data(), W, static_cast<size_t>(site.out) * site.in * sizeof(Real));
   ops_.gemm(false, false, site.out, site.in, r, scaling_, param_in(table_, unit, u, a + 1), r,
             param_in(table_, unit, u, a), site.in, Real(1), weight_.data(), site.in);  // W + s B A
   ops_.row_norms(norm_.data(), weight_.data(), site.out, site.in);
@@ -84,7 +84,7 @@ void LoraLayers<Real>::dora_gains(int layer, size_t k, const Real* unit) const {
 template <typename Real>
 void LoraLayers<Real>::set_row_keys(const uint64_t* keys) {
   dropping_ = keys && dropout_ > 0;
-  if (dropping_) ops_.device().copy(row_keys_.data(), keys, row_keys_.bytes());
+  if (dropping_) ops_.device().copy_to_device(row_keys_.data(), keys, row_keys_.bytes());
 }
 
 template <typename Real>
@@ -122,7 +122,7 @@ const Real* LoraLayers<Real>::output_grad(int layer, BlockProduct product, const
   bool copied = false;
   for (const auto& [k, a] : adapted(layer, product)) {
     const LinearSite& site = sites_[k];
-    if (!copied) ops_.device().copy(dz_.data(), dout, static_cast<size_t>(n) * site.width * sizeof(Real));
+    if (!copied) ops_.device().copy_on_device(dz_.data(), dout, static_cast<size_t>(n) * site.width * sizeof(Real));
     copied = true;
     dora_gains(layer, k, unit);
     if (Real* dm = grad_in(table_, unit_grads, unit_index, a + 2)) {

@@ -200,7 +200,7 @@ void FsdpEngine::init_parameters(uint64_t seed) {
       for (size_t e = part.range.begin; e < part.range.end; e++)
         out[e] = static_cast<float>(init_value(p, e - p.offset, key, n_layer));
     }
-    backend_.device->copy(s.params.data(), values.data(), s.params.bytes());
+    master_device().copy_to_device(s.params.data(), values.data(), s.params.bytes());
   }
 }
 
@@ -238,7 +238,10 @@ void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
     float* own_values = slot.values.data() + slot_begin + sp.begin;
     const float* master = s.params.data() + sp.local;
     if (!half || options_.cpu_offload) {  // up to the device first, into the part of the slot the gather overwrites
-      backend_.device->copy(own_values, master, sp.shard_numel * sizeof(float));
+      if (options_.cpu_offload)
+        backend_.device->copy_to_device(own_values, master, sp.shard_numel * sizeof(float));
+      else
+        backend_.device->copy_on_device(own_values, master, sp.shard_numel * sizeof(float));
       master = own_values;
     }
     const char* what = async ? "all_gather(params, prefetched)" : "all_gather(params)";
@@ -403,9 +406,11 @@ void FsdpEngine::finish_step() {
       if (shards_[u].layout.trainable.numel > 0)
         replica_comm_.all_reduce_sum(Span<float>(grad_shard(u).data(), shards_[u].layout.trainable.shard_numel),
                                      "all_reduce(grads)");
-  if (options_.cpu_offload)  // down to the host, where the optimizer steps
+  if (options_.cpu_offload) {  // down to the host, where the optimizer steps: queued, then one wait
     for (size_t u = 0; u < shards_.size(); u++)
-      backend_.device->copy(shards_[u].grads.data(), device_grads_[u].data(), shards_[u].grads.bytes());
+      backend_.device->start_copy_to_host(shards_[u].grads.data(), device_grads_[u].data(), shards_[u].grads.bytes());
+    backend_.device->synchronize();
+  }
 }
 
 double FsdpEngine::eval_micro_batch(TransformerModel<float>& model, const int* tokens, const int* targets) {
@@ -446,11 +451,14 @@ std::vector<float> FsdpEngine::gather_unit(int unit, bool gradients) {
     if (sp->numel == 0 || (gradients && sp == &s.layout.frozen)) continue;
     DeviceArray<float> full(dev, sp->padded_numel);  // the communicators work on device memory
     const float* local = (gradients ? s.grads.data() : s.params.data()) + sp->local;
-    dev.copy(full.data() + sp->begin, local, sp->shard_numel * sizeof(float));
+    if (options_.cpu_offload)  // the shard is host memory
+      dev.copy_to_device(full.data() + sp->begin, local, sp->shard_numel * sizeof(float));
+    else
+      dev.copy_on_device(full.data() + sp->begin, local, sp->shard_numel * sizeof(float));
     if (shard_comm_.size() > 1)
       shard_comm_.all_gather(Span<const float>(full.data() + sp->begin, sp->shard_numel),
                              Span<float>(full.data(), full.size()), "all_gather(unit)");
-    dev.copy(values.data() + sp->base, full.data() + sp->lead, sp->numel * sizeof(float));
+    dev.copy_to_host(values.data() + sp->base, full.data() + sp->lead, sp->numel * sizeof(float));
   }
   return values;
 }

@@ -149,14 +149,14 @@ class DeviceBuffer {
     ASSERT_EQ(values.size(), n_) << name_;
     std::vector<T> image(storage_.size(), sentinel_);
     std::copy(values.begin(), values.end(), image.begin() + front_);
-    device_->copy(storage_.data(), image.data(), image.size() * sizeof(T));
+    device_->copy_to_device(storage_.data(), image.data(), image.size() * sizeof(T));
   }
   void fill(T value) { upload(std::vector<T>(n_, value)); }
 
   // The data, after checking both guard zones (one failure naming the first overwritten element).
   std::vector<T> download(const std::string& label) {
     std::vector<T> image(storage_.size());
-    device_->copy(image.data(), storage_.data(), image.size() * sizeof(T));
+    device_->copy_to_host(image.data(), storage_.data(), image.size() * sizeof(T));
     for (size_t i = 0; i < image.size(); i++) {
       if (i >= front_ && i < front_ + n_) continue;
       if (std::memcmp(&image[i], &sentinel_, sizeof(T)) != 0) {
@@ -2010,11 +2010,11 @@ TEST_F(CudaOpsTest, OpsRunInOrderOnTheDevicesComputeStream) {
   std::vector<float> values(n);
   for (size_t i = 0; i < n; i++) values[i] = static_cast<float>(i % 1000 + 1);
   DeviceArray<float> x(device(), n), y(device(), n);
-  device().copy(x.data(), values.data(), x.bytes());
+  device().copy_to_device(x.data(), values.data(), x.bytes());
   ops().scale(x.data(), n, 2.0f);                          // x = 2 v
   ops().residual_forward(y.data(), x.data(), x.data(), n);  // y = 4 v, exact for these integers
   std::vector<float> back(n, -1.0f);
-  device().copy(back.data(), y.data(), y.bytes());
+  device().copy_to_host(back.data(), y.data(), y.bytes());
   size_t wrong = 0;
   for (size_t i = 0; i < n; i++) wrong += back[i] != 4.0f * values[i];
   EXPECT_EQ(wrong, 0u) << "elements of 2 v + 2 v not equal to 4 v";

@@ -54,26 +54,26 @@ struct DeviceGuarded {
 template <typename T>
 DeviceGuarded<T> upload(Device& device, const GuardedBuffer<T>& host) {
   DeviceGuarded<T> out{DeviceArray<T>(device, host.size() + 2 * kGuard)};
-  device.copy(out.storage.data(), host.data() - kGuard, out.storage.bytes());
+  device.copy_to_device(out.storage.data(), host.data() - kGuard, out.storage.bytes());
   return out;
 }
 
 template <typename T>
 void download(Device& device, GuardedBuffer<T>& host, const DeviceGuarded<T>& from) {
-  device.copy(host.data() - kGuard, from.storage.data(), from.storage.bytes());
+  device.copy_to_host(host.data() - kGuard, from.storage.data(), from.storage.bytes());
 }
 
 template <typename T>
 DeviceArray<T> upload(Device& device, const std::vector<T>& host) {
   DeviceArray<T> out(device, host.size());
-  device.copy(out.data(), host.data(), out.bytes());
+  device.copy_to_device(out.data(), host.data(), out.bytes());
   return out;
 }
 
 template <typename T>
 std::vector<T> download(Device& device, const DeviceArray<T>& from) {
   std::vector<T> out(from.size());
-  device.copy(out.data(), from.data(), from.bytes());
+  device.copy_to_host(out.data(), from.data(), from.bytes());
   return out;
 }
 
@@ -174,13 +174,13 @@ TEST_F(CudaDeviceMemoryTest, AllocateZeroFillsEvenABlockReusedFromTheCache) {
   for (size_t bytes : {size_t{4}, size_t{1000} * 4, size_t{3} << 20, (size_t{5} << 20) + 12}) {
     std::vector<uint8_t> dirty(bytes, 0xA5);
     void* p = device().allocate(bytes);
-    device().copy(p, dirty.data(), bytes);
+    device().copy_to_device(p, dirty.data(), bytes);
     device().release(p, bytes);
     const size_t reserved = device().reserved_bytes();
     void* q = device().allocate(bytes);
     EXPECT_EQ(device().reserved_bytes(), reserved) << bytes << " bytes: the released block was not reused";
     std::vector<uint8_t> back(bytes, 0xFF);
-    device().copy(back.data(), q, bytes);
+    device().copy_to_host(back.data(), q, bytes);
     EXPECT_EQ(back, std::vector<uint8_t>(bytes, 0)) << bytes << " bytes";
     device().release(q, bytes);
   }
@@ -221,15 +221,15 @@ TEST_F(CudaDeviceMemoryTest, CopyRoundTripsHostDeviceDeviceHost) {
   for (size_t i = 0; i < bytes; i++) host[i] = static_cast<uint8_t>(i * 131 + 7);
   void* a = device().allocate(bytes);
   void* b = device().allocate(bytes);
-  device().copy(a, host.data(), bytes);
-  device().copy(b, a, bytes);
+  device().copy_to_device(a, host.data(), bytes);
+  device().copy_on_device(b, a, bytes);
   std::vector<uint8_t> back(bytes + 2, 0xEE);
-  device().copy(back.data() + 1, b, bytes);
+  device().copy_to_host(back.data() + 1, b, bytes);
   EXPECT_EQ(back.front(), 0xEE);
   EXPECT_EQ(back.back(), 0xEE);
   EXPECT_TRUE(std::equal(host.begin(), host.end(), back.begin() + 1));
   device().zero(static_cast<char*>(b) + 10, 20);
-  device().copy(back.data() + 1, b, bytes);
+  device().copy_to_host(back.data() + 1, b, bytes);
   for (size_t i = 0; i < bytes; i++)
     ASSERT_EQ(back[i + 1], (i >= 10 && i < 30) ? 0 : host[i]) << "byte " << i << " after zero(10, 20)";
   device().synchronize();
@@ -250,7 +250,7 @@ TEST_F(CudaDeviceMemoryTest, EventsOrderAStreamOfItsOwnWithTheComputeStream) {
   DeviceEvent* copied = device().create_event();
   ASSERT_NE(side, nullptr);
   ASSERT_NE(side, device().compute_stream());
-  device().copy(a.data(), values.data(), a.bytes());  // queued on the compute stream
+  device().copy_to_device(a.data(), values.data(), a.bytes());  // queued on the compute stream
   device().record(uploaded, device().compute_stream());
   device().wait(side, uploaded);
   CUDA_CHECK(cudaMemcpyAsync(b.data(), a.data(), a.bytes(), cudaMemcpyDeviceToDevice, cuda_stream(side)));
@@ -365,11 +365,11 @@ TEST_F(NcclCommTest, CollectivesAreOrderedWithTheComputeStream) {
   std::vector<float> values(n);
   for (size_t i = 0; i < n; i++) values[i] = static_cast<float>(i % 1000 + 1);
   DeviceArray<float> shard(device(), n), full(device(), n);
-  device().copy(shard.data(), values.data(), shard.bytes());
+  device().copy_to_device(shard.data(), values.data(), shard.bytes());
   nccl().all_gather(Span<const float>(shard.data(), n), Span<float>(full.data(), n), "all_gather(ordering)");
   std::vector<float> shard_add(n, 0.5f);
   DeviceArray<float> grads(device(), n);
-  device().copy(grads.data(), shard_add.data(), grads.bytes());
+  device().copy_to_device(grads.data(), shard_add.data(), grads.bytes());
   nccl().reduce_scatter_add(Span<const float>(grads.data(), n), Span<float>(full.data(), n), DTYPE_FP32,
                             "reduce_scatter(ordering)");
   const auto back = download(device(), full);

@@ -1,6 +1,7 @@
 // The paths a GPU takes through the engine, optimizer and checkpoints, on any machine: a Device
 // whose memory the host code must treat as foreign (kind CUDA: every host read or write goes
-// through copy()), backed by ordinary memory so the CPU operations still compute on it. A run on
+// through its copies, each checked for direction: support/foreign_device.hpp), backed by ordinary
+// memory so the CPU operations still compute on it. A run on
 // it must give the bits of the same run on the host backend -- training, the optimizer,
 // cpu_offload, and checkpoints written from one and read into the other -- which checks every
 // staging copy (initialization, checkpoint reads and writes, gathers for tests) for size, offset
@@ -20,32 +21,14 @@
 #include "model/gpt.hpp"
 #include "optim/adamw.hpp"
 #include "shard/fsdp_engine.hpp"
+#include "support/foreign_device.hpp"
 #include "support/mpi_gtest.hpp"
 
 using namespace shardtrain;
 using shardtrain::testing::all_ranks;
+using shardtrain::testing::ForeignDevice;
 
 namespace {
-
-class ForeignDevice : public Device {
- public:
-  DeviceKind kind() const override { return DEVICE_CUDA; }
-  const char* name() const override { return "foreign (test)"; }
-  void* allocate(size_t bytes) override { return bytes ? std::calloc(1, bytes) : nullptr; }
-  void release(void* p, size_t) override { std::free(p); }
-  void copy(void* dst, const void* src, size_t bytes) override {
-    if (bytes) std::memmove(dst, src, bytes);
-    copied_ += bytes;
-  }
-  void zero(void* p, size_t bytes) override {
-    if (bytes) std::memset(p, 0, bytes);
-  }
-  void synchronize() override {}
-  size_t copied() const { return copied_; }
-
- private:
-  size_t copied_ = 0;
-};
 
 ModelConfig small_model() {
   ModelConfig c;

@@ -27,13 +27,15 @@ class HostDevice : public Device {
     return p;
   }
   void release(void* p, size_t) override { std::free(p); }
-  void copy(void* dst, const void* src, size_t bytes) override {
-    if (bytes) std::memmove(dst, src, bytes);
-  }
   void zero(void* p, size_t bytes) override {
     if (bytes) std::memset(p, 0, bytes);
   }
-  void synchronize() override {}
+
+ protected:
+  void transfer(void* dst, const void* src, size_t bytes, CopyKind) override {
+    if (bytes) std::memmove(dst, src, bytes);
+  }
+  void wait_for_work() override {}
 };
 
 template <typename Real>

@@ -38,9 +38,7 @@ class CudaDevice : public Device {
   const char* name() const override { return name_.c_str(); }
   void* allocate(size_t bytes) override;  // from the cache; cudaMalloc when it has no fit
   void release(void* p, size_t bytes) override;  // back to the cache
-  void copy(void* dst, const void* src, size_t bytes) override;
   void zero(void* p, size_t bytes) override;
-  void synchronize() override;
 
   DeviceStream* compute_stream() const override;
   DeviceStream* create_stream(bool urgent) override;
@@ -70,6 +68,10 @@ class CudaDevice : public Device {
   void abort_on_exhaustion() { abort_on_exhaustion_ = true; }
   // The GPU's PCI bus id ("0000:3b:00.0"): the same GPU seen by two ranks has the same one.
   std::string pci_bus_id() const;
+
+ protected:
+  void transfer(void* dst, const void* src, size_t bytes, CopyKind kind) override;
+  void wait_for_work() override;
 
  private:
   CudaDevice() = default;

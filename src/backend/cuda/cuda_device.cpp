@@ -38,15 +38,6 @@ size_t size_class(size_t bytes) {
   return bytes <= kSmallLimit ? round_up(bytes, kSmallGranule) : round_up(bytes, kLargeGranule);
 }
 
-bool is_host_memory(const void* p) {
-  cudaPointerAttributes attributes{};
-  if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
-    (void)cudaGetLastError();  // an unknown pointer is plain (pageable) host memory
-    return true;
-  }
-  return attributes.type == cudaMemoryTypeUnregistered || attributes.type == cudaMemoryTypeHost;
-}
-
 }  // namespace
 
 struct CudaDevice::Cache {
@@ -173,14 +164,17 @@ void CudaDevice::empty_cache() {
   cache_->free_blocks.clear();
 }
 
-void CudaDevice::copy(void* dst, const void* src, size_t bytes) {
+void CudaDevice::transfer(void* dst, const void* src, size_t bytes, CopyKind kind) {
   if (bytes == 0) return;
-  CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, compute_));
-  // Into host memory (pageable or page-locked) the caller reads the bytes next: wait for them.
-  // From host memory the call may return before the transfer ends, as the Device contract
-  // allows: the runtime stages a pageable source before returning, and a page-locked source
-  // stays untouched until the stream gets there (backend/cuda/pinned_host.cpp waits first).
-  if (is_host_memory(dst)) CUDA_CHECK(cudaStreamSynchronize(compute_));
+  // The direction is the caller's (no pointer query per copy). From host memory the call may
+  // return before the transfer ends, as the Device contract allows: the runtime stages a
+  // pageable source before returning, and a page-locked source stays untouched until the stream
+  // gets there (backend/cuda/pinned_host.cpp waits first).
+  const cudaMemcpyKind direction = kind == COPY_TO_DEVICE  ? cudaMemcpyHostToDevice
+                                   : kind == COPY_ON_DEVICE ? cudaMemcpyDeviceToDevice
+                                                            : cudaMemcpyDeviceToHost;
+  CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, direction, compute_));
+  if (kind == COPY_TO_HOST) CUDA_CHECK(cudaStreamSynchronize(compute_));  // the caller reads the bytes next
 }
 
 void CudaDevice::zero(void* p, size_t bytes) {
@@ -188,7 +182,7 @@ void CudaDevice::zero(void* p, size_t bytes) {
   CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, compute_));
 }
 
-void CudaDevice::synchronize() { CUDA_CHECK(cudaStreamSynchronize(compute_)); }
+void CudaDevice::wait_for_work() { CUDA_CHECK(cudaStreamSynchronize(compute_)); }
 
 DeviceStream* CudaDevice::compute_stream() const { return device_stream(compute_); }
 

@@ -33,12 +33,18 @@ class PinnedHost : public Device {
   void release(void* p, size_t) override {
     if (p) CUDA_CHECK(cudaFreeHost(p));
   }
-  void copy(void* dst, const void* src, size_t bytes) override { gpu_.copy(dst, src, bytes); }
   void zero(void* p, size_t bytes) override {
-    gpu_.synchronize();  // a copy from this memory may still be in flight
+    gpu_.synchronize();  // a copy from or to this memory may still be in flight
     if (bytes) std::memset(p, 0, bytes);
   }
-  void synchronize() override { gpu_.synchronize(); }
+
+ protected:
+  // Host memory on both sides: the host copies, after the GPU's copies from or to it.
+  void transfer(void* dst, const void* src, size_t bytes, CopyKind) override {
+    gpu_.synchronize();
+    if (bytes) std::memmove(dst, src, bytes);
+  }
+  void wait_for_work() override { gpu_.synchronize(); }
 
  private:
   CudaDevice& gpu_;
