@@ -82,7 +82,7 @@ GPU_SRCS   := $(shell find tests/gpu -name '*.cpp' 2>/dev/null | sort)
 GPU_TESTS  := $(BUILD)/gpu_tests
 CPPFLAGS   += -DSHARDTRAIN_CUDA=1 -I$(CUDA_HOME)/include
 LDFLAGS    += -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/lib -Wl,-rpath,$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib
-LDLIBS     += -lcublasLt -lcublas -lnccl -lcudart
+LDLIBS     += -lcudnn -lcublasLt -lcublas -lnccl -lcudart
 endif
 MAIN_OBJ   := $(call obj,src/app/main.cpp)
 UNIT_OBJS  := $(call obj,$(UNIT_SRCS))

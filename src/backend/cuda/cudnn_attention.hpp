@@ -1,0 +1,62 @@
+// cuDNN's fused scaled-dot-product attention (flash attention on the tensor cores) behind the
+// LayerOps attention interface (backend/layer_ops.hpp; semantics backend/cpu/ops.hpp): causal,
+// grouped-query heads, lse(B,NH,T) = each query row's natural-log log-sum-exp of its scaled
+// scores, the same quantity the CPU and the tiled kernels save, so either backward accepts
+// either forward's lse. train.attention=cudnn (docs/gpu.md, "Attention kernels").
+//
+// Precision: qkv (and in the backward dout and out) are rounded to bf16 once per call into
+// staging buffers; Q, K and V are strided views of that one buffer (no repacking). Scores,
+// softmax statistics and every accumulation are fp32; the probabilities (and the score
+// gradients) enter the second products as bf16, and out and dqkv come back from bf16.
+// The backward is the deterministic form (no fp32 dQ accumulator with atomics; cuDNN's dP
+// workspace instead) and only engines without cuDNN's non-determinism note are used: same
+// inputs, same bits.
+//
+// Plans are built once per shape (B, T, NH, KV, HS) and direction, and kept. A shape cuDNN has
+// no engine for (head size not a multiple of 8 or over 128, or no engine config finalizes)
+// makes forward()/backward() return false having written nothing, after printing one line per
+// shape and direction that names the shape and cuDNN's reason; the caller then runs the tiled
+// kernels (whose lse means the same). Every other cuDNN failure aborts (fatal_internal).
+//
+// Memory, grow-only and reused by every call (all on the device's caching allocator, in stream
+// order on its compute stream): bf16 qkv and dqkv (B*T*(NH+2KV)*HS*2 bytes each), bf16 out and
+// dout (B*T*NH*HS*2 each), the backward's per-row sums (B*NH*T*4), and cuDNN's workspace (the
+// largest plan's; the deterministic backward's dP workspace is about B*NH*T*T*2 bytes).
+// Everything is queued on the device's compute stream; nothing waits for it.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "backend/cuda/cuda_backend.hpp"
+
+namespace shardtrain {
+
+class CudnnAttention {
+ public:
+  // A cuDNN handle on device's compute stream. Must be destroyed before the device.
+  explicit CudnnAttention(CudaDevice& device);
+  ~CudnnAttention();
+  CudnnAttention(const CudnnAttention&) = delete;
+  CudnnAttention& operator=(const CudnnAttention&) = delete;
+
+  // LayerOps::attention_forward / attention_backward. False: cuDNN cannot run this shape,
+  // nothing was written (see above).
+  bool forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS);
+  bool backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int B, int T,
+                int NH, int KV, int HS);
+
+  // Why cuDNN's attention is not used for this shape before asking cuDNN (head size, the
+  // runtime cuDNN's version), or "" when it may be.
+  static std::string unsupported_reason(int T, int HS, bool backward);
+  // Device memory held now: cuDNN's workspace, and the staging buffers.
+  size_t workspace_bytes() const;
+  size_t staging_bytes() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace shardtrain
