@@ -1,11 +1,15 @@
 // See memory_plan.hpp.
 #include "app/memory_plan.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <tuple>
+#include <utility>
 
 #include "core/error.hpp"
 #include "core/format.hpp"
+#include "model/adapter_layers.hpp"
 
 namespace shardtrain {
 
@@ -13,7 +17,7 @@ size_t MemoryPlan::total() const {
   size_t t = 0;
   for (size_t b : bytes) t += b;
   for (size_t b : teacher) t += b;
-  return t;
+  return t + gpu.total();
 }
 
 std::string describe_categories(const std::array<size_t, MEM_CATEGORY_COUNT>& bytes) {
@@ -26,7 +30,13 @@ std::string describe_categories(const std::array<size_t, MEM_CATEGORY_COUNT>& by
 
 std::string MemoryPlan::describe() const {
   const std::string t = describe_categories(teacher);
-  return describe_categories(bytes) + (t.empty() ? "" : " | teacher: " + t);
+  std::string s = describe_categories(bytes) + (t.empty() ? "" : " | teacher: " + t);
+  if (gpu.total())
+    s += strprintf(" | GPU backend: workspace %s, NCCL buffers %s (estimate), allocator rounding %s",
+                   human_bytes(static_cast<double>(gpu.workspace())).c_str(),
+                   human_bytes(static_cast<double>(gpu.nccl)).c_str(),
+                   human_bytes(static_cast<double>(gpu.rounding)).c_str());
+  return s;
 }
 
 
@@ -35,6 +45,163 @@ GemmWorkload gemm_workload(const ModelConfig& student, const ModelConfig* teache
   if (teacher)
     for (const cpu::LinearShape& l : linear_layers(*teacher)) w.layers.push_back(l);
   return w;
+}
+
+namespace {
+
+// The model's activation arrays in the order GptModel's and LlamaModel's constructors make them
+// (their sum is plan_activation_bytes; the unit tests hold the two equal). The adapters' buffers
+// count as one allocation.
+void add_activation_allocations(const ParamTable& table, int batch, int seq_len, bool checkpointing,
+                                std::vector<PlannedAllocation>* list) {
+  const ModelConfig& c = table.config();
+  const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, NH = c.n_head, V = c.vocab_size;
+  const size_t layers = checkpointing ? 1 : c.n_layer;
+  auto floats = [&](size_t n, size_t times = 1) {
+    for (size_t i = 0; i < times; i++) list->push_back({MEM_ACTIVATIONS, n * sizeof(float)});
+  };
+  list->push_back({MEM_ACTIVATIONS, BT * sizeof(int)});  // tokens
+  list->push_back({MEM_ACTIVATIONS, BT * sizeof(int)});  // targets
+  if (c.arch == ARCH_LLAMA) {
+    const size_t QKV = c.qkv_size(), I = c.mlp_size();
+    floats(static_cast<size_t>(seq_len) * (c.head_size() / 2), 2);  // the rotary cos and sin tables
+    floats(BT * C, c.n_layer + 1);                                    // the residual stream
+    for (size_t l = 0; l < layers; l++) {
+      floats(BT * C), floats(BT), floats(BT * QKV), floats(BT * NH);  // ln1, its rstd, qkv, lse
+      floats(BT * C, 3), floats(BT);                                  // atty, resid2, ln2, its rstd
+      floats(BT * 2 * I), floats(BT * I);                             // gate_up, act
+    }
+    floats(BT * C), floats(BT), floats(BT * V), floats(BT);  // lnf, its rstd, probs, losses
+    floats(BT * C, 2), floats(BT * QKV), floats(BT * 2 * I), floats(BT * I);  // the backward's scratch
+  } else {
+    floats(BT * C, c.n_layer + 1);
+    for (size_t l = 0; l < layers; l++) {
+      floats(BT * C), floats(BT, 2), floats(BT * 3 * C), floats(BT * NH);  // ln1, mean, rstd, qkv, lse
+      floats(BT * C, 3), floats(BT, 2), floats(BT * 4 * C, 2);  // atty, resid2, ln2, mean, rstd, fch, gelu
+    }
+    floats(BT * C), floats(BT, 2), floats(BT * V), floats(BT);
+    floats(BT * C, 2), floats(BT * 3 * C), floats(BT * 4 * C);
+  }
+  const size_t adapters = plan_adapter_bytes(table, static_cast<int>(BT), sizeof(float));
+  if (adapters) list->push_back({MEM_ACTIVATIONS, adapters});
+}
+
+// The largest request of the kernels' shared workspace (kernels/launch.hpp), and whose. Every
+// backward that could ask is counted, frozen parameters included (they ask for less or nothing).
+std::pair<size_t, const char*> largest_kernel_workspace(const ParamTable& table, int B, int T) {
+  const ModelConfig& c = table.config();
+  const int N = B * T;
+  std::pair<size_t, const char*> largest{0, ""};
+  auto consider = [&](size_t bytes, const char* kernel) {
+    if (bytes > largest.first) largest = {bytes, kernel};
+  };
+  consider(gpu::encoder_backward_workspace_estimate(B, T), "encoder backward");
+  consider(gpu::attention_backward_workspace_bytes(B, T, c.n_head, c.kv_heads(), c.head_size()), "attention backward");
+  const std::vector<cpu::LinearShape> linears = linear_layers(c);
+  if (c.arch == ARCH_LLAMA) {
+    consider(gpu::rmsnorm_backward_workspace_bytes(N, c.n_embd), "rmsnorm backward");
+  } else {
+    consider(gpu::layernorm_backward_workspace_bytes(N, c.n_embd), "layernorm backward");
+    for (size_t i = 0; i + 1 < linears.size(); i++)  // the biased layers: all but the (tied) LM head
+      consider(gpu::matmul_backward_workspace_bytes(N, linears[i].out), "matmul backward (bias)");
+  }
+  if (table.adapter().type == ADAPTER_DORA)
+    for (const cpu::LinearShape& l : linears)
+      consider(gpu::column_dot_accumulate_workspace_bytes(N, l.out), "DoRA magnitude backward");
+  return largest;
+}
+
+}  // namespace
+
+std::vector<PlannedAllocation> plan_device_allocations(const ParamTable& table, const GroupShape& groups,
+                                                       const EngineOptions& engine, int micro_batch, int seq_len,
+                                                       bool activation_checkpointing) {
+  const std::vector<UnitLayout> layout = FsdpEngine::plan_layout(table, groups);
+  std::vector<PlannedAllocation> list;
+  auto add = [&](MemCategory category, size_t bytes) {
+    if (bytes) list.push_back({category, bytes});
+  };
+  // FsdpEngine's constructor: each unit's master shard and gradient shard (with cpu_offload in host
+  // memory, the device keeping a gradient shard per unit), then the gather slots and gradient buffers.
+  size_t max_block = 0, max_block_trainable = 0, max_grad_shard = 0;
+  for (size_t u = 0; u < layout.size(); u++) {
+    const UnitLayout& l = layout[u];
+    if (!engine.cpu_offload) add(MEM_SHARDED_PARAMS, l.shard_numel() * sizeof(float));
+    add(MEM_GRADIENTS, l.trainable.shard_numel * sizeof(float));
+    max_grad_shard = std::max(max_grad_shard, l.trainable.shard_numel);
+    if (u != ROOT_UNIT) max_block = std::max(max_block, l.padded_numel());
+    if (u != ROOT_UNIT) max_block_trainable = std::max(max_block_trainable, l.trainable.padded_numel);
+  }
+  const bool sharded = groups.shard_size > 1, half = engine.param_dtype != DTYPE_FP32;
+  if (sharded || half || engine.cpu_offload) {
+    std::vector<size_t> slots;
+    if (engine.strategy == SHARDING_SHARD_GRAD_OP) {
+      for (const UnitLayout& l : layout) slots.push_back(l.padded_numel());
+    } else {
+      slots.push_back(layout[ROOT_UNIT].padded_numel());
+      slots.insert(slots.end(), static_cast<size_t>(engine.limit_all_gathers), max_block);
+    }
+    for (size_t slot : slots) {
+      add(MEM_GATHERED_UNITS, slot * sizeof(float));
+      if (half) add(MEM_COMM_BUFFERS, slot * sizeof(uint16_t));  // the 16-bit wire copy
+    }
+  }
+  const size_t root_trainable = layout[ROOT_UNIT].trainable.padded_numel;
+  if (sharded) {
+    if (engine.reduce_every_microbatch) {
+      add(MEM_GRADIENTS, root_trainable * sizeof(float));
+      add(MEM_GRADIENTS, max_block_trainable * sizeof(float));
+      if (engine.overlap_reduce_scatter) add(MEM_GRADIENTS, max_block_trainable * sizeof(float));
+    } else {
+      for (const UnitLayout& l : layout) add(MEM_GRADIENTS, l.trainable.padded_numel * sizeof(float));
+    }
+    // The communicator's reduce-scatter buffers (src/comm/mpi_comm.cpp, src/comm/cuda/nccl_comm.cpp).
+    if (!engine.nccl) {
+      add(MEM_COMM_BUFFERS, max_grad_shard * dtype_bytes(engine.reduce_dtype));
+      add(MEM_COMM_BUFFERS, max_grad_shard * dtype_bytes(engine.reduce_dtype));
+    } else if (engine.reduce_dtype == DTYPE_FP32) {
+      add(MEM_COMM_BUFFERS, max_grad_shard * sizeof(float));
+    } else {
+      add(MEM_COMM_BUFFERS, std::max(root_trainable, max_block_trainable) * sizeof(uint16_t));
+      add(MEM_COMM_BUFFERS, max_grad_shard * sizeof(uint16_t));
+    }
+  }
+  // AdamW's two moments per unit (host memory when offloaded).
+  if (!engine.cpu_offload)
+    for (const UnitLayout& l : layout)
+      add(MEM_OPTIMIZER_STATE, l.trainable.shard_numel * sizeof(float)),
+          add(MEM_OPTIMIZER_STATE, l.trainable.shard_numel * sizeof(float));
+  add_activation_allocations(table, micro_batch, seq_len, activation_checkpointing, &list);
+  return list;
+}
+
+GpuBackendPlan plan_gpu_backend(const ParamTable& table, const GroupShape& groups, int micro_batch, int seq_len,
+                                const ComputeOptions& compute, const GemmWorkload& gemms,
+                                const std::vector<PlannedAllocation>& allocations) {
+  GpuBackendPlan g;
+  if (!compute.gpu()) return g;
+  g.cublaslt = gpu::kCublasLtWorkspaceBytes;
+  std::tie(g.kernel_workspace, g.largest_kernel) = largest_kernel_workspace(table, micro_batch, seq_len);
+  g.reduce_scratch = gpu::reduce_scratch_bytes();
+  if (compute.compute_dtype != DTYPE_FP32)  // the backward's three copies bound the forward's two
+    for (const cpu::LinearShape& l : gemms.layers)
+      g.operand_copies = std::max(g.operand_copies, gpu::matmul_backward_operand_bytes(gemms.rows, l.in, l.out));
+  if (compute.nccl()) {
+    g.nccl_sizes = gpu::nccl_buffer_sizes();
+    for (int ranks : {groups.shard_size, groups.replica_size}) {
+      g.nccl += gpu::nccl_communicator_bytes(ranks, g.nccl_sizes);
+      g.nccl_communicators += ranks > 1;
+    }
+  }
+  // Every allocation from the caching allocator: the planned arrays and the backend's own buffers
+  // (not NCCL's, which NCCL makes with cudaMalloc).
+  std::vector<size_t> sizes;
+  for (const PlannedAllocation& a : allocations) sizes.push_back(a.bytes);
+  for (size_t bytes : {g.cublaslt, g.kernel_workspace, g.reduce_scratch, g.operand_copies})
+    if (bytes) sizes.push_back(bytes);
+  g.rounding = gpu::allocator_rounding_bytes(sizes);
+  g.allocations = sizes.size();
+  return g;
 }
 
 MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, const EngineOptions& engine,
@@ -53,6 +220,10 @@ MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, c
     plan.offloaded_bytes = (shard_numel + 3 * trainable_shard_numel) * sizeof(float);
   plan.bytes[MEM_ACTIVATIONS] = plan_activation_bytes(table, micro_batch, seq_len, activation_checkpointing);
   plan.bytes[MEM_WORKSPACE] = plan_gemm_workspace_bytes(compute.device, compute.compute_dtype, gemms);
+  if (compute.gpu())
+    plan.gpu = plan_gpu_backend(
+        table, groups, micro_batch, seq_len, compute, gemms,
+        plan_device_allocations(table, groups, engine, micro_batch, seq_len, activation_checkpointing));
   return plan;
 }
 

@@ -3,18 +3,47 @@
 // activations (plan_activation_bytes, model/model.hpp). The trainer checks the prediction against
 // fsdp.memory_limit before it allocates anything, and `shardtrain plan` evaluates it for every
 // strategy and option on any rank count. All allocations are made at start-up, so the plan is
-// also each rank's peak.
+// also each rank's peak. With train.device=cuda the plan adds the CUDA backend's own memory
+// (GpuBackendPlan, from backend/gpu_memory.hpp), which the trainer does not track per category.
 #pragma once
 
 #include <array>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "app/compute_backend.hpp"
+#include "backend/gpu_memory.hpp"
 #include "app/options.hpp"
 #include "shard/fsdp_engine.hpp"
 
 namespace shardtrain {
+
+// train.device=cuda: what the CUDA backend allocates besides the model's, engine's and optimizer's
+// arrays. All of it counts in MemoryPlan::total() (the pre-flight against the GPU's free memory).
+struct GpuBackendPlan {
+  // In the "workspace" category:
+  size_t cublaslt = 0;             // cuBLASLt's workspace
+  size_t kernel_workspace = 0;     // the kernels' shared workspace, grown to the largest request
+  const char* largest_kernel = "";  // whose request that is
+  size_t reduce_scratch = 0;       // the reductions' fixed scratch
+  size_t operand_copies = 0;       // fsdp.param_dtype=bf16|fp16: the largest GEMM's 16-bit operands
+  // In "comm_buffers": NCCL's own buffers, an estimate (gpu_memory.hpp says how).
+  size_t nccl = 0;
+  int nccl_communicators = 0;  // those with more than one rank
+  gpu::NcclBufferSizes nccl_sizes;
+  // Its own line: what the caching allocator's size classes add to every planned allocation.
+  size_t rounding = 0;
+  size_t allocations = 0;  // how many allocations were rounded
+  size_t workspace() const { return cublaslt + kernel_workspace + reduce_scratch + operand_copies; }
+  size_t total() const { return workspace() + nccl + rounding; }
+};
+
+// One planned device allocation (for the allocator's rounding).
+struct PlannedAllocation {
+  MemCategory category;
+  size_t bytes;
+};
 
 struct MemoryPlan {
   std::array<size_t, MEM_CATEGORY_COUNT> bytes{};  // on the compute device
@@ -23,7 +52,10 @@ struct MemoryPlan {
   size_t offloaded_bytes = 0;
   // distill.teacher: the frozen teacher's bytes, beside `bytes` (app/teacher.hpp's plan_teacher_memory).
   std::array<size_t, MEM_CATEGORY_COUNT> teacher{};
-  size_t total() const;  // the student's and the teacher's
+  // train.device=cuda: the backend's own bytes (zero on the CPU); `bytes` stays what the trainer
+  // tracks, category by category.
+  GpuBackendPlan gpu;
+  size_t total() const;  // the student's, the teacher's and the GPU backend's
   std::string describe() const;  // "sharded_params 1.2 MiB, gradients ... | teacher: sharded_params ..."
 };
 
@@ -33,6 +65,17 @@ struct MemoryPlan {
 MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, const EngineOptions& engine,
                             int micro_batch, int seq_len, bool activation_checkpointing,
                             const ComputeOptions& compute, const GemmWorkload& gemms);
+// The device arrays of the engine, the optimizer and the model that `bytes` sums, one by one, in
+// the order they are made (the rounding needs each). GPU memory only: with fsdp.cpu_offload the
+// masters, their gradients and the moments are host memory and not listed.
+std::vector<PlannedAllocation> plan_device_allocations(const ParamTable& table, const GroupShape& groups,
+                                                       const EngineOptions& engine, int micro_batch, int seq_len,
+                                                       bool activation_checkpointing);
+// The CUDA backend's own memory for this run (GpuBackendPlan), given the allocations it rounds.
+GpuBackendPlan plan_gpu_backend(const ParamTable& table, const GroupShape& groups, int micro_batch, int seq_len,
+                                const ComputeOptions& compute, const GemmWorkload& gemms,
+                                const std::vector<PlannedAllocation>& allocations);
+
 // The GEMMs' workspace of a run: the student's layers and, when distilling, the teacher's, at
 // micro_batch x seq_len rows (its bytes: plan_gemm_workspace_bytes, in the plan's "workspace").
 GemmWorkload gemm_workload(const ModelConfig& student, const ModelConfig* teacher, int rows);

@@ -101,6 +101,26 @@ std::vector<Candidate> plan_candidates(const Config& config, int world, int rank
   return candidates;
 }
 
+// The GPU backend's part of every candidate's peak, item by item (the same for every candidate
+// but NCCL's, which depends on the communicators, and the rounding, which is per allocation).
+void describe_gpu_backend(const GpuBackendPlan& g, bool nccl) {
+  std::printf("\nGPU backend (in peak/rank): workspace = cuBLASLt %s + kernels %s (largest: %s) + reductions %s + "
+              "16-bit GEMM operands %s; rounding = the caching allocator's size classes (512 B up to 1 MiB, "
+              "2 MiB above) over %zu allocations\n",
+              human_bytes(static_cast<double>(g.cublaslt)).c_str(),
+              human_bytes(static_cast<double>(g.kernel_workspace)).c_str(), g.largest_kernel,
+              human_bytes(static_cast<double>(g.reduce_scratch)).c_str(),
+              human_bytes(static_cast<double>(g.operand_copies)).c_str(), g.allocations);
+  if (nccl)
+    std::printf("~ comm includes NCCL's own buffers, an ESTIMATE: per communicator of more than one rank, %d "
+                "channels x (Simple %s + LL %s + LL128 %s) (NCCL_MAX_NCHANNELS, NCCL_BUFFSIZE, NCCL_LL_BUFFSIZE, "
+                "NCCL_LL128_BUFFSIZE); NCCL picks its channels at start-up\n",
+                g.nccl_sizes.channels, human_bytes(static_cast<double>(g.nccl_sizes.simple)).c_str(),
+                human_bytes(static_cast<double>(g.nccl_sizes.ll)).c_str(),
+                human_bytes(static_cast<double>(g.nccl_sizes.ll128)).c_str());
+  std::printf("\n");
+}
+
 // The fastest candidate that fits (see the top of this file), or null.
 const Candidate* recommend(const std::vector<Candidate>& candidates) {
   const Candidate* best = nullptr;
@@ -210,18 +230,30 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
               "seq_len %d, %s per step, memory limit %s\n\n",
               model_summary(config.model).c_str(), table.total_params() / 1e6, counted(world, "rank").c_str(), ranks_per_node, config.train.micro_batch,
               config.train.seq_len, counted(accumulation, "micro-batch", "micro-batches").c_str(), limit ? human_bytes(static_cast<double>(limit)).c_str() : "none");
-  std::printf("%-14s %-9s %-5s %-7s %10s %10s %10s %10s %10s %10s %11s %11s  %s\n", "strategy", "reduce", "ckpt",
-              "offload", "params", "gathered", "grads", "optimizer", "activ.", "comm", "peak/rank", "traffic/st", "fits");
+  // On a GPU two more columns: the backend's workspace and the allocator's rounding; "comm" then
+  // includes NCCL's own buffers, an estimate (marked ~).
+  const bool gpu = compute_options(config).gpu();
+  const bool nccl_estimate = std::any_of(candidates.begin(), candidates.end(),
+                                         [](const Candidate& c) { return c.memory.gpu.nccl > 0; });
+  std::printf("%-14s %-9s %-5s %-7s %10s %10s %10s %10s %10s %11s", "strategy", "reduce", "ckpt", "offload", "params",
+              "gathered", "grads", "optimizer", "activ.", nccl_estimate ? "comm~" : "comm");
+  if (gpu) std::printf(" %10s %10s", "workspace", "rounding");
+  std::printf(" %11s %11s  %s\n", "peak/rank", "traffic/st", "fits");
   for (const Candidate& c : candidates) {
     const auto& b = c.memory.bytes;
-    std::printf("%-14s %-9s %-5s %-7s %10s %10s %10s %10s %10s %10s %11s %11s  %s\n",
-                sharding_strategy_name(c.strategy), c.reduce_label(), c.checkpointing ? "yes" : "no",
-                c.offload ? "yes" : "no", human_bytes(b[MEM_SHARDED_PARAMS]).c_str(),
-                human_bytes(b[MEM_GATHERED_UNITS]).c_str(),
+    const GpuBackendPlan& g = c.memory.gpu;
+    std::printf("%-14s %-9s %-5s %-7s %10s %10s %10s %10s %10s %11s", sharding_strategy_name(c.strategy),
+                c.reduce_label(), c.checkpointing ? "yes" : "no", c.offload ? "yes" : "no",
+                human_bytes(b[MEM_SHARDED_PARAMS]).c_str(), human_bytes(b[MEM_GATHERED_UNITS]).c_str(),
                 human_bytes(b[MEM_GRADIENTS]).c_str(), human_bytes(b[MEM_OPTIMIZER_STATE]).c_str(),
-                human_bytes(b[MEM_ACTIVATIONS]).c_str(), human_bytes(b[MEM_COMM_BUFFERS]).c_str(),
-                human_bytes(c.memory.total()).c_str(), human_bytes(c.traffic_bytes).c_str(), c.fits ? "yes" : "NO");
+                human_bytes(b[MEM_ACTIVATIONS]).c_str(),
+                ((g.nccl ? "~" : "") + human_bytes(b[MEM_COMM_BUFFERS] + g.nccl)).c_str());
+    if (gpu)
+      std::printf(" %10s %10s", human_bytes(b[MEM_WORKSPACE] + g.workspace()).c_str(), human_bytes(g.rounding).c_str());
+    std::printf(" %11s %11s  %s\n", human_bytes(c.memory.total()).c_str(), human_bytes(c.traffic_bytes).c_str(),
+                c.fits ? "yes" : "NO");
   }
+  if (gpu) describe_gpu_backend(candidates.front().memory.gpu, nccl_estimate);
   if (!config.distill.teacher.empty()) {  // its bytes depend on the shard group alone; peak/rank includes them
     std::vector<int> shown;
     for (const Candidate& c : candidates) {
@@ -232,11 +264,16 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
     }
     std::printf("\n");
   }
-  // The same table for scripts: exact bytes.
-  for (const Candidate& c : candidates)
-    std::printf("PLAN strategy=%s reduce=%s checkpointing=%s offload=%s peak_bytes=%zu traffic_bytes=%.0f fits=%d\n",
+  // The same table for scripts: exact bytes (on a GPU also the backend's: nccl_bytes is the estimate).
+  for (const Candidate& c : candidates) {
+    std::printf("PLAN strategy=%s reduce=%s checkpointing=%s offload=%s peak_bytes=%zu traffic_bytes=%.0f fits=%d",
                 sharding_strategy_name(c.strategy), c.reduce_label(), c.checkpointing ? "yes" : "no",
                 c.offload ? "yes" : "no", c.memory.total(), c.traffic_bytes, c.fits ? 1 : 0);
+    const GpuBackendPlan& g = c.memory.gpu;
+    if (gpu)
+      std::printf(" gpu_workspace_bytes=%zu nccl_bytes=%zu rounding_bytes=%zu", g.workspace(), g.nccl, g.rounding);
+    std::printf("\n");
+  }
   const Candidate* recommended = recommend(candidates);
   if (!recommended) {
     std::fflush(stdout);
