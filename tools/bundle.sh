@@ -338,8 +338,9 @@ _shardtrain_bundle_env() {
     local r; r=$(cd "$1" && pwd -P) || return 0
     case ":$cuda_dirs:" in *":$r:"*) ;; *) cuda_dirs=${cuda_dirs:+$cuda_dirs:}$r ;; esac
   }
+  # cuDNN's archive installs into lib/ (libcudnn.so.9 and the engine libraries it loads at run time).
   for d in ${CUDA_HOME:+"$CUDA_HOME/lib64" "$CUDA_HOME/lib"} ${CUDA_PATH:+"$CUDA_PATH/lib64"} \
-           /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+           /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib \
            /usr/local/nvidia/lib64 /usr/local/nvidia/lib; do
     _shardtrain_add_dir "$d"
   done
