@@ -84,3 +84,41 @@ def test_headline_no_shard_does_not_fit_full_shard_does():
     assert fsdp.returncode == 0, fsdp.stderr[-2000:]
     steps = read_metrics(metrics)
     assert len(steps) == 3 and steps[-1]["peak_mem_bytes"] <= 256 * 2**20
+
+
+def plan_lines(*extra):
+    proc = run_single(["plan", "--world-size=2", *tiny_args(*extra)[1:]])
+    assert proc.returncode == 0, proc.stderr
+    lines = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("PLAN "):
+            fields = dict(kv.split("=", 1) for kv in line.split()[1:])
+            lines[(fields["strategy"], fields["reduce"], fields["checkpointing"], fields["offload"])] = fields
+    return proc.stdout, lines
+
+
+def test_plan_on_cuda_adds_the_gpu_backends_memory():
+    # Planning needs no GPU: the cuda plan is the cpu plan plus the backend's own bytes, which the
+    # output lists (cuBLASLt's 32 MiB, the kernels' workspace, the rounding) and marks NCCL's as an
+    # estimate; NCCL_BUFFSIZE moves that estimate as NCCL's own variable would.
+    cpu_text, cpu = plan_lines("--fsdp.param_dtype=bf16")
+    gpu_text, gpu = plan_lines("--fsdp.param_dtype=bf16", "--train.device=cuda")
+    assert "GPU backend" not in cpu_text and "gpu_workspace_bytes" not in cpu_text
+    assert "cuBLASLt 32.0 MiB" in gpu_text and "16-bit GEMM operands" in gpu_text
+    assert "ESTIMATE" in gpu_text and "NCCL_BUFFSIZE" in gpu_text
+    assert set(cpu) == set(gpu)
+    for key, g in gpu.items():
+        backend = int(g["gpu_workspace_bytes"]) + int(g["nccl_bytes"]) + int(g["rounding_bytes"])
+        assert int(g["gpu_workspace_bytes"]) > 32 << 20, key  # cuBLASLt's alone is 32 MiB
+        assert int(g["nccl_bytes"]) > 0, key                   # two ranks: one NCCL communicator
+        # The tracked categories are the same arrays, except the CPU's own bf16 GEMM workspace.
+        cpu_peak = int(cpu[key]["peak_bytes"])
+        gpu_peak = int(g["peak_bytes"])
+        assert gpu_peak - backend <= cpu_peak, key
+        assert gpu_peak > cpu_peak, key
+    env = dict(os.environ, NCCL_BUFFSIZE=str(1 << 20), NCCL_MAX_NCHANNELS="2")
+    proc = subprocess.run(["timeout", "60", EXE, "plan", "--world-size=2", *tiny_args("--train.device=cuda")[1:]],
+                          cwd=ROOT, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    nccl = {int(m) for m in re.findall(r"nccl_bytes=(\d+)", proc.stdout)}
+    assert nccl == {2 * ((1 << 20) + (512 << 10) + 120 * 640 * 8 * 8)}, nccl  # 2 channels x (Simple + LL + LL128)
