@@ -2,6 +2,7 @@
 // with SHARDTRAIN_CUDA (make CUDA=1); without it, train.device=cuda is a usage error.
 #include "app/compute_backend.hpp"
 
+#include "comm/staged_comm.hpp"
 #include "core/error.hpp"
 #include "model/config.hpp"
 
@@ -67,16 +68,20 @@ ComputeBackend::ComputeBackend(const ComputeOptions& options, const Runtime& rt,
   });
   // Two ranks on one GPU would make NCCL fail at set-up with an internal error: say it first. (A
   // rank may see one GPU only, e.g. under srun --gpus-per-task=1: compare the GPUs, not counts.)
-  const std::string mine = cuda_->device->pci_bus_id();
-  const std::vector<std::string> ids = rt.node_all_gather(mine);
-  rt.agree_on([&] {
-    for (int r = 0; r < rt.local_size(); r++)
-      if (r != rt.local_rank() && ids[r] == mine)
-        throw UsageError(strprintf("train.device=cuda: node-local ranks %d and %d both got GPU %s on %s; start one "
-                                   "rank per GPU (mpirun -np <GPUs per node> per node, or srun --gpus-per-task=1)",
-                                   std::min(r, rt.local_rank()), std::max(r, rt.local_rank()), mine.c_str(),
-                                   rt.host().c_str()));
-  });
+  // Staged MPI collectives (fsdp.comm_backend=mpi) let ranks share a GPU.
+  if (options.nccl()) {
+    const std::string mine = cuda_->device->pci_bus_id();
+    const std::vector<std::string> ids = rt.node_all_gather(mine);
+    rt.agree_on([&] {
+      for (int r = 0; r < rt.local_size(); r++)
+        if (r != rt.local_rank() && ids[r] == mine)
+          throw UsageError(strprintf("train.device=cuda: node-local ranks %d and %d both got GPU %s on %s, which "
+                                     "NCCL cannot use; start one rank per GPU (mpirun -np <GPUs per node> per node, "
+                                     "or srun --gpus-per-task=1), or set fsdp.comm_backend=mpi to share GPUs",
+                                     std::min(r, rt.local_rank()), std::max(r, rt.local_rank()), mine.c_str(),
+                                     rt.host().c_str()));
+    });
+  }
   cuda_->device->abort_on_exhaustion();
   // Offloaded state is host memory (page-locked): the CPU's operations step it.
   backend_ = Backend{cuda_->device.get(),    cuda_->pinned_host.get(), cuda_->ops.get(),
@@ -101,10 +106,42 @@ std::string ComputeBackend::gemm_description() const {
 size_t ComputeBackend::gemm_workspace_bytes() const { return cpu_bf16_ ? cpu_bf16_->workspace_bytes() : 0; }
 
 std::unique_ptr<Comm> ComputeBackend::make_comm(MPI_Comm comm, Watchdog* watchdog) const {
+  if (!on_gpu()) return make_mpi_comm(comm, watchdog);
 #ifdef SHARDTRAIN_CUDA
-  if (cuda_) return make_nccl_comm(comm, *cuda_->device, watchdog);
+  if (options_.nccl()) return make_nccl_comm(comm, *cuda_->device, watchdog);
 #endif
-  return make_mpi_comm(comm, watchdog);
+  return make_staged_comm(comm, watchdog, *backend_.device, *backend_.host);
+}
+
+std::string ComputeBackend::comm_description() const {
+  if (!on_gpu()) return "MPI";
+  return options_.nccl() ? "NCCL" : "MPI through page-locked host staging (fsdp.comm_backend=mpi)";
+}
+
+size_t plan_comm_staging_bytes(const ComputeOptions& compute, const GroupShape& groups, int world,
+                               const EngineOptions& engine, const std::vector<UnitLayout>& layout,
+                               const std::vector<UnitLayout>* teacher_layout) {
+  if (!compute.gpu() || compute.nccl()) return 0;
+  const size_t gather_elem = engine.param_dtype == DTYPE_FP32 ? sizeof(float) : sizeof(uint16_t);
+  size_t shard = 0, replica = 0;
+  // The collectives FsdpEngine issues: each space gathered on its own; the trainable space's
+  // gradients reduce-scattered over the shard group and all-reduced over the replicas.
+  auto add_engine = [&](const std::vector<UnitLayout>& units, bool gradients) {
+    for (const UnitLayout& u : units) {
+      if (groups.shard_size > 1)
+        for (const SpaceLayout* space : {&u.trainable, &u.frozen})
+          if (space->numel > 0) shard = std::max(shard, staging_bytes_all_gather(space->padded_numel, gather_elem));
+      if (!gradients || u.trainable.numel == 0) continue;
+      if (groups.shard_size > 1)
+        shard = std::max(shard, staging_bytes_reduce_scatter(u.trainable.shard_numel, groups.shard_size));
+      if (groups.replica_size > 1)
+        replica = std::max(replica, staging_bytes_all_reduce(u.trainable.shard_numel, sizeof(float)));
+    }
+  };
+  add_engine(layout, !engine.inference);
+  if (teacher_layout) add_engine(*teacher_layout, false);
+  const size_t step = world > 1 && !engine.cpu_offload ? staging_bytes_all_reduce(2, sizeof(double)) : 0;
+  return shard + replica + step;
 }
 
 size_t ComputeBackend::gpu_free_bytes() const {

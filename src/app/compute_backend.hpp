@@ -1,7 +1,8 @@
 // The compute backend of a run (train.device): the host (OpenBLAS + OpenMP, MPI collectives) or
-// this rank's GPU (CUDA kernels and cuBLASLt, NCCL collectives on communicators bootstrapped
-// over MPI). It owns the device, its operations, and makes the communicators that work on the
-// device's memory; the trainer, engine and model are the same for both.
+// this rank's GPU (CUDA kernels and cuBLASLt; collectives by NCCL on communicators bootstrapped
+// over MPI, or with fsdp.comm_backend=mpi by host MPI through page-locked staging buffers). It
+// owns the device, its operations, and makes the communicators that work on the device's memory;
+// the trainer, engine and model are the same for both.
 #pragma once
 
 #include <mpi.h>
@@ -15,6 +16,7 @@
 #include "backend/layer_ops.hpp"
 #include "comm/comm.hpp"
 #include "comm/runtime.hpp"
+#include "shard/fsdp_engine.hpp"
 
 namespace shardtrain {
 
@@ -34,6 +36,16 @@ bool cpu_bf16_compute(const std::string& device, DType compute_dtype);
 // The workspace bytes the backend allocates for `workload` at start-up (the plan's "workspace"):
 // the CPU's bf16 operand copies and oneDNN's scratchpad, 0 where it computes in fp32.
 size_t plan_gemm_workspace_bytes(const std::string& device, DType compute_dtype, const GemmWorkload& workload);
+// The page-locked host bytes the staged communicators (fsdp.comm_backend=mpi on a GPU,
+// comm/staged_comm.hpp) hold at most, 0 for any other run: each communicator keeps one buffer
+// for its largest collective -- the shard group's largest parameter gather or gradient
+// reduce-scatter (of the student's `layout` and, when distilling, the gathers of the teacher's
+// `teacher_layout`), the replica group's largest gradient all-reduce, and the step's two sums
+// over the world (trainer.cpp's step communicator, made unless fsdp.cpu_offload). What they hold
+// is measured by Comm::uncounted_buffer_bytes.
+size_t plan_comm_staging_bytes(const ComputeOptions& compute, const GroupShape& groups, int world,
+                               const EngineOptions& engine, const std::vector<UnitLayout>& layout,
+                               const std::vector<UnitLayout>* teacher_layout = nullptr);
 
 class ComputeBackend {
  public:
@@ -48,8 +60,12 @@ class ComputeBackend {
   const Backend& backend() const { return backend_; }
   const ComputeOptions& options() const { return options_; }
   bool on_gpu() const { return backend_.device->kind() == DEVICE_CUDA; }
-  // A communicator over `comm` on the device's memory: MPI for the host, NCCL for a GPU.
+  // A communicator over `comm` on the device's memory: MPI for the host; for a GPU NCCL, or with
+  // fsdp.comm_backend=mpi host MPI through page-locked staging buffers (comm/staged_comm.hpp).
   std::unique_ptr<Comm> make_comm(MPI_Comm comm, Watchdog* watchdog) const;
+  // Which communicators make_comm makes, for the start line: "NCCL", "MPI through page-locked host
+  // staging (fsdp.comm_backend=mpi)" or "MPI".
+  std::string comm_description() const;
   // e.g. "cpu" or "cuda:0 NVIDIA H100 80GB HBM3".
   std::string describe() const { return backend_.device->name(); }
   // The GEMMs' arithmetic for the start line: "fp32 (OpenBLAS)", "bf16 operands, fp32
