@@ -7,7 +7,8 @@
 #   --bin DIR      where shardtrain and gpu_tests are (default: bundle/bin when bundle/env.sh
 #                  exists, which is then sourced; else build-cuda)
 #   --report FILE  the report (default: $OUT/gpu-report.md when OUT is set, else gpu-report.md)
-#   --tests-only   the kernel tests and the GPU-vs-CPU training check, no benchmarks (make test-gpu)
+#   --tests-only   the kernel tests and the GPU-vs-CPU training checks (1 rank on the GPU with NCCL's
+#                  settings; 2 and 4 ranks sharing it with fsdp.comm_backend=mpi), no benchmarks (make test-gpu)
 #
 # Without a GPU it says so and exits 0. With one, it exits 1 when any test failed. It stays within
 # about 8 minutes: each step has its own time limit (STEP_LIMIT_S, default 150 s).
@@ -106,22 +107,48 @@ sys.exit(0 if worst <= 1e-3 else 1)
 PY
 }
 
-section "20 training steps on the GPU against the CPU (fp32, losses within 1e-3 relative)"
-CMP_OPTS=(--train.steps=20 --train.threads=4 --model.n_layer=4 --model.n_embd=256 --model.n_head=4 --model.max_seq_len=128 --train.seq_len=128
-          --train.micro_batch=4 --train.global_batch=8)
-for strategy in FULL_SHARD NO_SHARD; do
-  if run cmp-cpu-$strategy cpu 2 inputs/tiny.ini "${CMP_OPTS[@]}" --fsdp.sharding_strategy=$strategy &&
-     run cmp-gpu-$strategy cuda 1 inputs/tiny.ini "${CMP_OPTS[@]}" --fsdp.sharding_strategy=$strategy; then
-    if out=$(compare_losses "$WORK/cmp-gpu-$strategy.jsonl" "$WORK/cmp-cpu-$strategy.jsonl"); then
-      report "- ok   $strategy: GPU (1 rank) vs CPU (2 ranks): $out"
+# against_cpu LABEL NAME CPU_RANKS GPU_RANKS OPTIONS...: the same training on the CPU and on the GPU
+# (runs cmp-cpu-NAME and cmp-gpu-NAME), reported ok when their losses agree (compare_losses).
+against_cpu() {
+  local label=$1 name=$2 cpu_np=$3 gpu_np=$4; shift 4
+  if run "cmp-cpu-$name" cpu "$cpu_np" inputs/tiny.ini "$@" && run "cmp-gpu-$name" cuda "$gpu_np" inputs/tiny.ini "$@"; then
+    if out=$(compare_losses "$WORK/cmp-gpu-$name.jsonl" "$WORK/cmp-cpu-$name.jsonl"); then
+      report "- ok   $label: GPU ($gpu_np rank$([ "$gpu_np" = 1 ] || echo s)) vs CPU ($cpu_np ranks): $out"
     else
-      FAILED=1; report "- FAIL $strategy: GPU vs CPU: $out"
+      FAILED=1; report "- FAIL $label: GPU vs CPU: $out"
     fi
   else
-    FAILED=1; report "- FAIL $strategy: a run failed:"; report '```'
-    report "$(tail -15 "$WORK/cmp-cpu-$strategy.log" 2>/dev/null; tail -15 "$WORK/cmp-gpu-$strategy.log" 2>/dev/null)"; report '```'
+    FAILED=1; report "- FAIL $label: a run failed:"; report '```'
+    report "$(tail -15 "$WORK/cmp-cpu-$name.log" 2>/dev/null; tail -15 "$WORK/cmp-gpu-$name.log" 2>/dev/null)"; report '```'
   fi
+}
+
+section "20 training steps on the GPU against the CPU (fp32, losses within 1e-3 relative)"
+CMP_MODEL=(--train.steps=20 --train.threads=4 --model.n_layer=4 --model.n_embd=256 --model.n_head=4 --model.max_seq_len=128 --train.seq_len=128)
+for strategy in FULL_SHARD NO_SHARD; do
+  against_cpu "$strategy" "$strategy" 2 1 "${CMP_MODEL[@]}" --train.micro_batch=4 --train.global_batch=8 --fsdp.sharding_strategy=$strategy
 done
+
+section "2 and 4 ranks sharing the GPU (fsdp.comm_backend=mpi) against the CPU on as many ranks (fp32, losses within 1e-3 relative)"
+# Host MPI through page-locked staging buffers: the only multi-rank GPU run one GPU allows (NCCL
+# refuses two ranks on one GPU). Micro-batches of 2 make the same 8 sequences a step on 2 and 4
+# ranks. One visible GPU (the first of CUDA_VISIBLE_DEVICES, else 0), so the ranks share it.
+ONE_GPU=${CUDA_VISIBLE_DEVICES:-0}
+ONE_GPU=${ONE_GPU%%,*}
+SHARED_OPTS=("${CMP_MODEL[@]}" --train.micro_batch=2 --train.global_batch=8 --fsdp.sharding_strategy=FULL_SHARD)
+for np in 2 4; do
+  CUDA_VISIBLE_DEVICES=$ONE_GPU against_cpu "FULL_SHARD, $np ranks on one GPU" "shared-$np" "$np" "$np" \
+    "${SHARED_OPTS[@]}" --fsdp.comm_backend=mpi
+done
+# With NCCL (the default on cuda) the same start is refused before NCCL starts: exit 2, one line.
+CUDA_VISIBLE_DEVICES=$ONE_GPU run shared-nccl-2 cuda 2 inputs/tiny.ini "${SHARED_OPTS[@]}"
+rc=$?
+if [ $rc = 2 ] && grep -q "fsdp.comm_backend=mpi to share GPUs" "$WORK/shared-nccl-2.log"; then
+  report "- ok   2 ranks on one GPU with NCCL: refused at start-up (exit 2, naming fsdp.comm_backend=mpi)"
+else
+  FAILED=1; report "- FAIL 2 ranks on one GPU with NCCL: exit $rc, expected 2 and the same-GPU message:"
+  report '```'; report "$(tail -5 "$WORK/shared-nccl-2.log")"; report '```'
+fi
 
 if [ "$TESTS_ONLY" = 0 ]; then
   section "Training throughput on one GPU (median of steps 3..N; MFU against the card's dense bf16 peak)"

@@ -118,7 +118,7 @@ std::string ComputeBackend::comm_description() const {
   return options_.nccl() ? "NCCL" : "MPI through page-locked host staging (fsdp.comm_backend=mpi)";
 }
 
-size_t plan_comm_staging_bytes(const ComputeOptions& compute, const GroupShape& groups, int world,
+size_t plan_comm_staging_bytes(const ComputeOptions& compute, const GroupShape& groups,
                                const EngineOptions& engine, const std::vector<UnitLayout>& layout,
                                const std::vector<UnitLayout>* teacher_layout) {
   if (!compute.gpu() || compute.nccl()) return 0;
@@ -140,6 +140,7 @@ size_t plan_comm_staging_bytes(const ComputeOptions& compute, const GroupShape& 
   };
   add_engine(layout, !engine.inference);
   if (teacher_layout) add_engine(*teacher_layout, false);
+  const int world = groups.shard_size * groups.replica_size;
   const size_t step = world > 1 && !engine.cpu_offload ? staging_bytes_all_reduce(2, sizeof(double)) : 0;
   return shard + replica + step;
 }

@@ -238,7 +238,7 @@ TEST(StagedComm, TrainingGivesTheHostBits) {
         gpu_mpi.device = "cuda";
         gpu_mpi.comm = COMM_MPI;
         const GroupShape groups{world_size(), world_rank(), 1, 0};
-        const size_t planned = plan_comm_staging_bytes(gpu_mpi, groups, world_size(), options,
+        const size_t planned = plan_comm_staging_bytes(gpu_mpi, groups, options,
                                                        FsdpEngine::plan_layout(host.table, groups));
         const size_t step_sums = world_size() > 1 && !offload ? 2 * sizeof(double) : 0;
         const size_t staged_bytes = foreign.world->uncounted_buffer_bytes() - host.world->uncounted_buffer_bytes();
