@@ -47,7 +47,30 @@ __global__ void adamw_kernel(float* param, float* m, float* v, const float* grad
   }
 }
 
+// Block k updates segment k (at most kAdamWSegmentElements, so one block's threads cover it in a
+// few strides); scalar accesses, as segments start anywhere in a shard.
+__global__ void adamw_multi_kernel(const AdamWSegment* segments, const double* sums, AdamWClip clip, AdamWStep step) {
+  float multiplier;
+  if (!adamw_grad_multiplier(sums, clip, &multiplier)) return;  // the whole step is skipped
+  const AdamWSegment s = segments[blockIdx.x];
+  for (size_t i = threadIdx.x; i < s.n; i += blockDim.x) {
+    float p = s.param[i], mm = s.m[i], vv = s.v[i];
+    adamw_element(&p, &mm, &vv, s.grad[i], multiplier, s.decay, step);
+    s.param[i] = p;
+    s.m[i] = mm;
+    s.v[i] = vv;
+  }
+}
+
 }  // namespace
+
+void launch_adamw_multi(const AdamWSegment* segments, size_t count, const double* sums, const AdamWClip& clip,
+                        const AdamWStep& step, const LaunchContext& ctx) {
+  if (count == 0) return;
+  constexpr int kMultiThreads = 512;
+  adamw_multi_kernel<<<static_cast<unsigned>(count), kMultiThreads, 0, ctx.stream>>>(segments, sums, clip, step);
+  CUDA_CHECK_LAUNCH();
+}
 
 void launch_adamw(float* param, float* m, float* v, const float* grad, size_t n, float grad_multiplier, float decay,
                   const AdamWStep& step, const LaunchContext& ctx) {

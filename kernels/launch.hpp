@@ -190,6 +190,10 @@ size_t reduce_scratch_bytes();
 double reduce_sum(const float* x, size_t n, void* scratch, void* host_result, const LaunchContext& ctx);
 double reduce_sum_squares(const float* x, size_t n, void* scratch, void* host_result, const LaunchContext& ctx);
 size_t reduce_count_nonfinite(const float* x, size_t n, void* scratch, void* host_result, const LaunchContext& ctx);
+// *total (device memory) += the sum (of squares) of x, the value reduce_sum(_squares) returns; the
+// host does not wait. `scratch` as above.
+void accumulate_sum(double* total, const float* x, size_t n, void* scratch, const LaunchContext& ctx);
+void accumulate_sum_squares(double* total, const float* x, size_t n, void* scratch, const LaunchContext& ctx);
 
 // ---- shard work (cast.cu, adamw.cu) ----------------------------------------------------------------
 // out[i] = float_to_half(in[i], type), except +0 for i in [zero_begin, zero_end) (the NCCL wire's
@@ -199,5 +203,9 @@ void launch_to_half(uint16_t* out, const float* in, size_t n, DType type, const 
 void launch_from_half(float* out, const uint16_t* in, size_t n, DType type, const LaunchContext& ctx);
 void launch_adamw(float* param, float* m, float* v, const float* grad, size_t n, float grad_multiplier, float decay,
                   const AdamWStep& step, const LaunchContext& ctx);
+// ShardOps::adamw_multi: one launch, one block per segment (device-memory table), the multiplier
+// from `sums` (device memory) in every thread, no update when adamw_grad_multiplier says so.
+void launch_adamw_multi(const AdamWSegment* segments, size_t count, const double* sums, const AdamWClip& clip,
+                        const AdamWStep& step, const LaunchContext& ctx);
 
 }  // namespace shardtrain::kernels

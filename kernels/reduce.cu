@@ -1,5 +1,6 @@
 // Whole-buffer reductions returned to the host: sum and sum of squares (the gradient norm) in
-// double, and the count of inf/NaN elements.
+// double, and the count of inf/NaN elements; and the two sums added to a double in device memory
+// instead (accumulate_*), which the host does not wait for.
 //
 // Deterministic by construction: the grid is a function of n only (kBlocks at most, never of
 // the device or of the pointer's alignment), element i is always added by thread
@@ -56,14 +57,27 @@ __global__ void reduce_partial_kernel(typename ReduceTraits<kKind>::Acc* partial
   if (threadIdx.x == 0) partial[blockIdx.x] = acc;
 }
 
-// One block: result[0] = sum of partial[0, blocks).
+// One block: result[0] = sum of partial[0, blocks), or result[0] += it.
 template <typename Acc>
-__global__ void reduce_final_kernel(Acc* result, const Acc* partial, int blocks) {
+__global__ void reduce_final_kernel(Acc* result, const Acc* partial, int blocks, bool accumulate) {
   __shared__ Acc shared[kWarpSize];
   Acc acc = 0;
   for (int i = threadIdx.x; i < blocks; i += blockDim.x) acc += partial[i];
   acc = block_sum(acc, shared);
-  if (threadIdx.x == 0) *result = acc;
+  if (threadIdx.x == 0) *result = accumulate ? *result + acc : acc;
+}
+
+// The partials of x into `scratch`, then their sum into (or onto) *result.
+template <ReduceKind kKind>
+void reduce_into(typename ReduceTraits<kKind>::Acc* result, bool accumulate, const float* x, size_t n, void* scratch,
+                 const LaunchContext& ctx) {
+  using Acc = typename ReduceTraits<kKind>::Acc;
+  Acc* partial = static_cast<Acc*>(scratch);
+  const int blocks = static_cast<int>(std::min<size_t>(kBlocks, ceil_div(n, kThreads)));
+  reduce_partial_kernel<kKind><<<blocks, kThreads, 0, ctx.stream>>>(partial, x, n);
+  CUDA_CHECK_LAUNCH();
+  reduce_final_kernel<Acc><<<1, kThreads, 0, ctx.stream>>>(result, partial, blocks, accumulate);
+  CUDA_CHECK_LAUNCH();
 }
 
 // 8-byte slots: kBlocks partials, then the result.
@@ -73,13 +87,8 @@ typename ReduceTraits<kKind>::Acc reduce(const float* x, size_t n, void* scratch
   using Acc = typename ReduceTraits<kKind>::Acc;
   static_assert(sizeof(Acc) == 8, "8-byte accumulators");
   if (n == 0) return 0;
-  Acc* partial = static_cast<Acc*>(scratch);
-  Acc* result = partial + kBlocks;
-  const int blocks = static_cast<int>(std::min<size_t>(kBlocks, ceil_div(n, kThreads)));
-  reduce_partial_kernel<kKind><<<blocks, kThreads, 0, ctx.stream>>>(partial, x, n);
-  CUDA_CHECK_LAUNCH();
-  reduce_final_kernel<Acc><<<1, kThreads, 0, ctx.stream>>>(result, partial, blocks);
-  CUDA_CHECK_LAUNCH();
+  Acc* result = static_cast<Acc*>(scratch) + kBlocks;
+  reduce_into<kKind>(result, false, x, n, scratch, ctx);
   CUDA_CHECK(cudaMemcpyAsync(host_result, result, sizeof(Acc), cudaMemcpyDeviceToHost, ctx.stream));
   CUDA_CHECK(cudaStreamSynchronize(ctx.stream));
   Acc value;
@@ -97,6 +106,14 @@ double reduce_sum(const float* x, size_t n, void* scratch, void* host_result, co
 
 double reduce_sum_squares(const float* x, size_t n, void* scratch, void* host_result, const LaunchContext& ctx) {
   return reduce<REDUCE_SUM_SQUARES>(x, n, scratch, host_result, ctx);
+}
+
+void accumulate_sum(double* total, const float* x, size_t n, void* scratch, const LaunchContext& ctx) {
+  if (n > 0) reduce_into<REDUCE_SUM>(total, true, x, n, scratch, ctx);
+}
+
+void accumulate_sum_squares(double* total, const float* x, size_t n, void* scratch, const LaunchContext& ctx) {
+  if (n > 0) reduce_into<REDUCE_SUM_SQUARES>(total, true, x, n, scratch, ctx);
 }
 
 size_t reduce_count_nonfinite(const float* x, size_t n, void* scratch, void* host_result, const LaunchContext& ctx) {

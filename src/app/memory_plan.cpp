@@ -10,6 +10,7 @@
 #include "core/error.hpp"
 #include "core/format.hpp"
 #include "model/adapter_layers.hpp"
+#include "optim/adamw.hpp"
 
 namespace shardtrain {
 
@@ -167,10 +168,13 @@ std::vector<PlannedAllocation> plan_device_allocations(const ParamTable& table, 
     }
   }
   // AdamW's two moments per unit (host memory when offloaded).
-  if (!engine.cpu_offload)
+  if (!engine.cpu_offload) {
     for (const UnitLayout& l : layout)
       add(MEM_OPTIMIZER_STATE, l.trainable.shard_numel * sizeof(float)),
           add(MEM_OPTIMIZER_STATE, l.trainable.shard_numel * sizeof(float));
+    add(MEM_OPTIMIZER_STATE, AdamW::plan_table_bytes(table, groups.shard_size));  // the fused step's table
+  }
+  add(MEM_OPTIMIZER_STATE, AdamW::kStepSumsBytes);  // the trainer's step sums
   add_activation_allocations(table, micro_batch, seq_len, activation_checkpointing, &list);
   return list;
 }
@@ -215,9 +219,14 @@ MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, c
   size_t shard_numel = 0, trainable_shard_numel = 0;
   for (const UnitLayout& unit : layout)
     shard_numel += unit.shard_numel(), trainable_shard_numel += unit.trainable.shard_numel;
-  if (!engine.cpu_offload) plan.bytes[MEM_OPTIMIZER_STATE] = 2 * trainable_shard_numel * sizeof(float);
-  if (engine.cpu_offload)  // master, gradient, two moments
-    plan.offloaded_bytes = (shard_numel + 3 * trainable_shard_numel) * sizeof(float);
+  // And the fused step's segment table (optim/adamw.hpp) beside them; the step's sums on the device
+  // (and, offloaded, their copy beside the masters).
+  const size_t table_bytes = AdamW::plan_table_bytes(table, groups.shard_size);
+  plan.bytes[MEM_OPTIMIZER_STATE] = AdamW::kStepSumsBytes;
+  if (!engine.cpu_offload) plan.bytes[MEM_OPTIMIZER_STATE] += 2 * trainable_shard_numel * sizeof(float) + table_bytes;
+  if (engine.cpu_offload)  // master, gradient, two moments, the table, the sums
+    plan.offloaded_bytes =
+        (shard_numel + 3 * trainable_shard_numel) * sizeof(float) + table_bytes + AdamW::kStepSumsBytes;
   plan.bytes[MEM_ACTIVATIONS] = plan_activation_bytes(table, micro_batch, seq_len, activation_checkpointing);
   plan.bytes[MEM_WORKSPACE] = plan_gemm_workspace_bytes(compute.device, compute.compute_dtype, gemms);
   if (compute.gpu())

@@ -75,10 +75,12 @@ std::string format_duration(double seconds) {
 // memory category and in total, the stop signal, resident growth, bytes sent.
 // DEVICE_RESERVED: what the GPU's caching allocator took at most (0 on the CPU backend).
 // HELD: the most the device's arrays held at once, counted at allocation (the plan's check).
+// HOST_SYNCS: the times the host waited for the compute device during the step (Device::host_syncs).
 constexpr int PEAK_TOTAL = MEM_CATEGORY_COUNT, STOP_SIGNAL = MEM_CATEGORY_COUNT + 1,
               RSS_GROWTH = MEM_CATEGORY_COUNT + 2, COMM_BYTES = MEM_CATEGORY_COUNT + 3,
-              DEVICE_RESERVED = MEM_CATEGORY_COUNT + 4, HELD = MEM_CATEGORY_COUNT + 5;
-using StepMaxima = std::array<double, MEM_CATEGORY_COUNT + 6>;
+              DEVICE_RESERVED = MEM_CATEGORY_COUNT + 4, HELD = MEM_CATEGORY_COUNT + 5,
+              HOST_SYNCS = MEM_CATEGORY_COUNT + 6;
+using StepMaxima = std::array<double, MEM_CATEGORY_COUNT + 7>;
 
 // Seconds on a monotonic clock, for step, save and run times.
 double now_seconds() {
@@ -173,8 +175,9 @@ class Trainer {
   void stop_on_signal(int step, int signal, bool saved_already);
   uint64_t bytes_sent() const;
   size_t uncounted_comm_buffer_bytes() const;
-  // Sum of the token losses of this rank's micro-batches.
-  double accumulate_gradients(int step);
+  // The micro-batches' gradients, and the sum of their token losses added to step_sums_[0] (with
+  // cpu_offload brought to host_sums_[0] as well).
+  void accumulate_gradients(int step);
   double evaluate();
 
   const Runtime& rt_;
@@ -194,6 +197,9 @@ class Trainer {
   ComputeBackend compute_;
   std::unique_ptr<Comm> comm_;  // MPI on host memory: agreement, metrics, checkpoints
   std::unique_ptr<Comm> shard_comm_, replica_comm_;  // on the compute device's memory
+  // The step's sums where the optimizer reads them: over the world on the device's memory (a GPU's
+  // communicator); null where that is comm_ (the CPU backend, and cpu_offload's host-side step).
+  std::unique_ptr<Comm> step_comm_;
   std::unique_ptr<TokenDataset> train_data_, val_data_;
   std::unique_ptr<SequenceSampler> sampler_;
   MemoryPlan plan_;  // checked against fsdp.memory_limit before anything below is allocated
@@ -205,6 +211,11 @@ class Trainer {
   AdamW optimizer_;
   std::unique_ptr<TransformerModel<float>> model_;
   std::unique_ptr<Teacher> teacher_;  // distill.teacher, beside the student
+  // The step's summed loss and squared gradient norm (then the validation loss) in the compute
+  // device's memory, read once at the end of a step into host_sums_; with cpu_offload the
+  // optimizer reads them from offloaded_sums_ (the backend's host memory).
+  DeviceArray<double> step_sums_, offloaded_sums_;
+  double host_sums_[2] = {0, 0};
   std::vector<int> tokens_, targets_;
   std::vector<uint64_t> dropout_keys_;  // per token of a micro-batch: dropout_token_key
   CheckpointManager checkpoints_;
@@ -324,6 +335,8 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
       comm_(make_mpi_comm(rt.world_comm(), &watchdog_)),
       shard_comm_(make_shard_comm(rt, config, strategy_, compute_, &watchdog_)),
       replica_comm_(make_replica_comm(rt, config, strategy_, compute_, &watchdog_)),
+      step_comm_(compute_.on_gpu() && !config.fsdp.cpu_offload ? compute_.make_comm(rt.world_comm(), &watchdog_)
+                                                                : nullptr),
       plan_(checked_memory_plan(rt, config, strategy_, *shard_comm_, *replica_comm_, compute_, gemm_workload_,
                                   teacher_table_)),
       table_(config_param_table(config)),
@@ -342,6 +355,9 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
   model_ = make_model<float>(table_, B_, T_, cfg_.fsdp.activation_checkpointing, *compute_.backend().ops);
   memory_.add(MEM_ACTIVATIONS, model_->activation_bytes());
   memory_.add(MEM_WORKSPACE, compute_.gemm_workspace_bytes());
+  step_sums_ = DeviceArray<double>(*compute_.backend().device, 2);
+  memory_.add(MEM_OPTIMIZER_STATE, step_sums_.bytes());
+  if (cfg_.fsdp.cpu_offload) offloaded_sums_ = DeviceArray<double>(*compute_.backend().host, 2);
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++)  // the planner is exact: it is what was allocated
     SHARD_CHECK(memory_.current(static_cast<MemCategory>(c)) == plan_.bytes[c], "%s: tracked %zu, planned %zu",
                 mem_category_name(static_cast<MemCategory>(c)), memory_.current(static_cast<MemCategory>(c)),
@@ -659,11 +675,18 @@ void Trainer::save(int step) {
            now_seconds() - t0);
 }
 
+// The step holds the host to one wait for the device (docs/architecture.md, "One host
+// synchronization per step"): the loss and the gradient norm are summed on the device, all-reduced
+// there, clipping and the inf/NaN skip decided there by the fused AdamW, and only then both read.
+// With cpu_offload the wait is the gradient shards' copy to the host, which brings the loss along.
 Trainer::StepOutcome Trainer::run_step(int step) {
   comm_->barrier("barrier(step start)");  // time the step between barriers
   const double t0 = now_seconds();
   const uint64_t bytes_before = bytes_sent();
-  double sums[2] = {accumulate_gradients(step), 0.0};
+  Device& device = *compute_.backend().device;
+  const uint64_t syncs_before = device.host_syncs();
+  step_sums_.zero();
+  accumulate_gradients(step);
   if (rt_.rank() == cfg_.debug.stall_rank && step == cfg_.debug.stall_step)
     usleep(static_cast<useconds_t>(cfg_.debug.stall_seconds * 1e6));
   if (rt_.is_root() && step + 1 == cfg_.debug.inject_inf_step) {
@@ -674,26 +697,35 @@ Trainer::StepOutcome Trainer::run_step(int step) {
         break;
       }
   }
-  sums[1] = optimizer_.local_grad_sq_norm();
-  comm_->all_reduce_sum(Span<double>(sums, 2), "all_reduce(loss, grad norm)");
+  const bool offload = cfg_.fsdp.cpu_offload;
+  double* sums = offload ? offloaded_sums_.data() : step_sums_.data();  // where the optimizer's shards are
+  if (offload) offloaded_sums_[1] = 0;
+  optimizer_.accumulate_grad_sq_norm(sums + 1);
+  (step_comm_ ? *step_comm_ : *comm_).all_reduce_sum(Span<double>(sums, 2), "all_reduce(loss, grad norm)");
+  const double lr = optimizer_.step(step, sums, loss_scale_);
+  if (offload)
+    std::copy_n(offloaded_sums_.data(), 2, host_sums_);
+  else
+    device.copy_to_host(host_sums_, step_sums_.data(), step_sums_.bytes());  // the step's one wait
   StepOutcome out;
-  out.loss = sums[0] / (static_cast<double>(G_) * T_);
-  out.grad_norm = std::sqrt(sums[1]) / loss_scale_;
+  out.loss = host_sums_[0] / (static_cast<double>(G_) * T_);
+  out.grad_norm = std::sqrt(host_sums_[1]) / loss_scale_;
   out.loss_scale = loss_scale_;
-  out.finite = std::isfinite(out.loss) && std::isfinite(out.grad_norm);
+  out.finite = std::isfinite(out.loss) && std::isfinite(out.grad_norm);  // else the update was skipped
   if (!out.finite && loss_scaling_) {
-    // fp16 overflow: skip the update, halve the scale (the data of this step is consumed).
+    // fp16 overflow: the update was skipped; halve the scale (the data of this step is consumed).
     out.skipped = true, out.finite = true;
     loss_scale_ /= 2, good_steps_ = 0;
     rt_.info("step %d: inf/NaN gradients at fp16 loss scale %g: update skipped, loss scale halved to %g", step + 1,
              out.loss_scale, loss_scale_);
   } else if (out.finite) {
-    out.lr = optimizer_.step(step, out.grad_norm, loss_scale_);
+    out.lr = lr;
     if (loss_scaling_ && ++good_steps_ % LOSS_SCALE_GROWTH_INTERVAL == 0) loss_scale_ *= 2;
   }
-  compute_.backend().device->synchronize();  // a GPU's queued optimizer step belongs to this step's time
+  const double host_syncs = static_cast<double>(device.host_syncs() - syncs_before);
   out.maxima = local_step_maxima(memory_, rss_at_start_, *compute_.backend().device, uncounted_comm_buffer_bytes());
   out.maxima[COMM_BYTES] = static_cast<double>(bytes_sent() - bytes_before);
+  out.maxima[HOST_SYNCS] = host_syncs;
   comm_->all_reduce_max(Span<double>(out.maxima.data(), out.maxima.size()), "all_reduce(step maxima)");
   out.seconds = now_seconds() - t0;
   return out;
@@ -733,12 +765,12 @@ void Trainer::report_step(int step, const StepOutcome& out, double eta_seconds, 
       "{\"kind\":\"step\",\"step\":%d,\"loss\":%s,\"lr\":%.9g,\"grad_norm\":%s,\"tokens_per_s\":%.6g,\"mfu\":%.6g,"
       "\"step_seconds\":%.6g,\"peak_mem_bytes\":%.0f,\"held_mem_bytes\":%.0f,\"peak_mem\":%s,\"rss_growth_bytes\":%.0f,"
       "\"comm_bytes\":%.0f,\"device_reserved_bytes\":%.0f,\"loss_scale\":%g,\"skipped\":%s,"
-      "\"peak_gflops\":%.6g,\"hardware_mfu\":%.6g,\"hardware_peak_gflops\":%.6g}",
+      "\"peak_gflops\":%.6g,\"hardware_mfu\":%.6g,\"hardware_peak_gflops\":%.6g,\"host_syncs\":%.0f}",
       step + 1, json_number(out.loss).c_str(), out.lr, json_number(out.grad_norm).c_str(), tokens_per_s, mfu,
       out.seconds, planned_peak_, out.maxima[HELD],
       memory_json(out.maxima).c_str(), out.maxima[RSS_GROWTH], out.maxima[COMM_BYTES], out.maxima[DEVICE_RESERVED],
       out.loss_scale,
-      out.skipped ? "true" : "false", peak_gflops_, hardware_mfu, hardware_peak_gflops_));
+      out.skipped ? "true" : "false", peak_gflops_, hardware_mfu, hardware_peak_gflops_, out.maxima[HOST_SYNCS]));
 }
 
 void Trainer::stop_on_signal(int step, int signal, bool saved_already) {
@@ -772,10 +804,9 @@ size_t Trainer::uncounted_comm_buffer_bytes() const {
          replica_comm_->uncounted_buffer_bytes();
 }
 
-double Trainer::accumulate_gradients(int step) {
+void Trainer::accumulate_gradients(int step) {
   engine_.zero_grads();
   const float dloss = static_cast<float>(loss_scale_ / (static_cast<double>(G_) * T_));
-  double loss_sum = 0;
   for (int micro = 0; micro < accum_; micro++) {
     for (int b = 0; b < B_; b++) {
       uint64_t seq = static_cast<uint64_t>(micro * rt_.world() + rt_.rank()) * B_ + b;
@@ -788,16 +819,17 @@ double Trainer::accumulate_gradients(int step) {
     if (teacher_)
       model_->set_teacher_logits(teacher_->logits(tokens_.data()), static_cast<float>(cfg_.distill.alpha),
                                  static_cast<float>(cfg_.distill.temperature));
-    loss_sum += engine_.train_micro_batch(*model_, tokens_.data(), targets_.data(), dloss);
+    engine_.train_micro_batch(*model_, tokens_.data(), targets_.data(), dloss, step_sums_.data());
   }
   model_->set_dropout_keys(nullptr);
+  if (cfg_.fsdp.cpu_offload)  // the loss comes down with the gradient shards, in finish_step's one wait
+    compute_.backend().device->start_copy_to_host(offloaded_sums_.data(), step_sums_.data(), sizeof(double));
   engine_.finish_step();
-  return loss_sum;
 }
 
 double Trainer::evaluate() {
   model_->set_teacher_logits(nullptr, 1, 1);  // validation: the student's cross-entropy
-  double loss_sum = 0;
+  step_sums_.zero();
   for (int batch = 0; batch < cfg_.train.eval_batches; batch++) {
     for (int micro = 0; micro < accum_; micro++) {
       for (int b = 0; b < B_; b++) {
@@ -805,9 +837,11 @@ double Trainer::evaluate() {
         val_data_->fill(seq % val_data_->windows(), &tokens_[static_cast<size_t>(b) * T_],
                         &targets_[static_cast<size_t>(b) * T_]);
       }
-      loss_sum += engine_.eval_micro_batch(*model_, tokens_.data(), targets_.data());
+      engine_.eval_micro_batch(*model_, tokens_.data(), targets_.data(), step_sums_.data());
     }
   }
+  double loss_sum = 0;
+  compute_.backend().device->copy_to_host(&loss_sum, step_sums_.data(), sizeof loss_sum);
   comm_->all_reduce_sum(Span<double>(&loss_sum, 1), "all_reduce(val loss)");
   return loss_sum / (static_cast<double>(cfg_.train.eval_batches) * G_ * T_);
 }

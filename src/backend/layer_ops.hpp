@@ -107,13 +107,19 @@ class LayerOps {
   virtual void distill_loss_forward(Real* losses, Real* student_to_grad, const Real* teacher, const int* targets,
                                     int N, int V, Real alpha, Real temperature) const = 0;
 
-  // Reductions, returned to the host, in an order fixed by n alone -- not by threads -- so
-  // deterministic (CPU, in double: sum sequential; sum_squares sequential within blocks of 4096
-  // elements, then over the blocks in order. CUDA: a fixed tree, not the CPU's bits).
+  // Reductions, returned to the host (a host synchronization, counted on device()), in an order
+  // fixed by n alone -- not by threads -- so deterministic (CPU, in double: sum sequential;
+  // sum_squares sequential within blocks of 4096 elements, then over the blocks in order. CUDA: a
+  // fixed tree, not the CPU's bits).
   virtual double sum(const Real* x, size_t n) const = 0;
   virtual double sum_squares(const Real* x, size_t n) const = 0;
   // Elements that are inf or NaN.
   virtual size_t count_nonfinite(const Real* x, size_t n) const = 0;
+  // The same sums added to *total, one double in the device's memory, without the host waiting:
+  // the step's loss and gradient norm stay on the device until the step ends. The added value has
+  // the bits sum() / sum_squares() return.
+  virtual void accumulate_sum(double* total, const Real* x, size_t n) const = 0;
+  virtual void accumulate_sum_squares(double* total, const Real* x, size_t n) const = 0;
   // x *= s
   virtual void scale(Real* x, size_t n, Real s) const = 0;
 };
@@ -128,6 +134,12 @@ class ShardOps {
   // For i in [0, n): adamw_update(&param[i], &m[i], &v[i], grad[i] * grad_multiplier, decay, step).
   virtual void adamw(float* param, float* m, float* v, const float* grad, size_t n, float grad_multiplier,
                      float decay, const AdamWStep& step) const = 0;
+  // The whole step in one launch: adamw() over every segment (a table of `count` entries in the
+  // device's memory, each at most kAdamWSegmentElements), with the multiplier adamw_grad_multiplier
+  // computes from `sums` (two doubles in the device's memory) -- or no update at all when it says
+  // the step is not finite. The host reads nothing: no synchronization.
+  virtual void adamw_multi(const AdamWSegment* segments, size_t count, const double* sums, const AdamWClip& clip,
+                           const AdamWStep& step) const = 0;
 };
 
 // What the engine, optimizer and trainer compute with: a device and its fp32 operations, and

@@ -1,5 +1,6 @@
 // Per-element math written once, for the CPU loops and (as HOST_DEVICE) for the CUDA kernels, so
-// that the CPU tests cover the GPU's arithmetic too: exp_fast, GELU, SiLU and the AdamW element update.
+// that the CPU tests cover the GPU's arithmetic too: exp_fast, GELU, SiLU, the AdamW element update and
+// its clipping factor.
 // (The counter RNG, which serves data/ and ckpt/ too, is core/random.hpp.)
 #pragma once
 
@@ -92,6 +93,35 @@ HOST_DEVICE inline void adamw_update(float* param, float* m, float* v, float gra
   float m_hat = m_new / s.bias_correction1;
   float v_hat = v_new / s.bias_correction2;
   *param -= s.lr * (m_hat / (std::sqrt(v_hat) + s.eps) + decay_mask * s.weight_decay * *param);
+}
+
+// The fused step's list entry (ShardOps::adamw_multi): a run of a shard with one weight-decay
+// setting, at most kAdamWSegmentElements long so that one GPU block takes one entry.
+struct AdamWSegment {
+  float* param;
+  float* m;
+  float* v;
+  const float* grad;
+  size_t n;
+  float decay;  // 1 with weight decay, 0 without
+};
+constexpr size_t kAdamWSegmentElements = size_t{1} << 16;
+
+// Global-norm clipping and the loss scale, applied where the step's sums are (on the device):
+// `sums` = {the step's summed loss, the squared norm of the gradients as they are}, the gradients
+// being grad_scale times the true ones. The true norm is sqrt(sums[1]) / grad_scale; the update
+// is skipped (false) when it or the loss is not inf/NaN-free; else *multiplier unscales and clips
+// in one factor (max_norm <= 0: no clipping).
+struct AdamWClip {
+  double max_norm;
+  double grad_scale;
+};
+HOST_DEVICE inline bool adamw_grad_multiplier(const double* sums, const AdamWClip& c, float* multiplier) {
+  const double norm = std::sqrt(sums[1]) / c.grad_scale;
+  if (!std::isfinite(sums[0]) || !std::isfinite(norm)) return false;
+  const double clip = (c.max_norm > 0 && norm > c.max_norm) ? c.max_norm / (norm + 1e-6) : 1.0;
+  *multiplier = static_cast<float>(clip / c.grad_scale);
+  return true;
 }
 
 }  // namespace shardtrain

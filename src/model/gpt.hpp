@@ -26,7 +26,7 @@ class GptModel : public TransformerModel<Real> {
 
   void embed_forward(const Real* root, const int* tokens) override;
   void block_forward(int layer, const Real* block) override;
-  double head_forward(const Real* root, const int* targets) override;
+  void head_forward(const Real* root, const int* targets, double* loss_total) override;
   void head_backward(Real* root_grad, const Real* root, Real dloss) override;
   void block_backward(int layer, Real* block_grad, const Real* block) override;
   void embed_backward(Real* root_grad) override;

@@ -113,12 +113,12 @@ const Real* LlamaModel<Real>::head_logits(const Real* root) {
 }
 
 template <typename Real>
-double LlamaModel<Real>::head_forward(const Real* root, const int* targets) {
+void LlamaModel<Real>::head_forward(const Real* root, const int* targets, double* loss_total) {
   const int N = B_ * T_, V = cfg_.vocab_size;
   ops_.device().copy_to_device(targets_.data(), targets, targets_.bytes());
   head_logits(root);
   this->head_loss_.forward(ops_, losses_.data(), probs_.data(), targets_.data(), N, V);
-  return ops_.sum(losses_.data(), losses_.size());
+  ops_.accumulate_sum(loss_total, losses_.data(), losses_.size());
 }
 
 template <typename Real>

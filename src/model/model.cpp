@@ -42,7 +42,7 @@ double forward_backward_unsharded(TransformerModel<Real>& model, const ParamTabl
   const int L = table.config().n_layer;
   model.embed_forward(units[ROOT_UNIT], tokens);
   for (int l = 0; l < L; l++) model.block_forward(l, units[block_unit(l)]);
-  double loss = model.head_forward(units[ROOT_UNIT], targets);
+  double loss = model.host_head_forward(units[ROOT_UNIT], targets);
   model.head_backward(unit_grads[ROOT_UNIT], units[ROOT_UNIT], dloss);
   for (int l = L - 1; l >= 0; l--) model.block_backward(l, unit_grads[block_unit(l)], units[block_unit(l)]);
   model.embed_backward(unit_grads[ROOT_UNIT]);

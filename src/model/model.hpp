@@ -69,9 +69,16 @@ class TransformerModel {
 
   virtual void embed_forward(const Real* root, const int* tokens) = 0;
   virtual void block_forward(int layer, const Real* block) = 0;
-  // Returns the sum over the B*T tokens of -log p(target) (with a teacher: of the distillation loss);
-  // leaves probabilities (the loss's logit gradient) for head_backward.
-  virtual double head_forward(const Real* root, const int* targets) = 0;
+  // Adds the sum over the B*T tokens of -log p(target) (with a teacher: of the distillation loss)
+  // to *loss_total, one double in the device's memory (the host does not wait for it); leaves
+  // probabilities (the loss's logit gradient) for head_backward.
+  virtual void head_forward(const Real* root, const int* targets, double* loss_total) = 0;
+  // The same loss returned, for a model computing in host memory only (the tests' references).
+  double host_head_forward(const Real* root, const int* targets) {
+    double loss = 0;
+    head_forward(root, targets, &loss);
+    return loss;
+  }
 
   // dloss: the gradient of the optimised loss w.r.t. each token's loss (1 / tokens in the batch).
   virtual void head_backward(Real* root_grad, const Real* root, Real dloss) = 0;

@@ -18,24 +18,58 @@ double lr_at_step(const OptimConfig& c, int step) {
   return min_lr + 0.5 * (c.lr - min_lr) * (1.0 + std::cos(M_PI * progress));
 }
 
-AdamW::AdamW(const OptimConfig& config, FsdpEngine& engine, MemoryTracker& memory)
-    : config_(config), engine_(engine), memory_(memory) {
-  const ParamTable& table = engine.table();
-  for (size_t u = 0; u < engine.shards().size(); u++) {
-    const UnitShard& s = engine.shards()[u];
-    const SpaceLayout& trainable = s.layout.trainable;  // frozen parameters have no moments
-    m_.emplace_back(engine.master_device(), trainable.shard_numel);
-    v_.emplace_back(engine.master_device(), trainable.shard_numel);
-    if (!engine.options().cpu_offload) bytes_ += 2 * trainable.shard_numel * sizeof(float);  // device memory only
-    std::vector<Segment> segs;
+namespace {
+
+// The fused step's table, entry by entry: each trainable parameter's part of this rank's shard of
+// each unit, with its weight-decay setting, cut into pieces of at most kAdamWSegmentElements.
+// fn(unit, index in the unit's shard, elements, decay).
+template <typename Fn>
+void for_each_segment(const ParamTable& table, const std::vector<UnitLayout>& layout, Fn fn) {
+  for (size_t u = 0; u < layout.size(); u++)
     for (int id : table.units()[u].params) {
       const ParamInfo& p = table.params()[id];
       if (p.frozen) continue;
-      const UnitLayout::Local part = s.layout.local_part(p.range());
-      if (!part.range.empty())
-        segs.push_back(Segment{part.index, part.index + part.range.size(), p.weight_decay ? 1.0f : 0.0f});
+      const UnitLayout::Local part = layout[u].local_part(p.range());
+      for (size_t at = 0; at < part.range.size(); at += kAdamWSegmentElements)
+        fn(u, part.index + at, std::min(kAdamWSegmentElements, part.range.size() - at), p.weight_decay ? 1.0f : 0.0f);
     }
-    segments_.push_back(std::move(segs));
+}
+
+}  // namespace
+
+size_t AdamW::plan_table_bytes(const ParamTable& table, int shard_size) {
+  size_t most = 0;
+  for (int g = 0; g < shard_size; g++) {  // the layout's shard ranges depend on the shard rank alone
+    size_t count = 0;
+    for_each_segment(table, FsdpEngine::plan_layout(table, GroupShape{shard_size, g, 1, 0}),
+                     [&](size_t, size_t, size_t, float) { count++; });
+    most = std::max(most, count);
+  }
+  return most * sizeof(AdamWSegment);
+}
+
+AdamW::AdamW(const OptimConfig& config, FsdpEngine& engine, MemoryTracker& memory)
+    : config_(config), engine_(engine), memory_(memory) {
+  const ParamTable& table = engine.table();
+  for (const UnitShard& s : engine.shards()) {
+    const SpaceLayout& trainable = s.layout.trainable;  // frozen parameters have no moments
+    m_.emplace_back(engine.master_device(), trainable.shard_numel);
+    v_.emplace_back(engine.master_device(), trainable.shard_numel);
+  }
+  std::vector<UnitLayout> layout;
+  for (const UnitShard& s : engine.shards()) layout.push_back(s.layout);
+  std::vector<AdamWSegment> segments;
+  for_each_segment(table, layout, [&](size_t u, size_t i, size_t n, float decay) {
+    UnitShard& s = engine.shards()[u];
+    segments.push_back(AdamWSegment{s.params.data() + i, m_[u].data() + i, v_[u].data() + i, s.grads.data() + i, n, decay});
+  });
+  segments_ = DeviceArray<AdamWSegment>(engine.master_device(),
+                                        plan_table_bytes(table, engine.shard_group_size()) / sizeof(AdamWSegment));
+  segment_count_ = segments.size();
+  engine.master_device().copy_to_device(segments_.data(), segments.data(), segment_count_ * sizeof(AdamWSegment));
+  if (!engine.options().cpu_offload) {  // device memory only
+    for (size_t u = 0; u < m_.size(); u++) bytes_ += m_[u].bytes() + v_[u].bytes();
+    bytes_ += segments_.bytes();
   }
   memory_.add(MEM_OPTIMIZER_STATE, bytes_);
 }
@@ -47,21 +81,15 @@ void AdamW::zero_state() {
   for (auto& v : v_) v.zero();
 }
 
-double AdamW::local_grad_sq_norm() const {
-  double total = 0;
-  for (const UnitShard& s : engine_.shards()) {
+void AdamW::accumulate_grad_sq_norm(double* total) const {
+  for (const UnitShard& s : engine_.shards())
     // Only the owned part: replicas hold the same gradient shard and must count it once.
-    total += engine_.master_ops().sum_squares(s.grads.data() + s.layout.trainable.owned_begin,
-                                              s.layout.trainable.owned_count);
-  }
-  return total;
+    engine_.master_ops().accumulate_sum_squares(total, s.grads.data() + s.layout.trainable.owned_begin,
+                                                s.layout.trainable.owned_count);
 }
 
-double AdamW::step(int step, double global_grad_norm, double grad_scale) {
+double AdamW::step(int step, const double* sums, double grad_scale) {
   const double lr = lr_at_step(config_, step);
-  const double clip_factor =
-      (config_.grad_clip > 0 && global_grad_norm > config_.grad_clip) ? config_.grad_clip / (global_grad_norm + 1e-6) : 1.0;
-  const float clip = static_cast<float>(clip_factor / grad_scale);  // unscale and clip in one multiply
   AdamWStep s;
   s.lr = static_cast<float>(lr);
   s.beta1 = static_cast<float>(config_.beta1);
@@ -70,14 +98,8 @@ double AdamW::step(int step, double global_grad_norm, double grad_scale) {
   s.weight_decay = static_cast<float>(config_.weight_decay);
   s.bias_correction1 = static_cast<float>(1.0 - std::pow(config_.beta1, step + 1));
   s.bias_correction2 = static_cast<float>(1.0 - std::pow(config_.beta2, step + 1));
-  for (size_t u = 0; u < engine_.shards().size(); u++) {
-    UnitShard& sh = engine_.shards()[u];
-    float *p = sh.params.data(), *m = m_[u].data(), *v = v_[u].data();
-    const float* g = sh.grads.data();
-    for (const Segment& seg : segments_[u])
-      engine_.master_shard_ops().adamw(p + seg.begin, m + seg.begin, v + seg.begin, g + seg.begin, seg.end - seg.begin,
-                                         clip, seg.decay, s);
-  }
+  engine_.master_shard_ops().adamw_multi(segments_.data(), segment_count_, sums,
+                                         AdamWClip{config_.grad_clip, grad_scale}, s);
   return lr;
 }
 

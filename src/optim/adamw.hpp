@@ -1,7 +1,9 @@
 // AdamW on the local gradient shards, global-norm gradient clipping, and the warmup + cosine
 // learning-rate schedule. Moments live beside the fp32 master shard; nothing here is unsharded.
-// The only collective is one all-reduce of the shards' squared norms (grad_norm), which callers
-// may fold into a larger all-reduce (see global_grad_norm_parts).
+// Nothing here waits for the device either: the squared norm is added to a double in the master
+// device's memory, the caller all-reduces it there (with the step's loss), and the step reads it
+// there -- clipping, the loss scale and the inf/NaN skip decided on the device, all shards
+// updated in one launch (ShardOps::adamw_multi).
 #pragma once
 
 #include <vector>
@@ -28,13 +30,24 @@ class AdamW {
   AdamW(const OptimConfig& config, FsdpEngine& engine, MemoryTracker& memory);
   ~AdamW();
 
-  // Sum of squared gradient elements of the parts of this rank's shards it owns among its
-  // replicas (summed over all ranks, every element counts once; padding is zero).
-  double local_grad_sq_norm() const;
-  // Updates this rank's shards. The gradients hold grad_scale times the true gradient (the loss
-  // scale of fp16 training; 1 otherwise); global_grad_norm is the true (unscaled) norm.
-  // Returns the lr used.
-  double step(int step, double global_grad_norm, double grad_scale = 1.0);
+  // Adds to *total (a double in the master device's memory) the sum of squared gradient elements
+  // of the parts of this rank's shards it owns among its replicas (summed over all ranks, every
+  // element counts once; padding is zero).
+  void accumulate_grad_sq_norm(double* total) const;
+  // Updates this rank's shards, all in one launch. `sums` (two doubles in the master device's
+  // memory, summed over the ranks): the step's loss and the squared norm of the gradients as they
+  // are -- grad_scale times the true gradients (the loss scale of fp16 training; 1 otherwise).
+  // Clips by the true norm; updates nothing when the loss or the norm is inf/NaN
+  // (adamw_grad_multiplier, backend/math.hpp). Returns the lr of the step.
+  double step(int step, const double* sums, double grad_scale = 1.0);
+
+  // The bytes of the fused step's segment table (beside the moments, in the optimizer state) on
+  // every rank of a shard group of `shard_size`: the most any of them needs, so that every rank
+  // holds the same bytes, as with its padded shards. The memory plan's share of the constructor's.
+  static size_t plan_table_bytes(const ParamTable& table, int shard_size);
+  // The step's loss and squared gradient norm (ShardOps::adamw_multi's `sums`), in the compute
+  // device's memory: the trainer's, planned beside the optimizer state.
+  static constexpr size_t kStepSumsBytes = 2 * sizeof(double);
 
   // Back to the state before the first step (moments zero).
   void zero_state();
@@ -43,15 +56,12 @@ class AdamW {
   std::vector<DeviceArray<float>>& v() { return v_; }
 
  private:
-  struct Segment {  // a run of this rank's shard with one weight-decay setting
-    size_t begin, end;
-    float decay;
-  };
   OptimConfig config_;
   FsdpEngine& engine_;
   MemoryTracker& memory_;
   std::vector<DeviceArray<float>> m_, v_;
-  std::vector<std::vector<Segment>> segments_;
+  DeviceArray<AdamWSegment> segments_;  // every trainable run of the shards, in the master device's memory
+  size_t segment_count_ = 0;             // used of segments_ (sized for the shard group's neediest rank)
   size_t bytes_ = 0;
 };
 

@@ -364,14 +364,15 @@ void FsdpEngine::forward_blocks(TransformerModel<float>& model) {
   }
 }
 
-double FsdpEngine::train_micro_batch(TransformerModel<float>& model, const int* tokens, const int* targets, float dloss) {
+void FsdpEngine::train_micro_batch(TransformerModel<float>& model, const int* tokens, const int* targets, float dloss,
+                                   double* loss_total) {
   SHARD_CHECK(!options_.inference, "train_micro_batch on an inference engine (no gradients)");
   const int L = table_.config().n_layer;
   forget_gathered();
   const float* root = gather_params(ROOT_UNIT, false);
   model.embed_forward(root, tokens);
   forward_blocks(model);
-  double loss = model.head_forward(root, targets);
+  model.head_forward(root, targets, loss_total);
 
   float* root_grad = gradient_target(ROOT_UNIT);
   model.head_backward(root_grad, root, dloss);
@@ -387,7 +388,6 @@ double FsdpEngine::train_micro_batch(TransformerModel<float>& model, const int* 
   if (floor == 0) model.embed_backward(root_grad);
   reduce_micro_batch_grads(ROOT_UNIT);
   for (size_t b = 0; b < reduce_handles_.size(); b++) join_reduction(b);  // the shards are complete
-  return loss;
 }
 
 void FsdpEngine::finish_step() {
@@ -413,12 +413,13 @@ void FsdpEngine::finish_step() {
   }
 }
 
-double FsdpEngine::eval_micro_batch(TransformerModel<float>& model, const int* tokens, const int* targets) {
+void FsdpEngine::eval_micro_batch(TransformerModel<float>& model, const int* tokens, const int* targets,
+                                  double* loss_total) {
   forget_gathered();
   const float* root = gather_params(ROOT_UNIT, false);
   model.embed_forward(root, tokens);
   forward_blocks(model);
-  return model.head_forward(root, targets);
+  model.head_forward(root, targets, loss_total);
 }
 
 const float* FsdpEngine::forward_logits(TransformerModel<float>& model, const int* tokens) {

@@ -168,6 +168,7 @@ class FsdpEngine {
 
   const ParamTable& table() const { return table_; }
   const EngineOptions& options() const { return options_; }
+  int shard_group_size() const { return shard_comm_.size(); }
   const Backend& backend() const { return backend_; }
   // Where the master shards live and the operations the optimizer runs on them: the backend's
   // host memory with cpu_offload, else the compute device.
@@ -185,13 +186,17 @@ class FsdpEngine {
   void init_parameters(uint64_t seed);
   void zero_grads();
 
-  // Forward and backward of one micro-batch; gradients are accumulated toward the shards.
-  // Returns the summed loss of this rank's tokens.
-  double train_micro_batch(TransformerModel<float>& model, const int* tokens, const int* targets, float dloss);
-  // Completes the step's gradient reduction (deferred reduce-scatters, replica all-reduce).
+  // Forward and backward of one micro-batch; gradients are accumulated toward the shards. Adds the
+  // summed loss of this rank's tokens to *loss_total (a double in the device's memory); the host
+  // waits for nothing.
+  void train_micro_batch(TransformerModel<float>& model, const int* tokens, const int* targets, float dloss,
+                         double* loss_total);
+  // Completes the step's gradient reduction (deferred reduce-scatters, replica all-reduce). With
+  // cpu_offload it also brings the gradient shards to the host: the step's one host wait, after
+  // which whatever the caller queued with start_copy_to_host before the call is there too.
   void finish_step();
-  // Forward only (evaluation): the summed loss of this rank's tokens.
-  double eval_micro_batch(TransformerModel<float>& model, const int* tokens, const int* targets);
+  // Forward only (evaluation): adds the summed loss of this rank's tokens to *loss_total (device memory).
+  void eval_micro_batch(TransformerModel<float>& model, const int* tokens, const int* targets, double* loss_total);
   // Forward only, to the logits (a distillation teacher's): model.head_logits' B*T x V, in the
   // device's memory until the model's next forward.
   const float* forward_logits(TransformerModel<float>& model, const int* tokens);

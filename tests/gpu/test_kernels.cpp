@@ -1432,6 +1432,25 @@ TEST_P(ReduceTest, SumAndSumSquaresMatchCpu) {
   d_x.download("reductions");
 }
 
+// The step's sums stay on the device: accumulate_* add the value sum()/sum_squares() return, bit
+// for bit, onto what is there, and never make the host wait.
+TEST_P(ReduceTest, AccumulateAddsTheReturnedValueWithoutWaiting) {
+  const size_t n = GetParam();
+  const std::vector<float> x = uniform_vector(n, 113);
+  auto d_x = on_device(device(), "x", x, static_cast<int>(n % 2));
+  const double sum = ops().sum(d_x.data(), n), squares = ops().sum_squares(d_x.data(), n);
+  DeviceBuffer<double> totals(device(), "totals", 2, 0);
+  totals.upload({0.25, -1.5});
+  const uint64_t waits = device().host_syncs();
+  ops().accumulate_sum(totals.data(), d_x.data(), n);
+  ops().accumulate_sum_squares(totals.data() + 1, d_x.data(), n);
+  ops().accumulate_sum(totals.data(), d_x.data(), n);  // twice: it adds
+  EXPECT_EQ(device().host_syncs(), waits) << "accumulating waited for the device";
+  const std::vector<double> got = totals.download("accumulated sums");
+  EXPECT_EQ(got[0], (0.25 + sum) + sum);
+  EXPECT_EQ(got[1], -1.5 + squares);
+}
+
 TEST_P(ReduceTest, CountNonfiniteIsExact) {
   const size_t n = GetParam();
   std::vector<float> x = uniform_vector(n, 112);
@@ -1521,6 +1540,41 @@ TEST_P(AdamWTest, TwoStepsMatchHost) {
   expect_close(d_param.download("adamw").data(), widen(param), kAdamWTol, "adamw param");
   expect_close(d_m.download("adamw").data(), widen(m), kAdamWTol, "adamw m");
   expect_close(d_v.download("adamw").data(), widen(v), kAdamWTol, "adamw v");
+}
+
+// The fused step: one launch over a segment table, clipping and the loss scale from the step's sums
+// in device memory, and no update at all when they are not finite -- against the host's own
+// adamw_multi (the CPU backend) on the same segments, within kAdamWTol.
+TEST_P(AdamWTest, FusedStepMatchesHostAndSkipsNonFiniteSteps) {
+  const PointwiseShape s = GetParam();
+  const std::vector<float> param0 = uniform_vector(s.n, 131), grad = uniform_vector(s.n, 132, -2.0, 2.0);
+  std::vector<float> param = param0, m(s.n, 0.0f), v(s.n, 0.0f);
+  auto d_param = on_device(device(), "param", param, s.misalign), d_m = on_device(device(), "m", m, s.misalign),
+       d_v = on_device(device(), "v", v, s.misalign), d_grad = on_device(device(), "grad", grad, s.misalign);
+  // Two segments, the first with weight decay, split where the table would split a parameter.
+  const size_t half = s.n / 2;
+  auto table = [&](float* p, float* mm, float* vv, const float* g) {
+    return std::vector<AdamWSegment>{{p, mm, vv, g, half, 1.0f}, {p + half, mm + half, vv + half, g + half, s.n - half, 0.0f}};
+  };
+  const std::vector<AdamWSegment> host_table = table(param.data(), m.data(), v.data(), grad.data());
+  const std::vector<AdamWSegment> device_table = table(d_param.data(), d_m.data(), d_v.data(), d_grad.data());
+  DeviceArray<AdamWSegment> d_table(device(), device_table.size());
+  device().copy_to_device(d_table.data(), device_table.data(), d_table.bytes());
+  AdamWStep step{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.1f, 0.05f};
+  const AdamWClip clip{0.5, 4.0};  // a norm of 2 after unscaling: clipped to 0.5
+  for (const double loss : {3.0, std::numeric_limits<double>::infinity()}) {
+    const double sums[2] = {loss, 64.0};  // sqrt(64) / 4 = 2
+    DeviceBuffer<double> d_sums(device(), "sums", 2, 0);
+    d_sums.upload({sums[0], sums[1]});
+    const uint64_t waits = device().host_syncs();
+    cpu_shard_ops().adamw_multi(host_table.data(), host_table.size(), sums, clip, step);
+    shard_ops().adamw_multi(d_table.data(), d_table.size(), d_sums.data(), clip, step);
+    EXPECT_EQ(device().host_syncs(), waits) << "the fused step waited for the device";
+  }
+  EXPECT_NE(param, param0) << "the finite step updated nothing";
+  expect_close(d_param.download("adamw_multi").data(), widen(param), kAdamWTol, "adamw_multi param");
+  expect_close(d_m.download("adamw_multi").data(), widen(m), kAdamWTol, "adamw_multi m");
+  expect_close(d_v.download("adamw_multi").data(), widen(v), kAdamWTol, "adamw_multi v");
 }
 
 INSTANTIATE_TEST_SUITE_P(Sizes, AdamWTest,

@@ -71,12 +71,17 @@ struct TrainingRun {
         tokens[i] = static_cast<int>((i * 7 + world->rank() * 13 + s * 5) % 37);
         targets[i] = static_cast<int>((i * 11 + world->rank() * 3 + s) % 37);
       }
-      double loss = engine.train_micro_batch(model, tokens.data(), targets.data(), 1.0f / (10 * world->size()));
+      // The trainer's step: the sums where the optimizer reads them, the host reads them once.
+      Device& device = engine.master_device();
+      DeviceArray<double> sums(device, 2);
+      double host[2] = {0, 0};
+      engine.train_micro_batch(model, tokens.data(), targets.data(), 1.0f / (10 * world->size()), sums.data());
       engine.finish_step();
-      double sums[2] = {loss, optimizer.local_grad_sq_norm()};
-      world->all_reduce_sum(Span<double>(sums, 2), "test");
-      optimizer.step(s, std::sqrt(sums[1]));
-      losses.push_back(sums[0]);
+      optimizer.accumulate_grad_sq_norm(sums.data() + 1);
+      world->all_reduce_sum(Span<double>(sums.data(), 2), "test");  // MPI reads the test device's memory directly
+      optimizer.step(s, sums.data());
+      device.copy_to_host(host, sums.data(), sums.bytes());
+      losses.push_back(host[0]);
     }
   }
   // Every unit's full parameters, as seen through gather_unit (host vectors).

@@ -131,7 +131,7 @@ TEST(Engine, ShardedGradientEqualsSumOfUnshardedGradients) {
   for (int micro = 0; micro < 2; micro++) {
     fill_tokens(tokens, r, cfg.vocab_size, micro);
     fill_tokens(targets, r + 100, cfg.vocab_size, micro);
-    local_loss += engine.train_micro_batch(model, tokens.data(), targets.data(), dloss);
+    engine.train_micro_batch(model, tokens.data(), targets.data(), dloss, &local_loss);  // host memory: the device
   }
   engine.finish_step();
 
@@ -206,7 +206,8 @@ TEST(Engine, FrozenParametersGetNoGradientAndTheOthersTheirsUnchanged) {
       for (int micro = 0; micro < 2; micro++) {
         fill_tokens(tokens, r, cfg.vocab_size, micro);
         fill_tokens(targets, r + 100, cfg.vocab_size, micro);
-        engine.train_micro_batch(model, tokens.data(), targets.data(), dloss);
+        double loss = 0;
+        engine.train_micro_batch(model, tokens.data(), targets.data(), dloss, &loss);
       }
       engine.finish_step();
       // The same values in the unfrozen table's layout, and its gradients over every rank's data.

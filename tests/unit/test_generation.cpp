@@ -65,7 +65,7 @@ std::vector<Real> full_recompute_probs(const ParamTable& table, const std::vecto
   model->embed_forward(units[ROOT_UNIT].data(), tokens.data());
   for (int l = 0; l < table.config().n_layer; l++) model->block_forward(l, units[block_unit(l)].data());
   const std::vector<int> targets(T, 0);
-  model->head_forward(units[ROOT_UNIT].data(), targets.data());
+  model->host_head_forward(units[ROOT_UNIT].data(), targets.data());
   std::vector<Real> probs(table.config().vocab_size);
   model->copy_head_probs(T - 1, probs.data());
   return probs;

@@ -449,7 +449,7 @@ TEST(Lora, DecodingWithAdaptersGivesTheFullForwardsProbabilities) {
       auto full = make_model<double>(table, 1, T, false, cpu_layer_ops<double>());
       full->embed_forward(units[ROOT_UNIT].data(), batch.tokens.data());
       for (int l = 0; l < config.n_layer; l++) full->block_forward(l, units[block_unit(l)].data());
-      full->head_forward(units[ROOT_UNIT].data(), batch.targets.data());
+      full->host_head_forward(units[ROOT_UNIT].data(), batch.targets.data());
       std::vector<double> probs(config.vocab_size), logits(config.vocab_size);
       full->copy_head_probs(T - 1, probs.data());
       auto step = make_model<double>(table, 1, 1, false, cpu_layer_ops<double>());

@@ -2,13 +2,14 @@
 // independent formulas: exp_fast against libm over its range and at its clamped ends, GELU's
 // sigmoid form against GPT-2's tanh form, its derivative against finite differences, SiLU against
 // x (1 + tanh(x/2)) / 2 and its derivative against finite differences and in the tails, the counter
-// RNG's moments, AdamW's element update and the LR schedule.
+// RNG's moments, AdamW's element update, its clipping factor and fused step, and the LR schedule.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <limits>
 #include <vector>
 
+#include "backend/layer_ops.hpp"
 #include "backend/math.hpp"
 #include "core/random.hpp"
 #include "optim/adamw.hpp"
@@ -149,6 +150,51 @@ TEST(Math, AdamWUpdateMatchesTheTextbookFormula) {
   float q = 0.5f, mq = 0.2f, vq = 0.03f;
   adamw_update(&q, &mq, &vq, g, 0.0f, s);  // no decay: differs by exactly lr * wd * p
   EXPECT_NEAR(q - p, 1e-2 * 0.1 * 0.5, 1e-6);
+}
+
+// Clipping and the loss scale from the step's sums, against the formulas written out: the true
+// norm is sqrt(sums[1]) / grad_scale; above max_norm the gradients are scaled to it.
+TEST(Math, AdamWMultiplierUnscalesClipsAndRefusesNonFiniteSteps) {
+  float multiplier = -1;
+  const double sums[2] = {3.0, 64.0};  // true norm sqrt(64) / 4 = 2
+  ASSERT_TRUE(adamw_grad_multiplier(sums, AdamWClip{0.5, 4.0}, &multiplier));
+  EXPECT_EQ(multiplier, static_cast<float>(0.5 / (2 + 1e-6) / 4.0));
+  ASSERT_TRUE(adamw_grad_multiplier(sums, AdamWClip{2.5, 4.0}, &multiplier));  // under the bound: unscale only
+  EXPECT_EQ(multiplier, 0.25f);
+  ASSERT_TRUE(adamw_grad_multiplier(sums, AdamWClip{0.0, 1.0}, &multiplier));  // clipping off
+  EXPECT_EQ(multiplier, 1.0f);
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::nan("");
+  const double bad[][2] = {{inf, 1.0}, {nan, 1.0}, {1.0, inf}, {1.0, nan}, {-inf, 1.0}};
+  for (const auto& b : bad) EXPECT_FALSE(adamw_grad_multiplier(b, AdamWClip{1.0, 1.0}, &multiplier)) << b[0] << " " << b[1];
+}
+
+// The fused step (the CPU backend's adamw_multi) against a plain loop of adamw_update over the same
+// elements with the multiplier worked out here: segments of any length, with and without decay,
+// updated once each; a non-finite step leaves everything as it was.
+TEST(Math, FusedAdamWStepEqualsThePerElementLoop) {
+  const size_t n = 3 * 1000 + 7;
+  std::vector<float> param(n), m(n, 0.01f), v(n, 0.02f), grad(n);
+  for (size_t i = 0; i < n; i++) param[i] = 0.001f * static_cast<float>(i % 97), grad[i] = 0.5f - 0.01f * (i % 101);
+  std::vector<float> p_ref = param, m_ref = m, v_ref = v;
+  const size_t cuts[] = {0, 1, 1000, 2999, n};
+  std::vector<AdamWSegment> segments;
+  for (int k = 0; k + 1 < 5; k++)
+    segments.push_back({param.data() + cuts[k], m.data() + cuts[k], v.data() + cuts[k], grad.data() + cuts[k],
+                        cuts[k + 1] - cuts[k], k % 2 ? 0.0f : 1.0f});
+  const AdamWStep step{1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.1f, 0.05f};
+  const double sums[2] = {2.0, 9.0};  // norm sqrt(9) / 2 = 1.5 > 1: clipped
+  cpu_shard_ops().adamw_multi(segments.data(), segments.size(), sums, AdamWClip{1.0, 2.0}, step);
+  const float multiplier = static_cast<float>(1.0 / (1.5 + 1e-6) / 2.0);
+  for (int k = 0; k + 1 < 5; k++)
+    for (size_t i = cuts[k]; i < cuts[k + 1]; i++)
+      adamw_update(&p_ref[i], &m_ref[i], &v_ref[i], grad[i] * multiplier, k % 2 ? 0.0f : 1.0f, step);
+  EXPECT_EQ(param, p_ref);
+  EXPECT_EQ(m, m_ref);
+  EXPECT_EQ(v, v_ref);
+  const double overflow[2] = {2.0, std::numeric_limits<double>::infinity()};
+  cpu_shard_ops().adamw_multi(segments.data(), segments.size(), overflow, AdamWClip{1.0, 2.0}, step);
+  EXPECT_EQ(param, p_ref) << "a non-finite step changed the parameters";
+  EXPECT_EQ(m, m_ref);
 }
 
 TEST(LrSchedule, WarmupThenCosineToTheMinimum) {

@@ -37,7 +37,7 @@ double forward_loss(TransformerModel<Real>& model, const ParamTable& table, cons
                     const Batch& batch) {
   model.embed_forward(units[ROOT_UNIT].data(), batch.tokens.data());
   for (int l = 0; l < table.config().n_layer; l++) model.block_forward(l, units[block_unit(l)].data());
-  return model.head_forward(units[ROOT_UNIT].data(), batch.targets.data());
+  return model.host_head_forward(units[ROOT_UNIT].data(), batch.targets.data());
 }
 
 template <typename Real>
@@ -243,6 +243,7 @@ class CountingOps : public LayerOps<double> {
     cpu().distill_loss_forward(losses, student_to_grad, teacher, targets, N, V, alpha, temperature);  // no parameters
   }
   double sum(const double* x, size_t n) const override { return cpu().sum(x, n); }
+  void accumulate_sum(double* total, const double* x, size_t n) const override { cpu().accumulate_sum(total, x, n); }
 
   // Not used by a forward pass.
   void encoder_backward(double*, double*, const double*, const int*, int, int, int) const override { unused(); }
@@ -274,6 +275,7 @@ class CountingOps : public LayerOps<double> {
     unused();
   }
   double sum_squares(const double*, size_t) const override { return unused(), 0; }
+  void accumulate_sum_squares(double*, const double*, size_t) const override { unused(); }
   size_t count_nonfinite(const double*, size_t) const override { return unused(), 0; }
   void scale(double*, size_t, double) const override { unused(); }
 

@@ -152,31 +152,26 @@ class CpuLayerOps : public LayerOps<Real> {
     cpu::distill_loss_forward(losses, student_to_grad, teacher, targets, N, V, alpha, temperature);
   }
 
+  // The host is the device: "returning to the host" waits for nothing, but is counted as the
+  // GPU's wait would be, so a step's synchronizations are checked on the CPU too.
   double sum(const Real* x, size_t n) const override {
-    double s = 0;
-    for (size_t i = 0; i < n; i++) s += x[i];
-    return s;
+    host_device().count_host_sync();
+    return cpu::sum(x, n);
   }
-  // Fixed blocks, each summed in index order, then the blocks in block order: the bits do not
-  // depend on the thread count (an OpenMP reduction's grouping does). It feeds clipping.
   double sum_squares(const Real* x, size_t n) const override {
-    constexpr size_t kBlock = 4096;
-    std::vector<double> partial((n + kBlock - 1) / kBlock);
-#pragma omp parallel for schedule(static)
-    for (size_t b = 0; b < partial.size(); b++) {
-      double s = 0;
-      for (size_t i = b * kBlock, end = std::min(n, i + kBlock); i < end; i++) s += static_cast<double>(x[i]) * x[i];
-      partial[b] = s;
-    }
-    double s = 0;
-    for (double p : partial) s += p;
-    return s;
+    host_device().count_host_sync();
+    return cpu::sum_squares(x, n);
   }
   size_t count_nonfinite(const Real* x, size_t n) const override {
+    host_device().count_host_sync();
     size_t bad = 0;
 #pragma omp parallel for reduction(+ : bad) schedule(static)
     for (size_t i = 0; i < n; i++) bad += !std::isfinite(x[i]);
     return bad;
+  }
+  void accumulate_sum(double* total, const Real* x, size_t n) const override { *total += cpu::sum(x, n); }
+  void accumulate_sum_squares(double* total, const Real* x, size_t n) const override {
+    *total += cpu::sum_squares(x, n);
   }
   void scale(Real* x, size_t n, Real s) const override {
 #pragma omp parallel for simd schedule(static)
@@ -201,6 +196,18 @@ class CpuShardOps : public ShardOps {
              const AdamWStep& step) const override {
 #pragma omp parallel for simd schedule(static)
     for (size_t i = 0; i < n; i++) adamw_update(&param[i], &m[i], &v[i], grad[i] * grad_multiplier, decay, step);
+  }
+  void adamw_multi(const AdamWSegment* segments, size_t count, const double* sums, const AdamWClip& clip,
+                   const AdamWStep& step) const override {
+    float multiplier = 0;
+    if (!adamw_grad_multiplier(sums, clip, &multiplier)) return;
+#pragma omp parallel for schedule(dynamic)
+    for (size_t k = 0; k < count; k++) {
+      const AdamWSegment& s = segments[k];
+#pragma omp simd
+      for (size_t i = 0; i < s.n; i++)
+        adamw_update(&s.param[i], &s.m[i], &s.v[i], s.grad[i] * multiplier, s.decay, step);
+    }
   }
 };
 

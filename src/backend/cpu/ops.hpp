@@ -16,8 +16,10 @@
 // Every loop has a fixed schedule and no atomics: same inputs and threads give the same bits.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace shardtrain::cpu {
 
@@ -193,5 +195,29 @@ void softmax_crossentropy_backward(Real* probs_to_dlogits, const int* targets, R
 template <typename Real>
 void distill_loss_forward(Real* losses, Real* student_to_grad, const Real* teacher, const int* targets, int N,
                           int V, Real alpha, Real temperature);
+
+// Sums in double: sequential; squares in fixed blocks of 4096, each summed in index order, then the
+// blocks in block order, so the bits do not depend on the thread count (an OpenMP reduction's
+// grouping would). They feed the loss and clipping.
+template <typename Real>
+double sum(const Real* x, size_t n) {
+  double s = 0;
+  for (size_t i = 0; i < n; i++) s += x[i];
+  return s;
+}
+template <typename Real>
+double sum_squares(const Real* x, size_t n) {
+  constexpr size_t kBlock = 4096;
+  std::vector<double> partial((n + kBlock - 1) / kBlock);
+#pragma omp parallel for schedule(static)
+  for (size_t b = 0; b < partial.size(); b++) {
+    double s = 0;
+    for (size_t i = b * kBlock, end = std::min(n, i + kBlock); i < end; i++) s += static_cast<double>(x[i]) * x[i];
+    partial[b] = s;
+  }
+  double s = 0;
+  for (double p : partial) s += p;
+  return s;
+}
 
 }  // namespace shardtrain::cpu

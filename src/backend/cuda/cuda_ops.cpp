@@ -10,8 +10,8 @@
 // for none. Reusing it across ops is safe because everything runs in order on the compute stream;
 // growing it releases the old block to the allocator, whose reuse is ordered on that same stream
 // (cuda_device.cpp).
-// The reductions use a fixed device scratch and a pinned host word, and are the only methods
-// that wait for the stream. An ops object must be destroyed before its device.
+// The reductions use a fixed device scratch and a pinned host word; those that return a value are
+// the only methods that wait for the stream (accumulate_* leave theirs in device memory). An ops object must be destroyed before its device.
 #include <memory>
 
 #include "backend/cuda/cuda_backend.hpp"
@@ -176,13 +176,22 @@ class CudaLayerOps final : public LayerOps<float> {
   }
 
   double sum(const float* x, size_t n) const override {
+    device_.count_host_sync();
     return kernels::reduce_sum(x, n, reduce_scratch_, host_result_, launch());
   }
   double sum_squares(const float* x, size_t n) const override {
+    device_.count_host_sync();
     return kernels::reduce_sum_squares(x, n, reduce_scratch_, host_result_, launch());
   }
   size_t count_nonfinite(const float* x, size_t n) const override {
+    device_.count_host_sync();
     return kernels::reduce_count_nonfinite(x, n, reduce_scratch_, host_result_, launch());
+  }
+  void accumulate_sum(double* total, const float* x, size_t n) const override {
+    kernels::accumulate_sum(total, x, n, reduce_scratch_, launch());
+  }
+  void accumulate_sum_squares(double* total, const float* x, size_t n) const override {
+    kernels::accumulate_sum_squares(total, x, n, reduce_scratch_, launch());
   }
   void scale(float* x, size_t n, float s) const override { kernels::launch_scale(x, n, s, launch()); }
 
@@ -229,6 +238,10 @@ class CudaShardOps final : public ShardOps {
   void adamw(float* param, float* m, float* v, const float* grad, size_t n, float grad_multiplier, float decay,
              const AdamWStep& step) const override {
     kernels::launch_adamw(param, m, v, grad, n, grad_multiplier, decay, step, launch_);
+  }
+  void adamw_multi(const AdamWSegment* segments, size_t count, const double* sums, const AdamWClip& clip,
+                   const AdamWStep& step) const override {
+    kernels::launch_adamw_multi(segments, count, sums, clip, step, launch_);
   }
 
  private:
