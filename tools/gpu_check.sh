@@ -129,6 +129,24 @@ for strategy in FULL_SHARD NO_SHARD; do
   against_cpu "$strategy" "$strategy" 2 1 "${CMP_MODEL[@]}" --train.micro_batch=4 --train.global_batch=8 --fsdp.sharding_strategy=$strategy
 done
 
+section "One host synchronization per step on the GPU (host_syncs of the GPU runs above)"
+for strategy in FULL_SHARD NO_SHARD; do
+  if out=$("$PY" - "$WORK/cmp-gpu-$strategy.jsonl" <<'PY'
+import json, sys
+counts = [json.loads(l)["host_syncs"] for l in open(sys.argv[1]) if '"kind":"step"' in l]
+print(f"{len(counts)} steps, host waits per step: {sorted(set(counts))}")
+sys.exit(0 if counts and set(counts) == {1} else 1)
+PY
+  ); then report "- ok   $strategy: $out"; else FAILED=1; report "- FAIL $strategy: $out"; fi
+done
+
+section "GPU memory against the plan (tests/e2e/test_gpu_memory.py: reserved within 5% + 16 MiB)"
+if timeout "$STEP_LIMIT_S" "$PY" tests/run_tests.py --build "$BIN" --suite e2e -k test_gpu_memory >"$WORK/gpu_memory.log" 2>&1; then
+  report "- ok   $(tail -1 "$WORK/gpu_memory.log")"
+else
+  FAILED=1; report "- FAIL GPU memory against the plan:"; report '```'; report "$(tail -20 "$WORK/gpu_memory.log")"; report '```'
+fi
+
 section "2 and 4 ranks sharing the GPU (fsdp.comm_backend=mpi) against the CPU on as many ranks (fp32, losses within 1e-3 relative)"
 # Host MPI through page-locked staging buffers: the only multi-rank GPU run one GPU allows (NCCL
 # refuses two ranks on one GPU). Micro-batches of 2 make the same 8 sequences a step on 2 and 4

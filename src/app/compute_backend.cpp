@@ -63,7 +63,7 @@ ComputeBackend::ComputeBackend(const ComputeOptions& options, const Runtime& rt,
   rt.agree_on([&] {
     cuda_->device = CudaDevice::open(rt.local_rank());
     cuda_->pinned_host = make_pinned_host(*cuda_->device);
-    cuda_->ops = make_cuda_layer_ops(*cuda_->device, compute_dtype);
+    cuda_->ops = make_cuda_layer_ops(*cuda_->device, compute_dtype, options.attention_kernel() == ATTENTION_CUDNN);
     cuda_->shard_ops = make_cuda_shard_ops(*cuda_->device);
   });
   // Two ranks on one GPU would make NCCL fail at set-up with an internal error: say it first. (A

@@ -37,6 +37,7 @@ std::string MemoryPlan::describe() const {
                    human_bytes(static_cast<double>(gpu.workspace())).c_str(),
                    human_bytes(static_cast<double>(gpu.nccl)).c_str(),
                    human_bytes(static_cast<double>(gpu.rounding)).c_str());
+  if (staging_bytes) s += " | host staging " + human_bytes(static_cast<double>(staging_bytes));
   return s;
 }
 
@@ -229,6 +230,7 @@ MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, c
         (shard_numel + 3 * trainable_shard_numel) * sizeof(float) + table_bytes + AdamW::kStepSumsBytes;
   plan.bytes[MEM_ACTIVATIONS] = plan_activation_bytes(table, micro_batch, seq_len, activation_checkpointing);
   plan.bytes[MEM_WORKSPACE] = plan_gemm_workspace_bytes(compute.device, compute.compute_dtype, gemms);
+  plan.staging_bytes = plan_comm_staging_bytes(compute, groups, engine, layout);
   if (compute.gpu())
     plan.gpu = plan_gpu_backend(
         table, groups, micro_batch, seq_len, compute, gemms,

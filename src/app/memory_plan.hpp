@@ -55,6 +55,9 @@ struct MemoryPlan {
   // train.device=cuda: the backend's own bytes (zero on the CPU); `bytes` stays what the trainer
   // tracks, category by category.
   GpuBackendPlan gpu;
+  // fsdp.comm_backend=mpi on a GPU: the staged communicators' page-locked host buffers
+  // (plan_comm_staging_bytes), host memory beside the device's.
+  size_t staging_bytes = 0;
   size_t total() const;  // the student's, the teacher's and the GPU backend's
   std::string describe() const;  // "sharded_params 1.2 MiB, gradients ... | teacher: sharded_params ..."
 };

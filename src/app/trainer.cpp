@@ -269,13 +269,18 @@ MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrat
   GroupShape groups{shard.size(), shard.rank(), replica.size(), replica.rank()};
   MemoryPlan plan = plan_rank_memory(config_param_table(c), groups, engine_options(c), c.train.micro_batch,
                                      c.train.seq_len, c.fsdp.activation_checkpointing, compute.options(), gemms);
-  if (teacher)
+  if (teacher) {
     plan.teacher = plan_teacher_memory(*teacher, groups, engine_options(c), c.train.micro_batch, c.train.seq_len);
+    const std::vector<UnitLayout> teacher_layout = FsdpEngine::plan_layout(*teacher, groups);
+    plan.staging_bytes = plan_comm_staging_bytes(compute.options(), groups, engine_options(c),
+                                                 FsdpEngine::plan_layout(config_param_table(c), groups), &teacher_layout);
+  }
   rt.agree_on([&] {
     // Host memory: the whole plan on the CPU backend, the offloaded state on a GPU. Checked against
     // what the node has available, shared by its ranks, so a model that cannot fit stops here
     // with the numbers instead of failing an allocation (or waking the OOM killer) later.
-    const double host_need = static_cast<double>((compute.on_gpu() ? 0 : plan.total()) + plan.offloaded_bytes);
+    const double host_need =
+        static_cast<double>((compute.on_gpu() ? 0 : plan.total()) + plan.offloaded_bytes + plan.staging_bytes);
     const double available = node_available_bytes();
     if (available > 0 && host_need * rt.local_size() > available)
       throw UsageError(strprintf(
@@ -292,7 +297,7 @@ MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrat
           "plan' lists what fits",
           rt.rank(), human_bytes(static_cast<double>(plan.total())).c_str(), c.fsdp.memory_limit.text.c_str(),
           plan.describe().c_str()));
-    // The GPU's own limit, checked the same way (the backend's workspaces come on top of the plan).
+    // The GPU's own limit, checked the same way (plan.total() includes the GPU backend's own memory).
     if (compute.on_gpu() && plan.total() > compute.gpu_free_bytes())
       throw UsageError(strprintf(
           "out of GPU memory: rank %d needs %s but %s has %s free of %s (%s); try a sharding strategy that shards "
@@ -368,7 +373,10 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
   tokens_.resize(static_cast<size_t>(B_) * T_);
   dropout_keys_.resize(tokens_.size());
   targets_.resize(tokens_.size());
-  planned_peak_ = static_cast<double>(plan_.total() + (compute_.on_gpu() ? 0 : plan_.offloaded_bytes));
+  // What "held" counts: the device's arrays and the communicators' own buffers -- on a GPU not the
+  // backend's workspaces (GPU reserved shows those) but the host staging of fsdp.comm_backend=mpi.
+  planned_peak_ = static_cast<double>(compute_.on_gpu() ? plan_.total() - plan_.gpu.total() + plan_.staging_bytes
+                                                        : plan_.total() + plan_.offloaded_bytes);
   engine_.init_parameters(cfg_.train.seed);
   if (cfg_.train.peak_gflops > 0) {
     peak_gflops_ = cfg_.train.peak_gflops;
@@ -488,8 +496,9 @@ void Trainer::print_summary() {
              human_bytes(plan_.offloaded_bytes).c_str(),
              compute_.on_gpu() ? "" : "; on the CPU backend the host is the device, so this saves nothing");
   if (compute_.on_gpu())
-    rt_.info("compute: %s | peak %.1f GFLOP/s per rank (%s) | %.1f MFLOP per token", compute_.describe().c_str(),
-             peak_gflops_, peak_source_.c_str(), table_.flops_per_token(T_) / 1e6);
+    rt_.info("compute: %s | collectives %s | peak %.1f GFLOP/s per rank (%s) | %.1f MFLOP per token",
+             compute_.describe().c_str(), compute_.comm_description().c_str(), peak_gflops_, peak_source_.c_str(),
+             table_.flops_per_token(T_) / 1e6);
   else
     rt_.info("compute: GEMMs %s | OpenBLAS %s | %s peak %.1f GFLOP/s per rank (%s)%s | %.1f MFLOP per token",
              compute_.gemm_description().c_str(), blas_description().c_str(),
@@ -801,7 +810,7 @@ uint64_t Trainer::bytes_sent() const {
 
 size_t Trainer::uncounted_comm_buffer_bytes() const {
   return comm_->uncounted_buffer_bytes() + shard_comm_->uncounted_buffer_bytes() +
-         replica_comm_->uncounted_buffer_bytes();
+         replica_comm_->uncounted_buffer_bytes() + (step_comm_ ? step_comm_->uncounted_buffer_bytes() : 0);
 }
 
 void Trainer::accumulate_gradients(int step) {

@@ -23,79 +23,15 @@
 #include "shard/fsdp_engine.hpp"
 #include "support/foreign_device.hpp"
 #include "support/mpi_gtest.hpp"
+#include "support/training_run.hpp"
 
 using namespace shardtrain;
 using shardtrain::testing::all_ranks;
 using shardtrain::testing::ForeignDevice;
+using shardtrain::testing::TrainingRun;
+using shardtrain::testing::foreign_backend;
 
 namespace {
-
-ModelConfig small_model() {
-  ModelConfig c;
-  c.n_layer = 2;
-  c.n_embd = 20;  // unit sizes 3 does not divide: padding in every shard
-  c.n_head = 2;
-  c.vocab_size = 37;
-  c.max_seq_len = 9;
-  return c;
-}
-
-// One engine, optimizer and model on a backend, trained for `steps` steps on fixed data.
-struct TrainingRun {
-  ParamTable table{small_model()};
-  MemoryTracker memory;
-  std::unique_ptr<Comm> world = make_mpi_comm(MPI_COMM_WORLD, nullptr);
-  std::unique_ptr<Comm> self = make_mpi_comm(MPI_COMM_SELF, nullptr);
-  FsdpEngine engine;
-  AdamW optimizer;
-  GptModel<float> model;
-  std::vector<double> losses;
-
-  TrainingRun(const Backend& backend, bool offload, bool overlap = false)
-      : engine(table, *world, *self, memory, options(offload, overlap), backend),
-        optimizer(OptimConfig{}, engine, memory),
-        model(table, 2, 5, false, *backend.ops) {
-    engine.init_parameters(11);
-  }
-  static EngineOptions options(bool offload, bool overlap) {
-    EngineOptions o;
-    o.cpu_offload = offload;
-    o.overlap_reduce_scatter = overlap;
-    return o;
-  }
-  void train(int steps) {
-    std::vector<int> tokens(10), targets(10);
-    for (int s = 0; s < steps; s++) {
-      engine.zero_grads();
-      for (size_t i = 0; i < tokens.size(); i++) {
-        tokens[i] = static_cast<int>((i * 7 + world->rank() * 13 + s * 5) % 37);
-        targets[i] = static_cast<int>((i * 11 + world->rank() * 3 + s) % 37);
-      }
-      // The trainer's step: the sums where the optimizer reads them, the host reads them once.
-      Device& device = engine.master_device();
-      DeviceArray<double> sums(device, 2);
-      double host[2] = {0, 0};
-      engine.train_micro_batch(model, tokens.data(), targets.data(), 1.0f / (10 * world->size()), sums.data());
-      engine.finish_step();
-      optimizer.accumulate_grad_sq_norm(sums.data() + 1);
-      world->all_reduce_sum(Span<double>(sums.data(), 2), "test");  // MPI reads the test device's memory directly
-      optimizer.step(s, sums.data());
-      device.copy_to_host(host, sums.data(), sums.bytes());
-      losses.push_back(host[0]);
-    }
-  }
-  // Every unit's full parameters, as seen through gather_unit (host vectors).
-  std::vector<std::vector<float>> parameters() {
-    std::vector<std::vector<float>> all;
-    for (size_t u = 0; u < table.units().size(); u++) all.push_back(engine.gather_unit(static_cast<int>(u), false));
-    return all;
-  }
-};
-
-Backend foreign_backend(ForeignDevice& device) {
-  return Backend{&device,          &host_device(),          &cpu_layer_ops<float>(),
-                 &cpu_shard_ops(), &cpu_layer_ops<float>(), &cpu_shard_ops()};
-}
 
 // A folder every rank sees, made by rank 0 and removed with the object.
 class SharedTempDir {
@@ -151,7 +87,7 @@ TEST(DeviceStaging, CheckpointsMoveBetweenHostAndForeignDevice) {
       CheckpointState state;
       state.layout = layout;
       state.step = 2;
-      state.model = small_model();
+      state.model = shardtrain::testing::small_training_model();
       int world = 1;
       MPI_Comm_size(MPI_COMM_WORLD, &world);
       state.world_size = world;  // sharded datasets are padded for it, and the load checks that

@@ -96,7 +96,10 @@ std::unique_ptr<Device> make_pinned_host(CudaDevice& gpu);
 // Operations on the device's compute stream (src/backend/cuda/cuda_ops.cpp). gemm_operands: bf16
 // or fp16 rounds the fp32 operands of every GEMM to it for the tensor cores (fp32 accumulation;
 // fsdp.param_dtype on a GPU), fp32 keeps exact fp32 GEMMs.
-std::unique_ptr<LayerOps<float>> make_cuda_layer_ops(CudaDevice& device, DType gemm_operands = DTYPE_FP32);
+// cudnn_attention: attention through cuDNN's fused SDPA (cudnn_attention.hpp), the tiled kernels
+// for the shapes it has no engine for; else the tiled kernels always.
+std::unique_ptr<LayerOps<float>> make_cuda_layer_ops(CudaDevice& device, DType gemm_operands = DTYPE_FP32,
+                                                     bool cudnn_attention = false);
 std::unique_ptr<ShardOps> make_cuda_shard_ops(CudaDevice& device);
 
 }  // namespace shardtrain

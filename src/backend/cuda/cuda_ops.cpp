@@ -16,6 +16,7 @@
 
 #include "backend/cuda/cuda_backend.hpp"
 #include "backend/cuda/cuda_handles.hpp"
+#include "backend/cuda/cudnn_attention.hpp"
 #include "kernels/cuda_check.hpp"
 #include "kernels/launch.hpp"
 
@@ -34,7 +35,7 @@ LaunchContext launch_context(CudaDevice& device) {
 
 class CudaLayerOps final : public LayerOps<float> {
  public:
-  CudaLayerOps(CudaDevice& device, DType gemm_operands) : device_(device) {
+  CudaLayerOps(CudaDevice& device, DType gemm_operands, bool cudnn_attention) : device_(device) {
     gemm_.launch = launch_context(device);
     gemm_.operands = gemm_operands;
     gemm_.handle = device.cublaslt();
@@ -44,6 +45,7 @@ class CudaLayerOps final : public LayerOps<float> {
     gemm_.operand_scratch = [this](size_t bytes) { return grow(&operands_, &operands_bytes_, bytes); };
     reduce_scratch_ = device_.allocate(kernels::reduce_scratch_bytes());
     CUDA_CHECK(cudaMallocHost(&host_result_, sizeof(double)));
+    if (cudnn_attention) cudnn_ = std::make_unique<CudnnAttention>(device);
   }
   ~CudaLayerOps() override {
     // Best effort, as CudaDevice's own teardown: queued work may still read the workspace.
@@ -91,10 +93,12 @@ class CudaLayerOps final : public LayerOps<float> {
   }
   void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV,
                          int HS) const override {
+    if (cudnn_ && cudnn_->forward(out, lse, qkv, B, T, NH, KV, HS)) return;
     kernels::launch_attention_forward(out, lse, qkv, B, T, NH, KV, HS, launch());
   }
   void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int B,
                           int T, int NH, int KV, int HS) const override {
+    if (cudnn_ && cudnn_->backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS)) return;
     void* ws = workspace(kernels::attention_backward_workspace_bytes(B, T, NH, KV, HS));  // each row's D
     kernels::launch_attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS, ws, launch());
   }
@@ -223,6 +227,7 @@ class CudaLayerOps final : public LayerOps<float> {
   mutable size_t workspace_bytes_ = 0;
   mutable void* operands_ = nullptr;  // the 16-bit GEMM operand copies (GemmContext::operand_scratch)
   mutable size_t operands_bytes_ = 0;
+  std::unique_ptr<CudnnAttention> cudnn_;  // train.attention=cudnn; null: the tiled kernels
 };
 
 class CudaShardOps final : public ShardOps {
@@ -250,8 +255,8 @@ class CudaShardOps final : public ShardOps {
 
 }  // namespace
 
-std::unique_ptr<LayerOps<float>> make_cuda_layer_ops(CudaDevice& device, DType gemm_operands) {
-  return std::make_unique<CudaLayerOps>(device, gemm_operands);
+std::unique_ptr<LayerOps<float>> make_cuda_layer_ops(CudaDevice& device, DType gemm_operands, bool cudnn_attention) {
+  return std::make_unique<CudaLayerOps>(device, gemm_operands, cudnn_attention);
 }
 
 std::unique_ptr<ShardOps> make_cuda_shard_ops(CudaDevice& device) { return std::make_unique<CudaShardOps>(device); }

@@ -23,9 +23,10 @@ class PinnedHost : public Device {
     if (cudaHostAlloc(&p, bytes, cudaHostAllocPortable) != cudaSuccess) {
       (void)cudaGetLastError();
       // Only training runs allocate here, collectively: one rank's failure aborts them all.
-      fatal_input(strprintf("fsdp.cpu_offload: cannot page-lock %zu bytes of host memory; lower the per-rank "
-                                 "state (more ranks, FULL_SHARD) or raise the locked-memory limit (ulimit -l)",
-                                 bytes));
+      fatal_input(strprintf("cannot page-lock %zu bytes of host memory (fsdp.cpu_offload's state or "
+                            "fsdp.comm_backend=mpi's staging); lower the per-rank state (more ranks, FULL_SHARD) "
+                            "or raise the locked-memory limit (ulimit -l)",
+                            bytes));
     }
     std::memset(p, 0, bytes);
     return p;
