@@ -418,11 +418,6 @@ void launch_rope(float* qkv, const float* cos, const float* sin, int B, int T, i
 
 }  // namespace
 
-size_t attention_backward_workspace_bytes(int B, int T, int NH, int KV, int HS) {
-  check_tiled_args("attention_backward_workspace_bytes", B, T, NH, KV, HS);
-  return static_cast<size_t>(B) * NH * T * sizeof(float);  // D
-}
-
 void launch_attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
                               const LaunchContext& ctx) {
   check_tiled_args("attention_forward", B, T, NH, KV, HS);

@@ -1,8 +1,9 @@
 // Device-side helpers shared by the kernels of kernels/*.cu: grid sizing, float4 access, warp and
 // block reductions with a fixed tree (deterministic: the same inputs give the same bits on every
 // run), the deterministic two-stage column sum used by the bias and norm parameter gradients, the
-// carving of one workspace into aligned sub-buffers, and the device copy of the counter RNG's
-// dropout decision. CUDA syntax; include only from .cu files.
+// carving of one workspace into aligned sub-buffers (backend/gpu_memory.hpp's, which also sizes
+// the column sums' chunks), and the device copy of the counter RNG's dropout decision. CUDA
+// syntax; include only from .cu files.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "backend/gpu_memory.hpp"
 #include "core/random.hpp"
 #include "cuda_check.hpp"
 #include "launch.hpp"
@@ -49,24 +51,15 @@ struct VecOf<4> {
   using type = float4;
 };
 
-// Sub-buffers of one workspace, each 256-byte aligned. With base == nullptr it only counts, so
-// one function both sizes a workspace and carves it: take() in the same order both times.
-class WorkspaceCarver {
- public:
-  explicit WorkspaceCarver(void* base) : base_(static_cast<char*>(base)) {}
-  template <typename T>
-  T* take(size_t count) {
-    offset_ = (offset_ + 255) / 256 * 256;
-    T* p = base_ ? reinterpret_cast<T*>(base_ + offset_) : nullptr;
-    offset_ += count * sizeof(T);
-    return p;
-  }
-  size_t bytes() const { return offset_; }
-
- private:
-  char* base_;
-  size_t offset_ = 0;
-};
+// Sizes shared with the memory plan (backend/gpu_memory.hpp, plain C++): the workspace carver
+// (sub-buffers 256-byte aligned; with a null base it only sizes, so one function both sizes a
+// workspace and carves it: take() in the same order both times) and the column sums' chunking.
+using gpu::WorkspaceCarver;
+using gpu::ColumnChunks;
+using gpu::column_chunks;
+using gpu::column_sums_partial_floats;
+using gpu::kColumnSumMaxChunks;
+using gpu::kColumnSumMinRows;
 
 // ---- the counter RNG on the device (dropout) -------------------------------------------------------
 // Mirrors of core/random.hpp's mix64, counter_bits, counter_keep, dropout_threshold24 and
@@ -157,24 +150,8 @@ __device__ inline float block_max(float v, float* shared) {
 // into partial[s][chunk][c]. Stage 2, in the same 32 x 8 layout: lane y adds chunks y, y+8, ...
 // in order, then the 8 lanes are added in order and the total to the target. No atomics: the
 // same inputs give the same bits on every run.
+// The chunking (column_chunks, column_sums_partial_floats) is gpu_memory.hpp's, declared above.
 constexpr int kColumnSumRowLanes = 8;
-constexpr int kColumnSumMaxChunks = 256;
-constexpr int kColumnSumMinRows = 32;
-
-struct ColumnChunks {
-  int rows_per_chunk;
-  int chunks;
-};
-
-inline ColumnChunks column_chunks(int N) {
-  int rows = std::max(kColumnSumMinRows, static_cast<int>(ceil_div(static_cast<size_t>(N), kColumnSumMaxChunks)));
-  return {rows, std::max(1, static_cast<int>(ceil_div(static_cast<size_t>(N), static_cast<size_t>(rows))))};
-}
-
-// Floats of `partial` for column_sums_accumulate.
-inline size_t column_sums_partial_floats(int kSums, int N, int C) {
-  return static_cast<size_t>(kSums) * column_chunks(N).chunks * static_cast<size_t>(C);
-}
 
 // This thread's column of the row lanes, added in lane order (fixed: deterministic).
 __device__ inline float lane_total(const float (&lanes)[kColumnSumRowLanes][kWarpSize]) {

@@ -114,11 +114,6 @@ void launch_column_affine(float* y, int ld, int rows, int cols, const float* sca
   CUDA_CHECK_LAUNCH();
 }
 
-size_t column_dot_accumulate_workspace_bytes(int rows, int cols) {
-  if (rows < 0 || cols <= 0) return 0;
-  return static_cast<size_t>(column_chunks(rows).chunks) * static_cast<size_t>(cols) * sizeof(double);
-}
-
 void launch_column_dot_accumulate(float* out, const float* a, int lda, const float* b, int ldb, int rows, int cols,
                                   const float* divisor, void* workspace, const LaunchContext& ctx) {
   SHARD_CHECK(rows >= 0 && cols >= 0 && lda >= cols && ldb >= cols,

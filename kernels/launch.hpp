@@ -11,7 +11,9 @@
 // returning a host value wait.
 // Launchers that need temporary device memory take a `workspace` of at least the bytes that
 // their *_workspace_bytes() function gives for the same dimensions; the caller owns it and may
-// reuse it for the next launch on the same stream.
+// reuse it for the next launch on the same stream. Those functions, except encoder's (which asks
+// CUB), are backend/gpu_memory.hpp's (plain C++, shared with the memory plan), named here by
+// using-declarations.
 #pragma once
 
 #include <cublasLt.h>
@@ -23,6 +25,7 @@
 #include <cstdint>
 
 #include "backend/dtype.hpp"
+#include "backend/gpu_memory.hpp"
 #include "backend/math.hpp"
 
 namespace shardtrain::kernels {
@@ -92,7 +95,7 @@ void launch_encoder_backward(float* dwte, float* dwpe, const float* dout, const 
 
 void launch_layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
                               const float* bias, int N, int C, const LaunchContext& ctx);
-size_t layernorm_backward_workspace_bytes(int N, int C);
+using gpu::layernorm_backward_workspace_bytes;
 void launch_layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                                const float* weight, const float* mean, const float* rstd, int N, int C,
                                void* workspace, const LaunchContext& ctx);
@@ -100,19 +103,19 @@ void launch_layernorm_backward(float* dinp, float* dweight, float* dbias, const 
 // RMSNorm (layernorm.cu): saves rstd(N); the backward's dinp and dweight are accumulated (+=).
 void launch_rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, float eps, int N, int C,
                             const LaunchContext& ctx);
-size_t rmsnorm_backward_workspace_bytes(int N, int C);
+using gpu::rmsnorm_backward_workspace_bytes;
 void launch_rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
                              const float* rstd, int N, int C, void* workspace, const LaunchContext& ctx);
 
 void launch_matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC,
                            const GemmContext& ctx);
-size_t matmul_backward_workspace_bytes(int N, int OC);
+using gpu::matmul_backward_workspace_bytes;
 void launch_matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                             const float* weight, int N, int C, int OC, void* workspace, const GemmContext& ctx);
 
 // Grouped-query attention, tiled (attention.cu): qkv rows q (NH heads) | k (KV heads) | v (KV
 // heads) of HS each, NH % KV == 0, HS <= 256; lse (B,NH,T). The backward's workspace: B*NH*T floats.
-size_t attention_backward_workspace_bytes(int B, int T, int NH, int KV, int HS);
+using gpu::attention_backward_workspace_bytes;
 void launch_attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
                               const LaunchContext& ctx);
 void launch_attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
@@ -154,7 +157,7 @@ void launch_dropout(float* out, const float* inp, const uint64_t* row_keys, uint
 void launch_row_norms(float* out, const float* x, int rows, int cols, const LaunchContext& ctx);
 void launch_column_affine(float* y, int ld, int rows, int cols, const float* scale, const float* shift,
                           const LaunchContext& ctx);
-size_t column_dot_accumulate_workspace_bytes(int rows, int cols);
+using gpu::column_dot_accumulate_workspace_bytes;
 void launch_column_dot_accumulate(float* out, const float* a, int lda, const float* b, int ldb, int rows, int cols,
                                   const float* divisor, void* workspace, const LaunchContext& ctx);
 void launch_divide(float* out, const float* a, const float* b, size_t n, const LaunchContext& ctx);
@@ -186,7 +189,7 @@ void launch_distill_loss_forward(float* losses, float* student_to_grad, const fl
 // ---- reductions to the host (reduce.cu) --------------------------------------------------------------
 // `scratch`: reduce_scratch_bytes() of device memory; `host_result`: 8 bytes of (preferably pinned)
 // host memory. Both belong to the caller; the launcher waits for the stream and returns the value.
-size_t reduce_scratch_bytes();
+using gpu::reduce_scratch_bytes;
 double reduce_sum(const float* x, size_t n, void* scratch, void* host_result, const LaunchContext& ctx);
 double reduce_sum_squares(const float* x, size_t n, void* scratch, void* host_result, const LaunchContext& ctx);
 size_t reduce_count_nonfinite(const float* x, size_t n, void* scratch, void* host_result, const LaunchContext& ctx);

@@ -139,10 +139,6 @@ void launch_layernorm_forward(float* out, float* mean, float* rstd, const float*
   CUDA_CHECK_LAUNCH();
 }
 
-size_t layernorm_backward_workspace_bytes(int N, int C) {
-  return column_sums_partial_floats(2, std::max(N, 1), std::max(C, 1)) * sizeof(float);
-}
-
 void launch_layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                                const float* weight, const float* mean, const float* rstd, int N, int C,
                                void* workspace, const LaunchContext& ctx) {
@@ -166,10 +162,6 @@ void launch_rmsnorm_forward(float* out, float* rstd, const float* inp, const flo
   rmsnorm_forward_kernel<<<row_blocks(N), kRowsPerBlock * kWarpSize, 0, ctx.stream>>>(out, rstd, inp, weight, eps, N,
                                                                                       C);
   CUDA_CHECK_LAUNCH();
-}
-
-size_t rmsnorm_backward_workspace_bytes(int N, int C) {
-  return column_sums_partial_floats(1, std::max(N, 1), std::max(C, 1)) * sizeof(float);
 }
 
 void launch_rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,

@@ -245,12 +245,10 @@ bool try_gemm_rounded(const GemmContext& ctx, bool trans_a, bool trans_b, int M,
                       float beta, float* C, int ldc, long long stride_c, int batch) {
   const size_t na = operand_extent(trans_a ? K : M, trans_a ? M : K, lda, stride_a, batch);
   const size_t nb = operand_extent(trans_b ? N : K, trans_b ? K : N, ldb, stride_b, batch);
-  WorkspaceCarver sizing(nullptr);
-  sizing.take<uint16_t>(na);
-  sizing.take<uint16_t>(nb);
-  void* base = ctx.operand_scratch ? ctx.operand_scratch(sizing.bytes()) : nullptr;
+  const size_t bytes = gpu::gemm_operand_bytes(na, nb);  // what the carver below cuts: a, then b
+  void* base = ctx.operand_scratch ? ctx.operand_scratch(bytes) : nullptr;
   const bool pooled = base == nullptr;
-  if (pooled) CUDA_CHECK(cudaMallocAsync(&base, sizing.bytes(), ctx.launch.stream));
+  if (pooled) CUDA_CHECK(cudaMallocAsync(&base, bytes, ctx.launch.stream));
   WorkspaceCarver carver(base);
   uint16_t* a = carver.take<uint16_t>(na);
   uint16_t* b = carver.take<uint16_t>(nb);
@@ -339,10 +337,6 @@ void launch_matmul_forward(float* out, const float* inp, const float* weight, co
   gemm_row_major(ctx, false, true, N, OC, C, 1.0f, inp, C, 0, weight, C, 0, 0.0f, out, OC, 0, 1, bias);
 }
 
-size_t matmul_backward_workspace_bytes(int N, int OC) {
-  return column_sums_partial_floats(1, std::max(N, 1), std::max(OC, 1)) * sizeof(float);
-}
-
 namespace {
 
 // The two backward products with 16-bit operands, each operand rounded once (dout feeds both; for
@@ -352,9 +346,8 @@ bool try_matmul_backward_rounded(float* dinp, float* dweight, const float* dout,
                                  const float* weight, int N, int C, int OC, const GemmContext& ctx) {
   const size_t n_dout = static_cast<size_t>(N) * OC, n_weight = static_cast<size_t>(OC) * C,
                n_inp = static_cast<size_t>(N) * C;
-  WorkspaceCarver sizing(nullptr);
-  sizing.take<uint16_t>(n_dout), sizing.take<uint16_t>(n_weight), sizing.take<uint16_t>(n_inp);
-  WorkspaceCarver carver(ctx.operand_scratch(sizing.bytes()));
+  // gpu_memory.hpp sizes what the carver cuts, in this order: dout, weight, inp.
+  WorkspaceCarver carver(ctx.operand_scratch(gpu::matmul_backward_operand_bytes(N, C, OC)));
   uint16_t* dout16 = carver.take<uint16_t>(n_dout);
   uint16_t* weight16 = carver.take<uint16_t>(n_weight);
   uint16_t* inp16 = carver.take<uint16_t>(n_inp);

@@ -20,7 +20,7 @@ namespace shardtrain::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kBlocks = 512;
+constexpr int kBlocks = gpu::kReduceBlocks;  // reduce_scratch_bytes() holds kBlocks + 1 doubles
 
 enum ReduceKind { REDUCE_SUM, REDUCE_SUM_SQUARES, REDUCE_NONFINITE };
 
@@ -97,8 +97,6 @@ typename ReduceTraits<kKind>::Acc reduce(const float* x, size_t n, void* scratch
 }
 
 }  // namespace
-
-size_t reduce_scratch_bytes() { return (kBlocks + 1) * sizeof(double); }
 
 double reduce_sum(const float* x, size_t n, void* scratch, void* host_result, const LaunchContext& ctx) {
   return reduce<REDUCE_SUM>(x, n, scratch, host_result, ctx);

@@ -31,8 +31,10 @@
 #include "backend/cpu/ops.hpp"
 #include "backend/cuda/cuda_backend.hpp"
 #include "backend/dtype.hpp"
+#include "backend/gpu_memory.hpp"
 #include "backend/layer_ops.hpp"
 #include "backend/math.hpp"
+#include "kernels/launch.hpp"
 #include "support/tensor_check.hpp"
 
 namespace {
@@ -274,6 +276,20 @@ INSTANTIATE_TEST_SUITE_P(Shapes, EncoderTest,
                                            EncoderShape{3, 13, 36, 50, 0}, EncoderShape{2, 5, 13, 7, 0},
                                            EncoderShape{3, 13, 36, 50, 1}, EncoderShape{4, 64, 300, 1000, 0}),
                          ShapeName());
+
+// The encoder backward's workspace holds CUB's radix-sort storage, which only CUB sizes (with a
+// null buffer, on this card); the memory plan estimates it (backend/gpu_memory.hpp). The estimate
+// must cover what CUB asks for, from one token to a large micro-batch.
+class EncoderWorkspaceTest : public GpuSuite<::testing::Test> {};
+
+TEST_F(EncoderWorkspaceTest, CubNeedsNoMoreThanThePlannersEstimate) {
+  const std::pair<int, int> shapes[] = {{1, 1}, {1, 7}, {1, 1000}, {8, 1024}, {32, 4096}};  // B, T
+  for (const auto& [B, T] : shapes) {
+    const size_t actual = kernels::encoder_backward_workspace_bytes(B, T);
+    const size_t estimate = gpu::encoder_backward_workspace_estimate(B, T);
+    EXPECT_LE(actual, estimate) << "B=" << B << " T=" << T << ": CUB's workspace exceeds the memory plan's estimate";
+  }
+}
 
 // ==================================================================================================
 // LayerNorm, N = B*T rows of C. Inputs in [-2, 3) (non-zero mean), weight in [0.5, 1.5).

@@ -1,6 +1,6 @@
 // CudaDevice: one GPU per rank, its compute stream, Device's streams and events (CUDA streams and
-// events), the cuBLASLt handle and GEMM workspace, and a caching allocator. Not the layer math
-// (cuda_ops.cpp, kernels/) and not communication (comm/cuda/).
+// events), the cuBLASLt handle and GEMM workspace (gpu::kCublasLtWorkspaceBytes), and a caching
+// allocator. Not the layer math (cuda_ops.cpp, kernels/) and not communication (comm/cuda/).
 //
 // Ordering: everything this file queues (zero-fill, memset, copies) goes on the compute stream,
 // in issue order with the kernels; the host waits only where the Device contract needs a host
@@ -8,13 +8,14 @@
 //
 // The allocator keeps released blocks for reuse instead of returning them to the driver: cudaMalloc
 // and cudaFree cost tens of microseconds to milliseconds, and cudaFree synchronizes the whole
-// device. Requests are rounded up to a size class (512 B up to 1 MiB, 2 MiB above), and a request
-// takes the smallest cached block of at least its class that wastes at most 1/8 of it; blocks are
-// never split or merged. A block released to the cache may be handed out again at once: its old
-// and new users are both ordered on the compute stream, so the new user's work runs after the
-// old one's. Work on another stream (the NCCL stream) must be joined back into the compute
-// stream before its buffers are released, which comm/cuda/nccl_comm.cpp does. The allocator is
-// driven by one host thread and is not thread-safe.
+// device. Requests are rounded up to a size class (gpu::allocator_block_bytes; the classes are
+// backend/gpu_memory.hpp's, which the memory plan uses too), and a request takes the smallest
+// cached block of at least its class that wastes at most 1/8 of it; blocks are never split or
+// merged. A block released to the cache may be handed out again at once: its old and new users
+// are both ordered on the compute stream, so the new user's work runs after the old one's. Work on
+// another stream (the NCCL stream) must be joined back into the compute stream before its buffers
+// are released, which comm/cuda/nccl_comm.cpp does. The allocator is driven by one host thread
+// and is not thread-safe.
 #include <algorithm>
 #include <cstdint>
 #include <map>
@@ -22,23 +23,11 @@
 
 #include "backend/cuda/cuda_backend.hpp"
 #include "backend/cuda/cuda_handles.hpp"
+#include "backend/gpu_memory.hpp"
 #include "core/format.hpp"
 #include "kernels/cuda_check.hpp"
 
 namespace shardtrain {
-namespace {
-
-constexpr size_t kSmallLimit = size_t{1} << 20;  // up to this, classes of 512 B
-constexpr size_t kSmallGranule = 512;
-constexpr size_t kLargeGranule = size_t{2} << 20;  // above, classes of 2 MiB
-constexpr size_t kGemmWorkspaceBytes = size_t{32} << 20;
-
-size_t round_up(size_t bytes, size_t granule) { return (bytes + granule - 1) / granule * granule; }
-size_t size_class(size_t bytes) {
-  return bytes <= kSmallLimit ? round_up(bytes, kSmallGranule) : round_up(bytes, kLargeGranule);
-}
-
-}  // namespace
 
 struct CudaDevice::Cache {
   std::multimap<size_t, void*> free_blocks;  // cached: block bytes -> block
@@ -79,8 +68,8 @@ std::unique_ptr<CudaDevice> CudaDevice::open(int local_rank) {
   cublasLtHandle_t handle = nullptr;
   CUBLAS_CHECK(cublasLtCreate(&handle));
   device->cublaslt_ = handle;
-  device->workspace_ = device->allocate(kGemmWorkspaceBytes);
-  device->workspace_bytes_ = kGemmWorkspaceBytes;
+  device->workspace_ = device->allocate(gpu::kCublasLtWorkspaceBytes);
+  device->workspace_bytes_ = gpu::kCublasLtWorkspaceBytes;
   return device;
 }
 
@@ -99,7 +88,7 @@ CudaDevice::~CudaDevice() {
 
 void* CudaDevice::allocate(size_t bytes) {
   if (bytes == 0) return nullptr;
-  const size_t request = bytes > SIZE_MAX - kLargeGranule ? SIZE_MAX : size_class(bytes);
+  const size_t request = gpu::allocator_block_bytes(bytes);  // SIZE_MAX where rounding overflows
   void* p = nullptr;
   size_t block_bytes = 0;
   auto fit = cache_->free_blocks.lower_bound(request);
