@@ -23,6 +23,9 @@ CPU bf16 compute (--only bf16): gpt2-124M and llama-135M training at T = 64 (as 
 threads, fp32 and fsdp.param_dtype=bf16 interleaved for --bf16-rounds rounds: tokens/s min/median,
 their ratio, MFU against the same-run GEMM and the hardware peak, and the final-step loss difference.
 
+Against another build (--only baseline --baseline DIR): gpt2-124M at T = 64 and T = 1024 on this
+build and DIR's (e.g. an older commit built elsewhere), interleaved (see baseline_section).
+
 Distillation (--only distill): gpt2-124M alone and distilled from a gpt-300M teacher on 1, 2 and 4
 ranks, tokens/s and each model's memory per rank (see distill_section).
 
@@ -174,9 +177,11 @@ def main():
     parser.add_argument("--ckpt-profile", action="store_true",
                         help="also time the checksums and the same bytes through MPI-IO alone")
     parser.add_argument("--only", choices=("layers", "train", "ckpt", "arch", "adapters", "distill", "gemm", "bf16",
-                                           "convert"),
+                                           "convert", "baseline"),
                         help="run one section only")
     parser.add_argument("--arch-rounds", type=int, default=2)
+    parser.add_argument("--baseline", default="",
+                        help="baseline section: another build folder (e.g. of an older commit) to time against this one")
     parser.add_argument("--adapter-models", default="gpt2,llama", help="adapters section: gpt2, llama or both")
     parser.add_argument("--adapter-cases", default="",
                         help="adapters section: comma-separated case names to run besides full fine-tuning "
@@ -218,6 +223,10 @@ def main():
         gemm_section(build, args.gemm_repeats, args.gemm_quick)
     if "bf16" in sections:
         bf16_section(build, args.steps, args.bf16_rounds)
+    if "baseline" in sections:
+        if not args.baseline:
+            sys.exit("--only baseline needs --baseline DIR, the build folder to compare with")
+        baseline_section(build, os.path.abspath(args.baseline), args.steps, args.arch_rounds)
     if "convert" in sections:
         convert_section(build, [int(r) for r in args.convert_ranks.split(",")], args.convert_repeats,
                         args.convert_export)
@@ -324,6 +333,30 @@ def arch_section(build, steps, rounds):
                   flush=True)
         print(f"T={seq_len:5d} MFU llama / gpt2 (medians): {medians[ARCH_CONFIGS[1]] / medians[ARCH_CONFIGS[0]]:.3f}",
               flush=True)
+
+
+def baseline_section(build, baseline, steps, rounds):
+    """gpt2-124M at T = 64 and T = 1024 (ARCH_SHAPES) on this build and on a baseline build (another
+    commit's), 1 rank x 2 threads, interleaved: each round runs both builds at each shape, so they
+    see the same machine load. MFU is each run's own (against its start-up SGEMM)."""
+    print(f"\n== this build against {baseline}: gpt2-124M, 1 rank x 2 threads, {rounds} rounds of {steps} steps "
+          "(first step of each run dropped)", flush=True)
+    rows = {}
+    for _ in range(rounds):
+        for seq_len, micro, global_batch in ARCH_SHAPES:
+            for name, folder in (("baseline", baseline), ("this build", build)):
+                run_rows, _, _ = train_run(folder, 1, 2, steps, "gpt2-124M.ini", seq_len, micro, global_batch)
+                rows.setdefault((name, seq_len), []).extend(run_rows)
+    for seq_len, _, _ in ARCH_SHAPES:
+        medians = {}
+        for name in ("baseline", "this build"):
+            tps = summarize([r["tokens_per_s"] for r in rows[(name, seq_len)]])
+            mfu = summarize([r["mfu"] for r in rows[(name, seq_len)]])
+            medians[name] = tps[1]
+            print(f"T={seq_len:5d} {name:10s} | tokens/s min {tps[0]:.1f} median {tps[1]:.1f} max {tps[2]:.1f} | "
+                  f"MFU min {mfu[0]:.3f} median {mfu[1]:.3f}", flush=True)
+        print(f"T={seq_len:5d} tokens/s this build / baseline (medians): "
+              f"{medians['this build'] / medians['baseline']:.3f}", flush=True)
 
 
 def adapter_cases(all_linear, all_but_last_two):
