@@ -182,7 +182,7 @@ std::vector<PlannedAllocation> plan_device_allocations(const ParamTable& table, 
 
 GpuBackendPlan plan_gpu_backend(const ParamTable& table, const GroupShape& groups, int micro_batch, int seq_len,
                                 const ComputeOptions& compute, const GemmWorkload& gemms,
-                                const std::vector<PlannedAllocation>& allocations) {
+                                const std::vector<PlannedAllocation>& allocations, bool step_communicator) {
   GpuBackendPlan g;
   if (!compute.gpu()) return g;
   g.cublaslt = gpu::kCublasLtWorkspaceBytes;
@@ -193,7 +193,8 @@ GpuBackendPlan plan_gpu_backend(const ParamTable& table, const GroupShape& group
       g.operand_copies = std::max(g.operand_copies, gpu::matmul_backward_operand_bytes(gemms.rows, l.in, l.out));
   if (compute.nccl()) {
     g.nccl_sizes = gpu::nccl_buffer_sizes();
-    for (int ranks : {groups.shard_size, groups.replica_size}) {
+    const int world = step_communicator ? groups.shard_size * groups.replica_size : 1;
+    for (int ranks : {groups.shard_size, groups.replica_size, world}) {
       g.nccl += gpu::nccl_communicator_bytes(ranks, g.nccl_sizes);
       g.nccl_communicators += ranks > 1;
     }
@@ -234,7 +235,8 @@ MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, c
   if (compute.gpu())
     plan.gpu = plan_gpu_backend(
         table, groups, micro_batch, seq_len, compute, gemms,
-        plan_device_allocations(table, groups, engine, micro_batch, seq_len, activation_checkpointing));
+        plan_device_allocations(table, groups, engine, micro_batch, seq_len, activation_checkpointing),
+        !engine.cpu_offload);
   return plan;
 }
 

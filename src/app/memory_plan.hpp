@@ -75,9 +75,11 @@ std::vector<PlannedAllocation> plan_device_allocations(const ParamTable& table, 
                                                        const EngineOptions& engine, int micro_batch, int seq_len,
                                                        bool activation_checkpointing);
 // The CUDA backend's own memory for this run (GpuBackendPlan), given the allocations it rounds.
+// step_communicator: the trainer's world communicator for the step's sums (made on a GPU unless
+// fsdp.cpu_offload: docs/architecture.md, "One host synchronization per step") is NCCL's too.
 GpuBackendPlan plan_gpu_backend(const ParamTable& table, const GroupShape& groups, int micro_batch, int seq_len,
                                 const ComputeOptions& compute, const GemmWorkload& gemms,
-                                const std::vector<PlannedAllocation>& allocations);
+                                const std::vector<PlannedAllocation>& allocations, bool step_communicator);
 
 // The GEMMs' workspace of a run: the student's layers and, when distilling, the teacher's, at
 // micro_batch x seq_len rows (its bytes: plan_gemm_workspace_bytes, in the plan's "workspace").

@@ -191,8 +191,10 @@ TEST(GpuMemoryPlan, CudaPlanMinusCpuPlanIsTheBackendsOwnMemory) {
       }
       size_t operands = 0;  // the LM head's backward: dout N x V, weight V x C, inp N x C
       if (dtype != DTYPE_FP32) operands = gpu::matmul_backward_operand_bytes(N, m.n_embd, m.vocab_size);
-      const size_t nccl = cuda.nccl() ? (c.groups.shard_size > 1) * gpu::nccl_communicator_bytes(2, gpu::nccl_buffer_sizes()) +
-                                            (c.groups.replica_size > 1) * gpu::nccl_communicator_bytes(2, gpu::nccl_buffer_sizes())
+      // The shard and replica communicators, and the step sums' world communicator unless offloaded.
+      const size_t per_communicator = gpu::nccl_communicator_bytes(2, gpu::nccl_buffer_sizes());
+      const bool world = !c.engine.cpu_offload && c.groups.shard_size * c.groups.replica_size > 1;
+      const size_t nccl = cuda.nccl() ? ((c.groups.shard_size > 1) + (c.groups.replica_size > 1) + world) * per_communicator
                                       : 0;
       std::vector<size_t> sizes = {gpu::kCublasLtWorkspaceBytes, kernels, gpu::reduce_scratch_bytes()};
       if (operands) sizes.push_back(operands);
