@@ -175,7 +175,7 @@ std::vector<PlannedAllocation> plan_device_allocations(const ParamTable& table, 
           add(MEM_OPTIMIZER_STATE, l.trainable.shard_numel * sizeof(float));
     add(MEM_OPTIMIZER_STATE, AdamW::plan_table_bytes(table, groups.shard_size));  // the fused step's table
   }
-  add(MEM_OPTIMIZER_STATE, AdamW::kStepSumsBytes);  // the trainer's step sums
+  add(MEM_WORKSPACE, AdamW::kStepSumsBytes);  // the trainer's step sums
   add_activation_allocations(table, micro_batch, seq_len, activation_checkpointing, &list);
   return list;
 }
@@ -221,16 +221,17 @@ MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, c
   size_t shard_numel = 0, trainable_shard_numel = 0;
   for (const UnitLayout& unit : layout)
     shard_numel += unit.shard_numel(), trainable_shard_numel += unit.trainable.shard_numel;
-  // And the fused step's segment table (optim/adamw.hpp) beside them; the step's sums on the device
-  // (and, offloaded, their copy beside the masters).
+  // And the fused step's segment table (optim/adamw.hpp) beside them; (offloaded) the step's sums
+  // beside the masters.
   const size_t table_bytes = AdamW::plan_table_bytes(table, groups.shard_size);
-  plan.bytes[MEM_OPTIMIZER_STATE] = AdamW::kStepSumsBytes;
-  if (!engine.cpu_offload) plan.bytes[MEM_OPTIMIZER_STATE] += 2 * trainable_shard_numel * sizeof(float) + table_bytes;
+  if (!engine.cpu_offload) plan.bytes[MEM_OPTIMIZER_STATE] = 2 * trainable_shard_numel * sizeof(float) + table_bytes;
   if (engine.cpu_offload)  // master, gradient, two moments, the table, the sums
     plan.offloaded_bytes =
         (shard_numel + 3 * trainable_shard_numel) * sizeof(float) + table_bytes + AdamW::kStepSumsBytes;
   plan.bytes[MEM_ACTIVATIONS] = plan_activation_bytes(table, micro_batch, seq_len, activation_checkpointing);
-  plan.bytes[MEM_WORKSPACE] = plan_gemm_workspace_bytes(compute.device, compute.compute_dtype, gemms);
+  // The GEMMs' workspace and the step's loss and gradient-norm sums on the device.
+  plan.bytes[MEM_WORKSPACE] =
+      plan_gemm_workspace_bytes(compute.device, compute.compute_dtype, gemms) + AdamW::kStepSumsBytes;
   plan.staging_bytes = plan_comm_staging_bytes(compute, groups, engine, layout);
   if (compute.gpu())
     plan.gpu = plan_gpu_backend(

@@ -361,7 +361,7 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
   memory_.add(MEM_ACTIVATIONS, model_->activation_bytes());
   memory_.add(MEM_WORKSPACE, compute_.gemm_workspace_bytes());
   step_sums_ = DeviceArray<double>(*compute_.backend().device, 2);
-  memory_.add(MEM_OPTIMIZER_STATE, step_sums_.bytes());
+  memory_.add(MEM_WORKSPACE, step_sums_.bytes());
   if (cfg_.fsdp.cpu_offload) offloaded_sums_ = DeviceArray<double>(*compute_.backend().host, 2);
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++)  // the planner is exact: it is what was allocated
     SHARD_CHECK(memory_.current(static_cast<MemCategory>(c)) == plan_.bytes[c], "%s: tracked %zu, planned %zu",
