@@ -7,6 +7,7 @@
 #include <tuple>
 #include <utility>
 
+#include "app/teacher.hpp"
 #include "core/error.hpp"
 #include "core/format.hpp"
 #include "model/adapter_layers.hpp"
@@ -212,7 +213,8 @@ GpuBackendPlan plan_gpu_backend(const ParamTable& table, const GroupShape& group
 
 MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, const EngineOptions& engine,
                             int micro_batch, int seq_len, bool activation_checkpointing,
-                            const ComputeOptions& compute, const GemmWorkload& gemms) {
+                            const ComputeOptions& compute, const GemmWorkload& gemms,
+                            const ParamTable* teacher) {
   std::vector<UnitLayout> layout = FsdpEngine::plan_layout(table, groups);
   MemoryPlan plan;
   plan.bytes = FsdpEngine::plan_memory(layout, engine);
@@ -232,7 +234,12 @@ MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, c
   // The GEMMs' workspace and the step's loss and gradient-norm sums on the device.
   plan.bytes[MEM_WORKSPACE] =
       plan_gemm_workspace_bytes(compute.device, compute.compute_dtype, gemms) + AdamW::kStepSumsBytes;
-  plan.staging_bytes = plan_comm_staging_bytes(compute, groups, engine, layout);
+  std::vector<UnitLayout> teacher_layout;
+  if (teacher) {
+    plan.teacher = plan_teacher_memory(*teacher, groups, engine, micro_batch, seq_len);
+    teacher_layout = FsdpEngine::plan_layout(*teacher, groups);
+  }
+  plan.staging_bytes = plan_comm_staging_bytes(compute, groups, engine, layout, teacher ? &teacher_layout : nullptr);
   if (compute.gpu())
     plan.gpu = plan_gpu_backend(
         table, groups, micro_batch, seq_len, compute, gemms,

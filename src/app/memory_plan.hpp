@@ -62,12 +62,14 @@ struct MemoryPlan {
   std::string describe() const;  // "sharded_params 1.2 MiB, gradients ... | teacher: sharded_params ..."
 };
 
-// `table`: the model with what the configuration freezes (config_param_table). Without the
-// teacher: app/teacher.hpp's plan_teacher_memory gives MemoryPlan::teacher. `compute`: the device
-// and its kernels; `gemms`: the linear layers multiplied (gemm_workload), for the GEMMs' workspace.
+// `table`: the model with what the configuration freezes (config_param_table); `teacher`:
+// distill.teacher's table or null (MemoryPlan::teacher, and its gathers in the staging). `compute`:
+// the device and its kernels; `gemms`: the linear layers multiplied (gemm_workload), for the GEMMs'
+// workspace.
 MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, const EngineOptions& engine,
                             int micro_batch, int seq_len, bool activation_checkpointing,
-                            const ComputeOptions& compute, const GemmWorkload& gemms);
+                            const ComputeOptions& compute, const GemmWorkload& gemms,
+                            const ParamTable* teacher = nullptr);
 // The device arrays of the engine, the optimizer and the model that `bytes` sums, one by one, in
 // the order they are made (the rounding needs each). GPU memory only: with fsdp.cpu_offload the
 // masters, their gradients and the moments are host memory and not listed.

@@ -87,10 +87,7 @@ std::vector<Candidate> plan_candidates(const Config& config, int world, int rank
           options.strategy = s, options.reduce_every_microbatch = every, options.cpu_offload = offload;
           c.memory = plan_rank_memory(table, GroupShape{shard, 0, world / shard, 0}, options,
                                       config.train.micro_batch, config.train.seq_len, ckpt,
-                                      compute_options(config), gemms);
-          if (teacher)
-            c.memory.teacher = plan_teacher_memory(*teacher, GroupShape{shard, 0, world / shard, 0}, options,
-                                                   config.train.micro_batch, config.train.seq_len);
+                                      compute_options(config), gemms, teacher ? &*teacher : nullptr);
           c.traffic_bytes = traffic_per_step(table, c, options, accumulation);
           c.fits = limit == 0 || c.memory.total() <= limit;
           candidates.push_back(c);

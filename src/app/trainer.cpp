@@ -268,13 +268,8 @@ MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrat
                                const std::optional<ParamTable>& teacher) {
   GroupShape groups{shard.size(), shard.rank(), replica.size(), replica.rank()};
   MemoryPlan plan = plan_rank_memory(config_param_table(c), groups, engine_options(c), c.train.micro_batch,
-                                     c.train.seq_len, c.fsdp.activation_checkpointing, compute.options(), gemms);
-  if (teacher) {
-    plan.teacher = plan_teacher_memory(*teacher, groups, engine_options(c), c.train.micro_batch, c.train.seq_len);
-    const std::vector<UnitLayout> teacher_layout = FsdpEngine::plan_layout(*teacher, groups);
-    plan.staging_bytes = plan_comm_staging_bytes(compute.options(), groups, engine_options(c),
-                                                 FsdpEngine::plan_layout(config_param_table(c), groups), &teacher_layout);
-  }
+                                     c.train.seq_len, c.fsdp.activation_checkpointing, compute.options(), gemms,
+                                     teacher ? &*teacher : nullptr);
   rt.agree_on([&] {
     // Host memory: the whole plan on the CPU backend, the offloaded state on a GPU. Checked against
     // what the node has available, shared by its ranks, so a model that cannot fit stops here
