@@ -238,10 +238,7 @@ void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
     float* own_values = slot.values.data() + slot_begin + sp.begin;
     const float* master = s.params.data() + sp.local;
     if (!half || options_.cpu_offload) {  // up to the device first, into the part of the slot the gather overwrites
-      if (options_.cpu_offload)
-        backend_.device->copy_to_device(own_values, master, sp.shard_numel * sizeof(float));
-      else
-        backend_.device->copy_on_device(own_values, master, sp.shard_numel * sizeof(float));
+      copy_from_master(own_values, master, sp.shard_numel * sizeof(float));
       master = own_values;
     }
     const char* what = async ? "all_gather(params, prefetched)" : "all_gather(params)";
@@ -444,6 +441,13 @@ void FsdpEngine::decode_step(TransformerModel<float>& model, const int* tokens, 
   if (logits) model.decode_head(root, logits);
 }
 
+void FsdpEngine::copy_from_master(void* dst, const void* src, size_t bytes) {
+  if (options_.cpu_offload)  // the master shards are host memory
+    backend_.device->copy_to_device(dst, src, bytes);
+  else
+    backend_.device->copy_on_device(dst, src, bytes);
+}
+
 std::vector<float> FsdpEngine::gather_unit(int unit, bool gradients) {
   const UnitShard& s = shards_[unit];
   Device& dev = *backend_.device;
@@ -452,10 +456,7 @@ std::vector<float> FsdpEngine::gather_unit(int unit, bool gradients) {
     if (sp->numel == 0 || (gradients && sp == &s.layout.frozen)) continue;
     DeviceArray<float> full(dev, sp->padded_numel);  // the communicators work on device memory
     const float* local = (gradients ? s.grads.data() : s.params.data()) + sp->local;
-    if (options_.cpu_offload)  // the shard is host memory
-      dev.copy_to_device(full.data() + sp->begin, local, sp->shard_numel * sizeof(float));
-    else
-      dev.copy_on_device(full.data() + sp->begin, local, sp->shard_numel * sizeof(float));
+    copy_from_master(full.data() + sp->begin, local, sp->shard_numel * sizeof(float));
     if (shard_comm_.size() > 1)
       shard_comm_.all_gather(Span<const float>(full.data() + sp->begin, sp->shard_numel),
                              Span<float>(full.data(), full.size()), "all_gather(unit)");

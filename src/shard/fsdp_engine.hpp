@@ -232,6 +232,8 @@ class FsdpEngine {
   void reduce_micro_batch_grads(int unit);
   DeviceArray<float>& grad_buffer(int unit);
   DeviceArray<float>& grad_shard(int unit);  // the reduction's target on the device
+  // Into device memory from a master shard's (or its gradient's) memory: master_device()'s.
+  void copy_from_master(void* dst, const void* src, size_t bytes);
 
   const ParamTable& table_;
   Comm& shard_comm_;
