@@ -204,8 +204,6 @@ void accumulate_sum_squares(double* total, const float* x, size_t n, void* scrat
 void launch_to_half(uint16_t* out, const float* in, size_t n, DType type, const LaunchContext& ctx,
                     size_t zero_begin = 0, size_t zero_end = 0);
 void launch_from_half(float* out, const uint16_t* in, size_t n, DType type, const LaunchContext& ctx);
-void launch_adamw(float* param, float* m, float* v, const float* grad, size_t n, float grad_multiplier, float decay,
-                  const AdamWStep& step, const LaunchContext& ctx);
 // ShardOps::adamw_multi: one launch, one block per segment (device-memory table), the multiplier
 // from `sums` (device memory) in every thread, no update when adamw_grad_multiplier says so.
 void launch_adamw_multi(const AdamWSegment* segments, size_t count, const double* sums, const AdamWClip& clip,

@@ -131,11 +131,9 @@ class ShardOps {
   // out[i] = round(in[i]) to `type` (bf16 or fp16, round to nearest even as backend/dtype.hpp).
   virtual void to_half(uint16_t* out, const float* in, size_t n, DType type) const = 0;
   virtual void from_half(float* out, const uint16_t* in, size_t n, DType type) const = 0;
-  // For i in [0, n): adamw_update(&param[i], &m[i], &v[i], grad[i] * grad_multiplier, decay, step).
-  virtual void adamw(float* param, float* m, float* v, const float* grad, size_t n, float grad_multiplier,
-                     float decay, const AdamWStep& step) const = 0;
-  // The whole step in one launch: adamw() over every segment (a table of `count` entries in the
-  // device's memory, each at most kAdamWSegmentElements), with the multiplier adamw_grad_multiplier
+  // The whole AdamW step in one launch: for every segment (a table of `count` entries in the
+  // device's memory, each at most kAdamWSegmentElements) and i in [0, n), adamw_update(&param[i],
+  // &m[i], &v[i], grad[i] * multiplier, decay, step), with the multiplier adamw_grad_multiplier
   // computes from `sums` (two doubles in the device's memory) -- or no update at all when it says
   // the step is not finite. The host reads nothing: no synchronization.
   virtual void adamw_multi(const AdamWSegment* segments, size_t count, const double* sums, const AdamWClip& clip,

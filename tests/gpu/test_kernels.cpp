@@ -1550,7 +1550,13 @@ TEST_P(AdamWTest, TwoStepsMatchHost) {
     step.bias_correction2 = 1.0f - std::pow(step.beta2, static_cast<float>(t));
     const float multiplier = 0.5f, decay = t == 1 ? 1.0f : 0.0f;  // with and without weight decay
     for (size_t i = 0; i < s.n; i++) adamw_update(&param[i], &m[i], &v[i], grad[i] * multiplier, decay, step);
-    shard_ops().adamw(d_param.data(), d_m.data(), d_v.data(), d_grad.data(), s.n, multiplier, decay, step);
+    // One segment; no clipping, and a gradient scale of 2 makes the multiplier 0.5.
+    const AdamWSegment segment{d_param.data(), d_m.data(), d_v.data(), d_grad.data(), s.n, decay};
+    DeviceArray<AdamWSegment> d_table(device(), 1);
+    device().copy_to_device(d_table.data(), &segment, sizeof segment);
+    DeviceBuffer<double> d_sums(device(), "sums", 2, 0);
+    d_sums.upload({1.0, 1.0});
+    shard_ops().adamw_multi(d_table.data(), 1, d_sums.data(), AdamWClip{0.0, 2.0}, step);
     d_grad.download("adamw (grad)");
   }
   expect_close(d_param.download("adamw").data(), widen(param), kAdamWTol, "adamw param");

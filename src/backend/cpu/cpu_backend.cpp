@@ -192,11 +192,6 @@ class CpuShardOps : public ShardOps {
 #pragma omp parallel for schedule(static)
     for (size_t i = 0; i < n; i++) out[i] = half_to_float(in[i], type);
   }
-  void adamw(float* param, float* m, float* v, const float* grad, size_t n, float grad_multiplier, float decay,
-             const AdamWStep& step) const override {
-#pragma omp parallel for simd schedule(static)
-    for (size_t i = 0; i < n; i++) adamw_update(&param[i], &m[i], &v[i], grad[i] * grad_multiplier, decay, step);
-  }
   void adamw_multi(const AdamWSegment* segments, size_t count, const double* sums, const AdamWClip& clip,
                    const AdamWStep& step) const override {
     float multiplier = 0;

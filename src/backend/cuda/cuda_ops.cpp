@@ -240,10 +240,6 @@ class CudaShardOps final : public ShardOps {
   void from_half(float* out, const uint16_t* in, size_t n, DType type) const override {
     kernels::launch_from_half(out, in, n, type, launch_);
   }
-  void adamw(float* param, float* m, float* v, const float* grad, size_t n, float grad_multiplier, float decay,
-             const AdamWStep& step) const override {
-    kernels::launch_adamw(param, m, v, grad, n, grad_multiplier, decay, step, launch_);
-  }
   void adamw_multi(const AdamWSegment* segments, size_t count, const double* sums, const AdamWClip& clip,
                    const AdamWStep& step) const override {
     kernels::launch_adamw_multi(segments, count, sums, clip, step, launch_);
