@@ -69,10 +69,11 @@ struct GemmContext {
 // no kernel for the operands' alignment); beta must be 0 with a bias. fp32 in, fp32 out,
 // CUBLAS_COMPUTE_32F: exact fp32 arithmetic, no TF32 -- unless ctx.operands is bf16 or fp16: then
 // A and B are rounded to it (into stream-ordered temporary memory) and multiplied on the tensor
-// cores with fp32 accumulation.
+// cores with fp32 accumulation. B16 (may be null): B's copy in that 16-bit type already (a weight
+// bound to the ops, LayerOps::bind_half_copy), multiplied instead of rounding B.
 void gemm_row_major(const GemmContext& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha,
                     const float* A, int lda, long long stride_a, const float* B, int ldb, long long stride_b, float beta,
-                    float* C, int ldc, long long stride_c, int batch, const float* bias);
+                    float* C, int ldc, long long stride_c, int batch, const float* bias, const uint16_t* B16 = nullptr);
 // LayerOps::gemm: one row-major C(M,N) = alpha * op(A) @ op(B) + beta * C with cblas_sgemm's
 // contract (backend/cpu/gemm.hpp's gemm()): any alpha and beta (beta = 0: C is not read), leading
 // dimensions at least the stored row lengths (ldc > N: C is a column slice of a wider matrix),
@@ -107,11 +108,14 @@ using gpu::rmsnorm_backward_workspace_bytes;
 void launch_rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
                              const float* rstd, int N, int C, void* workspace, const LaunchContext& ctx);
 
-void launch_matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC,
-                           const GemmContext& ctx);
+// weight16 (may be null): the weight's copy in GemmContext::operands (a bound weight), multiplied
+// instead of rounding the weight; ignored with fp32 operands.
+void launch_matmul_forward(float* out, const float* inp, const float* weight, const uint16_t* weight16,
+                           const float* bias, int N, int C, int OC, const GemmContext& ctx);
 using gpu::matmul_backward_workspace_bytes;
 void launch_matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                            const float* weight, int N, int C, int OC, void* workspace, const GemmContext& ctx);
+                            const float* weight, const uint16_t* weight16, int N, int C, int OC, void* workspace,
+                            const GemmContext& ctx);
 
 // Grouped-query attention, tiled (attention.cu): qkv rows q (NH heads) | k (KV heads) | v (KV
 // heads) of HS each, NH % KV == 0, HS <= 256; lse (B,NH,T). The backward's workspace: B*NH*T floats.

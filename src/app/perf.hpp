@@ -15,7 +15,8 @@ void set_compute_threads(int threads);
 // Best GFLOP/s of an n x n x n SGEMM over `repeats` runs on this process's threads.
 double measure_sgemm_gflops(int n, int repeats);
 // Best GFLOP/s of an n x n x n product with bf16 operands and fp32 accumulation through the
-// CPU's bf16 GEMM (backend/cpu/bf16_gemm.hpp), over `repeats` runs.
+// CPU's bf16 GEMM (backend/cpu/bf16_gemm.hpp), over `repeats` runs: the activation rounded per
+// product, the weight passed with its bf16 copy, as in training.
 double measure_bf16_gemm_gflops(int n, int repeats);
 
 // The arithmetic peak of this process's threads, measured: every thread runs independent chains

@@ -122,6 +122,17 @@ class LayerOps {
   virtual void accumulate_sum_squares(double* total, const Real* x, size_t n) const = 0;
   // x *= s
   virtual void scale(Real* x, size_t n, Real s) const = 0;
+
+  // "Operands rounded once": a 16-bit copy of an fp32 parameter buffer. While [values, values + n)
+  // is bound, the caller guarantees values[i] == widen(half[i]) whenever an op reads it, and a
+  // matmul_forward/backward whose weight lies inside it multiplies that copy instead of rounding
+  // the weight again -- the same bits, without the rounding pass or its copy. Ops whose GEMMs do
+  // not take 16-bit operands of `type` ignore it. The engine binds each gathered-unit buffer of a
+  // 16-bit param_dtype for the buffer's life (shard/fsdp_engine.hpp). Binding again replaces.
+  virtual void bind_half_copy(const Real* values, const uint16_t* half, size_t n, DType type) const {
+    (void)values, (void)half, (void)n, (void)type;
+  }
+  virtual void unbind_half_copy(const Real* values) const { (void)values; }
 };
 
 // fp32-only work of the engine and optimizer: 16-bit wire/parameter formats and the AdamW step.

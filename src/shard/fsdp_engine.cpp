@@ -144,7 +144,10 @@ FsdpEngine::FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_
   auto add_slot = [&](size_t size) {
     ParamSlot slot;
     slot.values = DeviceArray<float>(dev, size);
-    if (half) slot.wire = DeviceArray<uint16_t>(dev, size);
+    if (half) {  // the GEMMs multiply the gathered 16-bit copy: the weights are rounded once, by the gather
+      slot.wire = DeviceArray<uint16_t>(dev, size);
+      backend_.ops->bind_half_copy(slot.values.data(), slot.wire.data(), size, options_.param_dtype);
+    }
     slots_.push_back(std::move(slot));
   };
   if (options_.strategy == SHARDING_SHARD_GRAD_OP) {
@@ -165,6 +168,8 @@ FsdpEngine::FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_
 }
 
 FsdpEngine::~FsdpEngine() {
+  for (const ParamSlot& slot : slots_)
+    if (slot.wire.size()) backend_.ops->unbind_half_copy(slot.values.data());
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++) memory_.sub(static_cast<MemCategory>(c), engine_bytes_[c]);
 }
 

@@ -53,7 +53,8 @@ enum BackwardPrefetch { BACKWARD_PREFETCH_NONE, BACKWARD_PREFETCH_PRE, BACKWARD_
 bool parse_backward_prefetch(const std::string& name, BackwardPrefetch* out);
 const char* backward_prefetch_name(BackwardPrefetch p);
 
-// param_dtype: the type parameters are gathered in (and computed from, after widening to fp32);
+// param_dtype: the type parameters are gathered in and computed from (widened to fp32 for every op
+// but the GEMMs, which multiply the gathered 16-bit copy itself: LayerOps::bind_half_copy);
 // reduce_dtype: the wire type of the gradient reduce-scatter. Masters and moments stay fp32.
 // Prefetch (FULL_SHARD, HYBRID_SHARD): the next block's all-gather is started before the current
 // block computes -- in forward when forward_prefetch, in backward before (PRE) or after (POST)
@@ -217,7 +218,9 @@ class FsdpEngine {
   // per space: trainable, frozen).
   struct ParamSlot {
     DeviceArray<float> values;
-    DeviceArray<uint16_t> wire;  // the gathered unit in a 16-bit param_dtype
+    // The gathered unit in a 16-bit param_dtype, `values` its widening: bound to the ops as that
+    // copy (LayerOps::bind_half_copy) from construction to destruction, so the GEMMs multiply it.
+    DeviceArray<uint16_t> wire;
     int unit = -1;               // the unit held (valid for the current micro-batch), or -1
     int handles[2] = {-1, -1};   // started all-gathers not yet waited for
     bool pending() const { return handles[0] >= 0 || handles[1] >= 0; }

@@ -592,6 +592,60 @@ TEST_P(GemmOperandsTest, MatmulRoundsOperandsThenMatchesCpu) {
   }
 }
 
+// "Rounded once": a weight bound with its 16-bit copy (LayerOps::bind_half_copy, as the engine binds
+// its gathered units) gives the bits of rounding it per GEMM, and it is the copy that is
+// multiplied: bound to the copy of 2W, the products are exactly those of 2W.
+TEST_P(GemmOperandsTest, ABoundWeightIsMultipliedFromItsCopy) {
+  const DType type = GetParam();
+  auto half_ops = make_cuda_layer_ops(device(), type);
+  for (const MatmulShape& s : {MatmulShape{37, 50, 29, true, 0}, MatmulShape{13, 36, 50, true, 1},
+                               MatmulShape{256, 768, 768, true, 0}}) {
+    const std::vector<float> inp = uniform_vector(static_cast<size_t>(s.N) * s.C, 91),
+                             bias = uniform_vector(s.OC, 93), dout = uniform_vector(static_cast<size_t>(s.N) * s.OC, 94);
+    std::vector<float> weight = uniform_vector(static_cast<size_t>(s.OC) * s.C, 92), twice;
+    std::vector<uint16_t> weight16, twice16;
+    for (float& w : weight) {  // the gathered values: 16-bit already
+      weight16.push_back(float_to_half(w, type));
+      w = half_to_float(weight16.back(), type);
+      twice.push_back(2.0f * w);
+      twice16.push_back(float_to_half(2.0f * w, type));
+    }
+    auto d_inp = on_device(device(), "inp", inp, s.misalign), d_bias = on_device(device(), "bias", bias, s.misalign);
+    auto d_dout = on_device(device(), "dout", dout, s.misalign);
+    auto d_weight = on_device(device(), "weight", weight, s.misalign), d_twice = on_device(device(), "2w", twice, s.misalign);
+    auto d_weight16 = on_device(device(), "weight16", weight16, s.misalign);
+    auto d_twice16 = on_device(device(), "2w16", twice16, s.misalign);
+    // out, dinp, dweight of one forward and backward on weight w (bound or not: the caller's doing).
+    auto run = [&](const float* w) {
+      DeviceBuffer<float> out(device(), "out", static_cast<size_t>(s.N) * s.OC, s.misalign),
+          dinp(device(), "dinp", inp.size(), s.misalign);
+      auto dweight = on_device(device(), "dweight", std::vector<float>(weight.size(), 0.0f), s.misalign);
+      out.fill(kNaN);
+      half_ops->matmul_forward(out.data(), d_inp.data(), w, d_bias.data(), s.N, s.C, s.OC);
+      half_ops->matmul_backward(dinp.data(), dweight.data(), nullptr, d_dout.data(), d_inp.data(), w, s.N, s.C, s.OC);
+      return std::vector<std::vector<float>>{out.download("matmul_forward"), dinp.download("matmul_backward"),
+                                             dweight.download("matmul_backward")};
+    };
+    const std::string label = std::string(dtype_name(type)) + " " + name_of(s);
+    const auto rounded_here = run(d_weight.data());
+    const auto doubled_here = run(d_twice.data());
+    half_ops->bind_half_copy(d_weight.data(), d_weight16.data(), weight.size(), type);
+    const auto from_copy = run(d_weight.data());
+    half_ops->bind_half_copy(d_weight.data(), d_twice16.data(), weight.size(), type);  // rebinding replaces
+    const auto from_twice = run(d_weight.data());
+    half_ops->unbind_half_copy(d_weight.data());
+    const char* names[] = {"out", "dinp", "dweight"};
+    for (int k = 0; k < 3; k++) {
+      EXPECT_EQ(0, std::memcmp(from_copy[k].data(), rounded_here[k].data(), from_copy[k].size() * sizeof(float)))
+          << label << " " << names[k] << ": the bound copy changed the bits";
+      if (k < 2)  // dweight = dout^T inp does not read the weight
+        EXPECT_EQ(0, std::memcmp(from_twice[k].data(), doubled_here[k].data(), from_twice[k].size() * sizeof(float)))
+            << label << " " << names[k] << ": the bound copy was not what was multiplied";
+    }
+    EXPECT_NE(0, std::memcmp(from_twice[0].data(), from_copy[0].data(), from_copy[0].size() * sizeof(float)));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Types, GemmOperandsTest, ::testing::Values(DTYPE_BF16, DTYPE_FP16),
                          [](const ::testing::TestParamInfo<DType>& info) { return std::string(dtype_name(info.param)); });
 

@@ -6,8 +6,11 @@
 //     same loop over unrounded operands is far outside that bound (the test sees the rounding);
 //   - the bias gradient is the fp32 column sum, as without bf16;
 //   - the two kernels agree, and each gives the same bits twice;
+//   - a weight passed with its bf16 copy (the engine's gathered unit) gives the same bits, is not
+//     rounded again, and the copy is what is multiplied;
 //   - the workspace: what plan_workspace_bytes predicts is what the constructor holds, and
-//     running every product of the planned layers does not grow it; a larger product does.
+//     running every product of the planned layers (weights with their copies) does not grow it; a
+//     larger product, or a weight without its copy, does.
 // Shapes are odd (K = 1 and odd K split unevenly into halves by the SGEMM kernel).
 #include <gtest/gtest.h>
 
@@ -80,6 +83,17 @@ double worst_ratio(const Reference& rounded, const Reference& exact) {
   return worst;
 }
 
+// The bf16 copy of a weight whose values are bf16 already (the engine's gathered copy).
+std::vector<uint16_t> bf16_copy(const std::vector<float>& weight) {
+  std::vector<uint16_t> copy(weight.size());
+  for (size_t i = 0; i < weight.size(); i++) copy[i] = float_to_bf16(weight[i]);
+  return copy;
+}
+// The weight as the engine gathers it: every value rounded to bf16.
+void round_in_place(std::vector<float>* x) {
+  for (float& v : *x) v = static_cast<float>(round_bf16(v));
+}
+
 struct Shape {
   int N, C, OC;
 };
@@ -101,7 +115,7 @@ TEST_P(Bf16GemmTest, ForwardMatchesRoundedOperandsToSummationError) {
       fill_uniform(inp.data(), inp.size(), 1), fill_uniform(weight.data(), weight.size(), 2);
       fill_uniform(bias.data(), bias.size(), 3);
       Bf16Gemm gemm({{s.C, s.OC}}, s.N, onednn());
-      gemm.forward(out.data(), inp.data(), weight.data(), with_bias ? bias.data() : nullptr, s.N, s.C, s.OC);
+      gemm.forward(out.data(), inp.data(), weight.data(), nullptr, with_bias ? bias.data() : nullptr, s.N, s.C, s.OC);
       Reference want = product(inp, false, weight, true, s.N, s.OC, s.C, true);
       std::vector<float> base;
       if (with_bias)
@@ -124,7 +138,7 @@ TEST_P(Bf16GemmTest, BackwardProductsAccumulateAndAreOptional) {
     fill_uniform(dweight0.data(), dweight0.size(), 7), fill_uniform(dbias0.data(), dbias0.size(), 8);
     std::vector<float> dinp(s.N * s.C, NAN), dweight = dweight0, dbias = dbias0;
     Bf16Gemm gemm({{s.C, s.OC}}, s.N, onednn());
-    gemm.backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), inp.data(), weight.data(), s.N, s.C, s.OC);
+    gemm.backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), inp.data(), weight.data(), nullptr, s.N, s.C, s.OC);
 
     // dinp = dout W; dweight += dout^T inp (onto what was there); dbias += column sums of dout in fp32.
     expect_within(dinp, product(dout, false, weight, false, s.N, s.C, s.OC, true), {}, "dinp");
@@ -138,11 +152,55 @@ TEST_P(Bf16GemmTest, BackwardProductsAccumulateAndAreOptional) {
 
     // Each gradient alone gives the same bits and leaves the others untouched.
     std::vector<float> dinp_only(s.N * s.C, NAN), untouched = dweight0;
-    gemm.backward(dinp_only.data(), nullptr, nullptr, dout.data(), inp.data(), weight.data(), s.N, s.C, s.OC);
+    gemm.backward(dinp_only.data(), nullptr, nullptr, dout.data(), inp.data(), weight.data(), nullptr, s.N, s.C, s.OC);
     EXPECT_EQ(0, std::memcmp(dinp_only.data(), dinp.data(), dinp.size() * sizeof(float)));
     std::vector<float> dweight_only = dweight0;
-    gemm.backward(nullptr, dweight_only.data(), nullptr, dout.data(), inp.data(), weight.data(), s.N, s.C, s.OC);
+    gemm.backward(nullptr, dweight_only.data(), nullptr, dout.data(), inp.data(), weight.data(), nullptr, s.N, s.C, s.OC);
     EXPECT_EQ(0, std::memcmp(dweight_only.data(), dweight.data(), dweight.size() * sizeof(float)));
+  }
+}
+
+// "Rounded once": a weight passed with its bf16 copy is multiplied from the copy -- the same bits
+// as rounding it here, and no weight element rounded -- and it is the copy that is read: a copy of
+// other values gives the product of those values.
+TEST_P(Bf16GemmTest, AWeightWithItsCopyIsNotRoundedAgain) {
+  for (const Shape& s : SHAPES) {
+    SCOPED_TRACE(testing::Message() << "N=" << s.N << " C=" << s.C << " OC=" << s.OC);
+    std::vector<float> inp(s.N * s.C), weight(s.OC * s.C), bias(s.OC), dout(s.N * s.OC);
+    fill_uniform(inp.data(), inp.size(), 11), fill_uniform(weight.data(), weight.size(), 12);
+    fill_uniform(bias.data(), bias.size(), 13), fill_uniform(dout.data(), dout.size(), 14);
+    round_in_place(&weight);
+    const std::vector<uint16_t> weight16 = bf16_copy(weight);
+    Bf16Gemm gemm({{s.C, s.OC}}, s.N, onednn());
+    auto run = [&](const std::vector<float>& w, const uint16_t* w16, std::vector<float>* out, std::vector<float>* dinp,
+                   std::vector<float>* dweight) {
+      out->assign(s.N * s.OC, NAN), dinp->assign(s.N * s.C, NAN), dweight->assign(s.OC * s.C, 0.0f);
+      gemm.forward(out->data(), inp.data(), w.data(), w16, bias.data(), s.N, s.C, s.OC);
+      gemm.backward(dinp->data(), dweight->data(), nullptr, dout.data(), inp.data(), w.data(), w16, s.N, s.C, s.OC);
+    };
+    std::vector<float> out, dinp, dweight, out16, dinp16, dweight16;
+    run(weight, nullptr, &out, &dinp, &dweight);
+    const size_t rounded = gemm.weight_elements_rounded();
+    EXPECT_EQ(rounded, 2u * s.OC * s.C) << "forward and dinp each round the weight";
+    run(weight, weight16.data(), &out16, &dinp16, &dweight16);
+    EXPECT_EQ(gemm.weight_elements_rounded(), rounded) << "a weight with its copy was rounded";
+    EXPECT_EQ(0, std::memcmp(out.data(), out16.data(), out.size() * sizeof(float)));
+    EXPECT_EQ(0, std::memcmp(dinp.data(), dinp16.data(), dinp.size() * sizeof(float)));
+    EXPECT_EQ(0, std::memcmp(dweight.data(), dweight16.data(), dweight.size() * sizeof(float)));
+
+    // oneDNN multiplies the copy: given the copy of twice the weight beside the weight itself, the
+    // products are those of 2W (exactly twice, a power of two). The SGEMMs read the weight's fp32
+    // values in place, equal to the copy's widening by the contract.
+    if (!onednn()) continue;
+    std::vector<float> twice = weight;
+    for (float& v : twice) v *= 2.0f;
+    const std::vector<uint16_t> twice16 = bf16_copy(twice);
+    std::vector<float> out2, dinp2, dweight2, want_out, want_dinp, want_dweight;
+    run(weight, twice16.data(), &out2, &dinp2, &dweight2);
+    run(twice, nullptr, &want_out, &want_dinp, &want_dweight);
+    EXPECT_EQ(0, std::memcmp(out2.data(), want_out.data(), out2.size() * sizeof(float)));
+    EXPECT_EQ(0, std::memcmp(dinp2.data(), want_dinp.data(), dinp2.size() * sizeof(float)));
+    EXPECT_NE(0, std::memcmp(out2.data(), out16.data(), out2.size() * sizeof(float)));
   }
 }
 
@@ -158,9 +216,9 @@ TEST(Bf16Gemm, KernelsAgreeAndRepeatBitForBit) {
   fill_uniform(inp.data(), inp.size(), 9), fill_uniform(weight.data(), weight.size(), 10);
   std::vector<float> a(s.N * s.OC), again(a.size()), b(a.size());
   Bf16Gemm native({{s.C, s.OC}}, s.N, true), emulated({{s.C, s.OC}}, s.N, false);
-  native.forward(a.data(), inp.data(), weight.data(), nullptr, s.N, s.C, s.OC);
-  native.forward(again.data(), inp.data(), weight.data(), nullptr, s.N, s.C, s.OC);
-  emulated.forward(b.data(), inp.data(), weight.data(), nullptr, s.N, s.C, s.OC);
+  native.forward(a.data(), inp.data(), weight.data(), nullptr, nullptr, s.N, s.C, s.OC);
+  native.forward(again.data(), inp.data(), weight.data(), nullptr, nullptr, s.N, s.C, s.OC);
+  emulated.forward(b.data(), inp.data(), weight.data(), nullptr, nullptr, s.N, s.C, s.OC);
   EXPECT_EQ(0, std::memcmp(a.data(), again.data(), a.size() * sizeof(float)));
   const Reference want = product(inp, false, weight, true, s.N, s.OC, s.C, true);
   for (size_t i = 0; i < a.size(); i++) ASSERT_LE(std::fabs(a[i] - b[i]), 2 * want.bound[i]) << i;
@@ -175,20 +233,29 @@ TEST(Bf16Gemm, WorkspaceIsWhatThePlanSaysUntilAProductOutgrowsIt) {
     const size_t planned = onednn == Bf16Gemm::native_bf16() ? Bf16Gemm::plan_workspace_bytes(layers, rows)
                                                              : gemm.workspace_bytes();
     EXPECT_EQ(gemm.workspace_bytes(), planned);
-    // At least the largest layer's three operand copies.
-    EXPECT_GE(gemm.workspace_bytes(), 2u * (rows * (40 + 256) + 40 * 256));
+    // At least the largest layer's two activation copies (dout, inp; the weights come rounded).
+    EXPECT_GE(gemm.workspace_bytes(), 2u * rows * (40 + 256));
     for (const LinearShape& l : layers) {
       std::vector<float> inp(rows * l.in, 0.5f), weight(l.out * l.in, 0.25f), out(rows * l.out), dout(rows * l.out, 1.f);
       std::vector<float> dinp(rows * l.in), dweight(l.out * l.in), bias(l.out, 1.f), dbias(l.out);
-      gemm.forward(out.data(), inp.data(), weight.data(), bias.data(), rows, l.in, l.out);
-      gemm.forward(out.data(), inp.data(), weight.data(), nullptr, rows, l.in, l.out);
-      gemm.backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), inp.data(), weight.data(), rows, l.in, l.out);
+      const std::vector<uint16_t> weight16 = bf16_copy(weight);
+      gemm.forward(out.data(), inp.data(), weight.data(), weight16.data(), bias.data(), rows, l.in, l.out);
+      gemm.forward(out.data(), inp.data(), weight.data(), weight16.data(), nullptr, rows, l.in, l.out);
+      gemm.backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), inp.data(), weight.data(), weight16.data(),
+                    rows, l.in, l.out);
     }
     EXPECT_EQ(gemm.workspace_bytes(), planned) << "a planned product grew the workspace";
+    // A weight that comes unrounded needs its copy beside the activations': beyond the plan.
+    {
+      Bf16Gemm fresh(layers, rows, onednn);
+      std::vector<float> inp(rows * 40, 0.5f), weight(256 * 40, 0.25f), out(rows * 256);
+      fresh.forward(out.data(), inp.data(), weight.data(), nullptr, nullptr, rows, 40, 256);
+      EXPECT_GT(fresh.workspace_bytes(), planned);
+    }
     // The head's backward on 4x the rows: its three operand copies need more than the plan.
     std::vector<float> inp(4 * rows * 40, 0.5f), weight(256 * 40, 0.25f), dout(4 * rows * 256, 1.f);
     std::vector<float> dinp(4 * rows * 40), dweight(256 * 40);
-    gemm.backward(dinp.data(), dweight.data(), nullptr, dout.data(), inp.data(), weight.data(), 4 * rows, 40, 256);
+    gemm.backward(dinp.data(), dweight.data(), nullptr, dout.data(), inp.data(), weight.data(), nullptr, 4 * rows, 40, 256);
     EXPECT_GT(gemm.workspace_bytes(), planned);
     EXPECT_FLOAT_EQ(dinp[0], 256 * 0.25f);
     EXPECT_FLOAT_EQ(dweight[0], 4 * rows * 0.5f);

@@ -77,12 +77,12 @@ void round_column_block(float* dst, const float* X, int ld, bool transposed, int
     }
 }
 
-// 16-bit operand elements the largest layer needs: the backward's dout (rows x out), weight
-// (out x in) and input (rows x in) copies. Without oneDNN's kernels the same bytes hold fp32 halves.
+// 16-bit operand elements the largest layer needs: the backward's dout (rows x out) and input
+// (rows x in) copies -- the weights come rounded. Without oneDNN's kernels the same bytes hold fp32
+// halves of K of the rounded operand(s): at most the dweight product's dout and input halves.
 size_t operand_elements(const std::vector<LinearShape>& layers, int rows) {
   size_t most = 0;
-  for (const LinearShape& l : layers)
-    most = std::max(most, static_cast<size_t>(rows) * (l.in + l.out) + static_cast<size_t>(l.in) * l.out);
+  for (const LinearShape& l : layers) most = std::max(most, static_cast<size_t>(rows) * (l.in + l.out));
   return most;
 }
 
@@ -131,21 +131,37 @@ struct Bf16Gemm::Impl {
   }
 
   // The same product from fp32 operands as SGEMMs on their bf16-rounded values, K split in halves
-  // so that the widened blocks fit the workspace the 16-bit copies would have used.
-  void run_emulated(const Product& p, const float* A, const float* B, float* C) {
+  // so that the widened blocks fit the workspace the 16-bit copies would have used. b_rounded: B's
+  // values are bf16 already (a weight that came with its copy), read in place.
+  void run_emulated(const Product& p, const float* A, const float* B, bool b_rounded, float* C) {
     const int kb = std::max(1, p.K / 2);
-    float* block = reinterpret_cast<float*>(reserve(2 * static_cast<size_t>(kb) * (p.M + p.N)));
+    float* block = reinterpret_cast<float*>(reserve(static_cast<size_t>(kb) * (p.M + (b_rounded ? 0 : p.N)) * 2));
     for (int k0 = 0; k0 < p.K; k0 += kb) {
       const int k = std::min(kb, p.K - k0);
       // op(A)[:, k0:k0+k] in A's orientation; rows k0.. of op(B) as columns of op(B)^T (N x K),
       // which is B itself where trans_b and B read transposed where not.
       float* a = block;
-      float* b = block + static_cast<size_t>(p.M) * k;
       round_column_block(a, A, p.lda, p.trans_a, p.M, k0, k);
-      round_column_block(b, B, p.ldb, !p.trans_b, p.N, k0, k);
       const float beta = (p.accumulate || k0 > 0) ? 1.0f : 0.0f;
-      gemm(p.trans_a, p.trans_b, p.M, p.N, k, 1.0f, a, p.trans_a ? p.M : k, b, p.trans_b ? k : p.N, beta, C, p.ldc);
+      const int lda = p.trans_a ? p.M : k;
+      if (b_rounded) {  // rows k0.. of op(B): columns k0.. of B where trans_b, else its rows k0..
+        const float* b = p.trans_b ? B + k0 : B + static_cast<size_t>(k0) * p.ldb;
+        gemm(p.trans_a, p.trans_b, p.M, p.N, k, 1.0f, a, lda, b, p.ldb, beta, C, p.ldc);
+        continue;
+      }
+      float* b = block + static_cast<size_t>(p.M) * k;
+      round_column_block(b, B, p.ldb, !p.trans_b, p.N, k0, k);
+      gemm(p.trans_a, p.trans_b, p.M, p.N, k, 1.0f, a, lda, b, p.trans_b ? k : p.N, beta, C, p.ldc);
     }
+  }
+
+  size_t weights_rounded = 0;  // elements, for weight_elements_rounded()
+  // The bf16 weight to multiply: the given copy, or the weight rounded into `scratch`.
+  const uint16_t* weight_operand(const float* weight, const uint16_t* weight16, size_t n, uint16_t* scratch) {
+    if (weight16) return weight16;
+    round_to_bf16(scratch, weight, n);
+    weights_rounded += n;
+    return scratch;
   }
 };
 
@@ -174,41 +190,44 @@ size_t Bf16Gemm::plan_workspace_bytes(const std::vector<LinearShape>& layers, in
 
 Bf16Gemm::~Bf16Gemm() = default;
 
-void Bf16Gemm::forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC) {
+void Bf16Gemm::forward(float* out, const float* inp, const float* weight, const uint16_t* weight16, const float* bias,
+                       int N, int C, int OC) {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   if (bias) {
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) std::copy(bias, bias + OC, out + static_cast<size_t>(n) * OC);
   }
   const Product p = layer_product(bias ? FORWARD_ONTO_BIAS : FORWARD, N, C, OC);
+  const size_t n_inp = static_cast<size_t>(N) * C, n_weight = static_cast<size_t>(OC) * C;
   if (!impl_->native) {
-    impl_->run_emulated(p, inp, weight, out);
+    if (!weight16) impl_->weights_rounded += n_weight;
+    impl_->run_emulated(p, inp, weight, weight16 != nullptr, out);
     return;
   }
-  uint16_t* inp16 = impl_->reserve(static_cast<size_t>(N) * C + static_cast<size_t>(OC) * C);
-  uint16_t* weight16 = inp16 + static_cast<size_t>(N) * C;
-  round_to_bf16(inp16, inp, static_cast<size_t>(N) * C);
-  round_to_bf16(weight16, weight, static_cast<size_t>(OC) * C);
-  impl_->run_native(p, inp16, weight16, out);
+  uint16_t* inp16 = impl_->reserve(n_inp + (weight16 ? 0 : n_weight));
+  round_to_bf16(inp16, inp, n_inp);
+  impl_->run_native(p, inp16, impl_->weight_operand(weight, weight16, n_weight, inp16 + n_inp), out);
 }
 
 void Bf16Gemm::backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                        const float* weight, int N, int C, int OC) {
+                        const float* weight, const uint16_t* weight16, int N, int C, int OC) {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   const size_t n_dout = static_cast<size_t>(N) * OC, n_weight = static_cast<size_t>(OC) * C,
                n_inp = static_cast<size_t>(N) * C;
   if (!impl_->native) {
-    if (dinp) impl_->run_emulated(layer_product(DINP, N, C, OC), dout, weight, dinp);
-    if (dweight) impl_->run_emulated(layer_product(DWEIGHT, N, C, OC), dout, inp, dweight);
-  } else {
-    uint16_t* dout16 = impl_->reserve(n_dout + n_weight + n_inp);
-    uint16_t* weight16 = dout16 + n_dout;
-    uint16_t* inp16 = weight16 + n_weight;
-    if (dinp || dweight) round_to_bf16(dout16, dout, n_dout);
     if (dinp) {
-      round_to_bf16(weight16, weight, n_weight);
-      impl_->run_native(layer_product(DINP, N, C, OC), dout16, weight16, dinp);
+      if (!weight16) impl_->weights_rounded += n_weight;
+      impl_->run_emulated(layer_product(DINP, N, C, OC), dout, weight, weight16 != nullptr, dinp);
     }
+    if (dweight) impl_->run_emulated(layer_product(DWEIGHT, N, C, OC), dout, inp, false, dweight);
+  } else {
+    const bool copy_weight = dinp && !weight16;
+    uint16_t* dout16 = impl_->reserve(n_dout + n_inp + (copy_weight ? n_weight : 0));
+    uint16_t* inp16 = dout16 + n_dout;
+    if (dinp || dweight) round_to_bf16(dout16, dout, n_dout);
+    if (dinp)
+      impl_->run_native(layer_product(DINP, N, C, OC), dout16,
+                        impl_->weight_operand(weight, weight16, n_weight, inp16 + n_inp), dinp);
     if (dweight) {
       round_to_bf16(inp16, inp, n_inp);
       impl_->run_native(layer_product(DWEIGHT, N, C, OC), dout16, inp16, dweight);
@@ -217,6 +236,8 @@ void Bf16Gemm::backward(float* dinp, float* dweight, float* dbias, const float* 
   // The bias gradient is a sum, not a product: fp32, as without bf16.
   if (dbias) matmul_backward<float>(nullptr, nullptr, dbias, dout, nullptr, nullptr, N, C, OC);
 }
+
+size_t Bf16Gemm::weight_elements_rounded() const { return impl_->weights_rounded; }
 
 bool Bf16Gemm::onednn() const { return impl_->native; }
 

@@ -1,16 +1,18 @@
 // The CPU's linear layers with bf16 operands and fp32 accumulation (fsdp.param_dtype=bf16): what
 // the GPU's tensor cores compute, at twice the fp32 rate on CPUs with bf16 dot-product
-// instructions (AVX512-BF16, AMX). Each operand is rounded to bf16 once per layer (the weights,
-// gathered from bf16 shards, round exactly; dout feeds both backward products from one copy),
-// then multiplied by oneDNN's matmul. Where the CPU has no bf16 dot products oneDNN only emulates
+// instructions (AVX512-BF16, AMX). The weights come rounded: the engine gathers them in bf16 and
+// the layer ops pass that copy (LayerOps::bind_half_copy), so they are multiplied as they are,
+// never rounded again. The activations are rounded once per layer (dout feeds both backward
+// products from one copy), then multiplied by oneDNN's matmul. Where the CPU has no bf16 dot products oneDNN only emulates
 // them, slower than its own fp32 SGEMM (docs/performance.md), so there the same products run as
 // OpenBLAS SGEMMs on the bf16-rounded operands, widened back to fp32 a half of K at a time: the
-// same arithmetic (products of bf16 values are exact in fp32), in the same workspace.
+// same arithmetic (products of bf16 values are exact in fp32), in the same workspace; a weight
+// that comes rounded is then read in place.
 //
-// The workspace -- the operand copies and oneDNN's scratchpad (user mode: ours, so counted) -- is
-// sized for the model's layers at construction, exactly as plan_workspace_bytes predicts; a product
-// beyond it (a generation prompt longer than the training rows) grows it, and workspace_bytes()
-// says so.
+// The workspace -- the activations' operand copies and oneDNN's scratchpad (user mode: ours, so
+// counted) -- is sized for the model's layers at construction, exactly as plan_workspace_bytes
+// predicts; a product beyond it (a generation prompt longer than the training rows, or a weight
+// that comes unrounded) grows it, and workspace_bytes() says so.
 #pragma once
 
 #include <cstddef>
@@ -39,9 +41,15 @@ class Bf16Gemm {
   Bf16Gemm& operator=(const Bf16Gemm&) = delete;
 
   // The semantics of cpu::matmul_forward / matmul_backward (backend/cpu/ops.hpp), float only.
-  void forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC);
+  // weight16: the weight's bf16 copy (the weight must equal its widening), multiplied instead of
+  // rounding the weight; null: the weight is rounded here.
+  void forward(float* out, const float* inp, const float* weight, const uint16_t* weight16, const float* bias, int N,
+               int C, int OC);
   void backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp, const float* weight,
-                int N, int C, int OC);
+                const uint16_t* weight16, int N, int C, int OC);
+  // Weight elements rounded here so far (weights that came without their copy): 0 in a run whose
+  // weights the engine gathers in bf16.
+  size_t weight_elements_rounded() const;
 
   // Bytes held now: the operand copies and oneDNN's scratchpad.
   size_t workspace_bytes() const;

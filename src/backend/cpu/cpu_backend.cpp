@@ -11,6 +11,7 @@
 #include "backend/cpu/bf16_gemm.hpp"
 #include "backend/cpu/gemm.hpp"
 #include "backend/cpu/ops.hpp"
+#include "backend/half_copies.hpp"
 #include "backend/layer_ops.hpp"
 
 namespace shardtrain {
@@ -63,13 +64,16 @@ class CpuLayerOps : public LayerOps<Real> {
   void matmul_forward(Real* out, const Real* inp, const Real* weight, const Real* bias, int N, int C,
                       int OC) const override {
     if constexpr (std::is_same_v<Real, float>)
-      if (bf16_) return bf16_->forward(out, inp, weight, bias, N, C, OC);
+      if (bf16_)
+        return bf16_->forward(out, inp, weight, half_copies_.find(weight, size_t(OC) * C, DTYPE_BF16), bias, N, C, OC);
     cpu::matmul_forward(out, inp, weight, bias, N, C, OC);
   }
   void matmul_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout, const Real* inp, const Real* weight,
                        int N, int C, int OC) const override {
     if constexpr (std::is_same_v<Real, float>)
-      if (bf16_) return bf16_->backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
+      if (bf16_)
+        return bf16_->backward(dinp, dweight, dbias, dout, inp, weight,
+                               half_copies_.find(weight, size_t(OC) * C, DTYPE_BF16), N, C, OC);
     cpu::matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
   }
   void gemm(bool trans_a, bool trans_b, int M, int N, int K, Real alpha, const Real* A, int lda, const Real* B,
@@ -177,9 +181,18 @@ class CpuLayerOps : public LayerOps<Real> {
 #pragma omp parallel for simd schedule(static)
     for (size_t i = 0; i < n; i++) x[i] *= s;
   }
+  void bind_half_copy(const Real* values, const uint16_t* half, size_t n, DType type) const override {
+    if constexpr (std::is_same_v<Real, float>)
+      if (bf16_) half_copies_.bind(values, half, n, type);
+  }
+  void unbind_half_copy(const Real* values) const override {
+    if constexpr (std::is_same_v<Real, float>)
+      if (bf16_) half_copies_.unbind(values);
+  }
 
  private:
   cpu::Bf16Gemm* bf16_ = nullptr;
+  mutable HalfCopies half_copies_;  // bf16: the weights' copies the GEMMs multiply
 };
 
 class CpuShardOps : public ShardOps {

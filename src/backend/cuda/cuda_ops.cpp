@@ -10,6 +10,8 @@
 // for none. Reusing it across ops is safe because everything runs in order on the compute stream;
 // growing it releases the old block to the allocator, whose reuse is ordered on that same stream
 // (cuda_device.cpp).
+// With 16-bit GEMM operands the weights come rounded: the engine binds each gathered unit's 16-bit
+// copy (LayerOps::bind_half_copy) and matmul multiplies it; only the activations are rounded.
 // The reductions use a fixed device scratch and a pinned host word; those that return a value are
 // the only methods that wait for the stream (accumulate_* leave theirs in device memory). An ops object must be destroyed before its device.
 #include <memory>
@@ -17,6 +19,7 @@
 #include "backend/cuda/cuda_backend.hpp"
 #include "backend/cuda/cuda_handles.hpp"
 #include "backend/cuda/cudnn_attention.hpp"
+#include "backend/half_copies.hpp"
 #include "kernels/cuda_check.hpp"
 #include "kernels/launch.hpp"
 
@@ -80,12 +83,13 @@ class CudaLayerOps final : public LayerOps<float> {
   }
   void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
                       int OC) const override {
-    kernels::launch_matmul_forward(out, inp, weight, bias, N, C, OC, gemm_);
+    kernels::launch_matmul_forward(out, inp, weight, bound_copy(weight, OC, C), bias, N, C, OC, gemm_);
   }
   void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                        const float* weight, int N, int C, int OC) const override {
     void* ws = dbias ? workspace(kernels::matmul_backward_workspace_bytes(N, OC)) : nullptr;
-    kernels::launch_matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, ws, gemm_);
+    kernels::launch_matmul_backward(dinp, dweight, dbias, dout, inp, weight, bound_copy(weight, OC, C), N, C, OC, ws,
+                                    gemm_);
   }
   void gemm(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
             int ldb, float beta, float* C, int ldc) const override {
@@ -198,8 +202,17 @@ class CudaLayerOps final : public LayerOps<float> {
     kernels::accumulate_sum_squares(total, x, n, reduce_scratch_, launch());
   }
   void scale(float* x, size_t n, float s) const override { kernels::launch_scale(x, n, s, launch()); }
+  void bind_half_copy(const float* values, const uint16_t* half, size_t n, DType type) const override {
+    half_copies_.bind(values, half, n, type);
+  }
+  void unbind_half_copy(const float* values) const override { half_copies_.unbind(values); }
 
  private:
+  // A weight's bound 16-bit copy in the GEMMs' operand type, or null (fp32 GEMMs, or not bound).
+  const uint16_t* bound_copy(const float* weight, int OC, int C) const {
+    if (gemm_.operands == DTYPE_FP32) return nullptr;
+    return half_copies_.find(weight, static_cast<size_t>(OC) * C, gemm_.operands);
+  }
   const LaunchContext& launch() const { return gemm_.launch; }
 
   // At least `bytes` of device memory, valid until the next call (stream-ordered reuse).
@@ -228,6 +241,7 @@ class CudaLayerOps final : public LayerOps<float> {
   mutable void* operands_ = nullptr;  // the 16-bit GEMM operand copies (GemmContext::operand_scratch)
   mutable size_t operands_bytes_ = 0;
   std::unique_ptr<CudnnAttention> cudnn_;  // train.attention=cudnn; null: the tiled kernels
+  mutable HalfCopies half_copies_;         // the engine's gathered 16-bit units (bind_half_copy)
 };
 
 class CudaShardOps final : public ShardOps {

@@ -1,0 +1,74 @@
+// "Operands rounded once" (LayerOps::bind_half_copy): with a 16-bit param_dtype the engine binds
+// each gathered unit's 16-bit copy to the ops, so the GEMMs multiply the gathered copy and never
+// round a weight again. On 1..4 ranks, every strategy, with and without cpu_offload:
+//   - training with the CPU's bf16 GEMMs rounds no weight element (every GEMM weight was found in
+//     a bound unit), with either kernel;
+//   - oneDNN's kernel, which multiplies the bound copy, and the SGEMMs on rounded operands, which
+//     read the fp32 values in place, train to the same losses within fp32 summation error: a copy
+//     bound at the wrong place would multiply other weights.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "backend/cpu/bf16_gemm.hpp"
+#include "backend/layer_ops.hpp"
+#include "support/mpi_gtest.hpp"
+#include "support/training_run.hpp"
+
+using namespace shardtrain;
+using shardtrain::testing::all_ranks;
+using shardtrain::testing::TrainingRun;
+
+namespace {
+
+// The small training model's linear layers (support/training_run.hpp: C = 20, V = 37) at its
+// 2 x 5 rows: q|k|v, attention and MLP projections, the tied head.
+std::unique_ptr<cpu::Bf16Gemm> model_gemm(bool onednn) {
+  return std::make_unique<cpu::Bf16Gemm>(std::vector<cpu::LinearShape>{{20, 60}, {20, 20}, {20, 80}, {80, 20}, {20, 37}},
+                                         10, onednn);
+}
+
+struct Bf16Run {
+  std::unique_ptr<cpu::Bf16Gemm> gemm;
+  std::unique_ptr<LayerOps<float>> ops;
+  Backend backend;
+  std::unique_ptr<TrainingRun> run;
+  Bf16Run(bool onednn, const EngineOptions& options) : gemm(model_gemm(onednn)), ops(make_cpu_bf16_layer_ops(*gemm)) {
+    backend = cpu_backend();
+    backend.ops = ops.get();
+    run = std::make_unique<TrainingRun>(backend, options);
+  }
+  ~Bf16Run() { run.reset(); }  // the engine unbinds its units from the ops before they go
+};
+
+TEST(RoundedOnce, TrainingRoundsNoWeightAndBothKernelsAgree) {
+  for (ShardingStrategy strategy : {SHARDING_FULL_SHARD, SHARDING_SHARD_GRAD_OP, SHARDING_NO_SHARD}) {
+    for (bool offload : {false, true}) {
+      EngineOptions options = TrainingRun::options(offload, false);
+      options.strategy = strategy;
+      options.param_dtype = options.reduce_dtype = DTYPE_BF16;
+      Bf16Run emulated(false, options);
+      emulated.run->train(3, 2);
+      EXPECT_TRUE(all_ranks(emulated.gemm->weight_elements_rounded() == 0))
+          << sharding_strategy_name(strategy) << " offload " << offload << ": "
+          << emulated.gemm->weight_elements_rounded() << " weight elements rounded by the SGEMM kernel";
+      if (!cpu::Bf16Gemm::native_bf16()) continue;  // oneDNN's kernel would only emulate: not run here
+      Bf16Run native(true, options);
+      native.run->train(3, 2);
+      EXPECT_TRUE(all_ranks(native.gemm->weight_elements_rounded() == 0))
+          << sharding_strategy_name(strategy) << " offload " << offload << ": "
+          << native.gemm->weight_elements_rounded() << " weight elements rounded by oneDNN's kernel";
+      bool close = native.run->losses.size() == emulated.run->losses.size();
+      for (size_t s = 0; close && s < native.run->losses.size(); s++)
+        close = std::fabs(native.run->losses[s] - emulated.run->losses[s]) <= 1e-5 * std::fabs(emulated.run->losses[s]);
+      EXPECT_TRUE(all_ranks(close)) << sharding_strategy_name(strategy) << " offload " << offload << ": loss "
+                                    << native.run->losses.back() << " (oneDNN) against "
+                                    << emulated.run->losses.back() << " (SGEMM)";
+    }
+  }
+}
+
+}  // namespace
