@@ -638,9 +638,10 @@ TEST_P(GemmOperandsTest, ABoundWeightIsMultipliedFromItsCopy) {
     for (int k = 0; k < 3; k++) {
       EXPECT_EQ(0, std::memcmp(from_copy[k].data(), rounded_here[k].data(), from_copy[k].size() * sizeof(float)))
           << label << " " << names[k] << ": the bound copy changed the bits";
-      if (k < 2)  // dweight = dout^T inp does not read the weight
+      if (k < 2) {  // dweight = dout^T inp does not read the weight
         EXPECT_EQ(0, std::memcmp(from_twice[k].data(), doubled_here[k].data(), from_twice[k].size() * sizeof(float)))
             << label << " " << names[k] << ": the bound copy was not what was multiplied";
+      }
     }
     EXPECT_NE(0, std::memcmp(from_twice[0].data(), from_copy[0].data(), from_copy[0].size() * sizeof(float)));
   }
