@@ -34,8 +34,12 @@ std::string MemoryPlan::describe() const {
   const std::string t = describe_categories(teacher);
   std::string s = describe_categories(bytes) + (t.empty() ? "" : " | teacher: " + t);
   if (gpu.total())
-    s += strprintf(" | GPU backend: workspace %s, NCCL buffers %s (estimate), allocator rounding %s",
+    s += strprintf(" | GPU backend: workspace %s%s, NCCL buffers %s (estimate), allocator rounding %s",
                    human_bytes(static_cast<double>(gpu.workspace())).c_str(),
+                   gpu.attention() ? strprintf(" (of it cuDNN attention %s, its workspace an estimate)",
+                                               human_bytes(static_cast<double>(gpu.attention())).c_str())
+                                         .c_str()
+                                   : "",
                    human_bytes(static_cast<double>(gpu.nccl)).c_str(),
                    human_bytes(static_cast<double>(gpu.rounding)).c_str());
   if (staging_bytes) s += " | host staging " + human_bytes(static_cast<double>(staging_bytes));
@@ -181,17 +185,35 @@ std::vector<PlannedAllocation> plan_device_allocations(const ParamTable& table, 
   return list;
 }
 
+gpu::CudnnAttentionMemory plan_cudnn_attention(const ModelConfig& student, const ModelConfig* teacher,
+                                               int micro_batch, int seq_len, const ComputeOptions& compute) {
+  gpu::CudnnAttentionMemory m;
+  if (!compute.gpu() || compute.attention_kernel() != ATTENTION_CUDNN) return m;
+  auto add = [&](const ModelConfig& c, bool backward) {  // a head size cuDNN refuses runs on the tiled kernels
+    if (gpu::cudnn_attention_takes_head_size(c.head_size()))
+      m.grow_to(gpu::cudnn_attention_memory(micro_batch, seq_len, c.n_head, c.kv_heads(), c.head_size(), backward));
+  };
+  add(student, true);
+  if (teacher) add(*teacher, false);  // forward only
+  return m;
+}
+
 GpuBackendPlan plan_gpu_backend(const ParamTable& table, const GroupShape& groups, int micro_batch, int seq_len,
                                 const ComputeOptions& compute, const GemmWorkload& gemms,
-                                const std::vector<PlannedAllocation>& allocations, bool step_communicator) {
+                                const std::vector<PlannedAllocation>& allocations, bool step_communicator,
+                                const ParamTable* teacher) {
   GpuBackendPlan g;
   if (!compute.gpu()) return g;
   g.cublaslt = gpu::kCublasLtWorkspaceBytes;
   std::tie(g.kernel_workspace, g.largest_kernel) = largest_kernel_workspace(table, micro_batch, seq_len);
   g.reduce_scratch = gpu::reduce_scratch_bytes();
-  if (compute.compute_dtype != DTYPE_FP32)  // the backward's three copies bound the forward's two
+  // The backward's two activation copies bound the forward's one; the weights come rounded (the
+  // engine's gathered 16-bit units, bound to the ops).
+  if (compute.compute_dtype != DTYPE_FP32)
     for (const cpu::LinearShape& l : gemms.layers)
-      g.operand_copies = std::max(g.operand_copies, gpu::matmul_backward_operand_bytes(gemms.rows, l.in, l.out));
+      g.operand_copies = std::max(g.operand_copies, gpu::matmul_backward_operand_bytes(gemms.rows, l.in, l.out, false));
+  g.cudnn_attention =
+      plan_cudnn_attention(table.config(), teacher ? &teacher->config() : nullptr, micro_batch, seq_len, compute);
   if (compute.nccl()) {
     g.nccl_sizes = gpu::nccl_buffer_sizes();
     const int world = step_communicator ? groups.shard_size * groups.replica_size : 1;
@@ -206,6 +228,7 @@ GpuBackendPlan plan_gpu_backend(const ParamTable& table, const GroupShape& group
   for (const PlannedAllocation& a : allocations) sizes.push_back(a.bytes);
   for (size_t bytes : {g.cublaslt, g.kernel_workspace, g.reduce_scratch, g.operand_copies})
     if (bytes) sizes.push_back(bytes);
+  for (size_t bytes : g.cudnn_attention.allocations()) sizes.push_back(bytes);  // each buffer its own
   g.rounding = gpu::allocator_rounding_bytes(sizes);
   g.allocations = sizes.size();
   return g;
@@ -244,7 +267,7 @@ MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, c
     plan.gpu = plan_gpu_backend(
         table, groups, micro_batch, seq_len, compute, gemms,
         plan_device_allocations(table, groups, engine, micro_batch, seq_len, activation_checkpointing),
-        !engine.cpu_offload);
+        !engine.cpu_offload, teacher);
   return plan;
 }
 

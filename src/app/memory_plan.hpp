@@ -28,6 +28,11 @@ struct GpuBackendPlan {
   const char* largest_kernel = "";  // whose request that is
   size_t reduce_scratch = 0;       // the reductions' fixed scratch
   size_t operand_copies = 0;       // fsdp.param_dtype=bf16|fp16: the largest GEMM's 16-bit operands
+  // train.attention=cudnn with a head size cuDNN takes (gpu_memory.hpp): cuDNN attention's bf16
+  // staging buffers, exact, and cuDNN's own workspace, an upper-bound ESTIMATE (cuDNN sizes it
+  // only at run time). Zero with the tiled kernels.
+  gpu::CudnnAttentionMemory cudnn_attention;
+  size_t attention() const { return cudnn_attention.total(); }
   // In "comm_buffers": NCCL's own buffers, an estimate (gpu_memory.hpp says how).
   size_t nccl = 0;
   int nccl_communicators = 0;  // those with more than one rank
@@ -35,7 +40,7 @@ struct GpuBackendPlan {
   // Its own line: what the caching allocator's size classes add to every planned allocation.
   size_t rounding = 0;
   size_t allocations = 0;  // how many allocations were rounded
-  size_t workspace() const { return cublaslt + kernel_workspace + reduce_scratch + operand_copies; }
+  size_t workspace() const { return cublaslt + kernel_workspace + reduce_scratch + operand_copies + attention(); }
   size_t total() const { return workspace() + nccl + rounding; }
 };
 
@@ -79,9 +84,16 @@ std::vector<PlannedAllocation> plan_device_allocations(const ParamTable& table, 
 // The CUDA backend's own memory for this run (GpuBackendPlan), given the allocations it rounds.
 // step_communicator: the trainer's world communicator for the step's sums (made on a GPU unless
 // fsdp.cpu_offload: docs/architecture.md, "One host synchronization per step") is NCCL's too.
+// teacher: distill.teacher's model or null; its forward runs on the same ops (cuDNN attention's
+// buffers grow to the larger of its and the student's).
 GpuBackendPlan plan_gpu_backend(const ParamTable& table, const GroupShape& groups, int micro_batch, int seq_len,
                                 const ComputeOptions& compute, const GemmWorkload& gemms,
-                                const std::vector<PlannedAllocation>& allocations, bool step_communicator);
+                                const std::vector<PlannedAllocation>& allocations, bool step_communicator,
+                                const ParamTable* teacher = nullptr);
+// train.attention=cudnn: what cuDNN attention holds after a step of the student (forward and
+// backward) and the teacher (forward), each when cuDNN takes its head size; zero otherwise.
+gpu::CudnnAttentionMemory plan_cudnn_attention(const ModelConfig& student, const ModelConfig* teacher,
+                                               int micro_batch, int seq_len, const ComputeOptions& compute);
 
 // The GEMMs' workspace of a run: the student's layers and, when distilling, the teacher's, at
 // micro_batch x seq_len rows (its bytes: plan_gemm_workspace_bytes, in the plan's "workspace").

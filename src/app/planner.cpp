@@ -102,12 +102,25 @@ std::vector<Candidate> plan_candidates(const Config& config, int world, int rank
 // but NCCL's, which depends on the communicators, and the rounding, which is per allocation).
 void describe_gpu_backend(const GpuBackendPlan& g, bool nccl) {
   std::printf("\nGPU backend (in peak/rank): workspace = cuBLASLt %s + kernels %s (largest: %s) + reductions %s + "
-              "16-bit GEMM operands %s; rounding = the caching allocator's size classes (512 B up to 1 MiB, "
+              "16-bit GEMM operands %s%s; rounding = the caching allocator's size classes (512 B up to 1 MiB, "
               "2 MiB above) over %zu allocations\n",
               human_bytes(static_cast<double>(g.cublaslt)).c_str(),
               human_bytes(static_cast<double>(g.kernel_workspace)).c_str(), g.largest_kernel,
               human_bytes(static_cast<double>(g.reduce_scratch)).c_str(),
-              human_bytes(static_cast<double>(g.operand_copies)).c_str(), g.allocations);
+              human_bytes(static_cast<double>(g.operand_copies)).c_str(),
+              g.attention() ? (" + cuDNN attention ~" + human_bytes(static_cast<double>(g.attention()))).c_str() : "",
+              g.allocations);
+  if (g.attention()) {
+    const gpu::CudnnAttentionMemory& a = g.cudnn_attention;
+    auto h = [](size_t bytes) { return human_bytes(static_cast<double>(bytes)); };
+    std::printf("~ workspace includes cuDNN attention (train.attention=cudnn) %s: bf16 staging %s (qkv %s, dqkv %s, "
+                "out %s, dout %s, row sums %s) + cuDNN's own workspace %s, an ESTIMATE (upper bound: the "
+                "deterministic backward's dP, B*NH*T'^2*2 bytes, + an fp32 dQ and with grouped heads fp32 dK and dV "
+                "partials, B*NH*T'*HS*4 each, + %s; T' = seq_len rounded up to %d); cuDNN sizes it only at run time\n",
+                h(g.attention()).c_str(), h(a.staging()).c_str(), h(a.qkv16).c_str(), h(a.dqkv16).c_str(),
+                h(a.out16).c_str(), h(a.dout16).c_str(), h(a.row_sums).c_str(), h(a.workspace).c_str(),
+                h(gpu::kCudnnAttentionWorkspaceSlackBytes).c_str(), gpu::kCudnnAttentionTile);
+  }
   if (nccl)
     std::printf("~ comm includes NCCL's own buffers, an ESTIMATE: per communicator of more than one rank, %d "
                 "channels x (Simple %s + LL %s + LL128 %s) (NCCL_MAX_NCHANNELS, NCCL_BUFFSIZE, NCCL_LL_BUFFSIZE, "
@@ -228,13 +241,16 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
               model_summary(config.model).c_str(), table.total_params() / 1e6, counted(world, "rank").c_str(), ranks_per_node, config.train.micro_batch,
               config.train.seq_len, counted(accumulation, "micro-batch", "micro-batches").c_str(), limit ? human_bytes(static_cast<double>(limit)).c_str() : "none");
   // On a GPU two more columns: the backend's workspace and the allocator's rounding; "comm" then
-  // includes NCCL's own buffers, an estimate (marked ~).
+  // includes NCCL's own buffers, an estimate (marked ~), and with train.attention=cudnn "workspace"
+  // cuDNN's attention workspace, an estimate too (marked ~).
   const bool gpu = compute_options(config).gpu();
   const bool nccl_estimate = std::any_of(candidates.begin(), candidates.end(),
                                          [](const Candidate& c) { return c.memory.gpu.nccl > 0; });
+  const bool attention_estimate = std::any_of(candidates.begin(), candidates.end(),
+                                              [](const Candidate& c) { return c.memory.gpu.attention() > 0; });
   std::printf("%-14s %-9s %-5s %-7s %10s %10s %10s %10s %10s %11s", "strategy", "reduce", "ckpt", "offload", "params",
               "gathered", "grads", "optimizer", "activ.", nccl_estimate ? "comm~" : "comm");
-  if (gpu) std::printf(" %10s %10s", "workspace", "rounding");
+  if (gpu) std::printf(" %10s %10s", attention_estimate ? "workspace~" : "workspace", "rounding");
   std::printf(" %11s %11s  %s\n", "peak/rank", "traffic/st", "fits");
   for (const Candidate& c : candidates) {
     const auto& b = c.memory.bytes;
@@ -246,7 +262,8 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
                 human_bytes(b[MEM_ACTIVATIONS]).c_str(),
                 ((g.nccl ? "~" : "") + human_bytes(b[MEM_COMM_BUFFERS] + g.nccl)).c_str());
     if (gpu)
-      std::printf(" %10s %10s", human_bytes(b[MEM_WORKSPACE] + g.workspace()).c_str(), human_bytes(g.rounding).c_str());
+      std::printf(" %10s %10s", ((g.attention() ? "~" : "") + human_bytes(b[MEM_WORKSPACE] + g.workspace())).c_str(),
+                  human_bytes(g.rounding).c_str());
     std::printf(" %11s %11s  %s\n", human_bytes(c.memory.total()).c_str(), human_bytes(c.traffic_bytes).c_str(),
                 c.fits ? "yes" : "NO");
   }
@@ -268,7 +285,8 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
                 c.offload ? "yes" : "no", c.memory.total(), c.traffic_bytes, c.fits ? 1 : 0);
     const GpuBackendPlan& g = c.memory.gpu;
     if (gpu)
-      std::printf(" gpu_workspace_bytes=%zu nccl_bytes=%zu rounding_bytes=%zu", g.workspace(), g.nccl, g.rounding);
+      std::printf(" gpu_workspace_bytes=%zu cudnn_attention_bytes=%zu nccl_bytes=%zu rounding_bytes=%zu", g.workspace(),
+                  g.attention(), g.nccl, g.rounding);
     std::printf("\n");
   }
   const Candidate* recommended = recommend(candidates);

@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 
 #include "core/error.hpp"
 
@@ -78,15 +79,93 @@ size_t gemm_operand_bytes(size_t a_elements, size_t b_elements) {
   return sizing.bytes();
 }
 
-size_t matmul_forward_operand_bytes(int N, int C, int OC) {
-  return gemm_operand_bytes(static_cast<size_t>(N) * C, static_cast<size_t>(OC) * C);
+size_t matmul_forward_operand_bytes(int N, int C, int OC, bool weight_copy) {
+  return gemm_operand_bytes(static_cast<size_t>(N) * C, weight_copy ? static_cast<size_t>(OC) * C : 0);
 }
 
-size_t matmul_backward_operand_bytes(int N, int C, int OC) {
-  WorkspaceCarver sizing(nullptr);  // kernels/matmul.cu's order: dout, weight, inp
-  sizing.take<uint16_t>(static_cast<size_t>(N) * OC), sizing.take<uint16_t>(static_cast<size_t>(OC) * C),
-      sizing.take<uint16_t>(static_cast<size_t>(N) * C);
+size_t matmul_backward_operand_bytes(int N, int C, int OC, bool weight_copy) {
+  WorkspaceCarver sizing(nullptr);  // kernels/matmul.cu's order: dout, weight (when copied), inp
+  sizing.take<uint16_t>(static_cast<size_t>(N) * OC),
+      sizing.take<uint16_t>(weight_copy ? static_cast<size_t>(OC) * C : 0), sizing.take<uint16_t>(static_cast<size_t>(N) * C);
   return sizing.bytes();
+}
+
+std::string cudnn_attention_head_size_refusal(int HS) {
+  if (HS <= 0) return strprintf("head size %d", HS);
+  if (HS % kCudnnAttentionHeadSizeMultiple != 0)
+    return strprintf("head size %d is not a multiple of %d", HS, kCudnnAttentionHeadSizeMultiple);
+  if (HS > kCudnnAttentionMaxHeadSize) return strprintf("head size %d is over %d", HS, kCudnnAttentionMaxHeadSize);
+  return "";
+}
+
+namespace {
+
+void check_attention_shape(const char* what, int B, int T, int NH, int KV, int HS) {
+  SHARD_CHECK(B >= 0 && T >= 0 && NH >= 1 && KV >= 1 && HS >= 1 && NH % KV == 0, "%s: B=%d T=%d NH=%d KV=%d HS=%d",
+              what, B, T, NH, KV, HS);
+}
+
+// T rounded up to cuDNN's tile.
+size_t tiled_rows(int T) { return ceil_div(static_cast<size_t>(T), kCudnnAttentionTile) * kCudnnAttentionTile; }
+
+}  // namespace
+
+size_t cudnn_attention_qkv_bytes(int B, int T, int NH, int KV, int HS) {
+  check_attention_shape("cudnn_attention_qkv_bytes", B, T, NH, KV, HS);
+  return static_cast<size_t>(B) * T * (static_cast<size_t>(NH) + 2 * static_cast<size_t>(KV)) * HS * sizeof(uint16_t);
+}
+
+size_t cudnn_attention_out_bytes(int B, int T, int NH, int HS) {
+  check_attention_shape("cudnn_attention_out_bytes", B, T, NH, 1, HS);
+  return static_cast<size_t>(B) * T * NH * static_cast<size_t>(HS) * sizeof(uint16_t);
+}
+
+size_t cudnn_attention_row_bytes(int B, int T, int NH) {
+  check_attention_shape("cudnn_attention_row_bytes", B, T, NH, 1, 1);
+  return static_cast<size_t>(B) * NH * static_cast<size_t>(T) * sizeof(float);
+}
+
+size_t cudnn_attention_forward_workspace_estimate(int B, int T, int NH, int KV, int HS) {
+  check_attention_shape("cudnn_attention_forward_workspace_estimate", B, T, NH, KV, HS);
+  const size_t rows = static_cast<size_t>(B) * NH * tiled_rows(T);
+  return 2 * rows * sizeof(float) + kCudnnAttentionWorkspaceSlackBytes;  // row maxima and sums
+}
+
+size_t cudnn_attention_backward_workspace_estimate(int B, int T, int NH, int KV, int HS) {
+  check_attention_shape("cudnn_attention_backward_workspace_estimate", B, T, NH, KV, HS);
+  const size_t heads = static_cast<size_t>(B) * NH, Tp = tiled_rows(T);
+  const size_t dp = heads * Tp * Tp * sizeof(uint16_t);                             // dP, bf16
+  const size_t dq = heads * Tp * static_cast<size_t>(HS) * sizeof(float);            // an fp32 dQ
+  const size_t group_partials = KV < NH ? 2 * heads * Tp * static_cast<size_t>(HS) * sizeof(float) : 0;  // dK, dV
+  return dp + dq + group_partials + kCudnnAttentionWorkspaceSlackBytes;
+}
+
+std::vector<size_t> CudnnAttentionMemory::allocations() const {
+  std::vector<size_t> list;
+  for (size_t bytes : {qkv16, out16, dout16, dqkv16, row_sums, workspace})
+    if (bytes) list.push_back(bytes);
+  return list;
+}
+
+CudnnAttentionMemory& CudnnAttentionMemory::grow_to(const CudnnAttentionMemory& o) {
+  qkv16 = std::max(qkv16, o.qkv16), out16 = std::max(out16, o.out16), dout16 = std::max(dout16, o.dout16);
+  dqkv16 = std::max(dqkv16, o.dqkv16), row_sums = std::max(row_sums, o.row_sums);
+  workspace = std::max(workspace, o.workspace);
+  return *this;
+}
+
+CudnnAttentionMemory cudnn_attention_memory(int B, int T, int NH, int KV, int HS, bool backward) {
+  CudnnAttentionMemory m;
+  m.qkv16 = cudnn_attention_qkv_bytes(B, T, NH, KV, HS);
+  m.out16 = cudnn_attention_out_bytes(B, T, NH, HS);
+  m.workspace = cudnn_attention_forward_workspace_estimate(B, T, NH, KV, HS);
+  if (backward) {
+    m.dout16 = cudnn_attention_out_bytes(B, T, NH, HS);
+    m.dqkv16 = cudnn_attention_qkv_bytes(B, T, NH, KV, HS);
+    m.row_sums = cudnn_attention_row_bytes(B, T, NH);
+    m.workspace = std::max(m.workspace, cudnn_attention_backward_workspace_estimate(B, T, NH, KV, HS));
+  }
+  return m;
 }
 
 NcclBufferSizes nccl_buffer_sizes(const std::function<const char*(const char*)>& getenv) {

@@ -2,12 +2,15 @@
 // build) so that the memory plan (app/memory_plan.hpp) and the backend use the same numbers: the
 // caching allocator's size classes (backend/cuda/cuda_device.cpp), the cuBLASLt workspace, each
 // kernel's workspace (kernels/launch.hpp's *_workspace_bytes, defined here), the 16-bit GEMM
-// operand copies (kernels/matmul.cu) and an estimate of what NCCL allocates by itself.
+// operand copies (kernels/matmul.cu), cuDNN's fused attention (backend/cuda/cudnn_attention.cpp:
+// its staging buffers exactly, cuDNN's own workspace as an estimate) and an estimate of what NCCL
+// allocates by itself.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <vector>
 
 namespace shardtrain::gpu {
@@ -84,9 +87,68 @@ size_t encoder_backward_workspace_estimate(int B, int T);
 // A GEMM rounds op(A) (a_elements) and op(B) (b_elements) into one carved buffer.
 size_t gemm_operand_bytes(size_t a_elements, size_t b_elements);
 // Matmul (N rows, C in, OC out): the forward rounds inp (N x C) and weight (OC x C); the backward
-// rounds dout (N x OC), weight and inp once for both of its products.
-size_t matmul_forward_operand_bytes(int N, int C, int OC);
-size_t matmul_backward_operand_bytes(int N, int C, int OC);
+// rounds dout (N x OC), weight and inp once for both of its products. weight_copy false: the weight
+// comes already rounded (the engine's gathered 16-bit unit, LayerOps::bind_half_copy), so only the
+// activations are copied -- how every GEMM of a training or generation run goes.
+size_t matmul_forward_operand_bytes(int N, int C, int OC, bool weight_copy);
+size_t matmul_backward_operand_bytes(int N, int C, int OC, bool weight_copy);
+
+// ---- cuDNN's fused attention (backend/cuda/cudnn_attention.cpp, train.attention=cudnn) -------------
+// The head sizes cuDNN's SDPA engines take: multiples of 8 up to 128. "" when it takes HS, else
+// why not. CudnnAttention::unsupported_reason asks this first, then the runtime cuDNN's own limits
+// (the backward of cuDNN before 9.16 also needs T a multiple of 128; the plan does not know the
+// runtime version and counts the backward's memory regardless, an upper bound).
+constexpr int kCudnnAttentionHeadSizeMultiple = 8;
+constexpr int kCudnnAttentionMaxHeadSize = 128;
+std::string cudnn_attention_head_size_refusal(int HS);
+inline bool cudnn_attention_takes_head_size(int HS) { return cudnn_attention_head_size_refusal(HS).empty(); }
+
+// Its staging buffers, each one grow-only allocation that every call reuses (sized here, for the
+// plan and for CudnnAttention alike):
+// - qkv16 (every call) and dqkv16 (backward): qkv in bf16, B*T*(NH+2KV)*HS*2 bytes each;
+size_t cudnn_attention_qkv_bytes(int B, int T, int NH, int KV, int HS);
+// - out16 (the forward's output; the backward's out rounded again) and dout16 (backward): out in
+//   bf16, B*T*NH*HS*2 bytes each;
+size_t cudnn_attention_out_bytes(int B, int T, int NH, int HS);
+// - row_sums (backward: D = rowsum(dout * out), which cuDNN reads per tile) and lse_copy: one fp32
+//   per query row, B*NH*T*4 bytes each. lse_copy holds the statistics only when the caller's lse is
+//   not 16-byte aligned (cuDNN's requirement); every model's lse is an allocation of its own
+//   (aligned to the allocator's 512 bytes), so the plan has no lse_copy.
+size_t cudnn_attention_row_bytes(int B, int T, int NH);
+
+// cuDNN's own workspace: cuDNN tells it only from a finalized execution plan (a GPU, the runtime
+// cuDNN and the engine the heuristics pick), so the plan takes these upper-bound ESTIMATES; on a
+// GPU CudnnAttention::workspace_bytes() gives the real one (tests/gpu/test_cudnn_attention.cpp
+// holds it within them). T' = T rounded up to kCudnnAttentionTile.
+// Forward: a flash forward keeps its tiles and softmax statistics on chip; reported workspaces
+// are 0 or a few bytes (XLA's SDPA tests: 16 B on Hopper, 0 on Blackwell). Allowed: fp32 row
+// maxima and sums in memory, 2 * B*NH*T'*4, plus kCudnnAttentionWorkspaceSlackBytes.
+// Backward (the deterministic form: dQ one product per query tile, no fp32 accumulator added into
+// with atomics): cuDNN keeps dP in its workspace, B*NH*T'*T'*2 bytes -- cuDNN frontend's own sizing
+// of that path (scaled_dot_product_flash_attention.h: b * h_q * ceil64(s_q) * ceil64(s_kv) * 2).
+// Added, for engines that order an fp32 dQ reduction through memory instead (cuDNN 9.25's
+// deterministic Hopper path, linear in T): B*NH*T'*HS*4; with grouped heads (KV < NH), the
+// per-query-head dK and dV before their group sums: 2 * B*NH*T'*HS*4; and the slack.
+constexpr int kCudnnAttentionTile = 64;
+constexpr size_t kCudnnAttentionWorkspaceSlackBytes = size_t{1} << 20;  // engines' fixed state
+size_t cudnn_attention_forward_workspace_estimate(int B, int T, int NH, int KV, int HS);
+size_t cudnn_attention_backward_workspace_estimate(int B, int T, int NH, int KV, int HS);
+
+// What CudnnAttention holds after its calls: each buffer grows to the largest request, so several
+// shapes (the student's forward and backward, a distillation teacher's forward) take the larger
+// of each buffer, and the workspace the largest plan's.
+struct CudnnAttentionMemory {
+  size_t qkv16 = 0, out16 = 0, dout16 = 0, dqkv16 = 0, row_sums = 0;  // staging, exact
+  size_t workspace = 0;                                               // cuDNN's, an estimate
+  size_t staging() const { return qkv16 + out16 + dout16 + dqkv16 + row_sums; }
+  size_t total() const { return staging() + workspace; }
+  // The separate allocations (the ones made), for the allocator's rounding: staging, workspace.
+  std::vector<size_t> allocations() const;
+  // After the other's calls as well.
+  CudnnAttentionMemory& grow_to(const CudnnAttentionMemory& other);
+};
+// A forward (backward false) or a forward and a backward of one shape.
+CudnnAttentionMemory cudnn_attention_memory(int B, int T, int NH, int KV, int HS, bool backward);
 
 // ---- NCCL (an estimate: NCCL allocates with cudaMalloc, outside our allocator) -----------------------
 // Per channel, each connection's receiving end holds one buffer per protocol: Simple

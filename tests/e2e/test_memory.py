@@ -116,6 +116,19 @@ def test_plan_on_cuda_adds_the_gpu_backends_memory():
         gpu_peak = int(g["peak_bytes"])
         assert gpu_peak - backend <= cpu_peak, key
         assert gpu_peak > cpu_peak, key
+    # train.attention=cudnn adds cuDNN attention's buffers to the workspace, exactly the cudnn_attention_bytes
+    # the PLAN line gives: at C=64 (HS 16), B=2, T=32 bf16 qkv and dqkv 2*32*12*16*2 B each, out and dout
+    # 2*32*64*2 each, row sums 2*4*32*4, and the workspace estimate (T' = 64): dP 2*4*64*64*2 + fp32 dQ
+    # 2*4*64*16*4 + 1 MiB. With tiny's own head size (10, not a multiple of 8) cuDNN would not run: 0.
+    cudnn_text, cudnn = plan_lines("--model.n_embd=64", "--train.device=cuda", "--train.attention=cudnn")
+    _, tiled = plan_lines("--model.n_embd=64", "--train.device=cuda")
+    attention = 2 * 24576 + 2 * 8192 + 1024 + 65536 + 32768 + (1 << 20)
+    assert "cuDNN attention" in cudnn_text and "cuDNN's own workspace" in cudnn_text and "ESTIMATE" in cudnn_text
+    for key, g in cudnn.items():
+        assert int(g["cudnn_attention_bytes"]) == attention and int(tiled[key]["cudnn_attention_bytes"]) == 0, key
+        assert int(g["gpu_workspace_bytes"]) - int(tiled[key]["gpu_workspace_bytes"]) == attention, key
+    refused = plan_lines("--train.device=cuda", "--train.attention=cudnn")[1]
+    assert {int(g["cudnn_attention_bytes"]) for g in refused.values()} == {0}
     env = dict(os.environ, NCCL_BUFFSIZE=str(1 << 20), NCCL_MAX_NCHANNELS="2")
     proc = subprocess.run(["timeout", "60", EXE, "plan", "--world-size=2", *tiny_args("--train.device=cuda")[1:]],
                           cwd=ROOT, capture_output=True, text=True, env=env)

@@ -1,7 +1,8 @@
 // CudnnAttention (src/backend/cuda/cudnn_attention.hpp, train.attention=cudnn) against the CPU
 // reference attention (backend/cpu/attention.cpp) on random inputs: forward out and lse, backward
 // dqkv, for odd T, grouped-query heads (KV = NH, NH/2, 1) and head sizes 64 and 128; the refusal
-// of head sizes cuDNN has no engine for; bit-identical repeated calls. Plus a disabled benchmark,
+// of head sizes cuDNN has no engine for; bit-identical repeated calls; the memory held against the
+// memory plan (staging exactly, cuDNN's workspace within the estimate). Plus a disabled benchmark,
 // cuDNN against the tiled kernels at GPT-2 small's heads (docs/gpu.md, "Attention kernels"):
 //   gpu_tests --gtest_also_run_disabled_tests --gtest_filter='CudnnAttentionBench.*'
 //
@@ -32,10 +33,13 @@
 
 #include <cuda_runtime.h>
 
+#include "app/compute_options.hpp"
+#include "app/memory_plan.hpp"
 #include "backend/cpu/ops.hpp"
 #include "backend/cuda/cuda_backend.hpp"
 #include "backend/cuda/cudnn_attention.hpp"
 #include "backend/dtype.hpp"
+#include "backend/gpu_memory.hpp"
 #include "support/tensor_check.hpp"
 
 namespace {
@@ -204,6 +208,52 @@ TEST(CudnnAttentionLimits, UnsupportedHeadSizesAreRefusedWithoutWriting) {
                                    s.NH, s.KV, s.HS));
   for (const auto* d : {&d_out, &d_lse, &d_dqkv})
     for (float x : gpu.download(*d)) ASSERT_EQ(x, 7.0f) << "a refused call wrote its output";
+}
+
+// The memory plan (app/memory_plan.hpp's plan_cudnn_attention, what train.attention=cudnn adds to
+// the GPU plan) against what a fresh CudnnAttention holds after a forward and after a backward of
+// one shape: the staging exactly (also written out here: bf16 qkv and out after the forward; then
+// bf16 dqkv and dout and fp32 row sums too), cuDNN's workspace at most the plan's estimate (the
+// real and the estimated numbers are printed). An lse that is not 16-byte aligned adds the lse
+// copy, B*NH*T floats, which the plan leaves out (every model's lse is its own allocation).
+TEST(CudnnAttentionMemory, StagingIsThePlannedStagingAndTheWorkspaceWithinTheEstimate) {
+  Gpu gpu;
+  for (const Shape& s : {Shape{2, 128, 4, 4, 64}, Shape{1, 256, 6, 3, 128}, Shape{3, 384, 8, 2, 32},
+                         Shape{2, 130, 4, 1, 64}, Shape{8, 1024, 12, 12, 64}}) {
+    SCOPED_TRACE(name_of(s));
+    ModelConfig model;
+    model.arch = ARCH_LLAMA, model.n_embd = s.NH * s.HS, model.n_head = s.NH, model.n_kv_head = s.KV;
+    ComputeOptions compute;
+    compute.device = "cuda", compute.attention = ATTENTION_CUDNN;
+    const gpu::CudnnAttentionMemory forward_plan = gpu::cudnn_attention_memory(s.B, s.T, s.NH, s.KV, s.HS, false);
+    const gpu::CudnnAttentionMemory plan = plan_cudnn_attention(model, nullptr, s.B, s.T, compute);
+    const size_t qkv16 = s.qkv() * 2, out16 = s.out() * 2, rows = s.lse() * 4;
+
+    CudnnAttention cudnn(*gpu.device);  // fresh: its buffers grow from nothing
+    auto d_qkv = gpu.upload(uniform(s.qkv(), 81)), d_dout = gpu.upload(uniform(s.out(), 82));
+    auto d_out = gpu.filled(s.out(), 0), d_lse = gpu.filled(s.lse(), 0), d_dqkv = gpu.filled(s.qkv(), 0);
+    ASSERT_TRUE(cudnn.forward(d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS));
+    EXPECT_EQ(cudnn.staging_bytes(), qkv16 + out16);
+    EXPECT_EQ(cudnn.staging_bytes(), forward_plan.staging());
+    EXPECT_LE(cudnn.workspace_bytes(), forward_plan.workspace);
+    std::printf("cudnn forward %s: workspace %zu B, estimate %zu B\n", name_of(s).c_str(), cudnn.workspace_bytes(),
+                forward_plan.workspace);
+
+    if (!CudnnAttention::unsupported_reason(s.T, s.HS, true).empty()) continue;  // this cuDNN: the tiled backward
+    ASSERT_TRUE(cudnn.backward(d_dqkv.data(), d_dout.data(), d_qkv.data(), d_out.data(), d_lse.data(), s.B, s.T,
+                               s.NH, s.KV, s.HS));
+    EXPECT_EQ(cudnn.staging_bytes(), 2 * qkv16 + 2 * out16 + rows);
+    EXPECT_EQ(cudnn.staging_bytes(), plan.staging());
+    EXPECT_LE(cudnn.workspace_bytes(), plan.workspace);
+    std::printf("cudnn forward + backward %s: workspace %zu B, estimate %zu B (dP alone %zu B)\n", name_of(s).c_str(),
+                cudnn.workspace_bytes(), plan.workspace, static_cast<size_t>(s.B) * s.NH * s.T * s.T * 2);
+
+    // An lse one float past an aligned address: staged through the lse copy.
+    auto d_lse_unaligned = gpu.filled(s.lse() + 4, 0);
+    ASSERT_TRUE(cudnn.forward(d_out.data(), d_lse_unaligned.data() + 1, d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS));
+    EXPECT_EQ(cudnn.staging_bytes(), plan.staging() + rows);
+    EXPECT_EQ(rows, gpu::cudnn_attention_row_bytes(s.B, s.T, s.NH));
+  }
 }
 
 // ---- benchmark (disabled by default) -------------------------------------------------------------

@@ -1,7 +1,8 @@
 // The GPU part of the memory plan (backend/gpu_memory.hpp, app/memory_plan.hpp) against
 // independent oracles: the allocator's size classes by a naive granule loop, the kernels'
 // workspaces by the formulas in their own comments, the per-allocation list by the category sums
-// the trainer checks, and the cuda plan minus the cpu plan by the GPU-only items summed here.
+// the trainer checks, and the cuda plan minus the cpu plan by the GPU-only items summed here;
+// cuDNN attention's buffers (train.attention=cudnn) by the sizes its header states.
 #include <gtest/gtest.h>
 
 #include <map>
@@ -79,12 +80,15 @@ TEST(GpuMemory, KernelWorkspacesFollowTheKernelsFormulas) {
 
 TEST(GpuMemory, OperandCopiesAreTheCarvedSixteenBitOperands) {
   // matmul.cu: forward rounds inp (N x C) and weight (OC x C); the backward dout (N x OC), weight
-  // and inp; each copy 2 bytes per element, starting 256-aligned.
+  // and inp; each copy 2 bytes per element, starting 256-aligned. A weight that comes rounded (the
+  // engine's gathered 16-bit unit) is not copied.
   auto up = [](size_t b) { return (b + 255) / 256 * 256; };
   const int N = 37, C = 50, OC = 19;
-  EXPECT_EQ(gpu::matmul_forward_operand_bytes(N, C, OC), up(2 * N * C) + 2 * OC * C);
-  EXPECT_EQ(gpu::matmul_backward_operand_bytes(N, C, OC), up(up(2 * N * OC) + 2 * OC * C) + 2 * N * C);
-  EXPECT_GE(gpu::matmul_backward_operand_bytes(N, C, OC), gpu::matmul_forward_operand_bytes(N, C, OC));
+  EXPECT_EQ(gpu::matmul_forward_operand_bytes(N, C, OC, true), up(2 * N * C) + 2 * OC * C);
+  EXPECT_EQ(gpu::matmul_backward_operand_bytes(N, C, OC, true), up(up(2 * N * OC) + 2 * OC * C) + 2 * N * C);
+  EXPECT_GE(gpu::matmul_backward_operand_bytes(N, C, OC, true), gpu::matmul_forward_operand_bytes(N, C, OC, true));
+  EXPECT_EQ(gpu::matmul_forward_operand_bytes(N, C, OC, false), up(2 * N * C));
+  EXPECT_EQ(gpu::matmul_backward_operand_bytes(N, C, OC, false), up(up(2 * N * OC)) + 2 * N * C);
 }
 
 TEST(GpuMemory, NcclEstimateReadsNcclsVariables) {
@@ -108,6 +112,93 @@ TEST(GpuMemory, NcclEstimateReadsNcclsVariables) {
   EXPECT_EQ(e.ll128, d.ll128);  // not a number: the default
   EXPECT_EQ(e.channels, 4);
   EXPECT_EQ(gpu::nccl_communicator_bytes(2, e), 4 * e.per_channel());
+}
+
+// cuDNN attention (backend/cuda/cudnn_attention.cpp), its buffers written out from the header's
+// description: bf16 qkv and dqkv B*T*(NH+2KV)*HS*2 bytes each, bf16 out and dout B*T*NH*HS*2 each,
+// the backward's fp32 row sums B*NH*T*4; the forward makes only qkv and out.
+struct CudnnBuffers {
+  size_t qkv16, out16, dout16, dqkv16, row_sums;
+};
+CudnnBuffers cudnn_buffers(size_t B, size_t T, size_t NH, size_t KV, size_t HS, bool backward) {
+  const size_t qkv = B * T * (NH + 2 * KV) * HS * 2, out = B * T * NH * HS * 2, rows = B * NH * T * 4;
+  return backward ? CudnnBuffers{qkv, out, out, qkv, rows} : CudnnBuffers{qkv, out, 0, 0, 0};
+}
+// The workspace estimates as gpu_memory.hpp states them, T' = T rounded up to 64: forward 2 fp32
+// per row plus 1 MiB; backward dP (bf16, T' x T' per head) + an fp32 dQ (+ fp32 dK and dV
+// partials per query head when KV < NH) plus 1 MiB.
+size_t forward_estimate(size_t B, size_t T, size_t NH) {
+  const size_t Tp = (T + 63) / 64 * 64;
+  return 2 * B * NH * Tp * 4 + (size_t{1} << 20);
+}
+size_t backward_estimate(size_t B, size_t T, size_t NH, size_t KV, size_t HS) {
+  const size_t Tp = (T + 63) / 64 * 64;
+  return B * NH * Tp * Tp * 2 + B * NH * Tp * HS * 4 + (KV < NH ? 2 * B * NH * Tp * HS * 4 : 0) + (size_t{1} << 20);
+}
+
+TEST(GpuMemory, CudnnAttentionStagingIsEachBuffersFormula) {
+  struct S {
+    int B, T, NH, KV, HS;
+  };
+  for (const S s : {S{1, 1, 1, 1, 8}, S{2, 7, 4, 2, 64}, S{3, 130, 6, 3, 128}, S{8, 1024, 12, 12, 64}}) {
+    const CudnnBuffers b = cudnn_buffers(s.B, s.T, s.NH, s.KV, s.HS, true);
+    EXPECT_EQ(gpu::cudnn_attention_qkv_bytes(s.B, s.T, s.NH, s.KV, s.HS), b.qkv16);
+    EXPECT_EQ(gpu::cudnn_attention_out_bytes(s.B, s.T, s.NH, s.HS), b.out16);
+    EXPECT_EQ(gpu::cudnn_attention_row_bytes(s.B, s.T, s.NH), b.row_sums);
+    for (bool backward : {false, true}) {
+      const CudnnBuffers want = cudnn_buffers(s.B, s.T, s.NH, s.KV, s.HS, backward);
+      const gpu::CudnnAttentionMemory m = gpu::cudnn_attention_memory(s.B, s.T, s.NH, s.KV, s.HS, backward);
+      EXPECT_EQ(m.qkv16, want.qkv16);
+      EXPECT_EQ(m.out16, want.out16);
+      EXPECT_EQ(m.dout16, want.dout16);
+      EXPECT_EQ(m.dqkv16, want.dqkv16);
+      EXPECT_EQ(m.row_sums, want.row_sums);
+      EXPECT_EQ(m.staging(), want.qkv16 + want.out16 + want.dout16 + want.dqkv16 + want.row_sums);
+      // The workspace is the largest plan's: the backward's when there is one.
+      const size_t workspace = backward ? std::max(forward_estimate(s.B, s.T, s.NH),
+                                                   backward_estimate(s.B, s.T, s.NH, s.KV, s.HS))
+                                        : forward_estimate(s.B, s.T, s.NH);
+      EXPECT_EQ(m.workspace, workspace);
+      EXPECT_EQ(m.total(), m.staging() + workspace);
+      // Each buffer its own allocation: two staging buffers and the workspace, or five and it.
+      EXPECT_EQ(m.allocations().size(), backward ? 6u : 3u);
+    }
+  }
+  // GPT-2 small's heads at B=8, T=1024: 2 x 36 MiB of qkv, 2 x 12 MiB of out, 384 KiB of row sums,
+  // docs/gpu.md's "about 100 MiB".
+  EXPECT_EQ(gpu::cudnn_attention_memory(8, 1024, 12, 12, 64, true).staging(),
+            2 * (size_t{36} << 20) + 2 * (size_t{12} << 20) + (size_t{384} << 10));
+}
+
+TEST(GpuMemory, CudnnAttentionWorkspaceEstimatesBoundTheDpWorkspace) {
+  // T' = T rounded up to 64: T = 64 and 65 differ by a whole tile.
+  EXPECT_EQ(gpu::cudnn_attention_forward_workspace_estimate(2, 64, 4, 4, 64), forward_estimate(2, 64, 4));
+  EXPECT_EQ(gpu::cudnn_attention_forward_workspace_estimate(2, 65, 4, 4, 64), 2 * 2 * 4 * 128 * 4 + (1 << 20));
+  EXPECT_EQ(gpu::cudnn_attention_backward_workspace_estimate(2, 64, 4, 4, 64),
+            size_t{2} * 4 * 64 * 64 * 2 + size_t{2} * 4 * 64 * 64 * 4 + (1 << 20));
+  EXPECT_EQ(gpu::cudnn_attention_backward_workspace_estimate(2, 65, 4, 2, 64),
+            size_t{2} * 4 * 128 * 128 * 2 + 3 * (size_t{2} * 4 * 128 * 64 * 4) + (1 << 20));  // + dK, dV partials
+  for (int T : {1, 7, 130, 1024, 4096})
+    for (int KV : {1, 4, 12}) {
+      const size_t bwd = gpu::cudnn_attention_backward_workspace_estimate(8, T, 12, KV, 64);
+      EXPECT_EQ(bwd, backward_estimate(8, T, 12, KV, 64)) << T << " " << KV;
+      // At least the deterministic backward's dP workspace (cuDNN frontend's sizing, B*NH*T*T*2
+      // on 64-row tiles), and more than the forward's.
+      EXPECT_GE(bwd, size_t{8} * 12 * T * T * 2);
+      EXPECT_GT(bwd, gpu::cudnn_attention_forward_workspace_estimate(8, T, 12, KV, 64));
+    }
+  // GPT-2 small at T = 1024: dP alone is 192 MiB (docs/gpu.md).
+  EXPECT_EQ(size_t{8} * 12 * 1024 * 1024 * 2, size_t{192} << 20);
+  EXPECT_EQ(gpu::cudnn_attention_backward_workspace_estimate(8, 1024, 12, 12, 64),
+            (size_t{192} << 20) + (size_t{24} << 20) + (size_t{1} << 20));
+}
+
+TEST(GpuMemory, CudnnAttentionHeadSizeRule) {
+  for (int HS : {8, 16, 24, 64, 96, 128}) EXPECT_TRUE(gpu::cudnn_attention_takes_head_size(HS)) << HS;
+  for (int HS : {0, -8, 1, 10, 12, 60, 136, 256}) {
+    EXPECT_FALSE(gpu::cudnn_attention_takes_head_size(HS)) << HS;
+    EXPECT_NE(gpu::cudnn_attention_head_size_refusal(HS).find(std::to_string(HS)), std::string::npos) << HS;
+  }
 }
 
 struct PlanCase {
@@ -189,8 +280,8 @@ TEST(GpuMemoryPlan, CudaPlanMinusCpuPlanIsTheBackendsOwnMemory) {
         for (int oc : {3 * m.n_embd, m.n_embd, 4 * m.n_embd})  // qkv, attention and MLP projections
           kernels = std::max(kernels, gpu::matmul_backward_workspace_bytes(N, oc));
       }
-      size_t operands = 0;  // the LM head's backward: dout N x V, weight V x C, inp N x C
-      if (dtype != DTYPE_FP32) operands = gpu::matmul_backward_operand_bytes(N, m.n_embd, m.vocab_size);
+      size_t operands = 0;  // the LM head's backward: dout N x V and inp N x C (the weight comes rounded)
+      if (dtype != DTYPE_FP32) operands = gpu::matmul_backward_operand_bytes(N, m.n_embd, m.vocab_size, false);
       // The shard and replica communicators, and the step sums' world communicator unless offloaded.
       const size_t per_communicator = gpu::nccl_communicator_bytes(2, gpu::nccl_buffer_sizes());
       const bool world = !c.engine.cpu_offload && c.groups.shard_size * c.groups.replica_size > 1;
@@ -209,6 +300,92 @@ TEST(GpuMemoryPlan, CudaPlanMinusCpuPlanIsTheBackendsOwnMemory) {
           << model_arch_name(m.arch) << " shard " << c.groups.shard_size << " " << dtype_name(dtype);
     }
   }
+}
+
+// train.attention=cudnn adds exactly cuDNN attention's buffers: the cudnn plan minus the tiled
+// plan is the new field in the workspace, and in the rounding each of its allocations' own.
+TEST(GpuMemoryPlan, CudnnAttentionIsTheCudnnPlanMinusTheTiledPlan) {
+  for (const PlanCase& c : plan_cases()) {
+    const ParamTable table(c.model);
+    const int B = 2, T = 24;
+    const GemmWorkload gemms = gemm_workload(c.model, nullptr, B * T);
+    for (DType dtype : {DTYPE_FP32, DTYPE_BF16}) {
+      ComputeOptions tiled, autod, cudnn;
+      for (ComputeOptions* o : {&tiled, &autod, &cudnn}) o->device = "cuda", o->compute_dtype = dtype;
+      tiled.attention = ATTENTION_TILED, cudnn.attention = ATTENTION_CUDNN;  // autod: AUTO, the tiled kernels
+      const MemoryPlan t = plan_rank_memory(table, c.groups, c.engine, B, T, c.checkpointing, tiled, gemms);
+      const MemoryPlan a = plan_rank_memory(table, c.groups, c.engine, B, T, c.checkpointing, autod, gemms);
+      const MemoryPlan d = plan_rank_memory(table, c.groups, c.engine, B, T, c.checkpointing, cudnn, gemms);
+      EXPECT_EQ(t.gpu.attention(), 0u);
+      EXPECT_EQ(t.gpu.cudnn_attention.allocations().size(), 0u);
+      EXPECT_EQ(a.total(), t.total());
+
+      const ModelConfig& m = c.model;
+      const CudnnBuffers b = cudnn_buffers(B, T, m.n_head, m.kv_heads(), m.head_size(), true);
+      const size_t workspace = backward_estimate(B, T, m.n_head, m.kv_heads(), m.head_size());
+      const size_t staging = b.qkv16 + b.out16 + b.dout16 + b.dqkv16 + b.row_sums;
+      ASSERT_GT(staging, 0u);
+      EXPECT_EQ(d.gpu.cudnn_attention.staging(), staging);
+      EXPECT_EQ(d.gpu.cudnn_attention.workspace, workspace);
+      EXPECT_EQ(d.gpu.attention(), staging + workspace);
+      EXPECT_EQ(d.bytes, t.bytes);  // the tracked categories do not change
+      EXPECT_EQ(d.gpu.workspace() - t.gpu.workspace(), staging + workspace);
+      EXPECT_EQ(d.gpu.nccl, t.gpu.nccl);
+      const size_t rounding = naive_rounding({b.qkv16, b.out16, b.dout16, b.dqkv16, b.row_sums, workspace});
+      EXPECT_EQ(d.gpu.rounding - t.gpu.rounding, rounding);
+      EXPECT_EQ(d.gpu.allocations - t.gpu.allocations, 6u);
+      // The pre-flight check compares total() with the GPU's free memory: the field is in it.
+      EXPECT_EQ(d.total() - t.total(), staging + workspace + rounding)
+          << model_arch_name(m.arch) << " shard " << c.groups.shard_size << " " << dtype_name(dtype);
+    }
+  }
+}
+
+// A head size cuDNN refuses (12: not a multiple of 8; 136: over 128) runs on the tiled kernels:
+// nothing of cuDNN's is planned.
+TEST(GpuMemoryPlan, CudnnAttentionOfARefusedHeadSizeIsZero) {
+  for (int n_head : {8, 1}) {
+    ModelConfig c = gpt_config();
+    c.n_embd = n_head == 8 ? 96 : 136, c.n_head = n_head;
+    ASSERT_FALSE(gpu::cudnn_attention_takes_head_size(c.head_size()));
+    const ParamTable table(c);
+    ComputeOptions tiled, cudnn;
+    tiled.device = cudnn.device = "cuda", tiled.attention = ATTENTION_TILED, cudnn.attention = ATTENTION_CUDNN;
+    const MemoryPlan t = plan_rank_memory(table, GroupShape{2, 0, 1, 0}, EngineOptions{}, 2, 24, false, tiled, {});
+    const MemoryPlan d = plan_rank_memory(table, GroupShape{2, 0, 1, 0}, EngineOptions{}, 2, 24, false, cudnn, {});
+    EXPECT_EQ(d.gpu.attention(), 0u) << c.head_size();
+    EXPECT_EQ(d.total(), t.total()) << c.head_size();
+  }
+}
+
+// A distillation teacher's forward runs on the same ops: each staging buffer grows to the larger of
+// the student's (forward and backward) and the teacher's (forward: qkv and out), the workspace to
+// the largest plan's. A teacher whose head size cuDNN refuses adds nothing.
+TEST(GpuMemoryPlan, CudnnAttentionCountsTheTeachersForward) {
+  const ModelConfig student = gpt_config();  // NH 4, HS 24
+  ModelConfig big = gpt_config(), refused = gpt_config();
+  big.n_embd = 256, big.n_head = 2;            // HS 128: larger qkv and out than the student's
+  refused.n_embd = 160, refused.n_head = 16;  // HS 10
+  const ParamTable table(student), big_table(big), refused_table(refused);
+  ComputeOptions cudnn;
+  cudnn.device = "cuda", cudnn.attention = ATTENTION_CUDNN;
+  const int B = 2, T = 24;
+  const MemoryPlan alone = plan_rank_memory(table, GroupShape{}, EngineOptions{}, B, T, false, cudnn, {});
+  const MemoryPlan with_big = plan_rank_memory(table, GroupShape{}, EngineOptions{}, B, T, false, cudnn, {}, &big_table);
+  const MemoryPlan with_refused =
+      plan_rank_memory(table, GroupShape{}, EngineOptions{}, B, T, false, cudnn, {}, &refused_table);
+  const CudnnBuffers s = cudnn_buffers(B, T, 4, 4, 24, true), t = cudnn_buffers(B, T, 2, 2, 128, false);
+  ASSERT_GT(t.qkv16, s.qkv16);
+  ASSERT_GT(t.out16, s.out16);
+  const gpu::CudnnAttentionMemory& g = with_big.gpu.cudnn_attention;
+  EXPECT_EQ(g.qkv16, t.qkv16);
+  EXPECT_EQ(g.out16, t.out16);
+  EXPECT_EQ(g.dout16, s.dout16);
+  EXPECT_EQ(g.dqkv16, s.dqkv16);
+  EXPECT_EQ(g.row_sums, s.row_sums);
+  EXPECT_EQ(g.workspace, std::max(backward_estimate(B, T, 4, 4, 24), forward_estimate(B, T, 2)));
+  EXPECT_EQ(alone.gpu.cudnn_attention.staging(), s.qkv16 + s.out16 + s.dout16 + s.dqkv16 + s.row_sums);
+  EXPECT_EQ(with_refused.gpu.attention(), alone.gpu.attention());
 }
 
 TEST(GpuMemoryPlan, MpiOnTheGpuHasNoNcclBuffers) {

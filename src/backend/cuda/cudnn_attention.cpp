@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_handles.hpp"
+#include "backend/gpu_memory.hpp"
 #include "core/error.hpp"
 #include "kernels/cuda_check.hpp"
 #include "kernels/launch.hpp"
@@ -421,7 +422,8 @@ struct CudnnAttention::Impl {
   cudnnHandle_t handle = nullptr;
   kernels::LaunchContext launch;
   std::map<Shape, Plan> forward_plans, backward_plans;
-  // Grow-only device buffers from the caching allocator, reused in stream order.
+  // Grow-only device buffers from the caching allocator, reused in stream order; their sizes are
+  // backend/gpu_memory.hpp's cudnn_attention_*_bytes, which the memory plan counts.
   struct Buffer {
     void* data = nullptr;
     size_t bytes = 0;
@@ -447,8 +449,7 @@ struct CudnnAttention::Impl {
   std::array<Buffer*, 7> all_buffers() { return {&qkv16, &out16, &dout16, &dqkv16, &row_sums, &lse_copy, &workspace}; }
 
   template <typename T>
-  T* grow(Buffer& b, size_t elements) {
-    const size_t bytes = elements * sizeof(T);
+  T* grow(Buffer& b, size_t bytes) {
     if (bytes > b.bytes) {
       if (b.data) device.release(b.data, b.bytes);
       b.data = nullptr;
@@ -508,7 +509,7 @@ struct CudnnAttention::Impl {
 
   // qkv rounded to bf16, and the device pointers of its q, k and v views.
   uint16_t* stage_qkv(const float* qkv, const Shape& s) {
-    uint16_t* q16 = grow<uint16_t>(qkv16, s.qkv_elements());
+    uint16_t* q16 = grow<uint16_t>(qkv16, gpu::cudnn_attention_qkv_bytes(s.B, s.T, s.NH, s.KV, s.HS));
     kernels::launch_to_half(q16, qkv, s.qkv_elements(), DTYPE_BF16, launch);
     return q16;
   }
@@ -519,8 +520,8 @@ CudnnAttention::CudnnAttention(CudaDevice& device) : impl_(std::make_unique<Impl
 CudnnAttention::~CudnnAttention() = default;
 
 std::string CudnnAttention::unsupported_reason(int T, int HS, bool backward) {
-  if (HS % 8 != 0) return strprintf("head size %d is not a multiple of 8", HS);
-  if (HS > 128) return strprintf("head size %d is over 128", HS);
+  const std::string head_size = gpu::cudnn_attention_head_size_refusal(HS);  // multiples of 8 up to 128
+  if (!head_size.empty()) return head_size;
   // Before 9.16 the backward needed an explicit padding mask when T is not a multiple of 128.
   if (backward && T % 128 != 0 && cudnnGetVersion() < 91600)
     return strprintf("cuDNN %zu's backward needs T (%d) a multiple of 128 (9.16 or newer does not)", cudnnGetVersion(),
@@ -536,8 +537,8 @@ bool CudnnAttention::forward(float* out, float* lse, const float* qkv, int B, in
   Impl& m = *impl_;
   m.set_scalars(s);
   uint16_t* q16 = m.stage_qkv(qkv, s);
-  uint16_t* o16 = m.grow<uint16_t>(m.out16, s.out_elements());
-  float* stats = aligned16(lse) ? lse : m.grow<float>(m.lse_copy, s.row_stats());
+  uint16_t* o16 = m.grow<uint16_t>(m.out16, gpu::cudnn_attention_out_bytes(B, T, NH, HS));
+  float* stats = aligned16(lse) ? lse : m.grow<float>(m.lse_copy, gpu::cudnn_attention_row_bytes(B, T, NH));
   m.execute(*plan,
             {{UID_Q, q16}, {UID_K, q16 + s.k_offset()}, {UID_V, q16 + s.v_offset()}, {UID_O, o16}, {UID_STATS, stats},
              {UID_SCALE, &m.scale}, {UID_NEG_INF, &m.neg_inf}},
@@ -559,15 +560,15 @@ bool CudnnAttention::backward(float* dqkv, const float* dout, const float* qkv, 
   uint16_t* q16 = m.stage_qkv(qkv, s);
   // out holds the forward's bf16 values widened (or the tiled kernels' fp32): rounding it again
   // gives cuDNN's forward output back bit for bit, without keeping a bf16 copy per layer.
-  uint16_t* o16 = m.grow<uint16_t>(m.out16, s.out_elements());
+  uint16_t* o16 = m.grow<uint16_t>(m.out16, gpu::cudnn_attention_out_bytes(B, T, NH, HS));
   kernels::launch_to_half(o16, out, s.out_elements(), DTYPE_BF16, m.launch);
-  uint16_t* do16 = m.grow<uint16_t>(m.dout16, s.out_elements());
+  uint16_t* do16 = m.grow<uint16_t>(m.dout16, gpu::cudnn_attention_out_bytes(B, T, NH, HS));
   kernels::launch_to_half(do16, dout, s.out_elements(), DTYPE_BF16, m.launch);
-  uint16_t* dq16 = m.grow<uint16_t>(m.dqkv16, s.qkv_elements());
-  float* sums = m.grow<float>(m.row_sums, s.row_stats());
+  uint16_t* dq16 = m.grow<uint16_t>(m.dqkv16, gpu::cudnn_attention_qkv_bytes(B, T, NH, KV, HS));
+  float* sums = m.grow<float>(m.row_sums, gpu::cudnn_attention_row_bytes(B, T, NH));
   const float* stats = lse;
   if (!aligned16(lse)) {
-    float* copy = m.grow<float>(m.lse_copy, s.row_stats());
+    float* copy = m.grow<float>(m.lse_copy, gpu::cudnn_attention_row_bytes(B, T, NH));
     CUDA_CHECK(cudaMemcpyAsync(copy, lse, s.row_stats() * sizeof(float), cudaMemcpyDeviceToDevice, m.launch.stream));
     stats = copy;
   }

@@ -19,9 +19,12 @@
 // kernels (whose lse means the same). Every other cuDNN failure aborts (fatal_internal).
 //
 // Memory, grow-only and reused by every call (all on the device's caching allocator, in stream
-// order on its compute stream): bf16 qkv and dqkv (B*T*(NH+2KV)*HS*2 bytes each), bf16 out and
-// dout (B*T*NH*HS*2 each), the backward's per-row sums (B*NH*T*4), and cuDNN's workspace (the
-// largest plan's; the deterministic backward's dP workspace is about B*NH*T*T*2 bytes).
+// order on its compute stream), sized by backend/gpu_memory.hpp (cudnn_attention_*_bytes), which
+// the memory plan counts: bf16 qkv and dqkv (B*T*(NH+2KV)*HS*2 bytes each), bf16 out and dout
+// (B*T*NH*HS*2 each), the backward's per-row sums (B*NH*T*4), a copy of lse (B*NH*T*4) only when
+// the caller's lse is not 16-byte aligned, and cuDNN's workspace (the largest plan's, known only
+// from the finalized plan; the deterministic backward's dP workspace is about B*NH*T*T*2 bytes;
+// the plan takes gpu_memory.hpp's cudnn_attention_*_workspace_estimate).
 // Everything is queued on the device's compute stream; nothing waits for it.
 #pragma once
 
@@ -50,7 +53,7 @@ class CudnnAttention {
   // Why cuDNN's attention is not used for this shape before asking cuDNN (head size, the
   // runtime cuDNN's version), or "" when it may be.
   static std::string unsupported_reason(int T, int HS, bool backward);
-  // Device memory held now: cuDNN's workspace, and the staging buffers.
+  // Device memory held now: cuDNN's workspace, and the staging buffers (lse_copy included).
   size_t workspace_bytes() const;
   size_t staging_bytes() const;
 
