@@ -23,8 +23,9 @@ CPU bf16 compute (--only bf16): gpt2-124M and llama-135M training at T = 64 (as 
 threads, fp32 and fsdp.param_dtype=bf16 interleaved for --bf16-rounds rounds: tokens/s min/median,
 their ratio, MFU against the same-run GEMM and the hardware peak, and the final-step loss difference.
 
-Against another build (--only baseline --baseline DIR): gpt2-124M at T = 64 and T = 1024 on this
-build and DIR's (e.g. an older commit built elsewhere), interleaved (see baseline_section).
+Against another build (--only baseline --baseline DIR [--baseline-dtype bf16]): gpt2-124M at T = 64
+and T = 1024 on this build and DIR's (e.g. an older commit built elsewhere), interleaved (see
+baseline_section).
 
 Distillation (--only distill): gpt2-124M alone and distilled from a gpt-300M teacher on 1, 2 and 4
 ranks, tokens/s and each model's memory per rank (see distill_section).
@@ -182,6 +183,8 @@ def main():
     parser.add_argument("--arch-rounds", type=int, default=2)
     parser.add_argument("--baseline", default="",
                         help="baseline section: another build folder (e.g. of an older commit) to time against this one")
+    parser.add_argument("--baseline-dtype", default="fp32", choices=("fp32", "bf16"),
+                        help="baseline section: fsdp.param_dtype of both builds' runs")
     parser.add_argument("--adapter-models", default="gpt2,llama", help="adapters section: gpt2, llama or both")
     parser.add_argument("--adapter-cases", default="",
                         help="adapters section: comma-separated case names to run besides full fine-tuning "
@@ -226,7 +229,7 @@ def main():
     if "baseline" in sections:
         if not args.baseline:
             sys.exit("--only baseline needs --baseline DIR, the build folder to compare with")
-        baseline_section(build, os.path.abspath(args.baseline), args.steps, args.arch_rounds)
+        baseline_section(build, os.path.abspath(args.baseline), args.steps, args.arch_rounds, args.baseline_dtype)
     if "convert" in sections:
         convert_section(build, [int(r) for r in args.convert_ranks.split(",")], args.convert_repeats,
                         args.convert_export)
@@ -335,17 +338,19 @@ def arch_section(build, steps, rounds):
               flush=True)
 
 
-def baseline_section(build, baseline, steps, rounds):
+def baseline_section(build, baseline, steps, rounds, dtype="fp32"):
     """gpt2-124M at T = 64 and T = 1024 (ARCH_SHAPES) on this build and on a baseline build (another
-    commit's), 1 rank x 2 threads, interleaved: each round runs both builds at each shape, so they
-    see the same machine load. MFU is each run's own (against its start-up SGEMM)."""
-    print(f"\n== this build against {baseline}: gpt2-124M, 1 rank x 2 threads, {rounds} rounds of {steps} steps "
-          "(first step of each run dropped)", flush=True)
+    commit's), 1 rank x 2 threads, fsdp.param_dtype `dtype`, interleaved: each round runs both builds
+    at each shape, so they see the same machine load. MFU is each run's own (against its start-up
+    GEMM peak)."""
+    print(f"\n== this build against {baseline}: gpt2-124M {dtype}, 1 rank x 2 threads, {rounds} rounds of {steps} "
+          "steps (first step of each run dropped)", flush=True)
     rows = {}
     for _ in range(rounds):
         for seq_len, micro, global_batch in ARCH_SHAPES:
             for name, folder in (("baseline", baseline), ("this build", build)):
-                run_rows, _, _ = train_run(folder, 1, 2, steps, "gpt2-124M.ini", seq_len, micro, global_batch)
+                run_rows, _, _ = train_run(folder, 1, 2, steps, "gpt2-124M.ini", seq_len, micro, global_batch,
+                                           extra=[f"--fsdp.param_dtype={dtype}"])
                 rows.setdefault((name, seq_len), []).extend(run_rows)
     for seq_len, _, _ in ARCH_SHAPES:
         medians = {}
