@@ -5,6 +5,7 @@
 // slots of each engine), so a linear search.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -20,8 +21,9 @@ class HalfCopies {
     bindings_.push_back({address(values), half, n, type});
   }
   void unbind(const float* values) {
-    for (size_t i = 0; i < bindings_.size(); i++)
-      if (bindings_[i].values == address(values)) bindings_.erase(bindings_.begin() + static_cast<long>(i)), i--;
+    const uintptr_t at = address(values);
+    bindings_.erase(std::remove_if(bindings_.begin(), bindings_.end(), [at](const Binding& b) { return b.values == at; }),
+                    bindings_.end());
   }
   // The copy of [p, p + n) in `type`, or null when no bound buffer of that type holds all of it.
   const uint16_t* find(const float* p, size_t n, DType type) const {

@@ -35,13 +35,12 @@ struct Bf16Run {
   std::unique_ptr<cpu::Bf16Gemm> gemm;
   std::unique_ptr<LayerOps<float>> ops;
   Backend backend;
-  std::unique_ptr<TrainingRun> run;
+  std::unique_ptr<TrainingRun> run;  // last: destroyed first, so the engine unbinds its units from live ops
   Bf16Run(bool onednn, const EngineOptions& options) : gemm(model_gemm(onednn)), ops(make_cpu_bf16_layer_ops(*gemm)) {
     backend = cpu_backend();
     backend.ops = ops.get();
     run = std::make_unique<TrainingRun>(backend, options);
   }
-  ~Bf16Run() { run.reset(); }  // the engine unbinds its units from the ops before they go
 };
 
 TEST(RoundedOnce, TrainingRoundsNoWeightAndBothKernelsAgree) {
