@@ -1,5 +1,5 @@
-// What a run computes on and with (train.device, fsdp.param_dtype, fsdp.comm_backend,
-// train.attention), as the compute backend (app/compute_backend.hpp) and the memory plan
+// What a run computes on and with (train.device, fsdp.param_dtype, fsdp.activation_dtype,
+// fsdp.comm_backend, train.attention), as the compute backend (app/compute_backend.hpp) and the memory plan
 // (app/memory_plan.hpp) take it. options.cpp fills it from the configuration (compute_options).
 #pragma once
 
@@ -26,6 +26,15 @@ inline const char* attention_kernel_name(AttentionKernel a) {
   return a == ATTENTION_TILED ? "tiled" : a == ATTENTION_CUDNN ? "cudnn" : "auto";
 }
 
+// fsdp.activation_dtype: how a block's saved activations are stored and computed from
+// (model/saved_activations.hpp). AUTO: as fsdp.param_dtype.
+enum ActivationDtype { ACTIVATIONS_AUTO, ACTIVATIONS_FP32, ACTIVATIONS_BF16, ACTIVATIONS_FP16 };
+constexpr ActivationDtype ACTIVATION_DTYPES[] = {ACTIVATIONS_AUTO, ACTIVATIONS_FP32, ACTIVATIONS_BF16,
+                                                 ACTIVATIONS_FP16};
+inline const char* activation_dtype_name(ActivationDtype a) {
+  return a == ACTIVATIONS_FP32 ? "fp32" : a == ACTIVATIONS_BF16 ? "bf16" : a == ACTIVATIONS_FP16 ? "fp16" : "auto";
+}
+
 struct ComputeOptions {
   std::string device = "cpu";  // cpu | cuda
   // fsdp.param_dtype: on a GPU bf16/fp16 GEMM operands for the tensor cores; on the CPU bf16
@@ -33,6 +42,7 @@ struct ComputeOptions {
   DType compute_dtype = DTYPE_FP32;
   CommBackend comm = COMM_AUTO;
   AttentionKernel attention = ATTENTION_AUTO;
+  DType activation_dtype = DTYPE_FP32;  // fsdp.activation_dtype resolved
 
   bool gpu() const { return device == "cuda"; }
   // AUTO resolved.

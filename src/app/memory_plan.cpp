@@ -11,6 +11,8 @@
 #include "core/error.hpp"
 #include "core/format.hpp"
 #include "model/adapter_layers.hpp"
+#include "model/gpt.hpp"
+#include "model/llama.hpp"
 #include "optim/adamw.hpp"
 
 namespace shardtrain {
@@ -56,36 +58,43 @@ GemmWorkload gemm_workload(const ModelConfig& student, const ModelConfig* teache
 
 namespace {
 
-// The model's activation arrays in the order GptModel's and LlamaModel's constructors make them
-// (their sum is plan_activation_bytes; the unit tests hold the two equal). The adapters' buffers
-// count as one allocation.
+// The model's activation arrays as GptModel's and LlamaModel's constructors make them (their sum
+// is plan_activation_bytes; the unit tests hold the two equal): the saved tensors
+// (SavedActivations: per layer in fp32, or one fp32 working set and per-layer 16-bit copies), then
+// the rest. The adapters' buffers count as one allocation.
 void add_activation_allocations(const ParamTable& table, int batch, int seq_len, bool checkpointing,
-                                std::vector<PlannedAllocation>* list) {
+                                DType activation_dtype, std::vector<PlannedAllocation>* list) {
   const ModelConfig& c = table.config();
   const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, NH = c.n_head, V = c.vocab_size;
   const size_t layers = checkpointing ? 1 : c.n_layer;
+  const bool llama = c.arch == ARCH_LLAMA;
   auto floats = [&](size_t n, size_t times = 1) {
     for (size_t i = 0; i < times; i++) list->push_back({MEM_ACTIVATIONS, n * sizeof(float)});
   };
+  const std::vector<size_t> saved = llama ? LlamaModel<float>::saved_tensor_elements(c, batch, seq_len)
+                                          : GptModel<float>::saved_tensor_elements(c, batch, seq_len);
+  if (activation_dtype == DTYPE_FP32) {
+    for (size_t l = 0; l < layers; l++)
+      for (size_t n : saved) floats(n);
+  } else {
+    for (size_t n : saved) floats(n);  // the working set
+    for (size_t l = 0; l < layers; l++)
+      for (size_t n : saved) list->push_back({MEM_ACTIVATIONS, n * dtype_bytes(activation_dtype)});
+  }
   list->push_back({MEM_ACTIVATIONS, BT * sizeof(int)});  // tokens
   list->push_back({MEM_ACTIVATIONS, BT * sizeof(int)});  // targets
-  if (c.arch == ARCH_LLAMA) {
+  if (llama) {
     const size_t QKV = c.qkv_size(), I = c.mlp_size();
     floats(static_cast<size_t>(seq_len) * (c.head_size() / 2), 2);  // the rotary cos and sin tables
     floats(BT * C, c.n_layer + 1);                                    // the residual stream
-    for (size_t l = 0; l < layers; l++) {
-      floats(BT * C), floats(BT), floats(BT * QKV), floats(BT * NH);  // ln1, its rstd, qkv, lse
-      floats(BT * C, 3), floats(BT);                                  // atty, resid2, ln2, its rstd
-      floats(BT * 2 * I), floats(BT * I);                             // gate_up, act
-    }
+    for (size_t l = 0; l < layers; l++)  // ln1's rstd, lse, resid2, ln2's rstd
+      floats(BT), floats(BT * NH), floats(BT * C), floats(BT);
     floats(BT * C), floats(BT), floats(BT * V), floats(BT);  // lnf, its rstd, probs, losses
     floats(BT * C, 2), floats(BT * QKV), floats(BT * 2 * I), floats(BT * I);  // the backward's scratch
   } else {
     floats(BT * C, c.n_layer + 1);
-    for (size_t l = 0; l < layers; l++) {
-      floats(BT * C), floats(BT, 2), floats(BT * 3 * C), floats(BT * NH);  // ln1, mean, rstd, qkv, lse
-      floats(BT * C, 3), floats(BT, 2), floats(BT * 4 * C, 2);  // atty, resid2, ln2, mean, rstd, fch, gelu
-    }
+    for (size_t l = 0; l < layers; l++)  // ln1's mean and rstd, lse, resid2, ln2's mean and rstd
+      floats(BT, 2), floats(BT * NH), floats(BT * C), floats(BT, 2);
     floats(BT * C), floats(BT, 2), floats(BT * V), floats(BT);
     floats(BT * C, 2), floats(BT * 3 * C), floats(BT * 4 * C);
   }
@@ -122,7 +131,7 @@ std::pair<size_t, const char*> largest_kernel_workspace(const ParamTable& table,
 
 std::vector<PlannedAllocation> plan_device_allocations(const ParamTable& table, const GroupShape& groups,
                                                        const EngineOptions& engine, int micro_batch, int seq_len,
-                                                       bool activation_checkpointing) {
+                                                       bool activation_checkpointing, DType activation_dtype) {
   const std::vector<UnitLayout> layout = FsdpEngine::plan_layout(table, groups);
   std::vector<PlannedAllocation> list;
   auto add = [&](MemCategory category, size_t bytes) {
@@ -181,7 +190,7 @@ std::vector<PlannedAllocation> plan_device_allocations(const ParamTable& table, 
     add(MEM_OPTIMIZER_STATE, AdamW::plan_table_bytes(table, groups.shard_size));  // the fused step's table
   }
   add(MEM_WORKSPACE, AdamW::kStepSumsBytes);  // the trainer's step sums
-  add_activation_allocations(table, micro_batch, seq_len, activation_checkpointing, &list);
+  add_activation_allocations(table, micro_batch, seq_len, activation_checkpointing, activation_dtype, &list);
   return list;
 }
 
@@ -253,7 +262,8 @@ MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, c
   if (engine.cpu_offload)  // master, gradient, two moments, the table, the sums
     plan.offloaded_bytes =
         (shard_numel + 3 * trainable_shard_numel) * sizeof(float) + table_bytes + AdamW::kStepSumsBytes;
-  plan.bytes[MEM_ACTIVATIONS] = plan_activation_bytes(table, micro_batch, seq_len, activation_checkpointing);
+  plan.bytes[MEM_ACTIVATIONS] = plan_activation_bytes(table, micro_batch, seq_len, activation_checkpointing,
+                                                      sizeof(float), compute.activation_dtype);
   // The GEMMs' workspace and the step's loss and gradient-norm sums on the device.
   plan.bytes[MEM_WORKSPACE] =
       plan_gemm_workspace_bytes(compute.device, compute.compute_dtype, gemms) + AdamW::kStepSumsBytes;
@@ -266,7 +276,8 @@ MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, c
   if (compute.gpu())
     plan.gpu = plan_gpu_backend(
         table, groups, micro_batch, seq_len, compute, gemms,
-        plan_device_allocations(table, groups, engine, micro_batch, seq_len, activation_checkpointing),
+        plan_device_allocations(table, groups, engine, micro_batch, seq_len, activation_checkpointing,
+                                compute.activation_dtype),
         !engine.cpu_offload, teacher);
   return plan;
 }

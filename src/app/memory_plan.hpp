@@ -80,7 +80,8 @@ MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, c
 // masters, their gradients and the moments are host memory and not listed.
 std::vector<PlannedAllocation> plan_device_allocations(const ParamTable& table, const GroupShape& groups,
                                                        const EngineOptions& engine, int micro_batch, int seq_len,
-                                                       bool activation_checkpointing);
+                                                       bool activation_checkpointing,
+                                                       DType activation_dtype = DTYPE_FP32);
 // The CUDA backend's own memory for this run (GpuBackendPlan), given the allocations it rounds.
 // step_communicator: the trainer's world communicator for the step's sums (made on a GPU unless
 // fsdp.cpu_offload: docs/architecture.md, "One host synchronization per step") is NCCL's too.

@@ -207,6 +207,9 @@ void declare_options(OptionList& o, Config& c) {
                "CPU, compute widens to fp32); fp16 turns on dynamic loss scaling");
   o.add_choice("fsdp.reduce_dtype", &c.fsdp.reduce_dtype, DTYPES, dtype_name,
                "the type gradients are reduce-scattered in (replica all-reduces stay fp32)");
+  o.add_choice("fsdp.activation_dtype", &c.fsdp.activation_dtype, ACTIVATION_DTYPES, activation_dtype_name,
+               "the type the blocks' activations are stored in for backward, each rounded where it is produced "
+               "(statistics, softmax and the residual stream stay fp32); auto = fsdp.param_dtype");
   o.add("fsdp.forward_prefetch", &c.fsdp.forward_prefetch,
         "start the next block's all-gather before the current block's forward computes");
   o.add_choice("fsdp.backward_prefetch", &c.fsdp.backward_prefetch, PREFETCHES, backward_prefetch_name,
@@ -717,6 +720,12 @@ ComputeOptions compute_options(const Config& c) {
   ComputeOptions o;
   o.device = c.train.device;
   o.compute_dtype = c.fsdp.param_dtype;
+  switch (c.fsdp.activation_dtype) {
+    case ACTIVATIONS_AUTO: o.activation_dtype = c.fsdp.param_dtype; break;
+    case ACTIVATIONS_FP32: o.activation_dtype = DTYPE_FP32; break;
+    case ACTIVATIONS_BF16: o.activation_dtype = DTYPE_BF16; break;
+    case ACTIVATIONS_FP16: o.activation_dtype = DTYPE_FP16; break;
+  }
   o.comm = c.fsdp.comm_backend;
   o.attention = c.train.attention;
   return o;

@@ -65,6 +65,7 @@ struct FsdpOptions {
   bool activation_checkpointing = false;
   DType param_dtype = DTYPE_FP32;   // gathered parameters and their all-gather
   DType reduce_dtype = DTYPE_FP32;  // the gradient reduce-scatter's wire type
+  ActivationDtype activation_dtype = ACTIVATIONS_AUTO;  // the blocks' saved activations
   bool forward_prefetch = false;
   BackwardPrefetch backward_prefetch = BACKWARD_PREFETCH_PRE;
   int limit_all_gathers = 2;  // unsharded block buffers; 1 disables prefetching

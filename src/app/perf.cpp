@@ -53,13 +53,13 @@ double measure_sgemm_gflops(int n, int repeats) {
 double measure_bf16_gemm_gflops(int n, int repeats) {
   cpu::Bf16Gemm gemm({{n, n}}, n);
   std::vector<float> a(static_cast<size_t>(n) * n, 0.5f), b(a.size(), 0.25f), c(a.size(), 0.0f);
-  // The weight with its bf16 copy, as training passes it (the engine's gathered unit): only the
-  // activation is rounded per product.
-  std::vector<uint16_t> b16(b.size(), float_to_bf16(0.25f));
+  // Both operands with their bf16 copies, as training passes them (the engine's gathered unit; the
+  // model's saved activation with fsdp.activation_dtype=bf16): the products alone.
+  std::vector<uint16_t> a16(a.size(), float_to_bf16(0.5f)), b16(b.size(), float_to_bf16(0.25f));
   double best = 0;
   for (int r = 0; r < repeats + 1; r++) {  // the first run also creates the kernel
     auto t0 = std::chrono::steady_clock::now();
-    gemm.forward(c.data(), a.data(), b.data(), b16.data(), nullptr, n, n, n);
+    gemm.forward(c.data(), a.data(), a16.data(), b.data(), b16.data(), nullptr, n, n, n);
     double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (r > 0) best = std::max(best, 2.0 * n * n * n / s / 1e9);
   }

@@ -352,7 +352,8 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
   if (rt.rank() == cfg_.debug.stall_rank && cfg_.debug.stall_step < 0)  // the tests' start-up stall
     usleep(static_cast<useconds_t>(cfg_.debug.stall_seconds * 1e6));
   open_data();
-  model_ = make_model<float>(table_, B_, T_, cfg_.fsdp.activation_checkpointing, *compute_.backend().ops);
+  model_ = make_model<float>(table_, B_, T_, cfg_.fsdp.activation_checkpointing, *compute_.backend().ops,
+                             compute_.options().activation_dtype);
   memory_.add(MEM_ACTIVATIONS, model_->activation_bytes());
   memory_.add(MEM_WORKSPACE, compute_.gemm_workspace_bytes());
   step_sums_ = DeviceArray<double>(*compute_.backend().device, 2);

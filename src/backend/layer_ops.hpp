@@ -123,12 +123,21 @@ class LayerOps {
   // x *= s
   virtual void scale(Real* x, size_t n, Real s) const = 0;
 
-  // "Operands rounded once": a 16-bit copy of an fp32 parameter buffer. While [values, values + n)
-  // is bound, the caller guarantees values[i] == widen(half[i]) whenever an op reads it, and a
-  // matmul_forward/backward whose weight lies inside it multiplies that copy instead of rounding
-  // the weight again -- the same bits, without the rounding pass or its copy. Ops whose GEMMs do
-  // not take 16-bit operands of `type` ignore it. The engine binds each gathered-unit buffer of a
-  // 16-bit param_dtype for the buffer's life (shard/fsdp_engine.hpp). Binding again replaces.
+  // 16-bit activation storage (fsdp.activation_dtype, model/saved_activations.hpp): values[i]
+  // rounded to `type` in place (round to nearest even as backend/dtype.hpp) and the 16-bit value
+  // written to half[i], so that afterwards values[i] == widen(half[i]). One pass.
+  virtual void round_to_half(Real* values, uint16_t* half, size_t n, DType type) const = 0;
+  // values[i] = widen(half[i]).
+  virtual void widen_half(Real* values, const uint16_t* half, size_t n, DType type) const = 0;
+
+  // "Operands rounded once": a 16-bit copy of an fp32 buffer. While [values, values + n) is bound,
+  // the caller guarantees values[i] == widen(half[i]) whenever an op reads it, and a
+  // matmul_forward/backward whose weight or input lies inside it multiplies that copy instead of
+  // rounding the operand again -- the same bits, without the rounding pass or its copy. Ops whose
+  // GEMMs do not take 16-bit operands of `type` ignore it. The engine binds each gathered-unit
+  // buffer of a 16-bit param_dtype for the buffer's life (shard/fsdp_engine.hpp); a model with
+  // 16-bit activations binds its working activations to the current layer's saved copies
+  // (model/saved_activations.hpp). Binding again replaces.
   virtual void bind_half_copy(const Real* values, const uint16_t* half, size_t n, DType type) const {
     (void)values, (void)half, (void)n, (void)type;
   }

@@ -12,9 +12,10 @@ namespace shardtrain {
 
 template <typename Real>
 GptModel<Real>::GptModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
-                         const LayerOps<Real>& ops)
+                         const LayerOps<Real>& ops, DType activation_dtype)
     : table_(table), ops_(ops), adapters_(table, batch * seq_len, ops), cfg_(table.config()), B_(batch), T_(seq_len),
-      checkpointing_(activation_checkpointing) {
+      checkpointing_(activation_checkpointing),
+      saved_(ops, activation_dtype, checkpointing_ ? 1 : cfg_.n_layer, saved_tensor_elements(cfg_, batch, seq_len)) {
   SHARD_CHECK(seq_len <= cfg_.max_seq_len, "seq_len %d > max_seq_len %d", seq_len, cfg_.max_seq_len);
   const size_t BT = static_cast<size_t>(B_) * T_, C = cfg_.n_embd, NH = cfg_.n_head, L = cfg_.n_layer;
   Device& dev = ops.device();
@@ -24,10 +25,8 @@ GptModel<Real>::GptModel(const ParamTable& table, int batch, int seq_len, bool a
   for (size_t l = 0; l <= L; l++) resid_.push_back(array(BT * C));
   layers_.resize(checkpointing_ ? 1 : L);
   for (Layer& a : layers_) {
-    a.ln1 = array(BT * C), a.ln1_mean = array(BT), a.ln1_rstd = array(BT);
-    a.qkv = array(BT * 3 * C), a.lse = array(BT * NH), a.atty = array(BT * C), a.resid2 = array(BT * C);
-    a.ln2 = array(BT * C), a.ln2_mean = array(BT), a.ln2_rstd = array(BT);
-    a.fch = array(BT * 4 * C), a.fch_gelu = array(BT * 4 * C);
+    a.ln1_mean = array(BT), a.ln1_rstd = array(BT), a.lse = array(BT * NH), a.resid2 = array(BT * C);
+    a.ln2_mean = array(BT), a.ln2_rstd = array(BT);
   }
   lnf_ = array(BT * C), lnf_mean_ = array(BT), lnf_rstd_ = array(BT);
   probs_ = array(BT * cfg_.vocab_size), losses_ = array(BT);
@@ -38,12 +37,22 @@ template <typename Real>
 size_t GptModel<Real>::plan_activation_elements(const ModelConfig& c, int batch, int seq_len, bool checkpointing) {
   const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, lse = BT * c.n_head;
   const size_t L = c.n_layer, layers = checkpointing ? 1 : L;
-  // Per layer: ln1, qkv, attention's lse, atty, resid2, ln2, fch, fch_gelu, and four row statistics.
-  const size_t per_layer = BT * C * 4 + BT * 3 * C + lse + 2 * BT * 4 * C + 4 * BT;
+  // Per layer besides the saved tensors: attention's lse, resid2, and four row statistics.
+  const size_t per_layer = lse + BT * C + 4 * BT;
   const size_t residual = (L + 1) * BT * C;
   const size_t head = BT * C + 2 * BT + BT * c.vocab_size + BT;               // lnf + stats, probs, losses
   const size_t scratch = BT * C * 2 + BT * 3 * C + BT * 4 * C;  // dresid, dln, dqkv, dfch
   return layers * per_layer + residual + head + scratch;
+}
+
+template <typename Real>
+std::vector<size_t> GptModel<Real>::saved_tensor_elements(const ModelConfig& c, int batch, int seq_len) {
+  const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd;
+  std::vector<size_t> sizes(FCH_GELU + 1);
+  sizes[LN1] = sizes[ATTY] = sizes[LN2] = BT * C;
+  sizes[QKV] = BT * 3 * C;
+  sizes[FCH] = sizes[FCH_GELU] = BT * 4 * C;
+  return sizes;
 }
 
 template <typename Real>
@@ -58,23 +67,32 @@ void GptModel<Real>::block_forward(int l, const Real* w) {
   const int N = B_ * T_, C = cfg_.n_embd, NH = cfg_.n_head;
   Layer& a = layer(l);
   auto W = [&](BlockParam p) { return param_in(table_, w, block_unit(l), p); };
+  auto S = [&](Saved t) { return saved_.at(l, t); };
+  auto produced = [&](Saved t) { saved_.produced(l, t); };
   const Real* x = resid_[l].data();
-  ops_.layernorm_forward(a.ln1.data(), a.ln1_mean.data(), a.ln1_rstd.data(), x, W(BLOCK_LN1_W), W(BLOCK_LN1_B), N, C);
-  ops_.matmul_forward(a.qkv.data(), a.ln1.data(), W(BLOCK_QKV_W), W(BLOCK_QKV_B), N, C, 3 * C);
-  adapters_.forward(l, PRODUCT_QKV, a.ln1.data(), a.qkv.data(), w);
-  ops_.attention_forward(a.atty.data(), a.lse.data(), a.qkv.data(), B_, T_, NH, NH, C / NH);
+  ops_.layernorm_forward(S(LN1), a.ln1_mean.data(), a.ln1_rstd.data(), x, W(BLOCK_LN1_W), W(BLOCK_LN1_B), N, C);
+  produced(LN1);
+  ops_.matmul_forward(S(QKV), S(LN1), W(BLOCK_QKV_W), W(BLOCK_QKV_B), N, C, 3 * C);
+  adapters_.forward(l, PRODUCT_QKV, S(LN1), S(QKV), w);
+  produced(QKV);
+  ops_.attention_forward(S(ATTY), a.lse.data(), S(QKV), B_, T_, NH, NH, C / NH);
+  produced(ATTY);
   // The projection output is only needed summed into the residual: reuse resid2 for it.
-  ops_.matmul_forward(a.resid2.data(), a.atty.data(), W(BLOCK_ATTPROJ_W), W(BLOCK_ATTPROJ_B), N, C, C);
-  adapters_.forward(l, PRODUCT_ATTN_OUT, a.atty.data(), a.resid2.data(), w);
+  ops_.matmul_forward(a.resid2.data(), S(ATTY), W(BLOCK_ATTPROJ_W), W(BLOCK_ATTPROJ_B), N, C, C);
+  adapters_.forward(l, PRODUCT_ATTN_OUT, S(ATTY), a.resid2.data(), w);
   ops_.residual_forward(a.resid2.data(), a.resid2.data(), x, a.resid2.size());
-  ops_.layernorm_forward(a.ln2.data(), a.ln2_mean.data(), a.ln2_rstd.data(), a.resid2.data(), W(BLOCK_LN2_W),
+  ops_.layernorm_forward(S(LN2), a.ln2_mean.data(), a.ln2_rstd.data(), a.resid2.data(), W(BLOCK_LN2_W),
                          W(BLOCK_LN2_B), N, C);
-  ops_.matmul_forward(a.fch.data(), a.ln2.data(), W(BLOCK_FC_W), W(BLOCK_FC_B), N, C, 4 * C);
-  adapters_.forward(l, PRODUCT_MLP_UP, a.ln2.data(), a.fch.data(), w);
-  ops_.gelu_forward(a.fch_gelu.data(), a.fch.data(), a.fch.size());
+  produced(LN2);
+  ops_.matmul_forward(S(FCH), S(LN2), W(BLOCK_FC_W), W(BLOCK_FC_B), N, C, 4 * C);
+  adapters_.forward(l, PRODUCT_MLP_UP, S(LN2), S(FCH), w);
+  produced(FCH);
+  const size_t hidden = static_cast<size_t>(N) * 4 * C;
+  ops_.gelu_forward(S(FCH_GELU), S(FCH), hidden);
+  produced(FCH_GELU);
   Real* out = resid_[l + 1].data();
-  ops_.matmul_forward(out, a.fch_gelu.data(), W(BLOCK_FCPROJ_W), W(BLOCK_FCPROJ_B), N, 4 * C, C);
-  adapters_.forward(l, PRODUCT_MLP_DOWN, a.fch_gelu.data(), out, w);
+  ops_.matmul_forward(out, S(FCH_GELU), W(BLOCK_FCPROJ_W), W(BLOCK_FCPROJ_B), N, 4 * C, C);
+  adapters_.forward(l, PRODUCT_MLP_DOWN, S(FCH_GELU), out, w);
   ops_.residual_forward(out, out, a.resid2.data(), resid_[l + 1].size());
 }
 
@@ -113,33 +131,35 @@ void GptModel<Real>::head_backward(Real* g, const Real* root, Real dloss) {
 template <typename Real>
 void GptModel<Real>::block_backward(int l, Real* g, const Real* w) {
   const int N = B_ * T_, C = cfg_.n_embd, NH = cfg_.n_head;
-  if (checkpointing_) block_forward(l, w);  // recompute this block's activations from its saved input
+  if (checkpointing_)
+    block_forward(l, w);  // recompute this block's activations from its saved input
+  else
+    saved_.restore(l);
   Layer& a = layer(l);
   auto W = [&](BlockParam p) { return param_in(table_, w, block_unit(l), p); };
   auto G = [&](BlockParam p) { return grad_in(table_, g, block_unit(l), p); };
+  auto S = [&](Saved t) { return saved_.at(l, t); };
   // MLP: out = r2 + proj(gelu(fc(ln2(r2)))); dresid_ holds d(out) and becomes d(r2).
-  const Real* d = adapters_.output_grad(l, PRODUCT_MLP_DOWN, a.fch_gelu.data(), dresid_.data(), w, g);
-  ops_.matmul_backward(dfch_.data(), G(BLOCK_FCPROJ_W), G(BLOCK_FCPROJ_B), d, a.fch_gelu.data(), W(BLOCK_FCPROJ_W), N,
+  const Real* d = adapters_.output_grad(l, PRODUCT_MLP_DOWN, S(FCH_GELU), dresid_.data(), w, g);
+  ops_.matmul_backward(dfch_.data(), G(BLOCK_FCPROJ_W), G(BLOCK_FCPROJ_B), d, S(FCH_GELU), W(BLOCK_FCPROJ_W), N,
                        4 * C, C);
-  adapters_.backward(l, PRODUCT_MLP_DOWN, a.fch_gelu.data(), d, dfch_.data(), w, g);
-  ops_.gelu_backward(dfch_.data(), dfch_.data(), a.fch.data(), dfch_.size());
-  d = adapters_.output_grad(l, PRODUCT_MLP_UP, a.ln2.data(), dfch_.data(), w, g);
-  ops_.matmul_backward(dln_.data(), G(BLOCK_FC_W), G(BLOCK_FC_B), d, a.ln2.data(), W(BLOCK_FC_W), N, C, 4 * C);
-  adapters_.backward(l, PRODUCT_MLP_UP, a.ln2.data(), d, dln_.data(), w, g);
+  adapters_.backward(l, PRODUCT_MLP_DOWN, S(FCH_GELU), d, dfch_.data(), w, g);
+  ops_.gelu_backward(dfch_.data(), dfch_.data(), S(FCH), dfch_.size());
+  d = adapters_.output_grad(l, PRODUCT_MLP_UP, S(LN2), dfch_.data(), w, g);
+  ops_.matmul_backward(dln_.data(), G(BLOCK_FC_W), G(BLOCK_FC_B), d, S(LN2), W(BLOCK_FC_W), N, C, 4 * C);
+  adapters_.backward(l, PRODUCT_MLP_UP, S(LN2), d, dln_.data(), w, g);
   ops_.layernorm_backward(dresid_.data(), G(BLOCK_LN2_W), G(BLOCK_LN2_B), dln_.data(), a.resid2.data(), W(BLOCK_LN2_W),
-                     a.ln2_mean.data(), a.ln2_rstd.data(), N, C);
+                          a.ln2_mean.data(), a.ln2_rstd.data(), N, C);
   // Attention: r2 = x + proj(attn(qkv(ln1(x)))); dresid_ becomes d(x).
-  d = adapters_.output_grad(l, PRODUCT_ATTN_OUT, a.atty.data(), dresid_.data(), w, g);
-  ops_.matmul_backward(dln_.data(), G(BLOCK_ATTPROJ_W), G(BLOCK_ATTPROJ_B), d, a.atty.data(), W(BLOCK_ATTPROJ_W), N, C,
-                       C);
-  adapters_.backward(l, PRODUCT_ATTN_OUT, a.atty.data(), d, dln_.data(), w, g);
-  ops_.attention_backward(dqkv_.data(), dln_.data(), a.qkv.data(), a.atty.data(), a.lse.data(), B_, T_, NH, NH,
-                          C / NH);
-  d = adapters_.output_grad(l, PRODUCT_QKV, a.ln1.data(), dqkv_.data(), w, g);
-  ops_.matmul_backward(dln_.data(), G(BLOCK_QKV_W), G(BLOCK_QKV_B), d, a.ln1.data(), W(BLOCK_QKV_W), N, C, 3 * C);
-  adapters_.backward(l, PRODUCT_QKV, a.ln1.data(), d, dln_.data(), w, g);
+  d = adapters_.output_grad(l, PRODUCT_ATTN_OUT, S(ATTY), dresid_.data(), w, g);
+  ops_.matmul_backward(dln_.data(), G(BLOCK_ATTPROJ_W), G(BLOCK_ATTPROJ_B), d, S(ATTY), W(BLOCK_ATTPROJ_W), N, C, C);
+  adapters_.backward(l, PRODUCT_ATTN_OUT, S(ATTY), d, dln_.data(), w, g);
+  ops_.attention_backward(dqkv_.data(), dln_.data(), S(QKV), S(ATTY), a.lse.data(), B_, T_, NH, NH, C / NH);
+  d = adapters_.output_grad(l, PRODUCT_QKV, S(LN1), dqkv_.data(), w, g);
+  ops_.matmul_backward(dln_.data(), G(BLOCK_QKV_W), G(BLOCK_QKV_B), d, S(LN1), W(BLOCK_QKV_W), N, C, 3 * C);
+  adapters_.backward(l, PRODUCT_QKV, S(LN1), d, dln_.data(), w, g);
   ops_.layernorm_backward(dresid_.data(), G(BLOCK_LN1_W), G(BLOCK_LN1_B), dln_.data(), resid_[l].data(), W(BLOCK_LN1_W),
-                     a.ln1_mean.data(), a.ln1_rstd.data(), N, C);
+                          a.ln1_mean.data(), a.ln1_rstd.data(), N, C);
 }
 
 template <typename Real>

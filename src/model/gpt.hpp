@@ -6,22 +6,27 @@
 
 #include "model/adapter_layers.hpp"
 #include "model/model.hpp"
+#include "model/saved_activations.hpp"
 
 namespace shardtrain {
 
 template <typename Real>
 class GptModel : public TransformerModel<Real> {
  public:
-  GptModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing, const LayerOps<Real>& ops);
+  // activation_dtype: how a block's saved tensors are stored (model/saved_activations.hpp).
+  GptModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing, const LayerOps<Real>& ops,
+           DType activation_dtype = DTYPE_FP32);
 
-  // Elements of activations and backward scratch, tokens and targets aside.
+  // Elements of activations and backward scratch besides the saved tensors, tokens and targets aside.
   static size_t plan_activation_elements(const ModelConfig& config, int batch, int seq_len,
                                          bool activation_checkpointing);
+  // Elements of each of a layer's saved tensors (SavedActivations' sizes).
+  static std::vector<size_t> saved_tensor_elements(const ModelConfig& config, int batch, int seq_len);
 
   int batch() const override { return B_; }
   int seq_len() const override { return T_; }
   size_t activation_bytes() const override {
-    return plan_activation_bytes(table_, B_, T_, checkpointing_, sizeof(Real));
+    return plan_activation_bytes(table_, B_, T_, checkpointing_, sizeof(Real), saved_.dtype());
   }
 
   void embed_forward(const Real* root, const int* tokens) override;
@@ -48,8 +53,10 @@ class GptModel : public TransformerModel<Real> {
 
  private:
   using Array = DeviceArray<Real>;
+  // A layer's saved tensors (in saved_) and its fp32 rest.
+  enum Saved { LN1, QKV, ATTY, LN2, FCH, FCH_GELU };
   struct Layer {
-    Array ln1, ln1_mean, ln1_rstd, qkv, lse, atty, resid2, ln2, ln2_mean, ln2_rstd, fch, fch_gelu;
+    Array ln1_mean, ln1_rstd, lse, resid2, ln2_mean, ln2_rstd;
   };
   Layer& layer(int l) { return layers_[checkpointing_ ? 0 : l]; }
 
@@ -62,6 +69,7 @@ class GptModel : public TransformerModel<Real> {
   DeviceArray<int> tokens_, targets_;
   std::vector<Array> resid_;  // resid_[l]: input of block l; resid_[L]: output of the last
   std::vector<Layer> layers_;  // one per block, or a single shared one when checkpointing
+  SavedActivations<Real> saved_;  // as many layers as layers_
   Array lnf_, lnf_mean_, lnf_rstd_, probs_, losses_;
   // Backward scratch, shared by all layers.
   Array dresid_, dln_, dqkv_, dfch_;

@@ -12,9 +12,10 @@ namespace shardtrain {
 
 template <typename Real>
 LlamaModel<Real>::LlamaModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
-                             const LayerOps<Real>& ops)
+                             const LayerOps<Real>& ops, DType activation_dtype)
     : table_(table), ops_(ops), adapters_(table, batch * seq_len, ops), cfg_(table.config()), B_(batch), T_(seq_len),
-      checkpointing_(activation_checkpointing) {
+      checkpointing_(activation_checkpointing),
+      saved_(ops, activation_dtype, checkpointing_ ? 1 : cfg_.n_layer, saved_tensor_elements(cfg_, batch, seq_len)) {
   SHARD_CHECK(cfg_.arch == ARCH_LLAMA, "LlamaModel of a %s table", model_arch_name(cfg_.arch));
   SHARD_CHECK(seq_len <= cfg_.max_seq_len, "seq_len %d > max_seq_len %d", seq_len, cfg_.max_seq_len);
   SHARD_CHECK(cfg_.head_size() % 2 == 0, "rotary embeddings need an even head size, not %d", cfg_.head_size());
@@ -27,11 +28,8 @@ LlamaModel<Real>::LlamaModel(const ParamTable& table, int batch, int seq_len, bo
   make_rope_tables(T_, rope_cos_, rope_sin_);
   for (size_t l = 0; l <= L; l++) resid_.push_back(array(BT * C));
   layers_.resize(checkpointing_ ? 1 : L);
-  for (Layer& a : layers_) {
-    a.ln1 = array(BT * C), a.ln1_rstd = array(BT), a.qkv = array(BT * QKV), a.lse = array(BT * NH);
-    a.atty = array(BT * C), a.resid2 = array(BT * C), a.ln2 = array(BT * C), a.ln2_rstd = array(BT);
-    a.gate_up = array(BT * 2 * I), a.act = array(BT * I);
-  }
+  for (Layer& a : layers_)
+    a.ln1_rstd = array(BT), a.lse = array(BT * NH), a.resid2 = array(BT * C), a.ln2_rstd = array(BT);
   lnf_ = array(BT * C), lnf_rstd_ = array(BT);
   probs_ = array(BT * cfg_.vocab_size), losses_ = array(BT);
   dresid_ = array(BT * C), dln_ = array(BT * C), dqkv_ = array(BT * QKV), dgate_up_ = array(BT * 2 * I);
@@ -61,12 +59,23 @@ size_t LlamaModel<Real>::plan_activation_elements(const ModelConfig& c, int batc
   const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, lse = BT * c.n_head;
   const size_t QKV = c.qkv_size(), I = c.mlp_size(), L = c.n_layer, layers = checkpointing ? 1 : L;
   const size_t rope = 2 * static_cast<size_t>(seq_len) * (c.head_size() / 2);
-  // Per layer: ln1, qkv, attention's lse, atty, resid2, ln2, gate_up, act, and two row statistics.
-  const size_t per_layer = BT * C * 4 + BT * QKV + lse + BT * 2 * I + BT * I + 2 * BT;
+  // Per layer besides the saved tensors: attention's lse, resid2, and two row statistics.
+  const size_t per_layer = lse + BT * C + 2 * BT;
   const size_t residual = (L + 1) * BT * C;
   const size_t head = BT * C + BT + BT * c.vocab_size + BT;         // lnf + rstd, probs, losses
   const size_t scratch = BT * C * 2 + BT * QKV + BT * 3 * I;  // dresid, dln, dqkv, dgate_up, dact
   return rope + layers * per_layer + residual + head + scratch;
+}
+
+template <typename Real>
+std::vector<size_t> LlamaModel<Real>::saved_tensor_elements(const ModelConfig& c, int batch, int seq_len) {
+  const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, I = c.mlp_size();
+  std::vector<size_t> sizes(ACT + 1);
+  sizes[LN1] = sizes[ATTY] = sizes[LN2] = BT * C;
+  sizes[QKV] = BT * c.qkv_size();
+  sizes[GATE_UP] = BT * 2 * I;
+  sizes[ACT] = BT * I;
+  return sizes;
 }
 
 template <typename Real>
@@ -82,24 +91,32 @@ void LlamaModel<Real>::block_forward(int l, const Real* w) {
   const int I = cfg_.mlp_size();
   const Real eps = static_cast<Real>(cfg_.norm_eps);
   auto W = [&](LlamaBlockParam p) { return param_in(table_, w, block_unit(l), p); };
+  auto S = [&](Saved t) { return saved_.at(l, t); };
+  auto produced = [&](Saved t) { saved_.produced(l, t); };
   Layer& a = layer(l);
   const Real* x = resid_[l].data();
-  ops_.rmsnorm_forward(a.ln1.data(), a.ln1_rstd.data(), x, W(LLAMA_ATTN_NORM_W), eps, N, C);
-  ops_.matmul_forward(a.qkv.data(), a.ln1.data(), W(LLAMA_Q_W), nullptr, N, C, cfg_.qkv_size());  // q|k|v fused
-  adapters_.forward(l, PRODUCT_QKV, a.ln1.data(), a.qkv.data(), w);
-  ops_.rope_forward(a.qkv.data(), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS);
-  ops_.attention_forward(a.atty.data(), a.lse.data(), a.qkv.data(), B_, T_, NH, KV, HS);
+  ops_.rmsnorm_forward(S(LN1), a.ln1_rstd.data(), x, W(LLAMA_ATTN_NORM_W), eps, N, C);
+  produced(LN1);
+  ops_.matmul_forward(S(QKV), S(LN1), W(LLAMA_Q_W), nullptr, N, C, cfg_.qkv_size());  // q|k|v fused
+  adapters_.forward(l, PRODUCT_QKV, S(LN1), S(QKV), w);
+  ops_.rope_forward(S(QKV), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS);
+  produced(QKV);  // after rope: what attention reads (rope's backward needs no values)
+  ops_.attention_forward(S(ATTY), a.lse.data(), S(QKV), B_, T_, NH, KV, HS);
+  produced(ATTY);
   // The projection output is only needed summed into the residual: reuse resid2 for it.
-  ops_.matmul_forward(a.resid2.data(), a.atty.data(), W(LLAMA_O_W), nullptr, N, C, C);
-  adapters_.forward(l, PRODUCT_ATTN_OUT, a.atty.data(), a.resid2.data(), w);
+  ops_.matmul_forward(a.resid2.data(), S(ATTY), W(LLAMA_O_W), nullptr, N, C, C);
+  adapters_.forward(l, PRODUCT_ATTN_OUT, S(ATTY), a.resid2.data(), w);
   ops_.residual_forward(a.resid2.data(), a.resid2.data(), x, a.resid2.size());
-  ops_.rmsnorm_forward(a.ln2.data(), a.ln2_rstd.data(), a.resid2.data(), W(LLAMA_MLP_NORM_W), eps, N, C);
-  ops_.matmul_forward(a.gate_up.data(), a.ln2.data(), W(LLAMA_GATE_W), nullptr, N, C, 2 * I);  // gate|up fused
-  adapters_.forward(l, PRODUCT_MLP_UP, a.ln2.data(), a.gate_up.data(), w);
-  ops_.swiglu_forward(a.act.data(), a.gate_up.data(), N, I);
+  ops_.rmsnorm_forward(S(LN2), a.ln2_rstd.data(), a.resid2.data(), W(LLAMA_MLP_NORM_W), eps, N, C);
+  produced(LN2);
+  ops_.matmul_forward(S(GATE_UP), S(LN2), W(LLAMA_GATE_W), nullptr, N, C, 2 * I);  // gate|up fused
+  adapters_.forward(l, PRODUCT_MLP_UP, S(LN2), S(GATE_UP), w);
+  produced(GATE_UP);
+  ops_.swiglu_forward(S(ACT), S(GATE_UP), N, I);
+  produced(ACT);
   Real* out = resid_[l + 1].data();
-  ops_.matmul_forward(out, a.act.data(), W(LLAMA_DOWN_W), nullptr, N, I, C);
-  adapters_.forward(l, PRODUCT_MLP_DOWN, a.act.data(), out, w);
+  ops_.matmul_forward(out, S(ACT), W(LLAMA_DOWN_W), nullptr, N, I, C);
+  adapters_.forward(l, PRODUCT_MLP_DOWN, S(ACT), out, w);
   ops_.residual_forward(out, out, a.resid2.data(), resid_[l + 1].size());
 }
 
@@ -137,29 +154,33 @@ template <typename Real>
 void LlamaModel<Real>::block_backward(int l, Real* g, const Real* w) {
   const int N = B_ * T_, C = cfg_.n_embd, NH = cfg_.n_head, KV = cfg_.kv_heads(), HS = cfg_.head_size();
   const int I = cfg_.mlp_size();
-  if (checkpointing_) block_forward(l, w);  // recompute this block's activations from its saved input
+  if (checkpointing_)
+    block_forward(l, w);  // recompute this block's activations from its saved input
+  else
+    saved_.restore(l);
   Layer& a = layer(l);
   auto W = [&](LlamaBlockParam p) { return param_in(table_, w, block_unit(l), p); };
   auto G = [&](LlamaBlockParam p) { return grad_in(table_, g, block_unit(l), p); };
+  auto S = [&](Saved t) { return saved_.at(l, t); };
   // MLP: out = r2 + down(swiglu(gate_up(norm2(r2)))); dresid_ holds d(out) and becomes d(r2).
-  const Real* d = adapters_.output_grad(l, PRODUCT_MLP_DOWN, a.act.data(), dresid_.data(), w, g);
-  ops_.matmul_backward(dact_.data(), G(LLAMA_DOWN_W), nullptr, d, a.act.data(), W(LLAMA_DOWN_W), N, I, C);
-  adapters_.backward(l, PRODUCT_MLP_DOWN, a.act.data(), d, dact_.data(), w, g);
-  ops_.swiglu_backward(dgate_up_.data(), dact_.data(), a.gate_up.data(), N, I);
-  d = adapters_.output_grad(l, PRODUCT_MLP_UP, a.ln2.data(), dgate_up_.data(), w, g);
-  ops_.matmul_backward(dln_.data(), G(LLAMA_GATE_W), nullptr, d, a.ln2.data(), W(LLAMA_GATE_W), N, C, 2 * I);
-  adapters_.backward(l, PRODUCT_MLP_UP, a.ln2.data(), d, dln_.data(), w, g);
+  const Real* d = adapters_.output_grad(l, PRODUCT_MLP_DOWN, S(ACT), dresid_.data(), w, g);
+  ops_.matmul_backward(dact_.data(), G(LLAMA_DOWN_W), nullptr, d, S(ACT), W(LLAMA_DOWN_W), N, I, C);
+  adapters_.backward(l, PRODUCT_MLP_DOWN, S(ACT), d, dact_.data(), w, g);
+  ops_.swiglu_backward(dgate_up_.data(), dact_.data(), S(GATE_UP), N, I);
+  d = adapters_.output_grad(l, PRODUCT_MLP_UP, S(LN2), dgate_up_.data(), w, g);
+  ops_.matmul_backward(dln_.data(), G(LLAMA_GATE_W), nullptr, d, S(LN2), W(LLAMA_GATE_W), N, C, 2 * I);
+  adapters_.backward(l, PRODUCT_MLP_UP, S(LN2), d, dln_.data(), w, g);
   ops_.rmsnorm_backward(dresid_.data(), G(LLAMA_MLP_NORM_W), dln_.data(), a.resid2.data(), W(LLAMA_MLP_NORM_W),
                         a.ln2_rstd.data(), N, C);
   // Attention: r2 = x + o(attn(rope(qkv(norm1(x))))); dresid_ becomes d(x).
-  d = adapters_.output_grad(l, PRODUCT_ATTN_OUT, a.atty.data(), dresid_.data(), w, g);
-  ops_.matmul_backward(dln_.data(), G(LLAMA_O_W), nullptr, d, a.atty.data(), W(LLAMA_O_W), N, C, C);
-  adapters_.backward(l, PRODUCT_ATTN_OUT, a.atty.data(), d, dln_.data(), w, g);
-  ops_.attention_backward(dqkv_.data(), dln_.data(), a.qkv.data(), a.atty.data(), a.lse.data(), B_, T_, NH, KV, HS);
+  d = adapters_.output_grad(l, PRODUCT_ATTN_OUT, S(ATTY), dresid_.data(), w, g);
+  ops_.matmul_backward(dln_.data(), G(LLAMA_O_W), nullptr, d, S(ATTY), W(LLAMA_O_W), N, C, C);
+  adapters_.backward(l, PRODUCT_ATTN_OUT, S(ATTY), d, dln_.data(), w, g);
+  ops_.attention_backward(dqkv_.data(), dln_.data(), S(QKV), S(ATTY), a.lse.data(), B_, T_, NH, KV, HS);
   ops_.rope_backward(dqkv_.data(), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS);
-  d = adapters_.output_grad(l, PRODUCT_QKV, a.ln1.data(), dqkv_.data(), w, g);
-  ops_.matmul_backward(dln_.data(), G(LLAMA_Q_W), nullptr, d, a.ln1.data(), W(LLAMA_Q_W), N, C, cfg_.qkv_size());
-  adapters_.backward(l, PRODUCT_QKV, a.ln1.data(), d, dln_.data(), w, g);
+  d = adapters_.output_grad(l, PRODUCT_QKV, S(LN1), dqkv_.data(), w, g);
+  ops_.matmul_backward(dln_.data(), G(LLAMA_Q_W), nullptr, d, S(LN1), W(LLAMA_Q_W), N, C, cfg_.qkv_size());
+  adapters_.backward(l, PRODUCT_QKV, S(LN1), d, dln_.data(), w, g);
   ops_.rmsnorm_backward(dresid_.data(), G(LLAMA_ATTN_NORM_W), dln_.data(), resid_[l].data(), W(LLAMA_ATTN_NORM_W),
                         a.ln1_rstd.data(), N, C);
 }

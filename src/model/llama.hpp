@@ -9,23 +9,28 @@
 
 #include "model/adapter_layers.hpp"
 #include "model/model.hpp"
+#include "model/saved_activations.hpp"
 
 namespace shardtrain {
 
 template <typename Real>
 class LlamaModel : public TransformerModel<Real> {
  public:
+  // activation_dtype: how a block's saved tensors are stored (model/saved_activations.hpp).
   LlamaModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
-             const LayerOps<Real>& ops);
+             const LayerOps<Real>& ops, DType activation_dtype = DTYPE_FP32);
 
-  // Elements of activations, backward scratch and rope tables, tokens and targets aside.
+  // Elements of activations, backward scratch and rope tables besides the saved tensors, tokens
+  // and targets aside.
   static size_t plan_activation_elements(const ModelConfig& config, int batch, int seq_len,
                                          bool activation_checkpointing);
+  // Elements of each of a layer's saved tensors (SavedActivations' sizes).
+  static std::vector<size_t> saved_tensor_elements(const ModelConfig& config, int batch, int seq_len);
 
   int batch() const override { return B_; }
   int seq_len() const override { return T_; }
   size_t activation_bytes() const override {
-    return plan_activation_bytes(table_, B_, T_, checkpointing_, sizeof(Real));
+    return plan_activation_bytes(table_, B_, T_, checkpointing_, sizeof(Real), saved_.dtype());
   }
 
   void embed_forward(const Real* root, const int* tokens) override;
@@ -52,8 +57,10 @@ class LlamaModel : public TransformerModel<Real> {
 
  private:
   using Array = DeviceArray<Real>;
+  // A layer's saved tensors (in saved_) and its fp32 rest.
+  enum Saved { LN1, QKV, ATTY, LN2, GATE_UP, ACT };
   struct Layer {
-    Array ln1, ln1_rstd, qkv, lse, atty, resid2, ln2, ln2_rstd, gate_up, act;
+    Array ln1_rstd, lse, resid2, ln2_rstd;
   };
   Layer& layer(int l) { return layers_[checkpointing_ ? 0 : l]; }
   // The LM head's weight in the root unit: lm_head, or the tied embedding.
@@ -69,6 +76,7 @@ class LlamaModel : public TransformerModel<Real> {
   Array rope_cos_, rope_sin_;  // (T, head_size / 2)
   std::vector<Array> resid_;   // resid_[l]: input of block l; resid_[L]: output of the last
   std::vector<Layer> layers_;  // one per block, or a single shared one when checkpointing
+  SavedActivations<Real> saved_;  // as many layers as layers_
   Array lnf_, lnf_rstd_, probs_, losses_;
   // Backward scratch, shared by all layers.
   Array dresid_, dln_, dqkv_, dgate_up_, dact_;

@@ -9,20 +9,26 @@ namespace shardtrain {
 
 template <typename Real>
 std::unique_ptr<TransformerModel<Real>> make_model(const ParamTable& table, int batch, int seq_len,
-                                                   bool activation_checkpointing, const LayerOps<Real>& ops) {
+                                                   bool activation_checkpointing, const LayerOps<Real>& ops,
+                                                   DType activation_dtype) {
   if (table.config().arch == ARCH_LLAMA)
-    return std::make_unique<LlamaModel<Real>>(table, batch, seq_len, activation_checkpointing, ops);
-  return std::make_unique<GptModel<Real>>(table, batch, seq_len, activation_checkpointing, ops);
+    return std::make_unique<LlamaModel<Real>>(table, batch, seq_len, activation_checkpointing, ops, activation_dtype);
+  return std::make_unique<GptModel<Real>>(table, batch, seq_len, activation_checkpointing, ops, activation_dtype);
 }
 
 size_t plan_activation_bytes(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
-                             size_t real_bytes) {
+                             size_t real_bytes, DType activation_dtype) {
   const ModelConfig& config = table.config();
+  const bool llama = config.arch == ARCH_LLAMA;
   const size_t elements =
-      config.arch == ARCH_LLAMA
-          ? LlamaModel<float>::plan_activation_elements(config, batch, seq_len, activation_checkpointing)
-          : GptModel<float>::plan_activation_elements(config, batch, seq_len, activation_checkpointing);
-  return elements * real_bytes + plan_adapter_bytes(table, batch * seq_len, real_bytes) +
+      llama ? LlamaModel<float>::plan_activation_elements(config, batch, seq_len, activation_checkpointing)
+            : GptModel<float>::plan_activation_elements(config, batch, seq_len, activation_checkpointing);
+  const std::vector<size_t> saved = llama ? LlamaModel<float>::saved_tensor_elements(config, batch, seq_len)
+                                          : GptModel<float>::saved_tensor_elements(config, batch, seq_len);
+  const int saved_layers = activation_checkpointing ? 1 : config.n_layer;
+  return elements * real_bytes +
+         SavedActivations<float>::plan_bytes(activation_dtype, saved_layers, saved, real_bytes) +
+         plan_adapter_bytes(table, batch * seq_len, real_bytes) +
          2 * static_cast<size_t>(batch) * seq_len * sizeof(int);  // + tokens, targets
 }
 
@@ -50,9 +56,9 @@ double forward_backward_unsharded(TransformerModel<Real>& model, const ParamTabl
 }
 
 template std::unique_ptr<TransformerModel<float>> make_model<float>(const ParamTable&, int, int, bool,
-                                                                    const LayerOps<float>&);
+                                                                    const LayerOps<float>&, DType);
 template std::unique_ptr<TransformerModel<double>> make_model<double>(const ParamTable&, int, int, bool,
-                                                                      const LayerOps<double>&);
+                                                                      const LayerOps<double>&, DType);
 template double forward_backward_unsharded<float>(TransformerModel<float>&, const ParamTable&,
                                                   const std::vector<const float*>&, const std::vector<float*>&,
                                                   const int*, const int*, float);

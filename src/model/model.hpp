@@ -130,15 +130,17 @@ struct DecodeCursor {
   }
 };
 
-// The model of the table's architecture.
+// The model of the table's architecture. activation_dtype: how its blocks store the tensors their
+// backward reads (fsdp.activation_dtype; model/saved_activations.hpp).
 template <typename Real>
 std::unique_ptr<TransformerModel<Real>> make_model(const ParamTable& table, int batch, int seq_len,
-                                                   bool activation_checkpointing, const LayerOps<Real>& ops);
+                                                   bool activation_checkpointing, const LayerOps<Real>& ops,
+                                                   DType activation_dtype = DTYPE_FP32);
 
 // Bytes of activations and backward scratch for these dimensions, without allocating: the one
 // source for the models' own accounting and the planner.
 size_t plan_activation_bytes(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
-                             size_t real_bytes = sizeof(float));
+                             size_t real_bytes = sizeof(float), DType activation_dtype = DTYPE_FP32);
 
 // Bytes of a decode state (TransformerModel::begin_decode): the key/value cache, L x 2 x max_len x
 // n_kv_head x head_size elements, and the buffers of a step of max_chunk tokens (the adapters' too).

@@ -115,7 +115,7 @@ TEST_P(Bf16GemmTest, ForwardMatchesRoundedOperandsToSummationError) {
       fill_uniform(inp.data(), inp.size(), 1), fill_uniform(weight.data(), weight.size(), 2);
       fill_uniform(bias.data(), bias.size(), 3);
       Bf16Gemm gemm({{s.C, s.OC}}, s.N, onednn());
-      gemm.forward(out.data(), inp.data(), weight.data(), nullptr, with_bias ? bias.data() : nullptr, s.N, s.C, s.OC);
+      gemm.forward(out.data(), inp.data(), nullptr, weight.data(), nullptr, with_bias ? bias.data() : nullptr, s.N, s.C, s.OC);
       Reference want = product(inp, false, weight, true, s.N, s.OC, s.C, true);
       std::vector<float> base;
       if (with_bias)
@@ -138,7 +138,7 @@ TEST_P(Bf16GemmTest, BackwardProductsAccumulateAndAreOptional) {
     fill_uniform(dweight0.data(), dweight0.size(), 7), fill_uniform(dbias0.data(), dbias0.size(), 8);
     std::vector<float> dinp(s.N * s.C, NAN), dweight = dweight0, dbias = dbias0;
     Bf16Gemm gemm({{s.C, s.OC}}, s.N, onednn());
-    gemm.backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), inp.data(), weight.data(), nullptr, s.N, s.C, s.OC);
+    gemm.backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), inp.data(), nullptr, weight.data(), nullptr, s.N, s.C, s.OC);
 
     // dinp = dout W; dweight += dout^T inp (onto what was there); dbias += column sums of dout in fp32.
     expect_within(dinp, product(dout, false, weight, false, s.N, s.C, s.OC, true), {}, "dinp");
@@ -152,10 +152,10 @@ TEST_P(Bf16GemmTest, BackwardProductsAccumulateAndAreOptional) {
 
     // Each gradient alone gives the same bits and leaves the others untouched.
     std::vector<float> dinp_only(s.N * s.C, NAN), untouched = dweight0;
-    gemm.backward(dinp_only.data(), nullptr, nullptr, dout.data(), inp.data(), weight.data(), nullptr, s.N, s.C, s.OC);
+    gemm.backward(dinp_only.data(), nullptr, nullptr, dout.data(), inp.data(), nullptr, weight.data(), nullptr, s.N, s.C, s.OC);
     EXPECT_EQ(0, std::memcmp(dinp_only.data(), dinp.data(), dinp.size() * sizeof(float)));
     std::vector<float> dweight_only = dweight0;
-    gemm.backward(nullptr, dweight_only.data(), nullptr, dout.data(), inp.data(), weight.data(), nullptr, s.N, s.C, s.OC);
+    gemm.backward(nullptr, dweight_only.data(), nullptr, dout.data(), inp.data(), nullptr, weight.data(), nullptr, s.N, s.C, s.OC);
     EXPECT_EQ(0, std::memcmp(dweight_only.data(), dweight.data(), dweight.size() * sizeof(float)));
   }
 }
@@ -175,8 +175,8 @@ TEST_P(Bf16GemmTest, AWeightWithItsCopyIsNotRoundedAgain) {
     auto run = [&](const std::vector<float>& w, const uint16_t* w16, std::vector<float>* out, std::vector<float>* dinp,
                    std::vector<float>* dweight) {
       out->assign(s.N * s.OC, NAN), dinp->assign(s.N * s.C, NAN), dweight->assign(s.OC * s.C, 0.0f);
-      gemm.forward(out->data(), inp.data(), w.data(), w16, bias.data(), s.N, s.C, s.OC);
-      gemm.backward(dinp->data(), dweight->data(), nullptr, dout.data(), inp.data(), w.data(), w16, s.N, s.C, s.OC);
+      gemm.forward(out->data(), inp.data(), nullptr, w.data(), w16, bias.data(), s.N, s.C, s.OC);
+      gemm.backward(dinp->data(), dweight->data(), nullptr, dout.data(), inp.data(), nullptr, w.data(), w16, s.N, s.C, s.OC);
     };
     std::vector<float> out, dinp, dweight, out16, dinp16, dweight16;
     run(weight, nullptr, &out, &dinp, &dweight);
@@ -204,6 +204,45 @@ TEST_P(Bf16GemmTest, AWeightWithItsCopyIsNotRoundedAgain) {
   }
 }
 
+// The same for the input: an activation the model saved in bf16 (fsdp.activation_dtype) comes with
+// its copy, which forward and the weight gradient multiply instead of rounding the input again.
+TEST_P(Bf16GemmTest, AnInputWithItsCopyIsNotRoundedAgain) {
+  for (const Shape& s : SHAPES) {
+    SCOPED_TRACE(testing::Message() << "N=" << s.N << " C=" << s.C << " OC=" << s.OC);
+    std::vector<float> inp(s.N * s.C), weight(s.OC * s.C), bias(s.OC), dout(s.N * s.OC);
+    fill_uniform(inp.data(), inp.size(), 21), fill_uniform(weight.data(), weight.size(), 22);
+    fill_uniform(bias.data(), bias.size(), 23), fill_uniform(dout.data(), dout.size(), 24);
+    round_in_place(&inp);
+    const std::vector<uint16_t> inp16 = bf16_copy(inp);
+    Bf16Gemm gemm({{s.C, s.OC}}, s.N, onednn());
+    auto run = [&](const std::vector<float>& x, const uint16_t* x16, std::vector<float>* out, std::vector<float>* dinp,
+                   std::vector<float>* dweight) {
+      out->assign(s.N * s.OC, NAN), dinp->assign(s.N * s.C, NAN), dweight->assign(s.OC * s.C, 0.0f);
+      gemm.forward(out->data(), x.data(), x16, weight.data(), nullptr, bias.data(), s.N, s.C, s.OC);
+      gemm.backward(dinp->data(), dweight->data(), nullptr, dout.data(), x.data(), x16, weight.data(), nullptr, s.N,
+                    s.C, s.OC);
+    };
+    std::vector<float> out, dinp, dweight, out16, dinp16, dweight16;
+    run(inp, nullptr, &out, &dinp, &dweight);
+    run(inp, inp16.data(), &out16, &dinp16, &dweight16);
+    EXPECT_EQ(0, std::memcmp(out.data(), out16.data(), out.size() * sizeof(float)));
+    EXPECT_EQ(0, std::memcmp(dinp.data(), dinp16.data(), dinp.size() * sizeof(float)));
+    EXPECT_EQ(0, std::memcmp(dweight.data(), dweight16.data(), dweight.size() * sizeof(float)));
+
+    // oneDNN multiplies the copy: the copy of 2X beside X gives 2X's products.
+    if (!onednn()) continue;
+    std::vector<float> twice = inp;
+    for (float& v : twice) v *= 2.0f;
+    const std::vector<uint16_t> twice16 = bf16_copy(twice);
+    std::vector<float> out2, dinp2, dweight2, want_out, want_dinp, want_dweight;
+    run(inp, twice16.data(), &out2, &dinp2, &dweight2);
+    run(twice, nullptr, &want_out, &want_dinp, &want_dweight);
+    EXPECT_EQ(0, std::memcmp(out2.data(), want_out.data(), out2.size() * sizeof(float)));
+    EXPECT_EQ(0, std::memcmp(dweight2.data(), want_dweight.data(), dweight2.size() * sizeof(float)));
+    EXPECT_NE(0, std::memcmp(out2.data(), out16.data(), out2.size() * sizeof(float)));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Kernels, Bf16GemmTest, ::testing::Values(true, false),
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return std::string(info.param ? "OneDnn" : "SgemmOnRoundedOperands");
@@ -216,9 +255,9 @@ TEST(Bf16Gemm, KernelsAgreeAndRepeatBitForBit) {
   fill_uniform(inp.data(), inp.size(), 9), fill_uniform(weight.data(), weight.size(), 10);
   std::vector<float> a(s.N * s.OC), again(a.size()), b(a.size());
   Bf16Gemm native({{s.C, s.OC}}, s.N, true), emulated({{s.C, s.OC}}, s.N, false);
-  native.forward(a.data(), inp.data(), weight.data(), nullptr, nullptr, s.N, s.C, s.OC);
-  native.forward(again.data(), inp.data(), weight.data(), nullptr, nullptr, s.N, s.C, s.OC);
-  emulated.forward(b.data(), inp.data(), weight.data(), nullptr, nullptr, s.N, s.C, s.OC);
+  native.forward(a.data(), inp.data(), nullptr, weight.data(), nullptr, nullptr, s.N, s.C, s.OC);
+  native.forward(again.data(), inp.data(), nullptr, weight.data(), nullptr, nullptr, s.N, s.C, s.OC);
+  emulated.forward(b.data(), inp.data(), nullptr, weight.data(), nullptr, nullptr, s.N, s.C, s.OC);
   EXPECT_EQ(0, std::memcmp(a.data(), again.data(), a.size() * sizeof(float)));
   const Reference want = product(inp, false, weight, true, s.N, s.OC, s.C, true);
   for (size_t i = 0; i < a.size(); i++) ASSERT_LE(std::fabs(a[i] - b[i]), 2 * want.bound[i]) << i;
@@ -239,9 +278,9 @@ TEST(Bf16Gemm, WorkspaceIsWhatThePlanSaysUntilAProductOutgrowsIt) {
       std::vector<float> inp(rows * l.in, 0.5f), weight(l.out * l.in, 0.25f), out(rows * l.out), dout(rows * l.out, 1.f);
       std::vector<float> dinp(rows * l.in), dweight(l.out * l.in), bias(l.out, 1.f), dbias(l.out);
       const std::vector<uint16_t> weight16 = bf16_copy(weight);
-      gemm.forward(out.data(), inp.data(), weight.data(), weight16.data(), bias.data(), rows, l.in, l.out);
-      gemm.forward(out.data(), inp.data(), weight.data(), weight16.data(), nullptr, rows, l.in, l.out);
-      gemm.backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), inp.data(), weight.data(), weight16.data(),
+      gemm.forward(out.data(), inp.data(), nullptr, weight.data(), weight16.data(), bias.data(), rows, l.in, l.out);
+      gemm.forward(out.data(), inp.data(), nullptr, weight.data(), weight16.data(), nullptr, rows, l.in, l.out);
+      gemm.backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), inp.data(), nullptr, weight.data(), weight16.data(),
                     rows, l.in, l.out);
     }
     EXPECT_EQ(gemm.workspace_bytes(), planned) << "a planned product grew the workspace";
@@ -249,13 +288,13 @@ TEST(Bf16Gemm, WorkspaceIsWhatThePlanSaysUntilAProductOutgrowsIt) {
     {
       Bf16Gemm fresh(layers, rows, onednn);
       std::vector<float> inp(rows * 40, 0.5f), weight(256 * 40, 0.25f), out(rows * 256);
-      fresh.forward(out.data(), inp.data(), weight.data(), nullptr, nullptr, rows, 40, 256);
+      fresh.forward(out.data(), inp.data(), nullptr, weight.data(), nullptr, nullptr, rows, 40, 256);
       EXPECT_GT(fresh.workspace_bytes(), planned);
     }
     // The head's backward on 4x the rows: its three operand copies need more than the plan.
     std::vector<float> inp(4 * rows * 40, 0.5f), weight(256 * 40, 0.25f), dout(4 * rows * 256, 1.f);
     std::vector<float> dinp(4 * rows * 40), dweight(256 * 40);
-    gemm.backward(dinp.data(), dweight.data(), nullptr, dout.data(), inp.data(), weight.data(), nullptr, 4 * rows, 40, 256);
+    gemm.backward(dinp.data(), dweight.data(), nullptr, dout.data(), inp.data(), nullptr, weight.data(), nullptr, 4 * rows, 40, 256);
     EXPECT_GT(gemm.workspace_bytes(), planned);
     EXPECT_FLOAT_EQ(dinp[0], 256 * 0.25f);
     EXPECT_FLOAT_EQ(dweight[0], 4 * rows * 0.5f);

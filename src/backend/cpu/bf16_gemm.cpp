@@ -131,27 +131,32 @@ struct Bf16Gemm::Impl {
   }
 
   // The same product from fp32 operands as SGEMMs on their bf16-rounded values, K split in halves
-  // so that the widened blocks fit the workspace the 16-bit copies would have used. b_rounded: B's
-  // values are bf16 already (a weight that came with its copy), read in place.
-  void run_emulated(const Product& p, const float* A, const float* B, bool b_rounded, float* C) {
+  // so that the widened blocks fit the workspace the 16-bit copies would have used. a_rounded,
+  // b_rounded: that operand's values are bf16 already (it came with its copy), read in place.
+  void run_emulated(const Product& p, const float* A, bool a_rounded, const float* B, bool b_rounded, float* C) {
     const int kb = std::max(1, p.K / 2);
-    float* block = reinterpret_cast<float*>(reserve(static_cast<size_t>(kb) * (p.M + (b_rounded ? 0 : p.N)) * 2));
+    const size_t block_elements = static_cast<size_t>(kb) * ((a_rounded ? 0 : p.M) + (b_rounded ? 0 : p.N));
+    float* block = reinterpret_cast<float*>(reserve(block_elements * 2));
     for (int k0 = 0; k0 < p.K; k0 += kb) {
       const int k = std::min(kb, p.K - k0);
-      // op(A)[:, k0:k0+k] in A's orientation; rows k0.. of op(B) as columns of op(B)^T (N x K),
-      // which is B itself where trans_b and B read transposed where not.
-      float* a = block;
-      round_column_block(a, A, p.lda, p.trans_a, p.M, k0, k);
-      const float beta = (p.accumulate || k0 > 0) ? 1.0f : 0.0f;
-      const int lda = p.trans_a ? p.M : k;
-      if (b_rounded) {  // rows k0.. of op(B): columns k0.. of B where trans_b, else its rows k0..
-        const float* b = p.trans_b ? B + k0 : B + static_cast<size_t>(k0) * p.ldb;
-        gemm(p.trans_a, p.trans_b, p.M, p.N, k, 1.0f, a, lda, b, p.ldb, beta, C, p.ldc);
-        continue;
+      // op(A)[:, k0:k0+k] in A's orientation: rows k0.. of A where trans_a, else its columns k0..
+      const float* a = p.trans_a ? A + static_cast<size_t>(k0) * p.lda : A + k0;
+      int lda = p.lda;
+      float* free_block = block;
+      if (!a_rounded) {
+        round_column_block(free_block, A, p.lda, p.trans_a, p.M, k0, k);
+        a = free_block, lda = p.trans_a ? p.M : k;
+        free_block += static_cast<size_t>(p.M) * k;
       }
-      float* b = block + static_cast<size_t>(p.M) * k;
-      round_column_block(b, B, p.ldb, !p.trans_b, p.N, k0, k);
-      gemm(p.trans_a, p.trans_b, p.M, p.N, k, 1.0f, a, lda, b, p.trans_b ? k : p.N, beta, C, p.ldc);
+      // Rows k0.. of op(B): columns k0.. of B where trans_b, else its rows k0..
+      const float* b = p.trans_b ? B + k0 : B + static_cast<size_t>(k0) * p.ldb;
+      int ldb = p.ldb;
+      if (!b_rounded) {
+        round_column_block(free_block, B, p.ldb, !p.trans_b, p.N, k0, k);
+        b = free_block, ldb = p.trans_b ? k : p.N;
+      }
+      const float beta = (p.accumulate || k0 > 0) ? 1.0f : 0.0f;
+      gemm(p.trans_a, p.trans_b, p.M, p.N, k, 1.0f, a, lda, b, ldb, beta, C, p.ldc);
     }
   }
 
@@ -190,8 +195,8 @@ size_t Bf16Gemm::plan_workspace_bytes(const std::vector<LinearShape>& layers, in
 
 Bf16Gemm::~Bf16Gemm() = default;
 
-void Bf16Gemm::forward(float* out, const float* inp, const float* weight, const uint16_t* weight16, const float* bias,
-                       int N, int C, int OC) {
+void Bf16Gemm::forward(float* out, const float* inp, const uint16_t* inp16, const float* weight,
+                       const uint16_t* weight16, const float* bias, int N, int C, int OC) {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   if (bias) {
 #pragma omp parallel for schedule(static)
@@ -201,37 +206,42 @@ void Bf16Gemm::forward(float* out, const float* inp, const float* weight, const 
   const size_t n_inp = static_cast<size_t>(N) * C, n_weight = static_cast<size_t>(OC) * C;
   if (!impl_->native) {
     if (!weight16) impl_->weights_rounded += n_weight;
-    impl_->run_emulated(p, inp, weight, weight16 != nullptr, out);
+    impl_->run_emulated(p, inp, inp16 != nullptr, weight, weight16 != nullptr, out);
     return;
   }
-  uint16_t* inp16 = impl_->reserve(n_inp + (weight16 ? 0 : n_weight));
-  round_to_bf16(inp16, inp, n_inp);
-  impl_->run_native(p, inp16, impl_->weight_operand(weight, weight16, n_weight, inp16 + n_inp), out);
+  uint16_t* scratch = impl_->reserve((inp16 ? 0 : n_inp) + (weight16 ? 0 : n_weight));
+  if (!inp16) {
+    round_to_bf16(scratch, inp, n_inp);
+    inp16 = scratch, scratch += n_inp;
+  }
+  impl_->run_native(p, inp16, impl_->weight_operand(weight, weight16, n_weight, scratch), out);
 }
 
 void Bf16Gemm::backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                        const float* weight, const uint16_t* weight16, int N, int C, int OC) {
+                        const uint16_t* inp16, const float* weight, const uint16_t* weight16, int N, int C, int OC) {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   const size_t n_dout = static_cast<size_t>(N) * OC, n_weight = static_cast<size_t>(OC) * C,
                n_inp = static_cast<size_t>(N) * C;
   if (!impl_->native) {
     if (dinp) {
       if (!weight16) impl_->weights_rounded += n_weight;
-      impl_->run_emulated(layer_product(DINP, N, C, OC), dout, weight, weight16 != nullptr, dinp);
+      impl_->run_emulated(layer_product(DINP, N, C, OC), dout, false, weight, weight16 != nullptr, dinp);
     }
-    if (dweight) impl_->run_emulated(layer_product(DWEIGHT, N, C, OC), dout, inp, false, dweight);
+    if (dweight)
+      impl_->run_emulated(layer_product(DWEIGHT, N, C, OC), dout, false, inp, inp16 != nullptr, dweight);
   } else {
-    const bool copy_weight = dinp && !weight16;
-    uint16_t* dout16 = impl_->reserve(n_dout + n_inp + (copy_weight ? n_weight : 0));
-    uint16_t* inp16 = dout16 + n_dout;
+    const bool copy_weight = dinp && !weight16, copy_inp = dweight && !inp16;
+    uint16_t* dout16 = impl_->reserve(n_dout + (copy_inp ? n_inp : 0) + (copy_weight ? n_weight : 0));
+    uint16_t* scratch = dout16 + n_dout;
     if (dinp || dweight) round_to_bf16(dout16, dout, n_dout);
-    if (dinp)
-      impl_->run_native(layer_product(DINP, N, C, OC), dout16,
-                        impl_->weight_operand(weight, weight16, n_weight, inp16 + n_inp), dinp);
-    if (dweight) {
-      round_to_bf16(inp16, inp, n_inp);
-      impl_->run_native(layer_product(DWEIGHT, N, C, OC), dout16, inp16, dweight);
+    if (copy_inp) {
+      round_to_bf16(scratch, inp, n_inp);
+      inp16 = scratch, scratch += n_inp;
     }
+    if (dinp)
+      impl_->run_native(layer_product(DINP, N, C, OC), dout16, impl_->weight_operand(weight, weight16, n_weight, scratch),
+                        dinp);
+    if (dweight) impl_->run_native(layer_product(DWEIGHT, N, C, OC), dout16, inp16, dweight);
   }
   // The bias gradient is a sum, not a product: fp32, as without bf16.
   if (dbias) matmul_backward<float>(nullptr, nullptr, dbias, dout, nullptr, nullptr, N, C, OC);

@@ -41,12 +41,12 @@ class Bf16Gemm {
   Bf16Gemm& operator=(const Bf16Gemm&) = delete;
 
   // The semantics of cpu::matmul_forward / matmul_backward (backend/cpu/ops.hpp), float only.
-  // weight16: the weight's bf16 copy (the weight must equal its widening), multiplied instead of
-  // rounding the weight; null: the weight is rounded here.
-  void forward(float* out, const float* inp, const float* weight, const uint16_t* weight16, const float* bias, int N,
-               int C, int OC);
-  void backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp, const float* weight,
-                const uint16_t* weight16, int N, int C, int OC);
+  // weight16, inp16: that operand's bf16 copy (the operand must equal its widening), multiplied
+  // instead of rounding the operand; null: the operand is rounded here.
+  void forward(float* out, const float* inp, const uint16_t* inp16, const float* weight, const uint16_t* weight16,
+               const float* bias, int N, int C, int OC);
+  void backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp, const uint16_t* inp16,
+                const float* weight, const uint16_t* weight16, int N, int C, int OC);
   // Weight elements rounded here so far (weights that came without their copy): 0 in a run whose
   // weights the engine gathers in bf16.
   size_t weight_elements_rounded() const;

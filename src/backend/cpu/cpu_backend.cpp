@@ -65,15 +65,16 @@ class CpuLayerOps : public LayerOps<Real> {
                       int OC) const override {
     if constexpr (std::is_same_v<Real, float>)
       if (bf16_)
-        return bf16_->forward(out, inp, weight, half_copies_.find(weight, size_t(OC) * C, DTYPE_BF16), bias, N, C, OC);
+        return bf16_->forward(out, inp, half_copies_.find(inp, size_t(N) * C, DTYPE_BF16), weight,
+                              half_copies_.find(weight, size_t(OC) * C, DTYPE_BF16), bias, N, C, OC);
     cpu::matmul_forward(out, inp, weight, bias, N, C, OC);
   }
   void matmul_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout, const Real* inp, const Real* weight,
                        int N, int C, int OC) const override {
     if constexpr (std::is_same_v<Real, float>)
       if (bf16_)
-        return bf16_->backward(dinp, dweight, dbias, dout, inp, weight,
-                               half_copies_.find(weight, size_t(OC) * C, DTYPE_BF16), N, C, OC);
+        return bf16_->backward(dinp, dweight, dbias, dout, inp, half_copies_.find(inp, size_t(N) * C, DTYPE_BF16),
+                               weight, half_copies_.find(weight, size_t(OC) * C, DTYPE_BF16), N, C, OC);
     cpu::matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
   }
   void gemm(bool trans_a, bool trans_b, int M, int N, int K, Real alpha, const Real* A, int lda, const Real* B,
@@ -181,6 +182,17 @@ class CpuLayerOps : public LayerOps<Real> {
 #pragma omp parallel for simd schedule(static)
     for (size_t i = 0; i < n; i++) x[i] *= s;
   }
+  void round_to_half(Real* values, uint16_t* half, size_t n, DType type) const override {
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) {
+      half[i] = float_to_half(static_cast<float>(values[i]), type);
+      values[i] = half_to_float(half[i], type);
+    }
+  }
+  void widen_half(Real* values, const uint16_t* half, size_t n, DType type) const override {
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) values[i] = half_to_float(half[i], type);
+  }
   void bind_half_copy(const Real* values, const uint16_t* half, size_t n, DType type) const override {
     if constexpr (std::is_same_v<Real, float>)
       if (bf16_) half_copies_.bind(values, half, n, type);
@@ -192,7 +204,7 @@ class CpuLayerOps : public LayerOps<Real> {
 
  private:
   cpu::Bf16Gemm* bf16_ = nullptr;
-  mutable HalfCopies half_copies_;  // bf16: the weights' copies the GEMMs multiply
+  mutable HalfCopies half_copies_;  // bf16: the weights' and activations' copies the GEMMs multiply
 };
 
 class CpuShardOps : public ShardOps {
