@@ -1,8 +1,10 @@
 // fp32 <-> 16-bit conversions (bf16 or fp16) with backend/dtype.hpp's float_to_half /
 // half_to_float: the same integer code as the CPU, so the results are bit-identical to it, NaN
-// payloads and subnormals included (round to nearest even). The one fp32 -> 16-bit kernel of the
+// payloads and subnormals included (round to nearest even). The fp32 -> 16-bit kernel of the
 // backend: ShardOps::to_half, the 16-bit GEMM operands (matmul.cu) and the NCCL communicator's
-// wire (which zeroes this rank's own slot) all launch it. Grid-stride loops with size_t indices;
+// wire (which zeroes this rank's own slot) all launch it; LayerOps::round_to_half (16-bit
+// activations) is the same float_to_half fused with the widening back, so its bits are to_half's
+// then from_half's in one pass. Grid-stride loops with size_t indices;
 // 16-bit elements are read and written one per thread (the conversion is integer work and the
 // kernels are bandwidth-bound either way).
 #include "common.cuh"
@@ -24,6 +26,17 @@ __global__ void from_half_kernel(float* out, const uint16_t* in, size_t n) {
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<size_t>(gridDim.x) * blockDim.x)
     out[i] = half_to_float(in[i], kType);
+}
+
+// values[i] rounded in place and its 16-bit value kept: afterwards values[i] == widen(half[i]).
+template <DType kType>
+__global__ void round_to_half_kernel(float* values, uint16_t* half, size_t n) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const uint16_t h = float_to_half(values[i], kType);
+    half[i] = h;
+    values[i] = half_to_float(h, kType);
+  }
 }
 
 void check_half_type(DType type) {
@@ -52,6 +65,17 @@ void launch_from_half(float* out, const uint16_t* in, size_t n, DType type, cons
     from_half_kernel<DTYPE_BF16><<<grid, kThreads, 0, ctx.stream>>>(out, in, n);
   else
     from_half_kernel<DTYPE_FP16><<<grid, kThreads, 0, ctx.stream>>>(out, in, n);
+  CUDA_CHECK_LAUNCH();
+}
+
+void launch_round_to_half(float* values, uint16_t* half, size_t n, DType type, const LaunchContext& ctx) {
+  check_half_type(type);
+  if (n == 0) return;
+  const unsigned grid = grid_for(n, kThreads, ctx);
+  if (type == DTYPE_BF16)
+    round_to_half_kernel<DTYPE_BF16><<<grid, kThreads, 0, ctx.stream>>>(values, half, n);
+  else
+    round_to_half_kernel<DTYPE_FP16><<<grid, kThreads, 0, ctx.stream>>>(values, half, n);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -69,11 +69,13 @@ struct GemmContext {
 // no kernel for the operands' alignment); beta must be 0 with a bias. fp32 in, fp32 out,
 // CUBLAS_COMPUTE_32F: exact fp32 arithmetic, no TF32 -- unless ctx.operands is bf16 or fp16: then
 // A and B are rounded to it (into stream-ordered temporary memory) and multiplied on the tensor
-// cores with fp32 accumulation. B16 (may be null): B's copy in that 16-bit type already (a weight
-// bound to the ops, LayerOps::bind_half_copy), multiplied instead of rounding B.
+// cores with fp32 accumulation. A16, B16 (each may be null): A's or B's copy in that 16-bit type
+// already (a weight or an activation bound to the ops, LayerOps::bind_half_copy), multiplied
+// instead of rounding A or B.
 void gemm_row_major(const GemmContext& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha,
                     const float* A, int lda, long long stride_a, const float* B, int ldb, long long stride_b, float beta,
-                    float* C, int ldc, long long stride_c, int batch, const float* bias, const uint16_t* B16 = nullptr);
+                    float* C, int ldc, long long stride_c, int batch, const float* bias, const uint16_t* A16 = nullptr,
+                    const uint16_t* B16 = nullptr);
 // LayerOps::gemm: one row-major C(M,N) = alpha * op(A) @ op(B) + beta * C with cblas_sgemm's
 // contract (backend/cpu/gemm.hpp's gemm()): any alpha and beta (beta = 0: C is not read), leading
 // dimensions at least the stored row lengths (ldc > N: C is a column slice of a wider matrix),
@@ -108,14 +110,15 @@ using gpu::rmsnorm_backward_workspace_bytes;
 void launch_rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
                              const float* rstd, int N, int C, void* workspace, const LaunchContext& ctx);
 
-// weight16 (may be null): the weight's copy in GemmContext::operands (a bound weight), multiplied
-// instead of rounding the weight; ignored with fp32 operands.
-void launch_matmul_forward(float* out, const float* inp, const float* weight, const uint16_t* weight16,
-                           const float* bias, int N, int C, int OC, const GemmContext& ctx);
+// inp16, weight16 (each may be null): the input's or the weight's copy in GemmContext::operands (a
+// bound activation or weight), multiplied instead of rounding that operand; ignored with fp32
+// operands. The backward reads inp16 only for dweight.
+void launch_matmul_forward(float* out, const float* inp, const uint16_t* inp16, const float* weight,
+                           const uint16_t* weight16, const float* bias, int N, int C, int OC, const GemmContext& ctx);
 using gpu::matmul_backward_workspace_bytes;
 void launch_matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                            const float* weight, const uint16_t* weight16, int N, int C, int OC, void* workspace,
-                            const GemmContext& ctx);
+                            const uint16_t* inp16, const float* weight, const uint16_t* weight16, int N, int C, int OC,
+                            void* workspace, const GemmContext& ctx);
 
 // Grouped-query attention, tiled (attention.cu): qkv rows q (NH heads) | k (KV heads) | v (KV
 // heads) of HS each, NH % KV == 0, HS <= 256; lse (B,NH,T). The backward's workspace: B*NH*T floats.
@@ -202,12 +205,16 @@ size_t reduce_count_nonfinite(const float* x, size_t n, void* scratch, void* hos
 void accumulate_sum(double* total, const float* x, size_t n, void* scratch, const LaunchContext& ctx);
 void accumulate_sum_squares(double* total, const float* x, size_t n, void* scratch, const LaunchContext& ctx);
 
-// ---- shard work (cast.cu, adamw.cu) ----------------------------------------------------------------
+// ---- 16-bit conversions and shard work (cast.cu, adamw.cu) -----------------------------------------
 // out[i] = float_to_half(in[i], type), except +0 for i in [zero_begin, zero_end) (the NCCL wire's
-// own slot, whose term is added later in fp32; empty by default). Every fp32 -> 16-bit rounding.
+// own slot, whose term is added later in fp32; empty by default). Every fp32 -> 16-bit rounding
+// but round_to_half's (the same float_to_half).
 void launch_to_half(uint16_t* out, const float* in, size_t n, DType type, const LaunchContext& ctx,
                     size_t zero_begin = 0, size_t zero_end = 0);
 void launch_from_half(float* out, const uint16_t* in, size_t n, DType type, const LaunchContext& ctx);
+// LayerOps::round_to_half: values[i] rounded in place (float_to_half, then widened) and half[i] the
+// 16-bit value, in one pass: the bits of launch_to_half then launch_from_half.
+void launch_round_to_half(float* values, uint16_t* half, size_t n, DType type, const LaunchContext& ctx);
 // ShardOps::adamw_multi: one launch, one block per segment (device-memory table), the multiplier
 // from `sums` (device memory) in every thread, no update when adamw_grad_multiplier says so.
 void launch_adamw_multi(const AdamWSegment* segments, size_t count, const double* sums, const AdamWClip& clip,

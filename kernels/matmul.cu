@@ -10,8 +10,9 @@
 // GPU matches the CPU to fp32 reassociation error. With GemmContext::operands bf16 or fp16 (the
 // GPU's meaning of fsdp.param_dtype) the fp32 operands are rounded to it first, as torch.autocast
 // does, and the tensor cores multiply them with fp32 accumulation and output: the activations and
-// every non-GEMM op stay fp32. A weight whose 16-bit copy the caller passes (the engine's gathered
-// unit, bound to the ops: LayerOps::bind_half_copy) is not rounded again: the copy is multiplied.
+// every non-GEMM op stay fp32. An operand whose 16-bit copy the caller passes (a weight of the
+// engine's gathered unit, or an activation saved in 16 bits, bound to the ops:
+// LayerOps::bind_half_copy) is not rounded again: the copy is multiplied, the same bits.
 // The rounded copies live in GemmContext::operand_scratch (the ops object's buffer from the
 // caching allocator, so the memory is counted and reused). Should
 // cuBLASLt have no 16-bit kernel for a shape and alignment, that GEMM runs in fp32 instead, with
@@ -241,22 +242,25 @@ size_t operand_extent(int rows, int cols, int ld, long long stride, int batch) {
 }
 
 // C = alpha op(A) op(B) + beta C with A and B rounded to ctx.operands first (the bias, if any,
-// already in C with beta = 1); B16 non-null: B's copy in that type already (a bound weight), used
-// as it is. Returns false when cuBLASLt has no kernel for it.
+// already in C with beta = 1); A16 or B16 non-null: that operand's copy in that type already (a
+// bound weight or activation), used as it is. Returns false when cuBLASLt has no kernel for it.
 bool try_gemm_rounded(const GemmContext& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha,
-                      const float* A, int lda, long long stride_a, const float* B, const uint16_t* B16, int ldb,
-                      long long stride_b, float beta, float* C, int ldc, long long stride_c, int batch) {
-  const size_t na = operand_extent(trans_a ? K : M, trans_a ? M : K, lda, stride_a, batch);
+                      const float* A, const uint16_t* A16, int lda, long long stride_a, const float* B,
+                      const uint16_t* B16, int ldb, long long stride_b, float beta, float* C, int ldc,
+                      long long stride_c, int batch) {
+  const size_t na = A16 ? 0 : operand_extent(trans_a ? K : M, trans_a ? M : K, lda, stride_a, batch);
   const size_t nb = B16 ? 0 : operand_extent(trans_b ? N : K, trans_b ? K : N, ldb, stride_b, batch);
   const size_t bytes = gpu::gemm_operand_bytes(na, nb);  // what the carver below cuts: a, then b
-  void* base = ctx.operand_scratch ? ctx.operand_scratch(bytes) : nullptr;
-  const bool pooled = base == nullptr;
+  // Both operands bound: nothing to round, and no zero-byte allocation to make.
+  void* base = bytes > 0 && ctx.operand_scratch ? ctx.operand_scratch(bytes) : nullptr;
+  const bool pooled = bytes > 0 && base == nullptr;
   if (pooled) CUDA_CHECK(cudaMallocAsync(&base, bytes, ctx.launch.stream));
   WorkspaceCarver carver(base);
-  uint16_t* a = carver.take<uint16_t>(na);
+  uint16_t* a_copy = carver.take<uint16_t>(na);
   uint16_t* b_copy = carver.take<uint16_t>(nb);
-  launch_to_half(a, A, na, ctx.operands, ctx.launch);
+  if (!A16) launch_to_half(a_copy, A, na, ctx.operands, ctx.launch);
   if (!B16) launch_to_half(b_copy, B, nb, ctx.operands, ctx.launch);
+  const uint16_t* a = A16 ? A16 : a_copy;
   const uint16_t* b = B16 ? B16 : b_copy;
   const cudaDataType_t type = ctx.operands == DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
   const bool ok = try_gemm_col_major(ctx, trans_b, trans_a, N, M, K, alpha, b, type, ldb, stride_b, a, type, lda,
@@ -269,7 +273,8 @@ bool try_gemm_rounded(const GemmContext& ctx, bool trans_a, bool trans_b, int M,
 
 void gemm_row_major(const GemmContext& ctx, bool trans_a, bool trans_b, int M, int N, int K, float alpha,
                     const float* A, int lda, long long stride_a, const float* B, int ldb, long long stride_b, float beta,
-                    float* C, int ldc, long long stride_c, int batch, const float* bias, const uint16_t* B16) {
+                    float* C, int ldc, long long stride_c, int batch, const float* bias, const uint16_t* A16,
+                    const uint16_t* B16) {
   check_gemm_args(M, N, K, batch);
   SHARD_CHECK(!bias || (beta == 0.0f && batch == 1), "gemm: a bias needs beta = 0 and batch = 1");
   if (M == 0 || N == 0 || (K == 0 && beta == 1.0f && !bias)) return;  // nothing to compute, or C += 0
@@ -284,8 +289,8 @@ void gemm_row_major(const GemmContext& ctx, bool trans_a, bool trans_b, int M, i
     beta = 1.0f;
   }
   if (ctx.operands != DTYPE_FP32) {
-    if (try_gemm_rounded(ctx, trans_a, trans_b, M, N, K, alpha, A, lda, stride_a, B, B16, ldb, stride_b, beta, C,
-                         ldc, stride_c, batch))
+    if (try_gemm_rounded(ctx, trans_a, trans_b, M, N, K, alpha, A, A16, lda, stride_a, B, B16, ldb, stride_b, beta,
+                         C, ldc, stride_c, batch))
       return;
     // A shape or alignment without a 16-bit kernel: exact fp32 instead, said once per plan cache.
     if (!ctx.plans || !ctx.plans->warned_fp32_fallback)
@@ -334,33 +339,37 @@ void launch_gemm(const GemmContext& ctx, bool trans_a, bool trans_b, int M, int 
     no_gemm_kernel(trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc, 1, "fp32");
 }
 
-void launch_matmul_forward(float* out, const float* inp, const float* weight, const uint16_t* weight16,
-                           const float* bias, int N, int C, int OC, const GemmContext& ctx) {
+void launch_matmul_forward(float* out, const float* inp, const uint16_t* inp16, const float* weight,
+                           const uint16_t* weight16, const float* bias, int N, int C, int OC, const GemmContext& ctx) {
   SHARD_CHECK(N >= 0 && C >= 0 && OC >= 0, "matmul_forward: N=%d C=%d OC=%d", N, C, OC);
   // out(N,OC) = inp(N,C) @ weight(OC,C)^T + bias(OC)
-  gemm_row_major(ctx, false, true, N, OC, C, 1.0f, inp, C, 0, weight, C, 0, 0.0f, out, OC, 0, 1, bias, weight16);
+  gemm_row_major(ctx, false, true, N, OC, C, 1.0f, inp, C, 0, weight, C, 0, 0.0f, out, OC, 0, 1, bias, inp16,
+                 weight16);
 }
 
 namespace {
 
 // The two backward products with 16-bit operands, each operand rounded once (dout feeds both; for
-// the tied head it is N x V, the largest tensor of the step) and the weight not at all when its
-// copy comes bound (bound16). A null dinp or dweight skips its product and the rounding of the
-// operand only it reads. False when cuBLASLt lacks a kernel.
+// the tied head it is N x V, the largest tensor of the step) and the weight or the input not at
+// all when its copy comes bound (bound_weight16, bound_inp16). A null dinp or dweight skips its
+// product and the rounding of the operand only it reads. False when cuBLASLt lacks a kernel.
 bool try_matmul_backward_rounded(float* dinp, float* dweight, const float* dout, const float* inp,
-                                 const float* weight, const uint16_t* bound16, int N, int C, int OC,
-                                 const GemmContext& ctx) {
-  const size_t n_dout = static_cast<size_t>(N) * OC, n_inp = static_cast<size_t>(N) * C;
-  const size_t n_weight = bound16 ? 0 : static_cast<size_t>(OC) * C;
-  // gpu_memory.hpp sizes what the carver cuts, in this order: dout, weight (unless bound), inp.
-  WorkspaceCarver carver(ctx.operand_scratch(gpu::matmul_backward_operand_bytes(N, C, OC, bound16 == nullptr)));
+                                 const uint16_t* bound_inp16, const float* weight, const uint16_t* bound_weight16,
+                                 int N, int C, int OC, const GemmContext& ctx) {
+  const size_t n_dout = static_cast<size_t>(N) * OC;
+  const size_t n_weight = bound_weight16 ? 0 : static_cast<size_t>(OC) * C;
+  const size_t n_inp = bound_inp16 ? 0 : static_cast<size_t>(N) * C;
+  // gpu_memory.hpp sizes what the carver cuts, in this order: dout, weight (unless bound), inp. A
+  // bound input, last, leaves its tail of the request unused: an upper bound, as the plan counts it.
+  WorkspaceCarver carver(ctx.operand_scratch(gpu::matmul_backward_operand_bytes(N, C, OC, !bound_weight16)));
   uint16_t* dout16 = carver.take<uint16_t>(n_dout);
   uint16_t* weight_copy = carver.take<uint16_t>(n_weight);
-  uint16_t* inp16 = carver.take<uint16_t>(n_inp);
+  uint16_t* inp_copy = carver.take<uint16_t>(n_inp);
   launch_to_half(dout16, dout, n_dout, ctx.operands, ctx.launch);
-  if (dinp && !bound16) launch_to_half(weight_copy, weight, n_weight, ctx.operands, ctx.launch);
-  if (dweight) launch_to_half(inp16, inp, n_inp, ctx.operands, ctx.launch);
-  const uint16_t* weight16 = bound16 ? bound16 : weight_copy;
+  if (dinp && !bound_weight16) launch_to_half(weight_copy, weight, n_weight, ctx.operands, ctx.launch);
+  if (dweight && !bound_inp16) launch_to_half(inp_copy, inp, n_inp, ctx.operands, ctx.launch);
+  const uint16_t* weight16 = bound_weight16 ? bound_weight16 : weight_copy;
+  const uint16_t* inp16 = bound_inp16 ? bound_inp16 : inp_copy;
   const cudaDataType_t type = ctx.operands == DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
   // As gemm_row_major maps them: row-major dinp(N,C) = dout(N,OC) @ weight(OC,C), and
   // dweight(OC,C) += dout^T @ inp(N,C), as column-major products with A and B swapped.
@@ -374,22 +383,24 @@ bool try_matmul_backward_rounded(float* dinp, float* dweight, const float* dout,
 }  // namespace
 
 void launch_matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                            const float* weight, const uint16_t* weight16, int N, int C, int OC, void* workspace,
-                            const GemmContext& ctx) {
+                            const uint16_t* inp16, const float* weight, const uint16_t* weight16, int N, int C, int OC,
+                            void* workspace, const GemmContext& ctx) {
   SHARD_CHECK(N >= 0 && C >= 0 && OC >= 0, "matmul_backward: N=%d C=%d OC=%d", N, C, OC);
   // Each of dinp, dweight, dbias may be null (no input gradient wanted; frozen weight or bias).
   const bool products = dinp || dweight;
   const bool rounded_once = products && ctx.operands != DTYPE_FP32 && ctx.operand_scratch && N > 0 && C > 0 &&
                             OC > 0 &&
-                            try_matmul_backward_rounded(dinp, dweight, dout, inp, weight, weight16, N, C, OC, ctx);
+                            try_matmul_backward_rounded(dinp, dweight, dout, inp, inp16, weight, weight16, N, C, OC,
+                                                        ctx);
   if (products && !rounded_once) {  // fp32, or per-GEMM rounding (with its fp32 fallback)
     // dinp(N,C) = dout(N,OC) @ weight(OC,C)
     if (dinp)
       gemm_row_major(ctx, false, false, N, C, OC, 1.0f, dout, OC, 0, weight, C, 0, 0.0f, dinp, C, 0, 1, nullptr,
-                     weight16);
+                     nullptr, weight16);
     // dweight(OC,C) += dout^T @ inp(N,C)
     if (dweight)
-      gemm_row_major(ctx, true, false, OC, C, N, 1.0f, dout, OC, 0, inp, C, 0, 1.0f, dweight, C, 0, 1, nullptr);
+      gemm_row_major(ctx, true, false, OC, C, N, 1.0f, dout, OC, 0, inp, C, 0, 1.0f, dweight, C, 0, 1, nullptr,
+                     nullptr, inp16);
   }
   // dbias(OC) += column sums of dout (its workspace: matmul_backward_workspace_bytes, only with a dbias)
   if (dbias)

@@ -89,7 +89,10 @@ size_t gemm_operand_bytes(size_t a_elements, size_t b_elements);
 // Matmul (N rows, C in, OC out): the forward rounds inp (N x C) and weight (OC x C); the backward
 // rounds dout (N x OC), weight and inp once for both of its products. weight_copy false: the weight
 // comes already rounded (the engine's gathered 16-bit unit, LayerOps::bind_half_copy), so only the
-// activations are copied -- how every GEMM of a training or generation run goes.
+// activations are copied -- how every GEMM of a training or generation run goes. An input bound
+// to its 16-bit copy (16-bit activations) is not copied either: then both are upper bounds, kept
+// so (the backward asks for this size and leaves the input's tail unused; the LM head's input,
+// never bound, sets the largest request anyway).
 size_t matmul_forward_operand_bytes(int N, int C, int OC, bool weight_copy);
 size_t matmul_backward_operand_bytes(int N, int C, int OC, bool weight_copy);
 

@@ -2,7 +2,8 @@
 // reference attention (backend/cpu/attention.cpp) on random inputs: forward out and lse, backward
 // dqkv, for odd T, grouped-query heads (KV = NH, NH/2, 1) and head sizes 64 and 128; the refusal
 // of head sizes cuDNN has no engine for; bit-identical repeated calls; the memory held against the
-// memory plan (staging exactly, cuDNN's workspace within the estimate). Plus a disabled benchmark,
+// memory plan (staging exactly, cuDNN's workspace within the estimate); bf16 copies of qkv and out
+// (16-bit activations) read in place of staging them. Plus a disabled benchmark,
 // cuDNN against the tiled kernels at GPT-2 small's heads (docs/gpu.md, "Attention kernels"):
 //   gpu_tests --gtest_also_run_disabled_tests --gtest_filter='CudnnAttentionBench.*'
 //
@@ -87,6 +88,14 @@ struct Gpu {
     return d;
   }
   DeviceArray<float> filled(size_t n, float value) { return upload(std::vector<float>(n, value)); }
+  // v rounded to bf16 on the host, in an allocation of its own (so 16-byte aligned, as cuDNN needs).
+  DeviceArray<uint16_t> upload_bf16(const std::vector<float>& v) {
+    std::vector<uint16_t> halves(v.size());
+    for (size_t i = 0; i < v.size(); i++) halves[i] = float_to_half(v[i], DTYPE_BF16);
+    DeviceArray<uint16_t> d(*device, halves.size());
+    device->copy_to_device(d.data(), halves.data(), d.bytes());
+    return d;
+  }
   std::vector<float> download(const DeviceArray<float>& d) {
     std::vector<float> v(d.size());
     device->copy_to_host(v.data(), d.data(), d.bytes());
@@ -180,6 +189,37 @@ TEST_P(CudnnAttentionTest, RepeatedCallsAreBitIdentical) {
             << names[i] << " differs between two identical calls";
       }
     }
+  }
+}
+
+// 16-bit activations: with bf16 copies of qkv and out (what CudaLayerOps passes for buffers bound
+// to it) the forward and backward give the bits of staging them, and it is the copies that cuDNN
+// reads: the fp32 qkv and out passed beside them are NaN. A fresh CudnnAttention given the copies
+// stages no qkv.
+TEST_P(CudnnAttentionTest, Bf16CopiesAreReadInPlaceOfStaging) {
+  const Shape s = GetParam();
+  const std::vector<float> qkv = bf16_rounded(uniform(s.qkv(), 91));
+  auto d_qkv = gpu().upload(qkv), d_dout = gpu().upload(uniform(s.out(), 92));
+  auto d_out = gpu().filled(s.out(), NAN), d_lse = gpu().filled(s.lse(), NAN), d_dqkv = gpu().filled(s.qkv(), NAN);
+  ASSERT_TRUE(gpu().cudnn->forward(d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS));
+  ASSERT_TRUE(gpu().cudnn->backward(d_dqkv.data(), d_dout.data(), d_qkv.data(), d_out.data(), d_lse.data(), s.B, s.T,
+                                    s.NH, s.KV, s.HS));
+  const std::vector<float> staged[3] = {gpu().download(d_out), gpu().download(d_lse), gpu().download(d_dqkv)};
+
+  CudnnAttention cudnn(*gpu().device);  // fresh: its staging grows from nothing
+  DeviceArray<uint16_t> qkv16 = gpu().upload_bf16(qkv), out16 = gpu().upload_bf16(staged[0]);
+  auto nan_qkv = gpu().filled(s.qkv(), NAN), nan_out = gpu().filled(s.out(), NAN);
+  auto c_out = gpu().filled(s.out(), NAN), c_lse = gpu().filled(s.lse(), NAN), c_dqkv = gpu().filled(s.qkv(), NAN);
+  ASSERT_TRUE(cudnn.forward(c_out.data(), c_lse.data(), nan_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS, qkv16.data()));
+  EXPECT_EQ(cudnn.staging_bytes(), gpu::cudnn_attention_out_bytes(s.B, s.T, s.NH, s.HS)) << "qkv was staged";
+  ASSERT_TRUE(cudnn.backward(c_dqkv.data(), d_dout.data(), nan_qkv.data(), nan_out.data(), c_lse.data(), s.B, s.T,
+                             s.NH, s.KV, s.HS, qkv16.data(), out16.data()));
+  const std::vector<float> from_copies[3] = {gpu().download(c_out), gpu().download(c_lse), gpu().download(c_dqkv)};
+  static const char* names[3] = {"out", "lse", "dqkv"};
+  for (int i = 0; i < 3; i++) {
+    ASSERT_EQ(from_copies[i].size(), staged[i].size());
+    EXPECT_EQ(std::memcmp(from_copies[i].data(), staged[i].data(), staged[i].size() * sizeof(float)), 0)
+        << names[i] << " differs between staged inputs and their bf16 copies";
   }
 }
 

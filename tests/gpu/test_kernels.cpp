@@ -647,6 +647,80 @@ TEST_P(GemmOperandsTest, ABoundWeightIsMultipliedFromItsCopy) {
   }
 }
 
+// 16-bit activations: an input bound with its 16-bit copy (as a model binds its working
+// activations to their saved copies) gives the bits of rounding it per GEMM, alone and with the
+// weight bound too (nothing rounded but dout), and it is the copy that is multiplied: bound to
+// the copy of 2x, out and dweight are exactly those of 2x (dinp does not read the input). The
+// copies are allocations of their own, aligned as the operand scratch a rounded operand goes to:
+// cuBLASLt's plan follows the operands' alignments, and the same plan gives the same bits.
+TEST_P(GemmOperandsTest, ABoundInputIsMultipliedFromItsCopy) {
+  const DType type = GetParam();
+  auto half_ops = make_cuda_layer_ops(device(), type);
+  auto copy_on_device = [&](const std::vector<uint16_t>& halves) {
+    DeviceArray<uint16_t> copy(device(), halves.size());
+    device().copy_to_device(copy.data(), halves.data(), halves.size() * sizeof(uint16_t));
+    return copy;
+  };
+  for (const MatmulShape& s : {MatmulShape{37, 50, 29, true, 0}, MatmulShape{13, 36, 50, true, 1},
+                               MatmulShape{256, 768, 768, true, 0}}) {
+    const std::vector<float> bias = uniform_vector(s.OC, 103), dout = uniform_vector(static_cast<size_t>(s.N) * s.OC, 104);
+    std::vector<float> inp = uniform_vector(static_cast<size_t>(s.N) * s.C, 101), twice;
+    std::vector<float> weight = uniform_vector(static_cast<size_t>(s.OC) * s.C, 102);
+    std::vector<uint16_t> inp16, twice16, weight16;
+    for (float& x : inp) {  // the saved activations: 16-bit already
+      inp16.push_back(float_to_half(x, type));
+      x = half_to_float(inp16.back(), type);
+      twice.push_back(2.0f * x);
+      twice16.push_back(float_to_half(2.0f * x, type));
+    }
+    for (float& w : weight) {  // a gathered unit's weight: 16-bit already
+      weight16.push_back(float_to_half(w, type));
+      w = half_to_float(weight16.back(), type);
+    }
+    auto d_inp = on_device(device(), "inp", inp, s.misalign), d_twice = on_device(device(), "2x", twice, s.misalign);
+    auto d_weight = on_device(device(), "weight", weight, s.misalign), d_bias = on_device(device(), "bias", bias, s.misalign);
+    auto d_dout = on_device(device(), "dout", dout, s.misalign);
+    DeviceArray<uint16_t> d_inp16 = copy_on_device(inp16), d_twice16 = copy_on_device(twice16),
+                          d_weight16 = copy_on_device(weight16);
+    // out, dinp, dweight of one forward and backward on input x (bound or not: the caller's doing).
+    auto run = [&](const float* x) {
+      DeviceBuffer<float> out(device(), "out", static_cast<size_t>(s.N) * s.OC, s.misalign),
+          dinp(device(), "dinp", inp.size(), s.misalign);
+      auto dweight = on_device(device(), "dweight", std::vector<float>(weight.size(), 0.0f), s.misalign);
+      out.fill(kNaN);
+      half_ops->matmul_forward(out.data(), x, d_weight.data(), d_bias.data(), s.N, s.C, s.OC);
+      half_ops->matmul_backward(dinp.data(), dweight.data(), nullptr, d_dout.data(), x, d_weight.data(), s.N, s.C,
+                                s.OC);
+      return std::vector<std::vector<float>>{out.download("matmul_forward"), dinp.download("matmul_backward"),
+                                             dweight.download("matmul_backward")};
+    };
+    const std::string label = std::string(dtype_name(type)) + " " + name_of(s);
+    const auto rounded_here = run(d_inp.data());
+    const auto doubled_here = run(d_twice.data());
+    half_ops->bind_half_copy(d_inp.data(), d_inp16.data(), inp.size(), type);
+    const auto from_copy = run(d_inp.data());
+    half_ops->bind_half_copy(d_weight.data(), d_weight16.data(), weight.size(), type);
+    const auto both_from_copies = run(d_inp.data());
+    half_ops->unbind_half_copy(d_weight.data());
+    half_ops->bind_half_copy(d_inp.data(), d_twice16.data(), inp.size(), type);  // rebinding replaces
+    const auto from_twice = run(d_inp.data());
+    half_ops->unbind_half_copy(d_inp.data());
+    const char* names[] = {"out", "dinp", "dweight"};
+    for (int k = 0; k < 3; k++) {
+      EXPECT_EQ(0, std::memcmp(from_copy[k].data(), rounded_here[k].data(), from_copy[k].size() * sizeof(float)))
+          << label << " " << names[k] << ": the bound input's copy changed the bits";
+      EXPECT_EQ(0, std::memcmp(both_from_copies[k].data(), rounded_here[k].data(),
+                               both_from_copies[k].size() * sizeof(float)))
+          << label << " " << names[k] << ": the bound input's and weight's copies changed the bits";
+      if (k != 1) {  // dinp = dout weight does not read the input
+        EXPECT_EQ(0, std::memcmp(from_twice[k].data(), doubled_here[k].data(), from_twice[k].size() * sizeof(float)))
+            << label << " " << names[k] << ": the bound input's copy was not what was multiplied";
+      }
+    }
+    EXPECT_NE(0, std::memcmp(from_twice[0].data(), from_copy[0].data(), from_copy[0].size() * sizeof(float)));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Types, GemmOperandsTest, ::testing::Values(DTYPE_BF16, DTYPE_FP16),
                          [](const ::testing::TestParamInfo<DType>& info) { return std::string(dtype_name(info.param)); });
 
@@ -1553,19 +1627,17 @@ INSTANTIATE_TEST_SUITE_P(Sizes, ReduceTest, ::testing::Values(0, 1, 7, 1000, 409
 // ==================================================================================================
 class ShardOpsTest : public GpuSuite<::testing::TestWithParam<DType>> {};
 
-// Every 16-bit pattern; floats of every magnitude (a stride through all 2^32 patterns), ties,
-// subnormals, overflow, infinities and NaN payloads.
-TEST_P(ShardOpsTest, HalfConversionsMatchHostBitwise) {
-  const DType type = GetParam();
+// Every 16-bit pattern.
+std::vector<uint16_t> every_half() {
   std::vector<uint16_t> halves(65536);
   for (uint32_t h = 0; h < 65536; h++) halves[h] = static_cast<uint16_t>(h);
-  std::vector<float> widened(halves.size());
-  for (size_t i = 0; i < halves.size(); i++) widened[i] = half_to_float(halves[i], type);
-  auto d_halves = on_device(device(), "halves", halves, 0);
-  DeviceBuffer<float> d_widened(device(), "widened", halves.size(), 1);
-  shard_ops().from_half(d_widened.data(), d_halves.data(), halves.size(), type);
-  expect_same_bits(d_widened.download("from_half"), widened, std::string("from_half ") + dtype_name(type));
+  return halves;
+}
 
+// Floats of every magnitude (a stride through all 2^32 patterns), ties (bf16's and fp16's),
+// subnormals, values beyond fp16's range (65504 is its largest, 65520 the first that overflows),
+// infinities and NaN payloads.
+std::vector<float> awkward_floats() {
   std::vector<float> floats;
   for (uint64_t bits = 0; bits < (uint64_t{1} << 32); bits += 4099) floats.push_back(bits_float(static_cast<uint32_t>(bits)));
   for (uint32_t bits : {0x00000000u, 0x80000000u, 0x7F800000u, 0xFF800000u, 0x7FC00000u, 0x7F800001u, 0xFFC12345u,
@@ -1574,6 +1646,20 @@ TEST_P(ShardOpsTest, HalfConversionsMatchHostBitwise) {
     floats.push_back(bits_float(bits));
   floats.push_back(65504.0f);
   floats.push_back(65519.0f);
+  return floats;
+}
+
+TEST_P(ShardOpsTest, HalfConversionsMatchHostBitwise) {
+  const DType type = GetParam();
+  const std::vector<uint16_t> halves = every_half();
+  std::vector<float> widened(halves.size());
+  for (size_t i = 0; i < halves.size(); i++) widened[i] = half_to_float(halves[i], type);
+  auto d_halves = on_device(device(), "halves", halves, 0);
+  DeviceBuffer<float> d_widened(device(), "widened", halves.size(), 1);
+  shard_ops().from_half(d_widened.data(), d_halves.data(), halves.size(), type);
+  expect_same_bits(d_widened.download("from_half"), widened, std::string("from_half ") + dtype_name(type));
+
+  const std::vector<float> floats = awkward_floats();
   std::vector<uint16_t> rounded(floats.size());
   for (size_t i = 0; i < floats.size(); i++) rounded[i] = float_to_half(floats[i], type);
   auto d_floats = on_device(device(), "floats", floats, 1);
@@ -1583,6 +1669,77 @@ TEST_P(ShardOpsTest, HalfConversionsMatchHostBitwise) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Types, ShardOpsTest, ::testing::Values(DTYPE_BF16, DTYPE_FP16),
+                         [](const ::testing::TestParamInfo<DType>& info) { return std::string(dtype_name(info.param)); });
+
+// 16-bit activations (LayerOps::round_to_half, widen_half): round_to_half must leave exactly what
+// to_half then from_half give -- the 16-bit value and its widening -- on the host (dtype.hpp) and on
+// the device (ShardOps), and widen_half is from_half.
+class HalfActivationsTest : public GpuSuite<::testing::TestWithParam<DType>> {};
+
+TEST_P(HalfActivationsTest, RoundToHalfIsToHalfThenFromHalfBitwise) {
+  const DType type = GetParam();
+  const std::string label = std::string("round_to_half ") + dtype_name(type);
+  const std::vector<float> floats = awkward_floats();
+  std::vector<uint16_t> halves(floats.size());
+  std::vector<float> widened(floats.size());
+  for (size_t i = 0; i < floats.size(); i++) {
+    halves[i] = float_to_half(floats[i], type);
+    widened[i] = half_to_float(halves[i], type);
+  }
+  auto d_values = on_device(device(), "values", floats, 1);  // misaligned: any alignment will do
+  DeviceBuffer<uint16_t> d_halves(device(), "halves", floats.size(), 1);
+  ops().round_to_half(d_values.data(), d_halves.data(), floats.size(), type);
+  const std::vector<float> got_values = d_values.download(label);
+  const std::vector<uint16_t> got_halves = d_halves.download(label);
+  expect_same_bits(got_halves, halves, label + " 16-bit values");
+  expect_same_bits(got_values, widened, label + " rounded values");
+
+  auto d_floats = on_device(device(), "floats", floats, 0);
+  DeviceBuffer<uint16_t> d_to(device(), "to_half", floats.size(), 0);
+  DeviceBuffer<float> d_from(device(), "from_half", floats.size(), 0);
+  shard_ops().to_half(d_to.data(), d_floats.data(), floats.size(), type);
+  shard_ops().from_half(d_from.data(), d_to.data(), floats.size(), type);
+  expect_same_bits(got_halves, d_to.download("to_half"), label + " against the device's to_half");
+  expect_same_bits(got_values, d_from.download("from_half"), label + " against the device's from_half");
+}
+
+// widen_half gives every pattern's widening, and rounding a widened value changes nothing: the
+// 16-bit value comes back and the fp32 value keeps its bits (NaN patterns excepted: they come back
+// quiet or canonical, as the first test's NaN payloads check).
+TEST_P(HalfActivationsTest, WidenHalfRoundTrips) {
+  const DType type = GetParam();
+  const std::string label = std::string("widen_half ") + dtype_name(type);
+  std::vector<uint16_t> halves;
+  for (uint16_t h : every_half())
+    if (!std::isnan(half_to_float(h, type))) halves.push_back(h);
+  std::vector<float> widened(halves.size());
+  for (size_t i = 0; i < halves.size(); i++) widened[i] = half_to_float(halves[i], type);
+  auto d_halves = on_device(device(), "halves", halves, 1);
+  DeviceBuffer<float> d_values(device(), "values", halves.size(), 1);
+  d_values.fill(kNaN);
+  ops().widen_half(d_values.data(), d_halves.data(), halves.size(), type);
+  expect_same_bits(d_values.download(label), widened, label);
+
+  DeviceBuffer<uint16_t> d_again(device(), "again", halves.size(), 0);
+  ops().round_to_half(d_values.data(), d_again.data(), halves.size(), type);
+  expect_same_bits(d_again.download(label), halves, label + " then round_to_half: 16-bit values");
+  expect_same_bits(d_values.download(label), widened, label + " then round_to_half: fp32 values");
+}
+
+TEST_P(HalfActivationsTest, EmptyIsANoOp) {
+  const DType type = GetParam();
+  const float not_16_bit = bits_float(0x3F800001u);  // 1 + 2^-23: rounding would change it
+  DeviceBuffer<float> d_values(device(), "values", 1, 0);
+  DeviceBuffer<uint16_t> d_halves(device(), "halves", 1, 0);
+  d_values.fill(not_16_bit);
+  d_halves.fill(7);
+  ops().round_to_half(d_values.data(), d_halves.data(), 0, type);
+  ops().widen_half(d_values.data(), d_halves.data(), 0, type);
+  EXPECT_EQ(d_values.download("round_to_half n=0")[0], not_16_bit);
+  EXPECT_EQ(d_halves.download("round_to_half n=0")[0], 7);
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, HalfActivationsTest, ::testing::Values(DTYPE_BF16, DTYPE_FP16),
                          [](const ::testing::TestParamInfo<DType>& info) { return std::string(dtype_name(info.param)); });
 
 class AdamWTest : public GpuSuite<::testing::TestWithParam<PointwiseShape>> {};

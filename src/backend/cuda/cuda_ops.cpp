@@ -11,7 +11,9 @@
 // growing it releases the old block to the allocator, whose reuse is ordered on that same stream
 // (cuda_device.cpp).
 // With 16-bit GEMM operands the weights come rounded: the engine binds each gathered unit's 16-bit
-// copy (LayerOps::bind_half_copy) and matmul multiplies it; only the activations are rounded.
+// copy (LayerOps::bind_half_copy) and matmul multiplies it; so does a model with 16-bit
+// activations for its working activations, whose bound copies matmul multiplies as inputs and
+// cuDNN's attention reads as its bf16 qkv and out. Whatever is not bound is rounded per GEMM.
 // The reductions use a fixed device scratch and a pinned host word; those that return a value are
 // the only methods that wait for the stream (accumulate_* leave theirs in device memory). An ops object must be destroyed before its device.
 #include <memory>
@@ -83,13 +85,14 @@ class CudaLayerOps final : public LayerOps<float> {
   }
   void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
                       int OC) const override {
-    kernels::launch_matmul_forward(out, inp, weight, bound_copy(weight, OC, C), bias, N, C, OC, gemm_);
+    kernels::launch_matmul_forward(out, inp, gemm_operand_copy(inp, N, C), weight, gemm_operand_copy(weight, OC, C),
+                                   bias, N, C, OC, gemm_);
   }
   void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                        const float* weight, int N, int C, int OC) const override {
     void* ws = dbias ? workspace(kernels::matmul_backward_workspace_bytes(N, OC)) : nullptr;
-    kernels::launch_matmul_backward(dinp, dweight, dbias, dout, inp, weight, bound_copy(weight, OC, C), N, C, OC, ws,
-                                    gemm_);
+    kernels::launch_matmul_backward(dinp, dweight, dbias, dout, inp, gemm_operand_copy(inp, N, C), weight,
+                                    gemm_operand_copy(weight, OC, C), N, C, OC, ws, gemm_);
   }
   void gemm(bool trans_a, bool trans_b, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
             int ldb, float beta, float* C, int ldc) const override {
@@ -97,12 +100,16 @@ class CudaLayerOps final : public LayerOps<float> {
   }
   void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV,
                          int HS) const override {
-    if (cudnn_ && cudnn_->forward(out, lse, qkv, B, T, NH, KV, HS)) return;
+    if (cudnn_ && cudnn_->forward(out, lse, qkv, B, T, NH, KV, HS, bf16_copy(qkv, qkv_elements(B, T, NH, KV, HS))))
+      return;
     kernels::launch_attention_forward(out, lse, qkv, B, T, NH, KV, HS, launch());
   }
   void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int B,
                           int T, int NH, int KV, int HS) const override {
-    if (cudnn_ && cudnn_->backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS)) return;
+    if (cudnn_ && cudnn_->backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS,
+                                   bf16_copy(qkv, qkv_elements(B, T, NH, KV, HS)),
+                                   bf16_copy(out, static_cast<size_t>(B) * T * NH * HS)))
+      return;
     void* ws = workspace(kernels::attention_backward_workspace_bytes(B, T, NH, KV, HS));  // each row's D
     kernels::launch_attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS, ws, launch());
   }
@@ -202,16 +209,29 @@ class CudaLayerOps final : public LayerOps<float> {
     kernels::accumulate_sum_squares(total, x, n, reduce_scratch_, launch());
   }
   void scale(float* x, size_t n, float s) const override { kernels::launch_scale(x, n, s, launch()); }
+  void round_to_half(float* values, uint16_t* half, size_t n, DType type) const override {
+    kernels::launch_round_to_half(values, half, n, type, launch());
+  }
+  void widen_half(float* values, const uint16_t* half, size_t n, DType type) const override {
+    kernels::launch_from_half(values, half, n, type, launch());
+  }
   void bind_half_copy(const float* values, const uint16_t* half, size_t n, DType type) const override {
     half_copies_.bind(values, half, n, type);
   }
   void unbind_half_copy(const float* values) const override { half_copies_.unbind(values); }
 
  private:
-  // A weight's bound 16-bit copy in the GEMMs' operand type, or null (fp32 GEMMs, or not bound).
-  const uint16_t* bound_copy(const float* weight, int OC, int C) const {
+  // The bound 16-bit copy of a GEMM operand (rows x cols: a weight or an input) in the GEMMs' operand
+  // type, or null (fp32 GEMMs, or not bound).
+  const uint16_t* gemm_operand_copy(const float* operand, int rows, int cols) const {
     if (gemm_.operands == DTYPE_FP32) return nullptr;
-    return half_copies_.find(weight, static_cast<size_t>(OC) * C, gemm_.operands);
+    return half_copies_.find(operand, static_cast<size_t>(rows) * cols, gemm_.operands);
+  }
+  // The bound bf16 copy of [values, values + n), or null: cuDNN's attention takes bf16 whatever
+  // the GEMMs' operand type.
+  const uint16_t* bf16_copy(const float* values, size_t n) const { return half_copies_.find(values, n, DTYPE_BF16); }
+  static size_t qkv_elements(int B, int T, int NH, int KV, int HS) {
+    return static_cast<size_t>(B) * T * (NH + 2 * KV) * HS;
   }
   const LaunchContext& launch() const { return gemm_.launch; }
 
@@ -241,7 +261,7 @@ class CudaLayerOps final : public LayerOps<float> {
   mutable void* operands_ = nullptr;  // the 16-bit GEMM operand copies (GemmContext::operand_scratch)
   mutable size_t operands_bytes_ = 0;
   std::unique_ptr<CudnnAttention> cudnn_;  // train.attention=cudnn; null: the tiled kernels
-  mutable HalfCopies half_copies_;         // the engine's gathered 16-bit units (bind_half_copy)
+  mutable HalfCopies half_copies_;         // gathered 16-bit units and 16-bit activations (bind_half_copy)
 };
 
 class CudaShardOps final : public ShardOps {

@@ -507,11 +507,17 @@ struct CudnnAttention::Impl {
     return (backward ? backward_plans : forward_plans).at(s).workspace;
   }
 
-  // qkv rounded to bf16, and the device pointers of its q, k and v views.
-  uint16_t* stage_qkv(const float* qkv, const Shape& s) {
-    uint16_t* q16 = grow<uint16_t>(qkv16, gpu::cudnn_attention_qkv_bytes(s.B, s.T, s.NH, s.KV, s.HS));
-    kernels::launch_to_half(q16, qkv, s.qkv_elements(), DTYPE_BF16, launch);
-    return q16;
+  // An input of n elements in bf16: the caller's copy when cuDNN may read it (16-byte aligned, as
+  // the tensors are declared), else rounded into `staging` (grown to `bytes`). Non-const for the
+  // variant pack, which takes void*: cuDNN only reads it.
+  uint16_t* bf16_input(const float* values, const uint16_t* copy, size_t n, Buffer& staging, size_t bytes) {
+    if (copy && aligned16(copy)) return const_cast<uint16_t*>(copy);
+    uint16_t* rounded = grow<uint16_t>(staging, bytes);
+    kernels::launch_to_half(rounded, values, n, DTYPE_BF16, launch);
+    return rounded;
+  }
+  uint16_t* bf16_qkv(const float* qkv, const uint16_t* copy, const Shape& s) {
+    return bf16_input(qkv, copy, s.qkv_elements(), qkv16, gpu::cudnn_attention_qkv_bytes(s.B, s.T, s.NH, s.KV, s.HS));
   }
   void set_scalars(const Shape& s) { scale = 1.0f / std::sqrt(static_cast<float>(s.HS)); }
 };
@@ -529,14 +535,15 @@ std::string CudnnAttention::unsupported_reason(int T, int HS, bool backward) {
   return "";
 }
 
-bool CudnnAttention::forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS) {
+bool CudnnAttention::forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
+                             const uint16_t* qkv_bf16) {
   const Shape s{B, T, NH, KV, HS};
   SHARD_CHECK(B > 0 && T > 0 && NH > 0 && KV > 0 && HS > 0 && NH % KV == 0, "attention: %s", s.name().c_str());
   Descriptor* plan = impl_->plan_for(s, false);
   if (!plan) return false;
   Impl& m = *impl_;
   m.set_scalars(s);
-  uint16_t* q16 = m.stage_qkv(qkv, s);
+  uint16_t* q16 = m.bf16_qkv(qkv, qkv_bf16, s);
   uint16_t* o16 = m.grow<uint16_t>(m.out16, gpu::cudnn_attention_out_bytes(B, T, NH, HS));
   float* stats = aligned16(lse) ? lse : m.grow<float>(m.lse_copy, gpu::cudnn_attention_row_bytes(B, T, NH));
   m.execute(*plan,
@@ -550,20 +557,21 @@ bool CudnnAttention::forward(float* out, float* lse, const float* qkv, int B, in
 }
 
 bool CudnnAttention::backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
-                              int B, int T, int NH, int KV, int HS) {
+                              int B, int T, int NH, int KV, int HS, const uint16_t* qkv_bf16,
+                              const uint16_t* out_bf16) {
   const Shape s{B, T, NH, KV, HS};
   SHARD_CHECK(B > 0 && T > 0 && NH > 0 && KV > 0 && HS > 0 && NH % KV == 0, "attention: %s", s.name().c_str());
   Descriptor* plan = impl_->plan_for(s, true);
   if (!plan) return false;
   Impl& m = *impl_;
   m.set_scalars(s);
-  uint16_t* q16 = m.stage_qkv(qkv, s);
+  uint16_t* q16 = m.bf16_qkv(qkv, qkv_bf16, s);
   // out holds the forward's bf16 values widened (or the tiled kernels' fp32): rounding it again
-  // gives cuDNN's forward output back bit for bit, without keeping a bf16 copy per layer.
-  uint16_t* o16 = m.grow<uint16_t>(m.out16, gpu::cudnn_attention_out_bytes(B, T, NH, HS));
-  kernels::launch_to_half(o16, out, s.out_elements(), DTYPE_BF16, m.launch);
-  uint16_t* do16 = m.grow<uint16_t>(m.dout16, gpu::cudnn_attention_out_bytes(B, T, NH, HS));
-  kernels::launch_to_half(do16, dout, s.out_elements(), DTYPE_BF16, m.launch);
+  // (or reading its bound copy) gives cuDNN's forward output back bit for bit, without keeping a
+  // bf16 copy per layer here.
+  const size_t out_bytes = gpu::cudnn_attention_out_bytes(B, T, NH, HS);
+  uint16_t* o16 = m.bf16_input(out, out_bf16, s.out_elements(), m.out16, out_bytes);
+  uint16_t* do16 = m.bf16_input(dout, nullptr, s.out_elements(), m.dout16, out_bytes);
   uint16_t* dq16 = m.grow<uint16_t>(m.dqkv16, gpu::cudnn_attention_qkv_bytes(B, T, NH, KV, HS));
   float* sums = m.grow<float>(m.row_sums, gpu::cudnn_attention_row_bytes(B, T, NH));
   const float* stats = lse;

@@ -5,8 +5,9 @@
 // either forward's lse. train.attention=cudnn (docs/gpu.md, "Attention kernels").
 //
 // Precision: qkv (and in the backward dout and out) are rounded to bf16 once per call into
-// staging buffers; Q, K and V are strided views of that one buffer (no repacking). Scores,
-// softmax statistics and every accumulation are fp32; the probabilities (and the score
+// staging buffers -- or, for qkv and out, read from the bf16 copies the caller passes (16-bit
+// activations): the same bits. Q, K and V are strided views of that one buffer (no repacking).
+// Scores, softmax statistics and every accumulation are fp32; the probabilities (and the score
 // gradients) enter the second products as bf16, and out and dqkv come back from bf16.
 // The backward is the deterministic form (no fp32 dQ accumulator with atomics; cuDNN's dP
 // workspace instead) and only engines without cuDNN's non-determinism note are used: same
@@ -24,11 +25,13 @@
 // (B*T*NH*HS*2 each), the backward's per-row sums (B*NH*T*4), a copy of lse (B*NH*T*4) only when
 // the caller's lse is not 16-byte aligned, and cuDNN's workspace (the largest plan's, known only
 // from the finalized plan; the deterministic backward's dP workspace is about B*NH*T*T*2 bytes;
-// the plan takes gpu_memory.hpp's cudnn_attention_*_workspace_estimate).
+// the plan takes gpu_memory.hpp's cudnn_attention_*_workspace_estimate). A call given qkv's bf16
+// copy does not grow the bf16 qkv buffer: the plan's count is then an upper bound.
 // Everything is queued on the device's compute stream; nothing waits for it.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -45,10 +48,13 @@ class CudnnAttention {
   CudnnAttention& operator=(const CudnnAttention&) = delete;
 
   // LayerOps::attention_forward / attention_backward. False: cuDNN cannot run this shape,
-  // nothing was written (see above).
-  bool forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS);
+  // nothing was written (see above). qkv_bf16, out_bf16 (may be null): bf16 copies of qkv and out
+  // (bound to the ops, LayerOps::bind_half_copy: qkv == widen(qkv_bf16)), read instead of rounding
+  // qkv and out into the staging buffers when 16-byte aligned, the alignment cuDNN is promised.
+  bool forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
+               const uint16_t* qkv_bf16 = nullptr);
   bool backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int B, int T,
-                int NH, int KV, int HS);
+                int NH, int KV, int HS, const uint16_t* qkv_bf16 = nullptr, const uint16_t* out_bf16 = nullptr);
 
   // Why cuDNN's attention is not used for this shape before asking cuDNN (head size, the
   // runtime cuDNN's version), or "" when it may be.
