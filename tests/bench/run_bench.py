@@ -23,6 +23,11 @@ CPU bf16 compute (--only bf16): gpt2-124M and llama-135M training at T = 64 (as 
 threads, fp32 and fsdp.param_dtype=bf16 interleaved for --bf16-rounds rounds: tokens/s min/median,
 their ratio, MFU against the same-run GEMM and the hardware peak, and the final-step loss difference.
 
+16-bit activations (--only activations): gpt2-124M at T = 64 and T = 1024 (ARCH_SHAPES), 1 rank x 2
+threads, fsdp.param_dtype=bf16 with fsdp.activation_dtype fp32 and bf16 interleaved for --arch-rounds
+rounds: tokens/s min/median and their ratio, the activations' planned bytes, the final-step loss
+difference.
+
 Against another build (--only baseline --baseline DIR [--baseline-dtype bf16]): gpt2-124M at T = 64
 and T = 1024 on this build and DIR's (e.g. an older commit built elsewhere), interleaved (see
 baseline_section).
@@ -178,6 +183,7 @@ def main():
     parser.add_argument("--ckpt-profile", action="store_true",
                         help="also time the checksums and the same bytes through MPI-IO alone")
     parser.add_argument("--only", choices=("layers", "train", "ckpt", "arch", "adapters", "distill", "gemm", "bf16",
+                                           "activations",
                                            "convert", "baseline"),
                         help="run one section only")
     parser.add_argument("--arch-rounds", type=int, default=2)
@@ -226,6 +232,8 @@ def main():
         gemm_section(build, args.gemm_repeats, args.gemm_quick)
     if "bf16" in sections:
         bf16_section(build, args.steps, args.bf16_rounds)
+    if "activations" in sections:
+        activations_section(build, args.steps, args.arch_rounds)
     if "baseline" in sections:
         if not args.baseline:
             sys.exit("--only baseline needs --baseline DIR, the build folder to compare with")
@@ -290,6 +298,26 @@ def bf16_section(build, steps, rounds):
         loss = [abs(a[-1]["loss"] - b[-1]["loss"]) / a[-1]["loss"] for (a, _), (b, _) in zip(runs["fp32"], runs["bf16"])]
         print(f"{config:16s} bf16 / fp32 median tokens/s: {tps['bf16'][1] / tps['fp32'][1]:.2f} | final loss "
               f"relative difference max {max(loss):.2e}", flush=True)
+
+
+def activations_section(build, steps, rounds):
+    print(f"\n== 16-bit activations: gpt2-124M, fsdp.param_dtype=bf16, 1 rank x 2 threads, {rounds} rounds of "
+          f"{steps} steps, fsdp.activation_dtype fp32 and bf16 interleaved (first step of each run dropped)", flush=True)
+    for seq_len, micro, global_batch in ARCH_SHAPES:
+        runs = {"fp32": [], "bf16": []}
+        for _ in range(rounds):
+            for dtype in runs:
+                rows, _, _ = train_run(build, 1, 2, steps, "gpt2-124M.ini", seq_len, micro, global_batch,
+                                       extra=["--fsdp.param_dtype=bf16", f"--fsdp.activation_dtype={dtype}"])
+                runs[dtype].append(rows)
+        tps = {d: summarize([r["tokens_per_s"] for rows in v for r in rows]) for d, v in runs.items()}
+        for dtype, v in runs.items():
+            activations = v[0][-1]["peak_mem"]["activations"]
+            print(f"T={seq_len:5d} activations {dtype} | tokens/s min {tps[dtype][0]:.1f} median {tps[dtype][1]:.1f} | "
+                  f"activations {activations / 2**20:.1f} MiB", flush=True)
+        loss = [abs(a[-1]["loss"] - b[-1]["loss"]) / a[-1]["loss"] for a, b in zip(runs["fp32"], runs["bf16"])]
+        print(f"T={seq_len:5d} bf16 / fp32 activations median tokens/s: {tps['bf16'][1] / tps['fp32'][1]:.2f} | final "
+              f"loss relative difference max {max(loss):.2e}", flush=True)
 
 
 def train_section(build, steps):

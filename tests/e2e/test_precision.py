@@ -57,6 +57,24 @@ def test_half_precision_losses_stay_close_to_fp32():
         assert worst < 1e-2, (np_, dtypes, worst)
 
 
+def test_16_bit_activations_stay_close_to_fp32_and_are_invariant_in_the_rank_count():
+    # fsdp.activation_dtype=auto follows param_dtype: bf16 parameters store bf16 activations, which
+    # round every saved tensor where it is produced -- the losses move (it is not a no-op) by about
+    # bf16's precision, and stay the same bits on any rank count.
+    reference, _ = steps_of(1)
+    fp32_activations, _ = steps_of(2, "--fsdp.param_dtype=bf16", "--fsdp.activation_dtype=fp32")
+    bf16, out = steps_of(2, "--fsdp.param_dtype=bf16")
+    assert "activations bf16" in compute_line(out)
+    assert [s["loss"] for s in bf16] != [s["loss"] for s in fp32_activations]
+    on_3, _ = steps_of(3, "--fsdp.param_dtype=bf16", "--fsdp.activation_dtype=bf16")
+    assert [s["loss"] for s in on_3] == [s["loss"] for s in bf16]
+    fp16, out = steps_of(2, "--fsdp.activation_dtype=fp16")  # fp32 parameters, fp16 activations
+    assert "activations fp16" in compute_line(out)
+    for other in (fp32_activations, bf16, fp16):
+        worst = max(rel_diff(a["loss"], b["loss"]) for a, b in zip(reference, other))
+        assert 0 < worst < 1e-2, worst
+
+
 def test_fp16_skips_an_overflowing_step_and_resumes_with_its_loss_scale():
     ckdir = tempdir()
     steps, stdout = steps_of(2, "--fsdp.param_dtype=fp16", "--debug.inject_inf_step=2", "--checkpoint.every=3",

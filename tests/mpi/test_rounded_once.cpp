@@ -6,6 +6,8 @@
 //   - oneDNN's kernel, which multiplies the bound copy, and the SGEMMs on rounded operands, which
 //     read the fp32 values in place, train to the same losses within fp32 summation error: a copy
 //     bound at the wrong place would multiply other weights.
+// And the same with bf16 activations (fsdp.activation_dtype), whose saved tensors the model binds
+// layer by layer: a stale binding (another layer's copy) would give oneDNN other activations.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -36,36 +38,40 @@ struct Bf16Run {
   std::unique_ptr<LayerOps<float>> ops;
   Backend backend;
   std::unique_ptr<TrainingRun> run;  // last: destroyed first, so the engine unbinds its units from live ops
-  Bf16Run(bool onednn, const EngineOptions& options) : gemm(model_gemm(onednn)), ops(make_cpu_bf16_layer_ops(*gemm)) {
+  Bf16Run(bool onednn, const EngineOptions& options, DType activation_dtype)
+      : gemm(model_gemm(onednn)), ops(make_cpu_bf16_layer_ops(*gemm)) {
     backend = cpu_backend();
     backend.ops = ops.get();
-    run = std::make_unique<TrainingRun>(backend, options);
+    run = std::make_unique<TrainingRun>(backend, options, shardtrain::testing::host_mpi_comm, activation_dtype);
   }
 };
 
 TEST(RoundedOnce, TrainingRoundsNoWeightAndBothKernelsAgree) {
   for (ShardingStrategy strategy : {SHARDING_FULL_SHARD, SHARDING_SHARD_GRAD_OP, SHARDING_NO_SHARD}) {
     for (bool offload : {false, true}) {
-      EngineOptions options = TrainingRun::options(offload, false);
-      options.strategy = strategy;
-      options.param_dtype = options.reduce_dtype = DTYPE_BF16;
-      Bf16Run emulated(false, options);
-      emulated.run->train(3, 2);
-      EXPECT_TRUE(all_ranks(emulated.gemm->weight_elements_rounded() == 0))
-          << sharding_strategy_name(strategy) << " offload " << offload << ": "
-          << emulated.gemm->weight_elements_rounded() << " weight elements rounded by the SGEMM kernel";
-      if (!cpu::Bf16Gemm::native_bf16()) continue;  // oneDNN's kernel would only emulate: not run here
-      Bf16Run native(true, options);
-      native.run->train(3, 2);
-      EXPECT_TRUE(all_ranks(native.gemm->weight_elements_rounded() == 0))
-          << sharding_strategy_name(strategy) << " offload " << offload << ": "
-          << native.gemm->weight_elements_rounded() << " weight elements rounded by oneDNN's kernel";
-      bool close = native.run->losses.size() == emulated.run->losses.size();
-      for (size_t s = 0; close && s < native.run->losses.size(); s++)
-        close = std::fabs(native.run->losses[s] - emulated.run->losses[s]) <= 1e-5 * std::fabs(emulated.run->losses[s]);
-      EXPECT_TRUE(all_ranks(close)) << sharding_strategy_name(strategy) << " offload " << offload << ": loss "
-                                    << native.run->losses.back() << " (oneDNN) against "
-                                    << emulated.run->losses.back() << " (SGEMM)";
+      for (DType activations : {DTYPE_FP32, DTYPE_BF16}) {
+        SCOPED_TRACE(::testing::Message() << "activations " << dtype_name(activations));
+        EngineOptions options = TrainingRun::options(offload, false);
+        options.strategy = strategy;
+        options.param_dtype = options.reduce_dtype = DTYPE_BF16;
+        Bf16Run emulated(false, options, activations);
+        emulated.run->train(3, 2);
+        EXPECT_TRUE(all_ranks(emulated.gemm->weight_elements_rounded() == 0))
+            << sharding_strategy_name(strategy) << " offload " << offload << ": "
+            << emulated.gemm->weight_elements_rounded() << " weight elements rounded by the SGEMM kernel";
+        if (!cpu::Bf16Gemm::native_bf16()) continue;  // oneDNN's kernel would only emulate: not run here
+        Bf16Run native(true, options, activations);
+        native.run->train(3, 2);
+        EXPECT_TRUE(all_ranks(native.gemm->weight_elements_rounded() == 0))
+            << sharding_strategy_name(strategy) << " offload " << offload << ": "
+            << native.gemm->weight_elements_rounded() << " weight elements rounded by oneDNN's kernel";
+        bool close = native.run->losses.size() == emulated.run->losses.size();
+        for (size_t s = 0; close && s < native.run->losses.size(); s++)
+          close = std::fabs(native.run->losses[s] - emulated.run->losses[s]) <= 1e-5 * std::fabs(emulated.run->losses[s]);
+        EXPECT_TRUE(all_ranks(close)) << sharding_strategy_name(strategy) << " offload " << offload << ": loss "
+                                      << native.run->losses.back() << " (oneDNN) against "
+                                      << emulated.run->losses.back() << " (SGEMM)";
+      }
     }
   }
 }

@@ -52,12 +52,13 @@ struct TrainingRun {
   GptModel<float> model;
   std::vector<double> losses;
 
-  TrainingRun(const Backend& backend, const EngineOptions& engine_options, const CommMaker& make_comm = host_mpi_comm)
+  TrainingRun(const Backend& backend, const EngineOptions& engine_options, const CommMaker& make_comm = host_mpi_comm,
+              DType activation_dtype = DTYPE_FP32)
       : world(make_comm(MPI_COMM_WORLD)),
         self(make_comm(MPI_COMM_SELF)),
         engine(table, *world, *self, memory, engine_options, backend),
         optimizer(OptimConfig{}, engine, memory),
-        model(table, 2, 5, false, *backend.ops) {
+        model(table, 2, 5, false, *backend.ops, activation_dtype) {
     engine.init_parameters(11);
   }
   TrainingRun(const Backend& backend, bool offload, bool overlap = false)
