@@ -60,14 +60,14 @@ def test_half_precision_losses_stay_close_to_fp32():
 def test_16_bit_activations_stay_close_to_fp32_and_are_invariant_in_the_rank_count():
     # fsdp.activation_dtype=auto follows param_dtype: bf16 parameters store bf16 activations, which
     # round every saved tensor where it is produced -- the losses move (it is not a no-op) by about
-    # bf16's precision, and stay the same bits on any rank count.
+    # bf16's precision; other rank counts differ only by the gradient sums' order, as in fp32.
     reference, _ = steps_of(1)
     fp32_activations, _ = steps_of(2, "--fsdp.param_dtype=bf16", "--fsdp.activation_dtype=fp32")
     bf16, out = steps_of(2, "--fsdp.param_dtype=bf16")
     assert "activations bf16" in compute_line(out)
     assert [s["loss"] for s in bf16] != [s["loss"] for s in fp32_activations]
     on_3, _ = steps_of(3, "--fsdp.param_dtype=bf16", "--fsdp.activation_dtype=bf16")
-    assert [s["loss"] for s in on_3] == [s["loss"] for s in bf16]
+    assert max(rel_diff(a["loss"], b["loss"]) for a, b in zip(bf16, on_3)) < 1e-4
     fp16, out = steps_of(2, "--fsdp.activation_dtype=fp16")  # fp32 parameters, fp16 activations
     assert "activations fp16" in compute_line(out)
     for other in (fp32_activations, bf16, fp16):
