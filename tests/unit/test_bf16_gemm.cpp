@@ -90,6 +90,16 @@ std::vector<uint16_t> bf16_copy(const std::vector<float>& weight) {
   return copy;
 }
 // The weight as the engine gathers it: every value rounded to bf16.
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// 2x, exactly (a power of two): its bf16 copy is the copy's double.
+std::vector<float> doubled(std::vector<float> x) {
+  for (float& v : x) v *= 2.0f;
+  return x;
+}
+
 void round_in_place(std::vector<float>* x) {
   for (float& v : *x) v = static_cast<float>(round_bf16(v));
 }
@@ -148,7 +158,7 @@ TEST_P(Bf16GemmTest, BackwardProductsAccumulateAndAreOptional) {
     std::vector<float> dbias_fp32 = dbias0;
     shardtrain::cpu::matmul_backward<float>(nullptr, nullptr, dbias_fp32.data(), dout.data(), nullptr, nullptr, s.N,
                                             s.C, s.OC);
-    EXPECT_EQ(0, std::memcmp(dbias.data(), dbias_fp32.data(), dbias.size() * sizeof(float)));
+    EXPECT_TRUE(same_bits(dbias, dbias_fp32));
 
     // Each gradient alone gives the same bits and leaves the others untouched.
     std::vector<float> dinp_only(s.N * s.C, NAN), untouched = dweight0;
@@ -184,23 +194,22 @@ TEST_P(Bf16GemmTest, AWeightWithItsCopyIsNotRoundedAgain) {
     EXPECT_EQ(rounded, 2u * s.OC * s.C) << "forward and dinp each round the weight";
     run(weight, weight16.data(), &out16, &dinp16, &dweight16);
     EXPECT_EQ(gemm.weight_elements_rounded(), rounded) << "a weight with its copy was rounded";
-    EXPECT_EQ(0, std::memcmp(out.data(), out16.data(), out.size() * sizeof(float)));
-    EXPECT_EQ(0, std::memcmp(dinp.data(), dinp16.data(), dinp.size() * sizeof(float)));
-    EXPECT_EQ(0, std::memcmp(dweight.data(), dweight16.data(), dweight.size() * sizeof(float)));
+    EXPECT_TRUE(same_bits(out, out16));
+    EXPECT_TRUE(same_bits(dinp, dinp16));
+    EXPECT_TRUE(same_bits(dweight, dweight16));
 
     // oneDNN multiplies the copy: given the copy of twice the weight beside the weight itself, the
     // products are those of 2W (exactly twice, a power of two). The SGEMMs read the weight's fp32
     // values in place, equal to the copy's widening by the contract.
     if (!onednn()) continue;
-    std::vector<float> twice = weight;
-    for (float& v : twice) v *= 2.0f;
+    const std::vector<float> twice = doubled(weight);
     const std::vector<uint16_t> twice16 = bf16_copy(twice);
     std::vector<float> out2, dinp2, dweight2, want_out, want_dinp, want_dweight;
     run(weight, twice16.data(), &out2, &dinp2, &dweight2);
     run(twice, nullptr, &want_out, &want_dinp, &want_dweight);
-    EXPECT_EQ(0, std::memcmp(out2.data(), want_out.data(), out2.size() * sizeof(float)));
-    EXPECT_EQ(0, std::memcmp(dinp2.data(), want_dinp.data(), dinp2.size() * sizeof(float)));
-    EXPECT_NE(0, std::memcmp(out2.data(), out16.data(), out2.size() * sizeof(float)));
+    EXPECT_TRUE(same_bits(out2, want_out));
+    EXPECT_TRUE(same_bits(dinp2, want_dinp));
+    EXPECT_FALSE(same_bits(out2, out16));
   }
 }
 
@@ -225,21 +234,20 @@ TEST_P(Bf16GemmTest, AnInputWithItsCopyIsNotRoundedAgain) {
     std::vector<float> out, dinp, dweight, out16, dinp16, dweight16;
     run(inp, nullptr, &out, &dinp, &dweight);
     run(inp, inp16.data(), &out16, &dinp16, &dweight16);
-    EXPECT_EQ(0, std::memcmp(out.data(), out16.data(), out.size() * sizeof(float)));
-    EXPECT_EQ(0, std::memcmp(dinp.data(), dinp16.data(), dinp.size() * sizeof(float)));
-    EXPECT_EQ(0, std::memcmp(dweight.data(), dweight16.data(), dweight.size() * sizeof(float)));
+    EXPECT_TRUE(same_bits(out, out16));
+    EXPECT_TRUE(same_bits(dinp, dinp16));
+    EXPECT_TRUE(same_bits(dweight, dweight16));
 
     // oneDNN multiplies the copy: the copy of 2X beside X gives 2X's products.
     if (!onednn()) continue;
-    std::vector<float> twice = inp;
-    for (float& v : twice) v *= 2.0f;
+    const std::vector<float> twice = doubled(inp);
     const std::vector<uint16_t> twice16 = bf16_copy(twice);
     std::vector<float> out2, dinp2, dweight2, want_out, want_dinp, want_dweight;
     run(inp, twice16.data(), &out2, &dinp2, &dweight2);
     run(twice, nullptr, &want_out, &want_dinp, &want_dweight);
-    EXPECT_EQ(0, std::memcmp(out2.data(), want_out.data(), out2.size() * sizeof(float)));
-    EXPECT_EQ(0, std::memcmp(dweight2.data(), want_dweight.data(), dweight2.size() * sizeof(float)));
-    EXPECT_NE(0, std::memcmp(out2.data(), out16.data(), out2.size() * sizeof(float)));
+    EXPECT_TRUE(same_bits(out2, want_out));
+    EXPECT_TRUE(same_bits(dweight2, want_dweight));
+    EXPECT_FALSE(same_bits(out2, out16));
   }
 }
 
@@ -258,7 +266,7 @@ TEST(Bf16Gemm, KernelsAgreeAndRepeatBitForBit) {
   native.forward(a.data(), inp.data(), nullptr, weight.data(), nullptr, nullptr, s.N, s.C, s.OC);
   native.forward(again.data(), inp.data(), nullptr, weight.data(), nullptr, nullptr, s.N, s.C, s.OC);
   emulated.forward(b.data(), inp.data(), nullptr, weight.data(), nullptr, nullptr, s.N, s.C, s.OC);
-  EXPECT_EQ(0, std::memcmp(a.data(), again.data(), a.size() * sizeof(float)));
+  EXPECT_TRUE(same_bits(a, again));
   const Reference want = product(inp, false, weight, true, s.N, s.OC, s.C, true);
   for (size_t i = 0; i < a.size(); i++) ASSERT_LE(std::fabs(a[i] - b[i]), 2 * want.bound[i]) << i;
 }
