@@ -400,8 +400,11 @@ TEST_P(ModelArchTest, ActivationBytesAreTheAllocatedBytes) {
       const size_t allocated = host_device().live_bytes() - before;
       EXPECT_EQ(allocated, model->activation_bytes());
       EXPECT_EQ(allocated, plan_activation_bytes(table, B, T, checkpointing, sizeof(float), dtype));
-      if (dtype == DTYPE_FP32) fp32_bytes = static_cast<long>(allocated);
-      if (dtype != DTYPE_FP32) EXPECT_EQ(static_cast<long>(allocated) - fp32_bytes, static_cast<long>(S) * (4 - 2 * K));
+      if (dtype == DTYPE_FP32) {
+        fp32_bytes = static_cast<long>(allocated);
+      } else {
+        EXPECT_EQ(static_cast<long>(allocated) - fp32_bytes, static_cast<long>(S) * (4 - 2 * K));
+      }
     }
   }
 }
