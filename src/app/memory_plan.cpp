@@ -11,8 +11,8 @@
 #include "core/error.hpp"
 #include "core/format.hpp"
 #include "model/adapter_layers.hpp"
-#include "model/gpt.hpp"
-#include "model/llama.hpp"
+#include "model/model.hpp"
+#include "model/saved_activations.hpp"
 #include "optim/adamw.hpp"
 
 namespace shardtrain {
@@ -67,23 +67,15 @@ void add_activation_allocations(const ParamTable& table, int batch, int seq_len,
   const ModelConfig& c = table.config();
   const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, NH = c.n_head, V = c.vocab_size;
   const size_t layers = checkpointing ? 1 : c.n_layer;
-  const bool llama = c.arch == ARCH_LLAMA;
   auto floats = [&](size_t n, size_t times = 1) {
     for (size_t i = 0; i < times; i++) list->push_back({MEM_ACTIVATIONS, n * sizeof(float)});
   };
-  const std::vector<size_t> saved = llama ? LlamaModel<float>::saved_tensor_elements(c, batch, seq_len)
-                                          : GptModel<float>::saved_tensor_elements(c, batch, seq_len);
-  if (activation_dtype == DTYPE_FP32) {
-    for (size_t l = 0; l < layers; l++)
-      for (size_t n : saved) floats(n);
-  } else {
-    for (size_t n : saved) floats(n);  // the working set
-    for (size_t l = 0; l < layers; l++)
-      for (size_t n : saved) list->push_back({MEM_ACTIVATIONS, n * dtype_bytes(activation_dtype)});
-  }
+  for (size_t bytes : SavedActivations<float>::plan_allocations(
+           activation_dtype, static_cast<int>(layers), plan_saved_tensor_elements(c, batch, seq_len), sizeof(float)))
+    list->push_back({MEM_ACTIVATIONS, bytes});
   list->push_back({MEM_ACTIVATIONS, BT * sizeof(int)});  // tokens
   list->push_back({MEM_ACTIVATIONS, BT * sizeof(int)});  // targets
-  if (llama) {
+  if (c.arch == ARCH_LLAMA) {
     const size_t QKV = c.qkv_size(), I = c.mlp_size();
     floats(static_cast<size_t>(seq_len) * (c.head_size() / 2), 2);  // the rotary cos and sin tables
     floats(BT * C, c.n_layer + 1);                                    // the residual stream

@@ -16,15 +16,19 @@ std::unique_ptr<TransformerModel<Real>> make_model(const ParamTable& table, int 
   return std::make_unique<GptModel<Real>>(table, batch, seq_len, activation_checkpointing, ops, activation_dtype);
 }
 
+std::vector<size_t> plan_saved_tensor_elements(const ModelConfig& config, int batch, int seq_len) {
+  return config.arch == ARCH_LLAMA ? LlamaModel<float>::saved_tensor_elements(config, batch, seq_len)
+                                   : GptModel<float>::saved_tensor_elements(config, batch, seq_len);
+}
+
 size_t plan_activation_bytes(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
                              size_t real_bytes, DType activation_dtype) {
   const ModelConfig& config = table.config();
-  const bool llama = config.arch == ARCH_LLAMA;
   const size_t elements =
-      llama ? LlamaModel<float>::plan_activation_elements(config, batch, seq_len, activation_checkpointing)
-            : GptModel<float>::plan_activation_elements(config, batch, seq_len, activation_checkpointing);
-  const std::vector<size_t> saved = llama ? LlamaModel<float>::saved_tensor_elements(config, batch, seq_len)
-                                          : GptModel<float>::saved_tensor_elements(config, batch, seq_len);
+      config.arch == ARCH_LLAMA
+          ? LlamaModel<float>::plan_activation_elements(config, batch, seq_len, activation_checkpointing)
+          : GptModel<float>::plan_activation_elements(config, batch, seq_len, activation_checkpointing);
+  const std::vector<size_t> saved = plan_saved_tensor_elements(config, batch, seq_len);
   const int saved_layers = activation_checkpointing ? 1 : config.n_layer;
   return elements * real_bytes +
          SavedActivations<float>::plan_bytes(activation_dtype, saved_layers, saved, real_bytes) +

@@ -137,6 +137,10 @@ std::unique_ptr<TransformerModel<Real>> make_model(const ParamTable& table, int 
                                                    bool activation_checkpointing, const LayerOps<Real>& ops,
                                                    DType activation_dtype = DTYPE_FP32);
 
+// Elements of each of a layer's saved tensors for the config's architecture (the models'
+// saved_tensor_elements; model/saved_activations.hpp).
+std::vector<size_t> plan_saved_tensor_elements(const ModelConfig& config, int batch, int seq_len);
+
 // Bytes of activations and backward scratch for these dimensions, without allocating: the one
 // source for the models' own accounting and the planner.
 size_t plan_activation_bytes(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,

@@ -28,12 +28,26 @@ SavedActivations<Real>::~SavedActivations() {
 }
 
 template <typename Real>
+std::vector<size_t> SavedActivations<Real>::plan_allocations(DType dtype, int layers, const std::vector<size_t>& sizes,
+                                                             size_t real_bytes) {
+  std::vector<size_t> bytes;
+  if (dtype == DTYPE_FP32) {
+    for (int l = 0; l < layers; l++)
+      for (size_t n : sizes) bytes.push_back(n * real_bytes);
+    return bytes;
+  }
+  for (size_t n : sizes) bytes.push_back(n * real_bytes);  // the working set
+  for (int l = 0; l < layers; l++)
+    for (size_t n : sizes) bytes.push_back(n * dtype_bytes(dtype));
+  return bytes;
+}
+
+template <typename Real>
 size_t SavedActivations<Real>::plan_bytes(DType dtype, int layers, const std::vector<size_t>& sizes,
                                           size_t real_bytes) {
-  size_t elements = 0;
-  for (size_t n : sizes) elements += n;
-  if (dtype == DTYPE_FP32) return static_cast<size_t>(layers) * elements * real_bytes;
-  return elements * real_bytes + static_cast<size_t>(layers) * elements * dtype_bytes(dtype);
+  size_t total = 0;
+  for (size_t b : plan_allocations(dtype, layers, sizes, real_bytes)) total += b;
+  return total;
 }
 
 template <typename Real>

@@ -33,7 +33,9 @@ class SavedActivations {
   SavedActivations(const SavedActivations&) = delete;
   SavedActivations& operator=(const SavedActivations&) = delete;
 
-  // Bytes the constructor allocates.
+  // The arrays the constructor allocates, in bytes each, in its order; and their sum.
+  static std::vector<size_t> plan_allocations(DType dtype, int layers, const std::vector<size_t>& sizes,
+                                              size_t real_bytes);
   static size_t plan_bytes(DType dtype, int layers, const std::vector<size_t>& sizes, size_t real_bytes);
 
   DType dtype() const { return dtype_; }
