@@ -114,13 +114,14 @@ run() {
     --checkpoint.dir="$WORK/ckpt-$name" --checkpoint.every=0 --checkpoint.resume=none \
     --data.train_file="$WORK/data/synth_train.bin" --data.val_file= "$@" >"$WORK/$name.log" 2>&1
 }
-# losses A B [BOUND]: the largest relative difference of the step losses of two metrics files,
-# ok when at most BOUND (default 1e-3).
+# compare_losses A B [BOUND [STEPS]]: the largest relative difference of the step losses of two
+# metrics files (of their first STEPS steps when given), ok when at most BOUND (default 1e-3).
 compare_losses() {
-  "$PY" - "$1" "$2" "${3:-1e-3}" <<'PY'
+  "$PY" - "$1" "$2" "${3:-1e-3}" "${4:-0}" <<'PY'
 import json, sys
 def losses(path):
-    return [json.loads(l)["loss"] for l in open(path) if '"kind":"step"' in l]
+    found = [json.loads(l)["loss"] for l in open(path) if '"kind":"step"' in l]
+    return found[:int(sys.argv[4])] if int(sys.argv[4]) > 0 else found
 a, b, bound = losses(sys.argv[1]), losses(sys.argv[2]), float(sys.argv[3])
 if not a or len(a) != len(b):
     print(f"step counts differ: {len(a)} vs {len(b)}"); sys.exit(1)
@@ -164,20 +165,25 @@ PY
   ); then report "- ok   $strategy: $out"; else FAILED=1; report "- FAIL $strategy: $out"; fi
 done
 
-section "16-bit activations on the GPU against the CPU's fp32 run (fsdp.param_dtype=bf16, losses within 1e-2 relative)"
+section "bf16 on the GPU against the CPU (fsdp.param_dtype=bf16: step 1 within 1e-4 of the CPU's bf16 run, every step within 2e-2 of the CPU's fp32 run)"
 # fsdp.activation_dtype fp32 rounds only the GEMM operands; bf16 (the default with bf16
-# parameters) also stores every saved activation in bf16. Both stay within bf16's precision of fp32.
+# parameters) also stores every saved activation in bf16. Step 1 holds the GPU's roundings to the
+# CPU's (the same rounding points, different summation orders); over 20 steps bf16 training drifts
+# from fp32 by its own precision: the CPU's bf16 runs of this model differ from its fp32 run by
+# 1.4-1.5% (measured 2026-11-26), so the GPU's are held to 2e-2 and the CPU's drift is shown beside.
 for acts in fp32 bf16; do
-  if run "act-gpu-$acts" cuda 1 inputs/tiny.ini "${CMP_MODEL[@]}" --train.micro_batch=4 --train.global_batch=8 \
-      --fsdp.param_dtype=bf16 --fsdp.activation_dtype=$acts; then
-    if out=$(compare_losses "$WORK/act-gpu-$acts.jsonl" "$WORK/cmp-cpu-FULL_SHARD.jsonl" 1e-2); then
-      report "- ok   activations $acts: GPU bf16 vs CPU fp32: $out"
+  BF16_OPTS=("${CMP_MODEL[@]}" --train.micro_batch=4 --train.global_batch=8 --fsdp.param_dtype=bf16 --fsdp.activation_dtype=$acts)
+  if run "act-cpu-$acts" cpu 2 inputs/tiny.ini "${BF16_OPTS[@]}" && run "act-gpu-$acts" cuda 1 inputs/tiny.ini "${BF16_OPTS[@]}"; then
+    cpu_drift=$(compare_losses "$WORK/act-cpu-$acts.jsonl" "$WORK/cmp-cpu-FULL_SHARD.jsonl" 1)
+    if first=$(compare_losses "$WORK/act-gpu-$acts.jsonl" "$WORK/act-cpu-$acts.jsonl" 1e-4 1) &&
+       out=$(compare_losses "$WORK/act-gpu-$acts.jsonl" "$WORK/cmp-cpu-FULL_SHARD.jsonl" 2e-2); then
+      report "- ok   activations $acts: GPU bf16 vs CPU bf16, step 1: $first; GPU bf16 vs CPU fp32: $out; CPU bf16 vs CPU fp32: $cpu_drift"
     else
-      FAILED=1; report "- FAIL activations $acts: GPU bf16 vs CPU fp32: $out"
+      FAILED=1; report "- FAIL activations $acts: GPU bf16 vs CPU bf16, step 1: $first; GPU bf16 vs CPU fp32: ${out:-not compared}; CPU bf16 vs CPU fp32: $cpu_drift"
     fi
   else
-    FAILED=1; report "- FAIL activations $acts: the run failed:"; report '```'; report "$(tail -15 "$WORK/act-gpu-$acts.log")"
-    report '```'
+    FAILED=1; report "- FAIL activations $acts: a run failed:"; report '```'
+    report "$(tail -15 "$WORK/act-cpu-$acts.log"; tail -15 "$WORK/act-gpu-$acts.log")"; report '```'
   fi
 done
 
@@ -218,34 +224,49 @@ fi
 fi
 
 if want bench; then
-  section "Training throughput on one GPU (median of steps 3..N; MFU against the card's dense bf16 peak)"
-  report "| config | dtype | offload | micro-batch | seq | tokens/s | MFU | planned peak | GPU reserved | log |"
-  report "|---|---|---|---:|---:|---:|---:|---:|---:|---|"
-  bench() { # bench CONFIG MICRO PARAM_DTYPE STEPS OFFLOAD
-    local config=$1 micro=$2 dtype=$3 steps=$4 offload=$5 name
-    name=bench-$(basename "$config" .ini)-$dtype-b$micro$([ "$offload" = true ] && echo -offload)
+  section "Attention kernels: cuDNN against the tiled fp32 kernels (forward + backward, B=8, NH=12, HS=64)"
+  if lim=$(limit) && timeout "$lim" "$BIN/gpu_tests" --gtest_also_run_disabled_tests \
+      --gtest_filter='CudnnAttentionBench.*' >"$WORK/attention_bench.log" 2>&1; then
+    report "$(grep '^attention' "$WORK/attention_bench.log" | sed 's/^/- /')"
+  else
+    FAILED=1; report "- FAIL the attention benchmark:"; report '```'; report "$(tail -20 "$WORK/attention_bench.log")"; report '```'
+  fi
+
+  section "Training throughput on one GPU (median of steps 3..N; MFU against the card's dense bf16 peak; the step's phases on the GPU's clock)"
+  report "| config | dtype | attention | offload | micro-batch | tokens/s | MFU | forward | backward | grad sync | optimizer | planned peak | GPU reserved | log |"
+  report "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+  bench() { # bench CONFIG MICRO PARAM_DTYPE STEPS OFFLOAD ATTENTION
+    local config=$1 micro=$2 dtype=$3 steps=$4 offload=$5 attention=$6 name
+    name=bench-$(basename "$config" .ini)-$dtype-$attention-b$micro$([ "$offload" = true ] && echo -offload)
     if run "$name" cuda 1 "$config" --train.steps="$steps" --train.micro_batch="$micro" --train.global_batch="$micro" \
-        --train.warmup_steps=0 --fsdp.param_dtype="$dtype" --fsdp.reduce_dtype=fp32 --fsdp.cpu_offload="$offload"; then
-      "$PY" - "$WORK/$name.jsonl" "$config" "$dtype" "$offload" "$micro" "$name" <<'PY' | tee -a "$REPORT"
+        --train.warmup_steps=0 --fsdp.param_dtype="$dtype" --fsdp.reduce_dtype=fp32 --fsdp.cpu_offload="$offload" \
+        --train.attention="$attention" --checkpoint.save=false; then
+      "$PY" - "$WORK/$name.jsonl" "$config" "$dtype" "$attention" "$offload" "$micro" "$name" <<'PY' | tee -a "$REPORT"
 import json, statistics, sys
-path, config, dtype, offload, micro, name = sys.argv[1:]
+path, config, dtype, attention, offload, micro, name = sys.argv[1:]
 steps = [json.loads(l) for l in open(path) if '"kind":"step"' in l][2:]
 tps = statistics.median(s["tokens_per_s"] for s in steps)
 mfu = statistics.median(s["mfu"] for s in steps)
 gib = lambda key: max(s.get(key, 0) for s in steps) / 2**30
-print(f"| {config} | {dtype} | {offload} | {micro} | 1024 | {tps:,.0f} | {mfu:.3f} | {gib('peak_mem_bytes'):.2f} GiB "
-      f"| {gib('device_reserved_bytes'):.2f} GiB | {name} |")
+step_s = statistics.median(s["step_seconds"] for s in steps)
+phase = lambda p: statistics.median(s["phase_seconds"][p] for s in steps)
+split = " | ".join(f"{1e3 * phase(p):.0f} ms ({phase(p) / step_s:.0%})" for p in ("forward", "backward", "grad_sync", "optimizer"))
+print(f"| {config} | {dtype} | {attention} | {offload} | {micro} | {tps:,.0f} | {mfu:.3f} | {split} "
+      f"| {gib('peak_mem_bytes'):.2f} GiB | {gib('device_reserved_bytes'):.2f} GiB | {name} |")
 PY
     else
-      FAILED=1; report "| $config | $dtype | $offload | $micro | 1024 | failed: $(tail -1 "$WORK/$name.log") | | | | $name |"
+      FAILED=1; report "| $config | $dtype | $attention | $offload | $micro | failed: $(tail -1 "$WORK/$name.log") | | | | | | | | $name |"
     fi
   }
-  # bf16 first (the targets), at 8 sequences and at 32, which fills far more of the card; then fp32.
-  for micro in 8 32; do bench inputs/gpt-300M.ini "$micro" bf16 10 false; done
-  for micro in 8 32; do bench inputs/gpt2-124M.ini "$micro" bf16 12 false; done
-  bench inputs/gpt2-124M.ini 8 fp32 12 false
-  bench inputs/gpt-300M.ini 8 fp32 10 false
-  bench inputs/gpt-300M.ini 8 bf16 10 true   # cpu_offload: the GPU memory it saves, the time it costs
+  # bf16 first (the targets), with both attention kernels, at 8 sequences and at 32 (far more of
+  # the card); then fp32 and offload.
+  for attention in cudnn tiled; do
+    for micro in 8 32; do bench inputs/gpt-300M.ini "$micro" bf16 10 false $attention; done
+  done
+  for attention in cudnn tiled; do bench inputs/gpt2-124M.ini 32 bf16 12 false $attention; done
+  bench inputs/gpt2-124M.ini 8 fp32 12 false tiled
+  bench inputs/gpt-300M.ini 8 fp32 10 false tiled
+  bench inputs/gpt-300M.ini 8 bf16 10 true cudnn  # cpu_offload: the GPU memory it saves, the time it costs
 fi
 
 section "Logs"

@@ -76,11 +76,12 @@ std::string format_duration(double seconds) {
 // DEVICE_RESERVED: what the GPU's caching allocator took at most (0 on the CPU backend).
 // HELD: the most the device's arrays held at once, counted at allocation (the plan's check).
 // HOST_SYNCS: the times the host waited for the compute device during the step (Device::host_syncs).
+// PHASE_SECONDS + p: the seconds of the step's phase p (backend/phase_timer.hpp) on the slowest rank.
 constexpr int PEAK_TOTAL = MEM_CATEGORY_COUNT, STOP_SIGNAL = MEM_CATEGORY_COUNT + 1,
               RSS_GROWTH = MEM_CATEGORY_COUNT + 2, COMM_BYTES = MEM_CATEGORY_COUNT + 3,
               DEVICE_RESERVED = MEM_CATEGORY_COUNT + 4, HELD = MEM_CATEGORY_COUNT + 5,
-              HOST_SYNCS = MEM_CATEGORY_COUNT + 6;
-using StepMaxima = std::array<double, MEM_CATEGORY_COUNT + 7>;
+              HOST_SYNCS = MEM_CATEGORY_COUNT + 6, PHASE_SECONDS = MEM_CATEGORY_COUNT + 7;
+using StepMaxima = std::array<double, PHASE_SECONDS + PHASE_COUNT>;
 
 // Seconds on a monotonic clock, for step, save and run times.
 double now_seconds() {
@@ -136,6 +137,15 @@ std::string memory_json(const StepMaxima& p) {
   std::string s = "{";
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++)
     s += strprintf("%s\"%s\":%.0f", c ? "," : "", mem_category_name(static_cast<MemCategory>(c)), p[c]);
+  return s + "}";
+}
+
+// {"forward":s,...}: the slowest rank's seconds per phase of the step.
+std::string phase_json(const StepMaxima& p) {
+  std::string s = "{";
+  for (int phase = 0; phase < PHASE_COUNT; phase++)
+    s += strprintf("%s\"%s\":%.6g", phase ? "," : "", step_phase_name(static_cast<StepPhase>(phase)),
+                   p[PHASE_SECONDS + phase]);
   return s + "}";
 }
 
@@ -207,6 +217,7 @@ class Trainer {
   ParamTable table_;
   MemoryTracker memory_;
   FsdpEngine engine_;
+  PhaseTimer phase_timer_;  // the step's phases on the compute device (its events die before it)
   OptimConfig optim_config_;
   AdamW optimizer_;
   std::unique_ptr<TransformerModel<float>> model_;
@@ -341,6 +352,7 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
                                   teacher_table_)),
       table_(config_param_table(config)),
       engine_(table_, *shard_comm_, *replica_comm_, memory_, engine_options(config), compute_.backend()),
+      phase_timer_(*compute_.backend().device),
       optim_config_(optim_config_from(config.train)),
       optimizer_(optim_config_, engine_, memory_),
       checkpoints_(rt, *comm_, checkpoint_dir(config), config.checkpoint.keep, &watchdog_),
@@ -352,6 +364,7 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
   if (rt.rank() == cfg_.debug.stall_rank && cfg_.debug.stall_step < 0)  // the tests' start-up stall
     usleep(static_cast<useconds_t>(cfg_.debug.stall_seconds * 1e6));
   open_data();
+  engine_.set_phase_timer(&phase_timer_);
   model_ = make_model<float>(table_, B_, T_, cfg_.fsdp.activation_checkpointing, *compute_.backend().ops,
                              compute_.options().activation_dtype);
   memory_.add(MEM_ACTIVATIONS, model_->activation_bytes());
@@ -693,6 +706,7 @@ Trainer::StepOutcome Trainer::run_step(int step) {
   Device& device = *compute_.backend().device;
   const uint64_t syncs_before = device.host_syncs();
   step_sums_.zero();
+  phase_timer_.begin_step();
   accumulate_gradients(step);
   if (rt_.rank() == cfg_.debug.stall_rank && step == cfg_.debug.stall_step)
     usleep(static_cast<useconds_t>(cfg_.debug.stall_seconds * 1e6));
@@ -710,6 +724,7 @@ Trainer::StepOutcome Trainer::run_step(int step) {
   optimizer_.accumulate_grad_sq_norm(sums + 1);
   (step_comm_ ? *step_comm_ : *comm_).all_reduce_sum(Span<double>(sums, 2), "all_reduce(loss, grad norm)");
   const double lr = optimizer_.step(step, sums, loss_scale_);
+  phase_timer_.end(PHASE_OPTIMIZER);
   if (offload)
     std::copy_n(offloaded_sums_.data(), 2, host_sums_);
   else
@@ -733,6 +748,8 @@ Trainer::StepOutcome Trainer::run_step(int step) {
   out.maxima = local_step_maxima(memory_, rss_at_start_, *compute_.backend().device, uncounted_comm_buffer_bytes());
   out.maxima[COMM_BYTES] = static_cast<double>(bytes_sent() - bytes_before);
   out.maxima[HOST_SYNCS] = host_syncs;
+  const std::array<double, PHASE_COUNT> phases = phase_timer_.seconds();  // after the step's wait
+  std::copy(phases.begin(), phases.end(), out.maxima.begin() + PHASE_SECONDS);
   comm_->all_reduce_max(Span<double>(out.maxima.data(), out.maxima.size()), "all_reduce(step maxima)");
   out.seconds = now_seconds() - t0;
   return out;
@@ -772,12 +789,14 @@ void Trainer::report_step(int step, const StepOutcome& out, double eta_seconds, 
       "{\"kind\":\"step\",\"step\":%d,\"loss\":%s,\"lr\":%.9g,\"grad_norm\":%s,\"tokens_per_s\":%.6g,\"mfu\":%.6g,"
       "\"step_seconds\":%.6g,\"peak_mem_bytes\":%.0f,\"held_mem_bytes\":%.0f,\"peak_mem\":%s,\"rss_growth_bytes\":%.0f,"
       "\"comm_bytes\":%.0f,\"device_reserved_bytes\":%.0f,\"loss_scale\":%g,\"skipped\":%s,"
-      "\"peak_gflops\":%.6g,\"hardware_mfu\":%.6g,\"hardware_peak_gflops\":%.6g,\"host_syncs\":%.0f}",
+      "\"peak_gflops\":%.6g,\"hardware_mfu\":%.6g,\"hardware_peak_gflops\":%.6g,\"host_syncs\":%.0f,"
+      "\"phase_seconds\":%s}",
       step + 1, json_number(out.loss).c_str(), out.lr, json_number(out.grad_norm).c_str(), tokens_per_s, mfu,
       out.seconds, planned_peak_, out.maxima[HELD],
       memory_json(out.maxima).c_str(), out.maxima[RSS_GROWTH], out.maxima[COMM_BYTES], out.maxima[DEVICE_RESERVED],
       out.loss_scale,
-      out.skipped ? "true" : "false", peak_gflops_, hardware_mfu, hardware_peak_gflops_, out.maxima[HOST_SYNCS]));
+      out.skipped ? "true" : "false", peak_gflops_, hardware_mfu, hardware_peak_gflops_, out.maxima[HOST_SYNCS],
+      phase_json(out.maxima).c_str()));
 }
 
 void Trainer::stop_on_signal(int step, int signal, bool saved_already) {
@@ -832,6 +851,7 @@ void Trainer::accumulate_gradients(int step) {
   if (cfg_.fsdp.cpu_offload)  // the loss comes down with the gradient shards, in finish_step's one wait
     compute_.backend().device->start_copy_to_host(offloaded_sums_.data(), step_sums_.data(), sizeof(double));
   engine_.finish_step();
+  phase_timer_.end(PHASE_GRAD_SYNC);
 }
 
 double Trainer::evaluate() {

@@ -90,6 +90,10 @@ class Device {
   virtual void wait(DeviceStream* stream, DeviceEvent* event) { no_streams(); }
   // True once the work `event` marks has finished; never waits.
   virtual bool finished(DeviceEvent* event) { no_streams(); }
+  // Events that also take the time at which the device reaches them (create_event's do not, which
+  // keeps those cheap), and the seconds between two such events; waits until `end` is reached.
+  virtual DeviceEvent* create_timing_event() { no_streams(); }
+  virtual double elapsed_seconds(DeviceEvent* start, DeviceEvent* end) { no_streams(); }
   // Makes this the device that the calling thread's runtime calls address (a thread of its own
   // that queries events, say); nothing on the host.
   virtual void bind_thread() {}

@@ -375,6 +375,7 @@ void FsdpEngine::train_micro_batch(TransformerModel<float>& model, const int* to
   model.embed_forward(root, tokens);
   forward_blocks(model);
   model.head_forward(root, targets, loss_total);
+  if (phase_timer_) phase_timer_->end(PHASE_FORWARD);
 
   float* root_grad = gradient_target(ROOT_UNIT);
   model.head_backward(root_grad, root, dloss);
@@ -390,6 +391,7 @@ void FsdpEngine::train_micro_batch(TransformerModel<float>& model, const int* to
   if (floor == 0) model.embed_backward(root_grad);
   reduce_micro_batch_grads(ROOT_UNIT);
   for (size_t b = 0; b < reduce_handles_.size(); b++) join_reduction(b);  // the shards are complete
+  if (phase_timer_) phase_timer_->end(PHASE_BACKWARD);
 }
 
 void FsdpEngine::finish_step() {

@@ -36,6 +36,7 @@
 #include "backend/device.hpp"
 #include "backend/dtype.hpp"
 #include "backend/layer_ops.hpp"
+#include "backend/phase_timer.hpp"
 #include "comm/comm.hpp"
 #include "model/model.hpp"
 #include "model/param_table.hpp"
@@ -196,6 +197,8 @@ class FsdpEngine {
   // cpu_offload it also brings the gradient shards to the host: the step's one host wait, after
   // which whatever the caller queued with start_copy_to_host before the call is there too.
   void finish_step();
+  // Where train_micro_batch marks the ends of its forward and backward (null: nowhere).
+  void set_phase_timer(PhaseTimer* timer) { phase_timer_ = timer; }
   // Forward only (evaluation): adds the summed loss of this rank's tokens to *loss_total (device memory).
   void eval_micro_batch(TransformerModel<float>& model, const int* tokens, const int* targets, double* loss_total);
   // Forward only, to the logits (a distillation teacher's): model.head_logits' B*T x V, in the
@@ -255,6 +258,7 @@ class FsdpEngine {
   std::vector<DeviceArray<float>> grad_buffers_;
   std::vector<DeviceArray<float>> device_grads_;  // cpu_offload: each unit's gradient shard on the device
   std::vector<int> reduce_handles_;  // per gradient buffer: its started reduce-scatter, or -1
+  PhaseTimer* phase_timer_ = nullptr;
   void join_reduction(size_t buffer);
 };
 

@@ -116,9 +116,15 @@ class CudnnAttentionTest : public ::testing::TestWithParam<Shape> {
   static inline Gpu* gpu_ = nullptr;
 };
 
-// Per part of dqkv (the q, k and v columns of each row): 4 * 2^-8 of the part's largest |value|.
+// Per part of dqkv (the q, k and v columns of each row): 4 * 2^-8 of the part's largest |value|,
+// that scale no smaller than 2^-16 of dqkv's largest |value|. The floor is for parts whose exact
+// gradient is zero: at T = 1 each query sees one key, its softmax is the constant 1, and dq and dk
+// vanish; cuDNN gives 0, the fp32 reference its rounding noise (dS = P (dP - D) cancels to a few
+// fp32 ulps of dP, which is of dv's size), so a tolerance scaled by that noise alone fails on 0.
 void expect_dqkv_close(const std::vector<float>& actual, const std::vector<float>& ref, const Shape& s) {
   const size_t q_cols = static_cast<size_t>(s.NH) * s.HS, kv_cols = static_cast<size_t>(s.KV) * s.HS;
+  double largest_overall = 0;
+  for (float x : ref) largest_overall = std::max(largest_overall, std::fabs(static_cast<double>(x)));
   const struct {
     const char* name;
     size_t begin, width;
@@ -132,8 +138,9 @@ void expect_dqkv_close(const std::vector<float>& actual, const std::vector<float
       }
     double largest = 0;
     for (float x : want) largest = std::max(largest, std::fabs(static_cast<double>(x)));
-    ASSERT_GT(largest, 0.0) << part.name << ": a reference gradient of zeros tests nothing";
-    expect_close(got.data(), widen(want), Tolerance{4 * kBf16 * largest, kBf16}, std::string("cudnn ") + part.name);
+    ASSERT_GT(largest_overall, 0.0) << "a reference gradient of zeros tests nothing";
+    const double scale = std::max(largest, largest_overall / 65536);
+    expect_close(got.data(), widen(want), Tolerance{4 * kBf16 * scale, kBf16}, std::string("cudnn ") + part.name);
   }
 }
 

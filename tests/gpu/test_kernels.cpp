@@ -592,9 +592,22 @@ TEST_P(GemmOperandsTest, MatmulRoundsOperandsThenMatchesCpu) {
   }
 }
 
+// 16-bit values in an allocation of their own: aligned as the operand scratch that a rounded operand
+// goes to. cuBLASLt's plan follows the operands' alignments (kernels/matmul.cu), and the same plan
+// gives the same bits.
+DeviceArray<uint16_t> halves_on_device(Device& device, const std::vector<uint16_t>& halves) {
+  DeviceArray<uint16_t> copy(device, halves.size());
+  device.copy_to_device(copy.data(), halves.data(), halves.size() * sizeof(uint16_t));
+  return copy;
+}
+
 // "Rounded once": a weight bound with its 16-bit copy (LayerOps::bind_half_copy, as the engine binds
 // its gathered units) gives the bits of rounding it per GEMM, and it is the copy that is
-// multiplied: bound to the copy of 2W, the products are exactly those of 2W.
+// multiplied: bound to the copy of 2W, the products are exactly those of 2W. The copies are
+// allocations of their own (halves_on_device); the fp32 buffers of the misaligned shape stay
+// misaligned. A copy 2 bytes off (a view into a flat buffer whose earlier parameters have odd
+// sizes) may get another kernel -- the same values multiplied, summed in another order -- so it is
+// held to fp32 reassociation error instead, and still to being what is multiplied.
 TEST_P(GemmOperandsTest, ABoundWeightIsMultipliedFromItsCopy) {
   const DType type = GetParam();
   auto half_ops = make_cuda_layer_ops(device(), type);
@@ -613,8 +626,8 @@ TEST_P(GemmOperandsTest, ABoundWeightIsMultipliedFromItsCopy) {
     auto d_inp = on_device(device(), "inp", inp, s.misalign), d_bias = on_device(device(), "bias", bias, s.misalign);
     auto d_dout = on_device(device(), "dout", dout, s.misalign);
     auto d_weight = on_device(device(), "weight", weight, s.misalign), d_twice = on_device(device(), "2w", twice, s.misalign);
-    auto d_weight16 = on_device(device(), "weight16", weight16, s.misalign);
-    auto d_twice16 = on_device(device(), "2w16", twice16, s.misalign);
+    DeviceArray<uint16_t> d_weight16 = halves_on_device(device(), weight16),
+                          d_twice16 = halves_on_device(device(), twice16);
     // out, dinp, dweight of one forward and backward on weight w (bound or not: the caller's doing).
     auto run = [&](const float* w) {
       DeviceBuffer<float> out(device(), "out", static_cast<size_t>(s.N) * s.OC, s.misalign),
@@ -644,6 +657,21 @@ TEST_P(GemmOperandsTest, ABoundWeightIsMultipliedFromItsCopy) {
       }
     }
     EXPECT_NE(0, std::memcmp(from_twice[0].data(), from_copy[0].data(), from_copy[0].size() * sizeof(float)));
+    if (s.misalign) {
+      auto d_odd16 = on_device(device(), "weight16_2_bytes_off", weight16, 1);
+      auto d_odd_twice16 = on_device(device(), "2w16_2_bytes_off", twice16, 1);
+      half_ops->bind_half_copy(d_weight.data(), d_odd16.data(), weight.size(), type);
+      const auto from_odd = run(d_weight.data());
+      half_ops->bind_half_copy(d_weight.data(), d_odd_twice16.data(), weight.size(), type);
+      const auto from_odd_twice = run(d_weight.data());
+      half_ops->unbind_half_copy(d_weight.data());
+      const Tolerance tols[] = {fp32_pair(s.C + 1), fp32_pair(s.OC)};  // out: C products and the bias
+      for (int k = 0; k < 2; k++) {
+        expect_close(from_odd[k].data(), widen(rounded_here[k]), tols[k], label + " " + names[k] + ", copy 2 bytes off");
+        expect_close(from_odd_twice[k].data(), widen(doubled_here[k]), tols[k],
+                     label + " " + names[k] + ", copy of 2W 2 bytes off");
+      }
+    }
   }
 }
 
@@ -651,16 +679,10 @@ TEST_P(GemmOperandsTest, ABoundWeightIsMultipliedFromItsCopy) {
 // activations to their saved copies) gives the bits of rounding it per GEMM, alone and with the
 // weight bound too (nothing rounded but dout), and it is the copy that is multiplied: bound to
 // the copy of 2x, out and dweight are exactly those of 2x (dinp does not read the input). The
-// copies are allocations of their own, aligned as the operand scratch a rounded operand goes to:
-// cuBLASLt's plan follows the operands' alignments, and the same plan gives the same bits.
+// copies are allocations of their own (halves_on_device).
 TEST_P(GemmOperandsTest, ABoundInputIsMultipliedFromItsCopy) {
   const DType type = GetParam();
   auto half_ops = make_cuda_layer_ops(device(), type);
-  auto copy_on_device = [&](const std::vector<uint16_t>& halves) {
-    DeviceArray<uint16_t> copy(device(), halves.size());
-    device().copy_to_device(copy.data(), halves.data(), halves.size() * sizeof(uint16_t));
-    return copy;
-  };
   for (const MatmulShape& s : {MatmulShape{37, 50, 29, true, 0}, MatmulShape{13, 36, 50, true, 1},
                                MatmulShape{256, 768, 768, true, 0}}) {
     const std::vector<float> bias = uniform_vector(s.OC, 103), dout = uniform_vector(static_cast<size_t>(s.N) * s.OC, 104);
@@ -680,8 +702,8 @@ TEST_P(GemmOperandsTest, ABoundInputIsMultipliedFromItsCopy) {
     auto d_inp = on_device(device(), "inp", inp, s.misalign), d_twice = on_device(device(), "2x", twice, s.misalign);
     auto d_weight = on_device(device(), "weight", weight, s.misalign), d_bias = on_device(device(), "bias", bias, s.misalign);
     auto d_dout = on_device(device(), "dout", dout, s.misalign);
-    DeviceArray<uint16_t> d_inp16 = copy_on_device(inp16), d_twice16 = copy_on_device(twice16),
-                          d_weight16 = copy_on_device(weight16);
+    DeviceArray<uint16_t> d_inp16 = halves_on_device(device(), inp16), d_twice16 = halves_on_device(device(), twice16),
+                          d_weight16 = halves_on_device(device(), weight16);
     // out, dinp, dweight of one forward and backward on input x (bound or not: the caller's doing).
     auto run = [&](const float* x) {
       DeviceBuffer<float> out(device(), "out", static_cast<size_t>(s.N) * s.OC, s.misalign),

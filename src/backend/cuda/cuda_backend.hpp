@@ -48,6 +48,8 @@ class CudaDevice : public Device {
   void record(DeviceEvent* event, DeviceStream* stream) override;
   void wait(DeviceStream* stream, DeviceEvent* event) override;
   bool finished(DeviceEvent* event) override;
+  DeviceEvent* create_timing_event() override;
+  double elapsed_seconds(DeviceEvent* start, DeviceEvent* end) override;
   void bind_thread() override;  // cudaSetDevice(ordinal())
 
   int ordinal() const { return ordinal_; }

@@ -190,6 +190,19 @@ DeviceEvent* CudaDevice::create_event() {
   return device_event(event);
 }
 
+DeviceEvent* CudaDevice::create_timing_event() {
+  cudaEvent_t event = nullptr;
+  CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDefault));
+  return device_event(event);
+}
+
+double CudaDevice::elapsed_seconds(DeviceEvent* start, DeviceEvent* end) {
+  CUDA_CHECK(cudaEventSynchronize(cuda_event(end)));
+  float ms = 0;
+  CUDA_CHECK(cudaEventElapsedTime(&ms, cuda_event(start), cuda_event(end)));
+  return ms / 1e3;
+}
+
 // Best effort, as the destructor: teardown must not turn an exit-2 unwinding into an abort.
 void CudaDevice::destroy_stream(DeviceStream* stream) {
   (void)cudaStreamSynchronize(cuda_stream(stream));
