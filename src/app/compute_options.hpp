@@ -19,7 +19,9 @@ inline const char* comm_backend_name(CommBackend b) {
 }
 
 // The attention kernels of a GPU run: the tiled fp32 kernels (kernels/attention.cu) or cuDNN's
-// fused scaled-dot-product attention. AUTO: the tiled kernels. The CPU has the tiled ones only.
+// fused scaled-dot-product attention (bf16 inputs). AUTO: cuDNN with 16-bit GEMM operands (20x the
+// tiled kernels' speed at T = 1024 on an H200, docs/performance.md), the tiled kernels in fp32,
+// which a bf16 attention would not keep exact. The CPU has the tiled ones only.
 enum AttentionKernel { ATTENTION_AUTO, ATTENTION_TILED, ATTENTION_CUDNN };
 constexpr AttentionKernel ATTENTION_KERNELS[] = {ATTENTION_AUTO, ATTENTION_TILED, ATTENTION_CUDNN};
 inline const char* attention_kernel_name(AttentionKernel a) {
@@ -48,7 +50,10 @@ struct ComputeOptions {
   // AUTO resolved.
   CommBackend comm_backend() const { return comm != COMM_AUTO ? comm : gpu() ? COMM_NCCL : COMM_MPI; }
   bool nccl() const { return comm_backend() == COMM_NCCL; }
-  AttentionKernel attention_kernel() const { return attention != ATTENTION_AUTO ? attention : ATTENTION_TILED; }
+  AttentionKernel attention_kernel() const {
+    if (attention != ATTENTION_AUTO) return attention;
+    return gpu() && compute_dtype != DTYPE_FP32 ? ATTENTION_CUDNN : ATTENTION_TILED;
+  }
 };
 
 }  // namespace shardtrain

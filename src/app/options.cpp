@@ -153,7 +153,8 @@ void declare_options(OptionList& o, Config& c) {
         "cpu (OpenBLAS + MPI) or cuda (one GPU per rank by node-local rank, NCCL; needs a make CUDA=1 build)");
   o.add_choice("train.attention", &c.train.attention, ATTENTION_KERNELS, attention_kernel_name,
                "train.device=cuda: the tiled fp32 attention kernels or cuDNN's fused scaled-dot-product attention "
-               "(bf16 inputs, fp32 statistics); auto = tiled. The CPU has the tiled kernels only");
+               "(bf16 inputs, fp32 statistics); auto = cudnn with a 16-bit fsdp.param_dtype, tiled in fp32. The CPU has "
+               "the tiled kernels only");
   o.add("data.train_file", &c.data.train_file,
         "training tokens: an llm.c .bin file, or comma-separated files and glob patterns read as one stream "
         "(docs/data.md)");

@@ -505,9 +505,10 @@ void Trainer::print_summary() {
              human_bytes(plan_.offloaded_bytes).c_str(),
              compute_.on_gpu() ? "" : "; on the CPU backend the host is the device, so this saves nothing");
   if (compute_.on_gpu())
-    rt_.info("compute: %s | activations %s | collectives %s | peak %.1f GFLOP/s per rank (%s) | %.1f MFLOP per token",
+    rt_.info("compute: %s | activations %s | attention %s | collectives %s | peak %.1f GFLOP/s per rank (%s) | %.1f "
+             "MFLOP per token",
              compute_.describe().c_str(), dtype_name(compute_.options().activation_dtype),
-             compute_.comm_description().c_str(), peak_gflops_, peak_source_.c_str(), table_.flops_per_token(T_) / 1e6);
+             attention_kernel_name(compute_.options().attention_kernel()), compute_.comm_description().c_str(), peak_gflops_, peak_source_.c_str(), table_.flops_per_token(T_) / 1e6);
   else
     rt_.info("compute: GEMMs %s | activations %s | OpenBLAS %s | %s peak %.1f GFLOP/s per rank (%s)%s | %.1f MFLOP "
              "per token",

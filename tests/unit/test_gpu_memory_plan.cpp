@@ -264,6 +264,7 @@ TEST(GpuMemoryPlan, CudaPlanMinusCpuPlanIsTheBackendsOwnMemory) {
     for (DType dtype : {DTYPE_FP32, DTYPE_BF16}) {
       ComputeOptions cpu, cuda;
       cuda.device = "cuda", cuda.compute_dtype = dtype;
+      cuda.attention = ATTENTION_TILED;  // cuDNN's buffers: CudnnAttentionIsTheCudnnPlanMinusTheTiledPlan
       cpu.compute_dtype = DTYPE_FP32;  // the CPU's own bf16 GEMM workspace is not what is compared
       const MemoryPlan on_cpu = plan_rank_memory(table, c.groups, c.engine, B, T, c.checkpointing, cpu, gemms);
       const MemoryPlan on_gpu = plan_rank_memory(table, c.groups, c.engine, B, T, c.checkpointing, cuda, gemms);
@@ -303,7 +304,8 @@ TEST(GpuMemoryPlan, CudaPlanMinusCpuPlanIsTheBackendsOwnMemory) {
 }
 
 // train.attention=cudnn adds exactly cuDNN attention's buffers: the cudnn plan minus the tiled
-// plan is the new field in the workspace, and in the rounding each of its allocations' own.
+// plan is the new field in the workspace, and in the rounding each of its allocations' own. auto
+// plans what it runs: the tiled kernels in fp32, cuDNN with bf16 operands.
 TEST(GpuMemoryPlan, CudnnAttentionIsTheCudnnPlanMinusTheTiledPlan) {
   for (const PlanCase& c : plan_cases()) {
     const ParamTable table(c.model);
@@ -312,13 +314,14 @@ TEST(GpuMemoryPlan, CudnnAttentionIsTheCudnnPlanMinusTheTiledPlan) {
     for (DType dtype : {DTYPE_FP32, DTYPE_BF16}) {
       ComputeOptions tiled, autod, cudnn;
       for (ComputeOptions* o : {&tiled, &autod, &cudnn}) o->device = "cuda", o->compute_dtype = dtype;
-      tiled.attention = ATTENTION_TILED, cudnn.attention = ATTENTION_CUDNN;  // autod: AUTO, the tiled kernels
+      tiled.attention = ATTENTION_TILED, cudnn.attention = ATTENTION_CUDNN;  // autod: AUTO
       const MemoryPlan t = plan_rank_memory(table, c.groups, c.engine, B, T, c.checkpointing, tiled, gemms);
       const MemoryPlan a = plan_rank_memory(table, c.groups, c.engine, B, T, c.checkpointing, autod, gemms);
       const MemoryPlan d = plan_rank_memory(table, c.groups, c.engine, B, T, c.checkpointing, cudnn, gemms);
       EXPECT_EQ(t.gpu.attention(), 0u);
       EXPECT_EQ(t.gpu.cudnn_attention.allocations().size(), 0u);
-      EXPECT_EQ(a.total(), t.total());
+      EXPECT_EQ(autod.attention_kernel(), dtype == DTYPE_FP32 ? ATTENTION_TILED : ATTENTION_CUDNN);
+      EXPECT_EQ(a.total(), dtype == DTYPE_FP32 ? t.total() : d.total());
 
       const ModelConfig& m = c.model;
       const CudnnBuffers b = cudnn_buffers(B, T, m.n_head, m.kv_heads(), m.head_size(), true);
