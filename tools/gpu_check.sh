@@ -233,17 +233,21 @@ if want bench; then
   fi
 
   section "Training throughput on one GPU (median of steps 3..N; MFU against the card's dense bf16 peak; the step's phases on the GPU's clock)"
-  report "| config | dtype | attention | offload | micro-batch | tokens/s | MFU | forward | backward | grad sync | optimizer | planned peak | GPU reserved | log |"
-  report "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+  report "| config | dtype | attention | offload | micro-batch | tokens/s | MFU | forward | backward | grad sync | optimizer | GPU reserved | plan | reserved/plan | log |"
+  report "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
   bench() { # bench CONFIG MICRO PARAM_DTYPE STEPS OFFLOAD ATTENTION
-    local config=$1 micro=$2 dtype=$3 steps=$4 offload=$5 attention=$6 name
+    local config=$1 micro=$2 dtype=$3 steps=$4 offload=$5 attention=$6 name plan
     name=bench-$(basename "$config" .ini)-$dtype-$attention-b$micro$([ "$offload" = true ] && echo -offload)
-    if run "$name" cuda 1 "$config" --train.steps="$steps" --train.micro_batch="$micro" --train.global_batch="$micro" \
-        --train.warmup_steps=0 --fsdp.param_dtype="$dtype" --fsdp.reduce_dtype=fp32 --fsdp.cpu_offload="$offload" \
-        --train.attention="$attention" --checkpoint.save=false; then
-      "$PY" - "$WORK/$name.jsonl" "$config" "$dtype" "$attention" "$offload" "$micro" "$name" <<'PY' | tee -a "$REPORT"
+    local opts=(--train.micro_batch="$micro" --train.global_batch="$micro" --fsdp.param_dtype="$dtype"
+                --fsdp.reduce_dtype=fp32 --fsdp.cpu_offload="$offload" --train.attention="$attention")
+    # The planner's peak for this run (the GPU's own buffers and the allocator's rounding included).
+    plan=$("$BIN/shardtrain" plan --world-size=1 --config "$config" --train.device=cuda "${opts[@]}" 2>/dev/null |
+           grep "^PLAN .*checkpointing=no offload=$([ "$offload" = true ] && echo yes || echo no) " |
+           grep -oE 'peak_bytes=[0-9]+' | head -1 | cut -d= -f2)
+    if run "$name" cuda 1 "$config" --train.steps="$steps" --train.warmup_steps=0 "${opts[@]}" --checkpoint.save=false; then
+      "$PY" - "$WORK/$name.jsonl" "$config" "$dtype" "$attention" "$offload" "$micro" "$name" "${plan:-0}" <<'PY' | tee -a "$REPORT"
 import json, statistics, sys
-path, config, dtype, attention, offload, micro, name = sys.argv[1:]
+path, config, dtype, attention, offload, micro, name, plan = sys.argv[1:]
 steps = [json.loads(l) for l in open(path) if '"kind":"step"' in l][2:]
 tps = statistics.median(s["tokens_per_s"] for s in steps)
 mfu = statistics.median(s["mfu"] for s in steps)
@@ -251,11 +255,13 @@ gib = lambda key: max(s.get(key, 0) for s in steps) / 2**30
 step_s = statistics.median(s["step_seconds"] for s in steps)
 phase = lambda p: statistics.median(s["phase_seconds"][p] for s in steps)
 split = " | ".join(f"{1e3 * phase(p):.0f} ms ({phase(p) / step_s:.0%})" for p in ("forward", "backward", "grad_sync", "optimizer"))
+reserved = max(s["device_reserved_bytes"] for s in steps)
+ratio = f"{reserved / int(plan):.3f}" if int(plan) else "no plan"
 print(f"| {config} | {dtype} | {attention} | {offload} | {micro} | {tps:,.0f} | {mfu:.3f} | {split} "
-      f"| {gib('peak_mem_bytes'):.2f} GiB | {gib('device_reserved_bytes'):.2f} GiB | {name} |")
+      f"| {reserved / 2**30:.2f} GiB | {int(plan) / 2**30:.2f} GiB | {ratio} | {name} |")
 PY
     else
-      FAILED=1; report "| $config | $dtype | $attention | $offload | $micro | failed: $(tail -1 "$WORK/$name.log") | | | | | | | | $name |"
+      FAILED=1; report "| $config | $dtype | $attention | $offload | $micro | failed: $(tail -1 "$WORK/$name.log") | | | | | | | | | $name |"
     fi
   }
   # bf16 first (the targets), with both attention kernels, at 8 sequences and at 32 (far more of

@@ -4,7 +4,8 @@ inf/NaN skip from them on the device; the host reads both once, at the end of th
 cpu_offload: when the gradient shards come down). Every wait of the host for the device is counted
 by the Device (copies into host memory, synchronize, reductions returned to the host) -- on the
 CPU backend as on a GPU, since the count is the code's, not the hardware's -- and each step's count
-is in the metrics as host_syncs. Evaluation and checkpoints happen between steps."""
+is in the metrics as host_syncs. Evaluation and checkpoints happen between steps. The step's
+phases (phase_seconds) are timed without adding a wait."""
 import os
 import subprocess
 
@@ -49,3 +50,28 @@ def test_a_reduction_returned_to_the_host_would_be_counted():
            "--adapter.cayley_neumann=false"]
     steps = steps_of(1, *oft)
     assert all(s["host_syncs"] > 1 for s in steps), [s["host_syncs"] for s in steps]
+
+
+def test_the_steps_phases_lie_within_the_step():
+    """phase_seconds (forward, backward, grad_sync, optimizer) are spans between boundaries inside
+    the step, each summed over micro-batches: none is negative, the ones every configuration has
+    are positive, and on one rank their sum cannot exceed the step's own time -- counting a
+    micro-batch twice, a boundary left from the previous step or a span in the wrong unit would.
+    (With several ranks each phase is the slowest rank's, and maxima of different ranks may sum
+    past any one rank's step.)"""
+    cases = [
+        (1, ["--train.micro_batch=2"]),  # several micro-batches on one rank
+        (1, ["--fsdp.cpu_offload=true"]),  # the gradients' copy to the host is grad_sync
+        (1, ["--fsdp.param_dtype=bf16", *LORA]),
+        (2, []),  # FULL_SHARD: the deferred reduce-scatters are grad_sync
+    ]
+    for np_, overrides in cases:
+        for s in steps_of(np_, *overrides):
+            phases = s["phase_seconds"]
+            assert set(phases) == {"forward", "backward", "grad_sync", "optimizer"}, phases
+            assert all(v >= 0 for v in phases.values()), (overrides, phases)
+            assert phases["forward"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0, (overrides, phases)
+            if np_ == 1:
+                assert sum(phases.values()) <= s["step_seconds"], (overrides, phases, s["step_seconds"])
+            else:
+                assert phases["grad_sync"] > 0, (overrides, phases)
