@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backend/cpu/bf16_gemm.hpp"
+#include "backend/cpu/gemm.hpp"
 #include "backend/dtype.hpp"
 #include "core/error.hpp"
 
@@ -35,7 +36,7 @@ int default_threads_per_rank(int local_ranks) {
 
 void set_compute_threads(int threads) {
   omp_set_num_threads(threads);
-  openblas_set_num_threads(threads);
+  openblas_set_num_threads(threads);  // OpenBLAS's OpenMP build follows omp_get_max_threads() anyway
 }
 
 double measure_sgemm_gflops(int n, int repeats) {
@@ -43,7 +44,7 @@ double measure_sgemm_gflops(int n, int repeats) {
   double best = 0;
   for (int r = 0; r < repeats + 1; r++) {  // the first run warms up caches and thread pools
     auto t0 = std::chrono::steady_clock::now();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
+    cpu::gemm(false, false, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);  // as training multiplies
     double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (r > 0) best = std::max(best, 2.0 * n * n * n / s / 1e9);
   }
