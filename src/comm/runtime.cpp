@@ -1,6 +1,7 @@
 // MPI bootstrap and the collective error agreement. See runtime.hpp.
 #include "comm/runtime.hpp"
 
+#include <stdlib.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -25,6 +26,13 @@ std::string mpi_thread_level_error(int provided) {
 }
 
 Runtime::Runtime(int* argc, char*** argv) {
+  // Open MPI's ompio (HDF5's MPI_File_open) queries the `lockedfile` shared-file-pointer component
+  // at every open, which builds a name from the file's path in a 256-byte buffer: a checkpoint
+  // path of about 230 bytes or more aborted every rank (glibc's "buffer overflow detected") after
+  // training, before anything was saved. Nothing of ours uses shared file pointers, so that
+  // component is left out unless the user chose the components (Open MPI issue 13565, fixed in
+  // 5.0.x). Other MPIs ignore the variable.
+  setenv("OMPI_MCA_sharedfp", "^lockedfile", /*overwrite=*/0);
   int provided = 0;
   // MULTIPLE because the watchdog thread may call MPI_Abort while the main thread sits in a
   // collective; all communication itself stays on the main thread.

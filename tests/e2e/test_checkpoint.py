@@ -19,7 +19,7 @@ import time
 import h5py
 import numpy as np
 
-from harness import EXE, mpirun_command, read_metrics, rel_diff, run, tempdir, tiny_args
+from harness import EXE, mpirun_command, read_metrics, rel_diff, run, run_single, tempdir, tiny_args
 
 FORMATS = ("sharded", "gathered")
 RANKS = 2
@@ -620,3 +620,21 @@ def test_killed_during_save_resumes_from_last_complete():
         assert ckpt_name(newest + 1) in after, after
         assert not [n for n in after if n.endswith(".tmp") and n not in leftovers], (leftovers, after)
         assert ckpt_name(newest + 1) + ".tmp" not in after, after  # the same save, redone, was committed
+
+
+def test_long_checkpoint_paths_save_and_resume():
+    """A checkpoint path of about 230 bytes or more aborted every rank inside Open MPI's shared-file
+    locking under HDF5's MPI_File_open (a 256-byte buffer in the `lockedfile` component), after the
+    training and before any save. Paths of 250 and of 620 bytes (components up to 255, the file
+    system's limit) save on 2 ranks and on one rank without mpirun, and the run resumes from them."""
+    for lengths in ((100, 100, 20), (200, 200, 200)):
+        d = os.path.join(tempdir(), *("abc"[i] * n for i, n in enumerate(lengths)))
+        assert len(os.path.join(d, ckpt_name(2))) >= 250
+        for np_ in (2, 1):
+            launch = functools.partial(run, 2) if np_ == 2 else run_single
+            first = launch(tiny_args("--train.steps=2", f"--checkpoint.dir={d}", "--checkpoint.resume=none"))
+            assert first.returncode == 0, (len(d), np_, first.stderr[-1500:])
+            assert os.path.exists(os.path.join(d, ckpt_name(2))), (len(d), np_)
+            resumed = launch(tiny_args("--train.steps=3", f"--checkpoint.dir={d}"))
+            assert resumed.returncode == 0, (len(d), np_, resumed.stderr[-1500:])
+            assert_resumed(resumed, os.path.join(d, ckpt_name(2)), 2)
