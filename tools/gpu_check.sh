@@ -273,6 +273,14 @@ PY
   bench inputs/gpt2-124M.ini 8 fp32 12 false tiled
   bench inputs/gpt-300M.ini 8 fp32 10 false tiled
   bench inputs/gpt-300M.ini 8 bf16 10 true cudnn  # cpu_offload: the GPU memory it saves, the time it costs
+
+  section "Where the step's time goes: every layer op on the GPU's clock (train.op_times, gpt-300M, bf16, cuDNN, micro-batch 8)"
+  if run ops-gpt-300M cuda 1 inputs/gpt-300M.ini --train.steps=5 --train.micro_batch=8 --train.global_batch=8 \
+      --fsdp.param_dtype=bf16 --train.attention=cudnn --train.op_times=true --checkpoint.save=false; then
+    report '```'; report "$(sed -n '/^op times/,/^timed in all/p' "$WORK/ops-gpt-300M.log")"; report '```'
+  else
+    FAILED=1; report "- FAIL the op-timed run:"; report '```'; report "$(tail -15 "$WORK/ops-gpt-300M.log")"; report '```'
+  fi
 fi
 
 section "Logs"

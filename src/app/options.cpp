@@ -144,6 +144,9 @@ void declare_options(OptionList& o, Config& c) {
   o.add("train.log_every", &c.train.log_every, "print a step line every N steps (and the first and last)");
   o.add("train.run_name", &c.train.run_name, "name of the run, used in logs");
   o.add("train.threads", &c.train.threads, "threads per rank; 0 = the cores available to the rank");
+  o.add("train.op_times", &c.train.op_times,
+        "time every layer op (GEMMs by shape, attention, norms, ...) on the device's clock and print rank 0's "
+        "table per step at the end, from the second step on (true/false); costs two events or clock reads a call");
   o.add("train.peak_gflops", &c.train.peak_gflops,
         "per-rank peak GFLOP/s for MFU; 0 = measure SGEMM at start (cpu), the card's dense bf16 peak (cuda)");
   o.add("train.freeze", &c.train.freeze,

@@ -44,6 +44,7 @@ struct TrainOptions {
   std::string device = "cpu";  // cpu | cuda
   AttentionKernel attention = ATTENTION_AUTO;  // the GPU's attention kernels
   std::string freeze;          // comma-separated glob patterns of parameters not trained
+  bool op_times = false;       // time every layer op (backend/op_timer.hpp), a table at the end
 };
 
 struct DataOptions {

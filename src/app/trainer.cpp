@@ -27,6 +27,7 @@
 #include "app/signals.hpp"
 #include "app/teacher.hpp"
 #include "app/tensorboard.hpp"
+#include "backend/op_timer.hpp"
 #include "ckpt/checkpoint_manager.hpp"
 #include "ckpt/hf_model.hpp"
 #include "ckpt/peft.hpp"
@@ -220,6 +221,11 @@ class Trainer {
   PhaseTimer phase_timer_;  // the step's phases on the compute device (its events die before it)
   OptimConfig optim_config_;
   AdamW optimizer_;
+  // train.op_times: the timer and the ops the model computes with through it (before model_,
+  // which holds them).
+  std::unique_ptr<OpTimer> op_timer_;
+  std::unique_ptr<LayerOps<float>> timed_ops_;
+  int steps_run_ = 0;  // in this process: the first one's op times are not counted (warm-up)
   std::unique_ptr<TransformerModel<float>> model_;
   std::unique_ptr<Teacher> teacher_;  // distill.teacher, beside the student
   // The step's summed loss and squared gradient norm (then the validation loss) in the compute
@@ -365,7 +371,12 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
     usleep(static_cast<useconds_t>(cfg_.debug.stall_seconds * 1e6));
   open_data();
   engine_.set_phase_timer(&phase_timer_);
-  model_ = make_model<float>(table_, B_, T_, cfg_.fsdp.activation_checkpointing, *compute_.backend().ops,
+  if (cfg_.train.op_times) {
+    op_timer_ = std::make_unique<OpTimer>(*compute_.backend().device);
+    timed_ops_ = make_timed_layer_ops(*compute_.backend().ops, *op_timer_);
+  }
+  model_ = make_model<float>(table_, B_, T_, cfg_.fsdp.activation_checkpointing,
+                             timed_ops_ ? *timed_ops_ : *compute_.backend().ops,
                              compute_.options().activation_dtype);
   memory_.add(MEM_ACTIVATIONS, model_->activation_bytes());
   memory_.add(MEM_WORKSPACE, compute_.gemm_workspace_bytes());
@@ -708,6 +719,7 @@ Trainer::StepOutcome Trainer::run_step(int step) {
   const uint64_t syncs_before = device.host_syncs();
   step_sums_.zero();
   phase_timer_.begin_step();
+  if (op_timer_) op_timer_->read_step(false);  // what ran between steps (evaluation) is not the step's
   accumulate_gradients(step);
   if (rt_.rank() == cfg_.debug.stall_rank && step == cfg_.debug.stall_step)
     usleep(static_cast<useconds_t>(cfg_.debug.stall_seconds * 1e6));
@@ -751,6 +763,8 @@ Trainer::StepOutcome Trainer::run_step(int step) {
   out.maxima[HOST_SYNCS] = host_syncs;
   const std::array<double, PHASE_COUNT> phases = phase_timer_.seconds();  // after the step's wait
   std::copy(phases.begin(), phases.end(), out.maxima.begin() + PHASE_SECONDS);
+  if (op_timer_) op_timer_->read_step(steps_run_ > 0);
+  steps_run_++;
   comm_->all_reduce_max(Span<double>(out.maxima.data(), out.maxima.size()), "all_reduce(step maxima)");
   out.seconds = now_seconds() - t0;
   return out;
@@ -942,6 +956,9 @@ int Trainer::run() {
     if (cfg_.checkpoint.save && ((every > 0 && (step + 1) % every == 0) || step + 1 == steps)) save(step + 1);
   }
   const double wall = now_seconds() - wall_start;
+  if (op_timer_ && op_timer_->steps() > 0)
+    rt_.info("op times on rank 0 (train.op_times), per step over steps %d..%d:\n%s", start + 2, steps,
+             op_time_table(*op_timer_, 40).c_str());
   rt_.info("done: %s in %s | final loss %.4f | val loss %s | %.0f tok/s | uniform-guess loss ln(V) = %.4f",
            counted(steps - start, "step").c_str(), format_duration(wall).c_str(), last_loss,
            std::isfinite(last_val_loss) ? strprintf("%.4f", last_val_loss).c_str() : "-",
