@@ -668,11 +668,18 @@ void validate_config(const Config& c, int world) {
               "adapter.dropout=0");
   require(a.decompose_factor == -1 || a.decompose_factor >= 1, "adapter.decompose_factor must be -1 or >= 1");
   require(a.block_size >= 2, "adapter.block_size must be >= 2 (OFT rotates blocks of at least two inputs)");
-  require(a.neumann_terms >= 1, "adapter.neumann_terms must be >= 1");
+  // Each term is a product of every OFT block per layer and step: 1000 terms took a minute a step on
+  // the tiny model. PEFT's default is 5; the series' terms shrink geometrically, so 50 is plenty.
+  require(a.neumann_terms >= 1 && a.neumann_terms <= 50,
+          strprintf("adapter.neumann_terms=%d must be in [1, 50] (PEFT's default is 5)", a.neumann_terms));
   require(a.type != ADAPTER_NONE || (a.targets.empty() && a.init_from.empty()),
           "adapter.targets or adapter.init_from is set but adapter.type=none: set adapter.type (lora) or remove "
           "them");
   require(c.distill.alpha >= 0 && c.distill.alpha <= 1, "distill.alpha must be in [0, 1]");
+  require(!c.distill.teacher.empty() ||
+              (c.distill.alpha == DistillOptions{}.alpha && c.distill.temperature == DistillOptions{}.temperature),
+          "distill.alpha or distill.temperature is set but distill.teacher is empty, so there is no distillation: "
+          "set distill.teacher (a ShardTrain checkpoint or Hugging Face folder) or remove them");
   require(c.distill.temperature > 0, "distill.temperature must be > 0");
   config_param_table(c);  // train.freeze's patterns, adapter.targets
 }

@@ -202,3 +202,16 @@ def test_nul_byte_in_config():
     # Boost cut the option name at the NUL and complained about a different key.
     path = write_config(b"[model]\nn_la\0yer = 2\n")
     expect_usage_error(["train", "--config", path], path, "line 2", "NUL")
+
+
+def test_distillation_settings_without_a_teacher():
+    # They were ignored without a word, as adapter.* without adapter.type is not.
+    expect_usage_error(tiny_args("--distill.alpha=0.2"), "distill.alpha", "distill.teacher")
+    expect_usage_error(tiny_args("--distill.temperature=4"), "distill.temperature", "distill.teacher")
+
+
+def test_neumann_terms_are_bounded():
+    # 1,000,000 terms ran past 120 s without a step; 1000 took a minute a step.
+    oft = ["--adapter.type=oft", "--adapter.targets=attn.c_attn", "--adapter.block_size=8"]
+    expect_usage_error(tiny_args(*oft, "--adapter.neumann_terms=1000000"), "adapter.neumann_terms", "[1, 50]")
+    expect_usage_error(tiny_args(*oft, "--adapter.neumann_terms=51"), "adapter.neumann_terms")
