@@ -7,6 +7,7 @@ which drive build/shardtrain through mpirun). Every mpirun is wrapped in `timeou
 is 0 only when nothing failed.
 """
 import argparse
+import fnmatch
 import fcntl
 import hashlib
 import importlib.util
@@ -27,6 +28,7 @@ class Tally:
     def __init__(self):
         self.passed = self.failed = self.skipped = 0
         self.failures = []
+        self.skips = []  # (name, why)
 
     def record(self, name, outcome, detail=""):
         setattr(self, outcome, getattr(self, outcome) + 1)
@@ -34,6 +36,19 @@ class Tally:
         print(f"  {mark} {name}{'  (' + detail + ')' if detail else ''}", flush=True)
         if outcome == "failed":
             self.failures.append(name)
+        if outcome == "skipped":
+            self.skips.append((name, detail))
+
+
+def read_expected_skips(path):
+    """The fnmatch patterns of tests that may skip (one a line, `# why` after it)."""
+    patterns = []
+    with open(path) as f:
+        for line in f:
+            pattern = line.split("#", 1)[0].strip()
+            if pattern:
+                patterns.append(pattern)
+    return patterns
 
 
 def run_unit_tests(build, tally, pattern):
@@ -157,6 +172,9 @@ def main():
     parser.add_argument("--build", default="build")
     parser.add_argument("-k", dest="pattern", default="", help="run only tests whose name contains this")
     parser.add_argument("--suite", choices=["all", "unit", "mpi", "e2e"], default="all")
+    parser.add_argument("--expected-skips", default="",
+                        help="a file of the tests that may skip (fnmatch patterns); any other skip fails the run "
+                             "(CI: a test it expected to run must not pass by skipping)")
     args = parser.parse_args()
     build = os.path.abspath(os.path.join(ROOT, args.build))
     os.environ["SHARDTRAIN_BUILD"] = build
@@ -173,8 +191,15 @@ def main():
     print(f"== {time.time() - start:.0f} s")
     for f in tally.failures:
         print(f"FAILED: {f}")
-    print(f"{tally.passed} passed, {tally.failed} failed, {tally.skipped} skipped")
-    sys.exit(1 if tally.failed else 0)
+    unexpected = []
+    if args.expected_skips:
+        allowed = read_expected_skips(os.path.join(ROOT, args.expected_skips))
+        unexpected = [(n, why) for n, why in tally.skips if not any(fnmatch.fnmatchcase(n, p) for p in allowed)]
+        for name, why in unexpected:
+            print(f"UNEXPECTED SKIP: {name} ({why}); a test this machine should run did not (see {args.expected_skips})")
+    print(f"{tally.passed} passed, {tally.failed} failed, {tally.skipped} skipped"
+          + (f" ({len(unexpected)} unexpected)" if args.expected_skips else ""))
+    sys.exit(1 if tally.failed or unexpected else 0)
 
 
 if __name__ == "__main__":
