@@ -49,7 +49,8 @@ done
 
 WORK=$(mktemp -d /tmp/shardtrain-gpu.XXXXXX)
 LOGS_TAR=$(dirname "$REPORT")/gpu-logs.tar.gz
-save_logs() { tar -czf "$LOGS_TAR" -C "$WORK" --exclude=data --exclude='ckpt-*' . 2>/dev/null; }
+SAVE_LOGS=0  # once a GPU is found
+save_logs() { [ "$SAVE_LOGS" = 0 ] || tar -czf "$LOGS_TAR" -C "$WORK" --exclude=data --exclude='ckpt-*' . 2>/dev/null; }
 trap 'save_logs; rm -rf "$WORK"' EXIT
 FAILED=0
 T0=$(date +%s)
@@ -83,6 +84,7 @@ if grep -q "no GPU" "$WORK/gpu_probe.log"; then
   report "No GPU here: nothing else to check."
   exit 0
 fi
+SAVE_LOGS=1
 # One process per suite: an abort (a fatal CUDA or cuBLASLt error) costs one suite, not the rest.
 if want kernels; then
 report "| suite | tests | failed | exit | seconds |"
