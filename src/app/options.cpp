@@ -603,6 +603,9 @@ void validate_config(const Config& c, int world) {
   require(m.vocab_size >= 2 && m.vocab_size <= MAX_VOCAB_SIZE,
           strprintf("model.vocab_size=%d must be in [2, %d]", m.vocab_size, MAX_VOCAB_SIZE));
   require(m.max_seq_len >= 1, "model.max_seq_len must be >= 1");
+  const std::string shape = model_shape_defect(m.n_layer, m.n_embd, m.n_head, m.vocab_size, m.max_seq_len,
+                                               m.intermediate_size);
+  require(shape.empty(), shape + ": not a shape this program holds");
   validate_architecture(m);
   require(t.seq_len >= 1 && t.seq_len <= m.max_seq_len,
           strprintf("train.seq_len=%d must be in [1, model.max_seq_len=%d]", t.seq_len, m.max_seq_len));

@@ -414,24 +414,6 @@ void write_state(hid_t file, const CheckpointState& s, const ModelConfig& model,
   h5_write_attr_u64(file, META_CHECKSUM, sum.value(), path);
 }
 
-// The rules validate_config applies to model.*, plus bounds that keep a damaged file from making
-// the reader build an absurd parameter table. "" when the shape is usable.
-std::string model_defect(const std::array<int64_t, 5>& d) {
-  const int64_t L = d[0], C = d[1], H = d[2], V = d[3], P = d[4];
-  if (L < 1 || L > (1 << 16)) return strprintf("model.n_layer=%lld is not in [1, 65536]", static_cast<long long>(L));
-  if (H < 1 || H > (1 << 20)) return strprintf("model.n_head=%lld is not in [1, 2^20]", static_cast<long long>(H));
-  if (C < 1 || C > (1 << 20) || C % H)
-    return strprintf("model.n_embd=%lld is not a multiple of model.n_head=%lld in [1, 2^20]",
-                     static_cast<long long>(C), static_cast<long long>(H));
-  if (V < 2 || V > MAX_VOCAB_SIZE)
-    return strprintf("model.vocab_size=%lld is not in [2, %d]", static_cast<long long>(V), MAX_VOCAB_SIZE);
-  if (P < 1 || P > (1 << 24)) return strprintf("model.max_seq_len=%lld is not in [1, 2^24]", static_cast<long long>(P));
-  if (static_cast<double>(L) * 13 * C * C > 1e13)
-    return strprintf("model.n_layer=%lld x model.n_embd=%lld is more than 10^13 parameters",
-                     static_cast<long long>(L), static_cast<long long>(C));
-  return "";
-}
-
 // The same for the architecture attributes of version 2, given plausible dimensions.
 std::string model_arch_defect(const ModelConfig& m) {
   if (m.arch == ARCH_GPT2 && (m.n_kv_head != m.n_head || m.intermediate_size != 4 * m.n_embd || !m.tie_embeddings ||
@@ -567,7 +549,8 @@ CheckpointState read_state(hid_t file, const std::string& path) {
   if (s.adapters_only && s.adapter.type == ADAPTER_NONE)
     throw CheckpointError(where + "attribute adapters_only=1 but adapter.type=none: no adapters to hold; the file is "
                                   "damaged");
-  std::string defect = model_defect(dims);
+  // model_shape_defect's bounds keep a damaged file from making the reader build an absurd table.
+  std::string defect = model_shape_defect(dims[0], dims[1], dims[2], dims[3], dims[4]);
   if (defect.empty()) defect = state_defect(s);
   if (!defect.empty()) throw CheckpointError(where + "attribute " + defect + "; the file is damaged");
   ModelConfig& m = s.model;

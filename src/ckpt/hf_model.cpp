@@ -262,9 +262,13 @@ bool is_hf_model_folder(const std::string& path) {
 ModelConfig read_hf_model_config(const std::string& folder) {
   const HfConfig j(folder);
   const std::string type = j.text("model_type", "");
-  if (type == "gpt2") return gpt2_model_config(j);
-  if (type == "llama" || type == "mistral") return llama_model_config(j, type == "mistral");
-  j.fail("model_type '" + type + "' is not implemented; ShardTrain reads gpt2, llama and mistral models");
+  if (type != "gpt2" && type != "llama" && type != "mistral")
+    j.fail("model_type '" + type + "' is not implemented; ShardTrain reads gpt2, llama and mistral models");
+  const ModelConfig m = type == "gpt2" ? gpt2_model_config(j) : llama_model_config(j, type == "mistral");
+  const std::string shape = model_shape_defect(m.n_layer, m.n_embd, m.n_head, m.vocab_size, m.max_seq_len,
+                                               m.intermediate_size);
+  if (!shape.empty()) j.fail("its shape gives " + shape + ": not a shape this program holds");
+  return m;
 }
 
 HfTensor hf_tensor_of(ModelArch arch, const ParamInfo& p) {

@@ -2,6 +2,9 @@
 // model's arithmetic (docs/architecture.md, docs/llama.md).
 #pragma once
 
+#include <cstdint>
+#include <string>
+
 namespace shardtrain {
 
 enum ModelArch {
@@ -31,5 +34,13 @@ struct ModelConfig {
   int qkv_size() const { return (n_head + 2 * kv_heads()) * head_size(); }
   bool tied() const { return arch == ARCH_GPT2 || tie_embeddings; }
 };
+
+// The bounds every shape must keep, wherever it comes from (options, a checkpoint's attributes, a
+// Hugging Face config.json): "" when usable, else what is wrong ("model.n_layer=... is not in
+// ..."). Taken as 64-bit so a file's raw numbers are checked before they are narrowed; the
+// parameter count is capped at 10^13 so that no size computed from the shape wraps around and a
+// plan of an absurd shape answers at once instead of building a table for a minute.
+std::string model_shape_defect(int64_t n_layer, int64_t n_embd, int64_t n_head, int64_t vocab_size,
+                               int64_t max_seq_len, int64_t intermediate_size = 0);
 
 }  // namespace shardtrain

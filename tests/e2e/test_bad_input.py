@@ -215,3 +215,17 @@ def test_neumann_terms_are_bounded():
     oft = ["--adapter.type=oft", "--adapter.targets=attn.c_attn", "--adapter.block_size=8"]
     expect_usage_error(tiny_args(*oft, "--adapter.neumann_terms=1000000"), "adapter.neumann_terms", "[1, 50]")
     expect_usage_error(tiny_args(*oft, "--adapter.neumann_terms=51"), "adapter.neumann_terms")
+
+
+def test_shapes_no_table_can_hold_are_refused_by_plan_too():
+    # `plan` printed wrapped numbers ("356482.3M parameters") for n_embd 2^30 and worked a minute
+    # (3.2 GB) on 10^9 layers; both are now one line and exit 2 at once, as in `train`.
+    base = ["plan", "--world-size", "2", "--config", os.path.join(ROOT, "inputs", "tiny.ini")]
+    for option, needle in (("--model.n_embd=1073741824", "model.n_embd=1073741824"),
+                           ("--model.n_layer=1000000000", "model.n_layer=1000000000"),
+                           ("--model.intermediate_size=33554432", "model.intermediate_size")):
+        extra = ["--model.n_head=1"] if "n_embd" in option else []
+        extra += ["--model.arch=llama"] if "intermediate" in option else []
+        proc = run_single([*base, option, *extra], timeout=20)
+        assert proc.returncode == 2, (option, proc.returncode, proc.stdout[-500:], proc.stderr[-500:])
+        assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, (option, proc.stderr)

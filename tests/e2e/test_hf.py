@@ -221,7 +221,11 @@ def test_bad_folders_are_refused_naming_file_and_tensor():
     for key, value, needle in (("activation_function", "relu", "activation_function 'relu'"),
                                ("n_inner", 7, "n_inner 7"), ("model_type", "bert", "model_type 'bert'"),
                                ("tie_word_embeddings", False, "tie_word_embeddings"),
-                               ("n_head", "four", "n_head")):
+                               ("n_head", "four", "n_head"),
+                               # shapes no table can hold: refused before anything is sized (were bad_alloc)
+                               ("vocab_size", 2 ** 30, "model.vocab_size=1073741824"),
+                               ("n_layer", 1000000, "model.n_layer=1000000"),
+                               ("n_embd", 2 ** 20, "more than 10^13 parameters")):
         cases.append((variant(f"config-{key}", config={key: value}), ["config.json", needle]))
     for folder, needles in cases:
         expect_usage_error(tiny_args(f"--checkpoint.init_from={folder}", "--train.steps=1"), *needles)

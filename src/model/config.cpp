@@ -1,0 +1,25 @@
+// See config.hpp.
+#include "model/config.hpp"
+
+#include "core/error.hpp"
+#include "data/token_file.hpp"
+
+namespace shardtrain {
+
+std::string model_shape_defect(int64_t L, int64_t C, int64_t H, int64_t V, int64_t P, int64_t I) {
+  const auto ll = [](int64_t x) { return static_cast<long long>(x); };
+  if (L < 1 || L > (1 << 16)) return strprintf("model.n_layer=%lld is not in [1, 65536]", ll(L));
+  if (H < 1 || H > (1 << 20)) return strprintf("model.n_head=%lld is not in [1, 2^20]", ll(H));
+  if (C < 1 || C > (1 << 20) || C % H)
+    return strprintf("model.n_embd=%lld is not a multiple of model.n_head=%lld in [1, 2^20]", ll(C), ll(H));
+  if (V < 2 || V > MAX_VOCAB_SIZE) return strprintf("model.vocab_size=%lld is not in [2, %d]", ll(V), MAX_VOCAB_SIZE);
+  if (P < 1 || P > (1 << 24)) return strprintf("model.max_seq_len=%lld is not in [1, 2^24]", ll(P));
+  if (I < 0 || I > (1 << 24)) return strprintf("model.intermediate_size=%lld is not in [0, 2^24]", ll(I));
+  const double mlp = I > 0 ? static_cast<double>(I) : 4.0 * C;
+  if (static_cast<double>(L) * C * (4.0 * C + 3 * mlp) + static_cast<double>(V) * C > 1e13)
+    return strprintf("model.n_layer=%lld, n_embd=%lld and vocab_size=%lld make more than 10^13 parameters", ll(L),
+                     ll(C), ll(V));
+  return "";
+}
+
+}  // namespace shardtrain
