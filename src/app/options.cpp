@@ -433,8 +433,9 @@ MemorySize parse_memory_limit(const std::string& text, const char* option) {
   const struct {
     const char* name;
     double scale;
-  } units[] = {{"B", 1}, {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
-               {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}};
+  } units[] = {{"B", 1},           {"KiB", 0x1p10}, {"MiB", 0x1p20}, {"GiB", 0x1p30}, {"TiB", 0x1p40},
+               {"PiB", 0x1p50},    {"EiB", 0x1p60}, {"KB", 1e3},     {"MB", 1e6},     {"GB", 1e9},
+               {"TB", 1e12},       {"PB", 1e15},    {"EB", 1e18}};  // the largest units, so 9EiB is too large, not unknown
   // A number without a unit, or under a byte, would silently mean no limit at all.
   for (const auto& u : units) {
     if (unit != u.name || end == text.c_str() || !std::isfinite(value) || !(value * u.scale >= 1)) continue;

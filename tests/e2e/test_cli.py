@@ -66,6 +66,12 @@ def test_plan_options_need_values():
     # 1e30 bytes overflowed the conversion to size_t (undefined behaviour; a limit of 0 or garbage).
     expect_usage_error([*plan, "--world-size", "2", "--memory-limit", "1e30GiB"], "--memory-limit", "8 EiB")
     expect_usage_error([*tiny_args(), "--fsdp.memory_limit=1e30GB"], "fsdp.memory_limit", "8 EiB")
+    # The units up to EiB exist: 1EiB is a size (it was "not a size" while larger numbers were told
+    # to stay below 8 EiB), 9EiB is too large.
+    for size, shown in (("1EiB", "1.0 EiB"), ("3PiB", "3.0 PiB"), ("2PB", "1.8 PiB")):
+        proc = run_single([*plan, "--world-size", "2", "--memory-limit", size])
+        assert proc.returncode == 0 and f"memory limit {shown}" in proc.stdout, (size, proc.stdout[:300], proc.stderr)
+    expect_usage_error([*plan, "--world-size", "2", "--memory-limit", "9EiB"], "--memory-limit", "below 8 EiB")
 
 
 def test_plan_option_errors_point_at_plan_help():
