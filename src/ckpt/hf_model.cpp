@@ -267,7 +267,7 @@ ModelConfig read_hf_model_config(const std::string& folder) {
   const ModelConfig m = type == "gpt2" ? gpt2_model_config(j) : llama_model_config(j, type == "mistral");
   const std::string shape = model_shape_defect(m.n_layer, m.n_embd, m.n_head, m.vocab_size, m.max_seq_len,
                                                m.intermediate_size);
-  if (!shape.empty()) j.fail("its shape gives " + shape + ": not a shape this program holds");
+  if (!shape.empty()) j.fail(shape + ": not a shape this program holds");
   return m;
 }
 
