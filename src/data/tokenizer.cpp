@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
@@ -841,14 +842,25 @@ void Tokenizer::Impl::bpe(std::string_view raw, std::vector<uint32_t>& out) {
 
 Tokenizer::Tokenizer(const std::string& path) : impl_(std::make_unique<Impl>()) {
   impl_->path = path;
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))  // opens, then fails its first read with EISDIR
+    throw DataError(strprintf("tokenizer file '%s' is a folder; give the tokenizer.json file in it", path.c_str()));
   std::ifstream in(path, std::ios::binary);
   if (!in) throw DataError(strprintf("tokenizer file '%s': cannot open; check the --tokenizer path", path.c_str()));
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::string text;
+  try {
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  } catch (const std::exception& e) {
+    throw DataError(strprintf("tokenizer file '%s': cannot read: %s", path.c_str(), e.what()));
+  }
   json root;
   try {
     root = json::parse(text);
   } catch (const json::parse_error& e) {
     throw DataError(strprintf("tokenizer file '%s': malformed JSON (byte %zu): %s", path.c_str(), e.byte,
+                              json_error_text(e.what()).c_str()));
+  } catch (const json::exception& e) {  // a number beyond double's range (1e999): out_of_range
+    throw DataError(strprintf("tokenizer file '%s': malformed JSON: %s", path.c_str(),
                               json_error_text(e.what()).c_str()));
   }
   impl_->load(root, JsonFile(path));

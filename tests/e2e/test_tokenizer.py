@@ -340,6 +340,19 @@ def test_malformed_files_exit_2():
     base = json.loads(text)
     expect_exit_2(text[:5000], "malformed JSON", "line", "column")
     expect_exit_2("[1, 2]", "expected a JSON object")
+    # A number beyond double's range, found by fuzzing: "internal error ... number overflow", exit 1.
+    expect_exit_2(text.replace('"version": "1.0"', '"version": 1e999', 1) if '"version": "1.0"' in text
+                  else '{"version": 1e999}', "malformed JSON", "number overflow")
+    # A folder given as the tokenizer: "internal error ... Is a directory", exit 1.
+    folder = os.path.join(tempdir(), "a-folder")
+    os.makedirs(folder)
+    source = os.path.join(tempdir(), "a.txt")
+    with open(source, "w") as f:
+        f.write("hello world")
+    proc = run_single(["data", "encode", "--tokenizer", folder, "--input", source, "--output",
+                       os.path.join(tempdir(), "o.bin")])
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "is a folder; give the tokenizer.json file in it" in proc.stderr, proc.stderr
     spec = copy.deepcopy(base)
     spec["model"]["merges"][7] = ["Ġnot-a-token", "x"]
     expect_exit_2(spec, "/model/merges/7", "not in the vocabulary")
