@@ -6,7 +6,6 @@
 #include <boost/program_options.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -23,6 +22,7 @@
 #include "ckpt/checkpoint_manager.hpp"
 #include "comm/comm.hpp"
 #include "comm/watchdog.hpp"
+#include "core/clock.hpp"
 #include "core/counted.hpp"
 #include "core/format.hpp"
 #include "core/random.hpp"
@@ -180,10 +180,6 @@ bool parse_generate_args(const Runtime& rt, const std::vector<std::string>& raw_
   for (const std::string& stop : o.stops)
     if (stop.empty()) throw UsageError("--stop is empty: give the text that ends the output");
   return true;
-}
-
-double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 // Broadcasts a vector of ints from rank 0 (its size first).

@@ -11,7 +11,6 @@
 #include <filesystem>
 #include <fstream>
 #include <array>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -31,6 +30,7 @@
 #include "ckpt/checkpoint_manager.hpp"
 #include "ckpt/hf_model.hpp"
 #include "ckpt/peft.hpp"
+#include "core/clock.hpp"
 #include "core/counted.hpp"
 #include "ckpt/llmc.hpp"
 #include "core/format.hpp"
@@ -83,11 +83,6 @@ constexpr int PEAK_TOTAL = MEM_CATEGORY_COUNT, STOP_SIGNAL = MEM_CATEGORY_COUNT 
               DEVICE_RESERVED = MEM_CATEGORY_COUNT + 4, HELD = MEM_CATEGORY_COUNT + 5,
               HOST_SYNCS = MEM_CATEGORY_COUNT + 6, PHASE_SECONDS = MEM_CATEGORY_COUNT + 7;
 using StepMaxima = std::array<double, PHASE_SECONDS + PHASE_COUNT>;
-
-// Seconds on a monotonic clock, for step, save and run times.
-double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 // fp16 dynamic loss scaling: start at 2^16, halve on overflow, double after this many good steps.
 constexpr double INITIAL_LOSS_SCALE = 65536;
@@ -519,7 +514,8 @@ void Trainer::print_summary() {
     rt_.info("compute: %s | activations %s | attention %s | collectives %s | peak %.1f GFLOP/s per rank (%s) | %.1f "
              "MFLOP per token",
              compute_.describe().c_str(), dtype_name(compute_.options().activation_dtype),
-             attention_kernel_name(compute_.options().attention_kernel()), compute_.comm_description().c_str(), peak_gflops_, peak_source_.c_str(), table_.flops_per_token(T_) / 1e6);
+             attention_kernel_name(compute_.options().attention_kernel()), compute_.comm_description().c_str(),
+             peak_gflops_, peak_source_.c_str(), table_.flops_per_token(T_) / 1e6);
   else
     rt_.info("compute: GEMMs %s | activations %s | OpenBLAS %s | %s peak %.1f GFLOP/s per rank (%s)%s | %.1f MFLOP "
              "per token",

@@ -16,7 +16,7 @@ void OpTimer::begin(const std::string& name) {
   if (calls_ == names_.size()) names_.emplace_back();
   names_[calls_] = name;
   if (device_.is_host()) {
-    host_start_ = now();
+    host_start_ = now_seconds();
     return;
   }
   while (events_.size() < 2 * (calls_ + 1)) events_.push_back(device_.create_timing_event());
@@ -26,7 +26,7 @@ void OpTimer::begin(const std::string& name) {
 void OpTimer::end() {
   if (device_.is_host()) {
     if (host_spans_.size() <= calls_) host_spans_.resize(calls_ + 1);
-    host_spans_[calls_] = now() - host_start_;
+    host_spans_[calls_] = now_seconds() - host_start_;
   } else {
     device_.record(events_[2 * calls_ + 1], device_.compute_stream());
   }

@@ -8,13 +8,13 @@
 // reductions and the optimizer (phase_timer.hpp's phases hold those).
 #pragma once
 
-#include <chrono>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "backend/layer_ops.hpp"
+#include "core/clock.hpp"
 
 namespace shardtrain {
 
@@ -39,9 +39,6 @@ class OpTimer {
   int steps() const { return steps_; }
 
  private:
-  double now() const {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-  }
   Device& device_;
   std::vector<std::string> names_;       // per recorded call
   std::vector<double> host_spans_;       // per call, on the host: end - start

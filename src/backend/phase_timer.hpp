@@ -8,10 +8,10 @@
 #pragma once
 
 #include <array>
-#include <chrono>
 #include <vector>
 
 #include "backend/device.hpp"
+#include "core/clock.hpp"
 
 namespace shardtrain {
 
@@ -55,7 +55,7 @@ class PhaseTimer {
     phases_.push_back(phase);
     if (device_.is_host()) {
       host_times_.resize(i + 1);
-      host_times_[i] = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+      host_times_[i] = now_seconds();
       return;
     }
     if (i == events_.size()) events_.push_back(device_.create_timing_event());  // kept for later steps

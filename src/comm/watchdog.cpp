@@ -3,18 +3,11 @@
 
 #include <mpi.h>
 
-#include <chrono>
 #include <cstdio>
 
+#include "core/clock.hpp"
+
 namespace shardtrain {
-namespace {
-
-// Seconds on a monotonic clock; the monitor thread makes no MPI call but the abort.
-double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-}  // namespace
 
 Watchdog::Watchdog(double timeout_seconds, std::string label, OnTimeout on_timeout)
     : timeout_seconds_(timeout_seconds), label_(std::move(label)), on_timeout_(std::move(on_timeout)) {

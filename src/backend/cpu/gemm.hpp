@@ -42,6 +42,10 @@ struct GemmPanels {
   GemmSplit split;
   int size, count;
 };
+// The panel size for an extent cut into kGemmPanels: at least kGemmMinPanel, a multiple of 16.
+inline int gemm_panel_size(int extent) {
+  return std::max(kGemmMinPanel, (extent + kGemmPanels - 1) / kGemmPanels + 15) / 16 * 16;
+}
 inline GemmPanels gemm_panels(int M, int N, int K) {
   const int extents[] = {M, N, K};
   GemmPanels best{SPLIT_ROWS, M, 1};
@@ -50,7 +54,7 @@ inline GemmPanels gemm_panels(int M, int N, int K) {
   for (GemmSplit split : {SPLIT_ROWS, SPLIT_COLUMNS, SPLIT_K}) {
     const int extent = extents[split];
     if (extent < 2 * kGemmMinPanel) continue;
-    const int size = std::max(kGemmMinPanel, (extent + kGemmPanels - 1) / kGemmPanels + 15) / 16 * 16;
+    const int size = gemm_panel_size(extent);
     const int count = (extent + size - 1) / size;
     const double extra = split == SPLIT_ROWS      ? (count - 1.0) * K * N
                          : split == SPLIT_COLUMNS ? (count - 1.0) * M * K
@@ -162,9 +166,8 @@ inline void blas_gemv(int M, int N, double alpha, const double* A, int lda, cons
 // Split over A's rows, in panels that depend on M alone.
 template <typename Real>
 void gemv(int M, int N, Real alpha, const Real* A, int lda, const Real* x, Real beta, Real* y) {
-  const int size = M < 2 * kGemmMinPanel || static_cast<double>(M) * N < kGemmMinSplit
-                       ? M
-                       : std::max(kGemmMinPanel, (M + kGemmPanels - 1) / kGemmPanels + 15) / 16 * 16;
+  const int size =
+      M < 2 * kGemmMinPanel || static_cast<double>(M) * N < kGemmMinSplit ? M : gemm_panel_size(M);
   for_each_panel((M + size - 1) / size, [&](int i) {
     const int first = i * size;
     single_threaded_blas([&] {
