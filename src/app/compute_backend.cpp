@@ -30,9 +30,9 @@ bool cuda_backend_built() { return false; }
 #endif
 
 std::vector<cpu::LinearShape> linear_layers(const ModelConfig& m) {
-  const int C = m.n_embd, I = m.mlp_size();
-  const int mlp_in_out = m.arch == ARCH_LLAMA ? 2 * I : I;  // llama's gate|up fused
-  return {{C, m.qkv_size()}, {C, C}, {C, mlp_in_out}, {I, C}, {C, m.vocab_size}};
+  std::vector<cpu::LinearShape> layers;
+  for (const GemmShape& g : family_of(m).gemm_shapes(m)) layers.push_back({g.in, g.out});
+  return layers;
 }
 
 bool cpu_bf16_compute(const std::string& device, DType compute_dtype) {

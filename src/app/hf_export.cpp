@@ -168,13 +168,13 @@ void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const st
   write_hf_folder(rt, model, out_dir, dtype, plan, [&](std::vector<std::unique_ptr<SafetensorsWriter>>& writers) {
     for (const ParamInfo& p : table.params()) {
       if (p.id % rt.world() != rt.rank()) continue;
-      const std::vector<float> values = to_hf_order(model.arch, p, merged_weight(*reader, adapted, p));
+      const std::vector<float> values = to_hf_order(model, p, merged_weight(*reader, adapted, p));
       const auto [file, entry] = plan.where[p.id];
       writers[file]->write_fp32(entry, 0, values.size(), values.data());
     }
   });
   rt.info("wrote %s: Hugging Face %s (config.json, %s, %s in %s, %s) from step %lld, written by %s",
-          out_dir.c_str(), hf_architecture(model.arch),
+          out_dir.c_str(), family_of(model).hf_class(),
           plan.files.size() == 1 ? "model.safetensors" : "model.safetensors.index.json",
           counted(static_cast<long long>(table.params().size()), "tensor").c_str(),
           counted(static_cast<long long>(plan.files.size()), "file").c_str(),
@@ -228,10 +228,10 @@ void export_peft_folder(const Runtime& rt, const std::string& checkpoint, const 
   if (state.adapter.type == ADAPTER_NONE)
     throw UsageError("export --adapter: checkpoint '" + checkpoint +
                      "' has no adapters (adapter.type=none); export the model with --format hf");
-  if (state.model.arch == ARCH_GPT2 && state.adapter.weight_delta())
+  if (family_of(state.model).hf_conv1d() && state.adapter.weight_delta())
     throw UsageError("export --adapter: checkpoint '" + checkpoint + "' holds " + adapter_type_name(state.adapter.type) +
-                     " adapters on a GPT-2 model, and PEFT 0.21.2 cannot load " + peft_type_name(state.adapter.type) +
-                     " on GPT-2's Conv1D layers (it takes only LoRA and DoRA there); export the merged model with "
+                     " adapters on a " + state.model.arch + " model, and PEFT 0.21.2 cannot load " +
+                     peft_type_name(state.adapter.type) + " on its Conv1D layers (it takes only LoRA and DoRA there); export the merged model with "
                      "--format hf --merge instead");
   const ParamTable table(state.model, {}, state.adapter);
   const std::vector<PeftTensor> tensors = peft_tensors(table);

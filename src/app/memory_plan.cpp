@@ -58,38 +58,22 @@ GemmWorkload gemm_workload(const ModelConfig& student, const ModelConfig* teache
 
 namespace {
 
-// The model's activation arrays as GptModel's and LlamaModel's constructors make them (their sum
-// is plan_activation_bytes; the unit tests hold the two equal): the saved tensors
+// The model's activation arrays as its constructor makes them (ModelFamily::activation_arrays; their
+// sum is plan_activation_bytes): the saved tensors
 // (SavedActivations: per layer in fp32, or one fp32 working set and per-layer 16-bit copies), then
 // the rest. The adapters' buffers count as one allocation.
 void add_activation_allocations(const ParamTable& table, int batch, int seq_len, bool checkpointing,
                                 DType activation_dtype, std::vector<PlannedAllocation>* list) {
   const ModelConfig& c = table.config();
-  const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, NH = c.n_head, V = c.vocab_size;
+  const size_t BT = static_cast<size_t>(batch) * seq_len;
   const size_t layers = checkpointing ? 1 : c.n_layer;
-  auto floats = [&](size_t n, size_t times = 1) {
-    for (size_t i = 0; i < times; i++) list->push_back({MEM_ACTIVATIONS, n * sizeof(float)});
-  };
   for (size_t bytes : SavedActivations<float>::plan_allocations(
            activation_dtype, static_cast<int>(layers), plan_saved_tensor_elements(c, batch, seq_len), sizeof(float)))
     list->push_back({MEM_ACTIVATIONS, bytes});
   list->push_back({MEM_ACTIVATIONS, BT * sizeof(int)});  // tokens
   list->push_back({MEM_ACTIVATIONS, BT * sizeof(int)});  // targets
-  if (c.arch == ARCH_LLAMA) {
-    const size_t QKV = c.qkv_size(), I = c.mlp_size();
-    floats(static_cast<size_t>(seq_len) * (c.head_size() / 2), 2);  // the rotary cos and sin tables
-    floats(BT * C, c.n_layer + 1);                                    // the residual stream
-    for (size_t l = 0; l < layers; l++)  // ln1's rstd, lse, resid2, ln2's rstd
-      floats(BT), floats(BT * NH), floats(BT * C), floats(BT);
-    floats(BT * C), floats(BT), floats(BT * V), floats(BT);  // lnf, its rstd, probs, losses
-    floats(BT * C, 2), floats(BT * QKV), floats(BT * 2 * I), floats(BT * I);  // the backward's scratch
-  } else {
-    floats(BT * C, c.n_layer + 1);
-    for (size_t l = 0; l < layers; l++)  // ln1's mean and rstd, lse, resid2, ln2's mean and rstd
-      floats(BT, 2), floats(BT * NH), floats(BT * C), floats(BT, 2);
-    floats(BT * C), floats(BT, 2), floats(BT * V), floats(BT);
-    floats(BT * C, 2), floats(BT * 3 * C), floats(BT * 4 * C);
-  }
+  for (size_t n : family_of(c).activation_arrays(c, batch, seq_len, checkpointing))
+    list->push_back({MEM_ACTIVATIONS, n * sizeof(float)});
   const size_t adapters = plan_adapter_bytes(table, static_cast<int>(BT), sizeof(float));
   if (adapters) list->push_back({MEM_ACTIVATIONS, adapters});
 }
@@ -106,13 +90,12 @@ std::pair<size_t, const char*> largest_kernel_workspace(const ParamTable& table,
   consider(gpu::encoder_backward_workspace_estimate(B, T), "encoder backward");
   consider(gpu::attention_backward_workspace_bytes(B, T, c.n_head, c.kv_heads(), c.head_size()), "attention backward");
   const std::vector<cpu::LinearShape> linears = linear_layers(c);
-  if (c.arch == ARCH_LLAMA) {
+  if (family_of(c).norm_kind() == NORM_RMS)
     consider(gpu::rmsnorm_backward_workspace_bytes(N, c.n_embd), "rmsnorm backward");
-  } else {
+  else
     consider(gpu::layernorm_backward_workspace_bytes(N, c.n_embd), "layernorm backward");
-    for (size_t i = 0; i + 1 < linears.size(); i++)  // the biased layers: all but the (tied) LM head
-      consider(gpu::matmul_backward_workspace_bytes(N, linears[i].out), "matmul backward (bias)");
-  }
+  for (const LinearSite& site : family_of(c).linear_sites(c))  // the biased products
+    if (site.bias >= 0) consider(gpu::matmul_backward_workspace_bytes(N, site.width), "matmul backward (bias)");
   if (table.adapter().type == ADAPTER_DORA)
     for (const cpu::LinearShape& l : linears)
       consider(gpu::column_dot_accumulate_workspace_bytes(N, l.out), "DoRA magnitude backward");

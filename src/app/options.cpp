@@ -85,6 +85,21 @@ struct OptionList {
     printers.emplace_back(name, [field] { return field->text; });
   }
 
+  // model.arch: the name of a registered model family (model/family.hpp); the help lists them.
+  void add_family(const char* name, std::string* field) {
+    auto parse = [name, field](const std::string& v) {
+      if (!find_model_family(v))
+        throw UsageError(std::string(name) + "='" + printable_text(v) + "' is not allowed; allowed: " +
+                         model_family_names());
+      *field = v;
+    };
+    std::string help = model_family_names() + ": the model family:";
+    for (const ModelFamily* f : model_families()) help += std::string(" ") + f->name() + " = " + f->description() + ";";
+    help.back() = '.';
+    desc.add_options()(name, po::value<std::string>()->default_value(*field)->notifier(parse), help.c_str());
+    printers.emplace_back(name, [field] { return *field; });
+  }
+
   // One of `choices`, each written as name(choice); the help lists them.
   template <typename E, size_t N>
   void add_choice(const char* name, E* field, const E (&choices)[N], const char* (*choice_name)(E),
@@ -99,14 +114,11 @@ struct OptionList {
 constexpr ShardingStrategy STRATEGIES[] = {SHARDING_FULL_SHARD, SHARDING_SHARD_GRAD_OP, SHARDING_NO_SHARD,
                                            SHARDING_HYBRID_SHARD};
 constexpr DType DTYPES[] = {DTYPE_FP32, DTYPE_BF16, DTYPE_FP16};
-constexpr ModelArch ARCHS[] = {ARCH_GPT2, ARCH_LLAMA};
 constexpr BackwardPrefetch PREFETCHES[] = {BACKWARD_PREFETCH_NONE, BACKWARD_PREFETCH_PRE, BACKWARD_PREFETCH_POST};
 
 // The single list of options. `c` holds the defaults on entry and receives parsed values.
 void declare_options(OptionList& o, Config& c) {
-  o.add_choice("model.arch", &c.model.arch, ARCHS, model_arch_name,
-               "the architecture: GPT-2 (learned positions, LayerNorm, GELU, biases, tied head) or Llama (rotary "
-               "positions, RMSNorm, SwiGLU, grouped-query attention, no biases)");
+  o.add_family("model.arch", &c.model.arch);
   o.add("model.n_layer", &c.model.n_layer, "transformer blocks (L)");
   o.add("model.n_embd", &c.model.n_embd, "width (C); a multiple of model.n_head");
   o.add("model.n_head", &c.model.n_head, "attention heads (H)");
@@ -476,23 +488,28 @@ void take_model_shape_from_hf_folder(const po::variables_map& vm, Config& c) {
   };
   auto whole = [](int v) { return std::to_string(v); };
   auto real = [](double v) { return strprintf("%.10g", v); };
-  take("model.arch", &c.model.arch, hf.arch, [](ModelArch a) { return std::string(model_arch_name(a)); });
+  take("model.arch", &c.model.arch, hf.arch, [](const std::string& a) { return a; });
   take("model.n_layer", &c.model.n_layer, hf.n_layer, whole);
   take("model.n_embd", &c.model.n_embd, hf.n_embd, whole);
   take("model.n_head", &c.model.n_head, hf.n_head, whole);
   take("model.vocab_size", &c.model.vocab_size, hf.vocab_size, whole);
   take("model.max_seq_len", &c.model.max_seq_len, hf.max_seq_len, whole);
-  if (hf.arch == ARCH_LLAMA) {
-    // 0 means n_head key/value heads and an MLP of 4 n_embd: compare what they mean.
+  const std::vector<std::string> keys = family_of(hf).config_keys();
+  auto reads = [&](const char* key) { return std::find(keys.begin(), keys.end(), key) != keys.end(); };
+  // 0 means n_head key/value heads and an MLP of 4 n_embd: compare what they mean.
+  if (reads("model.n_kv_head")) {
     if (c.model.n_kv_head == 0) c.model.n_kv_head = c.model.n_head;
-    if (c.model.intermediate_size == 0) c.model.intermediate_size = 4 * c.model.n_embd;
     take("model.n_kv_head", &c.model.n_kv_head, hf.n_kv_head, whole);
+  }
+  if (reads("model.intermediate_size")) {
+    if (c.model.intermediate_size == 0) c.model.intermediate_size = 4 * c.model.n_embd;
     take("model.intermediate_size", &c.model.intermediate_size, hf.intermediate_size, whole);
-    take("model.rope_theta", &c.model.rope_theta, hf.rope_theta, real);
-    take("model.norm_eps", &c.model.norm_eps, hf.norm_eps, real);
+  }
+  if (reads("model.rope_theta")) take("model.rope_theta", &c.model.rope_theta, hf.rope_theta, real);
+  if (reads("model.norm_eps")) take("model.norm_eps", &c.model.norm_eps, hf.norm_eps, real);
+  if (reads("model.tie_embeddings"))
     take("model.tie_embeddings", &c.model.tie_embeddings, hf.tie_embeddings,
          [](bool b) { return std::string(b ? "true" : "false"); });
-  }
   require(mismatches.empty(), "checkpoint.init_from='" + printable_text(c.checkpoint.init_from) + "': " + mismatches +
                                   "; the shape comes from the folder's config.json: remove these model.* keys from "
                                   "the configuration (or set them to its values)");
@@ -559,28 +576,30 @@ ParsedTrainArgs parse_train_args(const std::vector<std::string>& raw_args, const
 
 namespace {
 
-// The llama-only keys must keep gpt2's values under gpt2; under llama they must make a shape.
+// The keys the family does not read (ModelFamily::config_keys) must keep their defaults (or what
+// they mean: n_head key/value heads, an MLP of 4 n_embd); then the family checks the shape.
 void validate_architecture(const ModelConfig& m) {
-  if (m.arch == ARCH_GPT2) {
-    const ModelConfig gpt2;
-    const std::pair<const char*, bool> llama_only[] = {
-        {"model.n_kv_head", m.n_kv_head != 0 && m.n_kv_head != m.n_head},
-        {"model.intermediate_size", m.intermediate_size != 0 && m.intermediate_size != 4 * m.n_embd},
-        {"model.rope_theta", m.rope_theta != gpt2.rope_theta},
-        {"model.norm_eps", m.norm_eps != gpt2.norm_eps},
-        {"model.tie_embeddings", !m.tie_embeddings}};
-    for (const auto& [key, set] : llama_only)
-      require(!set, std::string(key) + " is a llama option; remove it, or set model.arch=llama");
-    return;
+  const ModelFamily& family = family_of(m);
+  const ModelConfig d;
+  const std::pair<const char*, bool> family_keys[] = {
+      {"model.n_kv_head", m.n_kv_head != d.n_kv_head && m.n_kv_head != m.n_head},
+      {"model.intermediate_size", m.intermediate_size != d.intermediate_size && m.intermediate_size != 4 * m.n_embd},
+      {"model.rope_theta", m.rope_theta != d.rope_theta},
+      {"model.norm_eps", m.norm_eps != d.norm_eps},
+      {"model.tie_embeddings", m.tie_embeddings != d.tie_embeddings}};
+  const std::vector<std::string> keys = family.config_keys();
+  for (const auto& [key, set] : family_keys) {
+    if (!set || std::find(keys.begin(), keys.end(), key) != keys.end()) continue;
+    std::string takers;
+    for (const ModelFamily* f : model_families()) {
+      const std::vector<std::string> k = f->config_keys();
+      if (std::find(k.begin(), k.end(), key) != k.end()) takers += (takers.empty() ? "" : ", ") + std::string(f->name());
+    }
+    require(false, std::string(key) + " is not a " + m.arch + " option (" + takers + " take it); remove it, or set " +
+                       "model.arch=" + takers.substr(0, takers.find(',')));
   }
-  require(m.n_kv_head >= 0 && m.n_kv_head <= m.n_head && m.n_head % m.kv_heads() == 0,
-          strprintf("model.n_kv_head=%d must divide model.n_head=%d (0 = model.n_head)", m.n_kv_head, m.n_head));
-  require(m.head_size() % 2 == 0,
-          strprintf("model.n_embd / model.n_head = %d must be even: rotary embeddings turn pairs of dimensions",
-                    m.head_size()));
-  require(m.intermediate_size >= 0, "model.intermediate_size must be >= 0 (0 = 4 x model.n_embd)");
-  require(m.rope_theta > 0, "model.rope_theta must be > 0");
-  require(m.norm_eps > 0, "model.norm_eps must be > 0");
+  const std::string defect = family.config_defect(m);
+  require(defect.empty(), defect);
 }
 
 }  // namespace

@@ -477,7 +477,7 @@ void Trainer::print_summary() {
     for (const ParamInfo& p : table_.params()) frozen_tensors += p.frozen;
     // A tied LM head is the token embedding (the root's first parameter in both architectures):
     // freezing one freezes the other.
-    const bool head = m.tied() && table_.frozen(ROOT_UNIT, 0);
+    const bool head = m.tie_embeddings && table_.frozen(ROOT_UNIT, 0);
     rt_.info("frozen (train.freeze=%s): %s, %.2fM parameters; %.2fM trainable%s", cfg_.train.freeze.c_str(),
              counted(static_cast<long long>(frozen_tensors), "tensor").c_str(),
              (table_.total_params() - table_.trainable_params()) / 1e6, table_.trainable_params() / 1e6,

@@ -323,7 +323,7 @@ const char* MODEL_ARCH = "model.arch";
 const char* MODEL_ARCH_INTS[3] = {"model.n_kv_head", "model.intermediate_size", "model.tie_embeddings"};
 const char* MODEL_ARCH_REALS[2] = {"model.rope_theta", "model.norm_eps"};
 
-std::array<int64_t, 3> model_arch_ints(const ModelConfig& c) { return {c.kv_heads(), c.mlp_size(), c.tied()}; }
+std::array<int64_t, 3> model_arch_ints(const ModelConfig& c) { return {c.kv_heads(), c.mlp_size(), c.tie_embeddings}; }
 std::array<double, 2> model_arch_reals(const ModelConfig& c) { return {c.rope_theta, c.norm_eps}; }
 std::string real_text(double v) { return strprintf("%.17g", v); }  // exact, for the checksum and messages
 
@@ -391,7 +391,7 @@ void write_state(hid_t file, const CheckpointState& s, const ModelConfig& model,
   i64("loss_scale_good_steps", s.loss_scale_good_steps);
   auto dims = model_dims(model);
   for (int i = 0; i < 5; i++) i64(MODEL_DIMS[i], dims[i]);
-  str(MODEL_ARCH, model_arch_name(model.arch));
+  str(MODEL_ARCH, model.arch);
   auto ints = model_arch_ints(model);
   for (int i = 0; i < 3; i++) i64(MODEL_ARCH_INTS[i], ints[i]);
   auto reals = model_arch_reals(model);
@@ -414,21 +414,12 @@ void write_state(hid_t file, const CheckpointState& s, const ModelConfig& model,
   h5_write_attr_u64(file, META_CHECKSUM, sum.value(), path);
 }
 
-// The same for the architecture attributes of version 2, given plausible dimensions.
+// The same for the architecture attributes of version 2, given plausible dimensions: written
+// resolved (never 0), and a shape the family builds.
 std::string model_arch_defect(const ModelConfig& m) {
-  if (m.arch == ARCH_GPT2 && (m.n_kv_head != m.n_head || m.intermediate_size != 4 * m.n_embd || !m.tie_embeddings ||
-                              m.rope_theta != ModelConfig().rope_theta || m.norm_eps != ModelConfig().norm_eps))
-    return "model.arch=gpt2 with llama's options";
-  if (m.n_kv_head < 1 || m.n_kv_head > m.n_head || m.n_head % m.n_kv_head)
-    return strprintf("model.n_kv_head=%d does not divide model.n_head=%d", m.n_kv_head, m.n_head);
-  if (m.intermediate_size < 1 || m.intermediate_size > (1 << 24) ||
-      static_cast<double>(m.n_layer) * 3 * m.n_embd * m.intermediate_size > 1e13)
-    return strprintf("model.intermediate_size=%d is not in [1, 2^24] or makes more than 10^13 parameters",
-                     m.intermediate_size);
-  if (m.arch == ARCH_LLAMA && m.head_size() % 2) return strprintf("llama's head size %d is odd", m.head_size());
-  if (!(m.rope_theta > 0) || !std::isfinite(m.rope_theta)) return "model.rope_theta=" + real_text(m.rope_theta);
-  if (!(m.norm_eps > 0) || !std::isfinite(m.norm_eps)) return "model.norm_eps=" + real_text(m.norm_eps);
-  return "";
+  if (m.n_kv_head < 1 || m.intermediate_size < 1)
+    return strprintf("model.n_kv_head=%d or model.intermediate_size=%d is below 1", m.n_kv_head, m.intermediate_size);
+  return family_of(m).config_defect(m);
 }
 
 // Values no save writes: the sign of a damaged or hand-edited file. "" when all are plausible.
@@ -481,7 +472,7 @@ CheckpointState read_state(hid_t file, const std::string& path) {
   s.loss_scale_good_steps = i64("loss_scale_good_steps");
   std::array<int64_t, 5> dims;
   for (int i = 0; i < 5; i++) dims[i] = i64(MODEL_DIMS[i]);
-  std::string arch = model_arch_name(ARCH_GPT2);
+  std::string arch = "gpt2";  // version 1
   std::array<int64_t, 3> arch_ints{};
   std::array<double, 2> arch_reals = model_arch_reals(ModelConfig());
   if (version >= 2) {
@@ -557,10 +548,10 @@ CheckpointState read_state(hid_t file, const std::string& path) {
   m.n_layer = static_cast<int>(dims[0]), m.n_embd = static_cast<int>(dims[1]);
   m.n_head = static_cast<int>(dims[2]), m.vocab_size = static_cast<int>(dims[3]);
   m.max_seq_len = static_cast<int>(dims[4]);
-  if (arch != model_arch_name(ARCH_GPT2) && arch != model_arch_name(ARCH_LLAMA))
-    throw CheckpointError(where + "attribute model.arch is neither gpt2 nor llama: not an architecture this build "
-                                  "knows");
-  m.arch = arch == model_arch_name(ARCH_LLAMA) ? ARCH_LLAMA : ARCH_GPT2;
+  if (!find_model_family(arch))
+    throw CheckpointError(where + "attribute model.arch='" + arch + "' is not a model family this build knows (" +
+                          model_family_names() + ")");
+  m.arch = arch;
   if (version < 2) arch_ints = model_arch_ints(m);  // gpt2's own values
   for (int i = 0; i < 3; i++)
     if (arch_ints[i] < 0 || arch_ints[i] > (1 << 24))
@@ -732,7 +723,7 @@ std::string model_mismatch(const std::string& path, const ModelConfig& stored, c
   auto differ = [&](const char* key, const std::string& a, const std::string& b) {
     if (a != b) differences += (differences.empty() ? "" : ", ") + std::string(key) + "=" + a + " (configured " + b + ")";
   };
-  differ(MODEL_ARCH, model_arch_name(stored.arch), model_arch_name(configured.arch));
+  differ(MODEL_ARCH, stored.arch, configured.arch);
   auto a = model_dims(stored), b = model_dims(configured);
   for (int i = 0; i < 5; i++) differ(MODEL_DIMS[i], std::to_string(a[i]), std::to_string(b[i]));
   auto ai = model_arch_ints(stored), bi = model_arch_ints(configured);

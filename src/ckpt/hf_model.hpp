@@ -1,21 +1,8 @@
 // Hugging Face model folders (config.json + model.safetensors, or shards listed by
 // model.safetensors.index.json) to and from our parameters.
 //
-// GPT-2 (GPT2LMHeadModel; the "transformer." prefix optional in files):
-//   ours                     Hugging Face
-//   wte, wpe, ln_f.*         wte.weight, wpe.weight, ln_f.*
-//   h.N.ln_1.*, h.N.ln_2.*   the same names
-//   h.N.attn.qkv.*           h.N.attn.c_attn.*   Conv1D: weights stored (in, out), ours (out, in)
-//   h.N.attn.proj.*          h.N.attn.c_proj.*   Conv1D
-//   h.N.mlp.fc.*             h.N.mlp.c_fc.*      Conv1D
-//   h.N.mlp.proj.*           h.N.mlp.c_proj.*    Conv1D
-// The LM head is tied to wte (lm_head.weight is absent, or ignored); the causal-mask buffers of
-// older files (attn.bias, attn.masked_bias) are ignored.
-//
-// Llama (LlamaForCausalLM; config.json's model_type llama, or mistral without a sliding window):
-// ours are Hugging Face's names less the "model." prefix (optional in files, as in a LlamaModel's),
-// nn.Linear (out, in) as ours, nothing transposed; lm_head.weight is never prefixed, present when
-// untied (ignored when tied). The rotary inv_freq buffers of older files are ignored.
+// Each model family names its tensors and reads and writes its config.json (model/family.hpp,
+// model/families/): GPT-2's Conv1D weights are stored transposed, Llama's and Qwen2's are not.
 #pragma once
 
 #include <map>
@@ -30,9 +17,6 @@
 
 namespace shardtrain {
 
-// The transformers class of a model: GPT2LMHeadModel or LlamaForCausalLM.
-const char* hf_architecture(ModelArch arch);
-
 // Whether `path` is a folder holding a Hugging Face config.json.
 bool is_hf_model_folder(const std::string& path);
 
@@ -43,14 +27,8 @@ bool is_hf_model_folder(const std::string& path);
 // not silu, a sliding window, ...) or a malformed file.
 ModelConfig read_hf_model_config(const std::string& folder);
 
-// Our parameter's Hugging Face tensor name (canonical: with the "transformer." or "model." prefix,
-// lm_head.weight without) and whether it is stored transposed.
-struct HfTensor {
-  std::string name;
-  bool transposed = false;
-  std::vector<int64_t> shape;  // as stored in the file
-};
-HfTensor hf_tensor_of(ModelArch arch, const ParamInfo& param);
+// Our parameter's Hugging Face tensor (ModelFamily::hf_tensor of the config's family).
+HfTensor hf_tensor_of(const ModelConfig& config, const ParamInfo& param);
 
 // Fills this rank's parameter shards from a Hugging Face folder, reading only the elements of its
 // own shards (byte ranges of the safetensors files) straight into them (a transposed weight through
@@ -85,6 +63,6 @@ HfExportPlan hf_export_plan(const ParamTable& table, DType dtype, uint64_t max_f
 void write_hf_shards(FsdpEngine& engine, const HfExportPlan& plan,
                      std::vector<std::unique_ptr<SafetensorsWriter>>& writers);
 // Our parameter's values (row-major, ours) in the file's order (the transposed ones transposed).
-std::vector<float> to_hf_order(ModelArch arch, const ParamInfo& param, const std::vector<float>& values);
+std::vector<float> to_hf_order(const ModelConfig& config, const ParamInfo& param, const std::vector<float>& values);
 
 }  // namespace shardtrain

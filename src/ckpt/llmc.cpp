@@ -10,6 +10,7 @@
 
 #include "ckpt/checkpoint_io.hpp"
 #include "core/error.hpp"
+#include "model/families/gpt2/gpt2_family.hpp"  // llm.c files hold GPT-2s
 
 namespace shardtrain {
 
@@ -30,7 +31,7 @@ size_t llmc_element_offset(const ParamTable& table, const ParamInfo& param) {
       default: return wte + wpe + blocks + C;        // ln_f.bias
     }
   }
-  // Block tensors are stacked over layers, in the same order as our BlockParam.
+  // Block tensors are stacked over layers, in the same order as our Gpt2BlockParam.
   const int layer = param.unit - 1;
   const int kind = param.id - (block0.id + layer * BLOCK_PARAM_COUNT);
   size_t offset = wte + wpe;
@@ -42,8 +43,8 @@ void export_llmc(const std::string& checkpoint_path, const std::string& out_path
   CheckpointReader reader(checkpoint_path);
   if (!reader.state().warning.empty()) std::fprintf(stderr, "warning: %s\n", reader.state().warning.c_str());
   const ModelConfig& m = reader.state().model;
-  if (m.arch != ARCH_GPT2)
-    throw UsageError("checkpoint '" + checkpoint_path + "' holds a " + model_arch_name(m.arch) +
+  if (!family_of(m).llmc_files())
+    throw UsageError("checkpoint '" + checkpoint_path + "' holds a " + m.arch +
                      " model; llm.c's file format is GPT-2's: export it with --format hf");
   if (reader.state().adapter.type != ADAPTER_NONE)
     throw UsageError("checkpoint '" + checkpoint_path + "' holds adapters, which llm.c's format cannot: export "
@@ -79,9 +80,9 @@ void load_llmc_shards(const std::string& path, FsdpEngine& engine) {
   const ParamTable& table = engine.table();
   const ModelConfig& m = table.config();
   const ParamTable base(m);  // the file's layout: the model without adapters (theirs come after, by id)
-  if (m.arch != ARCH_GPT2)
+  if (!family_of(m).llmc_files())
     throw UsageError("checkpoint.init_from '" + path + "' is an llm.c file, which holds GPT-2 weights, but "
-                     "model.arch=" + model_arch_name(m.arch) + "; give a Hugging Face folder instead");
+                     "model.arch=" + m.arch + "; give a Hugging Face folder instead");
   std::FILE* in = std::fopen(path.c_str(), "rb");
   if (!in) throw CheckpointError("checkpoint.init_from '" + path + "': cannot open: " + std::strerror(errno));
   struct Closer {

@@ -66,8 +66,9 @@ std::string peft_adapter_config_json(const ParamTable& table) {
   j["layers_to_transform"] = nullptr;
   j["layers_pattern"] = nullptr;
   j["exclude_modules"] = nullptr;
-  j["auto_mapping"] = {{"base_model_class", c.arch == ARCH_GPT2 ? "GPT2LMHeadModel" : "LlamaForCausalLM"}};
-  const bool conv1d = c.arch == ARCH_GPT2;  // transformers' Conv1D stores GPT-2's weights (in, out)
+  const ModelFamily& family = family_of(c);
+  j["auto_mapping"] = {{"base_model_class", family.hf_class()}};
+  const bool conv1d = family.hf_conv1d();  // transformers' Conv1D stores the weights (in, out)
   switch (a.type) {
     case ADAPTER_LORA:
     case ADAPTER_DORA:

@@ -4,7 +4,7 @@
 #include <algorithm>
 
 #include "core/error.hpp"
-#include "model/param_table.hpp"
+#include "model/family.hpp"
 
 namespace shardtrain {
 
@@ -65,25 +65,10 @@ LokrShape lokr_shape(const AdapterConfig& adapter, int in, int out) {
   return {a, b, c, d, adapter.decompose_both && 2 * adapter.rank < std::max(a, c), 2 * adapter.rank < std::max(b, d)};
 }
 
-std::vector<LinearSite> linear_sites(const ModelConfig& c) {
-  const int C = c.n_embd;
-  if (c.arch == ARCH_GPT2)
-    return {{"attn.c_attn", BLOCK_QKV_W, BLOCK_QKV_B, PRODUCT_QKV, C, 3 * C, 0, 3 * C},
-            {"attn.c_proj", BLOCK_ATTPROJ_W, BLOCK_ATTPROJ_B, PRODUCT_ATTN_OUT, C, C, 0, C},
-            {"mlp.c_fc", BLOCK_FC_W, BLOCK_FC_B, PRODUCT_MLP_UP, C, 4 * C, 0, 4 * C},
-            {"mlp.c_proj", BLOCK_FCPROJ_W, BLOCK_FCPROJ_B, PRODUCT_MLP_DOWN, 4 * C, C, 0, C}};
-  const int KV = c.kv_heads() * c.head_size(), QKV = c.qkv_size(), I = c.mlp_size();
-  return {{"self_attn.q_proj", LLAMA_Q_W, -1, PRODUCT_QKV, C, C, 0, QKV},
-          {"self_attn.k_proj", LLAMA_K_W, -1, PRODUCT_QKV, C, KV, C, QKV},
-          {"self_attn.v_proj", LLAMA_V_W, -1, PRODUCT_QKV, C, KV, C + KV, QKV},
-          {"self_attn.o_proj", LLAMA_O_W, -1, PRODUCT_ATTN_OUT, C, C, 0, C},
-          {"mlp.gate_proj", LLAMA_GATE_W, -1, PRODUCT_MLP_UP, C, I, 0, 2 * I},
-          {"mlp.up_proj", LLAMA_UP_W, -1, PRODUCT_MLP_UP, C, I, I, 2 * I},
-          {"mlp.down_proj", LLAMA_DOWN_W, -1, PRODUCT_MLP_DOWN, I, C, 0, C}};
-}
+std::vector<LinearSite> linear_sites(const ModelConfig& c) { return family_of(c).linear_sites(c); }
 
 std::string hf_module_path(const ModelConfig& c, int layer, const LinearSite& site) {
-  return (c.arch == ARCH_GPT2 ? "transformer.h." : "model.layers.") + std::to_string(layer) + "." + site.module;
+  return family_of(c).module_path(layer, site);
 }
 
 bool target_matches(const std::string& target, const std::string& path) {

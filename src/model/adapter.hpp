@@ -66,22 +66,22 @@ std::string adapter_settings(const AdapterConfig& adapter);
 // PEFT's factorization(dim, factor): dim = m n, (m, n) as PEFT orders them.
 std::pair<int, int> lokr_factorization(int dim, int factor);
 
-// The four matrix products of a block, in both architectures. Llama multiplies q|k|v and gate|up
-// as one matrix each.
+// The four matrix products of a decoder block. Llama multiplies q|k|v and gate|up as one matrix each.
 enum BlockProduct { PRODUCT_QKV, PRODUCT_ATTN_OUT, PRODUCT_MLP_UP, PRODUCT_MLP_DOWN };
 
 // A linear layer of a block that an adapter can target. Its outputs are columns [column, column
 // + out) of `product`, which is `width` wide.
 struct LinearSite {
   const char* module;  // its path inside the block: "attn.c_attn", "self_attn.q_proj"
-  int weight;          // the base weight: BlockParam or LlamaBlockParam
-  int bias;            // its bias (the same enums), or -1 (Llama has none)
+  int weight;          // the base weight's position in the block unit (the family's enums)
+  int bias;            // its bias's, or -1 (Llama has none)
   BlockProduct product;
   int in, out;
   int column, width;
 };
 
-// The linear layers of one block of this architecture, in the order the forward runs them.
+// The linear layers of one block of this config's family, in the order the forward runs them
+// (ModelFamily::linear_sites).
 std::vector<LinearSite> linear_sites(const ModelConfig& config);
 // Hugging Face's module path of a block's layer: "transformer.h.3.attn.c_attn",
 // "model.layers.3.self_attn.q_proj".

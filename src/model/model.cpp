@@ -1,9 +1,9 @@
-// The architecture dispatch of model/model.hpp, and the unsharded forward/backward.
+// model/model.hpp's entry points, each asking the config's family, and the unsharded forward/backward.
 #include "model/model.hpp"
 
-#include "model/gpt.hpp"
-#include "model/llama.hpp"
 #include "model/adapter_layers.hpp"
+#include "model/family.hpp"
+#include "model/saved_activations.hpp"
 
 namespace shardtrain {
 
@@ -11,23 +11,18 @@ template <typename Real>
 std::unique_ptr<TransformerModel<Real>> make_model(const ParamTable& table, int batch, int seq_len,
                                                    bool activation_checkpointing, const LayerOps<Real>& ops,
                                                    DType activation_dtype) {
-  if (table.config().arch == ARCH_LLAMA)
-    return std::make_unique<LlamaModel<Real>>(table, batch, seq_len, activation_checkpointing, ops, activation_dtype);
-  return std::make_unique<GptModel<Real>>(table, batch, seq_len, activation_checkpointing, ops, activation_dtype);
+  return family_of(table.config()).make_model(table, batch, seq_len, activation_checkpointing, ops, activation_dtype);
 }
 
 std::vector<size_t> plan_saved_tensor_elements(const ModelConfig& config, int batch, int seq_len) {
-  return config.arch == ARCH_LLAMA ? LlamaModel<float>::saved_tensor_elements(config, batch, seq_len)
-                                   : GptModel<float>::saved_tensor_elements(config, batch, seq_len);
+  return family_of(config).saved_tensor_elements(config, batch, seq_len);
 }
 
 size_t plan_activation_bytes(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
                              size_t real_bytes, DType activation_dtype) {
   const ModelConfig& config = table.config();
-  const size_t elements =
-      config.arch == ARCH_LLAMA
-          ? LlamaModel<float>::plan_activation_elements(config, batch, seq_len, activation_checkpointing)
-          : GptModel<float>::plan_activation_elements(config, batch, seq_len, activation_checkpointing);
+  size_t elements = 0;
+  for (size_t n : family_of(config).activation_arrays(config, batch, seq_len, activation_checkpointing)) elements += n;
   const std::vector<size_t> saved = plan_saved_tensor_elements(config, batch, seq_len);
   const int saved_layers = activation_checkpointing ? 1 : config.n_layer;
   return elements * real_bytes +
@@ -38,10 +33,8 @@ size_t plan_activation_bytes(const ParamTable& table, int batch, int seq_len, bo
 
 size_t plan_decode_bytes(const ParamTable& table, int max_len, int max_chunk, size_t real_bytes) {
   const ModelConfig& config = table.config();
-  const size_t elements = config.arch == ARCH_LLAMA
-                              ? LlamaModel<float>::plan_decode_elements(config, max_len, max_chunk)
-                              : GptModel<float>::plan_decode_elements(config, max_len, max_chunk);
-  return elements * real_bytes + plan_adapter_bytes(table, max_chunk, real_bytes) +
+  return family_of(config).plan_decode_elements(config, max_len, max_chunk) * real_bytes +
+         plan_adapter_bytes(table, max_chunk, real_bytes) +
          static_cast<size_t>(max_chunk) * sizeof(int);  // + the step's tokens
 }
 

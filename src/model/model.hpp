@@ -1,6 +1,6 @@
 // A transformer's forward and backward on explicit buffers, one micro-batch of B sequences of T
-// tokens: the interface the FSDP engine drives, implemented by GptModel (model/gpt.hpp) and
-// LlamaModel (model/llama.hpp).
+// tokens: the interface the FSDP engine drives, implemented by each model family's model
+// (model/families/: GptModel, LlamaModel) and made through its descriptor (model/family.hpp).
 //
 // A model owns only activations and backward scratch; parameters and their gradients come in
 // as flat unit buffers laid out by the ParamTable, so the FSDP engine decides when a unit is
@@ -130,7 +130,7 @@ struct DecodeCursor {
   }
 };
 
-// The model of the table's architecture. activation_dtype: how its blocks store the tensors their
+// The model of the table's family. activation_dtype: how its blocks store the tensors their
 // backward reads (fsdp.activation_dtype; model/saved_activations.hpp).
 template <typename Real>
 std::unique_ptr<TransformerModel<Real>> make_model(const ParamTable& table, int batch, int seq_len,

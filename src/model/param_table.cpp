@@ -8,17 +8,9 @@
 #include <algorithm>
 
 #include "core/error.hpp"
+#include "model/family.hpp"
 
 namespace shardtrain {
-
-std::string model_summary(const ModelConfig& c) {
-  if (c.arch == ARCH_GPT2)
-    return strprintf("GPT-2 L=%d C=%d H=%d V=%d max_seq_len=%d", c.n_layer, c.n_embd, c.n_head, c.vocab_size,
-                     c.max_seq_len);
-  return strprintf("Llama L=%d C=%d H=%d KV=%d MLP=%d V=%d max_seq_len=%d rope_theta=%g norm_eps=%g %s", c.n_layer,
-                   c.n_embd, c.n_head, c.kv_heads(), c.mlp_size(), c.vocab_size, c.max_seq_len, c.rope_theta,
-                   c.norm_eps, c.tie_embeddings ? "tied" : "untied");
-}
 
 std::vector<std::string> split_comma_list(const std::string& list) {
   std::vector<std::string> patterns;
@@ -38,30 +30,28 @@ std::vector<std::string> split_comma_list(const std::string& list) {
 ParamTable::ParamTable(const ModelConfig& c, const std::vector<std::string>& freeze, const AdapterConfig& adapter)
     : config_(c), adapter_(adapter) {
   units_.push_back(UnitInfo{"root", 0, 0, {}});
-  if (c.arch == ARCH_LLAMA)
-    add_llama_params();
-  else
-    add_gpt2_params();
+  family_of(c).add_params(*this);
   add_adapters();
   apply_freeze(freeze);
 }
 
 void ParamTable::add_adapters() {
   if (adapter_.type == ADAPTER_NONE) return;
-  const std::vector<LinearSite> sites = linear_sites(config_);
+  const ModelFamily& family = family_of(config_);
+  const std::vector<LinearSite> sites = family.linear_sites(config_);
   std::string layers;
   for (const LinearSite& site : sites) layers += (layers.empty() ? "" : ", ") + std::string(site.module);
   if (adapter_.targets.empty())
     throw UsageError(std::string("adapter.type=") + adapter_type_name(adapter_.type) +
                      " adapts nothing: set adapter.targets to linear layers, e.g. " + sites[0].module + " (" +
-                     model_arch_name(config_.arch) + ": " + layers + ")");
+                     config_.arch + ": " + layers + ")");
   std::vector<bool> used(adapter_.targets.size(), false);
   adapter_params_.assign(config_.n_layer, std::vector<int>(sites.size(), -1));
   for (int l = 0; l < config_.n_layer; l++) {
     const int u = block_unit(l);
     for (size_t k = 0; k < sites.size(); k++) {
       const LinearSite& site = sites[k];
-      const std::string path = hf_module_path(config_, l, site);
+      const std::string path = family.module_path(l, site);
       bool match = false;
       for (size_t t = 0; t < adapter_.targets.size(); t++)
         if (target_matches(adapter_.targets[t], path)) used[t] = match = true;
@@ -76,7 +66,7 @@ void ParamTable::add_adapters() {
   for (size_t t = 0; t < adapter_.targets.size(); t++)
     if (!used[t])
       throw UsageError("adapter.targets: '" + adapter_.targets[t] + "' matches no linear layer of this " +
-                       model_arch_name(config_.arch) + " model (" + hf_module_path(config_, 0, sites[0]) +
+                       config_.arch + " model (" + family.module_path(0, sites[0]) +
                        ", ...; the layers of a block: " + layers + ")");
   for (ParamInfo& p : params_) p.frozen = !p.adapter;  // the base is frozen
 }
@@ -90,29 +80,29 @@ void ParamTable::add_adapter(int u, const std::string& base, const std::string& 
   switch (adapter_.type) {
     case ADAPTER_LORA:
     case ADAPTER_DORA:
-      add(u, base + ".lora_A.weight", {r, in}, INIT_KAIMING_UNIFORM, true);
-      add(u, base + ".lora_B.weight", {out, r}, INIT_ZEROS, true);
-      if (adapter_.type == ADAPTER_DORA) add(u, base + ".lora_magnitude_vector", {out}, INIT_WEIGHT_NORMS, false);
+      add_param(u, base + ".lora_A.weight", {r, in}, INIT_KAIMING_UNIFORM, true);
+      add_param(u, base + ".lora_B.weight", {out, r}, INIT_ZEROS, true);
+      if (adapter_.type == ADAPTER_DORA) add_param(u, base + ".lora_magnitude_vector", {out}, INIT_WEIGHT_NORMS, false);
       return;
     case ADAPTER_LOHA:  // PEFT: the second product starts at zero, so delta W does
-      add(u, base + ".hada_w1_a", {out, r}, INIT_KAIMING_UNIFORM, true);
-      add(u, base + ".hada_w1_b", {r, in}, INIT_KAIMING_UNIFORM, true);
-      add(u, base + ".hada_w2_a", {out, r}, INIT_KAIMING_UNIFORM, true);
-      add(u, base + ".hada_w2_b", {r, in}, INIT_ZEROS, true);
+      add_param(u, base + ".hada_w1_a", {out, r}, INIT_KAIMING_UNIFORM, true);
+      add_param(u, base + ".hada_w1_b", {r, in}, INIT_KAIMING_UNIFORM, true);
+      add_param(u, base + ".hada_w2_a", {out, r}, INIT_KAIMING_UNIFORM, true);
+      add_param(u, base + ".hada_w2_b", {r, in}, INIT_ZEROS, true);
       return;
     case ADAPTER_LOKR: {  // PEFT: w1 (or its first factor) starts at zero
       const LokrShape k = lokr_shape(adapter_, in, out);
       if (k.w1_low_rank) {
-        add(u, base + ".lokr_w1_a", {k.a, r}, INIT_ZEROS, true);
-        add(u, base + ".lokr_w1_b", {r, k.c}, INIT_KAIMING_UNIFORM, true);
+        add_param(u, base + ".lokr_w1_a", {k.a, r}, INIT_ZEROS, true);
+        add_param(u, base + ".lokr_w1_b", {r, k.c}, INIT_KAIMING_UNIFORM, true);
       } else {
-        add(u, base + ".lokr_w1", {k.a, k.c}, INIT_ZEROS, true);
+        add_param(u, base + ".lokr_w1", {k.a, k.c}, INIT_ZEROS, true);
       }
       if (k.w2_low_rank) {
-        add(u, base + ".lokr_w2_a", {k.b, r}, INIT_KAIMING_UNIFORM, true);
-        add(u, base + ".lokr_w2_b", {r, k.d}, INIT_KAIMING_UNIFORM, true);
+        add_param(u, base + ".lokr_w2_a", {k.b, r}, INIT_KAIMING_UNIFORM, true);
+        add_param(u, base + ".lokr_w2_b", {r, k.d}, INIT_KAIMING_UNIFORM, true);
       } else {
-        add(u, base + ".lokr_w2", {k.b, k.d}, INIT_KAIMING_UNIFORM, true);
+        add_param(u, base + ".lokr_w2", {k.b, k.d}, INIT_KAIMING_UNIFORM, true);
       }
       return;
     }
@@ -126,7 +116,7 @@ void ParamTable::add_adapter(int u, const std::string& base, const std::string& 
                                    "tile them; set adapter.block_size to a divisor such as %d or %d",
                                    b, in, path.c_str(), below, above));
       }
-      add(u, base + ".oft_R.weight", {adapter_.block_share ? 1 : in / b, b * (b - 1) / 2}, INIT_ZEROS, true);
+      add_param(u, base + ".oft_R.weight", {adapter_.block_share ? 1 : in / b, b * (b - 1) / 2}, INIT_ZEROS, true);
       return;
     }
     case ADAPTER_NONE: break;
@@ -144,21 +134,13 @@ void ParamTable::apply_freeze(const std::vector<std::string>& patterns) {
   }
   if (std::all_of(params_.begin(), params_.end(), [](const ParamInfo& p) { return p.frozen; }))
     throw UsageError("train.freeze freezes every parameter: nothing would train; freeze fewer");
-  // The groups a Llama layer multiplies as one matrix must stay adjacent: all frozen or none.
-  if (config_.arch == ARCH_LLAMA) {
-    for (size_t u = 1; u < units_.size(); u++) {
-      auto same = [&](std::initializer_list<int> group) {
-        const ParamInfo& first = param(static_cast<int>(u), *group.begin());
-        for (int q : group)
-          if (param(static_cast<int>(u), q).frozen != first.frozen)
-            throw UsageError("train.freeze freezes part of " + units_[u].name + "'s " +
-                             (*group.begin() == LLAMA_Q_W ? "q_proj|k_proj|v_proj" : "gate_proj|up_proj") +
-                             ", which is multiplied as one matrix: freeze all of the group or none of it");
-      };
-      same({LLAMA_Q_W, LLAMA_K_W, LLAMA_V_W});
-      same({LLAMA_GATE_W, LLAMA_UP_W});
-    }
-  }
+  // The groups a block multiplies as one matrix must stay adjacent: all frozen or none.
+  for (const ModelFamily::FusedGroup& group : family_of(config_).fused_groups(config_))
+    for (size_t u = 1; u < units_.size(); u++)
+      for (int q : group.params)
+        if (param(static_cast<int>(u), q).frozen != param(static_cast<int>(u), group.params[0]).frozen)
+          throw UsageError("train.freeze freezes part of " + units_[u].name + "'s " + group.label +
+                           ", which is multiplied as one matrix: freeze all of the group or none of it");
   assign_offsets();
 }
 
@@ -175,58 +157,12 @@ void ParamTable::assign_offsets() {
   }
 }
 
-void ParamTable::add_gpt2_params() {
-  const ModelConfig& c = config_;
-  const int C = c.n_embd;
-  add(ROOT_UNIT, "wte", {c.vocab_size, C}, INIT_NORMAL, true);
-  add(ROOT_UNIT, "wpe", {c.max_seq_len, C}, INIT_NORMAL, true);
-  add(ROOT_UNIT, "ln_f.weight", {C}, INIT_ONES, false);
-  add(ROOT_UNIT, "ln_f.bias", {C}, INIT_ZEROS, false);
-  for (int l = 0; l < c.n_layer; l++) {
-    std::string h = "h." + std::to_string(l);
-    int u = block_unit(l);
-    units_.push_back(UnitInfo{h, 0, 0, {}});
-    // Order must match enum BlockParam.
-    add(u, h + ".ln_1.weight", {C}, INIT_ONES, false);
-    add(u, h + ".ln_1.bias", {C}, INIT_ZEROS, false);
-    add(u, h + ".attn.qkv.weight", {3 * C, C}, INIT_NORMAL, true);
-    add(u, h + ".attn.qkv.bias", {3 * C}, INIT_ZEROS, false);
-    add(u, h + ".attn.proj.weight", {C, C}, INIT_NORMAL_RESIDUAL, true);
-    add(u, h + ".attn.proj.bias", {C}, INIT_ZEROS, false);
-    add(u, h + ".ln_2.weight", {C}, INIT_ONES, false);
-    add(u, h + ".ln_2.bias", {C}, INIT_ZEROS, false);
-    add(u, h + ".mlp.fc.weight", {4 * C, C}, INIT_NORMAL, true);
-    add(u, h + ".mlp.fc.bias", {4 * C}, INIT_ZEROS, false);
-    add(u, h + ".mlp.proj.weight", {C, 4 * C}, INIT_NORMAL_RESIDUAL, true);
-    add(u, h + ".mlp.proj.bias", {C}, INIT_ZEROS, false);
-  }
+int ParamTable::add_unit(const std::string& name) {
+  units_.push_back(UnitInfo{name, 0, 0, {}});
+  return static_cast<int>(units_.size()) - 1;
 }
 
-void ParamTable::add_llama_params() {
-  const ModelConfig& c = config_;
-  const int C = c.n_embd, KV = c.kv_heads() * c.head_size(), I = c.mlp_size();
-  // Order must match enum LlamaRootParam.
-  add(ROOT_UNIT, "embed_tokens.weight", {c.vocab_size, C}, INIT_NORMAL, true);
-  add(ROOT_UNIT, "norm.weight", {C}, INIT_ONES, false);
-  if (!c.tie_embeddings) add(ROOT_UNIT, "lm_head.weight", {c.vocab_size, C}, INIT_NORMAL, true);
-  for (int l = 0; l < c.n_layer; l++) {
-    std::string h = "layers." + std::to_string(l);
-    int u = block_unit(l);
-    units_.push_back(UnitInfo{h, 0, 0, {}});
-    // Order must match enum LlamaBlockParam.
-    add(u, h + ".input_layernorm.weight", {C}, INIT_ONES, false);
-    add(u, h + ".self_attn.q_proj.weight", {C, C}, INIT_NORMAL, true);
-    add(u, h + ".self_attn.k_proj.weight", {KV, C}, INIT_NORMAL, true);
-    add(u, h + ".self_attn.v_proj.weight", {KV, C}, INIT_NORMAL, true);
-    add(u, h + ".self_attn.o_proj.weight", {C, C}, INIT_NORMAL_RESIDUAL, true);
-    add(u, h + ".post_attention_layernorm.weight", {C}, INIT_ONES, false);
-    add(u, h + ".mlp.gate_proj.weight", {I, C}, INIT_NORMAL, true);
-    add(u, h + ".mlp.up_proj.weight", {I, C}, INIT_NORMAL, true);
-    add(u, h + ".mlp.down_proj.weight", {C, I}, INIT_NORMAL_RESIDUAL, true);
-  }
-}
-
-void ParamTable::add(int unit, const std::string& name, std::vector<int> shape, InitRule init, bool decay) {
+void ParamTable::add_param(int unit, const std::string& name, std::vector<int> shape, InitRule init, bool decay) {
   ParamInfo p;
   p.name = name;
   p.numel = 1;
@@ -249,9 +185,8 @@ size_t ParamTable::total_params() const {
 }
 
 int ParamTable::backward_floor() const {
-  // The token embedding (both architectures) and GPT-2's position table take the input gradient.
-  const bool embeddings_frozen = frozen(ROOT_UNIT, 0) && (config_.arch != ARCH_GPT2 || frozen(ROOT_UNIT, ROOT_WPE));
-  if (!embeddings_frozen) return 0;
+  for (int p : family_of(config_).input_params())
+    if (!frozen(ROOT_UNIT, p)) return 0;
   int layer = 0;
   while (layer < config_.n_layer && units_[block_unit(layer)].trainable_numel == 0) layer++;
   return layer;
@@ -263,13 +198,6 @@ size_t ParamTable::trainable_params() const {
   return n;
 }
 
-double ParamTable::flops_per_token(int seq_len) const {
-  const ModelConfig& c = config_;
-  const double embedding = static_cast<double>(c.vocab_size) * c.n_embd;
-  const double positions = c.arch == ARCH_GPT2 ? static_cast<double>(c.max_seq_len) * c.n_embd : 0.0;
-  // An untied head is a parameter of its own, already in the total; a tied one is the embedding.
-  const double matmul_params = static_cast<double>(total_params()) - positions - embedding + (c.tied() ? embedding : 0);
-  return 6.0 * matmul_params + 12.0 * c.n_layer * seq_len * c.n_embd;
-}
+double ParamTable::flops_per_token(int seq_len) const { return family_of(config_).flops_per_token(*this, seq_len); }
 
 }  // namespace shardtrain

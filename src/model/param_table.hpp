@@ -4,13 +4,14 @@
 // elsewhere.
 //
 // Units are the FSDP granularity: unit 0 is "root" (embeddings, final norm, an untied LM head),
-// units 1..L are the blocks. GPT-2: root wte, wpe, ln_f; blocks "h.0".."h.{L-1}" with llm.c's
-// names. Llama: root embed_tokens, norm (and lm_head when untied); blocks "layers.0".. with
-// Hugging Face's names less the "model." prefix, so each maps one to one onto a Hugging Face
-// tensor. A tied LM head has no entry of its own: the root unit stays gathered from the start of
+// units 1..L are the blocks. The model family (model/family.hpp) declares them and their
+// parameters: GPT-2 root wte, wpe, ln_f and blocks "h.0".."h.{L-1}" with llm.c's names; Llama and
+// Qwen2 root embed_tokens, norm (and lm_head when untied) and blocks "layers.0".. with Hugging
+// Face's names less the "model." prefix, so each maps one to one onto a Hugging Face tensor
+// (model/families/). A tied LM head has no entry of its own: the root unit stays gathered from the start of
 // forward to the end of backward, so both uses of the embedding add into one gradient that is
-// reduce-scattered once. Llama's q|k|v and gate|up weights are adjacent in the unit, in that
-// order, so the model multiplies each group as one fused matrix.
+// reduce-scattered once. A family's fused groups (Llama's q|k|v and gate|up) are adjacent in the
+// unit, so the model multiplies each group as one matrix.
 //
 // Frozen parameters (train.freeze): each unit's flat buffer is laid out trainable parameters
 // first, then frozen ones, each group in declaration order, so the trainable ones form one
@@ -27,6 +28,7 @@
 
 #include "model/adapter.hpp"
 #include "model/config.hpp"
+#include "model/family.hpp"
 
 namespace shardtrain {
 
@@ -75,24 +77,8 @@ struct UnitInfo {
   std::vector<int> params;     // in declaration order
 };
 
-// Positions of the parameters inside a block unit (the same for every block) and the root unit.
-enum BlockParam {
-  BLOCK_LN1_W, BLOCK_LN1_B, BLOCK_QKV_W, BLOCK_QKV_B, BLOCK_ATTPROJ_W, BLOCK_ATTPROJ_B,
-  BLOCK_LN2_W, BLOCK_LN2_B, BLOCK_FC_W, BLOCK_FC_B, BLOCK_FCPROJ_W, BLOCK_FCPROJ_B, BLOCK_PARAM_COUNT,
-};
-enum RootParam { ROOT_WTE, ROOT_WPE, ROOT_LNF_W, ROOT_LNF_B, ROOT_PARAM_COUNT };
-enum LlamaBlockParam {
-  LLAMA_ATTN_NORM_W, LLAMA_Q_W, LLAMA_K_W, LLAMA_V_W, LLAMA_O_W,
-  LLAMA_MLP_NORM_W, LLAMA_GATE_W, LLAMA_UP_W, LLAMA_DOWN_W, LLAMA_BLOCK_PARAM_COUNT,
-};
-enum LlamaRootParam { LLAMA_EMBED, LLAMA_NORM_W, LLAMA_LM_HEAD };  // LLAMA_LM_HEAD only when untied
-
 constexpr int ROOT_UNIT = 0;
 inline int block_unit(int layer) { return 1 + layer; }
-
-// The architecture and shape in one line for logs: "GPT-2 L=12 C=768 H=12 V=50257 max_seq_len=1024"
-// or "Llama L=30 C=576 H=9 KV=3 MLP=1536 V=49152 max_seq_len=2048 rope_theta=10000 tied".
-std::string model_summary(const ModelConfig& config);
 
 // Adapters (model/adapter.hpp): each adapted linear layer of block l adds, after the block's own
 // parameters, "<its weight's name less .weight>." followed by PEFT's names: LoRA "lora_A.weight"
@@ -128,22 +114,23 @@ class ParamTable {
   size_t total_params() const;
   size_t trainable_params() const;
   bool any_frozen() const { return trainable_params() != total_params(); }
-  // Parameter p of a unit (BlockParam/LlamaBlockParam for a block, RootParam/LlamaRootParam for
-  // the root): its offset in the unit's flat buffer, and whether it is frozen.
+  // Parameter p of a unit (its position in the unit, the family's enums: Gpt2BlockParam,
+  // LlamaRootParam, ...): its offset in the unit's flat buffer, and whether it is frozen.
   const ParamInfo& param(int unit, int p) const { return params_[units_[unit].params[p]]; }
   size_t offset(int unit, int p) const { return param(unit, p).offset; }
   bool frozen(int unit, int p) const { return param(unit, p).frozen; }
   // The lowest block whose backward is needed: below it no block has a trainable parameter and
   // neither do the embedding tables its input gradient would reach. 0 when the embeddings train.
   int backward_floor() const;
-  // Model FLOPs per trained token: 6 * (parameters outside the embedding tables + V*C for the LM
-  // head) + 12*L*T*C for attention's scores and weighted sums.
+  // Model FLOPs per trained token (the family's formula).
   double flops_per_token(int seq_len) const;
 
+  // For the family's add_params only: a new block unit (its index), and a parameter appended to a
+  // unit; the order of the calls is the order of the units and of their parameters.
+  int add_unit(const std::string& name);
+  void add_param(int unit, const std::string& name, std::vector<int> shape, InitRule init, bool decay);
+
  private:
-  void add_gpt2_params();
-  void add_llama_params();
-  void add(int unit, const std::string& name, std::vector<int> shape, InitRule init, bool decay);
   void add_adapters();
   // The adapter parameters of one layer (its weight's name less ".weight", its module path).
   void add_adapter(int unit, const std::string& base, const std::string& path, const LinearSite& site);
@@ -157,7 +144,7 @@ class ParamTable {
   std::vector<UnitInfo> units_;
 };
 
-// Parameter p (BlockParam/RootParam or the Llama enums) of a unit in its gathered buffer, and its
+// Parameter p (a position in the unit, as param() takes it) of a unit in its gathered buffer, and its
 // gradient in the unit's gradient buffer: null for a frozen parameter (and for a unit without a
 // gradient buffer, all frozen), so the layer skips that gradient and passes the input's on.
 template <typename Real>

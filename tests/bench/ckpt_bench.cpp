@@ -217,7 +217,7 @@ struct Options {
   int repeats = 3, warmup = 1, threads = 0;
   bool profile = false;
   uint64_t seed = 1;
-  ModelConfig model{ARCH_GPT2, 12, 768, 12, 50257, 1024};  // gpt2-124M
+  ModelConfig model{"gpt2", 12, 768, 12, 50257, 1024};  // gpt2-124M
 };
 
 Options parse(int argc, char** argv) {

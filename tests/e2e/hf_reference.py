@@ -3,7 +3,8 @@
 files back, and compute the loss the way transformers computes it, in float64 numpy: GPT2LMHeadModel
 (Conv1D weights (in, out), tanh GELU, LayerNorm eps 1e-5, tied head) and LlamaForCausalLM
 (modeling_llama: RMSNorm, rotary embeddings with rotate_half, repeat_kv for grouped-query attention,
-SwiGLU, final norm, tied or untied head). Commands print JSON. gpt2_shapes and llama_shapes need only
+SwiGLU, final norm, tied or untied head) and Qwen2ForCausalLM (modeling_qwen2: Llama's with biases on
+q_proj, k_proj and v_proj). Commands print JSON. gpt2_shapes and llama_shapes need only
 numpy (the e2e tests, under Debian's python, import them); the commands import `safetensors`.
 numpy has no bfloat16: BF16 files are written and read here byte by byte (the package checks the
 layout: every file written is opened with safe_open).
@@ -13,7 +14,8 @@ layout: every file written is opened with safe_open).
                                                                random Llama weights + config.json (KV 0: the
                                                                key left out; PREFIX "-": none; EXTRAS, comma-
                                                                separated: lm_head (written although tied),
-                                                               inv_freq (older files' rotary buffers))
+                                                               inv_freq (older files' rotary buffers), qwen2
+                                                               (a Qwen2 model: q/k/v biases, rope_theta 1e6))
   hf_reference.py loss FOLDER TOKENS...                        mean next-token cross-entropy (config.json's model_type)
   hf_reference.py tensors FILE                                 {name: [dtype, shape, sha256 of bytes]}, metadata
   hf_reference.py equal A B                                    whether every tensor is bit-identical (files or folders)
@@ -127,11 +129,18 @@ def make_llama(folder, L, C, H, KV, I, V, T, tied, dtype, seed, prefix, extras=(
         shapes["lm_head.weight"] = (V, C)
     if "inv_freq" in extras:
         shapes.update({f"model.layers.{l}.self_attn.rotary_emb.inv_freq": (C // H // 2,) for l in range(L)})
+    qwen2 = "qwen2" in extras
+    if qwen2:
+        KVD = (KV or H) * (C // H)
+        shapes.update({f"model.layers.{l}.self_attn.{n}_proj.bias": (C if n == "q" else KVD,)
+                       for l in range(L) for n in "qkv"})
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):
             values = 1.0 + 0.1 * rng.standard_normal(shape)
         elif name.endswith("inv_freq"):
             values = 10000.0 ** -(np.arange(0, C // H, 2) / (C // H))
+        elif name.endswith(".bias"):
+            values = 0.5 * rng.standard_normal(shape)
         else:
             values = scale[name.split(".")[-2]] * rng.standard_normal(shape)
         name = name[len("model."):] if name.startswith("model.") else name
@@ -147,6 +156,10 @@ def make_llama(folder, L, C, H, KV, I, V, T, tied, dtype, seed, prefix, extras=(
               "torch_dtype": {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[dtype]}
     if not KV:
         del config["num_key_value_heads"]
+    if qwen2:  # Qwen2Config's keys: no attention_bias or mlp_bias (q/k/v always have biases)
+        del config["attention_bias"], config["mlp_bias"]
+        config.update({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rope_theta": 1000000.0,
+                       "use_sliding_window": False, "sliding_window": None, "max_window_layers": L})
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
 
@@ -222,7 +235,8 @@ def rotate_half(x):
 
 
 def llama_loss(config, raw, tokens):
-    """LlamaForCausalLM's forward (modeling_llama) and its shifted cross-entropy."""
+    """LlamaForCausalLM's forward (modeling_llama), or Qwen2ForCausalLM's (q/k/v biases), and its shifted
+    cross-entropy."""
     L, C, H = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
     KV = config.get("num_key_value_heads") or H
     d = config.get("head_dim") or C // H
@@ -236,7 +250,9 @@ def llama_loss(config, raw, tokens):
     for l in range(L):
         p = f"layers.{l}."
         h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
-        q, k, v = ((h @ w[p + f"self_attn.{n}_proj.weight"].T).reshape(T, -1, d).transpose(1, 0, 2) for n in "qkv")
+        bias = {n: w.get(p + f"self_attn.{n}_proj.bias", 0.0) for n in "qkv"}
+        q, k, v = ((h @ w[p + f"self_attn.{n}_proj.weight"].T + bias[n]).reshape(T, -1, d).transpose(1, 0, 2)
+                   for n in "qkv")
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin  # apply_rotary_pos_emb
         k, v = np.repeat(k, H // KV, axis=0), np.repeat(v, H // KV, axis=0)  # repeat_kv: head j serves H/KV queries
         att = q @ k.transpose(0, 2, 1) / np.sqrt(d) + mask
@@ -254,7 +270,7 @@ def llama_loss(config, raw, tokens):
 
 def loss(folder, tokens):
     config = json.load(open(os.path.join(folder, "config.json")))
-    if config["model_type"] in ("llama", "mistral"):
+    if config["model_type"] in ("llama", "mistral", "qwen2"):
         return llama_loss(config, load_folder(folder), tokens)
     L, C, H = config["n_layer"], config["n_embd"], config["n_head"]
     raw = load_folder(folder)

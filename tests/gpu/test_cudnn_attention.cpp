@@ -269,7 +269,7 @@ TEST(CudnnAttentionMemory, StagingIsThePlannedStagingAndTheWorkspaceWithinTheEst
                          Shape{2, 130, 4, 1, 64}, Shape{8, 1024, 12, 12, 64}}) {
     SCOPED_TRACE(name_of(s));
     ModelConfig model;
-    model.arch = ARCH_LLAMA, model.n_embd = s.NH * s.HS, model.n_head = s.NH, model.n_kv_head = s.KV;
+    model.arch = "llama", model.n_embd = s.NH * s.HS, model.n_head = s.NH, model.n_kv_head = s.KV;
     ComputeOptions compute;
     compute.device = "cuda", compute.attention = ATTENTION_CUDNN;
     const gpu::CudnnAttentionMemory forward_plan = gpu::cudnn_attention_memory(s.B, s.T, s.NH, s.KV, s.HS, false);

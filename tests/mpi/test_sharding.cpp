@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "comm/comm.hpp"
-#include "model/gpt.hpp"
+#include "model/families/gpt2/gpt2_model.hpp"
 #include "shard/fsdp_engine.hpp"
 #include "support/mpi_gtest.hpp"
 

@@ -1,4 +1,4 @@
-// Shared fixtures of the model tests: small shapes of both architectures, parameters with values
+// Shared fixtures of the model tests: small shapes of each model family, parameters with values
 // away from degenerate points, and a deterministic batch.
 #pragma once
 
@@ -21,9 +21,17 @@ inline ModelConfig tiny_gpt2_config() {
 // head, and a theta that turns every pair noticeably within a few positions.
 inline ModelConfig tiny_llama_config() {
   ModelConfig c = tiny_gpt2_config();
-  c.arch = ARCH_LLAMA;
+  c.arch = "llama";
   c.n_embd = 16, c.n_head = 4, c.n_kv_head = 2, c.intermediate_size = 20;
   c.rope_theta = 100.0, c.norm_eps = 1e-5, c.tie_embeddings = false;
+  return c;
+}
+
+// Qwen2: the Llama shape above with q/k/v biases, tied.
+inline ModelConfig tiny_qwen2_config() {
+  ModelConfig c = tiny_llama_config();
+  c.arch = "qwen2";
+  c.tie_embeddings = true;
   return c;
 }
 

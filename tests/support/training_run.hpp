@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "comm/comm.hpp"
-#include "model/gpt.hpp"
+#include "model/families/gpt2/gpt2_model.hpp"
 #include "optim/adamw.hpp"
 #include "shard/fsdp_engine.hpp"
 #include "support/foreign_device.hpp"

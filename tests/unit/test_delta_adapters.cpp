@@ -274,6 +274,7 @@ TEST(DeltaAdapters, ModelEqualsTheBaseWithMergedWeights) {
   const std::vector<std::pair<ModelConfig, std::vector<std::string>>> cases = {
       {tiny_gpt2_config(), {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"}},
       {tiny_llama_config(), {"self_attn.q_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.up_proj", "down_proj"}},
+      {tiny_qwen2_config(), {"self_attn.q_proj", "self_attn.k_proj", "mlp.up_proj"}},
   };
   const int B = 2, T = 5;
   for (const auto& [config, targets] : cases)
@@ -282,7 +283,7 @@ TEST(DeltaAdapters, ModelEqualsTheBaseWithMergedWeights) {
       Units units = random_units<double>(table, 0.3, 17);
       Units merged = base_units(table, base, units);
       const double adapted = loss_of(table, units, nullptr, B, T), reference = loss_of(base, merged, nullptr, B, T);
-      EXPECT_NEAR(adapted, reference, 1e-11 * std::fabs(reference)) << model_arch_name(config.arch) << " " << label(a);
+      EXPECT_NEAR(adapted, reference, 1e-11 * std::fabs(reference)) << config.arch << " " << label(a);
       // And the adapters matter.
       Units unmerged = base_units(table, base, units, false);
       EXPECT_GT(std::fabs(adapted - loss_of(base, unmerged, nullptr, B, T)), 1e-4) << label(a);

@@ -10,6 +10,8 @@
 #include "backend/layer_ops.hpp"
 #include "core/error.hpp"
 #include "core/random.hpp"
+#include "model/families/gpt2/gpt2_family.hpp"
+#include "model/families/llama/llama_family.hpp"
 #include "model/model.hpp"
 #include "support/model_fixtures.hpp"
 

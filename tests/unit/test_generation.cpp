@@ -32,7 +32,7 @@ ModelConfig gpt_config() {
 // 4 query heads on 2 key/value heads, an MLP that is not 4 C, untied, rope turning fast.
 ModelConfig llama_config() {
   ModelConfig c = gpt_config();
-  c.arch = ARCH_LLAMA;
+  c.arch = "llama";
   c.n_embd = 16, c.n_head = 4, c.n_kv_head = 2, c.intermediate_size = 20;
   c.rope_theta = 100.0, c.tie_embeddings = false;
   return c;
@@ -49,8 +49,17 @@ struct ArchCase {
   const char* name;
   ModelConfig (*config)();
 };
-const ArchCase ARCH_CASES[] = {
-    {"gpt2", gpt_config}, {"llama_gqa_untied", llama_config}, {"llama_mqa_tied", llama_tied_mqa_config}};
+// Qwen2: q/k/v biases (the cache holds keys with their bias, after rope).
+ModelConfig qwen2_config() {
+  ModelConfig c = llama_config();
+  c.arch = "qwen2";
+  return c;
+}
+
+const ArchCase ARCH_CASES[] = {{"gpt2", gpt_config},
+                               {"llama_gqa_untied", llama_config},
+                               {"llama_mqa_tied", llama_tied_mqa_config},
+                               {"qwen2_gqa_untied", qwen2_config}};
 
 class GenerationTest : public ::testing::TestWithParam<ArchCase> {};
 std::string arch_case_name(const ::testing::TestParamInfo<ArchCase>& info) { return info.param.name; }
@@ -164,7 +173,7 @@ TEST_P(GenerationTest, ChunkedPrefillGivesTheLogitsOfOneTokenSteps) {
 
 // What begin_decode allocates is what plan_decode_bytes says, and the cache is L x 2 x max_len x
 // n_kv_head x head_size elements: one more position costs exactly that (plus its score slots and,
-// for llama, its rope row).
+// for the rotary families, its rope row).
 TEST_P(GenerationTest, DecodeMemoryEqualsItsPlan) {
   const ModelConfig c = GetParam().config();
   const ParamTable table(c);
@@ -175,7 +184,7 @@ TEST_P(GenerationTest, DecodeMemoryEqualsItsPlan) {
   EXPECT_EQ(dev.live_bytes() - before, model->decode_bytes());
   EXPECT_EQ(model->decode_bytes(), plan_decode_bytes(table, 10, 4));
   const size_t per_position = 2 * c.n_layer * c.kv_heads() * c.head_size() + 4 * c.n_head +
-                              (c.arch == ARCH_LLAMA ? c.head_size() : 0);
+                              (c.arch != "gpt2" ? c.head_size() : 0);
   EXPECT_EQ(plan_decode_bytes(table, 11, 4) - plan_decode_bytes(table, 10, 4), per_position * sizeof(float));
   model->begin_decode(5, 2);  // again: the old state is freed first
   EXPECT_EQ(dev.live_bytes() - before, plan_decode_bytes(table, 5, 2));

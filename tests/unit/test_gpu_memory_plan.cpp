@@ -37,7 +37,7 @@ ModelConfig gpt_config() {
 
 ModelConfig llama_config() {
   ModelConfig c;
-  c.arch = ARCH_LLAMA, c.n_layer = 2, c.n_embd = 64, c.n_head = 4, c.n_kv_head = 2, c.intermediate_size = 160;
+  c.arch = "llama", c.n_layer = 2, c.n_embd = 64, c.n_head = 4, c.n_kv_head = 2, c.intermediate_size = 160;
   c.vocab_size = 500, c.max_seq_len = 64;
   return c;
 }
@@ -240,7 +240,7 @@ TEST(GpuMemoryPlan, AllocationListSumsToThePlannedCategories) {
     }
     for (int k = 0; k < MEM_CATEGORY_COUNT; k++)
       EXPECT_EQ(sums[k], plan.bytes[k]) << mem_category_name(static_cast<MemCategory>(k)) << " "
-                                        << model_arch_name(c.model.arch) << " shard " << c.groups.shard_size;
+                                        << c.model.arch << " shard " << c.groups.shard_size;
   }
 }
 
@@ -274,7 +274,7 @@ TEST(GpuMemoryPlan, CudaPlanMinusCpuPlanIsTheBackendsOwnMemory) {
       const ModelConfig& m = c.model;
       size_t kernels = std::max(gpu::attention_backward_workspace_bytes(B, T, m.n_head, m.kv_heads(), m.head_size()),
                                 gpu::encoder_backward_workspace_estimate(B, T));
-      if (m.arch == ARCH_LLAMA) {
+      if (m.arch == "llama") {
         kernels = std::max(kernels, gpu::rmsnorm_backward_workspace_bytes(N, m.n_embd));
       } else {
         kernels = std::max(kernels, gpu::layernorm_backward_workspace_bytes(N, m.n_embd));
@@ -298,7 +298,7 @@ TEST(GpuMemoryPlan, CudaPlanMinusCpuPlanIsTheBackendsOwnMemory) {
       EXPECT_EQ(on_gpu.gpu.nccl, nccl);
       EXPECT_EQ(on_gpu.gpu.rounding, rounding);
       EXPECT_EQ(on_gpu.total() - on_cpu.total(), workspace + nccl + rounding)
-          << model_arch_name(m.arch) << " shard " << c.groups.shard_size << " " << dtype_name(dtype);
+          << m.arch << " shard " << c.groups.shard_size << " " << dtype_name(dtype);
     }
   }
 }
@@ -339,7 +339,7 @@ TEST(GpuMemoryPlan, CudnnAttentionIsTheCudnnPlanMinusTheTiledPlan) {
       EXPECT_EQ(d.gpu.allocations - t.gpu.allocations, 6u);
       // The pre-flight check compares total() with the GPU's free memory: the field is in it.
       EXPECT_EQ(d.total() - t.total(), staging + workspace + rounding)
-          << model_arch_name(m.arch) << " shard " << c.groups.shard_size << " " << dtype_name(dtype);
+          << m.arch << " shard " << c.groups.shard_size << " " << dtype_name(dtype);
     }
   }
 }

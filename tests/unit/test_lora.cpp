@@ -159,6 +159,7 @@ TEST(Lora, ModelEqualsTheBaseWithMergedWeights) {
   const std::vector<std::pair<ModelConfig, std::vector<std::string>>> cases = {
       {tiny_gpt2_config(), {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"}},
       {tiny_llama_config(), {"self_attn.q_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.up_proj", "down_proj"}},
+      {tiny_qwen2_config(), {"self_attn.q_proj", "self_attn.k_proj", "mlp.gate_proj"}},
   };
   const int B = 2, T = 5;
   for (const auto& [config, targets] : cases) {
@@ -186,7 +187,7 @@ TEST(Lora, ModelEqualsTheBaseWithMergedWeights) {
     const Batch batch = make_batch(B, T, config.vocab_size);
     const double adapted = loss_and_grads(table, units, nullptr, batch, B, T);
     const double reference = loss_and_grads(base, merged, nullptr, batch, B, T);
-    EXPECT_NEAR(adapted, reference, 1e-11 * std::fabs(reference)) << model_arch_name(config.arch);
+    EXPECT_NEAR(adapted, reference, 1e-11 * std::fabs(reference)) << config.arch;
     // And the adapters matter: the base's own weights give another loss.
     std::vector<std::vector<double>> unmerged;
     for (const UnitInfo& u : base.units()) unmerged.emplace_back(u.numel);
@@ -350,6 +351,7 @@ TEST(Dora, ModelEqualsTheBaseWithPeftsMergedWeights) {
   const std::vector<std::pair<ModelConfig, std::vector<std::string>>> cases = {
       {tiny_gpt2_config(), {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"}},  // biases: not rescaled
       {tiny_llama_config(), {"self_attn.q_proj", "self_attn.v_proj", "o_proj", "gate_proj", "mlp.down_proj"}},
+      {tiny_qwen2_config(), {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}},  // biases: not rescaled
   };
   const int B = 2, T = 5;
   for (const auto& [config, targets] : cases) {
@@ -359,7 +361,7 @@ TEST(Dora, ModelEqualsTheBaseWithPeftsMergedWeights) {
     std::vector<std::vector<double>> merged = dora_merged(table, base, units);
     const double adapted = loss_and_grads(table, units, nullptr, batch, B, T);
     EXPECT_NEAR(adapted, loss_and_grads(base, merged, nullptr, batch, B, T), 1e-11 * std::fabs(adapted))
-        << model_arch_name(config.arch);
+        << config.arch;
   }
 }
 
@@ -369,6 +371,7 @@ TEST(Dora, GradientsMatchFiniteDifferencesWithTheNormDetached) {
   const std::vector<std::pair<ModelConfig, std::vector<std::string>>> cases = {
       {tiny_gpt2_config(), {"attn.c_attn", "mlp.c_proj"}},
       {tiny_llama_config(), {"self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj"}},
+      {tiny_qwen2_config(), {"self_attn.q_proj", "self_attn.v_proj"}},
   };
   const int B = 2, T = 5;
   for (const auto& [config, targets] : cases) {
@@ -440,7 +443,7 @@ TEST(Lora, DecodingWithAdaptersGivesTheFullForwardsProbabilities) {
   const int T = 6;
   for (AdapterType type : {ADAPTER_LORA, ADAPTER_DORA})
     for (const ModelConfig& config : {tiny_gpt2_config(), tiny_llama_config()}) {
-      AdapterConfig a = lora(config.arch == ARCH_GPT2 ? std::vector<std::string>{"c_attn", "mlp.c_proj"}
+      AdapterConfig a = lora(config.arch == "gpt2" ? std::vector<std::string>{"c_attn", "mlp.c_proj"}
                                                       : std::vector<std::string>{"q_proj", "v_proj", "up_proj"});
       a.type = type;
       const ParamTable table(config, {}, a);
@@ -465,6 +468,6 @@ TEST(Lora, DecodingWithAdaptersGivesTheFullForwardsProbabilities) {
       for (double x : logits) sum += std::exp(x - max);
       for (int v = 0; v < config.vocab_size; v++)
         EXPECT_NEAR(std::exp(logits[v] - max) / sum, probs[v], 1e-12)
-            << adapter_type_name(type) << " " << model_arch_name(config.arch) << " " << v;
+            << adapter_type_name(type) << " " << config.arch << " " << v;
     }
 }

@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "core/random.hpp"
+#include "model/families/gpt2/gpt2_family.hpp"
+#include "model/families/llama/llama_family.hpp"
 #include "model/model.hpp"
 #include "support/model_fixtures.hpp"
 
@@ -27,7 +29,10 @@ struct ArchCase {
   const char* name;
   ModelConfig (*config)();
 };
-const ArchCase ARCH_CASES[] = {{"gpt2", tiny_gpt2_config}, {"llama", tiny_llama_config}, {"llama_tied", tiny_llama_tied_config}};
+const ArchCase ARCH_CASES[] = {{"gpt2", tiny_gpt2_config},
+                               {"llama", tiny_llama_config},
+                               {"llama_tied", tiny_llama_tied_config},
+                               {"qwen2", tiny_qwen2_config}};
 
 class ModelArchTest : public ::testing::TestWithParam<ArchCase> {};
 std::string arch_case_name(const ::testing::TestParamInfo<ArchCase>& info) { return info.param.name; }
@@ -140,7 +145,7 @@ TEST(ParamTable, ShippedShapesHaveTheirNominalSizes) {
 // Hugging Face's published parameter counts: SmolLM-135M (tied) and TinyLlama-1.1B (untied).
 TEST(ParamTable, LlamaShapesHaveTheParameterCountsOfTheRealModels) {
   ModelConfig smol;
-  smol.arch = ARCH_LLAMA, smol.n_layer = 30, smol.n_embd = 576, smol.n_head = 9, smol.n_kv_head = 3;
+  smol.arch = "llama", smol.n_layer = 30, smol.n_embd = 576, smol.n_head = 9, smol.n_kv_head = 3;
   smol.intermediate_size = 1536, smol.vocab_size = 49152, smol.max_seq_len = 2048, smol.tie_embeddings = true;
   EXPECT_EQ(ParamTable(smol).total_params(), 134515008u);
   ModelConfig tiny = smol;
@@ -159,6 +164,23 @@ TEST(ParamTable, LlamaShapesHaveTheParameterCountsOfTheRealModels) {
   EXPECT_EQ(p[block[LLAMA_K_W]].offset, p[block[LLAMA_Q_W]].offset + p[block[LLAMA_Q_W]].numel);
   EXPECT_EQ(p[block[LLAMA_V_W]].offset, p[block[LLAMA_K_W]].offset + p[block[LLAMA_K_W]].numel);
   EXPECT_EQ(p[block[LLAMA_UP_W]].offset, p[block[LLAMA_GATE_W]].offset + p[block[LLAMA_GATE_W]].numel);
+}
+
+// Qwen2.5-0.5B's published count (tied, q/k/v biases): its biases are adjacent after the weights,
+// so q|k|v's bias is one vector too.
+TEST(ParamTable, Qwen2ShapeHasTheParameterCountOfTheRealModel) {
+  ModelConfig q;
+  q.arch = "qwen2", q.n_layer = 24, q.n_embd = 896, q.n_head = 14, q.n_kv_head = 2, q.intermediate_size = 4864;
+  q.vocab_size = 151936, q.max_seq_len = 32768, q.rope_theta = 1e6, q.norm_eps = 1e-6, q.tie_embeddings = true;
+  const ParamTable table(q);
+  EXPECT_EQ(table.total_params(), 494032768u);
+  const auto& p = table.params();
+  const std::vector<int>& block = table.units()[block_unit(3)].params;
+  ASSERT_EQ(block.size(), static_cast<size_t>(LLAMA_V_B + 1));
+  EXPECT_EQ(p[block[LLAMA_Q_B]].name, "layers.3.self_attn.q_proj.bias");
+  EXPECT_EQ(p[block[LLAMA_V_B]].shape, (std::vector<int>{128}));
+  EXPECT_EQ(p[block[LLAMA_K_B]].offset, p[block[LLAMA_Q_B]].offset + 896);
+  EXPECT_EQ(p[block[LLAMA_V_B]].offset, p[block[LLAMA_K_B]].offset + 128);
 }
 
 namespace {
@@ -385,7 +407,7 @@ TEST_P(ModelArchTest, ActivationBytesAreTheAllocatedBytes) {
   size_t S = 0;
   for (size_t n : plan_saved_tensor_elements(c, B, T)) S += n;
   EXPECT_EQ(S, static_cast<size_t>(B) * T *
-                   (c.arch == ARCH_LLAMA ? 3 * c.n_embd + c.qkv_size() + 3 * c.mlp_size() : 14 * c.n_embd));
+                   (c.arch != "gpt2" ? 3 * c.n_embd + c.qkv_size() + 3 * c.mlp_size() : 14 * c.n_embd));
   for (bool checkpointing : {false, true}) {
     const long K = checkpointing ? 1 : c.n_layer;
     long fp32_bytes = 0;

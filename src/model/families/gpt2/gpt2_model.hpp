@@ -1,29 +1,23 @@
-// Llama (model/model.hpp's interface), as Hugging Face's LlamaForCausalLM computes it: RMSNorm
-// before attention and MLP and at the end, rotary positions on q and k ("rotate_half" layout),
-// grouped-query attention, the SwiGLU MLP down(silu(gate(x)) * up(x)), no biases, and an LM head
-// tied to the token embedding or its own matrix. The q|k|v and gate|up weights lie adjacent in the
-// block unit (model/param_table.hpp), so each group is one GEMM.
+// GPT-2 (model/model.hpp's interface): learned positions, LayerNorm, GELU MLP, biases, the LM head
+// tied to the token embedding.
 #pragma once
 
 #include <vector>
 
 #include "model/adapter_layers.hpp"
 #include "model/model.hpp"
+#include "model/families/gpt2/gpt2_family.hpp"
 #include "model/saved_activations.hpp"
 
 namespace shardtrain {
 
 template <typename Real>
-class LlamaModel : public TransformerModel<Real> {
+class GptModel : public TransformerModel<Real> {
  public:
   // activation_dtype: how a block's saved tensors are stored (model/saved_activations.hpp).
-  LlamaModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
-             const LayerOps<Real>& ops, DType activation_dtype = DTYPE_FP32);
+  GptModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing, const LayerOps<Real>& ops,
+           DType activation_dtype = DTYPE_FP32);
 
-  // Elements of activations, backward scratch and rope tables besides the saved tensors, tokens
-  // and targets aside.
-  static size_t plan_activation_elements(const ModelConfig& config, int batch, int seq_len,
-                                         bool activation_checkpointing);
   // Elements of each of a layer's saved tensors (SavedActivations' sizes).
   static std::vector<size_t> saved_tensor_elements(const ModelConfig& config, int batch, int seq_len);
 
@@ -58,13 +52,11 @@ class LlamaModel : public TransformerModel<Real> {
  private:
   using Array = DeviceArray<Real>;
   // A layer's saved tensors (in saved_) and its fp32 rest.
-  enum Saved { LN1, QKV, ATTY, LN2, GATE_UP, ACT };
+  enum Saved { LN1, QKV, ATTY, LN2, FCH, FCH_GELU };
   struct Layer {
-    Array ln1_rstd, lse, resid2, ln2_rstd;
+    Array ln1_mean, ln1_rstd, lse, resid2, ln2_mean, ln2_rstd;
   };
   Layer& layer(int l) { return layers_[checkpointing_ ? 0 : l]; }
-  // The LM head's weight in the root unit: lm_head, or the tied embedding.
-  int head_param() const { return cfg_.tie_embeddings ? LLAMA_EMBED : LLAMA_LM_HEAD; }
 
   const ParamTable& table_;
   const LayerOps<Real>& ops_;
@@ -73,22 +65,18 @@ class LlamaModel : public TransformerModel<Real> {
   int B_, T_;
   bool checkpointing_;
   DeviceArray<int> tokens_, targets_;
-  Array rope_cos_, rope_sin_;  // (T, head_size / 2)
-  std::vector<Array> resid_;   // resid_[l]: input of block l; resid_[L]: output of the last
+  std::vector<Array> resid_;  // resid_[l]: input of block l; resid_[L]: output of the last
   std::vector<Layer> layers_;  // one per block, or a single shared one when checkpointing
   SavedActivations<Real> saved_;  // as many layers as layers_
-  Array lnf_, lnf_rstd_, probs_, losses_;
+  Array lnf_, lnf_mean_, lnf_rstd_, probs_, losses_;
   // Backward scratch, shared by all layers.
-  Array dresid_, dln_, dqkv_, dgate_up_, dact_;
-  // Rope tables (T, head_size / 2) on the device, Hugging Face's angles.
-  void make_rope_tables(int T, Array& cos, Array& sin) const;
+  Array dresid_, dln_, dqkv_, dfch_;
   // Generation: the key/value cache and one step's buffers (rows of its tokens; the head uses row 0
-  // of ln and rstd).
+  // of ln, mean, rstd).
   struct Decode : DecodeCursor {
     DeviceArray<int> tokens;
-    Array rope_cos, rope_sin;  // (max_len, head_size / 2)
-    std::vector<Array> k, v;   // per layer, (max_len, n_kv_head * head_size), keys after rope
-    Array x, ln, rstd, qkv, atty, resid2, gate_up, act, scores, logits;
+    std::vector<Array> k, v;  // per layer, (max_len, C): row p holds position p's heads
+    Array x, ln, mean, rstd, qkv, atty, resid2, fch, fch_gelu, scores, logits;
   } dec_;
 };
 

@@ -1,8 +1,8 @@
-// Llama forward/backward on explicit buffers (see model.hpp, llama.hpp). Each block:
-//   n1 = rms(x) w1; q|k|v = n1 Wqkv^T; rope(q, k); y = attn(q, k, v); r2 = x + y Wo^T;
+// Llama forward/backward on explicit buffers (see model.hpp, llama_model.hpp). Each block:
+//   n1 = rms(x) w1; q|k|v = n1 Wqkv^T (+ b: Qwen2); rope(q, k); y = attn(q, k, v); r2 = x + y Wo^T;
 //   n2 = rms(r2) w2; g|u = n2 Wgu^T; out = r2 + (silu(g) * u) Wdown^T.
 // The backward runs the same steps in reverse with one running residual gradient dresid_.
-#include "model/llama.hpp"
+#include "model/families/llama/llama_model.hpp"
 
 #include <cmath>
 
@@ -12,11 +12,10 @@ namespace shardtrain {
 
 template <typename Real>
 LlamaModel<Real>::LlamaModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
-                             const LayerOps<Real>& ops, DType activation_dtype)
+                             const LayerOps<Real>& ops, DType activation_dtype, bool qkv_bias)
     : table_(table), ops_(ops), adapters_(table, batch * seq_len, ops), cfg_(table.config()), B_(batch), T_(seq_len),
-      checkpointing_(activation_checkpointing),
+      checkpointing_(activation_checkpointing), qkv_bias_(qkv_bias),
       saved_(ops, activation_dtype, checkpointing_ ? 1 : cfg_.n_layer, saved_tensor_elements(cfg_, batch, seq_len)) {
-  SHARD_CHECK(cfg_.arch == ARCH_LLAMA, "LlamaModel of a %s table", model_arch_name(cfg_.arch));
   SHARD_CHECK(seq_len <= cfg_.max_seq_len, "seq_len %d > max_seq_len %d", seq_len, cfg_.max_seq_len);
   SHARD_CHECK(cfg_.head_size() % 2 == 0, "rotary embeddings need an even head size, not %d", cfg_.head_size());
   const size_t BT = static_cast<size_t>(B_) * T_, C = cfg_.n_embd, NH = cfg_.n_head, I = cfg_.mlp_size();
@@ -55,19 +54,6 @@ void LlamaModel<Real>::make_rope_tables(int T, Array& cos_table, Array& sin_tabl
 }
 
 template <typename Real>
-size_t LlamaModel<Real>::plan_activation_elements(const ModelConfig& c, int batch, int seq_len, bool checkpointing) {
-  const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, lse = BT * c.n_head;
-  const size_t QKV = c.qkv_size(), I = c.mlp_size(), L = c.n_layer, layers = checkpointing ? 1 : L;
-  const size_t rope = 2 * static_cast<size_t>(seq_len) * (c.head_size() / 2);
-  // Per layer besides the saved tensors: attention's lse, resid2, and two row statistics.
-  const size_t per_layer = lse + BT * C + 2 * BT;
-  const size_t residual = (L + 1) * BT * C;
-  const size_t head = BT * C + BT + BT * c.vocab_size + BT;         // lnf + rstd, probs, losses
-  const size_t scratch = BT * C * 2 + BT * QKV + BT * 3 * I;  // dresid, dln, dqkv, dgate_up, dact
-  return rope + layers * per_layer + residual + head + scratch;
-}
-
-template <typename Real>
 std::vector<size_t> LlamaModel<Real>::saved_tensor_elements(const ModelConfig& c, int batch, int seq_len) {
   const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, I = c.mlp_size();
   std::vector<size_t> sizes(ACT + 1);
@@ -97,7 +83,7 @@ void LlamaModel<Real>::block_forward(int l, const Real* w) {
   const Real* x = resid_[l].data();
   ops_.rmsnorm_forward(S(LN1), a.ln1_rstd.data(), x, W(LLAMA_ATTN_NORM_W), eps, N, C);
   produced(LN1);
-  ops_.matmul_forward(S(QKV), S(LN1), W(LLAMA_Q_W), nullptr, N, C, cfg_.qkv_size());  // q|k|v fused
+  ops_.matmul_forward(S(QKV), S(LN1), W(LLAMA_Q_W), qkv_bias(w, l), N, C, cfg_.qkv_size());  // q|k|v fused
   adapters_.forward(l, PRODUCT_QKV, S(LN1), S(QKV), w);
   ops_.rope_forward(S(QKV), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS);
   produced(QKV);  // after rope: what attention reads (rope's backward needs no values)
@@ -179,7 +165,8 @@ void LlamaModel<Real>::block_backward(int l, Real* g, const Real* w) {
   ops_.attention_backward(dqkv_.data(), dln_.data(), S(QKV), S(ATTY), a.lse.data(), B_, T_, NH, KV, HS);
   ops_.rope_backward(dqkv_.data(), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS);
   d = adapters_.output_grad(l, PRODUCT_QKV, S(LN1), dqkv_.data(), w, g);
-  ops_.matmul_backward(dln_.data(), G(LLAMA_Q_W), nullptr, d, S(LN1), W(LLAMA_Q_W), N, C, cfg_.qkv_size());
+  ops_.matmul_backward(dln_.data(), G(LLAMA_Q_W), qkv_bias_grad(g, l), d, S(LN1), W(LLAMA_Q_W), N, C,
+                       cfg_.qkv_size());
   adapters_.backward(l, PRODUCT_QKV, S(LN1), d, dln_.data(), w, g);
   ops_.rmsnorm_backward(dresid_.data(), G(LLAMA_ATTN_NORM_W), dln_.data(), resid_[l].data(), W(LLAMA_ATTN_NORM_W),
                         a.ln1_rstd.data(), N, C);
@@ -246,7 +233,7 @@ void LlamaModel<Real>::decode_block(int l, const Real* w) {
   auto W = [&](LlamaBlockParam p) { return param_in(table_, w, block_unit(l), p); };
   const size_t half = HS / 2;
   ops_.rmsnorm_forward(d.ln.data(), d.rstd.data(), d.x.data(), W(LLAMA_ATTN_NORM_W), eps, N, C);
-  ops_.matmul_forward(d.qkv.data(), d.ln.data(), W(LLAMA_Q_W), nullptr, N, C, cfg_.qkv_size());
+  ops_.matmul_forward(d.qkv.data(), d.ln.data(), W(LLAMA_Q_W), qkv_bias(w, l), N, C, cfg_.qkv_size());
   adapters_.decode_forward(l, PRODUCT_QKV, d.ln.data(), d.qkv.data(), N, w);
   // Positions start..start+N-1: the tables from row start on, as one sequence of N.
   ops_.rope_forward(d.qkv.data(), d.rope_cos.data() + d.start * half, d.rope_sin.data() + d.start * half, 1, N, NH,

@@ -1,25 +1,27 @@
-// GPT-2 (model/model.hpp's interface): learned positions, LayerNorm, GELU MLP, biases, the LM head
-// tied to the token embedding.
+// Llama (model/model.hpp's interface), as Hugging Face's LlamaForCausalLM computes it: RMSNorm
+// before attention and MLP and at the end, rotary positions on q and k ("rotate_half" layout),
+// grouped-query attention, the SwiGLU MLP down(silu(gate(x)) * up(x)), no biases, and an LM head
+// tied to the token embedding or its own matrix. The q|k|v and gate|up weights lie adjacent in the
+// block unit (model/param_table.hpp), so each group is one GEMM.
 #pragma once
 
 #include <vector>
 
 #include "model/adapter_layers.hpp"
 #include "model/model.hpp"
+#include "model/families/llama/llama_family.hpp"
 #include "model/saved_activations.hpp"
 
 namespace shardtrain {
 
 template <typename Real>
-class GptModel : public TransformerModel<Real> {
+class LlamaModel : public TransformerModel<Real> {
  public:
   // activation_dtype: how a block's saved tensors are stored (model/saved_activations.hpp).
-  GptModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing, const LayerOps<Real>& ops,
-           DType activation_dtype = DTYPE_FP32);
+  // qkv_bias: q|k|v has biases (LLAMA_Q_B..; Qwen2).
+  LlamaModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
+             const LayerOps<Real>& ops, DType activation_dtype = DTYPE_FP32, bool qkv_bias = false);
 
-  // Elements of activations and backward scratch besides the saved tensors, tokens and targets aside.
-  static size_t plan_activation_elements(const ModelConfig& config, int batch, int seq_len,
-                                         bool activation_checkpointing);
   // Elements of each of a layer's saved tensors (SavedActivations' sizes).
   static std::vector<size_t> saved_tensor_elements(const ModelConfig& config, int batch, int seq_len);
 
@@ -54,11 +56,20 @@ class GptModel : public TransformerModel<Real> {
  private:
   using Array = DeviceArray<Real>;
   // A layer's saved tensors (in saved_) and its fp32 rest.
-  enum Saved { LN1, QKV, ATTY, LN2, FCH, FCH_GELU };
+  enum Saved { LN1, QKV, ATTY, LN2, GATE_UP, ACT };
   struct Layer {
-    Array ln1_mean, ln1_rstd, lse, resid2, ln2_mean, ln2_rstd;
+    Array ln1_rstd, lse, resid2, ln2_rstd;
   };
   Layer& layer(int l) { return layers_[checkpointing_ ? 0 : l]; }
+  // The LM head's weight in the root unit: lm_head, or the tied embedding.
+  int head_param() const { return cfg_.tie_embeddings ? LLAMA_EMBED : LLAMA_LM_HEAD; }
+  // The q|k|v bias in a block's parameters and its gradient, or null.
+  const Real* qkv_bias(const Real* block, int layer) const {
+    return qkv_bias_ ? param_in(table_, block, block_unit(layer), LLAMA_Q_B) : nullptr;
+  }
+  Real* qkv_bias_grad(Real* block_grad, int layer) const {
+    return qkv_bias_ ? grad_in(table_, block_grad, block_unit(layer), LLAMA_Q_B) : nullptr;
+  }
 
   const ParamTable& table_;
   const LayerOps<Real>& ops_;
@@ -66,19 +77,24 @@ class GptModel : public TransformerModel<Real> {
   ModelConfig cfg_;
   int B_, T_;
   bool checkpointing_;
+  bool qkv_bias_;
   DeviceArray<int> tokens_, targets_;
-  std::vector<Array> resid_;  // resid_[l]: input of block l; resid_[L]: output of the last
+  Array rope_cos_, rope_sin_;  // (T, head_size / 2)
+  std::vector<Array> resid_;   // resid_[l]: input of block l; resid_[L]: output of the last
   std::vector<Layer> layers_;  // one per block, or a single shared one when checkpointing
   SavedActivations<Real> saved_;  // as many layers as layers_
-  Array lnf_, lnf_mean_, lnf_rstd_, probs_, losses_;
+  Array lnf_, lnf_rstd_, probs_, losses_;
   // Backward scratch, shared by all layers.
-  Array dresid_, dln_, dqkv_, dfch_;
+  Array dresid_, dln_, dqkv_, dgate_up_, dact_;
+  // Rope tables (T, head_size / 2) on the device, Hugging Face's angles.
+  void make_rope_tables(int T, Array& cos, Array& sin) const;
   // Generation: the key/value cache and one step's buffers (rows of its tokens; the head uses row 0
-  // of ln, mean, rstd).
+  // of ln and rstd).
   struct Decode : DecodeCursor {
     DeviceArray<int> tokens;
-    std::vector<Array> k, v;  // per layer, (max_len, C): row p holds position p's heads
-    Array x, ln, mean, rstd, qkv, atty, resid2, fch, fch_gelu, scores, logits;
+    Array rope_cos, rope_sin;  // (max_len, head_size / 2)
+    std::vector<Array> k, v;   // per layer, (max_len, n_kv_head * head_size), keys after rope
+    Array x, ln, rstd, qkv, atty, resid2, gate_up, act, scores, logits;
   } dec_;
 };
 

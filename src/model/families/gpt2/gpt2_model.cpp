@@ -1,8 +1,8 @@
-// GPT-2 forward/backward on explicit buffers (see model.hpp, gpt.hpp). Each block:
+// GPT-2 forward/backward on explicit buffers (see model.hpp, gpt2_model.hpp). Each block:
 //   ln1 = LN(x); qkv = ln1 Wqkv^T + b; y = attn(qkv); r2 = x + y Wp^T + b;
 //   ln2 = LN(r2); h = gelu(ln2 Wfc^T + b); out = r2 + h Wfp^T + b.
 // The backward runs the same steps in reverse with one running residual gradient dresid_.
-#include "model/gpt.hpp"
+#include "model/families/gpt2/gpt2_model.hpp"
 
 #include <algorithm>
 
@@ -34,18 +34,6 @@ GptModel<Real>::GptModel(const ParamTable& table, int batch, int seq_len, bool a
 }
 
 template <typename Real>
-size_t GptModel<Real>::plan_activation_elements(const ModelConfig& c, int batch, int seq_len, bool checkpointing) {
-  const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, lse = BT * c.n_head;
-  const size_t L = c.n_layer, layers = checkpointing ? 1 : L;
-  // Per layer besides the saved tensors: attention's lse, resid2, and four row statistics.
-  const size_t per_layer = lse + BT * C + 4 * BT;
-  const size_t residual = (L + 1) * BT * C;
-  const size_t head = BT * C + 2 * BT + BT * c.vocab_size + BT;               // lnf + stats, probs, losses
-  const size_t scratch = BT * C * 2 + BT * 3 * C + BT * 4 * C;  // dresid, dln, dqkv, dfch
-  return layers * per_layer + residual + head + scratch;
-}
-
-template <typename Real>
 std::vector<size_t> GptModel<Real>::saved_tensor_elements(const ModelConfig& c, int batch, int seq_len) {
   const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd;
   std::vector<size_t> sizes(FCH_GELU + 1);
@@ -66,7 +54,7 @@ template <typename Real>
 void GptModel<Real>::block_forward(int l, const Real* w) {
   const int N = B_ * T_, C = cfg_.n_embd, NH = cfg_.n_head;
   Layer& a = layer(l);
-  auto W = [&](BlockParam p) { return param_in(table_, w, block_unit(l), p); };
+  auto W = [&](Gpt2BlockParam p) { return param_in(table_, w, block_unit(l), p); };
   auto S = [&](Saved t) { return saved_.at(l, t); };
   auto produced = [&](Saved t) { saved_.produced(l, t); };
   const Real* x = resid_[l].data();
@@ -99,7 +87,7 @@ void GptModel<Real>::block_forward(int l, const Real* w) {
 template <typename Real>
 const Real* GptModel<Real>::head_logits(const Real* root) {
   const int N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size;
-  auto R = [&](RootParam p) { return param_in(table_, root, ROOT_UNIT, p); };
+  auto R = [&](Gpt2RootParam p) { return param_in(table_, root, ROOT_UNIT, p); };
   ops_.layernorm_forward(lnf_.data(), lnf_mean_.data(), lnf_rstd_.data(), resid_[cfg_.n_layer].data(), R(ROOT_LNF_W),
                          R(ROOT_LNF_B), N, C);
   ops_.matmul_forward(probs_.data(), lnf_.data(), R(ROOT_WTE), static_cast<const Real*>(nullptr), N, C, V);
@@ -118,8 +106,8 @@ void GptModel<Real>::head_forward(const Real* root, const int* targets, double* 
 template <typename Real>
 void GptModel<Real>::head_backward(Real* g, const Real* root, Real dloss) {
   const int N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size;
-  auto R = [&](RootParam p) { return param_in(table_, root, ROOT_UNIT, p); };
-  auto G = [&](RootParam p) { return grad_in(table_, g, ROOT_UNIT, p); };
+  auto R = [&](Gpt2RootParam p) { return param_in(table_, root, ROOT_UNIT, p); };
+  auto G = [&](Gpt2RootParam p) { return grad_in(table_, g, ROOT_UNIT, p); };
   this->head_loss_.backward(ops_, probs_.data(), targets_.data(), dloss, N, V);
   ops_.matmul_backward(dln_.data(), G(ROOT_WTE), static_cast<Real*>(nullptr), probs_.data(), lnf_.data(), R(ROOT_WTE),
                        N, C, V);
@@ -136,8 +124,8 @@ void GptModel<Real>::block_backward(int l, Real* g, const Real* w) {
   else
     saved_.restore(l);
   Layer& a = layer(l);
-  auto W = [&](BlockParam p) { return param_in(table_, w, block_unit(l), p); };
-  auto G = [&](BlockParam p) { return grad_in(table_, g, block_unit(l), p); };
+  auto W = [&](Gpt2BlockParam p) { return param_in(table_, w, block_unit(l), p); };
+  auto G = [&](Gpt2BlockParam p) { return grad_in(table_, g, block_unit(l), p); };
   auto S = [&](Saved t) { return saved_.at(l, t); };
   // MLP: out = r2 + proj(gelu(fc(ln2(r2)))); dresid_ holds d(out) and becomes d(r2).
   const Real* d = adapters_.output_grad(l, PRODUCT_MLP_DOWN, S(FCH_GELU), dresid_.data(), w, g);
@@ -217,7 +205,7 @@ template <typename Real>
 void GptModel<Real>::decode_block(int l, const Real* w) {
   Decode& d = dec_;
   const int N = d.n, C = cfg_.n_embd, NH = cfg_.n_head;
-  auto W = [&](BlockParam p) { return param_in(table_, w, block_unit(l), p); };
+  auto W = [&](Gpt2BlockParam p) { return param_in(table_, w, block_unit(l), p); };
   ops_.layernorm_forward(d.ln.data(), d.mean.data(), d.rstd.data(), d.x.data(), W(BLOCK_LN1_W), W(BLOCK_LN1_B), N, C);
   ops_.matmul_forward(d.qkv.data(), d.ln.data(), W(BLOCK_QKV_W), W(BLOCK_QKV_B), N, C, 3 * C);
   adapters_.decode_forward(l, PRODUCT_QKV, d.ln.data(), d.qkv.data(), N, w);

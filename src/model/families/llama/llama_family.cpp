@@ -1,0 +1,255 @@
+// The Llama family's descriptor (llama_family.hpp). Our names are Hugging Face's less the "model."
+// prefix (optional in files, as in a LlamaModel's own save), nn.Linear (out, in) as ours, nothing
+// transposed; lm_head.weight is never prefixed, present when untied (ignored when tied). The rotary
+// inv_freq buffers of older files are ignored.
+#include "model/families/llama/llama_family.hpp"
+
+#include <cmath>
+
+#include "core/error.hpp"
+#include "model/families/llama/llama_model.hpp"
+#include "model/param_table.hpp"
+
+namespace shardtrain {
+
+std::string LlamaFamily::summary(const ModelConfig& c) const {
+  return strprintf("%s L=%d C=%d H=%d KV=%d MLP=%d V=%d max_seq_len=%d rope_theta=%g norm_eps=%g %s",
+                   display_name(), c.n_layer, c.n_embd, c.n_head, c.kv_heads(), c.mlp_size(),
+                   c.vocab_size, c.max_seq_len, c.rope_theta, c.norm_eps, c.tie_embeddings ? "tied" : "untied");
+}
+
+std::vector<std::string> LlamaFamily::config_keys() const {
+  return {"model.n_kv_head", "model.intermediate_size", "model.rope_theta", "model.norm_eps", "model.tie_embeddings"};
+}
+
+std::string LlamaFamily::config_defect(const ModelConfig& m) const {
+  if (m.n_kv_head < 0 || m.n_kv_head > m.n_head || m.n_head % m.kv_heads())
+    return strprintf("model.n_kv_head=%d must divide model.n_head=%d (0 = model.n_head)", m.n_kv_head, m.n_head);
+  if (m.head_size() % 2)
+    return strprintf("model.n_embd / model.n_head = %d must be even: rotary embeddings turn pairs of dimensions",
+                     m.head_size());
+  if (m.intermediate_size < 0 || m.intermediate_size > (1 << 24) ||
+      static_cast<double>(m.n_layer) * 3 * m.n_embd * m.mlp_size() > 1e13)
+    return strprintf("model.intermediate_size=%d is not in [0, 2^24] (0 = 4 x model.n_embd) or makes more than 10^13 "
+                     "parameters", m.intermediate_size);
+  if (!(m.rope_theta > 0) || !std::isfinite(m.rope_theta)) return strprintf("model.rope_theta=%g must be > 0", m.rope_theta);
+  if (!(m.norm_eps > 0) || !std::isfinite(m.norm_eps)) return strprintf("model.norm_eps=%g must be > 0", m.norm_eps);
+  return "";
+}
+
+void LlamaFamily::add_params(ParamTable& t) const {
+  const ModelConfig& c = t.config();
+  const int C = c.n_embd, KV = c.kv_heads() * c.head_size(), I = c.mlp_size();
+  // Order must match enum LlamaRootParam.
+  t.add_param(ROOT_UNIT, "embed_tokens.weight", {c.vocab_size, C}, INIT_NORMAL, true);
+  t.add_param(ROOT_UNIT, "norm.weight", {C}, INIT_ONES, false);
+  if (!c.tie_embeddings) t.add_param(ROOT_UNIT, "lm_head.weight", {c.vocab_size, C}, INIT_NORMAL, true);
+  for (int l = 0; l < c.n_layer; l++) {
+    const std::string h = "layers." + std::to_string(l);
+    const int u = t.add_unit(h);
+    // Order must match enum LlamaBlockParam.
+    t.add_param(u, h + ".input_layernorm.weight", {C}, INIT_ONES, false);
+    t.add_param(u, h + ".self_attn.q_proj.weight", {C, C}, INIT_NORMAL, true);
+    t.add_param(u, h + ".self_attn.k_proj.weight", {KV, C}, INIT_NORMAL, true);
+    t.add_param(u, h + ".self_attn.v_proj.weight", {KV, C}, INIT_NORMAL, true);
+    t.add_param(u, h + ".self_attn.o_proj.weight", {C, C}, INIT_NORMAL_RESIDUAL, true);
+    t.add_param(u, h + ".post_attention_layernorm.weight", {C}, INIT_ONES, false);
+    t.add_param(u, h + ".mlp.gate_proj.weight", {I, C}, INIT_NORMAL, true);
+    t.add_param(u, h + ".mlp.up_proj.weight", {I, C}, INIT_NORMAL, true);
+    t.add_param(u, h + ".mlp.down_proj.weight", {C, I}, INIT_NORMAL_RESIDUAL, true);
+    if (!qkv_bias()) continue;
+    t.add_param(u, h + ".self_attn.q_proj.bias", {C}, INIT_ZEROS, false);
+    t.add_param(u, h + ".self_attn.k_proj.bias", {KV}, INIT_ZEROS, false);
+    t.add_param(u, h + ".self_attn.v_proj.bias", {KV}, INIT_ZEROS, false);
+  }
+}
+
+std::vector<ModelFamily::FusedGroup> LlamaFamily::fused_groups(const ModelConfig&) const {
+  std::vector<FusedGroup> groups = {{{LLAMA_Q_W, LLAMA_K_W, LLAMA_V_W}, "q_proj|k_proj|v_proj"},
+                                    {{LLAMA_GATE_W, LLAMA_UP_W}, "gate_proj|up_proj"}};
+  if (qkv_bias()) groups.push_back({{LLAMA_Q_B, LLAMA_K_B, LLAMA_V_B}, "q_proj|k_proj|v_proj biases"});
+  return groups;
+}
+
+// 6 x (parameters outside the embedding table, + V x C for a tied head) + 12 L T C for attention's
+// scores and weighted sums.
+double LlamaFamily::flops_per_token(const ParamTable& t, int seq_len) const {
+  const ModelConfig& c = t.config();
+  const double embedding = static_cast<double>(c.vocab_size) * c.n_embd;
+  const double matmul_params = static_cast<double>(t.total_params()) - embedding + (c.tie_embeddings ? embedding : 0);
+  return 6.0 * matmul_params + 12.0 * c.n_layer * seq_len * c.n_embd;
+}
+
+std::unique_ptr<TransformerModel<float>> LlamaFamily::make_model(const ParamTable& table, int batch, int seq_len,
+                                                                 bool ckpt, const LayerOps<float>& ops,
+                                                                 DType act) const {
+  return std::make_unique<LlamaModel<float>>(table, batch, seq_len, ckpt, ops, act, qkv_bias());
+}
+std::unique_ptr<TransformerModel<double>> LlamaFamily::make_model(const ParamTable& table, int batch, int seq_len,
+                                                                  bool ckpt, const LayerOps<double>& ops,
+                                                                  DType act) const {
+  return std::make_unique<LlamaModel<double>>(table, batch, seq_len, ckpt, ops, act, qkv_bias());
+}
+
+// LlamaModel's constructor's arrays, in its order.
+std::vector<size_t> LlamaFamily::activation_arrays(const ModelConfig& c, int batch, int seq_len,
+                                                   bool checkpointing) const {
+  const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, NH = c.n_head, V = c.vocab_size;
+  const size_t QKV = c.qkv_size(), I = c.mlp_size(), rope = static_cast<size_t>(seq_len) * (c.head_size() / 2);
+  std::vector<size_t> a = {rope, rope};  // the rotary cos and sin tables
+  a.insert(a.end(), c.n_layer + 1, BT * C);  // the residual stream
+  for (int l = 0; l < (checkpointing ? 1 : c.n_layer); l++)  // ln1's rstd, lse, resid2, ln2's rstd
+    a.insert(a.end(), {BT, BT * NH, BT * C, BT});
+  a.insert(a.end(), {BT * C, BT, BT * V, BT});                            // lnf, its rstd, probs, losses
+  a.insert(a.end(), {BT * C, BT * C, BT * QKV, BT * 2 * I, BT * I});  // dresid, dln, dqkv, dgate_up, dact
+  return a;
+}
+
+std::vector<size_t> LlamaFamily::saved_tensor_elements(const ModelConfig& c, int batch, int seq_len) const {
+  return LlamaModel<float>::saved_tensor_elements(c, batch, seq_len);
+}
+
+size_t LlamaFamily::plan_decode_elements(const ModelConfig& c, int max_len, int max_chunk) const {
+  return LlamaModel<float>::plan_decode_elements(c, max_len, max_chunk);
+}
+
+std::vector<GemmShape> LlamaFamily::gemm_shapes(const ModelConfig& c) const {
+  const int C = c.n_embd, I = c.mlp_size();
+  return {{C, c.qkv_size()}, {C, C}, {C, 2 * I}, {I, C}, {C, c.vocab_size}};  // gate|up fused
+}
+
+std::vector<LinearSite> LlamaFamily::linear_sites(const ModelConfig& c) const {
+  const int C = c.n_embd, KV = c.kv_heads() * c.head_size(), QKV = c.qkv_size(), I = c.mlp_size();
+  const bool b = qkv_bias();
+  return {{"self_attn.q_proj", LLAMA_Q_W, b ? LLAMA_Q_B : -1, PRODUCT_QKV, C, C, 0, QKV},
+          {"self_attn.k_proj", LLAMA_K_W, b ? LLAMA_K_B : -1, PRODUCT_QKV, C, KV, C, QKV},
+          {"self_attn.v_proj", LLAMA_V_W, b ? LLAMA_V_B : -1, PRODUCT_QKV, C, KV, C + KV, QKV},
+          {"self_attn.o_proj", LLAMA_O_W, -1, PRODUCT_ATTN_OUT, C, C, 0, C},
+          {"mlp.gate_proj", LLAMA_GATE_W, -1, PRODUCT_MLP_UP, C, I, 0, 2 * I},
+          {"mlp.up_proj", LLAMA_UP_W, -1, PRODUCT_MLP_UP, C, I, I, 2 * I},
+          {"mlp.down_proj", LLAMA_DOWN_W, -1, PRODUCT_MLP_DOWN, I, C, 0, C}};
+}
+
+std::string LlamaFamily::module_path(int layer, const LinearSite& site) const {
+  return "model.layers." + std::to_string(layer) + "." + site.module;
+}
+
+ModelConfig LlamaFamily::read_decoder_config(const HfConfig& j, const ModelConfig& defaults) const {
+  ModelConfig m;
+  m.arch = name();
+  m.n_layer = j.whole("num_hidden_layers");
+  m.n_embd = j.whole("hidden_size");
+  m.n_head = j.whole("num_attention_heads");
+  // Null means "as many as the query heads"; an absent key the family's default.
+  m.n_kv_head = defaults.n_kv_head && !j.present("num_key_value_heads") ? defaults.n_kv_head
+                                                                         : j.whole("num_key_value_heads", m.n_head);
+  m.intermediate_size = j.whole("intermediate_size");
+  m.vocab_size = j.whole("vocab_size");
+  m.max_seq_len = j.whole("max_position_embeddings", defaults.max_seq_len);
+  m.rope_theta = j.positive("rope_theta", 10000.0);
+  m.norm_eps = j.positive("rms_norm_eps", 1e-6);
+  m.tie_embeddings = j.flag("tie_word_embeddings", defaults.tie_embeddings);
+  // The rotary settings may also come as transformers 5's rope_parameters; either dict may only
+  // name the plain rotary embedding (rope_type default) and its theta.
+  for (const char* key : {"rope_scaling", "rope_parameters"}) {
+    const nlohmann::json& rope = j[key];
+    if (rope.is_null()) continue;
+    if (!rope.is_object()) j.fail(std::string(key) + " " + rope.dump() + " is not a JSON object or null");
+    const nlohmann::json type =
+        rope.contains("rope_type") ? rope["rope_type"] : rope.value("type", nlohmann::json("default"));
+    for (const auto& item : rope.items())
+      if (type != "default" || (item.key() != "rope_type" && item.key() != "type" && item.key() != "rope_theta"))
+        j.fail(std::string(key) + " " + rope.dump() +
+               " is not implemented; ShardTrain's rotary embedding is the plain one (rope_type default, rope_theta)");
+    if (rope.contains("rope_theta")) {
+      if (!rope["rope_theta"].is_number() || !(rope["rope_theta"].get<double>() > 0))
+        j.fail(std::string(key) + ".rope_theta " + rope["rope_theta"].dump() + " is not a positive number");
+      m.rope_theta = rope["rope_theta"].get<double>();
+    }
+  }
+  const std::string act = j.text("hidden_act", "silu");
+  if (act != "silu" && act != "swish")
+    j.fail("hidden_act '" + act + "' is not implemented; ShardTrain's " + display_name() + " MLP uses silu");
+  if (m.n_embd % m.n_head != 0) j.fail("hidden_size is not a multiple of num_attention_heads");
+  if (j.has("head_dim") && j.whole("head_dim") != m.head_size())
+    j.fail(strprintf("head_dim %d is not implemented; ShardTrain's head size is hidden_size / num_attention_heads = %d",
+                     j.whole("head_dim"), m.head_size()));
+  if (m.head_size() % 2 != 0)
+    j.fail(strprintf("hidden_size / num_attention_heads = %d is odd; rotary embeddings turn pairs of dimensions",
+                     m.head_size()));
+  if (m.n_head % m.n_kv_head != 0) j.fail("num_attention_heads is not a multiple of num_key_value_heads");
+  return m;
+}
+
+// LlamaConfig's keys, absent ones taking its defaults (MistralConfig's for a mistral folder).
+ModelConfig LlamaFamily::read_hf_config(const HfConfig& j) const {
+  const bool mistral = j.text("model_type", "") == "mistral";
+  ModelConfig defaults;
+  defaults.n_kv_head = mistral ? 8 : 0;  // MistralConfig's default when the key is absent
+  defaults.max_seq_len = mistral ? 4096 * 32 : 2048;
+  defaults.tie_embeddings = false;
+  const ModelConfig m = read_decoder_config(j, defaults);
+  for (const char* key : {"attention_bias", "mlp_bias"})
+    if (j.flag(key, false)) j.fail(std::string(key) + " true is not implemented; ShardTrain's Llama has no biases");
+  // Mistral's window masks keys sliding_window or more positions back; one that no sequence
+  // reaches changes nothing.
+  if (mistral) {
+    const bool absent = !j.present("sliding_window");  // MistralConfig's default is 4096
+    const int window = absent ? 4096 : j.has("sliding_window") ? j.whole("sliding_window") : 0;
+    if (window > 0 && window < m.max_seq_len)
+      j.fail(strprintf("sliding_window %d%s is not implemented; ShardTrain's attention sees every earlier position "
+                       "(null, or at least max_position_embeddings = %d, is read)",
+                       window, absent ? " (MistralConfig's default, the key being absent)" : "", m.max_seq_len));
+  }
+  return m;
+}
+
+// LlamaForCausalLM as transformers 4 writes it. The token ids are not known to a checkpoint: null,
+// rather than absent, which LlamaConfig would read as its own defaults 1 and 2.
+void LlamaFamily::write_hf_config(const ModelConfig& m, nlohmann::ordered_json& j) const {
+  j["architectures"] = {hf_class()};
+  j["model_type"] = "llama";
+  j["hidden_size"] = m.n_embd;
+  j["intermediate_size"] = m.mlp_size();
+  j["num_hidden_layers"] = m.n_layer;
+  j["num_attention_heads"] = m.n_head;
+  j["num_key_value_heads"] = m.kv_heads();
+  j["head_dim"] = m.head_size();
+  j["vocab_size"] = m.vocab_size;
+  j["max_position_embeddings"] = m.max_seq_len;
+  j["hidden_act"] = "silu";
+  j["rms_norm_eps"] = m.norm_eps;
+  j["rope_theta"] = m.rope_theta;
+  j["rope_scaling"] = nullptr;
+  j["attention_bias"] = false;
+  j["attention_dropout"] = 0.0;
+  j["mlp_bias"] = false;
+  j["pretraining_tp"] = 1;
+  j["tie_word_embeddings"] = m.tie_embeddings;
+  j["bos_token_id"] = nullptr;
+  j["eos_token_id"] = nullptr;
+  j["initializer_range"] = 0.02;
+  j["use_cache"] = true;
+}
+
+HfTensor LlamaFamily::hf_tensor(const ParamInfo& p) const {
+  HfTensor t;  // Hugging Face's names less the prefix, nn.Linear's (out, in) as ours
+  for (int d : p.shape) t.shape.push_back(d);
+  t.name = p.name == "lm_head.weight" ? p.name : hf_prefix() + p.name;
+  return t;
+}
+
+// A tied model's lm_head.weight (an untied model's is a parameter, so never left over) and the
+// rotary inv_freq buffers of older files.
+bool LlamaFamily::hf_ignorable(const std::string& key) const {
+  const std::string buffer = ".self_attn.rotary_emb.inv_freq";
+  return key == "lm_head.weight" ||
+         (key.size() >= buffer.size() && key.compare(key.size() - buffer.size(), buffer.size(), buffer) == 0);
+}
+
+const ModelFamily& llama_family() {
+  static const LlamaFamily family;
+  return family;
+}
+
+}  // namespace shardtrain

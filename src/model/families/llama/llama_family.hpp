@@ -1,0 +1,70 @@
+// The Llama family (model/family.hpp), as transformers' LlamaForCausalLM computes it: RMSNorm,
+// rotary positions, grouped-query attention, a SwiGLU MLP, no biases, a tied or untied LM head;
+// Hugging Face's parameter names less the "model." prefix. Mistral folders without a sliding
+// window read as Llama. The descriptor is a class so that decoders that are Llama plus a little
+// (Qwen2: q/k/v biases) derive from it in their own folders.
+#pragma once
+
+#include "model/family.hpp"
+
+namespace shardtrain {
+
+// Positions of the parameters inside a block unit and the root unit. q|k|v and gate|up are
+// adjacent, so each group is one GEMM; the q|k|v biases (LlamaFamily::qkv_bias) follow the
+// block's weights, adjacent too.
+enum LlamaBlockParam {
+  LLAMA_ATTN_NORM_W, LLAMA_Q_W, LLAMA_K_W, LLAMA_V_W, LLAMA_O_W,
+  LLAMA_MLP_NORM_W, LLAMA_GATE_W, LLAMA_UP_W, LLAMA_DOWN_W, LLAMA_BLOCK_PARAM_COUNT,
+  LLAMA_Q_B = LLAMA_BLOCK_PARAM_COUNT, LLAMA_K_B, LLAMA_V_B,
+};
+enum LlamaRootParam { LLAMA_EMBED, LLAMA_NORM_W, LLAMA_LM_HEAD };  // LLAMA_LM_HEAD only when untied
+
+class LlamaFamily : public ModelFamily {
+ public:
+  const char* name() const override { return "llama"; }
+  const char* description() const override {
+    return "Llama (rotary positions, RMSNorm, SwiGLU, grouped-query attention, no biases)";
+  }
+  std::string summary(const ModelConfig& config) const override;
+  std::vector<std::string> config_keys() const override;
+  std::string config_defect(const ModelConfig& config) const override;
+
+  void add_params(ParamTable& table) const override;
+  std::vector<FusedGroup> fused_groups(const ModelConfig& config) const override;
+  std::vector<int> input_params() const override { return {LLAMA_EMBED}; }
+  double flops_per_token(const ParamTable& table, int seq_len) const override;
+
+  std::unique_ptr<TransformerModel<float>> make_model(const ParamTable& table, int batch, int seq_len, bool ckpt,
+                                                      const LayerOps<float>& ops, DType act) const override;
+  std::unique_ptr<TransformerModel<double>> make_model(const ParamTable& table, int batch, int seq_len, bool ckpt,
+                                                       const LayerOps<double>& ops, DType act) const override;
+  std::vector<size_t> activation_arrays(const ModelConfig& config, int batch, int seq_len,
+                                        bool checkpointing) const override;
+  std::vector<size_t> saved_tensor_elements(const ModelConfig& config, int batch, int seq_len) const override;
+  size_t plan_decode_elements(const ModelConfig& config, int max_len, int max_chunk) const override;
+  std::vector<GemmShape> gemm_shapes(const ModelConfig& config) const override;
+  NormKind norm_kind() const override { return NORM_RMS; }
+
+  std::vector<LinearSite> linear_sites(const ModelConfig& config) const override;
+  std::string module_path(int layer, const LinearSite& site) const override;
+
+  const char* hf_class() const override { return "LlamaForCausalLM"; }
+  bool reads_model_type(const std::string& type) const override { return type == "llama" || type == "mistral"; }
+  ModelConfig read_hf_config(const HfConfig& json) const override;
+  void write_hf_config(const ModelConfig& config, nlohmann::ordered_json& json) const override;
+  const char* hf_prefix() const override { return "model."; }
+  HfTensor hf_tensor(const ParamInfo& param) const override;
+  bool hf_ignorable(const std::string& key) const override;
+
+ protected:
+  // The family as logs name it: "Llama".
+  virtual const char* display_name() const { return "Llama"; }
+  // Whether q_proj, k_proj and v_proj have biases (Qwen2's attention; not Llama's).
+  virtual bool qkv_bias() const { return false; }
+  // LlamaConfig's keys common to the decoders built on it; `defaults`: the family's when absent.
+  ModelConfig read_decoder_config(const HfConfig& json, const ModelConfig& defaults) const;
+};
+
+const ModelFamily& llama_family();
+
+}  // namespace shardtrain

@@ -1,0 +1,72 @@
+// The Qwen2 family's descriptor (qwen2_family.hpp): what differs from Llama's -- the q/k/v biases,
+// the names and Qwen2Config's keys and defaults.
+#include "model/families/qwen2/qwen2_family.hpp"
+
+#include "core/error.hpp"
+#include "model/families/llama/llama_family.hpp"
+
+namespace shardtrain {
+namespace {
+
+class Qwen2Family final : public LlamaFamily {
+ public:
+  const char* name() const override { return "qwen2"; }
+  const char* description() const override { return "Qwen2/Qwen2.5 (Llama with q/k/v biases)"; }
+  const char* hf_class() const override { return "Qwen2ForCausalLM"; }
+  bool reads_model_type(const std::string& type) const override { return type == "qwen2"; }
+
+  // Qwen2Config's keys, absent ones taking its defaults (32 key/value heads, 32768 positions).
+  ModelConfig read_hf_config(const HfConfig& j) const override {
+    ModelConfig defaults;
+    defaults.n_kv_head = 32;
+    defaults.max_seq_len = 32768;
+    defaults.tie_embeddings = false;
+    const ModelConfig m = read_decoder_config(j, defaults);
+    // A window that no sequence reaches changes nothing.
+    if (j.flag("use_sliding_window", false)) {
+      const int window = j.has("sliding_window") ? j.whole("sliding_window") : 0;
+      if (window > 0 && window < m.max_seq_len)
+        j.fail(strprintf("use_sliding_window true with sliding_window %d is not implemented; ShardTrain's attention "
+                         "sees every earlier position (use_sliding_window false is read)", window));
+    }
+    return m;
+  }
+  // Qwen2ForCausalLM as transformers 4 writes it; the token ids are not known to a checkpoint.
+  void write_hf_config(const ModelConfig& m, nlohmann::ordered_json& j) const override {
+    j["architectures"] = {hf_class()};
+    j["model_type"] = "qwen2";
+    j["hidden_size"] = m.n_embd;
+    j["intermediate_size"] = m.mlp_size();
+    j["num_hidden_layers"] = m.n_layer;
+    j["num_attention_heads"] = m.n_head;
+    j["num_key_value_heads"] = m.kv_heads();
+    j["vocab_size"] = m.vocab_size;
+    j["max_position_embeddings"] = m.max_seq_len;
+    j["hidden_act"] = "silu";
+    j["rms_norm_eps"] = m.norm_eps;
+    j["rope_theta"] = m.rope_theta;
+    j["rope_scaling"] = nullptr;
+    j["attention_dropout"] = 0.0;
+    j["use_sliding_window"] = false;
+    j["sliding_window"] = nullptr;
+    j["max_window_layers"] = m.n_layer;
+    j["tie_word_embeddings"] = m.tie_embeddings;
+    j["bos_token_id"] = nullptr;
+    j["eos_token_id"] = nullptr;
+    j["initializer_range"] = 0.02;
+    j["use_cache"] = true;
+  }
+
+ protected:
+  const char* display_name() const override { return "Qwen2"; }
+  bool qkv_bias() const override { return true; }
+};
+
+}  // namespace
+
+const ModelFamily& qwen2_family() {
+  static const Qwen2Family family;
+  return family;
+}
+
+}  // namespace shardtrain

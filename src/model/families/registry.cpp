@@ -1,0 +1,37 @@
+// The registry of model families (model/family.hpp): adding a family is its folder and one line here.
+#include "core/error.hpp"
+#include "model/families/gpt2/gpt2_family.hpp"
+#include "model/families/llama/llama_family.hpp"
+#include "model/families/qwen2/qwen2_family.hpp"
+#include "model/family.hpp"
+
+namespace shardtrain {
+
+const std::vector<const ModelFamily*>& model_families() {
+  static const std::vector<const ModelFamily*> families = {
+      &gpt2_family(),
+      &llama_family(),
+      &qwen2_family(),
+  };
+  return families;
+}
+
+const ModelFamily* find_model_family(const std::string& name) {
+  for (const ModelFamily* f : model_families())
+    if (name == f->name()) return f;
+  return nullptr;
+}
+
+std::string model_family_names() {
+  std::string names;
+  for (const ModelFamily* f : model_families()) names += (names.empty() ? "" : ", ") + std::string(f->name());
+  return names;
+}
+
+const ModelFamily& family_of(const ModelConfig& config) {
+  const ModelFamily* f = find_model_family(config.arch);
+  SHARD_CHECK(f, "model.arch '%s' is no registered family (%s)", config.arch.c_str(), model_family_names().c_str());
+  return *f;
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,136 @@
+// A model family: everything about one architecture that the rest of the program asks, in one
+// descriptor that its folder (model/families/<name>/) implements and model/families/registry.cpp
+// lists once. Outside the families' folders nothing compares architectures: options, checkpoints,
+// Hugging Face and PEFT files, the planner and the backends ask the family of the config
+// (family_of) instead. docs/architecture.md, "Adding a model family", walks through adding one.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "backend/dtype.hpp"
+#include "backend/layer_ops.hpp"
+#include "model/adapter.hpp"
+#include "model/config.hpp"
+#include "model/hf_config.hpp"
+
+namespace shardtrain {
+
+class ParamTable;
+struct ParamInfo;
+template <typename Real>
+class TransformerModel;
+
+// A parameter's tensor in a Hugging Face file: its canonical name (with the base model's prefix
+// where transformers writes one), whether it is stored transposed, and its shape as stored.
+struct HfTensor {
+  std::string name;
+  bool transposed = false;
+  std::vector<int64_t> shape;
+};
+
+// A GEMM's weight shape (out x in): the backends size their workspaces from the list.
+struct GemmShape {
+  int in = 0, out = 0;
+};
+
+enum NormKind { NORM_LAYER, NORM_RMS };
+
+class ModelFamily {
+ public:
+  virtual ~ModelFamily() = default;
+
+  // --- configuration ---
+  // model.arch's value and the checkpoint attribute's: "gpt2".
+  virtual const char* name() const = 0;
+  // One line for model.arch's help: what sets it apart.
+  virtual const char* description() const = 0;
+  // The architecture and shape in one line for logs ("GPT-2 L=12 C=768 ...").
+  virtual std::string summary(const ModelConfig& config) const = 0;
+  // The model.* keys beyond the shape (model_shape_defect's) that this family reads; the others
+  // must keep their defaults (options) under it.
+  virtual std::vector<std::string> config_keys() const = 0;
+  // "" when the family can build this shape, else what is wrong, naming the key: the one check
+  // that options, checkpoint attributes and Hugging Face config.json share.
+  virtual std::string config_defect(const ModelConfig& config) const = 0;
+
+  // --- parameters ---
+  // Declares the units and parameters, in forward order (ParamTable::add_unit, add_param).
+  virtual void add_params(ParamTable& table) const = 0;
+  // Parameters of a block that are multiplied as one matrix (and so must be all frozen or none):
+  // their positions in the block unit and a name for the message.
+  struct FusedGroup {
+    std::vector<int> params;
+    const char* label;
+  };
+  virtual std::vector<FusedGroup> fused_groups(const ModelConfig&) const { return {}; }
+  // Positions in the root unit of the parameters that take the input's gradient (the embedding
+  // tables): when all are frozen, backward stops above the lowest trainable block.
+  virtual std::vector<int> input_params() const = 0;
+  // Model FLOPs per trained token at this sequence length.
+  virtual double flops_per_token(const ParamTable& table, int seq_len) const = 0;
+
+  // --- compute ---
+  virtual std::unique_ptr<TransformerModel<float>> make_model(const ParamTable& table, int batch, int seq_len,
+                                                              bool activation_checkpointing,
+                                                              const LayerOps<float>& ops,
+                                                              DType activation_dtype) const = 0;
+  virtual std::unique_ptr<TransformerModel<double>> make_model(const ParamTable& table, int batch, int seq_len,
+                                                               bool activation_checkpointing,
+                                                               const LayerOps<double>& ops,
+                                                               DType activation_dtype) const = 0;
+  // Elements of each array the model allocates besides its saved tensors, tokens and targets, in
+  // the order its constructor allocates them (the planner's allocation list).
+  virtual std::vector<size_t> activation_arrays(const ModelConfig& config, int batch, int seq_len,
+                                                bool activation_checkpointing) const = 0;
+  // Elements of each of a layer's saved tensors (SavedActivations' sizes).
+  virtual std::vector<size_t> saved_tensor_elements(const ModelConfig& config, int batch, int seq_len) const = 0;
+  // Elements of a decode state (TransformerModel::begin_decode), its tokens and adapters aside.
+  virtual size_t plan_decode_elements(const ModelConfig& config, int max_len, int max_chunk) const = 0;
+  // The GEMMs of one block in forward order, then the LM head's.
+  virtual std::vector<GemmShape> gemm_shapes(const ModelConfig& config) const = 0;
+  virtual NormKind norm_kind() const = 0;
+
+  // --- adapters ---
+  // The linear layers of one block that an adapter can target, in the order the forward runs them.
+  virtual std::vector<LinearSite> linear_sites(const ModelConfig& config) const = 0;
+  // Hugging Face's module path of block `layer`'s site: "model.layers.3.self_attn.q_proj".
+  virtual std::string module_path(int layer, const LinearSite& site) const = 0;
+
+  // --- Hugging Face files ---
+  // The transformers class ("LlamaForCausalLM") and whether a config.json's model_type is read by
+  // this family.
+  virtual const char* hf_class() const = 0;
+  virtual bool reads_model_type(const std::string& model_type) const = 0;
+  // The config config.json describes; HfConfig::fail for what the family does not implement.
+  virtual ModelConfig read_hf_config(const HfConfig& json) const = 0;
+  // config.json's keys for this config, as transformers writes them (torch_dtype aside).
+  virtual void write_hf_config(const ModelConfig& config, nlohmann::ordered_json& json) const = 0;
+  // transformers' base_model_prefix, which files may leave out: "model.".
+  virtual const char* hf_prefix() const = 0;
+  virtual HfTensor hf_tensor(const ParamInfo& param) const = 0;
+  // Whether a tensor of a file (its name less the prefix) is no parameter and may be left over.
+  virtual bool hf_ignorable(const std::string& key) const = 0;
+  // Whether transformers stores the blocks' linear weights as Conv1D (in, out) (GPT-2), which PEFT
+  // adapts with LoRA and DoRA only.
+  virtual bool hf_conv1d() const { return false; }
+  // Whether llm.c's GPT-2 files hold this family.
+  virtual bool llmc_files() const { return false; }
+};
+
+// The registered families, in registry order (model/families/registry.cpp).
+const std::vector<const ModelFamily*>& model_families();
+// The family of that name, or null.
+const ModelFamily* find_model_family(const std::string& name);
+// "gpt2, llama, qwen2": for messages.
+std::string model_family_names();
+// The family of a config whose arch was checked on the way in (options, checkpoint, config.json).
+const ModelFamily& family_of(const ModelConfig& config);
+// The architecture and shape in one line for logs (ModelFamily::summary).
+inline std::string model_summary(const ModelConfig& config) { return family_of(config).summary(config); }
+
+}  // namespace shardtrain
