@@ -204,32 +204,37 @@ ModelConfig LlamaFamily::read_hf_config(const HfConfig& j) const {
   return m;
 }
 
-// LlamaForCausalLM as transformers 4 writes it. The token ids are not known to a checkpoint: null,
-// rather than absent, which LlamaConfig would read as its own defaults 1 and 2.
-void LlamaFamily::write_hf_config(const ModelConfig& m, nlohmann::ordered_json& j) const {
+void LlamaFamily::write_decoder_config(const ModelConfig& m, const char* model_type, nlohmann::ordered_json& j) const {
   j["architectures"] = {hf_class()};
-  j["model_type"] = "llama";
+  j["model_type"] = model_type;
   j["hidden_size"] = m.n_embd;
   j["intermediate_size"] = m.mlp_size();
   j["num_hidden_layers"] = m.n_layer;
   j["num_attention_heads"] = m.n_head;
   j["num_key_value_heads"] = m.kv_heads();
-  j["head_dim"] = m.head_size();
   j["vocab_size"] = m.vocab_size;
   j["max_position_embeddings"] = m.max_seq_len;
   j["hidden_act"] = "silu";
   j["rms_norm_eps"] = m.norm_eps;
   j["rope_theta"] = m.rope_theta;
   j["rope_scaling"] = nullptr;
-  j["attention_bias"] = false;
   j["attention_dropout"] = 0.0;
-  j["mlp_bias"] = false;
-  j["pretraining_tp"] = 1;
   j["tie_word_embeddings"] = m.tie_embeddings;
+  // The token ids are not known to a checkpoint: null, rather than absent, which the config classes
+  // would read as their own defaults.
   j["bos_token_id"] = nullptr;
   j["eos_token_id"] = nullptr;
   j["initializer_range"] = 0.02;
   j["use_cache"] = true;
+}
+
+// LlamaForCausalLM as transformers 4 writes it.
+void LlamaFamily::write_hf_config(const ModelConfig& m, nlohmann::ordered_json& j) const {
+  write_decoder_config(m, "llama", j);
+  j["head_dim"] = m.head_size();
+  j["attention_bias"] = false;
+  j["mlp_bias"] = false;
+  j["pretraining_tp"] = 1;
 }
 
 HfTensor LlamaFamily::hf_tensor(const ParamInfo& p) const {

@@ -63,6 +63,8 @@ class LlamaFamily : public ModelFamily {
   virtual bool qkv_bias() const { return false; }
   // LlamaConfig's keys common to the decoders built on it; `defaults`: the family's when absent.
   ModelConfig read_decoder_config(const HfConfig& json, const ModelConfig& defaults) const;
+  // And written: the keys LlamaConfig shares with the decoders built on it.
+  void write_decoder_config(const ModelConfig& config, const char* model_type, nlohmann::ordered_json& json) const;
 };
 
 const ModelFamily& llama_family();

@@ -31,30 +31,12 @@ class Qwen2Family final : public LlamaFamily {
     }
     return m;
   }
-  // Qwen2ForCausalLM as transformers 4 writes it; the token ids are not known to a checkpoint.
+  // Qwen2ForCausalLM as transformers 4 writes it.
   void write_hf_config(const ModelConfig& m, nlohmann::ordered_json& j) const override {
-    j["architectures"] = {hf_class()};
-    j["model_type"] = "qwen2";
-    j["hidden_size"] = m.n_embd;
-    j["intermediate_size"] = m.mlp_size();
-    j["num_hidden_layers"] = m.n_layer;
-    j["num_attention_heads"] = m.n_head;
-    j["num_key_value_heads"] = m.kv_heads();
-    j["vocab_size"] = m.vocab_size;
-    j["max_position_embeddings"] = m.max_seq_len;
-    j["hidden_act"] = "silu";
-    j["rms_norm_eps"] = m.norm_eps;
-    j["rope_theta"] = m.rope_theta;
-    j["rope_scaling"] = nullptr;
-    j["attention_dropout"] = 0.0;
+    write_decoder_config(m, "qwen2", j);
     j["use_sliding_window"] = false;
     j["sliding_window"] = nullptr;
     j["max_window_layers"] = m.n_layer;
-    j["tie_word_embeddings"] = m.tie_embeddings;
-    j["bos_token_id"] = nullptr;
-    j["eos_token_id"] = nullptr;
-    j["initializer_range"] = 0.02;
-    j["use_cache"] = true;
   }
 
  protected:
