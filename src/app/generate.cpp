@@ -29,7 +29,6 @@
 #include "data/data_commands.hpp"
 #include "data/tokenizer.hpp"
 #include "model/model.hpp"
-#include "optim/adamw.hpp"
 #include "shard/fsdp_engine.hpp"
 
 namespace po = boost::program_options;
@@ -394,10 +393,8 @@ int Generator::run() {
   options.inference = true;  // no gradients
   FsdpEngine engine(table, *shard_comm, *replica_comm, memory, options, compute_.backend());
   {
-    // The load fills the moments too: they live only until it returns.
-    AdamW moments(OptimConfig(), engine, memory);
     CheckpointManager manager(rt_, *comm_, std::filesystem::path(path).parent_path().string(), 1, &watchdog_);
-    rt_.agree_on([&] { manager.load(path, engine, moments); });
+    rt_.agree_on([&] { manager.load_weights(path, engine); });  // no optimizer moments are ever held
   }
 
   // Positions fed: the prompt and every generated token but the last, within max_seq_len.

@@ -7,7 +7,6 @@
 #include "ckpt/checkpoint_manager.hpp"
 #include "ckpt/hf_model.hpp"
 #include "core/error.hpp"
-#include "optim/adamw.hpp"
 
 namespace shardtrain {
 
@@ -60,10 +59,8 @@ Teacher::Teacher(const Runtime& rt, Comm& world, Comm& shard, Comm& replica, con
   engine_ = std::make_unique<FsdpEngine>(*table_, shard, replica, memory_, teacher_engine_options(student_options),
                                          compute.backend());
   if (is_hdf5_file(source)) {
-    MemoryTracker scratch;  // the load fills moments too: they live only until it returns
-    AdamW moments(OptimConfig(), *engine_, scratch);
     CheckpointManager manager(rt, world, std::filesystem::path(source).parent_path().string(), 1, watchdog);
-    rt.agree_on([&] { manager.load(source, *engine_, moments); });
+    rt.agree_on([&] { manager.load_weights(source, *engine_); });  // no optimizer moments are ever held
   } else {
     rt.agree_on([&] { load_hf_shards(source, *engine_); });
   }

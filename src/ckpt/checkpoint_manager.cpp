@@ -144,6 +144,10 @@ CheckpointState CheckpointManager::load(const std::string& path, FsdpEngine& eng
   return load_checkpoint(path, engine, optimizer, ranks(), base_model_ok);
 }
 
+CheckpointState CheckpointManager::load_weights(const std::string& path, FsdpEngine& engine) {
+  return load_checkpoint_weights(path, engine, ranks());
+}
+
 std::vector<std::string> CheckpointManager::candidates() {
   check_dir();
   std::string joined;

@@ -29,6 +29,9 @@ class CheckpointManager {
   std::string save(const CheckpointState& state, FsdpEngine& engine, AdamW& optimizer);
   // Collective. load_checkpoint of `path` over this manager's ranks.
   CheckpointState load(const std::string& path, FsdpEngine& engine, AdamW& optimizer, bool base_model_ok = false);
+  // Collective. The parameters alone (load_checkpoint_weights), for an engine without an optimizer:
+  // generate and the distillation teacher hold no moments.
+  CheckpointState load_weights(const std::string& path, FsdpEngine& engine);
   // Collective. Complete checkpoints in the folder, newest first (`latest`'s target leads).
   std::vector<std::string> candidates();
 
