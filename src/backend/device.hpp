@@ -107,6 +107,8 @@ class Device {
     if (live_bytes_ > peak_live_bytes_) peak_live_bytes_ = live_bytes_;
   }
   void count_release(size_t bytes) { live_bytes_ -= bytes; }
+  // Forgets a transient's peak (the trainer's start-up GEMM probe): the peak is from now on.
+  void restart_peak_count() { peak_live_bytes_ = live_bytes_; }
 
  protected:
   enum CopyKind { COPY_TO_HOST, COPY_TO_HOST_QUEUED, COPY_TO_DEVICE, COPY_ON_DEVICE };

@@ -16,7 +16,7 @@ import struct
 import h5py
 import numpy as np
 
-from harness import Skip, ensure_data, read_metrics, rel_diff, run, run_single, tempdir, tiny_args
+from harness import ensure_data, read_metrics, rel_diff, run, run_single, tempdir, tiny_args
 from test_bad_input import expect_usage_error
 from test_checkpoint_edges import meta_checksum
 
@@ -216,8 +216,6 @@ TINY_TOKENIZER = {  # byte-level BPE over a, b and the space byte, with <|endoft
 
 
 def test_encode_writes_shards_that_train():
-    if "--shard-tokens" not in run_single(["data", "encode", "--help"]).stdout:
-        raise Skip("data encode has no --shard-tokens in this build (src/app/main.cpp does not pass it yet)")
     folder = tempdir()
     tokenizer, docs = os.path.join(folder, "tok.json"), os.path.join(folder, "docs.jsonl")
     with open(tokenizer, "w") as f:

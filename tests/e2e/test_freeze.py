@@ -137,7 +137,7 @@ def test_memory_counts_trainable_parameters_only():
     args = tiny_args(f"--train.freeze={MIXED}")[1:]
     proc = run_single(["plan", "--world-size=1", *args])
     assert proc.returncode == 0, proc.stderr
-    assert f"peak_bytes={steps[-1]['peak_mem_bytes']}" in proc.stdout, proc.stdout
+    assert f"peak_bytes={steps[-1]['held_mem_bytes']}" in proc.stdout, proc.stdout
 
 
 def test_llama_freezes_whole_groups_only():

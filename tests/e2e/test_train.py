@@ -46,7 +46,9 @@ def test_loss_falls_and_validation_is_reported():
     assert evals[-1]["val_loss"] < first - 1.0
     for key in ("lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_bytes", "peak_mem"):
         assert key in steps[-1], key
-    assert steps[-1]["peak_mem_bytes"] >= sum(steps[-1]["peak_mem"].values()) * 0.5
+    # The plan's peak is what the device counted at allocation (and each category's peak at most it).
+    assert steps[-1]["peak_mem_bytes"] == steps[-1]["held_mem_bytes"]
+    assert max(steps[-1]["peak_mem"].values()) <= steps[-1]["peak_mem_bytes"]
     assert "step    40/40" in stdout and "MFU" in stdout and "eta" in stdout
 
 
