@@ -111,7 +111,7 @@ std::vector<float> merged_weight(const CheckpointReader& reader, const ParamTabl
   std::vector<float> w = reader.read(p, adapted.units()[p.unit].name, CheckpointReader::TENSOR_PARAMS);
   if (adapted.adapter().type == ADAPTER_NONE || p.unit == ROOT_UNIT) return w;
   const int layer = p.unit - block_unit(0);
-  const std::vector<LinearSite> sites = linear_sites(adapted.config());
+  const std::vector<LinearSite>& sites = adapted.block_sites(layer);
   for (size_t k = 0; k < sites.size(); k++) {
     const int a = adapted.adapter_param(layer, static_cast<int>(k));
     if (a < 0 || adapted.param(p.unit, sites[k].weight).id != p.id) continue;

@@ -94,7 +94,7 @@ std::pair<size_t, const char*> largest_kernel_workspace(const ParamTable& table,
     consider(gpu::rmsnorm_backward_workspace_bytes(N, c.n_embd), "rmsnorm backward");
   else
     consider(gpu::layernorm_backward_workspace_bytes(N, c.n_embd), "layernorm backward");
-  for (const LinearSite& site : family_of(c).linear_sites(c))  // the biased products
+  for (const LinearSite& site : table.all_sites())  // the biased products
     if (site.bias >= 0) consider(gpu::matmul_backward_workspace_bytes(N, site.width), "matmul backward (bias)");
   if (table.adapter().type == ADAPTER_DORA)
     for (const cpu::LinearShape& l : linears)

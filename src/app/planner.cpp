@@ -54,7 +54,7 @@ double traffic_per_step(const ParamTable& table, const Candidate& c, const Engin
   }
   double bytes = 0;
   if (N > 1) {
-    const double regathered = std::max(0, table.config().n_layer - options.limit_all_gathers) * block;
+    const double regathered = std::max(0, table.block_count() - options.limit_all_gathers) * block;
     const double gathers = c.strategy == SHARDING_SHARD_GRAD_OP ? A * psi : A * (psi + regathered);
     const double reduces = (c.reduce_every_microbatch ? A : 1) * trainable;
     bytes += (gathers * dtype_bytes(options.param_dtype) + reduces * dtype_bytes(options.reduce_dtype)) * (N - 1) / N;

@@ -15,11 +15,13 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
 #include <tuple>
 
 #include "app/compute_backend.hpp"
+#include "app/loss_scaler.hpp"
 #include "app/memory_plan.hpp"
 #include "app/metrics.hpp"
 #include "app/perf.hpp"
@@ -62,9 +64,6 @@ std::string comparable_path(const std::string& path) {
   return ec ? path : p.string();
 }
 
-// A JSON number; JSON has no inf or NaN, so those become null.
-std::string json_number(double x) { return std::isfinite(x) ? strprintf("%.9g", x) : "null"; }
-
 std::string format_duration(double seconds) {
   long s = std::lround(std::max(0.0, seconds));
   if (s >= 3600) return strprintf("%ldh%02ldm", s / 3600, (s / 60) % 60);
@@ -83,10 +82,6 @@ constexpr int PEAK_TOTAL = MEM_CATEGORY_COUNT, STOP_SIGNAL = MEM_CATEGORY_COUNT 
               DEVICE_RESERVED = MEM_CATEGORY_COUNT + 4, HELD = MEM_CATEGORY_COUNT + 5,
               HOST_SYNCS = MEM_CATEGORY_COUNT + 6, PHASE_SECONDS = MEM_CATEGORY_COUNT + 7;
 using StepMaxima = std::array<double, PHASE_SECONDS + PHASE_COUNT>;
-
-// fp16 dynamic loss scaling: start at 2^16, halve on overflow, double after this many good steps.
-constexpr double INITIAL_LOSS_SCALE = 65536;
-constexpr int LOSS_SCALE_GROWTH_INTERVAL = 200;
 
 // A field of /proc/self/status in bytes (VmRSS, VmHWM), or 0.
 double proc_status_bytes(const char* field) {
@@ -129,20 +124,37 @@ StepMaxima local_step_maxima(const MemoryTracker& m, double rss_at_start, const 
   return p;
 }
 
-std::string memory_json(const StepMaxima& p) {
-  std::string s = "{";
-  for (int c = 0; c < MEM_CATEGORY_COUNT; c++)
-    s += strprintf("%s\"%s\":%.0f", c ? "," : "", mem_category_name(static_cast<MemCategory>(c)), p[c]);
-  return s + "}";
-}
-
-// {"forward":s,...}: the slowest rank's seconds per phase of the step.
-std::string phase_json(const StepMaxima& p) {
-  std::string s = "{";
+// The step's record in the metrics file (docs/monitoring.md): one JSON object. A loss or norm that
+// is not finite is null; byte counts are whole numbers.
+nlohmann::ordered_json step_record(int step, const StepMaxima& p, double loss, double lr, double grad_norm,
+                                   double tokens_per_s, double mfu, double seconds, double planned_bytes) {
+  auto finite_or_null = [](double x) { return std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(); };
+  auto bytes = [](double x) { return static_cast<int64_t>(x); };
+  nlohmann::ordered_json j;
+  j["kind"] = "step";
+  j["step"] = step;
+  j["loss"] = finite_or_null(loss);
+  j["lr"] = lr;
+  j["grad_norm"] = finite_or_null(grad_norm);
+  j["tokens_per_s"] = tokens_per_s;
+  j["mfu"] = mfu;
+  j["step_seconds"] = seconds;
+  // planned: the plan's peak; held: what the device counted at allocation (the two are equal on the CPU).
+  j["peak_mem_bytes"] = bytes(planned_bytes);
+  j["planned_mem_bytes"] = bytes(planned_bytes);
+  j["held_mem_bytes"] = bytes(p[HELD]);
+  nlohmann::ordered_json categories;
+  for (int c = 0; c < MEM_CATEGORY_COUNT; c++) categories[mem_category_name(static_cast<MemCategory>(c))] = bytes(p[c]);
+  j["peak_mem"] = categories;
+  j["rss_growth_bytes"] = bytes(p[RSS_GROWTH]);
+  j["comm_bytes"] = bytes(p[COMM_BYTES]);
+  j["device_reserved_bytes"] = bytes(p[DEVICE_RESERVED]);
+  j["host_syncs"] = bytes(p[HOST_SYNCS]);
+  nlohmann::ordered_json phases;  // the slowest rank's seconds per phase of the step
   for (int phase = 0; phase < PHASE_COUNT; phase++)
-    s += strprintf("%s\"%s\":%.6g", phase ? "," : "", step_phase_name(static_cast<StepPhase>(phase)),
-                   p[PHASE_SECONDS + phase]);
-  return s + "}";
+    phases[step_phase_name(static_cast<StepPhase>(phase))] = p[PHASE_SECONDS + phase];
+  j["phase_seconds"] = phases;
+  return j;
 }
 
 class Trainer {
@@ -236,9 +248,7 @@ class Trainer {
   CheckpointManager checkpoints_;
   std::unique_ptr<MetricsWriter> metrics_;  // opened by run() once the resume step is known
   std::unique_ptr<TensorBoardWriter> tensorboard_;
-  bool loss_scaling_;
-  double loss_scale_;
-  int64_t good_steps_ = 0;
+  LossScaler loss_scaler_;  // fp16's dynamic loss scale (1 without fp16)
   bool base_loaded_ = false;  // checkpoint.init_from's weights are in the engine (and nothing overwrote them)
 };
 
@@ -360,9 +370,8 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
       optim_config_(optim_config_from(config.train)),
       optimizer_(optim_config_, engine_, memory_),
       checkpoints_(rt, *comm_, checkpoint_dir(config), config.checkpoint.keep, &watchdog_),
-      loss_scaling_(engine_options(config).param_dtype == DTYPE_FP16 ||
-                    engine_options(config).reduce_dtype == DTYPE_FP16),
-      loss_scale_(loss_scaling_ ? INITIAL_LOSS_SCALE : 1.0) {
+      loss_scaler_(engine_options(config).param_dtype == DTYPE_FP16 ||
+                   engine_options(config).reduce_dtype == DTYPE_FP16) {
   threads_ = cfg_.train.threads > 0 ? cfg_.train.threads : default_threads_per_rank(rt.local_size());
   set_compute_threads(threads_);
   if (rt.rank() == cfg_.debug.stall_rank && cfg_.debug.stall_step < 0)  // the tests' start-up stall
@@ -468,14 +477,14 @@ void Trainer::print_summary() {
            counted(rt_.world(), "rank").c_str(), counted(threads_, "thread").c_str(),
            sharding_strategy_name(strategy_), shard_comm_->size(), replica_comm_->size());
   rt_.info("model: %s | %.2fM parameters in %s (root + %s) | %.2fM per rank", model_summary(m).c_str(), total / 1e6,
-           counted(static_cast<long long>(table_.units().size()), "unit").c_str(), counted(m.n_layer, "block").c_str(),
+           counted(static_cast<long long>(table_.units().size()), "unit").c_str(), counted(table_.block_count(), "block").c_str(),
            engine_.local_param_count() / 1e6);
   if (table_.adapter().type != ADAPTER_NONE) {
     const AdapterConfig& a = table_.adapter();
-    const size_t sites = linear_sites(m).size();
     size_t layers = 0;
-    for (int l = 0; l < m.n_layer; l++)
-      for (size_t k = 0; k < sites; k++) layers += table_.adapter_param(l, static_cast<int>(k)) >= 0;
+    for (int l = 0; l < table_.block_count(); l++)
+      for (size_t k = 0; k < table_.block_sites(l).size(); k++)
+        layers += table_.adapter_param(l, static_cast<int>(k)) >= 0;
     rt_.info("adapters: %s on %s (%s) | %.3fM trainable parameters, the base's %.2fM frozen",
              adapter_settings(a).c_str(), counted(static_cast<long long>(layers), "layer").c_str(),
              cfg_.adapter.targets.c_str(), table_.trainable_params() / 1e6,
@@ -612,10 +621,7 @@ int Trainer::try_load(const std::string& path, bool fall_back) {
     return -1;
   }
   warn_config_changes(state);
-  if (loss_scaling_) {
-    loss_scale_ = std::ldexp(1.0, static_cast<int>(state.loss_scale_log2));
-    good_steps_ = state.loss_scale_good_steps;
-  }
+  loss_scaler_.restore(state.loss_scale_log2, state.loss_scale_good_steps);
   rt_.info("resumed from %s at step %lld (saved on %s, %s layout%s)", path.c_str(), static_cast<long long>(state.step),
            counted(state.world_size, "rank").c_str(), state.layout.c_str(),
            state.adapters_only ? ", adapters only: on the base from checkpoint.init_from, whose checksum matches" : "");
@@ -699,8 +705,8 @@ void Trainer::save(int step) {
   state.world_size = rt_.world();
   state.strategy = sharding_strategy_name(cfg_.fsdp.sharding_strategy);
   state.config_ini = resolved_ini(cfg_);
-  state.loss_scale_log2 = std::lround(std::log2(loss_scale_));
-  state.loss_scale_good_steps = good_steps_;
+  state.loss_scale_log2 = loss_scaler_.scale_log2();
+  state.loss_scale_good_steps = loss_scaler_.good_steps();
   state.dataset_train = train_data_->identity();
   state.dataset_val = val_data_ ? val_data_->identity() : "";
   state.adapters_only = cfg_.checkpoint.adapters_only;
@@ -740,7 +746,7 @@ Trainer::StepOutcome Trainer::run_step(int step) {
   if (offload) offloaded_sums_[1] = 0;
   optimizer_.accumulate_grad_sq_norm(sums + 1);
   (step_comm_ ? *step_comm_ : *comm_).all_reduce_sum(Span<double>(sums, 2), "all_reduce(loss, grad norm)");
-  const double lr = optimizer_.step(step, sums, loss_scale_);
+  const double lr = optimizer_.step(step, sums, loss_scaler_.scale());
   phase_timer_.end(PHASE_OPTIMIZER);
   if (offload)
     std::copy_n(offloaded_sums_.data(), 2, host_sums_);
@@ -748,18 +754,16 @@ Trainer::StepOutcome Trainer::run_step(int step) {
     device.copy_to_host(host_sums_, step_sums_.data(), step_sums_.bytes());  // the step's one wait
   StepOutcome out;
   out.loss = host_sums_[0] / (static_cast<double>(G_) * T_);
-  out.grad_norm = std::sqrt(host_sums_[1]) / loss_scale_;
-  out.loss_scale = loss_scale_;
+  out.grad_norm = std::sqrt(host_sums_[1]) / loss_scaler_.scale();
+  out.loss_scale = loss_scaler_.scale();
   out.finite = std::isfinite(out.loss) && std::isfinite(out.grad_norm);  // else the update was skipped
-  if (!out.finite && loss_scaling_) {
-    // fp16 overflow: the update was skipped; halve the scale (the data of this step is consumed).
+  if (loss_scaler_.update(out.finite)) {
+    // fp16 overflow: the update was skipped (the data of this step is consumed).
     out.skipped = true, out.finite = true;
-    loss_scale_ /= 2, good_steps_ = 0;
     rt_.info("step %d: inf/NaN gradients at fp16 loss scale %g: update skipped, loss scale halved to %g", step + 1,
-             out.loss_scale, loss_scale_);
+             out.loss_scale, loss_scaler_.scale());
   } else if (out.finite) {
     out.lr = lr;
-    if (loss_scaling_ && ++good_steps_ % LOSS_SCALE_GROWTH_INTERVAL == 0) loss_scale_ *= 2;
   }
   const double host_syncs = static_cast<double>(device.host_syncs() - syncs_before);
   out.maxima = local_step_maxima(memory_, rss_at_start_, *compute_.backend().device, uncounted_comm_buffer_bytes());
@@ -805,18 +809,14 @@ void Trainer::report_step(int step, const StepOutcome& out, double eta_seconds, 
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++)
     tensorboard_->scalar(std::string("memory/") + mem_category_name(static_cast<MemCategory>(c)) + "_bytes", step + 1,
                          out.maxima[c]);
-  metrics_->write_line(strprintf(
-      "{\"kind\":\"step\",\"step\":%d,\"loss\":%s,\"lr\":%.9g,\"grad_norm\":%s,\"tokens_per_s\":%.6g,\"mfu\":%.6g,"
-      "\"step_seconds\":%.6g,\"peak_mem_bytes\":%.0f,\"held_mem_bytes\":%.0f,\"peak_mem\":%s,\"rss_growth_bytes\":%.0f,"
-      "\"comm_bytes\":%.0f,\"device_reserved_bytes\":%.0f,\"loss_scale\":%g,\"skipped\":%s,"
-      "\"peak_gflops\":%.6g,\"hardware_mfu\":%.6g,\"hardware_peak_gflops\":%.6g,\"host_syncs\":%.0f,"
-      "\"phase_seconds\":%s}",
-      step + 1, json_number(out.loss).c_str(), out.lr, json_number(out.grad_norm).c_str(), tokens_per_s, mfu,
-      out.seconds, planned_peak_, out.maxima[HELD],
-      memory_json(out.maxima).c_str(), out.maxima[RSS_GROWTH], out.maxima[COMM_BYTES], out.maxima[DEVICE_RESERVED],
-      out.loss_scale,
-      out.skipped ? "true" : "false", peak_gflops_, hardware_mfu, hardware_peak_gflops_, out.maxima[HOST_SYNCS],
-      phase_json(out.maxima).c_str()));
+  nlohmann::ordered_json record = step_record(step + 1, out.maxima, out.loss, out.lr, out.grad_norm, tokens_per_s,
+                                               mfu, out.seconds, planned_peak_);
+  record["loss_scale"] = out.loss_scale;
+  record["skipped"] = out.skipped;
+  record["peak_gflops"] = peak_gflops_;
+  record["hardware_mfu"] = hardware_mfu;
+  record["hardware_peak_gflops"] = hardware_peak_gflops_;
+  metrics_->write_line(record.dump());
 }
 
 void Trainer::stop_on_signal(int step, int signal, bool saved_already) {
@@ -852,7 +852,7 @@ size_t Trainer::uncounted_comm_buffer_bytes() const {
 
 void Trainer::accumulate_gradients(int step) {
   engine_.zero_grads();
-  const float dloss = static_cast<float>(loss_scale_ / (static_cast<double>(G_) * T_));
+  const float dloss = static_cast<float>(loss_scaler_.scale() / (static_cast<double>(G_) * T_));
   for (int micro = 0; micro < accum_; micro++) {
     for (int b = 0; b < B_; b++) {
       uint64_t seq = static_cast<uint64_t>(micro * rt_.world() + rt_.rank()) * B_ + b;
@@ -946,7 +946,7 @@ int Trainer::run() {
     if (val_data_ && cfg_.train.eval_every > 0 && ((step + 1) % cfg_.train.eval_every == 0 || step + 1 == steps)) {
       last_val_loss = evaluate();
       rt_.info("eval  %5d/%d | val loss %.4f", step + 1, steps, last_val_loss);
-      metrics_->write_line(strprintf("{\"kind\":\"eval\",\"step\":%d,\"val_loss\":%.9g}", step + 1, last_val_loss));
+      metrics_->write_line(nlohmann::ordered_json{{"kind", "eval"}, {"step", step + 1}, {"val_loss", last_val_loss}}.dump());
       tensorboard_->scalar("val/loss", step + 1, last_val_loss);
     }
     // Rank 0 writes the records; a failed write (a full disk) stops every rank together.

@@ -16,11 +16,11 @@
 namespace shardtrain {
 
 std::vector<PeftTensor> peft_tensors(const ParamTable& table) {
-  const ModelConfig& c = table.config();
-  const std::vector<LinearSite> sites = linear_sites(c);
+  const ModelFamily& family = family_of(table.config());
   std::vector<PeftTensor> out;
-  for (int l = 0; l < c.n_layer; l++) {
+  for (int l = 0; l < table.block_count(); l++) {
     const UnitInfo& unit = table.units()[block_unit(l)];
+    const std::vector<LinearSite>& sites = table.block_sites(l);
     for (size_t k = 0; k < sites.size(); k++) {
       const int a = table.adapter_param(l, static_cast<int>(k));
       if (a < 0) continue;
@@ -28,7 +28,7 @@ std::vector<PeftTensor> peft_tensors(const ParamTable& table) {
       // suffix>" (model/param_table.hpp): the suffix follows the module path in PEFT's name.
       std::string base = table.param(block_unit(l), sites[k].weight).name;
       base = base.substr(0, base.size() - std::string(".weight").size()) + ".";
-      const std::string module = "base_model.model." + hf_module_path(c, l, sites[k]) + ".";
+      const std::string module = "base_model.model." + family.module_path(l, sites[k]) + ".";
       for (size_t q = a; q < unit.params.size(); q++) {
         const ParamInfo& p = table.params()[unit.params[q]];
         if (!p.adapter || p.name.compare(0, base.size(), base) != 0) break;
@@ -232,9 +232,9 @@ void check_peft_config(const std::string& path, const nlohmann::json& j, const A
 void init_dora_magnitudes(FsdpEngine& engine, Comm& world) {
   const ParamTable& table = engine.table();
   if (table.adapter().type != ADAPTER_DORA) return;
-  const std::vector<LinearSite> sites = linear_sites(table.config());
-  for (int l = 0; l < table.config().n_layer; l++) {
+  for (int l = 0; l < table.block_count(); l++) {
     const int u = block_unit(l);
+    const std::vector<LinearSite>& sites = table.block_sites(l);
     UnitShard& s = engine.shards()[u];
     std::vector<float> values(s.layout.shard_numel());
     s.params.device()->copy_to_host(values.data(), s.params.data(), s.params.bytes());

@@ -4,7 +4,7 @@
 #include <algorithm>
 
 #include "core/error.hpp"
-#include "model/family.hpp"
+#include "model/param_table.hpp"
 
 namespace shardtrain {
 
@@ -63,12 +63,6 @@ LokrShape lokr_shape(const AdapterConfig& adapter, int in, int out) {
   const auto [c, d] = lokr_factorization(in, adapter.decompose_factor);
   // PEFT: "r < max(...) / 2" in real numbers.
   return {a, b, c, d, adapter.decompose_both && 2 * adapter.rank < std::max(a, c), 2 * adapter.rank < std::max(b, d)};
-}
-
-std::vector<LinearSite> linear_sites(const ModelConfig& c) { return family_of(c).linear_sites(c); }
-
-std::string hf_module_path(const ModelConfig& c, int layer, const LinearSite& site) {
-  return family_of(c).module_path(layer, site);
 }
 
 bool target_matches(const std::string& target, const std::string& path) {

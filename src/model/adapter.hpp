@@ -66,8 +66,10 @@ std::string adapter_settings(const AdapterConfig& adapter);
 // PEFT's factorization(dim, factor): dim = m n, (m, n) as PEFT orders them.
 std::pair<int, int> lokr_factorization(int dim, int factor);
 
-// The four matrix products of a decoder block. Llama multiplies q|k|v and gate|up as one matrix each.
-enum BlockProduct { PRODUCT_QKV, PRODUCT_ATTN_OUT, PRODUCT_MLP_UP, PRODUCT_MLP_DOWN };
+// A block's matrix products are numbered by its family; a site names the product it adds to. The
+// four of a decoder block (Llama multiplies q|k|v and gate|up as one matrix each):
+using BlockProduct = int;
+enum DecoderProduct { PRODUCT_QKV, PRODUCT_ATTN_OUT, PRODUCT_MLP_UP, PRODUCT_MLP_DOWN };
 
 // A linear layer of a block that an adapter can target. Its outputs are columns [column, column
 // + out) of `product`, which is `width` wide.
@@ -80,12 +82,6 @@ struct LinearSite {
   int column, width;
 };
 
-// The linear layers of one block of this config's family, in the order the forward runs them
-// (ModelFamily::linear_sites).
-std::vector<LinearSite> linear_sites(const ModelConfig& config);
-// Hugging Face's module path of a block's layer: "transformer.h.3.attn.c_attn",
-// "model.layers.3.self_attn.q_proj".
-std::string hf_module_path(const ModelConfig& config, int layer, const LinearSite& site);
 // PEFT's rule for a list entry: the path itself, or a suffix of it after a dot.
 bool target_matches(const std::string& target, const std::string& path);
 

@@ -26,7 +26,7 @@ template <typename Real>
 std::array<size_t, 5> DeltaLayers<Real>::scratch_elements(const ParamTable& table) {
   const AdapterConfig& a = table.adapter();
   std::array<size_t, 5> most{};
-  for (const LinearSite& site : linear_sites(table.config())) {
+  for (const LinearSite& site : table.all_sites()) {
     const size_t weight = static_cast<size_t>(site.in) * site.out;
     std::array<size_t, 5> need{weight, 0, 0, 0, 0};
     if (a.type == ADAPTER_LOHA) need = {weight, weight, weight, weight, 0};
@@ -48,7 +48,6 @@ template <typename Real>
 DeltaLayers<Real>::DeltaLayers(const ParamTable& table, int /*rows*/, const LayerOps<Real>& ops)
     : table_(table),
       ops_(ops),
-      sites_(linear_sites(table.config())),
       scaling_(static_cast<Real>(table.adapter().scaling())) {
   const std::array<size_t, 5> elements = scratch_elements(table);
   delta_ = DeviceArray<Real>(ops.device(), elements[0]);
@@ -80,7 +79,7 @@ void DeltaLayers<Real>::oft_rotations(const Real* v, int blocks) const {
 
 template <typename Real>
 void DeltaLayers<Real>::build_delta(int layer, size_t k, int first, const Real* unit) const {
-  const LinearSite& site = sites_[k];
+  const LinearSite& site = sites(layer)[k];
   const AdapterConfig& a = table_.adapter();
   const int u = block_unit(layer), in = site.in, out = site.out, r = a.rank;
   auto param = [&](int i) { return param_in(table_, unit, u, first + i); };
@@ -123,7 +122,7 @@ void DeltaLayers<Real>::build_delta(int layer, size_t k, int first, const Real* 
 
 template <typename Real>
 void DeltaLayers<Real>::delta_backward(int layer, size_t k, int first, const Real* unit, Real* unit_grads) const {
-  const LinearSite& site = sites_[k];
+  const LinearSite& site = sites(layer)[k];
   const AdapterConfig& a = table_.adapter();
   const int u = block_unit(layer), in = site.in, out = site.out, r = a.rank;
   auto param = [&](int i) { return param_in(table_, unit, u, first + i); };
@@ -189,9 +188,9 @@ void DeltaLayers<Real>::delta_backward(int layer, size_t k, int first, const Rea
 template <typename Real>
 void DeltaLayers<Real>::forward(int layer, BlockProduct product, const Real* x, Real* out, int n,
                                 const Real* unit) const {
-  for (size_t k = 0; k < sites_.size(); k++) {
+  for (size_t k = 0; k < sites(layer).size(); k++) {
     const int first = table_.adapter_param(layer, static_cast<int>(k));
-    const LinearSite& site = sites_[k];
+    const LinearSite& site = sites(layer)[k];
     if (first < 0 || site.product != product) continue;
     build_delta(layer, k, first, unit);
     ops_.gemm(false, true, n, site.out, site.in, Real(1), x, site.in, delta_.data(), site.in, Real(1),
@@ -202,9 +201,9 @@ void DeltaLayers<Real>::forward(int layer, BlockProduct product, const Real* x, 
 template <typename Real>
 void DeltaLayers<Real>::backward(int layer, BlockProduct product, const Real* x, const Real* dout, Real* dx, int n,
                                  const Real* unit, Real* unit_grads) const {
-  for (size_t k = 0; k < sites_.size(); k++) {
+  for (size_t k = 0; k < sites(layer).size(); k++) {
     const int first = table_.adapter_param(layer, static_cast<int>(k));
-    const LinearSite& site = sites_[k];
+    const LinearSite& site = sites(layer)[k];
     if (first < 0 || site.product != product) continue;
     const Real* dy = dout + site.column;
     build_delta(layer, k, first, unit);

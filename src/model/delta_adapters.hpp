@@ -43,7 +43,7 @@ class DeltaLayers : public AdapterLayers<Real> {
   static std::array<size_t, 5> scratch_elements(const ParamTable& table);
   const ParamTable& table_;
   const LayerOps<Real>& ops_;
-  std::vector<LinearSite> sites_;
+  const std::vector<LinearSite>& sites(int layer) const { return table_.block_sites(layer); }
   Real scaling_;
   // dW, then in the backward G; work_: LoHa's two products and a gradient, LoKr's w1, w2 and their
   // gradients, OFT's rotations, their gradients and the parameters' gradients.

@@ -59,15 +59,17 @@ class ModelFamily {
   virtual std::string config_defect(const ModelConfig& config) const = 0;
 
   // --- parameters ---
-  // Declares the units and parameters, in forward order (ParamTable::add_unit, add_param).
+  // Declares the units and parameters, in forward order (ParamTable::add_unit, add_param): the root
+  // unit (made by the table) and blocks of one or several kinds, which the engine gathers one after
+  // the other and the model runs by their index.
   virtual void add_params(ParamTable& table) const = 0;
-  // Parameters of a block that are multiplied as one matrix (and so must be all frozen or none):
-  // their positions in the block unit and a name for the message.
+  // Parameters of a block of this kind that are multiplied as one matrix (and so must be all frozen
+  // or none): their positions in the block unit and a name for the message.
   struct FusedGroup {
     std::vector<int> params;
     const char* label;
   };
-  virtual std::vector<FusedGroup> fused_groups(const ModelConfig&) const { return {}; }
+  virtual std::vector<FusedGroup> fused_groups(const ModelConfig&, const std::string& /*kind*/) const { return {}; }
   // Positions in the root unit of the parameters that take the input's gradient (the embedding
   // tables): when all are frozen, backward stops above the lowest trainable block.
   virtual std::vector<int> input_params() const = 0;
@@ -91,15 +93,17 @@ class ModelFamily {
   virtual std::vector<size_t> saved_tensor_elements(const ModelConfig& config, int batch, int seq_len) const = 0;
   // Elements of a decode state (TransformerModel::begin_decode), its tokens and adapters aside.
   virtual size_t plan_decode_elements(const ModelConfig& config, int max_len, int max_chunk) const = 0;
-  // The GEMMs of one block in forward order, then the LM head's.
+  // The GEMMs of the blocks in forward order (each kind's once), then the LM head's.
   virtual std::vector<GemmShape> gemm_shapes(const ModelConfig& config) const = 0;
   virtual NormKind norm_kind() const = 0;
 
   // --- adapters ---
-  // The linear layers of one block that an adapter can target, in the order the forward runs them.
-  virtual std::vector<LinearSite> linear_sites(const ModelConfig& config) const = 0;
-  // Hugging Face's module path of block `layer`'s site: "model.layers.3.self_attn.q_proj".
-  virtual std::string module_path(int layer, const LinearSite& site) const = 0;
+  // The linear layers of a block of this kind (UnitInfo::kind) that an adapter can target, in the
+  // order the forward runs them.
+  virtual std::vector<LinearSite> linear_sites(const ModelConfig& config, const std::string& kind) const = 0;
+  // Hugging Face's module path of the site in block `block` (counted over every block, in forward
+  // order): "model.layers.3.self_attn.q_proj".
+  virtual std::string module_path(int block, const LinearSite& site) const = 0;
 
   // --- Hugging Face files ---
   // The transformers class ("LlamaForCausalLM") and whether a config.json's model_type is read by
@@ -124,6 +128,8 @@ class ModelFamily {
 
 // The registered families, in registry order (model/families/registry.cpp).
 const std::vector<const ModelFamily*>& model_families();
+// Adds a family that is not in the registry's list (the tests' own), for the rest of the process.
+void register_model_family(const ModelFamily& family);
 // The family of that name, or null.
 const ModelFamily* find_model_family(const std::string& name);
 // "gpt2, llama, qwen2": for messages.

@@ -15,7 +15,7 @@ template <typename Real>
 LoraLayers<Real>::LoraLayers(const ParamTable& table, int rows, const LayerOps<Real>& ops)
     : table_(table),
       ops_(ops),
-      sites_(linear_sites(table.config())),
+      most_sites_(0),
       scaling_(static_cast<Real>(table.adapter().scaling())),
       rank_(table.adapter().rank),
       rows_(rows),
@@ -24,7 +24,8 @@ LoraLayers<Real>::LoraLayers(const ParamTable& table, int rows, const LayerOps<R
       du_(ops.device(), static_cast<size_t>(rows) * rank_) {
   int widest = 0, most_out = 0, widest_product = 0;
   size_t largest = 0;
-  for (const LinearSite& site : sites_) {
+  for (int b = 0; b < table.block_count(); b++) most_sites_ = std::max(most_sites_, table.block_sites(b).size());
+  for (const LinearSite& site : table.all_sites()) {
     widest = std::max(widest, site.in), most_out = std::max(most_out, site.out);
     widest_product = std::max(widest_product, site.width);
     largest = std::max(largest, static_cast<size_t>(site.in) * site.out);
@@ -47,7 +48,7 @@ size_t LoraLayers<Real>::plan_bytes(const ParamTable& table, int rows, size_t re
   if (table.adapter().type == ADAPTER_NONE) return 0;
   size_t bytes = 2 * static_cast<size_t>(rows) * table.adapter().rank * real_bytes;
   size_t widest = 0, most_out = 0, widest_product = 0, largest = 0;
-  for (const LinearSite& site : linear_sites(table.config())) {
+  for (const LinearSite& site : table.all_sites()) {
     widest = std::max(widest, static_cast<size_t>(site.in));
     most_out = std::max(most_out, static_cast<size_t>(site.out));
     widest_product = std::max(widest_product, static_cast<size_t>(site.width));
@@ -62,16 +63,16 @@ size_t LoraLayers<Real>::plan_bytes(const ParamTable& table, int rows, size_t re
 template <typename Real>
 std::vector<std::pair<size_t, int>> LoraLayers<Real>::adapted(int layer, BlockProduct product) const {
   std::vector<std::pair<size_t, int>> out;
-  for (size_t k = 0; k < sites_.size(); k++) {
+  for (size_t k = 0; k < sites(layer).size(); k++) {
     const int a = table_.adapter_param(layer, static_cast<int>(k));
-    if (sites_[k].product == product && a >= 0) out.emplace_back(k, a);
+    if (sites(layer)[k].product == product && a >= 0) out.emplace_back(k, a);
   }
   return out;
 }
 
 template <typename Real>
 void LoraLayers<Real>::dora_gains(int layer, size_t k, const Real* unit) const {
-  const LinearSite& site = sites_[k];
+  const LinearSite& site = sites(layer)[k];
   const int u = block_unit(layer), a = table_.adapter_param(layer, static_cast<int>(k)), r = rank_;
   const Real* W = param_in(table_, unit, u, site.weight);
   ops_.device().copy_on_device(weight_.data(), W, static_cast<size_t>(site.out) * site.in * sizeof(Real));
@@ -100,7 +101,7 @@ void LoraLayers<Real>::forward(int layer, BlockProduct product, const Real* x, R
                                const Real* unit) const {
   const int unit_index = block_unit(layer), r = rank_;
   for (const auto& [k, a] : adapted(layer, product)) {
-    const LinearSite& site = sites_[k];
+    const LinearSite& site = sites(layer)[k];
     const Real* A = unit + table_.offset(unit_index, a);
     const Real* B = unit + table_.offset(unit_index, a + 1);
     const Real* xin = input(layer, k, x, n, site.in);
@@ -121,7 +122,7 @@ const Real* LoraLayers<Real>::output_grad(int layer, BlockProduct product, const
   const int unit_index = block_unit(layer), r = rank_;
   bool copied = false;
   for (const auto& [k, a] : adapted(layer, product)) {
-    const LinearSite& site = sites_[k];
+    const LinearSite& site = sites(layer)[k];
     if (!copied) ops_.device().copy_on_device(dz_.data(), dout, static_cast<size_t>(n) * site.width * sizeof(Real));
     copied = true;
     dora_gains(layer, k, unit);
@@ -145,7 +146,7 @@ void LoraLayers<Real>::backward(int layer, BlockProduct product, const Real* x, 
                                 const Real* unit, Real* unit_grads) const {
   const int unit_index = block_unit(layer), r = rank_;
   for (const auto& [k, a] : adapted(layer, product)) {
-    const LinearSite& site = sites_[k];
+    const LinearSite& site = sites(layer)[k];
     const Real* A = unit + table_.offset(unit_index, a);
     const Real* B = unit + table_.offset(unit_index, a + 1);
     Real* dA = grad_in(table_, unit_grads, unit_index, a);

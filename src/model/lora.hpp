@@ -51,7 +51,7 @@ class LoraLayers : public AdapterLayers<Real> {
  private:
   const ParamTable& table_;
   const LayerOps<Real>& ops_;
-  std::vector<LinearSite> sites_;
+  size_t most_sites_;  // the most sites a block of any kind has: dropout keys per (block, site)
   Real scaling_;
   int rank_, rows_;
   float dropout_;
@@ -62,13 +62,14 @@ class LoraLayers : public AdapterLayers<Real> {
   // (rows x out) and the scaled output gradient (rows x width).
   mutable DeviceArray<Real> weight_, norm_, gain_, z_, dz_;
   bool dora() const { return table_.adapter().type == ADAPTER_DORA; }
-  // The adapted layers of `product` in block `layer`: their sites_ index and lora_A's position.
+  const std::vector<LinearSite>& sites(int layer) const { return table_.block_sites(layer); }
+  // The adapted layers of `product` in block `layer`: their sites() index and lora_A's position.
   std::vector<std::pair<size_t, int>> adapted(int layer, BlockProduct product) const;
   // DoRA: the gains of block `layer`'s adapted layer `site` into gain_, its norms into norm_.
   void dora_gains(int layer, size_t site, const Real* unit) const;
   // The layer's input, dropped out where training (into dropped_); the site keys the layer.
   const Real* input(int layer, size_t site, const Real* x, int n, int in) const;
-  uint64_t site_key(int layer, size_t site) const { return 1 + static_cast<uint64_t>(layer) * sites_.size() + site; }
+  uint64_t site_key(int layer, size_t site) const { return 1 + static_cast<uint64_t>(layer) * most_sites_ + site; }
 };
 
 }  // namespace shardtrain

@@ -42,7 +42,7 @@ template <typename Real>
 double forward_backward_unsharded(TransformerModel<Real>& model, const ParamTable& table,
                                   const std::vector<const Real*>& units, const std::vector<Real*>& unit_grads,
                                   const int* tokens, const int* targets, Real dloss) {
-  const int L = table.config().n_layer;
+  const int L = table.block_count();
   model.embed_forward(units[ROOT_UNIT], tokens);
   for (int l = 0; l < L; l++) model.block_forward(l, units[block_unit(l)]);
   double loss = model.host_head_forward(units[ROOT_UNIT], targets);

@@ -29,8 +29,16 @@ std::vector<std::string> split_comma_list(const std::string& list) {
 
 ParamTable::ParamTable(const ModelConfig& c, const std::vector<std::string>& freeze, const AdapterConfig& adapter)
     : config_(c), adapter_(adapter) {
-  units_.push_back(UnitInfo{"root", 0, 0, {}});
-  family_of(c).add_params(*this);
+  units_.push_back(UnitInfo{"root", "root", 0, 0, {}});
+  const ModelFamily& family = family_of(c);
+  family.add_params(*this);
+  std::vector<std::string> kinds;  // the sites of each kind of block, asked once
+  for (int b = 0; b < block_count(); b++) {
+    const std::string& kind = units_[block_unit(b)].kind;
+    size_t k = std::find(kinds.begin(), kinds.end(), kind) - kinds.begin();
+    if (k == kinds.size()) kinds.push_back(kind), sites_.push_back(family.linear_sites(c, kind));
+    block_kind_.push_back(static_cast<int>(k));
+  }
   add_adapters();
   apply_freeze(freeze);
 }
@@ -38,17 +46,19 @@ ParamTable::ParamTable(const ModelConfig& c, const std::vector<std::string>& fre
 void ParamTable::add_adapters() {
   if (adapter_.type == ADAPTER_NONE) return;
   const ModelFamily& family = family_of(config_);
-  const std::vector<LinearSite> sites = family.linear_sites(config_);
+  const std::vector<LinearSite> all = all_sites();
   std::string layers;
-  for (const LinearSite& site : sites) layers += (layers.empty() ? "" : ", ") + std::string(site.module);
+  for (const LinearSite& site : all) layers += (layers.empty() ? "" : ", ") + std::string(site.module);
   if (adapter_.targets.empty())
     throw UsageError(std::string("adapter.type=") + adapter_type_name(adapter_.type) +
-                     " adapts nothing: set adapter.targets to linear layers, e.g. " + sites[0].module + " (" +
+                     " adapts nothing: set adapter.targets to linear layers, e.g. " + all[0].module + " (" +
                      config_.arch + ": " + layers + ")");
   std::vector<bool> used(adapter_.targets.size(), false);
-  adapter_params_.assign(config_.n_layer, std::vector<int>(sites.size(), -1));
-  for (int l = 0; l < config_.n_layer; l++) {
+  adapter_params_.resize(block_count());
+  for (int l = 0; l < block_count(); l++) {
     const int u = block_unit(l);
+    const std::vector<LinearSite>& sites = block_sites(l);
+    adapter_params_[l].assign(sites.size(), -1);
     for (size_t k = 0; k < sites.size(); k++) {
       const LinearSite& site = sites[k];
       const std::string path = family.module_path(l, site);
@@ -66,7 +76,7 @@ void ParamTable::add_adapters() {
   for (size_t t = 0; t < adapter_.targets.size(); t++)
     if (!used[t])
       throw UsageError("adapter.targets: '" + adapter_.targets[t] + "' matches no linear layer of this " +
-                       config_.arch + " model (" + family.module_path(0, sites[0]) +
+                       config_.arch + " model (" + family.module_path(0, block_sites(0)[0]) +
                        ", ...; the layers of a block: " + layers + ")");
   for (ParamInfo& p : params_) p.frozen = !p.adapter;  // the base is frozen
 }
@@ -135,8 +145,8 @@ void ParamTable::apply_freeze(const std::vector<std::string>& patterns) {
   if (std::all_of(params_.begin(), params_.end(), [](const ParamInfo& p) { return p.frozen; }))
     throw UsageError("train.freeze freezes every parameter: nothing would train; freeze fewer");
   // The groups a block multiplies as one matrix must stay adjacent: all frozen or none.
-  for (const ModelFamily::FusedGroup& group : family_of(config_).fused_groups(config_))
-    for (size_t u = 1; u < units_.size(); u++)
+  for (size_t u = 1; u < units_.size(); u++)
+    for (const ModelFamily::FusedGroup& group : family_of(config_).fused_groups(config_, units_[u].kind))
       for (int q : group.params)
         if (param(static_cast<int>(u), q).frozen != param(static_cast<int>(u), group.params[0]).frozen)
           throw UsageError("train.freeze freezes part of " + units_[u].name + "'s " + group.label +
@@ -157,8 +167,14 @@ void ParamTable::assign_offsets() {
   }
 }
 
-int ParamTable::add_unit(const std::string& name) {
-  units_.push_back(UnitInfo{name, 0, 0, {}});
+std::vector<LinearSite> ParamTable::all_sites() const {
+  std::vector<LinearSite> all;
+  for (const std::vector<LinearSite>& kind : sites_) all.insert(all.end(), kind.begin(), kind.end());
+  return all;
+}
+
+int ParamTable::add_unit(const std::string& name, const std::string& kind) {
+  units_.push_back(UnitInfo{name, kind, 0, 0, {}});
   return static_cast<int>(units_.size()) - 1;
 }
 
@@ -188,7 +204,7 @@ int ParamTable::backward_floor() const {
   for (int p : family_of(config_).input_params())
     if (!frozen(ROOT_UNIT, p)) return 0;
   int layer = 0;
-  while (layer < config_.n_layer && units_[block_unit(layer)].trainable_numel == 0) layer++;
+  while (layer < block_count() && units_[block_unit(layer)].trainable_numel == 0) layer++;
   return layer;
 }
 

@@ -72,6 +72,7 @@ struct ParamInfo {
 
 struct UnitInfo {
   std::string name;
+  std::string kind;            // "root", or the family's kind of block ("block")
   size_t numel = 0;            // sum of its parameters, before padding
   size_t trainable_numel = 0;  // of its trainable parameters: elements [0, trainable_numel)
   std::vector<int> params;     // in declaration order
@@ -106,11 +107,18 @@ class ParamTable {
 
   const ModelConfig& config() const { return config_; }
   const AdapterConfig& adapter() const { return adapter_; }
-  // The position in block `layer`'s unit (as param() takes it) of the adapter on linear_sites()[site]:
+  // The position in block `layer`'s unit (as param() takes it) of the adapter on block_sites(layer)[site]:
   // its first parameter, the others following in the order above. -1 where that layer has none.
   int adapter_param(int layer, int site) const { return adapter_params_.empty() ? -1 : adapter_params_[layer][site]; }
   const std::vector<ParamInfo>& params() const { return params_; }
   const std::vector<UnitInfo>& units() const { return units_; }
+  // The blocks: the units after the root in forward order, block b being unit block_unit(b), each
+  // of a kind its family declared. The engine gathers and runs them one after the other.
+  int block_count() const { return static_cast<int>(units_.size()) - 1; }
+  // The adaptable linear layers of block b: its kind's (ModelFamily::linear_sites).
+  const std::vector<LinearSite>& block_sites(int block) const { return sites_[block_kind_[block]]; }
+  // Every kind's sites, each kind once: what sizes the adapters' scratch.
+  std::vector<LinearSite> all_sites() const;
   size_t total_params() const;
   size_t trainable_params() const;
   bool any_frozen() const { return trainable_params() != total_params(); }
@@ -125,9 +133,9 @@ class ParamTable {
   // Model FLOPs per trained token (the family's formula).
   double flops_per_token(int seq_len) const;
 
-  // For the family's add_params only: a new block unit (its index), and a parameter appended to a
-  // unit; the order of the calls is the order of the units and of their parameters.
-  int add_unit(const std::string& name);
+  // For the family's add_params only: a new block unit of a kind (its index), and a parameter
+  // appended to a unit; the order of the calls is the order of the units and of their parameters.
+  int add_unit(const std::string& name, const std::string& kind = "block");
   void add_param(int unit, const std::string& name, std::vector<int> shape, InitRule init, bool decay);
 
  private:
@@ -139,7 +147,9 @@ class ParamTable {
 
   ModelConfig config_;
   AdapterConfig adapter_;
-  std::vector<std::vector<int>> adapter_params_;  // [layer][site]
+  std::vector<std::vector<int>> adapter_params_;  // [block][site]
+  std::vector<std::vector<LinearSite>> sites_;   // per block kind, in order of first use
+  std::vector<int> block_kind_;                  // [block]: its kind's index in sites_
   std::vector<ParamInfo> params_;
   std::vector<UnitInfo> units_;
 };

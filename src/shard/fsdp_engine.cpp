@@ -358,7 +358,7 @@ void FsdpEngine::forget_gathered() {
 }
 
 void FsdpEngine::forward_blocks(TransformerModel<float>& model) {
-  const int L = table_.config().n_layer;
+  const int L = table_.block_count();
   for (int l = 0; l < L; l++) {
     const float* block = gather_params(block_unit(l), false);
     if (options_.forward_prefetch && l + 1 < L) prefetch_params(block_unit(l + 1));
@@ -369,7 +369,7 @@ void FsdpEngine::forward_blocks(TransformerModel<float>& model) {
 void FsdpEngine::train_micro_batch(TransformerModel<float>& model, const int* tokens, const int* targets, float dloss,
                                    double* loss_total) {
   SHARD_CHECK(!options_.inference, "train_micro_batch on an inference engine (no gradients)");
-  const int L = table_.config().n_layer;
+  const int L = table_.block_count();
   forget_gathered();
   const float* root = gather_params(ROOT_UNIT, false);
   model.embed_forward(root, tokens);
@@ -435,7 +435,7 @@ const float* FsdpEngine::forward_logits(TransformerModel<float>& model, const in
 }
 
 void FsdpEngine::decode_step(TransformerModel<float>& model, const int* tokens, int n, float* logits, bool first) {
-  const int L = table_.config().n_layer;
+  const int L = table_.block_count();
   if (first) forget_gathered();
   // Not the first step: the root's slot still holds it (gather_params gathers again only if not).
   const float* root = gather_params(ROOT_UNIT, !first);

@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,6 +36,21 @@ def run(np_, args, timeout=120, cwd=ROOT):
 def run_single(args, timeout=60, cwd=ROOT):
     """Runs `shardtrain ARGS` as one process without mpirun (singleton MPI)."""
     return subprocess.run(["timeout", "-k", "5", str(timeout), EXE, *args], cwd=cwd, capture_output=True, text=True)
+
+
+def run_measured(args, timeout=120, cwd=ROOT):
+    """Runs `shardtrain ARGS` as the only child of a fresh python, so that its peak resident memory is
+    its own (a test process's RUSAGE_CHILDREN holds every earlier test's children); returns the
+    CompletedProcess and that peak in bytes."""
+    probe = ("import json, resource, subprocess, sys\n"
+             "p = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+             "print(json.dumps({'rc': p.returncode, 'out': p.stdout, 'err': p.stderr,\n"
+             "                  'rss': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))")
+    proc = subprocess.run(["timeout", "-k", "5", str(timeout), sys.executable, "-c", probe, EXE, *args], cwd=cwd,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout)
+    return subprocess.CompletedProcess(args, r["rc"], r["out"], r["err"]), r["rss"]
 
 
 def ensure_data():

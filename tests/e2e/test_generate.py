@@ -14,9 +14,8 @@ import random
 import re
 import shutil
 import subprocess
-import sys
 
-from harness import EXE, ROOT, Skip, ensure_data, run, run_single, tempdir
+from harness import EXE, ROOT, Skip, ensure_data, run, run_measured, run_single, tempdir
 
 PROMPT = "Dora has eight wolves. Dora gives"
 _trained = {}
@@ -292,17 +291,6 @@ def test_output_streams_token_by_token():
     assert generate(2, folder, *args[2:]).stdout == stdout
 
 
-def peak_rss_bytes(args):
-    """The peak resident memory of `shardtrain ARGS` run alone (a fresh python whose only child it is)."""
-    probe = ("import resource, subprocess, sys\n"
-             "proc = subprocess.run(sys.argv[1:], capture_output=True)\n"
-             "assert proc.returncode == 0, proc.stderr.decode()[-2000:]\n"
-             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)")
-    proc = subprocess.run([sys.executable, "-c", probe, EXE, *args], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return int(proc.stdout)
-
-
 def test_generate_holds_no_optimizer_moments():
     # A 28M-parameter model (113 MB of fp32 weights; its AdamW moments would be 226 MB more): the
     # weights are loaded without an optimizer, so generate's peak exceeds the tiny model's by about
@@ -317,8 +305,9 @@ def test_generate_holds_no_optimizer_moments():
                            "--train.peak_gflops=100", "--train.eval_every=0", f"--checkpoint.dir={folder}",
                            f"--data.train_file={train}", "--data.val_file="], timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        peaks[name] = peak_rss_bytes(["generate", "--checkpoint", os.path.join(folder, "ckpt-00000001.h5"),
-                                      "--prompt", "hello", "--max-tokens", "4", "--temperature", "0"])
+        proc, peaks[name] = run_measured(["generate", "--checkpoint", os.path.join(folder, "ckpt-00000001.h5"),
+                                          "--prompt", "hello", "--max-tokens", "4", "--temperature", "0"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
     L, C, V, T = 4, 768, 256, 64
     params = V * C + T * C + 2 * C + L * (12 * C * C + 13 * C)
     assert peaks["big"] - peaks["tiny"] < 1.5 * 4 * params, (peaks, 4 * params)

@@ -97,7 +97,7 @@ Units base_units(const ParamTable& table, const ParamTable& base, const Units& u
     const ParamInfo &p = table.params()[id], &q = base.params()[id];
     std::copy_n(units[p.unit].data() + p.offset, p.numel, merged[q.unit].data() + q.offset);
   }
-  const std::vector<LinearSite> sites = linear_sites(table.config());
+  const std::vector<LinearSite> sites = table.block_sites(0);
   for (int l = 0; l < table.config().n_layer && merge; l++)
     for (size_t k = 0; k < sites.size(); k++) {
       const int first = table.adapter_param(l, static_cast<int>(k));

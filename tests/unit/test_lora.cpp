@@ -100,7 +100,7 @@ TEST(Lora, RefusesTargetsThatMatchNothingAndRanksAboveTheLayer) {
 TEST(Lora, LayerMatchesNaiveLoopsOnASliceOfAFusedProduct) {
   const ModelConfig c = tiny_llama_config();
   const ParamTable table(c, {}, lora({"self_attn.v_proj"}, 3, 5));
-  const std::vector<LinearSite> sites = linear_sites(c);
+  const std::vector<LinearSite> sites = table.block_sites(0);
   const LinearSite& v = sites[2];
   ASSERT_EQ(std::string(v.module), "self_attn.v_proj");
   const int n = 7, r = 3, unit = block_unit(1);
@@ -171,7 +171,7 @@ TEST(Lora, ModelEqualsTheBaseWithMergedWeights) {
       std::copy_n(units[p.unit].data() + p.offset, p.numel, merged[q.unit].data() + q.offset);
     }
     const double s = table.adapter().scaling();
-    const std::vector<LinearSite> sites = linear_sites(config);
+    const std::vector<LinearSite> sites = table.block_sites(0);
     for (int l = 0; l < config.n_layer; l++)
       for (size_t k = 0; k < sites.size(); k++) {
         const int a = table.adapter_param(l, static_cast<int>(k));
@@ -243,7 +243,7 @@ TEST(Lora, DropoutFollowsTheCounterStreamAndKeepsGradientsExact) {
   for (int r = 0; r < n; r++) keys[r] = dropout_token_key(42, 7, r / T, r % T);
   std::vector<std::vector<double>> units = adapter_units(table);
   // The layer: c_attn of block 1 (site 0), against loops over the masked input.
-  const std::vector<LinearSite> sites = linear_sites(c);
+  const std::vector<LinearSite> sites = table.block_sites(0);
   const LinearSite& site = sites[0];
   const int unit = block_unit(1), ap = table.adapter_param(1, 0), r = 2;
   const double s = 1.5, p = 0.3;
@@ -317,7 +317,7 @@ std::vector<std::vector<double>> dora_merged(const ParamTable& table, const Para
   }
   const double s = table.adapter().scaling();
   const int r = table.adapter().rank;
-  const std::vector<LinearSite> sites = linear_sites(table.config());
+  const std::vector<LinearSite> sites = table.block_sites(0);
   for (int l = 0; l < table.config().n_layer; l++)
     for (size_t k = 0; k < sites.size(); k++) {
       const int a = table.adapter_param(l, static_cast<int>(k));
@@ -379,7 +379,7 @@ TEST(Dora, GradientsMatchFiniteDifferencesWithTheNormDetached) {
     std::vector<std::vector<double>> units = adapter_units(table), grads;
     const Batch batch = make_batch(B, T, config.vocab_size);
     loss_and_grads(table, units, &grads, batch, B, T);
-    const std::vector<LinearSite> sites = linear_sites(config);
+    const std::vector<LinearSite> sites = table.block_sites(0);
     // The row norms n = ||W + s B A|| of every adapted weight, in adapter order.
     auto norms = [&](const std::vector<std::vector<double>>& v) {
       std::vector<std::vector<double>> out;

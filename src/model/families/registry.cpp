@@ -7,13 +7,24 @@
 
 namespace shardtrain {
 
-const std::vector<const ModelFamily*>& model_families() {
-  static const std::vector<const ModelFamily*> families = {
+namespace {
+
+std::vector<const ModelFamily*>& registry() {
+  static std::vector<const ModelFamily*> families = {
       &gpt2_family(),
       &llama_family(),
       &qwen2_family(),
   };
   return families;
+}
+
+}  // namespace
+
+const std::vector<const ModelFamily*>& model_families() { return registry(); }
+
+void register_model_family(const ModelFamily& family) {
+  SHARD_CHECK(!find_model_family(family.name()), "model family '%s' registered twice", family.name());
+  registry().push_back(&family);
 }
 
 const ModelFamily* find_model_family(const std::string& name) {

@@ -116,7 +116,7 @@ class Gpt2Family final : public ModelFamily {
   }
   NormKind norm_kind() const override { return NORM_LAYER; }
 
-  std::vector<LinearSite> linear_sites(const ModelConfig& c) const override {
+  std::vector<LinearSite> linear_sites(const ModelConfig& c, const std::string&) const override {
     const int C = c.n_embd;
     return {{"attn.c_attn", BLOCK_QKV_W, BLOCK_QKV_B, PRODUCT_QKV, C, 3 * C, 0, 3 * C},
             {"attn.c_proj", BLOCK_ATTPROJ_W, BLOCK_ATTPROJ_B, PRODUCT_ATTN_OUT, C, C, 0, C},

@@ -64,7 +64,7 @@ void LlamaFamily::add_params(ParamTable& t) const {
   }
 }
 
-std::vector<ModelFamily::FusedGroup> LlamaFamily::fused_groups(const ModelConfig&) const {
+std::vector<ModelFamily::FusedGroup> LlamaFamily::fused_groups(const ModelConfig&, const std::string&) const {
   std::vector<FusedGroup> groups = {{{LLAMA_Q_W, LLAMA_K_W, LLAMA_V_W}, "q_proj|k_proj|v_proj"},
                                     {{LLAMA_GATE_W, LLAMA_UP_W}, "gate_proj|up_proj"}};
   if (qkv_bias()) groups.push_back({{LLAMA_Q_B, LLAMA_K_B, LLAMA_V_B}, "q_proj|k_proj|v_proj biases"});
@@ -118,7 +118,7 @@ std::vector<GemmShape> LlamaFamily::gemm_shapes(const ModelConfig& c) const {
   return {{C, c.qkv_size()}, {C, C}, {C, 2 * I}, {I, C}, {C, c.vocab_size}};  // gate|up fused
 }
 
-std::vector<LinearSite> LlamaFamily::linear_sites(const ModelConfig& c) const {
+std::vector<LinearSite> LlamaFamily::linear_sites(const ModelConfig& c, const std::string&) const {
   const int C = c.n_embd, KV = c.kv_heads() * c.head_size(), QKV = c.qkv_size(), I = c.mlp_size();
   const bool b = qkv_bias();
   return {{"self_attn.q_proj", LLAMA_Q_W, b ? LLAMA_Q_B : -1, PRODUCT_QKV, C, C, 0, QKV},

@@ -30,7 +30,7 @@ class LlamaFamily : public ModelFamily {
   std::string config_defect(const ModelConfig& config) const override;
 
   void add_params(ParamTable& table) const override;
-  std::vector<FusedGroup> fused_groups(const ModelConfig& config) const override;
+  std::vector<FusedGroup> fused_groups(const ModelConfig& config, const std::string& kind) const override;
   std::vector<int> input_params() const override { return {LLAMA_EMBED}; }
   double flops_per_token(const ParamTable& table, int seq_len) const override;
 
@@ -45,7 +45,7 @@ class LlamaFamily : public ModelFamily {
   std::vector<GemmShape> gemm_shapes(const ModelConfig& config) const override;
   NormKind norm_kind() const override { return NORM_RMS; }
 
-  std::vector<LinearSite> linear_sites(const ModelConfig& config) const override;
+  std::vector<LinearSite> linear_sites(const ModelConfig& config, const std::string& kind) const override;
   std::string module_path(int layer, const LinearSite& site) const override;
 
   const char* hf_class() const override { return "LlamaForCausalLM"; }
