@@ -13,15 +13,11 @@ namespace shardtrain {
 template <typename Real>
 GptModel<Real>::GptModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
                          const LayerOps<Real>& ops, DType activation_dtype)
-    : table_(table), ops_(ops), adapters_(table, batch * seq_len, ops), cfg_(table.config()), B_(batch), T_(seq_len),
-      checkpointing_(activation_checkpointing),
-      saved_(ops, activation_dtype, checkpointing_ ? 1 : cfg_.n_layer, saved_tensor_elements(cfg_, batch, seq_len)) {
-  SHARD_CHECK(seq_len <= cfg_.max_seq_len, "seq_len %d > max_seq_len %d", seq_len, cfg_.max_seq_len);
+    : Base(table, batch, seq_len, activation_checkpointing, ops, activation_dtype,
+           saved_tensor_elements(table.config(), batch, seq_len)) {
   const size_t BT = static_cast<size_t>(B_) * T_, C = cfg_.n_embd, NH = cfg_.n_head, L = cfg_.n_layer;
   Device& dev = ops.device();
   auto array = [&](size_t n) { return Array(dev, n); };
-  tokens_ = DeviceArray<int>(dev, BT);
-  targets_ = DeviceArray<int>(dev, BT);
   for (size_t l = 0; l <= L; l++) resid_.push_back(array(BT * C));
   layers_.resize(checkpointing_ ? 1 : L);
   for (Layer& a : layers_) {
@@ -95,15 +91,6 @@ const Real* GptModel<Real>::head_logits(const Real* root) {
 }
 
 template <typename Real>
-void GptModel<Real>::head_forward(const Real* root, const int* targets, double* loss_total) {
-  const int N = B_ * T_, V = cfg_.vocab_size;
-  ops_.device().copy_to_device(targets_.data(), targets, targets_.bytes());
-  head_logits(root);
-  this->head_loss_.forward(ops_, losses_.data(), probs_.data(), targets_.data(), N, V);
-  ops_.accumulate_sum(loss_total, losses_.data(), losses_.size());
-}
-
-template <typename Real>
 void GptModel<Real>::head_backward(Real* g, const Real* root, Real dloss) {
   const int N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size;
   auto R = [&](Gpt2RootParam p) { return param_in(table_, root, ROOT_UNIT, p); };
@@ -154,13 +141,6 @@ template <typename Real>
 void GptModel<Real>::embed_backward(Real* g) {
   ops_.encoder_backward(grad_in(table_, g, ROOT_UNIT, ROOT_WTE), grad_in(table_, g, ROOT_UNIT, ROOT_WPE),
                         dresid_.data(), tokens_.data(), B_, T_, cfg_.n_embd);
-}
-
-template <typename Real>
-void GptModel<Real>::copy_head_probs(int row, Real* host) const {
-  SHARD_CHECK(row >= 0 && row < B_ * T_, "row %d of %d", row, B_ * T_);
-  const size_t V = cfg_.vocab_size;
-  ops_.device().copy_to_host(host, probs_.data() + row * V, V * sizeof(Real));
 }
 
 template <typename Real>

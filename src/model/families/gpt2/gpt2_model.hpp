@@ -4,15 +4,13 @@
 
 #include <vector>
 
-#include "model/adapter_layers.hpp"
-#include "model/model.hpp"
+#include "model/decoder_lm.hpp"
 #include "model/families/gpt2/gpt2_family.hpp"
-#include "model/saved_activations.hpp"
 
 namespace shardtrain {
 
 template <typename Real>
-class GptModel : public TransformerModel<Real> {
+class GptModel : public DecoderLM<Real> {
  public:
   // activation_dtype: how a block's saved tensors are stored (model/saved_activations.hpp).
   GptModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing, const LayerOps<Real>& ops,
@@ -21,21 +19,12 @@ class GptModel : public TransformerModel<Real> {
   // Elements of each of a layer's saved tensors (SavedActivations' sizes).
   static std::vector<size_t> saved_tensor_elements(const ModelConfig& config, int batch, int seq_len);
 
-  int batch() const override { return B_; }
-  int seq_len() const override { return T_; }
-  size_t activation_bytes() const override {
-    return plan_activation_bytes(table_, B_, T_, checkpointing_, sizeof(Real), saved_.dtype());
-  }
-
   void embed_forward(const Real* root, const int* tokens) override;
   void block_forward(int layer, const Real* block) override;
-  void head_forward(const Real* root, const int* targets, double* loss_total) override;
   void head_backward(Real* root_grad, const Real* root, Real dloss) override;
   void block_backward(int layer, Real* block_grad, const Real* block) override;
   void embed_backward(Real* root_grad) override;
   const Real* head_logits(const Real* root) override;
-  void copy_head_probs(int row, Real* host) const override;
-  void set_dropout_keys(const uint64_t* keys) override { adapters_.set_dropout_keys(keys); }
 
   // Elements of a decode state (model.hpp's plan_decode_bytes), its tokens aside.
   static size_t plan_decode_elements(const ModelConfig& config, int max_len, int max_chunk);
@@ -50,7 +39,11 @@ class GptModel : public TransformerModel<Real> {
   void decode_head(const Real* root, Real* logits) override;
 
  private:
-  using Array = DeviceArray<Real>;
+  using Base = DecoderLM<Real>;
+  using typename Base::Array;
+  using Base::table_, Base::ops_, Base::adapters_, Base::cfg_, Base::B_, Base::T_, Base::checkpointing_;
+  using Base::tokens_, Base::targets_, Base::resid_, Base::saved_, Base::lnf_, Base::probs_, Base::losses_;
+  using Base::dresid_, Base::dln_;
   // A layer's saved tensors (in saved_) and its fp32 rest.
   enum Saved { LN1, QKV, ATTY, LN2, FCH, FCH_GELU };
   struct Layer {
@@ -58,19 +51,9 @@ class GptModel : public TransformerModel<Real> {
   };
   Layer& layer(int l) { return layers_[checkpointing_ ? 0 : l]; }
 
-  const ParamTable& table_;
-  const LayerOps<Real>& ops_;
-  ModelAdapters<Real> adapters_;  // the adapters around the block products (model/adapter_layers.hpp)
-  ModelConfig cfg_;
-  int B_, T_;
-  bool checkpointing_;
-  DeviceArray<int> tokens_, targets_;
-  std::vector<Array> resid_;  // resid_[l]: input of block l; resid_[L]: output of the last
   std::vector<Layer> layers_;  // one per block, or a single shared one when checkpointing
-  SavedActivations<Real> saved_;  // as many layers as layers_
-  Array lnf_, lnf_mean_, lnf_rstd_, probs_, losses_;
-  // Backward scratch, shared by all layers.
-  Array dresid_, dln_, dqkv_, dfch_;
+  Array lnf_mean_, lnf_rstd_;
+  Array dqkv_, dfch_;  // backward scratch, shared by all layers
   // Generation: the key/value cache and one step's buffers (rows of its tokens; the head uses row 0
   // of ln, mean, rstd).
   struct Decode : DecodeCursor {

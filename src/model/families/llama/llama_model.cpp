@@ -13,17 +13,14 @@ namespace shardtrain {
 template <typename Real>
 LlamaModel<Real>::LlamaModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
                              const LayerOps<Real>& ops, DType activation_dtype, bool qkv_bias)
-    : table_(table), ops_(ops), adapters_(table, batch * seq_len, ops), cfg_(table.config()), B_(batch), T_(seq_len),
-      checkpointing_(activation_checkpointing), qkv_bias_(qkv_bias),
-      saved_(ops, activation_dtype, checkpointing_ ? 1 : cfg_.n_layer, saved_tensor_elements(cfg_, batch, seq_len)) {
-  SHARD_CHECK(seq_len <= cfg_.max_seq_len, "seq_len %d > max_seq_len %d", seq_len, cfg_.max_seq_len);
+    : Base(table, batch, seq_len, activation_checkpointing, ops, activation_dtype,
+           saved_tensor_elements(table.config(), batch, seq_len)),
+      qkv_bias_(qkv_bias) {
   SHARD_CHECK(cfg_.head_size() % 2 == 0, "rotary embeddings need an even head size, not %d", cfg_.head_size());
   const size_t BT = static_cast<size_t>(B_) * T_, C = cfg_.n_embd, NH = cfg_.n_head, I = cfg_.mlp_size();
   const size_t QKV = cfg_.qkv_size(), L = cfg_.n_layer;
   Device& dev = ops.device();
   auto array = [&](size_t n) { return Array(dev, n); };
-  tokens_ = DeviceArray<int>(dev, BT);
-  targets_ = DeviceArray<int>(dev, BT);
   make_rope_tables(T_, rope_cos_, rope_sin_);
   for (size_t l = 0; l <= L; l++) resid_.push_back(array(BT * C));
   layers_.resize(checkpointing_ ? 1 : L);
@@ -116,15 +113,6 @@ const Real* LlamaModel<Real>::head_logits(const Real* root) {
 }
 
 template <typename Real>
-void LlamaModel<Real>::head_forward(const Real* root, const int* targets, double* loss_total) {
-  const int N = B_ * T_, V = cfg_.vocab_size;
-  ops_.device().copy_to_device(targets_.data(), targets, targets_.bytes());
-  head_logits(root);
-  this->head_loss_.forward(ops_, losses_.data(), probs_.data(), targets_.data(), N, V);
-  ops_.accumulate_sum(loss_total, losses_.data(), losses_.size());
-}
-
-template <typename Real>
 void LlamaModel<Real>::head_backward(Real* g, const Real* root, Real dloss) {
   const int N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size;
   this->head_loss_.backward(ops_, probs_.data(), targets_.data(), dloss, N, V);
@@ -176,13 +164,6 @@ template <typename Real>
 void LlamaModel<Real>::embed_backward(Real* g) {
   ops_.encoder_backward(grad_in(table_, g, ROOT_UNIT, LLAMA_EMBED), nullptr, dresid_.data(), tokens_.data(), B_, T_,
                         cfg_.n_embd);
-}
-
-template <typename Real>
-void LlamaModel<Real>::copy_head_probs(int row, Real* host) const {
-  SHARD_CHECK(row >= 0 && row < B_ * T_, "row %d of %d", row, B_ * T_);
-  const size_t V = cfg_.vocab_size;
-  ops_.device().copy_to_host(host, probs_.data() + row * V, V * sizeof(Real));
 }
 
 template <typename Real>

@@ -7,15 +7,13 @@
 
 #include <vector>
 
-#include "model/adapter_layers.hpp"
-#include "model/model.hpp"
+#include "model/decoder_lm.hpp"
 #include "model/families/llama/llama_family.hpp"
-#include "model/saved_activations.hpp"
 
 namespace shardtrain {
 
 template <typename Real>
-class LlamaModel : public TransformerModel<Real> {
+class LlamaModel : public DecoderLM<Real> {
  public:
   // activation_dtype: how a block's saved tensors are stored (model/saved_activations.hpp).
   // qkv_bias: q|k|v has biases (LLAMA_Q_B..; Qwen2).
@@ -25,21 +23,12 @@ class LlamaModel : public TransformerModel<Real> {
   // Elements of each of a layer's saved tensors (SavedActivations' sizes).
   static std::vector<size_t> saved_tensor_elements(const ModelConfig& config, int batch, int seq_len);
 
-  int batch() const override { return B_; }
-  int seq_len() const override { return T_; }
-  size_t activation_bytes() const override {
-    return plan_activation_bytes(table_, B_, T_, checkpointing_, sizeof(Real), saved_.dtype());
-  }
-
   void embed_forward(const Real* root, const int* tokens) override;
   void block_forward(int layer, const Real* block) override;
-  void head_forward(const Real* root, const int* targets, double* loss_total) override;
   void head_backward(Real* root_grad, const Real* root, Real dloss) override;
   void block_backward(int layer, Real* block_grad, const Real* block) override;
   void embed_backward(Real* root_grad) override;
   const Real* head_logits(const Real* root) override;
-  void copy_head_probs(int row, Real* host) const override;
-  void set_dropout_keys(const uint64_t* keys) override { adapters_.set_dropout_keys(keys); }
 
   // Elements of a decode state (model.hpp's plan_decode_bytes), its tokens aside.
   static size_t plan_decode_elements(const ModelConfig& config, int max_len, int max_chunk);
@@ -54,7 +43,11 @@ class LlamaModel : public TransformerModel<Real> {
   void decode_head(const Real* root, Real* logits) override;
 
  private:
-  using Array = DeviceArray<Real>;
+  using Base = DecoderLM<Real>;
+  using typename Base::Array;
+  using Base::table_, Base::ops_, Base::adapters_, Base::cfg_, Base::B_, Base::T_, Base::checkpointing_;
+  using Base::tokens_, Base::targets_, Base::resid_, Base::saved_, Base::lnf_, Base::probs_, Base::losses_;
+  using Base::dresid_, Base::dln_;
   // A layer's saved tensors (in saved_) and its fp32 rest.
   enum Saved { LN1, QKV, ATTY, LN2, GATE_UP, ACT };
   struct Layer {
@@ -71,21 +64,11 @@ class LlamaModel : public TransformerModel<Real> {
     return qkv_bias_ ? grad_in(table_, block_grad, block_unit(layer), LLAMA_Q_B) : nullptr;
   }
 
-  const ParamTable& table_;
-  const LayerOps<Real>& ops_;
-  ModelAdapters<Real> adapters_;  // the adapters around the block products (model/adapter_layers.hpp)
-  ModelConfig cfg_;
-  int B_, T_;
-  bool checkpointing_;
   bool qkv_bias_;
-  DeviceArray<int> tokens_, targets_;
   Array rope_cos_, rope_sin_;  // (T, head_size / 2)
-  std::vector<Array> resid_;   // resid_[l]: input of block l; resid_[L]: output of the last
   std::vector<Layer> layers_;  // one per block, or a single shared one when checkpointing
-  SavedActivations<Real> saved_;  // as many layers as layers_
-  Array lnf_, lnf_rstd_, probs_, losses_;
-  // Backward scratch, shared by all layers.
-  Array dresid_, dln_, dqkv_, dgate_up_, dact_;
+  Array lnf_rstd_;
+  Array dqkv_, dgate_up_, dact_;  // backward scratch, shared by all layers
   // Rope tables (T, head_size / 2) on the device, Hugging Face's angles.
   void make_rope_tables(int T, Array& cos, Array& sin) const;
   // Generation: the key/value cache and one step's buffers (rows of its tokens; the head uses row 0

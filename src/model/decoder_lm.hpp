@@ -1,0 +1,69 @@
+// The half of a decoder language model that GPT-2 and the Llama family share (model/model.hpp's
+// interface): tokens in, a residual stream through L blocks, a final norm and a vocabulary head,
+// the cross-entropy (or distillation) loss over B*T positions. A family's model derives from it and
+// writes its embedding, blocks, final norm and decode path; the buffers below are allocated by the
+// derived constructor in its own order (ModelFamily::activation_arrays lists them), except the
+// saved tensors, tokens and targets, which this constructor makes.
+#pragma once
+
+#include <vector>
+
+#include "core/error.hpp"
+#include "model/adapter_layers.hpp"
+#include "model/model.hpp"
+#include "model/saved_activations.hpp"
+
+namespace shardtrain {
+
+template <typename Real>
+class DecoderLM : public TransformerModel<Real> {
+ public:
+  int batch() const override { return B_; }
+  int seq_len() const override { return T_; }
+  size_t activation_bytes() const override {
+    return plan_activation_bytes(table_, B_, T_, checkpointing_, sizeof(Real), saved_.dtype());
+  }
+  // The targets to the device, the head's logits (head_logits), the loss per position and its sum.
+  void head_forward(const Real* root, const int* targets, double* loss_total) override {
+    const int N = B_ * T_, V = cfg_.vocab_size;
+    ops_.device().copy_to_device(targets_.data(), targets, targets_.bytes());
+    this->head_logits(root);
+    this->head_loss_.forward(ops_, losses_.data(), probs_.data(), targets_.data(), N, V);
+    ops_.accumulate_sum(loss_total, losses_.data(), losses_.size());
+  }
+  void copy_head_probs(int row, Real* host) const override {
+    SHARD_CHECK(row >= 0 && row < B_ * T_, "row %d of %d", row, B_ * T_);
+    const size_t V = cfg_.vocab_size;
+    ops_.device().copy_to_host(host, probs_.data() + row * V, V * sizeof(Real));
+  }
+  void set_dropout_keys(const uint64_t* keys) override { adapters_.set_dropout_keys(keys); }
+
+ protected:
+  using Array = DeviceArray<Real>;
+  // saved_sizes: the family's saved tensors per layer (SavedActivations), kept for one layer with
+  // activation checkpointing, for every layer without.
+  DecoderLM(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing, const LayerOps<Real>& ops,
+            DType activation_dtype, const std::vector<size_t>& saved_sizes)
+      : table_(table), ops_(ops), adapters_(table, batch * seq_len, ops), cfg_(table.config()), B_(batch),
+        T_(seq_len), checkpointing_(activation_checkpointing),
+        saved_(ops, activation_dtype, activation_checkpointing ? 1 : table.config().n_layer, saved_sizes) {
+    SHARD_CHECK(seq_len <= cfg_.max_seq_len, "seq_len %d > max_seq_len %d", seq_len, cfg_.max_seq_len);
+    const size_t BT = static_cast<size_t>(B_) * T_;
+    tokens_ = DeviceArray<int>(ops.device(), BT);
+    targets_ = DeviceArray<int>(ops.device(), BT);
+  }
+
+  const ParamTable& table_;
+  const LayerOps<Real>& ops_;
+  ModelAdapters<Real> adapters_;  // the adapters around the block products (model/adapter_layers.hpp)
+  ModelConfig cfg_;
+  int B_, T_;
+  bool checkpointing_;
+  DeviceArray<int> tokens_, targets_;
+  std::vector<Array> resid_;      // resid_[l]: input of block l; resid_[L]: output of the last
+  SavedActivations<Real> saved_;  // one layer with checkpointing, else every layer
+  Array lnf_, probs_, losses_;    // the final norm's output, the logits then probabilities, the losses
+  Array dresid_, dln_;            // backward scratch shared by all layers: the residual's gradient, a norm's
+};
+
+}  // namespace shardtrain
