@@ -119,8 +119,10 @@ ModelConfig read_hf_model_config(const std::string& folder) {
            model_family_names() + " (and mistral folders as llama)");
   ModelConfig m = family->read_hf_config(j);
   m.arch = family->name();
-  const std::string shape = model_shape_defect(m.n_layer, m.n_embd, m.n_head, m.vocab_size, m.max_seq_len,
-                                               m.intermediate_size);
+  // The checks options and checkpoint attributes get too.
+  std::string shape = model_shape_defect(m.n_layer, m.n_embd, m.n_head, m.vocab_size, m.max_seq_len,
+                                         m.intermediate_size);
+  if (shape.empty()) shape = family->config_defect(m);
   if (!shape.empty()) j.fail(shape + ": not a shape this program holds");
   return m;
 }
