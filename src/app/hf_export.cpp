@@ -1,9 +1,13 @@
 // See hf_export.hpp.
 #include "app/hf_export.hpp"
 
+#include <fcntl.h>
+
 #include <cerrno>
+#include <csignal>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -29,6 +33,45 @@ void write_file_atomically(const std::string& path, const std::string& text) {
     std::remove(tmp.c_str());
     throw CheckpointError(error);
   }
+}
+
+// A re-export keeps what else the folder holds (a tokenizer, a README, ...): every entry of `old`
+// that is not the model's own -- config.json and model*.safetensors* (weights, shards, index) --
+// is hard-linked (or copied) into the new folder before the swap.
+void carry_other_files(const std::string& old, const std::string& fresh) {
+  namespace fs = std::filesystem;
+  std::error_code error;
+  if (!fs::is_directory(old, error)) return;
+  for (const fs::directory_entry& e : fs::directory_iterator(old, error)) {
+    const std::string name = e.path().filename().string();
+    if (name == "config.json" || name.rfind("model", 0) == 0) continue;
+    fs::copy(e.path(), fresh + "/" + name, fs::copy_options::recursive | fs::copy_options::create_hard_links, error);
+    if (error)  // another file system, say: a copy
+      fs::copy(e.path(), fresh + "/" + name, fs::copy_options::recursive | fs::copy_options::overwrite_existing, error);
+    if (error) throw CheckpointError("cannot keep '" + e.path().string() + "' in the new folder: " + error.message());
+  }
+}
+
+// Puts the complete folder `staging` at `target`: a rename where there is none, else an atomic
+// exchange (renameat2 RENAME_EXCHANGE) and the removal of the old one, now at `staging`. The test
+// hook SHARDTRAIN_TEST_KILL_AT_COMMIT=before|after kills the process at either side of it.
+void commit_folder(const std::string& staging, const std::string& target) {
+  namespace fs = std::filesystem;
+  const char* kill_at = std::getenv("SHARDTRAIN_TEST_KILL_AT_COMMIT");
+  auto maybe_kill = [&](const char* when) {
+    if (kill_at && std::strcmp(kill_at, when) == 0) std::raise(SIGKILL);
+  };
+  maybe_kill("before");
+  std::error_code error;
+  if (!fs::exists(target, error)) {
+    if (std::rename(staging.c_str(), target.c_str()) != 0)
+      throw CheckpointError("cannot write '" + target + "': " + std::strerror(errno));
+  } else if (renameat2(AT_FDCWD, staging.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) != 0) {
+    throw CheckpointError("cannot replace '" + target + "' (an atomic exchange of folders, renameat2): " +
+                          std::strerror(errno));
+  }
+  maybe_kill("after");
+  fs::remove_all(staging, error);  // the old folder, after an exchange
 }
 
 // W (out, in) with a LoHa, LoKr or OFT adapter folded in (PEFT's merge), in double: W + dW with
@@ -184,39 +227,48 @@ void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const st
 
 void write_hf_folder(const Runtime& rt, const ModelConfig& model, const std::string& out_dir, DType dtype,
                      const HfExportPlan& plan, const std::function<void(SafetensorsWriters&)>& write_tensors) {
-  auto path_of = [&](const HfExportFile& f) { return out_dir + "/" + f.name; };
-  auto remove_temporaries = [&] {
-    if (rt.is_root())
-      for (const HfExportFile& f : plan.files) std::remove((path_of(f) + ".tmp").c_str());
+  namespace fs = std::filesystem;
+  // The folder is written whole beside its place (<out>.partial) and committed by one rename, or,
+  // over an existing folder, one atomic exchange: a reader -- or a kill at any moment -- sees the old
+  // model or the new one, never a mix of both.
+  const fs::path out = fs::absolute(out_dir).lexically_normal();
+  const fs::path target = out.has_filename() ? out : out.parent_path();  // "dir/" names dir
+  const std::string staging = target.string() + ".partial";
+  auto path_of = [&](const HfExportFile& f) { return staging + "/" + f.name; };
+  auto remove_staging = [&] {
+    std::error_code ignored;
+    if (rt.is_root()) fs::remove_all(staging, ignored);
   };
   rt.agree_on([&] {
     if (!rt.is_root()) return;
     std::error_code error;
-    std::filesystem::create_directories(out_dir, error);
-    if (error) throw UsageError("--output '" + out_dir + "': cannot create the folder: " + error.message());
-    for (const HfExportFile& f : plan.files) create_safetensors_file(path_of(f) + ".tmp", f.layout);
+    if (fs::exists(target, error) && !fs::is_directory(target, error))
+      throw UsageError("--output '" + out_dir + "' is a file; a Hugging Face model is a folder: name the folder to write");
+    fs::remove_all(staging, error);  // what an export killed before its commit left
+    fs::create_directories(staging, error);
+    if (error) throw UsageError("--output '" + out_dir + "': cannot create '" + staging + "': " + error.message());
+    for (const HfExportFile& f : plan.files) create_safetensors_file(path_of(f), f.layout);
   });
   try {
     rt.agree_on([&] {
       SafetensorsWriters writers;
-      for (const HfExportFile& f : plan.files)
-        writers.push_back(std::make_unique<SafetensorsWriter>(path_of(f) + ".tmp", f.layout));
+      for (const HfExportFile& f : plan.files) writers.push_back(std::make_unique<SafetensorsWriter>(path_of(f), f.layout));
       write_tensors(writers);
       for (auto& w : writers) w->finish();
     });
     rt.agree_on([&] {
       if (!rt.is_root()) return;
-      // The weights first, then the index and config.json that point at them.
-      for (const HfExportFile& f : plan.files)
-        if (std::rename((path_of(f) + ".tmp").c_str(), path_of(f).c_str()) != 0)
-          throw CheckpointError("cannot write '" + path_of(f) + "': " + std::strerror(errno));
-      if (plan.files.size() > 1) write_file_atomically(out_dir + "/model.safetensors.index.json", plan.index_json());
-      write_file_atomically(out_dir + "/config.json", hf_config_json(model, dtype));
-      const std::string synced = CheckpointManager::fsync_path(out_dir);
+      if (plan.files.size() > 1) write_file_atomically(staging + "/model.safetensors.index.json", plan.index_json());
+      write_file_atomically(staging + "/config.json", hf_config_json(model, dtype));
+      carry_other_files(target.string(), staging);
+      std::string synced = CheckpointManager::fsync_path(staging);
+      if (!synced.empty()) throw CheckpointError(synced);
+      commit_folder(staging, target.string());
+      synced = CheckpointManager::fsync_path(target.parent_path().string());
       if (!synced.empty()) throw CheckpointError(synced);
     });
   } catch (const InputError&) {
-    remove_temporaries();
+    remove_staging();
     throw;
   }
 }

@@ -29,11 +29,12 @@ void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const st
 using SafetensorsWriters = std::vector<std::unique_ptr<SafetensorsWriter>>;
 
 // Collective. Writes the Hugging Face folder of `model` laid out as `plan` (hf_export_plan):
-// rank 0 creates the folder and the plan's files under temporary names at their full size (disk
-// space reserved); every rank opens them and write_tensors(writers) writes its own ranges; after all
-// have synced, rank 0 renames the files into place, then writes the index (several files) and
-// config.json through temporary names too, so a reader never sees a partial folder. Throws
-// InputError, agreed; the temporaries are removed.
+// rank 0 creates it whole as <out_dir>.partial with the plan's files at their full size (disk space
+// reserved); every rank opens them and write_tensors(writers) writes its own ranges; after all have
+// synced, rank 0 writes the index (several files) and config.json, keeps the other files of an
+// existing out_dir (a tokenizer), and commits the folder by one rename or atomic exchange, so a
+// reader (or a kill) never sees files of two models. Throws InputError, agreed; the partial folder
+// is removed.
 void write_hf_folder(const Runtime& rt, const ModelConfig& model, const std::string& out_dir, DType dtype,
                      const HfExportPlan& plan, const std::function<void(SafetensorsWriters&)>& write_tensors);
 

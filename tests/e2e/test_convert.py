@@ -160,3 +160,39 @@ def test_bad_input_exits_2_on_every_rank():
     convert(2, "--input", folder, "--output", ckpt, "--overwrite", "--layout", "gathered")
     with h5py.File(ckpt, "r") as f:
         assert f.attrs["layout"].decode() == "gathered"
+
+
+def test_a_re_export_killed_at_its_commit_leaves_one_whole_model():
+    """A folder is committed whole (written as <out>.partial, then renamed or atomically exchanged):
+    killed just before or just after the commit, the folder holds the old model or the new one,
+    every file of one of them, never a mix; the files that are not the model's (a tokenizer) stay."""
+    import subprocess
+    from harness import EXE
+    old, new = llama_folder("F32", seed=1), llama_folder("F32", seed=2)
+    ckpt_old, ckpt_new = os.path.join(tempdir(), "old.h5"), os.path.join(tempdir(), "new.h5")
+    convert(1, "--input", old, "--output", ckpt_old)
+    convert(1, "--input", new, "--output", ckpt_new)
+    out = os.path.join(tempdir(), "model")
+    sharded = ["--max-file-size", "20KB"]  # several weight files and an index: several renames before
+    export = lambda ckpt: ["export", "--format", "hf", "--checkpoint", ckpt, "--output", out, *sharded]
+    assert run(1, export(ckpt_old)).returncode == 0
+    with open(os.path.join(out, "tokenizer.json"), "w") as f:
+        f.write("{}")
+    files = lambda: sorted(n for n in os.listdir(out) if n != "tokenizer.json")
+    old_files = files()
+    assert len(old_files) > 3, old_files  # config.json, the index and at least two weight files
+    model_of = lambda: (reference("equal", out, old)["equal"], reference("equal", out, new)["equal"])
+    assert model_of() == (True, False)
+    for when, expected in (("before", (True, False)), ("after", (False, True))):
+        if when == "after":  # back to the old model first
+            assert run(1, export(ckpt_old)).returncode == 0
+        proc = subprocess.run([EXE, *export(ckpt_new)], env={**os.environ, "SHARDTRAIN_TEST_KILL_AT_COMMIT": when},
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == -9, (when, proc.returncode, proc.stderr[-2000:])
+        assert model_of() == expected, when
+        assert os.path.exists(os.path.join(out, "tokenizer.json")), when
+    # A clean re-export commits and leaves nothing beside the folder.
+    assert run(1, export(ckpt_new)).returncode == 0
+    assert model_of() == (False, True) and files() == old_files
+    assert open(os.path.join(out, "tokenizer.json")).read() == "{}"
+    assert not os.path.exists(out + ".partial")
