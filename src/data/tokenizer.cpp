@@ -21,6 +21,7 @@
 
 #include "core/error.hpp"
 #include "data/bpe.hpp"
+#include "data/token_file.hpp"
 
 namespace shardtrain {
 namespace {
@@ -447,9 +448,13 @@ class JsonFile {
     if (!v.is_boolean()) fail(pointer + "/" + key, "expected true or false");
     return v.get<bool>();
   }
+  // Ids index tables of id + 1 entries and token files: beyond the largest vocabulary a model takes
+  // (model.vocab_size <= 2^24) an id is a defect of the file, not a reason to allocate gigabytes.
   uint32_t id_at(const json& value, const std::string& pointer) const {
-    if (!value.is_number_unsigned() || value.get<uint64_t>() > UINT32_MAX)
-      fail(pointer, "expected a token id (a whole number >= 0)");
+    if (!value.is_number_unsigned()) fail(pointer, "expected a token id (a whole number >= 0)");
+    if (value.get<uint64_t>() >= static_cast<uint64_t>(MAX_VOCAB_SIZE))
+      fail(pointer, strprintf("token id %llu is beyond %d, the largest id a model takes (model.vocab_size <= 2^24)",
+                              static_cast<unsigned long long>(value.get<uint64_t>()), MAX_VOCAB_SIZE - 1));
     return static_cast<uint32_t>(value.get<uint64_t>());
   }
   std::string type_of(const json& object, const std::string& pointer) const {
@@ -591,9 +596,15 @@ void Tokenizer::Impl::load_model(const json& m, const JsonFile& file) {
 
   const json& v = file.member(m, at, "vocab");
   if (!v.is_object()) file.fail(at + "/vocab", "expected an object {token: id}");
+  if (v.empty()) file.fail(at + "/vocab", "the vocabulary is empty: not a tokenizer that can encode anything");
   vocab.reserve(v.size());
+  std::unordered_map<uint32_t, std::string> token_of;  // each id names one token
   for (auto it = v.begin(); it != v.end(); ++it) {
-    const uint32_t id = file.id_at(it.value(), at + "/vocab/" + escape_pointer(it.key()));
+    const std::string pointer = at + "/vocab/" + escape_pointer(it.key());
+    const uint32_t id = file.id_at(it.value(), pointer);
+    if (!token_of.emplace(id, it.key()).second)
+      file.fail(pointer, strprintf("id %u is also the id of '%s': two tokens cannot share an id", id,
+                                   token_of[id].c_str()));
     vocab.emplace(it.key(), id);
     max_id = std::max(max_id, id);
   }
@@ -722,6 +733,8 @@ void Tokenizer::Impl::load(const json& root, const JsonFile& file) {
   const json& list = JsonFile::optional(root, "added_tokens");
   if (!list.is_null() && !list.is_array()) file.fail("/added_tokens", "expected a list");
   added.reserve(list.size());  // the matchers point into it
+  std::unordered_map<uint32_t, std::string> text_of_id;
+  for (const auto& [token, id] : vocab) text_of_id.emplace(id, token);
   for (size_t i = 0; i < list.size(); i++) {
     const std::string at = "/added_tokens/" + std::to_string(i);
     AddedToken t;
@@ -732,6 +745,12 @@ void Tokenizer::Impl::load(const json& root, const JsonFile& file) {
     t.rstrip = file.bool_at(list[i], at, "rstrip", false);
     t.special = file.bool_at(list[i], at, "special", false);
     t.normalized = file.bool_at(list[i], at, "normalized", !t.special);
+    // An added token may repeat the vocabulary's entry for its id (GPT-2's <|endoftext|> does), not
+    // give the id to another text.
+    const auto [known, fresh] = text_of_id.emplace(t.id, t.content);
+    if (!fresh && known->second != t.content)
+      file.fail(at + "/id", strprintf("id %u is already '%s', not '%s': an added token cannot take another token's id",
+                                      t.id, known->second.c_str(), t.content.c_str()));
     max_id = std::max(max_id, t.id);
     added.push_back(std::move(t));
   }

@@ -362,6 +362,28 @@ def test_malformed_files_exit_2():
     spec = copy.deepcopy(base)
     spec["model"]["vocab"]["Ġthe"] = "five"
     expect_exit_2(spec, "/model/vocab/Ġthe", "token id")
+    # Ids beyond the largest vocabulary a model takes (2^24 - 1) are refused before any table is
+    # sized by them (one id of 50,000,000 allocated 1.98 GB; 2^31 ended in bad_alloc, exit 1).
+    for where, value in (("added", 50_000_000), ("added", 2**31), ("vocab", 2**31), ("vocab", 2**24)):
+        spec = copy.deepcopy(base)
+        if where == "added":
+            spec["added_tokens"][0]["id"] = value
+            pointer = "/added_tokens/0/id"
+        else:
+            spec["model"]["vocab"]["Ġthe"] = value
+            pointer = "/model/vocab/Ġthe"
+        expect_exit_2(spec, pointer, f"token id {value} is beyond 16777215")
+    # Two tokens with one id, an added token taking another token's id, no vocabulary at all.
+    spec = copy.deepcopy(base)
+    spec["model"]["vocab"]["Ġthe"] = spec["model"]["vocab"]["Ġand"]
+    expect_exit_2(spec, "two tokens cannot share an id")
+    spec = copy.deepcopy(base)
+    spec["added_tokens"][0]["id"] = spec["model"]["vocab"]["Ġand"]
+    expect_exit_2(spec, "/added_tokens/0/id", "is already 'Ġand'")
+    spec = copy.deepcopy(base)
+    spec["model"]["vocab"] = {}
+    spec["model"]["merges"] = []
+    expect_exit_2(spec, "/model/vocab", "the vocabulary is empty")
     spec = copy.deepcopy(base)
     del spec["model"]["vocab"]
     expect_exit_2(spec, "/model", "missing \"vocab\"")
