@@ -176,7 +176,7 @@ void declare_options(OptionList& o, Config& c) {
   o.add("data.val_file", &c.data.val_file, "validation tokens, the same forms; empty = no validation");
   o.add("data.tokenizer", &c.data.tokenizer,
         "the tokenizer.json the data was encoded with (data encode --tokenizer), recorded in checkpoints for "
-        "'shardtrain generate'; empty = bytes");
+        "'shardtrain generate'; checked at start (it must load, its ids within model.vocab_size); empty = bytes");
   o.add_choice("adapter.type", &c.adapter.type, ADAPTER_TYPES, adapter_type_name,
                "adapters on the frozen base model, Hugging Face PEFT's LoRA, DoRA, LoHa, LoKr or OFT "
                "(docs/adapters.md); none trains the model itself");

@@ -41,6 +41,7 @@
 #include "comm/watchdog.hpp"
 #include "data/dataset.hpp"
 #include "data/sampler.hpp"
+#include "data/tokenizer.hpp"
 #include "optim/adamw.hpp"
 #include "shard/fsdp_engine.hpp"
 
@@ -430,6 +431,17 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
 
 void Trainer::open_data() {
   const int V = cfg_.model.vocab_size;
+  // data.tokenizer is recorded for generate: it must load, and the model must take every id it writes.
+  if (!cfg_.data.tokenizer.empty())
+    rt_.agree_on([&] {
+      if (!rt_.is_root()) return;
+      const uint32_t ids = Tokenizer(cfg_.data.tokenizer).vocab_size();
+      if (ids > static_cast<uint32_t>(V))
+        throw UsageError(strprintf("data.tokenizer='%s' has ids up to %u, beyond model.vocab_size=%d: the model could "
+                                   "not take every token it writes; set model.vocab_size to at least %u, or give the "
+                                   "tokenizer the data was encoded with",
+                                   printable_text(cfg_.data.tokenizer).c_str(), ids - 1, V, ids));
+    });
   auto open = [&](const char* option, const std::string& value) {
     std::unique_ptr<TokenDataset> data;
     rt_.agree_on([&] { data = std::make_unique<TokenDataset>(option, value, T_); });

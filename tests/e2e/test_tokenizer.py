@@ -400,3 +400,30 @@ def test_malformed_files_exit_2():
     with open(source, "w") as f:
         f.write('{"text": "fine"}\n\n{"text": "unclosed}\n')
     expect_exit_2(text, "bad.jsonl", "line 3", "malformed JSON", "column", source=source)
+
+
+def test_train_checks_data_tokenizer():
+    """data.tokenizer is recorded for generate: train refuses one that does not load, or whose ids the
+    model could not take, with exit 2 at start (not generate, later)."""
+    from test_bad_input import expect_usage_error
+    from test_datasets import TINY_TOKENIZER
+    from harness import tiny_args
+    missing = os.path.join(tempdir(), "missing.json")
+    expect_usage_error(tiny_args(f"--data.tokenizer={missing}"), missing)
+    expect_usage_error(tiny_args(f"--data.tokenizer={tempdir()}"), "is a folder")
+    malformed = os.path.join(tempdir(), "bad.json")
+    with open(malformed, "w") as f:
+        f.write("{")
+    expect_usage_error(tiny_args(f"--data.tokenizer={malformed}"), malformed, "malformed JSON")
+    wide = copy.deepcopy(TINY_TOKENIZER)
+    wide["added_tokens"][0]["id"] = 300  # ids up to 300: the tiny model takes 256
+    path = os.path.join(tempdir(), "wide.json")
+    with open(path, "w") as f:
+        json.dump(wide, f)
+    expect_usage_error(tiny_args(f"--data.tokenizer={path}"), "has ids up to 300, beyond model.vocab_size=256")
+    # One the model takes trains.
+    ok = os.path.join(tempdir(), "ok.json")
+    with open(ok, "w") as f:
+        json.dump(TINY_TOKENIZER, f)
+    proc = harness.run(1, tiny_args(f"--data.tokenizer={ok}", "--train.steps=1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
