@@ -7,12 +7,21 @@ SHELL   := /bin/bash
 # ---- knobs --------------------------------------------------------------------------------------
 # NP: ranks for `make run`; PYTHON: Debian's python3 (the tests need only its standard library,
 # the checkpoint tests its h5py); SAN: e.g. address,undefined (see `make sanitize`).
+# OPT: x86-64-v3 (AVX2 and FMA: Intel from Haswell, AMD from Zen) by default, so that a binary built
+# on a login node -- or bundled for another machine -- runs on every compute node of the last
+# decade; what gains from AVX-512 dispatches at run time (OpenBLAS, oneDNN, the FMA probes).
+# NATIVE=1 tunes for the building machine instead (-march=native).
 NP      ?= 2
 MPICXX  ?= mpicxx
 MPIRUN  ?= mpirun
 PYTHON  ?= /usr/bin/python3
 CUDA    ?= 0
+NATIVE  ?= 0
+ifeq ($(NATIVE),1)
 OPT     ?= -O3 -march=native
+else
+OPT     ?= -O3 -march=x86-64-v3
+endif
 SAN     ?=
 
 ifeq ($(filter $(CUDA),0 1),)
@@ -41,6 +50,7 @@ HDF5_INC := /usr/include/hdf5/openmpi
 HDF5_LIB := /usr/lib/x86_64-linux-gnu/hdf5/openmpi
 CPPFLAGS := -I. -Isrc -Itests -I$(OPENBLAS_INC) -I$(HDF5_INC) -DOMPI_SKIP_MPICXX=1
 CPPFLAGS += -DSHARDTRAIN_VERSION='"$(shell git describe --always --dirty 2>/dev/null)"'
+CPPFLAGS += -DSHARDTRAIN_MARCH='"$(or $(patsubst -march=%,%,$(filter -march=%,$(OPT))),default)"'
 CXXFLAGS := -std=c++17 $(OPT) -g -fopenmp -Wall -Wextra -Wno-unused-parameter -MMD -MP
 LDFLAGS  := -fopenmp -L$(OPENBLAS_LIB) -Wl,-rpath,$(OPENBLAS_LIB) -L$(HDF5_LIB)
 LDLIBS   := -lopenblas -ldnnl -lhdf5 -lboost_program_options -lpcre2-8 -lutf8proc -lpthread
@@ -121,12 +131,22 @@ $(DEPS_STAMP):
 	@echo "✓ dependencies: $(words $(DEB_PACKAGES)) Debian packages present"
 
 # ---- build --------------------------------------------------------------------------------------
-$(BUILD)/obj/%.o: %.cpp | $(DEPS_STAMP)
+# The objects depend on the flags that change their code: another OPT, SAN or NATIVE rebuilds them
+# all (the stamp is rewritten only when the flags differ, so nothing else does).
+FLAGS_STAMP := $(BUILD)/.flags
+COMPILE_FLAGS := $(MPICXX) $(CXXFLAGS) $(NVCCFLAGS)
+$(FLAGS_STAMP): FORCE
+	@mkdir -p $(BUILD)
+	@echo '$(COMPILE_FLAGS)' | cmp -s - $@ 2>/dev/null || echo '$(COMPILE_FLAGS)' > $@
+.PHONY: FORCE
+FORCE:
+
+$(BUILD)/obj/%.o: %.cpp $(FLAGS_STAMP) | $(DEPS_STAMP)
 	@mkdir -p $(@D)
 	@printf "  CXX   %-40s\n" $<
 	@$(MPICXX) $(CPPFLAGS) $(CXXFLAGS) -c $< -o $@
 
-$(BUILD)/obj/%.o: %.cu | $(DEPS_STAMP)
+$(BUILD)/obj/%.o: %.cu $(FLAGS_STAMP) | $(DEPS_STAMP)
 	@mkdir -p $(@D)
 	@printf "  NVCC  %-40s\n" $<
 	@$(NVCC) $(CPPFLAGS) $(shell $(MPICXX) --showme:incdirs 2>/dev/null | sed 's/[^ ]*/-I&/g') $(NVCCFLAGS) -c $< -o $@

@@ -205,8 +205,8 @@ int run_command(Runtime& rt, const std::vector<std::string>& args) {
   }
   if (args[0] == "--version" || args[0] == "version") {
     if (rt.is_root())
-      std::printf("shardtrain %s%s\n", SHARDTRAIN_RELEASE,
-                  *SHARDTRAIN_VERSION ? strprintf(" (git %s)", SHARDTRAIN_VERSION).c_str() : "");
+      std::printf("shardtrain %s%s, built for %s\n", SHARDTRAIN_RELEASE,
+                  *SHARDTRAIN_VERSION ? strprintf(" (git %s)", SHARDTRAIN_VERSION).c_str() : "", SHARDTRAIN_MARCH);
     return EXIT_CODE_OK;
   }
   const std::vector<std::string> rest(args.begin() + 1, args.end());

@@ -28,6 +28,7 @@
 #include "app/signals.hpp"
 #include "app/teacher.hpp"
 #include "app/tensorboard.hpp"
+#include "app/version.hpp"
 #include "backend/op_timer.hpp"
 #include "ckpt/checkpoint_manager.hpp"
 #include "ckpt/hf_model.hpp"
@@ -546,10 +547,10 @@ void Trainer::print_summary() {
              attention_kernel_name(compute_.options().attention_kernel()), compute_.comm_description().c_str(),
              peak_gflops_, peak_source_.c_str(), table_.flops_per_token(T_) / 1e6);
   else
-    rt_.info("compute: GEMMs %s | activations %s | OpenBLAS %s | %s peak %.1f GFLOP/s per rank (%s)%s | %.1f MFLOP "
-             "per token",
+    rt_.info("compute: GEMMs %s | activations %s | OpenBLAS %s | built for %s | %s peak %.1f GFLOP/s per rank (%s)%s "
+             "| %.1f MFLOP per token",
              compute_.gemm_description().c_str(), dtype_name(compute_.options().activation_dtype),
-             blas_description().c_str(),
+             blas_description().c_str(), SHARDTRAIN_MARCH,
              compute_.cpu_bf16_gemms() ? "bf16 GEMM" : "SGEMM",
              peak_gflops_, peak_source_.c_str(),
              hardware_peak_gflops_ > 0 ? strprintf(" | hardware peak %.1f GFLOP/s per rank (%s, measured)",

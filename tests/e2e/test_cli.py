@@ -13,7 +13,7 @@ def test_version():
     for word in ("--version", "version"):
         proc = run_single([word])
         assert proc.returncode == 0, proc.stderr
-        assert re.match(r"shardtrain \d+\.\d+\.\d+", proc.stdout), proc.stdout
+        assert re.match(r"shardtrain \d+\.\d+\.\d+.*, built for \S+\n", proc.stdout), proc.stdout
 
 
 def test_help_defaults_are_readable():

@@ -3,10 +3,12 @@ bf16/fp16, activation checkpointing, CPU offload, adapters, freezing, a distilla
 -- the SHA-256 of every dataset of its final checkpoint (parameters and AdamW moments) -- against
 values recorded before a change (tests/fixtures/unchanged_bits.json).
 
-Bits depend on the BLAS kernels (the start line names OpenBLAS's core: Haswell, SkylakeX, Zen ...), so
-the file holds one record per core. On a core that has a record, every hash must match; on one that has
-none, the per-step losses must match the recorded ones to 1e-4 relative (the metrics print 9 digits;
-another core's kernels round differently), which still catches any change of arithmetic.
+Bits depend on the BLAS kernels (the start line names OpenBLAS's core: Haswell, SkylakeX, Zen ...) and
+on the CPU the program was compiled for (-march: x86-64-v3 by default, native with NATIVE=1: the
+compiler's vector code rounds differently), so the file holds one record per core and build target.
+Where the record exists every hash must match; elsewhere the per-step losses must match a recorded run's
+to 1e-4 relative (another core's kernels round differently), which still catches any change of
+arithmetic.
 
 To record after a change that is meant to move bits (say why in the commit):
   SHARDTRAIN_RECORD_BITS=1 build/test-venv/bin/python tests/run_tests.py --build build --suite e2e -k unchanged_bits
@@ -72,7 +74,7 @@ def run_case(config, ranks, options, teacher_path):
         args[args.index("--config") + 1] = LLAMA
     proc = run(ranks, args)
     assert proc.returncode == 0, f"{config} {ranks} {options}: exit {proc.returncode}\n{proc.stderr[-2000:]}"
-    core = re.search(r"OpenBLAS (\S+) \(", proc.stdout)
+    core = re.search(r"OpenBLAS (\S+) \(.*\| built for (\S+) \|", proc.stdout)
     assert core, proc.stdout[-2000:]
     digest = hashlib.sha256()
     with h5py.File(os.path.join(d, f"ckpt-{STEPS:08d}.h5"), "r") as f:
@@ -81,7 +83,8 @@ def run_case(config, ranks, options, teacher_path):
         for name in sorted(names):
             digest.update(name.encode())
             digest.update(f[name][()].tobytes())
-    return core.group(1), {"sha256": digest.hexdigest(), "losses": [r["loss"] for r in read_metrics(metrics)]}
+    return f"{core.group(1)} {core.group(2)}", {"sha256": digest.hexdigest(),
+                                                "losses": [r["loss"] for r in read_metrics(metrics)]}
 
 
 def test_refactors_move_no_bits():
