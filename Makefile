@@ -48,7 +48,7 @@ OPENBLAS_INC := /usr/include/x86_64-linux-gnu/openblas-openmp
 # Parallel HDF5 (Debian's Open MPI flavour, explicit: pkg-config's hdf5.pc is an alternatives link).
 HDF5_INC := /usr/include/hdf5/openmpi
 HDF5_LIB := /usr/lib/x86_64-linux-gnu/hdf5/openmpi
-CPPFLAGS := -I. -Isrc -Itests -I$(OPENBLAS_INC) -I$(HDF5_INC) -DOMPI_SKIP_MPICXX=1
+CPPFLAGS := -I. -Isrc -I$(OPENBLAS_INC) -I$(HDF5_INC) -DOMPI_SKIP_MPICXX=1
 CPPFLAGS += -DSHARDTRAIN_VERSION='"$(shell git describe --always --dirty 2>/dev/null)"'
 CPPFLAGS += -DSHARDTRAIN_MARCH='"$(or $(patsubst -march=%,%,$(filter -march=%,$(OPT))),default)"'
 CXXFLAGS := -std=c++17 $(OPT) -g -fopenmp -Wall -Wextra -Wno-unused-parameter -MMD -MP
@@ -140,6 +140,9 @@ $(FLAGS_STAMP): FORCE
 	@echo '$(COMPILE_FLAGS)' | cmp -s - $@ 2>/dev/null || echo '$(COMPILE_FLAGS)' > $@
 .PHONY: FORCE
 FORCE:
+
+# The tests' own headers (tests/support) are on the include path of the tests alone.
+$(BUILD)/obj/tests/%.o: CPPFLAGS += -Itests
 
 $(BUILD)/obj/%.o: %.cpp $(FLAGS_STAMP) | $(DEPS_STAMP)
 	@mkdir -p $(@D)
