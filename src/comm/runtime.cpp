@@ -294,10 +294,11 @@ std::string agreed_error(const std::string& local_error, Comm& comm) {
   return text;
 }
 
-void Runtime::agree(const std::string& local_error) const {
+void Runtime::agree(const std::string& local_error, char kind) const {
   Watchdog::Scope scope(watchdog_.get(), "agreement on the inputs");
-  std::string error = agreed_error(local_error, MPI_COMM_WORLD);
-  if (!error.empty()) throw InputError(error);
+  // The kind travels as the message's first byte.
+  const std::string error = agreed_error(local_error.empty() ? "" : kind + local_error, MPI_COMM_WORLD);
+  if (!error.empty()) throw_input_error(error[0], error.substr(1));
 }
 
 // Rank 0 prints one line to `stream`, after `prefix`; other ranks print nothing.

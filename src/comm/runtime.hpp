@@ -95,20 +95,22 @@ class Runtime {
   MPI_Comm shard_group_comm(int group_size) const;
   MPI_Comm replica_group_comm(int group_size) const;
 
-  // Collective. Each rank passes its own error message ("" when fine). When any rank failed, every
-  // rank throws InputError carrying the message of the lowest failing rank.
-  void agree(const std::string& local_error) const;
+  // Collective. Each rank passes its own error message ("" when fine) and its kind
+  // (InputError::kind). When any rank failed, every rank throws the error of the lowest failing
+  // rank: its message, its type.
+  void agree(const std::string& local_error, char kind = 'I') const;
   // Runs `check` on every rank and agrees on the outcome: an InputError on any rank becomes the
-  // same InputError on all ranks.
+  // same error, of the same type, on all ranks.
   template <typename F>
   void agree_on(F&& check) const {
     std::string error;
+    char kind = 'I';
     try {
       check();
     } catch (const InputError& e) {
-      error = e.what();
+      error = e.what(), kind = e.kind();
     }
-    agree(error);
+    agree(error, kind);
   }
 
   // Rank 0 prints to stdout (info) or stderr (warn); the others stay silent.

@@ -71,4 +71,13 @@ void fatal_mpi(const char* file, int line, const char* func, const char* stateme
   fatal_internal(file, line, func, strprintf("%s returned %d (%s)", statement, code, text));
 }
 
+void throw_input_error(char kind, const std::string& message) {
+  switch (kind) {
+    case 'U': throw UsageError(message);
+    case 'D': throw DataError(message);
+    case 'C': throw CheckpointError(message);
+    default: throw InputError(message);
+  }
+}
+
 }  // namespace shardtrain

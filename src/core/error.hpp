@@ -19,19 +19,27 @@ enum ExitCode : int {
   EXIT_CODE_SIGNALLED = 3,
 };
 
-// Base of every user-correctable error: the message names the option/file and the fix.
+// Base of every user-correctable error: the message names the option/file and the fix. kind()
+// names the type, so that an error agreed between ranks (Runtime::agree_on) is thrown again as the
+// same type on every rank (a UsageError stays fatal where a CheckpointError may be skipped).
 struct InputError : std::runtime_error {
   using std::runtime_error::runtime_error;
+  virtual char kind() const { return 'I'; }
 };
 struct UsageError : InputError {
   using InputError::InputError;
+  char kind() const override { return 'U'; }
 };
 struct DataError : InputError {
   using InputError::InputError;
+  char kind() const override { return 'D'; }
 };
 struct CheckpointError : InputError {
   using InputError::InputError;
+  char kind() const override { return 'C'; }
 };
+// Throws the InputError of that kind() with the message.
+[[noreturn]] void throw_input_error(char kind, const std::string& message);
 
 // printf into a std::string.
 std::string strprintf(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
