@@ -29,11 +29,7 @@ struct ComputeBackend::Cuda {};
 bool cuda_backend_built() { return false; }
 #endif
 
-std::vector<cpu::LinearShape> linear_layers(const ModelConfig& m) {
-  std::vector<cpu::LinearShape> layers;
-  for (const GemmShape& g : family_of(m).gemm_shapes(m)) layers.push_back({g.in, g.out});
-  return layers;
-}
+std::vector<cpu::LinearShape> linear_layers(const ModelConfig& m) { return family_of(m).gemm_shapes(m); }
 
 bool cpu_bf16_compute(const std::string& device, DType compute_dtype) {
   return device == "cpu" && compute_dtype == DTYPE_BF16;

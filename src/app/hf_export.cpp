@@ -258,8 +258,13 @@ void write_hf_folder(const Runtime& rt, const ModelConfig& model, const std::str
     });
     rt.agree_on([&] {
       if (!rt.is_root()) return;
-      if (plan.files.size() > 1) write_file_atomically(staging + "/model.safetensors.index.json", plan.index_json());
-      write_file_atomically(staging + "/config.json", hf_config_json(model, dtype));
+      // Inside the folder that is committed whole, each file is written in place (and synced).
+      auto write = [&](const char* name, const std::string& text) {
+        const std::string error = CheckpointManager::write_file_synced(staging + "/" + name, text);
+        if (!error.empty()) throw CheckpointError(error);
+      };
+      if (plan.files.size() > 1) write("model.safetensors.index.json", plan.index_json());
+      write("config.json", hf_config_json(model, dtype));
       carry_other_files(target.string(), staging);
       std::string synced = CheckpointManager::fsync_path(staging);
       if (!synced.empty()) throw CheckpointError(synced);

@@ -494,8 +494,7 @@ void take_model_shape_from_hf_folder(const po::variables_map& vm, Config& c) {
   take("model.n_head", &c.model.n_head, hf.n_head, whole);
   take("model.vocab_size", &c.model.vocab_size, hf.vocab_size, whole);
   take("model.max_seq_len", &c.model.max_seq_len, hf.max_seq_len, whole);
-  const std::vector<std::string> keys = family_of(hf).config_keys();
-  auto reads = [&](const char* key) { return std::find(keys.begin(), keys.end(), key) != keys.end(); };
+  auto reads = [&](const char* key) { return family_of(hf).reads_key(key); };
   // 0 means n_head key/value heads and an MLP of 4 n_embd: compare what they mean.
   if (reads("model.n_kv_head")) {
     if (c.model.n_kv_head == 0) c.model.n_kv_head = c.model.n_head;
@@ -587,14 +586,11 @@ void validate_architecture(const ModelConfig& m) {
       {"model.rope_theta", m.rope_theta != d.rope_theta},
       {"model.norm_eps", m.norm_eps != d.norm_eps},
       {"model.tie_embeddings", m.tie_embeddings != d.tie_embeddings}};
-  const std::vector<std::string> keys = family.config_keys();
   for (const auto& [key, set] : family_keys) {
-    if (!set || std::find(keys.begin(), keys.end(), key) != keys.end()) continue;
+    if (!set || family.reads_key(key)) continue;
     std::string takers;
-    for (const ModelFamily* f : model_families()) {
-      const std::vector<std::string> k = f->config_keys();
-      if (std::find(k.begin(), k.end(), key) != k.end()) takers += (takers.empty() ? "" : ", ") + std::string(f->name());
-    }
+    for (const ModelFamily* f : model_families())
+      if (f->reads_key(key)) takers += (takers.empty() ? "" : ", ") + std::string(f->name());
     require(false, std::string(key) + " is not a " + m.arch + " option (" + takers + " take it); remove it, or set " +
                        "model.arch=" + takers.substr(0, takers.find(',')));
   }

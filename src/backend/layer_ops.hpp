@@ -16,6 +16,11 @@
 
 namespace shardtrain {
 
+// A linear layer's weight shape (out x in): what the backends size GEMM workspaces from.
+struct LinearShape {
+  int in = 0, out = 0;
+};
+
 template <typename Real>
 class LayerOps {
  public:

@@ -5,6 +5,7 @@
 // (family_of) instead. docs/architecture.md, "Adding a model family", walks through adding one.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <functional>
 #include <memory>
@@ -33,11 +34,6 @@ struct HfTensor {
   std::vector<int64_t> shape;
 };
 
-// A GEMM's weight shape (out x in): the backends size their workspaces from the list.
-struct GemmShape {
-  int in = 0, out = 0;
-};
-
 enum NormKind { NORM_LAYER, NORM_RMS };
 
 class ModelFamily {
@@ -54,6 +50,10 @@ class ModelFamily {
   // The model.* keys beyond the shape (model_shape_defect's) that this family reads; the others
   // must keep their defaults (options) under it.
   virtual std::vector<std::string> config_keys() const = 0;
+  bool reads_key(const std::string& key) const {
+    const std::vector<std::string> keys = config_keys();
+    return std::find(keys.begin(), keys.end(), key) != keys.end();
+  }
   // "" when the family can build this shape, else what is wrong, naming the key: the one check
   // that options, checkpoint attributes and Hugging Face config.json share.
   virtual std::string config_defect(const ModelConfig& config) const = 0;
@@ -94,7 +94,7 @@ class ModelFamily {
   // Elements of a decode state (TransformerModel::begin_decode), its tokens and adapters aside.
   virtual size_t plan_decode_elements(const ModelConfig& config, int max_len, int max_chunk) const = 0;
   // The GEMMs of the blocks in forward order (each kind's once), then the LM head's.
-  virtual std::vector<GemmShape> gemm_shapes(const ModelConfig& config) const = 0;
+  virtual std::vector<LinearShape> gemm_shapes(const ModelConfig& config) const = 0;
   virtual NormKind norm_kind() const = 0;
 
   // --- adapters ---

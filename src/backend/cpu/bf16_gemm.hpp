@@ -21,12 +21,11 @@
 #include <string>
 #include <vector>
 
+#include "backend/layer_ops.hpp"
+
 namespace shardtrain::cpu {
 
-// A linear layer's weight shape (out x in).
-struct LinearShape {
-  int in = 0, out = 0;
-};
+using shardtrain::LinearShape;  // backend/layer_ops.hpp
 
 class Bf16Gemm {
  public:

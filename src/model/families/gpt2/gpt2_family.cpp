@@ -110,7 +110,7 @@ class Gpt2Family final : public ModelFamily {
   size_t plan_decode_elements(const ModelConfig& c, int max_len, int max_chunk) const override {
     return GptModel<float>::plan_decode_elements(c, max_len, max_chunk);
   }
-  std::vector<GemmShape> gemm_shapes(const ModelConfig& c) const override {
+  std::vector<LinearShape> gemm_shapes(const ModelConfig& c) const override {
     const int C = c.n_embd;
     return {{C, 3 * C}, {C, C}, {C, 4 * C}, {4 * C, C}, {C, c.vocab_size}};
   }

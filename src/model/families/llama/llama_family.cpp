@@ -113,7 +113,7 @@ size_t LlamaFamily::plan_decode_elements(const ModelConfig& c, int max_len, int 
   return LlamaModel<float>::plan_decode_elements(c, max_len, max_chunk);
 }
 
-std::vector<GemmShape> LlamaFamily::gemm_shapes(const ModelConfig& c) const {
+std::vector<LinearShape> LlamaFamily::gemm_shapes(const ModelConfig& c) const {
   const int C = c.n_embd, I = c.mlp_size();
   return {{C, c.qkv_size()}, {C, C}, {C, 2 * I}, {I, C}, {C, c.vocab_size}};  // gate|up fused
 }

@@ -42,7 +42,7 @@ class LlamaFamily : public ModelFamily {
                                         bool checkpointing) const override;
   std::vector<size_t> saved_tensor_elements(const ModelConfig& config, int batch, int seq_len) const override;
   size_t plan_decode_elements(const ModelConfig& config, int max_len, int max_chunk) const override;
-  std::vector<GemmShape> gemm_shapes(const ModelConfig& config) const override;
+  std::vector<LinearShape> gemm_shapes(const ModelConfig& config) const override;
   NormKind norm_kind() const override { return NORM_RMS; }
 
   std::vector<LinearSite> linear_sites(const ModelConfig& config, const std::string& kind) const override;
