@@ -28,6 +28,7 @@
 #include "core/random.hpp"
 #include "data/data_commands.hpp"
 #include "data/tokenizer.hpp"
+#include "model/family.hpp"
 #include "model/model.hpp"
 #include "shard/fsdp_engine.hpp"
 
@@ -377,7 +378,10 @@ void Generator::find_stop_tokens() {
 int Generator::run() {
   const std::string path = resolve_checkpoint();
   CheckpointState state;
-  rt_.agree_on([&] { state = read_checkpoint_state(path); });
+  rt_.agree_on([&] {
+    state = read_checkpoint_state(path);
+    require_capability(state.model, "generate", "checkpoint '" + path + "'");
+  });
   encode_prompt(state);
   const ModelConfig& m = state.model;
   const int P = static_cast<int>(prompt_.size());
@@ -401,8 +405,9 @@ int Generator::run() {
   const int total_limit = std::min<long long>(m.max_seq_len, static_cast<long long>(P) + o_.max_tokens);
   const int max_len = std::max(P, total_limit - 1);
   auto model = make_model<float>(table, 1, 1, false, *compute_.backend().ops);
-  model->begin_decode(max_len, std::min(P, PREFILL_CHUNK));
-  memory.add(MEM_ACTIVATIONS, model->activation_bytes() + model->decode_bytes());
+  KvDecoder<float>& decoder = *model->kv_decoder();  // the family has it (require_capability)
+  decoder.begin_decode(max_len, std::min(P, PREFILL_CHUNK));
+  memory.add(MEM_ACTIVATIONS, model->activation_bytes() + decoder.decode_bytes());
   if (rt_.is_root())
     std::fprintf(stderr,
                  "generate: %s (step %lld) | %s | %s x %s, %s | tokenizer %s | prompt %s | stops at %s | memory per "
@@ -412,7 +417,7 @@ int Generator::run() {
                  tokenizer_path_.empty() ? "bytes" : tokenizer_path_.c_str(), counted(P, "token").c_str(),
                  stops_summary().c_str(),
                  human_bytes(static_cast<double>(memory.total_current())).c_str(),
-                 human_bytes(static_cast<double>(model->decode_bytes())).c_str());
+                 human_bytes(static_cast<double>(decoder.decode_bytes())).c_str());
 
   std::vector<float> logits(rt_.is_root() ? m.vocab_size : 0);
   float* my_logits = rt_.is_root() ? logits.data() : nullptr;  // only rank 0 samples
@@ -453,7 +458,7 @@ int Generator::run() {
     engine.decode_step(*model, &message[0], 1, my_logits, false);
   }
   const double t2 = now_seconds();
-  model->end_decode();
+  decoder.end_decode();
 
   const int G = generated;
   rt_.agree_on([&] {

@@ -7,6 +7,7 @@
 #include "ckpt/checkpoint_manager.hpp"
 #include "ckpt/hf_model.hpp"
 #include "core/error.hpp"
+#include "model/family.hpp"
 
 namespace shardtrain {
 
@@ -47,6 +48,7 @@ Teacher::Teacher(const Runtime& rt, Comm& world, Comm& shard, Comm& replica, con
     : source_(source) {
   rt.agree_on([&] { table_ = std::make_unique<ParamTable>(teacher_param_table(source)); });
   const ModelConfig& c = config();
+  require_capability(c, "distillation", "distill.teacher='" + source + "'");
   if (c.vocab_size != student.vocab_size)
     throw UsageError(strprintf("distill.teacher='%s' has a vocabulary of %d tokens, the student (model.*) %d: "
                                "distillation compares their distributions token by token; use a teacher with the "

@@ -1,8 +1,8 @@
 // Knowledge distillation's teacher (docs/distillation.md): a second, frozen model sharded beside
 // the student over the same shard and replica groups, as its own units, with no gradients and no
 // optimizer state (an inference FsdpEngine), gathered block by block for its forward only. Per
-// micro-batch it gives its logits for the student's tokens, which the student's loss head takes
-// (TransformerModel::set_teacher_logits).
+// micro-batch it gives its logits for the student's tokens, which the student's loss takes
+// (DistillationLoss, model/loss.hpp).
 #pragma once
 
 #include <cstdint>
@@ -29,7 +29,7 @@ class Teacher {
 
   // Its logits for a micro-batch's tokens (host memory): B*T x V in the device's memory, valid until
   // the next call. Collective over the groups.
-  const float* logits(const int* tokens) { return engine_->forward_logits(*model_, tokens); }
+  const float* logits(const Batch& batch) { return engine_->forward_logits(*model_, batch); }
 
   const ModelConfig& config() const { return table_->config(); }
   const ParamTable& table() const { return *table_; }

@@ -202,6 +202,9 @@ class Trainer {
   // cpu_offload brought to host_sums_[0] as well).
   void accumulate_gradients(int step);
   double evaluate();
+  // What a step's summed loss is divided by: the output units its loss averages over, on every rank
+  // and micro-batch of the step (Loss::units_per_row).
+  double loss_normaliser();
 
   const Runtime& rt_;
   const Config& cfg_;
@@ -240,12 +243,13 @@ class Trainer {
   int steps_run_ = 0;  // in this process: the first one's op times are not counted (warm-up)
   std::unique_ptr<TransformerModel<float>> model_;
   std::unique_ptr<Teacher> teacher_;  // distill.teacher, beside the student
+  std::unique_ptr<DistillationLoss<float>> distill_loss_;  // the student's loss against it
   // The step's summed loss and squared gradient norm (then the validation loss) in the compute
   // device's memory, read once at the end of a step into host_sums_; with cpu_offload the
   // optimizer reads them from offloaded_sums_ (the backend's host memory).
   DeviceArray<double> step_sums_, offloaded_sums_;
   double host_sums_[2] = {0, 0};
-  std::vector<int> tokens_, targets_;
+  Batch batch_;                         // this rank's micro-batch: tokens and targets
   std::vector<uint64_t> dropout_keys_;  // per token of a micro-batch: dropout_token_key
   CheckpointManager checkpoints_;
   std::unique_ptr<MetricsWriter> metrics_;  // opened by run() once the resume step is known
@@ -392,12 +396,16 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
   step_sums_ = DeviceArray<double>(*compute_.backend().device, 2);
   memory_.add(MEM_WORKSPACE, step_sums_.bytes());
   if (cfg_.fsdp.cpu_offload) offloaded_sums_ = DeviceArray<double>(*compute_.backend().host, 2);
-  if (!cfg_.distill.teacher.empty())
+  if (!cfg_.distill.teacher.empty()) {
+    require_capability(cfg_.model, "distillation", "the student (model.arch)");
     teacher_ = std::make_unique<Teacher>(rt, *comm_, *shard_comm_, *replica_comm_, compute_, engine_options(config),
                                          cfg_.distill.teacher, cfg_.model, B_, T_, &watchdog_);
-  tokens_.resize(static_cast<size_t>(B_) * T_);
-  dropout_keys_.resize(tokens_.size());
-  targets_.resize(tokens_.size());
+    distill_loss_ = std::make_unique<DistillationLoss<float>>(
+        [this](const Batch& batch) { return teacher_->logits(batch); }, static_cast<float>(cfg_.distill.alpha),
+        static_cast<float>(cfg_.distill.temperature));
+    model_->set_loss(distill_loss_.get());
+  }
+  dropout_keys_.resize(static_cast<size_t>(B_) * T_);
   // What "held" counts: the device's arrays and the communicators' own buffers -- on a GPU not the
   // backend's workspaces (GPU reserved shows those) but the host staging of fsdp.comm_backend=mpi.
   planned_peak_ = static_cast<double>(compute_.on_gpu() ? plan_.total() - plan_.gpu.total() + plan_.staging_bytes
@@ -863,22 +871,26 @@ size_t Trainer::uncounted_comm_buffer_bytes() const {
          replica_comm_->uncounted_buffer_bytes() + (step_comm_ ? step_comm_->uncounted_buffer_bytes() : 0);
 }
 
+double Trainer::loss_normaliser() {
+  const double micro_batches = G_ / B_;  // over every rank and accumulation step
+  return micro_batches * model_->output_rows() * model_->loss().units_per_row(model_->output_width());
+}
+
 void Trainer::accumulate_gradients(int step) {
   engine_.zero_grads();
-  const float dloss = static_cast<float>(loss_scaler_.scale() / (static_cast<double>(G_) * T_));
+  const float dloss = static_cast<float>(loss_scaler_.scale() / loss_normaliser());
   for (int micro = 0; micro < accum_; micro++) {
+    int* tokens = batch_.put<int>(BATCH_TOKENS, {B_, T_});
+    int* targets = batch_.put<int>(BATCH_TARGETS, {B_, T_});
     for (int b = 0; b < B_; b++) {
       uint64_t seq = static_cast<uint64_t>(micro * rt_.world() + rt_.rank()) * B_ + b;
-      train_data_->fill(sampler_->window(step, seq), &tokens_[static_cast<size_t>(b) * T_],
-                        &targets_[static_cast<size_t>(b) * T_]);
+      train_data_->fill(sampler_->window(step, seq), tokens + static_cast<size_t>(b) * T_,
+                        targets + static_cast<size_t>(b) * T_);
       for (int t = 0; t < T_; t++)  // the dropout stream: by (seed, step, sequence, position)
         dropout_keys_[static_cast<size_t>(b) * T_ + t] = dropout_token_key(cfg_.train.seed, step, seq, t);
     }
     model_->set_dropout_keys(dropout_keys_.data());
-    if (teacher_)
-      model_->set_teacher_logits(teacher_->logits(tokens_.data()), static_cast<float>(cfg_.distill.alpha),
-                                 static_cast<float>(cfg_.distill.temperature));
-    engine_.train_micro_batch(*model_, tokens_.data(), targets_.data(), dloss, step_sums_.data());
+    engine_.train_micro_batch(*model_, batch_, dloss, step_sums_.data());
   }
   model_->set_dropout_keys(nullptr);
   if (cfg_.fsdp.cpu_offload)  // the loss comes down with the gradient shards, in finish_step's one wait
@@ -888,22 +900,26 @@ void Trainer::accumulate_gradients(int step) {
 }
 
 double Trainer::evaluate() {
-  model_->set_teacher_logits(nullptr, 1, 1);  // validation: the student's cross-entropy
+  model_->set_loss(nullptr);  // validation: the student's own loss (cross-entropy), not distillation's
   step_sums_.zero();
   for (int batch = 0; batch < cfg_.train.eval_batches; batch++) {
     for (int micro = 0; micro < accum_; micro++) {
+      int* tokens = batch_.put<int>(BATCH_TOKENS, {B_, T_});
+      int* targets = batch_.put<int>(BATCH_TARGETS, {B_, T_});
       for (int b = 0; b < B_; b++) {
         uint64_t seq = static_cast<uint64_t>(batch) * G_ + static_cast<uint64_t>(micro * rt_.world() + rt_.rank()) * B_ + b;
-        val_data_->fill(seq % val_data_->windows(), &tokens_[static_cast<size_t>(b) * T_],
-                        &targets_[static_cast<size_t>(b) * T_]);
+        val_data_->fill(seq % val_data_->windows(), tokens + static_cast<size_t>(b) * T_,
+                        targets + static_cast<size_t>(b) * T_);
       }
-      engine_.eval_micro_batch(*model_, tokens_.data(), targets_.data(), step_sums_.data());
+      engine_.eval_micro_batch(*model_, batch_, step_sums_.data());
     }
   }
   double loss_sum = 0;
   compute_.backend().device->copy_to_host(&loss_sum, step_sums_.data(), sizeof loss_sum);
   comm_->all_reduce_sum(Span<double>(&loss_sum, 1), "all_reduce(val loss)");
-  return loss_sum / (static_cast<double>(cfg_.train.eval_batches) * G_ * T_);
+  const double normaliser = cfg_.train.eval_batches * loss_normaliser();
+  model_->set_loss(distill_loss_.get());
+  return loss_sum / normaliser;
 }
 
 int Trainer::run() {

@@ -16,19 +16,21 @@
 namespace shardtrain {
 
 template <typename Real>
-class DecoderLM : public TransformerModel<Real> {
+class DecoderLM : public TransformerModel<Real>, public KvDecoder<Real>, public TokenLogits<Real> {
  public:
   int batch() const override { return B_; }
   int seq_len() const override { return T_; }
   size_t activation_bytes() const override {
     return plan_activation_bytes(table_, B_, T_, checkpointing_, sizeof(Real), saved_.dtype());
   }
+  int output_rows() const override { return B_ * T_; }
+  int output_width() const override { return cfg_.vocab_size; }
   // The targets to the device, the head's logits (head_logits), the loss per position and its sum.
-  void head_forward(const Real* root, const int* targets, double* loss_total) override {
+  void head_forward(const Real* root, const Batch& batch, double* loss_total) override {
     const int N = B_ * T_, V = cfg_.vocab_size;
-    ops_.device().copy_to_device(targets_.data(), targets, targets_.bytes());
+    ops_.device().copy_to_device(targets_.data(), batch.get<int>(BATCH_TARGETS, N), targets_.bytes());
     this->head_logits(root);
-    this->head_loss_.forward(ops_, losses_.data(), probs_.data(), targets_.data(), N, V);
+    this->loss().forward(ops_, losses_.data(), probs_.data(), loss_targets(), N, V);
     ops_.accumulate_sum(loss_total, losses_.data(), losses_.size());
   }
   void copy_head_probs(int row, Real* host) const override {
@@ -37,6 +39,8 @@ class DecoderLM : public TransformerModel<Real> {
     ops_.device().copy_to_host(host, probs_.data() + row * V, V * sizeof(Real));
   }
   void set_dropout_keys(const uint64_t* keys) override { adapters_.set_dropout_keys(keys); }
+  KvDecoder<Real>* kv_decoder() override { return this; }
+  TokenLogits<Real>* token_logits() override { return this; }
 
  protected:
   using Array = DeviceArray<Real>;
@@ -53,12 +57,24 @@ class DecoderLM : public TransformerModel<Real> {
     targets_ = DeviceArray<int>(ops.device(), BT);
   }
 
+  Loss<Real>& own_loss() override { return cross_entropy_; }
+  // The micro-batch's tokens to the device (embed_forward).
+  void upload_tokens(const Batch& batch) {
+    ops_.device().copy_to_device(tokens_.data(), batch.get<int>(BATCH_TOKENS, tokens_.size()), tokens_.bytes());
+  }
+  LossTargets<Real> loss_targets() const { return {targets_.data(), nullptr}; }
+  // The head's backward up to the logits: the loss's gradient in place of the probabilities.
+  void loss_backward(Real dloss) {
+    this->loss().backward(ops_, probs_.data(), loss_targets(), dloss, B_ * T_, cfg_.vocab_size);
+  }
+
   const ParamTable& table_;
   const LayerOps<Real>& ops_;
   ModelAdapters<Real> adapters_;  // the adapters around the block products (model/adapter_layers.hpp)
   ModelConfig cfg_;
   int B_, T_;
   bool checkpointing_;
+  CrossEntropyLoss<Real> cross_entropy_;
   DeviceArray<int> tokens_, targets_;
   std::vector<Array> resid_;      // resid_[l]: input of block l; resid_[L]: output of the last
   SavedActivations<Real> saved_;  // one layer with checkpointing, else every layer

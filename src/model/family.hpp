@@ -45,7 +45,10 @@ class ModelFamily {
   virtual const char* name() const = 0;
   // One line for model.arch's help: what sets it apart.
   virtual const char* description() const = 0;
-  // The architecture and shape in one line for logs ("GPT-2 L=12 C=768 ...").
+  // Throws UsageError (exit 2) when the config's family lacks the capability `use` needs: `use` is
+// "generate" (kv_decoding) or "distillation" (token_logits), `role` names the model in the message.
+void require_capability(const ModelConfig& config, const std::string& use, const std::string& role);
+// The architecture and shape in one line for logs ("GPT-2 L=12 C=768 ...").
   virtual std::string summary(const ModelConfig& config) const = 0;
   // The model.* keys beyond the shape (model_shape_defect's) that this family reads; the others
   // must keep their defaults (options) under it.
@@ -91,11 +94,17 @@ class ModelFamily {
                                                 bool activation_checkpointing) const = 0;
   // Elements of each of a layer's saved tensors (SavedActivations' sizes).
   virtual std::vector<size_t> saved_tensor_elements(const ModelConfig& config, int batch, int seq_len) const = 0;
-  // Elements of a decode state (TransformerModel::begin_decode), its tokens and adapters aside.
+  // Elements of a decode state (KvDecoder::begin_decode), its tokens and adapters aside.
   virtual size_t plan_decode_elements(const ModelConfig& config, int max_len, int max_chunk) const = 0;
   // The GEMMs of the blocks in forward order (each kind's once), then the LM head's.
   virtual std::vector<LinearShape> gemm_shapes(const ModelConfig& config) const = 0;
   virtual NormKind norm_kind() const = 0;
+
+  // --- capabilities ---
+  // Incremental decoding with a key/value cache (its models' kv_decoder()): what generate needs.
+  virtual bool kv_decoding() const { return false; }
+  // A vocabulary head (its models' token_logits()): what a distillation teacher and student need.
+  virtual bool token_logits() const { return false; }
 
   // --- adapters ---
   // The linear layers of a block of this kind (UnitInfo::kind) that an adapter can target, in the
@@ -136,6 +145,9 @@ const ModelFamily* find_model_family(const std::string& name);
 std::string model_family_names();
 // The family of a config whose arch was checked on the way in (options, checkpoint, config.json).
 const ModelFamily& family_of(const ModelConfig& config);
+// Throws UsageError (exit 2) when the config's family lacks the capability `use` needs: `use` is
+// "generate" (kv_decoding) or "distillation" (token_logits), `role` names the model in the message.
+void require_capability(const ModelConfig& config, const std::string& use, const std::string& role);
 // The architecture and shape in one line for logs (ModelFamily::summary).
 inline std::string model_summary(const ModelConfig& config) { return family_of(config).summary(config); }
 

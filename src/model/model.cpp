@@ -41,11 +41,12 @@ size_t plan_decode_bytes(const ParamTable& table, int max_len, int max_chunk, si
 template <typename Real>
 double forward_backward_unsharded(TransformerModel<Real>& model, const ParamTable& table,
                                   const std::vector<const Real*>& units, const std::vector<Real*>& unit_grads,
-                                  const int* tokens, const int* targets, Real dloss) {
+                                  const Batch& batch, Real dloss) {
   const int L = table.block_count();
-  model.embed_forward(units[ROOT_UNIT], tokens);
+  model.embed_forward(units[ROOT_UNIT], batch);
   for (int l = 0; l < L; l++) model.block_forward(l, units[block_unit(l)]);
-  double loss = model.host_head_forward(units[ROOT_UNIT], targets);
+  model.loss().prepare(batch);
+  double loss = model.host_head_forward(units[ROOT_UNIT], batch);
   model.head_backward(unit_grads[ROOT_UNIT], units[ROOT_UNIT], dloss);
   for (int l = L - 1; l >= 0; l--) model.block_backward(l, unit_grads[block_unit(l)], units[block_unit(l)]);
   model.embed_backward(unit_grads[ROOT_UNIT]);
@@ -58,9 +59,9 @@ template std::unique_ptr<TransformerModel<double>> make_model<double>(const Para
                                                                       const LayerOps<double>&, DType);
 template double forward_backward_unsharded<float>(TransformerModel<float>&, const ParamTable&,
                                                   const std::vector<const float*>&, const std::vector<float*>&,
-                                                  const int*, const int*, float);
+                                                  const Batch&, float);
 template double forward_backward_unsharded<double>(TransformerModel<double>&, const ParamTable&,
                                                    const std::vector<const double*>&, const std::vector<double*>&,
-                                                   const int*, const int*, double);
+                                                   const Batch&, double);
 
 }  // namespace shardtrain

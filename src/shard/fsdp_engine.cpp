@@ -366,15 +366,16 @@ void FsdpEngine::forward_blocks(TransformerModel<float>& model) {
   }
 }
 
-void FsdpEngine::train_micro_batch(TransformerModel<float>& model, const int* tokens, const int* targets, float dloss,
+void FsdpEngine::train_micro_batch(TransformerModel<float>& model, const Batch& batch, float dloss,
                                    double* loss_total) {
   SHARD_CHECK(!options_.inference, "train_micro_batch on an inference engine (no gradients)");
   const int L = table_.block_count();
+  model.loss().prepare(batch);
   forget_gathered();
   const float* root = gather_params(ROOT_UNIT, false);
-  model.embed_forward(root, tokens);
+  model.embed_forward(root, batch);
   forward_blocks(model);
-  model.head_forward(root, targets, loss_total);
+  model.head_forward(root, batch, loss_total);
   if (phase_timer_) phase_timer_->end(PHASE_FORWARD);
 
   float* root_grad = gradient_target(ROOT_UNIT);
@@ -417,35 +418,39 @@ void FsdpEngine::finish_step() {
   }
 }
 
-void FsdpEngine::eval_micro_batch(TransformerModel<float>& model, const int* tokens, const int* targets,
-                                  double* loss_total) {
+void FsdpEngine::eval_micro_batch(TransformerModel<float>& model, const Batch& batch, double* loss_total) {
+  model.loss().prepare(batch);
   forget_gathered();
   const float* root = gather_params(ROOT_UNIT, false);
-  model.embed_forward(root, tokens);
+  model.embed_forward(root, batch);
   forward_blocks(model);
-  model.head_forward(root, targets, loss_total);
+  model.head_forward(root, batch, loss_total);
 }
 
-const float* FsdpEngine::forward_logits(TransformerModel<float>& model, const int* tokens) {
+const float* FsdpEngine::forward_logits(TransformerModel<float>& model, const Batch& batch) {
+  TokenLogits<float>* head = model.token_logits();
+  SHARD_CHECK(head, "forward_logits of a model without a vocabulary head");
   forget_gathered();
   const float* root = gather_params(ROOT_UNIT, false);
-  model.embed_forward(root, tokens);
+  model.embed_forward(root, batch);
   forward_blocks(model);
-  return model.head_logits(root);
+  return head->head_logits(root);
 }
 
 void FsdpEngine::decode_step(TransformerModel<float>& model, const int* tokens, int n, float* logits, bool first) {
+  KvDecoder<float>* decoder = model.kv_decoder();
+  SHARD_CHECK(decoder, "decode_step of a model without key/value-cache decoding");
   const int L = table_.block_count();
   if (first) forget_gathered();
   // Not the first step: the root's slot still holds it (gather_params gathers again only if not).
   const float* root = gather_params(ROOT_UNIT, !first);
-  model.decode_embed(root, tokens, n);
+  decoder->decode_embed(root, tokens, n);
   for (int l = 0; l < L; l++) {
     const float* block = gather_params(block_unit(l), false);
     if (options_.forward_prefetch && l + 1 < L) prefetch_params(block_unit(l + 1));
-    model.decode_block(l, block);
+    decoder->decode_block(l, block);
   }
-  if (logits) model.decode_head(root, logits);
+  if (logits) decoder->decode_head(root, logits);
 }
 
 void FsdpEngine::copy_from_master(void* dst, const void* src, size_t bytes) {

@@ -188,24 +188,23 @@ class FsdpEngine {
   void init_parameters(uint64_t seed);
   void zero_grads();
 
-  // Forward and backward of one micro-batch; gradients are accumulated toward the shards. Adds the
-  // summed loss of this rank's tokens to *loss_total (a double in the device's memory); the host
-  // waits for nothing.
-  void train_micro_batch(TransformerModel<float>& model, const int* tokens, const int* targets, float dloss,
-                         double* loss_total);
+  // Forward and backward of one micro-batch (host memory) under the model's loss (prepared first:
+  // Loss::prepare); gradients are accumulated toward the shards. Adds the summed loss of this
+  // rank's micro-batch to *loss_total (a double in the device's memory); the host waits for nothing.
+  void train_micro_batch(TransformerModel<float>& model, const Batch& batch, float dloss, double* loss_total);
   // Completes the step's gradient reduction (deferred reduce-scatters, replica all-reduce). With
   // cpu_offload it also brings the gradient shards to the host: the step's one host wait, after
   // which whatever the caller queued with start_copy_to_host before the call is there too.
   void finish_step();
   // Where train_micro_batch marks the ends of its forward and backward (null: nowhere).
   void set_phase_timer(PhaseTimer* timer) { phase_timer_ = timer; }
-  // Forward only (evaluation): adds the summed loss of this rank's tokens to *loss_total (device memory).
-  void eval_micro_batch(TransformerModel<float>& model, const int* tokens, const int* targets, double* loss_total);
-  // Forward only, to the logits (a distillation teacher's): model.head_logits' B*T x V, in the
-  // device's memory until the model's next forward.
-  const float* forward_logits(TransformerModel<float>& model, const int* tokens);
+  // Forward only (evaluation): adds the summed loss of this rank's micro-batch to *loss_total (device memory).
+  void eval_micro_batch(TransformerModel<float>& model, const Batch& batch, double* loss_total);
+  // Forward only, to the logits (a distillation teacher's): the model's TokenLogits::head_logits,
+  // B*T x V, in the device's memory until the model's next forward.
+  const float* forward_logits(TransformerModel<float>& model, const Batch& batch);
 
-  // Generation: one step of the model's decode path (model/model.hpp) over n tokens (host memory),
+  // Generation: one step of the model's decode path (model/model.hpp: KvDecoder) over n tokens (host memory),
   // the units gathered as in a forward -- each block into a block buffer before its decode_block,
   // the next one prefetched with forward_prefetch -- except that the root stays gathered from the
   // generation's first step (`first`) to its last. logits: host memory for the V logits of the

@@ -14,10 +14,12 @@
 #include "comm/comm.hpp"
 #include "model/families/gpt2/gpt2_model.hpp"
 #include "shard/fsdp_engine.hpp"
+#include "support/model_fixtures.hpp"
 #include "support/mpi_gtest.hpp"
 
 using namespace shardtrain;
 using shardtrain::testing::all_ranks;
+using shardtrain::testing::token_batch;
 
 namespace {
 
@@ -131,7 +133,7 @@ TEST(Engine, ShardedGradientEqualsSumOfUnshardedGradients) {
   for (int micro = 0; micro < 2; micro++) {
     fill_tokens(tokens, r, cfg.vocab_size, micro);
     fill_tokens(targets, r + 100, cfg.vocab_size, micro);
-    engine.train_micro_batch(model, tokens.data(), targets.data(), dloss, &local_loss);  // host memory: the device
+    engine.train_micro_batch(model, token_batch(tokens, targets, B, T), dloss, &local_loss);  // host memory: the device
   }
   engine.finish_step();
 
@@ -150,7 +152,7 @@ TEST(Engine, ShardedGradientEqualsSumOfUnshardedGradients) {
     for (int micro = 0; micro < 2; micro++) {
       fill_tokens(tokens, q, cfg.vocab_size, micro);
       fill_tokens(targets, q + 100, cfg.vocab_size, micro);
-      double l = forward_backward_unsharded(reference, table, unit_ptrs, grad_ptrs, tokens.data(), targets.data(), dloss);
+      double l = forward_backward_unsharded(reference, table, unit_ptrs, grad_ptrs, token_batch(tokens, targets, B, T), dloss);
       if (q == r) oracle_loss_of_this_rank += l;
     }
   }
@@ -207,7 +209,7 @@ TEST(Engine, FrozenParametersGetNoGradientAndTheOthersTheirsUnchanged) {
         fill_tokens(tokens, r, cfg.vocab_size, micro);
         fill_tokens(targets, r + 100, cfg.vocab_size, micro);
         double loss = 0;
-        engine.train_micro_batch(model, tokens.data(), targets.data(), dloss, &loss);
+        engine.train_micro_batch(model, token_batch(tokens, targets, B, T), dloss, &loss);
       }
       engine.finish_step();
       // The same values in the unfrozen table's layout, and its gradients over every rank's data.
@@ -230,7 +232,7 @@ TEST(Engine, FrozenParametersGetNoGradientAndTheOthersTheirsUnchanged) {
         for (int micro = 0; micro < 2; micro++) {
           fill_tokens(tokens, q, cfg.vocab_size, micro);
           fill_tokens(targets, q + 100, cfg.vocab_size, micro);
-          forward_backward_unsharded(reference, whole, unit_ptrs, grad_ptrs, tokens.data(), targets.data(), dloss);
+          forward_backward_unsharded(reference, whole, unit_ptrs, grad_ptrs, token_batch(tokens, targets, B, T), dloss);
         }
       for (size_t id = 0; id < table.params().size(); id++) {
         const ParamInfo &p = table.params()[id], &q = whole.params()[id];

@@ -2,10 +2,12 @@
 // away from degenerate points, and a deterministic batch.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "core/random.hpp"
+#include "model/batch.hpp"
 #include "model/param_table.hpp"
 
 namespace shardtrain::testing {
@@ -62,15 +64,19 @@ double central_difference(double& x, Loss loss) {
   return (up - down) / (2 * h);
 }
 
-struct Batch {
-  std::vector<int> tokens, targets;
-};
+// A language model's micro-batch of B sequences of T tokens (model/batch.hpp) from host vectors.
+inline Batch token_batch(const std::vector<int>& tokens, const std::vector<int>& targets, int B, int T) {
+  Batch b;
+  std::copy(tokens.begin(), tokens.end(), b.put<int>(BATCH_TOKENS, {B, T}));
+  std::copy(targets.begin(), targets.end(), b.put<int>(BATCH_TARGETS, {B, T}));
+  return b;
+}
 
 // B sequences of T tokens below V, and their targets: fixed arithmetic patterns.
 inline Batch make_batch(int B, int T, int V) {
-  Batch b{std::vector<int>(B * T), std::vector<int>(B * T)};
-  for (int i = 0; i < B * T; i++) b.tokens[i] = (i * 5 + 3) % V, b.targets[i] = (i * 7 + 1) % V;
-  return b;
+  std::vector<int> tokens(B * T), targets(B * T);
+  for (int i = 0; i < B * T; i++) tokens[i] = (i * 5 + 3) % V, targets[i] = (i * 7 + 1) % V;
+  return token_batch(tokens, targets, B, T);
 }
 
 }  // namespace shardtrain::testing

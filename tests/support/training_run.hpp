@@ -14,6 +14,7 @@
 #include "optim/adamw.hpp"
 #include "shard/fsdp_engine.hpp"
 #include "support/foreign_device.hpp"
+#include "support/model_fixtures.hpp"
 
 namespace shardtrain::testing {
 
@@ -87,7 +88,7 @@ struct TrainingRun {
           tokens[i] = static_cast<int>((i * 7 + world->rank() * 13 + batch * 5) % 37);
           targets[i] = static_cast<int>((i * 11 + world->rank() * 3 + batch) % 37);
         }
-        engine.train_micro_batch(model, tokens.data(), targets.data(),
+        engine.train_micro_batch(model, token_batch(tokens, targets, 2, 5),
                                  1.0f / (10 * world->size() * micro_batches), sums.data());
       }
       engine.finish_step();

@@ -40,7 +40,7 @@ double loss_of(const ParamTable& table, Units& units, Units* grads, int B, int T
   out.clear();
   for (auto& unit : units) out.emplace_back(unit.size(), 0.0), u.push_back(unit.data()), g.push_back(out.back().data());
   const Batch batch = make_batch(B, T, table.config().vocab_size);
-  return forward_backward_unsharded(*model, table, u, g, batch.tokens.data(), batch.targets.data(), 1.0 / (B * T));
+  return forward_backward_unsharded(*model, table, u, g, batch, 1.0 / (B * T));
 }
 
 // Row-major (m, k) x (k, n).

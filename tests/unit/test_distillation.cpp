@@ -23,9 +23,9 @@ constexpr int B = 2, T = 5;
 // The logits (B*T x V) of `table`'s model with `units` on the batch's tokens, copied to the host.
 std::vector<double> logits_of(const ParamTable& table, const Units& units, const Batch& batch) {
   auto model = make_model<double>(table, B, T, false, cpu_layer_ops<double>());
-  model->embed_forward(units[ROOT_UNIT].data(), batch.tokens.data());
+  model->embed_forward(units[ROOT_UNIT].data(), batch);
   for (int l = 0; l < table.config().n_layer; l++) model->block_forward(l, units[block_unit(l)].data());
-  const double* logits = model->head_logits(units[ROOT_UNIT].data());
+  const double* logits = model->token_logits()->head_logits(units[ROOT_UNIT].data());
   return std::vector<double>(logits, logits + static_cast<size_t>(B) * T * table.config().vocab_size);
 }
 
@@ -33,13 +33,14 @@ std::vector<double> logits_of(const ParamTable& table, const Units& units, const
 double loss_of(const ParamTable& table, Units& units, Units* grads, const Batch& batch, const double* teacher,
                double alpha, double temperature) {
   auto model = make_model<double>(table, B, T, false, cpu_layer_ops<double>());
-  model->set_teacher_logits(teacher, alpha, temperature);
+  DistillationLoss<double> distillation([&](const Batch&) { return teacher; }, alpha, temperature);
+  if (teacher) model->set_loss(&distillation);
   std::vector<const double*> u;
   std::vector<double*> g;
   Units scratch, &out = grads ? *grads : scratch;
   out.clear();
   for (auto& unit : units) out.emplace_back(unit.size(), 0.0), u.push_back(unit.data()), g.push_back(out.back().data());
-  return forward_backward_unsharded(*model, table, u, g, batch.tokens.data(), batch.targets.data(), 1.0);
+  return forward_backward_unsharded(*model, table, u, g, batch, 1.0);
 }
 
 }  // namespace

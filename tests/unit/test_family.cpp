@@ -22,6 +22,8 @@ namespace {
 class TwoKindFamily final : public LlamaFamily {
  public:
   const char* name() const override { return "two_kinds"; }
+  bool kv_decoding() const override { return false; }
+  bool token_logits() const override { return false; }
   void add_params(ParamTable& t) const override {
     const ModelConfig& c = t.config();
     const int C = c.n_embd;
@@ -75,6 +77,25 @@ TEST(ModelFamilies, TheRegistryNamesEachFamilyOnce) {
   for (const char* arch : {"gpt2", "llama", "qwen2"}) {
     c.arch = arch;
     EXPECT_STREQ(family_of(c).name(), arch);
+  }
+}
+
+// generate and distillation ask the family first and refuse one without the capability they use,
+// naming it and the families that have it (UsageError: exit 2 on every rank).
+TEST(ModelFamilies, GenerateAndDistillationRefuseAFamilyWithoutTheirCapability) {
+  const ModelConfig two = two_kind_config();
+  for (const char* use : {"generate", "distillation"}) {
+    try {
+      require_capability(two, use, "checkpoint 'x.h5'");
+      ADD_FAILURE() << use << " accepted a family without its capability";
+    } catch (const UsageError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("checkpoint 'x.h5' is a 'two_kinds' model"), std::string::npos) << what;
+      EXPECT_NE(what.find("(gpt2, llama, qwen2)"), std::string::npos) << what;
+    }
+    ModelConfig llama;
+    llama.arch = "llama";
+    EXPECT_NO_THROW(require_capability(llama, use, "distill.teacher"));
   }
 }
 

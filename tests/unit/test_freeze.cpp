@@ -139,7 +139,7 @@ TEST(Freeze, TrainableGradientsAreTheUnfrozenModelsAndFrozenOnesUntouched) {
       std::vector<const double*> vp;
       std::vector<double*> gp;
       for (size_t u = 0; u < v.size(); u++) vp.push_back(v[u].data()), gp.push_back(g[u].data());
-      return forward_backward_unsharded(*model, t, vp, gp, tokens.data(), targets.data(), 1.0 / (B * T));
+      return forward_backward_unsharded(*model, t, vp, gp, token_batch(tokens, targets, B, T), 1.0 / (B * T));
     };
     EXPECT_EQ(run(whole, values_whole, grads_whole), run(table, values, grads));
     for (size_t id = 0; id < table.params().size(); id++) {

@@ -71,12 +71,12 @@ std::vector<Real> full_recompute_probs(const ParamTable& table, const std::vecto
                                        const std::vector<int>& tokens) {
   const int T = static_cast<int>(tokens.size());
   auto model = make_model<Real>(table, 1, T, false, cpu_layer_ops<Real>());
-  model->embed_forward(units[ROOT_UNIT].data(), tokens.data());
+  const Batch batch = token_batch(tokens, std::vector<int>(T, 0), 1, T);
+  model->embed_forward(units[ROOT_UNIT].data(), batch);
   for (int l = 0; l < table.config().n_layer; l++) model->block_forward(l, units[block_unit(l)].data());
-  const std::vector<int> targets(T, 0);
-  model->host_head_forward(units[ROOT_UNIT].data(), targets.data());
+  model->host_head_forward(units[ROOT_UNIT].data(), batch);
   std::vector<Real> probs(table.config().vocab_size);
-  model->copy_head_probs(T - 1, probs.data());
+  model->token_logits()->copy_head_probs(T - 1, probs.data());
   return probs;
 }
 
@@ -99,10 +99,10 @@ int argmax(const V& v) {
 template <typename Real>
 std::vector<Real> decode(TransformerModel<Real>& model, const ParamTable& table,
                          const std::vector<std::vector<Real>>& units, const int* tokens, int n) {
-  model.decode_embed(units[ROOT_UNIT].data(), tokens, n);
-  for (int l = 0; l < table.config().n_layer; l++) model.decode_block(l, units[block_unit(l)].data());
+  model.kv_decoder()->decode_embed(units[ROOT_UNIT].data(), tokens, n);
+  for (int l = 0; l < table.config().n_layer; l++) model.kv_decoder()->decode_block(l, units[block_unit(l)].data());
   std::vector<Real> logits(table.config().vocab_size);
-  model.decode_head(units[ROOT_UNIT].data(), logits.data());
+  model.kv_decoder()->decode_head(units[ROOT_UNIT].data(), logits.data());
   return logits;
 }
 
@@ -114,7 +114,7 @@ void check_greedy_against_full_recompute(const ModelConfig& config, double tol) 
   const auto units = random_units<Real>(table, 0.5, 7000);
   const int M = config.max_seq_len;
   auto model = make_model<Real>(table, 1, 1, false, cpu_layer_ops<Real>());
-  model->begin_decode(M, 3);
+  model->kv_decoder()->begin_decode(M, 3);
   std::vector<int> sequence = {5, 17, 2};
   std::vector<Real> logits = decode(*model, table, units, sequence.data(), 3);
   std::map<int, int> distinct;
@@ -129,10 +129,10 @@ void check_greedy_against_full_recompute(const ModelConfig& config, double tol) 
     distinct[next]++;
     if (t == M) break;
     sequence.push_back(next);
-    ASSERT_EQ(model->decode_position(), t);
+    ASSERT_EQ(model->kv_decoder()->decode_position(), t);
     logits = decode(*model, table, units, &next, 1);
   }
-  EXPECT_EQ(model->decode_position(), M);
+  EXPECT_EQ(model->kv_decoder()->decode_position(), M);
   // Not a degenerate test: the greedy path visits several tokens.
   EXPECT_GE(distinct.size(), 2u);
 }
@@ -156,11 +156,11 @@ TEST_P(GenerationTest, ChunkedPrefillGivesTheLogitsOfOneTokenSteps) {
   const std::vector<int> tokens = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8};
   const int n = static_cast<int>(tokens.size());
   auto model = make_model<double>(table, 1, 1, false, cpu_layer_ops<double>());
-  model->begin_decode(n, 1);
+  model->kv_decoder()->begin_decode(n, 1);
   std::vector<std::vector<double>> single;  // logits after each token
   for (int i = 0; i < n; i++) single.push_back(decode(*model, table, units, &tokens[i], 1));
   for (const std::vector<int>& chunks : std::vector<std::vector<int>>{{12}, {5, 7}, {3, 4, 5}, {1, 10, 1}}) {
-    model->begin_decode(n, *std::max_element(chunks.begin(), chunks.end()));
+    model->kv_decoder()->begin_decode(n, *std::max_element(chunks.begin(), chunks.end()));
     int fed = 0;
     for (int size : chunks) {
       const std::vector<double> logits = decode(*model, table, units, tokens.data() + fed, size);
@@ -180,17 +180,17 @@ TEST_P(GenerationTest, DecodeMemoryEqualsItsPlan) {
   auto model = make_model<float>(table, 1, 1, false, cpu_layer_ops<float>());
   Device& dev = cpu_layer_ops<float>().device();
   const size_t before = dev.live_bytes();
-  model->begin_decode(10, 4);
-  EXPECT_EQ(dev.live_bytes() - before, model->decode_bytes());
-  EXPECT_EQ(model->decode_bytes(), plan_decode_bytes(table, 10, 4));
+  model->kv_decoder()->begin_decode(10, 4);
+  EXPECT_EQ(dev.live_bytes() - before, model->kv_decoder()->decode_bytes());
+  EXPECT_EQ(model->kv_decoder()->decode_bytes(), plan_decode_bytes(table, 10, 4));
   const size_t per_position = 2 * c.n_layer * c.kv_heads() * c.head_size() + 4 * c.n_head +
                               (c.arch != "gpt2" ? c.head_size() : 0);
   EXPECT_EQ(plan_decode_bytes(table, 11, 4) - plan_decode_bytes(table, 10, 4), per_position * sizeof(float));
-  model->begin_decode(5, 2);  // again: the old state is freed first
+  model->kv_decoder()->begin_decode(5, 2);  // again: the old state is freed first
   EXPECT_EQ(dev.live_bytes() - before, plan_decode_bytes(table, 5, 2));
-  model->end_decode();
+  model->kv_decoder()->end_decode();
   EXPECT_EQ(dev.live_bytes(), before);
-  EXPECT_EQ(model->decode_bytes(), 0u);
+  EXPECT_EQ(model->kv_decoder()->decode_bytes(), 0u);
 }
 
 // The engine's inference entry point on one rank (the shard is the whole unit) gives the model's
@@ -212,8 +212,8 @@ TEST_P(GenerationTest, EngineDecodeStepEqualsTheModelsDecode) {
   for (size_t u = 0; u < table.units().size(); u++) units.push_back(engine.gather_unit(static_cast<int>(u), false));
   auto direct = make_model<float>(table, 1, 1, false, cpu_layer_ops<float>());
   auto through_engine = make_model<float>(table, 1, 1, false, cpu_layer_ops<float>());
-  direct->begin_decode(8, 3);
-  through_engine->begin_decode(8, 3);
+  direct->kv_decoder()->begin_decode(8, 3);
+  through_engine->kv_decoder()->begin_decode(8, 3);
   const std::vector<int> tokens = {1, 2, 3, 4, 5, 6};
   std::vector<float> logits(table.config().vocab_size);
   engine.decode_step(*through_engine, tokens.data(), 3, logits.data(), true);
@@ -226,7 +226,7 @@ TEST_P(GenerationTest, EngineDecodeStepEqualsTheModelsDecode) {
       EXPECT_EQ(expected, logits) << "step " << i;
     }
   }
-  EXPECT_EQ(through_engine->decode_position(), 6);
+  EXPECT_EQ(through_engine->kv_decoder()->decode_position(), 6);
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, GenerationTest, ::testing::ValuesIn(ARCH_CASES), arch_case_name);

@@ -41,7 +41,7 @@ double loss_and_grads(const ParamTable& table, std::vector<std::vector<double>>&
   std::vector<std::vector<double>>& out = grads ? *grads : scratch;
   out.clear();
   for (auto& unit : units) out.emplace_back(unit.size(), 0.0), u.push_back(unit.data()), g.push_back(out.back().data());
-  return forward_backward_unsharded(*model, table, u, g, batch.tokens.data(), batch.targets.data(), 1.0 / (B * T));
+  return forward_backward_unsharded(*model, table, u, g, batch, 1.0 / (B * T));
 }
 
 }  // namespace
@@ -287,7 +287,7 @@ TEST(Lora, DropoutFollowsTheCounterStreamAndKeepsGradientsExact) {
     for (auto& unit_values : v) out.emplace_back(unit_values.size(), 0.0), vp.push_back(unit_values.data()),
         gp.push_back(out.back().data());
     const Batch batch = make_batch(B, T, c.vocab_size);
-    return forward_backward_unsharded(*model, table, vp, gp, batch.tokens.data(), batch.targets.data(), 1.0 / n);
+    return forward_backward_unsharded(*model, table, vp, gp, batch, 1.0 / n);
   };
   std::vector<std::vector<double>> grads;
   const double with = loss_with_keys(units, &grads, keys.data());
@@ -450,19 +450,19 @@ TEST(Lora, DecodingWithAdaptersGivesTheFullForwardsProbabilities) {
       std::vector<std::vector<double>> units = adapter_units(table);
       const Batch batch = make_batch(1, T, config.vocab_size);
       auto full = make_model<double>(table, 1, T, false, cpu_layer_ops<double>());
-      full->embed_forward(units[ROOT_UNIT].data(), batch.tokens.data());
+      full->embed_forward(units[ROOT_UNIT].data(), batch);
       for (int l = 0; l < config.n_layer; l++) full->block_forward(l, units[block_unit(l)].data());
-      full->host_head_forward(units[ROOT_UNIT].data(), batch.targets.data());
+      full->host_head_forward(units[ROOT_UNIT].data(), batch);
       std::vector<double> probs(config.vocab_size), logits(config.vocab_size);
-      full->copy_head_probs(T - 1, probs.data());
+      full->token_logits()->copy_head_probs(T - 1, probs.data());
       auto step = make_model<double>(table, 1, 1, false, cpu_layer_ops<double>());
-      step->begin_decode(T, 4);
+      step->kv_decoder()->begin_decode(T, 4);
       for (int start = 0; start < T; start += 4) {  // 4 tokens, then 2
         const int n = std::min(4, T - start);
-        step->decode_embed(units[ROOT_UNIT].data(), batch.tokens.data() + start, n);
-        for (int l = 0; l < config.n_layer; l++) step->decode_block(l, units[block_unit(l)].data());
+        step->kv_decoder()->decode_embed(units[ROOT_UNIT].data(), batch.get<int>(BATCH_TOKENS, T) + start, n);
+        for (int l = 0; l < config.n_layer; l++) step->kv_decoder()->decode_block(l, units[block_unit(l)].data());
       }
-      step->decode_head(units[ROOT_UNIT].data(), logits.data());
+      step->kv_decoder()->decode_head(units[ROOT_UNIT].data(), logits.data());
       double max = logits[0], sum = 0;
       for (double x : logits) max = std::max(max, x);
       for (double x : logits) sum += std::exp(x - max);

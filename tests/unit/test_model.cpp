@@ -40,9 +40,9 @@ std::string arch_case_name(const ::testing::TestParamInfo<ArchCase>& info) { ret
 template <typename Real>
 double forward_loss(TransformerModel<Real>& model, const ParamTable& table, const std::vector<std::vector<Real>>& units,
                     const Batch& batch) {
-  model.embed_forward(units[ROOT_UNIT].data(), batch.tokens.data());
+  model.embed_forward(units[ROOT_UNIT].data(), batch);
   for (int l = 0; l < table.config().n_layer; l++) model.block_forward(l, units[block_unit(l)].data());
-  return model.host_head_forward(units[ROOT_UNIT].data(), batch.targets.data());
+  return model.host_head_forward(units[ROOT_UNIT].data(), batch);
 }
 
 template <typename Real>
@@ -56,7 +56,7 @@ double loss_and_grads(TransformerModel<Real>& model, const ParamTable& table, st
     u.push_back(unit.data());
     g.push_back(grads.back().data());
   }
-  return forward_backward_unsharded(model, table, u, g, batch.tokens.data(), batch.targets.data(), dloss);
+  return forward_backward_unsharded(model, table, u, g, batch, dloss);
 }
 
 }  // namespace

@@ -115,6 +115,8 @@ class Gpt2Family final : public ModelFamily {
     return {{C, 3 * C}, {C, C}, {C, 4 * C}, {4 * C, C}, {C, c.vocab_size}};
   }
   NormKind norm_kind() const override { return NORM_LAYER; }
+  bool kv_decoding() const override { return true; }
+  bool token_logits() const override { return true; }
 
   std::vector<LinearSite> linear_sites(const ModelConfig& c, const std::string&) const override {
     const int C = c.n_embd;

@@ -40,8 +40,8 @@ std::vector<size_t> GptModel<Real>::saved_tensor_elements(const ModelConfig& c, 
 }
 
 template <typename Real>
-void GptModel<Real>::embed_forward(const Real* root, const int* tokens) {
-  ops_.device().copy_to_device(tokens_.data(), tokens, tokens_.bytes());
+void GptModel<Real>::embed_forward(const Real* root, const Batch& batch) {
+  this->upload_tokens(batch);
   ops_.encoder_forward(resid_[0].data(), tokens_.data(), param_in(table_, root, ROOT_UNIT, ROOT_WTE),
                        param_in(table_, root, ROOT_UNIT, ROOT_WPE), B_, T_, cfg_.n_embd);
 }
@@ -95,7 +95,7 @@ void GptModel<Real>::head_backward(Real* g, const Real* root, Real dloss) {
   const int N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size;
   auto R = [&](Gpt2RootParam p) { return param_in(table_, root, ROOT_UNIT, p); };
   auto G = [&](Gpt2RootParam p) { return grad_in(table_, g, ROOT_UNIT, p); };
-  this->head_loss_.backward(ops_, probs_.data(), targets_.data(), dloss, N, V);
+  this->loss_backward(dloss);
   ops_.matmul_backward(dln_.data(), G(ROOT_WTE), static_cast<Real*>(nullptr), probs_.data(), lnf_.data(), R(ROOT_WTE),
                        N, C, V);
   dresid_.zero();

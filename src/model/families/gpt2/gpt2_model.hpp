@@ -19,7 +19,7 @@ class GptModel : public DecoderLM<Real> {
   // Elements of each of a layer's saved tensors (SavedActivations' sizes).
   static std::vector<size_t> saved_tensor_elements(const ModelConfig& config, int batch, int seq_len);
 
-  void embed_forward(const Real* root, const int* tokens) override;
+  void embed_forward(const Real* root, const Batch& batch) override;
   void block_forward(int layer, const Real* block) override;
   void head_backward(Real* root_grad, const Real* root, Real dloss) override;
   void block_backward(int layer, Real* block_grad, const Real* block) override;

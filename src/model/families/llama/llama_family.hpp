@@ -44,6 +44,8 @@ class LlamaFamily : public ModelFamily {
   size_t plan_decode_elements(const ModelConfig& config, int max_len, int max_chunk) const override;
   std::vector<LinearShape> gemm_shapes(const ModelConfig& config) const override;
   NormKind norm_kind() const override { return NORM_RMS; }
+  bool kv_decoding() const override { return true; }
+  bool token_logits() const override { return true; }
 
   std::vector<LinearSite> linear_sites(const ModelConfig& config, const std::string& kind) const override;
   std::string module_path(int layer, const LinearSite& site) const override;

@@ -62,8 +62,8 @@ std::vector<size_t> LlamaModel<Real>::saved_tensor_elements(const ModelConfig& c
 }
 
 template <typename Real>
-void LlamaModel<Real>::embed_forward(const Real* root, const int* tokens) {
-  ops_.device().copy_to_device(tokens_.data(), tokens, tokens_.bytes());
+void LlamaModel<Real>::embed_forward(const Real* root, const Batch& batch) {
+  this->upload_tokens(batch);
   ops_.encoder_forward(resid_[0].data(), tokens_.data(), param_in(table_, root, ROOT_UNIT, LLAMA_EMBED), nullptr, B_,
                        T_, cfg_.n_embd);
 }
@@ -115,7 +115,7 @@ const Real* LlamaModel<Real>::head_logits(const Real* root) {
 template <typename Real>
 void LlamaModel<Real>::head_backward(Real* g, const Real* root, Real dloss) {
   const int N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size;
-  this->head_loss_.backward(ops_, probs_.data(), targets_.data(), dloss, N, V);
+  this->loss_backward(dloss);
   ops_.matmul_backward(dln_.data(), grad_in(table_, g, ROOT_UNIT, head_param()), nullptr, probs_.data(), lnf_.data(),
                        param_in(table_, root, ROOT_UNIT, head_param()), N, C, V);
   dresid_.zero();
