@@ -9,6 +9,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
+#include <string>
 
 #include "backend/device.hpp"
 #include "backend/dtype.hpp"
@@ -21,11 +23,24 @@ struct LinearShape {
   int in = 0, out = 0;
 };
 
+// What a backend that lacks a layer throws when a model calls it.
+struct MissingOp : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 template <typename Real>
 class LayerOps {
  public:
   virtual ~LayerOps() = default;
   virtual Device& device() const = 0;
+
+ protected:
+  [[noreturn]] static void missing_op(const char* op) {
+    throw MissingOp(std::string("this compute backend has no ") + op +
+                    " layer (a diffusion transformer's): train this model on the CPU backend (train.device=cpu)");
+  }
+
+ public:
 
   // Layers (backend/cpu/ops.hpp). attention_forward saves lse (B*NH*T elements: O(T) memory, no
   // T x T probabilities); attention_backward takes it and the forward's out.
@@ -73,6 +88,53 @@ class LayerOps {
   virtual void gelu_forward(Real* out, const Real* inp, size_t n) const = 0;
   virtual void gelu_backward(Real* dinp, const Real* dout, const Real* inp, size_t n) const = 0;
   virtual void residual_forward(Real* out, const Real* a, const Real* b, size_t n) const = 0;
+  // A diffusion transformer's layers (model/families/flux; exact rules in backend/cpu/ops.hpp):
+  // attention over every position (no causal mask), the rotary turn of interleaved pairs,
+  // adaptive LayerNorm with per-sample shift and scale rows `ld` apart, gated residuals, SiLU, the
+  // squared error of a regression head, and a strided row copy. Not pure: a backend without them
+  // (CUDA, for now) refuses such a model when it runs one (MissingOp).
+  virtual void bidirectional_attention_forward(Real* out, Real* lse, const Real* qkv, int B, int T, int NH,
+                                               int HS) const {
+    missing_op("bidirectional attention");
+  }
+  virtual void bidirectional_attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Real* out,
+                                                const Real* lse, int B, int T, int NH, int HS) const {
+    missing_op("bidirectional attention");
+  }
+  virtual void rope_pairs_forward(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV,
+                                  int HS) const {
+    missing_op("rope_pairs");
+  }
+  virtual void rope_pairs_backward(Real* dqkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV,
+                                   int HS) const {
+    missing_op("rope_pairs");
+  }
+  virtual void modulate_forward(Real* out, Real* mean, Real* rstd, const Real* inp, const Real* shift,
+                                const Real* scale, int ld, int B, int T, int C, Real eps) const {
+    missing_op("modulate");
+  }
+  virtual void modulate_backward(Real* dinp, Real* dshift, Real* dscale, const Real* dout, const Real* inp,
+                                 const Real* scale, const Real* mean, const Real* rstd, int ld, int B, int T,
+                                 int C) const {
+    missing_op("modulate");
+  }
+  virtual void gate_forward(Real* out, const Real* resid, const Real* y, const Real* gate, int ld, int B, int T,
+                            int C) const {
+    missing_op("gate");
+  }
+  virtual void gate_backward(Real* dy, Real* dgate, const Real* dout, const Real* y, const Real* gate, int ld, int B,
+                             int T, int C) const {
+    missing_op("gate");
+  }
+  virtual void silu_forward(Real* out, const Real* inp, size_t n) const { missing_op("silu"); }
+  virtual void silu_backward(Real* dinp, const Real* dout, const Real* inp, size_t n) const { missing_op("silu"); }
+  virtual void squared_error_forward(Real* losses, Real* out_to_grad, const Real* target, int N, int W) const {
+    missing_op("squared_error");
+  }
+  virtual void copy_rows(Real* dst, int ld_dst, const Real* src, int ld_src, int rows, int cols) const {
+    missing_op("copy_rows");
+  }
+
   // DoRA's per-output-feature arithmetic (backend/cpu/ops.hpp): row norms of a dense matrix, a
   // column-wise affine map and a column-wise dot product over a strided slice, a quotient.
   virtual void row_norms(Real* out, const Real* x, int rows, int cols) const = 0;

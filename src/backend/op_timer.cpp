@@ -136,6 +136,54 @@ class TimedLayerOps final : public LayerOps<float> {
     timed("attention_decode",
           [&] { inner_.attention_decode(out, scratch, k_cache, v_cache, qkv, Q, start, NH, KV, HS); });
   }
+  void bidirectional_attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH,
+                                       int HS) const override {
+    timed("bidirectional_attention_forward",
+          [&] { inner_.bidirectional_attention_forward(out, lse, qkv, B, T, NH, HS); });
+  }
+  void bidirectional_attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
+                                        const float* lse, int B, int T, int NH, int HS) const override {
+    timed("bidirectional_attention_backward",
+          [&] { inner_.bidirectional_attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, HS); });
+  }
+  void rope_pairs_forward(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int KV,
+                          int HS) const override {
+    timed("rope_pairs_forward", [&] { inner_.rope_pairs_forward(qkv, cos, sin, B, T, NH, KV, HS); });
+  }
+  void rope_pairs_backward(float* dqkv, const float* cos, const float* sin, int B, int T, int NH, int KV,
+                           int HS) const override {
+    timed("rope_pairs_backward", [&] { inner_.rope_pairs_backward(dqkv, cos, sin, B, T, NH, KV, HS); });
+  }
+  void modulate_forward(float* out, float* mean, float* rstd, const float* inp, const float* shift,
+                        const float* scale, int ld, int B, int T, int C, float eps) const override {
+    timed("modulate_forward", [&] { inner_.modulate_forward(out, mean, rstd, inp, shift, scale, ld, B, T, C, eps); });
+  }
+  void modulate_backward(float* dinp, float* dshift, float* dscale, const float* dout, const float* inp,
+                         const float* scale, const float* mean, const float* rstd, int ld, int B, int T,
+                         int C) const override {
+    timed("modulate_backward",
+          [&] { inner_.modulate_backward(dinp, dshift, dscale, dout, inp, scale, mean, rstd, ld, B, T, C); });
+  }
+  void gate_forward(float* out, const float* resid, const float* y, const float* gate, int ld, int B, int T,
+                    int C) const override {
+    timed("gate_forward", [&] { inner_.gate_forward(out, resid, y, gate, ld, B, T, C); });
+  }
+  void gate_backward(float* dy, float* dgate, const float* dout, const float* y, const float* gate, int ld, int B,
+                     int T, int C) const override {
+    timed("gate_backward", [&] { inner_.gate_backward(dy, dgate, dout, y, gate, ld, B, T, C); });
+  }
+  void silu_forward(float* out, const float* inp, size_t n) const override {
+    timed("silu_forward", [&] { inner_.silu_forward(out, inp, n); });
+  }
+  void silu_backward(float* dinp, const float* dout, const float* inp, size_t n) const override {
+    timed("silu_backward", [&] { inner_.silu_backward(dinp, dout, inp, n); });
+  }
+  void squared_error_forward(float* losses, float* out_to_grad, const float* target, int N, int W) const override {
+    timed("squared_error_forward", [&] { inner_.squared_error_forward(losses, out_to_grad, target, N, W); });
+  }
+  void copy_rows(float* dst, int ld_dst, const float* src, int ld_src, int rows, int cols) const override {
+    timed("copy_rows", [&] { inner_.copy_rows(dst, ld_dst, src, ld_src, rows, cols); });
+  }
   void swiglu_forward(float* out, const float* gate_up, int N, int I) const override {
     timed("swiglu_forward", [&] { inner_.swiglu_forward(out, gate_up, N, I); });
   }

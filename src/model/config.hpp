@@ -22,6 +22,15 @@ struct ModelConfig {
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
   bool tie_embeddings = true;  // LM head = token embedding; false: its own lm_head.weight
+  // flux's (model/families/flux): n_layer double-stream blocks then n_single_layer single-stream
+  // ones; n_embd = n_head x head size; max_seq_len bounds the image tokens per sample.
+  int n_single_layer = 0;
+  int in_channels = 64;    // packed latent channels (16 VAE channels x 2 x 2 patches)
+  int context_dim = 4096;  // text-encoder (T5) width
+  int context_len = 512;   // text tokens per sample
+  int pooled_dim = 768;    // pooled text vector (CLIP) width
+  bool guidance_embeds = true;  // a guidance embedder (dev, Kontext); schnell has none
+  std::string rope_axes = "16,56,56";  // widths of the rotary axes (position ids' three coordinates)
 
   int head_size() const { return n_embd / n_head; }
   int kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }

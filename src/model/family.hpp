@@ -92,6 +92,9 @@ void require_capability(const ModelConfig& config, const std::string& use, const
   // the order its constructor allocates them (the planner's allocation list).
   virtual std::vector<size_t> activation_arrays(const ModelConfig& config, int batch, int seq_len,
                                                 bool activation_checkpointing) const = 0;
+  // Bytes of the integer arrays its model allocates besides those (a language model's token ids
+  // and targets).
+  virtual size_t id_bytes(const ModelConfig&, int /*batch*/, int /*seq_len*/) const { return 0; }
   // Elements of each of a layer's saved tensors (SavedActivations' sizes).
   virtual std::vector<size_t> saved_tensor_elements(const ModelConfig& config, int batch, int seq_len) const = 0;
   // Elements of a decode state (KvDecoder::begin_decode), its tokens and adapters aside.

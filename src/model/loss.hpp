@@ -54,6 +54,23 @@ class CrossEntropyLoss final : public Loss<Real> {
   }
 };
 
+// Mean squared error of each output element against its target value (a diffusion model's
+// flow-matching regression): the loss averages over every element of every row.
+template <typename Real>
+class SquaredErrorLoss final : public Loss<Real> {
+ public:
+  int units_per_row(int width) const override { return width; }
+  void forward(const LayerOps<Real>& ops, Real* losses, Real* output, const LossTargets<Real>& t, int rows,
+               int width) const override {
+    ops.squared_error_forward(losses, output, t.values, rows, width);
+  }
+  // forward left the gradient of the summed loss itself.
+  void backward(const LayerOps<Real>& ops, Real* output, const LossTargets<Real>&, Real dloss, int rows,
+                int width) const override {
+    ops.scale(output, static_cast<size_t>(rows) * width, dloss);
+  }
+};
+
 // Knowledge distillation (docs/distillation.md): alpha CE + (1 - alpha) T^2 KL(teacher_T ||
 // student_T) per row (LayerOps::distill_loss_forward), against the logits a teacher gives for the
 // same micro-batch (rows x width in the device's memory, kept until the next prepare).

@@ -21,14 +21,14 @@ std::vector<size_t> plan_saved_tensor_elements(const ModelConfig& config, int ba
 size_t plan_activation_bytes(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
                              size_t real_bytes, DType activation_dtype) {
   const ModelConfig& config = table.config();
+  const ModelFamily& family = family_of(config);
   size_t elements = 0;
-  for (size_t n : family_of(config).activation_arrays(config, batch, seq_len, activation_checkpointing)) elements += n;
+  for (size_t n : family.activation_arrays(config, batch, seq_len, activation_checkpointing)) elements += n;
   const std::vector<size_t> saved = plan_saved_tensor_elements(config, batch, seq_len);
   const int saved_layers = activation_checkpointing ? 1 : config.n_layer;
   return elements * real_bytes +
          SavedActivations<float>::plan_bytes(activation_dtype, saved_layers, saved, real_bytes) +
-         plan_adapter_bytes(table, batch * seq_len, real_bytes) +
-         2 * static_cast<size_t>(batch) * seq_len * sizeof(int);  // + tokens, targets
+         plan_adapter_bytes(table, batch * seq_len, real_bytes) + family.id_bytes(config, batch, seq_len);
 }
 
 size_t plan_decode_bytes(const ParamTable& table, int max_len, int max_chunk, size_t real_bytes) {

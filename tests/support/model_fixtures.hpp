@@ -64,6 +64,16 @@ double central_difference(double& x, Loss loss) {
   return (up - down) / (2 * h);
 }
 
+// FLUX: 2 double- and 2 single-stream blocks, C=16, H=2 (head 8 = rotary axes 2+2+4), 4 latent
+// channels, 3 text tokens of 6, a pooled vector of 5, guidance; image tokens up to 16.
+inline ModelConfig tiny_flux_config() {
+  ModelConfig c;
+  c.arch = "flux", c.n_layer = 2, c.n_single_layer = 2, c.n_embd = 16, c.n_head = 2, c.max_seq_len = 16;
+  c.in_channels = 4, c.context_dim = 6, c.context_len = 3, c.pooled_dim = 5, c.rope_axes = "2,2,4";
+  c.norm_eps = 1e-6;
+  return c;
+}
+
 // A language model's micro-batch of B sequences of T tokens (model/batch.hpp) from host vectors.
 inline Batch token_batch(const std::vector<int>& tokens, const std::vector<int>& targets, int B, int T) {
   Batch b;
@@ -77,6 +87,31 @@ inline Batch make_batch(int B, int T, int V) {
   std::vector<int> tokens(B * T), targets(B * T);
   for (int i = 0; i < B * T; i++) tokens[i] = (i * 5 + 3) % V, targets[i] = (i * 7 + 1) % V;
   return token_batch(tokens, targets, B, T);
+}
+
+// A FLUX micro-batch (model/families/flux/flux_family.hpp's tensors) of B samples of a rows x cols
+// latent grid: values from the counter stream keyed by `salt`, sigma in (0, 1), guidance 3.5, image
+// ids (0, row, col), text ids 0.
+inline Batch make_flux_batch(const ModelConfig& c, int B, int rows, int cols, uint64_t salt) {
+  Batch b;
+  const int N = rows * cols, L = c.context_len;
+  auto fill = [&](const char* name, std::vector<int64_t> shape, double scale, uint64_t key) {
+    float* x = b.put<float>(name, shape);
+    size_t n = 1;
+    for (int64_t d : shape) n *= static_cast<size_t>(d);
+    for (size_t i = 0; i < n; i++) x[i] = static_cast<float>(scale * counter_normal(salt + key, i));
+  };
+  fill("hidden_states", {B, N, c.in_channels}, 1.0, 1);
+  fill("encoder_hidden_states", {B, L, c.context_dim}, 1.0, 2);
+  fill("pooled_projections", {B, c.pooled_dim}, 1.0, 3);
+  fill("target", {B, N, c.in_channels}, 1.0, 4);
+  float* sigma = b.put<float>("timestep", {B});
+  float* guidance = b.put<float>("guidance", {B});
+  for (int i = 0; i < B; i++) sigma[i] = 0.1f + 0.8f * static_cast<float>(i + 1) / (B + 1), guidance[i] = 3.5f;
+  float* img = b.put<float>("img_ids", {N, 3});
+  for (int i = 0; i < N; i++) img[3 * i] = 0, img[3 * i + 1] = static_cast<float>(i / cols), img[3 * i + 2] = static_cast<float>(i % cols);
+  b.put<float>("txt_ids", {L, 3});
+  return b;
 }
 
 }  // namespace shardtrain::testing

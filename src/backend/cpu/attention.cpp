@@ -1,4 +1,5 @@
-// Causal self-attention with grouped-query heads, its one-query-row form against a key/value cache
+// Self-attention with grouped-query heads (causal, or over every position: a diffusion
+// transformer's joint attention), its one-query-row form against a key/value cache
 // (generation), and the rotary embedding applied to its q and k.
 //
 // Training attention is tiled (flash-attention's algorithm) so that no T x T matrix exists: memory
@@ -50,15 +51,19 @@ HeadView head_view(int T, int NH, int KV, int HS) {
 
 int tiles_of(int n, int tile) { return (n + tile - 1) / tile; }
 
-// Keys of a (query rows t0.., key columns k0..) tile that row t may see: s <= t, within [0, nk).
-int visible_keys(int t, int k0, int nk) { return std::clamp(t - k0 + 1, 0, nk); }
+// Keys of a (query rows t0.., key columns k0..) tile that row t may see: causally s <= t, within
+// [0, nk); without the mask all nk.
+int visible_keys(int t, int k0, int nk, bool causal) { return causal ? std::clamp(t - k0 + 1, 0, nk) : nk; }
+
+// The end of the keys a query tile [t0, t0 + nq) attends to: its last row's, causally.
+int keys_end(int t0, int nq, int T, bool causal) { return causal ? t0 + nq : T; }
 
 // P = exp(S - lse_t) on the visible keys of each of the nq rows of the (nq, nk) tile, 0 elsewhere.
 template <typename Real>
-void probabilities(Real* p, int nq, int nk, int t0, int k0, const Real* lse) {
+void probabilities(Real* p, int nq, int nk, int t0, int k0, const Real* lse, bool causal) {
   for (int i = 0; i < nq; i++) {
     Real* r = p + static_cast<size_t>(i) * nk;
-    const int n = visible_keys(t0 + i, k0, nk);
+    const int n = visible_keys(t0 + i, k0, nk, causal);
     const Real shift = lse[i];
 #pragma omp simd
     for (int j = 0; j < n; j++) r[j] = exp_fast(r[j] - shift);
@@ -82,7 +87,7 @@ void score_gradient(Real* dp, const Real* p, int nq, int nk, const Real* D) {
 
 template <typename Real>
 void attention_forward(Real* out, Real* lse, const Real* qkv, int B, int T, int NH, int KV, int HS,
-                       AttentionTiles tiles) {
+                       AttentionTiles tiles, bool causal) {
   const HeadView V = head_view(T, NH, KV, HS);
   const Real scale = Real(1) / std::sqrt(Real(HS));
   const int BQ = tiles.query, BK = tiles.key, q_tiles = tiles_of(T, BQ), tasks = B * NH * q_tiles;
@@ -97,13 +102,14 @@ void attention_forward(Real* out, Real* lse, const Real* qkv, int B, int T, int 
       const Real* k = qkv + V.k_offset(b, kv);
       const Real* v = qkv + V.v_offset(b, kv);
       std::fill(acc.begin(), acc.begin() + static_cast<size_t>(nq) * HS, Real(0));
-      for (int k0 = 0; k0 < t0 + nq; k0 += BK) {
-        const int nk = std::min(BK, t0 + nq - k0);  // keys past the tile's last query are all masked
+      const int k_end = keys_end(t0, nq, T, causal);  // causally, keys past the tile's last query are masked
+      for (int k0 = 0; k0 < k_end; k0 += BK) {
+        const int nk = std::min(BK, k_end - k0);
         gemm(false, true, nq, nk, HS, scale, q, V.row, k + static_cast<size_t>(k0) * V.row, V.row, Real(0), s.data(),
              nk);
         for (int i = 0; i < nq; i++) {
           Real* r = s.data() + static_cast<size_t>(i) * nk;
-          const int n = visible_keys(t0 + i, k0, nk);
+          const int n = visible_keys(t0 + i, k0, nk, causal);
           // The first key tile holds key 0, visible to every row: m is finite from then on.
           Real row_max = k0 == 0 ? r[0] : m[i];
 #pragma omp simd reduction(max : row_max)
@@ -141,7 +147,7 @@ void attention_forward(Real* out, Real* lse, const Real* qkv, int B, int T, int 
 
 template <typename Real>
 void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Real* out, const Real* lse, int B, int T,
-                        int NH, int KV, int HS, AttentionTiles tiles) {
+                        int NH, int KV, int HS, AttentionTiles tiles, bool causal) {
   const HeadView V = head_view(T, NH, KV, HS);
   const Real scale = Real(1) / std::sqrt(Real(HS));
   const int BQ = tiles.query, BK = tiles.key;
@@ -163,7 +169,8 @@ void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Rea
   {
     std::vector<Real> p(static_cast<size_t>(BQ) * BK), dp(p.size());
     std::vector<Real> dk(static_cast<size_t>(BK) * HS), dv(dk.size()), dq(static_cast<size_t>(BQ) * HS);
-    // dK, dV of key tile [k0, k0 + nk): every query head of the group, every query row t >= k0.
+    // dK, dV of key tile [k0, k0 + nk): every query head of the group, every query row that sees it
+    // (causally t >= k0).
 #pragma omp for schedule(dynamic, 1) nowait
     for (int task = 0; task < B * KV * k_tiles; task++) {
       const int kt = task % k_tiles, bkv = task / k_tiles, b = bkv / KV, kv = bkv % KV;  // first tiles first
@@ -173,13 +180,14 @@ void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Rea
       for (int g = 0; g < V.group; g++) {
         const int h = kv * V.group + g;
         const Real beta0 = g == 0 ? Real(0) : Real(1);  // the first product writes dk, dv; the rest add
-        for (int t0 = k0; t0 < T; t0 += BQ) {
+        const int t_begin = causal ? k0 : 0;
+        for (int t0 = t_begin; t0 < T; t0 += BQ) {
           const int nq = std::min(BQ, T - t0);
-          const Real beta = t0 == k0 ? beta0 : Real(1);
+          const Real beta = t0 == t_begin ? beta0 : Real(1);
           const Real* q = qkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row;
           const Real* dy = dout + V.y_offset(b, h) + static_cast<size_t>(t0) * V.C;
           gemm(false, true, nq, nk, HS, scale, q, V.row, k, V.row, Real(0), p.data(), nk);
-          probabilities(p.data(), nq, nk, t0, k0, lse + V.stat_offset(b, h) + t0);
+          probabilities(p.data(), nq, nk, t0, k0, lse + V.stat_offset(b, h) + t0, causal);
           gemm(true, false, nk, HS, nq, Real(1), p.data(), nk, dy, V.C, beta, dv.data(), HS);  // dv += P^T dy
           gemm(false, true, nq, nk, HS, Real(1), dy, V.C, v, V.row, Real(0), dp.data(), nk);   // dP = dy v^T
           score_gradient(dp.data(), p.data(), nq, nk, D.data() + V.stat_offset(b, h) + t0);
@@ -193,19 +201,20 @@ void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Rea
         std::memcpy(dv_out + static_cast<size_t>(j) * V.row, dv.data() + static_cast<size_t>(j) * HS, HS * sizeof(Real));
       }
     }
-    // dQ of query tile [t0, t0 + nq): the key tiles up to the diagonal, in order.
+    // dQ of query tile [t0, t0 + nq): the key tiles it sees (causally up to the diagonal), in order.
 #pragma omp for schedule(dynamic, 1)
     for (int task = 0; task < B * NH * q_tiles; task++) {
       const int qt = q_tiles - 1 - task % q_tiles, bh = task / q_tiles, b = bh / NH, h = bh % NH;  // last tiles first
       const int t0 = qt * BQ, nq = std::min(BQ, T - t0), kv = h / V.group;
       const Real* q = qkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row;
       const Real* dy = dout + V.y_offset(b, h) + static_cast<size_t>(t0) * V.C;
-      for (int k0 = 0; k0 < t0 + nq; k0 += BK) {
-        const int nk = std::min(BK, t0 + nq - k0);
+      const int k_end = keys_end(t0, nq, T, causal);
+      for (int k0 = 0; k0 < k_end; k0 += BK) {
+        const int nk = std::min(BK, k_end - k0);
         const Real* k = qkv + V.k_offset(b, kv) + static_cast<size_t>(k0) * V.row;
         const Real* v = qkv + V.v_offset(b, kv) + static_cast<size_t>(k0) * V.row;
         gemm(false, true, nq, nk, HS, scale, q, V.row, k, V.row, Real(0), p.data(), nk);
-        probabilities(p.data(), nq, nk, t0, k0, lse + V.stat_offset(b, h) + t0);
+        probabilities(p.data(), nq, nk, t0, k0, lse + V.stat_offset(b, h) + t0, causal);
         gemm(false, true, nq, nk, HS, Real(1), dy, V.C, v, V.row, Real(0), dp.data(), nk);
         score_gradient(dp.data(), p.data(), nq, nk, D.data() + V.stat_offset(b, h) + t0);
         gemm(false, false, nq, HS, nk, scale, dp.data(), nk, k, V.row, k0 == 0 ? Real(0) : Real(1), dq.data(), HS);
@@ -290,9 +299,9 @@ void rope_backward(Real* dqkv, const Real* cos, const Real* sin, int B, int T, i
 }
 
 #define INSTANTIATE(Real)                                                                                       \
-  template void attention_forward<Real>(Real*, Real*, const Real*, int, int, int, int, int, AttentionTiles);     \
+  template void attention_forward<Real>(Real*, Real*, const Real*, int, int, int, int, int, AttentionTiles, bool); \
   template void attention_backward<Real>(Real*, const Real*, const Real*, const Real*, const Real*, int, int, int, \
-                                         int, int, AttentionTiles);                                             \
+                                         int, int, AttentionTiles, bool);                                       \
   template void attention_decode<Real>(Real*, Real*, Real*, Real*, const Real*, int, int, int, int, int);         \
   template void rope_forward<Real>(Real*, const Real*, const Real*, int, int, int, int, int);                    \
   template void rope_backward<Real>(Real*, const Real*, const Real*, int, int, int, int, int);

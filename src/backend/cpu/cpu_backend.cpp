@@ -93,6 +93,48 @@ class CpuLayerOps : public LayerOps<Real> {
                         int NH, int KV, int HS) const override {
     cpu::attention_decode(out, scratch, k_cache, v_cache, qkv, Q, start, NH, KV, HS);
   }
+  void bidirectional_attention_forward(Real* out, Real* lse, const Real* qkv, int B, int T, int NH,
+                                       int HS) const override {
+    cpu::attention_forward(out, lse, qkv, B, T, NH, NH, HS, cpu::AttentionTiles(), false);
+  }
+  void bidirectional_attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Real* out,
+                                        const Real* lse, int B, int T, int NH, int HS) const override {
+    cpu::attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NH, HS, cpu::AttentionTiles(), false);
+  }
+  void rope_pairs_forward(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV,
+                          int HS) const override {
+    cpu::rope_pairs_forward(qkv, cos, sin, B, T, NH, KV, HS);
+  }
+  void rope_pairs_backward(Real* dqkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV,
+                           int HS) const override {
+    cpu::rope_pairs_backward(dqkv, cos, sin, B, T, NH, KV, HS);
+  }
+  void modulate_forward(Real* out, Real* mean, Real* rstd, const Real* inp, const Real* shift, const Real* scale,
+                        int ld, int B, int T, int C, Real eps) const override {
+    cpu::modulate_forward(out, mean, rstd, inp, shift, scale, ld, B, T, C, eps);
+  }
+  void modulate_backward(Real* dinp, Real* dshift, Real* dscale, const Real* dout, const Real* inp, const Real* scale,
+                         const Real* mean, const Real* rstd, int ld, int B, int T, int C) const override {
+    cpu::modulate_backward(dinp, dshift, dscale, dout, inp, scale, mean, rstd, ld, B, T, C);
+  }
+  void gate_forward(Real* out, const Real* resid, const Real* y, const Real* gate, int ld, int B, int T,
+                    int C) const override {
+    cpu::gate_forward(out, resid, y, gate, ld, B, T, C);
+  }
+  void gate_backward(Real* dy, Real* dgate, const Real* dout, const Real* y, const Real* gate, int ld, int B, int T,
+                     int C) const override {
+    cpu::gate_backward(dy, dgate, dout, y, gate, ld, B, T, C);
+  }
+  void silu_forward(Real* out, const Real* inp, size_t n) const override { cpu::silu_forward(out, inp, n); }
+  void silu_backward(Real* dinp, const Real* dout, const Real* inp, size_t n) const override {
+    cpu::silu_backward(dinp, dout, inp, n);
+  }
+  void squared_error_forward(Real* losses, Real* out_to_grad, const Real* target, int N, int W) const override {
+    cpu::squared_error_forward(losses, out_to_grad, target, N, W);
+  }
+  void copy_rows(Real* dst, int ld_dst, const Real* src, int ld_src, int rows, int cols) const override {
+    cpu::copy_rows(dst, ld_dst, src, ld_src, rows, cols);
+  }
   void rmsnorm_forward(Real* out, Real* rstd, const Real* inp, const Real* weight, Real eps, int N,
                        int C) const override {
     cpu::rmsnorm_forward(out, rstd, inp, weight, eps, N, C);

@@ -67,13 +67,15 @@ void matmul_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout, c
 struct AttentionTiles {
   int query = 64, key = 128;
 };
+// causal = false: every query row attends to all T keys (a diffusion transformer's joint
+// attention); lse then sums over all of them.
 template <typename Real>
 void attention_forward(Real* out, Real* lse, const Real* qkv, int B, int T, int NH, int KV, int HS,
-                       AttentionTiles tiles = AttentionTiles());
+                       AttentionTiles tiles = AttentionTiles(), bool causal = true);
 // dqkv(B,T,(NH+2KV)*HS) = gradient w.r.t. qkv (written), given the forward's out and lse.
 template <typename Real>
 void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Real* out, const Real* lse, int B,
-                        int T, int NH, int KV, int HS, AttentionTiles tiles = AttentionTiles());
+                        int T, int NH, int KV, int HS, AttentionTiles tiles = AttentionTiles(), bool causal = true);
 
 // Attention for generation with a key/value cache (one sequence). qkv(Q,(NH+2KV)*HS) holds Q new
 // tokens at positions start..start+Q-1, laid out as above (rope already applied). Their k and v
@@ -94,6 +96,51 @@ void rope_forward(Real* qkv, const Real* cos, const Real* sin, int B, int T, int
 // In place on dqkv: the inverse turn (the rotation's transpose), giving the gradient before rope.
 template <typename Real>
 void rope_backward(Real* dqkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS);
+
+// FLUX's rotary embedding (model/families/flux): in each q and k head vector of qkv (layout as
+// attention) the interleaved pairs (x[2i], x[2i+1]) turn by the angle with cos[t][i], sin[t][i]
+// (tables (T, HS/2), from the tokens' position ids):
+//   x[2i] <- x[2i] cos - x[2i+1] sin,  x[2i+1] <- x[2i+1] cos + x[2i] sin.
+template <typename Real>
+void rope_pairs_forward(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS);
+// In place on dqkv: the inverse turn.
+template <typename Real>
+void rope_pairs_backward(Real* dqkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS);
+
+// Adaptive LayerNorm (FLUX's AdaLayerNormZero / Continuous): LayerNorm without affine (eps) of
+// each of the B*T rows of inp(B,T,C), then modulated per sample:
+//   out[b,t,:] = xhat * (1 + scale[b,:]) + shift[b,:],  xhat = (inp - mean) * rstd;
+// shift and scale are rows of `ld` elements apart (chunks of a modulation product). Saves
+// mean, rstd (B*T).
+template <typename Real>
+void modulate_forward(Real* out, Real* mean, Real* rstd, const Real* inp, const Real* shift, const Real* scale,
+                      int ld, int B, int T, int C, Real eps);
+// dinp += (accumulated: the residual stream), dshift[b,:] += sum_t dout, dscale[b,:] += sum_t
+// dout * xhat (rows `ld` apart, either may be null).
+template <typename Real>
+void modulate_backward(Real* dinp, Real* dshift, Real* dscale, const Real* dout, const Real* inp, const Real* scale,
+                       const Real* mean, const Real* rstd, int ld, int B, int T, int C);
+// Gated residual: out[b,t,:] = resid[b,t,:] + gate[b,:] * y[b,t,:] (out may be resid; gate rows
+// `ld` apart).
+template <typename Real>
+void gate_forward(Real* out, const Real* resid, const Real* y, const Real* gate, int ld, int B, int T, int C);
+// dy = gate * dout (written), dgate[b,:] += sum_t dout * y (may be null). The residual's gradient
+// is dout itself.
+template <typename Real>
+void gate_backward(Real* dy, Real* dgate, const Real* dout, const Real* y, const Real* gate, int ld, int B, int T,
+                   int C);
+// out = silu(inp) = inp * sigmoid(inp); dinp = dout * silu'(inp) (written).
+template <typename Real>
+void silu_forward(Real* out, const Real* inp, size_t n);
+template <typename Real>
+void silu_backward(Real* dinp, const Real* dout, const Real* inp, size_t n);
+// Squared error of N rows of W values against target: losses[r] = sum_j (out - target)^2 and, in
+// place of out, that sum's gradient 2 (out - target).
+template <typename Real>
+void squared_error_forward(Real* losses, Real* out_to_grad, const Real* target, int N, int W);
+// dst rows of `cols` elements, `ld_dst` apart, from src rows `ld_src` apart.
+template <typename Real>
+void copy_rows(Real* dst, int ld_dst, const Real* src, int ld_src, int rows, int cols);
 
 // SwiGLU: out(N,I) = silu(gate) * up, where each row of gate_up(N,2I) holds gate (I) | up (I).
 template <typename Real>

@@ -1,5 +1,6 @@
 // The registry of model families (model/family.hpp): adding a family is its folder and one line here.
 #include "core/error.hpp"
+#include "model/families/flux/flux_family.hpp"
 #include "model/families/gpt2/gpt2_family.hpp"
 #include "model/families/llama/llama_family.hpp"
 #include "model/families/qwen2/qwen2_family.hpp"
@@ -14,6 +15,7 @@ std::vector<const ModelFamily*>& registry() {
       &gpt2_family(),
       &llama_family(),
       &qwen2_family(),
+      &flux_family(),
   };
   return families;
 }

@@ -45,6 +45,9 @@ class LlamaFamily : public ModelFamily {
   std::vector<LinearShape> gemm_shapes(const ModelConfig& config) const override;
   NormKind norm_kind() const override { return NORM_RMS; }
   bool kv_decoding() const override { return true; }
+  size_t id_bytes(const ModelConfig&, int batch, int seq_len) const override {
+    return 2 * static_cast<size_t>(batch) * seq_len * sizeof(int);  // tokens, targets
+  }
   bool token_logits() const override { return true; }
 
   std::vector<LinearSite> linear_sites(const ModelConfig& config, const std::string& kind) const override;

@@ -1,0 +1,208 @@
+// The FLUX family's descriptor (flux_family.hpp). Units: the root (the embedders, the conditioning
+// MLPs and the output layers, resident from the forward's start to the backward's end), then the
+// double-stream blocks ("double") and the single-stream blocks ("single") in forward order.
+#include "model/families/flux/flux_family.hpp"
+
+#include <cmath>
+#include <sstream>
+
+#include "core/error.hpp"
+#include "model/families/flux/flux_model.hpp"
+#include "model/param_table.hpp"
+
+namespace shardtrain {
+
+std::string parse_rope_axes(const std::string& text, std::array<int, 3>* axes) {
+  std::stringstream in(text);
+  std::string part;
+  int n = 0;
+  while (std::getline(in, part, ',')) {
+    char* end = nullptr;
+    const long v = std::strtol(part.c_str(), &end, 10);
+    if (n == 3 || part.empty() || *end != '\0' || v < 2 || v > (1 << 16) || v % 2)
+      return "model.rope_axes='" + text + "' must be three even widths >= 2, comma-separated (FLUX.1: 16,56,56)";
+    (*axes)[n++] = static_cast<int>(v);
+  }
+  if (n != 3) return "model.rope_axes='" + text + "' must be three even widths, comma-separated (FLUX.1: 16,56,56)";
+  return "";
+}
+
+namespace {
+
+class FluxFamily final : public ModelFamily {
+ public:
+  const char* name() const override { return "flux"; }
+  const char* description() const override {
+    return "FLUX.1 diffusion transformer (double- then single-stream blocks, flow matching; diffusers' names)";
+  }
+  std::string summary(const ModelConfig& c) const override {
+    return strprintf("FLUX double=%d single=%d C=%d H=%d in=%d text=%dx%d pooled=%d %s rope=%s theta=%g eps=%g",
+                     c.n_layer, c.n_single_layer, c.n_embd, c.n_head, c.in_channels, c.context_len, c.context_dim,
+                     c.pooled_dim, c.guidance_embeds ? "guidance" : "no-guidance", c.rope_axes.c_str(), c.rope_theta,
+                     c.norm_eps);
+  }
+  std::vector<std::string> config_keys() const override {
+    return {"model.n_single_layer", "model.in_channels", "model.context_dim", "model.context_len", "model.pooled_dim",
+            "model.guidance_embeds", "model.rope_axes", "model.rope_theta", "model.norm_eps"};
+  }
+  std::string config_defect(const ModelConfig& m) const override {
+    std::array<int, 3> axes{};
+    const std::string bad_axes = parse_rope_axes(m.rope_axes, &axes);
+    if (!bad_axes.empty()) return bad_axes;
+    if (axes[0] + axes[1] + axes[2] != m.head_size())
+      return strprintf("model.rope_axes='%s' covers %d dimensions, the head has model.n_embd / model.n_head = %d: the "
+                       "axes must add up to the head size",
+                       m.rope_axes.c_str(), axes[0] + axes[1] + axes[2], m.head_size());
+    const std::pair<const char*, int> widths[] = {{"model.in_channels", m.in_channels},
+                                                  {"model.context_dim", m.context_dim},
+                                                  {"model.context_len", m.context_len},
+                                                  {"model.pooled_dim", m.pooled_dim}};
+    for (const auto& [key, v] : widths)
+      if (v < 1 || v > (1 << 20)) return strprintf("%s=%d is not in [1, 2^20]", key, v);
+    if (m.n_single_layer < 0 || m.n_single_layer > 4096)
+      return strprintf("model.n_single_layer=%d is not in [0, 4096]", m.n_single_layer);
+    if (m.n_kv_head != 0 && m.n_kv_head != m.n_head)
+      return strprintf("model.n_kv_head=%d: FLUX attends with as many key/value heads as query heads", m.n_kv_head);
+    if (m.intermediate_size != 0 && m.intermediate_size != 4 * m.n_embd)
+      return strprintf("model.intermediate_size=%d: FLUX's MLPs are 4 x model.n_embd wide", m.intermediate_size);
+    if (!(m.rope_theta > 0) || !std::isfinite(m.rope_theta))
+      return strprintf("model.rope_theta=%g must be > 0", m.rope_theta);
+    if (!(m.norm_eps > 0) || !std::isfinite(m.norm_eps)) return strprintf("model.norm_eps=%g must be > 0", m.norm_eps);
+    const double params = static_cast<double>(m.n_layer) * 24 * m.n_embd * m.n_embd +
+                          static_cast<double>(m.n_single_layer) * 12 * m.n_embd * m.n_embd;
+    if (params > 1e13) return "model.n_layer, model.n_single_layer and model.n_embd make more than 10^13 parameters";
+    return "";
+  }
+
+  void add_params(ParamTable& t) const override {
+    const ModelConfig& c = t.config();
+    const int C = c.n_embd, D = c.head_size(), F = 4 * C;
+    auto linear = [&](int unit, const std::string& name, int out, int in, InitRule init = INIT_NORMAL) {
+      t.add_param(unit, name + ".weight", {out, in}, init, true);
+      t.add_param(unit, name + ".bias", {out}, INIT_ZEROS, false);
+    };
+    // Order must match enum FluxRootParam.
+    linear(ROOT_UNIT, "x_embedder", C, c.in_channels);
+    linear(ROOT_UNIT, "context_embedder", C, c.context_dim);
+    linear(ROOT_UNIT, "time_text_embed.timestep_embedder.linear_1", C, FLUX_TIME_CHANNELS);
+    linear(ROOT_UNIT, "time_text_embed.timestep_embedder.linear_2", C, C);
+    linear(ROOT_UNIT, "time_text_embed.text_embedder.linear_1", C, c.pooled_dim);
+    linear(ROOT_UNIT, "time_text_embed.text_embedder.linear_2", C, C);
+    linear(ROOT_UNIT, "norm_out.linear", 2 * C, C);
+    linear(ROOT_UNIT, "proj_out", c.in_channels, C);
+    if (c.guidance_embeds) {
+      linear(ROOT_UNIT, "time_text_embed.guidance_embedder.linear_1", C, FLUX_TIME_CHANNELS);
+      linear(ROOT_UNIT, "time_text_embed.guidance_embedder.linear_2", C, C);
+    }
+    for (int l = 0; l < c.n_layer; l++) {
+      const std::string h = "transformer_blocks." + std::to_string(l);
+      const int u = t.add_unit(h, "double");
+      // Order must match enum FluxDoubleParam, the image stream's, then the text stream's.
+      const char* names[2][8] = {
+          {"norm1.linear", "attn.to_q", "attn.to_k", "attn.to_v", "attn.norm_q", "attn.norm_k", "attn.to_out.0", "ff"},
+          {"norm1_context.linear", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.norm_added_q",
+           "attn.norm_added_k", "attn.to_add_out", "ff_context"}};
+      for (const auto& n : names) {
+        linear(u, h + "." + n[0], 6 * C, C);
+        for (int i = 1; i <= 3; i++) linear(u, h + "." + n[i], C, C);
+        t.add_param(u, h + "." + n[4] + ".weight", {D}, INIT_ONES, false);
+        t.add_param(u, h + "." + n[5] + ".weight", {D}, INIT_ONES, false);
+        linear(u, h + "." + n[6], C, C, INIT_NORMAL_RESIDUAL);
+        linear(u, h + "." + n[7] + ".net.0.proj", F, C);
+        linear(u, h + "." + n[7] + ".net.2", C, F, INIT_NORMAL_RESIDUAL);
+      }
+    }
+    for (int l = 0; l < c.n_single_layer; l++) {
+      const std::string h = "single_transformer_blocks." + std::to_string(l);
+      const int u = t.add_unit(h, "single");
+      // Order must match enum FluxSingleParam.
+      linear(u, h + ".norm.linear", 3 * C, C);
+      for (const char* n : {"attn.to_q", "attn.to_k", "attn.to_v"}) linear(u, h + "." + n, C, C);
+      t.add_param(u, h + ".attn.norm_q.weight", {D}, INIT_ONES, false);
+      t.add_param(u, h + ".attn.norm_k.weight", {D}, INIT_ONES, false);
+      linear(u, h + ".proj_mlp", F, C);
+      linear(u, h + ".proj_out", C, C + F, INIT_NORMAL_RESIDUAL);
+    }
+  }
+  // The conditioning reaches every block (the modulations) and the embedders take the inputs: all
+  // of the root but the output layers needs the blocks' gradients.
+  std::vector<int> input_params() const override {
+    std::vector<int> p;
+    for (int i = FLUX_X_EMBED_W; i <= FLUX_GUIDANCE_2_B; i++)
+      if (i < FLUX_NORM_OUT_W || i > FLUX_PROJ_OUT_B) p.push_back(i);
+    return p;
+  }
+  // Per image token of a sample: 6 x the multiply-adds of every linear layer (per token of its
+  // stream, per sample for the modulations and the conditioning) + 12 S^2 C per block for the
+  // joint attention's scores and weighted sums (both counted in full: no mask), over N.
+  double flops_per_token(const ParamTable& t, int seq_len) const override {
+    const ModelConfig& c = t.config();
+    const double C = c.n_embd, N = seq_len, L = c.context_len, S = N + L;
+    const double per_sample = N * c.in_channels * C + L * c.context_dim * C + N * C * c.in_channels +  // in, out
+                              FLUX_TIME_CHANNELS * C * (c.guidance_embeds ? 2 : 1) + c.pooled_dim * C +
+                              C * C * (c.guidance_embeds ? 3 : 2) + 2 * C * C +  // conditioning, norm_out
+                              c.n_layer * (12 * C * C * S + 12 * C * C) +        // double: per token, modulations
+                              c.n_single_layer * (12 * C * C * S + 3 * C * C);   // single: q,k,v, mlp, proj_out
+    const double attention = 2.0 * (c.n_layer + c.n_single_layer) * S * S * C;
+    return (6.0 * per_sample + 6.0 * attention) / N;
+  }
+
+  std::unique_ptr<TransformerModel<float>> make_model(const ParamTable& table, int batch, int seq_len, bool ckpt,
+                                                      const LayerOps<float>& ops, DType act) const override {
+    check_activation_dtype(act);
+    return std::make_unique<FluxModel<float>>(table, batch, seq_len, ckpt, ops);
+  }
+  std::unique_ptr<TransformerModel<double>> make_model(const ParamTable& table, int batch, int seq_len, bool ckpt,
+                                                       const LayerOps<double>& ops, DType act) const override {
+    check_activation_dtype(act);
+    return std::make_unique<FluxModel<double>>(table, batch, seq_len, ckpt, ops);
+  }
+  std::vector<size_t> activation_arrays(const ModelConfig& c, int batch, int seq_len, bool ckpt) const override {
+    return FluxModel<float>::buffer_elements(c, batch, seq_len, ckpt);
+  }
+  std::vector<size_t> saved_tensor_elements(const ModelConfig&, int, int) const override { return {}; }
+  size_t plan_decode_elements(const ModelConfig&, int, int) const override { return 0; }
+  std::vector<LinearShape> gemm_shapes(const ModelConfig& c) const override {
+    const int C = c.n_embd, F = 4 * C;
+    return {{C, 6 * C}, {C, C}, {C, F}, {F, C}, {C, 3 * C}, {C + F, C}, {c.in_channels, C}, {c.context_dim, C},
+            {FLUX_TIME_CHANNELS, C}, {c.pooled_dim, C}, {C, 2 * C}, {C, c.in_channels}};
+  }
+  NormKind norm_kind() const override { return NORM_LAYER; }
+
+  // Adapters: not yet placed on FLUX's layers (no sites, so every adapter.targets is refused).
+  std::vector<LinearSite> linear_sites(const ModelConfig&, const std::string&) const override { return {}; }
+  std::string module_path(int block, const LinearSite& site) const override {
+    return "transformer_blocks." + std::to_string(block) + "." + site.module;
+  }
+
+  // diffusers' folders are not read or written yet: the Hugging Face hooks refuse.
+  const char* hf_class() const override { return "FluxTransformer2DModel"; }
+  bool reads_model_type(const std::string&) const override { return false; }
+  ModelConfig read_hf_config(const HfConfig& json) const override {
+    json.fail("FLUX models are not read from Hugging Face folders yet");
+  }
+  void write_hf_config(const ModelConfig&, nlohmann::ordered_json&) const override {
+    throw UsageError("model.arch=flux: exporting a diffusers folder is not implemented yet");
+  }
+  const char* hf_prefix() const override { return ""; }
+  HfTensor hf_tensor(const ParamInfo& param) const override {
+    return {param.name, false, std::vector<int64_t>(param.shape.begin(), param.shape.end())};
+  }
+  bool hf_ignorable(const std::string&) const override { return false; }
+
+ private:
+  static void check_activation_dtype(DType act) {
+    if (act != DTYPE_FP32)
+      throw UsageError("model.arch=flux keeps its activations in fp32: remove fsdp.activation_dtype (16-bit saved "
+                       "activations are a decoder feature for now)");
+  }
+};
+
+}  // namespace
+
+const ModelFamily& flux_family() {
+  static const FluxFamily family;
+  return family;
+}
+
+}  // namespace shardtrain

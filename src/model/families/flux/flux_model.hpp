@@ -1,0 +1,118 @@
+// FLUX.1's transformer (flux_family.hpp) on explicit buffers, model/model.hpp's interface. Blocks
+// 0..n_layer-1 are double-stream, the rest single-stream; the root unit holds the embedders and
+// the output layers. The micro-batch (flux_family.hpp's names) enters in embed_forward; head_forward
+// predicts the image tokens' values and hands them to the loss (a squared error against the
+// batch's target unless set). docs/flux.md has the equations.
+#pragma once
+
+#include <array>
+#include <vector>
+
+#include "model/families/flux/flux_family.hpp"
+#include "model/model.hpp"
+
+namespace shardtrain {
+
+template <typename Real>
+class FluxModel final : public TransformerModel<Real> {
+ public:
+  using Array = DeviceArray<Real>;
+  // batch samples of image_tokens packed latent tokens and config.context_len text tokens each.
+  FluxModel(const ParamTable& table, int batch, int image_tokens, bool activation_checkpointing,
+            const LayerOps<Real>& ops);
+
+  // The elements of every array the constructor allocates, in its order: the planner's list (the
+  // same function lays out both).
+  static std::vector<size_t> buffer_elements(const ModelConfig& config, int batch, int image_tokens,
+                                             bool activation_checkpointing);
+
+  int batch() const override { return d_.B; }
+  int seq_len() const override { return d_.N; }
+  size_t activation_bytes() const override { return bytes_; }
+  int output_rows() const override { return d_.B * d_.N; }
+  int output_width() const override { return d_.IN; }
+
+  void embed_forward(const Real* root, const Batch& batch) override;
+  void block_forward(int block, const Real* weights) override;
+  void head_forward(const Real* root, const Batch& batch, double* loss_total) override;
+  void head_backward(Real* root_grad, const Real* root, Real dloss) override;
+  void block_backward(int block, Real* grads, const Real* weights) override;
+  void embed_backward(Real* root_grad) override;
+  void set_dropout_keys(const uint64_t*) override {}
+
+ protected:
+  Loss<Real>& own_loss() override { return squared_error_; }
+
+ private:
+  struct Dims {
+    int B, N, L, S, C, H, D, IN, X, P, F, double_blocks, single_blocks;
+    bool guidance;
+    Real eps;
+  };
+  static Dims dims_of(const ModelConfig& c, int batch, int image_tokens);
+
+  // One stream (image or text) of a double-stream block: its modulation, normed inputs, q/k/v
+  // before and after their norms, its rows of the attention output, the gated sums and the MLP.
+  struct Stream {
+    Array mod, xn, mean1, rstd1, q, k, v, qn, kn, q_rstd, k_rstd, y, a, x2, xn2, mean2, rstd2, h, g, f;
+  };
+  struct DoubleLayer {
+    Stream s[2];  // image, text
+    Array qkv, y, lse;  // the joint sequence [text; image]
+  };
+  struct SingleLayer {
+    Array mod, hn, mean, rstd, q, k, v, qn, kn, q_rstd, k_rstd, qkv, y, lse, m, cat, p;
+  };
+  // Every array, laid out by lay_out.
+  struct Buffers {
+    Array in_img, in_txt, in_pooled, t_proj, g_proj, target, rope_cos, rope_sin;
+    Array t_h, t_a, g_h, g_a, p_h, p_a, part, temb, temb_silu;
+    std::vector<Array> img, txt, joint;  // block inputs (and the last blocks' outputs)
+    std::vector<DoubleLayer> doubles;    // one per block, or one shared with checkpointing
+    std::vector<SingleLayer> singles;
+    Array x_final, mod_out, xo, xo_mean, xo_rstd, out, losses;
+    // backward scratch, shared by every block
+    Array d_img, d_txt, d_joint, d_mod, d_silu, d_small, d_small2, d_a, d_y, d_qkv, d_q, d_k, d_v, d_q_pre,
+        d_k_pre, d_xn, d_tmp, d_h, d_g, d_cat, gelu_out, d_xo, d_final;
+  };
+  // Assigns every array of `b` in one fixed order from take(elements): the constructor's
+  // allocation and buffer_elements' count.
+  template <typename Take>
+  static void lay_out(Buffers& b, const Dims& d, bool checkpointing, Take&& take);
+
+  DoubleLayer& double_layer(int l) { return buf_.doubles[checkpointing_ ? 0 : l]; }
+  SingleLayer& single_layer(int j) { return buf_.singles[checkpointing_ ? 0 : j]; }
+  // Host floats of the batch's tensor `name` (numel elements) into a device array.
+  void upload(Array& dst, const Batch& batch, const char* name);
+  // The sinusoid of 1000 x each sample's value of `name` into dst (B x 256).
+  void upload_sinusoid(Array& dst, const Batch& batch, const char* name);
+  void upload_rope(const Batch& batch);
+  // Joins (B, n, C) rows of a stream into the (B, S, C') rows of the joint sequence at `offset`
+  // within the sequence and `column` within a row, or splits them back out.
+  void join(Real* joint, int joint_width, int column, const Real* stream, int n, int offset);
+  void split(Real* stream, const Real* joint, int joint_width, int column, int n, int offset);
+
+  void double_forward(int l, const Real* w);
+  void single_forward(int j, const Real* w);
+  void double_backward(int l, Real* g, const Real* w);
+  void single_backward(int j, Real* g, const Real* w);
+  // q, k, v of `x` (rows), q and k normed per head: the attention inputs of a stream.
+  void qkv_forward(Real* q, Real* k, Real* v, Real* qn, Real* kn, Real* q_rstd, Real* k_rstd, const Real* x,
+                   int rows, const Real* w, int unit, int q_param);
+  // Their backward from d_q, d_k, d_v (the normed q, k and v's gradients): d_xn = the input's.
+  void qkv_backward(const Real* x, const Real* q, const Real* k, const Real* q_rstd, const Real* k_rstd, int rows,
+                    Real* g, const Real* w, int unit, int q_param);
+  // The modulation product's gradient into its weights and the conditioning's (d_silu +=).
+  void modulation_backward(const Real* d_mod, int width, Real* g, const Real* w, int unit, int weight_param);
+
+  const ParamTable& table_;
+  const LayerOps<Real>& ops_;
+  Dims d_;
+  bool checkpointing_;
+  size_t bytes_ = 0;
+  Buffers buf_;
+  const Real* root_ = nullptr;  // the root unit, gathered from embed_forward to embed_backward
+  SquaredErrorLoss<Real> squared_error_;
+};
+
+}  // namespace shardtrain

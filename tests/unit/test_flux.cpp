@@ -1,0 +1,148 @@
+// The FLUX family's model (model/families/flux): central finite differences in double of the whole
+// forward/backward (every parameter tensor), float against double, activation checkpointing
+// against keeping everything, the allocation against its plan, and the parameter table against
+// FLUX.1-dev's published size. The equations against an independent reference: tests/e2e/test_flux.py.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "model/families/flux/flux_family.hpp"
+#include "model/family.hpp"
+#include "model/model.hpp"
+#include "support/model_fixtures.hpp"
+
+using namespace shardtrain;
+using namespace shardtrain::testing;
+
+namespace {
+
+constexpr int B = 2, ROWS = 2, COLS = 3, N = ROWS * COLS;
+
+template <typename Real>
+double loss_and_grads(TransformerModel<Real>& model, const ParamTable& table, std::vector<std::vector<Real>>& units,
+                      std::vector<std::vector<Real>>* grads, const Batch& batch, Real dloss) {
+  std::vector<const Real*> u;
+  std::vector<Real*> g;
+  std::vector<std::vector<Real>> scratch, &out = grads ? *grads : scratch;
+  out.clear();
+  for (auto& unit : units) {
+    out.emplace_back(unit.size(), Real(0));
+    u.push_back(unit.data());
+    g.push_back(out.back().data());
+  }
+  return forward_backward_unsharded(model, table, u, g, batch, dloss);
+}
+
+template <typename Real>
+double forward_loss(TransformerModel<Real>& model, const ParamTable& table, const std::vector<std::vector<Real>>& units,
+                    const Batch& batch) {
+  model.embed_forward(units[ROOT_UNIT].data(), batch);
+  for (int l = 0; l < table.block_count(); l++) model.block_forward(l, units[block_unit(l)].data());
+  return model.host_head_forward(units[ROOT_UNIT].data(), batch);
+}
+
+}  // namespace
+
+// h = 1e-5 in double: truncation ~1e-10, rounding ~1e-11 (as the decoders' test).
+TEST(Flux, GradientMatchesCentralFiniteDifferencesForEveryTensor) {
+  for (bool guidance : {true, false}) {
+    ModelConfig config = tiny_flux_config();
+    config.guidance_embeds = guidance;
+    const ParamTable table(config);
+    auto model = make_model<double>(table, B, N, false, cpu_layer_ops<double>());
+    auto units = random_units<double>(table, 0.3, 17);
+    std::vector<std::vector<double>> grads;
+    const Batch batch = make_flux_batch(config, B, ROWS, COLS, 5);
+    const double dloss = 1.0 / (B * N * config.in_channels);
+    loss_and_grads(*model, table, units, &grads, batch, dloss);
+    const double h = 1e-5, atol = 1e-9, rtol = 1e-6;
+    for (const ParamInfo& p : table.params())
+      for (size_t i : {size_t(0), p.numel / 3, p.numel / 2 + 1, p.numel - 1}) {
+        if (i >= p.numel) continue;
+        double& x = units[p.unit][p.offset + i];
+        const double saved = x;
+        x = saved + h;
+        const double up = forward_loss(*model, table, units, batch) * dloss;
+        x = saved - h;
+        const double down = forward_loss(*model, table, units, batch) * dloss;
+        x = saved;
+        const double numeric = (up - down) / (2 * h), analytic = grads[p.unit][p.offset + i];
+        EXPECT_NEAR(analytic, numeric, atol + rtol * std::fabs(numeric)) << p.name << "[" << i << "]";
+      }
+  }
+}
+
+TEST(Flux, FloatAgreesWithDouble) {
+  const ModelConfig config = tiny_flux_config();
+  const ParamTable table(config);
+  auto m64 = make_model<double>(table, B, N, false, cpu_layer_ops<double>());
+  auto m32 = make_model<float>(table, B, N, false, cpu_layer_ops<float>());
+  auto u64 = random_units<double>(table, 0.3, 17);
+  auto u32 = random_units<float>(table, 0.3, 17);
+  std::vector<std::vector<double>> g64;
+  std::vector<std::vector<float>> g32;
+  const Batch batch = make_flux_batch(config, B, ROWS, COLS, 5);
+  const double l64 = loss_and_grads(*m64, table, u64, &g64, batch, 1.0);
+  const double l32 = loss_and_grads(*m32, table, u32, &g32, batch, 1.0f);
+  EXPECT_NEAR(l32, l64, 1e-5 * std::fabs(l64));
+  for (const ParamInfo& p : table.params()) {
+    double scale = 0;
+    for (size_t i = 0; i < p.numel; i++) scale = std::max(scale, std::fabs(g64[p.unit][p.offset + i]));
+    for (size_t i = 0; i < p.numel; i++)
+      ASSERT_NEAR(g32[p.unit][p.offset + i], g64[p.unit][p.offset + i], 1e-4 * scale + 1e-9) << p.name << "[" << i << "]";
+  }
+}
+
+// Recomputing each block from its input gives the same bits as keeping its activations.
+TEST(Flux, ActivationCheckpointingChangesNoBits) {
+  const ModelConfig config = tiny_flux_config();
+  const ParamTable table(config);
+  auto units = random_units<float>(table, 0.3, 17);
+  const Batch batch = make_flux_batch(config, B, ROWS, COLS, 5);
+  std::vector<std::vector<float>> kept, recomputed;
+  auto plain = make_model<float>(table, B, N, false, cpu_layer_ops<float>());
+  auto checkpointed = make_model<float>(table, B, N, true, cpu_layer_ops<float>());
+  const double l1 = loss_and_grads(*plain, table, units, &kept, batch, 0.5f);
+  const double l2 = loss_and_grads(*checkpointed, table, units, &recomputed, batch, 0.5f);
+  EXPECT_EQ(l1, l2);
+  EXPECT_EQ(kept, recomputed);
+  EXPECT_LT(checkpointed->activation_bytes(), plain->activation_bytes());
+}
+
+// What the model allocates, counted by the device, is what the planner says, with and without
+// checkpointing; and the loss is the flow-matching mean squared error's sum.
+TEST(Flux, AllocationEqualsThePlan) {
+  const ModelConfig config = tiny_flux_config();
+  const ParamTable table(config);
+  Device& dev = cpu_layer_ops<float>().device();
+  for (bool ckpt : {false, true}) {
+    const size_t before = dev.live_bytes();
+    auto model = make_model<float>(table, B, N, ckpt, cpu_layer_ops<float>());
+    EXPECT_EQ(dev.live_bytes() - before, model->activation_bytes());
+    EXPECT_EQ(model->activation_bytes(), plan_activation_bytes(table, B, N, ckpt));
+    EXPECT_EQ(model->output_rows(), B * N);
+    EXPECT_EQ(model->loss().units_per_row(model->output_width()), config.in_channels);
+  }
+}
+
+// FLUX.1-dev (19 double, 38 single, C = 3072, 24 heads, 64 channels, T5 4096, CLIP 768, guidance):
+// 11,901,408,320 parameters, the count of diffusers' FluxTransformer2DModel.
+TEST(Flux, Flux1DevHasItsPublishedParameterCount) {
+  ModelConfig c;
+  c.arch = "flux", c.n_layer = 19, c.n_single_layer = 38, c.n_embd = 3072, c.n_head = 24, c.max_seq_len = 4096;
+  EXPECT_EQ(family_of(c).config_defect(c), "");
+  const ParamTable table(c);
+  EXPECT_EQ(table.total_params(), 11901408320u);
+  EXPECT_EQ(table.block_count(), 57);
+  EXPECT_EQ(table.units()[1].kind, "double");
+  EXPECT_EQ(table.units()[20].kind, "single");
+  c.guidance_embeds = false;  // schnell
+  EXPECT_EQ(ParamTable(c).total_params(), 11901408320u - (256u * 3072 + 3072 + 3072u * 3072 + 3072));
+}
+
+// The family has neither key/value-cache decoding nor a vocabulary head.
+TEST(Flux, GenerateAndDistillationRefuseIt) {
+  EXPECT_THROW(require_capability(tiny_flux_config(), "generate", "checkpoint 'x'"), UsageError);
+  EXPECT_THROW(require_capability(tiny_flux_config(), "distillation", "distill.teacher"), UsageError);
+}
