@@ -114,6 +114,7 @@ struct OptionList {
 constexpr ShardingStrategy STRATEGIES[] = {SHARDING_FULL_SHARD, SHARDING_SHARD_GRAD_OP, SHARDING_NO_SHARD,
                                            SHARDING_HYBRID_SHARD};
 constexpr DType DTYPES[] = {DTYPE_FP32, DTYPE_BF16, DTYPE_FP16};
+constexpr SigmaSampling SIGMA_SAMPLINGS[] = {SIGMA_UNIFORM, SIGMA_LOGIT_NORMAL};
 constexpr BackwardPrefetch PREFETCHES[] = {BACKWARD_PREFETCH_NONE, BACKWARD_PREFETCH_PRE, BACKWARD_PREFETCH_POST};
 
 // The single list of options. `c` holds the defaults on entry and receives parsed values.
@@ -129,10 +130,33 @@ void declare_options(OptionList& o, Config& c) {
   o.add("model.n_kv_head", &c.model.n_kv_head,
         "llama: key/value heads, a divisor of model.n_head (grouped-query attention); 0 = model.n_head");
   o.add("model.intermediate_size", &c.model.intermediate_size, "llama: width of the SwiGLU MLP; 0 = 4 x model.n_embd");
-  o.add("model.rope_theta", &c.model.rope_theta, "llama: base of the rotary embedding's frequencies");
-  o.add("model.norm_eps", &c.model.norm_eps, "llama: RMSNorm epsilon (gpt2's LayerNorm has 1e-5)");
+  o.add("model.rope_theta", &c.model.rope_theta, "llama, flux: base of the rotary embedding's frequencies");
+  o.add("model.norm_eps", &c.model.norm_eps,
+        "llama: RMSNorm epsilon; flux: its LayerNorms' and q/k RMSNorms' (FLUX.1: 1e-6); gpt2's LayerNorm has 1e-5");
   o.add("model.tie_embeddings", &c.model.tie_embeddings,
         "llama: the LM head is the token embedding (true) or its own lm_head.weight (false); gpt2 is tied");
+  o.add("model.n_single_layer", &c.model.n_single_layer,
+        "flux: single-stream blocks after the model.n_layer double-stream ones (FLUX.1: 19 + 38)");
+  o.add("model.in_channels", &c.model.in_channels, "flux: channels of a packed latent token (16 VAE channels x 2 x 2)");
+  o.add("model.context_dim", &c.model.context_dim, "flux: width of the text encoder's embeddings (T5-XXL: 4096)");
+  o.add("model.context_len", &c.model.context_len, "flux: text tokens per sample (FLUX.1-dev 512, schnell 256)");
+  o.add("model.pooled_dim", &c.model.pooled_dim, "flux: width of the pooled text vector (CLIP-L: 768)");
+  o.add("model.guidance_embeds", &c.model.guidance_embeds,
+        "flux: a guidance embedder (dev, Kontext: true; schnell: false)");
+  o.add("model.rope_axes", &c.model.rope_axes,
+        "flux: widths of the three rotary axes, adding up to the head size (FLUX.1: 16,56,56)");
+  o.add_choice("flow.sigma_sampling", &c.flow.sigma_sampling, SIGMA_SAMPLINGS, sigma_sampling_name,
+               "flux: how a sample's noise level is drawn (uniform in (0, 1), or the sigmoid of "
+               "N(flow.logit_mean, flow.logit_std))");
+  o.add("flow.logit_mean", &c.flow.logit_mean, "flux: logit_normal's mean");
+  o.add("flow.logit_std", &c.flow.logit_std, "flux: logit_normal's standard deviation");
+  o.add("flow.shift", &c.flow.shift,
+        "flux: shifts noise levels towards noise, s sigma / (1 + (s - 1) sigma); 1 = none (SD3: 3)");
+  o.add("flow.resolution_shift", &c.flow.resolution_shift,
+        "flux: FLUX's shift by image size, exp(mu) with mu from 0.5 at 256 to 1.15 at 4096 image tokens "
+        "(replaces flow.shift)");
+  o.add("flow.guidance", &c.flow.guidance,
+        "flux: the guidance value a model with a guidance embedder is trained with (FLUX.1-dev fine-tuning: 1)");
   o.add("train.steps", &c.train.steps, "optimizer steps");
   o.add("train.global_batch", &c.train.global_batch,
         "sequences per optimizer step; a multiple of micro_batch x ranks (the rest is gradient accumulation)");
@@ -585,7 +609,14 @@ void validate_architecture(const ModelConfig& m) {
       {"model.intermediate_size", m.intermediate_size != d.intermediate_size && m.intermediate_size != 4 * m.n_embd},
       {"model.rope_theta", m.rope_theta != d.rope_theta},
       {"model.norm_eps", m.norm_eps != d.norm_eps},
-      {"model.tie_embeddings", m.tie_embeddings != d.tie_embeddings}};
+      {"model.tie_embeddings", m.tie_embeddings != d.tie_embeddings},
+      {"model.n_single_layer", m.n_single_layer != d.n_single_layer},
+      {"model.in_channels", m.in_channels != d.in_channels},
+      {"model.context_dim", m.context_dim != d.context_dim},
+      {"model.context_len", m.context_len != d.context_len},
+      {"model.pooled_dim", m.pooled_dim != d.pooled_dim},
+      {"model.guidance_embeds", m.guidance_embeds != d.guidance_embeds},
+      {"model.rope_axes", m.rope_axes != d.rope_axes}};
   for (const auto& [key, set] : family_keys) {
     if (!set || family.reads_key(key)) continue;
     std::string takers;
@@ -623,6 +654,10 @@ void validate_config(const Config& c, int world) {
                                                m.intermediate_size);
   require(shape.empty(), shape + ": not a shape this program holds");
   validate_architecture(m);
+  require(c.flow.logit_std > 0, "flow.logit_std must be > 0");
+  require(c.flow.shift > 0, "flow.shift must be > 0 (1 = no shift)");
+  require(t.device != "cuda" || family_of(m).runs_on_cuda(),
+          "model.arch=" + m.arch + " has no CUDA kernels yet (its layers run on the CPU backend): set train.device=cpu");
   require(t.seq_len >= 1 && t.seq_len <= m.max_seq_len,
           strprintf("train.seq_len=%d must be in [1, model.max_seq_len=%d]", t.seq_len, m.max_seq_len));
   require(t.steps >= 1, "train.steps must be >= 1");

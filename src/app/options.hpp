@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "app/compute_options.hpp"
+#include "data/flow_matching.hpp"
 #include "model/config.hpp"
 #include "shard/fsdp_engine.hpp"
 
@@ -125,6 +126,7 @@ struct Config {
   ModelConfig model;
   TrainOptions train;
   DataOptions data;
+  FlowOptions flow;  // [flow]: flow-matching training of a diffusion transformer (data/flow_matching.hpp)
   FsdpOptions fsdp;
   CheckpointOptions checkpoint;
   AdapterOptions adapter;

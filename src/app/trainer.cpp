@@ -41,8 +41,10 @@
 #include "comm/comm.hpp"
 #include "comm/watchdog.hpp"
 #include "data/dataset.hpp"
+#include "data/latent_dataset.hpp"
 #include "data/sampler.hpp"
 #include "data/tokenizer.hpp"
+#include "model/family.hpp"
 #include "optim/adamw.hpp"
 #include "shard/fsdp_engine.hpp"
 
@@ -226,7 +228,7 @@ class Trainer {
   // The step's sums where the optimizer reads them: over the world on the device's memory (a GPU's
   // communicator); null where that is comm_ (the CPU backend, and cpu_offload's host-side step).
   std::unique_ptr<Comm> step_comm_;
-  std::unique_ptr<TokenDataset> train_data_, val_data_;
+  std::unique_ptr<DataSource> train_data_, val_data_;  // the family's: token files or latent shards
   std::unique_ptr<SequenceSampler> sampler_;
   MemoryPlan plan_;  // checked against fsdp.memory_limit before anything below is allocated
   double planned_peak_ = 0;  // the plan's bytes in the compute device's memory, offloaded state included on the CPU
@@ -440,8 +442,9 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
 
 void Trainer::open_data() {
   const int V = cfg_.model.vocab_size;
+  const bool tokens = family_of(cfg_.model).token_data();
   // data.tokenizer is recorded for generate: it must load, and the model must take every id it writes.
-  if (!cfg_.data.tokenizer.empty())
+  if (tokens && !cfg_.data.tokenizer.empty())
     rt_.agree_on([&] {
       if (!rt_.is_root()) return;
       const uint32_t ids = Tokenizer(cfg_.data.tokenizer).vocab_size();
@@ -452,8 +455,16 @@ void Trainer::open_data() {
                                    printable_text(cfg_.data.tokenizer).c_str(), ids - 1, V, ids));
     });
   auto open = [&](const char* option, const std::string& value) {
-    std::unique_ptr<TokenDataset> data;
-    rt_.agree_on([&] { data = std::make_unique<TokenDataset>(option, value, T_); });
+    std::unique_ptr<DataSource> data;
+    rt_.agree_on([&] {
+      if (!tokens) {
+        data = std::make_unique<LatentDataset>(option, value, cfg_.model, T_, cfg_.train.seed, cfg_.flow);
+        return;
+      }
+      auto token_data = std::make_unique<TokenDataset>(option, value, T_);
+      token_data->set_vocab_size(V);
+      data = std::move(token_data);
+    });
     // Every rank must read the same files: a glob could expand differently on another node.
     std::string identity = data->identity();
     uint64_t length = identity.size();
@@ -465,21 +476,21 @@ void Trainer::open_data() {
     rt_.agree(differs.empty() ? "" : strprintf("%s: rank %d does not see the files rank 0 sees: %s; every rank must "
                                                "read the same data",
                                                option, rt_.rank(), differs.c_str()));
-    // Each rank scans a disjoint part of each file for out-of-range tokens; the verdict is agreed.
-    rt_.agree(data->check_tokens(V, rt_.rank(), rt_.world()));
+    // Each rank checks a disjoint part of the data (tokens in range, latents finite); the verdict is agreed.
+    rt_.agree(data->check(rt_.rank(), rt_.world()));
     const std::string skipped = data->skipped_warning();
     if (!skipped.empty()) rt_.warn("%s", skipped.c_str());
     return data;
   };
   train_data_ = open("data.train_file", cfg_.data.train_file);
   rt_.agree_on([&] {
-    train_data_->require_windows(static_cast<uint64_t>(G_), strprintf("one batch of train.global_batch=%d sequences", G_),
+    train_data_->require_records(static_cast<uint64_t>(G_), strprintf("one batch of train.global_batch=%d sequences", G_),
                                  "use more data or a smaller train.seq_len or train.global_batch");
-    sampler_ = std::make_unique<SequenceSampler>(cfg_.train.seed, train_data_->windows(), G_);
+    sampler_ = std::make_unique<SequenceSampler>(cfg_.train.seed, train_data_->records(), G_);
   });
   if (!cfg_.data.val_file.empty()) {
     val_data_ = open("data.val_file", cfg_.data.val_file);
-    rt_.agree_on([&] { val_data_->require_windows(1, "one sequence", "use more data or a smaller train.seq_len"); });
+    rt_.agree_on([&] { val_data_->require_records(1, "one sequence", "use more data or a smaller train.seq_len"); });
   }
 }
 
@@ -590,7 +601,7 @@ void Trainer::check_same_inputs(const std::string& path, const CheckpointState& 
   std::vector<const char*> by_path;
   if (!state.adapters_only) by_path.push_back("checkpoint.init_from");
   if (state.has_dataset) {  // the data by their files' names and sizes
-    const std::tuple<const char*, const std::string&, const TokenDataset*> data[2] = {
+    const std::tuple<const char*, const std::string&, const DataSource*> data[2] = {
         {"data.train_file", state.dataset_train, train_data_.get()}, {"data.val_file", state.dataset_val, val_data_.get()}};
     for (const auto& [key, recorded, dataset] : data) {
       const std::string difference = dataset_difference(recorded, dataset ? dataset->identity() : "");
@@ -774,7 +785,7 @@ Trainer::StepOutcome Trainer::run_step(int step) {
   else
     device.copy_to_host(host_sums_, step_sums_.data(), step_sums_.bytes());  // the step's one wait
   StepOutcome out;
-  out.loss = host_sums_[0] / (static_cast<double>(G_) * T_);
+  out.loss = host_sums_[0] / loss_normaliser();
   out.grad_norm = std::sqrt(host_sums_[1]) / loss_scaler_.scale();
   out.loss_scale = loss_scaler_.scale();
   out.finite = std::isfinite(out.loss) && std::isfinite(out.grad_norm);  // else the update was skipped
@@ -880,12 +891,10 @@ void Trainer::accumulate_gradients(int step) {
   engine_.zero_grads();
   const float dloss = static_cast<float>(loss_scaler_.scale() / loss_normaliser());
   for (int micro = 0; micro < accum_; micro++) {
-    int* tokens = batch_.put<int>(BATCH_TOKENS, {B_, T_});
-    int* targets = batch_.put<int>(BATCH_TARGETS, {B_, T_});
+    train_data_->begin(batch_, B_);
     for (int b = 0; b < B_; b++) {
       uint64_t seq = static_cast<uint64_t>(micro * rt_.world() + rt_.rank()) * B_ + b;
-      train_data_->fill(sampler_->window(step, seq), tokens + static_cast<size_t>(b) * T_,
-                        targets + static_cast<size_t>(b) * T_);
+      train_data_->fill(batch_, b, sampler_->window(step, seq), static_cast<uint64_t>(step) * G_ + seq, false);
       for (int t = 0; t < T_; t++)  // the dropout stream: by (seed, step, sequence, position)
         dropout_keys_[static_cast<size_t>(b) * T_ + t] = dropout_token_key(cfg_.train.seed, step, seq, t);
     }
@@ -904,12 +913,10 @@ double Trainer::evaluate() {
   step_sums_.zero();
   for (int batch = 0; batch < cfg_.train.eval_batches; batch++) {
     for (int micro = 0; micro < accum_; micro++) {
-      int* tokens = batch_.put<int>(BATCH_TOKENS, {B_, T_});
-      int* targets = batch_.put<int>(BATCH_TARGETS, {B_, T_});
+      val_data_->begin(batch_, B_);
       for (int b = 0; b < B_; b++) {
         uint64_t seq = static_cast<uint64_t>(batch) * G_ + static_cast<uint64_t>(micro * rt_.world() + rt_.rank()) * B_ + b;
-        val_data_->fill(seq % val_data_->windows(), tokens + static_cast<size_t>(b) * T_,
-                        targets + static_cast<size_t>(b) * T_);
+        val_data_->fill(batch_, b, seq % val_data_->records(), seq, true);
       }
       engine_.eval_micro_batch(*model_, batch_, step_sums_.data());
     }
@@ -993,10 +1000,14 @@ int Trainer::run() {
   if (op_timer_ && op_timer_->steps() > 0)
     rt_.info("op times on rank 0 (train.op_times), per step over steps %d..%d:\n%s", start + 2, steps,
              op_time_table(*op_timer_, 40).c_str());
-  rt_.info("done: %s in %s | final loss %.4f | val loss %s | %.0f tok/s | uniform-guess loss ln(V) = %.4f",
-           counted(steps - start, "step").c_str(), format_duration(wall).c_str(), last_loss,
+  // A language model's yardstick: the loss of guessing every token uniformly.
+  const std::string baseline = family_of(cfg_.model).token_data()
+                                   ? strprintf(" | uniform-guess loss ln(V) = %.4f", std::log(cfg_.model.vocab_size))
+                                   : "";
+  rt_.info("done: %s in %s | final loss %.4f | val loss %s | %.0f tok/s%s", counted(steps - start, "step").c_str(),
+           format_duration(wall).c_str(), last_loss,
            std::isfinite(last_val_loss) ? strprintf("%.4f", last_val_loss).c_str() : "-",
-           static_cast<double>(steps - start) * G_ * T_ / wall, std::log(cfg_.model.vocab_size));
+           static_cast<double>(steps - start) * G_ * T_ / wall, baseline.c_str());
   return EXIT_CODE_OK;
 }
 

@@ -360,6 +360,20 @@ const char* TEACHER_CHECKSUM = "distill.teacher_checksum";
 const char* ADAPTER_METHOD_INTS[6] = {"adapter.decompose_both", "adapter.decompose_factor", "adapter.block_size",
                                       "adapter.cayley_neumann", "adapter.neumann_terms", "adapter.block_share"};
 
+// Version 6: the model keys of the families beyond the decoders (FLUX's), after the teacher's
+// checksum, each written when the config's family reads it (ModelFamily::config_keys).
+struct FamilyIntAttr {
+  const char* name;
+  int ModelConfig::*field;
+};
+const FamilyIntAttr FAMILY_INTS[] = {{"model.n_single_layer", &ModelConfig::n_single_layer},
+                                     {"model.in_channels", &ModelConfig::in_channels},
+                                     {"model.context_dim", &ModelConfig::context_dim},
+                                     {"model.context_len", &ModelConfig::context_len},
+                                     {"model.pooled_dim", &ModelConfig::pooled_dim}};
+const char* FAMILY_GUIDANCE = "model.guidance_embeds";
+const char* FAMILY_ROPE_AXES = "model.rope_axes";
+
 std::array<int64_t, 6> adapter_method_ints(const AdapterConfig& a) {
   return {a.decompose_both, a.decompose_factor, a.block_size, a.cayley_neumann, a.neumann_terms, a.block_share};
 }
@@ -411,6 +425,11 @@ void write_state(hid_t file, const CheckpointState& s, const ModelConfig& model,
   for (int i = 0; i < 6; i++) i64(ADAPTER_METHOD_INTS[i], method_ints[i]);
   h5_write_attr_u64(file, TEACHER_CHECKSUM, s.teacher_checksum, path);
   sum.add(TEACHER_CHECKSUM, std::to_string(s.teacher_checksum));
+  const ModelFamily& family = family_of(model);
+  for (const FamilyIntAttr& a : FAMILY_INTS)
+    if (family.reads_key(a.name)) i64(a.name, model.*a.field);
+  if (family.reads_key(FAMILY_GUIDANCE)) i64(FAMILY_GUIDANCE, model.guidance_embeds ? 1 : 0);
+  if (family.reads_key(FAMILY_ROPE_AXES)) str(FAMILY_ROPE_AXES, model.rope_axes);
   h5_write_attr_u64(file, META_CHECKSUM, sum.value(), path);
 }
 
@@ -527,6 +546,17 @@ CheckpointState read_state(hid_t file, const std::string& path) {
     s.teacher_checksum = h5_read_attr_u64(file, TEACHER_CHECKSUM, path);
     sum.add(TEACHER_CHECKSUM, std::to_string(s.teacher_checksum));
   }
+  // Version 6's family keys, read as the writer wrote them (the keys its family reads).
+  std::vector<std::pair<const FamilyIntAttr*, int64_t>> family_ints;
+  int64_t guidance = 1;
+  std::string rope_axes = ModelConfig().rope_axes;
+  if (version >= 6 && find_model_family(arch)) {
+    const ModelFamily& family = *find_model_family(arch);
+    for (const FamilyIntAttr& a : FAMILY_INTS)
+      if (family.reads_key(a.name)) family_ints.emplace_back(&a, i64(a.name));
+    if (family.reads_key(FAMILY_GUIDANCE)) guidance = i64(FAMILY_GUIDANCE);
+    if (family.reads_key(FAMILY_ROPE_AXES)) rope_axes = str(FAMILY_ROPE_AXES);
+  }
   if (!h5_has_attr(file, META_CHECKSUM))
     s.warning = where + "no metadata checksum (written by an older build): its attributes are not verified";
   else if (h5_read_attr_u64(file, META_CHECKSUM, path) != sum.value())
@@ -559,6 +589,14 @@ CheckpointState read_state(hid_t file, const std::string& path) {
   m.n_kv_head = static_cast<int>(arch_ints[0]), m.intermediate_size = static_cast<int>(arch_ints[1]);
   m.tie_embeddings = arch_ints[2] != 0;
   m.rope_theta = arch_reals[0], m.norm_eps = arch_reals[1];
+  for (const auto& [attr, value] : family_ints) {
+    if (value < 0 || value > (1 << 24))
+      throw CheckpointError(where + "attribute " + attr->name + " is out of range; the file is damaged");
+    m.*attr->field = static_cast<int>(value);
+  }
+  if (guidance != 0 && guidance != 1)
+    throw CheckpointError(where + "attribute " + FAMILY_GUIDANCE + " is neither 0 nor 1; the file is damaged");
+  m.guidance_embeds = guidance == 1, m.rope_axes = rope_axes;
   defect = model_arch_defect(m);
   if (!defect.empty()) throw CheckpointError(where + "attribute " + defect + "; the file is damaged");
   return s;
@@ -730,6 +768,10 @@ std::string model_mismatch(const std::string& path, const ModelConfig& stored, c
   for (int i = 0; i < 3; i++) differ(MODEL_ARCH_INTS[i], std::to_string(ai[i]), std::to_string(bi[i]));
   auto ar = model_arch_reals(stored), br = model_arch_reals(configured);
   for (int i = 0; i < 2; i++) differ(MODEL_ARCH_REALS[i], strprintf("%g", ar[i]), strprintf("%g", br[i]));
+  for (const FamilyIntAttr& a : FAMILY_INTS)
+    differ(a.name, std::to_string(stored.*a.field), std::to_string(configured.*a.field));
+  differ(FAMILY_GUIDANCE, stored.guidance_embeds ? "true" : "false", configured.guidance_embeds ? "true" : "false");
+  differ(FAMILY_ROPE_AXES, stored.rope_axes, configured.rope_axes);
   if (differences.empty()) return "";
   return "checkpoint '" + path + "' holds another model: " + differences +
          "; set model.* to match, or use another checkpoint.dir";

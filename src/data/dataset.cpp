@@ -163,6 +163,21 @@ std::string TokenDataset::check_tokens(int vocab_size, int part, int num_parts) 
   return "";
 }
 
+std::string TokenDataset::check(int part, int num_parts) const {
+  SHARD_CHECK(vocab_size_ > 0, "TokenDataset::check before set_vocab_size");
+  return check_tokens(vocab_size_, part, num_parts);
+}
+
+void TokenDataset::begin(Batch& batch, int rows) const {
+  batch.put<int>(BATCH_TOKENS, {rows, seq_len_});
+  batch.put<int>(BATCH_TARGETS, {rows, seq_len_});
+}
+
+void TokenDataset::fill(Batch& batch, int row, uint64_t record, uint64_t, bool) const {
+  const size_t rows = static_cast<size_t>(batch.shape(BATCH_TOKENS)[0]), T = static_cast<size_t>(seq_len_);
+  fill(record, batch.at<int>(BATCH_TOKENS, rows * T) + row * T, batch.at<int>(BATCH_TARGETS, rows * T) + row * T);
+}
+
 std::string TokenDataset::identity() const {
   std::string lines;
   for (const TokenFile& f : files_) lines += strprintf("%zu %s\n", f.file_bytes(), f.path().c_str());

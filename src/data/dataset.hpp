@@ -11,6 +11,8 @@
 // This layer knows nothing about MPI: callers agree on the outcome across ranks.
 #pragma once
 
+#include "data/data_source.hpp"
+
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -26,7 +28,7 @@ namespace shardtrain {
 // list or entry, a pattern that matches no file, and a path holding a newline.
 std::vector<std::string> expand_data_files(const std::string& option, const std::string& value);
 
-class TokenDataset {
+class TokenDataset final : public DataSource {
  public:
   // Expands `value` (expand_data_files) and opens every file; throws DataError naming the first
   // that fails. Holding too few windows is not an error here: see require_windows.
@@ -41,22 +43,34 @@ class TokenDataset {
   // Copies seq_len inputs and the seq_len targets (shifted by one) of the window, as int.
   void fill(uint64_t window, int* inputs, int* targets) const;
 
+  // As a DataSource (data_source.hpp): a record is a window; a micro-batch holds B x T "tokens"
+  // and "targets" (model/batch.hpp), nothing drawn at random.
+  uint64_t records() const override { return windows(); }
+  void begin(Batch& batch, int rows) const override;
+  void fill(Batch& batch, int row, uint64_t record, uint64_t sample, bool validation) const override;
+
   // "" or one line naming the files that hold no window (shorter than seq_len + 1 tokens).
-  std::string skipped_warning() const;
+  std::string skipped_warning() const override;
   // Throws DataError unless the data hold at least `needed` windows; `purpose` says for what
   // ("one batch of train.global_batch=24 sequences"), `fix` what to change.
   void require_windows(uint64_t needed, const std::string& purpose, const std::string& fix) const;
+  void require_records(uint64_t needed, const std::string& purpose, const std::string& fix) const override {
+    require_windows(needed, purpose, fix);
+  }
   // check_token_range on part `part` of `num_parts` of every file that holds a window: "" or the
-  // first problem.
+  // first problem. check() is this against the vocabulary set_vocab_size gave.
   std::string check_tokens(int vocab_size, int part, int num_parts) const;
+  std::string check(int part, int num_parts) const override;
+  void set_vocab_size(int vocab_size) { vocab_size_ = vocab_size; }
   // What a checkpoint records of the data: one line "<bytes> <path>" per file, in stream order.
-  std::string identity() const;
+  std::string identity() const override;
   // For the start-up line: "path (N tokens)", or "K files of 'value' (N tokens, W windows)".
-  std::string describe() const;
+  std::string describe() const override;
 
  private:
   std::string option_, value_;
   int seq_len_;
+  int vocab_size_ = 0;
   std::vector<TokenFile> files_;
   std::vector<uint64_t> first_window_;  // file f's windows are [first_window_[f], first_window_[f + 1])
 };

@@ -39,6 +39,11 @@ class Batch {
                 t.is_int ? "ints" : "floats", numel, is_int<T>() ? "ints" : "floats");
     return reinterpret_cast<const T*>(t.bytes.data());
   }
+  // The same, to fill in place (the data source's rows).
+  template <typename T>
+  T* at(const std::string& name, size_t numel) {
+    return const_cast<T*>(static_cast<const Batch*>(this)->get<T>(name, numel));
+  }
   bool has(const std::string& name) const { return tensors_.count(name) > 0; }
   const std::vector<int64_t>& shape(const std::string& name) const {
     auto it = tensors_.find(name);

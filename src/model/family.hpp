@@ -108,6 +108,11 @@ void require_capability(const ModelConfig& config, const std::string& use, const
   virtual bool kv_decoding() const { return false; }
   // A vocabulary head (its models' token_logits()): what a distillation teacher and student need.
   virtual bool token_logits() const { return false; }
+  // Whether the CUDA backend has every layer its models call (LayerOps: the diffusion layers are
+  // CPU-only for now).
+  virtual bool runs_on_cuda() const { return true; }
+  // Whether it trains on token files (the language models) or on latent shards (data/latent_dataset.hpp).
+  virtual bool token_data() const { return true; }
 
   // --- adapters ---
   // The linear layers of a block of this kind (UnitInfo::kind) that an adapter can target, in the

@@ -168,6 +168,8 @@ class FluxFamily final : public ModelFamily {
             {FLUX_TIME_CHANNELS, C}, {c.pooled_dim, C}, {C, 2 * C}, {C, c.in_channels}};
   }
   NormKind norm_kind() const override { return NORM_LAYER; }
+  bool runs_on_cuda() const override { return false; }
+  bool token_data() const override { return false; }
 
   // Adapters: not yet placed on FLUX's layers (no sites, so every adapter.targets is refused).
   std::vector<LinearSite> linear_sites(const ModelConfig&, const std::string&) const override { return {}; }

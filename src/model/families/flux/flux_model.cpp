@@ -120,13 +120,15 @@ void FluxModel<Real>::upload_sinusoid(Array& dst, const Batch& batch, const char
   const int half = FLUX_TIME_CHANNELS / 2;
   std::vector<Real> host(static_cast<size_t>(d_.B) * FLUX_TIME_CHANNELS);
   for (int b = 0; b < d_.B; b++) {
-    // diffusers scales in the input's dtype (fp32 in training) and builds the sinusoid in fp32.
+    // diffusers scales in fp32 and multiplies the fp32 frequencies in fp32; each step here is
+    // correctly rounded (frequency and cos/sin from double), so a reference can repeat it exactly.
     const float t = values[b] * 1000.0f;
     for (int j = 0; j < half; j++) {
-      const float freq = std::exp(-std::log(10000.0f) * static_cast<float>(j) / half);
-      const float angle = t * freq;
-      host[static_cast<size_t>(b) * FLUX_TIME_CHANNELS + j] = std::cos(angle);
-      host[static_cast<size_t>(b) * FLUX_TIME_CHANNELS + half + j] = std::sin(angle);
+      const float freq = static_cast<float>(std::exp(-std::log(10000.0) * j / half));
+      const double angle = t * freq;  // the fp32 product
+      host[static_cast<size_t>(b) * FLUX_TIME_CHANNELS + j] = static_cast<Real>(static_cast<float>(std::cos(angle)));
+      host[static_cast<size_t>(b) * FLUX_TIME_CHANNELS + half + j] =
+          static_cast<Real>(static_cast<float>(std::sin(angle)));
     }
   }
   ops_.device().copy_to_device(dst.data(), host.data(), dst.bytes());

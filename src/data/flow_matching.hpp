@@ -1,0 +1,35 @@
+// Rectified-flow training of a diffusion transformer (docs/flux.md): a clean latent x0 and noise
+// e ~ N(0, 1) make x_sigma = (1 - sigma) x0 + sigma e at a noise level sigma in (0, 1); the model
+// predicts the velocity e - x0, trained with the mean squared error. sigma is drawn uniform or
+// logit-normal (sigmoid of N(mean, std)), then optionally shifted towards noise:
+//   sigma' = s sigma / (1 + (s - 1) sigma),
+// with s fixed (flow.shift) or FLUX's resolution-dependent exp(mu), mu on the line through
+// (256 image tokens, 0.5) and (4096, 1.15). Every draw is a pure function of (train.seed, the
+// sample's number): the same on any rank count and in a resumed run. Validation uses fixed noise
+// levels (0.25, 0.5, 0.75 in turn) and its own noise stream.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace shardtrain {
+
+enum SigmaSampling { SIGMA_UNIFORM, SIGMA_LOGIT_NORMAL };
+const char* sigma_sampling_name(SigmaSampling s);
+
+struct FlowOptions {
+  SigmaSampling sigma_sampling = SIGMA_UNIFORM;
+  double logit_mean = 0, logit_std = 1;  // logit_normal's
+  double shift = 1;                      // 1 = none
+  bool resolution_shift = false;         // FLUX's shift by image size (replaces flow.shift)
+  double guidance = 1;                   // the guidance value a guidance-embedding model is trained with
+};
+
+// The key of one sample's draws.
+uint64_t flow_sample_key(uint64_t seed, uint64_t sample, bool validation);
+// Its noise level for an image of `image_tokens` tokens.
+double draw_sigma(const FlowOptions& options, uint64_t key, int image_tokens, uint64_t sample, bool validation);
+// Element i of its noise: counter_normal(noise key, i).
+uint64_t flow_noise_key(uint64_t key);
+
+}  // namespace shardtrain

@@ -1,0 +1,225 @@
+// See latent_dataset.hpp. Each rank reads the records of its own micro-batches with serial HDF5
+// (one hyperslab per tensor and record); files stay open for the run.
+#include "data/latent_dataset.hpp"
+
+#include <hdf5.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+
+#include "ckpt/h5.hpp"
+#include "core/counted.hpp"
+#include "core/error.hpp"
+#include "core/format.hpp"
+#include "core/random.hpp"
+#include "data/dataset.hpp"
+#include "model/families/flux/flux_family.hpp"
+
+namespace shardtrain {
+
+struct LatentDataset::File {
+  std::string path;
+  uint64_t bytes = 0, records = 0;
+  H5Id file, latents, text, pooled;
+};
+
+namespace {
+
+// The tensors of a record: the dataset's name and its shape after the record axis.
+struct Field {
+  const char* name;
+  std::vector<hsize_t> shape;
+};
+
+}  // namespace
+
+LatentDataset::LatentDataset(const std::string& option, const std::string& value, const ModelConfig& model,
+                             int image_tokens, uint64_t seed, const FlowOptions& flow)
+    : option_(option), value_(value), model_(model), N_(image_tokens), seed_(seed), flow_(flow) {
+  H5QuietErrors quiet;
+  first_record_.push_back(0);
+  const std::vector<Field> fields = {
+      {"latents", {hsize_t(N_), hsize_t(model.in_channels)}},
+      {"encoder_hidden_states", {hsize_t(model.context_len), hsize_t(model.context_dim)}},
+      {"pooled_projections", {hsize_t(model.pooled_dim)}}};
+  for (const std::string& path : expand_data_files(option, value)) {
+    auto f = std::make_unique<File>();
+    f->path = path;
+    const std::string where = option + ": '" + path + "'";
+    std::error_code ec;
+    f->bytes = std::filesystem::file_size(path, ec);
+    if (ec) throw DataError(where + ": cannot read it (" + ec.message() + ")");
+    f->file = H5Id(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+    if (f->file.get() < 0)
+      throw DataError(where + " is not an HDF5 file of latents (tools/encode_images.py writes them; docs/flux.md)");
+    H5Id* sets[3] = {&f->latents, &f->text, &f->pooled};
+    for (size_t i = 0; i < fields.size(); i++) {
+      const Field& field = fields[i];
+      if (H5Lexists(f->file, field.name, H5P_DEFAULT) <= 0)
+        throw DataError(where + " has no dataset '" + field.name + "' (docs/flux.md lists a latent file's datasets)");
+      *sets[i] = H5Id(H5Dopen2(f->file, field.name, H5P_DEFAULT), H5Dclose);
+      if (sets[i]->get() < 0) throw DataError(where + ": cannot open its dataset '" + field.name + "'");
+      H5Id type(H5Dget_type(*sets[i]), H5Tclose);
+      if (type.get() < 0 || H5Tget_class(type) != H5T_FLOAT || H5Tget_size(type) != 4)
+        throw DataError(where + ": dataset '" + field.name + "' is not float32; write it as float32");
+      H5Id space(H5Dget_space(*sets[i]), H5Sclose);
+      const int rank = space.get() < 0 ? -1 : H5Sget_simple_extent_ndims(space);
+      std::vector<hsize_t> dims(std::max(rank, 0));
+      if (rank > 0) H5Sget_simple_extent_dims(space, dims.data(), nullptr);
+      std::vector<hsize_t> expected = {dims.empty() ? 0 : dims[0]};
+      expected.insert(expected.end(), field.shape.begin(), field.shape.end());
+      if (rank < 1 || dims != expected) {
+        std::string got, want;
+        for (hsize_t d : dims) got += (got.empty() ? "" : ", ") + std::to_string(d);
+        for (size_t k = 1; k < expected.size(); k++) want += ", " + std::to_string(expected[k]);
+        throw DataError(strprintf("%s: dataset '%s' has shape (%s), the model and train.seq_len=%d take (records%s): "
+                                  "encode the images at the model's shape (model.in_channels, model.context_len, "
+                                  "model.context_dim, model.pooled_dim) and set train.seq_len to the image tokens",
+                                  where.c_str(), field.name, got.c_str(), N_, want.c_str()));
+      }
+      if (i == 0) f->records = dims[0];
+      if (dims[0] != f->records)
+        throw DataError(strprintf("%s: dataset '%s' holds %llu records, 'latents' %llu: every dataset holds one per "
+                                  "record",
+                                  where.c_str(), field.name, static_cast<unsigned long long>(dims[0]),
+                                  static_cast<unsigned long long>(f->records)));
+    }
+    int64_t grid[2] = {0, 0};
+    const char* grid_names[2] = {"grid_rows", "grid_cols"};
+    for (int k = 0; k < 2; k++) {
+      if (!h5_has_attr(f->file, grid_names[k]))
+        throw DataError(where + " has no attribute '" + grid_names[k] + "' (the packed latent grid's size)");
+      grid[k] = h5_read_attr_i64(f->file, grid_names[k], path);
+    }
+    if (grid[0] < 1 || grid[1] < 1 || grid[0] * grid[1] != N_)
+      throw DataError(strprintf("%s: grid_rows x grid_cols = %lld x %lld is not the %d image tokens of its latents",
+                                where.c_str(), static_cast<long long>(grid[0]), static_cast<long long>(grid[1]), N_));
+    if (grid_cols_ && grid[1] != grid_cols_)
+      throw DataError(strprintf("%s: a packed grid %lld tokens wide, the first file's is %d: one run trains one image "
+                                "size (encode the images at one resolution)",
+                                where.c_str(), static_cast<long long>(grid[1]), grid_cols_));
+    grid_cols_ = static_cast<int>(grid[1]);
+    first_record_.push_back(first_record_.back() + f->records);
+    files_.push_back(std::move(f));
+  }
+}
+
+LatentDataset::~LatentDataset() {
+  H5QuietErrors quiet;
+  files_.clear();
+}
+
+void LatentDataset::begin(Batch& b, int rows) const {
+  const int IN = model_.in_channels, L = model_.context_len;
+  b.put<float>(FLUX_HIDDEN_STATES, {rows, N_, IN});
+  b.put<float>(FLUX_TARGET, {rows, N_, IN});
+  b.put<float>(FLUX_ENCODER_HIDDEN_STATES, {rows, L, model_.context_dim});
+  b.put<float>(FLUX_POOLED, {rows, model_.pooled_dim});
+  b.put<float>(FLUX_TIMESTEP, {rows});
+  b.put<float>(FLUX_GUIDANCE, {rows});
+  float* img = b.put<float>(FLUX_IMG_IDS, {N_, 3});
+  for (int i = 0; i < N_; i++)  // (0, row, col) on the packed grid
+    img[3 * i] = 0, img[3 * i + 1] = static_cast<float>(i / grid_cols_), img[3 * i + 2] = static_cast<float>(i % grid_cols_);
+  b.put<float>(FLUX_TXT_IDS, {L, 3});  // zeros
+}
+
+void LatentDataset::read(const File& f, const char* name, uint64_t local, float* dst, size_t numel) const {
+  const hid_t set = std::string(name) == "latents" ? f.latents.get()
+                    : std::string(name) == "pooled_projections" ? f.pooled.get()
+                                                                : f.text.get();
+  H5Id space(H5Dget_space(set), H5Sclose);
+  const int rank = H5Sget_simple_extent_ndims(space);
+  std::vector<hsize_t> start(rank, 0), count(rank);
+  H5Sget_simple_extent_dims(space, count.data(), nullptr);
+  start[0] = local, count[0] = 1;
+  H5Id memory(H5Screate_simple(1, std::vector<hsize_t>{numel}.data(), nullptr), H5Sclose);
+  if (H5Sselect_hyperslab(space, H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr) < 0 ||
+      H5Dread(set, H5T_NATIVE_FLOAT, memory, space, H5P_DEFAULT, dst) < 0)
+    throw DataError(strprintf("%s: '%s': cannot read record %llu of dataset '%s'; the file is damaged",
+                              option_.c_str(), f.path.c_str(), static_cast<unsigned long long>(local), name));
+}
+
+void LatentDataset::fill(Batch& b, int row, uint64_t record, uint64_t sample, bool validation) const {
+  H5QuietErrors quiet;
+  const size_t file = std::upper_bound(first_record_.begin(), first_record_.end(), record) - first_record_.begin() - 1;
+  const File& f = *files_[file];
+  const uint64_t local = record - first_record_[file];
+  const int IN = model_.in_channels, L = model_.context_len;
+  const size_t image = static_cast<size_t>(N_) * IN;
+  const std::vector<int64_t>& shape = b.shape(FLUX_HIDDEN_STATES);
+  const size_t rows = static_cast<size_t>(shape[0]);
+  float* hidden = b.at<float>(FLUX_HIDDEN_STATES, rows * image) + row * image;
+  float* target = b.at<float>(FLUX_TARGET, rows * image) + row * image;
+  float* text = b.at<float>(FLUX_ENCODER_HIDDEN_STATES, rows * L * model_.context_dim) +
+                static_cast<size_t>(row) * L * model_.context_dim;
+  float* pooled = b.at<float>(FLUX_POOLED, rows * model_.pooled_dim) + static_cast<size_t>(row) * model_.pooled_dim;
+  read(f, "latents", local, hidden, image);
+  read(f, "encoder_hidden_states", local, text, static_cast<size_t>(L) * model_.context_dim);
+  read(f, "pooled_projections", local, pooled, model_.pooled_dim);
+  // The flow-matching sample: x_sigma = (1 - sigma) x0 + sigma e, target e - x0 (fp32, as trainers do).
+  const uint64_t key = flow_sample_key(seed_, sample, validation), noise = flow_noise_key(key);
+  const float sigma = static_cast<float>(draw_sigma(flow_, key, N_, sample, validation));
+  for (size_t i = 0; i < image; i++) {
+    const float x0 = hidden[i], e = static_cast<float>(counter_normal(noise, i));
+    hidden[i] = (1.0f - sigma) * x0 + sigma * e;
+    target[i] = e - x0;
+  }
+  b.at<float>(FLUX_TIMESTEP, rows)[row] = sigma;
+  b.at<float>(FLUX_GUIDANCE, rows)[row] = static_cast<float>(flow_.guidance);
+}
+
+void LatentDataset::require_records(uint64_t needed, const std::string& purpose, const std::string& fix) const {
+  if (records() >= needed) return;
+  throw DataError(strprintf("%s='%s' holds %llu latent records, fewer than %s: %s", option_.c_str(), value_.c_str(),
+                            static_cast<unsigned long long>(records()), purpose.c_str(), fix.c_str()));
+}
+
+// Every value of this part's records finite: a NaN latent would poison the first step's gradients.
+std::string LatentDataset::check(int part, int num_parts) const {
+  H5QuietErrors quiet;
+  const uint64_t begin = records() * part / num_parts, end = records() * (part + 1) / num_parts;
+  std::vector<float> values;
+  for (uint64_t r = begin; r < end; r++) {
+    const size_t file = std::upper_bound(first_record_.begin(), first_record_.end(), r) - first_record_.begin() - 1;
+    const File& f = *files_[file];
+    const uint64_t local = r - first_record_[file];
+    const std::pair<const char*, size_t> fields[3] = {
+        {"latents", static_cast<size_t>(N_) * model_.in_channels},
+        {"encoder_hidden_states", static_cast<size_t>(model_.context_len) * model_.context_dim},
+        {"pooled_projections", static_cast<size_t>(model_.pooled_dim)}};
+    for (const auto& [name, numel] : fields) {
+      values.resize(numel);
+      read(f, name, local, values.data(), numel);
+      for (float v : values)
+        if (!std::isfinite(v))
+          return strprintf("%s: '%s': record %llu of dataset '%s' holds a non-finite value; re-encode that image",
+                           option_.c_str(), f.path.c_str(), static_cast<unsigned long long>(local), name);
+    }
+  }
+  return "";
+}
+
+std::string LatentDataset::skipped_warning() const {
+  std::string empty;
+  for (const auto& f : files_)
+    if (f->records == 0) empty += (empty.empty() ? "" : ", ") + f->path;
+  return empty.empty() ? "" : option_ + ": no records in " + empty;
+}
+
+std::string LatentDataset::identity() const {
+  std::string s;
+  for (const auto& f : files_) s += std::to_string(f->bytes) + " " + f->path + "\n";
+  return s;
+}
+
+std::string LatentDataset::describe() const {
+  const std::string shape = strprintf("%d image tokens, %d text tokens", N_, model_.context_len);
+  if (files_.size() == 1)
+    return strprintf("%s (%s latents, %s)", files_[0]->path.c_str(), counted(records(), "record").c_str(),
+                     shape.c_str());
+  return strprintf("%zu files of '%s' (%s, %s)", files_.size(), value_.c_str(), counted(records(), "record").c_str(),
+                   shape.c_str());
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,53 @@
+// data.train_file / data.val_file for a diffusion transformer (model.arch=flux): latent shards,
+// HDF5 files of records made by tools/encode_images.py (docs/flux.md, "Latent datasets"):
+//   latents                float32 (R, N, in_channels)   packed VAE latents, scaled and shifted
+//   encoder_hidden_states  float32 (R, L, context_dim)   the text encoder's (T5) embeddings
+//   pooled_projections     float32 (R, pooled_dim)       the pooled text vector (CLIP)
+//   attributes grid_rows, grid_cols                      the packed latent grid, rows x cols = N
+// One option value names one file or several (a comma-separated list of paths and globs, as token
+// files); their records are numbered file after file. A micro-batch row is record r made into a
+// flow-matching sample (flow_matching.hpp): the noisy latent, the noise level, the target.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "data/data_source.hpp"
+#include "data/flow_matching.hpp"
+#include "model/config.hpp"
+
+namespace shardtrain {
+
+class LatentDataset final : public DataSource {
+ public:
+  // Opens and checks every file against the model and train.seq_len = image_tokens; throws
+  // DataError naming the file and what does not fit.
+  LatentDataset(const std::string& option, const std::string& value, const ModelConfig& model, int image_tokens,
+                uint64_t seed, const FlowOptions& flow);
+  ~LatentDataset() override;
+
+  uint64_t records() const override { return first_record_.back(); }
+  void begin(Batch& batch, int rows) const override;
+  void fill(Batch& batch, int row, uint64_t record, uint64_t sample, bool validation) const override;
+  void require_records(uint64_t needed, const std::string& purpose, const std::string& fix) const override;
+  std::string check(int part, int num_parts) const override;
+  std::string skipped_warning() const override;
+  std::string identity() const override;
+  std::string describe() const override;
+
+ private:
+  struct File;
+  // Reads record `local` of file `f`'s dataset `name` (numel floats) into dst.
+  void read(const File& f, const char* name, uint64_t local, float* dst, size_t numel) const;
+
+  std::string option_, value_;
+  ModelConfig model_;
+  int N_, grid_cols_ = 0;
+  uint64_t seed_;
+  FlowOptions flow_;
+  std::vector<std::unique_ptr<File>> files_;
+  std::vector<uint64_t> first_record_;  // file f's records are [first_record_[f], first_record_[f + 1])
+};
+
+}  // namespace shardtrain
