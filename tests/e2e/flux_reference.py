@@ -1,0 +1,213 @@
+"""An independent float64 numpy reference of model.arch=flux, written from the equations of
+diffusers' FluxTransformer2DModel (docs/flux.md), and of the flow-matching samples ShardTrain draws
+(data/flow_matching.hpp, data/sampler.hpp, core/random.hpp): for the e2e tests' oracle."""
+import numpy as np
+
+U64 = np.uint64
+MASK = (1 << 64) - 1
+
+
+def mix64(z):
+    z = (z + 0x9E3779B97F4A7C15) & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
+
+
+def mix64_array(z):
+    with np.errstate(over="ignore"):
+        z = z + U64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> U64(30))) * U64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> U64(27))) * U64(0x94D049BB133111EB)
+        return z ^ (z >> U64(31))
+
+
+def counter_uniform(key, counters):
+    bits = mix64_array(U64(key) ^ mix64_array(np.asarray(counters, dtype=U64)))
+    return ((bits >> U64(11)).astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)
+
+
+def counter_normal(key, index):
+    index = np.asarray(index, dtype=U64)
+    u1 = counter_uniform(key, U64(2) * index)
+    u2 = counter_uniform(key, U64(2) * index + U64(1))
+    return np.sqrt(-2.0 * np.log(u1)) * np.cos(6.283185307179586 * u2)
+
+
+SAMPLER_DOMAIN = 0x73616D706C657273
+
+
+def window(seed, windows, global_batch, step, j):
+    """data/sampler.cpp: the record sequence j of `step` reads (a keyed Feistel permutation per epoch)."""
+    g = step * global_batch + j
+    epoch, position = g // windows, g % windows
+    key = mix64(mix64(seed ^ SAMPLER_DOMAIN) ^ mix64(epoch))
+    bits = 2
+    while (1 << bits) < windows:
+        bits += 1
+    half = (bits + 1) // 2
+    round_keys = [mix64(key ^ mix64(r + 1)) for r in range(4)]
+    mask = (1 << half) - 1
+    x = position
+    while True:
+        left, right = x >> half, x & mask
+        for rk in round_keys:
+            left, right = right, left ^ (mix64(right ^ rk) & mask)
+        x = (left << half) | right
+        if x < windows:
+            return x
+
+
+FLOW_DOMAIN, VALIDATION_SALT, NOISE_SALT = 0x666C6F776D617463, 0x76616C6964617465, 0x6E6F697365
+
+
+def flow_sample(seed, sample, x0, sampling="uniform", logit_mean=0.0, logit_std=1.0, shift=1.0):
+    """(sigma, x_sigma, target) of a training sample, in float32 as ShardTrain draws them."""
+    key = mix64(mix64(seed ^ FLOW_DOMAIN) ^ mix64(sample))
+    if sampling == "uniform":
+        sigma = float(counter_uniform(key, [0])[0])
+    else:
+        sigma = 1.0 / (1.0 + np.exp(-(logit_mean + logit_std * float(counter_normal(key, [1])[0]))))
+    sigma = shift * sigma / (1 + (shift - 1) * sigma)
+    s = np.float32(sigma)
+    e = counter_normal(mix64(key ^ NOISE_SALT), np.arange(x0.size)).astype(np.float32).reshape(x0.shape)
+    return s, (np.float32(1) - s) * x0 + s * e, e - x0
+
+
+# ------------------------------------------------------------------------------------ the model
+
+def linear(p, name, x):
+    return x @ p[name + ".weight"].T + p[name + ".bias"]
+
+
+def silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def layer_norm(x, eps):
+    m = x.mean(-1, keepdims=True)
+    v = ((x - m) ** 2).mean(-1, keepdims=True)
+    return (x - m) / np.sqrt(v + eps)
+
+
+def rms_norm(x, w, eps):
+    return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * w
+
+
+def sinusoid(values):
+    """diffusers' Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0) of 1000 x value, each
+    step correctly rounded to float32 as ShardTrain computes it: [cos, sin]."""
+    half = 128
+    freq = np.exp(-np.log(10000.0) * np.arange(half) / half).astype(np.float32)
+    t = (np.asarray(values, np.float32) * np.float32(1000))[:, None]
+    angle = (t * freq[None, :]).astype(np.float64)  # the float32 product
+    return np.concatenate([np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)], -1).astype(np.float64)
+
+
+def rope_tables(ids, axes, theta):
+    """cos, sin (S, D/2) for position ids (S, 3): axis a's pair k turns by id_a theta^(-2k/axes[a])."""
+    cols = []
+    for a, width in enumerate(axes):
+        freq = 1.0 / theta ** (np.arange(0, width, 2, dtype=np.float64) / width)
+        cols.append(np.outer(ids[:, a].astype(np.float64), freq))
+    angle = np.concatenate(cols, -1)
+    return np.cos(angle), np.sin(angle)
+
+
+def rope(x, cos, sin, halves=False):
+    """x (B, S, H, D): interleaved pairs (x[2i], x[2i+1]) turned; halves=True pairs x[i] with
+    x[i + D/2] instead (Llama's rotate_half: a negative control, not FLUX)."""
+    if halves:
+        D = x.shape[-1]
+        a, b = x[..., :D // 2], x[..., D // 2:]
+        c, s = cos[None, :, None, :], sin[None, :, None, :]
+        return np.concatenate([a * c - b * s, b * c + a * s], -1)
+    a, b = x[..., 0::2], x[..., 1::2]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    out = np.empty_like(x)
+    out[..., 0::2] = a * c - b * s
+    out[..., 1::2] = b * c + a * s
+    return out
+
+
+def attention(q, k, v):
+    """Joint attention, no mask: (B, S, H, D) each."""
+    D = q.shape[-1]
+    scores = np.einsum("bshd,bthd->bhst", q, k) / np.sqrt(D)
+    scores -= scores.max(-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhst,bthd->bshd", p, v)
+
+
+def heads(x, H):
+    B, S, C = x.shape
+    return x.reshape(B, S, H, C // H)
+
+
+def flux_forward(p, cfg, hidden, text, pooled, timestep, guidance, img_ids, txt_ids, rope_halves=False,
+                 final_shift_first=False):
+    """The image tokens' prediction (B, N, in_channels) of FluxTransformer2DModel, float64. The two
+    flags are negative controls (what FLUX does not do): Llama's half-split rotary, and the final
+    layer's modulation read as (shift, scale) as Black Forest Labs' files store it."""
+    H, eps = cfg["n_head"], cfg["norm_eps"]
+    x = linear(p, "x_embedder", hidden)
+    c = linear(p, "context_embedder", text)
+
+    def mlp(prefix, v):
+        return linear(p, prefix + ".linear_2", silu(linear(p, prefix + ".linear_1", v)))
+
+    temb = mlp("time_text_embed.timestep_embedder", sinusoid(timestep))
+    if cfg["guidance_embeds"]:
+        temb = temb + mlp("time_text_embed.guidance_embedder", sinusoid(guidance))
+    temb = temb + mlp("time_text_embed.text_embedder", pooled)
+    e = silu(temb)
+    ids = np.concatenate([txt_ids, img_ids], 0)
+    cos, sin = rope_tables(ids, cfg["rope_axes"], cfg["rope_theta"])
+    L = text.shape[1]
+
+    def mod(name, chunks):
+        return np.split(linear(p, name, e)[:, None, :], chunks, -1)
+
+    def qk(prefix, x, q, k, v, nq, nk):
+        return (rms_norm(heads(linear(p, prefix + q, x), H), p[prefix + nq + ".weight"], eps),
+                rms_norm(heads(linear(p, prefix + k, x), H), p[prefix + nk + ".weight"], eps),
+                heads(linear(p, prefix + v, x), H))
+
+    for l in range(cfg["n_layer"]):
+        b = f"transformer_blocks.{l}."
+        sh1, sc1, g1, sh2, sc2, g2 = mod(b + "norm1.linear", 6)
+        csh1, csc1, cg1, csh2, csc2, cg2 = mod(b + "norm1_context.linear", 6)
+        xn = layer_norm(x, eps) * (1 + sc1) + sh1
+        cn = layer_norm(c, eps) * (1 + csc1) + csh1
+        qi, ki, vi = qk(b, xn, "attn.to_q", "attn.to_k", "attn.to_v", "attn.norm_q", "attn.norm_k")
+        qt, kt, vt = qk(b, cn, "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.norm_added_q",
+                        "attn.norm_added_k")
+        q = rope(np.concatenate([qt, qi], 1), cos, sin, rope_halves)
+        k = rope(np.concatenate([kt, ki], 1), cos, sin, rope_halves)
+        y = attention(q, k, np.concatenate([vt, vi], 1))
+        y = y.reshape(y.shape[0], y.shape[1], -1)
+        x = x + g1 * linear(p, b + "attn.to_out.0", y[:, L:])
+        c = c + cg1 * linear(p, b + "attn.to_add_out", y[:, :L])
+        x = x + g2 * linear(p, b + "ff.net.2", gelu_tanh(linear(p, b + "ff.net.0.proj",
+                                                                  layer_norm(x, eps) * (1 + sc2) + sh2)))
+        c = c + cg2 * linear(p, b + "ff_context.net.2", gelu_tanh(linear(p, b + "ff_context.net.0.proj",
+                                                                           layer_norm(c, eps) * (1 + csc2) + csh2)))
+    h = np.concatenate([c, x], 1)
+    for l in range(cfg["n_single_layer"]):
+        b = f"single_transformer_blocks.{l}."
+        sh, sc, g = mod(b + "norm.linear", 3)
+        hn = layer_norm(h, eps) * (1 + sc) + sh
+        q, k, v = qk(b, hn, "attn.to_q", "attn.to_k", "attn.to_v", "attn.norm_q", "attn.norm_k")
+        y = attention(rope(q, cos, sin, rope_halves), rope(k, cos, sin, rope_halves), v)
+        y = y.reshape(y.shape[0], y.shape[1], -1)
+        h = h + g * linear(p, b + "proj_out", np.concatenate([y, gelu_tanh(linear(p, b + "proj_mlp", hn))], -1))
+    x = h[:, L:]
+    scale, shift = mod("norm_out.linear", 2)  # AdaLayerNormContinuous: scale first
+    if final_shift_first:
+        scale, shift = shift, scale
+    return linear(p, "proj_out", layer_norm(x, eps) * (1 + scale) + shift)

@@ -1,0 +1,176 @@
+"""model.arch=flux (docs/flux.md): the FLUX.1 transformer trained with flow matching on latent
+shards, each property against an independent oracle:
+
+- the loss of a step equals a float64 numpy forward written from diffusers' equations
+  (flux_reference.py) on the parameters of the checkpoint before it and the samples the sampler and
+  the flow-matching draws make (replicated in numpy); Llama's half-split rotary and a swapped final
+  modulation, the two classic porting mistakes, are shown to miss it;
+- losses do not depend on the rank count or the sharding strategy (1-4 ranks, SHARD_GRAD_OP with
+  activation checkpointing, NO_SHARD, HYBRID_SHARD, offload), and a resumed run repeats them bit for bit;
+- bad latent files are refused with one line naming the file and the fix (exit 2); generate refuses
+  a FLUX checkpoint.
+"""
+import os
+
+import h5py
+import numpy as np
+
+from flux_reference import flow_sample, flux_forward, window
+from harness import ROOT, read_metrics, rel_diff, run, tempdir
+from test_bad_input import expect_usage_error
+from test_checkpoint import checksum
+
+FLUX_INI = os.path.join(ROOT, "inputs", "flux-tiny.ini")
+CFG = dict(n_layer=2, n_single_layer=2, n_head=2, norm_eps=1e-6, guidance_embeds=True, rope_axes=(4, 10, 10),
+           rope_theta=10000.0, in_channels=16, context_dim=32, context_len=8, pooled_dim=24, rows=4, cols=4)
+SEED, GLOBAL_BATCH = 1337, 12
+
+
+def latent_file(records, seed, path=None, rows=4, cols=4, channels=16, text=(8, 32), pooled=24, edit=None):
+    """A latent shard of `records` random records (float32), as tools/encode_images.py writes them."""
+    path = path or os.path.join(tempdir(), f"latents-{seed}.h5")
+    rng = np.random.default_rng(seed)
+    data = {"latents": rng.standard_normal((records, rows * cols, channels)).astype(np.float32),
+            "encoder_hidden_states": rng.standard_normal((records,) + text).astype(np.float32),
+            "pooled_projections": rng.standard_normal((records, pooled)).astype(np.float32)}
+    attrs = {"grid_rows": np.int64(rows), "grid_cols": np.int64(cols)}
+    if edit:
+        edit(data, attrs)
+    with h5py.File(path, "w") as f:
+        for name, value in data.items():
+            f[name] = value
+        for name, value in attrs.items():
+            f.attrs[name] = value
+    return path
+
+
+TRAIN, VAL = {}, {}
+
+
+def data_files():
+    if not TRAIN:
+        TRAIN["path"], VAL["path"] = latent_file(24, 1), latent_file(6, 2)
+    return TRAIN["path"], VAL["path"]
+
+
+def flux_args(*overrides, metrics=None):
+    train, val = data_files()
+    options = {"--data.train_file": train, "--data.val_file": val, "--train.peak_gflops": "100",
+               "--checkpoint.dir": tempdir(), "--train.steps": "4", "--train.eval_every": "2"}
+    if metrics:
+        options["--train.metrics_file"] = metrics
+    for item in overrides:
+        key, _, value = item.partition("=")
+        options[key] = value
+    return ["train", "--config", FLUX_INI, *(f"{k}={v}" for k, v in options.items())]
+
+
+def ok(proc, what=""):
+    assert proc.returncode == 0, f"{what}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def losses(np_, *overrides):
+    metrics = os.path.join(tempdir(), "metrics.jsonl")
+    ok(run(np_, flux_args(*overrides, metrics=metrics)), f"{np_} ranks {overrides}")
+    return ([r["loss"] for r in read_metrics(metrics)], [r["val_loss"] for r in read_metrics(metrics, "eval")])
+
+
+def test_losses_do_not_depend_on_the_rank_count_or_strategy():
+    base, base_val = losses(1)
+    assert len(base) == 4 and len(base_val) == 2 and all(np.isfinite(base))
+    cases = [(2, ()), (3, ()), (4, ()),
+             (2, ("--fsdp.sharding_strategy=SHARD_GRAD_OP", "--fsdp.activation_checkpointing=true")),
+             (2, ("--fsdp.sharding_strategy=NO_SHARD",)), (3, ("--fsdp.cpu_offload=true",)),
+             (4, ("--fsdp.sharding_strategy=HYBRID_SHARD", "--fsdp.shard_group_size=2"))]
+    for np_, overrides in cases:
+        got, got_val = losses(np_, *overrides)
+        for a, b in zip(got + got_val, base + base_val):
+            assert rel_diff(a, b) < 1e-5, (np_, overrides, got, base)
+
+
+def reference_loss(params, step, records, with_rope_halves=False, final_shift_first=False):
+    """The summed squared error / elements of 0-based `step`, in float64 from the equations."""
+    with h5py.File(TRAIN["path"], "r") as f:
+        x0, text, pooled = f["latents"][()], f["encoder_hidden_states"][()], f["pooled_projections"][()]
+    N = CFG["rows"] * CFG["cols"]
+    img_ids = np.array([[0, i // CFG["cols"], i % CFG["cols"]] for i in range(N)], np.float32)
+    txt_ids = np.zeros((CFG["context_len"], 3), np.float32)
+    total = 0.0
+    for j in range(GLOBAL_BATCH):
+        r = window(SEED, records, GLOBAL_BATCH, step, j)
+        sigma, noisy, target = flow_sample(SEED, step * GLOBAL_BATCH + j, x0[r], sampling="logit_normal")
+        out = flux_forward(params, CFG, noisy[None].astype(np.float64), text[r][None].astype(np.float64),
+                           pooled[r][None].astype(np.float64), [sigma], [1.0], img_ids, txt_ids,
+                           rope_halves=with_rope_halves, final_shift_first=final_shift_first)
+        total += float(((out[0] - target.astype(np.float64)) ** 2).sum())
+    return total / (GLOBAL_BATCH * N * CFG["in_channels"])
+
+
+def test_a_steps_loss_is_the_reference_forward_of_the_checkpoint_before_it():
+    # A gathered checkpoint after one step, its parameters made large (x 12: attention far from
+    # uniform, so the rotary turn matters) with their checksums restamped, then resumed for a step:
+    # that step's loss is the forward of exactly those parameters.
+    folder = tempdir()
+    ok(run(2, flux_args(f"--checkpoint.dir={folder}", "--checkpoint.format=gathered", "--train.steps=1")))
+    path = os.path.join(folder, "ckpt-00000001.h5")
+    params = {}
+    with h5py.File(path, "r+") as f:
+        for name in f["model"]:
+            ds = f["model"][name]
+            values = (ds[()] * (1 if name.endswith(".bias") or "norm" in name and "linear" not in name else 12))
+            ds[...] = values.astype(np.float32)
+            ds.attrs["checksum"] = np.uint64(checksum(ds[()]))
+            params[name] = ds[()].astype(np.float64)
+    metrics = os.path.join(folder, "resumed.jsonl")
+    ok(run(2, flux_args(f"--checkpoint.dir={folder}", "--train.steps=2", metrics=metrics)))
+    logged = read_metrics(metrics)
+    assert [r["step"] for r in logged] == [2], logged
+    expected = reference_loss(params, 1, 24)
+    assert rel_diff(logged[0]["loss"], expected) < 1e-6, (logged[0]["loss"], expected)
+    # The negative controls: each porting mistake moves the loss far beyond that.
+    for halves, swapped in ((True, False), (False, True)):
+        wrong = reference_loss(params, 1, 24, with_rope_halves=halves, final_shift_first=swapped)
+        assert rel_diff(logged[0]["loss"], wrong) > 1e-3, (halves, swapped, logged[0]["loss"], wrong)
+
+
+def test_a_resumed_run_repeats_the_losses_bit_for_bit():
+    straight, _ = losses(2)
+    # Stop after 2 steps, then resume to 4 from the step-2 checkpoint (same rank count: same bits).
+    folder = tempdir()
+    first, resumed = os.path.join(folder, "m1.jsonl"), os.path.join(folder, "m2.jsonl")
+    ok(run(2, flux_args(f"--checkpoint.dir={folder}", "--train.steps=2", metrics=first)))
+    ok(run(2, flux_args(f"--checkpoint.dir={folder}", "--train.steps=4", metrics=resumed)))
+    got = [r["loss"] for r in read_metrics(first)] + [r["loss"] for r in read_metrics(resumed)]
+    assert got == straight, (got, straight)
+
+
+def test_bad_latent_files_are_refused_with_one_line():
+    train, _ = data_files()
+
+    def bad(edit, *needles):
+        path = latent_file(12, 9, edit=edit)
+        expect_usage_error(flux_args(f"--data.train_file={path}"), path, *needles)
+
+    bad(lambda d, a: d.update(latents=d["latents"][:, :, :8]), "'latents' has shape (12, 16, 8)", "model.in_channels")
+    bad(lambda d, a: d.pop("pooled_projections"), "no dataset 'pooled_projections'")
+    bad(lambda d, a: a.update(grid_rows=np.int64(2)), "grid_rows x grid_cols = 2 x 4")
+    bad(lambda d, a: d.update(encoder_hidden_states=d["encoder_hidden_states"][:6]), "holds 6 records")
+    bad(lambda d, a: d.update(latents=d["latents"].astype(np.float16)), "is not float32")
+
+    def poison(d, a):
+        d["latents"][7, 3, 2] = np.nan
+    bad(poison, "record 7 of dataset 'latents' holds a non-finite value")
+    expect_usage_error(flux_args(f"--data.train_file={train}", "--train.seq_len=9"), "train.seq_len=9")
+    not_hdf5 = os.path.join(tempdir(), "latents.h5")
+    with open(not_hdf5, "w") as f:
+        f.write("not hdf5")
+    expect_usage_error(flux_args(f"--data.train_file={not_hdf5}"), "is not an HDF5 file of latents")
+
+
+def test_generate_and_cuda_refuse_flux():
+    folder = tempdir()
+    ok(run(1, flux_args(f"--checkpoint.dir={folder}", "--train.steps=1")))
+    expect_usage_error(["generate", "--checkpoint", folder, "--prompt", "a cat"], "'flux' model",
+                       "has no key/value-cache decoding", np_=1)
+    expect_usage_error(flux_args("--train.device=cuda"), "model.arch=flux has no CUDA kernels yet", np_=1)
