@@ -59,7 +59,8 @@ bool parse_convert_args(const Runtime& rt, const std::vector<std::string>& args,
        "to a folder: the weights' type, fp32 (the checkpoint's values, bit for bit), bf16 or fp16 (rounded to "
        "nearest even)")
       ("max-file-size", po::value(&o.max_file_size)->default_value(o.max_file_size),
-       "to a folder: larger weights are split into files of at most this size with model.safetensors.index.json")
+       "to a folder: larger weights are split into files of at most this size with an index (model.safetensors.index.json, "
+       "diffusers' diffusion_pytorch_model.safetensors.index.json)")
       ("overwrite", po::bool_switch(&o.overwrite), "replace --output if it exists")
       ("comm-timeout", po::value(&o.timeout)->default_value(o.timeout),
        "seconds any one collective may wait for a stalled rank before the job is aborted; 0 = never");
@@ -216,7 +217,7 @@ void checkpoint_to_folder(const Runtime& rt, const ConvertOptions& o, Watchdog& 
   rt.info("converted checkpoint %s (step %lld) to Hugging Face folder %s (%s; config.json, %s, %s in %s) on %s in "
           "%.2f s (read %.2f s, write %.2f s); parameter shard per rank %s",
           o.input.c_str(), static_cast<long long>(state.step), o.output.c_str(), shape_of(table).c_str(),
-          plan.files.size() == 1 ? "model.safetensors" : "model.safetensors.index.json",
+          plan.entry_name().c_str(),
           human_bytes(static_cast<double>(plan.tensor_bytes)).c_str(),
           counted(static_cast<long long>(plan.files.size()), "file").c_str(), counted(rt.world(), "rank").c_str(),
           t_end - t0, t_read - t0, t_end - t_read, human_bytes(4.0 * holder.engine.local_param_count()).c_str());

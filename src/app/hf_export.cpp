@@ -36,15 +36,16 @@ void write_file_atomically(const std::string& path, const std::string& text) {
 }
 
 // A re-export keeps what else the folder holds (a tokenizer, a README, ...): every entry of `old`
-// that is not the model's own -- config.json and model*.safetensors* (weights, shards, index) --
-// is hard-linked (or copied) into the new folder before the swap.
-void carry_other_files(const std::string& old, const std::string& fresh) {
+// that is not the model's own -- config.json and <weights>*.safetensors* (weights, shards, index;
+// `weights` the family's base name) -- is hard-linked (or copied) into the new folder before the swap.
+void carry_other_files(const std::string& old, const std::string& fresh, const std::string& weights) {
   namespace fs = std::filesystem;
   std::error_code error;
   if (!fs::is_directory(old, error)) return;
   for (const fs::directory_entry& e : fs::directory_iterator(old, error)) {
     const std::string name = e.path().filename().string();
-    if (name == "config.json" || name.rfind("model", 0) == 0) continue;
+    if (name == "config.json" || (name.rfind(weights, 0) == 0 && name.find(".safetensors") != std::string::npos))
+      continue;
     fs::copy(e.path(), fresh + "/" + name, fs::copy_options::recursive | fs::copy_options::create_hard_links, error);
     if (error)  // another file system, say: a copy
       fs::copy(e.path(), fresh + "/" + name, fs::copy_options::recursive | fs::copy_options::overwrite_existing, error);
@@ -218,7 +219,7 @@ void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const st
   });
   rt.info("wrote %s: Hugging Face %s (config.json, %s, %s in %s, %s) from step %lld, written by %s",
           out_dir.c_str(), family_of(model).hf_class(),
-          plan.files.size() == 1 ? "model.safetensors" : "model.safetensors.index.json",
+          plan.entry_name().c_str(),
           counted(static_cast<long long>(table.params().size()), "tensor").c_str(),
           counted(static_cast<long long>(plan.files.size()), "file").c_str(),
           human_bytes(static_cast<double>(plan.tensor_bytes)).c_str(), static_cast<long long>(reader->state().step),
@@ -263,9 +264,9 @@ void write_hf_folder(const Runtime& rt, const ModelConfig& model, const std::str
         const std::string error = CheckpointManager::write_file_synced(staging + "/" + name, text);
         if (!error.empty()) throw CheckpointError(error);
       };
-      if (plan.files.size() > 1) write("model.safetensors.index.json", plan.index_json());
+      if (plan.files.size() > 1) write(plan.index_name.c_str(), plan.index_json());
       write("config.json", hf_config_json(model, dtype));
-      carry_other_files(target.string(), staging);
+      carry_other_files(target.string(), staging, family_of(model).hf_weights());
       std::string synced = CheckpointManager::fsync_path(staging);
       if (!synced.empty()) throw CheckpointError(synced);
       commit_folder(staging, target.string());

@@ -517,7 +517,7 @@ void take_model_shape_from_hf_folder(const po::variables_map& vm, Config& c) {
   take("model.n_embd", &c.model.n_embd, hf.n_embd, whole);
   take("model.n_head", &c.model.n_head, hf.n_head, whole);
   take("model.vocab_size", &c.model.vocab_size, hf.vocab_size, whole);
-  take("model.max_seq_len", &c.model.max_seq_len, hf.max_seq_len, whole);
+  if (family_of(hf).fixes_max_seq_len()) take("model.max_seq_len", &c.model.max_seq_len, hf.max_seq_len, whole);
   auto reads = [&](const char* key) { return family_of(hf).reads_key(key); };
   // 0 means n_head key/value heads and an MLP of 4 n_embd: compare what they mean.
   if (reads("model.n_kv_head")) {
@@ -530,9 +530,17 @@ void take_model_shape_from_hf_folder(const po::variables_map& vm, Config& c) {
   }
   if (reads("model.rope_theta")) take("model.rope_theta", &c.model.rope_theta, hf.rope_theta, real);
   if (reads("model.norm_eps")) take("model.norm_eps", &c.model.norm_eps, hf.norm_eps, real);
-  if (reads("model.tie_embeddings"))
-    take("model.tie_embeddings", &c.model.tie_embeddings, hf.tie_embeddings,
-         [](bool b) { return std::string(b ? "true" : "false"); });
+  auto flag = [](bool b) { return std::string(b ? "true" : "false"); };
+  if (reads("model.tie_embeddings")) take("model.tie_embeddings", &c.model.tie_embeddings, hf.tie_embeddings, flag);
+  // flux's shape keys (model.context_len is the data's, not the folder's).
+  const std::pair<const char*, int ModelConfig::*> family_ints[] = {
+      {"model.n_single_layer", &ModelConfig::n_single_layer}, {"model.in_channels", &ModelConfig::in_channels},
+      {"model.context_dim", &ModelConfig::context_dim}, {"model.pooled_dim", &ModelConfig::pooled_dim}};
+  for (const auto& [key, field] : family_ints)
+    if (reads(key)) take(key, &(c.model.*field), hf.*field, whole);
+  if (reads("model.guidance_embeds")) take("model.guidance_embeds", &c.model.guidance_embeds, hf.guidance_embeds, flag);
+  if (reads("model.rope_axes"))
+    take("model.rope_axes", &c.model.rope_axes, hf.rope_axes, [](const std::string& a) { return a; });
   require(mismatches.empty(), "checkpoint.init_from='" + printable_text(c.checkpoint.init_from) + "': " + mismatches +
                                   "; the shape comes from the folder's config.json: remove these model.* keys from "
                                   "the configuration (or set them to its values)");
@@ -654,6 +662,11 @@ void validate_config(const Config& c, int world) {
                                                m.intermediate_size);
   require(shape.empty(), shape + ": not a shape this program holds");
   validate_architecture(m);
+  require(c.fsdp.activation_dtype == ACTIVATIONS_AUTO || c.fsdp.activation_dtype == ACTIVATIONS_FP32 ||
+              family_of(m).half_saved_activations(),
+          "fsdp.activation_dtype=" + std::string(activation_dtype_name(c.fsdp.activation_dtype)) + ": model.arch=" +
+              m.arch + " keeps its activations in fp32 (16-bit saved activations are the decoders' for now); remove "
+              "it");
   require(c.flow.logit_std > 0, "flow.logit_std must be > 0");
   require(c.flow.shift > 0, "flow.shift must be > 0 (1 = no shift)");
   require(t.device != "cuda" || family_of(m).runs_on_cuda(),
@@ -786,7 +799,9 @@ ComputeOptions compute_options(const Config& c) {
   o.device = c.train.device;
   o.compute_dtype = c.fsdp.param_dtype;
   switch (c.fsdp.activation_dtype) {
-    case ACTIVATIONS_AUTO: o.activation_dtype = c.fsdp.param_dtype; break;
+    case ACTIVATIONS_AUTO:  // the compute dtype, where the family saves 16-bit activations
+      o.activation_dtype = family_of(c.model).half_saved_activations() ? c.fsdp.param_dtype : DTYPE_FP32;
+      break;
     case ACTIVATIONS_FP32: o.activation_dtype = DTYPE_FP32; break;
     case ACTIVATIONS_BF16: o.activation_dtype = DTYPE_BF16; break;
     case ACTIVATIONS_FP16: o.activation_dtype = DTYPE_FP16; break;

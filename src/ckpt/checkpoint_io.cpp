@@ -362,15 +362,18 @@ const char* ADAPTER_METHOD_INTS[6] = {"adapter.decompose_both", "adapter.decompo
 
 // Version 6: the model keys of the families beyond the decoders (FLUX's), after the teacher's
 // checksum, each written when the config's family reads it (ModelFamily::config_keys).
+// `shape`: whether it is the weights' (a model of another value is another model), or, like the
+// text tokens per sample, the run's (recorded, not compared).
 struct FamilyIntAttr {
   const char* name;
   int ModelConfig::*field;
+  bool shape;
 };
-const FamilyIntAttr FAMILY_INTS[] = {{"model.n_single_layer", &ModelConfig::n_single_layer},
-                                     {"model.in_channels", &ModelConfig::in_channels},
-                                     {"model.context_dim", &ModelConfig::context_dim},
-                                     {"model.context_len", &ModelConfig::context_len},
-                                     {"model.pooled_dim", &ModelConfig::pooled_dim}};
+const FamilyIntAttr FAMILY_INTS[] = {{"model.n_single_layer", &ModelConfig::n_single_layer, true},
+                                     {"model.in_channels", &ModelConfig::in_channels, true},
+                                     {"model.context_dim", &ModelConfig::context_dim, true},
+                                     {"model.context_len", &ModelConfig::context_len, false},
+                                     {"model.pooled_dim", &ModelConfig::pooled_dim, true}};
 const char* FAMILY_GUIDANCE = "model.guidance_embeds";
 const char* FAMILY_ROPE_AXES = "model.rope_axes";
 
@@ -763,13 +766,15 @@ std::string model_mismatch(const std::string& path, const ModelConfig& stored, c
   };
   differ(MODEL_ARCH, stored.arch, configured.arch);
   auto a = model_dims(stored), b = model_dims(configured);
-  for (int i = 0; i < 5; i++) differ(MODEL_DIMS[i], std::to_string(a[i]), std::to_string(b[i]));
+  const bool positions = family_of(stored).fixes_max_seq_len();  // else a bound of the run, not the model's
+  for (int i = 0; i < 5; i++)
+    if (i != 4 || positions) differ(MODEL_DIMS[i], std::to_string(a[i]), std::to_string(b[i]));
   auto ai = model_arch_ints(stored), bi = model_arch_ints(configured);
   for (int i = 0; i < 3; i++) differ(MODEL_ARCH_INTS[i], std::to_string(ai[i]), std::to_string(bi[i]));
   auto ar = model_arch_reals(stored), br = model_arch_reals(configured);
   for (int i = 0; i < 2; i++) differ(MODEL_ARCH_REALS[i], strprintf("%g", ar[i]), strprintf("%g", br[i]));
   for (const FamilyIntAttr& a : FAMILY_INTS)
-    differ(a.name, std::to_string(stored.*a.field), std::to_string(configured.*a.field));
+    if (a.shape) differ(a.name, std::to_string(stored.*a.field), std::to_string(configured.*a.field));
   differ(FAMILY_GUIDANCE, stored.guidance_embeds ? "true" : "false", configured.guidance_embeds ? "true" : "false");
   differ(FAMILY_ROPE_AXES, stored.rope_axes, configured.rope_axes);
   if (differences.empty()) return "";

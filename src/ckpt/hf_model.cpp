@@ -70,7 +70,8 @@ struct HfFiles {
 
 HfFiles open_hf_files(const std::string& folder, const ModelFamily& family) {
   HfFiles files;
-  const std::string single = folder + "/model.safetensors", index = folder + "/model.safetensors.index.json";
+  const std::string base = family.hf_weights();
+  const std::string single = folder + "/" + base + ".safetensors", index = folder + "/" + base + ".safetensors.index.json";
   std::vector<std::string> names;
   struct stat st {};
   if (::stat(index.c_str(), &st) == 0) {
@@ -85,11 +86,11 @@ HfFiles open_hf_files(const std::string& folder, const ModelFamily& family) {
     }
     names.assign(unique.begin(), unique.end());
   } else if (::stat(single.c_str(), &st) == 0) {
-    names.push_back("model.safetensors");
+    names.push_back(base + ".safetensors");
   } else {
-    throw CheckpointError("Hugging Face folder '" + folder +
-                          "': neither model.safetensors nor model.safetensors.index.json (only safetensors weights "
-                          "are read; convert .bin files with transformers' save_pretrained(safe_serialization=True))");
+    throw CheckpointError("Hugging Face folder '" + folder + "': neither " + base + ".safetensors nor " + base +
+                          ".safetensors.index.json (only safetensors weights are read; convert .bin files with "
+                          "save_pretrained(safe_serialization=True))");
   }
   for (const std::string& name : names) {
     files.readers.push_back(std::make_unique<SafetensorsReader>(folder + "/" + name));
@@ -110,13 +111,13 @@ bool is_hf_model_folder(const std::string& path) {
 
 ModelConfig read_hf_model_config(const std::string& folder) {
   const HfConfig j(folder);
-  const std::string type = j.text("model_type", "");
   const ModelFamily* family = nullptr;
   for (const ModelFamily* f : model_families())
-    if (f->reads_model_type(type)) family = f;
+    if (f->reads_hf_folder(j)) family = f;
   if (!family)
-    j.fail("model_type '" + type + "' is not implemented; ShardTrain reads the model families " +
-           model_family_names() + " (and mistral folders as llama)");
+    j.fail("model_type '" + j.text("model_type", "") + "' (_class_name '" + j.text("_class_name", "") +
+           "') is not implemented; ShardTrain reads the model families " + model_family_names() +
+           " (mistral folders as llama, diffusers' FluxTransformer2DModel as flux)");
   ModelConfig m = family->read_hf_config(j);
   m.arch = family->name();
   // The checks options and checkpoint attributes get too.
@@ -246,13 +247,16 @@ void write_hf_shards(FsdpEngine& engine, const HfExportPlan& plan,
 std::string hf_config_json(const ModelConfig& m, DType dtype) {
   nlohmann::ordered_json j;
   family_of(m).write_hf_config(m, j);
-  j["torch_dtype"] = dtype == DTYPE_FP32 ? "float32" : dtype == DTYPE_BF16 ? "bfloat16" : "float16";
+  if (family_of(m).hf_torch_dtype())
+    j["torch_dtype"] = dtype == DTYPE_FP32 ? "float32" : dtype == DTYPE_BF16 ? "bfloat16" : "float16";
   return j.dump(2) + "\n";
 }
 
 HfExportPlan hf_export_plan(const ParamTable& table, DType dtype, uint64_t max_file_bytes) {
+  const std::string base = family_of(table.config()).hf_weights();
   std::vector<std::vector<SafetensorsEntry>> groups(1);
   HfExportPlan plan;
+  plan.index_name = base + ".safetensors.index.json";
   uint64_t in_group = 0;
   for (const ParamInfo& p : table.params()) {
     const HfTensor t = hf_tensor_of(table.config(), p);
@@ -264,8 +268,9 @@ HfExportPlan hf_export_plan(const ParamTable& table, DType dtype, uint64_t max_f
     plan.tensor_bytes += bytes;
   }
   for (size_t f = 0; f < groups.size(); f++) {
-    const std::string name = groups.size() == 1 ? "model.safetensors"
-                                                : strprintf("model-%05zu-of-%05zu.safetensors", f + 1, groups.size());
+    const std::string name = groups.size() == 1
+                                 ? base + ".safetensors"
+                                 : strprintf("%s-%05zu-of-%05zu.safetensors", base.c_str(), f + 1, groups.size());
     plan.files.push_back({name, SafetensorsLayout(groups[f], {{"format", "pt"}})});
   }
   return plan;

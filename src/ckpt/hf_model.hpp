@@ -52,8 +52,11 @@ struct HfExportPlan {
   std::vector<HfExportFile> files;
   std::vector<std::pair<size_t, size_t>> where;  // by parameter id: (file, entry in the file)
   uint64_t tensor_bytes = 0;                     // the index's metadata.total_size
-  // model.safetensors.index.json's text, or "" for one file.
+  std::string index_name;                        // <weights>.safetensors.index.json (ModelFamily::hf_weights)
+  // The index's text, or "" for one file.
   std::string index_json() const;
+  // The file a reader opens first: the one weight file, or the index.
+  const std::string& entry_name() const { return files.size() == 1 ? files[0].name : index_name; }
 };
 HfExportPlan hf_export_plan(const ParamTable& table, DType dtype, uint64_t max_file_bytes);
 // Writes the part of this rank's parameter shards that it owns (one rank among replicas, padding

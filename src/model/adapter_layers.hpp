@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "backend/layer_ops.hpp"
+#include "core/error.hpp"
 #include "model/param_table.hpp"
 
 namespace shardtrain {
@@ -42,21 +43,25 @@ template <typename Real>
 std::unique_ptr<AdapterLayers<Real>> make_adapter_layers(const ParamTable& table, int rows, const LayerOps<Real>& ops);
 size_t plan_adapter_bytes(const ParamTable& table, int rows, size_t real_bytes);
 
-// A model's adapters, which GptModel and LlamaModel call around each block product: one
+// A model's adapters, which the families' models call around each block product: one
 // AdapterLayers for a micro-batch's rows and, while a generation decodes, one for a step's.
 template <typename Real>
 class ModelAdapters {
  public:
   ModelAdapters(const ParamTable& table, int rows, const LayerOps<Real>& ops)
       : table_(table), ops_(ops), rows_(rows), train_(make_adapter_layers(table, rows, ops)) {}
-  void forward(int l, BlockProduct product, const Real* x, Real* out, const Real* w) const {
-    if (train_) train_->forward(l, product, x, out, rows_, w);
+  // Around a product of every row of the micro-batch, or (n) of its first n rows: a diffusion
+  // transformer's products have the rows of one stream, of the joint sequence or of the samples.
+  void forward(int l, BlockProduct product, const Real* x, Real* out, const Real* w, int n = -1) const {
+    if (train_) train_->forward(l, product, x, out, rows(n), w);
   }
-  const Real* output_grad(int l, BlockProduct product, const Real* x, const Real* dout, const Real* w, Real* g) const {
-    return train_ ? train_->output_grad(l, product, x, dout, rows_, w, g) : dout;
+  const Real* output_grad(int l, BlockProduct product, const Real* x, const Real* dout, const Real* w, Real* g,
+                          int n = -1) const {
+    return train_ ? train_->output_grad(l, product, x, dout, rows(n), w, g) : dout;
   }
-  void backward(int l, BlockProduct product, const Real* x, const Real* dout, Real* dx, const Real* w, Real* g) const {
-    if (train_) train_->backward(l, product, x, dout, dx, rows_, w, g);
+  void backward(int l, BlockProduct product, const Real* x, const Real* dout, Real* dx, const Real* w, Real* g,
+                int n = -1) const {
+    if (train_) train_->backward(l, product, x, dout, dx, rows(n), w, g);
   }
   void set_dropout_keys(const uint64_t* keys) {
     if (train_) train_->set_row_keys(keys);
@@ -69,6 +74,10 @@ class ModelAdapters {
   }
 
  private:
+  int rows(int n) const {
+    SHARD_CHECK(n <= rows_, "an adapted product of %d rows, the adapters hold %d", n, rows_);
+    return n < 0 ? rows_ : n;
+  }
   const ParamTable& table_;
   const LayerOps<Real>& ops_;
   int rows_;

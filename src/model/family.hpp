@@ -111,6 +111,11 @@ void require_capability(const ModelConfig& config, const std::string& use, const
   // Whether the CUDA backend has every layer its models call (LayerOps: the diffusion layers are
   // CPU-only for now).
   virtual bool runs_on_cuda() const { return true; }
+  // Whether model.max_seq_len is the model's own (a position table, max_position_embeddings), so
+  // that a checkpoint or folder fixes it; else it only bounds a run's sequences (FLUX's image tokens).
+  virtual bool fixes_max_seq_len() const { return true; }
+  // Whether its models can keep their saved tensors in 16 bits (fsdp.activation_dtype; model/saved_activations.hpp).
+  virtual bool half_saved_activations() const { return true; }
   // Whether it trains on token files (the language models) or on latent shards (data/latent_dataset.hpp).
   virtual bool token_data() const { return true; }
 
@@ -120,13 +125,24 @@ void require_capability(const ModelConfig& config, const std::string& use, const
   virtual std::vector<LinearSite> linear_sites(const ModelConfig& config, const std::string& kind) const = 0;
   // Hugging Face's module path of the site in block `block` (counted over every block, in forward
   // order): "model.layers.3.self_attn.q_proj".
-  virtual std::string module_path(int block, const LinearSite& site) const = 0;
+  virtual std::string module_path(const ModelConfig& config, int block, const LinearSite& site) const = 0;
+  // The most rows any of a block's products has in a micro-batch of `batch` x `seq_len` (its
+  // adapters' scratch): a decoder's B x T; a diffusion transformer's joint sequence.
+  virtual int adapter_rows(const ModelConfig&, int batch, int seq_len) const { return batch * seq_len; }
 
   // --- Hugging Face files ---
   // The transformers class ("LlamaForCausalLM") and whether a config.json's model_type is read by
   // this family.
   virtual const char* hf_class() const = 0;
   virtual bool reads_model_type(const std::string& model_type) const = 0;
+  // Whether this family reads a folder with this config.json: by its model_type (transformers), or
+  // another key (diffusers' _class_name).
+  virtual bool reads_hf_folder(const HfConfig& json) const { return reads_model_type(json.text("model_type", "")); }
+  // The weight files' base name: model.safetensors (transformers), diffusion_pytorch_model.safetensors
+  // (diffusers), with .index.json and -00001-of-00002 for several.
+  virtual const char* hf_weights() const { return "model"; }
+  // Whether config.json records the weights' dtype (transformers' torch_dtype; diffusers does not).
+  virtual bool hf_torch_dtype() const { return true; }
   // The config config.json describes; HfConfig::fail for what the family does not implement.
   virtual ModelConfig read_hf_config(const HfConfig& json) const = 0;
   // config.json's keys for this config, as transformers writes them (torch_dtype aside).

@@ -61,7 +61,7 @@ void ParamTable::add_adapters() {
     adapter_params_[l].assign(sites.size(), -1);
     for (size_t k = 0; k < sites.size(); k++) {
       const LinearSite& site = sites[k];
-      const std::string path = family.module_path(l, site);
+      const std::string path = family.module_path(config_, l, site);
       bool match = false;
       for (size_t t = 0; t < adapter_.targets.size(); t++)
         if (target_matches(adapter_.targets[t], path)) used[t] = match = true;
@@ -76,7 +76,7 @@ void ParamTable::add_adapters() {
   for (size_t t = 0; t < adapter_.targets.size(); t++)
     if (!used[t])
       throw UsageError("adapter.targets: '" + adapter_.targets[t] + "' matches no linear layer of this " +
-                       config_.arch + " model (" + family.module_path(0, block_sites(0)[0]) +
+                       config_.arch + " model (" + family.module_path(config_, 0, block_sites(0)[0]) +
                        ", ...; the layers of a block: " + layers + ")");
   for (ParamInfo& p : params_) p.frozen = !p.adapter;  // the base is frozen
 }

@@ -9,6 +9,7 @@ FLOP/s of a 2048^3 OpenBLAS SGEMM that every rank measures at the same moment at
 for 2 ranks, SGEMM runs on both at once). The machine's OpenBLAS environment is left as it is.
 
 Architectures (--only arch): gpt2-124M beside llama-135M at T = 64 and T = 1024 (see arch_section).
+FLUX (--only flux): a FLUX-shaped model of GPT-2 small's width beside gpt2-124M (see flux_section).
 
 Adapters (--only adapters): gpt2-124M and llama-135M (--adapter-models) full fine-tuning against LoRA
 (rank 8 and 64 on every linear layer), LoHa, LoKr, OFT and freezing all but the last two blocks, on 1,
@@ -182,7 +183,8 @@ def main():
     parser.add_argument("--ckpt-repeats", type=int, default=3)
     parser.add_argument("--ckpt-profile", action="store_true",
                         help="also time the checksums and the same bytes through MPI-IO alone")
-    parser.add_argument("--only", choices=("layers", "train", "ckpt", "arch", "adapters", "distill", "gemm", "bf16",
+    parser.add_argument("--only", choices=("layers", "train", "ckpt", "arch", "flux", "adapters", "distill", "gemm",
+                                           "bf16",
                                            "activations",
                                            "convert", "baseline"),
                         help="run one section only")
@@ -209,7 +211,7 @@ def main():
     if os.geteuid() == 0:
         os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    sections = [args.only] if args.only else ["train", "ckpt", "arch", "adapters", "distill", "gemm", "bf16"]
+    sections = [args.only] if args.only else ["train", "ckpt", "arch", "flux", "adapters", "distill", "gemm", "bf16"]
     if not args.only and not args.skip_layers:
         sections.insert(0, "layers")
     if "layers" in sections:
@@ -226,6 +228,8 @@ def main():
     if "adapters" in sections:
         adapter_section(build, args.steps, args.adapter_models.split(","),
                         [c for c in args.adapter_cases.split(",") if c])
+    if "flux" in sections:
+        flux_section(build, args.steps, args.arch_rounds)
     if "distill" in sections:
         distill_section(build, args.steps)
     if "gemm" in sections:
@@ -364,6 +368,73 @@ def arch_section(build, steps, rounds):
                   flush=True)
         print(f"T={seq_len:5d} MFU llama / gpt2 (medians): {medians[ARCH_CONFIGS[1]] / medians[ARCH_CONFIGS[0]]:.3f}",
               flush=True)
+
+
+# A FLUX-shaped model of GPT-2 small's width (C = 768: 6 heads of 128, rotary axes 16,56,56) with
+# 2 double- and 4 single-stream blocks (132 C^2 of block weights, GPT-2 small's 12 blocks have 144),
+# 256 image tokens (a 16 x 16 packed grid: 512 x 512 pixels), 64 text tokens of 768, pooled 768.
+FLUX_BENCH = ["--model.n_layer=2", "--model.n_single_layer=4", "--model.n_embd=768", "--model.n_head=6",
+              "--model.max_seq_len=256", "--model.in_channels=64", "--model.context_dim=768", "--model.context_len=64",
+              "--model.pooled_dim=768", "--model.rope_axes=16,56,56", "--train.seq_len=256"]
+
+
+def flux_latents(folder, records=16, rows=16, cols=16, channels=64, text=(64, 768), pooled=768):
+    import h5py
+    import numpy as np
+    path = os.path.join(folder, "latents.h5")
+    rng = np.random.default_rng(0)
+    with h5py.File(path, "w") as f:
+        f["latents"] = rng.standard_normal((records, rows * cols, channels)).astype(np.float32)
+        f["encoder_hidden_states"] = rng.standard_normal((records,) + text).astype(np.float32)
+        f["pooled_projections"] = rng.standard_normal((records, pooled)).astype(np.float32)
+        f.attrs["grid_rows"], f.attrs["grid_cols"] = np.int64(rows), np.int64(cols)
+    return path
+
+
+def flux_run(build, steps, latents, micro_batch=1, global_batch=4):
+    from harness import mpirun_command
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = os.path.join(tmp, "m.jsonl")
+        args = [os.path.join(build, "shardtrain"), "train", "--config", os.path.join(ROOT, "inputs", "flux-tiny.ini"),
+                *FLUX_BENCH, "--checkpoint.save=false", "--checkpoint.resume=none", f"--train.steps={steps}",
+                f"--train.micro_batch={micro_batch}", f"--train.global_batch={global_batch}", "--train.threads=2",
+                f"--data.train_file={latents}", "--data.val_file=", f"--train.metrics_file={metrics}"]
+        proc = subprocess.run(mpirun_command(1, args, timeout=1200), cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"flux benchmark run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        rows = [json.loads(l) for l in open(metrics) if '"kind":"step"' in l][1:]
+        peak = float(re.search(r"GEMM peak ([\d.]+) GFLOP/s", proc.stdout).group(1))
+        flops = float(re.search(r"\| ([\d.]+) MFLOP per token", proc.stdout).group(1)) * 1e6
+        return rows, peak, flops
+
+
+def flux_section(build, steps, rounds):
+    """The FLUX-shaped model (FLUX_BENCH) beside gpt2-124M at T = 320 (its joint sequence: 256 image +
+    64 text tokens), 1 rank x 2 threads, interleaved rounds; MFU against each run's SGEMM peak, and
+    the achieved GFLOP/s (tokens/s x the model's FLOPs per token: for FLUX, per image token)."""
+    print(f"\n== FLUX beside GPT-2: {rounds} rounds of {steps} steps, 1 rank x 2 threads (first step dropped)",
+          flush=True)
+    rows = {"flux": [], "gpt2": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        latents = flux_latents(tmp)
+        for _ in range(rounds):
+            r, peak, flops = flux_run(build, steps, latents)
+            rows["flux"].extend((x, peak, flops) for x in r)
+            r, peak, out = [], 0, []
+            run_rows, peak, _ = train_run(build, 1, 2, steps, "gpt2-124M.ini", 320, 1, 4, stdout=out)
+            flops = float(re.search(r"\| ([\d.]+) MFLOP per token", out[0]).group(1)) * 1e6
+            rows["gpt2"].extend((x, peak, flops) for x in run_rows)
+    medians = {}
+    for name, data in rows.items():
+        tps = summarize([r["tokens_per_s"] for r, _, _ in data])
+        mfu = summarize([r["mfu"] for r, _, _ in data])
+        gflops = statistics.median(r["tokens_per_s"] * f / 1e9 for r, _, f in data)
+        medians[name] = (mfu[1], gflops)
+        print(f"{name:5s} | SGEMM peak median {statistics.median(p for _, p, _ in data):.1f} GFLOP/s | "
+              f"{data[0][2] / 1e6:.1f} MFLOP per token | tokens/s min {tps[0]:.1f} median {tps[1]:.1f} max {tps[2]:.1f} | "
+              f"MFU min {mfu[0]:.3f} median {mfu[1]:.3f} max {mfu[2]:.3f} | GFLOP/s median {gflops:.1f}", flush=True)
+    print(f"FLUX / GPT-2 (medians): MFU {medians['flux'][0] / medians['gpt2'][0]:.3f}, "
+          f"GFLOP/s {medians['flux'][1] / medians['gpt2'][1]:.3f}", flush=True)
 
 
 def baseline_section(build, baseline, steps, rounds, dtype="fp32"):

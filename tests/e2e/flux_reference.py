@@ -211,3 +211,102 @@ def flux_forward(p, cfg, hidden, text, pooled, timestep, guidance, img_ids, txt_
     if final_shift_first:
         scale, shift = shift, scale
     return linear(p, "proj_out", layer_norm(x, eps) * (1 + scale) + shift)
+
+
+# ------------------------------------------------------------------------------------ files
+
+def save_safetensors(tensors, path):
+    """{name: float32 array} -> a safetensors file (8-byte little-endian header size, the JSON header,
+    the data), written here from the format's definition."""
+    import json
+    header, offset, blobs = {}, 0, []
+    for name in sorted(tensors):
+        data = np.ascontiguousarray(tensors[name], dtype="<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(tensors[name].shape), "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+        blobs.append(data)
+    header["__metadata__"] = {"format": "pt"}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+
+
+def load_safetensors(path):
+    import json
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        assert t["dtype"] == "F32", (name, t["dtype"])
+        begin, end = t["data_offsets"]
+        out[name] = np.frombuffer(raw[8 + n + begin:8 + n + end], dtype="<f4").reshape(t["shape"])
+    return out
+
+
+def flux_shapes(cfg):
+    """diffusers' parameter names and shapes of FluxTransformer2DModel for the config."""
+    C = cfg["n_head"] * cfg["head_dim"]
+    D, F, IN = cfg["head_dim"], 4 * C, cfg["in_channels"]
+    shapes = {}
+
+    def linear(name, out, inp):
+        shapes[name + ".weight"], shapes[name + ".bias"] = (out, inp), (out,)
+    linear("x_embedder", C, IN)
+    linear("context_embedder", C, cfg["context_dim"])
+    linear("time_text_embed.timestep_embedder.linear_1", C, 256)
+    linear("time_text_embed.timestep_embedder.linear_2", C, C)
+    if cfg["guidance_embeds"]:
+        linear("time_text_embed.guidance_embedder.linear_1", C, 256)
+        linear("time_text_embed.guidance_embedder.linear_2", C, C)
+    linear("time_text_embed.text_embedder.linear_1", C, cfg["pooled_dim"])
+    linear("time_text_embed.text_embedder.linear_2", C, C)
+    for l in range(cfg["n_layer"]):
+        b = f"transformer_blocks.{l}."
+        linear(b + "norm1.linear", 6 * C, C)
+        linear(b + "norm1_context.linear", 6 * C, C)
+        for n in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out"):
+            linear(b + "attn." + n, C, C)
+        for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
+            shapes[b + "attn." + n + ".weight"] = (D,)
+        for ff in ("ff", "ff_context"):
+            linear(b + ff + ".net.0.proj", F, C)
+            linear(b + ff + ".net.2", C, F)
+    for l in range(cfg["n_single_layer"]):
+        b = f"single_transformer_blocks.{l}."
+        linear(b + "norm.linear", 3 * C, C)
+        for n in ("to_q", "to_k", "to_v"):
+            linear(b + "attn." + n, C, C)
+        shapes[b + "attn.norm_q.weight"] = shapes[b + "attn.norm_k.weight"] = (D,)
+        linear(b + "proj_mlp", F, C)
+        linear(b + "proj_out", C, C + F)
+    linear("norm_out.linear", 2 * C, C)
+    linear("proj_out", IN, C)
+    return shapes
+
+
+def make_diffusers_folder(folder, cfg, seed, scale=0.3):
+    """A FluxTransformer2DModel folder as diffusers saves it (config.json,
+    diffusion_pytorch_model.safetensors) with random float32 weights (norm weights near 1)."""
+    import json
+    import os
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, shape in flux_shapes(cfg).items():
+        values = scale * rng.standard_normal(shape)
+        tensors[name] = (1 + values if "norm_" in name and "linear" not in name else values).astype(np.float32)
+    save_safetensors(tensors, os.path.join(folder, "diffusion_pytorch_model.safetensors"))
+    config = {"_class_name": "FluxTransformer2DModel", "_diffusers_version": "0.42.1", "patch_size": 1,
+              "in_channels": cfg["in_channels"], "out_channels": None, "num_layers": cfg["n_layer"],
+              "num_single_layers": cfg["n_single_layer"], "attention_head_dim": cfg["head_dim"],
+              "num_attention_heads": cfg["n_head"], "joint_attention_dim": cfg["context_dim"],
+              "pooled_projection_dim": cfg["pooled_dim"], "guidance_embeds": cfg["guidance_embeds"],
+              "axes_dims_rope": list(cfg["rope_axes"])}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return {k: v.astype(np.float64) for k, v in tensors.items()}

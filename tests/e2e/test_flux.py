@@ -15,13 +15,15 @@ import os
 import h5py
 import numpy as np
 
-from flux_reference import flow_sample, flux_forward, window
+import json
+
+from flux_reference import flow_sample, flux_forward, load_safetensors, make_diffusers_folder, window
 from harness import ROOT, read_metrics, rel_diff, run, tempdir
 from test_bad_input import expect_usage_error
 from test_checkpoint import checksum
 
 FLUX_INI = os.path.join(ROOT, "inputs", "flux-tiny.ini")
-CFG = dict(n_layer=2, n_single_layer=2, n_head=2, norm_eps=1e-6, guidance_embeds=True, rope_axes=(4, 10, 10),
+CFG = dict(n_layer=2, n_single_layer=2, n_head=2, head_dim=24, norm_eps=1e-6, guidance_embeds=True, rope_axes=(4, 10, 10),
            rope_theta=10000.0, in_channels=16, context_dim=32, context_len=8, pooled_dim=24, rows=4, cols=4)
 SEED, GLOBAL_BATCH = 1337, 12
 
@@ -132,6 +134,36 @@ def test_a_steps_loss_is_the_reference_forward_of_the_checkpoint_before_it():
     for halves, swapped in ((True, False), (False, True)):
         wrong = reference_loss(params, 1, 24, with_rope_halves=halves, final_shift_first=swapped)
         assert rel_diff(logged[0]["loss"], wrong) > 1e-3, (halves, swapped, logged[0]["loss"], wrong)
+
+
+def test_a_diffusers_folder_trains_from_its_weights_and_converts_both_ways_bit_for_bit():
+    folder = os.path.join(tempdir(), "flux-diffusers")
+    params = make_diffusers_folder(folder, CFG, seed=3)
+    # checkpoint.init_from: the first step's loss is the reference forward of the folder's weights.
+    metrics = os.path.join(tempdir(), "metrics.jsonl")
+    ok(run(2, flux_args(f"--checkpoint.init_from={folder}", "--train.steps=1", metrics=metrics)))
+    logged = read_metrics(metrics)[0]["loss"]
+    expected = reference_loss(params, 0, 24)
+    assert rel_diff(logged, expected) < 1e-6, (logged, expected)
+    # convert: folder -> checkpoint (2 ranks) -> folder (3 ranks), the same tensors bit for bit,
+    # and diffusers' config keys.
+    h5 = os.path.join(tempdir(), "flux.h5")
+    ok(run(2, ["convert", "--input", folder, "--output", h5]), "folder -> checkpoint")
+    back = os.path.join(tempdir(), "back")
+    ok(run(3, ["convert", "--input", h5, "--output", back]), "checkpoint -> folder")
+    original = load_safetensors(os.path.join(folder, "diffusion_pytorch_model.safetensors"))
+    again = load_safetensors(os.path.join(back, "diffusion_pytorch_model.safetensors"))
+    assert sorted(original) == sorted(again)
+    for name in original:
+        assert np.array_equal(original[name].view(np.uint32), again[name].view(np.uint32)), name
+    with open(os.path.join(folder, "config.json")) as f, open(os.path.join(back, "config.json")) as g:
+        written, read = json.load(g), json.load(f)
+    assert "torch_dtype" not in written
+    for key, value in read.items():
+        assert written[key] == value, (key, written.get(key), value)
+    # A configuration that contradicts the folder's config.json is refused, naming both.
+    expect_usage_error(flux_args(f"--checkpoint.init_from={folder}", "--model.n_single_layer=3"),
+                       "model.n_single_layer=3 but config.json says 2")
 
 
 def test_a_resumed_run_repeats_the_losses_bit_for_bit():

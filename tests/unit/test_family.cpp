@@ -47,7 +47,7 @@ class TwoKindFamily final : public LlamaFamily {
     if (kind == "double") return {{"img", 0, -1, 0, C, C, 0, C}, {"txt", 1, -1, 1, C, 2 * C, 0, 2 * C}};
     return {{"proj", 1, -1, 0, C, 3 * C, 0, 3 * C}};
   }
-  std::string module_path(int block, const LinearSite& site) const override {
+  std::string module_path(const ModelConfig&, int block, const LinearSite& site) const override {
     return block < 2 ? "double_blocks." + std::to_string(block) + "." + site.module
                      : "single_blocks." + std::to_string(block - 2) + "." + site.module;
   }

@@ -170,21 +170,104 @@ class FluxFamily final : public ModelFamily {
   NormKind norm_kind() const override { return NORM_LAYER; }
   bool runs_on_cuda() const override { return false; }
   bool token_data() const override { return false; }
+  bool half_saved_activations() const override { return false; }
+  bool fixes_max_seq_len() const override { return false; }
 
-  // Adapters: not yet placed on FLUX's layers (no sites, so every adapter.targets is refused).
-  std::vector<LinearSite> linear_sites(const ModelConfig&, const std::string&) const override { return {}; }
-  std::string module_path(int block, const LinearSite& site) const override {
-    return "transformer_blocks." + std::to_string(block) + "." + site.module;
+  // Adapters: every linear layer of the blocks, by diffusers' module names.
+  std::vector<LinearSite> linear_sites(const ModelConfig& c, const std::string& kind) const override {
+    const int C = c.n_embd, F = 4 * C;
+    std::vector<LinearSite> sites;
+    auto site = [&](const char* module, int weight, int product, int in, int out) {
+      sites.push_back({module, weight, weight + 1, product, in, out, 0, out});
+    };
+    if (kind == "double") {
+      const char* names[2][7] = {
+          {"norm1.linear", "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2"},
+          {"norm1_context.linear", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+           "ff_context.net.0.proj", "ff_context.net.2"}};
+      for (int s = 0; s < 2; s++) {
+        const int p = s * FLUX_D_STREAM_PARAMS, q = s * FLUX_D_PRODUCTS;
+        site(names[s][0], p + FLUX_D_MOD_W, q + FLUX_P_MOD, C, 6 * C);
+        site(names[s][1], p + FLUX_D_Q_W, q + FLUX_P_Q, C, C);
+        site(names[s][2], p + FLUX_D_K_W, q + FLUX_P_K, C, C);
+        site(names[s][3], p + FLUX_D_V_W, q + FLUX_P_V, C, C);
+        site(names[s][4], p + FLUX_D_OUT_W, q + FLUX_P_OUT, C, C);
+        site(names[s][5], p + FLUX_D_FF1_W, q + FLUX_P_FF1, C, F);
+        site(names[s][6], p + FLUX_D_FF2_W, q + FLUX_P_FF2, F, C);
+      }
+      return sites;
+    }
+    site("norm.linear", FLUX_S_MOD_W, FLUX_SP_MOD, C, 3 * C);
+    site("attn.to_q", FLUX_S_Q_W, FLUX_SP_Q, C, C);
+    site("attn.to_k", FLUX_S_K_W, FLUX_SP_K, C, C);
+    site("attn.to_v", FLUX_S_V_W, FLUX_SP_V, C, C);
+    site("proj_mlp", FLUX_S_MLP_W, FLUX_SP_MLP, C, F);
+    site("proj_out", FLUX_S_OUT_W, FLUX_SP_OUT, C + F, C);
+    return sites;
+  }
+  std::string module_path(const ModelConfig& c, int block, const LinearSite& site) const override {
+    return block < c.n_layer ? "transformer_blocks." + std::to_string(block) + "." + site.module
+                             : "single_transformer_blocks." + std::to_string(block - c.n_layer) + "." + site.module;
+  }
+  int adapter_rows(const ModelConfig& c, int batch, int seq_len) const override {
+    return batch * (seq_len + c.context_len);
   }
 
-  // diffusers' folders are not read or written yet: the Hugging Face hooks refuse.
+  // diffusers' transformer folder: config.json (_class_name FluxTransformer2DModel) and
+  // diffusion_pytorch_model*.safetensors, our names and layouts as they are.
   const char* hf_class() const override { return "FluxTransformer2DModel"; }
   bool reads_model_type(const std::string&) const override { return false; }
-  ModelConfig read_hf_config(const HfConfig& json) const override {
-    json.fail("FLUX models are not read from Hugging Face folders yet");
+  bool reads_hf_folder(const HfConfig& j) const override {
+    return j.text("_class_name", "") == "FluxTransformer2DModel";
   }
-  void write_hf_config(const ModelConfig&, nlohmann::ordered_json&) const override {
-    throw UsageError("model.arch=flux: exporting a diffusers folder is not implemented yet");
+  const char* hf_weights() const override { return "diffusion_pytorch_model"; }
+  bool hf_torch_dtype() const override { return false; }
+  ModelConfig read_hf_config(const HfConfig& j) const override {
+    ModelConfig m;
+    m.arch = name();
+    if (j.whole("patch_size", 1) != 1)
+      j.fail("patch_size " + j["patch_size"].dump() + ": only 1 is implemented (FLUX.1 packs 2 x 2 patches into "
+             "the channels before the transformer)");
+    m.n_layer = j.whole("num_layers", 19);
+    m.n_single_layer = j.whole("num_single_layers", 38);
+    m.n_head = j.whole("num_attention_heads", 24);
+    m.n_embd = m.n_head * j.whole("attention_head_dim", 128);
+    m.in_channels = j.whole("in_channels", 64);
+    if (j.has("out_channels") && j.whole("out_channels") != m.in_channels)
+      j.fail("out_channels " + j["out_channels"].dump() + " differs from in_channels: not implemented");
+    m.context_dim = j.whole("joint_attention_dim", 4096);
+    m.pooled_dim = j.whole("pooled_projection_dim", 768);
+    m.guidance_embeds = j.flag("guidance_embeds", false);  // diffusers' default (schnell)
+    const nlohmann::json& axes = j["axes_dims_rope"];
+    if (!axes.is_null()) {
+      if (!axes.is_array() || axes.size() != 3) j.fail("axes_dims_rope " + axes.dump() + " is not three widths");
+      std::string text;
+      for (const nlohmann::json& a : axes) {
+        if (!a.is_number_integer()) j.fail("axes_dims_rope " + axes.dump() + " is not three whole numbers");
+        text += (text.empty() ? "" : ",") + std::to_string(a.get<int64_t>());
+      }
+      m.rope_axes = text;
+    }
+    m.norm_eps = 1e-6, m.rope_theta = 10000;
+    m.max_seq_len = 4096;  // no position table: a bound on a run's image tokens (1024 x 1024 pixels)
+    return m;
+  }
+  void write_hf_config(const ModelConfig& c, nlohmann::ordered_json& j) const override {
+    std::array<int, 3> axes{};
+    parse_rope_axes(c.rope_axes, &axes);
+    j["_class_name"] = hf_class();
+    j["_diffusers_version"] = "0.42.1";  // the version the export was checked against
+    j["attention_head_dim"] = c.head_size();
+    j["axes_dims_rope"] = axes;
+    j["guidance_embeds"] = c.guidance_embeds;
+    j["in_channels"] = c.in_channels;
+    j["joint_attention_dim"] = c.context_dim;
+    j["num_attention_heads"] = c.n_head;
+    j["num_layers"] = c.n_layer;
+    j["num_single_layers"] = c.n_single_layer;
+    j["out_channels"] = nullptr;
+    j["patch_size"] = 1;
+    j["pooled_projection_dim"] = c.pooled_dim;
   }
   const char* hf_prefix() const override { return ""; }
   HfTensor hf_tensor(const ParamInfo& param) const override {
@@ -195,8 +278,7 @@ class FluxFamily final : public ModelFamily {
  private:
   static void check_activation_dtype(DType act) {
     if (act != DTYPE_FP32)
-      throw UsageError("model.arch=flux keeps its activations in fp32: remove fsdp.activation_dtype (16-bit saved "
-                       "activations are a decoder feature for now)");
+      throw UsageError("model.arch=flux keeps its activations in fp32: remove fsdp.activation_dtype");
   }
 };
 

@@ -39,6 +39,12 @@ enum FluxSingleParam {
   FLUX_S_OUT_W, FLUX_S_OUT_B,  // proj_out over [attention | MLP]
 };
 
+// The linear layers of a block, each its own product (model/adapter.hpp's BlockProduct), in the
+// order of the parameters: a double block's image stream's, then its text stream's (+
+// FLUX_D_PRODUCTS); a single block's.
+enum FluxDoubleProduct { FLUX_P_MOD, FLUX_P_Q, FLUX_P_K, FLUX_P_V, FLUX_P_OUT, FLUX_P_FF1, FLUX_P_FF2, FLUX_D_PRODUCTS };
+enum FluxSingleProduct { FLUX_SP_MOD, FLUX_SP_Q, FLUX_SP_K, FLUX_SP_V, FLUX_SP_MLP, FLUX_SP_OUT };
+
 // The micro-batch's tensors (model/batch.hpp), named as diffusers' forward names its arguments:
 // packed noisy latents (B, N, in_channels), text embeddings (B, L, context_dim), the pooled vector
 // (B, pooled_dim), the noise level sigma in [0, 1] (B), the guidance value (B; with

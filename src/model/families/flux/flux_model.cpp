@@ -90,9 +90,14 @@ template <typename Real>
 FluxModel<Real>::FluxModel(const ParamTable& table, int batch, int image_tokens, bool activation_checkpointing,
                            const LayerOps<Real>& ops)
     : table_(table), ops_(ops), d_(dims_of(table.config(), batch, image_tokens)),
-      checkpointing_(activation_checkpointing) {
+      checkpointing_(activation_checkpointing),
+      adapter_bytes_(plan_adapter_bytes(table, batch * d_.S, sizeof(Real))),
+      adapters_(table, batch * d_.S, ops) {
   SHARD_CHECK(image_tokens >= 1 && image_tokens <= table.config().max_seq_len, "%d image tokens, max_seq_len %d",
               image_tokens, table.config().max_seq_len);
+  if (table.adapter().dropout > 0)
+    throw UsageError("adapter.dropout: not implemented for model.arch=flux yet (its products' rows are text, image "
+                     "and joint tokens); set adapter.dropout=0");
   lay_out(buf_, d_, checkpointing_, [&](size_t n) {
     bytes_ += n * sizeof(Real);
     return Array(ops.device(), n);
@@ -209,33 +214,51 @@ void FluxModel<Real>::embed_forward(const Real* root, const Batch& batch) {
 }
 
 template <typename Real>
-void FluxModel<Real>::qkv_forward(Real* q, Real* k, Real* v, Real* qn, Real* kn, Real* q_rstd, Real* k_rstd,
-                                  const Real* x, int rows, const Real* w, int unit, int q_param) {
+void FluxModel<Real>::linear_forward(int block, int product, Real* out, const Real* x, int rows, int in, int width,
+                                     const Real* w, int weight) {
+  const int unit = block_unit(block);
+  ops_.matmul_forward(out, x, param_in(table_, w, unit, weight), param_in(table_, w, unit, weight + 1), rows, in,
+                      width);
+  adapters_.forward(block, product, x, out, w, rows);
+}
+
+template <typename Real>
+void FluxModel<Real>::linear_backward(int block, int product, Real* dx, const Real* x, const Real* dout, int rows,
+                                      int in, int width, Real* g, const Real* w, int weight) {
+  const int unit = block_unit(block);
+  const Real* d = adapters_.output_grad(block, product, x, dout, w, g, rows);
+  ops_.matmul_backward(dx, grad_in(table_, g, unit, weight), grad_in(table_, g, unit, weight + 1), d, x,
+                       param_in(table_, w, unit, weight), rows, in, width);
+  adapters_.backward(block, product, x, d, dx, w, g, rows);
+}
+
+template <typename Real>
+void FluxModel<Real>::qkv_forward(int block, int q_product, Real* q, Real* k, Real* v, Real* qn, Real* kn,
+                                  Real* q_rstd, Real* k_rstd, const Real* x, int rows, const Real* w, int q_param) {
   const int C = d_.C;
-  auto W = [&](int p) { return param_in(table_, w, unit, q_param + p); };
-  ops_.matmul_forward(q, x, W(0), W(1), rows, C, C);
-  ops_.matmul_forward(k, x, W(2), W(3), rows, C, C);
-  ops_.matmul_forward(v, x, W(4), W(5), rows, C, C);
+  auto W = [&](int p) { return param_in(table_, w, block_unit(block), q_param + p); };
+  linear_forward(block, q_product, q, x, rows, C, C, w, q_param);
+  linear_forward(block, q_product + 1, k, x, rows, C, C, w, q_param + 2);
+  linear_forward(block, q_product + 2, v, x, rows, C, C, w, q_param + 4);
   ops_.rmsnorm_forward(qn, q_rstd, q, W(6), d_.eps, rows * d_.H, d_.D);
   ops_.rmsnorm_forward(kn, k_rstd, k, W(7), d_.eps, rows * d_.H, d_.D);
 }
 
 template <typename Real>
 void FluxModel<Real>::double_forward(int l, const Real* w) {
-  const int B = d_.B, C = d_.C, unit = block_unit(l);
+  const int B = d_.B, C = d_.C;
   DoubleLayer& a = double_layer(l);
   const int rows[2] = {d_.N, d_.L}, offset[2] = {d_.L, 0};  // image rows follow the text's
   const Real* in[2] = {buf_.img[l].data(), buf_.txt[l].data()};
   Real* out[2] = {buf_.img[l + 1].data(), buf_.txt[l + 1].data()};
   for (int s = 0; s < 2; s++) {
     Stream& t = a.s[s];
-    const int n = rows[s], p0 = s * FLUX_D_STREAM_PARAMS;
-    auto W = [&](int p) { return param_in(table_, w, unit, p0 + p); };
-    ops_.matmul_forward(t.mod.data(), buf_.temb_silu.data(), W(FLUX_D_MOD_W), W(FLUX_D_MOD_B), B, C, 6 * C);
+    const int n = rows[s], p0 = s * FLUX_D_STREAM_PARAMS, q0 = s * FLUX_D_PRODUCTS;
+    linear_forward(l, q0 + FLUX_P_MOD, t.mod.data(), buf_.temb_silu.data(), B, C, 6 * C, w, p0 + FLUX_D_MOD_W);
     ops_.modulate_forward(t.xn.data(), t.mean1.data(), t.rstd1.data(), in[s], t.mod.data(), t.mod.data() + C, 6 * C,
                           B, n, C, d_.eps);
-    qkv_forward(t.q.data(), t.k.data(), t.v.data(), t.qn.data(), t.kn.data(), t.q_rstd.data(), t.k_rstd.data(),
-                t.xn.data(), B * n, w, unit, p0 + FLUX_D_Q_W);
+    qkv_forward(l, q0 + FLUX_P_Q, t.q.data(), t.k.data(), t.v.data(), t.qn.data(), t.kn.data(), t.q_rstd.data(),
+                t.k_rstd.data(), t.xn.data(), B * n, w, p0 + FLUX_D_Q_W);
     join(a.qkv.data(), 3 * C, 0, t.qn.data(), n, offset[s]);
     join(a.qkv.data(), 3 * C, C, t.kn.data(), n, offset[s]);
     join(a.qkv.data(), 3 * C, 2 * C, t.v.data(), n, offset[s]);
@@ -244,47 +267,45 @@ void FluxModel<Real>::double_forward(int l, const Real* w) {
   ops_.bidirectional_attention_forward(a.y.data(), a.lse.data(), a.qkv.data(), B, d_.S, d_.H, d_.D);
   for (int s = 0; s < 2; s++) {
     Stream& t = a.s[s];
-    const int n = rows[s], p0 = s * FLUX_D_STREAM_PARAMS;
-    auto W = [&](int p) { return param_in(table_, w, unit, p0 + p); };
+    const int n = rows[s], p0 = s * FLUX_D_STREAM_PARAMS, q0 = s * FLUX_D_PRODUCTS;
     const size_t nC = static_cast<size_t>(B) * n * C;
     split(t.y.data(), a.y.data(), C, 0, n, offset[s]);
-    ops_.matmul_forward(t.a.data(), t.y.data(), W(FLUX_D_OUT_W), W(FLUX_D_OUT_B), B * n, C, C);
+    linear_forward(l, q0 + FLUX_P_OUT, t.a.data(), t.y.data(), B * n, C, C, w, p0 + FLUX_D_OUT_W);
     ops_.gate_forward(t.x2.data(), in[s], t.a.data(), t.mod.data() + 2 * C, 6 * C, B, n, C);
     ops_.modulate_forward(t.xn2.data(), t.mean2.data(), t.rstd2.data(), t.x2.data(), t.mod.data() + 3 * C,
                           t.mod.data() + 4 * C, 6 * C, B, n, C, d_.eps);
-    ops_.matmul_forward(t.h.data(), t.xn2.data(), W(FLUX_D_FF1_W), W(FLUX_D_FF1_B), B * n, C, d_.F);
+    linear_forward(l, q0 + FLUX_P_FF1, t.h.data(), t.xn2.data(), B * n, C, d_.F, w, p0 + FLUX_D_FF1_W);
     ops_.gelu_forward(t.g.data(), t.h.data(), nC * 4);
-    ops_.matmul_forward(t.f.data(), t.g.data(), W(FLUX_D_FF2_W), W(FLUX_D_FF2_B), B * n, d_.F, C);
+    linear_forward(l, q0 + FLUX_P_FF2, t.f.data(), t.g.data(), B * n, d_.F, C, w, p0 + FLUX_D_FF2_W);
     ops_.gate_forward(out[s], t.x2.data(), t.f.data(), t.mod.data() + 5 * C, 6 * C, B, n, C);
   }
 }
 
 template <typename Real>
 void FluxModel<Real>::single_forward(int j, const Real* w) {
-  const int B = d_.B, C = d_.C, S = d_.S, unit = block_unit(d_.double_blocks + j);
+  const int B = d_.B, C = d_.C, S = d_.S, block = d_.double_blocks + j;
   SingleLayer& a = single_layer(j);
-  auto W = [&](int p) { return param_in(table_, w, unit, p); };
   if (j == 0) {  // the streams join: [text; image]
     join(buf_.joint[0].data(), C, 0, buf_.txt[d_.double_blocks].data(), d_.L, 0);
     join(buf_.joint[0].data(), C, 0, buf_.img[d_.double_blocks].data(), d_.N, d_.L);
   }
   const Real* in = buf_.joint[j].data();
-  ops_.matmul_forward(a.mod.data(), buf_.temb_silu.data(), W(FLUX_S_MOD_W), W(FLUX_S_MOD_B), B, C, 3 * C);
+  linear_forward(block, FLUX_SP_MOD, a.mod.data(), buf_.temb_silu.data(), B, C, 3 * C, w, FLUX_S_MOD_W);
   ops_.modulate_forward(a.hn.data(), a.mean.data(), a.rstd.data(), in, a.mod.data(), a.mod.data() + C, 3 * C, B, S,
                         C, d_.eps);
-  qkv_forward(a.q.data(), a.k.data(), a.v.data(), a.qn.data(), a.kn.data(), a.q_rstd.data(), a.k_rstd.data(),
-              a.hn.data(), B * S, w, unit, FLUX_S_Q_W);
+  qkv_forward(block, FLUX_SP_Q, a.q.data(), a.k.data(), a.v.data(), a.qn.data(), a.kn.data(), a.q_rstd.data(),
+              a.k_rstd.data(), a.hn.data(), B * S, w, FLUX_S_Q_W);
   const int rows = B * S;
   ops_.copy_rows(a.qkv.data(), 3 * C, a.qn.data(), C, rows, C);
   ops_.copy_rows(a.qkv.data() + C, 3 * C, a.kn.data(), C, rows, C);
   ops_.copy_rows(a.qkv.data() + 2 * C, 3 * C, a.v.data(), C, rows, C);
   ops_.rope_pairs_forward(a.qkv.data(), buf_.rope_cos.data(), buf_.rope_sin.data(), B, S, d_.H, d_.H, d_.D);
   ops_.bidirectional_attention_forward(a.y.data(), a.lse.data(), a.qkv.data(), B, S, d_.H, d_.D);
-  ops_.matmul_forward(a.m.data(), a.hn.data(), W(FLUX_S_MLP_W), W(FLUX_S_MLP_B), rows, C, d_.F);
+  linear_forward(block, FLUX_SP_MLP, a.m.data(), a.hn.data(), rows, C, d_.F, w, FLUX_S_MLP_W);
   ops_.gelu_forward(buf_.gelu_out.data(), a.m.data(), static_cast<size_t>(rows) * d_.F);
   ops_.copy_rows(a.cat.data(), 5 * C, a.y.data(), C, rows, C);
   ops_.copy_rows(a.cat.data() + C, 5 * C, buf_.gelu_out.data(), d_.F, rows, d_.F);
-  ops_.matmul_forward(a.p.data(), a.cat.data(), W(FLUX_S_OUT_W), W(FLUX_S_OUT_B), rows, 5 * C, C);
+  linear_forward(block, FLUX_SP_OUT, a.p.data(), a.cat.data(), rows, 5 * C, C, w, FLUX_S_OUT_W);
   ops_.gate_forward(buf_.joint[j + 1].data(), in, a.p.data(), a.mod.data() + 2 * C, 3 * C, B, S, C);
 }
 
@@ -342,20 +363,20 @@ void FluxModel<Real>::head_backward(Real* g, const Real* root, Real dloss) {
 }
 
 template <typename Real>
-void FluxModel<Real>::modulation_backward(const Real* d_mod, int width, Real* g, const Real* w, int unit,
+void FluxModel<Real>::modulation_backward(int block, int product, const Real* d_mod, int width, Real* g, const Real* w,
                                           int weight_param) {
-  ops_.matmul_backward(buf_.d_small.data(), grad_in(table_, g, unit, weight_param),
-                       grad_in(table_, g, unit, weight_param + 1), d_mod, buf_.temb_silu.data(),
-                       param_in(table_, w, unit, weight_param), d_.B, d_.C, width);
+  linear_backward(block, product, buf_.d_small.data(), buf_.temb_silu.data(), d_mod, d_.B, d_.C, width, g, w,
+                  weight_param);
   ops_.residual_forward(buf_.d_silu.data(), buf_.d_silu.data(), buf_.d_small.data(), buf_.d_silu.size());
 }
 
 // From d_q, d_k, d_v (gradients of the normed q, k and of v): the norms' and projections'
 // gradients, and the input's in d_xn.
 template <typename Real>
-void FluxModel<Real>::qkv_backward(const Real* x, const Real* q, const Real* k, const Real* q_rstd,
-                                   const Real* k_rstd, int rows, Real* g, const Real* w, int unit, int q_param) {
-  const int C = d_.C;
+void FluxModel<Real>::qkv_backward(int block, int q_product, const Real* x, const Real* q, const Real* k,
+                                   const Real* q_rstd, const Real* k_rstd, int rows, Real* g, const Real* w,
+                                   int q_param) {
+  const int C = d_.C, unit = block_unit(block);
   auto W = [&](int p) { return param_in(table_, w, unit, q_param + p); };
   auto G = [&](int p) { return grad_in(table_, g, unit, q_param + p); };
   Buffers& b = buf_;
@@ -364,16 +385,16 @@ void FluxModel<Real>::qkv_backward(const Real* x, const Real* q, const Real* k, 
   ops_.device().zero(b.d_k_pre.data(), n * sizeof(Real));
   ops_.rmsnorm_backward(b.d_q_pre.data(), G(6), b.d_q.data(), q, W(6), q_rstd, rows * d_.H, d_.D);
   ops_.rmsnorm_backward(b.d_k_pre.data(), G(7), b.d_k.data(), k, W(7), k_rstd, rows * d_.H, d_.D);
-  ops_.matmul_backward(b.d_xn.data(), G(0), G(1), b.d_q_pre.data(), x, W(0), rows, C, C);
-  ops_.matmul_backward(b.d_tmp.data(), G(2), G(3), b.d_k_pre.data(), x, W(2), rows, C, C);
+  linear_backward(block, q_product, b.d_xn.data(), x, b.d_q_pre.data(), rows, C, C, g, w, q_param);
+  linear_backward(block, q_product + 1, b.d_tmp.data(), x, b.d_k_pre.data(), rows, C, C, g, w, q_param + 2);
   ops_.residual_forward(b.d_xn.data(), b.d_xn.data(), b.d_tmp.data(), n);
-  ops_.matmul_backward(b.d_tmp.data(), G(4), G(5), b.d_v.data(), x, W(4), rows, C, C);
+  linear_backward(block, q_product + 2, b.d_tmp.data(), x, b.d_v.data(), rows, C, C, g, w, q_param + 4);
   ops_.residual_forward(b.d_xn.data(), b.d_xn.data(), b.d_tmp.data(), n);
 }
 
 template <typename Real>
 void FluxModel<Real>::double_backward(int l, Real* g, const Real* w) {
-  const int B = d_.B, C = d_.C, unit = block_unit(l);
+  const int B = d_.B, C = d_.C;
   if (checkpointing_) double_forward(l, w);  // this block's activations again, from its input
   DoubleLayer& a = double_layer(l);
   Buffers& b = buf_;
@@ -383,21 +404,19 @@ void FluxModel<Real>::double_backward(int l, Real* g, const Real* w) {
   b.d_mod.zero();
   for (int s = 0; s < 2; s++) {
     Stream& t = a.s[s];
-    const int n = rows[s], p0 = s * FLUX_D_STREAM_PARAMS;
-    auto W = [&](int p) { return param_in(table_, w, unit, p0 + p); };
-    auto G = [&](int p) { return grad_in(table_, g, unit, p0 + p); };
+    const int n = rows[s], p0 = s * FLUX_D_STREAM_PARAMS, q0 = s * FLUX_D_PRODUCTS;
     Real* d_mod = b.d_mod.data() + static_cast<size_t>(s) * B * 6 * C;
     ops_.gate_backward(b.d_a.data(), d_mod + 5 * C, d_res[s], t.f.data(), t.mod.data() + 5 * C, 6 * C, B, n, C);
-    ops_.matmul_backward(b.d_g.data(), G(FLUX_D_FF2_W), G(FLUX_D_FF2_B), b.d_a.data(), t.g.data(), W(FLUX_D_FF2_W),
-                         B * n, d_.F, C);
+    linear_backward(l, q0 + FLUX_P_FF2, b.d_g.data(), t.g.data(), b.d_a.data(), B * n, d_.F, C, g, w,
+                    p0 + FLUX_D_FF2_W);
     ops_.gelu_backward(b.d_h.data(), b.d_g.data(), t.h.data(), static_cast<size_t>(B) * n * d_.F);
-    ops_.matmul_backward(b.d_xn.data(), G(FLUX_D_FF1_W), G(FLUX_D_FF1_B), b.d_h.data(), t.xn2.data(),
-                         W(FLUX_D_FF1_W), B * n, C, d_.F);
+    linear_backward(l, q0 + FLUX_P_FF1, b.d_xn.data(), t.xn2.data(), b.d_h.data(), B * n, C, d_.F, g, w,
+                    p0 + FLUX_D_FF1_W);
     ops_.modulate_backward(d_res[s], d_mod + 3 * C, d_mod + 4 * C, b.d_xn.data(), t.x2.data(), t.mod.data() + 4 * C,
                            t.mean2.data(), t.rstd2.data(), 6 * C, B, n, C);
     ops_.gate_backward(b.d_a.data(), d_mod + 2 * C, d_res[s], t.a.data(), t.mod.data() + 2 * C, 6 * C, B, n, C);
-    ops_.matmul_backward(b.d_tmp.data(), G(FLUX_D_OUT_W), G(FLUX_D_OUT_B), b.d_a.data(), t.y.data(),
-                         W(FLUX_D_OUT_W), B * n, C, C);
+    linear_backward(l, q0 + FLUX_P_OUT, b.d_tmp.data(), t.y.data(), b.d_a.data(), B * n, C, C, g, w,
+                    p0 + FLUX_D_OUT_W);
     join(b.d_y.data(), C, 0, b.d_tmp.data(), n, offset[s]);
   }
   ops_.bidirectional_attention_backward(b.d_qkv.data(), b.d_y.data(), a.qkv.data(), a.y.data(), a.lse.data(), B,
@@ -405,38 +424,35 @@ void FluxModel<Real>::double_backward(int l, Real* g, const Real* w) {
   ops_.rope_pairs_backward(b.d_qkv.data(), buf_.rope_cos.data(), buf_.rope_sin.data(), B, d_.S, d_.H, d_.H, d_.D);
   for (int s = 0; s < 2; s++) {
     Stream& t = a.s[s];
-    const int n = rows[s], p0 = s * FLUX_D_STREAM_PARAMS;
+    const int n = rows[s], p0 = s * FLUX_D_STREAM_PARAMS, q0 = s * FLUX_D_PRODUCTS;
     Real* d_mod = b.d_mod.data() + static_cast<size_t>(s) * B * 6 * C;
     split(b.d_q.data(), b.d_qkv.data(), 3 * C, 0, n, offset[s]);
     split(b.d_k.data(), b.d_qkv.data(), 3 * C, C, n, offset[s]);
     split(b.d_v.data(), b.d_qkv.data(), 3 * C, 2 * C, n, offset[s]);
-    qkv_backward(t.xn.data(), t.q.data(), t.k.data(), t.q_rstd.data(), t.k_rstd.data(), B * n, g, w, unit,
-                 p0 + FLUX_D_Q_W);
+    qkv_backward(l, q0 + FLUX_P_Q, t.xn.data(), t.q.data(), t.k.data(), t.q_rstd.data(), t.k_rstd.data(), B * n, g,
+                 w, p0 + FLUX_D_Q_W);
     ops_.modulate_backward(d_res[s], d_mod, d_mod + C, b.d_xn.data(), in[s], t.mod.data() + C, t.mean1.data(),
                            t.rstd1.data(), 6 * C, B, n, C);
-    modulation_backward(d_mod, 6 * C, g, w, unit, p0 + FLUX_D_MOD_W);
+    modulation_backward(l, q0 + FLUX_P_MOD, d_mod, 6 * C, g, w, p0 + FLUX_D_MOD_W);
   }
 }
 
 template <typename Real>
 void FluxModel<Real>::single_backward(int j, Real* g, const Real* w) {
-  const int B = d_.B, C = d_.C, S = d_.S, rows = B * S, unit = block_unit(d_.double_blocks + j);
+  const int B = d_.B, C = d_.C, S = d_.S, rows = B * S, block = d_.double_blocks + j;
   if (checkpointing_) single_forward(j, w);
   SingleLayer& a = single_layer(j);
   Buffers& b = buf_;
-  auto W = [&](int p) { return param_in(table_, w, unit, p); };
-  auto G = [&](int p) { return grad_in(table_, g, unit, p); };
   b.d_mod.zero();
   ops_.gate_backward(b.d_a.data(), b.d_mod.data() + 2 * C, b.d_joint.data(), a.p.data(), a.mod.data() + 2 * C, 3 * C,
                      B, S, C);
-  ops_.matmul_backward(b.d_cat.data(), G(FLUX_S_OUT_W), G(FLUX_S_OUT_B), b.d_a.data(), a.cat.data(),
-                       W(FLUX_S_OUT_W), rows, 5 * C, C);
+  linear_backward(block, FLUX_SP_OUT, b.d_cat.data(), a.cat.data(), b.d_a.data(), rows, 5 * C, C, g, w,
+                  FLUX_S_OUT_W);
   ops_.copy_rows(b.d_y.data(), C, b.d_cat.data(), 5 * C, rows, C);
   ops_.copy_rows(b.d_g.data(), d_.F, b.d_cat.data() + C, 5 * C, rows, d_.F);
   ops_.gelu_backward(b.d_h.data(), b.d_g.data(), a.m.data(), static_cast<size_t>(rows) * d_.F);
   // The MLP's input gradient (kept in d_a while the attention's is computed into d_xn).
-  ops_.matmul_backward(b.d_xn.data(), G(FLUX_S_MLP_W), G(FLUX_S_MLP_B), b.d_h.data(), a.hn.data(), W(FLUX_S_MLP_W),
-                       rows, C, d_.F);
+  linear_backward(block, FLUX_SP_MLP, b.d_xn.data(), a.hn.data(), b.d_h.data(), rows, C, d_.F, g, w, FLUX_S_MLP_W);
   ops_.bidirectional_attention_backward(b.d_qkv.data(), b.d_y.data(), a.qkv.data(), a.y.data(), a.lse.data(), B, S,
                                         d_.H, d_.D);
   ops_.rope_pairs_backward(b.d_qkv.data(), buf_.rope_cos.data(), buf_.rope_sin.data(), B, S, d_.H, d_.H, d_.D);
@@ -444,11 +460,12 @@ void FluxModel<Real>::single_backward(int j, Real* g, const Real* w) {
   ops_.copy_rows(b.d_k.data(), C, b.d_qkv.data() + C, 3 * C, rows, C);
   ops_.copy_rows(b.d_v.data(), C, b.d_qkv.data() + 2 * C, 3 * C, rows, C);
   ops_.device().copy_on_device(b.d_a.data(), b.d_xn.data(), static_cast<size_t>(rows) * C * sizeof(Real));
-  qkv_backward(a.hn.data(), a.q.data(), a.k.data(), a.q_rstd.data(), a.k_rstd.data(), rows, g, w, unit, FLUX_S_Q_W);
+  qkv_backward(block, FLUX_SP_Q, a.hn.data(), a.q.data(), a.k.data(), a.q_rstd.data(), a.k_rstd.data(), rows, g, w,
+               FLUX_S_Q_W);
   ops_.residual_forward(b.d_xn.data(), b.d_xn.data(), b.d_a.data(), static_cast<size_t>(rows) * C);
   ops_.modulate_backward(b.d_joint.data(), b.d_mod.data(), b.d_mod.data() + C, b.d_xn.data(), b.joint[j].data(),
                          a.mod.data() + C, a.mean.data(), a.rstd.data(), 3 * C, B, S, C);
-  modulation_backward(b.d_mod.data(), 3 * C, g, w, unit, FLUX_S_MOD_W);
+  modulation_backward(block, FLUX_SP_MOD, b.d_mod.data(), 3 * C, g, w, FLUX_S_MOD_W);
   if (j == 0) {  // the joined stream's gradient back to the two streams
     split(b.d_txt.data(), b.d_joint.data(), C, 0, d_.L, 0);
     split(b.d_img.data(), b.d_joint.data(), C, 0, d_.N, d_.L);

@@ -8,6 +8,7 @@
 #include <array>
 #include <vector>
 
+#include "model/adapter_layers.hpp"
 #include "model/families/flux/flux_family.hpp"
 #include "model/model.hpp"
 
@@ -28,7 +29,7 @@ class FluxModel final : public TransformerModel<Real> {
 
   int batch() const override { return d_.B; }
   int seq_len() const override { return d_.N; }
-  size_t activation_bytes() const override { return bytes_; }
+  size_t activation_bytes() const override { return bytes_ + adapter_bytes_; }
   int output_rows() const override { return d_.B * d_.N; }
   int output_width() const override { return d_.IN; }
 
@@ -96,20 +97,30 @@ class FluxModel final : public TransformerModel<Real> {
   void single_forward(int j, const Real* w);
   void double_backward(int l, Real* g, const Real* w);
   void single_backward(int j, Real* g, const Real* w);
-  // q, k, v of `x` (rows), q and k normed per head: the attention inputs of a stream.
-  void qkv_forward(Real* q, Real* k, Real* v, Real* qn, Real* kn, Real* q_rstd, Real* k_rstd, const Real* x,
-                   int rows, const Real* w, int unit, int q_param);
+  // Block `block`'s linear layer `product` (its weight, then its bias, at `weight` in the unit) on
+  // `rows` rows of x, with its adapters: out (rows, width).
+  void linear_forward(int block, int product, Real* out, const Real* x, int rows, int in, int width, const Real* w,
+                      int weight);
+  // Its backward: dx (rows, in) written, the adapters' part added; parameter gradients accumulate.
+  void linear_backward(int block, int product, Real* dx, const Real* x, const Real* dout, int rows, int in, int width,
+                       Real* g, const Real* w, int weight);
+  // q, k, v of `x` (rows), q and k normed per head: the attention inputs of a stream (products
+  // q_product, +1, +2).
+  void qkv_forward(int block, int q_product, Real* q, Real* k, Real* v, Real* qn, Real* kn, Real* q_rstd,
+                   Real* k_rstd, const Real* x, int rows, const Real* w, int q_param);
   // Their backward from d_q, d_k, d_v (the normed q, k and v's gradients): d_xn = the input's.
-  void qkv_backward(const Real* x, const Real* q, const Real* k, const Real* q_rstd, const Real* k_rstd, int rows,
-                    Real* g, const Real* w, int unit, int q_param);
+  void qkv_backward(int block, int q_product, const Real* x, const Real* q, const Real* k, const Real* q_rstd,
+                    const Real* k_rstd, int rows, Real* g, const Real* w, int q_param);
   // The modulation product's gradient into its weights and the conditioning's (d_silu +=).
-  void modulation_backward(const Real* d_mod, int width, Real* g, const Real* w, int unit, int weight_param);
+  void modulation_backward(int block, int product, const Real* d_mod, int width, Real* g, const Real* w,
+                           int weight_param);
 
   const ParamTable& table_;
   const LayerOps<Real>& ops_;
   Dims d_;
   bool checkpointing_;
-  size_t bytes_ = 0;
+  size_t bytes_ = 0, adapter_bytes_ = 0;
+  ModelAdapters<Real> adapters_;  // around every linear layer of the blocks (model/adapter_layers.hpp)
   Buffers buf_;
   const Real* root_ = nullptr;  // the root unit, gathered from embed_forward to embed_backward
   SquaredErrorLoss<Real> squared_error_;

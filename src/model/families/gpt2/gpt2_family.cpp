@@ -128,7 +128,7 @@ class Gpt2Family final : public ModelFamily {
             {"mlp.c_fc", BLOCK_FC_W, BLOCK_FC_B, PRODUCT_MLP_UP, C, 4 * C, 0, 4 * C},
             {"mlp.c_proj", BLOCK_FCPROJ_W, BLOCK_FCPROJ_B, PRODUCT_MLP_DOWN, 4 * C, C, 0, C}};
   }
-  std::string module_path(int layer, const LinearSite& site) const override {
+  std::string module_path(const ModelConfig&, int layer, const LinearSite& site) const override {
     return "transformer.h." + std::to_string(layer) + "." + site.module;
   }
 

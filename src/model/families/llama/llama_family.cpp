@@ -130,7 +130,7 @@ std::vector<LinearSite> LlamaFamily::linear_sites(const ModelConfig& c, const st
           {"mlp.down_proj", LLAMA_DOWN_W, -1, PRODUCT_MLP_DOWN, I, C, 0, C}};
 }
 
-std::string LlamaFamily::module_path(int layer, const LinearSite& site) const {
+std::string LlamaFamily::module_path(const ModelConfig&, int layer, const LinearSite& site) const {
   return "model.layers." + std::to_string(layer) + "." + site.module;
 }
 

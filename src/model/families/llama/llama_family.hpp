@@ -51,7 +51,7 @@ class LlamaFamily : public ModelFamily {
   bool token_logits() const override { return true; }
 
   std::vector<LinearSite> linear_sites(const ModelConfig& config, const std::string& kind) const override;
-  std::string module_path(int layer, const LinearSite& site) const override;
+  std::string module_path(const ModelConfig& config, int layer, const LinearSite& site) const override;
 
   const char* hf_class() const override { return "LlamaForCausalLM"; }
   bool reads_model_type(const std::string& type) const override { return type == "llama" || type == "mistral"; }
