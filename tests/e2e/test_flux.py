@@ -166,6 +166,35 @@ def test_a_diffusers_folder_trains_from_its_weights_and_converts_both_ways_bit_f
                        "model.n_single_layer=3 but config.json says 2")
 
 
+LORA_TARGETS = ("attn.to_q,attn.to_k,attn.to_v,attn.to_out.0,attn.add_q_proj,attn.add_k_proj,attn.add_v_proj,"
+                "attn.to_add_out,ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2,proj_mlp,proj_out")
+
+
+def test_lora_on_a_diffusers_base_trains_alone_the_same_on_any_rank_count():
+    folder = os.path.join(tempdir(), "flux-diffusers")
+    params = make_diffusers_folder(folder, CFG, seed=5)
+    lora = (f"--checkpoint.init_from={folder}", "--adapter.type=lora", f"--adapter.targets={LORA_TARGETS}",
+            "--adapter.rank=4", "--adapter.alpha=4", "--train.lr=1e-2", "--checkpoint.format=gathered")
+    base, base_val = losses(1, *lora)
+    assert base[-1] != base[0]
+    for np_ in (2, 3):
+        got, got_val = losses(np_, *lora)
+        for a, b in zip(got + got_val, base + base_val):
+            assert rel_diff(a, b) < 1e-5, (np_, got, base)
+    # The base is frozen: the checkpoint holds the folder's weights bit for bit, and trained adapters
+    # on every targeted layer of both kinds of block (the LoRA B matrices start at zero).
+    ckpt = tempdir()
+    ok(run(2, flux_args(*lora, f"--checkpoint.dir={ckpt}")))
+    with h5py.File(os.path.join(ckpt, "ckpt-00000004.h5"), "r") as f:
+        model = f["model"]
+        for name, value in params.items():
+            assert np.array_equal(model[name][()], value.astype(np.float32)), name
+        adapted = [n for n in model if n.endswith(".lora_B.weight")]
+        assert len(adapted) == 2 * 12 + 2 * 5, sorted(adapted)  # 12 layers per double block, 5 per single
+        assert "single_transformer_blocks.1.proj_out.lora_B.weight" in adapted
+        assert all(np.abs(model[n][()]).max() > 0 for n in adapted)
+
+
 def test_a_resumed_run_repeats_the_losses_bit_for_bit():
     straight, _ = losses(2)
     # Stop after 2 steps, then resume to 4 from the step-2 checkpoint (same rank count: same bits).

@@ -141,6 +141,44 @@ TEST(Flux, Flux1DevHasItsPublishedParameterCount) {
   EXPECT_EQ(ParamTable(c).total_params(), 11901408320u - (256u * 3072 + 3072 + 3072u * 3072 + 3072));
 }
 
+// Adapters on every kind of linear layer -- the streams' q/k/v and outputs, the MLPs, the
+// modulations, the single blocks' proj_mlp and proj_out -- against central differences of the
+// adapters' parameters (the base frozen), for the low-rank, Hadamard, Kronecker and rotation
+// methods. (DoRA's gradient detaches its weight norm, as PEFT's does, so plain differences do not
+// apply; its arithmetic is the shared adapter layer's, checked on the decoders in test_lora.cpp.)
+TEST(Flux, AdapterGradientsMatchCentralFiniteDifferences) {
+  const ModelConfig config = tiny_flux_config();
+  for (AdapterType type : {ADAPTER_LORA, ADAPTER_LOHA, ADAPTER_LOKR, ADAPTER_OFT}) {
+    AdapterConfig a;
+    a.type = type, a.rank = 2, a.alpha = 3, a.block_size = 4;
+    a.targets = {"attn.to_q", "add_k_proj", "to_add_out", "ff.net.2", "ff_context.net.0.proj", "norm1.linear",
+                 "norm.linear", "proj_mlp", "single_transformer_blocks.1.proj_out"};
+    const ParamTable table(config, {}, a);
+    size_t adapted = 0;
+    for (const ParamInfo& p : table.params()) adapted += p.adapter;
+    ASSERT_GT(adapted, 0u);
+    auto model = make_model<double>(table, B, N, false, cpu_layer_ops<double>());
+    auto units = random_units<double>(table, 0.3, 23);
+    std::vector<std::vector<double>> grads;
+    const Batch batch = make_flux_batch(config, B, ROWS, COLS, 7);
+    const double dloss = 1.0 / (B * N * config.in_channels);
+    loss_and_grads(*model, table, units, &grads, batch, dloss);
+    for (const ParamInfo& p : table.params()) {
+      if (!p.adapter) continue;
+      for (size_t i : {size_t(0), p.numel / 2, p.numel - 1}) {
+        double& x = units[p.unit][p.offset + i];
+        const double numeric = central_difference(x, [&] { return forward_loss(*model, table, units, batch) * dloss; });
+        EXPECT_NEAR(grads[p.unit][p.offset + i], numeric, 1e-9 + 1e-6 * std::fabs(numeric))
+            << adapter_type_name(type) << " " << p.name << "[" << i << "]";
+      }
+    }
+    // The base is frozen: no gradient reaches it.
+    for (const ParamInfo& p : table.params())
+      if (!p.adapter)
+        for (size_t i = 0; i < p.numel; i++) ASSERT_EQ(grads[p.unit][p.offset + i], 0.0) << p.name;
+  }
+}
+
 // The family has neither key/value-cache decoding nor a vocabulary head.
 TEST(Flux, GenerateAndDistillationRefuseIt) {
   EXPECT_THROW(require_capability(tiny_flux_config(), "generate", "checkpoint 'x'"), UsageError);
