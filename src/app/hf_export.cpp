@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <memory>
 
 #include "ckpt/checkpoint_io.hpp"
@@ -279,6 +280,25 @@ void write_hf_folder(const Runtime& rt, const ModelConfig& model, const std::str
   }
 }
 
+namespace {
+
+// diffusers' lora_adapter_metadata: the LoraConfig's keys under the component's prefix, as
+// diffusers' save_lora_weights writes them (load_lora_weights builds its LoraConfig from them).
+std::string diffusers_lora_metadata(const ParamTable& table) {
+  const AdapterConfig& a = table.adapter();
+  nlohmann::ordered_json j;
+  j["transformer.bias"] = "none";
+  j["transformer.lora_alpha"] = a.alpha;
+  j["transformer.lora_dropout"] = a.dropout;
+  j["transformer.peft_type"] = "LORA";
+  j["transformer.r"] = a.rank;
+  j["transformer.target_modules"] = a.targets;
+  j["transformer.use_dora"] = false;
+  return j.dump(2);
+}
+
+}  // namespace
+
 void export_peft_folder(const Runtime& rt, const std::string& checkpoint, const std::string& out_dir, DType dtype) {
   std::unique_ptr<CheckpointReader> reader;
   rt.agree_on([&] { reader = std::make_unique<CheckpointReader>(checkpoint); });
@@ -286,20 +306,28 @@ void export_peft_folder(const Runtime& rt, const std::string& checkpoint, const 
   if (state.adapter.type == ADAPTER_NONE)
     throw UsageError("export --adapter: checkpoint '" + checkpoint +
                      "' has no adapters (adapter.type=none); export the model with --format hf");
-  if (family_of(state.model).hf_conv1d() && state.adapter.weight_delta())
+  const ModelFamily& family = family_of(state.model);
+  if (family.hf_conv1d() && state.adapter.weight_delta())
     throw UsageError("export --adapter: checkpoint '" + checkpoint + "' holds " + adapter_type_name(state.adapter.type) +
                      " adapters on a " + state.model.arch + " model, and PEFT 0.21.2 cannot load " +
                      peft_type_name(state.adapter.type) + " on its Conv1D layers (it takes only LoRA and DoRA there); export the merged model with "
                      "--format hf --merge instead");
+  const bool peft = family.peft_folder();
+  if (!peft && state.adapter.type != ADAPTER_LORA)
+    throw UsageError("export --adapter: checkpoint '" + checkpoint + "' holds " + adapter_type_name(state.adapter.type) +
+                     " adapters on a " + state.model.arch + " model; diffusers' LoRA file (what this exports for it) "
+                     "takes LoRA only: export the merged model with --format hf --merge instead");
   const ParamTable table(state.model, {}, state.adapter);
-  const std::vector<PeftTensor> tensors = peft_tensors(table);
+  const std::vector<PeftTensor> tensors = peft_tensors(table, peft ? "base_model.model." : "transformer.");
   std::vector<SafetensorsEntry> entries;
   for (const PeftTensor& t : tensors) {
     const ParamInfo& p = table.params()[t.id];
     entries.push_back({t.name, dtype, std::vector<int64_t>(p.shape.begin(), p.shape.end())});
   }
-  const SafetensorsLayout layout(entries, {{"format", "pt"}});
-  const std::string weights = out_dir + "/adapter_model.safetensors";
+  std::map<std::string, std::string> metadata = {{"format", "pt"}};
+  if (!peft) metadata["lora_adapter_metadata"] = diffusers_lora_metadata(table);
+  const SafetensorsLayout layout(entries, metadata);
+  const std::string weights = out_dir + (peft ? "/adapter_model.safetensors" : "/pytorch_lora_weights.safetensors");
   rt.agree_on([&] {  // small: rank 0 writes it all
     if (!rt.is_root()) return;
     try {
@@ -316,7 +344,7 @@ void export_peft_folder(const Runtime& rt, const std::string& checkpoint, const 
       writer.finish();
       if (std::rename((weights + ".tmp").c_str(), weights.c_str()) != 0)
         throw CheckpointError("cannot write '" + weights + "': " + std::strerror(errno));
-      write_file_atomically(out_dir + "/adapter_config.json", peft_adapter_config_json(table));
+      if (peft) write_file_atomically(out_dir + "/adapter_config.json", peft_adapter_config_json(table));
       const std::string synced = CheckpointManager::fsync_path(out_dir);
       if (!synced.empty()) throw CheckpointError(synced);
     } catch (const InputError&) {
@@ -324,8 +352,10 @@ void export_peft_folder(const Runtime& rt, const std::string& checkpoint, const 
       throw;
     }
   });
-  rt.info("wrote %s: PEFT %s adapter (adapter_config.json, adapter_model.safetensors: %s) from step %lld",
-          out_dir.c_str(), adapter_type_name(state.adapter.type),
+  rt.info("wrote %s: %s %s adapter (%s: %s) from step %lld", out_dir.c_str(), peft ? "PEFT" : "diffusers",
+          adapter_type_name(state.adapter.type),
+          peft ? "adapter_config.json, adapter_model.safetensors" : "pytorch_lora_weights.safetensors, the LoraConfig in "
+                                                                   "its metadata",
           counted(static_cast<long long>(tensors.size()), "tensor").c_str(), static_cast<long long>(state.step));
 }
 

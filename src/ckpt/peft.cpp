@@ -15,7 +15,7 @@
 
 namespace shardtrain {
 
-std::vector<PeftTensor> peft_tensors(const ParamTable& table) {
+std::vector<PeftTensor> peft_tensors(const ParamTable& table, const std::string& prefix) {
   const ModelFamily& family = family_of(table.config());
   std::vector<PeftTensor> out;
   for (int l = 0; l < table.block_count(); l++) {
@@ -28,7 +28,7 @@ std::vector<PeftTensor> peft_tensors(const ParamTable& table) {
       // suffix>" (model/param_table.hpp): the suffix follows the module path in PEFT's name.
       std::string base = table.param(block_unit(l), sites[k].weight).name;
       base = base.substr(0, base.size() - std::string(".weight").size()) + ".";
-      const std::string module = "base_model.model." + family.module_path(table.config(), l, sites[k]) + ".";
+      const std::string module = prefix + family.module_path(table.config(), l, sites[k]) + ".";
       for (size_t q = a; q < unit.params.size(); q++) {
         const ParamInfo& p = table.params()[unit.params[q]];
         if (!p.adapter || p.name.compare(0, base.size(), base) != 0) break;

@@ -21,7 +21,8 @@ struct PeftTensor {
   std::string name;
 };
 // Every adapter parameter of the table, in table order, with PEFT's name.
-std::vector<PeftTensor> peft_tensors(const ParamTable& table);
+// `prefix`: PEFT's "base_model.model." (a PeftModel's), or diffusers' "transformer." (a pipeline's component).
+std::vector<PeftTensor> peft_tensors(const ParamTable& table, const std::string& prefix = "base_model.model.");
 
 // PEFT's peft_type of an adapter type: LORA (lora and dora), LOHA, LOKR, OFT; "" for none.
 const char* peft_type_name(AdapterType type);

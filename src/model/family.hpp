@@ -141,6 +141,10 @@ void require_capability(const ModelConfig& config, const std::string& use, const
   // The weight files' base name: model.safetensors (transformers), diffusion_pytorch_model.safetensors
   // (diffusers), with .index.json and -00001-of-00002 for several.
   virtual const char* hf_weights() const { return "model"; }
+  // Where its adapters go (`export --adapter`): a PEFT folder (transformers' models: adapter_config.json,
+  // adapter_model.safetensors, names under base_model.model.), or (false) diffusers' LoRA file
+  // (pytorch_lora_weights.safetensors, names under transformer., the LoraConfig in the file's metadata).
+  virtual bool peft_folder() const { return true; }
   // Whether config.json records the weights' dtype (transformers' torch_dtype; diffusers does not).
   virtual bool hf_torch_dtype() const { return true; }
   // The config config.json describes; HfConfig::fail for what the family does not implement.

@@ -232,12 +232,14 @@ def save_safetensors(tensors, path):
         f.write(len(text).to_bytes(8, "little") + text + b"".join(blobs))
 
 
-def load_safetensors(path):
+def load_safetensors(path, with_metadata=False):
     import json
     with open(path, "rb") as f:
         raw = f.read()
     n = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8:8 + n])
+    if with_metadata:
+        return load_safetensors(path), header.get("__metadata__", {})
     out = {}
     for name, t in header.items():
         if name == "__metadata__":

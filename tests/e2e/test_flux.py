@@ -193,6 +193,31 @@ def test_lora_on_a_diffusers_base_trains_alone_the_same_on_any_rank_count():
         assert len(adapted) == 2 * 12 + 2 * 5, sorted(adapted)  # 12 layers per double block, 5 per single
         assert "single_transformer_blocks.1.proj_out.lora_B.weight" in adapted
         assert all(np.abs(model[n][()]).max() > 0 for n in adapted)
+        trained = {n: model[n][()].astype(np.float64) for n in model}
+    # export --adapter: diffusers' LoRA file, the checkpoint's adapters under transformer., the
+    # LoraConfig in its metadata as diffusers' save_lora_weights writes it.
+    out = os.path.join(tempdir(), "lora")
+    ok(run(2, ["export", "--checkpoint", os.path.join(ckpt, "ckpt-00000004.h5"), "--adapter", "--output", out]))
+    assert sorted(os.listdir(out)) == ["pytorch_lora_weights.safetensors"]
+    lora, meta = load_safetensors(os.path.join(out, "pytorch_lora_weights.safetensors"), with_metadata=True)
+    assert sorted(lora) == sorted("transformer." + n for n in trained if ".lora_" in n)
+    for name, value in lora.items():
+        assert np.array_equal(value, trained[name[len("transformer."):]].astype(np.float32)), name
+    config = json.loads(meta["lora_adapter_metadata"])
+    assert config["transformer.r"] == 4 and config["transformer.lora_alpha"] == 4, config
+    assert config["transformer.target_modules"] == LORA_TARGETS.split(","), config
+    # export --merge: a diffusers folder of W + (alpha / r) B A, merged here independently.
+    merged_dir = os.path.join(tempdir(), "merged")
+    ok(run(3, ["export", "--checkpoint", os.path.join(ckpt, "ckpt-00000004.h5"), "--format", "hf", "--merge",
+               "--output", merged_dir]))
+    merged = load_safetensors(os.path.join(merged_dir, "diffusion_pytorch_model.safetensors"))
+    assert sorted(merged) == sorted(params)
+    for name, base_value in params.items():
+        expected = base_value
+        module = name[:-len(".weight")]
+        if name.endswith(".weight") and module + ".lora_A.weight" in trained:
+            expected = base_value + trained[module + ".lora_B.weight"] @ trained[module + ".lora_A.weight"]
+        assert np.allclose(merged[name], expected, rtol=1e-5, atol=1e-6), name
 
 
 def test_a_resumed_run_repeats_the_losses_bit_for_bit():

@@ -222,6 +222,7 @@ class FluxFamily final : public ModelFamily {
   }
   const char* hf_weights() const override { return "diffusion_pytorch_model"; }
   bool hf_torch_dtype() const override { return false; }
+  bool peft_folder() const override { return false; }
   ModelConfig read_hf_config(const HfConfig& j) const override {
     ModelConfig m;
     m.arch = name();
