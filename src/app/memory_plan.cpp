@@ -49,7 +49,9 @@ std::string MemoryPlan::describe() const {
 }
 
 
-GemmWorkload gemm_workload(const ModelConfig& student, const ModelConfig* teacher, int rows) {
+GemmWorkload gemm_workload(const ModelConfig& student, const ModelConfig* teacher, int micro_batch, int seq_len) {
+  const int rows = std::max(family_of(student).product_rows(student, micro_batch, seq_len),
+                            teacher ? family_of(*teacher).product_rows(*teacher, micro_batch, seq_len) : 0);
   GemmWorkload w{linear_layers(student), rows};
   if (teacher)
     for (const cpu::LinearShape& l : linear_layers(*teacher)) w.layers.push_back(l);

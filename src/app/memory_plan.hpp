@@ -96,9 +96,10 @@ GpuBackendPlan plan_gpu_backend(const ParamTable& table, const GroupShape& group
 gpu::CudnnAttentionMemory plan_cudnn_attention(const ModelConfig& student, const ModelConfig* teacher,
                                                int micro_batch, int seq_len, const ComputeOptions& compute);
 
-// The GEMMs' workspace of a run: the student's layers and, when distilling, the teacher's, at
-// micro_batch x seq_len rows (its bytes: plan_gemm_workspace_bytes, in the plan's "workspace").
-GemmWorkload gemm_workload(const ModelConfig& student, const ModelConfig* teacher, int rows);
+// The GEMMs' workspace of a run: the student's layers and, when distilling, the teacher's, at the
+// most rows a product of a micro-batch has (ModelFamily::product_rows; its bytes:
+// plan_gemm_workspace_bytes, in the plan's "workspace").
+GemmWorkload gemm_workload(const ModelConfig& student, const ModelConfig* teacher, int micro_batch, int seq_len);
 
 // "sharded_params 1.2 MiB, gradients ..." of the categories that hold bytes.
 std::string describe_categories(const std::array<size_t, MEM_CATEGORY_COUNT>& bytes);

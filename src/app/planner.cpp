@@ -69,8 +69,8 @@ std::vector<Candidate> plan_candidates(const Config& config, int world, int rank
   std::optional<ParamTable> teacher;  // distill.teacher's model, read once
   if (!config.distill.teacher.empty()) teacher.emplace(teacher_param_table(config.distill.teacher));
   const int accumulation = std::max(1, config.train.global_batch / (config.train.micro_batch * world));
-  const GemmWorkload gemms = gemm_workload(config.model, teacher ? &teacher->config() : nullptr,
-                                           config.train.micro_batch * config.train.seq_len);
+  const GemmWorkload gemms =
+      gemm_workload(config.model, teacher ? &teacher->config() : nullptr, config.train.micro_batch, config.train.seq_len);
   std::vector<Candidate> candidates;
   const ShardingStrategy strategies[] = {SHARDING_NO_SHARD, SHARDING_HYBRID_SHARD, SHARDING_SHARD_GRAD_OP,
                                          SHARDING_FULL_SHARD};

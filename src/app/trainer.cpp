@@ -292,7 +292,7 @@ std::optional<ParamTable> read_teacher_table(const Runtime& rt, const Config& c)
 
 // The GEMMs of the student and, when distilling, the teacher.
 GemmWorkload run_gemm_workload(const Config& c, const std::optional<ParamTable>& teacher) {
-  return gemm_workload(c.model, teacher ? &teacher->config() : nullptr, c.train.micro_batch * c.train.seq_len);
+  return gemm_workload(c.model, teacher ? &teacher->config() : nullptr, c.train.micro_batch, c.train.seq_len);
 }
 
 // The rank's planned bytes; an InputError (agreed) when they exceed fsdp.memory_limit.

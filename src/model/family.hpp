@@ -126,9 +126,10 @@ void require_capability(const ModelConfig& config, const std::string& use, const
   // Hugging Face's module path of the site in block `block` (counted over every block, in forward
   // order): "model.layers.3.self_attn.q_proj".
   virtual std::string module_path(const ModelConfig& config, int block, const LinearSite& site) const = 0;
-  // The most rows any of a block's products has in a micro-batch of `batch` x `seq_len` (its
-  // adapters' scratch): a decoder's B x T; a diffusion transformer's joint sequence.
-  virtual int adapter_rows(const ModelConfig&, int batch, int seq_len) const { return batch * seq_len; }
+  // The most rows any of a block's products has in a micro-batch of `batch` x `seq_len` (what its
+  // adapters' scratch and the GEMM workspace are sized for): a decoder's B x T; a diffusion
+  // transformer's joint sequence.
+  virtual int product_rows(const ModelConfig&, int batch, int seq_len) const { return batch * seq_len; }
 
   // --- Hugging Face files ---
   // The transformers class ("LlamaForCausalLM") and whether a config.json's model_type is read by

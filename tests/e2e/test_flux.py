@@ -254,6 +254,23 @@ def test_bad_latent_files_are_refused_with_one_line():
     expect_usage_error(flux_args(f"--data.train_file={not_hdf5}"), "is not an HDF5 file of latents")
 
 
+def test_the_shipped_flux1_shapes_plan():
+    for ini, count in (("flux1-dev.ini", "11901.4M parameters"), ("flux1-schnell.ini", "11891.2M parameters")):
+        proc = ok(run(1, ["plan", "--config", os.path.join(ROOT, "inputs", ini), "--world-size", "4",
+                          "--memory-limit", "24GiB"]), ini)
+        assert count in proc.stdout, proc.stdout[:500]
+        assert "recommended: fsdp.sharding_strategy=FULL_SHARD" in proc.stdout, proc.stdout[-1500:]
+
+
+def test_bf16_trains_near_fp32_the_same_on_any_rank_count():
+    fp32, _ = losses(1)
+    bf16, _ = losses(1, "--fsdp.param_dtype=bf16")
+    assert all(rel_diff(a, b) < 2e-2 for a, b in zip(bf16, fp32)), (bf16, fp32)
+    for np_ in (2, 3):
+        got, _ = losses(np_, "--fsdp.param_dtype=bf16")
+        assert all(rel_diff(a, b) < 1e-5 for a, b in zip(got, bf16)), (np_, got, bf16)
+
+
 def test_generate_and_cuda_refuse_flux():
     folder = tempdir()
     ok(run(1, flux_args(f"--checkpoint.dir={folder}", "--train.steps=1")))

@@ -259,7 +259,7 @@ TEST(GpuMemoryPlan, CudaPlanMinusCpuPlanIsTheBackendsOwnMemory) {
   for (const PlanCase& c : plan_cases()) {
     const ParamTable table(c.model);
     const int B = 2, T = 24, N = B * T;
-    const GemmWorkload gemms = gemm_workload(c.model, nullptr, N);
+    const GemmWorkload gemms = gemm_workload(c.model, nullptr, B, T);
     for (DType dtype : {DTYPE_FP32, DTYPE_BF16}) {
       ComputeOptions cpu, cuda;
       cuda.device = "cuda", cuda.compute_dtype = dtype;
@@ -309,7 +309,7 @@ TEST(GpuMemoryPlan, CudnnAttentionIsTheCudnnPlanMinusTheTiledPlan) {
   for (const PlanCase& c : plan_cases()) {
     const ParamTable table(c.model);
     const int B = 2, T = 24;
-    const GemmWorkload gemms = gemm_workload(c.model, nullptr, B * T);
+    const GemmWorkload gemms = gemm_workload(c.model, nullptr, B, T);
     for (DType dtype : {DTYPE_FP32, DTYPE_BF16}) {
       ComputeOptions tiled, autod, cudnn;
       for (ComputeOptions* o : {&tiled, &autod, &cudnn}) o->device = "cuda", o->compute_dtype = dtype;

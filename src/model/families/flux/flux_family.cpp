@@ -209,7 +209,7 @@ class FluxFamily final : public ModelFamily {
     return block < c.n_layer ? "transformer_blocks." + std::to_string(block) + "." + site.module
                              : "single_transformer_blocks." + std::to_string(block - c.n_layer) + "." + site.module;
   }
-  int adapter_rows(const ModelConfig& c, int batch, int seq_len) const override {
+  int product_rows(const ModelConfig& c, int batch, int seq_len) const override {
     return batch * (seq_len + c.context_len);
   }
 
