@@ -109,7 +109,7 @@ BLIS_LIB := /usr/lib/x86_64-linux-gnu/blis-openmp
 BENCH_LIBS_gemm_bench := -L$(BLIS_LIB) -Wl,-rpath,$(BLIS_LIB) -lblis
 DEPS_STAMP := $(BUILD)/.deps-ok
 
-.PHONY: all deps run test test-slurm test-cluster test-gpu gpu-check bundle bench sanitize print-config clean
+.PHONY: all deps run test test-slurm test-cluster test-encode test-gpu gpu-check bundle bench sanitize print-config clean
 all: $(EXE) $(GPU_TESTS)
 
 # ---- dependencies -------------------------------------------------------------------------------
@@ -201,6 +201,13 @@ test-slurm: $(EXE)
 # tests/cluster/run_cluster_tests.sh, about 25 s on 2 cores (21 s measured); budget 5 minutes.
 test-cluster: $(EXE)
 	@bash tests/cluster/run_cluster_tests.sh --build $(BUILD)
+
+# tools/encode_images.py (FLUX latents from images and captions) against diffusers and transformers
+# on a tiny random FLUX.1-style repository, then 2 training steps on its shards. Builds
+# $(BUILD)/encode-venv with PyTorch, diffusers and transformers the first time (several GB, minutes;
+# ENCODE_PYTHON=<python> uses one that has them); about 20 s after that. Not part of `make test`.
+test-encode: $(EXE)
+	@$(PYTHON) tests/tools/test_encode_images.py --build $(BUILD)
 
 # The GPU suite (tools/gpu_check.sh, docs/gpu.md): kernel and NCCL tests against the CPU backend
 # and 20 training steps on the GPU against the CPU; gpu-check adds the benchmarks and writes every

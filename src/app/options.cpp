@@ -141,6 +141,8 @@ void declare_options(OptionList& o, Config& c) {
   o.add("model.context_dim", &c.model.context_dim, "flux: width of the text encoder's embeddings (T5-XXL: 4096)");
   o.add("model.context_len", &c.model.context_len, "flux: text tokens per sample (FLUX.1-dev 512, schnell 256)");
   o.add("model.pooled_dim", &c.model.pooled_dim, "flux: width of the pooled text vector (CLIP-L: 768)");
+  o.add("model.condition_len", &c.model.condition_len,
+        "flux: Kontext's condition-image tokens per sample, after the train.seq_len target tokens (0: text to image)");
   o.add("model.guidance_embeds", &c.model.guidance_embeds,
         "flux: a guidance embedder (dev, Kontext: true; schnell: false)");
   o.add("model.rope_axes", &c.model.rope_axes,
@@ -623,6 +625,7 @@ void validate_architecture(const ModelConfig& m) {
       {"model.context_dim", m.context_dim != d.context_dim},
       {"model.context_len", m.context_len != d.context_len},
       {"model.pooled_dim", m.pooled_dim != d.pooled_dim},
+      {"model.condition_len", m.condition_len != d.condition_len},
       {"model.guidance_embeds", m.guidance_embeds != d.guidance_embeds},
       {"model.rope_axes", m.rope_axes != d.rope_axes}};
   for (const auto& [key, set] : family_keys) {

@@ -373,6 +373,7 @@ const FamilyIntAttr FAMILY_INTS[] = {{"model.n_single_layer", &ModelConfig::n_si
                                      {"model.in_channels", &ModelConfig::in_channels, true},
                                      {"model.context_dim", &ModelConfig::context_dim, true},
                                      {"model.context_len", &ModelConfig::context_len, false},
+                                     {"model.condition_len", &ModelConfig::condition_len, false},
                                      {"model.pooled_dim", &ModelConfig::pooled_dim, true}};
 const char* FAMILY_GUIDANCE = "model.guidance_embeds";
 const char* FAMILY_ROPE_AXES = "model.rope_axes";
@@ -593,7 +594,7 @@ CheckpointState read_state(hid_t file, const std::string& path) {
   m.tie_embeddings = arch_ints[2] != 0;
   m.rope_theta = arch_reals[0], m.norm_eps = arch_reals[1];
   for (const auto& [attr, value] : family_ints) {
-    if (value < 0 || value > (1 << 24))
+    if (value < 0 || value > (1 << 24))  // a family's own bounds follow (model_arch_defect)
       throw CheckpointError(where + "attribute " + attr->name + " is out of range; the file is damaged");
     m.*attr->field = static_cast<int>(value);
   }

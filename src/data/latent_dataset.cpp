@@ -21,7 +21,7 @@ namespace shardtrain {
 struct LatentDataset::File {
   std::string path;
   uint64_t bytes = 0, records = 0;
-  H5Id file, latents, text, pooled;
+  H5Id file, latents, text, pooled, condition;  // condition: Kontext's (model.condition_len > 0)
 };
 
 namespace {
@@ -39,10 +39,12 @@ LatentDataset::LatentDataset(const std::string& option, const std::string& value
     : option_(option), value_(value), model_(model), N_(image_tokens), seed_(seed), flow_(flow) {
   H5QuietErrors quiet;
   first_record_.push_back(0);
-  const std::vector<Field> fields = {
+  std::vector<Field> fields = {
       {"latents", {hsize_t(N_), hsize_t(model.in_channels)}},
       {"encoder_hidden_states", {hsize_t(model.context_len), hsize_t(model.context_dim)}},
       {"pooled_projections", {hsize_t(model.pooled_dim)}}};
+  if (model.condition_len > 0)
+    fields.push_back({"condition_latents", {hsize_t(model.condition_len), hsize_t(model.in_channels)}});
   for (const std::string& path : expand_data_files(option, value)) {
     auto f = std::make_unique<File>();
     f->path = path;
@@ -53,7 +55,7 @@ LatentDataset::LatentDataset(const std::string& option, const std::string& value
     f->file = H5Id(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
     if (f->file.get() < 0)
       throw DataError(where + " is not an HDF5 file of latents (tools/encode_images.py writes them; docs/flux.md)");
-    H5Id* sets[3] = {&f->latents, &f->text, &f->pooled};
+    H5Id* sets[4] = {&f->latents, &f->text, &f->pooled, &f->condition};
     for (size_t i = 0; i < fields.size(); i++) {
       const Field& field = fields[i];
       if (H5Lexists(f->file, field.name, H5P_DEFAULT) <= 0)
@@ -75,7 +77,8 @@ LatentDataset::LatentDataset(const std::string& option, const std::string& value
         for (size_t k = 1; k < expected.size(); k++) want += ", " + std::to_string(expected[k]);
         throw DataError(strprintf("%s: dataset '%s' has shape (%s), the model and train.seq_len=%d take (records%s): "
                                   "encode the images at the model's shape (model.in_channels, model.context_len, "
-                                  "model.context_dim, model.pooled_dim) and set train.seq_len to the image tokens",
+                                  "model.context_dim, model.pooled_dim, model.condition_len) and set train.seq_len to "
+                                  "the image tokens",
                                   where.c_str(), field.name, got.c_str(), N_, want.c_str()));
       }
       if (i == 0) f->records = dims[0];
@@ -85,21 +88,28 @@ LatentDataset::LatentDataset(const std::string& option, const std::string& value
                                   where.c_str(), field.name, static_cast<unsigned long long>(dims[0]),
                                   static_cast<unsigned long long>(f->records)));
     }
-    int64_t grid[2] = {0, 0};
-    const char* grid_names[2] = {"grid_rows", "grid_cols"};
-    for (int k = 0; k < 2; k++) {
-      if (!h5_has_attr(f->file, grid_names[k]))
-        throw DataError(where + " has no attribute '" + grid_names[k] + "' (the packed latent grid's size)");
-      grid[k] = h5_read_attr_i64(f->file, grid_names[k], path);
-    }
-    if (grid[0] < 1 || grid[1] < 1 || grid[0] * grid[1] != N_)
-      throw DataError(strprintf("%s: grid_rows x grid_cols = %lld x %lld is not the %d image tokens of its latents",
-                                where.c_str(), static_cast<long long>(grid[0]), static_cast<long long>(grid[1]), N_));
-    if (grid_cols_ && grid[1] != grid_cols_)
-      throw DataError(strprintf("%s: a packed grid %lld tokens wide, the first file's is %d: one run trains one image "
+    // The packed grids (the position ids): the target's, and Kontext's condition image's.
+    auto grid_of = [&](const char* prefix, int tokens, const char* what) {
+      int64_t grid[2] = {0, 0};
+      for (int k = 0; k < 2; k++) {
+        const std::string name = std::string(prefix) + (k ? "grid_cols" : "grid_rows");
+        if (!h5_has_attr(f->file, name.c_str()))
+          throw DataError(where + " has no attribute '" + name + "' (the packed " + what + " grid's size)");
+        grid[k] = h5_read_attr_i64(f->file, name.c_str(), path);
+      }
+      if (grid[0] < 1 || grid[1] < 1 || grid[0] * grid[1] != tokens)
+        throw DataError(strprintf("%s: %sgrid_rows x %sgrid_cols = %lld x %lld is not the %d tokens of its %s",
+                                  where.c_str(), prefix, prefix, static_cast<long long>(grid[0]),
+                                  static_cast<long long>(grid[1]), tokens, what));
+      return static_cast<int>(grid[1]);
+    };
+    const int cols = grid_of("", N_, "latents");
+    const int condition_cols = model.condition_len > 0 ? grid_of("condition_", model.condition_len, "condition latents") : 0;
+    if (grid_cols_ && (cols != grid_cols_ || condition_cols != condition_cols_))
+      throw DataError(strprintf("%s: a packed grid %d tokens wide, the first file's is %d: one run trains one image "
                                 "size (encode the images at one resolution)",
-                                where.c_str(), static_cast<long long>(grid[1]), grid_cols_));
-    grid_cols_ = static_cast<int>(grid[1]);
+                                where.c_str(), cols, grid_cols_));
+    grid_cols_ = cols, condition_cols_ = condition_cols;
     first_record_.push_back(first_record_.back() + f->records);
     files_.push_back(std::move(f));
   }
@@ -111,23 +121,29 @@ LatentDataset::~LatentDataset() {
 }
 
 void LatentDataset::begin(Batch& b, int rows) const {
-  const int IN = model_.in_channels, L = model_.context_len;
-  b.put<float>(FLUX_HIDDEN_STATES, {rows, N_, IN});
+  const int IN = model_.in_channels, L = model_.context_len, M = model_.condition_len;
+  b.put<float>(FLUX_HIDDEN_STATES, {rows, N_ + M, IN});
   b.put<float>(FLUX_TARGET, {rows, N_, IN});
   b.put<float>(FLUX_ENCODER_HIDDEN_STATES, {rows, L, model_.context_dim});
   b.put<float>(FLUX_POOLED, {rows, model_.pooled_dim});
   b.put<float>(FLUX_TIMESTEP, {rows});
   b.put<float>(FLUX_GUIDANCE, {rows});
-  float* img = b.put<float>(FLUX_IMG_IDS, {N_, 3});
+  float* img = b.put<float>(FLUX_IMG_IDS, {N_ + M, 3});
   for (int i = 0; i < N_; i++)  // (0, row, col) on the packed grid
     img[3 * i] = 0, img[3 * i + 1] = static_cast<float>(i / grid_cols_), img[3 * i + 2] = static_cast<float>(i % grid_cols_);
+  for (int i = 0; i < M; i++) {  // Kontext's condition image: (1, row, col) on its own grid
+    float* id = img + 3 * (N_ + i);
+    id[0] = 1, id[1] = static_cast<float>(i / condition_cols_), id[2] = static_cast<float>(i % condition_cols_);
+  }
   b.put<float>(FLUX_TXT_IDS, {L, 3});  // zeros
 }
 
 void LatentDataset::read(const File& f, const char* name, uint64_t local, float* dst, size_t numel) const {
-  const hid_t set = std::string(name) == "latents" ? f.latents.get()
-                    : std::string(name) == "pooled_projections" ? f.pooled.get()
-                                                                : f.text.get();
+  const std::string n(name);
+  const hid_t set = n == "latents" ? f.latents.get()
+                    : n == "pooled_projections" ? f.pooled.get()
+                    : n == "condition_latents" ? f.condition.get()
+                                                : f.text.get();
   H5Id space(H5Dget_space(set), H5Sclose);
   const int rank = H5Sget_simple_extent_ndims(space);
   std::vector<hsize_t> start(rank, 0), count(rank);
@@ -145,11 +161,11 @@ void LatentDataset::fill(Batch& b, int row, uint64_t record, uint64_t sample, bo
   const size_t file = std::upper_bound(first_record_.begin(), first_record_.end(), record) - first_record_.begin() - 1;
   const File& f = *files_[file];
   const uint64_t local = record - first_record_[file];
-  const int IN = model_.in_channels, L = model_.context_len;
-  const size_t image = static_cast<size_t>(N_) * IN;
+  const int IN = model_.in_channels, L = model_.context_len, M = model_.condition_len;
+  const size_t image = static_cast<size_t>(N_) * IN, all = static_cast<size_t>(N_ + M) * IN;
   const std::vector<int64_t>& shape = b.shape(FLUX_HIDDEN_STATES);
   const size_t rows = static_cast<size_t>(shape[0]);
-  float* hidden = b.at<float>(FLUX_HIDDEN_STATES, rows * image) + row * image;
+  float* hidden = b.at<float>(FLUX_HIDDEN_STATES, rows * all) + row * all;
   float* target = b.at<float>(FLUX_TARGET, rows * image) + row * image;
   float* text = b.at<float>(FLUX_ENCODER_HIDDEN_STATES, rows * L * model_.context_dim) +
                 static_cast<size_t>(row) * L * model_.context_dim;
@@ -157,6 +173,7 @@ void LatentDataset::fill(Batch& b, int row, uint64_t record, uint64_t sample, bo
   read(f, "latents", local, hidden, image);
   read(f, "encoder_hidden_states", local, text, static_cast<size_t>(L) * model_.context_dim);
   read(f, "pooled_projections", local, pooled, model_.pooled_dim);
+  if (M > 0) read(f, "condition_latents", local, hidden + image, static_cast<size_t>(M) * IN);  // clean
   // The flow-matching sample: x_sigma = (1 - sigma) x0 + sigma e, target e - x0 (fp32, as trainers do).
   const uint64_t key = flow_sample_key(seed_, sample, validation), noise = flow_noise_key(key);
   const float sigma = static_cast<float>(draw_sigma(flow_, key, N_, sample, validation));
@@ -184,11 +201,13 @@ std::string LatentDataset::check(int part, int num_parts) const {
     const size_t file = std::upper_bound(first_record_.begin(), first_record_.end(), r) - first_record_.begin() - 1;
     const File& f = *files_[file];
     const uint64_t local = r - first_record_[file];
-    const std::pair<const char*, size_t> fields[3] = {
+    const std::pair<const char*, size_t> fields[4] = {
         {"latents", static_cast<size_t>(N_) * model_.in_channels},
         {"encoder_hidden_states", static_cast<size_t>(model_.context_len) * model_.context_dim},
-        {"pooled_projections", static_cast<size_t>(model_.pooled_dim)}};
+        {"pooled_projections", static_cast<size_t>(model_.pooled_dim)},
+        {"condition_latents", static_cast<size_t>(model_.condition_len) * model_.in_channels}};
     for (const auto& [name, numel] : fields) {
+      if (numel == 0) continue;
       values.resize(numel);
       read(f, name, local, values.data(), numel);
       for (float v : values)
@@ -214,7 +233,10 @@ std::string LatentDataset::identity() const {
 }
 
 std::string LatentDataset::describe() const {
-  const std::string shape = strprintf("%d image tokens, %d text tokens", N_, model_.context_len);
+  const std::string shape =
+      strprintf("%d image tokens, %s%d text tokens", N_,
+                model_.condition_len ? strprintf("%d condition tokens, ", model_.condition_len).c_str() : "",
+                model_.context_len);
   if (files_.size() == 1)
     return strprintf("%s (%s latents, %s)", files_[0]->path.c_str(), counted(records(), "record").c_str(),
                      shape.c_str());

@@ -4,6 +4,8 @@
 //   encoder_hidden_states  float32 (R, L, context_dim)   the text encoder's (T5) embeddings
 //   pooled_projections     float32 (R, pooled_dim)       the pooled text vector (CLIP)
 //   attributes grid_rows, grid_cols                      the packed latent grid, rows x cols = N
+//   condition_latents      float32 (R, M, in_channels)   Kontext's condition image (model.condition_len = M)
+//   attributes condition_grid_rows, condition_grid_cols  its packed grid, rows x cols = M
 // One option value names one file or several (a comma-separated list of paths and globs, as token
 // files); their records are numbered file after file. A micro-batch row is record r made into a
 // flow-matching sample (flow_matching.hpp): the noisy latent, the noise level, the target.
@@ -43,7 +45,7 @@ class LatentDataset final : public DataSource {
 
   std::string option_, value_;
   ModelConfig model_;
-  int N_, grid_cols_ = 0;
+  int N_, grid_cols_ = 0, condition_cols_ = 0;
   uint64_t seed_;
   FlowOptions flow_;
   std::vector<std::unique_ptr<File>> files_;

@@ -28,6 +28,7 @@ struct ModelConfig {
   int in_channels = 64;    // packed latent channels (16 VAE channels x 2 x 2 patches)
   int context_dim = 4096;  // text-encoder (T5) width
   int context_len = 512;   // text tokens per sample
+  int condition_len = 0;   // Kontext: condition-image tokens per sample after the target's (0: none)
   int pooled_dim = 768;    // pooled text vector (CLIP) width
   bool guidance_embeds = true;  // a guidance embedder (dev, Kontext); schnell has none
   std::string rope_axes = "16,56,56";  // widths of the rotary axes (position ids' three coordinates)

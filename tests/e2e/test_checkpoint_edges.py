@@ -87,7 +87,7 @@ META_ORDER_V5 = ("adapter.decompose_both", "adapter.decompose_factor", "adapter.
 # Version 6 appends the model keys of the families beyond the decoders, those the file's family
 # reads (flux: these; gpt2, llama and qwen2: none).
 META_ORDER_V6 = {"flux": ("model.n_single_layer", "model.in_channels", "model.context_dim", "model.context_len",
-                          "model.pooled_dim", "model.guidance_embeds", "model.rope_axes")}
+                          "model.condition_len", "model.pooled_dim", "model.guidance_embeds", "model.rope_axes")}
 
 
 def text_of(value):

@@ -21,6 +21,7 @@ from flux_reference import flow_sample, flux_forward, load_safetensors, make_dif
 from harness import ROOT, read_metrics, rel_diff, run, tempdir
 from test_bad_input import expect_usage_error
 from test_checkpoint import checksum
+from test_checkpoint_edges import meta_checksum
 
 FLUX_INI = os.path.join(ROOT, "inputs", "flux-tiny.ini")
 CFG = dict(n_layer=2, n_single_layer=2, n_head=2, head_dim=24, norm_eps=1e-6, guidance_embeds=True, rope_axes=(4, 10, 10),
@@ -28,14 +29,20 @@ CFG = dict(n_layer=2, n_single_layer=2, n_head=2, head_dim=24, norm_eps=1e-6, gu
 SEED, GLOBAL_BATCH = 1337, 12
 
 
-def latent_file(records, seed, path=None, rows=4, cols=4, channels=16, text=(8, 32), pooled=24, edit=None):
-    """A latent shard of `records` random records (float32), as tools/encode_images.py writes them."""
+def latent_file(records, seed, path=None, rows=4, cols=4, channels=16, text=(8, 32), pooled=24, edit=None,
+                condition=None):
+    """A latent shard of `records` random records (float32), as tools/encode_images.py writes them;
+    condition=(rows, cols): with Kontext's condition latents."""
     path = path or os.path.join(tempdir(), f"latents-{seed}.h5")
     rng = np.random.default_rng(seed)
     data = {"latents": rng.standard_normal((records, rows * cols, channels)).astype(np.float32),
             "encoder_hidden_states": rng.standard_normal((records,) + text).astype(np.float32),
             "pooled_projections": rng.standard_normal((records, pooled)).astype(np.float32)}
     attrs = {"grid_rows": np.int64(rows), "grid_cols": np.int64(cols)}
+    if condition:
+        data["condition_latents"] = rng.standard_normal((records, condition[0] * condition[1], channels)).astype(
+            np.float32)
+        attrs.update(condition_grid_rows=np.int64(condition[0]), condition_grid_cols=np.int64(condition[1]))
     if edit:
         edit(data, attrs)
     with h5py.File(path, "w") as f:
@@ -91,21 +98,29 @@ def test_losses_do_not_depend_on_the_rank_count_or_strategy():
             assert rel_diff(a, b) < 1e-5, (np_, overrides, got, base)
 
 
-def reference_loss(params, step, records, with_rope_halves=False, final_shift_first=False):
-    """The summed squared error / elements of 0-based `step`, in float64 from the equations."""
-    with h5py.File(TRAIN["path"], "r") as f:
+def reference_loss(params, step, records, with_rope_halves=False, final_shift_first=False, path=None):
+    """The summed squared error / elements of 0-based `step`, in float64 from the equations; a file
+    with condition latents trains Kontext-style (the condition tokens after the target's, ids
+    (1, row, col), the loss on the target tokens)."""
+    with h5py.File(path or TRAIN["path"], "r") as f:
         x0, text, pooled = f["latents"][()], f["encoder_hidden_states"][()], f["pooled_projections"][()]
+        cond = f["condition_latents"][()] if "condition_latents" in f else None
+        cond_cols = int(f.attrs["condition_grid_cols"]) if cond is not None else 1
     N = CFG["rows"] * CFG["cols"]
-    img_ids = np.array([[0, i // CFG["cols"], i % CFG["cols"]] for i in range(N)], np.float32)
+    img_ids = [[0, i // CFG["cols"], i % CFG["cols"]] for i in range(N)]
+    if cond is not None:
+        img_ids += [[1, i // cond_cols, i % cond_cols] for i in range(cond.shape[1])]
+    img_ids = np.array(img_ids, np.float32)
     txt_ids = np.zeros((CFG["context_len"], 3), np.float32)
     total = 0.0
     for j in range(GLOBAL_BATCH):
         r = window(SEED, records, GLOBAL_BATCH, step, j)
         sigma, noisy, target = flow_sample(SEED, step * GLOBAL_BATCH + j, x0[r], sampling="logit_normal")
-        out = flux_forward(params, CFG, noisy[None].astype(np.float64), text[r][None].astype(np.float64),
+        hidden = noisy if cond is None else np.concatenate([noisy, cond[r]], 0)
+        out = flux_forward(params, CFG, hidden[None].astype(np.float64), text[r][None].astype(np.float64),
                            pooled[r][None].astype(np.float64), [sigma], [1.0], img_ids, txt_ids,
                            rope_halves=with_rope_halves, final_shift_first=final_shift_first)
-        total += float(((out[0] - target.astype(np.float64)) ** 2).sum())
+        total += float(((out[0, :N] - target.astype(np.float64)) ** 2).sum())
     return total / (GLOBAL_BATCH * N * CFG["in_channels"])
 
 
@@ -164,6 +179,33 @@ def test_a_diffusers_folder_trains_from_its_weights_and_converts_both_ways_bit_f
     # A configuration that contradicts the folder's config.json is refused, naming both.
     expect_usage_error(flux_args(f"--checkpoint.init_from={folder}", "--model.n_single_layer=3"),
                        "model.n_single_layer=3 but config.json says 2")
+
+
+def test_kontext_conditions_on_an_image_and_learns_only_its_target():
+    # 8 condition tokens (a 2 x 4 grid) after the 16 target tokens: the loss of the first step is
+    # the reference forward of a diffusers folder's weights over both, scored on the target.
+    train = latent_file(24, 11, condition=(2, 4))
+    val = latent_file(6, 12, condition=(2, 4))
+    folder = os.path.join(tempdir(), "kontext")
+    params = make_diffusers_folder(folder, CFG, seed=7)
+    kontext = (f"--data.train_file={train}", f"--data.val_file={val}", "--model.condition_len=8",
+               f"--checkpoint.init_from={folder}")
+    metrics = os.path.join(tempdir(), "metrics.jsonl")
+    ok(run(2, flux_args(*kontext, "--train.steps=1", metrics=metrics)))
+    logged = read_metrics(metrics)[0]["loss"]
+    expected = reference_loss(params, 0, 24, path=train)
+    assert rel_diff(logged, expected) < 1e-6, (logged, expected)
+    # Without the condition (as plain FLUX) the loss differs: the model sees the condition image.
+    plain = losses(1, f"--checkpoint.init_from={folder}", f"--data.train_file={train}", f"--data.val_file={val}",
+                   "--train.steps=1", "--train.eval_every=0")[0][0]
+    assert rel_diff(plain, logged) > 1e-4, (plain, logged)
+    base, base_val = losses(1, *kontext)
+    for np_ in (2, 3):
+        got, got_val = losses(np_, *kontext)
+        assert all(rel_diff(a, b) < 1e-5 for a, b in zip(got + got_val, base + base_val)), (np_, got, base)
+    # A file without the condition latents is refused, naming what is missing.
+    expect_usage_error(flux_args("--model.condition_len=8", f"--checkpoint.init_from={folder}"),
+                       "no dataset 'condition_latents'")
 
 
 LORA_TARGETS = ("attn.to_q,attn.to_k,attn.to_v,attn.to_out.0,attn.add_q_proj,attn.add_k_proj,attn.add_v_proj,"
@@ -274,6 +316,11 @@ def test_bf16_trains_near_fp32_the_same_on_any_rank_count():
 def test_generate_and_cuda_refuse_flux():
     folder = tempdir()
     ok(run(1, flux_args(f"--checkpoint.dir={folder}", "--train.steps=1")))
+    # The checkpoint records FLUX's keys (format version 6) under its metadata checksum.
+    with h5py.File(os.path.join(folder, "ckpt-00000001.h5"), "r") as f:
+        assert int(f.attrs["version"]) == 6 and int(f.attrs["model.n_single_layer"]) == 2
+        assert f.attrs["model.rope_axes"] in (b"4,10,10", "4,10,10") and int(f.attrs["model.condition_len"]) == 0
+        assert int(f.attrs["meta_checksum"]) == meta_checksum(f.attrs)
     expect_usage_error(["generate", "--checkpoint", folder, "--prompt", "a cat"], "'flux' model",
                        "has no key/value-cache decoding", np_=1)
     expect_usage_error(flux_args("--train.device=cuda"), "model.arch=flux has no CUDA kernels yet", np_=1)

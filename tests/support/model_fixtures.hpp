@@ -92,24 +92,26 @@ inline Batch make_batch(int B, int T, int V) {
 // A FLUX micro-batch (model/families/flux/flux_family.hpp's tensors) of B samples of a rows x cols
 // latent grid: values from the counter stream keyed by `salt`, sigma in (0, 1), guidance 3.5, image
 // ids (0, row, col), text ids 0.
+// With c.condition_len > 0, Kontext's condition tokens follow the target's (ids (1, 0, i)).
 inline Batch make_flux_batch(const ModelConfig& c, int B, int rows, int cols, uint64_t salt) {
   Batch b;
-  const int N = rows * cols, L = c.context_len;
+  const int N = rows * cols, L = c.context_len, M = c.condition_len;
   auto fill = [&](const char* name, std::vector<int64_t> shape, double scale, uint64_t key) {
     float* x = b.put<float>(name, shape);
     size_t n = 1;
     for (int64_t d : shape) n *= static_cast<size_t>(d);
     for (size_t i = 0; i < n; i++) x[i] = static_cast<float>(scale * counter_normal(salt + key, i));
   };
-  fill("hidden_states", {B, N, c.in_channels}, 1.0, 1);
+  fill("hidden_states", {B, N + M, c.in_channels}, 1.0, 1);
   fill("encoder_hidden_states", {B, L, c.context_dim}, 1.0, 2);
   fill("pooled_projections", {B, c.pooled_dim}, 1.0, 3);
   fill("target", {B, N, c.in_channels}, 1.0, 4);
   float* sigma = b.put<float>("timestep", {B});
   float* guidance = b.put<float>("guidance", {B});
   for (int i = 0; i < B; i++) sigma[i] = 0.1f + 0.8f * static_cast<float>(i + 1) / (B + 1), guidance[i] = 3.5f;
-  float* img = b.put<float>("img_ids", {N, 3});
+  float* img = b.put<float>("img_ids", {N + M, 3});
   for (int i = 0; i < N; i++) img[3 * i] = 0, img[3 * i + 1] = static_cast<float>(i / cols), img[3 * i + 2] = static_cast<float>(i % cols);
+  for (int i = 0; i < M; i++) img[3 * (N + i)] = 1, img[3 * (N + i) + 1] = 0, img[3 * (N + i) + 2] = static_cast<float>(i);
   b.put<float>("txt_ids", {L, 3});
   return b;
 }

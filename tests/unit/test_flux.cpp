@@ -45,10 +45,13 @@ double forward_loss(TransformerModel<Real>& model, const ParamTable& table, cons
 }  // namespace
 
 // h = 1e-5 in double: truncation ~1e-10, rounding ~1e-11 (as the decoders' test).
+// Also Kontext's shape (condition tokens after the target's, outside the loss) and schnell's (no
+// guidance embedder).
 TEST(Flux, GradientMatchesCentralFiniteDifferencesForEveryTensor) {
   for (bool guidance : {true, false}) {
     ModelConfig config = tiny_flux_config();
     config.guidance_embeds = guidance;
+    config.condition_len = guidance ? 0 : 3;
     const ParamTable table(config);
     auto model = make_model<double>(table, B, N, false, cpu_layer_ops<double>());
     auto units = random_units<double>(table, 0.3, 17);
@@ -116,6 +119,16 @@ TEST(Flux, AllocationEqualsThePlan) {
   const ModelConfig config = tiny_flux_config();
   const ParamTable table(config);
   Device& dev = cpu_layer_ops<float>().device();
+  ModelConfig kontext = config;
+  kontext.condition_len = 5;
+  const ParamTable kontext_table(kontext);
+  for (bool ckpt : {false, true}) {
+    const size_t before = dev.live_bytes();
+    auto model = make_model<float>(kontext_table, B, N, ckpt, cpu_layer_ops<float>());
+    EXPECT_EQ(dev.live_bytes() - before, model->activation_bytes());
+    EXPECT_EQ(model->activation_bytes(), plan_activation_bytes(kontext_table, B, N, ckpt));
+    EXPECT_EQ(model->output_rows(), B * N);  // the target tokens alone
+  }
   for (bool ckpt : {false, true}) {
     const size_t before = dev.live_bytes();
     auto model = make_model<float>(table, B, N, ckpt, cpu_layer_ops<float>());

@@ -43,7 +43,7 @@ class FluxFamily final : public ModelFamily {
   }
   std::vector<std::string> config_keys() const override {
     return {"model.n_single_layer", "model.in_channels", "model.context_dim", "model.context_len", "model.pooled_dim",
-            "model.guidance_embeds", "model.rope_axes", "model.rope_theta", "model.norm_eps"};
+            "model.guidance_embeds", "model.rope_axes", "model.rope_theta", "model.norm_eps", "model.condition_len"};
   }
   std::string config_defect(const ModelConfig& m) const override {
     std::array<int, 3> axes{};
@@ -59,6 +59,8 @@ class FluxFamily final : public ModelFamily {
                                                   {"model.pooled_dim", m.pooled_dim}};
     for (const auto& [key, v] : widths)
       if (v < 1 || v > (1 << 20)) return strprintf("%s=%d is not in [1, 2^20]", key, v);
+    if (m.condition_len < 0 || m.condition_len > (1 << 20))
+      return strprintf("model.condition_len=%d is not in [0, 2^20]", m.condition_len);
     if (m.n_single_layer < 0 || m.n_single_layer > 4096)
       return strprintf("model.n_single_layer=%d is not in [0, 4096]", m.n_single_layer);
     if (m.n_kv_head != 0 && m.n_kv_head != m.n_head)
@@ -132,13 +134,14 @@ class FluxFamily final : public ModelFamily {
       if (i < FLUX_NORM_OUT_W || i > FLUX_PROJ_OUT_B) p.push_back(i);
     return p;
   }
-  // Per image token of a sample: 6 x the multiply-adds of every linear layer (per token of its
-  // stream, per sample for the modulations and the conditioning) + 12 S^2 C per block for the
-  // joint attention's scores and weighted sums (both counted in full: no mask), over N.
+  // Per predicted image token of a sample: 6 x the multiply-adds of every linear layer (per token
+  // of its stream -- Kontext's condition tokens too --, per sample for the modulations and the
+  // conditioning) + 12 S^2 C per block for the joint attention's scores and weighted sums (both
+  // counted in full: no mask), over N.
   double flops_per_token(const ParamTable& t, int seq_len) const override {
     const ModelConfig& c = t.config();
-    const double C = c.n_embd, N = seq_len, L = c.context_len, S = N + L;
-    const double per_sample = N * c.in_channels * C + L * c.context_dim * C + N * C * c.in_channels +  // in, out
+    const double C = c.n_embd, N = seq_len, M = N + c.condition_len, L = c.context_len, S = M + L;
+    const double per_sample = M * c.in_channels * C + L * c.context_dim * C + N * C * c.in_channels +  // in, out
                               FLUX_TIME_CHANNELS * C * (c.guidance_embeds ? 2 : 1) + c.pooled_dim * C +
                               C * C * (c.guidance_embeds ? 3 : 2) + 2 * C * C +  // conditioning, norm_out
                               c.n_layer * (12 * C * C * S + 12 * C * C) +        // double: per token, modulations
@@ -210,7 +213,7 @@ class FluxFamily final : public ModelFamily {
                              : "single_transformer_blocks." + std::to_string(block - c.n_layer) + "." + site.module;
   }
   int product_rows(const ModelConfig& c, int batch, int seq_len) const override {
-    return batch * (seq_len + c.context_len);
+    return batch * (seq_len + c.condition_len + c.context_len);
   }
 
   // diffusers' transformer folder: config.json (_class_name FluxTransformer2DModel) and

@@ -46,9 +46,11 @@ enum FluxDoubleProduct { FLUX_P_MOD, FLUX_P_Q, FLUX_P_K, FLUX_P_V, FLUX_P_OUT, F
 enum FluxSingleProduct { FLUX_SP_MOD, FLUX_SP_Q, FLUX_SP_K, FLUX_SP_V, FLUX_SP_MLP, FLUX_SP_OUT };
 
 // The micro-batch's tensors (model/batch.hpp), named as diffusers' forward names its arguments:
-// packed noisy latents (B, N, in_channels), text embeddings (B, L, context_dim), the pooled vector
-// (B, pooled_dim), the noise level sigma in [0, 1] (B), the guidance value (B; with
-// guidance_embeds), position ids (N, 3) and (L, 3), and the regression target (B, N, in_channels).
+// packed latents (B, N + M, in_channels) -- the N noisy target tokens, then Kontext's M clean
+// condition tokens (model.condition_len) --, text embeddings (B, L, context_dim), the pooled
+// vector (B, pooled_dim), the noise level sigma in [0, 1] (B), the guidance value (B; with
+// guidance_embeds), position ids (N + M, 3) and (L, 3), and the regression target of the N
+// target tokens (B, N, in_channels).
 inline constexpr const char* FLUX_HIDDEN_STATES = "hidden_states";
 inline constexpr const char* FLUX_ENCODER_HIDDEN_STATES = "encoder_hidden_states";
 inline constexpr const char* FLUX_POOLED = "pooled_projections";

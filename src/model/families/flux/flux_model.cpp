@@ -21,7 +21,8 @@ namespace shardtrain {
 template <typename Real>
 typename FluxModel<Real>::Dims FluxModel<Real>::dims_of(const ModelConfig& c, int batch, int image_tokens) {
   Dims d;
-  d.B = batch, d.N = image_tokens, d.L = c.context_len, d.S = d.L + d.N, d.C = c.n_embd, d.H = c.n_head;
+  d.B = batch, d.T = image_tokens, d.N = image_tokens + c.condition_len, d.L = c.context_len, d.S = d.L + d.N;
+  d.C = c.n_embd, d.H = c.n_head;
   d.D = c.head_size(), d.IN = c.in_channels, d.X = c.context_dim, d.P = c.pooled_dim, d.F = 4 * c.n_embd;
   d.double_blocks = c.n_layer, d.single_blocks = c.n_single_layer, d.guidance = c.guidance_embeds;
   d.eps = static_cast<Real>(c.norm_eps);
@@ -31,10 +32,10 @@ typename FluxModel<Real>::Dims FluxModel<Real>::dims_of(const ModelConfig& c, in
 template <typename Real>
 template <typename Take>
 void FluxModel<Real>::lay_out(Buffers& b, const Dims& d, bool checkpointing, Take&& take) {
-  const size_t B = d.B, N = d.N, L = d.L, S = d.S, C = d.C, H = d.H, F = d.F;
+  const size_t B = d.B, T = d.T, N = d.N, L = d.L, S = d.S, C = d.C, H = d.H, F = d.F;
   b.in_img = take(B * N * d.IN), b.in_txt = take(B * L * d.X), b.in_pooled = take(B * d.P);
   b.t_proj = take(B * FLUX_TIME_CHANNELS), b.g_proj = take(d.guidance ? B * FLUX_TIME_CHANNELS : 0);
-  b.target = take(B * N * d.IN), b.rope_cos = take(S * (d.D / 2)), b.rope_sin = take(S * (d.D / 2));
+  b.target = take(B * T * d.IN), b.rope_cos = take(S * (d.D / 2)), b.rope_sin = take(S * (d.D / 2));
   b.t_h = take(B * C), b.t_a = take(B * C), b.g_h = take(d.guidance ? B * C : 0), b.g_a = take(d.guidance ? B * C : 0);
   b.p_h = take(B * C), b.p_a = take(B * C), b.part = take(B * C), b.temb = take(B * C), b.temb_silu = take(B * C);
   b.img.clear(), b.txt.clear(), b.joint.clear();
@@ -62,8 +63,8 @@ void FluxModel<Real>::lay_out(Buffers& b, const Dims& d, bool checkpointing, Tak
     a.q_rstd = take(n * H), a.k_rstd = take(n * H), a.qkv = take(n * 3 * C), a.y = take(n * C);
     a.lse = take(B * H * S), a.m = take(n * F), a.cat = take(n * 5 * C), a.p = take(n * C);
   }
-  b.x_final = take(B * N * C), b.mod_out = take(B * 2 * C), b.xo = take(B * N * C), b.xo_mean = take(B * N);
-  b.xo_rstd = take(B * N), b.out = take(B * N * d.IN), b.losses = take(B * N);
+  b.x_final = take(B * T * C), b.mod_out = take(B * 2 * C), b.xo = take(B * T * C), b.xo_mean = take(B * T);
+  b.xo_rstd = take(B * T), b.out = take(B * T * d.IN), b.losses = take(B * T);
   const size_t rows = B * S;  // the scratch serves every stream and the joint sequence
   b.d_img = take(B * N * C), b.d_txt = take(B * L * C), b.d_joint = take(d.single_blocks ? rows * C : 0);
   b.d_mod = take(2 * B * 6 * C), b.d_silu = take(B * C), b.d_small = take(B * C), b.d_small2 = take(B * C);
@@ -71,7 +72,7 @@ void FluxModel<Real>::lay_out(Buffers& b, const Dims& d, bool checkpointing, Tak
   b.d_k = take(rows * C), b.d_v = take(rows * C), b.d_q_pre = take(rows * C), b.d_k_pre = take(rows * C);
   b.d_xn = take(rows * C), b.d_tmp = take(rows * C), b.d_h = take(rows * F), b.d_g = take(rows * F);
   b.d_cat = take(d.single_blocks ? rows * 5 * C : 0), b.gelu_out = take(d.single_blocks ? rows * F : 0);
-  b.d_xo = take(B * N * C), b.d_final = take(B * N * C);
+  b.d_xo = take(B * T * C), b.d_final = take(B * T * C);
 }
 
 template <typename Real>
@@ -93,7 +94,7 @@ FluxModel<Real>::FluxModel(const ParamTable& table, int batch, int image_tokens,
       checkpointing_(activation_checkpointing),
       adapter_bytes_(plan_adapter_bytes(table, batch * d_.S, sizeof(Real))),
       adapters_(table, batch * d_.S, ops) {
-  SHARD_CHECK(image_tokens >= 1 && image_tokens <= table.config().max_seq_len, "%d image tokens, max_seq_len %d",
+  SHARD_CHECK(image_tokens >= 1 && image_tokens <= table.config().max_seq_len, "%d target tokens, max_seq_len %d",
               image_tokens, table.config().max_seq_len);
   if (table.adapter().dropout > 0)
     throw UsageError("adapter.dropout: not implemented for model.arch=flux yet (its products' rows are text, image "
@@ -171,6 +172,20 @@ void FluxModel<Real>::join(Real* joint, int joint_width, int column, const Real*
   for (int b = 0; b < d_.B; b++)
     ops_.copy_rows(joint + (static_cast<size_t>(b) * d_.S + offset) * joint_width + column, joint_width,
                    stream + static_cast<size_t>(b) * n * d_.C, d_.C, n, d_.C);
+}
+
+template <typename Real>
+void FluxModel<Real>::take_rows(Real* dst, const Real* src, int src_rows, int offset, int n) {
+  for (int b = 0; b < d_.B; b++)
+    ops_.copy_rows(dst + static_cast<size_t>(b) * n * d_.C, d_.C,
+                   src + (static_cast<size_t>(b) * src_rows + offset) * d_.C, d_.C, n, d_.C);
+}
+
+template <typename Real>
+void FluxModel<Real>::place_rows(Real* dst, int dst_rows, int offset, const Real* src, int n) {
+  for (int b = 0; b < d_.B; b++)
+    ops_.copy_rows(dst + (static_cast<size_t>(b) * dst_rows + offset) * d_.C, d_.C,
+                   src + static_cast<size_t>(b) * n * d_.C, d_.C, n, d_.C);
 }
 
 template <typename Real>
@@ -319,13 +334,13 @@ void FluxModel<Real>::block_forward(int block, const Real* w) {
 
 template <typename Real>
 void FluxModel<Real>::head_forward(const Real* root, const Batch& batch, double* loss_total) {
-  const int B = d_.B, C = d_.C, N = d_.N;
+  const int B = d_.B, C = d_.C, N = d_.T;  // the target tokens
   auto R = [&](int p) { return param_in(table_, root, ROOT_UNIT, p); };
   Buffers& b = buf_;
-  if (d_.single_blocks > 0)  // only the image tokens leave
-    split(b.x_final.data(), b.joint[d_.single_blocks].data(), C, 0, N, d_.L);
+  if (d_.single_blocks > 0)  // only the target image tokens leave
+    take_rows(b.x_final.data(), b.joint[d_.single_blocks].data(), d_.S, d_.L, N);
   else
-    ops_.device().copy_on_device(b.x_final.data(), b.img[d_.double_blocks].data(), b.x_final.bytes());
+    take_rows(b.x_final.data(), b.img[d_.double_blocks].data(), d_.N, 0, N);
   ops_.matmul_forward(b.mod_out.data(), b.temb_silu.data(), R(FLUX_NORM_OUT_W), R(FLUX_NORM_OUT_B), B, C, 2 * C);
   ops_.modulate_forward(b.xo.data(), b.xo_mean.data(), b.xo_rstd.data(), b.x_final.data(), b.mod_out.data() + C,
                         b.mod_out.data(), 2 * C, B, N, C, d_.eps);  // AdaLayerNormContinuous: scale, then shift
@@ -339,7 +354,7 @@ void FluxModel<Real>::head_forward(const Real* root, const Batch& batch, double*
 
 template <typename Real>
 void FluxModel<Real>::head_backward(Real* g, const Real* root, Real dloss) {
-  const int B = d_.B, C = d_.C, N = d_.N;
+  const int B = d_.B, C = d_.C, N = d_.T;  // the target tokens
   auto R = [&](int p) { return param_in(table_, root, ROOT_UNIT, p); };
   auto G = [&](int p) { return grad_in(table_, g, ROOT_UNIT, p); };
   Buffers& b = buf_;
@@ -353,12 +368,12 @@ void FluxModel<Real>::head_backward(Real* g, const Real* root, Real dloss) {
   // The first contribution to the conditioning's gradient writes it; the blocks' add to it.
   ops_.matmul_backward(b.d_silu.data(), G(FLUX_NORM_OUT_W), G(FLUX_NORM_OUT_B), b.d_mod.data(), b.temb_silu.data(),
                        R(FLUX_NORM_OUT_W), B, C, 2 * C);
-  if (d_.single_blocks > 0) {
+  if (d_.single_blocks > 0) {  // the text and condition tokens' rows get no gradient from the loss
     b.d_joint.zero();
-    join(b.d_joint.data(), C, 0, b.d_final.data(), N, d_.L);
+    place_rows(b.d_joint.data(), d_.S, d_.L, b.d_final.data(), N);
   } else {
-    ops_.device().copy_on_device(b.d_img.data(), b.d_final.data(), b.d_img.bytes());
-    b.d_txt.zero();
+    b.d_img.zero(), b.d_txt.zero();
+    place_rows(b.d_img.data(), d_.N, 0, b.d_final.data(), N);
   }
 }
 

@@ -18,7 +18,8 @@ template <typename Real>
 class FluxModel final : public TransformerModel<Real> {
  public:
   using Array = DeviceArray<Real>;
-  // batch samples of image_tokens packed latent tokens and config.context_len text tokens each.
+  // batch samples of image_tokens target tokens (the predicted ones), then config.condition_len
+  // condition tokens (Kontext), and config.context_len text tokens each.
   FluxModel(const ParamTable& table, int batch, int image_tokens, bool activation_checkpointing,
             const LayerOps<Real>& ops);
 
@@ -28,9 +29,9 @@ class FluxModel final : public TransformerModel<Real> {
                                              bool activation_checkpointing);
 
   int batch() const override { return d_.B; }
-  int seq_len() const override { return d_.N; }
+  int seq_len() const override { return d_.T; }
   size_t activation_bytes() const override { return bytes_ + adapter_bytes_; }
-  int output_rows() const override { return d_.B * d_.N; }
+  int output_rows() const override { return d_.B * d_.T; }
   int output_width() const override { return d_.IN; }
 
   void embed_forward(const Real* root, const Batch& batch) override;
@@ -45,8 +46,10 @@ class FluxModel final : public TransformerModel<Real> {
   Loss<Real>& own_loss() override { return squared_error_; }
 
  private:
+  // T target (predicted) image tokens and N image tokens in all (with Kontext's condition tokens),
+  // L text tokens, S = L + N joint tokens per sample.
   struct Dims {
-    int B, N, L, S, C, H, D, IN, X, P, F, double_blocks, single_blocks;
+    int B, T, N, L, S, C, H, D, IN, X, P, F, double_blocks, single_blocks;
     bool guidance;
     Real eps;
   };
@@ -92,6 +95,10 @@ class FluxModel final : public TransformerModel<Real> {
   // within the sequence and `column` within a row, or splits them back out.
   void join(Real* joint, int joint_width, int column, const Real* stream, int n, int offset);
   void split(Real* stream, const Real* joint, int joint_width, int column, int n, int offset);
+  // Rows [offset, offset + n) of each sample of `src` (src_rows C-wide rows per sample) into dst
+  // (n rows per sample), or (place) back at that offset of dst (dst_rows per sample).
+  void take_rows(Real* dst, const Real* src, int src_rows, int offset, int n);
+  void place_rows(Real* dst, int dst_rows, int offset, const Real* src, int n);
 
   void double_forward(int l, const Real* w);
   void single_forward(int j, const Real* w);

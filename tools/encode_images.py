@@ -1,0 +1,232 @@
+#!/usr/bin/env python3
+"""Images and captions -> FLUX latent shards for `shardtrain train` (docs/flux.md, "Latent
+datasets"), and sampled latents -> PNG files. Outside the C++ program, as tokenizer training is:
+it needs PyTorch, diffusers and transformers (`make test-encode` builds such an environment; on a
+cluster, any environment with them).
+
+encode: every image of --images (png, jpg, jpeg, webp) with a caption beside it (same name, .txt)
+is resized to cover --resolution (width x height, multiples of 16), center-cropped, and encoded:
+  latents                the VAE's latent mean (or a sample, --sample), (z - shift_factor) *
+                         scaling_factor as the VAE's config says (FLUX.1: 0.1159, 0.3611), packed
+                         2 x 2 as diffusers' FluxPipeline packs them: (H/16 * W/16, 16 * 4), the
+                         channel order (c, ph, pw);
+  encoder_hidden_states  T5's last hidden state of the caption padded to --max-sequence-length
+                         (FLUX.1-dev 512, schnell 256): text_encoder_2 with tokenizer_2;
+  pooled_projections     CLIP's pooled output of the caption (77 tokens): text_encoder with tokenizer;
+  condition_latents      with --condition-images DIR (Kontext): the image of the same name there,
+                         encoded like the target at --condition-resolution (default: the same).
+--model is a FLUX.1 repository folder (vae/, text_encoder/, tokenizer/, text_encoder_2/,
+tokenizer_2/), as diffusers' from_pretrained reads it. Records go to --output-dir in shards of
+--shard-records: train-00000.h5, ... (and val-00000.h5 for --val-fraction of them).
+
+decode: latents (N, 64) of a grid -- a file with datasets `latents` and attributes grid_rows,
+grid_cols, as `encode` writes them -- unpacked, unscaled and decoded by the VAE into PNG files.
+"""
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+
+
+def fail(message):
+    sys.exit(f"encode_images: error: {message}")
+
+
+def load_stack(model, device, dtype):
+    import torch
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+    for sub in ("vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"):
+        if not os.path.isdir(os.path.join(model, sub)):
+            fail(f"--model {model!r} has no {sub}/ folder: give a FLUX.1 repository folder (as from_pretrained reads it)")
+    vae = AutoencoderKL.from_pretrained(model, subfolder="vae", torch_dtype=dtype).to(device).eval()
+    clip = CLIPTextModel.from_pretrained(model, subfolder="text_encoder", torch_dtype=dtype).to(device).eval()
+    t5 = T5EncoderModel.from_pretrained(model, subfolder="text_encoder_2", torch_dtype=dtype).to(device).eval()
+    clip_tok = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer")
+    t5_tok = T5TokenizerFast.from_pretrained(model, subfolder="tokenizer_2")
+    torch.set_grad_enabled(False)
+    return vae, clip, clip_tok, t5, t5_tok
+
+
+def pack(latents):
+    """(B, C, H, W) -> (B, H/2 * W/2, C * 4), diffusers' FluxPipeline._pack_latents."""
+    b, c, h, w = latents.shape
+    latents = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return latents.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(packed, rows, cols):
+    """(B, rows * cols, C * 4) -> (B, C, 2 rows, 2 cols): pack's inverse."""
+    b, n, c4 = packed.shape
+    latents = packed.view(b, rows, cols, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return latents.reshape(b, c4 // 4, rows * 2, cols * 2)
+
+
+def image_tensor(path, width, height):
+    """The image resized to cover width x height, center-cropped, as (1, 3, H, W) in [-1, 1]."""
+    import torch
+    from PIL import Image
+    with Image.open(path) as img:
+        img = img.convert("RGB")
+        scale = max(width / img.width, height / img.height)
+        size = (max(width, round(img.width * scale)), max(height, round(img.height * scale)))
+        img = img.resize(size, Image.BICUBIC)
+        left, top = (img.width - width) // 2, (img.height - height) // 2
+        img = img.crop((left, top, left + width, top + height))
+        pixels = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(pixels).permute(2, 0, 1)[None]
+
+
+def encode_image(vae, path, width, height, sample, generator):
+    import torch
+    pixels = image_tensor(path, width, height).to(vae.device, vae.dtype)
+    dist = vae.encode(pixels).latent_dist
+    z = dist.sample(generator) if sample else dist.mode()
+    shift = getattr(vae.config, "shift_factor", None) or 0.0
+    z = (z - shift) * vae.config.scaling_factor
+    packed = pack(z).to(torch.float32)
+    return packed[0].cpu().numpy(), z.shape[2] // 2, z.shape[3] // 2
+
+
+def encode_text(captions, clip, clip_tok, t5, t5_tok, max_length):
+    import torch
+    ids = clip_tok(captions, padding="max_length", max_length=clip_tok.model_max_length, truncation=True,
+                   return_tensors="pt").input_ids.to(clip.device)
+    pooled = clip(ids, output_hidden_states=False).pooler_output
+    ids = t5_tok(captions, padding="max_length", max_length=max_length, truncation=True,
+                 return_tensors="pt").input_ids.to(t5.device)
+    embeds = t5(ids, output_hidden_states=False)[0]
+    return embeds.to(torch.float32).cpu().numpy(), pooled.to(torch.float32).cpu().numpy()
+
+
+def parse_resolution(text, option):
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        fail(f"{option}={text!r} is not WIDTHxHEIGHT")
+    if w < 16 or h < 16 or w % 16 or h % 16:
+        fail(f"{option}={text!r}: width and height must be multiples of 16 (8 for the VAE, 2 for the packing)")
+    return w, h
+
+
+def write_shard(path, records, rows, cols, condition_grid):
+    import h5py
+    with h5py.File(path + ".tmp", "w") as f:
+        f["latents"] = np.stack([r["latents"] for r in records]).astype(np.float32)
+        f["encoder_hidden_states"] = np.stack([r["text"] for r in records]).astype(np.float32)
+        f["pooled_projections"] = np.stack([r["pooled"] for r in records]).astype(np.float32)
+        f.attrs["grid_rows"], f.attrs["grid_cols"] = np.int64(rows), np.int64(cols)
+        if condition_grid:
+            f["condition_latents"] = np.stack([r["condition"] for r in records]).astype(np.float32)
+            f.attrs["condition_grid_rows"] = np.int64(condition_grid[0])
+            f.attrs["condition_grid_cols"] = np.int64(condition_grid[1])
+        f.attrs["captions"] = json.dumps([r["caption"] for r in records])
+    os.replace(path + ".tmp", path)
+
+
+def encode(args):
+    import torch
+    width, height = parse_resolution(args.resolution, "--resolution")
+    cond_w, cond_h = parse_resolution(args.condition_resolution or args.resolution, "--condition-resolution")
+    names = sorted(n for n in os.listdir(args.images) if n.lower().endswith(IMAGE_SUFFIXES))
+    if not names:
+        fail(f"--images {args.images!r} holds no image ({', '.join(IMAGE_SUFFIXES)})")
+    items = []
+    for name in names:
+        caption_path = os.path.join(args.images, os.path.splitext(name)[0] + ".txt")
+        if not os.path.exists(caption_path):
+            fail(f"{os.path.join(args.images, name)!r} has no caption file {caption_path!r}")
+        with open(caption_path, encoding="utf-8") as f:
+            items.append((name, f.read().strip()))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    vae, clip, clip_tok, t5, t5_tok = load_stack(args.model, args.device, dtype)
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    records, grid, condition_grid = [], None, None
+    for start in range(0, len(items), args.batch):
+        chunk = items[start:start + args.batch]
+        text, pooled = encode_text([c for _, c in chunk], clip, clip_tok, t5, t5_tok, args.max_sequence_length)
+        for k, (name, caption) in enumerate(chunk):
+            latents, rows, cols = encode_image(vae, os.path.join(args.images, name), width, height, args.sample,
+                                               generator)
+            grid = (rows, cols)
+            record = {"latents": latents, "text": text[k], "pooled": pooled[k], "caption": caption}
+            if args.condition_images:
+                path = os.path.join(args.condition_images, name)
+                if not os.path.exists(path):
+                    fail(f"--condition-images: no {path!r} for {name!r}")
+                record["condition"], c_rows, c_cols = encode_image(vae, path, cond_w, cond_h, args.sample, generator)
+                condition_grid = (c_rows, c_cols)
+            records.append(record)
+        print(f"encoded {len(records)}/{len(items)} images", file=sys.stderr)
+    os.makedirs(args.output_dir, exist_ok=True)
+    val = int(round(len(records) * args.val_fraction))
+    splits = (("train", records[val:]), ("val", records[:val]))
+    for split, chosen in splits:
+        for s, first in enumerate(range(0, len(chosen), args.shard_records)):
+            path = os.path.join(args.output_dir, f"{split}-{s:05d}.h5")
+            write_shard(path, chosen[first:first + args.shard_records], grid[0], grid[1], condition_grid)
+            print(f"wrote {path}: {len(chosen[first:first + args.shard_records])} records", file=sys.stderr)
+    n = grid[0] * grid[1]
+    print(f"FLUX settings: train.seq_len={n} model.max_seq_len>={n} model.in_channels={records[0]['latents'].shape[1]} "
+          f"model.context_len={records[0]['text'].shape[0]} model.context_dim={records[0]['text'].shape[1]} "
+          f"model.pooled_dim={records[0]['pooled'].shape[0]}"
+          + (f" model.condition_len={condition_grid[0] * condition_grid[1]}" if condition_grid else ""))
+
+
+def decode(args):
+    import h5py
+    import torch
+    from diffusers import AutoencoderKL
+    from PIL import Image
+    with h5py.File(args.latents, "r") as f:
+        if "latents" not in f or "grid_rows" not in f.attrs or "grid_cols" not in f.attrs:
+            fail(f"{args.latents!r}: needs a dataset 'latents' and attributes grid_rows, grid_cols")
+        packed = f["latents"][()]
+        rows, cols = int(f.attrs["grid_rows"]), int(f.attrs["grid_cols"])
+    vae = AutoencoderKL.from_pretrained(args.model, subfolder="vae").to(args.device).eval()
+    torch.set_grad_enabled(False)
+    os.makedirs(args.output_dir, exist_ok=True)
+    shift = getattr(vae.config, "shift_factor", None) or 0.0
+    for i in range(packed.shape[0]):
+        z = unpack(torch.from_numpy(packed[i:i + 1]).to(args.device), rows, cols)
+        z = z / vae.config.scaling_factor + shift
+        pixels = vae.decode(z.to(vae.dtype)).sample[0].float().clamp(-1, 1)
+        image = ((pixels.permute(1, 2, 0).cpu().numpy() + 1) * 127.5).round().astype(np.uint8)
+        path = os.path.join(args.output_dir, f"{i:05d}.png")
+        Image.fromarray(image).save(path)
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("encode", help="images and captions -> latent shards")
+    e.add_argument("--model", required=True, help="a FLUX.1 repository folder (vae/, text_encoder*/, tokenizer*/)")
+    e.add_argument("--images", required=True, help="a folder of images, each with a caption file NAME.txt")
+    e.add_argument("--output-dir", required=True)
+    e.add_argument("--resolution", default="1024x1024", help="WIDTHxHEIGHT, multiples of 16")
+    e.add_argument("--condition-images", default="", help="Kontext: a folder of condition images of the same names")
+    e.add_argument("--condition-resolution", default="", help="WIDTHxHEIGHT of the condition images (default: --resolution)")
+    e.add_argument("--max-sequence-length", type=int, default=512, help="T5 tokens (FLUX.1-dev 512, schnell 256)")
+    e.add_argument("--shard-records", type=int, default=1000)
+    e.add_argument("--val-fraction", type=float, default=0.0)
+    e.add_argument("--batch", type=int, default=8, help="captions encoded together")
+    e.add_argument("--sample", action="store_true", help="sample the VAE's latent distribution instead of its mean")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    d = sub.add_parser("decode", help="packed latents -> PNG files")
+    d.add_argument("--model", required=True, help="a FLUX.1 repository folder (its vae/)")
+    d.add_argument("--latents", required=True, help="an HDF5 file with 'latents' (N, C*4) and grid_rows, grid_cols")
+    d.add_argument("--output-dir", required=True)
+    d.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    encode(args) if args.command == "encode" else decode(args)
+
+
+if __name__ == "__main__":
+    main()
