@@ -19,6 +19,9 @@ is resized to cover --resolution (width x height, multiples of 16), center-cropp
 tokenizer_2/), as diffusers' from_pretrained reads it. Records go to --output-dir in shards of
 --shard-records: train-00000.h5, ... (and val-00000.h5 for --val-fraction of them).
 
+prompts: each line of --prompts (a text file) -> its T5 embeddings and CLIP pooled vector, the
+datasets encoder_hidden_states and pooled_projections of an HDF5 file, for `shardtrain sample`.
+
 decode: latents (N, 64) of a grid -- a file with datasets `latents` and attributes grid_rows,
 grid_cols, as `encode` writes them -- unpacked, unscaled and decoded by the VAE into PNG files.
 """
@@ -177,6 +180,24 @@ def encode(args):
           + (f" model.condition_len={condition_grid[0] * condition_grid[1]}" if condition_grid else ""))
 
 
+def prompts(args):
+    import h5py
+    import torch
+    with open(args.prompts, encoding="utf-8") as f:
+        lines = [line.strip() for line in f if line.strip()]
+    if not lines:
+        fail(f"--prompts {args.prompts!r} holds no prompt (one per line)")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    _, clip, clip_tok, t5, t5_tok = load_stack(args.model, args.device, dtype)
+    text, pooled = encode_text(lines, clip, clip_tok, t5, t5_tok, args.max_sequence_length)
+    with h5py.File(args.output + ".tmp", "w") as f:
+        f["encoder_hidden_states"] = text.astype(np.float32)
+        f["pooled_projections"] = pooled.astype(np.float32)
+        f.attrs["prompts"] = json.dumps(lines)
+    os.replace(args.output + ".tmp", args.output)
+    print(f"wrote {args.output}: {len(lines)} prompts of {text.shape[1]} tokens", file=sys.stderr)
+
+
 def decode(args):
     import h5py
     import torch
@@ -219,13 +240,20 @@ def main():
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--device", default="cpu")
     e.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    p = sub.add_parser("prompts", help="prompts (one per line) -> text embeddings for shardtrain sample")
+    p.add_argument("--model", required=True, help="a FLUX.1 repository folder (text_encoder*/, tokenizer*/)")
+    p.add_argument("--prompts", required=True, help="a text file, one prompt per line")
+    p.add_argument("--output", required=True, help="the HDF5 file to write")
+    p.add_argument("--max-sequence-length", type=int, default=512, help="T5 tokens (FLUX.1-dev 512, schnell 256)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     d = sub.add_parser("decode", help="packed latents -> PNG files")
     d.add_argument("--model", required=True, help="a FLUX.1 repository folder (its vae/)")
     d.add_argument("--latents", required=True, help="an HDF5 file with 'latents' (N, C*4) and grid_rows, grid_cols")
     d.add_argument("--output-dir", required=True)
     d.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    encode(args) if args.command == "encode" else decode(args)
+    {"encode": encode, "prompts": prompts, "decode": decode}[args.command](args)
 
 
 if __name__ == "__main__":

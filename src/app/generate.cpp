@@ -96,17 +96,6 @@ struct GenerateOptions {
 
 const char* USAGE_LINE = "shardtrain generate --checkpoint PATH --prompt TEXT [--max-tokens N] [options]";
 
-// A real number of `text`, or a UsageError naming the option and what it allows.
-double parse_real(const std::string& text, const std::string& option, const std::string& allowed, double min,
-                  double max, bool min_included) {
-  char* end = nullptr;
-  const double value = std::strtod(text.c_str(), &end);
-  const bool number = !text.empty() && end == text.c_str() + text.size() && std::isfinite(value);
-  if (!number || value > max || value < min || (!min_included && value == min))
-    throw UsageError(strprintf("--%s='%s' is not allowed: %s; see 'shardtrain generate --help'", option.c_str(),
-                               printable_text(text).c_str(), allowed.c_str()));
-  return value;
-}
 
 // Returns false when --help was asked for (the text printed by rank 0).
 bool parse_generate_args(const Runtime& rt, const std::vector<std::string>& raw_args, GenerateOptions& o) {
@@ -167,12 +156,12 @@ bool parse_generate_args(const Runtime& rt, const std::vector<std::string>& raw_
   o.tokenizer_given = vm.count("tokenizer") > 0;
   o.max_tokens = static_cast<int>(parse_whole_number(max_tokens, "--max-tokens", 1, 1 << 30));
   o.sampling.temperature =
-      parse_real(temperature, "temperature", "give a number >= 0 (0 = greedy)", 0, 1e6, true);
+      parse_real(temperature, "temperature", "give a number >= 0 (0 = greedy)", 0, 1e6, true, "generate");
   o.sampling.top_k = static_cast<int>(parse_whole_number(top_k, "--top-k", 0, 1 << 30));
-  o.sampling.top_p = parse_real(top_p, "top-p", "give a number in (0, 1] (1 = no cut)", 0, 1, false);
+  o.sampling.top_p = parse_real(top_p, "top-p", "give a number in (0, 1] (1 = no cut)", 0, 1, false, "generate");
   o.sampling.seed = parse_whole_number(seed, "--seed", 0, UINT64_MAX);
   o.threads = static_cast<int>(parse_whole_number(threads, "--threads", 0, 4096));
-  o.comm_timeout = parse_real(timeout, "comm-timeout", "give seconds >= 0 (0 = off)", 0, 1e9, true);
+  o.comm_timeout = parse_real(timeout, "comm-timeout", "give seconds >= 0 (0 = off)", 0, 1e9, true, "generate");
   if (o.device != "cpu" && o.device != "cuda")
     throw UsageError("--device='" + printable_text(o.device) + "' is not allowed; allowed: cpu, cuda");
   if (o.prompt.empty())
@@ -267,7 +256,6 @@ class Generator {
   int run();
 
  private:
-  std::string resolve_checkpoint();
   void encode_prompt(const CheckpointState& state);
   std::string bytes_of(int id) const;
   std::string stops_summary() const;
@@ -285,24 +273,6 @@ class Generator {
   std::vector<int> prompt_;
   std::map<int, std::string> stop_tokens_;  // id -> its text, unless --ignore-eos (rank 0's)
 };
-
-// The file, or the newest complete checkpoint of a run folder.
-std::string Generator::resolve_checkpoint() {
-  bool folder = false;
-  rt_.agree_on([&] {
-    std::error_code ec;
-    if (!std::filesystem::exists(o_.checkpoint, ec))
-      throw UsageError("--checkpoint='" + printable_text(o_.checkpoint) + "': no such file or folder");
-    folder = std::filesystem::is_directory(o_.checkpoint, ec);
-  });
-  if (!folder) return o_.checkpoint;
-  CheckpointManager manager(rt_, *comm_, o_.checkpoint, 1, &watchdog_);
-  const std::vector<std::string> candidates = manager.candidates();
-  if (candidates.empty())
-    throw UsageError("--checkpoint='" + printable_text(o_.checkpoint) +
-                     "' is a folder without a complete checkpoint (ckpt-*.h5); name a checkpoint file or a run folder");
-  return candidates.front();
-}
 
 // Rank 0 encodes the prompt and everyone receives its ids; the verdicts are agreed.
 void Generator::encode_prompt(const CheckpointState& state) {
@@ -376,7 +346,7 @@ void Generator::find_stop_tokens() {
 }
 
 int Generator::run() {
-  const std::string path = resolve_checkpoint();
+  const std::string path = checkpoint_file_or_newest(rt_, *comm_, o_.checkpoint, "--checkpoint", &watchdog_);
   CheckpointState state;
   rt_.agree_on([&] {
     state = read_checkpoint_state(path);

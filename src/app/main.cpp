@@ -9,6 +9,7 @@
 
 #include "app/convert.hpp"
 #include "app/generate.hpp"
+#include "app/sample.hpp"
 #include "app/hf_export.hpp"
 #include "app/inspect.hpp"
 #include "app/options.hpp"
@@ -31,17 +32,19 @@ const char* USAGE =
     "usage: shardtrain <command> [options]\n"
     "\n"
     "commands:\n"
-    "  train          train a GPT model with fully sharded data parallelism (launch with mpirun/srun)\n"
+    "  train          train a model with fully sharded data parallelism (launch with mpirun/srun): GPT-2, Llama,\n"
+    "                 Qwen2 language models, FLUX diffusion transformers\n"
     "  data synth     write the built-in synthetic corpus as byte-level token files\n"
     "  data encode    encode text, JSON Lines or a folder of them: byte-level tokens (vocab_size 256), or with\n"
     "                 --tokenizer a Hugging Face byte-level BPE tokenizer.json\n"
     "  data decode    a token file back to text (bytes, or with --tokenizer its tokenizer.json)\n"
     "  generate       continue a prompt with a trained checkpoint (greedy or sampled; any rank count)\n"
+    "  sample         images (latents) from a FLUX checkpoint with the flow-matching Euler sampler\n"
     "  plan           predict each rank's memory for every strategy and option, and recommend one\n"
     "  inspect FILE   print what a checkpoint holds: format, step, configuration, parameters and norms\n"
     "  export         write a checkpoint's weights as an llm.c GPT-2 checkpoint, or (--format hf) as a Hugging\n"
-    "                 Face GPT-2 or Llama folder\n"
-    "  convert        a Hugging Face GPT-2 or Llama folder to a checkpoint or back, on N ranks, without training\n"
+    "                 Face (or diffusers) folder; --adapter its adapters (PEFT folder, diffusers LoRA file)\n"
+    "  convert        a Hugging Face (or diffusers) folder to a checkpoint or back, on N ranks, without training\n"
     "  version        print the version (also --version)\n"
     "\n"
     "'shardtrain <command> --help' lists a command's options.\n";
@@ -227,6 +230,7 @@ int run_command(Runtime& rt, const std::vector<std::string>& args) {
     return code;
   }
   if (args[0] == "generate") return run_generate(rt, rest);
+  if (args[0] == "sample") return run_sample(rt, rest);
   if (args[0] == "convert") return run_convert(rt, rest);
   if (args[0] == "plan") {
     rt.agree_on([&] { run_planner(rt, rest); });
@@ -237,8 +241,8 @@ int run_command(Runtime& rt, const std::vector<std::string>& args) {
     return EXIT_CODE_OK;
   }
   throw UsageError("unknown command '" + printable_text(args[0]) +
-                   "'; commands: train, generate, plan, data synth, data encode, data decode, inspect, export, convert, "
-                   "version");
+                   "'; commands: train, generate, sample, plan, data synth, data encode, data decode, inspect, export, "
+                   "convert, version");
 }
 
 }  // namespace

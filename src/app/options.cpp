@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "app/memory_plan.hpp"
+#include "ckpt/checkpoint_manager.hpp"
 #include "ckpt/hf_model.hpp"
 #include "core/error.hpp"
 #include "data/token_file.hpp"
@@ -838,6 +839,35 @@ std::string resolved_ini(const Config& config) {
     s << name.substr(name.find('.') + 1) << " = " << print() << "\n";
   }
   return s.str();
+}
+
+std::string checkpoint_file_or_newest(const Runtime& rt, Comm& comm, const std::string& path, const std::string& option,
+                                      Watchdog* watchdog) {
+  bool folder = false;
+  rt.agree_on([&] {
+    std::error_code ec;
+    if (!std::filesystem::exists(path, ec))
+      throw UsageError(option + "='" + printable_text(path) + "': no such file or folder");
+    folder = std::filesystem::is_directory(path, ec);
+  });
+  if (!folder) return path;
+  CheckpointManager manager(rt, comm, path, 1, watchdog);
+  const std::vector<std::string> candidates = manager.candidates();
+  if (candidates.empty())
+    throw UsageError(option + "='" + printable_text(path) +
+                     "' is a folder without a complete checkpoint (ckpt-*.h5); name a checkpoint file or a run folder");
+  return candidates.front();
+}
+
+double parse_real(const std::string& text, const std::string& option, const std::string& allowed, double min,
+                  double max, bool min_included, const std::string& command) {
+  char* end = nullptr;
+  const double value = std::strtod(text.c_str(), &end);
+  const bool number = !text.empty() && end == text.c_str() + text.size() && std::isfinite(value);
+  if (!number || value > max || value < min || (!min_included && value == min))
+    throw UsageError(strprintf("--%s='%s' is not allowed: %s; see 'shardtrain %s --help'", option.c_str(),
+                               printable_text(text).c_str(), allowed.c_str(), command.c_str()));
+  return value;
 }
 
 }  // namespace shardtrain

@@ -22,6 +22,10 @@ class error;
 
 namespace shardtrain {
 
+class Comm;
+class Runtime;
+class Watchdog;
+
 struct TrainOptions {
   int steps = 20;
   int global_batch = 8;  // sequences per optimizer step
@@ -169,6 +173,14 @@ void reject_stray_words(const std::vector<std::string>& words, const std::string
 // A whole number in [min, max] written in decimal digits only (no sign, no suffix, no wrap-around of
 // "-1" as strtoull and Boost do). Throws UsageError naming `option`.
 uint64_t parse_whole_number(const std::string& text, const std::string& option, uint64_t min, uint64_t max);
+// Collective: `path` if it names a file, else the newest complete checkpoint of the run folder it
+// names (what generate and sample take). Throws UsageError (agreed) naming `option` otherwise.
+std::string checkpoint_file_or_newest(const Runtime& rt, Comm& comm, const std::string& path, const std::string& option,
+                                      Watchdog* watchdog);
+// A real number of `text` for --option of `command`, or a UsageError naming the option and what it
+// allows (in [min, max], min itself only when min_included).
+double parse_real(const std::string& text, const std::string& option, const std::string& allowed, double min,
+                  double max, bool min_included, const std::string& command);
 // `text` for a one-line message: control and invisible characters as <U+XXXX>, invalid UTF-8 as
 // <0xNN>, cut after max_chars with the full length said.
 std::string printable_text(const std::string& text, size_t max_chars = 80);

@@ -46,7 +46,8 @@ class ModelFamily {
   // One line for model.arch's help: what sets it apart.
   virtual const char* description() const = 0;
   // Throws UsageError (exit 2) when the config's family lacks the capability `use` needs: `use` is
-// "generate" (kv_decoding) or "distillation" (token_logits), `role` names the model in the message.
+// "generate" (kv_decoding), "distillation" (token_logits) or "sample" (samples_images); `role`
+// names the model in the message.
 void require_capability(const ModelConfig& config, const std::string& use, const std::string& role);
 // The architecture and shape in one line for logs ("GPT-2 L=12 C=768 ...").
   virtual std::string summary(const ModelConfig& config) const = 0;
@@ -108,6 +109,8 @@ void require_capability(const ModelConfig& config, const std::string& use, const
   virtual bool kv_decoding() const { return false; }
   // A vocabulary head (its models' token_logits()): what a distillation teacher and student need.
   virtual bool token_logits() const { return false; }
+  // A regression head a flow-matching sampler steps with (its models' predictor()): `sample`.
+  virtual bool samples_images() const { return false; }
   // Whether the CUDA backend has every layer its models call (LayerOps: the diffusion layers are
   // CPU-only for now).
   virtual bool runs_on_cuda() const { return true; }
@@ -175,7 +178,8 @@ std::string model_family_names();
 // The family of a config whose arch was checked on the way in (options, checkpoint, config.json).
 const ModelFamily& family_of(const ModelConfig& config);
 // Throws UsageError (exit 2) when the config's family lacks the capability `use` needs: `use` is
-// "generate" (kv_decoding) or "distillation" (token_logits), `role` names the model in the message.
+// "generate" (kv_decoding), "distillation" (token_logits) or "sample" (samples_images); `role`
+// names the model in the message.
 void require_capability(const ModelConfig& config, const std::string& use, const std::string& role);
 // The architecture and shape in one line for logs (ModelFamily::summary).
 inline std::string model_summary(const ModelConfig& config) { return family_of(config).summary(config); }

@@ -27,8 +27,9 @@
 
 namespace shardtrain {
 
-// Optional capabilities of a family's model (TransformerModel::kv_decoder, token_logits; the
-// family says beforehand whether its models have them: ModelFamily::kv_decoding, token_logits).
+// Optional capabilities of a family's model (TransformerModel::kv_decoder, token_logits,
+// predictor; the family says beforehand whether its models have them: ModelFamily::kv_decoding,
+// token_logits, samples_images).
 
 // Generation: incremental decoding of one sequence with a key/value cache. begin_decode(max_len,
 // max_chunk) allocates every layer's cache for max_len positions and the buffers of a step of up
@@ -67,6 +68,16 @@ class TokenLogits {
   // copied to host memory: the full-recompute reference of the tests (valid until head_backward
   // overwrites them).
   virtual void copy_head_probs(int row, Real* host) const = 0;
+};
+
+// A regression head: the forward's output without a loss (a diffusion transformer's predicted
+// velocity), which a sampler steps with.
+template <typename Real>
+class Predictor {
+ public:
+  virtual ~Predictor() = default;
+  // output_rows x output_width in the device's memory, valid until the next forward.
+  virtual const Real* predict(const Real* root) = 0;
 };
 
 template <typename Real>
@@ -114,6 +125,7 @@ class TransformerModel {
   // The optional capabilities, or null.
   virtual KvDecoder<Real>* kv_decoder() { return nullptr; }
   virtual TokenLogits<Real>* token_logits() { return nullptr; }
+  virtual Predictor<Real>* predictor() { return nullptr; }
 
  protected:
   virtual Loss<Real>& own_loss() = 0;

@@ -427,14 +427,24 @@ void FsdpEngine::eval_micro_batch(TransformerModel<float>& model, const Batch& b
   model.head_forward(root, batch, loss_total);
 }
 
-const float* FsdpEngine::forward_logits(TransformerModel<float>& model, const Batch& batch) {
-  TokenLogits<float>* head = model.token_logits();
-  SHARD_CHECK(head, "forward_logits of a model without a vocabulary head");
+const float* FsdpEngine::forward_to_head(TransformerModel<float>& model, const Batch& batch) {
   forget_gathered();
   const float* root = gather_params(ROOT_UNIT, false);
   model.embed_forward(root, batch);
   forward_blocks(model);
-  return head->head_logits(root);
+  return root;
+}
+
+const float* FsdpEngine::forward_logits(TransformerModel<float>& model, const Batch& batch) {
+  TokenLogits<float>* head = model.token_logits();
+  SHARD_CHECK(head, "forward_logits of a model without a vocabulary head");
+  return head->head_logits(forward_to_head(model, batch));
+}
+
+const float* FsdpEngine::forward_prediction(TransformerModel<float>& model, const Batch& batch) {
+  Predictor<float>* head = model.predictor();
+  SHARD_CHECK(head, "forward_prediction of a model without a regression head");
+  return head->predict(forward_to_head(model, batch));
 }
 
 void FsdpEngine::decode_step(TransformerModel<float>& model, const int* tokens, int n, float* logits, bool first) {

@@ -203,6 +203,9 @@ class FsdpEngine {
   // Forward only, to the logits (a distillation teacher's): the model's TokenLogits::head_logits,
   // B*T x V, in the device's memory until the model's next forward.
   const float* forward_logits(TransformerModel<float>& model, const Batch& batch);
+  // Forward only, to the model's prediction (Predictor::predict: a diffusion transformer's velocity),
+  // in the device's memory until the model's next forward.
+  const float* forward_prediction(TransformerModel<float>& model, const Batch& batch);
 
   // Generation: one step of the model's decode path (model/model.hpp: KvDecoder) over n tokens (host memory),
   // the units gathered as in a forward -- each block into a block buffer before its decode_block,
@@ -216,6 +219,8 @@ class FsdpEngine {
   std::vector<float> gather_unit(int unit, bool gradients);
 
  private:
+  // The forward through the blocks of a micro-batch, the gathered root returned for a head.
+  const float* forward_to_head(TransformerModel<float>& model, const Batch& batch);
   // A buffer for one unsharded unit's parameters, filled by blocking or started all-gathers (one
   // per space: trainable, frozen).
   struct ParamSlot {

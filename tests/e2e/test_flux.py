@@ -18,7 +18,7 @@ import numpy as np
 import json
 
 from flux_reference import flow_sample, flux_forward, load_safetensors, make_diffusers_folder, window
-from harness import ROOT, read_metrics, rel_diff, run, tempdir
+from harness import ROOT, read_metrics, rel_diff, run, tempdir, tiny_args
 from test_bad_input import expect_usage_error
 from test_checkpoint import checksum
 from test_checkpoint_edges import meta_checksum
@@ -294,6 +294,84 @@ def test_bad_latent_files_are_refused_with_one_line():
     with open(not_hdf5, "w") as f:
         f.write("not hdf5")
     expect_usage_error(flux_args(f"--data.train_file={not_hdf5}"), "is not an HDF5 file of latents")
+
+
+def euler_reference(params, cfg, text, pooled, rows, cols, steps, shift, guidance, seed, cfg_scale=1.0,
+                    neg_text=None, neg_pooled=None):
+    """sample's images from the equations: the Euler steps of the flow from each prompt's noise, in
+    float64 from the noise of the sampler's stream (rounded to float32 as it draws it)."""
+    from flux_reference import counter_normal, mix64
+    N = rows * cols
+    img_ids = np.array([[0, i // cols, i % cols] for i in range(N)], np.float32)
+    txt_ids = np.zeros((text.shape[1], 3), np.float32)
+    sigmas = [1.0 - (1.0 - 1.0 / steps) * i / (steps - 1) if steps > 1 else 1.0 for i in range(steps)]
+    sigmas = [shift * s / (1 + (shift - 1) * s) for s in sigmas] + [0.0]
+    out = []
+    for k in range(text.shape[0]):
+        key = mix64(mix64(seed ^ 0x73616D706C696E67) ^ mix64(k))
+        x = counter_normal(key, np.arange(N * cfg["in_channels"])).astype(np.float32).astype(np.float64)
+        x = x.reshape(1, N, cfg["in_channels"])
+        for i in range(steps):
+            s32 = np.float32(sigmas[i])
+            v = flux_forward(params, cfg, x, text[k:k + 1], pooled[k:k + 1], [s32], [guidance], img_ids, txt_ids)
+            if cfg_scale > 1:
+                vn = flux_forward(params, cfg, x, neg_text[0:1], neg_pooled[0:1], [s32], [guidance], img_ids, txt_ids)
+                v = vn + cfg_scale * (v - vn)
+            x = x + (sigmas[i + 1] - sigmas[i]) * v
+        out.append(x[0])
+    return np.stack(out)
+
+
+def prompts_file(count, seed, tokens=5):
+    path = os.path.join(tempdir(), f"prompts-{seed}.h5")
+    rng = np.random.default_rng(seed)
+    with h5py.File(path, "w") as f:
+        f["encoder_hidden_states"] = rng.standard_normal((count, tokens, 32)).astype(np.float32)
+        f["pooled_projections"] = rng.standard_normal((count, 24)).astype(np.float32)
+    return path
+
+
+def test_sample_draws_the_reference_eulers_images_on_any_rank_count():
+    folder = os.path.join(tempdir(), "flux-diffusers")
+    params = make_diffusers_folder(folder, CFG, seed=9)
+    ckpt = tempdir()
+    ok(run(1, ["convert", "--input", folder, "--output", os.path.join(ckpt, "ckpt-00000000.h5"), "--layout",
+               "gathered"]))
+    prompts, negative = prompts_file(3, 1), prompts_file(1, 2)
+    outputs = []
+    for np_, batch in ((1, 1), (2, 2), (3, 3)):
+        out = os.path.join(tempdir(), "samples.h5")
+        ok(run(np_, ["sample", "--checkpoint", ckpt, "--prompts", prompts, "--output", out, "--grid", "2x3",
+                     "--steps", "3", "--guidance", "3.5", "--seed", "7", "--batch", str(batch), "--shift", "1.5",
+                     "--cfg", "2", "--negative", negative]), f"{np_} ranks")
+        with h5py.File(out, "r") as f:
+            outputs.append(f["latents"][()])
+            assert (int(f.attrs["grid_rows"]), int(f.attrs["grid_cols"])) == (2, 3)
+    assert outputs[0].shape == (3, 6, 16)
+    scale = np.abs(outputs[0]).max()
+    for other in outputs[1:]:  # the same images on any rank count and batch size, to rounding
+        assert np.abs(other - outputs[0]).max() / scale < 1e-5, (np.abs(other - outputs[0]).max(), scale)
+    with h5py.File(prompts, "r") as f, h5py.File(negative, "r") as g:
+        expected = euler_reference(params, CFG, f["encoder_hidden_states"][()].astype(np.float64),
+                                   f["pooled_projections"][()].astype(np.float64), 2, 3, 3, 1.5, 3.5, 7, 2.0,
+                                   g["encoder_hidden_states"][()].astype(np.float64),
+                                   g["pooled_projections"][()].astype(np.float64))
+    error = np.abs(outputs[0] - expected).max() / np.abs(expected).max()
+    assert error < 1e-5, error
+    # Bad input: --cfg without negative prompts; a language model's checkpoint (naming the families
+    # that sample); prompts of another width.
+    expect_usage_error(["sample", "--checkpoint", ckpt, "--prompts", prompts, "--output", out, "--grid", "2x3",
+                        "--cfg", "2"], "--cfg=2 needs --negative", np_=1)
+    gpt = tempdir()
+    ok(run(1, tiny_args(f"--checkpoint.dir={gpt}", "--train.steps=1")))
+    expect_usage_error(["sample", "--checkpoint", gpt, "--prompts", prompts, "--output", out, "--grid", "2x3"],
+                       "is a 'gpt2' model, which predicts no image", "(flux)", np_=1)
+    wide = os.path.join(tempdir(), "wide.h5")
+    with h5py.File(wide, "w") as f:
+        f["encoder_hidden_states"] = np.zeros((1, 5, 33), np.float32)
+        f["pooled_projections"] = np.zeros((1, 24), np.float32)
+    expect_usage_error(["sample", "--checkpoint", ckpt, "--prompts", wide, "--output", out, "--grid", "2x3"],
+                       "--prompts=", "(P, L, 32)", np_=1)
 
 
 def test_the_shipped_flux1_shapes_plan():

@@ -139,6 +139,27 @@ print("shards match diffusers and transformers")
 '''
 
 
+CHECK_PROMPTS = r'''
+import json, os, sys
+import h5py, numpy as np, torch
+from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+top = sys.argv[1]
+torch.set_grad_enabled(False)
+with h5py.File(os.path.join(top, "prompts.h5"), "r") as f:
+    prompts, text, pooled = json.loads(f.attrs["prompts"]), f["encoder_hidden_states"][()], f["pooled_projections"][()]
+assert prompts == ["a red circle", "a big blue square on the left"] and text.shape == (2, 16, 32), text.shape
+clip = CLIPTextModel.from_pretrained(os.path.join(top, "text_encoder"))
+ids = CLIPTokenizer.from_pretrained(os.path.join(top, "tokenizer"))(prompts, padding="max_length", max_length=77,
+                                                                     truncation=True, return_tensors="pt").input_ids
+assert np.allclose(pooled, clip(ids).pooler_output.numpy(), atol=1e-5)
+t5 = T5EncoderModel.from_pretrained(os.path.join(top, "text_encoder_2"))
+ids = T5TokenizerFast.from_pretrained(os.path.join(top, "tokenizer_2"))(prompts, padding="max_length", max_length=16,
+                                                                         truncation=True, return_tensors="pt").input_ids
+assert np.allclose(text, t5(ids)[0].numpy(), atol=1e-5)
+print("prompts match the encoders")
+'''
+
+
 def run(cmd, env=None, cwd=None):
     proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -177,7 +198,28 @@ def main():
              "--model.context_len=16", "--model.pooled_dim=24", "--model.condition_len=1", "--train.seq_len=4",
              "--train.global_batch=2", "--train.steps=2", "--train.eval_every=0", f"--checkpoint.dir={top}/ck"],
             env=dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1"))
-        print("shardtrain trains on them: test-encode passed")
+        print("shardtrain trains on them")
+        # Prompts for `shardtrain sample` on a text-to-image model trained on the same shards (their
+        # condition latents unused), the samples decoded to PNG files.
+        run(["mpirun", "--oversubscribe", "--allow-run-as-root", "-np", "2", exe, "train", "--config",
+             os.path.join(ROOT, "inputs", "flux-tiny.ini"), f"--data.train_file={out}/train-*.h5",
+             f"--data.val_file={out}/val-*.h5", "--model.in_channels=64", "--model.context_dim=32",
+             "--model.context_len=16", "--model.pooled_dim=24", "--train.seq_len=4", "--train.global_batch=2",
+             "--train.steps=2", "--train.eval_every=0", f"--checkpoint.dir={top}/t2i"],
+            env=dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1"))
+        with open(os.path.join(top, "prompts.txt"), "w") as f:
+            f.write("a red circle\na big blue square on the left\n")
+        run([python, tool, "prompts", "--model", top, "--prompts", os.path.join(top, "prompts.txt"), "--output",
+             os.path.join(top, "prompts.h5"), "--max-sequence-length", "16"], env)
+        print(run([python, "-c", CHECK_PROMPTS, top], env).stdout.strip())
+        run(["mpirun", "--oversubscribe", "--allow-run-as-root", "-np", "2", exe, "sample", "--checkpoint",
+             f"{top}/t2i", "--prompts", os.path.join(top, "prompts.h5"), "--output", os.path.join(top, "samples.h5"),
+             "--grid", "2x2", "--steps", "2"], env=dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1",
+                                                       OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1"))
+        run([python, tool, "decode", "--model", top, "--latents", os.path.join(top, "samples.h5"), "--output-dir",
+             os.path.join(top, "samples")], env)
+        assert sorted(os.listdir(os.path.join(top, "samples"))) == ["00000.png", "00001.png"]
+        print("sample's latents decode to PNG files: test-encode passed")
     finally:
         shutil.rmtree(top, ignore_errors=True)
 

@@ -48,17 +48,21 @@ const ModelFamily& family_of(const ModelConfig& config) {
 }
 
 void require_capability(const ModelConfig& config, const std::string& use, const std::string& role) {
-  const bool generate = use == "generate";
-  SHARD_CHECK(generate || use == "distillation", "unknown use '%s'", use.c_str());
-  const auto has = [&](const ModelFamily* f) { return generate ? f->kv_decoding() : f->token_logits(); };
+  const bool generate = use == "generate", sample = use == "sample";
+  SHARD_CHECK(generate || sample || use == "distillation", "unknown use '%s'", use.c_str());
+  const auto has = [&](const ModelFamily* f) {
+    return generate ? f->kv_decoding() : sample ? f->samples_images() : f->token_logits();
+  };
   if (has(&family_of(config))) return;
   std::string able;
   for (const ModelFamily* f : model_families())
     if (has(f)) able += (able.empty() ? "" : ", ") + std::string(f->name());
   throw UsageError(role + " is a '" + config.arch + "' model, which " +
-                   (generate ? "has no key/value-cache decoding: generate draws text from "
-                             : "has no vocabulary head: distillation compares the token distributions of ") +
-                   "language models (" + able + ")");
+                   (generate ? "has no key/value-cache decoding: generate draws text from language models ("
+                    : sample ? "predicts no image: sample draws images from diffusion transformers ("
+                             : "has no vocabulary head: distillation compares the token distributions of language "
+                               "models (") +
+                   able + ")");
 }
 
 }  // namespace shardtrain

@@ -172,6 +172,7 @@ class FluxFamily final : public ModelFamily {
   }
   NormKind norm_kind() const override { return NORM_LAYER; }
   bool runs_on_cuda() const override { return false; }
+  bool samples_images() const override { return true; }
   bool token_data() const override { return false; }
   bool half_saved_activations() const override { return false; }
   bool fixes_max_seq_len() const override { return false; }

@@ -333,7 +333,7 @@ void FluxModel<Real>::block_forward(int block, const Real* w) {
 }
 
 template <typename Real>
-void FluxModel<Real>::head_forward(const Real* root, const Batch& batch, double* loss_total) {
+const Real* FluxModel<Real>::predict(const Real* root) {
   const int B = d_.B, C = d_.C, N = d_.T;  // the target tokens
   auto R = [&](int p) { return param_in(table_, root, ROOT_UNIT, p); };
   Buffers& b = buf_;
@@ -345,8 +345,15 @@ void FluxModel<Real>::head_forward(const Real* root, const Batch& batch, double*
   ops_.modulate_forward(b.xo.data(), b.xo_mean.data(), b.xo_rstd.data(), b.x_final.data(), b.mod_out.data() + C,
                         b.mod_out.data(), 2 * C, B, N, C, d_.eps);  // AdaLayerNormContinuous: scale, then shift
   ops_.matmul_forward(b.out.data(), b.xo.data(), R(FLUX_PROJ_OUT_W), R(FLUX_PROJ_OUT_B), B * N, C, d_.IN);
+  return b.out.data();
+}
+
+template <typename Real>
+void FluxModel<Real>::head_forward(const Real* root, const Batch& batch, double* loss_total) {
+  Buffers& b = buf_;
+  predict(root);
   upload(b.target, batch, FLUX_TARGET);
-  this->loss().forward(ops_, b.losses.data(), b.out.data(), {nullptr, b.target.data()}, B * N, d_.IN);
+  this->loss().forward(ops_, b.losses.data(), b.out.data(), {nullptr, b.target.data()}, d_.B * d_.T, d_.IN);
   ops_.accumulate_sum(loss_total, b.losses.data(), b.losses.size());
 }
 

@@ -15,7 +15,7 @@
 namespace shardtrain {
 
 template <typename Real>
-class FluxModel final : public TransformerModel<Real> {
+class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
  public:
   using Array = DeviceArray<Real>;
   // batch samples of image_tokens target tokens (the predicted ones), then config.condition_len
@@ -41,6 +41,9 @@ class FluxModel final : public TransformerModel<Real> {
   void block_backward(int block, Real* grads, const Real* weights) override;
   void embed_backward(Real* root_grad) override;
   void set_dropout_keys(const uint64_t*) override {}
+  Predictor<Real>* predictor() override { return this; }
+  // The target tokens' predicted velocity (B*T x in_channels), the output layers after the blocks.
+  const Real* predict(const Real* root) override;
 
  protected:
   Loss<Real>& own_loss() override { return squared_error_; }

@@ -1,0 +1,315 @@
+// See sample.hpp.
+#include "app/sample.hpp"
+
+#include <hdf5.h>
+
+#include <boost/program_options.hpp>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+
+#include "app/compute_backend.hpp"
+#include "app/options.hpp"
+#include "app/perf.hpp"
+#include "ckpt/checkpoint_io.hpp"
+#include "ckpt/checkpoint_manager.hpp"
+#include "ckpt/h5.hpp"
+#include "comm/comm.hpp"
+#include "comm/watchdog.hpp"
+#include "core/clock.hpp"
+#include "core/counted.hpp"
+#include "core/format.hpp"
+#include "core/random.hpp"
+#include "data/flow_matching.hpp"
+#include "model/families/flux/flux_family.hpp"
+#include "model/family.hpp"
+#include "model/model.hpp"
+#include "shard/fsdp_engine.hpp"
+
+namespace shardtrain {
+
+namespace po = boost::program_options;
+
+std::vector<double> flow_sigmas(int steps, double shift) {
+  std::vector<double> sigmas;
+  for (int i = 0; i < steps; i++) {
+    const double sigma = steps == 1 ? 1.0 : 1.0 - (1.0 - 1.0 / steps) * i / (steps - 1);
+    sigmas.push_back(shift * sigma / (1 + (shift - 1) * sigma));
+  }
+  sigmas.push_back(0.0);
+  return sigmas;
+}
+
+double flux_resolution_shift(int image_tokens) {
+  return std::exp(0.5 + (1.15 - 0.5) / (4096 - 256) * (image_tokens - 256));
+}
+
+namespace {
+
+constexpr const char* USAGE_LINE =
+    "shardtrain sample --checkpoint CKPT|RUN_DIR --prompts FILE.h5 --output FILE.h5 --grid ROWSxCOLS [--steps N] "
+    "[--guidance G] [--cfg S --negative FILE.h5] [--shift auto|S] [--seed N] [--batch B]";
+
+struct SampleOptions {
+  std::string checkpoint, prompts, negative, output, shift = "auto", device = "cpu";
+  int rows = 0, cols = 0, steps = 28, batch = 1, threads = 0;
+  double guidance = 3.5, cfg = 1.0, comm_timeout = 300;
+  uint64_t seed = 0;
+};
+
+// Domain of the starting noise, apart from the other users of the seed.
+constexpr uint64_t SAMPLE_DOMAIN = 0x73616d706c696e67ull;  // "sampling"
+
+bool parse_sample_args(const Runtime& rt, const std::vector<std::string>& args, SampleOptions& o) {
+  std::string grid, steps = "28", guidance = "3.5", cfg = "1", seed = "0", batch = "1", threads = "0", timeout = "300";
+  po::options_description desc(std::string("usage: ") + USAGE_LINE + "\n\nsample options");
+  desc.add_options()  // one option per line
+      ("help,h", "print the options")
+      ("checkpoint", po::value(&o.checkpoint)->required(),
+       "a model.arch=flux checkpoint (.h5; adapters, if it holds them, applied), or a run folder (its newest)")
+      ("prompts", po::value(&o.prompts)->required(),
+       "HDF5 file of the prompts' text embeddings: encoder_hidden_states (P, L, context_dim) and pooled_projections "
+       "(P, pooled_dim), as tools/encode_images.py prompts writes them")
+      ("output", po::value(&o.output)->required(),
+       "HDF5 file to write: latents (P, rows x cols, in_channels) and grid_rows, grid_cols, for tools/encode_images.py "
+       "decode")
+      ("grid", po::value(&grid)->required(), "the packed latent grid ROWSxCOLS (1024 x 1024 pixels: 64x64)")
+      ("steps", po::value(&steps)->default_value(steps), "Euler steps from noise to image")
+      ("guidance", po::value(&guidance)->default_value(guidance),
+       "the guidance value a guidance-embedding model (FLUX.1-dev) is given; ignored without one")
+      ("cfg", po::value(&cfg)->default_value(cfg),
+       "classifier-free guidance scale against --negative (1 = none): v = v_neg + cfg (v - v_neg)")
+      ("negative", po::value(&o.negative),
+       "HDF5 file of the negative prompts' embeddings (one, or one per prompt), for --cfg")
+      ("shift", po::value(&o.shift)->default_value(o.shift),
+       "the schedule's shift: auto (by the image size, as FLUX.1-dev's pipeline), or a factor s (1 = none; "
+       "FLUX.1-schnell: 1)")
+      ("seed", po::value(&seed)->default_value(seed), "the starting noise: a seed gives the same images on any rank count")
+      ("batch", po::value(&batch)->default_value(batch), "prompts per forward")
+      ("device", po::value(&o.device)->default_value(o.device), "cpu (FLUX has no CUDA kernels yet)")
+      ("threads", po::value(&threads)->default_value(threads), "threads per rank; 0 = the cores available to the rank")
+      ("comm-timeout", po::value(&timeout)->default_value(timeout),
+       "seconds before a stuck collective aborts every rank; 0 = off");
+  po::variables_map vm;
+  try {
+    const int style = po::command_line_style::default_style & ~po::command_line_style::allow_guessing;
+    po::parsed_options parsed = po::command_line_parser(args).options(desc).style(style).run();
+    po::store(parsed, vm);
+    if (vm.count("help")) {
+      if (rt.is_root()) std::cout << desc << "\n";
+      return false;
+    }
+    reject_stray_words(po::collect_unrecognized(parsed.options, po::include_positional), "sample");
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw UsageError(option_error_text(e) + "; see 'shardtrain sample --help'");
+  }
+  const size_t x = grid.find('x');
+  if (x == std::string::npos) throw UsageError("--grid='" + printable_text(grid) + "' is not ROWSxCOLS (e.g. 64x64)");
+  o.rows = static_cast<int>(parse_whole_number(grid.substr(0, x), "--grid's rows", 1, 1 << 12));
+  o.cols = static_cast<int>(parse_whole_number(grid.substr(x + 1), "--grid's columns", 1, 1 << 12));
+  o.steps = static_cast<int>(parse_whole_number(steps, "--steps", 1, 10000));
+  o.batch = static_cast<int>(parse_whole_number(batch, "--batch", 1, 1 << 16));
+  o.threads = static_cast<int>(parse_whole_number(threads, "--threads", 0, 1 << 16));
+  o.seed = parse_whole_number(seed, "--seed", 0, UINT64_MAX);
+  o.guidance = parse_real(guidance, "guidance", "give a number >= 0", 0, 1e6, true, "sample");
+  o.cfg = parse_real(cfg, "cfg", "give a number >= 1 (1 = none)", 1, 1e6, true, "sample");
+  o.comm_timeout = parse_real(timeout, "comm-timeout", "give seconds >= 0 (0 = off)", 0, 1e9, true, "sample");
+  if (o.shift != "auto") parse_real(o.shift, "shift", "auto, or a factor > 0 (1 = none)", 0, 1e6, false, "sample");
+  if (o.cfg > 1 && o.negative.empty())
+    throw UsageError("--cfg=" + cfg + " needs --negative (the negative prompts' embeddings); or --cfg=1");
+  if (o.device != "cpu") throw UsageError("--device='" + printable_text(o.device) + "': FLUX samples on the CPU for now");
+  return true;
+}
+
+// A float32 dataset of an HDF5 file, read whole: its values and dims. DataError naming the file.
+std::vector<float> read_floats(const std::string& path, const char* name, std::vector<hsize_t>* dims) {
+  H5QuietErrors quiet;
+  H5Id file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  if (file.get() < 0) throw DataError("'" + path + "' is not an HDF5 file (tools/encode_images.py prompts writes them)");
+  if (H5Lexists(file, name, H5P_DEFAULT) <= 0) throw DataError("'" + path + "' has no dataset '" + name + "'");
+  H5Id set(H5Dopen2(file, name, H5P_DEFAULT), H5Dclose);
+  H5Id space(H5Dget_space(set), H5Sclose);
+  const int rank = H5Sget_simple_extent_ndims(space);
+  dims->assign(std::max(rank, 0), 0);
+  if (rank > 0) H5Sget_simple_extent_dims(space, dims->data(), nullptr);
+  size_t n = 1;
+  for (hsize_t d : *dims) n *= d;
+  std::vector<float> values(n);
+  if (rank < 1 || H5Dread(set, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, values.data()) < 0)
+    throw DataError("'" + path + "': cannot read dataset '" + name + "' as float32");
+  return values;
+}
+
+// A file's prompts: P of them, each L text tokens of context_dim and a pooled vector.
+struct Prompts {
+  std::vector<float> text, pooled;
+  int count = 0, tokens = 0;
+};
+
+Prompts read_prompts(const std::string& path, const ModelConfig& m, const char* option) {
+  Prompts p;
+  std::vector<hsize_t> td, pd;
+  p.text = read_floats(path, FLUX_ENCODER_HIDDEN_STATES, &td);
+  p.pooled = read_floats(path, FLUX_POOLED, &pd);
+  if (td.size() != 3 || pd.size() != 2 || td[0] != pd[0] || td[0] < 1 || td[2] != hsize_t(m.context_dim) ||
+      pd[1] != hsize_t(m.pooled_dim))
+    throw DataError(strprintf("%s='%s': encoder_hidden_states and pooled_projections must be (P, L, %d) and (P, %d) "
+                              "for this model (model.context_dim, model.pooled_dim), one row per prompt",
+                              option, path.c_str(), m.context_dim, m.pooled_dim));
+  p.count = static_cast<int>(td[0]), p.tokens = static_cast<int>(td[1]);
+  return p;
+}
+
+// Rank 0 writes the images' latents, committed by a rename.
+void write_latents(const std::string& path, const std::vector<float>& latents, int count, int tokens, int channels,
+                   const SampleOptions& o, double shift) {
+  H5QuietErrors quiet;
+  const std::string tmp = path + ".tmp";
+  {
+    H5Id file(h5_check_id(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), tmp, "H5Fcreate"), H5Fclose);
+    const hsize_t dims[3] = {hsize_t(count), hsize_t(tokens), hsize_t(channels)};
+    H5Id space(h5_check_id(H5Screate_simple(3, dims, nullptr), tmp, "H5Screate_simple"), H5Sclose);
+    H5Id set(h5_check_id(H5Dcreate2(file, "latents", H5T_IEEE_F32LE, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                         tmp, "H5Dcreate2"),
+             H5Dclose);
+    h5_check(H5Dwrite(set, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, latents.data()), tmp, "H5Dwrite");
+    h5_write_attr_i64(file, "grid_rows", o.rows, tmp);
+    h5_write_attr_i64(file, "grid_cols", o.cols, tmp);
+    h5_write_attr_i64(file, "steps", o.steps, tmp);
+    h5_write_attr_u64(file, "seed", o.seed, tmp);
+    h5_write_attr_f64(file, "guidance", o.guidance, tmp);
+    h5_write_attr_f64(file, "cfg", o.cfg, tmp);
+    h5_write_attr_f64(file, "shift", shift, tmp);
+    h5_write_attr_str(file, "checkpoint", o.checkpoint, tmp);
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0)
+    throw UsageError("--output='" + printable_text(path) + "': cannot write it: " + std::strerror(errno));
+}
+
+int sample(const Runtime& rt, const SampleOptions& o) {
+  Watchdog watchdog(o.comm_timeout);
+  ComputeBackend compute(ComputeOptions{o.device}, rt);
+  auto comm = make_mpi_comm(rt.world_comm(), &watchdog);
+  const int threads = o.threads > 0 ? o.threads : default_threads_per_rank(rt.local_size());
+  set_compute_threads(threads);
+  const std::string path = checkpoint_file_or_newest(rt, *comm, o.checkpoint, "--checkpoint", &watchdog);
+  CheckpointState state;
+  Prompts prompts, negative;
+  rt.agree_on([&] {
+    state = read_checkpoint_state(path);
+    require_capability(state.model, "sample", "checkpoint '" + path + "'");
+    prompts = read_prompts(o.prompts, state.model, "--prompts");
+    if (!o.negative.empty()) {
+      negative = read_prompts(o.negative, state.model, "--negative");
+      if (negative.tokens != prompts.tokens || (negative.count != 1 && negative.count != prompts.count))
+        throw UsageError(strprintf("--negative='%s' holds %d prompts of %d tokens; give one, or one per prompt (%d), "
+                                   "of --prompts' %d tokens",
+                                   o.negative.c_str(), negative.count, negative.tokens, prompts.count, prompts.tokens));
+    }
+    if (state.model.condition_len > 0)
+      throw UsageError("checkpoint '" + path + "' is a Kontext model (model.condition_len=" +
+                       std::to_string(state.model.condition_len) + "): sampling with a condition image is not "
+                       "implemented yet");
+  });
+  // The run's sizes: the prompts' text length, the grid's image tokens.
+  ModelConfig m = state.model;
+  m.context_len = prompts.tokens;
+  const int N = o.rows * o.cols, B = o.batch, IN = m.in_channels, L = m.context_len;
+  m.max_seq_len = std::max(m.max_seq_len, N);
+  const ParamTable table(m, {}, state.adapter);  // a model trained with adapters: with them
+  auto shard_comm = compute.make_comm(rt.split_world(0, rt.rank()), &watchdog);
+  auto replica_comm = compute.make_comm(rt.split_world(rt.rank(), 0), &watchdog);
+  MemoryTracker memory;
+  EngineOptions options;
+  options.inference = true;
+  FsdpEngine engine(table, *shard_comm, *replica_comm, memory, options, compute.backend());
+  {
+    CheckpointManager manager(rt, *comm, std::filesystem::path(path).parent_path().string(), 1, &watchdog);
+    rt.agree_on([&] { manager.load_weights(path, engine); });  // no optimizer moments are ever held
+  }
+  auto model = make_model<float>(table, B, N, true, *compute.backend().ops);
+  const double shift = o.shift == "auto" ? flux_resolution_shift(N) : std::strtod(o.shift.c_str(), nullptr);
+  const std::vector<double> sigmas = flow_sigmas(o.steps, shift);
+  if (rt.is_root())
+    std::fprintf(stderr,
+                 "sample: %s (step %lld) | %s | %s, %s | %d %s of %d x %d latent tokens, %d steps, shift %.4g, guidance "
+                 "%g, cfg %g | memory per rank %s\n",
+                 path.c_str(), static_cast<long long>(state.step), model_summary(m).c_str(),
+                 counted(rt.world(), "rank").c_str(), counted(threads, "thread").c_str(), prompts.count,
+                 prompts.count == 1 ? "image" : "images", o.rows, o.cols, o.steps, shift, o.guidance, o.cfg,
+                 human_bytes(static_cast<double>(memory.total_current() + model->activation_bytes())).c_str());
+
+  Batch batch;
+  float* img_ids = batch.put<float>(FLUX_IMG_IDS, {N, 3});
+  for (int i = 0; i < N; i++) img_ids[3 * i] = 0, img_ids[3 * i + 1] = float(i / o.cols), img_ids[3 * i + 2] = float(i % o.cols);
+  batch.put<float>(FLUX_TXT_IDS, {L, 3});
+  const size_t image = static_cast<size_t>(N) * IN, text = static_cast<size_t>(L) * m.context_dim;
+  std::vector<float> latents(static_cast<size_t>(prompts.count) * image), velocity(B * image), negative_v(B * image);
+  // The velocity of `x` (B samples) at noise level sigma with the prompts `which` (per row: an index
+  // into `from`), into v (host memory).
+  auto predict = [&](const std::vector<float>& x, double sigma, const Prompts& from, const std::vector<int>& which,
+                     std::vector<float>& v) {
+    std::copy(x.begin(), x.end(), batch.put<float>(FLUX_HIDDEN_STATES, {B, N, IN}));
+    float* t = batch.put<float>(FLUX_ENCODER_HIDDEN_STATES, {B, L, m.context_dim});
+    float* p = batch.put<float>(FLUX_POOLED, {B, m.pooled_dim});
+    float* s = batch.put<float>(FLUX_TIMESTEP, {B});
+    float* g = batch.put<float>(FLUX_GUIDANCE, {B});
+    for (int b = 0; b < B; b++) {
+      const int k = which[b];
+      std::copy_n(from.text.data() + k * text, text, t + b * text);
+      std::copy_n(from.pooled.data() + static_cast<size_t>(k) * m.pooled_dim, m.pooled_dim, p + b * m.pooled_dim);
+      s[b] = static_cast<float>(sigma), g[b] = static_cast<float>(o.guidance);
+    }
+    const float* out = engine.forward_prediction(*model, batch);
+    compute.backend().device->copy_to_host(v.data(), out, v.size() * sizeof(float));
+  };
+  comm->barrier("barrier(sample start)");
+  const double t0 = now_seconds();
+  for (int first = 0; first < prompts.count; first += B) {
+    // The last batch repeats its last prompt to fill the forward; the copies are dropped.
+    std::vector<int> which(B), negative_which(B);
+    std::vector<float> x(B * image);
+    for (int b = 0; b < B; b++) {
+      which[b] = std::min(first + b, prompts.count - 1);
+      negative_which[b] = negative.count == 1 ? 0 : which[b];
+      const uint64_t key = mix64(mix64(o.seed ^ SAMPLE_DOMAIN) ^ mix64(which[b]));
+      for (size_t i = 0; i < image; i++) x[b * image + i] = static_cast<float>(counter_normal(key, i));
+    }
+    for (int step = 0; step < o.steps; step++) {
+      predict(x, sigmas[step], prompts, which, velocity);
+      if (o.cfg > 1) {
+        predict(x, sigmas[step], negative, negative_which, negative_v);
+        for (size_t i = 0; i < velocity.size(); i++)
+          velocity[i] = negative_v[i] + static_cast<float>(o.cfg) * (velocity[i] - negative_v[i]);
+      }
+      const float dt = static_cast<float>(sigmas[step + 1] - sigmas[step]);
+      for (size_t i = 0; i < x.size(); i++) x[i] += dt * velocity[i];
+    }
+    for (int b = 0; b < B && first + b < prompts.count; b++)
+      std::copy_n(x.data() + b * image, image, latents.data() + (first + b) * image);
+  }
+  const double t1 = now_seconds();
+  rt.agree_on([&] {
+    if (rt.is_root()) write_latents(o.output, latents, prompts.count, N, IN, o, shift);
+  });
+  if (rt.is_root())
+    std::fprintf(stderr, "sample: wrote %s: %s in %.2f s (%.2f s per image and step)\n", o.output.c_str(),
+                 counted(prompts.count, "image").c_str(), t1 - t0,
+                 (t1 - t0) / std::max(1, prompts.count * o.steps * (o.cfg > 1 ? 2 : 1)));
+  return EXIT_CODE_OK;
+}
+
+}  // namespace
+
+int run_sample(Runtime& rt, const std::vector<std::string>& args) {
+  SampleOptions options;
+  bool go = true;
+  rt.agree_on([&] { go = parse_sample_args(rt, args, options); });
+  if (!go) return EXIT_CODE_OK;
+  rt.set_collective_timeout(options.comm_timeout);
+  return sample(rt, options);
+}
+
+}  // namespace shardtrain
