@@ -140,19 +140,7 @@ bool parse_generate_args(const Runtime& rt, const std::vector<std::string>& raw_
       ("comm-timeout", po::value(&timeout)->default_value(timeout),
        "seconds before a stuck collective aborts every rank; 0 = off");
   po::variables_map vm;
-  try {
-    const int style = po::command_line_style::default_style & ~po::command_line_style::allow_guessing;
-    po::parsed_options parsed = po::command_line_parser(args).options(desc).style(style).run();
-    po::store(parsed, vm);
-    if (vm.count("help")) {
-      if (rt.is_root()) std::cout << desc << "\n";
-      return false;
-    }
-    reject_stray_words(po::collect_unrecognized(parsed.options, po::include_positional), "generate");
-    po::notify(vm);
-  } catch (const po::error& e) {
-    throw UsageError(option_error_text(e) + "; see 'shardtrain generate --help'");
-  }
+  if (!parse_command_options(rt, args, desc, "generate", vm)) return false;
   o.tokenizer_given = vm.count("tokenizer") > 0;
   o.max_tokens = static_cast<int>(parse_whole_number(max_tokens, "--max-tokens", 1, 1 << 30));
   o.sampling.temperature =

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <functional>
 #include <iomanip>
+#include <iostream>
 #include <iterator>
 #include <map>
 #include <set>
@@ -19,6 +20,7 @@
 #include "app/memory_plan.hpp"
 #include "ckpt/checkpoint_manager.hpp"
 #include "ckpt/hf_model.hpp"
+#include "comm/runtime.hpp"
 #include "core/error.hpp"
 #include "data/token_file.hpp"
 #include "shard/fsdp_engine.hpp"
@@ -857,6 +859,24 @@ std::string checkpoint_file_or_newest(const Runtime& rt, Comm& comm, const std::
     throw UsageError(option + "='" + printable_text(path) +
                      "' is a folder without a complete checkpoint (ckpt-*.h5); name a checkpoint file or a run folder");
   return candidates.front();
+}
+
+bool parse_command_options(const Runtime& rt, const std::vector<std::string>& args, const po::options_description& desc,
+                           const std::string& command, po::variables_map& vm) {
+  try {
+    const int style = po::command_line_style::default_style & ~po::command_line_style::allow_guessing;
+    po::parsed_options parsed = po::command_line_parser(args).options(desc).style(style).run();
+    po::store(parsed, vm);
+    if (vm.count("help")) {
+      if (rt.is_root()) std::cout << desc << "\n";
+      return false;
+    }
+    reject_stray_words(po::collect_unrecognized(parsed.options, po::include_positional), command);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    throw UsageError(option_error_text(e) + "; see 'shardtrain " + command + " --help'");
+  }
+  return true;
 }
 
 double parse_real(const std::string& text, const std::string& option, const std::string& allowed, double min,

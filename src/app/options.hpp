@@ -18,6 +18,8 @@
 
 namespace boost::program_options {
 class error;
+class options_description;
+class variables_map;
 }
 
 namespace shardtrain {
@@ -173,6 +175,12 @@ void reject_stray_words(const std::vector<std::string>& words, const std::string
 // A whole number in [min, max] written in decimal digits only (no sign, no suffix, no wrap-around of
 // "-1" as strtoull and Boost do). Throws UsageError naming `option`.
 uint64_t parse_whole_number(const std::string& text, const std::string& option, uint64_t min, uint64_t max);
+// Parses a command's options (`args`, the words after it) into `vm` (notified): false after
+// printing `desc` on rank 0 for --help; UsageError naming the option and `shardtrain <command>
+// --help` for a bad one or a stray word. No prefix guessing: --step is not --steps.
+bool parse_command_options(const Runtime& rt, const std::vector<std::string>& args,
+                           const boost::program_options::options_description& desc, const std::string& command,
+                           boost::program_options::variables_map& vm);
 // Collective: `path` if it names a file, else the newest complete checkpoint of the run folder it
 // names (what generate and sample take). Throws UsageError (agreed) naming `option` otherwise.
 std::string checkpoint_file_or_newest(const Runtime& rt, Comm& comm, const std::string& path, const std::string& option,

@@ -92,19 +92,7 @@ bool parse_sample_args(const Runtime& rt, const std::vector<std::string>& args, 
       ("comm-timeout", po::value(&timeout)->default_value(timeout),
        "seconds before a stuck collective aborts every rank; 0 = off");
   po::variables_map vm;
-  try {
-    const int style = po::command_line_style::default_style & ~po::command_line_style::allow_guessing;
-    po::parsed_options parsed = po::command_line_parser(args).options(desc).style(style).run();
-    po::store(parsed, vm);
-    if (vm.count("help")) {
-      if (rt.is_root()) std::cout << desc << "\n";
-      return false;
-    }
-    reject_stray_words(po::collect_unrecognized(parsed.options, po::include_positional), "sample");
-    po::notify(vm);
-  } catch (const po::error& e) {
-    throw UsageError(option_error_text(e) + "; see 'shardtrain sample --help'");
-  }
+  if (!parse_command_options(rt, args, desc, "sample", vm)) return false;
   const size_t x = grid.find('x');
   if (x == std::string::npos) throw UsageError("--grid='" + printable_text(grid) + "' is not ROWSxCOLS (e.g. 64x64)");
   o.rows = static_cast<int>(parse_whole_number(grid.substr(0, x), "--grid's rows", 1, 1 << 12));

@@ -1,6 +1,7 @@
 // Self-attention with grouped-query heads (causal, or over every position: a diffusion
 // transformer's joint attention), its one-query-row form against a key/value cache
-// (generation), and the rotary embedding applied to its q and k.
+// (generation), and the rotary embeddings applied to its q and k (rotate_half pairs, FLUX's
+// interleaved pairs).
 //
 // Training attention is tiled (flash-attention's algorithm) so that no T x T matrix exists: memory
 // is O(T) -- the output, each query row's log-sum-exp, and per-thread tiles.
@@ -269,9 +270,13 @@ void attention_decode(Real* out, Real* scratch, Real* k_cache, Real* v_cache, co
 }
 
 // Turns every q and k head vector of each token by its position's angles; sign = -1 turns back.
+// Element i < HS/2 pairs with i + HS/2 (Hugging Face's rotate_half), or (interleaved) element 2i
+// with 2i + 1 (FLUX's).
 template <typename Real>
-void rope_turn(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS, Real sign) {
+void rope_turn(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS, Real sign,
+               bool interleaved) {
   const int row = (NH + 2 * KV) * HS, half = HS / 2;
+  const int step = interleaved ? 2 : 1, partner = interleaved ? 1 : half;
 #pragma omp parallel for schedule(static)
   for (int bt = 0; bt < B * T; bt++) {
     const Real* c = cos + static_cast<size_t>(bt % T) * half;
@@ -280,9 +285,11 @@ void rope_turn(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH
     for (int head = 0; head < NH + KV; head++) {  // the query heads, then the key heads
       Real* x = r + head * HS;
       for (int i = 0; i < half; i++) {
-        const Real lo = x[i], hi = x[i + half], si = sign * s[i];
-        x[i] = lo * c[i] - hi * si;
-        x[i + half] = hi * c[i] + lo * si;
+        Real& a = x[i * step];
+        Real& b = x[i * step + partner];
+        const Real lo = a, hi = b, si = sign * s[i];
+        a = lo * c[i] - hi * si;
+        b = hi * c[i] + lo * si;
       }
     }
   }
@@ -290,12 +297,22 @@ void rope_turn(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH
 
 template <typename Real>
 void rope_forward(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS) {
-  rope_turn(qkv, cos, sin, B, T, NH, KV, HS, Real(1));
+  rope_turn(qkv, cos, sin, B, T, NH, KV, HS, Real(1), false);
 }
 
 template <typename Real>
 void rope_backward(Real* dqkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS) {
-  rope_turn(dqkv, cos, sin, B, T, NH, KV, HS, Real(-1));
+  rope_turn(dqkv, cos, sin, B, T, NH, KV, HS, Real(-1), false);
+}
+
+template <typename Real>
+void rope_pairs_forward(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS) {
+  rope_turn(qkv, cos, sin, B, T, NH, KV, HS, Real(1), true);
+}
+
+template <typename Real>
+void rope_pairs_backward(Real* dqkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS) {
+  rope_turn(dqkv, cos, sin, B, T, NH, KV, HS, Real(-1), true);
 }
 
 #define INSTANTIATE(Real)                                                                                       \
@@ -304,7 +321,9 @@ void rope_backward(Real* dqkv, const Real* cos, const Real* sin, int B, int T, i
                                          int, int, AttentionTiles, bool);                                       \
   template void attention_decode<Real>(Real*, Real*, Real*, Real*, const Real*, int, int, int, int, int);         \
   template void rope_forward<Real>(Real*, const Real*, const Real*, int, int, int, int, int);                    \
-  template void rope_backward<Real>(Real*, const Real*, const Real*, int, int, int, int, int);
+  template void rope_backward<Real>(Real*, const Real*, const Real*, int, int, int, int, int);                   \
+  template void rope_pairs_forward<Real>(Real*, const Real*, const Real*, int, int, int, int, int);              \
+  template void rope_pairs_backward<Real>(Real*, const Real*, const Real*, int, int, int, int, int);
 INSTANTIATE(float)
 INSTANTIATE(double)
 #undef INSTANTIATE

@@ -1,6 +1,6 @@
 // The layers a diffusion transformer adds (model/families/flux): adaptive LayerNorm with per-sample
-// shift and scale, gated residuals, SiLU, the rotary embedding on interleaved pairs, the squared
-// error of a regression head, and a strided row copy (joining and splitting the text and image
+// shift and scale, gated residuals, SiLU, the squared error of a regression head, and a strided
+// row copy (joining and splitting the text and image
 // streams). Reductions over a sample's positions (the modulation's gradients) run per column in
 // position order: the same bits for any thread count.
 #include <cmath>
@@ -137,40 +137,6 @@ void copy_rows(Real* dst, int ld_dst, const Real* src, int ld_src, int rows, int
     std::memcpy(dst + static_cast<size_t>(r) * ld_dst, src + static_cast<size_t>(r) * ld_src, cols * sizeof(Real));
 }
 
-namespace {
-
-// Turns every interleaved pair of the q and k heads by its position's angles; sign = -1 turns back.
-template <typename Real>
-void rope_pairs_turn(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS, Real sign) {
-  const int row = (NH + 2 * KV) * HS, half = HS / 2;
-#pragma omp parallel for schedule(static)
-  for (int bt = 0; bt < B * T; bt++) {
-    const Real* c = cos + static_cast<size_t>(bt % T) * half;
-    const Real* s = sin + static_cast<size_t>(bt % T) * half;
-    Real* r = qkv + static_cast<size_t>(bt) * row;
-    for (int head = 0; head < NH + KV; head++) {  // the query heads, then the key heads
-      Real* x = r + head * HS;
-      for (int i = 0; i < half; i++) {
-        const Real a = x[2 * i], b = x[2 * i + 1], si = sign * s[i];
-        x[2 * i] = a * c[i] - b * si;
-        x[2 * i + 1] = b * c[i] + a * si;
-      }
-    }
-  }
-}
-
-}  // namespace
-
-template <typename Real>
-void rope_pairs_forward(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS) {
-  rope_pairs_turn(qkv, cos, sin, B, T, NH, KV, HS, Real(1));
-}
-
-template <typename Real>
-void rope_pairs_backward(Real* dqkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS) {
-  rope_pairs_turn(dqkv, cos, sin, B, T, NH, KV, HS, Real(-1));
-}
-
 #define INSTANTIATE(Real)                                                                                           \
   template void modulate_forward<Real>(Real*, Real*, Real*, const Real*, const Real*, const Real*, int, int, int,   \
                                        int, Real);                                                                  \
@@ -181,9 +147,7 @@ void rope_pairs_backward(Real* dqkv, const Real* cos, const Real* sin, int B, in
   template void silu_forward<Real>(Real*, const Real*, size_t);                                                     \
   template void silu_backward<Real>(Real*, const Real*, const Real*, size_t);                                       \
   template void squared_error_forward<Real>(Real*, Real*, const Real*, int, int);                                   \
-  template void copy_rows<Real>(Real*, int, const Real*, int, int, int);                                            \
-  template void rope_pairs_forward<Real>(Real*, const Real*, const Real*, int, int, int, int, int);                 \
-  template void rope_pairs_backward<Real>(Real*, const Real*, const Real*, int, int, int, int, int);
+  template void copy_rows<Real>(Real*, int, const Real*, int, int, int);
 INSTANTIATE(float)
 INSTANTIATE(double)
 #undef INSTANTIATE
