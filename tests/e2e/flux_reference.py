@@ -232,24 +232,6 @@ def save_safetensors(tensors, path):
         f.write(len(text).to_bytes(8, "little") + text + b"".join(blobs))
 
 
-def load_safetensors(path, with_metadata=False):
-    import json
-    with open(path, "rb") as f:
-        raw = f.read()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
-    if with_metadata:
-        return load_safetensors(path), header.get("__metadata__", {})
-    out = {}
-    for name, t in header.items():
-        if name == "__metadata__":
-            continue
-        assert t["dtype"] == "F32", (name, t["dtype"])
-        begin, end = t["data_offsets"]
-        out[name] = np.frombuffer(raw[8 + n + begin:8 + n + end], dtype="<f4").reshape(t["shape"])
-    return out
-
-
 def flux_shapes(cfg):
     """diffusers' parameter names and shapes of FluxTransformer2DModel for the config."""
     C = cfg["n_head"] * cfg["head_dim"]

@@ -17,8 +17,9 @@ import numpy as np
 
 import json
 
-from flux_reference import flow_sample, flux_forward, load_safetensors, make_diffusers_folder, window
+from flux_reference import flow_sample, flux_forward, make_diffusers_folder, window
 from harness import ROOT, read_metrics, rel_diff, run, tempdir, tiny_args
+from test_adapters import safetensors_arrays
 from test_bad_input import expect_usage_error
 from test_checkpoint import checksum
 from test_checkpoint_edges import meta_checksum
@@ -166,8 +167,8 @@ def test_a_diffusers_folder_trains_from_its_weights_and_converts_both_ways_bit_f
     ok(run(2, ["convert", "--input", folder, "--output", h5]), "folder -> checkpoint")
     back = os.path.join(tempdir(), "back")
     ok(run(3, ["convert", "--input", h5, "--output", back]), "checkpoint -> folder")
-    original = load_safetensors(os.path.join(folder, "diffusion_pytorch_model.safetensors"))
-    again = load_safetensors(os.path.join(back, "diffusion_pytorch_model.safetensors"))
+    original = safetensors_arrays(os.path.join(folder, "diffusion_pytorch_model.safetensors"))[0]
+    again = safetensors_arrays(os.path.join(back, "diffusion_pytorch_model.safetensors"))[0]
     assert sorted(original) == sorted(again)
     for name in original:
         assert np.array_equal(original[name].view(np.uint32), again[name].view(np.uint32)), name
@@ -241,7 +242,7 @@ def test_lora_on_a_diffusers_base_trains_alone_the_same_on_any_rank_count():
     out = os.path.join(tempdir(), "lora")
     ok(run(2, ["export", "--checkpoint", os.path.join(ckpt, "ckpt-00000004.h5"), "--adapter", "--output", out]))
     assert sorted(os.listdir(out)) == ["pytorch_lora_weights.safetensors"]
-    lora, meta = load_safetensors(os.path.join(out, "pytorch_lora_weights.safetensors"), with_metadata=True)
+    lora, meta = safetensors_arrays(os.path.join(out, "pytorch_lora_weights.safetensors"))
     assert sorted(lora) == sorted("transformer." + n for n in trained if ".lora_" in n)
     for name, value in lora.items():
         assert np.array_equal(value, trained[name[len("transformer."):]].astype(np.float32)), name
@@ -252,7 +253,7 @@ def test_lora_on_a_diffusers_base_trains_alone_the_same_on_any_rank_count():
     merged_dir = os.path.join(tempdir(), "merged")
     ok(run(3, ["export", "--checkpoint", os.path.join(ckpt, "ckpt-00000004.h5"), "--format", "hf", "--merge",
                "--output", merged_dir]))
-    merged = load_safetensors(os.path.join(merged_dir, "diffusion_pytorch_model.safetensors"))
+    merged = safetensors_arrays(os.path.join(merged_dir, "diffusion_pytorch_model.safetensors"))[0]
     assert sorted(merged) == sorted(params)
     for name, base_value in params.items():
         expected = base_value
