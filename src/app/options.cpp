@@ -229,8 +229,9 @@ void declare_options(OptionList& o, Config& c) {
   o.add("adapter.neumann_terms", &c.adapter.neumann_terms, "OFT: terms of the Cayley-Neumann series");
   o.add("adapter.block_share", &c.adapter.block_share, "OFT: one rotation shared by all blocks of a layer");
   o.add("adapter.init_from", &c.adapter.init_from,
-        "a Hugging Face PEFT LoRA folder (adapter_config.json, adapter_model.safetensors) to start the adapters "
-        "from, with the same rank, alpha and layers; empty = PEFT's initialisation (A uniform, B zero)");
+        "a Hugging Face PEFT LoRA folder (adapter_config.json, adapter_model.safetensors; flux: a diffusers LoRA "
+        "file, pytorch_lora_weights.safetensors) to start the adapters from, with the same rank, alpha and layers; "
+        "empty = PEFT's initialisation (A uniform, B zero)");
   o.add("distill.teacher", &c.distill.teacher,
         "knowledge distillation from this frozen teacher, sharded beside the student: a ShardTrain checkpoint or a "
         "Hugging Face model folder with the student's vocabulary (docs/distillation.md); empty = none");

@@ -709,7 +709,8 @@ int Trainer::resume() {
   if (step == 0) init_dora_magnitudes(engine_, *comm_);  // from the base now in place
   if (step == 0 && !cfg_.adapter.init_from.empty()) {
     rt_.agree_on([&] { load_peft_adapter(cfg_.adapter.init_from, engine_); });
-    rt_.info("initialised the adapters from PEFT folder %s", cfg_.adapter.init_from.c_str());
+    rt_.info("initialised the adapters from %s %s",
+             family_of(cfg_.model).peft_folder() ? "PEFT folder" : "diffusers LoRA file", cfg_.adapter.init_from.c_str());
   }
   return step;
 }

@@ -5,6 +5,7 @@
 #include "ckpt/peft.hpp"
 
 #include <cmath>
+#include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -265,29 +266,78 @@ void init_dora_magnitudes(FsdpEngine& engine, Comm& world) {
   }
 }
 
-void load_peft_adapter(const std::string& folder, FsdpEngine& engine) {
+namespace {
+
+// diffusers' LoRA file against the configured adapters: LoRA (not DoRA), and the rank and alpha of
+// its lora_adapter_metadata -- or, in a file without it (older diffusers, other trainers), the rank
+// of its tensors and alpha = rank, which is what diffusers' loader then assumes.
+void check_diffusers_lora(const std::string& path, const SafetensorsReader& reader, const std::vector<PeftTensor>& wanted,
+                          const AdapterConfig& a) {
+  auto fail = [&](const std::string& what) { throw UsageError("diffusers LoRA file '" + path + "': " + what); };
+  if (a.type != ADAPTER_LORA)
+    fail(std::string("adapter.type=") + adapter_type_name(a.type) + ": diffusers' LoRA files hold LoRA; set "
+         "adapter.type=lora");
+  double rank = 0, alpha = 0;
+  const auto meta = reader.metadata().find("lora_adapter_metadata");
+  if (meta != reader.metadata().end()) {
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(meta->second);
+    } catch (const nlohmann::json::exception&) {
+      fail("its lora_adapter_metadata is not JSON; the file is damaged");
+    }
+    auto number = [&](const char* key) {
+      if (!j.contains(key) || !j[key].is_number()) fail(std::string("lora_adapter_metadata has no number ") + key);
+      return j[key].get<double>();
+    };
+    rank = number("transformer.r"), alpha = number("transformer.lora_alpha");
+    if (j.contains("transformer.use_dora") && j["transformer.use_dora"].is_boolean() && j["transformer.use_dora"])
+      fail("it holds DoRA adapters (use_dora true); set adapter.type=dora (not read from this layout yet)");
+  } else {
+    const SafetensorsTensor* first = wanted.empty() ? nullptr : reader.find(wanted.front().name);
+    rank = first && !first->shape.empty() ? static_cast<double>(first->shape[0]) : 0;
+    alpha = rank;
+  }
+  if (rank != a.rank || alpha != a.alpha)
+    fail(strprintf("rank %g and alpha %g; the configuration says adapter.rank=%d, adapter.alpha=%g: set them to the "
+                   "file's",
+                   rank, alpha, a.rank, a.alpha));
+}
+
+}  // namespace
+
+void load_peft_adapter(const std::string& source, FsdpEngine& engine) {
   const ParamTable& table = engine.table();
-  const std::string config_path = folder + "/adapter_config.json", weights = folder + "/adapter_model.safetensors";
-  check_peft_config(config_path, read_json(config_path, "PEFT adapter config"), table.adapter());
+  const bool peft = family_of(table.config()).peft_folder();
+  std::string weights;
+  if (peft) {
+    const std::string config_path = source + "/adapter_config.json";
+    check_peft_config(config_path, read_json(config_path, "PEFT adapter config"), table.adapter());
+    weights = source + "/adapter_model.safetensors";
+  } else {  // diffusers: the folder save_lora_weights wrote, or the file itself
+    std::error_code ec;
+    weights = std::filesystem::is_directory(source, ec) ? source + "/pytorch_lora_weights.safetensors" : source;
+  }
+  const std::string label = (peft ? "PEFT adapter '" : "diffusers LoRA file '") + weights + "'";
   const SafetensorsReader reader(weights);
-  const std::vector<PeftTensor> wanted = peft_tensors(table);
+  const std::vector<PeftTensor> wanted = peft_tensors(table, peft ? "base_model.model." : "transformer.");
+  if (!peft) check_diffusers_lora(weights, reader, wanted, table.adapter());
   std::vector<const SafetensorsTensor*> sources(table.params().size(), nullptr);
   std::set<std::string> used;
   for (const PeftTensor& w : wanted) {
     const ParamInfo& p = table.params()[w.id];
     const SafetensorsTensor* t = reader.find(w.name);
     if (!t)
-      throw CheckpointError("PEFT adapter '" + weights + "': tensor '" + w.name +
+      throw CheckpointError(label + ": tensor '" + w.name +
                             "' is missing (adapter.targets adapts a layer the adapter does not)");
     if (t->shape != std::vector<int64_t>(p.shape.begin(), p.shape.end()))
-      throw CheckpointError("PEFT adapter '" + weights + "': tensor '" + w.name + "' has another shape than " +
-                            "the configured model's");
+      throw CheckpointError(label + ": tensor '" + w.name + "' has another shape than the configured model's");
     sources[w.id] = t;
     used.insert(w.name);
   }
   for (const SafetensorsTensor& t : reader.tensors())
     if (!used.count(t.name))
-      throw CheckpointError("PEFT adapter '" + weights + "': tensor '" + t.name +
+      throw CheckpointError(label + ": tensor '" + t.name +
                             "' is not one the configured adapters have (adapter.targets adapts fewer layers?)");
   for (UnitShard& s : engine.shards()) {
     std::vector<float> values(s.layout.shard_numel());
@@ -302,8 +352,8 @@ void load_peft_adapter(const std::string& folder, FsdpEngine& engine) {
       reader.read_fp32(*sources[id], local.range.begin - p.offset, count, slice);
       for (size_t i = 0; i < count; i++)
         if (!std::isfinite(slice[i]))
-          throw CheckpointError("PEFT adapter '" + weights + "': tensor of " + p.name + " holds " +
-                                strprintf("%g", slice[i]) + ": the file is damaged; use another adapter");
+          throw CheckpointError(label + ": tensor of " + p.name + " holds " + strprintf("%g", slice[i]) +
+                                ": the file is damaged; use another adapter");
       any = true;
     }
     if (any) s.params.device()->copy_to_device(s.params.data(), values.data(), s.params.bytes());

@@ -41,6 +41,9 @@ void init_dora_magnitudes(FsdpEngine& engine, Comm& world);
 // alpha, LoKr's decompositions, OFT's block size, rotation and sharing --, the same layers):
 // throws CheckpointError (UsageError for a mismatch of settings) naming the file and the key or
 // tensor; call it under Runtime::agree_on.
+// A family whose adapters are diffusers' (ModelFamily::peft_folder false) reads a diffusers LoRA
+// file instead -- `folder` itself or its pytorch_lora_weights.safetensors --, LoRA only, rank and
+// alpha from its lora_adapter_metadata (else alpha = rank, as diffusers assumes).
 void load_peft_adapter(const std::string& folder, FsdpEngine& engine);
 
 }  // namespace shardtrain

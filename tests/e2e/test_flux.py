@@ -242,13 +242,22 @@ def test_lora_on_a_diffusers_base_trains_alone_the_same_on_any_rank_count():
     out = os.path.join(tempdir(), "lora")
     ok(run(2, ["export", "--checkpoint", os.path.join(ckpt, "ckpt-00000004.h5"), "--adapter", "--output", out]))
     assert sorted(os.listdir(out)) == ["pytorch_lora_weights.safetensors"]
-    lora, meta = safetensors_arrays(os.path.join(out, "pytorch_lora_weights.safetensors"))
-    assert sorted(lora) == sorted("transformer." + n for n in trained if ".lora_" in n)
-    for name, value in lora.items():
+    lora_file, meta = safetensors_arrays(os.path.join(out, "pytorch_lora_weights.safetensors"))
+    assert sorted(lora_file) == sorted("transformer." + n for n in trained if ".lora_" in n)
+    for name, value in lora_file.items():
         assert np.array_equal(value, trained[name[len("transformer."):]].astype(np.float32)), name
     config = json.loads(meta["lora_adapter_metadata"])
     assert config["transformer.r"] == 4 and config["transformer.lora_alpha"] == 4, config
     assert config["transformer.target_modules"] == LORA_TARGETS.split(","), config
+    # adapter.init_from reads that file back: the model it makes validates as the trained one did.
+    trained_val = losses(2, *lora)[1][-1]
+    metrics = os.path.join(tempdir(), "again.jsonl")
+    ok(run(2, flux_args(*lora, f"--adapter.init_from={out}", "--train.lr=1e-30", "--train.steps=1",
+                        "--train.eval_every=1", metrics=metrics)))
+    again = read_metrics(metrics, "eval")[0]["val_loss"]
+    assert rel_diff(again, trained_val) < 1e-6, (again, trained_val)
+    expect_usage_error(flux_args(*lora, f"--adapter.init_from={out}", "--adapter.rank=8"),
+                       "diffusers LoRA file", "rank 4 and alpha 4", "adapter.rank=8")
     # export --merge: a diffusers folder of W + (alpha / r) B A, merged here independently.
     merged_dir = os.path.join(tempdir(), "merged")
     ok(run(3, ["export", "--checkpoint", os.path.join(ckpt, "ckpt-00000004.h5"), "--format", "hf", "--merge",
