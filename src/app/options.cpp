@@ -162,6 +162,13 @@ void declare_options(OptionList& o, Config& c) {
         "(replaces flow.shift)");
   o.add("flow.guidance", &c.flow.guidance,
         "flux: the guidance value a model with a guidance embedder is trained with (FLUX.1-dev fine-tuning: 1)");
+  o.add("flow.sample_every", &c.flow.sample_every,
+        "flux: draw flow.sample_prompts' images every N steps and at the end, into <checkpoint.dir>/samples/ "
+        "(latents for tools/encode_images.py decode); 0 = never");
+  o.add("flow.sample_prompts", &c.flow.sample_prompts,
+        "flux: HDF5 file of prompt embeddings (tools/encode_images.py prompts), model.context_len tokens each");
+  o.add("flow.sample_steps", &c.flow.sample_steps, "flux: Euler steps of those samples");
+  o.add("flow.sample_guidance", &c.flow.sample_guidance, "flux: the guidance value of those samples");
   o.add("train.steps", &c.train.steps, "optimizer steps");
   o.add("train.global_batch", &c.train.global_batch,
         "sequences per optimizer step; a multiple of micro_batch x ranks (the rest is gradient accumulation)");
@@ -675,6 +682,15 @@ void validate_config(const Config& c, int world) {
               m.arch + " keeps its activations in fp32 (16-bit saved activations are the decoders' for now); remove "
               "it");
   require(c.flow.logit_std > 0, "flow.logit_std must be > 0");
+  require(c.flow.sample_every >= 0 && c.flow.sample_steps >= 1, "flow.sample_every must be >= 0 and flow.sample_steps >= 1");
+  if (c.flow.sample_every > 0) {
+    require(family_of(m).samples_images(),
+            "flow.sample_every: model.arch=" + m.arch + " draws no images (a FLUX model does); set it to 0");
+    require(!c.flow.sample_prompts.empty(),
+            "flow.sample_every needs flow.sample_prompts, prompt embeddings from tools/encode_images.py prompts");
+    require(m.condition_len == 0, "flow.sample_every: sampling a Kontext model (model.condition_len > 0) is not "
+                                  "implemented yet; set flow.sample_every=0");
+  }
   require(c.flow.shift > 0, "flow.shift must be > 0 (1 = no shift)");
   require(t.device != "cuda" || family_of(m).runs_on_cuda(),
           "model.arch=" + m.arch + " has no CUDA kernels yet (its layers run on the CPU backend): set train.device=cpu");

@@ -130,13 +130,9 @@ std::vector<float> read_floats(const std::string& path, const char* name, std::v
   return values;
 }
 
-// A file's prompts: P of them, each L text tokens of context_dim and a pooled vector.
-struct Prompts {
-  std::vector<float> text, pooled;
-  int count = 0, tokens = 0;
-};
+}  // namespace
 
-Prompts read_prompts(const std::string& path, const ModelConfig& m, const char* option) {
+Prompts read_prompts(const std::string& path, const ModelConfig& m, const std::string& option) {
   Prompts p;
   std::vector<hsize_t> td, pd;
   p.text = read_floats(path, FLUX_ENCODER_HIDDEN_STATES, &td);
@@ -145,19 +141,77 @@ Prompts read_prompts(const std::string& path, const ModelConfig& m, const char* 
       pd[1] != hsize_t(m.pooled_dim))
     throw DataError(strprintf("%s='%s': encoder_hidden_states and pooled_projections must be (P, L, %d) and (P, %d) "
                               "for this model (model.context_dim, model.pooled_dim), one row per prompt",
-                              option, path.c_str(), m.context_dim, m.pooled_dim));
+                              option.c_str(), path.c_str(), m.context_dim, m.pooled_dim));
   p.count = static_cast<int>(td[0]), p.tokens = static_cast<int>(td[1]);
   return p;
 }
 
-// Rank 0 writes the images' latents, committed by a rename.
-void write_latents(const std::string& path, const std::vector<float>& latents, int count, int tokens, int channels,
-                   const SampleOptions& o, double shift) {
+FlowSampler::FlowSampler(FsdpEngine& engine, TransformerModel<float>& model, const ModelConfig& config,
+                         const SamplerSettings& settings)
+    : engine_(engine), model_(model), config_(config), settings_(settings) {}
+
+std::vector<float> FlowSampler::draw(const Prompts& prompts, const Prompts* negative) {
+  const SamplerSettings& o = settings_;
+  const ModelConfig& m = config_;
+  const int N = o.rows * o.cols, B = model_.batch(), IN = m.in_channels, L = prompts.tokens;
+  SHARD_CHECK(model_.seq_len() == N && m.context_len == L, "a sampler of %d tokens and %d text tokens, the model %d",
+              N, L, model_.seq_len());
+  const std::vector<double> sigmas = flow_sigmas(o.steps, o.shift);
+  Batch batch;
+  float* img_ids = batch.put<float>(FLUX_IMG_IDS, {N, 3});
+  for (int i = 0; i < N; i++) img_ids[3 * i] = 0, img_ids[3 * i + 1] = float(i / o.cols), img_ids[3 * i + 2] = float(i % o.cols);
+  batch.put<float>(FLUX_TXT_IDS, {L, 3});
+  const size_t image = static_cast<size_t>(N) * IN, text = static_cast<size_t>(L) * m.context_dim;
+  std::vector<float> latents(static_cast<size_t>(prompts.count) * image), velocity(B * image), negative_v(B * image);
+  // The velocity of `x` (B samples) at noise level sigma with the prompts `which` of `from`, into v.
+  auto predict = [&](const std::vector<float>& x, double sigma, const Prompts& from, const std::vector<int>& which,
+                     std::vector<float>& v) {
+    std::copy(x.begin(), x.end(), batch.put<float>(FLUX_HIDDEN_STATES, {B, N, IN}));
+    float* t = batch.put<float>(FLUX_ENCODER_HIDDEN_STATES, {B, L, m.context_dim});
+    float* p = batch.put<float>(FLUX_POOLED, {B, m.pooled_dim});
+    float* s = batch.put<float>(FLUX_TIMESTEP, {B});
+    float* g = batch.put<float>(FLUX_GUIDANCE, {B});
+    for (int b = 0; b < B; b++) {
+      const int k = which[b];
+      std::copy_n(from.text.data() + k * text, text, t + b * text);
+      std::copy_n(from.pooled.data() + static_cast<size_t>(k) * m.pooled_dim, m.pooled_dim, p + b * m.pooled_dim);
+      s[b] = static_cast<float>(sigma), g[b] = static_cast<float>(o.guidance);
+    }
+    const float* out = engine_.forward_prediction(model_, batch);
+    engine_.compute_device().copy_to_host(v.data(), out, v.size() * sizeof(float));
+  };
+  for (int first = 0; first < prompts.count; first += B) {
+    std::vector<int> which(B), negative_which(B);
+    std::vector<float> x(B * image);
+    for (int b = 0; b < B; b++) {
+      which[b] = std::min(first + b, prompts.count - 1);
+      negative_which[b] = negative && negative->count == 1 ? 0 : which[b];
+      const uint64_t key = mix64(mix64(o.seed ^ SAMPLE_DOMAIN) ^ mix64(which[b]));
+      for (size_t i = 0; i < image; i++) x[b * image + i] = static_cast<float>(counter_normal(key, i));
+    }
+    for (int step = 0; step < o.steps; step++) {
+      predict(x, sigmas[step], prompts, which, velocity);
+      if (negative && o.cfg > 1) {
+        predict(x, sigmas[step], *negative, negative_which, negative_v);
+        for (size_t i = 0; i < velocity.size(); i++)
+          velocity[i] = negative_v[i] + static_cast<float>(o.cfg) * (velocity[i] - negative_v[i]);
+      }
+      const float dt = static_cast<float>(sigmas[step + 1] - sigmas[step]);
+      for (size_t i = 0; i < x.size(); i++) x[i] += dt * velocity[i];
+    }
+    for (int b = 0; b < B && first + b < prompts.count; b++)
+      std::copy_n(x.data() + b * image, image, latents.data() + (first + b) * image);
+  }
+  return latents;
+}
+
+void write_sampled_latents(const std::string& path, const std::vector<float>& latents, int count, int channels,
+                           const SamplerSettings& o, const std::string& checkpoint) {
   H5QuietErrors quiet;
   const std::string tmp = path + ".tmp";
   {
     H5Id file(h5_check_id(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), tmp, "H5Fcreate"), H5Fclose);
-    const hsize_t dims[3] = {hsize_t(count), hsize_t(tokens), hsize_t(channels)};
+    const hsize_t dims[3] = {hsize_t(count), hsize_t(o.rows) * o.cols, hsize_t(channels)};
     H5Id space(h5_check_id(H5Screate_simple(3, dims, nullptr), tmp, "H5Screate_simple"), H5Sclose);
     H5Id set(h5_check_id(H5Dcreate2(file, "latents", H5T_IEEE_F32LE, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
                          tmp, "H5Dcreate2"),
@@ -169,12 +223,14 @@ void write_latents(const std::string& path, const std::vector<float>& latents, i
     h5_write_attr_u64(file, "seed", o.seed, tmp);
     h5_write_attr_f64(file, "guidance", o.guidance, tmp);
     h5_write_attr_f64(file, "cfg", o.cfg, tmp);
-    h5_write_attr_f64(file, "shift", shift, tmp);
-    h5_write_attr_str(file, "checkpoint", o.checkpoint, tmp);
+    h5_write_attr_f64(file, "shift", o.shift, tmp);
+    h5_write_attr_str(file, "checkpoint", checkpoint, tmp);
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0)
-    throw UsageError("--output='" + printable_text(path) + "': cannot write it: " + std::strerror(errno));
+    throw UsageError("cannot write the samples '" + printable_text(path) + "': " + std::strerror(errno));
 }
+
+namespace {
 
 int sample(const Runtime& rt, const SampleOptions& o) {
   Watchdog watchdog(o.comm_timeout);
@@ -204,7 +260,7 @@ int sample(const Runtime& rt, const SampleOptions& o) {
   // The run's sizes: the prompts' text length, the grid's image tokens.
   ModelConfig m = state.model;
   m.context_len = prompts.tokens;
-  const int N = o.rows * o.cols, B = o.batch, IN = m.in_channels, L = m.context_len;
+  const int N = o.rows * o.cols, B = o.batch, IN = m.in_channels;
   m.max_seq_len = std::max(m.max_seq_len, N);
   const ParamTable table(m, {}, state.adapter);  // a model trained with adapters: with them
   auto shard_comm = compute.make_comm(rt.split_world(0, rt.rank()), &watchdog);
@@ -219,7 +275,6 @@ int sample(const Runtime& rt, const SampleOptions& o) {
   }
   auto model = make_model<float>(table, B, N, true, *compute.backend().ops);
   const double shift = o.shift == "auto" ? flux_resolution_shift(N) : std::strtod(o.shift.c_str(), nullptr);
-  const std::vector<double> sigmas = flow_sigmas(o.steps, shift);
   if (rt.is_root())
     std::fprintf(stderr,
                  "sample: %s (step %lld) | %s | %s, %s | %d %s of %d x %d latent tokens, %d steps, shift %.4g, guidance "
@@ -229,58 +284,16 @@ int sample(const Runtime& rt, const SampleOptions& o) {
                  prompts.count == 1 ? "image" : "images", o.rows, o.cols, o.steps, shift, o.guidance, o.cfg,
                  human_bytes(static_cast<double>(memory.total_current() + model->activation_bytes())).c_str());
 
-  Batch batch;
-  float* img_ids = batch.put<float>(FLUX_IMG_IDS, {N, 3});
-  for (int i = 0; i < N; i++) img_ids[3 * i] = 0, img_ids[3 * i + 1] = float(i / o.cols), img_ids[3 * i + 2] = float(i % o.cols);
-  batch.put<float>(FLUX_TXT_IDS, {L, 3});
-  const size_t image = static_cast<size_t>(N) * IN, text = static_cast<size_t>(L) * m.context_dim;
-  std::vector<float> latents(static_cast<size_t>(prompts.count) * image), velocity(B * image), negative_v(B * image);
-  // The velocity of `x` (B samples) at noise level sigma with the prompts `which` (per row: an index
-  // into `from`), into v (host memory).
-  auto predict = [&](const std::vector<float>& x, double sigma, const Prompts& from, const std::vector<int>& which,
-                     std::vector<float>& v) {
-    std::copy(x.begin(), x.end(), batch.put<float>(FLUX_HIDDEN_STATES, {B, N, IN}));
-    float* t = batch.put<float>(FLUX_ENCODER_HIDDEN_STATES, {B, L, m.context_dim});
-    float* p = batch.put<float>(FLUX_POOLED, {B, m.pooled_dim});
-    float* s = batch.put<float>(FLUX_TIMESTEP, {B});
-    float* g = batch.put<float>(FLUX_GUIDANCE, {B});
-    for (int b = 0; b < B; b++) {
-      const int k = which[b];
-      std::copy_n(from.text.data() + k * text, text, t + b * text);
-      std::copy_n(from.pooled.data() + static_cast<size_t>(k) * m.pooled_dim, m.pooled_dim, p + b * m.pooled_dim);
-      s[b] = static_cast<float>(sigma), g[b] = static_cast<float>(o.guidance);
-    }
-    const float* out = engine.forward_prediction(*model, batch);
-    compute.backend().device->copy_to_host(v.data(), out, v.size() * sizeof(float));
-  };
+  SamplerSettings settings;
+  settings.rows = o.rows, settings.cols = o.cols, settings.steps = o.steps, settings.guidance = o.guidance;
+  settings.cfg = o.cfg, settings.shift = shift, settings.seed = o.seed;
+  FlowSampler sampler(engine, *model, m, settings);
   comm->barrier("barrier(sample start)");
   const double t0 = now_seconds();
-  for (int first = 0; first < prompts.count; first += B) {
-    // The last batch repeats its last prompt to fill the forward; the copies are dropped.
-    std::vector<int> which(B), negative_which(B);
-    std::vector<float> x(B * image);
-    for (int b = 0; b < B; b++) {
-      which[b] = std::min(first + b, prompts.count - 1);
-      negative_which[b] = negative.count == 1 ? 0 : which[b];
-      const uint64_t key = mix64(mix64(o.seed ^ SAMPLE_DOMAIN) ^ mix64(which[b]));
-      for (size_t i = 0; i < image; i++) x[b * image + i] = static_cast<float>(counter_normal(key, i));
-    }
-    for (int step = 0; step < o.steps; step++) {
-      predict(x, sigmas[step], prompts, which, velocity);
-      if (o.cfg > 1) {
-        predict(x, sigmas[step], negative, negative_which, negative_v);
-        for (size_t i = 0; i < velocity.size(); i++)
-          velocity[i] = negative_v[i] + static_cast<float>(o.cfg) * (velocity[i] - negative_v[i]);
-      }
-      const float dt = static_cast<float>(sigmas[step + 1] - sigmas[step]);
-      for (size_t i = 0; i < x.size(); i++) x[i] += dt * velocity[i];
-    }
-    for (int b = 0; b < B && first + b < prompts.count; b++)
-      std::copy_n(x.data() + b * image, image, latents.data() + (first + b) * image);
-  }
+  const std::vector<float> latents = sampler.draw(prompts, o.negative.empty() ? nullptr : &negative);
   const double t1 = now_seconds();
   rt.agree_on([&] {
-    if (rt.is_root()) write_latents(o.output, latents, prompts.count, N, IN, o, shift);
+    if (rt.is_root()) write_sampled_latents(o.output, latents, prompts.count, IN, settings, path);
   });
   if (rt.is_root())
     std::fprintf(stderr, "sample: wrote %s: %s in %.2f s (%.2f s per image and step)\n", o.output.c_str(),

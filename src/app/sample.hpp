@@ -16,14 +16,59 @@
 #include <vector>
 
 #include "comm/runtime.hpp"
+#include "model/config.hpp"
 
 namespace shardtrain {
+
+class FsdpEngine;
+template <typename Real>
+class TransformerModel;
 
 // The noise levels of the sampler's `steps` steps and the final 0: linear from 1 to 1/steps, each
 // shifted by sigma' = s sigma / (1 + (s - 1) sigma) (s = 1: none). FLUX.1-dev's pipeline uses s =
 // exp(mu), mu linear from 0.5 at 256 image tokens to 1.15 at 4096 (flux_resolution_shift).
 std::vector<double> flow_sigmas(int steps, double shift);
 double flux_resolution_shift(int image_tokens);
+
+// Prompts as text embeddings: `count` of them, each `tokens` tokens of the model's context_dim and
+// a pooled vector.
+struct Prompts {
+  std::vector<float> text, pooled;
+  int count = 0, tokens = 0;
+};
+// An HDF5 file's encoder_hidden_states (P, L, context_dim) and pooled_projections (P, pooled_dim);
+// DataError naming `option` and the file unless they fit the model.
+Prompts read_prompts(const std::string& path, const ModelConfig& model, const std::string& option);
+
+// How the sampler steps.
+struct SamplerSettings {
+  int rows = 0, cols = 0, steps = 28;  // the packed latent grid
+  double guidance = 3.5, cfg = 1.0, shift = 1.0;
+  uint64_t seed = 0;
+};
+
+// The flow-matching Euler sampler over a model's prediction (Predictor), through an engine that
+// holds its parameters (training's or an inference one): batches of the model's batch() prompts,
+// the last filled with copies of its last prompt. Collective over the engine's groups.
+class FlowSampler {
+ public:
+  FlowSampler(FsdpEngine& engine, TransformerModel<float>& model, const ModelConfig& config,
+              const SamplerSettings& settings);
+  // The images of every prompt: count x (rows x cols) x in_channels, host memory. `negative`:
+  // one prompt, or one per prompt, for classifier-free guidance (settings.cfg > 1), else null.
+  std::vector<float> draw(const Prompts& prompts, const Prompts* negative);
+
+ private:
+  FsdpEngine& engine_;
+  TransformerModel<float>& model_;
+  ModelConfig config_;
+  SamplerSettings settings_;
+};
+
+// Rank 0 writes `latents` (count images) with the grid and the settings as attributes, committed by
+// a rename; UsageError naming the path when it cannot.
+void write_sampled_latents(const std::string& path, const std::vector<float>& latents, int count, int channels,
+                           const SamplerSettings& settings, const std::string& checkpoint);
 
 // The `sample` command: parses `args` (after the word "sample"), samples, writes. Collective;
 // returns the exit code. Throws InputError (agreed by every rank) on bad input.

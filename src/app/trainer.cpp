@@ -26,6 +26,7 @@
 #include "app/metrics.hpp"
 #include "app/perf.hpp"
 #include "app/signals.hpp"
+#include "app/sample.hpp"
 #include "app/teacher.hpp"
 #include "app/tensorboard.hpp"
 #include "app/version.hpp"
@@ -204,6 +205,8 @@ class Trainer {
   // cpu_offload brought to host_sums_[0] as well).
   void accumulate_gradients(int step);
   double evaluate();
+  // flow.sample_every: the model draws flow.sample_prompts' images into <run folder>/samples/.
+  void sample_images(int step);
   // What a step's summed loss is divided by: the output units its loss averages over, on every rank
   // and micro-batch of the step (Loss::units_per_row).
   double loss_normaliser();
@@ -246,6 +249,7 @@ class Trainer {
   std::unique_ptr<TransformerModel<float>> model_;
   std::unique_ptr<Teacher> teacher_;  // distill.teacher, beside the student
   std::unique_ptr<DistillationLoss<float>> distill_loss_;  // the student's loss against it
+  std::optional<Prompts> sample_prompts_;  // flow.sample_prompts, read once
   // The step's summed loss and squared gradient norm (then the validation loss) in the compute
   // device's memory, read once at the end of a step into host_sums_; with cpu_offload the
   // optimizer reads them from offloaded_sums_ (the backend's host memory).
@@ -930,6 +934,38 @@ double Trainer::evaluate() {
   return loss_sum / normaliser;
 }
 
+void Trainer::sample_images(int step) {
+  if (!sample_prompts_) {
+    rt_.agree_on([&] {
+      sample_prompts_ = read_prompts(cfg_.flow.sample_prompts, cfg_.model, "flow.sample_prompts");
+      if (sample_prompts_->tokens != cfg_.model.context_len)
+        throw UsageError(strprintf("flow.sample_prompts='%s' holds prompts of %d tokens; the model is trained on %d "
+                                   "(model.context_len): encode them with --max-sequence-length %d",
+                                   cfg_.flow.sample_prompts.c_str(), sample_prompts_->tokens, cfg_.model.context_len,
+                                   cfg_.model.context_len));
+    });
+  }
+  const auto [rows, cols] = train_data_->image_grid();
+  SamplerSettings settings;
+  settings.rows = rows, settings.cols = cols, settings.steps = cfg_.flow.sample_steps;
+  settings.guidance = cfg_.flow.sample_guidance, settings.seed = cfg_.train.seed;
+  settings.shift = flux_resolution_shift(rows * cols);
+  const double t0 = now_seconds();
+  const std::vector<float> latents = FlowSampler(engine_, *model_, cfg_.model, settings).draw(*sample_prompts_, nullptr);
+  const std::string folder = checkpoints_.dir() + "/samples";
+  const std::string path = folder + strprintf("/step-%08d.h5", step + 1);
+  rt_.agree_on([&] {
+    if (!rt_.is_root()) return;
+    std::error_code ec;
+    std::filesystem::create_directories(folder, ec);
+    if (ec) throw UsageError("cannot create '" + folder + "' for flow.sample_every: " + ec.message());
+    write_sampled_latents(path, latents, sample_prompts_->count, cfg_.model.in_channels, settings,
+                          strprintf("step %d of run %s", step + 1, cfg_.train.run_name.c_str()));
+  });
+  rt_.info("sample %5d/%d | %s in %.2f s: %s (tools/encode_images.py decode turns them into PNG files)", step + 1,
+           cfg_.train.steps, counted(sample_prompts_->count, "image").c_str(), now_seconds() - t0, path.c_str());
+}
+
 int Trainer::run() {
   print_summary();
   checkpoints_.check_dir();  // a file where the run folder should be: exit 2 on every rank, before any use
@@ -986,6 +1022,8 @@ int Trainer::run() {
       metrics_->write_line(nlohmann::ordered_json{{"kind", "eval"}, {"step", step + 1}, {"val_loss", last_val_loss}}.dump());
       tensorboard_->scalar("val/loss", step + 1, last_val_loss);
     }
+    if (cfg_.flow.sample_every > 0 && ((step + 1) % cfg_.flow.sample_every == 0 || step + 1 == steps))
+      sample_images(step);
     // Rank 0 writes the records; a failed write (a full disk) stops every rank together.
     rt_.agree_on([&] {
       metrics_->check();

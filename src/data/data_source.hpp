@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "model/batch.hpp"
 
@@ -36,6 +37,8 @@ class DataSource {
   virtual std::string identity() const = 0;
   // For the start-up line.
   virtual std::string describe() const = 0;
+  // The packed latent grid (rows, cols) of an image source's records; (0, 0) for tokens.
+  virtual std::pair<int, int> image_grid() const { return {0, 0}; }
 };
 
 }  // namespace shardtrain

@@ -23,6 +23,12 @@ struct FlowOptions {
   double shift = 1;                      // 1 = none
   bool resolution_shift = false;         // FLUX's shift by image size (replaces flow.shift)
   double guidance = 1;                   // the guidance value a guidance-embedding model is trained with
+  // Pictures while it learns: every sample_every steps (0: never) the model draws sample_prompts'
+  // images (app/sample.hpp), sample_steps Euler steps at sample_guidance, on the data's grid.
+  int sample_every = 0;
+  std::string sample_prompts;
+  int sample_steps = 20;
+  double sample_guidance = 3.5;
 };
 
 // The key of one sample's draws.

@@ -37,6 +37,7 @@ class LatentDataset final : public DataSource {
   std::string skipped_warning() const override;
   std::string identity() const override;
   std::string describe() const override;
+  std::pair<int, int> image_grid() const override { return {N_ / grid_cols_, grid_cols_}; }
 
  private:
   struct File;

@@ -175,6 +175,8 @@ class FsdpEngine {
   // Where the master shards live and the operations the optimizer runs on them: the backend's
   // host memory with cpu_offload, else the compute device.
   Device& master_device() const { return options_.cpu_offload ? *backend_.host : *backend_.device; }
+  // Where the model computes (its activations, a forward's output).
+  Device& compute_device() const { return *backend_.device; }
   const LayerOps<float>& master_ops() const { return options_.cpu_offload ? *backend_.host_ops : *backend_.ops; }
   const ShardOps& master_shard_ops() const {
     return options_.cpu_offload ? *backend_.host_shard_ops : *backend_.shard_ops;

@@ -384,6 +384,25 @@ def test_sample_draws_the_reference_eulers_images_on_any_rank_count():
                        "--prompts=", "(P, L, 32)", np_=1)
 
 
+def test_training_draws_samples_as_sample_does():
+    folder = tempdir()
+    prompts = prompts_file(3, 4, tokens=8)
+    ok(run(2, flux_args(f"--checkpoint.dir={folder}", "--flow.sample_every=2", f"--flow.sample_prompts={prompts}",
+                        "--flow.sample_steps=3", "--flow.sample_guidance=2.5")))
+    assert sorted(os.listdir(os.path.join(folder, "samples"))) == ["step-00000002.h5", "step-00000004.h5"]
+    with h5py.File(os.path.join(folder, "samples", "step-00000004.h5"), "r") as f:
+        during = f["latents"][()]
+        assert during.shape == (3, 16, 16) and np.isfinite(during).all()
+    # `sample` on the step-4 checkpoint, with the same settings, draws the same images.
+    out = os.path.join(tempdir(), "after.h5")
+    ok(run(1, ["sample", "--checkpoint", folder, "--prompts", prompts, "--output", out, "--grid", "4x4", "--steps",
+               "3", "--guidance", "2.5", "--seed", str(SEED)]))
+    with h5py.File(out, "r") as f:
+        after = f["latents"][()]
+    assert np.abs(after - during).max() / np.abs(after).max() < 1e-5, np.abs(after - during).max()
+    expect_usage_error(flux_args("--flow.sample_every=2"), "flow.sample_every needs flow.sample_prompts")
+
+
 def test_the_shipped_flux1_shapes_plan():
     for ini, count in (("flux1-dev.ini", "11901.4M parameters"), ("flux1-schnell.ini", "11891.2M parameters")):
         proc = ok(run(1, ["plan", "--config", os.path.join(ROOT, "inputs", ini), "--world-size", "4",
