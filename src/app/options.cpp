@@ -681,6 +681,16 @@ void validate_config(const Config& c, int world) {
           "fsdp.activation_dtype=" + std::string(activation_dtype_name(c.fsdp.activation_dtype)) + ": model.arch=" +
               m.arch + " keeps its activations in fp32 (16-bit saved activations are the decoders' for now); remove "
               "it");
+  {  // the [flow] keys act on flow-matching families only: elsewhere a set one would do nothing
+    const FlowOptions d, &f = c.flow;
+    const bool set = f.sigma_sampling != d.sigma_sampling || f.logit_mean != d.logit_mean || f.logit_std != d.logit_std ||
+                     f.shift != d.shift || f.resolution_shift != d.resolution_shift || f.guidance != d.guidance ||
+                     f.sample_every != d.sample_every || !f.sample_prompts.empty() ||
+                     f.sample_steps != d.sample_steps || f.sample_guidance != d.sample_guidance;
+    require(!set || !family_of(m).token_data(),
+            "a flow.* key is set, but model.arch=" + m.arch + " trains on tokens, not with flow matching: remove it "
+            "(the [flow] section is FLUX's)");
+  }
   require(c.flow.logit_std > 0, "flow.logit_std must be > 0");
   require(c.flow.sample_every >= 0 && c.flow.sample_steps >= 1, "flow.sample_every must be >= 0 and flow.sample_steps >= 1");
   if (c.flow.sample_every > 0) {
@@ -748,6 +758,11 @@ void validate_config(const Config& c, int world) {
   const AdapterOptions& a = c.adapter;
   require(a.rank >= 1, "adapter.rank must be >= 1");
   require(a.alpha > 0, "adapter.alpha must be > 0");
+  // alpha / rank scales every adapter's output: far above PEFT's usual 1 to 2 it only overflows.
+  require(a.type == ADAPTER_OFT || a.alpha / a.rank <= 1e4,
+          strprintf("adapter.alpha=%g scales the adapters' output by alpha / rank = %g: at most 1e4 (PEFT's usual "
+                    "alpha is rank to 2 x rank); lower adapter.alpha",
+                    a.alpha, a.alpha / a.rank));
   require(a.dropout >= 0 && a.dropout < 1, "adapter.dropout must be in [0, 1)");
   require(a.type != ADAPTER_DORA || a.dropout == 0,
           "adapter.dropout with adapter.type=dora is not implemented (PEFT's DoRA also rescales the dropped "

@@ -1007,8 +1007,16 @@ int Trainer::run() {
   for (int step = start; step < steps; step++) {
     const StepOutcome out = run_step(step);
     if (!out.finite) {
-      rt_.info("error: step %d: loss %g, gradient norm %g are not finite; the run diverged (lower train.lr or "
-               "raise train.warmup_steps)", step + 1, out.loss, out.grad_norm);
+      // Adapters scaled far beyond PEFT's usual alpha / rank are the likelier cause than the rate.
+      const double scaling = table_.adapter().type != ADAPTER_NONE && table_.adapter().type != ADAPTER_OFT
+                                 ? table_.adapter().scaling()
+                                 : 0;
+      const std::string cause = scaling > 8 ? strprintf("lower adapter.alpha: it scales the adapters' output by alpha / "
+                                                        "rank = %g; or lower train.lr",
+                                                        scaling)
+                                            : "lower train.lr or raise train.warmup_steps";
+      rt_.info("error: step %d: loss %g, gradient norm %g are not finite; the run diverged (%s)", step + 1, out.loss,
+               out.grad_norm, cause.c_str());
       return EXIT_CODE_INTERNAL;
     }
     if (step > start || steps == start + 1) elapsed += out.seconds;  // the first step pays for page faults

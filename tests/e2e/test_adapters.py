@@ -254,6 +254,16 @@ def test_a_base_checkpoint_starts_adapters_and_llama_trains_them():
     assert len(read_metrics(metrics)) == 4
 
 
+def test_an_absurd_alpha_is_refused_and_a_divergence_with_a_large_one_names_it():
+    expect_usage_error(tiny_args(*LORA, "--adapter.alpha=1e30"), "adapter.alpha=1e+30",
+                       "alpha / rank = 2.5e+29: at most 1e4")
+    # A large but allowed scaling (64 / 4 = 16): when the run diverges, the advice names adapter.alpha.
+    proc = run(2, tiny_args(*LORA, "--adapter.alpha=64", "--debug.inject_inf_step=1", "--train.steps=2"))
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "lower adapter.alpha: it scales the adapters' output by alpha / rank = 16" in proc.stdout + proc.stderr, \
+        (proc.stdout + proc.stderr)[-2000:]
+
+
 def test_conflicting_and_bad_settings_exit_2():
     expect_usage_error(tiny_args("--adapter.type=lora"), "adapts nothing")
     expect_usage_error(tiny_args("--adapter.type=lora", "--adapter.targets=attn.c_attn,q_proj"),

@@ -401,6 +401,7 @@ def test_training_draws_samples_as_sample_does():
         after = f["latents"][()]
     assert np.abs(after - during).max() / np.abs(after).max() < 1e-5, np.abs(after - during).max()
     expect_usage_error(flux_args("--flow.sample_every=2"), "flow.sample_every needs flow.sample_prompts")
+    expect_usage_error(tiny_args("--flow.shift=3"), "a flow.* key is set, but model.arch=gpt2 trains on tokens")
 
 
 def test_the_shipped_flux1_shapes_plan():
