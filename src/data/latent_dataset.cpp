@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <tuple>
 
 #include "ckpt/h5.hpp"
 #include "core/counted.hpp"
@@ -138,12 +139,7 @@ void LatentDataset::begin(Batch& b, int rows) const {
   b.put<float>(FLUX_TXT_IDS, {L, 3});  // zeros
 }
 
-void LatentDataset::read(const File& f, const char* name, uint64_t local, float* dst, size_t numel) const {
-  const std::string n(name);
-  const hid_t set = n == "latents" ? f.latents.get()
-                    : n == "pooled_projections" ? f.pooled.get()
-                    : n == "condition_latents" ? f.condition.get()
-                                                : f.text.get();
+void LatentDataset::read(const File& f, hid_t set, const char* name, uint64_t local, float* dst, size_t numel) const {
   H5Id space(H5Dget_space(set), H5Sclose);
   const int rank = H5Sget_simple_extent_ndims(space);
   std::vector<hsize_t> start(rank, 0), count(rank);
@@ -170,10 +166,10 @@ void LatentDataset::fill(Batch& b, int row, uint64_t record, uint64_t sample, bo
   float* text = b.at<float>(FLUX_ENCODER_HIDDEN_STATES, rows * L * model_.context_dim) +
                 static_cast<size_t>(row) * L * model_.context_dim;
   float* pooled = b.at<float>(FLUX_POOLED, rows * model_.pooled_dim) + static_cast<size_t>(row) * model_.pooled_dim;
-  read(f, "latents", local, hidden, image);
-  read(f, "encoder_hidden_states", local, text, static_cast<size_t>(L) * model_.context_dim);
-  read(f, "pooled_projections", local, pooled, model_.pooled_dim);
-  if (M > 0) read(f, "condition_latents", local, hidden + image, static_cast<size_t>(M) * IN);  // clean
+  read(f, f.latents, "latents", local, hidden, image);
+  read(f, f.text, "encoder_hidden_states", local, text, static_cast<size_t>(L) * model_.context_dim);
+  read(f, f.pooled, "pooled_projections", local, pooled, model_.pooled_dim);
+  if (M > 0) read(f, f.condition, "condition_latents", local, hidden + image, static_cast<size_t>(M) * IN);  // clean
   // The flow-matching sample: x_sigma = (1 - sigma) x0 + sigma e, target e - x0 (fp32, as trainers do).
   const uint64_t key = flow_sample_key(seed_, sample, validation), noise = flow_noise_key(key);
   const float sigma = static_cast<float>(draw_sigma(flow_, key, N_, sample, validation));
@@ -201,15 +197,15 @@ std::string LatentDataset::check(int part, int num_parts) const {
     const size_t file = std::upper_bound(first_record_.begin(), first_record_.end(), r) - first_record_.begin() - 1;
     const File& f = *files_[file];
     const uint64_t local = r - first_record_[file];
-    const std::pair<const char*, size_t> fields[4] = {
-        {"latents", static_cast<size_t>(N_) * model_.in_channels},
-        {"encoder_hidden_states", static_cast<size_t>(model_.context_len) * model_.context_dim},
-        {"pooled_projections", static_cast<size_t>(model_.pooled_dim)},
-        {"condition_latents", static_cast<size_t>(model_.condition_len) * model_.in_channels}};
-    for (const auto& [name, numel] : fields) {
+    const std::tuple<hid_t, const char*, size_t> fields[4] = {
+        {f.latents, "latents", static_cast<size_t>(N_) * model_.in_channels},
+        {f.text, "encoder_hidden_states", static_cast<size_t>(model_.context_len) * model_.context_dim},
+        {f.pooled, "pooled_projections", static_cast<size_t>(model_.pooled_dim)},
+        {f.condition, "condition_latents", static_cast<size_t>(model_.condition_len) * model_.in_channels}};
+    for (const auto& [set, name, numel] : fields) {
       if (numel == 0) continue;
       values.resize(numel);
-      read(f, name, local, values.data(), numel);
+      read(f, set, name, local, values.data(), numel);
       for (float v : values)
         if (!std::isfinite(v))
           return strprintf("%s: '%s': record %llu of dataset '%s' holds a non-finite value; re-encode that image",

@@ -11,6 +11,8 @@
 // flow-matching sample (flow_matching.hpp): the noisy latent, the noise level, the target.
 #pragma once
 
+#include <hdf5.h>
+
 #include <memory>
 #include <string>
 #include <vector>
@@ -41,8 +43,8 @@ class LatentDataset final : public DataSource {
 
  private:
   struct File;
-  // Reads record `local` of file `f`'s dataset `name` (numel floats) into dst.
-  void read(const File& f, const char* name, uint64_t local, float* dst, size_t numel) const;
+  // Reads record `local` of file `f`'s dataset `set` (named `name` in messages; numel floats) into dst.
+  void read(const File& f, hid_t set, const char* name, uint64_t local, float* dst, size_t numel) const;
 
   std::string option_, value_;
   ModelConfig model_;

@@ -96,6 +96,14 @@ FluxModel<Real>::FluxModel(const ParamTable& table, int batch, int image_tokens,
       adapters_(table, batch * d_.S, ops) {
   SHARD_CHECK(image_tokens >= 1 && image_tokens <= table.config().max_seq_len, "%d target tokens, max_seq_len %d",
               image_tokens, table.config().max_seq_len);
+  // Pair k of rotary axis a turns by id_a * theta^(-2k / axes[a]) (computed in double as diffusers does).
+  std::array<int, 3> axes{};
+  parse_rope_axes(table.config().rope_axes, &axes);
+  for (int a = 0; a < 3; a++)
+    for (int k = 0; k < axes[a] / 2; k++) {
+      rope_axis_.push_back(a);
+      rope_freq_.push_back(1.0 / std::pow(table.config().rope_theta, 2.0 * k / axes[a]));
+    }
   if (table.adapter().dropout > 0)
     throw UsageError("adapter.dropout: not implemented for model.arch=flux yet (its products' rows are text, image "
                      "and joint tokens); set adapter.dropout=0");
@@ -140,59 +148,47 @@ void FluxModel<Real>::upload_sinusoid(Array& dst, const Batch& batch, const char
   ops_.device().copy_to_device(dst.data(), host.data(), dst.bytes());
 }
 
-// The rotary tables of the joint sequence [text; image] from the position ids: axis a covers
-// axes[a] of the head's dimensions, pair k of it turns by id_a * theta^(-2k / axes[a]) (computed
-// in double as diffusers does, then rounded).
+// The rotary tables of the joint sequence [text; image] from the position ids (rope_axis_,
+// rope_freq_), computed in double and rounded.
 template <typename Real>
 void FluxModel<Real>::upload_rope(const Batch& batch) {
-  const ModelConfig& c = table_.config();
-  std::array<int, 3> axes{};
-  parse_rope_axes(c.rope_axes, &axes);
   const float* txt = batch.get<float>(FLUX_TXT_IDS, static_cast<size_t>(d_.L) * 3);
   const float* img = batch.get<float>(FLUX_IMG_IDS, static_cast<size_t>(d_.N) * 3);
+  // The ids rarely change between micro-batches (one grid per run): the tables are made again
+  // only when they do.
+  std::vector<float> ids(txt, txt + static_cast<size_t>(d_.L) * 3);
+  ids.insert(ids.end(), img, img + static_cast<size_t>(d_.N) * 3);
+  if (ids == rope_ids_) return;
+  rope_ids_ = std::move(ids);
   const int half = d_.D / 2;
   std::vector<Real> cos(static_cast<size_t>(d_.S) * half), sin(cos.size());
-  for (int t = 0; t < d_.S; t++) {
-    const float* id = t < d_.L ? txt + static_cast<size_t>(t) * 3 : img + static_cast<size_t>(t - d_.L) * 3;
-    int pair = 0;
-    for (int a = 0; a < 3; a++)
-      for (int k = 0; k < axes[a] / 2; k++, pair++) {
-        const double freq = 1.0 / std::pow(c.rope_theta, 2.0 * k / axes[a]);
-        const double angle = static_cast<double>(id[a]) * freq;
-        cos[static_cast<size_t>(t) * half + pair] = static_cast<Real>(std::cos(angle));
-        sin[static_cast<size_t>(t) * half + pair] = static_cast<Real>(std::sin(angle));
-      }
-  }
+  for (int t = 0; t < d_.S; t++)
+    for (int pair = 0; pair < half; pair++) {
+      const double angle = static_cast<double>(rope_ids_[3 * t + rope_axis_[pair]]) * rope_freq_[pair];
+      cos[static_cast<size_t>(t) * half + pair] = static_cast<Real>(std::cos(angle));
+      sin[static_cast<size_t>(t) * half + pair] = static_cast<Real>(std::sin(angle));
+    }
   ops_.device().copy_to_device(buf_.rope_cos.data(), cos.data(), buf_.rope_cos.bytes());
   ops_.device().copy_to_device(buf_.rope_sin.data(), sin.data(), buf_.rope_sin.bytes());
 }
 
 template <typename Real>
-void FluxModel<Real>::join(Real* joint, int joint_width, int column, const Real* stream, int n, int offset) {
+void FluxModel<Real>::join(Real* joint, int joint_width, int column, const Real* stream, int n, int offset,
+                           int joint_rows) {
+  if (joint_rows == 0) joint_rows = d_.S;
   for (int b = 0; b < d_.B; b++)
-    ops_.copy_rows(joint + (static_cast<size_t>(b) * d_.S + offset) * joint_width + column, joint_width,
+    ops_.copy_rows(joint + (static_cast<size_t>(b) * joint_rows + offset) * joint_width + column, joint_width,
                    stream + static_cast<size_t>(b) * n * d_.C, d_.C, n, d_.C);
 }
 
 template <typename Real>
-void FluxModel<Real>::take_rows(Real* dst, const Real* src, int src_rows, int offset, int n) {
-  for (int b = 0; b < d_.B; b++)
-    ops_.copy_rows(dst + static_cast<size_t>(b) * n * d_.C, d_.C,
-                   src + (static_cast<size_t>(b) * src_rows + offset) * d_.C, d_.C, n, d_.C);
-}
-
-template <typename Real>
-void FluxModel<Real>::place_rows(Real* dst, int dst_rows, int offset, const Real* src, int n) {
-  for (int b = 0; b < d_.B; b++)
-    ops_.copy_rows(dst + (static_cast<size_t>(b) * dst_rows + offset) * d_.C, d_.C,
-                   src + static_cast<size_t>(b) * n * d_.C, d_.C, n, d_.C);
-}
-
-template <typename Real>
-void FluxModel<Real>::split(Real* stream, const Real* joint, int joint_width, int column, int n, int offset) {
+void FluxModel<Real>::split(Real* stream, const Real* joint, int joint_width, int column, int n, int offset,
+                            int joint_rows) {
+  if (joint_rows == 0) joint_rows = d_.S;
   for (int b = 0; b < d_.B; b++)
     ops_.copy_rows(stream + static_cast<size_t>(b) * n * d_.C, d_.C,
-                   joint + (static_cast<size_t>(b) * d_.S + offset) * joint_width + column, joint_width, n, d_.C);
+                   joint + (static_cast<size_t>(b) * joint_rows + offset) * joint_width + column, joint_width, n,
+                   d_.C);
 }
 
 // --- forward ---
@@ -338,9 +334,9 @@ const Real* FluxModel<Real>::predict(const Real* root) {
   auto R = [&](int p) { return param_in(table_, root, ROOT_UNIT, p); };
   Buffers& b = buf_;
   if (d_.single_blocks > 0)  // only the target image tokens leave
-    take_rows(b.x_final.data(), b.joint[d_.single_blocks].data(), d_.S, d_.L, N);
+    split(b.x_final.data(), b.joint[d_.single_blocks].data(), C, 0, N, d_.L);
   else
-    take_rows(b.x_final.data(), b.img[d_.double_blocks].data(), d_.N, 0, N);
+    split(b.x_final.data(), b.img[d_.double_blocks].data(), C, 0, N, 0, d_.N);
   ops_.matmul_forward(b.mod_out.data(), b.temb_silu.data(), R(FLUX_NORM_OUT_W), R(FLUX_NORM_OUT_B), B, C, 2 * C);
   ops_.modulate_forward(b.xo.data(), b.xo_mean.data(), b.xo_rstd.data(), b.x_final.data(), b.mod_out.data() + C,
                         b.mod_out.data(), 2 * C, B, N, C, d_.eps);  // AdaLayerNormContinuous: scale, then shift
@@ -377,10 +373,10 @@ void FluxModel<Real>::head_backward(Real* g, const Real* root, Real dloss) {
                        R(FLUX_NORM_OUT_W), B, C, 2 * C);
   if (d_.single_blocks > 0) {  // the text and condition tokens' rows get no gradient from the loss
     b.d_joint.zero();
-    place_rows(b.d_joint.data(), d_.S, d_.L, b.d_final.data(), N);
+    join(b.d_joint.data(), C, 0, b.d_final.data(), N, d_.L);
   } else {
     b.d_img.zero(), b.d_txt.zero();
-    place_rows(b.d_img.data(), d_.N, 0, b.d_final.data(), N);
+    join(b.d_img.data(), C, 0, b.d_final.data(), N, 0, d_.N);
   }
 }
 

@@ -94,14 +94,11 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   // The sinusoid of 1000 x each sample's value of `name` into dst (B x 256).
   void upload_sinusoid(Array& dst, const Batch& batch, const char* name);
   void upload_rope(const Batch& batch);
-  // Joins (B, n, C) rows of a stream into the (B, S, C') rows of the joint sequence at `offset`
-  // within the sequence and `column` within a row, or splits them back out.
-  void join(Real* joint, int joint_width, int column, const Real* stream, int n, int offset);
-  void split(Real* stream, const Real* joint, int joint_width, int column, int n, int offset);
-  // Rows [offset, offset + n) of each sample of `src` (src_rows C-wide rows per sample) into dst
-  // (n rows per sample), or (place) back at that offset of dst (dst_rows per sample).
-  void take_rows(Real* dst, const Real* src, int src_rows, int offset, int n);
-  void place_rows(Real* dst, int dst_rows, int offset, const Real* src, int n);
+  // Joins (B, n, C) rows of a stream into the (B, joint_rows, C') rows of a joint sequence (0: the
+  // S of [text; image]) at `offset` within the sequence and `column` within a row, or splits them
+  // back out.
+  void join(Real* joint, int joint_width, int column, const Real* stream, int n, int offset, int joint_rows = 0);
+  void split(Real* stream, const Real* joint, int joint_width, int column, int n, int offset, int joint_rows = 0);
 
   void double_forward(int l, const Real* w);
   void single_forward(int j, const Real* w);
@@ -133,6 +130,9 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   ModelAdapters<Real> adapters_;  // around every linear layer of the blocks (model/adapter_layers.hpp)
   Buffers buf_;
   const Real* root_ = nullptr;  // the root unit, gathered from embed_forward to embed_backward
+  std::vector<int> rope_axis_;      // per pair of head dimensions: its axis of the position ids
+  std::vector<double> rope_freq_;   // and its frequency
+  std::vector<float> rope_ids_;     // the ids the rotary tables hold ([text; image], 3 each)
   SquaredErrorLoss<Real> squared_error_;
 };
 
