@@ -182,6 +182,17 @@ void SafetensorsReader::read_fp32(const SafetensorsTensor& t, uint64_t first, ui
   }
 }
 
+void SafetensorsReader::read_raw(const SafetensorsTensor& t, const std::string& dtype, uint64_t first, uint64_t count,
+                                 void* out) const {
+  auto fail = [&](const std::string& why) {
+    throw CheckpointError("safetensors file '" + path_ + "', tensor '" + t.name + "': " + why);
+  };
+  if (t.dtype != dtype) fail("dtype " + t.dtype + " where " + dtype + " is expected");
+  if (first > t.numel || count > t.numel - first) fail("elements requested beyond the tensor");
+  const size_t element = dtype_size(t.dtype);
+  if (!pread_all(fd_, out, count * element, t.begin + first * element)) fail("cannot read: " + io_reason());
+}
+
 SafetensorsLayout::SafetensorsLayout(const std::vector<SafetensorsEntry>& entries,
                                      const std::map<std::string, std::string>& metadata)
     : entries_(entries) {

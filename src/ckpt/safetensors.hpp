@@ -44,6 +44,11 @@ class SafetensorsReader {
   // Elements [first, first + count) of an F32, BF16 or F16 tensor, widened to fp32. Throws
   // CheckpointError for another dtype, a range outside the tensor, or a short read.
   void read_fp32(const SafetensorsTensor& tensor, uint64_t first, uint64_t count, float* out) const;
+  // Elements [first, first + count) of a tensor of the given dtype ("U8", "F32", ...) as stored
+  // (little-endian bytes): a quantized tensor's codes and scales. Throws CheckpointError for
+  // another dtype or a range outside the tensor.
+  void read_raw(const SafetensorsTensor& tensor, const std::string& dtype, uint64_t first, uint64_t count,
+                void* out) const;
 
  private:
   std::string path_;

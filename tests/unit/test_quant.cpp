@@ -1,0 +1,128 @@
+// The quantized formats (backend/quant.hpp) against bitsandbytes' and torch's own results:
+// tests/fixtures/bnb/quant.safetensors holds bitsandbytes 0.50's quantize_4bit and dequantize_4bit
+// of awkward tensors for every block size (written by make_fixture.py beside it) and torch's
+// float8_e4m3fn rounding of every kind of value, so equality here is bit-equality with them.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "backend/quant.hpp"
+#include "ckpt/safetensors.hpp"
+
+namespace shardtrain {
+namespace {
+
+const char* FIXTURE = "tests/fixtures/bnb/quant.safetensors";
+
+template <typename T>
+std::vector<T> read(const SafetensorsReader& file, const std::string& name, const std::string& dtype) {
+  const SafetensorsTensor* t = file.find(name);
+  if (!t) throw std::runtime_error("fixture lacks " + name);
+  std::vector<T> out(t->numel);
+  file.read_raw(*t, dtype, 0, t->numel, out.data());
+  return out;
+}
+
+// Quantizes `x` block by block into bitsandbytes' tensor layout (codes of the whole flattening,
+// then the absmax of each block) through our records.
+void quantize_as_bnb(QuantType type, const std::vector<float>& x, size_t block, std::vector<uint8_t>* packed,
+                     std::vector<float>* absmax) {
+  std::vector<uint8_t> record(quant_record_bytes(type, block));
+  packed->assign((x.size() + 1) / 2, 0);
+  absmax->clear();
+  for (size_t b = 0; b * block < x.size(); b++) {
+    const size_t valid = std::min(block, x.size() - b * block);
+    quantize_block(type, x.data() + b * block, valid, block, record.data());
+    std::copy(record.begin(), record.begin() + (valid + 1) / 2, packed->begin() + b * block / 2);
+    absmax->push_back(quant_scale(type, record.data(), block));
+  }
+}
+
+TEST(Quant, FourBitCodesAndScalesAreBitsandbytesOwn) {
+  SafetensorsReader file(FIXTURE);
+  int cases = 0;
+  for (QuantType type : {QUANT_NF4, QUANT_FP4})
+    for (size_t block = 32; block <= 4096; block *= 2)
+      for (const char* label : {"odd", "tiny", "ties"}) {
+        const std::string key = std::string(quant_type_name(type)) + "." + std::to_string(block) + "." + label;
+        const std::vector<float> x = read<float>(file, key + ".input", "F32");
+        std::vector<uint8_t> packed;
+        std::vector<float> absmax;
+        quantize_as_bnb(type, x, block, &packed, &absmax);
+        const std::vector<uint8_t> want_packed = read<uint8_t>(file, key + ".packed", "U8");
+        const std::vector<float> want_absmax = read<float>(file, key + ".absmax", "F32");
+        ASSERT_EQ(packed, want_packed) << key;
+        ASSERT_EQ(absmax.size(), want_absmax.size()) << key;
+        for (size_t i = 0; i < absmax.size(); i++)
+          ASSERT_EQ(float_bits(absmax[i]), float_bits(want_absmax[i])) << key << " block " << i;
+        cases++;
+      }
+  EXPECT_EQ(cases, 48);
+}
+
+TEST(Quant, FourBitDequantizationIsBitsandbytesOwnInFp32AndBf16) {
+  SafetensorsReader file(FIXTURE);
+  for (QuantType type : {QUANT_NF4, QUANT_FP4})
+    for (size_t block = 32; block <= 4096; block *= 2)
+      for (const char* label : {"odd", "tiny", "ties"}) {
+        const std::string key = std::string(quant_type_name(type)) + "." + std::to_string(block) + "." + label;
+        const std::vector<float> x = read<float>(file, key + ".input", "F32");
+        const std::vector<float> want = read<float>(file, key + ".dequant", "F32");
+        const std::vector<uint16_t> want_bf16 = read<uint16_t>(file, key + ".dequant_bf16", "BF16");
+        std::vector<uint8_t> record(quant_record_bytes(type, block));
+        for (size_t b = 0; b * block < x.size(); b++) {
+          const size_t valid = std::min(block, x.size() - b * block);
+          quantize_block(type, x.data() + b * block, valid, block, record.data());
+          for (size_t i = 0; i < valid; i++) {
+            const float v = dequantize_element(type, record.data(), block, i);
+            ASSERT_EQ(float_bits(v), float_bits(want[b * block + i])) << key << " element " << b * block + i;
+            ASSERT_EQ(float_to_bf16(v), want_bf16[b * block + i]) << key << " element " << b * block + i;
+          }
+        }
+      }
+}
+
+TEST(Quant, Fp8RoundsAsTorchFloat8E4m3fn) {
+  SafetensorsReader file(FIXTURE);
+  const std::vector<float> x = read<float>(file, "fp8.input", "F32");
+  const std::vector<uint8_t> want = read<uint8_t>(file, "fp8.bytes", "U8");
+  ASSERT_GT(x.size(), 8000u);
+  for (size_t i = 0; i < x.size(); i++) ASSERT_EQ(float_to_e4m3(x[i]), want[i]) << "x = " << x[i];
+  // Every code decodes to the value its bits name (sign, 4 exponent bits bias 7, 3 mantissa bits).
+  for (int c = 0; c < 256; c++) {
+    if ((c & 0x7F) == 0x7F) continue;  // NaN
+    const int e = (c >> 3) & 15, m = c & 7;
+    const double magnitude = e == 0 ? m * std::ldexp(1.0, -9) : (1.0 + m / 8.0) * std::ldexp(1.0, e - 7);
+    EXPECT_EQ(static_cast<double>(e4m3_to_float(static_cast<uint8_t>(c))), c & 0x80 ? -magnitude : magnitude) << c;
+    EXPECT_EQ(float_to_e4m3(e4m3_to_float(static_cast<uint8_t>(c))), c == 0x80 ? 0x80 : c) << c;
+  }
+}
+
+TEST(Quant, Fp8BlocksScaleByAbsmaxOver448) {
+  const size_t block = 64;
+  std::vector<float> x(block);
+  for (size_t i = 0; i < block; i++) x[i] = std::sin(0.7 * i) * 0.3f;
+  x[5] = -1.5f;  // the absmax, negative
+  std::vector<uint8_t> record(quant_record_bytes(QUANT_FP8, block));
+  quantize_block(QUANT_FP8, x.data(), block, block, record.data());
+  EXPECT_EQ(quant_scale(QUANT_FP8, record.data(), block), 1.5f / 448.0f);
+  EXPECT_EQ(dequantize_element(QUANT_FP8, record.data(), block, 5), -448.0f * (1.5f / 448.0f));
+  for (size_t i = 0; i < block; i++)  // e4m3 keeps 3 mantissa bits: relative error <= 2^-4
+    EXPECT_NEAR(dequantize_element(QUANT_FP8, record.data(), block, i), x[i], std::fabs(x[i]) / 16 + 1.5 / 448 / 512);
+  // A partial block: the rest reads as zeros, the scale from the valid elements alone.
+  quantize_block(QUANT_FP8, x.data(), 3, block, record.data());
+  EXPECT_EQ(quant_scale(QUANT_FP8, record.data(), block), std::fabs(x[2]) / 448.0f);
+  for (size_t i = 3; i < block; i++) EXPECT_EQ(dequantize_element(QUANT_FP8, record.data(), block, i), 0.0f);
+}
+
+TEST(Quant, RecordSizesAreTheFormulas) {
+  EXPECT_EQ(quant_record_bytes(QUANT_NF4, 64), 36u);  // 0.5625 bytes per element
+  EXPECT_DOUBLE_EQ(quant_bytes_per_element(QUANT_NF4, 64), 0.5625);
+  EXPECT_EQ(quant_record_bytes(QUANT_FP8, 64), 68u);
+  EXPECT_TRUE(quant_block_ok(32) && quant_block_ok(4096) && !quant_block_ok(48) && !quant_block_ok(16));
+}
+
+}  // namespace
+}  // namespace shardtrain
