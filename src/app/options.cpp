@@ -282,6 +282,12 @@ void declare_options(OptionList& o, Config& c) {
   o.add_choice("fsdp.comm_backend", &c.fsdp.comm_backend, COMM_BACKENDS, comm_backend_name,
                "collectives on device buffers: nccl (one GPU per rank) or mpi (host MPI; on GPUs through host "
                "staging buffers, so several ranks may share one GPU); auto = nccl on cuda, mpi on cpu");
+  o.add_choice("fsdp.frozen_dtype", &c.fsdp.frozen_dtype, QUANT_TYPES, quant_type_name,
+               "the format of the frozen linear weights (the base under adapters, frozen blocks): nf4 or fp4 as "
+               "bitsandbytes stores them, fp8 (e4m3, a scale per block); held, gathered and stored quantized, "
+               "dequantized into each gathered block (docs/quantization.md); fp32 = full precision");
+  o.add("fsdp.quant_block", &c.fsdp.quant_block,
+        "fsdp.frozen_dtype's block: elements sharing one scale, a power of two from 32 to 4096");
   o.add("checkpoint.dir", &c.checkpoint.dir, "checkpoint folder; empty = checkpoints/<train.run_name>");
   o.add("checkpoint.every", &c.checkpoint.every, "save every N steps; 0 = only at the end");
   o.add("checkpoint.format", &c.checkpoint.format,
@@ -704,6 +710,12 @@ void validate_config(const Config& c, int world) {
   require(c.flow.shift > 0, "flow.shift must be > 0 (1 = no shift)");
   require(t.device != "cuda" || family_of(m).runs_on_cuda(),
           "model.arch=" + m.arch + " has no CUDA kernels yet (its layers run on the CPU backend): set train.device=cpu");
+  require(quant_block_ok(c.fsdp.quant_block),
+          strprintf("fsdp.quant_block=%d must be a power of two from 32 to 4096 (bitsandbytes' block sizes; 64 is "
+                    "theirs by default)", c.fsdp.quant_block));
+  require(c.fsdp.frozen_dtype == QUANT_NONE || t.device != "cuda",
+          std::string("fsdp.frozen_dtype=") + quant_type_name(c.fsdp.frozen_dtype) +
+              ": the CUDA backend has no dequantization kernels yet; set train.device=cpu or fsdp.frozen_dtype=fp32");
   require(t.seq_len >= 1 && t.seq_len <= m.max_seq_len,
           strprintf("train.seq_len=%d must be in [1, model.max_seq_len=%d]", t.seq_len, m.max_seq_len));
   require(t.steps >= 1, "train.steps must be >= 1");
@@ -801,7 +813,8 @@ AdapterConfig adapter_config(const Config& c) {
 }
 
 ParamTable config_param_table(const Config& c) {
-  return ParamTable(c.model, split_comma_list(c.train.freeze), adapter_config(c));
+  return ParamTable(c.model, split_comma_list(c.train.freeze), adapter_config(c),
+                    QuantConfig{c.fsdp.frozen_dtype, static_cast<size_t>(c.fsdp.quant_block)});
 }
 
 std::string train_help() {

@@ -81,6 +81,8 @@ struct FsdpOptions {
   MemorySize memory_limit;    // e.g. 24GiB: emulates a device's memory; none by default
   double comm_timeout = 300;  // seconds; 0 disables the watchdog
   CommBackend comm_backend = COMM_AUTO;  // collectives on device buffers: NCCL or MPI
+  QuantType frozen_dtype = QUANT_NONE;   // frozen linear weights held in NF4, FP4 or FP8 (backend/quant.hpp)
+  int quant_block = 64;                  // its block of elements
 };
 
 struct CheckpointOptions {

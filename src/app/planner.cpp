@@ -43,21 +43,28 @@ struct Candidate {
 
 double traffic_per_step(const ParamTable& table, const Candidate& c, const EngineOptions& options, int accumulation) {
   const double N = c.shard_size, R = c.replicas, A = accumulation;
-  // Every parameter is gathered; only the trainable ones (docs/freezing.md) are reduced.
-  auto padded = [N](size_t numel) { return std::ceil(static_cast<double>(numel) / N) * N; };
+  // Every parameter is gathered -- a quantized space as its records (docs/quantization.md) --;
+  // only the trainable ones (docs/freezing.md) are reduced.
+  auto padded = [N](double numel) { return std::ceil(numel / N) * N; };
+  const QuantConfig& quant = table.quant();
+  auto gathered_bytes = [&](const UnitInfo& unit) {
+    const double blocks = unit.quantized_numel ? padded(static_cast<double>(unit.quantized_numel / quant.block)) : 0;
+    return padded(static_cast<double>(unit.plain_numel)) * dtype_bytes(options.param_dtype) +
+           (blocks ? blocks * quant_record_bytes(quant.type, quant.block) : 0);
+  };
   double psi = 0, trainable = 0, block = 0;
   for (size_t u = 0; u < table.units().size(); u++) {
     const UnitInfo& unit = table.units()[u];
-    psi += padded(unit.numel);
-    trainable += padded(unit.trainable_numel);
-    if (u != ROOT_UNIT) block = padded(unit.numel);
+    psi += gathered_bytes(unit);
+    trainable += padded(static_cast<double>(unit.trainable_numel));
+    if (u != ROOT_UNIT) block = gathered_bytes(unit);
   }
   double bytes = 0;
   if (N > 1) {
     const double regathered = std::max(0, table.block_count() - options.limit_all_gathers) * block;
     const double gathers = c.strategy == SHARDING_SHARD_GRAD_OP ? A * psi : A * (psi + regathered);
     const double reduces = (c.reduce_every_microbatch ? A : 1) * trainable;
-    bytes += (gathers * dtype_bytes(options.param_dtype) + reduces * dtype_bytes(options.reduce_dtype)) * (N - 1) / N;
+    bytes += (gathers + reduces * dtype_bytes(options.reduce_dtype)) * (N - 1) / N;
   }
   if (R > 1) bytes += 4 * 2 * (trainable / N) * (R - 1) / R;  // replica all-reduce, fp32
   return bytes;

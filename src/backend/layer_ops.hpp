@@ -15,6 +15,7 @@
 #include "backend/device.hpp"
 #include "backend/dtype.hpp"
 #include "backend/math.hpp"
+#include "backend/quant.hpp"
 
 namespace shardtrain {
 
@@ -218,6 +219,14 @@ class ShardOps {
   // out[i] = round(in[i]) to `type` (bf16 or fp16, round to nearest even as backend/dtype.hpp).
   virtual void to_half(uint16_t* out, const float* in, size_t n, DType type) const = 0;
   virtual void from_half(float* out, const uint16_t* in, size_t n, DType type) const = 0;
+  // A gathered quantized space (backend/quant.hpp): `blocks` records of `block` elements each into
+  // out[b * block + i], and with a 16-bit `half` (non-null) their rounding to half_type into half,
+  // out then being its widening (what LayerOps::bind_half_copy requires of a bound buffer).
+  virtual void dequantize_blocks(float* out, uint16_t* half, DType half_type, const uint8_t* records, size_t blocks,
+                                 QuantType type, size_t block) const {
+    throw MissingOp("this compute backend has no dequantization kernels: a quantized frozen base "
+                    "(fsdp.frozen_dtype) trains on the CPU backend (train.device=cpu) for now");
+  }
   // The whole AdamW step in one launch: for every segment (a table of `count` entries in the
   // device's memory, each at most kAdamWSegmentElements) and i in [0, n), adamw_update(&param[i],
   // &m[i], &v[i], grad[i] * multiplier, decay, step), with the multiplier adamw_grad_multiplier

@@ -50,6 +50,13 @@ inline double quant_bytes_per_element(QuantType t, size_t block) {
   return static_cast<double>(quant_record_bytes(t, block)) / static_cast<double>(block);
 }
 
+// fsdp.frozen_dtype and fsdp.quant_block: the format of the frozen linear weights (QUANT_NONE: fp32
+// master shards like every other parameter) and its block size.
+struct QuantConfig {
+  QuantType type = QUANT_NONE;
+  size_t block = 64;
+};
+
 // NF4's 16 values (bitsandbytes' table, as fp32), sorted; FP4's are e2m1's values over 12 in
 // bitsandbytes' code order (sign bit 8), unsorted.
 HOST_DEVICE inline float quant4_code_value(QuantType t, int code) {

@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <cstring>
 #include <sstream>
 
@@ -41,54 +42,60 @@ struct Piece {
   float* check_data = nullptr;
 };
 
-// HDF5 reads and writes host memory. Shards on the host are used in place; shards on a GPU pass
-// through host copies of the rank's parameters and moments (as large as the shards themselves).
-// Frozen parameters have no moments: their moment datasets are written as zeros and, on load,
-// read (for the checksum) into a scratch buffer and dropped. Without an optimizer (a weights-only
-// save or load) there are no moments at all: at() and buffer() give null for them.
+// HDF5 reads and writes host memory. Parameters pass through each unit's HostShard (in place for
+// shards on the host without a quantized space; else a host copy, the quantized space dequantized,
+// and quantized again by upload()); moments on the host are used in place, on a GPU through host
+// copies. Frozen and quantized parameters have no moments: their moment datasets are written as
+// zeros and, on load, read (for the checksum) into a scratch buffer and dropped. Without an
+// optimizer (a weights-only save or load) there are no moments at all: at() and buffer() give null
+// for them.
 class HostShards {
  public:
   HostShards(FsdpEngine& engine, AdamW* optimizer, bool download) {
     size_t frozen_shard = 0;
     for (size_t u = 0; u < engine.shards().size(); u++) {
-      DeviceArray<float>* arrays[3] = {&engine.shards()[u].params, optimizer ? &optimizer->m()[u] : nullptr,
-                                       optimizer ? &optimizer->v()[u] : nullptr};
-      for (DeviceArray<float>* a : arrays) {
-        arrays_.push_back(a);
+      params_.push_back(engine.host_shard(static_cast<int>(u)));
+      DeviceArray<float>* moments[2] = {optimizer ? &optimizer->m()[u] : nullptr, optimizer ? &optimizer->v()[u] : nullptr};
+      for (DeviceArray<float>* a : moments) {
+        moments_.push_back(a);
         copies_.emplace_back(!a || a->on_host() ? 0 : a->size());
         if (download && a && !a->on_host()) a->device()->copy_to_host(copies_.back().data(), a->data(), a->bytes());
       }
-      frozen_shard = std::max(frozen_shard, engine.shards()[u].layout.frozen.shard_numel);
+      const UnitLayout& l = engine.shards()[u].layout;
+      frozen_shard = std::max({frozen_shard, l.frozen.shard_numel, l.quantized.shard_numel});
     }
     if (optimizer) frozen_moments_.assign(frozen_shard, 0.0f);
   }
-  bool has_moments() const { return arrays_.size() < 2 || arrays_[1]; }
+  bool has_moments() const { return moments_.empty() || moments_[0]; }
   // k: 0 parameters, 1 first moment, 2 second moment. Element `index` of the unit's shard buffer
   // (UnitLayout::local_part), in `space`.
   float* at(size_t unit, int k, const UnitLayout& layout, const SpaceLayout& space, size_t index) {
     if (k > 0 && !has_moments()) return nullptr;
-    if (k > 0 && &space == &layout.frozen) return frozen_moments_.data() + (index - space.local);
+    if (k > 0 && &space != &layout.trainable) return frozen_moments_.data() + (index - space.local);
     return buffer(unit, k) + index;
   }
   float* buffer(size_t unit, int k) {
-    const size_t i = 3 * unit + k;
-    if (!arrays_[i]) return nullptr;
-    return arrays_[i]->on_host() ? arrays_[i]->data() : copies_[i].data();
+    if (k == 0) return params_[unit].data();
+    const size_t i = 2 * unit + k - 1;
+    if (!moments_[i]) return nullptr;
+    return moments_[i]->on_host() ? moments_[i]->data() : copies_[i].data();
   }
   void zero() {
-    for (size_t i = 0; i < arrays_.size(); i++) {
-      float* values = buffer(i / 3, i % 3);
-      if (values) std::fill(values, values + arrays_[i]->size(), 0.0f);
-    }
+    for (HostShard& p : params_) std::fill(p.data(), p.data() + p.size(), 0.0f);
+    for (size_t i = 0; i < moments_.size(); i++)
+      if (float* values = buffer(i / 2, 1 + i % 2)) std::fill(values, values + moments_[i]->size(), 0.0f);
   }
-  void upload() {
-    for (size_t i = 0; i < arrays_.size(); i++)
-      if (arrays_[i] && !arrays_[i]->on_host())
-        arrays_[i]->device()->copy_to_device(arrays_[i]->data(), copies_[i].data(), arrays_[i]->bytes());
+  // with_quantized false: the quantized spaces were not read (an adapter-only file) and keep their records.
+  void upload(bool with_quantized) {
+    for (HostShard& p : params_) p.upload(with_quantized);
+    for (size_t i = 0; i < moments_.size(); i++)
+      if (moments_[i] && !moments_[i]->on_host())
+        moments_[i]->device()->copy_to_device(moments_[i]->data(), copies_[i].data(), moments_[i]->bytes());
   }
 
  private:
-  std::vector<DeviceArray<float>*> arrays_;  // per unit: parameters, first moment, second moment (null: none)
+  std::vector<HostShard> params_;
+  std::vector<DeviceArray<float>*> moments_;  // per unit: first moment, second moment (null: none)
   std::vector<std::vector<float>> copies_;
   std::vector<float> frozen_moments_;
 };
@@ -151,22 +158,23 @@ std::vector<DatasetSpec> dataset_specs(const ParamTable& table, const ParamTable
     if (unit_numel == 0) continue;  // an adapter-only file: a unit without adapters has no datasets
     for (int k = 0; k < 3; k++) {
       if (layout == "sharded") {
-        // The unit's stored parameters in declaration order; neighbours frozen alike are
-        // neighbours in the unit too, and one run.
+        // The unit's stored parameters in declaration order; neighbours in one space (trainable,
+        // frozen, quantized) that are neighbours in the unit too are one run.
         DatasetSpec d{dataset_name(layout, unit.name, "", k), {unit_numel}, unit_numel, u, k, {}};
-        bool last_frozen = false;
+        int last_space = 0;
         for (int id : unit.params) {
           const ParamInfo& p = table.params()[id];
           if (!stored(p, adapters_only)) continue;
           const ParamInfo& q = run.params()[id];
           const size_t first = stored_offset(table, p, adapters_only);
           DatasetRun* last = d.runs.empty() ? nullptr : &d.runs.back();
-          if (last && q.frozen == last_frozen && last->unit_begin + last->numel == q.offset &&
+          const int space = q.frozen + q.quantized;
+          if (last && space == last_space && last->unit_begin + last->numel == q.offset &&
               last->first + last->numel == first)
             last->numel += p.numel;
           else
             d.runs.push_back({first, q.offset, p.numel});
-          last_frozen = q.frozen;
+          last_space = space;
         }
         specs.push_back(std::move(d));
         continue;
@@ -815,13 +823,10 @@ static uint64_t local_base_checksum(FsdpEngine& engine, F&& unit_params) {
 }
 
 uint64_t base_model_checksum(FsdpEngine& engine, Comm& comm) {
-  std::vector<float> copy;  // a unit's shard, where it lives on a GPU
+  std::optional<HostShard> shard;  // the unit's, on the host
   std::vector<uint64_t> sum = {local_base_checksum(engine, [&](size_t u) -> const float* {
-    DeviceArray<float>& params = engine.shards()[u].params;
-    if (params.on_host()) return params.data();
-    copy.resize(params.size());
-    params.device()->copy_to_host(copy.data(), params.data(), params.bytes());
-    return copy.data();
+    shard.emplace(engine.host_shard(static_cast<int>(u)));
+    return shard->data();
   })};
   sum_over_ranks(sum, comm);
   return sum[0];
@@ -1046,7 +1051,7 @@ static CheckpointState load_checkpoint_impl(const std::string& path, FsdpEngine&
     Watchdog::Scope scope(ranks.watchdog, "checkpoint load: H5Fclose");
     dxpl.reset(), file.reset();
   }
-  host.upload();
+  host.upload(!state.adapters_only);
   return state;
 }
 

@@ -36,25 +36,6 @@ void for_row_pieces(size_t first, size_t count, size_t cols, F f) {
   }
 }
 
-// This rank's host view of a unit shard: the shard itself on the host, else a copy (download) that
-// upload() puts back.
-class HostShard {
- public:
-  explicit HostShard(DeviceArray<float>& params) : params_(params) {
-    if (params.on_host()) return;
-    copy_.resize(params.size());
-    params.device()->copy_to_host(copy_.data(), params.data(), params.bytes());
-  }
-  float* data() { return params_.on_host() ? params_.data() : copy_.data(); }
-  void upload() {
-    if (!params_.on_host()) params_.device()->copy_to_device(params_.data(), copy_.data(), params_.bytes());
-  }
-
- private:
-  DeviceArray<float>& params_;
-  std::vector<float> copy_;
-};
-
 // A tensor's name in a file, less the base model's prefix (transformers' base_model_prefix, which
 // files may leave out: a GPT2Model's or LlamaModel's own save): the key we look parameters up by.
 std::string hf_key(const ModelFamily& family, const std::string& name) {
@@ -174,7 +155,7 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
 
   for (size_t u = 0; u < engine.shards().size(); u++) {
     UnitShard& s = engine.shards()[u];
-    HostShard values(s.params);  // what the file lacks (adapters, padding) keeps its value
+    HostShard values = engine.host_shard(static_cast<int>(u));  // what the file lacks (adapters, padding) keeps its value
     std::vector<float> block;
     for (int id : table.units()[u].params) {
       const ParamInfo& p = table.params()[id];
@@ -214,7 +195,7 @@ void write_hf_shards(FsdpEngine& engine, const HfExportPlan& plan,
   std::vector<float> run;
   for (size_t u = 0; u < engine.shards().size(); u++) {
     UnitShard& s = engine.shards()[u];
-    HostShard values(s.params);
+    HostShard values = engine.host_shard(static_cast<int>(u));
     for (int id : table.units()[u].params) {
       const ParamInfo& p = table.params()[id];
       const UnitLayout::Local own = s.layout.local_part(p.range(), true);

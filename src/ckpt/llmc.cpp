@@ -108,8 +108,7 @@ void load_llmc_shards(const std::string& path, FsdpEngine& engine) {
   const long long vocab_extra = static_cast<long long>(header[7] - llmc_padded_vocab(m.vocab_size)) * m.n_embd;
   for (size_t u = 0; u < engine.shards().size(); u++) {
     UnitShard& s = engine.shards()[u];
-    std::vector<float> values(s.layout.shard_numel());  // read on the host, then to the shard's device
-    s.params.device()->copy_to_host(values.data(), s.params.data(), s.params.bytes());  // what the file lacks stays
+    HostShard values = engine.host_shard(static_cast<int>(u));  // what the file lacks stays
     for (int id : table.units()[u].params) {
       const ParamInfo& p = table.params()[id];
       const UnitLayout::Local local = s.layout.local_part(p.range());
@@ -131,7 +130,7 @@ void load_llmc_shards(const std::string& path, FsdpEngine& engine) {
                                         "damaged or comes from a run that diverged; use another file",
                                         path.c_str(), p.name.c_str(), *bad, from - p.offset + (bad - slice)));
     }
-    s.params.device()->copy_to_device(s.params.data(), values.data(), s.params.bytes());
+    values.upload();
   }
 }
 

@@ -237,8 +237,7 @@ void init_dora_magnitudes(FsdpEngine& engine, Comm& world) {
     const int u = block_unit(l);
     const std::vector<LinearSite>& sites = table.block_sites(l);
     UnitShard& s = engine.shards()[u];
-    std::vector<float> values(s.layout.shard_numel());
-    s.params.device()->copy_to_host(values.data(), s.params.data(), s.params.bytes());
+    HostShard values = engine.host_shard(u);
     // Squared row norms of every adapted weight of the block, from the elements this rank owns.
     std::vector<double> squares;
     std::vector<size_t> first_row;  // per adapted site: its rows' position in `squares`
@@ -249,7 +248,7 @@ void init_dora_magnitudes(FsdpEngine& engine, Comm& world) {
       squares.resize(squares.size() + sites[k].out, 0.0);
       const UnitLayout::Local owned = s.layout.local_part(w.range(), true);
       for (size_t e = owned.range.begin; e < owned.range.end; e++) {
-        const double x = values[owned.index + (e - owned.range.begin)];
+        const double x = values.data()[owned.index + (e - owned.range.begin)];
         squares[first_row[k] + (e - w.offset) / sites[k].in] += x * x;
       }
     }
@@ -260,9 +259,10 @@ void init_dora_magnitudes(FsdpEngine& engine, Comm& world) {
       const ParamInfo& m = table.param(u, a + 2);
       const UnitLayout::Local local = s.layout.local_part(m.range());
       for (size_t o = local.range.begin; o < local.range.end; o++)
-        values[local.index + (o - local.range.begin)] = static_cast<float>(std::sqrt(squares[first_row[k] + o - m.offset]));
+        values.data()[local.index + (o - local.range.begin)] =
+            static_cast<float>(std::sqrt(squares[first_row[k] + o - m.offset]));
     }
-    s.params.device()->copy_to_device(s.params.data(), values.data(), s.params.bytes());
+    values.upload(false);  // the magnitudes changed, not the base
   }
 }
 
@@ -340,10 +340,10 @@ void load_peft_adapter(const std::string& source, FsdpEngine& engine) {
       throw CheckpointError(label + ": tensor '" + t.name +
                             "' is not one the configured adapters have (adapter.targets adapts fewer layers?)");
   for (UnitShard& s : engine.shards()) {
-    std::vector<float> values(s.layout.shard_numel());
-    s.params.device()->copy_to_host(values.data(), s.params.data(), s.params.bytes());  // the base stays
+    const int u = static_cast<int>(&s - engine.shards().data());
+    HostShard values = engine.host_shard(u);  // the base stays
     bool any = false;
-    for (int id : table.units()[&s - engine.shards().data()].params) {
+    for (int id : table.units()[u].params) {
       const ParamInfo& p = table.params()[id];
       const UnitLayout::Local local = s.layout.local_part(p.range());
       if (!p.adapter || local.range.empty()) continue;
@@ -356,7 +356,7 @@ void load_peft_adapter(const std::string& source, FsdpEngine& engine) {
                                 ": the file is damaged; use another adapter");
       any = true;
     }
-    if (any) s.params.device()->copy_to_device(s.params.data(), values.data(), s.params.bytes());
+    if (any) values.upload(false);  // the adapters changed, not the base
   }
 }
 

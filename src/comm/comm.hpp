@@ -45,10 +45,13 @@ class Comm {
   // shard may alias that slot of full (in-place gather).
   virtual void all_gather(Span<const float> shard, Span<float> full, const char* what) = 0;
   virtual void all_gather(Span<const uint16_t> shard, Span<uint16_t> full, const char* what) = 0;
+  // Bytes: the records of quantized frozen parameters (backend/quant.hpp).
+  virtual void all_gather(Span<const uint8_t> shard, Span<uint8_t> full, const char* what) = 0;
   // Non-blocking all-gathers for prefetching: the buffers must stay untouched until wait(handle).
   // Every rank starts and waits for them in the same order.
   virtual int start_all_gather(Span<const float> shard, Span<float> full, const char* what) = 0;
   virtual int start_all_gather(Span<const uint16_t> shard, Span<uint16_t> full, const char* what) = 0;
+  virtual int start_all_gather(Span<const uint8_t> shard, Span<uint8_t> full, const char* what) = 0;
   virtual void wait(int handle) = 0;
   // shard += sum over ranks of their full[rank()*shard.size ...]; full.size == shard.size * size().
   // Accumulating into the shard saves the gradient-accumulation pass and a shard-sized buffer.

@@ -35,8 +35,16 @@ class MpiComm final : public Comm {
     gather(shard.data, full.data, shard.size, full.size, MPI_UINT16_T, sizeof(uint16_t), what);
   }
 
+  void all_gather(Span<const uint8_t> shard, Span<uint8_t> full, const char* what) override {
+    gather(shard.data, full.data, shard.size, full.size, MPI_UINT8_T, 1, what);
+  }
+
   int start_all_gather(Span<const float> shard, Span<float> full, const char* what) override {
     return start_gather(shard.data, full.data, shard.size, full.size, MPI_FLOAT, sizeof(float), what);
+  }
+
+  int start_all_gather(Span<const uint8_t> shard, Span<uint8_t> full, const char* what) override {
+    return start_gather(shard.data, full.data, shard.size, full.size, MPI_UINT8_T, 1, what);
   }
 
   int start_all_gather(Span<const uint16_t> shard, Span<uint16_t> full, const char* what) override {

@@ -13,6 +13,11 @@ class SilentComm final : public Comm {
   int size() const override { return size_; }
   void all_gather(Span<const float> shard, Span<float> full, const char*) override { place(shard, full); }
   void all_gather(Span<const uint16_t> shard, Span<uint16_t> full, const char*) override { place(shard, full); }
+  void all_gather(Span<const uint8_t> shard, Span<uint8_t> full, const char*) override { place(shard, full); }
+  int start_all_gather(Span<const uint8_t> shard, Span<uint8_t> full, const char*) override {
+    place(shard, full);
+    return 0;
+  }
   int start_all_gather(Span<const float> shard, Span<float> full, const char*) override {
     place(shard, full);
     return 0;

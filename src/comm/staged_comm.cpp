@@ -32,7 +32,11 @@ class StagedComm final : public Comm {
   void all_gather(Span<const uint16_t> shard, Span<uint16_t> full, const char* what) override {
     gather(shard, full, what);
   }
+  void all_gather(Span<const uint8_t> shard, Span<uint8_t> full, const char* what) override { gather(shard, full, what); }
   int start_all_gather(Span<const float> shard, Span<float> full, const char* what) override {
+    return start_gather(shard, full, what);
+  }
+  int start_all_gather(Span<const uint8_t> shard, Span<uint8_t> full, const char* what) override {
     return start_gather(shard, full, what);
   }
   int start_all_gather(Span<const uint16_t> shard, Span<uint16_t> full, const char* what) override {

@@ -74,6 +74,9 @@ void require_capability(const ModelConfig& config, const std::string& use, const
     const char* label;
   };
   virtual std::vector<FusedGroup> fused_groups(const ModelConfig&, const std::string& /*kind*/) const { return {}; }
+  // Whether a quantized frozen base (fsdp.frozen_dtype) holds this linear layer's weight in its
+  // format; the rest stay fp32.
+  virtual bool quantizable(const LinearSite&) const { return true; }
   // Positions in the root unit of the parameters that take the input's gradient (the embedding
   // tables): when all are frozen, backward stops above the lowest trainable block.
   virtual std::vector<int> input_params() const = 0;

@@ -27,9 +27,10 @@ std::vector<std::string> split_comma_list(const std::string& list) {
   return patterns;
 }
 
-ParamTable::ParamTable(const ModelConfig& c, const std::vector<std::string>& freeze, const AdapterConfig& adapter)
-    : config_(c), adapter_(adapter) {
-  units_.push_back(UnitInfo{"root", "root", 0, 0, {}});
+ParamTable::ParamTable(const ModelConfig& c, const std::vector<std::string>& freeze, const AdapterConfig& adapter,
+                       const QuantConfig& quant)
+    : config_(c), adapter_(adapter), quant_(quant) {
+  units_.push_back(UnitInfo{"root", "root", 0, 0, {}, 0, 0});
   const ModelFamily& family = family_of(c);
   family.add_params(*this);
   std::vector<std::string> kinds;  // the sites of each kind of block, asked once
@@ -151,19 +152,63 @@ void ParamTable::apply_freeze(const std::vector<std::string>& patterns) {
         if (param(static_cast<int>(u), q).frozen != param(static_cast<int>(u), group.params[0]).frozen)
           throw UsageError("train.freeze freezes part of " + units_[u].name + "'s " + group.label +
                            ", which is multiplied as one matrix: freeze all of the group or none of it");
+  mark_quantized();
   assign_offsets();
 }
 
-// Trainable first, then frozen, each in declaration order.
+// The frozen weights of the blocks' linear layers that the family lets a format hold (FLUX keeps
+// its modulation in full precision), as bitsandbytes' replacement of nn.Linear does; embeddings,
+// norms and the head stay fp32.
+void ParamTable::mark_quantized() {
+  if (quant_.type == QUANT_NONE) return;
+  const ModelFamily& family = family_of(config_);
+  const std::string option = std::string("fsdp.frozen_dtype=") + quant_type_name(quant_.type);
+  size_t count = 0;
+  for (int l = 0; l < block_count(); l++)
+    for (const LinearSite& site : block_sites(l)) {
+      ParamInfo& w = params_[units_[block_unit(l)].params[site.weight]];
+      if (w.frozen && family.quantizable(site)) w.quantized = true, count++;
+    }
+  if (count == 0)
+    throw UsageError(option + " quantizes frozen linear weights and this run freezes none: train adapters " +
+                     "(adapter.type) or freeze blocks (train.freeze), or set fsdp.frozen_dtype=fp32");
+  // A fused group stays adjacent only in one space, and in the quantized one only when its members
+  // are whole blocks.
+  for (size_t u = 1; u < units_.size(); u++)
+    for (const ModelFamily::FusedGroup& group : family.fused_groups(config_, units_[u].kind)) {
+      bool all = true;
+      for (int q : group.params) all = all && param(static_cast<int>(u), q).quantized;
+      if (!all)
+        for (int q : group.params) params_[units_[u].params[q]].quantized = false;
+      for (size_t k = 0; k + 1 < group.params.size(); k++) {
+        const ParamInfo& p = param(static_cast<int>(u), group.params[k]);
+        if (!p.quantized || p.numel % quant_.block == 0) continue;
+        const size_t fits = p.numel & (~p.numel + 1);  // the largest power of two dividing it
+        throw UsageError(strprintf("%s: fsdp.quant_block=%zu does not tile %s (%zu elements), which is multiplied "
+                                   "as one matrix with the next weight of %s: %s",
+                                   option.c_str(), quant_.block, p.name.c_str(), p.numel, group.label,
+                                   fits >= 32 ? strprintf("set fsdp.quant_block=%zu", std::min<size_t>(fits, 4096)).c_str()
+                                              : "no block size of 32 or more divides it; keep these weights in full "
+                                                "precision (fsdp.frozen_dtype=fp32)"));
+      }
+    }
+}
+
+// Trainable first, then frozen, then quantized (each weight on a block boundary), each in
+// declaration order.
 void ParamTable::assign_offsets() {
   for (UnitInfo& unit : units_) {
     size_t at = 0;
-    for (bool frozen : {false, true})
-      for (int id : unit.params)
-        if (params_[id].frozen == frozen) params_[id].offset = at, at += params_[id].numel;
     unit.trainable_numel = 0;
     for (int id : unit.params)
-      if (!params_[id].frozen) unit.trainable_numel += params_[id].numel;
+      if (!params_[id].frozen) params_[id].offset = at, at += params_[id].numel, unit.trainable_numel += params_[id].numel;
+    for (int id : unit.params)
+      if (params_[id].frozen && !params_[id].quantized) params_[id].offset = at, at += params_[id].numel;
+    unit.plain_numel = at;
+    for (int id : unit.params)
+      if (params_[id].quantized)
+        params_[id].offset = at, at += (params_[id].numel + quant_.block - 1) / quant_.block * quant_.block;
+    unit.quantized_numel = at - unit.plain_numel;
   }
 }
 
@@ -174,7 +219,7 @@ std::vector<LinearSite> ParamTable::all_sites() const {
 }
 
 int ParamTable::add_unit(const std::string& name, const std::string& kind) {
-  units_.push_back(UnitInfo{name, kind, 0, 0, {}});
+  units_.push_back(UnitInfo{name, kind, 0, 0, {}, 0, 0});
   return static_cast<int>(units_.size()) - 1;
 }
 

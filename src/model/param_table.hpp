@@ -14,7 +14,7 @@
 // unit, so the model multiplies each group as one matrix.
 //
 // Frozen parameters (train.freeze): each unit's flat buffer is laid out trainable parameters
-// first, then frozen ones, each group in declaration order, so the trainable ones form one
+// first, then frozen ones, then (fsdp.frozen_dtype) the quantized frozen linear weights, each group in declaration order, so the trainable ones form one
 // contiguous range [0, trainable_numel) -- the only part with gradients, reduce-scatters and
 // optimizer state (shard/fsdp_engine.hpp). `offset` is that layout's (what the model and the
 // engine use); `file_offset` is the declaration order's, the same whatever is frozen, which
@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/quant.hpp"
 #include "model/adapter.hpp"
 #include "model/config.hpp"
 #include "model/family.hpp"
@@ -63,6 +64,7 @@ struct ParamInfo {
   size_t offset = 0;       // in the unit's flat buffer: trainable parameters first
   size_t file_offset = 0;  // in declaration order (checkpoints' unit coordinates)
   bool frozen = false;
+  bool quantized = false;  // a frozen linear weight held in the run's quantized format (fsdp.frozen_dtype)
   bool adapter = false;  // an adapter's parameter (model/adapter.hpp), not the base model's
   InitRule init = INIT_ZEROS;
   bool weight_decay = false;
@@ -76,6 +78,13 @@ struct UnitInfo {
   size_t numel = 0;            // sum of its parameters, before padding
   size_t trainable_numel = 0;  // of its trainable parameters: elements [0, trainable_numel)
   std::vector<int> params;     // in declaration order
+  // The quantized space after the trainable and frozen fp32 parameters: [plain_numel, plain_numel +
+  // quantized_numel), each quantized weight starting on a block (the space's blocks never straddle
+  // two weights) and the space a whole number of blocks. Zero without fsdp.frozen_dtype.
+  size_t plain_numel = 0;
+  size_t quantized_numel = 0;
+  // Unit coordinates in use: numel, plus the quantized space's padding between weights.
+  size_t extent() const { return plain_numel + quantized_numel; }
 };
 
 constexpr int ROOT_UNIT = 0;
@@ -102,11 +111,15 @@ std::vector<std::string> split_comma_list(const std::string& list);
 
 class ParamTable {
  public:
+  // quant: the format frozen linear weights are held in (backend/quant.hpp). Throws UsageError
+  // when it quantizes nothing, or when a block size does not tile a weight the model multiplies
+  // fused with the next one (Llama's q|k|v, gate|up).
   explicit ParamTable(const ModelConfig& config, const std::vector<std::string>& freeze = {},
-                      const AdapterConfig& adapter = {});
+                      const AdapterConfig& adapter = {}, const QuantConfig& quant = {});
 
   const ModelConfig& config() const { return config_; }
   const AdapterConfig& adapter() const { return adapter_; }
+  const QuantConfig& quant() const { return quant_; }
   // The position in block `layer`'s unit (as param() takes it) of the adapter on block_sites(layer)[site]:
   // its first parameter, the others following in the order above. -1 where that layer has none.
   int adapter_param(int layer, int site) const { return adapter_params_.empty() ? -1 : adapter_params_[layer][site]; }
@@ -143,10 +156,12 @@ class ParamTable {
   // The adapter parameters of one layer (its weight's name less ".weight", its module path).
   void add_adapter(int unit, const std::string& base, const std::string& path, const LinearSite& site);
   void apply_freeze(const std::vector<std::string>& patterns);
+  void mark_quantized();
   void assign_offsets();
 
   ModelConfig config_;
   AdapterConfig adapter_;
+  QuantConfig quant_;
   std::vector<std::vector<int>> adapter_params_;  // [block][site]
   std::vector<std::vector<LinearSite>> sites_;   // per block kind, in order of first use
   std::vector<int> block_kind_;                  // [block]: its kind's index in sites_

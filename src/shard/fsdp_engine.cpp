@@ -43,12 +43,14 @@ const char* backward_prefetch_name(BackwardPrefetch p) {
   return p == BACKWARD_PREFETCH_PRE ? "BACKWARD_PRE" : (p == BACKWARD_PREFETCH_POST ? "BACKWARD_POST" : "NONE");
 }
 
-static SpaceLayout plan_space(size_t base, size_t numel, bool lead_padding, size_t local, const GroupShape& g) {
-  const size_t group = static_cast<size_t>(g.shard_size);
+// granule: the shard boundaries fall on multiples of it (a quantized space's block).
+static SpaceLayout plan_space(size_t base, size_t numel, bool lead_padding, size_t local, const GroupShape& g,
+                              size_t granule = 1) {
+  const size_t group = static_cast<size_t>(g.shard_size), tile = group * granule;
   SpaceLayout s;
   s.base = base;
   s.numel = numel;
-  s.padded_numel = (numel + group - 1) / group * group;
+  s.padded_numel = (numel + tile - 1) / tile * tile;
   s.lead = lead_padding ? s.padded_numel - numel : 0;
   s.shard_numel = s.padded_numel / group;
   s.begin = s.shard_numel * g.shard_rank;
@@ -63,10 +65,15 @@ std::vector<UnitLayout> FsdpEngine::plan_layout(const ParamTable& table, const G
   std::vector<UnitLayout> layout;
   for (const UnitInfo& u : table.units()) {
     UnitLayout l;
-    l.numel = u.numel;
-    const size_t frozen = u.numel - u.trainable_numel;
-    l.trainable = plan_space(0, u.trainable_numel, frozen > 0, 0, g);
+    l.numel = u.extent();
+    const size_t frozen = u.plain_numel - u.trainable_numel;
+    l.trainable = plan_space(0, u.trainable_numel, frozen + u.quantized_numel > 0, 0, g);
     l.frozen = plan_space(u.trainable_numel, frozen, false, l.trainable.shard_numel, g);
+    if (u.quantized_numel > 0) {
+      l.quant = table.quant().type;
+      l.block = table.quant().block;
+    }
+    l.quantized = plan_space(u.plain_numel, u.quantized_numel, false, l.held_numel(), g, std::max<size_t>(l.block, 1));
     layout.push_back(l);
   }
   return layout;
@@ -77,9 +84,12 @@ std::array<size_t, MEM_CATEGORY_COUNT> FsdpEngine::plan_memory(const std::vector
   std::array<size_t, MEM_CATEGORY_COUNT> bytes{};
   // Parameters: whole units; gradients and their reductions: trainable spaces only.
   size_t shards = 0, grad_shards = 0, all_padded = 0, all_trainable = 0, max_block = 0, max_block_trainable = 0,
-         max_grad_shard = 0;
+         max_grad_shard = 0, packed = 0, all_records = 0, max_block_records = 0;
   for (size_t u = 0; u < layout.size(); u++) {
-    shards += layout[u].shard_numel();
+    shards += layout[u].held_numel();
+    packed += layout[u].packed_bytes();
+    all_records += layout[u].gathered_record_bytes();
+    if (u != ROOT_UNIT) max_block_records = std::max(max_block_records, layout[u].gathered_record_bytes());
     grad_shards += layout[u].trainable.shard_numel;
     all_padded += layout[u].padded_numel();
     all_trainable += layout[u].trainable.padded_numel;
@@ -89,15 +99,19 @@ std::array<size_t, MEM_CATEGORY_COUNT> FsdpEngine::plan_memory(const std::vector
   }
   // With cpu_offload the master shards and their gradients are host memory; the device keeps a
   // gradient shard for the reductions.
-  bytes[MEM_SHARDED_PARAMS] = options.cpu_offload ? 0 : shards * sizeof(float);
+  bytes[MEM_SHARDED_PARAMS] = options.cpu_offload ? 0 : shards * sizeof(float) + packed;
   bytes[MEM_GRADIENTS] = options.inference ? 0 : grad_shards * sizeof(float);
   const bool sharded = layout[ROOT_UNIT].padded_numel() != layout[ROOT_UNIT].shard_numel();
   const bool half_params = options.param_dtype != DTYPE_FP32;
   const size_t root = layout[ROOT_UNIT].padded_numel(), root_trainable = layout[ROOT_UNIT].trainable.padded_numel;
   const size_t slots =
       options.strategy == SHARDING_SHARD_GRAD_OP ? all_padded : root + options.limit_all_gathers * max_block;
-  if (sharded || half_params || options.cpu_offload) bytes[MEM_GATHERED_UNITS] = slots * sizeof(float);
+  if (sharded || half_params || options.cpu_offload || all_records) bytes[MEM_GATHERED_UNITS] = slots * sizeof(float);
   if (half_params) bytes[MEM_COMM_BUFFERS] += slots * sizeof(uint16_t);
+  // Each slot's gathered records (the root has none: only blocks' linear weights are quantized).
+  bytes[MEM_COMM_BUFFERS] += options.strategy == SHARDING_SHARD_GRAD_OP
+                                 ? all_records
+                                 : layout[ROOT_UNIT].gathered_record_bytes() + options.limit_all_gathers * max_block_records;
   if (!sharded || options.inference) return bytes;
   const size_t second_block = options.overlap_reduce_scatter ? max_block_trainable : 0;
   bytes[MEM_GRADIENTS] +=
@@ -134,27 +148,31 @@ FsdpEngine::FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_
   }
   engine_bytes_ = plan_memory(layout, options_);
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++) memory_.add(static_cast<MemCategory>(c), engine_bytes_[c]);
-  if (shard_comm.size() == 1 && options_.param_dtype == DTYPE_FP32 && !options_.cpu_offload) return;
-  size_t max_block = 0, max_block_trainable = 0;
+  size_t max_block = 0, max_block_trainable = 0, max_block_records = 0;
   for (size_t u = 1; u < layout.size(); u++) {
     max_block = std::max(max_block, layout[u].padded_numel());
     max_block_trainable = std::max(max_block_trainable, layout[u].trainable.padded_numel);
+    max_block_records = std::max(max_block_records, layout[u].gathered_record_bytes());
   }
+  if (shard_comm.size() == 1 && options_.param_dtype == DTYPE_FP32 && !options_.cpu_offload &&
+      max_block_records == 0)
+    return;
   const bool half = options_.param_dtype != DTYPE_FP32;
-  auto add_slot = [&](size_t size) {
+  auto add_slot = [&](size_t size, size_t record_bytes) {
     ParamSlot slot;
     slot.values = DeviceArray<float>(dev, size);
     if (half) {  // the GEMMs multiply the gathered 16-bit copy: the weights are rounded once, by the gather
       slot.wire = DeviceArray<uint16_t>(dev, size);
       backend_.ops->bind_half_copy(slot.values.data(), slot.wire.data(), size, options_.param_dtype);
     }
+    slot.records = DeviceArray<uint8_t>(dev, record_bytes);
     slots_.push_back(std::move(slot));
   };
   if (options_.strategy == SHARDING_SHARD_GRAD_OP) {
-    for (const UnitLayout& l : layout) add_slot(l.padded_numel());
+    for (const UnitLayout& l : layout) add_slot(l.padded_numel(), l.gathered_record_bytes());
   } else {
-    add_slot(layout[ROOT_UNIT].padded_numel());
-    for (int k = 0; k < options_.limit_all_gathers; k++) add_slot(max_block);
+    add_slot(layout[ROOT_UNIT].padded_numel(), layout[ROOT_UNIT].gathered_record_bytes());
+    for (int k = 0; k < options_.limit_all_gathers; k++) add_slot(max_block, max_block_records);
   }
   if (shard_comm.size() == 1 || options_.inference) return;
   if (options_.reduce_every_microbatch) {
@@ -165,6 +183,52 @@ FsdpEngine::FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_
     for (const UnitLayout& l : layout) grad_buffers_.emplace_back(dev, l.trainable.padded_numel);
   }
   reduce_handles_.assign(grad_buffers_.size(), -1);
+}
+
+namespace {
+
+// The valid elements of each block of this rank's quantized shard: those of the weight it lies
+// in (a partial last block has fewer), 0 for the padding between weights and after the space.
+std::vector<size_t> block_valid_counts(const UnitLayout& l, const ParamTable& table, int unit) {
+  std::vector<size_t> valid(l.quantized.shard_numel / l.block, 0);
+  for (int id : table.units()[unit].params) {
+    const ParamInfo& p = table.params()[id];
+    if (!p.quantized) continue;
+    const FlatRange mine = intersect(l.quantized.shard_range(), p.range());
+    for (size_t x = mine.begin; x < mine.end; x += l.block)
+      valid[(l.quantized.local_index(x) - l.quantized.local) / l.block] = std::min(l.block, p.offset + p.numel - x);
+  }
+  return valid;
+}
+
+}  // namespace
+
+HostShard::HostShard(UnitShard& shard, const ParamTable& table, int unit)
+    : shard_(shard), table_(table), unit_(unit), direct_(shard.params.on_host() && shard.layout.quantized.numel == 0) {
+  if (direct_) return;
+  const UnitLayout& l = shard.layout;
+  copy_.assign(l.shard_numel(), 0.0f);
+  if (shard.params.size()) shard.params.device()->copy_to_host(copy_.data(), shard.params.data(), shard.params.bytes());
+  if (l.quantized.numel == 0) return;
+  std::vector<uint8_t> records(shard.packed.size());
+  shard.packed.device()->copy_to_host(records.data(), shard.packed.data(), shard.packed.bytes());
+  cpu_shard_ops().dequantize_blocks(copy_.data() + l.held_numel(), nullptr, DTYPE_FP32, records.data(),
+                                    l.quantized.shard_numel / l.block, l.quant, l.block);
+}
+
+void HostShard::upload(bool with_quantized) {
+  if (direct_) return;
+  const UnitLayout& l = shard_.layout;
+  if (shard_.params.size()) shard_.params.device()->copy_to_device(shard_.params.data(), copy_.data(), shard_.params.bytes());
+  if (l.quantized.numel == 0 || !with_quantized) return;
+  const std::vector<size_t> valid = block_valid_counts(l, table_, unit_);
+  std::vector<uint8_t> records(shard_.packed.size());
+  const float* values = copy_.data() + l.held_numel();
+  const size_t record = l.record_bytes();
+#pragma omp parallel for schedule(static)
+  for (size_t b = 0; b < valid.size(); b++)
+    quantize_block(l.quant, values + b * l.block, valid[b], l.block, records.data() + b * record);
+  shard_.packed.device()->copy_to_device(shard_.packed.data(), records.data(), shard_.packed.bytes());
 }
 
 FsdpEngine::~FsdpEngine() {
@@ -194,18 +258,18 @@ static double init_value(const ParamInfo& p, size_t index, uint64_t key, int n_l
 void FsdpEngine::init_parameters(uint64_t seed) {
   const int n_layer = table_.config().n_layer;
   for (size_t u = 0; u < shards_.size(); u++) {
-    UnitShard& s = shards_[u];
-    std::vector<float> values(s.layout.shard_numel(), 0.0f);  // on the host; padding stays zero
+    HostShard values = host_shard(static_cast<int>(u));
+    std::fill(values.data(), values.data() + values.size(), 0.0f);  // padding stays zero
     for (int id : table_.units()[u].params) {
       const ParamInfo& p = table_.params()[id];
-      const UnitLayout::Local part = s.layout.local_part(p.range());
+      const UnitLayout::Local part = shards_[u].layout.local_part(p.range());
       const uint64_t key = mix64(seed ^ mix64(static_cast<uint64_t>(p.id) + 1));
       float* out = values.data() + part.index - part.range.begin;
 #pragma omp parallel for schedule(static)
       for (size_t e = part.range.begin; e < part.range.end; e++)
         out[e] = static_cast<float>(init_value(p, e - p.offset, key, n_layer));
     }
-    master_device().copy_to_device(s.params.data(), values.data(), s.params.bytes());
+    values.upload();
   }
 }
 
@@ -265,15 +329,33 @@ void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
     else
       shard_comm_.all_gather(own, full, what);
   }
+  const UnitLayout& l = s.layout;
+  if (l.quantized.numel > 0) {  // the records themselves travel
+    uint8_t* own = slot.records.data() + l.quantized.begin / l.block * l.record_bytes();
+    copy_from_master(own, s.packed.data(), s.packed.bytes());
+    Span<const uint8_t> shard(own, s.packed.size());
+    Span<uint8_t> full(slot.records.data(), l.gathered_record_bytes());
+    const char* what = async ? "all_gather(quantized params, prefetched)" : "all_gather(quantized params)";
+    if (async)
+      slot.handles[2] = shard_comm_.start_all_gather(shard, full, what);
+    else
+      shard_comm_.all_gather(shard, full, what);
+  }
   if (!async) finish_gather(slot);
 }
 
 void FsdpEngine::finish_gather(ParamSlot& slot) {
   for (int& handle : slot.handles)
     if (handle >= 0) shard_comm_.wait(handle), handle = -1;
-  if (options_.param_dtype == DTYPE_FP32) return;
-  backend_.shard_ops->from_half(slot.values.data(), slot.wire.data(), shards_[slot.unit].layout.padded_numel(),
-                                options_.param_dtype);
+  const UnitLayout& l = shards_[slot.unit].layout;
+  const bool half = options_.param_dtype != DTYPE_FP32;
+  if (half) backend_.shard_ops->from_half(slot.values.data(), slot.wire.data(), l.padded_numel(), options_.param_dtype);
+  if (l.quantized.numel == 0) return;
+  // After the frozen space's gather, whose trailing padding this overwrites.
+  const size_t at = l.quantized_slot_begin();
+  backend_.shard_ops->dequantize_blocks(slot.values.data() + at, half ? slot.wire.data() + at : nullptr,
+                                        options_.param_dtype, slot.records.data(), l.quantized.padded_numel / l.block,
+                                        l.quant, l.block);
 }
 
 const float* FsdpEngine::gather_params(int unit, bool for_backward) {
@@ -471,14 +553,21 @@ void FsdpEngine::copy_from_master(void* dst, const void* src, size_t bytes) {
 }
 
 std::vector<float> FsdpEngine::gather_unit(int unit, bool gradients) {
-  const UnitShard& s = shards_[unit];
+  UnitShard& s = shards_[unit];
   Device& dev = *backend_.device;
-  std::vector<float> values(table_.units()[unit].numel, 0.0f);  // frozen parameters: zero gradients
-  for (const SpaceLayout* sp : {&s.layout.trainable, &s.layout.frozen}) {
-    if (sp->numel == 0 || (gradients && sp == &s.layout.frozen)) continue;
+  std::vector<float> values(s.layout.numel, 0.0f);  // frozen parameters: zero gradients
+  std::vector<float> own;                            // this rank's shard on the host
+  if (gradients) {
+    own.resize(s.grads.size());
+    if (!own.empty()) s.grads.device()->copy_to_host(own.data(), s.grads.data(), s.grads.bytes());
+  } else {
+    HostShard view = host_shard(unit);
+    own.assign(view.data(), view.data() + view.size());
+  }
+  for (const SpaceLayout* sp : {&s.layout.trainable, &s.layout.frozen, &s.layout.quantized}) {
+    if (sp->numel == 0 || (gradients && sp != &s.layout.trainable)) continue;
     DeviceArray<float> full(dev, sp->padded_numel);  // the communicators work on device memory
-    const float* local = (gradients ? s.grads.data() : s.params.data()) + sp->local;
-    copy_from_master(full.data() + sp->begin, local, sp->shard_numel * sizeof(float));
+    dev.copy_to_device(full.data() + sp->begin, own.data() + sp->local, sp->shard_numel * sizeof(float));
     if (shard_comm_.size() > 1)
       shard_comm_.all_gather(Span<const float>(full.data() + sp->begin, sp->shard_numel),
                              Span<float>(full.data(), full.size()), "all_gather(unit)");

@@ -22,12 +22,16 @@
 // shard group of one the shard is the whole unit: compute reads and accumulates into the shard
 // buffers directly (unless parameters must be rounded to a 16-bit param_dtype first). All ranks
 // issue the same collectives in the same order.
+// A quantized frozen base (fsdp.frozen_dtype, backend/quant.hpp): a unit's quantized frozen weights
+// are a third space, sharded on block boundaries and held as the format's records alone -- no fp32
+// copy -- gathered as those bytes and dequantized by every rank into the gathered unit.
 // CPU offload: the fp32 master shards, their gradients and (in the optimizer) the moments live in
 // the backend's host memory and the optimizer steps there; the device keeps only the gathered
 // units and a device gradient shard per unit, which the reductions fill and finish_step copies
 // to the host. Each gather copies the master shard up first.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <string>
@@ -115,17 +119,36 @@ struct SpaceLayout {
   }
 };
 
-// Where this rank's data sits in one unit: its two spaces. The rank's shard buffer holds the
-// trainable space's shard, then the frozen space's; its gradient buffer the trainable shard only.
+// Where this rank's data sits in one unit: its spaces. The rank's shard buffer holds the
+// trainable space's shard, then the frozen space's; its gradient buffer the trainable shard only;
+// the quantized space's shard is records (UnitShard::packed). Indices into "the shard" (local_part,
+// HostShard) run over all three, the quantized one in fp32 after the others.
 struct UnitLayout {
-  size_t numel = 0;  // the unit's parameters, unpadded
-  SpaceLayout trainable, frozen;
-  size_t padded_numel() const { return trainable.padded_numel + frozen.padded_numel; }  // gathered
-  size_t shard_numel() const { return trainable.shard_numel + frozen.shard_numel; }
+  size_t numel = 0;  // the unit's coordinates (UnitInfo::extent), unpadded
+  SpaceLayout trainable, frozen, quantized;
+  QuantType quant = QUANT_NONE;
+  size_t block = 0;  // the quantized space's block (elements)
+  // The gathered buffer: the trainable and frozen spaces gathered, then the quantized space
+  // dequantized right after the frozen elements (over the frozen space's trailing padding).
+  size_t quantized_slot_begin() const { return trainable.padded_numel + frozen.numel; }
+  size_t padded_numel() const {
+    return std::max(trainable.padded_numel + frozen.padded_numel, quantized_slot_begin() + quantized.padded_numel);
+  }
+  size_t shard_numel() const { return trainable.shard_numel + frozen.shard_numel + quantized.shard_numel; }
+  // The fp32 elements the rank holds: all but the quantized space's.
+  size_t held_numel() const { return trainable.shard_numel + frozen.shard_numel; }
+  // The quantized space's records: this rank's, and the whole space's once gathered.
+  size_t record_bytes() const { return quant == QUANT_NONE ? 0 : quant_record_bytes(quant, block); }
+  size_t packed_bytes() const { return quant == QUANT_NONE ? 0 : quantized.shard_numel / block * record_bytes(); }
+  size_t gathered_record_bytes() const {
+    return quant == QUANT_NONE ? 0 : quantized.padded_numel / block * record_bytes();
+  }
   // The unit's first element in its gathered buffer.
   size_t lead() const { return trainable.lead; }
   // The space holding unit coordinate x.
-  const SpaceLayout& space_of(size_t x) const { return trainable.contains(x) ? trainable : frozen; }
+  const SpaceLayout& space_of(size_t x) const {
+    return trainable.contains(x) ? trainable : (quantized.contains(x) ? quantized : frozen);
+  }
   // This rank's part of a unit range that lies in one space (a parameter): the unit coordinates
   // it holds (or owns) and the index of their first element in the rank's shard buffer.
   struct Local {
@@ -144,15 +167,40 @@ struct GroupShape {
   int shard_size = 1, shard_rank = 0, replica_size = 1, replica_rank = 0;
 };
 
-// The fp32 master parameters of this rank's shard of one unit (trainable space, then frozen) and
-// the gradient of its trainable space, on `device`.
+// The fp32 master parameters of this rank's shard of one unit (trainable space, then frozen), the
+// records of its quantized space, and the gradient of its trainable space, on `device`. Read and
+// write the whole shard through HostShard: `params` lacks the quantized space.
 struct UnitShard {
   UnitShard(const UnitLayout& layout, Device& device, bool with_grads = true)
       : layout(layout),
-        params(device, layout.shard_numel()),
-        grads(device, with_grads ? layout.trainable.shard_numel : 0) {}
+        params(device, layout.held_numel()),
+        grads(device, with_grads ? layout.trainable.shard_numel : 0),
+        packed(device, layout.packed_bytes()) {}
   UnitLayout layout;
   DeviceArray<float> params, grads;
+  DeviceArray<uint8_t> packed;
+};
+
+// This rank's whole shard of one unit in fp32 on the host, indexed as UnitLayout::local_part: the
+// trainable and frozen spaces as held, the quantized space dequantized (the values the model
+// computes with). upload() stores it back -- quantizing the quantized space shard-locally, block by
+// block -- which is how every loader fills a shard. In place where the shard lives on the host and
+// has no quantized space.
+class HostShard {
+ public:
+  HostShard(UnitShard& shard, const ParamTable& table, int unit);
+  float* data() { return direct_ ? shard_.params.data() : copy_.data(); }
+  size_t size() const { return shard_.layout.shard_numel(); }
+  // with_quantized false: the caller changed nothing in the quantized space (an adapter's load),
+  // which keeps its records as they are rather than quantizing their values again.
+  void upload(bool with_quantized = true);
+
+ private:
+  UnitShard& shard_;
+  const ParamTable& table_;
+  int unit_;
+  bool direct_;
+  std::vector<float> copy_;
 };
 
 class FsdpEngine {
@@ -182,6 +230,8 @@ class FsdpEngine {
     return options_.cpu_offload ? *backend_.host_shard_ops : *backend_.shard_ops;
   }
   std::vector<UnitShard>& shards() { return shards_; }
+  // Unit u's whole shard on the host (see HostShard).
+  HostShard host_shard(int unit) { return HostShard(shards_[unit], table_, unit); }
   const std::vector<UnitShard>& shards() const { return shards_; }
   size_t local_param_count() const;  // elements of this rank's shards, padding included
 
@@ -230,9 +280,10 @@ class FsdpEngine {
     // The gathered unit in a 16-bit param_dtype, `values` its widening: bound to the ops as that
     // copy (LayerOps::bind_half_copy) from construction to destruction, so the GEMMs multiply it.
     DeviceArray<uint16_t> wire;
-    int unit = -1;               // the unit held (valid for the current micro-batch), or -1
-    int handles[2] = {-1, -1};   // started all-gathers not yet waited for
-    bool pending() const { return handles[0] >= 0 || handles[1] >= 0; }
+    DeviceArray<uint8_t> records;  // the gathered quantized space, before dequantization
+    int unit = -1;                 // the unit held (valid for the current micro-batch), or -1
+    int handles[3] = {-1, -1, -1};  // started all-gathers (trainable, frozen, quantized) not yet waited for
+    bool pending() const { return handles[0] >= 0 || handles[1] >= 0 || handles[2] >= 0; }
   };
   const float* gather_params(int unit, bool for_backward);
   void prefetch_params(int unit);

@@ -259,6 +259,20 @@ class CpuShardOps : public ShardOps {
 #pragma omp parallel for schedule(static)
     for (size_t i = 0; i < n; i++) out[i] = half_to_float(in[i], type);
   }
+  void dequantize_blocks(float* out, uint16_t* half, DType half_type, const uint8_t* records, size_t blocks,
+                         QuantType type, size_t block) const override {
+    const size_t record = quant_record_bytes(type, block);
+#pragma omp parallel for schedule(static)
+    for (size_t b = 0; b < blocks; b++)
+      for (size_t i = 0; i < block; i++) {
+        float v = dequantize_element(type, records + b * record, block, i);
+        if (half) {
+          half[b * block + i] = float_to_half(v, half_type);
+          v = half_to_float(half[b * block + i], half_type);
+        }
+        out[b * block + i] = v;
+      }
+  }
   void adamw_multi(const AdamWSegment* segments, size_t count, const double* sums, const AdamWClip& clip,
                    const AdamWStep& step) const override {
     float multiplier = 0;

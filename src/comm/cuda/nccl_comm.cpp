@@ -159,8 +159,16 @@ class NcclComm final : public Comm {
     gather(shard.data, full.data, shard.size, full.size, sizeof(uint16_t), what, nullptr);
   }
 
+  void all_gather(Span<const uint8_t> shard, Span<uint8_t> full, const char* what) override {
+    gather(shard.data, full.data, shard.size, full.size, 1, what, nullptr);
+  }
+
   int start_all_gather(Span<const float> shard, Span<float> full, const char* what) override {
     return start_gather(shard.data, full.data, shard.size, full.size, sizeof(float), what);
+  }
+
+  int start_all_gather(Span<const uint8_t> shard, Span<uint8_t> full, const char* what) override {
+    return start_gather(shard.data, full.data, shard.size, full.size, 1, what);
   }
 
   int start_all_gather(Span<const uint16_t> shard, Span<uint16_t> full, const char* what) override {

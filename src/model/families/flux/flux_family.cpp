@@ -173,6 +173,9 @@ class FluxFamily final : public ModelFamily {
   NormKind norm_kind() const override { return NORM_LAYER; }
   bool runs_on_cuda() const override { return false; }
   bool samples_images() const override { return true; }
+  // The modulation (AdaLayerNormZero's linear of each block) stays full precision, as the FLUX
+  // QLoRA recipes keep it: few parameters, and every token's shift, scale and gate come from it.
+  bool quantizable(const LinearSite& site) const override { return std::string(site.module).find("norm") == std::string::npos; }
   bool token_data() const override { return false; }
   bool half_saved_activations() const override { return false; }
   bool fixes_max_seq_len() const override { return false; }

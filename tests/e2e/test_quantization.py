@@ -1,0 +1,168 @@
+"""A quantized frozen base (fsdp.frozen_dtype, docs/quantization.md). The oracles are independent of
+our code:
+
+- bitsandbytes and torch themselves: quant_reference.py's numpy NF4 and FP4 give bitsandbytes 0.50's
+  codes, absmax and dequantized values, and its FP8 torch's float8_e4m3fn codes, on the fixture they
+  wrote (tests/fixtures/bnb; tests/unit/test_quant.cpp holds the C++ kernels to the same file);
+- the same training on the dequantized base in full precision: LoRA on an NF4, FP4 or FP8 base gives,
+  bit for bit, the losses of LoRA on the base whose linear weights numpy replaced by their
+  quantize-dequantize, on 1, 2 and 3 ranks, with an fp32 and a bf16 fsdp.param_dtype;
+- the uninterrupted run: a resume is bit for bit (adapter-only and full checkpoints);
+- the formula: the frozen base's held bytes are the format's 0.5625 B (NF4) or 1.0625 B (FP8, blocks
+  of 64) per quantized element, and the plan is what was allocated;
+- one error line and exit 2 for each bad setting."""
+import functools
+import json
+import os
+import shutil
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from harness import ROOT, read_metrics, run, run_single, tempdir
+from quant_reference import dequantize_4bit, float_to_e4m3, pack_4bit, quantize_4bit, quantize_dequantize
+from test_bad_input import expect_usage_error, write_tokens
+from test_llama import ok
+
+BASE = os.path.join(ROOT, "tests", "fixtures", "peft", "llama", "base")  # LlamaForCausalLM, C = 32, V = 96
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "bnb", "quant.safetensors")
+# The layers a quantized base holds in its format: every linear layer of the blocks.
+LINEAR = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+          "mlp.up_proj", "mlp.down_proj")
+STEPS, SAVE_AT = 4, 2
+
+
+def fixture_tensors():
+    """name -> array of the fixture (BF16 as raw uint16: numpy has no bfloat16)."""
+    with open(FIXTURE, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        data = f.read()
+    types = {"F32": "<f4", "U8": "u1", "BF16": "<u2"}
+    return {name: np.frombuffer(data[t["data_offsets"][0]:t["data_offsets"][1]], dtype=types[t["dtype"]])
+            for name, t in header.items() if name != "__metadata__"}
+
+
+def test_numpy_reference_is_bitsandbytes_and_torch():
+    f = fixture_tensors()
+    cases = 0
+    for quant_type in ("nf4", "fp4"):
+        for block in (32, 64, 128, 256, 512, 1024, 2048, 4096):
+            for label in ("odd", "tiny", "ties"):
+                key = f"{quant_type}.{block}.{label}"
+                codes, absmax = quantize_4bit(f[key + ".input"], quant_type, block)
+                assert np.array_equal(pack_4bit(codes, quant_type), f[key + ".packed"]), key
+                assert np.array_equal(absmax.view(np.uint32), f[key + ".absmax"].view(np.uint32)), key
+                got = dequantize_4bit(codes, absmax, quant_type, block)
+                assert np.array_equal(got.view(np.uint32), f[key + ".dequant"].view(np.uint32)), key
+                cases += 1
+    assert cases == 48
+    assert np.array_equal(float_to_e4m3(f["fp8.input"]), f["fp8.bytes"])
+
+
+def quantized_names(tensors):
+    return [n for n in tensors if any(f".{layer}.weight" in n for layer in LINEAR)]
+
+
+@functools.lru_cache(maxsize=None)
+def dequantized_base(fmt, block=64):
+    """The fixture's base folder with each linear weight replaced by what `fmt` computes with."""
+    d = tempdir()
+    shutil.copy(os.path.join(BASE, "config.json"), d)
+    tensors = load_file(os.path.join(BASE, "model.safetensors"))
+    for name in quantized_names(tensors):
+        tensors[name] = quantize_dequantize(tensors[name], fmt, block)
+    save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+@functools.lru_cache(maxsize=None)
+def tokens():
+    rng = np.random.default_rng(7)
+    return write_tokens(os.path.join(tempdir(), "tokens.bin"), [int(t) for t in rng.integers(0, 96, size=4000)])
+
+
+def qlora_args(base, *extra):
+    ini = os.path.join(tempdir(), "threads.ini")
+    with open(ini, "w") as f:
+        f.write("[train]\nthreads = 1\n")
+    return ["train", "--config", ini, f"--checkpoint.init_from={base}", f"--data.train_file={tokens()}",
+            "--data.val_file=", "--train.seq_len=16", "--train.micro_batch=1", "--train.global_batch=6",
+            f"--train.steps={STEPS}", "--train.lr=2e-2", "--train.peak_gflops=100", "--adapter.type=lora",
+            "--adapter.targets=q_proj,v_proj,down_proj", "--adapter.rank=4", "--adapter.alpha=8", *extra]
+
+
+@functools.lru_cache(maxsize=None)
+def training(np_, base, *extra):
+    """(losses, first step's metrics, run folder) of a run on np_ ranks."""
+    d = tempdir()
+    metrics = os.path.join(d, "m.jsonl")
+    ok(run(np_, qlora_args(base, f"--checkpoint.dir={d}", f"--train.metrics_file={metrics}", *extra)), str(extra))
+    steps = read_metrics(metrics)
+    return [s["loss"] for s in steps], steps[0], d
+
+
+def test_a_quantized_base_trains_as_its_dequantized_weights_bit_for_bit():
+    plain = training(2, BASE)[0]
+    for fmt, np_ in (("nf4", 1), ("nf4", 2), ("nf4", 3), ("fp4", 2), ("fp8", 3)):
+        quantized = training(np_, BASE, f"--fsdp.frozen_dtype={fmt}")[0]
+        assert quantized == training(np_, dequantized_base(fmt), "--fsdp.frozen_dtype=fp32")[0], (fmt, np_)
+        assert abs(quantized[0] - plain[0]) > 1e-6, (fmt, quantized, plain)  # the format matters
+    # Rank counts agree as every run does (summation order alone differs).
+    runs = [training(np_, BASE, "--fsdp.frozen_dtype=nf4")[0] for np_ in (1, 2, 3)]
+    for other in runs[1:]:
+        assert max(abs(a - b) / abs(b) for a, b in zip(other, runs[0])) < 1e-5, runs
+    # 16-bit gathers: the dequantized weights rounded to bf16 once, as the bf16 base's are.
+    bf16 = ("--fsdp.param_dtype=bf16",)
+    assert training(2, BASE, "--fsdp.frozen_dtype=nf4", *bf16)[0] == training(2, dequantized_base("nf4"), *bf16)[0]
+    # Another block size (the fused q|k|v and gate|up stay whole blocks of 32).
+    assert (training(2, BASE, "--fsdp.frozen_dtype=nf4", "--fsdp.quant_block=32")[0] ==
+            training(2, dequantized_base("nf4", 32))[0])
+
+
+def test_resume_is_exact_from_adapter_only_and_full_checkpoints():
+    for fmt in ("nf4", "fp8"):
+        for adapters_only in ("true", "false"):
+            options = (f"--fsdp.frozen_dtype={fmt}", f"--checkpoint.adapters_only={adapters_only}",
+                       f"--checkpoint.every={SAVE_AT}")
+            straight, _, d = training(2, BASE, *options)
+            saved = os.path.join(d, f"ckpt-{SAVE_AT:08d}.h5")
+            resumed = training(3 if adapters_only == "true" else 2, BASE, *options, f"--checkpoint.resume={saved}")[0]
+            if adapters_only == "false":
+                assert resumed == straight[SAVE_AT:], (fmt, resumed, straight)
+            else:  # another rank count: to its summation order
+                assert max(abs(a - b) / abs(b) for a, b in zip(resumed, straight[SAVE_AT:])) < 1e-5, (fmt, resumed)
+
+
+def test_the_frozen_base_holds_its_formats_bytes():
+    tensors = load_file(os.path.join(BASE, "model.safetensors"))
+    quantized = sum(tensors[n].size for n in quantized_names(tensors))
+    assert quantized == 2 * (2 * 32 * 32 + 2 * 16 * 32 + 3 * 64 * 32)
+    plain = training(1, BASE)[1]["peak_mem"]["sharded_params"]
+    for fmt, record in (("nf4", 36), ("fp4", 36), ("fp8", 68)):  # bytes per block of 64
+        step = training(1, BASE, f"--fsdp.frozen_dtype={fmt}")[1]
+        assert step["peak_mem"]["sharded_params"] == plain - 4 * quantized + quantized // 64 * record, fmt
+        assert step["held_mem_bytes"] == step["planned_mem_bytes"]
+    # Gathers move the records. Bytes sent per step on 2 ranks, exactly: per micro-batch (3 per
+    # rank) the root (3104 fp32, all frozen) and both blocks (LoRA's 832 trainable and the norms' 64
+    # fp32; 144 NF4 records of 36 bytes) are gathered, and the 2 x 832 trainable reduce-scattered;
+    # each collective sends half its volume. `plan` predicts the same bytes.
+    expected = 3 * (3104 * 4 + 2 * (896 * 4 + 144 * 36) + 2 * 832 * 4) // 2
+    nf4, bf16 = (training(2, BASE, *o)[1]["comm_bytes"] for o in (("--fsdp.frozen_dtype=nf4",),
+                                                                   ("--fsdp.param_dtype=bf16",)))
+    assert nf4 == expected and nf4 < bf16, (nf4, expected, bf16)
+    proc = run_single(["plan", "--world-size=2", *qlora_args(BASE, "--fsdp.frozen_dtype=nf4")[1:]])
+    line = next(l for l in proc.stdout.splitlines()
+                if l.startswith("PLAN strategy=FULL_SHARD reduce=micro checkpointing=no offload=no"))
+    assert f"traffic_bytes={expected}" in line, (line, expected)
+
+
+def test_bad_quantization_settings_are_refused():
+    expect_usage_error(qlora_args(BASE, "--fsdp.frozen_dtype=nf3"), "fsdp.frozen_dtype")
+    expect_usage_error(qlora_args(BASE, "--fsdp.frozen_dtype=nf4", "--fsdp.quant_block=48"), "fsdp.quant_block=48")
+    # k_proj's 512 elements are not whole blocks of 1024, and q|k|v is one matrix.
+    expect_usage_error(qlora_args(BASE, "--fsdp.frozen_dtype=nf4", "--fsdp.quant_block=1024"),
+                       "does not tile layers.0.self_attn.k_proj.weight (512 elements)")
+    # Nothing frozen, nothing to quantize.
+    expect_usage_error(["train", "--config", os.path.join(ROOT, "inputs", "llama-tiny.ini"), "--fsdp.frozen_dtype=fp4"],
+                       "freezes none")
+    expect_usage_error(qlora_args(BASE, "--fsdp.frozen_dtype=nf4", "--train.device=cuda"), "dequantization kernels")
