@@ -33,6 +33,11 @@ Against another build (--only baseline --baseline DIR [--baseline-dtype bf16]): 
 and T = 1024 on this build and DIR's (e.g. an older commit built elsewhere), interleaved (see
 baseline_section).
 
+A quantized frozen base (--only quant): llama-135M with LoRA r=8 on every linear layer (T = 64,
+micro_batch 4, global_batch 16, fsdp.param_dtype=bf16) on a base held fp32 (gathered in bf16), NF4
+or FP8, 1 rank x 2 threads and 2 ranks x 1 thread, rounds interleaved: tokens/s (median of the
+steps after the first, min/median over rounds), the sharded parameters per rank and the bytes sent
+per step (see quant_section).
 Distillation (--only distill): gpt2-124M alone and distilled from a gpt-300M teacher on 1, 2 and 4
 ranks, tokens/s and each model's memory per rank (see distill_section).
 
@@ -184,7 +189,7 @@ def main():
     parser.add_argument("--ckpt-profile", action="store_true",
                         help="also time the checksums and the same bytes through MPI-IO alone")
     parser.add_argument("--only", choices=("layers", "train", "ckpt", "arch", "flux", "adapters", "distill", "gemm",
-                                           "bf16",
+                                           "bf16", "quant",
                                            "activations",
                                            "convert", "baseline"),
                         help="run one section only")
@@ -211,7 +216,8 @@ def main():
     if os.geteuid() == 0:
         os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    sections = [args.only] if args.only else ["train", "ckpt", "arch", "flux", "adapters", "distill", "gemm", "bf16"]
+    sections = [args.only] if args.only else ["train", "ckpt", "arch", "flux", "adapters", "quant", "distill", "gemm",
+                                              "bf16"]
     if not args.only and not args.skip_layers:
         sections.insert(0, "layers")
     if "layers" in sections:
@@ -230,6 +236,8 @@ def main():
                         [c for c in args.adapter_cases.split(",") if c])
     if "flux" in sections:
         flux_section(build, args.steps, args.arch_rounds)
+    if "quant" in sections:
+        quant_section(build, args.steps, args.arch_rounds)
     if "distill" in sections:
         distill_section(build, args.steps)
     if "gemm" in sections:
@@ -510,6 +518,36 @@ def adapter_model_runs(build, steps, config, cases):
             mib = [mem[c] / 2**20 for c in MEMORY_COLUMNS]
             print(f"{ranks} x {threads} | {name:16s} | {tps:8.1f} | {tps / full:5.2f} | " +
                   " ".join(f"{m:7.1f}" for m in mib) + f" {sum(mib):8.1f}", flush=True)
+
+
+QUANT_FORMATS = ("fp32", "nf4", "fp8")
+
+
+def quant_section(build, steps, rounds):
+    """LoRA on llama-135M's base held in each fsdp.frozen_dtype (docs/quantization.md), the GEMMs in
+    bf16-rounded weights either way (fsdp.param_dtype=bf16: the fp32 base is LoRA on a bf16 base as
+    far as compute goes). Per rank count the formats run interleaved, `rounds` times; tokens/s is
+    the median over a run's steps after the first, reported min/median over rounds and as a ratio to
+    the fp32 base's median in the same rank count. Bytes are one rank's (held = planned)."""
+    config, cases = ADAPTER_MODELS["llama"]
+    lora = dict(cases)["LoRA r=8"]
+    print(f"\n== quantized base: {config} + LoRA r=8 on every linear layer, seq_len 64, micro_batch 4, "
+          f"global_batch 16, {steps} steps, fsdp.param_dtype=bf16, {rounds} rounds", flush=True)
+    print("ranks | frozen_dtype | tokens/s min / median | / fp32 | sharded_params MiB | comm MiB/step", flush=True)
+    for ranks, threads in ((1, 2), (2, 1)):
+        runs = {f: [] for f in QUANT_FORMATS}
+        for _ in range(rounds):
+            for fmt in QUANT_FORMATS:
+                rows, _, _ = train_run(build, ranks, threads, steps, config=config,
+                                       extra=(*lora, "--fsdp.param_dtype=bf16", f"--fsdp.frozen_dtype={fmt}"))
+                runs[fmt].append((summarize([r["tokens_per_s"] for r in rows])[1], rows[-1]))
+        base = statistics.median(t for t, _ in runs["fp32"])
+        for fmt in QUANT_FORMATS:
+            tps = [t for t, _ in runs[fmt]]
+            last = runs[fmt][-1][1]
+            print(f"{ranks} x {threads} | {fmt:4s} | {min(tps):8.1f} / {statistics.median(tps):8.1f} | "
+                  f"{statistics.median(tps) / base:5.2f} | {last['peak_mem']['sharded_params'] / 2**20:8.2f} | "
+                  f"{last['comm_bytes'] / 2**20:8.2f}", flush=True)
 
 
 def distill_section(build, steps):

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/layer_ops.hpp"
 #include "backend/quant.hpp"
 #include "ckpt/safetensors.hpp"
 
@@ -122,6 +123,36 @@ TEST(Quant, RecordSizesAreTheFormulas) {
   EXPECT_DOUBLE_EQ(quant_bytes_per_element(QUANT_NF4, 64), 0.5625);
   EXPECT_EQ(quant_record_bytes(QUANT_FP8, 64), 68u);
   EXPECT_TRUE(quant_block_ok(32) && quant_block_ok(4096) && !quant_block_ok(48) && !quant_block_ok(16));
+}
+
+}  // namespace
+}  // namespace shardtrain
+
+namespace shardtrain {
+namespace {
+
+// The CPU backend's gather-side kernel against the element-wise definition, in fp32 and with the
+// bf16 copy the GEMMs read (values then its widening).
+TEST(Quant, BackendDequantizationIsTheDefinition) {
+  for (QuantType type : {QUANT_NF4, QUANT_FP4, QUANT_FP8})
+    for (size_t block : {32u, 64u, 256u}) {
+      const size_t blocks = 5, record = quant_record_bytes(type, block);
+      std::vector<float> x(blocks * block);
+      for (size_t i = 0; i < x.size(); i++) x[i] = std::sin(0.37 * i) * (1 + i % 7);
+      std::vector<uint8_t> records(blocks * record);
+      for (size_t b = 0; b < blocks; b++)
+        quantize_block(type, x.data() + b * block, b == 3 ? block / 2 + 1 : block, block, records.data() + b * record);
+      std::vector<float> out(x.size()), widened(x.size());
+      std::vector<uint16_t> half(x.size());
+      cpu_shard_ops().dequantize_blocks(out.data(), nullptr, DTYPE_FP32, records.data(), blocks, type, block);
+      cpu_shard_ops().dequantize_blocks(widened.data(), half.data(), DTYPE_BF16, records.data(), blocks, type, block);
+      for (size_t i = 0; i < x.size(); i++) {
+        const float want = dequantize_element(type, records.data() + i / block * record, block, i % block);
+        ASSERT_EQ(float_bits(out[i]), float_bits(want)) << quant_type_name(type) << " " << block << " " << i;
+        ASSERT_EQ(half[i], float_to_bf16(want)) << quant_type_name(type) << " " << i;
+        ASSERT_EQ(float_bits(widened[i]), float_bits(bf16_to_float(half[i]))) << quant_type_name(type) << " " << i;
+      }
+    }
 }
 
 }  // namespace

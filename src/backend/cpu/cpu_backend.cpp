@@ -1,6 +1,7 @@
 // The CPU backend behind the LayerOps/ShardOps interfaces: host memory, and the templates of
 // backend/cpu/ops.hpp for the layers.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -259,19 +260,42 @@ class CpuShardOps : public ShardOps {
 #pragma omp parallel for schedule(static)
     for (size_t i = 0; i < n; i++) out[i] = half_to_float(in[i], type);
   }
+  // Per block: the scale read once, 4-bit codes looked up in the block's 16 products code x scale
+  // (the same products the element-wise definition forms), FP8 codes in a 256-entry table.
   void dequantize_blocks(float* out, uint16_t* half, DType half_type, const uint8_t* records, size_t blocks,
                          QuantType type, size_t block) const override {
+    static const std::array<float, 256> e4m3 = [] {
+      std::array<float, 256> t{};
+      for (int c = 0; c < 256; c++) t[c] = e4m3_to_float(static_cast<uint8_t>(c));
+      return t;
+    }();
     const size_t record = quant_record_bytes(type, block);
 #pragma omp parallel for schedule(static)
-    for (size_t b = 0; b < blocks; b++)
-      for (size_t i = 0; i < block; i++) {
-        float v = dequantize_element(type, records + b * record, block, i);
-        if (half) {
-          half[b * block + i] = float_to_half(v, half_type);
-          v = half_to_float(half[b * block + i], half_type);
+    for (size_t b = 0; b < blocks; b++) {
+      const uint8_t* codes = records + b * record;
+      const float scale = quant_scale(type, codes, block);
+      float* o = out + b * block;
+      uint16_t* h = half ? half + b * block : nullptr;
+      if (type == QUANT_FP8) {
+        for (size_t i = 0; i < block; i++) {
+          float v = e4m3[codes[i]] * scale;
+          if (h) h[i] = float_to_half(v, half_type), v = half_to_float(h[i], half_type);
+          o[i] = v;
         }
-        out[b * block + i] = v;
+        continue;
       }
+      float value[16];
+      uint16_t rounded[16];
+      for (int c = 0; c < 16; c++) {
+        value[c] = quant4_code_value(type, c) * scale;
+        if (h) rounded[c] = float_to_half(value[c], half_type), value[c] = half_to_float(rounded[c], half_type);
+      }
+      for (size_t j = 0; j < block / 2; j++) {
+        const int high = codes[j] >> 4, low = codes[j] & 15;
+        o[2 * j] = value[high], o[2 * j + 1] = value[low];
+        if (h) h[2 * j] = rounded[high], h[2 * j + 1] = rounded[low];
+      }
+    }
   }
   void adamw_multi(const AdamWSegment* segments, size_t count, const double* sums, const AdamWClip& clip,
                    const AdamWStep& step) const override {
