@@ -288,6 +288,9 @@ void declare_options(OptionList& o, Config& c) {
                "dequantized into each gathered block (docs/quantization.md); fp32 = full precision");
   o.add("fsdp.quant_block", &c.fsdp.quant_block,
         "fsdp.frozen_dtype's block: elements sharing one scale, a power of two from 32 to 4096");
+  o.add("fsdp.quantize_all_linear", &c.fsdp.quantize_all_linear,
+        "fsdp.frozen_dtype also holds the linear layers a family keeps in full precision by default (FLUX's "
+        "modulation, 27 % of FLUX.1's parameters)");
   o.add("checkpoint.dir", &c.checkpoint.dir, "checkpoint folder; empty = checkpoints/<train.run_name>");
   o.add("checkpoint.every", &c.checkpoint.every, "save every N steps; 0 = only at the end");
   o.add("checkpoint.format", &c.checkpoint.format,
@@ -814,7 +817,8 @@ AdapterConfig adapter_config(const Config& c) {
 
 ParamTable config_param_table(const Config& c) {
   return ParamTable(c.model, split_comma_list(c.train.freeze), adapter_config(c),
-                    QuantConfig{c.fsdp.frozen_dtype, static_cast<size_t>(c.fsdp.quant_block)});
+                    QuantConfig{c.fsdp.frozen_dtype, static_cast<size_t>(c.fsdp.quant_block),
+                                c.fsdp.quantize_all_linear});
 }
 
 std::string train_help() {

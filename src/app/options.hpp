@@ -83,6 +83,7 @@ struct FsdpOptions {
   CommBackend comm_backend = COMM_AUTO;  // collectives on device buffers: NCCL or MPI
   QuantType frozen_dtype = QUANT_NONE;   // frozen linear weights held in NF4, FP4 or FP8 (backend/quant.hpp)
   int quant_block = 64;                  // its block of elements
+  bool quantize_all_linear = false;      // FLUX's modulation too
 };
 
 struct CheckpointOptions {

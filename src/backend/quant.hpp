@@ -55,6 +55,7 @@ inline double quant_bytes_per_element(QuantType t, size_t block) {
 struct QuantConfig {
   QuantType type = QUANT_NONE;
   size_t block = 64;
+  bool all_linear = false;  // also the layers a family keeps in full precision (FLUX's modulation)
 };
 
 // NF4's 16 values (bitsandbytes' table, as fp32), sorted; FP4's are e2m1's values over 12 in

@@ -167,7 +167,7 @@ void ParamTable::mark_quantized() {
   for (int l = 0; l < block_count(); l++)
     for (const LinearSite& site : block_sites(l)) {
       ParamInfo& w = params_[units_[block_unit(l)].params[site.weight]];
-      if (w.frozen && family.quantizable(site)) w.quantized = true, count++;
+      if (w.frozen && (quant_.all_linear || family.quantizable(site))) w.quantized = true, count++;
     }
   if (count == 0)
     throw UsageError(option + " quantizes frozen linear weights and this run freezes none: train adapters " +

@@ -166,3 +166,29 @@ def test_bad_quantization_settings_are_refused():
     expect_usage_error(["train", "--config", os.path.join(ROOT, "inputs", "llama-tiny.ini"), "--fsdp.frozen_dtype=fp4"],
                        "freezes none")
     expect_usage_error(qlora_args(BASE, "--fsdp.frozen_dtype=nf4", "--train.device=cuda"), "dequantization kernels")
+
+
+def test_flux_quantizes_its_linear_layers_and_keeps_the_modulation_unless_asked():
+    """LoRA on a FLUX diffusers folder (tests/e2e/flux_reference.py's shapes) with an NF4 base:
+    the losses of the base whose block linear weights numpy dequantized, bit for bit -- the
+    modulation (norm*.linear) left alone unless fsdp.quantize_all_linear."""
+    from flux_reference import make_diffusers_folder
+    from test_flux import CFG, LORA_TARGETS, flux_args, losses
+    folder = os.path.join(tempdir(), "flux")
+    params = make_diffusers_folder(folder, CFG, seed=5)
+    lora = ("--adapter.type=lora", f"--adapter.targets={LORA_TARGETS}", "--adapter.rank=4", "--adapter.alpha=4",
+            "--train.lr=1e-2", "--fsdp.quant_block=32")
+    blocks = [n for n in params if n.startswith(("transformer_blocks.", "single_transformer_blocks."))
+              and n.endswith(".weight") and params[n].ndim == 2]
+    for all_linear in (False, True):
+        names = [n for n in blocks if all_linear or ".norm" not in n]
+        assert len(names) == 2 * (12 + 2 * all_linear) + 2 * (5 + all_linear), names  # 12 + 2 per double, 5 + 1 per single
+        reference = os.path.join(tempdir(), "flux-dequantized")
+        shutil.copytree(folder, reference)
+        tensors = load_file(os.path.join(folder, "diffusion_pytorch_model.safetensors"))
+        for name in names:
+            tensors[name] = quantize_dequantize(tensors[name], "nf4", 32)
+        save_file(tensors, os.path.join(reference, "diffusion_pytorch_model.safetensors"))
+        quantized = losses(2, f"--checkpoint.init_from={folder}", *lora, "--fsdp.frozen_dtype=nf4",
+                           f"--fsdp.quantize_all_linear={str(all_linear).lower()}")
+        assert quantized == losses(2, f"--checkpoint.init_from={reference}", *lora), all_linear
