@@ -11,6 +11,7 @@
 #include <set>
 #include <sstream>
 
+#include "ckpt/bnb_tensor.hpp"
 #include "ckpt/json_file.hpp"
 #include "core/error.hpp"
 #include "model/family.hpp"
@@ -120,12 +121,17 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
     const SafetensorsReader* reader;
     const SafetensorsTensor* tensor;
     bool transposed;
+    std::shared_ptr<const Bnb4bitTensor> quantized;  // stored quantized by bitsandbytes (ckpt/bnb_tensor.hpp)
   };
   std::vector<Source> sources;
   std::set<std::string> used;
+  const Bnb4bitTensor::Lookup lookup = [&](const std::string& key) {
+    auto it = files.tensors.find(key);
+    return it == files.tensors.end() ? SafetensorsPart{} : SafetensorsPart{it->second.first, it->second.second};
+  };
   for (const ParamInfo& p : table.params()) {
     if (p.adapter) {  // the base model's folder has none: they keep their initial values
-      sources.push_back({nullptr, nullptr, false});
+      sources.push_back({nullptr, nullptr, false, nullptr});
       continue;
     }
     const HfTensor want = family.hf_tensor(p);
@@ -133,6 +139,16 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
     auto it = files.tensors.find(key);
     if (it == files.tensors.end())
       throw CheckpointError("Hugging Face folder '" + folder + "': tensor '" + want.name + "' is missing");
+    if (Bnb4bitTensor::present(lookup, key)) {
+      if (want.transposed)
+        throw CheckpointError("Hugging Face folder '" + folder + "': tensor '" + want.name + "' is stored quantized "
+                              "by bitsandbytes, which ShardTrain reads for (out, in) linear weights only; use the "
+                              "folder of the original weights");
+      auto quantized = std::make_shared<const Bnb4bitTensor>(lookup, key, want.shape);
+      used.insert(quantized->keys().begin(), quantized->keys().end());
+      sources.push_back({nullptr, nullptr, false, quantized});
+      continue;
+    }
     const SafetensorsTensor& t = *it->second.second;
     if (t.shape != want.shape) {
       std::string got, expected;
@@ -143,9 +159,12 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
     }
     if (t.dtype != "F32" && t.dtype != "BF16" && t.dtype != "F16")
       throw CheckpointError("safetensors file '" + it->second.first->path() + "': tensor '" + t.name + "' is " +
-                            t.dtype + "; ShardTrain reads F32, BF16 and F16 weights");
+                            t.dtype + "; ShardTrain reads F32, BF16 and F16 weights" +
+                            (lookup(key + ".SCB").tensor ? " and bitsandbytes' 4-bit ones, not its 8-bit (LLM.int8) "
+                                                           "format: use a 4-bit or the original folder"
+                                                         : ""));
     used.insert(key);
-    sources.push_back({it->second.first, it->second.second, want.transposed});
+    sources.push_back({it->second.first, it->second.second, want.transposed, nullptr});
   }
   for (const auto& [key, where] : files.tensors)
     if (!used.count(key) && !family.hf_ignorable(key))
@@ -162,10 +181,12 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
       const UnitLayout::Local local = s.layout.local_part(p.range());
       const FlatRange part = local.range;
       if (part.empty() || p.adapter) continue;
-      const auto [reader, tensor, transposed] = sources[p.id];
+      const auto& [reader, tensor, transposed, quantized] = sources[p.id];
       float* slice = values.data() + local.index;
       const size_t first = part.begin - p.offset, count = part.size();
-      if (!transposed) {
+      if (quantized) {
+        quantized->read(first, count, slice);
+      } else if (!transposed) {
         reader->read_fp32(*tensor, first, count, slice);
       } else {
         // Ours is (out, in), the file's (in, out): our rows [o0, o1] are the file's columns, read
@@ -181,9 +202,11 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
       }
       const float* bad = std::find_if(slice, slice + count, [](float x) { return !std::isfinite(x); });
       if (bad != slice + count)
-        throw CheckpointError(strprintf("safetensors file '%s': tensor '%s' holds %g: the file is damaged or comes "
-                                        "from a run that diverged; use another model",
-                                        reader->path().c_str(), tensor->name.c_str(), *bad));
+        throw CheckpointError(strprintf("%s '%s': tensor '%s' holds %g: the file is damaged or comes from a run "
+                                        "that diverged; use another model",
+                                        reader ? "safetensors file" : "Hugging Face folder",
+                                        (reader ? reader->path() : folder).c_str(),
+                                        (tensor ? tensor->name : family.hf_tensor(p).name).c_str(), *bad));
     }
     values.upload();
   }

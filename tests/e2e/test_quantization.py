@@ -192,3 +192,50 @@ def test_flux_quantizes_its_linear_layers_and_keeps_the_modulation_unless_asked(
         quantized = losses(2, f"--checkpoint.init_from={folder}", *lora, "--fsdp.frozen_dtype=nf4",
                            f"--fsdp.quantize_all_linear={str(all_linear).lower()}")
         assert quantized == losses(2, f"--checkpoint.init_from={reference}", *lora), all_linear
+
+
+BNB_FOLDERS = os.path.join(ROOT, "tests", "fixtures", "bnb", "llama")
+
+
+def test_folders_quantized_by_bitsandbytes_load_as_bitsandbytes_dequantizes_them():
+    """transformers' save_pretrained of the base under load_in_4bit (NF4 with double quantization,
+    FP4 without): read as bitsandbytes' own dequantize_4bit of each weight (the dequant-* folders),
+    bit for bit -- into an fp32 base, and into an NF4/FP4 base of the same block size, whose records
+    are then the folder's own."""
+    for fmt in ("nf4", "fp4"):
+        folder, dequantized = os.path.join(BNB_FOLDERS, fmt), os.path.join(BNB_FOLDERS, "dequant-" + fmt)
+        want = training(2, dequantized)[0]
+        assert training(2, folder)[0] == want, fmt
+        assert training(3, folder, f"--fsdp.frozen_dtype={fmt}")[0] == training(3, dequantized)[0], fmt
+        assert training(1, folder, f"--fsdp.frozen_dtype={fmt}")[0] == training(1, dequantized)[0], fmt
+        assert training(2, folder)[0] != training(2, BASE)[0]
+
+
+def test_damaged_bitsandbytes_folders_are_refused_naming_the_tensor():
+    def damaged(change):
+        d = tempdir()
+        shutil.copy(os.path.join(BNB_FOLDERS, "nf4", "config.json"), d)
+        tensors = load_file(os.path.join(BNB_FOLDERS, "nf4", "model.safetensors"))
+        change(tensors)
+        save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+        return d
+
+    q = "model.layers.0.self_attn.q_proj.weight"
+    state_key = q + ".quant_state.bitsandbytes__nf4"
+
+    def set_state(**fields):
+        def change(tensors):
+            state = json.loads(bytes(tensors[state_key]).decode())
+            state.update(fields)
+            tensors[state_key] = np.frombuffer(json.dumps(state).encode(), dtype=np.uint8).copy()
+        return change
+
+    cases = [(set_state(shape=[32, 16]), "quant_state says shape [32, 16], config.json's model needs [32, 32]"),
+             (set_state(quant_type="nf5"), "quant_type is not the 'nf4'"),
+             (set_state(blocksize=48), "blocksize 48"),
+             (lambda t: t.pop(q + ".absmax"), f"'{q}.absmax' is missing"),
+             (lambda t: t.update({q + ".quant_map": np.zeros(8, dtype=np.float32)}), f"'{q}.quant_map' is F32 with 8"),
+             (lambda t: t.update({state_key: np.frombuffer(b"{not json", dtype=np.uint8).copy()}), "not JSON")]
+    for change, needle in cases:
+        expect_usage_error(qlora_args(damaged(change), "--fsdp.frozen_dtype=nf4", f"--checkpoint.dir={tempdir()}"),
+                           f"bitsandbytes 4-bit tensor '{q}'", needle)
