@@ -155,6 +155,9 @@ CMP_MODEL=(--train.steps=20 --train.threads=4 --model.n_layer=4 --model.n_embd=2
 for strategy in FULL_SHARD NO_SHARD; do
   against_cpu "$strategy" "$strategy" 2 1 "${CMP_MODEL[@]}" --train.micro_batch=4 --train.global_batch=8 --fsdp.sharding_strategy=$strategy
 done
+# A quantized frozen base (docs/quantization.md): the GPU's dequantization kernel in the gathers.
+against_cpu "LoRA on an NF4 base" qlora 2 1 "${CMP_MODEL[@]}" --train.micro_batch=4 --train.global_batch=8 \
+  --adapter.type=lora --adapter.targets=attn.c_attn,mlp.c_fc --fsdp.frozen_dtype=nf4
 
 section "One host synchronization per step on the GPU (host_syncs of the GPU runs above)"
 for strategy in FULL_SHARD NO_SHARD; do

@@ -127,6 +127,8 @@ size_t plan_comm_staging_bytes(const ComputeOptions& compute, const GroupShape& 
       if (groups.shard_size > 1)
         for (const SpaceLayout* space : {&u.trainable, &u.frozen})
           if (space->numel > 0) shard = std::max(shard, staging_bytes_all_gather(space->padded_numel, gather_elem));
+      if (groups.shard_size > 1 && u.quantized.numel > 0)  // its records, bytes
+        shard = std::max(shard, staging_bytes_all_gather(u.gathered_record_bytes(), 1));
       if (!gradients || u.trainable.numel == 0) continue;
       if (groups.shard_size > 1)
         shard = std::max(shard, staging_bytes_reduce_scatter(u.trainable.shard_numel, groups.shard_size));

@@ -116,27 +116,30 @@ std::vector<PlannedAllocation> plan_device_allocations(const ParamTable& table, 
   };
   // FsdpEngine's constructor: each unit's master shard and gradient shard (with cpu_offload in host
   // memory, the device keeping a gradient shard per unit), then the gather slots and gradient buffers.
-  size_t max_block = 0, max_block_trainable = 0, max_grad_shard = 0;
+  size_t max_block = 0, max_block_trainable = 0, max_grad_shard = 0, max_block_records = 0;
   for (size_t u = 0; u < layout.size(); u++) {
     const UnitLayout& l = layout[u];
-    if (!engine.cpu_offload) add(MEM_SHARDED_PARAMS, l.shard_numel() * sizeof(float));
+    if (!engine.cpu_offload) add(MEM_SHARDED_PARAMS, l.held_numel() * sizeof(float));
     add(MEM_GRADIENTS, l.trainable.shard_numel * sizeof(float));
+    if (!engine.cpu_offload) add(MEM_SHARDED_PARAMS, l.packed_bytes());  // a quantized space's records
+    if (u != ROOT_UNIT) max_block_records = std::max(max_block_records, l.gathered_record_bytes());
     max_grad_shard = std::max(max_grad_shard, l.trainable.shard_numel);
     if (u != ROOT_UNIT) max_block = std::max(max_block, l.padded_numel());
     if (u != ROOT_UNIT) max_block_trainable = std::max(max_block_trainable, l.trainable.padded_numel);
   }
   const bool sharded = groups.shard_size > 1, half = engine.param_dtype != DTYPE_FP32;
-  if (sharded || half || engine.cpu_offload) {
-    std::vector<size_t> slots;
+  if (sharded || half || engine.cpu_offload || max_block_records) {
+    std::vector<std::pair<size_t, size_t>> slots;  // values, gathered records
     if (engine.strategy == SHARDING_SHARD_GRAD_OP) {
-      for (const UnitLayout& l : layout) slots.push_back(l.padded_numel());
+      for (const UnitLayout& l : layout) slots.push_back({l.padded_numel(), l.gathered_record_bytes()});
     } else {
-      slots.push_back(layout[ROOT_UNIT].padded_numel());
-      slots.insert(slots.end(), static_cast<size_t>(engine.limit_all_gathers), max_block);
+      slots.push_back({layout[ROOT_UNIT].padded_numel(), layout[ROOT_UNIT].gathered_record_bytes()});
+      slots.insert(slots.end(), static_cast<size_t>(engine.limit_all_gathers), {max_block, max_block_records});
     }
-    for (size_t slot : slots) {
-      add(MEM_GATHERED_UNITS, slot * sizeof(float));
-      if (half) add(MEM_COMM_BUFFERS, slot * sizeof(uint16_t));  // the 16-bit wire copy
+    for (const auto& [values, records] : slots) {
+      add(MEM_GATHERED_UNITS, values * sizeof(float));
+      if (half) add(MEM_COMM_BUFFERS, values * sizeof(uint16_t));  // the 16-bit wire copy
+      add(MEM_COMM_BUFFERS, records);
     }
   }
   const size_t root_trainable = layout[ROOT_UNIT].trainable.padded_numel;
@@ -229,16 +232,18 @@ MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, c
   plan.bytes = FsdpEngine::plan_memory(layout, engine);
   // AdamW's two moments per trainable element, beside the master shards (none on the device when
   // offloaded); frozen parameters have none.
-  size_t shard_numel = 0, trainable_shard_numel = 0;
-  for (const UnitLayout& unit : layout)
-    shard_numel += unit.shard_numel(), trainable_shard_numel += unit.trainable.shard_numel;
+  size_t held_numel = 0, trainable_shard_numel = 0, packed_bytes = 0;
+  for (const UnitLayout& unit : layout) {
+    held_numel += unit.held_numel(), trainable_shard_numel += unit.trainable.shard_numel;
+    packed_bytes += unit.packed_bytes();
+  }
   // And the fused step's segment table (optim/adamw.hpp) beside them; (offloaded) the step's sums
   // beside the masters.
   const size_t table_bytes = AdamW::plan_table_bytes(table, groups.shard_size);
   if (!engine.cpu_offload) plan.bytes[MEM_OPTIMIZER_STATE] = 2 * trainable_shard_numel * sizeof(float) + table_bytes;
   if (engine.cpu_offload)  // master, gradient, two moments, the table, the sums
-    plan.offloaded_bytes =
-        (shard_numel + 3 * trainable_shard_numel) * sizeof(float) + table_bytes + AdamW::kStepSumsBytes;
+    plan.offloaded_bytes = (held_numel + 3 * trainable_shard_numel) * sizeof(float) + packed_bytes + table_bytes +
+                           AdamW::kStepSumsBytes;
   plan.bytes[MEM_ACTIVATIONS] = plan_activation_bytes(table, micro_batch, seq_len, activation_checkpointing,
                                                       sizeof(float), compute.activation_dtype);
   // The GEMMs' workspace and the step's loss and gradient-norm sums on the device.

@@ -245,6 +245,9 @@ void declare_options(OptionList& o, Config& c) {
   o.add("distill.alpha", &c.distill.alpha,
         "the loss is alpha CE + (1 - alpha) T^2 KL(teacher_T || student_T): the cross-entropy's weight, in [0, 1]");
   o.add("distill.temperature", &c.distill.temperature, "T of the distillation loss's softened distributions, > 0");
+  o.add_choice("distill.teacher_dtype", &c.distill.teacher_dtype, QUANT_TYPES, quant_type_name,
+               "the format the teacher's linear weights are held, gathered and dequantized in: nf4, fp4, fp8, bf16 "
+               "or fp32 (docs/quantization.md; blocks of fsdp.quant_block)");
   o.add_choice("fsdp.sharding_strategy", &c.fsdp.sharding_strategy, STRATEGIES, sharding_strategy_name,
                "ZeRO-3, ZeRO-2, DDP, or FULL_SHARD within groups replicated across them");
   o.add("fsdp.shard_group_size", &c.fsdp.shard_group_size,
@@ -284,7 +287,7 @@ void declare_options(OptionList& o, Config& c) {
                "staging buffers, so several ranks may share one GPU); auto = nccl on cuda, mpi on cpu");
   o.add_choice("fsdp.frozen_dtype", &c.fsdp.frozen_dtype, QUANT_TYPES, quant_type_name,
                "the format of the frozen linear weights (the base under adapters, frozen blocks): nf4 or fp4 as "
-               "bitsandbytes stores them, fp8 (e4m3, a scale per block); held, gathered and stored quantized, "
+               "bitsandbytes stores them, fp8 (e4m3, a scale per block), bf16; held and gathered in it, "
                "dequantized into each gathered block (docs/quantization.md); fp32 = full precision");
   o.add("fsdp.quant_block", &c.fsdp.quant_block,
         "fsdp.frozen_dtype's block: elements sharing one scale, a power of two from 32 to 4096");
@@ -716,9 +719,6 @@ void validate_config(const Config& c, int world) {
   require(quant_block_ok(c.fsdp.quant_block),
           strprintf("fsdp.quant_block=%d must be a power of two from 32 to 4096 (bitsandbytes' block sizes; 64 is "
                     "theirs by default)", c.fsdp.quant_block));
-  require(c.fsdp.frozen_dtype == QUANT_NONE || t.device != "cuda",
-          std::string("fsdp.frozen_dtype=") + quant_type_name(c.fsdp.frozen_dtype) +
-              ": the CUDA backend has no dequantization kernels yet; set train.device=cpu or fsdp.frozen_dtype=fp32");
   require(t.seq_len >= 1 && t.seq_len <= m.max_seq_len,
           strprintf("train.seq_len=%d must be in [1, model.max_seq_len=%d]", t.seq_len, m.max_seq_len));
   require(t.steps >= 1, "train.steps must be >= 1");
@@ -801,6 +801,8 @@ void validate_config(const Config& c, int world) {
           "distill.alpha or distill.temperature is set but distill.teacher is empty, so there is no distillation: "
           "set distill.teacher (a ShardTrain checkpoint or Hugging Face folder) or remove them");
   require(c.distill.temperature > 0, "distill.temperature must be > 0");
+  require(!c.distill.teacher.empty() || c.distill.teacher_dtype == QUANT_NONE,
+          "distill.teacher_dtype is set but distill.teacher is empty: set distill.teacher or remove it");
   config_param_table(c);  // train.freeze's patterns, adapter.targets
 }
 
@@ -819,6 +821,10 @@ ParamTable config_param_table(const Config& c) {
   return ParamTable(c.model, split_comma_list(c.train.freeze), adapter_config(c),
                     QuantConfig{c.fsdp.frozen_dtype, static_cast<size_t>(c.fsdp.quant_block),
                                 c.fsdp.quantize_all_linear});
+}
+
+QuantConfig teacher_quant(const Config& c) {
+  return QuantConfig{c.distill.teacher_dtype, static_cast<size_t>(c.fsdp.quant_block), c.fsdp.quantize_all_linear};
 }
 
 std::string train_help() {

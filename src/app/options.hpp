@@ -128,6 +128,7 @@ struct DistillOptions {
   std::string teacher;  // a ShardTrain checkpoint or a Hugging Face model folder; empty = no distillation
   double alpha = 0.5;   // the cross-entropy's weight; the KL term gets 1 - alpha
   double temperature = 2;
+  QuantType teacher_dtype = QUANT_NONE;  // the teacher's linear weights held in NF4, FP4 or FP8
 };
 
 struct Config {
@@ -164,6 +165,8 @@ ComputeOptions compute_options(const Config& config);
 // The parameter table the configuration trains: the model with train.freeze applied. Throws
 // UsageError for a pattern that matches nothing or freezes what cannot be (model/param_table.hpp).
 ParamTable config_param_table(const Config& config);
+// distill.teacher_dtype with fsdp.quant_block: the format of the teacher's linear weights.
+QuantConfig teacher_quant(const Config& config);
 AdapterConfig adapter_config(const Config& config);
 // The checkpoint folder: checkpoint.dir, or checkpoints/<train.run_name>.
 std::string checkpoint_dir(const Config& config);

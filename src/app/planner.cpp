@@ -74,7 +74,8 @@ double traffic_per_step(const ParamTable& table, const Candidate& c, const Engin
 std::vector<Candidate> plan_candidates(const Config& config, int world, int ranks_per_node, size_t limit) {
   const ParamTable table = config_param_table(config);
   std::optional<ParamTable> teacher;  // distill.teacher's model, read once
-  if (!config.distill.teacher.empty()) teacher.emplace(teacher_param_table(config.distill.teacher));
+  if (!config.distill.teacher.empty())
+    teacher.emplace(teacher_param_table(config.distill.teacher, teacher_quant(config)));
   const int accumulation = std::max(1, config.train.global_batch / (config.train.micro_batch * world));
   const GemmWorkload gemms =
       gemm_workload(config.model, teacher ? &teacher->config() : nullptr, config.train.micro_batch, config.train.seq_len);

@@ -21,15 +21,16 @@ EngineOptions teacher_engine_options(const EngineOptions& student) {
 
 }  // namespace
 
-ParamTable teacher_param_table(const std::string& source) {
+ParamTable teacher_param_table(const std::string& source, QuantConfig quant) {
+  quant.inference = true;
   if (is_hdf5_file(source)) {
     const CheckpointState state = read_checkpoint_state(source);
     if (state.adapters_only)
       throw UsageError("distill.teacher='" + source + "' holds adapters alone (checkpoint.adapters_only), no model: "
                        "give a full checkpoint (resume it with checkpoint.adapters_only=false) or a merged export");
-    return ParamTable(state.model, {}, state.adapter);  // a teacher trained with adapters: with them
+    return ParamTable(state.model, {}, state.adapter, quant);  // a teacher trained with adapters: with them
   }
-  if (is_hf_model_folder(source)) return ParamTable(read_hf_model_config(source));
+  if (is_hf_model_folder(source)) return ParamTable(read_hf_model_config(source), {}, {}, quant);
   throw UsageError("distill.teacher='" + source + "' is neither a ShardTrain checkpoint (.h5) nor a Hugging Face "
                    "model folder (config.json and model.safetensors): give one of those");
 }
@@ -43,10 +44,10 @@ std::array<size_t, MEM_CATEGORY_COUNT> plan_teacher_memory(const ParamTable& tab
 }
 
 Teacher::Teacher(const Runtime& rt, Comm& world, Comm& shard, Comm& replica, const ComputeBackend& compute,
-                 const EngineOptions& student_options, const std::string& source, const ModelConfig& student, int B,
-                 int T, Watchdog* watchdog)
+                 const EngineOptions& student_options, const std::string& source, const QuantConfig& quant,
+                 const ModelConfig& student, int B, int T, Watchdog* watchdog)
     : source_(source) {
-  rt.agree_on([&] { table_ = std::make_unique<ParamTable>(teacher_param_table(source)); });
+  rt.agree_on([&] { table_ = std::make_unique<ParamTable>(teacher_param_table(source, quant)); });
   const ModelConfig& c = config();
   require_capability(c, "distillation", "distill.teacher='" + source + "'");
   if (c.vocab_size != student.vocab_size)

@@ -23,9 +23,10 @@ class Teacher {
   // Face model folder -- for micro-batches of B sequences of T tokens. Collective over `world` and
   // the groups. Throws UsageError (agreed) for a source it cannot use or a vocabulary other than
   // the student's.
+  // quant: the format its linear weights are held in (distill.teacher_dtype).
   Teacher(const Runtime& rt, Comm& world, Comm& shard, Comm& replica, const ComputeBackend& compute,
-          const EngineOptions& student_options, const std::string& source, const ModelConfig& student, int B, int T,
-          Watchdog* watchdog);
+          const EngineOptions& student_options, const std::string& source, const QuantConfig& quant,
+          const ModelConfig& student, int B, int T, Watchdog* watchdog);
 
   // Its logits for a micro-batch's tokens (host memory): B*T x V in the device's memory, valid until
   // the next call. Collective over the groups.
@@ -50,7 +51,8 @@ class Teacher {
 
 // The teacher's model configuration from its source, read on every rank (call under agree_on).
 // Throws UsageError naming the source when it is neither kind, CheckpointError when damaged.
-ParamTable teacher_param_table(const std::string& source);
+// quant: the format of its linear weights (QuantConfig::inference is set here).
+ParamTable teacher_param_table(const std::string& source, QuantConfig quant = {});
 // Its bytes per category on a rank of `groups`, without allocating: the engine's in inference and
 // a forward-only model's activations.
 std::array<size_t, MEM_CATEGORY_COUNT> plan_teacher_memory(const ParamTable& table, const GroupShape& groups,

@@ -290,7 +290,8 @@ std::unique_ptr<Comm> make_replica_comm(const Runtime& rt, const Config& c, Shar
 // distill.teacher's parameter table (read from its file once, agreed), or none.
 std::optional<ParamTable> read_teacher_table(const Runtime& rt, const Config& c) {
   std::optional<ParamTable> teacher;
-  if (!c.distill.teacher.empty()) rt.agree_on([&] { teacher.emplace(teacher_param_table(c.distill.teacher)); });
+  if (!c.distill.teacher.empty())
+    rt.agree_on([&] { teacher.emplace(teacher_param_table(c.distill.teacher, teacher_quant(c))); });
   return teacher;
 }
 
@@ -405,7 +406,7 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
   if (!cfg_.distill.teacher.empty()) {
     require_capability(cfg_.model, "distillation", "the student (model.arch)");
     teacher_ = std::make_unique<Teacher>(rt, *comm_, *shard_comm_, *replica_comm_, compute_, engine_options(config),
-                                         cfg_.distill.teacher, cfg_.model, B_, T_, &watchdog_);
+                                         cfg_.distill.teacher, teacher_quant(config), cfg_.model, B_, T_, &watchdog_);
     distill_loss_ = std::make_unique<DistillationLoss<float>>(
         [this](const Batch& batch) { return teacher_->logits(batch); }, static_cast<float>(cfg_.distill.alpha),
         static_cast<float>(cfg_.distill.temperature));

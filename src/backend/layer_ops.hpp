@@ -225,7 +225,7 @@ class ShardOps {
   virtual void dequantize_blocks(float* out, uint16_t* half, DType half_type, const uint8_t* records, size_t blocks,
                                  QuantType type, size_t block) const {
     throw MissingOp("this compute backend has no dequantization kernels: a quantized frozen base "
-                    "(fsdp.frozen_dtype) trains on the CPU backend (train.device=cpu) for now");
+                    "(fsdp.frozen_dtype) cannot be gathered on it");
   }
   // The whole AdamW step in one launch: for every segment (a table of `count` entries in the
   // device's memory, each at most kAdamWSegmentElements) and i in [0, n), adamw_update(&param[i],

@@ -1,10 +1,10 @@
 // Quantized storage of frozen matrices (docs/quantization.md): NF4 and FP4 exactly as bitsandbytes
-// stores them, and FP8 e4m3 with a scale per block. A tensor is cut into blocks of `block`
+// stores them, FP8 e4m3 with a scale per block, and bf16. A tensor is cut into blocks of `block`
 // elements of its row-major flattening, the last one partial; each block is one record:
 //   codes  block * bits / 8 bytes -- 4-bit codes two per byte, element 2j in the high nibble and
-//          2j + 1 in the low one (bitsandbytes' packing), FP8 one byte each;
+//          2j + 1 in the low one (bitsandbytes' packing), FP8 one byte each, bf16 two (little-endian);
 //   scale  one fp32: the block's absmax (NF4, FP4: value = code_value * absmax) or absmax / 448
-//          (FP8: value = e4m3(code) * scale).
+//          (FP8: value = e4m3(code) * scale); bf16 has none (value = the bf16 number).
 // Elements past a partial block's end are encoded as zeros. The arithmetic follows bitsandbytes
 // 0.50's quantize_4bit (the default kernel its CPU backend uses): a full block is scaled by
 // multiplying with 1 / absmax, a partial one by dividing by absmax clamped to 1e-38 (which is what
@@ -21,8 +21,8 @@
 
 namespace shardtrain {
 
-enum QuantType { QUANT_NONE, QUANT_NF4, QUANT_FP4, QUANT_FP8 };
-constexpr QuantType QUANT_TYPES[] = {QUANT_NONE, QUANT_NF4, QUANT_FP4, QUANT_FP8};
+enum QuantType { QUANT_NONE, QUANT_NF4, QUANT_FP4, QUANT_FP8, QUANT_BF16 };
+constexpr QuantType QUANT_TYPES[] = {QUANT_NONE, QUANT_NF4, QUANT_FP4, QUANT_FP8, QUANT_BF16};
 
 // The format table: name (as fsdp.frozen_dtype and checkpoints spell it), bits per code, and the
 // block sizes it takes.
@@ -32,6 +32,7 @@ inline const char* quant_type_name(QuantType t) {
     case QUANT_NF4: return "nf4";
     case QUANT_FP4: return "fp4";
     case QUANT_FP8: return "fp8";
+    case QUANT_BF16: return "bf16";
   }
   return "?";
 }
@@ -40,12 +41,17 @@ inline bool parse_quant_type(const std::string& name, QuantType* out) {
     if (name == quant_type_name(t)) return *out = t, true;
   return false;
 }
-inline int quant_bits(QuantType t) { return t == QUANT_FP8 ? 8 : (t == QUANT_NONE ? 32 : 4); }
+HOST_DEVICE inline int quant_bits(QuantType t) {
+  return t == QUANT_FP8 ? 8 : (t == QUANT_BF16 ? 16 : (t == QUANT_NONE ? 32 : 4));
+}
+HOST_DEVICE inline bool quant_has_scale(QuantType t) { return t != QUANT_BF16; }
 // bitsandbytes' block sizes (powers of two 32..4096); FP8 takes the same.
 inline bool quant_block_ok(int block) { return block >= 32 && block <= 4096 && (block & (block - 1)) == 0; }
-inline size_t quant_code_bytes(QuantType t, size_t block) { return block * quant_bits(t) / 8; }
-inline size_t quant_record_bytes(QuantType t, size_t block) { return quant_code_bytes(t, block) + sizeof(float); }
-// Bytes per element of a quantized tensor (codes and scales): 0.5625 for NF4 in blocks of 64.
+HOST_DEVICE inline size_t quant_code_bytes(QuantType t, size_t block) { return block * quant_bits(t) / 8; }
+HOST_DEVICE inline size_t quant_record_bytes(QuantType t, size_t block) {
+  return quant_code_bytes(t, block) + (quant_has_scale(t) ? sizeof(float) : 0);
+}
+// Bytes per element of a quantized tensor (codes and scales): 0.5625 for NF4 in blocks of 64, 2 for bf16.
 inline double quant_bytes_per_element(QuantType t, size_t block) {
   return static_cast<double>(quant_record_bytes(t, block)) / static_cast<double>(block);
 }
@@ -56,6 +62,7 @@ struct QuantConfig {
   QuantType type = QUANT_NONE;
   size_t block = 64;
   bool all_linear = false;  // also the layers a family keeps in full precision (FLUX's modulation)
+  bool inference = false;   // a model that never trains (a distillation teacher): its linear weights are frozen
 };
 
 // NF4's 16 values (bitsandbytes' table, as fp32), sorted; FP4's are e2m1's values over 12 in
@@ -119,6 +126,13 @@ HOST_DEVICE inline void quantize_block(QuantType t, const float* x, size_t valid
     absmax = a > absmax ? a : absmax;
   }
   const bool full = valid == block;
+  if (t == QUANT_BF16) {  // rounded to nearest even, as every fp32 -> bf16 here (backend/dtype.hpp)
+    for (size_t i = 0; i < block; i++) {
+      const uint16_t h = float_to_bf16(i < valid ? x[i] : 0.0f);
+      std::memcpy(record + 2 * i, &h, sizeof h);
+    }
+    return;
+  }
   if (t == QUANT_FP8) {
     const float scale = absmax / 448.0f;
     for (size_t i = 0; i < block; i++) {
@@ -146,6 +160,7 @@ HOST_DEVICE inline void quantize_block(QuantType t, const float* x, size_t valid
 }
 
 HOST_DEVICE inline float quant_scale(QuantType t, const uint8_t* record, size_t block) {
+  if (!quant_has_scale(t)) return 1.0f;
   float scale;
   std::memcpy(&scale, record + quant_code_bytes(t, block), sizeof scale);
   return scale;
@@ -153,6 +168,11 @@ HOST_DEVICE inline float quant_scale(QuantType t, const uint8_t* record, size_t 
 
 // Element i of a block from its record.
 HOST_DEVICE inline float dequantize_element(QuantType t, const uint8_t* record, size_t block, size_t i) {
+  if (t == QUANT_BF16) {
+    uint16_t h;
+    std::memcpy(&h, record + 2 * i, sizeof h);
+    return bf16_to_float(h);
+  }
   const float scale = quant_scale(t, record, block);
   if (t == QUANT_FP8) return e4m3_to_float(record[i]) * scale;
   const uint8_t pair = record[i / 2];

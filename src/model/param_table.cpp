@@ -167,6 +167,7 @@ void ParamTable::mark_quantized() {
   for (int l = 0; l < block_count(); l++)
     for (const LinearSite& site : block_sites(l)) {
       ParamInfo& w = params_[units_[block_unit(l)].params[site.weight]];
+      if (quant_.inference) w.frozen = true;
       if (w.frozen && (quant_.all_linear || family.quantizable(site))) w.quantized = true, count++;
     }
   if (count == 0)

@@ -78,9 +78,18 @@ def e4m3_to_float(codes):
     return np.where(codes & 0x80, -1.0, 1.0) * _E4M3[codes & 0x7F]
 
 
+def round_to_bf16(x):
+    """float32 values rounded to bfloat16 (nearest, ties to even), as float32."""
+    u = np.asarray(x, dtype=F32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(F32)
+
+
 def quantize_dequantize(x, fmt, block):
     """What a run with fsdp.frozen_dtype=fmt computes with in place of the weight x (fp32)."""
     x = np.asarray(x, dtype=F32)
+    if fmt == "bf16":
+        return round_to_bf16(x)
     if fmt in TABLES:
         codes, absmax = quantize_4bit(x, fmt, block)
         return dequantize_4bit(codes, absmax, fmt, block).reshape(x.shape)

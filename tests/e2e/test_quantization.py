@@ -103,7 +103,7 @@ def training(np_, base, *extra):
 
 def test_a_quantized_base_trains_as_its_dequantized_weights_bit_for_bit():
     plain = training(2, BASE)[0]
-    for fmt, np_ in (("nf4", 1), ("nf4", 2), ("nf4", 3), ("fp4", 2), ("fp8", 3)):
+    for fmt, np_ in (("nf4", 1), ("nf4", 2), ("nf4", 3), ("fp4", 2), ("fp8", 3), ("bf16", 2)):
         quantized = training(np_, BASE, f"--fsdp.frozen_dtype={fmt}")[0]
         assert quantized == training(np_, dequantized_base(fmt), "--fsdp.frozen_dtype=fp32")[0], (fmt, np_)
         assert abs(quantized[0] - plain[0]) > 1e-6, (fmt, quantized, plain)  # the format matters
@@ -138,7 +138,7 @@ def test_the_frozen_base_holds_its_formats_bytes():
     quantized = sum(tensors[n].size for n in quantized_names(tensors))
     assert quantized == 2 * (2 * 32 * 32 + 2 * 16 * 32 + 3 * 64 * 32)
     plain = training(1, BASE)[1]["peak_mem"]["sharded_params"]
-    for fmt, record in (("nf4", 36), ("fp4", 36), ("fp8", 68)):  # bytes per block of 64
+    for fmt, record in (("nf4", 36), ("fp4", 36), ("fp8", 68), ("bf16", 128)):  # bytes per block of 64
         step = training(1, BASE, f"--fsdp.frozen_dtype={fmt}")[1]
         assert step["peak_mem"]["sharded_params"] == plain - 4 * quantized + quantized // 64 * record, fmt
         assert step["held_mem_bytes"] == step["planned_mem_bytes"]
@@ -165,7 +165,6 @@ def test_bad_quantization_settings_are_refused():
     # Nothing frozen, nothing to quantize.
     expect_usage_error(["train", "--config", os.path.join(ROOT, "inputs", "llama-tiny.ini"), "--fsdp.frozen_dtype=fp4"],
                        "freezes none")
-    expect_usage_error(qlora_args(BASE, "--fsdp.frozen_dtype=nf4", "--train.device=cuda"), "dequantization kernels")
 
 
 def test_flux_quantizes_its_linear_layers_and_keeps_the_modulation_unless_asked():
@@ -239,3 +238,20 @@ def test_damaged_bitsandbytes_folders_are_refused_naming_the_tensor():
     for change, needle in cases:
         expect_usage_error(qlora_args(damaged(change), "--fsdp.frozen_dtype=nf4", f"--checkpoint.dir={tempdir()}"),
                            f"bitsandbytes 4-bit tensor '{q}'", needle)
+
+
+def test_a_quantized_teacher_distills_as_its_dequantized_weights():
+    """distill.teacher_dtype: the fixture's base as the teacher of a LoRA student on the same base;
+    an NF4 teacher gives the losses of the teacher whose linear weights numpy dequantized, bit for
+    bit, and the teacher's held bytes shrink by the formula (its plan still what was allocated)."""
+    student = ("--distill.alpha=0.25", "--distill.temperature=1.5")
+    quantized, first, _ = training(2, BASE, f"--distill.teacher={BASE}", "--distill.teacher_dtype=nf4", *student)
+    assert quantized == training(2, BASE, f"--distill.teacher={dequantized_base('nf4')}", *student)[0]
+    assert quantized != training(2, BASE, f"--distill.teacher={BASE}", *student)[0]
+    # On 2 ranks the teacher's 18432 quantized elements take 36 bytes a block of 64 instead of 4 a
+    # piece, halved by the sharding, and its two block buffers hold their blocks' records (9216
+    # elements each): the plan (what was allocated, held == planned) shrinks by the difference.
+    plain = training(2, BASE, f"--distill.teacher={BASE}", *student)[1]
+    assert plain["planned_mem_bytes"] - first["planned_mem_bytes"] == (4 * 18432 - 18432 // 64 * 36) // 2 - 2 * 9216 // 64 * 36
+    assert first["held_mem_bytes"] == first["planned_mem_bytes"]
+    expect_usage_error(qlora_args(BASE, "--distill.teacher_dtype=nf4"), "distill.teacher_dtype is set")

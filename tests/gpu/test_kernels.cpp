@@ -34,6 +34,7 @@
 #include "backend/gpu_memory.hpp"
 #include "backend/layer_ops.hpp"
 #include "backend/math.hpp"
+#include "backend/quant.hpp"
 #include "kernels/launch.hpp"
 #include "support/tensor_check.hpp"
 
@@ -2308,6 +2309,44 @@ INSTANTIATE_TEST_SUITE_P(
                       KronShape{8, 8, 512, 512, 1},  // factor 8 of 4096 x 4096, misaligned: 262144 / 64
                       KronShape{32, 64, 64, 88, 0}),  // TinyLlama's up projection: 2048 x 5632 = 32*64 x 64*88
     ShapeName());
+
+// The quantized base's gather-side kernel (ShardOps::dequantize_blocks): bit for bit the CPU's,
+// which tests/unit/test_quant.cpp holds to bitsandbytes' own dequantization, for every format, in
+// fp32 and with the bf16 / fp16 copy the GEMMs read, misaligned outputs included.
+class DequantizeTest : public GpuSuite<::testing::Test> {};
+TEST_F(DequantizeTest, MatchesCpuBitwise) {
+  for (QuantType type : {QUANT_NF4, QUANT_FP4, QUANT_FP8, QUANT_BF16})
+    for (size_t block : {size_t{32}, size_t{64}, size_t{4096}})
+      for (DType half : {DTYPE_FP32, DTYPE_BF16, DTYPE_FP16}) {
+        const size_t blocks = block == 4096 ? 3 : 37, record = quant_record_bytes(type, block), n = blocks * block;
+        std::vector<float> x(n);
+        fill_uniform(x.data(), n, 91, -3.0, 3.0);
+        std::vector<uint8_t> records(blocks * record);
+        for (size_t b = 0; b < blocks; b++)
+          quantize_block(type, x.data() + b * block, b == 1 ? block / 3 : block, block, records.data() + b * record);
+        std::vector<float> want(n);
+        std::vector<uint16_t> want_half(n);
+        const bool with_half = half != DTYPE_FP32;
+        cpu_shard_ops().dequantize_blocks(want.data(), with_half ? want_half.data() : nullptr, half, records.data(),
+                                          blocks, type, block);
+        DeviceBuffer<uint8_t> d_records = on_device(device(), "records", records, 0);
+        DeviceBuffer<float> d_out(device(), "out", n, 1);
+        DeviceBuffer<uint16_t> d_half(device(), "half", n, 0);
+        d_out.fill(kNaN);
+        shard_ops().dequantize_blocks(d_out.data(), with_half ? d_half.data() : nullptr, half, d_records.data(), blocks,
+                                      type, block);
+        const std::string label = std::string(quant_type_name(type)) + " block " + std::to_string(block) + " " +
+                                  dtype_name(half);
+        const std::vector<float> got = d_out.download(label);
+        const std::vector<uint16_t> got_half = d_half.download(label);
+        for (size_t i = 0; i < n; i++) {
+          ASSERT_EQ(float_bits(got[i]), float_bits(want[i])) << label << " element " << i;
+          if (with_half) {
+            ASSERT_EQ(got_half[i], want_half[i]) << label << " element " << i;
+          }
+        }
+      }
+}
 
 // The interface's own promises: device() is the device the ops were made for, and their work is
 // queued on its compute stream, in order with its copies: a copy to the host right after an op

@@ -186,9 +186,10 @@ TEST(Flux, AdapterGradientsMatchCentralFiniteDifferences) {
       }
     }
     // The base is frozen: no gradient reaches it.
-    for (const ParamInfo& p : table.params())
-      if (!p.adapter)
-        for (size_t i = 0; i < p.numel; i++) ASSERT_EQ(grads[p.unit][p.offset + i], 0.0) << p.name;
+    for (const ParamInfo& p : table.params()) {
+      if (p.adapter) continue;
+      for (size_t i = 0; i < p.numel; i++) ASSERT_EQ(grads[p.unit][p.offset + i], 0.0) << p.name;
+    }
   }
 }
 

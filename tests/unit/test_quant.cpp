@@ -118,10 +118,22 @@ TEST(Quant, Fp8BlocksScaleByAbsmaxOver448) {
   for (size_t i = 3; i < block; i++) EXPECT_EQ(dequantize_element(QUANT_FP8, record.data(), block, i), 0.0f);
 }
 
+TEST(Quant, Bf16BlocksAreTheRoundedValues) {
+  const size_t block = 32;
+  std::vector<float> x(block);
+  for (size_t i = 0; i < block; i++) x[i] = std::sin(1.3 * i) * 1000.0f + 1e-3f * i;
+  std::vector<uint8_t> record(quant_record_bytes(QUANT_BF16, block));
+  quantize_block(QUANT_BF16, x.data(), 20, block, record.data());
+  for (size_t i = 0; i < block; i++)
+    EXPECT_EQ(float_bits(dequantize_element(QUANT_BF16, record.data(), block, i)),
+              float_bits(i < 20 ? bf16_to_float(float_to_bf16(x[i])) : 0.0f)) << i;
+}
+
 TEST(Quant, RecordSizesAreTheFormulas) {
   EXPECT_EQ(quant_record_bytes(QUANT_NF4, 64), 36u);  // 0.5625 bytes per element
   EXPECT_DOUBLE_EQ(quant_bytes_per_element(QUANT_NF4, 64), 0.5625);
   EXPECT_EQ(quant_record_bytes(QUANT_FP8, 64), 68u);
+  EXPECT_EQ(quant_record_bytes(QUANT_BF16, 64), 128u);  // no scale
   EXPECT_TRUE(quant_block_ok(32) && quant_block_ok(4096) && !quant_block_ok(48) && !quant_block_ok(16));
 }
 
@@ -134,7 +146,7 @@ namespace {
 // The CPU backend's gather-side kernel against the element-wise definition, in fp32 and with the
 // bf16 copy the GEMMs read (values then its widening).
 TEST(Quant, BackendDequantizationIsTheDefinition) {
-  for (QuantType type : {QUANT_NF4, QUANT_FP4, QUANT_FP8})
+  for (QuantType type : {QUANT_NF4, QUANT_FP4, QUANT_FP8, QUANT_BF16})
     for (size_t block : {32u, 64u, 256u}) {
       const size_t blocks = 5, record = quant_record_bytes(type, block);
       std::vector<float> x(blocks * block);

@@ -276,6 +276,14 @@ class CpuShardOps : public ShardOps {
       const float scale = quant_scale(type, codes, block);
       float* o = out + b * block;
       uint16_t* h = half ? half + b * block : nullptr;
+      if (type == QUANT_BF16) {
+        for (size_t i = 0; i < block; i++) {
+          float v = dequantize_element(type, codes, block, i);
+          if (h) h[i] = float_to_half(v, half_type), v = half_to_float(h[i], half_type);
+          o[i] = v;
+        }
+        continue;
+      }
       if (type == QUANT_FP8) {
         for (size_t i = 0; i < block; i++) {
           float v = e4m3[codes[i]] * scale;

@@ -274,6 +274,10 @@ class CudaShardOps final : public ShardOps {
   void from_half(float* out, const uint16_t* in, size_t n, DType type) const override {
     kernels::launch_from_half(out, in, n, type, launch_);
   }
+  void dequantize_blocks(float* out, uint16_t* half, DType half_type, const uint8_t* records, size_t blocks,
+                         QuantType type, size_t block) const override {
+    kernels::launch_dequantize_blocks(out, half, half_type, records, blocks, type, block, launch_);
+  }
   void adamw_multi(const AdamWSegment* segments, size_t count, const double* sums, const AdamWClip& clip,
                    const AdamWStep& step) const override {
     kernels::launch_adamw_multi(segments, count, sums, clip, step, launch_);
