@@ -109,7 +109,7 @@ BLIS_LIB := /usr/lib/x86_64-linux-gnu/blis-openmp
 BENCH_LIBS_gemm_bench := -L$(BLIS_LIB) -Wl,-rpath,$(BLIS_LIB) -lblis
 DEPS_STAMP := $(BUILD)/.deps-ok
 
-.PHONY: all deps run test test-slurm test-cluster test-encode test-gpu gpu-check bundle bench sanitize print-config clean
+.PHONY: all deps run test test-slurm test-cluster test-encode bench-peers test-gpu gpu-check bundle bench sanitize print-config clean
 all: $(EXE) $(GPU_TESTS)
 
 # ---- dependencies -------------------------------------------------------------------------------
@@ -208,6 +208,12 @@ test-cluster: $(EXE)
 # ENCODE_PYTHON=<python> uses one that has them); about 20 s after that. Not part of `make test`.
 test-encode: $(EXE)
 	@$(PYTHON) tests/tools/test_encode_images.py --build $(BUILD)
+
+# ShardTrain beside PyTorch eager and torch.compile (transformers' GPT-2 and Llama, diffusers' FLUX)
+# on the CPU, the same steps interleaved (tests/bench/peers_bench.py); its Python is test-encode's
+# (built the first time, or ENCODE_PYTHON). Not part of `make test` or `make bench`.
+bench-peers: $(EXE)
+	@$(PYTHON) tests/bench/peers_bench.py --build $(BUILD)
 
 # The GPU suite (tools/gpu_check.sh, docs/gpu.md): kernel and NCCL tests against the CPU backend
 # and 20 training steps on the GPU against the CPU; gpu-check adds the benchmarks and writes every
