@@ -243,6 +243,26 @@ TEST(GpuMemoryPlan, AllocationListSumsToThePlannedCategories) {
   }
 }
 
+// A quantized frozen base (fsdp.frozen_dtype): its records, held and gathered, in the list too.
+TEST(GpuMemoryPlan, AllocationListCountsAQuantizedBase) {
+  ComputeOptions cpu;
+  AdapterConfig lora;
+  lora.type = ADAPTER_LORA, lora.rank = 4;
+  for (const PlanCase& c : plan_cases())
+    for (QuantType type : {QUANT_NF4, QUANT_FP8, QUANT_BF16}) {
+      AdapterConfig adapter = lora;
+      adapter.targets = {c.model.arch == "llama" ? "q_proj" : "c_attn"};
+      const ParamTable table(c.model, {}, adapter, QuantConfig{type, 32});
+      const MemoryPlan plan = plan_rank_memory(table, c.groups, c.engine, 2, 24, c.checkpointing, cpu, {});
+      std::array<size_t, MEM_CATEGORY_COUNT> sums{};
+      for (const PlannedAllocation& a : plan_device_allocations(table, c.groups, c.engine, 2, 24, c.checkpointing))
+        sums[a.category] += a.bytes;
+      for (int k = 0; k < MEM_CATEGORY_COUNT; k++)
+        EXPECT_EQ(sums[k], plan.bytes[k]) << mem_category_name(static_cast<MemCategory>(k)) << " " << c.model.arch
+                                          << " " << quant_type_name(type) << " shard " << c.groups.shard_size;
+    }
+}
+
 TEST(GpuMemoryPlan, ActivationListCoversAdapters) {
   AdapterConfig lora;
   lora.type = ADAPTER_DORA, lora.rank = 4, lora.targets = {"attn.c_attn", "mlp.c_fc"};
