@@ -255,3 +255,16 @@ def test_a_quantized_teacher_distills_as_its_dequantized_weights():
     assert plain["planned_mem_bytes"] - first["planned_mem_bytes"] == (4 * 18432 - 18432 // 64 * 36) // 2 - 2 * 9216 // 64 * 36
     assert first["held_mem_bytes"] == first["planned_mem_bytes"]
     expect_usage_error(qlora_args(BASE, "--distill.teacher_dtype=nf4"), "distill.teacher_dtype is set")
+
+
+def test_convert_dequantizes_a_bitsandbytes_folder_both_ways():
+    """convert of a bitsandbytes-quantized folder to a checkpoint and back out to a Hugging Face
+    folder: the weights bitsandbytes' dequantization gives, bit for bit (3 ranks, then 2)."""
+    ckpt, out = os.path.join(tempdir(), "nf4.h5"), os.path.join(tempdir(), "hf")
+    ok(run(3, ["convert", "--input", os.path.join(BNB_FOLDERS, "nf4"), "--output", ckpt]), "convert in")
+    ok(run(2, ["convert", "--input", ckpt, "--output", out]), "convert out")
+    got = load_file(os.path.join(out, "model.safetensors"))
+    want = load_file(os.path.join(BNB_FOLDERS, "dequant-nf4", "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert np.array_equal(got[name].view(np.uint32), want[name].view(np.uint32)), name
