@@ -17,13 +17,17 @@ import time
 import torch
 
 
+def causal_lm(model, batch, seq):
+    """A transformers causal LM with SDPA attention, on random tokens: (model, loss, tokens per call)."""
+    model.config._attn_implementation = "sdpa"
+    tokens = torch.randint(0, model.config.vocab_size, (batch, seq))
+    return model, lambda m: m(input_ids=tokens, labels=tokens).loss, batch * seq
+
+
 def gpt2(batch, seq):
     from transformers import GPT2Config, GPT2LMHeadModel
-    config = GPT2Config(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024)
-    config._attn_implementation = "sdpa"
-    model = GPT2LMHeadModel(config)
-    tokens = torch.randint(0, config.vocab_size, (batch, seq))
-    return model, lambda m: m(input_ids=tokens, labels=tokens).loss, batch * seq
+    return causal_lm(GPT2LMHeadModel(GPT2Config(n_embd=768, n_layer=12, n_head=12, vocab_size=50257,
+                                                n_positions=1024)), batch, seq)
 
 
 def llama(batch, seq):
@@ -31,10 +35,7 @@ def llama(batch, seq):
     config = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                          intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
                          max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5)
-    config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config)
-    tokens = torch.randint(0, config.vocab_size, (batch, seq))
-    return model, lambda m: m(input_ids=tokens, labels=tokens).loss, batch * seq
+    return causal_lm(LlamaForCausalLM(config), batch, seq)
 
 
 def flux(batch, seq):
