@@ -803,6 +803,10 @@ void validate_config(const Config& c, int world) {
   require(c.distill.temperature > 0, "distill.temperature must be > 0");
   require(!c.distill.teacher.empty() || c.distill.teacher_dtype == QUANT_NONE,
           "distill.teacher_dtype is set but distill.teacher is empty: set distill.teacher or remove it");
+  require(c.fsdp.frozen_dtype != QUANT_NONE || c.distill.teacher_dtype != QUANT_NONE ||
+              (c.fsdp.quant_block == FsdpOptions{}.quant_block && !c.fsdp.quantize_all_linear),
+          "fsdp.quant_block or fsdp.quantize_all_linear is set but nothing is quantized (fsdp.frozen_dtype and "
+          "distill.teacher_dtype are fp32): set one of those or remove them");
   config_param_table(c);  // train.freeze's patterns, adapter.targets
 }
 
@@ -824,7 +828,8 @@ ParamTable config_param_table(const Config& c) {
 }
 
 QuantConfig teacher_quant(const Config& c) {
-  return QuantConfig{c.distill.teacher_dtype, static_cast<size_t>(c.fsdp.quant_block), c.fsdp.quantize_all_linear};
+  return QuantConfig{c.distill.teacher_dtype, static_cast<size_t>(c.fsdp.quant_block), c.fsdp.quantize_all_linear,
+                     false, "distill.teacher_dtype"};
 }
 
 std::string train_help() {

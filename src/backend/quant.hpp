@@ -63,6 +63,7 @@ struct QuantConfig {
   size_t block = 64;
   bool all_linear = false;  // also the layers a family keeps in full precision (FLUX's modulation)
   bool inference = false;   // a model that never trains (a distillation teacher): its linear weights are frozen
+  const char* option = "fsdp.frozen_dtype";  // what sets it, for messages
 };
 
 // NF4's 16 values (bitsandbytes' table, as fp32), sorted; FP4's are e2m1's values over 12 in

@@ -162,7 +162,7 @@ void ParamTable::apply_freeze(const std::vector<std::string>& patterns) {
 void ParamTable::mark_quantized() {
   if (quant_.type == QUANT_NONE) return;
   const ModelFamily& family = family_of(config_);
-  const std::string option = std::string("fsdp.frozen_dtype=") + quant_type_name(quant_.type);
+  const std::string option = std::string(quant_.option) + "=" + quant_type_name(quant_.type);
   size_t count = 0;
   for (int l = 0; l < block_count(); l++)
     for (const LinearSite& site : block_sites(l)) {

@@ -19,9 +19,10 @@ import shutil
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from harness import ROOT, read_metrics, run, run_single, tempdir
+from harness import ROOT, read_metrics, run, run_single, tempdir, tiny_args
 from quant_reference import dequantize_4bit, float_to_e4m3, pack_4bit, quantize_4bit, quantize_dequantize
 from test_bad_input import expect_usage_error, write_tokens
+from test_freeze import latest
 from test_llama import ok
 
 BASE = os.path.join(ROOT, "tests", "fixtures", "peft", "llama", "base")  # LlamaForCausalLM, C = 32, V = 96
@@ -117,6 +118,51 @@ def test_a_quantized_base_trains_as_its_dequantized_weights_bit_for_bit():
     # Another block size (the fused q|k|v and gate|up stay whole blocks of 32).
     assert (training(2, BASE, "--fsdp.frozen_dtype=nf4", "--fsdp.quant_block=32")[0] ==
             training(2, dequantized_base("nf4", 32))[0])
+    # The other strategies, offload and prefetching gather and hold the records the same way; DoRA's
+    # magnitudes start from the dequantized weights' row norms.
+    for np_, options in ((2, ("--fsdp.sharding_strategy=SHARD_GRAD_OP",)), (3, ("--fsdp.cpu_offload=true",)),
+                         (2, ("--fsdp.sharding_strategy=NO_SHARD",)),
+                         (4, ("--fsdp.sharding_strategy=HYBRID_SHARD", "--fsdp.shard_group_size=2",
+                              "--train.global_batch=8")),
+                         (2, ("--fsdp.forward_prefetch=true", "--fsdp.limit_all_gathers=3")),
+                         (2, ("--adapter.type=dora",))):
+        assert (training(np_, BASE, "--fsdp.frozen_dtype=nf4", *options)[0] ==
+                training(np_, dequantized_base("nf4"), *options)[0]), options
+
+
+@functools.lru_cache(maxsize=None)
+def odd_gpt2_folders(fmt):
+    """A GPT-2 of width 36 (tests/e2e's tiny model otherwise) as a Hugging Face folder, and the
+    same with each block's linear weights quantize-dequantized: its weights are not whole blocks
+    (c_attn 108 x 36, attn.c_proj 36 x 36), so blocks end early and weights are padded apart.
+    GPT-2's files hold Conv1D weights transposed; ours, which the format quantizes, are (out, in)."""
+    d = tempdir()
+    ok(run(1, tiny_args("--model.n_embd=36", "--train.steps=1", f"--checkpoint.dir={d}")), "gpt2-36")
+    folder = os.path.join(tempdir(), "gpt2-36")
+    ok(run(1, ["export", "--format", "hf", "--checkpoint", latest(d), "--output", folder]), "export")
+    reference = os.path.join(tempdir(), "gpt2-36-" + fmt)
+    shutil.copytree(folder, reference)
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    names = [n for n in tensors if n.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight"))]
+    assert len(names) == 2 * 4, names
+    for name in names:
+        tensors[name] = np.ascontiguousarray(quantize_dequantize(tensors[name].T, fmt, 64).T)
+    save_file(tensors, os.path.join(reference, "model.safetensors"), metadata={"format": "pt"})
+    return folder, reference
+
+
+def test_weights_that_are_not_whole_blocks_train_as_their_dequantized_values():
+    for fmt, ranks in (("nf4", (1, 2, 3)), ("fp8", (3,))):
+        folder, reference = odd_gpt2_folders(fmt)
+        lora = ("--model.n_embd=36", "--adapter.type=lora", "--adapter.targets=attn.c_attn,mlp.c_proj", "--adapter.rank=4",
+                "--train.steps=4", "--checkpoint.save=false")
+        for np_ in ranks:
+            metrics = [os.path.join(tempdir(), f"{k}.jsonl") for k in range(2)]
+            ok(run(np_, tiny_args(f"--checkpoint.init_from={folder}", *lora, f"--fsdp.frozen_dtype={fmt}",
+                                  f"--train.metrics_file={metrics[0]}")), f"{fmt} {np_}")
+            ok(run(np_, tiny_args(f"--checkpoint.init_from={reference}", *lora, f"--train.metrics_file={metrics[1]}")))
+            got, want = ([r["loss"] for r in read_metrics(m)] for m in metrics)
+            assert got == want and len(got) == 4, (fmt, np_, got, want)
 
 
 def test_resume_is_exact_from_adapter_only_and_full_checkpoints():
@@ -162,6 +208,7 @@ def test_bad_quantization_settings_are_refused():
     # k_proj's 512 elements are not whole blocks of 1024, and q|k|v is one matrix.
     expect_usage_error(qlora_args(BASE, "--fsdp.frozen_dtype=nf4", "--fsdp.quant_block=1024"),
                        "does not tile layers.0.self_attn.k_proj.weight (512 elements)")
+    expect_usage_error(qlora_args(BASE, "--fsdp.quant_block=32"), "nothing is quantized")
     # Nothing frozen, nothing to quantize.
     expect_usage_error(["train", "--config", os.path.join(ROOT, "inputs", "llama-tiny.ini"), "--fsdp.frozen_dtype=fp4"],
                        "freezes none")
