@@ -223,7 +223,7 @@ def test_flux_quantizes_its_linear_layers_and_keeps_the_modulation_unless_asked(
     folder = os.path.join(tempdir(), "flux")
     params = make_diffusers_folder(folder, CFG, seed=5)
     lora = ("--adapter.type=lora", f"--adapter.targets={LORA_TARGETS}", "--adapter.rank=4", "--adapter.alpha=4",
-            "--train.lr=1e-2", "--fsdp.quant_block=32")
+            "--train.lr=1e-2")
     blocks = [n for n in params if n.startswith(("transformer_blocks.", "single_transformer_blocks."))
               and n.endswith(".weight") and params[n].ndim == 2]
     for all_linear in (False, True):
@@ -236,7 +236,7 @@ def test_flux_quantizes_its_linear_layers_and_keeps_the_modulation_unless_asked(
             tensors[name] = quantize_dequantize(tensors[name], "nf4", 32)
         save_file(tensors, os.path.join(reference, "diffusion_pytorch_model.safetensors"))
         quantized = losses(2, f"--checkpoint.init_from={folder}", *lora, "--fsdp.frozen_dtype=nf4",
-                           f"--fsdp.quantize_all_linear={str(all_linear).lower()}")
+                           "--fsdp.quant_block=32", f"--fsdp.quantize_all_linear={str(all_linear).lower()}")
         assert quantized == losses(2, f"--checkpoint.init_from={reference}", *lora), all_linear
 
 
