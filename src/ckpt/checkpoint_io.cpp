@@ -51,10 +51,12 @@ struct Piece {
 // for them.
 class HostShards {
  public:
-  HostShards(FsdpEngine& engine, AdamW* optimizer, bool download) {
+  // with_quantized: the quantized spaces dequantized (a save that writes the base); a load fills
+  // them from the file, or (an adapter-only file) leaves them alone.
+  HostShards(FsdpEngine& engine, AdamW* optimizer, bool download, bool with_quantized) {
     size_t frozen_shard = 0;
     for (size_t u = 0; u < engine.shards().size(); u++) {
-      params_.push_back(engine.host_shard(static_cast<int>(u)));
+      params_.push_back(engine.host_shard(static_cast<int>(u), with_quantized));
       DeviceArray<float>* moments[2] = {optimizer ? &optimizer->m()[u] : nullptr, optimizer ? &optimizer->v()[u] : nullptr};
       for (DeviceArray<float>* a : moments) {
         moments_.push_back(a);
@@ -822,12 +824,17 @@ static uint64_t local_base_checksum(FsdpEngine& engine, F&& unit_params) {
   return sum;
 }
 
-uint64_t base_model_checksum(FsdpEngine& engine, Comm& comm) {
-  std::optional<HostShard> shard;  // the unit's, on the host
-  std::vector<uint64_t> sum = {local_base_checksum(engine, [&](size_t u) -> const float* {
+// local_base_checksum with each unit's shard brought to the host (dequantized) in turn.
+static uint64_t local_base_checksum_by_unit(FsdpEngine& engine) {
+  std::optional<HostShard> shard;
+  return local_base_checksum(engine, [&](size_t u) -> const float* {
     shard.emplace(engine.host_shard(static_cast<int>(u)));
     return shard->data();
-  })};
+  });
+}
+
+uint64_t base_model_checksum(FsdpEngine& engine, Comm& comm) {
+  std::vector<uint64_t> sum = {local_base_checksum_by_unit(engine)};
   sum_over_ranks(sum, comm);
   return sum[0];
 }
@@ -852,7 +859,9 @@ static void save_checkpoint_impl(const std::string& path, const CheckpointState&
   const ParamTable& table = engine.table();
   SHARD_CHECK(!state.adapters_only || table.adapter().type != ADAPTER_NONE,
               "an adapter-only checkpoint of a run without adapters");
-  HostShards host(engine, optimizer, true);
+  // An adapter-only file holds no base: its quantized spaces are not dequantized all at once, and
+  // the base checksum reads them one unit at a time.
+  HostShards host(engine, optimizer, true, !state.adapters_only);
   const std::vector<DatasetSpec> specs = dataset_specs(table, table, state.layout, state.adapters_only);
   std::vector<Piece> pieces = plan_pieces(specs, engine, host, true);
   // The datasets' checksums and, last, the base model's: one all-reduce.
@@ -860,7 +869,8 @@ static void save_checkpoint_impl(const std::string& path, const CheckpointState&
   for (const Piece& p : pieces)
     sums[p.spec] += p.check_data ? checksum_elements(p.check_data, p.check_count, p.check_first)
                                  : checksum_of_zeros(p.check_count, p.check_first);
-  sums.back() = local_base_checksum(engine, [&](size_t u) -> const float* { return host.buffer(u, 0); });
+  sums.back() = state.adapters_only ? local_base_checksum_by_unit(engine)
+                                    : local_base_checksum(engine, [&](size_t u) -> const float* { return host.buffer(u, 0); });
   sum_over_ranks(sums, comm);
   const uint64_t base_checksum = sums.back();
   sums.pop_back();
@@ -1017,7 +1027,7 @@ static CheckpointState load_checkpoint_impl(const std::string& path, FsdpEngine&
   // Shards are overwritten entirely -- padding and the parts outside the file stay zero -- unless
   // the file lacks some (the adapters of a base-only load, the base of an adapter-only one), which
   // keep their values.
-  HostShards host(engine, optimizer, false);
+  HostShards host(engine, optimizer, false, false);
   if (!state.adapters_only && file_table->params().size() == table.params().size()) host.zero();
   std::vector<Piece> pieces = plan_pieces(specs, engine, host, false);
   std::vector<uint64_t> stored(specs.size()), computed(specs.size());

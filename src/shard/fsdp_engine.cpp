@@ -203,13 +203,13 @@ std::vector<size_t> block_valid_counts(const UnitLayout& l, const ParamTable& ta
 
 }  // namespace
 
-HostShard::HostShard(UnitShard& shard, const ParamTable& table, int unit)
+HostShard::HostShard(UnitShard& shard, const ParamTable& table, int unit, bool with_quantized)
     : shard_(shard), table_(table), unit_(unit), direct_(shard.params.on_host() && shard.layout.quantized.numel == 0) {
   if (direct_) return;
   const UnitLayout& l = shard.layout;
   copy_.assign(l.shard_numel(), 0.0f);
   if (shard.params.size()) shard.params.device()->copy_to_host(copy_.data(), shard.params.data(), shard.params.bytes());
-  if (l.quantized.numel == 0) return;
+  if (l.quantized.numel == 0 || !with_quantized) return;
   std::vector<uint8_t> records(shard.packed.size());
   shard.packed.device()->copy_to_host(records.data(), shard.packed.data(), shard.packed.bytes());
   cpu_shard_ops().dequantize_blocks(copy_.data() + l.held_numel(), nullptr, DTYPE_FP32, records.data(),

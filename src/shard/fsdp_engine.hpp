@@ -188,7 +188,9 @@ struct UnitShard {
 // has no quantized space.
 class HostShard {
  public:
-  HostShard(UnitShard& shard, const ParamTable& table, int unit);
+  // with_quantized false: the quantized space is left zero, not dequantized (a caller that only
+  // writes it, or reads none of it); upload() then quantizes only what the caller wrote there.
+  HostShard(UnitShard& shard, const ParamTable& table, int unit, bool with_quantized = true);
   float* data() { return direct_ ? shard_.params.data() : copy_.data(); }
   size_t size() const { return shard_.layout.shard_numel(); }
   // with_quantized false: the caller changed nothing in the quantized space (an adapter's load),
@@ -231,7 +233,9 @@ class FsdpEngine {
   }
   std::vector<UnitShard>& shards() { return shards_; }
   // Unit u's whole shard on the host (see HostShard).
-  HostShard host_shard(int unit) { return HostShard(shards_[unit], table_, unit); }
+  HostShard host_shard(int unit, bool with_quantized = true) {
+    return HostShard(shards_[unit], table_, unit, with_quantized);
+  }
   const std::vector<UnitShard>& shards() const { return shards_; }
   size_t local_param_count() const;  // elements of this rank's shards, padding included
 
