@@ -3,6 +3,8 @@ diffusers' FluxTransformer2DModel (docs/flux.md), and of the flow-matching sampl
 (data/flow_matching.hpp, data/sampler.hpp, core/random.hpp): for the e2e tests' oracle."""
 import numpy as np
 
+from safetensors_io import write_safetensors
+
 U64 = np.uint64
 MASK = (1 << 64) - 1
 
@@ -215,23 +217,6 @@ def flux_forward(p, cfg, hidden, text, pooled, timestep, guidance, img_ids, txt_
 
 # ------------------------------------------------------------------------------------ files
 
-def save_safetensors(tensors, path):
-    """{name: float32 array} -> a safetensors file (8-byte little-endian header size, the JSON header,
-    the data), written here from the format's definition."""
-    import json
-    header, offset, blobs = {}, 0, []
-    for name in sorted(tensors):
-        data = np.ascontiguousarray(tensors[name], dtype="<f4").tobytes()
-        header[name] = {"dtype": "F32", "shape": list(tensors[name].shape), "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-        blobs.append(data)
-    header["__metadata__"] = {"format": "pt"}
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(len(text).to_bytes(8, "little") + text + b"".join(blobs))
-
-
 def flux_shapes(cfg):
     """diffusers' parameter names and shapes of FluxTransformer2DModel for the config."""
     C = cfg["n_head"] * cfg["head_dim"]
@@ -284,7 +269,7 @@ def make_diffusers_folder(folder, cfg, seed, scale=0.3):
     for name, shape in flux_shapes(cfg).items():
         values = scale * rng.standard_normal(shape)
         tensors[name] = (1 + values if "norm_" in name and "linear" not in name else values).astype(np.float32)
-    save_safetensors(tensors, os.path.join(folder, "diffusion_pytorch_model.safetensors"))
+    write_safetensors(tensors, os.path.join(folder, "diffusion_pytorch_model.safetensors"))
     config = {"_class_name": "FluxTransformer2DModel", "_diffusers_version": "0.42.1", "patch_size": 1,
               "in_channels": cfg["in_channels"], "out_channels": None, "num_layers": cfg["n_layer"],
               "num_single_layers": cfg["n_single_layer"], "attention_head_dim": cfg["head_dim"],

@@ -22,6 +22,7 @@ import shutil
 import numpy as np
 
 from harness import ROOT, read_metrics, rel_diff, run, run_single, tempdir, tiny_args
+from safetensors_io import read_safetensors
 from test_bad_input import expect_usage_error, write_tokens
 from test_checkpoint import ckpt_name
 from test_freeze import latest, params_of
@@ -37,20 +38,11 @@ STEPS = 6
 
 
 def safetensors_arrays(path):
-    """name -> float32 array of a safetensors file, read with numpy alone (the format is an 8-byte
-    header length, a JSON header, then the data)."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-        data = f.read()
-    out = {}
-    for name, t in header.items():
-        if name == "__metadata__":
-            continue
-        assert t["dtype"] == "F32", (name, t["dtype"])
-        begin, end = t["data_offsets"]
-        out[name] = np.frombuffer(data[begin:end], dtype="<f4").reshape(t["shape"])
-    return out, header.get("__metadata__")
+    """name -> float32 array of a safetensors file of F32 tensors, and its metadata."""
+    tensors, metadata = read_safetensors(path)
+    for name, value in tensors.items():
+        assert value.dtype == np.float32, (name, value.dtype)
+    return tensors, metadata
 
 
 def fixture_args(arch, sequence):

@@ -20,6 +20,7 @@ import numpy as np
 
 from harness import ROOT, read_metrics, run, run_single, tempdir, tiny_args
 from quant_reference import dequantize_4bit, float_to_e4m3, pack_4bit, quantize_4bit, quantize_dequantize
+from safetensors_io import read_safetensors, write_safetensors
 from test_bad_input import expect_usage_error, write_tokens
 from test_freeze import latest
 from test_llama import ok
@@ -32,34 +33,12 @@ LINEAR = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn
 STEPS, SAVE_AT = 4, 2
 
 
-DTYPES = {"F32": "<f4", "U8": "u1", "BF16": "<u2"}  # BF16 as its raw bits: numpy has no bfloat16
-
-
 def load_file(path):
-    """name -> array (its shape) of a safetensors file, with numpy alone (the runner's Python has no
-    safetensors package): an 8-byte header length, the JSON header, then the data."""
-    with open(path, "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        data = f.read()
-    return {name: np.frombuffer(data[t["data_offsets"][0]:t["data_offsets"][1]],
-                                dtype=DTYPES[t["dtype"]]).reshape(t["shape"]).copy()
-            for name, t in header.items() if name != "__metadata__"}
+    return read_safetensors(path)[0]
 
 
 def save_file(tensors, path, metadata=None):
-    """The reverse, for F32 and U8 arrays."""
-    names = {np.dtype("<f4"): "F32", np.dtype("u1"): "U8"}
-    header, chunks, offset = {"__metadata__": metadata or {"format": "pt"}}, [], 0
-    for name, value in tensors.items():
-        raw = np.ascontiguousarray(value).tobytes()
-        header[name] = {"dtype": names[np.asarray(value).dtype], "shape": list(np.shape(value)),
-                        "data_offsets": [offset, offset + len(raw)]}
-        chunks.append(raw)
-        offset += len(raw)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(len(text).to_bytes(8, "little") + text + b"".join(chunks))
+    write_safetensors(tensors, path, metadata)
 
 
 def fixture_tensors():
