@@ -48,9 +48,8 @@ double traffic_per_step(const ParamTable& table, const Candidate& c, const Engin
   auto padded = [N](double numel) { return std::ceil(numel / N) * N; };
   const QuantConfig& quant = table.quant();
   auto gathered_bytes = [&](const UnitInfo& unit) {
-    const double blocks = unit.quantized_numel ? padded(static_cast<double>(unit.quantized_numel / quant.block)) : 0;
     return padded(static_cast<double>(unit.plain_numel)) * dtype_bytes(options.param_dtype) +
-           (blocks ? blocks * quant_record_bytes(quant.type, quant.block) : 0);
+           padded(static_cast<double>(unit.quantized_numel / quant.block)) * quant_record_bytes(quant.type, quant.block);
   };
   double psi = 0, trainable = 0, block = 0;
   for (size_t u = 0; u < table.units().size(); u++) {

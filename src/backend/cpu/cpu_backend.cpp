@@ -261,7 +261,8 @@ class CpuShardOps : public ShardOps {
     for (size_t i = 0; i < n; i++) out[i] = half_to_float(in[i], type);
   }
   // Per block: the scale read once, 4-bit codes looked up in the block's 16 products code x scale
-  // (the same products the element-wise definition forms), FP8 codes in a 256-entry table.
+  // (the same products the element-wise definition forms), FP8 codes in a 256-entry table, bf16
+  // widened.
   void dequantize_blocks(float* out, uint16_t* half, DType half_type, const uint8_t* records, size_t blocks,
                          QuantType type, size_t block) const override {
     static const std::array<float, 256> e4m3 = [] {
@@ -276,17 +277,9 @@ class CpuShardOps : public ShardOps {
       const float scale = quant_scale(type, codes, block);
       float* o = out + b * block;
       uint16_t* h = half ? half + b * block : nullptr;
-      if (type == QUANT_BF16) {
+      if (type == QUANT_FP8 || type == QUANT_BF16) {
         for (size_t i = 0; i < block; i++) {
-          float v = dequantize_element(type, codes, block, i);
-          if (h) h[i] = float_to_half(v, half_type), v = half_to_float(h[i], half_type);
-          o[i] = v;
-        }
-        continue;
-      }
-      if (type == QUANT_FP8) {
-        for (size_t i = 0; i < block; i++) {
-          float v = e4m3[codes[i]] * scale;
+          float v = type == QUANT_FP8 ? e4m3[codes[i]] * scale : dequantize_element(type, codes, block, i);
           if (h) h[i] = float_to_half(v, half_type), v = half_to_float(h[i], half_type);
           o[i] = v;
         }
