@@ -225,7 +225,7 @@ void checkpoint_to_folder(const Runtime& rt, const ConvertOptions& o, Watchdog& 
 
 }  // namespace
 
-int run_convert(const Runtime& rt, const std::vector<std::string>& args) {
+int run_convert(Runtime& rt, const std::vector<std::string>& args) {
   ConvertOptions o;
   bool go = false;
   Direction direction = TO_CHECKPOINT;
@@ -237,7 +237,8 @@ int run_convert(const Runtime& rt, const std::vector<std::string>& args) {
     direction = check_paths(o);
   });
   if (!go) return EXIT_CODE_OK;
-  Watchdog watchdog(timeout);
+  rt.set_collective_timeout({timeout, "--comm-timeout"});
+  Watchdog watchdog(timeout, "--comm-timeout");
   if (direction == TO_CHECKPOINT)
     folder_to_checkpoint(rt, o, watchdog);
   else

@@ -13,6 +13,6 @@
 namespace shardtrain {
 
 // Collective. `args`: the words after `convert`. Throws InputError, agreed by every rank.
-int run_convert(const Runtime& rt, const std::vector<std::string>& args);
+int run_convert(Runtime& rt, const std::vector<std::string>& args);
 
 }  // namespace shardtrain

@@ -234,7 +234,7 @@ class Generator {
   Generator(const Runtime& rt, const GenerateOptions& o)
       : rt_(rt),
         o_(o),
-        watchdog_(o.comm_timeout),
+        watchdog_(o.comm_timeout, "--comm-timeout"),
         compute_(ComputeOptions{o.device}, rt),
         comm_(make_mpi_comm(rt.world_comm(), &watchdog_)) {
     threads_ = o.threads > 0 ? o.threads : default_threads_per_rank(rt.local_size());
@@ -449,7 +449,7 @@ int run_generate(Runtime& rt, const std::vector<std::string>& args) {
   bool go = true;
   rt.agree_on([&] { go = parse_generate_args(rt, args, options); });
   if (!go) return EXIT_CODE_OK;
-  rt.set_collective_timeout(options.comm_timeout);
+  rt.set_collective_timeout({options.comm_timeout, "--comm-timeout"});
   Generator generator(rt, options);
   return generator.run();
 }

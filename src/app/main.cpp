@@ -57,17 +57,20 @@ std::vector<std::string> parse_tool_options(const std::vector<std::string>& args
   return po::collect_unrecognized(parsed.options, po::include_positional);
 }
 
-int run_data(const Runtime& rt, const std::vector<std::string>& args) {
+int run_data(Runtime& rt, const std::vector<std::string>& args) {
   if (args.empty() || (args[0] != "synth" && args[0] != "encode" && args[0] != "decode"))
     throw UsageError("'shardtrain data' needs 'synth', 'encode' or 'decode'; see 'shardtrain --help'");
   const bool synth = args[0] == "synth", decode = args[0] == "decode";
   // The counts are read as text: Boost reads "-1" into an unsigned option as 2^64-1.
   std::string out_dir = "inputs/data", input, output, seed = "1", tokenizer, separator, first = "0", count = "0";
   std::string train_bytes = std::to_string(4 << 20), val_bytes = std::to_string(256 << 10), shard_tokens = "0";
+  std::string timeout = "300";
   double val_fraction = 0.05;
   bool val_shard = false;
   po::options_description desc("data " + args[0] + " options");
-  desc.add_options()("help,h", "print the options");
+  desc.add_options()("help,h", "print the options")(
+      "comm-timeout", po::value(&timeout)->default_value(timeout),
+      "seconds the other ranks wait for a sign of life from rank 0, which does the work (0 = forever)");
   if (synth) {
     const std::string most = strprintf(", at most %zu", SYNTH_MAX_BYTES);
     desc.add_options()  // one option per line
@@ -101,50 +104,62 @@ int run_data(const Runtime& rt, const std::vector<std::string>& args) {
   }
   const std::string help = "; see 'shardtrain data " + args[0] + " --help'";
   po::variables_map vm;
-  try {
-    const std::vector<std::string> words = parse_tool_options({args.begin() + 1, args.end()}, desc, vm);
-    if (vm.count("help")) {
-      if (rt.is_root()) std::cout << desc << "\n";
-      return EXIT_CODE_OK;
+  bool print_help = false;
+  rt.agree_on([&] {
+    try {
+      const std::vector<std::string> words = parse_tool_options({args.begin() + 1, args.end()}, desc, vm);
+      if ((print_help = vm.count("help") > 0)) return;
+      reject_stray_words(words, "data " + args[0]);
+      po::notify(vm);
+    } catch (const po::error& e) {
+      throw UsageError(option_error_text(e) + help);
     }
-    reject_stray_words(words, "data " + args[0]);
-    po::notify(vm);
-  } catch (const po::error& e) {
-    throw UsageError(option_error_text(e) + help);
+    parse_whole_number(timeout, "--comm-timeout", 0, 1u << 30);
+  });
+  if (print_help) {
+    if (rt.is_root()) std::cout << desc << "\n";
+    return EXIT_CODE_OK;
   }
-  if (synth) {
-    const uint64_t seed_value = parse_whole_number(seed, "--seed", 0, UINT64_MAX);
-    const size_t train_count = parse_whole_number(train_bytes, "--train-bytes", 1, SYNTH_MAX_BYTES);
-    const size_t val_count = parse_whole_number(val_bytes, "--val-bytes", 0, SYNTH_MAX_BYTES);
-    if (rt.is_root()) data_synth(out_dir, seed_value, train_count, val_count);  // one writer; the others wait
-  } else if (decode) {
-    const uint64_t first_value = parse_whole_number(first, "--first", 0, UINT64_MAX);
-    const uint64_t count_value = parse_whole_number(count, "--count", 0, UINT64_MAX);
-    if (rt.is_root()) data_decode(input, tokenizer, output, first_value, count_value);
-  } else if (rt.is_root() && vm.count("tokenizer")) {
-    if (val_shard && !vm["val-fraction"].defaulted())
-      throw UsageError("--val-shard and --val-fraction both choose the validation part; give one" + help);
-    EncodeLayout layout;
-    layout.val_fraction = val_shard ? 0 : val_fraction;
-    layout.shard_tokens = parse_whole_number(shard_tokens, "--shard-tokens", 0, INT32_MAX);
-    layout.val_last_shard = val_shard;
-    data_encode_tokenized(input, tokenizer, output, layout, separator);
-  } else if (rt.is_root()) {
-    if (vm.count("separator")) throw UsageError("--separator needs --tokenizer" + help);
-    if (val_shard || shard_tokens != "0") throw UsageError("--shard-tokens and --val-shard need --tokenizer" + help);
-    data_encode(input, output, val_fraction);
-  }
+  rt.set_collective_timeout({static_cast<double>(parse_whole_number(timeout, "--comm-timeout", 0, 1u << 30)),
+                             "--comm-timeout"});
+  // The data commands are serial: rank 0 works, the others wait for it (Runtime::on_root).
+  const std::string command = "data " + args[0];
+  rt.on_root(command.c_str(), [&] {
+    Runtime::debug_stall("root-work");
+    if (synth) {
+      const uint64_t seed_value = parse_whole_number(seed, "--seed", 0, UINT64_MAX);
+      const size_t train_count = parse_whole_number(train_bytes, "--train-bytes", 1, SYNTH_MAX_BYTES);
+      const size_t val_count = parse_whole_number(val_bytes, "--val-bytes", 0, SYNTH_MAX_BYTES);
+      data_synth(out_dir, seed_value, train_count, val_count);
+    } else if (decode) {
+      const uint64_t first_value = parse_whole_number(first, "--first", 0, UINT64_MAX);
+      const uint64_t count_value = parse_whole_number(count, "--count", 0, UINT64_MAX);
+      data_decode(input, tokenizer, output, first_value, count_value);
+    } else if (vm.count("tokenizer")) {
+      if (val_shard && !vm["val-fraction"].defaulted())
+        throw UsageError("--val-shard and --val-fraction both choose the validation part; give one" + help);
+      EncodeLayout layout;
+      layout.val_fraction = val_shard ? 0 : val_fraction;
+      layout.shard_tokens = parse_whole_number(shard_tokens, "--shard-tokens", 0, INT32_MAX);
+      layout.val_last_shard = val_shard;
+      data_encode_tokenized(input, tokenizer, output, layout, separator);
+    } else {
+      if (vm.count("separator")) throw UsageError("--separator needs --tokenizer" + help);
+      if (val_shard || shard_tokens != "0") throw UsageError("--shard-tokens and --val-shard need --tokenizer" + help);
+      data_encode(input, output, val_fraction);
+    }
+  });
   return EXIT_CODE_OK;
 }
 
 // `inspect FILE` and `export --checkpoint FILE --output PATH`: inspect and the llm.c export are serial
-// tools run by rank 0; the Hugging Face export is shared by all ranks.
-void run_checkpoint_tool(const Runtime& rt, const std::vector<std::string>& args) {
+// tools run by rank 0 (Runtime::on_root); the Hugging Face exports are shared by all ranks.
+int run_checkpoint_tool(Runtime& rt, const std::vector<std::string>& args) {
   const bool inspect = args[0] == "inspect";
   const std::string usage = inspect ? "shardtrain inspect FILE"
                                     : "shardtrain export --checkpoint FILE --output PATH [--format llmc|hf [--merge] | "
                                       "--adapter] [hf options]";
-  std::string checkpoint, output, format = "llmc", dtype = "fp32", max_file_size = "5GB";
+  std::string checkpoint, output, format = "llmc", dtype = "fp32", max_file_size = "5GB", timeout = "300";
   bool adapter = false, merge = false;
   po::options_description desc("usage: " + usage + "\n\n" + args[0] + " options");
   desc.add_options()("help,h", "print the options")(
@@ -164,40 +179,56 @@ void run_checkpoint_tool(const Runtime& rt, const std::vector<std::string>& args
         "adapter_model.safetensors) instead of the model; --dtype applies")(
         "merge", po::bool_switch(&merge),
         "hf: fold the checkpoint's adapters into the weights as PEFT's merge_and_unload does and export a plain "
-        "model");
+        "model")(
+        "comm-timeout", po::value(&timeout)->default_value(timeout),
+        "seconds before a collective that waits for a stalled or dead rank aborts every rank (0 = off)");
   const std::string help = "; see 'shardtrain " + args[0] + " --help'";
   po::variables_map vm;
-  try {
-    std::vector<std::string> words = parse_tool_options({args.begin() + 1, args.end()}, desc, vm);
-    if (vm.count("help")) {
-      if (rt.is_root()) std::cout << desc << "\n";
-      return;
+  bool print_help = false;
+  DType export_dtype = DTYPE_FP32;
+  uint64_t max_file_bytes = 0;
+  rt.agree_on([&] {
+    try {
+      std::vector<std::string> words = parse_tool_options({args.begin() + 1, args.end()}, desc, vm);
+      if ((print_help = vm.count("help") > 0)) return;
+      if (!vm.count("checkpoint")) {  // the checkpoint as the first word
+        if (words.empty()) throw UsageError("missing argument FILE, the checkpoint: " + usage + help);
+        checkpoint = words.front();
+        words.erase(words.begin());
+      }
+      reject_stray_words(words, args[0]);
+      po::notify(vm);
+    } catch (const po::error& e) {
+      throw UsageError(option_error_text(e) + help);
     }
-    if (!vm.count("checkpoint")) {  // the checkpoint as the first word
-      if (words.empty()) throw UsageError("missing argument FILE, the checkpoint: " + usage + help);
-      checkpoint = words.front();
-      words.erase(words.begin());
-    }
-    reject_stray_words(words, args[0]);
-    po::notify(vm);
-  } catch (const po::error& e) {
-    throw UsageError(option_error_text(e) + help);
+    if (adapter && (merge || vm["format"].defaulted() == false))
+      throw UsageError("export --adapter writes the adapters alone: it takes neither --merge nor --format");
+    if (!adapter && merge && format != "hf")
+      throw UsageError("--merge applies to --format=hf (llm.c's format has no adapters to fold)");
+    if (!inspect && !adapter && format != "llmc" && format != "hf")
+      throw UsageError("--format='" + printable_text(format) + "' is not allowed; allowed: llmc, hf");
+    if (!inspect && !adapter && format == "llmc" && dtype != "fp32")
+      throw UsageError("--dtype applies to --format=hf; llm.c weights are fp32");
+    export_dtype = parse_dtype_option(dtype, "--dtype");
+    if (!inspect && format == "hf") max_file_bytes = parse_memory_limit(max_file_size, "--max-file-size").bytes;
+    rt.set_collective_timeout(
+        {static_cast<double>(parse_whole_number(timeout, "--comm-timeout", 0, 1u << 30)), "--comm-timeout"});
+  });
+  if (print_help) {
+    if (rt.is_root()) std::cout << desc << "\n";
+  } else if (adapter) {
+    rt.agree_on([&] { export_peft_folder(rt, checkpoint, output, export_dtype); });
+  } else if (!inspect && format == "hf") {
+    rt.agree_on([&] { export_hf_folder(rt, checkpoint, output, export_dtype, max_file_bytes, merge); });
+  } else {
+    rt.on_root(args[0].c_str(), [&] {
+      if (inspect)
+        inspect_checkpoint(checkpoint);
+      else
+        export_llmc(checkpoint, output);
+    });
   }
-  if (adapter && (merge || vm["format"].defaulted() == false))
-    throw UsageError("export --adapter writes the adapters alone: it takes neither --merge nor --format");
-  if (adapter) return export_peft_folder(rt, checkpoint, output, parse_dtype_option(dtype, "--dtype"));
-  if (!inspect && format == "hf")
-    return export_hf_folder(rt, checkpoint, output, parse_dtype_option(dtype, "--dtype"),
-                            parse_memory_limit(max_file_size, "--max-file-size").bytes, merge);
-  if (merge) throw UsageError("--merge applies to --format=hf (llm.c's format has no adapters to fold)");
-  if (!inspect && format != "llmc")
-    throw UsageError("--format='" + printable_text(format) + "' is not allowed; allowed: llmc, hf");
-  if (!inspect && dtype != "fp32") throw UsageError("--dtype applies to --format=hf; llm.c weights are fp32");
-  if (!rt.is_root()) return;
-  if (inspect)
-    inspect_checkpoint(checkpoint);
-  else
-    export_llmc(checkpoint, output);
+  return EXIT_CODE_OK;
 }
 
 int run_command(Runtime& rt, const std::vector<std::string>& args) {
@@ -221,14 +252,10 @@ int run_command(Runtime& rt, const std::vector<std::string>& args) {
       return EXIT_CODE_OK;
     }
     rt.agree_on([&] { validate_config(parsed.config, rt.world()); });
-    rt.set_collective_timeout(parsed.config.fsdp.comm_timeout);
+    rt.set_collective_timeout({parsed.config.fsdp.comm_timeout, "fsdp.comm_timeout"});
     return run_training(rt, parsed.config);
   }
-  if (args[0] == "data") {
-    int code = EXIT_CODE_OK;
-    rt.agree_on([&] { code = run_data(rt, rest); });
-    return code;
-  }
+  if (args[0] == "data") return run_data(rt, rest);
   if (args[0] == "generate") return run_generate(rt, rest);
   if (args[0] == "sample") return run_sample(rt, rest);
   if (args[0] == "convert") return run_convert(rt, rest);
@@ -236,10 +263,7 @@ int run_command(Runtime& rt, const std::vector<std::string>& args) {
     rt.agree_on([&] { run_planner(rt, rest); });
     return EXIT_CODE_OK;
   }
-  if (args[0] == "inspect" || args[0] == "export") {
-    rt.agree_on([&] { run_checkpoint_tool(rt, args); });
-    return EXIT_CODE_OK;
-  }
+  if (args[0] == "inspect" || args[0] == "export") return run_checkpoint_tool(rt, args);
   throw UsageError("unknown command '" + printable_text(args[0]) +
                    "'; commands: train, generate, sample, plan, data synth, data encode, data decode, inspect, export, "
                    "convert, version");
@@ -250,8 +274,8 @@ int run_command(Runtime& rt, const std::vector<std::string>& args) {
 int main(int argc, char** argv) {
   // Before MPI_Init: a stop signal in the first moments of a training run is recorded, not fatal.
   if (argc > 1 && std::string(argv[1]) == "train") install_stop_signal_handlers(), exit_with_mpirun();
-  Runtime rt(&argc, &argv);
   std::vector<std::string> args(argv + 1, argv + argc);
+  Runtime rt(&argc, &argv, startup_timeout(args));
   try {
     return run_command(rt, args);
   } catch (const InputError& e) {

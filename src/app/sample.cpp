@@ -233,7 +233,7 @@ void write_sampled_latents(const std::string& path, const std::vector<float>& la
 namespace {
 
 int sample(const Runtime& rt, const SampleOptions& o) {
-  Watchdog watchdog(o.comm_timeout);
+  Watchdog watchdog(o.comm_timeout, "--comm-timeout");
   ComputeBackend compute(ComputeOptions{o.device}, rt);
   auto comm = make_mpi_comm(rt.world_comm(), &watchdog);
   const int threads = o.threads > 0 ? o.threads : default_threads_per_rank(rt.local_size());
@@ -309,7 +309,7 @@ int run_sample(Runtime& rt, const std::vector<std::string>& args) {
   bool go = true;
   rt.agree_on([&] { go = parse_sample_args(rt, args, options); });
   if (!go) return EXIT_CODE_OK;
-  rt.set_collective_timeout(options.comm_timeout);
+  rt.set_collective_timeout({options.comm_timeout, "--comm-timeout"});
   return sample(rt, options);
 }
 

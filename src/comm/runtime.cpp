@@ -6,11 +6,14 @@
 
 #include <algorithm>
 #include <cstdarg>
+#include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <vector>
 
 #include "comm/comm.hpp"
 #include "comm/watchdog.hpp"
+#include "core/clock.hpp"
 #include "core/error.hpp"
 
 namespace shardtrain {
@@ -25,7 +28,30 @@ std::string mpi_thread_level_error(int provided) {
                    known ? names[provided - MPI_THREAD_SINGLE] : std::to_string(provided).c_str());
 }
 
-Runtime::Runtime(int* argc, char*** argv) {
+CollectiveTimeout startup_timeout(const std::vector<std::string>& args) {
+  CollectiveTimeout timeout;
+  const bool train = !args.empty() && args[0] == "train";
+  const char* commands_with_the_option[] = {"generate", "sample", "convert", "export", "data"};
+  bool has_option = train;
+  for (const char* command : commands_with_the_option) has_option = has_option || (!args.empty() && args[0] == command);
+  timeout.option = train ? "fsdp.comm_timeout" : has_option ? "--comm-timeout" : "";
+  const std::string flag = train ? "--fsdp.comm_timeout" : "--comm-timeout";
+  for (size_t i = 1; has_option && i < args.size(); i++) {
+    std::string value;
+    if (args[i] == flag && i + 1 < args.size())
+      value = args[i + 1];
+    else if (args[i].rfind(flag + "=", 0) == 0)
+      value = args[i].substr(flag.size() + 1);
+    else
+      continue;
+    char* end = nullptr;
+    const double seconds = std::strtod(value.c_str(), &end);
+    if (!value.empty() && *end == '\0' && seconds >= 0 && seconds <= 1e9) timeout.seconds = seconds;
+  }
+  return timeout;
+}
+
+Runtime::Runtime(int* argc, char*** argv, const CollectiveTimeout& timeout) : timeout_(timeout) {
   // Open MPI's ompio (HDF5's MPI_File_open) queries the `lockedfile` shared-file-pointer component
   // at every open, which builds a name from the file's path in a 256-byte buffer: a checkpoint
   // path of about 230 bytes or more aborted every rank (glibc's "buffer overflow detected") after
@@ -34,9 +60,15 @@ Runtime::Runtime(int* argc, char*** argv) {
   // 5.0.x). Other MPIs ignore the variable.
   setenv("OMPI_MCA_sharedfp", "^lockedfile", /*overwrite=*/0);
   int provided = 0;
-  // MULTIPLE because the watchdog thread may call MPI_Abort while the main thread sits in a
-  // collective; all communication itself stays on the main thread.
-  MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided));
+  // MPI_Init waits for every rank of the job: one stopped before it would hang the others.
+  debug_stall("init");
+  watchdog_ = std::make_unique<Watchdog>(timeout_.seconds, timeout_.option);
+  {
+    Watchdog::Scope scope(watchdog_.get(), "MPI_Init");
+    // MULTIPLE because the watchdog thread may call MPI_Abort while the main thread sits in a
+    // collective, and on_root's heartbeat thread sends while the main thread works.
+    MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided));
+  }
   const std::string thread_error = mpi_thread_level_error(provided);
   if (!thread_error.empty()) fatal_input(thread_error);  // every rank gets the same level
   // Errors come back as codes so MPI_CHECK can name the failing call before aborting.
@@ -49,7 +81,8 @@ Runtime::Runtime(int* argc, char*** argv) {
   char name[256] = "";
   gethostname(name, sizeof name - 1);
   host_ = name;
-  set_collective_timeout(DEFAULT_COLLECTIVE_TIMEOUT);
+  set_collective_timeout(timeout_);  // labelled with the rank MPI gave
+  MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &heartbeat_));
   gather_layout();
 }
 
@@ -234,6 +267,8 @@ Runtime::~Runtime() {
   std::fflush(stdout);
   for (MPI_Comm& comm : splits_) MPI_Comm_free(&comm);
   MPI_Comm_free(&node_);
+  MPI_Comm_free(&heartbeat_);
+  debug_stall("finalize");
   {
     // A peer that never reaches MPI_Finalize (stuck, or gone without mpirun noticing) would hold
     // every other rank here forever.
@@ -243,9 +278,94 @@ Runtime::~Runtime() {
   watchdog_.reset();
 }
 
-void Runtime::set_collective_timeout(double seconds) {
+void Runtime::set_collective_timeout(const CollectiveTimeout& timeout) {
+  timeout_ = timeout;
   watchdog_.reset();  // its monitor thread ends before the next one starts
-  watchdog_ = std::make_unique<Watchdog>(seconds);
+  watchdog_ = std::make_unique<Watchdog>(timeout_.seconds, timeout_.option);
+}
+
+void Runtime::debug_stall(const char* point) {
+  const char* spec = std::getenv("SHARDTRAIN_DEBUG_STALL");
+  if (!spec) return;
+  int stall_rank = -1;
+  char where[32] = "";
+  double seconds = 0;
+  if (std::sscanf(spec, "%d:%31[^:]:%lf", &stall_rank, where, &seconds) != 3 || std::strcmp(where, point) != 0) return;
+  int rank = 0, world = 1;
+  world_position(&rank, &world);
+  if (rank == stall_rank) std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+}
+
+namespace {
+constexpr int TAG_HEARTBEAT = 1, TAG_WORK_DONE = 2;
+// Often enough that a waiting rank hears several beats within any timeout worth setting.
+double heartbeat_interval(double timeout) { return timeout > 0 ? std::min(1.0, timeout / 4) : 1.0; }
+const char HEARTBEAT_BYTE = 0;
+}  // namespace
+
+Runtime::RootHeartbeat::RootHeartbeat(const Runtime& rt) : rt_(rt), pending_(rt.world(), MPI_REQUEST_NULL) {
+  if (rt_.world() == 1) return;
+  thread_ = std::thread([this] {
+    const double interval = heartbeat_interval(rt_.timeout_.seconds);
+    double next = 0;
+    while (!stop_) {
+      if (now_seconds() >= next) {
+        // A rank that has not taken the last beat (stopped) gets no new one: nothing piles up.
+        for (int r = 1; r < rt_.world(); r++) {
+          int taken = 1;
+          if (pending_[r] != MPI_REQUEST_NULL) MPI_CHECK(MPI_Test(&pending_[r], &taken, MPI_STATUS_IGNORE));
+          if (taken)
+            MPI_CHECK(MPI_Isend(&HEARTBEAT_BYTE, 1, MPI_CHAR, r, TAG_HEARTBEAT, rt_.heartbeat_, &pending_[r]));
+        }
+        next = now_seconds() + interval;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  });
+}
+
+void Runtime::RootHeartbeat::stop() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+}
+
+Runtime::RootHeartbeat::~RootHeartbeat() { stop(); }
+
+void Runtime::RootHeartbeat::finish() {
+  stop();
+  if (rt_.world() == 1) return;
+  // A waiting rank that stopped meanwhile never takes these: timed like any collective.
+  Watchdog::Scope scope(rt_.watchdog_.get(), "the end of rank 0's work (on_root)");
+  MPI_CHECK(MPI_Waitall(rt_.world(), pending_.data(), MPI_STATUSES_IGNORE));
+  for (int r = 1; r < rt_.world(); r++)
+    MPI_CHECK(MPI_Send(&HEARTBEAT_BYTE, 1, MPI_CHAR, r, TAG_WORK_DONE, rt_.heartbeat_));
+}
+
+void Runtime::wait_for_root(const char* what) const {
+  double last = now_seconds();
+  for (;;) {
+    int arrived = 0;
+    MPI_Status status;
+    MPI_CHECK(MPI_Iprobe(0, MPI_ANY_TAG, heartbeat_, &arrived, &status));
+    if (arrived) {
+      char byte = 0;
+      MPI_CHECK(MPI_Recv(&byte, 1, MPI_CHAR, 0, status.MPI_TAG, heartbeat_, MPI_STATUS_IGNORE));
+      if (status.MPI_TAG == TAG_WORK_DONE) return;  // messages from one sender arrive in order
+      last = now_seconds();
+      continue;
+    }
+    const double silent = now_seconds() - last;
+    if (timeout_.seconds > 0 && silent > timeout_.seconds) {
+      std::fprintf(stderr,
+                   "%s error: rank 0 sent no heartbeat for %.0f s while it ran %s alone (%s%s%g s): it is "
+                   "stopped or dead; aborting all ranks\n",
+                   rank_label().c_str(), silent, what, timeout_.option.c_str(), timeout_.option.empty() ? "" : "=",
+                   timeout_.seconds);
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, EXIT_CODE_INTERNAL);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
 }
 
 MPI_Comm Runtime::split_world(int color, int key) const { return split(color, key, "MPI_Comm_split"); }

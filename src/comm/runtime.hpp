@@ -8,8 +8,10 @@
 
 #include <mpi.h>
 
+#include <atomic>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/error.hpp"
@@ -56,17 +58,33 @@ struct GroupPlan {
 };
 GroupPlan plan_groups(const NodeLayout& layout, int group_size);
 
+// The timeout of the Runtime's collectives and the setting that chose it (named in the watchdog's
+// message): fsdp.comm_timeout for train, --comm-timeout for the other commands. 0 disables.
+struct CollectiveTimeout {
+  static constexpr double DEFAULT_SECONDS = 300;
+  double seconds = DEFAULT_SECONDS;
+  std::string option = "fsdp.comm_timeout";
+};
+
+// The start-up timeout of a command line, read before MPI_Init and before the options are parsed:
+// the value of --comm-timeout (any command) or --fsdp.comm_timeout (train) when the command line
+// gives one that reads as seconds, else the default (a bad value is refused later by the parser).
+CollectiveTimeout startup_timeout(const std::vector<std::string>& args);
+
 class Runtime {
  public:
-  Runtime(int* argc, char*** argv);
+  // MPI_Init, and every collective of the Runtime's own, is timed with `timeout` until
+  // set_collective_timeout: a rank that never arrives (stopped, or dead without its launcher
+  // noticing) ends the job with a message instead of hanging it.
+  Runtime(int* argc, char*** argv, const CollectiveTimeout& timeout = {});
   ~Runtime();
 
   // The Runtime's own collectives (the agreements, splits, gathers) and MPI_Finalize are timed like
   // the engine's: one that waits longer than this (a rank stuck reading a file, a peer gone) aborts
-  // every rank with a message instead of hanging. DEFAULT_COLLECTIVE_TIMEOUT until the options are
-  // known; then fsdp.comm_timeout (0 disables).
-  static constexpr double DEFAULT_COLLECTIVE_TIMEOUT = 300;
-  void set_collective_timeout(double seconds);
+  // every rank with a message instead of hanging. The start-up timeout until the options are
+  // known; then the command's option.
+  void set_collective_timeout(const CollectiveTimeout& timeout);
+  const CollectiveTimeout& collective_timeout() const { return timeout_; }
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
 
@@ -113,6 +131,33 @@ class Runtime {
     agree(error, kind);
   }
 
+  // Runs `work` on rank 0 alone while the other ranks wait, then agrees on its outcome as agree_on
+  // does. The wait is not a timed collective -- the work may rightly take hours (data encode of a
+  // large corpus) -- but rank 0 sends a heartbeat from a thread of its own while it works, and a
+  // waiting rank that hears none for the collective timeout aborts the job: a stopped or vanished
+  // rank 0 does not hang the others, and a slow one does not trip them.
+  template <typename F>
+  void on_root(const char* what, F&& work) const {
+    std::string error;
+    char kind = 'I';
+    if (is_root()) {
+      RootHeartbeat heartbeat(*this);
+      try {
+        work();
+      } catch (const InputError& e) {
+        error = e.what(), kind = e.kind();
+      }
+      heartbeat.finish();
+    } else {
+      wait_for_root(what);
+    }
+    agree(error, kind);
+  }
+
+  // Test hook: SHARDTRAIN_DEBUG_STALL=RANK:POINT:SECONDS makes that rank sleep at that point
+  // (init: before MPI_Init; root-work: inside on_root's work; finalize: before MPI_Finalize).
+  static void debug_stall(const char* point);
+
   // Rank 0 prints to stdout (info) or stderr (warn); the others stay silent.
   void info(const char* fmt, ...) const __attribute__((format(printf, 2, 3)));
   void warn(const char* fmt, ...) const __attribute__((format(printf, 2, 3)));
@@ -126,7 +171,26 @@ class Runtime {
   GroupPlan checked_plan(int group_size) const;
   MPI_Comm split(int color, int key, const char* what) const;
   mutable std::vector<MPI_Comm> splits_;  // handed out by split_world
+  MPI_Comm heartbeat_ = MPI_COMM_NULL;    // on_root's heartbeats, apart from every collective
+  CollectiveTimeout timeout_;
   std::unique_ptr<Watchdog> watchdog_;
+
+  // Rank 0's side of on_root: a thread that sends each waiting rank a byte every heartbeat
+  // interval; finish() stops it and tells the waiting ranks that the work is over.
+  class RootHeartbeat {
+   public:
+    explicit RootHeartbeat(const Runtime& rt);
+    ~RootHeartbeat();
+    void finish();
+
+   private:
+    void stop();
+    const Runtime& rt_;
+    std::vector<MPI_Request> pending_;  // the last heartbeat to each rank
+    std::atomic<bool> stop_{false};
+    std::thread thread_;
+  };
+  void wait_for_root(const char* what) const;
 };
 
 }  // namespace shardtrain

@@ -5,21 +5,31 @@
 
 #include <cstdio>
 
+#include <unistd.h>
+
 #include "core/clock.hpp"
 
 namespace shardtrain {
 
-Watchdog::Watchdog(double timeout_seconds, std::string label, OnTimeout on_timeout)
-    : timeout_seconds_(timeout_seconds), label_(std::move(label)), on_timeout_(std::move(on_timeout)) {
+Watchdog::Watchdog(double timeout_seconds, std::string option, std::string label, OnTimeout on_timeout)
+    : timeout_seconds_(timeout_seconds),
+      option_(std::move(option)),
+      label_(std::move(label)),
+      on_timeout_(std::move(on_timeout)) {
   if (!on_timeout_)
     on_timeout_ = [this](const char* what, double) {
-      std::fprintf(stderr,
-                   "%s error: collective %s did not complete within fsdp.comm_timeout=%g s: another rank is "
-                   "stalled or dead; aborting all ranks (raise fsdp.comm_timeout if steps are legitimately "
-                   "this slow)\n",
-                   label_.c_str(), what, timeout_seconds_);
+      // A command without a timeout option of its own (plan, inspect) runs with the default.
+      const std::string within = option_.empty() ? strprintf("%g s", timeout_seconds_)
+                                                 : strprintf("%s=%g s", option_.c_str(), timeout_seconds_);
+      std::fprintf(stderr, "%s error: collective %s did not complete within %s: another rank is stalled or dead; "
+                   "aborting all ranks%s\n", label_.c_str(), what, within.c_str(),
+                   option_.empty() ? "" : (" (raise " + option_ + " if this is legitimately this slow)").c_str());
       std::fflush(stderr);
-      MPI_Abort(MPI_COMM_WORLD, EXIT_CODE_INTERNAL);
+      int initialized = 0, finalized = 0;
+      MPI_Initialized(&initialized);
+      MPI_Finalized(&finalized);
+      if (initialized && !finalized) MPI_Abort(MPI_COMM_WORLD, EXIT_CODE_INTERNAL);
+      _exit(EXIT_CODE_INTERNAL);  // inside MPI_Init, or MPI_Abort came back: the launcher ends the job
     };
   if (timeout_seconds_ > 0) thread_ = std::thread([this] { loop(); });
 }

@@ -1,4 +1,5 @@
-// Turns a collective that does not finish within fsdp.comm_timeout into an abort with a message.
+// Turns a collective that does not finish within the timeout (fsdp.comm_timeout for train,
+// --comm-timeout for the other commands) into an abort with a message.
 //
 // The communicating thread marks the start and end of every blocking collective (Scope); a
 // background thread checks the mark every few milliseconds. A rank stuck in compute is not
@@ -22,10 +23,14 @@ namespace shardtrain {
 class Watchdog {
  public:
   // Runs on the monitor thread when the collective `what` has waited `waited` seconds, past the
-  // timeout. The default prints "<label> error: collective ... did not complete" and MPI_Aborts.
+  // timeout. The default prints "<label> error: collective ... did not complete within <option>=T s"
+  // and MPI_Aborts; outside MPI_Init..MPI_Finalize, where MPI_Abort cannot be called, it exits the
+  // process, which the launcher turns into the end of the job.
   using OnTimeout = std::function<void(const char* what, double waited)>;
 
-  explicit Watchdog(double timeout_seconds, std::string label = rank_label(), OnTimeout on_timeout = nullptr);
+  // `option`: the setting that chose the timeout, named in the message.
+  explicit Watchdog(double timeout_seconds, std::string option = "fsdp.comm_timeout", std::string label = rank_label(),
+                    OnTimeout on_timeout = nullptr);
   ~Watchdog();
   Watchdog(const Watchdog&) = delete;
   Watchdog& operator=(const Watchdog&) = delete;
@@ -53,6 +58,7 @@ class Watchdog {
   void loop();
 
   double timeout_seconds_;
+  std::string option_;
   std::string label_;
   OnTimeout on_timeout_;
   // The mark, published like a seqlock: generation_ is odd while the communicating thread

@@ -29,15 +29,32 @@ std::string strprintf(const char* fmt, ...) {
   return s;
 }
 
-std::string rank_label() {
+void world_position(int* rank, int* world) {
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
-  int rank = 0, world = 1;
+  *rank = 0, *world = 1;
   if (initialized && !finalized) {
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &world);
+    MPI_Comm_rank(MPI_COMM_WORLD, rank);
+    MPI_Comm_size(MPI_COMM_WORLD, world);
+    return;
   }
+  // Before MPI_Init (a start-up that hangs) or after MPI_Finalize: what the launcher told the process.
+  for (const char* name : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"})
+    if (const char* value = std::getenv(name)) {
+      *rank = std::atoi(value);
+      break;
+    }
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"})
+    if (const char* value = std::getenv(name)) {
+      *world = std::atoi(value);
+      break;
+    }
+}
+
+std::string rank_label() {
+  int rank = 0, world = 1;
+  world_position(&rank, &world);
   char host[256] = "?";
   gethostname(host, sizeof host - 1);
   return strprintf("[rank %d/%d %s]", rank, world, host);

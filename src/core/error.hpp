@@ -45,8 +45,10 @@ struct CheckpointError : InputError {
 std::string strprintf(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 std::string vstrprintf(const char* fmt, va_list args);
 
-// "[rank r/N host]": how every message of one rank names it (rank and size in MPI_COMM_WORLD;
-// "[rank 0/1 host]" before MPI_Init and after MPI_Finalize).
+// This process's rank and the number of ranks in MPI_COMM_WORLD; before MPI_Init and after
+// MPI_Finalize, what the launcher's environment says (Open MPI, PMIx, Slurm), else 0 of 1.
+void world_position(int* rank, int* world);
+// "[rank r/N host]": how every message of one rank names it (world_position's numbers).
 std::string rank_label();
 
 // Bad input that only this rank can see, where agreeing is impossible (e.g. GPU memory running out

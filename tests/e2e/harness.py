@@ -28,9 +28,11 @@ def mpirun_command(np_, argv, timeout=120):
             "-np", str(np_), *argv]
 
 
-def run(np_, args, timeout=120, cwd=ROOT):
-    """Runs `shardtrain ARGS` on np_ ranks; returns the CompletedProcess (text output)."""
-    return subprocess.run(mpirun_command(np_, [EXE, *args], timeout), cwd=cwd, capture_output=True, text=True)
+def run(np_, args, timeout=120, cwd=ROOT, env=None):
+    """Runs `shardtrain ARGS` on np_ ranks; returns the CompletedProcess (text output). `env`: extra
+    environment variables of the ranks."""
+    return subprocess.run(mpirun_command(np_, [EXE, *args], timeout), cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, **env} if env else None)
 
 
 def run_single(args, timeout=60, cwd=ROOT):

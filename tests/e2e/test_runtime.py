@@ -1,9 +1,11 @@
 """Runtime behaviour: the watchdog turns a stalled rank into an abort with a message instead of a
 hang; the data commands make trainable files from any text."""
 import os
+import signal
+import subprocess
 import time
 
-from harness import ROOT, read_metrics, run, run_single, tempdir, tiny_args
+from harness import EXE, ROOT, mpirun_command, read_metrics, run, run_single, tempdir, tiny_args
 
 
 def test_watchdog_aborts_a_stalled_rank():
@@ -43,3 +45,99 @@ def test_encode_own_text_and_train_on_it():
                             f"--train.metrics_file={metrics}"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(read_metrics(metrics)) == 3
+
+
+def checkpoint_for_tools():
+    ckdir = tempdir()
+    proc = run(2, tiny_args("--train.steps=2", f"--checkpoint.dir={ckdir}"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return os.path.join(ckdir, "ckpt-00000002.h5")
+
+
+def stalled(np_, args, point, rank=1, timeout=60):
+    """Runs ARGS with rank `rank` asleep for 60 s at `point` (Runtime::debug_stall); returns the
+    CompletedProcess and the seconds it took."""
+    start = time.time()
+    proc = run(np_, args, timeout=timeout, env={"SHARDTRAIN_DEBUG_STALL": f"{rank}:{point}:60"})
+    return proc, time.time() - start
+
+
+def test_every_command_times_start_up_and_finalize_with_its_own_option():
+    """A rank that never reaches MPI_Init, or never leaves for MPI_Finalize, ends the job within the
+    command's timeout, and the message names the option the command has (the battery: convert
+    ignored --comm-timeout for a stopped rank, and generate's message named fsdp.comm_timeout)."""
+    ckpt = checkpoint_for_tools()
+    commands = {
+        "convert": ["convert", "--input", ckpt, "--output", os.path.join(tempdir(), "hf"), "--comm-timeout", "3"],
+        "export": ["export", ckpt, "--output", os.path.join(tempdir(), "hf"), "--format", "hf", "--comm-timeout=3"],
+        "generate": ["generate", "--checkpoint", ckpt, "--prompt", "ab", "--max-tokens", "2",
+                     "--comm-timeout", "3"],
+        "data synth": ["data", "synth", "--out-dir", tempdir(), "--train-bytes", "4096", "--comm-timeout", "3"],
+    }
+    for name, args in commands.items():
+        for point, collective in (("init", "MPI_Init"), ("finalize", "MPI_Finalize")):
+            proc, elapsed = stalled(2, args, point)
+            case = f"{name}, rank 1 stalled at {point}"
+            assert proc.returncode not in (0, 124, 137), f"{case}: exit {proc.returncode}\n{proc.stderr[-2000:]}"
+            assert f"collective {collective} did not complete within --comm-timeout=3 s" in proc.stderr, \
+                f"{case}:\n{proc.stderr[-2000:]}"
+            assert "fsdp.comm_timeout" not in proc.stderr, f"{case}:\n{proc.stderr[-2000:]}"
+            assert elapsed < 30, f"{case}: the job ended after {elapsed:.0f} s"
+
+
+def test_train_times_start_up_with_fsdp_comm_timeout():
+    proc, elapsed = stalled(2, tiny_args("--fsdp.comm_timeout=3"), "init")
+    assert proc.returncode not in (0, 124, 137), proc.stderr[-2000:]
+    assert "collective MPI_Init did not complete within fsdp.comm_timeout=3 s" in proc.stderr, proc.stderr[-2000:]
+    assert elapsed < 30, f"the job ended after {elapsed:.0f} s"
+
+
+def test_serial_work_on_rank_0_may_outlast_the_timeout():
+    """data commands run on rank 0 alone; the others wait for its heartbeat, not for a collective, so
+    work longer than --comm-timeout (a large corpus) finishes."""
+    out = tempdir()
+    start = time.time()
+    proc = run(3, ["data", "synth", "--out-dir", out, "--train-bytes", "4096", "--comm-timeout", "1"],
+               env={"SHARDTRAIN_DEBUG_STALL": "0:root-work:4"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert time.time() - start > 4
+    assert os.path.getsize(os.path.join(out, "synth_train.bin")) > 4096
+
+
+def rank_pid(rank, marker):
+    """The pid of the shardtrain rank `rank` whose command line contains `marker`."""
+    for pid in os.listdir("/proc"):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if cmdline[0].endswith(b"shardtrain") and marker.encode() in cmdline and \
+                f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
+            return int(pid)
+    return None
+
+
+def test_a_stopped_rank_0_ends_the_serial_wait():
+    out = tempdir()
+    args = ["data", "synth", "--out-dir", out, "--train-bytes", "4096", "--comm-timeout", "2"]
+    env = {**os.environ, "SHARDTRAIN_DEBUG_STALL": "0:root-work:60"}
+    proc = subprocess.Popen(mpirun_command(2, [EXE, *args], timeout=60), cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid = None
+    deadline = time.time() + 20
+    while pid is None and time.time() < deadline:
+        time.sleep(0.2)
+        pid = rank_pid(0, out)
+    assert pid is not None, "rank 0 never started"
+    time.sleep(1)  # inside its work by now (the heartbeat is running)
+    start = time.time()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    assert proc.returncode not in (0, 124, 137), stderr[-2000:]
+    assert "rank 0 sent no heartbeat for 2 s while it ran data synth alone (--comm-timeout=2 s)" in stderr, \
+        stderr[-2000:]
+    assert time.time() - start < 30

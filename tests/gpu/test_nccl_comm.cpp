@@ -112,7 +112,7 @@ class GpuTest : public ::testing::Test {
     std::string why;
     if (!cuda_available(&why)) return;
     device_ = CudaDevice::open(0);
-    watchdog_ = std::make_unique<Watchdog>(120.0, "[gpu test]");
+    watchdog_ = std::make_unique<Watchdog>(120.0, "fsdp.comm_timeout", "[gpu test]");
     nccl_ = make_nccl_comm(MPI_COMM_SELF, *device_, watchdog_.get());
     mpi_ = make_mpi_comm(MPI_COMM_SELF, nullptr);
   }

@@ -45,7 +45,7 @@ struct Timeouts {
 // several timeouts in all. (The watchdog that restored the outer scope's start time aborted it.)
 TEST(Watchdog, LongOperationOfShortCollectivesIsNotAborted) {
   Timeouts timeouts;
-  Watchdog dog(kTimeout, "[test]", timeouts.handler());
+  Watchdog dog(kTimeout, "fsdp.comm_timeout", "[test]", timeouts.handler());
   const auto start = std::chrono::steady_clock::now();
   {
     Watchdog::Scope save(&dog, "checkpoint save");
@@ -61,7 +61,7 @@ TEST(Watchdog, LongOperationOfShortCollectivesIsNotAborted) {
 
 TEST(Watchdog, StalledCollectiveIsReportedOnce) {
   Timeouts timeouts;
-  Watchdog dog(kTimeout, "[test]", timeouts.handler());
+  Watchdog dog(kTimeout, "fsdp.comm_timeout", "[test]", timeouts.handler());
   {
     Watchdog::Scope quick(&dog, "broadcast(test)");
   }
@@ -77,7 +77,7 @@ TEST(Watchdog, StalledCollectiveIsReportedOnce) {
 // Progress inside an outer scope restarts its clock; a stall after it is still caught, by name.
 TEST(Watchdog, StallInsideAnOuterScopeAfterProgressIsReported) {
   Timeouts timeouts;
-  Watchdog dog(kTimeout, "[test]", timeouts.handler());
+  Watchdog dog(kTimeout, "fsdp.comm_timeout", "[test]", timeouts.handler());
   {
     Watchdog::Scope outer(&dog, "checkpoint save: H5Fclose");
     for (int i = 0; i < 5; i++) Watchdog::Scope collective(&dog, "all_reduce(test)");
@@ -91,7 +91,7 @@ TEST(Watchdog, StallInsideAnOuterScopeAfterProgressIsReported) {
 // name with a start time that belongs to no open scope.
 TEST(Watchdog, BackToBackScopesAreNeverMistakenForAStall) {
   Timeouts timeouts;
-  Watchdog dog(0.02, "[test]", timeouts.handler());
+  Watchdog dog(0.02, "fsdp.comm_timeout", "[test]", timeouts.handler());
   const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(600);
   while (std::chrono::steady_clock::now() < end) {
     Watchdog::Scope a(&dog, "all_reduce(test)");
@@ -108,5 +108,33 @@ TEST(Runtime, ThreadLevelBelowMultipleIsRefusedByName) {
     const std::string error = mpi_thread_level_error(level);
     EXPECT_NE(error.find(std::string("gives thread level ") + name), std::string::npos) << error;
     EXPECT_NE(error.find("needs MPI_THREAD_MULTIPLE"), std::string::npos) << error;
+  }
+}
+
+// The start-up timeout is read from the command line before MPI_Init, leniently: what the option
+// parser would refuse later leaves the default.
+TEST(StartupTimeout, ReadsTheCommandsOwnOption) {
+  const double kDefault = CollectiveTimeout::DEFAULT_SECONDS;
+  struct Case {
+    std::vector<std::string> args;
+    double seconds;
+    std::string option;
+  } cases[] = {
+      {{"train", "--fsdp.comm_timeout=7"}, 7, "fsdp.comm_timeout"},
+      {{"train", "--fsdp.comm_timeout", "7.5"}, 7.5, "fsdp.comm_timeout"},
+      {{"train", "--comm-timeout=7"}, kDefault, "fsdp.comm_timeout"},  // not train's option
+      {{"convert", "--comm-timeout", "0"}, 0, "--comm-timeout"},
+      {{"data", "encode", "--comm-timeout=12"}, 12, "--comm-timeout"},
+      {{"export", "--comm-timeout=-1"}, kDefault, "--comm-timeout"},
+      {{"generate", "--comm-timeout=abc"}, kDefault, "--comm-timeout"},
+      {{"generate", "--comm-timeout"}, kDefault, "--comm-timeout"},  // no value
+      {{"plan", "--comm-timeout=5"}, kDefault, ""},                  // plan has no such option
+      {{}, kDefault, ""},
+  };
+  for (const Case& c : cases) {
+    const CollectiveTimeout t = startup_timeout(c.args);
+    const std::string line = c.args.empty() ? "(none)" : c.args.back();
+    EXPECT_EQ(t.seconds, c.seconds) << line;
+    EXPECT_EQ(t.option, c.option) << line;
   }
 }
