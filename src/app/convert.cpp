@@ -134,7 +134,7 @@ struct ShardHolder {
         shard(make_mpi_comm(rt.split_world(0, rt.rank()), &watchdog)),
         replica(make_mpi_comm(rt.split_world(rt.rank(), 0), &watchdog)),
         engine(table, *shard, *replica, memory, inference_options(), cpu_backend()),
-        ranks{*world, rt.world_comm(), &watchdog} {}
+        ranks{*world, rt.world_comm(), &watchdog, "--output"} {}
   static EngineOptions inference_options() {
     EngineOptions options;
     options.inference = true;

@@ -246,12 +246,16 @@ void write_hf_folder(const Runtime& rt, const ModelConfig& model, const std::str
     std::error_code error;
     if (fs::exists(target, error) && !fs::is_directory(target, error))
       throw UsageError("--output '" + out_dir + "' is a file; a Hugging Face model is a folder: name the folder to write");
-    fs::remove_all(staging, error);  // what an export killed before its commit left
-    fs::create_directories(staging, error);
-    if (error) throw UsageError("--output '" + out_dir + "': cannot create '" + staging + "': " + error.message());
-    for (const HfExportFile& f : plan.files) create_safetensors_file(path_of(f), f.layout);
   });
-  try {
+  try {  // whatever fails from here on (a full disk in the first file or the last) leaves no staging folder
+    rt.agree_on([&] {
+      if (!rt.is_root()) return;
+      std::error_code error;
+      fs::remove_all(staging, error);  // what an export killed before its commit left
+      fs::create_directories(staging, error);
+      if (error) throw UsageError("--output '" + out_dir + "': cannot create '" + staging + "': " + error.message());
+      for (const HfExportFile& f : plan.files) create_safetensors_file(path_of(f), f.layout);
+    });
     rt.agree_on([&] {
       SafetensorsWriters writers;
       for (const HfExportFile& f : plan.files) writers.push_back(std::make_unique<SafetensorsWriter>(path_of(f), f.layout));

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "app/compute_options.hpp"
+#include "core/format.hpp"
 #include "data/flow_matching.hpp"
 #include "model/config.hpp"
 #include "shard/fsdp_engine.hpp"
@@ -195,9 +196,6 @@ std::string checkpoint_file_or_newest(const Runtime& rt, Comm& comm, const std::
 // allows (in [min, max], min itself only when min_included).
 double parse_real(const std::string& text, const std::string& option, const std::string& allowed, double min,
                   double max, bool min_included, const std::string& command);
-// `text` for a one-line message: control and invisible characters as <U+XXXX>, invalid UTF-8 as
-// <0xNN>, cut after max_chars with the full length said.
-std::string printable_text(const std::string& text, size_t max_chars = 80);
 // fp32, bf16 or fp16 as an option's value (a tool's --dtype); UsageError naming `option` otherwise.
 DType parse_dtype_option(const std::string& text, const std::string& option);
 // fsdp.memory_limit, plan --memory-limit: empty (none) or a positive size with a unit (24GiB, 512MiB,

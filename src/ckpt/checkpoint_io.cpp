@@ -695,11 +695,12 @@ double free_bytes(const std::string& folder) {
 
 // Why a write failed: errno from the MPI-IO layer when it names the cause. A rank whose collective
 // write failed because another rank's I/O did may see no errno: then a (nearly) full disk is the cause.
-std::string write_failure(int error, const std::string& what, const std::string& path) {
+// `folder_option`: the setting that chose the folder, named in the advice.
+std::string write_failure(int error, const std::string& what, const std::string& path, const char* folder_option) {
   if (error != ENOSPC && error != EDQUOT && free_bytes(folder_of(path)) < (64 << 10)) error = ENOSPC;
   const bool space = error == ENOSPC || error == EDQUOT;
   return (space ? std::string(std::strerror(error)) + ": " : std::string()) + "writing " + what + " to '" + path +
-         "' failed" + (space ? "; free space in '" + folder_of(path) + "' or set checkpoint.dir to another disk"
+         "' failed" + (space ? "; free space in '" + folder_of(path) + "' or put " + folder_option + " on another disk"
                              : " (" + (error ? std::string(std::strerror(error)) : "I/O error") + ")");
 }
 
@@ -712,7 +713,7 @@ bool preallocate() {
 // cannot close a file whose metadata write failed on one rank only (the ranks then wait in
 // different barriers). KEEP_SIZE: the file looks empty to HDF5. "" when reserved, or when the file
 // system cannot reserve (then a failed write is still agreed on, as below).
-std::string reserve_space(const std::string& path, uint64_t bytes) {
+std::string reserve_space(const std::string& path, uint64_t bytes, const char* folder_option) {
   int fd = open(path.c_str(), O_WRONLY | O_CREAT, 0644);
   if (fd < 0) return "";  // HDF5's create names the problem
   int rc = fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(bytes)), error = errno;
@@ -720,7 +721,7 @@ std::string reserve_space(const std::string& path, uint64_t bytes) {
   if (rc == 0 || (error != ENOSPC && error != EDQUOT)) return "";
   return std::string(std::strerror(error)) + ": checkpoint '" + path + "' needs " + human_bytes(bytes) + ", '" +
          folder_of(path) + "' has " + human_bytes(free_bytes(folder_of(path))) +
-         " free; free space or set checkpoint.dir to another disk";
+         " free; free space or put " + folder_option + " on another disk";
 }
 
 // Gives back the reserved blocks past the file's end (HDF5 left it at its real size).
@@ -881,7 +882,7 @@ static void save_checkpoint_impl(const std::string& path, const CheckpointState&
   // (often alone: a write error may reach only the rank that did the I/O) never skips a collective
   // that the others enter. The watchdog times each phase's HDF5 collectives as one (`what`), or
   // each write on its own (what == nullptr).
-  std::string error = agreed_error(reserve ? reserve_space(path, bytes) : "", comm);
+  std::string error = agreed_error(reserve ? reserve_space(path, bytes, ranks.folder_option) : "", comm);
   auto phase = [&](const char* what, auto&& body) {
     if (!error.empty()) return;
     try {
@@ -897,7 +898,7 @@ static void save_checkpoint_impl(const std::string& path, const CheckpointState&
   phase("checkpoint save: H5Fcreate", [&] {
     file = open_parallel(path, ranks.file_comm, true);
     if (reserve) {  // H5Fcreate truncated the file: reserve again
-      std::string e = reserve_space(path, bytes);
+      std::string e = reserve_space(path, bytes, ranks.folder_option);
       if (!e.empty()) throw CheckpointError(e);
     }
   });
@@ -947,13 +948,13 @@ static void save_checkpoint_impl(const std::string& path, const CheckpointState&
       errno = 0;
       Watchdog::Scope scope(ranks.watchdog, "checkpoint save: H5Dwrite");
       if (H5Dwrite(datasets[p.spec], H5T_NATIVE_FLOAT, memspace, space, dxpl, p.data) < 0 && local.empty())
-        local = write_failure(errno, d.path, path);
+        local = write_failure(errno, d.path, path, ranks.folder_option);
     }
     if (!local.empty()) throw CheckpointError(local);
   });
   phase("checkpoint save: H5Fflush(data)", [&] {
     errno = 0;
-    if (H5Fflush(file, H5F_SCOPE_GLOBAL) < 0) throw CheckpointError(write_failure(errno, "the data", path));
+    if (H5Fflush(file, H5F_SCOPE_GLOBAL) < 0) throw CheckpointError(write_failure(errno, "the data", path, ranks.folder_option));
   });
   if (!error.empty() && comm.rank() == 0 && file >= 0) {
     // The file is discarded: free its space now, so that closing it cannot fail for want of it.
@@ -964,7 +965,7 @@ static void save_checkpoint_impl(const std::string& path, const CheckpointState&
     Watchdog::Scope scope(ranks.watchdog, "checkpoint save: H5Fclose");
     datasets.clear(), groups.clear(), lcpl.reset(), dxpl.reset();
     errno = 0;
-    std::string closing = H5Fclose(file.release()) < 0 ? write_failure(errno, "the metadata", path) : "";
+    std::string closing = H5Fclose(file.release()) < 0 ? write_failure(errno, "the metadata", path, ranks.folder_option) : "";
     closing = agreed_error(closing, comm);
     if (error.empty()) error = closing;
   }

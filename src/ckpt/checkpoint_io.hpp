@@ -72,11 +72,13 @@ struct CheckpointState {
 // The ranks that write or read one checkpoint together, and how they talk: `comm` (on host
 // memory) carries our own collectives -- agreement, checksums -- and times them; `file_comm` is the
 // same ranks as the MPI communicator parallel HDF5 needs (from Runtime::world_comm); `watchdog`
-// (may be null) times each of HDF5's collective calls on its own, never a whole save.
+// (may be null) times each of HDF5's collective calls on its own, never a whole save;
+// `folder_option` is the setting that chose where the file goes, named when the disk is full.
 struct CheckpointComm {
   Comm& comm;
   MPI_Comm file_comm;
   Watchdog* watchdog = nullptr;
+  const char* folder_option = "checkpoint.dir";
 };
 
 // Collective over `ranks`. Writes `path` (created or truncated). Throws CheckpointError, the same on

@@ -14,6 +14,7 @@
 #include "ckpt/bnb_tensor.hpp"
 #include "ckpt/json_file.hpp"
 #include "core/error.hpp"
+#include "core/format.hpp"
 #include "model/family.hpp"
 #include "model/hf_config.hpp"
 
@@ -62,8 +63,10 @@ HfFiles open_hf_files(const std::string& folder, const ModelFamily& family) {
       throw CheckpointError("safetensors index '" + index + "': no weight_map object");
     std::set<std::string> unique;
     for (const auto& [tensor, file] : j["weight_map"].items()) {
-      if (!file.is_string() || file.get<std::string>().find('/') != std::string::npos)
-        throw CheckpointError("safetensors index '" + index + "': tensor '" + tensor + "' names no file of the folder");
+      const std::string name = file.is_string() ? file.get<std::string>() : "";
+      if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos)
+        throw CheckpointError("safetensors index '" + index + "': tensor '" + printable_text(tensor) +
+                              "' names no file of the folder ('" + printable_text(file.dump()) + "')");
       unique.insert(file.get<std::string>());
     }
     names.assign(unique.begin(), unique.end());
@@ -79,7 +82,7 @@ HfFiles open_hf_files(const std::string& folder, const ModelFamily& family) {
     const SafetensorsReader& r = *files.readers.back();
     for (const SafetensorsTensor& t : r.tensors())
       if (!files.tensors.emplace(hf_key(family, t.name), std::make_pair(&r, &t)).second)
-        throw CheckpointError("Hugging Face folder '" + folder + "': tensor '" + t.name + "' appears twice");
+        throw CheckpointError("Hugging Face folder '" + folder + "': tensor '" + printable_text(t.name) + "' appears twice");
   }
   return files;
 }
@@ -154,11 +157,11 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
       std::string got, expected;
       for (int64_t d : t.shape) got += (got.empty() ? "" : ", ") + std::to_string(d);
       for (int64_t d : want.shape) expected += (expected.empty() ? "" : ", ") + std::to_string(d);
-      throw CheckpointError("safetensors file '" + it->second.first->path() + "': tensor '" + t.name + "' has shape [" +
+      throw CheckpointError("safetensors file '" + it->second.first->path() + "': tensor '" + printable_text(t.name) + "' has shape [" +
                             got + "], config.json's model needs [" + expected + "]");
     }
     if (t.dtype != "F32" && t.dtype != "BF16" && t.dtype != "F16")
-      throw CheckpointError("safetensors file '" + it->second.first->path() + "': tensor '" + t.name + "' is " +
+      throw CheckpointError("safetensors file '" + it->second.first->path() + "': tensor '" + printable_text(t.name) + "' is " +
                             t.dtype + "; ShardTrain reads F32, BF16 and F16 weights" +
                             (lookup(key + ".SCB").tensor ? " and bitsandbytes' 4-bit ones, not its 8-bit (LLM.int8) "
                                                            "format: use a 4-bit or the original folder"
@@ -168,7 +171,7 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
   }
   for (const auto& [key, where] : files.tensors)
     if (!used.count(key) && !family.hf_ignorable(key))
-      throw CheckpointError("safetensors file '" + where.first->path() + "': unexpected tensor '" + where.second->name +
+      throw CheckpointError("safetensors file '" + where.first->path() + "': unexpected tensor '" + printable_text(where.second->name) +
                             "' (not part of a " +
                             family.hf_class() + " of config.json's shape)");
 

@@ -13,6 +13,7 @@
 #include "ckpt/json_file.hpp"
 #include "ckpt/safetensors.hpp"
 #include "core/error.hpp"
+#include "core/format.hpp"
 
 namespace shardtrain {
 
@@ -337,7 +338,7 @@ void load_peft_adapter(const std::string& source, FsdpEngine& engine) {
   }
   for (const SafetensorsTensor& t : reader.tensors())
     if (!used.count(t.name))
-      throw CheckpointError(label + ": tensor '" + t.name +
+      throw CheckpointError(label + ": tensor '" + printable_text(t.name) +
                             "' is not one the configured adapters have (adapter.targets adapts fewer layers?)");
   for (UnitShard& s : engine.shards()) {
     const int u = static_cast<int>(&s - engine.shards().data());

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "core/format.hpp"
 
 namespace shardtrain {
 namespace {
@@ -71,6 +72,8 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
   if (fd_ < 0) fail(std::string("cannot open: ") + std::strerror(errno));
   struct stat st {};
   if (::fstat(fd_, &st) != 0) fail(std::string("cannot stat: ") + std::strerror(errno));
+  if (S_ISDIR(st.st_mode)) fail("is a folder, not a file");
+  if (!S_ISREG(st.st_mode)) fail("is not a regular file");
   const uint64_t file_bytes = static_cast<uint64_t>(st.st_size);
   unsigned char length_bytes[8];
   if (file_bytes < 8 || !pread_all(fd_, length_bytes, 8, 0)) fail("shorter than the 8-byte header length");
@@ -95,12 +98,12 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
     if (name == "__metadata__") {
       if (!info.is_object()) fail("__metadata__ is not an object of strings");
       for (const auto& [key, value] : info.items()) {
-        if (!value.is_string()) fail("__metadata__ value of '" + key + "' is not a string");
+        if (!value.is_string()) fail("__metadata__ value of '" + printable_text(key) + "' is not a string");
         metadata_[key] = value.get<std::string>();
       }
       continue;
     }
-    auto bad = [&](const std::string& why) { fail("tensor '" + name + "': " + why); };
+    auto bad = [&](const std::string& why) { fail("tensor '" + printable_text(name) + "': " + why); };
     if (!info.is_object() || !info.contains("dtype") || !info.contains("shape") || !info.contains("data_offsets"))
       bad("needs dtype, shape and data_offsets");
     SafetensorsTensor t;
@@ -123,7 +126,10 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
         !offsets[1].is_number_unsigned())
       bad("data_offsets is not [begin, end]");
     const uint64_t begin = offsets[0].get<uint64_t>(), end = offsets[1].get<uint64_t>();
-    if (begin > end || end > data_bytes)
+    if (begin > end)
+      bad(strprintf("data_offsets [%llu, %llu] end before they begin", static_cast<unsigned long long>(begin),
+                    static_cast<unsigned long long>(end)));
+    if (end > data_bytes)
       bad(strprintf("data_offsets [%llu, %llu] outside the %llu data bytes (truncated file?)",
                     static_cast<unsigned long long>(begin), static_cast<unsigned long long>(end),
                     static_cast<unsigned long long>(data_bytes)));
@@ -141,7 +147,7 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
   uint64_t expected = data_start;
   for (const SafetensorsTensor* t : by_offset) {
     if (t->begin != expected)
-      fail("tensor '" + t->name + "': its bytes " + (t->begin < expected ? "overlap another tensor's" : "leave a gap"));
+      fail("tensor '" + printable_text(t->name) + "': its bytes " + (t->begin < expected ? "overlap another tensor's" : "leave a gap"));
     expected = t->end;
   }
   if (expected != file_bytes)
@@ -160,7 +166,7 @@ const SafetensorsTensor* SafetensorsReader::find(const std::string& name) const 
 
 void SafetensorsReader::read_fp32(const SafetensorsTensor& t, uint64_t first, uint64_t count, float* out) const {
   auto fail = [&](const std::string& why) {
-    throw CheckpointError("safetensors file '" + path_ + "', tensor '" + t.name + "': " + why);
+    throw CheckpointError("safetensors file '" + path_ + "', tensor '" + printable_text(t.name) + "': " + why);
   };
   if (t.dtype != "F32" && t.dtype != "BF16" && t.dtype != "F16")
     fail("dtype " + t.dtype + " is not a floating-point type ShardTrain reads (F32, BF16, F16)");
@@ -185,7 +191,7 @@ void SafetensorsReader::read_fp32(const SafetensorsTensor& t, uint64_t first, ui
 void SafetensorsReader::read_raw(const SafetensorsTensor& t, const std::string& dtype, uint64_t first, uint64_t count,
                                  void* out) const {
   auto fail = [&](const std::string& why) {
-    throw CheckpointError("safetensors file '" + path_ + "', tensor '" + t.name + "': " + why);
+    throw CheckpointError("safetensors file '" + path_ + "', tensor '" + printable_text(t.name) + "': " + why);
   };
   if (t.dtype != dtype) fail("dtype " + t.dtype + " where " + dtype + " is expected");
   if (first > t.numel || count > t.numel - first) fail("elements requested beyond the tensor");

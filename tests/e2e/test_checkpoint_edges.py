@@ -290,6 +290,37 @@ def test_disk_full_during_save():
             unmount(mnt)
 
 
+def tool(np_, *args):
+    return subprocess.run(mpirun_command(np_, [EXE, *args], 60), capture_output=True, text=True)
+
+
+def test_disk_full_in_export_and_convert():
+    """The other writers on a full disk: a split Hugging Face export (its first files fit, a later
+    one does not), convert to a checkpoint, and the llm.c export each exit 2 with one line, leave
+    nothing behind on the disk (the battery found a split export's leftovers filling it), and
+    convert names its own --output, not train's checkpoint.dir."""
+    ckpt = os.path.join(saved("sharded"), ckpt_name(2))
+    folder = os.path.join(tempdir(), "hf")
+    proc = tool(2, "export", ckpt, "--output", folder, "--format", "hf")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    size = os.path.getsize(os.path.join(folder, "model.safetensors"))
+    cases = {
+        "split export": (["export", ckpt, "--output", "MNT/hf", "--format", "hf", "--max-file-size",
+                          f"{size // 3 // 1024}KB"], ("No space left on device",)),
+        "convert": (["convert", "--input", folder, "--output", "MNT/c.h5"], ("No space left on device", "--output")),
+        "llm.c export": (["export", ckpt, "--output", "MNT/m.bin"], ("No space left on device",)),
+    }
+    for case, (args, needles) in cases.items():
+        mnt = mount_tmpfs(size // 2 // 1024)
+        try:
+            proc = tool(2, *(a.replace("MNT", mnt) for a in args))
+            line = one_error(proc, *needles)
+            assert "checkpoint.dir" not in line, (case, line)
+            assert os.listdir(mnt) == [], (case, os.listdir(mnt))
+        finally:
+            unmount(mnt)
+
+
 def test_latest_that_cannot_be_written():
     """`latest` is written through latest.tmp; here that name leads to /dev/full (every write:
     ENOSPC), the smallest full disk there is. The save fails with exit 2 naming the cause, and

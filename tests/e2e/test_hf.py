@@ -215,9 +215,29 @@ def test_bad_folders_are_refused_naming_file_and_tensor():
     end = len(raw) - 8 - header_len  # an empty tensor after the last one keeps the data area tiled
     extra["transformer.h.9.ln_1.weight"] = {"dtype": "F32", "shape": [0], "data_offsets": [end, end]}
     cases.append((variant("unexpected", with_header(extra)), ["unexpected tensor 'transformer.h.9.ln_1.weight'"]))
+    nul = json.loads(json.dumps(header))
+    nul["transformer.h.9\u0000.ln_1.weight"] = {"dtype": "F32", "shape": [0], "data_offsets": [end, end]}
+    cases.append((variant("nul", with_header(nul)), ["unexpected tensor 'transformer.h.9<U+0000>.ln_1.weight'"]))
     ints = json.loads(json.dumps(header))
     ints["transformer.ln_f.bias"]["dtype"] = "I32"
     cases.append((variant("dtype", with_header(ints)), ["transformer.ln_f.bias", "I32"]))
+    # The battery's messages that lost their point: reversed offsets read as a truncated file, a
+    # tensor name with a NUL byte cut the line short, a folder where a file belongs read as "shorter
+    # than the 8-byte header".
+    reversed_ = json.loads(json.dumps(header))
+    begin, end_ = reversed_["transformer.ln_f.bias"]["data_offsets"]
+    reversed_["transformer.ln_f.bias"]["data_offsets"] = [end_, begin]
+    cases.append((variant("reversed", with_header(reversed_)), ["transformer.ln_f.bias", "end before they begin"]))
+    folder_named = variant("folder-named-weights")
+    os.remove(os.path.join(folder_named, "model.safetensors"))
+    os.mkdir(os.path.join(folder_named, "model.safetensors"))
+    cases.append((folder_named, ["model.safetensors", "is a folder, not a file"]))
+    for entry in ("..", ".", ""):
+        dots = variant(f"index-{entry or 'empty'}")
+        os.remove(os.path.join(dots, "model.safetensors"))
+        with open(os.path.join(dots, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": {name: entry for name in header if name != "__metadata__"}}, f)
+        cases.append((dots, ["model.safetensors.index.json", "names no file of the folder"]))
     for key, value, needle in (("activation_function", "relu", "activation_function 'relu'"),
                                ("n_inner", 7, "n_inner 7"), ("model_type", "bert", "model_type 'bert'"),
                                ("tie_word_embeddings", False, "tie_word_embeddings"),
