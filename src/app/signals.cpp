@@ -52,6 +52,15 @@ void exit_with_mpirun() {
   if (getppid() != launcher) std::_Exit(EXIT_CODE_INTERNAL);  // it died before the line above
 }
 
+double mpirun_stop_grace_seconds() {
+  if (!launched_by_mpirun()) return -1;
+  // mpirun hands its MCA settings (--mca or the environment) to its ranks as OMPI_MCA_ variables.
+  const char* value = std::getenv("OMPI_MCA_odls_base_sigkill_timeout");
+  char* end = nullptr;
+  const double seconds = value ? std::strtod(value, &end) : 1;
+  return value && (end == value || *end != '\0') ? 1 : seconds;
+}
+
 const char* signal_name(int signal) {
   switch (signal) {
     case SIGUSR1: return "SIGUSR1";

@@ -197,6 +197,9 @@ class Trainer {
   StepOutcome run_step(int step);
   // Writes the step's metrics record; prints its console line when `print`.
   void report_step(int step, const StepOutcome& out, double eta_seconds, bool print);
+  void warn_if_ctrl_c_cannot_save(double save_seconds);
+  double last_step_seconds_ = 0;
+  bool warned_stop_grace_ = false;
   // Saves (unless step's checkpoint exists or saving is off) and leaves the STOPPED marker.
   void stop_on_signal(int step, int signal, bool saved_already);
   uint64_t bytes_sent() const;
@@ -751,8 +754,21 @@ void Trainer::save(int step) {
   state.teacher_checksum = teacher_ ? teacher_->checksum() : 0;
   const double t0 = now_seconds();
   std::string path = checkpoints_.save(state, engine_, optimizer_);
+  const double seconds = now_seconds() - t0;
   rt_.info("saved %s (%s%s, %.2f s)", path.c_str(), state.layout.c_str(), state.adapters_only ? ", adapters only" : "",
-           now_seconds() - t0);
+           seconds);
+  warn_if_ctrl_c_cannot_save(seconds);
+}
+
+// Once mpirun is signalled it stops relaying output, so the advice comes now, while it is read.
+void Trainer::warn_if_ctrl_c_cannot_save(double save_seconds) {
+  const double grace = mpirun_stop_grace_seconds(), needed = last_step_seconds_ + save_seconds;
+  if (warned_stop_grace_ || grace < 0 || needed <= grace || stop_signal_received()) return;
+  warned_stop_grace_ = true;
+  rt_.warn("under mpirun a Ctrl-C leaves the ranks %g s (odls_base_sigkill_timeout) before it kills them, and a "
+           "step plus a save take %.1f s here: a Ctrl-C would lose the steps since the last checkpoint; stop with "
+           "'kill -USR1 <mpirun pid>', or start mpirun with --mca odls_base_sigkill_timeout %.0f",
+           grace, needed, std::ceil(2 * needed + 1));
 }
 
 // The step holds the host to one wait for the device (docs/architecture.md, "One host
@@ -818,6 +834,7 @@ Trainer::StepOutcome Trainer::run_step(int step) {
 }
 
 void Trainer::report_step(int step, const StepOutcome& out, double eta_seconds, bool print) {
+  last_step_seconds_ = out.seconds;
   const double tokens_per_s = G_ * T_ / out.seconds;
   const double achieved_gflops = table_.flops_per_token(T_) * tokens_per_s / rt_.world() / 1e9;  // per rank
   if (peak_gflops_ > 0 && achieved_gflops > peak_gflops_) {

@@ -91,3 +91,19 @@ def test_sigterm_to_one_rank_stops_all_and_a_second_signal_is_harmless():
         os.kill(pids[0], signal.SIGINT)
     losses = interrupted_then_resumed(send)
     assert losses == uninterrupted()
+
+
+def test_mpirun_whose_ctrl_c_cannot_wait_for_a_save_is_named_at_the_first_save():
+    """Under mpirun a Ctrl-C kills the ranks after odls_base_sigkill_timeout (1 s by default), and
+    mpirun stops relaying output once signalled: when a step plus a save outlast it, the first save
+    says so, while the terminal still shows it. With a grace long enough, nothing is said."""
+    for grace, warned in (("0", True), ("1000", False)):
+        proc = run(2, tiny_args("--train.steps=4", "--checkpoint.every=2"),
+                   env={"OMPI_MCA_odls_base_sigkill_timeout": grace})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        lines = [l for l in proc.stderr.splitlines() if "odls_base_sigkill_timeout" in l]
+        if warned:
+            assert len(lines) == 1, proc.stderr[-2000:]  # once, not at every save
+            assert "kill -USR1 <mpirun pid>" in lines[0] and "a Ctrl-C would lose the steps" in lines[0], lines[0]
+        else:
+            assert lines == [], lines
