@@ -39,20 +39,43 @@ DEB_PACKAGES := g++ make pkg-config python3 openmpi-bin libopenmpi-dev libopenbl
                 libbenchmark-dev nlohmann-json3-dev python3-h5py python3-numpy python3-matplotlib \
                 libpcre2-dev libutf8proc-dev libdnnl-dev libblis-openmp-dev strace
 
+# Where the libraries come from (docs/cluster.md, section 1). DEPS=debian, the default where
+# dpkg-query exists: the Debian packages above are checked before the first compile (and installed
+# when root). DEPS=none, the default elsewhere: nothing is checked, and the compiler finds the
+# libraries on its own paths, under the prefixes named below, or through the *_INC/*_LIB variables.
+# HDF5_ROOT and OPENBLAS_ROOT (which environment modules and Spack set) are the parallel HDF5's and
+# OpenBLAS's prefixes; DEP_ROOTS lists more prefixes (Boost, oneDNN, PCRE2, utf8proc, nlohmann_json),
+# each searched in include/, lib/ and lib64/, and found again at run time (rpath).
+DEPS      ?= $(shell dpkg-query -W dpkg >/dev/null 2>&1 && echo debian || echo none)
+DEP_ROOTS ?=
+ifeq ($(filter $(DEPS),debian none),)
+$(error DEPS must be debian or none, got '$(DEPS)')
+endif
+
 # The OpenMP build of OpenBLAS shares the OpenMP thread pool with our own loops, so the two
 # never oversubscribe the cores (the pthread build keeps a second pool that fights ours).
-OPENBLAS_LIB := /usr/lib/x86_64-linux-gnu/openblas-openmp
-OPENBLAS_INC := /usr/include/x86_64-linux-gnu/openblas-openmp
+ifneq ($(OPENBLAS_ROOT),)
+OPENBLAS_LIB ?= $(OPENBLAS_ROOT)/lib
+OPENBLAS_INC ?= $(OPENBLAS_ROOT)/include
+endif
+OPENBLAS_LIB ?= /usr/lib/x86_64-linux-gnu/openblas-openmp
+OPENBLAS_INC ?= /usr/include/x86_64-linux-gnu/openblas-openmp
 
 # OMPI_SKIP_MPICXX: we use the C API; the deprecated C++ bindings only add warnings.
 # Parallel HDF5 (Debian's Open MPI flavour, explicit: pkg-config's hdf5.pc is an alternatives link).
-HDF5_INC := /usr/include/hdf5/openmpi
-HDF5_LIB := /usr/lib/x86_64-linux-gnu/hdf5/openmpi
-CPPFLAGS := -I. -Isrc -I$(OPENBLAS_INC) -I$(HDF5_INC) -DOMPI_SKIP_MPICXX=1
+ifneq ($(HDF5_ROOT),)
+HDF5_INC ?= $(HDF5_ROOT)/include
+HDF5_LIB ?= $(HDF5_ROOT)/lib
+endif
+HDF5_INC ?= /usr/include/hdf5/openmpi
+HDF5_LIB ?= /usr/lib/x86_64-linux-gnu/hdf5/openmpi
+CPPFLAGS := -I. -Isrc -I$(OPENBLAS_INC) -I$(HDF5_INC) $(addsuffix /include,$(addprefix -I,$(DEP_ROOTS)))
+CPPFLAGS += -DOMPI_SKIP_MPICXX=1
 CPPFLAGS += -DSHARDTRAIN_VERSION='"$(shell git describe --always --dirty 2>/dev/null)"'
 CPPFLAGS += -DSHARDTRAIN_MARCH='"$(or $(patsubst -march=%,%,$(filter -march=%,$(OPT))),default)"'
 CXXFLAGS := -std=c++17 $(OPT) -g -fopenmp -Wall -Wextra -Wno-unused-parameter -MMD -MP
-LDFLAGS  := -fopenmp -L$(OPENBLAS_LIB) -Wl,-rpath,$(OPENBLAS_LIB) -L$(HDF5_LIB)
+LDFLAGS  := -fopenmp -L$(OPENBLAS_LIB) -Wl,-rpath,$(OPENBLAS_LIB) -L$(HDF5_LIB) -Wl,-rpath,$(HDF5_LIB)
+LDFLAGS  += $(foreach r,$(DEP_ROOTS),-L$(r)/lib -L$(r)/lib64 -Wl,-rpath,$(r)/lib -Wl,-rpath,$(r)/lib64)
 LDLIBS   := -lopenblas -ldnnl -lhdf5 -lboost_program_options -lpcre2-8 -lutf8proc -lpthread
 ifneq ($(SAN),)
 CXXFLAGS += -fsanitize=$(SAN) -fno-omit-frame-pointer
@@ -109,11 +132,16 @@ BLIS_LIB := /usr/lib/x86_64-linux-gnu/blis-openmp
 BENCH_LIBS_gemm_bench := -L$(BLIS_LIB) -Wl,-rpath,$(BLIS_LIB) -lblis
 DEPS_STAMP := $(BUILD)/.deps-ok
 
-.PHONY: all deps run test test-slurm test-cluster test-encode bench-peers test-gpu gpu-check bundle bench sanitize print-config clean
+.PHONY: all deps run test test-slurm test-cluster test-portable-build test-encode bench-peers test-gpu gpu-check bundle bench sanitize print-config clean
 all: $(EXE) $(GPU_TESTS)
 
 # ---- dependencies -------------------------------------------------------------------------------
 deps: $(DEPS_STAMP)
+ifeq ($(DEPS),none)
+$(DEPS_STAMP):
+	@mkdir -p $(BUILD) && touch $@
+	@echo "→ dependencies not checked (DEPS=none): the compiler finds them (docs/cluster.md)"
+else
 $(DEPS_STAMP):
 	@missing=""; for p in $(DEB_PACKAGES); do \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || missing="$$missing $$p"; \
@@ -129,6 +157,7 @@ $(DEPS_STAMP):
 	fi
 	@mkdir -p $(BUILD) && touch $@
 	@echo "✓ dependencies: $(words $(DEB_PACKAGES)) Debian packages present"
+endif
 
 # ---- build --------------------------------------------------------------------------------------
 # The objects depend on the flags that change their code: another OPT, SAN or NATIVE rebuilds them
@@ -202,6 +231,12 @@ test-slurm: $(EXE)
 test-cluster: $(EXE)
 	@bash tests/cluster/run_cluster_tests.sh --build $(BUILD)
 
+# The build as on a cluster without Debian's packages: every library from a prefix of its own,
+# Debian's copies hidden in a private mount namespace (tests/build/portable_build.sh; root; about
+# 100 s on 2 cores). `make test` runs it too (tests/e2e/test_build.py).
+test-portable-build:
+	@bash tests/build/portable_build.sh
+
 # tools/encode_images.py (FLUX latents from images and captions) against diffusers and transformers
 # on a tiny random FLUX.1-style repository, then 2 training steps on its shards. Builds
 # $(BUILD)/encode-venv with PyTorch, diffusers and transformers the first time (several GB, minutes;
@@ -243,7 +278,9 @@ sanitize:
 print-config:
 	@echo "MPICXX=$(MPICXX) ($(shell $(MPICXX) --version 2>/dev/null | head -1))"
 	@echo "MPIRUN=$(MPIRUN) NP=$(NP) PYTHON=$(PYTHON) BUILD=$(BUILD) OPT=$(OPT) SAN=$(SAN)"
-	@echo "OpenBLAS: $(OPENBLAS_LIB)"
+	@echo "DEPS=$(DEPS) DEP_ROOTS=$(DEP_ROOTS)"
+	@echo "OpenBLAS: $(OPENBLAS_INC) $(OPENBLAS_LIB)"
+	@echo "HDF5: $(HDF5_INC) $(HDF5_LIB)"
 	@if [ "$(CUDA)" = 1 ]; then echo "✓ CUDA backend requested"; else echo "→ CUDA disabled (CUDA=0)"; fi
 
 clean:

@@ -20,6 +20,7 @@
 #include <unordered_set>
 
 #include "core/error.hpp"
+#include "core/format.hpp"
 #include "data/bpe.hpp"
 #include "data/token_file.hpp"
 
@@ -155,12 +156,14 @@ size_t next_char(std::string_view text, size_t pos) {
 class Regex {
  public:
   // Throws DataError(where + the compiler's message) on a bad pattern.
-  Regex(const std::string& pattern, bool literal, const std::string& where) {
+  Regex(const std::string& pattern, bool literal, const std::string& where) : where_(where), pattern_(pattern) {
     int code = 0;
     PCRE2_SIZE offset = 0;
     const std::string compiled = literal ? pattern : oniguruma_to_pcre2(pattern);
     code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(compiled.data()), compiled.size(),
-                          PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : PCRE2_MULTILINE), &code, &offset, nullptr);
+                          // LITERAL takes UTF but not UCP (which only changes what classes mean)
+                          literal ? PCRE2_UTF | PCRE2_LITERAL : PCRE2_UTF | PCRE2_UCP | PCRE2_MULTILINE, &code,
+                          &offset, nullptr);
     if (code_ == nullptr) {
       PCRE2_UCHAR message[256];
       pcre2_get_error_message(code, message, sizeof message);
@@ -212,7 +215,9 @@ class Regex {
     if (rc < 0) {
       PCRE2_UCHAR message[256];
       pcre2_get_error_message(rc, message, sizeof message);
-      throw DataError(strprintf("tokenizer regex failed on a text of %zu bytes: %s", text.size(),
+      throw DataError(strprintf("%s: the regex '%s' failed on a text of %zu bytes: %s (a pattern that backtracks "
+                                "this deeply cannot split such a text; simplify the pattern or split the text)",
+                                where_.c_str(), printable_text(pattern_, 120).c_str(), text.size(),
                                 reinterpret_cast<const char*>(message)));
     }
     const PCRE2_SIZE* ovector = pcre2_get_ovector_pointer(match_);
@@ -221,6 +226,7 @@ class Regex {
     return true;
   }
 
+  std::string where_, pattern_;  // for the messages
   pcre2_code* code_ = nullptr;
   pcre2_match_data* match_ = nullptr;
   pcre2_match_context* context_ = nullptr;

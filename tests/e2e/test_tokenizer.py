@@ -155,6 +155,38 @@ def test_split_patterns_mean_what_they_mean_in_oniguruma():
                                  f"want {want[at - 4:at + 4]}")
 
 
+def test_split_string_patterns_are_literal():
+    """Split's {"String": ...} pattern cuts at the text itself, metacharacters included (it was
+    refused always: PCRE2_LITERAL does not take PCRE2_UCP)."""
+    text = os.path.join(tempdir(), "literal.txt")
+    with open(text, "w", encoding="utf-8") as f:
+        f.write("a.b.c a b\\w \\w+ ww (x) é.é e\u0301 ..\n")
+    for pattern in (".", "\\w", "(x)", "é", " ", ".."):
+        tokenizer = os.path.join(tempdir(), "probe.json")
+        reference("probe-string", pattern, tokenizer)
+        assert '"String"' in open(tokenizer).read()
+        docs, want = expected(tokenizer, text, None)
+        got, _ = encode(tokenizer, text, "--separator", "none")
+        assert got == want, (pattern, got, want)
+
+
+def test_a_regex_that_cannot_finish_names_the_file_and_the_pattern():
+    """Catastrophic backtracking ends in PCRE2's match limit: one line with the tokenizer file, the
+    JSON position and the pattern (the battery's "match limit exceeded" named neither)."""
+    tokenizer = os.path.join(tempdir(), "backtracks.json")
+    reference("probe", "(a|a)+$", tokenizer)
+    text = os.path.join(tempdir(), "a.txt")
+    with open(text, "w") as f:
+        f.write("a" * 30 + "c\n")
+    proc = run_single(["data", "encode", "--tokenizer", tokenizer, "--input", text, "--output",
+                       os.path.join(tempdir(), "out.bin"), "--separator", "none"])
+    assert proc.returncode == 2, proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if "error" in l]
+    assert len(lines) == 1, proc.stderr
+    for needle in (tokenizer, "/pre_tokenizer/pretokenizers/0/pattern/Regex", "'(a|a)+$'", "match limit"):
+        assert needle in lines[0], (needle, lines[0])
+
+
 def test_characters_missing_from_the_vocabulary():
     """unk_token, fuse_unk, byte_fallback, or dropped: on a GPT-2 file without the ByteLevel characters
     of bytes 0-3 (no merge uses them)."""

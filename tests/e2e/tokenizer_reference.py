@@ -5,6 +5,7 @@ under Debian's python, import them); the commands import `tokenizers`.
   tokenizer_reference.py train STYLE OUT.json          train a tokenizer.json of a style (see STYLES)
   tokenizer_reference.py probe PATTERN OUT.json        a tokenizer that shows where Split(PATTERN) cuts:
                                                        no merges, and ByteLevel puts "Ġ" before each piece
+  tokenizer_reference.py probe-string TEXT OUT.json    the same with Split's String pattern (literal TEXT)
   tokenizer_reference.py encode TOKENIZER INPUT        {"docs": [ids per document]} as the reference
                                                        reads INPUT (a text file, a .jsonl file, a folder)
   tokenizer_reference.py bench TOKENIZER INPUT         {"bytes", "seconds"} of encode_batch over INPUT
@@ -87,12 +88,12 @@ def build(style):
     return tok, trainer
 
 
-def probe(pattern, out):
+def probe(pattern, out, literal=False):
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.Split(pattern if literal else Regex(pattern), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=False)])
     tok.save(out)
 
@@ -134,8 +135,11 @@ def read_documents(path):
 
 def main():
     command = sys.argv[1]
-    if command in ("train", "probe"):
-        (train if command == "train" else probe)(sys.argv[2], sys.argv[3])
+    if command in ("train", "probe", "probe-string"):
+        if command == "train":
+            train(sys.argv[2], sys.argv[3])
+        else:
+            probe(sys.argv[2], sys.argv[3], literal=command == "probe-string")
         return
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(sys.argv[2])
