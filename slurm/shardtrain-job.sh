@@ -94,12 +94,18 @@ shardtrain_run() {
   got_signal=0
   stop_signal=
   launcher_pid=
+  # A launcher signalled before it has started the ranks drops the signal (mpirun in its first
+  # ~0.1 s forwards it to nobody), and a signal before the launcher starts has nobody to reach. So
+  # once a stop is asked for, it is sent again every 2 s until the launcher exits: a rank that has
+  # its stop already takes more signals as nothing.
+  stop_flag=$(mktemp "${TMPDIR:-/tmp}/shardtrain-stop.XXXXXX") && rm -f "$stop_flag"
   forward() {
     got_signal=1
     [ "$1" = USR1 ] || stop_signal=$1
     # Always SIGUSR1: the ranks treat USR1, TERM and INT alike (save, exit 3), but srun answers a
     # SIGTERM with SIGKILL to every task ("forcing job termination"), and mpirun exits 1 after one.
     echo "== $(date '+%F %T') batch shell got SIG$1: sending SIGUSR1 to the launcher${launcher_pid:+ (pid $launcher_pid)}"
+    : >"$stop_flag"
     [ -z "$launcher_pid" ] || kill -s USR1 "$launcher_pid" 2>/dev/null || true
   }
   trap 'forward USR1' USR1
@@ -108,6 +114,14 @@ shardtrain_run() {
   log_lines=$(wc -l <"$LOG_FILE" || echo 0)
   "${launch[@]}" "${train[@]}" &
   launcher_pid=$!
+  (
+    trap '' INT TERM USR1
+    while kill -0 "$launcher_pid" 2>/dev/null; do
+      sleep 2
+      [ ! -e "$stop_flag" ] || kill -s USR1 "$launcher_pid" 2>/dev/null || true
+    done
+  ) &
+  resender_pid=$!
   while :; do
     got_signal=0
     rc=0
@@ -115,6 +129,8 @@ shardtrain_run() {
     # A trapped signal interrupts `wait` (status > 128) while the launcher still runs: wait again.
     [ "$got_signal" = 1 ] || break
   done
+  kill "$resender_pid" 2>/dev/null || true
+  rm -f "$stop_flag"
   echo "== $(date '+%F %T') launcher exited with code $rc"
   if [ "$rc" = 0 ] && [ "$LAUNCHER" = srun ]; then
     sleep 0.3   # tee writes srun's last lines

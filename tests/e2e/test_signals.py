@@ -6,7 +6,7 @@ import signal
 import subprocess
 import time
 
-from harness import EXE, ROOT, mpirun_command, read_metrics, run, tempdir, tiny_args
+from harness import EXE, ROOT, ensure_data, mpirun_command, read_metrics, run, tempdir, tiny_args
 
 STEPS = 200  # long enough that a signal sent at step 3 lands well before the end, even on a loaded machine
 
@@ -107,3 +107,38 @@ def test_mpirun_whose_ctrl_c_cannot_wait_for_a_save_is_named_at_the_first_save()
             assert "kill -USR1 <mpirun pid>" in lines[0] and "a Ctrl-C would lose the steps" in lines[0], lines[0]
         else:
             assert lines == [], lines
+
+
+def test_job_script_resends_a_stop_that_mpirun_dropped():
+    """slurm/shardtrain-job.sh with LAUNCHER=mpirun (Slurm's job id given, no Slurm needed for the
+    mpirun launcher): the batch shell's SIGUSR1 reaches mpirun as it starts, in the window where
+    mpirun drops it (it forwards to ranks that do not exist yet: the battery lost signals sent in
+    mpirun's first 0.02-0.1 s). The script sends the stop again every 2 s until the launcher exits,
+    so the run still stops, saves and exits 3."""
+    train, val = ensure_data()
+    work = tempdir()
+    script = f"""
+        set -euo pipefail
+        cd {ROOT}
+        export SLURM_JOB_ID=4242 LAUNCHER=mpirun SHARDTRAIN={EXE} CONFIG=inputs/tiny.ini
+        export MPIRUN_ARGS="--oversubscribe --bind-to none -np 2" LOG_DIR={work}/logs CKPT_DIR={work}/ckpt
+        source slurm/shardtrain-job.sh
+        shardtrain_prepare --train.steps=1000000 --data.train_file={train} --data.val_file={val} \\
+            --train.peak_gflops=100 --checkpoint.every=0 --train.eval_every=0
+        shardtrain_run
+        exit $rc
+    """
+    proc = subprocess.Popen(["timeout", "-k", "5", "120", "bash", "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 30
+    launcher = None
+    while launcher is None and time.time() < deadline:
+        out = subprocess.run(["pgrep", "-f", f"^mpirun .*{work}"], capture_output=True, text=True).stdout.split()
+        launcher = int(out[0]) if out else None
+    assert launcher is not None, "mpirun never started"
+    shell = int(subprocess.run(["ps", "-o", "ppid=", "-p", str(launcher)], capture_output=True,
+                               text=True).stdout)
+    os.kill(shell, signal.SIGUSR1)  # the batch shell, as Slurm's --signal=B:USR1 does
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 3, f"exit {proc.returncode}\n{output[-3000:]}"
+    assert os.path.exists(os.path.join(work, "ckpt", "STOPPED")), output[-3000:]
