@@ -118,6 +118,7 @@ constexpr ShardingStrategy STRATEGIES[] = {SHARDING_FULL_SHARD, SHARDING_SHARD_G
                                            SHARDING_HYBRID_SHARD};
 constexpr DType DTYPES[] = {DTYPE_FP32, DTYPE_BF16, DTYPE_FP16};
 constexpr SigmaSampling SIGMA_SAMPLINGS[] = {SIGMA_UNIFORM, SIGMA_LOGIT_NORMAL};
+constexpr LrSchedule LR_SCHEDULES[] = {LR_COSINE, LR_LINEAR, LR_CONSTANT, LR_WSD};
 constexpr BackwardPrefetch PREFETCHES[] = {BACKWARD_PREFETCH_NONE, BACKWARD_PREFETCH_PRE, BACKWARD_PREFETCH_POST};
 
 // The single list of options. `c` holds the defaults on entry and receives parsed values.
@@ -170,13 +171,21 @@ void declare_options(OptionList& o, Config& c) {
   o.add("flow.sample_steps", &c.flow.sample_steps, "flux: Euler steps of those samples");
   o.add("flow.sample_guidance", &c.flow.sample_guidance, "flux: the guidance value of those samples");
   o.add("train.steps", &c.train.steps, "optimizer steps");
+  o.add("train.epochs", &c.train.epochs,
+        "instead of train.steps: passes over the training data (may be fractional); the steps are "
+        "ceil(epochs x windows / global_batch), counted from the data at start");
   o.add("train.global_batch", &c.train.global_batch,
         "sequences per optimizer step; a multiple of micro_batch x ranks (the rest is gradient accumulation)");
   o.add("train.micro_batch", &c.train.micro_batch, "sequences per rank per forward/backward");
   o.add("train.seq_len", &c.train.seq_len, "tokens per training sequence, <= model.max_seq_len");
   o.add("train.lr", &c.train.lr, "peak learning rate");
-  o.add("train.min_lr_ratio", &c.train.min_lr_ratio, "final learning rate of the cosine, as a fraction of lr");
+  o.add_choice("train.lr_schedule", &c.train.lr_schedule, LR_SCHEDULES, lr_schedule_name,
+               "after the warmup: cosine or linear from lr down to lr * min_lr_ratio at the last step, constant, or "
+               "wsd (warmup-stable-decay: lr until the last train.decay_steps, a cosine down from there)");
+  o.add("train.min_lr_ratio", &c.train.min_lr_ratio, "final learning rate of the decay, as a fraction of lr");
   o.add("train.warmup_steps", &c.train.warmup_steps, "linear warmup steps");
+  o.add("train.decay_steps", &c.train.decay_steps,
+        "lr_schedule=wsd: steps of the final decay (0 = a fifth of the steps after the warmup)");
   o.add("train.weight_decay", &c.train.weight_decay, "AdamW decoupled weight decay (not on norms and biases)");
   o.add("train.beta1", &c.train.beta1, "AdamW beta1");
   o.add("train.beta2", &c.train.beta2, "AdamW beta2");
@@ -558,11 +567,13 @@ ParsedTrainArgs parse_train_args(const std::vector<std::string>& raw_args, const
   cli.add(options.desc);
   po::variables_map vm;
   std::string where = "on the command line";
+  std::set<std::string> cli_keys;
   try {
     int style = po::command_line_style::default_style & ~po::command_line_style::allow_guessing;
     po::parsed_options from_cli = po::command_line_parser(args).options(cli).style(style).run();
     reject_stray_words(po::collect_unrecognized(from_cli.options, po::include_positional), "train");
     keep_last_occurrence(from_cli.options);
+    for (const po::option& o : from_cli.options) cli_keys.insert(o.string_key);
     po::store(from_cli, vm);
     if (vm.count("help")) {
       parsed.help = true;
@@ -591,6 +602,15 @@ ParsedTrainArgs parse_train_args(const std::vector<std::string>& raw_args, const
                      "; see 'shardtrain " + command + " --help'");
   }
   take_model_shape_from_hf_folder(vm, parsed.config);
+  // train.steps and train.epochs both set the run's length: from one source (the command line, or
+  // the file) that is a contradiction; from both, the command line's wins, as for any key.
+  if (!vm["train.epochs"].defaulted() && !vm["train.steps"].defaulted()) {
+    const bool steps_cli = cli_keys.count("train.steps") > 0, epochs_cli = cli_keys.count("train.epochs") > 0;
+    if (steps_cli == epochs_cli)
+      throw UsageError(std::string("train.steps and train.epochs both set the length of the run ") +
+                       (steps_cli ? "on the command line" : "in the configuration file") + "; give one");
+    if (steps_cli) parsed.config.train.epochs = 0;
+  }
   return parsed;
 }
 
@@ -695,6 +715,14 @@ void validate_config(const Config& c, int world) {
   require(t.lr > 0, "train.lr must be > 0");
   require(t.min_lr_ratio >= 0 && t.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]");
   require(t.warmup_steps >= 0, "train.warmup_steps must be >= 0");
+  require(t.decay_steps >= 0, "train.decay_steps must be >= 0");
+  require(t.decay_steps == 0 || t.lr_schedule == LR_WSD,
+          "train.decay_steps applies to train.lr_schedule=wsd (the other schedules decay over every step after the "
+          "warmup)");
+  require(t.lr_schedule != LR_WSD || t.decay_steps <= t.steps - t.warmup_steps || t.epochs > 0,
+          strprintf("train.decay_steps=%d is more than the %d steps after the warmup (train.steps=%d, "
+                    "train.warmup_steps=%d)", t.decay_steps, t.steps - t.warmup_steps, t.steps, t.warmup_steps));
+  require(t.epochs >= 0 && t.epochs <= 1e6, "train.epochs must be in [0, 1e6] (0 = train.steps decides)");
   require(t.weight_decay >= 0, "train.weight_decay must be >= 0");
   require(t.beta1 >= 0 && t.beta1 < 1 && t.beta2 >= 0 && t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1)");
   require(t.eps > 0, "train.eps must be > 0");
@@ -860,6 +888,8 @@ std::string resolved_ini(const Config& config) {
   std::ostringstream s;
   std::string section;
   for (const auto& [name, print] : options.printers) {
+    // The run's length is one of the two: the text reads back as the same run.
+    if (name == (config.train.epochs > 0 ? "train.steps" : "train.epochs")) continue;
     std::string sec = name.substr(0, name.find('.'));
     if (sec != section) s << (section.empty() ? "" : "\n") << "[" << (section = sec) << "]\n";
     s << name.substr(name.find('.') + 1) << " = " << print() << "\n";

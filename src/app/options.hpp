@@ -15,6 +15,7 @@
 #include "core/format.hpp"
 #include "data/flow_matching.hpp"
 #include "model/config.hpp"
+#include "optim/adamw.hpp"
 #include "shard/fsdp_engine.hpp"
 
 namespace boost::program_options {
@@ -34,9 +35,12 @@ struct TrainOptions {
   int global_batch = 8;  // sequences per optimizer step
   int micro_batch = 2;   // sequences per rank per forward/backward
   int seq_len = 32;
+  double epochs = 0;  // > 0: steps from the data (passes over the training windows) instead of `steps`
   double lr = 1e-3;
+  LrSchedule lr_schedule = LR_COSINE;
   double min_lr_ratio = 0.1;
   int warmup_steps = 0;
+  int decay_steps = 0;  // lr_schedule=wsd: the final decay's steps; 0 = a fifth of those after the warmup
   double weight_decay = 0.1;
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double grad_clip = 1.0;

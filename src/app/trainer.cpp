@@ -12,6 +12,7 @@
 #include <fstream>
 #include <array>
 #include <cmath>
+#include <limits>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -198,6 +199,7 @@ class Trainer {
   // Writes the step's metrics record; prints its console line when `print`.
   void report_step(int step, const StepOutcome& out, double eta_seconds, bool print);
   void warn_if_ctrl_c_cannot_save(double save_seconds);
+  void steps_from_epochs();
   double last_step_seconds_ = 0;
   bool warned_stop_grace_ = false;
   // Saves (unless step's checkpoint exists or saving is off) and leaves the STOPPED marker.
@@ -216,6 +218,7 @@ class Trainer {
 
   const Runtime& rt_;
   const Config& cfg_;
+  int steps_;  // train.steps, or what train.epochs makes of the data
   double rss_at_start_;
   const int B_, T_, G_, accum_;
   int threads_ = 1;
@@ -349,8 +352,10 @@ MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrat
 OptimConfig optim_config_from(const TrainOptions& t) {
   OptimConfig o;
   o.lr = t.lr;
+  o.schedule = t.lr_schedule;
   o.min_lr_ratio = t.min_lr_ratio;
   o.warmup_steps = t.warmup_steps;
+  o.decay_steps = t.decay_steps;
   o.total_steps = t.steps;
   o.weight_decay = t.weight_decay;
   o.beta1 = t.beta1;
@@ -363,6 +368,7 @@ OptimConfig optim_config_from(const TrainOptions& t) {
 Trainer::Trainer(const Runtime& rt, const Config& config)
     : rt_(rt),
       cfg_(config),
+      steps_(config.train.steps),
       rss_at_start_(proc_status_bytes("VmRSS")),
       B_(config.train.micro_batch),
       T_(config.train.seq_len),
@@ -500,6 +506,29 @@ void Trainer::open_data() {
     val_data_ = open("data.val_file", cfg_.data.val_file);
     rt_.agree_on([&] { val_data_->require_records(1, "one sequence", "use more data or a smaller train.seq_len"); });
   }
+  if (cfg_.train.epochs > 0) steps_from_epochs();
+}
+
+// train.epochs: the steps that take that many passes over the training windows (the sampler's
+// epochs: sequence g of the run is window g mod W of epoch g / W), the last step possibly partial.
+void Trainer::steps_from_epochs() {
+  const TrainOptions& t = cfg_.train;
+  const double windows = static_cast<double>(train_data_->records());
+  const double steps = std::ceil(t.epochs * windows / G_);
+  rt_.agree_on([&] {
+    if (steps > std::numeric_limits<int>::max() / 2)
+      throw UsageError(strprintf("train.epochs=%g is %.3g steps of train.global_batch=%d over %.0f windows: more than "
+                                 "a run can count; use fewer epochs", t.epochs, steps, G_, windows));
+    const int after_warmup = static_cast<int>(steps) - t.warmup_steps;
+    if (t.lr_schedule == LR_WSD && t.decay_steps > after_warmup)
+      throw UsageError(strprintf("train.decay_steps=%d is more than the %d steps after the warmup (train.epochs=%g "
+                                 "makes %.0f steps, train.warmup_steps=%d)",
+                                 t.decay_steps, after_warmup, t.epochs, steps, t.warmup_steps));
+  });
+  steps_ = static_cast<int>(steps);
+  optimizer_.set_total_steps(steps_);
+  rt_.info("train.epochs=%g: %d steps (%.0f windows of train.seq_len=%d, train.global_batch=%d per step)", t.epochs,
+           steps_, windows, T_, G_);
 }
 
 // On a GPU the backend's own buffers are not the device's arrays; tools/gpu_check.sh compares the
@@ -645,9 +674,9 @@ int Trainer::try_load(const std::string& path, bool fall_back) {
                        checksum_text(state.teacher_checksum) + ", distill.teacher='" + cfg_.distill.teacher +
                        "' has " + checksum_text(teacher_->checksum()) +
                        ": resume with the same teacher (or start a new run)");
-    if (state.step > cfg_.train.steps)
+    if (state.step > steps_)
       throw UsageError(strprintf("checkpoint '%s' is at step %lld, past train.steps=%d; raise train.steps",
-                                 path.c_str(), static_cast<long long>(state.step), cfg_.train.steps));
+                                 path.c_str(), static_cast<long long>(state.step), steps_));
     if (state.adapters_only) check_adapter_base(path, state);
     rt_.agree_on([&] { state = checkpoints_.load(path, engine_, optimizer_); });  // each collective timed on its own
   } catch (const UsageError&) {
@@ -852,7 +881,7 @@ void Trainer::report_step(int step, const StepOutcome& out, double eta_seconds, 
   if (print)
     rt_.info("step %5d/%d | loss %.4f | lr %.2e | norm %.3f | %.0f tok/s | MFU %.1f%% | mem %s held, %s planned%s "
              "| eta %s%s",
-             step + 1, cfg_.train.steps, out.loss, out.lr, out.grad_norm, tokens_per_s, 100 * mfu,
+             step + 1, steps_, out.loss, out.lr, out.grad_norm, tokens_per_s, 100 * mfu,
              human_bytes(out.maxima[HELD]).c_str(), human_bytes(planned_peak_).c_str(), reserved.c_str(),
              format_duration(eta_seconds).c_str(), out.skipped ? " | SKIPPED" : "");
   for (const auto& [tag, value] : {std::pair<const char*, double>{"train/loss", out.loss}, {"train/lr", out.lr},
@@ -981,14 +1010,14 @@ void Trainer::sample_images(int step) {
                           strprintf("step %d of run %s", step + 1, cfg_.train.run_name.c_str()));
   });
   rt_.info("sample %5d/%d | %s in %.2f s: %s (tools/encode_images.py decode turns them into PNG files)", step + 1,
-           cfg_.train.steps, counted(sample_prompts_->count, "image").c_str(), now_seconds() - t0, path.c_str());
+           steps_, counted(sample_prompts_->count, "image").c_str(), now_seconds() - t0, path.c_str());
 }
 
 int Trainer::run() {
   print_summary();
   checkpoints_.check_dir();  // a file where the run folder should be: exit 2 on every rank, before any use
   const int start = resume();
-  const int steps = cfg_.train.steps;
+  const int steps = steps_;
   if (rt_.is_root()) std::filesystem::remove(stop_marker_path(checkpoints_.dir()));
   if (start == steps) {
     rt_.info("run '%s' already finished: the checkpoint in %s is at train.steps=%d, nothing to train (raise "
@@ -1004,6 +1033,14 @@ int Trainer::run() {
       if (ec)
         error = "cannot create the run folder '" + checkpoints_.dir() + "' (checkpoint.dir): " + ec.message() +
                 "; name a folder that can be created, or set train.metrics_file";
+    }
+    // The effective configuration of this attempt (defaults and overrides resolved), beside its
+    // checkpoints: what reproduces the run.
+    if (error.empty() && rt_.is_root()) {
+      std::string ini = resolved_ini(cfg_);
+      if (cfg_.train.epochs > 0)
+        ini = strprintf("# train.epochs=%g makes %d steps of this data\n", cfg_.train.epochs, steps_) + ini;
+      error = CheckpointManager::write_file_synced(checkpoints_.dir() + "/config.ini", ini);
     }
     rt_.agree(error);
   }

@@ -9,12 +9,28 @@
 
 namespace shardtrain {
 
+const char* lr_schedule_name(LrSchedule s) {
+  switch (s) {
+    case LR_COSINE: return "cosine";
+    case LR_LINEAR: return "linear";
+    case LR_CONSTANT: return "constant";
+    case LR_WSD: return "wsd";
+  }
+  return "?";
+}
+
 double lr_at_step(const OptimConfig& c, int step) {
   if (c.warmup_steps > 0 && step < c.warmup_steps) return c.lr * (step + 1) / c.warmup_steps;
+  if (c.schedule == LR_CONSTANT) return c.lr;
   const double min_lr = c.lr * c.min_lr_ratio;
-  const int decay_steps = c.total_steps - c.warmup_steps;
-  if (decay_steps <= 1) return c.lr;
-  double progress = std::min(1.0, static_cast<double>(step - c.warmup_steps) / (decay_steps - 1));
+  const int after_warmup = c.total_steps - c.warmup_steps;
+  // The decay's first step runs at lr, its last at min_lr.
+  const int decay_steps = c.schedule != LR_WSD ? after_warmup
+                          : std::min(after_warmup, c.decay_steps > 0 ? c.decay_steps : std::max(1, after_warmup / 5));
+  const int decay_start = c.total_steps - decay_steps;
+  if (decay_steps <= 1 || step < decay_start) return c.lr;
+  const double progress = std::min(1.0, static_cast<double>(step - decay_start) / (decay_steps - 1));
+  if (c.schedule == LR_LINEAR) return c.lr + (min_lr - c.lr) * progress;
   return min_lr + 0.5 * (c.lr - min_lr) * (1.0 + std::cos(M_PI * progress));
 }
 

@@ -12,23 +12,34 @@
 
 namespace shardtrain {
 
+// After the linear warmup: cosine or linear from lr to lr * min_lr_ratio at the last step; constant
+// lr; or warmup-stable-decay (WSD): lr until the last decay_steps steps, which follow a cosine down
+// to lr * min_lr_ratio at the last step.
+enum LrSchedule { LR_COSINE, LR_LINEAR, LR_CONSTANT, LR_WSD };
+const char* lr_schedule_name(LrSchedule s);
+
 struct OptimConfig {
   double lr = 3e-4;
-  double min_lr_ratio = 0.1;  // the cosine decays to lr * min_lr_ratio at the last step
+  LrSchedule schedule = LR_COSINE;
+  double min_lr_ratio = 0.1;  // the decay ends at lr * min_lr_ratio at the last step
   int warmup_steps = 0;
+  int decay_steps = 0;  // LR_WSD: the steps of the final decay (0: a fifth of those after the warmup)
   int total_steps = 1;
   double weight_decay = 0.1;
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double grad_clip = 1.0;  // <= 0 disables clipping
 };
 
-// Learning rate for optimizer step `step` (0-based): linear warmup to lr, then cosine to the minimum.
+// Learning rate for optimizer step `step` (0-based): linear warmup to lr (step w of the warmup at
+// lr * (w + 1) / warmup_steps), then the schedule.
 double lr_at_step(const OptimConfig& c, int step);
 
 class AdamW {
  public:
   AdamW(const OptimConfig& config, FsdpEngine& engine, MemoryTracker& memory);
   ~AdamW();
+  // The run's length, once known (train.epochs counts it from the data): the schedule's last step.
+  void set_total_steps(int steps) { config_.total_steps = steps; }
 
   // Adds to *total (a double in the master device's memory) the sum of squared gradient elements
   // of the parts of this rank's shards it owns among its replicas (summed over all ranks, every

@@ -165,7 +165,7 @@ def test_another_base_is_refused_naming_both_checksums():
        "first part")
     expect_usage_error(adapter_args(f"--checkpoint.dir={d}", "--checkpoint.adapters_only=true", base=other_base()),
                        os.path.join(d, ckpt_name(SAVE_AT)), f"0x{stored:016x}", f"0x{other:016x}")
-    assert sorted(os.listdir(d)) == [ckpt_name(SAVE_AT), "latest", "metrics.jsonl"]
+    assert sorted(os.listdir(d)) == [ckpt_name(SAVE_AT), "config.ini", "latest", "metrics.jsonl"]
 
 
 def test_a_missing_base_and_settings_without_one_are_refused():

@@ -60,7 +60,7 @@ def baseline(fmt):
           f"--checkpoint.format={fmt}", metrics=metrics)
     steps = read_metrics(metrics)
     assert [r["step"] for r in steps] == list(range(1, BASE_STEPS + 1))
-    expected = {ckpt_name(s) for s in range(2, BASE_STEPS + 1, 2)} | {"latest", "metrics.jsonl"}
+    expected = {ckpt_name(s) for s in range(2, BASE_STEPS + 1, 2)} | {"latest", "metrics.jsonl", "config.ini"}
     assert set(os.listdir(d)) == expected, sorted(os.listdir(d))
     return d, steps, metrics
 
@@ -504,7 +504,7 @@ def test_retention_keeps_newest_two():
     for fmt in FORMATS:
         d = tempdir()
         train(RANKS, d, "--train.steps=8", "--checkpoint.every=2", "--checkpoint.keep=2", f"--checkpoint.format={fmt}")
-        names = sorted(n for n in os.listdir(d) if n != "metrics.jsonl")  # the run's metrics may live here too
+        names = sorted(n for n in os.listdir(d) if n not in ("metrics.jsonl", "config.ini"))  # the run's records
         assert names == [ckpt_name(6), ckpt_name(8), "latest"], (fmt, names)
         with open(os.path.join(d, "latest")) as f:
             assert f.read().strip() == ckpt_name(8)
@@ -539,7 +539,7 @@ def test_failed_save_keeps_previous_checkpoint():
         second = read_metrics(metrics)
         assert [r["step"] for r in second] == list(range(1, 9))
         assert [r["loss"] for r in second[4:]] == [r["loss"] for r in first[4:]], (fmt, obstacle)
-        assert sorted(os.listdir(d)) == [ckpt_name(4), ckpt_name(8), "latest", "metrics.jsonl"]
+        assert sorted(os.listdir(d)) == [ckpt_name(4), ckpt_name(8), "config.ini", "latest", "metrics.jsonl"]
 
 
 def rank_pids(marker):

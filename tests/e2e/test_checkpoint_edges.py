@@ -282,7 +282,7 @@ def test_disk_full_during_save():
             assert "stalled" not in proc.stderr, f"{case}: the watchdog ended it\n{proc.stderr[-3000:]}"
             one_error(proc, "checkpoint save failed: No space left on device", d)
             names = sorted(os.listdir(d))
-            assert names == [ckpt_name(2), "latest"], (case, names)
+            assert names == [ckpt_name(2), "config.ini", "latest"], (case, names)
             with open(os.path.join(d, "latest")) as f:
                 assert f.read().strip() == ckpt_name(2), case
             assert_valid(os.path.join(d, ckpt_name(2)))

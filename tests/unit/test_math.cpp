@@ -207,3 +207,29 @@ TEST(LrSchedule, WarmupThenCosineToTheMinimum) {
   EXPECT_NEAR(lr_at_step(c, 8), 0.1 + 0.45 * (1 + std::cos(M_PI * 4 / 9)), 1e-12);
   for (int s = 4; s < 13; s++) EXPECT_GE(lr_at_step(c, s), lr_at_step(c, s + 1));
 }
+
+// The other schedules against their closed forms (warmup w of W at lr * (w + 1) / W, then the decay
+// from lr at its first step to lr * min_lr_ratio at the run's last step).
+TEST(LrSchedule, LinearConstantAndWarmupStableDecay) {
+  OptimConfig c;
+  c.lr = 2.0, c.min_lr_ratio = 0.25, c.warmup_steps = 2, c.total_steps = 12;
+  c.schedule = LR_LINEAR;
+  EXPECT_DOUBLE_EQ(lr_at_step(c, 0), 1.0);
+  EXPECT_DOUBLE_EQ(lr_at_step(c, 2), 2.0);
+  for (int s = 2; s < 12; s++) EXPECT_NEAR(lr_at_step(c, s), 2.0 + (0.5 - 2.0) * (s - 2) / 9.0, 1e-12) << s;
+  c.schedule = LR_CONSTANT;
+  for (int s = 2; s < 12; s++) EXPECT_EQ(lr_at_step(c, s), 2.0) << s;
+  EXPECT_DOUBLE_EQ(lr_at_step(c, 1), 2.0);  // the warmup still applies
+  c.schedule = LR_WSD, c.decay_steps = 4;   // steps 8..11 decay
+  for (int s = 2; s < 8; s++) EXPECT_EQ(lr_at_step(c, s), 2.0) << s;
+  for (int s = 8; s < 12; s++)
+    EXPECT_NEAR(lr_at_step(c, s), 0.5 + 0.75 * (1 + std::cos(M_PI * (s - 8) / 3.0)), 1e-12) << s;
+  c.decay_steps = 0;  // a fifth of the 10 steps after the warmup: 10, 11
+  EXPECT_EQ(lr_at_step(c, 9), 2.0);
+  EXPECT_NEAR(lr_at_step(c, 10), 2.0, 1e-12);
+  EXPECT_NEAR(lr_at_step(c, 11), 0.5, 1e-12);
+  c.decay_steps = 100;  // longer than the run: decays over every step after the warmup, as cosine does
+  OptimConfig cosine = c;
+  cosine.schedule = LR_COSINE;
+  for (int s = 0; s < 12; s++) EXPECT_EQ(lr_at_step(c, s), lr_at_step(cosine, s)) << s;
+}
