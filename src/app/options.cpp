@@ -314,6 +314,9 @@ void declare_options(OptionList& o, Config& c) {
         "weights to start from: a ShardTrain checkpoint (.h5, the same model.*), an llm.c GPT-2 checkpoint "
         "(.bin) or a Hugging Face GPT-2 or Llama folder (config.json + safetensors; it also gives model.*)");
   o.add("checkpoint.save", &c.checkpoint.save, "write checkpoints (true/false)");
+  o.add("checkpoint.keep_best", &c.checkpoint.keep_best,
+        "save a checkpoint at each evaluation whose validation loss is the best so far, name it in <run "
+        "folder>/best and keep it beside the checkpoint.keep newest (needs data.val_file and train.eval_every)");
   o.add("checkpoint.allow_data_change", &c.checkpoint.allow_data_change,
         "resume even though the files of data.train_file or data.val_file (names, sizes) or "
         "checkpoint.init_from differ from the checkpoint's (true/false)");
@@ -753,6 +756,9 @@ void validate_config(const Config& c, int world) {
               "' is not a format; allowed: sharded, gathered");
   require(!c.checkpoint.resume.empty(), "checkpoint.resume must be auto, none or a checkpoint file");
   require(c.checkpoint.keep >= 1, "checkpoint.keep must be >= 1");
+  require(!c.checkpoint.keep_best || (!c.data.val_file.empty() && c.train.eval_every > 0 && c.checkpoint.save),
+          "checkpoint.keep_best needs validation and saves: set data.val_file, train.eval_every > 0 and "
+          "checkpoint.save=true");
   require(!c.checkpoint.adapters_only || c.adapter.type != ADAPTER_NONE,
           "checkpoint.adapters_only=true saves the adapters alone, but adapter.type=none: there are none; set "
           "adapter.type (lora) or remove checkpoint.adapters_only");

@@ -101,6 +101,7 @@ struct CheckpointOptions {
   bool save = true;           // false: never write checkpoints
   bool allow_data_change = false;  // resume although data.train_file/val_file differ from the checkpoint's
   bool adapters_only = false;  // saves hold the adapters alone (and the base's checksum); needs adapters and init_from
+  bool keep_best = false;      // also save at each new best validation loss and keep that checkpoint (`best`)
 };
 
 // Fault injection for the tests of the error paths; never set in production configs.

@@ -1057,6 +1057,8 @@ int Trainer::run() {
     return EXIT_CODE_SIGNALLED;
   }
   const int every = cfg_.checkpoint.every;
+  // checkpoint.keep_best: the best validation loss so far (a resumed run's from `best`).
+  double best_val_loss = cfg_.checkpoint.keep_best && start > 0 ? checkpoints_.best_val_loss() : INFINITY;
   const double wall_start = now_seconds();
   double elapsed = 0, last_loss = NAN, last_val_loss = NAN;
   for (int step = start; step < steps; step++) {
@@ -1079,11 +1081,13 @@ int Trainer::run() {
     const bool print = step == start || step + 1 == steps || (step + 1) % cfg_.train.log_every == 0;
     report_step(step, out, avg * (steps - step - 1), print);
     last_loss = out.loss;
+    bool best = false;
     if (val_data_ && cfg_.train.eval_every > 0 && ((step + 1) % cfg_.train.eval_every == 0 || step + 1 == steps)) {
       last_val_loss = evaluate();
       rt_.info("eval  %5d/%d | val loss %.4f", step + 1, steps, last_val_loss);
       metrics_->write_line(nlohmann::ordered_json{{"kind", "eval"}, {"step", step + 1}, {"val_loss", last_val_loss}}.dump());
       tensorboard_->scalar("val/loss", step + 1, last_val_loss);
+      best = cfg_.checkpoint.keep_best && last_val_loss < best_val_loss;
     }
     if (cfg_.flow.sample_every > 0 && ((step + 1) % cfg_.flow.sample_every == 0 || step + 1 == steps))
       sample_images(step);
@@ -1096,7 +1100,14 @@ int Trainer::run() {
       stop_on_signal(step + 1, signal, false);
       return EXIT_CODE_SIGNALLED;
     }
-    if (cfg_.checkpoint.save && ((every > 0 && (step + 1) % every == 0) || step + 1 == steps)) save(step + 1);
+    if (best || (cfg_.checkpoint.save && ((every > 0 && (step + 1) % every == 0) || step + 1 == steps)))
+      save(step + 1);
+    if (best) {
+      checkpoints_.mark_best(step + 1, last_val_loss);
+      rt_.info("best validation loss so far (%.4f): %s, named in %s/best", last_val_loss,
+               CheckpointManager::file_name(step + 1).c_str(), checkpoints_.dir().c_str());
+      best_val_loss = last_val_loss;
+    }
   }
   const double wall = now_seconds() - wall_start;
   if (op_timer_ && op_timer_->steps() > 0)

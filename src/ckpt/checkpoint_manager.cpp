@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -128,15 +129,48 @@ std::string CheckpointManager::save(const CheckpointState& state, FsdpEngine& en
       if (!error.empty()) std::remove(latest_tmp.c_str());  // `latest` still names the previous checkpoint
       if (error.empty()) error = fsync_path(dir_);
     }
-    if (error.empty()) {
-      auto found = complete_checkpoints(dir_);
-      for (size_t i = static_cast<size_t>(keep_); i < found.size(); i++)
-        if (found[i].first < state.step) std::remove(found[i].second.c_str());
-    }
+    if (error.empty()) prune(state.step);
     if (!error.empty()) std::remove(tmp_path.c_str());
   }
   rt_.agree(error.empty() ? "" : "checkpoint save failed: " + error);
   return final_path;
+}
+
+void CheckpointManager::prune(int64_t newest_step) {
+  const std::string best = read_best().first;
+  auto found = complete_checkpoints(dir_);
+  for (size_t i = static_cast<size_t>(keep_); i < found.size(); i++)
+    if (found[i].first < newest_step && fs::path(found[i].second).filename() != best)
+      std::remove(found[i].second.c_str());
+}
+
+std::pair<std::string, double> CheckpointManager::read_best() const {
+  std::ifstream in(dir_ + "/best");
+  std::string name;
+  double loss = 0;
+  if (in >> name >> loss && step_of(name) >= 0 && std::isfinite(loss) && fs::exists(dir_ + "/" + name))
+    return {name, loss};
+  return {"", INFINITY};
+}
+
+void CheckpointManager::mark_best(int64_t step, double val_loss) {
+  std::string error;
+  if (rt_.is_root()) {
+    const std::string tmp = dir_ + "/best.tmp";
+    error = write_file_synced(tmp, strprintf("%s %.17g\n", file_name(step).c_str(), val_loss));
+    if (error.empty() && std::rename(tmp.c_str(), (dir_ + "/best").c_str()) != 0)
+      error = "cannot update '" + dir_ + "/best': " + std::strerror(errno);
+    if (!error.empty()) std::remove(tmp.c_str());  // `best` still names the previous best
+    if (error.empty()) error = fsync_path(dir_);
+    if (error.empty()) prune(step);  // the previous best, if beyond the newest kept
+  }
+  rt_.agree(error.empty() ? "" : "checkpoint save failed: " + error);
+}
+
+double CheckpointManager::best_val_loss() {
+  double loss = rt_.is_root() ? read_best().second : 0;
+  comm_.broadcast(Span<char>(reinterpret_cast<char*>(&loss), sizeof loss), 0, "broadcast(best validation loss)");
+  return loss;
 }
 
 CheckpointState CheckpointManager::load(const std::string& path, FsdpEngine& engine, AdamW& optimizer,

@@ -4,7 +4,8 @@
 // A save writes ckpt-<step>.h5.tmp collectively; only after every rank has finished and the file
 // is flushed and closed does rank 0 fsync it, rename it to ckpt-<step>.h5, fsync the folder, and
 // replace `latest` (tmp + rename). Older checkpoints are removed only after that, keeping
-// checkpoint.keep. A failed save leaves every earlier checkpoint untouched.
+// checkpoint.keep and the one `best` names (checkpoint.keep_best: "<file> <validation loss>").
+// A failed save leaves every earlier checkpoint untouched.
 #pragma once
 
 #include <string>
@@ -34,6 +35,13 @@ class CheckpointManager {
   CheckpointState load_weights(const std::string& path, FsdpEngine& engine);
   // Collective. Complete checkpoints in the folder, newest first (`latest`'s target leads).
   std::vector<std::string> candidates();
+  // Collective. Names the checkpoint of `step` (saved) in `best` with its validation loss; retention
+  // keeps it beside the `keep` newest from then on, and drops the one it names no more. Throws
+  // InputError (agreed) when `best` cannot be written.
+  void mark_best(int64_t step, double val_loss);
+  // The validation loss `best` records (its checkpoint still there), or +inf. Rank 0's view: call
+  // on every rank, the result is broadcast.
+  double best_val_loss();
 
   static std::string file_name(int64_t step);
   // Writes `text` to `path` and fsyncs it; "" or why it failed (disk full, ...). For small files
@@ -48,6 +56,11 @@ class CheckpointManager {
 
  private:
   CheckpointComm ranks() const { return CheckpointComm{comm_, rt_.world_comm(), watchdog_}; }
+  // Rank 0: removes the complete checkpoints beyond the `keep` newest, older than `newest_step`,
+  // except the one `best` names.
+  void prune(int64_t newest_step);
+  // Rank 0: the file `best` names ("" when none) and its validation loss.
+  std::pair<std::string, double> read_best() const;
 
   const Runtime& rt_;
   Comm& comm_;

@@ -89,3 +89,36 @@ def test_the_effective_config_reproduces_the_run():
     proc = run(2, ["train", "--config", config, f"--checkpoint.dir={tempdir()}", f"--train.metrics_file={again}"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [r["loss"] for r in read_metrics(again)] == [r["loss"] for r in read_metrics(first)]
+
+
+def evals(metrics):
+    return [(r["step"], r["val_loss"]) for r in read_metrics(metrics, kind="eval")]
+
+
+def test_keep_best_keeps_the_checkpoint_of_the_lowest_validation_loss():
+    """checkpoint.keep_best with checkpoint.keep=1: after a run whose validation loss falls and then
+    rises for a while (a learning rate too high), the run folder holds the newest checkpoint and the
+    one of the lowest validation loss of all evaluations, which `best` names with that loss; a
+    resumed run goes on comparing against it."""
+    d = tempdir()
+    metrics = os.path.join(d, "metrics.jsonl")
+    common = ("--train.eval_every=1", "--checkpoint.keep=1", "--checkpoint.keep_best=true", "--train.lr=0.05",
+              "--train.lr_schedule=constant", f"--checkpoint.dir={d}", f"--train.metrics_file={metrics}")
+    seen, exercised = [], False
+    for steps in (6, 12):
+        proc = run(2, tiny_args(f"--train.steps={steps}", *common))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        seen += [e for e in evals(metrics) if e not in seen]
+        best_step, best_loss = min(seen, key=lambda e: (e[1], e[0]))
+        with open(os.path.join(d, "best")) as f:
+            name, loss = f.read().split()
+        assert name == f"ckpt-{best_step:08d}.h5" and float(loss) == best_loss, (name, loss, seen)
+        kept = sorted(n for n in os.listdir(d) if n.endswith(".h5"))
+        assert kept == sorted({name, f"ckpt-{steps:08d}.h5"}), (kept, seen)
+        exercised = exercised or best_step != steps
+    assert exercised, f"the best was always the newest checkpoint, the test shows nothing: {seen}"
+
+
+def test_keep_best_needs_validation():
+    expect_usage_error(tiny_args("--checkpoint.keep_best=true", "--train.eval_every=0"),
+                       "checkpoint.keep_best needs validation and saves")
