@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "app/convert.hpp"
+#include "app/evaluate.hpp"
 #include "app/generate.hpp"
 #include "app/sample.hpp"
 #include "app/hf_export.hpp"
@@ -39,6 +40,7 @@ const char* USAGE =
     "                 --tokenizer a Hugging Face byte-level BPE tokenizer.json\n"
     "  data decode    a token file back to text (bytes, or with --tokenizer its tokenizer.json)\n"
     "  generate       continue a prompt with a trained checkpoint (greedy or sampled; any rank count)\n"
+    "  eval           a language model's loss and perplexity on token files, from a checkpoint (any rank count)\n"
     "  sample         images (latents) from a FLUX checkpoint with the flow-matching Euler sampler\n"
     "  plan           predict each rank's memory for every strategy and option, and recommend one\n"
     "  inspect FILE   print what a checkpoint holds: format, step, configuration, parameters and norms\n"
@@ -257,6 +259,7 @@ int run_command(Runtime& rt, const std::vector<std::string>& args) {
   }
   if (args[0] == "data") return run_data(rt, rest);
   if (args[0] == "generate") return run_generate(rt, rest);
+  if (args[0] == "eval") return run_eval(rt, rest);
   if (args[0] == "sample") return run_sample(rt, rest);
   if (args[0] == "convert") return run_convert(rt, rest);
   if (args[0] == "plan") {
@@ -265,7 +268,7 @@ int run_command(Runtime& rt, const std::vector<std::string>& args) {
   }
   if (args[0] == "inspect" || args[0] == "export") return run_checkpoint_tool(rt, args);
   throw UsageError("unknown command '" + printable_text(args[0]) +
-                   "'; commands: train, generate, sample, plan, data synth, data encode, data decode, inspect, export, "
+                   "'; commands: train, generate, eval, sample, plan, data synth, data encode, data decode, inspect, export, "
                    "convert, version");
 }
 

@@ -31,7 +31,7 @@ std::string mpi_thread_level_error(int provided) {
 CollectiveTimeout startup_timeout(const std::vector<std::string>& args) {
   CollectiveTimeout timeout;
   const bool train = !args.empty() && args[0] == "train";
-  const char* commands_with_the_option[] = {"generate", "sample", "convert", "export", "data"};
+  const char* commands_with_the_option[] = {"generate", "eval", "sample", "convert", "export", "data"};
   bool has_option = train;
   for (const char* command : commands_with_the_option) has_option = has_option || (!args.empty() && args[0] == command);
   timeout.option = train ? "fsdp.comm_timeout" : has_option ? "--comm-timeout" : "";
