@@ -77,6 +77,9 @@ int run_data(Runtime& rt, const std::vector<std::string>& args) {
     const std::string most = strprintf(", at most %zu", SYNTH_MAX_BYTES);
     desc.add_options()  // one option per line
         ("out-dir", po::value(&out_dir)->default_value(out_dir), "folder for synth_train.bin and synth_val.bin")
+        ("jsonl", po::value(&input),
+         "instead of token files: the corpus (--train-bytes of it) as JSON Lines documents in this file, one "
+         "{\"text\": ...} per line of the corpus")
         ("seed", po::value(&seed)->default_value(seed), "corpus seed")
         ("train-bytes", po::value(&train_bytes)->default_value(train_bytes),
          ("tokens in the training file" + most).c_str())
@@ -132,7 +135,10 @@ int run_data(Runtime& rt, const std::vector<std::string>& args) {
       const uint64_t seed_value = parse_whole_number(seed, "--seed", 0, UINT64_MAX);
       const size_t train_count = parse_whole_number(train_bytes, "--train-bytes", 1, SYNTH_MAX_BYTES);
       const size_t val_count = parse_whole_number(val_bytes, "--val-bytes", 0, SYNTH_MAX_BYTES);
-      data_synth(out_dir, seed_value, train_count, val_count);
+      if (vm.count("jsonl"))
+        data_synth_jsonl(input, seed_value, train_count);
+      else
+        data_synth(out_dir, seed_value, train_count, val_count);
     } else if (decode) {
       const uint64_t first_value = parse_whole_number(first, "--first", 0, UINT64_MAX);
       const uint64_t count_value = parse_whole_number(count, "--count", 0, UINT64_MAX);

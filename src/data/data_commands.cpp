@@ -154,6 +154,21 @@ void data_synth(const std::string& out_dir, uint64_t seed, size_t train_bytes, s
   }
 }
 
+void data_synth_jsonl(const std::string& path, uint64_t seed, size_t bytes) {
+  const std::string corpus = synth_corpus(seed, bytes);
+  std::string out;
+  size_t documents = 0;
+  for (size_t begin = 0, end; (end = corpus.find('\n', begin)) != std::string::npos; begin = end + 1, documents++)
+    out += nlohmann::json{{"text", corpus.substr(begin, end - begin)}}.dump() + "\n";
+  std::ofstream file(path, std::ios::binary);
+  file << out;
+  file.close();
+  if (!file)
+    throw DataError(strprintf("cannot write '%s': %s; choose another path", path.c_str(), std::strerror(errno)));
+  std::printf("wrote %s: %zu documents (%zu bytes of the synthetic corpus, one line each)\n", path.c_str(), documents,
+              bytes);
+}
+
 std::string val_path_for(const std::string& out_path) {
   if (ends_with(out_path, "_train.bin")) return out_path.substr(0, out_path.size() - 10) + "_val.bin";
   if (ends_with(out_path, ".bin")) return out_path.substr(0, out_path.size() - 4) + "_val.bin";

@@ -14,6 +14,10 @@ namespace shardtrain {
 // out_dir if needed, and prints one line per file (path, tokens). val_bytes == 0 skips the val file.
 // Needs train_bytes in [1, SYNTH_MAX_BYTES] and val_bytes <= SYNTH_MAX_BYTES (see synth.hpp).
 void data_synth(const std::string& out_dir, uint64_t seed, size_t train_bytes, size_t val_bytes);
+// Writes the synthetic corpus of `bytes` bytes (synth_corpus(seed, bytes)) as JSON Lines, one
+// {"text": ...} record per line of the corpus (a one-line story), the cut-off last line left out:
+// documents to try the tokenizer-to-training recipe on (README.md).
+void data_synth_jsonl(const std::string& path, uint64_t seed, size_t bytes);
 
 // Encodes every byte of text_path. With val_fraction in (0, 1) the last
 // floor(bytes * val_fraction) bytes go to the validation file val_path_for(out_path) and the rest

@@ -4,22 +4,19 @@ recipe's tokenizer training, outside ShardTrain) run in the test virtual environ
 what a test must change is changed: training runs are cut to a few steps (a later --train.steps
 wins), mpirun gets --oversubscribe (4 ranks on 2 cores), the README's placeholder step number in
 checkpoint names becomes the one the runs reached, and its example inputs are written first: the
-text file `mybook.txt`, the Hugging Face folder `models/gpt2` (a small random GPT-2) and the
-recipe's `stories.jsonl` (one line of the synthetic corpus per document, as the README's run had).
-GPU lines (build-cuda/) and make targets are left to their own tests.
+text file `mybook.txt` and the Hugging Face folder `models/gpt2` (a small random GPT-2); the
+recipe's `stories.jsonl` is the README's own `data synth --jsonl` command's. GPU lines (build-cuda/)
+and make targets are left to their own tests.
 
 The recipe's output, shown in text blocks after its commands, is held to what the commands print
 here where it does not depend on the step count or the machine: the lines of `data encode` (the
 same documents and tokenizer give the same shards; the speed masked) and the model and data lines
 of `train`; and `generate` must name the recorded tokenizer and stop at its end-of-text token."""
-import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
-
-import numpy as np
 
 from harness import BUILD, ROOT, Skip, ensure_data, mpirun_command, tempdir, venv_python
 
@@ -53,16 +50,6 @@ def shown_output(command_part):
     raise AssertionError(f"README.md: no ```text block after the command with {command_part!r}")
 
 
-def write_stories(path, corpus, tokens=2_000_000):
-    """The recipe's documents: the synthetic corpus's first `tokens` bytes, one line per document."""
-    with open(corpus, "rb") as f:
-        f.seek(1024)
-        text = np.frombuffer(f.read(2 * tokens), dtype="<u2").astype(np.uint8).tobytes().decode()
-    with open(path, "w") as f:
-        for line in text.splitlines()[:-1]:
-            f.write(json.dumps({"text": line}) + "\n")
-
-
 def scratch_project():
     """A folder laid out like the project after `make run` made its data: build/, inputs/*.ini and
     inputs/data/synth_*.bin, so the README's relative paths resolve, and its runs write here."""
@@ -75,7 +62,6 @@ def scratch_project():
             shutil.copy(os.path.join(ROOT, "inputs", name), os.path.join(top, "inputs"))
     for path in (train, val):
         os.symlink(path, os.path.join(top, "inputs", "data", os.path.basename(path)))
-    write_stories(os.path.join(top, "stories.jsonl"), train)
     with open(os.path.join(top, "mybook.txt"), "w") as f:
         f.write("It was the best of times, it was the worst of times, it was the age of wisdom.\n" * 400)
     # The README's Hugging Face folder: a small random GPT-2, written by the safetensors package.
