@@ -246,7 +246,7 @@ if want bench; then
     local opts=(--train.micro_batch="$micro" --train.global_batch="$micro" --fsdp.param_dtype="$dtype"
                 --fsdp.reduce_dtype=fp32 --fsdp.cpu_offload="$offload" --train.attention="$attention")
     # The planner's peak for this run (the GPU's own buffers and the allocator's rounding included).
-    plan=$("$BIN/shardtrain" plan --world-size=1 --config "$config" --train.device=cuda "${opts[@]}" 2>/dev/null |
+    plan=$("$BIN/shardtrain" plan --world-size=1 --format=lines --config "$config" --train.device=cuda "${opts[@]}" 2>/dev/null |
            grep "^PLAN .*checkpointing=no offload=$([ "$offload" = true ] && echo yes || echo no) " |
            grep -oE 'peak_bytes=[0-9]+' | head -1 | cut -d= -f2)
     if run "$name" cuda 1 "$config" --train.steps="$steps" --train.warmup_steps=0 "${opts[@]}" --checkpoint.save=false; then

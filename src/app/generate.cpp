@@ -229,6 +229,13 @@ class TextStream {
   char last_ = '\n';
 };
 
+// A path for a message: relative to the working folder when it lies below it (train records
+// data.tokenizer absolute), else as it is.
+std::string shown_path(const std::string& path) {
+  const std::filesystem::path relative = std::filesystem::path(path).lexically_relative(std::filesystem::current_path());
+  return relative.empty() || *relative.begin() == ".." ? path : relative.string();
+}
+
 class Generator {
  public:
   Generator(const Runtime& rt, const GenerateOptions& o)
@@ -372,7 +379,7 @@ int Generator::run() {
                  "rank %s (key/value cache and buffers %s)\n",
                  path.c_str(), static_cast<long long>(state.step), model_summary(m).c_str(),
                  counted(rt_.world(), "rank").c_str(), counted(threads_, "thread").c_str(), compute_.describe().c_str(),
-                 tokenizer_path_.empty() ? "bytes" : tokenizer_path_.c_str(), counted(P, "token").c_str(),
+                 tokenizer_path_.empty() ? "bytes" : shown_path(tokenizer_path_).c_str(), counted(P, "token").c_str(),
                  stops_summary().c_str(),
                  human_bytes(static_cast<double>(memory.total_current())).c_str(),
                  human_bytes(static_cast<double>(decoder.decode_bytes())).c_str());

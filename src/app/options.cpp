@@ -194,7 +194,8 @@ void declare_options(OptionList& o, Config& c) {
   o.add("train.seed", &c.train.seed, "seed of initialization and data order");
   o.add("train.eval_every", &c.train.eval_every, "validation every N steps and at the end; 0 = never");
   o.add("train.eval_batches", &c.train.eval_batches, "global batches per validation");
-  o.add("train.metrics_file", &c.train.metrics_file, "JSON Lines metrics written by rank 0; empty = none");
+  o.add("train.metrics_file", &c.train.metrics_file,
+        "JSON Lines metrics written by rank 0; empty = <run folder>/metrics.jsonl (the run folder is checkpoint.dir)");
   o.add("train.tensorboard_dir", &c.train.tensorboard_dir,
         "folder for TensorBoard event files written by rank 0 (loss, val loss, lr, grad norm, tokens/s, MFU, "
         "memory); empty = none");
@@ -605,6 +606,10 @@ ParsedTrainArgs parse_train_args(const std::vector<std::string>& raw_args, const
                      "; see 'shardtrain " + command + " --help'");
   }
   take_model_shape_from_hf_folder(vm, parsed.config);
+  // Recorded in checkpoints for generate, which may run from another folder: an absolute path.
+  std::string& tokenizer = parsed.config.data.tokenizer;
+  if (!tokenizer.empty() && std::filesystem::path(tokenizer).is_relative())
+    tokenizer = (std::filesystem::current_path() / tokenizer).lexically_normal().string();
   // train.steps and train.epochs both set the run's length: from one source (the command line, or
   // the file) that is a contradiction; from both, the command line's wins, as for any key.
   if (!vm["train.epochs"].defaulted() && !vm["train.steps"].defaulted()) {
@@ -735,7 +740,9 @@ void validate_config(const Config& c, int world) {
   require(t.log_every >= 1, "train.log_every must be >= 1");
   require(t.threads >= 0, "train.threads must be >= 0 (0 = automatic)");
   require(t.peak_gflops >= 0, "train.peak_gflops must be >= 0 (0 = measure)");
-  require(!c.data.train_file.empty(), "data.train_file is required");
+  require(!c.data.train_file.empty(),
+          "data.train_file is empty: name the token files to train on (--data.train_file=FILES; 'shardtrain data "
+          "encode' writes them), and --data.val_file=FILES for validation");
   require(t.device == "cpu" || t.device == "cuda",
           "train.device='" + printable_text(t.device) + "' is not a device; allowed: cpu, cuda");
   require(t.device == "cuda" || c.fsdp.comm_backend != COMM_NCCL,

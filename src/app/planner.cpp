@@ -201,6 +201,7 @@ std::string what_would_fit(const Config& config, int world, int ranks_per_node, 
 
 void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
   int world = 0, ranks_per_node = 0;
+  bool lines = false;  // --format lines: the PLAN lines for scripts after the table
   MemorySize limit_option;
   std::vector<std::string> train_args;
   for (size_t i = 0; i < args.size(); i++) {  // our three options; the rest are train options
@@ -216,6 +217,10 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
       world = static_cast<int>(parse_whole_number(*v, "--world-size", 1, MAX_PLANNED_RANKS));
     } else if (auto limit = value("memory-limit")) {
       limit_option = parse_memory_limit(*limit, "--memory-limit");
+    } else if (auto format = value("format")) {
+      if (*format != "table" && *format != "lines")
+        throw UsageError("--format='" + printable_text(*format) + "' is not allowed; allowed: table, lines");
+      lines = *format == "lines";
     } else if (auto per_node = value("ranks-per-node")) {
       ranks_per_node = static_cast<int>(parse_whole_number(*per_node, "--ranks-per-node", 1, MAX_PLANNED_RANKS));
     } else {
@@ -226,10 +231,11 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
   if (parsed.help) {
     if (rt.is_root())
       std::printf("usage: shardtrain plan --config FILE --world-size N [--memory-limit 24GiB] [--ranks-per-node K]\n"
-                  "                       [--section.key=value ...]\n\n"
+                  "                       [--format table|lines] [--section.key=value ...]\n\n"
                   "Predicts each rank's peak memory by category for every fsdp strategy and option on N ranks\n"
                   "(without allocating the model) and recommends the fastest combination that fits.\n"
-                  "--memory-limit defaults to fsdp.memory_limit; --ranks-per-node (default N) sizes HYBRID_SHARD.\n");
+                  "--memory-limit defaults to fsdp.memory_limit; --ranks-per-node (default N) sizes HYBRID_SHARD;\n"
+                  "--format lines adds one 'PLAN key=value ...' line per row, exact bytes, for scripts.\n");
     return;
   }
   const Config& config = parsed.config;
@@ -286,7 +292,7 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
     std::printf("\n");
   }
   // The same table for scripts: exact bytes (on a GPU also the backend's: nccl_bytes is the estimate).
-  for (const Candidate& c : candidates) {
+  for (const Candidate& c : lines ? candidates : std::vector<Candidate>{}) {
     std::printf("PLAN strategy=%s reduce=%s checkpointing=%s offload=%s peak_bytes=%zu traffic_bytes=%.0f fits=%d",
                 sharding_strategy_name(c.strategy), c.reduce_label(), c.checkpointing ? "yes" : "no",
                 c.offload ? "yes" : "no", c.memory.total(), c.traffic_bytes, c.fits ? 1 : 0);

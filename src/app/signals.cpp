@@ -61,6 +61,12 @@ double mpirun_stop_grace_seconds() {
   return value && (end == value || *end != '\0') ? 1 : seconds;
 }
 
+const char* signal_origin(int signal) {
+  // Under mpirun a Ctrl-C reaches the ranks as mpirun's SIGTERM: say so, the user pressed no kill.
+  if (signal == SIGTERM && launched_by_mpirun()) return "SIGTERM (from mpirun: Ctrl-C, or a kill of mpirun)";
+  return signal_name(signal);
+}
+
 const char* signal_name(int signal) {
   switch (signal) {
     case SIGUSR1: return "SIGUSR1";

@@ -16,6 +16,9 @@ int stop_signal_received();
 // still writing metrics and checkpoints that a restarted run is already using.
 void exit_with_mpirun();
 const char* signal_name(int signal);
+// The signal for a message: its name, and where it came from when that is not what the user sent
+// (mpirun turns a Ctrl-C into SIGTERM for its ranks).
+const char* signal_origin(int signal);
 // Under mpirun: the seconds its kill sequence gives the ranks after a Ctrl-C before SIGTERM and
 // then SIGKILL (Open MPI's odls_base_sigkill_timeout, 1 s unless set); -1 when not under mpirun.
 double mpirun_stop_grace_seconds();

@@ -883,7 +883,7 @@ void Trainer::report_step(int step, const StepOutcome& out, double eta_seconds, 
              "| eta %s%s",
              step + 1, steps_, out.loss, out.lr, out.grad_norm, tokens_per_s, 100 * mfu,
              human_bytes(out.maxima[HELD]).c_str(), human_bytes(planned_peak_).c_str(), reserved.c_str(),
-             format_duration(eta_seconds).c_str(), out.skipped ? " | SKIPPED" : "");
+             std::isfinite(eta_seconds) ? format_duration(eta_seconds).c_str() : "-", out.skipped ? " | SKIPPED" : "");
   for (const auto& [tag, value] : {std::pair<const char*, double>{"train/loss", out.loss}, {"train/lr", out.lr},
                                    {"train/grad_norm", out.grad_norm}, {"perf/tokens_per_s", tokens_per_s},
                                    {"perf/mfu", mfu}, {"perf/hardware_mfu", hardware_mfu},
@@ -906,11 +906,11 @@ void Trainer::report_step(int step, const StepOutcome& out, double eta_seconds, 
 void Trainer::stop_on_signal(int step, int signal, bool saved_already) {
   if (!cfg_.checkpoint.save) {
     rt_.info("stopped at step %d on %s; checkpoint.save=false, so nothing was saved; exit code %d", step,
-             signal_name(signal), EXIT_CODE_SIGNALLED);
+             signal_origin(signal), EXIT_CODE_SIGNALLED);
     return;
   }
   if (!saved_already) {
-    rt_.info("stopping on %s after step %d: saving a checkpoint", signal_name(signal), step);
+    rt_.info("stopping on %s after step %d: saving a checkpoint", signal_origin(signal), step);
     save(step);
   }
   // The marker tells a batch script to requeue the job; a marker that cannot be written is an error.
@@ -922,7 +922,7 @@ void Trainer::stop_on_signal(int step, int signal, bool saved_already) {
   }
   rt_.agree(error);
   rt_.info("stopped at step %d on %s; exit code %d (the next start with checkpoint.resume=auto continues from step "
-           "%d)", step, signal_name(signal), EXIT_CODE_SIGNALLED, step);
+           "%d)", step, signal_origin(signal), EXIT_CODE_SIGNALLED, step);
 }
 
 uint64_t Trainer::bytes_sent() const {
@@ -1079,7 +1079,8 @@ int Trainer::run() {
     if (step > start || steps == start + 1) elapsed += out.seconds;  // the first step pays for page faults
     const double avg = elapsed / std::max(1, step - start + (steps == start + 1 ? 1 : 0));
     const bool print = step == start || step + 1 == steps || (step + 1) % cfg_.train.log_every == 0;
-    report_step(step, out, avg * (steps - step - 1), print);
+    // No estimate before a step without the first one's page faults has been timed.
+    report_step(step, out, elapsed > 0 ? avg * (steps - step - 1) : step + 1 == steps ? 0 : NAN, print);
     last_loss = out.loss;
     bool best = false;
     if (val_data_ && cfg_.train.eval_every > 0 && ((step + 1) % cfg_.train.eval_every == 0 || step + 1 == steps)) {

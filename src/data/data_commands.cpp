@@ -175,9 +175,21 @@ std::string val_path_for(const std::string& out_path) {
   return out_path + "_val.bin";
 }
 
+// The output's folder, made before the encoding (a missing one failed only after it).
+void make_output_folder(const std::string& out_path) {
+  const std::filesystem::path folder = std::filesystem::path(out_path).parent_path();
+  std::error_code ec;
+  if (folder.empty() || std::filesystem::is_directory(folder, ec)) return;
+  std::filesystem::create_directories(folder, ec);
+  if (ec)
+    throw DataError(strprintf("--output '%s': cannot create its folder '%s' (%s); choose another path",
+                              out_path.c_str(), folder.c_str(), ec.message().c_str()));
+}
+
 void data_encode(const std::string& text_path, const std::string& out_path, double val_fraction) {
   if (!(val_fraction >= 0 && val_fraction < 1))  // also rejects NaN
     throw UsageError(strprintf("--val-fraction=%g must be in [0, 1)", val_fraction));
+  make_output_folder(out_path);
   const std::string bytes = read_whole_file(text_path);
   if (bytes.empty()) throw DataError(strprintf("input file '%s': is empty; nothing to encode", text_path.c_str()));
   const size_t val_bytes = static_cast<size_t>(static_cast<double>(bytes.size()) * val_fraction);
@@ -204,6 +216,7 @@ void data_encode_tokenized(const std::string& input, const std::string& tokenize
   const double val_fraction = layout.val_fraction;
   if (!(val_fraction >= 0 && val_fraction < 1))  // also rejects NaN
     throw UsageError(strprintf("--val-fraction=%g must be in [0, 1)", val_fraction));
+  make_output_folder(out_path);
   if (layout.val_last_shard && (layout.shard_tokens == 0 || val_fraction > 0))
     throw UsageError("--val-shard needs --shard-tokens and no --val-fraction: the last shard is the validation file");
   if (layout.shard_tokens > static_cast<uint64_t>(INT32_MAX))

@@ -114,7 +114,7 @@ def plot_planned_memory(build):
     ranks = [1, 2, 4, 8, 16]
     series = {}
     for n in ranks:
-        proc = subprocess.run([os.path.join(build, "shardtrain"), "plan", f"--world-size={n}", f"--ranks-per-node={min(n, 2)}",
+        proc = subprocess.run([os.path.join(build, "shardtrain"), "plan", f"--world-size={n}", "--format=lines", f"--ranks-per-node={min(n, 2)}",
                                *[m for m in MODEL if "global_batch" not in m],
                                f"--train.global_batch={2 * n * max(1, 8 // n)}"],
                               cwd=ROOT, capture_output=True, text=True)

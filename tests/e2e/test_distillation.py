@@ -98,7 +98,7 @@ def test_bad_teachers_and_settings_exit_2():
 
 def test_plan_counts_the_teacher():
     def peaks(*extra):
-        proc = run_single(["plan", "--world-size=2", *tiny_args(*extra)[1:]])
+        proc = run_single(["plan", "--world-size=2", "--format=lines", *tiny_args(*extra)[1:]])
         assert proc.returncode == 0, proc.stderr
         return proc.stdout, [int(l.split("peak_bytes=")[1].split()[0]) for l in proc.stdout.splitlines()
                              if l.startswith("PLAN ")]

@@ -135,7 +135,7 @@ def test_memory_counts_trainable_parameters_only():
     assert mem["sharded_params"] == full["sharded_params"]
     # `plan` predicts what the trainer held.
     args = tiny_args(f"--train.freeze={MIXED}")[1:]
-    proc = run_single(["plan", "--world-size=1", *args])
+    proc = run_single(["plan", "--world-size=1", "--format=lines", *args])
     assert proc.returncode == 0, proc.stderr
     assert f"peak_bytes={steps[-1]['held_mem_bytes']}" in proc.stdout, proc.stdout
 
@@ -174,7 +174,7 @@ def test_frozen_parameters_are_gathered_but_never_reduced():
     ok(run(2, tiny_args(f"--train.freeze={MIXED}", "--train.steps=2", "--checkpoint.save=false",
                         f"--train.metrics_file={metrics}")), "traffic")
     assert read_metrics(metrics)[-1]["comm_bytes"] == expected, (read_metrics(metrics)[-1]["comm_bytes"], expected)
-    proc = run_single(["plan", "--world-size=2", *tiny_args(f"--train.freeze={MIXED}")[1:]])
+    proc = run_single(["plan", "--world-size=2", "--format=lines", *tiny_args(f"--train.freeze={MIXED}")[1:]])
     assert f"strategy=FULL_SHARD reduce=micro checkpointing=no offload=no" in proc.stdout
     line = next(l for l in proc.stdout.splitlines()
                 if l.startswith("PLAN strategy=FULL_SHARD reduce=micro checkpointing=no offload=no"))

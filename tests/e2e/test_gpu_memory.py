@@ -24,7 +24,7 @@ def gpu_or_skip():
 
 
 def planned(overrides):
-    proc = run_single(["plan", "--world-size=1", *tiny_args(*overrides)[1:]])
+    proc = run_single(["plan", "--world-size=1", "--format=lines", *tiny_args(*overrides)[1:]])
     assert proc.returncode == 0, proc.stderr
     want = "yes" if "--fsdp.activation_checkpointing=true" in overrides else "no"
     for line in proc.stdout.splitlines():

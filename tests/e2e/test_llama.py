@@ -146,7 +146,7 @@ def test_llama_activation_checkpointing_and_offload_keep_the_bits():
 
 def planned(np_, *options):
     """The plan command's PLAN lines for llama-tiny on np_ ranks: {(strategy, reduce, ckpt, offload): bytes}."""
-    proc = ok(run_single(["plan", f"--world-size={np_}", *llama_args(*options)[1:]]), "plan")
+    proc = ok(run_single(["plan", f"--world-size={np_}", "--format=lines", *llama_args(*options)[1:]]), "plan")
     assert SUMMARY in proc.stdout, proc.stdout[:2000]
     lines = re.findall(r"^PLAN strategy=(\S+) reduce=(\S+) checkpointing=(\S+) offload=(\S+) peak_bytes=(\d+)",
                        proc.stdout, re.M)
@@ -178,7 +178,12 @@ def test_llama_plan_command():
     proc = ok(run_single(["plan", "--config", "inputs/llama-tiny.ini", "--world-size", "4"]), "plan")
     assert SUMMARY in proc.stdout, proc.stdout
     assert "recommended: fsdp.sharding_strategy=" in proc.stdout, proc.stdout
-    assert proc.stdout.count("PLAN strategy=") >= 3, proc.stdout
+    assert "PLAN " not in proc.stdout, proc.stdout  # the table alone for people; the lines when asked
+    lines = ok(run_single(["plan", "--config", "inputs/llama-tiny.ini", "--world-size", "4", "--format=lines"]), "plan")
+    assert lines.stdout.startswith(proc.stdout.split("\nrecommended:")[0]), lines.stdout
+    assert lines.stdout.count("PLAN strategy=") >= 3, lines.stdout
+    usage_error_single(["plan", "--config", "inputs/llama-tiny.ini", "--world-size", "4", "--format=json"],
+                       "--format='json' is not allowed; allowed: table, lines")
 
 
 # ---------------------------------------------------------------- checkpoints

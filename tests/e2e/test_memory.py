@@ -24,7 +24,7 @@ def trained_peak(np_, *overrides):
 
 def planned_peak(np_, strategy, reduce, checkpointing, *overrides):
     args = tiny_args(*overrides)[1:]  # drop "train": the same config and overrides
-    proc = run_single(["plan", f"--world-size={np_}", *args])
+    proc = run_single(["plan", f"--world-size={np_}", "--format=lines", *args])
     assert proc.returncode == 0, proc.stderr
     for line in proc.stdout.splitlines():
         m = re.match(rf"PLAN strategy={strategy} reduce={reduce} checkpointing={checkpointing} offload=no peak_bytes=(\d+)", line)
@@ -62,7 +62,7 @@ def test_tracking_covers_resident_growth_on_gpt2_small():
 
 def test_plans_gpt_300m_on_64_ranks_without_allocating_it():
     start = time.time()
-    proc, peak = run_measured(["plan", "--config", os.path.join(ROOT, "inputs", "gpt-300M.ini"), "--world-size", "64",
+    proc, peak = run_measured(["plan", "--config", os.path.join(ROOT, "inputs", "gpt-300M.ini"), "--world-size", "64", "--format", "lines",
                                "--ranks-per-node", "8", "--memory-limit", "24GiB", "--train.global_batch=256"],
                               timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -87,7 +87,7 @@ def test_headline_no_shard_does_not_fit_full_shard_does():
 
 
 def plan_lines(*extra):
-    proc = run_single(["plan", "--world-size=2", *tiny_args(*extra)[1:]])
+    proc = run_single(["plan", "--world-size=2", "--format=lines", *tiny_args(*extra)[1:]])
     assert proc.returncode == 0, proc.stderr
     lines = {}
     for line in proc.stdout.splitlines():
@@ -130,7 +130,7 @@ def test_plan_on_cuda_adds_the_gpu_backends_memory():
     refused = plan_lines("--train.device=cuda", "--train.attention=cudnn")[1]
     assert {int(g["cudnn_attention_bytes"]) for g in refused.values()} == {0}
     env = dict(os.environ, NCCL_BUFFSIZE=str(1 << 20), NCCL_MAX_NCHANNELS="2")
-    proc = subprocess.run(["timeout", "60", EXE, "plan", "--world-size=2", *tiny_args("--train.device=cuda")[1:]],
+    proc = subprocess.run(["timeout", "60", EXE, "plan", "--world-size=2", "--format=lines", *tiny_args("--train.device=cuda")[1:]],
                           cwd=ROOT, capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
     nccl = {int(m) for m in re.findall(r"nccl_bytes=(\d+)", proc.stdout)}

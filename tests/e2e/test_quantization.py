@@ -199,7 +199,7 @@ def test_the_frozen_base_holds_its_formats_bytes():
     nf4, bf16 = (training(2, BASE, *o)[1]["comm_bytes"] for o in (("--fsdp.frozen_dtype=nf4",),
                                                                    ("--fsdp.param_dtype=bf16",)))
     assert nf4 == expected and nf4 < bf16, (nf4, expected, bf16)
-    proc = run_single(["plan", "--world-size=2", *qlora_args(BASE, "--fsdp.frozen_dtype=nf4")[1:]])
+    proc = run_single(["plan", "--world-size=2", "--format=lines", *qlora_args(BASE, "--fsdp.frozen_dtype=nf4")[1:]])
     line = next(l for l in proc.stdout.splitlines()
                 if l.startswith("PLAN strategy=FULL_SHARD reduce=micro checkpointing=no offload=no"))
     assert f"traffic_bytes={expected}" in line, (line, expected)

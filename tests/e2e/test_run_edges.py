@@ -225,7 +225,7 @@ def test_plan_says_what_would_fit_and_it_does():
 
 def test_plan_recommendation_agrees_with_its_table():
     from harness import run_single
-    proc = run_single(["plan", "--config", os.path.join(ROOT, "inputs", "tiny.ini"), "--world-size", "2"])
+    proc = run_single(["plan", "--config", os.path.join(ROOT, "inputs", "tiny.ini"), "--world-size", "2", "--format", "lines"])
     assert proc.returncode == 0, proc.stderr
     rec = [l for l in proc.stdout.splitlines() if l.startswith("recommended:")][0]
     opts = dict(kv.split("=") for kv in rec.split()[1:])

@@ -459,3 +459,23 @@ def test_train_checks_data_tokenizer():
         json.dump(TINY_TOKENIZER, f)
     proc = harness.run(1, tiny_args(f"--data.tokenizer={ok}", "--train.steps=1"))
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_relative_data_tokenizer_serves_generate_from_another_folder():
+    """A run started in its own folder with data.tokenizer=tok.json records the tokenizer's absolute
+    path: generate from elsewhere finds it (it looked for tok.json in its own working folder)."""
+    from test_datasets import TINY_TOKENIZER
+    from harness import tiny_args
+    top = tempdir()
+    tokenizer = copy.deepcopy(TINY_TOKENIZER)
+    tokenizer["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    with open(os.path.join(top, "tok.json"), "w") as f:
+        json.dump(tokenizer, f)
+    ckdir = os.path.join(top, "run")
+    proc = harness.run(1, tiny_args("--data.tokenizer=tok.json", "--train.steps=1", f"--checkpoint.dir={ckdir}"),
+                       cwd=top)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = harness.run(1, ["generate", "--checkpoint", ckdir, "--prompt", "ab", "--max-tokens", "2"],
+                       cwd=tempdir())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"| tokenizer {os.path.join(top, 'tok.json')} |" in proc.stderr, proc.stderr
