@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "app/compute_backend.hpp"
+#include "app/inference.hpp"
 #include "app/options.hpp"
 #include "app/perf.hpp"
 #include "ckpt/checkpoint_io.hpp"
@@ -133,20 +134,10 @@ int run_eval(Runtime& rt, const std::vector<std::string>& args) {
   });
   rt.agree(data->check(rt.rank(), rt.world()));
 
-  // Every rank holds its shards of the parameters, FULL_SHARD over the world (one rank: all of it).
-  auto shard_comm = compute.make_comm(rt.split_world(0, rt.rank()), &watchdog);
-  auto replica_comm = compute.make_comm(rt.split_world(rt.rank(), 0), &watchdog);
   const ParamTable table(state.model, {}, state.adapter);  // a model trained with adapters: with them
-  MemoryTracker memory;
-  EngineOptions options;
-  options.forward_prefetch = rt.world() > 1;
-  options.nccl = compute.on_gpu();
-  options.inference = true;  // no gradients
-  FsdpEngine engine(table, *shard_comm, *replica_comm, memory, options, compute.backend());
-  {
-    CheckpointManager manager(rt, *comm, std::filesystem::path(path).parent_path().string(), 1, &watchdog);
-    rt.agree_on([&] { manager.load_weights(path, engine); });  // no optimizer moments are ever held
-  }
+  InferenceWeights weights(rt, compute, *comm, watchdog, table, path);
+  FsdpEngine& engine = weights.engine;
+  MemoryTracker& memory = weights.memory;
   auto model = make_model<float>(table, static_cast<int>(B), static_cast<int>(T), false, *compute.backend().ops);
   memory.add(MEM_ACTIVATIONS, model->activation_bytes());
   DeviceArray<double> sum(*compute.backend().device, 1);

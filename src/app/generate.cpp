@@ -16,6 +16,7 @@
 #include <numeric>
 
 #include "app/compute_backend.hpp"
+#include "app/inference.hpp"
 #include "app/options.hpp"
 #include "app/perf.hpp"
 #include "ckpt/checkpoint_io.hpp"
@@ -351,20 +352,10 @@ int Generator::run() {
   const ModelConfig& m = state.model;
   const int P = static_cast<int>(prompt_.size());
 
-  // Every rank holds its shards of the parameters, FULL_SHARD over the world (one rank: all of it).
-  auto shard_comm = compute_.make_comm(rt_.split_world(0, rt_.rank()), &watchdog_);
-  auto replica_comm = compute_.make_comm(rt_.split_world(rt_.rank(), 0), &watchdog_);
   const ParamTable table(m, {}, state.adapter);  // a model trained with adapters: with them
-  MemoryTracker memory;
-  EngineOptions options;
-  options.forward_prefetch = rt_.world() > 1;
-  options.nccl = compute_.on_gpu();
-  options.inference = true;  // no gradients
-  FsdpEngine engine(table, *shard_comm, *replica_comm, memory, options, compute_.backend());
-  {
-    CheckpointManager manager(rt_, *comm_, std::filesystem::path(path).parent_path().string(), 1, &watchdog_);
-    rt_.agree_on([&] { manager.load_weights(path, engine); });  // no optimizer moments are ever held
-  }
+  InferenceWeights weights(rt_, compute_, *comm_, watchdog_, table, path);
+  FsdpEngine& engine = weights.engine;
+  MemoryTracker& memory = weights.memory;
 
   // Positions fed: the prompt and every generated token but the last, within max_seq_len.
   const int total_limit = std::min<long long>(m.max_seq_len, static_cast<long long>(P) + o_.max_tokens);

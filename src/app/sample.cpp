@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "app/compute_backend.hpp"
+#include "app/inference.hpp"
 #include "app/options.hpp"
 #include "app/perf.hpp"
 #include "ckpt/checkpoint_io.hpp"
@@ -263,16 +264,9 @@ int sample(const Runtime& rt, const SampleOptions& o) {
   const int N = o.rows * o.cols, B = o.batch, IN = m.in_channels;
   m.max_seq_len = std::max(m.max_seq_len, N);
   const ParamTable table(m, {}, state.adapter);  // a model trained with adapters: with them
-  auto shard_comm = compute.make_comm(rt.split_world(0, rt.rank()), &watchdog);
-  auto replica_comm = compute.make_comm(rt.split_world(rt.rank(), 0), &watchdog);
-  MemoryTracker memory;
-  EngineOptions options;
-  options.inference = true;
-  FsdpEngine engine(table, *shard_comm, *replica_comm, memory, options, compute.backend());
-  {
-    CheckpointManager manager(rt, *comm, std::filesystem::path(path).parent_path().string(), 1, &watchdog);
-    rt.agree_on([&] { manager.load_weights(path, engine); });  // no optimizer moments are ever held
-  }
+  InferenceWeights weights(rt, compute, *comm, watchdog, table, path);
+  FsdpEngine& engine = weights.engine;
+  MemoryTracker& memory = weights.memory;
   auto model = make_model<float>(table, B, N, true, *compute.backend().ops);
   const double shift = o.shift == "auto" ? flux_resolution_shift(N) : std::strtod(o.shift.c_str(), nullptr);
   if (rt.is_root())
