@@ -211,8 +211,9 @@ void checkpoint_to_folder(const Runtime& rt, const ConvertOptions& o, Watchdog& 
   rt.agree_on([&] { load_checkpoint_weights(o.input, holder.engine, holder.ranks); });
   const double t_read = MPI_Wtime();
   const HfExportPlan plan = hf_export_plan(table, dtype, max_file_bytes);
-  write_hf_folder(rt, table.config(), o.output, dtype, plan,
-                  [&](SafetensorsWriters& writers) { write_hf_shards(holder.engine, plan, writers); });
+  write_hf_folder(
+      rt, table.config(), o.output, dtype, plan,
+      [&](SafetensorsWriters& writers) { write_hf_shards(holder.engine, plan, writers); }, recorded_tokenizer(state));
   const double t_end = MPI_Wtime();
   rt.info("converted checkpoint %s (step %lld) to Hugging Face folder %s (%s; config.json, %s, %s in %s) on %s in "
           "%.2f s (read %.2f s, write %.2f s); parameter shard per rank %s",

@@ -79,10 +79,6 @@ namespace {
 
 constexpr int PREFILL_CHUNK = 64;  // prompt tokens per prefill step (docs/generate.md)
 
-// Special tokens that end a chat turn (Llama 3, Qwen 2): generation stops at them, where the
-// tokenizer has them, as at data encode's DOCUMENT_SEPARATORS (Generator::find_stop_tokens).
-const char* const CHAT_TURN_ENDS[] = {"<|eot_id|>", "<|im_end|>"};
-
 struct GenerateOptions {
   std::string checkpoint, prompt, tokenizer;
   bool tokenizer_given = false;
@@ -283,6 +279,10 @@ void Generator::encode_prompt(const CheckpointState& state) {
   rt_.agree_on([&] {
     if (!rt_.is_root()) return;
     if (tokenizer_path_.empty()) {
+      if (m.vocab_size > 256)
+        std::fprintf(stderr, "warning: the run recorded no tokenizer (data.tokenizer) and its model has %d token ids: "
+                     "the prompt is read, and the output written, as bytes; give the tokenizer.json the data was "
+                     "encoded with as --tokenizer\n", m.vocab_size);
       allowed_ = std::min(256, m.vocab_size);
       for (unsigned char c : o_.prompt) prompt_.push_back(c);
     } else {
@@ -333,12 +333,7 @@ std::string Generator::stops_summary() const {
 // documents writes one where a document ends. Bytes have none.
 void Generator::find_stop_tokens() {
   if (!tokenizer_ || o_.ignore_eos) return;
-  for (uint32_t id : tokenizer_->appended_ids())
-    stop_tokens_[static_cast<int>(id)] = tokenizer_->decode({id});
-  std::vector<const char*> names(std::begin(DOCUMENT_SEPARATORS), std::end(DOCUMENT_SEPARATORS));
-  names.insert(names.end(), std::begin(CHAT_TURN_ENDS), std::end(CHAT_TURN_ENDS));
-  for (const char* name : names)
-    if (tokenizer_->is_special(name)) stop_tokens_[static_cast<int>(*tokenizer_->token_id(name))] = name;
+  for (uint32_t id : end_of_text_ids(*tokenizer_)) stop_tokens_[static_cast<int>(id)] = tokenizer_->decode({id});
 }
 
 int Generator::run() {

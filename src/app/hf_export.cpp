@@ -12,13 +12,19 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 
+#include <nlohmann/json.hpp>
+
+#include "app/options.hpp"
 #include "ckpt/checkpoint_io.hpp"
 #include "ckpt/checkpoint_manager.hpp"
 #include "ckpt/hf_model.hpp"
 #include "ckpt/peft.hpp"
 #include "core/counted.hpp"
 #include "core/format.hpp"
+#include "data/data_commands.hpp"
+#include "data/tokenizer.hpp"
 #include "model/oft.hpp"
 
 namespace shardtrain {
@@ -217,7 +223,7 @@ void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const st
       const auto [file, entry] = plan.where[p.id];
       writers[file]->write_fp32(entry, 0, values.size(), values.data());
     }
-  });
+  }, recorded_tokenizer(reader->state()));
   rt.info("wrote %s: Hugging Face %s (config.json, %s, %s in %s, %s) from step %lld, written by %s",
           out_dir.c_str(), family_of(model).hf_class(),
           plan.entry_name().c_str(),
@@ -227,8 +233,77 @@ void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const st
           counted(rt.world(), "rank").c_str());
 }
 
+std::string recorded_tokenizer(const CheckpointState& state) {
+  const auto run = ini_option_values(state.config_ini);
+  const auto it = run.find("data.tokenizer");
+  return it == run.end() ? "" : it->second;
+}
+
+namespace {
+
+// Rank 0, inside the staging folder: the tokenizer's files beside the model (write_hf_folder).
+// Returns its special ids for config.json; nullopt when the recorded file is gone (warned).
+std::optional<HfSpecialIds> write_tokenizer_files(const std::string& tokenizer, const std::string& staging,
+                                                  const ModelConfig& model) {
+  namespace fs = std::filesystem;
+  std::error_code error;
+  if (!fs::is_regular_file(tokenizer, error)) {
+    std::fprintf(stderr, "warning: the run's tokenizer '%s' (data.tokenizer) is gone: the folder has no tokenizer; "
+                 "copy its tokenizer.json there yourself\n", tokenizer.c_str());
+    return std::nullopt;
+  }
+  const Tokenizer loaded(tokenizer);
+  HfSpecialIds ids;
+  ids.eos = end_of_text_ids(loaded);
+  ids.bos = begin_of_text_id(loaded);
+  // A carried-over file may be a hard link into the previous folder: replace, never write through.
+  auto place = [&](const fs::path& from, const std::string& name) {
+    const std::string to = staging + "/" + name;
+    fs::remove(to, error);
+    fs::copy_file(from, to, error);
+    if (error) throw CheckpointError("cannot copy '" + from.string() + "' into the folder: " + error.message());
+  };
+  auto write = [&](const std::string& name, const std::string& text) {
+    fs::remove(staging + "/" + name, error);
+    const std::string failed = CheckpointManager::write_file_synced(staging + "/" + name, text);
+    if (!failed.empty()) throw CheckpointError(failed);
+  };
+  place(tokenizer, "tokenizer.json");
+  const fs::path beside = fs::path(tokenizer).parent_path();
+  for (const char* name : {"tokenizer_config.json", "special_tokens_map.json"})
+    if (fs::is_regular_file(beside / name, error)) place(beside / name, name);
+  // A special token's text: its content (the tokenizer may have no decoder), found by its name.
+  auto text_of = [&](uint32_t id) -> std::optional<std::string> {
+    for (const char* name : known_special_tokens())
+      if (loaded.is_special(name) && loaded.token_id(name) == id) return name;
+    return std::nullopt;
+  };
+  if (!fs::is_regular_file(beside / "tokenizer_config.json", error)) {
+    nlohmann::ordered_json config;
+    config["tokenizer_class"] = "PreTrainedTokenizerFast";
+    if (ids.bos && text_of(*ids.bos)) config["bos_token"] = *text_of(*ids.bos);
+    if (!ids.eos.empty() && text_of(ids.eos.front())) config["eos_token"] = *text_of(ids.eos.front());
+    config["model_max_length"] = model.max_seq_len;
+    config["clean_up_tokenization_spaces"] = false;
+    write("tokenizer_config.json", config.dump(2) + "\n");
+  }
+  if (!ids.eos.empty()) {
+    nlohmann::ordered_json generation;
+    generation["bos_token_id"] = ids.bos ? *ids.bos : ids.eos.front();
+    if (ids.eos.size() == 1)
+      generation["eos_token_id"] = ids.eos.front();
+    else
+      generation["eos_token_id"] = ids.eos;
+    write("generation_config.json", generation.dump(2) + "\n");
+  }
+  return ids;
+}
+
+}  // namespace
+
 void write_hf_folder(const Runtime& rt, const ModelConfig& model, const std::string& out_dir, DType dtype,
-                     const HfExportPlan& plan, const std::function<void(SafetensorsWriters&)>& write_tensors) {
+                     const HfExportPlan& plan, const std::function<void(SafetensorsWriters&)>& write_tensors,
+                     const std::string& tokenizer) {
   namespace fs = std::filesystem;
   // The folder is written whole beside its place (<out>.partial) and committed by one rename, or,
   // over an existing folder, one atomic exchange: a reader -- or a kill at any moment -- sees the old
@@ -270,8 +345,10 @@ void write_hf_folder(const Runtime& rt, const ModelConfig& model, const std::str
         if (!error.empty()) throw CheckpointError(error);
       };
       if (plan.files.size() > 1) write(plan.index_name.c_str(), plan.index_json());
-      write("config.json", hf_config_json(model, dtype));
       carry_other_files(target.string(), staging, family_of(model).hf_weights());
+      const std::optional<HfSpecialIds> ids =
+          tokenizer.empty() ? std::nullopt : write_tokenizer_files(tokenizer, staging, model);
+      write("config.json", hf_config_json(model, dtype, ids ? &*ids : nullptr));
       std::string synced = CheckpointManager::fsync_path(staging);
       if (!synced.empty()) throw CheckpointError(synced);
       commit_folder(staging, target.string());
@@ -332,6 +409,12 @@ void export_peft_folder(const Runtime& rt, const std::string& checkpoint, const 
   if (!peft) metadata["lora_adapter_metadata"] = diffusers_lora_metadata(table);
   const SafetensorsLayout layout(entries, metadata);
   const std::string weights = out_dir + (peft ? "/adapter_model.safetensors" : "/pytorch_lora_weights.safetensors");
+  // The base the adapters were trained on, when the run started from a Hugging Face folder.
+  const auto run = ini_option_values(state.config_ini);
+  const auto init_from = run.find("checkpoint.init_from");
+  const std::string base = init_from != run.end() && is_hf_model_folder(init_from->second)
+                               ? std::filesystem::absolute(init_from->second).lexically_normal().string()
+                               : "";
   rt.agree_on([&] {  // small: rank 0 writes it all
     if (!rt.is_root()) return;
     try {
@@ -348,7 +431,7 @@ void export_peft_folder(const Runtime& rt, const std::string& checkpoint, const 
       writer.finish();
       if (std::rename((weights + ".tmp").c_str(), weights.c_str()) != 0)
         throw CheckpointError("cannot write '" + weights + "': " + std::strerror(errno));
-      if (peft) write_file_atomically(out_dir + "/adapter_config.json", peft_adapter_config_json(table));
+      if (peft) write_file_atomically(out_dir + "/adapter_config.json", peft_adapter_config_json(table, base));
       const std::string synced = CheckpointManager::fsync_path(out_dir);
       if (!synced.empty()) throw CheckpointError(synced);
     } catch (const InputError&) {

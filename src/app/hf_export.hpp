@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "backend/dtype.hpp"
+#include "ckpt/checkpoint_io.hpp"
 #include "ckpt/hf_model.hpp"
 #include "comm/runtime.hpp"
 
@@ -34,9 +35,18 @@ using SafetensorsWriters = std::vector<std::unique_ptr<SafetensorsWriter>>;
 // synced, rank 0 writes the index (several files) and config.json, keeps the other files of an
 // existing out_dir (a tokenizer), and commits the folder by one rename or atomic exchange, so a
 // reader (or a kill) never sees files of two models. Throws InputError, agreed; the partial folder
-// is removed.
+// is removed. `tokenizer` (the run's data.tokenizer, "" = none) goes with the model: its
+// tokenizer.json (and the tokenizer_config.json and special_tokens_map.json beside it, else a
+// tokenizer_config.json for transformers' PreTrainedTokenizerFast), its end-of-text ids in
+// config.json and generation_config.json (every id generate stops at), so that AutoTokenizer loads
+// the folder and transformers' generate stops where ours does. A recorded tokenizer that is gone
+// is a warning, not an error.
 void write_hf_folder(const Runtime& rt, const ModelConfig& model, const std::string& out_dir, DType dtype,
-                     const HfExportPlan& plan, const std::function<void(SafetensorsWriters&)>& write_tensors);
+                     const HfExportPlan& plan, const std::function<void(SafetensorsWriters&)>& write_tensors,
+                     const std::string& tokenizer = "");
+
+// The run's data.tokenizer as a checkpoint records it ("" = none).
+std::string recorded_tokenizer(const CheckpointState& state);
 
 // Collective. `shardtrain export --adapter`: the checkpoint's adapters as a PEFT folder
 // (adapter_config.json, adapter_model.safetensors; ckpt/peft.hpp), written by rank 0 through

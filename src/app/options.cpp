@@ -606,8 +606,13 @@ ParsedTrainArgs parse_train_args(const std::vector<std::string>& raw_args, const
                      "; see 'shardtrain " + command + " --help'");
   }
   take_model_shape_from_hf_folder(vm, parsed.config);
-  // Recorded in checkpoints for generate, which may run from another folder: an absolute path.
+  // A Hugging Face folder brings its tokenizer too, unless the configuration names one ("" included).
   std::string& tokenizer = parsed.config.data.tokenizer;
+  const std::string& init_from = parsed.config.checkpoint.init_from;
+  if (vm["data.tokenizer"].defaulted() && !init_from.empty() && is_hf_model_folder(init_from) &&
+      std::filesystem::is_regular_file(std::filesystem::path(init_from) / "tokenizer.json"))
+    tokenizer = (std::filesystem::path(init_from) / "tokenizer.json").string();
+  // Recorded in checkpoints for generate, which may run from another folder: an absolute path.
   if (!tokenizer.empty() && std::filesystem::path(tokenizer).is_relative())
     tokenizer = (std::filesystem::current_path() / tokenizer).lexically_normal().string();
   // train.steps and train.epochs both set the run's length: from one source (the command line, or

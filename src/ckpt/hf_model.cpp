@@ -251,9 +251,13 @@ void write_hf_shards(FsdpEngine& engine, const HfExportPlan& plan,
   }
 }
 
-std::string hf_config_json(const ModelConfig& m, DType dtype) {
+std::string hf_config_json(const ModelConfig& m, DType dtype, const HfSpecialIds* ids) {
   nlohmann::ordered_json j;
   family_of(m).write_hf_config(m, j);
+  if (ids && !ids->eos.empty()) {
+    j["bos_token_id"] = ids->bos ? *ids->bos : ids->eos.front();  // GPT-2's own: one token for both
+    j["eos_token_id"] = ids->eos.front();
+  }
   if (family_of(m).hf_torch_dtype())
     j["torch_dtype"] = dtype == DTYPE_FP32 ? "float32" : dtype == DTYPE_BF16 ? "bfloat16" : "float16";
   return j.dump(2) + "\n";

@@ -5,8 +5,10 @@
 // model/families/): GPT-2's Conv1D weights are stored transposed, Llama's and Qwen2's are not.
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,8 +39,16 @@ HfTensor hf_tensor_of(const ModelConfig& config, const ParamInfo& param);
 // CheckpointError naming the file and the tensor: call it under Runtime::agree_on.
 void load_hf_shards(const std::string& folder, FsdpEngine& engine);
 
-// config.json for a model of this shape: GPT2LMHeadModel (tied head) or LlamaForCausalLM.
-std::string hf_config_json(const ModelConfig& model, DType dtype);
+// The tokenizer's ids transformers reads from config.json and generation_config.json: the end of
+// a text (several: every id generate stops at) and, where the tokenizer has one, the beginning.
+struct HfSpecialIds {
+  std::vector<uint32_t> eos;
+  std::optional<uint32_t> bos;
+};
+
+// config.json for a model of this shape: GPT2LMHeadModel (tied head) or LlamaForCausalLM; with
+// `ids` (a tokenizer goes with the model) its bos_token_id and eos_token_id (the first end).
+std::string hf_config_json(const ModelConfig& model, DType dtype, const HfSpecialIds* ids = nullptr);
 
 // The files of an exported model: every parameter in table order, in `dtype`, with the metadata
 // Hugging Face requires ("format": "pt"). One model.safetensors when the tensors fit in

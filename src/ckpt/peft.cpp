@@ -53,14 +53,14 @@ const char* peft_type_name(AdapterType type) {
   return "";
 }
 
-std::string peft_adapter_config_json(const ParamTable& table) {
+std::string peft_adapter_config_json(const ParamTable& table, const std::string& base) {
   const AdapterConfig& a = table.adapter();
   const ModelConfig& c = table.config();
   nlohmann::json j;
   j["peft_type"] = peft_type_name(a.type);
   j["task_type"] = "CAUSAL_LM";
   j["peft_version"] = "0.21.2";
-  j["base_model_name_or_path"] = nullptr;
+  j["base_model_name_or_path"] = base.empty() ? nlohmann::json() : nlohmann::json(base);
   j["revision"] = nullptr;
   j["target_modules"] = a.targets;
   j["inference_mode"] = true;

@@ -28,7 +28,8 @@ std::vector<PeftTensor> peft_tensors(const ParamTable& table, const std::string&
 const char* peft_type_name(AdapterType type);
 
 // adapter_config.json of the table's adapters: the keys PEFT 0.21.2 saves for the method.
-std::string peft_adapter_config_json(const ParamTable& table);
+// `base`: the base model's folder for base_model_name_or_path (AutoPeftModel* loads it); "" = null.
+std::string peft_adapter_config_json(const ParamTable& table, const std::string& base = "");
 
 // DoRA: each magnitude set to the row norms of the base weight it adapts (PEFT's initialisation,
 // ||W + s B A|| with B = 0), once the base is in place. Collective over `world` (every rank, host

@@ -138,6 +138,34 @@ std::optional<uint32_t> document_separator(const Tokenizer& tokenizer, const std
 const char* const DOCUMENT_SEPARATORS[7] = {"<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>",
                                             "<|begin_of_text|>", "<s>", "<bos>"};
 
+namespace {
+// Special tokens that end a chat turn (Llama 3, Qwen 2).
+const char* const CHAT_TURN_ENDS[] = {"<|eot_id|>", "<|im_end|>"};
+}  // namespace
+
+std::vector<const char*> known_special_tokens() {
+  std::vector<const char*> names(std::begin(DOCUMENT_SEPARATORS), std::end(DOCUMENT_SEPARATORS));
+  names.insert(names.end(), std::begin(CHAT_TURN_ENDS), std::end(CHAT_TURN_ENDS));
+  return names;
+}
+
+std::vector<uint32_t> end_of_text_ids(const Tokenizer& tokenizer) {
+  std::vector<uint32_t> ids;
+  auto add = [&](uint32_t id) {
+    if (std::find(ids.begin(), ids.end(), id) == ids.end()) ids.push_back(id);
+  };
+  for (uint32_t id : tokenizer.appended_ids()) add(id);
+  for (const char* name : known_special_tokens())
+    if (tokenizer.is_special(name)) add(*tokenizer.token_id(name));
+  return ids;
+}
+
+std::optional<uint32_t> begin_of_text_id(const Tokenizer& tokenizer) {
+  for (const char* name : {"<|begin_of_text|>", "<s>", "<bos>"})
+    if (tokenizer.is_special(name)) return tokenizer.token_id(name);
+  return std::nullopt;
+}
+
 void data_synth(const std::string& out_dir, uint64_t seed, size_t train_bytes, size_t val_bytes) {
   SHARD_CHECK(train_bytes >= 1 && train_bytes <= SYNTH_MAX_BYTES && val_bytes <= SYNTH_MAX_BYTES,
               "data_synth(train_bytes=%zu, val_bytes=%zu): the caller checks the bounds", train_bytes, val_bytes);

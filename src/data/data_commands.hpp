@@ -5,9 +5,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <vector>
 
 namespace shardtrain {
+
+class Tokenizer;
 
 // Writes out_dir/synth_train.bin (synth_corpus(seed, train_bytes)) and out_dir/synth_val.bin
 // (synth_corpus(~seed, val_bytes): a different seed, so validation text is unseen), creating
@@ -48,6 +52,15 @@ struct EncodeLayout {
 extern const char* const DOCUMENT_SEPARATORS[7];
 void data_encode_tokenized(const std::string& input, const std::string& tokenizer_path, const std::string& out_path,
                            const EncodeLayout& layout, const std::string& separator);
+
+// The ids a text ends at, in this order: the template's appended ids, then the special tokens among
+// DOCUMENT_SEPARATORS and the chat-turn ends (<|eot_id|>, <|im_end|>) that the tokenizer has.
+// generate stops at them; an exported folder's generation_config.json lists them.
+std::vector<uint32_t> end_of_text_ids(const Tokenizer& tokenizer);
+// DOCUMENT_SEPARATORS and the chat-turn ends: the special tokens known by name.
+std::vector<const char*> known_special_tokens();
+// The tokenizer's beginning-of-text token (<|begin_of_text|>, <s>, <bos>), if it has one.
+std::optional<uint32_t> begin_of_text_id(const Tokenizer& tokenizer);
 
 // Shard `index` of out_path: "x_train.bin" -> "x_train_000003.bin", "x" -> "x_000003".
 std::string shard_path(const std::string& out_path, size_t index);

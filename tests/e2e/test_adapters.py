@@ -158,7 +158,9 @@ def check_round_trip(arch, fixture):
         keys = ("peft_type", "r", "lora_alpha", "fan_in_fan_out", "use_dora", "use_rslora", "lora_bias", "bias")
     else:  # every key PEFT saved, with its value (task_type and auto_mapping are the model class's business)
         assert set(reference) <= set(config), set(reference) - set(config)
-        keys = sorted(set(reference) - {"task_type", "auto_mapping", "target_modules"})
+        keys = sorted(set(reference) - {"task_type", "auto_mapping", "target_modules", "base_model_name_or_path"})
+    # The base the run started from (PEFT wrote None: its base was made in memory), for AutoPeftModel.
+    assert config["base_model_name_or_path"] == os.path.join(FIXTURES, arch, "base"), config
     for key in keys:
         assert config[key] == reference[key], (arch, fixture, key, config[key], reference[key])
     assert sorted(config["target_modules"]) == sorted(reference["target_modules"])

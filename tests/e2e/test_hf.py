@@ -403,3 +403,59 @@ def test_llama_bad_folders_are_refused_naming_file_and_key():
                                                          "LlamaForCausalLM"]))
     for folder, needles in cases:
         expect_usage_error(llama_args(f"--checkpoint.init_from={folder}", "--train.steps=1"), *needles)
+
+
+def test_the_folders_tokenizer_goes_with_the_model_through_training_and_export():
+    """A Hugging Face folder with a tokenizer.json: a run started from it takes that tokenizer as
+    data.tokenizer (nothing to repeat), and `export --format hf` and `convert` put it back beside
+    the model with what transformers reads: tokenizer_config.json (PreTrainedTokenizerFast),
+    generation_config.json and config.json's bos/eos ids, the ids `generate` stops at. The
+    tokenizers package loads the exported tokenizer.json and encodes as the original does."""
+    from test_datasets import TINY_TOKENIZER
+    folder = hf_folder()
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        json.dump(TINY_TOKENIZER, f)
+    eos = TINY_TOKENIZER["added_tokens"][0]["id"]
+    d = tempdir()
+    proc = run(2, tiny_args(f"--checkpoint.init_from={folder}", "--train.steps=2", f"--checkpoint.dir={d}"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(os.path.join(d, "config.ini")) as f:
+        assert f"tokenizer = {os.path.join(folder, 'tokenizer.json')}\n" in f.read()
+    exported, converted = os.path.join(tempdir(), "out"), os.path.join(tempdir(), "conv")
+    for args in (["export", os.path.join(d, "ckpt-00000002.h5"), "--format", "hf", "--output", exported],
+                 ["convert", "--input", os.path.join(d, "ckpt-00000002.h5"), "--output", converted]):
+        proc = run(2, args)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    for out in (exported, converted):
+        assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors",
+                                           "tokenizer.json", "tokenizer_config.json"], os.listdir(out)
+        assert open(os.path.join(out, "tokenizer.json")).read() == open(os.path.join(folder, "tokenizer.json")).read()
+        config = json.load(open(os.path.join(out, "config.json")))
+        assert config["eos_token_id"] == eos and config["bos_token_id"] == eos, config
+        assert json.load(open(os.path.join(out, "generation_config.json"))) == {"bos_token_id": eos,
+                                                                                 "eos_token_id": eos}
+        tokenizer_config = json.load(open(os.path.join(out, "tokenizer_config.json")))
+        assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast", tokenizer_config
+        assert tokenizer_config["eos_token"] == "<|endoftext|>" and tokenizer_config["model_max_length"] == MAXT
+    probe = ("import sys; from tokenizers import Tokenizer\n"
+             "a, b = (Tokenizer.from_file(p) for p in sys.argv[1:])\n"
+             "text = 'ab ab!<|endoftext|>ba'\n"
+             "assert a.encode(text).ids == b.encode(text).ids, (a.encode(text).ids, b.encode(text).ids)\n")
+    proc = subprocess.run([harness.venv_python(), "-c", probe, os.path.join(exported, "tokenizer.json"),
+                           os.path.join(folder, "tokenizer.json")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_generate_warns_when_a_large_vocabulary_has_no_tokenizer():
+    """A model of more than 256 ids trained without data.tokenizer: generate reads and writes bytes,
+    and says so instead of printing them silently."""
+    d = tempdir()
+    proc = run(1, tiny_args("--model.vocab_size=512", "--train.steps=1", f"--checkpoint.dir={d}"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run(1, ["generate", "--checkpoint", d, "--prompt", "ab", "--max-tokens", "2"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "warning: the run recorded no tokenizer (data.tokenizer) and its model has 512 token ids" in proc.stderr
+    d = tempdir()
+    proc = run(1, tiny_args("--train.steps=1", f"--checkpoint.dir={d}"))  # bytes: 256 ids, nothing to say
+    proc = run(1, ["generate", "--checkpoint", d, "--prompt", "ab", "--max-tokens", "2"])
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
