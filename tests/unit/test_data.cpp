@@ -340,7 +340,14 @@ TEST_F(DataTest, EncodeErrorsNameTheFile) {
   expect_data_error([&] { data_encode(path("empty.txt"), path("o.bin"), 0.1); }, "empty.txt", "empty");
   write_bytes(path("tiny.txt"), "abc");
   expect_data_error([&] { data_encode(path("tiny.txt"), path("o.bin"), 0.1); }, "tiny.txt", "too small");
-  expect_data_error([&] { data_encode(path("tiny.txt"), path("missing/o.bin"), 0.0); }, "missing/o.bin", "cannot create");
+  // A folder that cannot be made (a file is in the way) is named before anything is encoded; a
+  // missing one is made.
+  expect_data_error([&] { data_encode(path("tiny.txt"), path("tiny.txt/sub/o.bin"), 0.0); }, "tiny.txt/sub/o.bin",
+                    "cannot create its folder");
+  ::testing::internal::CaptureStdout();
+  data_encode(path("tiny.txt"), path("missing/o.bin"), 0.0);
+  ::testing::internal::GetCapturedStdout();
+  EXPECT_TRUE(std::filesystem::exists(path("missing/o.bin")));
   EXPECT_THROW(data_encode(path("tiny.txt"), path("o.bin"), 1.0), UsageError);
   EXPECT_THROW(data_encode(path("tiny.txt"), path("o.bin"), -0.5), UsageError);
 }
