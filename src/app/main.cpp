@@ -2,7 +2,10 @@
 // (train) or directly (data). Every InputError reaching main has been agreed by all ranks (see
 // Runtime::agree), so each rank exits 2 with the same message, printed once by rank 0.
 #include <boost/program_options.hpp>
+#include <unistd.h>
+
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -280,9 +283,26 @@ int run_command(Runtime& rt, const std::vector<std::string>& args) {
 
 }  // namespace
 
+// libgomp's threads spin 300,000 times waiting for work before they sleep. On a machine whose cores
+// other processes share, the spinning thread holds a core the working one needs: 2 threads trained
+// the default model at half of 1 thread's tokens/s beside two busy processes on 2 cores. 30,000
+// spins keep a quiet machine's speed and double that (docs/performance.md, "Threads on a shared
+// machine"). libgomp reads its environment before main, so the program starts itself
+// again with it, once, before MPI_Init (the same process: the launcher sees nothing); a user's
+// GOMP_SPINCOUNT or OMP_WAIT_POLICY is left alone.
+static void set_openmp_spin_count(char** argv) {
+  if (std::getenv("GOMP_SPINCOUNT") || std::getenv("OMP_WAIT_POLICY")) return;
+  setenv("GOMP_SPINCOUNT", "30000", 1);
+  block_stop_signals(true);  // a stop signal meanwhile waits for the restarted program's handler
+  execv("/proc/self/exe", argv);  // returns only on failure: then run on with libgomp's defaults
+  block_stop_signals(false);
+}
+
 int main(int argc, char** argv) {
+  set_openmp_spin_count(argv);
   // Before MPI_Init: a stop signal in the first moments of a training run is recorded, not fatal.
   if (argc > 1 && std::string(argv[1]) == "train") install_stop_signal_handlers(), exit_with_mpirun();
+  block_stop_signals(false);  // blocked across the restart: a pending one is taken now
   std::vector<std::string> args(argv + 1, argv + argc);
   Runtime rt(&argc, &argv, startup_timeout(args));
   try {

@@ -42,6 +42,13 @@ void install_stop_signal_handlers() {
   for (int s : {SIGUSR1, SIGTERM, SIGINT}) sigaction(s, &action, nullptr);
 }
 
+void block_stop_signals(bool block) {
+  sigset_t stops;
+  sigemptyset(&stops);
+  for (int s : {SIGUSR1, SIGTERM, SIGINT}) sigaddset(&stops, s);
+  sigprocmask(block ? SIG_BLOCK : SIG_UNBLOCK, &stops, nullptr);
+}
+
 int stop_signal_received() { return g_stop_signal; }
 
 void exit_with_mpirun() {

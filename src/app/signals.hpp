@@ -9,6 +9,10 @@
 namespace shardtrain {
 
 void install_stop_signal_handlers();
+// Blocks (true) or unblocks SIGUSR1, SIGTERM and SIGINT. Blocked signals stay pending across an
+// exec, so the program's restart of itself (main.cpp) loses none: main unblocks them once the
+// handlers are in place, and a pending one is then taken as if it had just come.
+void block_stop_signals(bool block);
 // The last stop signal received by this process, or 0.
 int stop_signal_received();
 // Under mpirun: this process is killed when mpirun dies. A second Ctrl-C makes mpirun exit at once

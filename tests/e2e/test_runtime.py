@@ -141,3 +141,21 @@ def test_a_stopped_rank_0_ends_the_serial_wait():
     assert "rank 0 sent no heartbeat for 2 s while it ran data synth alone (--comm-timeout=2 s)" in stderr, \
         stderr[-2000:]
     assert time.time() - start < 30
+
+
+def test_openmp_threads_spin_briefly_unless_the_user_chose():
+    """The program runs with GOMP_SPINCOUNT=30000 (libgomp's 300,000 spins halve a 2-thread rank's
+    speed when other processes share the cores: docs/performance.md), set by re-executing itself
+    before MPI_Init; a GOMP_SPINCOUNT or OMP_WAIT_POLICY of the user's is kept."""
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    for extra, want in (({}, "GOMP_SPINCOUNT=30000"), ({"GOMP_SPINCOUNT": "1234"}, "GOMP_SPINCOUNT=1234"),
+                        ({"OMP_WAIT_POLICY": "passive"}, None)):
+        env = {**base, **extra, "SHARDTRAIN_DEBUG_STALL": "0:init:3"}  # asleep before MPI_Init: look then
+        proc = subprocess.Popen([EXE, "data", "synth", "--out-dir", tempdir(), "--train-bytes", "4096"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.5)
+        environ = open(f"/proc/{proc.pid}/environ", "rb").read().decode().split("\0")
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        spins = [e for e in environ if e.startswith("GOMP_SPINCOUNT=")]
+        assert spins == ([want] if want else []), (extra, spins)
