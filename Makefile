@@ -3,6 +3,11 @@
 # (as root) or prints the apt-get line (otherwise). See README.md for the user-facing targets.
 SHELL   := /bin/bash
 .DEFAULT_GOAL := all
+# Without a -j of the user's, compile on every core, at most 8 (a compiler takes up to ~1 GiB): the
+# first `make run` compiled one file at a time, 10 minutes on a busy 2-core machine.
+ifeq ($(filter -j%,$(MAKEFLAGS)),)
+MAKEFLAGS += -j$(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n > 8 ? 8 : n )))
+endif
 
 # ---- knobs --------------------------------------------------------------------------------------
 # NP: ranks for `make run`; PYTHON: Debian's python3 (the tests need only its standard library,
