@@ -292,10 +292,16 @@ int run_command(Runtime& rt, const std::vector<std::string>& args) {
 // GOMP_SPINCOUNT or OMP_WAIT_POLICY is left alone.
 static void set_openmp_spin_count(char** argv) {
   if (std::getenv("GOMP_SPINCOUNT") || std::getenv("OMP_WAIT_POLICY")) return;
+  // The binary's own path, not /proc/self/exe: the process keeps its name (ps, pgrep, Slurm).
+  char self[4096];
+  const ssize_t length = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (length <= 0) return;
+  self[length] = '\0';
   setenv("GOMP_SPINCOUNT", "30000", 1);
   block_stop_signals(true);  // a stop signal meanwhile waits for the restarted program's handler
-  execv("/proc/self/exe", argv);  // returns only on failure: then run on with libgomp's defaults
+  execv(self, argv);  // returns only on failure: then run on with libgomp's defaults
   block_stop_signals(false);
+  unsetenv("GOMP_SPINCOUNT");
 }
 
 int main(int argc, char** argv) {

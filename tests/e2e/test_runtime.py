@@ -155,7 +155,9 @@ def test_openmp_threads_spin_briefly_unless_the_user_chose():
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(1.5)
         environ = open(f"/proc/{proc.pid}/environ", "rb").read().decode().split("\0")
+        name = open(f"/proc/{proc.pid}/comm").read().strip()  # its own name still (pgrep, ps, Slurm)
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
         spins = [e for e in environ if e.startswith("GOMP_SPINCOUNT=")]
         assert spins == ([want] if want else []), (extra, spins)
+        assert name == "shardtrain", name
