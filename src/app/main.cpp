@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "app/convert.hpp"
+#include "app/crash_report.hpp"
 #include "app/evaluate.hpp"
 #include "app/generate.hpp"
 #include "app/sample.hpp"
@@ -306,6 +307,7 @@ static void set_openmp_spin_count(char** argv) {
 
 int main(int argc, char** argv) {
   set_openmp_spin_count(argv);
+  install_crash_reporter();
   // Before MPI_Init: a stop signal in the first moments of a training run is recorded, not fatal.
   if (argc > 1 && std::string(argv[1]) == "train") install_stop_signal_handlers(), exit_with_mpirun();
   block_stop_signals(false);  // blocked across the restart: a pending one is taken now

@@ -8,6 +8,7 @@
 #include <cstdarg>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -288,12 +289,16 @@ void Runtime::debug_stall(const char* point) {
   const char* spec = std::getenv("SHARDTRAIN_DEBUG_STALL");
   if (!spec) return;
   int stall_rank = -1;
-  char where[32] = "";
-  double seconds = 0;
-  if (std::sscanf(spec, "%d:%31[^:]:%lf", &stall_rank, where, &seconds) != 3 || std::strcmp(where, point) != 0) return;
+  char where[32] = "", what[32] = "";
+  if (std::sscanf(spec, "%d:%31[^:]:%31s", &stall_rank, where, what) != 3 || std::strcmp(where, point) != 0) return;
   int rank = 0, world = 1;
   world_position(&rank, &world);
-  if (rank == stall_rank) std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  if (rank != stall_rank) return;
+  if (std::strcmp(what, "segv") == 0) {
+    void (*volatile null_function)() = nullptr;
+    null_function();  // the crash reporter's test: a jump to address 0, as the one seen in a cluster test
+  }
+  std::this_thread::sleep_for(std::chrono::duration<double>(std::strtod(what, nullptr)));
 }
 
 namespace {

@@ -155,7 +155,8 @@ class Runtime {
   }
 
   // Test hook: SHARDTRAIN_DEBUG_STALL=RANK:POINT:SECONDS makes that rank sleep at that point
-  // (init: before MPI_Init; root-work: inside on_root's work; finalize: before MPI_Finalize).
+  // (init: before MPI_Init; root-work: inside on_root's work; finalize: before MPI_Finalize);
+  // RANK:POINT:segv makes it call a null function pointer there (app/crash_report.hpp).
   static void debug_stall(const char* point);
 
   // Rank 0 prints to stdout (info) or stderr (warn); the others stay silent.

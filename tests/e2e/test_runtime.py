@@ -161,3 +161,23 @@ def test_openmp_threads_spin_briefly_unless_the_user_chose():
         spins = [e for e in environ if e.startswith("GOMP_SPINCOUNT=")]
         assert spins == ([want] if want else []), (extra, spins)
         assert name == "shardtrain", name
+
+
+def test_a_crash_names_where_it_happened():
+    """A rank that calls a null function pointer after MPI_Init (Runtime::debug_stall's `segv`)
+    prints the caller as module+offset, which addr2line resolves to the function that made the
+    call; the process still dies of SIGSEGV. Open MPI's own handler stopped its backtrace at the
+    signal frame when this happened in a cluster test, and named nothing."""
+    proc = run(2, ["version"], timeout=60, env={"SHARDTRAIN_DEBUG_STALL": "1:finalize:segv"})
+    assert proc.returncode not in (0, 124, 137), proc.stderr[-2000:]
+    assert "rank 1] internal error: SIGSEGV" in proc.stderr, proc.stderr[-2000:]
+    caller = [line for line in proc.stderr.splitlines() if "a call through a null function pointer" in line]
+    assert caller, proc.stderr[-2000:]
+    module, offset = caller[0].rsplit(" ", 1)[1].split("+")
+    assert os.path.samefile(module, EXE), caller[0]
+    named = subprocess.run(["addr2line", "-f", "-C", "-e", module, offset], capture_output=True, text=True)
+    assert "Runtime::debug_stall" in named.stdout, (caller[0], named.stdout)
+    single = subprocess.run([EXE, "version"], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "SHARDTRAIN_DEBUG_STALL": "0:init:segv"})
+    assert single.returncode == -signal.SIGSEGV, (single.returncode, single.stderr[-2000:])
+    assert "internal error: SIGSEGV" in single.stderr, single.stderr[-2000:]
