@@ -1,7 +1,8 @@
 // Fused softmax + cross-entropy over the vocabulary on the GPU, in place, as
 // backend/cpu/pointwise.cpp: forward turns logits(N,V) into probabilities and writes
 // losses[n] = log(sum exp(l - max)) - (l[target] - max) (exact even when p[target] underflows);
-// backward turns probs into dlogits = (probs - onehot(target)) * dloss.
+// backward turns probs into dlogits = (probs - onehot(target)) * dloss. A target < 0 (a loss mask's
+// ignored one) gives loss 0 and gradient 0, as on the CPU.
 //
 // Forward: one block per row (512 threads striding over V): block max, exp_fast(l - max) written
 // back and block-summed, then scaled by 1/sum. exp_fast is backend/math.hpp's (the CPU's), so
@@ -23,7 +24,8 @@ __global__ void softmax_crossentropy_forward_kernel(float* losses, float* logits
   const size_t row = blockIdx.x;
   float* r = logits_to_probs + row * V;
   const int target = targets[row];
-  const float target_logit = r[target];  // read by every thread before the first barrier, written after
+  // Read by every thread before the first barrier, written after; an ignored target (< 0) has no loss.
+  const float target_logit = target >= 0 ? r[target] : 0.0f;
   float local_max = -INFINITY;
   for (int i = threadIdx.x; i < V; i += blockDim.x) local_max = fmaxf(local_max, r[i]);
   const float max = block_max(local_max, shared_max);
@@ -36,7 +38,7 @@ __global__ void softmax_crossentropy_forward_kernel(float* losses, float* logits
   const float sum = block_sum(local_sum, shared_sum);
   const float inv = 1.0f / sum;
   for (int i = threadIdx.x; i < V; i += blockDim.x) r[i] *= inv;
-  if (threadIdx.x == 0) losses[row] = logf(sum) - (target_logit - max);
+  if (threadIdx.x == 0) losses[row] = target >= 0 ? logf(sum) - (target_logit - max) : 0.0f;
 }
 
 __global__ void softmax_crossentropy_backward_kernel(float* probs_to_dlogits, const int* targets, float dloss, int V) {
@@ -45,7 +47,7 @@ __global__ void softmax_crossentropy_backward_kernel(float* probs_to_dlogits, co
   const int target = targets[row];
   for (int i = threadIdx.x; i < V; i += blockDim.x) {
     const float scaled = __fmul_rn(r[i], dloss);
-    r[i] = i == target ? scaled - dloss : scaled;
+    r[i] = target < 0 ? 0.0f : i == target ? scaled - dloss : scaled;  // ignored: no gradient
   }
 }
 

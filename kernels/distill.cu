@@ -14,7 +14,8 @@
 // So the outputs differ from the CPU's only through the sums' order (double) and exp_fast's
 // contraction (an ulp or two of an exponential). The target logit is read before the first barrier,
 // the in-place writes happen after the last read of the row; the teacher is never written. A target
-// outside [0, V) gives a NaN loss (the CPU backend rejects it). No workspace, no atomics.
+// of V or more gives a NaN loss (the CPU backend rejects it); one below 0 is ignored (loss 0,
+// gradient 0). No workspace, no atomics.
 #include <cmath>
 
 #include "backend/math.hpp"
@@ -34,7 +35,12 @@ __global__ void distill_loss_forward_kernel(float* losses, float* student_to_gra
   float* s = student_to_grad + row * V;
   const float* t = teacher + row * V;
   const int target = targets[row];
-  const bool has_target = target >= 0 && target < V;
+  if (target < 0) {  // ignored (a loss mask's prompt token): neither term, no gradient, as on the CPU
+    for (int i = threadIdx.x; i < V; i += blockDim.x) s[i] = 0.0f;
+    if (threadIdx.x == 0) losses[row] = 0.0f;
+    return;  // the whole block: the target is the row's
+  }
+  const bool has_target = target < V;
   const float target_logit = has_target ? s[target] : NAN;  // read by every thread before the first barrier
   float local_max_s = -INFINITY, local_max_t = -INFINITY;
   for (int i = threadIdx.x; i < V; i += blockDim.x) {

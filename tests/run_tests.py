@@ -106,7 +106,7 @@ TEST_VENV_REQUIREMENTS = [
     "pillow==13.0.0", "typing_extensions==4.16.0",
     "tokenizers==0.22.1", "huggingface-hub==1.33.0", "click==8.5.1", "filelock==4.2.12", "fsspec==2026.9.0",
     "hf-xet==1.8.0", "httpx==0.28.1", "httpcore==1.0.9", "h11==0.16.0", "anyio==4.16.0", "idna==3.20",
-    "certifi==2026.10.18", "pyyaml==6.0.3", "tqdm==4.70.1",
+    "certifi==2026.10.18", "pyyaml==6.0.3", "tqdm==4.70.1", "Jinja2==3.1.6",
 ]
 
 

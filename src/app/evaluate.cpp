@@ -3,6 +3,7 @@
 
 #include <boost/program_options.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -149,21 +150,24 @@ int run_eval(Runtime& rt, const std::vector<std::string>& args) {
   Batch batch;
   comm->barrier("barrier(eval start)");
   const double t0 = now_seconds();
+  const bool masked = data->masks_targets();
+  double sums[2] = {0, 0};  // the loss, and the trained targets under a loss mask
   for (int64_t k = 0; k < batches; k++)
     for (int64_t micro = 0; micro < accum; micro++) {
       data->begin(batch, static_cast<int>(B));
       for (int64_t b = 0; b < B; b++) {
         const uint64_t seq = static_cast<uint64_t>(k * G + (micro * rt.world() + rt.rank()) * B + b);
         data->fill(batch, static_cast<int>(b), seq % windows, seq, true);
+        if (masked) sums[1] += static_cast<double>(data->trained_targets(seq % windows));
       }
       engine.eval_micro_batch(*model, batch, sum.data());
     }
-  double loss_sum = 0;
-  compute.backend().device->copy_to_host(&loss_sum, sum.data(), sizeof loss_sum);
-  comm->all_reduce_sum(Span<double>(&loss_sum, 1), "all_reduce(eval loss)");
+  compute.backend().device->copy_to_host(&sums[0], sum.data(), sizeof sums[0]);
+  comm->all_reduce_sum(Span<double>(sums, masked ? 2 : 1), "all_reduce(eval loss)");
   const double seconds = now_seconds() - t0;
+  // Under a loss mask the loss averages over the trained targets only (the tokens/s count all).
   const double tokens = static_cast<double>(batches) * G * model->output_rows() / B;
-  const double loss = loss_sum / tokens;
+  const double loss = sums[0] / (masked ? std::max(sums[1], 1.0) : tokens);
   rt.info("eval: %s (step %lld) | %s | %s | %s of %lld sequences of %lld tokens (%.0f tokens, %llu windows in the "
           "data) | loss %.6f | perplexity %.4f | %s, %.0f tokens/s | memory per rank %s",
           path.c_str(), static_cast<long long>(state.step), model_summary(state.model).c_str(),

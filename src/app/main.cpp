@@ -70,7 +70,7 @@ int run_data(Runtime& rt, const std::vector<std::string>& args) {
   // The counts are read as text: Boost reads "-1" into an unsigned option as 2^64-1.
   std::string out_dir = "inputs/data", input, output, seed = "1", tokenizer, separator, first = "0", count = "0";
   std::string train_bytes = std::to_string(4 << 20), val_bytes = std::to_string(256 << 10), shard_tokens = "0";
-  std::string timeout = "300";
+  std::string timeout = "300", loss_on = "completion";
   double val_fraction = 0.05;
   bool val_shard = false;
   po::options_description desc("data " + args[0] + " options");
@@ -109,7 +109,10 @@ int run_data(Runtime& rt, const std::vector<std::string>& args) {
         "val-shard", po::bool_switch(&val_shard), "with --shard-tokens: the last shard is the validation file")(
         "tokenizer", po::value(&tokenizer), "Hugging Face tokenizer.json (byte-level BPE) instead of bytes; see docs/data.md")(
         "separator", po::value(&separator),
-        "with --tokenizer: the token put before each document (default: the tokenizer's end-of-text token; none: no token)");
+        "with --tokenizer: the token put before each document (default: the tokenizer's end-of-text token; none: no token)")(
+        "loss-on", po::value(&loss_on)->default_value(loss_on),
+        "chat and instruction records (\"segments\", from tools/chat_template.py): completion trains on the "
+        "assistant's or completion's tokens only (a loss mask in the file), all on every token");
   }
   const std::string help = "; see 'shardtrain data " + args[0] + " --help'";
   po::variables_map vm;
@@ -154,9 +157,12 @@ int run_data(Runtime& rt, const std::vector<std::string>& args) {
       layout.val_fraction = val_shard ? 0 : val_fraction;
       layout.shard_tokens = parse_whole_number(shard_tokens, "--shard-tokens", 0, INT32_MAX);
       layout.val_last_shard = val_shard;
-      data_encode_tokenized(input, tokenizer, output, layout, separator);
+      if (loss_on != "completion" && loss_on != "all")
+        throw UsageError("--loss-on='" + printable_text(loss_on) + "' must be completion or all" + help);
+      data_encode_tokenized(input, tokenizer, output, layout, separator, loss_on == "completion");
     } else {
       if (vm.count("separator")) throw UsageError("--separator needs --tokenizer" + help);
+      if (!vm["loss-on"].defaulted()) throw UsageError("--loss-on needs --tokenizer" + help);
       if (val_shard || shard_tokens != "0") throw UsageError("--shard-tokens and --val-shard need --tokenizer" + help);
       data_encode(input, output, val_fraction);
     }

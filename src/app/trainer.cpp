@@ -215,6 +215,11 @@ class Trainer {
   // What a step's summed loss is divided by: the output units its loss averages over, on every rank
   // and micro-batch of the step (Loss::units_per_row).
   double loss_normaliser();
+  // What the loss of step `step` averages over: loss_normaliser(), or with a loss mask
+  // (DataSource::masks_targets) the step's trained targets on every rank, counted before it runs.
+  double step_loss_normaliser(int step);
+  uint64_t sample_of(int micro, int b) const;
+  double step_normaliser_ = 1;
 
   const Runtime& rt_;
   const Config& cfg_;
@@ -836,7 +841,7 @@ Trainer::StepOutcome Trainer::run_step(int step) {
   else
     device.copy_to_host(host_sums_, step_sums_.data(), step_sums_.bytes());  // the step's one wait
   StepOutcome out;
-  out.loss = host_sums_[0] / loss_normaliser();
+  out.loss = host_sums_[0] / step_normaliser_;
   out.grad_norm = std::sqrt(host_sums_[1]) / loss_scaler_.scale();
   out.loss_scale = loss_scaler_.scale();
   out.finite = std::isfinite(out.loss) && std::isfinite(out.grad_norm);  // else the update was skipped
@@ -939,13 +944,29 @@ double Trainer::loss_normaliser() {
   return micro_batches * model_->output_rows() * model_->loss().units_per_row(model_->output_width());
 }
 
+// The step's sample `seq` of this rank's micro-batch `micro`, slot `b`.
+uint64_t Trainer::sample_of(int micro, int b) const {
+  return static_cast<uint64_t>(micro * rt_.world() + rt_.rank()) * B_ + b;
+}
+
+double Trainer::step_loss_normaliser(int step) {
+  if (!train_data_->masks_targets()) return loss_normaliser();
+  double trained = 0;
+  for (int micro = 0; micro < accum_; micro++)
+    for (int b = 0; b < B_; b++)
+      trained += static_cast<double>(train_data_->trained_targets(sampler_->window(step, sample_of(micro, b))));
+  comm_->all_reduce_sum(Span<double>(&trained, 1), "all_reduce(trained targets)");
+  return std::max(trained, 1.0);  // a step of prompts only: loss 0, no gradient
+}
+
 void Trainer::accumulate_gradients(int step) {
   engine_.zero_grads();
-  const float dloss = static_cast<float>(loss_scaler_.scale() / loss_normaliser());
+  step_normaliser_ = step_loss_normaliser(step);
+  const float dloss = static_cast<float>(loss_scaler_.scale() / step_normaliser_);
   for (int micro = 0; micro < accum_; micro++) {
     train_data_->begin(batch_, B_);
     for (int b = 0; b < B_; b++) {
-      uint64_t seq = static_cast<uint64_t>(micro * rt_.world() + rt_.rank()) * B_ + b;
+      uint64_t seq = sample_of(micro, b);
       train_data_->fill(batch_, b, sampler_->window(step, seq), static_cast<uint64_t>(step) * G_ + seq, false);
       for (int t = 0; t < T_; t++)  // the dropout stream: by (seed, step, sequence, position)
         dropout_keys_[static_cast<size_t>(b) * T_ + t] = dropout_token_key(cfg_.train.seed, step, seq, t);
@@ -963,22 +984,24 @@ void Trainer::accumulate_gradients(int step) {
 double Trainer::evaluate() {
   model_->set_loss(nullptr);  // validation: the student's own loss (cross-entropy), not distillation's
   step_sums_.zero();
+  const bool masked = val_data_->masks_targets();
+  double sums[2] = {0, 0};  // the loss, and the trained targets under a loss mask
   for (int batch = 0; batch < cfg_.train.eval_batches; batch++) {
     for (int micro = 0; micro < accum_; micro++) {
       val_data_->begin(batch_, B_);
       for (int b = 0; b < B_; b++) {
-        uint64_t seq = static_cast<uint64_t>(batch) * G_ + static_cast<uint64_t>(micro * rt_.world() + rt_.rank()) * B_ + b;
+        uint64_t seq = static_cast<uint64_t>(batch) * G_ + sample_of(micro, b);
         val_data_->fill(batch_, b, seq % val_data_->records(), seq, true);
+        if (masked) sums[1] += static_cast<double>(val_data_->trained_targets(seq % val_data_->records()));
       }
       engine_.eval_micro_batch(*model_, batch_, step_sums_.data());
     }
   }
-  double loss_sum = 0;
-  compute_.backend().device->copy_to_host(&loss_sum, step_sums_.data(), sizeof loss_sum);
-  comm_->all_reduce_sum(Span<double>(&loss_sum, 1), "all_reduce(val loss)");
-  const double normaliser = cfg_.train.eval_batches * loss_normaliser();
+  compute_.backend().device->copy_to_host(&sums[0], step_sums_.data(), sizeof sums[0]);
+  comm_->all_reduce_sum(Span<double>(sums, masked ? 2 : 1), "all_reduce(val loss)");
+  const double normaliser = masked ? std::max(sums[1], 1.0) : cfg_.train.eval_batches * loss_normaliser();
   model_->set_loss(distill_loss_.get());
-  return loss_sum / normaliser;
+  return sums[0] / normaliser;
 }
 
 void Trainer::sample_images(int step) {

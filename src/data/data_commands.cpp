@@ -81,12 +81,38 @@ std::vector<std::string> input_files(const std::string& input) {
   return files;
 }
 
-// Calls doc(text) for each document of one file (valid UTF-8 after replacement).
+// A piece of a document, trained as targets or not (a chat template's prompt parts are not).
+struct Segment {
+  std::string text;
+  bool trained = true;
+};
+
+// The segments of a {"segments": [{"text", "train"}, ...]} record (tools/chat_template.py).
+std::vector<Segment> record_segments(const nlohmann::json& list, const std::string& path, size_t line_no) {
+  const auto bad = [&](const std::string& what) {
+    return DataError(strprintf("input file '%s' line %zu: %s; each segment is {\"text\": \"...\", \"train\": true|false}",
+                               path.c_str(), line_no, what.c_str()));
+  };
+  if (!list.is_array() || list.empty()) throw bad("\"segments\" is not a non-empty list");
+  std::vector<Segment> segments;
+  for (size_t i = 0; i < list.size(); i++) {
+    const nlohmann::json& s = list[i];
+    const auto text = s.is_object() ? s.find("text") : s.end();
+    const auto train = s.is_object() ? s.find("train") : s.end();
+    if (text == s.end() || !text->is_string() || train == s.end() || !train->is_boolean())
+      throw bad(strprintf("segment %zu has no \"text\" string or no \"train\" boolean", i));
+    segments.push_back({text->get<std::string>(), train->get<bool>()});
+  }
+  return segments;
+}
+
+// Calls doc(segments, chat) for each document of one file (valid UTF-8 after replacement): a plain
+// document is one trained segment (chat false), a "segments" record its segments (chat true).
 template <class Doc>
 void for_each_document(const std::string& path, Doc&& doc) {
   const std::string text = utf8_with_replacements(read_whole_file(path));
   if (!is_jsonl(path)) {
-    doc(text);
+    doc(std::vector<Segment>{{text, true}}, false);
     return;
   }
   size_t line_no = 0;
@@ -104,11 +130,22 @@ void for_each_document(const std::string& path, Doc&& doc) {
       throw DataError(strprintf("input file '%s' line %zu: malformed JSON (%s); write one JSON object per line",
                                 path.c_str(), line_no, json_error_text(e.what()).c_str()));
     }
+    if (record.is_object() && record.contains("segments")) {
+      doc(record_segments(record["segments"], path, line_no), true);
+      continue;
+    }
+    for (const char* chat : {"messages", "prompt", "completion"})
+      if (record.is_object() && record.contains(chat))
+        throw DataError(strprintf("input file '%s' line %zu: a chat or instruction record (\"%s\"): render it with the "
+                                  "model's chat template first: python3 tools/chat_template.py --model MODEL_FOLDER "
+                                  "--input '%s' --output chats.segments.jsonl, then encode that (docs/data.md)",
+                                  path.c_str(), line_no, chat, path.c_str()));
     auto it = record.is_object() ? record.find("text") : record.end();
     if (it == record.end() || !it->is_string())
-      throw DataError(strprintf("input file '%s' line %zu: no \"text\" string field; each line needs {\"text\": \"...\"}",
+      throw DataError(strprintf("input file '%s' line %zu: no \"text\" string field; each line needs {\"text\": \"...\"} "
+                                "(or \"segments\", docs/data.md)",
                                 path.c_str(), line_no));
-    doc(it->get_ref<const std::string&>());
+    doc(std::vector<Segment>{{it->get<std::string>(), true}}, false);
   }
 }
 
@@ -240,7 +277,7 @@ std::string shard_path(const std::string& out_path, size_t index) {
 }
 
 void data_encode_tokenized(const std::string& input, const std::string& tokenizer_path, const std::string& out_path,
-                           const EncodeLayout& layout, const std::string& separator) {
+                           const EncodeLayout& layout, const std::string& separator, bool loss_on_completions) {
   const double val_fraction = layout.val_fraction;
   if (!(val_fraction >= 0 && val_fraction < 1))  // also rejects NaN
     throw UsageError(strprintf("--val-fraction=%g must be in [0, 1)", val_fraction));
@@ -258,17 +295,21 @@ void data_encode_tokenized(const std::string& input, const std::string& tokenize
 
   const auto start = std::chrono::steady_clock::now();
   std::vector<uint32_t> ids;
-  std::vector<uint32_t> doc;
+  std::vector<uint8_t> trained;  // per token: a target the loss counts
   std::vector<size_t> doc_starts;  // each document's first token
   size_t bytes = 0;
   for (const std::string& file : files)
-    for_each_document(file, [&](const std::string& text) {
-      doc.clear();
-      if (sep) doc.push_back(*sep);
-      tokenizer.encode(text, doc);
+    for_each_document(file, [&](const std::vector<Segment>& segments, bool chat) {
       doc_starts.push_back(ids.size());
-      ids.insert(ids.end(), doc.begin(), doc.end());
-      bytes += text.size();
+      // Between chat records the separator is a boundary, not something to learn to say.
+      if (sep) ids.push_back(*sep), trained.push_back(!chat || !loss_on_completions);
+      for (const Segment& segment : segments) {
+        // A chat template writes its own special tokens (transformers' apply_chat_template encodes
+        // without the post-processor's).
+        tokenizer.encode(segment.text, ids, /*add_special_tokens=*/!chat);
+        trained.resize(ids.size(), segment.trained || !loss_on_completions);
+        bytes += segment.text.size();
+      }
     });
   const size_t documents = doc_starts.size();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -301,10 +342,14 @@ void data_encode_tokenized(const std::string& input, const std::string& tokenize
               seconds > 0 ? static_cast<double>(bytes) / seconds / 1e6 : 0.0,
               sep ? strprintf("%s (id %u) before each", separator_name.c_str(), *sep).c_str()
                   : tokenizer.adds_special_tokens() ? "the tokenizer's template marks each" : "no separator");
+  // A loss mask only where some token is left out: otherwise the file is llm.c's own format.
+  const bool masked = std::find(trained.begin(), trained.end(), 0) != trained.end();
   const auto write_part = [&](const std::string& path, size_t begin, size_t end) {
-    write_token_file(path, ids.data() + begin, end - begin, token_bytes);
-    std::printf("wrote %s: %s (tokenizer %s, vocab %u: needs model.vocab_size >= %u; %d-bit tokens)\n", path.c_str(),
-                counted(static_cast<long long>(end - begin), "token").c_str(), tokenizer_path.c_str(),
+    write_token_file(path, ids.data() + begin, end - begin, token_bytes, masked ? trained.data() + begin : nullptr);
+    const size_t kept = static_cast<size_t>(std::count(trained.begin() + begin, trained.begin() + end, 1));
+    std::printf("wrote %s: %s%s (tokenizer %s, vocab %u: needs model.vocab_size >= %u; %d-bit tokens)\n", path.c_str(),
+                counted(static_cast<long long>(end - begin), "token").c_str(),
+                masked ? strprintf(", %zu trained (loss mask)", kept).c_str() : "", tokenizer_path.c_str(),
                 tokenizer.vocab_size(), tokenizer.vocab_size(), static_cast<int>(8 * token_bytes));
     std::fflush(stdout);
   };

@@ -49,9 +49,14 @@ struct EncodeLayout {
 // names it ("none": no separator; "": the first of DOCUMENT_SEPARATORS the tokenizer has). Files
 // hold 16-bit tokens when every id of the tokenizer fits, else 32-bit ones (token_file.hpp). The
 // output is the same bytes whatever the machine: the encoder is sequential.
+// A .jsonl line may instead hold {"segments": [{"text", "train"}, ...]}, a chat or instruction record
+// rendered by its chat template (tools/chat_template.py): each segment is encoded on its own without
+// the post-processor's special tokens (the template writes them), and with `loss_on_completions` the
+// segments marked "train": false (and the separator before such a record) are left out of the loss:
+// the file gets a loss mask (token_file.hpp) when any token is.
 extern const char* const DOCUMENT_SEPARATORS[7];
 void data_encode_tokenized(const std::string& input, const std::string& tokenizer_path, const std::string& out_path,
-                           const EncodeLayout& layout, const std::string& separator);
+                           const EncodeLayout& layout, const std::string& separator, bool loss_on_completions = true);
 
 // The ids a text ends at, in this order: the template's appended ids, then the special tokens among
 // DOCUMENT_SEPARATORS and the chat-turn ends (<|eot_id|>, <|im_end|>) that the tokenizer has.

@@ -26,6 +26,13 @@ class DataSource {
   // noise), so that the draws do not depend on the rank count and a resumed run repeats them.
   virtual void fill(Batch& batch, int row, uint64_t record, uint64_t sample, bool validation) const = 0;
 
+  // Whether targets can be IGNORED_TARGET (a loss mask: chat and instruction data). The loss of a
+  // step then averages over the trained targets of all its records, counted before the step on
+  // every rank and summed, so it does not depend on the rank count or the micro-batch split.
+  virtual bool masks_targets() const { return false; }
+  // The targets of `record` the loss counts (a source that masks none: not called).
+  virtual uint64_t trained_targets(uint64_t) const { return 0; }
+
   // Throws DataError unless the data hold at least `needed` records; `purpose` says for what
   // ("one batch of train.global_batch=24 sequences"), `fix` what to change.
   virtual void require_records(uint64_t needed, const std::string& purpose, const std::string& fix) const = 0;

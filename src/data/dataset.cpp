@@ -121,6 +121,20 @@ void TokenDataset::fill(uint64_t window, int* inputs, int* targets) const {
   const auto [f, start] = locate(window);
   files_[f].copy_tokens(start, static_cast<size_t>(seq_len_), inputs);
   files_[f].copy_tokens(start + 1, static_cast<size_t>(seq_len_), targets);
+  if (files_[f].has_loss_mask())
+    for (size_t t = 0; t < static_cast<size_t>(seq_len_); t++)
+      if (!files_[f].trained(start + 1 + t)) targets[t] = IGNORED_TARGET;
+}
+
+bool TokenDataset::masks_targets() const {
+  return std::any_of(files_.begin(), files_.end(), [](const TokenFile& f) { return f.has_loss_mask(); });
+}
+
+uint64_t TokenDataset::trained_targets(uint64_t window) const {
+  const auto [f, start] = locate(window);
+  uint64_t trained = 0;
+  for (size_t t = 1; t <= static_cast<size_t>(seq_len_); t++) trained += files_[f].trained(start + t);
+  return trained;
 }
 
 std::string TokenDataset::skipped_warning() const {

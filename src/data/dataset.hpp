@@ -40,7 +40,8 @@ class TokenDataset final : public DataSource {
   uint64_t windows() const { return first_window_.back(); }
   // The file and the first token of window `window` (< windows()).
   std::pair<size_t, size_t> locate(uint64_t window) const;
-  // Copies seq_len inputs and the seq_len targets (shifted by one) of the window, as int.
+  // Copies seq_len inputs and the seq_len targets (shifted by one) of the window, as int; a target
+  // the file's loss mask leaves out is IGNORED_TARGET.
   void fill(uint64_t window, int* inputs, int* targets) const;
 
   // As a DataSource (data_source.hpp): a record is a window; a micro-batch holds B x T "tokens"
@@ -48,6 +49,8 @@ class TokenDataset final : public DataSource {
   uint64_t records() const override { return windows(); }
   void begin(Batch& batch, int rows) const override;
   void fill(Batch& batch, int row, uint64_t record, uint64_t sample, bool validation) const override;
+  bool masks_targets() const override;
+  uint64_t trained_targets(uint64_t window) const override;
 
   // "" or one line naming the files that hold no window (shorter than seq_len + 1 tokens).
   std::string skipped_warning() const override;

@@ -71,17 +71,25 @@ TokenFile::TokenFile(const std::string& path) : path_(path) {
     if (header[2] < 0)
       throw_data_error(path, strprintf("negative token count %d in the header (corrupt file; %s)", header[2],
                                        RECREATE_HINT));
+    if (header[3] & ~TOKEN_FILE_LOSS_MASK)
+      throw_data_error(path, strprintf("unknown flags %d in the header (written by a newer ShardTrain?); re-encode it "
+                                       "with this one's 'shardtrain data encode'",
+                                       header[3]));
+    const bool masked = header[3] & TOKEN_FILE_LOSS_MASK;
     const size_t count = static_cast<size_t>(header[2]);
     const size_t width = wide ? 4 : 2;
-    const size_t expected = TOKEN_FILE_HEADER_BYTES + count * width;
+    const size_t mask_bytes = masked ? (count + 7) / 8 : 0;
+    const size_t expected = TOKEN_FILE_HEADER_BYTES + count * width + mask_bytes;
     if (file_bytes != expected)
-      throw_data_error(path, strprintf("%zu bytes but the header says %zu tokens, which needs %zu + %zu*%zu = %zu bytes "
-                                       "(%s; re-create the file)",
-                                       file_bytes, count, TOKEN_FILE_HEADER_BYTES, width, count, expected,
+      throw_data_error(path, strprintf("%zu bytes but the header says %zu tokens%s, which needs %zu + %zu*%zu%s = %zu "
+                                       "bytes (%s; re-create the file)",
+                                       file_bytes, count, masked ? " and a loss mask" : "", TOKEN_FILE_HEADER_BYTES,
+                                       width, count, masked ? strprintf(" + %zu", mask_bytes).c_str() : "", expected,
                                        file_bytes < expected ? "truncated" : "trailing bytes after the tokens"));
     num_tokens_ = count;
     token_bytes_ = width;
     tokens_ = static_cast<const char*>(map_) + TOKEN_FILE_HEADER_BYTES;
+    if (masked) mask_ = static_cast<const uint8_t*>(tokens_) + count * width;
   } catch (...) {
     unmap();
     throw;
@@ -96,7 +104,8 @@ TokenFile::TokenFile(TokenFile&& other) noexcept
       map_bytes_(std::exchange(other.map_bytes_, 0)),
       num_tokens_(std::exchange(other.num_tokens_, 0)),
       token_bytes_(other.token_bytes_),
-      tokens_(std::exchange(other.tokens_, nullptr)) {}
+      tokens_(std::exchange(other.tokens_, nullptr)),
+      mask_(std::exchange(other.mask_, nullptr)) {}
 
 TokenFile& TokenFile::operator=(TokenFile&& other) noexcept {
   if (this != &other) {
@@ -107,6 +116,7 @@ TokenFile& TokenFile::operator=(TokenFile&& other) noexcept {
     num_tokens_ = std::exchange(other.num_tokens_, 0);
     token_bytes_ = other.token_bytes_;
     tokens_ = std::exchange(other.tokens_, nullptr);
+    mask_ = std::exchange(other.mask_, nullptr);
   }
   return *this;
 }
@@ -116,6 +126,7 @@ void TokenFile::unmap() {
   map_ = nullptr;
   map_bytes_ = 0;
   tokens_ = nullptr;
+  mask_ = nullptr;
   num_tokens_ = 0;
 }
 
@@ -173,7 +184,7 @@ namespace {
 // Writes the header and then `body(f)` (which returns false on a write error) to path + ".tmp",
 // syncs it and renames it over `path`.
 template <class Body>
-void write_atomically(const std::string& path, size_t count, size_t token_bytes, Body&& body) {
+void write_atomically(const std::string& path, size_t count, size_t token_bytes, bool masked, Body&& body) {
   SHARD_CHECK(token_bytes == 2 || token_bytes == 4, "token width %zu", token_bytes);
   if (count > static_cast<size_t>(INT32_MAX))
     throw DataError(strprintf("data file '%s': %zu tokens exceed the format's limit of %d; write shards", path.c_str(),
@@ -191,6 +202,7 @@ void write_atomically(const std::string& path, size_t count, size_t token_bytes,
   header[0] = token_bytes == 2 ? TOKEN_FILE_MAGIC : TOKEN_FILE_MAGIC_32;
   header[1] = token_bytes == 2 ? TOKEN_FILE_VERSION : TOKEN_FILE_VERSION_32;
   header[2] = static_cast<int32_t>(count);
+  header[3] = masked ? TOKEN_FILE_LOSS_MASK : 0;
   bool ok = std::fwrite(header, sizeof header, 1, f) == 1 && body(f);
   ok = ok && std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0;  // data on disk before the rename makes it visible
   const int write_errno = errno;
@@ -202,24 +214,32 @@ void write_atomically(const std::string& path, size_t count, size_t token_bytes,
 
 }  // namespace
 
-void write_token_file(const std::string& path, const uint32_t* tokens, size_t count, size_t token_bytes) {
-  write_atomically(path, count, token_bytes, [&](std::FILE* f) {
-    if (token_bytes == 4) return count == 0 || std::fwrite(tokens, sizeof(uint32_t), count, f) == count;
-    std::vector<uint16_t> narrow;  // in pieces: a copy of the whole part would double its memory
-    for (size_t begin = 0; begin < count; begin += narrow.size()) {
-      narrow.resize(std::min<size_t>(count - begin, size_t(1) << 16));
-      for (size_t i = 0; i < narrow.size(); i++) {
-        SHARD_CHECK(tokens[begin + i] < TOKEN_FILE_16BIT_VOCAB, "token %u in a 16-bit file", tokens[begin + i]);
-        narrow[i] = static_cast<uint16_t>(tokens[begin + i]);
+void write_token_file(const std::string& path, const uint32_t* tokens, size_t count, size_t token_bytes,
+                      const uint8_t* trained) {
+  write_atomically(path, count, token_bytes, trained != nullptr, [&](std::FILE* f) {
+    if (token_bytes == 4) {
+      if (count > 0 && std::fwrite(tokens, sizeof(uint32_t), count, f) != count) return false;
+    } else {
+      std::vector<uint16_t> narrow;  // in pieces: a copy of the whole part would double its memory
+      for (size_t begin = 0; begin < count; begin += narrow.size()) {
+        narrow.resize(std::min<size_t>(count - begin, size_t(1) << 16));
+        for (size_t i = 0; i < narrow.size(); i++) {
+          SHARD_CHECK(tokens[begin + i] < TOKEN_FILE_16BIT_VOCAB, "token %u in a 16-bit file", tokens[begin + i]);
+          narrow[i] = static_cast<uint16_t>(tokens[begin + i]);
+        }
+        if (std::fwrite(narrow.data(), sizeof(uint16_t), narrow.size(), f) != narrow.size()) return false;
       }
-      if (std::fwrite(narrow.data(), sizeof(uint16_t), narrow.size(), f) != narrow.size()) return false;
     }
-    return true;
+    if (!trained) return true;
+    std::vector<uint8_t> bits((count + 7) / 8, 0);
+    for (size_t i = 0; i < count; i++)
+      if (trained[i]) bits[i / 8] |= static_cast<uint8_t>(1u << (i % 8));
+    return bits.empty() || std::fwrite(bits.data(), 1, bits.size(), f) == bits.size();
   });
 }
 
 void write_token_file(const std::string& path, const std::vector<uint16_t>& tokens) {
-  write_atomically(path, tokens.size(), 2, [&](std::FILE* f) {
+  write_atomically(path, tokens.size(), 2, false, [&](std::FILE* f) {
     return tokens.empty() || std::fwrite(tokens.data(), sizeof(uint16_t), tokens.size(), f) == tokens.size();
   });
 }

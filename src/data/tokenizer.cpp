@@ -893,9 +893,9 @@ Tokenizer::Tokenizer(const std::string& path) : impl_(std::make_unique<Impl>()) 
 
 Tokenizer::~Tokenizer() = default;
 
-void Tokenizer::encode(std::string_view text, std::vector<uint32_t>& out) {
+void Tokenizer::encode(std::string_view text, std::vector<uint32_t>& out, bool add_special_tokens) {
   Impl& m = *impl_;
-  out.insert(out.end(), m.prefix.begin(), m.prefix.end());
+  if (add_special_tokens) out.insert(out.end(), m.prefix.begin(), m.prefix.end());
   std::vector<Piece> raw_pieces, normalized_pieces;
   if (m.raw_matcher.empty()) raw_pieces.push_back({0, text.size(), -1});
   else m.raw_matcher.split(text, m.classes, raw_pieces);
@@ -913,7 +913,7 @@ void Tokenizer::encode(std::string_view text, std::vector<uint32_t>& out) {
       else m.pre_tokenize(0, n.substr(q.begin, q.end - q.begin), out);
     }
   }
-  out.insert(out.end(), m.suffix.begin(), m.suffix.end());
+  if (add_special_tokens) out.insert(out.end(), m.suffix.begin(), m.suffix.end());
 }
 
 uint32_t Tokenizer::vocab_size() const { return impl_->max_id + 1; }

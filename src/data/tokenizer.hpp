@@ -26,9 +26,10 @@ class Tokenizer {
   Tokenizer(const Tokenizer&) = delete;
   Tokenizer& operator=(const Tokenizer&) = delete;
 
-  // Appends the ids of `text` (valid UTF-8) to `out`: the reference's encode(text).ids, with the
-  // post-processor's special tokens (add_special_tokens=True, its default).
-  void encode(std::string_view text, std::vector<uint32_t>& out);
+  // Appends the ids of `text` (valid UTF-8) to `out`: the reference's encode(text,
+  // add_special_tokens).ids: with the post-processor's special tokens by default, without them for a
+  // piece of a chat template's text (which writes its own, as transformers' apply_chat_template).
+  void encode(std::string_view text, std::vector<uint32_t>& out, bool add_special_tokens = true);
 
   // One more than the largest id of the vocabulary, the added tokens and the post-processor.
   uint32_t vocab_size() const;

@@ -74,5 +74,8 @@ class Batch {
 // follows it.
 inline constexpr const char* BATCH_TOKENS = "tokens";
 inline constexpr const char* BATCH_TARGETS = "targets";
+// A target the loss leaves out (a prompt's token under a loss mask): no loss, no gradient. The
+// step's loss averages over the other targets (DataSource::trained_targets).
+inline constexpr int IGNORED_TARGET = -1;
 
 }  // namespace shardtrain

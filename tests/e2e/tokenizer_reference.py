@@ -10,6 +10,9 @@ under Debian's python, import them); the commands import `tokenizers`.
                                                        reads INPUT (a text file, a .jsonl file, a folder)
   tokenizer_reference.py bench TOKENIZER INPUT         {"bytes", "seconds"} of encode_batch over INPUT
   tokenizer_reference.py decode TOKENIZER IDS.json     {"text": decode(ids, skip_special_tokens=False)}
+  tokenizer_reference.py encode-segments TOKENIZER SEGMENTS.jsonl
+                                                       {"docs": [[ids per segment] per record]}, each
+                                                       segment's encode(text, add_special_tokens=False)
 """
 import json
 import os
@@ -71,16 +74,18 @@ def build(style):
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=True)
         specials = ["<s>", "</s>", AddedToken("<mask>", lstrip=True, special=True)]
-    elif style in ("llama3", "qwen2-nfc"):
+    elif style in ("llama3", "qwen2-nfc", "chatml"):
         llama = style == "llama3"
         tok = Tokenizer(models.BPE(ignore_merges=llama))
-        if not llama:
+        if style == "qwen2-nfc":
             tok.normalizer = normalizers.NFC()
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(LLAMA3_PATTERN if llama else QWEN2_PATTERN), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         tok.decoder = decoders.ByteLevel()
         specials = ["<|begin_of_text|>", "<|end_of_text|>"] if llama else ["<|endoftext|>", "<|im_start|>"]
+        if style == "chatml":  # Qwen 2's chat tokens
+            specials.append("<|im_end|>")
     else:
         raise SystemExit(f"unknown style {style}")
     trainer = trainers.BpeTrainer(vocab_size=1500, min_frequency=2, special_tokens=specials, initial_alphabet=alphabet,
@@ -143,6 +148,11 @@ def main():
         return
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(sys.argv[2])
+    if command == "encode-segments":  # {"docs": [[ids of each segment, no special tokens added]]}
+        with open(sys.argv[3], encoding="utf-8") as f:
+            records = [json.loads(line)["segments"] for line in f if line.strip()]
+        print(json.dumps({"docs": [[tok.encode(s["text"], add_special_tokens=False).ids for s in r] for r in records]}))
+        return
     if command == "decode":
         with open(sys.argv[3]) as f:
             print(json.dumps({"text": tok.decode(json.load(f), skip_special_tokens=False)}))

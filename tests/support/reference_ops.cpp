@@ -351,7 +351,8 @@ void softmax_crossentropy_forward(double* losses, double* logits_to_probs, const
     double sum = 0;
     for (int v = 0; v < V; v++) sum += std::exp(row[v] - maxval);
     // -log softmax[target] = log(sum_v exp(l_v)) - l_target, written without forming the small prob.
-    losses[n] = maxval + std::log(sum) - row[targets[n]];
+    // An ignored target (< 0, a loss mask's): no loss.
+    losses[n] = targets[n] < 0 ? 0.0 : maxval + std::log(sum) - row[targets[n]];
     for (int v = 0; v < V; v++) row[v] = std::exp(row[v] - maxval) / sum;
   }
 }
@@ -360,7 +361,7 @@ void softmax_crossentropy_backward(double* probs_to_dlogits, const int* targets,
   for (int n = 0; n < N; n++)
     for (int v = 0; v < V; v++) {
       double& p = probs_to_dlogits[static_cast<size_t>(n) * V + v];
-      p = (p - (v == targets[n] ? 1.0 : 0.0)) * dloss;
+      p = targets[n] < 0 ? 0.0 : (p - (v == targets[n] ? 1.0 : 0.0)) * dloss;  // ignored: no gradient
     }
 }
 

@@ -18,9 +18,11 @@
 
 #include "core/error.hpp"
 #include "data/data_commands.hpp"
+#include "data/dataset.hpp"
 #include "data/sampler.hpp"
 #include "data/synth.hpp"
 #include "data/token_file.hpp"
+#include "model/batch.hpp"
 
 namespace shardtrain {
 namespace {
@@ -93,6 +95,44 @@ TEST_F(DataTest, TokenFileRoundTripMatchesIndependentLayout) {
   EXPECT_EQ(file.num_tokens(), 0u);
 }
 
+// The loss mask after the tokens: flag 1 in header int 3, bit i % 8 of byte i / 8 set for a trained
+// token, laid out here byte by byte; a dataset's targets are IGNORED_TARGET where the bit is clear.
+TEST_F(DataTest, LossMaskRoundTripMatchesIndependentLayout) {
+  const std::vector<uint16_t> narrow = awkward_tokens(21);
+  const std::vector<uint32_t> tokens(narrow.begin(), narrow.end());
+  std::vector<uint8_t> trained(tokens.size());
+  for (size_t i = 0; i < trained.size(); i++) trained[i] = (i * 7 + 3) % 5 < 2;
+  write_token_file(path("m.bin"), tokens.data(), tokens.size(), 2, trained.data());
+  std::string expected = token_file_bytes(20240520, 1, 21, narrow);
+  expected[12] = 1;  // the flag
+  for (size_t byte = 0; byte < 3; byte++) {
+    int bits = 0;
+    for (size_t bit = 0; bit < 8 && byte * 8 + bit < trained.size(); bit++) bits |= trained[byte * 8 + bit] << bit;
+    expected += static_cast<char>(bits);
+  }
+  EXPECT_EQ(read_bytes(path("m.bin")), expected);
+  TokenFile file(path("m.bin"));
+  ASSERT_TRUE(file.has_loss_mask());
+  for (size_t i = 0; i < tokens.size(); i++) ASSERT_EQ(file.trained(i), trained[i] != 0) << i;
+  TokenDataset data("data.train_file", path("m.bin"), 4);
+  ASSERT_TRUE(data.masks_targets());
+  ASSERT_EQ(data.windows(), 5u);
+  for (uint64_t w = 0; w < data.windows(); w++) {
+    int inputs[4], targets[4];
+    data.fill(w, inputs, targets);
+    uint64_t counted = 0;
+    for (size_t t = 0; t < 4; t++) {
+      const size_t at = w * 4 + t + 1;
+      EXPECT_EQ(targets[t], trained[at] ? static_cast<int>(tokens[at]) : IGNORED_TARGET) << w << " " << t;
+      counted += trained[at];
+    }
+    EXPECT_EQ(data.trained_targets(w), counted) << w;
+  }
+  write_token_file(path("plain.bin"), tokens.data(), tokens.size(), 2);
+  EXPECT_FALSE(TokenFile(path("plain.bin")).has_loss_mask());
+  EXPECT_FALSE(TokenDataset("data.train_file", path("plain.bin"), 4).masks_targets());
+}
+
 TEST_F(DataTest, TokenFileWithNoTokensIsValid) {
   write_token_file(path("empty.bin"), {});
   TokenFile file(path("empty.bin"));
@@ -132,6 +172,20 @@ INSTANTIATE_TEST_SUITE_P(
         BadFileCase{"half_token", [](const std::string& p) { write_bytes(p, token_file_bytes(20240520, 1, 5, FIVE).substr(0, 1033)); },
                     "truncated"},
         BadFileCase{"trailing", [](const std::string& p) { write_bytes(p, token_file_bytes(20240520, 1, 4, FIVE)); }, "trailing bytes"},
+        BadFileCase{"mask_truncated",
+                    [](const std::string& p) {
+                      std::string bytes = token_file_bytes(20240520, 1, 5, FIVE);
+                      bytes[12] = 1;  // a loss mask is announced, its byte is missing
+                      write_bytes(p, bytes);
+                    },
+                    "and a loss mask"},
+        BadFileCase{"unknown_flag",
+                    [](const std::string& p) {
+                      std::string bytes = token_file_bytes(20240520, 1, 5, FIVE);
+                      bytes[12] = 2;
+                      write_bytes(p, bytes);
+                    },
+                    "unknown flags 2"},
         BadFileCase{"negative_count", [](const std::string& p) { write_bytes(p, token_file_bytes(20240520, 1, -5, FIVE)); },
                     "negative token count"},
         BadFileCase{"directory", [](const std::string& p) { std::filesystem::create_directory(p); }, "not a regular file"}),

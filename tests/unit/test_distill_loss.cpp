@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "backend/layer_ops.hpp"
+#include "model/batch.hpp"
 #include "support/tensor_check.hpp"
 
 namespace {
@@ -340,6 +341,25 @@ TYPED_TEST(DistillLossTest, BitsDoNotDependOnThreadCount) {
     EXPECT_TRUE(bits_equal(many.grad.data(), one.grad.data(), one.grad.size())) << threads << " threads";
   }
   omp_set_num_threads(saved);
+}
+
+// A loss mask's ignored target (IGNORED_TARGET): the row has neither term nor gradient, and the
+// other rows are what they are without it.
+TYPED_TEST(DistillLossTest, IgnoredTargetsGiveNoLossAndNoGradient) {
+  using Real = TypeParam;
+  const int N = 7, V = 50;
+  Inputs<Real> in = random_inputs<Real>(N, V, 61);
+  const Outputs<Real> full = run(in, Real(0.5), Real(2), "all targets");
+  for (int r = 1; r < N; r += 3) in.targets[r] = shardtrain::IGNORED_TARGET;
+  const Outputs<Real> masked = run(in, Real(0.5), Real(2), "some ignored");
+  for (int r = 0; r < N; r++) {
+    const bool ignored = r % 3 == 1;
+    EXPECT_EQ(masked.losses[r], ignored ? Real(0) : full.losses[r]) << "row " << r;
+    for (int i = 0; i < V; i++) {
+      const size_t at = static_cast<size_t>(r) * V + i;
+      ASSERT_EQ(masked.grad[at], ignored ? Real(0) : full.grad[at]) << "row " << r << " column " << i;
+    }
+  }
 }
 
 TYPED_TEST(DistillLossTest, EmptyBatchWritesNothing) {

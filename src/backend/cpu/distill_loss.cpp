@@ -4,6 +4,7 @@
 // gradient in place of the student's logits. One row per iteration of a static OpenMP loop, each
 // row sequential in index order with double accumulators, so the bits do not depend on the thread
 // count; kernels/distill.cu is the same arithmetic with a block-tree summation order.
+#include <algorithm>
 #include <cmath>
 
 #include "backend/cpu/ops.hpp"
@@ -21,7 +22,7 @@ void distill_loss_forward(Real* losses, Real* student_to_grad, const Real* teach
   SHARD_CHECK(alpha >= Real(0) && alpha <= Real(1), "distill_loss_forward: alpha %g must be in [0, 1]",
               static_cast<double>(alpha));
   for (int n = 0; n < N; n++)
-    SHARD_CHECK(targets[n] >= 0 && targets[n] < V, "distill_loss_forward: targets[%d] = %d, V = %d", n, targets[n], V);
+    SHARD_CHECK(targets[n] < V, "distill_loss_forward: targets[%d] = %d, V = %d", n, targets[n], V);
   const double a = static_cast<double>(alpha), T = static_cast<double>(temperature);
   const double w = 1.0 / T, b = (1.0 - a) * T, kl_weight = (1.0 - a) * T * T;
 #pragma omp parallel for schedule(static)
@@ -29,6 +30,11 @@ void distill_loss_forward(Real* losses, Real* student_to_grad, const Real* teach
     Real* s = student_to_grad + static_cast<size_t>(n) * V;
     const Real* t = teacher + static_cast<size_t>(n) * V;
     const int target = targets[n];
+    if (target < 0) {  // ignored (a loss mask's prompt token): neither term, no gradient
+      std::fill(s, s + V, Real(0));
+      losses[n] = Real(0);
+      continue;
+    }
     Real max_s = s[0], max_t = t[0];
     for (int i = 1; i < V; i++) {
       max_s = s[i] > max_s ? s[i] : max_s;

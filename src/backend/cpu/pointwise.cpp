@@ -165,8 +165,10 @@ void softmax_crossentropy_forward(Real* losses, Real* logits_to_probs, const int
     Real max = r[0];
 #pragma omp simd reduction(max : max)
     for (int i = 1; i < V; i++) max = r[i] > max ? r[i] : max;
-    // -log p[target] = log(sum exp(l - max)) - (l[target] - max): exact even when p underflows.
-    Real target_shifted = r[targets[n]] - max;
+    // -log p[target] = log(sum exp(l - max)) - (l[target] - max): exact even when p underflows. An
+    // ignored target (< 0, a loss mask's) has no loss; the probabilities are still computed.
+    const bool ignored = targets[n] < 0;
+    Real target_shifted = ignored ? Real(0) : r[targets[n]] - max;
     Real sum = 0;
 #pragma omp simd reduction(+ : sum)
     for (int i = 0; i < V; i++) {
@@ -176,7 +178,7 @@ void softmax_crossentropy_forward(Real* losses, Real* logits_to_probs, const int
     Real inv = Real(1) / sum;
 #pragma omp simd
     for (int i = 0; i < V; i++) r[i] *= inv;
-    losses[n] = std::log(sum) - target_shifted;
+    losses[n] = ignored ? Real(0) : std::log(sum) - target_shifted;
   }
 }
 
@@ -185,6 +187,10 @@ void softmax_crossentropy_backward(Real* probs_to_dlogits, const int* targets, R
 #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; n++) {
     Real* r = probs_to_dlogits + static_cast<size_t>(n) * V;
+    if (targets[n] < 0) {  // ignored: no gradient
+      std::fill(r, r + V, Real(0));
+      continue;
+    }
     for (int i = 0; i < V; i++) r[i] *= dloss;
     r[targets[n]] -= dloss;
   }
