@@ -1,5 +1,6 @@
 // Causal self-attention with grouped-query heads on the GPU, with the CPU's interface
-// (backend/cpu/ops.hpp), and the rotary embedding applied to its q and k. Each row of
+// (backend/cpu/ops.hpp: packed documents too, each row seeing the keys of its own document), and
+// the rotary embedding applied to its q and k. Each row of
 // qkv(B,T,(NH+2KV)*HS) holds q (NH heads) | k (KV heads) | v (KV heads) of HS each; query head h
 // reads key/value head h / G, G = NH/KV (KV = NH: GPT-2's multi-head attention). out(B,T,NH*HS);
 // lse(B,NH,T) each query row's log-sum-exp; scale 1/sqrt(HS).
@@ -80,6 +81,15 @@ struct AttentionDims {
   int T, NH, KV, HS, group;
   size_t row;  // floats of a qkv row
   float scale;
+  const int* doc_start;  // (B,T): the first position of each row's document; nullptr: none
+  // Whether query row t of sequence b sees key s (s <= t already known): within its document.
+  __device__ bool in_document(int b, int t, int s) const {
+    return !doc_start || s >= doc_start[static_cast<size_t>(b) * T + t];
+  }
+  // The first key tile query tile t0 needs: its first row's document's (documents only move forward).
+  __device__ int first_key_tile(int b, int t0) const {
+    return doc_start ? doc_start[static_cast<size_t>(b) * T + t0] / kTile * kTile : 0;
+  }
   __device__ const float* head(const float* qkv, int b) const { return qkv + static_cast<size_t>(b) * T * row; }
   __device__ size_t stat(int b, int h, int t) const { return (static_cast<size_t>(b) * NH + h) * T + t; }
   __device__ size_t y(int b, int t, int h) const { return (static_cast<size_t>(b) * T + t) * NH * HS + h * HS; }
@@ -102,7 +112,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
 #pragma unroll
     for (int c = 0; c < kDims; c++) o[j][c] = 0.0f;
   }
-  for (int k0 = 0; k0 < t0 + nq; k0 += kTile) {
+  for (int k0 = dims.first_key_tile(b, t0); k0 < t0 + nq; k0 += kTile) {
     const int nk = min(kTile, t0 + nq - k0);  // keys past the tile's last query are all masked
     __syncthreads();                          // the previous tile's readers are done
     load_tile(ks, base, k0, nk, dims.row, (dims.NH + kv) * HS, HS);
@@ -112,12 +122,13 @@ __global__ void __launch_bounds__(kAttentionThreads)
     for (int j = 0; j < kRowsPerWarp; j++) {
       const int i = warp * kRowsPerWarp + j;
       if (i >= nq) break;  // warp-uniform
-      const bool visible = lane < nk && k0 + lane <= t0 + i;
+      const bool visible = lane < nk && k0 + lane <= t0 + i && dims.in_document(b, t0 + i, k0 + lane);
       const float score = visible ? dims.scale * dot_rows(qs.row(i), ks.row(lane), HS) : -INFINITY;
-      // The first key tile holds key 0, visible to every row: m is finite from then on.
+      // m is finite from the row's first tile with a visible key on (without documents the first
+      // key tile, which holds key 0); until then nothing has been summed.
       const float m_new = fmaxf(m[j], warp_max(score));
       const float p = visible ? exp_fast(score - m_new) : 0.0f;
-      const float rescale = k0 == 0 ? 0.0f : exp_fast(m[j] - m_new);
+      const float rescale = m[j] == -INFINITY ? 0.0f : exp_fast(m[j] - m_new);
       l[j] = l[j] * rescale + warp_sum(p);
 #pragma unroll
       for (int c = 0; c < kDims; c++) o[j][c] *= rescale;
@@ -194,7 +205,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
         const int key = warp * kRowsPerWarp + j;
         if (key >= nk) break;  // warp-uniform
         float p = 0.0f, ds = 0.0f;
-        if (lane < nq && t0 + lane >= k0 + key) {
+        if (lane < nq && t0 + lane >= k0 + key && dims.in_document(b, t0 + lane, k0 + key)) {
           p = exp_fast(dims.scale * dot_rows(qs.row(lane), ks.row(key), HS) - row_lse[lane]);
           ds = p * (dot_rows(dys.row(lane), vs.row(key), HS) - row_D[lane]);
         }
@@ -244,7 +255,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
 #pragma unroll
     for (int c = 0; c < kDims; c++) dq[j][c] = 0.0f;
   }
-  for (int k0 = 0; k0 < t0 + nq; k0 += kTile) {
+  for (int k0 = dims.first_key_tile(b, t0); k0 < t0 + nq; k0 += kTile) {
     const int nk = min(kTile, t0 + nq - k0);
     __syncthreads();
     load_tile(ks, base, k0, nk, dims.row, (dims.NH + kv) * HS, HS);
@@ -255,7 +266,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
       const int i = warp * kRowsPerWarp + j;
       if (i >= nq) break;  // warp-uniform
       float ds = 0.0f;
-      if (lane < nk && k0 + lane <= t0 + i) {
+      if (lane < nk && k0 + lane <= t0 + i && dims.in_document(b, t0 + i, k0 + lane)) {
         const float p = exp_fast(dims.scale * dot_rows(qs.row(i), ks.row(lane), HS) - row_lse[j]);
         ds = p * (dot_rows(dys.row(i), vs.row(lane), HS) - row_D[j]);
       }
@@ -300,8 +311,9 @@ void launch_tiled(Kernel kernel, dim3 grid, size_t shared, const LaunchContext& 
 
 size_t tile_floats(int HS) { return static_cast<size_t>(kTile) * (HS + 1); }
 
-AttentionDims attention_dims(int T, int NH, int KV, int HS) {
-  return {T, NH, KV, HS, NH / KV, static_cast<size_t>(NH + 2 * KV) * HS, 1.0f / sqrtf(static_cast<float>(HS))};
+AttentionDims attention_dims(int T, int NH, int KV, int HS, const int* doc_start) {
+  return {T,         NH, KV, HS, NH / KV, static_cast<size_t>(NH + 2 * KV) * HS, 1.0f / sqrtf(static_cast<float>(HS)),
+          doc_start};
 }
 
 // Pair i < HS/2 of q-or-k head `head` of token bt: x[i], x[i + HS/2] turned by the angle of
@@ -419,10 +431,10 @@ void launch_rope(float* qkv, const float* cos, const float* sin, int B, int T, i
 }  // namespace
 
 void launch_attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
-                              const LaunchContext& ctx) {
+                              const int* doc_start, const LaunchContext& ctx) {
   check_tiled_args("attention_forward", B, T, NH, KV, HS);
   if (B == 0 || T == 0) return;
-  const AttentionDims dims = attention_dims(T, NH, KV, HS);
+  const AttentionDims dims = attention_dims(T, NH, KV, HS, doc_start);
   const dim3 grid(static_cast<unsigned>(ceil_div(T, kTile)), NH, B);
   with_dims_per_lane(HS, [&](auto lanes) {
     launch_tiled(attention_forward_kernel<decltype(lanes)::value>, grid, 3 * tile_floats(HS) * sizeof(float), ctx,
@@ -431,10 +443,11 @@ void launch_attention_forward(float* out, float* lse, const float* qkv, int B, i
 }
 
 void launch_attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
-                               int B, int T, int NH, int KV, int HS, void* workspace, const LaunchContext& ctx) {
+                               int B, int T, int NH, int KV, int HS, const int* doc_start, void* workspace,
+                               const LaunchContext& ctx) {
   check_tiled_args("attention_backward", B, T, NH, KV, HS);
   if (B == 0 || T == 0) return;
-  const AttentionDims dims = attention_dims(T, NH, KV, HS);
+  const AttentionDims dims = attention_dims(T, NH, KV, HS, doc_start);
   float* D = static_cast<float*>(workspace);
   const size_t rows = static_cast<size_t>(B) * T * NH;
   attention_row_dot_kernel<<<static_cast<unsigned>(ceil_div(rows * kWarpSize, kThreads)), kThreads, 0, ctx.stream>>>(

@@ -123,11 +123,13 @@ void launch_matmul_backward(float* dinp, float* dweight, float* dbias, const flo
 
 // Grouped-query attention, tiled (attention.cu): qkv rows q (NH heads) | k (KV heads) | v (KV
 // heads) of HS each, NH % KV == 0, HS <= 256; lse (B,NH,T). The backward's workspace: B*NH*T floats.
+// doc_start (B,T) in device memory, or nullptr: packed documents, as backend/cpu/ops.hpp says.
 using gpu::attention_backward_workspace_bytes;
 void launch_attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
-                              const LaunchContext& ctx);
+                              const int* doc_start, const LaunchContext& ctx);
 void launch_attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
-                               int B, int T, int NH, int KV, int HS, void* workspace, const LaunchContext& ctx);
+                               int B, int T, int NH, int KV, int HS, const int* doc_start, void* workspace,
+                               const LaunchContext& ctx);
 
 // Generation: Q new tokens' q|k|v rows at positions start..start+Q-1; k, v appended to the caches
 // (max_len, KV*HS), each query attending causally over the cache; scratch Q*NH*(start+Q) floats.

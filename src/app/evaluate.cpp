@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 
 #include "app/compute_backend.hpp"
 #include "app/inference.hpp"
@@ -21,7 +23,9 @@
 #include "core/clock.hpp"
 #include "core/counted.hpp"
 #include "core/format.hpp"
+#include "data/data_commands.hpp"
 #include "data/dataset.hpp"
+#include "data/tokenizer.hpp"
 #include "model/family.hpp"
 #include "model/model.hpp"
 #include "shard/fsdp_engine.hpp"
@@ -83,6 +87,22 @@ int64_t option_or_recorded(const std::string& text, const char* option, const st
   return static_cast<int64_t>(parse_whole_number(it->second, key, min, max));
 }
 
+// A run trained on packed documents (data.documents) is scored as it trained: the token its
+// documents start with, given or its data.tokenizer's; -1 for a run without.
+int64_t recorded_document_start(const std::map<std::string, std::string>& run) {
+  const auto documents = run.find("data.documents");
+  if (documents == run.end() || documents->second != "true") return -1;
+  const auto given = run.find("data.document_start");
+  if (given != run.end() && std::atoll(given->second.c_str()) >= 0) return std::atoll(given->second.c_str());
+  const auto tokenizer = run.find("data.tokenizer");
+  if (tokenizer == run.end() || tokenizer->second.empty())
+    throw UsageError("the run trained on packed documents (data.documents) but recorded no data.document_start "
+                     "or data.tokenizer");
+  const std::optional<uint32_t> start = document_start_token(Tokenizer(tokenizer->second));
+  if (!start) throw UsageError("data.tokenizer='" + tokenizer->second + "' puts no token before its documents");
+  return *start;
+}
+
 }  // namespace
 
 int run_eval(Runtime& rt, const std::vector<std::string>& args) {
@@ -124,6 +144,7 @@ int run_eval(Runtime& rt, const std::vector<std::string>& args) {
                                  counted(rt.world(), "rank").c_str()));
     data = std::make_unique<TokenDataset>("--data", data_files, static_cast<int>(T));
     data->set_vocab_size(state.model.vocab_size);
+    data->set_document_start(recorded_document_start(run));
     if (o.batches == "all") {
       data->require_records(static_cast<uint64_t>(G), strprintf("one batch of %lld sequences", static_cast<long long>(G)),
                             "use more data, or a smaller --global-batch or --seq-len");

@@ -223,6 +223,12 @@ void declare_options(OptionList& o, Config& c) {
   o.add("data.tokenizer", &c.data.tokenizer,
         "the tokenizer.json the data was encoded with (data encode --tokenizer), recorded in checkpoints for "
         "'shardtrain generate'; checked at start (it must load, its ids within model.vocab_size); empty = bytes");
+  o.add("data.documents", &c.data.documents,
+        "sequences pack several documents: each position attends only to its own document's earlier positions "
+        "(docs/data.md, \"Packed documents\"); false lets attention run across document boundaries, as llm.c does");
+  o.add("data.document_start", &c.data.document_start,
+        "with data.documents: the token id every document starts with; -1 = the one 'data encode' puts before "
+        "each with data.tokenizer (its separator, or its template's BOS)");
   o.add_choice("adapter.type", &c.adapter.type, ADAPTER_TYPES, adapter_type_name,
                "adapters on the frozen base model, Hugging Face PEFT's LoRA, DoRA, LoHa, LoKr or OFT "
                "(docs/adapters.md); none trains the model itself");
@@ -700,6 +706,8 @@ void validate_config(const Config& c, int world) {
             "a flow.* key is set, but model.arch=" + m.arch + " trains on tokens, not with flow matching: remove it "
             "(the [flow] section is FLUX's)");
   }
+  require(!c.data.documents || family_of(m).token_data(),
+          "data.documents packs token sequences; model.arch=" + m.arch + " trains on latents: remove it");
   require(c.flow.logit_std > 0, "flow.logit_std must be > 0");
   require(c.flow.sample_every >= 0 && c.flow.sample_steps >= 1, "flow.sample_every must be >= 0 and flow.sample_steps >= 1");
   if (c.flow.sample_every > 0) {
@@ -745,6 +753,12 @@ void validate_config(const Config& c, int world) {
   require(t.log_every >= 1, "train.log_every must be >= 1");
   require(t.threads >= 0, "train.threads must be >= 0 (0 = automatic)");
   require(t.peak_gflops >= 0, "train.peak_gflops must be >= 0 (0 = measure)");
+  require(c.data.document_start >= -1 && c.data.document_start < c.model.vocab_size,
+          strprintf("data.document_start=%d must be a token id below model.vocab_size=%d, or -1 (data.tokenizer's)",
+                    c.data.document_start, c.model.vocab_size));
+  require(!c.data.documents || c.data.document_start >= 0 || !c.data.tokenizer.empty(),
+          "data.documents needs the token documents start with: set data.document_start=ID, or data.tokenizer to the "
+          "tokenizer.json the data was encoded with");
   require(!c.data.train_file.empty(),
           "data.train_file is empty: name the token files to train on (--data.train_file=FILES; 'shardtrain data "
           "encode' writes them), and --data.val_file=FILES for validation");

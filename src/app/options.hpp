@@ -63,6 +63,8 @@ struct DataOptions {
   std::string train_file = "inputs/data/synth_train.bin";
   std::string val_file;
   std::string tokenizer;  // the tokenizer.json the files were encoded with ("" = bytes), for `generate`
+  bool documents = false;  // attention within each packed document (docs/data.md, "Packed documents")
+  int document_start = -1;  // the token each document starts with; -1: data.tokenizer's
 };
 
 // A size in bytes with the text it was written as (for messages and the INI record).

@@ -42,6 +42,7 @@
 #include "core/random.hpp"
 #include "comm/comm.hpp"
 #include "comm/watchdog.hpp"
+#include "data/data_commands.hpp"
 #include "data/dataset.hpp"
 #include "data/latent_dataset.hpp"
 #include "data/sampler.hpp"
@@ -463,16 +464,32 @@ void Trainer::open_data() {
   const int V = cfg_.model.vocab_size;
   const bool tokens = family_of(cfg_.model).token_data();
   // data.tokenizer is recorded for generate: it must load, and the model must take every id it writes.
+  // With data.documents, the token that starts each document: given, or data.tokenizer's (rank 0's).
+  int64_t document_start = cfg_.data.document_start;
   if (tokens && !cfg_.data.tokenizer.empty())
     rt_.agree_on([&] {
       if (!rt_.is_root()) return;
-      const uint32_t ids = Tokenizer(cfg_.data.tokenizer).vocab_size();
+      const Tokenizer tokenizer(cfg_.data.tokenizer);
+      const uint32_t ids = tokenizer.vocab_size();
       if (ids > static_cast<uint32_t>(V))
         throw UsageError(strprintf("data.tokenizer='%s' has ids up to %u, beyond model.vocab_size=%d: the model could "
                                    "not take every token it writes; set model.vocab_size to at least %u, or give the "
                                    "tokenizer the data was encoded with",
                                    printable_text(cfg_.data.tokenizer).c_str(), ids - 1, V, ids));
+      if (!cfg_.data.documents || document_start >= 0) return;
+      const std::optional<uint32_t> start = document_start_token(tokenizer);
+      if (!start)
+        throw UsageError(strprintf("data.documents: data.tokenizer='%s' puts no token before its documents (no "
+                                   "end-of-text token, no BOS template); set data.document_start=ID",
+                                   printable_text(cfg_.data.tokenizer).c_str()));
+      document_start = *start;
     });
+  if (cfg_.data.documents) {
+    comm_->broadcast(Span<char>(reinterpret_cast<char*>(&document_start), sizeof document_start), 0,
+                     "broadcast(data.document_start)");
+    rt_.info("data.documents: attention stays within documents, each starting at token %lld",
+             static_cast<long long>(document_start));
+  }
   auto open = [&](const char* option, const std::string& value) {
     std::unique_ptr<DataSource> data;
     rt_.agree_on([&] {
@@ -482,6 +499,7 @@ void Trainer::open_data() {
       }
       auto token_data = std::make_unique<TokenDataset>(option, value, T_);
       token_data->set_vocab_size(V);
+      if (cfg_.data.documents) token_data->set_document_start(document_start);
       data = std::move(token_data);
     });
     // Every rank must read the same files: a glob could expand differently on another node.

@@ -66,10 +66,12 @@ class LayerOps {
   // product (ldc > N). op(X) = X^T where trans_X.
   virtual void gemm(bool trans_a, bool trans_b, int M, int N, int K, Real alpha, const Real* A, int lda,
                     const Real* B, int ldb, Real beta, Real* C, int ldc) const = 0;
-  virtual void attention_forward(Real* out, Real* lse, const Real* qkv, int B, int T, int NH, int KV,
-                                 int HS) const = 0;
+  // doc_start(B,T) in device memory, or nullptr: packed documents, each row attending within its
+  // own (backend/cpu/ops.hpp).
+  virtual void attention_forward(Real* out, Real* lse, const Real* qkv, int B, int T, int NH, int KV, int HS,
+                                 const int* doc_start) const = 0;
   virtual void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Real* out, const Real* lse,
-                                  int B, int T, int NH, int KV, int HS) const = 0;
+                                  int B, int T, int NH, int KV, int HS, const int* doc_start) const = 0;
   // Llama's layers. cos, sin: rope tables (T, HS/2) in device memory.
   virtual void rmsnorm_forward(Real* out, Real* rstd, const Real* inp, const Real* weight, Real eps, int N,
                                int C) const = 0;

@@ -107,13 +107,14 @@ class TimedLayerOps final : public LayerOps<float> {
             int ldb, float beta, float* C, int ldc) const override {
     timed("gemm (adapters)", [&] { inner_.gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc); });
   }
-  void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV,
-                         int HS) const override {
-    timed("attention_forward", [&] { inner_.attention_forward(out, lse, qkv, B, T, NH, KV, HS); });
+  void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
+                         const int* doc_start) const override {
+    timed("attention_forward", [&] { inner_.attention_forward(out, lse, qkv, B, T, NH, KV, HS, doc_start); });
   }
   void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int B,
-                          int T, int NH, int KV, int HS) const override {
-    timed("attention_backward", [&] { inner_.attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS); });
+                          int T, int NH, int KV, int HS, const int* doc_start) const override {
+    timed("attention_backward",
+          [&] { inner_.attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS, doc_start); });
   }
   void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, float eps, int N,
                        int C) const override {

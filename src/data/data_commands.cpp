@@ -149,6 +149,13 @@ void for_each_document(const std::string& path, Doc&& doc) {
   }
 }
 
+// The first of DOCUMENT_SEPARATORS the tokenizer has as a special token, or nullptr.
+const char* first_separator(const Tokenizer& tokenizer) {
+  for (const char* candidate : DOCUMENT_SEPARATORS)
+    if (tokenizer.is_special(candidate)) return candidate;
+  return nullptr;
+}
+
 // The token put before each document, or none.
 std::optional<uint32_t> document_separator(const Tokenizer& tokenizer, const std::string& separator,
                                            const std::string& tokenizer_path, std::string& name) {
@@ -159,11 +166,10 @@ std::optional<uint32_t> document_separator(const Tokenizer& tokenizer, const std
     throw UsageError(strprintf("--separator '%s' is not a token of '%s'", separator.c_str(), tokenizer_path.c_str()));
   }
   if (tokenizer.adds_special_tokens()) return std::nullopt;  // its template already marks every document
-  for (const char* candidate : DOCUMENT_SEPARATORS)
-    if (tokenizer.is_special(candidate)) {
-      name = candidate;
-      return tokenizer.token_id(candidate);
-    }
+  if (const char* candidate = first_separator(tokenizer)) {
+    name = candidate;
+    return tokenizer.token_id(candidate);
+  }
   throw DataError(strprintf("tokenizer file '%s': has none of the special tokens <|endoftext|>, <|end_of_text|>, </s>, "
                             "<eos>, <|begin_of_text|>, <s>, <bos> to put between documents; name one with --separator "
                             "TOKEN or give --separator none",
@@ -179,6 +185,13 @@ namespace {
 // Special tokens that end a chat turn (Llama 3, Qwen 2).
 const char* const CHAT_TURN_ENDS[] = {"<|eot_id|>", "<|im_end|>"};
 }  // namespace
+
+std::optional<uint32_t> document_start_token(const Tokenizer& tokenizer) {
+  if (tokenizer.adds_special_tokens())
+    return tokenizer.prepended_ids().empty() ? std::nullopt : std::optional<uint32_t>(tokenizer.prepended_ids()[0]);
+  const char* separator = first_separator(tokenizer);
+  return separator ? tokenizer.token_id(separator) : std::nullopt;
+}
 
 std::vector<const char*> known_special_tokens() {
   std::vector<const char*> names(std::begin(DOCUMENT_SEPARATORS), std::end(DOCUMENT_SEPARATORS));

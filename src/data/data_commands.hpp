@@ -62,6 +62,10 @@ void data_encode_tokenized(const std::string& input, const std::string& tokenize
 // DOCUMENT_SEPARATORS and the chat-turn ends (<|eot_id|>, <|im_end|>) that the tokenizer has.
 // generate stops at them; an exported folder's generation_config.json lists them.
 std::vector<uint32_t> end_of_text_ids(const Tokenizer& tokenizer);
+// The token every document starts with in `data encode`'s output: the first id the tokenizer's
+// template puts before every text, else the separator (the first of DOCUMENT_SEPARATORS it has);
+// none when it has neither. data.documents finds the documents of packed sequences by it.
+std::optional<uint32_t> document_start_token(const Tokenizer& tokenizer);
 // DOCUMENT_SEPARATORS and the chat-turn ends: the special tokens known by name.
 std::vector<const char*> known_special_tokens();
 // The tokenizer's beginning-of-text token (<|begin_of_text|>, <s>, <bos>), if it has one.

@@ -185,11 +185,20 @@ std::string TokenDataset::check(int part, int num_parts) const {
 void TokenDataset::begin(Batch& batch, int rows) const {
   batch.put<int>(BATCH_TOKENS, {rows, seq_len_});
   batch.put<int>(BATCH_TARGETS, {rows, seq_len_});
+  if (document_start_ >= 0) batch.put<int>(BATCH_DOC_STARTS, {rows, seq_len_});
 }
 
 void TokenDataset::fill(Batch& batch, int row, uint64_t record, uint64_t, bool) const {
   const size_t rows = static_cast<size_t>(batch.shape(BATCH_TOKENS)[0]), T = static_cast<size_t>(seq_len_);
-  fill(record, batch.at<int>(BATCH_TOKENS, rows * T) + row * T, batch.at<int>(BATCH_TARGETS, rows * T) + row * T);
+  int* inputs = batch.at<int>(BATCH_TOKENS, rows * T) + row * T;
+  fill(record, inputs, batch.at<int>(BATCH_TARGETS, rows * T) + row * T);
+  if (document_start_ < 0) return;
+  int* starts = batch.at<int>(BATCH_DOC_STARTS, rows * T) + row * T;
+  int start = 0;
+  for (size_t t = 0; t < T; t++) {
+    if (inputs[t] == document_start_) start = static_cast<int>(t);
+    starts[t] = start;
+  }
 }
 
 std::string TokenDataset::identity() const {

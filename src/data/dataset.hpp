@@ -65,6 +65,10 @@ class TokenDataset final : public DataSource {
   std::string check_tokens(int vocab_size, int part, int num_parts) const;
   std::string check(int part, int num_parts) const override;
   void set_vocab_size(int vocab_size) { vocab_size_ = vocab_size; }
+  // Packed documents (data.documents): a micro-batch then holds BATCH_DOC_STARTS, each position's
+  // document starting at the last occurrence of `token` at or before it in the window (or at the
+  // window's start), so that attention stays within a document. -1: off.
+  void set_document_start(int64_t token) { document_start_ = token; }
   // What a checkpoint records of the data: one line "<bytes> <path>" per file, in stream order.
   std::string identity() const override;
   // For the start-up line: "path (N tokens)", or "K files of 'value' (N tokens, W windows)".
@@ -74,6 +78,7 @@ class TokenDataset final : public DataSource {
   std::string option_, value_;
   int seq_len_;
   int vocab_size_ = 0;
+  int64_t document_start_ = -1;
   std::vector<TokenFile> files_;
   std::vector<uint64_t> first_window_;  // file f's windows are [first_window_[f], first_window_[f + 1])
 };

@@ -961,4 +961,6 @@ std::string Tokenizer::decode(const std::vector<uint32_t>& ids) const {
 
 const std::vector<uint32_t>& Tokenizer::appended_ids() const { return impl_->suffix; }
 
+const std::vector<uint32_t>& Tokenizer::prepended_ids() const { return impl_->prefix; }
+
 }  // namespace shardtrain

@@ -52,6 +52,8 @@ class Tokenizer {
   // The ids the post-processor appends to every text (a template's EOS, e.g. "$A </s>"); empty
   // for most byte-level tokenizers.
   const std::vector<uint32_t>& appended_ids() const;
+  // The ids it puts before every text (a template's BOS, e.g. "<|begin_of_text|> $A").
+  const std::vector<uint32_t>& prepended_ids() const;
 
  private:
   struct Impl;

@@ -3,7 +3,8 @@
 // the cross-entropy (or distillation) loss over B*T positions. A family's model derives from it and
 // writes its embedding, blocks, final norm and decode path; the buffers below are allocated by the
 // derived constructor in its own order (ModelFamily::activation_arrays lists them), except the
-// saved tensors, tokens and targets, which this constructor makes.
+// saved tensors, tokens, targets and document starts, which this constructor makes
+// (decoder_lm_id_bytes).
 #pragma once
 
 #include <vector>
@@ -55,13 +56,20 @@ class DecoderLM : public TransformerModel<Real>, public KvDecoder<Real>, public 
     const size_t BT = static_cast<size_t>(B_) * T_;
     tokens_ = DeviceArray<int>(ops.device(), BT);
     targets_ = DeviceArray<int>(ops.device(), BT);
+    doc_starts_ = DeviceArray<int>(ops.device(), BT);
   }
 
   Loss<Real>& own_loss() override { return cross_entropy_; }
-  // The micro-batch's tokens to the device (embed_forward).
+  // The micro-batch's tokens, and its documents if it packs several per row, to the device
+  // (embed_forward); doc_start() is then what the attention reads.
   void upload_tokens(const Batch& batch) {
     ops_.device().copy_to_device(tokens_.data(), batch.get<int>(BATCH_TOKENS, tokens_.size()), tokens_.bytes());
+    documents_ = batch.has(BATCH_DOC_STARTS);
+    if (documents_)
+      ops_.device().copy_to_device(doc_starts_.data(), batch.get<int>(BATCH_DOC_STARTS, doc_starts_.size()),
+                                   doc_starts_.bytes());
   }
+  const int* doc_start() const { return documents_ ? doc_starts_.data() : nullptr; }
   LossTargets<Real> loss_targets() const { return {targets_.data(), nullptr}; }
   // The head's backward up to the logits: the loss's gradient in place of the probabilities.
   void loss_backward(Real dloss) {
@@ -75,7 +83,8 @@ class DecoderLM : public TransformerModel<Real>, public KvDecoder<Real>, public 
   int B_, T_;
   bool checkpointing_;
   CrossEntropyLoss<Real> cross_entropy_;
-  DeviceArray<int> tokens_, targets_;
+  DeviceArray<int> tokens_, targets_, doc_starts_;
+  bool documents_ = false;  // the micro-batch packs documents (doc_starts_)
   std::vector<Array> resid_;      // resid_[l]: input of block l; resid_[L]: output of the last
   SavedActivations<Real> saved_;  // one layer with checkpointing, else every layer
   Array lnf_, probs_, losses_;    // the final norm's output, the logits then probabilities, the losses

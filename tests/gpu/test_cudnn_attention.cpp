@@ -337,9 +337,9 @@ TEST(CudnnAttentionBench, DISABLED_CudnnAgainstTiled) {
     auto d_qkv = gpu.upload(uniform(s.qkv(), 71)), d_dout = gpu.upload(uniform(s.out(), 72));
     auto d_out = gpu.filled(s.out(), 0), d_lse = gpu.filled(s.lse(), 0), d_dqkv = gpu.filled(s.qkv(), 0);
     const double tiled_ms = median_ms(*gpu.device, 10, [&] {
-      tiled->attention_forward(d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
+      tiled->attention_forward(d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS, nullptr);
       tiled->attention_backward(d_dqkv.data(), d_dout.data(), d_qkv.data(), d_out.data(), d_lse.data(), s.B, s.T, s.NH,
-                                s.KV, s.HS);
+                                s.KV, s.HS, nullptr);
     });
     bool ran = true;
     const double cudnn_ms = median_ms(*gpu.device, 10, [&] {

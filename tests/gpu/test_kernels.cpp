@@ -921,7 +921,7 @@ TEST_P(AttentionTest, ForwardMatchesCpu) {
   DeviceBuffer<float> d_out(device(), "out", out.size(), s.misalign), d_lse(device(), "lse", lse.size(), s.misalign);
   d_out.fill(kNaN);
   d_lse.fill(kNaN);
-  ops().attention_forward(d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  ops().attention_forward(d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS, nullptr);
   expect_close(d_lse.download("attention_forward").data(), widen(lse), attention_lse_tol(s), "attention lse");
   expect_close(d_out.download("attention_forward").data(), widen(out), attention_out_tol(s), "attention out");
 }
@@ -937,11 +937,46 @@ TEST_P(AttentionTest, BackwardMatchesCpu) {
   DeviceBuffer<float> d_dqkv(device(), "dqkv", dqkv.size(), s.misalign);
   d_dqkv.fill(kNaN);  // written, never read
   ops().attention_backward(d_dqkv.data(), d_dout.data(), d_qkv.data(), d_out.data(), d_lse.data(), s.B, s.T, s.NH,
-                           s.KV, s.HS);
+                           s.KV, s.HS, nullptr);
   expect_close(d_dqkv.download("attention_backward").data(), widen(dqkv), attention_backward_tol(s),
                "attention dqkv");
   d_out.download("attention_backward (out)");
   d_lse.download("attention_backward (lse)");
+}
+
+// Packed documents (doc_start): the kernels against the CPU's packed attention (which the unit
+// tests hold to each document run alone). Documents of 1, 5 and many tokens, starting mid-tile.
+std::vector<int> packed_doc_starts(const AttentionShape& s) {
+  std::vector<int> starts(static_cast<size_t>(s.B) * s.T);
+  for (int b = 0; b < s.B; b++)
+    for (int t = 0, first = 0; t < s.T; t++) {
+      if (t == 3 + b || t == 4 + b || t == 9 + 2 * b || t == s.T / 2 + 7) first = t;
+      starts[static_cast<size_t>(b) * s.T + t] = first;
+    }
+  return starts;
+}
+
+TEST_P(AttentionTest, PackedDocumentsMatchCpu) {
+  const AttentionShape s = GetParam();
+  const std::vector<float> qkv = uniform_vector(s.qkv_size(), 88), dout = uniform_vector(s.out_size(), 89);
+  const std::vector<int> starts = packed_doc_starts(s);
+  std::vector<float> out(s.out_size()), lse(s.lse_size()), dqkv(s.qkv_size());
+  cpu::attention_forward(out.data(), lse.data(), qkv.data(), s.B, s.T, s.NH, s.KV, s.HS, cpu::AttentionTiles(), true,
+                         starts.data());
+  cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), s.B, s.T, s.NH, s.KV, s.HS,
+                          cpu::AttentionTiles(), true, starts.data());
+  auto d_qkv = on_device(device(), "qkv", qkv, s.misalign), d_dout = on_device(device(), "dout", dout, s.misalign);
+  auto d_starts = on_device(device(), "doc_start", starts, 0);
+  DeviceBuffer<float> d_out(device(), "out", out.size(), s.misalign), d_lse(device(), "lse", lse.size(), s.misalign);
+  DeviceBuffer<float> d_dqkv(device(), "dqkv", dqkv.size(), s.misalign);
+  d_dqkv.fill(kNaN);
+  ops().attention_forward(d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS, d_starts.data());
+  ops().attention_backward(d_dqkv.data(), d_dout.data(), d_qkv.data(), d_out.data(), d_lse.data(), s.B, s.T, s.NH,
+                           s.KV, s.HS, d_starts.data());
+  expect_close(d_lse.download("attention_forward").data(), widen(lse), attention_lse_tol(s), "packed attention lse");
+  expect_close(d_out.download("attention_forward").data(), widen(out), attention_out_tol(s), "packed attention out");
+  expect_close(d_dqkv.download("attention_backward").data(), widen(dqkv), attention_backward_tol(s),
+               "packed attention dqkv");
 }
 
 // The grouping's meaning, independent of the CPU's grouped code: grouped-query attention is
@@ -985,9 +1020,9 @@ TEST_P(AttentionTest, GroupedEqualsRepeatedHeads) {
   DeviceBuffer<float> d_out(device(), "out", out.size(), s.misalign), d_lse(device(), "lse", lse.size(), s.misalign);
   DeviceBuffer<float> d_dqkv(device(), "dqkv", s.qkv_size(), s.misalign);
   d_dqkv.fill(kNaN);
-  ops().attention_forward(d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  ops().attention_forward(d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS, nullptr);
   ops().attention_backward(d_dqkv.data(), d_dout.data(), d_qkv.data(), d_out.data(), d_lse.data(), s.B, s.T, s.NH,
-                           s.KV, s.HS);
+                           s.KV, s.HS, nullptr);
   expect_close(d_lse.download("grouped attention").data(), widen(lse), attention_lse_tol(s), "grouped lse");
   expect_close(d_out.download("grouped attention").data(), widen(out), attention_out_tol(s), "grouped out");
   expect_close(d_dqkv.download("grouped attention").data(), dqkv, attention_backward_tol(s), "grouped dqkv");
@@ -1005,9 +1040,9 @@ TEST_P(AttentionTest, Bf16GemmOperandsLeaveItFp32) {
     const LayerOps<float>& o = bf16 ? *bf16_ops : ops();
     DeviceBuffer<float> d_out(device(), "out", s.out_size(), s.misalign), d_lse(device(), "lse", s.lse_size(), 0),
         d_dqkv(device(), "dqkv", s.qkv_size(), s.misalign);
-    o.attention_forward(d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
+    o.attention_forward(d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS, nullptr);
     o.attention_backward(d_dqkv.data(), d_dout.data(), d_qkv.data(), d_out.data(), d_lse.data(), s.B, s.T, s.NH, s.KV,
-                         s.HS);
+                         s.HS, nullptr);
     outs[bf16] = d_out.download("attention"), dqkvs[bf16] = d_dqkv.download("attention");
   }
   expect_same_bits(outs[1], outs[0], "attention out with bf16 GEMM operands");
@@ -1022,9 +1057,9 @@ TEST_P(AttentionTest, RepeatsBitwise) {
       d_dqkv(device(), "dqkv", s.qkv_size(), s.misalign);
   std::vector<float> first_out, first_lse, first_dqkv;
   for (int run = 0; run < 2; run++) {
-    ops().attention_forward(d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
+    ops().attention_forward(d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS, nullptr);
     ops().attention_backward(d_dqkv.data(), d_dout.data(), d_qkv.data(), d_out.data(), d_lse.data(), s.B, s.T, s.NH,
-                             s.KV, s.HS);
+                             s.KV, s.HS, nullptr);
     std::vector<float> out = d_out.download("run"), lse = d_lse.download("run"), dqkv = d_dqkv.download("run");
     if (run == 0) {
       first_out = out, first_lse = lse, first_dqkv = dqkv;

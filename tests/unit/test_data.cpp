@@ -133,6 +133,27 @@ TEST_F(DataTest, LossMaskRoundTripMatchesIndependentLayout) {
   EXPECT_FALSE(TokenDataset("data.train_file", path("plain.bin"), 4).masks_targets());
 }
 
+// data.documents: each position's document starts at the last document-start token at or before
+// it in the window, or at the window's start.
+TEST_F(DataTest, DocumentStartsComeFromTheStartToken) {
+  const std::vector<uint16_t> tokens = {7, 1, 2, 7, 3, 7, 7, 4, 5, 6, 1, 2, 3};
+  write_token_file(path("d.bin"), tokens);
+  TokenDataset data("data.train_file", path("d.bin"), 6);
+  data.set_document_start(7);
+  Batch batch;
+  data.begin(batch, 2);
+  data.fill(batch, 0, 0, 0, false);
+  data.fill(batch, 1, 1, 1, false);
+  const int* starts = batch.get<int>(BATCH_DOC_STARTS, 12);
+  const std::vector<int> expected = {0, 0, 0, 3, 3, 5,   // window 0: tokens 7 1 2 7 3 7
+                                     0, 0, 0, 0, 0, 0};  // window 1: tokens 7 4 5 6 1 2
+  EXPECT_EQ(std::vector<int>(starts, starts + 12), expected);
+  TokenDataset plain("data.train_file", path("d.bin"), 6);
+  Batch unpacked;
+  plain.begin(unpacked, 2);
+  EXPECT_FALSE(unpacked.has(BATCH_DOC_STARTS));
+}
+
 TEST_F(DataTest, TokenFileWithNoTokensIsValid) {
   write_token_file(path("empty.bin"), {});
   TokenFile file(path("empty.bin"));

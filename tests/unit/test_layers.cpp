@@ -919,6 +919,95 @@ std::vector<AttentionShape> gqa_shapes() {
 }
 INSTANTIATE_TEST_SUITE_P(Shapes, GqaAttentionTest, ::testing::ValuesIn(gqa_shapes()), ShapeName());
 
+// Packed documents (doc_start): every document of a packed sequence gets exactly what attention
+// over that document alone gives -- out, lse, and the backward's dqkv for its rows -- the oracle
+// being the op itself on the document cut out (checked against the reference above). Documents
+// start mid-tile, span several tiles and are one token long; a sequence that is one document
+// gives the unpacked op's bits.
+struct DocumentCase {
+  AttentionShape shape;                   // B = the number of sequences below
+  std::vector<std::vector<int>> starts;   // per sequence, its documents' first positions (0 first)
+};
+
+template <typename Real>
+void check_documents_equal_each_alone(const DocumentCase& c, double tolerance) {
+  const AttentionShape& s = c.shape;
+  const int T = s.T, row = (s.NH + 2 * s.KV) * s.HS, C = s.NH * s.HS;
+  std::vector<Real> qkv(qkv_size(s)), out(attention_out_size(s)), lse(lse_size(s)), dout(out.size()),
+      dqkv(qkv.size());
+  fill_uniform(qkv.data(), qkv.size(), 95, -2.0, 2.0);
+  fill_uniform(dout.data(), dout.size(), 96);
+  std::vector<int> doc_start(static_cast<size_t>(s.B) * T);
+  for (int b = 0; b < s.B; b++)
+    for (int t = 0, d = 0; t < T; t++) {
+      while (d + 1 < static_cast<int>(c.starts[b].size()) && c.starts[b][d + 1] <= t) d++;
+      doc_start[static_cast<size_t>(b) * T + t] = c.starts[b][d];
+    }
+  cpu::attention_forward(out.data(), lse.data(), qkv.data(), s.B, T, s.NH, s.KV, s.HS, s.op_tiles(), true,
+                         doc_start.data());
+  cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), s.B, T, s.NH, s.KV, s.HS,
+                          s.op_tiles(), true, doc_start.data());
+  for (int b = 0; b < s.B; b++)
+    for (size_t d = 0; d < c.starts[b].size(); d++) {
+      const int first = c.starts[b][d], n = (d + 1 < c.starts[b].size() ? c.starts[b][d + 1] : T) - first;
+      const auto rows = [&](const std::vector<Real>& v, int width) {
+        const auto begin = v.begin() + (static_cast<size_t>(b) * T + first) * width;
+        return std::vector<Real>(begin, begin + static_cast<size_t>(n) * width);
+      };
+      const std::vector<Real> q1 = rows(qkv, row), dout1 = rows(dout, C);
+      std::vector<Real> out1(dout1.size()), lse1(static_cast<size_t>(s.NH) * n), dqkv1(q1.size());
+      cpu::attention_forward(out1.data(), lse1.data(), q1.data(), 1, n, s.NH, s.KV, s.HS, s.op_tiles());
+      cpu::attention_backward(dqkv1.data(), dout1.data(), q1.data(), out1.data(), lse1.data(), 1, n, s.NH, s.KV, s.HS,
+                              s.op_tiles());
+      const std::string where = name_of(s) + " sequence " + std::to_string(b) + " document at " + std::to_string(first);
+      const std::vector<Real> packed_out = rows(out, C), packed_dqkv = rows(dqkv, row);
+      for (size_t i = 0; i < out1.size(); i++)
+        ASSERT_NEAR(packed_out[i], out1[i], tolerance) << where << " out[" << i << "]";
+      for (size_t i = 0; i < dqkv1.size(); i++)
+        ASSERT_NEAR(packed_dqkv[i], dqkv1[i], tolerance) << where << " dqkv[" << i << "]";
+      for (int h = 0; h < s.NH; h++)
+        for (int t = 0; t < n; t++)
+          ASSERT_NEAR(lse[(static_cast<size_t>(b) * s.NH + h) * T + first + t], lse1[static_cast<size_t>(h) * n + t],
+                      tolerance)
+              << where << " lse head " << h << " row " << t;
+    }
+}
+
+void PrintTo(const DocumentCase& c, std::ostream* os) { *os << name_of(c.shape); }
+class DocumentAttentionTest : public ::testing::TestWithParam<DocumentCase> {};
+TEST_P(DocumentAttentionTest, EveryDocumentGetsWhatItGetsAlone) {
+  check_documents_equal_each_alone<double>(GetParam(), 1e-12);
+  check_documents_equal_each_alone<float>(GetParam(), 2e-5);
+}
+const DocumentCase kDocumentCases[] = {
+    {{2, 23, 4, 4, 8, {4, 4}}, {{0, 5, 6, 14}, {0, 1, 2, 3, 20}}},    // mid-tile starts, one-token documents
+    {{1, 40, 4, 2, 8, {4, 8}}, {{0, 9, 31}}},                          // grouped heads, documents over tiles
+    {{2, 37, 8, 2, 6, {8, 4}}, {{0, 17, 18}, {0, 36}}},               // query tiles larger than key tiles
+    {{1, 150, 4, 1, 16, {0, 0}}, {{0, 70, 129}}},                      // the default tiles
+};
+INSTANTIATE_TEST_SUITE_P(Cases, DocumentAttentionTest, ::testing::ValuesIn(kDocumentCases),
+                         [](const ::testing::TestParamInfo<DocumentCase>& info) { return "case" + std::to_string(info.index); });
+
+TEST(DocumentAttention, OneDocumentPerSequenceGivesTheUnpackedBits) {
+  const AttentionShape s{2, 45, 4, 2, 8, {8, 16}};
+  std::vector<float> qkv(qkv_size(s)), out(attention_out_size(s)), lse(lse_size(s)), dout(out.size()),
+      dqkv(qkv.size());
+  fill_uniform(qkv.data(), qkv.size(), 97, -2.0, 2.0);
+  fill_uniform(dout.data(), dout.size(), 98);
+  std::vector<float> out2(out.size()), lse2(lse.size()), dqkv2(dqkv.size());
+  const std::vector<int> zeros(static_cast<size_t>(s.B) * s.T, 0);
+  cpu::attention_forward(out.data(), lse.data(), qkv.data(), s.B, s.T, s.NH, s.KV, s.HS, s.op_tiles());
+  cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), s.B, s.T, s.NH, s.KV, s.HS,
+                          s.op_tiles());
+  cpu::attention_forward(out2.data(), lse2.data(), qkv.data(), s.B, s.T, s.NH, s.KV, s.HS, s.op_tiles(), true,
+                         zeros.data());
+  cpu::attention_backward(dqkv2.data(), dout.data(), qkv.data(), out2.data(), lse2.data(), s.B, s.T, s.NH, s.KV, s.HS,
+                          s.op_tiles(), true, zeros.data());
+  EXPECT_TRUE(same_bits(out2, out));
+  EXPECT_TRUE(same_bits(lse2, lse));
+  EXPECT_TRUE(same_bits(dqkv2, dqkv));
+}
+
 // ==================================================================================================
 // Rotary position embedding, in place on the q and k heads of qkv (the attention layout above), v
 // untouched. The tables (T, HS/2) are the reference's rope_tables with theta = 100 (angles up to

@@ -212,10 +212,10 @@ class CountingOps : public LayerOps<double> {
     macs_ += static_cast<double>(N) * C * OC + (bias ? static_cast<double>(N) * OC : 0.0);
     cpu().matmul_forward(out, inp, weight, bias, N, C, OC);
   }
-  void attention_forward(double* out, double* lse, const double* qkv, int B, int T, int NH, int KV,
-                         int HS) const override {
+  void attention_forward(double* out, double* lse, const double* qkv, int B, int T, int NH, int KV, int HS,
+                         const int* doc_start) const override {
     macs_ += 2.0 * B * T * T * NH * HS;  // per query head: T x T scores of HS, then T x HS outputs of T
-    cpu().attention_forward(out, lse, qkv, B, T, NH, KV, HS);
+    cpu().attention_forward(out, lse, qkv, B, T, NH, KV, HS, doc_start);
   }
   void rope_forward(double* qkv, const double* cos, const double* sin, int B, int T, int NH, int KV,
                     int HS) const override {
@@ -288,7 +288,7 @@ class CountingOps : public LayerOps<double> {
     unused();
   }
   void attention_backward(double*, const double*, const double*, const double*, const double*, int, int, int, int,
-                          int) const override {
+                          int, const int*) const override {
     unused();
   }
   void rope_backward(double*, const double*, const double*, int, int, int, int, int) const override { unused(); }
@@ -327,6 +327,84 @@ TEST_P(ModelArchTest, FlopsPerTokenCountsTheMultiplyAddsTheModelRuns) {
     forward_loss(*model, table, random_units<double>(table, 0.3, 99), make_batch(B, seq_len, c.vocab_size));
     const double per_token = 2 * 3 * counting.multiply_adds() / (B * seq_len);
     EXPECT_DOUBLE_EQ(table.flops_per_token(seq_len), per_token) << "seq_len " << seq_len;
+  }
+}
+
+// Packed documents (BATCH_DOC_STARTS, data.documents): one sequence holds documents [0, 4) and [4, 9).
+constexpr int kPackedT = 9, kSecondDocument = 4;
+Batch packed_batch(const std::vector<int>& tokens, const std::vector<int>& targets, bool documents) {
+  Batch batch = token_batch(tokens, targets, 1, kPackedT);
+  if (documents) {
+    int* starts = batch.put<int>(BATCH_DOC_STARTS, {1, kPackedT});
+    for (int t = 0; t < kPackedT; t++) starts[t] = t < kSecondDocument ? 0 : kSecondDocument;
+  }
+  return batch;
+}
+
+// The second document's predictions do not depend on the first document's tokens with documents
+// (and do without them: the test can tell), for every family.
+TEST_P(ModelArchTest, PackedDocumentsDoNotSeeEachOther) {
+  ModelConfig c = GetParam().config();
+  c.max_seq_len = kPackedT;
+  ParamTable table(c);
+  const int V = table.config().vocab_size;
+  auto model = make_model<double>(table, 1, kPackedT, false, cpu_layer_ops<double>());
+  const auto units = random_units<double>(table, 0.3, 99);
+  std::vector<int> tokens(kPackedT), other(kPackedT), targets(kPackedT);
+  for (int t = 0; t < kPackedT; t++) tokens[t] = (t * 5 + 3) % V, targets[t] = (t * 7 + 1) % V;
+  other = tokens;
+  for (int t = 0; t < kSecondDocument; t++) other[t] = (tokens[t] + 1) % V;
+  for (bool documents : {true, false}) {
+    std::vector<std::vector<double>> probs;
+    for (const auto* first : {&tokens, &other}) {
+      forward_loss(*model, table, units, packed_batch(*first, targets, documents));
+      probs.emplace_back(static_cast<size_t>(kPackedT - kSecondDocument) * V);
+      for (int t = kSecondDocument; t < kPackedT; t++)
+        model->token_logits()->copy_head_probs(t, probs.back().data() + static_cast<size_t>(t - kSecondDocument) * V);
+    }
+    double largest = 0;
+    for (size_t i = 0; i < probs[0].size(); i++) largest = std::max(largest, std::fabs(probs[0][i] - probs[1][i]));
+    if (documents)
+      EXPECT_EQ(largest, 0.0) << "the second document saw the first";
+    else
+      EXPECT_GT(largest, 1e-6) << "without documents the first document should matter";
+  }
+}
+
+// With rotary positions (Llama, Qwen 2) attention sees only relative positions, so each packed
+// document gets what it gets alone: the packed sequence's summed loss and its gradients are
+// its two documents' run on their own, added.
+TEST(PackedDocuments, RotaryModelsGiveEachDocumentWhatItGetsAlone) {
+  for (ModelConfig (*config)() : {tiny_llama_config, tiny_llama_tied_config, tiny_qwen2_config}) {
+    ModelConfig c = config();
+    c.max_seq_len = kPackedT;
+    ParamTable table(c);
+    const int V = table.config().vocab_size;
+    auto units = random_units<double>(table, 0.3, 99);
+    std::vector<int> tokens(kPackedT), targets(kPackedT);
+    for (int t = 0; t < kPackedT; t++) tokens[t] = (t * 5 + 3) % V, targets[t] = (t * 7 + 1) % V;
+    auto packed = make_model<double>(table, 1, kPackedT, false, cpu_layer_ops<double>());
+    std::vector<std::vector<double>> grads, grads_first, grads_second;
+    const double loss = loss_and_grads(*packed, table, units, grads, packed_batch(tokens, targets, true), 1.0);
+    const auto part = [&](int begin, int end, std::vector<std::vector<double>>& g) {
+      auto model = make_model<double>(table, 1, end - begin, false, cpu_layer_ops<double>());
+      const std::vector<int> t(tokens.begin() + begin, tokens.begin() + end), y(targets.begin() + begin,
+                                                                                 targets.begin() + end);
+      return loss_and_grads(*model, table, units, g, token_batch(t, y, 1, end - begin), 1.0);
+    };
+    const double alone = part(0, kSecondDocument, grads_first) + part(kSecondDocument, kPackedT, grads_second);
+    // Up to the rotary tables' fp32 angles (as transformers computes them): position t's rotation
+    // is not exactly position 0's turned by t steps, a relative 1e-7 or so.
+    EXPECT_NEAR(loss, alone, 1e-6 * std::fabs(alone)) << table.config().arch;
+    for (const ParamInfo& p : table.params()) {
+      double scale = 0;
+      for (size_t i = 0; i < p.numel; i++) scale = std::max(scale, std::fabs(grads[p.unit][p.offset + i]));
+      for (size_t i = 0; i < p.numel; i++) {
+        const size_t at = p.offset + i;
+        ASSERT_NEAR(grads[p.unit][at], grads_first[p.unit][at] + grads_second[p.unit][at], 1e-6 * scale + 1e-12)
+            << table.config().arch << " " << p.name << "[" << i << "]";
+      }
+    }
   }
 }
 

@@ -52,23 +52,34 @@ HeadView head_view(int T, int NH, int KV, int HS) {
 
 int tiles_of(int n, int tile) { return (n + tile - 1) / tile; }
 
-// Keys of a (query rows t0.., key columns k0..) tile that row t may see: causally s <= t, within
-// [0, nk); without the mask all nk.
-int visible_keys(int t, int k0, int nk, bool causal) { return causal ? std::clamp(t - k0 + 1, 0, nk) : nk; }
+// Which keys each query row of one sequence sees: causally s <= t, and with documents (`first`,
+// the sequence's T entries of doc_start) s >= first[t], the first position of row t's document.
+struct RowMask {
+  bool causal;
+  const int* first;  // nullptr: no documents
+  int lo(int t) const { return first ? first[t] : 0; }
+  // The visible keys [begin, end) of row t within the tile of keys [k0, k0 + nk), as tile columns.
+  int begin(int t, int k0, int nk) const { return first ? std::clamp(first[t] - k0, 0, nk) : 0; }
+  int end(int t, int k0, int nk) const { return causal ? std::clamp(t - k0 + 1, 0, nk) : nk; }
+};
 
-// The end of the keys a query tile [t0, t0 + nq) attends to: its last row's, causally.
+// The keys a query tile [t0, t0 + nq) attends to: from its first row's document (documents only
+// move forward along a sequence), to its last row's position, causally. The first key tile starts
+// on a tile boundary, so that without documents the tiles are those of [0, end).
+int keys_begin(const RowMask& mask, int t0, int BK) { return mask.lo(t0) / BK * BK; }
 int keys_end(int t0, int nq, int T, bool causal) { return causal ? t0 + nq : T; }
 
 // P = exp(S - lse_t) on the visible keys of each of the nq rows of the (nq, nk) tile, 0 elsewhere.
 template <typename Real>
-void probabilities(Real* p, int nq, int nk, int t0, int k0, const Real* lse, bool causal) {
+void probabilities(Real* p, int nq, int nk, int t0, int k0, const Real* lse, const RowMask& mask) {
   for (int i = 0; i < nq; i++) {
     Real* r = p + static_cast<size_t>(i) * nk;
-    const int n = visible_keys(t0 + i, k0, nk, causal);
+    const int a = mask.begin(t0 + i, k0, nk), e = std::max(a, mask.end(t0 + i, k0, nk));
     const Real shift = lse[i];
+    for (int j = 0; j < a; j++) r[j] = 0;
 #pragma omp simd
-    for (int j = 0; j < n; j++) r[j] = exp_fast(r[j] - shift);
-    for (int j = n; j < nk; j++) r[j] = 0;
+    for (int j = a; j < e; j++) r[j] = exp_fast(r[j] - shift);
+    for (int j = e; j < nk; j++) r[j] = 0;
   }
 }
 
@@ -88,42 +99,53 @@ void score_gradient(Real* dp, const Real* p, int nq, int nk, const Real* D) {
 
 template <typename Real>
 void attention_forward(Real* out, Real* lse, const Real* qkv, int B, int T, int NH, int KV, int HS,
-                       AttentionTiles tiles, bool causal) {
+                       AttentionTiles tiles, bool causal, const int* doc_start) {
+  SHARD_CHECK(causal || !doc_start, "attention_forward: documents need the causal mask");
   const HeadView V = head_view(T, NH, KV, HS);
   const Real scale = Real(1) / std::sqrt(Real(HS));
   const int BQ = tiles.query, BK = tiles.key, q_tiles = tiles_of(T, BQ), tasks = B * NH * q_tiles;
 #pragma omp parallel
   {
     std::vector<Real> s(static_cast<size_t>(BQ) * BK), acc(static_cast<size_t>(BQ) * HS), m(BQ), l(BQ);
+    std::vector<char> started(BQ);
 #pragma omp for schedule(dynamic, 1)
     for (int task = 0; task < tasks; task++) {
       const int qt = q_tiles - 1 - task % q_tiles, bh = task / q_tiles, b = bh / NH, h = bh % NH;  // last tiles first
       const int t0 = qt * BQ, nq = std::min(BQ, T - t0), kv = h / V.group;
+      const RowMask mask{causal, doc_start ? doc_start + static_cast<size_t>(b) * T : nullptr};
       const Real* q = qkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row;
       const Real* k = qkv + V.k_offset(b, kv);
       const Real* v = qkv + V.v_offset(b, kv);
       std::fill(acc.begin(), acc.begin() + static_cast<size_t>(nq) * HS, Real(0));
+      std::fill(started.begin(), started.end(), 0);
       const int k_end = keys_end(t0, nq, T, causal);  // causally, keys past the tile's last query are masked
-      for (int k0 = 0; k0 < k_end; k0 += BK) {
+      for (int k0 = keys_begin(mask, t0, BK); k0 < k_end; k0 += BK) {
         const int nk = std::min(BK, k_end - k0);
         gemm(false, true, nq, nk, HS, scale, q, V.row, k + static_cast<size_t>(k0) * V.row, V.row, Real(0), s.data(),
              nk);
         for (int i = 0; i < nq; i++) {
           Real* r = s.data() + static_cast<size_t>(i) * nk;
-          const int n = visible_keys(t0 + i, k0, nk, causal);
-          // The first key tile holds key 0, visible to every row: m is finite from then on.
-          Real row_max = k0 == 0 ? r[0] : m[i];
+          const int a = mask.begin(t0 + i, k0, nk), n = mask.end(t0 + i, k0, nk);
+          if (a >= n) {  // a tile before this row's document (or past it): nothing seen, m and l stay
+            std::fill(r, r + nk, Real(0));
+            continue;
+          }
+          // A row's first tile with a visible key makes m finite. Without documents that is the
+          // first key tile, which holds key 0.
+          Real row_max = started[i] ? m[i] : r[a];
 #pragma omp simd reduction(max : row_max)
-          for (int j = 0; j < n; j++) row_max = std::max(row_max, r[j]);
+          for (int j = a; j < n; j++) row_max = std::max(row_max, r[j]);
           Real sum = 0;
+          for (int j = 0; j < a; j++) r[j] = 0;
 #pragma omp simd reduction(+ : sum)
-          for (int j = 0; j < n; j++) {
+          for (int j = a; j < n; j++) {
             r[j] = exp_fast(r[j] - row_max);
             sum += r[j];
           }
           for (int j = n; j < nk; j++) r[j] = 0;
-          if (k0 == 0) {
+          if (!started[i]) {
             l[i] = sum;
+            started[i] = 1;
           } else {
             const Real rescale = exp_fast(m[i] - row_max);
             l[i] = l[i] * rescale + sum;
@@ -148,7 +170,8 @@ void attention_forward(Real* out, Real* lse, const Real* qkv, int B, int T, int 
 
 template <typename Real>
 void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Real* out, const Real* lse, int B, int T,
-                        int NH, int KV, int HS, AttentionTiles tiles, bool causal) {
+                        int NH, int KV, int HS, AttentionTiles tiles, bool causal, const int* doc_start) {
+  SHARD_CHECK(causal || !doc_start, "attention_backward: documents need the causal mask");
   const HeadView V = head_view(T, NH, KV, HS);
   const Real scale = Real(1) / std::sqrt(Real(HS));
   const int BQ = tiles.query, BK = tiles.key;
@@ -171,24 +194,33 @@ void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Rea
     std::vector<Real> p(static_cast<size_t>(BQ) * BK), dp(p.size());
     std::vector<Real> dk(static_cast<size_t>(BK) * HS), dv(dk.size()), dq(static_cast<size_t>(BQ) * HS);
     // dK, dV of key tile [k0, k0 + nk): every query head of the group, every query row that sees it
-    // (causally t >= k0).
+    // (causally t >= k0; with documents, the rows before the first whose document starts after the tile).
 #pragma omp for schedule(dynamic, 1) nowait
     for (int task = 0; task < B * KV * k_tiles; task++) {
       const int kt = task % k_tiles, bkv = task / k_tiles, b = bkv / KV, kv = bkv % KV;  // first tiles first
       const int k0 = kt * BK, nk = std::min(BK, T - k0);
+      const RowMask mask{causal, doc_start ? doc_start + static_cast<size_t>(b) * T : nullptr};
+      int t_end = T;
+      if (mask.first)
+        t_end = static_cast<int>(std::lower_bound(mask.first, mask.first + T, k0 + nk) - mask.first);
       const Real* k = qkv + V.k_offset(b, kv) + static_cast<size_t>(k0) * V.row;
       const Real* v = qkv + V.v_offset(b, kv) + static_cast<size_t>(k0) * V.row;
       for (int g = 0; g < V.group; g++) {
         const int h = kv * V.group + g;
         const Real beta0 = g == 0 ? Real(0) : Real(1);  // the first product writes dk, dv; the rest add
         const int t_begin = causal ? k0 : 0;
-        for (int t0 = t_begin; t0 < T; t0 += BQ) {
-          const int nq = std::min(BQ, T - t0);
+        if (t_begin >= t_end) {  // no row sees the tile (only with documents): its gradients are 0
+          std::fill(dk.begin(), dk.end(), Real(0));
+          std::fill(dv.begin(), dv.end(), Real(0));
+          continue;
+        }
+        for (int t0 = t_begin; t0 < t_end; t0 += BQ) {
+          const int nq = std::min(BQ, t_end - t0);
           const Real beta = t0 == t_begin ? beta0 : Real(1);
           const Real* q = qkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row;
           const Real* dy = dout + V.y_offset(b, h) + static_cast<size_t>(t0) * V.C;
           gemm(false, true, nq, nk, HS, scale, q, V.row, k, V.row, Real(0), p.data(), nk);
-          probabilities(p.data(), nq, nk, t0, k0, lse + V.stat_offset(b, h) + t0, causal);
+          probabilities(p.data(), nq, nk, t0, k0, lse + V.stat_offset(b, h) + t0, mask);
           gemm(true, false, nk, HS, nq, Real(1), p.data(), nk, dy, V.C, beta, dv.data(), HS);  // dv += P^T dy
           gemm(false, true, nq, nk, HS, Real(1), dy, V.C, v, V.row, Real(0), dp.data(), nk);   // dP = dy v^T
           score_gradient(dp.data(), p.data(), nq, nk, D.data() + V.stat_offset(b, h) + t0);
@@ -207,18 +239,20 @@ void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Rea
     for (int task = 0; task < B * NH * q_tiles; task++) {
       const int qt = q_tiles - 1 - task % q_tiles, bh = task / q_tiles, b = bh / NH, h = bh % NH;  // last tiles first
       const int t0 = qt * BQ, nq = std::min(BQ, T - t0), kv = h / V.group;
+      const RowMask mask{causal, doc_start ? doc_start + static_cast<size_t>(b) * T : nullptr};
       const Real* q = qkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row;
       const Real* dy = dout + V.y_offset(b, h) + static_cast<size_t>(t0) * V.C;
-      const int k_end = keys_end(t0, nq, T, causal);
-      for (int k0 = 0; k0 < k_end; k0 += BK) {
+      const int k_begin = keys_begin(mask, t0, BK), k_end = keys_end(t0, nq, T, causal);
+      for (int k0 = k_begin; k0 < k_end; k0 += BK) {
         const int nk = std::min(BK, k_end - k0);
         const Real* k = qkv + V.k_offset(b, kv) + static_cast<size_t>(k0) * V.row;
         const Real* v = qkv + V.v_offset(b, kv) + static_cast<size_t>(k0) * V.row;
         gemm(false, true, nq, nk, HS, scale, q, V.row, k, V.row, Real(0), p.data(), nk);
-        probabilities(p.data(), nq, nk, t0, k0, lse + V.stat_offset(b, h) + t0, causal);
+        probabilities(p.data(), nq, nk, t0, k0, lse + V.stat_offset(b, h) + t0, mask);
         gemm(false, true, nq, nk, HS, Real(1), dy, V.C, v, V.row, Real(0), dp.data(), nk);
         score_gradient(dp.data(), p.data(), nq, nk, D.data() + V.stat_offset(b, h) + t0);
-        gemm(false, false, nq, HS, nk, scale, dp.data(), nk, k, V.row, k0 == 0 ? Real(0) : Real(1), dq.data(), HS);
+        gemm(false, false, nq, HS, nk, scale, dp.data(), nk, k, V.row, k0 == k_begin ? Real(0) : Real(1), dq.data(),
+             HS);
       }
       Real* dq_out = dqkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row;
       for (int i = 0; i < nq; i++)
@@ -316,9 +350,10 @@ void rope_pairs_backward(Real* dqkv, const Real* cos, const Real* sin, int B, in
 }
 
 #define INSTANTIATE(Real)                                                                                       \
-  template void attention_forward<Real>(Real*, Real*, const Real*, int, int, int, int, int, AttentionTiles, bool); \
+  template void attention_forward<Real>(Real*, Real*, const Real*, int, int, int, int, int, AttentionTiles, bool,  \
+                                        const int*);                                                            \
   template void attention_backward<Real>(Real*, const Real*, const Real*, const Real*, const Real*, int, int, int, \
-                                         int, int, AttentionTiles, bool);                                       \
+                                         int, int, AttentionTiles, bool, const int*);                           \
   template void attention_decode<Real>(Real*, Real*, Real*, Real*, const Real*, int, int, int, int, int);         \
   template void rope_forward<Real>(Real*, const Real*, const Real*, int, int, int, int, int);                    \
   template void rope_backward<Real>(Real*, const Real*, const Real*, int, int, int, int, int);                   \

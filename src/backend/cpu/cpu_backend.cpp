@@ -82,13 +82,13 @@ class CpuLayerOps : public LayerOps<Real> {
             int ldb, Real beta, Real* C, int ldc) const override {
     cpu::gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   }
-  void attention_forward(Real* out, Real* lse, const Real* qkv, int B, int T, int NH, int KV,
-                         int HS) const override {
-    cpu::attention_forward(out, lse, qkv, B, T, NH, KV, HS);
+  void attention_forward(Real* out, Real* lse, const Real* qkv, int B, int T, int NH, int KV, int HS,
+                         const int* doc_start) const override {
+    cpu::attention_forward(out, lse, qkv, B, T, NH, KV, HS, cpu::AttentionTiles(), true, doc_start);
   }
   void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Real* out, const Real* lse, int B,
-                          int T, int NH, int KV, int HS) const override {
-    cpu::attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS);
+                          int T, int NH, int KV, int HS, const int* doc_start) const override {
+    cpu::attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS, cpu::AttentionTiles(), true, doc_start);
   }
   void attention_decode(Real* out, Real* scratch, Real* k_cache, Real* v_cache, const Real* qkv, int Q, int start,
                         int NH, int KV, int HS) const override {

@@ -68,14 +68,17 @@ struct AttentionTiles {
   int query = 64, key = 128;
 };
 // causal = false: every query row attends to all T keys (a diffusion transformer's joint
-// attention); lse then sums over all of them.
+// attention); lse then sums over all of them. doc_start(B,T), with the causal mask only: packed
+// documents, row t of sequence b sees keys doc_start[b][t] <= s <= t, doc_start[b][t] being the
+// first position of its document (non-decreasing along a sequence, <= t); nullptr: one document.
 template <typename Real>
 void attention_forward(Real* out, Real* lse, const Real* qkv, int B, int T, int NH, int KV, int HS,
-                       AttentionTiles tiles = AttentionTiles(), bool causal = true);
+                       AttentionTiles tiles = AttentionTiles(), bool causal = true, const int* doc_start = nullptr);
 // dqkv(B,T,(NH+2KV)*HS) = gradient w.r.t. qkv (written), given the forward's out and lse.
 template <typename Real>
 void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Real* out, const Real* lse, int B,
-                        int T, int NH, int KV, int HS, AttentionTiles tiles = AttentionTiles(), bool causal = true);
+                        int T, int NH, int KV, int HS, AttentionTiles tiles = AttentionTiles(), bool causal = true,
+                        const int* doc_start = nullptr);
 
 // Attention for generation with a key/value cache (one sequence). qkv(Q,(NH+2KV)*HS) holds Q new
 // tokens at positions start..start+Q-1, laid out as above (rope already applied). Their k and v

@@ -98,20 +98,22 @@ class CudaLayerOps final : public LayerOps<float> {
             int ldb, float beta, float* C, int ldc) const override {
     kernels::launch_gemm(gemm_, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);  // fp32 always
   }
-  void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV,
-                         int HS) const override {
-    if (cudnn_ && cudnn_->forward(out, lse, qkv, B, T, NH, KV, HS, bf16_copy(qkv, qkv_elements(B, T, NH, KV, HS))))
+  // Packed documents (doc_start) run on the tiled kernels: the cuDNN graph has the causal mask only.
+  void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
+                         const int* doc_start) const override {
+    if (!doc_start && cudnn_ &&
+        cudnn_->forward(out, lse, qkv, B, T, NH, KV, HS, bf16_copy(qkv, qkv_elements(B, T, NH, KV, HS))))
       return;
-    kernels::launch_attention_forward(out, lse, qkv, B, T, NH, KV, HS, launch());
+    kernels::launch_attention_forward(out, lse, qkv, B, T, NH, KV, HS, doc_start, launch());
   }
   void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int B,
-                          int T, int NH, int KV, int HS) const override {
-    if (cudnn_ && cudnn_->backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS,
-                                   bf16_copy(qkv, qkv_elements(B, T, NH, KV, HS)),
-                                   bf16_copy(out, static_cast<size_t>(B) * T * NH * HS)))
+                          int T, int NH, int KV, int HS, const int* doc_start) const override {
+    if (!doc_start && cudnn_ &&
+        cudnn_->backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS, bf16_copy(qkv, qkv_elements(B, T, NH, KV, HS)),
+                         bf16_copy(out, static_cast<size_t>(B) * T * NH * HS)))
       return;
     void* ws = workspace(kernels::attention_backward_workspace_bytes(B, T, NH, KV, HS));  // each row's D
-    kernels::launch_attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS, ws, launch());
+    kernels::launch_attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS, doc_start, ws, launch());
   }
   void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, float eps, int N,
                        int C) const override {

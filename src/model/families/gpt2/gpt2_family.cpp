@@ -117,7 +117,7 @@ class Gpt2Family final : public ModelFamily {
   NormKind norm_kind() const override { return NORM_LAYER; }
   bool kv_decoding() const override { return true; }
   size_t id_bytes(const ModelConfig&, int batch, int seq_len) const override {
-    return 2 * static_cast<size_t>(batch) * seq_len * sizeof(int);  // tokens, targets
+    return decoder_lm_id_bytes(batch, seq_len);
   }
   bool token_logits() const override { return true; }
 

@@ -59,7 +59,7 @@ void GptModel<Real>::block_forward(int l, const Real* w) {
   ops_.matmul_forward(S(QKV), S(LN1), W(BLOCK_QKV_W), W(BLOCK_QKV_B), N, C, 3 * C);
   adapters_.forward(l, PRODUCT_QKV, S(LN1), S(QKV), w);
   produced(QKV);
-  ops_.attention_forward(S(ATTY), a.lse.data(), S(QKV), B_, T_, NH, NH, C / NH);
+  ops_.attention_forward(S(ATTY), a.lse.data(), S(QKV), B_, T_, NH, NH, C / NH, this->doc_start());
   produced(ATTY);
   // The projection output is only needed summed into the residual: reuse resid2 for it.
   ops_.matmul_forward(a.resid2.data(), S(ATTY), W(BLOCK_ATTPROJ_W), W(BLOCK_ATTPROJ_B), N, C, C);
@@ -129,7 +129,8 @@ void GptModel<Real>::block_backward(int l, Real* g, const Real* w) {
   d = adapters_.output_grad(l, PRODUCT_ATTN_OUT, S(ATTY), dresid_.data(), w, g);
   ops_.matmul_backward(dln_.data(), G(BLOCK_ATTPROJ_W), G(BLOCK_ATTPROJ_B), d, S(ATTY), W(BLOCK_ATTPROJ_W), N, C, C);
   adapters_.backward(l, PRODUCT_ATTN_OUT, S(ATTY), d, dln_.data(), w, g);
-  ops_.attention_backward(dqkv_.data(), dln_.data(), S(QKV), S(ATTY), a.lse.data(), B_, T_, NH, NH, C / NH);
+  ops_.attention_backward(dqkv_.data(), dln_.data(), S(QKV), S(ATTY), a.lse.data(), B_, T_, NH, NH, C / NH,
+                          this->doc_start());
   d = adapters_.output_grad(l, PRODUCT_QKV, S(LN1), dqkv_.data(), w, g);
   ops_.matmul_backward(dln_.data(), G(BLOCK_QKV_W), G(BLOCK_QKV_B), d, S(LN1), W(BLOCK_QKV_W), N, C, 3 * C);
   adapters_.backward(l, PRODUCT_QKV, S(LN1), d, dln_.data(), w, g);

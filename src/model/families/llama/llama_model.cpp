@@ -84,7 +84,7 @@ void LlamaModel<Real>::block_forward(int l, const Real* w) {
   adapters_.forward(l, PRODUCT_QKV, S(LN1), S(QKV), w);
   ops_.rope_forward(S(QKV), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS);
   produced(QKV);  // after rope: what attention reads (rope's backward needs no values)
-  ops_.attention_forward(S(ATTY), a.lse.data(), S(QKV), B_, T_, NH, KV, HS);
+  ops_.attention_forward(S(ATTY), a.lse.data(), S(QKV), B_, T_, NH, KV, HS, this->doc_start());
   produced(ATTY);
   // The projection output is only needed summed into the residual: reuse resid2 for it.
   ops_.matmul_forward(a.resid2.data(), S(ATTY), W(LLAMA_O_W), nullptr, N, C, C);
@@ -150,7 +150,8 @@ void LlamaModel<Real>::block_backward(int l, Real* g, const Real* w) {
   d = adapters_.output_grad(l, PRODUCT_ATTN_OUT, S(ATTY), dresid_.data(), w, g);
   ops_.matmul_backward(dln_.data(), G(LLAMA_O_W), nullptr, d, S(ATTY), W(LLAMA_O_W), N, C, C);
   adapters_.backward(l, PRODUCT_ATTN_OUT, S(ATTY), d, dln_.data(), w, g);
-  ops_.attention_backward(dqkv_.data(), dln_.data(), S(QKV), S(ATTY), a.lse.data(), B_, T_, NH, KV, HS);
+  ops_.attention_backward(dqkv_.data(), dln_.data(), S(QKV), S(ATTY), a.lse.data(), B_, T_, NH, KV, HS,
+                          this->doc_start());
   ops_.rope_backward(dqkv_.data(), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS);
   d = adapters_.output_grad(l, PRODUCT_QKV, S(LN1), dqkv_.data(), w, g);
   ops_.matmul_backward(dln_.data(), G(LLAMA_Q_W), qkv_bias_grad(g, l), d, S(LN1), W(LLAMA_Q_W), N, C,
