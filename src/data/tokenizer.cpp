@@ -429,7 +429,8 @@ class JsonFile {
   }
   [[noreturn]] void unsupported(const std::string& pointer, const std::string& what) const {
     fail(pointer,
-         what + " is not supported; ShardTrain encodes Hugging Face byte-level BPE tokenizers only (docs/data.md)");
+         what + " is not supported; ShardTrain encodes Hugging Face BPE tokenizers, byte-level or SentencePiece-style "
+                  "(docs/data.md)");
   }
 
   const json& member(const json& object, const std::string& pointer, const char* key) const {
@@ -477,22 +478,78 @@ std::string escape_pointer(const std::string& key) {
   return out;
 }
 
+// NFC or NFKC on the non-ASCII runs only: an ASCII character is its own normal form, never composes
+// with what precedes it nor is reordered (a starter that no composition has second), so text splits
+// before each one. The ASCII character before a run goes with it: it may compose with a following mark.
+std::string unicode_normal_form(std::string_view text, bool compatibility) {
+  const auto ascii = [&](size_t i) { return static_cast<unsigned char>(text[i]) < 0x80; };
+  std::string out;
+  out.reserve(text.size());
+  size_t i = 0;
+  while (i < text.size()) {
+    size_t run = i;
+    while (run < text.size() && ascii(run)) run++;
+    if (run == text.size()) {
+      out.append(text.substr(i));
+      break;
+    }
+    const size_t begin = run > i ? run - 1 : run;
+    size_t end = run;
+    while (end < text.size() && !ascii(end)) end++;
+    out.append(text.substr(i, begin - i));
+    utf8proc_uint8_t* result = nullptr;
+    const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data() + begin),
+                                            static_cast<utf8proc_ssize_t>(end - begin), &result,
+                                            static_cast<utf8proc_option_t>(UTF8PROC_STABLE | UTF8PROC_COMPOSE |
+                                                                          (compatibility ? UTF8PROC_COMPAT : 0)));
+    if (n < 0) throw DataError(strprintf("%s normalization failed: %s", compatibility ? "NFKC" : "NFC", utf8proc_errmsg(n)));
+    out.append(reinterpret_cast<const char*>(result), static_cast<size_t>(n));
+    std::free(result);
+    i = end;
+  }
+  return out;
+}
+
+// The byte of a byte-fallback token "<0xXX>", or -1.
+int fallback_byte(const std::string& token) {
+  if (token.size() != 6 || token.compare(0, 3, "<0x") != 0 || token[5] != '>') return -1;
+  int value = 0;
+  for (int i = 3; i < 5; i++) {
+    const char c = token[i];
+    const int digit = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+    if (digit < 0) return -1;
+    value = value * 16 + digit;
+  }
+  return value;
+}
+
 }  // namespace
 
 // ---- the tokenizer ------------------------------------------------------------------------------
 
 struct Tokenizer::Impl {
   std::string path;
-  // Normalizer.
-  bool nfc = false;
+  // Normalizer: its steps in order (a Sequence flattened).
+  struct NormStep {
+    enum Kind { NFC, NFKC, PREPEND, REPLACE } kind;
+    std::string text, content;  // PREPEND: text; REPLACE: every `text` becomes `content`
+  };
+  std::vector<NormStep> norm;
   // Added tokens: cut out of the raw text (normalized=false) or of the normalized text.
   std::vector<AddedToken> added;
   AddedTokenMatcher raw_matcher, normalized_matcher;
   CharClasses classes;
-  // Pre-tokenizer: Split stages, then ByteLevel.
+  // Pre-tokenizer: Split stages, then ByteLevel. A SentencePiece-style file (Llama 2, Mistral,
+  // TinyLlama) has none or Metaspace instead, and its BPE runs on Unicode characters, not on
+  // ByteLevel's byte characters (byte_level false).
   std::vector<std::unique_ptr<Regex>> splits;
   bool prefix_space = false;
   std::unique_ptr<Regex> byte_level_regex;  // null: use_regex false
+  bool byte_level = true;
+  bool metaspace = false, metaspace_split = true;
+  std::string metaspace_char = "\xe2\x96\x81";  // U+2581, the replacement for a space
+  enum PrependScheme { PREPEND_ALWAYS, PREPEND_FIRST, PREPEND_NEVER } prepend_scheme = PREPEND_ALWAYS;
+  bool piece_at_text_start = false;  // the piece being pre-tokenized begins the text (Metaspace "first")
   // Model.
   std::unordered_map<std::string, uint32_t> vocab;
   BpeMerges merges;
@@ -509,6 +566,14 @@ struct Tokenizer::Impl {
   std::vector<std::optional<std::string>> id_to_token;
   std::unordered_map<std::string, uint8_t> char_to_byte;
   std::string decoder_problem;
+  // A SentencePiece-style file's decoder chain (the reference's decoders, in order, on the list of
+  // token strings): Replace of a literal, ByteFallback, Fuse, Strip, Metaspace.
+  struct DecodeStep {
+    enum Kind { REPLACE, BYTE_FALLBACK, FUSE, STRIP, METASPACE } kind;
+    std::string text, content;  // REPLACE: text -> content; STRIP: content (one character); METASPACE: text
+    int start = 0, stop = 0;    // STRIP: characters cut at most; METASPACE: start 1 strips the first token's space
+  };
+  std::vector<DecodeStep> decode_steps;
   WordCache cache;
   std::string scratch;
   std::vector<uint32_t> symbols;
@@ -518,6 +583,8 @@ struct Tokenizer::Impl {
   void load_pre_tokenizer(const json& p, const JsonFile& file);
   void load_model(const json& m, const JsonFile& file);
   void load_post_processor(const json& p, const JsonFile& file, const std::string& pointer);
+  void load_decoder(const json& d, const JsonFile& file, const std::string& pointer);
+  std::vector<std::string> decode_chain(std::vector<std::string> tokens) const;
 
   std::string normalize(std::string_view text) const;
   void pre_tokenize(size_t stage, std::string_view piece, std::vector<uint32_t>& out);
@@ -528,8 +595,17 @@ struct Tokenizer::Impl {
 void Tokenizer::Impl::load_normalizer(const json& n, const JsonFile& file, const std::string& pointer) {
   if (n.is_null()) return;
   const std::string type = file.type_of(n, pointer);
-  if (type == "NFC") {
-    nfc = true;
+  if (type == "NFC" || type == "NFKC") {
+    norm.push_back({type == "NFC" ? NormStep::NFC : NormStep::NFKC, "", ""});
+  } else if (type == "Prepend") {
+    norm.push_back({NormStep::PREPEND, file.string_at(file.member(n, pointer, "prepend"), pointer + "/prepend"), ""});
+  } else if (type == "Replace") {
+    const json& pattern = file.member(n, pointer, "pattern");
+    if (!pattern.is_object() || !pattern.contains("String"))
+      file.unsupported(pointer + "/pattern", "a Replace normalizer with a regex pattern");
+    const std::string from = file.string_at(pattern["String"], pointer + "/pattern/String");
+    if (from.empty()) file.fail(pointer + "/pattern/String", "an empty pattern replaces nothing");
+    norm.push_back({NormStep::REPLACE, from, file.string_at(file.member(n, pointer, "content"), pointer + "/content")});
   } else if (type == "Sequence") {
     const json& list = file.member(n, pointer, "normalizers");
     if (!list.is_array()) file.fail(pointer + "/normalizers", "expected a list");
@@ -542,7 +618,27 @@ void Tokenizer::Impl::load_normalizer(const json& n, const JsonFile& file, const
 
 void Tokenizer::Impl::load_pre_tokenizer(const json& p, const JsonFile& file) {
   const std::string top = "/pre_tokenizer";
-  if (p.is_null()) file.unsupported(top, "a tokenizer without a pre-tokenizer (null)");
+  if (p.is_null()) {  // SentencePiece-style: each piece of text is one word
+    byte_level = false;
+    return;
+  }
+  if (p.is_object() && p.contains("type") && p["type"] == "Metaspace") {
+    byte_level = false, metaspace = true;
+    metaspace_char = file.string_at(file.member(p, top, "replacement"), top + "/replacement");
+    if (metaspace_char.empty() || next_char(metaspace_char, 0) != metaspace_char.size())
+      file.fail(top + "/replacement", "expected one character");
+    metaspace_split = file.bool_at(p, top, "split", true);
+    const json& scheme = JsonFile::optional(p, "prepend_scheme");
+    if (scheme.is_null()) {  // older files: add_prefix_space
+      prepend_scheme = file.bool_at(p, top, "add_prefix_space", true) ? PREPEND_ALWAYS : PREPEND_NEVER;
+    } else {
+      const std::string s = file.string_at(scheme, top + "/prepend_scheme");
+      if (s != "always" && s != "first" && s != "never")
+        file.fail(top + "/prepend_scheme", "expected always, first or never");
+      prepend_scheme = s == "always" ? PREPEND_ALWAYS : s == "first" ? PREPEND_FIRST : PREPEND_NEVER;
+    }
+    return;
+  }
   std::vector<std::pair<const json*, std::string>> stages;
   if (file.type_of(p, top) == "Sequence") {
     const json& list = file.member(p, top, "pretokenizers");
@@ -650,7 +746,7 @@ void Tokenizer::Impl::load_model(const json& m, const JsonFile& file) {
 
   byte_chars = byte_level_chars();
   byte_symbols.resize(256);
-  for (int byte = 0; byte < 256; byte++) {
+  for (int byte = 0; byte < 256 && byte_level; byte++) {
     auto it = vocab.find(byte_chars[byte]);
     if (it != vocab.end()) {
       byte_symbols[byte] = {it->second};
@@ -775,44 +871,149 @@ void Tokenizer::Impl::load(const json& root, const JsonFile& file) {
   const std::string type = decoder.is_object() && decoder.contains("type") && decoder["type"].is_string()
                                ? decoder["type"].get<std::string>()
                                : std::string(decoder.is_null() ? "none" : "?");
-  if (type != "ByteLevel")
-    decoder_problem = "its decoder (/decoder) is " + type + "; decoding supports ByteLevel";
+  if (byte_level && type != "ByteLevel")
+    decoder_problem = "its decoder (/decoder) is " + type + "; decoding a byte-level tokenizer supports ByteLevel";
+  if (!byte_level) load_decoder(decoder, file, "/decoder");
 }
 
-// NFC on the non-ASCII runs only: an ASCII character never composes with what precedes it nor is
-// reordered (it is a starter that no composition has second), so text splits before each one. The
-// ASCII character before a run goes with it: it may compose with a following mark.
-std::string Tokenizer::Impl::normalize(std::string_view text) const {
-  if (!nfc) return std::string(text);
-  const auto ascii = [&](size_t i) { return static_cast<unsigned char>(text[i]) < 0x80; };
-  std::string out;
-  out.reserve(text.size());
-  size_t i = 0;
-  while (i < text.size()) {
-    size_t run = i;
-    while (run < text.size() && ascii(run)) run++;
-    if (run == text.size()) {
-      out.append(text.substr(i));
-      break;
+void Tokenizer::Impl::load_decoder(const json& d, const JsonFile& file, const std::string& at) {
+  const std::string type = d.is_object() && d.contains("type") && d["type"].is_string() ? d["type"].get<std::string>()
+                                                                                         : std::string("none");
+  if (type == "Sequence") {
+    const json& list = file.member(d, at, "decoders");
+    if (!list.is_array()) file.fail(at + "/decoders", "expected a list");
+    for (size_t i = 0; i < list.size(); i++) load_decoder(list[i], file, at + "/decoders/" + std::to_string(i));
+  } else if (type == "Replace") {
+    const json& pattern = file.member(d, at, "pattern");
+    if (!pattern.is_object() || !pattern.contains("String")) {
+      decoder_problem = "its decoder at " + at + " replaces a regex; decoding supports literal replacements";
+      return;
     }
-    const size_t begin = run > i ? run - 1 : run;
-    size_t end = run;
-    while (end < text.size() && !ascii(end)) end++;
-    out.append(text.substr(i, begin - i));
-    utf8proc_uint8_t* result = nullptr;
-    const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(text.data() + begin),
-                                            static_cast<utf8proc_ssize_t>(end - begin), &result,
-                                            static_cast<utf8proc_option_t>(UTF8PROC_STABLE | UTF8PROC_COMPOSE));
-    if (n < 0) throw DataError(strprintf("NFC normalization failed: %s", utf8proc_errmsg(n)));
-    out.append(reinterpret_cast<const char*>(result), static_cast<size_t>(n));
-    std::free(result);
-    i = end;
+    decode_steps.push_back({DecodeStep::REPLACE, file.string_at(pattern["String"], at + "/pattern/String"),
+                            file.string_at(file.member(d, at, "content"), at + "/content")});
+  } else if (type == "ByteFallback" || type == "Fuse") {
+    decode_steps.push_back({type == "Fuse" ? DecodeStep::FUSE : DecodeStep::BYTE_FALLBACK, "", ""});
+  } else if (type == "Strip") {
+    DecodeStep step{DecodeStep::STRIP, "", file.string_at(file.member(d, at, "content"), at + "/content")};
+    step.start = static_cast<int>(file.id_at(file.member(d, at, "start"), at + "/start"));
+    step.stop = static_cast<int>(file.id_at(file.member(d, at, "stop"), at + "/stop"));
+    decode_steps.push_back(step);
+  } else if (type == "Metaspace") {
+    DecodeStep step{DecodeStep::METASPACE, file.string_at(file.member(d, at, "replacement"), at + "/replacement"), ""};
+    const json& scheme = JsonFile::optional(d, "prepend_scheme");
+    step.start = scheme.is_null() ? file.bool_at(d, at, "add_prefix_space", true) : scheme != "never";
+    decode_steps.push_back(step);
+  } else {
+    decoder_problem = "its decoder at " + at + " is " + type +
+                      "; decoding a SentencePiece-style tokenizer supports Replace, ByteFallback, Fuse, Strip and "
+                      "Metaspace";
+  }
+}
+
+// The reference's decode_chain of each step, in order, on the token strings.
+std::vector<std::string> Tokenizer::Impl::decode_chain(std::vector<std::string> tokens) const {
+  const auto replace_all = [](std::string& s, const std::string& from, const std::string& to) {
+    for (size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size())) s.replace(at, from.size(), to);
+  };
+  for (const DecodeStep& step : decode_steps) {
+    std::vector<std::string> next;
+    switch (step.kind) {
+      case DecodeStep::REPLACE:
+        for (std::string& t : tokens) replace_all(t, step.text, step.content);
+        continue;
+      case DecodeStep::METASPACE:
+        for (size_t i = 0; i < tokens.size(); i++) {
+          replace_all(tokens[i], step.text, " ");
+          if (i == 0 && step.start && !tokens[i].empty() && tokens[i][0] == ' ') tokens[i].erase(0, 1);
+        }
+        continue;
+      case DecodeStep::FUSE: {
+        std::string all;
+        for (const std::string& t : tokens) all += t;
+        tokens.assign(1, all);
+        continue;
+      }
+      case DecodeStep::STRIP:
+        for (std::string& t : tokens) {  // up to start leading and stop trailing characters equal to content
+          size_t begin = 0, end = t.size();
+          for (int i = 0; i < step.start && begin < end && t.compare(begin, step.content.size(), step.content) == 0; i++)
+            begin += step.content.size();
+          for (int i = 0; i < step.stop && end - begin >= step.content.size() &&
+                          t.compare(end - step.content.size(), step.content.size(), step.content) == 0;
+               i++)
+            end -= step.content.size();
+          t = t.substr(begin, end - begin);
+        }
+        continue;
+      case DecodeStep::BYTE_FALLBACK: {
+        // Runs of <0xXX> tokens become their bytes when those are UTF-8, else one U+FFFD each.
+        std::string bytes;
+        const auto flush = [&] {
+          if (bytes.empty()) return;
+          if (utf8_with_replacements(bytes) == bytes) next.push_back(bytes);
+          else for (size_t i = 0; i < bytes.size(); i++) next.push_back("\xef\xbf\xbd");
+          bytes.clear();
+        };
+        for (const std::string& t : tokens) {
+          if (const int byte = fallback_byte(t); byte >= 0) {
+            bytes += static_cast<char>(byte);
+          } else {
+            flush();
+            next.push_back(t);
+          }
+        }
+        flush();
+        tokens = std::move(next);
+        continue;
+      }
+    }
+  }
+  return tokens;
+}
+
+// The normalizer's steps in order, as the reference applies them to a piece of text.
+std::string Tokenizer::Impl::normalize(std::string_view text) const {
+  std::string out(text);
+  for (const NormStep& step : norm) {
+    if (step.kind == NormStep::NFC || step.kind == NormStep::NFKC) {
+      out = unicode_normal_form(out, step.kind == NormStep::NFKC);
+    } else if (step.kind == NormStep::PREPEND) {
+      if (!out.empty()) out.insert(0, step.text);  // the reference prepends to non-empty text only
+    } else {
+      std::string replaced;
+      size_t from = 0;
+      for (size_t at = out.find(step.text); at != std::string::npos; at = out.find(step.text, from)) {
+        replaced.append(out, from, at - from).append(step.content);
+        from = at + step.text.size();
+      }
+      out = replaced.append(out, from, std::string::npos);
+    }
   }
   return out;
 }
 
 void Tokenizer::Impl::pre_tokenize(size_t stage, std::string_view piece, std::vector<uint32_t>& out) {
   if (piece.empty()) return;
+  if (!byte_level) {
+    if (!metaspace) return encode_word(piece, out);  // no pre-tokenizer: the piece is one word
+    // Metaspace: spaces become the replacement character, which begins the text (or the piece),
+    // and with split each word starts at one (the reference's MergedWithNext).
+    std::string text;
+    text.reserve(piece.size() + metaspace_char.size());
+    const bool prepend = prepend_scheme == PREPEND_ALWAYS || (prepend_scheme == PREPEND_FIRST && piece_at_text_start);
+    if (prepend && piece.substr(0, metaspace_char.size()) != metaspace_char && piece[0] != ' ') text = metaspace_char;
+    for (char c : piece) {
+      if (c == ' ') text.append(metaspace_char);
+      else text.push_back(c);
+    }
+    if (!metaspace_split) return encode_word(text, out);
+    size_t begin = 0;
+    for (size_t at = text.find(metaspace_char, 1); at != std::string::npos; at = text.find(metaspace_char, at + 1)) {
+      encode_word(std::string_view(text).substr(begin, at - begin), out);
+      begin = at;
+    }
+    return encode_word(std::string_view(text).substr(begin), out);
+  }
   if (stage < splits.size()) {
     splits[stage]->split_isolated(piece, [&](std::string_view p) { pre_tokenize(stage + 1, p, out); });
     return;
@@ -842,7 +1043,10 @@ void Tokenizer::Impl::encode_word(std::string_view raw, std::vector<uint32_t>& o
 void Tokenizer::Impl::bpe(std::string_view raw, std::vector<uint32_t>& out) {
   if (ignore_merges) {  // a word that is a token as a whole stays one
     scratch.clear();
-    for (unsigned char c : raw) scratch += byte_chars[c];
+    if (byte_level)
+      for (unsigned char c : raw) scratch += byte_chars[c];
+    else
+      scratch = raw;
     auto it = vocab.find(scratch);
     if (it != vocab.end()) {
       out.push_back(it->second);
@@ -851,14 +1055,41 @@ void Tokenizer::Impl::bpe(std::string_view raw, std::vector<uint32_t>& out) {
   }
   symbols.clear();
   bool unk_before = false;
-  for (unsigned char c : raw) {
-    const std::vector<uint32_t>& s = byte_symbols[c];
-    if (!s.empty()) {
+  const auto unknown = [&] {  // unknown without unk_token: dropped, as the reference does
+    if (unk_id && !(fuse_unk && unk_before)) symbols.push_back(*unk_id);
+    unk_before = unk_id.has_value();
+  };
+  if (byte_level) {
+    for (unsigned char c : raw) {
+      const std::vector<uint32_t>& s = byte_symbols[c];
+      if (s.empty()) {
+        unknown();
+        continue;
+      }
       symbols.insert(symbols.end(), s.begin(), s.end());
       unk_before = false;
-    } else if (unk_id && !(fuse_unk && unk_before)) {  // unknown without unk_token: dropped, as the reference does
-      symbols.push_back(*unk_id);
-      unk_before = true;
+    }
+  } else {  // the word's Unicode characters; one missing from the vocabulary as its bytes' <0xXX> tokens
+    for (size_t i = 0, next; i < raw.size(); i = next) {
+      next = next_char(raw, i);
+      scratch.assign(raw.substr(i, next - i));
+      if (auto it = vocab.find(scratch); it != vocab.end()) {
+        symbols.push_back(it->second);
+        unk_before = false;
+        continue;
+      }
+      size_t found = 0;
+      for (size_t b = i; byte_fallback && b < next; b++, found++) {
+        auto it = vocab.find(strprintf("<0x%02X>", static_cast<unsigned char>(raw[b])));
+        if (it == vocab.end()) break;
+        symbols.push_back(it->second);
+      }
+      if (byte_fallback && found == next - i) {
+        unk_before = false;
+        continue;
+      }
+      symbols.resize(symbols.size() - found);
+      unknown();
     }
   }
   merges.apply(symbols);
@@ -909,8 +1140,12 @@ void Tokenizer::encode(std::string_view text, std::vector<uint32_t>& out, bool a
     if (m.normalized_matcher.empty()) normalized_pieces.assign(1, {0, n.size(), -1});
     else m.normalized_matcher.split(n, m.classes, normalized_pieces);
     for (const Piece& q : normalized_pieces) {
-      if (q.id >= 0) out.push_back(static_cast<uint32_t>(q.id));
-      else m.pre_tokenize(0, n.substr(q.begin, q.end - q.begin), out);
+      if (q.id >= 0) {
+        out.push_back(static_cast<uint32_t>(q.id));
+        continue;
+      }
+      m.piece_at_text_start = p.begin == 0 && q.begin == 0;
+      m.pre_tokenize(0, n.substr(q.begin, q.end - q.begin), out);
     }
   }
   if (add_special_tokens) out.insert(out.end(), m.suffix.begin(), m.suffix.end());
@@ -943,6 +1178,17 @@ std::string Tokenizer::token_bytes(uint32_t id) const {
                               "the file was encoded with",
                               id, m.path.c_str(), m.max_id));
   const std::string& token = *m.id_to_token[id];
+  if (!m.byte_level) {  // the decoder's replacements and byte fallback, not its strips (a piece of a text)
+    if (const int byte = fallback_byte(token); byte >= 0) return std::string(1, static_cast<char>(byte));
+    std::string text = token;
+    for (const Impl::DecodeStep& step : m.decode_steps) {
+      if (step.kind != Impl::DecodeStep::REPLACE && step.kind != Impl::DecodeStep::METASPACE) continue;
+      const std::string to = step.kind == Impl::DecodeStep::REPLACE ? step.content : " ";
+      for (size_t at = text.find(step.text); at != std::string::npos; at = text.find(step.text, at + to.size()))
+        text.replace(at, step.text.size(), to);
+    }
+    return text;
+  }
   std::string mapped;
   for (size_t i = 0, next; i < token.size(); i = next) {
     next = next_char(token, i);
@@ -954,8 +1200,20 @@ std::string Tokenizer::token_bytes(uint32_t id) const {
 }
 
 std::string Tokenizer::decode(const std::vector<uint32_t>& ids) const {
+  const Impl& m = *impl_;
   std::string bytes;
-  for (uint32_t id : ids) bytes += token_bytes(id);
+  if (m.byte_level) {
+    for (uint32_t id : ids) bytes += token_bytes(id);
+    return utf8_with_replacements(bytes);
+  }
+  if (!m.decoder_problem.empty())
+    throw DataError(strprintf("tokenizer file '%s': %s", m.path.c_str(), m.decoder_problem.c_str()));
+  std::vector<std::string> tokens;
+  for (uint32_t id : ids) {
+    if (id >= m.id_to_token.size() || !m.id_to_token[id]) token_bytes(id);  // throws, naming the id
+    tokens.push_back(*m.id_to_token[id]);
+  }
+  for (const std::string& piece : m.decode_chain(std::move(tokens))) bytes += piece;
   return utf8_with_replacements(bytes);
 }
 

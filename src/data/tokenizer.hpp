@@ -1,11 +1,13 @@
-// Hugging Face byte-level BPE tokenizers (tokenizer.json), encoding text token for token as the
-// Python `tokenizers` package's Tokenizer.encode(text).ids does. Supported (anything else is a
-// DataError naming the component): normalizer null, NFC, or a Sequence of NFC; pre-tokenizer
-// ByteLevel, or a Sequence of Split(Regex or String, Isolated) ending in ByteLevel; model BPE (merges
-// as "a b" strings or [a, b] pairs, ignore_merges, unk_token, fuse_unk, byte_fallback); added and
+// Hugging Face BPE tokenizers (tokenizer.json), encoding text token for token as the Python
+// `tokenizers` package's Tokenizer.encode(text).ids does: byte-level files (GPT-2, Llama 3, Qwen 2)
+// and SentencePiece-style ones (Llama 2, TinyLlama, Mistral: BPE on Unicode characters with byte
+// fallback). Supported (anything else is a DataError naming the component): normalizers NFC, NFKC,
+// Prepend, Replace of a literal, or a Sequence of these; pre-tokenizer ByteLevel, a Sequence of
+// Split(Regex or String, Isolated) ending in ByteLevel, none, or Metaspace; model BPE (merges as
+// "a b" strings or [a, b] pairs, ignore_merges, unk_token, fuse_unk, byte_fallback); added and
 // special tokens (single_word, lstrip, rstrip, normalized) matched as the reference matches them;
 // post-processor null, ByteLevel, TemplateProcessing, RobertaProcessing, BertProcessing or a
-// Sequence of these. Regexes run on PCRE2 (UTF + UCP, JIT), NFC is utf8proc's.
+// Sequence of these. Regexes run on PCRE2 (UTF + UCP, JIT), NFC and NFKC are utf8proc's.
 #pragma once
 
 #include <cstdint>
@@ -42,12 +44,14 @@ class Tokenizer {
 
   // The text of `ids` as the reference's decode(ids, skip_special_tokens=False) gives it: each
   // token's string (added tokens as written), through the ByteLevel decoder (a token whose every
-  // character stands for a byte becomes those bytes, any other its own UTF-8), the whole as UTF-8
-  // with invalid sequences replaced by U+FFFD. Throws DataError for an id the tokenizer does not
-  // have, or a decoder other than ByteLevel.
+  // character stands for a byte becomes those bytes, any other its own UTF-8) or a SentencePiece-style
+  // file's decoder chain (Replace, ByteFallback, Fuse, Strip, Metaspace), the whole as UTF-8 with
+  // invalid sequences replaced by U+FFFD. Throws DataError for an id the tokenizer does not have, or
+  // a decoder it cannot run.
   std::string decode(const std::vector<uint32_t>& ids) const;
   // One token's part of decode(): its bytes before the UTF-8 check (a character may continue in
-  // the next token). Throws as decode() does.
+  // the next token); for a SentencePiece-style file the decoder's replacements and byte fallback,
+  // not its strips (which act on a text's start). Throws as decode() does.
   std::string token_bytes(uint32_t id) const;
   // The ids the post-processor appends to every text (a template's EOS, e.g. "$A </s>"); empty
   // for most byte-level tokenizers.

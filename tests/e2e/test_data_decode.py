@@ -37,7 +37,7 @@ def test_byte_level_round_trip_and_invalid_bytes():
 
 def test_tokenizer_decode_matches_the_reference():
     folder = corpus_folder()
-    for style in ("gpt2", "llama3", "qwen2-nfc"):
+    for style in ("gpt2", "llama3", "qwen2-nfc", "llama2", "metaspace"):
         tokenizer = trained(style)
         ids, _ = encode(tokenizer, folder)
         path = write_tokens(os.path.join(tempdir(), f"{style}.bin"), ids)

@@ -16,7 +16,9 @@ import tokenizer_reference as ref
 from harness import run_single, tempdir
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tokenizer_reference.py")
-STYLES = ("gpt2", "roberta", "llama3", "qwen2-nfc")
+STYLES = ("gpt2", "roberta", "llama3", "qwen2-nfc", "llama2", "metaspace")
+# Styles whose post-processor template marks each document itself: no separator.
+TEMPLATED = ("roberta", "llama3", "llama2", "metaspace")
 _trained = {}
 
 # Documents aimed at the edges, beside the random corpus: as bytes, some not UTF-8.
@@ -109,8 +111,7 @@ def test_styles_match_the_reference_token_for_token():
     folder = corpus_folder()
     for style in STYLES:
         tokenizer = trained(style)
-        # The RoBERTa and Llama-3 files have templates that mark each document themselves.
-        separator = None if style in ("roberta", "llama3") else token_id(tokenizer, "<|endoftext|>")
+        separator = None if style in TEMPLATED else token_id(tokenizer, "<|endoftext|>")
         got, stdout = encode(tokenizer, folder)
         docs, want = expected(tokenizer, folder, separator)
         assert len(docs) == 40 + len(EDGE_DOCS)
@@ -127,7 +128,7 @@ def test_random_short_documents_match_the_reference():
             f.write("".join(rng.choice(FUZZ_POOL) for _ in range(rng.randint(0, 30))))
     for style in STYLES:
         tokenizer = trained(style)
-        separator = None if style in ("roberta", "llama3") else token_id(tokenizer, "<|endoftext|>")
+        separator = None if style in TEMPLATED else token_id(tokenizer, "<|endoftext|>")
         docs, want = expected(tokenizer, folder, separator)
         assert_same(encode(tokenizer, folder)[0], want, docs, separator)
 
@@ -321,11 +322,13 @@ def test_unsupported_components_exit_2():
         node[last] = value
         return spec
 
-    expect_exit_2(variant("/pre_tokenizer", {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always",
-                                             "split": True}), "pre-tokenizer \"Metaspace\"", "/pre_tokenizer/type")
+    expect_exit_2(variant("/pre_tokenizer", {"type": "WhitespaceSplit"}), "pre-tokenizer \"WhitespaceSplit\"",
+                  "/pre_tokenizer/type")
     expect_exit_2(variant("/model/type", "WordPiece"), "model \"WordPiece\"", "not supported")
     expect_exit_2(variant("/model", {"type": "Unigram", "unk_id": 0, "vocab": [["a", 0.0]]}), "model \"Unigram\"")
-    expect_exit_2(variant("/normalizer", {"type": "NFKC"}), "normalizer \"NFKC\"", "/normalizer/type")
+    expect_exit_2(variant("/normalizer", {"type": "NFD"}), "normalizer \"NFD\"", "/normalizer/type")
+    expect_exit_2(variant("/normalizer", {"type": "Replace", "pattern": {"Regex": " +"}, "content": "_"}),
+                  "a Replace normalizer with a regex pattern", "/normalizer/pattern")
     expect_exit_2(variant("/normalizer", {"type": "Sequence", "normalizers": [{"type": "NFC"}, {"type": "Lowercase"}]}),
                   "normalizer \"Lowercase\"", "/normalizer/normalizers/1/type")
     split = {"type": "Split", "pattern": {"Regex": "\\s+"}, "behavior": "Removed", "invert": False}

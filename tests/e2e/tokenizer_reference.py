@@ -86,6 +86,22 @@ def build(style):
         specials = ["<|begin_of_text|>", "<|end_of_text|>"] if llama else ["<|endoftext|>", "<|im_start|>"]
         if style == "chatml":  # Qwen 2's chat tokens
             specials.append("<|im_end|>")
+    elif style in ("llama2", "metaspace"):  # SentencePiece-style: BPE on characters, bytes as <0xXX>
+        tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+        if style == "llama2":  # as Llama 2's and TinyLlama's files: Prepend + Replace, no pre-tokenizer
+            tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+            tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                             decoders.Strip(" ", 1, 0)])
+        else:  # as Mistral's newer files: Metaspace, here with NFKC
+            tok.normalizer = normalizers.NFKC()
+            tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=True)
+            tok.decoder = decoders.Sequence([decoders.Metaspace(replacement="\u2581", prepend_scheme="first",
+                                                                split=True), decoders.ByteFallback(), decoders.Fuse()])
+        # The 256 byte tokens get ids after <unk>, <s>, </s>, as in Llama 2's vocabulary; train() takes
+        # them out of the added tokens again. A small alphabet leaves rare characters to them.
+        specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+        return tok, trainers.BpeTrainer(vocab_size=1500, min_frequency=2, special_tokens=specials, limit_alphabet=80,
+                                        show_progress=False)
     else:
         raise SystemExit(f"unknown style {style}")
     trainer = trainers.BpeTrainer(vocab_size=1500, min_frequency=2, special_tokens=specials, initial_alphabet=alphabet,
@@ -104,7 +120,7 @@ def probe(pattern, out, literal=False):
 
 
 def train(style, out):
-    from tokenizers import AddedToken, processors
+    from tokenizers import AddedToken, Tokenizer, processors
     tok, trainer = build(style)
     tok.train_from_iterator(make_corpus(1, 400, 120), trainer)
     if style == "roberta":
@@ -119,6 +135,12 @@ def train(style, out):
             processors.ByteLevel(trim_offsets=False),
             processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1",
                                           special_tokens=[(bos, tok.token_to_id(bos))])])
+    if style in ("llama2", "metaspace"):  # the BOS template; the byte tokens only in the vocabulary
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B:1",
+                                                           special_tokens=[("<s>", tok.token_to_id("<s>"))])
+        spec = json.loads(tok.to_str())
+        spec["added_tokens"] = [t for t in spec["added_tokens"] if not t["content"].startswith("<0x")]
+        tok = Tokenizer.from_str(json.dumps(spec))
     tok.save(out)
 
 
