@@ -319,8 +319,8 @@ AttentionDims attention_dims(int T, int NH, int KV, int HS, const int* doc_start
 // Pair i < HS/2 of q-or-k head `head` of token bt: x[i], x[i + HS/2] turned by the angle of
 // (t, i), as backend/cpu/attention.cpp's rope_turn; sign -1 turns back. heads = NH + KV (the
 // query heads, then the key heads: v is untouched).
-__global__ void rope_kernel(float* qkv, const float* cos_table, const float* sin_table, int T, int heads, int row,
-                            int HS, float sign, size_t n) {
+__global__ void rope_kernel(float* qkv, const float* cos_table, const float* sin_table, const int* positions, int T,
+                            int heads, int row, int HS, float sign, size_t n) {
   const int half = HS / 2;
   for (size_t idx = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; idx < n;
        idx += static_cast<size_t>(gridDim.x) * blockDim.x) {
@@ -328,7 +328,7 @@ __global__ void rope_kernel(float* qkv, const float* cos_table, const float* sin
     const size_t rest = idx / half;
     const int head = static_cast<int>(rest % heads);
     const size_t bt = rest / heads;
-    const size_t angle = (bt % T) * half + i;
+    const size_t angle = (positions ? static_cast<size_t>(positions[bt]) : bt % T) * half + i;
     float* x = qkv + bt * row + static_cast<size_t>(head) * HS;
     const float c = cos_table[angle], s = sign * sin_table[angle];
     const float lo = x[i], hi = x[i + half];
@@ -417,14 +417,14 @@ void check_tiled_args(const char* what, int B, int T, int NH, int KV, int HS) {
               kWarpSize * kMaxDimsPerLane);
 }
 
-void launch_rope(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS, float sign,
-                 const char* what, const LaunchContext& ctx) {
+void launch_rope(float* qkv, const float* cos, const float* sin, const int* positions, int B, int T, int NH, int KV,
+                 int HS, float sign, const char* what, const LaunchContext& ctx) {
   SHARD_CHECK(B >= 0 && T >= 0 && NH > 0 && KV > 0 && HS > 0 && HS % 2 == 0 && NH % KV == 0,
               "%s: B=%d T=%d NH=%d KV=%d HS=%d (HS must be even, NH divide by KV)", what, B, T, NH, KV, HS);
   const size_t n = static_cast<size_t>(B) * T * (NH + KV) * (HS / 2);
   if (n == 0) return;
-  rope_kernel<<<grid_for(n, kThreads, ctx), kThreads, 0, ctx.stream>>>(qkv, cos, sin, T, NH + KV, (NH + 2 * KV) * HS,
-                                                                        HS, sign, n);
+  rope_kernel<<<grid_for(n, kThreads, ctx), kThreads, 0, ctx.stream>>>(qkv, cos, sin, positions, T, NH + KV,
+                                                                        (NH + 2 * KV) * HS, HS, sign, n);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -481,13 +481,13 @@ void launch_attention_decode(float* out, float* scratch, float* k_cache, float* 
 }
 
 void launch_rope_forward(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS,
-                         const LaunchContext& ctx) {
-  launch_rope(qkv, cos, sin, B, T, NH, KV, HS, 1.0f, "rope_forward", ctx);
+                         const int* positions, const LaunchContext& ctx) {
+  launch_rope(qkv, cos, sin, positions, B, T, NH, KV, HS, 1.0f, "rope_forward", ctx);
 }
 
 void launch_rope_backward(float* dqkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS,
-                          const LaunchContext& ctx) {
-  launch_rope(dqkv, cos, sin, B, T, NH, KV, HS, -1.0f, "rope_backward", ctx);
+                          const int* positions, const LaunchContext& ctx) {
+  launch_rope(dqkv, cos, sin, positions, B, T, NH, KV, HS, -1.0f, "rope_backward", ctx);
 }
 
 }  // namespace shardtrain::kernels

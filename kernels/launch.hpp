@@ -90,12 +90,13 @@ void launch_gemm(const GemmContext& ctx, bool trans_a, bool trans_b, int M, int 
 // dwpe, layernorm's dweight and dbias, rmsnorm's dweight, matmul's dweight and dbias (and matmul's
 // dinp); a null one is neither computed nor written, and a launcher whose only outputs are null
 // launches nothing and does not read its workspace.
-// wpe / dwpe may be null: no position table (llama), the position part is skipped.
+// wpe / dwpe may be null: no position table (llama), the position part is skipped. positions (B,T)
+// or nullptr: the wpe row of each token (nullptr: t).
 void launch_encoder_forward(float* out, const int* tokens, const float* wte, const float* wpe, int B, int T, int C,
-                            const LaunchContext& ctx);
+                            const int* positions, const LaunchContext& ctx);
 size_t encoder_backward_workspace_bytes(int B, int T);
 void launch_encoder_backward(float* dwte, float* dwpe, const float* dout, const int* tokens, int B, int T, int C,
-                             void* workspace, const LaunchContext& ctx);
+                             const int* positions, void* workspace, const LaunchContext& ctx);
 
 void launch_layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
                               const float* bias, int N, int C, const LaunchContext& ctx);
@@ -137,11 +138,12 @@ void launch_attention_decode(float* out, float* scratch, float* k_cache, float* 
                              int start, int NH, int KV, int HS, const LaunchContext& ctx);
 
 // Rotary embedding in place on the q and k heads of qkv (attention.cu); cos, sin: (T, HS/2) device
-// tables; HS even. The backward turns dqkv back (the rotation's transpose).
+// tables; HS even. The backward turns dqkv back (the rotation's transpose). positions (B,T) or
+// nullptr: each token's row of the tables (nullptr: t).
 void launch_rope_forward(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS,
-                         const LaunchContext& ctx);
+                         const int* positions, const LaunchContext& ctx);
 void launch_rope_backward(float* dqkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS,
-                          const LaunchContext& ctx);
+                          const int* positions, const LaunchContext& ctx);
 
 // SwiGLU (pointwise.cu): gate_up rows gate (I) | up (I); the backward writes dgate_up (=).
 void launch_swiglu_forward(float* out, const float* gate_up, int N, int I, const LaunchContext& ctx);

@@ -144,7 +144,8 @@ int run_eval(Runtime& rt, const std::vector<std::string>& args) {
                                  counted(rt.world(), "rank").c_str()));
     data = std::make_unique<TokenDataset>("--data", data_files, static_cast<int>(T));
     data->set_vocab_size(state.model.vocab_size);
-    data->set_document_start(recorded_document_start(run));
+    const auto restart = run.find("data.restart_positions");
+    data->set_document_start(recorded_document_start(run), restart != run.end() && restart->second == "true");
     if (o.batches == "all") {
       data->require_records(static_cast<uint64_t>(G), strprintf("one batch of %lld sequences", static_cast<long long>(G)),
                             "use more data, or a smaller --global-batch or --seq-len");

@@ -75,6 +75,7 @@ void add_activation_allocations(const ParamTable& table, int batch, int seq_len,
   list->push_back({MEM_ACTIVATIONS, BT * sizeof(int)});  // tokens
   list->push_back({MEM_ACTIVATIONS, BT * sizeof(int)});  // targets
   list->push_back({MEM_ACTIVATIONS, BT * sizeof(int)});  // document starts (model/decoder_lm.hpp)
+  list->push_back({MEM_ACTIVATIONS, BT * sizeof(int)});  // positions
   for (size_t n : family_of(c).activation_arrays(c, batch, seq_len, checkpointing))
     list->push_back({MEM_ACTIVATIONS, n * sizeof(float)});
   const size_t adapters = plan_adapter_bytes(table, static_cast<int>(BT), sizeof(float));

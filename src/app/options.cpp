@@ -229,6 +229,9 @@ void declare_options(OptionList& o, Config& c) {
   o.add("data.document_start", &c.data.document_start,
         "with data.documents: the token id every document starts with; -1 = the one 'data encode' puts before "
         "each with data.tokenizer (its separator, or its template's BOS)");
+  o.add("data.restart_positions", &c.data.restart_positions,
+        "with data.documents: positions count from each document's start (GPT-2's position table, Llama's rotary "
+        "angles), so a packed document is computed as if it were alone; false counts from the window's start");
   o.add_choice("adapter.type", &c.adapter.type, ADAPTER_TYPES, adapter_type_name,
                "adapters on the frozen base model, Hugging Face PEFT's LoRA, DoRA, LoHa, LoKr or OFT "
                "(docs/adapters.md); none trains the model itself");
@@ -706,6 +709,8 @@ void validate_config(const Config& c, int world) {
             "a flow.* key is set, but model.arch=" + m.arch + " trains on tokens, not with flow matching: remove it "
             "(the [flow] section is FLUX's)");
   }
+  require(!c.data.restart_positions || c.data.documents,
+          "data.restart_positions counts positions within packed documents: it needs data.documents=true");
   require(!c.data.documents || family_of(m).token_data(),
           "data.documents packs token sequences; model.arch=" + m.arch + " trains on latents: remove it");
   require(c.flow.logit_std > 0, "flow.logit_std must be > 0");

@@ -65,6 +65,7 @@ struct DataOptions {
   std::string tokenizer;  // the tokenizer.json the files were encoded with ("" = bytes), for `generate`
   bool documents = false;  // attention within each packed document (docs/data.md, "Packed documents")
   int document_start = -1;  // the token each document starts with; -1: data.tokenizer's
+  bool restart_positions = false;  // with documents: positions count from each document's start
 };
 
 // A size in bytes with the text it was written as (for messages and the INI record).

@@ -487,8 +487,9 @@ void Trainer::open_data() {
   if (cfg_.data.documents) {
     comm_->broadcast(Span<char>(reinterpret_cast<char*>(&document_start), sizeof document_start), 0,
                      "broadcast(data.document_start)");
-    rt_.info("data.documents: attention stays within documents, each starting at token %lld",
-             static_cast<long long>(document_start));
+    rt_.info("data.documents: attention stays within documents, each starting at token %lld%s",
+             static_cast<long long>(document_start),
+             cfg_.data.restart_positions ? "; positions restart with each" : "");
   }
   auto open = [&](const char* option, const std::string& value) {
     std::unique_ptr<DataSource> data;
@@ -499,7 +500,7 @@ void Trainer::open_data() {
       }
       auto token_data = std::make_unique<TokenDataset>(option, value, T_);
       token_data->set_vocab_size(V);
-      if (cfg_.data.documents) token_data->set_document_start(document_start);
+      if (cfg_.data.documents) token_data->set_document_start(document_start, cfg_.data.restart_positions);
       data = std::move(token_data);
     });
     // Every rank must read the same files: a glob could expand differently on another node.

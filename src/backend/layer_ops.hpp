@@ -49,10 +49,12 @@ class LayerOps {
   // layernorm_backward and matmul_backward, dweight of rmsnorm_backward each may be null -- then
   // neither computed nor touched, and every other output the same bits as with it; matmul's
   // dinp may be null too (no input gradient wanted).
-  virtual void encoder_forward(Real* out, const int* tokens, const Real* wte, const Real* wpe, int B, int T,
-                               int C) const = 0;
-  virtual void encoder_backward(Real* dwte, Real* dwpe, const Real* dout, const int* tokens, int B, int T,
-                                int C) const = 0;
+  // positions (B,T) in device memory: the row of wpe (or of the rope tables) each token takes;
+  // nullptr: its place t in the sequence (data.restart_positions sets them per packed document).
+  virtual void encoder_forward(Real* out, const int* tokens, const Real* wte, const Real* wpe, int B, int T, int C,
+                               const int* positions) const = 0;
+  virtual void encoder_backward(Real* dwte, Real* dwpe, const Real* dout, const int* tokens, int B, int T, int C,
+                                const int* positions) const = 0;
   virtual void layernorm_forward(Real* out, Real* mean, Real* rstd, const Real* inp, const Real* weight,
                                  const Real* bias, int N, int C) const = 0;
   virtual void layernorm_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout, const Real* inp,
@@ -77,10 +79,10 @@ class LayerOps {
                                int C) const = 0;
   virtual void rmsnorm_backward(Real* dinp, Real* dweight, const Real* dout, const Real* inp, const Real* weight,
                                 const Real* rstd, int N, int C) const = 0;
-  virtual void rope_forward(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV,
-                            int HS) const = 0;
-  virtual void rope_backward(Real* dqkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV,
-                             int HS) const = 0;
+  virtual void rope_forward(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS,
+                            const int* positions) const = 0;
+  virtual void rope_backward(Real* dqkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS,
+                             const int* positions) const = 0;
   // Generation with a key/value cache (backend/cpu/ops.hpp): Q new tokens' q|k|v rows appended to
   // the cache and attended causally over it. `scratch`: Q*NH*(start+Q) elements. Not pure: a
   // backend that does not generate (a test's counting stand-in) need not provide it.

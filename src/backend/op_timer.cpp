@@ -76,13 +76,13 @@ class TimedLayerOps final : public LayerOps<float> {
   TimedLayerOps(const LayerOps<float>& inner, OpTimer& timer) : inner_(inner), timer_(timer) {}
   Device& device() const override { return inner_.device(); }
 
-  void encoder_forward(float* out, const int* tokens, const float* wte, const float* wpe, int B, int T,
-                       int C) const override {
-    timed("encoder_forward", [&] { inner_.encoder_forward(out, tokens, wte, wpe, B, T, C); });
+  void encoder_forward(float* out, const int* tokens, const float* wte, const float* wpe, int B, int T, int C,
+                       const int* positions) const override {
+    timed("encoder_forward", [&] { inner_.encoder_forward(out, tokens, wte, wpe, B, T, C, positions); });
   }
-  void encoder_backward(float* dwte, float* dwpe, const float* dout, const int* tokens, int B, int T,
-                        int C) const override {
-    timed("encoder_backward", [&] { inner_.encoder_backward(dwte, dwpe, dout, tokens, B, T, C); });
+  void encoder_backward(float* dwte, float* dwpe, const float* dout, const int* tokens, int B, int T, int C,
+                        const int* positions) const override {
+    timed("encoder_backward", [&] { inner_.encoder_backward(dwte, dwpe, dout, tokens, B, T, C, positions); });
   }
   void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
                          const float* bias, int N, int C) const override {
@@ -124,13 +124,13 @@ class TimedLayerOps final : public LayerOps<float> {
                         const float* rstd, int N, int C) const override {
     timed("rmsnorm_backward", [&] { inner_.rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, N, C); });
   }
-  void rope_forward(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int KV,
-                    int HS) const override {
-    timed("rope_forward", [&] { inner_.rope_forward(qkv, cos, sin, B, T, NH, KV, HS); });
+  void rope_forward(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS,
+                    const int* positions) const override {
+    timed("rope_forward", [&] { inner_.rope_forward(qkv, cos, sin, B, T, NH, KV, HS, positions); });
   }
-  void rope_backward(float* dqkv, const float* cos, const float* sin, int B, int T, int NH, int KV,
-                     int HS) const override {
-    timed("rope_backward", [&] { inner_.rope_backward(dqkv, cos, sin, B, T, NH, KV, HS); });
+  void rope_backward(float* dqkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS,
+                     const int* positions) const override {
+    timed("rope_backward", [&] { inner_.rope_backward(dqkv, cos, sin, B, T, NH, KV, HS, positions); });
   }
   void attention_decode(float* out, float* scratch, float* k_cache, float* v_cache, const float* qkv, int Q, int start,
                         int NH, int KV, int HS) const override {

@@ -186,6 +186,7 @@ void TokenDataset::begin(Batch& batch, int rows) const {
   batch.put<int>(BATCH_TOKENS, {rows, seq_len_});
   batch.put<int>(BATCH_TARGETS, {rows, seq_len_});
   if (document_start_ >= 0) batch.put<int>(BATCH_DOC_STARTS, {rows, seq_len_});
+  if (document_start_ >= 0 && restart_positions_) batch.put<int>(BATCH_POSITIONS, {rows, seq_len_});
 }
 
 void TokenDataset::fill(Batch& batch, int row, uint64_t record, uint64_t, bool) const {
@@ -194,10 +195,12 @@ void TokenDataset::fill(Batch& batch, int row, uint64_t record, uint64_t, bool) 
   fill(record, inputs, batch.at<int>(BATCH_TARGETS, rows * T) + row * T);
   if (document_start_ < 0) return;
   int* starts = batch.at<int>(BATCH_DOC_STARTS, rows * T) + row * T;
+  int* positions = restart_positions_ ? batch.at<int>(BATCH_POSITIONS, rows * T) + row * T : nullptr;
   int start = 0;
   for (size_t t = 0; t < T; t++) {
     if (inputs[t] == document_start_) start = static_cast<int>(t);
     starts[t] = start;
+    if (positions) positions[t] = static_cast<int>(t) - start;
   }
 }
 

@@ -67,8 +67,11 @@ class TokenDataset final : public DataSource {
   void set_vocab_size(int vocab_size) { vocab_size_ = vocab_size; }
   // Packed documents (data.documents): a micro-batch then holds BATCH_DOC_STARTS, each position's
   // document starting at the last occurrence of `token` at or before it in the window (or at the
-  // window's start), so that attention stays within a document. -1: off.
-  void set_document_start(int64_t token) { document_start_ = token; }
+  // window's start), so that attention stays within a document; with `restart_positions` also
+  // BATCH_POSITIONS, each position counted from its document's start. -1: off.
+  void set_document_start(int64_t token, bool restart_positions = false) {
+    document_start_ = token, restart_positions_ = restart_positions;
+  }
   // What a checkpoint records of the data: one line "<bytes> <path>" per file, in stream order.
   std::string identity() const override;
   // For the start-up line: "path (N tokens)", or "K files of 'value' (N tokens, W windows)".
@@ -79,6 +82,7 @@ class TokenDataset final : public DataSource {
   int seq_len_;
   int vocab_size_ = 0;
   int64_t document_start_ = -1;
+  bool restart_positions_ = false;
   std::vector<TokenFile> files_;
   std::vector<uint64_t> first_window_;  // file f's windows are [first_window_[f], first_window_[f + 1])
 };

@@ -77,6 +77,9 @@ inline constexpr const char* BATCH_TARGETS = "targets";
 // Packed documents (data.document_masking): for each position, the first position of its document
 // in the sequence (B x T ids); attention stays within a document. Absent: one document per row.
 inline constexpr const char* BATCH_DOC_STARTS = "doc_starts";
+// With data.restart_positions: each token's position counted from its document's start (B x T).
+// Absent: its place in the sequence.
+inline constexpr const char* BATCH_POSITIONS = "positions";
 // A target the loss leaves out (a prompt's token under a loss mask): no loss, no gradient. The
 // step's loss averages over the other targets (DataSource::trained_targets).
 inline constexpr int IGNORED_TARGET = -1;

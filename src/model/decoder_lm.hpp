@@ -3,7 +3,7 @@
 // the cross-entropy (or distillation) loss over B*T positions. A family's model derives from it and
 // writes its embedding, blocks, final norm and decode path; the buffers below are allocated by the
 // derived constructor in its own order (ModelFamily::activation_arrays lists them), except the
-// saved tensors, tokens, targets and document starts, which this constructor makes
+// saved tensors, tokens, targets, document starts and positions, which this constructor makes
 // (decoder_lm_id_bytes).
 #pragma once
 
@@ -57,6 +57,7 @@ class DecoderLM : public TransformerModel<Real>, public KvDecoder<Real>, public 
     tokens_ = DeviceArray<int>(ops.device(), BT);
     targets_ = DeviceArray<int>(ops.device(), BT);
     doc_starts_ = DeviceArray<int>(ops.device(), BT);
+    positions_ = DeviceArray<int>(ops.device(), BT);
   }
 
   Loss<Real>& own_loss() override { return cross_entropy_; }
@@ -68,8 +69,15 @@ class DecoderLM : public TransformerModel<Real>, public KvDecoder<Real>, public 
     if (documents_)
       ops_.device().copy_to_device(doc_starts_.data(), batch.get<int>(BATCH_DOC_STARTS, doc_starts_.size()),
                                    doc_starts_.bytes());
+    restarted_ = batch.has(BATCH_POSITIONS);
+    if (restarted_)
+      ops_.device().copy_to_device(positions_.data(), batch.get<int>(BATCH_POSITIONS, positions_.size()),
+                                   positions_.bytes());
   }
   const int* doc_start() const { return documents_ ? doc_starts_.data() : nullptr; }
+  // The position of each token when they restart per document (the position table's row, the rope
+  // angle's); nullptr: its place in the sequence.
+  const int* positions() const { return restarted_ ? positions_.data() : nullptr; }
   LossTargets<Real> loss_targets() const { return {targets_.data(), nullptr}; }
   // The head's backward up to the logits: the loss's gradient in place of the probabilities.
   void loss_backward(Real dloss) {
@@ -83,8 +91,9 @@ class DecoderLM : public TransformerModel<Real>, public KvDecoder<Real>, public 
   int B_, T_;
   bool checkpointing_;
   CrossEntropyLoss<Real> cross_entropy_;
-  DeviceArray<int> tokens_, targets_, doc_starts_;
+  DeviceArray<int> tokens_, targets_, doc_starts_, positions_;
   bool documents_ = false;  // the micro-batch packs documents (doc_starts_)
+  bool restarted_ = false;  // and its positions restart with each (positions_)
   std::vector<Array> resid_;      // resid_[l]: input of block l; resid_[L]: output of the last
   SavedActivations<Real> saved_;  // one layer with checkpointing, else every layer
   Array lnf_, probs_, losses_;    // the final norm's output, the logits then probabilities, the losses

@@ -187,8 +187,8 @@ void require_capability(const ModelConfig& config, const std::string& use, const
 // The architecture and shape in one line for logs (ModelFamily::summary).
 inline std::string model_summary(const ModelConfig& config) { return family_of(config).summary(config); }
 
-// A decoder language model's integer arrays (model/decoder_lm.hpp): tokens, targets and document
-// starts, B x T each.
-inline size_t decoder_lm_id_bytes(int batch, int seq_len) { return 3 * static_cast<size_t>(batch) * seq_len * sizeof(int); }
+// A decoder language model's integer arrays (model/decoder_lm.hpp): tokens, targets, document
+// starts and positions, B x T each.
+inline size_t decoder_lm_id_bytes(int batch, int seq_len) { return 4 * static_cast<size_t>(batch) * seq_len * sizeof(int); }
 
 }  // namespace shardtrain

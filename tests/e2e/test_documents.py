@@ -37,6 +37,21 @@ def test_documents_change_the_loss_and_not_with_the_rank_count():
     assert abs(loss - val_one[-1]) <= 1e-6, (loss, val_one)
 
 
+def test_restarted_positions_change_the_loss_and_not_with_the_rank_count():
+    documents = ("--data.documents=true", "--data.document_start=10")
+    counted, _, _ = losses(1, *documents)
+    one, val_one, proc = losses(1, *documents, "--data.restart_positions=true")
+    assert "positions restart with each" in proc.stdout, proc.stdout
+    assert all(rel_diff(a, b) > 1e-6 for a, b in zip(counted, one)), (counted, one)
+    other, val_other, _ = losses(2, *documents, "--data.restart_positions=true")
+    assert all(rel_diff(a, b) <= 1e-5 for a, b in zip(one, other)), (one, other)
+    checkpoints = re.search(r"saved (\S+)/ckpt-\d+\.h5", proc.stdout).group(1)
+    scored = run(1, ["eval", "--checkpoint", checkpoints])
+    assert scored.returncode == 0, scored.stderr[-2000:]
+    loss = float(re.search(r"\| loss ([0-9.]+) \|", scored.stdout).group(1))
+    assert abs(loss - val_one[-1]) <= 1e-6, (loss, val_one)
+
+
 def test_the_tokenizer_gives_the_document_start():
     tokenizer = trained("chatml")
     source, data = os.path.join(tempdir(), "docs.jsonl"), os.path.join(tempdir(), "docs.bin")
@@ -61,7 +76,8 @@ def test_bad_document_settings_exit_2():
     for extra, needle in (
             (["--data.documents=true"], "data.documents needs the token documents start with"),
             (["--data.documents=true", "--data.document_start=256"], "data.document_start=256 must be a token id"),
-            (["--data.document_start=-2"], "data.document_start=-2")):
+            (["--data.document_start=-2"], "data.document_start=-2"),
+            (["--data.restart_positions=true"], "data.restart_positions counts positions within packed documents")):
         proc = run(2, tiny_args(f"--data.train_file={data}", "--data.val_file=", *extra))
         assert proc.returncode == 2, (extra, proc.stderr[-2000:])
         assert needle in proc.stderr and proc.stderr.count("error:") == 1, (extra, proc.stderr[-2000:])

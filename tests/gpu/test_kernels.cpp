@@ -224,7 +224,7 @@ TEST_P(EncoderTest, ForwardMatchesCpu) {
   auto d_wte = on_device(device(), "wte", wte, s.misalign), d_wpe = on_device(device(), "wpe", wpe, s.misalign);
   DeviceBuffer<float> d_out(device(), "out", ref.size(), s.misalign);
   d_out.fill(kNaN);
-  ops().encoder_forward(d_out.data(), d_tokens.data(), d_wte.data(), d_wpe.data(), s.B, s.T, s.C);
+  ops().encoder_forward(d_out.data(), d_tokens.data(), d_wte.data(), d_wpe.data(), s.B, s.T, s.C, nullptr);
   expect_close(d_out.download("encoder_forward").data(), widen(ref), kExact, "encoder out");
 }
 
@@ -239,11 +239,41 @@ TEST_P(EncoderTest, BackwardTwiceMatchesCpuBitwise) {
   auto d_dwte = on_device(device(), "dwte", dwte, s.misalign), d_dwpe = on_device(device(), "dwpe", dwpe, s.misalign);
   for (int call = 0; call < 2; call++) {  // prefilled gradients, accumulated twice
     cpu::encoder_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), s.B, s.T, s.C);
-    ops().encoder_backward(d_dwte.data(), d_dwpe.data(), d_dout.data(), d_tokens.data(), s.B, s.T, s.C);
+    ops().encoder_backward(d_dwte.data(), d_dwpe.data(), d_dout.data(), d_tokens.data(), s.B, s.T, s.C, nullptr);
   }
   expect_close(d_dwte.download("encoder_backward").data(), widen(dwte), kExact, "encoder dwte");
   expect_close(d_dwpe.download("encoder_backward").data(), widen(dwpe), kExact, "encoder dwpe");
   d_dout.download("encoder_backward (input)");
+}
+
+// Positions restarting per packed document: rows of wpe by position, dwpe scattered by position in
+// the CPU's order (its sorted-run path), bit for bit.
+std::vector<int> restarted_positions(int B, int T) {
+  std::vector<int> positions(static_cast<size_t>(B) * T);
+  for (int b = 0; b < B; b++)
+    for (int t = 0, start = 0; t < T; t++) {
+      if (t % 5 == 3 + b % 2) start = t;
+      positions[static_cast<size_t>(b) * T + t] = t - start;
+    }
+  return positions;
+}
+
+TEST_P(EncoderTest, RestartedPositionsMatchCpuBitwise) {
+  const EncoderShape s = GetParam();
+  const size_t BT = static_cast<size_t>(s.B) * s.T;
+  const std::vector<int> tokens = index_vector(BT, 25, s.V), positions = restarted_positions(s.B, s.T);
+  const std::vector<float> wte = uniform_vector(static_cast<size_t>(s.V) * s.C, 26), dout = uniform_vector(BT * s.C, 27);
+  std::vector<float> wpe = uniform_vector(static_cast<size_t>(s.T) * s.C, 28), dwpe = wpe, out(BT * s.C);
+  cpu::encoder_forward(out.data(), tokens.data(), wte.data(), wpe.data(), s.B, s.T, s.C, positions.data());
+  auto d_tokens = on_device(device(), "tokens", tokens, s.misalign), d_positions = on_device(device(), "positions", positions, 0);
+  auto d_wte = on_device(device(), "wte", wte, s.misalign), d_wpe = on_device(device(), "wpe", wpe, s.misalign);
+  auto d_dout = on_device(device(), "dout", dout, s.misalign), d_dwpe = on_device(device(), "dwpe", dwpe, s.misalign);
+  DeviceBuffer<float> d_out(device(), "out", out.size(), s.misalign);
+  ops().encoder_forward(d_out.data(), d_tokens.data(), d_wte.data(), d_wpe.data(), s.B, s.T, s.C, d_positions.data());
+  expect_close(d_out.download("encoder_forward").data(), widen(out), kExact, "encoder out with positions");
+  cpu::encoder_backward<float>(nullptr, dwpe.data(), dout.data(), tokens.data(), s.B, s.T, s.C, positions.data());
+  ops().encoder_backward(nullptr, d_dwpe.data(), d_dout.data(), d_tokens.data(), s.B, s.T, s.C, d_positions.data());
+  expect_close(d_dwpe.download("encoder_backward").data(), widen(dwpe), kExact, "encoder dwpe with positions");
 }
 
 // Llama: no position table (null wpe, dwpe). The forward copies the token rows bit for bit, -0
@@ -263,11 +293,11 @@ TEST_P(EncoderTest, WithoutPositionTableMatchesCpuBitwise) {
   auto d_dout = on_device(device(), "dout", dout, s.misalign), d_dwte = on_device(device(), "dwte", dwte, s.misalign);
   DeviceBuffer<float> d_out(device(), "out", ref.size(), s.misalign);
   d_out.fill(kNaN);
-  ops().encoder_forward(d_out.data(), d_tokens.data(), d_wte.data(), nullptr, s.B, s.T, s.C);
+  ops().encoder_forward(d_out.data(), d_tokens.data(), d_wte.data(), nullptr, s.B, s.T, s.C, nullptr);
   expect_same_bits(d_out.download("encoder_forward without wpe"), ref, "encoder out without wpe");
   for (int call = 0; call < 2; call++) {
     cpu::encoder_backward(dwte.data(), static_cast<float*>(nullptr), dout.data(), tokens.data(), s.B, s.T, s.C);
-    ops().encoder_backward(d_dwte.data(), nullptr, d_dout.data(), d_tokens.data(), s.B, s.T, s.C);
+    ops().encoder_backward(d_dwte.data(), nullptr, d_dout.data(), d_tokens.data(), s.B, s.T, s.C, nullptr);
   }
   expect_same_bits(d_dwte.download("encoder_backward without dwpe"), dwte, "encoder dwte without dwpe");
 }
@@ -1198,9 +1228,9 @@ void check_rope(const RopeShape& s, bool backward, Device& device, const LayerOp
   for (int run = 0; run < 2; run++) {
     auto d_x = on_device(device, "qkv", input, s.misalign);
     if (backward)
-      ops.rope_backward(d_x.data(), d_cos.data(), d_sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+      ops.rope_backward(d_x.data(), d_cos.data(), d_sin.data(), s.B, s.T, s.NH, s.KV, s.HS, nullptr);
     else
-      ops.rope_forward(d_x.data(), d_cos.data(), d_sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+      ops.rope_forward(d_x.data(), d_cos.data(), d_sin.data(), s.B, s.T, s.NH, s.KV, s.HS, nullptr);
     const std::vector<float> got = d_x.download(label);
     if (run == 1) {
       EXPECT_TRUE(same_bits(first, got)) << label << " differs between runs";
@@ -1223,6 +1253,29 @@ void check_rope(const RopeShape& s, bool backward, Device& device, const LayerOp
 }
 
 TEST_P(RopeTest, ForwardMatchesCpu) { check_rope(GetParam(), false, device(), ops()); }
+
+TEST_P(RopeTest, RestartedPositionsMatchCpu) {
+  const RopeShape s = GetParam();
+  const RopeTables tables(s.T, s.HS);
+  const std::vector<int> positions = restarted_positions(s.B, s.T);
+  const std::vector<float> input = uniform_vector(s.qkv_size(), 144);
+  auto d_cos = on_device(device(), "cos", tables.cos, s.misalign);
+  auto d_sin = on_device(device(), "sin", tables.sin, s.misalign);
+  auto d_positions = on_device(device(), "positions", positions, 0);
+  for (bool backward : {false, true}) {
+    std::vector<float> ref = input;
+    auto d_x = on_device(device(), "qkv", input, s.misalign);
+    if (backward) {
+      cpu::rope_backward(ref.data(), tables.cos.data(), tables.sin.data(), s.B, s.T, s.NH, s.KV, s.HS, positions.data());
+      ops().rope_backward(d_x.data(), d_cos.data(), d_sin.data(), s.B, s.T, s.NH, s.KV, s.HS, d_positions.data());
+    } else {
+      cpu::rope_forward(ref.data(), tables.cos.data(), tables.sin.data(), s.B, s.T, s.NH, s.KV, s.HS, positions.data());
+      ops().rope_forward(d_x.data(), d_cos.data(), d_sin.data(), s.B, s.T, s.NH, s.KV, s.HS, d_positions.data());
+    }
+    expect_close(d_x.download("rope with positions").data(), widen(ref), fp32_pair(2),
+                 backward ? "rope_backward with positions" : "rope_forward with positions");
+  }
+}
 TEST_P(RopeTest, BackwardMatchesCpu) { check_rope(GetParam(), true, device(), ops()); }
 
 // The backward is the forward's inverse (a rotation's transpose): the round trip gives back the
@@ -1234,8 +1287,8 @@ TEST_P(RopeTest, BackwardUndoesForward) {
   auto d_cos = on_device(device(), "cos", tables.cos, s.misalign);
   auto d_sin = on_device(device(), "sin", tables.sin, s.misalign);
   auto d_x = on_device(device(), "qkv", input, s.misalign);
-  ops().rope_forward(d_x.data(), d_cos.data(), d_sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
-  ops().rope_backward(d_x.data(), d_cos.data(), d_sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  ops().rope_forward(d_x.data(), d_cos.data(), d_sin.data(), s.B, s.T, s.NH, s.KV, s.HS, nullptr);
+  ops().rope_backward(d_x.data(), d_cos.data(), d_sin.data(), s.B, s.T, s.NH, s.KV, s.HS, nullptr);
   expect_close(d_x.download("rope round trip").data(), widen(input), fp32_pair(4), "rope round trip");
 }
 
@@ -1990,7 +2043,7 @@ TEST_F(NullGradientsTest, Encoder) {
         {"dwte", "dwpe"},
         [&](const std::vector<float*>& g) {
           for (int call = 0; call < 2; call++)
-            ops().encoder_backward(g[0], g[1], d_dout.data(), d_tokens.data(), s.B, s.T, s.C);
+            ops().encoder_backward(g[0], g[1], d_dout.data(), d_tokens.data(), s.B, s.T, s.C, nullptr);
           return std::vector<float>();
         },
         "encoder_backward " + name_of(s));

@@ -9,24 +9,26 @@
 
 namespace shardtrain::reference {
 
-void encoder_forward(double* out, const int* tokens, const double* wte, const double* wpe, int B, int T, int C) {
+void encoder_forward(double* out, const int* tokens, const double* wte, const double* wpe, int B, int T, int C,
+                     const int* positions) {
   for (int b = 0; b < B; b++)
     for (int t = 0; t < T; t++) {
-      const int token = tokens[b * T + t];
+      const int token = tokens[b * T + t], p = positions ? positions[b * T + t] : t;
       for (int c = 0; c < C; c++)
         out[(static_cast<size_t>(b) * T + t) * C + c] =
-            wte[static_cast<size_t>(token) * C + c] + (wpe ? wpe[t * C + c] : 0.0);
+            wte[static_cast<size_t>(token) * C + c] + (wpe ? wpe[p * C + c] : 0.0);
     }
 }
 
-void encoder_backward(double* dwte, double* dwpe, const double* dout, const int* tokens, int B, int T, int C) {
+void encoder_backward(double* dwte, double* dwpe, const double* dout, const int* tokens, int B, int T, int C,
+                      const int* positions) {
   for (int b = 0; b < B; b++)
     for (int t = 0; t < T; t++) {
-      const int token = tokens[b * T + t];
+      const int token = tokens[b * T + t], p = positions ? positions[b * T + t] : t;
       const double* d = dout + (static_cast<size_t>(b) * T + t) * C;
       for (int c = 0; c < C; c++) {
         dwte[static_cast<size_t>(token) * C + c] += d[c];  // d out / d wte[token] = 1
-        if (dwpe) dwpe[t * C + c] += d[c];                  // d out / d wpe[t] = 1
+        if (dwpe) dwpe[p * C + c] += d[c];                  // d out / d wpe[p] = 1
       }
     }
 }
@@ -255,17 +257,20 @@ void rope_vector(double* x, const double* cos_t, const double* sin_t, int HS) {
 }
 }  // namespace
 
-void rope_forward(double* qkv, const double* cos, const double* sin, int B, int T, int NH, int KV, int HS) {
+void rope_forward(double* qkv, const double* cos, const double* sin, int B, int T, int NH, int KV, int HS,
+                  const int* positions) {
   const QkvLayout L{T, NH, KV, HS};
   const size_t half = HS / 2;
   for (int b = 0; b < B; b++)
     for (int t = 0; t < T; t++) {
-      for (int h = 0; h < NH; h++) rope_vector(qkv + L.at(b, t, 0, h, 0), cos + t * half, sin + t * half, HS);
-      for (int h = 0; h < KV; h++) rope_vector(qkv + L.at(b, t, 1, h, 0), cos + t * half, sin + t * half, HS);
+      const size_t p = positions ? positions[b * T + t] : t;
+      for (int h = 0; h < NH; h++) rope_vector(qkv + L.at(b, t, 0, h, 0), cos + p * half, sin + p * half, HS);
+      for (int h = 0; h < KV; h++) rope_vector(qkv + L.at(b, t, 1, h, 0), cos + p * half, sin + p * half, HS);
     }
 }
 
-void rope_backward(double* dqkv, const double* cos, const double* sin, int B, int T, int NH, int KV, int HS) {
+void rope_backward(double* dqkv, const double* cos, const double* sin, int B, int T, int NH, int KV, int HS,
+                   const int* positions) {
   const QkvLayout L{T, NH, KV, HS};
   const size_t half = HS / 2;
   // The forward at position t is a linear map M_t on each head vector; its column j is M_t e_j.
@@ -283,8 +288,9 @@ void rope_backward(double* dqkv, const double* cos, const double* sin, int B, in
   };
   for (int b = 0; b < B; b++)
     for (int t = 0; t < T; t++) {
-      for (int h = 0; h < NH; h++) transpose_apply(dqkv + L.at(b, t, 0, h, 0), t);
-      for (int h = 0; h < KV; h++) transpose_apply(dqkv + L.at(b, t, 1, h, 0), t);
+      const int p = positions ? positions[b * T + t] : t;
+      for (int h = 0; h < NH; h++) transpose_apply(dqkv + L.at(b, t, 0, h, 0), p);
+      for (int h = 0; h < KV; h++) transpose_apply(dqkv + L.at(b, t, 1, h, 0), p);
     }
 }
 

@@ -18,10 +18,13 @@
 
 namespace shardtrain::reference {
 
-// out(B,T,C) = wte[tokens[b,t]] + wpe[t]; wpe may be null (no position table).
-void encoder_forward(double* out, const int* tokens, const double* wte, const double* wpe, int B, int T, int C);
-// dwte(V,C) += dout scattered by token; dwpe(T..,C) += dout summed over the batch (skipped if null).
-void encoder_backward(double* dwte, double* dwpe, const double* dout, const int* tokens, int B, int T, int C);
+// out(B,T,C) = wte[tokens[b,t]] + wpe[p], p = positions[b,t] (t when null); wpe may be null (no
+// position table).
+void encoder_forward(double* out, const int* tokens, const double* wte, const double* wpe, int B, int T, int C,
+                     const int* positions = nullptr);
+// dwte(V,C) += dout scattered by token; dwpe(T..,C) += dout scattered by position (skipped if null).
+void encoder_backward(double* dwte, double* dwpe, const double* dout, const int* tokens, int B, int T, int C,
+                      const int* positions = nullptr);
 
 // out(N,C) = (inp - mean) * rstd * weight + bias, rstd = 1/sqrt(biased var + 1e-5); saves mean(N), rstd(N).
 void layernorm_forward(double* out, double* mean, double* rstd, const double* inp, const double* weight,
@@ -56,10 +59,13 @@ void attention_backward(double* dqkv, const double* dout, const double* qkv, con
 void rope_tables(double* cos, double* sin, int T, int HS, double theta);
 // In place on the q and k heads of qkv(B,T,(NH+2KV)*HS), v untouched: each head vector x at position
 // t becomes x * cat(cos[t], cos[t]) + rotate_half(x) * cat(sin[t], sin[t]), rotate_half(x) = cat(-x2, x1).
-void rope_forward(double* qkv, const double* cos, const double* sin, int B, int T, int NH, int KV, int HS);
+// positions[b,t], if given, replace t.
+void rope_forward(double* qkv, const double* cos, const double* sin, int B, int T, int NH, int KV, int HS,
+                  const int* positions = nullptr);
 // In place on dqkv: the transpose of rope_forward's linear map, formed column by column by applying
 // rope_forward to unit vectors (so it shares no formula with the forward), then multiplied out.
-void rope_backward(double* dqkv, const double* cos, const double* sin, int B, int T, int NH, int KV, int HS);
+void rope_backward(double* dqkv, const double* cos, const double* sin, int B, int T, int NH, int KV, int HS,
+                   const int* positions = nullptr);
 
 // out(N,I) = silu(gate) * up over rows gate_up(N,2I) = [gate (I) | up (I)]; silu(x) = x sigmoid(x).
 void swiglu_forward(double* out, const double* gate_up, int N, int I);

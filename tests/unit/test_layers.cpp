@@ -238,9 +238,9 @@ void check_encoder_gradients(const EncoderShape& s, bool reference, bool positio
   std::vector<double> wpe = random_vector(maxT * s.C, 33);
   const std::vector<double> R = random_vector(BT * s.C, 34);
   std::vector<double> dwte(wte.size(), 0.0), dwpe(wpe.size(), 0.0);
-  backward_fn(dwte.data(), positions ? dwpe.data() : nullptr, R.data(), tokens.data(), s.B, s.T, s.C);
+  backward_fn(dwte.data(), positions ? dwpe.data() : nullptr, R.data(), tokens.data(), s.B, s.T, s.C, nullptr);
   const Forward forward = [&](std::vector<double>& out) {
-    forward_fn(out.data(), tokens.data(), wte.data(), positions ? wpe.data() : nullptr, s.B, s.T, s.C);
+    forward_fn(out.data(), tokens.data(), wte.data(), positions ? wpe.data() : nullptr, s.B, s.T, s.C, nullptr);
   };
   const std::string who = std::string(reference ? "reference " : "cpu<double> ") + (positions ? "" : "no-wpe ");
   expect_matches_finite_differences(wte.data(), wte.size(), dwte.data(), R, forward, who + "encoder dwte");
@@ -268,6 +268,32 @@ TEST_P(EncoderTest, ReferenceBackwardWithoutDwpeMatchesFiniteDifferences) {
   check_encoder_gradients(GetParam(), true, false);
 }
 TEST_P(EncoderTest, BackwardTwiceWithoutDwpeAccumulatesDwte) { check_encoder_backward<float>(GetParam(), 2, false); }
+
+// Positions restarting with each packed document (data.restart_positions): each token takes the wpe
+// row of its position, and dwpe gathers every token of a position, against the reference.
+TEST_P(EncoderTest, RestartedPositionsMatchReference) {
+  const EncoderShape s = GetParam();
+  const size_t BT = static_cast<size_t>(s.B) * s.T;
+  std::vector<int> tokens(BT), positions(BT);
+  fill_indices(tokens.data(), BT, 31, s.V);
+  for (int b = 0; b < s.B; b++)
+    for (int t = 0, start = 0; t < s.T; t++) {
+      if (t % 5 == 3 + b % 2) start = t;
+      positions[static_cast<size_t>(b) * s.T + t] = t - start;
+    }
+  const std::vector<double> wte = random_vector(static_cast<size_t>(s.V) * s.C, 32),
+                            wpe = random_vector(static_cast<size_t>(s.T) * s.C, 33),
+                            dout = random_vector(BT * s.C, 34);
+  std::vector<double> out(BT * s.C), ref_out(out.size()), dwte(wte.size()), dwpe(wpe.size()), ref_dwte(wte.size()),
+      ref_dwpe(wpe.size());
+  cpu::encoder_forward(out.data(), tokens.data(), wte.data(), wpe.data(), s.B, s.T, s.C, positions.data());
+  ref::encoder_forward(ref_out.data(), tokens.data(), wte.data(), wpe.data(), s.B, s.T, s.C, positions.data());
+  cpu::encoder_backward(dwte.data(), dwpe.data(), dout.data(), tokens.data(), s.B, s.T, s.C, positions.data());
+  ref::encoder_backward(ref_dwte.data(), ref_dwpe.data(), dout.data(), tokens.data(), s.B, s.T, s.C, positions.data());
+  expect_close(out.data(), ref_out, Tolerance{0.0, 0.0}, "encoder out with positions");
+  expect_close(dwpe.data(), ref_dwpe, kDoubleTol, "encoder dwpe with positions");
+  expect_close(dwte.data(), ref_dwte, kDoubleTol, "encoder dwte with positions");
+}
 
 INSTANTIATE_TEST_SUITE_P(Shapes, EncoderTest,
                          ::testing::Values(EncoderShape{1, 1, 12, 11}, EncoderShape{1, 5, 12, 50},
@@ -1041,6 +1067,31 @@ void expect_v_untouched(const Real* after, const Real* before, const AttentionSh
 // Each output is a x cos -+ b x sin: two products and a sum.
 constexpr int kRopeChain = 3;
 
+// Positions restarting with each packed document: each token turns by its position's angles,
+// forward and backward, against the reference.
+TEST(Rope, RestartedPositionsMatchReference) {
+  const AttentionShape s{2, 11, 3, 1, 6};
+  std::vector<int> positions(static_cast<size_t>(s.B) * s.T);
+  for (int b = 0; b < s.B; b++)
+    for (int t = 0, start = 0; t < s.T; t++) {
+      if (t == 4 + b || t == 9) start = t;
+      positions[static_cast<size_t>(b) * s.T + t] = t - start;
+    }
+  std::vector<double> cos(static_cast<size_t>(s.T) * (s.HS / 2)), sin(cos.size());
+  ref::rope_tables(cos.data(), sin.data(), s.T, s.HS, kRopeTheta);
+  for (bool backward : {false, true}) {
+    std::vector<double> x = random_vector(qkv_size(s), 35, -2.0, 2.0), ref_x = x;
+    if (backward) {
+      cpu::rope_backward(x.data(), cos.data(), sin.data(), s.B, s.T, s.NH, s.KV, s.HS, positions.data());
+      ref::rope_backward(ref_x.data(), cos.data(), sin.data(), s.B, s.T, s.NH, s.KV, s.HS, positions.data());
+    } else {
+      cpu::rope_forward(x.data(), cos.data(), sin.data(), s.B, s.T, s.NH, s.KV, s.HS, positions.data());
+      ref::rope_forward(ref_x.data(), cos.data(), sin.data(), s.B, s.T, s.NH, s.KV, s.HS, positions.data());
+    }
+    expect_close(x.data(), ref_x, kDoubleTol, backward ? "rope_backward with positions" : "rope_forward with positions");
+  }
+}
+
 // backward = false: rope_forward on qkv; true: rope_backward on a gradient.
 template <typename Real>
 void check_rope(const AttentionShape& s, bool backward) {
@@ -1073,10 +1124,10 @@ void check_rope_gradients(const AttentionShape& s, bool reference) {
   std::vector<double> qkv = random_vector(qkv_size(s), 163, -2.0, 2.0);
   const std::vector<double> R = random_vector(qkv.size(), 164);
   std::vector<double> dqkv = R;
-  backward_fn(dqkv.data(), cos.data(), sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  backward_fn(dqkv.data(), cos.data(), sin.data(), s.B, s.T, s.NH, s.KV, s.HS, nullptr);
   const Forward forward = [&](std::vector<double>& y) {
     y = qkv;
-    forward_fn(y.data(), cos.data(), sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+    forward_fn(y.data(), cos.data(), sin.data(), s.B, s.T, s.NH, s.KV, s.HS, nullptr);
   };
   const std::string who = reference ? "reference " : "cpu<double> ";
   expect_matches_finite_differences(qkv.data(), qkv.size(), dqkv.data(), R, forward, who + "rope dqkv");

@@ -193,9 +193,9 @@ class CountingOps : public LayerOps<double> {
  public:
   double multiply_adds() const { return macs_; }
   Device& device() const override { return cpu().device(); }
-  void encoder_forward(double* out, const int* tokens, const double* wte, const double* wpe, int B, int T,
-                       int C) const override {
-    cpu().encoder_forward(out, tokens, wte, wpe, B, T, C);
+  void encoder_forward(double* out, const int* tokens, const double* wte, const double* wpe, int B, int T, int C,
+                       const int* positions) const override {
+    cpu().encoder_forward(out, tokens, wte, wpe, B, T, C, positions);
   }
   void layernorm_forward(double* out, double* mean, double* rstd, const double* inp, const double* weight,
                          const double* bias, int N, int C) const override {
@@ -217,9 +217,9 @@ class CountingOps : public LayerOps<double> {
     macs_ += 2.0 * B * T * T * NH * HS;  // per query head: T x T scores of HS, then T x HS outputs of T
     cpu().attention_forward(out, lse, qkv, B, T, NH, KV, HS, doc_start);
   }
-  void rope_forward(double* qkv, const double* cos, const double* sin, int B, int T, int NH, int KV,
-                    int HS) const override {
-    cpu().rope_forward(qkv, cos, sin, B, T, NH, KV, HS);
+  void rope_forward(double* qkv, const double* cos, const double* sin, int B, int T, int NH, int KV, int HS,
+                    const int* positions) const override {
+    cpu().rope_forward(qkv, cos, sin, B, T, NH, KV, HS, positions);
   }
   void gelu_forward(double* out, const double* inp, size_t n) const override { cpu().gelu_forward(out, inp, n); }
   void swiglu_forward(double* out, const double* gate_up, int N, int I) const override {
@@ -274,7 +274,9 @@ class CountingOps : public LayerOps<double> {
   void accumulate_sum(double* total, const double* x, size_t n) const override { cpu().accumulate_sum(total, x, n); }
 
   // Not used by a forward pass.
-  void encoder_backward(double*, double*, const double*, const int*, int, int, int) const override { unused(); }
+  void encoder_backward(double*, double*, const double*, const int*, int, int, int, const int*) const override {
+    unused();
+  }
   void layernorm_backward(double*, double*, double*, const double*, const double*, const double*, const double*,
                           const double*, int, int) const override {
     unused();
@@ -291,7 +293,9 @@ class CountingOps : public LayerOps<double> {
                           int, const int*) const override {
     unused();
   }
-  void rope_backward(double*, const double*, const double*, int, int, int, int, int) const override { unused(); }
+  void rope_backward(double*, const double*, const double*, int, int, int, int, int, const int*) const override {
+    unused();
+  }
   void attention_decode(double*, double*, double*, double*, const double*, int, int, int, int, int) const override {
     unused();
   }
@@ -332,11 +336,16 @@ TEST_P(ModelArchTest, FlopsPerTokenCountsTheMultiplyAddsTheModelRuns) {
 
 // Packed documents (BATCH_DOC_STARTS, data.documents): one sequence holds documents [0, 4) and [4, 9).
 constexpr int kPackedT = 9, kSecondDocument = 4;
-Batch packed_batch(const std::vector<int>& tokens, const std::vector<int>& targets, bool documents) {
+Batch packed_batch(const std::vector<int>& tokens, const std::vector<int>& targets, bool documents,
+                   bool restart_positions = false) {
   Batch batch = token_batch(tokens, targets, 1, kPackedT);
   if (documents) {
     int* starts = batch.put<int>(BATCH_DOC_STARTS, {1, kPackedT});
     for (int t = 0; t < kPackedT; t++) starts[t] = t < kSecondDocument ? 0 : kSecondDocument;
+  }
+  if (restart_positions) {
+    int* positions = batch.put<int>(BATCH_POSITIONS, {1, kPackedT});
+    for (int t = 0; t < kPackedT; t++) positions[t] = t < kSecondDocument ? t : t - kSecondDocument;
   }
   return batch;
 }
@@ -371,41 +380,48 @@ TEST_P(ModelArchTest, PackedDocumentsDoNotSeeEachOther) {
   }
 }
 
-// With rotary positions (Llama, Qwen 2) attention sees only relative positions, so each packed
-// document gets what it gets alone: the packed sequence's summed loss and its gradients are
-// its two documents' run on their own, added.
-TEST(PackedDocuments, RotaryModelsGiveEachDocumentWhatItGetsAlone) {
-  for (ModelConfig (*config)() : {tiny_llama_config, tiny_llama_tied_config, tiny_qwen2_config}) {
-    ModelConfig c = config();
-    c.max_seq_len = kPackedT;
-    ParamTable table(c);
-    const int V = table.config().vocab_size;
-    auto units = random_units<double>(table, 0.3, 99);
-    std::vector<int> tokens(kPackedT), targets(kPackedT);
-    for (int t = 0; t < kPackedT; t++) tokens[t] = (t * 5 + 3) % V, targets[t] = (t * 7 + 1) % V;
-    auto packed = make_model<double>(table, 1, kPackedT, false, cpu_layer_ops<double>());
-    std::vector<std::vector<double>> grads, grads_first, grads_second;
-    const double loss = loss_and_grads(*packed, table, units, grads, packed_batch(tokens, targets, true), 1.0);
-    const auto part = [&](int begin, int end, std::vector<std::vector<double>>& g) {
-      auto model = make_model<double>(table, 1, end - begin, false, cpu_layer_ops<double>());
-      const std::vector<int> t(tokens.begin() + begin, tokens.begin() + end), y(targets.begin() + begin,
-                                                                                 targets.begin() + end);
-      return loss_and_grads(*model, table, units, g, token_batch(t, y, 1, end - begin), 1.0);
-    };
-    const double alone = part(0, kSecondDocument, grads_first) + part(kSecondDocument, kPackedT, grads_second);
-    // Up to the rotary tables' fp32 angles (as transformers computes them): position t's rotation
-    // is not exactly position 0's turned by t steps, a relative 1e-7 or so.
-    EXPECT_NEAR(loss, alone, 1e-6 * std::fabs(alone)) << table.config().arch;
-    for (const ParamInfo& p : table.params()) {
-      double scale = 0;
-      for (size_t i = 0; i < p.numel; i++) scale = std::max(scale, std::fabs(grads[p.unit][p.offset + i]));
-      for (size_t i = 0; i < p.numel; i++) {
-        const size_t at = p.offset + i;
-        ASSERT_NEAR(grads[p.unit][at], grads_first[p.unit][at] + grads_second[p.unit][at], 1e-6 * scale + 1e-12)
-            << table.config().arch << " " << p.name << "[" << i << "]";
-      }
+// Each packed document gets what it gets alone: the packed sequence's summed loss and its gradients
+// are its two documents' run on their own, added. With positions restarting per document that holds
+// for every family up to rounding; without, for the rotary families (Llama, Qwen 2), whose attention
+// sees only relative positions, up to the rotary tables' fp32 angles (as transformers computes them:
+// position t's rotation is not exactly position 0's turned by t steps, a relative 1e-7 or so).
+void check_documents_alone(ModelConfig c, bool restart_positions, double tolerance) {
+  c.max_seq_len = kPackedT;
+  ParamTable table(c);
+  const int V = table.config().vocab_size;
+  auto units = random_units<double>(table, 0.3, 99);
+  std::vector<int> tokens(kPackedT), targets(kPackedT);
+  for (int t = 0; t < kPackedT; t++) tokens[t] = (t * 5 + 3) % V, targets[t] = (t * 7 + 1) % V;
+  auto packed = make_model<double>(table, 1, kPackedT, false, cpu_layer_ops<double>());
+  std::vector<std::vector<double>> grads, grads_first, grads_second;
+  const double loss =
+      loss_and_grads(*packed, table, units, grads, packed_batch(tokens, targets, true, restart_positions), 1.0);
+  const auto part = [&](int begin, int end, std::vector<std::vector<double>>& g) {
+    auto model = make_model<double>(table, 1, end - begin, false, cpu_layer_ops<double>());
+    const std::vector<int> t(tokens.begin() + begin, tokens.begin() + end),
+        y(targets.begin() + begin, targets.begin() + end);
+    return loss_and_grads(*model, table, units, g, token_batch(t, y, 1, end - begin), 1.0);
+  };
+  const double alone = part(0, kSecondDocument, grads_first) + part(kSecondDocument, kPackedT, grads_second);
+  EXPECT_NEAR(loss, alone, tolerance * std::fabs(alone)) << c.arch;
+  for (const ParamInfo& p : table.params()) {
+    double scale = 0;
+    for (size_t i = 0; i < p.numel; i++) scale = std::max(scale, std::fabs(grads[p.unit][p.offset + i]));
+    for (size_t i = 0; i < p.numel; i++) {
+      const size_t at = p.offset + i;
+      ASSERT_NEAR(grads[p.unit][at], grads_first[p.unit][at] + grads_second[p.unit][at], tolerance * scale + 1e-15)
+          << c.arch << " " << p.name << "[" << i << "]";
     }
   }
+}
+
+TEST(PackedDocuments, RotaryModelsGiveEachDocumentWhatItGetsAlone) {
+  for (ModelConfig (*config)() : {tiny_llama_config, tiny_llama_tied_config, tiny_qwen2_config})
+    check_documents_alone(config(), false, 1e-6);
+}
+
+TEST_P(ModelArchTest, RestartedPositionsGiveEachDocumentWhatItGetsAlone) {
+  check_documents_alone(GetParam().config(), true, 1e-12);
 }
 
 // Activation checkpointing recomputes each block's forward in backward: the same operations on

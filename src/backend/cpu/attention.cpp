@@ -308,13 +308,14 @@ void attention_decode(Real* out, Real* scratch, Real* k_cache, Real* v_cache, co
 // with 2i + 1 (FLUX's).
 template <typename Real>
 void rope_turn(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS, Real sign,
-               bool interleaved) {
+               bool interleaved, const int* positions = nullptr) {
   const int row = (NH + 2 * KV) * HS, half = HS / 2;
   const int step = interleaved ? 2 : 1, partner = interleaved ? 1 : half;
 #pragma omp parallel for schedule(static)
   for (int bt = 0; bt < B * T; bt++) {
-    const Real* c = cos + static_cast<size_t>(bt % T) * half;
-    const Real* s = sin + static_cast<size_t>(bt % T) * half;
+    const size_t t = static_cast<size_t>(positions ? positions[bt] : bt % T);
+    const Real* c = cos + t * half;
+    const Real* s = sin + t * half;
     Real* r = qkv + static_cast<size_t>(bt) * row;
     for (int head = 0; head < NH + KV; head++) {  // the query heads, then the key heads
       Real* x = r + head * HS;
@@ -330,13 +331,15 @@ void rope_turn(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH
 }
 
 template <typename Real>
-void rope_forward(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS) {
-  rope_turn(qkv, cos, sin, B, T, NH, KV, HS, Real(1), false);
+void rope_forward(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS,
+                  const int* positions) {
+  rope_turn(qkv, cos, sin, B, T, NH, KV, HS, Real(1), false, positions);
 }
 
 template <typename Real>
-void rope_backward(Real* dqkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS) {
-  rope_turn(dqkv, cos, sin, B, T, NH, KV, HS, Real(-1), false);
+void rope_backward(Real* dqkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS,
+                   const int* positions) {
+  rope_turn(dqkv, cos, sin, B, T, NH, KV, HS, Real(-1), false, positions);
 }
 
 template <typename Real>
@@ -355,8 +358,8 @@ void rope_pairs_backward(Real* dqkv, const Real* cos, const Real* sin, int B, in
   template void attention_backward<Real>(Real*, const Real*, const Real*, const Real*, const Real*, int, int, int, \
                                          int, int, AttentionTiles, bool, const int*);                           \
   template void attention_decode<Real>(Real*, Real*, Real*, Real*, const Real*, int, int, int, int, int);         \
-  template void rope_forward<Real>(Real*, const Real*, const Real*, int, int, int, int, int);                    \
-  template void rope_backward<Real>(Real*, const Real*, const Real*, int, int, int, int, int);                   \
+  template void rope_forward<Real>(Real*, const Real*, const Real*, int, int, int, int, int, const int*);        \
+  template void rope_backward<Real>(Real*, const Real*, const Real*, int, int, int, int, int, const int*);       \
   template void rope_pairs_forward<Real>(Real*, const Real*, const Real*, int, int, int, int, int);              \
   template void rope_pairs_backward<Real>(Real*, const Real*, const Real*, int, int, int, int, int);
 INSTANTIATE(float)

@@ -46,13 +46,13 @@ class CpuLayerOps : public LayerOps<Real> {
   // bf16: the linear layers' products through it (float only; fsdp.param_dtype=bf16).
   explicit CpuLayerOps(cpu::Bf16Gemm* bf16 = nullptr) : bf16_(bf16) {}
   Device& device() const override { return host_device(); }
-  void encoder_forward(Real* out, const int* tokens, const Real* wte, const Real* wpe, int B, int T,
-                       int C) const override {
-    cpu::encoder_forward(out, tokens, wte, wpe, B, T, C);
+  void encoder_forward(Real* out, const int* tokens, const Real* wte, const Real* wpe, int B, int T, int C,
+                       const int* positions) const override {
+    cpu::encoder_forward(out, tokens, wte, wpe, B, T, C, positions);
   }
-  void encoder_backward(Real* dwte, Real* dwpe, const Real* dout, const int* tokens, int B, int T,
-                        int C) const override {
-    cpu::encoder_backward(dwte, dwpe, dout, tokens, B, T, C);
+  void encoder_backward(Real* dwte, Real* dwpe, const Real* dout, const int* tokens, int B, int T, int C,
+                        const int* positions) const override {
+    cpu::encoder_backward(dwte, dwpe, dout, tokens, B, T, C, positions);
   }
   void layernorm_forward(Real* out, Real* mean, Real* rstd, const Real* inp, const Real* weight, const Real* bias,
                          int N, int C) const override {
@@ -144,12 +144,13 @@ class CpuLayerOps : public LayerOps<Real> {
                         const Real* rstd, int N, int C) const override {
     cpu::rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, N, C);
   }
-  void rope_forward(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS) const override {
-    cpu::rope_forward(qkv, cos, sin, B, T, NH, KV, HS);
+  void rope_forward(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS,
+                    const int* positions) const override {
+    cpu::rope_forward(qkv, cos, sin, B, T, NH, KV, HS, positions);
   }
-  void rope_backward(Real* dqkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV,
-                     int HS) const override {
-    cpu::rope_backward(dqkv, cos, sin, B, T, NH, KV, HS);
+  void rope_backward(Real* dqkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS,
+                     const int* positions) const override {
+    cpu::rope_backward(dqkv, cos, sin, B, T, NH, KV, HS, positions);
   }
   void swiglu_forward(Real* out, const Real* gate_up, int N, int I) const override {
     cpu::swiglu_forward(out, gate_up, N, I);

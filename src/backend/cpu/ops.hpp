@@ -23,13 +23,16 @@
 
 namespace shardtrain::cpu {
 
-// out(B,T,C) = wte[tokens[b,t]] + wpe[t]; wpe may be null (no position table: llama).
+// out(B,T,C) = wte[tokens[b,t]] + wpe[p], p = positions[b,t] or t when positions is null; wpe may be
+// null (no position table: llama).
 template <typename Real>
-void encoder_forward(Real* out, const int* tokens, const Real* wte, const Real* wpe, int B, int T, int C);
-// dwte(V,C) += scatter of dout by token; dwpe(maxT,C) += dout summed over batch. Each skipped if
-// null (both null: nothing to do).
+void encoder_forward(Real* out, const int* tokens, const Real* wte, const Real* wpe, int B, int T, int C,
+                     const int* positions = nullptr);
+// dwte(V,C) += scatter of dout by token; dwpe(maxT,C) += scatter of dout by position (summed over
+// the batch), rows added in increasing b*T+t. Each skipped if null (both null: nothing to do).
 template <typename Real>
-void encoder_backward(Real* dwte, Real* dwpe, const Real* dout, const int* tokens, int B, int T, int C);
+void encoder_backward(Real* dwte, Real* dwpe, const Real* dout, const int* tokens, int B, int T, int C,
+                      const int* positions = nullptr);
 
 // out(N,C) = (inp - mean) * rstd * weight + bias, eps 1e-5; saves mean(N), rstd(N).
 template <typename Real>
@@ -94,11 +97,14 @@ void attention_decode(Real* out, Real* scratch, Real* k_cache, Real* v_cache, co
 // untouched), Hugging Face's "rotate_half" form: in each head vector, element i < HS/2 pairs with
 // i + HS/2 and the pair at position t turns by the angle with cos[t][i], sin[t][i] (tables (T, HS/2)):
 //   x[i] <- x[i] cos - x[i + HS/2] sin,  x[i + HS/2] <- x[i + HS/2] cos + x[i] sin.
+// positions (B,T), if given, replace t: the table row of each token.
 template <typename Real>
-void rope_forward(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS);
+void rope_forward(Real* qkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS,
+                  const int* positions = nullptr);
 // In place on dqkv: the inverse turn (the rotation's transpose), giving the gradient before rope.
 template <typename Real>
-void rope_backward(Real* dqkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS);
+void rope_backward(Real* dqkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS,
+                   const int* positions = nullptr);
 
 // FLUX's rotary embedding (model/families/flux): in each q and k head vector of qkv (layout as
 // attention) the interleaved pairs (x[2i], x[2i+1]) turn by the angle with cos[t][i], sin[t][i]

@@ -15,7 +15,8 @@
 namespace shardtrain::cpu {
 
 template <typename Real>
-void encoder_forward(Real* out, const int* tokens, const Real* wte, const Real* wpe, int B, int T, int C) {
+void encoder_forward(Real* out, const int* tokens, const Real* wte, const Real* wpe, int B, int T, int C,
+                     const int* positions) {
 #pragma omp parallel for schedule(static)
   for (int bt = 0; bt < B * T; bt++) {
     const Real* e = wte + static_cast<size_t>(tokens[bt]) * C;
@@ -24,13 +25,14 @@ void encoder_forward(Real* out, const int* tokens, const Real* wte, const Real* 
       for (int i = 0; i < C; i++) o[i] = e[i];
       continue;
     }
-    const Real* p = wpe + static_cast<size_t>(bt % T) * C;
+    const Real* p = wpe + static_cast<size_t>(positions ? positions[bt] : bt % T) * C;
     for (int i = 0; i < C; i++) o[i] = e[i] + p[i];
   }
 }
 
 template <typename Real>
-void encoder_backward(Real* dwte, Real* dwpe, const Real* dout, const int* tokens, int B, int T, int C) {
+void encoder_backward(Real* dwte, Real* dwpe, const Real* dout, const int* tokens, int B, int T, int C,
+                      const int* positions) {
   if (!dwte && !dwpe) return;  // both tables frozen (or absent)
   int blocks = (C + COLUMN_BLOCK - 1) / COLUMN_BLOCK;
 #pragma omp parallel for schedule(static)
@@ -43,7 +45,7 @@ void encoder_backward(Real* dwte, Real* dwpe, const Real* dout, const int* token
         for (int i = lo; i < hi; i++) e[i] += d[i];
       }
       if (dwpe) {
-        Real* p = dwpe + static_cast<size_t>(bt % T) * C;
+        Real* p = dwpe + static_cast<size_t>(positions ? positions[bt] : bt % T) * C;
         for (int i = lo; i < hi; i++) p[i] += d[i];
       }
     }
@@ -197,8 +199,8 @@ void softmax_crossentropy_backward(Real* probs_to_dlogits, const int* targets, R
 }
 
 #define INSTANTIATE(Real)                                                                                   \
-  template void encoder_forward<Real>(Real*, const int*, const Real*, const Real*, int, int, int);          \
-  template void encoder_backward<Real>(Real*, Real*, const Real*, const int*, int, int, int);               \
+  template void encoder_forward<Real>(Real*, const int*, const Real*, const Real*, int, int, int, const int*); \
+  template void encoder_backward<Real>(Real*, Real*, const Real*, const int*, int, int, int, const int*);  \
   template void gelu_forward<Real>(Real*, const Real*, size_t);                                             \
   template void gelu_backward<Real>(Real*, const Real*, const Real*, size_t);                               \
   template void swiglu_forward<Real>(Real*, const Real*, int, int);                                         \

@@ -65,14 +65,15 @@ class CudaLayerOps final : public LayerOps<float> {
 
   Device& device() const override { return device_; }
 
-  void encoder_forward(float* out, const int* tokens, const float* wte, const float* wpe, int B, int T,
-                       int C) const override {
-    kernels::launch_encoder_forward(out, tokens, wte, wpe, B, T, C, launch());
+  void encoder_forward(float* out, const int* tokens, const float* wte, const float* wpe, int B, int T, int C,
+                       const int* positions) const override {
+    kernels::launch_encoder_forward(out, tokens, wte, wpe, B, T, C, positions, launch());
   }
-  void encoder_backward(float* dwte, float* dwpe, const float* dout, const int* tokens, int B, int T,
-                        int C) const override {
-    void* ws = dwte ? workspace(kernels::encoder_backward_workspace_bytes(B, T)) : nullptr;  // dwte's sort
-    kernels::launch_encoder_backward(dwte, dwpe, dout, tokens, B, T, C, ws, launch());
+  void encoder_backward(float* dwte, float* dwpe, const float* dout, const int* tokens, int B, int T, int C,
+                        const int* positions) const override {
+    // The sort of dwte's rows by token (and of dwpe's by position, when positions are given).
+    void* ws = dwte || (dwpe && positions) ? workspace(kernels::encoder_backward_workspace_bytes(B, T)) : nullptr;
+    kernels::launch_encoder_backward(dwte, dwpe, dout, tokens, B, T, C, positions, ws, launch());
   }
   void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
                          const float* bias, int N, int C) const override {
@@ -128,13 +129,13 @@ class CudaLayerOps final : public LayerOps<float> {
                         int start, int NH, int KV, int HS) const override {
     kernels::launch_attention_decode(out, scratch, k_cache, v_cache, qkv, Q, start, NH, KV, HS, launch());
   }
-  void rope_forward(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int KV,
-                    int HS) const override {
-    kernels::launch_rope_forward(qkv, cos, sin, B, T, NH, KV, HS, launch());
+  void rope_forward(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS,
+                    const int* positions) const override {
+    kernels::launch_rope_forward(qkv, cos, sin, B, T, NH, KV, HS, positions, launch());
   }
-  void rope_backward(float* dqkv, const float* cos, const float* sin, int B, int T, int NH, int KV,
-                     int HS) const override {
-    kernels::launch_rope_backward(dqkv, cos, sin, B, T, NH, KV, HS, launch());
+  void rope_backward(float* dqkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS,
+                     const int* positions) const override {
+    kernels::launch_rope_backward(dqkv, cos, sin, B, T, NH, KV, HS, positions, launch());
   }
   void swiglu_forward(float* out, const float* gate_up, int N, int I) const override {
     kernels::launch_swiglu_forward(out, gate_up, N, I, launch());

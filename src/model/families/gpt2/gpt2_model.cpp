@@ -43,7 +43,7 @@ template <typename Real>
 void GptModel<Real>::embed_forward(const Real* root, const Batch& batch) {
   this->upload_tokens(batch);
   ops_.encoder_forward(resid_[0].data(), tokens_.data(), param_in(table_, root, ROOT_UNIT, ROOT_WTE),
-                       param_in(table_, root, ROOT_UNIT, ROOT_WPE), B_, T_, cfg_.n_embd);
+                       param_in(table_, root, ROOT_UNIT, ROOT_WPE), B_, T_, cfg_.n_embd, this->positions());
 }
 
 template <typename Real>
@@ -141,7 +141,7 @@ void GptModel<Real>::block_backward(int l, Real* g, const Real* w) {
 template <typename Real>
 void GptModel<Real>::embed_backward(Real* g) {
   ops_.encoder_backward(grad_in(table_, g, ROOT_UNIT, ROOT_WTE), grad_in(table_, g, ROOT_UNIT, ROOT_WPE),
-                        dresid_.data(), tokens_.data(), B_, T_, cfg_.n_embd);
+                        dresid_.data(), tokens_.data(), B_, T_, cfg_.n_embd, this->positions());
 }
 
 template <typename Real>
@@ -179,7 +179,7 @@ void GptModel<Real>::decode_embed(const Real* root, const int* tokens, int n) {
   ops_.device().copy_to_device(d.tokens.data(), tokens, n * sizeof(int));
   // Positions start..start+n-1: the position table from row start on.
   ops_.encoder_forward(d.x.data(), d.tokens.data(), param_in(table_, root, ROOT_UNIT, ROOT_WTE),
-                       param_in(table_, root, ROOT_UNIT, ROOT_WPE) + d.start * C, 1, n, C);
+                       param_in(table_, root, ROOT_UNIT, ROOT_WPE) + d.start * C, 1, n, C, nullptr);
 }
 
 template <typename Real>

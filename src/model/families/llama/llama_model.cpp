@@ -65,7 +65,7 @@ template <typename Real>
 void LlamaModel<Real>::embed_forward(const Real* root, const Batch& batch) {
   this->upload_tokens(batch);
   ops_.encoder_forward(resid_[0].data(), tokens_.data(), param_in(table_, root, ROOT_UNIT, LLAMA_EMBED), nullptr, B_,
-                       T_, cfg_.n_embd);
+                       T_, cfg_.n_embd, nullptr);
 }
 
 template <typename Real>
@@ -82,7 +82,7 @@ void LlamaModel<Real>::block_forward(int l, const Real* w) {
   produced(LN1);
   ops_.matmul_forward(S(QKV), S(LN1), W(LLAMA_Q_W), qkv_bias(w, l), N, C, cfg_.qkv_size());  // q|k|v fused
   adapters_.forward(l, PRODUCT_QKV, S(LN1), S(QKV), w);
-  ops_.rope_forward(S(QKV), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS);
+  ops_.rope_forward(S(QKV), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS, this->positions());
   produced(QKV);  // after rope: what attention reads (rope's backward needs no values)
   ops_.attention_forward(S(ATTY), a.lse.data(), S(QKV), B_, T_, NH, KV, HS, this->doc_start());
   produced(ATTY);
@@ -152,7 +152,7 @@ void LlamaModel<Real>::block_backward(int l, Real* g, const Real* w) {
   adapters_.backward(l, PRODUCT_ATTN_OUT, S(ATTY), d, dln_.data(), w, g);
   ops_.attention_backward(dqkv_.data(), dln_.data(), S(QKV), S(ATTY), a.lse.data(), B_, T_, NH, KV, HS,
                           this->doc_start());
-  ops_.rope_backward(dqkv_.data(), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS);
+  ops_.rope_backward(dqkv_.data(), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS, this->positions());
   d = adapters_.output_grad(l, PRODUCT_QKV, S(LN1), dqkv_.data(), w, g);
   ops_.matmul_backward(dln_.data(), G(LLAMA_Q_W), qkv_bias_grad(g, l), d, S(LN1), W(LLAMA_Q_W), N, C,
                        cfg_.qkv_size());
@@ -164,7 +164,7 @@ void LlamaModel<Real>::block_backward(int l, Real* g, const Real* w) {
 template <typename Real>
 void LlamaModel<Real>::embed_backward(Real* g) {
   ops_.encoder_backward(grad_in(table_, g, ROOT_UNIT, LLAMA_EMBED), nullptr, dresid_.data(), tokens_.data(), B_, T_,
-                        cfg_.n_embd);
+                        cfg_.n_embd, nullptr);
 }
 
 template <typename Real>
@@ -203,7 +203,7 @@ void LlamaModel<Real>::decode_embed(const Real* root, const int* tokens, int n) 
   d.advance(n);
   ops_.device().copy_to_device(d.tokens.data(), tokens, n * sizeof(int));
   ops_.encoder_forward(d.x.data(), d.tokens.data(), param_in(table_, root, ROOT_UNIT, LLAMA_EMBED), nullptr, 1, n,
-                       cfg_.n_embd);
+                       cfg_.n_embd, nullptr);
 }
 
 template <typename Real>
@@ -219,7 +219,7 @@ void LlamaModel<Real>::decode_block(int l, const Real* w) {
   adapters_.decode_forward(l, PRODUCT_QKV, d.ln.data(), d.qkv.data(), N, w);
   // Positions start..start+N-1: the tables from row start on, as one sequence of N.
   ops_.rope_forward(d.qkv.data(), d.rope_cos.data() + d.start * half, d.rope_sin.data() + d.start * half, 1, N, NH,
-                    KV, HS);
+                    KV, HS, nullptr);
   ops_.attention_decode(d.atty.data(), d.scores.data(), d.k[l].data(), d.v[l].data(), d.qkv.data(), N, d.start, NH,
                         KV, HS);
   ops_.matmul_forward(d.resid2.data(), d.atty.data(), W(LLAMA_O_W), nullptr, N, C, C);
