@@ -270,7 +270,8 @@ std::optional<HfSpecialIds> write_tokenizer_files(const std::string& tokenizer, 
   };
   place(tokenizer, "tokenizer.json");
   const fs::path beside = fs::path(tokenizer).parent_path();
-  for (const char* name : {"tokenizer_config.json", "special_tokens_map.json"})
+  // The folder's chat template comes along (tokenizer_config.json's, or newer transformers' own file).
+  for (const char* name : {"tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"})
     if (fs::is_regular_file(beside / name, error)) place(beside / name, name);
   // A special token's text: its content (the tokenizer may have no decoder), found by its name.
   auto text_of = [&](uint32_t id) -> std::optional<std::string> {
@@ -281,8 +282,8 @@ std::optional<HfSpecialIds> write_tokenizer_files(const std::string& tokenizer, 
   if (!fs::is_regular_file(beside / "tokenizer_config.json", error)) {
     nlohmann::ordered_json config;
     config["tokenizer_class"] = "PreTrainedTokenizerFast";
-    if (ids.bos && text_of(*ids.bos)) config["bos_token"] = *text_of(*ids.bos);
-    if (!ids.eos.empty() && text_of(ids.eos.front())) config["eos_token"] = *text_of(ids.eos.front());
+    if (const auto bos = ids.bos ? text_of(*ids.bos) : std::nullopt) config["bos_token"] = *bos;
+    if (const auto eos = ids.eos.empty() ? std::nullopt : text_of(ids.eos.front())) config["eos_token"] = *eos;
     config["model_max_length"] = model.max_seq_len;
     config["clean_up_tokenization_spaces"] = false;
     write("tokenizer_config.json", config.dump(2) + "\n");

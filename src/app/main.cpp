@@ -117,6 +117,7 @@ int run_data(Runtime& rt, const std::vector<std::string>& args) {
   const std::string help = "; see 'shardtrain data " + args[0] + " --help'";
   po::variables_map vm;
   bool print_help = false;
+  double timeout_seconds = 0;
   rt.agree_on([&] {
     try {
       const std::vector<std::string> words = parse_tool_options({args.begin() + 1, args.end()}, desc, vm);
@@ -126,14 +127,13 @@ int run_data(Runtime& rt, const std::vector<std::string>& args) {
     } catch (const po::error& e) {
       throw UsageError(option_error_text(e) + help);
     }
-    parse_whole_number(timeout, "--comm-timeout", 0, 1u << 30);
+    timeout_seconds = static_cast<double>(parse_whole_number(timeout, "--comm-timeout", 0, 1u << 30));
   });
   if (print_help) {
     if (rt.is_root()) std::cout << desc << "\n";
     return EXIT_CODE_OK;
   }
-  rt.set_collective_timeout({static_cast<double>(parse_whole_number(timeout, "--comm-timeout", 0, 1u << 30)),
-                             "--comm-timeout"});
+  rt.set_collective_timeout({timeout_seconds, "--comm-timeout"});
   // The data commands are serial: rank 0 works, the others wait for it (Runtime::on_root).
   const std::string command = "data " + args[0];
   rt.on_root(command.c_str(), [&] {

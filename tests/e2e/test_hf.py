@@ -409,12 +409,16 @@ def test_the_folders_tokenizer_goes_with_the_model_through_training_and_export()
     """A Hugging Face folder with a tokenizer.json: a run started from it takes that tokenizer as
     data.tokenizer (nothing to repeat), and `export --format hf` and `convert` put it back beside
     the model with what transformers reads: tokenizer_config.json (PreTrainedTokenizerFast),
-    generation_config.json and config.json's bos/eos ids, the ids `generate` stops at. The
+    generation_config.json and config.json's bos/eos ids, the ids `generate` stops at, and the
+    folder's chat template. The
     tokenizers package loads the exported tokenizer.json and encodes as the original does."""
     from test_datasets import TINY_TOKENIZER
     folder = hf_folder()
     with open(os.path.join(folder, "tokenizer.json"), "w") as f:
         json.dump(TINY_TOKENIZER, f)
+    template = "{% for m in messages %}{{ m['content'] }}<|endoftext|>{% endfor %}"
+    with open(os.path.join(folder, "chat_template.jinja"), "w") as f:  # transformers' own file for it
+        f.write(template)
     eos = TINY_TOKENIZER["added_tokens"][0]["id"]
     d = tempdir()
     proc = run(2, tiny_args(f"--checkpoint.init_from={folder}", "--train.steps=2", f"--checkpoint.dir={d}"))
@@ -427,8 +431,9 @@ def test_the_folders_tokenizer_goes_with_the_model_through_training_and_export()
         proc = run(2, args)
         assert proc.returncode == 0, proc.stderr[-2000:]
     for out in (exported, converted):
-        assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors",
-                                           "tokenizer.json", "tokenizer_config.json"], os.listdir(out)
+        assert sorted(os.listdir(out)) == ["chat_template.jinja", "config.json", "generation_config.json",
+                                           "model.safetensors", "tokenizer.json", "tokenizer_config.json"], os.listdir(out)
+        assert open(os.path.join(out, "chat_template.jinja")).read() == template
         assert open(os.path.join(out, "tokenizer.json")).read() == open(os.path.join(folder, "tokenizer.json")).read()
         config = json.load(open(os.path.join(out, "config.json")))
         assert config["eos_token_id"] == eos and config["bos_token_id"] == eos, config
