@@ -38,7 +38,7 @@ namespace {
 const char* USAGE_LINE = "shardtrain eval --checkpoint PATH [--data FILES] [--batches N|all] [options]";
 
 struct EvalOptions {
-  std::string checkpoint, data, device = "cpu";
+  std::string checkpoint, data, device = "cpu", base;
   // Text until the checkpoint says what the run used: "" = the run's own.
   std::string batches, global_batch, micro_batch, seq_len;
   int threads = 0;
@@ -54,6 +54,7 @@ bool parse_eval_args(const Runtime& rt, const std::vector<std::string>& args, Ev
       ("checkpoint", po::value(&o.checkpoint)->required(),
        "checkpoint (.h5) of a language model, either layout, saved on any rank count; or a run folder (its newest "
        "checkpoint)")
+      ("base", po::value(&o.base), BASE_HELP)
       ("data", po::value(&o.data),
        "token files to evaluate on (one, a glob or a comma-separated list, as data.val_file); default: the run's "
        "data.val_file")
@@ -158,7 +159,7 @@ int run_eval(Runtime& rt, const std::vector<std::string>& args) {
   rt.agree(data->check(rt.rank(), rt.world()));
 
   const ParamTable table(state.model, {}, state.adapter);  // a model trained with adapters: with them
-  InferenceWeights weights(rt, compute, *comm, watchdog, table, path);
+  InferenceWeights weights(rt, compute, *comm, watchdog, table, path, o.base);
   FsdpEngine& engine = weights.engine;
   MemoryTracker& memory = weights.memory;
   auto model = make_model<float>(table, static_cast<int>(B), static_cast<int>(T), false, *compute.backend().ops);

@@ -80,7 +80,7 @@ namespace {
 constexpr int PREFILL_CHUNK = 64;  // prompt tokens per prefill step (docs/generate.md)
 
 struct GenerateOptions {
-  std::string checkpoint, prompt, tokenizer;
+  std::string checkpoint, prompt, tokenizer, base;
   bool tokenizer_given = false;
   std::vector<std::string> stops;  // --stop: texts that end the output
   bool ignore_eos = false;
@@ -115,6 +115,7 @@ bool parse_generate_args(const Runtime& rt, const std::vector<std::string>& raw_
        "checkpoint (.h5) to generate from, either layout, saved on any rank count; or a run folder (its newest "
        "checkpoint)")
       ("prompt", po::value(&o.prompt)->required(), "the text to continue (at least one token)")
+      ("base", po::value(&o.base), BASE_HELP)
       ("max-tokens", po::value(&max_tokens)->default_value(max_tokens),
        "tokens to generate at most; fewer when prompt and output reach model.max_seq_len")
       ("temperature", po::value(&temperature)->default_value(temperature),
@@ -348,7 +349,7 @@ int Generator::run() {
   const int P = static_cast<int>(prompt_.size());
 
   const ParamTable table(m, {}, state.adapter);  // a model trained with adapters: with them
-  InferenceWeights weights(rt_, compute_, *comm_, watchdog_, table, path);
+  InferenceWeights weights(rt_, compute_, *comm_, watchdog_, table, path, o_.base);
   FsdpEngine& engine = weights.engine;
   MemoryTracker& memory = weights.memory;
 

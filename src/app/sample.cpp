@@ -53,7 +53,7 @@ constexpr const char* USAGE_LINE =
     "[--guidance G] [--cfg S --negative FILE.h5] [--shift auto|S] [--seed N] [--batch B]";
 
 struct SampleOptions {
-  std::string checkpoint, prompts, negative, output, shift = "auto", device = "cpu";
+  std::string checkpoint, prompts, negative, output, shift = "auto", device = "cpu", base;
   int rows = 0, cols = 0, steps = 28, batch = 1, threads = 0;
   double guidance = 3.5, cfg = 1.0, comm_timeout = 300;
   uint64_t seed = 0;
@@ -69,6 +69,7 @@ bool parse_sample_args(const Runtime& rt, const std::vector<std::string>& args, 
       ("help,h", "print the options")
       ("checkpoint", po::value(&o.checkpoint)->required(),
        "a model.arch=flux checkpoint (.h5; adapters, if it holds them, applied), or a run folder (its newest)")
+      ("base", po::value(&o.base), BASE_HELP)
       ("prompts", po::value(&o.prompts)->required(),
        "HDF5 file of the prompts' text embeddings: encoder_hidden_states (P, L, context_dim) and pooled_projections "
        "(P, pooled_dim), as tools/encode_images.py prompts writes them")
@@ -264,7 +265,7 @@ int sample(const Runtime& rt, const SampleOptions& o) {
   const int N = o.rows * o.cols, B = o.batch, IN = m.in_channels;
   m.max_seq_len = std::max(m.max_seq_len, N);
   const ParamTable table(m, {}, state.adapter);  // a model trained with adapters: with them
-  InferenceWeights weights(rt, compute, *comm, watchdog, table, path);
+  InferenceWeights weights(rt, compute, *comm, watchdog, table, path, o.base);
   FsdpEngine& engine = weights.engine;
   MemoryTracker& memory = weights.memory;
   auto model = make_model<float>(table, B, N, true, *compute.backend().ops);

@@ -22,6 +22,7 @@
 #include <tuple>
 
 #include "app/compute_backend.hpp"
+#include "app/inference.hpp"
 #include "app/loss_scaler.hpp"
 #include "app/memory_plan.hpp"
 #include "app/metrics.hpp"
@@ -33,11 +34,9 @@
 #include "app/version.hpp"
 #include "backend/op_timer.hpp"
 #include "ckpt/checkpoint_manager.hpp"
-#include "ckpt/hf_model.hpp"
 #include "ckpt/peft.hpp"
 #include "core/clock.hpp"
 #include "core/counted.hpp"
-#include "ckpt/llmc.hpp"
 #include "core/format.hpp"
 #include "core/random.hpp"
 #include "comm/comm.hpp"
@@ -741,6 +740,7 @@ void Trainer::check_adapter_base(const std::string& path, const CheckpointState&
 
 void Trainer::load_init_from() {
   const std::string& from = cfg_.checkpoint.init_from;
+  std::string step;
   if (is_hdf5_file(from)) {  // a ShardTrain checkpoint: its weights, not its optimizer state or step
     CheckpointState state;
     rt_.agree_on([&] { state = read_checkpoint_state(from); });
@@ -749,15 +749,10 @@ void Trainer::load_init_from() {
     if (state.adapters_only)
       throw UsageError("checkpoint.init_from='" + from + "' holds adapters alone (checkpoint.adapters_only), no base "
                        "model: give the base model as checkpoint.init_from and this file as checkpoint.resume");
-    rt_.agree_on([&] { checkpoints_.load(from, engine_, optimizer_, true); });
-    optimizer_.zero_state();
-    rt_.info("initialised the weights from ShardTrain checkpoint %s (its step %lld; optimizer state from zero)",
-             from.c_str(), static_cast<long long>(state.step));
-  } else {
-    const bool hf = is_hf_model_folder(from);
-    rt_.agree_on([&] { hf ? load_hf_shards(from, engine_) : load_llmc_shards(from, engine_); });
-    rt_.info("initialised the weights from %s %s", hf ? "Hugging Face folder" : "llm.c checkpoint", from.c_str());
+    step = strprintf(" (its step %lld; optimizer state from zero)", static_cast<long long>(state.step));
   }
+  const std::string loaded = load_base_weights(rt_, checkpoints_, from, engine_, "checkpoint.init_from");
+  rt_.info("initialised the weights from %s%s", loaded.c_str(), step.c_str());
   base_loaded_ = true;
 }
 

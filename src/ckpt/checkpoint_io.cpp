@@ -1071,8 +1071,9 @@ CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, Ada
   return load_checkpoint_impl(path, engine, &optimizer, ranks, base_model_ok);
 }
 
-CheckpointState load_checkpoint_weights(const std::string& path, FsdpEngine& engine, const CheckpointComm& ranks) {
-  return load_checkpoint_impl(path, engine, nullptr, ranks, false);
+CheckpointState load_checkpoint_weights(const std::string& path, FsdpEngine& engine, const CheckpointComm& ranks,
+                                        bool base_model_ok) {
+  return load_checkpoint_impl(path, engine, nullptr, ranks, base_model_ok);
 }
 
 static H5Id open_serial(const std::string& path) {

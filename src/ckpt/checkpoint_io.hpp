@@ -108,7 +108,9 @@ CheckpointState load_checkpoint(const std::string& path, FsdpEngine& engine, Ada
 // convert`, which needs no moments): the moments' datasets are checked for their shape but neither
 // read nor verified against their checksums. An adapter-only file loads as with load_checkpoint
 // (onto the base the engine holds); convert refuses every file with adapters before.
-CheckpointState load_checkpoint_weights(const std::string& path, FsdpEngine& engine, const CheckpointComm& ranks);
+// base_model_ok as load_checkpoint's.
+CheckpointState load_checkpoint_weights(const std::string& path, FsdpEngine& engine, const CheckpointComm& ranks,
+                                        bool base_model_ok = false);
 
 // "" when the shapes agree, else a message naming every model.* key that differs.
 std::string model_mismatch(const std::string& path, const ModelConfig& stored, const ModelConfig& configured);

@@ -178,8 +178,8 @@ CheckpointState CheckpointManager::load(const std::string& path, FsdpEngine& eng
   return load_checkpoint(path, engine, optimizer, ranks(), base_model_ok);
 }
 
-CheckpointState CheckpointManager::load_weights(const std::string& path, FsdpEngine& engine) {
-  return load_checkpoint_weights(path, engine, ranks());
+CheckpointState CheckpointManager::load_weights(const std::string& path, FsdpEngine& engine, bool base_model_ok) {
+  return load_checkpoint_weights(path, engine, ranks(), base_model_ok);
 }
 
 std::vector<std::string> CheckpointManager::candidates() {

@@ -32,7 +32,7 @@ class CheckpointManager {
   CheckpointState load(const std::string& path, FsdpEngine& engine, AdamW& optimizer, bool base_model_ok = false);
   // Collective. The parameters alone (load_checkpoint_weights), for an engine without an optimizer:
   // generate and the distillation teacher hold no moments.
-  CheckpointState load_weights(const std::string& path, FsdpEngine& engine);
+  CheckpointState load_weights(const std::string& path, FsdpEngine& engine, bool base_model_ok = false);
   // Collective. Complete checkpoints in the folder, newest first (`latest`'s target leads).
   std::vector<std::string> candidates();
   // Collective. Names the checkpoint of `step` (saved) in `best` with its validation loss; retention

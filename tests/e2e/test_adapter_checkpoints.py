@@ -180,13 +180,43 @@ def test_a_missing_base_and_settings_without_one_are_refused():
                        "checkpoint.adapters_only", "checkpoint.init_from")
     expect_usage_error(tiny_args("--checkpoint.adapters_only=true", f"--checkpoint.init_from={base_checkpoint()}"),
                        "checkpoint.adapters_only", "adapter.type=none")
-    # What needs the model needs the base: merged or llm.c exports, and text, of an adapter-only file.
+    # What needs the model needs the base: merged or llm.c exports of an adapter-only file.
     expect_usage_error(["export", "--format", "hf", "--merge", "--checkpoint", path, "--output", tempdir()],
                        path, "adapters alone", "--adapter")
     expect_usage_error(["export", "--format", "hf", "--checkpoint", path, "--output", tempdir()], path)
     expect_usage_error(["export", "--checkpoint", path, "--output", os.path.join(tempdir(), "m.bin")], path)
-    expect_usage_error(["generate", "--checkpoint", path, "--prompt", "Dora has", "--max-tokens", "4"], path,
-                       "adapters alone", "export --adapter")
+
+
+def test_generate_and_eval_put_an_adapter_only_file_on_its_base():
+    """generate and eval of an adapter-only checkpoint load its base under the adapters (the run's
+    checkpoint.init_from, or --base): the greedy text and the loss of the full checkpoint of the same
+    step. A moved base is found with --base; another base is refused naming both checksums; a
+    missing one names --base."""
+    _, only = adapter_run(2, "gathered", True)
+    _, full = adapter_run(2, "gathered", False)
+    adapters, whole = (os.path.join(d, ckpt_name(SAVE_AT)) for d in (only, full))
+    prompt = ["--prompt", "Dora has", "--max-tokens", "16", "--temperature", "0"]
+    want = run(2, ["generate", "--checkpoint", whole, *prompt])
+    ok(want, "generate from the full checkpoint")
+    got = run(2, ["generate", "--checkpoint", adapters, *prompt])
+    ok(got, "generate from the adapter-only checkpoint")
+    assert got.stdout == want.stdout and len(want.stdout) > len("Dora has"), (got.stdout, want.stdout)
+    assert "go onto the base model ShardTrain checkpoint" in got.stdout + got.stderr, got.stderr
+    moved = os.path.join(tempdir(), "moved-base.h5")
+    shutil.copy(base_checkpoint(), moved)
+    got = run(2, ["generate", "--checkpoint", adapters, "--base", moved, *prompt])
+    ok(got, "generate with --base")
+    assert got.stdout == want.stdout
+    scores = []
+    for path in (whole, adapters):
+        proc = run(2, ["eval", "--checkpoint", path])
+        ok(proc, f"eval {path}")
+        scores.append(proc.stdout.split("| loss ")[1].split(" ")[0])
+    assert scores[0] == scores[1], scores
+    expect_usage_error(["generate", "--checkpoint", adapters, "--base", other_base(), *prompt], adapters,
+                       "base model of checksum")
+    expect_usage_error(["generate", "--checkpoint", adapters, "--base", "/no/such/base", *prompt],
+                       "--base='/no/such/base' does not exist")
 
 
 def test_export_adapter_equals_the_full_checkpoints():
