@@ -68,6 +68,17 @@ double mpirun_stop_grace_seconds() {
   return value && (end == value || *end != '\0') ? 1 : seconds;
 }
 
+bool stopped_by_mpirun(int signal) { return launched_by_mpirun() && (signal == SIGTERM || signal == SIGINT); }
+
+void write_to_terminal(const std::string& line) {
+  const int fd = ::open("/dev/tty", O_WRONLY | O_NOCTTY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return;
+  const std::string text = line + "\n";
+  const ssize_t written = ::write(fd, text.data(), text.size());
+  (void)written;  // a full or gone terminal: the line is lost, the run is not
+  ::close(fd);
+}
+
 const char* signal_origin(int signal) {
   // Under mpirun a Ctrl-C reaches the ranks as mpirun's SIGTERM: say so, the user pressed no kill.
   if (signal == SIGTERM && launched_by_mpirun()) return "SIGTERM (from mpirun: Ctrl-C, or a kill of mpirun)";

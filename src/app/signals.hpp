@@ -6,6 +6,8 @@
 // signal: lines that cannot be written are dropped, the save still happens.
 #pragma once
 
+#include <string>
+
 namespace shardtrain {
 
 void install_stop_signal_handlers();
@@ -26,5 +28,11 @@ const char* signal_origin(int signal);
 // Under mpirun: the seconds its kill sequence gives the ranks after a Ctrl-C before SIGTERM and
 // then SIGKILL (Open MPI's odls_base_sigkill_timeout, 1 s unless set); -1 when not under mpirun.
 double mpirun_stop_grace_seconds();
+// Whether `signal` came from mpirun's kill sequence (a Ctrl-C or a kill of mpirun), after which
+// mpirun relays no more output: what the user should see then goes to the terminal itself.
+bool stopped_by_mpirun(int signal);
+// Writes `line` (and a newline) to the controlling terminal, if the process has one; never blocks,
+// and nothing happens without a terminal (a batch job).
+void write_to_terminal(const std::string& line);
 
 }  // namespace shardtrain

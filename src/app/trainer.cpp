@@ -942,6 +942,13 @@ void Trainer::stop_on_signal(int step, int signal, bool saved_already) {
   rt_.agree(error);
   rt_.info("stopped at step %d on %s; exit code %d (the next start with checkpoint.resume=auto continues from step "
            "%d)", step, signal_origin(signal), EXIT_CODE_SIGNALLED, step);
+  // mpirun relays nothing after its Ctrl-C and then exits 1: rank 0 tells the terminal what happened.
+  if (rt_.is_root() && stopped_by_mpirun(signal))
+    write_to_terminal(strprintf(
+        "shardtrain: stopped at step %d on %s; the checkpoint of step %d is saved in %s (and STOPPED written). mpirun "
+        "shows no more output and exits with code 1 in about %.0f s, after its kill sequence: that is expected. The "
+        "next start with checkpoint.resume=auto continues from step %d.",
+        step, signal_origin(signal), step, checkpoints_.dir().c_str(), 2 * mpirun_stop_grace_seconds(), step));
 }
 
 uint64_t Trainer::bytes_sent() const {

@@ -176,6 +176,50 @@ def test_sigint_to_mpirun_with_time_to_save_resumes_exactly():
     assert [r["loss"] for r in read_metrics(metrics)] == uninterrupted()
 
 
+def test_ctrl_c_under_mpirun_tells_the_terminal_what_happened():
+    """mpirun relays no output after its Ctrl-C and exits 1 after its kill sequence, so rank 0 writes
+    the stop line to the terminal itself: here mpirun's controlling terminal is a pty, as under an
+    interactive shell, and the line must appear on it with the saved step."""
+    import fcntl
+    import pty
+    import termios
+    import threading
+    ckdir, metrics = tempdir(), os.path.join(tempdir(), "m.jsonl")
+    cmd = mpirun_command(2, [EXE, *tiny_args(f"--train.steps={STEPS}", f"--checkpoint.dir={ckdir}",
+                                             f"--train.metrics_file={metrics}", "--checkpoint.every=0",
+                                             "--train.eval_every=0")], timeout=120)
+    master, slave = pty.openpty()
+
+    def own_terminal():  # a session whose controlling terminal is the pty
+        os.setsid()
+        fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=slave, stdout=slave, stderr=slave, preexec_fn=own_terminal)
+    os.close(slave)
+    seen = []
+
+    def read_terminal():
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # every writer gone
+                return
+            if not chunk:
+                return
+            seen.append(chunk)
+    reader = threading.Thread(target=read_terminal, daemon=True)
+    reader.start()
+    wait_for_steps(metrics, 3, proc)
+    os.kill(mpirun_of(proc), signal.SIGINT)
+    proc.wait(timeout=60)
+    reader.join(timeout=10)
+    os.close(master)
+    text = b"".join(seen).decode(errors="replace")
+    stopped_at = int(open(os.path.join(ckdir, "STOPPED")).read().split()[1])
+    line = next((l for l in text.splitlines() if l.startswith("shardtrain: stopped at step")), None)
+    assert line is not None, text[-3000:]
+    assert f"step {stopped_at} is saved in {ckdir}" in line and "exits with code 1" in line, line
+
+
 def test_repeated_signals_to_mpirun_never_lose_the_previous_checkpoint():
     ckdir, metrics = tempdir(), os.path.join(tempdir(), "m.jsonl")
     proc = signalled_run(ckdir, metrics, "--checkpoint.every=2")
