@@ -174,7 +174,11 @@ int run_eval(Runtime& rt, const std::vector<std::string>& args) {
   comm->barrier("barrier(eval start)");
   const double t0 = now_seconds();
   const bool masked = data->masks_targets();
-  double sums[2] = {0, 0};  // the loss, and the trained targets under a loss mask
+  double sums[3] = {0, 0, 0};  // the loss, the trained targets under a loss mask, the targets predicted
+  // Token accuracy: a target counts when it is the most likely token (the first of equals, as
+  // torch.argmax), read from the head's probabilities, which a forward without backward leaves.
+  TokenLogits<float>* head = model->token_logits();
+  std::vector<float> probs(static_cast<size_t>(state.model.vocab_size));
   for (int64_t k = 0; k < batches; k++)
     for (int64_t micro = 0; micro < accum; micro++) {
       data->begin(batch, static_cast<int>(B));
@@ -184,18 +188,26 @@ int run_eval(Runtime& rt, const std::vector<std::string>& args) {
         if (masked) sums[1] += static_cast<double>(data->trained_targets(seq % windows));
       }
       engine.eval_micro_batch(*model, batch, sum.data());
+      const int* targets = batch.get<int>(BATCH_TARGETS, static_cast<size_t>(B * T));
+      for (int r = 0; r < B * T; r++) {
+        if (targets[r] < 0) continue;  // left out by the loss mask
+        head->copy_head_probs(r, probs.data());
+        sums[2] += std::max_element(probs.begin(), probs.end()) - probs.begin() == targets[r];
+      }
     }
   compute.backend().device->copy_to_host(&sums[0], sum.data(), sizeof sums[0]);
-  comm->all_reduce_sum(Span<double>(sums, masked ? 2 : 1), "all_reduce(eval loss)");
+  comm->all_reduce_sum(Span<double>(sums, 3), "all_reduce(eval loss)");
   const double seconds = now_seconds() - t0;
   // Under a loss mask the loss averages over the trained targets only (the tokens/s count all).
   const double tokens = static_cast<double>(batches) * G * model->output_rows() / B;
-  const double loss = sums[0] / (masked ? std::max(sums[1], 1.0) : tokens);
+  const double scored = masked ? std::max(sums[1], 1.0) : tokens;
+  const double loss = sums[0] / scored;
   rt.info("eval: %s (step %lld) | %s | %s | %s of %lld sequences of %lld tokens (%.0f tokens, %llu windows in the "
-          "data) | loss %.6f | perplexity %.4f | %s, %.0f tokens/s | memory per rank %s",
+          "data) | loss %.6f | perplexity %.4f | token accuracy %.4f | %s, %.0f tokens/s | memory per rank %s",
           path.c_str(), static_cast<long long>(state.step), model_summary(state.model).c_str(),
           data->describe().c_str(), counted(batches, "batch", "batches").c_str(), static_cast<long long>(G),
           static_cast<long long>(T), tokens, static_cast<unsigned long long>(windows), loss, std::exp(loss),
+          sums[2] / scored,
           counted(rt.world(), "rank").c_str(), tokens / seconds,
           human_bytes(static_cast<double>(memory.total_current())).c_str());
   return EXIT_CODE_OK;

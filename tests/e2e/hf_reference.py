@@ -208,7 +208,13 @@ def gelu_new(x):
     return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
 
 
+# The positions whose most likely token (the first of equals, as numpy's and torch's argmax) is the
+# target, of the last logits cross_entropy saw.
+LAST_CORRECT = [0]
+
+
 def cross_entropy(logits, targets):
+    LAST_CORRECT[0] = int((logits.argmax(-1) == targets).sum())
     logits = logits - logits.max(-1, keepdims=True)
     log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     return float(-log_probs[np.arange(len(targets)), targets].mean())
@@ -345,7 +351,8 @@ if __name__ == "__main__":
                    "" if prefix == "-" else prefix, args[12].split(",") if len(args) > 12 else ())
         print(json.dumps({"ok": True}))
     elif command == "loss":
-        print(json.dumps({"loss": loss(args[0], [int(t) for t in args[1:]])}))
+        value = loss(args[0], [int(t) for t in args[1:]])
+        print(json.dumps({"loss": value, "correct": LAST_CORRECT[0]}))
     elif command == "tensors":
         print(json.dumps(tensors(args[0])))
     elif command == "equal":

@@ -1,7 +1,7 @@
-"""`shardtrain eval`: a checkpoint's loss and perplexity on token files without training. With the
-run's own settings it prints the validation loss the trainer recorded, on any rank count; its loss
-on chosen windows is the float64 numpy GPT-2 of the exported Hugging Face folder
-(hf_reference.py, transformers' equations) averaged over those windows."""
+"""`shardtrain eval`: a checkpoint's loss, perplexity and token accuracy on token files without
+training. With the run's own settings it prints the validation loss the trainer recorded, on any
+rank count; its loss and accuracy on chosen windows are the float64 numpy GPT-2's of the exported
+Hugging Face folder (hf_reference.py, transformers' equations) over those windows."""
 import json
 import math
 import os
@@ -56,14 +56,19 @@ def test_eval_on_chosen_windows_is_the_reference_models_loss():
     loss, line = eval_loss(2, "--checkpoint", d, "--data", val, "--batches", "1", "--global-batch", "4",
                            "--micro-batch", "1", "--seq-len", str(T))
     tokens = read_tokens(val)
-    want = []
+    want, correct = [], 0
     for w in range(4):
         window = [int(t) for t in tokens[w * T:w * T + T + 1]]
         proc = subprocess.run(["timeout", "300", harness.venv_python(), os.path.join(HERE, "hf_reference.py"), "loss",
                                folder, *map(str, window)], capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-2000:]
         want.append(json.loads(proc.stdout)["loss"])
+        correct += json.loads(proc.stdout)["correct"]
     assert abs(loss - sum(want) / 4) <= 1e-5 * loss, (loss, want, line)
+    # Token accuracy: the positions whose most likely token is the target. float32 against float64
+    # may break one near tie.
+    accuracy = float(re.search(r"\| token accuracy ([0-9.]+) \|", line).group(1))
+    assert correct >= 8 and abs(accuracy * 4 * T - correct) <= 1.001, (accuracy, correct, line)
 
 
 def test_eval_input_errors():
