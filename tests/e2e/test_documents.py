@@ -18,6 +18,16 @@ def losses(np_, *overrides):
     return [r["loss"] for r in read_metrics(metrics)], [r["val_loss"] for r in read_metrics(metrics, "eval")], proc
 
 
+def assert_eval_scores_as_the_run_trained(proc, val_loss):
+    """`shardtrain eval` of the run's checkpoint prints its last validation loss: it reads the
+    documents (and positions) as the run did."""
+    checkpoints = re.search(r"saved (\S+)/ckpt-\d+\.h5", proc.stdout).group(1)
+    scored = run(1, ["eval", "--checkpoint", checkpoints])
+    assert scored.returncode == 0, scored.stderr[-2000:]
+    loss = float(re.search(r"\| loss ([0-9.]+) \|", scored.stdout).group(1))
+    assert abs(loss - val_loss) <= 1e-6, (loss, val_loss)
+
+
 def test_documents_change_the_loss_and_not_with_the_rank_count():
     # The synthetic corpus is one story per line: documents start after each newline (byte 10).
     plain, _, _ = losses(1)
@@ -28,13 +38,8 @@ def test_documents_change_the_loss_and_not_with_the_rank_count():
         other, val_other, _ = losses(np_, "--data.documents=true", "--data.document_start=10")
         assert all(rel_diff(a, b) <= 1e-5 for a, b in zip(one, other)), (np_, one, other)
         assert rel_diff(val_one[-1], val_other[-1]) <= 1e-5, (np_, val_one, val_other)
-    # `shardtrain eval` scores the checkpoint as the run trained: within documents.
-    checkpoints = re.search(r"saved (\S+)/ckpt-\d+\.h5", proc.stdout).group(1)
     # (Across documents the loss differs by a relative 4e-6 here, four steps from uniform.)
-    scored = run(1, ["eval", "--checkpoint", checkpoints])
-    assert scored.returncode == 0, scored.stderr[-2000:]
-    loss = float(re.search(r"\| loss ([0-9.]+) \|", scored.stdout).group(1))
-    assert abs(loss - val_one[-1]) <= 1e-6, (loss, val_one)
+    assert_eval_scores_as_the_run_trained(proc, val_one[-1])
 
 
 def test_restarted_positions_change_the_loss_and_not_with_the_rank_count():
@@ -45,11 +50,7 @@ def test_restarted_positions_change_the_loss_and_not_with_the_rank_count():
     assert all(rel_diff(a, b) > 1e-6 for a, b in zip(counted, one)), (counted, one)
     other, val_other, _ = losses(2, *documents, "--data.restart_positions=true")
     assert all(rel_diff(a, b) <= 1e-5 for a, b in zip(one, other)), (one, other)
-    checkpoints = re.search(r"saved (\S+)/ckpt-\d+\.h5", proc.stdout).group(1)
-    scored = run(1, ["eval", "--checkpoint", checkpoints])
-    assert scored.returncode == 0, scored.stderr[-2000:]
-    loss = float(re.search(r"\| loss ([0-9.]+) \|", scored.stdout).group(1))
-    assert abs(loss - val_one[-1]) <= 1e-6, (loss, val_one)
+    assert_eval_scores_as_the_run_trained(proc, val_one[-1])
 
 
 def test_the_tokenizer_gives_the_document_start():
