@@ -2,8 +2,11 @@
 #include "comm/runtime.hpp"
 
 #include <stdlib.h>
+#include <sys/time.h>
 #include <unistd.h>
 
+#include <csignal>
+#include <cmath>
 #include <algorithm>
 #include <cstdarg>
 #include <chrono>
@@ -18,6 +21,49 @@
 #include "core/error.hpp"
 
 namespace shardtrain {
+namespace {
+
+// MPI_Init is timed by an interval timer, not by the watchdog's thread, so that no thread of ours
+// runs while the MPI library initialises (Open MPI patches memory functions in place then). When
+// it fires, the handler writes the prepared line and ends the process, which the launcher turns
+// into the end of the job (MPI_Abort needs an initialised MPI).
+char g_startup_message[1024];
+
+extern "C" void startup_timed_out(int) {
+  const ssize_t written = write(STDERR_FILENO, g_startup_message, std::strlen(g_startup_message));
+  (void)written;
+  _exit(EXIT_CODE_INTERNAL);
+}
+
+class StartupAlarm {
+ public:
+  StartupAlarm(double seconds, const std::string& message) : armed_(seconds > 0) {
+    if (!armed_) return;
+    std::snprintf(g_startup_message, sizeof g_startup_message, "%s\n", message.c_str());
+    struct sigaction action {};
+    action.sa_handler = startup_timed_out;
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGALRM, &action, &previous_);
+    itimerval timer{};
+    timer.it_value.tv_sec = static_cast<time_t>(seconds);
+    timer.it_value.tv_usec = std::max<suseconds_t>(1, static_cast<suseconds_t>((seconds - std::floor(seconds)) * 1e6));
+    setitimer(ITIMER_REAL, &timer, nullptr);
+  }
+  ~StartupAlarm() {
+    if (!armed_) return;
+    itimerval off{};
+    setitimer(ITIMER_REAL, &off, nullptr);
+    sigaction(SIGALRM, &previous_, nullptr);
+  }
+  StartupAlarm(const StartupAlarm&) = delete;
+  StartupAlarm& operator=(const StartupAlarm&) = delete;
+
+ private:
+  bool armed_;
+  struct sigaction previous_ {};
+};
+
+}  // namespace
 
 std::string mpi_thread_level_error(int provided) {
   if (provided >= MPI_THREAD_MULTIPLE) return "";
@@ -63,9 +109,8 @@ Runtime::Runtime(int* argc, char*** argv, const CollectiveTimeout& timeout) : ti
   int provided = 0;
   // MPI_Init waits for every rank of the job: one stopped before it would hang the others.
   debug_stall("init");
-  watchdog_ = std::make_unique<Watchdog>(timeout_.seconds, timeout_.option);
   {
-    Watchdog::Scope scope(watchdog_.get(), "MPI_Init");
+    StartupAlarm alarm(timeout_.seconds, Watchdog::message(rank_label(), "MPI_Init", timeout_.option, timeout_.seconds));
     // MULTIPLE because the watchdog thread may call MPI_Abort while the main thread sits in a
     // collective, and on_root's heartbeat thread sends while the main thread works.
     MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided));

@@ -73,9 +73,9 @@ CollectiveTimeout startup_timeout(const std::vector<std::string>& args);
 
 class Runtime {
  public:
-  // MPI_Init, and every collective of the Runtime's own, is timed with `timeout` until
-  // set_collective_timeout: a rank that never arrives (stopped, or dead without its launcher
-  // noticing) ends the job with a message instead of hanging it.
+  // MPI_Init (by an interval timer: no thread of ours runs during it), and every collective of the
+  // Runtime's own, is timed with `timeout` until set_collective_timeout: a rank that never arrives
+  // (stopped, or dead without its launcher noticing) ends the job with a message instead of hanging it.
   Runtime(int* argc, char*** argv, const CollectiveTimeout& timeout = {});
   ~Runtime();
 

@@ -18,12 +18,7 @@ Watchdog::Watchdog(double timeout_seconds, std::string option, std::string label
       on_timeout_(std::move(on_timeout)) {
   if (!on_timeout_)
     on_timeout_ = [this](const char* what, double) {
-      // A command without a timeout option of its own (plan, inspect) runs with the default.
-      const std::string within = option_.empty() ? strprintf("%g s", timeout_seconds_)
-                                                 : strprintf("%s=%g s", option_.c_str(), timeout_seconds_);
-      std::fprintf(stderr, "%s error: collective %s did not complete within %s: another rank is stalled or dead; "
-                   "aborting all ranks%s\n", label_.c_str(), what, within.c_str(),
-                   option_.empty() ? "" : (" (raise " + option_ + " if this is legitimately this slow)").c_str());
+      std::fprintf(stderr, "%s\n", message(label_, what, option_, timeout_seconds_).c_str());
       std::fflush(stderr);
       int initialized = 0, finalized = 0;
       MPI_Initialized(&initialized);
@@ -32,6 +27,15 @@ Watchdog::Watchdog(double timeout_seconds, std::string option, std::string label
       _exit(EXIT_CODE_INTERNAL);  // inside MPI_Init, or MPI_Abort came back: the launcher ends the job
     };
   if (timeout_seconds_ > 0) thread_ = std::thread([this] { loop(); });
+}
+
+std::string Watchdog::message(const std::string& label, const char* what, const std::string& option, double seconds) {
+  // A command without a timeout option of its own (plan, inspect) runs with the default.
+  const std::string within = option.empty() ? strprintf("%g s", seconds) : strprintf("%s=%g s", option.c_str(), seconds);
+  return strprintf("%s error: collective %s did not complete within %s: another rank is stalled or dead; aborting all "
+                   "ranks%s",
+                   label.c_str(), what, within.c_str(),
+                   option.empty() ? "" : (" (raise " + option + " if this is legitimately this slow)").c_str());
 }
 
 Watchdog::~Watchdog() {

@@ -37,6 +37,10 @@ class Watchdog {
 
   double timeout_seconds() const { return timeout_seconds_; }
 
+  // The line the default OnTimeout prints: "<label> error: collective <what> did not complete within
+  // <option>=T s: ...", naming the option to raise.
+  static std::string message(const std::string& label, const char* what, const std::string& option, double seconds);
+
   // Marks one blocking collective for its lifetime; `what` must outlive the scope (a literal).
   // Only the communicating thread opens scopes. Scopes nest: when an inner one ends, the outer
   // one is current again with its clock restarted (the inner collective was progress).
