@@ -7,8 +7,8 @@ same tokenizer.json. Run by hand:
                                                   [--tokenizer FILE] [--input FILE.jsonl|FOLDER] [--repeat 3]
 
 Without --tokenizer it trains one of tests/e2e/tokenizer_reference.py's styles (gpt2, roberta,
-llama3, qwen2-nfc, or "all"); without --input it writes --mb MB of that file's generated corpus
-(--input takes what `data encode` takes: a text or .jsonl file, a folder).
+llama3, qwen2-nfc, llama2, metaspace, or "all"); without --input it writes --mb MB of that file's
+generated corpus (--input takes what `data encode` takes: a text or .jsonl file, a folder).
 The reference runs in the test virtual environment (made by tests/run_tests.py's ensure_test_venv).
 MB/s is input bytes (UTF-8, 10^6 per MB) over the encoding time: ours as the command reports it
 (reading the documents and encoding, not loading the tokenizer or writing the file) and as the whole
@@ -89,7 +89,7 @@ def main():
         source = os.path.join(scratch, "corpus.jsonl")
         write_corpus(source, args.mb)
     styles = ["given"] if args.tokenizer else (
-        ["gpt2", "roberta", "llama3", "qwen2-nfc"] if args.style == "all" else [args.style])
+        ["gpt2", "roberta", "llama3", "qwen2-nfc", "llama2", "metaspace"] if args.style == "all" else [args.style])
     size = sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(source) for n in names) \
         if os.path.isdir(source) else os.path.getsize(source)
     print(f"input {source}: {size / 1e6:.1f} MB; one core each (RAYON_NUM_THREADS=1 for the "
