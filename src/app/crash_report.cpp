@@ -1,5 +1,6 @@
-// See crash_report.hpp. The handler runs on its own stack (a stack overflow is a SIGSEGV too) and
-// calls only what is safe there in practice: snprintf without floating point, write, dladdr and
+// See crash_report.hpp. On the main thread the handler runs on its own stack (a stack overflow is
+// a SIGSEGV too; other threads' overflows die silently, as before); it calls only what is safe
+// there in practice: snprintf without floating point, write, dladdr and
 // backtrace (loaded before any crash, see install_crash_reporter).
 #include "app/crash_report.hpp"
 

@@ -29,10 +29,11 @@ InferenceWeights::InferenceWeights(const Runtime& rt, const ComputeBackend& comp
       replica_comm(compute.make_comm(rt.split_world(rt.rank(), 0), &watchdog)),
       engine(table, *shard_comm, *replica_comm, memory, inference_options(rt, compute), compute.backend()) {
   CheckpointManager manager(rt, comm, std::filesystem::path(checkpoint).parent_path().string(), 1, &watchdog);
-  std::string from = base;
+  std::string from;  // --base serves adapter-only checkpoints only; a full one holds its base
   rt.agree_on([&] {
     const CheckpointState state = read_checkpoint_state(checkpoint);
     if (!state.adapters_only) return;
+    from = base;
     if (from.empty()) {
       const auto run = ini_option_values(state.config_ini);
       const auto recorded = run.find("checkpoint.init_from");

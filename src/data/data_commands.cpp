@@ -106,6 +106,33 @@ std::vector<Segment> record_segments(const nlohmann::json& list, const std::stri
   return segments;
 }
 
+// A chat record's tokens are its whole text's, as transformers' apply_chat_template encodes it
+// (without the post-processor's special tokens: the template writes them). Segment i's tokens
+// are those after the tokens its predecessors' text alone encodes to, as far as the whole's tokens
+// begin with them: a token that spans a boundary (a merge across it) belongs to the later segment.
+void encode_segments(Tokenizer& tokenizer, const std::vector<Segment>& segments, bool loss_on_completions,
+                     std::vector<uint32_t>& ids, std::vector<uint8_t>& trained) {
+  std::string whole;
+  for (const Segment& segment : segments) whole += segment.text;
+  std::vector<uint32_t> all, prefix;
+  tokenizer.encode(whole, all, /*add_special_tokens=*/false);
+  size_t first = 0, end_of_text = 0;
+  for (size_t i = 0; i < segments.size(); i++) {
+    end_of_text += segments[i].text.size();
+    size_t last = all.size();
+    if (i + 1 < segments.size()) {
+      prefix.clear();
+      tokenizer.encode(std::string_view(whole).substr(0, end_of_text), prefix, false);
+      const size_t n = std::min(prefix.size(), all.size());
+      last = static_cast<size_t>(std::mismatch(prefix.begin(), prefix.begin() + n, all.begin()).first - prefix.begin());
+      last = std::max(last, first);
+    }
+    ids.insert(ids.end(), all.begin() + first, all.begin() + last);
+    trained.resize(ids.size(), segments[i].trained || !loss_on_completions);
+    first = last;
+  }
+}
+
 // Calls doc(segments, chat) for each document of one file (valid UTF-8 after replacement): a plain
 // document is one trained segment (chat false), a "segments" record its segments (chat true).
 template <class Doc>
@@ -316,13 +343,14 @@ void data_encode_tokenized(const std::string& input, const std::string& tokenize
       doc_starts.push_back(ids.size());
       // Between chat records the separator is a boundary, not something to learn to say.
       if (sep) ids.push_back(*sep), trained.push_back(!chat || !loss_on_completions);
-      for (const Segment& segment : segments) {
-        // A chat template writes its own special tokens (transformers' apply_chat_template encodes
-        // without the post-processor's).
-        tokenizer.encode(segment.text, ids, /*add_special_tokens=*/!chat);
-        trained.resize(ids.size(), segment.trained || !loss_on_completions);
-        bytes += segment.text.size();
+      if (!chat) {
+        tokenizer.encode(segments[0].text, ids);
+        trained.resize(ids.size(), 1);
+        bytes += segments[0].text.size();
+        return;
       }
+      encode_segments(tokenizer, segments, loss_on_completions, ids, trained);
+      for (const Segment& segment : segments) bytes += segment.text.size();
     });
   const size_t documents = doc_starts.size();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

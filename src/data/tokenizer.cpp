@@ -921,11 +921,8 @@ std::vector<std::string> Tokenizer::Impl::decode_chain(std::vector<std::string> 
       case DecodeStep::REPLACE:
         for (std::string& t : tokens) replace_all(t, step.text, step.content);
         continue;
-      case DecodeStep::METASPACE:
-        for (size_t i = 0; i < tokens.size(); i++) {
-          replace_all(tokens[i], step.text, " ");
-          if (i == 0 && step.start && !tokens[i].empty() && tokens[i][0] == ' ') tokens[i].erase(0, 1);
-        }
+      case DecodeStep::METASPACE:  // the replacement is a space, except in the first token (prepended there)
+        for (size_t i = 0; i < tokens.size(); i++) replace_all(tokens[i], step.text, i == 0 && step.start ? "" : " ");
         continue;
       case DecodeStep::FUSE: {
         std::string all;
@@ -1037,7 +1034,9 @@ void Tokenizer::Impl::encode_word(std::string_view raw, std::vector<uint32_t>& o
   }
   const size_t start = out.size();
   bpe(raw, out);
-  cache.insert(raw, hash, out.data() + start, out.size() - start);
+  // A long word is a whole piece of text (no pre-tokenizer, or Metaspace without split), which
+  // never comes again: caching it would only hold its memory.
+  if (raw.size() <= 256) cache.insert(raw, hash, out.data() + start, out.size() - start);
 }
 
 void Tokenizer::Impl::bpe(std::string_view raw, std::vector<uint32_t>& out) {

@@ -100,13 +100,7 @@ def test_the_template_renders_and_the_mask_keeps_the_assistant_tokens():
     tokens, mask = read_token_file(out)
     separator = json.loads(reference("encode", tokenizer, _text_file("<|endoftext|>")))["docs"][0]
     assert len(separator) == 1
-    want_tokens, want_mask = [], []
-    for record, ids in zip(EXPECTED, json.loads(reference("encode-segments", tokenizer, segments_file))["docs"]):
-        want_tokens += separator
-        want_mask.append(0)  # the boundary between records is not trained
-        for (_, train), segment_ids in zip(record, ids):
-            want_tokens += segment_ids
-            want_mask += [int(train)] * len(segment_ids)
+    want_tokens, want_mask = expected_tokens(tokenizer, segments_file, EXPECTED, separator)
     assert tokens == want_tokens
     assert mask == want_mask
     assert "trained (loss mask)" in proc.stdout, proc.stdout
@@ -116,6 +110,46 @@ def test_the_template_renders_and_the_mask_keeps_the_assistant_tokens():
                        "--val-fraction", "0", "--loss-on", "all"])
     assert proc.returncode == 0, proc.stderr
     assert read_token_file(out_all) == (want_tokens, None)
+
+
+def expected_tokens(tokenizer, segments_file, records, separator):
+    """The reference's tokens of each record's whole text after the separator, and the mask: a token
+    is trained when the segment holding its last character is."""
+    tokens, mask = [], []
+    for record, doc in zip(records, json.loads(reference("encode-segments", tokenizer, segments_file))["docs"]):
+        tokens += separator
+        mask += [0] * len(separator)  # the boundary between records is not trained
+        tokens += doc["ids"]
+        mask += [int(record[s][1]) for s in doc["segment"]]
+    return tokens, mask
+
+
+# Llama 2's chat format on a SentencePiece-style tokenizer, whose Prepend normalizer would put a
+# "▁" at the start of every segment encoded on its own: the record is encoded whole.
+LLAMA2_CHAT = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
+               "{{ '[INST] ' + m['content'] + ' [/INST]' }}{% else %}{{ ' ' + m['content'] + ' ' + eos_token }}"
+               "{% endif %}{% endfor %}")
+
+
+def test_a_sentencepiece_tokenizer_encodes_each_record_whole():
+    folder = tempdir()
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": LLAMA2_CHAT, "bos_token": "<s>", "eos_token": "</s>"}, f)
+    proc, segments_file = render(folder, RECORDS[:2])
+    assert proc.returncode == 0, proc.stderr
+    with open(segments_file) as f:
+        records = [[(s["text"], s["train"]) for s in json.loads(line)["segments"]] for line in f]
+    assert records[0][1] == (" Hello! How can I help? </s>", True), records[0]
+    tokenizer = trained("llama2")
+    out = os.path.join(tempdir(), "chat.bin")
+    proc = run_single(["data", "encode", "--tokenizer", tokenizer, "--input", segments_file, "--output", out,
+                       "--val-fraction", "0"])
+    assert proc.returncode == 0, proc.stderr
+    tokens, mask = read_token_file(out)
+    want_tokens, want_mask = expected_tokens(tokenizer, segments_file, records, [])  # the template's <s> marks records
+    assert tokens == want_tokens
+    assert mask == want_mask
+    assert 0 < sum(mask) < len(mask)
 
 
 def _text_file(text):

@@ -170,10 +170,22 @@ def main():
         return
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(sys.argv[2])
-    if command == "encode-segments":  # {"docs": [[ids of each segment, no special tokens added]]}
+    if command == "encode-segments":
+        # Each record's whole text, as apply_chat_template encodes it, and each token's segment: the
+        # one holding the token's last character (a token across a boundary is the later segment's).
         with open(sys.argv[3], encoding="utf-8") as f:
             records = [json.loads(line)["segments"] for line in f if line.strip()]
-        print(json.dumps({"docs": [[tok.encode(s["text"], add_special_tokens=False).ids for s in r] for r in records]}))
+        docs = []
+        for segments in records:
+            encoding = tok.encode("".join(s["text"] for s in segments), add_special_tokens=False)
+            ends, total = [], 0
+            for s in segments:
+                total += len(s["text"])
+                ends.append(total)
+            owner = [next(i for i, end in enumerate(ends) if max(stop - 1, start) < end)
+                     for start, stop in encoding.offsets]
+            docs.append({"ids": encoding.ids, "segment": owner})
+        print(json.dumps({"docs": docs}))
         return
     if command == "decode":
         with open(sys.argv[3]) as f:
