@@ -193,6 +193,9 @@ __global__ void __launch_bounds__(kAttentionThreads)
   for (int g = 0; g < dims.group; g++) {
     const int h = kv * dims.group + g;
     for (int t0 = k0; t0 < dims.T; t0 += kTile) {
+      // Packed documents: rows from t0 on start their documents after this key tile (document
+      // starts only move forward), so none of them sees it. Block-uniform: one break for all.
+      if (dims.doc_start && dims.doc_start[static_cast<size_t>(b) * dims.T + t0] >= k0 + nk) break;
       const int nq = min(kTile, dims.T - t0);
       __syncthreads();
       load_tile(qs, base, t0, nq, dims.row, h * HS, HS);

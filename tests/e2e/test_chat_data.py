@@ -88,16 +88,10 @@ def test_the_template_renders_and_the_mask_keeps_the_assistant_tokens():
     folder = model_folder()
     proc, segments_file = render(folder, RECORDS)
     assert proc.returncode == 0, proc.stderr
-    with open(segments_file) as f:
-        got = [[(s["text"], s["train"]) for s in json.loads(line)["segments"]] for line in f]
-    assert got == EXPECTED, got
+    assert read_segments(segments_file) == EXPECTED
 
     tokenizer = trained("chatml")
-    out = os.path.join(tempdir(), "chat.bin")
-    proc = run_single(["data", "encode", "--tokenizer", tokenizer, "--input", segments_file, "--output", out,
-                       "--val-fraction", "0"])
-    assert proc.returncode == 0, proc.stderr
-    tokens, mask = read_token_file(out)
+    (tokens, mask), proc = encoded(tokenizer, segments_file)
     separator = json.loads(reference("encode", tokenizer, _text_file("<|endoftext|>")))["docs"][0]
     assert len(separator) == 1
     want_tokens, want_mask = expected_tokens(tokenizer, segments_file, EXPECTED, separator)
@@ -110,6 +104,20 @@ def test_the_template_renders_and_the_mask_keeps_the_assistant_tokens():
                        "--val-fraction", "0", "--loss-on", "all"])
     assert proc.returncode == 0, proc.stderr
     assert read_token_file(out_all) == (want_tokens, None)
+
+
+def read_segments(path):
+    with open(path) as f:
+        return [[(s["text"], s["train"]) for s in json.loads(line)["segments"]] for line in f]
+
+
+def encoded(tokenizer, segments_file):
+    """The tokens and mask `data encode` writes for a segments file, and its CompletedProcess."""
+    out = os.path.join(tempdir(), "chat.bin")
+    proc = run_single(["data", "encode", "--tokenizer", tokenizer, "--input", segments_file, "--output", out,
+                       "--val-fraction", "0"])
+    assert proc.returncode == 0, proc.stderr
+    return read_token_file(out), proc
 
 
 def expected_tokens(tokenizer, segments_file, records, separator):
@@ -137,15 +145,10 @@ def test_a_sentencepiece_tokenizer_encodes_each_record_whole():
         json.dump({"chat_template": LLAMA2_CHAT, "bos_token": "<s>", "eos_token": "</s>"}, f)
     proc, segments_file = render(folder, RECORDS[:2])
     assert proc.returncode == 0, proc.stderr
-    with open(segments_file) as f:
-        records = [[(s["text"], s["train"]) for s in json.loads(line)["segments"]] for line in f]
+    records = read_segments(segments_file)
     assert records[0][1] == (" Hello! How can I help? </s>", True), records[0]
     tokenizer = trained("llama2")
-    out = os.path.join(tempdir(), "chat.bin")
-    proc = run_single(["data", "encode", "--tokenizer", tokenizer, "--input", segments_file, "--output", out,
-                       "--val-fraction", "0"])
-    assert proc.returncode == 0, proc.stderr
-    tokens, mask = read_token_file(out)
+    (tokens, mask), _ = encoded(tokenizer, segments_file)
     want_tokens, want_mask = expected_tokens(tokenizer, segments_file, records, [])  # the template's <s> marks records
     assert tokens == want_tokens
     assert mask == want_mask
