@@ -510,6 +510,19 @@ std::string unicode_normal_form(std::string_view text, bool compatibility) {
   return out;
 }
 
+// `text` with every `from` replaced by `to`, left to right, in one pass: a Replace
+// normalizer may run over a whole document (a file without a pre-tokenizer).
+std::string replaced(std::string_view text, const std::string& from, const std::string& to) {
+  if (from.empty()) return std::string(text);  // nothing to find (a decoder's empty pattern)
+  std::string out;
+  size_t done = 0;
+  for (size_t at = text.find(from); at != std::string_view::npos; at = text.find(from, done)) {
+    out.append(text.substr(done, at - done)).append(to);
+    done = at + from.size();
+  }
+  return out.append(text.substr(done));
+}
+
 // The byte of a byte-fallback token "<0xXX>", or -1.
 int fallback_byte(const std::string& token) {
   if (token.size() != 6 || token.compare(0, 3, "<0x") != 0 || token[5] != '>') return -1;
@@ -912,17 +925,14 @@ void Tokenizer::Impl::load_decoder(const json& d, const JsonFile& file, const st
 
 // The reference's decode_chain of each step, in order, on the token strings.
 std::vector<std::string> Tokenizer::Impl::decode_chain(std::vector<std::string> tokens) const {
-  const auto replace_all = [](std::string& s, const std::string& from, const std::string& to) {
-    for (size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size())) s.replace(at, from.size(), to);
-  };
   for (const DecodeStep& step : decode_steps) {
     std::vector<std::string> next;
     switch (step.kind) {
       case DecodeStep::REPLACE:
-        for (std::string& t : tokens) replace_all(t, step.text, step.content);
+        for (std::string& t : tokens) t = replaced(t, step.text, step.content);
         continue;
       case DecodeStep::METASPACE:  // the replacement is a space, except in the first token (prepended there)
-        for (size_t i = 0; i < tokens.size(); i++) replace_all(tokens[i], step.text, i == 0 && step.start ? "" : " ");
+        for (size_t i = 0; i < tokens.size(); i++) tokens[i] = replaced(tokens[i], step.text, i == 0 && step.start ? "" : " ");
         continue;
       case DecodeStep::FUSE: {
         std::string all;
@@ -977,13 +987,7 @@ std::string Tokenizer::Impl::normalize(std::string_view text) const {
     } else if (step.kind == NormStep::PREPEND) {
       if (!out.empty()) out.insert(0, step.text);  // the reference prepends to non-empty text only
     } else {
-      std::string replaced;
-      size_t from = 0;
-      for (size_t at = out.find(step.text); at != std::string::npos; at = out.find(step.text, from)) {
-        replaced.append(out, from, at - from).append(step.content);
-        from = at + step.text.size();
-      }
-      out = replaced.append(out, from, std::string::npos);
+      out = replaced(out, step.text, step.content);
     }
   }
   return out;
@@ -1180,12 +1184,9 @@ std::string Tokenizer::token_bytes(uint32_t id) const {
   if (!m.byte_level) {  // the decoder's replacements and byte fallback, not its strips (a piece of a text)
     if (const int byte = fallback_byte(token); byte >= 0) return std::string(1, static_cast<char>(byte));
     std::string text = token;
-    for (const Impl::DecodeStep& step : m.decode_steps) {
-      if (step.kind != Impl::DecodeStep::REPLACE && step.kind != Impl::DecodeStep::METASPACE) continue;
-      const std::string to = step.kind == Impl::DecodeStep::REPLACE ? step.content : " ";
-      for (size_t at = text.find(step.text); at != std::string::npos; at = text.find(step.text, at + to.size()))
-        text.replace(at, step.text.size(), to);
-    }
+    for (const Impl::DecodeStep& step : m.decode_steps)
+      if (step.kind == Impl::DecodeStep::REPLACE || step.kind == Impl::DecodeStep::METASPACE)
+        text = replaced(text, step.text, step.kind == Impl::DecodeStep::REPLACE ? step.content : " ");
     return text;
   }
   std::string mapped;
