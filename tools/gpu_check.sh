@@ -134,10 +134,11 @@ PY
 }
 
 # against_cpu LABEL NAME CPU_RANKS GPU_RANKS OPTIONS...: the same training on the CPU and on the GPU
-# (runs cmp-cpu-NAME and cmp-gpu-NAME), reported ok when their losses agree (compare_losses).
+# (runs cmp-cpu-NAME and cmp-gpu-NAME) of CONFIG (default inputs/tiny.ini), reported ok when their
+# losses agree (compare_losses).
 against_cpu() {
-  local label=$1 name=$2 cpu_np=$3 gpu_np=$4; shift 4
-  if run "cmp-cpu-$name" cpu "$cpu_np" inputs/tiny.ini "$@" && run "cmp-gpu-$name" cuda "$gpu_np" inputs/tiny.ini "$@"; then
+  local label=$1 name=$2 cpu_np=$3 gpu_np=$4 config=${CONFIG:-inputs/tiny.ini}; shift 4
+  if run "cmp-cpu-$name" cpu "$cpu_np" "$config" "$@" && run "cmp-gpu-$name" cuda "$gpu_np" "$config" "$@"; then
     if out=$(compare_losses "$WORK/cmp-gpu-$name.jsonl" "$WORK/cmp-cpu-$name.jsonl"); then
       report "- ok   $label: GPU ($gpu_np rank$([ "$gpu_np" = 1 ] || echo s)) vs CPU ($cpu_np ranks): $out"
     else
@@ -158,6 +159,14 @@ done
 # A quantized frozen base (docs/quantization.md): the GPU's dequantization kernel in the gathers.
 against_cpu "LoRA on an NF4 base" qlora 2 1 "${CMP_MODEL[@]}" --train.micro_batch=4 --train.global_batch=8 \
   --adapter.type=lora --adapter.targets=attn.c_attn,mlp.c_fc --fsdp.frozen_dtype=nf4
+
+# The Llama family (grouped-query attention, rotary, RMSNorm, SwiGLU, untied head) and packed
+# documents (attention within each document, positions restarting: the kernels' document starts).
+LLAMA_CMP=(--train.steps=20 --train.threads=4 --train.micro_batch=4 --train.global_batch=8)
+DOCUMENTS=(--data.documents=true --data.document_start=10 --data.restart_positions=true)
+CONFIG=inputs/llama-tiny.ini against_cpu "Llama (GQA, rotary, SwiGLU)" llama 2 1 "${LLAMA_CMP[@]}"
+CONFIG=inputs/llama-tiny.ini against_cpu "Llama, packed documents" llama-documents 2 1 "${LLAMA_CMP[@]}" "${DOCUMENTS[@]}"
+against_cpu "GPT-2, packed documents" documents 2 1 "${CMP_MODEL[@]}" --train.micro_batch=4 --train.global_batch=8 "${DOCUMENTS[@]}"
 
 section "One host synchronization per step on the GPU (host_syncs of the GPU runs above)"
 for strategy in FULL_SHARD NO_SHARD; do
@@ -278,6 +287,7 @@ PY
   bench inputs/gpt2-124M.ini 8 fp32 12 false tiled
   bench inputs/gpt-300M.ini 8 fp32 10 false tiled
   bench inputs/gpt-300M.ini 8 bf16 10 true cudnn  # cpu_offload: the GPU memory it saves, the time it costs
+  bench inputs/llama-135M.ini 8 bf16 10 false cudnn  # the Llama shape (GQA, 49,152-row tied head)
 
   section "Where the step's time goes: every layer op on the GPU's clock (train.op_times, gpt-300M, bf16, cuDNN, micro-batch 8)"
   if run ops-gpt-300M cuda 1 inputs/gpt-300M.ini --train.steps=5 --train.micro_batch=8 --train.global_batch=8 \
