@@ -1,6 +1,7 @@
 // Causal self-attention with grouped-query heads on the GPU, with the CPU's interface
-// (backend/cpu/ops.hpp: packed documents too, each row seeing the keys of its own document), and
-// the rotary embedding applied to its q and k. Each row of
+// (backend/cpu/ops.hpp: packed documents too, each row seeing the keys of its own document), the
+// same kernels without the causal mask (a diffusion transformer's joint attention: every row sees
+// every key), and the rotary embedding applied to its q and k. Each row of
 // qkv(B,T,(NH+2KV)*HS) holds q (NH heads) | k (KV heads) | v (KV heads) of HS each; query head h
 // reads key/value head h / G, G = NH/KV (KV = NH: GPT-2's multi-head attention). out(B,T,NH*HS);
 // lse(B,NH,T) each query row's log-sum-exp; scale 1/sqrt(HS).
@@ -26,8 +27,9 @@
 // one block per (new token, query head) scores its q against the cached keys up to its own
 // position, takes the softmax and sums the cached values: a row, not a matrix, so no GEMM.
 //
-// Rope: one thread per rotated pair (x[i], x[i + HS/2]) of every q and k head vector, in place on
-// the token-major qkv (or dqkv); the backward is the same turn with the sine negated.
+// Rope: one thread per rotated pair (x[i], x[i + HS/2]) -- or, interleaved (FLUX), (x[2i], x[2i+1])
+// -- of every q and k head vector, in place on the token-major qkv (or dqkv); the backward is the
+// same turn with the sine negated.
 #include <cmath>
 #include <type_traits>
 
@@ -82,6 +84,12 @@ struct AttentionDims {
   size_t row;  // floats of a qkv row
   float scale;
   const int* doc_start;  // (B,T): the first position of each row's document; nullptr: none
+  bool causal;           // false: every query row sees every key (no documents then)
+  // The end of the keys query tile [t0, t0 + nq) reads, and the first query tile key tile k0 meets.
+  __device__ int key_end(int t0, int nq) const { return causal ? t0 + nq : T; }
+  __device__ int first_query_tile(int k0) const { return causal ? k0 : 0; }
+  // Whether query row t sees key s by position (the causal mask).
+  __device__ bool before(int t, int s) const { return !causal || s <= t; }
   // Whether query row t of sequence b sees key s (s <= t already known): within its document.
   __device__ bool in_document(int b, int t, int s) const {
     return !doc_start || s >= doc_start[static_cast<size_t>(b) * T + t];
@@ -112,8 +120,9 @@ __global__ void __launch_bounds__(kAttentionThreads)
 #pragma unroll
     for (int c = 0; c < kDims; c++) o[j][c] = 0.0f;
   }
-  for (int k0 = dims.first_key_tile(b, t0); k0 < t0 + nq; k0 += kTile) {
-    const int nk = min(kTile, t0 + nq - k0);  // keys past the tile's last query are all masked
+  const int key_end = dims.key_end(t0, nq);
+  for (int k0 = dims.first_key_tile(b, t0); k0 < key_end; k0 += kTile) {
+    const int nk = min(kTile, key_end - k0);  // causal: keys past the tile's last query are all masked
     __syncthreads();                          // the previous tile's readers are done
     load_tile(ks, base, k0, nk, dims.row, (dims.NH + kv) * HS, HS);
     load_tile(vs, base, k0, nk, dims.row, (dims.NH + dims.KV + kv) * HS, HS);
@@ -122,7 +131,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
     for (int j = 0; j < kRowsPerWarp; j++) {
       const int i = warp * kRowsPerWarp + j;
       if (i >= nq) break;  // warp-uniform
-      const bool visible = lane < nk && k0 + lane <= t0 + i && dims.in_document(b, t0 + i, k0 + lane);
+      const bool visible = lane < nk && dims.before(t0 + i, k0 + lane) && dims.in_document(b, t0 + i, k0 + lane);
       const float score = visible ? dims.scale * dot_rows(qs.row(i), ks.row(lane), HS) : -INFINITY;
       // m is finite from the row's first tile with a visible key on (without documents the first
       // key tile, which holds key 0); until then nothing has been summed.
@@ -192,7 +201,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
     for (int c = 0; c < kDims; c++) dk[j][c] = 0.0f, dv[j][c] = 0.0f;
   for (int g = 0; g < dims.group; g++) {
     const int h = kv * dims.group + g;
-    for (int t0 = k0; t0 < dims.T; t0 += kTile) {
+    for (int t0 = dims.first_query_tile(k0); t0 < dims.T; t0 += kTile) {
       // Packed documents: rows from t0 on start their documents after this key tile (document
       // starts only move forward), so none of them sees it. Block-uniform: one break for all.
       if (dims.doc_start && dims.doc_start[static_cast<size_t>(b) * dims.T + t0] >= k0 + nk) break;
@@ -208,7 +217,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
         const int key = warp * kRowsPerWarp + j;
         if (key >= nk) break;  // warp-uniform
         float p = 0.0f, ds = 0.0f;
-        if (lane < nq && t0 + lane >= k0 + key && dims.in_document(b, t0 + lane, k0 + key)) {
+        if (lane < nq && dims.before(t0 + lane, k0 + key) && dims.in_document(b, t0 + lane, k0 + key)) {
           p = exp_fast(dims.scale * dot_rows(qs.row(lane), ks.row(key), HS) - row_lse[lane]);
           ds = p * (dot_rows(dys.row(lane), vs.row(key), HS) - row_D[lane]);
         }
@@ -258,8 +267,9 @@ __global__ void __launch_bounds__(kAttentionThreads)
 #pragma unroll
     for (int c = 0; c < kDims; c++) dq[j][c] = 0.0f;
   }
-  for (int k0 = dims.first_key_tile(b, t0); k0 < t0 + nq; k0 += kTile) {
-    const int nk = min(kTile, t0 + nq - k0);
+  const int key_end = dims.key_end(t0, nq);
+  for (int k0 = dims.first_key_tile(b, t0); k0 < key_end; k0 += kTile) {
+    const int nk = min(kTile, key_end - k0);
     __syncthreads();
     load_tile(ks, base, k0, nk, dims.row, (dims.NH + kv) * HS, HS);
     load_tile(vs, base, k0, nk, dims.row, (dims.NH + dims.KV + kv) * HS, HS);
@@ -269,7 +279,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
       const int i = warp * kRowsPerWarp + j;
       if (i >= nq) break;  // warp-uniform
       float ds = 0.0f;
-      if (lane < nk && k0 + lane <= t0 + i && dims.in_document(b, t0 + i, k0 + lane)) {
+      if (lane < nk && dims.before(t0 + i, k0 + lane) && dims.in_document(b, t0 + i, k0 + lane)) {
         const float p = exp_fast(dims.scale * dot_rows(qs.row(i), ks.row(lane), HS) - row_lse[j]);
         ds = p * (dot_rows(dys.row(i), vs.row(lane), HS) - row_D[j]);
       }
@@ -314,17 +324,17 @@ void launch_tiled(Kernel kernel, dim3 grid, size_t shared, const LaunchContext& 
 
 size_t tile_floats(int HS) { return static_cast<size_t>(kTile) * (HS + 1); }
 
-AttentionDims attention_dims(int T, int NH, int KV, int HS, const int* doc_start) {
+AttentionDims attention_dims(int T, int NH, int KV, int HS, const int* doc_start, bool causal) {
   return {T,         NH, KV, HS, NH / KV, static_cast<size_t>(NH + 2 * KV) * HS, 1.0f / sqrtf(static_cast<float>(HS)),
-          doc_start};
+          doc_start, causal};
 }
 
-// Pair i < HS/2 of q-or-k head `head` of token bt: x[i], x[i + HS/2] turned by the angle of
-// (t, i), as backend/cpu/attention.cpp's rope_turn; sign -1 turns back. heads = NH + KV (the
+// Pair i < HS/2 of q-or-k head `head` of token bt: x[i], x[i + HS/2] (interleaved: x[2i], x[2i+1])
+// turned by the angle of (t, i), as backend/cpu/attention.cpp's rope_turn; sign -1 turns back. heads = NH + KV (the
 // query heads, then the key heads: v is untouched).
 __global__ void rope_kernel(float* qkv, const float* cos_table, const float* sin_table, const int* positions, int T,
-                            int heads, int row, int HS, float sign, size_t n) {
-  const int half = HS / 2;
+                            int heads, int row, int HS, float sign, bool interleaved, size_t n) {
+  const int half = HS / 2, step = interleaved ? 2 : 1, partner = interleaved ? 1 : half;
   for (size_t idx = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; idx < n;
        idx += static_cast<size_t>(gridDim.x) * blockDim.x) {
     const int i = static_cast<int>(idx % half);
@@ -334,9 +344,11 @@ __global__ void rope_kernel(float* qkv, const float* cos_table, const float* sin
     const size_t angle = (positions ? static_cast<size_t>(positions[bt]) : bt % T) * half + i;
     float* x = qkv + bt * row + static_cast<size_t>(head) * HS;
     const float c = cos_table[angle], s = sign * sin_table[angle];
-    const float lo = x[i], hi = x[i + half];
-    x[i] = lo * c - hi * s;
-    x[i + half] = hi * c + lo * s;
+    float& a = x[i * step];
+    float& b = x[i * step + partner];
+    const float lo = a, hi = b;
+    a = lo * c - hi * s;
+    b = hi * c + lo * s;
   }
 }
 
@@ -421,23 +433,25 @@ void check_tiled_args(const char* what, int B, int T, int NH, int KV, int HS) {
 }
 
 void launch_rope(float* qkv, const float* cos, const float* sin, const int* positions, int B, int T, int NH, int KV,
-                 int HS, float sign, const char* what, const LaunchContext& ctx) {
+                 int HS, float sign, bool interleaved, const char* what, const LaunchContext& ctx) {
   SHARD_CHECK(B >= 0 && T >= 0 && NH > 0 && KV > 0 && HS > 0 && HS % 2 == 0 && NH % KV == 0,
               "%s: B=%d T=%d NH=%d KV=%d HS=%d (HS must be even, NH divide by KV)", what, B, T, NH, KV, HS);
   const size_t n = static_cast<size_t>(B) * T * (NH + KV) * (HS / 2);
   if (n == 0) return;
   rope_kernel<<<grid_for(n, kThreads, ctx), kThreads, 0, ctx.stream>>>(qkv, cos, sin, positions, T, NH + KV,
-                                                                        (NH + 2 * KV) * HS, HS, sign, n);
+                                                                        (NH + 2 * KV) * HS, HS, sign, interleaved, n);
   CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
 
-void launch_attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
-                              const int* doc_start, const LaunchContext& ctx) {
+namespace {
+
+void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
+                       const int* doc_start, bool causal, const LaunchContext& ctx) {
   check_tiled_args("attention_forward", B, T, NH, KV, HS);
   if (B == 0 || T == 0) return;
-  const AttentionDims dims = attention_dims(T, NH, KV, HS, doc_start);
+  const AttentionDims dims = attention_dims(T, NH, KV, HS, doc_start, causal);
   const dim3 grid(static_cast<unsigned>(ceil_div(T, kTile)), NH, B);
   with_dims_per_lane(HS, [&](auto lanes) {
     launch_tiled(attention_forward_kernel<decltype(lanes)::value>, grid, 3 * tile_floats(HS) * sizeof(float), ctx,
@@ -445,12 +459,12 @@ void launch_attention_forward(float* out, float* lse, const float* qkv, int B, i
   });
 }
 
-void launch_attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
-                               int B, int T, int NH, int KV, int HS, const int* doc_start, void* workspace,
-                               const LaunchContext& ctx) {
+void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int B,
+                        int T, int NH, int KV, int HS, const int* doc_start, bool causal, void* workspace,
+                        const LaunchContext& ctx) {
   check_tiled_args("attention_backward", B, T, NH, KV, HS);
   if (B == 0 || T == 0) return;
-  const AttentionDims dims = attention_dims(T, NH, KV, HS, doc_start);
+  const AttentionDims dims = attention_dims(T, NH, KV, HS, doc_start, causal);
   float* D = static_cast<float*>(workspace);
   const size_t rows = static_cast<size_t>(B) * T * NH;
   attention_row_dot_kernel<<<static_cast<unsigned>(ceil_div(rows * kWarpSize, kThreads)), kThreads, 0, ctx.stream>>>(
@@ -465,6 +479,30 @@ void launch_attention_backward(float* dqkv, const float* dout, const float* qkv,
     launch_tiled(attention_backward_q_kernel<kDims>, dim3(tiles, NH, B), 4 * tile_floats(HS) * sizeof(float), ctx,
                  dqkv, dout, qkv, lse, static_cast<const float*>(D), dims);
   });
+}
+
+}  // namespace
+
+void launch_attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
+                              const int* doc_start, const LaunchContext& ctx) {
+  attention_forward(out, lse, qkv, B, T, NH, KV, HS, doc_start, true, ctx);
+}
+
+void launch_attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
+                               int B, int T, int NH, int KV, int HS, const int* doc_start, void* workspace,
+                               const LaunchContext& ctx) {
+  attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS, doc_start, true, workspace, ctx);
+}
+
+void launch_bidirectional_attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int HS,
+                                            const LaunchContext& ctx) {
+  attention_forward(out, lse, qkv, B, T, NH, NH, HS, nullptr, false, ctx);
+}
+
+void launch_bidirectional_attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
+                                             const float* lse, int B, int T, int NH, int HS, void* workspace,
+                                             const LaunchContext& ctx) {
+  attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, NH, HS, nullptr, false, workspace, ctx);
 }
 
 void launch_attention_decode(float* out, float* scratch, float* k_cache, float* v_cache, const float* qkv, int Q,
@@ -485,12 +523,22 @@ void launch_attention_decode(float* out, float* scratch, float* k_cache, float* 
 
 void launch_rope_forward(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS,
                          const int* positions, const LaunchContext& ctx) {
-  launch_rope(qkv, cos, sin, positions, B, T, NH, KV, HS, 1.0f, "rope_forward", ctx);
+  launch_rope(qkv, cos, sin, positions, B, T, NH, KV, HS, 1.0f, false, "rope_forward", ctx);
 }
 
 void launch_rope_backward(float* dqkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS,
                           const int* positions, const LaunchContext& ctx) {
-  launch_rope(dqkv, cos, sin, positions, B, T, NH, KV, HS, -1.0f, "rope_backward", ctx);
+  launch_rope(dqkv, cos, sin, positions, B, T, NH, KV, HS, -1.0f, false, "rope_backward", ctx);
+}
+
+void launch_rope_pairs_forward(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS,
+                               const LaunchContext& ctx) {
+  launch_rope(qkv, cos, sin, nullptr, B, T, NH, KV, HS, 1.0f, true, "rope_pairs_forward", ctx);
+}
+
+void launch_rope_pairs_backward(float* dqkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS,
+                                const LaunchContext& ctx) {
+  launch_rope(dqkv, cos, sin, nullptr, B, T, NH, KV, HS, -1.0f, true, "rope_pairs_backward", ctx);
 }
 
 }  // namespace shardtrain::kernels

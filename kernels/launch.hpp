@@ -132,6 +132,14 @@ void launch_attention_backward(float* dqkv, const float* dout, const float* qkv,
                                int B, int T, int NH, int KV, int HS, const int* doc_start, void* workspace,
                                const LaunchContext& ctx);
 
+// The same without the causal mask (every row sees every key; KV = NH, no documents): a diffusion
+// transformer's joint attention, backend/cpu/ops.hpp's bidirectional_attention_*.
+void launch_bidirectional_attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int HS,
+                                            const LaunchContext& ctx);
+void launch_bidirectional_attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
+                                             const float* lse, int B, int T, int NH, int HS, void* workspace,
+                                             const LaunchContext& ctx);
+
 // Generation: Q new tokens' q|k|v rows at positions start..start+Q-1; k, v appended to the caches
 // (max_len, KV*HS), each query attending causally over the cache; scratch Q*NH*(start+Q) floats.
 void launch_attention_decode(float* out, float* scratch, float* k_cache, float* v_cache, const float* qkv, int Q,
@@ -145,6 +153,34 @@ void launch_rope_forward(float* qkv, const float* cos, const float* sin, int B, 
 void launch_rope_backward(float* dqkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS,
                           const int* positions, const LaunchContext& ctx);
 
+// FLUX's rotary turn of interleaved pairs (x[2i], x[2i+1]) (attention.cu), rope_pairs_* of
+// backend/cpu/ops.hpp; the tables' row is each token's t.
+void launch_rope_pairs_forward(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS,
+                               const LaunchContext& ctx);
+void launch_rope_pairs_backward(float* dqkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS,
+                                const LaunchContext& ctx);
+
+// A diffusion transformer's layers (dit.cu), backend/cpu/ops.hpp's: adaptive LayerNorm (eps given,
+// no affine; per-sample shift and scale rows `ld` apart; saves mean and rstd; the backward's dinp
+// +=, dshift and dscale += per sample, either may be null), the gated residual (out may be resid;
+// the backward's dy =, dgate += per sample, may be null), and the squared error of N rows of W
+// (losses =, out_to_grad overwritten by 2 (out - target)). One warp per row for the row sums; the
+// per-sample parameter sums are common.cuh's deterministic column sums over each sample's T rows
+// (workspace: *_workspace_bytes(T, C), reused sample after sample). No atomics.
+void launch_modulate_forward(float* out, float* mean, float* rstd, const float* inp, const float* shift,
+                             const float* scale, int ld, int B, int T, int C, float eps, const LaunchContext& ctx);
+using gpu::modulate_backward_workspace_bytes;
+void launch_modulate_backward(float* dinp, float* dshift, float* dscale, const float* dout, const float* inp,
+                              const float* scale, const float* mean, const float* rstd, int ld, int B, int T, int C,
+                              void* workspace, const LaunchContext& ctx);
+void launch_gate_forward(float* out, const float* resid, const float* y, const float* gate, int ld, int B, int T,
+                         int C, const LaunchContext& ctx);
+using gpu::gate_backward_workspace_bytes;
+void launch_gate_backward(float* dy, float* dgate, const float* dout, const float* y, const float* gate, int ld,
+                          int B, int T, int C, void* workspace, const LaunchContext& ctx);
+void launch_squared_error_forward(float* losses, float* out_to_grad, const float* target, int N, int W,
+                                  const LaunchContext& ctx);
+
 // SwiGLU (pointwise.cu): gate_up rows gate (I) | up (I); the backward writes dgate_up (=).
 void launch_swiglu_forward(float* out, const float* gate_up, int N, int I, const LaunchContext& ctx);
 void launch_swiglu_backward(float* dgate_up, const float* dout, const float* gate_up, int N, int I,
@@ -152,6 +188,8 @@ void launch_swiglu_backward(float* dgate_up, const float* dout, const float* gat
 
 void launch_gelu_forward(float* out, const float* inp, size_t n, const LaunchContext& ctx);
 void launch_gelu_backward(float* dinp, const float* dout, const float* inp, size_t n, const LaunchContext& ctx);
+void launch_silu_forward(float* out, const float* inp, size_t n, const LaunchContext& ctx);
+void launch_silu_backward(float* dinp, const float* dout, const float* inp, size_t n, const LaunchContext& ctx);
 void launch_residual_forward(float* out, const float* a, const float* b, size_t n, const LaunchContext& ctx);
 // x *= s
 void launch_scale(float* x, size_t n, float s, const LaunchContext& ctx);

@@ -1,5 +1,6 @@
-// The elementwise layers on the GPU: GELU forward/backward (backend/math.hpp's gelu_value and
-// gelu_derivative, the very functions the CPU loops call), SwiGLU forward/backward (silu_value,
+// The elementwise layers on the GPU: GELU and SiLU forward/backward (backend/math.hpp's
+// gelu_value, gelu_derivative, silu_value and silu_derivative, the very functions the CPU loops
+// call), SwiGLU forward/backward (silu_value,
 // silu_derivative), the residual add, x *= s, out = a / b (DoRA's quotient), and counter-keyed
 // dropout (the CPU's mask and division, bit-identical: common.cuh's mirror of core/random.hpp
 // decides which elements stay).
@@ -23,6 +24,12 @@ struct GeluForward {
 };
 struct GeluBackward {
   __device__ float operator()(float dout, float inp) const { return dout * gelu_derivative(inp); }
+};
+struct SiluForward {
+  __device__ float operator()(float x, float) const { return silu_value(x); }
+};
+struct SiluBackward {
+  __device__ float operator()(float dout, float inp) const { return dout * silu_derivative(inp); }
 };
 struct Add {
   __device__ float operator()(float a, float b) const { return a + b; }
@@ -176,6 +183,14 @@ void launch_gelu_forward(float* out, const float* inp, size_t n, const LaunchCon
 
 void launch_gelu_backward(float* dinp, const float* dout, const float* inp, size_t n, const LaunchContext& ctx) {
   launch_elementwise<2>(dinp, dout, inp, n, GeluBackward{}, ctx);
+}
+
+void launch_silu_forward(float* out, const float* inp, size_t n, const LaunchContext& ctx) {
+  launch_elementwise<1>(out, inp, nullptr, n, SiluForward{}, ctx);
+}
+
+void launch_silu_backward(float* dinp, const float* dout, const float* inp, size_t n, const LaunchContext& ctx) {
+  launch_elementwise<2>(dinp, dout, inp, n, SiluBackward{}, ctx);
 }
 
 void launch_residual_forward(float* out, const float* a, const float* b, size_t n, const LaunchContext& ctx) {

@@ -114,7 +114,7 @@ run() {
   timeout "$lim" mpirun --oversubscribe --bind-to none -np "$np" "$BIN/shardtrain" train --config "$config" \
     --train.device="$device" --train.run_name="$name" --train.metrics_file="$WORK/$name.jsonl" \
     --checkpoint.dir="$WORK/ckpt-$name" --checkpoint.every=0 --checkpoint.resume=none \
-    --data.train_file="$WORK/data/synth_train.bin" --data.val_file= "$@" >"$WORK/$name.log" 2>&1
+    --data.train_file="${TRAIN_FILE:-$WORK/data/synth_train.bin}" --data.val_file= "$@" >"$WORK/$name.log" 2>&1
 }
 # compare_losses A B [BOUND [STEPS]]: the largest relative difference of the step losses of two
 # metrics files (of their first STEPS steps when given), ok when at most BOUND (default 1e-3).
@@ -167,6 +167,42 @@ DOCUMENTS=(--data.documents=true --data.document_start=10 --data.restart_positio
 CONFIG=inputs/llama-tiny.ini against_cpu "Llama (GQA, rotary, SwiGLU)" llama 2 1 "${LLAMA_CMP[@]}"
 CONFIG=inputs/llama-tiny.ini against_cpu "Llama, packed documents" llama-documents 2 1 "${LLAMA_CMP[@]}" "${DOCUMENTS[@]}"
 against_cpu "GPT-2, packed documents" documents 2 1 "${CMP_MODEL[@]}" --train.micro_batch=4 --train.global_batch=8 "${DOCUMENTS[@]}"
+
+# The FLUX family (joint attention without the causal mask, interleaved rotary pairs, adaptive
+# LayerNorm, gated residuals, flow matching) on random latents as tools/encode_images.py writes
+# them; then `sample` from the GPU run's checkpoint on the GPU against the CPU.
+"$PY" - "$WORK/data" <<'PY'
+import sys, h5py, numpy as np
+rng = np.random.default_rng(1)
+with h5py.File(sys.argv[1] + "/flux_train.h5", "w") as f:
+    f["latents"] = rng.standard_normal((48, 16, 16)).astype(np.float32)
+    f["encoder_hidden_states"] = rng.standard_normal((48, 8, 32)).astype(np.float32)
+    f["pooled_projections"] = rng.standard_normal((48, 24)).astype(np.float32)
+    f.attrs["grid_rows"], f.attrs["grid_cols"] = np.int64(4), np.int64(4)
+with h5py.File(sys.argv[1] + "/flux_prompts.h5", "w") as f:
+    f["encoder_hidden_states"] = rng.standard_normal((2, 8, 32)).astype(np.float32)
+    f["pooled_projections"] = rng.standard_normal((2, 24)).astype(np.float32)
+PY
+TRAIN_FILE=$WORK/data/flux_train.h5 CONFIG=inputs/flux-tiny.ini against_cpu "FLUX (double and single stream, flow matching)" \
+  flux 2 1 --train.steps=10 --train.micro_batch=2 --train.global_batch=4 --train.threads=4
+flux_ckpt=$(ls "$WORK"/ckpt-cmp-gpu-flux/ckpt-*.h5 2>/dev/null | tail -1)
+for device in cuda cpu; do
+  lim=$(limit) || break
+  timeout "$lim" mpirun --oversubscribe --bind-to none -np 1 "$BIN/shardtrain" sample --checkpoint "$flux_ckpt" \
+    --prompts "$WORK/data/flux_prompts.h5" --output "$WORK/flux-sample-$device.h5" --grid 4x4 --steps 4 --seed 3 \
+    --device $device >"$WORK/flux-sample-$device.log" 2>&1
+done
+if out=$("$PY" - "$WORK/flux-sample-cuda.h5" "$WORK/flux-sample-cpu.h5" <<'PY'
+import sys, h5py, numpy as np
+a, b = (h5py.File(p, "r")["latents"][()] for p in sys.argv[1:3])
+error = np.abs(a - b).max() / np.abs(b).max()
+print(f"latents {a.shape}, max difference {error:.2e} of the largest")
+sys.exit(0 if a.shape == b.shape and error < 1e-4 else 1)
+PY
+); then report "- ok   FLUX sample on the GPU vs the CPU: $out"; else
+  FAILED=1; report "- FAIL FLUX sample on the GPU vs the CPU: ${out:-no output}"; report '```'
+  report "$(tail -8 "$WORK/flux-sample-cuda.log" 2>/dev/null)"; report '```'
+fi
 
 section "One host synchronization per step on the GPU (host_syncs of the GPU runs above)"
 for strategy in FULL_SHARD NO_SHARD; do

@@ -86,18 +86,23 @@ void add_activation_allocations(const ParamTable& table, int batch, int seq_len,
 // backward that could ask is counted, frozen parameters included (they ask for less or nothing).
 std::pair<size_t, const char*> largest_kernel_workspace(const ParamTable& table, int B, int T) {
   const ModelConfig& c = table.config();
-  const int N = B * T;
+  const ModelFamily& family = family_of(c);
+  const int N = family.product_rows(c, B, T);  // the rows of the largest products
   std::pair<size_t, const char*> largest{0, ""};
   auto consider = [&](size_t bytes, const char* kernel) {
     if (bytes > largest.first) largest = {bytes, kernel};
   };
-  consider(gpu::encoder_backward_workspace_estimate(B, T), "encoder backward");
-  consider(gpu::attention_backward_workspace_bytes(B, T, c.n_head, c.kv_heads(), c.head_size()), "attention backward");
+  if (family.token_data()) {  // a decoder's embedding, causal attention and norms
+    consider(gpu::encoder_backward_workspace_estimate(B, T), "encoder backward");
+    consider(gpu::attention_backward_workspace_bytes(B, T, c.n_head, c.kv_heads(), c.head_size()),
+             "attention backward");
+    if (family.norm_kind() == NORM_RMS)
+      consider(gpu::rmsnorm_backward_workspace_bytes(N, c.n_embd), "rmsnorm backward");
+    else
+      consider(gpu::layernorm_backward_workspace_bytes(N, c.n_embd), "layernorm backward");
+  }
+  for (const ModelFamily::KernelWorkspace& w : family.kernel_workspaces(c, B, T)) consider(w.bytes, w.kernel);
   const std::vector<cpu::LinearShape> linears = linear_layers(c);
-  if (family_of(c).norm_kind() == NORM_RMS)
-    consider(gpu::rmsnorm_backward_workspace_bytes(N, c.n_embd), "rmsnorm backward");
-  else
-    consider(gpu::layernorm_backward_workspace_bytes(N, c.n_embd), "layernorm backward");
   for (const LinearSite& site : table.all_sites())  // the biased products
     if (site.bias >= 0) consider(gpu::matmul_backward_workspace_bytes(N, site.width), "matmul backward (bias)");
   if (table.adapter().type == ADAPTER_DORA)

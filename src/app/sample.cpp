@@ -89,7 +89,7 @@ bool parse_sample_args(const Runtime& rt, const std::vector<std::string>& args, 
        "FLUX.1-schnell: 1)")
       ("seed", po::value(&seed)->default_value(seed), "the starting noise: a seed gives the same images on any rank count")
       ("batch", po::value(&batch)->default_value(batch), "prompts per forward")
-      ("device", po::value(&o.device)->default_value(o.device), "cpu (FLUX has no CUDA kernels yet)")
+      ("device", po::value(&o.device)->default_value(o.device), "cpu or cuda (one GPU per rank)")
       ("threads", po::value(&threads)->default_value(threads), "threads per rank; 0 = the cores available to the rank")
       ("comm-timeout", po::value(&timeout)->default_value(timeout),
        "seconds before a stuck collective aborts every rank; 0 = off");
@@ -109,7 +109,8 @@ bool parse_sample_args(const Runtime& rt, const std::vector<std::string>& args, 
   if (o.shift != "auto") parse_real(o.shift, "shift", "auto, or a factor > 0 (1 = none)", 0, 1e6, false, "sample");
   if (o.cfg > 1 && o.negative.empty())
     throw UsageError("--cfg=" + cfg + " needs --negative (the negative prompts' embeddings); or --cfg=1");
-  if (o.device != "cpu") throw UsageError("--device='" + printable_text(o.device) + "': FLUX samples on the CPU for now");
+  if (o.device != "cpu" && o.device != "cuda")
+    throw UsageError("--device='" + printable_text(o.device) + "' is not a device; allowed: cpu, cuda");
   return true;
 }
 

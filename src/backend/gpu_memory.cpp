@@ -58,6 +58,14 @@ size_t matmul_backward_workspace_bytes(int N, int OC) {
   return column_sums_partial_floats(1, std::max(N, 1), std::max(OC, 1)) * sizeof(float);
 }
 
+size_t modulate_backward_workspace_bytes(int T, int C) {
+  return column_sums_partial_floats(2, std::max(T, 1), std::max(C, 1)) * sizeof(float);
+}
+
+size_t gate_backward_workspace_bytes(int T, int C) {
+  return column_sums_partial_floats(1, std::max(T, 1), std::max(C, 1)) * sizeof(float);
+}
+
 size_t column_dot_accumulate_workspace_bytes(int rows, int cols) {
   if (rows < 0 || cols <= 0) return 0;
   return static_cast<size_t>(column_chunks(rows).chunks) * static_cast<size_t>(cols) * sizeof(double);

@@ -71,6 +71,9 @@ size_t layernorm_backward_workspace_bytes(int N, int C);
 size_t rmsnorm_backward_workspace_bytes(int N, int C);
 // Matmul backward's dbias: one column sum over N rows of OC.
 size_t matmul_backward_workspace_bytes(int N, int OC);
+// A diffusion transformer's per-sample parameter sums over a sample's T rows of C.
+size_t modulate_backward_workspace_bytes(int T, int C);
+size_t gate_backward_workspace_bytes(int T, int C);
 // DoRA's column dot products (dora.cu): per chunk of rows and column, one double.
 size_t column_dot_accumulate_workspace_bytes(int rows, int cols);
 // The reductions' fixed scratch (reduce.cu): kReduceBlocks partial sums and the result, doubles.

@@ -97,7 +97,7 @@ class LayerOps {
   // attention over every position (no causal mask), the rotary turn of interleaved pairs,
   // adaptive LayerNorm with per-sample shift and scale rows `ld` apart, gated residuals, SiLU, the
   // squared error of a regression head, and a strided row copy. Not pure: a backend without them
-  // (CUDA, for now) refuses such a model when it runs one (MissingOp).
+  // refuses such a model when it runs one (MissingOp).
   virtual void bidirectional_attention_forward(Real* out, Real* lse, const Real* qkv, int B, int T, int NH,
                                                int HS) const {
     missing_op("bidirectional attention");

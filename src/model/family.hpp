@@ -114,9 +114,9 @@ void require_capability(const ModelConfig& config, const std::string& use, const
   virtual bool token_logits() const { return false; }
   // A regression head a flow-matching sampler steps with (its models' predictor()): `sample`.
   virtual bool samples_images() const { return false; }
-  // Whether the CUDA backend has every layer its models call (LayerOps: the diffusion layers are
-  // CPU-only for now).
-  virtual bool runs_on_cuda() const { return true; }
+  // Whether its attention is causal (a decoder's). cuDNN's attention graph has that mask only, so a
+  // family without it runs the GPU's tiled kernels: train.attention=auto resolves to tiled.
+  virtual bool causal_attention() const { return true; }
   // Whether model.max_seq_len is the model's own (a position table, max_position_embeddings), so
   // that a checkpoint or folder fixes it; else it only bounds a run's sequences (FLUX's image tokens).
   virtual bool fixes_max_seq_len() const { return true; }
@@ -136,6 +136,15 @@ void require_capability(const ModelConfig& config, const std::string& use, const
   // adapters' scratch and the GEMM workspace are sized for): a decoder's B x T; a diffusion
   // transformer's joint sequence.
   virtual int product_rows(const ModelConfig&, int batch, int seq_len) const { return batch * seq_len; }
+  // The GPU kernels' workspace requests of its own layers beyond a decoder's (backend/gpu_memory.hpp's
+  // sizes, with what asks): the memory plan takes the largest of these and the decoder layers'.
+  struct KernelWorkspace {
+    size_t bytes;
+    const char* kernel;
+  };
+  virtual std::vector<KernelWorkspace> kernel_workspaces(const ModelConfig&, int /*batch*/, int /*seq_len*/) const {
+    return {};
+  }
 
   // --- Hugging Face files ---
   // The transformers class ("LlamaForCausalLM") and whether a config.json's model_type is read by

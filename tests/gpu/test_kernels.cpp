@@ -2443,6 +2443,181 @@ TEST_F(DequantizeTest, MatchesCpuBitwise) {
       }
 }
 
+// ==================================================================================================
+// A diffusion transformer's layers (model/families/flux) against the CPU backend: the joint
+// attention without the causal mask, the interleaved rotary turn, adaptive LayerNorm with
+// per-sample shift and scale rows `ld` apart, the gated residual, SiLU, the squared error and the
+// strided row copy. Tolerances as the layers they mirror: the norms' row sums, attention's.
+// ==================================================================================================
+TEST_P(AttentionTest, BidirectionalMatchesCpu) {
+  AttentionShape s = GetParam();
+  s.KV = s.NH;  // the joint attention is multi-head
+  const std::vector<float> qkv = uniform_vector(s.qkv_size(), 91), dout = uniform_vector(s.out_size(), 92);
+  std::vector<float> out(s.out_size()), lse(s.lse_size()), dqkv(s.qkv_size());
+  cpu::attention_forward(out.data(), lse.data(), qkv.data(), s.B, s.T, s.NH, s.NH, s.HS, cpu::AttentionTiles(), false);
+  cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), s.B, s.T, s.NH, s.NH, s.HS,
+                          cpu::AttentionTiles(), false);
+  auto d_qkv = on_device(device(), "qkv", qkv, s.misalign), d_dout = on_device(device(), "dout", dout, s.misalign);
+  DeviceBuffer<float> d_out(device(), "out", out.size(), s.misalign), d_lse(device(), "lse", lse.size(), s.misalign);
+  DeviceBuffer<float> d_dqkv(device(), "dqkv", dqkv.size(), s.misalign);
+  d_out.fill(kNaN);
+  d_lse.fill(kNaN);
+  d_dqkv.fill(kNaN);
+  ops().bidirectional_attention_forward(d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.HS);
+  ops().bidirectional_attention_backward(d_dqkv.data(), d_dout.data(), d_qkv.data(), d_out.data(), d_lse.data(), s.B,
+                                         s.T, s.NH, s.HS);
+  expect_close(d_lse.download("bidirectional forward").data(), widen(lse), attention_lse_tol(s), "bidirectional lse");
+  expect_close(d_out.download("bidirectional forward").data(), widen(out), attention_out_tol(s), "bidirectional out");
+  expect_close(d_dqkv.download("bidirectional backward").data(), widen(dqkv), attention_backward_tol(s),
+               "bidirectional dqkv");
+  // The last query row sees every key, the first only itself under the mask: without it the two
+  // kernels differ from the causal ones (a kernel that kept the mask would pass only at T = 1).
+  if (s.T > 1) {
+    std::vector<float> causal_out(s.out_size()), causal_lse(s.lse_size());
+    cpu::attention_forward(causal_out.data(), causal_lse.data(), qkv.data(), s.B, s.T, s.NH, s.NH, s.HS);
+    EXPECT_FALSE(same_bits(causal_out, out)) << "the unmasked oracle equals the causal one";
+  }
+}
+
+TEST_P(RopeTest, InterleavedPairsMatchCpu) {
+  const RopeShape s = GetParam();
+  const RopeTables tables(s.T, s.HS);
+  const std::vector<float> input = uniform_vector(s.qkv_size(), 145);
+  auto d_cos = on_device(device(), "cos", tables.cos, s.misalign);
+  auto d_sin = on_device(device(), "sin", tables.sin, s.misalign);
+  for (bool backward : {false, true}) {
+    std::vector<float> ref = input;
+    auto d_x = on_device(device(), "qkv", input, s.misalign);
+    if (backward) {
+      cpu::rope_pairs_backward(ref.data(), tables.cos.data(), tables.sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+      ops().rope_pairs_backward(d_x.data(), d_cos.data(), d_sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+    } else {
+      cpu::rope_pairs_forward(ref.data(), tables.cos.data(), tables.sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+      ops().rope_pairs_forward(d_x.data(), d_cos.data(), d_sin.data(), s.B, s.T, s.NH, s.KV, s.HS);
+    }
+    expect_close(d_x.download("rope pairs").data(), widen(ref), fp32_pair(2),
+                 backward ? "rope_pairs_backward" : "rope_pairs_forward");
+  }
+}
+
+// B samples of T rows of C; shift, scale and gate are chunks of a per-sample modulation row of ld.
+struct DitShape {
+  int B, T, C, ld, misalign;
+  size_t rows() const { return static_cast<size_t>(B) * T; }
+  size_t size() const { return rows() * C; }
+  size_t mod_size() const { return static_cast<size_t>(B) * ld; }
+};
+std::string name_of(const DitShape& s) {
+  return "B" + std::to_string(s.B) + "_T" + std::to_string(s.T) + "_C" + std::to_string(s.C) + "_ld" +
+         std::to_string(s.ld) + misaligned_suffix(s.misalign);
+}
+void PrintTo(const DitShape& s, std::ostream* os) { *os << name_of(s); }
+
+class DitLayersTest : public GpuSuite<::testing::TestWithParam<DitShape>> {};
+
+// Modulation rows: shift at column 0, scale at C (ld >= 2C): the model's chunks of one product.
+TEST_P(DitLayersTest, ModulateMatchesCpu) {
+  const DitShape s = GetParam();
+  const std::vector<float> inp = uniform_vector(s.size(), 51, -2.0, 3.0), mod = uniform_vector(s.mod_size(), 52),
+                           dout = uniform_vector(s.size(), 53);
+  std::vector<float> out(s.size()), mean(s.rows()), rstd(s.rows());
+  cpu::modulate_forward(out.data(), mean.data(), rstd.data(), inp.data(), mod.data(), mod.data() + s.C, s.ld, s.B, s.T,
+                        s.C, 1e-6f);
+  auto d_inp = on_device(device(), "inp", inp, s.misalign), d_mod = on_device(device(), "mod", mod, s.misalign);
+  DeviceBuffer<float> d_out(device(), "out", out.size(), s.misalign), d_mean(device(), "mean", s.rows(), s.misalign),
+      d_rstd(device(), "rstd", s.rows(), s.misalign);
+  d_out.fill(kNaN);
+  ops().modulate_forward(d_out.data(), d_mean.data(), d_rstd.data(), d_inp.data(), d_mod.data(), d_mod.data() + s.C,
+                         s.ld, s.B, s.T, s.C, 1e-6f);
+  const Tolerance tol = fp32_pair(2 * s.C + 6);
+  expect_close(d_out.download("modulate_forward").data(), widen(out), tol, "modulate out");
+  expect_close(d_mean.download("modulate_forward").data(), widen(mean), tol, "modulate mean");
+  expect_close(d_rstd.download("modulate_forward").data(), widen(rstd), tol, "modulate rstd");
+
+  // The backward twice from the CPU's statistics: dinp, dshift, dscale all accumulate (+=).
+  std::vector<float> dinp = uniform_vector(s.size(), 54), dmod = uniform_vector(s.mod_size(), 55);
+  auto d_dout = on_device(device(), "dout", dout, s.misalign), d_dinp = on_device(device(), "dinp", dinp, s.misalign);
+  auto d_dmod = on_device(device(), "dmod", dmod, s.misalign);
+  auto d_cpu_mean = on_device(device(), "mean", mean, s.misalign), d_cpu_rstd = on_device(device(), "rstd", rstd, s.misalign);
+  for (int call = 0; call < 2; call++) {
+    cpu::modulate_backward(dinp.data(), dmod.data(), dmod.data() + s.C, dout.data(), inp.data(), mod.data() + s.C,
+                           mean.data(), rstd.data(), s.ld, s.B, s.T, s.C);
+    ops().modulate_backward(d_dinp.data(), d_dmod.data(), d_dmod.data() + s.C, d_dout.data(), d_inp.data(),
+                            d_mod.data() + s.C, d_cpu_mean.data(), d_cpu_rstd.data(), s.ld, s.B, s.T, s.C);
+  }
+  expect_close(d_dinp.download("modulate_backward").data(), widen(dinp), fp32_pair(4 * s.C + 8), "modulate dinp");
+  expect_close(d_dmod.download("modulate_backward").data(), widen(dmod), fp32_pair(2 * s.T + 4),
+               "modulate dshift, dscale");
+}
+
+TEST_P(DitLayersTest, GateMatchesCpu) {
+  const DitShape s = GetParam();
+  const std::vector<float> resid = uniform_vector(s.size(), 61), y = uniform_vector(s.size(), 62),
+                           mod = uniform_vector(s.mod_size(), 63), dout = uniform_vector(s.size(), 64);
+  const float* gate = mod.data() + (s.ld - s.C);  // the last chunk of the row
+  std::vector<float> out(s.size());
+  cpu::gate_forward(out.data(), resid.data(), y.data(), gate, s.ld, s.B, s.T, s.C);
+  auto d_resid = on_device(device(), "resid", resid, s.misalign), d_y = on_device(device(), "y", y, s.misalign);
+  auto d_mod = on_device(device(), "mod", mod, s.misalign);
+  const float* d_gate = d_mod.data() + (s.ld - s.C);
+  ops().gate_forward(d_resid.data(), d_resid.data(), d_y.data(), d_gate, s.ld, s.B, s.T, s.C);  // in place
+  expect_same_bits(d_resid.download("gate_forward"), out, "gate out (one product and one sum per element)");
+
+  std::vector<float> dy(s.size()), dmod = uniform_vector(s.mod_size(), 65);
+  auto d_dout = on_device(device(), "dout", dout, s.misalign), d_dmod = on_device(device(), "dmod", dmod, s.misalign);
+  DeviceBuffer<float> d_dy(device(), "dy", s.size(), s.misalign);
+  d_dy.fill(kNaN);
+  for (int call = 0; call < 2; call++) {
+    cpu::gate_backward(dy.data(), dmod.data() + (s.ld - s.C), dout.data(), y.data(), gate, s.ld, s.B, s.T, s.C);
+    ops().gate_backward(d_dy.data(), d_dmod.data() + (s.ld - s.C), d_dout.data(), d_y.data(), d_gate, s.ld, s.B, s.T,
+                        s.C);
+  }
+  expect_same_bits(d_dy.download("gate_backward"), dy, "gate dy");
+  expect_close(d_dmod.download("gate_backward").data(), widen(dmod), fp32_pair(2 * s.T + 4), "gate dgate");
+}
+
+TEST_P(DitLayersTest, SiluSquaredErrorAndRowCopyMatchCpu) {
+  const DitShape s = GetParam();
+  const std::vector<float> x = uniform_vector(s.size(), 71, -6.0, 6.0), dout = uniform_vector(s.size(), 72),
+                           target = uniform_vector(s.size(), 73);
+  std::vector<float> out(s.size()), dx(s.size());
+  cpu::silu_forward(out.data(), x.data(), out.size());
+  cpu::silu_backward(dx.data(), dout.data(), x.data(), dx.size());
+  auto d_x = on_device(device(), "x", x, s.misalign), d_dout = on_device(device(), "dout", dout, s.misalign);
+  DeviceBuffer<float> d_out(device(), "out", s.size(), s.misalign), d_dx(device(), "dx", s.size(), s.misalign);
+  ops().silu_forward(d_out.data(), d_x.data(), s.size());
+  ops().silu_backward(d_dx.data(), d_dout.data(), d_x.data(), s.size());
+  expect_close(d_out.download("silu_forward").data(), widen(out), kGeluTol, "silu");
+  expect_close(d_dx.download("silu_backward").data(), widen(dx), kGeluTol, "silu backward");
+
+  // Squared error of B*T rows of C; the prediction becomes its gradient 2 (out - target), exact.
+  std::vector<float> pred = x, losses(s.rows());
+  cpu::squared_error_forward(losses.data(), pred.data(), target.data(), static_cast<int>(s.rows()), s.C);
+  auto d_pred = on_device(device(), "pred", x, s.misalign), d_target = on_device(device(), "target", target, s.misalign);
+  DeviceBuffer<float> d_losses(device(), "losses", s.rows(), s.misalign);
+  ops().squared_error_forward(d_losses.data(), d_pred.data(), d_target.data(), static_cast<int>(s.rows()), s.C);
+  expect_close(d_losses.download("squared_error").data(), widen(losses), fp32_pair(s.C + 2), "squared error");
+  expect_same_bits(d_pred.download("squared_error"), pred, "squared error gradient");
+
+  // The rows of x (C wide) into rows ld apart at column ld - C, and back: the joins and splits of
+  // the text and image streams. The columns not copied keep their values.
+  std::vector<float> wide = uniform_vector(s.rows() * s.ld, 74);
+  for (size_t r = 0; r < s.rows(); r++)
+    std::copy(x.begin() + r * s.C, x.begin() + (r + 1) * s.C, wide.begin() + r * s.ld + (s.ld - s.C));
+  auto d_wide = on_device(device(), "wide", uniform_vector(s.rows() * s.ld, 74), s.misalign);
+  ops().copy_rows(d_wide.data() + (s.ld - s.C), s.ld, d_x.data(), s.C, static_cast<int>(s.rows()), s.C);
+  expect_same_bits(d_wide.download("copy_rows"), wide, "copy_rows into wide rows");
+  DeviceBuffer<float> d_back(device(), "back", s.size(), s.misalign);
+  ops().copy_rows(d_back.data(), s.C, d_wide.data() + (s.ld - s.C), s.ld, static_cast<int>(s.rows()), s.C);
+  expect_same_bits(d_back.download("copy_rows"), x, "copy_rows out of wide rows");
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, DitLayersTest,
+                         ::testing::Values(DitShape{1, 1, 1, 2, 0}, DitShape{2, 7, 5, 15, 0},
+                                           DitShape{3, 33, 40, 120, 1}, DitShape{2, 300, 96, 576, 0},
+                                           DitShape{1, 1030, 256, 768, 1}),  // more rows than one column-sum chunk
+                         ShapeName());
+
 // The interface's own promises: device() is the device the ops were made for, and their work is
 // queued on its compute stream, in order with its copies: a copy to the host right after an op
 // sees the op's result with no synchronisation in between. 64 MiB makes a kernel on another

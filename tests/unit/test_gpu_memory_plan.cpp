@@ -9,8 +9,10 @@
 #include <string>
 
 #include "app/memory_plan.hpp"
+#include "app/options.hpp"
 #include "backend/gpu_memory.hpp"
 #include "model/adapter.hpp"
+#include "support/model_fixtures.hpp"
 
 namespace shardtrain {
 namespace {
@@ -70,6 +72,10 @@ TEST(GpuMemory, KernelWorkspacesFollowTheKernelsFormulas) {
     EXPECT_EQ(gpu::rmsnorm_backward_workspace_bytes(N, 80), size_t{1} * chunks(N) * 80 * 4) << N;
     EXPECT_EQ(gpu::matmul_backward_workspace_bytes(N, 300), size_t{1} * chunks(N) * 300 * 4) << N;
     EXPECT_EQ(gpu::column_dot_accumulate_workspace_bytes(N, 300), size_t{1} * chunks(N) * 300 * 8) << N;
+  }
+  for (int T : {1, 33, 4096}) {  // dit.cu: per-sample sums over T rows, reused sample after sample
+    EXPECT_EQ(gpu::modulate_backward_workspace_bytes(T, 80), size_t{2} * chunks(T) * 80 * 4) << T;
+    EXPECT_EQ(gpu::gate_backward_workspace_bytes(T, 80), size_t{1} * chunks(T) * 80 * 4) << T;
   }
   EXPECT_EQ(gpu::column_dot_accumulate_workspace_bytes(10, 0), 0u);
   EXPECT_EQ(gpu::reduce_scratch_bytes(), size_t{513} * 8);  // reduce.cu: 512 block partials + the result
@@ -408,6 +414,40 @@ TEST(GpuMemoryPlan, CudnnAttentionCountsTheTeachersForward) {
   EXPECT_EQ(g.workspace, std::max(backward_estimate(B, T, 4, 4, 24), forward_estimate(B, T, 2)));
   EXPECT_EQ(alone.gpu.cudnn_attention.staging(), s.qkv16 + s.out16 + s.dout16 + s.dqkv16 + s.row_sums);
   EXPECT_EQ(with_refused.gpu.attention(), alone.gpu.attention());
+}
+
+// FLUX's kernels ask for their own workspaces: the joint attention's row sums over S = L + N tokens,
+// the q/k norms over B*S*H rows of a head, the per-sample modulation and gate sums over S rows,
+// and the biased products over B*S rows; none of a decoder's (no embedding sort, no LayerNorm
+// with parameters). A long text makes the joint attention the largest.
+TEST(GpuMemoryPlan, FluxPlansItsOwnKernelsWorkspaces) {
+  ModelConfig m = testing::tiny_flux_config();
+  m.context_len = 3984;
+  const ParamTable table(m);
+  const int B = 4, T = 16, S = m.context_len + T, H = m.n_head, D = m.head_size(), C = m.n_embd;
+  size_t biases = 0;
+  for (const LinearSite& site : table.all_sites())
+    if (site.bias >= 0) biases = std::max(biases, gpu::matmul_backward_workspace_bytes(B * S, site.width));
+  const size_t attention = size_t{4} * B * H * S;
+  ASSERT_EQ(gpu::attention_backward_workspace_bytes(B, S, H, H, D), attention);
+  const size_t expected = std::max({attention, gpu::rmsnorm_backward_workspace_bytes(B * S * H, D),
+                                    gpu::modulate_backward_workspace_bytes(S, C),
+                                    gpu::gate_backward_workspace_bytes(S, C), biases});
+  ASSERT_EQ(expected, attention);
+  ComputeOptions cuda;
+  cuda.device = "cuda", cuda.attention = ATTENTION_TILED;
+  const MemoryPlan plan = plan_rank_memory(table, GroupShape{1, 0, 1, 0}, EngineOptions{}, B, T, false, cuda, {});
+  EXPECT_EQ(plan.gpu.kernel_workspace, expected);
+  EXPECT_STREQ(plan.gpu.largest_kernel, "joint attention backward");
+  EXPECT_EQ(plan.gpu.attention(), 0u);
+
+  // The options: auto is the tiled kernels for FLUX even with bf16 GEMMs (cuDNN's graph is causal).
+  Config config;
+  config.model = m;
+  config.train.device = "cuda", config.fsdp.param_dtype = DTYPE_BF16;
+  EXPECT_EQ(compute_options(config).attention_kernel(), ATTENTION_TILED);
+  config.model = gpt_config();
+  EXPECT_EQ(compute_options(config).attention_kernel(), ATTENTION_CUDNN);
 }
 
 TEST(GpuMemoryPlan, MpiOnTheGpuHasNoNcclBuffers) {

@@ -137,6 +137,60 @@ class CudaLayerOps final : public LayerOps<float> {
                      const int* positions) const override {
     kernels::launch_rope_backward(dqkv, cos, sin, B, T, NH, KV, HS, positions, launch());
   }
+  // A diffusion transformer's layers. Its unmasked attention runs on the tiled kernels (the cuDNN
+  // graph has the causal mask only; such families resolve train.attention=auto to tiled).
+  void bidirectional_attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH,
+                                       int HS) const override {
+    kernels::launch_bidirectional_attention_forward(out, lse, qkv, B, T, NH, HS, launch());
+  }
+  void bidirectional_attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
+                                        const float* lse, int B, int T, int NH, int HS) const override {
+    void* ws = workspace(kernels::attention_backward_workspace_bytes(B, T, NH, NH, HS));  // each row's D
+    kernels::launch_bidirectional_attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, HS, ws, launch());
+  }
+  void rope_pairs_forward(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int KV,
+                          int HS) const override {
+    kernels::launch_rope_pairs_forward(qkv, cos, sin, B, T, NH, KV, HS, launch());
+  }
+  void rope_pairs_backward(float* dqkv, const float* cos, const float* sin, int B, int T, int NH, int KV,
+                           int HS) const override {
+    kernels::launch_rope_pairs_backward(dqkv, cos, sin, B, T, NH, KV, HS, launch());
+  }
+  void modulate_forward(float* out, float* mean, float* rstd, const float* inp, const float* shift,
+                        const float* scale, int ld, int B, int T, int C, float eps) const override {
+    kernels::launch_modulate_forward(out, mean, rstd, inp, shift, scale, ld, B, T, C, eps, launch());
+  }
+  void modulate_backward(float* dinp, float* dshift, float* dscale, const float* dout, const float* inp,
+                         const float* scale, const float* mean, const float* rstd, int ld, int B, int T,
+                         int C) const override {
+    void* ws = dshift || dscale ? workspace(kernels::modulate_backward_workspace_bytes(T, C)) : nullptr;
+    kernels::launch_modulate_backward(dinp, dshift, dscale, dout, inp, scale, mean, rstd, ld, B, T, C, ws, launch());
+  }
+  void gate_forward(float* out, const float* resid, const float* y, const float* gate, int ld, int B, int T,
+                    int C) const override {
+    kernels::launch_gate_forward(out, resid, y, gate, ld, B, T, C, launch());
+  }
+  void gate_backward(float* dy, float* dgate, const float* dout, const float* y, const float* gate, int ld, int B,
+                     int T, int C) const override {
+    void* ws = dgate ? workspace(kernels::gate_backward_workspace_bytes(T, C)) : nullptr;
+    kernels::launch_gate_backward(dy, dgate, dout, y, gate, ld, B, T, C, ws, launch());
+  }
+  void silu_forward(float* out, const float* inp, size_t n) const override {
+    kernels::launch_silu_forward(out, inp, n, launch());
+  }
+  void silu_backward(float* dinp, const float* dout, const float* inp, size_t n) const override {
+    kernels::launch_silu_backward(dinp, dout, inp, n, launch());
+  }
+  void squared_error_forward(float* losses, float* out_to_grad, const float* target, int N, int W) const override {
+    kernels::launch_squared_error_forward(losses, out_to_grad, target, N, W, launch());
+  }
+  void copy_rows(float* dst, int ld_dst, const float* src, int ld_src, int rows, int cols) const override {
+    SHARD_CHECK(rows >= 0 && cols >= 0 && ld_dst >= cols && ld_src >= cols, "copy_rows: rows=%d cols=%d ld %d, %d",
+                rows, cols, ld_dst, ld_src);
+    if (rows == 0 || cols == 0) return;
+    CUDA_CHECK(cudaMemcpy2DAsync(dst, ld_dst * sizeof(float), src, ld_src * sizeof(float), cols * sizeof(float), rows,
+                                 cudaMemcpyDeviceToDevice, launch().stream));
+  }
   void swiglu_forward(float* out, const float* gate_up, int N, int I) const override {
     kernels::launch_swiglu_forward(out, gate_up, N, I, launch());
   }

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <sstream>
 
+#include "backend/gpu_memory.hpp"
 #include "core/error.hpp"
 #include "model/families/flux/flux_model.hpp"
 #include "model/param_table.hpp"
@@ -171,7 +172,15 @@ class FluxFamily final : public ModelFamily {
             {FLUX_TIME_CHANNELS, C}, {c.pooled_dim, C}, {C, 2 * C}, {C, c.in_channels}};
   }
   NormKind norm_kind() const override { return NORM_LAYER; }
-  bool runs_on_cuda() const override { return false; }
+  bool causal_attention() const override { return false; }
+  // Per sample the joint sequence of S = L + N rows is the longest a layer sees.
+  std::vector<KernelWorkspace> kernel_workspaces(const ModelConfig& c, int batch, int seq_len) const override {
+    const int S = c.context_len + seq_len + c.condition_len, H = c.n_head, D = c.head_size(), C = c.n_embd;
+    return {{gpu::attention_backward_workspace_bytes(batch, S, H, H, D), "joint attention backward"},
+            {gpu::rmsnorm_backward_workspace_bytes(batch * S * H, D), "q/k RMSNorm backward"},
+            {gpu::modulate_backward_workspace_bytes(S, C), "adaptive LayerNorm backward"},
+            {gpu::gate_backward_workspace_bytes(S, C), "gated residual backward"}};
+  }
   bool samples_images() const override { return true; }
   // The modulation (AdaLayerNormZero's linear of each block) stays full precision, as the FLUX
   // QLoRA recipes keep it: few parameters, and every token's shift, scale and gate come from it.
