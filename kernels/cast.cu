@@ -21,6 +21,14 @@ __global__ void to_half_kernel(uint16_t* out, const float* in, size_t n, size_t 
     out[i] = (i >= zero_begin && i < zero_end) ? uint16_t{0} : float_to_half(in[i], kType);
 }
 
+// Rows of `cols` floats into rows `ld` 16-bit elements apart (the padding columns are not written).
+template <DType kType>
+__global__ void to_half_rows_kernel(uint16_t* out, int ld, const float* in, int cols, size_t n) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    out[i / cols * ld + i % cols] = float_to_half(in[i], kType);
+}
+
 template <DType kType>
 __global__ void from_half_kernel(float* out, const uint16_t* in, size_t n) {
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
@@ -54,6 +62,20 @@ void launch_to_half(uint16_t* out, const float* in, size_t n, DType type, const 
     to_half_kernel<DTYPE_BF16><<<grid, kThreads, 0, ctx.stream>>>(out, in, n, zero_begin, zero_end);
   else
     to_half_kernel<DTYPE_FP16><<<grid, kThreads, 0, ctx.stream>>>(out, in, n, zero_begin, zero_end);
+  CUDA_CHECK_LAUNCH();
+}
+
+void launch_to_half_rows(uint16_t* out, int ld, const float* in, int rows, int cols, DType type,
+                         const LaunchContext& ctx) {
+  check_half_type(type);
+  SHARD_CHECK(rows >= 0 && cols >= 0 && ld >= cols, "to_half_rows: rows=%d cols=%d ld=%d", rows, cols, ld);
+  const size_t n = static_cast<size_t>(rows) * cols;
+  if (n == 0) return;
+  const unsigned grid = grid_for(n, kThreads, ctx);
+  if (type == DTYPE_BF16)
+    to_half_rows_kernel<DTYPE_BF16><<<grid, kThreads, 0, ctx.stream>>>(out, ld, in, cols, n);
+  else
+    to_half_rows_kernel<DTYPE_FP16><<<grid, kThreads, 0, ctx.stream>>>(out, ld, in, cols, n);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -254,6 +254,9 @@ void accumulate_sum_squares(double* total, const float* x, size_t n, void* scrat
 // but round_to_half's (the same float_to_half).
 void launch_to_half(uint16_t* out, const float* in, size_t n, DType type, const LaunchContext& ctx,
                     size_t zero_begin = 0, size_t zero_end = 0);
+// The same for `rows` rows of `cols` floats into rows `ld` elements apart (padding not written).
+void launch_to_half_rows(uint16_t* out, int ld, const float* in, int rows, int cols, DType type,
+                         const LaunchContext& ctx);
 void launch_from_half(float* out, const uint16_t* in, size_t n, DType type, const LaunchContext& ctx);
 // LayerOps::round_to_half: values[i] rounded in place (float_to_half, then widened) and half[i] the
 // 16-bit value, in one pass: the bits of launch_to_half then launch_from_half.

@@ -11,7 +11,8 @@
 #                  settings; 2 and 4 ranks sharing it with fsdp.comm_backend=mpi), no benchmarks (make test-gpu)
 #   --only LIST    only these sections, comma-separated: kernels (gpu_tests), train (fp32 and bf16
 #                  against the CPU, one host wait per step), memory (reserved against the plan),
-#                  shared (ranks sharing the GPU), bench (throughput); for a short second run
+#                  shared (ranks sharing the GPU), bench (throughput), flux (FLUX in bf16 with
+#                  cuDNN against the CPU, then its throughput); for a short second run
 #
 # Without a GPU it says so and exits 0. With one, it exits 1 when any test failed. It stays within
 # a deadline (GPU_CHECK_DEADLINE_S, default 480 s): each step has its own time limit (STEP_LIMIT_S,
@@ -21,14 +22,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-BIN="" REPORT="" TESTS_ONLY=0 ONLY=kernels,train,memory,shared,bench
+BIN="" REPORT="" TESTS_ONLY=0 ONLY=kernels,train,memory,shared,bench,flux
 while [ $# -gt 0 ]; do
   case "$1" in
     --bin) BIN=$2; shift 2 ;;
     --report) REPORT=$2; shift 2 ;;
     --tests-only) TESTS_ONLY=1; shift ;;
     --only) ONLY=$2; shift 2 ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument '$1'; see --help" >&2; exit 2 ;;
   esac
 done
@@ -133,6 +134,23 @@ sys.exit(0 if worst <= bound else 1)
 PY
 }
 
+# write_flux_data DIR: flux-tiny's latents (DIR/flux_train.h5, 48 records of 4 x 4 tokens) and two
+# prompts (DIR/flux_prompts.h5), random, as tools/encode_images.py writes them.
+write_flux_data() {
+  "$PY" - "$1" <<'PY'
+import sys, h5py, numpy as np
+rng = np.random.default_rng(1)
+with h5py.File(sys.argv[1] + "/flux_train.h5", "w") as f:
+    f["latents"] = rng.standard_normal((48, 16, 16)).astype(np.float32)
+    f["encoder_hidden_states"] = rng.standard_normal((48, 8, 32)).astype(np.float32)
+    f["pooled_projections"] = rng.standard_normal((48, 24)).astype(np.float32)
+    f.attrs["grid_rows"], f.attrs["grid_cols"] = np.int64(4), np.int64(4)
+with h5py.File(sys.argv[1] + "/flux_prompts.h5", "w") as f:
+    f["encoder_hidden_states"] = rng.standard_normal((2, 8, 32)).astype(np.float32)
+    f["pooled_projections"] = rng.standard_normal((2, 24)).astype(np.float32)
+PY
+}
+
 # against_cpu LABEL NAME CPU_RANKS GPU_RANKS OPTIONS...: the same training on the CPU and on the GPU
 # (runs cmp-cpu-NAME and cmp-gpu-NAME) of CONFIG (default inputs/tiny.ini), reported ok when their
 # losses agree (compare_losses).
@@ -171,18 +189,7 @@ against_cpu "GPT-2, packed documents" documents 2 1 "${CMP_MODEL[@]}" --train.mi
 # The FLUX family (joint attention without the causal mask, interleaved rotary pairs, adaptive
 # LayerNorm, gated residuals, flow matching) on random latents as tools/encode_images.py writes
 # them; then `sample` from the GPU run's checkpoint on the GPU against the CPU.
-"$PY" - "$WORK/data" <<'PY'
-import sys, h5py, numpy as np
-rng = np.random.default_rng(1)
-with h5py.File(sys.argv[1] + "/flux_train.h5", "w") as f:
-    f["latents"] = rng.standard_normal((48, 16, 16)).astype(np.float32)
-    f["encoder_hidden_states"] = rng.standard_normal((48, 8, 32)).astype(np.float32)
-    f["pooled_projections"] = rng.standard_normal((48, 24)).astype(np.float32)
-    f.attrs["grid_rows"], f.attrs["grid_cols"] = np.int64(4), np.int64(4)
-with h5py.File(sys.argv[1] + "/flux_prompts.h5", "w") as f:
-    f["encoder_hidden_states"] = rng.standard_normal((2, 8, 32)).astype(np.float32)
-    f["pooled_projections"] = rng.standard_normal((2, 24)).astype(np.float32)
-PY
+write_flux_data "$WORK/data"
 TRAIN_FILE=$WORK/data/flux_train.h5 CONFIG=inputs/flux-tiny.ini against_cpu "FLUX (double and single stream, flow matching)" \
   flux 2 1 --train.steps=10 --train.micro_batch=2 --train.global_batch=4 --train.threads=4
 flux_ckpt=$(ls "$WORK"/ckpt-cmp-gpu-flux/ckpt-*.h5 2>/dev/null | tail -1)
@@ -273,35 +280,35 @@ fi
 
 fi
 
-if want bench; then
-  section "Attention kernels: cuDNN against the tiled fp32 kernels (forward + backward, B=8, NH=12, HS=64)"
+# The disabled attention benchmark of gpu_tests: cuDNN against the tiled kernels.
+attention_bench() {
   if lim=$(limit) && timeout "$lim" "$BIN/gpu_tests" --gtest_also_run_disabled_tests \
       --gtest_filter='CudnnAttentionBench.*' >"$WORK/attention_bench.log" 2>&1; then
     report "$(grep '^attention' "$WORK/attention_bench.log" | sed 's/^/- /')"
   else
     FAILED=1; report "- FAIL the attention benchmark:"; report '```'; report "$(tail -20 "$WORK/attention_bench.log")"; report '```'
   fi
-
-  section "Training throughput on one GPU (median of steps 3..N; MFU against the card's dense bf16 peak; the step's phases on the GPU's clock)"
+}
+throughput_header() {
   report "| config | dtype | attention | offload | micro-batch | tokens/s | MFU | forward | backward | grad sync | optimizer | GPU reserved | plan | reserved/plan | log |"
   report "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
-  bench() { # bench CONFIG MICRO PARAM_DTYPE STEPS OFFLOAD ATTENTION
-    local config=$1 micro=$2 dtype=$3 steps=$4 offload=$5 attention=$6 name plan
-    name=bench-$(basename "$config" .ini)-$dtype-$attention-b$micro$([ "$offload" = true ] && echo -offload)
-    local opts=(--train.micro_batch="$micro" --train.global_batch="$micro" --fsdp.param_dtype="$dtype"
-                --fsdp.reduce_dtype=fp32 --fsdp.cpu_offload="$offload" --train.attention="$attention")
-    # The planner's peak for this run (the GPU's own buffers and the allocator's rounding included).
-    plan=$("$BIN/shardtrain" plan --world-size=1 --format=lines --config "$config" --train.device=cuda "${opts[@]}" 2>/dev/null |
-           grep "^PLAN .*checkpointing=no offload=$([ "$offload" = true ] && echo yes || echo no) " |
-           grep -oE 'peak_bytes=[0-9]+' | head -1 | cut -d= -f2)
-    if run "$name" cuda 1 "$config" --train.steps="$steps" --train.warmup_steps=0 "${opts[@]}" --checkpoint.save=false; then
-      "$PY" - "$WORK/$name.jsonl" "$config" "$dtype" "$attention" "$offload" "$micro" "$name" "${plan:-0}" <<'PY' | tee -a "$REPORT"
+}
+bench() { # bench CONFIG MICRO PARAM_DTYPE STEPS OFFLOAD ATTENTION
+  local config=$1 micro=$2 dtype=$3 steps=$4 offload=$5 attention=$6 name plan
+  name=bench-$(basename "$config" .ini)-$dtype-$attention-b$micro$([ "$offload" = true ] && echo -offload)
+  local opts=(--train.micro_batch="$micro" --train.global_batch="$micro" --fsdp.param_dtype="$dtype"
+              --fsdp.reduce_dtype=fp32 --fsdp.cpu_offload="$offload" --train.attention="$attention")
+  # The planner's peak for this run (the GPU's own buffers and the allocator's rounding included).
+  plan=$("$BIN/shardtrain" plan --world-size=1 --format=lines --config "$config" --train.device=cuda "${opts[@]}" 2>/dev/null |
+         grep "^PLAN .*checkpointing=no offload=$([ "$offload" = true ] && echo yes || echo no) " |
+         grep -oE 'peak_bytes=[0-9]+' | head -1 | cut -d= -f2)
+  if run "$name" cuda 1 "$config" --train.steps="$steps" --train.warmup_steps=0 "${opts[@]}" --checkpoint.save=false; then
+    "$PY" - "$WORK/$name.jsonl" "$config" "$dtype" "$attention" "$offload" "$micro" "$name" "${plan:-0}" <<'PY' | tee -a "$REPORT"
 import json, statistics, sys
 path, config, dtype, attention, offload, micro, name, plan = sys.argv[1:]
 steps = [json.loads(l) for l in open(path) if '"kind":"step"' in l][2:]
 tps = statistics.median(s["tokens_per_s"] for s in steps)
 mfu = statistics.median(s["mfu"] for s in steps)
-gib = lambda key: max(s.get(key, 0) for s in steps) / 2**30
 step_s = statistics.median(s["step_seconds"] for s in steps)
 phase = lambda p: statistics.median(s["phase_seconds"][p] for s in steps)
 split = " | ".join(f"{1e3 * phase(p):.0f} ms ({phase(p) / step_s:.0%})" for p in ("forward", "backward", "grad_sync", "optimizer"))
@@ -310,10 +317,25 @@ ratio = f"{reserved / int(plan):.3f}" if int(plan) else "no plan"
 print(f"| {config} | {dtype} | {attention} | {offload} | {micro} | {tps:,.0f} | {mfu:.3f} | {split} "
       f"| {reserved / 2**30:.2f} GiB | {int(plan) / 2**30:.2f} GiB | {ratio} | {name} |")
 PY
-    else
-      FAILED=1; report "| $config | $dtype | $attention | $offload | $micro | failed: $(tail -1 "$WORK/$name.log") | | | | | | | | | $name |"
-    fi
-  }
+  else
+    FAILED=1; report "| $config | $dtype | $attention | $offload | $micro | failed: $(tail -1 "$WORK/$name.log") | | | | | | | | | $name |"
+  fi
+}
+# ops_table NAME CONFIG OPTIONS...: five steps with train.op_times, rank 0's table into the report.
+ops_table() {
+  local name=$1 config=$2; shift 2
+  if run "$name" cuda 1 "$config" --train.steps=5 --train.op_times=true --checkpoint.save=false "$@"; then
+    report '```'; report "$(sed -n '/^op times/,/^timed in all/p' "$WORK/$name.log")"; report '```'
+  else
+    FAILED=1; report "- FAIL the op-timed run $name:"; report '```'; report "$(tail -15 "$WORK/$name.log")"; report '```'
+  fi
+}
+
+if want bench; then
+  section "Attention kernels: cuDNN against the tiled fp32 kernels (forward + backward; GPT-2 small's heads, FLUX.1's unmasked joint attention)"
+  attention_bench
+  section "Training throughput on one GPU (median of steps 3..N; MFU against the card's dense bf16 peak; the step's phases on the GPU's clock)"
+  throughput_header
   # bf16 first (the targets), with both attention kernels, at 8 sequences and at 32 (far more of
   # the card); then fp32 and offload.
   for attention in cudnn tiled; do
@@ -326,12 +348,51 @@ PY
   bench inputs/llama-135M.ini 8 bf16 10 false cudnn  # the Llama shape (GQA, 49,152-row tied head)
 
   section "Where the step's time goes: every layer op on the GPU's clock (train.op_times, gpt-300M, bf16, cuDNN, micro-batch 8)"
-  if run ops-gpt-300M cuda 1 inputs/gpt-300M.ini --train.steps=5 --train.micro_batch=8 --train.global_batch=8 \
-      --fsdp.param_dtype=bf16 --train.attention=cudnn --train.op_times=true --checkpoint.save=false; then
-    report '```'; report "$(sed -n '/^op times/,/^timed in all/p' "$WORK/ops-gpt-300M.log")"; report '```'
+  ops_table ops-gpt-300M inputs/gpt-300M.ini --train.micro_batch=8 --train.global_batch=8 --fsdp.param_dtype=bf16 \
+    --train.attention=cudnn
+fi
+
+if want flux; then
+  section "FLUX in bf16 on the GPU (cuDNN's unmasked attention) against the CPU (fp32 and bf16; 10 steps within 2e-2 of fp32)"
+  FLUX_OPTS=(--train.steps=10 --train.micro_batch=2 --train.global_batch=4 --train.threads=4)
+  [ -f "$WORK/data/flux_train.h5" ] || write_flux_data "$WORK/data"
+  if TRAIN_FILE=$WORK/data/flux_train.h5 run flux-cpu-fp32 cpu 2 inputs/flux-tiny.ini "${FLUX_OPTS[@]}" &&
+     TRAIN_FILE=$WORK/data/flux_train.h5 run flux-cpu-bf16 cpu 2 inputs/flux-tiny.ini "${FLUX_OPTS[@]}" --fsdp.param_dtype=bf16 &&
+     TRAIN_FILE=$WORK/data/flux_train.h5 run flux-gpu-bf16 cuda 1 inputs/flux-tiny.ini "${FLUX_OPTS[@]}" --fsdp.param_dtype=bf16; then
+    cpu_drift=$(compare_losses "$WORK/flux-cpu-bf16.jsonl" "$WORK/flux-cpu-fp32.jsonl" 1)
+    if ! grep -q "attention cudnn" "$WORK/flux-gpu-bf16.log" || grep -q "no cuDNN" "$WORK/flux-gpu-bf16.log"; then
+      FAILED=1; report "- FAIL FLUX bf16 on the GPU did not run cuDNN's attention:"; report '```'
+      report "$(grep -E 'compute:|cuDNN' "$WORK/flux-gpu-bf16.log" | head -5)"; report '```'
+    elif out=$(compare_losses "$WORK/flux-gpu-bf16.jsonl" "$WORK/flux-cpu-fp32.jsonl" 2e-2); then
+      report "- ok   FLUX bf16, cuDNN attention: GPU bf16 vs CPU fp32: $out; CPU bf16 vs CPU fp32: $cpu_drift"
+    else
+      FAILED=1; report "- FAIL FLUX bf16: GPU bf16 vs CPU fp32: $out; CPU bf16 vs CPU fp32: $cpu_drift"
+    fi
   else
-    FAILED=1; report "- FAIL the op-timed run:"; report '```'; report "$(tail -15 "$WORK/ops-gpt-300M.log")"; report '```'
+    FAILED=1; report "- FAIL FLUX bf16: a run failed:"; report '```'
+    report "$(tail -8 "$WORK/flux-cpu-fp32.log"; tail -8 "$WORK/flux-cpu-bf16.log"; tail -8 "$WORK/flux-gpu-bf16.log")"; report '```'
   fi
+
+fi
+# FLUX's speed: the attention benchmark (unless the bench section ran it) and a FLUX.1-wide model.
+if want flux && [ "$TESTS_ONLY" = 0 ]; then
+  want bench || { section "Attention kernels: cuDNN against the tiled fp32 kernels (forward + backward)"; attention_bench; }
+
+  section "FLUX throughput on one GPU (inputs/flux-1B.ini: FLUX.1's width and heads, 512x512 images; median of steps 3..N)"
+  "$PY" - "$WORK/data/flux_1b.h5" <<'PY'
+import sys, h5py, numpy as np
+rng = np.random.default_rng(2)
+with h5py.File(sys.argv[1], "w") as f:  # 8 records: 32 x 32 latent tokens of 64, 512 text tokens of 4096
+    f["latents"] = rng.standard_normal((8, 1024, 64)).astype(np.float32)
+    f["encoder_hidden_states"] = rng.standard_normal((8, 512, 4096)).astype(np.float32)
+    f["pooled_projections"] = rng.standard_normal((8, 768)).astype(np.float32)
+    f.attrs["grid_rows"], f.attrs["grid_cols"] = np.int64(32), np.int64(32)
+PY
+  throughput_header
+  for attention in cudnn tiled; do TRAIN_FILE=$WORK/data/flux_1b.h5 bench inputs/flux-1B.ini 2 bf16 8 false $attention; done
+  section "Where FLUX's step goes (train.op_times, flux-1B, bf16, cuDNN, micro-batch 2)"
+  TRAIN_FILE=$WORK/data/flux_1b.h5 ops_table ops-flux-1B inputs/flux-1B.ini --train.micro_batch=2 --train.global_batch=2 \
+    --fsdp.param_dtype=bf16 --train.attention=cudnn
 fi
 
 section "Logs"

@@ -724,9 +724,6 @@ void validate_config(const Config& c, int world) {
                                   "implemented yet; set flow.sample_every=0");
   }
   require(c.flow.shift > 0, "flow.shift must be > 0 (1 = no shift)");
-  require(c.train.attention != ATTENTION_CUDNN || family_of(m).causal_attention(),
-          "train.attention=cudnn: cuDNN's attention graph is causal, and model.arch=" + m.arch +
-              " attends over every position; its attention runs on the tiled kernels (use auto or tiled)");
   require(quant_block_ok(c.fsdp.quant_block),
           strprintf("fsdp.quant_block=%d must be a power of two from 32 to 4096 (bitsandbytes' block sizes; 64 is "
                     "theirs by default)", c.fsdp.quant_block));
@@ -903,9 +900,7 @@ ComputeOptions compute_options(const Config& c) {
     case ACTIVATIONS_FP16: o.activation_dtype = DTYPE_FP16; break;
   }
   o.comm = c.fsdp.comm_backend;
-  // A family whose attention has no causal mask runs the tiled kernels (ModelFamily::causal_attention).
-  o.attention = c.train.attention == ATTENTION_AUTO && !family_of(c.model).causal_attention() ? ATTENTION_TILED
-                                                                                                : c.train.attention;
+  o.attention = c.train.attention;
   return o;
 }
 

@@ -93,7 +93,7 @@ size_t matmul_forward_operand_bytes(int N, int C, int OC, bool weight_copy) {
 
 size_t matmul_backward_operand_bytes(int N, int C, int OC, bool weight_copy) {
   WorkspaceCarver sizing(nullptr);  // kernels/matmul.cu's order: dout, weight (when copied), inp
-  sizing.take<uint16_t>(static_cast<size_t>(N) * OC),
+  sizing.take<uint16_t>(static_cast<size_t>(N) * gemm_padded_row(OC)),
       sizing.take<uint16_t>(weight_copy ? static_cast<size_t>(OC) * C : 0), sizing.take<uint16_t>(static_cast<size_t>(N) * C);
   return sizing.bytes();
 }

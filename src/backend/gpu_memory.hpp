@@ -90,7 +90,8 @@ size_t encoder_backward_workspace_estimate(int B, int T);
 // A GEMM rounds op(A) (a_elements) and op(B) (b_elements) into one carved buffer.
 size_t gemm_operand_bytes(size_t a_elements, size_t b_elements);
 // Matmul (N rows, C in, OC out): the forward rounds inp (N x C) and weight (OC x C); the backward
-// rounds dout (N x OC), weight and inp once for both of its products. weight_copy false: the weight
+// rounds dout (N x OC, its rows gemm_padded_row(OC) apart), weight and inp once for both of its
+// products. weight_copy false: the weight
 // comes already rounded (the engine's gathered 16-bit unit, LayerOps::bind_half_copy), so only the
 // activations are copied -- how every GEMM of a training or generation run goes. An input bound
 // to its 16-bit copy (16-bit activations) is not copied either: then both are upper bounds, kept
@@ -98,6 +99,10 @@ size_t gemm_operand_bytes(size_t a_elements, size_t b_elements);
 // never bound, sets the largest request anyway).
 size_t matmul_forward_operand_bytes(int N, int C, int OC, bool weight_copy);
 size_t matmul_backward_operand_bytes(int N, int C, int OC, bool weight_copy);
+// The row length of a 16-bit operand copy: `cols` rounded up to 8 elements (16 bytes), the
+// leading-dimension alignment cuBLASLt's fast Hopper kernels need. GPT-2's 50257 logits per row
+// ran its LM head's backward at 131 TFLOP/s, against 441 for Llama's 49152 (docs/performance.md).
+inline int gemm_padded_row(int cols) { return (cols + 7) / 8 * 8; }
 
 // ---- cuDNN's fused attention (backend/cuda/cudnn_attention.cpp, train.attention=cudnn) -------------
 // The head sizes cuDNN's SDPA engines take: multiples of 8 up to 128. "" when it takes HS, else

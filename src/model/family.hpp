@@ -114,9 +114,9 @@ void require_capability(const ModelConfig& config, const std::string& use, const
   virtual bool token_logits() const { return false; }
   // A regression head a flow-matching sampler steps with (its models' predictor()): `sample`.
   virtual bool samples_images() const { return false; }
-  // Whether its attention is causal (a decoder's). cuDNN's attention graph has that mask only, so a
-  // family without it runs the GPU's tiled kernels: train.attention=auto resolves to tiled.
-  virtual bool causal_attention() const { return true; }
+  // The tokens one sample's attention sees in a micro-batch of seq_len-token samples: a decoder's
+  // sequence; a diffusion transformer's joint [text; image] sequence.
+  virtual int attention_tokens(const ModelConfig&, int seq_len) const { return seq_len; }
   // Whether model.max_seq_len is the model's own (a position table, max_position_embeddings), so
   // that a checkpoint or folder fixes it; else it only bounds a run's sequences (FLUX's image tokens).
   virtual bool fixes_max_seq_len() const { return true; }

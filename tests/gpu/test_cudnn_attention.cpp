@@ -3,8 +3,9 @@
 // dqkv, for odd T, grouped-query heads (KV = NH, NH/2, 1) and head sizes 64 and 128; the refusal
 // of head sizes cuDNN has no engine for; bit-identical repeated calls; the memory held against the
 // memory plan (staging exactly, cuDNN's workspace within the estimate); bf16 copies of qkv and out
-// (16-bit activations) read in place of staging them. Plus a disabled benchmark,
-// cuDNN against the tiled kernels at GPT-2 small's heads (docs/gpu.md, "Attention kernels"):
+// (16-bit activations) read in place of staging them; the unmasked graph (FLUX's joint attention)
+// against the CPU without the mask. Plus a disabled benchmark, cuDNN against the tiled kernels at
+// GPT-2 small's heads and at FLUX.1's joint attention (docs/gpu.md, "Attention kernels"):
 //   gpu_tests --gtest_also_run_disabled_tests --gtest_filter='CudnnAttentionBench.*'
 //
 // The oracle is the CPU's fp32 attention of the bf16-rounded inputs (qkv, and dout), which is what
@@ -173,6 +174,36 @@ TEST_P(CudnnAttentionTest, BackwardMatchesCpu) {
                                     s.NH, s.KV, s.HS))
       << "cuDNN refused a supported shape (its reason is printed above)";
   expect_dqkv_close(gpu().download(d_dqkv), dqkv, s);
+}
+
+// The unmasked graph (a diffusion transformer's joint attention, KV = NH there but any grouping
+// here) against the CPU's attention without the mask, forward and backward; and it is not the
+// causal graph: their outputs differ beyond T = 1.
+TEST_P(CudnnAttentionTest, UnmaskedMatchesCpuWithoutTheMask) {
+  const Shape s = GetParam();
+  const std::vector<float> qkv = bf16_rounded(uniform(s.qkv(), 61)), dout = bf16_rounded(uniform(s.out(), 62));
+  std::vector<float> out(s.out()), lse(s.lse());
+  cpu::attention_forward(out.data(), lse.data(), qkv.data(), s.B, s.T, s.NH, s.KV, s.HS, cpu::AttentionTiles(), false);
+  auto d_qkv = gpu().upload(qkv), d_dout = gpu().upload(dout);
+  auto d_out = gpu().filled(s.out(), NAN), d_lse = gpu().filled(s.lse(), NAN), d_dqkv = gpu().filled(s.qkv(), NAN);
+  ASSERT_TRUE(gpu().cudnn->forward(d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS, nullptr, false))
+      << "cuDNN refused the unmasked graph (its reason is printed above)";
+  const std::vector<float> got_out = gpu().download(d_out), got_lse = gpu().download(d_lse);
+  expect_close(got_lse.data(), widen(lse), Tolerance{1e-4, 0.0}, "unmasked cudnn lse");
+  expect_close(got_out.data(), widen(out), Tolerance{kBf16, 0.0}, "unmasked cudnn out");
+  std::vector<float> dqkv(s.qkv());
+  cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), got_out.data(), got_lse.data(), s.B, s.T, s.NH, s.KV,
+                          s.HS, cpu::AttentionTiles(), false);
+  ASSERT_TRUE(gpu().cudnn->backward(d_dqkv.data(), d_dout.data(), d_qkv.data(), d_out.data(), d_lse.data(), s.B, s.T,
+                                    s.NH, s.KV, s.HS, nullptr, nullptr, false));
+  expect_dqkv_close(gpu().download(d_dqkv), dqkv, s);
+  if (s.T > 1) {
+    auto c_out = gpu().filled(s.out(), NAN), c_lse = gpu().filled(s.lse(), NAN);
+    ASSERT_TRUE(gpu().cudnn->forward(c_out.data(), c_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS));
+    const std::vector<float> causal = gpu().download(c_out);
+    EXPECT_NE(std::memcmp(causal.data(), got_out.data(), causal.size() * sizeof(float)), 0)
+        << "the unmasked graph gave the causal graph's output";
+  }
 }
 
 // Same inputs, same bits: the forward and the (deterministic) backward twice.
@@ -353,6 +384,24 @@ TEST(CudnnAttentionBench, DISABLED_CudnnAgainstTiled) {
                 name_of(s).c_str(), tiled_ms, cudnn_ms, tiled_ms / cudnn_ms, gpu.cudnn->workspace_bytes() / 1048576.0,
                 gpu.cudnn->staging_bytes() / 1048576.0);
   }
+  // FLUX.1's joint attention at 512² (512 text + 1024 image tokens, 24 heads of 128), unmasked.
+  const Shape s{1, 1536, 24, 24, 128};
+  auto d_qkv = gpu.upload(uniform(s.qkv(), 73)), d_dout = gpu.upload(uniform(s.out(), 74));
+  auto d_out = gpu.filled(s.out(), 0), d_lse = gpu.filled(s.lse(), 0), d_dqkv = gpu.filled(s.qkv(), 0);
+  const double tiled_ms = median_ms(*gpu.device, 10, [&] {
+    tiled->bidirectional_attention_forward(d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.HS);
+    tiled->bidirectional_attention_backward(d_dqkv.data(), d_dout.data(), d_qkv.data(), d_out.data(), d_lse.data(),
+                                            s.B, s.T, s.NH, s.HS);
+  });
+  bool ran = true;
+  const double cudnn_ms = median_ms(*gpu.device, 10, [&] {
+    ran = gpu.cudnn->forward(d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS, nullptr, false) &&
+          gpu.cudnn->backward(d_dqkv.data(), d_dout.data(), d_qkv.data(), d_out.data(), d_lse.data(), s.B, s.T, s.NH,
+                              s.KV, s.HS, nullptr, nullptr, false);
+  });
+  ASSERT_TRUE(ran) << "cuDNN refused the unmasked " << name_of(s);
+  std::printf("attention fwd+bwd %s unmasked: tiled %.2f ms, cudnn %.2f ms, tiled/cudnn %.2fx\n", name_of(s).c_str(),
+              tiled_ms, cudnn_ms, tiled_ms / cudnn_ms);
 }
 
 }  // namespace

@@ -9,7 +9,6 @@
 #include <string>
 
 #include "app/memory_plan.hpp"
-#include "app/options.hpp"
 #include "backend/gpu_memory.hpp"
 #include "model/adapter.hpp"
 #include "support/model_fixtures.hpp"
@@ -85,16 +84,19 @@ TEST(GpuMemory, KernelWorkspacesFollowTheKernelsFormulas) {
 }
 
 TEST(GpuMemory, OperandCopiesAreTheCarvedSixteenBitOperands) {
-  // matmul.cu: forward rounds inp (N x C) and weight (OC x C); the backward dout (N x OC), weight
-  // and inp; each copy 2 bytes per element, starting 256-aligned. A weight that comes rounded (the
-  // engine's gathered 16-bit unit) is not copied.
+  // matmul.cu: forward rounds inp (N x C) and weight (OC x C); the backward dout (N x OC, rows of
+  // OC rounded up to 8 elements: OC = 19 -> 24), weight and inp; each copy 2 bytes per element,
+  // starting 256-aligned. A weight that comes rounded (the engine's gathered 16-bit unit) is not copied.
   auto up = [](size_t b) { return (b + 255) / 256 * 256; };
-  const int N = 37, C = 50, OC = 19;
+  const int N = 37, C = 50, OC = 19, OC_PADDED = 24;
+  EXPECT_EQ(gpu::gemm_padded_row(OC), OC_PADDED);
+  EXPECT_EQ(gpu::gemm_padded_row(48), 48);
   EXPECT_EQ(gpu::matmul_forward_operand_bytes(N, C, OC, true), up(2 * N * C) + 2 * OC * C);
-  EXPECT_EQ(gpu::matmul_backward_operand_bytes(N, C, OC, true), up(up(2 * N * OC) + 2 * OC * C) + 2 * N * C);
+  EXPECT_EQ(gpu::matmul_backward_operand_bytes(N, C, OC, true),
+            up(up(2 * N * OC_PADDED) + 2 * OC * C) + 2 * N * C);
   EXPECT_GE(gpu::matmul_backward_operand_bytes(N, C, OC, true), gpu::matmul_forward_operand_bytes(N, C, OC, true));
   EXPECT_EQ(gpu::matmul_forward_operand_bytes(N, C, OC, false), up(2 * N * C));
-  EXPECT_EQ(gpu::matmul_backward_operand_bytes(N, C, OC, false), up(up(2 * N * OC)) + 2 * N * C);
+  EXPECT_EQ(gpu::matmul_backward_operand_bytes(N, C, OC, false), up(up(2 * N * OC_PADDED)) + 2 * N * C);
 }
 
 TEST(GpuMemory, NcclEstimateReadsNcclsVariables) {
@@ -441,13 +443,14 @@ TEST(GpuMemoryPlan, FluxPlansItsOwnKernelsWorkspaces) {
   EXPECT_STREQ(plan.gpu.largest_kernel, "joint attention backward");
   EXPECT_EQ(plan.gpu.attention(), 0u);
 
-  // The options: auto is the tiled kernels for FLUX even with bf16 GEMMs (cuDNN's graph is causal).
-  Config config;
-  config.model = m;
-  config.train.device = "cuda", config.fsdp.param_dtype = DTYPE_BF16;
-  EXPECT_EQ(compute_options(config).attention_kernel(), ATTENTION_TILED);
-  config.model = gpt_config();
-  EXPECT_EQ(compute_options(config).attention_kernel(), ATTENTION_CUDNN);
+  // cuDNN's attention (its unmasked graph) over the joint sequence: the staging buffers of S tokens.
+  m.context_len = 40;  // S = 56
+  const ParamTable small(m);
+  cuda.attention = ATTENTION_CUDNN, cuda.compute_dtype = DTYPE_BF16;
+  const MemoryPlan with_cudnn = plan_rank_memory(small, GroupShape{1, 0, 1, 0}, EngineOptions{}, B, T, false, cuda, {});
+  const CudnnBuffers b = cudnn_buffers(B, 56, H, H, D, true);
+  EXPECT_EQ(with_cudnn.gpu.cudnn_attention.staging(), b.qkv16 + b.out16 + b.dout16 + b.dqkv16 + b.row_sums);
+  EXPECT_EQ(with_cudnn.gpu.cudnn_attention.workspace, backward_estimate(B, 56, H, H, D));
 }
 
 TEST(GpuMemoryPlan, MpiOnTheGpuHasNoNcclBuffers) {

@@ -137,14 +137,21 @@ class CudaLayerOps final : public LayerOps<float> {
                      const int* positions) const override {
     kernels::launch_rope_backward(dqkv, cos, sin, B, T, NH, KV, HS, positions, launch());
   }
-  // A diffusion transformer's layers. Its unmasked attention runs on the tiled kernels (the cuDNN
-  // graph has the causal mask only; such families resolve train.attention=auto to tiled).
+  // A diffusion transformer's layers; its unmasked attention on cuDNN's graph without the mask
+  // when train.attention picks cuDNN, else on the tiled kernels.
   void bidirectional_attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH,
                                        int HS) const override {
+    if (cudnn_ &&
+        cudnn_->forward(out, lse, qkv, B, T, NH, NH, HS, bf16_copy(qkv, qkv_elements(B, T, NH, NH, HS)), false))
+      return;
     kernels::launch_bidirectional_attention_forward(out, lse, qkv, B, T, NH, HS, launch());
   }
   void bidirectional_attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
                                         const float* lse, int B, int T, int NH, int HS) const override {
+    if (cudnn_ &&
+        cudnn_->backward(dqkv, dout, qkv, out, lse, B, T, NH, NH, HS, bf16_copy(qkv, qkv_elements(B, T, NH, NH, HS)),
+                         bf16_copy(out, static_cast<size_t>(B) * T * NH * HS), false))
+      return;
     void* ws = workspace(kernels::attention_backward_workspace_bytes(B, T, NH, NH, HS));  // each row's D
     kernels::launch_bidirectional_attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, HS, ws, launch());
   }

@@ -2,7 +2,8 @@
 // composite flash-attention patterns cuDNN's fused attention engines recognise (cuDNN's Graph API
 // guide, "Flash Fused Attention"), written out here operation by operation:
 //
-// forward   S = scale (Q K^T); S = causal(S) (row index >= column index, else -inf);
+// forward   S = scale (Q K^T); S = causal(S) (row index >= column index, else -inf; a diffusion
+//           transformer's joint attention leaves S unmasked);
 //           M = rowmax S; E = exp(S - M); L = rowsum E; Stats = M + log L; O = (E / L) V
 // backward  D = rowsum(dO * O); P = exp(causal(scale (Q K^T) - Stats)); dV = P^T dO;
 //           dS = scale P (dO V^T - D); dK = dS^T Q; dQ = dS K
@@ -224,14 +225,17 @@ class GraphBuilder {
 
 struct Shape {
   int B, T, NH, KV, HS;
+  bool causal = true;  // false: every query row sees every key (no mask in either graph)
   int64_t row() const { return static_cast<int64_t>(NH + 2 * KV) * HS; }
   int64_t C() const { return static_cast<int64_t>(NH) * HS; }
   size_t qkv_elements() const { return static_cast<size_t>(B) * T * row(); }
   size_t out_elements() const { return static_cast<size_t>(B) * T * C(); }
   size_t row_stats() const { return static_cast<size_t>(B) * NH * T; }
-  auto key() const { return std::make_tuple(B, T, NH, KV, HS); }
+  auto key() const { return std::make_tuple(B, T, NH, KV, HS, causal); }
   bool operator<(const Shape& o) const { return key() < o.key(); }
-  std::string name() const { return strprintf("B=%d T=%d NH=%d KV=%d HS=%d", B, T, NH, KV, HS); }
+  std::string name() const {
+    return strprintf("B=%d T=%d NH=%d KV=%d HS=%d%s", B, T, NH, KV, HS, causal ? "" : " (unmasked)");
+  }
 
   // Views into the token-major rows (qkv: q heads | k heads | v heads; out: the NH heads).
   Dims q_dims() const { return {B, NH, T, HS}; }
@@ -272,7 +276,7 @@ std::deque<Descriptor> forward_graph(GraphBuilder& g, const Shape& s, cudnnBacke
   g.matmul(q, kt, products);
   cudnnBackendDescriptor_t scores = g.virtual_tensor(CUDNN_DATA_FLOAT, S);
   g.pointwise(CUDNN_POINTWISE_MUL, scores, products, g.scalar(UID_SCALE));
-  cudnnBackendDescriptor_t masked = g.causal_mask(scores, S, UID_NEG_INF);
+  cudnnBackendDescriptor_t masked = s.causal ? g.causal_mask(scores, S, UID_NEG_INF) : scores;
   cudnnBackendDescriptor_t row_max = g.virtual_tensor(CUDNN_DATA_FLOAT, R);
   g.reduce(CUDNN_REDUCE_TENSOR_MAX, row_max, masked);
   cudnnBackendDescriptor_t shifted = g.virtual_tensor(CUDNN_DATA_FLOAT, S);
@@ -310,14 +314,15 @@ std::deque<Descriptor> backward_graph(GraphBuilder& g, const Shape& s, cudnnBack
   g.reduce(CUDNN_REDUCE_TENSOR_ADD, d, dout_out);
   g.pointwise(CUDNN_POINTWISE_MUL, row_sums, d, g.scalar(UID_ONE));  // the pattern's (dropout) scale, 1
 
-  // P = exp(causal(scale q k^T) - lse), recomputed from the saved statistics.
+  // P = exp(causal(scale q k^T) - lse) (unmasked without the causal mask), recomputed from the
+  // saved statistics.
   cudnnBackendDescriptor_t products = g.virtual_tensor(CUDNN_DATA_FLOAT, S);
   g.matmul(q, kt, products);
   cudnnBackendDescriptor_t scores = g.virtual_tensor(CUDNN_DATA_FLOAT, S);
   g.pointwise(CUDNN_POINTWISE_MUL, scores, products, g.scalar(UID_SCALE));
   cudnnBackendDescriptor_t shifted = g.virtual_tensor(CUDNN_DATA_FLOAT, S);
   g.pointwise(CUDNN_POINTWISE_SUB, shifted, scores, stats);
-  cudnnBackendDescriptor_t masked = g.causal_mask(shifted, S, UID_NEG_INF);
+  cudnnBackendDescriptor_t masked = s.causal ? g.causal_mask(shifted, S, UID_NEG_INF) : shifted;
   cudnnBackendDescriptor_t p = g.virtual_tensor(CUDNN_DATA_FLOAT, S);
   g.pointwise(CUDNN_POINTWISE_EXP, p, masked);
 
@@ -536,8 +541,8 @@ std::string CudnnAttention::unsupported_reason(int T, int HS, bool backward) {
 }
 
 bool CudnnAttention::forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
-                             const uint16_t* qkv_bf16) {
-  const Shape s{B, T, NH, KV, HS};
+                             const uint16_t* qkv_bf16, bool causal) {
+  const Shape s{B, T, NH, KV, HS, causal};
   SHARD_CHECK(B > 0 && T > 0 && NH > 0 && KV > 0 && HS > 0 && NH % KV == 0, "attention: %s", s.name().c_str());
   Descriptor* plan = impl_->plan_for(s, false);
   if (!plan) return false;
@@ -546,10 +551,11 @@ bool CudnnAttention::forward(float* out, float* lse, const float* qkv, int B, in
   uint16_t* q16 = m.bf16_qkv(qkv, qkv_bf16, s);
   uint16_t* o16 = m.grow<uint16_t>(m.out16, gpu::cudnn_attention_out_bytes(B, T, NH, HS));
   float* stats = aligned16(lse) ? lse : m.grow<float>(m.lse_copy, gpu::cudnn_attention_row_bytes(B, T, NH));
-  m.execute(*plan,
-            {{UID_Q, q16}, {UID_K, q16 + s.k_offset()}, {UID_V, q16 + s.v_offset()}, {UID_O, o16}, {UID_STATS, stats},
-             {UID_SCALE, &m.scale}, {UID_NEG_INF, &m.neg_inf}},
-            m.workspace_of(s, false));
+  std::vector<std::pair<int64_t, void*>> tensors = {{UID_Q, q16},         {UID_K, q16 + s.k_offset()},
+                                                    {UID_V, q16 + s.v_offset()}, {UID_O, o16},
+                                                    {UID_STATS, stats}, {UID_SCALE, &m.scale}};
+  if (causal) tensors.push_back({UID_NEG_INF, &m.neg_inf});  // the mask's fill, in the causal graph only
+  m.execute(*plan, tensors, m.workspace_of(s, false));
   if (stats != lse)
     CUDA_CHECK(cudaMemcpyAsync(lse, stats, s.row_stats() * sizeof(float), cudaMemcpyDeviceToDevice, m.launch.stream));
   kernels::launch_from_half(out, o16, s.out_elements(), DTYPE_BF16, m.launch);
@@ -558,8 +564,8 @@ bool CudnnAttention::forward(float* out, float* lse, const float* qkv, int B, in
 
 bool CudnnAttention::backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
                               int B, int T, int NH, int KV, int HS, const uint16_t* qkv_bf16,
-                              const uint16_t* out_bf16) {
-  const Shape s{B, T, NH, KV, HS};
+                              const uint16_t* out_bf16, bool causal) {
+  const Shape s{B, T, NH, KV, HS, causal};
   SHARD_CHECK(B > 0 && T > 0 && NH > 0 && KV > 0 && HS > 0 && NH % KV == 0, "attention: %s", s.name().c_str());
   Descriptor* plan = impl_->plan_for(s, true);
   if (!plan) return false;
@@ -580,12 +586,13 @@ bool CudnnAttention::backward(float* dqkv, const float* dout, const float* qkv, 
     CUDA_CHECK(cudaMemcpyAsync(copy, lse, s.row_stats() * sizeof(float), cudaMemcpyDeviceToDevice, m.launch.stream));
     stats = copy;
   }
-  m.execute(*plan,
-            {{UID_Q, q16}, {UID_K, q16 + s.k_offset()}, {UID_V, q16 + s.v_offset()}, {UID_O, o16}, {UID_DO, do16},
-             {UID_STATS, const_cast<float*>(stats)}, {UID_DQ, dq16}, {UID_DK, dq16 + s.k_offset()},
-             {UID_DV, dq16 + s.v_offset()}, {UID_ROW_SUMS, sums}, {UID_SCALE, &m.scale}, {UID_NEG_INF, &m.neg_inf},
-             {UID_ONE, &m.one}},
-            m.workspace_of(s, true));
+  std::vector<std::pair<int64_t, void*>> tensors = {
+      {UID_Q, q16},         {UID_K, q16 + s.k_offset()},   {UID_V, q16 + s.v_offset()},
+      {UID_O, o16},         {UID_DO, do16},                {UID_STATS, const_cast<float*>(stats)},
+      {UID_DQ, dq16},       {UID_DK, dq16 + s.k_offset()}, {UID_DV, dq16 + s.v_offset()},
+      {UID_ROW_SUMS, sums}, {UID_SCALE, &m.scale},         {UID_ONE, &m.one}};
+  if (causal) tensors.push_back({UID_NEG_INF, &m.neg_inf});
+  m.execute(*plan, tensors, m.workspace_of(s, true));
   kernels::launch_from_half(dqkv, dq16, s.qkv_elements(), DTYPE_BF16, m.launch);
   return true;
 }

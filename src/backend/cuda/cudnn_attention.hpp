@@ -1,6 +1,6 @@
 // cuDNN's fused scaled-dot-product attention (flash attention on the tensor cores) behind the
-// LayerOps attention interface (backend/layer_ops.hpp; semantics backend/cpu/ops.hpp): causal,
-// grouped-query heads, lse(B,NH,T) = each query row's natural-log log-sum-exp of its scaled
+// LayerOps attention interface (backend/layer_ops.hpp; semantics backend/cpu/ops.hpp): causal
+// (or, for a diffusion transformer's joint attention, unmasked), grouped-query heads, lse(B,NH,T) = each query row's natural-log log-sum-exp of its scaled
 // scores, the same quantity the CPU and the tiled kernels save, so either backward accepts
 // either forward's lse. train.attention=cudnn (docs/gpu.md, "Attention kernels").
 //
@@ -13,7 +13,7 @@
 // workspace instead) and only engines without cuDNN's non-determinism note are used: same
 // inputs, same bits.
 //
-// Plans are built once per shape (B, T, NH, KV, HS) and direction, and kept. A shape cuDNN has
+// Plans are built once per shape (B, T, NH, KV, HS, causal or not) and direction, and kept. A shape cuDNN has
 // no engine for (head size not a multiple of 8 or over 128, or no engine config finalizes)
 // makes forward()/backward() return false having written nothing, after printing one line per
 // shape and direction that names the shape and cuDNN's reason; the caller then runs the tiled
@@ -51,10 +51,12 @@ class CudnnAttention {
   // nothing was written (see above). qkv_bf16, out_bf16 (may be null): bf16 copies of qkv and out
   // (bound to the ops, LayerOps::bind_half_copy: qkv == widen(qkv_bf16)), read instead of rounding
   // qkv and out into the staging buffers when 16-byte aligned, the alignment cuDNN is promised.
+  // causal false: no mask (every row sees every key), a plan of its own.
   bool forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
-               const uint16_t* qkv_bf16 = nullptr);
+               const uint16_t* qkv_bf16 = nullptr, bool causal = true);
   bool backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int B, int T,
-                int NH, int KV, int HS, const uint16_t* qkv_bf16 = nullptr, const uint16_t* out_bf16 = nullptr);
+                int NH, int KV, int HS, const uint16_t* qkv_bf16 = nullptr, const uint16_t* out_bf16 = nullptr,
+                bool causal = true);
 
   // Why cuDNN's attention is not used for this shape before asking cuDNN (head size, the
   // runtime cuDNN's version), or "" when it may be.

@@ -172,10 +172,12 @@ class FluxFamily final : public ModelFamily {
             {FLUX_TIME_CHANNELS, C}, {c.pooled_dim, C}, {C, 2 * C}, {C, c.in_channels}};
   }
   NormKind norm_kind() const override { return NORM_LAYER; }
-  bool causal_attention() const override { return false; }
+  int attention_tokens(const ModelConfig& c, int seq_len) const override {
+    return c.context_len + seq_len + c.condition_len;
+  }
   // Per sample the joint sequence of S = L + N rows is the longest a layer sees.
   std::vector<KernelWorkspace> kernel_workspaces(const ModelConfig& c, int batch, int seq_len) const override {
-    const int S = c.context_len + seq_len + c.condition_len, H = c.n_head, D = c.head_size(), C = c.n_embd;
+    const int S = attention_tokens(c, seq_len), H = c.n_head, D = c.head_size(), C = c.n_embd;
     return {{gpu::attention_backward_workspace_bytes(batch, S, H, H, D), "joint attention backward"},
             {gpu::rmsnorm_backward_workspace_bytes(batch * S * H, D), "q/k RMSNorm backward"},
             {gpu::modulate_backward_workspace_bytes(S, C), "adaptive LayerNorm backward"},
