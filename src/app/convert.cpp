@@ -45,8 +45,9 @@ bool parse_convert_args(const Runtime& rt, const std::vector<std::string>& args,
   desc.add_options()  // one option per line
       ("help,h", "print the options")
       ("input", po::value(&o.input)->required(),
-       "a Hugging Face model folder (config.json and safetensors: GPT-2 or Llama), or a ShardTrain checkpoint (.h5, "
-       "either layout, saved on any rank count)")
+       "a Hugging Face model folder (config.json and safetensors: GPT-2, Llama, Qwen2, a diffusers FLUX transformer), "
+       "Black Forest Labs' FLUX.1 single .safetensors file, or a ShardTrain checkpoint (.h5, either layout, saved on "
+       "any rank count)")
       ("output", po::value(&o.output)->required(),
        "the checkpoint file to write (from a folder), or the folder to write (from a checkpoint)")
       ("layout", po::value(&o.layout)->default_value(o.layout),
@@ -91,15 +92,17 @@ Direction check_paths(const ConvertOptions& o) {
   if (!fs::exists(o.input, ec))
     throw UsageError("convert --input='" + printable_text(o.input) + "': no such file or folder");
   Direction d;
-  if (is_hf_model_folder(o.input))
+  if (is_hf_model(o.input))
     d = TO_CHECKPOINT;
   else if (is_hdf5_file(o.input))
     d = TO_FOLDER;
   else
     throw UsageError("convert --input='" + printable_text(o.input) + "' is " +
-                     (fs::is_directory(o.input, ec) ? "a folder without config.json: not a Hugging Face model folder"
-                                                    : "not an HDF5 file: not a ShardTrain checkpoint") +
-                     "; give a Hugging Face model folder or a checkpoint (.h5)");
+                     (fs::is_directory(o.input, ec)             ? "a folder without config.json: not a Hugging Face model folder"
+                      : fs::path(o.input).extension() == ".safetensors" ? "a safetensors file in no model's single-file "
+                                                                          "layout (Black Forest Labs' FLUX.1)"
+                                                                        : "not an HDF5 file: not a ShardTrain checkpoint") +
+                     "; give a Hugging Face model folder, a FLUX.1 single file or a checkpoint (.h5)");
   const std::string output = "convert --output='" + printable_text(o.output) + "'";
   if (fs::exists(o.output, ec)) {
     if (!o.overwrite)

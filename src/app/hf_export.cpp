@@ -413,7 +413,7 @@ void export_peft_folder(const Runtime& rt, const std::string& checkpoint, const 
   // The base the adapters were trained on, when the run started from a Hugging Face folder.
   const auto run = ini_option_values(state.config_ini);
   const auto init_from = run.find("checkpoint.init_from");
-  const std::string base = init_from != run.end() && is_hf_model_folder(init_from->second)
+  const std::string base = init_from != run.end() && is_hf_model(init_from->second)
                                ? std::filesystem::absolute(init_from->second).lexically_normal().string()
                                : "";
   rt.agree_on([&] {  // small: rank 0 writes it all

@@ -64,7 +64,7 @@ std::string load_base_weights(const Runtime& rt, CheckpointManager& manager, con
         throw UsageError(option + "='" + from + "' holds adapters alone (checkpoint.adapters_only), no base model");
       manager.load_weights(from, engine, /*base_model_ok=*/true);
       loaded = "ShardTrain checkpoint " + from;
-    } else if (is_hf_model_folder(from)) {
+    } else if (is_hf_model(from)) {
       load_hf_shards(from, engine);
       loaded = "Hugging Face folder " + from;
     } else {

@@ -511,7 +511,7 @@ namespace {
 // (config.json): model.* keys left at their defaults take it; keys the configuration sets must agree
 // with it. The llama keys come from a llama folder only (a gpt2 folder leaves them to validation).
 void take_model_shape_from_hf_folder(const po::variables_map& vm, Config& c) {
-  if (c.checkpoint.init_from.empty() || !is_hf_model_folder(c.checkpoint.init_from)) return;
+  if (c.checkpoint.init_from.empty() || !is_hf_model(c.checkpoint.init_from)) return;
   const ModelConfig hf = read_hf_model_config(c.checkpoint.init_from);
   std::string mismatches;
   auto take = [&](const char* key, auto* field, auto value, auto show) {
@@ -618,7 +618,7 @@ ParsedTrainArgs parse_train_args(const std::vector<std::string>& raw_args, const
   // A Hugging Face folder brings its tokenizer too, unless the configuration names one ("" included).
   std::string& tokenizer = parsed.config.data.tokenizer;
   const std::string& init_from = parsed.config.checkpoint.init_from;
-  if (vm["data.tokenizer"].defaulted() && !init_from.empty() && is_hf_model_folder(init_from) &&
+  if (vm["data.tokenizer"].defaulted() && !init_from.empty() && is_hf_model(init_from) &&
       std::filesystem::is_regular_file(std::filesystem::path(init_from) / "tokenizer.json"))
     tokenizer = (std::filesystem::path(init_from) / "tokenizer.json").string();
   // Recorded in checkpoints for generate, which may run from another folder: an absolute path.

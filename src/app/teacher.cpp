@@ -30,7 +30,7 @@ ParamTable teacher_param_table(const std::string& source, QuantConfig quant) {
                        "give a full checkpoint (resume it with checkpoint.adapters_only=false) or a merged export");
     return ParamTable(state.model, {}, state.adapter, quant);  // a teacher trained with adapters: with them
   }
-  if (is_hf_model_folder(source)) return ParamTable(read_hf_model_config(source), {}, {}, quant);
+  if (is_hf_model(source)) return ParamTable(read_hf_model_config(source), {}, {}, quant);
   throw UsageError("distill.teacher='" + source + "' is neither a ShardTrain checkpoint (.h5) nor a Hugging Face "
                    "model folder (config.json and model.safetensors): give one of those");
 }

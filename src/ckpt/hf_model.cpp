@@ -87,14 +87,73 @@ HfFiles open_hf_files(const std::string& folder, const ModelFamily& family) {
   return files;
 }
 
-}  // namespace
+// A model's single file (ModelFamily::reads_single_file): its tensors by name, less a prefix every
+// name shares that ComfyUI's copies add.
+constexpr const char* SINGLE_FILE_PREFIX = "model.diffusion_model.";
 
-bool is_hf_model_folder(const std::string& path) {
-  struct stat st {};
-  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && ::stat((path + "/config.json").c_str(), &st) == 0;
+HfFiles open_single_file(const std::string& path) {
+  HfFiles files;
+  files.readers.push_back(std::make_unique<SafetensorsReader>(path));
+  const SafetensorsReader& r = *files.readers.back();
+  const std::string prefix = SINGLE_FILE_PREFIX;
+  bool prefixed = !r.tensors().empty();
+  for (const SafetensorsTensor& t : r.tensors()) prefixed = prefixed && t.name.rfind(prefix, 0) == 0;
+  for (const SafetensorsTensor& t : r.tensors())
+    if (!files.tensors.emplace(prefixed ? t.name.substr(prefix.size()) : t.name, std::make_pair(&r, &t)).second)
+      throw CheckpointError("safetensors file '" + path + "': tensor '" + printable_text(t.name) + "' appears twice");
+  return files;
 }
 
-ModelConfig read_hf_model_config(const std::string& folder) {
+TensorShapes shapes_of(const HfFiles& files) {
+  TensorShapes shapes;
+  for (const auto& [key, where] : files.tensors) shapes[key] = where.second->shape;
+  return shapes;
+}
+
+// The family whose single-file layout a regular .safetensors file is in, or null.
+const ModelFamily* single_file_family(const std::string& path, TensorShapes* shapes = nullptr) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || path.size() < 12 ||
+      path.compare(path.size() - 12, 12, ".safetensors") != 0)
+    return nullptr;
+  const TensorShapes found = shapes_of(open_single_file(path));
+  for (const ModelFamily* f : model_families())
+    if (f->reads_single_file(found)) {
+      if (shapes) *shapes = found;
+      return f;
+    }
+  return nullptr;
+}
+
+// The config's checks that options and checkpoint attributes get too; `fail` reports a defect.
+template <typename Fail>
+void check_model_shape(const ModelConfig& m, const ModelFamily& family, Fail fail) {
+  std::string shape = model_shape_defect(m.n_layer, m.n_embd, m.n_head, m.vocab_size, m.max_seq_len,
+                                         m.intermediate_size);
+  if (shape.empty()) shape = family.config_defect(m);
+  if (!shape.empty()) fail(shape + ": not a shape this program holds");
+}
+
+}  // namespace
+
+bool is_hf_model(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return false;
+  if (S_ISDIR(st.st_mode)) return ::stat((path + "/config.json").c_str(), &st) == 0;
+  return single_file_family(path) != nullptr;
+}
+
+ModelConfig read_hf_model_config(const std::string& path) {
+  TensorShapes shapes;
+  if (const ModelFamily* single = single_file_family(path, &shapes)) {
+    ModelConfig m = single->read_single_file_config(shapes, path);
+    m.arch = single->name();
+    check_model_shape(m, *single, [&](const std::string& why) {
+      throw CheckpointError("safetensors file '" + path + "': its tensors make " + why);
+    });
+    return m;
+  }
+  const std::string& folder = path;
   const HfConfig j(folder);
   const ModelFamily* family = nullptr;
   for (const ModelFamily* f : model_families())
@@ -105,26 +164,29 @@ ModelConfig read_hf_model_config(const std::string& folder) {
            " (mistral folders as llama, diffusers' FluxTransformer2DModel as flux)");
   ModelConfig m = family->read_hf_config(j);
   m.arch = family->name();
-  // The checks options and checkpoint attributes get too.
-  std::string shape = model_shape_defect(m.n_layer, m.n_embd, m.n_head, m.vocab_size, m.max_seq_len,
-                                         m.intermediate_size);
-  if (shape.empty()) shape = family->config_defect(m);
-  if (!shape.empty()) j.fail(shape + ": not a shape this program holds");
+  check_model_shape(m, *family, [&](const std::string& why) { j.fail(why); });
   return m;
 }
 
 HfTensor hf_tensor_of(const ModelConfig& config, const ParamInfo& p) { return family_of(config).hf_tensor(p); }
 
-void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
+void load_hf_shards(const std::string& path, FsdpEngine& engine) {
   const ParamTable& table = engine.table();
   const ModelFamily& family = family_of(table.config());
-  const HfFiles files = open_hf_files(folder, family);
+  // A folder, or the family's single file: where each parameter lies, by the file's key.
+  const bool single = single_file_family(path) != nullptr;
+  const HfFiles files = single ? open_single_file(path) : open_hf_files(path, family);
+  auto tensor_of = [&](const ParamInfo& p) {
+    return single ? family.single_file_tensor(table.config(), p) : family.hf_tensor(p);
+  };
+  const std::string source = std::string(single ? "safetensors file '" : "Hugging Face folder '") + path + "'";
   // Each parameter's tensor in the files, checked before anything is read.
   struct Source {
     const SafetensorsReader* reader;
     const SafetensorsTensor* tensor;
     bool transposed;
     std::shared_ptr<const Bnb4bitTensor> quantized;  // stored quantized by bitsandbytes (ckpt/bnb_tensor.hpp)
+    std::vector<std::pair<int64_t, int64_t>> rows;   // HfTensor::rows: pieces of the stored rows
   };
   std::vector<Source> sources;
   std::set<std::string> used;
@@ -134,22 +196,20 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
   };
   for (const ParamInfo& p : table.params()) {
     if (p.adapter) {  // the base model's folder has none: they keep their initial values
-      sources.push_back({nullptr, nullptr, false, nullptr});
+      sources.push_back({nullptr, nullptr, false, nullptr, {}});
       continue;
     }
-    const HfTensor want = family.hf_tensor(p);
-    const std::string key = hf_key(family, want.name);
+    const HfTensor want = tensor_of(p);
+    const std::string key = single ? want.name : hf_key(family, want.name);
     auto it = files.tensors.find(key);
-    if (it == files.tensors.end())
-      throw CheckpointError("Hugging Face folder '" + folder + "': tensor '" + want.name + "' is missing");
+    if (it == files.tensors.end()) throw CheckpointError(source + ": tensor '" + want.name + "' is missing");
     if (Bnb4bitTensor::present(lookup, key)) {
-      if (want.transposed)
-        throw CheckpointError("Hugging Face folder '" + folder + "': tensor '" + want.name + "' is stored quantized "
-                              "by bitsandbytes, which ShardTrain reads for (out, in) linear weights only; use the "
-                              "folder of the original weights");
+      if (want.transposed || !want.rows.empty())
+        throw CheckpointError(source + ": tensor '" + want.name + "' is stored quantized by bitsandbytes, which "
+                              "ShardTrain reads for whole (out, in) linear weights only; use the original weights");
       auto quantized = std::make_shared<const Bnb4bitTensor>(lookup, key, want.shape);
       used.insert(quantized->keys().begin(), quantized->keys().end());
-      sources.push_back({nullptr, nullptr, false, quantized});
+      sources.push_back({nullptr, nullptr, false, quantized, {}});
       continue;
     }
     const SafetensorsTensor& t = *it->second.second;
@@ -157,8 +217,9 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
       std::string got, expected;
       for (int64_t d : t.shape) got += (got.empty() ? "" : ", ") + std::to_string(d);
       for (int64_t d : want.shape) expected += (expected.empty() ? "" : ", ") + std::to_string(d);
-      throw CheckpointError("safetensors file '" + it->second.first->path() + "': tensor '" + printable_text(t.name) + "' has shape [" +
-                            got + "], config.json's model needs [" + expected + "]");
+      throw CheckpointError("safetensors file '" + it->second.first->path() + "': tensor '" + printable_text(t.name) +
+                            "' has shape [" + got + "], " + (single ? "the model its other tensors make" : "config.json's model") +
+                            " needs [" + expected + "]");
     }
     if (t.dtype != "F32" && t.dtype != "BF16" && t.dtype != "F16")
       throw CheckpointError("safetensors file '" + it->second.first->path() + "': tensor '" + printable_text(t.name) + "' is " +
@@ -167,13 +228,13 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
                                                            "format: use a 4-bit or the original folder"
                                                          : ""));
     used.insert(key);
-    sources.push_back({it->second.first, it->second.second, want.transposed, nullptr});
+    sources.push_back({it->second.first, it->second.second, want.transposed, nullptr, want.rows});
   }
   for (const auto& [key, where] : files.tensors)
     if (!used.count(key) && !family.hf_ignorable(key))
-      throw CheckpointError("safetensors file '" + where.first->path() + "': unexpected tensor '" + printable_text(where.second->name) +
-                            "' (not part of a " +
-                            family.hf_class() + " of config.json's shape)");
+      throw CheckpointError("safetensors file '" + where.first->path() + "': unexpected tensor '" +
+                            printable_text(where.second->name) + "' (not part of a " + family.hf_class() + " of " +
+                            (single ? "the other tensors'" : "config.json's") + " shape)");
 
   for (size_t u = 0; u < engine.shards().size(); u++) {
     UnitShard& s = engine.shards()[u];
@@ -184,11 +245,21 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
       const UnitLayout::Local local = s.layout.local_part(p.range());
       const FlatRange part = local.range;
       if (part.empty() || p.adapter) continue;
-      const auto& [reader, tensor, transposed, quantized] = sources[p.id];
+      const auto& [reader, tensor, transposed, quantized, rows] = sources[p.id];
       float* slice = values.data() + local.index;
       const size_t first = part.begin - p.offset, count = part.size();
       if (quantized) {
         quantized->read(first, count, slice);
+      } else if (!rows.empty()) {
+        // Our elements of each piece of rows, read from where the piece lies in the stored tensor.
+        const size_t cols = p.numel / p.shape[0];
+        size_t ours = 0;  // our first element of the piece
+        for (const auto& [stored_row, piece_rows] : rows) {
+          const size_t piece = static_cast<size_t>(piece_rows) * cols;
+          const size_t lo = std::max(first, ours), hi = std::min(first + count, ours + piece);
+          if (lo < hi) reader->read_fp32(*tensor, stored_row * cols + (lo - ours), hi - lo, slice + (lo - first));
+          ours += piece;
+        }
       } else if (!transposed) {
         reader->read_fp32(*tensor, first, count, slice);
       } else {
@@ -208,8 +279,8 @@ void load_hf_shards(const std::string& folder, FsdpEngine& engine) {
         throw CheckpointError(strprintf("%s '%s': tensor '%s' holds %g: the file is damaged or comes from a run "
                                         "that diverged; use another model",
                                         reader ? "safetensors file" : "Hugging Face folder",
-                                        (reader ? reader->path() : folder).c_str(),
-                                        (tensor ? tensor->name : family.hf_tensor(p).name).c_str(), *bad));
+                                        (reader ? reader->path() : path).c_str(),
+                                        (tensor ? tensor->name : tensor_of(p).name).c_str(), *bad));
     }
     values.upload();
   }

@@ -19,15 +19,18 @@
 
 namespace shardtrain {
 
-// Whether `path` is a folder holding a Hugging Face config.json.
-bool is_hf_model_folder(const std::string& path);
+// Whether `path` is a Hugging Face model: a folder holding a config.json, or a model's single
+// .safetensors file in its authors' layout (ModelFamily::reads_single_file: Black Forest Labs'
+// FLUX.1 files), which the functions below read as they read a folder.
+bool is_hf_model(const std::string& path);
 
 // The model config.json describes (architecture and shape). Throws CheckpointError naming the file
 // and the key for what ShardTrain does not implement (another model_type; gpt2: activation_function
 // not gelu_new, an untied head, n_inner not 4 x n_embd, layer_norm_epsilon not 1e-5, ...; llama:
 // rope_scaling, head_dim not hidden_size / num_attention_heads, attention or MLP biases, hidden_act
-// not silu, a sliding window, ...) or a malformed file.
-ModelConfig read_hf_model_config(const std::string& folder);
+// not silu, a sliding window, ...) or a malformed file. A single file's config comes from its
+// tensors' shapes.
+ModelConfig read_hf_model_config(const std::string& path);
 
 // Our parameter's Hugging Face tensor (ModelFamily::hf_tensor of the config's family).
 HfTensor hf_tensor_of(const ModelConfig& config, const ParamInfo& param);
@@ -37,7 +40,7 @@ HfTensor hf_tensor_of(const ModelConfig& config, const ParamInfo& param);
 // a bounded buffer; shards on a GPU through a host copy of a unit's). Every tensor must be present with its shape
 // and a floating-point dtype (F32, BF16, F16); nothing unexpected may be left over. Throws
 // CheckpointError naming the file and the tensor: call it under Runtime::agree_on.
-void load_hf_shards(const std::string& folder, FsdpEngine& engine);
+void load_hf_shards(const std::string& path, FsdpEngine& engine);
 
 // The tokenizer's ids transformers reads from config.json and generation_config.json: the end of
 // a text (several: every id generate stops at) and, where the tokenizer has one, the beginning.

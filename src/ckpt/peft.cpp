@@ -4,6 +4,7 @@
 // rather than silently computed otherwise.
 #include "ckpt/peft.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -305,6 +306,130 @@ void check_diffusers_lora(const std::string& path, const SafetensorsReader& read
                    rank, alpha, a.rank, a.alpha));
 }
 
+// Each of this rank's adapter parameter elements from read(param, first element, count, dst),
+// checked finite (label names the file in the message).
+template <typename Read>
+void fill_adapter_shards(FsdpEngine& engine, const std::string& label, Read read) {
+  const ParamTable& table = engine.table();
+  for (UnitShard& s : engine.shards()) {
+    const int u = static_cast<int>(&s - engine.shards().data());
+    HostShard values = engine.host_shard(u);  // the base stays
+    bool any = false;
+    for (int id : table.units()[u].params) {
+      const ParamInfo& p = table.params()[id];
+      const UnitLayout::Local local = s.layout.local_part(p.range());
+      if (!p.adapter || local.range.empty()) continue;
+      float* slice = values.data() + local.index;
+      const size_t count = local.range.size();
+      read(p, local.range.begin - p.offset, count, slice);
+      for (size_t i = 0; i < count; i++)
+        if (!std::isfinite(slice[i]))
+          throw CheckpointError(label + ": tensor of " + p.name + " holds " + strprintf("%g", slice[i]) +
+                                ": the file is damaged; use another adapter");
+      any = true;
+    }
+    if (any) values.upload(false);  // the adapters changed, not the base
+  }
+}
+
+// kohya-ss's LoRA files (sd-scripts, ai-toolkit; what ComfyUI loads): the modules of the model's
+// single-file layout (ModelFamily::single_file_tensor: FLUX.1's Black Forest Labs names), each
+// adapted one as "lora_unet_<its name, '_' for '.'>" with ".lora_down.weight" (rank, in),
+// ".lora_up.weight" (rows, rank) and ".alpha" (a scalar; absent: the rank), adding
+// (alpha / rank) up down to the module's weight. A fused module (FLUX's qkv, a single block's
+// linear1) has one down for its parts and their ups stacked: each of our layers in it takes the
+// down as its lora_A and its rows of up as its lora_B, times the file's alpha / rank over the
+// configuration's adapter.alpha / adapter.rank -- so that our B A (alpha / rank) is the file's
+// update exactly, rows for rows.
+void load_kohya_lora(const std::string& path, const SafetensorsReader& reader, FsdpEngine& engine) {
+  const ParamTable& table = engine.table();
+  const ModelConfig& config = table.config();
+  const ModelFamily& family = family_of(config);
+  const AdapterConfig& a = table.adapter();
+  const std::string label = "kohya LoRA file '" + path + "'";
+  if (!family.single_file_layout())
+    throw UsageError(label + ": kohya's names are those of a model's single-file layout, which model.arch=" +
+                     config.arch + " has none of; use a PEFT or diffusers adapter");
+  if (a.type != ADAPTER_LORA)
+    throw UsageError(label + ": adapter.type=" + adapter_type_name(a.type) + ", but the file holds LoRA; set "
+                     "adapter.type=lora");
+  // Our adapted layers by the file's module: lora_A's and lora_B's ids and the layer's rows of it.
+  struct Layer {
+    int lora_a, lora_b;
+    std::pair<int64_t, int64_t> rows;  // first row, rows
+  };
+  struct Module {
+    std::vector<Layer> layers;
+    int64_t rows = 0, in = 0;
+  };
+  std::map<std::string, Module> modules;
+  for (int l = 0; l < table.block_count(); l++) {
+    const UnitInfo& unit = table.units()[block_unit(l)];
+    const std::vector<LinearSite>& sites = table.block_sites(l);
+    for (size_t k = 0; k < sites.size(); k++) {
+      const int first = table.adapter_param(l, static_cast<int>(k));
+      if (first < 0) continue;
+      const HfTensor t = family.single_file_tensor(config, table.param(block_unit(l), sites[k].weight));
+      std::string name = "lora_unet_" + t.name.substr(0, t.name.size() - std::string(".weight").size());
+      std::replace(name.begin() + 10, name.end(), '.', '_');
+      Module& m = modules[name];
+      m.rows = t.shape[0], m.in = t.shape[1];
+      m.layers.push_back({unit.params[first], unit.params[first + 1],
+                          t.rows.empty() ? std::make_pair(int64_t{0}, t.shape[0]) : t.rows.front()});
+    }
+  }
+  struct Source {
+    const SafetensorsTensor* tensor = nullptr;
+    int64_t first_row = 0;
+    float scale = 1;
+  };
+  std::vector<Source> sources(table.params().size());
+  std::set<std::string> used;
+  for (const auto& [name, m] : modules) {
+    const SafetensorsTensor* down = reader.find(name + ".lora_down.weight");
+    const SafetensorsTensor* up = reader.find(name + ".lora_up.weight");
+    const SafetensorsTensor* alpha = reader.find(name + ".alpha");
+    if (!down || !up)
+      throw CheckpointError(label + ": no '" + name + ".lora_down.weight' and '.lora_up.weight' (adapter.targets "
+                            "adapts a layer the file does not)");
+    const int64_t rank = down->shape.size() == 2 ? down->shape[0] : -1;
+    if (down->shape != std::vector<int64_t>{rank, m.in} || up->shape != std::vector<int64_t>{m.rows, rank})
+      throw CheckpointError(label + ": '" + name + "' has another shape than the configured model's layer");
+    if (rank != a.rank)
+      throw UsageError(strprintf("%s: '%s' has rank %lld; the configuration says adapter.rank=%d: set it to the file's",
+                                 label.c_str(), name.c_str(), static_cast<long long>(rank), a.rank));
+    int64_t covered = 0;
+    for (const Layer& layer : m.layers) covered += layer.rows.second;
+    if (covered != m.rows)
+      throw UsageError(label + ": '" + name + "' adapts a fused layer (q, k, v, and a single block's MLP in) of "
+                       "which adapter.targets has only some: target all of its parts");
+    float file_alpha = static_cast<float>(rank);
+    if (alpha) {
+      if (alpha->numel != 1) throw CheckpointError(label + ": '" + name + ".alpha' is not one number");
+      reader.read_fp32(*alpha, 0, 1, &file_alpha);
+    }
+    const float scale = static_cast<float>((double(file_alpha) / rank) / (a.alpha / a.rank));
+    for (const Layer& layer : m.layers) {
+      sources[layer.lora_a] = {down, 0, 1.0f};
+      sources[layer.lora_b] = {up, layer.rows.first, scale};
+    }
+    used.insert({name + ".lora_down.weight", name + ".lora_up.weight", name + ".alpha"});
+  }
+  for (const SafetensorsTensor& t : reader.tensors())
+    if (!used.count(t.name))
+      throw CheckpointError(label + ": tensor '" + printable_text(t.name) + "' is not one the configured adapters have (" +
+                            (t.name.rfind("lora_te", 0) == 0 ? "it adapts a text encoder, which this run does not train"
+                                                             : "adapter.targets adapts fewer layers?") +
+                            ")");
+  fill_adapter_shards(engine, label, [&](const ParamInfo& p, size_t first, size_t count, float* dst) {
+    const Source& s = sources[p.id];
+    const size_t cols = p.numel / p.shape[0];
+    reader.read_fp32(*s.tensor, s.first_row * cols + first, count, dst);
+    if (s.scale != 1.0f)
+      for (size_t i = 0; i < count; i++) dst[i] *= s.scale;
+  });
+}
+
 }  // namespace
 
 void load_peft_adapter(const std::string& source, FsdpEngine& engine) {
@@ -321,6 +446,11 @@ void load_peft_adapter(const std::string& source, FsdpEngine& engine) {
   }
   const std::string label = (peft ? "PEFT adapter '" : "diffusers LoRA file '") + weights + "'";
   const SafetensorsReader reader(weights);
+  if (!peft && std::any_of(reader.tensors().begin(), reader.tensors().end(),
+                           [](const SafetensorsTensor& t) { return t.name.rfind("lora_unet_", 0) == 0; })) {
+    load_kohya_lora(weights, reader, engine);
+    return;
+  }
   const std::vector<PeftTensor> wanted = peft_tensors(table, peft ? "base_model.model." : "transformer.");
   if (!peft) check_diffusers_lora(weights, reader, wanted, table.adapter());
   std::vector<const SafetensorsTensor*> sources(table.params().size(), nullptr);
@@ -340,25 +470,9 @@ void load_peft_adapter(const std::string& source, FsdpEngine& engine) {
     if (!used.count(t.name))
       throw CheckpointError(label + ": tensor '" + printable_text(t.name) +
                             "' is not one the configured adapters have (adapter.targets adapts fewer layers?)");
-  for (UnitShard& s : engine.shards()) {
-    const int u = static_cast<int>(&s - engine.shards().data());
-    HostShard values = engine.host_shard(u);  // the base stays
-    bool any = false;
-    for (int id : table.units()[u].params) {
-      const ParamInfo& p = table.params()[id];
-      const UnitLayout::Local local = s.layout.local_part(p.range());
-      if (!p.adapter || local.range.empty()) continue;
-      float* slice = values.data() + local.index;
-      const size_t count = local.range.size();
-      reader.read_fp32(*sources[id], local.range.begin - p.offset, count, slice);
-      for (size_t i = 0; i < count; i++)
-        if (!std::isfinite(slice[i]))
-          throw CheckpointError(label + ": tensor of " + p.name + " holds " + strprintf("%g", slice[i]) +
-                                ": the file is damaged; use another adapter");
-      any = true;
-    }
-    if (any) values.upload(false);  // the adapters changed, not the base
-  }
+  fill_adapter_shards(engine, label, [&](const ParamInfo& p, size_t first, size_t count, float* dst) {
+    reader.read_fp32(*sources[p.id], first, count, dst);
+  });
 }
 
 }  // namespace shardtrain

@@ -44,7 +44,10 @@ void init_dora_magnitudes(FsdpEngine& engine, Comm& world);
 // tensor; call it under Runtime::agree_on.
 // A family whose adapters are diffusers' (ModelFamily::peft_folder false) reads a diffusers LoRA
 // file instead -- `folder` itself or its pytorch_lora_weights.safetensors --, LoRA only, rank and
-// alpha from its lora_adapter_metadata (else alpha = rank, as diffusers assumes).
+// alpha from its lora_adapter_metadata (else alpha = rank, as diffusers assumes); or kohya-ss's
+// LoRA file (names "lora_unet_..." after the model's single-file layout, FLUX.1's Black Forest
+// Labs names: a fused q|k|v's adapter read into each of q, k and v), its per-module alpha folded
+// into lora_B against adapter.alpha.
 void load_peft_adapter(const std::string& folder, FsdpEngine& engine);
 
 }  // namespace shardtrain

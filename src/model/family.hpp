@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <functional>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -32,7 +33,13 @@ struct HfTensor {
   std::string name;
   bool transposed = false;
   std::vector<int64_t> shape;
+  // Our rows as pieces of the stored tensor's rows, in our order: {first stored row, rows} (a
+  // single file's fused q | k | v, a modulation's halves stored swapped). Empty: the whole tensor.
+  std::vector<std::pair<int64_t, int64_t>> rows;
 };
+
+// A safetensors file's tensors: name -> shape.
+using TensorShapes = std::map<std::string, std::vector<int64_t>>;
 
 enum NormKind { NORM_LAYER, NORM_RMS };
 
@@ -177,6 +184,17 @@ void require_capability(const ModelConfig& config, const std::string& use, const
   virtual bool hf_conv1d() const { return false; }
   // Whether llm.c's GPT-2 files hold this family.
   virtual bool llmc_files() const { return false; }
+
+  // --- a model's single safetensors file in its authors' layout (Black Forest Labs' FLUX.1) ---
+  // Whether a file of these tensors (a common prefix such as ComfyUI's "model.diffusion_model."
+  // already removed) is one; the model its shapes give (CheckpointError naming `path` where they
+  // give none); each parameter's tensor there.
+  // The layout's name ("Black Forest Labs' FLUX.1"), or null when the family has none; kohya's
+  // LoRA files name their modules after it (ckpt/peft.hpp).
+  virtual const char* single_file_layout() const { return nullptr; }
+  virtual bool reads_single_file(const TensorShapes&) const { return false; }
+  virtual ModelConfig read_single_file_config(const TensorShapes& tensors, const std::string& path) const;
+  virtual HfTensor single_file_tensor(const ModelConfig& config, const ParamInfo& param) const;
 };
 
 // The registered families, in registry order (model/families/registry.cpp).

@@ -1,5 +1,6 @@
 // The registry of model families (model/family.hpp): adding a family is its folder and one line here.
 #include "core/error.hpp"
+#include "model/param_table.hpp"
 #include "model/families/flux/flux_family.hpp"
 #include "model/families/gpt2/gpt2_family.hpp"
 #include "model/families/llama/llama_family.hpp"
@@ -45,6 +46,15 @@ const ModelFamily& family_of(const ModelConfig& config) {
   const ModelFamily* f = find_model_family(config.arch);
   SHARD_CHECK(f, "model.arch '%s' is no registered family (%s)", config.arch.c_str(), model_family_names().c_str());
   return *f;
+}
+
+// Called only for a family whose reads_single_file accepted the file.
+ModelConfig ModelFamily::read_single_file_config(const TensorShapes&, const std::string& path) const {
+  fatal_internal(__FILE__, __LINE__, __func__, strprintf("family %s reads no single file ('%s')", name(), path.c_str()));
+}
+HfTensor ModelFamily::single_file_tensor(const ModelConfig&, const ParamInfo& param) const {
+  fatal_internal(__FILE__, __LINE__, __func__,
+                 strprintf("family %s reads no single file (parameter %s)", name(), param.name.c_str()));
 }
 
 void require_capability(const ModelConfig& config, const std::string& use, const std::string& role) {

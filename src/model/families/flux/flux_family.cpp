@@ -8,6 +8,7 @@
 
 #include "backend/gpu_memory.hpp"
 #include "core/error.hpp"
+#include "model/families/flux/flux_bfl.hpp"
 #include "model/families/flux/flux_model.hpp"
 #include "model/param_table.hpp"
 
@@ -290,9 +291,18 @@ class FluxFamily final : public ModelFamily {
   }
   const char* hf_prefix() const override { return ""; }
   HfTensor hf_tensor(const ParamInfo& param) const override {
-    return {param.name, false, std::vector<int64_t>(param.shape.begin(), param.shape.end())};
+    return {param.name, false, std::vector<int64_t>(param.shape.begin(), param.shape.end()), {}};
   }
   bool hf_ignorable(const std::string&) const override { return false; }
+  // Black Forest Labs' single files (flux_bfl.hpp).
+  const char* single_file_layout() const override { return "Black Forest Labs' FLUX.1"; }
+  bool reads_single_file(const TensorShapes& tensors) const override { return is_bfl_flux_file(tensors); }
+  ModelConfig read_single_file_config(const TensorShapes& tensors, const std::string& path) const override {
+    return bfl_flux_config(tensors, path);
+  }
+  HfTensor single_file_tensor(const ModelConfig& config, const ParamInfo& param) const override {
+    return bfl_flux_tensor(config, param);
+  }
 
  private:
   static void check_activation_dtype(DType act) {

@@ -1,0 +1,147 @@
+// See flux_bfl.hpp.
+#include "model/families/flux/flux_bfl.hpp"
+
+#include <set>
+
+#include "core/error.hpp"
+#include "model/families/flux/flux_family.hpp"
+#include "model/param_table.hpp"
+
+namespace shardtrain {
+namespace {
+
+// The root's modules: diffusers' name -> BFL's.
+const std::pair<const char*, const char*> ROOT_MODULES[] = {
+    {"x_embedder", "img_in"},
+    {"context_embedder", "txt_in"},
+    {"time_text_embed.timestep_embedder.linear_1", "time_in.in_layer"},
+    {"time_text_embed.timestep_embedder.linear_2", "time_in.out_layer"},
+    {"time_text_embed.text_embedder.linear_1", "vector_in.in_layer"},
+    {"time_text_embed.text_embedder.linear_2", "vector_in.out_layer"},
+    {"time_text_embed.guidance_embedder.linear_1", "guidance_in.in_layer"},
+    {"time_text_embed.guidance_embedder.linear_2", "guidance_in.out_layer"},
+    {"norm_out.linear", "final_layer.adaLN_modulation.1"},
+    {"proj_out", "final_layer.linear"},
+};
+
+// A double block's modules of one stream: diffusers' (image, text) -> BFL's (img_, txt_ prefix),
+// and the q, k, v projections, which BFL fuses.
+const std::pair<const char*, const char*> DOUBLE_MODULES[][2] = {
+    {{"norm1.linear", "mod.lin"}, {"norm1_context.linear", "mod.lin"}},
+    {{"attn.to_out.0", "attn.proj"}, {"attn.to_add_out", "attn.proj"}},
+    {{"ff.net.0.proj", "mlp.0"}, {"ff_context.net.0.proj", "mlp.0"}},
+    {{"ff.net.2", "mlp.2"}, {"ff_context.net.2", "mlp.2"}},
+    {{"attn.norm_q", "attn.norm.query_norm"}, {"attn.norm_added_q", "attn.norm.query_norm"}},
+    {{"attn.norm_k", "attn.norm.key_norm"}, {"attn.norm_added_k", "attn.norm.key_norm"}},
+};
+const char* const DOUBLE_QKV[2][3] = {{"attn.to_q", "attn.to_k", "attn.to_v"},
+                                      {"attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"}};
+
+std::vector<int64_t> shape_of(const TensorShapes& t, const std::string& name) {
+  auto it = t.find(name);
+  return it == t.end() ? std::vector<int64_t>{} : it->second;
+}
+
+// The blocks "<kind>.N." count: one more than the largest N, every N below it present.
+int count_blocks(const TensorShapes& t, const std::string& kind, const std::string& path) {
+  std::set<long> seen;
+  for (const auto& [name, shape] : t)
+    if (name.rfind(kind + ".", 0) == 0) seen.insert(std::strtol(name.c_str() + kind.size() + 1, nullptr, 10));
+  if (!seen.empty() && (*seen.begin() != 0 || *seen.rbegin() + 1 != static_cast<long>(seen.size())))
+    throw CheckpointError("safetensors file '" + path + "': the " + kind + " are not numbered 0.." +
+                          std::to_string(seen.size() - 1));
+  return static_cast<int>(seen.size());
+}
+
+}  // namespace
+
+bool is_bfl_flux_file(const TensorShapes& tensors) {
+  return tensors.count("img_in.weight") && tensors.count("final_layer.adaLN_modulation.1.weight");
+}
+
+ModelConfig bfl_flux_config(const TensorShapes& t, const std::string& path) {
+  auto need = [&](const std::string& name, size_t rank) {
+    const std::vector<int64_t> s = shape_of(t, name);
+    if (s.size() != rank)
+      throw CheckpointError("safetensors file '" + path + "': Black Forest Labs' FLUX layout without a " +
+                            std::to_string(rank) + "-dimensional '" + name + "'");
+    return s;
+  };
+  ModelConfig m;
+  m.arch = "flux";
+  const std::vector<int64_t> img_in = need("img_in.weight", 2);
+  m.n_embd = static_cast<int>(img_in[0]), m.in_channels = static_cast<int>(img_in[1]);
+  m.context_dim = static_cast<int>(need("txt_in.weight", 2)[1]);
+  m.pooled_dim = static_cast<int>(need("vector_in.in_layer.weight", 2)[1]);
+  m.guidance_embeds = t.count("guidance_in.in_layer.weight") > 0;
+  m.n_layer = count_blocks(t, "double_blocks", path);
+  m.n_single_layer = count_blocks(t, "single_blocks", path);
+  const std::string norm = m.n_layer ? "double_blocks.0.img_attn.norm.query_norm.scale"
+                                     : "single_blocks.0.norm.query_norm.scale";
+  const int64_t head = need(norm, 1)[0];
+  if (head <= 0 || m.n_embd % head != 0)
+    throw CheckpointError(strprintf("safetensors file '%s': heads of %lld dimensions ('%s') do not divide the width %d",
+                                    path.c_str(), static_cast<long long>(head), norm.c_str(), m.n_embd));
+  m.n_head = static_cast<int>(m.n_embd / head);
+  if (head != 128)
+    throw CheckpointError(strprintf("safetensors file '%s': heads of %lld dimensions; Black Forest Labs' files hold "
+                                    "FLUX.1's heads of 128, whose rotary axes (16, 56, 56) are all ShardTrain knows "
+                                    "for them: convert the model to a diffusers folder, whose config.json names "
+                                    "its axes_dims_rope",
+                                    path.c_str(), static_cast<long long>(head)));
+  m.rope_axes = "16,56,56", m.rope_theta = 10000, m.norm_eps = 1e-6;
+  m.max_seq_len = 4096;  // as a diffusers folder: a bound on a run's image tokens
+  return m;
+}
+
+HfTensor bfl_flux_tensor(const ModelConfig& c, const ParamInfo& p) {
+  const int64_t C = c.n_embd, F = 4 * C;
+  // The module and the parameter's own suffix: "x_embedder" + ".weight".
+  const size_t dot = p.name.rfind('.');
+  const std::string module = p.name.substr(0, dot), suffix = p.name.substr(dot);
+  const std::vector<int64_t> ours(p.shape.begin(), p.shape.end());
+  // BFL's q/k norms (RMSNorm modules "query_norm", "key_norm") call their weight "scale".
+  auto whole = [&](const std::string& name) {
+    const bool norm = name.size() > 5 && name.compare(name.size() - 5, 5, "_norm") == 0;
+    return HfTensor{name + (norm ? ".scale" : suffix), false, ours, {}};
+  };
+  // Rows [first, first + ours[0]) of a fused tensor of `rows` rows.
+  auto part_of = [&](const std::string& name, int64_t rows, int64_t first) {
+    std::vector<int64_t> stored = ours;
+    stored[0] = rows;
+    return HfTensor{name + suffix, false, stored, {{first, ours[0]}}};
+  };
+  for (const auto& [diffusers, bfl] : ROOT_MODULES)
+    if (module == diffusers) {
+      if (module != "norm_out.linear") return whole(bfl);
+      // (shift, scale) stored, (scale, shift) ours.
+      return HfTensor{std::string(bfl) + suffix, false, ours, {{C, C}, {0, C}}};
+    }
+  const std::string double_prefix = "transformer_blocks.", single_prefix = "single_transformer_blocks.";
+  if (module.rfind(double_prefix, 0) == 0) {
+    const size_t at = module.find('.', double_prefix.size());
+    const std::string block = "double_blocks." + module.substr(double_prefix.size(), at - double_prefix.size()) + ".";
+    const std::string rest = module.substr(at + 1);
+    for (int s = 0; s < 2; s++) {
+      const std::string stream = block + (s == 0 ? "img_" : "txt_");
+      for (const auto& modules : DOUBLE_MODULES)
+        if (rest == modules[s].first) return whole(stream + modules[s].second);
+      for (int i = 0; i < 3; i++)
+        if (rest == DOUBLE_QKV[s][i]) return part_of(stream + "attn.qkv", 3 * C, i * C);
+    }
+  } else if (module.rfind(single_prefix, 0) == 0) {
+    const size_t at = module.find('.', single_prefix.size());
+    const std::string block = "single_blocks." + module.substr(single_prefix.size(), at - single_prefix.size()) + ".";
+    const std::string rest = module.substr(at + 1);
+    if (rest == "norm.linear") return whole(block + "modulation.lin");
+    if (rest == "attn.norm_q") return whole(block + "norm.query_norm");
+    if (rest == "attn.norm_k") return whole(block + "norm.key_norm");
+    if (rest == "proj_out") return whole(block + "linear2");
+    const char* const fused[] = {"attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"};
+    for (int i = 0; i < 4; i++)
+      if (rest == fused[i]) return part_of(block + "linear1", 3 * C + F, i * C);
+  }
+  fatal_internal(__FILE__, __LINE__, __func__, "FLUX parameter '" + p.name + "' has no Black Forest Labs name");
+}
+
+}  // namespace shardtrain

@@ -1,0 +1,153 @@
+"""Black Forest Labs' single-file FLUX.1 layout (flux1-dev.safetensors) in: `convert` and
+checkpoint.init_from read it as they read a diffusers folder. The oracle is the diffusers folder of
+the same random weights: the test writes the single file from it in BFL's layout -- their module
+names (flux/model.py), q, k and v fused (a single block's linear1 = q | k | v | MLP), the final
+modulation's halves stored (shift, scale) -- the inverse of diffusers' convert_flux_to_diffusers.py,
+and both must convert to the same checkpoint bit for bit."""
+import os
+
+import h5py
+import numpy as np
+
+from flux_reference import make_diffusers_folder
+from harness import run, tempdir
+from safetensors_io import write_safetensors
+from test_bad_input import expect_usage_error
+
+# FLUX.1's heads of 128 (their rotary axes are not in the file), one block of each kind.
+CFG = dict(n_layer=1, n_single_layer=1, n_head=2, head_dim=128, norm_eps=1e-6, guidance_embeds=True,
+           rope_axes=(16, 56, 56), rope_theta=10000.0, in_channels=16, context_dim=32, context_len=8, pooled_dim=24)
+
+
+def bfl_tensors(d, cfg):
+    """diffusers' tensors `d` (name -> array) in Black Forest Labs' names and layout."""
+    C = cfg["n_head"] * cfg["head_dim"]
+    out = {}
+
+    def linear(bfl, diffusers):
+        out[bfl + ".weight"], out[bfl + ".bias"] = d[diffusers + ".weight"], d[diffusers + ".bias"]
+
+    def fused(bfl, parts):
+        for leaf in ("weight", "bias"):
+            out[f"{bfl}.{leaf}"] = np.concatenate([d[f"{p}.{leaf}"] for p in parts])
+
+    linear("img_in", "x_embedder")
+    linear("txt_in", "context_embedder")
+    linear("time_in.in_layer", "time_text_embed.timestep_embedder.linear_1")
+    linear("time_in.out_layer", "time_text_embed.timestep_embedder.linear_2")
+    linear("vector_in.in_layer", "time_text_embed.text_embedder.linear_1")
+    linear("vector_in.out_layer", "time_text_embed.text_embedder.linear_2")
+    if cfg["guidance_embeds"]:
+        linear("guidance_in.in_layer", "time_text_embed.guidance_embedder.linear_1")
+        linear("guidance_in.out_layer", "time_text_embed.guidance_embedder.linear_2")
+    for leaf in ("weight", "bias"):  # diffusers (scale, shift) -> BFL (shift, scale)
+        scale, shift = np.split(d[f"norm_out.linear.{leaf}"], 2)
+        out[f"final_layer.adaLN_modulation.1.{leaf}"] = np.concatenate([shift, scale])
+    linear("final_layer.linear", "proj_out")
+    for l in range(cfg["n_layer"]):
+        b, t = f"double_blocks.{l}.", f"transformer_blocks.{l}."
+        for s, mod, qkv, norms, proj, ff in (
+                ("img_", "norm1", ("to_q", "to_k", "to_v"), ("norm_q", "norm_k"), "to_out.0", "ff"),
+                ("txt_", "norm1_context", ("add_q_proj", "add_k_proj", "add_v_proj"),
+                 ("norm_added_q", "norm_added_k"), "to_add_out", "ff_context")):
+            linear(b + s + "mod.lin", t + mod + ".linear")
+            fused(b + s + "attn.qkv", [t + "attn." + n for n in qkv])
+            out[b + s + "attn.norm.query_norm.scale"] = d[t + "attn." + norms[0] + ".weight"]
+            out[b + s + "attn.norm.key_norm.scale"] = d[t + "attn." + norms[1] + ".weight"]
+            linear(b + s + "attn.proj", t + "attn." + proj)
+            linear(b + s + "mlp.0", t + ff + ".net.0.proj")
+            linear(b + s + "mlp.2", t + ff + ".net.2")
+    for l in range(cfg["n_single_layer"]):
+        b, t = f"single_blocks.{l}.", f"single_transformer_blocks.{l}."
+        linear(b + "modulation.lin", t + "norm.linear")
+        fused(b + "linear1", [t + "attn.to_q", t + "attn.to_k", t + "attn.to_v", t + "proj_mlp"])
+        out[b + "norm.query_norm.scale"] = d[t + "attn.norm_q.weight"]
+        out[b + "norm.key_norm.scale"] = d[t + "attn.norm_k.weight"]
+        linear(b + "linear2", t + "proj_out")
+    assert out["final_layer.adaLN_modulation.1.weight"].shape == (2 * C, C)
+    return out
+
+
+def convert(source, output):
+    proc = run(1, ["convert", "--input", source, "--output", output, "--layout", "gathered"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc
+
+
+def datasets(path):
+    found = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: found.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None)
+    return found
+
+
+def folder_and_file(cfg=CFG, seed=5, prefix=""):
+    folder = os.path.join(tempdir(), "diffusers")
+    params = make_diffusers_folder(folder, cfg, seed)
+    single = os.path.join(tempdir(), "flux1-test.safetensors")
+    write_safetensors({prefix + k: v.astype(np.float32) for k, v in bfl_tensors(params, cfg).items()}, single)
+    return folder, single
+
+
+def test_a_black_forest_labs_file_converts_as_its_diffusers_folder():
+    for prefix in ("", "model.diffusion_model."):  # BFL's own files, ComfyUI's copies
+        folder, single = folder_and_file(prefix=prefix)
+        want, got = os.path.join(tempdir(), "a.h5"), os.path.join(tempdir(), "b.h5")
+        convert(folder, want)
+        convert(single, got)
+        a, b = datasets(want), datasets(got)
+        assert sorted(a) == sorted(b) and len(a) > 10
+        for name in a:
+            assert np.array_equal(a[name], b[name]), (prefix, name)
+        with h5py.File(want, "r") as f, h5py.File(got, "r") as g:
+            for key in ("model.n_layer", "model.n_single_layer", "model.n_embd", "model.n_head", "model.in_channels",
+                        "model.context_dim", "model.pooled_dim", "model.guidance_embeds", "model.rope_axes"):
+                assert f.attrs[key] == g.attrs[key], key
+
+
+def test_a_schnell_file_has_no_guidance_embedder_and_trains_from_init_from():
+    cfg = dict(CFG, guidance_embeds=False)
+    folder, single = folder_and_file(cfg, seed=6)
+    ckpt = os.path.join(tempdir(), "c.h5")
+    convert(single, ckpt)
+    with h5py.File(ckpt, "r") as f:
+        assert not f.attrs["model.guidance_embeds"]
+    # checkpoint.init_from takes the file as it takes a folder: the model's shape from it.
+    from test_flux import latent_file
+    train = latent_file(6, 3, channels=16, text=(8, 32), pooled=24)
+    out = tempdir()
+    proc = run(1, ["train", "--model.arch=flux", f"--checkpoint.init_from={single}", f"--checkpoint.dir={out}",
+                   f"--data.train_file={train}", "--data.val_file=", "--train.steps=1", "--train.global_batch=2",
+                   "--train.micro_batch=2", "--train.seq_len=16", "--model.context_len=8", "--train.warmup_steps=0"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "C=256 H=2" in proc.stdout and "no-guidance" in proc.stdout
+
+
+def test_bad_black_forest_labs_files_are_named():
+    folder, single = folder_and_file(seed=7)
+    base = bfl_tensors(make_diffusers_folder(folder, CFG, 7), CFG)
+
+    def broken(edit):
+        tensors = dict(base)
+        edit(tensors)
+        path = os.path.join(tempdir(), "broken.safetensors")
+        write_safetensors(tensors, path)
+        return path
+    out = os.path.join(tempdir(), "x.h5")
+    missing = broken(lambda t: t.pop("single_blocks.0.linear2.bias"))
+    expect_usage_error(["convert", "--input", missing, "--output", out], "tensor 'single_blocks.0.linear2.bias' is missing",
+                       np_=1)
+    extra = broken(lambda t: t.__setitem__("double_blocks.0.img_attn.extra", np.zeros(3, np.float32)))
+    expect_usage_error(["convert", "--input", extra, "--output", out], "unexpected tensor 'double_blocks.0.img_attn.extra'",
+                       np_=1)
+    short = broken(lambda t: t.__setitem__("double_blocks.0.txt_attn.qkv.weight",
+                                           t["double_blocks.0.txt_attn.qkv.weight"][:-1]))
+    expect_usage_error(["convert", "--input", short, "--output", out], "'double_blocks.0.txt_attn.qkv.weight' has shape [767, 256]",
+                       "needs [768, 256]", np_=1)
+    other = os.path.join(tempdir(), "other.safetensors")
+    write_safetensors({"encoder.weight": np.zeros((2, 2), np.float32)}, other)
+    expect_usage_error(["convert", "--input", other, "--output", out], "in no model's single-file layout", np_=1)
+    narrow = os.path.join(tempdir(), "narrow.safetensors")
+    small = dict(CFG, n_head=4, head_dim=64, rope_axes=(8, 28, 28))
+    write_safetensors(bfl_tensors(make_diffusers_folder(os.path.join(tempdir(), "d"), small, 8), small), narrow)
+    expect_usage_error(["convert", "--input", narrow, "--output", out], "heads of 64 dimensions", "axes_dims_rope", np_=1)
