@@ -11,7 +11,7 @@ import numpy as np
 
 from flux_reference import make_diffusers_folder
 from harness import run, tempdir
-from safetensors_io import write_safetensors
+from safetensors_io import read_safetensors, write_safetensors
 from test_bad_input import expect_usage_error
 
 # FLUX.1's heads of 128 (their rotary axes are not in the file), one block of each kind.
@@ -151,3 +151,78 @@ def test_bad_black_forest_labs_files_are_named():
     small = dict(CFG, n_head=4, head_dim=64, rope_axes=(8, 28, 28))
     write_safetensors(bfl_tensors(make_diffusers_folder(os.path.join(tempdir(), "d"), small, 8), small), narrow)
     expect_usage_error(["convert", "--input", narrow, "--output", out], "heads of 64 dimensions", "axes_dims_rope", np_=1)
+
+
+# kohya-ss's module for each of our LoRA targets (BFL's names, '_' for '.'), and our layers' rows of
+# a fused module's up matrix.
+def kohya_modules(cfg):
+    C = cfg["n_head"] * cfg["head_dim"]
+    F = 4 * C
+    modules = {}  # kohya module -> [(diffusers module, first row, rows)], (in, rows)
+    for l in range(cfg["n_layer"]):
+        t, b = f"transformer_blocks.{l}.", f"lora_unet_double_blocks_{l}_"
+        for s, qkv, proj, ff in (("img_", ("to_q", "to_k", "to_v"), "to_out.0", "ff"),
+                                 ("txt_", ("add_q_proj", "add_k_proj", "add_v_proj"), "to_add_out", "ff_context")):
+            modules[b + s + "attn_qkv"] = ([(t + "attn." + n, i * C, C) for i, n in enumerate(qkv)], (C, 3 * C))
+            modules[b + s + "attn_proj"] = ([(t + "attn." + proj, 0, C)], (C, C))
+            modules[b + s + "mlp_0"] = ([(t + ff + ".net.0.proj", 0, F)], (C, F))
+            modules[b + s + "mlp_2"] = ([(t + ff + ".net.2", 0, C)], (F, C))
+    for l in range(cfg["n_single_layer"]):
+        t, b = f"single_transformer_blocks.{l}.", f"lora_unet_single_blocks_{l}_"
+        parts = ["attn.to_q", "attn.to_k", "attn.to_v"]
+        modules[b + "linear1"] = ([(t + p, i * C, C) for i, p in enumerate(parts)] + [(t + "proj_mlp", 3 * C, F)],
+                                  (C, 3 * C + F))
+        modules[b + "linear2"] = ([(t + "proj_out", 0, C)], (C + F, C))
+    return modules
+
+
+def kohya_file(cfg, rank, seed, path, alphas=(2.0, 4.0, 8.0)):
+    """A kohya LoRA file of random down/up matrices and per-module alphas; returns
+    {diffusers weight: its update (alpha / rank) up[rows] down} in float64."""
+    rng = np.random.default_rng(seed)
+    tensors, updates = {}, {}
+    for k, (name, (layers, (inp, rows))) in enumerate(sorted(kohya_modules(cfg).items())):
+        down = (0.1 * rng.standard_normal((rank, inp))).astype(np.float32)
+        up = (0.1 * rng.standard_normal((rows, rank))).astype(np.float32)
+        alpha = alphas[k % len(alphas)]
+        tensors[name + ".lora_down.weight"], tensors[name + ".lora_up.weight"] = down, up
+        tensors[name + ".alpha"] = np.array(alpha, np.float32)
+        for module, first, n in layers:
+            updates[module + ".weight"] = alpha / rank * up[first:first + n].astype(np.float64) @ down.astype(np.float64)
+    write_safetensors(tensors, path)
+    return updates
+
+
+def test_a_kohya_lora_file_is_read_into_each_fused_layer():
+    from test_flux import CFG as TINY, LORA_TARGETS, flux_args, ok
+    folder = os.path.join(tempdir(), "base")
+    params = make_diffusers_folder(folder, TINY, seed=11)
+    kohya = os.path.join(tempdir(), "kohya.safetensors")
+    updates = kohya_file(TINY, 4, 12, kohya)
+    lora = (f"--checkpoint.init_from={folder}", "--adapter.type=lora", f"--adapter.targets={LORA_TARGETS}",
+            "--adapter.rank=4", "--adapter.alpha=4", "--checkpoint.format=gathered")
+    ckpt = tempdir()
+    # One step at a learning rate of 1e-30: the adapters as read.
+    ok(run(2, flux_args(*lora, f"--adapter.init_from={kohya}", "--train.lr=1e-30", "--train.steps=1",
+                        "--train.eval_every=0", f"--checkpoint.dir={ckpt}")))
+    merged_dir = os.path.join(tempdir(), "merged")
+    ok(run(2, ["export", "--checkpoint", os.path.join(ckpt, "ckpt-00000001.h5"), "--format", "hf", "--merge",
+               "--output", merged_dir]))
+    merged = read_safetensors(os.path.join(merged_dir, "diffusion_pytorch_model.safetensors"))[0]
+    assert len(updates) == 2 * 12 + 2 * 5
+    for name, base in params.items():
+        expected = base + updates.get(name, 0)
+        assert np.allclose(merged[name], expected, rtol=1e-5, atol=1e-6), name
+    assert not np.allclose(merged["single_transformer_blocks.1.proj_mlp.weight"],
+                           params["single_transformer_blocks.1.proj_mlp.weight"], atol=1e-4)
+    # What the file and the configuration disagree on is named.
+    expect_usage_error(flux_args(*lora, f"--adapter.init_from={kohya}", "--adapter.rank=8"),
+                       "kohya LoRA file", "has rank 4", "adapter.rank=8")
+    partial = LORA_TARGETS.replace("attn.to_k,", "")
+    expect_usage_error(flux_args(*lora, f"--adapter.targets={partial}", f"--adapter.init_from={kohya}"),
+                       "lora_unet_double_blocks_0_img_attn_qkv", "target all of its parts")
+    tensors = read_safetensors(kohya)[0]
+    tensors["lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight"] = np.zeros((4, 8), np.float32)
+    with_te = os.path.join(tempdir(), "with_te.safetensors")
+    write_safetensors(tensors, with_te)
+    expect_usage_error(flux_args(*lora, f"--adapter.init_from={with_te}"), "adapts a text encoder")
