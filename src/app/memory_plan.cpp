@@ -78,7 +78,9 @@ void add_activation_allocations(const ParamTable& table, int batch, int seq_len,
   list->push_back({MEM_ACTIVATIONS, BT * sizeof(int)});  // positions
   for (size_t n : family_of(c).activation_arrays(c, batch, seq_len, checkpointing))
     list->push_back({MEM_ACTIVATIONS, n * sizeof(float)});
-  const size_t adapters = plan_adapter_bytes(table, static_cast<int>(BT), sizeof(float));
+  const ModelFamily& family = family_of(c);
+  const size_t adapters = plan_adapter_bytes(table, family.product_rows(c, batch, seq_len), sizeof(float),
+                                             family.adapter_key_rows(c, batch, seq_len));
   if (adapters) list->push_back({MEM_ACTIVATIONS, adapters});
 }
 

@@ -19,9 +19,14 @@ template <typename Real>
 class AdapterLayers {
  public:
   virtual ~AdapterLayers() = default;
-  // The training rows' dropout keys (host memory, one per row, dropout_token_key), or null: no
-  // dropout (evaluation). Kept until the next call.
+  // The training rows' dropout keys (host memory, one per key row -- the rows the layers were made
+  // for, or their key_rows --, dropout_token_key), or null: no dropout (evaluation). Kept until
+  // the next call.
   virtual void set_row_keys(const uint64_t* keys) = 0;
+  // The following products' rows take their keys from key row `first` on: a model whose products
+  // have rows of several kinds (a diffusion transformer's image, text and joint tokens and its
+  // samples) keeps a run of keys per kind.
+  virtual void select_row_keys(size_t first) {}
   // After the base forward of `product` in block `layer`: each adapted layer of it adds its term
   // to out (n rows of the product's width). unit: the block's gathered parameters.
   virtual void forward(int layer, BlockProduct product, const Real* x, Real* out, int n, const Real* unit) const = 0;
@@ -37,19 +42,21 @@ class AdapterLayers {
                         const Real* unit, Real* unit_grads) const = 0;
 };
 
-// The table's method for `rows` rows (null without adapters), and its scratch bytes for
-// `rows` rows of `real_bytes` elements: the plan of the models' activation accounting.
+// The table's method for `rows` rows (null without adapters) with `key_rows` dropout keys (-1: one
+// per row), and its scratch bytes for `rows` rows of `real_bytes` elements: the plan of the
+// models' activation accounting.
 template <typename Real>
-std::unique_ptr<AdapterLayers<Real>> make_adapter_layers(const ParamTable& table, int rows, const LayerOps<Real>& ops);
-size_t plan_adapter_bytes(const ParamTable& table, int rows, size_t real_bytes);
+std::unique_ptr<AdapterLayers<Real>> make_adapter_layers(const ParamTable& table, int rows, const LayerOps<Real>& ops,
+                                                         int key_rows = -1);
+size_t plan_adapter_bytes(const ParamTable& table, int rows, size_t real_bytes, int key_rows = -1);
 
 // A model's adapters, which the families' models call around each block product: one
 // AdapterLayers for a micro-batch's rows and, while a generation decodes, one for a step's.
 template <typename Real>
 class ModelAdapters {
  public:
-  ModelAdapters(const ParamTable& table, int rows, const LayerOps<Real>& ops)
-      : table_(table), ops_(ops), rows_(rows), train_(make_adapter_layers(table, rows, ops)) {}
+  ModelAdapters(const ParamTable& table, int rows, const LayerOps<Real>& ops, int key_rows = -1)
+      : table_(table), ops_(ops), rows_(rows), train_(make_adapter_layers(table, rows, ops, key_rows)) {}
   // Around a product of every row of the micro-batch, or (n) of its first n rows: a diffusion
   // transformer's products have the rows of one stream, of the joint sequence or of the samples.
   void forward(int l, BlockProduct product, const Real* x, Real* out, const Real* w, int n = -1) const {
@@ -65,6 +72,9 @@ class ModelAdapters {
   }
   void set_dropout_keys(const uint64_t* keys) {
     if (train_) train_->set_row_keys(keys);
+  }
+  void select_dropout_keys(size_t first) {
+    if (train_) train_->select_row_keys(first);
   }
   // Generation: steps of up to max_chunk rows.
   void begin_decode(int max_chunk) { decode_ = make_adapter_layers(table_, max_chunk, ops_); }

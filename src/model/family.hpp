@@ -143,6 +143,11 @@ void require_capability(const ModelConfig& config, const std::string& use, const
   // adapters' scratch and the GEMM workspace are sized for): a decoder's B x T; a diffusion
   // transformer's joint sequence.
   virtual int product_rows(const ModelConfig&, int batch, int seq_len) const { return batch * seq_len; }
+  // The adapters' dropout keys in such a micro-batch (model/adapter_layers.hpp): one per row, or
+  // (a diffusion transformer) a run per kind of row.
+  virtual int adapter_key_rows(const ModelConfig& c, int batch, int seq_len) const {
+    return product_rows(c, batch, seq_len);
+  }
   // The GPU kernels' workspace requests of its own layers beyond a decoder's (backend/gpu_memory.hpp's
   // sizes, with what asks): the memory plan takes the largest of these and the decoder layers'.
   struct KernelWorkspace {

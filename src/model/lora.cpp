@@ -12,13 +12,14 @@
 namespace shardtrain {
 
 template <typename Real>
-LoraLayers<Real>::LoraLayers(const ParamTable& table, int rows, const LayerOps<Real>& ops)
+LoraLayers<Real>::LoraLayers(const ParamTable& table, int rows, const LayerOps<Real>& ops, int key_rows)
     : table_(table),
       ops_(ops),
       most_sites_(0),
       scaling_(static_cast<Real>(table.adapter().scaling())),
       rank_(table.adapter().rank),
       rows_(rows),
+      key_rows_(key_rows),
       dropout_(static_cast<float>(table.adapter().dropout)),
       u_(ops.device(), static_cast<size_t>(rows) * rank_),
       du_(ops.device(), static_cast<size_t>(rows) * rank_) {
@@ -38,13 +39,13 @@ LoraLayers<Real>::LoraLayers(const ParamTable& table, int rows, const LayerOps<R
     dz_ = DeviceArray<Real>(ops.device(), static_cast<size_t>(rows) * widest_product);
   }
   if (dropout_ == 0) return;
-  row_keys_ = DeviceArray<uint64_t>(ops.device(), rows);
+  row_keys_ = DeviceArray<uint64_t>(ops.device(), key_rows);
   dropped_ = DeviceArray<Real>(ops.device(), static_cast<size_t>(rows) * widest);
   dx_ = DeviceArray<Real>(ops.device(), static_cast<size_t>(rows) * widest);
 }
 
 template <typename Real>
-size_t LoraLayers<Real>::plan_bytes(const ParamTable& table, int rows, size_t real_bytes) {
+size_t LoraLayers<Real>::plan_bytes(const ParamTable& table, int rows, size_t real_bytes, int key_rows) {
   if (table.adapter().type == ADAPTER_NONE) return 0;
   size_t bytes = 2 * static_cast<size_t>(rows) * table.adapter().rank * real_bytes;
   size_t widest = 0, most_out = 0, widest_product = 0, largest = 0;
@@ -57,7 +58,7 @@ size_t LoraLayers<Real>::plan_bytes(const ParamTable& table, int rows, size_t re
   if (table.adapter().type == ADAPTER_DORA)
     bytes += (largest + 2 * most_out + rows * (most_out + widest_product)) * real_bytes;
   if (table.adapter().dropout == 0) return bytes;
-  return bytes + rows * sizeof(uint64_t) + 2 * rows * widest * real_bytes;
+  return bytes + key_rows * sizeof(uint64_t) + 2 * rows * widest * real_bytes;
 }
 
 template <typename Real>
@@ -89,10 +90,16 @@ void LoraLayers<Real>::set_row_keys(const uint64_t* keys) {
 }
 
 template <typename Real>
+const uint64_t* LoraLayers<Real>::keys(int n) const {
+  SHARD_CHECK(n <= rows_ && key_first_ + n <= static_cast<size_t>(key_rows_), "%d rows from dropout key %zu of %d", n,
+              key_first_, key_rows_);
+  return row_keys_.data() + key_first_;
+}
+
+template <typename Real>
 const Real* LoraLayers<Real>::input(int layer, size_t site, const Real* x, int n, int in) const {
   if (!dropping_) return x;
-  SHARD_CHECK(n <= rows_, "%d rows for dropout keys of %d", n, rows_);
-  ops_.dropout(dropped_.data(), x, row_keys_.data(), site_key(layer, site), n, in, dropout_);
+  ops_.dropout(dropped_.data(), x, keys(n), site_key(layer, site), n, in, dropout_);
   return dropped_.data();
 }
 
@@ -163,7 +170,7 @@ void LoraLayers<Real>::backward(int layer, BlockProduct product, const Real* x, 
     }
     // Through the dropout: the gradient of x~ masked as x~ was.
     ops_.gemm(false, false, n, site.in, r, Real(1), du_.data(), r, A, site.in, Real(0), dx_.data(), site.in);
-    ops_.dropout(dx_.data(), dx_.data(), row_keys_.data(), site_key(layer, k), n, site.in, dropout_);
+    ops_.dropout(dx_.data(), dx_.data(), keys(n), site_key(layer, k), n, site.in, dropout_);
     ops_.residual_forward(dx, dx, dx_.data(), static_cast<size_t>(n) * site.in);
   }
 }

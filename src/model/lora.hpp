@@ -32,16 +32,18 @@ namespace shardtrain {
 template <typename Real>
 class LoraLayers : public AdapterLayers<Real> {
  public:
-  // rows: the B*T rows of a micro-batch (or the most a decode step takes).
-  LoraLayers(const ParamTable& table, int rows, const LayerOps<Real>& ops);
+  // rows: the B*T rows of a micro-batch (or the most a decode step takes); key_rows: the dropout
+  // keys set_row_keys takes (make_adapter_layers).
+  LoraLayers(const ParamTable& table, int rows, const LayerOps<Real>& ops, int key_rows);
 
   // Bytes of scratch for `rows` rows of `real_bytes` elements: the plan of the models' activation
   // accounting.
-  static size_t plan_bytes(const ParamTable& table, int rows, size_t real_bytes);
+  static size_t plan_bytes(const ParamTable& table, int rows, size_t real_bytes, int key_rows);
 
   // The AdapterLayers calls (model/adapter_layers.hpp): DoRA's output_grad scales the adapted
   // columns by their gains and accumulates the magnitudes' gradients from dout.
   void set_row_keys(const uint64_t* keys) override;
+  void select_row_keys(size_t first) override { key_first_ = first; }
   void forward(int layer, BlockProduct product, const Real* x, Real* out, int n, const Real* unit) const override;
   const Real* output_grad(int layer, BlockProduct product, const Real* x, const Real* dout, int n, const Real* unit,
                           Real* unit_grads) const override;
@@ -53,10 +55,12 @@ class LoraLayers : public AdapterLayers<Real> {
   const LayerOps<Real>& ops_;
   size_t most_sites_;  // the most sites a block of any kind has: dropout keys per (block, site)
   Real scaling_;
-  int rank_, rows_;
+  int rank_, rows_, key_rows_;
   float dropout_;
   bool dropping_ = false;
   DeviceArray<uint64_t> row_keys_;
+  size_t key_first_ = 0;  // select_row_keys
+  const uint64_t* keys(int n) const;  // the product's n row keys
   mutable DeviceArray<Real> u_, du_, dropped_, dx_;  // the last two with dropout: rows x the widest input
   // DoRA: the adapted weight W + s B A, its row norms and the gains; the product before the gains
   // (rows x out) and the scaled output gradient (rows x width).

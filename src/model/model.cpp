@@ -28,7 +28,8 @@ size_t plan_activation_bytes(const ParamTable& table, int batch, int seq_len, bo
   const int saved_layers = activation_checkpointing ? 1 : config.n_layer;
   return elements * real_bytes +
          SavedActivations<float>::plan_bytes(activation_dtype, saved_layers, saved, real_bytes) +
-         plan_adapter_bytes(table, family.product_rows(config, batch, seq_len), real_bytes) +
+         plan_adapter_bytes(table, family.product_rows(config, batch, seq_len), real_bytes,
+                            family.adapter_key_rows(config, batch, seq_len)) +
          family.id_bytes(config, batch, seq_len);
 }
 

@@ -432,3 +432,23 @@ def test_generate_refuses_flux():
     expect_usage_error(["generate", "--checkpoint", folder, "--prompt", "a cat"], "'flux' model",
                        "has no key/value-cache decoding", np_=1)
     expect_usage_error(flux_args("--train.device=cuda"), "this build has no CUDA backend", np_=1)
+
+
+def test_lora_dropout_keys_every_kind_of_row_the_same_on_any_rank_count():
+    # adapter.dropout on FLUX: each product's rows (image, text, joint tokens, the samples of the
+    # modulations) take masks keyed by the sample's sequence and their place: the same on any rank
+    # count and micro-batch size (a row's key does not depend on where its sample sits in the
+    # micro-batch), and under activation checkpointing, which recomputes the forward with the same masks.
+    folder = os.path.join(tempdir(), "flux-diffusers")
+    make_diffusers_folder(folder, CFG, seed=5)
+    lora = (f"--checkpoint.init_from={folder}", "--adapter.type=lora", f"--adapter.targets={LORA_TARGETS},norm1.linear",
+            "--adapter.rank=4", "--adapter.alpha=4", "--train.lr=1e-2", "--train.eval_every=0")
+    base, _ = losses(1, *lora, "--adapter.dropout=0.3")
+    for np_, extra in ((2, ()), (3, ()), (2, ("--fsdp.activation_checkpointing=true",)),
+                       (2, ("--train.micro_batch=2",)), (3, ("--train.micro_batch=2",))):
+        got, _ = losses(np_, *lora, "--adapter.dropout=0.3", *extra)
+        assert all(rel_diff(a, b) < 1e-5 for a, b in zip(got, base)), (np_, extra, got, base)
+    plain, _ = losses(1, *lora)
+    # LoRA's B starts at zero, so the first step's loss is the base model's either way; the masks
+    # change the gradients and so every later loss.
+    assert plain[0] == base[0] and all(rel_diff(a, b) > 1e-6 for a, b in zip(plain[1:], base[1:])), (plain, base)

@@ -116,7 +116,7 @@ TEST(Lora, LayerMatchesNaiveLoopsOnASliceOfAFusedProduct) {
   for (size_t i = 0; i < dx.size(); i++) dx[i] = counter_normal(4, i);
   const std::vector<double> y0 = y, dx0 = dx;
   std::vector<double> grads(units[unit].size(), 0.0);
-  LoraLayers<double> layers(table, n, cpu_layer_ops<double>());
+  LoraLayers<double> layers(table, n, cpu_layer_ops<double>(), n);
   layers.forward(1, PRODUCT_QKV, x.data(), y.data(), n, w);
   layers.backward(1, PRODUCT_QKV, x.data(), dy.data(), dx.data(), n, w, grads.data());
   const double* dA = grads.data() + table.offset(unit, a);
@@ -261,7 +261,7 @@ TEST(Lora, DropoutFollowsTheCounterStreamAndKeepsGradientsExact) {
     }
   EXPECT_GT(dropped, x.size() / 5);
   EXPECT_LT(dropped, x.size() * 2 / 5);
-  LoraLayers<double> layers(table, n, cpu_layer_ops<double>());
+  LoraLayers<double> layers(table, n, cpu_layer_ops<double>(), n);
   layers.set_row_keys(keys.data());
   layers.forward(1, PRODUCT_QKV, x.data(), y.data(), n, units[unit].data());
   for (int row = 0; row < n; row++)

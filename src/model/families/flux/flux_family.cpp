@@ -231,6 +231,9 @@ class FluxFamily final : public ModelFamily {
   int product_rows(const ModelConfig& c, int batch, int seq_len) const override {
     return batch * (seq_len + c.condition_len + c.context_len);
   }
+  int adapter_key_rows(const ModelConfig& c, int batch, int seq_len) const override {
+    return FluxModel<float>::dropout_key_rows(c, batch, seq_len);
+  }
 
   // diffusers' transformer folder: config.json (_class_name FluxTransformer2DModel) and
   // diffusion_pytorch_model*.safetensors, our names and layouts as they are.

@@ -14,6 +14,7 @@
 #include <cmath>
 
 #include "core/error.hpp"
+#include "core/random.hpp"
 #include "model/param_table.hpp"
 
 namespace shardtrain {
@@ -92,8 +93,9 @@ FluxModel<Real>::FluxModel(const ParamTable& table, int batch, int image_tokens,
                            const LayerOps<Real>& ops)
     : table_(table), ops_(ops), d_(dims_of(table.config(), batch, image_tokens)),
       checkpointing_(activation_checkpointing),
-      adapter_bytes_(plan_adapter_bytes(table, batch * d_.S, sizeof(Real))),
-      adapters_(table, batch * d_.S, ops) {
+      adapter_bytes_(plan_adapter_bytes(table, batch * d_.S, sizeof(Real),
+                                        dropout_key_rows(table.config(), batch, image_tokens))),
+      adapters_(table, batch * d_.S, ops, dropout_key_rows(table.config(), batch, image_tokens)) {
   SHARD_CHECK(image_tokens >= 1 && image_tokens <= table.config().max_seq_len, "%d target tokens, max_seq_len %d",
               image_tokens, table.config().max_seq_len);
   // Pair k of rotary axis a turns by id_a * theta^(-2k / axes[a]) (computed in double as diffusers does).
@@ -104,9 +106,6 @@ FluxModel<Real>::FluxModel(const ParamTable& table, int batch, int image_tokens,
       rope_axis_.push_back(a);
       rope_freq_.push_back(1.0 / std::pow(table.config().rope_theta, 2.0 * k / axes[a]));
     }
-  if (table.adapter().dropout > 0)
-    throw UsageError("adapter.dropout: not implemented for model.arch=flux yet (its products' rows are text, image "
-                     "and joint tokens); set adapter.dropout=0");
   lay_out(buf_, d_, checkpointing_, [&](size_t n) {
     bytes_ += n * sizeof(Real);
     return Array(ops.device(), n);
@@ -224,10 +223,56 @@ void FluxModel<Real>::embed_forward(const Real* root, const Batch& batch) {
   ops_.silu_forward(b.temb_silu.data(), b.temb.data(), BC);  // what every modulation reads
 }
 
+// Adapter dropout's keys, a run per kind of row: the image tokens (B*N), the text tokens (B*L), the
+// joint sequence (B*S) and the samples (B, the modulations' rows).
+enum FluxKeyRun { FLUX_KEYS_IMAGE, FLUX_KEYS_TEXT, FLUX_KEYS_JOINT, FLUX_KEYS_SAMPLES };
+
+template <typename Real>
+int FluxModel<Real>::dropout_key_rows(const ModelConfig& config, int batch, int image_tokens) {
+  const Dims d = dims_of(config, batch, image_tokens);
+  return 2 * d.B * d.S + d.B;
+}
+
+template <typename Real>
+size_t FluxModel<Real>::dropout_key_first(int run) const {
+  const size_t B = d_.B, N = d_.N, S = d_.S;
+  const size_t first[] = {0, B * N, B * S, 2 * B * S};
+  return first[run];
+}
+
+template <typename Real>
+void FluxModel<Real>::set_dropout_keys(const uint64_t* keys) {
+  if (!keys) return adapters_.set_dropout_keys(nullptr);
+  // Each row's key from its sample's (the trainer's key of the sample's first target token, a
+  // function of the seed, the step and the sequence), its kind of row and its position: the same
+  // masks on any rank count, and none shared between kinds.
+  dropout_keys_.resize(dropout_key_rows(table_.config(), d_.B, d_.T));
+  const int lengths[] = {d_.N, d_.L, d_.S, 1};
+  for (int run = FLUX_KEYS_IMAGE; run <= FLUX_KEYS_SAMPLES; run++)
+    for (int b = 0; b < d_.B; b++)
+      for (int i = 0; i < lengths[run]; i++)
+        dropout_keys_[dropout_key_first(run) + static_cast<size_t>(b) * lengths[run] + i] =
+            counter_bits(keys[static_cast<size_t>(b) * d_.T], (static_cast<uint64_t>(run) << 32) | i);
+  adapters_.set_dropout_keys(dropout_keys_.data());
+}
+
+template <typename Real>
+void FluxModel<Real>::select_dropout_keys(int block, int product) {
+  int run = FLUX_KEYS_JOINT;
+  if (block < d_.double_blocks)
+    run = product % FLUX_D_PRODUCTS == FLUX_P_MOD ? FLUX_KEYS_SAMPLES
+          : product < FLUX_D_PRODUCTS         ? FLUX_KEYS_IMAGE
+                                              : FLUX_KEYS_TEXT;
+  else if (product == FLUX_SP_MOD)
+    run = FLUX_KEYS_SAMPLES;
+  adapters_.select_dropout_keys(dropout_key_first(run));
+}
+
 template <typename Real>
 void FluxModel<Real>::linear_forward(int block, int product, Real* out, const Real* x, int rows, int in, int width,
                                      const Real* w, int weight) {
   const int unit = block_unit(block);
+  select_dropout_keys(block, product);
   ops_.matmul_forward(out, x, param_in(table_, w, unit, weight), param_in(table_, w, unit, weight + 1), rows, in,
                       width);
   adapters_.forward(block, product, x, out, w, rows);
@@ -237,6 +282,7 @@ template <typename Real>
 void FluxModel<Real>::linear_backward(int block, int product, Real* dx, const Real* x, const Real* dout, int rows,
                                       int in, int width, Real* g, const Real* w, int weight) {
   const int unit = block_unit(block);
+  select_dropout_keys(block, product);
   const Real* d = adapters_.output_grad(block, product, x, dout, w, g, rows);
   ops_.matmul_backward(dx, grad_in(table_, g, unit, weight), grad_in(table_, g, unit, weight + 1), d, x,
                        param_in(table_, w, unit, weight), rows, in, width);

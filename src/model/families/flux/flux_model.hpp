@@ -27,6 +27,9 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   // same function lays out both).
   static std::vector<size_t> buffer_elements(const ModelConfig& config, int batch, int image_tokens,
                                              bool activation_checkpointing);
+  // Adapter dropout's keys: a run per kind of row (the image tokens, the text tokens, the joint
+  // sequence, the samples).
+  static int dropout_key_rows(const ModelConfig& config, int batch, int image_tokens);
 
   int batch() const override { return d_.B; }
   int seq_len() const override { return d_.T; }
@@ -40,7 +43,8 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   void head_backward(Real* root_grad, const Real* root, Real dloss) override;
   void block_backward(int block, Real* grads, const Real* weights) override;
   void embed_backward(Real* root_grad) override;
-  void set_dropout_keys(const uint64_t*) override {}
+  // Adapter dropout: the trainer's keys (one per target token) expanded to every kind of row.
+  void set_dropout_keys(const uint64_t* keys) override;
   Predictor<Real>* predictor() override { return this; }
   // The target tokens' predicted velocity (B*T x in_channels), the output layers after the blocks.
   const Real* predict(const Real* root) override;
@@ -57,6 +61,10 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
     Real eps;
   };
   static Dims dims_of(const ModelConfig& c, int batch, int image_tokens);
+  // Adapter dropout's keys (flux_model.cpp's FluxKeyRun): where a kind of row's start, and the
+  // selection of a product's before its adapters run.
+  size_t dropout_key_first(int run) const;
+  void select_dropout_keys(int block, int product);
 
   // One stream (image or text) of a double-stream block: its modulation, normed inputs, q/k/v
   // before and after their norms, its rows of the attention output, the gated sums and the MLP.
@@ -134,6 +142,7 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   std::vector<double> rope_freq_;   // and its frequency
   std::vector<float> rope_ids_;     // the ids the rotary tables hold ([text; image], 3 each)
   SquaredErrorLoss<Real> squared_error_;
+  std::vector<uint64_t> dropout_keys_;  // host: every kind of row's keys, uploaded by set_dropout_keys
 };
 
 }  // namespace shardtrain
