@@ -41,7 +41,7 @@ size_t plan_gemm_workspace_bytes(const std::string& device, DType compute_dtype,
 // for its largest collective -- the shard group's largest parameter gather or gradient
 // reduce-scatter (of the student's `layout` and, when distilling, the gathers of the teacher's
 // `teacher_layout`), the replica group's largest gradient all-reduce, and the step's two sums
-// over the world of shard x replica ranks (trainer.cpp's step communicator, made unless
+// over the world of shard x replica ranks (the trainer's step communicator, made unless
 // fsdp.cpu_offload). What they hold is measured by Comm::uncounted_buffer_bytes.
 size_t plan_comm_staging_bytes(const ComputeOptions& compute, const GroupShape& groups,
                                const EngineOptions& engine, const std::vector<UnitLayout>& layout,
