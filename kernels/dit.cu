@@ -3,83 +3,26 @@
 // AdaLayerNormZero / Continuous), the gated residual, and the squared error of a regression head.
 // (SiLU is pointwise.cu's, the interleaved rotary turn and the unmasked attention attention.cu's.)
 //
-// Row sums (the norm's mean and variance, its backward's two means, a row's squared error): one
-// warp per row, lanes striding over the row, a fixed shuffle tree -- the layernorm kernels' layout
-// (layernorm.cu), so the results differ from the CPU's sequential sums in the last bits only.
+// The adaptive LayerNorm is row_norm.cuh's (LayerNorm's kernels with a per-sample affine); a row's
+// squared error is summed as its rows are: one warp per row, lanes striding over the row, a fixed
+// shuffle tree, so the results differ from the CPU's sequential sums in the last bits only.
 // Per-sample parameter gradients (dshift, dscale, dgate: sums over a sample's T rows): common.cuh's
 // deterministic two-stage column sums, one launch pair per sample into that sample's row of the
 // gradient. No atomics: the same inputs give the same bits.
-#include "common.cuh"
+#include "row_norm.cuh"
 
 namespace shardtrain::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kRowsPerBlock = kThreads / kWarpSize;
 
-unsigned row_blocks(int rows) { return static_cast<unsigned>(ceil_div(static_cast<size_t>(rows), kRowsPerBlock)); }
-
-// out = xhat * (1 + scale[b]) + shift[b], xhat = (x - mean) * rstd (two-pass variance, as the CPU).
-__global__ void modulate_forward_kernel(float* out, float* mean, float* rstd, const float* inp, const float* shift,
-                                        const float* scale, int ld, int T, int C, float eps, int rows) {
-  const int lane = threadIdx.x % kWarpSize;
-  const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarpSize;
-  if (row >= rows) return;
-  const float* x = inp + static_cast<size_t>(row) * C;
-  const float* sh = shift + static_cast<size_t>(row / T) * ld;
-  const float* sc = scale + static_cast<size_t>(row / T) * ld;
-  float* y = out + static_cast<size_t>(row) * C;
-  float sum = 0.0f;
-  for (int i = lane; i < C; i += kWarpSize) sum += x[i];
-  const float m = warp_sum(sum) / C;
-  float var = 0.0f;
-  for (int i = lane; i < C; i += kWarpSize) {
-    const float d = x[i] - m;
-    var += d * d;
-  }
-  const float s = 1.0f / sqrtf(warp_sum(var) / C + eps);
-  for (int i = lane; i < C; i += kWarpSize) y[i] = (x[i] - m) * s * (1.0f + sc[i]) + sh[i];
-  if (lane == 0) mean[row] = m, rstd[row] = s;
-}
-
-// dinp += rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dout * (1 + scale[b]).
-__global__ void modulate_backward_dinp_kernel(float* dinp, const float* dout, const float* inp, const float* scale,
-                                              const float* mean, const float* rstd, int ld, int T, int C, int rows) {
-  const int lane = threadIdx.x % kWarpSize;
-  const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarpSize;
-  if (row >= rows) return;
-  const size_t offset = static_cast<size_t>(row) * C;
-  const float* x = inp + offset;
-  const float* dy = dout + offset;
-  const float* sc = scale + static_cast<size_t>(row / T) * ld;
-  float* dx = dinp + offset;
-  const float m = mean[row], s = rstd[row];
-  float g_mean = 0.0f, g_norm_mean = 0.0f;
-  for (int i = lane; i < C; i += kWarpSize) {
-    const float g = dy[i] * (1.0f + sc[i]);
-    g_mean += g;
-    g_norm_mean += g * (x[i] - m) * s;
-  }
-  g_mean = warp_sum(g_mean) / C;
-  g_norm_mean = warp_sum(g_norm_mean) / C;
-  for (int i = lane; i < C; i += kWarpSize) {
-    const float xhat = (x[i] - m) * s;
-    dx[i] += s * (dy[i] * (1.0f + sc[i]) - g_mean - xhat * g_norm_mean);
-  }
-}
-
-// Row n of one sample (the pointers start at the sample's first row), column c: {dshift, dscale} terms.
-struct ModulateTerms {
-  const float* dout;
-  const float* inp;
-  const float* mean;
-  const float* rstd;
-  int C;
-  __device__ void operator()(int n, int c, float* t) const {
-    const size_t i = static_cast<size_t>(n) * C + c;
-    t[0] = dout[i];
-    t[1] = dout[i] * (inp[i] - mean[n]) * rstd[n];
-  }
+// The modulation of sample row / T: gain 1 + scale, shift, from rows `ld` apart.
+struct SampleAffine {
+  const float* shift_rows;
+  const float* scale_rows;
+  int ld, T;
+  __device__ float gain(int row, int i) const { return 1.0f + scale_rows[static_cast<size_t>(row / T) * ld + i]; }
+  __device__ float shift(int row, int i) const { return shift_rows[static_cast<size_t>(row / T) * ld + i]; }
 };
 
 // out = resid + gate[b] * y (one element per thread; out may be resid); dy = gate[b] * dout.
@@ -113,7 +56,7 @@ struct GateTerm {
 
 __global__ void squared_error_kernel(float* losses, float* out_to_grad, const float* target, int W, int rows) {
   const int lane = threadIdx.x % kWarpSize;
-  const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarpSize;
+  const int row = blockIdx.x * kNormRowsPerBlock + threadIdx.x / kWarpSize;
   if (row >= rows) return;
   float* o = out_to_grad + static_cast<size_t>(row) * W;
   const float* t = target + static_cast<size_t>(row) * W;
@@ -138,8 +81,8 @@ void launch_modulate_forward(float* out, float* mean, float* rstd, const float* 
   check_rows("modulate_forward", ld, B, T, C);
   const int rows = B * T;
   if (rows == 0) return;
-  modulate_forward_kernel<<<row_blocks(rows), kThreads, 0, ctx.stream>>>(out, mean, rstd, inp, shift, scale, ld, T, C,
-                                                                         eps, rows);
+  normalize_rows_kernel<<<norm_row_blocks(rows), kNormRowsPerBlock * kWarpSize, 0, ctx.stream>>>(
+      out, mean, rstd, inp, SampleAffine{shift, scale, ld, T}, eps, rows, C);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -149,16 +92,16 @@ void launch_modulate_backward(float* dinp, float* dshift, float* dscale, const f
   check_rows("modulate_backward", ld, B, T, C);
   const int rows = B * T;
   if (rows == 0) return;
-  modulate_backward_dinp_kernel<<<row_blocks(rows), kThreads, 0, ctx.stream>>>(dinp, dout, inp, scale, mean, rstd, ld,
-                                                                               T, C, rows);
+  normalize_rows_backward_kernel<<<norm_row_blocks(rows), kNormRowsPerBlock * kWarpSize, 0, ctx.stream>>>(
+      dinp, dout, inp, SampleAffine{nullptr, scale, ld, T}, mean, rstd, rows, C);
   CUDA_CHECK_LAUNCH();
   if (!dshift && !dscale) return;
   for (int b = 0; b < B; b++) {
     const size_t first = static_cast<size_t>(b) * T;
-    const ColumnTargets targets{{dshift ? dshift + static_cast<size_t>(b) * ld : nullptr,
-                                 dscale ? dscale + static_cast<size_t>(b) * ld : nullptr}};
+    const ColumnTargets targets{{dscale ? dscale + static_cast<size_t>(b) * ld : nullptr,
+                                 dshift ? dshift + static_cast<size_t>(b) * ld : nullptr}};
     column_sums_accumulate<2>(targets, static_cast<float*>(workspace), T, C,
-                              ModulateTerms{dout + first * C, inp + first * C, mean + first, rstd + first, C}, ctx);
+                              NormParamTerms{dout + first * C, inp + first * C, mean + first, rstd + first, C}, ctx);
   }
 }
 
@@ -190,7 +133,8 @@ void launch_squared_error_forward(float* losses, float* out_to_grad, const float
                                   const LaunchContext& ctx) {
   SHARD_CHECK(N >= 0 && W > 0, "squared_error_forward: N=%d W=%d", N, W);
   if (N == 0) return;
-  squared_error_kernel<<<row_blocks(N), kThreads, 0, ctx.stream>>>(losses, out_to_grad, target, W, N);
+  squared_error_kernel<<<norm_row_blocks(N), kNormRowsPerBlock * kWarpSize, 0, ctx.stream>>>(losses, out_to_grad,
+                                                                                            target, W, N);
   CUDA_CHECK_LAUNCH();
 }
 

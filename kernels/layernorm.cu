@@ -11,82 +11,27 @@
 // throughout; the per-row sums are reassociated (32 lane partials), so results differ from the
 // CPU's sequential sums in the last bits only.
 // The parameter gradients: column sums over rows with the deterministic two-stage reduction of
-// common.cuh (fixed row chunks, then chunks in order), no atomics.
-#include "common.cuh"
+// common.cuh (fixed row chunks, then chunks in order), no atomics. LayerNorm's kernels are
+// row_norm.cuh's, shared with dit.cu's adaptive LayerNorm.
+#include "row_norm.cuh"
 
 namespace shardtrain::kernels {
 namespace {
 
 constexpr float kLayerNormEps = 1e-5f;
-constexpr int kRowsPerBlock = 8;
 
-__global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                                         const float* bias, int N, int C) {
-  const int lane = threadIdx.x % kWarpSize;
-  const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarpSize;
-  if (row >= N) return;
-  const float* x = inp + static_cast<size_t>(row) * C;
-  float* y = out + static_cast<size_t>(row) * C;
-  float sum = 0.0f;
-  for (int i = lane; i < C; i += kWarpSize) sum += x[i];
-  const float m = warp_sum(sum) / C;
-  float var = 0.0f;
-  for (int i = lane; i < C; i += kWarpSize) {
-    const float d = x[i] - m;
-    var += d * d;
-  }
-  const float s = 1.0f / sqrtf(warp_sum(var) / C + kLayerNormEps);
-  for (int i = lane; i < C; i += kWarpSize) y[i] = (x[i] - m) * s * weight[i] + bias[i];
-  if (lane == 0) {
-    mean[row] = m;
-    rstd[row] = s;
-  }
-}
-
-// dinp += rstd * (g - mean(g) - norm * mean(g * norm)), g = dout * weight, norm = (x - mean) * rstd.
-__global__ void layernorm_backward_dinp_kernel(float* dinp, const float* dout, const float* inp, const float* weight,
-                                               const float* mean, const float* rstd, int N, int C) {
-  const int lane = threadIdx.x % kWarpSize;
-  const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarpSize;
-  if (row >= N) return;
-  const size_t offset = static_cast<size_t>(row) * C;
-  const float* x = inp + offset;
-  const float* dy = dout + offset;
-  float* dx = dinp + offset;
-  const float m = mean[row], s = rstd[row];
-  float g_mean = 0.0f, g_norm_mean = 0.0f;
-  for (int i = lane; i < C; i += kWarpSize) {
-    const float g = dy[i] * weight[i];
-    g_mean += g;
-    g_norm_mean += g * (x[i] - m) * s;
-  }
-  g_mean = warp_sum(g_mean) / C;
-  g_norm_mean = warp_sum(g_norm_mean) / C;
-  for (int i = lane; i < C; i += kWarpSize) {
-    const float norm = (x[i] - m) * s;
-    dx[i] += s * (dy[i] * weight[i] - g_mean - norm * g_norm_mean);
-  }
-}
-
-// Row n, column c of the parameter gradients: {dweight term, dbias term}.
-struct LayerNormParamTerms {
-  const float* dout;
-  const float* inp;
-  const float* mean;
-  const float* rstd;
-  int C;
-  __device__ void operator()(int n, int c, float* t) const {
-    const size_t i = static_cast<size_t>(n) * C + c;
-    const float dy = dout[i];
-    t[0] = (inp[i] - mean[n]) * rstd[n] * dy;
-    t[1] = dy;
-  }
+// LayerNorm's affine: a weight and a bias per column.
+struct ColumnAffine {
+  const float* weight;
+  const float* bias;
+  __device__ float gain(int, int i) const { return weight[i]; }
+  __device__ float shift(int, int i) const { return bias[i]; }
 };
 
 __global__ void rmsnorm_forward_kernel(float* out, float* rstd, const float* inp, const float* weight, float eps, int N,
                                        int C) {
   const int lane = threadIdx.x % kWarpSize;
-  const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarpSize;
+  const int row = blockIdx.x * kNormRowsPerBlock + threadIdx.x / kWarpSize;
   if (row >= N) return;
   const float* x = inp + static_cast<size_t>(row) * C;
   float* y = out + static_cast<size_t>(row) * C;
@@ -101,7 +46,7 @@ __global__ void rmsnorm_forward_kernel(float* out, float* rstd, const float* inp
 __global__ void rmsnorm_backward_dinp_kernel(float* dinp, const float* dout, const float* inp, const float* weight,
                                              const float* rstd, int N, int C) {
   const int lane = threadIdx.x % kWarpSize;
-  const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / kWarpSize;
+  const int row = blockIdx.x * kNormRowsPerBlock + threadIdx.x / kWarpSize;
   if (row >= N) return;
   const size_t offset = static_cast<size_t>(row) * C;
   const float* x = inp + offset;
@@ -126,16 +71,14 @@ struct RmsNormWeightTerm {
   }
 };
 
-unsigned row_blocks(int N) { return static_cast<unsigned>(ceil_div(static_cast<size_t>(N), kRowsPerBlock)); }
-
 }  // namespace
 
 void launch_layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
                               const float* bias, int N, int C, const LaunchContext& ctx) {
   SHARD_CHECK(N >= 0 && C > 0, "layernorm_forward: N=%d C=%d", N, C);
   if (N == 0) return;
-  layernorm_forward_kernel<<<row_blocks(N), kRowsPerBlock * kWarpSize, 0, ctx.stream>>>(out, mean, rstd, inp, weight,
-                                                                                        bias, N, C);
+  normalize_rows_kernel<<<norm_row_blocks(N), kNormRowsPerBlock * kWarpSize, 0, ctx.stream>>>(
+      out, mean, rstd, inp, ColumnAffine{weight, bias}, kLayerNormEps, N, C);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -144,23 +87,23 @@ void launch_layernorm_backward(float* dinp, float* dweight, float* dbias, const 
                                void* workspace, const LaunchContext& ctx) {
   SHARD_CHECK(N >= 0 && C > 0, "layernorm_backward: N=%d C=%d", N, C);
   if (N == 0) return;
-  layernorm_backward_dinp_kernel<<<row_blocks(N), kRowsPerBlock * kWarpSize, 0, ctx.stream>>>(dinp, dout, inp, weight,
-                                                                                              mean, rstd, N, C);
+  normalize_rows_backward_kernel<<<norm_row_blocks(N), kNormRowsPerBlock * kWarpSize, 0, ctx.stream>>>(
+      dinp, dout, inp, ColumnAffine{weight, nullptr}, mean, rstd, N, C);
   CUDA_CHECK_LAUNCH();
   // dweight and dbias each may be null (frozen): both null, no column sums (and no workspace read);
   // one null, the pair is still summed (so the other's bits are those of the full backward) but
   // only the non-null one is stored.
   if (dweight || dbias)
     column_sums_accumulate<2>(ColumnTargets{{dweight, dbias}}, static_cast<float*>(workspace), N, C,
-                              LayerNormParamTerms{dout, inp, mean, rstd, C}, ctx);
+                              NormParamTerms{dout, inp, mean, rstd, C}, ctx);
 }
 
 void launch_rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, float eps, int N, int C,
                             const LaunchContext& ctx) {
   SHARD_CHECK(N >= 0 && C > 0 && eps >= 0.0f, "rmsnorm_forward: N=%d C=%d eps=%g", N, C, static_cast<double>(eps));
   if (N == 0) return;
-  rmsnorm_forward_kernel<<<row_blocks(N), kRowsPerBlock * kWarpSize, 0, ctx.stream>>>(out, rstd, inp, weight, eps, N,
-                                                                                      C);
+  rmsnorm_forward_kernel<<<norm_row_blocks(N), kNormRowsPerBlock * kWarpSize, 0, ctx.stream>>>(out, rstd, inp, weight,
+                                                                                              eps, N, C);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -168,8 +111,8 @@ void launch_rmsnorm_backward(float* dinp, float* dweight, const float* dout, con
                              const float* rstd, int N, int C, void* workspace, const LaunchContext& ctx) {
   SHARD_CHECK(N >= 0 && C > 0, "rmsnorm_backward: N=%d C=%d", N, C);
   if (N == 0) return;
-  rmsnorm_backward_dinp_kernel<<<row_blocks(N), kRowsPerBlock * kWarpSize, 0, ctx.stream>>>(dinp, dout, inp, weight,
-                                                                                            rstd, N, C);
+  rmsnorm_backward_dinp_kernel<<<norm_row_blocks(N), kNormRowsPerBlock * kWarpSize, 0, ctx.stream>>>(
+      dinp, dout, inp, weight, rstd, N, C);
   CUDA_CHECK_LAUNCH();
   if (dweight)  // null: a frozen weight, no column sums (and no workspace read)
     column_sums_accumulate<1>(ColumnTargets{{dweight, nullptr}}, static_cast<float*>(workspace), N, C,

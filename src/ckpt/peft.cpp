@@ -21,24 +21,19 @@ namespace shardtrain {
 std::vector<PeftTensor> peft_tensors(const ParamTable& table, const std::string& prefix) {
   const ModelFamily& family = family_of(table.config());
   std::vector<PeftTensor> out;
-  for (int l = 0; l < table.block_count(); l++) {
+  table.for_each_adapted_site([&](int l, const LinearSite& site, int a) {
     const UnitInfo& unit = table.units()[block_unit(l)];
-    const std::vector<LinearSite>& sites = table.block_sites(l);
-    for (size_t k = 0; k < sites.size(); k++) {
-      const int a = table.adapter_param(l, static_cast<int>(k));
-      if (a < 0) continue;
-      // The table names a layer's adapter parameters "<its weight's name less .weight>.<PEFT's
-      // suffix>" (model/param_table.hpp): the suffix follows the module path in PEFT's name.
-      std::string base = table.param(block_unit(l), sites[k].weight).name;
-      base = base.substr(0, base.size() - std::string(".weight").size()) + ".";
-      const std::string module = prefix + family.module_path(table.config(), l, sites[k]) + ".";
-      for (size_t q = a; q < unit.params.size(); q++) {
-        const ParamInfo& p = table.params()[unit.params[q]];
-        if (!p.adapter || p.name.compare(0, base.size(), base) != 0) break;
-        out.push_back({p.id, module + p.name.substr(base.size())});
-      }
+    // The table names a layer's adapter parameters "<its weight's name less .weight>.<PEFT's
+    // suffix>" (model/param_table.hpp): the suffix follows the module path in PEFT's name.
+    std::string base = table.param(block_unit(l), site.weight).name;
+    base = base.substr(0, base.size() - std::string(".weight").size()) + ".";
+    const std::string module = prefix + family.module_path(table.config(), l, site) + ".";
+    for (size_t q = a; q < unit.params.size(); q++) {
+      const ParamInfo& p = table.params()[unit.params[q]];
+      if (!p.adapter || p.name.compare(0, base.size(), base) != 0) break;
+      out.push_back({p.id, module + p.name.substr(base.size())});
     }
-  }
+  });
   return out;
 }
 
@@ -363,21 +358,16 @@ void load_kohya_lora(const std::string& path, const SafetensorsReader& reader, F
     int64_t rows = 0, in = 0;
   };
   std::map<std::string, Module> modules;
-  for (int l = 0; l < table.block_count(); l++) {
+  table.for_each_adapted_site([&](int l, const LinearSite& site, int first) {
     const UnitInfo& unit = table.units()[block_unit(l)];
-    const std::vector<LinearSite>& sites = table.block_sites(l);
-    for (size_t k = 0; k < sites.size(); k++) {
-      const int first = table.adapter_param(l, static_cast<int>(k));
-      if (first < 0) continue;
-      const HfTensor t = family.single_file_tensor(config, table.param(block_unit(l), sites[k].weight));
-      std::string name = "lora_unet_" + t.name.substr(0, t.name.size() - std::string(".weight").size());
-      std::replace(name.begin() + 10, name.end(), '.', '_');
-      Module& m = modules[name];
-      m.rows = t.shape[0], m.in = t.shape[1];
-      m.layers.push_back({unit.params[first], unit.params[first + 1],
-                          t.rows.empty() ? std::make_pair(int64_t{0}, t.shape[0]) : t.rows.front()});
-    }
-  }
+    const HfTensor t = family.single_file_tensor(config, table.param(block_unit(l), site.weight));
+    std::string name = "lora_unet_" + t.name.substr(0, t.name.size() - std::string(".weight").size());
+    std::replace(name.begin() + 10, name.end(), '.', '_');
+    Module& m = modules[name];
+    m.rows = t.shape[0], m.in = t.shape[1];
+    m.layers.push_back({unit.params[first], unit.params[first + 1],
+                        t.rows.empty() ? std::make_pair(int64_t{0}, t.shape[0]) : t.rows.front()});
+  });
   struct Source {
     const SafetensorsTensor* tensor = nullptr;
     int64_t first_row = 0;

@@ -123,6 +123,14 @@ class ParamTable {
   // The position in block `layer`'s unit (as param() takes it) of the adapter on block_sites(layer)[site]:
   // its first parameter, the others following in the order above. -1 where that layer has none.
   int adapter_param(int layer, int site) const { return adapter_params_.empty() ? -1 : adapter_params_[layer][site]; }
+  // f(layer, site, its first adapter parameter's position) for every adapted layer, in block and
+  // site order.
+  template <typename F>
+  void for_each_adapted_site(F f) const {
+    for (int l = 0; l < block_count(); l++)
+      for (size_t k = 0; k < block_sites(l).size(); k++)
+        if (const int first = adapter_param(l, static_cast<int>(k)); first >= 0) f(l, block_sites(l)[k], first);
+  }
   const std::vector<ParamInfo>& params() const { return params_; }
   const std::vector<UnitInfo>& units() const { return units_; }
   // The blocks: the units after the root in forward order, block b being unit block_unit(b), each
