@@ -30,7 +30,7 @@
 #   lib/pmix/        PMIx plugins (PMIX_MCA_mca_base_component_path)
 #   share/openmpi/   Open MPI help texts (OPAL_PKGDATADIR);  share/pmix/  PMIx's (PMIX_PKGDATADIR)
 #   etc/             openmpi-mca-params.conf, openmpi-default-hostfile, pmix-mca-params.conf
-#   env.sh  GLIBC_REQUIRED  CUDA_REQUIRED  MANIFEST (every file and where it came from)
+#   env.sh  GLIBC_REQUIRED  CUDA_REQUIRED  COMMIT (the tree's commit)  MANIFEST (every file and where it came from)
 # Exit status: 0 bundle written and checked; 1 a library is missing, a check failed or the bundle
 # is over budget; 2 usage error.
 set -euo pipefail
@@ -277,6 +277,8 @@ read -r glibc_full glibc_file < "$work/glibc" || die "no GLIBC symbol versions f
 glibc_need=$(awk -F. '{print $1 "." $2}' <<<"$glibc_full")
 echo "$glibc_need" > "$out/GLIBC_REQUIRED"
 printf '%s\n' "${!cuda_needed[@]}" | grep . | sort > "$out/CUDA_REQUIRED" || true
+# The commit the programs were built from (a copy of the tree elsewhere may carry another .git).
+(cd "$ROOT" && echo "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (with local changes)')") > "$out/COMMIT"
 
 # ---- env.sh ---------------------------------------------------------------------------------------
 cat > "$out/env.sh" <<'ENV_SH'

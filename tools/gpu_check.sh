@@ -70,7 +70,11 @@ want() { [[ ",$ONLY," == *",$1,"* ]] && { [ "$1" != bench ] || [ "$TESTS_ONLY" =
 report "# ShardTrain GPU check, $(date -u '+%Y-%m-%d %H:%M UTC')"
 report ""
 report "- host: $(hostname), $(nproc) CPUs, glibc $(getconf GNU_LIBC_VERSION 2>/dev/null | cut -d' ' -f2)"
-report "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with local changes)')"
+if [ -f "$BIN/../COMMIT" ]; then  # the bundle's: the tree it was built from
+  report "- commit: $(cat "$BIN/../COMMIT") (the bundle's)"
+else
+  report "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with local changes)')"
+fi
 if command -v nvidia-smi >/dev/null; then
   report "- GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader 2>&1 | head -1)"
 else

@@ -226,6 +226,9 @@ def test_env_sh_refuses_an_older_glibc():
     proc = subprocess.run(["bash", os.path.join(bundle, "env.sh")], capture_output=True, text=True)
     assert proc.returncode == 0 and re.search(r"glibc \S+ >= \S+ ok", proc.stdout), proc.stdout + proc.stderr
     assert re.fullmatch(r"2\.\d+", open(os.path.join(bundle, "GLIBC_REQUIRED")).read().strip())
+    # The commit it was built from, for gpu_check's report (a copied tree may carry another .git).
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    assert open(os.path.join(bundle, "COMMIT")).read().startswith(head.strip() or "unknown")
 
 
 def test_stubbed_libcurl_aborts_with_a_message():
