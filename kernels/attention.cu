@@ -90,7 +90,7 @@ struct AttentionDims {
   __device__ int first_query_tile(int k0) const { return causal ? k0 : 0; }
   // Whether query row t sees key s by position (the causal mask).
   __device__ bool before(int t, int s) const { return !causal || s <= t; }
-  // Whether query row t of sequence b sees key s (s <= t already known): within its document.
+  // Whether query row t of sequence b sees key s by document (the causal test is before()'s).
   __device__ bool in_document(int b, int t, int s) const {
     return !doc_start || s >= doc_start[static_cast<size_t>(b) * T + t];
   }

@@ -71,6 +71,7 @@ void launch_to_half_rows(uint16_t* out, int ld, const float* in, int rows, int c
   SHARD_CHECK(rows >= 0 && cols >= 0 && ld >= cols, "to_half_rows: rows=%d cols=%d ld=%d", rows, cols, ld);
   const size_t n = static_cast<size_t>(rows) * cols;
   if (n == 0) return;
+  if (ld == cols) return launch_to_half(out, in, n, type, ctx);  // contiguous: no per-element division
   const unsigned grid = grid_for(n, kThreads, ctx);
   if (type == DTYPE_BF16)
     to_half_rows_kernel<DTYPE_BF16><<<grid, kThreads, 0, ctx.stream>>>(out, ld, in, cols, n);

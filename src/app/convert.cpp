@@ -190,7 +190,7 @@ void folder_to_checkpoint(const Runtime& rt, const ConvertOptions& o, Watchdog& 
     throw;
   }
   const double t_end = MPI_Wtime();
-  rt.info("converted Hugging Face folder %s (%s) to checkpoint %s (%s layout, step 0, optimizer moments zero) on %s "
+  rt.info("converted Hugging Face model %s (%s) to checkpoint %s (%s layout, step 0, optimizer moments zero) on %s "
           "in %.2f s (read %.2f s, write %.2f s); parameter shard per rank %s",
           o.input.c_str(), shape_of(table).c_str(), o.output.c_str(), o.layout.c_str(),
           counted(rt.world(), "rank").c_str(), t_end - t0, t_read - t0, t_end - t_read,

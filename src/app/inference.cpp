@@ -66,7 +66,7 @@ std::string load_base_weights(const Runtime& rt, CheckpointManager& manager, con
       loaded = "ShardTrain checkpoint " + from;
     } else if (is_hf_model(from)) {
       load_hf_shards(from, engine);
-      loaded = "Hugging Face folder " + from;
+      loaded = (std::filesystem::is_directory(from) ? "Hugging Face folder " : "model file ") + from;
     } else {
       load_llmc_shards(from, engine);
       loaded = "llm.c checkpoint " + from;

@@ -72,13 +72,17 @@ void add_activation_allocations(const ParamTable& table, int batch, int seq_len,
   for (size_t bytes : SavedActivations<float>::plan_allocations(
            activation_dtype, static_cast<int>(layers), plan_saved_tensor_elements(c, batch, seq_len), sizeof(float)))
     list->push_back({MEM_ACTIVATIONS, bytes});
-  list->push_back({MEM_ACTIVATIONS, BT * sizeof(int)});  // tokens
-  list->push_back({MEM_ACTIVATIONS, BT * sizeof(int)});  // targets
-  list->push_back({MEM_ACTIVATIONS, BT * sizeof(int)});  // document starts (model/decoder_lm.hpp)
-  list->push_back({MEM_ACTIVATIONS, BT * sizeof(int)});  // positions
-  for (size_t n : family_of(c).activation_arrays(c, batch, seq_len, checkpointing))
-    list->push_back({MEM_ACTIVATIONS, n * sizeof(float)});
   const ModelFamily& family = family_of(c);
+  if (family.id_bytes(c, batch, seq_len) > 0) {  // a decoder's (model/decoder_lm.hpp)
+    SHARD_CHECK(family.id_bytes(c, batch, seq_len) == decoder_lm_id_bytes(batch, seq_len), "%s's id arrays",
+                family.name());
+    list->push_back({MEM_ACTIVATIONS, BT * sizeof(int)});  // tokens
+    list->push_back({MEM_ACTIVATIONS, BT * sizeof(int)});  // targets
+    list->push_back({MEM_ACTIVATIONS, BT * sizeof(int)});  // document starts
+    list->push_back({MEM_ACTIVATIONS, BT * sizeof(int)});  // positions
+  }
+  for (size_t n : family.activation_arrays(c, batch, seq_len, checkpointing))
+    if (n) list->push_back({MEM_ACTIVATIONS, n * sizeof(float)});  // an empty array allocates nothing
   const size_t adapters = plan_adapter_bytes(table, family.product_rows(c, batch, seq_len), sizeof(float),
                                              family.adapter_key_rows(c, batch, seq_len));
   if (adapters) list->push_back({MEM_ACTIVATIONS, adapters});
@@ -94,15 +98,6 @@ std::pair<size_t, const char*> largest_kernel_workspace(const ParamTable& table,
   auto consider = [&](size_t bytes, const char* kernel) {
     if (bytes > largest.first) largest = {bytes, kernel};
   };
-  if (family.token_data()) {  // a decoder's embedding, causal attention and norms
-    consider(gpu::encoder_backward_workspace_estimate(B, T), "encoder backward");
-    consider(gpu::attention_backward_workspace_bytes(B, T, c.n_head, c.kv_heads(), c.head_size()),
-             "attention backward");
-    if (family.norm_kind() == NORM_RMS)
-      consider(gpu::rmsnorm_backward_workspace_bytes(N, c.n_embd), "rmsnorm backward");
-    else
-      consider(gpu::layernorm_backward_workspace_bytes(N, c.n_embd), "layernorm backward");
-  }
   for (const ModelFamily::KernelWorkspace& w : family.kernel_workspaces(c, B, T)) consider(w.bytes, w.kernel);
   const std::vector<cpu::LinearShape> linears = linear_layers(c);
   for (const LinearSite& site : table.all_sites())  // the biased products

@@ -513,13 +513,16 @@ namespace {
 void take_model_shape_from_hf_folder(const po::variables_map& vm, Config& c) {
   if (c.checkpoint.init_from.empty() || !is_hf_model(c.checkpoint.init_from)) return;
   const ModelConfig hf = read_hf_model_config(c.checkpoint.init_from);
+  // Where the shape comes from: a folder's config.json, or a single file's tensors.
+  const std::string source =
+      std::filesystem::is_directory(c.checkpoint.init_from) ? "config.json" : "the file's tensors";
   std::string mismatches;
   auto take = [&](const char* key, auto* field, auto value, auto show) {
     if (vm[key].defaulted())
       *field = value;
     else if (*field != value)
-      mismatches += std::string(mismatches.empty() ? "" : ", ") + key + "=" + show(*field) + " but config.json says " +
-                    show(value);
+      mismatches += std::string(mismatches.empty() ? "" : ", ") + key + "=" + show(*field) + " but " + source +
+                    " says " + show(value);
   };
   auto whole = [](int v) { return std::to_string(v); };
   auto real = [](double v) { return strprintf("%.10g", v); };
@@ -553,8 +556,8 @@ void take_model_shape_from_hf_folder(const po::variables_map& vm, Config& c) {
   if (reads("model.rope_axes"))
     take("model.rope_axes", &c.model.rope_axes, hf.rope_axes, [](const std::string& a) { return a; });
   require(mismatches.empty(), "checkpoint.init_from='" + printable_text(c.checkpoint.init_from) + "': " + mismatches +
-                                  "; the shape comes from the folder's config.json: remove these model.* keys from "
-                                  "the configuration (or set them to its values)");
+                                  "; the shape comes from " + source + ": remove these model.* keys from the "
+                                  "configuration (or set them to its values)");
 }
 
 }  // namespace

@@ -32,7 +32,7 @@ ParamTable teacher_param_table(const std::string& source, QuantConfig quant) {
   }
   if (is_hf_model(source)) return ParamTable(read_hf_model_config(source), {}, {}, quant);
   throw UsageError("distill.teacher='" + source + "' is neither a ShardTrain checkpoint (.h5) nor a Hugging Face "
-                   "model folder (config.json and model.safetensors): give one of those");
+                   "model (a folder with config.json and model.safetensors): give one of those");
 }
 
 std::array<size_t, MEM_CATEGORY_COUNT> plan_teacher_memory(const ParamTable& table, const GroupShape& groups,

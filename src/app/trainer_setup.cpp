@@ -353,9 +353,7 @@ void Trainer::print_summary() {
   if (table_.adapter().type != ADAPTER_NONE) {
     const AdapterConfig& a = table_.adapter();
     size_t layers = 0;
-    for (int l = 0; l < table_.block_count(); l++)
-      for (size_t k = 0; k < table_.block_sites(l).size(); k++)
-        layers += table_.adapter_param(l, static_cast<int>(k)) >= 0;
+    table_.for_each_adapted_site([&](int, const LinearSite&, int) { layers++; });
     rt_.info("adapters: %s on %s (%s) | %.3fM trainable parameters, the base's %.2fM frozen",
              adapter_settings(a).c_str(), counted(static_cast<long long>(layers), "layer").c_str(),
              cfg_.adapter.targets.c_str(), table_.trainable_params() / 1e6,

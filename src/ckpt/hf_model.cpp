@@ -140,7 +140,11 @@ bool is_hf_model(const std::string& path) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) return false;
   if (S_ISDIR(st.st_mode)) return ::stat((path + "/config.json").c_str(), &st) == 0;
-  return single_file_family(path) != nullptr;
+  try {
+    return single_file_family(path) != nullptr;
+  } catch (const CheckpointError&) {  // not a readable safetensors file: no model (the caller names what it is)
+    return false;
+  }
 }
 
 ModelConfig read_hf_model_config(const std::string& path) {
@@ -227,6 +231,15 @@ void load_hf_shards(const std::string& path, FsdpEngine& engine) {
                             (lookup(key + ".SCB").tensor ? " and bitsandbytes' 4-bit ones, not its 8-bit (LLM.int8) "
                                                            "format: use a 4-bit or the original folder"
                                                          : ""));
+    int64_t covered = 0;
+    for (const auto& [stored_row, piece_rows] : want.rows) {
+      SHARD_CHECK(stored_row >= 0 && stored_row + piece_rows <= t.shape[0], "%s: rows %lld+%lld of %lld",
+                  p.name.c_str(), static_cast<long long>(stored_row), static_cast<long long>(piece_rows),
+                  static_cast<long long>(t.shape[0]));
+      covered += piece_rows;
+    }
+    SHARD_CHECK(want.rows.empty() || (!want.transposed && covered == p.shape[0]), "%s: pieces of %lld rows",
+                p.name.c_str(), static_cast<long long>(covered));
     used.insert(key);
     sources.push_back({it->second.first, it->second.second, want.transposed, nullptr, want.rows});
   }

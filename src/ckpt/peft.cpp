@@ -361,6 +361,9 @@ void load_kohya_lora(const std::string& path, const SafetensorsReader& reader, F
   table.for_each_adapted_site([&](int l, const LinearSite& site, int first) {
     const UnitInfo& unit = table.units()[block_unit(l)];
     const HfTensor t = family.single_file_tensor(config, table.param(block_unit(l), site.weight));
+    if (t.rows.size() > 1)  // a layer stored in several pieces (swapped halves) has no kohya module of its own
+      throw UsageError(label + ": " + site.module + " is stored in pieces in " + family.single_file_layout() +
+                       "'s layout, which kohya's files do not adapt; remove it from adapter.targets");
     std::string name = "lora_unet_" + t.name.substr(0, t.name.size() - std::string(".weight").size());
     std::replace(name.begin() + 10, name.end(), '.', '_');
     Module& m = modules[name];
@@ -398,7 +401,7 @@ void load_kohya_lora(const std::string& path, const SafetensorsReader& reader, F
       if (alpha->numel != 1) throw CheckpointError(label + ": '" + name + ".alpha' is not one number");
       reader.read_fp32(*alpha, 0, 1, &file_alpha);
     }
-    const float scale = static_cast<float>((double(file_alpha) / rank) / (a.alpha / a.rank));
+    const float scale = static_cast<float>((double(file_alpha) / rank) / a.scaling());
     for (const Layer& layer : m.layers) {
       sources[layer.lora_a] = {down, 0, 1.0f};
       sources[layer.lora_b] = {up, layer.rows.first, scale};

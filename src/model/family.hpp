@@ -148,15 +148,14 @@ void require_capability(const ModelConfig& config, const std::string& use, const
   virtual int adapter_key_rows(const ModelConfig& c, int batch, int seq_len) const {
     return product_rows(c, batch, seq_len);
   }
-  // The GPU kernels' workspace requests of its own layers beyond a decoder's (backend/gpu_memory.hpp's
-  // sizes, with what asks): the memory plan takes the largest of these and the decoder layers'.
+  // The GPU kernels' workspace requests of its layers in such a micro-batch (backend/gpu_memory.hpp's
+  // sizes, with what asks) but the biased products' and DoRA's, which the memory plan adds from the
+  // adapter sites: by default a decoder's embedding, causal attention and norm.
   struct KernelWorkspace {
     size_t bytes;
     const char* kernel;
   };
-  virtual std::vector<KernelWorkspace> kernel_workspaces(const ModelConfig&, int /*batch*/, int /*seq_len*/) const {
-    return {};
-  }
+  virtual std::vector<KernelWorkspace> kernel_workspaces(const ModelConfig& config, int batch, int seq_len) const;
 
   // --- Hugging Face files ---
   // The transformers class ("LlamaForCausalLM") and whether a config.json's model_type is read by

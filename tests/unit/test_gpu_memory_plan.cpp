@@ -442,6 +442,29 @@ TEST(GpuMemoryPlan, FluxPlansItsOwnKernelsWorkspaces) {
   EXPECT_EQ(plan.gpu.kernel_workspace, expected);
   EXPECT_STREQ(plan.gpu.largest_kernel, "joint attention backward");
   EXPECT_EQ(plan.gpu.attention(), 0u);
+  // Every kind of row asks (the column sums' chunks do not grow steadily with the rows): the image
+  // stream's N = T and the text's L rows too, and the samples' modulations.
+  for (int rows : {T, m.context_len, S}) {
+    EXPECT_GE(plan.gpu.kernel_workspace, gpu::modulate_backward_workspace_bytes(rows, C)) << rows;
+    EXPECT_GE(plan.gpu.kernel_workspace, gpu::matmul_backward_workspace_bytes(B * rows, 4 * C)) << rows;
+  }
+  EXPECT_GE(plan.gpu.kernel_workspace, gpu::matmul_backward_workspace_bytes(B, 6 * C));
+
+  // The allocation list (the allocator's rounding) holds what the model allocates: no token ids,
+  // no empty arrays, the adapters with their dropout keys; it sums to the plan's categories.
+  for (bool ckpt : {false, true}) {
+    AdapterConfig lora;
+    lora.type = ADAPTER_LORA, lora.targets = {"attn.to_q", "proj_mlp"}, lora.rank = 4, lora.dropout = 0.1;
+    const ParamTable adapted(m, {}, lora);
+    const MemoryPlan p = plan_rank_memory(adapted, GroupShape{2, 0, 1, 0}, EngineOptions{}, B, T, ckpt, ComputeOptions{}, {});
+    std::array<size_t, MEM_CATEGORY_COUNT> sums{};
+    for (const PlannedAllocation& a : plan_device_allocations(adapted, GroupShape{2, 0, 1, 0}, EngineOptions{}, B, T, ckpt)) {
+      EXPECT_GT(a.bytes, 0u);
+      sums[a.category] += a.bytes;
+    }
+    for (int k = 0; k < MEM_CATEGORY_COUNT; k++)
+      EXPECT_EQ(sums[k], p.bytes[k]) << mem_category_name(static_cast<MemCategory>(k)) << " flux ckpt " << ckpt;
+  }
 
   // cuDNN's attention (its unmasked graph) over the joint sequence: the staging buffers of S tokens.
   m.context_len = 40;  // S = 56

@@ -102,17 +102,12 @@ class CudaLayerOps final : public LayerOps<float> {
   // Packed documents (doc_start) run on the tiled kernels: the cuDNN graph has the causal mask only.
   void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
                          const int* doc_start) const override {
-    if (!doc_start && cudnn_ &&
-        cudnn_->forward(out, lse, qkv, B, T, NH, KV, HS, bf16_copy(qkv, qkv_elements(B, T, NH, KV, HS))))
-      return;
+    if (!doc_start && cudnn_forward(out, lse, qkv, B, T, NH, KV, HS, true)) return;
     kernels::launch_attention_forward(out, lse, qkv, B, T, NH, KV, HS, doc_start, launch());
   }
   void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int B,
                           int T, int NH, int KV, int HS, const int* doc_start) const override {
-    if (!doc_start && cudnn_ &&
-        cudnn_->backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS, bf16_copy(qkv, qkv_elements(B, T, NH, KV, HS)),
-                         bf16_copy(out, static_cast<size_t>(B) * T * NH * HS)))
-      return;
+    if (!doc_start && cudnn_backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS, true)) return;
     void* ws = workspace(kernels::attention_backward_workspace_bytes(B, T, NH, KV, HS));  // each row's D
     kernels::launch_attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS, doc_start, ws, launch());
   }
@@ -141,17 +136,12 @@ class CudaLayerOps final : public LayerOps<float> {
   // when train.attention picks cuDNN, else on the tiled kernels.
   void bidirectional_attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH,
                                        int HS) const override {
-    if (cudnn_ &&
-        cudnn_->forward(out, lse, qkv, B, T, NH, NH, HS, bf16_copy(qkv, qkv_elements(B, T, NH, NH, HS)), false))
-      return;
+    if (cudnn_forward(out, lse, qkv, B, T, NH, NH, HS, false)) return;
     kernels::launch_bidirectional_attention_forward(out, lse, qkv, B, T, NH, HS, launch());
   }
   void bidirectional_attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
                                         const float* lse, int B, int T, int NH, int HS) const override {
-    if (cudnn_ &&
-        cudnn_->backward(dqkv, dout, qkv, out, lse, B, T, NH, NH, HS, bf16_copy(qkv, qkv_elements(B, T, NH, NH, HS)),
-                         bf16_copy(out, static_cast<size_t>(B) * T * NH * HS), false))
-      return;
+    if (cudnn_backward(dqkv, dout, qkv, out, lse, B, T, NH, NH, HS, false)) return;
     void* ws = workspace(kernels::attention_backward_workspace_bytes(B, T, NH, NH, HS));  // each row's D
     kernels::launch_bidirectional_attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, HS, ws, launch());
   }
@@ -298,6 +288,19 @@ class CudaLayerOps final : public LayerOps<float> {
     return static_cast<size_t>(B) * T * (NH + 2 * KV) * HS;
   }
   const LaunchContext& launch() const { return gemm_.launch; }
+  // cuDNN's attention with the bf16 copies bound to the ops (false: no cuDNN here, or no plan for
+  // the shape; the caller runs the tiled kernels).
+  bool cudnn_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
+                     bool causal) const {
+    return cudnn_ &&
+           cudnn_->forward(out, lse, qkv, B, T, NH, KV, HS, bf16_copy(qkv, qkv_elements(B, T, NH, KV, HS)), causal);
+  }
+  bool cudnn_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int B,
+                      int T, int NH, int KV, int HS, bool causal) const {
+    return cudnn_ && cudnn_->backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS,
+                                      bf16_copy(qkv, qkv_elements(B, T, NH, KV, HS)),
+                                      bf16_copy(out, static_cast<size_t>(B) * T * NH * HS), causal);
+  }
 
   // At least `bytes` of device memory, valid until the next call (stream-ordered reuse).
   void* workspace(size_t bytes) const { return grow(&workspace_, &workspace_bytes_, bytes); }

@@ -1,4 +1,5 @@
 // The registry of model families (model/family.hpp): adding a family is its folder and one line here.
+#include "backend/gpu_memory.hpp"
 #include "core/error.hpp"
 #include "model/param_table.hpp"
 #include "model/families/flux/flux_family.hpp"
@@ -46,6 +47,15 @@ const ModelFamily& family_of(const ModelConfig& config) {
   const ModelFamily* f = find_model_family(config.arch);
   SHARD_CHECK(f, "model.arch '%s' is no registered family (%s)", config.arch.c_str(), model_family_names().c_str());
   return *f;
+}
+
+std::vector<ModelFamily::KernelWorkspace> ModelFamily::kernel_workspaces(const ModelConfig& c, int B, int T) const {
+  const int N = product_rows(c, B, T);
+  return {{gpu::encoder_backward_workspace_estimate(B, T), "encoder backward"},
+          {gpu::attention_backward_workspace_bytes(B, T, c.n_head, c.kv_heads(), c.head_size()), "attention backward"},
+          norm_kind() == NORM_RMS
+              ? KernelWorkspace{gpu::rmsnorm_backward_workspace_bytes(N, c.n_embd), "rmsnorm backward"}
+              : KernelWorkspace{gpu::layernorm_backward_workspace_bytes(N, c.n_embd), "layernorm backward"}};
 }
 
 // Called only for a family whose reads_single_file accepted the file.

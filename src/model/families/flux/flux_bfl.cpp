@@ -45,8 +45,14 @@ std::vector<int64_t> shape_of(const TensorShapes& t, const std::string& name) {
 // The blocks "<kind>.N." count: one more than the largest N, every N below it present.
 int count_blocks(const TensorShapes& t, const std::string& kind, const std::string& path) {
   std::set<long> seen;
-  for (const auto& [name, shape] : t)
-    if (name.rfind(kind + ".", 0) == 0) seen.insert(std::strtol(name.c_str() + kind.size() + 1, nullptr, 10));
+  for (const auto& [name, shape] : t) {
+    if (name.rfind(kind + ".", 0) != 0) continue;
+    char* end = nullptr;
+    const long block = std::strtol(name.c_str() + kind.size() + 1, &end, 10);
+    if (end == name.c_str() + kind.size() + 1 || *end != '.' || block < 0)
+      throw CheckpointError("safetensors file '" + path + "': tensor '" + name + "' names no " + kind + " number");
+    seen.insert(block);
+  }
   if (!seen.empty() && (*seen.begin() != 0 || *seen.rbegin() + 1 != static_cast<long>(seen.size())))
     throw CheckpointError("safetensors file '" + path + "': the " + kind + " are not numbered 0.." +
                           std::to_string(seen.size() - 1));

@@ -176,13 +176,22 @@ class FluxFamily final : public ModelFamily {
   int attention_tokens(const ModelConfig& c, int seq_len) const override {
     return c.context_len + seq_len + c.condition_len;
   }
-  // Per sample the joint sequence of S = L + N rows is the longest a layer sees.
+  // Its kernels meet rows of three kinds per sample -- N image, L text, S = L + N joint tokens -- and
+  // the column sums' chunking does not grow steadily with the rows (gpu_memory.hpp's column_chunks),
+  // so each kind asks. The biased products: at most 4 x n_embd wide on tokens (the embedders too),
+  // 6 x n_embd on the samples (the modulations).
   std::vector<KernelWorkspace> kernel_workspaces(const ModelConfig& c, int batch, int seq_len) const override {
     const int S = attention_tokens(c, seq_len), H = c.n_head, D = c.head_size(), C = c.n_embd;
-    return {{gpu::attention_backward_workspace_bytes(batch, S, H, H, D), "joint attention backward"},
-            {gpu::rmsnorm_backward_workspace_bytes(batch * S * H, D), "q/k RMSNorm backward"},
-            {gpu::modulate_backward_workspace_bytes(S, C), "adaptive LayerNorm backward"},
-            {gpu::gate_backward_workspace_bytes(S, C), "gated residual backward"}};
+    std::vector<KernelWorkspace> w = {
+        {gpu::attention_backward_workspace_bytes(batch, S, H, H, D), "joint attention backward"},
+        {gpu::matmul_backward_workspace_bytes(batch, 6 * C), "matmul backward (bias)"}};
+    for (int rows : {seq_len + c.condition_len, c.context_len, S}) {
+      w.push_back({gpu::rmsnorm_backward_workspace_bytes(batch * rows * H, D), "q/k RMSNorm backward"});
+      w.push_back({gpu::modulate_backward_workspace_bytes(rows, C), "adaptive LayerNorm backward"});
+      w.push_back({gpu::gate_backward_workspace_bytes(rows, C), "gated residual backward"});
+      w.push_back({gpu::matmul_backward_workspace_bytes(batch * rows, 4 * C), "matmul backward (bias)"});
+    }
+    return w;
   }
   bool samples_images() const override { return true; }
   // The modulation (AdaLayerNormZero's linear of each block) stays full precision, as the FLUX
@@ -229,7 +238,7 @@ class FluxFamily final : public ModelFamily {
                              : "single_transformer_blocks." + std::to_string(block - c.n_layer) + "." + site.module;
   }
   int product_rows(const ModelConfig& c, int batch, int seq_len) const override {
-    return batch * (seq_len + c.condition_len + c.context_len);
+    return batch * attention_tokens(c, seq_len);
   }
   int adapter_key_rows(const ModelConfig& c, int batch, int seq_len) const override {
     return FluxModel<float>::dropout_key_rows(c, batch, seq_len);

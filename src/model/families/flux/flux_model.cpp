@@ -242,7 +242,7 @@ size_t FluxModel<Real>::dropout_key_first(int run) const {
 
 template <typename Real>
 void FluxModel<Real>::set_dropout_keys(const uint64_t* keys) {
-  if (!keys) return adapters_.set_dropout_keys(nullptr);
+  if (!keys || table_.adapter().dropout == 0) return adapters_.set_dropout_keys(nullptr);
   // Each row's key from its sample's (the trainer's key of the sample's first target token, a
   // function of the seed, the step and the sequence), its kind of row and its position: the same
   // masks on any rank count, and none shared between kinds.
