@@ -49,7 +49,8 @@ bool parse_convert_args(const Runtime& rt, const std::vector<std::string>& args,
        "Black Forest Labs' FLUX.1 single .safetensors file, or a ShardTrain checkpoint (.h5, either layout, saved on "
        "any rank count)")
       ("output", po::value(&o.output)->required(),
-       "the checkpoint file to write (from a folder), or the folder to write (from a checkpoint)")
+       "the checkpoint file to write (from a folder), or the folder to write (from a checkpoint; a FLUX checkpoint to "
+       "a name ending in .safetensors: Black Forest Labs' single file)")
       ("layout", po::value(&o.layout)->default_value(o.layout),
        "to a checkpoint: sharded (one flat dataset per unit) or gathered (one per parameter); both load on any rank "
        "count")
@@ -85,6 +86,10 @@ bool parse_convert_args(const Runtime& rt, const std::vector<std::string>& args,
 
 enum Direction { TO_CHECKPOINT, TO_FOLDER };
 
+// A checkpoint's output as the family's single file (Black Forest Labs' FLUX.1 layout) rather than
+// a Hugging Face folder: an output path ending in .safetensors.
+bool single_file_output(const ConvertOptions& o) { return fs::path(o.output).extension() == ".safetensors"; }
+
 // The direction the input gives, after every check that needs no reading of it: the paths and the
 // options that apply to that direction. Throws UsageError.
 Direction check_paths(const ConvertOptions& o) {
@@ -109,8 +114,11 @@ Direction check_paths(const ConvertOptions& o) {
       throw UsageError(output + " exists; remove it, name another, or pass --overwrite to replace it");
     if (d == TO_CHECKPOINT && fs::is_directory(o.output, ec))
       throw UsageError(output + " is a folder; a checkpoint is one file: name the .h5 file to write");
-    if (d == TO_FOLDER && !fs::is_directory(o.output, ec))
-      throw UsageError(output + " is a file; a Hugging Face model is a folder: name the folder to write");
+    if (d == TO_FOLDER && !fs::is_directory(o.output, ec) && !single_file_output(o))
+      throw UsageError(output + " is a file; a Hugging Face model is a folder: name the folder to write (or a "
+                       "FLUX.1 single .safetensors file)");
+    if (d == TO_FOLDER && fs::is_directory(o.output, ec) && single_file_output(o))
+      throw UsageError(output + " is a folder; a .safetensors output is one file: name the file to write");
   }
   auto only = [&](bool given, const char* option, const char* why) {
     if (given) throw UsageError(std::string(option) + " " + why + HELP);
@@ -213,15 +221,28 @@ void checkpoint_to_folder(const Runtime& rt, const ConvertOptions& o, Watchdog& 
   ShardHolder holder(rt, table, watchdog);
   rt.agree_on([&] { load_checkpoint_weights(o.input, holder.engine, holder.ranks); });
   const double t_read = MPI_Wtime();
-  const HfExportPlan plan = hf_export_plan(table, dtype, max_file_bytes);
-  write_hf_folder(
-      rt, table.config(), o.output, dtype, plan,
-      [&](SafetensorsWriters& writers) { write_hf_shards(holder.engine, plan, writers); }, recorded_tokenizer(state));
+  const bool single = single_file_output(o);
+  if (single && !family_of(table.config()).single_file_layout())
+    throw UsageError("convert --output='" + printable_text(o.output) + "': a single .safetensors file is " +
+                     "written for FLUX (Black Forest Labs' layout); model.arch=" + table.config().arch +
+                     " goes to a Hugging Face folder: name a folder");
+  if (single && o.max_file_size_given)
+    throw UsageError("--max-file-size applies to a Hugging Face folder; a single file holds every tensor" + std::string(HELP));
+  const HfExportPlan plan = single ? single_file_export_plan(table, dtype, fs::path(o.output).filename().string())
+                                   : hf_export_plan(table, dtype, max_file_bytes);
+  auto write_tensors = [&](SafetensorsWriters& writers) { write_hf_shards(holder.engine, plan, writers); };
+  if (single)
+    write_model_file(rt, o.output, plan, write_tensors);
+  else
+    write_hf_folder(rt, table.config(), o.output, dtype, plan, write_tensors, recorded_tokenizer(state));
   const double t_end = MPI_Wtime();
-  rt.info("converted checkpoint %s (step %lld) to Hugging Face folder %s (%s; config.json, %s, %s in %s) on %s in "
+  rt.info("converted checkpoint %s (step %lld) to %s %s (%s; %s%s, %s in %s) on %s in "
           "%.2f s (read %.2f s, write %.2f s); parameter shard per rank %s",
-          o.input.c_str(), static_cast<long long>(state.step), o.output.c_str(), shape_of(table).c_str(),
-          plan.entry_name().c_str(),
+          o.input.c_str(), static_cast<long long>(state.step),
+          single ? (std::string(family_of(table.config()).single_file_layout()) + " single file").c_str()
+                 : "Hugging Face folder",
+          o.output.c_str(),
+          shape_of(table).c_str(), single ? "" : "config.json, ", plan.entry_name().c_str(),
           human_bytes(static_cast<double>(plan.tensor_bytes)).c_str(),
           counted(static_cast<long long>(plan.files.size()), "file").c_str(), counted(rt.world(), "rank").c_str(),
           t_end - t0, t_read - t0, t_end - t_read, human_bytes(4.0 * holder.engine.local_param_count()).c_str());

@@ -362,6 +362,42 @@ void write_hf_folder(const Runtime& rt, const ModelConfig& model, const std::str
   }
 }
 
+void write_model_file(const Runtime& rt, const std::string& path, const HfExportPlan& plan,
+                      const std::function<void(SafetensorsWriters&)>& write_tensors) {
+  namespace fs = std::filesystem;
+  // As a folder's: written whole beside its place (<path>.partial), then committed by one rename.
+  const std::string partial = path + ".partial";
+  const SafetensorsLayout& layout = plan.files.at(0).layout;
+  try {
+    rt.agree_on([&] {
+      if (!rt.is_root()) return;
+      std::error_code ignored;
+      fs::remove(partial, ignored);  // what a write killed before its commit left
+      create_safetensors_file(partial, layout);
+    });
+    rt.agree_on([&] {
+      SafetensorsWriters writers;
+      writers.push_back(std::make_unique<SafetensorsWriter>(partial, layout));
+      write_tensors(writers);
+      writers.back()->finish();
+    });
+    rt.agree_on([&] {
+      if (!rt.is_root()) return;
+      std::string synced = CheckpointManager::fsync_path(partial);
+      if (!synced.empty()) throw CheckpointError(synced);
+      std::error_code error;
+      fs::rename(partial, path, error);
+      if (error) throw CheckpointError("--output '" + path + "': cannot rename '" + partial + "' into place: " + error.message());
+      synced = CheckpointManager::fsync_path(fs::absolute(path).parent_path().string());
+      if (!synced.empty()) throw CheckpointError(synced);
+    });
+  } catch (const InputError&) {
+    std::error_code ignored;
+    if (rt.is_root()) fs::remove(partial, ignored);
+    throw;
+  }
+}
+
 namespace {
 
 // diffusers' lora_adapter_metadata: the LoraConfig's keys under the component's prefix, as

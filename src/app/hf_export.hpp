@@ -44,6 +44,10 @@ using SafetensorsWriters = std::vector<std::unique_ptr<SafetensorsWriter>>;
 void write_hf_folder(const Runtime& rt, const ModelConfig& model, const std::string& out_dir, DType dtype,
                      const HfExportPlan& plan, const std::function<void(SafetensorsWriters&)>& write_tensors,
                      const std::string& tokenizer = "");
+// Collective. The same for a model's single file (single_file_export_plan): written whole as
+// <path>.partial, committed by one rename.
+void write_model_file(const Runtime& rt, const std::string& path, const HfExportPlan& plan,
+                      const std::function<void(SafetensorsWriters&)>& write_tensors);
 
 // The run's data.tokenizer as a checkpoint records it ("" = none).
 std::string recorded_tokenizer(const CheckpointState& state);

@@ -314,6 +314,17 @@ void write_hf_shards(FsdpEngine& engine, const HfExportPlan& plan,
       const size_t first = own.range.begin - p.offset, count = own.range.size();
       SafetensorsWriter& writer = *writers[plan.where[p.id].first];
       const size_t entry = plan.where[p.id].second;
+      if (!plan.rows[p.id].empty()) {  // our rows' pieces of a fused tensor (load_hf_shards' reading, reversed)
+        const size_t cols = p.numel / p.shape[0];
+        size_t ours = 0;
+        for (const auto& [stored_row, piece_rows] : plan.rows[p.id]) {
+          const size_t piece = static_cast<size_t>(piece_rows) * cols;
+          const size_t lo = std::max(first, ours), hi = std::min(first + count, ours + piece);
+          if (lo < hi) writer.write_fp32(entry, stored_row * cols + (lo - ours), hi - lo, slice + (lo - first));
+          ours += piece;
+        }
+        continue;
+      }
       if (!hf_tensor_of(table.config(), p).transposed) {
         writer.write_fp32(entry, first, count, slice);
         continue;
@@ -358,6 +369,7 @@ HfExportPlan hf_export_plan(const ParamTable& table, DType dtype, uint64_t max_f
     const uint64_t bytes = p.numel * dtype_bytes(dtype);
     if (max_file_bytes && in_group > 0 && in_group + bytes > max_file_bytes) groups.emplace_back(), in_group = 0;
     plan.where.emplace_back(groups.size() - 1, groups.back().size());
+    plan.rows.emplace_back();
     groups.back().push_back({t.name, dtype, t.shape});
     in_group += bytes;
     plan.tensor_bytes += bytes;
@@ -368,6 +380,27 @@ HfExportPlan hf_export_plan(const ParamTable& table, DType dtype, uint64_t max_f
                                  : strprintf("%s-%05zu-of-%05zu.safetensors", base.c_str(), f + 1, groups.size());
     plan.files.push_back({name, SafetensorsLayout(groups[f], {{"format", "pt"}})});
   }
+  return plan;
+}
+
+HfExportPlan single_file_export_plan(const ParamTable& table, DType dtype, const std::string& name) {
+  const ModelFamily& family = family_of(table.config());
+  HfExportPlan plan;
+  std::vector<SafetensorsEntry> entries;
+  std::map<std::string, size_t> entry_of;
+  for (const ParamInfo& p : table.params()) {
+    const HfTensor t = family.single_file_tensor(table.config(), p);
+    auto [it, added] = entry_of.emplace(t.name, entries.size());
+    if (added) {
+      entries.push_back({t.name, dtype, t.shape});
+      uint64_t numel = 1;
+      for (int64_t d : t.shape) numel *= static_cast<uint64_t>(d);
+      plan.tensor_bytes += numel * dtype_bytes(dtype);
+    }
+    plan.where.emplace_back(0, it->second);
+    plan.rows.push_back(t.rows);
+  }
+  plan.files.push_back({name, SafetensorsLayout(entries, {{"format", "pt"}})});
   return plan;
 }
 

@@ -64,6 +64,9 @@ struct HfExportFile {
 struct HfExportPlan {
   std::vector<HfExportFile> files;
   std::vector<std::pair<size_t, size_t>> where;  // by parameter id: (file, entry in the file)
+  // by parameter id: its rows as pieces of the entry's (HfTensor::rows; a single file's fused
+  // tensors), empty where it is the whole entry
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> rows;
   uint64_t tensor_bytes = 0;                     // the index's metadata.total_size
   std::string index_name;                        // <weights>.safetensors.index.json (ModelFamily::hf_weights)
   // The index's text, or "" for one file.
@@ -72,6 +75,9 @@ struct HfExportPlan {
   const std::string& entry_name() const { return files.size() == 1 ? files[0].name : index_name; }
 };
 HfExportPlan hf_export_plan(const ParamTable& table, DType dtype, uint64_t max_file_bytes);
+// The family's single file (ModelFamily::single_file_tensor: Black Forest Labs' FLUX.1 layout),
+// `name`: one entry per stored tensor, several parameters writing their rows of a fused one.
+HfExportPlan single_file_export_plan(const ParamTable& table, DType dtype, const std::string& name);
 // Writes the part of this rank's parameter shards that it owns (one rank among replicas, padding
 // left out) into the files of `plan`, opened in `writers` (one per file): every element of the
 // model is written by exactly one rank. A transposed weight goes through a bounded buffer (16 MiB),

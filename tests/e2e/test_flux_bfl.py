@@ -226,3 +226,34 @@ def test_a_kohya_lora_file_is_read_into_each_fused_layer():
     with_te = os.path.join(tempdir(), "with_te.safetensors")
     write_safetensors(tensors, with_te)
     expect_usage_error(flux_args(*lora, f"--adapter.init_from={with_te}"), "adapts a text encoder")
+
+
+def test_a_checkpoint_converts_to_a_black_forest_labs_file_and_back():
+    # Out: the file holds BFL's tensors as the test lays them out from the diffusers folder (fused
+    # q|k|v and linear1, the final modulation's halves swapped), exactly; back in: the same checkpoint.
+    folder, _ = folder_and_file(seed=9)
+    params = make_diffusers_folder(folder, CFG, 9)
+    ckpt, again = os.path.join(tempdir(), "a.h5"), os.path.join(tempdir(), "b.h5")
+    convert(folder, ckpt)
+    single = os.path.join(tempdir(), "out", "flux1-out.safetensors")
+    os.makedirs(os.path.dirname(single))
+    proc = run(2, ["convert", "--input", ckpt, "--output", single])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "single file" in proc.stdout and os.listdir(os.path.dirname(single)) == ["flux1-out.safetensors"]
+    got = read_safetensors(single)[0]
+    want = bfl_tensors(params, CFG)
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert np.array_equal(got[name], value.astype(np.float32)), name
+    convert(single, again)
+    a, b = datasets(ckpt), datasets(again)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
+    # A language model has no single-file layout; a folder named .safetensors is refused.
+    from harness import tiny_args
+    gpt = tempdir()
+    assert run(1, tiny_args(f"--checkpoint.dir={gpt}", "--train.steps=1")).returncode == 0
+    expect_usage_error(["convert", "--input", os.path.join(gpt, "ckpt-00000001.h5"), "--output",
+                        os.path.join(tempdir(), "gpt.safetensors")], "model.arch=gpt2 goes to a Hugging Face folder",
+                       np_=1)
