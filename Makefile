@@ -42,14 +42,14 @@ endif
 DEB_PACKAGES := g++ make pkg-config python3 openmpi-bin libopenmpi-dev libopenblas-openmp-dev \
                 libboost-program-options-dev libhdf5-openmpi-dev hdf5-tools libgtest-dev \
                 libbenchmark-dev nlohmann-json3-dev python3-h5py python3-numpy python3-matplotlib \
-                libpcre2-dev libutf8proc-dev libdnnl-dev libblis-openmp-dev strace
+                libpcre2-dev libutf8proc-dev libpng-dev libdnnl-dev libblis-openmp-dev strace
 
 # Where the libraries come from (docs/cluster.md, section 1). DEPS=debian, the default where
 # dpkg-query exists: the Debian packages above are checked before the first compile (and installed
 # when root). DEPS=none, the default elsewhere: nothing is checked, and the compiler finds the
 # libraries on its own paths, under the prefixes named below, or through the *_INC/*_LIB variables.
 # HDF5_ROOT and OPENBLAS_ROOT (which environment modules and Spack set) are the parallel HDF5's and
-# OpenBLAS's prefixes; DEP_ROOTS lists more prefixes (Boost, oneDNN, PCRE2, utf8proc, nlohmann_json),
+# OpenBLAS's prefixes; DEP_ROOTS lists more prefixes (Boost, oneDNN, PCRE2, utf8proc, libpng, nlohmann_json),
 # each searched in include/, lib/ and lib64/, and found again at run time (rpath).
 DEPS      ?= $(shell dpkg-query -W dpkg >/dev/null 2>&1 && echo debian || echo none)
 DEP_ROOTS ?=
@@ -81,7 +81,7 @@ CPPFLAGS += -DSHARDTRAIN_MARCH='"$(or $(patsubst -march=%,%,$(filter -march=%,$(
 CXXFLAGS := -std=c++17 $(OPT) -g -fopenmp -Wall -Wextra -Wno-unused-parameter -MMD -MP
 LDFLAGS  := -fopenmp -L$(OPENBLAS_LIB) -Wl,-rpath,$(OPENBLAS_LIB) -L$(HDF5_LIB) -Wl,-rpath,$(HDF5_LIB)
 LDFLAGS  += $(foreach r,$(DEP_ROOTS),-L$(r)/lib -L$(r)/lib64 -Wl,-rpath,$(r)/lib -Wl,-rpath,$(r)/lib64)
-LDLIBS   := -lopenblas -ldnnl -lhdf5 -lboost_program_options -lpcre2-8 -lutf8proc -lpthread
+LDLIBS   := -lopenblas -ldnnl -lhdf5 -lboost_program_options -lpcre2-8 -lutf8proc -lpng16 -lpthread
 ifneq ($(SAN),)
 CXXFLAGS += -fsanitize=$(SAN) -fno-omit-frame-pointer
 LDFLAGS  += -fsanitize=$(SAN)

@@ -27,6 +27,7 @@
 #include "ckpt/llmc.hpp"
 #include "data/data_commands.hpp"
 #include "data/synth.hpp"
+#include "data/synth_images.hpp"
 
 namespace po = boost::program_options;
 using namespace shardtrain;
@@ -43,6 +44,8 @@ const char* USAGE =
     "  data encode    encode text, JSON Lines or a folder of them: byte-level tokens (vocab_size 256), or with\n"
     "                 --tokenizer a Hugging Face byte-level BPE tokenizer.json\n"
     "  data decode    a token file back to text (bytes, or with --tokenizer its tokenizer.json)\n"
+    "  data synth-images  a synthetic captioned image set (shapes, colours, sizes, positions) for a pixel-space model\n"
+    "  data check-images  grade images of that world against their captions, per attribute\n"
     "  generate       continue a prompt with a trained checkpoint (greedy or sampled; any rank count)\n"
     "  eval           a language model's loss and perplexity on token files, from a checkpoint (any rank count)\n"
     "  sample         images (latents) from a FLUX checkpoint with the flow-matching Euler sampler\n"
@@ -64,20 +67,43 @@ std::vector<std::string> parse_tool_options(const std::vector<std::string>& args
 }
 
 int run_data(Runtime& rt, const std::vector<std::string>& args) {
-  if (args.empty() || (args[0] != "synth" && args[0] != "encode" && args[0] != "decode"))
-    throw UsageError("'shardtrain data' needs 'synth', 'encode' or 'decode'; see 'shardtrain --help'");
+  if (args.empty() || (args[0] != "synth" && args[0] != "encode" && args[0] != "decode" && args[0] != "synth-images" &&
+                       args[0] != "check-images"))
+    throw UsageError("'shardtrain data' needs 'synth', 'encode', 'decode', 'synth-images' or 'check-images'; see "
+                     "'shardtrain --help'");
   const bool synth = args[0] == "synth", decode = args[0] == "decode";
+  const bool synth_images = args[0] == "synth-images", check_images = args[0] == "check-images";
   // The counts are read as text: Boost reads "-1" into an unsigned option as 2^64-1.
   std::string out_dir = "inputs/data", input, output, seed = "1", tokenizer, separator, first = "0", count = "0";
   std::string train_bytes = std::to_string(4 << 20), val_bytes = std::to_string(256 << 10), shard_tokens = "0";
   std::string timeout = "300", loss_on = "completion";
+  std::string images, labels, json, image_size = "32", patch = "4", train_images = "8192", val_images = "256";
   double val_fraction = 0.05;
   bool val_shard = false;
   po::options_description desc("data " + args[0] + " options");
   desc.add_options()("help,h", "print the options")(
       "comm-timeout", po::value(&timeout)->default_value(timeout),
       "seconds the other ranks wait for a sign of life from rank 0, which does the work (0 = forever)");
-  if (synth) {
+  if (synth_images) {
+    out_dir = "inputs/data";
+    desc.add_options()  // one option per line
+        ("out-dir", po::value(&out_dir)->default_value(out_dir),
+         "folder for shapes_train.h5, shapes_val.h5, shapes_prompts.h5 and shapes_empty.h5")
+        ("seed", po::value(&seed)->default_value(seed), "the images' seed (the word embeddings keep theirs)")
+        ("train-images", po::value(&train_images)->default_value(train_images), "images in the training file")
+        ("val-images", po::value(&val_images)->default_value(val_images), "images in the validation file; 0 = none")
+        ("image-size", po::value(&image_size)->default_value(image_size), "pixels a side, 32 to 1024 (the checker reads every drawing exactly from 32)")
+        ("patch", po::value(&patch)->default_value(patch), "pixels a side of one token's patch; divides --image-size");
+  } else if (check_images) {
+    desc.add_options()  // one option per line
+        ("images", po::value(&images)->required(),
+         "HDF5 file of pixel-space images: the output of 'shardtrain sample' from a model.pixel_patch model, or a "
+         "synth-images file (its real images)")
+        ("labels", po::value(&labels),
+         "HDF5 file whose 'labels' say what each image should show (default: --images itself); the samples of "
+         "shapes_prompts.h5 are graded against shapes_prompts.h5")
+        ("json", po::value(&json), "also write the rates as one JSON line to this file");
+  } else if (synth) {
     const std::string most = strprintf(", at most %zu", SYNTH_MAX_BYTES);
     desc.add_options()  // one option per line
         ("out-dir", po::value(&out_dir)->default_value(out_dir), "folder for synth_train.bin and synth_val.bin")
@@ -138,7 +164,18 @@ int run_data(Runtime& rt, const std::vector<std::string>& args) {
   const std::string command = "data " + args[0];
   rt.on_root(command.c_str(), [&] {
     Runtime::debug_stall("root-work");
-    if (synth) {
+    if (synth_images) {
+      ShapeWorld world;
+      world.image_size = static_cast<int>(parse_whole_number(image_size, "--image-size", 32, 1024));
+      const int patch_value = static_cast<int>(parse_whole_number(patch, "--patch", 1, 64));
+      if (world.image_size % patch_value != 0)
+        throw UsageError("--patch=" + patch + " does not divide --image-size=" + image_size + " into whole patches" + help);
+      data_synth_images(out_dir, world, patch_value, parse_whole_number(seed, "--seed", 0, UINT64_MAX),
+                        parse_whole_number(train_images, "--train-images", 1, 1u << 24),
+                        parse_whole_number(val_images, "--val-images", 0, 1u << 24));
+    } else if (check_images) {
+      data_check_images(images, labels.empty() ? images : labels, json);
+    } else if (synth) {
       const uint64_t seed_value = parse_whole_number(seed, "--seed", 0, UINT64_MAX);
       const size_t train_count = parse_whole_number(train_bytes, "--train-bytes", 1, SYNTH_MAX_BYTES);
       const size_t val_count = parse_whole_number(val_bytes, "--val-bytes", 0, SYNTH_MAX_BYTES);
@@ -284,7 +321,7 @@ int run_command(Runtime& rt, const std::vector<std::string>& args) {
   }
   if (args[0] == "inspect" || args[0] == "export") return run_checkpoint_tool(rt, args);
   throw UsageError("unknown command '" + printable_text(args[0]) +
-                   "'; commands: train, generate, eval, sample, plan, data synth, data encode, data decode, inspect, export, "
+                   "'; commands: train, generate, eval, sample, plan, data synth, data encode, data decode, data synth-images, data check-images, inspect, export, "
                    "convert, version");
 }
 

@@ -145,6 +145,9 @@ void declare_options(OptionList& o, Config& c) {
   o.add("model.context_dim", &c.model.context_dim, "flux: width of the text encoder's embeddings (T5-XXL: 4096)");
   o.add("model.context_len", &c.model.context_len, "flux: text tokens per sample (FLUX.1-dev 512, schnell 256)");
   o.add("model.pooled_dim", &c.model.pooled_dim, "flux: width of the pooled text vector (CLIP-L: 768)");
+  o.add("model.pixel_patch", &c.model.pixel_patch,
+        "flux: 0 for VAE latents; P > 0 for a pixel-space model whose tokens are P x P RGB patches "
+        "(model.in_channels = 3 P^2; sample writes PNG files)");
   o.add("model.condition_len", &c.model.condition_len,
         "flux: Kontext's condition-image tokens per sample, after the train.seq_len target tokens (0: text to image)");
   o.add("model.guidance_embeds", &c.model.guidance_embeds,
@@ -163,13 +166,19 @@ void declare_options(OptionList& o, Config& c) {
         "(replaces flow.shift)");
   o.add("flow.guidance", &c.flow.guidance,
         "flux: the guidance value a model with a guidance embedder is trained with (FLUX.1-dev fine-tuning: 1)");
+  o.add("flow.caption_dropout", &c.flow.caption_dropout,
+        "flux: probability of training a sample on the empty caption (all-zero text and pooled embeddings), for "
+        "classifier-free guidance (sample --cfg against an all-zero --negative; flow.sample_cfg); 0 = never");
   o.add("flow.sample_every", &c.flow.sample_every,
         "flux: draw flow.sample_prompts' images every N steps and at the end, into <checkpoint.dir>/samples/ "
-        "(latents for tools/encode_images.py decode); 0 = never");
+        "(latents for tools/encode_images.py decode; a pixel-space model's also as a PNG grid); 0 = never");
   o.add("flow.sample_prompts", &c.flow.sample_prompts,
         "flux: HDF5 file of prompt embeddings (tools/encode_images.py prompts), model.context_len tokens each");
   o.add("flow.sample_steps", &c.flow.sample_steps, "flux: Euler steps of those samples");
   o.add("flow.sample_guidance", &c.flow.sample_guidance, "flux: the guidance value of those samples");
+  o.add("flow.sample_cfg", &c.flow.sample_cfg,
+        "flux: classifier-free guidance scale of those samples against the empty caption (all zeros, what "
+        "flow.caption_dropout trains); 1 = none");
   o.add("train.steps", &c.train.steps, "optimizer steps");
   o.add("train.epochs", &c.train.epochs,
         "instead of train.steps: passes over the training data (may be fractional); the steps are "
@@ -658,6 +667,7 @@ void validate_architecture(const ModelConfig& m) {
       {"model.context_len", m.context_len != d.context_len},
       {"model.pooled_dim", m.pooled_dim != d.pooled_dim},
       {"model.condition_len", m.condition_len != d.condition_len},
+      {"model.pixel_patch", m.pixel_patch != d.pixel_patch},
       {"model.guidance_embeds", m.guidance_embeds != d.guidance_embeds},
       {"model.rope_axes", m.rope_axes != d.rope_axes}};
   for (const auto& [key, set] : family_keys) {
@@ -707,7 +717,8 @@ void validate_config(const Config& c, int world) {
     const bool set = f.sigma_sampling != d.sigma_sampling || f.logit_mean != d.logit_mean || f.logit_std != d.logit_std ||
                      f.shift != d.shift || f.resolution_shift != d.resolution_shift || f.guidance != d.guidance ||
                      f.sample_every != d.sample_every || !f.sample_prompts.empty() ||
-                     f.sample_steps != d.sample_steps || f.sample_guidance != d.sample_guidance;
+                     f.sample_steps != d.sample_steps || f.sample_guidance != d.sample_guidance ||
+                     f.caption_dropout != d.caption_dropout || f.sample_cfg != d.sample_cfg;
     require(!set || !family_of(m).token_data(),
             "a flow.* key is set, but model.arch=" + m.arch + " trains on tokens, not with flow matching: remove it "
             "(the [flow] section is FLUX's)");
@@ -727,6 +738,8 @@ void validate_config(const Config& c, int world) {
                                   "implemented yet; set flow.sample_every=0");
   }
   require(c.flow.shift > 0, "flow.shift must be > 0 (1 = no shift)");
+  require(c.flow.caption_dropout >= 0 && c.flow.caption_dropout <= 1, "flow.caption_dropout must be in [0, 1]");
+  require(c.flow.sample_cfg >= 1, "flow.sample_cfg must be >= 1 (1 = no classifier-free guidance)");
   require(quant_block_ok(c.fsdp.quant_block),
           strprintf("fsdp.quant_block=%d must be a power of two from 32 to 4096 (bitsandbytes' block sizes; 64 is "
                     "theirs by default)", c.fsdp.quant_block));

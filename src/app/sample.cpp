@@ -6,6 +6,7 @@
 #include <boost/program_options.hpp>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 
@@ -114,32 +115,14 @@ bool parse_sample_args(const Runtime& rt, const std::vector<std::string>& args, 
   return true;
 }
 
-// A float32 dataset of an HDF5 file, read whole: its values and dims. DataError naming the file.
-std::vector<float> read_floats(const std::string& path, const char* name, std::vector<hsize_t>* dims) {
-  H5QuietErrors quiet;
-  H5Id file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
-  if (file.get() < 0) throw DataError("'" + path + "' is not an HDF5 file (tools/encode_images.py prompts writes them)");
-  if (H5Lexists(file, name, H5P_DEFAULT) <= 0) throw DataError("'" + path + "' has no dataset '" + name + "'");
-  H5Id set(H5Dopen2(file, name, H5P_DEFAULT), H5Dclose);
-  H5Id space(H5Dget_space(set), H5Sclose);
-  const int rank = H5Sget_simple_extent_ndims(space);
-  dims->assign(std::max(rank, 0), 0);
-  if (rank > 0) H5Sget_simple_extent_dims(space, dims->data(), nullptr);
-  size_t n = 1;
-  for (hsize_t d : *dims) n *= d;
-  std::vector<float> values(n);
-  if (rank < 1 || H5Dread(set, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, values.data()) < 0)
-    throw DataError("'" + path + "': cannot read dataset '" + name + "' as float32");
-  return values;
-}
-
 }  // namespace
 
 Prompts read_prompts(const std::string& path, const ModelConfig& m, const std::string& option) {
   Prompts p;
   std::vector<hsize_t> td, pd;
-  p.text = read_floats(path, FLUX_ENCODER_HIDDEN_STATES, &td);
-  p.pooled = read_floats(path, FLUX_POOLED, &pd);
+  const std::string hint = " (tools/encode_images.py prompts and shardtrain data synth-images write them)";
+  p.text = h5_read_floats(path, FLUX_ENCODER_HIDDEN_STATES, &td, hint);
+  p.pooled = h5_read_floats(path, FLUX_POOLED, &pd, hint);
   if (td.size() != 3 || pd.size() != 2 || td[0] != pd[0] || td[0] < 1 || td[2] != hsize_t(m.context_dim) ||
       pd[1] != hsize_t(m.pooled_dim))
     throw DataError(strprintf("%s='%s': encoder_hidden_states and pooled_projections must be (P, L, %d) and (P, %d) "
@@ -208,9 +191,20 @@ std::vector<float> FlowSampler::draw(const Prompts& prompts, const Prompts* nega
   return latents;
 }
 
-void write_sampled_latents(const std::string& path, const std::vector<float>& latents, int count, int channels,
-                           const SamplerSettings& o, const std::string& checkpoint) {
+RgbImage sampled_grid(const std::vector<float>& latents, int count, const ModelConfig& model,
+                      const SamplerSettings& o) {
+  const size_t image = static_cast<size_t>(o.rows) * o.cols * model.in_channels;
+  std::vector<RgbImage> images;
+  for (int i = 0; i < count; i++)
+    images.push_back(rgb_from_patches(latents.data() + i * image, o.rows, o.cols, model.pixel_patch));
+  return image_grid(images, 8, 2);
+}
+
+std::string write_sampled_images(const std::string& path, const std::vector<float>& latents, int count,
+                                 const ModelConfig& model, const SamplerSettings& o, const std::string& checkpoint,
+                                 bool each_png) {
   H5QuietErrors quiet;
+  const int channels = model.in_channels;
   const std::string tmp = path + ".tmp";
   {
     H5Id file(h5_check_id(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), tmp, "H5Fcreate"), H5Fclose);
@@ -228,9 +222,28 @@ void write_sampled_latents(const std::string& path, const std::vector<float>& la
     h5_write_attr_f64(file, "cfg", o.cfg, tmp);
     h5_write_attr_f64(file, "shift", o.shift, tmp);
     h5_write_attr_str(file, "checkpoint", checkpoint, tmp);
+    if (model.pixel_patch > 0) h5_write_attr_i64(file, "pixel_patch", model.pixel_patch, tmp);
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0)
     throw UsageError("cannot write the samples '" + printable_text(path) + "': " + std::strerror(errno));
+  if (model.pixel_patch == 0) return path;
+  // Pixel-space: PNG files too.
+  const std::string stem = path.size() > 3 && path.compare(path.size() - 3, 3, ".h5") == 0 ? path.substr(0, path.size() - 3)
+                                                                                            : path;
+  write_png(stem + ".png", sampled_grid(latents, count, model, o));
+  std::string wrote = path + " and " + stem + ".png";
+  if (each_png) {
+    const size_t image = static_cast<size_t>(o.rows) * o.cols * channels;
+    const std::string folder = stem + "_images";
+    std::error_code ec;
+    std::filesystem::create_directories(folder, ec);
+    if (ec) throw UsageError("cannot create '" + printable_text(folder) + "' for the images: " + ec.message());
+    for (int i = 0; i < count; i++)
+      write_png(folder + strprintf("/%04d.png", i),
+                rgb_from_patches(latents.data() + i * image, o.rows, o.cols, model.pixel_patch));
+    wrote += ", " + folder + "/NNNN.png";
+  }
+  return wrote;
 }
 
 namespace {
@@ -263,7 +276,7 @@ int sample(const Runtime& rt, const SampleOptions& o) {
   // The run's sizes: the prompts' text length, the grid's image tokens.
   ModelConfig m = state.model;
   m.context_len = prompts.tokens;
-  const int N = o.rows * o.cols, B = o.batch, IN = m.in_channels;
+  const int N = o.rows * o.cols, B = o.batch;
   m.max_seq_len = std::max(m.max_seq_len, N);
   const ParamTable table(m, {}, state.adapter);  // a model trained with adapters: with them
   InferenceWeights weights(rt, compute, *comm, watchdog, table, path, o.base);
@@ -288,11 +301,12 @@ int sample(const Runtime& rt, const SampleOptions& o) {
   const double t0 = now_seconds();
   const std::vector<float> latents = sampler.draw(prompts, o.negative.empty() ? nullptr : &negative);
   const double t1 = now_seconds();
+  std::string wrote;
   rt.agree_on([&] {
-    if (rt.is_root()) write_sampled_latents(o.output, latents, prompts.count, IN, settings, path);
+    if (rt.is_root()) wrote = write_sampled_images(o.output, latents, prompts.count, m, settings, path, true);
   });
   if (rt.is_root())
-    std::fprintf(stderr, "sample: wrote %s: %s in %.2f s (%.2f s per image and step)\n", o.output.c_str(),
+    std::fprintf(stderr, "sample: wrote %s: %s in %.2f s (%.2f s per image and step)\n", wrote.c_str(),
                  counted(prompts.count, "image").c_str(), t1 - t0,
                  (t1 - t0) / std::max(1, prompts.count * o.steps * (o.cfg > 1 ? 2 : 1)));
   return EXIT_CODE_OK;

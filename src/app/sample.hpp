@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "comm/runtime.hpp"
+#include "data/pixel_image.hpp"
 #include "model/config.hpp"
 
 namespace shardtrain {
@@ -65,10 +66,17 @@ class FlowSampler {
   SamplerSettings settings_;
 };
 
-// Rank 0 writes `latents` (count images) with the grid and the settings as attributes, committed by
-// a rename; UsageError naming the path when it cannot.
-void write_sampled_latents(const std::string& path, const std::vector<float>& latents, int count, int channels,
-                           const SamplerSettings& settings, const std::string& checkpoint);
+// Rank 0 writes `latents` (count images of `model`) with the grid and the settings as attributes,
+// committed by a rename. A pixel-space model's images (model.pixel_patch > 0) also go to PNG files:
+// all of them side by side in PATH's stem + ".png" (rows of 8), and with `each_png` one file per
+// image, STEM_images/NNNN.png. Returns what it wrote (for the log); UsageError naming the path
+// when it cannot.
+// A pixel-space model's images (model.pixel_patch > 0) side by side, 8 a row, 2 black pixels apart.
+RgbImage sampled_grid(const std::vector<float>& latents, int count, const ModelConfig& model,
+                      const SamplerSettings& settings);
+std::string write_sampled_images(const std::string& path, const std::vector<float>& latents, int count,
+                                 const ModelConfig& model, const SamplerSettings& settings, const std::string& checkpoint,
+                                 bool each_png);
 
 // The `sample` command: parses `args` (after the word "sample"), samples, writes. Collective;
 // returns the exit code. Throws InputError (agreed by every rank) on bad input.

@@ -148,6 +148,23 @@ std::string scalar_event(double wall_time, long step, const std::string& tag, fl
   return out;
 }
 
+std::string image_event(double wall_time, long step, const std::string& tag, int height, int width,
+                        const std::string& png) {
+  std::string image;  // Summary.Image: height, width, colorspace (3: RGB), encoded_image_string
+  put_key(image, 1, VARINT), put_varint(image, static_cast<uint64_t>(height));
+  put_key(image, 2, VARINT), put_varint(image, static_cast<uint64_t>(width));
+  put_key(image, 3, VARINT), put_varint(image, 3);
+  put_bytes(image, 4, png);
+  std::string summary_value;
+  put_bytes(summary_value, 1, tag);
+  put_bytes(summary_value, 4, image);
+  std::string summary;
+  put_bytes(summary, 1, summary_value);
+  std::string out = event_head(wall_time, step);
+  put_bytes(out, 5, summary);
+  return out;
+}
+
 std::vector<Record> read_records(const std::string& path, bool* clean) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw UsageError("cannot read TensorBoard event file '" + path + "': " + std::strerror(errno));
@@ -289,6 +306,11 @@ TensorBoardWriter::~TensorBoardWriter() {
 void TensorBoardWriter::scalar(const std::string& tag, long step, double value) {
   if (fd_ < 0) return;
   pending_ += tfevents::frame(tfevents::scalar_event(wall_time_now(), step, tag, static_cast<float>(value)));
+}
+
+void TensorBoardWriter::image(const std::string& tag, long step, int height, int width, const std::string& png) {
+  if (fd_ < 0) return;
+  pending_ += tfevents::frame(tfevents::image_event(wall_time_now(), step, tag, height, width, png));
 }
 
 void TensorBoardWriter::flush() {

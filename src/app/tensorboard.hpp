@@ -3,7 +3,8 @@
 // An event file is a sequence of TFRecords: u64 little-endian payload length, masked CRC-32C of
 // those 8 bytes, the payload, masked CRC-32C of the payload. Each payload is a hand-encoded
 // tensorboard.Event: the first one says file_version "brain.Event:2", each later one carries one
-// scalar as Summary.Value{tag, simple_value}. docs/monitoring.md shows how to look at them.
+// scalar as Summary.Value{tag, simple_value} or one PNG image as Summary.Value{tag, image}.
+// docs/monitoring.md shows how to look at them.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +26,8 @@ class TensorBoardWriter {
   TensorBoardWriter& operator=(const TensorBoardWriter&) = delete;
 
   void scalar(const std::string& tag, long step, double value);
+  // An RGB image, its PNG file's bytes (TensorBoard's Images tab).
+  void image(const std::string& tag, long step, int height, int width, const std::string& png);
   // Writes the scalars given since the last flush; throws InputError naming the file when the
   // write fails (a full disk).
   void flush();
@@ -46,6 +49,8 @@ uint32_t masked_crc(const std::string& bytes);
 std::string frame(const std::string& payload);  // one TFRecord
 std::string file_version_event(double wall_time);
 std::string scalar_event(double wall_time, long step, const std::string& tag, float value);
+std::string image_event(double wall_time, long step, const std::string& tag, int height, int width,
+                        const std::string& png);
 
 struct Record {
   std::string payload;

@@ -272,22 +272,34 @@ void Trainer::sample_images(int step) {
   const auto [rows, cols] = train_data_->image_grid();
   SamplerSettings settings;
   settings.rows = rows, settings.cols = cols, settings.steps = cfg_.flow.sample_steps;
-  settings.guidance = cfg_.flow.sample_guidance, settings.seed = cfg_.train.seed;
+  settings.guidance = cfg_.flow.sample_guidance, settings.seed = cfg_.train.seed, settings.cfg = cfg_.flow.sample_cfg;
   settings.shift = flux_resolution_shift(rows * cols);
   const double t0 = now_seconds();
-  const std::vector<float> latents = FlowSampler(engine_, *model_, cfg_.model, settings).draw(*sample_prompts_, nullptr);
+  // The empty caption, as flow.caption_dropout trains it: zeros.
+  Prompts empty;
+  empty.count = 1, empty.tokens = sample_prompts_->tokens;
+  empty.text.assign(static_cast<size_t>(empty.tokens) * cfg_.model.context_dim, 0.0f);
+  empty.pooled.assign(cfg_.model.pooled_dim, 0.0f);
+  const std::vector<float> latents =
+      FlowSampler(engine_, *model_, cfg_.model, settings).draw(*sample_prompts_, settings.cfg > 1 ? &empty : nullptr);
   const std::string folder = checkpoints_.dir() + "/samples";
   const std::string path = folder + strprintf("/step-%08d.h5", step + 1);
+  std::string wrote;
   rt_.agree_on([&] {
     if (!rt_.is_root()) return;
     std::error_code ec;
     std::filesystem::create_directories(folder, ec);
     if (ec) throw UsageError("cannot create '" + folder + "' for flow.sample_every: " + ec.message());
-    write_sampled_latents(path, latents, sample_prompts_->count, cfg_.model.in_channels, settings,
-                          strprintf("step %d of run %s", step + 1, cfg_.train.run_name.c_str()));
+    wrote = write_sampled_images(path, latents, sample_prompts_->count, cfg_.model, settings,
+                                 strprintf("step %d of run %s", step + 1, cfg_.train.run_name.c_str()), false);
+    if (cfg_.model.pixel_patch > 0) {  // TensorBoard's Images tab: the same grid
+      const RgbImage grid = sampled_grid(latents, sample_prompts_->count, cfg_.model, settings);
+      tensorboard_->image("samples", step + 1, grid.height, grid.width, png_bytes(grid));
+    }
   });
-  rt_.info("sample %5d/%d | %s in %.2f s: %s (tools/encode_images.py decode turns them into PNG files)", step + 1,
-           steps_, counted(sample_prompts_->count, "image").c_str(), now_seconds() - t0, path.c_str());
+  rt_.info("sample %5d/%d | %s in %.2f s: %s%s", step + 1, steps_, counted(sample_prompts_->count, "image").c_str(),
+           now_seconds() - t0, wrote.c_str(),
+           cfg_.model.pixel_patch ? "" : " (tools/encode_images.py decode turns them into PNG files)");
 }
 
 int Trainer::run() {

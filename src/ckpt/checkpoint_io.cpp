@@ -373,18 +373,20 @@ const char* ADAPTER_METHOD_INTS[6] = {"adapter.decompose_both", "adapter.decompo
 // Version 6: the model keys of the families beyond the decoders (FLUX's), after the teacher's
 // checksum, each written when the config's family reads it (ModelFamily::config_keys).
 // `shape`: whether it is the weights' (a model of another value is another model), or, like the
-// text tokens per sample, the run's (recorded, not compared).
+// text tokens per sample, the run's (recorded, not compared). `optional`: written only when not 0,
+// read when present (a key added after files without it were written).
 struct FamilyIntAttr {
   const char* name;
   int ModelConfig::*field;
-  bool shape;
+  bool shape, optional = false;
 };
 const FamilyIntAttr FAMILY_INTS[] = {{"model.n_single_layer", &ModelConfig::n_single_layer, true},
                                      {"model.in_channels", &ModelConfig::in_channels, true},
                                      {"model.context_dim", &ModelConfig::context_dim, true},
                                      {"model.context_len", &ModelConfig::context_len, false},
                                      {"model.condition_len", &ModelConfig::condition_len, false},
-                                     {"model.pooled_dim", &ModelConfig::pooled_dim, true}};
+                                     {"model.pooled_dim", &ModelConfig::pooled_dim, true},
+                                     {"model.pixel_patch", &ModelConfig::pixel_patch, true, true}};
 const char* FAMILY_GUIDANCE = "model.guidance_embeds";
 const char* FAMILY_ROPE_AXES = "model.rope_axes";
 
@@ -441,7 +443,7 @@ void write_state(hid_t file, const CheckpointState& s, const ModelConfig& model,
   sum.add(TEACHER_CHECKSUM, std::to_string(s.teacher_checksum));
   const ModelFamily& family = family_of(model);
   for (const FamilyIntAttr& a : FAMILY_INTS)
-    if (family.reads_key(a.name)) i64(a.name, model.*a.field);
+    if (family.reads_key(a.name) && (!a.optional || model.*a.field != 0)) i64(a.name, model.*a.field);
   if (family.reads_key(FAMILY_GUIDANCE)) i64(FAMILY_GUIDANCE, model.guidance_embeds ? 1 : 0);
   if (family.reads_key(FAMILY_ROPE_AXES)) str(FAMILY_ROPE_AXES, model.rope_axes);
   h5_write_attr_u64(file, META_CHECKSUM, sum.value(), path);
@@ -567,7 +569,8 @@ CheckpointState read_state(hid_t file, const std::string& path) {
   if (version >= 6 && find_model_family(arch)) {
     const ModelFamily& family = *find_model_family(arch);
     for (const FamilyIntAttr& a : FAMILY_INTS)
-      if (family.reads_key(a.name)) family_ints.emplace_back(&a, i64(a.name));
+      if (family.reads_key(a.name) && (!a.optional || h5_has_attr(file, a.name)))
+        family_ints.emplace_back(&a, i64(a.name));
     if (family.reads_key(FAMILY_GUIDANCE)) guidance = i64(FAMILY_GUIDANCE);
     if (family.reads_key(FAMILY_ROPE_AXES)) rope_axes = str(FAMILY_ROPE_AXES);
   }

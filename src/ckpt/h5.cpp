@@ -1,6 +1,8 @@
 // See h5.hpp.
 #include "ckpt/h5.hpp"
 
+#include <algorithm>
+
 namespace shardtrain {
 
 H5QuietErrors::H5QuietErrors() {
@@ -89,6 +91,49 @@ std::vector<hsize_t> h5_dataset_dims(hid_t dataset, const std::string& file) {
   std::vector<hsize_t> dims(rank);
   H5Sget_simple_extent_dims(space, dims.data(), nullptr);
   return dims;
+}
+
+namespace {
+
+template <typename T>
+std::vector<T> read_whole(const std::string& path, const char* name, std::vector<hsize_t>* dims, hid_t memory_type,
+                          const char* type_name, const std::string& hint) {
+  H5QuietErrors quiet;
+  H5Id file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  if (file.get() < 0) throw DataError("'" + path + "' is not an HDF5 file" + hint);
+  if (H5Lexists(file, name, H5P_DEFAULT) <= 0) throw DataError("'" + path + "' has no dataset '" + name + "'");
+  H5Id set(H5Dopen2(file, name, H5P_DEFAULT), H5Dclose);
+  H5Id space(H5Dget_space(set), H5Sclose);
+  const int rank = space.get() < 0 ? -1 : H5Sget_simple_extent_ndims(space);
+  dims->assign(std::max(rank, 0), 0);
+  if (rank > 0) H5Sget_simple_extent_dims(space, dims->data(), nullptr);
+  size_t n = 1;
+  for (hsize_t d : *dims) n *= d;
+  std::vector<T> values(n);
+  if (rank < 1 || H5Dread(set, memory_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, values.data()) < 0)
+    throw DataError("'" + path + "': cannot read dataset '" + name + "' as " + type_name);
+  return values;
+}
+
+}  // namespace
+
+std::vector<float> h5_read_floats(const std::string& path, const char* name, std::vector<hsize_t>* dims,
+                                  const std::string& hint) {
+  return read_whole<float>(path, name, dims, H5T_NATIVE_FLOAT, "float32", hint);
+}
+
+std::vector<int32_t> h5_read_ints(const std::string& path, const char* name, std::vector<hsize_t>* dims,
+                                  const std::string& hint) {
+  return read_whole<int32_t>(path, name, dims, H5T_NATIVE_INT32, "int32", hint);
+}
+
+void h5_write_dataset(hid_t file, const char* name, hid_t file_type, hid_t memory_type, const std::vector<hsize_t>& dims,
+                      const void* data, const std::string& path) {
+  H5Id space(h5_check_id(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), path, "H5Screate_simple"),
+             H5Sclose);
+  H5Id set(h5_check_id(H5Dcreate2(file, name, file_type, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), path, name),
+           H5Dclose);
+  h5_check(H5Dwrite(set, memory_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data), path, name);
 }
 
 }  // namespace shardtrain

@@ -80,4 +80,16 @@ std::string h5_read_attr_str(hid_t obj, const char* name, const std::string& fil
 // Dimensions of a dataset's dataspace.
 std::vector<hsize_t> h5_dataset_dims(hid_t dataset, const std::string& file);
 
+// A serial file's dataset `name`, read whole as float32 or int32 (HDF5 converts): its values, and
+// its dims into `dims`. DataError naming the file and the dataset (`hint` appended to "not an HDF5
+// file") when it cannot.
+std::vector<float> h5_read_floats(const std::string& path, const char* name, std::vector<hsize_t>* dims,
+                                  const std::string& hint);
+std::vector<int32_t> h5_read_ints(const std::string& path, const char* name, std::vector<hsize_t>* dims,
+                                  const std::string& hint);
+// Writes `data` (native floats, int32s or fixed-length strings of `type`) as a new dataset of
+// shape `dims` in an open serial file.
+void h5_write_dataset(hid_t file, const char* name, hid_t file_type, hid_t memory_type, const std::vector<hsize_t>& dims,
+                      const void* data, const std::string& path);
+
 }  // namespace shardtrain

@@ -23,18 +23,25 @@ struct FlowOptions {
   double shift = 1;                      // 1 = none
   bool resolution_shift = false;         // FLUX's shift by image size (replaces flow.shift)
   double guidance = 1;                   // the guidance value a guidance-embedding model is trained with
+  // The probability of training a sample on the empty caption (its text and pooled embeddings all
+  // zero) instead of its own, drawn from the sample's key: the unconditional model that sampling
+  // with classifier-free guidance (--cfg against an all-zero --negative) needs.
+  double caption_dropout = 0;
   // Pictures while it learns: every sample_every steps (0: never) the model draws sample_prompts'
   // images (app/sample.hpp), sample_steps Euler steps at sample_guidance, on the data's grid.
   int sample_every = 0;
   std::string sample_prompts;
   int sample_steps = 20;
   double sample_guidance = 3.5;
+  double sample_cfg = 1;  // > 1: classifier-free guidance against the empty caption
 };
 
 // The key of one sample's draws.
 uint64_t flow_sample_key(uint64_t seed, uint64_t sample, bool validation);
 // Its noise level for an image of `image_tokens` tokens.
 double draw_sigma(const FlowOptions& options, uint64_t key, int image_tokens, uint64_t sample, bool validation);
+// The sample key's counters: 0 the uniform sigma, 2 and 3 the logit-normal one, this one caption dropout.
+constexpr uint64_t FLOW_CAPTION_DROPOUT_COUNTER = 4;
 // Element i of its noise: counter_normal(noise key, i).
 uint64_t flow_noise_key(uint64_t key);
 

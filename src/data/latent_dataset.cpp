@@ -105,6 +105,17 @@ LatentDataset::LatentDataset(const std::string& option, const std::string& value
       return static_cast<int>(grid[1]);
     };
     const int cols = grid_of("", N_, "latents");
+    // Pixel patches or VAE latents: the model must be trained on what the file holds.
+    const int64_t patch = h5_has_attr(f->file, "pixel_patch") ? h5_read_attr_i64(f->file, "pixel_patch", path) : 0;
+    if (patch != model.pixel_patch)
+      throw DataError(patch > 0 ? strprintf("%s holds images as %lldx%lld pixel patches, the model takes VAE latents: "
+                                            "set model.pixel_patch=%lld (a pixel-space model)",
+                                            where.c_str(), static_cast<long long>(patch), static_cast<long long>(patch),
+                                            static_cast<long long>(patch))
+                                : strprintf("%s holds VAE latents, the model is pixel-space (model.pixel_patch=%d): give "
+                                            "a file of pixel patches (shardtrain data synth-images) or set "
+                                            "model.pixel_patch=0",
+                                            where.c_str(), model.pixel_patch));
     const int condition_cols = model.condition_len > 0 ? grid_of("condition_", model.condition_len, "condition latents") : 0;
     if (grid_cols_ && (cols != grid_cols_ || condition_cols != condition_cols_))
       throw DataError(strprintf("%s: a packed grid %d tokens wide, the first file's is %d: one run trains one image "
@@ -177,6 +188,11 @@ void LatentDataset::fill(Batch& b, int row, uint64_t record, uint64_t sample, bo
     const float x0 = hidden[i], e = static_cast<float>(counter_normal(noise, i));
     hidden[i] = (1.0f - sigma) * x0 + sigma * e;
     target[i] = e - x0;
+  }
+  // Caption dropout: the empty caption (zeros), which classifier-free guidance samples against.
+  if (!validation && flow_.caption_dropout > 0 && counter_uniform(key, FLOW_CAPTION_DROPOUT_COUNTER) < flow_.caption_dropout) {
+    std::fill(text, text + static_cast<size_t>(L) * model_.context_dim, 0.0f);
+    std::fill(pooled, pooled + model_.pooled_dim, 0.0f);
   }
   b.at<float>(FLUX_TIMESTEP, rows)[row] = sigma;
   b.at<float>(FLUX_GUIDANCE, rows)[row] = static_cast<float>(flow_.guidance);

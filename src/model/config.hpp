@@ -30,6 +30,7 @@ struct ModelConfig {
   int context_len = 512;   // text tokens per sample
   int condition_len = 0;   // Kontext: condition-image tokens per sample after the target's (0: none)
   int pooled_dim = 768;    // pooled text vector (CLIP) width
+  int pixel_patch = 0;     // > 0: a pixel-space model, each token a pixel_patch^2 RGB patch (data/pixel_image.hpp)
   bool guidance_embeds = true;  // a guidance embedder (dev, Kontext); schnell has none
   std::string rope_axes = "16,56,56";  // widths of the rotary axes (position ids' three coordinates)
 

@@ -23,7 +23,7 @@ copy_libs() {
   for name in "$@"; do cp -a "$LIBDIR/$name".so* "$prefix/lib/"; done
 }
 mkdir -p "$P/hdf5/include" "$P/openblas/include" "$P/boost/include" "$P/onednn/include" "$P/pcre2/include" \
-         "$P/utf8proc/include" "$P/json/include"
+         "$P/utf8proc/include" "$P/json/include" "$P/png/include"
 cp -a /usr/include/hdf5/openmpi/. "$P/hdf5/include/"
 copy_libs "$P/hdf5" libhdf5_openmpi
 ln -s libhdf5_openmpi.so "$P/hdf5/lib/libhdf5.so"
@@ -36,6 +36,8 @@ copy_libs "$P/onednn" libdnnl
 cp -a /usr/include/pcre2.h "$P/pcre2/include/" && copy_libs "$P/pcre2" libpcre2-8
 cp -a /usr/include/utf8proc.h "$P/utf8proc/include/" && copy_libs "$P/utf8proc" libutf8proc
 cp -a /usr/include/nlohmann "$P/json/include/"
+cp -aL /usr/include/libpng16/png.h /usr/include/libpng16/pngconf.h /usr/include/libpng16/pnglibconf.h "$P/png/include/"
+copy_libs "$P/png" libpng16
 echo "portable_build: prefixes in $P ($(du -sh "$P" | cut -f1))"
 
 # Inside the namespace: hide the originals (folders under an empty tmpfs, files under /dev/null;
@@ -44,18 +46,20 @@ echo "portable_build: prefixes in $P ($(du -sh "$P" | cut -f1))"
 unshare -m --propagation private bash -euo pipefail -c '
   P=$1 ROOT=$2 WORK=$3 JOBS=$4 LIBDIR=/usr/lib/x86_64-linux-gnu
   for d in /usr/include/hdf5 $LIBDIR/hdf5 /usr/include/x86_64-linux-gnu/openblas-openmp $LIBDIR/openblas-openmp \
-           /usr/include/boost /usr/include/oneapi /usr/include/nlohmann; do mount -t tmpfs none "$d"; done
+           /usr/include/boost /usr/include/oneapi /usr/include/nlohmann /usr/include/libpng16; do
+    mount -t tmpfs none "$d"
+  done
   for f in /usr/include/dnnl*.h /usr/include/dnnl*.hpp /usr/include/pcre2.h /usr/include/utf8proc.h \
            $LIBDIR/libhdf5_openmpi.so* $LIBDIR/libboost_program_options.so* $LIBDIR/libdnnl.so* \
-           $LIBDIR/libutf8proc.so* /usr/bin/dpkg-query; do
+           $LIBDIR/libutf8proc.so* $LIBDIR/libpng16.so* /usr/bin/dpkg-query; do
     [ -e "$f" ] && [ ! -L "$f" ] && mount --bind /dev/null "$f"
   done
   ! dpkg-query -W dpkg >/dev/null 2>&1 || { echo "portable_build: dpkg-query still works"; exit 1; }
   cd "$ROOT"
   make --no-print-directory -j"$JOBS" BUILD="$WORK/build" HDF5_ROOT="$P/hdf5" OPENBLAS_ROOT="$P/openblas" \
-       DEP_ROOTS="$P/boost $P/onednn $P/pcre2 $P/utf8proc $P/json" "$WORK/build/shardtrain" | grep -v "^  CXX"
+       DEP_ROOTS="$P/boost $P/onednn $P/pcre2 $P/utf8proc $P/json $P/png" "$WORK/build/shardtrain" | grep -v "^  CXX"
   exe=$WORK/build/shardtrain
-  for lib in libhdf5_openmpi libopenblas libboost_program_options libdnnl libpcre2-8 libutf8proc; do
+  for lib in libhdf5_openmpi libopenblas libboost_program_options libdnnl libpcre2-8 libutf8proc libpng16; do
     where=$(ldd "$exe" | awk -v l="$lib" "index(\$1, l) == 1 {print \$3}")
     case "$where" in "$P"/*) ;; *) echo "portable_build: $lib resolves to \"$where\", not under $P"; exit 1;; esac
   done

@@ -38,14 +38,16 @@ class FluxFamily final : public ModelFamily {
     return "FLUX.1 diffusion transformer (double- then single-stream blocks, flow matching; diffusers' names)";
   }
   std::string summary(const ModelConfig& c) const override {
-    return strprintf("FLUX double=%d single=%d C=%d H=%d in=%d text=%dx%d pooled=%d %s rope=%s theta=%g eps=%g",
-                     c.n_layer, c.n_single_layer, c.n_embd, c.n_head, c.in_channels, c.context_len, c.context_dim,
-                     c.pooled_dim, c.guidance_embeds ? "guidance" : "no-guidance", c.rope_axes.c_str(), c.rope_theta,
-                     c.norm_eps);
+    return strprintf("FLUX double=%d single=%d C=%d H=%d in=%d%s text=%dx%d pooled=%d %s rope=%s theta=%g eps=%g",
+                     c.n_layer, c.n_single_layer, c.n_embd, c.n_head, c.in_channels,
+                     c.pixel_patch ? strprintf(" (pixels, %dx%d patches)", c.pixel_patch, c.pixel_patch).c_str() : "",
+                     c.context_len, c.context_dim, c.pooled_dim, c.guidance_embeds ? "guidance" : "no-guidance",
+                     c.rope_axes.c_str(), c.rope_theta, c.norm_eps);
   }
   std::vector<std::string> config_keys() const override {
     return {"model.n_single_layer", "model.in_channels", "model.context_dim", "model.context_len", "model.pooled_dim",
-            "model.guidance_embeds", "model.rope_axes", "model.rope_theta", "model.norm_eps", "model.condition_len"};
+            "model.guidance_embeds", "model.rope_axes", "model.rope_theta", "model.norm_eps", "model.condition_len",
+            "model.pixel_patch"};
   }
   std::string config_defect(const ModelConfig& m) const override {
     std::array<int, 3> axes{};
@@ -61,6 +63,12 @@ class FluxFamily final : public ModelFamily {
                                                   {"model.pooled_dim", m.pooled_dim}};
     for (const auto& [key, v] : widths)
       if (v < 1 || v > (1 << 20)) return strprintf("%s=%d is not in [1, 2^20]", key, v);
+    if (m.pixel_patch < 0 || m.pixel_patch > 64) return strprintf("model.pixel_patch=%d is not in [0, 64]", m.pixel_patch);
+    if (m.pixel_patch > 0 && m.in_channels != 3 * m.pixel_patch * m.pixel_patch)
+      return strprintf("model.pixel_patch=%d makes tokens of 3 x %d x %d = %d channels, model.in_channels=%d: set "
+                       "model.in_channels=%d",
+                       m.pixel_patch, m.pixel_patch, m.pixel_patch, 3 * m.pixel_patch * m.pixel_patch, m.in_channels,
+                       3 * m.pixel_patch * m.pixel_patch);
     if (m.condition_len < 0 || m.condition_len > (1 << 20))
       return strprintf("model.condition_len=%d is not in [0, 2^20]", m.condition_len);
     if (m.n_single_layer < 0 || m.n_single_layer > 4096)
