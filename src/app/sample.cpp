@@ -306,9 +306,9 @@ int sample(const Runtime& rt, const SampleOptions& o) {
     if (rt.is_root()) wrote = write_sampled_images(o.output, latents, prompts.count, m, settings, path, true);
   });
   if (rt.is_root())
-    std::fprintf(stderr, "sample: wrote %s: %s in %.2f s (%.2f s per image and step)\n", wrote.c_str(),
+    std::fprintf(stderr, "sample: wrote %s: %s in %.2f s (%.3g ms per image and forward)\n", wrote.c_str(),
                  counted(prompts.count, "image").c_str(), t1 - t0,
-                 (t1 - t0) / std::max(1, prompts.count * o.steps * (o.cfg > 1 ? 2 : 1)));
+                 1e3 * (t1 - t0) / std::max(1, prompts.count * o.steps * (o.cfg > 1 ? 2 : 1)));
   return EXIT_CODE_OK;
 }
 
