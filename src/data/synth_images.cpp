@@ -221,9 +221,6 @@ ShapeReading read_shape(const float* rgb, int S) {
     x0 = std::min(x0, p % S), x1 = std::max(x1, p % S), y0 = std::min(y0, p / S), y1 = std::max(y1, p / S);
     for (int c = 0; c < 3; c++) colour[c] += rgb[3 * p + c];
   }
-  int upper = 0;  // pixels in the bounding box's upper half (a pixel on the middle line counts half)
-  for (int p = 0; p < S * S; p++)
-    if (region[p] == best) upper += 2 * (p / S) < y0 + y1 ? 2 : 2 * (p / S) == y0 + y1 ? 1 : 0;
   // Colour: the nearest palette entry after both are scaled to a brightest channel of 1 (a faint
   // drawing has the right hue).
   const double top = std::max({colour[0], colour[1], colour[2]});
@@ -235,11 +232,22 @@ ShapeReading read_shape(const float* rgb, int S) {
     if (d < nearest) nearest = d, reading.label.colour = i;
   }
   const int w = x1 - x0 + 1, h = y1 - y0 + 1;
-  const double fill = static_cast<double>(best_count) / (static_cast<double>(w) * h);
-  // A triangle (apex up) holds a quarter of its area in the upper half, a circle or square half;
-  // then the fill of the box: a square 1, a circle pi/4.
-  const double upper_share = upper / (2.0 * best_count);
-  reading.label.shape = upper_share < 0.375 ? 2 : fill > 0.94 ? 1 : 0;
+  // Shape: the one whose ideal drawing, stretched over the region's bounding box, overlaps the
+  // region most (intersection over union of the pixels whose centres it covers).
+  const double cx = (x0 + x1 + 1) / 2.0, cy = (y0 + y1 + 1) / 2.0, hx = w / 2.0, hy = h / 2.0;
+  double best_iou = -1;
+  for (int shape = 0; shape < SHAPE_WORLD_SHAPES; shape++) {
+    int both = 0, either = 0;
+    for (int y = y0; y <= y1; y++)
+      for (int x = x0; x <= x1; x++) {
+        // The ideal shape of half-extent 1 in coordinates scaled by the box's half-width and height.
+        const bool ideal = inside(shape, (x + 0.5 - cx) / hx, (y + 0.5 - cy) / hy, 0, 0, 1);
+        const bool drawn = region[y * S + x] == best;
+        both += ideal && drawn, either += ideal || drawn;
+      }
+    const double iou = either ? static_cast<double>(both) / either : 0;
+    if (iou > best_iou) best_iou = iou, reading.label.shape = shape;
+  }
   reading.label.size = std::max(w, h) > (SMALL_HALF + LARGE_HALF) * S ? 1 : 0;
   reading.label.col = cell_of((x0 + x1 + 1) / 2.0, S);
   reading.label.row = cell_of((y0 + y1 + 1) / 2.0, S);

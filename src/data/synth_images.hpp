@@ -8,8 +8,8 @@
 // encoder (every word of the world's vocabulary a seeded Gaussian vector; the pooled vector their
 // mean; the empty caption all zeros, which is also what flow.caption_dropout feeds). The checker
 // reads an image back into the four attributes: the largest connected bright region, its mean
-// colour against the palette, the share of it in the upper half of its bounding box (a triangle's
-// 1/4, else 1/2) and the box's fill (square 1, circle pi/4), the box's extent and its centre. Everything is a pure function of the seed (core/random.hpp).
+// colour against the palette, the shape whose ideal drawing over the region's bounding box overlaps
+// it most (intersection over union), the box's extent and its centre. Everything is a pure function of the seed (core/random.hpp).
 #pragma once
 
 #include <array>
