@@ -483,6 +483,24 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
 
 }  // namespace
 
+namespace {
+
+// bias[b][0][t][s] = 0 where key s lies in query t's document (s >= doc_start[b][t]), else -inf.
+__global__ void document_bias_kernel(uint16_t* bias, const int* doc_start, int T, size_t n) {
+  constexpr uint16_t kBf16MinusInfinity = 0xFF80;
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x)
+    bias[i] = static_cast<int>(i % T) >= doc_start[i / T] ? uint16_t{0} : kBf16MinusInfinity;
+}
+
+}  // namespace
+
+void launch_document_bias(uint16_t* bias, const int* doc_start, int B, int T, const LaunchContext& ctx) {
+  constexpr int kThreads = 256;
+  const size_t n = static_cast<size_t>(B) * T * T;
+  document_bias_kernel<<<grid_for(n, kThreads, ctx), kThreads, 0, ctx.stream>>>(bias, doc_start, T, n);
+  CUDA_CHECK_LAUNCH();
+}
+
 void launch_attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
                               const int* doc_start, const LaunchContext& ctx) {
   attention_forward(out, lse, qkv, B, T, NH, KV, HS, doc_start, true, ctx);

@@ -132,6 +132,10 @@ void launch_attention_backward(float* dqkv, const float* dout, const float* qkv,
                                int B, int T, int NH, int KV, int HS, const int* doc_start, void* workspace,
                                const LaunchContext& ctx);
 
+// cuDNN's packed documents (backend/cuda/cudnn_attention.cpp): the additive score bias (B,1,T,T)
+// in bf16, 0 where key s is in query t's document (s >= doc_start[b][t]) and -inf elsewhere.
+void launch_document_bias(uint16_t* bias, const int* doc_start, int B, int T, const LaunchContext& ctx);
+
 // The same without the causal mask (every row sees every key; KV = NH, no documents): a diffusion
 // transformer's joint attention, backend/cpu/ops.hpp's bidirectional_attention_*.
 void launch_bidirectional_attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int HS,

@@ -12,7 +12,8 @@
 #   --only LIST    only these sections, comma-separated: kernels (gpu_tests), train (fp32 and bf16
 #                  against the CPU, one host wait per step), memory (reserved against the plan),
 #                  shared (ranks sharing the GPU), bench (throughput), flux (FLUX in bf16 with
-#                  cuDNN against the CPU, then its throughput); for a short second run
+#                  cuDNN against the CPU, then its throughput), documents (packed documents in
+#                  bf16 with cuDNN against the CPU); for a short second run
 #
 # Without a GPU it says so and exits 0. With one, it exits 1 when any test failed. It stays within
 # a deadline (GPU_CHECK_DEADLINE_S, default 480 s): each step has its own time limit (STEP_LIMIT_S,
@@ -22,7 +23,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-BIN="" REPORT="" TESTS_ONLY=0 ONLY=kernels,train,memory,shared,bench,flux
+BIN="" REPORT="" TESTS_ONLY=0 ONLY=kernels,train,memory,shared,bench,flux,documents
 while [ $# -gt 0 ]; do
   case "$1" in
     --bin) BIN=$2; shift 2 ;;
@@ -169,6 +170,30 @@ against_cpu() {
   else
     FAILED=1; report "- FAIL $label: a run failed:"; report '```'
     report "$(tail -15 "$WORK/cmp-cpu-$name.log" 2>/dev/null; tail -15 "$WORK/cmp-gpu-$name.log" 2>/dev/null)"; report '```'
+  fi
+}
+
+# bf16_cudnn_against_cpu LABEL NAME CONFIG OPTIONS...: CONFIG's run in bf16 on the GPU with cuDNN's
+# attention against the CPU's fp32 run (losses within 2e-2; the CPU's own bf16 drift beside it);
+# a GPU run that fell back to the tiled kernels fails.
+bf16_cudnn_against_cpu() {
+  local label=$1 name=$2 config=$3; shift 3
+  if run "$name-cpu-fp32" cpu 2 "$config" "$@" && run "$name-cpu-bf16" cpu 2 "$config" "$@" --fsdp.param_dtype=bf16 &&
+     run "$name-gpu-bf16" cuda 1 "$config" "$@" --fsdp.param_dtype=bf16 --train.attention=cudnn; then
+    local cpu_drift out
+    cpu_drift=$(compare_losses "$WORK/$name-cpu-bf16.jsonl" "$WORK/$name-cpu-fp32.jsonl" 1)
+    if ! grep -q "attention cudnn" "$WORK/$name-gpu-bf16.log" || grep -q "no cuDNN" "$WORK/$name-gpu-bf16.log"; then
+      FAILED=1; report "- FAIL $label: the GPU did not run cuDNN's attention:"; report '```'
+      report "$(grep -E 'compute:|cuDNN' "$WORK/$name-gpu-bf16.log" | head -5)"; report '```'
+    elif out=$(compare_losses "$WORK/$name-gpu-bf16.jsonl" "$WORK/$name-cpu-fp32.jsonl" 2e-2); then
+      report "- ok   $label: GPU bf16 vs CPU fp32: $out; CPU bf16 vs CPU fp32: $cpu_drift"
+    else
+      FAILED=1; report "- FAIL $label: GPU bf16 vs CPU fp32: $out; CPU bf16 vs CPU fp32: $cpu_drift"
+    fi
+  else
+    FAILED=1; report "- FAIL $label: a run failed:"; report '```'
+    report "$(tail -8 "$WORK/$name-cpu-fp32.log"; tail -8 "$WORK/$name-cpu-bf16.log"; tail -8 "$WORK/$name-gpu-bf16.log")"
+    report '```'
   fi
 }
 
@@ -358,25 +383,16 @@ fi
 
 if want flux; then
   section "FLUX in bf16 on the GPU (cuDNN's unmasked attention) against the CPU (fp32 and bf16; 10 steps within 2e-2 of fp32)"
-  FLUX_OPTS=(--train.steps=10 --train.micro_batch=2 --train.global_batch=4 --train.threads=4)
   [ -f "$WORK/data/flux_train.h5" ] || write_flux_data "$WORK/data"
-  if TRAIN_FILE=$WORK/data/flux_train.h5 run flux-cpu-fp32 cpu 2 inputs/flux-tiny.ini "${FLUX_OPTS[@]}" &&
-     TRAIN_FILE=$WORK/data/flux_train.h5 run flux-cpu-bf16 cpu 2 inputs/flux-tiny.ini "${FLUX_OPTS[@]}" --fsdp.param_dtype=bf16 &&
-     TRAIN_FILE=$WORK/data/flux_train.h5 run flux-gpu-bf16 cuda 1 inputs/flux-tiny.ini "${FLUX_OPTS[@]}" --fsdp.param_dtype=bf16; then
-    cpu_drift=$(compare_losses "$WORK/flux-cpu-bf16.jsonl" "$WORK/flux-cpu-fp32.jsonl" 1)
-    if ! grep -q "attention cudnn" "$WORK/flux-gpu-bf16.log" || grep -q "no cuDNN" "$WORK/flux-gpu-bf16.log"; then
-      FAILED=1; report "- FAIL FLUX bf16 on the GPU did not run cuDNN's attention:"; report '```'
-      report "$(grep -E 'compute:|cuDNN' "$WORK/flux-gpu-bf16.log" | head -5)"; report '```'
-    elif out=$(compare_losses "$WORK/flux-gpu-bf16.jsonl" "$WORK/flux-cpu-fp32.jsonl" 2e-2); then
-      report "- ok   FLUX bf16, cuDNN attention: GPU bf16 vs CPU fp32: $out; CPU bf16 vs CPU fp32: $cpu_drift"
-    else
-      FAILED=1; report "- FAIL FLUX bf16: GPU bf16 vs CPU fp32: $out; CPU bf16 vs CPU fp32: $cpu_drift"
-    fi
-  else
-    FAILED=1; report "- FAIL FLUX bf16: a run failed:"; report '```'
-    report "$(tail -8 "$WORK/flux-cpu-fp32.log"; tail -8 "$WORK/flux-cpu-bf16.log"; tail -8 "$WORK/flux-gpu-bf16.log")"; report '```'
-  fi
+  TRAIN_FILE=$WORK/data/flux_train.h5 bf16_cudnn_against_cpu "FLUX bf16, cuDNN attention" flux inputs/flux-tiny.ini \
+    --train.steps=10 --train.micro_batch=2 --train.global_batch=4 --train.threads=4
 
+fi
+if want documents; then
+  section "Packed documents in bf16 on the GPU (cuDNN's graph with the documents' score bias) against the CPU (fp32 and bf16; 20 steps within 2e-2 of fp32)"
+  bf16_cudnn_against_cpu "Llama, packed documents, cuDNN attention" llama-documents inputs/llama-tiny.ini \
+    --train.steps=20 --train.threads=4 --train.micro_batch=4 --train.global_batch=8 --model.n_embd=64 --model.n_head=4 \
+    --data.documents=true --data.document_start=10 --data.restart_positions=true
 fi
 # FLUX's speed: the attention benchmark (unless the bench section ran it) and a FLUX.1-wide model.
 if want flux && [ "$TESTS_ONLY" = 0 ]; then

@@ -45,6 +45,8 @@ struct ComputeOptions {
   CommBackend comm = COMM_AUTO;
   AttentionKernel attention = ATTENTION_AUTO;
   DType activation_dtype = DTYPE_FP32;  // fsdp.activation_dtype resolved
+  // data.documents: the attention masks packed documents (cuDNN's graph then holds a score bias).
+  bool packed_documents = false;
 
   bool gpu() const { return device == "cuda"; }
   // AUTO resolved.

@@ -182,13 +182,14 @@ gpu::CudnnAttentionMemory plan_cudnn_attention(const ModelConfig& student, const
                                                int micro_batch, int seq_len, const ComputeOptions& compute) {
   gpu::CudnnAttentionMemory m;
   if (!compute.gpu() || compute.attention_kernel() != ATTENTION_CUDNN) return m;
-  auto add = [&](const ModelConfig& c, bool backward) {  // a head size cuDNN refuses runs on the tiled kernels
+  auto add = [&](const ModelConfig& c, bool backward, bool documents) {  // a head size cuDNN refuses runs on the tiled kernels
     const int T = family_of(c).attention_tokens(c, seq_len);
     if (gpu::cudnn_attention_takes_head_size(c.head_size()))
-      m.grow_to(gpu::cudnn_attention_memory(micro_batch, T, c.n_head, c.kv_heads(), c.head_size(), backward));
+      m.grow_to(gpu::cudnn_attention_memory(micro_batch, T, c.n_head, c.kv_heads(), c.head_size(), backward,
+                                            documents));
   };
-  add(student, true);
-  if (teacher) add(*teacher, false);  // forward only
+  add(student, true, compute.packed_documents);
+  if (teacher) add(*teacher, false, compute.packed_documents);  // forward only
   return m;
 }
 

@@ -917,6 +917,7 @@ ComputeOptions compute_options(const Config& c) {
   }
   o.comm = c.fsdp.comm_backend;
   o.attention = c.train.attention;
+  o.packed_documents = c.data.documents;
   return o;
 }
 

@@ -133,6 +133,11 @@ size_t cudnn_attention_row_bytes(int B, int T, int NH) {
   return static_cast<size_t>(B) * NH * static_cast<size_t>(T) * sizeof(float);
 }
 
+size_t cudnn_attention_bias_bytes(int B, int T) {
+  check_attention_shape("cudnn_attention_bias_bytes", B, T, 1, 1, 1);
+  return static_cast<size_t>(B) * T * static_cast<size_t>(T) * sizeof(uint16_t);
+}
+
 size_t cudnn_attention_forward_workspace_estimate(int B, int T, int NH, int KV, int HS) {
   check_attention_shape("cudnn_attention_forward_workspace_estimate", B, T, NH, KV, HS);
   const size_t rows = static_cast<size_t>(B) * NH * tiled_rows(T);
@@ -150,20 +155,21 @@ size_t cudnn_attention_backward_workspace_estimate(int B, int T, int NH, int KV,
 
 std::vector<size_t> CudnnAttentionMemory::allocations() const {
   std::vector<size_t> list;
-  for (size_t bytes : {qkv16, out16, dout16, dqkv16, row_sums, workspace})
+  for (size_t bytes : {qkv16, out16, dout16, dqkv16, row_sums, bias, workspace})
     if (bytes) list.push_back(bytes);
   return list;
 }
 
 CudnnAttentionMemory& CudnnAttentionMemory::grow_to(const CudnnAttentionMemory& o) {
   qkv16 = std::max(qkv16, o.qkv16), out16 = std::max(out16, o.out16), dout16 = std::max(dout16, o.dout16);
-  dqkv16 = std::max(dqkv16, o.dqkv16), row_sums = std::max(row_sums, o.row_sums);
+  dqkv16 = std::max(dqkv16, o.dqkv16), row_sums = std::max(row_sums, o.row_sums), bias = std::max(bias, o.bias);
   workspace = std::max(workspace, o.workspace);
   return *this;
 }
 
-CudnnAttentionMemory cudnn_attention_memory(int B, int T, int NH, int KV, int HS, bool backward) {
+CudnnAttentionMemory cudnn_attention_memory(int B, int T, int NH, int KV, int HS, bool backward, bool documents) {
   CudnnAttentionMemory m;
+  if (documents) m.bias = cudnn_attention_bias_bytes(B, T);
   m.qkv16 = cudnn_attention_qkv_bytes(B, T, NH, KV, HS);
   m.out16 = cudnn_attention_out_bytes(B, T, NH, HS);
   m.workspace = cudnn_attention_forward_workspace_estimate(B, T, NH, KV, HS);

@@ -126,6 +126,8 @@ size_t cudnn_attention_out_bytes(int B, int T, int NH, int HS);
 //   not 16-byte aligned (cuDNN's requirement); every model's lse is an allocation of its own
 //   (aligned to the allocator's 512 bytes), so the plan has no lse_copy.
 size_t cudnn_attention_row_bytes(int B, int T, int NH);
+// - bias (packed documents only): the (B,1,T,T) bf16 score bias, B*T*T*2 bytes.
+size_t cudnn_attention_bias_bytes(int B, int T);
 
 // cuDNN's own workspace: cuDNN tells it only from a finalized execution plan (a GPU, the runtime
 // cuDNN and the engine the heuristics pick), so the plan takes these upper-bound ESTIMATES; on a
@@ -149,17 +151,18 @@ size_t cudnn_attention_backward_workspace_estimate(int B, int T, int NH, int KV,
 // shapes (the student's forward and backward, a distillation teacher's forward) take the larger
 // of each buffer, and the workspace the largest plan's.
 struct CudnnAttentionMemory {
-  size_t qkv16 = 0, out16 = 0, dout16 = 0, dqkv16 = 0, row_sums = 0;  // staging, exact
-  size_t workspace = 0;                                               // cuDNN's, an estimate
-  size_t staging() const { return qkv16 + out16 + dout16 + dqkv16 + row_sums; }
+  size_t qkv16 = 0, out16 = 0, dout16 = 0, dqkv16 = 0, row_sums = 0, bias = 0;  // staging, exact
+  size_t workspace = 0;                                                         // cuDNN's, an estimate
+  size_t staging() const { return qkv16 + out16 + dout16 + dqkv16 + row_sums + bias; }
   size_t total() const { return staging() + workspace; }
   // The separate allocations (the ones made), for the allocator's rounding: staging, workspace.
   std::vector<size_t> allocations() const;
   // After the other's calls as well.
   CudnnAttentionMemory& grow_to(const CudnnAttentionMemory& other);
 };
-// A forward (backward false) or a forward and a backward of one shape.
-CudnnAttentionMemory cudnn_attention_memory(int B, int T, int NH, int KV, int HS, bool backward);
+// A forward (backward false) or a forward and a backward of one shape; documents: packed documents.
+CudnnAttentionMemory cudnn_attention_memory(int B, int T, int NH, int KV, int HS, bool backward,
+                                            bool documents = false);
 
 // ---- NCCL (an estimate: NCCL allocates with cudaMalloc, outside our allocator) -----------------------
 // Per channel, each connection's receiving end holds one buffer per protocol: Simple

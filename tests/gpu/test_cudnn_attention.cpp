@@ -89,6 +89,11 @@ struct Gpu {
     return d;
   }
   DeviceArray<float> filled(size_t n, float value) { return upload(std::vector<float>(n, value)); }
+  DeviceArray<int> upload_ints(const std::vector<int>& v) {
+    DeviceArray<int> d(*device, v.size());
+    device->copy_to_device(d.data(), v.data(), v.size() * sizeof(int));
+    return d;
+  }
   // v rounded to bf16 on the host, in an allocation of its own (so 16-byte aligned, as cuDNN needs).
   DeviceArray<uint16_t> upload_bf16(const std::vector<float>& v) {
     std::vector<uint16_t> halves(v.size());
@@ -203,6 +208,45 @@ TEST_P(CudnnAttentionTest, UnmaskedMatchesCpuWithoutTheMask) {
     const std::vector<float> causal = gpu().download(c_out);
     EXPECT_NE(std::memcmp(causal.data(), got_out.data(), causal.size() * sizeof(float)), 0)
         << "the unmasked graph gave the causal graph's output";
+  }
+}
+
+// Packed documents: each sequence cut into documents of 1, 2, 3, ... tokens (the last what is
+// left), row t seeing only its own document's keys; cuDNN's graph with the documents' score bias
+// against the CPU with the same doc_start, and differing from the graph without it.
+TEST_P(CudnnAttentionTest, PackedDocumentsMatchCpu) {
+  const Shape s = GetParam();
+  std::vector<int> doc_start(static_cast<size_t>(s.B) * s.T);
+  for (int b = 0; b < s.B; b++)
+    for (int t = 0, start = 0, length = 1 + b; t < s.T; t++) {
+      if (t - start == length) start = t, length++;
+      doc_start[static_cast<size_t>(b) * s.T + t] = start;
+    }
+  const std::vector<float> qkv = bf16_rounded(uniform(s.qkv(), 71)), dout = bf16_rounded(uniform(s.out(), 72));
+  std::vector<float> out(s.out()), lse(s.lse());
+  cpu::attention_forward(out.data(), lse.data(), qkv.data(), s.B, s.T, s.NH, s.KV, s.HS, cpu::AttentionTiles(), true,
+                         doc_start.data());
+  auto d_qkv = gpu().upload(qkv), d_dout = gpu().upload(dout);
+  auto d_docs = gpu().upload_ints(doc_start);
+  auto d_out = gpu().filled(s.out(), NAN), d_lse = gpu().filled(s.lse(), NAN), d_dqkv = gpu().filled(s.qkv(), NAN);
+  ASSERT_TRUE(gpu().cudnn->forward(d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS, nullptr, true,
+                                   d_docs.data()))
+      << "cuDNN refused the packed documents' graph (its reason is printed above)";
+  const std::vector<float> got_out = gpu().download(d_out), got_lse = gpu().download(d_lse);
+  expect_close(got_lse.data(), widen(lse), Tolerance{1e-4, 0.0}, "documents cudnn lse");
+  expect_close(got_out.data(), widen(out), Tolerance{kBf16, 0.0}, "documents cudnn out");
+  std::vector<float> dqkv(s.qkv());
+  cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), got_out.data(), got_lse.data(), s.B, s.T, s.NH, s.KV,
+                          s.HS, cpu::AttentionTiles(), true, doc_start.data());
+  ASSERT_TRUE(gpu().cudnn->backward(d_dqkv.data(), d_dout.data(), d_qkv.data(), d_out.data(), d_lse.data(), s.B, s.T,
+                                    s.NH, s.KV, s.HS, nullptr, nullptr, true, d_docs.data()));
+  expect_dqkv_close(gpu().download(d_dqkv), dqkv, s);
+  if (s.T > 2) {
+    auto c_out = gpu().filled(s.out(), NAN), c_lse = gpu().filled(s.lse(), NAN);
+    ASSERT_TRUE(gpu().cudnn->forward(c_out.data(), c_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS));
+    const std::vector<float> causal = gpu().download(c_out);
+    EXPECT_NE(std::memcmp(causal.data(), got_out.data(), causal.size() * sizeof(float)), 0)
+        << "the documents' graph gave the causal graph's output";
   }
 }
 

@@ -178,6 +178,28 @@ TEST(GpuMemory, CudnnAttentionStagingIsEachBuffersFormula) {
             2 * (size_t{36} << 20) + 2 * (size_t{12} << 20) + (size_t{384} << 10));
 }
 
+// Packed documents add the (B,1,T,T) bf16 score bias, one more allocation, to either direction;
+// the run's plan has it exactly when data.documents is set and cuDNN runs the attention.
+TEST(GpuMemory, CudnnAttentionPackedDocumentsAddTheirScoreBias) {
+  for (bool backward : {false, true}) {
+    const gpu::CudnnAttentionMemory plain = gpu::cudnn_attention_memory(4, 96, 4, 2, 16, backward);
+    const gpu::CudnnAttentionMemory docs = gpu::cudnn_attention_memory(4, 96, 4, 2, 16, backward, true);
+    EXPECT_EQ(docs.bias, size_t{4} * 96 * 96 * 2);
+    EXPECT_EQ(docs.staging(), plain.staging() + docs.bias);
+    EXPECT_EQ(docs.allocations().size(), plain.allocations().size() + 1);
+  }
+  ModelConfig llama;
+  llama.arch = "llama", llama.n_layer = 2, llama.n_embd = 64, llama.n_head = 4, llama.n_kv_head = 2;
+  llama.vocab_size = 256, llama.max_seq_len = 96, llama.intermediate_size = 128;
+  ComputeOptions compute;
+  compute.device = "cuda", compute.attention = ATTENTION_CUDNN;
+  const size_t without = plan_cudnn_attention(llama, nullptr, 4, 96, compute).staging();
+  compute.packed_documents = true;
+  EXPECT_EQ(plan_cudnn_attention(llama, nullptr, 4, 96, compute).staging(), without + size_t{4} * 96 * 96 * 2);
+  compute.attention = ATTENTION_TILED;
+  EXPECT_EQ(plan_cudnn_attention(llama, nullptr, 4, 96, compute).staging(), 0u);
+}
+
 TEST(GpuMemory, CudnnAttentionWorkspaceEstimatesBoundTheDpWorkspace) {
   // T' = T rounded up to 64: T = 64 and 65 differ by a whole tile.
   EXPECT_EQ(gpu::cudnn_attention_forward_workspace_estimate(2, 64, 4, 4, 64), forward_estimate(2, 64, 4));

@@ -99,15 +99,15 @@ class CudaLayerOps final : public LayerOps<float> {
             int ldb, float beta, float* C, int ldc) const override {
     kernels::launch_gemm(gemm_, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);  // fp32 always
   }
-  // Packed documents (doc_start) run on the tiled kernels: the cuDNN graph has the causal mask only.
+  // Packed documents (doc_start) too: cuDNN's graph adds their score bias.
   void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
                          const int* doc_start) const override {
-    if (!doc_start && cudnn_forward(out, lse, qkv, B, T, NH, KV, HS, true)) return;
+    if (cudnn_forward(out, lse, qkv, B, T, NH, KV, HS, true, doc_start)) return;
     kernels::launch_attention_forward(out, lse, qkv, B, T, NH, KV, HS, doc_start, launch());
   }
   void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int B,
                           int T, int NH, int KV, int HS, const int* doc_start) const override {
-    if (!doc_start && cudnn_backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS, true)) return;
+    if (cudnn_backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS, true, doc_start)) return;
     void* ws = workspace(kernels::attention_backward_workspace_bytes(B, T, NH, KV, HS));  // each row's D
     kernels::launch_attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS, doc_start, ws, launch());
   }
@@ -290,16 +290,16 @@ class CudaLayerOps final : public LayerOps<float> {
   const LaunchContext& launch() const { return gemm_.launch; }
   // cuDNN's attention with the bf16 copies bound to the ops (false: no cuDNN here, or no plan for
   // the shape; the caller runs the tiled kernels).
-  bool cudnn_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
-                     bool causal) const {
-    return cudnn_ &&
-           cudnn_->forward(out, lse, qkv, B, T, NH, KV, HS, bf16_copy(qkv, qkv_elements(B, T, NH, KV, HS)), causal);
+  bool cudnn_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS, bool causal,
+                     const int* doc_start = nullptr) const {
+    return cudnn_ && cudnn_->forward(out, lse, qkv, B, T, NH, KV, HS, bf16_copy(qkv, qkv_elements(B, T, NH, KV, HS)),
+                                     causal, doc_start);
   }
   bool cudnn_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int B,
-                      int T, int NH, int KV, int HS, bool causal) const {
+                      int T, int NH, int KV, int HS, bool causal, const int* doc_start = nullptr) const {
     return cudnn_ && cudnn_->backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS,
                                       bf16_copy(qkv, qkv_elements(B, T, NH, KV, HS)),
-                                      bf16_copy(out, static_cast<size_t>(B) * T * NH * HS), causal);
+                                      bf16_copy(out, static_cast<size_t>(B) * T * NH * HS), causal, doc_start);
   }
 
   // At least `bytes` of device memory, valid until the next call (stream-ordered reuse).

@@ -2,10 +2,11 @@
 // composite flash-attention patterns cuDNN's fused attention engines recognise (cuDNN's Graph API
 // guide, "Flash Fused Attention"), written out here operation by operation:
 //
-// forward   S = scale (Q K^T); S = causal(S) (row index >= column index, else -inf; a diffusion
-//           transformer's joint attention leaves S unmasked);
+// forward   S = scale (Q K^T); S = S + bias (packed documents only: a (B,1,T,T) bf16 tensor, 0
+//           within each query's document, -inf before it); S = causal(S) (row index >= column
+//           index, else -inf; a diffusion transformer's joint attention leaves S unmasked);
 //           M = rowmax S; E = exp(S - M); L = rowsum E; Stats = M + log L; O = (E / L) V
-// backward  D = rowsum(dO * O); P = exp(causal(scale (Q K^T) - Stats)); dV = P^T dO;
+// backward  D = rowsum(dO * O); P = exp(causal(scale (Q K^T) [+ bias] - Stats)); dV = P^T dO;
 //           dS = scale P (dO V^T - D); dK = dS^T Q; dQ = dS K
 //
 // with Q (B,NH,T,HS), K and V (B,KV,T,HS) as strided views of the bf16 qkv rows (query head h
@@ -104,6 +105,7 @@ Dims compact_strides(const Dims& d) { return {d[1] * d[2] * d[3], d[2] * d[3], d
 // The tensors that live in memory (variant pack ids). Virtual tensors get ids from kFirstVirtual.
 enum Uid : int64_t {
   UID_Q = 1, UID_K, UID_V, UID_O, UID_STATS, UID_DO, UID_DQ, UID_DK, UID_DV, UID_ROW_SUMS,  // device memory
+  UID_BIAS,                                                                                 // packed documents
   UID_SCALE, UID_NEG_INF, UID_ONE,                                                          // host scalars
   kFirstVirtual = 100
 };
@@ -225,16 +227,18 @@ class GraphBuilder {
 
 struct Shape {
   int B, T, NH, KV, HS;
-  bool causal = true;  // false: every query row sees every key (no mask in either graph)
+  bool causal = true;      // false: every query row sees every key (no mask in either graph)
+  bool documents = false;  // packed documents: the score bias of launch_document_bias (causal only)
   int64_t row() const { return static_cast<int64_t>(NH + 2 * KV) * HS; }
   int64_t C() const { return static_cast<int64_t>(NH) * HS; }
   size_t qkv_elements() const { return static_cast<size_t>(B) * T * row(); }
   size_t out_elements() const { return static_cast<size_t>(B) * T * C(); }
   size_t row_stats() const { return static_cast<size_t>(B) * NH * T; }
-  auto key() const { return std::make_tuple(B, T, NH, KV, HS, causal); }
+  auto key() const { return std::make_tuple(B, T, NH, KV, HS, causal, documents); }
   bool operator<(const Shape& o) const { return key() < o.key(); }
   std::string name() const {
-    return strprintf("B=%d T=%d NH=%d KV=%d HS=%d%s", B, T, NH, KV, HS, causal ? "" : " (unmasked)");
+    return strprintf("B=%d T=%d NH=%d KV=%d HS=%d%s%s", B, T, NH, KV, HS, causal ? "" : " (unmasked)",
+                     documents ? " (packed documents)" : "");
   }
 
   // Views into the token-major rows (qkv: q heads | k heads | v heads; out: the NH heads).
@@ -245,6 +249,8 @@ struct Shape {
   Dims qkv_transposed_strides() const { return {T * row(), HS, 1, row()}; }
   Dims out_strides() const { return {T * C(), HS, C(), 1}; }
   Dims scores_dims() const { return {B, NH, T, T}; }
+  Dims bias_dims() const { return {B, 1, T, T}; }  // broadcast over the heads
+  Dims bias_strides() const { return {int64_t(T) * T, int64_t(T) * T, T, 1}; }
   Dims transposed_scores_strides() const { return {int64_t(NH) * T * T, int64_t(T) * T, 1, T}; }
   Dims row_dims() const { return {B, NH, T, 1}; }
   // Element offsets of the k and v heads in a row.
@@ -264,6 +270,15 @@ void group_product(GraphBuilder& g, const Shape& s, cudnnBackendDescriptor_t a, 
   g.reduce(CUDNN_REDUCE_TENSOR_ADD, dst, per_query_head);
 }
 
+// The scores plus the packed documents' bias (the scores themselves without documents).
+cudnnBackendDescriptor_t document_bias(GraphBuilder& g, const Shape& s, cudnnBackendDescriptor_t scores) {
+  if (!s.documents) return scores;
+  cudnnBackendDescriptor_t bias = g.tensor(UID_BIAS, CUDNN_DATA_BFLOAT16, s.bias_dims(), s.bias_strides());
+  cudnnBackendDescriptor_t biased = g.virtual_tensor(CUDNN_DATA_FLOAT, s.scores_dims());
+  g.pointwise(CUDNN_POINTWISE_ADD, biased, scores, bias);
+  return biased;
+}
+
 std::deque<Descriptor> forward_graph(GraphBuilder& g, const Shape& s, cudnnBackendDescriptor_t* graph) {
   const Dims S = s.scores_dims(), R = s.row_dims();
   cudnnBackendDescriptor_t q = g.tensor(UID_Q, CUDNN_DATA_BFLOAT16, s.q_dims(), s.qkv_strides());
@@ -276,6 +291,7 @@ std::deque<Descriptor> forward_graph(GraphBuilder& g, const Shape& s, cudnnBacke
   g.matmul(q, kt, products);
   cudnnBackendDescriptor_t scores = g.virtual_tensor(CUDNN_DATA_FLOAT, S);
   g.pointwise(CUDNN_POINTWISE_MUL, scores, products, g.scalar(UID_SCALE));
+  scores = document_bias(g, s, scores);
   cudnnBackendDescriptor_t masked = s.causal ? g.causal_mask(scores, S, UID_NEG_INF) : scores;
   cudnnBackendDescriptor_t row_max = g.virtual_tensor(CUDNN_DATA_FLOAT, R);
   g.reduce(CUDNN_REDUCE_TENSOR_MAX, row_max, masked);
@@ -320,6 +336,7 @@ std::deque<Descriptor> backward_graph(GraphBuilder& g, const Shape& s, cudnnBack
   g.matmul(q, kt, products);
   cudnnBackendDescriptor_t scores = g.virtual_tensor(CUDNN_DATA_FLOAT, S);
   g.pointwise(CUDNN_POINTWISE_MUL, scores, products, g.scalar(UID_SCALE));
+  scores = document_bias(g, s, scores);
   cudnnBackendDescriptor_t shifted = g.virtual_tensor(CUDNN_DATA_FLOAT, S);
   g.pointwise(CUDNN_POINTWISE_SUB, shifted, scores, stats);
   cudnnBackendDescriptor_t masked = s.causal ? g.causal_mask(shifted, S, UID_NEG_INF) : shifted;
@@ -433,7 +450,7 @@ struct CudnnAttention::Impl {
     void* data = nullptr;
     size_t bytes = 0;
   };
-  Buffer qkv16, out16, dout16, dqkv16, row_sums, lse_copy, workspace;
+  Buffer qkv16, out16, dout16, dqkv16, row_sums, lse_copy, bias, workspace;
   // By-value scalars the variant pack points at (read when a plan is executed).
   float scale = 1, neg_inf = -std::numeric_limits<float>::infinity(), one = 1;
 
@@ -451,7 +468,9 @@ struct CudnnAttention::Impl {
       if (b->data) device.release(b->data, b->bytes);
     if (handle) cudnnDestroy(handle);
   }
-  std::array<Buffer*, 7> all_buffers() { return {&qkv16, &out16, &dout16, &dqkv16, &row_sums, &lse_copy, &workspace}; }
+  std::array<Buffer*, 8> all_buffers() {
+    return {&qkv16, &out16, &dout16, &dqkv16, &row_sums, &lse_copy, &bias, &workspace};
+  }
 
   template <typename T>
   T* grow(Buffer& b, size_t bytes) {
@@ -525,6 +544,15 @@ struct CudnnAttention::Impl {
     return bf16_input(qkv, copy, s.qkv_elements(), qkv16, gpu::cudnn_attention_qkv_bytes(s.B, s.T, s.NH, s.KV, s.HS));
   }
   void set_scalars(const Shape& s) { scale = 1.0f / std::sqrt(static_cast<float>(s.HS)); }
+  // The variant pack's entries every call of shape s has beyond its own tensors: the causal mask's
+  // fill, and the packed documents' bias built from doc_start.
+  void add_masks(const Shape& s, const int* doc_start, std::vector<std::pair<int64_t, void*>>& tensors) {
+    if (s.causal) tensors.push_back({UID_NEG_INF, &neg_inf});
+    if (!s.documents) return;
+    uint16_t* b = grow<uint16_t>(bias, gpu::cudnn_attention_bias_bytes(s.B, s.T));
+    kernels::launch_document_bias(b, doc_start, s.B, s.T, launch);
+    tensors.push_back({UID_BIAS, b});
+  }
 };
 
 CudnnAttention::CudnnAttention(CudaDevice& device) : impl_(std::make_unique<Impl>(device)) {}
@@ -541,8 +569,9 @@ std::string CudnnAttention::unsupported_reason(int T, int HS, bool backward) {
 }
 
 bool CudnnAttention::forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
-                             const uint16_t* qkv_bf16, bool causal) {
-  const Shape s{B, T, NH, KV, HS, causal};
+                             const uint16_t* qkv_bf16, bool causal, const int* doc_start) {
+  const Shape s{B, T, NH, KV, HS, causal, doc_start != nullptr};
+  SHARD_CHECK(causal || !doc_start, "attention: packed documents without the causal mask");
   SHARD_CHECK(B > 0 && T > 0 && NH > 0 && KV > 0 && HS > 0 && NH % KV == 0, "attention: %s", s.name().c_str());
   Descriptor* plan = impl_->plan_for(s, false);
   if (!plan) return false;
@@ -554,7 +583,7 @@ bool CudnnAttention::forward(float* out, float* lse, const float* qkv, int B, in
   std::vector<std::pair<int64_t, void*>> tensors = {{UID_Q, q16},         {UID_K, q16 + s.k_offset()},
                                                     {UID_V, q16 + s.v_offset()}, {UID_O, o16},
                                                     {UID_STATS, stats}, {UID_SCALE, &m.scale}};
-  if (causal) tensors.push_back({UID_NEG_INF, &m.neg_inf});  // the mask's fill, in the causal graph only
+  m.add_masks(s, doc_start, tensors);
   m.execute(*plan, tensors, m.workspace_of(s, false));
   if (stats != lse)
     CUDA_CHECK(cudaMemcpyAsync(lse, stats, s.row_stats() * sizeof(float), cudaMemcpyDeviceToDevice, m.launch.stream));
@@ -564,8 +593,9 @@ bool CudnnAttention::forward(float* out, float* lse, const float* qkv, int B, in
 
 bool CudnnAttention::backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
                               int B, int T, int NH, int KV, int HS, const uint16_t* qkv_bf16,
-                              const uint16_t* out_bf16, bool causal) {
-  const Shape s{B, T, NH, KV, HS, causal};
+                              const uint16_t* out_bf16, bool causal, const int* doc_start) {
+  const Shape s{B, T, NH, KV, HS, causal, doc_start != nullptr};
+  SHARD_CHECK(causal || !doc_start, "attention: packed documents without the causal mask");
   SHARD_CHECK(B > 0 && T > 0 && NH > 0 && KV > 0 && HS > 0 && NH % KV == 0, "attention: %s", s.name().c_str());
   Descriptor* plan = impl_->plan_for(s, true);
   if (!plan) return false;
@@ -591,7 +621,7 @@ bool CudnnAttention::backward(float* dqkv, const float* dout, const float* qkv, 
       {UID_O, o16},         {UID_DO, do16},                {UID_STATS, const_cast<float*>(stats)},
       {UID_DQ, dq16},       {UID_DK, dq16 + s.k_offset()}, {UID_DV, dq16 + s.v_offset()},
       {UID_ROW_SUMS, sums}, {UID_SCALE, &m.scale},         {UID_ONE, &m.one}};
-  if (causal) tensors.push_back({UID_NEG_INF, &m.neg_inf});
+  m.add_masks(s, doc_start, tensors);
   m.execute(*plan, tensors, m.workspace_of(s, true));
   kernels::launch_from_half(dqkv, dq16, s.qkv_elements(), DTYPE_BF16, m.launch);
   return true;

@@ -51,12 +51,15 @@ class CudnnAttention {
   // nothing was written (see above). qkv_bf16, out_bf16 (may be null): bf16 copies of qkv and out
   // (bound to the ops, LayerOps::bind_half_copy: qkv == widen(qkv_bf16)), read instead of rounding
   // qkv and out into the staging buffers when 16-byte aligned, the alignment cuDNN is promised.
-  // causal false: no mask (every row sees every key), a plan of its own.
+  // causal false: no mask (every row sees every key), a plan of its own. doc_start (B,T) in
+  // device memory (causal only): packed documents, row t of sequence b seeing keys doc_start[b][t]
+  // <= s <= t (backend/cpu/ops.hpp), through an additive score bias built per call (plans of
+  // their own; the bias buffer B*T*T*2 bytes).
   bool forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
-               const uint16_t* qkv_bf16 = nullptr, bool causal = true);
+               const uint16_t* qkv_bf16 = nullptr, bool causal = true, const int* doc_start = nullptr);
   bool backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int B, int T,
                 int NH, int KV, int HS, const uint16_t* qkv_bf16 = nullptr, const uint16_t* out_bf16 = nullptr,
-                bool causal = true);
+                bool causal = true, const int* doc_start = nullptr);
 
   // Why cuDNN's attention is not used for this shape before asking cuDNN (head size, the
   // runtime cuDNN's version), or "" when it may be.
