@@ -24,8 +24,9 @@
 #
 # Layout of OUT (Open MPI's own layout relative to a prefix, so that OPAL_* can relocate it):
 #   bin/             our programs; mpirun (a copy of orterun), orted, ompi_info
-#   lib/             shared libraries, one file per soname; those over 8 MiB (OpenBLAS) as NAME.gz,
-#                    unpacked by env.sh on first use (lib/UNPACK lists them with their sizes)
+#   lib/             shared libraries, one file per soname; those over 8 MiB (OpenBLAS, oneDNN) as
+#                    NAME.gz, unpacked by env.sh on first use (lib/UNPACK lists them with their sizes,
+#                    as paths in the bundle); so are our programs over 4 MiB (bin/NAME.gz)
 #   lib/openmpi/     Open MPI MCA plugins (OPAL_PKGLIBDIR)
 #   lib/pmix/        PMIx plugins (PMIX_MCA_mca_base_component_path)
 #   share/openmpi/   Open MPI help texts (OPAL_PKGDATADIR);  share/pmix/  PMIx's (PMIX_PKGDATADIR)
@@ -316,19 +317,21 @@ _shardtrain_bundle_env() {
     return 1
   fi
 
-  # -- libraries that travel gzipped (lib/UNPACK: name and size): unpack once, atomically.
+  # -- files that travel gzipped (lib/UNPACK: path in the bundle and size): unpack once, atomically;
+  # programs (bin/) executable again.
   local name size tmp
   while read -r name size; do
     [ -n "$name" ] || continue
-    ! [ -f "$B/lib/$name" ] || [ "$(wc -c < "$B/lib/$name")" != "$size" ] || continue
-    tmp="$B/lib/.$name.$$"
-    if { gzip -dc "$B/lib/$name.gz" 2>/dev/null \
+    ! [ -f "$B/$name" ] || [ "$(wc -c < "$B/$name")" != "$size" ] || continue
+    tmp="$B/$name.$$.tmp"
+    if { gzip -dc "$B/$name.gz" 2>/dev/null \
          || python3 -c 'import gzip, shutil, sys; shutil.copyfileobj(gzip.open(sys.argv[1]), sys.stdout.buffer)' \
-                    "$B/lib/$name.gz" 2>/dev/null; } > "$tmp" && [ "$(wc -c < "$tmp")" = "$size" ]; then
-      mv -f "$tmp" "$B/lib/$name"
+                    "$B/$name.gz" 2>/dev/null; } > "$tmp" && [ "$(wc -c < "$tmp")" = "$size" ]; then
+      case "$name" in bin/*) chmod +x "$tmp" ;; esac
+      mv -f "$tmp" "$B/$name"
     else
       rm -f "$tmp"
-      echo "shardtrain bundle: cannot unpack $B/lib/$name.gz (needs gzip or python3, and a writable bundle folder)" >&2
+      echo "shardtrain bundle: cannot unpack $B/$name.gz (needs gzip or python3, and a writable bundle folder)" >&2
       return 1
     fi
   done < <(cat "$B/lib/UNPACK" 2>/dev/null)
@@ -460,31 +463,34 @@ while read -r f; do
 done < <(find "$out/bin" "$out/lib" -type f -not -name '*.txt')
 [ -z "$problems" ] || die "the bundle is not self-contained:$(printf '%b' "$problems")"
 
-# ---- large libraries travel gzipped ---------------------------------------------------------------
+ours=() for_ours=""
+for f in "${programs[@]}"; do ours+=("$out/bin/$(basename "$f")"); for_ours="$for_ours $(basename "$f")"; done
+
+# ---- large files travel gzipped -------------------------------------------------------------------
 # OpenBLAS (a DYNAMIC_ARCH build with kernels for every x86-64 generation) alone is 35 MiB; gzipped
-# it is 10 MiB. env.sh unpacks lib/NAME.gz to lib/NAME once (it checks the size in lib/UNPACK).
+# it is 10 MiB. Our programs over 4 MiB go the same way (gpu_tests 9 MiB -> 3): the device tool
+# carries the tree and the bundle together within 64 MiB. env.sh unpacks PATH.gz to PATH once (it
+# checks the size in lib/UNPACK).
 : > "$out/lib/UNPACK"
 packed=""
 while read -r f; do
   size=$(stat -c %s "$f")
-  (( size > 8 * 1048576 )) || continue
+  case "$f" in "$out"/bin/*) (( size > 4 * 1048576 )) || continue ;; *) (( size > 8 * 1048576 )) || continue ;; esac
   gzip -6 -n "$f"
-  printf '%s %s\n' "$(basename "$f")" "$size" >> "$out/lib/UNPACK"
-  packed="$packed $(basename "$f") $(awk -v a="$size" -v b="$(stat -c %s "$f.gz")" 'BEGIN {printf "%.1f -> %.1f MiB", a / 1048576, b / 1048576}')"
-done < <(find "$out/lib" -maxdepth 1 -type f -name 'lib*.so*')
+  printf '%s %s\n' "${f#"$out"/}" "$size" >> "$out/lib/UNPACK"
+  packed="$packed ${f#"$out"/} $(awk -v a="$size" -v b="$(stat -c %s "$f.gz")" 'BEGIN {printf "%.1f -> %.1f MiB", a / 1048576, b / 1048576}')"
+done < <(find "$out/lib" -maxdepth 1 -type f -name 'lib*.so*'; for f in "${ours[@]}"; do echo "$f"; done)
 
 # ---- size summary ---------------------------------------------------------------------------------
 bytes() { find "$@" -type f -printf '%s\n' 2>/dev/null | awk '{s += $1} END {print s + 0}'; }
 mib() { awk -v b="$1" 'BEGIN {printf "%6.1f MiB", b / 1048576}'; }
-ours=() for_ours=""
-for f in "${programs[@]}"; do ours+=("$out/bin/$(basename "$f")"); for_ours="$for_ours $(basename "$f")"; done
 total=$(bytes "$out")
 lib_bytes=$(find "$out/lib" -maxdepth 1 -type f -printf '%s\n' | awk '{s += $1} END {print s + 0}')
 lib_count=$(find "$out/lib" -maxdepth 1 -type f -name 'lib*' | wc -l)
 largest=$(find "$out/lib" -maxdepth 1 -type f -printf '%s %f\n' | sort -rn | head -4 \
           | awk '{printf "%s%s %.1f", (NR > 1 ? ", " : ""), $2, $1 / 1048576}')
 echo "bundle: $out  (from $build; Open MPI ${OMPI_VERSION:-?})"
-echo "  our programs        $(mib "$(bytes "${ours[@]}")")  $for_ours"
+echo "  our programs        $(mib "$(bytes "${ours[@]}" "${ours[@]/%/.gz}")")  $for_ours"
 echo "  Open MPI programs   $(mib "$(bytes "$out/bin/mpirun" "$out/bin/orted" "$out/bin/ompi_info")")   mpirun orted ompi_info"
 echo "  shared libraries    $(mib "$lib_bytes")   $lib_count files; largest: $largest"
 [ -z "$packed" ] || echo "                      gzipped for the journey, unpacked by env.sh:$packed"
