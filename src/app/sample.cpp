@@ -51,10 +51,10 @@ namespace {
 
 constexpr const char* USAGE_LINE =
     "shardtrain sample --checkpoint CKPT|RUN_DIR --prompts FILE.h5 --output FILE.h5 --grid ROWSxCOLS [--steps N] "
-    "[--guidance G] [--cfg S --negative FILE.h5] [--shift auto|S] [--seed N] [--batch B]";
+    "[--guidance G] [--cfg S --negative FILE.h5] [--condition FILE.h5] [--shift auto|S] [--seed N] [--batch B]";
 
 struct SampleOptions {
-  std::string checkpoint, prompts, negative, output, shift = "auto", device = "cpu", base;
+  std::string checkpoint, prompts, negative, condition, output, shift = "auto", device = "cpu", base;
   int rows = 0, cols = 0, steps = 28, batch = 1, threads = 0;
   double guidance = 3.5, cfg = 1.0, comm_timeout = 300;
   uint64_t seed = 0;
@@ -85,6 +85,9 @@ bool parse_sample_args(const Runtime& rt, const std::vector<std::string>& args, 
        "classifier-free guidance scale against --negative (1 = none): v = v_neg + cfg (v - v_neg)")
       ("negative", po::value(&o.negative),
        "HDF5 file of the negative prompts' embeddings (one, or one per prompt), for --cfg")
+      ("condition", po::value(&o.condition),
+       "a Kontext model's images to edit: HDF5 file of condition_latents (one, or one per prompt) with "
+       "condition_grid_rows and condition_grid_cols, as tools/encode_images.py encode --condition-images writes them")
       ("shift", po::value(&o.shift)->default_value(o.shift),
        "the schedule's shift: auto (by the image size, as FLUX.1-dev's pipeline), or a factor s (1 = none; "
        "FLUX.1-schnell: 1)")
@@ -132,27 +135,68 @@ Prompts read_prompts(const std::string& path, const ModelConfig& m, const std::s
   return p;
 }
 
+ConditionImages read_condition_images(const std::string& path, const ModelConfig& m, const std::string& option) {
+  ConditionImages c;
+  std::vector<hsize_t> dims;
+  c.latents = h5_read_floats(path, "condition_latents", &dims,
+                             " (tools/encode_images.py encode --condition-images writes condition latents)");
+  if (dims.size() != 3 || dims[0] < 1 || dims[1] < 1 || dims[2] != hsize_t(m.in_channels))
+    throw DataError(strprintf("%s='%s': condition_latents must be (P, M, %d) for this model (model.in_channels): one "
+                              "condition image, or one per prompt",
+                              option.c_str(), path.c_str(), m.in_channels));
+  c.count = static_cast<int>(dims[0]), c.tokens = static_cast<int>(dims[1]);
+  H5QuietErrors quiet;
+  H5Id file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  int64_t grid[2] = {0, 0};
+  const char* names[2] = {"condition_grid_rows", "condition_grid_cols"};
+  for (int k = 0; k < 2; k++) {
+    if (!h5_has_attr(file, names[k]))
+      throw DataError(option + "='" + path + "' has no attribute '" + names[k] + "' (the condition image's packed grid)");
+    grid[k] = h5_read_attr_i64(file, names[k], path);
+  }
+  if (grid[0] < 1 || grid[1] < 1 || grid[0] * grid[1] != c.tokens)
+    throw DataError(strprintf("%s='%s': condition_grid_rows x condition_grid_cols = %lld x %lld is not its %d tokens",
+                              option.c_str(), path.c_str(), static_cast<long long>(grid[0]),
+                              static_cast<long long>(grid[1]), c.tokens));
+  c.cols = static_cast<int>(grid[1]);
+  return c;
+}
+
 FlowSampler::FlowSampler(FsdpEngine& engine, TransformerModel<float>& model, const ModelConfig& config,
                          const SamplerSettings& settings)
     : engine_(engine), model_(model), config_(config), settings_(settings) {}
 
-std::vector<float> FlowSampler::draw(const Prompts& prompts, const Prompts* negative) {
+std::vector<float> FlowSampler::draw(const Prompts& prompts, const Prompts* negative, const ConditionImages* condition) {
   const SamplerSettings& o = settings_;
   const ModelConfig& m = config_;
   const int N = o.rows * o.cols, B = model_.batch(), IN = m.in_channels, L = prompts.tokens;
-  SHARD_CHECK(model_.seq_len() == N && m.context_len == L, "a sampler of %d tokens and %d text tokens, the model %d",
-              N, L, model_.seq_len());
+  const int M = condition ? condition->tokens : 0;
+  SHARD_CHECK(model_.seq_len() == N && m.context_len == L && m.condition_len == M,
+              "a sampler of %d tokens, %d text tokens and %d condition tokens, the model %d, %d and %d", N, L, M,
+              model_.seq_len(), m.context_len, m.condition_len);
   const std::vector<double> sigmas = flow_sigmas(o.steps, o.shift);
   Batch batch;
-  float* img_ids = batch.put<float>(FLUX_IMG_IDS, {N, 3});
+  float* img_ids = batch.put<float>(FLUX_IMG_IDS, {N + M, 3});
   for (int i = 0; i < N; i++) img_ids[3 * i] = 0, img_ids[3 * i + 1] = float(i / o.cols), img_ids[3 * i + 2] = float(i % o.cols);
+  for (int i = 0; i < M; i++) {  // Kontext's condition image: (1, row, col) on its own grid
+    float* id = img_ids + 3 * (N + i);
+    id[0] = 1, id[1] = float(i / condition->cols), id[2] = float(i % condition->cols);
+  }
   batch.put<float>(FLUX_TXT_IDS, {L, 3});
   const size_t image = static_cast<size_t>(N) * IN, text = static_cast<size_t>(L) * m.context_dim;
   std::vector<float> latents(static_cast<size_t>(prompts.count) * image), velocity(B * image), negative_v(B * image);
-  // The velocity of `x` (B samples) at noise level sigma with the prompts `which` of `from`, into v.
+  // The velocity of `x` (B samples of the prompts `images`: their condition images) at noise level
+  // sigma with the prompts `which` of `from`, into v.
   auto predict = [&](const std::vector<float>& x, double sigma, const Prompts& from, const std::vector<int>& which,
-                     std::vector<float>& v) {
-    std::copy(x.begin(), x.end(), batch.put<float>(FLUX_HIDDEN_STATES, {B, N, IN}));
+                     const std::vector<int>& images, std::vector<float>& v) {
+    float* hidden = batch.put<float>(FLUX_HIDDEN_STATES, {B, N + M, IN});
+    const size_t clean = static_cast<size_t>(M) * IN;
+    for (int b = 0; b < B; b++) {  // each sample's noisy target, then its clean condition image
+      std::copy_n(x.begin() + b * image, image, hidden + b * (image + clean));
+      if (M > 0)
+        std::copy_n(condition->latents.begin() + (condition->count == 1 ? 0 : images[b]) * clean, clean,
+                    hidden + b * (image + clean) + image);
+    }
     float* t = batch.put<float>(FLUX_ENCODER_HIDDEN_STATES, {B, L, m.context_dim});
     float* p = batch.put<float>(FLUX_POOLED, {B, m.pooled_dim});
     float* s = batch.put<float>(FLUX_TIMESTEP, {B});
@@ -176,9 +220,9 @@ std::vector<float> FlowSampler::draw(const Prompts& prompts, const Prompts* nega
       for (size_t i = 0; i < image; i++) x[b * image + i] = static_cast<float>(counter_normal(key, i));
     }
     for (int step = 0; step < o.steps; step++) {
-      predict(x, sigmas[step], prompts, which, velocity);
+      predict(x, sigmas[step], prompts, which, which, velocity);
       if (negative && o.cfg > 1) {
-        predict(x, sigmas[step], *negative, negative_which, negative_v);
+        predict(x, sigmas[step], *negative, negative_which, which, negative_v);
         for (size_t i = 0; i < velocity.size(); i++)
           velocity[i] = negative_v[i] + static_cast<float>(o.cfg) * (velocity[i] - negative_v[i]);
       }
@@ -257,6 +301,7 @@ int sample(const Runtime& rt, const SampleOptions& o) {
   const std::string path = checkpoint_file_or_newest(rt, *comm, o.checkpoint, "--checkpoint", &watchdog);
   CheckpointState state;
   Prompts prompts, negative;
+  ConditionImages condition;
   rt.agree_on([&] {
     state = read_checkpoint_state(path);
     require_capability(state.model, "sample", "checkpoint '" + path + "'");
@@ -268,14 +313,25 @@ int sample(const Runtime& rt, const SampleOptions& o) {
                                    "of --prompts' %d tokens",
                                    o.negative.c_str(), negative.count, negative.tokens, prompts.count, prompts.tokens));
     }
-    if (state.model.condition_len > 0)
+    if (state.model.condition_len > 0 && o.condition.empty())
       throw UsageError("checkpoint '" + path + "' is a Kontext model (model.condition_len=" +
-                       std::to_string(state.model.condition_len) + "): sampling with a condition image is not "
-                       "implemented yet");
+                       std::to_string(state.model.condition_len) +
+                       "): give the images to edit, --condition FILE.h5 (condition_latents, as tools/encode_images.py "
+                       "encode --condition-images writes them)");
+    if (state.model.condition_len == 0 && !o.condition.empty())
+      throw UsageError("--condition: checkpoint '" + path + "' is no Kontext model (it was trained with "
+                       "model.condition_len=0): sample it without --condition");
+    if (!o.condition.empty()) {
+      condition = read_condition_images(o.condition, state.model, "--condition");
+      if (condition.count != 1 && condition.count != prompts.count)
+        throw UsageError(strprintf("--condition='%s' holds %d condition images; give one, or one per prompt (%d)",
+                                   o.condition.c_str(), condition.count, prompts.count));
+    }
   });
   // The run's sizes: the prompts' text length, the grid's image tokens.
   ModelConfig m = state.model;
   m.context_len = prompts.tokens;
+  m.condition_len = condition.tokens;
   const int N = o.rows * o.cols, B = o.batch;
   m.max_seq_len = std::max(m.max_seq_len, N);
   const ParamTable table(m, {}, state.adapter);  // a model trained with adapters: with them
@@ -299,7 +355,8 @@ int sample(const Runtime& rt, const SampleOptions& o) {
   FlowSampler sampler(engine, *model, m, settings);
   comm->barrier("barrier(sample start)");
   const double t0 = now_seconds();
-  const std::vector<float> latents = sampler.draw(prompts, o.negative.empty() ? nullptr : &negative);
+  const std::vector<float> latents =
+      sampler.draw(prompts, o.negative.empty() ? nullptr : &negative, condition.tokens > 0 ? &condition : nullptr);
   const double t1 = now_seconds();
   std::string wrote;
   rt.agree_on([&] {

@@ -5,7 +5,8 @@
 // x <- x + (sigma_next - sigma) v(x, sigma), on FLUX.1's schedule (sigmas linear from 1 to 1/steps,
 // then shifted: by the image size as FLUX.1-dev's pipeline does, by a fixed factor, or not), the
 // guidance value fed to a guidance-embedding model, and classifier-free guidance against negative
-// prompts (v = v_neg + cfg (v - v_neg)). The prompts are text embeddings (tools/encode_images.py
+// prompts (v = v_neg + cfg (v - v_neg)), and for a Kontext model its condition images (clean
+// tokens after the target's, ids (1, row, col)). The prompts are text embeddings (tools/encode_images.py
 // prompts writes them); the output, the packed latents of each image, is an HDF5 file that
 // tools/encode_images.py decode turns into PNG files. Each image's starting noise is a pure
 // function of (--seed, its prompt's index): the same images on any rank count and batch size.
@@ -41,6 +42,18 @@ struct Prompts {
 // DataError naming `option` and the file unless they fit the model.
 Prompts read_prompts(const std::string& path, const ModelConfig& model, const std::string& option);
 
+// Kontext's condition images as packed latents: `count` of them (one for every prompt, or one per
+// prompt), each `tokens` tokens of in_channels on a grid `cols` wide; clean, after the target's
+// tokens, with position ids (1, row, col).
+struct ConditionImages {
+  std::vector<float> latents;
+  int count = 0, tokens = 0, cols = 0;
+};
+// An HDF5 file's condition_latents (P, M, in_channels) with condition_grid_rows and
+// condition_grid_cols (what tools/encode_images.py writes with --condition-images); DataError
+// naming `option` and the file unless they fit the model.
+ConditionImages read_condition_images(const std::string& path, const ModelConfig& model, const std::string& option);
+
 // How the sampler steps.
 struct SamplerSettings {
   int rows = 0, cols = 0, steps = 28;  // the packed latent grid
@@ -57,7 +70,8 @@ class FlowSampler {
               const SamplerSettings& settings);
   // The images of every prompt: count x (rows x cols) x in_channels, host memory. `negative`:
   // one prompt, or one per prompt, for classifier-free guidance (settings.cfg > 1), else null.
-  std::vector<float> draw(const Prompts& prompts, const Prompts* negative);
+  // `condition`: Kontext's condition images (the model's condition_len tokens each), else null.
+  std::vector<float> draw(const Prompts& prompts, const Prompts* negative, const ConditionImages* condition = nullptr);
 
  private:
   FsdpEngine& engine_;

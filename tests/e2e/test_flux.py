@@ -307,12 +307,17 @@ def test_bad_latent_files_are_refused_with_one_line():
 
 
 def euler_reference(params, cfg, text, pooled, rows, cols, steps, shift, guidance, seed, cfg_scale=1.0,
-                    neg_text=None, neg_pooled=None):
+                    neg_text=None, neg_pooled=None, condition=None, condition_cols=1):
     """sample's images from the equations: the Euler steps of the flow from each prompt's noise, in
-    float64 from the noise of the sampler's stream (rounded to float32 as it draws it)."""
+    float64 from the noise of the sampler's stream (rounded to float32 as it draws it). condition
+    (P or 1, M, in_channels): Kontext's clean condition tokens after the target's, ids (1, row, col),
+    in the negative prompts' forwards too."""
     from flux_reference import counter_normal, mix64
     N = rows * cols
-    img_ids = np.array([[0, i // cols, i % cols] for i in range(N)], np.float32)
+    img_ids = [[0, i // cols, i % cols] for i in range(N)]
+    if condition is not None:
+        img_ids += [[1, i // condition_cols, i % condition_cols] for i in range(condition.shape[1])]
+    img_ids = np.array(img_ids, np.float32)
     txt_ids = np.zeros((text.shape[1], 3), np.float32)
     sigmas = [1.0 - (1.0 - 1.0 / steps) * i / (steps - 1) if steps > 1 else 1.0 for i in range(steps)]
     sigmas = [shift * s / (1 + (shift - 1) * s) for s in sigmas] + [0.0]
@@ -321,15 +326,76 @@ def euler_reference(params, cfg, text, pooled, rows, cols, steps, shift, guidanc
         key = mix64(mix64(seed ^ 0x73616D706C696E67) ^ mix64(k))
         x = counter_normal(key, np.arange(N * cfg["in_channels"])).astype(np.float32).astype(np.float64)
         x = x.reshape(1, N, cfg["in_channels"])
+        clean = None if condition is None else condition[k if len(condition) > 1 else 0][None].astype(np.float64)
         for i in range(steps):
             s32 = np.float32(sigmas[i])
-            v = flux_forward(params, cfg, x, text[k:k + 1], pooled[k:k + 1], [s32], [guidance], img_ids, txt_ids)
+            hidden = x if clean is None else np.concatenate([x, clean], 1)
+            v = flux_forward(params, cfg, hidden, text[k:k + 1], pooled[k:k + 1], [s32], [guidance], img_ids, txt_ids)
             if cfg_scale > 1:
-                vn = flux_forward(params, cfg, x, neg_text[0:1], neg_pooled[0:1], [s32], [guidance], img_ids, txt_ids)
+                vn = flux_forward(params, cfg, hidden, neg_text[0:1], neg_pooled[0:1], [s32], [guidance], img_ids,
+                                  txt_ids)
                 v = vn + cfg_scale * (v - vn)
-            x = x + (sigmas[i + 1] - sigmas[i]) * v
+            x = x + (sigmas[i + 1] - sigmas[i]) * v[:, :N]  # the target's tokens leave
         out.append(x[0])
     return np.stack(out)
+
+
+def test_sample_edits_kontexts_condition_images_as_the_equations_do():
+    # A Kontext checkpoint (one step from a diffusers folder with 2 x 4 condition tokens), sampled
+    # with one condition image per prompt on 1 and 2 ranks: the reference Euler steps with the
+    # clean condition tokens after the target's; another condition image gives other images.
+    folder = os.path.join(tempdir(), "kontext-base")
+    make_diffusers_folder(folder, CFG, seed=13)
+    ckpt = tempdir()
+    ok(run(2, flux_args(f"--data.train_file={latent_file(24, 21, condition=(2, 4))}",
+                        f"--data.val_file={latent_file(6, 22, condition=(2, 4))}", "--model.condition_len=8",
+                        f"--checkpoint.init_from={folder}", f"--checkpoint.dir={ckpt}", "--checkpoint.format=gathered",
+                        "--train.steps=1")))
+    with h5py.File(os.path.join(ckpt, "ckpt-00000001.h5"), "r") as f:
+        params = {name: f["model"][name][()].astype(np.float64) for name in f["model"]}
+    prompts, negative = prompts_file(2, 23, tokens=8), prompts_file(1, 24, tokens=8)
+    rng = np.random.default_rng(25)
+    conditions = []
+    for k in range(2):
+        path = os.path.join(tempdir(), f"condition-{k}.h5")
+        with h5py.File(path, "w") as f:
+            f["condition_latents"] = rng.standard_normal((2, 8, 16)).astype(np.float32)
+            f.attrs["condition_grid_rows"], f.attrs["condition_grid_cols"] = np.int64(2), np.int64(4)
+        conditions.append(path)
+    args = ["--prompts", prompts, "--grid", "4x4", "--steps", "3", "--guidance", "3.5", "--seed", "5", "--shift", "1.5",
+            "--cfg", "2", "--negative", negative]
+    outputs = []
+    for np_, condition in ((1, conditions[0]), (2, conditions[0]), (1, conditions[1])):
+        out = os.path.join(tempdir(), "kontext.h5")
+        ok(run(np_, ["sample", "--checkpoint", ckpt, "--output", out, "--condition", condition,
+                     "--batch", str(np_), *args]), f"{np_} ranks")
+        with h5py.File(out, "r") as f:
+            outputs.append(f["latents"][()])
+    assert outputs[0].shape == (2, 16, 16)
+    scale = np.abs(outputs[0]).max()
+    assert np.abs(outputs[1] - outputs[0]).max() / scale < 1e-5
+    assert np.abs(outputs[2] - outputs[0]).max() / scale > 1e-2, "another condition image, the same images"
+    with h5py.File(prompts, "r") as f, h5py.File(negative, "r") as g, h5py.File(conditions[0], "r") as c:
+        expected = euler_reference(params, CFG, f["encoder_hidden_states"][()].astype(np.float64),
+                                   f["pooled_projections"][()].astype(np.float64), 4, 4, 3, 1.5, 3.5, 5, 2.0,
+                                   g["encoder_hidden_states"][()].astype(np.float64),
+                                   g["pooled_projections"][()].astype(np.float64), c["condition_latents"][()], 4)
+    error = np.abs(outputs[0] - expected).max() / np.abs(expected).max()
+    assert error < 1e-5, error
+    # A Kontext checkpoint needs its condition images; a plain one takes none; shapes must fit.
+    out = os.path.join(tempdir(), "bad.h5")
+    expect_usage_error(["sample", "--checkpoint", ckpt, "--output", out, *args], "is a Kontext model",
+                       "--condition FILE.h5", np_=1)
+    plain = tempdir()
+    ok(run(1, ["convert", "--input", folder, "--output", os.path.join(plain, "ckpt-00000000.h5")]))
+    expect_usage_error(["sample", "--checkpoint", plain, "--output", out, "--condition", conditions[0], *args],
+                       "no Kontext model", np_=1)
+    wide = os.path.join(tempdir(), "wide-condition.h5")
+    with h5py.File(wide, "w") as f:
+        f["condition_latents"] = np.zeros((3, 8, 16), np.float32)
+        f.attrs["condition_grid_rows"], f.attrs["condition_grid_cols"] = np.int64(2), np.int64(4)
+    expect_usage_error(["sample", "--checkpoint", ckpt, "--output", out, "--condition", wide, *args],
+                       "holds 3 condition images", np_=1)
 
 
 def prompts_file(count, seed, tokens=5):
