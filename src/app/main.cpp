@@ -85,7 +85,6 @@ int run_data(Runtime& rt, const std::vector<std::string>& args) {
       "comm-timeout", po::value(&timeout)->default_value(timeout),
       "seconds the other ranks wait for a sign of life from rank 0, which does the work (0 = forever)");
   if (synth_images) {
-    out_dir = "inputs/data";
     desc.add_options()  // one option per line
         ("out-dir", po::value(&out_dir)->default_value(out_dir),
          "folder for shapes_train.h5, shapes_val.h5, shapes_prompts.h5 and shapes_empty.h5")

@@ -176,12 +176,7 @@ std::vector<float> FlowSampler::draw(const Prompts& prompts, const Prompts* nega
               model_.seq_len(), m.context_len, m.condition_len);
   const std::vector<double> sigmas = flow_sigmas(o.steps, o.shift);
   Batch batch;
-  float* img_ids = batch.put<float>(FLUX_IMG_IDS, {N + M, 3});
-  for (int i = 0; i < N; i++) img_ids[3 * i] = 0, img_ids[3 * i + 1] = float(i / o.cols), img_ids[3 * i + 2] = float(i % o.cols);
-  for (int i = 0; i < M; i++) {  // Kontext's condition image: (1, row, col) on its own grid
-    float* id = img_ids + 3 * (N + i);
-    id[0] = 1, id[1] = float(i / condition->cols), id[2] = float(i % condition->cols);
-  }
+  fill_flux_image_ids(batch.put<float>(FLUX_IMG_IDS, {N + M, 3}), N, o.cols, M, condition ? condition->cols : 1);
   batch.put<float>(FLUX_TXT_IDS, {L, 3});
   const size_t image = static_cast<size_t>(N) * IN, text = static_cast<size_t>(L) * m.context_dim;
   std::vector<float> latents(static_cast<size_t>(prompts.count) * image), velocity(B * image), negative_v(B * image);

@@ -7,8 +7,9 @@
 // guidance value fed to a guidance-embedding model, and classifier-free guidance against negative
 // prompts (v = v_neg + cfg (v - v_neg)), and for a Kontext model its condition images (clean
 // tokens after the target's, ids (1, row, col)). The prompts are text embeddings (tools/encode_images.py
-// prompts writes them); the output, the packed latents of each image, is an HDF5 file that
-// tools/encode_images.py decode turns into PNG files. Each image's starting noise is a pure
+// prompts or data synth-images writes them); the output, the packed latents of each image, is an
+// HDF5 file that tools/encode_images.py decode turns into PNG files -- or, for a pixel-space model,
+// PNG files written beside it (docs/images.md). Each image's starting noise is a pure
 // function of (--seed, its prompt's index): the same images on any rank count and batch size.
 #pragma once
 
@@ -80,14 +81,14 @@ class FlowSampler {
   SamplerSettings settings_;
 };
 
-// Rank 0 writes `latents` (count images of `model`) with the grid and the settings as attributes,
-// committed by a rename. A pixel-space model's images (model.pixel_patch > 0) also go to PNG files:
-// all of them side by side in PATH's stem + ".png" (rows of 8), and with `each_png` one file per
-// image, STEM_images/NNNN.png. Returns what it wrote (for the log); UsageError naming the path
-// when it cannot.
 // A pixel-space model's images (model.pixel_patch > 0) side by side, 8 a row, 2 black pixels apart.
 RgbImage sampled_grid(const std::vector<float>& latents, int count, const ModelConfig& model,
                       const SamplerSettings& settings);
+// Rank 0 writes `latents` (count images of `model`) with the grid and the settings as attributes,
+// committed by a rename. A pixel-space model's images (model.pixel_patch > 0) also go to PNG files:
+// all of them side by side in PATH's stem + ".png" (sampled_grid), and with `each_png` one file per
+// image, STEM_images/NNNN.png. Returns what it wrote (for the log); UsageError naming the path
+// when it cannot.
 std::string write_sampled_images(const std::string& path, const std::vector<float>& latents, int count,
                                  const ModelConfig& model, const SamplerSettings& settings, const std::string& checkpoint,
                                  bool each_png);

@@ -28,8 +28,10 @@ class TensorBoardWriter {
   void scalar(const std::string& tag, long step, double value);
   // An RGB image, its PNG file's bytes (TensorBoard's Images tab).
   void image(const std::string& tag, long step, int height, int width, const std::string& png);
-  // Writes the scalars given since the last flush; throws InputError naming the file when the
-  // write fails (a full disk).
+  // Whether it writes anything (a folder was given, on rank 0).
+  bool enabled() const { return fd_ >= 0; }
+  // Writes the scalars and images given since the last flush; throws InputError naming the file
+  // when the write fails (a full disk).
   void flush();
   // The event file this writer appends to; empty when it writes nothing.
   const std::string& path() const { return path_; }

@@ -292,7 +292,7 @@ void Trainer::sample_images(int step) {
     if (ec) throw UsageError("cannot create '" + folder + "' for flow.sample_every: " + ec.message());
     wrote = write_sampled_images(path, latents, sample_prompts_->count, cfg_.model, settings,
                                  strprintf("step %d of run %s", step + 1, cfg_.train.run_name.c_str()), false);
-    if (cfg_.model.pixel_patch > 0) {  // TensorBoard's Images tab: the same grid
+    if (cfg_.model.pixel_patch > 0 && tensorboard_->enabled()) {  // TensorBoard's Images tab: the same grid
       const RgbImage grid = sampled_grid(latents, sample_prompts_->count, cfg_.model, settings);
       tensorboard_->image("samples", step + 1, grid.height, grid.width, png_bytes(grid));
     }

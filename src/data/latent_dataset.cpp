@@ -140,13 +140,7 @@ void LatentDataset::begin(Batch& b, int rows) const {
   b.put<float>(FLUX_POOLED, {rows, model_.pooled_dim});
   b.put<float>(FLUX_TIMESTEP, {rows});
   b.put<float>(FLUX_GUIDANCE, {rows});
-  float* img = b.put<float>(FLUX_IMG_IDS, {N_ + M, 3});
-  for (int i = 0; i < N_; i++)  // (0, row, col) on the packed grid
-    img[3 * i] = 0, img[3 * i + 1] = static_cast<float>(i / grid_cols_), img[3 * i + 2] = static_cast<float>(i % grid_cols_);
-  for (int i = 0; i < M; i++) {  // Kontext's condition image: (1, row, col) on its own grid
-    float* id = img + 3 * (N_ + i);
-    id[0] = 1, id[1] = static_cast<float>(i / condition_cols_), id[2] = static_cast<float>(i % condition_cols_);
-  }
+  fill_flux_image_ids(b.put<float>(FLUX_IMG_IDS, {N_ + M, 3}), N_, grid_cols_, M, condition_cols_);
   b.put<float>(FLUX_TXT_IDS, {L, 3});  // zeros
 }
 

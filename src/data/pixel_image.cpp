@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <new>
 
 #include "core/error.hpp"
 #include "core/format.hpp"
@@ -72,7 +73,13 @@ RgbImage image_grid(const std::vector<RgbImage>& images, int columns, int gap) {
 namespace {
 
 void append_bytes(png_structp png, png_bytep data, png_size_t length) {
-  static_cast<std::string*>(png_get_io_ptr(png))->append(reinterpret_cast<const char*>(data), length);
+  bool appended = true;
+  try {  // no C++ exception may unwind through libpng's C frames
+    static_cast<std::string*>(png_get_io_ptr(png))->append(reinterpret_cast<const char*>(data), length);
+  } catch (const std::bad_alloc&) {
+    appended = false;
+  }
+  if (!appended) png_error(png, "out of memory");
 }
 
 void no_flush(png_structp) {}
@@ -83,8 +90,12 @@ bool encode_png(std::string* out, const RgbImage& image) {
   png_structp png = png_create_write_struct(PNG_LIBPNG_VER_STRING, nullptr, nullptr, nullptr);
   if (!png) return false;
   png_infop info = png_create_info_struct(png);
-  if (!info || setjmp(png_jmpbuf(png)) != 0) {
-    png_destroy_write_struct(&png, info ? &info : nullptr);
+  if (!info) {
+    png_destroy_write_struct(&png, nullptr);
+    return false;
+  }
+  if (setjmp(png_jmpbuf(png))) {
+    png_destroy_write_struct(&png, &info);
     return false;
   }
   png_set_write_fn(png, out, append_bytes, no_flush);

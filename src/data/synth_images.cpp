@@ -257,6 +257,14 @@ ShapeReading read_shape(const float* rgb, int S) {
 
 void data_synth_images(const std::string& out_dir, const ShapeWorld& world, int patch, uint64_t seed,
                        size_t train_images, size_t val_images) {
+  // Each file is built in memory: its patches are (images x image_size^2 x 3) floats.
+  const double bytes = (static_cast<double>(train_images) + val_images) * world.image_size * world.image_size * 3 * 4;
+  if (bytes > SYNTH_IMAGES_MAX_BYTES)
+    throw UsageError(strprintf("data synth-images: %zu + %zu images of %dx%d pixels are %.1f GiB of pixels, more than the "
+                               "%.0f GiB it builds in memory; ask for fewer (--train-images, --val-images) or smaller "
+                               "(--image-size) images",
+                               train_images, val_images, world.image_size, world.image_size, bytes / (1 << 30),
+                               SYNTH_IMAGES_MAX_BYTES / (1 << 30)));
   std::error_code ec;
   std::filesystem::create_directories(out_dir, ec);
   if (ec) throw UsageError("cannot create --out-dir='" + printable_text(out_dir) + "': " + ec.message());
@@ -281,14 +289,18 @@ void data_synth_images(const std::string& out_dir, const ShapeWorld& world, int 
   // The empty caption: the unconditional input for classifier-free guidance.
   {
     H5QuietErrors quiet;
-    const std::string path = base + "empty.h5";
+    const std::string path = base + "empty.h5", tmp = path + ".tmp";
     std::vector<float> text(static_cast<size_t>(world.caption_tokens) * world.text_dim), pooled(world.text_dim);
     encode_shape_caption(world, nullptr, text.data(), pooled.data());
-    H5Id file(h5_check_id(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), path, "H5Fcreate"), H5Fclose);
-    h5_write_dataset(file, "encoder_hidden_states", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT,
-                     {1, hsize_t(world.caption_tokens), hsize_t(world.text_dim)}, text.data(), path);
-    h5_write_dataset(file, "pooled_projections", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, {1, hsize_t(world.text_dim)},
-                     pooled.data(), path);
+    {
+      H5Id file(h5_check_id(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), tmp, "H5Fcreate"), H5Fclose);
+      h5_write_dataset(file, "encoder_hidden_states", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT,
+                       {1, hsize_t(world.caption_tokens), hsize_t(world.text_dim)}, text.data(), tmp);
+      h5_write_dataset(file, "pooled_projections", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, {1, hsize_t(world.text_dim)},
+                       pooled.data(), tmp);
+    }
+    if (std::rename(tmp.c_str(), path.c_str()) != 0)
+      throw UsageError("cannot write '" + printable_text(path) + "': " + std::strerror(errno));
   }
   const int grid = world.image_size / patch;
   std::printf("data synth-images: %s (%zu images), %s (%zu), %s (%zu held-out prompts with their real images, %zu of "

@@ -58,6 +58,9 @@ struct ShapeReading {
 };
 ShapeReading read_shape(const float* rgb, int size);
 
+// The most pixel bytes `data synth-images` builds in memory (its files are written whole).
+constexpr double SYNTH_IMAGES_MAX_BYTES = 8.0 * (1 << 30);
+
 // `data synth-images`: writes DIR/shapes_train.h5 and shapes_val.h5 (latent datasets of pixel
 // patches, docs/flux.md's layout plus labels and captions), DIR/shapes_prompts.h5 (the held-out
 // prompts' embeddings and labels: every held-out pair at every size and position, then as many seen

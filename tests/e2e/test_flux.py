@@ -375,6 +375,21 @@ def test_sample_edits_kontexts_condition_images_as_the_equations_do():
     scale = np.abs(outputs[0]).max()
     assert np.abs(outputs[1] - outputs[0]).max() / scale < 1e-5
     assert np.abs(outputs[2] - outputs[0]).max() / scale > 1e-2, "another condition image, the same images"
+    # One condition image for every prompt: as a file holding it once per prompt.
+    with h5py.File(conditions[1], "r") as f:
+        second = f["condition_latents"][1:2]
+    once, twice = os.path.join(tempdir(), "once.h5"), os.path.join(tempdir(), "twice.h5")
+    for path, images in ((once, second), (twice, np.concatenate([second, second]))):
+        with h5py.File(path, "w") as f:
+            f["condition_latents"] = images
+            f.attrs["condition_grid_rows"], f.attrs["condition_grid_cols"] = np.int64(2), np.int64(4)
+    shared = []
+    for condition in (once, twice):
+        out = os.path.join(tempdir(), "shared.h5")
+        ok(run(1, ["sample", "--checkpoint", ckpt, "--output", out, "--condition", condition, "--batch", "2", *args]))
+        with h5py.File(out, "r") as f:
+            shared.append(f["latents"][()])
+    assert np.array_equal(shared[0], shared[1])
     with h5py.File(prompts, "r") as f, h5py.File(negative, "r") as g, h5py.File(conditions[0], "r") as c:
         expected = euler_reference(params, CFG, f["encoder_hidden_states"][()].astype(np.float64),
                                    f["pooled_projections"][()].astype(np.float64), 4, 4, 3, 1.5, 3.5, 5, 2.0,

@@ -178,6 +178,14 @@ def test_a_pixel_model_trains_and_its_samples_are_png_files_equal_to_its_latents
         with h5py.File(out, "r") as f:
             sampled = f["latents"][()]
     assert files[0] == files[1], "the PNG bytes differ between 1 and 2 ranks"
+    # Training's last samples (flow.sample_cfg=2 against the empty caption, train.seed) are what
+    # `sample` draws from its last checkpoint with the same settings.
+    again_path = os.path.join(tempdir(), "again.h5")
+    ok(run(1, ["sample", "--checkpoint", ckpt, "--prompts", w["prompts"], "--output", again_path, "--grid", "4x4",
+               "--steps", "3", "--cfg", "2", "--negative", w["empty"], "--seed", "1337", "--batch", "4"]))
+    with h5py.File(again_path, "r") as f, h5py.File(os.path.join(ckpt, "samples", "step-00000004.h5"), "r") as g:
+        again, trained = f["latents"][()], g["latents"][()]
+    assert np.abs(again - trained).max() / np.abs(trained).max() < 1e-5
     first = png_pixels([os.path.join(os.path.dirname(out), "shapes_images", "0000.png")])[0]
     np.testing.assert_array_equal(first, to_rgb8(sampled[0]))
 

@@ -70,7 +70,7 @@ INSTANTIATE_TEST_SUITE_P(Pixels, ShapeWorldSizes, ::testing::Values(32, 40, 64, 
 TEST(ShapeWorld, CheckerToleratesNoiseAndFindsNothingInTheDark) {
   const ShapeWorld world;
   int right = 0, total = 0;
-  for (uint64_t i = 0; i < 200; i++) {
+  for (uint64_t i = 0; i < 216; i++) {  // every colour, shape, size and cell
     const ShapeLabel label{static_cast<int>(i % 6), static_cast<int>(i / 6 % 3), static_cast<int>(i / 18 % 2),
                            static_cast<int>(i / 36 % 3), static_cast<int>(i / 108 % 3)};
     std::vector<float> rgb = draw_shape(world, label, mix64(i));

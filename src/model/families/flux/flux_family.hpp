@@ -60,6 +60,16 @@ inline constexpr const char* FLUX_IMG_IDS = "img_ids";
 inline constexpr const char* FLUX_TXT_IDS = "txt_ids";
 inline constexpr const char* FLUX_TARGET = "target";
 
+// The image tokens' position ids (N + M, 3): the target's (0, row, col) on a grid `cols` wide, then
+// Kontext's M condition tokens' (1, row, col) on their own grid `condition_cols` wide.
+inline void fill_flux_image_ids(float* ids, int N, int cols, int M, int condition_cols) {
+  for (int i = 0; i < N + M; i++) {
+    const bool condition = i >= N;
+    const int k = condition ? i - N : i, w = condition ? condition_cols : cols;
+    ids[3 * i] = condition ? 1.0f : 0.0f, ids[3 * i + 1] = static_cast<float>(k / w), ids[3 * i + 2] = static_cast<float>(k % w);
+  }
+}
+
 // Width of the timestep and guidance sinusoids.
 inline constexpr int FLUX_TIME_CHANNELS = 256;
 
