@@ -322,11 +322,11 @@ throughput_header() {
   report "| config | dtype | attention | offload | micro-batch | tokens/s | MFU | forward | backward | grad sync | optimizer | GPU reserved | plan | reserved/plan | log |"
   report "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
 }
-bench() { # bench CONFIG MICRO PARAM_DTYPE STEPS OFFLOAD ATTENTION
+bench() { # bench CONFIG MICRO PARAM_DTYPE STEPS OFFLOAD ATTENTION [NAME_SUFFIX OPTIONS...]
   local config=$1 micro=$2 dtype=$3 steps=$4 offload=$5 attention=$6 name plan
-  name=bench-$(basename "$config" .ini)-$dtype-$attention-b$micro$([ "$offload" = true ] && echo -offload)
+  name=bench-$(basename "$config" .ini)-$dtype-$attention-b$micro$([ "$offload" = true ] && echo -offload)${7:-}
   local opts=(--train.micro_batch="$micro" --train.global_batch="$micro" --fsdp.param_dtype="$dtype"
-              --fsdp.reduce_dtype=fp32 --fsdp.cpu_offload="$offload" --train.attention="$attention")
+              --fsdp.reduce_dtype=fp32 --fsdp.cpu_offload="$offload" --train.attention="$attention" "${@:8}")
   # The planner's peak for this run (the GPU's own buffers and the allocator's rounding included).
   plan=$("$BIN/shardtrain" plan --world-size=1 --format=lines --config "$config" --train.device=cuda "${opts[@]}" 2>/dev/null |
          grep "^PLAN .*checkpointing=no offload=$([ "$offload" = true ] && echo yes || echo no) " |
@@ -393,6 +393,13 @@ if want documents; then
   bf16_cudnn_against_cpu "Llama, packed documents, cuDNN attention" llama-documents inputs/llama-tiny.ini \
     --train.steps=20 --train.threads=4 --train.micro_batch=4 --train.global_batch=8 --model.n_embd=64 --model.n_head=4 \
     --data.documents=true --data.document_start=10 --data.restart_positions=true
+  if [ "$TESTS_ONLY" = 0 ]; then
+    section "Packed documents' throughput on one GPU (llama-135M, bf16, T = 1024, documents from every newline; median of steps 3..N)"
+    throughput_header
+    for attention in cudnn tiled; do
+      bench inputs/llama-135M.ini 8 bf16 10 false $attention -documents --data.documents=true --data.document_start=10
+    done
+  fi
 fi
 # FLUX's speed: the attention benchmark (unless the bench section ran it) and a FLUX.1-wide model.
 if want flux && [ "$TESTS_ONLY" = 0 ]; then
