@@ -167,9 +167,9 @@ def test_a_pixel_model_trains_and_its_samples_are_png_files_equal_to_its_latents
     shown = json.loads(proc.stdout)
     assert [s[0] for s in shown] == [2, 4] and shown[0][1:3] == [grid.shape[0], grid.shape[1]]
     np.testing.assert_array_equal(np.array(shown[0][3], np.uint8).reshape(grid.shape), grid)
-    # `sample` on 1 and 2 ranks: the same PNG bytes, each image its latents.
+    # `sample` on 1, 2 and 3 ranks: the same PNG bytes, each image its latents.
     files = []
-    for np_ in (1, 2):
+    for np_ in (1, 2, 3):
         out = os.path.join(tempdir(), "shapes.h5")
         ok(run(np_, ["sample", "--checkpoint", ckpt, "--prompts", w["prompts"], "--output", out, "--grid", "4x4",
                      "--steps", "3", "--cfg", "2", "--negative", w["empty"], "--seed", "3", "--batch", "16"]))
@@ -177,7 +177,7 @@ def test_a_pixel_model_trains_and_its_samples_are_png_files_equal_to_its_latents
         files.append([open(p, "rb").read() for p in pngs + [os.path.join(os.path.dirname(out), "shapes.png")]])
         with h5py.File(out, "r") as f:
             sampled = f["latents"][()]
-    assert files[0] == files[1], "the PNG bytes differ between 1 and 2 ranks"
+    assert files[0] == files[1] == files[2], "the PNG bytes differ between 1, 2 and 3 ranks"
     # Training's last samples (flow.sample_cfg=2 against the empty caption, train.seed) are what
     # `sample` draws from its last checkpoint with the same settings.
     again_path = os.path.join(tempdir(), "again.h5")
