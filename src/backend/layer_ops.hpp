@@ -214,6 +214,10 @@ class LayerOps {
     (void)values, (void)half, (void)n, (void)type;
   }
   virtual void unbind_half_copy(const Real* values) const { (void)values; }
+  // The packed documents' starts at doc_start (the attention's argument, device memory) were just
+  // rewritten (a new micro-batch): whatever the ops derived from them is stale. Ops that keep
+  // nothing ignore it (CUDA's cuDNN attention keeps the documents' score bias).
+  virtual void documents_changed(const int* doc_start) const { (void)doc_start; }
 };
 
 // fp32-only work of the engine and optimizer: 16-bit wire/parameter formats and the AdamW step.

@@ -66,9 +66,11 @@ class DecoderLM : public TransformerModel<Real>, public KvDecoder<Real>, public 
   void upload_tokens(const Batch& batch) {
     ops_.device().copy_to_device(tokens_.data(), batch.get<int>(BATCH_TOKENS, tokens_.size()), tokens_.bytes());
     documents_ = batch.has(BATCH_DOC_STARTS);
-    if (documents_)
+    if (documents_) {
       ops_.device().copy_to_device(doc_starts_.data(), batch.get<int>(BATCH_DOC_STARTS, doc_starts_.size()),
                                    doc_starts_.bytes());
+      ops_.documents_changed(doc_starts_.data());
+    }
     restarted_ = batch.has(BATCH_POSITIONS);
     if (restarted_)
       ops_.device().copy_to_device(positions_.data(), batch.get<int>(BATCH_POSITIONS, positions_.size()),

@@ -248,6 +248,16 @@ TEST_P(CudnnAttentionTest, PackedDocumentsMatchCpu) {
     EXPECT_NE(std::memcmp(causal.data(), got_out.data(), causal.size() * sizeof(float)), 0)
         << "the documents' graph gave the causal graph's output";
   }
+  // The next micro-batch rewrites the same array (here: one document per row) and says so: the
+  // bias built for the first documents must not be reused.
+  const std::vector<int> one_document(doc_start.size(), 0);
+  gpu().device->copy_to_device(d_docs.data(), one_document.data(), one_document.size() * sizeof(int));
+  gpu().cudnn->documents_changed(d_docs.data());
+  ASSERT_TRUE(gpu().cudnn->forward(d_out.data(), d_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS, nullptr, true,
+                                   d_docs.data()));
+  std::vector<float> causal_out(s.out()), causal_lse(s.lse());
+  cpu::attention_forward(causal_out.data(), causal_lse.data(), qkv.data(), s.B, s.T, s.NH, s.KV, s.HS);
+  expect_close(gpu().download(d_out).data(), widen(causal_out), Tolerance{kBf16, 0.0}, "documents rewritten, out");
 }
 
 // Same inputs, same bits: the forward and the (deterministic) backward twice.

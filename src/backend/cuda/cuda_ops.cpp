@@ -99,6 +99,9 @@ class CudaLayerOps final : public LayerOps<float> {
             int ldb, float beta, float* C, int ldc) const override {
     kernels::launch_gemm(gemm_, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);  // fp32 always
   }
+  void documents_changed(const int* doc_start) const override {
+    if (cudnn_) cudnn_->documents_changed(doc_start);
+  }
   // Packed documents (doc_start) too: cuDNN's graph adds their score bias.
   void attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
                          const int* doc_start) const override {

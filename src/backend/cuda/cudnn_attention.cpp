@@ -451,6 +451,9 @@ struct CudnnAttention::Impl {
     size_t bytes = 0;
   };
   Buffer qkv16, out16, dout16, dqkv16, row_sums, lse_copy, bias, workspace;
+  // The documents the bias buffer holds now (null: none built, or stale).
+  const int* bias_docs = nullptr;
+  int bias_B = 0, bias_T = 0;
   // By-value scalars the variant pack points at (read when a plan is executed).
   float scale = 1, neg_inf = -std::numeric_limits<float>::infinity(), one = 1;
 
@@ -550,7 +553,10 @@ struct CudnnAttention::Impl {
     if (s.causal) tensors.push_back({UID_NEG_INF, &neg_inf});
     if (!s.documents) return;
     uint16_t* b = grow<uint16_t>(bias, gpu::cudnn_attention_bias_bytes(s.B, s.T));
-    kernels::launch_document_bias(b, doc_start, s.B, s.T, launch);
+    if (doc_start != bias_docs || s.B != bias_B || s.T != bias_T) {  // else still the bias of these documents
+      kernels::launch_document_bias(b, doc_start, s.B, s.T, launch);
+      bias_docs = doc_start, bias_B = s.B, bias_T = s.T;
+    }
     tensors.push_back({UID_BIAS, b});
   }
 };
@@ -625,6 +631,10 @@ bool CudnnAttention::backward(float* dqkv, const float* dout, const float* qkv, 
   m.execute(*plan, tensors, m.workspace_of(s, true));
   kernels::launch_from_half(dqkv, dq16, s.qkv_elements(), DTYPE_BF16, m.launch);
   return true;
+}
+
+void CudnnAttention::documents_changed(const int* doc_start) {
+  if (doc_start == impl_->bias_docs) impl_->bias_docs = nullptr;
 }
 
 size_t CudnnAttention::workspace_bytes() const { return impl_->workspace.bytes; }

@@ -53,13 +53,19 @@ class CudnnAttention {
   // qkv and out into the staging buffers when 16-byte aligned, the alignment cuDNN is promised.
   // causal false: no mask (every row sees every key), a plan of its own. doc_start (B,T) in
   // device memory (causal only): packed documents, row t of sequence b seeing keys doc_start[b][t]
-  // <= s <= t (backend/cpu/ops.hpp), through an additive score bias built per call (plans of
-  // their own; the bias buffer B*T*T*2 bytes).
+  // <= s <= t (backend/cpu/ops.hpp), through an additive score bias (plans of their own; the bias
+  // buffer B*T*T*2 bytes, built once per micro-batch: documents_changed).
   bool forward(float* out, float* lse, const float* qkv, int B, int T, int NH, int KV, int HS,
                const uint16_t* qkv_bf16 = nullptr, bool causal = true, const int* doc_start = nullptr);
   bool backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int B, int T,
                 int NH, int KV, int HS, const uint16_t* qkv_bf16 = nullptr, const uint16_t* out_bf16 = nullptr,
                 bool causal = true, const int* doc_start = nullptr);
+
+  // The document starts at doc_start were rewritten: the score bias built from them is stale. The
+  // bias is built on the first call with a doc_start (and B, T) and reused by the calls after it
+  // -- the layers' forwards, recomputes and backwards of one micro-batch -- until this is called
+  // for that array (LayerOps::documents_changed, from the model's upload of a micro-batch).
+  void documents_changed(const int* doc_start);
 
   // Why cuDNN's attention is not used for this shape before asking cuDNN (head size, the
   // runtime cuDNN's version), or "" when it may be.
