@@ -24,6 +24,7 @@
 #include "core/format.hpp"
 #include "core/random.hpp"
 #include "data/flow_matching.hpp"
+#include "data/latent_dataset.hpp"
 #include "model/families/flux/flux_family.hpp"
 #include "model/family.hpp"
 #include "model/model.hpp"
@@ -147,18 +148,7 @@ ConditionImages read_condition_images(const std::string& path, const ModelConfig
   c.count = static_cast<int>(dims[0]), c.tokens = static_cast<int>(dims[1]);
   H5QuietErrors quiet;
   H5Id file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
-  int64_t grid[2] = {0, 0};
-  const char* names[2] = {"condition_grid_rows", "condition_grid_cols"};
-  for (int k = 0; k < 2; k++) {
-    if (!h5_has_attr(file, names[k]))
-      throw DataError(option + "='" + path + "' has no attribute '" + names[k] + "' (the condition image's packed grid)");
-    grid[k] = h5_read_attr_i64(file, names[k], path);
-  }
-  if (grid[0] < 1 || grid[1] < 1 || grid[0] * grid[1] != c.tokens)
-    throw DataError(strprintf("%s='%s': condition_grid_rows x condition_grid_cols = %lld x %lld is not its %d tokens",
-                              option.c_str(), path.c_str(), static_cast<long long>(grid[0]),
-                              static_cast<long long>(grid[1]), c.tokens));
-  c.cols = static_cast<int>(grid[1]);
+  c.cols = packed_grid_cols(file, path, option + "='" + path + "'", "condition_", c.tokens, "condition latents");
   return c;
 }
 
@@ -230,14 +220,16 @@ std::vector<float> FlowSampler::draw(const Prompts& prompts, const Prompts* nega
   return latents;
 }
 
-RgbImage sampled_grid(const std::vector<float>& latents, int count, const ModelConfig& model,
-                      const SamplerSettings& o) {
+std::vector<RgbImage> sampled_images(const std::vector<float>& latents, int count, const ModelConfig& model,
+                                     const SamplerSettings& o) {
   const size_t image = static_cast<size_t>(o.rows) * o.cols * model.in_channels;
   std::vector<RgbImage> images;
   for (int i = 0; i < count; i++)
     images.push_back(rgb_from_patches(latents.data() + i * image, o.rows, o.cols, model.pixel_patch));
-  return image_grid(images, 8, 2);
+  return images;
 }
+
+RgbImage sampled_grid(const std::vector<RgbImage>& images) { return image_grid(images, 8, 2); }
 
 std::string write_sampled_images(const std::string& path, const std::vector<float>& latents, int count,
                                  const ModelConfig& model, const SamplerSettings& o, const std::string& checkpoint,
@@ -269,17 +261,15 @@ std::string write_sampled_images(const std::string& path, const std::vector<floa
   // Pixel-space: PNG files too.
   const std::string stem = path.size() > 3 && path.compare(path.size() - 3, 3, ".h5") == 0 ? path.substr(0, path.size() - 3)
                                                                                             : path;
-  write_png(stem + ".png", sampled_grid(latents, count, model, o));
+  const std::vector<RgbImage> images = sampled_images(latents, count, model, o);
+  write_png(stem + ".png", sampled_grid(images));
   std::string wrote = path + " and " + stem + ".png";
   if (each_png) {
-    const size_t image = static_cast<size_t>(o.rows) * o.cols * channels;
     const std::string folder = stem + "_images";
     std::error_code ec;
     std::filesystem::create_directories(folder, ec);
     if (ec) throw UsageError("cannot create '" + printable_text(folder) + "' for the images: " + ec.message());
-    for (int i = 0; i < count; i++)
-      write_png(folder + strprintf("/%04d.png", i),
-                rgb_from_patches(latents.data() + i * image, o.rows, o.cols, model.pixel_patch));
+    for (int i = 0; i < count; i++) write_png(folder + strprintf("/%04d.png", i), images[i]);
     wrote += ", " + folder + "/NNNN.png";
   }
   return wrote;

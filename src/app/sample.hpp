@@ -81,9 +81,11 @@ class FlowSampler {
   SamplerSettings settings_;
 };
 
-// A pixel-space model's images (model.pixel_patch > 0) side by side, 8 a row, 2 black pixels apart.
-RgbImage sampled_grid(const std::vector<float>& latents, int count, const ModelConfig& model,
-                      const SamplerSettings& settings);
+// A pixel-space model's images (model.pixel_patch > 0) as 8-bit RGB, and side by side (8 a row, 2
+// black pixels apart).
+std::vector<RgbImage> sampled_images(const std::vector<float>& latents, int count, const ModelConfig& model,
+                                     const SamplerSettings& settings);
+RgbImage sampled_grid(const std::vector<RgbImage>& images);
 // Rank 0 writes `latents` (count images of `model`) with the grid and the settings as attributes,
 // committed by a rename. A pixel-space model's images (model.pixel_patch > 0) also go to PNG files:
 // all of them side by side in PATH's stem + ".png" (sampled_grid), and with `each_png` one file per

@@ -134,18 +134,29 @@ std::string file_version_event(double wall_time) {
   return out;
 }
 
-std::string scalar_event(double wall_time, long step, const std::string& tag, float value) {
+namespace {
+
+// An Event carrying a Summary of one Summary.Value (its fields after the tag, already encoded).
+std::string summary_event(double wall_time, long step, const std::string& tag, const std::string& value_fields) {
   std::string summary_value;
   put_bytes(summary_value, 1, tag);
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  put_key(summary_value, 2, FIXED32);
-  put_le(summary_value, bits, 4);
+  summary_value += value_fields;
   std::string summary;
   put_bytes(summary, 1, summary_value);
   std::string out = event_head(wall_time, step);
   put_bytes(out, 5, summary);
   return out;
+}
+
+}  // namespace
+
+std::string scalar_event(double wall_time, long step, const std::string& tag, float value) {
+  std::string simple_value;
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  put_key(simple_value, 2, FIXED32);
+  put_le(simple_value, bits, 4);
+  return summary_event(wall_time, step, tag, simple_value);
 }
 
 std::string image_event(double wall_time, long step, const std::string& tag, int height, int width,
@@ -155,14 +166,9 @@ std::string image_event(double wall_time, long step, const std::string& tag, int
   put_key(image, 2, VARINT), put_varint(image, static_cast<uint64_t>(width));
   put_key(image, 3, VARINT), put_varint(image, 3);
   put_bytes(image, 4, png);
-  std::string summary_value;
-  put_bytes(summary_value, 1, tag);
-  put_bytes(summary_value, 4, image);
-  std::string summary;
-  put_bytes(summary, 1, summary_value);
-  std::string out = event_head(wall_time, step);
-  put_bytes(out, 5, summary);
-  return out;
+  std::string image_value;
+  put_bytes(image_value, 4, image);
+  return summary_event(wall_time, step, tag, image_value);
 }
 
 std::vector<Record> read_records(const std::string& path, bool* clean) {

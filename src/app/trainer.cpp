@@ -293,7 +293,7 @@ void Trainer::sample_images(int step) {
     wrote = write_sampled_images(path, latents, sample_prompts_->count, cfg_.model, settings,
                                  strprintf("step %d of run %s", step + 1, cfg_.train.run_name.c_str()), false);
     if (cfg_.model.pixel_patch > 0 && tensorboard_->enabled()) {  // TensorBoard's Images tab: the same grid
-      const RgbImage grid = sampled_grid(latents, sample_prompts_->count, cfg_.model, settings);
+      const RgbImage grid = sampled_grid(sampled_images(latents, sample_prompts_->count, cfg_.model, settings));
       tensorboard_->image("samples", step + 1, grid.height, grid.width, png_bytes(grid));
     }
   });

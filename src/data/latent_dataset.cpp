@@ -35,6 +35,22 @@ struct Field {
 
 }  // namespace
 
+int packed_grid_cols(hid_t file, const std::string& path, const std::string& where, const char* prefix, int tokens,
+                     const char* what) {
+  int64_t grid[2] = {0, 0};
+  for (int k = 0; k < 2; k++) {
+    const std::string name = std::string(prefix) + (k ? "grid_cols" : "grid_rows");
+    if (!h5_has_attr(file, name.c_str()))
+      throw DataError(where + " has no attribute '" + name + "' (the packed " + what + " grid's size)");
+    grid[k] = h5_read_attr_i64(file, name.c_str(), path);
+  }
+  if (grid[0] < 1 || grid[1] < 1 || grid[0] * grid[1] != tokens)
+    throw DataError(strprintf("%s: %sgrid_rows x %sgrid_cols = %lld x %lld is not the %d tokens of its %s",
+                              where.c_str(), prefix, prefix, static_cast<long long>(grid[0]),
+                              static_cast<long long>(grid[1]), tokens, what));
+  return static_cast<int>(grid[1]);
+}
+
 LatentDataset::LatentDataset(const std::string& option, const std::string& value, const ModelConfig& model,
                              int image_tokens, uint64_t seed, const FlowOptions& flow)
     : option_(option), value_(value), model_(model), N_(image_tokens), seed_(seed), flow_(flow) {
@@ -90,21 +106,7 @@ LatentDataset::LatentDataset(const std::string& option, const std::string& value
                                   static_cast<unsigned long long>(f->records)));
     }
     // The packed grids (the position ids): the target's, and Kontext's condition image's.
-    auto grid_of = [&](const char* prefix, int tokens, const char* what) {
-      int64_t grid[2] = {0, 0};
-      for (int k = 0; k < 2; k++) {
-        const std::string name = std::string(prefix) + (k ? "grid_cols" : "grid_rows");
-        if (!h5_has_attr(f->file, name.c_str()))
-          throw DataError(where + " has no attribute '" + name + "' (the packed " + what + " grid's size)");
-        grid[k] = h5_read_attr_i64(f->file, name.c_str(), path);
-      }
-      if (grid[0] < 1 || grid[1] < 1 || grid[0] * grid[1] != tokens)
-        throw DataError(strprintf("%s: %sgrid_rows x %sgrid_cols = %lld x %lld is not the %d tokens of its %s",
-                                  where.c_str(), prefix, prefix, static_cast<long long>(grid[0]),
-                                  static_cast<long long>(grid[1]), tokens, what));
-      return static_cast<int>(grid[1]);
-    };
-    const int cols = grid_of("", N_, "latents");
+    const int cols = packed_grid_cols(f->file, path, where, "", N_, "latents");
     // Pixel patches or VAE latents: the model must be trained on what the file holds.
     const int64_t patch = h5_has_attr(f->file, "pixel_patch") ? h5_read_attr_i64(f->file, "pixel_patch", path) : 0;
     if (patch != model.pixel_patch)
@@ -116,7 +118,10 @@ LatentDataset::LatentDataset(const std::string& option, const std::string& value
                                             "a file of pixel patches (shardtrain data synth-images) or set "
                                             "model.pixel_patch=0",
                                             where.c_str(), model.pixel_patch));
-    const int condition_cols = model.condition_len > 0 ? grid_of("condition_", model.condition_len, "condition latents") : 0;
+    const int condition_cols =
+        model.condition_len > 0 ? packed_grid_cols(f->file, path, where, "condition_", model.condition_len,
+                                                   "condition latents")
+                                : 0;
     if (grid_cols_ && (cols != grid_cols_ || condition_cols != condition_cols_))
       throw DataError(strprintf("%s: a packed grid %d tokens wide, the first file's is %d: one run trains one image "
                                 "size (encode the images at one resolution)",

@@ -23,6 +23,13 @@
 
 namespace shardtrain {
 
+// The width of the packed grid of `tokens` tokens that an open HDF5 file's attributes
+// PREFIXgrid_rows and PREFIXgrid_cols give (prefix "" for the target latents, "condition_" for
+// Kontext's); DataError starting with `where` (naming `what`) when they are missing or do not
+// multiply to `tokens`.
+int packed_grid_cols(hid_t file, const std::string& path, const std::string& where, const char* prefix, int tokens,
+                     const char* what);
+
 class LatentDataset final : public DataSource {
  public:
   // Opens and checks every file against the model and train.seq_len = image_tokens; throws

@@ -184,6 +184,17 @@ TEST_P(CudnnAttentionTest, BackwardMatchesCpu) {
 // The unmasked graph (a diffusion transformer's joint attention, KV = NH there but any grouping
 // here) against the CPU's attention without the mask, forward and backward; and it is not the
 // causal graph: their outputs differ beyond T = 1.
+// A masked graph's output (`graph` names it) differs from the plain causal graph's on the same qkv:
+// the mask took effect.
+void expect_not_the_causal_output(Gpu& gpu, const Shape& s, const DeviceArray<float>& d_qkv,
+                                  const std::vector<float>& got_out, const std::string& graph) {
+  auto c_out = gpu.filled(s.out(), NAN), c_lse = gpu.filled(s.lse(), NAN);
+  ASSERT_TRUE(gpu.cudnn->forward(c_out.data(), c_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS));
+  const std::vector<float> causal = gpu.download(c_out);
+  EXPECT_NE(std::memcmp(causal.data(), got_out.data(), causal.size() * sizeof(float)), 0)
+      << graph << " gave the causal graph's output";
+}
+
 TEST_P(CudnnAttentionTest, UnmaskedMatchesCpuWithoutTheMask) {
   const Shape s = GetParam();
   const std::vector<float> qkv = bf16_rounded(uniform(s.qkv(), 61)), dout = bf16_rounded(uniform(s.out(), 62));
@@ -202,13 +213,7 @@ TEST_P(CudnnAttentionTest, UnmaskedMatchesCpuWithoutTheMask) {
   ASSERT_TRUE(gpu().cudnn->backward(d_dqkv.data(), d_dout.data(), d_qkv.data(), d_out.data(), d_lse.data(), s.B, s.T,
                                     s.NH, s.KV, s.HS, nullptr, nullptr, false));
   expect_dqkv_close(gpu().download(d_dqkv), dqkv, s);
-  if (s.T > 1) {
-    auto c_out = gpu().filled(s.out(), NAN), c_lse = gpu().filled(s.lse(), NAN);
-    ASSERT_TRUE(gpu().cudnn->forward(c_out.data(), c_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS));
-    const std::vector<float> causal = gpu().download(c_out);
-    EXPECT_NE(std::memcmp(causal.data(), got_out.data(), causal.size() * sizeof(float)), 0)
-        << "the unmasked graph gave the causal graph's output";
-  }
+  if (s.T > 1) expect_not_the_causal_output(gpu(), s, d_qkv, got_out, "the unmasked graph");
 }
 
 // Packed documents: each sequence cut into documents of 1, 2, 3, ... tokens (the last what is
@@ -241,13 +246,7 @@ TEST_P(CudnnAttentionTest, PackedDocumentsMatchCpu) {
   ASSERT_TRUE(gpu().cudnn->backward(d_dqkv.data(), d_dout.data(), d_qkv.data(), d_out.data(), d_lse.data(), s.B, s.T,
                                     s.NH, s.KV, s.HS, nullptr, nullptr, true, d_docs.data()));
   expect_dqkv_close(gpu().download(d_dqkv), dqkv, s);
-  if (s.T > 2) {
-    auto c_out = gpu().filled(s.out(), NAN), c_lse = gpu().filled(s.lse(), NAN);
-    ASSERT_TRUE(gpu().cudnn->forward(c_out.data(), c_lse.data(), d_qkv.data(), s.B, s.T, s.NH, s.KV, s.HS));
-    const std::vector<float> causal = gpu().download(c_out);
-    EXPECT_NE(std::memcmp(causal.data(), got_out.data(), causal.size() * sizeof(float)), 0)
-        << "the documents' graph gave the causal graph's output";
-  }
+  if (s.T > 2) expect_not_the_causal_output(gpu(), s, d_qkv, got_out, "the documents' graph");
   // The next micro-batch rewrites the same array (here: one document per row) and says so: the
   // bias built for the first documents must not be reused.
   const std::vector<int> one_document(doc_start.size(), 0);
