@@ -116,7 +116,7 @@ std::string ComputeBackend::comm_description() const {
 
 size_t plan_comm_staging_bytes(const ComputeOptions& compute, const GroupShape& groups,
                                const EngineOptions& engine, const std::vector<UnitLayout>& layout,
-                               const std::vector<UnitLayout>* teacher_layout) {
+                               const std::vector<std::vector<UnitLayout>>& frozen_layouts) {
   if (!compute.gpu() || compute.nccl()) return 0;
   const size_t gather_elem = engine.param_dtype == DTYPE_FP32 ? sizeof(float) : sizeof(uint16_t);
   size_t shard = 0, replica = 0;
@@ -137,7 +137,7 @@ size_t plan_comm_staging_bytes(const ComputeOptions& compute, const GroupShape& 
     }
   };
   add_engine(layout, !engine.inference);
-  if (teacher_layout) add_engine(*teacher_layout, false);
+  for (const std::vector<UnitLayout>& frozen : frozen_layouts) add_engine(frozen, false);
   const int world = groups.shard_size * groups.replica_size;
   const size_t step = world > 1 && !engine.cpu_offload ? staging_bytes_all_reduce(2, sizeof(double)) : 0;
   return shard + replica + step;

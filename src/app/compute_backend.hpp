@@ -24,7 +24,7 @@ class Watchdog;
 struct ModelConfig;
 
 // What the CPU's bf16 GEMMs (backend/cpu/bf16_gemm.hpp) are sized for: the linear layers of the
-// models a run multiplies (the student's, and a distillation teacher's) and their input rows.
+// models a run multiplies (the trained one's and its frozen companions') and their input rows.
 struct GemmWorkload {
   std::vector<cpu::LinearShape> layers;
   int rows = 0;
@@ -39,13 +39,13 @@ size_t plan_gemm_workspace_bytes(const std::string& device, DType compute_dtype,
 // The page-locked host bytes the staged communicators (fsdp.comm_backend=mpi on a GPU,
 // comm/staged_comm.hpp) hold at most, 0 for any other run: each communicator keeps one buffer
 // for its largest collective -- the shard group's largest parameter gather or gradient
-// reduce-scatter (of the student's `layout` and, when distilling, the gathers of the teacher's
-// `teacher_layout`), the replica group's largest gradient all-reduce, and the step's two sums
+// reduce-scatter (of the trained model's `layout` and the gathers of its frozen companions'
+// `frozen_layouts`: a teacher's, a text encoder's), the replica group's largest gradient all-reduce, and the step's two sums
 // over the world of shard x replica ranks (the trainer's step communicator, made unless
 // fsdp.cpu_offload). What they hold is measured by Comm::uncounted_buffer_bytes.
 size_t plan_comm_staging_bytes(const ComputeOptions& compute, const GroupShape& groups,
                                const EngineOptions& engine, const std::vector<UnitLayout>& layout,
-                               const std::vector<UnitLayout>* teacher_layout = nullptr);
+                               const std::vector<std::vector<UnitLayout>>& frozen_layouts = {});
 
 class ComputeBackend {
  public:

@@ -11,7 +11,6 @@
 #include "ckpt/llmc.hpp"
 
 namespace shardtrain {
-namespace {
 
 EngineOptions inference_options(const Runtime& rt, const ComputeBackend& compute) {
   EngineOptions options;
@@ -20,8 +19,6 @@ EngineOptions inference_options(const Runtime& rt, const ComputeBackend& compute
   options.inference = true;  // no gradients
   return options;
 }
-
-}  // namespace
 
 InferenceWeights::InferenceWeights(const Runtime& rt, const ComputeBackend& compute, Comm& comm, Watchdog& watchdog,
                                    const ParamTable& table, const std::string& checkpoint, const std::string& base)

@@ -15,6 +15,10 @@ namespace shardtrain {
 
 class Watchdog;
 
+// An inference engine's options: no gradients, the next block's gather prefetched on several
+// ranks, NCCL's collectives on a GPU.
+EngineOptions inference_options(const Runtime& rt, const ComputeBackend& compute);
+
 struct InferenceWeights {
   // Collective. Loads `checkpoint`'s parameters (a file) into an engine for `table` (the checkpoint's
   // model, with its adapters); `comm` is the world on host memory for the loader's agreements. An

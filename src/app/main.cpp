@@ -12,6 +12,7 @@
 
 #include "app/convert.hpp"
 #include "app/crash_report.hpp"
+#include "app/encode_text.hpp"
 #include "app/evaluate.hpp"
 #include "app/generate.hpp"
 #include "app/sample.hpp"
@@ -49,6 +50,7 @@ const char* USAGE =
     "  generate       continue a prompt with a trained checkpoint (greedy or sampled; any rank count)\n"
     "  eval           a language model's loss and perplexity on token files, from a checkpoint (any rank count)\n"
     "  sample         images (latents) from a FLUX checkpoint with the flow-matching Euler sampler\n"
+    "  encode-text    a text encoder's embeddings of a file's captions, on N ranks, as cached embeddings\n"
     "  plan           predict each rank's memory for every strategy and option, and recommend one\n"
     "  inspect FILE   print what a checkpoint holds: format, step, configuration, parameters and norms\n"
     "  export         write a checkpoint's weights as an llm.c GPT-2 checkpoint, or (--format hf) as a Hugging\n"
@@ -313,6 +315,7 @@ int run_command(Runtime& rt, const std::vector<std::string>& args) {
   if (args[0] == "generate") return run_generate(rt, rest);
   if (args[0] == "eval") return run_eval(rt, rest);
   if (args[0] == "sample") return run_sample(rt, rest);
+  if (args[0] == "encode-text") return run_encode_text(rt, rest);
   if (args[0] == "convert") return run_convert(rt, rest);
   if (args[0] == "plan") {
     rt.agree_on([&] { run_planner(rt, rest); });
@@ -320,7 +323,7 @@ int run_command(Runtime& rt, const std::vector<std::string>& args) {
   }
   if (args[0] == "inspect" || args[0] == "export") return run_checkpoint_tool(rt, args);
   throw UsageError("unknown command '" + printable_text(args[0]) +
-                   "'; commands: train, generate, eval, sample, plan, data synth, data encode, data decode, data synth-images, data check-images, inspect, export, "
+                   "'; commands: train, generate, eval, sample, encode-text, plan, data synth, data encode, data decode, data synth-images, data check-images, inspect, export, "
                    "convert, version");
 }
 

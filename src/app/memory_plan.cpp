@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "app/teacher.hpp"
+#include "app/text_encoder.hpp"
 #include "core/error.hpp"
 #include "core/format.hpp"
 #include "model/adapter_layers.hpp"
@@ -17,10 +18,35 @@
 
 namespace shardtrain {
 
+std::vector<FrozenCompanion> frozen_companions(const Config& c) {
+  std::vector<FrozenCompanion> frozen;
+  if (!c.distill.teacher.empty())
+    frozen.push_back({"teacher", teacher_param_table(c.distill.teacher, teacher_quant(c)), c.train.seq_len});
+  if (c.text_encoder.enabled())
+    frozen.push_back({"text encoder", text_encoder_param_table(c.text_encoder, text_encoder_quant(c)),
+                      c.model.context_len});
+  return frozen;
+}
+
+EngineOptions forward_only_options(const EngineOptions& trained) {
+  EngineOptions options = trained;
+  options.inference = true;  // no gradients, no reductions
+  return options;
+}
+
+std::array<size_t, MEM_CATEGORY_COUNT> plan_forward_only_memory(const ParamTable& table, const GroupShape& groups,
+                                                                const EngineOptions& options, int batch, int seq_len) {
+  std::array<size_t, MEM_CATEGORY_COUNT> bytes =
+      FsdpEngine::plan_memory(FsdpEngine::plan_layout(table, groups), forward_only_options(options));
+  bytes[MEM_ACTIVATIONS] += plan_activation_bytes(table, batch, seq_len, true);  // forward only: block inputs kept
+  return bytes;
+}
+
 size_t MemoryPlan::total() const {
   size_t t = 0;
   for (size_t b : bytes) t += b;
-  for (size_t b : teacher) t += b;
+  for (const auto& [role, companion] : frozen)
+    for (size_t b : companion) t += b;
   return t + gpu.total();
 }
 
@@ -32,9 +58,15 @@ std::string describe_categories(const std::array<size_t, MEM_CATEGORY_COUNT>& by
   return s;
 }
 
+std::array<size_t, MEM_CATEGORY_COUNT> tracked_categories(const MemoryTracker& tracker) {
+  std::array<size_t, MEM_CATEGORY_COUNT> bytes{};
+  for (int c = 0; c < MEM_CATEGORY_COUNT; c++) bytes[c] = tracker.current(static_cast<MemCategory>(c));
+  return bytes;
+}
+
 std::string MemoryPlan::describe() const {
-  const std::string t = describe_categories(teacher);
-  std::string s = describe_categories(bytes) + (t.empty() ? "" : " | teacher: " + t);
+  std::string s = describe_categories(bytes);
+  for (const auto& [role, companion] : frozen) s += " | " + role + ": " + describe_categories(companion);
   if (gpu.total())
     s += strprintf(" | GPU backend: workspace %s%s, NCCL buffers %s (estimate), allocator rounding %s",
                    human_bytes(static_cast<double>(gpu.workspace())).c_str(),
@@ -49,12 +81,14 @@ std::string MemoryPlan::describe() const {
 }
 
 
-GemmWorkload gemm_workload(const ModelConfig& student, const ModelConfig* teacher, int micro_batch, int seq_len) {
-  const int rows = std::max(family_of(student).product_rows(student, micro_batch, seq_len),
-                            teacher ? family_of(*teacher).product_rows(*teacher, micro_batch, seq_len) : 0);
-  GemmWorkload w{linear_layers(student), rows};
-  if (teacher)
-    for (const cpu::LinearShape& l : linear_layers(*teacher)) w.layers.push_back(l);
+GemmWorkload gemm_workload(const ModelConfig& trained, const std::vector<FrozenCompanion>& frozen, int micro_batch,
+                           int seq_len) {
+  GemmWorkload w{linear_layers(trained), family_of(trained).product_rows(trained, micro_batch, seq_len)};
+  for (const FrozenCompanion& f : frozen) {
+    const ModelConfig& c = f.table.config();
+    w.rows = std::max(w.rows, family_of(c).product_rows(c, micro_batch, f.seq_len));
+    for (const cpu::LinearShape& l : linear_layers(c)) w.layers.push_back(l);
+  }
   return w;
 }
 
@@ -178,25 +212,27 @@ std::vector<PlannedAllocation> plan_device_allocations(const ParamTable& table, 
   return list;
 }
 
-gpu::CudnnAttentionMemory plan_cudnn_attention(const ModelConfig& student, const ModelConfig* teacher,
+gpu::CudnnAttentionMemory plan_cudnn_attention(const ModelConfig& trained, const std::vector<FrozenCompanion>& frozen,
                                                int micro_batch, int seq_len, const ComputeOptions& compute) {
   gpu::CudnnAttentionMemory m;
   if (!compute.gpu() || compute.attention_kernel() != ATTENTION_CUDNN) return m;
-  auto add = [&](const ModelConfig& c, bool backward, bool documents) {  // a head size cuDNN refuses runs on the tiled kernels
-    const int T = family_of(c).attention_tokens(c, seq_len);
+  // A head size cuDNN refuses runs on the tiled kernels.
+  auto add = [&](const ModelConfig& c, int tokens, bool backward, bool documents) {
+    const int T = family_of(c).attention_tokens(c, tokens);
     if (gpu::cudnn_attention_takes_head_size(c.head_size()))
       m.grow_to(gpu::cudnn_attention_memory(micro_batch, T, c.n_head, c.kv_heads(), c.head_size(), backward,
                                             documents));
   };
-  add(student, true, compute.packed_documents);
-  if (teacher) add(*teacher, false, compute.packed_documents);  // forward only
+  add(trained, seq_len, true, compute.packed_documents);
+  for (const FrozenCompanion& f : frozen)  // forward only; a text encoder's captions are one document each
+    add(f.table.config(), f.seq_len, false, compute.packed_documents && f.seq_len == seq_len);
   return m;
 }
 
 GpuBackendPlan plan_gpu_backend(const ParamTable& table, const GroupShape& groups, int micro_batch, int seq_len,
                                 const ComputeOptions& compute, const GemmWorkload& gemms,
                                 const std::vector<PlannedAllocation>& allocations, bool step_communicator,
-                                const ParamTable* teacher) {
+                                const std::vector<FrozenCompanion>& frozen) {
   GpuBackendPlan g;
   if (!compute.gpu()) return g;
   g.cublaslt = gpu::kCublasLtWorkspaceBytes;
@@ -208,7 +244,7 @@ GpuBackendPlan plan_gpu_backend(const ParamTable& table, const GroupShape& group
     for (const cpu::LinearShape& l : gemms.layers)
       g.operand_copies = std::max(g.operand_copies, gpu::matmul_backward_operand_bytes(gemms.rows, l.in, l.out, false));
   g.cudnn_attention =
-      plan_cudnn_attention(table.config(), teacher ? &teacher->config() : nullptr, micro_batch, seq_len, compute);
+      plan_cudnn_attention(table.config(), frozen, micro_batch, seq_len, compute);
   if (compute.nccl()) {
     g.nccl_sizes = gpu::nccl_buffer_sizes();
     const int world = step_communicator ? groups.shard_size * groups.replica_size : 1;
@@ -232,7 +268,7 @@ GpuBackendPlan plan_gpu_backend(const ParamTable& table, const GroupShape& group
 MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, const EngineOptions& engine,
                             int micro_batch, int seq_len, bool activation_checkpointing,
                             const ComputeOptions& compute, const GemmWorkload& gemms,
-                            const ParamTable* teacher) {
+                            const std::vector<FrozenCompanion>& frozen) {
   std::vector<UnitLayout> layout = FsdpEngine::plan_layout(table, groups);
   MemoryPlan plan;
   plan.bytes = FsdpEngine::plan_memory(layout, engine);
@@ -255,18 +291,18 @@ MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, c
   // The GEMMs' workspace and the step's loss and gradient-norm sums on the device.
   plan.bytes[MEM_WORKSPACE] =
       plan_gemm_workspace_bytes(compute.device, compute.compute_dtype, gemms) + AdamW::kStepSumsBytes;
-  std::vector<UnitLayout> teacher_layout;
-  if (teacher) {
-    plan.teacher = plan_teacher_memory(*teacher, groups, engine, micro_batch, seq_len);
-    teacher_layout = FsdpEngine::plan_layout(*teacher, groups);
+  std::vector<std::vector<UnitLayout>> frozen_layouts;
+  for (const FrozenCompanion& f : frozen) {
+    plan.frozen.emplace_back(f.role, plan_forward_only_memory(f.table, groups, engine, micro_batch, f.seq_len));
+    frozen_layouts.push_back(FsdpEngine::plan_layout(f.table, groups));
   }
-  plan.staging_bytes = plan_comm_staging_bytes(compute, groups, engine, layout, teacher ? &teacher_layout : nullptr);
+  plan.staging_bytes = plan_comm_staging_bytes(compute, groups, engine, layout, frozen_layouts);
   if (compute.gpu())
     plan.gpu = plan_gpu_backend(
         table, groups, micro_batch, seq_len, compute, gemms,
         plan_device_allocations(table, groups, engine, micro_batch, seq_len, activation_checkpointing,
                                 compute.activation_dtype),
-        !engine.cpu_offload, teacher);
+        !engine.cpu_offload, frozen);
   return plan;
 }
 

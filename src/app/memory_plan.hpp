@@ -50,31 +50,51 @@ struct PlannedAllocation {
   size_t bytes;
 };
 
+// A frozen model that runs its forward beside the trained one, sharded over the same groups as its
+// own units, with no gradients and no optimizer state: a distillation teacher over the student's
+// sequences, a text encoder over the captions' tokens. Its table, the tokens of a micro-batch row,
+// and its name in the plan.
+struct FrozenCompanion {
+  std::string role;
+  ParamTable table;
+  int seq_len = 0;
+};
+// The run's: distill.teacher's and text_encoder.source's models, read from their files (on every
+// rank: call under agree_on). UsageError for a source that is neither kind.
+std::vector<FrozenCompanion> frozen_companions(const Config& config);
+// A companion's bytes per category on a rank of `groups`, without allocating: the engine's in
+// inference (options with inference set) and a forward-only model's activations for micro-batches
+// of `batch` rows of `seq_len` tokens.
+std::array<size_t, MEM_CATEGORY_COUNT> plan_forward_only_memory(const ParamTable& table, const GroupShape& groups,
+                                                                const EngineOptions& options, int batch, int seq_len);
+// The engine options of a companion of a model trained with `trained`: inference (no gradients, no reductions).
+EngineOptions forward_only_options(const EngineOptions& trained);
+
 struct MemoryPlan {
   std::array<size_t, MEM_CATEGORY_COUNT> bytes{};  // on the compute device
   // fsdp.cpu_offload: master shards, their gradients and the moments in host memory. On the CPU
   // backend the host is the device, so these add to the same memory (offload saves nothing there).
   size_t offloaded_bytes = 0;
-  // distill.teacher: the frozen teacher's bytes, beside `bytes` (app/teacher.hpp's plan_teacher_memory).
-  std::array<size_t, MEM_CATEGORY_COUNT> teacher{};
+  // The frozen companions' bytes (plan_forward_only_memory), beside `bytes`, with their roles.
+  std::vector<std::pair<std::string, std::array<size_t, MEM_CATEGORY_COUNT>>> frozen;
   // train.device=cuda: the backend's own bytes (zero on the CPU); `bytes` stays what the trainer
   // tracks, category by category.
   GpuBackendPlan gpu;
   // fsdp.comm_backend=mpi on a GPU: the staged communicators' page-locked host buffers
   // (plan_comm_staging_bytes), host memory beside the device's.
   size_t staging_bytes = 0;
-  size_t total() const;  // the student's, the teacher's and the GPU backend's
+  size_t total() const;  // the trained model's, the companions' and the GPU backend's
   std::string describe() const;  // "sharded_params 1.2 MiB, gradients ... | teacher: sharded_params ..."
 };
 
-// `table`: the model with what the configuration freezes (config_param_table); `teacher`:
-// distill.teacher's table or null (MemoryPlan::teacher, and its gathers in the staging). `compute`:
+// `table`: the model with what the configuration freezes (config_param_table); `frozen`: its
+// companions (MemoryPlan::frozen, and their gathers in the staging). `compute`:
 // the device and its kernels; `gemms`: the linear layers multiplied (gemm_workload), for the GEMMs'
 // workspace.
 MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, const EngineOptions& engine,
                             int micro_batch, int seq_len, bool activation_checkpointing,
                             const ComputeOptions& compute, const GemmWorkload& gemms,
-                            const ParamTable* teacher = nullptr);
+                            const std::vector<FrozenCompanion>& frozen = {});
 // The device arrays of the engine, the optimizer and the model that `bytes` sums, one by one, in
 // the order they are made (the rounding needs each). GPU memory only: with fsdp.cpu_offload the
 // masters, their gradients and the moments are host memory and not listed.
@@ -85,22 +105,25 @@ std::vector<PlannedAllocation> plan_device_allocations(const ParamTable& table, 
 // The CUDA backend's own memory for this run (GpuBackendPlan), given the allocations it rounds.
 // step_communicator: the trainer's world communicator for the step's sums (made on a GPU unless
 // fsdp.cpu_offload: docs/architecture.md, "One host synchronization per step") is NCCL's too.
-// teacher: distill.teacher's model or null; its forward runs on the same ops (cuDNN attention's
-// buffers grow to the larger of its and the student's).
+// frozen: the companions; their forwards run on the same ops (cuDNN attention's buffers grow to the
+// largest of theirs and the trained model's).
 GpuBackendPlan plan_gpu_backend(const ParamTable& table, const GroupShape& groups, int micro_batch, int seq_len,
                                 const ComputeOptions& compute, const GemmWorkload& gemms,
                                 const std::vector<PlannedAllocation>& allocations, bool step_communicator,
-                                const ParamTable* teacher = nullptr);
-// train.attention=cudnn: what cuDNN attention holds after a step of the student (forward and
-// backward) and the teacher (forward), each when cuDNN takes its head size; zero otherwise.
-gpu::CudnnAttentionMemory plan_cudnn_attention(const ModelConfig& student, const ModelConfig* teacher,
+                                const std::vector<FrozenCompanion>& frozen = {});
+// train.attention=cudnn: what cuDNN attention holds after a step of the trained model (forward and
+// backward) and the companions (forward), each when cuDNN takes its head size; zero otherwise.
+gpu::CudnnAttentionMemory plan_cudnn_attention(const ModelConfig& trained, const std::vector<FrozenCompanion>& frozen,
                                                int micro_batch, int seq_len, const ComputeOptions& compute);
 
-// The GEMMs' workspace of a run: the student's layers and, when distilling, the teacher's, at the
-// most rows a product of a micro-batch has (ModelFamily::product_rows; its bytes:
-// plan_gemm_workspace_bytes, in the plan's "workspace").
-GemmWorkload gemm_workload(const ModelConfig& student, const ModelConfig* teacher, int micro_batch, int seq_len);
+// The GEMMs' workspace of a run: the trained model's layers and its companions', at the most rows
+// a product of a micro-batch has (ModelFamily::product_rows; its bytes: plan_gemm_workspace_bytes,
+// in the plan's "workspace").
+GemmWorkload gemm_workload(const ModelConfig& trained, const std::vector<FrozenCompanion>& frozen, int micro_batch,
+                           int seq_len);
 
+// What a tracker holds now, by category.
+std::array<size_t, MEM_CATEGORY_COUNT> tracked_categories(const MemoryTracker& tracker);
 // "sharded_params 1.2 MiB, gradients ..." of the categories that hold bytes.
 std::string describe_categories(const std::array<size_t, MEM_CATEGORY_COUNT>& bytes);
 

@@ -276,6 +276,18 @@ void declare_options(OptionList& o, Config& c) {
   o.add_choice("distill.teacher_dtype", &c.distill.teacher_dtype, QUANT_TYPES, quant_type_name,
                "the format the teacher's linear weights are held, gathered and dequantized in: nf4, fp4, fp8, bf16 "
                "or fp32 (docs/quantization.md; blocks of fsdp.quant_block)");
+  o.add("text_encoder.source", &c.text_encoder.source,
+        "a frozen text encoder in the job, sharded beside the model: a language model (ShardTrain checkpoint or "
+        "Hugging Face folder: Llama, Qwen2, GPT-2) whose hidden states of the captions condition a FLUX model "
+        "(docs/images.md); empty = the data files' cached embeddings");
+  o.add("text_encoder.tokenizer", &c.text_encoder.tokenizer,
+        "its tokenizer.json; empty = the folder's tokenizer.json, or the checkpoint's recorded data.tokenizer");
+  o.add("text_encoder.layers", &c.text_encoder.layers,
+        "its hidden states to condition on, side by side: indices as Hugging Face's output_hidden_states (0 the "
+        "embeddings, -1 the final norm's output; e.g. 10,20,30)");
+  o.add_choice("text_encoder.dtype", &c.text_encoder.dtype, QUANT_TYPES, quant_type_name,
+               "the format its linear weights are held, gathered and dequantized in: nf4, fp4, fp8, bf16 or fp32 "
+               "(docs/quantization.md; blocks of fsdp.quant_block)");
   o.add_choice("fsdp.sharding_strategy", &c.fsdp.sharding_strategy, STRATEGIES, sharding_strategy_name,
                "ZeRO-3, ZeRO-2, DDP, or FULL_SHARD within groups replicated across them");
   o.add("fsdp.shard_group_size", &c.fsdp.shard_group_size,
@@ -847,9 +859,19 @@ void validate_config(const Config& c, int world) {
   require(!c.distill.teacher.empty() || c.distill.teacher_dtype == QUANT_NONE,
           "distill.teacher_dtype is set but distill.teacher is empty: set distill.teacher or remove it");
   require(c.fsdp.frozen_dtype != QUANT_NONE || c.distill.teacher_dtype != QUANT_NONE ||
+              c.text_encoder.dtype != QUANT_NONE ||
               (c.fsdp.quant_block == FsdpOptions{}.quant_block && !c.fsdp.quantize_all_linear),
           "fsdp.quant_block or fsdp.quantize_all_linear is set but nothing is quantized (fsdp.frozen_dtype and "
-          "distill.teacher_dtype are fp32): set one of those or remove them");
+          "distill.teacher_dtype and text_encoder.dtype are fp32): set one of those or remove them");
+  {
+    const TextEncoderOptions d, &e = c.text_encoder;
+    require(e.enabled() || (e.tokenizer == d.tokenizer && e.layers == d.layers && e.dtype == d.dtype),
+            "a text_encoder.* key is set but text_encoder.source is empty, so there is no text encoder: set "
+            "text_encoder.source or remove them");
+    require(!e.enabled() || family_of(m).samples_images(),
+            "text_encoder.source conditions a diffusion transformer on captions; model.arch=" + m.arch +
+                " trains on tokens: remove it");
+  }
   config_param_table(c);  // train.freeze's patterns, adapter.targets
 }
 
@@ -873,6 +895,11 @@ ParamTable config_param_table(const Config& c) {
 QuantConfig teacher_quant(const Config& c) {
   return QuantConfig{c.distill.teacher_dtype, static_cast<size_t>(c.fsdp.quant_block), c.fsdp.quantize_all_linear,
                      false, "distill.teacher_dtype"};
+}
+
+QuantConfig text_encoder_quant(const Config& c) {
+  return QuantConfig{c.text_encoder.dtype, static_cast<size_t>(c.fsdp.quant_block), c.fsdp.quantize_all_linear, true,
+                     "text_encoder.dtype"};
 }
 
 std::string train_help() {

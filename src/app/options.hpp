@@ -140,6 +140,16 @@ struct DistillOptions {
   QuantType teacher_dtype = QUANT_NONE;  // the teacher's linear weights held in NF4, FP4 or FP8
 };
 
+// [text_encoder]: a frozen text encoder in the job, conditioning a diffusion transformer
+// (app/text_encoder.hpp); empty source: the embeddings come cached in the data files.
+struct TextEncoderOptions {
+  std::string source;     // a ShardTrain checkpoint (.h5) or a Hugging Face model folder
+  std::string tokenizer;  // its tokenizer.json; empty: the folder's, or the checkpoint's data.tokenizer
+  std::string layers = "-1";  // hidden states to concatenate, comma-separated
+  QuantType dtype = QUANT_NONE;  // its linear weights' format (NF4, FP4, FP8, bf16)
+  bool enabled() const { return !source.empty(); }
+};
+
 struct Config {
   std::string config_file;
   ModelConfig model;
@@ -150,6 +160,7 @@ struct Config {
   CheckpointOptions checkpoint;
   AdapterOptions adapter;
   DistillOptions distill;
+  TextEncoderOptions text_encoder;
   DebugOptions debug;
 };
 
@@ -176,6 +187,8 @@ ComputeOptions compute_options(const Config& config);
 ParamTable config_param_table(const Config& config);
 // distill.teacher_dtype with fsdp.quant_block: the format of the teacher's linear weights.
 QuantConfig teacher_quant(const Config& config);
+// text_encoder.dtype with fsdp.quant_block: the format of the text encoder's linear weights.
+QuantConfig text_encoder_quant(const Config& config);
 AdapterConfig adapter_config(const Config& config);
 // The checkpoint folder: checkpoint.dir, or checkpoints/<train.run_name>.
 std::string checkpoint_dir(const Config& config);

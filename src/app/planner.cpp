@@ -19,7 +19,6 @@
 
 #include "app/memory_plan.hpp"
 #include "app/options.hpp"
-#include "app/teacher.hpp"
 #include "core/counted.hpp"
 #include "core/format.hpp"
 
@@ -72,12 +71,9 @@ double traffic_per_step(const ParamTable& table, const Candidate& c, const Engin
 // Every strategy and option for `config`'s model and batch shape on `world` ranks.
 std::vector<Candidate> plan_candidates(const Config& config, int world, int ranks_per_node, size_t limit) {
   const ParamTable table = config_param_table(config);
-  std::optional<ParamTable> teacher;  // distill.teacher's model, read once
-  if (!config.distill.teacher.empty())
-    teacher.emplace(teacher_param_table(config.distill.teacher, teacher_quant(config)));
+  const std::vector<FrozenCompanion> frozen = frozen_companions(config);  // a teacher's, a text encoder's; read once
   const int accumulation = std::max(1, config.train.global_batch / (config.train.micro_batch * world));
-  const GemmWorkload gemms =
-      gemm_workload(config.model, teacher ? &teacher->config() : nullptr, config.train.micro_batch, config.train.seq_len);
+  const GemmWorkload gemms = gemm_workload(config.model, frozen, config.train.micro_batch, config.train.seq_len);
   std::vector<Candidate> candidates;
   const ShardingStrategy strategies[] = {SHARDING_NO_SHARD, SHARDING_HYBRID_SHARD, SHARDING_SHARD_GRAD_OP,
                                          SHARDING_FULL_SHARD};
@@ -94,7 +90,7 @@ std::vector<Candidate> plan_candidates(const Config& config, int world, int rank
           options.strategy = s, options.reduce_every_microbatch = every, options.cpu_offload = offload;
           c.memory = plan_rank_memory(table, GroupShape{shard, 0, world / shard, 0}, options,
                                       config.train.micro_batch, config.train.seq_len, ckpt,
-                                      compute_options(config), gemms, teacher ? &*teacher : nullptr);
+                                      compute_options(config), gemms, frozen);
           c.traffic_bytes = traffic_per_step(table, c, options, accumulation);
           c.fits = limit == 0 || c.memory.total() <= limit;
           candidates.push_back(c);
@@ -281,13 +277,15 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
                 c.fits ? "yes" : "NO");
   }
   if (gpu) describe_gpu_backend(candidates.front().memory.gpu, nccl_estimate);
-  if (!config.distill.teacher.empty()) {  // its bytes depend on the shard group alone; peak/rank includes them
+  if (!candidates.front().memory.frozen.empty()) {  // their bytes depend on the shard group alone; peak/rank includes them
     std::vector<int> shown;
     for (const Candidate& c : candidates) {
       if (std::find(shown.begin(), shown.end(), c.shard_size) != shown.end()) continue;
       shown.push_back(c.shard_size);
-      std::printf("%steacher (distill.teacher, frozen, in peak/rank) with a shard group of %d: %s\n",
-                  shown.size() == 1 ? "\n" : "", c.shard_size, describe_categories(c.memory.teacher).c_str());
+      for (const auto& [role, bytes] : c.memory.frozen)
+        std::printf("%s%s (%s, frozen, in peak/rank) with a shard group of %d: %s\n", shown.size() == 1 ? "\n" : "",
+                    role.c_str(), role == "teacher" ? "distill.teacher" : "text_encoder.source", c.shard_size,
+                    describe_categories(bytes).c_str());
     }
     std::printf("\n");
   }

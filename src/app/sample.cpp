@@ -14,6 +14,7 @@
 #include "app/inference.hpp"
 #include "app/options.hpp"
 #include "app/perf.hpp"
+#include "app/text_encoder.hpp"
 #include "ckpt/checkpoint_io.hpp"
 #include "ckpt/checkpoint_manager.hpp"
 #include "ckpt/h5.hpp"
@@ -55,7 +56,7 @@ constexpr const char* USAGE_LINE =
     "[--guidance G] [--cfg S --negative FILE.h5] [--condition FILE.h5] [--shift auto|S] [--seed N] [--batch B]";
 
 struct SampleOptions {
-  std::string checkpoint, prompts, negative, condition, output, shift = "auto", device = "cpu", base;
+  std::string checkpoint, prompts, negative, condition, output, shift = "auto", device = "cpu", base, text_encoder;
   int rows = 0, cols = 0, steps = 28, batch = 1, threads = 0;
   double guidance = 3.5, cfg = 1.0, comm_timeout = 300;
   uint64_t seed = 0;
@@ -74,7 +75,11 @@ bool parse_sample_args(const Runtime& rt, const std::vector<std::string>& args, 
       ("base", po::value(&o.base), BASE_HELP)
       ("prompts", po::value(&o.prompts)->required(),
        "HDF5 file of the prompts' text embeddings: encoder_hidden_states (P, L, context_dim) and pooled_projections "
-       "(P, pooled_dim), as tools/encode_images.py prompts writes them")
+       "(P, pooled_dim), as tools/encode_images.py prompts writes them; for a model trained with a text encoder in "
+       "its run, their captions (a `captions` dataset of strings), which that encoder turns into embeddings")
+      ("text-encoder", po::value(&o.text_encoder),
+       "that text encoder (a ShardTrain checkpoint or Hugging Face folder) if it moved: default the run's recorded "
+       "text_encoder.source; its weights must be the ones the model was trained with")
       ("output", po::value(&o.output)->required(),
        "HDF5 file to write: latents (P, rows x cols, in_channels) and grid_rows, grid_cols, for tools/encode_images.py "
        "decode")
@@ -85,7 +90,8 @@ bool parse_sample_args(const Runtime& rt, const std::vector<std::string>& args, 
       ("cfg", po::value(&cfg)->default_value(cfg),
        "classifier-free guidance scale against --negative (1 = none): v = v_neg + cfg (v - v_neg)")
       ("negative", po::value(&o.negative),
-       "HDF5 file of the negative prompts' embeddings (one, or one per prompt), for --cfg")
+       "HDF5 file of the negative prompts' embeddings (one, or one per prompt), for --cfg; with a text encoder their "
+       "captions, by default the empty caption")
       ("condition", po::value(&o.condition),
        "a Kontext model's images to edit: HDF5 file of condition_latents (one, or one per prompt) with "
        "condition_grid_rows and condition_grid_cols, as tools/encode_images.py encode --condition-images writes them")
@@ -112,14 +118,23 @@ bool parse_sample_args(const Runtime& rt, const std::vector<std::string>& args, 
   o.cfg = parse_real(cfg, "cfg", "give a number >= 1 (1 = none)", 1, 1e6, true, "sample");
   o.comm_timeout = parse_real(timeout, "comm-timeout", "give seconds >= 0 (0 = off)", 0, 1e9, true, "sample");
   if (o.shift != "auto") parse_real(o.shift, "shift", "auto, or a factor > 0 (1 = none)", 0, 1e6, false, "sample");
-  if (o.cfg > 1 && o.negative.empty())
-    throw UsageError("--cfg=" + cfg + " needs --negative (the negative prompts' embeddings); or --cfg=1");
   if (o.device != "cpu" && o.device != "cuda")
     throw UsageError("--device='" + printable_text(o.device) + "' is not a device; allowed: cpu, cuda");
   return true;
 }
 
 }  // namespace
+
+std::vector<std::string> read_prompt_captions(const std::string& path, const std::string& option) {
+  try {
+    std::vector<std::string> captions =
+        h5_read_strings(path, "captions", " (shardtrain data synth-images writes prompts with their captions)");
+    if (captions.empty()) throw DataError("'" + path + "' holds no captions");
+    return captions;
+  } catch (const DataError& e) {
+    throw DataError(option + ": " + e.what());
+  }
+}
 
 Prompts read_prompts(const std::string& path, const ModelConfig& m, const std::string& option) {
   Prompts p;
@@ -287,11 +302,29 @@ int sample(const Runtime& rt, const SampleOptions& o) {
   CheckpointState state;
   Prompts prompts, negative;
   ConditionImages condition;
+  // A model trained with a text encoder in its run: the prompts are captions, encoded by it below.
+  std::vector<std::string> captions, negative_captions;
+  bool encoded = false;
   rt.agree_on([&] {
     state = read_checkpoint_state(path);
     require_capability(state.model, "sample", "checkpoint '" + path + "'");
-    prompts = read_prompts(o.prompts, state.model, "--prompts");
-    if (!o.negative.empty()) {
+    encoded = !state.text_encoder.empty();
+    if (!encoded && !o.text_encoder.empty())
+      throw UsageError("--text-encoder: checkpoint '" + path + "' was trained on cached text embeddings, not with a "
+                       "text encoder in its run: remove it and give the prompts' embeddings");
+    if (o.cfg > 1 && o.negative.empty() && !encoded)
+      throw UsageError(strprintf("--cfg=%g needs --negative (the negative prompts' embeddings); or --cfg=1", o.cfg));
+    if (encoded) {
+      captions = read_prompt_captions(o.prompts, "--prompts");
+      negative_captions = o.negative.empty() ? std::vector<std::string>{""} : read_prompt_captions(o.negative, "--negative");
+      if (negative_captions.size() != 1 && negative_captions.size() != captions.size())
+        throw UsageError(strprintf("--negative='%s' holds %zu captions; give one, or one per prompt (%zu)",
+                                   o.negative.c_str(), negative_captions.size(), captions.size()));
+      prompts.count = static_cast<int>(captions.size()), prompts.tokens = state.model.context_len;
+    } else {
+      prompts = read_prompts(o.prompts, state.model, "--prompts");
+    }
+    if (!encoded && !o.negative.empty()) {
       negative = read_prompts(o.negative, state.model, "--negative");
       if (negative.tokens != prompts.tokens || (negative.count != 1 && negative.count != prompts.count))
         throw UsageError(strprintf("--negative='%s' holds %d prompts of %d tokens; give one, or one per prompt (%d), "
@@ -324,6 +357,28 @@ int sample(const Runtime& rt, const SampleOptions& o) {
   FsdpEngine& engine = weights.engine;
   MemoryTracker& memory = weights.memory;
   auto model = make_model<float>(table, B, N, true, *compute.backend().ops);
+  std::unique_ptr<TextEncoder> encoder;
+  if (encoded) {
+    TextEncoderOptions e;
+    e.source = o.text_encoder.empty() ? state.text_encoder : o.text_encoder;
+    e.layers = state.text_encoder_layers, e.tokenizer = state.text_encoder_tokenizer;
+    std::shared_ptr<const CaptionTokenizer> tokenizer;
+    rt.agree_on([&] { tokenizer = text_encoder_tokenizer(e, m.context_len); });
+    encoder = std::make_unique<TextEncoder>(rt, *comm, *weights.shard_comm, *weights.replica_comm, compute,
+                                            inference_options(rt, compute), e, QuantConfig{}, tokenizer, m, B,
+                                            &watchdog);
+    rt.agree_on([&] {
+      if (encoder->checksum() != state.text_encoder_checksum)
+        throw UsageError(strprintf("the text encoder '%s' has checksum %s; checkpoint '%s' was trained with one of "
+                                   "checksum %s: give that encoder (--text-encoder)",
+                                   e.source.c_str(), checksum_text(encoder->checksum()).c_str(), path.c_str(),
+                                   checksum_text(state.text_encoder_checksum).c_str()));
+    });
+    prompts = encoder->encode_captions(captions, "--prompts='" + o.prompts + "'");
+    if (o.cfg > 1)
+      negative = encoder->encode_captions(negative_captions, o.negative.empty() ? "the empty caption"
+                                                                                 : "--negative='" + o.negative + "'");
+  }
   const double shift = o.shift == "auto" ? flux_resolution_shift(N) : std::strtod(o.shift.c_str(), nullptr);
   if (rt.is_root())
     std::fprintf(stderr,
@@ -332,7 +387,9 @@ int sample(const Runtime& rt, const SampleOptions& o) {
                  path.c_str(), static_cast<long long>(state.step), model_summary(m).c_str(),
                  counted(rt.world(), "rank").c_str(), counted(threads, "thread").c_str(), prompts.count,
                  prompts.count == 1 ? "image" : "images", o.rows, o.cols, o.steps, shift, o.guidance, o.cfg,
-                 human_bytes(static_cast<double>(memory.total_current() + model->activation_bytes())).c_str());
+                 human_bytes(static_cast<double>(memory.total_current() + model->activation_bytes() +
+                                                 (encoder ? encoder->memory().total_current() : 0)))
+                     .c_str());
 
   SamplerSettings settings;
   settings.rows = o.rows, settings.cols = o.cols, settings.steps = o.steps, settings.guidance = o.guidance;
@@ -341,7 +398,7 @@ int sample(const Runtime& rt, const SampleOptions& o) {
   comm->barrier("barrier(sample start)");
   const double t0 = now_seconds();
   const std::vector<float> latents =
-      sampler.draw(prompts, o.negative.empty() ? nullptr : &negative, condition.tokens > 0 ? &condition : nullptr);
+      sampler.draw(prompts, negative.count > 0 ? &negative : nullptr, condition.tokens > 0 ? &condition : nullptr);
   const double t1 = now_seconds();
   std::string wrote;
   rt.agree_on([&] {

@@ -42,6 +42,9 @@ struct Prompts {
 // An HDF5 file's encoder_hidden_states (P, L, context_dim) and pooled_projections (P, pooled_dim);
 // DataError naming `option` and the file unless they fit the model.
 Prompts read_prompts(const std::string& path, const ModelConfig& model, const std::string& option);
+// The prompts' captions (an HDF5 file's `captions` strings: what data synth-images writes), for a
+// model conditioned by a text encoder in the job; DataError naming `option` and the file.
+std::vector<std::string> read_prompt_captions(const std::string& path, const std::string& option);
 
 // Kontext's condition images as packed latents: `count` of them (one for every prompt, or one per
 // prompt), each `tokens` tokens of in_channels on a grid `cols` wide; clean, after the target's

@@ -37,7 +37,7 @@ class Teacher {
   // Its weights' identity (base_model_checksum), recorded in the student's checkpoints.
   uint64_t checksum() const { return checksum_; }
   const std::string& source() const { return source_; }
-  // Its bytes on this rank by category (what was allocated: equal to plan_teacher_memory's).
+  // Its bytes on this rank by category (what was allocated: equal to the plan's: memory_plan.hpp's plan_forward_only_memory).
   const MemoryTracker& memory() const { return memory_; }
 
  private:
@@ -53,9 +53,4 @@ class Teacher {
 // Throws UsageError naming the source when it is neither kind, CheckpointError when damaged.
 // quant: the format of its linear weights (QuantConfig::inference is set here).
 ParamTable teacher_param_table(const std::string& source, QuantConfig quant = {});
-// Its bytes per category on a rank of `groups`, without allocating: the engine's in inference and
-// a forward-only model's activations.
-std::array<size_t, MEM_CATEGORY_COUNT> plan_teacher_memory(const ParamTable& table, const GroupShape& groups,
-                                                           const EngineOptions& student_options, int B, int T);
-
 }  // namespace shardtrain

@@ -225,6 +225,7 @@ void Trainer::accumulate_gradients(int step) {
       for (int t = 0; t < T_; t++)  // the dropout stream: by (seed, step, sequence, position)
         dropout_keys_[static_cast<size_t>(b) * T_ + t] = dropout_token_key(cfg_.train.seed, step, seq, t);
     }
+    if (text_encoder_) text_encoder_->encode(batch_);  // the captions' embeddings
     model_->set_dropout_keys(dropout_keys_.data());
     engine_.train_micro_batch(*model_, batch_, dloss, step_sums_.data());
   }
@@ -248,6 +249,7 @@ double Trainer::evaluate() {
         val_data_->fill(batch_, b, seq % val_data_->records(), seq, true);
         if (masked) sums[1] += static_cast<double>(val_data_->trained_targets(seq % val_data_->records()));
       }
+      if (text_encoder_) text_encoder_->encode(batch_);
       engine_.eval_micro_batch(*model_, batch_, step_sums_.data());
     }
   }
@@ -259,6 +261,11 @@ double Trainer::evaluate() {
 }
 
 void Trainer::sample_images(int step) {
+  if (!sample_prompts_ && text_encoder_) {  // the prompts' captions, encoded once
+    std::vector<std::string> captions;
+    rt_.agree_on([&] { captions = read_prompt_captions(cfg_.flow.sample_prompts, "flow.sample_prompts"); });
+    sample_prompts_ = text_encoder_->encode_captions(captions, "flow.sample_prompts='" + cfg_.flow.sample_prompts + "'");
+  }
   if (!sample_prompts_) {
     rt_.agree_on([&] {
       sample_prompts_ = read_prompts(cfg_.flow.sample_prompts, cfg_.model, "flow.sample_prompts");
@@ -275,11 +282,15 @@ void Trainer::sample_images(int step) {
   settings.guidance = cfg_.flow.sample_guidance, settings.seed = cfg_.train.seed, settings.cfg = cfg_.flow.sample_cfg;
   settings.shift = flux_resolution_shift(rows * cols);
   const double t0 = now_seconds();
-  // The empty caption, as flow.caption_dropout trains it: zeros.
+  // The empty caption, as flow.caption_dropout trains it: zeros, or the text encoder's "".
   Prompts empty;
-  empty.count = 1, empty.tokens = sample_prompts_->tokens;
-  empty.text.assign(static_cast<size_t>(empty.tokens) * cfg_.model.context_dim, 0.0f);
-  empty.pooled.assign(cfg_.model.pooled_dim, 0.0f);
+  if (text_encoder_ && settings.cfg > 1) {
+    empty = text_encoder_->encode_captions({""}, "the empty caption");
+  } else {
+    empty.count = 1, empty.tokens = sample_prompts_->tokens;
+    empty.text.assign(static_cast<size_t>(empty.tokens) * cfg_.model.context_dim, 0.0f);
+    empty.pooled.assign(cfg_.model.pooled_dim, 0.0f);
+  }
   const std::vector<float> latents =
       FlowSampler(engine_, *model_, cfg_.model, settings).draw(*sample_prompts_, settings.cfg > 1 ? &empty : nullptr);
   const std::string folder = checkpoints_.dir() + "/samples";

@@ -107,6 +107,11 @@ int Trainer::try_load(const std::string& path, bool fall_back) {
                        checksum_text(state.teacher_checksum) + ", distill.teacher='" + cfg_.distill.teacher +
                        "' has " + checksum_text(teacher_->checksum()) +
                        ": resume with the same teacher (or start a new run)");
+    if (text_encoder_ && state.text_encoder_checksum && state.text_encoder_checksum != text_encoder_->checksum())
+      throw UsageError("checkpoint '" + path + "' was trained with a text encoder of checksum " +
+                       checksum_text(state.text_encoder_checksum) + ", text_encoder.source='" +
+                       cfg_.text_encoder.source + "' has " + checksum_text(text_encoder_->checksum()) +
+                       ": resume with the same text encoder (or start a new run)");
     if (state.step > steps_)
       throw UsageError(strprintf("checkpoint '%s' is at step %lld, past train.steps=%d; raise train.steps",
                                  path.c_str(), static_cast<long long>(state.step), steps_));
@@ -210,6 +215,11 @@ void Trainer::save(int step) {
   state.dataset_val = val_data_ ? val_data_->identity() : "";
   state.adapters_only = cfg_.checkpoint.adapters_only;
   state.teacher_checksum = teacher_ ? teacher_->checksum() : 0;
+  if (text_encoder_) {  // what sample needs to condition the model the same way
+    state.text_encoder = cfg_.text_encoder.source, state.text_encoder_layers = cfg_.text_encoder.layers;
+    state.text_encoder_tokenizer = text_encoder_->tokenizer().path();
+    state.text_encoder_checksum = text_encoder_->checksum();
+  }
   const double t0 = now_seconds();
   std::string path = checkpoints_.save(state, engine_, optimizer_);
   const double seconds = now_seconds() - t0;

@@ -22,6 +22,7 @@
 #include "app/sample.hpp"
 #include "app/step_report.hpp"
 #include "app/teacher.hpp"
+#include "app/text_encoder.hpp"
 #include "app/tensorboard.hpp"
 #include "backend/op_timer.hpp"
 #include "ckpt/checkpoint_manager.hpp"
@@ -126,7 +127,7 @@ class Trainer {
   std::string hardware_peak_unit_;
   Watchdog watchdog_;
   ShardingStrategy strategy_;
-  std::optional<ParamTable> teacher_table_;  // distill.teacher's, for the plan and the GEMM workspace
+  std::vector<FrozenCompanion> frozen_;  // the teacher's and text encoder's tables, for the plan and the GEMM workspace
   GemmWorkload gemm_workload_;               // what the compute backend's GEMM workspace is sized for
   ComputeBackend compute_;
   std::unique_ptr<Comm> comm_;  // MPI on host memory: agreement, metrics, checkpoints
@@ -152,6 +153,8 @@ class Trainer {
   std::unique_ptr<TransformerModel<float>> model_;
   std::unique_ptr<Teacher> teacher_;  // distill.teacher, beside the student
   std::unique_ptr<DistillationLoss<float>> distill_loss_;  // the student's loss against it
+  std::shared_ptr<const CaptionTokenizer> captions_;  // text_encoder.source's tokenizer, for the data
+  std::unique_ptr<TextEncoder> text_encoder_;          // text_encoder.source, beside the model
   std::optional<Prompts> sample_prompts_;  // flow.sample_prompts, read once
   // The step's summed loss and squared gradient norm (then the validation loss) in the compute
   // device's memory, read once at the end of a step into host_sums_; with cpu_offload the

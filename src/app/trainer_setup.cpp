@@ -27,6 +27,7 @@
 #include "app/signals.hpp"
 #include "app/sample.hpp"
 #include "app/teacher.hpp"
+#include "app/text_encoder.hpp"
 #include "app/tensorboard.hpp"
 #include "app/version.hpp"
 #include "backend/op_timer.hpp"
@@ -74,27 +75,22 @@ std::unique_ptr<Comm> make_replica_comm(const Runtime& rt, const Config& c, Shar
   return c.debug.skip_communication ? make_silent_comm(*comm) : std::move(comm);
 }
 
-// distill.teacher's parameter table (read from its file once, agreed), or none.
-std::optional<ParamTable> read_teacher_table(const Runtime& rt, const Config& c) {
-  std::optional<ParamTable> teacher;
-  if (!c.distill.teacher.empty())
-    rt.agree_on([&] { teacher.emplace(teacher_param_table(c.distill.teacher, teacher_quant(c))); });
-  return teacher;
-}
-
-// The GEMMs of the student and, when distilling, the teacher.
-GemmWorkload run_gemm_workload(const Config& c, const std::optional<ParamTable>& teacher) {
-  return gemm_workload(c.model, teacher ? &teacher->config() : nullptr, c.train.micro_batch, c.train.seq_len);
+// The frozen companions' tables (distill.teacher's, text_encoder.source's), read from their files
+// once, agreed.
+std::vector<FrozenCompanion> read_frozen_companions(const Runtime& rt, const Config& c) {
+  std::vector<FrozenCompanion> frozen;
+  rt.agree_on([&] { frozen = frozen_companions(c); });
+  return frozen;
 }
 
 // The rank's planned bytes; an InputError (agreed) when they exceed fsdp.memory_limit.
 MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrategy strategy, const Comm& shard,
                                const Comm& replica, const ComputeBackend& compute, const GemmWorkload& gemms,
-                               const std::optional<ParamTable>& teacher) {
+                               const std::vector<FrozenCompanion>& frozen) {
   GroupShape groups{shard.size(), shard.rank(), replica.size(), replica.rank()};
   MemoryPlan plan = plan_rank_memory(config_param_table(c), groups, engine_options(c), c.train.micro_batch,
                                      c.train.seq_len, c.fsdp.activation_checkpointing, compute.options(), gemms,
-                                     teacher ? &*teacher : nullptr);
+                                     frozen);
   rt.agree_on([&] {
     // Host memory: the whole plan on the CPU backend, the offloaded state on a GPU. Checked against
     // what the node has available, shared by its ranks, so a model that cannot fit stops here
@@ -160,8 +156,8 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
       accum_(config.train.global_batch / (config.train.micro_batch * rt.world())),
       watchdog_(config.fsdp.comm_timeout),
       strategy_(config.fsdp.sharding_strategy),
-      teacher_table_(read_teacher_table(rt, config)),
-      gemm_workload_(run_gemm_workload(config, teacher_table_)),
+      frozen_(read_frozen_companions(rt, config)),
+      gemm_workload_(gemm_workload(config.model, frozen_, config.train.micro_batch, config.train.seq_len)),
       compute_(compute_options(config), rt, gemm_workload_),
       comm_(make_mpi_comm(rt.world_comm(), &watchdog_)),
       shard_comm_(make_shard_comm(rt, config, strategy_, compute_, &watchdog_)),
@@ -169,7 +165,7 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
       step_comm_(compute_.on_gpu() && !config.fsdp.cpu_offload ? compute_.make_comm(rt.world_comm(), &watchdog_)
                                                                 : nullptr),
       plan_(checked_memory_plan(rt, config, strategy_, *shard_comm_, *replica_comm_, compute_, gemm_workload_,
-                                  teacher_table_)),
+                                  frozen_)),
       table_(config_param_table(config)),
       engine_(table_, *shard_comm_, *replica_comm_, memory_, engine_options(config), compute_.backend()),
       phase_timer_(*compute_.backend().device),
@@ -205,6 +201,10 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
         static_cast<float>(cfg_.distill.temperature));
     model_->set_loss(distill_loss_.get());
   }
+  if (cfg_.text_encoder.enabled())
+    text_encoder_ = std::make_unique<TextEncoder>(rt, *comm_, *shard_comm_, *replica_comm_, compute_,
+                                                  engine_options(config), cfg_.text_encoder,
+                                                  text_encoder_quant(config), captions_, cfg_.model, B_, &watchdog_);
   dropout_keys_.resize(static_cast<size_t>(B_) * T_);
   // What "held" counts: the device's arrays and the communicators' own buffers -- on a GPU not the
   // backend's workspaces (GPU reserved shows those) but the host staging of fsdp.comm_backend=mpi.
@@ -269,11 +269,14 @@ void Trainer::open_data() {
              static_cast<long long>(document_start),
              cfg_.data.restart_positions ? "; positions restart with each" : "");
   }
+  // With a text encoder in the job the files hold captions, which its tokenizer turns into ids.
+  if (cfg_.text_encoder.enabled())
+    rt_.agree_on([&] { captions_ = text_encoder_tokenizer(cfg_.text_encoder, cfg_.model.context_len); });
   auto open = [&](const char* option, const std::string& value) {
     std::unique_ptr<DataSource> data;
     rt_.agree_on([&] {
       if (!tokens) {
-        data = std::make_unique<LatentDataset>(option, value, cfg_.model, T_, cfg_.train.seed, cfg_.flow);
+        data = std::make_unique<LatentDataset>(option, value, cfg_.model, T_, cfg_.train.seed, cfg_.flow, captions_);
         return;
       }
       auto token_data = std::make_unique<TokenDataset>(option, value, T_);
@@ -382,15 +385,24 @@ void Trainer::print_summary() {
            "buffers come with their first use): %s", mem.c_str(), human_bytes(memory_.total_current()).c_str(),
            human_bytes(static_cast<double>(device.live_bytes() + uncounted_comm_buffer_bytes())).c_str());
   if (teacher_) {
-    std::array<size_t, MEM_CATEGORY_COUNT> teacher_bytes{};
-    for (int c = 0; c < MEM_CATEGORY_COUNT; c++) teacher_bytes[c] = teacher_->memory().current(static_cast<MemCategory>(c));
-    const std::string tmem = describe_categories(teacher_bytes);
+    const std::string tmem = describe_categories(tracked_categories(teacher_->memory()));
     rt_.info("distillation: teacher %s (%s, %.2fM parameters, checksum %s), frozen and sharded beside the student | "
              "loss %g CE + %g T^2 KL at T = %g | teacher memory per rank: %s | total %s",
              cfg_.distill.teacher.c_str(), model_summary(teacher_->config()).c_str(),
              teacher_->table().total_params() / 1e6, checksum_text(teacher_->checksum()).c_str(), cfg_.distill.alpha,
              1 - cfg_.distill.alpha, cfg_.distill.temperature, tmem.c_str(),
              human_bytes(teacher_->memory().total_current()).c_str());
+  }
+  if (text_encoder_) {
+    const TextEncoder& e = *text_encoder_;
+    std::string layers;
+    for (int l : e.layers()) layers += (layers.empty() ? "" : ",") + std::to_string(l);
+    rt_.info("text encoder: %s (%s, %.2fM parameters, checksum %s), frozen and sharded beside the model | hidden "
+             "states %s of 0..%d, %d tokens per caption (tokenizer %s) | its memory per rank: %s | total %s",
+             cfg_.text_encoder.source.c_str(), model_summary(e.config()).c_str(), e.table().total_params() / 1e6,
+             checksum_text(e.checksum()).c_str(), layers.c_str(), e.config().n_layer, cfg_.model.context_len,
+             e.tokenizer().path().c_str(), describe_categories(tracked_categories(e.memory())).c_str(),
+             human_bytes(e.memory().total_current()).c_str());
   }
   if (plan_.offloaded_bytes)
     rt_.info("fsdp.cpu_offload: %s of master shards, gradients and moments in host memory%s",

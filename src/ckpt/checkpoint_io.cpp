@@ -367,6 +367,9 @@ const char* ADAPTERS_ONLY = "adapters_only";
 const char* BASE_CHECKSUM = "base_checksum";
 // Version 5: the settings of LoKr and OFT, after the base model's identity, then the teacher's.
 const char* TEACHER_CHECKSUM = "distill.teacher_checksum";
+// Optional (any version): the text encoder in the job, written with one.
+const char* TEXT_ENCODER_STRS[3] = {"text_encoder.source", "text_encoder.layers", "text_encoder.tokenizer"};
+const char* TEXT_ENCODER_CHECKSUM = "text_encoder.checksum";
 const char* ADAPTER_METHOD_INTS[6] = {"adapter.decompose_both", "adapter.decompose_factor", "adapter.block_size",
                                       "adapter.cayley_neumann", "adapter.neumann_terms", "adapter.block_share"};
 
@@ -446,6 +449,12 @@ void write_state(hid_t file, const CheckpointState& s, const ModelConfig& model,
     if (family.reads_key(a.name) && (!a.optional || model.*a.field != 0)) i64(a.name, model.*a.field);
   if (family.reads_key(FAMILY_GUIDANCE)) i64(FAMILY_GUIDANCE, model.guidance_embeds ? 1 : 0);
   if (family.reads_key(FAMILY_ROPE_AXES)) str(FAMILY_ROPE_AXES, model.rope_axes);
+  if (!s.text_encoder.empty()) {
+    const std::string* values[3] = {&s.text_encoder, &s.text_encoder_layers, &s.text_encoder_tokenizer};
+    for (int i = 0; i < 3; i++) str(TEXT_ENCODER_STRS[i], *values[i]);
+    h5_write_attr_u64(file, TEXT_ENCODER_CHECKSUM, s.text_encoder_checksum, path);
+    sum.add(TEXT_ENCODER_CHECKSUM, std::to_string(s.text_encoder_checksum));
+  }
   h5_write_attr_u64(file, META_CHECKSUM, sum.value(), path);
 }
 
@@ -573,6 +582,12 @@ CheckpointState read_state(hid_t file, const std::string& path) {
         family_ints.emplace_back(&a, i64(a.name));
     if (family.reads_key(FAMILY_GUIDANCE)) guidance = i64(FAMILY_GUIDANCE);
     if (family.reads_key(FAMILY_ROPE_AXES)) rope_axes = str(FAMILY_ROPE_AXES);
+  }
+  if (h5_has_attr(file, TEXT_ENCODER_STRS[0])) {
+    std::string* values[3] = {&s.text_encoder, &s.text_encoder_layers, &s.text_encoder_tokenizer};
+    for (int i = 0; i < 3; i++) *values[i] = str(TEXT_ENCODER_STRS[i]);
+    s.text_encoder_checksum = h5_read_attr_u64(file, TEXT_ENCODER_CHECKSUM, path);
+    sum.add(TEXT_ENCODER_CHECKSUM, std::to_string(s.text_encoder_checksum));
   }
   if (!h5_has_attr(file, META_CHECKSUM))
     s.warning = where + "no metadata checksum (written by an older build): its attributes are not verified";

@@ -65,6 +65,10 @@ struct CheckpointState {
   bool has_base_checksum = false;
   // Version 5: the distillation teacher's checksum (base_model_checksum of its weights), 0 without one.
   uint64_t teacher_checksum = 0;
+  // A text encoder in the job (text_encoder.*): its source, hidden-state layers (the option's text),
+  // tokenizer and weights' checksum; optional attributes, written with one (empty source: none).
+  std::string text_encoder, text_encoder_layers, text_encoder_tokenizer;
+  uint64_t text_encoder_checksum = 0;
   std::string warning;             // read only: why the file is usable but not fully verified ("" if it is)
   int64_t version = CKPT_FORMAT_VERSION;  // read only: the file's format version (saves write CKPT_FORMAT_VERSION)
 };

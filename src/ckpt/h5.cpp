@@ -2,6 +2,9 @@
 #include "ckpt/h5.hpp"
 
 #include <algorithm>
+#include <cstring>
+
+#include "core/format.hpp"
 
 namespace shardtrain {
 
@@ -125,6 +128,61 @@ std::vector<float> h5_read_floats(const std::string& path, const char* name, std
 std::vector<int32_t> h5_read_ints(const std::string& path, const char* name, std::vector<hsize_t>* dims,
                                   const std::string& hint) {
   return read_whole<int32_t>(path, name, dims, H5T_NATIVE_INT32, "int32", hint);
+}
+
+std::vector<std::string> h5_read_strings(hid_t set, uint64_t first, uint64_t count, const std::string& where) {
+  H5QuietErrors quiet;
+  H5Id type(H5Dget_type(set), H5Tclose), space(H5Dget_space(set), H5Sclose);
+  if (type.get() < 0 || space.get() < 0 || H5Tget_class(type) != H5T_STRING || H5Sget_simple_extent_ndims(space) != 1)
+    throw DataError(where + " is not a one-dimensional dataset of strings");
+  hsize_t records = 0;
+  H5Sget_simple_extent_dims(space, &records, nullptr);
+  if (first + count > records)
+    throw DataError(strprintf("%s holds %llu strings, not record %llu", where.c_str(),
+                              static_cast<unsigned long long>(records), static_cast<unsigned long long>(first + count - 1)));
+  std::vector<std::string> out(count);
+  if (count == 0) return out;
+  const hsize_t start = first, n = count;
+  H5Id memory_space(H5Screate_simple(1, &n, nullptr), H5Sclose);
+  if (H5Sselect_hyperslab(space, H5S_SELECT_SET, &start, nullptr, &n, nullptr) < 0)
+    throw DataError(where + ": cannot select its records");
+  const bool variable = H5Tis_variable_str(type) > 0;
+  H5Id memory_type(H5Tcopy(H5T_C_S1), H5Tclose);
+  H5Tset_cset(memory_type, H5Tget_cset(type));
+  if (variable) {
+    H5Tset_size(memory_type, H5T_VARIABLE);
+    std::vector<char*> pointers(count, nullptr);
+    if (H5Dread(set, memory_type, memory_space, space, H5P_DEFAULT, pointers.data()) < 0)
+      throw DataError(where + ": cannot read its strings; the file is damaged");
+    for (size_t i = 0; i < count; i++) out[i] = pointers[i] ? pointers[i] : "";
+    H5Dvlen_reclaim(memory_type, memory_space, H5P_DEFAULT, pointers.data());
+  } else {
+    const size_t width = H5Tget_size(type);
+    H5Tset_size(memory_type, width);
+    H5Tset_strpad(memory_type, H5T_STR_NULLPAD);
+    std::vector<char> bytes(width * count, '\0');
+    if (H5Dread(set, memory_type, memory_space, space, H5P_DEFAULT, bytes.data()) < 0)
+      throw DataError(where + ": cannot read its strings; the file is damaged");
+    for (size_t i = 0; i < count; i++) {
+      const char* text = bytes.data() + i * width;
+      out[i].assign(text, strnlen(text, width));
+    }
+  }
+  return out;
+}
+
+std::vector<std::string> h5_read_strings(const std::string& path, const char* name, const std::string& hint) {
+  H5QuietErrors quiet;
+  H5Id file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  if (file.get() < 0) throw DataError("'" + path + "' is not an HDF5 file" + hint);
+  if (H5Lexists(file, name, H5P_DEFAULT) <= 0) throw DataError("'" + path + "' has no dataset '" + name + "'" + hint);
+  H5Id set(H5Dopen2(file, name, H5P_DEFAULT), H5Dclose);
+  const std::string where = "'" + path + "': dataset '" + name + "'";
+  if (set.get() < 0) throw DataError(where + " cannot be opened");
+  H5Id space(H5Dget_space(set), H5Sclose);
+  hsize_t records = 0;
+  if (space.get() >= 0 && H5Sget_simple_extent_ndims(space) == 1) H5Sget_simple_extent_dims(space, &records, nullptr);
+  return h5_read_strings(set, 0, records, where);
 }
 
 void h5_write_dataset(hid_t file, const char* name, hid_t file_type, hid_t memory_type, const std::vector<hsize_t>& dims,

@@ -87,6 +87,12 @@ std::vector<float> h5_read_floats(const std::string& path, const char* name, std
                                   const std::string& hint);
 std::vector<int32_t> h5_read_ints(const std::string& path, const char* name, std::vector<hsize_t>* dims,
                                   const std::string& hint);
+// Records [first, first + count) of an open one-dimensional dataset of strings, fixed-length or
+// variable-length (h5py's str), as UTF-8 text; DataError starting with `where` when it is not such
+// a dataset or cannot be read.
+std::vector<std::string> h5_read_strings(hid_t dataset, uint64_t first, uint64_t count, const std::string& where);
+// A serial file's string dataset `name` read whole, as h5_read_floats reads floats.
+std::vector<std::string> h5_read_strings(const std::string& path, const char* name, const std::string& hint);
 // Writes `data` (native floats, int32s or fixed-length strings of `type`) as a new dataset of
 // shape `dims` in an open serial file.
 void h5_write_dataset(hid_t file, const char* name, hid_t file_type, hid_t memory_type, const std::vector<hsize_t>& dims,

@@ -23,17 +23,8 @@ struct LatentDataset::File {
   std::string path;
   uint64_t bytes = 0, records = 0;
   H5Id file, latents, text, pooled, condition;  // condition: Kontext's (model.condition_len > 0)
+  H5Id captions;                                // with a text encoder, in place of text and pooled
 };
-
-namespace {
-
-// The tensors of a record: the dataset's name and its shape after the record axis.
-struct Field {
-  const char* name;
-  std::vector<hsize_t> shape;
-};
-
-}  // namespace
 
 int packed_grid_cols(hid_t file, const std::string& path, const std::string& where, const char* prefix, int tokens,
                      const char* what) {
@@ -52,16 +43,27 @@ int packed_grid_cols(hid_t file, const std::string& path, const std::string& whe
 }
 
 LatentDataset::LatentDataset(const std::string& option, const std::string& value, const ModelConfig& model,
-                             int image_tokens, uint64_t seed, const FlowOptions& flow)
-    : option_(option), value_(value), model_(model), N_(image_tokens), seed_(seed), flow_(flow) {
+                             int image_tokens, uint64_t seed, const FlowOptions& flow,
+                             std::shared_ptr<const CaptionTokenizer> captions)
+    : option_(option), value_(value), model_(model), N_(image_tokens), seed_(seed), flow_(flow),
+      captions_(std::move(captions)) {
   H5QuietErrors quiet;
   first_record_.push_back(0);
-  std::vector<Field> fields = {
-      {"latents", {hsize_t(N_), hsize_t(model.in_channels)}},
-      {"encoder_hidden_states", {hsize_t(model.context_len), hsize_t(model.context_dim)}},
-      {"pooled_projections", {hsize_t(model.pooled_dim)}}};
+  // The tensors of a record: the dataset's name, its shape after the record axis, where File keeps it.
+  struct Field {
+    const char* name;
+    std::vector<hsize_t> shape;
+    H5Id File::*set;
+  };
+  std::vector<Field> fields = {{"latents", {hsize_t(N_), hsize_t(model.in_channels)}, &File::latents}};
+  if (!captions_) {
+    fields.push_back(
+        {"encoder_hidden_states", {hsize_t(model.context_len), hsize_t(model.context_dim)}, &File::text});
+    fields.push_back({"pooled_projections", {hsize_t(model.pooled_dim)}, &File::pooled});
+  }
   if (model.condition_len > 0)
-    fields.push_back({"condition_latents", {hsize_t(model.condition_len), hsize_t(model.in_channels)}});
+    fields.push_back(
+        {"condition_latents", {hsize_t(model.condition_len), hsize_t(model.in_channels)}, &File::condition});
   for (const std::string& path : expand_data_files(option, value)) {
     auto f = std::make_unique<File>();
     f->path = path;
@@ -72,17 +74,17 @@ LatentDataset::LatentDataset(const std::string& option, const std::string& value
     f->file = H5Id(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
     if (f->file.get() < 0)
       throw DataError(where + " is not an HDF5 file of latents (tools/encode_images.py writes them; docs/flux.md)");
-    H5Id* sets[4] = {&f->latents, &f->text, &f->pooled, &f->condition};
     for (size_t i = 0; i < fields.size(); i++) {
       const Field& field = fields[i];
+      H5Id* set = &((*f).*field.set);
       if (H5Lexists(f->file, field.name, H5P_DEFAULT) <= 0)
         throw DataError(where + " has no dataset '" + field.name + "' (docs/flux.md lists a latent file's datasets)");
-      *sets[i] = H5Id(H5Dopen2(f->file, field.name, H5P_DEFAULT), H5Dclose);
-      if (sets[i]->get() < 0) throw DataError(where + ": cannot open its dataset '" + field.name + "'");
-      H5Id type(H5Dget_type(*sets[i]), H5Tclose);
+      *set = H5Id(H5Dopen2(f->file, field.name, H5P_DEFAULT), H5Dclose);
+      if (set->get() < 0) throw DataError(where + ": cannot open its dataset '" + field.name + "'");
+      H5Id type(H5Dget_type(*set), H5Tclose);
       if (type.get() < 0 || H5Tget_class(type) != H5T_FLOAT || H5Tget_size(type) != 4)
         throw DataError(where + ": dataset '" + field.name + "' is not float32; write it as float32");
-      H5Id space(H5Dget_space(*sets[i]), H5Sclose);
+      H5Id space(H5Dget_space(*set), H5Sclose);
       const int rank = space.get() < 0 ? -1 : H5Sget_simple_extent_ndims(space);
       std::vector<hsize_t> dims(std::max(rank, 0));
       if (rank > 0) H5Sget_simple_extent_dims(space, dims.data(), nullptr);
@@ -103,6 +105,21 @@ LatentDataset::LatentDataset(const std::string& option, const std::string& value
         throw DataError(strprintf("%s: dataset '%s' holds %llu records, 'latents' %llu: every dataset holds one per "
                                   "record",
                                   where.c_str(), field.name, static_cast<unsigned long long>(dims[0]),
+                                  static_cast<unsigned long long>(f->records)));
+    }
+    if (captions_) {
+      if (H5Lexists(f->file, "captions", H5P_DEFAULT) <= 0)
+        throw DataError(where + " has no dataset 'captions' (the text encoder in the job, text_encoder.source, reads "
+                                "each record's caption): write the captions, or train on cached embeddings without "
+                                "text_encoder.source");
+      f->captions = H5Id(H5Dopen2(f->file, "captions", H5P_DEFAULT), H5Dclose);
+      const std::string set_where = where + ": dataset 'captions'";
+      if (f->captions.get() < 0) throw DataError(set_where + " cannot be opened");
+      h5_read_strings(f->captions, 0, 0, set_where);  // a dataset of strings
+      const std::vector<hsize_t> dims = h5_dataset_dims(f->captions, path);
+      if (dims.size() != 1 || dims[0] != f->records)
+        throw DataError(strprintf("%s holds %llu captions, 'latents' %llu records: one caption per record",
+                                  set_where.c_str(), static_cast<unsigned long long>(dims.empty() ? 0 : dims[0]),
                                   static_cast<unsigned long long>(f->records)));
     }
     // The packed grids (the position ids): the target's, and Kontext's condition image's.
@@ -143,6 +160,10 @@ void LatentDataset::begin(Batch& b, int rows) const {
   b.put<float>(FLUX_TARGET, {rows, N_, IN});
   b.put<float>(FLUX_ENCODER_HIDDEN_STATES, {rows, L, model_.context_dim});
   b.put<float>(FLUX_POOLED, {rows, model_.pooled_dim});
+  if (captions_) {  // the text encoder fills the two above from these
+    b.put<int32_t>(FLUX_CAPTION_IDS, {rows, L});
+    b.put<int32_t>(FLUX_CAPTION_LENGTHS, {rows});
+  }
   b.put<float>(FLUX_TIMESTEP, {rows});
   b.put<float>(FLUX_GUIDANCE, {rows});
   fill_flux_image_ids(b.put<float>(FLUX_IMG_IDS, {N_ + M, 3}), N_, grid_cols_, M, condition_cols_);
@@ -177,8 +198,10 @@ void LatentDataset::fill(Batch& b, int row, uint64_t record, uint64_t sample, bo
                 static_cast<size_t>(row) * L * model_.context_dim;
   float* pooled = b.at<float>(FLUX_POOLED, rows * model_.pooled_dim) + static_cast<size_t>(row) * model_.pooled_dim;
   read(f, f.latents, "latents", local, hidden, image);
-  read(f, f.text, "encoder_hidden_states", local, text, static_cast<size_t>(L) * model_.context_dim);
-  read(f, f.pooled, "pooled_projections", local, pooled, model_.pooled_dim);
+  if (!captions_) {
+    read(f, f.text, "encoder_hidden_states", local, text, static_cast<size_t>(L) * model_.context_dim);
+    read(f, f.pooled, "pooled_projections", local, pooled, model_.pooled_dim);
+  }
   if (M > 0) read(f, f.condition, "condition_latents", local, hidden + image, static_cast<size_t>(M) * IN);  // clean
   // The flow-matching sample: x_sigma = (1 - sigma) x0 + sigma e, target e - x0 (fp32, as trainers do).
   const uint64_t key = flow_sample_key(seed_, sample, validation), noise = flow_noise_key(key);
@@ -188,8 +211,17 @@ void LatentDataset::fill(Batch& b, int row, uint64_t record, uint64_t sample, bo
     hidden[i] = (1.0f - sigma) * x0 + sigma * e;
     target[i] = e - x0;
   }
-  // Caption dropout: the empty caption (zeros), which classifier-free guidance samples against.
-  if (!validation && flow_.caption_dropout > 0 && counter_uniform(key, FLOW_CAPTION_DROPOUT_COUNTER) < flow_.caption_dropout) {
+  // Caption dropout: the empty caption, which classifier-free guidance samples against -- zeros, or
+  // with a text encoder what it makes of "".
+  const bool dropped = !validation && flow_.caption_dropout > 0 &&
+                       counter_uniform(key, FLOW_CAPTION_DROPOUT_COUNTER) < flow_.caption_dropout;
+  if (captions_) {
+    const std::string where = strprintf("%s: '%s': caption %llu", option_.c_str(), f.path.c_str(),
+                                        static_cast<unsigned long long>(local));
+    const std::string caption = dropped ? "" : h5_read_strings(f.captions, local, 1, where)[0];
+    b.at<int32_t>(FLUX_CAPTION_LENGTHS, rows)[row] =
+        captions_->tokenize(caption, b.at<int32_t>(FLUX_CAPTION_IDS, rows * L) + static_cast<size_t>(row) * L, where);
+  } else if (dropped) {
     std::fill(text, text + static_cast<size_t>(L) * model_.context_dim, 0.0f);
     std::fill(pooled, pooled + model_.pooled_dim, 0.0f);
   }
@@ -214,9 +246,19 @@ std::string LatentDataset::check(int part, int num_parts) const {
     const uint64_t local = r - first_record_[file];
     const std::tuple<hid_t, const char*, size_t> fields[4] = {
         {f.latents, "latents", static_cast<size_t>(N_) * model_.in_channels},
-        {f.text, "encoder_hidden_states", static_cast<size_t>(model_.context_len) * model_.context_dim},
-        {f.pooled, "pooled_projections", static_cast<size_t>(model_.pooled_dim)},
+        {f.text, "encoder_hidden_states", captions_ ? 0 : static_cast<size_t>(model_.context_len) * model_.context_dim},
+        {f.pooled, "pooled_projections", captions_ ? 0 : static_cast<size_t>(model_.pooled_dim)},
         {f.condition, "condition_latents", static_cast<size_t>(model_.condition_len) * model_.in_channels}};
+    if (captions_) {  // valid UTF-8 that the tokenizer takes
+      std::vector<int32_t> ids(model_.context_len);
+      const std::string where = strprintf("%s: '%s': caption %llu", option_.c_str(), f.path.c_str(),
+                                          static_cast<unsigned long long>(local));
+      try {
+        captions_->tokenize(h5_read_strings(f.captions, local, 1, where)[0], ids.data(), where);
+      } catch (const DataError& e) {
+        return e.what();
+      }
+    }
     for (const auto& [set, name, numel] : fields) {
       if (numel == 0) continue;
       values.resize(numel);
@@ -245,9 +287,9 @@ std::string LatentDataset::identity() const {
 
 std::string LatentDataset::describe() const {
   const std::string shape =
-      strprintf("%d image tokens, %s%d text tokens", N_,
+      strprintf("%d image tokens, %s%d text tokens%s", N_,
                 model_.condition_len ? strprintf("%d condition tokens, ", model_.condition_len).c_str() : "",
-                model_.context_len);
+                model_.context_len, captions_ ? " from captions" : "");
   if (files_.size() == 1)
     return strprintf("%s (%s latents, %s)", files_[0]->path.c_str(), counted(records(), "record").c_str(),
                      shape.c_str());

@@ -6,6 +6,10 @@
 //   attributes grid_rows, grid_cols                      the packed latent grid, rows x cols = N
 //   condition_latents      float32 (R, M, in_channels)   Kontext's condition image (model.condition_len = M)
 //   attributes condition_grid_rows, condition_grid_cols  its packed grid, rows x cols = M
+// With a text encoder in the job (a CaptionTokenizer given), a file holds the captions instead of
+// their embeddings:
+//   captions               strings (R)                   UTF-8 text (fixed or variable length)
+// and a micro-batch row carries the caption's token ids, which the encoder turns into the embeddings.
 // One option value names one file or several (a comma-separated list of paths and globs, as token
 // files); their records are numbered file after file. A micro-batch row is record r made into a
 // flow-matching sample (flow_matching.hpp): the noisy latent, the noise level, the target.
@@ -14,9 +18,11 @@
 #include <hdf5.h>
 
 #include <memory>
+#include <string_view>
 #include <string>
 #include <vector>
 
+#include "data/caption_tokens.hpp"
 #include "data/data_source.hpp"
 #include "data/flow_matching.hpp"
 #include "model/config.hpp"
@@ -34,8 +40,9 @@ class LatentDataset final : public DataSource {
  public:
   // Opens and checks every file against the model and train.seq_len = image_tokens; throws
   // DataError naming the file and what does not fit.
+  // captions: the text encoder's tokenizer, or null for files of cached embeddings.
   LatentDataset(const std::string& option, const std::string& value, const ModelConfig& model, int image_tokens,
-                uint64_t seed, const FlowOptions& flow);
+                uint64_t seed, const FlowOptions& flow, std::shared_ptr<const CaptionTokenizer> captions = nullptr);
   ~LatentDataset() override;
 
   uint64_t records() const override { return first_record_.back(); }
@@ -58,6 +65,7 @@ class LatentDataset final : public DataSource {
   int N_, grid_cols_ = 0, condition_cols_ = 0;
   uint64_t seed_;
   FlowOptions flow_;
+  std::shared_ptr<const CaptionTokenizer> captions_;
   std::vector<std::unique_ptr<File>> files_;
   std::vector<uint64_t> first_record_;  // file f's records are [first_record_[f], first_record_[f + 1])
 };

@@ -298,6 +298,11 @@ void data_synth_images(const std::string& out_dir, const ShapeWorld& world, int 
                        {1, hsize_t(world.caption_tokens), hsize_t(world.text_dim)}, text.data(), tmp);
       h5_write_dataset(file, "pooled_projections", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, {1, hsize_t(world.text_dim)},
                        pooled.data(), tmp);
+      H5Id string_type(H5Tcopy(H5T_C_S1), H5Tclose);  // and as text, for a text encoder in the job
+      H5Tset_size(string_type, 1);
+      H5Tset_strpad(string_type, H5T_STR_NULLTERM);
+      const char empty[1] = {'\0'};
+      h5_write_dataset(file, "captions", string_type, string_type, {1}, empty, tmp);
     }
     if (std::rename(tmp.c_str(), path.c_str()) != 0)
       throw UsageError("cannot write '" + printable_text(path) + "': " + std::strerror(errno));

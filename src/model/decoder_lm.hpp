@@ -17,7 +17,10 @@
 namespace shardtrain {
 
 template <typename Real>
-class DecoderLM : public TransformerModel<Real>, public KvDecoder<Real>, public TokenLogits<Real> {
+class DecoderLM : public TransformerModel<Real>,
+                  public KvDecoder<Real>,
+                  public TokenLogits<Real>,
+                  public HiddenStates<Real> {
  public:
   int batch() const override { return B_; }
   int seq_len() const override { return T_; }
@@ -42,6 +45,11 @@ class DecoderLM : public TransformerModel<Real>, public KvDecoder<Real>, public 
   void set_dropout_keys(const uint64_t* keys) override { adapters_.set_dropout_keys(keys); }
   KvDecoder<Real>* kv_decoder() override { return this; }
   TokenLogits<Real>* token_logits() override { return this; }
+  HiddenStates<Real>* hidden_states() override { return this; }
+  const Real* hidden_state(int index, const Real* root) override {
+    SHARD_CHECK(index >= 0 && index <= cfg_.n_layer, "hidden state %d of a %d-layer model", index, cfg_.n_layer);
+    return index < cfg_.n_layer ? resid_[index].data() : final_norm(root);
+  }
 
  protected:
   using Array = DeviceArray<Real>;
@@ -61,6 +69,8 @@ class DecoderLM : public TransformerModel<Real>, public KvDecoder<Real>, public 
   }
 
   Loss<Real>& own_loss() override { return cross_entropy_; }
+  // The final norm of the last block's output into lnf_ (the head's input), returned.
+  virtual const Real* final_norm(const Real* root) = 0;
   // The micro-batch's tokens, and its documents if it packs several per row, to the device
   // (embed_forward); doc_start() is then what the attention reads.
   void upload_tokens(const Batch& batch) {

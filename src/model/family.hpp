@@ -52,11 +52,7 @@ class ModelFamily {
   virtual const char* name() const = 0;
   // One line for model.arch's help: what sets it apart.
   virtual const char* description() const = 0;
-  // Throws UsageError (exit 2) when the config's family lacks the capability `use` needs: `use` is
-// "generate" (kv_decoding), "distillation" (token_logits) or "sample" (samples_images); `role`
-// names the model in the message.
-void require_capability(const ModelConfig& config, const std::string& use, const std::string& role);
-// The architecture and shape in one line for logs ("GPT-2 L=12 C=768 ...").
+  // The architecture and shape in one line for logs ("GPT-2 L=12 C=768 ...").
   virtual std::string summary(const ModelConfig& config) const = 0;
   // The model.* keys beyond the shape (model_shape_defect's) that this family reads; the others
   // must keep their defaults (options) under it.
@@ -119,6 +115,8 @@ void require_capability(const ModelConfig& config, const std::string& use, const
   virtual bool kv_decoding() const { return false; }
   // A vocabulary head (its models' token_logits()): what a distillation teacher and student need.
   virtual bool token_logits() const { return false; }
+  // Hidden states a text encoder gives (its models' hidden_states()): what text_encoder.source needs.
+  virtual bool hidden_states() const { return false; }
   // A regression head a flow-matching sampler steps with (its models' predictor()): `sample`.
   virtual bool samples_images() const { return false; }
   // The tokens one sample's attention sees in a micro-batch of seq_len-token samples: a decoder's
@@ -212,8 +210,8 @@ std::string model_family_names();
 // The family of a config whose arch was checked on the way in (options, checkpoint, config.json).
 const ModelFamily& family_of(const ModelConfig& config);
 // Throws UsageError (exit 2) when the config's family lacks the capability `use` needs: `use` is
-// "generate" (kv_decoding), "distillation" (token_logits) or "sample" (samples_images); `role`
-// names the model in the message.
+// "generate" (kv_decoding), "distillation" (token_logits), "sample" (samples_images) or "text
+// encoder" (hidden_states); `role` names the model in the message.
 void require_capability(const ModelConfig& config, const std::string& use, const std::string& role);
 // The architecture and shape in one line for logs (ModelFamily::summary).
 inline std::string model_summary(const ModelConfig& config) { return family_of(config).summary(config); }

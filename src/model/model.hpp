@@ -80,6 +80,18 @@ class Predictor {
   virtual const Real* predict(const Real* root) = 0;
 };
 
+// A language model's residual stream as a text encoder gives it (app/text_encoder.hpp), numbered as
+// Hugging Face's output_hidden_states: 0 the embeddings' output, l the input of block l (the output
+// of block l - 1), n_layer the final norm's output.
+template <typename Real>
+class HiddenStates {
+ public:
+  virtual ~HiddenStates() = default;
+  // After a forward through the embedding and the first min(index, n_layer) blocks: B*T x n_embd in
+  // the device's memory, valid until the next forward. `root`: the gathered root (the final norm's).
+  virtual const Real* hidden_state(int index, const Real* root) = 0;
+};
+
 template <typename Real>
 class TransformerModel {
  public:
@@ -126,6 +138,7 @@ class TransformerModel {
   virtual KvDecoder<Real>* kv_decoder() { return nullptr; }
   virtual TokenLogits<Real>* token_logits() { return nullptr; }
   virtual Predictor<Real>* predictor() { return nullptr; }
+  virtual HiddenStates<Real>* hidden_states() { return nullptr; }
 
  protected:
   virtual Loss<Real>& own_loss() = 0;

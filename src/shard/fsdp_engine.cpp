@@ -439,8 +439,8 @@ void FsdpEngine::forget_gathered() {
   current_slot_ = -1;
 }
 
-void FsdpEngine::forward_blocks(TransformerModel<float>& model) {
-  const int L = table_.block_count();
+void FsdpEngine::forward_blocks(TransformerModel<float>& model, int blocks) {
+  const int L = blocks < 0 ? table_.block_count() : blocks;
   for (int l = 0; l < L; l++) {
     const float* block = gather_params(block_unit(l), false);
     if (options_.forward_prefetch && l + 1 < L) prefetch_params(block_unit(l + 1));
@@ -509,12 +509,18 @@ void FsdpEngine::eval_micro_batch(TransformerModel<float>& model, const Batch& b
   model.head_forward(root, batch, loss_total);
 }
 
-const float* FsdpEngine::forward_to_head(TransformerModel<float>& model, const Batch& batch) {
+const float* FsdpEngine::forward_to_head(TransformerModel<float>& model, const Batch& batch, int blocks) {
   forget_gathered();
   const float* root = gather_params(ROOT_UNIT, false);
   model.embed_forward(root, batch);
-  forward_blocks(model);
+  forward_blocks(model, blocks);
   return root;
+}
+
+const float* FsdpEngine::forward_hidden(TransformerModel<float>& model, const Batch& batch, int blocks) {
+  SHARD_CHECK(model.hidden_states(), "forward_hidden of a model without hidden states");
+  SHARD_CHECK(blocks >= 0 && blocks <= table_.block_count(), "%d of %d blocks", blocks, table_.block_count());
+  return forward_to_head(model, batch, blocks);
 }
 
 const float* FsdpEngine::forward_logits(TransformerModel<float>& model, const Batch& batch) {

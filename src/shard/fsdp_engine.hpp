@@ -262,6 +262,10 @@ class FsdpEngine {
   // Forward only, to the model's prediction (Predictor::predict: a diffusion transformer's velocity),
   // in the device's memory until the model's next forward.
   const float* forward_prediction(TransformerModel<float>& model, const Batch& batch);
+  // Forward only, through the embedding and the first `blocks` blocks (a text encoder's): the
+  // gathered root, with which the model's HiddenStates gives hidden states 0..blocks (n_layer: the
+  // final norm's output) until its next forward.
+  const float* forward_hidden(TransformerModel<float>& model, const Batch& batch, int blocks);
 
   // Generation: one step of the model's decode path (model/model.hpp: KvDecoder) over n tokens (host memory),
   // the units gathered as in a forward -- each block into a block buffer before its decode_block,
@@ -275,8 +279,9 @@ class FsdpEngine {
   std::vector<float> gather_unit(int unit, bool gradients);
 
  private:
-  // The forward through the blocks of a micro-batch, the gathered root returned for a head.
-  const float* forward_to_head(TransformerModel<float>& model, const Batch& batch);
+  // The forward through the blocks of a micro-batch (the first `blocks`; -1: all), the gathered root
+  // returned for a head.
+  const float* forward_to_head(TransformerModel<float>& model, const Batch& batch, int blocks = -1);
   // A buffer for one unsharded unit's parameters, filled by blocking or started all-gathers (one
   // per space: trainable, frozen).
   struct ParamSlot {
@@ -292,7 +297,7 @@ class FsdpEngine {
   const float* gather_params(int unit, bool for_backward);
   void prefetch_params(int unit);
   void forget_gathered();
-  void forward_blocks(TransformerModel<float>& model);
+  void forward_blocks(TransformerModel<float>& model, int blocks = -1);
   void start_gather(ParamSlot& slot, int unit, bool async);
   void finish_gather(ParamSlot& slot);
   float* gradient_target(int unit);

@@ -17,6 +17,8 @@ layout: every file written is opened with safe_open).
                                                                inv_freq (older files' rotary buffers), qwen2
                                                                (a Qwen2 model: q/k/v biases, rope_theta 1e6))
   hf_reference.py loss FOLDER TOKENS...                        mean next-token cross-entropy (config.json's model_type)
+  hf_reference.py caption-context FOLDER LAYERS LEN IN OUT     a Llama text encoder's context for IN's captions
+                                                               (LAYERS comma-separated, non-negative), into a copy
   hf_reference.py tensors FILE                                 {name: [dtype, shape, sha256 of bytes]}, metadata
   hf_reference.py equal A B                                    whether every tensor is bit-identical (files or folders)
   hf_reference.py rounded F32 OTHER                            whether OTHER's tensors are F32's rounded to nearest
@@ -240,19 +242,18 @@ def rotate_half(x):
     return np.concatenate([-x[..., half:], x[..., :half]], -1)
 
 
-def llama_loss(config, raw, tokens):
-    """LlamaForCausalLM's forward (modeling_llama), or Qwen2ForCausalLM's (q/k/v biases), and its shifted
-    cross-entropy."""
+def llama_hidden_states(config, w, inputs):
+    """LlamaModel's forward (modeling_llama), or Qwen2Model's (q/k/v biases), over one sequence: its
+    output_hidden_states -- the embeddings, each block's output, the last one through the final norm."""
     L, C, H = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
     KV = config.get("num_key_value_heads") or H
     d = config.get("head_dim") or C // H
     eps, theta = config.get("rms_norm_eps", 1e-6), config.get("rope_theta", 10000.0)
-    w = {k[len("model."):] if k.startswith("model.") else k: v.astype(np.float64) for k, v in raw.items()}
-    inputs, targets = np.array(tokens[:-1]), np.array(tokens[1:])
     T = len(inputs)
     cos, sin = rotary_cos_sin(T, d, theta)
     mask = np.triu(np.full((T, T), -np.inf), 1)
     x = w["embed_tokens.weight"][inputs]
+    states = [x]
     for l in range(L):
         p = f"layers.{l}."
         h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
@@ -268,10 +269,58 @@ def llama_loss(config, raw, tokens):
         h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
         gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
         x = x + (gate / (1.0 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
-    x = rms_norm(x, w["norm.weight"], eps)
+        states.append(x)
+    states[-1] = rms_norm(x, w["norm.weight"], eps)
+    return states
+
+
+def llama_weights(raw):
+    return {k[len("model."):] if k.startswith("model.") else k: v.astype(np.float64) for k, v in raw.items()}
+
+
+def llama_loss(config, raw, tokens):
+    """LlamaForCausalLM's forward and its shifted cross-entropy."""
+    w = llama_weights(raw)
+    inputs, targets = np.array(tokens[:-1]), np.array(tokens[1:])
+    x = llama_hidden_states(config, w, inputs)[-1]
     # Tied: the head is the embedding (tie_weights), whatever lm_head.weight a file may hold.
     head = w["embed_tokens.weight"] if config.get("tie_word_embeddings", False) else w["lm_head.weight"]
     return cross_entropy(x @ head.T, targets)
+
+
+def caption_context(folder, layers, length, source, out):
+    """A text encoder's conditioning as transformers and diffusers pipelines compute it, for every
+    caption of `source` (an HDF5 latent file's `captions`): the folder's tokenizer.json through the
+    tokenizers package, cut at `length` ids; each caption's forward alone (no padding); the hidden
+    states `layers` (output_hidden_states indices) side by side, zero after the caption; their mean
+    over the caption as the pooled vector. Writes `out`: `source` with those in place of
+    encoder_hidden_states and pooled_projections."""
+    import h5py
+    from tokenizers import Tokenizer
+    config = json.load(open(os.path.join(folder, "config.json")))
+    w = llama_weights(load_folder(folder))
+    tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    with h5py.File(source, "r") as f:
+        captions = [c.decode() if isinstance(c, bytes) else c for c in f["captions"][()]]
+        data = {name: f[name][()] for name in f}
+        attrs = dict(f.attrs)
+    C = config["hidden_size"]
+    context, pooled = np.zeros((len(captions), length, C * len(layers))), np.zeros((len(captions), C * len(layers)))
+    lengths = []
+    for i, caption in enumerate(captions):
+        ids = tokenizer.encode(caption).ids[:length]
+        lengths.append(len(ids))
+        if ids:
+            states = llama_hidden_states(config, w, np.array(ids))
+            context[i, :len(ids)] = np.concatenate([states[k] for k in layers], -1)
+            pooled[i] = context[i, :len(ids)].mean(0)
+    data["encoder_hidden_states"], data["pooled_projections"] = context.astype(np.float32), pooled.astype(np.float32)
+    with h5py.File(out, "w") as g:
+        for name, value in data.items():
+            g[name] = value
+        for name, value in attrs.items():
+            g.attrs[name] = value
+    return {"captions": len(captions), "lengths": sorted(set(lengths))}
 
 
 def loss(folder, tokens):
@@ -353,6 +402,9 @@ if __name__ == "__main__":
     elif command == "loss":
         value = loss(args[0], [int(t) for t in args[1:]])
         print(json.dumps({"loss": value, "correct": LAST_CORRECT[0]}))
+    elif command == "caption-context":
+        folder, layers, length, source, out = args
+        print(json.dumps(caption_context(folder, [int(k) for k in layers.split(",")], int(length), source, out)))
     elif command == "tensors":
         print(json.dumps(tensors(args[0])))
     elif command == "equal":

@@ -357,7 +357,7 @@ TEST(CudnnAttentionMemory, StagingIsThePlannedStagingAndTheWorkspaceWithinTheEst
     ComputeOptions compute;
     compute.device = "cuda", compute.attention = ATTENTION_CUDNN;
     const gpu::CudnnAttentionMemory forward_plan = gpu::cudnn_attention_memory(s.B, s.T, s.NH, s.KV, s.HS, false);
-    const gpu::CudnnAttentionMemory plan = plan_cudnn_attention(model, nullptr, s.B, s.T, compute);
+    const gpu::CudnnAttentionMemory plan = plan_cudnn_attention(model, {}, s.B, s.T, compute);
     const size_t qkv16 = s.qkv() * 2, out16 = s.out() * 2, rows = s.lse() * 4;
 
     CudnnAttention cudnn(*gpu.device);  // fresh: its buffers grow from nothing

@@ -193,11 +193,11 @@ TEST(GpuMemory, CudnnAttentionPackedDocumentsAddTheirScoreBias) {
   llama.vocab_size = 256, llama.max_seq_len = 96, llama.intermediate_size = 128;
   ComputeOptions compute;
   compute.device = "cuda", compute.attention = ATTENTION_CUDNN;
-  const size_t without = plan_cudnn_attention(llama, nullptr, 4, 96, compute).staging();
+  const size_t without = plan_cudnn_attention(llama, {}, 4, 96, compute).staging();
   compute.packed_documents = true;
-  EXPECT_EQ(plan_cudnn_attention(llama, nullptr, 4, 96, compute).staging(), without + size_t{4} * 96 * 96 * 2);
+  EXPECT_EQ(plan_cudnn_attention(llama, {}, 4, 96, compute).staging(), without + size_t{4} * 96 * 96 * 2);
   compute.attention = ATTENTION_TILED;
-  EXPECT_EQ(plan_cudnn_attention(llama, nullptr, 4, 96, compute).staging(), 0u);
+  EXPECT_EQ(plan_cudnn_attention(llama, {}, 4, 96, compute).staging(), 0u);
 }
 
 TEST(GpuMemory, CudnnAttentionWorkspaceEstimatesBoundTheDpWorkspace) {
@@ -309,7 +309,7 @@ TEST(GpuMemoryPlan, CudaPlanMinusCpuPlanIsTheBackendsOwnMemory) {
   for (const PlanCase& c : plan_cases()) {
     const ParamTable table(c.model);
     const int B = 2, T = 24, N = B * T;
-    const GemmWorkload gemms = gemm_workload(c.model, nullptr, B, T);
+    const GemmWorkload gemms = gemm_workload(c.model, {}, B, T);
     for (DType dtype : {DTYPE_FP32, DTYPE_BF16}) {
       ComputeOptions cpu, cuda;
       cuda.device = "cuda", cuda.compute_dtype = dtype;
@@ -359,7 +359,7 @@ TEST(GpuMemoryPlan, CudnnAttentionIsTheCudnnPlanMinusTheTiledPlan) {
   for (const PlanCase& c : plan_cases()) {
     const ParamTable table(c.model);
     const int B = 2, T = 24;
-    const GemmWorkload gemms = gemm_workload(c.model, nullptr, B, T);
+    const GemmWorkload gemms = gemm_workload(c.model, {}, B, T);
     for (DType dtype : {DTYPE_FP32, DTYPE_BF16}) {
       ComputeOptions tiled, autod, cudnn;
       for (ComputeOptions* o : {&tiled, &autod, &cudnn}) o->device = "cuda", o->compute_dtype = dtype;
@@ -423,9 +423,10 @@ TEST(GpuMemoryPlan, CudnnAttentionCountsTheTeachersForward) {
   cudnn.device = "cuda", cudnn.attention = ATTENTION_CUDNN;
   const int B = 2, T = 24;
   const MemoryPlan alone = plan_rank_memory(table, GroupShape{}, EngineOptions{}, B, T, false, cudnn, {});
-  const MemoryPlan with_big = plan_rank_memory(table, GroupShape{}, EngineOptions{}, B, T, false, cudnn, {}, &big_table);
+  const MemoryPlan with_big =
+      plan_rank_memory(table, GroupShape{}, EngineOptions{}, B, T, false, cudnn, {}, {{"teacher", big_table, T}});
   const MemoryPlan with_refused =
-      plan_rank_memory(table, GroupShape{}, EngineOptions{}, B, T, false, cudnn, {}, &refused_table);
+      plan_rank_memory(table, GroupShape{}, EngineOptions{}, B, T, false, cudnn, {}, {{"teacher", refused_table, T}});
   const CudnnBuffers s = cudnn_buffers(B, T, 4, 4, 24, true), t = cudnn_buffers(B, T, 2, 2, 128, false);
   ASSERT_GT(t.qkv16, s.qkv16);
   ASSERT_GT(t.out16, s.out16);

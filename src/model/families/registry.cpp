@@ -68,10 +68,10 @@ HfTensor ModelFamily::single_file_tensor(const ModelConfig&, const ParamInfo& pa
 }
 
 void require_capability(const ModelConfig& config, const std::string& use, const std::string& role) {
-  const bool generate = use == "generate", sample = use == "sample";
-  SHARD_CHECK(generate || sample || use == "distillation", "unknown use '%s'", use.c_str());
+  const bool generate = use == "generate", sample = use == "sample", encoder = use == "text encoder";
+  SHARD_CHECK(generate || sample || encoder || use == "distillation", "unknown use '%s'", use.c_str());
   const auto has = [&](const ModelFamily* f) {
-    return generate ? f->kv_decoding() : sample ? f->samples_images() : f->token_logits();
+    return generate ? f->kv_decoding() : sample ? f->samples_images() : encoder ? f->hidden_states() : f->token_logits();
   };
   if (has(&family_of(config))) return;
   std::string able;
@@ -80,6 +80,7 @@ void require_capability(const ModelConfig& config, const std::string& use, const
   throw UsageError(role + " is a '" + config.arch + "' model, which " +
                    (generate ? "has no key/value-cache decoding: generate draws text from language models ("
                     : sample ? "predicts no image: sample draws images from diffusion transformers ("
+                    : encoder ? "gives no hidden states of text: a text encoder is a language model ("
                              : "has no vocabulary head: distillation compares the token distributions of language "
                                "models (") +
                    able + ")");

@@ -59,6 +59,11 @@ inline constexpr const char* FLUX_GUIDANCE = "guidance";
 inline constexpr const char* FLUX_IMG_IDS = "img_ids";
 inline constexpr const char* FLUX_TXT_IDS = "txt_ids";
 inline constexpr const char* FLUX_TARGET = "target";
+// With a text encoder in the job (text_encoder.source): the captions' token ids (B, L), zero after
+// each caption's length (B), from which the encoder computes encoder_hidden_states and
+// pooled_projections before the model reads them.
+inline constexpr const char* FLUX_CAPTION_IDS = "caption_ids";
+inline constexpr const char* FLUX_CAPTION_LENGTHS = "caption_lengths";
 
 // The image tokens' position ids (N + M, 3): the target's (0, row, col) on a grid `cols` wide, then
 // Kontext's M condition tokens' (1, row, col) on their own grid `condition_cols` wide.

@@ -120,6 +120,7 @@ class Gpt2Family final : public ModelFamily {
     return decoder_lm_id_bytes(batch, seq_len);
   }
   bool token_logits() const override { return true; }
+  bool hidden_states() const override { return true; }
 
   std::vector<LinearSite> linear_sites(const ModelConfig& c, const std::string&) const override {
     const int C = c.n_embd;

@@ -81,12 +81,19 @@ void GptModel<Real>::block_forward(int l, const Real* w) {
 }
 
 template <typename Real>
-const Real* GptModel<Real>::head_logits(const Real* root) {
-  const int N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size;
+const Real* GptModel<Real>::final_norm(const Real* root) {
   auto R = [&](Gpt2RootParam p) { return param_in(table_, root, ROOT_UNIT, p); };
   ops_.layernorm_forward(lnf_.data(), lnf_mean_.data(), lnf_rstd_.data(), resid_[cfg_.n_layer].data(), R(ROOT_LNF_W),
-                         R(ROOT_LNF_B), N, C);
-  ops_.matmul_forward(probs_.data(), lnf_.data(), R(ROOT_WTE), static_cast<const Real*>(nullptr), N, C, V);
+                         R(ROOT_LNF_B), B_ * T_, cfg_.n_embd);
+  return lnf_.data();
+}
+
+template <typename Real>
+const Real* GptModel<Real>::head_logits(const Real* root) {
+  const int N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size;
+  final_norm(root);
+  ops_.matmul_forward(probs_.data(), lnf_.data(), param_in(table_, root, ROOT_UNIT, ROOT_WTE),
+                      static_cast<const Real*>(nullptr), N, C, V);
   return probs_.data();
 }
 

@@ -49,6 +49,7 @@ class LlamaFamily : public ModelFamily {
     return decoder_lm_id_bytes(batch, seq_len);
   }
   bool token_logits() const override { return true; }
+  bool hidden_states() const override { return true; }
 
   std::vector<LinearSite> linear_sites(const ModelConfig& config, const std::string& kind) const override;
   std::string module_path(const ModelConfig& config, int layer, const LinearSite& site) const override;

@@ -104,10 +104,17 @@ void LlamaModel<Real>::block_forward(int l, const Real* w) {
 }
 
 template <typename Real>
+const Real* LlamaModel<Real>::final_norm(const Real* root) {
+  ops_.rmsnorm_forward(lnf_.data(), lnf_rstd_.data(), resid_[cfg_.n_layer].data(),
+                       param_in(table_, root, ROOT_UNIT, LLAMA_NORM_W), static_cast<Real>(cfg_.norm_eps), B_ * T_,
+                       cfg_.n_embd);
+  return lnf_.data();
+}
+
+template <typename Real>
 const Real* LlamaModel<Real>::head_logits(const Real* root) {
   const int N = B_ * T_, C = cfg_.n_embd, V = cfg_.vocab_size;
-  ops_.rmsnorm_forward(lnf_.data(), lnf_rstd_.data(), resid_[cfg_.n_layer].data(),
-                       param_in(table_, root, ROOT_UNIT, LLAMA_NORM_W), static_cast<Real>(cfg_.norm_eps), N, C);
+  final_norm(root);
   ops_.matmul_forward(probs_.data(), lnf_.data(), param_in(table_, root, ROOT_UNIT, head_param()), nullptr, N, C, V);
   return probs_.data();
 }

@@ -29,6 +29,7 @@ class LlamaModel : public DecoderLM<Real> {
   void block_backward(int layer, Real* block_grad, const Real* block) override;
   void embed_backward(Real* root_grad) override;
   const Real* head_logits(const Real* root) override;
+  const Real* final_norm(const Real* root) override;
 
   // Elements of a decode state (model.hpp's plan_decode_bytes), its tokens aside.
   static size_t plan_decode_elements(const ModelConfig& config, int max_len, int max_chunk);
