@@ -5,7 +5,8 @@
 
 writes into --out: loss.png (train loss, val loss dashed with markers), throughput.png (tokens/s,
 MFU), memory.png (peak bytes per category and the total) and optimizer.png (learning rate,
-gradient norm), one curve per file, labelled with the run name: the folder of a default
+gradient norm), one curve per file, and for flow-matching runs (FLUX) loss_by_sigma.png: the
+training loss by noise level, averaged over the first, middle and last third of the steps, labelled with the run name: the folder of a default
 `<run_name>/metrics.jsonl`, else the file name; --label overrides. Needs Debian's
 python3-matplotlib (`make deps` installs it). Exit code 2 on an unreadable or malformed file.
 """
@@ -60,6 +61,28 @@ def series(records, key, scale=1.0):
         v = r.get(key)
         values.append(v * scale if isinstance(v, (int, float)) else math.nan)
     return [r["step"] for r in records], values
+
+
+def sigma_phases(records):
+    """A flow-matching run's loss by noise-level bucket over the first, middle and last third of its
+    steps: [(name, bucket centres, mean losses)], each bucket's mean over the phase weighted by its
+    samples (steps' loss_by_sigma and sigma_samples); NaN where no sample fell. [] for other runs."""
+    records = [r for r in records if isinstance(r.get("loss_by_sigma"), list) and isinstance(r.get("sigma_samples"), list)]
+    if not records:
+        return []
+    K = len(records[0]["loss_by_sigma"])
+    centres = [(k + 0.5) / K for k in range(K)]
+    phases, n = [], len(records)
+    for name, part in (("first third", records[:max(1, n // 3)]), ("middle third", records[n // 3:max(n // 3 + 1, 2 * n // 3)]),
+                       ("last third", records[2 * n // 3:])):
+        sums, counts = [0.0] * K, [0] * K
+        for r in part:
+            for k, (loss, samples) in enumerate(zip(r["loss_by_sigma"], r["sigma_samples"])):
+                if isinstance(loss, (int, float)) and samples:
+                    sums[k] += loss * samples
+                    counts[k] += samples
+        phases.append((name, centres, [s / c if c else math.nan for s, c in zip(sums, counts)]))
+    return phases
 
 
 def memory_series(records, category):
@@ -143,6 +166,19 @@ def main():
                 "Peak memory per rank by category (max over ranks)", memory), args.out, "memory.png")
     save(figure([("learning rate", "lr"), ("gradient norm", "L2 norm")], "Optimizer", optimizer), args.out,
          "optimizer.png")
+    if any(sigma_phases(steps) for _, steps, _ in runs):
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for n, (label, steps, _) in enumerate(runs):
+            for (phase, centres, losses), style in zip(sigma_phases(steps), ("o:", "o--", "o-")):
+                ax.plot(centres, losses, style, color=colors[n % len(colors)], label=f"{label}, {phase}")
+        ax.set_xlabel("noise level sigma (bucket centre)")
+        ax.set_ylabel("flow-matching loss (MSE)")
+        ax.set_xlim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        fig.suptitle("Training loss by noise level")
+        fig.tight_layout()
+        save(fig, args.out, "loss_by_sigma.png")
 
 
 if __name__ == "__main__":

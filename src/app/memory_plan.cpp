@@ -58,6 +58,10 @@ std::string describe_categories(const std::array<size_t, MEM_CATEGORY_COUNT>& by
   return s;
 }
 
+int step_loss_buckets(const ModelConfig& model) {
+  return family_of(model).samples_images() ? FLOW_LOSS_BUCKETS : 0;
+}
+
 std::array<size_t, MEM_CATEGORY_COUNT> tracked_categories(const MemoryTracker& tracker) {
   std::array<size_t, MEM_CATEGORY_COUNT> bytes{};
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++) bytes[c] = tracker.current(static_cast<MemCategory>(c));
@@ -207,7 +211,7 @@ std::vector<PlannedAllocation> plan_device_allocations(const ParamTable& table, 
           add(MEM_OPTIMIZER_STATE, l.trainable.shard_numel * sizeof(float));
     add(MEM_OPTIMIZER_STATE, AdamW::plan_table_bytes(table, groups.shard_size));  // the fused step's table
   }
-  add(MEM_WORKSPACE, AdamW::kStepSumsBytes);  // the trainer's step sums
+  add(MEM_WORKSPACE, step_sums_bytes(table.config()));  // the trainer's step sums
   add_activation_allocations(table, micro_batch, seq_len, activation_checkpointing, activation_dtype, &list);
   return list;
 }
@@ -285,12 +289,12 @@ MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, c
   if (!engine.cpu_offload) plan.bytes[MEM_OPTIMIZER_STATE] = 2 * trainable_shard_numel * sizeof(float) + table_bytes;
   if (engine.cpu_offload)  // master, gradient, two moments, the table, the sums
     plan.offloaded_bytes = (held_numel + 3 * trainable_shard_numel) * sizeof(float) + packed_bytes + table_bytes +
-                           AdamW::kStepSumsBytes;
+                           step_sums_bytes(table.config());
   plan.bytes[MEM_ACTIVATIONS] = plan_activation_bytes(table, micro_batch, seq_len, activation_checkpointing,
                                                       sizeof(float), compute.activation_dtype);
   // The GEMMs' workspace and the step's loss and gradient-norm sums on the device.
   plan.bytes[MEM_WORKSPACE] =
-      plan_gemm_workspace_bytes(compute.device, compute.compute_dtype, gemms) + AdamW::kStepSumsBytes;
+      plan_gemm_workspace_bytes(compute.device, compute.compute_dtype, gemms) + step_sums_bytes(table.config());
   std::vector<std::vector<UnitLayout>> frozen_layouts;
   for (const FrozenCompanion& f : frozen) {
     plan.frozen.emplace_back(f.role, plan_forward_only_memory(f.table, groups, engine, micro_batch, f.seq_len));

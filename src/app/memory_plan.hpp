@@ -7,6 +7,7 @@
 // (GpuBackendPlan, from backend/gpu_memory.hpp), which the trainer does not track per category.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <string>
@@ -122,6 +123,16 @@ gpu::CudnnAttentionMemory plan_cudnn_attention(const ModelConfig& trained, const
 GemmWorkload gemm_workload(const ModelConfig& trained, const std::vector<FrozenCompanion>& frozen, int micro_batch,
                            int seq_len);
 
+// The trainer's step sums (device memory, one copy to the host per step): the loss and the squared
+// gradient norm, then for a flow-matching model (ModelFamily::samples_images) the loss summed per
+// noise-level bucket, sigma in [k / FLOW_LOSS_BUCKETS, (k + 1) / FLOW_LOSS_BUCKETS).
+constexpr int FLOW_LOSS_BUCKETS = 10;
+int step_loss_buckets(const ModelConfig& model);
+inline size_t step_sums_bytes(const ModelConfig& model) { return (2 + step_loss_buckets(model)) * sizeof(double); }
+// The bucket of noise level sigma.
+inline int flow_loss_bucket(double sigma) {
+  return std::clamp(static_cast<int>(sigma * FLOW_LOSS_BUCKETS), 0, FLOW_LOSS_BUCKETS - 1);
+}
 // What a tracker holds now, by category.
 std::array<size_t, MEM_CATEGORY_COUNT> tracked_categories(const MemoryTracker& tracker);
 // "sharded_params 1.2 MiB, gradients ..." of the categories that hold bytes.

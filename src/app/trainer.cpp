@@ -80,16 +80,18 @@ Trainer::StepOutcome Trainer::run_step(int step) {
   double* sums = offload ? offloaded_sums_.data() : step_sums_.data();  // where the optimizer's shards are
   if (offload) offloaded_sums_[1] = 0;
   optimizer_.accumulate_grad_sq_norm(sums + 1);
-  (step_comm_ ? *step_comm_ : *comm_).all_reduce_sum(Span<double>(sums, 2), "all_reduce(loss, grad norm)");
+  (step_comm_ ? *step_comm_ : *comm_)
+      .all_reduce_sum(Span<double>(sums, step_sums_.size()), "all_reduce(loss, grad norm)");
   const double lr = optimizer_.step(step, sums, loss_scaler_.scale());
   phase_timer_.end(PHASE_OPTIMIZER);
   if (offload)
-    std::copy_n(offloaded_sums_.data(), 2, host_sums_);
+    std::copy_n(offloaded_sums_.data(), host_sums_.size(), host_sums_.data());
   else
-    device.copy_to_host(host_sums_, step_sums_.data(), step_sums_.bytes());  // the step's one wait
+    device.copy_to_host(host_sums_.data(), step_sums_.data(), step_sums_.bytes());  // the step's one wait
   StepOutcome out;
   out.loss = host_sums_[0] / step_normaliser_;
   out.grad_norm = std::sqrt(host_sums_[1]) / loss_scaler_.scale();
+  if (host_sums_.size() > 2) loss_by_sigma(step, host_sums_.data() + 2, out);
   out.loss_scale = loss_scaler_.scale();
   out.finite = std::isfinite(out.loss) && std::isfinite(out.grad_norm);  // else the update was skipped
   if (loss_scaler_.update(out.finite)) {
@@ -152,6 +154,12 @@ void Trainer::report_step(int step, const StepOutcome& out, double eta_seconds, 
   record["peak_gflops"] = peak_gflops_;
   record["hardware_mfu"] = hardware_mfu;
   record["hardware_peak_gflops"] = hardware_peak_gflops_;
+  if (!out.loss_by_sigma.empty()) {  // null where no sample of the step fell in the bucket
+    nlohmann::ordered_json buckets = nlohmann::ordered_json::array();
+    for (double v : out.loss_by_sigma) buckets.push_back(std::isfinite(v) ? nlohmann::ordered_json(v) : nullptr);
+    record["loss_by_sigma"] = buckets;
+    record["sigma_samples"] = out.sigma_samples;
+  }
   metrics_->write_line(record.dump());
 }
 
@@ -198,6 +206,27 @@ double Trainer::loss_normaliser() {
   return micro_batches * model_->output_rows() * model_->loss().units_per_row(model_->output_width());
 }
 
+void Trainer::add_loss_by_sigma() {
+  const float* sigma = batch_.get<float>(BATCH_NOISE_LEVEL, B_);
+  const int rows = model_->output_rows() / B_;  // a sample's output rows (its image tokens)
+  const float* losses = model_->predictor()->row_losses();
+  for (int b = 0; b < B_; b++)
+    compute_.backend().ops->accumulate_sum(step_sums_.data() + 2 + flow_loss_bucket(sigma[b]),
+                                           losses + static_cast<size_t>(b) * rows, rows);
+}
+
+void Trainer::loss_by_sigma(int step, const double* bucket_sums, StepOutcome& out) const {
+  // Every sample of the step, on every rank: its noise level is a function of (seed, sample) alone.
+  out.sigma_samples.assign(FLOW_LOSS_BUCKETS, 0);
+  for (int seq = 0; seq < G_; seq++)
+    out.sigma_samples[flow_loss_bucket(
+        train_sigma(cfg_.flow, cfg_.train.seed, T_, static_cast<uint64_t>(step) * G_ + seq))]++;
+  out.loss_by_sigma.assign(FLOW_LOSS_BUCKETS, NAN);
+  const double per_sample = step_normaliser_ / G_;  // what one sample's loss is averaged over
+  for (int k = 0; k < FLOW_LOSS_BUCKETS; k++)
+    if (out.sigma_samples[k] > 0) out.loss_by_sigma[k] = bucket_sums[k] / (out.sigma_samples[k] * per_sample);
+}
+
 // The step's sample `seq` of this rank's micro-batch `micro`, slot `b`.
 uint64_t Trainer::sample_of(int micro, int b) const {
   return static_cast<uint64_t>(micro * rt_.world() + rt_.rank()) * B_ + b;
@@ -228,10 +257,11 @@ void Trainer::accumulate_gradients(int step) {
     if (text_encoder_) text_encoder_->encode(batch_);  // the captions' embeddings
     model_->set_dropout_keys(dropout_keys_.data());
     engine_.train_micro_batch(*model_, batch_, dloss, step_sums_.data());
+    if (step_sums_.size() > 2) add_loss_by_sigma();
   }
   model_->set_dropout_keys(nullptr);
   if (cfg_.fsdp.cpu_offload)  // the loss comes down with the gradient shards, in finish_step's one wait
-    compute_.backend().device->start_copy_to_host(offloaded_sums_.data(), step_sums_.data(), sizeof(double));
+    compute_.backend().device->start_copy_to_host(offloaded_sums_.data(), step_sums_.data(), step_sums_.bytes());
   engine_.finish_step();
   phase_timer_.end(PHASE_GRAD_SYNC);
 }

@@ -84,6 +84,9 @@ class Trainer {
 
   struct StepOutcome {
     double loss = 0, grad_norm = 0, lr = 0, seconds = 0, loss_scale = 1;
+    // A flow model's mean loss per noise-level bucket (NaN: no sample) and the step's samples in each.
+    std::vector<double> loss_by_sigma;
+    std::vector<int> sigma_samples;
     bool finite = true, skipped = false;
     StepMaxima maxima{};
   };
@@ -112,6 +115,11 @@ class Trainer {
   // (DataSource::masks_targets) the step's trained targets on every rank, counted before it runs.
   double step_loss_normaliser(int step);
   uint64_t sample_of(int micro, int b) const;
+  // A flow model's micro-batch loss, row by row, into step_sums_'s noise-level buckets.
+  void add_loss_by_sigma();
+  // The step's mean loss per bucket from the summed ones (out.loss_by_sigma), over every rank's
+  // samples of step `step` (out.sigma_samples).
+  void loss_by_sigma(int step, const double* bucket_sums, StepOutcome& out) const;
   double step_normaliser_ = 1;
 
   const Runtime& rt_;
@@ -160,7 +168,7 @@ class Trainer {
   // device's memory, read once at the end of a step into host_sums_; with cpu_offload the
   // optimizer reads them from offloaded_sums_ (the backend's host memory).
   DeviceArray<double> step_sums_, offloaded_sums_;
-  double host_sums_[2] = {0, 0};
+  std::vector<double> host_sums_;  // the same on the host (step_sums_bytes: with a flow model's buckets)
   Batch batch_;                         // this rank's micro-batch: tokens and targets
   std::vector<uint64_t> dropout_keys_;  // per token of a micro-batch: dropout_token_key
   CheckpointManager checkpoints_;

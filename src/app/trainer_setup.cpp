@@ -189,9 +189,11 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
                              compute_.options().activation_dtype);
   memory_.add(MEM_ACTIVATIONS, model_->activation_bytes());
   memory_.add(MEM_WORKSPACE, compute_.gemm_workspace_bytes());
-  step_sums_ = DeviceArray<double>(*compute_.backend().device, 2);
+  const size_t sums = 2 + step_loss_buckets(cfg_.model);
+  host_sums_.assign(sums, 0.0);
+  step_sums_ = DeviceArray<double>(*compute_.backend().device, sums);
   memory_.add(MEM_WORKSPACE, step_sums_.bytes());
-  if (cfg_.fsdp.cpu_offload) offloaded_sums_ = DeviceArray<double>(*compute_.backend().host, 2);
+  if (cfg_.fsdp.cpu_offload) offloaded_sums_ = DeviceArray<double>(*compute_.backend().host, sums);
   if (!cfg_.distill.teacher.empty()) {
     require_capability(cfg_.model, "distillation", "the student (model.arch)");
     teacher_ = std::make_unique<Teacher>(rt, *comm_, *shard_comm_, *replica_comm_, compute_, engine_options(config),

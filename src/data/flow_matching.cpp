@@ -37,4 +37,8 @@ double draw_sigma(const FlowOptions& o, uint64_t key, int image_tokens, uint64_t
   return shift * sigma / (1 + (shift - 1) * sigma);
 }
 
+float train_sigma(const FlowOptions& o, uint64_t seed, int image_tokens, uint64_t sample) {
+  return static_cast<float>(draw_sigma(o, flow_sample_key(seed, sample, false), image_tokens, sample, false));
+}
+
 }  // namespace shardtrain

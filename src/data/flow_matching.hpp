@@ -40,6 +40,9 @@ struct FlowOptions {
 uint64_t flow_sample_key(uint64_t seed, uint64_t sample, bool validation);
 // Its noise level for an image of `image_tokens` tokens.
 double draw_sigma(const FlowOptions& options, uint64_t key, int image_tokens, uint64_t sample, bool validation);
+// The noise level training sample `sample` is drawn at, as the model gets it (fp32): what
+// LatentDataset fills and the trainer's loss by noise level buckets.
+float train_sigma(const FlowOptions& options, uint64_t seed, int image_tokens, uint64_t sample);
 // The sample key's counters: 0 the uniform sigma, 2 and 3 the logit-normal one, this one caption dropout.
 constexpr uint64_t FLOW_CAPTION_DROPOUT_COUNTER = 4;
 // Element i of its noise: counter_normal(noise key, i).

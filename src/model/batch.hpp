@@ -80,6 +80,9 @@ inline constexpr const char* BATCH_DOC_STARTS = "doc_starts";
 // With data.restart_positions: each token's position counted from its document's start (B x T).
 // Absent: its place in the sequence.
 inline constexpr const char* BATCH_POSITIONS = "positions";
+// A flow-matching sample's noise level sigma in [0, 1] (B): a diffusion family's input, and what the
+// trainer buckets the loss by.
+inline constexpr const char* BATCH_NOISE_LEVEL = "timestep";
 // A target the loss leaves out (a prompt's token under a loss mask): no loss, no gradient. The
 // step's loss averages over the other targets (DataSource::trained_targets).
 inline constexpr int IGNORED_TARGET = -1;

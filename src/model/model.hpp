@@ -78,6 +78,9 @@ class Predictor {
   virtual ~Predictor() = default;
   // output_rows x output_width in the device's memory, valid until the next forward.
   virtual const Real* predict(const Real* root) = 0;
+  // The loss per output row of the last head_forward (output_rows values, a sample's rows
+  // contiguous), in the device's memory until the next forward: the trainer's loss by noise level.
+  virtual const Real* row_losses() const = 0;
 };
 
 // A language model's residual stream as a text encoder gives it (app/text_encoder.hpp), numbered as

@@ -230,3 +230,36 @@ def test_bad_pixel_inputs_are_refused_with_one_line():
     expect_usage_error(["data", "check-images", "--images", latents], "no attribute 'pixel_patch'")
     expect_usage_error(["data", "check-images", "--images", w["prompts"], "--labels", w["train"]],
                        "labels of shape (96, 5)")
+
+
+def test_the_loss_by_noise_level_adds_up_and_is_plotted():
+    """Each step's record splits a flow model's loss into ten noise-level buckets: the buckets'
+    means weighted by their samples are the step's loss and the samples are the global batch; noise
+    levels pinned near 1 or near 0 (logit-normal, mean +-8) land every sample in the last or the
+    first bucket; 1 and 2 ranks give the same buckets; tools/plot_metrics.py draws them
+    (loss_by_sigma.png, its pixels those of the data) and draws none for a language model."""
+    from test_plots import need_matplotlib, plot, read_png
+    m = [os.path.join(tempdir(), f"s{i}.jsonl") for i in range(4)]
+    ok(run(1, shape_args(f"--train.metrics_file={m[0]}")))
+    ok(run(2, shape_args(f"--train.metrics_file={m[1]}")))
+    one, two = read_metrics(m[0]), read_metrics(m[1])
+    for r, r2 in zip(one, two):
+        assert sum(r["sigma_samples"]) == 8 and len(r["loss_by_sigma"]) == 10, r
+        weighted = sum(v * n for v, n in zip(r["loss_by_sigma"], r["sigma_samples"]) if n) / 8
+        assert abs(weighted - r["loss"]) < 1e-9 * r["loss"], (weighted, r["loss"])
+        assert all((v is None) == (n == 0) for v, n in zip(r["loss_by_sigma"], r["sigma_samples"])), r
+        assert r["sigma_samples"] == r2["sigma_samples"]
+        assert all(v is None or abs(v - v2) < 1e-6 * v for v, v2 in zip(r["loss_by_sigma"], r2["loss_by_sigma"]))
+    for path, mean, bucket in ((m[2], "8", 9), (m[3], "-8", 0)):
+        ok(run(2, shape_args(f"--train.metrics_file={path}", "--flow.sigma_sampling=logit_normal",
+                             f"--flow.logit_mean={mean}", "--flow.logit_std=0.01")))
+        for r in read_metrics(path):
+            assert r["sigma_samples"][bucket] == 8 and r["loss_by_sigma"][bucket] == r["loss"], (bucket, r)
+    need_matplotlib()
+    pixels = {}
+    for path in m[1:]:
+        out = tempdir()
+        plot(path, "--label", "run", "--out", out)
+        width, height, pixels[path] = read_png(os.path.join(out, "loss_by_sigma.png"))
+        assert width >= 400 and height >= 300
+    assert len(set(pixels.values())) == 3, "different losses by noise level drew the same pixels"

@@ -58,6 +58,7 @@ def test_plots_of_two_runs():
     a, b = metrics_file("3e-3"), metrics_file("1e-2")
     out = harness.tempdir()
     proc = plot(a, b, "--out", out)
+    assert not os.path.exists(os.path.join(out, "loss_by_sigma.png")), "a language model has no noise levels"
     for name in PNGS:
         width, height, _ = read_png(os.path.join(out, name))
         assert width >= 400 and height >= 300 and os.path.getsize(os.path.join(out, name)) > 5000, name

@@ -9,6 +9,7 @@
 #include <array>
 #include <string>
 
+#include "model/batch.hpp"
 #include "model/family.hpp"
 
 namespace shardtrain {
@@ -54,7 +55,7 @@ enum FluxSingleProduct { FLUX_SP_MOD, FLUX_SP_Q, FLUX_SP_K, FLUX_SP_V, FLUX_SP_M
 inline constexpr const char* FLUX_HIDDEN_STATES = "hidden_states";
 inline constexpr const char* FLUX_ENCODER_HIDDEN_STATES = "encoder_hidden_states";
 inline constexpr const char* FLUX_POOLED = "pooled_projections";
-inline constexpr const char* FLUX_TIMESTEP = "timestep";
+inline constexpr const char* FLUX_TIMESTEP = BATCH_NOISE_LEVEL;
 inline constexpr const char* FLUX_GUIDANCE = "guidance";
 inline constexpr const char* FLUX_IMG_IDS = "img_ids";
 inline constexpr const char* FLUX_TXT_IDS = "txt_ids";

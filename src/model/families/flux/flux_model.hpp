@@ -46,6 +46,7 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   // Adapter dropout: the trainer's keys (one per target token) expanded to every kind of row.
   void set_dropout_keys(const uint64_t* keys) override;
   Predictor<Real>* predictor() override { return this; }
+  const Real* row_losses() const override { return buf_.losses.data(); }
   // The target tokens' predicted velocity (B*T x in_channels), the output layers after the blocks.
   const Real* predict(const Real* root) override;
 
