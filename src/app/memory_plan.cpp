@@ -18,14 +18,22 @@
 
 namespace shardtrain {
 
-std::vector<FrozenCompanion> frozen_companions(const Config& c) {
+std::vector<FrozenCompanion> frozen_companions(const Config& c, int world) {
   std::vector<FrozenCompanion> frozen;
   if (!c.distill.teacher.empty())
-    frozen.push_back({"teacher", teacher_param_table(c.distill.teacher, teacher_quant(c)), c.train.seq_len});
+    frozen.push_back({"teacher", teacher_param_table(c.distill.teacher, teacher_quant(c)), c.train.seq_len, 0});
   if (c.text_encoder.enabled())
     frozen.push_back({"text encoder", text_encoder_param_table(c.text_encoder, text_encoder_quant(c)),
-                      c.model.context_len});
+                      c.model.context_len, text_encoder_shard_size(c, world)});
   return frozen;
+}
+
+GroupShape FrozenCompanion::groups(const GroupShape& trained) const {
+  if (shard_size == 0 || shard_size == trained.shard_size) return trained;
+  if (shard_size == trained.replica_size)
+    return GroupShape{trained.replica_size, trained.replica_rank, trained.shard_size, trained.shard_rank};
+  const int world = trained.shard_size * trained.replica_size;
+  return GroupShape{shard_size, 0, world / shard_size, 0};
 }
 
 EngineOptions forward_only_options(const EngineOptions& trained) {
@@ -297,8 +305,9 @@ MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, c
       plan_gemm_workspace_bytes(compute.device, compute.compute_dtype, gemms) + step_sums_bytes(table.config());
   std::vector<std::vector<UnitLayout>> frozen_layouts;
   for (const FrozenCompanion& f : frozen) {
-    plan.frozen.emplace_back(f.role, plan_forward_only_memory(f.table, groups, engine, micro_batch, f.seq_len));
-    frozen_layouts.push_back(FsdpEngine::plan_layout(f.table, groups));
+    plan.frozen.emplace_back(f.role,
+                             plan_forward_only_memory(f.table, f.groups(groups), engine, micro_batch, f.seq_len));
+    frozen_layouts.push_back(FsdpEngine::plan_layout(f.table, f.groups(groups)));
   }
   plan.staging_bytes = plan_comm_staging_bytes(compute, groups, engine, layout, frozen_layouts);
   if (compute.gpu())

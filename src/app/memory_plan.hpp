@@ -59,10 +59,14 @@ struct FrozenCompanion {
   std::string role;
   ParamTable table;
   int seq_len = 0;
+  int shard_size = 0;  // the ranks its units are sharded over; 0: the trained model's shard group
+  // Its groups on a rank of the trained model's `groups`: those, or its own shard size's -- the
+  // model's replica group where that is its size (how the trainer makes them: no new communicators).
+  GroupShape groups(const GroupShape& trained) const;
 };
-// The run's: distill.teacher's and text_encoder.source's models, read from their files (on every
-// rank: call under agree_on). UsageError for a source that is neither kind.
-std::vector<FrozenCompanion> frozen_companions(const Config& config);
+// The run's on `world` ranks: distill.teacher's and text_encoder.source's models, read from their
+// files (on every rank: call under agree_on). UsageError for a source that is neither kind.
+std::vector<FrozenCompanion> frozen_companions(const Config& config, int world);
 // A companion's bytes per category on a rank of `groups`, without allocating: the engine's in
 // inference (options with inference set) and a forward-only model's activations for micro-batches
 // of `batch` rows of `seq_len` tokens.

@@ -285,6 +285,9 @@ void declare_options(OptionList& o, Config& c) {
   o.add("text_encoder.layers", &c.text_encoder.layers,
         "its hidden states to condition on, side by side: indices as Hugging Face's output_hidden_states (0 the "
         "embeddings, -1 the final norm's output; e.g. 10,20,30)");
+  o.add("text_encoder.sharding_strategy", &c.text_encoder.sharding_strategy,
+        "how its weights are split: FULL_SHARD (over every rank) or NO_SHARD (whole on each rank, no gathers); "
+        "empty = the model's shard groups");
   o.add_choice("text_encoder.dtype", &c.text_encoder.dtype, QUANT_TYPES, quant_type_name,
                "the format its linear weights are held, gathered and dequantized in: nf4, fp4, fp8, bf16 or fp32 "
                "(docs/quantization.md; blocks of fsdp.quant_block)");
@@ -865,7 +868,11 @@ void validate_config(const Config& c, int world) {
           "distill.teacher_dtype and text_encoder.dtype are fp32): set one of those or remove them");
   {
     const TextEncoderOptions d, &e = c.text_encoder;
-    require(e.enabled() || (e.tokenizer == d.tokenizer && e.layers == d.layers && e.dtype == d.dtype),
+    require(e.sharding_strategy.empty() || e.sharding_strategy == "FULL_SHARD" || e.sharding_strategy == "NO_SHARD",
+            "text_encoder.sharding_strategy='" + e.sharding_strategy +
+                "' is not one the text encoder takes: FULL_SHARD, NO_SHARD, or empty for the model's shard groups");
+    require(e.enabled() || (e.tokenizer == d.tokenizer && e.layers == d.layers && e.dtype == d.dtype &&
+                            e.sharding_strategy == d.sharding_strategy),
             "a text_encoder.* key is set but text_encoder.source is empty, so there is no text encoder: set "
             "text_encoder.source or remove them");
     require(!e.enabled() || family_of(m).samples_images(),
@@ -900,6 +907,11 @@ QuantConfig teacher_quant(const Config& c) {
 QuantConfig text_encoder_quant(const Config& c) {
   return QuantConfig{c.text_encoder.dtype, static_cast<size_t>(c.fsdp.quant_block), c.fsdp.quantize_all_linear, true,
                      "text_encoder.dtype"};
+}
+
+int text_encoder_shard_size(const Config& c, int world) {
+  const std::string& s = c.text_encoder.sharding_strategy;
+  return s == "FULL_SHARD" ? world : s == "NO_SHARD" ? 1 : 0;
 }
 
 std::string train_help() {

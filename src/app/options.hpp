@@ -147,6 +147,7 @@ struct TextEncoderOptions {
   std::string tokenizer;  // its tokenizer.json; empty: the folder's, or the checkpoint's data.tokenizer
   std::string layers = "-1";  // hidden states to concatenate, comma-separated
   QuantType dtype = QUANT_NONE;  // its linear weights' format (NF4, FP4, FP8, bf16)
+  std::string sharding_strategy;  // FULL_SHARD or NO_SHARD; empty: the model's groups
   bool enabled() const { return !source.empty(); }
 };
 
@@ -189,6 +190,9 @@ ParamTable config_param_table(const Config& config);
 QuantConfig teacher_quant(const Config& config);
 // text_encoder.dtype with fsdp.quant_block: the format of the text encoder's linear weights.
 QuantConfig text_encoder_quant(const Config& config);
+// The ranks of the text encoder's shard group on `world` ranks (text_encoder.sharding_strategy:
+// FULL_SHARD all of them, NO_SHARD one), or 0 for the model's shard group.
+int text_encoder_shard_size(const Config& config, int world);
 AdapterConfig adapter_config(const Config& config);
 // The checkpoint folder: checkpoint.dir, or checkpoints/<train.run_name>.
 std::string checkpoint_dir(const Config& config);

@@ -71,7 +71,7 @@ double traffic_per_step(const ParamTable& table, const Candidate& c, const Engin
 // Every strategy and option for `config`'s model and batch shape on `world` ranks.
 std::vector<Candidate> plan_candidates(const Config& config, int world, int ranks_per_node, size_t limit) {
   const ParamTable table = config_param_table(config);
-  const std::vector<FrozenCompanion> frozen = frozen_companions(config);  // a teacher's, a text encoder's; read once
+  const std::vector<FrozenCompanion> frozen = frozen_companions(config, world);  // a teacher's, a text encoder's; read once
   const int accumulation = std::max(1, config.train.global_batch / (config.train.micro_batch * world));
   const GemmWorkload gemms = gemm_workload(config.model, frozen, config.train.micro_batch, config.train.seq_len);
   std::vector<Candidate> candidates;

@@ -79,7 +79,7 @@ std::unique_ptr<Comm> make_replica_comm(const Runtime& rt, const Config& c, Shar
 // once, agreed.
 std::vector<FrozenCompanion> read_frozen_companions(const Runtime& rt, const Config& c) {
   std::vector<FrozenCompanion> frozen;
-  rt.agree_on([&] { frozen = frozen_companions(c); });
+  rt.agree_on([&] { frozen = frozen_companions(c, rt.world()); });
   return frozen;
 }
 
@@ -203,10 +203,23 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
         static_cast<float>(cfg_.distill.temperature));
     model_->set_loss(distill_loss_.get());
   }
-  if (cfg_.text_encoder.enabled())
-    text_encoder_ = std::make_unique<TextEncoder>(rt, *comm_, *shard_comm_, *replica_comm_, compute_,
-                                                  engine_options(config), cfg_.text_encoder,
-                                                  text_encoder_quant(config), captions_, cfg_.model, B_, &watchdog_);
+  if (cfg_.text_encoder.enabled()) {
+    // Its groups: the model's, or with its own shard size the model's replica group as its shard
+    // group (FULL_SHARD beside NO_SHARD and back): no communicators of its own.
+    const int size = text_encoder_shard_size(config, rt.world());
+    const bool swapped = size != 0 && size != shard_comm_->size();
+    rt.agree(!swapped || size == replica_comm_->size()
+                 ? ""
+                 : strprintf("text_encoder.sharding_strategy=%s beside fsdp.sharding_strategy=%s: the text encoder "
+                             "takes the model's shard groups or its replica groups; leave it empty under "
+                             "HYBRID_SHARD",
+                             config.text_encoder.sharding_strategy.c_str(),
+                             sharding_strategy_name(config.fsdp.sharding_strategy)),
+             'U');
+    text_encoder_ = std::make_unique<TextEncoder>(
+        rt, *comm_, swapped ? *replica_comm_ : *shard_comm_, swapped ? *shard_comm_ : *replica_comm_, compute_,
+        engine_options(config), cfg_.text_encoder, text_encoder_quant(config), captions_, cfg_.model, B_, &watchdog_);
+  }
   dropout_keys_.resize(static_cast<size_t>(B_) * T_);
   // What "held" counts: the device's arrays and the communicators' own buffers -- on a GPU not the
   // backend's workspaces (GPU reserved shows those) but the host staging of fsdp.comm_backend=mpi.

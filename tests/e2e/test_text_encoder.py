@@ -142,6 +142,13 @@ def test_training_with_the_encoder_in_the_job_is_training_on_its_cached_embeddin
     val = [[r["val_loss"] for r in read_metrics(path, "eval")] for path in m[:2]]
     assert val[0] and max(abs(a - b) / abs(b) for a, b in zip(*val)) < 1e-9, val
     assert "text encoder: " in proc.stdout and "frozen and sharded beside the model" in proc.stdout, proc.stdout
+    # Its own strategy: whole on every rank beside the FULL_SHARD model, sharded beside a NO_SHARD one.
+    for i, strategy in enumerate(("--fsdp.sharding_strategy=FULL_SHARD", "--fsdp.sharding_strategy=NO_SHARD")):
+        path = os.path.join(tempdir(), f"own{i}.jsonl")
+        own = ("NO_SHARD", "FULL_SHARD")[i]
+        proc = run(2, encoder_args("0,-1", f"--train.metrics_file={path}", strategy,
+                                   f"--text_encoder.sharding_strategy={own}"))
+        assert max(abs(a - b) / abs(b) for a, b in zip(losses(proc, path), cached_run)) < 1e-6, own
     one = losses(run(1, encoder_args("-1", f"--train.metrics_file={m[2]}", "--train.global_batch=12")), m[2])
     three = losses(run(3, encoder_args("-1", f"--train.metrics_file={m[3]}", "--train.global_batch=12")), m[3])
     assert max(abs(a - b) / abs(b) for a, b in zip(one, three)) < 1e-6, (one, three)
@@ -184,6 +191,11 @@ def test_bad_text_encoder_settings_are_refused_with_one_line():
     expect_usage_error(encoder_args("-1", "--model.context_dim=48"), "model.context_dim=48", "set both to 32")
     expect_usage_error(encoder_args("3"), "text_encoder.layers='3'", "out of range", "-1 to -3")
     expect_usage_error(encoder_args("x"), "'x' is not an integer")
+    expect_usage_error(encoder_args("-1", "--text_encoder.sharding_strategy=HYBRID_SHARD"),
+                       "text_encoder.sharding_strategy='HYBRID_SHARD'", "FULL_SHARD, NO_SHARD")
+    expect_usage_error(encoder_args("-1", "--text_encoder.sharding_strategy=NO_SHARD",
+                                    "--fsdp.sharding_strategy=HYBRID_SHARD", "--fsdp.shard_group_size=2",
+                                    "--train.global_batch=16"), "leave it empty under HYBRID_SHARD", np_=4)
     expect_usage_error(shape_args("--text_encoder.layers=-2"), "text_encoder.source is empty")
     expect_usage_error(encoder_args("-1", f"--data.train_file={w['empty']}"), "no dataset 'latents'")
     no_captions = os.path.join(tempdir(), "no-captions.h5")
