@@ -367,9 +367,6 @@ const char* ADAPTERS_ONLY = "adapters_only";
 const char* BASE_CHECKSUM = "base_checksum";
 // Version 5: the settings of LoKr and OFT, after the base model's identity, then the teacher's.
 const char* TEACHER_CHECKSUM = "distill.teacher_checksum";
-// Optional (any version): the text encoder in the job, written with one.
-const char* TEXT_ENCODER_STRS[3] = {"text_encoder.source", "text_encoder.layers", "text_encoder.tokenizer"};
-const char* TEXT_ENCODER_CHECKSUM = "text_encoder.checksum";
 const char* ADAPTER_METHOD_INTS[6] = {"adapter.decompose_both", "adapter.decompose_factor", "adapter.block_size",
                                       "adapter.cayley_neumann", "adapter.neumann_terms", "adapter.block_share"};
 
@@ -392,6 +389,9 @@ const FamilyIntAttr FAMILY_INTS[] = {{"model.n_single_layer", &ModelConfig::n_si
                                      {"model.pixel_patch", &ModelConfig::pixel_patch, true, true}};
 const char* FAMILY_GUIDANCE = "model.guidance_embeds";
 const char* FAMILY_ROPE_AXES = "model.rope_axes";
+// Optional (any version), after the family keys: the text encoder in the job, written with one.
+const char* TEXT_ENCODER_STRS[3] = {"text_encoder.source", "text_encoder.layers", "text_encoder.tokenizer"};
+const char* TEXT_ENCODER_CHECKSUM = "text_encoder.checksum";
 
 std::array<int64_t, 6> adapter_method_ints(const AdapterConfig& a) {
   return {a.decompose_both, a.decompose_factor, a.block_size, a.cayley_neumann, a.neumann_terms, a.block_share};
