@@ -116,19 +116,23 @@ std::string ComputeBackend::comm_description() const {
 
 size_t plan_comm_staging_bytes(const ComputeOptions& compute, const GroupShape& groups,
                                const EngineOptions& engine, const std::vector<UnitLayout>& layout,
-                               const std::vector<std::vector<UnitLayout>>& frozen_layouts) {
+                               size_t step_sums_bytes, const std::vector<FrozenLayout>& frozen_layouts) {
   if (!compute.gpu() || compute.nccl()) return 0;
   const size_t gather_elem = engine.param_dtype == DTYPE_FP32 ? sizeof(float) : sizeof(uint16_t);
   size_t shard = 0, replica = 0;
   // The collectives FsdpEngine issues: each space gathered on its own; the trainable space's
   // gradients reduce-scattered over the shard group and all-reduced over the replicas.
-  auto add_engine = [&](const std::vector<UnitLayout>& units, bool gradients) {
+  // on_replica: a companion that gathers over the replica group (FrozenLayout).
+  auto add_engine = [&](const std::vector<UnitLayout>& units, bool gradients, bool on_replica) {
+    size_t& gathers = on_replica ? replica : shard;
+    const int gather_ranks = on_replica ? groups.replica_size : groups.shard_size;
     for (const UnitLayout& u : units) {
-      if (groups.shard_size > 1)
+      if (gather_ranks > 1)
         for (const SpaceLayout* space : {&u.trainable, &u.frozen})
-          if (space->numel > 0) shard = std::max(shard, staging_bytes_all_gather(space->padded_numel, gather_elem));
-      if (groups.shard_size > 1 && u.quantized.numel > 0)  // its records, bytes
-        shard = std::max(shard, staging_bytes_all_gather(u.gathered_record_bytes(), 1));
+          if (space->numel > 0)
+            gathers = std::max(gathers, staging_bytes_all_gather(space->padded_numel, gather_elem));
+      if (gather_ranks > 1 && u.quantized.numel > 0)  // its records, bytes
+        gathers = std::max(gathers, staging_bytes_all_gather(u.gathered_record_bytes(), 1));
       if (!gradients || u.trainable.numel == 0) continue;
       if (groups.shard_size > 1)
         shard = std::max(shard, staging_bytes_reduce_scatter(u.trainable.shard_numel, groups.shard_size));
@@ -136,10 +140,12 @@ size_t plan_comm_staging_bytes(const ComputeOptions& compute, const GroupShape& 
         replica = std::max(replica, staging_bytes_all_reduce(u.trainable.shard_numel, sizeof(float)));
     }
   };
-  add_engine(layout, !engine.inference);
-  for (const std::vector<UnitLayout>& frozen : frozen_layouts) add_engine(frozen, false);
+  add_engine(layout, !engine.inference, false);
+  for (const FrozenLayout& frozen : frozen_layouts) add_engine(frozen.units, false, frozen.on_replica);
   const int world = groups.shard_size * groups.replica_size;
-  const size_t step = world > 1 && !engine.cpu_offload ? staging_bytes_all_reduce(2, sizeof(double)) : 0;
+  const size_t step = world > 1 && !engine.cpu_offload
+                          ? staging_bytes_all_reduce(step_sums_bytes / sizeof(double), sizeof(double))
+                          : 0;
   return shard + replica + step;
 }
 

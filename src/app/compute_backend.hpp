@@ -40,12 +40,19 @@ size_t plan_gemm_workspace_bytes(const std::string& device, DType compute_dtype,
 // comm/staged_comm.hpp) hold at most, 0 for any other run: each communicator keeps one buffer
 // for its largest collective -- the shard group's largest parameter gather or gradient
 // reduce-scatter (of the trained model's `layout` and the gathers of its frozen companions'
-// `frozen_layouts`: a teacher's, a text encoder's), the replica group's largest gradient all-reduce, and the step's two sums
-// over the world of shard x replica ranks (the trainer's step communicator, made unless
-// fsdp.cpu_offload). What they hold is measured by Comm::uncounted_buffer_bytes.
+// `frozen_layouts`: a teacher's, a text encoder's; on the replica group where one takes that as its
+// shard group), the replica group's largest gradient all-reduce, and the step's sums
+// (`step_sums_bytes`) over the world of shard x replica ranks (the trainer's step communicator,
+// made unless fsdp.cpu_offload). What they hold is measured by Comm::uncounted_buffer_bytes.
+// A frozen companion's units, gathered on the trained model's shard communicator or (on_replica) on
+// its replica one.
+struct FrozenLayout {
+  std::vector<UnitLayout> units;
+  bool on_replica = false;
+};
 size_t plan_comm_staging_bytes(const ComputeOptions& compute, const GroupShape& groups,
                                const EngineOptions& engine, const std::vector<UnitLayout>& layout,
-                               const std::vector<std::vector<UnitLayout>>& frozen_layouts = {});
+                               size_t step_sums_bytes, const std::vector<FrozenLayout>& frozen_layouts = {});
 
 class ComputeBackend {
  public:

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <tuple>
 #include <filesystem>
 
 #include "app/compute_backend.hpp"
@@ -83,33 +84,53 @@ herr_t copy_attribute(hid_t from, const char* name, const H5A_info_t*, void* to)
   return 0;
 }
 
-// `input` with the two embedding datasets written anew from context (P, L, D) and pooled (P, D):
-// every other root dataset copied (H5Ocopy), the root attributes too; written as a temporary file
-// renamed into place.
-void write_encoded(const std::string& input, const std::string& output, const std::vector<float>& context,
-                   const std::vector<float>& pooled, hsize_t P, hsize_t L, hsize_t D) {
+// `tmp`: `input` with every root dataset but the two embeddings copied (H5Ocopy), the root
+// attributes too, and those two created empty at their full shapes, for write_rows to fill.
+void create_encoded_file(const std::string& input, const std::string& tmp, hsize_t P, hsize_t L, hsize_t D) {
   H5QuietErrors quiet;
-  const std::string tmp = output + ".tmp";
-  {
-    H5Id in(H5Fopen(input.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
-    if (in.get() < 0) throw DataError("--input='" + input + "' is not an HDF5 file");
-    H5Id out(h5_check_id(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), tmp, "H5Fcreate"), H5Fclose);
-    H5G_info_t info;
-    h5_check(H5Gget_info(in, &info), input, "H5Gget_info");
-    for (hsize_t i = 0; i < info.nlinks; i++) {
-      char name[1024];
-      if (H5Lget_name_by_idx(in, ".", H5_INDEX_NAME, H5_ITER_INC, i, name, sizeof name, H5P_DEFAULT) < 0) continue;
-      if (std::strcmp(name, FLUX_ENCODER_HIDDEN_STATES) == 0 || std::strcmp(name, FLUX_POOLED) == 0) continue;
-      h5_check(H5Ocopy(in, name, out, name, H5P_DEFAULT, H5P_DEFAULT), tmp, name);
-    }
-    hsize_t index = 0;
-    hid_t target = out;
-    h5_check(H5Aiterate2(in, H5_INDEX_NAME, H5_ITER_INC, &index, copy_attribute, &target), tmp, "copying attributes");
-    h5_write_dataset(out, FLUX_ENCODER_HIDDEN_STATES, H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, {P, L, D}, context.data(), tmp);
-    h5_write_dataset(out, FLUX_POOLED, H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, {P, D}, pooled.data(), tmp);
+  H5Id in(H5Fopen(input.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  if (in.get() < 0) throw DataError("--input='" + input + "' is not an HDF5 file");
+  H5Id out(h5_check_id(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), tmp, "H5Fcreate"), H5Fclose);
+  H5G_info_t info;
+  h5_check(H5Gget_info(in, &info), input, "H5Gget_info");
+  for (hsize_t i = 0; i < info.nlinks; i++) {
+    char name[1024];
+    if (H5Lget_name_by_idx(in, ".", H5_INDEX_NAME, H5_ITER_INC, i, name, sizeof name, H5P_DEFAULT) < 0) continue;
+    if (std::strcmp(name, FLUX_ENCODER_HIDDEN_STATES) == 0 || std::strcmp(name, FLUX_POOLED) == 0) continue;
+    h5_check(H5Ocopy(in, name, out, name, H5P_DEFAULT, H5P_DEFAULT), tmp, name);
   }
-  if (std::rename(tmp.c_str(), output.c_str()) != 0)
-    throw UsageError("cannot write --output='" + printable_text(output) + "': " + std::strerror(errno));
+  hsize_t index = 0;
+  hid_t target = out;
+  h5_check(H5Aiterate2(in, H5_INDEX_NAME, H5_ITER_INC, &index, copy_attribute, &target), tmp, "copying attributes");
+  const std::pair<const char*, std::vector<hsize_t>> sets[2] = {{FLUX_ENCODER_HIDDEN_STATES, {P, L, D}},
+                                                               {FLUX_POOLED, {P, D}}};
+  for (const auto& [name, dims] : sets) {
+    H5Id space(h5_check_id(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), tmp, name),
+               H5Sclose);
+    H5Id set(h5_check_id(H5Dcreate2(out, name, H5T_IEEE_F32LE, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), tmp,
+                         name),
+             H5Dclose);
+  }
+}
+
+// Records [first, first + rows) of the two embedding datasets of `tmp` from context (rows x L x D)
+// and pooled (rows x D).
+void write_rows(const std::string& tmp, hsize_t first, hsize_t rows, const float* context, const float* pooled,
+                hsize_t L, hsize_t D) {
+  H5QuietErrors quiet;
+  H5Id file(h5_check_id(H5Fopen(tmp.c_str(), H5F_ACC_RDWR, H5P_DEFAULT), tmp, "H5Fopen"), H5Fclose);
+  const std::tuple<const char*, std::vector<hsize_t>, const float*> parts[2] = {
+      {FLUX_ENCODER_HIDDEN_STATES, {rows, L, D}, context}, {FLUX_POOLED, {rows, D}, pooled}};
+  for (const auto& [name, count, values] : parts) {
+    H5Id set(h5_check_id(H5Dopen2(file, name, H5P_DEFAULT), tmp, name), H5Dclose);
+    H5Id space(h5_check_id(H5Dget_space(set), tmp, name), H5Sclose);
+    std::vector<hsize_t> start(count.size(), 0);
+    start[0] = first;
+    h5_check(H5Sselect_hyperslab(space, H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr), tmp, name);
+    H5Id memory(h5_check_id(H5Screate_simple(static_cast<int>(count.size()), count.data(), nullptr), tmp, name),
+                H5Sclose);
+    h5_check(H5Dwrite(set, H5T_NATIVE_FLOAT, memory, space, H5P_DEFAULT, values), tmp, name);
+  }
 }
 
 int encode_text(const Runtime& rt, const EncodeTextOptions& o) {
@@ -132,29 +153,37 @@ int encode_text(const Runtime& rt, const EncodeTextOptions& o) {
   auto replica = compute.make_comm(rt.split_world(rt.rank(), 0), &watchdog);
   TextEncoder encoder(rt, *comm, *shard, *replica, compute, inference_options(rt, compute), o.encoder, QuantConfig{},
                       tokenizer, shape, o.batch, &watchdog);
-  const int P = static_cast<int>(captions.size()), L = o.tokens, D = shape.context_dim;
-  // This rank's slice, padded to the same number of forwards on every rank (each is collective).
+  const int P = static_cast<int>(captions.size()), L = o.tokens, D = shape.context_dim, B = o.batch;
+  // This rank's slice, in micro-batches of B: the same number on every rank (each forward is collective).
   const int per_rank = (P + rt.world() - 1) / rt.world();
   const int first = std::min(P, rt.rank() * per_rank), count = std::min(P, first + per_rank) - first;
-  const int padded = (per_rank + o.batch - 1) / o.batch * o.batch;
-  std::vector<int32_t> ids(static_cast<size_t>(padded) * L, 0), lengths(padded, 0);
+  const int rounds = (per_rank + B - 1) / B;
+  const std::string tmp = o.output + ".tmp";
   rt.agree_on([&] {
-    for (int i = 0; i < count; i++)
-      lengths[i] = tokenizer->tokenize(captions[first + i], ids.data() + static_cast<size_t>(i) * L,
-                                       strprintf("--input='%s': caption %d", o.input.c_str(), first + i));
+    if (rt.is_root()) create_encoded_file(o.input, tmp, P, L, D);
   });
-  std::vector<float> context(static_cast<size_t>(P) * L * D, 0.0f), pooled(static_cast<size_t>(P) * D, 0.0f);
-  std::vector<float> mine_context(static_cast<size_t>(padded) * L * D), mine_pooled(static_cast<size_t>(padded) * D);
+  std::vector<int32_t> ids(static_cast<size_t>(B) * L), lengths(B);
+  std::vector<float> context(static_cast<size_t>(B) * L * D), pooled(static_cast<size_t>(B) * D);
   const double t0 = now_seconds();
-  encoder.encode(ids.data(), lengths.data(), padded, mine_context.data(), mine_pooled.data());
-  std::copy_n(mine_context.begin(), static_cast<size_t>(count) * L * D, context.begin() + static_cast<size_t>(first) * L * D);
-  std::copy_n(mine_pooled.begin(), static_cast<size_t>(count) * D, pooled.begin() + static_cast<size_t>(first) * D);
-  // Each value is one rank's and zeros elsewhere: the sum is that value, exactly.
-  comm->all_reduce_sum(Span<float>(context.data(), context.size()), "all_reduce(encoded captions)");
-  comm->all_reduce_sum(Span<float>(pooled.data(), pooled.size()), "all_reduce(encoded captions)");
+  for (int round = 0; round < rounds; round++) {
+    const int begin = first + round * B, rows = std::clamp(count - round * B, 0, B);
+    std::fill(ids.begin(), ids.end(), 0);
+    std::fill(lengths.begin(), lengths.end(), 0);
+    rt.agree_on([&] {
+      for (int i = 0; i < rows; i++)
+        lengths[i] = tokenizer->tokenize(captions[begin + i], ids.data() + static_cast<size_t>(i) * L,
+                                         strprintf("--input='%s': caption %d", o.input.c_str(), begin + i));
+    });
+    encoder.encode(ids.data(), lengths.data(), B, context.data(), pooled.data());
+    for (int writer = 0; writer < rt.world(); writer++)  // one rank at a time into the (serial) file
+      rt.agree_on([&] {
+        if (rt.rank() == writer && rows > 0) write_rows(tmp, begin, rows, context.data(), pooled.data(), L, D);
+      });
+  }
   const double seconds = now_seconds() - t0;
   rt.agree_on([&] {
-    if (rt.is_root()) write_encoded(o.input, o.output, context, pooled, P, L, D);
+    if (rt.is_root() && std::rename(tmp.c_str(), o.output.c_str()) != 0)
+      throw UsageError("cannot write --output='" + printable_text(o.output) + "': " + std::strerror(errno));
   });
   if (rt.is_root())
     std::fprintf(stderr, "encode-text: %s of %s by %s (%s) on %s in %.2f s: %s (encoder_hidden_states %d x %d x %d)\n",

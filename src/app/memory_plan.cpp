@@ -21,10 +21,12 @@ namespace shardtrain {
 std::vector<FrozenCompanion> frozen_companions(const Config& c, int world) {
   std::vector<FrozenCompanion> frozen;
   if (!c.distill.teacher.empty())
-    frozen.push_back({"teacher", teacher_param_table(c.distill.teacher, teacher_quant(c)), c.train.seq_len, 0});
+    frozen.push_back({"teacher", "distill.teacher", teacher_param_table(c.distill.teacher, teacher_quant(c)),
+                      c.train.seq_len, true, 0});
   if (c.text_encoder.enabled())
-    frozen.push_back({"text encoder", text_encoder_param_table(c.text_encoder, text_encoder_quant(c)),
-                      c.model.context_len, text_encoder_shard_size(c, world)});
+    frozen.push_back({"text encoder", "text_encoder.source",
+                      text_encoder_param_table(c.text_encoder, text_encoder_quant(c)), c.model.context_len, false,
+                      text_encoder_shard_size(c, world)});
   return frozen;
 }
 
@@ -39,6 +41,8 @@ GroupShape FrozenCompanion::groups(const GroupShape& trained) const {
 EngineOptions forward_only_options(const EngineOptions& trained) {
   EngineOptions options = trained;
   options.inference = true;  // no gradients, no reductions
+  options.cpu_offload = false;
+  if (options.strategy == SHARDING_SHARD_GRAD_OP) options.strategy = SHARDING_FULL_SHARD;
   return options;
 }
 
@@ -53,8 +57,8 @@ std::array<size_t, MEM_CATEGORY_COUNT> plan_forward_only_memory(const ParamTable
 size_t MemoryPlan::total() const {
   size_t t = 0;
   for (size_t b : bytes) t += b;
-  for (const auto& [role, companion] : frozen)
-    for (size_t b : companion) t += b;
+  for (const Frozen& f : frozen)
+    for (size_t b : f.bytes) t += b;
   return t + gpu.total();
 }
 
@@ -78,7 +82,7 @@ std::array<size_t, MEM_CATEGORY_COUNT> tracked_categories(const MemoryTracker& t
 
 std::string MemoryPlan::describe() const {
   std::string s = describe_categories(bytes);
-  for (const auto& [role, companion] : frozen) s += " | " + role + ": " + describe_categories(companion);
+  for (const Frozen& f : frozen) s += " | " + f.role + ": " + describe_categories(f.bytes);
   if (gpu.total())
     s += strprintf(" | GPU backend: workspace %s%s, NCCL buffers %s (estimate), allocator rounding %s",
                    human_bytes(static_cast<double>(gpu.workspace())).c_str(),
@@ -236,8 +240,8 @@ gpu::CudnnAttentionMemory plan_cudnn_attention(const ModelConfig& trained, const
                                             documents));
   };
   add(trained, seq_len, true, compute.packed_documents);
-  for (const FrozenCompanion& f : frozen)  // forward only; a text encoder's captions are one document each
-    add(f.table.config(), f.seq_len, false, compute.packed_documents && f.seq_len == seq_len);
+  for (const FrozenCompanion& f : frozen)  // forward only
+    add(f.table.config(), f.seq_len, false, compute.packed_documents && f.documents);
   return m;
 }
 
@@ -303,13 +307,16 @@ MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, c
   // The GEMMs' workspace and the step's loss and gradient-norm sums on the device.
   plan.bytes[MEM_WORKSPACE] =
       plan_gemm_workspace_bytes(compute.device, compute.compute_dtype, gemms) + step_sums_bytes(table.config());
-  std::vector<std::vector<UnitLayout>> frozen_layouts;
+  std::vector<FrozenLayout> frozen_layouts;
   for (const FrozenCompanion& f : frozen) {
-    plan.frozen.emplace_back(f.role,
-                             plan_forward_only_memory(f.table, f.groups(groups), engine, micro_batch, f.seq_len));
-    frozen_layouts.push_back(FsdpEngine::plan_layout(f.table, f.groups(groups)));
+    const GroupShape own = f.groups(groups);
+    plan.frozen.push_back({f.role, f.option, own.shard_size,
+                           plan_forward_only_memory(f.table, own, engine, micro_batch, f.seq_len)});
+    // Its gathers run on the model's replica communicator where it takes that as its shard group.
+    frozen_layouts.push_back({FsdpEngine::plan_layout(f.table, own), own.shard_size != groups.shard_size});
   }
-  plan.staging_bytes = plan_comm_staging_bytes(compute, groups, engine, layout, frozen_layouts);
+  plan.staging_bytes = plan_comm_staging_bytes(compute, groups, engine, layout, step_sums_bytes(table.config()),
+                                               frozen_layouts);
   if (compute.gpu())
     plan.gpu = plan_gpu_backend(
         table, groups, micro_batch, seq_len, compute, gemms,

@@ -51,14 +51,17 @@ struct PlannedAllocation {
   size_t bytes;
 };
 
-// A frozen model that runs its forward beside the trained one, sharded over the same groups as its
-// own units, with no gradients and no optimizer state: a distillation teacher over the student's
-// sequences, a text encoder over the captions' tokens. Its table, the tokens of a micro-batch row,
-// and its name in the plan.
+// A frozen model that runs its forward beside the trained one, sharded as its own units, with no
+// gradients, no optimizer state and no offload: a distillation teacher over the student's
+// sequences, a text encoder over the captions' tokens. Its name in the plan and the option that
+// sets it, its table, the tokens of a micro-batch row, whether those are the trained model's
+// sequences (packed documents apply), and its groups.
 struct FrozenCompanion {
   std::string role;
+  std::string option;
   ParamTable table;
   int seq_len = 0;
+  bool documents = false;
   int shard_size = 0;  // the ranks its units are sharded over; 0: the trained model's shard group
   // Its groups on a rank of the trained model's `groups`: those, or its own shard size's -- the
   // model's replica group where that is its size (how the trainer makes them: no new communicators).
@@ -72,7 +75,9 @@ std::vector<FrozenCompanion> frozen_companions(const Config& config, int world);
 // of `batch` rows of `seq_len` tokens.
 std::array<size_t, MEM_CATEGORY_COUNT> plan_forward_only_memory(const ParamTable& table, const GroupShape& groups,
                                                                 const EngineOptions& options, int batch, int seq_len);
-// The engine options of a companion of a model trained with `trained`: inference (no gradients, no reductions).
+// The engine options of a companion of a model trained with `trained`: inference (no gradients, no
+// reductions), its shards on the device (nothing to offload: no optimizer state), and each unit
+// gathered for its forward and freed (SHARD_GRAD_OP's keeping them gathered serves a backward).
 EngineOptions forward_only_options(const EngineOptions& trained);
 
 struct MemoryPlan {
@@ -80,8 +85,13 @@ struct MemoryPlan {
   // fsdp.cpu_offload: master shards, their gradients and the moments in host memory. On the CPU
   // backend the host is the device, so these add to the same memory (offload saves nothing there).
   size_t offloaded_bytes = 0;
-  // The frozen companions' bytes (plan_forward_only_memory), beside `bytes`, with their roles.
-  std::vector<std::pair<std::string, std::array<size_t, MEM_CATEGORY_COUNT>>> frozen;
+  // The frozen companions' bytes (plan_forward_only_memory), beside `bytes`.
+  struct Frozen {
+    std::string role, option;
+    int shard_size = 0;  // its shard group's ranks
+    std::array<size_t, MEM_CATEGORY_COUNT> bytes{};
+  };
+  std::vector<Frozen> frozen;
   // train.device=cuda: the backend's own bytes (zero on the CPU); `bytes` stays what the trainer
   // tracks, category by category.
   GpuBackendPlan gpu;

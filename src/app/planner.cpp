@@ -282,10 +282,9 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
     for (const Candidate& c : candidates) {
       if (std::find(shown.begin(), shown.end(), c.shard_size) != shown.end()) continue;
       shown.push_back(c.shard_size);
-      for (const auto& [role, bytes] : c.memory.frozen)
+      for (const MemoryPlan::Frozen& f : c.memory.frozen)
         std::printf("%s%s (%s, frozen, in peak/rank) with a shard group of %d: %s\n", shown.size() == 1 ? "\n" : "",
-                    role.c_str(), role == "teacher" ? "distill.teacher" : "text_encoder.source", c.shard_size,
-                    describe_categories(bytes).c_str());
+                    f.role.c_str(), f.option.c_str(), f.shard_size, describe_categories(f.bytes).c_str());
     }
     std::printf("\n");
   }

@@ -361,12 +361,17 @@ int sample(const Runtime& rt, const SampleOptions& o) {
   if (encoded) {
     TextEncoderOptions e;
     e.source = o.text_encoder.empty() ? state.text_encoder : o.text_encoder;
-    e.layers = state.text_encoder_layers, e.tokenizer = state.text_encoder_tokenizer;
+    e.layers = state.text_encoder_layers;
+    // The recorded tokenizer, unless it is gone with a moved encoder: then the new source's.
+    if (o.text_encoder.empty() || std::filesystem::exists(state.text_encoder_tokenizer))
+      e.tokenizer = state.text_encoder_tokenizer;
     std::shared_ptr<const CaptionTokenizer> tokenizer;
     rt.agree_on([&] { tokenizer = text_encoder_tokenizer(e, m.context_len); });
+    QuantConfig quant{QUANT_NONE, static_cast<size_t>(state.text_encoder_quant_block),
+                      state.text_encoder_all_linear == 1, true, "text_encoder.dtype"};
+    parse_quant_type(state.text_encoder_dtype, &quant.type);  // checked when the file was read
     encoder = std::make_unique<TextEncoder>(rt, *comm, *weights.shard_comm, *weights.replica_comm, compute,
-                                            inference_options(rt, compute), e, QuantConfig{}, tokenizer, m, B,
-                                            &watchdog);
+                                            inference_options(rt, compute), e, quant, tokenizer, m, B, &watchdog);
     rt.agree_on([&] {
       if (encoder->checksum() != state.text_encoder_checksum)
         throw UsageError(strprintf("the text encoder '%s' has checksum %s; checkpoint '%s' was trained with one of "

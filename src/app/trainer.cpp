@@ -81,7 +81,7 @@ Trainer::StepOutcome Trainer::run_step(int step) {
   if (offload) offloaded_sums_[1] = 0;
   optimizer_.accumulate_grad_sq_norm(sums + 1);
   (step_comm_ ? *step_comm_ : *comm_)
-      .all_reduce_sum(Span<double>(sums, step_sums_.size()), "all_reduce(loss, grad norm)");
+      .all_reduce_sum(Span<double>(sums, step_sums_.size()), "all_reduce(loss, grad norm, loss by noise level)");
   const double lr = optimizer_.step(step, sums, loss_scaler_.scale());
   phase_timer_.end(PHASE_OPTIMIZER);
   if (offload)

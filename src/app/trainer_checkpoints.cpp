@@ -112,6 +112,11 @@ int Trainer::try_load(const std::string& path, bool fall_back) {
                        checksum_text(state.text_encoder_checksum) + ", text_encoder.source='" +
                        cfg_.text_encoder.source + "' has " + checksum_text(text_encoder_->checksum()) +
                        ": resume with the same text encoder (or start a new run)");
+    if (text_encoder_ && !state.text_encoder.empty() &&
+        parse_hidden_layers(state.text_encoder_layers, text_encoder_->config().n_layer) != text_encoder_->layers())
+      throw UsageError("checkpoint '" + path + "' was trained on the text encoder's hidden states " +
+                       state.text_encoder_layers + ", text_encoder.layers=" + cfg_.text_encoder.layers +
+                       " asks for others: resume with text_encoder.layers=" + state.text_encoder_layers);
     if (state.step > steps_)
       throw UsageError(strprintf("checkpoint '%s' is at step %lld, past train.steps=%d; raise train.steps",
                                  path.c_str(), static_cast<long long>(state.step), steps_));
@@ -218,6 +223,9 @@ void Trainer::save(int step) {
   if (text_encoder_) {  // what sample needs to condition the model the same way
     state.text_encoder = cfg_.text_encoder.source, state.text_encoder_layers = cfg_.text_encoder.layers;
     state.text_encoder_tokenizer = text_encoder_->tokenizer().path();
+    const QuantConfig quant = text_encoder_quant(cfg_);
+    state.text_encoder_dtype = quant_type_name(quant.type);
+    state.text_encoder_quant_block = static_cast<int64_t>(quant.block), state.text_encoder_all_linear = quant.all_linear;
     state.text_encoder_checksum = text_encoder_->checksum();
   }
   const double t0 = now_seconds();

@@ -390,7 +390,9 @@ const FamilyIntAttr FAMILY_INTS[] = {{"model.n_single_layer", &ModelConfig::n_si
 const char* FAMILY_GUIDANCE = "model.guidance_embeds";
 const char* FAMILY_ROPE_AXES = "model.rope_axes";
 // Optional (any version), after the family keys: the text encoder in the job, written with one.
-const char* TEXT_ENCODER_STRS[3] = {"text_encoder.source", "text_encoder.layers", "text_encoder.tokenizer"};
+const char* TEXT_ENCODER_STRS[4] = {"text_encoder.source", "text_encoder.layers", "text_encoder.tokenizer",
+                                    "text_encoder.dtype"};
+const char* TEXT_ENCODER_INTS[2] = {"text_encoder.quant_block", "text_encoder.quantize_all_linear"};
 const char* TEXT_ENCODER_CHECKSUM = "text_encoder.checksum";
 
 std::array<int64_t, 6> adapter_method_ints(const AdapterConfig& a) {
@@ -450,8 +452,11 @@ void write_state(hid_t file, const CheckpointState& s, const ModelConfig& model,
   if (family.reads_key(FAMILY_GUIDANCE)) i64(FAMILY_GUIDANCE, model.guidance_embeds ? 1 : 0);
   if (family.reads_key(FAMILY_ROPE_AXES)) str(FAMILY_ROPE_AXES, model.rope_axes);
   if (!s.text_encoder.empty()) {
-    const std::string* values[3] = {&s.text_encoder, &s.text_encoder_layers, &s.text_encoder_tokenizer};
-    for (int i = 0; i < 3; i++) str(TEXT_ENCODER_STRS[i], *values[i]);
+    const std::string* values[4] = {&s.text_encoder, &s.text_encoder_layers, &s.text_encoder_tokenizer,
+                                     &s.text_encoder_dtype};
+    for (int i = 0; i < 4; i++) str(TEXT_ENCODER_STRS[i], *values[i]);
+    i64(TEXT_ENCODER_INTS[0], s.text_encoder_quant_block);
+    i64(TEXT_ENCODER_INTS[1], s.text_encoder_all_linear);
     h5_write_attr_u64(file, TEXT_ENCODER_CHECKSUM, s.text_encoder_checksum, path);
     sum.add(TEXT_ENCODER_CHECKSUM, std::to_string(s.text_encoder_checksum));
   }
@@ -584,8 +589,17 @@ CheckpointState read_state(hid_t file, const std::string& path) {
     if (family.reads_key(FAMILY_ROPE_AXES)) rope_axes = str(FAMILY_ROPE_AXES);
   }
   if (h5_has_attr(file, TEXT_ENCODER_STRS[0])) {
-    std::string* values[3] = {&s.text_encoder, &s.text_encoder_layers, &s.text_encoder_tokenizer};
-    for (int i = 0; i < 3; i++) *values[i] = str(TEXT_ENCODER_STRS[i]);
+    std::string* values[4] = {&s.text_encoder, &s.text_encoder_layers, &s.text_encoder_tokenizer,
+                              &s.text_encoder_dtype};
+    for (int i = 0; i < 4; i++) *values[i] = str(TEXT_ENCODER_STRS[i]);
+    s.text_encoder_quant_block = i64(TEXT_ENCODER_INTS[0]);
+    s.text_encoder_all_linear = i64(TEXT_ENCODER_INTS[1]);
+    QuantType type;
+    if (!parse_quant_type(s.text_encoder_dtype, &type) || s.text_encoder_quant_block > 4096 ||
+        !quant_block_ok(static_cast<int>(s.text_encoder_quant_block)) ||
+        (s.text_encoder_all_linear != 0 && s.text_encoder_all_linear != 1))
+      throw CheckpointError("checkpoint '" + path + "': attributes text_encoder.dtype, text_encoder.quant_block and "
+                            "text_encoder.quantize_all_linear hold no valid format; the file is damaged");
     s.text_encoder_checksum = h5_read_attr_u64(file, TEXT_ENCODER_CHECKSUM, path);
     sum.add(TEXT_ENCODER_CHECKSUM, std::to_string(s.text_encoder_checksum));
   }

@@ -66,8 +66,10 @@ struct CheckpointState {
   // Version 5: the distillation teacher's checksum (base_model_checksum of its weights), 0 without one.
   uint64_t teacher_checksum = 0;
   // A text encoder in the job (text_encoder.*): its source, hidden-state layers (the option's text),
-  // tokenizer and weights' checksum; optional attributes, written with one (empty source: none).
-  std::string text_encoder, text_encoder_layers, text_encoder_tokenizer;
+  // tokenizer, the format its weights were held in (dtype name, block, all linear layers) and those
+  // weights' checksum; optional attributes, written with one (empty source: none).
+  std::string text_encoder, text_encoder_layers, text_encoder_tokenizer, text_encoder_dtype = "fp32";
+  int64_t text_encoder_quant_block = 64, text_encoder_all_linear = 0;
   uint64_t text_encoder_checksum = 0;
   std::string warning;             // read only: why the file is usable but not fully verified ("" if it is)
   int64_t version = CKPT_FORMAT_VERSION;  // read only: the file's format version (saves write CKPT_FORMAT_VERSION)

@@ -56,9 +56,6 @@ class AdamW {
   // every rank of a shard group of `shard_size`: the most any of them needs, so that every rank
   // holds the same bytes, as with its padded shards. The memory plan's share of the constructor's.
   static size_t plan_table_bytes(const ParamTable& table, int shard_size);
-  // The step's loss and squared gradient norm (ShardOps::adamw_multi's `sums`), in the compute
-  // device's memory: the trainer's, planned as workspace (the step's scratch).
-  static constexpr size_t kStepSumsBytes = 2 * sizeof(double);
 
   // Back to the state before the first step (moments zero).
   void zero_state();

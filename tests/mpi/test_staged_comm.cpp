@@ -238,9 +238,10 @@ TEST(StagedComm, TrainingGivesTheHostBits) {
         gpu_mpi.device = "cuda";
         gpu_mpi.comm = COMM_MPI;
         const GroupShape groups{world_size(), world_rank(), 1, 0};
+        const size_t sums_bytes = 2 * sizeof(double);  // a language model's step sums
         const size_t planned = plan_comm_staging_bytes(gpu_mpi, groups, options,
-                                                       FsdpEngine::plan_layout(host.table, groups));
-        const size_t step_sums = world_size() > 1 && !offload ? 2 * sizeof(double) : 0;
+                                                       FsdpEngine::plan_layout(host.table, groups), sums_bytes);
+        const size_t step_sums = world_size() > 1 && !offload ? sums_bytes : 0;
         const size_t staged_bytes = foreign.world->uncounted_buffer_bytes() - host.world->uncounted_buffer_bytes();
         const bool same_traffic = foreign.world->bytes_sent() == host.world->bytes_sent();
         const bool losses = host.losses == foreign.losses;

@@ -424,9 +424,9 @@ TEST(GpuMemoryPlan, CudnnAttentionCountsTheTeachersForward) {
   const int B = 2, T = 24;
   const MemoryPlan alone = plan_rank_memory(table, GroupShape{}, EngineOptions{}, B, T, false, cudnn, {});
   const MemoryPlan with_big =
-      plan_rank_memory(table, GroupShape{}, EngineOptions{}, B, T, false, cudnn, {}, {{"teacher", big_table, T}});
+      plan_rank_memory(table, GroupShape{}, EngineOptions{}, B, T, false, cudnn, {}, {{"teacher", "distill.teacher", big_table, T, true, 0}});
   const MemoryPlan with_refused =
-      plan_rank_memory(table, GroupShape{}, EngineOptions{}, B, T, false, cudnn, {}, {{"teacher", refused_table, T}});
+      plan_rank_memory(table, GroupShape{}, EngineOptions{}, B, T, false, cudnn, {}, {{"teacher", "distill.teacher", refused_table, T, true, 0}});
   const CudnnBuffers s = cudnn_buffers(B, T, 4, 4, 24, true), t = cudnn_buffers(B, T, 2, 2, 128, false);
   ASSERT_GT(t.qkv16, s.qkv16);
   ASSERT_GT(t.out16, s.out16);
