@@ -30,9 +30,10 @@ def bytes_to_unicode():
     return dict(zip(bs, map(chr, cs)))
 
 
-def world_tokenizer():
+def world_tokenizer(bos=False):
     """A byte-level BPE whose merges make each word of the world one token -- except "circle", left
-    as its 7 bytes so that captions differ in length (padding) and some exceed TOKENS (cut)."""
+    as its 7 bytes so that captions differ in length (padding) and some exceed TOKENS (cut); with
+    `bos`, a template that puts <s> before every text, as Llama's tokenizers do."""
     alphabet = bytes_to_unicode()
     vocab = {alphabet[b]: b for b in range(256)}
     merges = []
@@ -45,10 +46,17 @@ def world_tokenizer():
             if whole not in vocab:
                 merges.append(f"{left} {right}")
                 vocab[whole] = len(vocab)
-    assert len(vocab) <= EV
-    return {"version": "1.0", "truncation": None, "padding": None, "normalizer": None, "post_processor": None,
+    assert len(vocab) < EV
+    post = None
+    if bos:
+        post = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                                         {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {"<s>": {"id": "<s>", "ids": [EV - 1], "tokens": ["<s>"]}}}
+    return {"version": "1.0", "truncation": None, "padding": None, "normalizer": None, "post_processor": post,
             "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
-            "added_tokens": [],
+            "added_tokens": [{"id": EV - 1, "content": "<s>", "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": False, "special": True}] if bos else [],
             "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
             "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                       "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
@@ -76,16 +84,27 @@ def encoder_args(layers="-1", *overrides):
                       *overrides)
 
 
-def cached(path, layers):
+def cached(path, layers, folder=None):
     """The world's file with the reference context of its captions as cached embeddings."""
     out = os.path.join(tempdir(), "cached-" + os.path.basename(path))
-    got = reference("caption-context", encoder(), layers, TOKENS, path, out)
+    got = reference("caption-context", folder or encoder(), layers, TOKENS, path, out)
     return out, got
 
 
-def encode_text(ranks, source, layers, batch=5):
+def qwen2_encoder():
+    """A random Qwen2 folder (q/k/v biases, rope_theta 1e6) whose tokenizer puts <s> first."""
+    if "qwen2" not in ENCODER:
+        folder = os.path.join(tempdir(), "qwen2-encoder")
+        reference("make-llama", folder, EL, EC, EH, EKV, EI, EV, 64, "untied", "F32", 5, "model.", "qwen2")
+        with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+            json.dump(world_tokenizer(bos=True), f)
+        ENCODER["qwen2"] = folder
+    return ENCODER["qwen2"]
+
+
+def encode_text(ranks, source, layers, batch=5, folder=None):
     out = os.path.join(tempdir(), "encoded.h5")
-    ok(run(ranks, ["encode-text", "--text-encoder", encoder(), "--layers", layers, "--tokens", str(TOKENS),
+    ok(run(ranks, ["encode-text", "--text-encoder", folder or encoder(), "--layers", layers, "--tokens", str(TOKENS),
                    "--input", source, "--output", out, "--batch", str(batch), "--threads", "1"]))
     return out
 
@@ -102,13 +121,16 @@ def test_the_sharded_encoder_computes_what_transformers_computes_on_any_rank_cou
     state and for an embedding, a block's output and the final norm's side by side; the same bits on
     1, 2 and 3 ranks (uneven slices of 96 captions, forwards of 5); every other dataset and
     attribute of the file copied. Captions of 8 and of 13 tokens (cut at 12) take both the padded
-    and the cut path."""
+    and the cut path. And a Qwen2 encoder (biases, another rotary base) whose tokenizer adds a BOS
+    token (9 and 12 tokens)."""
     w = world()
-    for layers, hf_layers in (("-1", "2"), ("0,1,-1", "0,1,2")):
-        want_file, got = cached(w["train"], hf_layers)
-        assert got["lengths"] == [8, TOKENS], got  # padded and cut captions both present
+    for layers, hf_layers, folder, lengths in (("-1", "2", encoder(), [8, TOKENS]),
+                                               ("0,1,-1", "0,1,2", encoder(), [8, TOKENS]),
+                                               ("-2", "1", qwen2_encoder(), [9, TOKENS])):
+        want_file, got = cached(w["train"], hf_layers, folder)
+        assert got["lengths"] == lengths, got  # padded and cut captions both present
         want, want_attrs = datasets(want_file)
-        files = [encode_text(ranks, w["train"], layers) for ranks in (1, 2, 3)]
+        files = [encode_text(ranks, w["train"], layers, folder=folder) for ranks in (1, 2, 3)]
         first, attrs = datasets(files[0])
         assert sorted(first) == sorted(want) and attrs.keys() == want_attrs.keys(), (sorted(first), sorted(want))
         for name, value in want_attrs.items():
