@@ -12,6 +12,7 @@ import numpy as np
 
 from harness import read_metrics, run, tempdir
 from test_bad_input import expect_usage_error
+from test_checkpoint_edges import meta_checksum
 from test_hf import reference
 from test_images import losses, ok, shape_args, world
 
@@ -194,6 +195,7 @@ def test_the_encoder_is_planned_recorded_and_samples_with_its_captions():
         assert f.attrs["text_encoder.layers"].decode() == "-1"
         assert f.attrs["text_encoder.dtype"].decode() == "bf16" and f.attrs["text_encoder.quant_block"] == 64
         assert f.attrs["text_encoder.checksum"] != 0
+        assert int(f.attrs["meta_checksum"]) == meta_checksum(f.attrs), "the metadata checksum's definition"
     # A resume takes the same conditioning: hidden state 1 has the width of -1 but is other values.
     expect_usage_error(encoder_args("1", f"--checkpoint.dir={d}", "--text_encoder.dtype=bf16", "--train.steps=6"),
                        "resume with text_encoder.layers=-1")
