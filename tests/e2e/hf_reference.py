@@ -17,7 +17,7 @@ layout: every file written is opened with safe_open).
                                                                inv_freq (older files' rotary buffers), qwen2
                                                                (a Qwen2 model: q/k/v biases, rope_theta 1e6))
   hf_reference.py loss FOLDER TOKENS...                        mean next-token cross-entropy (config.json's model_type)
-  hf_reference.py caption-context FOLDER LAYERS LEN IN OUT     a Llama text encoder's context for IN's captions
+  hf_reference.py caption-context FOLDER LAYERS LEN IN OUT     a text encoder's context for IN's captions
                                                                (LAYERS comma-separated, non-negative), into a copy
   hf_reference.py tensors FILE                                 {name: [dtype, shape, sha256 of bytes]}, metadata
   hf_reference.py equal A B                                    whether every tensor is bit-identical (files or folders)
@@ -289,7 +289,7 @@ def llama_loss(config, raw, tokens):
 
 
 def caption_context(folder, layers, length, source, out):
-    """A text encoder's conditioning as transformers and diffusers pipelines compute it, for every
+    """A text encoder's (Llama, Qwen2 or GPT-2) conditioning as transformers and diffusers pipelines compute it, for every
     caption of `source` (an HDF5 latent file's `captions`): the folder's tokenizer.json through the
     tokenizers package, cut at `length` ids; each caption's forward alone (no padding); the hidden
     states `layers` (output_hidden_states indices) side by side, zero after the caption; their mean
@@ -298,20 +298,22 @@ def caption_context(folder, layers, length, source, out):
     import h5py
     from tokenizers import Tokenizer
     config = json.load(open(os.path.join(folder, "config.json")))
-    w = llama_weights(load_folder(folder))
+    gpt2 = config["model_type"] == "gpt2"
+    w = (gpt2_weights if gpt2 else llama_weights)(load_folder(folder))
+    hidden_states = gpt2_hidden_states if gpt2 else llama_hidden_states
     tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
     with h5py.File(source, "r") as f:
         captions = [c.decode() if isinstance(c, bytes) else c for c in f["captions"][()]]
         data = {name: f[name][()] for name in f}
         attrs = dict(f.attrs)
-    C = config["hidden_size"]
+    C = config["n_embd" if gpt2 else "hidden_size"]
     context, pooled = np.zeros((len(captions), length, C * len(layers))), np.zeros((len(captions), C * len(layers)))
     lengths = []
     for i, caption in enumerate(captions):
         ids = tokenizer.encode(caption).ids[:length]
         lengths.append(len(ids))
         if ids:
-            states = llama_hidden_states(config, w, np.array(ids))
+            states = hidden_states(config, w, np.array(ids))
             context[i, :len(ids)] = np.concatenate([states[k] for k in layers], -1)
             pooled[i] = context[i, :len(ids)].mean(0)
     data["encoder_hidden_states"], data["pooled_projections"] = context.astype(np.float32), pooled.astype(np.float32)
@@ -327,12 +329,23 @@ def loss(folder, tokens):
     config = json.load(open(os.path.join(folder, "config.json")))
     if config["model_type"] in ("llama", "mistral", "qwen2"):
         return llama_loss(config, load_folder(folder), tokens)
-    L, C, H = config["n_layer"], config["n_embd"], config["n_head"]
-    raw = load_folder(folder)
-    w = {k[len("transformer."):] if k.startswith("transformer.") else k: v.astype(np.float64) for k, v in raw.items()}
+    w = gpt2_weights(load_folder(folder))
     inputs, targets = np.array(tokens[:-1]), np.array(tokens[1:])
+    x = gpt2_hidden_states(config, w, inputs)[-1]
+    return cross_entropy(x @ w["wte.weight"].T, targets)
+
+
+def gpt2_weights(raw):
+    return {k[len("transformer."):] if k.startswith("transformer.") else k: v.astype(np.float64) for k, v in raw.items()}
+
+
+def gpt2_hidden_states(config, w, inputs):
+    """GPT2Model's output_hidden_states over one sequence: the embeddings (token and position),
+    each block's output, the last one through ln_f."""
+    L, C, H = config["n_layer"], config["n_embd"], config["n_head"]
     T, hd = len(inputs), C // H
     x = w["wte.weight"][inputs] + w["wpe.weight"][:T]
+    states = [x]
     mask = np.triu(np.full((T, T), -np.inf), 1)
     for l in range(L):
         p = f"h.{l}."
@@ -347,8 +360,9 @@ def loss(folder, tokens):
         h = layer_norm(x, w[p + "ln_2.weight"], w[p + "ln_2.bias"])
         x = x + gelu_new(h @ w[p + "mlp.c_fc.weight"] + w[p + "mlp.c_fc.bias"]) @ w[p + "mlp.c_proj.weight"] \
             + w[p + "mlp.c_proj.bias"]
-    x = layer_norm(x, w["ln_f.weight"], w["ln_f.bias"])
-    return cross_entropy(x @ w["wte.weight"].T, targets)
+        states.append(x)
+    states[-1] = layer_norm(x, w["ln_f.weight"], w["ln_f.bias"])
+    return states
 
 
 def tensors(path):

@@ -103,6 +103,17 @@ def qwen2_encoder():
     return ENCODER["qwen2"]
 
 
+def gpt2_encoder():
+    """A random GPT-2 folder (learned positions, LayerNorm, Conv1D weights) with the world's tokenizer."""
+    if "gpt2" not in ENCODER:
+        folder = os.path.join(tempdir(), "gpt2-encoder")
+        reference("make", folder, EL, EC, EH, EV, 64, "F32", 6, "transformer.")
+        with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+            json.dump(world_tokenizer(), f)
+        ENCODER["gpt2"] = folder
+    return ENCODER["gpt2"]
+
+
 def encode_text(ranks, source, layers, batch=5, folder=None):
     out = os.path.join(tempdir(), "encoded.h5")
     ok(run(ranks, ["encode-text", "--text-encoder", folder or encoder(), "--layers", layers, "--tokens", str(TOKENS),
@@ -123,11 +134,12 @@ def test_the_sharded_encoder_computes_what_transformers_computes_on_any_rank_cou
     1, 2 and 3 ranks (uneven slices of 96 captions, forwards of 5); every other dataset and
     attribute of the file copied. Captions of 8 and of 13 tokens (cut at 12) take both the padded
     and the cut path. And a Qwen2 encoder (biases, another rotary base) whose tokenizer adds a BOS
-    token (9 and 12 tokens)."""
+    token (9 and 12 tokens), and a GPT-2 encoder (learned positions, LayerNorm)."""
     w = world()
     for layers, hf_layers, folder, lengths in (("-1", "2", encoder(), [8, TOKENS]),
                                                ("0,1,-1", "0,1,2", encoder(), [8, TOKENS]),
-                                               ("-2", "1", qwen2_encoder(), [9, TOKENS])):
+                                               ("-2", "1", qwen2_encoder(), [9, TOKENS]),
+                                               ("1,2", "1,2", gpt2_encoder(), [8, TOKENS])):
         want_file, got = cached(w["train"], hf_layers, folder)
         assert got["lengths"] == lengths, got  # padded and cut captions both present
         want, want_attrs = datasets(want_file)
