@@ -3,6 +3,7 @@
 
 #include <filesystem>
 
+#include "app/memory_plan.hpp"
 #include "ckpt/checkpoint_io.hpp"
 #include "ckpt/checkpoint_manager.hpp"
 #include "ckpt/hf_model.hpp"
@@ -25,14 +26,23 @@ ParamTable frozen_model_table(const std::string& source, const std::string& opti
                            "config.json and model.safetensors): give one of those");
 }
 
-void load_frozen_weights(const Runtime& rt, Comm& world, const std::string& source, FsdpEngine& engine,
-                         Watchdog* watchdog) {
+FrozenModel::FrozenModel(const Runtime& rt, Comm& world, Comm& shard, Comm& replica, const ComputeBackend& compute,
+                         const EngineOptions& trained_options, ParamTable table, const std::string& source, int batch,
+                         int seq_len, Watchdog* watchdog)
+    : table_(std::move(table)) {
+  engine_ = std::make_unique<FsdpEngine>(table_, shard, replica, memory_, forward_only_options(trained_options),
+                                         compute.backend());
   if (is_hdf5_file(source)) {
     CheckpointManager manager(rt, world, std::filesystem::path(source).parent_path().string(), 1, watchdog);
-    rt.agree_on([&] { manager.load_weights(source, engine); });  // no optimizer moments are ever held
+    rt.agree_on([&] { manager.load_weights(source, *engine_); });  // no optimizer moments are ever held
   } else {
-    rt.agree_on([&] { load_hf_shards(source, engine); });
+    rt.agree_on([&] { load_hf_shards(source, *engine_); });
   }
+  checksum_ = base_model_checksum(*engine_, world);
+  model_ = make_model<float>(table_, batch, seq_len, true, *compute.backend().ops);
+  memory_.add(MEM_ACTIVATIONS, model_->activation_bytes());
+  // What it allocates is checked with the trained model's: the trainer's plan holds
+  // plan_forward_only_memory's, and the device's count after the first step must equal the whole.
 }
 
 }  // namespace shardtrain

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "app/compute_backend.hpp"
+#include "app/frozen_model.hpp"
 #include "comm/runtime.hpp"
 #include "model/model.hpp"
 #include "shard/fsdp_engine.hpp"
@@ -30,23 +31,19 @@ class Teacher {
 
   // Its logits for a micro-batch's tokens (host memory): B*T x V in the device's memory, valid until
   // the next call. Collective over the groups.
-  const float* logits(const Batch& batch) { return engine_->forward_logits(*model_, batch); }
+  const float* logits(const Batch& batch) { return frozen_->engine().forward_logits(frozen_->model(), batch); }
 
-  const ModelConfig& config() const { return table_->config(); }
-  const ParamTable& table() const { return *table_; }
+  const ModelConfig& config() const { return frozen_->config(); }
+  const ParamTable& table() const { return frozen_->table(); }
   // Its weights' identity (base_model_checksum), recorded in the student's checkpoints.
-  uint64_t checksum() const { return checksum_; }
+  uint64_t checksum() const { return frozen_->checksum(); }
   const std::string& source() const { return source_; }
-  // Its bytes on this rank by category (what was allocated: equal to the plan's: memory_plan.hpp's plan_forward_only_memory).
-  const MemoryTracker& memory() const { return memory_; }
+  // Its bytes on this rank by category (FrozenModel::memory).
+  const MemoryTracker& memory() const { return frozen_->memory(); }
 
  private:
   std::string source_;
-  std::unique_ptr<ParamTable> table_;
-  MemoryTracker memory_;
-  std::unique_ptr<FsdpEngine> engine_;
-  std::unique_ptr<TransformerModel<float>> model_;
-  uint64_t checksum_ = 0;
+  std::unique_ptr<FrozenModel> frozen_;
 };
 
 // The teacher's model configuration from its source, read on every rank (call under agree_on).

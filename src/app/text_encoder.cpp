@@ -8,7 +8,6 @@
 
 #include "app/frozen_model.hpp"
 #include "app/hf_export.hpp"
-#include "app/memory_plan.hpp"
 #include "ckpt/checkpoint_io.hpp"
 #include "ckpt/hf_model.hpp"
 #include "core/error.hpp"
@@ -73,9 +72,10 @@ TextEncoder::TextEncoder(const Runtime& rt, Comm& world, Comm& shard, Comm& repl
                          Watchdog* watchdog)
     : tokenizer_(std::move(tokenizer)), batch_(batch), tokens_(denoiser.context_len),
       device_(compute.backend().device) {
+  std::unique_ptr<ParamTable> table;
   rt.agree_on([&] {
-    table_ = std::make_unique<ParamTable>(text_encoder_param_table(options, quant));
-    const ModelConfig& c = config();
+    table = std::make_unique<ParamTable>(text_encoder_param_table(options, quant));
+    const ModelConfig& c = table->config();
     require_capability(c, "text encoder", source_text(options));
     layers_ = parse_hidden_layers(options.layers, c.n_layer);
     const int K = static_cast<int>(layers_.size()), D = K * c.n_embd;
@@ -94,12 +94,8 @@ TextEncoder::TextEncoder(const Runtime& rt, Comm& world, Comm& shard, Comm& repl
                                  "give the tokenizer the encoder was trained with",
                                  tokenizer_->path().c_str(), tokenizer_->vocab_size() - 1, c.vocab_size));
   });
-  engine_ = std::make_unique<FsdpEngine>(*table_, shard, replica, memory_, forward_only_options(denoiser_options),
-                                         compute.backend());
-  load_frozen_weights(rt, world, options.source, *engine_, watchdog);
-  checksum_ = base_model_checksum(*engine_, world);
-  model_ = make_model<float>(*table_, batch_, tokens_, true, *compute.backend().ops);
-  memory_.add(MEM_ACTIVATIONS, model_->activation_bytes());
+  frozen_ = std::make_unique<FrozenModel>(rt, world, shard, replica, compute, denoiser_options, std::move(*table),
+                                          options.source, batch_, tokens_, watchdog);
   hidden_.resize(static_cast<size_t>(batch_) * tokens_ * config().n_embd);
 }
 
@@ -120,9 +116,10 @@ void TextEncoder::encode(const int32_t* ids, const int32_t* lengths, int count, 
     int32_t* tokens = tokens_batch_.put<int32_t>(BATCH_TOKENS, {batch_, L});
     for (int b = 0; b < batch_; b++)  // a short last micro-batch repeats its last caption
       std::copy_n(ids + static_cast<size_t>(first + std::min(b, rows - 1)) * L, L, tokens + static_cast<size_t>(b) * L);
-    const float* root = engine_->forward_hidden(*model_, tokens_batch_, deepest);
+    TransformerModel<float>& model = frozen_->model();
+    const float* root = frozen_->engine().forward_hidden(model, tokens_batch_, deepest);
     for (int k = 0; k < K; k++) {
-      device_->copy_to_host(hidden_.data(), model_->hidden_states()->hidden_state(layers_[k], root),
+      device_->copy_to_host(hidden_.data(), model.hidden_states()->hidden_state(layers_[k], root),
                             hidden_.size() * sizeof(float));
       for (int b = 0; b < rows; b++) {
         const int length = lengths[first + b];

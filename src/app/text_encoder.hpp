@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "app/compute_backend.hpp"
+#include "app/frozen_model.hpp"
 #include "app/options.hpp"
 #include "app/sample.hpp"
 #include "comm/runtime.hpp"
@@ -59,27 +60,23 @@ class TextEncoder {
   // Prompts for the sampler from caption texts (`where` names them in a DataError).
   Prompts encode_captions(const std::vector<std::string>& captions, const std::string& where);
 
-  const ModelConfig& config() const { return table_->config(); }
-  const ParamTable& table() const { return *table_; }
+  const ModelConfig& config() const { return frozen_->config(); }
+  const ParamTable& table() const { return frozen_->table(); }
   const std::vector<int>& layers() const { return layers_; }
   const CaptionTokenizer& tokenizer() const { return *tokenizer_; }
   // Its weights' identity (base_model_checksum), recorded in the denoiser's checkpoints.
-  uint64_t checksum() const { return checksum_; }
-  // Its bytes on this rank by category (what was allocated: equal to the plan's: memory_plan.hpp's plan_forward_only_memory).
-  const MemoryTracker& memory() const { return memory_; }
+  uint64_t checksum() const { return frozen_->checksum(); }
+  // Its bytes on this rank by category (FrozenModel::memory).
+  const MemoryTracker& memory() const { return frozen_->memory(); }
 
  private:
-  std::unique_ptr<ParamTable> table_;
   std::shared_ptr<const CaptionTokenizer> tokenizer_;
   std::vector<int> layers_;
   int batch_, tokens_;
-  MemoryTracker memory_;
-  std::unique_ptr<FsdpEngine> engine_;
-  std::unique_ptr<TransformerModel<float>> model_;
-  Batch tokens_batch_;            // the encoder's micro-batch: token ids
-  std::vector<float> hidden_;     // one hidden state of a micro-batch, on the host
+  std::unique_ptr<FrozenModel> frozen_;
+  Batch tokens_batch_;         // the encoder's micro-batch: token ids
+  std::vector<float> hidden_;  // one hidden state of a micro-batch, on the host
   Device* device_ = nullptr;
-  uint64_t checksum_ = 0;
 };
 
 }  // namespace shardtrain
