@@ -67,6 +67,11 @@ void inspect_checkpoint(const std::string& path) {
   if (s.adapters_only)
     std::printf("adapter-only checkpoint: the adapters and their optimizer state alone; resume it with the base model "
                 "of that checksum as checkpoint.init_from\n");
+  if (!s.text_encoder.empty())
+    std::printf("text encoder in the job: %s, hidden states %s, held in %s, tokenizer %s, checksum %s (not in the "
+                "file)\n",
+                s.text_encoder.c_str(), s.text_encoder_layers.c_str(), s.text_encoder_dtype.c_str(),
+                s.text_encoder_tokenizer.c_str(), checksum_text(s.text_encoder_checksum).c_str());
   if (s.has_dataset) {
     print_dataset_identity("data.train_file", s.dataset_train);
     print_dataset_identity("data.val_file", s.dataset_val);

@@ -208,6 +208,8 @@ def test_the_encoder_is_planned_recorded_and_samples_with_its_captions():
         assert f.attrs["text_encoder.dtype"].decode() == "bf16" and f.attrs["text_encoder.quant_block"] == 64
         assert f.attrs["text_encoder.checksum"] != 0
         assert int(f.attrs["meta_checksum"]) == meta_checksum(f.attrs), "the metadata checksum's definition"
+    shown = ok(run(1, ["inspect", ckpt])).stdout
+    assert f"text encoder in the job: {encoder()}, hidden states -1, held in bf16" in shown, shown[:2000]
     # A resume takes the same conditioning: hidden state 1 has the width of -1 but is other values.
     expect_usage_error(encoder_args("1", f"--checkpoint.dir={d}", "--text_encoder.dtype=bf16", "--train.steps=6"),
                        "resume with text_encoder.layers=-1")
