@@ -159,6 +159,18 @@ def test_the_sharded_encoder_computes_what_transformers_computes_on_any_rank_cou
             got_other, _ = datasets(other)
             for name in first:
                 np.testing.assert_array_equal(got_other[name], first[name], err_msg=name)
+    # Captions stored as h5py's variable-length strings read as the fixed-length ones.
+    variable = os.path.join(tempdir(), "variable.h5")
+    with h5py.File(w["train"], "r") as f, h5py.File(variable, "w") as g:
+        for name in f:
+            if name != "captions":
+                g[name] = f[name][()]
+        g.create_dataset("captions", data=[c.decode() for c in f["captions"][()]], dtype=h5py.string_dtype())
+        for name, value in f.attrs.items():
+            g.attrs[name] = value
+    fixed, _ = datasets(encode_text(1, w["train"], "-1"))
+    np.testing.assert_array_equal(datasets(encode_text(1, variable, "-1"))[0]["encoder_hidden_states"],
+                                  fixed["encoder_hidden_states"])
 
 
 def test_training_with_the_encoder_in_the_job_is_training_on_its_cached_embeddings():
