@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "app/options.hpp"
+#include "ckpt/bnb_tensor.hpp"
 #include "ckpt/checkpoint_io.hpp"
 #include "ckpt/checkpoint_manager.hpp"
 #include "ckpt/hf_model.hpp"
@@ -194,10 +195,28 @@ std::vector<float> merged_weight(const CheckpointReader& reader, const ParamTabl
   return w;
 }
 
+// A bitsandbytes 4-bit weight's tensors, at entry and after it (hf_export_plan's order).
+void write_bnb_weight(SafetensorsWriter& writer, size_t entry, const Bnb4bitWeight& w) {
+  writer.write_bytes(entry++, 0, w.packed.size(), w.packed.data());
+  float map[16];
+  for (int c = 0; c < 16; c++) map[c] = quant4_code_value(w.type, c);
+  if (w.double_quant()) {
+    writer.write_bytes(entry++, 0, w.absmax_codes.size(), w.absmax_codes.data());
+    writer.write_fp32(entry++, 0, 16, map);
+    writer.write_fp32(entry++, 0, w.nested_absmax.size(), w.nested_absmax.data());
+    writer.write_fp32(entry++, 0, 256, bnb_dynamic_map());
+  } else {
+    writer.write_fp32(entry++, 0, w.absmax.size(), w.absmax.data());
+    writer.write_fp32(entry++, 0, 16, map);
+  }
+  const std::string state = w.quant_state();
+  writer.write_bytes(entry, 0, state.size(), state.data());
+}
+
 }  // namespace
 
 void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const std::string& out_dir, DType dtype,
-                      uint64_t max_file_bytes, bool merge) {
+                      uint64_t max_file_bytes, bool merge, const HfQuantizedExport& quant) {
   std::unique_ptr<CheckpointReader> reader;
   rt.agree_on([&] { reader = std::make_unique<CheckpointReader>(checkpoint); });
   if (rt.is_root() && !reader->state().warning.empty()) std::fprintf(stderr, "warning: %s\n", reader->state().warning.c_str());
@@ -213,15 +232,24 @@ void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const st
                      "the weights with --merge");
   if (adapter.type == ADAPTER_NONE && merge)
     throw UsageError("--merge folds adapters into the weights, but checkpoint '" + checkpoint + "' has none");
+  if (quant.type != QUANT_NONE && !family_of(model).hf_bnb_4bit())
+    throw UsageError(std::string("--quantize writes bitsandbytes 4-bit folders of transformers' nn.Linear models, "
+                                 "and checkpoint '") + checkpoint + "' holds a " + family_of(model).name() +
+                     " model, whose Hugging Face linear weights are not all nn.Linear: export it unquantized and "
+                     "train on it with fsdp.frozen_dtype=" + quant_type_name(quant.type));
   const ParamTable table(model), adapted(model, {}, adapter);
-  const HfExportPlan plan = hf_export_plan(table, dtype, max_file_bytes);
+  const HfExportPlan plan = hf_export_plan(table, dtype, max_file_bytes, quant);
   // The ranks share the parameters round-robin, each read whole from the checkpoint.
   write_hf_folder(rt, model, out_dir, dtype, plan, [&](std::vector<std::unique_ptr<SafetensorsWriter>>& writers) {
     for (const ParamInfo& p : table.params()) {
       if (p.id % rt.world() != rt.rank()) continue;
       const std::vector<float> values = to_hf_order(model, p, merged_weight(*reader, adapted, p));
       const auto [file, entry] = plan.where[p.id];
-      writers[file]->write_fp32(entry, 0, values.size(), values.data());
+      if (plan.quantized[p.id])
+        write_bnb_weight(*writers[file], entry, Bnb4bitWeight(values.data(), hf_tensor_of(model, p).shape, quant.type, quant.block,
+                                                              quant.double_quant));
+      else
+        writers[file]->write_fp32(entry, 0, values.size(), values.data());
     }
   }, recorded_tokenizer(reader->state()));
   rt.info("wrote %s: Hugging Face %s (config.json, %s, %s in %s, %s) from step %lld, written by %s",
@@ -349,7 +377,13 @@ void write_hf_folder(const Runtime& rt, const ModelConfig& model, const std::str
       carry_other_files(target.string(), staging, family_of(model).hf_weights());
       const std::optional<HfSpecialIds> ids =
           tokenizer.empty() ? std::nullopt : write_tokenizer_files(tokenizer, staging, model);
-      write("config.json", hf_config_json(model, dtype, ids ? &*ids : nullptr));
+      std::string config = hf_config_json(model, dtype, ids ? &*ids : nullptr);
+      if (!plan.quantization_config.empty()) {
+        nlohmann::ordered_json j = nlohmann::ordered_json::parse(config);
+        j["quantization_config"] = nlohmann::ordered_json::parse(plan.quantization_config);
+        config = j.dump(2) + "\n";
+      }
+      write("config.json", config);
       std::string synced = CheckpointManager::fsync_path(staging);
       if (!synced.empty()) throw CheckpointError(synced);
       commit_folder(staging, target.string());

@@ -24,8 +24,11 @@ namespace shardtrain {
 // it (merge_and_unload), computed on the host in double: LoRA W + (alpha / rank) B A, DoRA that
 // rescaled per row to its magnitude, LoHa and LoKr W + dW, OFT W blockdiag(R)^T
 // (model/delta_adapters.hpp).
+// `quant` (export --quantize): the blocks' linear weights as bitsandbytes 4-bit tensors, with
+// config.json's quantization_config, as transformers saves a model loaded in 4 bits (a family
+// whose linear weights are all nn.Linear: ModelFamily::hf_bnb_4bit); the rest in `dtype`.
 void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const std::string& out_dir, DType dtype,
-                      uint64_t max_file_bytes, bool merge = false);
+                      uint64_t max_file_bytes, bool merge = false, const HfQuantizedExport& quant = {});
 
 using SafetensorsWriters = std::vector<std::unique_ptr<SafetensorsWriter>>;
 

@@ -215,8 +215,9 @@ int run_checkpoint_tool(Runtime& rt, const std::vector<std::string>& args) {
   const std::string usage = inspect ? "shardtrain inspect FILE"
                                     : "shardtrain export --checkpoint FILE --output PATH [--format llmc|hf [--merge] | "
                                       "--adapter] [hf options]";
-  std::string checkpoint, output, format = "llmc", dtype = "fp32", max_file_size = "5GB", timeout = "300";
-  bool adapter = false, merge = false;
+  std::string checkpoint, output, format = "llmc", dtype = "fp32", max_file_size = "5GB", timeout = "300",
+                                 quantize = "none", quant_block = "64";
+  bool adapter = false, merge = false, double_quant = false;
   po::options_description desc("usage: " + usage + "\n\n" + args[0] + " options");
   desc.add_options()("help,h", "print the options")(
       "checkpoint", po::value(&checkpoint), "shardtrain checkpoint (.h5), either layout (or as the first word)");
@@ -236,6 +237,13 @@ int run_checkpoint_tool(Runtime& rt, const std::vector<std::string>& args) {
         "merge", po::bool_switch(&merge),
         "hf: fold the checkpoint's adapters into the weights as PEFT's merge_and_unload does and export a plain "
         "model")(
+        "quantize", po::value(&quantize)->default_value(quantize),
+        "hf: nf4 or fp4 writes the blocks' linear weights as bitsandbytes 4-bit tensors with config.json's "
+        "quantization_config, as transformers saves a model loaded with load_in_4bit (Llama, Qwen2); none: as --dtype")(
+        "quant-block", po::value(&quant_block)->default_value(quant_block),
+        "hf --quantize: elements per block (one absmax each), a power of two from 32 to 4096")(
+        "double-quant", po::bool_switch(&double_quant),
+        "hf --quantize: also quantize the absmax to 8 bits in blocks of 256 (bnb_4bit_use_double_quant)")(
         "comm-timeout", po::value(&timeout)->default_value(timeout),
         "seconds before a collective that waits for a stalled or dead rank aborts every rank (0 = off)");
   const std::string help = "; see 'shardtrain " + args[0] + " --help'";
@@ -243,6 +251,7 @@ int run_checkpoint_tool(Runtime& rt, const std::vector<std::string>& args) {
   bool print_help = false;
   DType export_dtype = DTYPE_FP32;
   uint64_t max_file_bytes = 0;
+  HfQuantizedExport quant;
   rt.agree_on([&] {
     try {
       std::vector<std::string> words = parse_tool_options({args.begin() + 1, args.end()}, desc, vm);
@@ -266,6 +275,22 @@ int run_checkpoint_tool(Runtime& rt, const std::vector<std::string>& args) {
     if (!inspect && !adapter && format == "llmc" && dtype != "fp32")
       throw UsageError("--dtype applies to --format=hf; llm.c weights are fp32");
     export_dtype = parse_dtype_option(dtype, "--dtype");
+    auto given = [&](const char* option) { return vm.count(option) && !vm[option].defaulted(); };
+    const bool quant_options = given("quantize") || given("quant-block") || double_quant;
+    if (quant_options && (adapter || format != "hf"))
+      throw UsageError("--quantize, --quant-block and --double-quant apply to --format=hf (a bitsandbytes 4-bit "
+                       "folder of the model), not to " + std::string(adapter ? "--adapter" : "llm.c files"));
+    if (quantize != "none" && (!parse_quant_type(quantize, &quant.type) ||
+                               (quant.type != QUANT_NF4 && quant.type != QUANT_FP4)))
+      throw UsageError("--quantize='" + printable_text(quantize) + "' is not allowed; allowed: none, nf4, fp4 "
+                       "(bitsandbytes' 4-bit formats)");
+    if ((given("quant-block") || double_quant) && quant.type == QUANT_NONE)
+      throw UsageError("--quant-block and --double-quant shape a 4-bit export: add --quantize=nf4 or fp4");
+    quant.block = static_cast<size_t>(parse_whole_number(quant_block, "--quant-block", 1, 1 << 20));
+    if (!quant_block_ok(static_cast<int>(quant.block)))
+      throw UsageError("--quant-block=" + quant_block + " is not one of bitsandbytes' block sizes: a power of two "
+                       "from 32 to 4096 (64 is its default)");
+    quant.double_quant = double_quant;
     if (!inspect && format == "hf") max_file_bytes = parse_memory_limit(max_file_size, "--max-file-size").bytes;
     rt.set_collective_timeout(
         {static_cast<double>(parse_whole_number(timeout, "--comm-timeout", 0, 1u << 30)), "--comm-timeout"});
@@ -275,7 +300,7 @@ int run_checkpoint_tool(Runtime& rt, const std::vector<std::string>& args) {
   } else if (adapter) {
     rt.agree_on([&] { export_peft_folder(rt, checkpoint, output, export_dtype); });
   } else if (!inspect && format == "hf") {
-    rt.agree_on([&] { export_hf_folder(rt, checkpoint, output, export_dtype, max_file_bytes, merge); });
+    rt.agree_on([&] { export_hf_folder(rt, checkpoint, output, export_dtype, max_file_bytes, merge, quant); });
   } else {
     rt.on_root(args[0].c_str(), [&] {
       if (inspect)

@@ -9,7 +9,8 @@
 //                                           double quantization nested_blocksize and nested_offset
 // read as bitsandbytes' dequantize_4bit computes it in float32: quant_map[code] x absmax, the
 // absmax itself nested_quant_map[q] x nested_absmax + offset. Every part is checked against the
-// others and the shape the model needs before anything is read.
+// others and the shape the model needs before anything is read. Bnb4bitWeight makes those parts
+// (`shardtrain export --quantize`).
 #pragma once
 
 #include <cstdint>
@@ -17,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/quant.hpp"
 #include "ckpt/safetensors.hpp"
 
 namespace shardtrain {
@@ -50,5 +52,40 @@ class Bnb4bitTensor {
   bool nested_ = false;
   std::vector<std::string> keys_;
 };
+
+// One weight quantized as bitsandbytes' quantize_4bit stores it (the tensors above), made from its
+// fp32 values: the codes and absmax of backend/quant.hpp's blocks, which are bitsandbytes' bit for
+// bit. With double quantization (compress_statistics) the absmax are stored as 8-bit codes of
+// absmax - offset in blocks of 256 over bitsandbytes' signed dynamic map (nested_quant_map): the
+// offset is their mean rounded once to fp32 (torch's fp32 reduction can differ in the last bit),
+// and each code is the nearest value of the map (the first of two as near). bitsandbytes' CPU
+// kernel searches the map inexactly and sometimes takes the one below: such a file still
+// dequantizes as written, in bitsandbytes as here (docs/quantization.md).
+struct Bnb4bitWeight {
+  Bnb4bitWeight(const float* values, const std::vector<int64_t>& shape, QuantType type, size_t block,
+                bool double_quant);
+  QuantType type;
+  size_t block;
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> packed;        // (numel + 1) / 2 bytes
+  std::vector<float> absmax;          // per block (without double quantization)
+  std::vector<uint8_t> absmax_codes;  // per block (with it), and:
+  std::vector<float> nested_absmax;   // per block of BNB_NESTED_BLOCK absmax
+  float offset = 0;
+  bool double_quant() const { return !absmax_codes.empty(); }
+  // The quant_state's JSON as bitsandbytes packs it, padded with blanks to quant_state_bytes()
+  // (which JSON allows), so that a file's layout is known before any weight is quantized.
+  std::string quant_state() const;
+  static size_t quant_state_bytes(const std::vector<int64_t>& shape, bool double_quant);
+  // The value of element i as bitsandbytes' dequantize_4bit gives it.
+  float value(size_t i) const;
+};
+
+// bitsandbytes' nested block (quantize_blockwise's default) and its signed 8-bit dynamic map
+// (functional.create_dynamic_map()), 256 values sorted ascending.
+constexpr size_t BNB_NESTED_BLOCK = 256;
+const float* bnb_dynamic_map();
+// The JSON key of a weight's quant_state tensor: "<weight>.quant_state.bitsandbytes__nf4".
+std::string bnb_quant_state_suffix(QuantType type);
 
 }  // namespace shardtrain

@@ -358,19 +358,52 @@ std::string hf_config_json(const ModelConfig& m, DType dtype, const HfSpecialIds
   return j.dump(2) + "\n";
 }
 
-HfExportPlan hf_export_plan(const ParamTable& table, DType dtype, uint64_t max_file_bytes) {
+HfExportPlan hf_export_plan(const ParamTable& table, DType dtype, uint64_t max_file_bytes,
+                            const HfQuantizedExport& quant) {
   const std::string base = family_of(table.config()).hf_weights();
   std::vector<std::vector<SafetensorsEntry>> groups(1);
   HfExportPlan plan;
   plan.index_name = base + ".safetensors.index.json";
+  plan.quant = quant;
+  plan.quantized.assign(table.params().size(), false);
+  if (quant.type != QUANT_NONE)
+    for (int l = 0; l < table.block_count(); l++)
+      for (const LinearSite& site : table.block_sites(l)) plan.quantized[table.param(block_unit(l), site.weight).id] = true;
   uint64_t in_group = 0;
   for (const ParamInfo& p : table.params()) {
     const HfTensor t = hf_tensor_of(table.config(), p);
-    const uint64_t bytes = p.numel * dtype_bytes(dtype);
+    std::vector<SafetensorsEntry> entries;
+    if (!plan.quantized[p.id]) {
+      entries.push_back({t.name, dtype, t.shape});
+    } else {
+      SHARD_CHECK(!t.transposed && t.rows.empty(), "a bitsandbytes tensor for %s, stored transposed or in pieces",
+                  p.name.c_str());
+      const int64_t blocks = static_cast<int64_t>((p.numel + quant.block - 1) / quant.block);
+      auto bytes = [](const std::string& name, int64_t n) { return SafetensorsEntry{name, DTYPE_FP32, {n}, true}; };
+      entries.push_back({t.name, DTYPE_FP32, {static_cast<int64_t>((p.numel + 1) / 2), 1}, true});
+      if (quant.double_quant) {
+        entries.push_back(bytes(t.name + ".absmax", blocks));
+        entries.push_back({t.name + ".quant_map", DTYPE_FP32, {16}});
+        entries.push_back({t.name + ".nested_absmax", DTYPE_FP32,
+                           {(blocks + static_cast<int64_t>(BNB_NESTED_BLOCK) - 1) / static_cast<int64_t>(BNB_NESTED_BLOCK)}});
+        entries.push_back({t.name + ".nested_quant_map", DTYPE_FP32, {256}});
+      } else {
+        entries.push_back({t.name + ".absmax", DTYPE_FP32, {blocks}});
+        entries.push_back({t.name + ".quant_map", DTYPE_FP32, {16}});
+      }
+      entries.push_back(bytes(t.name + bnb_quant_state_suffix(quant.type),
+                              static_cast<int64_t>(Bnb4bitWeight::quant_state_bytes(t.shape, quant.double_quant))));
+    }
+    uint64_t bytes = 0;
+    for (const SafetensorsEntry& e : entries) {
+      uint64_t numel = 1;
+      for (int64_t d : e.shape) numel *= static_cast<uint64_t>(d);
+      bytes += numel * (e.bytes ? 1 : dtype_bytes(e.dtype));
+    }
     if (max_file_bytes && in_group > 0 && in_group + bytes > max_file_bytes) groups.emplace_back(), in_group = 0;
     plan.where.emplace_back(groups.size() - 1, groups.back().size());
     plan.rows.emplace_back();
-    groups.back().push_back({t.name, dtype, t.shape});
+    groups.back().insert(groups.back().end(), entries.begin(), entries.end());
     in_group += bytes;
     plan.tensor_bytes += bytes;
   }
@@ -379,6 +412,25 @@ HfExportPlan hf_export_plan(const ParamTable& table, DType dtype, uint64_t max_f
                                  ? base + ".safetensors"
                                  : strprintf("%s-%05zu-of-%05zu.safetensors", base.c_str(), f + 1, groups.size());
     plan.files.push_back({name, SafetensorsLayout(groups[f], {{"format", "pt"}})});
+  }
+  if (quant.type != QUANT_NONE) {
+    // As transformers 5 writes BitsAndBytesConfig(load_in_4bit=True, ...).
+    const char* compute = dtype == DTYPE_FP32 ? "float32" : dtype == DTYPE_BF16 ? "bfloat16" : "float16";
+    nlohmann::ordered_json q;
+    q["_load_in_4bit"] = true;
+    q["_load_in_8bit"] = false;
+    q["bnb_4bit_compute_dtype"] = compute;
+    q["bnb_4bit_quant_storage"] = "uint8";
+    q["bnb_4bit_quant_type"] = quant_type_name(quant.type);
+    q["bnb_4bit_use_double_quant"] = quant.double_quant;
+    q["llm_int8_enable_fp32_cpu_offload"] = false;
+    q["llm_int8_has_fp16_weight"] = false;
+    q["llm_int8_skip_modules"] = nullptr;
+    q["llm_int8_threshold"] = 6.0;
+    q["load_in_4bit"] = true;
+    q["load_in_8bit"] = false;
+    q["quant_method"] = "bitsandbytes";
+    plan.quantization_config = q.dump();
   }
   return plan;
 }

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backend/dtype.hpp"
+#include "backend/quant.hpp"
 #include "ckpt/safetensors.hpp"
 #include "model/config.hpp"
 #include "shard/fsdp_engine.hpp"
@@ -61,9 +62,24 @@ struct HfExportFile {
   std::string name;
   SafetensorsLayout layout;
 };
+// `export --quantize`: the blocks' linear weights stored as bitsandbytes 4-bit tensors
+// (ckpt/bnb_tensor.hpp), as transformers' save_pretrained writes a model loaded with
+// BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=type, bnb_4bit_use_double_quant=...).
+struct HfQuantizedExport {
+  QuantType type = QUANT_NONE;  // none: every weight in the export's dtype
+  size_t block = 64;
+  bool double_quant = false;
+};
+
 struct HfExportPlan {
   std::vector<HfExportFile> files;
-  std::vector<std::pair<size_t, size_t>> where;  // by parameter id: (file, entry in the file)
+  // by parameter id: (file, entry in the file); a quantized weight's entries follow each other
+  // there: the packed codes, absmax, quant_map, (nested_absmax, nested_quant_map,) quant_state
+  std::vector<std::pair<size_t, size_t>> where;
+  std::vector<bool> quantized;                   // by parameter id: stored as a bitsandbytes 4-bit tensor
+  HfQuantizedExport quant;
+  // config.json's quantization_config (JSON text), "" for none
+  std::string quantization_config;
   // by parameter id: its rows as pieces of the entry's (HfTensor::rows; a single file's fused
   // tensors), empty where it is the whole entry
   std::vector<std::vector<std::pair<int64_t, int64_t>>> rows;
@@ -74,7 +90,8 @@ struct HfExportPlan {
   // The file a reader opens first: the one weight file, or the index.
   const std::string& entry_name() const { return files.size() == 1 ? files[0].name : index_name; }
 };
-HfExportPlan hf_export_plan(const ParamTable& table, DType dtype, uint64_t max_file_bytes);
+HfExportPlan hf_export_plan(const ParamTable& table, DType dtype, uint64_t max_file_bytes,
+                            const HfQuantizedExport& quant = {});
 // The family's single file (ModelFamily::single_file_tensor: Black Forest Labs' FLUX.1 layout),
 // `name`: one entry per stored tensor, several parameters writing their rows of a fused one.
 HfExportPlan single_file_export_plan(const ParamTable& table, DType dtype, const std::string& name);

@@ -208,8 +208,10 @@ SafetensorsLayout::SafetensorsLayout(const std::vector<SafetensorsEntry>& entrie
   for (const SafetensorsEntry& e : entries_) {
     uint64_t numel = 1;
     for (int64_t d : e.shape) numel *= static_cast<uint64_t>(d);
-    const uint64_t bytes = numel * dtype_bytes(e.dtype);
-    header[e.name] = {{"dtype", safetensors_dtype_name(e.dtype)}, {"shape", e.shape}, {"data_offsets", {at, at + bytes}}};
+    const uint64_t bytes = numel * (e.bytes ? 1 : dtype_bytes(e.dtype));
+    header[e.name] = {{"dtype", e.bytes ? "U8" : safetensors_dtype_name(e.dtype)},
+                      {"shape", e.shape},
+                      {"data_offsets", {at, at + bytes}}};
     offsets_.push_back(at);
     at += bytes;
   }
@@ -247,7 +249,14 @@ SafetensorsWriter::~SafetensorsWriter() {
   if (fd_ >= 0) ::close(fd_);
 }
 
+void SafetensorsWriter::write_bytes(size_t entry, uint64_t first, uint64_t count, const void* bytes) {
+  SHARD_CHECK(layout_.entries()[entry].bytes, "write_bytes into %s, which is not U8", layout_.entries()[entry].name.c_str());
+  if (!pwrite_all(fd_, bytes, count, layout_.offset(entry) + first))
+    throw CheckpointError("cannot write '" + path_ + "': " + std::strerror(errno) + " (disk full?)");
+}
+
 void SafetensorsWriter::write_fp32(size_t entry, uint64_t first, uint64_t count, const float* values) {
+  SHARD_CHECK(!layout_.entries()[entry].bytes, "write_fp32 into U8 tensor %s", layout_.entries()[entry].name.c_str());
   const DType type = layout_.entries()[entry].dtype;
   const size_t element = dtype_bytes(type);
   std::vector<uint16_t> halves;

@@ -57,11 +57,13 @@ class SafetensorsReader {
   std::map<std::string, std::string> metadata_;
 };
 
-// One tensor of a file to write: its name, element type and shape.
+// One tensor of a file to write: its name, element type and shape. `bytes`: a U8 tensor written
+// as it is (SafetensorsWriter::write_bytes; `dtype` unused) -- a quantized weight's codes.
 struct SafetensorsEntry {
   std::string name;
   DType dtype = DTYPE_FP32;
   std::vector<int64_t> shape;
+  bool bytes = false;
 };
 
 // The byte layout of a file: header text and each entry's absolute offset. A pure function of the
@@ -95,6 +97,8 @@ class SafetensorsWriter {
   SafetensorsWriter(const SafetensorsWriter&) = delete;
   SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
   void write_fp32(size_t entry, uint64_t first, uint64_t count, const float* values);
+  // Bytes [first, first + count) of a U8 entry (SafetensorsEntry::bytes).
+  void write_bytes(size_t entry, uint64_t first, uint64_t count, const void* bytes);
   // fsync and close; throws CheckpointError when the data may not be on disk.
   void finish();
 

@@ -181,6 +181,9 @@ class ModelFamily {
   virtual HfTensor hf_tensor(const ParamInfo& param) const = 0;
   // Whether a tensor of a file (its name less the prefix) is no parameter and may be left over.
   virtual bool hf_ignorable(const std::string& key) const = 0;
+  // Whether transformers' bitsandbytes 4-bit loading (load_in_4bit) replaces exactly the blocks'
+  // linear layers, each stored whole as (out, in): what `export --quantize` writes.
+  virtual bool hf_bnb_4bit() const { return false; }
   // Whether transformers stores the blocks' linear weights as Conv1D (in, out) (GPT-2), which PEFT
   // adapts with LoRA and DoRA only.
   virtual bool hf_conv1d() const { return false; }

@@ -2,6 +2,8 @@
 dequantize_4bit (the default kernels its CPU backend runs) and from torch's float8_e4m3fn rounding;
 test_quantization.py holds them to those libraries' own output (tests/fixtures/bnb/quant.safetensors)
 before using them as the oracle of a quantized run."""
+import json
+
 import numpy as np
 
 F32 = np.float32
@@ -105,3 +107,25 @@ def quantize_dequantize(x, fmt, block):
         codes = float_to_e4m3(np.clip(seg / scale, F32(-448), F32(448)))
         out[start:start + seg.size] = e4m3_to_float(codes).astype(F32) * scale
     return out.reshape(x.shape)
+
+
+def dequantize_bnb_tensor(tensors, name):
+    """A weight of a bitsandbytes 4-bit folder (its packed codes, absmax -- 8-bit codes of
+    absmax - offset under double quantization -- maps and JSON quant_state) as bitsandbytes'
+    dequantize_4bit computes it in float32: quant_map[code] x absmax, the absmax itself
+    nested_quant_map[q] x nested_absmax + offset (rounded after each step)."""
+    states = [k for k in tensors if k.startswith(name + ".quant_state.bitsandbytes__")]
+    assert len(states) == 1, name
+    state = json.loads(bytes(tensors[states[0]]).decode())
+    block, shape = state["blocksize"], state["shape"]
+    numel = int(np.prod(shape))
+    packed = tensors[name].reshape(-1)
+    codes = np.empty(2 * packed.size, dtype=np.int64)
+    codes[0::2], codes[1::2] = packed >> 4, packed & 15
+    absmax = tensors[name + ".absmax"]
+    if "nested_blocksize" in state:
+        nested = state["nested_blocksize"]
+        scales = np.repeat(tensors[name + ".nested_absmax"], nested)[:absmax.size]
+        absmax = (tensors[name + ".nested_quant_map"][absmax] * scales).astype(F32) + F32(state["nested_offset"])
+    values = tensors[name + ".quant_map"][codes[:numel]] * np.repeat(absmax.astype(F32), block)[:numel]
+    return values.astype(F32).reshape(shape)

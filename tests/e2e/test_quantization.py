@@ -19,7 +19,7 @@ import shutil
 import numpy as np
 
 from harness import ROOT, read_metrics, run, run_single, tempdir, tiny_args
-from quant_reference import dequantize_4bit, float_to_e4m3, pack_4bit, quantize_4bit, quantize_dequantize
+from quant_reference import dequantize_4bit, dequantize_bnb_tensor, float_to_e4m3, pack_4bit, quantize_4bit, quantize_dequantize
 from safetensors_io import read_safetensors, write_safetensors
 from test_bad_input import expect_usage_error, write_tokens
 from test_freeze import latest
@@ -318,3 +318,92 @@ def test_convert_dequantizes_a_bitsandbytes_folder_both_ways():
     assert sorted(got) == sorted(want)
     for name in want:
         assert np.array_equal(got[name].view(np.uint32), want[name].view(np.uint32)), name
+
+
+@functools.lru_cache(maxsize=None)
+def exported_4bit(quant_type, *extra):
+    """The fixture's base, converted to a checkpoint and exported by 2 ranks with --quantize."""
+    ckpt, out = os.path.join(tempdir(), "base.h5"), os.path.join(tempdir(), quant_type)
+    ok(run(1, ["convert", "--input", BASE, "--output", ckpt]), "convert")
+    ok(run(2, ["export", ckpt, "--format", "hf", "--output", out, f"--quantize={quant_type}", *extra]), "export")
+    return out
+
+
+def folder_tensors(folder):
+    tensors = {}
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(folder, name)))
+    return tensors
+
+
+def test_export_quantize_writes_what_transformers_saves_under_load_in_4bit():
+    """export --quantize of the fixture's base against transformers' save_pretrained of the same base
+    loaded with load_in_4bit (tests/fixtures/bnb/llama): FP4 byte for byte; NF4 with double
+    quantization the same 4-bit codes, 8-bit absmax codes and maps, and the offset within one unit in
+    the last place (torch's fp32 mean; ours is the mean correctly rounded); config.json's
+    quantization_config the same. The numpy dequantization that reads such folders is first held to
+    bitsandbytes' own dequantization of transformers' folders."""
+    for quant_type, extra in (("fp4", ()), ("nf4", ("--double-quant",))):
+        theirs = load_file(os.path.join(BNB_FOLDERS, quant_type, "model.safetensors"))
+        want = load_file(os.path.join(BNB_FOLDERS, "dequant-" + quant_type, "model.safetensors"))
+        for name in quantized_names(want):
+            assert np.array_equal(dequantize_bnb_tensor(theirs, name).view(np.uint32), want[name].view(np.uint32))
+        folder = exported_4bit(quant_type, *extra)
+        ours = load_file(os.path.join(folder, "model.safetensors"))
+        assert sorted(ours) == sorted(theirs), quant_type
+        for name in theirs:
+            if ".quant_state." in name:
+                mine, bnb = (json.loads(bytes(t[name]).decode()) for t in (ours, theirs))
+                if "nested_offset" in bnb:
+                    a, b = np.float32(mine.pop("nested_offset")), np.float32(bnb.pop("nested_offset"))
+                    assert abs(int(a.view(np.int32)) - int(b.view(np.int32))) <= 1, name
+                assert mine == bnb, name
+            elif name.endswith(".nested_absmax"):  # max |absmax - offset|: moves with the offset
+                assert np.allclose(ours[name], theirs[name], rtol=1e-6, atol=0), name
+            else:
+                assert ours[name].dtype == theirs[name].dtype and ours[name].shape == theirs[name].shape, name
+                assert np.array_equal(ours[name].view(np.uint8), theirs[name].view(np.uint8)), name
+        with open(os.path.join(folder, "config.json")) as f, \
+                open(os.path.join(BNB_FOLDERS, quant_type, "config.json")) as g:
+            assert json.load(f)["quantization_config"] == json.load(g)["quantization_config"]
+
+
+def test_an_exported_4bit_folder_trains_as_its_dequantized_weights():
+    """The exported folders read back (checkpoint.init_from) train, bit for bit, as numpy's
+    dequantization of their tensors -- into an fp32 base, and into an NF4 base whose records are the
+    folder's own; split into several files (--max-file-size), each weight's tensors stay together
+    and it reads the same. Other block sizes are whole bitsandbytes tensors too."""
+    for quant_type, extra in (("nf4", ("--double-quant",)), ("nf4", ("--quant-block=32", "--double-quant")),
+                              ("fp4", ("--quant-block=128",))):
+        folder = exported_4bit(quant_type, *extra)
+        tensors = folder_tensors(folder)
+        reference = tempdir()
+        shutil.copy(os.path.join(BASE, "config.json"), reference)
+        plain = load_file(os.path.join(BASE, "model.safetensors"))
+        for name in quantized_names(plain):
+            plain[name] = dequantize_bnb_tensor(tensors, name)
+        save_file(plain, os.path.join(reference, "model.safetensors"), metadata={"format": "pt"})
+        want = training(2, reference)[0]
+        assert training(2, folder)[0] == want, extra
+        if extra == ("--double-quant",):
+            assert training(3, folder, "--fsdp.frozen_dtype=nf4")[0] == training(3, reference)[0]
+            split = exported_4bit(quant_type, "--double-quant", "--max-file-size=8KB")
+            assert len([n for n in os.listdir(split) if n.endswith(".safetensors")]) > 2
+            assert training(2, split)[0] == want
+
+
+def test_bad_export_quantize_options_are_refused():
+    ckpt = os.path.join(tempdir(), "base.h5")
+    ok(run(1, ["convert", "--input", BASE, "--output", ckpt]), "convert")
+    out = os.path.join(tempdir(), "out")
+    export = ["export", ckpt, "--output", out]
+    expect_usage_error(export + ["--format=hf", "--quantize=fp8"], "--quantize='fp8' is not allowed")
+    expect_usage_error(export + ["--format=hf", "--quantize=nf4", "--quant-block=48"], "--quant-block=48")
+    expect_usage_error(export + ["--format=hf", "--double-quant"], "add --quantize=nf4 or fp4")
+    expect_usage_error(export + ["--quantize=nf4"], "apply to --format=hf")
+    expect_usage_error(export + ["--adapter", "--quantize=nf4"], "not to --adapter")
+    d = tempdir()
+    ok(run(1, tiny_args("--train.steps=1", f"--checkpoint.dir={d}")), "gpt2")
+    expect_usage_error(["export", latest(d), "--output", out, "--format=hf", "--quantize=nf4"], "holds a gpt2 model")
+    assert not os.path.exists(out)

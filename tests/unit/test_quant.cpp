@@ -10,6 +10,7 @@
 
 #include "backend/layer_ops.hpp"
 #include "backend/quant.hpp"
+#include "ckpt/bnb_tensor.hpp"
 #include "ckpt/safetensors.hpp"
 
 namespace shardtrain {
@@ -26,21 +27,6 @@ std::vector<T> read(const SafetensorsReader& file, const std::string& name, cons
   return out;
 }
 
-// Quantizes `x` block by block into bitsandbytes' tensor layout (codes of the whole flattening,
-// then the absmax of each block) through our records.
-void quantize_as_bnb(QuantType type, const std::vector<float>& x, size_t block, std::vector<uint8_t>* packed,
-                     std::vector<float>* absmax) {
-  std::vector<uint8_t> record(quant_record_bytes(type, block));
-  packed->assign((x.size() + 1) / 2, 0);
-  absmax->clear();
-  for (size_t b = 0; b * block < x.size(); b++) {
-    const size_t valid = std::min(block, x.size() - b * block);
-    quantize_block(type, x.data() + b * block, valid, block, record.data());
-    std::copy(record.begin(), record.begin() + (valid + 1) / 2, packed->begin() + b * block / 2);
-    absmax->push_back(quant_scale(type, record.data(), block));
-  }
-}
-
 TEST(Quant, FourBitCodesAndScalesAreBitsandbytesOwn) {
   SafetensorsReader file(FIXTURE);
   int cases = 0;
@@ -49,18 +35,60 @@ TEST(Quant, FourBitCodesAndScalesAreBitsandbytesOwn) {
       for (const char* label : {"odd", "tiny", "ties"}) {
         const std::string key = std::string(quant_type_name(type)) + "." + std::to_string(block) + "." + label;
         const std::vector<float> x = read<float>(file, key + ".input", "F32");
-        std::vector<uint8_t> packed;
-        std::vector<float> absmax;
-        quantize_as_bnb(type, x, block, &packed, &absmax);
+        // bitsandbytes' tensor layout (codes of the whole flattening, the absmax of each block)
+        // made from our records.
+        const Bnb4bitWeight w(x.data(), {static_cast<int64_t>(x.size())}, type, block, false);
         const std::vector<uint8_t> want_packed = read<uint8_t>(file, key + ".packed", "U8");
         const std::vector<float> want_absmax = read<float>(file, key + ".absmax", "F32");
-        ASSERT_EQ(packed, want_packed) << key;
-        ASSERT_EQ(absmax.size(), want_absmax.size()) << key;
-        for (size_t i = 0; i < absmax.size(); i++)
-          ASSERT_EQ(float_bits(absmax[i]), float_bits(want_absmax[i])) << key << " block " << i;
+        ASSERT_EQ(w.packed, want_packed) << key;
+        ASSERT_EQ(w.absmax.size(), want_absmax.size()) << key;
+        for (size_t i = 0; i < w.absmax.size(); i++)
+          ASSERT_EQ(float_bits(w.absmax[i]), float_bits(want_absmax[i])) << key << " block " << i;
         cases++;
       }
   EXPECT_EQ(cases, 48);
+}
+
+// Double quantization (compress_statistics): the fixture's 301 blocks of 64 in two nested blocks.
+// The 4-bit codes and the dynamic map are bitsandbytes' own. The offset is the mean correctly
+// rounded, which torch's fp32 reduction gives or misses by one unit in the last place; each absmax
+// code is the nearest of the map, which bitsandbytes' CPU search is not always: where the codes
+// differ, ours must be strictly nearer. Dequantized, the absmax are within a code's step of the
+// true ones, and the weights within the 4-bit error the plain absmax give.
+TEST(Quant, DoubleQuantizationIsBitsandbytesLayoutWithTheNearestCodes) {
+  SafetensorsReader file(FIXTURE);
+  const float* map = bnb_dynamic_map();
+  EXPECT_EQ(std::vector<float>(map, map + 256), read<float>(file, "nf4.nested.nested_quant_map", "F32"));
+  for (QuantType type : {QUANT_NF4, QUANT_FP4}) {
+    const std::string key = std::string(quant_type_name(type)) + ".nested";
+    const std::vector<float> x = read<float>(file, key + ".input", "F32");
+    const Bnb4bitWeight plain(x.data(), {static_cast<int64_t>(x.size())}, type, 64, false);
+    const Bnb4bitWeight w(x.data(), {static_cast<int64_t>(x.size())}, type, 64, true);
+    ASSERT_TRUE(w.double_quant());
+    EXPECT_EQ(w.packed, read<uint8_t>(file, key + ".packed", "U8")) << key;
+    const float want_offset = read<float>(file, key + ".offset", "F32")[0];
+    EXPECT_LE(std::abs(static_cast<int64_t>(float_bits(w.offset)) - static_cast<int64_t>(float_bits(want_offset))), 1)
+        << key;
+    double sum = 0;
+    for (float a : plain.absmax) sum += a;
+    EXPECT_EQ(w.offset, static_cast<float>(sum / plain.absmax.size())) << key;
+    const std::vector<uint8_t> want_codes = read<uint8_t>(file, key + ".absmax", "U8");
+    ASSERT_EQ(w.absmax_codes.size(), want_codes.size());
+    ASSERT_EQ(w.nested_absmax.size(), 2u);
+    int differ = 0;
+    for (size_t b = 0; b < want_codes.size(); b++) {
+      const float scaled = (plain.absmax[b] - w.offset) / w.nested_absmax[b / 256];
+      const float ours = std::fabs(scaled - map[w.absmax_codes[b]]), theirs = std::fabs(scaled - map[want_codes[b]]);
+      EXPECT_LE(ours, theirs) << key << " block " << b;
+      if (w.absmax_codes[b] != want_codes[b]) EXPECT_LT(ours, theirs) << key << " block " << b, differ++;
+      const float step = map[std::min(w.absmax_codes[b] + 1, 255)] - map[std::max(w.absmax_codes[b] - 1, 0)];
+      EXPECT_LE(std::fabs(map[w.absmax_codes[b]] * w.nested_absmax[b / 256] + w.offset - plain.absmax[b]),
+                step * w.nested_absmax[b / 256]) << key << " block " << b;
+    }
+    EXPECT_LE(differ, 2) << key;  // one in the NF4 case, none in the FP4 one
+    for (size_t i = 0; i < x.size(); i++)
+      ASSERT_LE(std::fabs(w.value(i) - x[i]), 0.6f * plain.absmax[i / 64] + 1e-6f) << key << " element " << i;
+  }
 }
 
 TEST(Quant, FourBitDequantizationIsBitsandbytesOwnInFp32AndBf16) {
