@@ -29,14 +29,17 @@ namespace fs = std::filesystem;
 
 const char* USAGE_LINE =
     "shardtrain convert --input PATH --output PATH [--layout sharded|gathered] [--config FILE] "
-    "[--dtype fp32|bf16|fp16] [--max-file-size SIZE] [--overwrite]";
+    "[--frozen-dtype nf4|fp4|fp8|bf16 [--quant-block N] [--quantize-all-linear]] [--dtype fp32|bf16|fp16] "
+    "[--max-file-size SIZE] [--overwrite]";
 const char* HELP = "; see 'shardtrain convert --help'";
 
 struct ConvertOptions {
-  std::string input, output, layout = "sharded", dtype = "fp32", config, max_file_size = "5GB", timeout = "300";
-  bool overwrite = false;
+  std::string input, output, layout = "sharded", dtype = "fp32", config, max_file_size = "5GB", timeout = "300",
+                                 frozen_dtype = "fp32", quant_block = "64";
+  bool overwrite = false, quantize_all_linear = false;
   // Options given that apply to one direction only.
-  bool layout_given = false, config_given = false, dtype_given = false, max_file_size_given = false;
+  bool layout_given = false, config_given = false, dtype_given = false, max_file_size_given = false,
+       quant_given = false;
 };
 
 // Returns false when --help was asked for (the text printed by rank 0).
@@ -63,6 +66,15 @@ bool parse_convert_args(const Runtime& rt, const std::vector<std::string>& args,
       ("max-file-size", po::value(&o.max_file_size)->default_value(o.max_file_size),
        "to a folder: larger weights are split into files of at most this size with an index (model.safetensors.index.json, "
        "diffusers' diffusion_pytorch_model.safetensors.index.json)")
+      ("frozen-dtype", po::value(&o.frozen_dtype)->default_value(o.frozen_dtype),
+       "to a checkpoint: nf4, fp4 (bitsandbytes' 4-bit formats), fp8 or bf16 stores the blocks' linear weights "
+       "quantized (their records, as a run with fsdp.frozen_dtype holds them: a frozen base for adapters, a "
+       "teacher, a text encoder); fp32: every weight as it is")
+      ("quant-block", po::value(&o.quant_block)->default_value(o.quant_block),
+       "to a checkpoint with --frozen-dtype: elements per block, a power of two from 32 to 4096")
+      ("quantize-all-linear", po::bool_switch(&o.quantize_all_linear),
+       "to a checkpoint with --frozen-dtype: also the linear layers a family keeps in full precision (FLUX's "
+       "modulation)")
       ("overwrite", po::bool_switch(&o.overwrite), "replace --output if it exists")
       ("comm-timeout", po::value(&o.timeout)->default_value(o.timeout),
        "seconds any one collective may wait for a stalled rank before the job is aborted; 0 = never");
@@ -81,6 +93,7 @@ bool parse_convert_args(const Runtime& rt, const std::vector<std::string>& args,
   }
   o.layout_given = !vm["layout"].defaulted(), o.config_given = vm.count("config") > 0;
   o.dtype_given = !vm["dtype"].defaulted(), o.max_file_size_given = !vm["max-file-size"].defaulted();
+  o.quant_given = !vm["frozen-dtype"].defaulted() || !vm["quant-block"].defaulted() || o.quantize_all_linear;
   return true;
 }
 
@@ -130,6 +143,9 @@ Direction check_paths(const ConvertOptions& o) {
     if (o.layout != "sharded" && o.layout != "gathered")
       throw UsageError("--layout='" + printable_text(o.layout) + "' is not allowed; allowed: sharded, gathered" + HELP);
   } else {
+    only(o.quant_given, "--frozen-dtype, --quant-block and --quantize-all-linear",
+         "apply to a checkpoint written from a Hugging Face folder; 'export --quantize' writes a bitsandbytes "
+         "4-bit folder");
     only(o.layout_given, "--layout", "applies to a checkpoint written from a Hugging Face folder");
     only(o.config_given, "--config", "applies to a checkpoint written from a Hugging Face folder (a checkpoint "
                                      "records its own configuration)");
@@ -172,7 +188,24 @@ void folder_to_checkpoint(const Runtime& rt, const ConvertOptions& o, Watchdog& 
     if (o.config_given) args.insert(args.begin(), {"--config", o.config});
     config = parse_train_args(args, "convert").config;
   });
-  const ParamTable table(config.model);
+  // --frozen-dtype: the blocks' linear weights frozen and held in the format, as a teacher's
+  // (QuantConfig::inference), so the checkpoint stores their records.
+  QuantConfig quant{QUANT_NONE, 64, o.quantize_all_linear, true, "--frozen-dtype"};
+  rt.agree_on([&] {
+    if (!parse_quant_type(o.frozen_dtype, &quant.type))
+      throw UsageError("--frozen-dtype='" + printable_text(o.frozen_dtype) + "' is not allowed; allowed: fp32, nf4, "
+                       "fp4, fp8, bf16" + HELP);
+    quant.block = static_cast<size_t>(parse_whole_number(o.quant_block, "--quant-block", 1, 1 << 20));
+    if (!quant_block_ok(static_cast<int>(quant.block)))
+      throw UsageError("--quant-block=" + o.quant_block + " is not a power of two from 32 to 4096" + HELP);
+    if (quant.type == QUANT_NONE && o.quant_given && o.frozen_dtype == "fp32")
+      throw UsageError("--quant-block and --quantize-all-linear shape a quantized base: add --frozen-dtype" +
+                       std::string(HELP));
+  });
+  std::unique_ptr<ParamTable> quantized_table;
+  rt.agree_on([&] { quantized_table = std::make_unique<ParamTable>(config.model, std::vector<std::string>{},
+                                                                   AdapterConfig{}, quant); });
+  const ParamTable& table = *quantized_table;
   ShardHolder holder(rt, table, watchdog);
   rt.agree_on([&] { load_hf_shards(o.input, holder.engine); });
   const double t_read = MPI_Wtime();
@@ -198,9 +231,12 @@ void folder_to_checkpoint(const Runtime& rt, const ConvertOptions& o, Watchdog& 
     throw;
   }
   const double t_end = MPI_Wtime();
-  rt.info("converted Hugging Face model %s (%s) to checkpoint %s (%s layout, step 0, optimizer moments zero) on %s "
+  rt.info("converted Hugging Face model %s (%s) to checkpoint %s (%s layout%s, step 0, optimizer moments zero) on %s "
           "in %.2f s (read %.2f s, write %.2f s); parameter shard per rank %s",
           o.input.c_str(), shape_of(table).c_str(), o.output.c_str(), o.layout.c_str(),
+          quant.type == QUANT_NONE ? ""
+                                   : strprintf(", linear weights in %s blocks of %zu", quant_type_name(quant.type),
+                                               quant.block).c_str(),
           counted(rt.world(), "rank").c_str(), t_end - t0, t_read - t0, t_end - t_read,
           human_bytes(4.0 * holder.engine.local_param_count()).c_str());
 }

@@ -10,6 +10,7 @@
 
 #include "ckpt/checkpoint_io.hpp"
 #include "core/counted.hpp"
+#include "core/format.hpp"
 
 namespace shardtrain {
 
@@ -67,6 +68,20 @@ void inspect_checkpoint(const std::string& path) {
   if (s.adapters_only)
     std::printf("adapter-only checkpoint: the adapters and their optimizer state alone; resume it with the base model "
                 "of that checksum as checkpoint.init_from\n");
+  if (!s.quantized_dtype.empty()) {
+    size_t weights = 0, elements = 0;
+    for (const ParamInfo& p : table.params())
+      if (reader.dataset_path(p, table.units()[p.unit].name, CheckpointReader::TENSOR_PARAMS).rfind("/quantized/", 0) == 0)
+        weights++, elements += p.numel;
+    QuantType type = QUANT_NONE;
+    parse_quant_type(s.quantized_dtype, &type);
+    std::printf("quantized frozen base: %s in %s (%s per element) as their records in /quantized, "
+                "%s; the norms below are of the dequantized values\n",
+                counted(static_cast<long long>(weights), "weight").c_str(), s.quantized_dtype.c_str(),
+                strprintf("%zu-element blocks, %.4g bytes", static_cast<size_t>(s.quantized_block),
+                          quant_bytes_per_element(type, static_cast<size_t>(s.quantized_block))).c_str(),
+                human_bytes(elements * quant_bytes_per_element(type, static_cast<size_t>(s.quantized_block))).c_str());
+  }
   if (!s.text_encoder.empty())
     std::printf("text encoder in the job: %s, hidden states %s, held in %s, tokenizer %s, checksum %s (not in the "
                 "file)\n",

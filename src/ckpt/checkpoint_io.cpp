@@ -43,20 +43,25 @@ struct Piece {
 };
 
 // HDF5 reads and writes host memory. Parameters pass through each unit's HostShard (in place for
-// shards on the host without a quantized space; else a host copy, the quantized space dequantized,
-// and quantized again by upload()); moments on the host are used in place, on a GPU through host
-// copies. Frozen and quantized parameters have no moments: their moment datasets are written as
-// zeros and, on load, read (for the checksum) into a scratch buffer and dropped. Without an
-// optimizer (a weights-only save or load) there are no moments at all: at() and buffer() give null
-// for them.
+// shards on the host without a quantized space; else a host copy, and quantized by upload());
+// moments on the host are used in place, on a GPU through host copies. Frozen parameters have no
+// moments: their moment datasets are written as zeros and, on load, read (for the checksum) into
+// a scratch buffer and dropped. Without an optimizer (a weights-only save or load) there are no
+// moments at all: at() and buffer() give null for them. The quantized spaces are never
+// dequantized here: a save writes their records (records(), host copies when on a GPU), a load
+// dequantizes the file's records into the host copy, which upload() quantizes.
 class HostShards {
  public:
-  // with_quantized: the quantized spaces dequantized (a save that writes the base); a load fills
-  // them from the file, or (an adapter-only file) leaves them alone.
-  HostShards(FsdpEngine& engine, AdamW* optimizer, bool download, bool with_quantized) {
+  // download: a save's (the moments and records brought to the host).
+  HostShards(FsdpEngine& engine, AdamW* optimizer, bool download) {
     size_t frozen_shard = 0;
     for (size_t u = 0; u < engine.shards().size(); u++) {
-      params_.push_back(engine.host_shard(static_cast<int>(u), with_quantized));
+      params_.push_back(engine.host_shard(static_cast<int>(u), false));
+      const DeviceArray<uint8_t>& packed = engine.shards()[u].packed;
+      record_copies_.emplace_back(download && !packed.on_host() ? packed.size() : 0);
+      if (!record_copies_.back().empty())
+        packed.device()->copy_to_host(record_copies_.back().data(), packed.data(), packed.bytes());
+      records_.push_back(packed.on_host() ? packed.data() : record_copies_.back().data());
       DeviceArray<float>* moments[2] = {optimizer ? &optimizer->m()[u] : nullptr, optimizer ? &optimizer->v()[u] : nullptr};
       for (DeviceArray<float>* a : moments) {
         moments_.push_back(a);
@@ -69,6 +74,8 @@ class HostShards {
     if (optimizer) frozen_moments_.assign(frozen_shard, 0.0f);
   }
   bool has_moments() const { return moments_.empty() || moments_[0]; }
+  // The rank's records of unit u's quantized space (UnitShard::packed) on the host (a save's).
+  const uint8_t* records(size_t unit) const { return records_[unit]; }
   // k: 0 parameters, 1 first moment, 2 second moment. Element `index` of the unit's shard buffer
   // (UnitLayout::local_part), in `space`.
   float* at(size_t unit, int k, const UnitLayout& layout, const SpaceLayout& space, size_t index) {
@@ -100,9 +107,14 @@ class HostShards {
   std::vector<DeviceArray<float>*> moments_;  // per unit: first moment, second moment (null: none)
   std::vector<std::vector<float>> copies_;
   std::vector<float> frozen_moments_;
+  std::vector<const uint8_t*> records_;
+  std::vector<std::vector<uint8_t>> record_copies_;
 };
 
 const char* TENSOR_PARTS[3] = {"params", "exp_avg", "exp_avg_sq"};
+// The fourth kind of dataset: a quantized weight's records, /quantized/<param> in either layout.
+constexpr int TENSOR_RECORDS = 3;
+const char* RECORDS_GROUP = "/quantized/";
 const char* TENSOR_PREFIXES[3] = {"/model/", "/optim/exp_avg/", "/optim/exp_avg_sq/"};
 
 // Where one tensor (0 parameters, 1 first moment, 2 second moment) of a parameter lives.
@@ -119,17 +131,26 @@ struct DatasetRun {
   size_t unit_begin = 0, numel = 0;
 };
 
-// Whether a file holds a parameter: every one, or (adapters_only) the adapters' alone.
-bool stored(const ParamInfo& p, bool adapters_only) { return !adapters_only || p.adapter; }
+// What a save of this run writes: records of every quantized weight unless the file holds the
+// adapters alone.
+CheckpointContent content_of_run(const ParamTable& table, bool adapters_only) {
+  CheckpointContent c;
+  c.adapters_only = adapters_only;
+  if (adapters_only || table.quant().type == QUANT_NONE) return c;
+  c.quant = table.quant().type, c.block = table.quant().block;
+  c.records.resize(table.params().size());
+  for (const ParamInfo& p : table.params()) c.records[p.id] = p.quantized;
+  return c;
+}
 
 // Where a parameter starts in its unit's flat dataset (sharded layout): the unit's stored
 // parameters laid end to end in declaration order. All stored: ParamInfo::file_offset.
-size_t stored_offset(const ParamTable& table, const ParamInfo& p, bool adapters_only) {
-  if (!adapters_only) return p.file_offset;
+size_t stored_offset(const ParamTable& table, const ParamInfo& p, const CheckpointContent& content) {
+  if (!content.adapters_only && content.records.empty()) return p.file_offset;
   size_t at = 0;
   for (int id : table.units()[p.unit].params) {
     if (id == p.id) break;
-    if (stored(table.params()[id], adapters_only)) at += table.params()[id].numel;
+    if (content.stored(table.params()[id])) at += table.params()[id].numel;
   }
   return at;
 }
@@ -142,23 +163,23 @@ size_t stored_offset(const ParamTable& table, const ParamInfo& p, bool adapters_
 // their datasets; sharded, one flat dataset per unit that has adapters, its adapters end to end.
 struct DatasetSpec {
   std::string path;
-  std::vector<hsize_t> dims;  // gathered: the parameter's shape; sharded: {numel} (the file's is padded)
-  uint64_t numel = 0;         // elements under the checksum
+  std::vector<hsize_t> dims;  // gathered: the parameter's shape; sharded: {numel} (the file's is padded);
+                              // records: {blocks, record bytes}
+  uint64_t numel = 0;         // elements (records: blocks) under the checksum
   size_t unit = 0;
   int tensor = 0;
   std::vector<DatasetRun> runs;
 };
 
 std::vector<DatasetSpec> dataset_specs(const ParamTable& table, const ParamTable& run, const std::string& layout,
-                                       bool adapters_only) {
+                                       const CheckpointContent& content) {
   SHARD_CHECK(table.params().size() <= run.params().size(), "a checkpoint with more parameters than the run");
   std::vector<DatasetSpec> specs;
   for (size_t u = 0; u < table.units().size(); u++) {
     const UnitInfo& unit = table.units()[u];
     size_t unit_numel = 0;  // the elements of the unit that the file holds
-    for (int id : unit.params) unit_numel += stored(table.params()[id], adapters_only) ? table.params()[id].numel : 0;
-    if (unit_numel == 0) continue;  // an adapter-only file: a unit without adapters has no datasets
-    for (int k = 0; k < 3; k++) {
+    for (int id : unit.params) unit_numel += content.stored(table.params()[id]) ? table.params()[id].numel : 0;
+    for (int k = 0; k < 3 && unit_numel > 0; k++) {  // (an adapter-only file: units without adapters have none)
       if (layout == "sharded") {
         // The unit's stored parameters in declaration order; neighbours in one space (trainable,
         // frozen, quantized) that are neighbours in the unit too are one run.
@@ -166,9 +187,9 @@ std::vector<DatasetSpec> dataset_specs(const ParamTable& table, const ParamTable
         int last_space = 0;
         for (int id : unit.params) {
           const ParamInfo& p = table.params()[id];
-          if (!stored(p, adapters_only)) continue;
+          if (!content.stored(p)) continue;
           const ParamInfo& q = run.params()[id];
-          const size_t first = stored_offset(table, p, adapters_only);
+          const size_t first = stored_offset(table, p, content);
           DatasetRun* last = d.runs.empty() ? nullptr : &d.runs.back();
           const int space = q.frozen + q.quantized;
           if (last && space == last_space && last->unit_begin + last->numel == q.offset &&
@@ -183,11 +204,17 @@ std::vector<DatasetSpec> dataset_specs(const ParamTable& table, const ParamTable
       }
       for (int id : unit.params) {
         const ParamInfo& p = table.params()[id];
-        if (!stored(p, adapters_only)) continue;
+        if (!content.stored(p)) continue;
         std::vector<hsize_t> dims(p.shape.begin(), p.shape.end());
         specs.push_back(
             {dataset_name(layout, unit.name, p.name, k), dims, p.numel, u, k, {{0, run.params()[id].offset, p.numel}}});
       }
+    }
+    for (int id : unit.params) {
+      const ParamInfo& p = table.params()[id];
+      if (content.in_records(p))
+        specs.push_back({RECORDS_GROUP + p.name, {content.blocks(p), content.record_bytes()}, content.blocks(p), u,
+                         TENSOR_RECORDS, {{0, run.params()[id].offset, p.numel}}});
     }
   }
   return specs;
@@ -198,6 +225,7 @@ std::vector<Piece> plan_pieces(const std::vector<DatasetSpec>& specs, FsdpEngine
   std::vector<Piece> pieces;
   for (size_t i = 0; i < specs.size(); i++) {
     const DatasetSpec& d = specs[i];
+    if (d.tensor == TENSOR_RECORDS) continue;  // RecordPiece
     const UnitLayout& shard = engine.shards()[d.unit].layout;
     for (const DatasetRun& run : d.runs) {
       const FlatRange range{run.unit_begin, run.unit_begin + run.numel};
@@ -217,12 +245,68 @@ std::vector<Piece> plan_pieces(const std::vector<DatasetSpec>& specs, FsdpEngine
   return pieces;
 }
 
+bool is_moment(const DatasetSpec& d) { return d.tensor == 1 || d.tensor == 2; }
+
 // The dataset's shape in a new file: a sharded unit's flat buffer padded to a multiple of the
 // rank count (the format's promise; readers accept any padding below it).
 std::vector<hsize_t> file_dims(const DatasetSpec& d, const std::string& layout, int world) {
-  if (layout != "sharded") return d.dims;
+  if (layout != "sharded" || d.tensor == TENSOR_RECORDS) return d.dims;
   const hsize_t w = static_cast<hsize_t>(world);
   return {(d.numel + w - 1) / w * w};
+}
+
+// The checksum of `count` records of `bytes` bytes from record `first`: a wrapping sum over records
+// of a hash of (index, FNV-1a of its bytes), independent of the rank count as the elements' is.
+uint64_t records_checksum(const uint8_t* records, uint64_t count, uint64_t first, size_t bytes) {
+  uint64_t sum = 0;
+  for (uint64_t r = 0; r < count; r++) {
+    uint64_t h = 14695981039346656037ull;
+    for (size_t i = 0; i < bytes; i++) h = (h ^ records[r * bytes + i]) * 1099511628211ull;
+    sum += mix64((first + r) * 0x9E3779B97F4A7C15ull + h);
+  }
+  return sum;
+}
+
+// The rows of a /quantized dataset (blocks of one weight, spec run `run`) this rank transfers: on
+// a load, those covering its part of the weight; `owned` (a save's writes, and the checksums),
+// those whose first element it owns -- one rank among replicas, however the run cuts the weight
+// (a run holding it quantized cuts on blocks, an fp32 run anywhere).
+struct RecordRows {
+  uint64_t first = 0, count = 0;
+};
+RecordRows record_rows(const UnitLayout& layout, const DatasetRun& run, size_t block, bool owned) {
+  const FlatRange part = layout.local_part({run.unit_begin, run.unit_begin + run.numel}, owned).range;
+  if (part.empty()) return {};
+  const uint64_t a = part.begin - run.unit_begin, b = part.end - run.unit_begin;
+  const uint64_t first = owned ? (a + block - 1) / block : a / block, end = (b + block - 1) / block;
+  return {first, end > first ? end - first : 0};
+}
+
+// Where the rank's records (UnitShard::packed on the host) hold the block that starts at unit
+// coordinate x of the quantized space.
+const uint8_t* shard_record(const UnitLayout& layout, size_t x, const uint8_t* records) {
+  const size_t at = layout.quantized.local_index(x) - layout.quantized.local;
+  SHARD_CHECK(at % layout.block == 0, "a record at element %zu of a quantized shard in blocks of %zu", at, layout.block);
+  return records + at / layout.block * layout.record_bytes();
+}
+
+// Collectively writes or reads rows [first, first + count) of a 2-D uint8 dataset of `row_bytes`
+// columns (count 0: takes part, transferring nothing).
+herr_t transfer_rows(hid_t dataset, bool write, const RecordRows& rows, size_t row_bytes, uint8_t* data, hid_t dxpl,
+                     const std::string& path) {
+  H5Id space(h5_check_id(H5Dget_space(dataset), path, "H5Dget_space"), H5Sclose);
+  hsize_t start[2] = {rows.first, 0}, n[2] = {rows.count, row_bytes};
+  if (rows.count == 0)
+    h5_check(H5Sselect_none(space), path, "H5Sselect_none");
+  else
+    h5_check(H5Sselect_hyperslab(space, H5S_SELECT_SET, start, nullptr, n, nullptr), path, "H5Sselect_hyperslab");
+  hsize_t mem_n = std::max<uint64_t>(rows.count * row_bytes, 1);
+  H5Id memspace(h5_check_id(H5Screate_simple(1, &mem_n, nullptr), path, "H5Screate_simple"), H5Sclose);
+  if (rows.count == 0) h5_check(H5Sselect_none(memspace), path, "H5Sselect_none");
+  uint8_t scratch = 0;
+  uint8_t* buffer = rows.count ? data : &scratch;
+  return write ? H5Dwrite(dataset, H5T_NATIVE_UINT8, memspace, space, dxpl, buffer)
+               : H5Dread(dataset, H5T_NATIVE_UINT8, memspace, space, dxpl, buffer);
 }
 
 uint64_t element_hash(uint64_t index, float value) {
@@ -309,12 +393,12 @@ void sum_over_ranks(std::vector<uint64_t>& values, Comm& comm) {
 }
 
 // "name offset numel shape" per stored parameter: the map from parameters to a unit's flat offsets.
-std::string unit_index(const ParamTable& table, size_t unit, bool adapters_only) {
+std::string unit_index(const ParamTable& table, size_t unit, const CheckpointContent& content) {
   std::ostringstream s;
   for (int id : table.units()[unit].params) {
     const ParamInfo& p = table.params()[id];
-    if (!stored(p, adapters_only)) continue;
-    s << p.name << " " << stored_offset(table, p, adapters_only) << " " << p.numel << " ";
+    if (!content.stored(p)) continue;
+    s << p.name << " " << stored_offset(table, p, content) << " " << p.numel << " ";
     for (size_t d = 0; d < p.shape.size(); d++) s << (d ? "x" : "") << p.shape[d];
     s << "\n";
   }
@@ -394,6 +478,9 @@ const char* TEXT_ENCODER_STRS[4] = {"text_encoder.source", "text_encoder.layers"
                                     "text_encoder.dtype"};
 const char* TEXT_ENCODER_INTS[2] = {"text_encoder.quant_block", "text_encoder.quantize_all_linear"};
 const char* TEXT_ENCODER_CHECKSUM = "text_encoder.checksum";
+// Version 7, written when the file holds records: their format (quant_type_name) and block.
+const char* QUANTIZED_DTYPE = "quantized.dtype";
+const char* QUANTIZED_BLOCK = "quantized.block";
 
 std::array<int64_t, 6> adapter_method_ints(const AdapterConfig& a) {
   return {a.decompose_both, a.decompose_factor, a.block_size, a.cayley_neumann, a.neumann_terms, a.block_share};
@@ -459,6 +546,10 @@ void write_state(hid_t file, const CheckpointState& s, const ModelConfig& model,
     i64(TEXT_ENCODER_INTS[1], s.text_encoder_all_linear);
     h5_write_attr_u64(file, TEXT_ENCODER_CHECKSUM, s.text_encoder_checksum, path);
     sum.add(TEXT_ENCODER_CHECKSUM, std::to_string(s.text_encoder_checksum));
+  }
+  if (!s.quantized_dtype.empty()) {
+    str(QUANTIZED_DTYPE, s.quantized_dtype);
+    i64(QUANTIZED_BLOCK, s.quantized_block);
   }
   h5_write_attr_u64(file, META_CHECKSUM, sum.value(), path);
 }
@@ -603,6 +694,15 @@ CheckpointState read_state(hid_t file, const std::string& path) {
     s.text_encoder_checksum = h5_read_attr_u64(file, TEXT_ENCODER_CHECKSUM, path);
     sum.add(TEXT_ENCODER_CHECKSUM, std::to_string(s.text_encoder_checksum));
   }
+  if (version >= 7 && h5_has_attr(file, QUANTIZED_DTYPE)) {
+    s.quantized_dtype = str(QUANTIZED_DTYPE);
+    s.quantized_block = i64(QUANTIZED_BLOCK);
+    QuantType type;
+    if (!parse_quant_type(s.quantized_dtype, &type) || type == QUANT_NONE || s.quantized_block > 4096 ||
+        !quant_block_ok(static_cast<int>(s.quantized_block)))
+      throw CheckpointError("checkpoint '" + path + "': attributes quantized.dtype and quantized.block hold no valid "
+                            "format; the file is damaged");
+  }
   if (!h5_has_attr(file, META_CHECKSUM))
     s.warning = where + "no metadata checksum (written by an older build): its attributes are not verified";
   else if (h5_read_attr_u64(file, META_CHECKSUM, path) != sum.value())
@@ -675,6 +775,35 @@ void check_objects(hid_t file, const std::vector<DatasetSpec>& specs, const std:
                             " (not part of this model's checkpoint): the file is damaged or edited");
 }
 
+// What the file holds: its quantized weights are the datasets under /quantized, each a base
+// parameter of `table`, in the format of its root attributes (without them a /quantized group is
+// an unexpected object to check_objects).
+CheckpointContent file_content(hid_t file, const ParamTable& table, const CheckpointState& s, const std::string& path) {
+  CheckpointContent c;
+  c.adapters_only = s.adapters_only;
+  if (s.quantized_dtype.empty()) return c;
+  if (s.adapters_only)
+    throw CheckpointError("checkpoint '" + path + "' holds adapters alone and quantized base weights; the file is "
+                          "damaged");
+  SHARD_CHECK(parse_quant_type(s.quantized_dtype, &c.quant), "quantized.dtype %s", s.quantized_dtype.c_str());
+  c.block = static_cast<size_t>(s.quantized_block);
+  c.records.assign(table.params().size(), false);
+  std::vector<std::string> found;
+  h5_check(H5Lvisit(file, H5_INDEX_NAME, H5_ITER_NATIVE, collect_link, &found), path, "H5Lvisit");
+  const std::string group = RECORDS_GROUP;
+  for (const std::string& name : found) {
+    if (name.rfind(group, 0) != 0) continue;
+    const std::string param = name.substr(group.size());
+    auto it = std::find_if(table.params().begin(), table.params().end(),
+                           [&](const ParamInfo& p) { return p.name == param && !p.adapter; });
+    if (it == table.params().end())
+      throw CheckpointError("checkpoint '" + path + "': unexpected object " + name +
+                            " (not a weight of this model's base): the file is damaged or edited");
+    c.records[it->id] = true;
+  }
+  return c;
+}
+
 // Checks one dataset against its spec (type, shape, `numel`) and returns its dims and stored checksum.
 std::pair<std::vector<hsize_t>, uint64_t> check_dataset(hid_t dataset, const DatasetSpec& d, const CheckpointState& s,
                                                         const std::string& path) {
@@ -684,17 +813,20 @@ std::pair<std::vector<hsize_t>, uint64_t> check_dataset(hid_t dataset, const Dat
   const int64_t numel = has_attrs ? h5_read_attr_i64(dataset, "numel", path) : -1;
   // A sharded unit was padded for the rank count at save time (less than one element per rank).
   const uint64_t world = static_cast<uint64_t>(s.world_size);
-  bool shape_ok = s.layout == "sharded" ? dims.size() == 1 && dims[0] >= d.numel && dims[0] - d.numel < world
-                                        : dims == d.dims;
+  const bool records = d.tensor == TENSOR_RECORDS;
+  bool shape_ok = s.layout == "sharded" && !records ? dims.size() == 1 && dims[0] >= d.numel && dims[0] - d.numel < world
+                                                    : dims == d.dims;
   std::string got;
   for (size_t i = 0; i < dims.size(); i++) got += (i ? "x" : "") + std::to_string(dims[i]);
   const std::string where = "checkpoint '" + path + "': dataset " + d.path;
-  if (H5Tget_class(type) != H5T_FLOAT || H5Tget_size(type) != 4)
+  if (records && (H5Tget_class(type) != H5T_INTEGER || H5Tget_size(type) != 1))
+    throw CheckpointError(where + " is not uint8 (a quantized weight's records)");
+  if (!records && (H5Tget_class(type) != H5T_FLOAT || H5Tget_size(type) != 4))
     throw CheckpointError(where + " is not float32");
   if (!shape_ok) throw CheckpointError(where + " has shape " + got + ", which does not fit the model");
   if (numel != static_cast<int64_t>(d.numel))
     throw CheckpointError(where + (has_attrs ? " has numel " + std::to_string(numel) : " lacks its numel/checksum") +
-                          ", expected " + std::to_string(d.numel) + " elements");
+                          ", expected " + std::to_string(d.numel) + (records ? " records" : " elements"));
   return {dims, h5_read_attr_u64(dataset, "checksum", path)};
 }
 
@@ -772,7 +904,7 @@ uint64_t file_size_bound(const std::vector<DatasetSpec>& specs, const std::strin
                          const std::string& config) {
   uint64_t bytes = 64 << 10;
   for (const DatasetSpec& d : specs) {
-    uint64_t n = 4;
+    uint64_t n = d.tensor == TENSOR_RECORDS ? 1 : 4;
     for (hsize_t dim : file_dims(d, layout, world)) n *= dim;
     bytes += n + 2048 + 2 * d.path.size();
   }
@@ -892,18 +1024,37 @@ static void save_checkpoint_impl(const std::string& path, const CheckpointState&
   const ParamTable& table = engine.table();
   SHARD_CHECK(!state.adapters_only || table.adapter().type != ADAPTER_NONE,
               "an adapter-only checkpoint of a run without adapters");
-  // An adapter-only file holds no base: its quantized spaces are not dequantized all at once, and
-  // the base checksum reads them one unit at a time.
-  HostShards host(engine, optimizer, true, !state.adapters_only);
-  const std::vector<DatasetSpec> specs = dataset_specs(table, table, state.layout, state.adapters_only);
+  const CheckpointContent content = content_of_run(table, state.adapters_only);
+  CheckpointState written = state;
+  written.quantized_dtype = content.quant == QUANT_NONE ? "" : quant_type_name(content.quant);
+  written.quantized_block = static_cast<int64_t>(content.block);
+  HostShards host(engine, optimizer, true);
+  const std::vector<DatasetSpec> specs = dataset_specs(table, table, state.layout, content);
   std::vector<Piece> pieces = plan_pieces(specs, engine, host, true);
+  // The records this rank writes: the quantized weights' blocks it owns, from its shard's records.
+  std::vector<std::pair<RecordRows, const uint8_t*>> record_parts(specs.size());
+  for (size_t i = 0; i < specs.size(); i++) {
+    const DatasetSpec& d = specs[i];
+    if (d.tensor != TENSOR_RECORDS) continue;
+    const UnitLayout& layout = engine.shards()[d.unit].layout;
+    const RecordRows rows = record_rows(layout, d.runs[0], content.block, true);
+    record_parts[i] = {rows, rows.count ? shard_record(layout, d.runs[0].unit_begin + rows.first * content.block,
+                                                      host.records(d.unit))
+                                        : nullptr};
+  }
   // The datasets' checksums and, last, the base model's: one all-reduce.
   std::vector<uint64_t> sums(specs.size() + 1);
   for (const Piece& p : pieces)
     sums[p.spec] += p.check_data ? checksum_elements(p.check_data, p.check_count, p.check_first)
                                  : checksum_of_zeros(p.check_count, p.check_first);
-  sums.back() = state.adapters_only ? local_base_checksum_by_unit(engine)
-                                    : local_base_checksum(engine, [&](size_t u) -> const float* { return host.buffer(u, 0); });
+  for (size_t i = 0; i < specs.size(); i++)
+    if (record_parts[i].second)
+      sums[i] += records_checksum(record_parts[i].second, record_parts[i].first.count, record_parts[i].first.first,
+                                  content.record_bytes());
+  // The host shards lack the quantized spaces' values: the base checksum dequantizes one unit at a time.
+  sums.back() = state.adapters_only || table.quant().type != QUANT_NONE
+                    ? local_base_checksum_by_unit(engine)
+                    : local_base_checksum(engine, [&](size_t u) -> const float* { return host.buffer(u, 0); });
   sum_over_ranks(sums, comm);
   const uint64_t base_checksum = sums.back();
   sums.pop_back();
@@ -937,7 +1088,7 @@ static void save_checkpoint_impl(const std::string& path, const CheckpointState&
   // All metadata first, written while the file is small; then the data; so the final close has
   // (almost) nothing left to write.
   phase("checkpoint save: metadata", [&] {
-    write_state(file, state, table.config(), table.adapter(), base_checksum, path);
+    write_state(file, written, table.config(), table.adapter(), base_checksum, path);
     lcpl = H5Id(h5_check_id(H5Pcreate(H5P_LINK_CREATE), path, "H5Pcreate"), H5Pclose);
     h5_check(H5Pset_create_intermediate_group(lcpl, 1), path, "H5Pset_create_intermediate_group");
     for (size_t i = 0; i < specs.size(); i++) {
@@ -946,9 +1097,9 @@ static void save_checkpoint_impl(const std::string& path, const CheckpointState&
       H5Id space(
           h5_check_id(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), path, "H5Screate_simple"),
           H5Sclose);
+      const hid_t type = d.tensor == TENSOR_RECORDS ? H5T_STD_U8LE : H5T_IEEE_F32LE;
       datasets.emplace_back(
-          h5_check_id(H5Dcreate2(file, d.path.c_str(), H5T_IEEE_F32LE, space, lcpl, H5P_DEFAULT, H5P_DEFAULT), path,
-                      "H5Dcreate2"),
+          h5_check_id(H5Dcreate2(file, d.path.c_str(), type, space, lcpl, H5P_DEFAULT, H5P_DEFAULT), path, "H5Dcreate2"),
           H5Dclose);
       h5_write_attr_u64(datasets.back(), "checksum", sums[i], path);
       h5_write_attr_i64(datasets.back(), "numel", static_cast<int64_t>(d.numel), path);
@@ -959,7 +1110,7 @@ static void save_checkpoint_impl(const std::string& path, const CheckpointState&
         const size_t u = specs[i].unit;
         groups.emplace_back(h5_check_id(H5Gopen2(file, ("/shards/" + table.units()[u].name).c_str(), H5P_DEFAULT),
                                         path, "H5Gopen2"), H5Gclose);
-        h5_write_attr_str(groups.back(), "index", unit_index(table, u, state.adapters_only), path);
+        h5_write_attr_str(groups.back(), "index", unit_index(table, u, content), path);
       }
     }
   });
@@ -970,7 +1121,7 @@ static void save_checkpoint_impl(const std::string& path, const CheckpointState&
     std::string local;
     for (const Piece& p : pieces) {
       const DatasetSpec& d = specs[p.spec];
-      if (d.tensor > 0 && !optimizer) continue;  // the same on every rank: no collective is skipped by one alone
+      if (is_moment(d) && !optimizer) continue;  // the same on every rank: no collective is skipped by one alone
       H5Id space(h5_check_id(H5Dget_space(datasets[p.spec]), path, "H5Dget_space"), H5Sclose);
       select_flat_range(space, file_dims(d, state.layout, comm.size()), p.first, p.count, path);
       hsize_t mem_n = std::max<uint64_t>(p.count, 1);
@@ -981,6 +1132,14 @@ static void save_checkpoint_impl(const std::string& path, const CheckpointState&
       Watchdog::Scope scope(ranks.watchdog, "checkpoint save: H5Dwrite");
       if (H5Dwrite(datasets[p.spec], H5T_NATIVE_FLOAT, memspace, space, dxpl, p.data) < 0 && local.empty())
         local = write_failure(errno, d.path, path, ranks.folder_option);
+    }
+    for (size_t i = 0; i < specs.size(); i++) {
+      if (specs[i].tensor != TENSOR_RECORDS) continue;
+      errno = 0;
+      Watchdog::Scope scope(ranks.watchdog, "checkpoint save: H5Dwrite");
+      if (transfer_rows(datasets[i], true, record_parts[i].first, content.record_bytes(),
+                        const_cast<uint8_t*>(record_parts[i].second), dxpl, path) < 0 && local.empty())
+        local = write_failure(errno, specs[i].path, path, ranks.folder_option);
     }
     if (!local.empty()) throw CheckpointError(local);
   });
@@ -1028,6 +1187,7 @@ static CheckpointState load_checkpoint_impl(const std::string& path, FsdpEngine&
   CheckpointState state;
   std::vector<DatasetSpec> specs;
   std::unique_ptr<ParamTable> file_table;
+  CheckpointContent content;
   {
     Watchdog::Scope scope(ranks.watchdog, "checkpoint load: H5Fopen and metadata");
     file = open_parallel(path, ranks.file_comm, false);
@@ -1045,7 +1205,8 @@ static CheckpointState load_checkpoint_impl(const std::string& path, FsdpEngine&
     // Metadata reads are collective (rank 0 reads and broadcasts): these verdicts are the same on
     // every rank without an agreement.
     file_table = std::make_unique<ParamTable>(state.model, std::vector<std::string>{}, state.adapter);
-    specs = dataset_specs(*file_table, table, state.layout, state.adapters_only);
+    content = file_content(file, *file_table, state, path);
+    specs = dataset_specs(*file_table, table, state.layout, content);
     check_objects(file, specs, path);
   }
   if (state.adapters_only) {  // the adapters go onto the base the engine holds: it must be theirs
@@ -1060,7 +1221,7 @@ static CheckpointState load_checkpoint_impl(const std::string& path, FsdpEngine&
   // Shards are overwritten entirely -- padding and the parts outside the file stay zero -- unless
   // the file lacks some (the adapters of a base-only load, the base of an adapter-only one), which
   // keep their values.
-  HostShards host(engine, optimizer, false, false);
+  HostShards host(engine, optimizer, false);
   if (!state.adapters_only && file_table->params().size() == table.params().size()) host.zero();
   std::vector<Piece> pieces = plan_pieces(specs, engine, host, false);
   std::vector<uint64_t> stored(specs.size()), computed(specs.size());
@@ -1072,7 +1233,29 @@ static CheckpointState load_checkpoint_impl(const std::string& path, FsdpEngine&
     H5Id dataset(h5_check_id(H5Dopen2(file, specs[i].path.c_str(), H5P_DEFAULT), path, "H5Dopen2"), H5Dclose);
     auto [dims, checksum] = check_dataset(dataset, specs[i], state, path);
     stored[i] = checksum;
-    const bool skip = specs[i].tensor > 0 && !optimizer;  // the same on every rank
+    if (specs[i].tensor == TENSOR_RECORDS) {
+      // The blocks covering this rank's part of the weight, dequantized into its host shard.
+      const DatasetSpec& d = specs[i];
+      const UnitLayout& layout = engine.shards()[d.unit].layout;
+      const DatasetRun& run = d.runs[0];
+      const size_t block = content.block, bytes = content.record_bytes();
+      const RecordRows rows = record_rows(layout, run, block, false), owned = record_rows(layout, run, block, true);
+      std::vector<uint8_t> records(rows.count * bytes);
+      if (transfer_rows(dataset, false, rows, bytes, records.data(), dxpl, path) < 0 && local_error.empty())
+        local_error = "checkpoint '" + path + "': reading " + d.path + " failed (damaged data)";
+      if (owned.count)
+        computed[i] += records_checksum(records.data() + (owned.first - rows.first) * bytes, owned.count, owned.first, bytes);
+      const UnitLayout::Local part = layout.local_part({run.unit_begin, run.unit_begin + run.numel}, false);
+      if (part.range.empty()) continue;
+      float* out = host.at(d.unit, 0, layout, layout.space_of(run.unit_begin), part.index);
+      for (size_t x = part.range.begin; x < part.range.end; x++) {
+        const size_t e = x - run.unit_begin;
+        out[x - part.range.begin] = dequantize_element(content.quant, records.data() + (e / block - rows.first) * bytes,
+                                                       block, e % block);
+      }
+      continue;
+    }
+    const bool skip = is_moment(specs[i]) && !optimizer;  // the same on every rank
     for (; next < pieces.size() && pieces[next].spec == i; next++) {
       if (skip) continue;
       const Piece& p = pieces[next];
@@ -1088,7 +1271,7 @@ static CheckpointState load_checkpoint_impl(const std::string& path, FsdpEngine&
   if (!error.empty()) throw CheckpointError(error);
   sum_over_ranks(computed, comm);
   for (size_t i = 0; i < specs.size(); i++)
-    if (computed[i] != stored[i] && (optimizer || specs[i].tensor == 0))
+    if (computed[i] != stored[i] && (optimizer || !is_moment(specs[i])))
       throw CheckpointError(checksum_failure(path, specs[i].path));
   {
     Watchdog::Scope scope(ranks.watchdog, "checkpoint load: H5Fclose");
@@ -1138,13 +1321,28 @@ CheckpointReader::CheckpointReader(const std::string& path) : path_(path) {
   H5Id file = open_serial(path);
   state_ = read_state(file, path);
   table_ = std::make_unique<ParamTable>(state_.model, std::vector<std::string>{}, state_.adapter);
-  std::vector<DatasetSpec> specs = dataset_specs(*table_, *table_, state_.layout, state_.adapters_only);
+  content_ = file_content(file, *table_, state_, path);
+  std::vector<DatasetSpec> specs = dataset_specs(*table_, *table_, state_.layout, content_);
   check_objects(file, specs, path);
   std::vector<float> chunk;
+  std::vector<uint8_t> records;
   for (const DatasetSpec& d : specs) {
     H5Id dataset(h5_check_id(H5Dopen2(file, d.path.c_str(), H5P_DEFAULT), path, "H5Dopen2"), H5Dclose);
     auto [dims, stored] = check_dataset(dataset, d, state_, path);
     uint64_t sum = 0;
+    if (d.tensor == TENSOR_RECORDS) {
+      const size_t bytes = content_.record_bytes();
+      const uint64_t step = std::max<uint64_t>(1, (16u << 20) / bytes);
+      for (uint64_t first = 0; first < d.numel; first += step) {
+        const RecordRows rows{first, std::min(step, d.numel - first)};
+        records.resize(rows.count * bytes);
+        h5_check(transfer_rows(dataset, false, rows, bytes, records.data(), H5P_DEFAULT, path), path,
+                 ("reading " + d.path).c_str());
+        sum += records_checksum(records.data(), rows.count, rows.first, bytes);
+      }
+      if (sum != stored) throw CheckpointError(checksum_failure(path, d.path));
+      continue;
+    }
     const uint64_t step = 1 << 22;  // 16 MiB at a time
     for (uint64_t first = 0; first < d.numel; first += step) {
       const uint64_t n = std::min(step, d.numel - first);
@@ -1164,6 +1362,7 @@ CheckpointReader::~CheckpointReader() {
 }
 
 std::string CheckpointReader::dataset_path(const ParamInfo& param, const std::string& unit_name, Tensor tensor) const {
+  if (content_.in_records(table_->params()[param.id])) return RECORDS_GROUP + param.name;
   return dataset_name(state_.layout, unit_name, param.name, tensor);
 }
 
@@ -1171,7 +1370,7 @@ bool CheckpointReader::holds(const ParamInfo& param) const {
   SHARD_CHECK(param.id >= 0 && static_cast<size_t>(param.id) < table_->params().size() &&
                   table_->params()[param.id].name == param.name,
               "parameter %s is not checkpoint '%s''s", param.name.c_str(), path_.c_str());
-  return stored(table_->params()[param.id], state_.adapters_only);
+  return content_.holds(table_->params()[param.id]);
 }
 
 std::vector<float> CheckpointReader::read(const ParamInfo& param, const std::string& unit_name, Tensor tensor) const {
@@ -1180,11 +1379,23 @@ std::vector<float> CheckpointReader::read(const ParamInfo& param, const std::str
     throw CheckpointError("checkpoint '" + path_ + "' holds adapters alone (checkpoint.adapters_only), not " +
                           param.name + " of the base model");
   const std::string where = dataset_path(param, unit_name, tensor);
+  if (content_.in_records(table_->params()[param.id])) {
+    std::vector<float> values(param.numel, 0.0f);  // a quantized weight has no moments
+    if (tensor != TENSOR_PARAMS) return values;
+    H5Id dataset(h5_check_id(H5Dopen2(file_, where.c_str(), H5P_DEFAULT), path_, "H5Dopen2"), H5Dclose);
+    const size_t block = content_.block, bytes = content_.record_bytes();
+    std::vector<uint8_t> records(content_.blocks(param) * bytes);
+    h5_check(transfer_rows(dataset, false, {0, content_.blocks(param)}, bytes, records.data(), H5P_DEFAULT, path_),
+             path_, ("reading " + where).c_str());
+    for (size_t e = 0; e < param.numel; e++)
+      values[e] = dequantize_element(content_.quant, records.data() + e / block * bytes, block, e % block);
+    return values;
+  }
   H5Id dataset(h5_check_id(H5Dopen2(file_, where.c_str(), H5P_DEFAULT), path_, "H5Dopen2"), H5Dclose);
   // Gathered: the whole dataset; sharded: the parameter's run of the unit's flat buffer (the
   // constructor checked both shapes).
   const uint64_t first =
-      state_.layout == "sharded" ? stored_offset(*table_, table_->params()[param.id], state_.adapters_only) : 0;
+      state_.layout == "sharded" ? stored_offset(*table_, table_->params()[param.id], content_) : 0;
   std::vector<float> values(param.numel);
   h5_check(read_flat(dataset, h5_dataset_dims(dataset, path_), first, param.numel, values.data(), H5P_DEFAULT, path_),
            path_, ("reading " + where).c_str());

@@ -4,6 +4,10 @@
 //   gathered: /model/<param>, /optim/exp_avg/<param>, /optim/exp_avg_sq/<param>, full shapes;
 //   sharded:  /shards/<unit>/{params,exp_avg,exp_avg_sq}, each unit's flat buffer as written by
 //             the ranks (padded), with an index attribute mapping parameters to flat offsets.
+// A run with a quantized frozen base (fsdp.frozen_dtype) stores those weights in either layout as
+// /quantized/<param>: uint8 [blocks, record bytes], the records it holds (backend/quant.hpp), and
+// neither their fp32 values nor moments; any run loads them, dequantized (and quantized again
+// where it holds them quantized).
 // An adapter-only checkpoint (checkpoint.adapters_only) holds the adapters' parameters alone, in
 // either layout (sharded: each unit's adapters laid end to end), and the checksum of the base model
 // they were trained on (base_model_checksum), which a resume compares with the base it loaded.
@@ -23,6 +27,7 @@
 #include <memory>
 #include <string>
 
+#include "backend/quant.hpp"
 #include "comm/comm.hpp"
 #include "core/error.hpp"
 #include "optim/adamw.hpp"
@@ -33,10 +38,11 @@ namespace shardtrain {
 class Watchdog;
 
 constexpr const char* CKPT_FORMAT_NAME = "shardtrain-checkpoint";
-// 6: the model keys of the families beyond the decoders (FLUX's); 5: LoKr's and OFT's settings and
+// 7: a quantized frozen base's weights as their records (/quantized/<param>); 6: the model keys
+// of the families beyond the decoders (FLUX's); 5: LoKr's and OFT's settings and
 // the teacher's checksum; 4: adapter-only files and the base model's checksum; 3: the adapter's
 // settings; 2: the model's architecture (1: gpt2); all still read.
-constexpr int64_t CKPT_FORMAT_VERSION = 6;
+constexpr int64_t CKPT_FORMAT_VERSION = 7;
 
 // Everything besides the tensors that resuming needs.
 struct CheckpointState {
@@ -71,8 +77,29 @@ struct CheckpointState {
   std::string text_encoder, text_encoder_layers, text_encoder_tokenizer, text_encoder_dtype = "fp32";
   int64_t text_encoder_quant_block = 64, text_encoder_all_linear = 0;
   uint64_t text_encoder_checksum = 0;
+  // Version 7, read only (a save writes its run's): the format and block of the records in
+  // /quantized ("" and 0: the file has none; every parameter is fp32).
+  std::string quantized_dtype;
+  int64_t quantized_block = 0;
   std::string warning;             // read only: why the file is usable but not fully verified ("" if it is)
   int64_t version = CKPT_FORMAT_VERSION;  // read only: the file's format version (saves write CKPT_FORMAT_VERSION)
+};
+
+// What a file holds of its table's parameters: every one, or (adapters_only) the adapters' alone;
+// and the quantized frozen weights of the run that saved it (`records`, by parameter id) as their
+// records in /quantized/<param> -- bitsandbytes-style blocks of `quant`, never fp32 values or
+// moments, which they do not have.
+struct CheckpointContent {
+  bool adapters_only = false;
+  std::vector<bool> records;
+  QuantType quant = QUANT_NONE;
+  size_t block = 0;
+  bool in_records(const ParamInfo& p) const { return !records.empty() && records[p.id]; }
+  // Whether the flat or per-parameter fp32 datasets (values, moments) hold p.
+  bool stored(const ParamInfo& p) const { return (!adapters_only || p.adapter) && !in_records(p); }
+  bool holds(const ParamInfo& p) const { return stored(p) || in_records(p); }
+  size_t record_bytes() const { return quant_record_bytes(quant, block); }
+  uint64_t blocks(const ParamInfo& p) const { return (p.numel + block - 1) / block; }
 };
 
 // The ranks that write or read one checkpoint together, and how they talk: `comm` (on host
@@ -165,6 +192,7 @@ class CheckpointReader {
   int64_t file_ = -1;
   CheckpointState state_;
   std::unique_ptr<ParamTable> table_;
+  CheckpointContent content_;
 };
 
 // The element checksum shared by writer, reader and tests.

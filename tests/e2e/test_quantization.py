@@ -22,6 +22,7 @@ from harness import ROOT, read_metrics, run, run_single, tempdir, tiny_args
 from quant_reference import dequantize_4bit, dequantize_bnb_tensor, float_to_e4m3, pack_4bit, quantize_4bit, quantize_dequantize
 from safetensors_io import read_safetensors, write_safetensors
 from test_bad_input import expect_usage_error, write_tokens
+from test_checkpoint_edges import meta_checksum
 from test_freeze import latest
 from test_llama import ok
 
@@ -406,4 +407,108 @@ def test_bad_export_quantize_options_are_refused():
     d = tempdir()
     ok(run(1, tiny_args("--train.steps=1", f"--checkpoint.dir={d}")), "gpt2")
     expect_usage_error(["export", latest(d), "--output", out, "--format=hf", "--quantize=nf4"], "holds a gpt2 model")
+    assert not os.path.exists(out)
+
+
+def base_record_oracle(quant_type, block=64):
+    """{name: (codes packed as bitsandbytes packs them, absmax)} of the fixture base's linear weights,
+    quantized by the numpy reference."""
+    tensors = load_file(os.path.join(BASE, "model.safetensors"))
+    out = {}
+    for name in quantized_names(tensors):
+        codes, absmax = quantize_4bit(tensors[name], quant_type, block)
+        out[name[len("model."):]] = (pack_4bit(codes, quant_type), absmax)
+    return out
+
+
+def test_checkpoints_store_a_quantized_base_as_its_records():
+    """A full checkpoint of LoRA on an NF4 base holds each frozen linear weight as /quantized/<name>,
+    uint8 [blocks, 36]: per block its 32 bytes of codes then its absmax (fp32), which h5py shows to be
+    bitsandbytes' codes and absmax of the base (the numpy reference) -- in both layouts, with neither
+    fp32 values nor moments of those weights anywhere else in the file. Resuming on another rank count
+    continues the uninterrupted run (to the summation order's 1e-5)."""
+    import h5py
+    oracle = base_record_oracle("nf4")
+    for layout in ("sharded", "gathered"):
+        options = ("--fsdp.frozen_dtype=nf4", f"--checkpoint.format={layout}", f"--checkpoint.every={SAVE_AT}")
+        straight, _, d = training(2, BASE, *options)
+        saved = os.path.join(d, f"ckpt-{SAVE_AT:08d}.h5")
+        with h5py.File(saved, "r") as f:
+            assert f.attrs["version"] == 7 and f.attrs["quantized.dtype"] in ("nf4", b"nf4")
+            assert f.attrs["quantized.block"] == 64 and f.attrs["meta_checksum"] == meta_checksum(f.attrs)
+            assert sorted(f["quantized"]) == sorted(oracle), layout
+            for name, (packed, absmax) in oracle.items():
+                records = f["quantized"][name][...]
+                assert records.dtype == np.uint8 and records.shape == (absmax.size, 36), (layout, name)
+                assert np.array_equal(records[:, :32].reshape(-1)[:packed.size], packed), (layout, name)
+                assert np.array_equal(records[:, 32:].copy().view("<f4").reshape(-1), absmax), (layout, name)
+            names = []
+            f.visit(names.append)
+            for name in oracle:  # nowhere else: no fp32 copy, no zero moments
+                assert not any(n != "quantized/" + name and n.endswith(name) for n in names), (layout, name)
+            if layout == "sharded":
+                for unit in f["shards"]:
+                    index = f["shards"][unit].attrs["index"]
+                    index = index.decode() if isinstance(index, bytes) else index
+                    assert not any(line.split()[0] in oracle for line in index.splitlines() if line), unit
+        resumed = training(3, BASE, *options, f"--checkpoint.resume={saved}")[0]
+        assert max(abs(a - b) / abs(b) for a, b in zip(resumed, straight[SAVE_AT:])) < 1e-5, (layout, resumed)
+
+
+# The fixture base's shape, which a run starting from a checkpoint of it (not its folder) configures.
+BASE_MODEL = ("--model.arch=llama", "--model.n_layer=2", "--model.n_embd=32", "--model.n_head=4", "--model.n_kv_head=2",
+              "--model.intermediate_size=64", "--model.vocab_size=96", "--model.max_seq_len=32",
+              "--model.tie_embeddings=true", "--model.norm_eps=1e-5")
+
+
+def test_convert_quantizes_and_any_run_loads_the_records():
+    """convert --frozen-dtype of the fixture base writes its linear weights as records (3 ranks), the
+    numpy reference's; a LoRA run starting from that checkpoint trains, bit for bit, as one from the
+    base that numpy quantized and dequantized -- into an fp32 base, and into an NF4 base of the same
+    block; exported (2 ranks) the weights are those dequantized values; inspect names the format."""
+    ckpt = os.path.join(tempdir(), "nf4.h5")
+    ok(run(3, ["convert", "--input", BASE, "--output", ckpt, "--frozen-dtype=nf4"]), "convert")
+    import h5py
+    with h5py.File(ckpt, "r") as f:
+        for name, (packed, absmax) in base_record_oracle("nf4").items():
+            assert np.array_equal(f["quantized"][name][:, :32].reshape(-1)[:packed.size], packed), name
+    reference = dequantized_base("nf4")
+    want = training(2, reference)[0]
+    assert training(2, ckpt, *BASE_MODEL)[0] == want
+    assert training(3, ckpt, *BASE_MODEL, "--fsdp.frozen_dtype=nf4")[0] == training(3, reference)[0]
+    out = os.path.join(tempdir(), "hf")
+    ok(run(2, ["convert", "--input", ckpt, "--output", out]), "convert out")
+    got, expected = load_file(os.path.join(out, "model.safetensors")), load_file(os.path.join(reference, "model.safetensors"))
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        assert np.array_equal(got[name].view(np.uint32), expected[name].view(np.uint32)), name
+    proc = run(1, ["inspect", ckpt])
+    ok(proc, "inspect")
+    assert "quantized frozen base: 14 weights in nf4 (64-element blocks, 0.5625 bytes per element)" in proc.stdout
+
+
+def test_damaged_records_and_bad_convert_quantization_are_refused():
+    import h5py
+    ckpt = os.path.join(tempdir(), "nf4.h5")
+    ok(run(1, ["convert", "--input", BASE, "--output", ckpt, "--frozen-dtype=nf4"]), "convert")
+    flipped, extra = os.path.join(tempdir(), "flipped.h5"), os.path.join(tempdir(), "extra.h5")
+    shutil.copy(ckpt, flipped)
+    shutil.copy(ckpt, extra)
+    name = "layers.1.mlp.up_proj.weight"
+    with h5py.File(flipped, "r+") as f:
+        f["quantized"][name][3, 5] ^= 1
+    with h5py.File(extra, "r+") as f:
+        f["quantized"].create_dataset("layers.9.mlp.up_proj.weight", data=np.zeros((2, 36), dtype=np.uint8))
+    expect_usage_error(qlora_args(flipped, *BASE_MODEL, f"--checkpoint.dir={tempdir()}"),
+                       f"/quantized/{name} fails its checksum")
+    expect_usage_error(["inspect", flipped], f"/quantized/{name} fails its checksum", np_=1)
+    expect_usage_error(qlora_args(extra, *BASE_MODEL, f"--checkpoint.dir={tempdir()}"),
+                       "unexpected object /quantized/layers.9")
+    out = os.path.join(tempdir(), "out.h5")
+    convert = ["convert", "--input", BASE, "--output", out]
+    expect_usage_error(convert + ["--frozen-dtype=nf5"], "--frozen-dtype='nf5' is not allowed")
+    expect_usage_error(convert + ["--frozen-dtype=nf4", "--quant-block=48"], "--quant-block=48")
+    expect_usage_error(convert + ["--quant-block=128"], "add --frozen-dtype")
+    expect_usage_error(["convert", "--input", ckpt, "--output", os.path.join(tempdir(), "hf"), "--frozen-dtype=nf4"],
+                       "apply to a checkpoint written from a Hugging Face folder")
     assert not os.path.exists(out)
