@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <optional>
 #include <cstring>
+#include <map>
 #include <sstream>
 
 #include "ckpt/h5.hpp"
@@ -422,7 +423,7 @@ std::array<double, 2> model_arch_reals(const ModelConfig& c) { return {c.rope_th
 std::string real_text(double v) { return strprintf("%.17g", v); }  // exact, for the checksum and messages
 
 // FNV-1a (64 bit) over "name\0value\0" of each root attribute, in the order written; integers in
-// decimal. Writer and reader feed it the same sequence, so the list of attributes exists once.
+// decimal. Writer and reader feed it the same sequence: META_ATTRS's.
 class MetaChecksum {
  public:
   void add(const char* name, const std::string& value) {
@@ -439,48 +440,17 @@ class MetaChecksum {
 };
 
 const char* META_CHECKSUM = "meta_checksum";
-// The data's identity, after the architecture; optional for readers (older files lack it).
-const char* DATASET_ATTRS[2] = {"dataset.train", "dataset.val"};
-// Version 3: the adapter's settings, after the data's identity.
+// The adapter's settings (version 3) and LoKr's and OFT's (version 5), as adapter_mismatch names them.
 const char* ADAPTER_TYPE = "adapter.type";
 const char* ADAPTER_TARGETS = "adapter.targets";
 const char* ADAPTER_RANK = "adapter.rank";
-const char* ADAPTER_REALS[2] = {"adapter.alpha", "adapter.dropout"};
-// Version 4: adapter-only files and the base model's identity, after the adapter's settings.
-const char* ADAPTERS_ONLY = "adapters_only";
-const char* BASE_CHECKSUM = "base_checksum";
-// Version 5: the settings of LoKr and OFT, after the base model's identity, then the teacher's.
-const char* TEACHER_CHECKSUM = "distill.teacher_checksum";
 const char* ADAPTER_METHOD_INTS[6] = {"adapter.decompose_both", "adapter.decompose_factor", "adapter.block_size",
                                       "adapter.cayley_neumann", "adapter.neumann_terms", "adapter.block_share"};
 
-// Version 6: the model keys of the families beyond the decoders (FLUX's), after the teacher's
-// checksum, each written when the config's family reads it (ModelFamily::config_keys).
-// `shape`: whether it is the weights' (a model of another value is another model), or, like the
-// text tokens per sample, the run's (recorded, not compared). `optional`: written only when not 0,
-// read when present (a key added after files without it were written).
-struct FamilyIntAttr {
-  const char* name;
-  int ModelConfig::*field;
-  bool shape, optional = false;
-};
-const FamilyIntAttr FAMILY_INTS[] = {{"model.n_single_layer", &ModelConfig::n_single_layer, true},
-                                     {"model.in_channels", &ModelConfig::in_channels, true},
-                                     {"model.context_dim", &ModelConfig::context_dim, true},
-                                     {"model.context_len", &ModelConfig::context_len, false},
-                                     {"model.condition_len", &ModelConfig::condition_len, false},
-                                     {"model.pooled_dim", &ModelConfig::pooled_dim, true},
-                                     {"model.pixel_patch", &ModelConfig::pixel_patch, true, true}};
+// Version 6: the model keys of the families beyond the decoders (FLUX's), each written when the
+// config's family reads it (ModelFamily::config_keys): META_ATTRS's rows with a `family_int`.
 const char* FAMILY_GUIDANCE = "model.guidance_embeds";
 const char* FAMILY_ROPE_AXES = "model.rope_axes";
-// Optional (any version), after the family keys: the text encoder in the job, written with one.
-const char* TEXT_ENCODER_STRS[4] = {"text_encoder.source", "text_encoder.layers", "text_encoder.tokenizer",
-                                    "text_encoder.dtype"};
-const char* TEXT_ENCODER_INTS[2] = {"text_encoder.quant_block", "text_encoder.quantize_all_linear"};
-const char* TEXT_ENCODER_CHECKSUM = "text_encoder.checksum";
-// Version 7, written when the file holds records: their format (quant_type_name) and block.
-const char* QUANTIZED_DTYPE = "quantized.dtype";
-const char* QUANTIZED_BLOCK = "quantized.block";
 
 std::array<int64_t, 6> adapter_method_ints(const AdapterConfig& a) {
   return {a.decompose_both, a.decompose_factor, a.block_size, a.cayley_neumann, a.neumann_terms, a.block_share};
@@ -492,64 +462,147 @@ std::string join_targets(const std::vector<std::string>& targets) {
   return s;
 }
 
-void write_state(hid_t file, const CheckpointState& s, const ModelConfig& model, const AdapterConfig& adapter,
-                 uint64_t base_checksum, const std::string& path) {
-  MetaChecksum sum;
-  auto str = [&](const char* name, const std::string& v) { h5_write_attr_str(file, name, v, path), sum.add(name, v); };
-  auto i64 = [&](const char* name, int64_t v) {
-    h5_write_attr_i64(file, name, v, path), sum.add(name, std::to_string(v));
-  };
-  str("format", CKPT_FORMAT_NAME);
-  i64("version", CKPT_FORMAT_VERSION);
-  str("layout", s.layout);
-  i64("step", s.step);
-  i64("tokens_seen", s.tokens_seen);
-  h5_write_attr_u64(file, "seed", s.seed, path), sum.add("seed", std::to_string(s.seed));
-  i64("sampler_step", s.sampler_step);
-  i64("world_size", s.world_size);
-  str("strategy", s.strategy);
-  str("config", s.config_ini);
-  i64("loss_scale_log2", s.loss_scale_log2);
-  i64("loss_scale_good_steps", s.loss_scale_good_steps);
-  auto dims = model_dims(model);
-  for (int i = 0; i < 5; i++) i64(MODEL_DIMS[i], dims[i]);
-  str(MODEL_ARCH, model.arch);
-  auto ints = model_arch_ints(model);
-  for (int i = 0; i < 3; i++) i64(MODEL_ARCH_INTS[i], ints[i]);
-  auto reals = model_arch_reals(model);
-  for (int i = 0; i < 2; i++)
-    h5_write_attr_f64(file, MODEL_ARCH_REALS[i], reals[i], path), sum.add(MODEL_ARCH_REALS[i], real_text(reals[i]));
-  str(DATASET_ATTRS[0], s.dataset_train);
-  str(DATASET_ATTRS[1], s.dataset_val);
-  str(ADAPTER_TYPE, adapter_type_name(adapter.type));
-  str(ADAPTER_TARGETS, join_targets(adapter.targets));
-  i64(ADAPTER_RANK, adapter.rank);
-  const double adapter_reals[2] = {adapter.alpha, adapter.dropout};
-  for (int i = 0; i < 2; i++)
-    h5_write_attr_f64(file, ADAPTER_REALS[i], adapter_reals[i], path), sum.add(ADAPTER_REALS[i], real_text(adapter_reals[i]));
-  i64(ADAPTERS_ONLY, s.adapters_only ? 1 : 0);
-  h5_write_attr_u64(file, BASE_CHECKSUM, base_checksum, path), sum.add(BASE_CHECKSUM, std::to_string(base_checksum));
-  const std::array<int64_t, 6> method_ints = adapter_method_ints(adapter);
-  for (int i = 0; i < 6; i++) i64(ADAPTER_METHOD_INTS[i], method_ints[i]);
-  h5_write_attr_u64(file, TEACHER_CHECKSUM, s.teacher_checksum, path);
-  sum.add(TEACHER_CHECKSUM, std::to_string(s.teacher_checksum));
-  const ModelFamily& family = family_of(model);
-  for (const FamilyIntAttr& a : FAMILY_INTS)
-    if (family.reads_key(a.name) && (!a.optional || model.*a.field != 0)) i64(a.name, model.*a.field);
-  if (family.reads_key(FAMILY_GUIDANCE)) i64(FAMILY_GUIDANCE, model.guidance_embeds ? 1 : 0);
-  if (family.reads_key(FAMILY_ROPE_AXES)) str(FAMILY_ROPE_AXES, model.rope_axes);
-  if (!s.text_encoder.empty()) {
-    const std::string* values[4] = {&s.text_encoder, &s.text_encoder_layers, &s.text_encoder_tokenizer,
-                                     &s.text_encoder_dtype};
-    for (int i = 0; i < 4; i++) str(TEXT_ENCODER_STRS[i], *values[i]);
-    i64(TEXT_ENCODER_INTS[0], s.text_encoder_quant_block);
-    i64(TEXT_ENCODER_INTS[1], s.text_encoder_all_linear);
-    h5_write_attr_u64(file, TEXT_ENCODER_CHECKSUM, s.text_encoder_checksum, path);
-    sum.add(TEXT_ENCODER_CHECKSUM, std::to_string(s.text_encoder_checksum));
+// One root attribute's value, in the member of its type.
+struct MetaValue {
+  std::string text;
+  int64_t i = 0;
+  uint64_t u = 0;
+  double f = 0;
+};
+enum class AttrType { STR, I64, U64, F64 };
+// When a file of the attribute's version or later holds it: always; when the model's family reads
+// the key (FAMILY), or reads it and the value is not 0 (FAMILY_NONZERO: a key added after files
+// without it); or with its group -- the data's identity, a text encoder in the job, a quantized
+// base's records -- which a save writes when the state has it and a reader reads when the group's
+// first attribute is in the file.
+enum class Presence { ALWAYS, FAMILY, FAMILY_NONZERO, DATASET, TEXT_ENCODER, RECORDS };
+
+// The root attributes (docs/checkpoint-format.md), in the order written, which is the metadata
+// checksum's: name, HDF5 type, the format version that added it, when a file holds it, and its
+// value in the state a save writes (the model resolved as version 2 writes it). The writer and the
+// reader walk this one list; read_state turns what it read back into a state. A family's integer
+// key names its ModelConfig field instead (`family_int`, read back through it) and whether it is
+// the weights' shape (`compared`: a model of another value is another model) or, like the text
+// tokens per sample, the run's (recorded, not compared).
+struct MetaAttr {
+  const char* name;
+  AttrType type;
+  int since;
+  Presence presence;
+  MetaValue (*get)(const CheckpointState&);
+  int ModelConfig::*family_int = nullptr;
+  bool compared = false;
+  MetaValue value(const CheckpointState& s) const { return family_int ? MetaValue{"", s.model.*family_int, 0, 0} : get(s); }
+};
+MetaValue text_value(const std::string& v) { return {v, 0, 0, 0}; }
+MetaValue int_value(int64_t v) { return {"", v, 0, 0}; }
+MetaValue u64_value(uint64_t v) { return {"", 0, v, 0}; }
+MetaValue real_value(double v) { return {"", 0, 0, v}; }
+using S = const CheckpointState&;
+using AT = AttrType;
+using P = Presence;
+const MetaAttr META_ATTRS[] = {
+    {"format", AT::STR, 1, P::ALWAYS, [](S) { return text_value(CKPT_FORMAT_NAME); }},
+    {"version", AT::I64, 1, P::ALWAYS, [](S) { return int_value(CKPT_FORMAT_VERSION); }},
+    {"layout", AT::STR, 1, P::ALWAYS, [](S s) { return text_value(s.layout); }},
+    {"step", AT::I64, 1, P::ALWAYS, [](S s) { return int_value(s.step); }},
+    {"tokens_seen", AT::I64, 1, P::ALWAYS, [](S s) { return int_value(s.tokens_seen); }},
+    {"seed", AT::U64, 1, P::ALWAYS, [](S s) { return u64_value(s.seed); }},
+    {"sampler_step", AT::I64, 1, P::ALWAYS, [](S s) { return int_value(s.sampler_step); }},
+    {"world_size", AT::I64, 1, P::ALWAYS, [](S s) { return int_value(s.world_size); }},
+    {"strategy", AT::STR, 1, P::ALWAYS, [](S s) { return text_value(s.strategy); }},
+    {"config", AT::STR, 1, P::ALWAYS, [](S s) { return text_value(s.config_ini); }},
+    {"loss_scale_log2", AT::I64, 1, P::ALWAYS, [](S s) { return int_value(s.loss_scale_log2); }},
+    {"loss_scale_good_steps", AT::I64, 1, P::ALWAYS, [](S s) { return int_value(s.loss_scale_good_steps); }},
+    {"model.n_layer", AT::I64, 1, P::ALWAYS, [](S s) { return int_value(s.model.n_layer); }},
+    {"model.n_embd", AT::I64, 1, P::ALWAYS, [](S s) { return int_value(s.model.n_embd); }},
+    {"model.n_head", AT::I64, 1, P::ALWAYS, [](S s) { return int_value(s.model.n_head); }},
+    {"model.vocab_size", AT::I64, 1, P::ALWAYS, [](S s) { return int_value(s.model.vocab_size); }},
+    {"model.max_seq_len", AT::I64, 1, P::ALWAYS, [](S s) { return int_value(s.model.max_seq_len); }},
+    {"model.arch", AT::STR, 2, P::ALWAYS, [](S s) { return text_value(s.model.arch); }},
+    {"model.n_kv_head", AT::I64, 2, P::ALWAYS, [](S s) { return int_value(s.model.kv_heads()); }},
+    {"model.intermediate_size", AT::I64, 2, P::ALWAYS, [](S s) { return int_value(s.model.mlp_size()); }},
+    {"model.tie_embeddings", AT::I64, 2, P::ALWAYS, [](S s) { return int_value(s.model.tie_embeddings); }},
+    {"model.rope_theta", AT::F64, 2, P::ALWAYS, [](S s) { return real_value(s.model.rope_theta); }},
+    {"model.norm_eps", AT::F64, 2, P::ALWAYS, [](S s) { return real_value(s.model.norm_eps); }},
+    {"dataset.train", AT::STR, 1, P::DATASET, [](S s) { return text_value(s.dataset_train); }},
+    {"dataset.val", AT::STR, 1, P::DATASET, [](S s) { return text_value(s.dataset_val); }},
+    {"adapter.type", AT::STR, 3, P::ALWAYS, [](S s) { return text_value(adapter_type_name(s.adapter.type)); }},
+    {"adapter.targets", AT::STR, 3, P::ALWAYS, [](S s) { return text_value(join_targets(s.adapter.targets)); }},
+    {"adapter.rank", AT::I64, 3, P::ALWAYS, [](S s) { return int_value(s.adapter.rank); }},
+    {"adapter.alpha", AT::F64, 3, P::ALWAYS, [](S s) { return real_value(s.adapter.alpha); }},
+    {"adapter.dropout", AT::F64, 3, P::ALWAYS, [](S s) { return real_value(s.adapter.dropout); }},
+    {"adapters_only", AT::I64, 4, P::ALWAYS, [](S s) { return int_value(s.adapters_only); }},
+    {"base_checksum", AT::U64, 4, P::ALWAYS, [](S s) { return u64_value(s.base_checksum); }},
+    {"adapter.decompose_both", AT::I64, 5, P::ALWAYS, [](S s) { return int_value(s.adapter.decompose_both); }},
+    {"adapter.decompose_factor", AT::I64, 5, P::ALWAYS, [](S s) { return int_value(s.adapter.decompose_factor); }},
+    {"adapter.block_size", AT::I64, 5, P::ALWAYS, [](S s) { return int_value(s.adapter.block_size); }},
+    {"adapter.cayley_neumann", AT::I64, 5, P::ALWAYS, [](S s) { return int_value(s.adapter.cayley_neumann); }},
+    {"adapter.neumann_terms", AT::I64, 5, P::ALWAYS, [](S s) { return int_value(s.adapter.neumann_terms); }},
+    {"adapter.block_share", AT::I64, 5, P::ALWAYS, [](S s) { return int_value(s.adapter.block_share); }},
+    {"distill.teacher_checksum", AT::U64, 5, P::ALWAYS, [](S s) { return u64_value(s.teacher_checksum); }},
+    {"model.n_single_layer", AT::I64, 6, P::FAMILY, nullptr, &ModelConfig::n_single_layer, true},
+    {"model.in_channels", AT::I64, 6, P::FAMILY, nullptr, &ModelConfig::in_channels, true},
+    {"model.context_dim", AT::I64, 6, P::FAMILY, nullptr, &ModelConfig::context_dim, true},
+    {"model.context_len", AT::I64, 6, P::FAMILY, nullptr, &ModelConfig::context_len, false},
+    {"model.condition_len", AT::I64, 6, P::FAMILY, nullptr, &ModelConfig::condition_len, false},
+    {"model.pooled_dim", AT::I64, 6, P::FAMILY, nullptr, &ModelConfig::pooled_dim, true},
+    {"model.pixel_patch", AT::I64, 6, P::FAMILY_NONZERO, nullptr, &ModelConfig::pixel_patch, true},
+    {"model.guidance_embeds", AT::I64, 6, P::FAMILY, [](S s) { return int_value(s.model.guidance_embeds); }},
+    {"model.rope_axes", AT::STR, 6, P::FAMILY, [](S s) { return text_value(s.model.rope_axes); }},
+    {"text_encoder.source", AT::STR, 1, P::TEXT_ENCODER, [](S s) { return text_value(s.text_encoder); }},
+    {"text_encoder.layers", AT::STR, 1, P::TEXT_ENCODER, [](S s) { return text_value(s.text_encoder_layers); }},
+    {"text_encoder.tokenizer", AT::STR, 1, P::TEXT_ENCODER, [](S s) { return text_value(s.text_encoder_tokenizer); }},
+    {"text_encoder.dtype", AT::STR, 1, P::TEXT_ENCODER, [](S s) { return text_value(s.text_encoder_dtype); }},
+    {"text_encoder.quant_block", AT::I64, 1, P::TEXT_ENCODER, [](S s) { return int_value(s.text_encoder_quant_block); }},
+    {"text_encoder.quantize_all_linear", AT::I64, 1, P::TEXT_ENCODER,
+     [](S s) { return int_value(s.text_encoder_all_linear); }},
+    {"text_encoder.checksum", AT::U64, 1, P::TEXT_ENCODER, [](S s) { return u64_value(s.text_encoder_checksum); }},
+    {"quantized.dtype", AT::STR, 7, P::RECORDS, [](S s) { return text_value(s.quantized_dtype); }},
+    {"quantized.block", AT::I64, 7, P::RECORDS, [](S s) { return int_value(s.quantized_block); }},
+};
+
+// The attribute whose presence says whether a file holds a group.
+const char* group_leader(Presence p) {
+  return p == P::DATASET ? "dataset.train" : p == P::TEXT_ENCODER ? "text_encoder.source" : "quantized.dtype";
+}
+
+// The value's text in the metadata checksum: strings as stored, integers in decimal, reals %.17g.
+std::string checksum_text_of(const MetaValue& v, AttrType type) {
+  switch (type) {
+    case AT::STR: return v.text;
+    case AT::I64: return std::to_string(v.i);
+    case AT::U64: return std::to_string(v.u);
+    case AT::F64: return real_text(v.f);
   }
-  if (!s.quantized_dtype.empty()) {
-    str(QUANTIZED_DTYPE, s.quantized_dtype);
-    i64(QUANTIZED_BLOCK, s.quantized_block);
+  return "";
+}
+
+// `state` with the model, adapters and base checksum of the run that saves it.
+void write_state(hid_t file, const CheckpointState& state, const ModelConfig& model, const AdapterConfig& adapter,
+                 uint64_t base_checksum, const std::string& path) {
+  CheckpointState s = state;
+  s.model = model, s.adapter = adapter, s.base_checksum = base_checksum;
+  const ModelFamily& family = family_of(model);
+  MetaChecksum sum;
+  for (const MetaAttr& a : META_ATTRS) {
+    const MetaValue v = a.value(s);
+    bool written = true;
+    switch (a.presence) {
+      case P::ALWAYS: case P::DATASET: break;
+      case P::FAMILY: written = family.reads_key(a.name); break;
+      case P::FAMILY_NONZERO: written = family.reads_key(a.name) && v.i != 0; break;
+      case P::TEXT_ENCODER: written = !s.text_encoder.empty(); break;
+      case P::RECORDS: written = !s.quantized_dtype.empty(); break;
+    }
+    if (!written) continue;
+    switch (a.type) {
+      case AT::STR: h5_write_attr_str(file, a.name, v.text, path); break;
+      case AT::I64: h5_write_attr_i64(file, a.name, v.i, path); break;
+      case AT::U64: h5_write_attr_u64(file, a.name, v.u, path); break;
+      case AT::F64: h5_write_attr_f64(file, a.name, v.f, path); break;
+    }
+    sum.add(a.name, checksum_text_of(v, a.type));
   }
   h5_write_attr_u64(file, META_CHECKSUM, sum.value(), path);
 }
@@ -579,77 +632,77 @@ CheckpointState read_state(hid_t file, const std::string& path) {
   if (!h5_has_attr(file, "format") || h5_read_attr_str(file, "format", path) != CKPT_FORMAT_NAME)
     throw CheckpointError("checkpoint '" + path + "': not a " + CKPT_FORMAT_NAME + " file (no 'format' attribute '" +
                           CKPT_FORMAT_NAME + "')");
-  int64_t version = h5_read_attr_i64(file, "version", path);
+  const int64_t version = h5_read_attr_i64(file, "version", path);
   if (version < 1 || version > CKPT_FORMAT_VERSION)
     throw CheckpointError(strprintf("checkpoint '%s': format version %lld, this build reads versions 1 to %lld",
                                     path.c_str(), static_cast<long long>(version),
                                     static_cast<long long>(CKPT_FORMAT_VERSION)));
+  // The walk: every attribute the writer of this version wrote, into the checksum as it hashed it.
+  std::map<std::string, MetaValue> read;
   MetaChecksum sum;
-  sum.add("format", CKPT_FORMAT_NAME);
-  sum.add("version", std::to_string(version));
-  auto str = [&](const char* name) {
-    std::string v = h5_read_attr_str(file, name, path);
-    sum.add(name, v);
-    return v;
-  };
-  auto i64 = [&](const char* name) {
-    int64_t v = h5_read_attr_i64(file, name, path);
-    sum.add(name, std::to_string(v));
-    return v;
-  };
+  const ModelFamily* family = nullptr;  // known once model.arch is read (version 2; gpt2 before)
+  for (const MetaAttr& a : META_ATTRS) {
+    if (version < a.since) continue;
+    bool present = true;
+    switch (a.presence) {
+      case P::ALWAYS: break;
+      case P::FAMILY: present = family && family->reads_key(a.name); break;
+      case P::FAMILY_NONZERO: present = family && family->reads_key(a.name) && h5_has_attr(file, a.name); break;
+      default: present = h5_has_attr(file, group_leader(a.presence));
+    }
+    if (!present) continue;
+    MetaValue v;
+    switch (a.type) {
+      case AT::STR: v.text = h5_read_attr_str(file, a.name, path); break;
+      case AT::I64: v.i = h5_read_attr_i64(file, a.name, path); break;
+      case AT::U64: v.u = h5_read_attr_u64(file, a.name, path); break;
+      case AT::F64: v.f = h5_read_attr_f64(file, a.name, path); break;
+    }
+    sum.add(a.name, checksum_text_of(v, a.type));
+    read[a.name] = v;
+    if (std::strcmp(a.name, MODEL_ARCH) == 0) family = find_model_family(v.text);
+  }
+  if (version < 2) family = find_model_family("gpt2");
+  const std::string where = "checkpoint '" + path + "': ";
+  // (A file without the checksum is older than it: warned below, once its values are plausible.)
+  if (h5_has_attr(file, META_CHECKSUM) && h5_read_attr_u64(file, META_CHECKSUM, path) != sum.value())
+    throw CheckpointError(where + "the metadata (root attributes or the stored config) fail their checksum: edited "
+                                  "or corrupted; use another checkpoint");
+
+  // What was read, back into a state, each group checked for values no save writes.
+  auto has = [&](const char* name) { return read.count(name) > 0; };
+  auto str = [&](const char* name) { return read.at(name).text; };
+  auto i64 = [&](const char* name) { return read.at(name).i; };
+  auto f64 = [&](const char* name) { return read.at(name).f; };
   CheckpointState s;
   s.version = version;
   s.layout = str("layout");
   s.step = i64("step");
   s.tokens_seen = i64("tokens_seen");
-  s.seed = h5_read_attr_u64(file, "seed", path);
-  sum.add("seed", std::to_string(s.seed));
+  s.seed = read.at("seed").u;
   s.sampler_step = i64("sampler_step");
   s.world_size = i64("world_size");
   s.strategy = str("strategy");
   s.config_ini = str("config");
   s.loss_scale_log2 = i64("loss_scale_log2");
   s.loss_scale_good_steps = i64("loss_scale_good_steps");
-  std::array<int64_t, 5> dims;
-  for (int i = 0; i < 5; i++) dims[i] = i64(MODEL_DIMS[i]);
-  std::string arch = "gpt2";  // version 1
-  std::array<int64_t, 3> arch_ints{};
-  std::array<double, 2> arch_reals = model_arch_reals(ModelConfig());
-  if (version >= 2) {
-    arch = str(MODEL_ARCH);
-    for (int i = 0; i < 3; i++) arch_ints[i] = i64(MODEL_ARCH_INTS[i]);
-    for (int i = 0; i < 2; i++) {
-      arch_reals[i] = h5_read_attr_f64(file, MODEL_ARCH_REALS[i], path);
-      sum.add(MODEL_ARCH_REALS[i], real_text(arch_reals[i]));
-    }
-  }
-  s.has_dataset = h5_has_attr(file, DATASET_ATTRS[0]);
-  if (s.has_dataset) {
-    s.dataset_train = str(DATASET_ATTRS[0]);
-    s.dataset_val = str(DATASET_ATTRS[1]);
-  }
-  const std::string where = "checkpoint '" + path + "': ";
+  s.has_dataset = has("dataset.train");
+  if (s.has_dataset) s.dataset_train = str("dataset.train"), s.dataset_val = str("dataset.val");
   if (version >= 3) {
     AdapterConfig& a = s.adapter;
-    const std::string type = str(ADAPTER_TYPE), targets = str(ADAPTER_TARGETS);
+    const std::string type = str(ADAPTER_TYPE);
     const int64_t rank = i64(ADAPTER_RANK);
-    double reals[2];
-    for (int i = 0; i < 2; i++) {
-      reals[i] = h5_read_attr_f64(file, ADAPTER_REALS[i], path);
-      sum.add(ADAPTER_REALS[i], real_text(reals[i]));
-    }
-    if (!parse_adapter_type(type, &a.type) || rank < 1 || rank > (1 << 20) || !(reals[0] > 0) ||
-        !(reals[1] >= 0 && reals[1] < 1))
+    const double alpha = f64("adapter.alpha"), dropout = f64("adapter.dropout");
+    if (!parse_adapter_type(type, &a.type) || rank < 1 || rank > (1 << 20) || !(alpha > 0) ||
+        !(dropout >= 0 && dropout < 1))
       throw CheckpointError(where + "attributes adapter.* hold no valid adapter (type '" + type +
                             "'); the file is damaged");
-    a.targets = split_comma_list(targets);  // as join_targets wrote them
-    a.rank = static_cast<int>(rank), a.alpha = reals[0], a.dropout = reals[1];
+    a.targets = split_comma_list(str(ADAPTER_TARGETS));  // as join_targets wrote them
+    a.rank = static_cast<int>(rank), a.alpha = alpha, a.dropout = dropout;
   }
-  int64_t adapters_only = 0;
+  const int64_t adapters_only = version >= 4 ? i64("adapters_only") : 0;
   if (version >= 4) {
-    adapters_only = i64(ADAPTERS_ONLY);
-    s.base_checksum = h5_read_attr_u64(file, BASE_CHECKSUM, path);
-    sum.add(BASE_CHECKSUM, std::to_string(s.base_checksum));
+    s.base_checksum = read.at("base_checksum").u;
     s.has_base_checksum = true;
     s.adapters_only = adapters_only == 1;
   }
@@ -664,50 +717,32 @@ CheckpointState read_state(hid_t file, const std::string& path) {
                                     "settings; the file is damaged");
     a.decompose_both = v[0], a.decompose_factor = static_cast<int>(v[1]), a.block_size = static_cast<int>(v[2]);
     a.cayley_neumann = v[3], a.neumann_terms = static_cast<int>(v[4]), a.block_share = v[5];
-    s.teacher_checksum = h5_read_attr_u64(file, TEACHER_CHECKSUM, path);
-    sum.add(TEACHER_CHECKSUM, std::to_string(s.teacher_checksum));
+    s.teacher_checksum = read.at("distill.teacher_checksum").u;
   }
-  // Version 6's family keys, read as the writer wrote them (the keys its family reads).
-  std::vector<std::pair<const FamilyIntAttr*, int64_t>> family_ints;
-  int64_t guidance = 1;
-  std::string rope_axes = ModelConfig().rope_axes;
-  if (version >= 6 && find_model_family(arch)) {
-    const ModelFamily& family = *find_model_family(arch);
-    for (const FamilyIntAttr& a : FAMILY_INTS)
-      if (family.reads_key(a.name) && (!a.optional || h5_has_attr(file, a.name)))
-        family_ints.emplace_back(&a, i64(a.name));
-    if (family.reads_key(FAMILY_GUIDANCE)) guidance = i64(FAMILY_GUIDANCE);
-    if (family.reads_key(FAMILY_ROPE_AXES)) rope_axes = str(FAMILY_ROPE_AXES);
-  }
-  if (h5_has_attr(file, TEXT_ENCODER_STRS[0])) {
-    std::string* values[4] = {&s.text_encoder, &s.text_encoder_layers, &s.text_encoder_tokenizer,
-                              &s.text_encoder_dtype};
-    for (int i = 0; i < 4; i++) *values[i] = str(TEXT_ENCODER_STRS[i]);
-    s.text_encoder_quant_block = i64(TEXT_ENCODER_INTS[0]);
-    s.text_encoder_all_linear = i64(TEXT_ENCODER_INTS[1]);
+  if (has("text_encoder.source")) {
+    s.text_encoder = str("text_encoder.source"), s.text_encoder_layers = str("text_encoder.layers");
+    s.text_encoder_tokenizer = str("text_encoder.tokenizer"), s.text_encoder_dtype = str("text_encoder.dtype");
+    s.text_encoder_quant_block = i64("text_encoder.quant_block");
+    s.text_encoder_all_linear = i64("text_encoder.quantize_all_linear");
+    s.text_encoder_checksum = read.at("text_encoder.checksum").u;
     QuantType type;
     if (!parse_quant_type(s.text_encoder_dtype, &type) || s.text_encoder_quant_block > 4096 ||
         !quant_block_ok(static_cast<int>(s.text_encoder_quant_block)) ||
         (s.text_encoder_all_linear != 0 && s.text_encoder_all_linear != 1))
-      throw CheckpointError("checkpoint '" + path + "': attributes text_encoder.dtype, text_encoder.quant_block and "
+      throw CheckpointError(where + "attributes text_encoder.dtype, text_encoder.quant_block and "
                             "text_encoder.quantize_all_linear hold no valid format; the file is damaged");
-    s.text_encoder_checksum = h5_read_attr_u64(file, TEXT_ENCODER_CHECKSUM, path);
-    sum.add(TEXT_ENCODER_CHECKSUM, std::to_string(s.text_encoder_checksum));
   }
-  if (version >= 7 && h5_has_attr(file, QUANTIZED_DTYPE)) {
-    s.quantized_dtype = str(QUANTIZED_DTYPE);
-    s.quantized_block = i64(QUANTIZED_BLOCK);
+  if (has("quantized.dtype")) {
+    s.quantized_dtype = str("quantized.dtype");
+    s.quantized_block = i64("quantized.block");
     QuantType type;
     if (!parse_quant_type(s.quantized_dtype, &type) || type == QUANT_NONE || s.quantized_block > 4096 ||
         !quant_block_ok(static_cast<int>(s.quantized_block)))
-      throw CheckpointError("checkpoint '" + path + "': attributes quantized.dtype and quantized.block hold no valid "
-                            "format; the file is damaged");
+      throw CheckpointError(where + "attributes quantized.dtype and quantized.block hold no valid format; the file "
+                            "is damaged");
   }
   if (!h5_has_attr(file, META_CHECKSUM))
     s.warning = where + "no metadata checksum (written by an older build): its attributes are not verified";
-  else if (h5_read_attr_u64(file, META_CHECKSUM, path) != sum.value())
-    throw CheckpointError(where + "the metadata (root attributes or the stored config) fail their checksum: edited "
-                                  "or corrupted; use another checkpoint");
   if (s.layout != "sharded" && s.layout != "gathered")
     throw CheckpointError(where + "unknown layout '" + s.layout + "'");
   if (adapters_only != 0 && adapters_only != 1)
@@ -717,6 +752,8 @@ CheckpointState read_state(hid_t file, const std::string& path) {
     throw CheckpointError(where + "attribute adapters_only=1 but adapter.type=none: no adapters to hold; the file is "
                                   "damaged");
   // model_shape_defect's bounds keep a damaged file from making the reader build an absurd table.
+  std::array<int64_t, 5> dims;
+  for (int i = 0; i < 5; i++) dims[i] = i64(MODEL_DIMS[i]);
   std::string defect = model_shape_defect(dims[0], dims[1], dims[2], dims[3], dims[4]);
   if (defect.empty()) defect = state_defect(s);
   if (!defect.empty()) throw CheckpointError(where + "attribute " + defect + "; the file is damaged");
@@ -724,25 +761,33 @@ CheckpointState read_state(hid_t file, const std::string& path) {
   m.n_layer = static_cast<int>(dims[0]), m.n_embd = static_cast<int>(dims[1]);
   m.n_head = static_cast<int>(dims[2]), m.vocab_size = static_cast<int>(dims[3]);
   m.max_seq_len = static_cast<int>(dims[4]);
+  const std::string arch = version >= 2 ? str(MODEL_ARCH) : "gpt2";
   if (!find_model_family(arch))
     throw CheckpointError(where + "attribute model.arch='" + arch + "' is not a model family this build knows (" +
                           model_family_names() + ")");
   m.arch = arch;
-  if (version < 2) arch_ints = model_arch_ints(m);  // gpt2's own values
+  std::array<int64_t, 3> arch_ints = model_arch_ints(m);  // a version-1 file: gpt2's own values
+  if (version >= 2) {
+    for (int i = 0; i < 3; i++) arch_ints[i] = i64(MODEL_ARCH_INTS[i]);
+    m.rope_theta = f64(MODEL_ARCH_REALS[0]), m.norm_eps = f64(MODEL_ARCH_REALS[1]);
+  }
   for (int i = 0; i < 3; i++)
     if (arch_ints[i] < 0 || arch_ints[i] > (1 << 24))
       throw CheckpointError(where + "attribute " + MODEL_ARCH_INTS[i] + " is out of range; the file is damaged");
   m.n_kv_head = static_cast<int>(arch_ints[0]), m.intermediate_size = static_cast<int>(arch_ints[1]);
   m.tie_embeddings = arch_ints[2] != 0;
-  m.rope_theta = arch_reals[0], m.norm_eps = arch_reals[1];
-  for (const auto& [attr, value] : family_ints) {
+  for (const MetaAttr& attr : META_ATTRS) {
+    if (!attr.family_int || !has(attr.name)) continue;
+    const int64_t value = i64(attr.name);
     if (value < 0 || value > (1 << 24))  // a family's own bounds follow (model_arch_defect)
-      throw CheckpointError(where + "attribute " + attr->name + " is out of range; the file is damaged");
-    m.*attr->field = static_cast<int>(value);
+      throw CheckpointError(where + "attribute " + attr.name + " is out of range; the file is damaged");
+    m.*attr.family_int = static_cast<int>(value);
   }
+  const int64_t guidance = has(FAMILY_GUIDANCE) ? i64(FAMILY_GUIDANCE) : 1;
   if (guidance != 0 && guidance != 1)
     throw CheckpointError(where + "attribute " + FAMILY_GUIDANCE + " is neither 0 nor 1; the file is damaged");
-  m.guidance_embeds = guidance == 1, m.rope_axes = rope_axes;
+  m.guidance_embeds = guidance == 1;
+  if (has(FAMILY_ROPE_AXES)) m.rope_axes = str(FAMILY_ROPE_AXES);
   defect = model_arch_defect(m);
   if (!defect.empty()) throw CheckpointError(where + "attribute " + defect + "; the file is damaged");
   return s;
@@ -949,8 +994,9 @@ std::string model_mismatch(const std::string& path, const ModelConfig& stored, c
   for (int i = 0; i < 3; i++) differ(MODEL_ARCH_INTS[i], std::to_string(ai[i]), std::to_string(bi[i]));
   auto ar = model_arch_reals(stored), br = model_arch_reals(configured);
   for (int i = 0; i < 2; i++) differ(MODEL_ARCH_REALS[i], strprintf("%g", ar[i]), strprintf("%g", br[i]));
-  for (const FamilyIntAttr& a : FAMILY_INTS)
-    if (a.shape) differ(a.name, std::to_string(stored.*a.field), std::to_string(configured.*a.field));
+  for (const MetaAttr& a : META_ATTRS)
+    if (a.family_int && a.compared)
+      differ(a.name, std::to_string(stored.*a.family_int), std::to_string(configured.*a.family_int));
   differ(FAMILY_GUIDANCE, stored.guidance_embeds ? "true" : "false", configured.guidance_embeds ? "true" : "false");
   differ(FAMILY_ROPE_AXES, stored.rope_axes, configured.rope_axes);
   if (differences.empty()) return "";
