@@ -39,7 +39,7 @@ struct ConvertOptions {
   bool overwrite = false, quantize_all_linear = false;
   // Options given that apply to one direction only.
   bool layout_given = false, config_given = false, dtype_given = false, max_file_size_given = false,
-       quant_given = false;
+       quant_given = false, quant_block_given = false;
 };
 
 // Returns false when --help was asked for (the text printed by rank 0).
@@ -93,7 +93,8 @@ bool parse_convert_args(const Runtime& rt, const std::vector<std::string>& args,
   }
   o.layout_given = !vm["layout"].defaulted(), o.config_given = vm.count("config") > 0;
   o.dtype_given = !vm["dtype"].defaulted(), o.max_file_size_given = !vm["max-file-size"].defaulted();
-  o.quant_given = !vm["frozen-dtype"].defaulted() || !vm["quant-block"].defaulted() || o.quantize_all_linear;
+  o.quant_block_given = !vm["quant-block"].defaulted();
+  o.quant_given = !vm["frozen-dtype"].defaulted() || o.quant_block_given || o.quantize_all_linear;
   return true;
 }
 
@@ -198,7 +199,7 @@ void folder_to_checkpoint(const Runtime& rt, const ConvertOptions& o, Watchdog& 
     quant.block = static_cast<size_t>(parse_whole_number(o.quant_block, "--quant-block", 1, 1 << 20));
     if (!quant_block_ok(static_cast<int>(quant.block)))
       throw UsageError("--quant-block=" + o.quant_block + " is not a power of two from 32 to 4096" + HELP);
-    if (quant.type == QUANT_NONE && o.quant_given && o.frozen_dtype == "fp32")
+    if (quant.type == QUANT_NONE && (o.quant_block_given || o.quantize_all_linear))
       throw UsageError("--quant-block and --quantize-all-linear shape a quantized base: add --frozen-dtype" +
                        std::string(HELP));
   });

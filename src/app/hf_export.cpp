@@ -195,22 +195,25 @@ std::vector<float> merged_weight(const CheckpointReader& reader, const ParamTabl
   return w;
 }
 
-// A bitsandbytes 4-bit weight's tensors, at entry and after it (hf_export_plan's order).
-void write_bnb_weight(SafetensorsWriter& writer, size_t entry, const Bnb4bitWeight& w) {
-  writer.write_bytes(entry++, 0, w.packed.size(), w.packed.data());
+// A bitsandbytes 4-bit weight's tensors into its entries (HfExportPlan::quantized's order);
+// `dtype` the export's, which its quant_state names.
+void write_bnb_weight(SafetensorsWriter& writer, const std::vector<size_t>& entries, const Bnb4bitWeight& w,
+                      DType dtype) {
+  size_t k = 0;
+  writer.write_bytes(entries[k++], 0, w.packed.size(), w.packed.data());
   float map[16];
   for (int c = 0; c < 16; c++) map[c] = quant4_code_value(w.type, c);
   if (w.double_quant()) {
-    writer.write_bytes(entry++, 0, w.absmax_codes.size(), w.absmax_codes.data());
-    writer.write_fp32(entry++, 0, 16, map);
-    writer.write_fp32(entry++, 0, w.nested_absmax.size(), w.nested_absmax.data());
-    writer.write_fp32(entry++, 0, 256, bnb_dynamic_map());
+    writer.write_bytes(entries[k++], 0, w.absmax_codes.size(), w.absmax_codes.data());
+    writer.write_fp32(entries[k++], 0, 16, map);
+    writer.write_fp32(entries[k++], 0, w.nested_absmax.size(), w.nested_absmax.data());
+    writer.write_fp32(entries[k++], 0, 256, bnb_dynamic_map());
   } else {
-    writer.write_fp32(entry++, 0, w.absmax.size(), w.absmax.data());
-    writer.write_fp32(entry++, 0, 16, map);
+    writer.write_fp32(entries[k++], 0, w.absmax.size(), w.absmax.data());
+    writer.write_fp32(entries[k++], 0, 16, map);
   }
-  const std::string state = w.quant_state();
-  writer.write_bytes(entry, 0, state.size(), state.data());
+  const std::string state = w.quant_state(torch_dtype_name(dtype));
+  writer.write_bytes(entries[k], 0, state.size(), state.data());
 }
 
 }  // namespace
@@ -245,9 +248,11 @@ void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const st
       if (p.id % rt.world() != rt.rank()) continue;
       const std::vector<float> values = to_hf_order(model, p, merged_weight(*reader, adapted, p));
       const auto [file, entry] = plan.where[p.id];
-      if (plan.quantized[p.id])
-        write_bnb_weight(*writers[file], entry, Bnb4bitWeight(values.data(), hf_tensor_of(model, p).shape, quant.type, quant.block,
-                                                              quant.double_quant));
+      if (!plan.quantized[p.id].empty())
+        write_bnb_weight(*writers[file], plan.quantized[p.id],
+                         Bnb4bitWeight(values.data(), hf_tensor_of(model, p).shape, quant.type, quant.block,
+                                       quant.double_quant),
+                         dtype);
       else
         writers[file]->write_fp32(entry, 0, values.size(), values.data());
     }

@@ -16,6 +16,10 @@ enum DType { DTYPE_FP32, DTYPE_BF16, DTYPE_FP16 };
 
 inline const char* dtype_name(DType t) { return t == DTYPE_FP32 ? "fp32" : (t == DTYPE_BF16 ? "bf16" : "fp16"); }
 inline size_t dtype_bytes(DType t) { return t == DTYPE_FP32 ? 4 : 2; }
+// As torch names it (config.json's torch_dtype, bitsandbytes' quant_state).
+inline const char* torch_dtype_name(DType t) {
+  return t == DTYPE_FP32 ? "float32" : (t == DTYPE_BF16 ? "bfloat16" : "float16");
+}
 
 HOST_DEVICE inline uint32_t float_bits(float f) {
   uint32_t u;

@@ -186,11 +186,11 @@ namespace {
 
 // bitsandbytes' QuantState.as_dict(packed=True) JSON (json.dumps' separators), the offset as text.
 std::string quant_state_text(QuantType type, size_t block, const std::vector<int64_t>& shape, bool double_quant,
-                             const std::string& offset) {
+                             const std::string& offset, const char* dtype) {
   std::string dims;
   for (int64_t d : shape) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
-  std::string text = strprintf("{\"quant_type\": \"%s\", \"blocksize\": %zu, \"dtype\": \"float32\", \"shape\": [%s]",
-                               quant_type_name(type), block, dims.c_str());
+  std::string text = strprintf("{\"quant_type\": \"%s\", \"blocksize\": %zu, \"dtype\": \"%s\", \"shape\": [%s]",
+                               quant_type_name(type), block, dtype, dims.c_str());
   if (double_quant)
     text += strprintf(", \"nested_blocksize\": %zu, \"nested_dtype\": \"float32\", \"nested_offset\": %s",
                       BNB_NESTED_BLOCK, offset.c_str());
@@ -252,17 +252,19 @@ float Bnb4bitWeight::value(size_t i) const {
   return quant4_code_value(type, i % 2 ? pair & 15 : pair >> 4) * scale;
 }
 
-std::string Bnb4bitWeight::quant_state() const {
+std::string Bnb4bitWeight::quant_state(const char* dtype) const {
   char number[32];  // the shortest text that reads back as the same double: Python's repr of it
   const auto end = std::to_chars(number, number + sizeof number, static_cast<double>(offset)).ptr;
-  std::string text = quant_state_text(type, block, shape, double_quant(), std::string(number, end));
+  std::string text = quant_state_text(type, block, shape, double_quant(), std::string(number, end), dtype);
   text.resize(quant_state_bytes(shape, double_quant()), ' ');
   return text;
 }
 
 size_t Bnb4bitWeight::quant_state_bytes(const std::vector<int64_t>& shape, bool double_quant) {
   // The longest offset to_chars writes: a sign, 17 digits, a point and a three-digit exponent.
-  return quant_state_text(QUANT_NF4, 4096, shape, double_quant, std::string(24, '9')).size();
+  // The longest dtype, and blanks to a multiple of 8 bytes, which keeps the tensors after it aligned.
+  const size_t longest = quant_state_text(QUANT_NF4, 4096, shape, double_quant, std::string(24, '9'), "bfloat16").size();
+  return (longest + 7) / 8 * 8;
 }
 
 }  // namespace shardtrain

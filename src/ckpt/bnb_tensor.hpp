@@ -73,9 +73,10 @@ struct Bnb4bitWeight {
   std::vector<float> nested_absmax;   // per block of BNB_NESTED_BLOCK absmax
   float offset = 0;
   bool double_quant() const { return !absmax_codes.empty(); }
-  // The quant_state's JSON as bitsandbytes packs it, padded with blanks to quant_state_bytes()
-  // (which JSON allows), so that a file's layout is known before any weight is quantized.
-  std::string quant_state() const;
+  // The quant_state's JSON as bitsandbytes packs it -- `dtype` the weights' torch dtype
+  // ("float32", "bfloat16", "float16") -- padded with blanks to quant_state_bytes() (which JSON
+  // allows), so that a file's layout is known before any weight is quantized.
+  std::string quant_state(const char* dtype) const;
   static size_t quant_state_bytes(const std::vector<int64_t>& shape, bool double_quant);
   // The value of element i as bitsandbytes' dequantize_4bit gives it.
   float value(size_t i) const;

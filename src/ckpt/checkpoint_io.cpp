@@ -472,15 +472,16 @@ struct MetaValue {
 enum class AttrType { STR, I64, U64, F64 };
 // When a file of the attribute's version or later holds it: always; when the model's family reads
 // the key (FAMILY), or reads it and the value is not 0 (FAMILY_NONZERO: a key added after files
-// without it); or with its group -- the data's identity, a text encoder in the job, a quantized
-// base's records -- which a save writes when the state has it and a reader reads when the group's
-// first attribute is in the file.
+// without it); or with its group -- the data's identity (written by every save), a text encoder
+// in the job, a quantized base's records (written when the state has them) -- which a reader reads
+// when the group's first attribute is in the file.
 enum class Presence { ALWAYS, FAMILY, FAMILY_NONZERO, DATASET, TEXT_ENCODER, RECORDS };
 
 // The root attributes (docs/checkpoint-format.md), in the order written, which is the metadata
 // checksum's: name, HDF5 type, the format version that added it, when a file holds it, and its
 // value in the state a save writes (the model resolved as version 2 writes it). The writer and the
-// reader walk this one list; read_state turns what it read back into a state. A family's integer
+// reader walk this one list; read_state turns what it read back into the state's fields and checks
+// them (a new attribute: its row here, its CheckpointState field, its line there). A family's integer
 // key names its ModelConfig field instead (`family_int`, read back through it) and whether it is
 // the weights' shape (`compared`: a model of another value is another model) or, like the text
 // tokens per sample, the run's (recorded, not compared).
@@ -662,12 +663,7 @@ CheckpointState read_state(hid_t file, const std::string& path) {
     read[a.name] = v;
     if (std::strcmp(a.name, MODEL_ARCH) == 0) family = find_model_family(v.text);
   }
-  if (version < 2) family = find_model_family("gpt2");
   const std::string where = "checkpoint '" + path + "': ";
-  // (A file without the checksum is older than it: warned below, once its values are plausible.)
-  if (h5_has_attr(file, META_CHECKSUM) && h5_read_attr_u64(file, META_CHECKSUM, path) != sum.value())
-    throw CheckpointError(where + "the metadata (root attributes or the stored config) fail their checksum: edited "
-                                  "or corrupted; use another checkpoint");
 
   // What was read, back into a state, each group checked for values no save writes.
   auto has = [&](const char* name) { return read.count(name) > 0; };
@@ -741,8 +737,12 @@ CheckpointState read_state(hid_t file, const std::string& path) {
       throw CheckpointError(where + "attributes quantized.dtype and quantized.block hold no valid format; the file "
                             "is damaged");
   }
+  // The groups' own checks first, then the checksum, then the values that build the model.
   if (!h5_has_attr(file, META_CHECKSUM))
     s.warning = where + "no metadata checksum (written by an older build): its attributes are not verified";
+  else if (h5_read_attr_u64(file, META_CHECKSUM, path) != sum.value())
+    throw CheckpointError(where + "the metadata (root attributes or the stored config) fail their checksum: edited "
+                                  "or corrupted; use another checkpoint");
   if (s.layout != "sharded" && s.layout != "gathered")
     throw CheckpointError(where + "unknown layout '" + s.layout + "'");
   if (adapters_only != 0 && adapters_only != 1)

@@ -354,7 +354,7 @@ std::string hf_config_json(const ModelConfig& m, DType dtype, const HfSpecialIds
     j["eos_token_id"] = ids->eos.front();
   }
   if (family_of(m).hf_torch_dtype())
-    j["torch_dtype"] = dtype == DTYPE_FP32 ? "float32" : dtype == DTYPE_BF16 ? "bfloat16" : "float16";
+    j["torch_dtype"] = torch_dtype_name(dtype);
   return j.dump(2) + "\n";
 }
 
@@ -365,15 +365,16 @@ HfExportPlan hf_export_plan(const ParamTable& table, DType dtype, uint64_t max_f
   HfExportPlan plan;
   plan.index_name = base + ".safetensors.index.json";
   plan.quant = quant;
-  plan.quantized.assign(table.params().size(), false);
+  std::vector<bool> quantized(table.params().size(), false);
   if (quant.type != QUANT_NONE)
     for (int l = 0; l < table.block_count(); l++)
-      for (const LinearSite& site : table.block_sites(l)) plan.quantized[table.param(block_unit(l), site.weight).id] = true;
+      for (const LinearSite& site : table.block_sites(l)) quantized[table.param(block_unit(l), site.weight).id] = true;
+  plan.quantized.resize(table.params().size());
   uint64_t in_group = 0;
   for (const ParamInfo& p : table.params()) {
     const HfTensor t = hf_tensor_of(table.config(), p);
     std::vector<SafetensorsEntry> entries;
-    if (!plan.quantized[p.id]) {
+    if (!quantized[p.id]) {
       entries.push_back({t.name, dtype, t.shape});
     } else {
       SHARD_CHECK(!t.transposed && t.rows.empty(), "a bitsandbytes tensor for %s, stored transposed or in pieces",
@@ -401,11 +402,31 @@ HfExportPlan hf_export_plan(const ParamTable& table, DType dtype, uint64_t max_f
       bytes += numel * (e.bytes ? 1 : dtype_bytes(e.dtype));
     }
     if (max_file_bytes && in_group > 0 && in_group + bytes > max_file_bytes) groups.emplace_back(), in_group = 0;
+    if (quantized[p.id])
+      for (size_t k = 0; k < entries.size(); k++) plan.quantized[p.id].push_back(groups.back().size() + k);
     plan.where.emplace_back(groups.size() - 1, groups.back().size());
     plan.rows.emplace_back();
     groups.back().insert(groups.back().end(), entries.begin(), entries.end());
     in_group += bytes;
     plan.tensor_bytes += bytes;
+  }
+  // Each file's entries by element size, largest first (stable), and the plan's indices with them.
+  auto element = [](const SafetensorsEntry& e) { return e.bytes ? 1 : dtype_bytes(e.dtype); };
+  std::vector<std::vector<size_t>> moved(groups.size());
+  for (size_t f = 0; f < groups.size(); f++) {
+    std::vector<size_t> order(groups[f].size());
+    for (size_t i = 0; i < order.size(); i++) order[i] = i;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return element(groups[f][a]) > element(groups[f][b]); });
+    std::vector<SafetensorsEntry> sorted;
+    moved[f].resize(order.size());
+    for (size_t i = 0; i < order.size(); i++) sorted.push_back(groups[f][order[i]]), moved[f][order[i]] = i;
+    groups[f] = std::move(sorted);
+  }
+  for (size_t id = 0; id < plan.where.size(); id++) {
+    auto& [file, entry] = plan.where[id];
+    for (size_t& e : plan.quantized[id]) e = moved[file][e];
+    entry = moved[file][entry];
   }
   for (size_t f = 0; f < groups.size(); f++) {
     const std::string name = groups.size() == 1
@@ -415,11 +436,10 @@ HfExportPlan hf_export_plan(const ParamTable& table, DType dtype, uint64_t max_f
   }
   if (quant.type != QUANT_NONE) {
     // As transformers 5 writes BitsAndBytesConfig(load_in_4bit=True, ...).
-    const char* compute = dtype == DTYPE_FP32 ? "float32" : dtype == DTYPE_BF16 ? "bfloat16" : "float16";
     nlohmann::ordered_json q;
     q["_load_in_4bit"] = true;
     q["_load_in_8bit"] = false;
-    q["bnb_4bit_compute_dtype"] = compute;
+    q["bnb_4bit_compute_dtype"] = torch_dtype_name(dtype);
     q["bnb_4bit_quant_storage"] = "uint8";
     q["bnb_4bit_quant_type"] = quant_type_name(quant.type);
     q["bnb_4bit_use_double_quant"] = quant.double_quant;

@@ -73,10 +73,12 @@ struct HfQuantizedExport {
 
 struct HfExportPlan {
   std::vector<HfExportFile> files;
-  // by parameter id: (file, entry in the file); a quantized weight's entries follow each other
-  // there: the packed codes, absmax, quant_map, (nested_absmax, nested_quant_map,) quant_state
-  std::vector<std::pair<size_t, size_t>> where;
-  std::vector<bool> quantized;                   // by parameter id: stored as a bitsandbytes 4-bit tensor
+  std::vector<std::pair<size_t, size_t>> where;  // by parameter id: (file, entry in the file)
+  // by parameter id: a bitsandbytes 4-bit weight's entries in its file -- the packed codes (where's),
+  // absmax, quant_map, (nested_absmax, nested_quant_map,) quant_state -- or empty. Each file lists
+  // its 4-byte entries first, then the 2-byte, then the bytes, as safetensors' own writer orders
+  // them, so that every tensor starts aligned to its element.
+  std::vector<std::vector<size_t>> quantized;
   HfQuantizedExport quant;
   // config.json's quantization_config (JSON text), "" for none
   std::string quantization_config;

@@ -533,21 +533,30 @@ def quant_section(build, steps, rounds):
     lora = dict(cases)["LoRA r=8"]
     print(f"\n== quantized base: {config} + LoRA r=8 on every linear layer, seq_len 64, micro_batch 4, "
           f"global_batch 16, {steps} steps, fsdp.param_dtype=bf16, {rounds} rounds", flush=True)
-    print("ranks | frozen_dtype | tokens/s min / median | / fp32 | sharded_params MiB | comm MiB/step", flush=True)
+    print("ranks | frozen_dtype | tokens/s min / median | / fp32 | sharded_params MiB | comm MiB/step | "
+          "full checkpoint MiB, save s min / median", flush=True)
     for ranks, threads in ((1, 2), (2, 1)):
         runs = {f: [] for f in QUANT_FORMATS}
+        saves = {f: [] for f in QUANT_FORMATS}
         for _ in range(rounds):
             for fmt in QUANT_FORMATS:
-                rows, _, _ = train_run(build, ranks, threads, steps, config=config,
-                                       extra=(*lora, "--fsdp.param_dtype=bf16", f"--fsdp.frozen_dtype={fmt}"))
+                with tempfile.TemporaryDirectory(dir=ROOT) as ckpt:  # the final step's full checkpoint
+                    out = []
+                    rows, _, _ = train_run(build, ranks, threads, steps, config=config, stdout=out,
+                                           extra=(*lora, "--fsdp.param_dtype=bf16", f"--fsdp.frozen_dtype={fmt}",
+                                                  "--checkpoint.save=true", f"--checkpoint.dir={ckpt}"))
+                    saved = re.search(r"saved (\S+) \(sharded, ([\d.]+) s\)", out[0])
+                    saves[fmt].append((os.path.getsize(saved.group(1)), float(saved.group(2))))
                 runs[fmt].append((summarize([r["tokens_per_s"] for r in rows])[1], rows[-1]))
         base = statistics.median(t for t, _ in runs["fp32"])
         for fmt in QUANT_FORMATS:
             tps = [t for t, _ in runs[fmt]]
             last = runs[fmt][-1][1]
+            seconds = [t for _, t in saves[fmt]]
             print(f"{ranks} x {threads} | {fmt:4s} | {min(tps):8.1f} / {statistics.median(tps):8.1f} | "
                   f"{statistics.median(tps) / base:5.2f} | {last['peak_mem']['sharded_params'] / 2**20:8.2f} | "
-                  f"{last['comm_bytes'] / 2**20:8.2f}", flush=True)
+                  f"{last['comm_bytes'] / 2**20:8.2f} | {saves[fmt][-1][0] / 2**20:8.1f}, "
+                  f"{min(seconds):.2f} / {statistics.median(seconds):.2f}", flush=True)
 
 
 def distill_section(build, steps):

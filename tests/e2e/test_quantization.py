@@ -24,7 +24,7 @@ from safetensors_io import read_safetensors, write_safetensors
 from test_bad_input import expect_usage_error, write_tokens
 from test_checkpoint_edges import meta_checksum
 from test_freeze import latest
-from test_llama import ok
+from test_llama import llama_args, ok
 
 BASE = os.path.join(ROOT, "tests", "fixtures", "peft", "llama", "base")  # LlamaForCausalLM, C = 32, V = 96
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "bnb", "quant.safetensors")
@@ -368,6 +368,34 @@ def test_export_quantize_writes_what_transformers_saves_under_load_in_4bit():
         with open(os.path.join(folder, "config.json")) as f, \
                 open(os.path.join(BNB_FOLDERS, quant_type, "config.json")) as g:
             assert json.load(f)["quantization_config"] == json.load(g)["quantization_config"]
+
+
+def data_offsets(path):
+    """{name: (dtype, first byte)} of a safetensors file's tensors, from its header."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return {k: (v["dtype"], 8 + n + v["data_offsets"][0]) for k, v in header.items() if k != "__metadata__"}
+
+
+def test_an_exported_4bit_folder_keeps_every_tensor_aligned_and_names_its_dtype():
+    """Each tensor starts at a multiple of its element size (safetensors' own writer orders a file
+    so; loaders that view the bytes in place need it), whatever the 4-bit parts' odd lengths --
+    llama-tiny's 40-wide weights have 25 blocks of absmax codes; with --dtype bf16 the quant_state
+    names the weights' dtype as transformers writes it."""
+    d = tempdir()
+    ok(run(1, llama_args("--train.steps=1", f"--checkpoint.dir={d}")), "llama-tiny")
+    for extra in (("--double-quant",), ("--double-quant", "--dtype=bf16"), ("--dtype=fp16", "--max-file-size=8KB")):
+        folder = os.path.join(tempdir(), "out")
+        ok(run(2, ["export", latest(d), "--format", "hf", "--output", folder, "--quantize=nf4", *extra]), "export")
+        files = [n for n in os.listdir(folder) if n.endswith(".safetensors")]
+        for name in files:
+            for tensor, (dtype, first) in data_offsets(os.path.join(folder, name)).items():
+                assert first % {"F32": 4, "BF16": 2, "F16": 2, "U8": 1}[dtype] == 0, (extra, tensor, first)
+        tensors = folder_tensors(folder)
+        want = "bfloat16" if "--dtype=bf16" in extra else "float16" if "--dtype=fp16" in extra else "float32"
+        states = [json.loads(bytes(v).decode()) for k, v in tensors.items() if ".quant_state." in k]
+        assert len(states) == 14 and all(st["dtype"] == want for st in states), extra
 
 
 def test_an_exported_4bit_folder_trains_as_its_dequantized_weights():

@@ -80,7 +80,10 @@ TEST(Quant, DoubleQuantizationIsBitsandbytesLayoutWithTheNearestCodes) {
       const float scaled = (plain.absmax[b] - w.offset) / w.nested_absmax[b / 256];
       const float ours = std::fabs(scaled - map[w.absmax_codes[b]]), theirs = std::fabs(scaled - map[want_codes[b]]);
       EXPECT_LE(ours, theirs) << key << " block " << b;
-      if (w.absmax_codes[b] != want_codes[b]) EXPECT_LT(ours, theirs) << key << " block " << b, differ++;
+      if (w.absmax_codes[b] != want_codes[b]) {
+        EXPECT_LT(ours, theirs) << key << " block " << b;
+        differ++;
+      }
       const float step = map[std::min(w.absmax_codes[b] + 1, 255)] - map[std::max(w.absmax_codes[b] - 1, 0)];
       EXPECT_LE(std::fabs(map[w.absmax_codes[b]] * w.nested_absmax[b / 256] + w.offset - plain.absmax[b]),
                 step * w.nested_absmax[b / 256]) << key << " block " << b;
