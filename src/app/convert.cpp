@@ -239,7 +239,7 @@ void folder_to_checkpoint(const Runtime& rt, const ConvertOptions& o, Watchdog& 
                                    : strprintf(", linear weights in %s blocks of %zu", quant_type_name(quant.type),
                                                quant.block).c_str(),
           counted(rt.world(), "rank").c_str(), t_end - t0, t_read - t0, t_end - t_read,
-          human_bytes(4.0 * holder.engine.local_param_count()).c_str());
+          human_bytes(static_cast<double>(holder.memory.current(MEM_SHARDED_PARAMS))).c_str());
 }
 
 void checkpoint_to_folder(const Runtime& rt, const ConvertOptions& o, Watchdog& watchdog) {
@@ -282,7 +282,7 @@ void checkpoint_to_folder(const Runtime& rt, const ConvertOptions& o, Watchdog& 
           shape_of(table).c_str(), single ? "" : "config.json, ", plan.entry_name().c_str(),
           human_bytes(static_cast<double>(plan.tensor_bytes)).c_str(),
           counted(static_cast<long long>(plan.files.size()), "file").c_str(), counted(rt.world(), "rank").c_str(),
-          t_end - t0, t_read - t0, t_end - t_read, human_bytes(4.0 * holder.engine.local_param_count()).c_str());
+          t_end - t0, t_read - t0, t_end - t_read, human_bytes(static_cast<double>(holder.memory.current(MEM_SHARDED_PARAMS))).c_str());
 }
 
 }  // namespace

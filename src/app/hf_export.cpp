@@ -260,7 +260,7 @@ void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const st
   rt.info("wrote %s: Hugging Face %s (config.json, %s, %s in %s, %s) from step %lld, written by %s",
           out_dir.c_str(), family_of(model).hf_class(),
           plan.entry_name().c_str(),
-          counted(static_cast<long long>(table.params().size()), "tensor").c_str(),
+          counted(static_cast<long long>(plan.tensor_count()), "tensor").c_str(),
           counted(static_cast<long long>(plan.files.size()), "file").c_str(),
           human_bytes(static_cast<double>(plan.tensor_bytes)).c_str(), static_cast<long long>(reader->state().step),
           counted(rt.world(), "rank").c_str());

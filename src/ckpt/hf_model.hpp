@@ -89,6 +89,12 @@ struct HfExportPlan {
   std::string index_name;                        // <weights>.safetensors.index.json (ModelFamily::hf_weights)
   // The index's text, or "" for one file.
   std::string index_json() const;
+  // The tensors of all files (a 4-bit weight is several).
+  size_t tensor_count() const {
+    size_t n = 0;
+    for (const HfExportFile& f : files) n += f.layout.entries().size();
+    return n;
+  }
   // The file a reader opens first: the one weight file, or the index.
   const std::string& entry_name() const { return files.size() == 1 ? files[0].name : index_name; }
 };
