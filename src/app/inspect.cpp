@@ -71,7 +71,7 @@ void inspect_checkpoint(const std::string& path) {
   if (!s.quantized_dtype.empty()) {
     size_t weights = 0, elements = 0;
     for (const ParamInfo& p : table.params())
-      if (reader.dataset_path(p, table.units()[p.unit].name, CheckpointReader::TENSOR_PARAMS).rfind("/quantized/", 0) == 0)
+      if (reader.content().in_records(p))
         weights++, elements += p.numel;
     QuantType type = QUANT_NONE;
     parse_quant_type(s.quantized_dtype, &type);

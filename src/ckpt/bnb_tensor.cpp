@@ -240,18 +240,6 @@ Bnb4bitWeight::Bnb4bitWeight(const float* values, const std::vector<int64_t>& sh
   absmax.clear();
 }
 
-float Bnb4bitWeight::value(size_t i) const {
-  float scale;
-  if (double_quant()) {
-    const volatile float decoded = bnb_dynamic_map()[absmax_codes[i / block]] * nested_absmax[i / block / BNB_NESTED_BLOCK];
-    scale = decoded + offset;
-  } else {
-    scale = absmax[i / block];
-  }
-  const uint8_t pair = packed[i / 2];
-  return quant4_code_value(type, i % 2 ? pair & 15 : pair >> 4) * scale;
-}
-
 std::string Bnb4bitWeight::quant_state(const char* dtype) const {
   char number[32];  // the shortest text that reads back as the same double: Python's repr of it
   const auto end = std::to_chars(number, number + sizeof number, static_cast<double>(offset)).ptr;

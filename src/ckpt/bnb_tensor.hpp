@@ -78,8 +78,6 @@ struct Bnb4bitWeight {
   // allows), so that a file's layout is known before any weight is quantized.
   std::string quant_state(const char* dtype) const;
   static size_t quant_state_bytes(const std::vector<int64_t>& shape, bool double_quant);
-  // The value of element i as bitsandbytes' dequantize_4bit gives it.
-  float value(size_t i) const;
 };
 
 // bitsandbytes' nested block (quantize_blockwise's default) and its signed 8-bit dynamic map

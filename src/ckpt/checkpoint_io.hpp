@@ -184,6 +184,8 @@ class CheckpointReader {
   bool holds(const ParamInfo& param) const;
   // The values of one parameter (its numel elements, row-major); the file must hold it.
   std::vector<float> read(const ParamInfo& param, const std::string& unit_name, Tensor tensor) const;
+  // What the file holds where: which parameters are quantized records, in which format.
+  const CheckpointContent& content() const { return content_; }
   // The HDF5 path holding the parameter in this layout.
   std::string dataset_path(const ParamInfo& param, const std::string& unit_name, Tensor tensor) const;
 

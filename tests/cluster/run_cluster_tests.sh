@@ -140,8 +140,25 @@ submit() {
   on ctl sbatch --parsable --job-name="$name" --chdir="$W" --time=00:10:00 "$@" "$ROOT/${SCRIPT:-slurm/train-multinode.sbatch}" \
     2>"$TMP/sbatch.err" | cut -d';' -f1
 }
-# run_job NAME [sbatch options...]: submits, waits, sets JOB, OUT, JOB_STATE, JOB_EXIT, TRAFFIC ("bytes packets")
+# open_mpi_wireup_failed OUT METRICS: the job died while Open MPI connected its ranks, before any step:
+# Open MPI's own shared-memory or TCP connect warning is in OUT and METRICS holds no step. Twice in
+# about 45 CI runs a rank died of SIGSEGV right after such a warning in these namespaces (srun
+# --mpi=pmix, Open MPI 4.1), never reproduced in 60 looped jobs; that start is tried once more.
+open_mpi_wireup_failed() {
+  grep -q -e 'failed to TCP connect to a peer' -e 'failed during shared memory initialization' "$1" 2>/dev/null &&
+    ! grep -q '"kind":"step"' "$2" 2>/dev/null
+}
+# run_job NAME [sbatch options...]: submits, waits, sets JOB, OUT, JOB_STATE, JOB_EXIT, TRAFFIC ("bytes packets");
+# a job whose ranks Open MPI could not connect runs once more (open_mpi_wireup_failed), noted
 run_job() {
+  run_job_once "$@" && return 0
+  [ "$JOB_STATE" = FAILED ] && [ -n "${METRICS_FILE:-}" ] && open_mpi_wireup_failed "$OUT" "$METRICS_FILE" || return 1
+  echo "  note job $JOB ($1) died while Open MPI connected its ranks ($JOB_STATE, exit $JOB_EXIT): once more"
+  show_output "$OUT" 12
+  rm -f "$METRICS_FILE"
+  run_job_once "$@"
+}
+run_job_once() {
   local name=$1 before after; shift
   before=$(snapshot)
   JOB=$(submit "$name" "$@")
@@ -153,6 +170,7 @@ run_job() {
   after=$(snapshot)
   JOB_STATE=$(job_field "$JOB" JobState) JOB_EXIT=$(job_field "$JOB" ExitCode)
   TRAFFIC=$(between_hosts "$before" "$after")
+  [ "$JOB_STATE" = COMPLETED ]
 }
 # compare A B: step losses and validation losses of metrics files A and B, to 1e-5 (relative);
 # prints "bitwise" or the largest difference

@@ -89,8 +89,11 @@ TEST(Quant, DoubleQuantizationIsBitsandbytesLayoutWithTheNearestCodes) {
                 step * w.nested_absmax[b / 256]) << key << " block " << b;
     }
     EXPECT_LE(differ, 2) << key;  // one in the NF4 case, none in the FP4 one
-    for (size_t i = 0; i < x.size(); i++)
-      ASSERT_LE(std::fabs(w.value(i) - x[i]), 0.6f * plain.absmax[i / 64] + 1e-6f) << key << " element " << i;
+    for (size_t i = 0; i < x.size(); i++) {  // each element as bitsandbytes' dequantize_4bit decodes it
+      const float scale = map[w.absmax_codes[i / 64]] * w.nested_absmax[i / 64 / 256] + w.offset;
+      const float value = quant4_code_value(type, i % 2 ? w.packed[i / 2] & 15 : w.packed[i / 2] >> 4) * scale;
+      ASSERT_LE(std::fabs(value - x[i]), 0.6f * plain.absmax[i / 64] + 1e-6f) << key << " element " << i;
+    }
   }
 }
 
