@@ -141,7 +141,10 @@ Prompts read_prompts(const std::string& path, const ModelConfig& m, const std::s
   std::vector<hsize_t> td, pd;
   const std::string hint = " (tools/encode_images.py prompts and shardtrain data synth-images write them)";
   p.text = h5_read_floats(path, FLUX_ENCODER_HIDDEN_STATES, &td, hint);
-  p.pooled = h5_read_floats(path, FLUX_POOLED, &pd, hint);
+  if (m.pooled_dim > 0)
+    p.pooled = h5_read_floats(path, FLUX_POOLED, &pd, hint);
+  else if (td.size() == 3)  // FLUX.2 reads none
+    pd = {td[0], 0};
   if (td.size() != 3 || pd.size() != 2 || td[0] != pd[0] || td[0] < 1 || td[2] != hsize_t(m.context_dim) ||
       pd[1] != hsize_t(m.pooled_dim))
     throw DataError(strprintf("%s='%s': encoder_hidden_states and pooled_projections must be (P, L, %d) and (P, %d) "
@@ -181,8 +184,9 @@ std::vector<float> FlowSampler::draw(const Prompts& prompts, const Prompts* nega
               model_.seq_len(), m.context_len, m.condition_len);
   const std::vector<double> sigmas = flow_sigmas(o.steps, o.shift);
   Batch batch;
-  fill_flux_image_ids(batch.put<float>(FLUX_IMG_IDS, {N + M, 3}), N, o.cols, M, condition ? condition->cols : 1);
-  batch.put<float>(FLUX_TXT_IDS, {L, 3});
+  const int A = flux_id_axes(m);
+  fill_flux_ids(m, batch.put<float>(FLUX_IMG_IDS, {N + M, A}), batch.put<float>(FLUX_TXT_IDS, {L, A}), N, o.cols, M,
+                condition ? condition->cols : 1);
   const size_t image = static_cast<size_t>(N) * IN, text = static_cast<size_t>(L) * m.context_dim;
   std::vector<float> latents(static_cast<size_t>(prompts.count) * image), velocity(B * image), negative_v(B * image);
   // The velocity of `x` (B samples of the prompts `images`: their condition images) at noise level

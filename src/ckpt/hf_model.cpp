@@ -165,7 +165,8 @@ ModelConfig read_hf_model_config(const std::string& path) {
   if (!family)
     j.fail("model_type '" + j.text("model_type", "") + "' (_class_name '" + j.text("_class_name", "") +
            "') is not implemented; ShardTrain reads the model families " + model_family_names() +
-           " (mistral folders as llama, diffusers' FluxTransformer2DModel as flux)");
+           " (mistral folders as llama, diffusers' FluxTransformer2DModel as flux and Flux2Transformer2DModel as "
+           "flux2)");
   ModelConfig m = family->read_hf_config(j);
   m.arch = family->name();
   check_model_shape(m, *family, [&](const std::string& why) { j.fail(why); });

@@ -59,7 +59,8 @@ LatentDataset::LatentDataset(const std::string& option, const std::string& value
   if (!captions_) {
     fields.push_back(
         {"encoder_hidden_states", {hsize_t(model.context_len), hsize_t(model.context_dim)}, &File::text});
-    fields.push_back({"pooled_projections", {hsize_t(model.pooled_dim)}, &File::pooled});
+    if (model.pooled_dim > 0)  // FLUX.2 reads none
+      fields.push_back({"pooled_projections", {hsize_t(model.pooled_dim)}, &File::pooled});
   }
   if (model.condition_len > 0)
     fields.push_back(
@@ -166,8 +167,9 @@ void LatentDataset::begin(Batch& b, int rows) const {
   }
   b.put<float>(FLUX_TIMESTEP, {rows});
   b.put<float>(FLUX_GUIDANCE, {rows});
-  fill_flux_image_ids(b.put<float>(FLUX_IMG_IDS, {N_ + M, 3}), N_, grid_cols_, M, condition_cols_);
-  b.put<float>(FLUX_TXT_IDS, {L, 3});  // zeros
+  const int A = flux_id_axes(model_);
+  fill_flux_ids(model_, b.put<float>(FLUX_IMG_IDS, {N_ + M, A}), b.put<float>(FLUX_TXT_IDS, {L, A}), N_, grid_cols_, M,
+                condition_cols_);
 }
 
 void LatentDataset::read(const File& f, hid_t set, const char* name, uint64_t local, float* dst, size_t numel) const {
@@ -200,7 +202,7 @@ void LatentDataset::fill(Batch& b, int row, uint64_t record, uint64_t sample, bo
   read(f, f.latents, "latents", local, hidden, image);
   if (!captions_) {
     read(f, f.text, "encoder_hidden_states", local, text, static_cast<size_t>(L) * model_.context_dim);
-    read(f, f.pooled, "pooled_projections", local, pooled, model_.pooled_dim);
+    if (model_.pooled_dim > 0) read(f, f.pooled, "pooled_projections", local, pooled, model_.pooled_dim);
   }
   if (M > 0) read(f, f.condition, "condition_latents", local, hidden + image, static_cast<size_t>(M) * IN);  // clean
   // The flow-matching sample: x_sigma = (1 - sigma) x0 + sigma e, target e - x0 (fp32, as trainers do).

@@ -247,8 +247,8 @@ size_t ParamTable::total_params() const {
 }
 
 int ParamTable::backward_floor() const {
-  for (int p : family_of(config_).input_params())
-    if (!frozen(ROOT_UNIT, p)) return 0;
+  for (int p : family_of(config_).input_params())  // a family lists its optional ones too (FLUX's guidance)
+    if (p < static_cast<int>(units_[ROOT_UNIT].params.size()) && !frozen(ROOT_UNIT, p)) return 0;
   int layer = 0;
   while (layer < block_count() && units_[block_unit(layer)].trainable_numel == 0) layer++;
   return layer;

@@ -1,5 +1,5 @@
-"""An independent float64 numpy reference of model.arch=flux, written from the equations of
-diffusers' FluxTransformer2DModel (docs/flux.md), and of the flow-matching samples ShardTrain draws
+"""An independent float64 numpy reference of model.arch=flux and flux2, written from the equations
+of diffusers' FluxTransformer2DModel and Flux2Transformer2DModel (docs/flux.md), and of the flow-matching samples ShardTrain draws
 (data/flow_matching.hpp, data/sampler.hpp, core/random.hpp): for the e2e tests' oracle."""
 import numpy as np
 
@@ -79,7 +79,9 @@ def flow_sample(seed, sample, x0, sampling="uniform", logit_mean=0.0, logit_std=
 # ------------------------------------------------------------------------------------ the model
 
 def linear(p, name, x):
-    return x @ p[name + ".weight"].T + p[name + ".bias"]
+    """x W^T + b; FLUX.2's layers have no bias."""
+    y = x @ p[name + ".weight"].T
+    return y + p[name + ".bias"] if name + ".bias" in p else y
 
 
 def silu(x):
@@ -111,7 +113,7 @@ def sinusoid(values):
 
 
 def rope_tables(ids, axes, theta):
-    """cos, sin (S, D/2) for position ids (S, 3): axis a's pair k turns by id_a theta^(-2k/axes[a])."""
+    """cos, sin (S, D/2) for position ids (S, len(axes)): axis a's pair k turns by id_a theta^(-2k/axes[a])."""
     cols = []
     for a, width in enumerate(axes):
         freq = 1.0 / theta ** (np.arange(0, width, 2, dtype=np.float64) / width)
@@ -215,7 +217,111 @@ def flux_forward(p, cfg, hidden, text, pooled, timestep, guidance, img_ids, txt_
     return linear(p, "proj_out", layer_norm(x, eps) * (1 + scale) + shift)
 
 
+def swiglu(x):
+    """FLUX.2's Flux2SwiGLU: silu(first half) * second half."""
+    half = x.shape[-1] // 2
+    return silu(x[..., :half]) * x[..., half:]
+
+
+def flux2_forward(p, cfg, hidden, text, timestep, guidance, img_ids, txt_ids, activation=swiglu, shared_mod=True):
+    """The image tokens' prediction (B, N, in_channels) of Flux2Transformer2DModel, float64: no
+    biases, no pooled vector, the three modulations computed once from temb and shared by every block
+    of their kind, SwiGLU MLPs, the single blocks' fused q|k|v|MLP product. Negative controls:
+    activation=gelu_tanh-of-the-first-half (FLUX.1's MLP), shared_mod=False (each double block's text
+    stream modulated by the image stream's parameters, a wrong wiring)."""
+    H, eps, C = cfg["n_head"], cfg["norm_eps"], cfg["n_head"] * cfg["head_dim"]
+    F = cfg["mlp_width"]
+    x = linear(p, "x_embedder", hidden)
+    c = linear(p, "context_embedder", text)
+
+    def mlp(prefix, v):
+        return linear(p, prefix + ".linear_2", silu(linear(p, prefix + ".linear_1", v)))
+
+    temb = mlp("time_guidance_embed.timestep_embedder", sinusoid(timestep))
+    if cfg["guidance_embeds"]:
+        temb = temb + mlp("time_guidance_embed.guidance_embedder", sinusoid(guidance))
+    e = silu(temb)
+    mod_img = np.split(linear(p, "double_stream_modulation_img.linear", e)[:, None, :], 6, -1)
+    mod_txt = np.split(linear(p, "double_stream_modulation_txt.linear", e)[:, None, :], 6, -1)
+    if not shared_mod:
+        mod_txt = mod_img
+    sh, sc, g = np.split(linear(p, "single_stream_modulation.linear", e)[:, None, :], 3, -1)
+    ids = np.concatenate([txt_ids, img_ids], 0)
+    cos, sin = rope_tables(ids, cfg["rope_axes"], cfg["rope_theta"])
+    L = text.shape[1]
+
+    def qk_norm(prefix, q, k, nq, nk):
+        return (rms_norm(heads(q, H), p[prefix + nq + ".weight"], eps),
+                rms_norm(heads(k, H), p[prefix + nk + ".weight"], eps))
+
+    for l in range(cfg["n_layer"]):
+        b = f"transformer_blocks.{l}."
+        sh1, sc1, g1, sh2, sc2, g2 = mod_img
+        csh1, csc1, cg1, csh2, csc2, cg2 = mod_txt
+        xn = layer_norm(x, eps) * (1 + sc1) + sh1
+        cn = layer_norm(c, eps) * (1 + csc1) + csh1
+        qi, ki = qk_norm(b, linear(p, b + "attn.to_q", xn), linear(p, b + "attn.to_k", xn), "attn.norm_q",
+                         "attn.norm_k")
+        qt, kt = qk_norm(b, linear(p, b + "attn.add_q_proj", cn), linear(p, b + "attn.add_k_proj", cn),
+                         "attn.norm_added_q", "attn.norm_added_k")
+        vi, vt = heads(linear(p, b + "attn.to_v", xn), H), heads(linear(p, b + "attn.add_v_proj", cn), H)
+        q = rope(np.concatenate([qt, qi], 1), cos, sin)
+        k = rope(np.concatenate([kt, ki], 1), cos, sin)
+        y = attention(q, k, np.concatenate([vt, vi], 1))
+        y = y.reshape(y.shape[0], y.shape[1], -1)
+        x = x + g1 * linear(p, b + "attn.to_out.0", y[:, L:])
+        c = c + cg1 * linear(p, b + "attn.to_add_out", y[:, :L])
+        x = x + g2 * linear(p, b + "ff.linear_out", activation(linear(p, b + "ff.linear_in",
+                                                                         layer_norm(x, eps) * (1 + sc2) + sh2)))
+        c = c + cg2 * linear(p, b + "ff_context.linear_out", activation(linear(p, b + "ff_context.linear_in",
+                                                                                  layer_norm(c, eps) * (1 + csc2) + csh2)))
+    h = np.concatenate([c, x], 1)
+    for l in range(cfg["n_single_layer"]):
+        b = f"single_transformer_blocks.{l}."
+        hn = layer_norm(h, eps) * (1 + sc) + sh
+        fused = linear(p, b + "attn.to_qkv_mlp_proj", hn)
+        q, k = qk_norm(b, fused[..., :C], fused[..., C:2 * C], "attn.norm_q", "attn.norm_k")
+        v = heads(fused[..., 2 * C:3 * C], H)
+        y = attention(rope(q, cos, sin), rope(k, cos, sin), v)
+        y = y.reshape(y.shape[0], y.shape[1], -1)
+        h = h + g * linear(p, b + "attn.to_out", np.concatenate([y, activation(fused[..., 3 * C:])], -1))
+    x = h[:, L:]
+    scale, shift = np.split(linear(p, "norm_out.linear", e)[:, None, :], 2, -1)
+    return linear(p, "proj_out", layer_norm(x, eps) * (1 + scale) + shift)
+
+
 # ------------------------------------------------------------------------------------ files
+
+def flux2_shapes(cfg):
+    """diffusers' parameter names and shapes of Flux2Transformer2DModel for the config."""
+    C = cfg["n_head"] * cfg["head_dim"]
+    D, F, IN = cfg["head_dim"], cfg["mlp_width"], cfg["in_channels"]
+    shapes = {"x_embedder.weight": (C, IN), "context_embedder.weight": (C, cfg["context_dim"]),
+              "time_guidance_embed.timestep_embedder.linear_1.weight": (C, 256),
+              "time_guidance_embed.timestep_embedder.linear_2.weight": (C, C),
+              "double_stream_modulation_img.linear.weight": (6 * C, C),
+              "double_stream_modulation_txt.linear.weight": (6 * C, C),
+              "single_stream_modulation.linear.weight": (3 * C, C),
+              "norm_out.linear.weight": (2 * C, C), "proj_out.weight": (IN, C)}
+    if cfg["guidance_embeds"]:
+        shapes["time_guidance_embed.guidance_embedder.linear_1.weight"] = (C, 256)
+        shapes["time_guidance_embed.guidance_embedder.linear_2.weight"] = (C, C)
+    for l in range(cfg["n_layer"]):
+        b = f"transformer_blocks.{l}."
+        for n in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out"):
+            shapes[b + "attn." + n + ".weight"] = (C, C)
+        for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
+            shapes[b + "attn." + n + ".weight"] = (D,)
+        for ff in ("ff", "ff_context"):
+            shapes[b + ff + ".linear_in.weight"] = (2 * F, C)
+            shapes[b + ff + ".linear_out.weight"] = (C, F)
+    for l in range(cfg["n_single_layer"]):
+        b = f"single_transformer_blocks.{l}."
+        shapes[b + "attn.to_qkv_mlp_proj.weight"] = (3 * C + 2 * F, C)
+        shapes[b + "attn.norm_q.weight"] = shapes[b + "attn.norm_k.weight"] = (D,)
+        shapes[b + "attn.to_out.weight"] = (C, C + F)
+    return shapes
+
 
 def flux_shapes(cfg):
     """diffusers' parameter names and shapes of FluxTransformer2DModel for the config."""
@@ -259,23 +365,34 @@ def flux_shapes(cfg):
 
 
 def make_diffusers_folder(folder, cfg, seed, scale=0.3):
-    """A FluxTransformer2DModel folder as diffusers saves it (config.json,
-    diffusion_pytorch_model.safetensors) with random float32 weights (norm weights near 1)."""
+    """A FluxTransformer2DModel (cfg["arch"] == "flux2": Flux2Transformer2DModel) folder as diffusers
+    saves it (config.json, diffusion_pytorch_model.safetensors) with random float32 weights (norm
+    weights near 1)."""
     import json
     import os
     os.makedirs(folder, exist_ok=True)
     rng = np.random.default_rng(seed)
     tensors = {}
-    for name, shape in flux_shapes(cfg).items():
+    flux2 = cfg.get("arch") == "flux2"
+    for name, shape in (flux2_shapes(cfg) if flux2 else flux_shapes(cfg)).items():
         values = scale * rng.standard_normal(shape)
         tensors[name] = (1 + values if "norm_" in name and "linear" not in name else values).astype(np.float32)
     write_safetensors(tensors, os.path.join(folder, "diffusion_pytorch_model.safetensors"))
-    config = {"_class_name": "FluxTransformer2DModel", "_diffusers_version": "0.42.1", "patch_size": 1,
-              "in_channels": cfg["in_channels"], "out_channels": None, "num_layers": cfg["n_layer"],
-              "num_single_layers": cfg["n_single_layer"], "attention_head_dim": cfg["head_dim"],
-              "num_attention_heads": cfg["n_head"], "joint_attention_dim": cfg["context_dim"],
-              "pooled_projection_dim": cfg["pooled_dim"], "guidance_embeds": cfg["guidance_embeds"],
-              "axes_dims_rope": list(cfg["rope_axes"])}
+    if flux2:
+        config = {"_class_name": "Flux2Transformer2DModel", "_diffusers_version": "0.42.1", "patch_size": 1,
+                  "in_channels": cfg["in_channels"], "out_channels": None, "num_layers": cfg["n_layer"],
+                  "num_single_layers": cfg["n_single_layer"], "attention_head_dim": cfg["head_dim"],
+                  "num_attention_heads": cfg["n_head"], "joint_attention_dim": cfg["context_dim"],
+                  "timestep_guidance_channels": 256, "mlp_ratio": cfg["mlp_width"] / (cfg["n_head"] * cfg["head_dim"]),
+                  "axes_dims_rope": list(cfg["rope_axes"]), "rope_theta": cfg["rope_theta"], "eps": cfg["norm_eps"],
+                  "guidance_embeds": cfg["guidance_embeds"]}
+    else:
+        config = {"_class_name": "FluxTransformer2DModel", "_diffusers_version": "0.42.1", "patch_size": 1,
+                  "in_channels": cfg["in_channels"], "out_channels": None, "num_layers": cfg["n_layer"],
+                  "num_single_layers": cfg["n_single_layer"], "attention_head_dim": cfg["head_dim"],
+                  "num_attention_heads": cfg["n_head"], "joint_attention_dim": cfg["context_dim"],
+                  "pooled_projection_dim": cfg["pooled_dim"], "guidance_embeds": cfg["guidance_embeds"],
+                  "axes_dims_rope": list(cfg["rope_axes"])}
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return {k: v.astype(np.float64) for k, v in tensors.items()}

@@ -456,7 +456,7 @@ def test_sample_draws_the_reference_eulers_images_on_any_rank_count():
     gpt = tempdir()
     ok(run(1, tiny_args(f"--checkpoint.dir={gpt}", "--train.steps=1")))
     expect_usage_error(["sample", "--checkpoint", gpt, "--prompts", prompts, "--output", out, "--grid", "2x3"],
-                       "is a 'gpt2' model, which predicts no image", "(flux)", np_=1)
+                       "is a 'gpt2' model, which predicts no image", "(flux, flux2)", np_=1)
     wide = os.path.join(tempdir(), "wide.h5")
     with h5py.File(wide, "w") as f:
         f["encoder_hidden_states"] = np.zeros((1, 5, 33), np.float32)

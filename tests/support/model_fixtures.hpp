@@ -74,6 +74,13 @@ inline ModelConfig tiny_flux_config() {
   return c;
 }
 
+// FLUX.2's tiny shape: MLPs 1.5 x n_embd wide (FLUX.2-dev: 3 x), four rotary axes, no pooled vector.
+inline ModelConfig tiny_flux2_config() {
+  ModelConfig c = tiny_flux_config();
+  c.arch = "flux2", c.intermediate_size = 24, c.pooled_dim = 0, c.rope_axes = "2,2,2,2", c.rope_theta = 2000;
+  return c;
+}
+
 // A language model's micro-batch of B sequences of T tokens (model/batch.hpp) from host vectors.
 inline Batch token_batch(const std::vector<int>& tokens, const std::vector<int>& targets, int B, int T) {
   Batch b;
@@ -93,6 +100,7 @@ inline Batch make_batch(int B, int T, int V) {
 // latent grid: values from the counter stream keyed by `salt`, sigma in (0, 1), guidance 3.5, image
 // ids (0, row, col), text ids 0.
 // With c.condition_len > 0, Kontext's condition tokens follow the target's (ids (1, 0, i)).
+// FLUX.2 (four axes): image ids (0, row, col, 0), condition ids (10, 0, i, 0), text ids (0, 0, 0, l).
 inline Batch make_flux_batch(const ModelConfig& c, int B, int rows, int cols, uint64_t salt) {
   Batch b;
   const int N = rows * cols, L = c.context_len, M = c.condition_len;
@@ -109,10 +117,12 @@ inline Batch make_flux_batch(const ModelConfig& c, int B, int rows, int cols, ui
   float* sigma = b.put<float>("timestep", {B});
   float* guidance = b.put<float>("guidance", {B});
   for (int i = 0; i < B; i++) sigma[i] = 0.1f + 0.8f * static_cast<float>(i + 1) / (B + 1), guidance[i] = 3.5f;
-  float* img = b.put<float>("img_ids", {N + M, 3});
-  for (int i = 0; i < N; i++) img[3 * i] = 0, img[3 * i + 1] = static_cast<float>(i / cols), img[3 * i + 2] = static_cast<float>(i % cols);
-  for (int i = 0; i < M; i++) img[3 * (N + i)] = 1, img[3 * (N + i) + 1] = 0, img[3 * (N + i) + 2] = static_cast<float>(i);
-  b.put<float>("txt_ids", {L, 3});
+  const int A = c.arch == "flux2" ? 4 : 3;
+  float* img = b.put<float>("img_ids", {N + M, A});
+  for (int i = 0; i < N; i++) img[A * i + 1] = static_cast<float>(i / cols), img[A * i + 2] = static_cast<float>(i % cols);
+  for (int i = 0; i < M; i++) img[A * (N + i)] = A == 4 ? 10 : 1, img[A * (N + i) + 2] = static_cast<float>(i);
+  float* txt = b.put<float>("txt_ids", {L, A});
+  for (int l = 0; l < L && A == 4; l++) txt[A * l + 3] = static_cast<float>(l);
   return b;
 }
 

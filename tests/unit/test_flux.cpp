@@ -1,10 +1,13 @@
-// The FLUX family's model (model/families/flux): central finite differences in double of the whole
-// forward/backward (every parameter tensor), float against double, activation checkpointing
-// against keeping everything, the allocation against its plan, and the parameter table against
-// FLUX.1-dev's published size. The equations against an independent reference: tests/e2e/test_flux.py.
+// The FLUX families' model (model/families/flux), FLUX.1 and FLUX.2 alike: central finite
+// differences in double of the whole forward/backward (every parameter tensor), float against
+// double, activation checkpointing against keeping everything, the allocation against its plan,
+// and the parameter tables against FLUX.1-dev's and FLUX.2-dev's published sizes. The equations
+// against an independent reference: tests/e2e/test_flux.py.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <set>
+#include <string>
 #include <vector>
 
 #include "model/families/flux/flux_family.hpp"
@@ -48,8 +51,9 @@ double forward_loss(TransformerModel<Real>& model, const ParamTable& table, cons
 // Also Kontext's shape (condition tokens after the target's, outside the loss) and schnell's (no
 // guidance embedder).
 TEST(Flux, GradientMatchesCentralFiniteDifferencesForEveryTensor) {
-  for (bool guidance : {true, false}) {
-    ModelConfig config = tiny_flux_config();
+  for (int variant = 0; variant < 4; variant++) {
+    const bool guidance = variant % 2 == 0;
+    ModelConfig config = variant < 2 ? tiny_flux_config() : tiny_flux2_config();
     config.guidance_embeds = guidance;
     config.condition_len = guidance ? 0 : 3;
     const ParamTable table(config);
@@ -71,13 +75,13 @@ TEST(Flux, GradientMatchesCentralFiniteDifferencesForEveryTensor) {
         const double down = forward_loss(*model, table, units, batch) * dloss;
         x = saved;
         const double numeric = (up - down) / (2 * h), analytic = grads[p.unit][p.offset + i];
-        EXPECT_NEAR(analytic, numeric, atol + rtol * std::fabs(numeric)) << p.name << "[" << i << "]";
+        EXPECT_NEAR(analytic, numeric, atol + rtol * std::fabs(numeric)) << config.arch << " " << p.name << "[" << i << "]";
       }
   }
 }
 
 TEST(Flux, FloatAgreesWithDouble) {
-  const ModelConfig config = tiny_flux_config();
+  for (const ModelConfig& config : {tiny_flux_config(), tiny_flux2_config()}) {
   const ParamTable table(config);
   auto m64 = make_model<double>(table, B, N, false, cpu_layer_ops<double>());
   auto m32 = make_model<float>(table, B, N, false, cpu_layer_ops<float>());
@@ -95,11 +99,12 @@ TEST(Flux, FloatAgreesWithDouble) {
     for (size_t i = 0; i < p.numel; i++)
       ASSERT_NEAR(g32[p.unit][p.offset + i], g64[p.unit][p.offset + i], 1e-4 * scale + 1e-9) << p.name << "[" << i << "]";
   }
+  }
 }
 
 // Recomputing each block from its input gives the same bits as keeping its activations.
 TEST(Flux, ActivationCheckpointingChangesNoBits) {
-  const ModelConfig config = tiny_flux_config();
+  for (const ModelConfig& config : {tiny_flux_config(), tiny_flux2_config()}) {
   const ParamTable table(config);
   auto units = random_units<float>(table, 0.3, 17);
   const Batch batch = make_flux_batch(config, B, ROWS, COLS, 5);
@@ -111,12 +116,13 @@ TEST(Flux, ActivationCheckpointingChangesNoBits) {
   EXPECT_EQ(l1, l2);
   EXPECT_EQ(kept, recomputed);
   EXPECT_LT(checkpointed->activation_bytes(), plain->activation_bytes());
+  }
 }
 
 // What the model allocates, counted by the device, is what the planner says, with and without
 // checkpointing; and the loss is the flow-matching mean squared error's sum.
 TEST(Flux, AllocationEqualsThePlan) {
-  const ModelConfig config = tiny_flux_config();
+  for (const ModelConfig& config : {tiny_flux_config(), tiny_flux2_config()}) {
   const ParamTable table(config);
   Device& dev = cpu_layer_ops<float>().device();
   ModelConfig kontext = config;
@@ -137,6 +143,7 @@ TEST(Flux, AllocationEqualsThePlan) {
     EXPECT_EQ(model->output_rows(), B * N);
     EXPECT_EQ(model->loss().units_per_row(model->output_width()), config.in_channels);
   }
+  }
 }
 
 // FLUX.1-dev (19 double, 38 single, C = 3072, 24 heads, 64 channels, T5 4096, CLIP 768, guidance):
@@ -152,6 +159,28 @@ TEST(Flux, Flux1DevHasItsPublishedParameterCount) {
   EXPECT_EQ(table.units()[20].kind, "single");
   c.guidance_embeds = false;  // schnell
   EXPECT_EQ(ParamTable(c).total_params(), 11901408320u - (256u * 3072 + 3072 + 3072u * 3072 + 3072));
+}
+
+// FLUX.2-dev (8 double, 48 single, C = 6144, 48 heads, MLP 3 x, 128 channels, 15360-wide text,
+// guidance): 32,223,281,152 parameters, the count of diffusers' Flux2Transformer2DModel (0.42.1,
+// its defaults); 32,183,959,552 without the guidance embedder.
+TEST(Flux, Flux2DevHasItsPublishedParameterCount) {
+  ModelConfig c;
+  c.arch = "flux2", c.n_layer = 8, c.n_single_layer = 48, c.n_embd = 6144, c.n_head = 48, c.max_seq_len = 4096;
+  c.in_channels = 128, c.context_dim = 15360, c.pooled_dim = 0, c.intermediate_size = 18432;
+  c.rope_axes = "32,32,32,32", c.rope_theta = 2000, c.norm_eps = 1e-6;
+  EXPECT_EQ(family_of(c).config_defect(c), "");
+  const ParamTable table(c);
+  EXPECT_EQ(table.total_params(), 32223281152u);
+  EXPECT_EQ(table.block_count(), 56);
+  EXPECT_EQ(table.param(ROOT_UNIT, FLUX2_MOD_SINGLE_W).name, "single_stream_modulation.linear.weight");
+  EXPECT_EQ(table.param(block_unit(0), FLUX2_D_STREAM_PARAMS + FLUX2_D_FF_OUT_W).name,
+            "transformer_blocks.0.ff_context.linear_out.weight");
+  EXPECT_EQ(table.param(block_unit(8), FLUX2_S_OUT_W).name, "single_transformer_blocks.0.attn.to_out.weight");
+  c.guidance_embeds = false;
+  EXPECT_EQ(ParamTable(c).total_params(), 32183959552u);
+  c.pooled_dim = 768;  // FLUX.2 has no pooled vector: a config that names one is refused
+  EXPECT_NE(family_of(c).config_defect(c).find("model.pooled_dim=0"), std::string::npos);
 }
 
 // Adapters on every kind of linear layer -- the streams' q/k/v and outputs, the MLPs, the
@@ -189,6 +218,39 @@ TEST(Flux, AdapterGradientsMatchCentralFiniteDifferences) {
     for (const ParamInfo& p : table.params()) {
       if (p.adapter) continue;
       for (size_t i = 0; i < p.numel; i++) ASSERT_EQ(grads[p.unit][p.offset + i], 0.0) << p.name;
+    }
+  }
+}
+
+// FLUX.2's adapter sites -- diffusers' module names: the streams' q/k/v and outputs, the SwiGLU
+// MLPs' linear_in and linear_out, the single blocks' fused to_qkv_mlp_proj and to_out -- against
+// central differences, LoRA and LoKr.
+TEST(Flux, Flux2AdapterGradientsMatchCentralFiniteDifferences) {
+  const ModelConfig config = tiny_flux2_config();
+  for (AdapterType type : {ADAPTER_LORA, ADAPTER_LOKR}) {
+    AdapterConfig a;
+    a.type = type, a.rank = 2, a.alpha = 3;
+    a.targets = {"attn.to_q", "add_v_proj", "to_add_out", "ff.linear_in", "ff_context.linear_out", "to_qkv_mlp_proj",
+                 "single_transformer_blocks.1.attn.to_out"};
+    const ParamTable table(config, {}, a);
+    std::set<std::string> adapted;
+    for (const ParamInfo& p : table.params())
+      if (p.adapter) adapted.insert(p.name.substr(0, p.name.find(".lo")));
+    EXPECT_EQ(adapted.size(), 2u * 5 + 2 + 1) << "every named site of both double and single blocks";
+    auto model = make_model<double>(table, B, N, false, cpu_layer_ops<double>());
+    auto units = random_units<double>(table, 0.3, 29);
+    std::vector<std::vector<double>> grads;
+    const Batch batch = make_flux_batch(config, B, ROWS, COLS, 9);
+    const double dloss = 1.0 / (B * N * config.in_channels);
+    loss_and_grads(*model, table, units, &grads, batch, dloss);
+    for (const ParamInfo& p : table.params()) {
+      if (!p.adapter) continue;
+      for (size_t i : {size_t(0), p.numel / 2, p.numel - 1}) {
+        double& x = units[p.unit][p.offset + i];
+        const double numeric = central_difference(x, [&] { return forward_loss(*model, table, units, batch) * dloss; });
+        EXPECT_NEAR(grads[p.unit][p.offset + i], numeric, 1e-9 + 1e-6 * std::fabs(numeric))
+            << adapter_type_name(type) << " " << p.name << "[" << i << "]";
+      }
     }
   }
 }

@@ -18,6 +18,7 @@ std::vector<const ModelFamily*>& registry() {
       &llama_family(),
       &qwen2_family(),
       &flux_family(),
+      &flux2_family(),
   };
   return families;
 }

@@ -1,8 +1,10 @@
-// The FLUX family's descriptor (flux_family.hpp). Units: the root (the embedders, the conditioning
-// MLPs and the output layers, resident from the forward's start to the backward's end), then the
-// double-stream blocks ("double") and the single-stream blocks ("single") in forward order.
+// The FLUX families' descriptor (flux_family.hpp), FLUX.1 and FLUX.2 alike. Units: the root (the
+// embedders, the conditioning MLPs, FLUX.2's shared modulations and the output layers, resident
+// from the forward's start to the backward's end), then the double-stream blocks ("double") and
+// the single-stream blocks ("single") in forward order.
 #include "model/families/flux/flux_family.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -14,30 +16,101 @@
 
 namespace shardtrain {
 
-std::string parse_rope_axes(const std::string& text, std::array<int, 3>* axes) {
+std::string parse_rope_axes(const std::string& text, int count, std::vector<int>* axes) {
+  const std::string want = count == 3 ? "three even widths >= 2, comma-separated (FLUX.1: 16,56,56)"
+                                      : "four even widths >= 2, comma-separated (FLUX.2: 32,32,32,32)";
   std::stringstream in(text);
   std::string part;
-  int n = 0;
+  axes->clear();
   while (std::getline(in, part, ',')) {
     char* end = nullptr;
     const long v = std::strtol(part.c_str(), &end, 10);
-    if (n == 3 || part.empty() || *end != '\0' || v < 2 || v > (1 << 16) || v % 2)
-      return "model.rope_axes='" + text + "' must be three even widths >= 2, comma-separated (FLUX.1: 16,56,56)";
-    (*axes)[n++] = static_cast<int>(v);
+    if (static_cast<int>(axes->size()) == count || part.empty() || *end != '\0' || v < 2 || v > (1 << 16) || v % 2)
+      return "model.rope_axes='" + text + "' must be " + want;
+    axes->push_back(static_cast<int>(v));
   }
-  if (n != 3) return "model.rope_axes='" + text + "' must be three even widths, comma-separated (FLUX.1: 16,56,56)";
+  if (static_cast<int>(axes->size()) != count) return "model.rope_axes='" + text + "' must be " + want;
   return "";
+}
+
+bool is_flux2(const ModelConfig& c) { return c.arch == "flux2"; }
+int flux_mlp_width(const ModelConfig& c) {
+  return !is_flux2(c) ? 4 * c.n_embd : c.intermediate_size > 0 ? c.intermediate_size : 3 * c.n_embd;
+}
+int flux_id_axes(const ModelConfig& c) { return is_flux2(c) ? 4 : 3; }
+
+void fill_flux_ids(const ModelConfig& c, float* img_ids, float* txt_ids, int N, int cols, int M, int condition_cols) {
+  const int A = flux_id_axes(c);
+  const float condition_t = is_flux2(c) ? 10.0f : 1.0f;
+  for (int i = 0; i < N + M; i++) {
+    const bool condition = i >= N;
+    const int k = condition ? i - N : i, w = condition ? condition_cols : cols;
+    float* id = img_ids + static_cast<size_t>(A) * i;
+    std::fill(id, id + A, 0.0f);
+    id[0] = condition ? condition_t : 0.0f, id[1] = static_cast<float>(k / w), id[2] = static_cast<float>(k % w);
+  }
+  for (int l = 0; l < c.context_len; l++) {
+    float* id = txt_ids + static_cast<size_t>(A) * l;
+    std::fill(id, id + A, 0.0f);
+    if (A == 4) id[3] = static_cast<float>(l);
+  }
+}
+
+FluxLayout flux_layout(const ModelConfig& c) {
+  FluxLayout L;
+  if (is_flux2(c)) {  // the positions of flux2's add_params
+    L.x_embed.weight = FLUX2_X_EMBED_W, L.ctx_embed.weight = FLUX2_CTX_EMBED_W;
+    L.time1.weight = FLUX2_TIME_1_W, L.time2.weight = FLUX2_TIME_2_W;
+    L.shared_mod[0].weight = FLUX2_MOD_IMG_W, L.shared_mod[1].weight = FLUX2_MOD_TXT_W;
+    L.shared_mod[2].weight = FLUX2_MOD_SINGLE_W;
+    L.norm_out.weight = FLUX2_NORM_OUT_W, L.proj_out.weight = FLUX2_PROJ_OUT_W;
+    if (c.guidance_embeds) L.guidance1.weight = FLUX2_GUIDANCE_1_W, L.guidance2.weight = FLUX2_GUIDANCE_2_W;
+    for (int s = 0; s < 2; s++) {
+      FluxLayout::Stream& t = L.stream[s];
+      const int p = s * FLUX2_D_STREAM_PARAMS;
+      t.q.weight = p + FLUX2_D_Q_W, t.k.weight = p + FLUX2_D_K_W, t.v.weight = p + FLUX2_D_V_W;
+      t.norm_q = p + FLUX2_D_NORM_Q, t.norm_k = p + FLUX2_D_NORM_K, t.out.weight = p + FLUX2_D_OUT_W;
+      t.ff1.weight = p + FLUX2_D_FF_IN_W, t.ff2.weight = p + FLUX2_D_FF_OUT_W;
+    }
+    L.s_qkv_mlp.weight = FLUX2_S_QKV_MLP_W, L.s_norm_q = FLUX2_S_NORM_Q, L.s_norm_k = FLUX2_S_NORM_K;
+    L.s_out.weight = FLUX2_S_OUT_W;
+    return L;
+  }
+  auto biased = [](int weight) { return FluxLinear{weight, weight + 1}; };
+  L.x_embed = biased(FLUX_X_EMBED_W), L.ctx_embed = biased(FLUX_CTX_EMBED_W);
+  L.time1 = biased(FLUX_TIME_1_W), L.time2 = biased(FLUX_TIME_2_W);
+  L.text1 = biased(FLUX_TEXT_1_W), L.text2 = biased(FLUX_TEXT_2_W);
+  L.norm_out = biased(FLUX_NORM_OUT_W), L.proj_out = biased(FLUX_PROJ_OUT_W);
+  if (c.guidance_embeds) L.guidance1 = biased(FLUX_GUIDANCE_1_W), L.guidance2 = biased(FLUX_GUIDANCE_2_W);
+  for (int s = 0; s < 2; s++) {
+    FluxLayout::Stream& t = L.stream[s];
+    const int p = s * FLUX_D_STREAM_PARAMS;
+    t.mod = biased(p + FLUX_D_MOD_W), t.q = biased(p + FLUX_D_Q_W), t.k = biased(p + FLUX_D_K_W);
+    t.v = biased(p + FLUX_D_V_W), t.norm_q = p + FLUX_D_NORM_Q, t.norm_k = p + FLUX_D_NORM_K;
+    t.out = biased(p + FLUX_D_OUT_W), t.ff1 = biased(p + FLUX_D_FF1_W), t.ff2 = biased(p + FLUX_D_FF2_W);
+  }
+  L.s_mod = biased(FLUX_S_MOD_W), L.s_q = biased(FLUX_S_Q_W), L.s_k = biased(FLUX_S_K_W), L.s_v = biased(FLUX_S_V_W);
+  L.s_norm_q = FLUX_S_NORM_Q, L.s_norm_k = FLUX_S_NORM_K;
+  L.s_mlp = biased(FLUX_S_MLP_W), L.s_out = biased(FLUX_S_OUT_W);
+  return L;
 }
 
 namespace {
 
 class FluxFamily final : public ModelFamily {
  public:
-  const char* name() const override { return "flux"; }
+  explicit FluxFamily(bool flux2) : flux2_(flux2) {}
+  const char* name() const override { return flux2_ ? "flux2" : "flux"; }
   const char* description() const override {
-    return "FLUX.1 diffusion transformer (double- then single-stream blocks, flow matching; diffusers' names)";
+    return flux2_ ? "FLUX.2 diffusion transformer (no biases, shared modulations, SwiGLU; diffusers' names)"
+                  : "FLUX.1 diffusion transformer (double- then single-stream blocks, flow matching; diffusers' names)";
   }
   std::string summary(const ModelConfig& c) const override {
+    if (flux2_)
+      return strprintf("FLUX.2 double=%d single=%d C=%d H=%d mlp=%d in=%d text=%dx%d %s rope=%s theta=%g eps=%g",
+                       c.n_layer, c.n_single_layer, c.n_embd, c.n_head, flux_mlp_width(c), c.in_channels,
+                       c.context_len, c.context_dim, c.guidance_embeds ? "guidance" : "no-guidance",
+                       c.rope_axes.c_str(), c.rope_theta, c.norm_eps);
     return strprintf("FLUX double=%d single=%d C=%d H=%d in=%d%s text=%dx%d pooled=%d %s rope=%s theta=%g eps=%g",
                      c.n_layer, c.n_single_layer, c.n_embd, c.n_head, c.in_channels,
                      c.pixel_patch ? strprintf(" (pixels, %dx%d patches)", c.pixel_patch, c.pixel_patch).c_str() : "",
@@ -45,22 +118,33 @@ class FluxFamily final : public ModelFamily {
                      c.rope_axes.c_str(), c.rope_theta, c.norm_eps);
   }
   std::vector<std::string> config_keys() const override {
-    return {"model.n_single_layer", "model.in_channels", "model.context_dim", "model.context_len", "model.pooled_dim",
-            "model.guidance_embeds", "model.rope_axes", "model.rope_theta", "model.norm_eps", "model.condition_len",
-            "model.pixel_patch"};
+    std::vector<std::string> keys = {"model.n_single_layer", "model.in_channels", "model.context_dim",
+                                     "model.context_len",    "model.pooled_dim",  "model.guidance_embeds",
+                                     "model.rope_axes",      "model.rope_theta",  "model.norm_eps",
+                                     "model.condition_len"};
+    keys.push_back(flux2_ ? "model.intermediate_size" : "model.pixel_patch");
+    return keys;
   }
   std::string config_defect(const ModelConfig& m) const override {
-    std::array<int, 3> axes{};
-    const std::string bad_axes = parse_rope_axes(m.rope_axes, &axes);
+    std::vector<int> axes;
+    const std::string bad_axes = parse_rope_axes(m.rope_axes, flux_id_axes(m), &axes);
     if (!bad_axes.empty()) return bad_axes;
-    if (axes[0] + axes[1] + axes[2] != m.head_size())
+    int covered = 0;
+    for (int a : axes) covered += a;
+    if (covered != m.head_size())
       return strprintf("model.rope_axes='%s' covers %d dimensions, the head has model.n_embd / model.n_head = %d: the "
                        "axes must add up to the head size",
-                       m.rope_axes.c_str(), axes[0] + axes[1] + axes[2], m.head_size());
+                       m.rope_axes.c_str(), covered, m.head_size());
+    if (flux2_ && m.pooled_dim != 0)
+      return strprintf("model.pooled_dim=%d: FLUX.2 reads no pooled text vector; set model.pooled_dim=0", m.pooled_dim);
+    if (flux2_ && m.pixel_patch != 0)
+      return strprintf("model.pixel_patch=%d: FLUX.2 takes latents; pixel-space models are model.arch=flux",
+                       m.pixel_patch);
     const std::pair<const char*, int> widths[] = {{"model.in_channels", m.in_channels},
                                                   {"model.context_dim", m.context_dim},
                                                   {"model.context_len", m.context_len},
-                                                  {"model.pooled_dim", m.pooled_dim}};
+                                                  {"model.pooled_dim", flux2_ ? 1 : m.pooled_dim},
+                                                  {"model.intermediate_size", flux_mlp_width(m)}};
     for (const auto& [key, v] : widths)
       if (v < 1 || v > (1 << 20)) return strprintf("%s=%d is not in [1, 2^20]", key, v);
     if (m.pixel_patch < 0 || m.pixel_patch > 64) return strprintf("model.pixel_patch=%d is not in [0, 64]", m.pixel_patch);
@@ -75,18 +159,19 @@ class FluxFamily final : public ModelFamily {
       return strprintf("model.n_single_layer=%d is not in [0, 4096]", m.n_single_layer);
     if (m.n_kv_head != 0 && m.n_kv_head != m.n_head)
       return strprintf("model.n_kv_head=%d: FLUX attends with as many key/value heads as query heads", m.n_kv_head);
-    if (m.intermediate_size != 0 && m.intermediate_size != 4 * m.n_embd)
-      return strprintf("model.intermediate_size=%d: FLUX's MLPs are 4 x model.n_embd wide", m.intermediate_size);
+    if (!flux2_ && m.intermediate_size != 0 && m.intermediate_size != 4 * m.n_embd)
+      return strprintf("model.intermediate_size=%d: FLUX.1's MLPs are 4 x model.n_embd wide", m.intermediate_size);
     if (!(m.rope_theta > 0) || !std::isfinite(m.rope_theta))
       return strprintf("model.rope_theta=%g must be > 0", m.rope_theta);
     if (!(m.norm_eps > 0) || !std::isfinite(m.norm_eps)) return strprintf("model.norm_eps=%g must be > 0", m.norm_eps);
-    const double params = static_cast<double>(m.n_layer) * 24 * m.n_embd * m.n_embd +
-                          static_cast<double>(m.n_single_layer) * 12 * m.n_embd * m.n_embd;
+    const double C = m.n_embd, F = flux_mlp_width(m);
+    const double params = m.n_layer * (8 * C * C + 6 * C * F) + m.n_single_layer * (4 * C * C + 3 * C * F);
     if (params > 1e13) return "model.n_layer, model.n_single_layer and model.n_embd make more than 10^13 parameters";
     return "";
   }
 
   void add_params(ParamTable& t) const override {
+    if (flux2_) return add_flux2_params(t);
     const ModelConfig& c = t.config();
     const int C = c.n_embd, D = c.head_size(), F = 4 * C;
     auto linear = [&](int unit, const std::string& name, int out, int in, InitRule init = INIT_NORMAL) {
@@ -136,10 +221,59 @@ class FluxFamily final : public ModelFamily {
       linear(u, h + ".proj_out", C, C + F, INIT_NORMAL_RESIDUAL);
     }
   }
+  // FLUX.2's (order must match enum Flux2RootParam, Flux2DoubleParam, Flux2SingleParam): no bias
+  // anywhere, the modulations in the root.
+  void add_flux2_params(ParamTable& t) const {
+    const ModelConfig& c = t.config();
+    const int C = c.n_embd, D = c.head_size(), F = flux_mlp_width(c);
+    auto linear = [&](int unit, const std::string& name, int out, int in, InitRule init = INIT_NORMAL) {
+      t.add_param(unit, name + ".weight", {out, in}, init, true);
+    };
+    auto norm = [&](int unit, const std::string& name) { t.add_param(unit, name + ".weight", {D}, INIT_ONES, false); };
+    linear(ROOT_UNIT, "x_embedder", C, c.in_channels);
+    linear(ROOT_UNIT, "context_embedder", C, c.context_dim);
+    linear(ROOT_UNIT, "time_guidance_embed.timestep_embedder.linear_1", C, FLUX_TIME_CHANNELS);
+    linear(ROOT_UNIT, "time_guidance_embed.timestep_embedder.linear_2", C, C);
+    linear(ROOT_UNIT, "double_stream_modulation_img.linear", 6 * C, C);
+    linear(ROOT_UNIT, "double_stream_modulation_txt.linear", 6 * C, C);
+    linear(ROOT_UNIT, "single_stream_modulation.linear", 3 * C, C);
+    linear(ROOT_UNIT, "norm_out.linear", 2 * C, C);
+    linear(ROOT_UNIT, "proj_out", c.in_channels, C);
+    if (c.guidance_embeds) {
+      linear(ROOT_UNIT, "time_guidance_embed.guidance_embedder.linear_1", C, FLUX_TIME_CHANNELS);
+      linear(ROOT_UNIT, "time_guidance_embed.guidance_embedder.linear_2", C, C);
+    }
+    for (int l = 0; l < c.n_layer; l++) {
+      const std::string h = "transformer_blocks." + std::to_string(l) + ".";
+      const int u = t.add_unit(h.substr(0, h.size() - 1), "double");
+      const char* names[2][7] = {{"attn.to_q", "attn.to_k", "attn.to_v", "attn.norm_q", "attn.norm_k", "attn.to_out.0", "ff"},
+                                 {"attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.norm_added_q",
+                                  "attn.norm_added_k", "attn.to_add_out", "ff_context"}};
+      for (const auto& n : names) {
+        for (int i = 0; i < 3; i++) linear(u, h + n[i], C, C);
+        norm(u, h + n[3]), norm(u, h + n[4]);
+        linear(u, h + n[5], C, C, INIT_NORMAL_RESIDUAL);
+        linear(u, h + n[6] + ".linear_in", 2 * F, C);
+        linear(u, h + n[6] + ".linear_out", C, F, INIT_NORMAL_RESIDUAL);
+      }
+    }
+    for (int l = 0; l < c.n_single_layer; l++) {
+      const std::string h = "single_transformer_blocks." + std::to_string(l) + ".";
+      const int u = t.add_unit(h.substr(0, h.size() - 1), "single");
+      linear(u, h + "attn.to_qkv_mlp_proj", 3 * C + 2 * F, C);
+      norm(u, h + "attn.norm_q"), norm(u, h + "attn.norm_k");
+      linear(u, h + "attn.to_out", C, C + F, INIT_NORMAL_RESIDUAL);
+    }
+  }
   // The conditioning reaches every block (the modulations) and the embedders take the inputs: all
   // of the root but the output layers needs the blocks' gradients.
   std::vector<int> input_params() const override {
     std::vector<int> p;
+    if (flux2_) {
+      for (int i = FLUX2_X_EMBED_W; i <= FLUX2_GUIDANCE_2_W; i++)
+        if (i != FLUX2_NORM_OUT_W && i != FLUX2_PROJ_OUT_W) p.push_back(i);
+      return p;
+    }
     for (int i = FLUX_X_EMBED_W; i <= FLUX_GUIDANCE_2_B; i++)
       if (i < FLUX_NORM_OUT_W || i > FLUX_PROJ_OUT_B) p.push_back(i);
     return p;
@@ -148,9 +282,21 @@ class FluxFamily final : public ModelFamily {
   // of its stream -- Kontext's condition tokens too --, per sample for the modulations and the
   // conditioning) + 12 S^2 C per block for the joint attention's scores and weighted sums (both
   // counted in full: no mask), over N.
+  // FLUX.2: the same with its widths: per token 4 C^2 + 3 C F per stream of a double block and
+  // C (3C + 2F) + (C + F) C per single block; per sample its three shared modulations (15 C^2).
   double flops_per_token(const ParamTable& t, int seq_len) const override {
     const ModelConfig& c = t.config();
     const double C = c.n_embd, N = seq_len, M = N + c.condition_len, L = c.context_len, S = M + L;
+    if (flux2_) {
+      const double F = flux_mlp_width(c);
+      const double per_sample2 = M * c.in_channels * C + L * c.context_dim * C + N * C * c.in_channels +
+                                 FLUX_TIME_CHANNELS * C * (c.guidance_embeds ? 2 : 1) +
+                                 C * C * (c.guidance_embeds ? 2 : 1) + 15 * C * C + 2 * C * C +
+                                 c.n_layer * (4 * C * C + 3 * C * F) * S +
+                                 c.n_single_layer * (4 * C * C + 3 * C * F) * S;
+      const double attention2 = 2.0 * (c.n_layer + c.n_single_layer) * S * S * C;
+      return (6.0 * per_sample2 + 6.0 * attention2) / N;
+    }
     const double per_sample = M * c.in_channels * C + L * c.context_dim * C + N * C * c.in_channels +  // in, out
                               FLUX_TIME_CHANNELS * C * (c.guidance_embeds ? 2 : 1) + c.pooled_dim * C +
                               C * C * (c.guidance_embeds ? 3 : 2) + 2 * C * C +  // conditioning, norm_out
@@ -176,7 +322,10 @@ class FluxFamily final : public ModelFamily {
   std::vector<size_t> saved_tensor_elements(const ModelConfig&, int, int) const override { return {}; }
   size_t plan_decode_elements(const ModelConfig&, int, int) const override { return 0; }
   std::vector<LinearShape> gemm_shapes(const ModelConfig& c) const override {
-    const int C = c.n_embd, F = 4 * C;
+    const int C = c.n_embd, F = flux_mlp_width(c);
+    if (flux2_)
+      return {{C, 6 * C}, {C, 3 * C}, {C, C}, {C, 2 * F}, {F, C}, {C, 3 * C + 2 * F}, {C + F, C}, {c.in_channels, C},
+              {c.context_dim, C}, {FLUX_TIME_CHANNELS, C}, {C, 2 * C}, {C, c.in_channels}};
     return {{C, 6 * C}, {C, C}, {C, F}, {F, C}, {C, 3 * C}, {C + F, C}, {c.in_channels, C}, {c.context_dim, C},
             {FLUX_TIME_CHANNELS, C}, {c.pooled_dim, C}, {C, 2 * C}, {C, c.in_channels}};
   }
@@ -197,7 +346,7 @@ class FluxFamily final : public ModelFamily {
       w.push_back({gpu::rmsnorm_backward_workspace_bytes(batch * rows * H, D), "q/k RMSNorm backward"});
       w.push_back({gpu::modulate_backward_workspace_bytes(rows, C), "adaptive LayerNorm backward"});
       w.push_back({gpu::gate_backward_workspace_bytes(rows, C), "gated residual backward"});
-      w.push_back({gpu::matmul_backward_workspace_bytes(batch * rows, 4 * C), "matmul backward (bias)"});
+      w.push_back({gpu::matmul_backward_workspace_bytes(batch * rows, flux_mlp_width(c)), "matmul backward (bias)"});
     }
     return w;
   }
@@ -205,17 +354,39 @@ class FluxFamily final : public ModelFamily {
   // The modulation (AdaLayerNormZero's linear of each block) stays full precision, as the FLUX
   // QLoRA recipes keep it: few parameters, and every token's shift, scale and gate come from it.
   bool quantizable(const LinearSite& site) const override { return std::string(site.module).find("norm") == std::string::npos; }
+  // (FLUX.2's modulations are the root's, never quantized: only the blocks' linear layers are.)
   bool token_data() const override { return false; }
   bool half_saved_activations() const override { return false; }
   bool fixes_max_seq_len() const override { return false; }
 
   // Adapters: every linear layer of the blocks, by diffusers' module names.
   std::vector<LinearSite> linear_sites(const ModelConfig& c, const std::string& kind) const override {
-    const int C = c.n_embd, F = 4 * C;
+    const int C = c.n_embd, F = flux_mlp_width(c);
     std::vector<LinearSite> sites;
     auto site = [&](const char* module, int weight, int product, int in, int out) {
-      sites.push_back({module, weight, weight + 1, product, in, out, 0, out});
+      sites.push_back({module, weight, flux2_ ? -1 : weight + 1, product, in, out, 0, out});
     };
+    if (flux2_ && kind == "double") {  // the modulations are the root's: no site
+      const char* names[2][6] = {
+          {"attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.linear_in", "ff.linear_out"},
+          {"attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "ff_context.linear_in",
+           "ff_context.linear_out"}};
+      for (int s = 0; s < 2; s++) {
+        const int p = s * FLUX2_D_STREAM_PARAMS, q = s * FLUX_D_PRODUCTS;
+        site(names[s][0], p + FLUX2_D_Q_W, q + FLUX_P_Q, C, C);
+        site(names[s][1], p + FLUX2_D_K_W, q + FLUX_P_K, C, C);
+        site(names[s][2], p + FLUX2_D_V_W, q + FLUX_P_V, C, C);
+        site(names[s][3], p + FLUX2_D_OUT_W, q + FLUX_P_OUT, C, C);
+        site(names[s][4], p + FLUX2_D_FF_IN_W, q + FLUX_P_FF1, C, 2 * F);
+        site(names[s][5], p + FLUX2_D_FF_OUT_W, q + FLUX_P_FF2, F, C);
+      }
+      return sites;
+    }
+    if (flux2_) {
+      site("attn.to_qkv_mlp_proj", FLUX2_S_QKV_MLP_W, FLUX_SP_QKV_MLP, C, 3 * C + 2 * F);
+      site("attn.to_out", FLUX2_S_OUT_W, FLUX_SP_OUT, C + F, C);
+      return sites;
+    }
     if (kind == "double") {
       const char* names[2][7] = {
           {"norm1.linear", "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2"},
@@ -254,15 +425,14 @@ class FluxFamily final : public ModelFamily {
 
   // diffusers' transformer folder: config.json (_class_name FluxTransformer2DModel) and
   // diffusion_pytorch_model*.safetensors, our names and layouts as they are.
-  const char* hf_class() const override { return "FluxTransformer2DModel"; }
+  const char* hf_class() const override { return flux2_ ? "Flux2Transformer2DModel" : "FluxTransformer2DModel"; }
   bool reads_model_type(const std::string&) const override { return false; }
-  bool reads_hf_folder(const HfConfig& j) const override {
-    return j.text("_class_name", "") == "FluxTransformer2DModel";
-  }
+  bool reads_hf_folder(const HfConfig& j) const override { return j.text("_class_name", "") == hf_class(); }
   const char* hf_weights() const override { return "diffusion_pytorch_model"; }
   bool hf_torch_dtype() const override { return false; }
   bool peft_folder() const override { return false; }
   ModelConfig read_hf_config(const HfConfig& j) const override {
+    if (flux2_) return read_flux2_config(j);
     ModelConfig m;
     m.arch = name();
     if (j.whole("patch_size", 1) != 1)
@@ -292,9 +462,65 @@ class FluxFamily final : public ModelFamily {
     m.max_seq_len = 4096;  // no position table: a bound on a run's image tokens (1024 x 1024 pixels)
     return m;
   }
+  // Flux2Transformer2DModel's config.json (diffusers 0.42.1's keys and defaults).
+  ModelConfig read_flux2_config(const HfConfig& j) const {
+    ModelConfig m;
+    m.arch = name();
+    if (j.whole("patch_size", 1) != 1)
+      j.fail("patch_size " + j["patch_size"].dump() + ": only 1 is implemented (FLUX.2 packs 2 x 2 patches into "
+             "the channels before the transformer)");
+    m.n_layer = j.whole("num_layers", 8);
+    m.n_single_layer = j.whole("num_single_layers", 48);
+    m.n_head = j.whole("num_attention_heads", 48);
+    m.n_embd = m.n_head * j.whole("attention_head_dim", 128);
+    m.in_channels = j.whole("in_channels", 128);
+    if (j.has("out_channels") && !j["out_channels"].is_null() && j.whole("out_channels") != m.in_channels)
+      j.fail("out_channels " + j["out_channels"].dump() + " differs from in_channels: not implemented");
+    m.context_dim = j.whole("joint_attention_dim", 15360);
+    if (j.whole("timestep_guidance_channels", FLUX_TIME_CHANNELS) != FLUX_TIME_CHANNELS)
+      j.fail("timestep_guidance_channels " + j["timestep_guidance_channels"].dump() + ": only 256 is implemented");
+    const double ratio = j.positive("mlp_ratio", 3.0);
+    m.intermediate_size = static_cast<int>(m.n_embd * ratio);  // diffusers' int(dim * mlp_ratio)
+    m.pooled_dim = 0;
+    m.guidance_embeds = j.flag("guidance_embeds", true);
+    m.rope_axes = "32,32,32,32";
+    const nlohmann::json& axes = j["axes_dims_rope"];
+    if (!axes.is_null()) {
+      std::string text;
+      if (!axes.is_array()) j.fail("axes_dims_rope " + axes.dump() + " is not a list of widths");
+      for (const nlohmann::json& a : axes) {
+        if (!a.is_number_integer()) j.fail("axes_dims_rope " + axes.dump() + " is not a list of whole numbers");
+        text += (text.empty() ? "" : ",") + std::to_string(a.get<int64_t>());
+      }
+      m.rope_axes = text;
+    }
+    m.rope_theta = j.positive("rope_theta", 2000.0);
+    m.norm_eps = j.positive("eps", 1e-6);
+    m.max_seq_len = 4096;
+    return m;
+  }
   void write_hf_config(const ModelConfig& c, nlohmann::ordered_json& j) const override {
-    std::array<int, 3> axes{};
-    parse_rope_axes(c.rope_axes, &axes);
+    std::vector<int> axes;
+    parse_rope_axes(c.rope_axes, flux_id_axes(c), &axes);
+    if (flux2_) {
+      j["_class_name"] = hf_class();
+      j["_diffusers_version"] = "0.42.1";
+      j["attention_head_dim"] = c.head_size();
+      j["axes_dims_rope"] = axes;
+      j["eps"] = c.norm_eps;
+      j["guidance_embeds"] = c.guidance_embeds;
+      j["in_channels"] = c.in_channels;
+      j["joint_attention_dim"] = c.context_dim;
+      j["mlp_ratio"] = static_cast<double>(flux_mlp_width(c)) / c.n_embd;
+      j["num_attention_heads"] = c.n_head;
+      j["num_layers"] = c.n_layer;
+      j["num_single_layers"] = c.n_single_layer;
+      j["out_channels"] = nullptr;
+      j["patch_size"] = 1;
+      j["rope_theta"] = c.rope_theta;
+      j["timestep_guidance_channels"] = FLUX_TIME_CHANNELS;
+      return;
+    }
     j["_class_name"] = hf_class();
     j["_diffusers_version"] = "0.42.1";  // the version the export was checked against
     j["attention_head_dim"] = c.head_size();
@@ -314,9 +540,9 @@ class FluxFamily final : public ModelFamily {
     return {param.name, false, std::vector<int64_t>(param.shape.begin(), param.shape.end()), {}};
   }
   bool hf_ignorable(const std::string&) const override { return false; }
-  // Black Forest Labs' single files (flux_bfl.hpp).
-  const char* single_file_layout() const override { return "Black Forest Labs' FLUX.1"; }
-  bool reads_single_file(const TensorShapes& tensors) const override { return is_bfl_flux_file(tensors); }
+  // Black Forest Labs' single files (flux_bfl.hpp): FLUX.1's only.
+  const char* single_file_layout() const override { return flux2_ ? nullptr : "Black Forest Labs' FLUX.1"; }
+  bool reads_single_file(const TensorShapes& tensors) const override { return !flux2_ && is_bfl_flux_file(tensors); }
   ModelConfig read_single_file_config(const TensorShapes& tensors, const std::string& path) const override {
     return bfl_flux_config(tensors, path);
   }
@@ -325,16 +551,22 @@ class FluxFamily final : public ModelFamily {
   }
 
  private:
-  static void check_activation_dtype(DType act) {
+  void check_activation_dtype(DType act) const {
     if (act != DTYPE_FP32)
-      throw UsageError("model.arch=flux keeps its activations in fp32: remove fsdp.activation_dtype");
+      throw UsageError(strprintf("model.arch=%s keeps its activations in fp32: remove fsdp.activation_dtype", name()));
   }
+  bool flux2_;
 };
 
 }  // namespace
 
 const ModelFamily& flux_family() {
-  static const FluxFamily family;
+  static const FluxFamily family(false);
+  return family;
+}
+
+const ModelFamily& flux2_family() {
+  static const FluxFamily family(true);
   return family;
 }
 

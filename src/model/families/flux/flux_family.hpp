@@ -1,13 +1,17 @@
-// The FLUX family (model/family.hpp): the FLUX.1 rectified-flow transformer (dev, schnell,
+// The FLUX families (model/family.hpp): the FLUX.1 rectified-flow transformer (dev, schnell,
 // Kontext) as diffusers' FluxTransformer2DModel computes it -- n_layer double-stream blocks (text
 // and image with their own weights, joint attention over [text; image]) then n_single_layer
 // single-stream blocks on the joined sequence, modulated by a conditioning vector made of the
 // noise level, the guidance value and a pooled text vector; rotary positions on three axes from
 // per-token ids, rotating interleaved pairs. Parameter names are diffusers'. docs/flux.md.
+// And FLUX.2 (model.arch=flux2) as diffusers' Flux2Transformer2DModel: no biases, no pooled text
+// vector, one modulation per block kind shared by all its blocks (in the root), SwiGLU MLPs
+// (model.intermediate_size wide, 3 x n_embd in FLUX.2-dev), single blocks with one fused
+// q|k|v|MLP product, rotary positions on four axes.
 #pragma once
 
-#include <array>
 #include <string>
+#include <vector>
 
 #include "model/batch.hpp"
 #include "model/family.hpp"
@@ -40,11 +44,47 @@ enum FluxSingleParam {
   FLUX_S_OUT_W, FLUX_S_OUT_B,  // proj_out over [attention | MLP]
 };
 
+// FLUX.2's, in the same spirit (no biases: one position per linear layer).
+enum Flux2RootParam {
+  FLUX2_X_EMBED_W, FLUX2_CTX_EMBED_W, FLUX2_TIME_1_W, FLUX2_TIME_2_W,
+  FLUX2_MOD_IMG_W, FLUX2_MOD_TXT_W, FLUX2_MOD_SINGLE_W,  // double_stream_modulation_img/_txt, single_stream_modulation
+  FLUX2_NORM_OUT_W, FLUX2_PROJ_OUT_W,
+  FLUX2_GUIDANCE_1_W, FLUX2_GUIDANCE_2_W,  // with guidance_embeds only
+};
+enum Flux2DoubleParam {
+  FLUX2_D_Q_W, FLUX2_D_K_W, FLUX2_D_V_W, FLUX2_D_NORM_Q, FLUX2_D_NORM_K, FLUX2_D_OUT_W,
+  FLUX2_D_FF_IN_W, FLUX2_D_FF_OUT_W,  // ff.linear_in (gate | up), ff.linear_out
+  FLUX2_D_STREAM_PARAMS,
+};
+enum Flux2SingleParam { FLUX2_S_QKV_MLP_W, FLUX2_S_NORM_Q, FLUX2_S_NORM_K, FLUX2_S_OUT_W };
+
+// Where the model finds each layer of either variant: the positions of a linear layer's weight
+// and bias in its unit (-1: the variant has none).
+struct FluxLinear {
+  int weight = -1, bias = -1;
+};
+struct FluxLayout {
+  FluxLinear x_embed, ctx_embed, time1, time2, guidance1, guidance2, text1, text2, norm_out, proj_out;
+  FluxLinear shared_mod[3];  // FLUX.2: the double blocks' image and text modulation, the single blocks'
+  struct Stream {
+    FluxLinear mod, q, k, v, out, ff1, ff2;
+    int norm_q = -1, norm_k = -1;
+  } stream[2];  // a double block's image stream, then its text stream
+  FluxLinear s_mod, s_q, s_k, s_v, s_mlp, s_qkv_mlp, s_out;  // a single block's
+  int s_norm_q = -1, s_norm_k = -1;
+};
+FluxLayout flux_layout(const ModelConfig& c);
+// Whether c is FLUX.2 (model.arch=flux2); its MLPs' hidden width (FLUX.1: 4 n_embd).
+bool is_flux2(const ModelConfig& c);
+int flux_mlp_width(const ModelConfig& c);
+
 // The linear layers of a block, each its own product (model/adapter.hpp's BlockProduct), in the
 // order of the parameters: a double block's image stream's, then its text stream's (+
 // FLUX_D_PRODUCTS); a single block's.
 enum FluxDoubleProduct { FLUX_P_MOD, FLUX_P_Q, FLUX_P_K, FLUX_P_V, FLUX_P_OUT, FLUX_P_FF1, FLUX_P_FF2, FLUX_D_PRODUCTS };
-enum FluxSingleProduct { FLUX_SP_MOD, FLUX_SP_Q, FLUX_SP_K, FLUX_SP_V, FLUX_SP_MLP, FLUX_SP_OUT };
+enum FluxSingleProduct { FLUX_SP_MOD, FLUX_SP_Q, FLUX_SP_K, FLUX_SP_V, FLUX_SP_MLP, FLUX_SP_OUT, FLUX_SP_QKV_MLP };
+// (FLUX.2's double blocks have the same products but the modulations; its single blocks two:
+// FLUX_SP_QKV_MLP, the fused q|k|v|MLP input product, and FLUX_SP_OUT.)
 
 // The micro-batch's tensors (model/batch.hpp), named as diffusers' forward names its arguments:
 // packed latents (B, N + M, in_channels) -- the N noisy target tokens, then Kontext's M clean
@@ -66,22 +106,21 @@ inline constexpr const char* FLUX_TARGET = "target";
 inline constexpr const char* FLUX_CAPTION_IDS = "caption_ids";
 inline constexpr const char* FLUX_CAPTION_LENGTHS = "caption_lengths";
 
-// The image tokens' position ids (N + M, 3): the target's (0, row, col) on a grid `cols` wide, then
-// Kontext's M condition tokens' (1, row, col) on their own grid `condition_cols` wide.
-inline void fill_flux_image_ids(float* ids, int N, int cols, int M, int condition_cols) {
-  for (int i = 0; i < N + M; i++) {
-    const bool condition = i >= N;
-    const int k = condition ? i - N : i, w = condition ? condition_cols : cols;
-    ids[3 * i] = condition ? 1.0f : 0.0f, ids[3 * i + 1] = static_cast<float>(k / w), ids[3 * i + 2] = static_cast<float>(k % w);
-  }
-}
+// Coordinates per position id: FLUX.1's three (t, row, col), FLUX.2's four (t, row, col, l).
+int flux_id_axes(const ModelConfig& c);
+// The position ids of a sample's tokens: img_ids (N + M, axes) -- the N target tokens' (0, row, col)
+// on a grid `cols` wide, then Kontext's M condition tokens' (t, row, col) on their own grid
+// `condition_cols` wide, t = 1 (FLUX.1) or 10 (FLUX.2's first reference image) -- and txt_ids (L,
+// axes): zeros in FLUX.1, (0, 0, 0, l) in FLUX.2, as diffusers' pipelines make them.
+void fill_flux_ids(const ModelConfig& c, float* img_ids, float* txt_ids, int N, int cols, int M, int condition_cols);
 
 // Width of the timestep and guidance sinusoids.
 inline constexpr int FLUX_TIME_CHANNELS = 256;
 
-// model.rope_axes parsed: the widths of the three rotary axes, or "" and the message.
-std::string parse_rope_axes(const std::string& text, std::array<int, 3>* axes);
+// model.rope_axes parsed: the widths of the `count` rotary axes, or "" and the message.
+std::string parse_rope_axes(const std::string& text, int count, std::vector<int>* axes);
 
 const ModelFamily& flux_family();
+const ModelFamily& flux2_family();
 
 }  // namespace shardtrain

@@ -1,4 +1,4 @@
-// FLUX.1's transformer (flux_family.hpp) on explicit buffers, model/model.hpp's interface. Blocks
+// FLUX.1's and FLUX.2's transformer (flux_family.hpp) on explicit buffers, model/model.hpp's interface. Blocks
 // 0..n_layer-1 are double-stream, the rest single-stream; the root unit holds the embedders and
 // the output layers. The micro-batch (flux_family.hpp's names) enters in embed_forward; head_forward
 // predicts the image tokens' values and hands them to the loss (a squared error against the
@@ -56,9 +56,11 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
  private:
   // T target (predicted) image tokens and N image tokens in all (with Kontext's condition tokens),
   // L text tokens, S = L + N joint tokens per sample.
+  // F the MLPs' hidden width, FH their first product's (F; FLUX.2's gate | up: 2F), SW a single
+  // block's MLP (FLUX.2: fused q|k|v|MLP) input product's, A the position ids' coordinates.
   struct Dims {
-    int B, T, N, L, S, C, H, D, IN, X, P, F, double_blocks, single_blocks;
-    bool guidance;
+    int B, T, N, L, S, C, H, D, IN, X, P, F, FH, SW, A, double_blocks, single_blocks;
+    bool guidance, flux2;
     Real eps;
   };
   static Dims dims_of(const ModelConfig& c, int batch, int image_tokens);
@@ -76,6 +78,7 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
     Stream s[2];  // image, text
     Array qkv, y, lse;  // the joint sequence [text; image]
   };
+  // m: the MLP's input product (FLUX.2: its gate | up columns of the fused product)
   struct SingleLayer {
     Array mod, hn, mean, rstd, q, k, v, qn, kn, q_rstd, k_rstd, qkv, y, lse, m, cat, p;
   };
@@ -83,13 +86,14 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   struct Buffers {
     Array in_img, in_txt, in_pooled, t_proj, g_proj, target, rope_cos, rope_sin;
     Array t_h, t_a, g_h, g_a, p_h, p_a, part, temb, temb_silu;
+    Array shared_mod[3], d_shared_mod[3];  // FLUX.2: the root's modulations (image, text, single) and their gradients
     std::vector<Array> img, txt, joint;  // block inputs (and the last blocks' outputs)
     std::vector<DoubleLayer> doubles;    // one per block, or one shared with checkpointing
     std::vector<SingleLayer> singles;
     Array x_final, mod_out, xo, xo_mean, xo_rstd, out, losses;
     // backward scratch, shared by every block
     Array d_img, d_txt, d_joint, d_mod, d_silu, d_small, d_small2, d_a, d_y, d_qkv, d_q, d_k, d_v, d_q_pre,
-        d_k_pre, d_xn, d_tmp, d_h, d_g, d_cat, gelu_out, d_xo, d_final;
+        d_k_pre, d_xn, d_tmp, d_h, d_g, d_cat, gelu_out, fused, d_xo, d_final;
   };
   // Assigns every array of `b` in one fixed order from take(elements): the constructor's
   // allocation and buffer_elements' count.
@@ -113,27 +117,48 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   void single_forward(int j, const Real* w);
   void double_backward(int l, Real* g, const Real* w);
   void single_backward(int j, Real* g, const Real* w);
-  // Block `block`'s linear layer `product` (its weight, then its bias, at `weight` in the unit) on
+  // A parameter of a unit by its position in the layout (null where the variant has none), and its gradient.
+  const Real* at(const Real* w, int unit, int position) const;
+  Real* grad_at(Real* g, int unit, int position) const;
+  // Block `block`'s linear layer `product` (`lin`: its weight's and bias's positions in the unit) on
   // `rows` rows of x, with its adapters: out (rows, width).
   void linear_forward(int block, int product, Real* out, const Real* x, int rows, int in, int width, const Real* w,
-                      int weight);
+                      FluxLinear lin);
   // Its backward: dx (rows, in) written, the adapters' part added; parameter gradients accumulate.
   void linear_backward(int block, int product, Real* dx, const Real* x, const Real* dout, int rows, int in, int width,
-                       Real* g, const Real* w, int weight);
+                       Real* g, const Real* w, FluxLinear lin);
+  // A root linear layer without adapters, and its backward.
+  void root_linear_forward(Real* out, const Real* x, int rows, int in, int width, FluxLinear lin);
+  void root_linear_backward(Real* dx, const Real* x, const Real* dout, int rows, int in, int width, Real* g,
+                            FluxLinear lin);
+  // The q/k norms of a stream: q and k (rows, C) normed per head into qn, kn.
+  void qk_norm_forward(int block, Real* qn, Real* kn, Real* q_rstd, Real* k_rstd, const Real* q, const Real* k,
+                       int rows, const Real* w, int norm_q, int norm_k);
+  // Their backward from d_q, d_k into d_q_pre, d_k_pre.
+  void qk_norm_backward(int block, const Real* q, const Real* k, const Real* q_rstd, const Real* k_rstd, int rows,
+                        Real* g, const Real* w, int norm_q, int norm_k);
   // q, k, v of `x` (rows), q and k normed per head: the attention inputs of a stream (products
   // q_product, +1, +2).
   void qkv_forward(int block, int q_product, Real* q, Real* k, Real* v, Real* qn, Real* kn, Real* q_rstd,
-                   Real* k_rstd, const Real* x, int rows, const Real* w, int q_param);
+                   Real* k_rstd, const Real* x, int rows, const Real* w, const FluxLayout::Stream& lin);
   // Their backward from d_q, d_k, d_v (the normed q, k and v's gradients): d_xn = the input's.
   void qkv_backward(int block, int q_product, const Real* x, const Real* q, const Real* k, const Real* q_rstd,
-                    const Real* k_rstd, int rows, Real* g, const Real* w, int q_param);
+                    const Real* k_rstd, int rows, Real* g, const Real* w, const FluxLayout::Stream& lin);
   // The modulation product's gradient into its weights and the conditioning's (d_silu +=).
   void modulation_backward(int block, int product, const Real* d_mod, int width, Real* g, const Real* w,
-                           int weight_param);
+                           FluxLinear lin);
+  // The MLP's activation (GELU; FLUX.2: SwiGLU of gate | up) of `rows` rows of h (FH wide) into g (F wide).
+  void mlp_activation_forward(Real* g, const Real* h, int rows);
+  void mlp_activation_backward(Real* dh, const Real* dg, const Real* h, int rows);
+  // A modulation's rows: stream s's of a double block (0 image, 1 text) or a single block's (s = 2).
+  const Real* modulation(int s, const Real* own) const { return d_.flux2 ? buf_.shared_mod[s].data() : own; }
+  void single_fused_forward(SingleLayer& a, int block, const Real* w);
+  void single_fused_backward(SingleLayer& a, int block, Real* g, const Real* w);
 
   const ParamTable& table_;
   const LayerOps<Real>& ops_;
   Dims d_;
+  FluxLayout lay_;  // where each layer's parameters are
   bool checkpointing_;
   size_t bytes_ = 0, adapter_bytes_ = 0;
   ModelAdapters<Real> adapters_;  // around every linear layer of the blocks (model/adapter_layers.hpp)

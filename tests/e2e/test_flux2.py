@@ -1,0 +1,162 @@
+"""model.arch=flux2 (docs/flux.md): FLUX.2's transformer -- no biases, no pooled vector, shared
+modulations, SwiGLU MLPs, fused single blocks, four rotary axes -- trained with flow matching on
+latent shards, each property against an independent oracle:
+
+- the first step's loss from a diffusers folder equals a float64 numpy forward written from
+  Flux2Transformer2DModel's equations (flux_reference.flux2_forward, itself checked against
+  diffusers' own model to 1.6e-15 by tests/fixtures/flux2/check_reference.py) on the folder's
+  weights and the samples the sampler draws; FLUX.1's GELU MLP, an unshared text modulation and
+  FLUX.1's all-zero text ids are shown to miss it;
+- folder -> checkpoint -> folder is bit for bit, with diffusers' config keys;
+- losses do not depend on the rank count or the sharding strategy;
+- LoRA on diffusers' module names trains the adapters alone and exports diffusers' LoRA file;
+- a FLUX.2 configuration that names a pooled vector is refused with one line (exit 2).
+"""
+import json
+import os
+
+import h5py
+import numpy as np
+
+from flux_reference import flow_sample, flux2_forward, make_diffusers_folder, swiglu, gelu_tanh, window
+from harness import ROOT, read_metrics, rel_diff, run, tempdir
+from test_adapters import safetensors_arrays
+from test_bad_input import expect_usage_error
+from test_flux import latent_file, ok
+
+FLUX2_INI = os.path.join(ROOT, "inputs", "flux2-tiny.ini")
+CFG = dict(arch="flux2", n_layer=2, n_single_layer=2, n_head=2, head_dim=24, mlp_width=96, norm_eps=1e-6,
+           guidance_embeds=True, rope_axes=(6, 6, 6, 6), rope_theta=2000.0, in_channels=16, context_dim=32,
+           context_len=8, rows=4, cols=4)
+SEED, GLOBAL_BATCH, RECORDS = 1337, 12, 24
+FILES = {}
+
+
+def no_pooled(data, attrs):
+    del data["pooled_projections"]
+
+
+def data_files():
+    if not FILES:
+        FILES["train"] = latent_file(RECORDS, 11, edit=no_pooled)
+        FILES["val"] = latent_file(6, 12, edit=no_pooled)
+    return FILES["train"], FILES["val"]
+
+
+def flux2_args(*overrides, metrics=None):
+    train, val = data_files()
+    options = {"--data.train_file": train, "--data.val_file": val, "--train.peak_gflops": "100",
+               "--checkpoint.dir": tempdir(), "--train.steps": "4", "--train.eval_every": "2"}
+    if metrics:
+        options["--train.metrics_file"] = metrics
+    for item in overrides:
+        key, _, value = item.partition("=")
+        options[key] = value
+    return ["train", "--config", FLUX2_INI, *(f"{k}={v}" for k, v in options.items())]
+
+
+def losses(np_, *overrides):
+    metrics = os.path.join(tempdir(), "metrics.jsonl")
+    ok(run(np_, flux2_args(*overrides, metrics=metrics)), f"{np_} ranks {overrides}")
+    return [r["loss"] for r in read_metrics(metrics)] + [r["val_loss"] for r in read_metrics(metrics, "eval")]
+
+
+def reference_loss(params, step, **variant):
+    """The summed squared error / elements of 0-based `step` in float64 from the equations, with
+    FLUX.2's ids: image (0, row, col, 0), text (0, 0, 0, l); text_ids_zero=True is FLUX.1's zeros."""
+    text_ids_zero = variant.pop("text_ids_zero", False)
+    with h5py.File(FILES["train"], "r") as f:
+        x0, text = f["latents"][()], f["encoder_hidden_states"][()]
+    N, L = CFG["rows"] * CFG["cols"], CFG["context_len"]
+    img_ids = np.array([[0, i // CFG["cols"], i % CFG["cols"], 0] for i in range(N)], np.float32)
+    txt_ids = np.array([[0, 0, 0, 0 if text_ids_zero else l] for l in range(L)], np.float32)
+    total = 0.0
+    for j in range(GLOBAL_BATCH):
+        r = window(SEED, RECORDS, GLOBAL_BATCH, step, j)
+        sigma, noisy, target = flow_sample(SEED, step * GLOBAL_BATCH + j, x0[r], sampling="logit_normal")
+        out = flux2_forward(params, CFG, noisy[None].astype(np.float64), text[r][None].astype(np.float64), [sigma],
+                            [1.0], img_ids, txt_ids, **variant)
+        total += float(((out[0] - target.astype(np.float64)) ** 2).sum())
+    return total / (GLOBAL_BATCH * N * CFG["in_channels"])
+
+
+def test_a_flux2_folder_trains_from_its_weights_and_converts_both_ways_bit_for_bit():
+    folder = os.path.join(tempdir(), "flux2-diffusers")
+    params = make_diffusers_folder(folder, CFG, seed=3)
+    metrics = os.path.join(tempdir(), "metrics.jsonl")
+    ok(run(2, flux2_args(f"--checkpoint.init_from={folder}", "--train.steps=1", metrics=metrics)))
+    logged = read_metrics(metrics)[0]["loss"]
+    expected = reference_loss(params, 0)
+    assert rel_diff(logged, expected) < 1e-6, (logged, expected)
+    # The negative controls: FLUX.1's MLP activation (GELU of the gate half), the text stream
+    # modulated by the image stream's parameters, FLUX.1's text ids.
+    gelu_half = lambda x: gelu_tanh(x[..., :x.shape[-1] // 2])  # noqa: E731
+    for variant in (dict(activation=gelu_half), dict(shared_mod=False), dict(text_ids_zero=True)):
+        wrong = reference_loss(params, 0, **variant)
+        assert rel_diff(logged, wrong) > 1e-4, (variant, logged, wrong)
+    assert swiglu(np.array([1.0, 2.0]))[0] == 2.0 / (1 + np.exp(-1.0))
+    # convert: folder -> checkpoint (2 ranks) -> folder (3 ranks), the same tensors bit for bit,
+    # and diffusers' config keys.
+    h5 = os.path.join(tempdir(), "flux2.h5")
+    ok(run(2, ["convert", "--input", folder, "--output", h5]), "folder -> checkpoint")
+    back = os.path.join(tempdir(), "back")
+    ok(run(3, ["convert", "--input", h5, "--output", back]), "checkpoint -> folder")
+    original = safetensors_arrays(os.path.join(folder, "diffusion_pytorch_model.safetensors"))[0]
+    again = safetensors_arrays(os.path.join(back, "diffusion_pytorch_model.safetensors"))[0]
+    assert sorted(original) == sorted(again) and not any(n.endswith(".bias") for n in again)
+    for name in original:
+        assert np.array_equal(original[name].view(np.uint32), again[name].view(np.uint32)), name
+    with open(os.path.join(folder, "config.json")) as f, open(os.path.join(back, "config.json")) as g:
+        written, read = json.load(g), json.load(f)
+    for key, value in read.items():
+        assert written[key] == value, (key, written.get(key), value)
+
+
+def test_flux2_losses_do_not_depend_on_the_rank_count_or_strategy():
+    base = losses(1)
+    assert len(base) == 6 and all(np.isfinite(base)) and base[3] != base[0]
+    for np_, overrides in [(2, ()), (3, ("--fsdp.sharding_strategy=SHARD_GRAD_OP",
+                                         "--fsdp.activation_checkpointing=true")),
+                           (4, ("--fsdp.sharding_strategy=HYBRID_SHARD", "--fsdp.shard_group_size=2"))]:
+        got = losses(np_, *overrides)
+        for a, b in zip(got, base):
+            assert rel_diff(a, b) < 1e-5, (np_, overrides, got, base)
+
+
+LORA_TARGETS = ("attn.to_q,attn.to_k,attn.to_v,attn.to_out.0,attn.add_q_proj,attn.add_k_proj,attn.add_v_proj,"
+                "attn.to_add_out,ff.linear_in,ff.linear_out,ff_context.linear_in,ff_context.linear_out,"
+                "attn.to_qkv_mlp_proj,attn.to_out")
+
+
+def test_lora_on_flux2_trains_the_adapters_alone_and_exports_diffusers_keys():
+    folder = os.path.join(tempdir(), "flux2-diffusers")
+    params = make_diffusers_folder(folder, CFG, seed=5)
+    lora = (f"--checkpoint.init_from={folder}", "--adapter.type=lora", f"--adapter.targets={LORA_TARGETS}",
+            "--adapter.rank=4", "--adapter.alpha=4", "--train.lr=1e-2", "--checkpoint.format=gathered")
+    base = losses(1, *lora)
+    assert base[3] != base[0]
+    got = losses(2, *lora)
+    for a, b in zip(got, base):
+        assert rel_diff(a, b) < 1e-5, (got, base)
+    ckpt = tempdir()
+    ok(run(2, flux2_args(*lora, f"--checkpoint.dir={ckpt}")))
+    with h5py.File(os.path.join(ckpt, "ckpt-00000004.h5"), "r") as f:
+        model = f["model"]
+        for name, value in params.items():  # the base frozen, bit for bit
+            assert np.array_equal(model[name][()], value.astype(np.float32)), name
+        adapted = [n for n in model if n.endswith(".lora_B.weight")]
+        assert len(adapted) == 2 * 12 + 2 * 2, sorted(adapted)  # 12 layers per double block, 2 per single
+        assert "single_transformer_blocks.1.attn.to_qkv_mlp_proj.lora_B.weight" in adapted
+        assert all(np.abs(model[n][()]).max() > 0 for n in adapted)
+        trained = {n: model[n][()] for n in model if ".lora_" in n}
+    out = os.path.join(tempdir(), "lora")
+    ok(run(2, ["export", "--checkpoint", os.path.join(ckpt, "ckpt-00000004.h5"), "--adapter", "--output", out]))
+    lora_file, meta = safetensors_arrays(os.path.join(out, "pytorch_lora_weights.safetensors"))
+    assert sorted(lora_file) == sorted("transformer." + n for n in trained)
+    for name, value in lora_file.items():
+        assert np.array_equal(value, trained[name[len("transformer."):]]), name
+    assert json.loads(meta["lora_adapter_metadata"])["transformer.r"] == 4
+
+
+def test_a_pooled_vector_is_refused_for_flux2():
+    expect_usage_error(flux2_args("--model.pooled_dim=768"), "model.pooled_dim=768", "set model.pooled_dim=0")
