@@ -79,13 +79,14 @@ TextEncoder::TextEncoder(const Runtime& rt, Comm& world, Comm& shard, Comm& repl
     require_capability(c, "text encoder", source_text(options));
     layers_ = parse_hidden_layers(options.layers, c.n_layer);
     const int K = static_cast<int>(layers_.size()), D = K * c.n_embd;
-    if (denoiser.context_dim != D || denoiser.pooled_dim != D)
+    if (denoiser.context_dim != D || (denoiser.pooled_dim != 0 && denoiser.pooled_dim != D))
       throw UsageError(strprintf(
           "%s gives hidden states of %d values (n_embd) for each of text_encoder.layers='%s' (%d): the model takes "
           "model.context_dim=%d and model.pooled_dim=%d; set both to %d (the layers side by side, and their mean over "
-          "the caption)",
+          "the caption; a model without a pooled vector keeps model.pooled_dim=0)",
           source_text(options).c_str(), c.n_embd, options.layers.c_str(), K, denoiser.context_dim,
           denoiser.pooled_dim, D));
+    pooled_ = denoiser.pooled_dim > 0;
     if (c.max_seq_len < tokens_)
       throw UsageError(strprintf("%s takes at most %d tokens, model.context_len=%d: lower model.context_len",
                                  source_text(options).c_str(), c.max_seq_len, tokens_));
@@ -105,7 +106,7 @@ void TextEncoder::encode(Batch& batch) {
   encode(batch.get<int32_t>(FLUX_CAPTION_IDS, static_cast<size_t>(rows) * L),
          batch.get<int32_t>(FLUX_CAPTION_LENGTHS, rows), rows,
          batch.at<float>(FLUX_ENCODER_HIDDEN_STATES, static_cast<size_t>(rows) * L * D),
-         batch.at<float>(FLUX_POOLED, static_cast<size_t>(rows) * D));
+         pooled_ ? batch.at<float>(FLUX_POOLED, static_cast<size_t>(rows) * D) : nullptr);
 }
 
 void TextEncoder::encode(const int32_t* ids, const int32_t* lengths, int count, float* context, float* pooled) {
@@ -132,7 +133,7 @@ void TextEncoder::encode(const int32_t* ids, const int32_t* lengths, int count, 
         }
       }
     }
-    for (int b = 0; b < rows; b++) {  // the pooled vector: the mean over the caption's tokens
+    for (int b = 0; b < rows && pooled; b++) {  // the pooled vector: the mean over the caption's tokens
       const int length = lengths[first + b];
       float* p = pooled + static_cast<size_t>(first + b) * D;
       std::fill(p, p + D, 0.0f);

@@ -45,7 +45,7 @@ class TextEncoder {
  public:
   // Loads options.source for micro-batches of `batch` captions of denoiser.context_len ids and
   // checks it against the denoiser: its context_dim must be the layers' widths side by side and its
-  // pooled_dim the same. Collective over `world` and the groups; UsageError (agreed) when they do not fit.
+  // pooled_dim the same (or 0: a model without a pooled vector, FLUX.2). Collective over `world` and the groups; UsageError (agreed) when they do not fit.
   TextEncoder(const Runtime& rt, Comm& world, Comm& shard, Comm& replica, const ComputeBackend& compute,
               const EngineOptions& denoiser_options, const TextEncoderOptions& options, const QuantConfig& quant,
               std::shared_ptr<const CaptionTokenizer> tokenizer, const ModelConfig& denoiser, int batch,
@@ -55,7 +55,7 @@ class TextEncoder {
   // (data/latent_dataset.hpp). Collective over the groups.
   void encode(Batch& batch);
   // The same for `count` captions' ids (count x L) and lengths into context (count x L x
-  // context_dim) and pooled (count x context_dim), host memory, in micro-batches.
+  // context_dim) and pooled (count x context_dim; null: none), host memory, in micro-batches.
   void encode(const int32_t* ids, const int32_t* lengths, int count, float* context, float* pooled);
   // Prompts for the sampler from caption texts (`where` names them in a DataError).
   Prompts encode_captions(const std::vector<std::string>& captions, const std::string& where);
@@ -72,6 +72,7 @@ class TextEncoder {
  private:
   std::shared_ptr<const CaptionTokenizer> tokenizer_;
   std::vector<int> layers_;
+  bool pooled_ = true;  // whether the denoiser reads a pooled vector
   int batch_, tokens_;
   std::unique_ptr<FrozenModel> frozen_;
   Batch tokens_batch_;         // the encoder's micro-batch: token ids

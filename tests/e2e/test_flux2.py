@@ -160,3 +160,27 @@ def test_lora_on_flux2_trains_the_adapters_alone_and_exports_diffusers_keys():
 
 def test_a_pooled_vector_is_refused_for_flux2():
     expect_usage_error(flux2_args("--model.pooled_dim=768"), "model.pooled_dim=768", "set model.pooled_dim=0")
+
+
+def test_the_text_encoder_in_the_job_gives_flux2_its_cached_context():
+    """FLUX.2 with a frozen text encoder in the job (no pooled vector to make): the same losses as
+    training on what encode-text caches of the same captions (one caption per forward in both, so
+    that the encoder's products see the same rows and give the same bits)."""
+    from test_text_encoder import EC, TOKENS, encoder
+
+    def captions(data, attrs):
+        del data["pooled_projections"], data["encoder_hidden_states"]
+        words = ["red square", "blue triangle at the top", "small green circle", "large cyan square at the left"]
+        data["captions"] = np.array([words[i % 4].encode() for i in range(data["latents"].shape[0])], dtype=object)
+
+    files = {k: latent_file(n, 20 + n, edit=captions) for k, n in (("train", RECORDS), ("val", 6))}
+    cached = {}
+    for k, path in files.items():
+        cached[k] = os.path.join(tempdir(), f"cached-{k}.h5")
+        ok(run(2, ["encode-text", "--text-encoder", encoder(), "--layers", "0,-1", "--tokens", str(TOKENS),
+                   "--input", path, "--output", cached[k], "--batch", "1", "--threads", "1"]))
+    shape = (f"--model.context_len={TOKENS}", f"--model.context_dim={2 * EC}")
+    on_cache = losses(2, f"--data.train_file={cached['train']}", f"--data.val_file={cached['val']}", *shape)
+    in_job = losses(2, f"--data.train_file={files['train']}", f"--data.val_file={files['val']}", *shape,
+                    f"--text_encoder.source={encoder()}", "--text_encoder.layers=0,-1")
+    assert max(rel_diff(a, b) for a, b in zip(in_job, on_cache)) < 1e-9, (in_job, on_cache)
