@@ -61,22 +61,29 @@ def losses(np_, *overrides):
     return [r["loss"] for r in read_metrics(metrics)] + [r["val_loss"] for r in read_metrics(metrics, "eval")]
 
 
-def reference_loss(params, step, **variant):
+def reference_loss(params, step, path=None, condition_t=10, **variant):
     """The summed squared error / elements of 0-based `step` in float64 from the equations, with
-    FLUX.2's ids: image (0, row, col, 0), text (0, 0, 0, l); text_ids_zero=True is FLUX.1's zeros."""
+    FLUX.2's ids: image (0, row, col, 0), text (0, 0, 0, l), a condition image's (10, row, col, 0) after
+    the target's; text_ids_zero=True is FLUX.1's zeros."""
     text_ids_zero = variant.pop("text_ids_zero", False)
-    with h5py.File(FILES["train"], "r") as f:
+    with h5py.File(path or FILES["train"], "r") as f:
         x0, text = f["latents"][()], f["encoder_hidden_states"][()]
+        cond = f["condition_latents"][()] if "condition_latents" in f else None
+        cond_cols = int(f.attrs["condition_grid_cols"]) if cond is not None else 1
     N, L = CFG["rows"] * CFG["cols"], CFG["context_len"]
-    img_ids = np.array([[0, i // CFG["cols"], i % CFG["cols"], 0] for i in range(N)], np.float32)
+    ids = [[0, i // CFG["cols"], i % CFG["cols"], 0] for i in range(N)]
+    if cond is not None:
+        ids += [[condition_t, i // cond_cols, i % cond_cols, 0] for i in range(cond.shape[1])]
+    img_ids = np.array(ids, np.float32)
     txt_ids = np.array([[0, 0, 0, 0 if text_ids_zero else l] for l in range(L)], np.float32)
     total = 0.0
     for j in range(GLOBAL_BATCH):
         r = window(SEED, RECORDS, GLOBAL_BATCH, step, j)
         sigma, noisy, target = flow_sample(SEED, step * GLOBAL_BATCH + j, x0[r], sampling="logit_normal")
-        out = flux2_forward(params, CFG, noisy[None].astype(np.float64), text[r][None].astype(np.float64), [sigma],
+        hidden = noisy if cond is None else np.concatenate([noisy, cond[r]], 0)
+        out = flux2_forward(params, CFG, hidden[None].astype(np.float64), text[r][None].astype(np.float64), [sigma],
                             [1.0], img_ids, txt_ids, **variant)
-        total += float(((out[0] - target.astype(np.float64)) ** 2).sum())
+        total += float(((out[0, :N] - target.astype(np.float64)) ** 2).sum())
     return total / (GLOBAL_BATCH * N * CFG["in_channels"])
 
 
@@ -110,6 +117,21 @@ def test_a_flux2_folder_trains_from_its_weights_and_converts_both_ways_bit_for_b
         written, read = json.load(g), json.load(f)
     for key, value in read.items():
         assert written[key] == value, (key, written.get(key), value)
+
+
+def test_a_condition_image_enters_flux2_as_its_first_reference_image():
+    """model.condition_len: the condition latents after the target's with ids (10, row, col, 0), as
+    diffusers' Flux2 pipeline places its first reference image; the loss on the target tokens."""
+    folder = os.path.join(tempdir(), "flux2-diffusers")
+    params = make_diffusers_folder(folder, CFG, seed=4)
+    train = latent_file(RECORDS, 13, edit=no_pooled, condition=(2, 4))
+    val = latent_file(6, 14, edit=no_pooled, condition=(2, 4))
+    metrics = os.path.join(tempdir(), "metrics.jsonl")
+    ok(run(2, flux2_args(f"--checkpoint.init_from={folder}", "--train.steps=1", "--model.condition_len=8",
+                         f"--data.train_file={train}", f"--data.val_file={val}", metrics=metrics)))
+    logged = read_metrics(metrics)[0]["loss"]
+    assert rel_diff(logged, reference_loss(params, 0, path=train)) < 1e-6
+    assert rel_diff(logged, reference_loss(params, 0, path=train, condition_t=1)) > 1e-6  # FLUX.1 Kontext's t
 
 
 def test_flux2_losses_do_not_depend_on_the_rank_count_or_strategy():
