@@ -50,25 +50,30 @@ std::unique_ptr<AdapterLayers<Real>> make_adapter_layers(const ParamTable& table
                                                          int key_rows = -1);
 size_t plan_adapter_bytes(const ParamTable& table, int rows, size_t real_bytes, int key_rows = -1);
 
-// A model's adapters, which the families' models call around each block product: one
-// AdapterLayers for a micro-batch's rows and, while a generation decodes, one for a step's.
+// A model's block linear layers: each product of a block (a site's BlockProduct) is its GEMM and
+// the adapters on its output together, so that no model places adapter hooks by hand. It holds
+// one AdapterLayers for a micro-batch's rows and, while a generation decodes, one for a step's.
+// l is the block, w its gathered unit (the adapters' parameters are in it), g its gradients.
 template <typename Real>
 class ModelAdapters {
  public:
   ModelAdapters(const ParamTable& table, int rows, const LayerOps<Real>& ops, int key_rows = -1)
       : table_(table), ops_(ops), rows_(rows), train_(make_adapter_layers(table, rows, ops, key_rows)) {}
-  // Around a product of every row of the micro-batch, or (n) of its first n rows: a diffusion
-  // transformer's products have the rows of one stream, of the joint sequence or of the samples.
-  void forward(int l, BlockProduct product, const Real* x, Real* out, const Real* w, int n = -1) const {
+  // out (n rows, width) = x (n, in) weight^T + bias (null: none), plus the adapters' parts; n = -1:
+  // every row of the micro-batch (a diffusion transformer's products have the rows of one stream,
+  // of the joint sequence or of the samples).
+  void linear_forward(int l, BlockProduct product, Real* out, const Real* x, const Real* weight, const Real* bias,
+                      int in, int width, const Real* w, int n = -1) const {
+    ops_.matmul_forward(out, x, weight, bias, rows(n), in, width);
     if (train_) train_->forward(l, product, x, out, rows(n), w);
   }
-  const Real* output_grad(int l, BlockProduct product, const Real* x, const Real* dout, const Real* w, Real* g,
-                          int n = -1) const {
-    return train_ ? train_->output_grad(l, product, x, dout, rows(n), w, g) : dout;
-  }
-  void backward(int l, BlockProduct product, const Real* x, const Real* dout, Real* dx, const Real* w, Real* g,
-                int n = -1) const {
-    if (train_) train_->backward(l, product, x, dout, dx, rows(n), w, g);
+  // Its backward from dout: dx written (the adapters' part added), dweight and dbias (null: none, a
+  // frozen weight) accumulated, the adapters' gradients into g.
+  void linear_backward(int l, BlockProduct product, Real* dx, Real* dweight, Real* dbias, const Real* dout,
+                       const Real* x, const Real* weight, int in, int width, const Real* w, Real* g, int n = -1) const {
+    const Real* d = train_ ? train_->output_grad(l, product, x, dout, rows(n), w, g) : dout;
+    ops_.matmul_backward(dx, dweight, dbias, d, x, weight, rows(n), in, width);
+    if (train_) train_->backward(l, product, x, d, dx, rows(n), w, g);
   }
   void set_dropout_keys(const uint64_t* keys) {
     if (train_) train_->set_row_keys(keys);
@@ -79,7 +84,10 @@ class ModelAdapters {
   // Generation: steps of up to max_chunk rows.
   void begin_decode(int max_chunk) { decode_ = make_adapter_layers(table_, max_chunk, ops_); }
   void end_decode() { decode_.reset(); }
-  void decode_forward(int l, BlockProduct product, const Real* x, Real* out, int n, const Real* w) const {
+  // A decoding step's product of n rows, with the adapters.
+  void linear_decode(int l, BlockProduct product, Real* out, const Real* x, const Real* weight, const Real* bias,
+                     int n, int in, int width, const Real* w) const {
+    ops_.matmul_forward(out, x, weight, bias, n, in, width);
     if (decode_) decode_->forward(l, product, x, out, n, w);
   }
 

@@ -315,8 +315,7 @@ void FluxModel<Real>::linear_forward(int block, int product, Real* out, const Re
                                      const Real* w, FluxLinear lin) {
   const int unit = block_unit(block);
   select_dropout_keys(block, product);
-  ops_.matmul_forward(out, x, at(w, unit, lin.weight), at(w, unit, lin.bias), rows, in, width);
-  adapters_.forward(block, product, x, out, w, rows);
+  adapters_.linear_forward(block, product, out, x, at(w, unit, lin.weight), at(w, unit, lin.bias), in, width, w, rows);
 }
 
 template <typename Real>
@@ -324,10 +323,8 @@ void FluxModel<Real>::linear_backward(int block, int product, Real* dx, const Re
                                       int in, int width, Real* g, const Real* w, FluxLinear lin) {
   const int unit = block_unit(block);
   select_dropout_keys(block, product);
-  const Real* d = adapters_.output_grad(block, product, x, dout, w, g, rows);
-  ops_.matmul_backward(dx, grad_at(g, unit, lin.weight), grad_at(g, unit, lin.bias), d, x, at(w, unit, lin.weight),
-                       rows, in, width);
-  adapters_.backward(block, product, x, d, dx, w, g, rows);
+  adapters_.linear_backward(block, product, dx, grad_at(g, unit, lin.weight), grad_at(g, unit, lin.bias), dout, x,
+                            at(w, unit, lin.weight), in, width, w, g, rows);
 }
 
 template <typename Real>

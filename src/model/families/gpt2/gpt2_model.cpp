@@ -56,27 +56,24 @@ void GptModel<Real>::block_forward(int l, const Real* w) {
   const Real* x = resid_[l].data();
   ops_.layernorm_forward(S(LN1), a.ln1_mean.data(), a.ln1_rstd.data(), x, W(BLOCK_LN1_W), W(BLOCK_LN1_B), N, C);
   produced(LN1);
-  ops_.matmul_forward(S(QKV), S(LN1), W(BLOCK_QKV_W), W(BLOCK_QKV_B), N, C, 3 * C);
-  adapters_.forward(l, PRODUCT_QKV, S(LN1), S(QKV), w);
+  adapters_.linear_forward(l, PRODUCT_QKV, S(QKV), S(LN1), W(BLOCK_QKV_W), W(BLOCK_QKV_B), C, 3 * C, w);
   produced(QKV);
   ops_.attention_forward(S(ATTY), a.lse.data(), S(QKV), B_, T_, NH, NH, C / NH, this->doc_start());
   produced(ATTY);
   // The projection output is only needed summed into the residual: reuse resid2 for it.
-  ops_.matmul_forward(a.resid2.data(), S(ATTY), W(BLOCK_ATTPROJ_W), W(BLOCK_ATTPROJ_B), N, C, C);
-  adapters_.forward(l, PRODUCT_ATTN_OUT, S(ATTY), a.resid2.data(), w);
+  adapters_.linear_forward(l, PRODUCT_ATTN_OUT, a.resid2.data(), S(ATTY), W(BLOCK_ATTPROJ_W), W(BLOCK_ATTPROJ_B), C,
+                           C, w);
   ops_.residual_forward(a.resid2.data(), a.resid2.data(), x, a.resid2.size());
   ops_.layernorm_forward(S(LN2), a.ln2_mean.data(), a.ln2_rstd.data(), a.resid2.data(), W(BLOCK_LN2_W),
                          W(BLOCK_LN2_B), N, C);
   produced(LN2);
-  ops_.matmul_forward(S(FCH), S(LN2), W(BLOCK_FC_W), W(BLOCK_FC_B), N, C, 4 * C);
-  adapters_.forward(l, PRODUCT_MLP_UP, S(LN2), S(FCH), w);
+  adapters_.linear_forward(l, PRODUCT_MLP_UP, S(FCH), S(LN2), W(BLOCK_FC_W), W(BLOCK_FC_B), C, 4 * C, w);
   produced(FCH);
   const size_t hidden = static_cast<size_t>(N) * 4 * C;
   ops_.gelu_forward(S(FCH_GELU), S(FCH), hidden);
   produced(FCH_GELU);
   Real* out = resid_[l + 1].data();
-  ops_.matmul_forward(out, S(FCH_GELU), W(BLOCK_FCPROJ_W), W(BLOCK_FCPROJ_B), N, 4 * C, C);
-  adapters_.forward(l, PRODUCT_MLP_DOWN, S(FCH_GELU), out, w);
+  adapters_.linear_forward(l, PRODUCT_MLP_DOWN, out, S(FCH_GELU), W(BLOCK_FCPROJ_W), W(BLOCK_FCPROJ_B), 4 * C, C, w);
   ops_.residual_forward(out, out, a.resid2.data(), resid_[l + 1].size());
 }
 
@@ -122,25 +119,20 @@ void GptModel<Real>::block_backward(int l, Real* g, const Real* w) {
   auto G = [&](Gpt2BlockParam p) { return grad_in(table_, g, block_unit(l), p); };
   auto S = [&](Saved t) { return saved_.at(l, t); };
   // MLP: out = r2 + proj(gelu(fc(ln2(r2)))); dresid_ holds d(out) and becomes d(r2).
-  const Real* d = adapters_.output_grad(l, PRODUCT_MLP_DOWN, S(FCH_GELU), dresid_.data(), w, g);
-  ops_.matmul_backward(dfch_.data(), G(BLOCK_FCPROJ_W), G(BLOCK_FCPROJ_B), d, S(FCH_GELU), W(BLOCK_FCPROJ_W), N,
-                       4 * C, C);
-  adapters_.backward(l, PRODUCT_MLP_DOWN, S(FCH_GELU), d, dfch_.data(), w, g);
+  adapters_.linear_backward(l, PRODUCT_MLP_DOWN, dfch_.data(), G(BLOCK_FCPROJ_W), G(BLOCK_FCPROJ_B), dresid_.data(),
+                            S(FCH_GELU), W(BLOCK_FCPROJ_W), 4 * C, C, w, g);
   ops_.gelu_backward(dfch_.data(), dfch_.data(), S(FCH), dfch_.size());
-  d = adapters_.output_grad(l, PRODUCT_MLP_UP, S(LN2), dfch_.data(), w, g);
-  ops_.matmul_backward(dln_.data(), G(BLOCK_FC_W), G(BLOCK_FC_B), d, S(LN2), W(BLOCK_FC_W), N, C, 4 * C);
-  adapters_.backward(l, PRODUCT_MLP_UP, S(LN2), d, dln_.data(), w, g);
+  adapters_.linear_backward(l, PRODUCT_MLP_UP, dln_.data(), G(BLOCK_FC_W), G(BLOCK_FC_B), dfch_.data(), S(LN2),
+                            W(BLOCK_FC_W), C, 4 * C, w, g);
   ops_.layernorm_backward(dresid_.data(), G(BLOCK_LN2_W), G(BLOCK_LN2_B), dln_.data(), a.resid2.data(), W(BLOCK_LN2_W),
                           a.ln2_mean.data(), a.ln2_rstd.data(), N, C);
   // Attention: r2 = x + proj(attn(qkv(ln1(x)))); dresid_ becomes d(x).
-  d = adapters_.output_grad(l, PRODUCT_ATTN_OUT, S(ATTY), dresid_.data(), w, g);
-  ops_.matmul_backward(dln_.data(), G(BLOCK_ATTPROJ_W), G(BLOCK_ATTPROJ_B), d, S(ATTY), W(BLOCK_ATTPROJ_W), N, C, C);
-  adapters_.backward(l, PRODUCT_ATTN_OUT, S(ATTY), d, dln_.data(), w, g);
+  adapters_.linear_backward(l, PRODUCT_ATTN_OUT, dln_.data(), G(BLOCK_ATTPROJ_W), G(BLOCK_ATTPROJ_B), dresid_.data(),
+                            S(ATTY), W(BLOCK_ATTPROJ_W), C, C, w, g);
   ops_.attention_backward(dqkv_.data(), dln_.data(), S(QKV), S(ATTY), a.lse.data(), B_, T_, NH, NH, C / NH,
                           this->doc_start());
-  d = adapters_.output_grad(l, PRODUCT_QKV, S(LN1), dqkv_.data(), w, g);
-  ops_.matmul_backward(dln_.data(), G(BLOCK_QKV_W), G(BLOCK_QKV_B), d, S(LN1), W(BLOCK_QKV_W), N, C, 3 * C);
-  adapters_.backward(l, PRODUCT_QKV, S(LN1), d, dln_.data(), w, g);
+  adapters_.linear_backward(l, PRODUCT_QKV, dln_.data(), G(BLOCK_QKV_W), G(BLOCK_QKV_B), dqkv_.data(), S(LN1),
+                            W(BLOCK_QKV_W), C, 3 * C, w, g);
   ops_.layernorm_backward(dresid_.data(), G(BLOCK_LN1_W), G(BLOCK_LN1_B), dln_.data(), resid_[l].data(), W(BLOCK_LN1_W),
                           a.ln1_mean.data(), a.ln1_rstd.data(), N, C);
 }
@@ -195,20 +187,18 @@ void GptModel<Real>::decode_block(int l, const Real* w) {
   const int N = d.n, C = cfg_.n_embd, NH = cfg_.n_head;
   auto W = [&](Gpt2BlockParam p) { return param_in(table_, w, block_unit(l), p); };
   ops_.layernorm_forward(d.ln.data(), d.mean.data(), d.rstd.data(), d.x.data(), W(BLOCK_LN1_W), W(BLOCK_LN1_B), N, C);
-  ops_.matmul_forward(d.qkv.data(), d.ln.data(), W(BLOCK_QKV_W), W(BLOCK_QKV_B), N, C, 3 * C);
-  adapters_.decode_forward(l, PRODUCT_QKV, d.ln.data(), d.qkv.data(), N, w);
+  adapters_.linear_decode(l, PRODUCT_QKV, d.qkv.data(), d.ln.data(), W(BLOCK_QKV_W), W(BLOCK_QKV_B), N, C, 3 * C, w);
   ops_.attention_decode(d.atty.data(), d.scores.data(), d.k[l].data(), d.v[l].data(), d.qkv.data(), N, d.start, NH,
                         NH, C / NH);
-  ops_.matmul_forward(d.resid2.data(), d.atty.data(), W(BLOCK_ATTPROJ_W), W(BLOCK_ATTPROJ_B), N, C, C);
-  adapters_.decode_forward(l, PRODUCT_ATTN_OUT, d.atty.data(), d.resid2.data(), N, w);
+  adapters_.linear_decode(l, PRODUCT_ATTN_OUT, d.resid2.data(), d.atty.data(), W(BLOCK_ATTPROJ_W), W(BLOCK_ATTPROJ_B),
+                          N, C, C, w);
   ops_.residual_forward(d.resid2.data(), d.resid2.data(), d.x.data(), static_cast<size_t>(N) * C);
   ops_.layernorm_forward(d.ln.data(), d.mean.data(), d.rstd.data(), d.resid2.data(), W(BLOCK_LN2_W), W(BLOCK_LN2_B),
                          N, C);
-  ops_.matmul_forward(d.fch.data(), d.ln.data(), W(BLOCK_FC_W), W(BLOCK_FC_B), N, C, 4 * C);
-  adapters_.decode_forward(l, PRODUCT_MLP_UP, d.ln.data(), d.fch.data(), N, w);
+  adapters_.linear_decode(l, PRODUCT_MLP_UP, d.fch.data(), d.ln.data(), W(BLOCK_FC_W), W(BLOCK_FC_B), N, C, 4 * C, w);
   ops_.gelu_forward(d.fch_gelu.data(), d.fch.data(), static_cast<size_t>(N) * 4 * C);
-  ops_.matmul_forward(d.x.data(), d.fch_gelu.data(), W(BLOCK_FCPROJ_W), W(BLOCK_FCPROJ_B), N, 4 * C, C);
-  adapters_.decode_forward(l, PRODUCT_MLP_DOWN, d.fch_gelu.data(), d.x.data(), N, w);
+  adapters_.linear_decode(l, PRODUCT_MLP_DOWN, d.x.data(), d.fch_gelu.data(), W(BLOCK_FCPROJ_W), W(BLOCK_FCPROJ_B), N,
+                          4 * C, C, w);
   ops_.residual_forward(d.x.data(), d.x.data(), d.resid2.data(), static_cast<size_t>(N) * C);
 }
 

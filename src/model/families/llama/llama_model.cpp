@@ -80,26 +80,24 @@ void LlamaModel<Real>::block_forward(int l, const Real* w) {
   const Real* x = resid_[l].data();
   ops_.rmsnorm_forward(S(LN1), a.ln1_rstd.data(), x, W(LLAMA_ATTN_NORM_W), eps, N, C);
   produced(LN1);
-  ops_.matmul_forward(S(QKV), S(LN1), W(LLAMA_Q_W), qkv_bias(w, l), N, C, cfg_.qkv_size());  // q|k|v fused
-  adapters_.forward(l, PRODUCT_QKV, S(LN1), S(QKV), w);
+  adapters_.linear_forward(l, PRODUCT_QKV, S(QKV), S(LN1), W(LLAMA_Q_W), qkv_bias(w, l), C, cfg_.qkv_size(),
+                           w);  // q|k|v fused
   ops_.rope_forward(S(QKV), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS, this->positions());
   produced(QKV);  // after rope: what attention reads (rope's backward needs no values)
   ops_.attention_forward(S(ATTY), a.lse.data(), S(QKV), B_, T_, NH, KV, HS, this->doc_start());
   produced(ATTY);
   // The projection output is only needed summed into the residual: reuse resid2 for it.
-  ops_.matmul_forward(a.resid2.data(), S(ATTY), W(LLAMA_O_W), nullptr, N, C, C);
-  adapters_.forward(l, PRODUCT_ATTN_OUT, S(ATTY), a.resid2.data(), w);
+  adapters_.linear_forward(l, PRODUCT_ATTN_OUT, a.resid2.data(), S(ATTY), W(LLAMA_O_W), nullptr, C, C, w);
   ops_.residual_forward(a.resid2.data(), a.resid2.data(), x, a.resid2.size());
   ops_.rmsnorm_forward(S(LN2), a.ln2_rstd.data(), a.resid2.data(), W(LLAMA_MLP_NORM_W), eps, N, C);
   produced(LN2);
-  ops_.matmul_forward(S(GATE_UP), S(LN2), W(LLAMA_GATE_W), nullptr, N, C, 2 * I);  // gate|up fused
-  adapters_.forward(l, PRODUCT_MLP_UP, S(LN2), S(GATE_UP), w);
+  adapters_.linear_forward(l, PRODUCT_MLP_UP, S(GATE_UP), S(LN2), W(LLAMA_GATE_W), nullptr, C, 2 * I,
+                           w);  // gate|up fused
   produced(GATE_UP);
   ops_.swiglu_forward(S(ACT), S(GATE_UP), N, I);
   produced(ACT);
   Real* out = resid_[l + 1].data();
-  ops_.matmul_forward(out, S(ACT), W(LLAMA_DOWN_W), nullptr, N, I, C);
-  adapters_.forward(l, PRODUCT_MLP_DOWN, S(ACT), out, w);
+  adapters_.linear_forward(l, PRODUCT_MLP_DOWN, out, S(ACT), W(LLAMA_DOWN_W), nullptr, I, C, w);
   ops_.residual_forward(out, out, a.resid2.data(), resid_[l + 1].size());
 }
 
@@ -144,26 +142,21 @@ void LlamaModel<Real>::block_backward(int l, Real* g, const Real* w) {
   auto G = [&](LlamaBlockParam p) { return grad_in(table_, g, block_unit(l), p); };
   auto S = [&](Saved t) { return saved_.at(l, t); };
   // MLP: out = r2 + down(swiglu(gate_up(norm2(r2)))); dresid_ holds d(out) and becomes d(r2).
-  const Real* d = adapters_.output_grad(l, PRODUCT_MLP_DOWN, S(ACT), dresid_.data(), w, g);
-  ops_.matmul_backward(dact_.data(), G(LLAMA_DOWN_W), nullptr, d, S(ACT), W(LLAMA_DOWN_W), N, I, C);
-  adapters_.backward(l, PRODUCT_MLP_DOWN, S(ACT), d, dact_.data(), w, g);
+  adapters_.linear_backward(l, PRODUCT_MLP_DOWN, dact_.data(), G(LLAMA_DOWN_W), nullptr, dresid_.data(), S(ACT),
+                            W(LLAMA_DOWN_W), I, C, w, g);
   ops_.swiglu_backward(dgate_up_.data(), dact_.data(), S(GATE_UP), N, I);
-  d = adapters_.output_grad(l, PRODUCT_MLP_UP, S(LN2), dgate_up_.data(), w, g);
-  ops_.matmul_backward(dln_.data(), G(LLAMA_GATE_W), nullptr, d, S(LN2), W(LLAMA_GATE_W), N, C, 2 * I);
-  adapters_.backward(l, PRODUCT_MLP_UP, S(LN2), d, dln_.data(), w, g);
+  adapters_.linear_backward(l, PRODUCT_MLP_UP, dln_.data(), G(LLAMA_GATE_W), nullptr, dgate_up_.data(), S(LN2),
+                            W(LLAMA_GATE_W), C, 2 * I, w, g);
   ops_.rmsnorm_backward(dresid_.data(), G(LLAMA_MLP_NORM_W), dln_.data(), a.resid2.data(), W(LLAMA_MLP_NORM_W),
                         a.ln2_rstd.data(), N, C);
   // Attention: r2 = x + o(attn(rope(qkv(norm1(x))))); dresid_ becomes d(x).
-  d = adapters_.output_grad(l, PRODUCT_ATTN_OUT, S(ATTY), dresid_.data(), w, g);
-  ops_.matmul_backward(dln_.data(), G(LLAMA_O_W), nullptr, d, S(ATTY), W(LLAMA_O_W), N, C, C);
-  adapters_.backward(l, PRODUCT_ATTN_OUT, S(ATTY), d, dln_.data(), w, g);
+  adapters_.linear_backward(l, PRODUCT_ATTN_OUT, dln_.data(), G(LLAMA_O_W), nullptr, dresid_.data(), S(ATTY),
+                            W(LLAMA_O_W), C, C, w, g);
   ops_.attention_backward(dqkv_.data(), dln_.data(), S(QKV), S(ATTY), a.lse.data(), B_, T_, NH, KV, HS,
                           this->doc_start());
   ops_.rope_backward(dqkv_.data(), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS, this->positions());
-  d = adapters_.output_grad(l, PRODUCT_QKV, S(LN1), dqkv_.data(), w, g);
-  ops_.matmul_backward(dln_.data(), G(LLAMA_Q_W), qkv_bias_grad(g, l), d, S(LN1), W(LLAMA_Q_W), N, C,
-                       cfg_.qkv_size());
-  adapters_.backward(l, PRODUCT_QKV, S(LN1), d, dln_.data(), w, g);
+  adapters_.linear_backward(l, PRODUCT_QKV, dln_.data(), G(LLAMA_Q_W), qkv_bias_grad(g, l), dqkv_.data(), S(LN1),
+                            W(LLAMA_Q_W), C, cfg_.qkv_size(), w, g);
   ops_.rmsnorm_backward(dresid_.data(), G(LLAMA_ATTN_NORM_W), dln_.data(), resid_[l].data(), W(LLAMA_ATTN_NORM_W),
                         a.ln1_rstd.data(), N, C);
 }
@@ -222,22 +215,19 @@ void LlamaModel<Real>::decode_block(int l, const Real* w) {
   auto W = [&](LlamaBlockParam p) { return param_in(table_, w, block_unit(l), p); };
   const size_t half = HS / 2;
   ops_.rmsnorm_forward(d.ln.data(), d.rstd.data(), d.x.data(), W(LLAMA_ATTN_NORM_W), eps, N, C);
-  ops_.matmul_forward(d.qkv.data(), d.ln.data(), W(LLAMA_Q_W), qkv_bias(w, l), N, C, cfg_.qkv_size());
-  adapters_.decode_forward(l, PRODUCT_QKV, d.ln.data(), d.qkv.data(), N, w);
+  adapters_.linear_decode(l, PRODUCT_QKV, d.qkv.data(), d.ln.data(), W(LLAMA_Q_W), qkv_bias(w, l), N, C,
+                          cfg_.qkv_size(), w);
   // Positions start..start+N-1: the tables from row start on, as one sequence of N.
   ops_.rope_forward(d.qkv.data(), d.rope_cos.data() + d.start * half, d.rope_sin.data() + d.start * half, 1, N, NH,
                     KV, HS, nullptr);
   ops_.attention_decode(d.atty.data(), d.scores.data(), d.k[l].data(), d.v[l].data(), d.qkv.data(), N, d.start, NH,
                         KV, HS);
-  ops_.matmul_forward(d.resid2.data(), d.atty.data(), W(LLAMA_O_W), nullptr, N, C, C);
-  adapters_.decode_forward(l, PRODUCT_ATTN_OUT, d.atty.data(), d.resid2.data(), N, w);
+  adapters_.linear_decode(l, PRODUCT_ATTN_OUT, d.resid2.data(), d.atty.data(), W(LLAMA_O_W), nullptr, N, C, C, w);
   ops_.residual_forward(d.resid2.data(), d.resid2.data(), d.x.data(), static_cast<size_t>(N) * C);
   ops_.rmsnorm_forward(d.ln.data(), d.rstd.data(), d.resid2.data(), W(LLAMA_MLP_NORM_W), eps, N, C);
-  ops_.matmul_forward(d.gate_up.data(), d.ln.data(), W(LLAMA_GATE_W), nullptr, N, C, 2 * I);
-  adapters_.decode_forward(l, PRODUCT_MLP_UP, d.ln.data(), d.gate_up.data(), N, w);
+  adapters_.linear_decode(l, PRODUCT_MLP_UP, d.gate_up.data(), d.ln.data(), W(LLAMA_GATE_W), nullptr, N, C, 2 * I, w);
   ops_.swiglu_forward(d.act.data(), d.gate_up.data(), N, I);
-  ops_.matmul_forward(d.x.data(), d.act.data(), W(LLAMA_DOWN_W), nullptr, N, I, C);
-  adapters_.decode_forward(l, PRODUCT_MLP_DOWN, d.act.data(), d.x.data(), N, w);
+  adapters_.linear_decode(l, PRODUCT_MLP_DOWN, d.x.data(), d.act.data(), W(LLAMA_DOWN_W), nullptr, N, I, C, w);
   ops_.residual_forward(d.x.data(), d.x.data(), d.resid2.data(), static_cast<size_t>(N) * C);
 }
 
