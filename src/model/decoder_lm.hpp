@@ -2,15 +2,16 @@
 // interface): tokens in, a residual stream through L blocks, a final norm and a vocabulary head,
 // the cross-entropy (or distillation) loss over B*T positions. A family's model derives from it and
 // writes its embedding, blocks, final norm and decode path; the buffers below are allocated by the
-// derived constructor in its own order (ModelFamily::activation_arrays lists them), except the
-// saved tensors, tokens, targets, document starts and positions, which this constructor makes
-// (decoder_lm_id_bytes).
+// derived constructor from the family's list (ModelFamily::activation_arrays, which the planner
+// sums: activation_list()), except the saved tensors, tokens, targets, document starts and
+// positions, which this constructor makes (decoder_lm_id_bytes).
 #pragma once
 
 #include <vector>
 
 #include "core/error.hpp"
 #include "model/adapter_layers.hpp"
+#include "model/family.hpp"
 #include "model/model.hpp"
 #include "model/saved_activations.hpp"
 
@@ -66,6 +67,29 @@ class DecoderLM : public TransformerModel<Real>,
     targets_ = DeviceArray<int>(ops.device(), BT);
     doc_starts_ = DeviceArray<int>(ops.device(), BT);
     positions_ = DeviceArray<int>(ops.device(), BT);
+  }
+
+  // The family's activation arrays handed out in their order: a constructor takes each buffer as
+  // the next of the list the planner counts, so the list is the allocation (llm.c's act_sizes);
+  // done() checks that it took them all.
+  class ActivationList {
+   public:
+    ActivationList(Device& dev, std::vector<size_t> sizes) : dev_(dev), sizes_(std::move(sizes)) {}
+    Array take() {
+      SHARD_CHECK(next_ < sizes_.size(), "the model takes more arrays than its family lists (%zu)", sizes_.size());
+      return Array(dev_, sizes_[next_++]);
+    }
+    void done() const {
+      SHARD_CHECK(next_ == sizes_.size(), "the model took %zu of the %zu arrays its family lists", next_, sizes_.size());
+    }
+
+   private:
+    Device& dev_;
+    std::vector<size_t> sizes_;
+    size_t next_ = 0;
+  };
+  ActivationList activation_list() const {
+    return ActivationList(ops_.device(), family_of(cfg_).activation_arrays(cfg_, B_, T_, checkpointing_));
   }
 
   Loss<Real>& own_loss() override { return cross_entropy_; }

@@ -15,18 +15,16 @@ GptModel<Real>::GptModel(const ParamTable& table, int batch, int seq_len, bool a
                          const LayerOps<Real>& ops, DType activation_dtype)
     : Base(table, batch, seq_len, activation_checkpointing, ops, activation_dtype,
            saved_tensor_elements(table.config(), batch, seq_len)) {
-  const size_t BT = static_cast<size_t>(B_) * T_, C = cfg_.n_embd, NH = cfg_.n_head, L = cfg_.n_layer;
-  Device& dev = ops.device();
-  auto array = [&](size_t n) { return Array(dev, n); };
-  for (size_t l = 0; l <= L; l++) resid_.push_back(array(BT * C));
-  layers_.resize(checkpointing_ ? 1 : L);
+  ActivationList list = this->activation_list();  // Gpt2Family::activation_arrays: sizes and order
+  for (int l = 0; l <= cfg_.n_layer; l++) resid_.push_back(list.take());
+  layers_.resize(checkpointing_ ? 1 : cfg_.n_layer);
   for (Layer& a : layers_) {
-    a.ln1_mean = array(BT), a.ln1_rstd = array(BT), a.lse = array(BT * NH), a.resid2 = array(BT * C);
-    a.ln2_mean = array(BT), a.ln2_rstd = array(BT);
+    a.ln1_mean = list.take(), a.ln1_rstd = list.take(), a.lse = list.take(), a.resid2 = list.take();
+    a.ln2_mean = list.take(), a.ln2_rstd = list.take();
   }
-  lnf_ = array(BT * C), lnf_mean_ = array(BT), lnf_rstd_ = array(BT);
-  probs_ = array(BT * cfg_.vocab_size), losses_ = array(BT);
-  dresid_ = array(BT * C), dln_ = array(BT * C), dqkv_ = array(BT * 3 * C), dfch_ = array(BT * 4 * C);
+  lnf_ = list.take(), lnf_mean_ = list.take(), lnf_rstd_ = list.take(), probs_ = list.take(), losses_ = list.take();
+  dresid_ = list.take(), dln_ = list.take(), dqkv_ = list.take(), dfch_ = list.take();
+  list.done();
 }
 
 template <typename Real>

@@ -42,6 +42,7 @@ class GptModel : public DecoderLM<Real> {
  private:
   using Base = DecoderLM<Real>;
   using typename Base::Array;
+  using typename Base::ActivationList;
   using Base::table_, Base::ops_, Base::adapters_, Base::cfg_, Base::B_, Base::T_, Base::checkpointing_;
   using Base::tokens_, Base::targets_, Base::resid_, Base::saved_, Base::lnf_, Base::probs_, Base::losses_;
   using Base::dresid_, Base::dln_;

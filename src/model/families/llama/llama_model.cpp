@@ -17,19 +17,15 @@ LlamaModel<Real>::LlamaModel(const ParamTable& table, int batch, int seq_len, bo
            saved_tensor_elements(table.config(), batch, seq_len)),
       qkv_bias_(qkv_bias) {
   SHARD_CHECK(cfg_.head_size() % 2 == 0, "rotary embeddings need an even head size, not %d", cfg_.head_size());
-  const size_t BT = static_cast<size_t>(B_) * T_, C = cfg_.n_embd, NH = cfg_.n_head, I = cfg_.mlp_size();
-  const size_t QKV = cfg_.qkv_size(), L = cfg_.n_layer;
-  Device& dev = ops.device();
-  auto array = [&](size_t n) { return Array(dev, n); };
+  ActivationList list = this->activation_list();  // LlamaFamily::activation_arrays: sizes and order
+  rope_cos_ = list.take(), rope_sin_ = list.take();
   make_rope_tables(T_, rope_cos_, rope_sin_);
-  for (size_t l = 0; l <= L; l++) resid_.push_back(array(BT * C));
-  layers_.resize(checkpointing_ ? 1 : L);
-  for (Layer& a : layers_)
-    a.ln1_rstd = array(BT), a.lse = array(BT * NH), a.resid2 = array(BT * C), a.ln2_rstd = array(BT);
-  lnf_ = array(BT * C), lnf_rstd_ = array(BT);
-  probs_ = array(BT * cfg_.vocab_size), losses_ = array(BT);
-  dresid_ = array(BT * C), dln_ = array(BT * C), dqkv_ = array(BT * QKV), dgate_up_ = array(BT * 2 * I);
-  dact_ = array(BT * I);
+  for (int l = 0; l <= cfg_.n_layer; l++) resid_.push_back(list.take());
+  layers_.resize(checkpointing_ ? 1 : cfg_.n_layer);
+  for (Layer& a : layers_) a.ln1_rstd = list.take(), a.lse = list.take(), a.resid2 = list.take(), a.ln2_rstd = list.take();
+  lnf_ = list.take(), lnf_rstd_ = list.take(), probs_ = list.take(), losses_ = list.take();
+  dresid_ = list.take(), dln_ = list.take(), dqkv_ = list.take(), dgate_up_ = list.take(), dact_ = list.take();
+  list.done();
 }
 
 // Hugging Face's tables: inv_freq[i] = theta^(-2i/d) and the angle t * inv_freq[i], both rounded
@@ -45,7 +41,7 @@ void LlamaModel<Real>::make_rope_tables(int T, Array& cos_table, Array& sin_tabl
       cos[t * half + i] = static_cast<Real>(std::cos(angle)), sin[t * half + i] = static_cast<Real>(std::sin(angle));
     }
   Device& dev = ops_.device();
-  cos_table = Array(dev, cos.size()), sin_table = Array(dev, sin.size());
+  if (cos_table.size() != cos.size()) cos_table = Array(dev, cos.size()), sin_table = Array(dev, sin.size());
   dev.copy_to_device(cos_table.data(), cos.data(), cos_table.bytes());
   dev.copy_to_device(sin_table.data(), sin.data(), sin_table.bytes());
 }

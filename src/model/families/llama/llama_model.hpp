@@ -46,6 +46,7 @@ class LlamaModel : public DecoderLM<Real> {
  private:
   using Base = DecoderLM<Real>;
   using typename Base::Array;
+  using typename Base::ActivationList;
   using Base::table_, Base::ops_, Base::adapters_, Base::cfg_, Base::B_, Base::T_, Base::checkpointing_;
   using Base::tokens_, Base::targets_, Base::resid_, Base::saved_, Base::lnf_, Base::probs_, Base::losses_;
   using Base::dresid_, Base::dln_;
@@ -70,7 +71,7 @@ class LlamaModel : public DecoderLM<Real> {
   std::vector<Layer> layers_;  // one per block, or a single shared one when checkpointing
   Array lnf_rstd_;
   Array dqkv_, dgate_up_, dact_;  // backward scratch, shared by all layers
-  // Rope tables (T, head_size / 2) on the device, Hugging Face's angles.
+  // Rope tables (T, head_size / 2) on the device (allocated unless they are that size), Hugging Face's angles.
   void make_rope_tables(int T, Array& cos, Array& sin) const;
   // Generation: the key/value cache and one step's buffers (rows of its tokens; the head uses row 0
   // of ln and rstd).
