@@ -221,6 +221,9 @@ against_cpu "GPT-2, packed documents" documents 2 1 "${CMP_MODEL[@]}" --train.mi
 write_flux_data "$WORK/data"
 TRAIN_FILE=$WORK/data/flux_train.h5 CONFIG=inputs/flux-tiny.ini against_cpu "FLUX (double and single stream, flow matching)" \
   flux 2 1 --train.steps=10 --train.micro_batch=2 --train.global_batch=4 --train.threads=4
+TRAIN_FILE=$WORK/data/flux_train.h5 CONFIG=inputs/flux2-tiny.ini against_cpu \
+  "FLUX.2 (shared modulations, SwiGLU, fused single blocks; the same latents, their pooled vector unread)" \
+  flux2 2 1 --train.steps=10 --train.micro_batch=2 --train.global_batch=4 --train.threads=4
 flux_ckpt=$(ls "$WORK"/ckpt-cmp-gpu-flux/ckpt-*.h5 2>/dev/null | tail -1)
 for device in cuda cpu; do
   lim=$(limit) || break

@@ -9,7 +9,7 @@ FLOP/s of a 2048^3 OpenBLAS SGEMM that every rank measures at the same moment at
 for 2 ranks, SGEMM runs on both at once). The machine's OpenBLAS environment is left as it is.
 
 Architectures (--only arch): gpt2-124M beside llama-135M at T = 64 and T = 1024 (see arch_section).
-FLUX (--only flux): a FLUX-shaped model of GPT-2 small's width beside gpt2-124M (see flux_section).
+FLUX (--only flux): FLUX.1- and FLUX.2-shaped models of GPT-2 small's width beside gpt2-124M (see flux_section).
 
 Adapters (--only adapters): gpt2-124M and llama-135M (--adapter-models) full fine-tuning against LoRA
 (rank 8 and 64 on every linear layer), LoHa, LoKr, OFT and freezing all but the last two blocks, on 1,
@@ -384,6 +384,12 @@ def arch_section(build, steps, rounds):
 FLUX_BENCH = ["--model.n_layer=2", "--model.n_single_layer=4", "--model.n_embd=768", "--model.n_head=6",
               "--model.max_seq_len=256", "--model.in_channels=64", "--model.context_dim=768", "--model.context_len=64",
               "--model.pooled_dim=768", "--model.rope_axes=16,56,56", "--train.seq_len=256"]
+# And FLUX.2's at the same width and block counts: SwiGLU MLPs 3 C wide, shared modulations, no
+# biases, no pooled vector, four rotary axes of 32 (104 C^2 of block weights).
+FLUX2_BENCH = ["--model.n_layer=2", "--model.n_single_layer=4", "--model.n_embd=768", "--model.n_head=6",
+               "--model.intermediate_size=2304", "--model.max_seq_len=256", "--model.in_channels=64",
+               "--model.context_dim=768", "--model.context_len=64", "--model.pooled_dim=0",
+               "--model.rope_axes=32,32,32,32", "--train.seq_len=256"]
 
 
 def flux_latents(folder, records=16, rows=16, cols=16, channels=64, text=(64, 768), pooled=768):
@@ -399,12 +405,12 @@ def flux_latents(folder, records=16, rows=16, cols=16, channels=64, text=(64, 76
     return path
 
 
-def flux_run(build, steps, latents, micro_batch=1, global_batch=4):
+def flux_run(build, steps, latents, micro_batch=1, global_batch=4, flux2=False):
     from harness import mpirun_command
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
-        args = [os.path.join(build, "shardtrain"), "train", "--config", os.path.join(ROOT, "inputs", "flux-tiny.ini"),
-                *FLUX_BENCH, "--checkpoint.save=false", "--checkpoint.resume=none", f"--train.steps={steps}",
+        config = os.path.join(ROOT, "inputs", "flux2-tiny.ini" if flux2 else "flux-tiny.ini")
+        args = [os.path.join(build, "shardtrain"), "train", "--config", config, *(FLUX2_BENCH if flux2 else FLUX_BENCH), "--checkpoint.save=false", "--checkpoint.resume=none", f"--train.steps={steps}",
                 f"--train.micro_batch={micro_batch}", f"--train.global_batch={global_batch}", "--train.threads=2",
                 f"--data.train_file={latents}", "--data.val_file=", f"--train.metrics_file={metrics}"]
         proc = subprocess.run(mpirun_command(1, args, timeout=1200), cwd=ROOT, capture_output=True, text=True)
@@ -417,17 +423,20 @@ def flux_run(build, steps, latents, micro_batch=1, global_batch=4):
 
 
 def flux_section(build, steps, rounds):
-    """The FLUX-shaped model (FLUX_BENCH) beside gpt2-124M at T = 320 (its joint sequence: 256 image +
-    64 text tokens), 1 rank x 2 threads, interleaved rounds; MFU against each run's SGEMM peak, and
-    the achieved GFLOP/s (tokens/s x the model's FLOPs per token: for FLUX, per image token)."""
+    """The FLUX.1- and FLUX.2-shaped models (FLUX_BENCH, FLUX2_BENCH) beside gpt2-124M at T = 320 (their
+    joint sequence: 256 image + 64 text tokens), 1 rank x 2 threads, interleaved rounds; MFU against
+    each run's SGEMM peak, and the achieved GFLOP/s (tokens/s x the model's FLOPs per token: for
+    FLUX, per image token)."""
     print(f"\n== FLUX beside GPT-2: {rounds} rounds of {steps} steps, 1 rank x 2 threads (first step dropped)",
           flush=True)
-    rows = {"flux": [], "gpt2": []}
+    rows = {"flux": [], "flux2": [], "gpt2": []}
     with tempfile.TemporaryDirectory() as tmp:
         latents = flux_latents(tmp)
         for _ in range(rounds):
             r, peak, flops = flux_run(build, steps, latents)
             rows["flux"].extend((x, peak, flops) for x in r)
+            r, peak, flops = flux_run(build, steps, latents, flux2=True)
+            rows["flux2"].extend((x, peak, flops) for x in r)
             r, peak, out = [], 0, []
             run_rows, peak, _ = train_run(build, 1, 2, steps, "gpt2-124M.ini", 320, 1, 4, stdout=out)
             flops = float(re.search(r"\| ([\d.]+) MFLOP per token", out[0]).group(1)) * 1e6
@@ -441,8 +450,9 @@ def flux_section(build, steps, rounds):
         print(f"{name:5s} | SGEMM peak median {statistics.median(p for _, p, _ in data):.1f} GFLOP/s | "
               f"{data[0][2] / 1e6:.1f} MFLOP per token | tokens/s min {tps[0]:.1f} median {tps[1]:.1f} max {tps[2]:.1f} | "
               f"MFU min {mfu[0]:.3f} median {mfu[1]:.3f} max {mfu[2]:.3f} | GFLOP/s median {gflops:.1f}", flush=True)
-    print(f"FLUX / GPT-2 (medians): MFU {medians['flux'][0] / medians['gpt2'][0]:.3f}, "
-          f"GFLOP/s {medians['flux'][1] / medians['gpt2'][1]:.3f}", flush=True)
+    for name in ("flux", "flux2"):
+        print(f"{name} / gpt2 (medians): MFU {medians[name][0] / medians['gpt2'][0]:.3f}, "
+              f"GFLOP/s {medians[name][1] / medians['gpt2'][1]:.3f}", flush=True)
 
 
 def baseline_section(build, baseline, steps, rounds, dtype="fp32"):
