@@ -164,58 +164,10 @@ std::vector<PlannedAllocation> plan_device_allocations(const ParamTable& table, 
                                                        const EngineOptions& engine, int micro_batch, int seq_len,
                                                        bool activation_checkpointing, DType activation_dtype) {
   const std::vector<UnitLayout> layout = FsdpEngine::plan_layout(table, groups);
-  std::vector<PlannedAllocation> list;
+  std::vector<PlannedAllocation> list = FsdpEngine::plan_allocations(layout, engine);  // the engine's, its reductions'
   auto add = [&](MemCategory category, size_t bytes) {
     if (bytes) list.push_back({category, bytes});
   };
-  // FsdpEngine's constructor: each unit's master shard and gradient shard (with cpu_offload in host
-  // memory, the device keeping a gradient shard per unit), then the gather slots and gradient buffers.
-  size_t max_block = 0, max_block_trainable = 0, max_grad_shard = 0, max_block_records = 0;
-  for (size_t u = 0; u < layout.size(); u++) {
-    const UnitLayout& l = layout[u];
-    if (!engine.cpu_offload) add(MEM_SHARDED_PARAMS, l.held_numel() * sizeof(float));
-    add(MEM_GRADIENTS, l.trainable.shard_numel * sizeof(float));
-    if (!engine.cpu_offload) add(MEM_SHARDED_PARAMS, l.packed_bytes());  // a quantized space's records
-    if (u != ROOT_UNIT) max_block_records = std::max(max_block_records, l.gathered_record_bytes());
-    max_grad_shard = std::max(max_grad_shard, l.trainable.shard_numel);
-    if (u != ROOT_UNIT) max_block = std::max(max_block, l.padded_numel());
-    if (u != ROOT_UNIT) max_block_trainable = std::max(max_block_trainable, l.trainable.padded_numel);
-  }
-  const bool sharded = groups.shard_size > 1, half = engine.param_dtype != DTYPE_FP32;
-  if (sharded || half || engine.cpu_offload || max_block_records) {
-    std::vector<std::pair<size_t, size_t>> slots;  // values, gathered records
-    if (engine.strategy == SHARDING_SHARD_GRAD_OP) {
-      for (const UnitLayout& l : layout) slots.push_back({l.padded_numel(), l.gathered_record_bytes()});
-    } else {
-      slots.push_back({layout[ROOT_UNIT].padded_numel(), layout[ROOT_UNIT].gathered_record_bytes()});
-      slots.insert(slots.end(), static_cast<size_t>(engine.limit_all_gathers), {max_block, max_block_records});
-    }
-    for (const auto& [values, records] : slots) {
-      add(MEM_GATHERED_UNITS, values * sizeof(float));
-      if (half) add(MEM_COMM_BUFFERS, values * sizeof(uint16_t));  // the 16-bit wire copy
-      add(MEM_COMM_BUFFERS, records);
-    }
-  }
-  const size_t root_trainable = layout[ROOT_UNIT].trainable.padded_numel;
-  if (sharded) {
-    if (engine.reduce_every_microbatch) {
-      add(MEM_GRADIENTS, root_trainable * sizeof(float));
-      add(MEM_GRADIENTS, max_block_trainable * sizeof(float));
-      if (engine.overlap_reduce_scatter) add(MEM_GRADIENTS, max_block_trainable * sizeof(float));
-    } else {
-      for (const UnitLayout& l : layout) add(MEM_GRADIENTS, l.trainable.padded_numel * sizeof(float));
-    }
-    // The communicator's reduce-scatter buffers (src/comm/mpi_comm.cpp, src/comm/cuda/nccl_comm.cpp).
-    if (!engine.nccl) {
-      add(MEM_COMM_BUFFERS, max_grad_shard * dtype_bytes(engine.reduce_dtype));
-      add(MEM_COMM_BUFFERS, max_grad_shard * dtype_bytes(engine.reduce_dtype));
-    } else if (engine.reduce_dtype == DTYPE_FP32) {
-      add(MEM_COMM_BUFFERS, max_grad_shard * sizeof(float));
-    } else {
-      add(MEM_COMM_BUFFERS, std::max(root_trainable, max_block_trainable) * sizeof(uint16_t));
-      add(MEM_COMM_BUFFERS, max_grad_shard * sizeof(uint16_t));
-    }
-  }
   // AdamW's two moments per unit (host memory when offloaded).
   if (!engine.cpu_offload) {
     for (const UnitLayout& l : layout)

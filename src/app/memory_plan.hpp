@@ -45,12 +45,6 @@ struct GpuBackendPlan {
   size_t total() const { return workspace() + nccl + rounding; }
 };
 
-// One planned device allocation (for the allocator's rounding).
-struct PlannedAllocation {
-  MemCategory category;
-  size_t bytes;
-};
-
 // A frozen model that runs its forward beside the trained one, sharded as its own units, with no
 // gradients, no optimizer state and no offload: a distillation teacher over the student's
 // sequences, a text encoder over the captions' tokens. Its name in the plan and the option that

@@ -79,51 +79,75 @@ std::vector<UnitLayout> FsdpEngine::plan_layout(const ParamTable& table, const G
   return layout;
 }
 
+std::vector<PlannedAllocation> FsdpEngine::plan_allocations(const std::vector<UnitLayout>& layout,
+                                                           const EngineOptions& options) {
+  std::vector<PlannedAllocation> list;
+  auto add = [&](MemCategory category, size_t bytes) {
+    if (bytes) list.push_back({category, bytes});
+  };
+  // Each unit's master shard and its gradient shard, then its quantized records (UnitShard); with
+  // cpu_offload the master shards and gradients are host memory and the device keeps a gradient
+  // shard per unit for the reductions (device_grads_).
+  size_t max_block = 0, max_block_trainable = 0, max_grad_shard = 0, max_block_records = 0;
+  for (size_t u = 0; u < layout.size(); u++) {
+    const UnitLayout& l = layout[u];
+    if (!options.cpu_offload) add(MEM_SHARDED_PARAMS, l.held_numel() * sizeof(float));
+    if (!options.inference) add(MEM_GRADIENTS, l.trainable.shard_numel * sizeof(float));
+    if (!options.cpu_offload) add(MEM_SHARDED_PARAMS, l.packed_bytes());
+    max_grad_shard = std::max(max_grad_shard, l.trainable.shard_numel);
+    if (u == ROOT_UNIT) continue;
+    max_block = std::max(max_block, l.padded_numel());
+    max_block_trainable = std::max(max_block_trainable, l.trainable.padded_numel);
+    max_block_records = std::max(max_block_records, l.gathered_record_bytes());
+  }
+  // The gather slots: every unit's (SHARD_GRAD_OP) or the root's and limit_all_gathers blocks'; each
+  // its fp32 values, with a 16-bit param_dtype the gathered 16-bit copy the GEMMs multiply, and a
+  // quantized unit's gathered records.
+  const bool sharded = layout[ROOT_UNIT].padded_numel() != layout[ROOT_UNIT].shard_numel();
+  const bool half = options.param_dtype != DTYPE_FP32;
+  if (sharded || half || options.cpu_offload || max_block_records) {
+    std::vector<std::pair<size_t, size_t>> slots;  // values, gathered records
+    if (options.strategy == SHARDING_SHARD_GRAD_OP) {
+      for (const UnitLayout& l : layout) slots.push_back({l.padded_numel(), l.gathered_record_bytes()});
+    } else {
+      slots.push_back({layout[ROOT_UNIT].padded_numel(), layout[ROOT_UNIT].gathered_record_bytes()});
+      slots.insert(slots.end(), static_cast<size_t>(options.limit_all_gathers), {max_block, max_block_records});
+    }
+    for (const auto& [values, records] : slots) {
+      add(MEM_GATHERED_UNITS, values * sizeof(float));
+      if (half) add(MEM_COMM_BUFFERS, values * sizeof(uint16_t));
+      add(MEM_COMM_BUFFERS, records);
+    }
+  }
+  if (!sharded || options.inference) return list;
+  // The gradient buffers the reduce-scatters read: per unit, or (reducing every micro-batch) the
+  // root's and one block's, a second with overlap.
+  const size_t root_trainable = layout[ROOT_UNIT].trainable.padded_numel;
+  if (options.reduce_every_microbatch) {
+    add(MEM_GRADIENTS, root_trainable * sizeof(float));
+    add(MEM_GRADIENTS, max_block_trainable * sizeof(float));
+    if (options.overlap_reduce_scatter) add(MEM_GRADIENTS, max_block_trainable * sizeof(float));
+  } else {
+    for (const UnitLayout& l : layout) add(MEM_GRADIENTS, l.trainable.padded_numel * sizeof(float));
+  }
+  // The communicators' reduce-scatter buffers (src/comm/mpi_comm.cpp: the ring's two chunks;
+  // src/comm/cuda/nccl_comm.cpp: the received chunk, and in 16 bits the whole unit rounded).
+  if (!options.nccl) {
+    add(MEM_COMM_BUFFERS, max_grad_shard * dtype_bytes(options.reduce_dtype));
+    add(MEM_COMM_BUFFERS, max_grad_shard * dtype_bytes(options.reduce_dtype));
+  } else if (options.reduce_dtype == DTYPE_FP32) {
+    add(MEM_COMM_BUFFERS, max_grad_shard * sizeof(float));
+  } else {
+    add(MEM_COMM_BUFFERS, std::max(root_trainable, max_block_trainable) * sizeof(uint16_t));
+    add(MEM_COMM_BUFFERS, max_grad_shard * sizeof(uint16_t));
+  }
+  return list;
+}
+
 std::array<size_t, MEM_CATEGORY_COUNT> FsdpEngine::plan_memory(const std::vector<UnitLayout>& layout,
                                                                const EngineOptions& options) {
   std::array<size_t, MEM_CATEGORY_COUNT> bytes{};
-  // Parameters: whole units; gradients and their reductions: trainable spaces only.
-  size_t shards = 0, grad_shards = 0, all_padded = 0, all_trainable = 0, max_block = 0, max_block_trainable = 0,
-         max_grad_shard = 0, packed = 0, all_records = 0, max_block_records = 0;
-  for (size_t u = 0; u < layout.size(); u++) {
-    shards += layout[u].held_numel();
-    packed += layout[u].packed_bytes();
-    all_records += layout[u].gathered_record_bytes();
-    if (u != ROOT_UNIT) max_block_records = std::max(max_block_records, layout[u].gathered_record_bytes());
-    grad_shards += layout[u].trainable.shard_numel;
-    all_padded += layout[u].padded_numel();
-    all_trainable += layout[u].trainable.padded_numel;
-    max_grad_shard = std::max(max_grad_shard, layout[u].trainable.shard_numel);
-    if (u != ROOT_UNIT) max_block = std::max(max_block, layout[u].padded_numel());
-    if (u != ROOT_UNIT) max_block_trainable = std::max(max_block_trainable, layout[u].trainable.padded_numel);
-  }
-  // With cpu_offload the master shards and their gradients are host memory; the device keeps a
-  // gradient shard for the reductions.
-  bytes[MEM_SHARDED_PARAMS] = options.cpu_offload ? 0 : shards * sizeof(float) + packed;
-  bytes[MEM_GRADIENTS] = options.inference ? 0 : grad_shards * sizeof(float);
-  const bool sharded = layout[ROOT_UNIT].padded_numel() != layout[ROOT_UNIT].shard_numel();
-  const bool half_params = options.param_dtype != DTYPE_FP32;
-  const size_t root = layout[ROOT_UNIT].padded_numel(), root_trainable = layout[ROOT_UNIT].trainable.padded_numel;
-  const size_t slots =
-      options.strategy == SHARDING_SHARD_GRAD_OP ? all_padded : root + options.limit_all_gathers * max_block;
-  if (sharded || half_params || options.cpu_offload || all_records) bytes[MEM_GATHERED_UNITS] = slots * sizeof(float);
-  if (half_params) bytes[MEM_COMM_BUFFERS] += slots * sizeof(uint16_t);
-  // Each slot's gathered records (the root has none: only blocks' linear weights are quantized).
-  bytes[MEM_COMM_BUFFERS] += options.strategy == SHARDING_SHARD_GRAD_OP
-                                 ? all_records
-                                 : layout[ROOT_UNIT].gathered_record_bytes() + options.limit_all_gathers * max_block_records;
-  if (!sharded || options.inference) return bytes;
-  const size_t second_block = options.overlap_reduce_scatter ? max_block_trainable : 0;
-  bytes[MEM_GRADIENTS] +=
-      (options.reduce_every_microbatch ? root_trainable + max_block_trainable + second_block : all_trainable) *
-      sizeof(float);
-  if (!options.nccl) {
-    bytes[MEM_COMM_BUFFERS] += 2 * max_grad_shard * dtype_bytes(options.reduce_dtype);  // the ring's two chunk buffers
-  } else if (options.reduce_dtype == DTYPE_FP32) {
-    bytes[MEM_COMM_BUFFERS] += max_grad_shard * sizeof(float);  // the received chunk (src/comm/cuda/nccl_comm.cpp)
-  } else {  // the whole unit rounded to 16 bits, and the received chunk
-    bytes[MEM_COMM_BUFFERS] += (std::max(root_trainable, max_block_trainable) + max_grad_shard) * sizeof(uint16_t);
-  }
+  for (const PlannedAllocation& a : plan_allocations(layout, options)) bytes[a.category] += a.bytes;
   return bytes;
 }
 

@@ -212,9 +212,14 @@ class FsdpEngine {
              const EngineOptions& options, const Backend& backend);
   ~FsdpEngine();
 
-  // The layout of every unit for a group shape, and the bytes each memory category of the engine
-  // takes on that rank: computed without allocating, the one source for the engine and planner.
+  // The layout of every unit for a group shape; every device buffer the engine and its
+  // communicators' reductions hold on that rank, one entry per allocation in the constructor's
+  // order (master shards and their gradients per unit, the gather slots, the gradient buffers,
+  // the reduction's buffers); and those bytes per category: computed without allocating, the one
+  // source for the engine, the tracker and the planner.
   static std::vector<UnitLayout> plan_layout(const ParamTable& table, const GroupShape& groups);
+  static std::vector<PlannedAllocation> plan_allocations(const std::vector<UnitLayout>& layout,
+                                                         const EngineOptions& options);
   static std::array<size_t, MEM_CATEGORY_COUNT> plan_memory(const std::vector<UnitLayout>& layout,
                                                             const EngineOptions& options);
 

@@ -19,6 +19,13 @@ enum MemCategory {
   MEM_CATEGORY_COUNT,
 };
 
+// One planned device allocation: its category and bytes (the planner's lists, and the allocator's
+// rounding of each).
+struct PlannedAllocation {
+  MemCategory category;
+  size_t bytes;
+};
+
 inline const char* mem_category_name(MemCategory c) {
   static const char* names[MEM_CATEGORY_COUNT] = {"sharded_params", "gathered_units", "gradients", "optimizer_state",
                                                   "activations",    "comm_buffers",   "workspace"};
