@@ -63,8 +63,9 @@ def data_files():
     return TRAIN["path"], VAL["path"]
 
 
-def flux_args(*overrides, metrics=None):
-    train, val = data_files()
+def flux_args(*overrides, metrics=None, config=FLUX_INI, files=None):
+    """A training command of `config` on the latent `files` (train, val; default: data_files())."""
+    train, val = files or data_files()
     options = {"--data.train_file": train, "--data.val_file": val, "--train.peak_gflops": "100",
                "--checkpoint.dir": tempdir(), "--train.steps": "4", "--train.eval_every": "2"}
     if metrics:
@@ -72,7 +73,7 @@ def flux_args(*overrides, metrics=None):
     for item in overrides:
         key, _, value = item.partition("=")
         options[key] = value
-    return ["train", "--config", FLUX_INI, *(f"{k}={v}" for k, v in options.items())]
+    return ["train", "--config", config, *(f"{k}={v}" for k, v in options.items())]
 
 
 def ok(proc, what=""):
@@ -80,9 +81,10 @@ def ok(proc, what=""):
     return proc
 
 
-def losses(np_, *overrides):
+def losses(np_, *overrides, **where):
+    """The step losses and the validation losses of a run (flux_args' config and files: `where`)."""
     metrics = os.path.join(tempdir(), "metrics.jsonl")
-    ok(run(np_, flux_args(*overrides, metrics=metrics)), f"{np_} ranks {overrides}")
+    ok(run(np_, flux_args(*overrides, metrics=metrics, **where)), f"{np_} ranks {overrides}")
     return ([r["loss"] for r in read_metrics(metrics)], [r["val_loss"] for r in read_metrics(metrics, "eval")])
 
 

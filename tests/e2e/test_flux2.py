@@ -22,7 +22,8 @@ from flux_reference import flow_sample, flux2_forward, make_diffusers_folder, sw
 from harness import ROOT, read_metrics, rel_diff, run, tempdir
 from test_adapters import safetensors_arrays
 from test_bad_input import expect_usage_error
-from test_flux import latent_file, ok
+from test_flux import flux_args, latent_file, ok
+from test_flux import losses as flux_losses
 
 FLUX2_INI = os.path.join(ROOT, "inputs", "flux2-tiny.ini")
 CFG = dict(arch="flux2", n_layer=2, n_single_layer=2, n_head=2, head_dim=24, mlp_width=96, norm_eps=1e-6,
@@ -44,21 +45,13 @@ def data_files():
 
 
 def flux2_args(*overrides, metrics=None):
-    train, val = data_files()
-    options = {"--data.train_file": train, "--data.val_file": val, "--train.peak_gflops": "100",
-               "--checkpoint.dir": tempdir(), "--train.steps": "4", "--train.eval_every": "2"}
-    if metrics:
-        options["--train.metrics_file"] = metrics
-    for item in overrides:
-        key, _, value = item.partition("=")
-        options[key] = value
-    return ["train", "--config", FLUX2_INI, *(f"{k}={v}" for k, v in options.items())]
+    return flux_args(*overrides, metrics=metrics, config=FLUX2_INI, files=data_files())
 
 
 def losses(np_, *overrides):
-    metrics = os.path.join(tempdir(), "metrics.jsonl")
-    ok(run(np_, flux2_args(*overrides, metrics=metrics)), f"{np_} ranks {overrides}")
-    return [r["loss"] for r in read_metrics(metrics)] + [r["val_loss"] for r in read_metrics(metrics, "eval")]
+    """The step losses, then the validation losses."""
+    steps, val = flux_losses(np_, *overrides, config=FLUX2_INI, files=data_files())
+    return steps + val
 
 
 def reference_loss(params, step, path=None, condition_t=10, **variant):

@@ -45,6 +45,28 @@ double forward_loss(TransformerModel<Real>& model, const ParamTable& table, cons
   return model.host_head_forward(units[ROOT_UNIT].data(), batch);
 }
 
+// The adapters' gradients of a model of `table` (random units of `seed`, a batch of `salt`) against
+// central differences of the loss, at three elements of each adapter tensor; all the gradients back.
+std::vector<std::vector<double>> check_adapter_gradients(const ParamTable& table, uint64_t seed, uint64_t salt) {
+  const ModelConfig& config = table.config();
+  auto model = make_model<double>(table, B, N, false, cpu_layer_ops<double>());
+  auto units = random_units<double>(table, 0.3, seed);
+  std::vector<std::vector<double>> grads;
+  const Batch batch = make_flux_batch(config, B, ROWS, COLS, salt);
+  const double dloss = 1.0 / (B * N * config.in_channels);
+  loss_and_grads(*model, table, units, &grads, batch, dloss);
+  for (const ParamInfo& p : table.params()) {
+    if (!p.adapter) continue;
+    for (size_t i : {size_t(0), p.numel / 2, p.numel - 1}) {
+      double& x = units[p.unit][p.offset + i];
+      const double numeric = central_difference(x, [&] { return forward_loss(*model, table, units, batch) * dloss; });
+      EXPECT_NEAR(grads[p.unit][p.offset + i], numeric, 1e-9 + 1e-6 * std::fabs(numeric))
+          << config.arch << " " << adapter_type_name(table.adapter().type) << " " << p.name << "[" << i << "]";
+    }
+  }
+  return grads;
+}
+
 }  // namespace
 
 // h = 1e-5 in double: truncation ~1e-10, rounding ~1e-11 (as the decoders' test).
@@ -199,21 +221,7 @@ TEST(Flux, AdapterGradientsMatchCentralFiniteDifferences) {
     size_t adapted = 0;
     for (const ParamInfo& p : table.params()) adapted += p.adapter;
     ASSERT_GT(adapted, 0u);
-    auto model = make_model<double>(table, B, N, false, cpu_layer_ops<double>());
-    auto units = random_units<double>(table, 0.3, 23);
-    std::vector<std::vector<double>> grads;
-    const Batch batch = make_flux_batch(config, B, ROWS, COLS, 7);
-    const double dloss = 1.0 / (B * N * config.in_channels);
-    loss_and_grads(*model, table, units, &grads, batch, dloss);
-    for (const ParamInfo& p : table.params()) {
-      if (!p.adapter) continue;
-      for (size_t i : {size_t(0), p.numel / 2, p.numel - 1}) {
-        double& x = units[p.unit][p.offset + i];
-        const double numeric = central_difference(x, [&] { return forward_loss(*model, table, units, batch) * dloss; });
-        EXPECT_NEAR(grads[p.unit][p.offset + i], numeric, 1e-9 + 1e-6 * std::fabs(numeric))
-            << adapter_type_name(type) << " " << p.name << "[" << i << "]";
-      }
-    }
+    const std::vector<std::vector<double>> grads = check_adapter_gradients(table, 23, 7);
     // The base is frozen: no gradient reaches it.
     for (const ParamInfo& p : table.params()) {
       if (p.adapter) continue;
@@ -237,21 +245,7 @@ TEST(Flux, Flux2AdapterGradientsMatchCentralFiniteDifferences) {
     for (const ParamInfo& p : table.params())
       if (p.adapter) adapted.insert(p.name.substr(0, p.name.find(".lo")));
     EXPECT_EQ(adapted.size(), 2u * 5 + 2 + 1) << "every named site of both double and single blocks";
-    auto model = make_model<double>(table, B, N, false, cpu_layer_ops<double>());
-    auto units = random_units<double>(table, 0.3, 29);
-    std::vector<std::vector<double>> grads;
-    const Batch batch = make_flux_batch(config, B, ROWS, COLS, 9);
-    const double dloss = 1.0 / (B * N * config.in_channels);
-    loss_and_grads(*model, table, units, &grads, batch, dloss);
-    for (const ParamInfo& p : table.params()) {
-      if (!p.adapter) continue;
-      for (size_t i : {size_t(0), p.numel / 2, p.numel - 1}) {
-        double& x = units[p.unit][p.offset + i];
-        const double numeric = central_difference(x, [&] { return forward_loss(*model, table, units, batch) * dloss; });
-        EXPECT_NEAR(grads[p.unit][p.offset + i], numeric, 1e-9 + 1e-6 * std::fabs(numeric))
-            << adapter_type_name(type) << " " << p.name << "[" << i << "]";
-      }
-    }
+    check_adapter_gradients(table, 29, 9);
   }
 }
 

@@ -448,19 +448,24 @@ class FluxFamily final : public ModelFamily {
     m.context_dim = j.whole("joint_attention_dim", 4096);
     m.pooled_dim = j.whole("pooled_projection_dim", 768);
     m.guidance_embeds = j.flag("guidance_embeds", false);  // diffusers' default (schnell)
-    const nlohmann::json& axes = j["axes_dims_rope"];
-    if (!axes.is_null()) {
-      if (!axes.is_array() || axes.size() != 3) j.fail("axes_dims_rope " + axes.dump() + " is not three widths");
-      std::string text;
-      for (const nlohmann::json& a : axes) {
-        if (!a.is_number_integer()) j.fail("axes_dims_rope " + axes.dump() + " is not three whole numbers");
-        text += (text.empty() ? "" : ",") + std::to_string(a.get<int64_t>());
-      }
-      m.rope_axes = text;
-    }
+    m.rope_axes = read_rope_axes(j, 3, m.rope_axes);
     m.norm_eps = 1e-6, m.rope_theta = 10000;
     m.max_seq_len = 4096;  // no position table: a bound on a run's image tokens (1024 x 1024 pixels)
     return m;
+  }
+  // axes_dims_rope as model.rope_axes: `count` whole numbers (their values are checked with the
+  // shape), or `fallback` when absent.
+  static std::string read_rope_axes(const HfConfig& j, size_t count, const std::string& fallback) {
+    const nlohmann::json& axes = j["axes_dims_rope"];
+    if (axes.is_null()) return fallback;
+    const std::string want = count == 3 ? "three" : "four";
+    if (!axes.is_array() || axes.size() != count) j.fail("axes_dims_rope " + axes.dump() + " is not " + want + " widths");
+    std::string text;
+    for (const nlohmann::json& a : axes) {
+      if (!a.is_number_integer()) j.fail("axes_dims_rope " + axes.dump() + " is not " + want + " whole numbers");
+      text += (text.empty() ? "" : ",") + std::to_string(a.get<int64_t>());
+    }
+    return text;
   }
   // Flux2Transformer2DModel's config.json (diffusers 0.42.1's keys and defaults).
   ModelConfig read_flux2_config(const HfConfig& j) const {
@@ -483,17 +488,7 @@ class FluxFamily final : public ModelFamily {
     m.intermediate_size = static_cast<int>(m.n_embd * ratio);  // diffusers' int(dim * mlp_ratio)
     m.pooled_dim = 0;
     m.guidance_embeds = j.flag("guidance_embeds", true);
-    m.rope_axes = "32,32,32,32";
-    const nlohmann::json& axes = j["axes_dims_rope"];
-    if (!axes.is_null()) {
-      std::string text;
-      if (!axes.is_array()) j.fail("axes_dims_rope " + axes.dump() + " is not a list of widths");
-      for (const nlohmann::json& a : axes) {
-        if (!a.is_number_integer()) j.fail("axes_dims_rope " + axes.dump() + " is not a list of whole numbers");
-        text += (text.empty() ? "" : ",") + std::to_string(a.get<int64_t>());
-      }
-      m.rope_axes = text;
-    }
+    m.rope_axes = read_rope_axes(j, 4, "32,32,32,32");
     m.rope_theta = j.positive("rope_theta", 2000.0);
     m.norm_eps = j.positive("eps", 1e-6);
     m.max_seq_len = 4096;
