@@ -145,6 +145,10 @@ Prompts read_prompts(const std::string& path, const ModelConfig& m, const std::s
     p.pooled = h5_read_floats(path, FLUX_POOLED, &pd, hint);
   else if (td.size() == 3)  // FLUX.2 reads none
     pd = {td[0], 0};
+  if (m.pooled_dim == 0 && (td.size() != 3 || td[0] < 1 || td[2] != hsize_t(m.context_dim)))
+    throw DataError(strprintf("%s='%s': encoder_hidden_states must be (P, L, %d) for this model (model.context_dim), "
+                              "one row per prompt",
+                              option.c_str(), path.c_str(), m.context_dim));
   if (td.size() != 3 || pd.size() != 2 || td[0] != pd[0] || td[0] < 1 || td[2] != hsize_t(m.context_dim) ||
       pd[1] != hsize_t(m.pooled_dim))
     throw DataError(strprintf("%s='%s': encoder_hidden_states and pooled_projections must be (P, L, %d) and (P, %d) "

@@ -86,7 +86,7 @@ class ModelAdapters {
   void end_decode() { decode_.reset(); }
   // A decoding step's product of n rows, with the adapters.
   void linear_decode(int l, BlockProduct product, Real* out, const Real* x, const Real* weight, const Real* bias,
-                     int n, int in, int width, const Real* w) const {
+                     int in, int width, const Real* w, int n) const {
     ops_.matmul_forward(out, x, weight, bias, n, in, width);
     if (decode_) decode_->forward(l, product, x, out, n, w);
   }

@@ -70,17 +70,22 @@ class DecoderLM : public TransformerModel<Real>,
   }
 
   // The family's activation arrays handed out in their order: a constructor takes each buffer as
-  // the next of the list the planner counts, so the list is the allocation (llm.c's act_sizes);
-  // done() checks that it took them all.
+  // the next of the list the planner counts, so the list is the allocation (llm.c's act_sizes).
+  // take(n) names the elements the model will use there and stops at once where the list
+  // disagrees (an entry out of order would otherwise be a buffer of another size); done() checks
+  // that it took them all.
   class ActivationList {
    public:
     ActivationList(Device& dev, std::vector<size_t> sizes) : dev_(dev), sizes_(std::move(sizes)) {}
-    Array take() {
+    Array take(size_t elements) {
       SHARD_CHECK(next_ < sizes_.size(), "the model takes more arrays than its family lists (%zu)", sizes_.size());
+      SHARD_CHECK(sizes_[next_] == elements, "array %zu of the family's activation list has %zu elements, the model "
+                  "uses %zu", next_, sizes_[next_], elements);
       return Array(dev_, sizes_[next_++]);
     }
     void done() const {
-      SHARD_CHECK(next_ == sizes_.size(), "the model took %zu of the %zu arrays its family lists", next_, sizes_.size());
+      SHARD_CHECK(next_ == sizes_.size(), "the model took %zu of the %zu arrays its family lists", next_,
+                  sizes_.size());
     }
 
    private:

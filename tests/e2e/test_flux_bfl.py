@@ -144,6 +144,10 @@ def test_bad_black_forest_labs_files_are_named():
                                            t["double_blocks.0.txt_attn.qkv.weight"][:-1]))
     expect_usage_error(["convert", "--input", short, "--output", out], "'double_blocks.0.txt_attn.qkv.weight' has shape [767, 256]",
                        "needs [768, 256]", np_=1)
+    # FLUX.2's single file: no pooled vector and no biases -- named, not read as a broken FLUX.1 one.
+    flux2 = broken(lambda t: [t.pop(n) for n in list(t) if n.startswith("vector_in.") or n.endswith(".bias")])
+    expect_usage_error(["convert", "--input", flux2, "--output", out], "FLUX.2 layout", "Flux2Transformer2DModel folder",
+                       np_=1)
     other = os.path.join(tempdir(), "other.safetensors")
     write_safetensors({"encoder.weight": np.zeros((2, 2), np.float32)}, other)
     expect_usage_error(["convert", "--input", other, "--output", out], "in no model's single-file layout", np_=1)

@@ -46,8 +46,9 @@ double forward_loss(TransformerModel<Real>& model, const ParamTable& table, cons
 }
 
 // The adapters' gradients of a model of `table` (random units of `seed`, a batch of `salt`) against
-// central differences of the loss, at three elements of each adapter tensor; all the gradients back.
-std::vector<std::vector<double>> check_adapter_gradients(const ParamTable& table, uint64_t seed, uint64_t salt) {
+// central differences of the loss, at three elements of each adapter tensor; and the base, frozen,
+// gets no gradient.
+void check_adapter_gradients(const ParamTable& table, uint64_t seed, uint64_t salt) {
   const ModelConfig& config = table.config();
   auto model = make_model<double>(table, B, N, false, cpu_layer_ops<double>());
   auto units = random_units<double>(table, 0.3, seed);
@@ -64,7 +65,10 @@ std::vector<std::vector<double>> check_adapter_gradients(const ParamTable& table
           << config.arch << " " << adapter_type_name(table.adapter().type) << " " << p.name << "[" << i << "]";
     }
   }
-  return grads;
+  for (const ParamInfo& p : table.params()) {
+    if (p.adapter) continue;
+    for (size_t i = 0; i < p.numel; i++) ASSERT_EQ(grads[p.unit][p.offset + i], 0.0) << p.name;
+  }
 }
 
 }  // namespace
@@ -203,6 +207,12 @@ TEST(Flux, Flux2DevHasItsPublishedParameterCount) {
   EXPECT_EQ(ParamTable(c).total_params(), 32183959552u);
   c.pooled_dim = 768;  // FLUX.2 has no pooled vector: a config that names one is refused
   EXPECT_NE(family_of(c).config_defect(c).find("model.pooled_dim=0"), std::string::npos);
+  // A width diffusers' mlp_ratio cannot carry (int(3584 * (3603 / 3584)) is 3602) is refused.
+  c.pooled_dim = 0, c.n_embd = 3584, c.n_head = 28, c.intermediate_size = 3603;
+  EXPECT_NE(family_of(c).config_defect(c).find("mlp_ratio = 3603 / 3584, which gives back 3602"), std::string::npos)
+      << family_of(c).config_defect(c);
+  c.intermediate_size = 3 * 3584;
+  EXPECT_EQ(family_of(c).config_defect(c), "");
 }
 
 // Adapters on every kind of linear layer -- the streams' q/k/v and outputs, the MLPs, the
@@ -221,30 +231,27 @@ TEST(Flux, AdapterGradientsMatchCentralFiniteDifferences) {
     size_t adapted = 0;
     for (const ParamInfo& p : table.params()) adapted += p.adapter;
     ASSERT_GT(adapted, 0u);
-    const std::vector<std::vector<double>> grads = check_adapter_gradients(table, 23, 7);
-    // The base is frozen: no gradient reaches it.
-    for (const ParamInfo& p : table.params()) {
-      if (p.adapter) continue;
-      for (size_t i = 0; i < p.numel; i++) ASSERT_EQ(grads[p.unit][p.offset + i], 0.0) << p.name;
-    }
+    check_adapter_gradients(table, 23, 7);
   }
 }
 
-// FLUX.2's adapter sites -- diffusers' module names: the streams' q/k/v and outputs, the SwiGLU
-// MLPs' linear_in and linear_out, the single blocks' fused to_qkv_mlp_proj and to_out -- against
-// central differences, LoRA and LoKr.
+// FLUX.2's adapter sites -- all 14 of diffusers' module names: the streams' q/k/v and outputs, the
+// SwiGLU MLPs' linear_in and linear_out, the single blocks' fused to_qkv_mlp_proj and to_out --
+// against central differences, for the low-rank, Hadamard, Kronecker and rotation methods.
 TEST(Flux, Flux2AdapterGradientsMatchCentralFiniteDifferences) {
   const ModelConfig config = tiny_flux2_config();
-  for (AdapterType type : {ADAPTER_LORA, ADAPTER_LOKR}) {
+  for (AdapterType type : {ADAPTER_LORA, ADAPTER_LOHA, ADAPTER_LOKR, ADAPTER_OFT}) {
     AdapterConfig a;
-    a.type = type, a.rank = 2, a.alpha = 3;
-    a.targets = {"attn.to_q", "add_v_proj", "to_add_out", "ff.linear_in", "ff_context.linear_out", "to_qkv_mlp_proj",
-                 "single_transformer_blocks.1.attn.to_out"};
+    a.type = type, a.rank = 2, a.alpha = 3, a.block_size = 4;
+    a.targets = {"attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                 "attn.add_v_proj", "attn.to_add_out", "ff.linear_in", "ff.linear_out", "ff_context.linear_in",
+                 "ff_context.linear_out", "attn.to_qkv_mlp_proj", "attn.to_out"};
     const ParamTable table(config, {}, a);
-    std::set<std::string> adapted;
+    std::set<std::string> adapted;  // the adapted modules: the names before the method's suffix
     for (const ParamInfo& p : table.params())
-      if (p.adapter) adapted.insert(p.name.substr(0, p.name.find(".lo")));
-    EXPECT_EQ(adapted.size(), 2u * 5 + 2 + 1) << "every named site of both double and single blocks";
+      for (const char* suffix : {".lora_", ".hada_", ".lokr_", ".oft_"})
+        if (p.adapter && p.name.find(suffix) != std::string::npos) adapted.insert(p.name.substr(0, p.name.find(suffix)));
+    EXPECT_EQ(adapted.size(), 2u * 12 + 2 * 2) << adapter_type_name(type) << ": every layer of both kinds of block";
     check_adapter_gradients(table, 29, 9);
   }
 }

@@ -78,6 +78,10 @@ ModelConfig bfl_flux_config(const TensorShapes& t, const std::string& path) {
   const std::vector<int64_t> img_in = need("img_in.weight", 2);
   m.n_embd = static_cast<int>(img_in[0]), m.in_channels = static_cast<int>(img_in[1]);
   m.context_dim = static_cast<int>(need("txt_in.weight", 2)[1]);
+  if (!t.count("vector_in.in_layer.weight") && !t.count("img_in.bias"))  // FLUX.2: no pooled vector, no biases
+    throw CheckpointError("safetensors file '" + path + "': Black Forest Labs' FLUX.2 layout (no 'vector_in', no "
+                          "biases), which ShardTrain does not read: convert it to a diffusers "
+                          "Flux2Transformer2DModel folder and give that (model.arch=flux2)");
   m.pooled_dim = static_cast<int>(need("vector_in.in_layer.weight", 2)[1]);
   m.guidance_embeds = t.count("guidance_in.in_layer.weight") > 0;
   m.n_layer = count_blocks(t, "double_blocks", path);

@@ -161,6 +161,12 @@ class FluxFamily final : public ModelFamily {
       return strprintf("model.n_kv_head=%d: FLUX attends with as many key/value heads as query heads", m.n_kv_head);
     if (!flux2_ && m.intermediate_size != 0 && m.intermediate_size != 4 * m.n_embd)
       return strprintf("model.intermediate_size=%d: FLUX.1's MLPs are 4 x model.n_embd wide", m.intermediate_size);
+    // diffusers stores FLUX.2's width as mlp_ratio = F / C and makes int(C * mlp_ratio) of it again.
+    if (flux2_ && static_cast<int>(m.n_embd * (static_cast<double>(flux_mlp_width(m)) / m.n_embd)) != flux_mlp_width(m))
+      return strprintf("model.intermediate_size=%d: diffusers keeps it as mlp_ratio = %d / %d, which gives back %d; "
+                       "choose a width that survives that (a multiple of model.n_embd does)",
+                       flux_mlp_width(m), flux_mlp_width(m), m.n_embd,
+                       static_cast<int>(m.n_embd * (static_cast<double>(flux_mlp_width(m)) / m.n_embd)));
     if (!(m.rope_theta > 0) || !std::isfinite(m.rope_theta))
       return strprintf("model.rope_theta=%g must be > 0", m.rope_theta);
     if (!(m.norm_eps > 0) || !std::isfinite(m.norm_eps)) return strprintf("model.norm_eps=%g must be > 0", m.norm_eps);
@@ -246,7 +252,8 @@ class FluxFamily final : public ModelFamily {
     for (int l = 0; l < c.n_layer; l++) {
       const std::string h = "transformer_blocks." + std::to_string(l) + ".";
       const int u = t.add_unit(h.substr(0, h.size() - 1), "double");
-      const char* names[2][7] = {{"attn.to_q", "attn.to_k", "attn.to_v", "attn.norm_q", "attn.norm_k", "attn.to_out.0", "ff"},
+      const char* names[2][7] = {{"attn.to_q", "attn.to_k", "attn.to_v", "attn.norm_q", "attn.norm_k", "attn.to_out.0",
+                                  "ff"},
                                  {"attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.norm_added_q",
                                   "attn.norm_added_k", "attn.to_add_out", "ff_context"}};
       for (const auto& n : names) {
@@ -340,13 +347,14 @@ class FluxFamily final : public ModelFamily {
   std::vector<KernelWorkspace> kernel_workspaces(const ModelConfig& c, int batch, int seq_len) const override {
     const int S = attention_tokens(c, seq_len), H = c.n_head, D = c.head_size(), C = c.n_embd;
     std::vector<KernelWorkspace> w = {
-        {gpu::attention_backward_workspace_bytes(batch, S, H, H, D), "joint attention backward"},
-        {gpu::matmul_backward_workspace_bytes(batch, 6 * C), "matmul backward (bias)"}};
+        {gpu::attention_backward_workspace_bytes(batch, S, H, H, D), "joint attention backward"}};
+    if (!flux2_) w.push_back({gpu::matmul_backward_workspace_bytes(batch, 6 * C), "matmul backward (bias)"});
     for (int rows : {seq_len + c.condition_len, c.context_len, S}) {
       w.push_back({gpu::rmsnorm_backward_workspace_bytes(batch * rows * H, D), "q/k RMSNorm backward"});
       w.push_back({gpu::modulate_backward_workspace_bytes(rows, C), "adaptive LayerNorm backward"});
       w.push_back({gpu::gate_backward_workspace_bytes(rows, C), "gated residual backward"});
-      w.push_back({gpu::matmul_backward_workspace_bytes(batch * rows, flux_mlp_width(c)), "matmul backward (bias)"});
+      if (!flux2_)  // FLUX.2 has no bias
+        w.push_back({gpu::matmul_backward_workspace_bytes(batch * rows, flux_mlp_width(c)), "matmul backward (bias)"});
     }
     return w;
   }
@@ -459,7 +467,8 @@ class FluxFamily final : public ModelFamily {
     const nlohmann::json& axes = j["axes_dims_rope"];
     if (axes.is_null()) return fallback;
     const std::string want = count == 3 ? "three" : "four";
-    if (!axes.is_array() || axes.size() != count) j.fail("axes_dims_rope " + axes.dump() + " is not " + want + " widths");
+    if (!axes.is_array() || axes.size() != count)
+      j.fail("axes_dims_rope " + axes.dump() + " is not " + want + " widths");
     std::string text;
     for (const nlohmann::json& a : axes) {
       if (!a.is_number_integer()) j.fail("axes_dims_rope " + axes.dump() + " is not " + want + " whole numbers");

@@ -83,7 +83,8 @@ void FluxModel<Real>::lay_out(Buffers& b, const Dims& d, bool checkpointing, Tak
   for (int s = 0; s < 3; s++) b.d_shared_mod[s] = take((1 - mods) * B * (s < 2 ? 6 : 3) * C);
   b.d_a = take(rows * C), b.d_y = take(rows * C), b.d_qkv = take(rows * 3 * C), b.d_q = take(rows * C);
   b.d_k = take(rows * C), b.d_v = take(rows * C), b.d_q_pre = take(rows * C), b.d_k_pre = take(rows * C);
-  b.d_xn = take(rows * C), b.d_tmp = take(rows * C), b.d_h = take(rows * std::max<size_t>(FH, d.SW));
+  b.d_xn = take(rows * C), b.d_tmp = take(rows * C);
+  b.d_h = take(rows * (d.single_blocks ? std::max<size_t>(FH, d.SW) : FH));  // a single block's fused product's too
   b.d_g = take(rows * F);
   b.d_cat = take(d.single_blocks ? rows * (C + F) : 0), b.gelu_out = take(d.single_blocks ? rows * F : 0);
   b.fused = take(d.single_blocks && d.flux2 ? rows * d.SW : 0);

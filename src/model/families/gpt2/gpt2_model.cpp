@@ -15,15 +15,17 @@ GptModel<Real>::GptModel(const ParamTable& table, int batch, int seq_len, bool a
                          const LayerOps<Real>& ops, DType activation_dtype)
     : Base(table, batch, seq_len, activation_checkpointing, ops, activation_dtype,
            saved_tensor_elements(table.config(), batch, seq_len)) {
-  ActivationList list = this->activation_list();  // Gpt2Family::activation_arrays: sizes and order
-  for (int l = 0; l <= cfg_.n_layer; l++) resid_.push_back(list.take());
+  const size_t BT = static_cast<size_t>(B_) * T_, C = cfg_.n_embd, NH = cfg_.n_head;
+  ActivationList list = this->activation_list();  // Gpt2Family::activation_arrays: the plan, in order
+  for (int l = 0; l <= cfg_.n_layer; l++) resid_.push_back(list.take(BT * C));
   layers_.resize(checkpointing_ ? 1 : cfg_.n_layer);
   for (Layer& a : layers_) {
-    a.ln1_mean = list.take(), a.ln1_rstd = list.take(), a.lse = list.take(), a.resid2 = list.take();
-    a.ln2_mean = list.take(), a.ln2_rstd = list.take();
+    a.ln1_mean = list.take(BT), a.ln1_rstd = list.take(BT), a.lse = list.take(BT * NH), a.resid2 = list.take(BT * C);
+    a.ln2_mean = list.take(BT), a.ln2_rstd = list.take(BT);
   }
-  lnf_ = list.take(), lnf_mean_ = list.take(), lnf_rstd_ = list.take(), probs_ = list.take(), losses_ = list.take();
-  dresid_ = list.take(), dln_ = list.take(), dqkv_ = list.take(), dfch_ = list.take();
+  lnf_ = list.take(BT * C), lnf_mean_ = list.take(BT), lnf_rstd_ = list.take(BT);
+  probs_ = list.take(BT * cfg_.vocab_size), losses_ = list.take(BT);
+  dresid_ = list.take(BT * C), dln_ = list.take(BT * C), dqkv_ = list.take(BT * 3 * C), dfch_ = list.take(BT * 4 * C);
   list.done();
 }
 
@@ -185,18 +187,18 @@ void GptModel<Real>::decode_block(int l, const Real* w) {
   const int N = d.n, C = cfg_.n_embd, NH = cfg_.n_head;
   auto W = [&](Gpt2BlockParam p) { return param_in(table_, w, block_unit(l), p); };
   ops_.layernorm_forward(d.ln.data(), d.mean.data(), d.rstd.data(), d.x.data(), W(BLOCK_LN1_W), W(BLOCK_LN1_B), N, C);
-  adapters_.linear_decode(l, PRODUCT_QKV, d.qkv.data(), d.ln.data(), W(BLOCK_QKV_W), W(BLOCK_QKV_B), N, C, 3 * C, w);
+  adapters_.linear_decode(l, PRODUCT_QKV, d.qkv.data(), d.ln.data(), W(BLOCK_QKV_W), W(BLOCK_QKV_B), C, 3 * C, w, N);
   ops_.attention_decode(d.atty.data(), d.scores.data(), d.k[l].data(), d.v[l].data(), d.qkv.data(), N, d.start, NH,
                         NH, C / NH);
   adapters_.linear_decode(l, PRODUCT_ATTN_OUT, d.resid2.data(), d.atty.data(), W(BLOCK_ATTPROJ_W), W(BLOCK_ATTPROJ_B),
-                          N, C, C, w);
+                          C, C, w, N);
   ops_.residual_forward(d.resid2.data(), d.resid2.data(), d.x.data(), static_cast<size_t>(N) * C);
   ops_.layernorm_forward(d.ln.data(), d.mean.data(), d.rstd.data(), d.resid2.data(), W(BLOCK_LN2_W), W(BLOCK_LN2_B),
                          N, C);
-  adapters_.linear_decode(l, PRODUCT_MLP_UP, d.fch.data(), d.ln.data(), W(BLOCK_FC_W), W(BLOCK_FC_B), N, C, 4 * C, w);
+  adapters_.linear_decode(l, PRODUCT_MLP_UP, d.fch.data(), d.ln.data(), W(BLOCK_FC_W), W(BLOCK_FC_B), C, 4 * C, w, N);
   ops_.gelu_forward(d.fch_gelu.data(), d.fch.data(), static_cast<size_t>(N) * 4 * C);
-  adapters_.linear_decode(l, PRODUCT_MLP_DOWN, d.x.data(), d.fch_gelu.data(), W(BLOCK_FCPROJ_W), W(BLOCK_FCPROJ_B), N,
-                          4 * C, C, w);
+  adapters_.linear_decode(l, PRODUCT_MLP_DOWN, d.x.data(), d.fch_gelu.data(), W(BLOCK_FCPROJ_W), W(BLOCK_FCPROJ_B),
+                          4 * C, C, w, N);
   ops_.residual_forward(d.x.data(), d.x.data(), d.resid2.data(), static_cast<size_t>(N) * C);
 }
 

@@ -17,14 +17,19 @@ LlamaModel<Real>::LlamaModel(const ParamTable& table, int batch, int seq_len, bo
            saved_tensor_elements(table.config(), batch, seq_len)),
       qkv_bias_(qkv_bias) {
   SHARD_CHECK(cfg_.head_size() % 2 == 0, "rotary embeddings need an even head size, not %d", cfg_.head_size());
-  ActivationList list = this->activation_list();  // LlamaFamily::activation_arrays: sizes and order
-  rope_cos_ = list.take(), rope_sin_ = list.take();
+  const size_t BT = static_cast<size_t>(B_) * T_, C = cfg_.n_embd, NH = cfg_.n_head, I = cfg_.mlp_size();
+  const size_t rope = static_cast<size_t>(T_) * (cfg_.head_size() / 2);
+  ActivationList list = this->activation_list();  // LlamaFamily::activation_arrays: the plan, in order
+  rope_cos_ = list.take(rope), rope_sin_ = list.take(rope);
   make_rope_tables(T_, rope_cos_, rope_sin_);
-  for (int l = 0; l <= cfg_.n_layer; l++) resid_.push_back(list.take());
+  for (int l = 0; l <= cfg_.n_layer; l++) resid_.push_back(list.take(BT * C));
   layers_.resize(checkpointing_ ? 1 : cfg_.n_layer);
-  for (Layer& a : layers_) a.ln1_rstd = list.take(), a.lse = list.take(), a.resid2 = list.take(), a.ln2_rstd = list.take();
-  lnf_ = list.take(), lnf_rstd_ = list.take(), probs_ = list.take(), losses_ = list.take();
-  dresid_ = list.take(), dln_ = list.take(), dqkv_ = list.take(), dgate_up_ = list.take(), dact_ = list.take();
+  for (Layer& a : layers_)
+    a.ln1_rstd = list.take(BT), a.lse = list.take(BT * NH), a.resid2 = list.take(BT * C), a.ln2_rstd = list.take(BT);
+  lnf_ = list.take(BT * C), lnf_rstd_ = list.take(BT);
+  probs_ = list.take(BT * cfg_.vocab_size), losses_ = list.take(BT);
+  dresid_ = list.take(BT * C), dln_ = list.take(BT * C), dqkv_ = list.take(BT * cfg_.qkv_size());
+  dgate_up_ = list.take(BT * 2 * I), dact_ = list.take(BT * I);
   list.done();
 }
 
@@ -211,19 +216,19 @@ void LlamaModel<Real>::decode_block(int l, const Real* w) {
   auto W = [&](LlamaBlockParam p) { return param_in(table_, w, block_unit(l), p); };
   const size_t half = HS / 2;
   ops_.rmsnorm_forward(d.ln.data(), d.rstd.data(), d.x.data(), W(LLAMA_ATTN_NORM_W), eps, N, C);
-  adapters_.linear_decode(l, PRODUCT_QKV, d.qkv.data(), d.ln.data(), W(LLAMA_Q_W), qkv_bias(w, l), N, C,
-                          cfg_.qkv_size(), w);
+  adapters_.linear_decode(l, PRODUCT_QKV, d.qkv.data(), d.ln.data(), W(LLAMA_Q_W), qkv_bias(w, l), C, cfg_.qkv_size(),
+                          w, N);
   // Positions start..start+N-1: the tables from row start on, as one sequence of N.
   ops_.rope_forward(d.qkv.data(), d.rope_cos.data() + d.start * half, d.rope_sin.data() + d.start * half, 1, N, NH,
                     KV, HS, nullptr);
   ops_.attention_decode(d.atty.data(), d.scores.data(), d.k[l].data(), d.v[l].data(), d.qkv.data(), N, d.start, NH,
                         KV, HS);
-  adapters_.linear_decode(l, PRODUCT_ATTN_OUT, d.resid2.data(), d.atty.data(), W(LLAMA_O_W), nullptr, N, C, C, w);
+  adapters_.linear_decode(l, PRODUCT_ATTN_OUT, d.resid2.data(), d.atty.data(), W(LLAMA_O_W), nullptr, C, C, w, N);
   ops_.residual_forward(d.resid2.data(), d.resid2.data(), d.x.data(), static_cast<size_t>(N) * C);
   ops_.rmsnorm_forward(d.ln.data(), d.rstd.data(), d.resid2.data(), W(LLAMA_MLP_NORM_W), eps, N, C);
-  adapters_.linear_decode(l, PRODUCT_MLP_UP, d.gate_up.data(), d.ln.data(), W(LLAMA_GATE_W), nullptr, N, C, 2 * I, w);
+  adapters_.linear_decode(l, PRODUCT_MLP_UP, d.gate_up.data(), d.ln.data(), W(LLAMA_GATE_W), nullptr, C, 2 * I, w, N);
   ops_.swiglu_forward(d.act.data(), d.gate_up.data(), N, I);
-  adapters_.linear_decode(l, PRODUCT_MLP_DOWN, d.x.data(), d.act.data(), W(LLAMA_DOWN_W), nullptr, N, I, C, w);
+  adapters_.linear_decode(l, PRODUCT_MLP_DOWN, d.x.data(), d.act.data(), W(LLAMA_DOWN_W), nullptr, I, C, w, N);
   ops_.residual_forward(d.x.data(), d.x.data(), d.resid2.data(), static_cast<size_t>(N) * C);
 }
 
