@@ -439,26 +439,36 @@ class FluxFamily final : public ModelFamily {
   const char* hf_weights() const override { return "diffusion_pytorch_model"; }
   bool hf_torch_dtype() const override { return false; }
   bool peft_folder() const override { return false; }
+  // diffusers' config.json of either variant, with diffusers 0.42.1's defaults
+  // (FluxTransformer2DModel's, Flux2Transformer2DModel's).
   ModelConfig read_hf_config(const HfConfig& j) const override {
-    if (flux2_) return read_flux2_config(j);
     ModelConfig m;
     m.arch = name();
     if (j.whole("patch_size", 1) != 1)
-      j.fail("patch_size " + j["patch_size"].dump() + ": only 1 is implemented (FLUX.1 packs 2 x 2 patches into "
-             "the channels before the transformer)");
-    m.n_layer = j.whole("num_layers", 19);
-    m.n_single_layer = j.whole("num_single_layers", 38);
-    m.n_head = j.whole("num_attention_heads", 24);
+      j.fail("patch_size " + j["patch_size"].dump() + ": only 1 is implemented (" + (flux2_ ? "FLUX.2" : "FLUX.1") +
+             " packs 2 x 2 patches into the channels before the transformer)");
+    m.n_layer = j.whole("num_layers", flux2_ ? 8 : 19);
+    m.n_single_layer = j.whole("num_single_layers", flux2_ ? 48 : 38);
+    m.n_head = j.whole("num_attention_heads", flux2_ ? 48 : 24);
     m.n_embd = m.n_head * j.whole("attention_head_dim", 128);
-    m.in_channels = j.whole("in_channels", 64);
+    m.in_channels = j.whole("in_channels", flux2_ ? 128 : 64);
     if (j.has("out_channels") && j.whole("out_channels") != m.in_channels)
       j.fail("out_channels " + j["out_channels"].dump() + " differs from in_channels: not implemented");
-    m.context_dim = j.whole("joint_attention_dim", 4096);
-    m.pooled_dim = j.whole("pooled_projection_dim", 768);
-    m.guidance_embeds = j.flag("guidance_embeds", false);  // diffusers' default (schnell)
-    m.rope_axes = read_rope_axes(j, 3, m.rope_axes);
-    m.norm_eps = 1e-6, m.rope_theta = 10000;
+    m.context_dim = j.whole("joint_attention_dim", flux2_ ? 15360 : 4096);
+    m.guidance_embeds = j.flag("guidance_embeds", flux2_);  // FLUX.1's default is schnell's
+    m.rope_axes = read_rope_axes(j, flux2_ ? 4 : 3, flux2_ ? "32,32,32,32" : m.rope_axes);
     m.max_seq_len = 4096;  // no position table: a bound on a run's image tokens (1024 x 1024 pixels)
+    if (!flux2_) {
+      m.pooled_dim = j.whole("pooled_projection_dim", 768);
+      m.norm_eps = 1e-6, m.rope_theta = 10000;
+      return m;
+    }
+    if (j.whole("timestep_guidance_channels", FLUX_TIME_CHANNELS) != FLUX_TIME_CHANNELS)
+      j.fail("timestep_guidance_channels " + j["timestep_guidance_channels"].dump() + ": only 256 is implemented");
+    m.intermediate_size = static_cast<int>(m.n_embd * j.positive("mlp_ratio", 3.0));  // diffusers' int(dim * ratio)
+    m.pooled_dim = 0;
+    m.rope_theta = j.positive("rope_theta", 2000.0);
+    m.norm_eps = j.positive("eps", 1e-6);
     return m;
   }
   // axes_dims_rope as model.rope_axes: `count` whole numbers (their values are checked with the
@@ -475,33 +485,6 @@ class FluxFamily final : public ModelFamily {
       text += (text.empty() ? "" : ",") + std::to_string(a.get<int64_t>());
     }
     return text;
-  }
-  // Flux2Transformer2DModel's config.json (diffusers 0.42.1's keys and defaults).
-  ModelConfig read_flux2_config(const HfConfig& j) const {
-    ModelConfig m;
-    m.arch = name();
-    if (j.whole("patch_size", 1) != 1)
-      j.fail("patch_size " + j["patch_size"].dump() + ": only 1 is implemented (FLUX.2 packs 2 x 2 patches into "
-             "the channels before the transformer)");
-    m.n_layer = j.whole("num_layers", 8);
-    m.n_single_layer = j.whole("num_single_layers", 48);
-    m.n_head = j.whole("num_attention_heads", 48);
-    m.n_embd = m.n_head * j.whole("attention_head_dim", 128);
-    m.in_channels = j.whole("in_channels", 128);
-    if (j.has("out_channels") && !j["out_channels"].is_null() && j.whole("out_channels") != m.in_channels)
-      j.fail("out_channels " + j["out_channels"].dump() + " differs from in_channels: not implemented");
-    m.context_dim = j.whole("joint_attention_dim", 15360);
-    if (j.whole("timestep_guidance_channels", FLUX_TIME_CHANNELS) != FLUX_TIME_CHANNELS)
-      j.fail("timestep_guidance_channels " + j["timestep_guidance_channels"].dump() + ": only 256 is implemented");
-    const double ratio = j.positive("mlp_ratio", 3.0);
-    m.intermediate_size = static_cast<int>(m.n_embd * ratio);  // diffusers' int(dim * mlp_ratio)
-    m.pooled_dim = 0;
-    m.guidance_embeds = j.flag("guidance_embeds", true);
-    m.rope_axes = read_rope_axes(j, 4, "32,32,32,32");
-    m.rope_theta = j.positive("rope_theta", 2000.0);
-    m.norm_eps = j.positive("eps", 1e-6);
-    m.max_seq_len = 4096;
-    return m;
   }
   void write_hf_config(const ModelConfig& c, nlohmann::ordered_json& j) const override {
     std::vector<int> axes;
