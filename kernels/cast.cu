@@ -119,7 +119,7 @@ __global__ void dequantize_blocks_kernel(float* out, uint16_t* half, DType half_
       half[i] = float_to_half(v, half_type);
       v = half_to_float(half[i], half_type);
     }
-    out[i] = v;
+    if (out) out[i] = v;
   }
 }
 
@@ -129,6 +129,7 @@ void launch_dequantize_blocks(float* out, uint16_t* half, DType half_type, const
                               QuantType type, size_t block, const LaunchContext& ctx) {
   SHARD_CHECK(type != QUANT_NONE && quant_block_ok(static_cast<int>(block)), "dequantize_blocks of %s in blocks of %zu",
               quant_type_name(type), block);
+  SHARD_CHECK(out || half, "dequantize_blocks with neither an fp32 nor a 16-bit output");
   if (half) check_half_type(half_type);
   const size_t n = blocks * block;
   if (n == 0) return;

@@ -35,6 +35,11 @@ bool cpu_bf16_compute(const std::string& device, DType compute_dtype) {
   return device == "cpu" && compute_dtype == DTYPE_BF16;
 }
 
+bool gemms_multiply_half_copies(const ComputeOptions& options) {
+  if (options.gpu()) return options.compute_dtype != DTYPE_FP32;
+  return cpu_bf16_compute(options.device, options.compute_dtype) && cpu::Bf16Gemm::native_bf16();
+}
+
 size_t plan_gemm_workspace_bytes(const std::string& device, DType compute_dtype, const GemmWorkload& workload) {
   return cpu_bf16_compute(device, compute_dtype) ? cpu::Bf16Gemm::plan_workspace_bytes(workload.layers, workload.rows)
                                                  : 0;

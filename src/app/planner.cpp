@@ -297,6 +297,8 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
     if (gpu)
       std::printf(" gpu_workspace_bytes=%zu cudnn_attention_bytes=%zu nccl_bytes=%zu rounding_bytes=%zu", g.workspace(),
                   g.attention(), g.nccl, g.rounding);
+    for (int k = 0; k < MEM_CATEGORY_COUNT; k++)  // as the step records' peak_mem
+      std::printf(" %s_bytes=%zu", mem_category_name(static_cast<MemCategory>(k)), c.memory.bytes[k]);
     std::printf("\n");
   }
   const Candidate* recommended = recommend(candidates);

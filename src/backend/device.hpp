@@ -15,6 +15,7 @@
 // per step") on any backend, the host included.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
@@ -44,6 +45,15 @@ class Device {
   virtual void* allocate(size_t bytes) = 0;
   virtual void release(void* p, size_t bytes) = 0;
   virtual void zero(void* p, size_t bytes) = 0;
+  // `bytes` of addresses of which only the first `backed` are memory (zero-filled); an access
+  // beyond them faults at once. For a buffer that the ops find by address but never read in full:
+  // a gathered unit whose quantized weights exist only as their 16-bit copy
+  // (EngineOptions::quantized_in_half_only). Devices that cannot leave addresses unbacked say so.
+  virtual void* allocate_backed_prefix(size_t backed, size_t bytes) {
+    (void)backed, (void)bytes;
+    fatal_internal(__FILE__, __LINE__, __func__, strprintf("%s cannot leave addresses unbacked", name()));
+  }
+  virtual void release_backed_prefix(void* p, size_t backed, size_t bytes) { (void)p, (void)backed, (void)bytes; }
 
   // ---- copies; `src`/`dst` without "host" are this device's memory ----
   // Into host memory; returns once the bytes are there (a host synchronization).
@@ -131,8 +141,14 @@ template <typename T>
 class DeviceArray {
  public:
   DeviceArray() = default;
-  DeviceArray(Device& device, size_t n) : device_(&device), size_(n) {
+  DeviceArray(Device& device, size_t n) : device_(&device), size_(n), backed_(n) {
     data_ = static_cast<T*>(device.allocate(n * sizeof(T)));
+    device.count_allocation(bytes());
+  }
+  // n elements of addresses, only the first `backed` of them memory (Device::allocate_backed_prefix).
+  DeviceArray(Device& device, size_t n, size_t backed) : device_(&device), size_(n), backed_(std::min(backed, n)) {
+    data_ = static_cast<T*>(backed_ < n ? device.allocate_backed_prefix(bytes(), n * sizeof(T))
+                                        : device.allocate(n * sizeof(T)));
     device.count_allocation(bytes());
   }
   ~DeviceArray() { reset(); }
@@ -145,6 +161,7 @@ class DeviceArray {
       std::swap(device_, o.device_);
       std::swap(data_, o.data_);
       std::swap(size_, o.size_);
+      std::swap(backed_, o.backed_);
     }
     return *this;
   }
@@ -152,7 +169,8 @@ class DeviceArray {
   T* data() { return data_; }
   const T* data() const { return data_; }
   size_t size() const { return size_; }
-  size_t bytes() const { return size_ * sizeof(T); }
+  // The memory behind it: all its elements unless made with a backed prefix.
+  size_t bytes() const { return backed_ * sizeof(T); }
   Device* device() const { return device_; }
   bool on_host() const { return device_ == nullptr || device_->is_host(); }
 
@@ -168,15 +186,17 @@ class DeviceArray {
     if (size_) device_->zero(data_, bytes());
   }
   void reset() {
-    if (data_) device_->release(data_, bytes()), device_->count_release(bytes());
+    if (data_ && backed_ < size_) device_->release_backed_prefix(data_, bytes(), size_ * sizeof(T));
+    else if (data_) device_->release(data_, bytes());
+    if (data_) device_->count_release(bytes());
     data_ = nullptr;
-    size_ = 0;
+    size_ = backed_ = 0;
   }
 
  private:
   Device* device_ = nullptr;
   T* data_ = nullptr;
-  size_t size_ = 0;
+  size_t size_ = 0, backed_ = 0;
 };
 
 }  // namespace shardtrain

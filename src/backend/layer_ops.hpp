@@ -214,6 +214,18 @@ class LayerOps {
     (void)values, (void)half, (void)n, (void)type;
   }
   virtual void unbind_half_copy(const Real* values) const { (void)values; }
+  // Whether matmul_forward/backward multiply a bound copy of `type` itself, never reading the fp32
+  // values beside it -- which may then be addresses only (EngineOptions::quantized_in_half_only).
+  virtual bool multiplies_half_copies(DType type) const {
+    (void)type;
+    return false;
+  }
+  // dst[0, n) = the values the ops see at src: the widening of its bound 16-bit copy where one is
+  // bound (src's own values may be addresses only), else src's values. For the few products on a
+  // base weight outside matmul (DoRA's norms, OFT's rotation), which LayerOps::gemm takes in fp32.
+  virtual void copy_operand(Real* dst, const Real* src, size_t n) const {
+    device().copy_on_device(dst, src, n * sizeof(Real));
+  }
   // The packed documents' starts at doc_start (the attention's argument, device memory) were just
   // rewritten (a new micro-batch): whatever the ops derived from them is stale. Ops that keep
   // nothing ignore it (CUDA's cuDNN attention keeps the documents' score bias).
@@ -229,7 +241,8 @@ class ShardOps {
   virtual void from_half(float* out, const uint16_t* in, size_t n, DType type) const = 0;
   // A gathered quantized space (backend/quant.hpp): `blocks` records of `block` elements each into
   // out[b * block + i], and with a 16-bit `half` (non-null) their rounding to half_type into half,
-  // out then being its widening (what LayerOps::bind_half_copy requires of a bound buffer).
+  // out then being its widening (what LayerOps::bind_half_copy requires of a bound buffer). A null
+  // `out` writes the 16-bit copy alone (EngineOptions::quantized_in_half_only).
   virtual void dequantize_blocks(float* out, uint16_t* half, DType half_type, const uint8_t* records, size_t blocks,
                                  QuantType type, size_t block) const {
     throw MissingOp("this compute backend has no dequantization kernels: a quantized frozen base "

@@ -37,7 +37,7 @@ std::array<size_t, 5> DeltaLayers<Real>::scratch_elements(const ParamTable& tabl
     }
     if (a.type == ADAPTER_OFT) {
       const size_t b = a.block_size, rotations = oft_blocks(a, site.in) * b * b;
-      need = {weight, rotations, rotations, oft_blocks(a, site.in) * b * (b - 1) / 2, 0};
+      need = {weight, rotations, rotations, oft_blocks(a, site.in) * b * (b - 1) / 2, weight};
     }
     for (size_t i = 0; i < most.size(); i++) most[i] = std::max(most[i], need[i]);
   }
@@ -109,7 +109,10 @@ void DeltaLayers<Real>::build_delta(int layer, size_t k, int first, const Real* 
     case ADAPTER_OFT: {
       const int b = a.block_size, blocks = oft_blocks(a, in);
       oft_rotations(param(0), blocks);
-      const Real* W = param_in(table_, unit, u, site.weight);
+      // The weight the layer's GEMM multiplies (maybe only its 16-bit copy: a quantized base), kept
+      // in work_[3] for the backward.
+      Real* W = work_[3].data();
+      ops_.copy_operand(W, param_in(table_, unit, u, site.weight), static_cast<size_t>(out) * in);
       ops_.device().copy_on_device(delta, W, static_cast<size_t>(out) * in * sizeof(Real));
       for (int j = 0; j < in / b; j++)  // dW_j = W_j R_j^T - W_j over the block's columns
         ops_.gemm(false, true, out, b, b, Real(1), W + j * b, in, work_[0].data() + (a.block_share ? 0 : j) * b * b,
@@ -160,7 +163,7 @@ void DeltaLayers<Real>::delta_backward(int layer, size_t k, int first, const Rea
       Real* dv = grad(0);
       if (!dv) return;
       const int b = a.block_size, blocks = oft_blocks(a, in), nv = b * (b - 1) / 2;
-      const Real* W = param_in(table_, unit, u, site.weight);
+      const Real* W = work_[3].data();  // build_delta's copy
       for (int j = 0; j < in / b; j++)  // dR_j = G_j^T W_j, summed over the blocks when they share one
         ops_.gemm(true, false, b, b, out, Real(1), G + j * b, in, W + j * b, in, Real(a.block_share && j > 0),
                   work_[1].data() + (a.block_share ? 0 : j) * b * b, b);

@@ -46,7 +46,8 @@ class DeltaLayers : public AdapterLayers<Real> {
   const std::vector<LinearSite>& sites(int layer) const { return table_.block_sites(layer); }
   Real scaling_;
   // dW, then in the backward G; work_: LoHa's two products and a gradient, LoKr's w1, w2 and their
-  // gradients, OFT's rotations, their gradients and the parameters' gradients.
+  // gradients, OFT's rotations, their gradients, the parameters' gradients and the base weight as
+  // the GEMMs see it (LayerOps::copy_operand).
   mutable DeviceArray<Real> delta_;
   mutable std::array<DeviceArray<Real>, 4> work_;
   mutable std::vector<Real> host_;            // OFT: parameters or gradients on their way

@@ -75,8 +75,8 @@ template <typename Real>
 void LoraLayers<Real>::dora_gains(int layer, size_t k, const Real* unit) const {
   const LinearSite& site = sites(layer)[k];
   const int u = block_unit(layer), a = table_.adapter_param(layer, static_cast<int>(k)), r = rank_;
-  const Real* W = param_in(table_, unit, u, site.weight);
-  ops_.device().copy_on_device(weight_.data(), W, static_cast<size_t>(site.out) * site.in * sizeof(Real));
+  // The weight the layer's GEMM multiplies (maybe only its 16-bit copy: a quantized base).
+  ops_.copy_operand(weight_.data(), param_in(table_, unit, u, site.weight), static_cast<size_t>(site.out) * site.in);
   ops_.gemm(false, false, site.out, site.in, r, scaling_, param_in(table_, unit, u, a + 1), r,
             param_in(table_, unit, u, a), site.in, Real(1), weight_.data(), site.in);  // W + s B A
   ops_.row_norms(norm_.data(), weight_.data(), site.out, site.in);
@@ -136,8 +136,10 @@ const Real* LoraLayers<Real>::output_grad(int layer, BlockProduct product, const
     if (Real* dm = grad_in(table_, unit_grads, unit_index, a + 2)) {
       // dm += sum over rows of dy (x) z / n, z = x W^T + s x A^T B^T again.
       const Real* A = param_in(table_, unit, unit_index, a);
-      ops_.gemm(false, true, n, site.out, site.in, Real(1), x, site.in, param_in(table_, unit, unit_index, site.weight),
-                site.in, Real(0), z_.data(), site.out);
+      ops_.copy_operand(weight_.data(), param_in(table_, unit, unit_index, site.weight),
+                        static_cast<size_t>(site.out) * site.in);
+      ops_.gemm(false, true, n, site.out, site.in, Real(1), x, site.in, weight_.data(), site.in, Real(0), z_.data(),
+                site.out);
       ops_.gemm(false, true, n, r, site.in, Real(1), x, site.in, A, site.in, Real(0), u_.data(), r);
       ops_.gemm(false, true, n, site.out, r, scaling_, u_.data(), r, param_in(table_, unit, unit_index, a + 1), r,
                 Real(1), z_.data(), site.out);

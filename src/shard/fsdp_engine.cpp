@@ -88,37 +88,23 @@ std::vector<PlannedAllocation> FsdpEngine::plan_allocations(const std::vector<Un
   // Each unit's master shard and its gradient shard, then its quantized records (UnitShard); with
   // cpu_offload the master shards and gradients are host memory and the device keeps a gradient
   // shard per unit for the reductions (device_grads_).
-  size_t max_block = 0, max_block_trainable = 0, max_grad_shard = 0, max_block_records = 0;
-  for (size_t u = 0; u < layout.size(); u++) {
-    const UnitLayout& l = layout[u];
+  size_t max_grad_shard = 0, max_block_trainable = 0;
+  for (const UnitLayout& l : layout) {
     if (!options.cpu_offload) add(MEM_SHARDED_PARAMS, l.held_numel() * sizeof(float));
     if (!options.inference) add(MEM_GRADIENTS, l.trainable.shard_numel * sizeof(float));
     if (!options.cpu_offload) add(MEM_SHARDED_PARAMS, l.packed_bytes());
     max_grad_shard = std::max(max_grad_shard, l.trainable.shard_numel);
-    if (u == ROOT_UNIT) continue;
-    max_block = std::max(max_block, l.padded_numel());
-    max_block_trainable = std::max(max_block_trainable, l.trainable.padded_numel);
-    max_block_records = std::max(max_block_records, l.gathered_record_bytes());
+    if (&l != &layout[ROOT_UNIT]) max_block_trainable = std::max(max_block_trainable, l.trainable.padded_numel);
   }
-  // The gather slots: every unit's (SHARD_GRAD_OP) or the root's and limit_all_gathers blocks'; each
-  // its fp32 values, with a 16-bit param_dtype the gathered 16-bit copy the GEMMs multiply, and a
-  // quantized unit's gathered records.
-  const bool sharded = layout[ROOT_UNIT].padded_numel() != layout[ROOT_UNIT].shard_numel();
+  // The gather slots: each its fp32 values (those with memory behind them), with a 16-bit
+  // param_dtype the gathered 16-bit copy the GEMMs multiply, and a quantized unit's gathered records.
   const bool half = options.param_dtype != DTYPE_FP32;
-  if (sharded || half || options.cpu_offload || max_block_records) {
-    std::vector<std::pair<size_t, size_t>> slots;  // values, gathered records
-    if (options.strategy == SHARDING_SHARD_GRAD_OP) {
-      for (const UnitLayout& l : layout) slots.push_back({l.padded_numel(), l.gathered_record_bytes()});
-    } else {
-      slots.push_back({layout[ROOT_UNIT].padded_numel(), layout[ROOT_UNIT].gathered_record_bytes()});
-      slots.insert(slots.end(), static_cast<size_t>(options.limit_all_gathers), {max_block, max_block_records});
-    }
-    for (const auto& [values, records] : slots) {
-      add(MEM_GATHERED_UNITS, values * sizeof(float));
-      if (half) add(MEM_COMM_BUFFERS, values * sizeof(uint16_t));
-      add(MEM_COMM_BUFFERS, records);
-    }
+  for (const GatherSlot& slot : plan_gather_slots(layout, options)) {
+    add(MEM_GATHERED_UNITS, slot.backed * sizeof(float));
+    if (half) add(MEM_COMM_BUFFERS, slot.numel * sizeof(uint16_t));
+    add(MEM_COMM_BUFFERS, slot.record_bytes);
   }
+  const bool sharded = layout[ROOT_UNIT].padded_numel() != layout[ROOT_UNIT].shard_numel();
   if (!sharded || options.inference) return list;
   // The gradient buffers the reduce-scatters read: per unit, or (reducing every micro-batch) the
   // root's and one block's, a second with overlap.
@@ -142,6 +128,32 @@ std::vector<PlannedAllocation> FsdpEngine::plan_allocations(const std::vector<Un
     add(MEM_COMM_BUFFERS, max_grad_shard * sizeof(uint16_t));
   }
   return list;
+}
+
+std::vector<FsdpEngine::GatherSlot> FsdpEngine::plan_gather_slots(const std::vector<UnitLayout>& layout,
+                                                                 const EngineOptions& options) {
+  const bool sharded = layout[ROOT_UNIT].padded_numel() != layout[ROOT_UNIT].shard_numel();
+  const bool half = options.param_dtype != DTYPE_FP32;
+  const bool half_only = half && options.quantized_in_half_only;
+  GatherSlot block;
+  for (size_t u = 1; u < layout.size(); u++) {
+    block.numel = std::max(block.numel, layout[u].padded_numel());
+    block.backed = std::max(block.backed, layout[u].backed_numel(half_only));
+    block.record_bytes = std::max(block.record_bytes, layout[u].gathered_record_bytes());
+  }
+  // fp32 on a shard group of one with nothing quantized: the model reads the shards themselves.
+  if (!sharded && !half && !options.cpu_offload && block.record_bytes == 0) return {};
+  auto slot_of = [half_only](const UnitLayout& l) {
+    return GatherSlot{l.padded_numel(), l.backed_numel(half_only), l.gathered_record_bytes()};
+  };
+  std::vector<GatherSlot> slots;
+  if (options.strategy == SHARDING_SHARD_GRAD_OP) {
+    for (const UnitLayout& l : layout) slots.push_back(slot_of(l));
+  } else {
+    slots.push_back(slot_of(layout[ROOT_UNIT]));
+    slots.insert(slots.end(), static_cast<size_t>(options.limit_all_gathers), block);
+  }
+  return slots;
 }
 
 std::array<size_t, MEM_CATEGORY_COUNT> FsdpEngine::plan_memory(const std::vector<UnitLayout>& layout,
@@ -172,32 +184,22 @@ FsdpEngine::FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_
   }
   engine_bytes_ = plan_memory(layout, options_);
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++) memory_.add(static_cast<MemCategory>(c), engine_bytes_[c]);
-  size_t max_block = 0, max_block_trainable = 0, max_block_records = 0;
-  for (size_t u = 1; u < layout.size(); u++) {
-    max_block = std::max(max_block, layout[u].padded_numel());
-    max_block_trainable = std::max(max_block_trainable, layout[u].trainable.padded_numel);
-    max_block_records = std::max(max_block_records, layout[u].gathered_record_bytes());
-  }
-  if (shard_comm.size() == 1 && options_.param_dtype == DTYPE_FP32 && !options_.cpu_offload &&
-      max_block_records == 0)
-    return;
   const bool half = options_.param_dtype != DTYPE_FP32;
-  auto add_slot = [&](size_t size, size_t record_bytes) {
+  SHARD_CHECK(!half || !options_.quantized_in_half_only || backend_.ops->multiplies_half_copies(options_.param_dtype),
+              "quantized_in_half_only where the GEMMs read fp32 operands");
+  for (const GatherSlot& planned : plan_gather_slots(layout, options_)) {
     ParamSlot slot;
-    slot.values = DeviceArray<float>(dev, size);
+    slot.values = DeviceArray<float>(dev, planned.numel, planned.backed);
     if (half) {  // the GEMMs multiply the gathered 16-bit copy: the weights are rounded once, by the gather
-      slot.wire = DeviceArray<uint16_t>(dev, size);
-      backend_.ops->bind_half_copy(slot.values.data(), slot.wire.data(), size, options_.param_dtype);
+      slot.wire = DeviceArray<uint16_t>(dev, planned.numel);
+      backend_.ops->bind_half_copy(slot.values.data(), slot.wire.data(), planned.numel, options_.param_dtype);
     }
-    slot.records = DeviceArray<uint8_t>(dev, record_bytes);
+    slot.records = DeviceArray<uint8_t>(dev, planned.record_bytes);
     slots_.push_back(std::move(slot));
-  };
-  if (options_.strategy == SHARDING_SHARD_GRAD_OP) {
-    for (const UnitLayout& l : layout) add_slot(l.padded_numel(), l.gathered_record_bytes());
-  } else {
-    add_slot(layout[ROOT_UNIT].padded_numel(), layout[ROOT_UNIT].gathered_record_bytes());
-    for (int k = 0; k < options_.limit_all_gathers; k++) add_slot(max_block, max_block_records);
   }
+  size_t max_block_trainable = 0;
+  for (size_t u = 1; u < layout.size(); u++)
+    max_block_trainable = std::max(max_block_trainable, layout[u].trainable.padded_numel);
   if (shard_comm.size() == 1 || options_.inference) return;
   if (options_.reduce_every_microbatch) {
     grad_buffers_.emplace_back(dev, layout[ROOT_UNIT].trainable.padded_numel);
@@ -373,13 +375,15 @@ void FsdpEngine::finish_gather(ParamSlot& slot) {
     if (handle >= 0) shard_comm_.wait(handle), handle = -1;
   const UnitLayout& l = shards_[slot.unit].layout;
   const bool half = options_.param_dtype != DTYPE_FP32;
-  if (half) backend_.shard_ops->from_half(slot.values.data(), slot.wire.data(), l.padded_numel(), options_.param_dtype);
+  const bool half_only = half && options_.quantized_in_half_only;
+  if (half) backend_.shard_ops->from_half(slot.values.data(), slot.wire.data(), l.backed_numel(half_only), options_.param_dtype);
   if (l.quantized.numel == 0) return;
-  // After the frozen space's gather, whose trailing padding this overwrites.
+  // After the frozen space's gather, whose trailing padding this overwrites; in the 16-bit copy
+  // alone where the fp32 buffer has no memory there.
   const size_t at = l.quantized_slot_begin();
-  backend_.shard_ops->dequantize_blocks(slot.values.data() + at, half ? slot.wire.data() + at : nullptr,
-                                        options_.param_dtype, slot.records.data(), l.quantized.padded_numel / l.block,
-                                        l.quant, l.block);
+  backend_.shard_ops->dequantize_blocks(half_only ? nullptr : slot.values.data() + at,
+                                        half ? slot.wire.data() + at : nullptr, options_.param_dtype,
+                                        slot.records.data(), l.quantized.padded_numel / l.block, l.quant, l.block);
 }
 
 const float* FsdpEngine::gather_params(int unit, bool for_backward) {

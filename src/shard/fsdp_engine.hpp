@@ -82,6 +82,13 @@ struct EngineOptions {
   // The communicators are NCCL's (train.device=cuda): their reduce-scatter scratch differs from the
   // MPI ring's, and the plan counts what they allocate.
   bool nccl = false;
+  // A quantized space with a 16-bit param_dtype is dequantized into the gathered 16-bit copy alone:
+  // where the GEMMs multiply that copy themselves (LayerOps::multiplies_half_copies), the quantized
+  // weights' place in the fp32 gathered buffer is addresses with no memory behind them
+  // (Device::allocate_backed_prefix), so no fp32 copy of a frozen unit exists. The trainer sets it
+  // from the backend (gemms_multiply_half_copies): CUDA's 16-bit GEMMs and oneDNN's bf16 kernels,
+  // not the CPU's emulated bf16, which multiplies fp32 values.
+  bool quantized_in_half_only = false;
   // Generation only (decode_step): no gradients -- the shards carry none, no gradient or reduction
   // buffers are made and the plan counts none; training with it is a bug.
   bool inference = false;
@@ -133,6 +140,11 @@ struct UnitLayout {
   size_t quantized_slot_begin() const { return trainable.padded_numel + frozen.numel; }
   size_t padded_numel() const {
     return std::max(trainable.padded_numel + frozen.padded_numel, quantized_slot_begin() + quantized.padded_numel);
+  }
+  // The gathered buffer's elements with fp32 memory behind them: up to the quantized space where it
+  // lives in the 16-bit copy alone (EngineOptions::quantized_in_half_only), else all.
+  size_t backed_numel(bool quantized_in_half_only) const {
+    return quantized_in_half_only && quant != QUANT_NONE ? quantized_slot_begin() : padded_numel();
   }
   size_t shard_numel() const { return trainable.shard_numel + frozen.shard_numel + quantized.shard_numel; }
   // The fp32 elements the rank holds: all but the quantized space's.
@@ -220,6 +232,14 @@ class FsdpEngine {
   static std::vector<UnitLayout> plan_layout(const ParamTable& table, const GroupShape& groups);
   static std::vector<PlannedAllocation> plan_allocations(const std::vector<UnitLayout>& layout,
                                                          const EngineOptions& options);
+  // The gather slots (ParamSlot): every unit's (SHARD_GRAD_OP) or the root's and limit_all_gathers
+  // blocks'; none where the model reads the shards themselves (fp32 on a shard group of one).
+  struct GatherSlot {
+    size_t numel = 0;         // the gathered buffer's elements (the largest unit it takes)
+    size_t backed = 0;        // of them with fp32 memory behind (UnitLayout::backed_numel)
+    size_t record_bytes = 0;  // the gathered quantized records
+  };
+  static std::vector<GatherSlot> plan_gather_slots(const std::vector<UnitLayout>& layout, const EngineOptions& options);
   static std::array<size_t, MEM_CATEGORY_COUNT> plan_memory(const std::vector<UnitLayout>& layout,
                                                             const EngineOptions& options);
 

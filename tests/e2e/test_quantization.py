@@ -206,6 +206,40 @@ def test_the_frozen_base_holds_its_formats_bytes():
     assert f"traffic_bytes={expected}" in line, (line, expected)
 
 
+def cpu_has_bf16_dot_products():
+    """Whether oneDNN runs bf16 GEMMs natively here (its avx512_core_bf16 level, AMX CPUs above it)."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((l.split(":", 1)[1].split() for l in f if l.startswith("flags")), [])
+    return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"))
+
+
+def test_a_16_bit_gather_dequantizes_into_the_16_bit_copy_alone():
+    """With bf16 GEMM operands the quantized weights exist only in the gathered 16-bit copy: their
+    place in the fp32 gathered buffer has no memory (reading it would fault), so every product on
+    them -- the GEMMs, DoRA's norms, OFT's rotation -- must take the copy, and gives the losses of the
+    dequantized base in bf16 bit for bit."""
+    bf16 = ("--fsdp.param_dtype=bf16",)
+    for np_, options in ((2, ()), (1, ()), (2, ("--adapter.type=dora",)),
+                         (2, ("--adapter.type=oft", "--adapter.block_size=8")),
+                         (2, ("--fsdp.sharding_strategy=SHARD_GRAD_OP", "--adapter.type=dora")),
+                         (3, ("--fsdp.cpu_offload=true",))):
+        got = training(np_, BASE, "--fsdp.frozen_dtype=nf4", *bf16, *options)[0]
+        assert got == training(np_, dequantized_base("nf4"), *bf16, *options)[0], options
+    # Each of the two block buffers lacks the fp32 copy of a block's 9216 quantized weights where the
+    # GEMMs take the 16-bit copy itself (oneDNN's bf16 kernels; CPUs without them multiply fp32).
+    dequantized = training(2, dequantized_base("nf4"), *bf16)[1]["peak_mem"]["gathered_units"]
+    quantized = training(2, BASE, "--fsdp.frozen_dtype=nf4", *bf16)[1]["peak_mem"]["gathered_units"]
+    assert dequantized - quantized == (2 * 9216 * 4 if cpu_has_bf16_dot_products() else 0), (quantized, dequantized)
+    # A GPU plan takes the 16-bit copies on any host.
+    def gpu_gathered(*extra):
+        proc = run_single(["plan", "--world-size=2", "--format=lines", "--train.device=cuda",
+                           *qlora_args(BASE, *bf16, *extra)[1:]])
+        line = next(l for l in proc.stdout.splitlines()
+                    if l.startswith("PLAN strategy=FULL_SHARD reduce=micro checkpointing=no offload=no"))
+        return int(line.split("gathered_units_bytes=")[1].split()[0])
+    assert gpu_gathered() - gpu_gathered("--fsdp.frozen_dtype=nf4") == 2 * 9216 * 4
+
+
 def test_bad_quantization_settings_are_refused():
     expect_usage_error(qlora_args(BASE, "--fsdp.frozen_dtype=nf3"), "fsdp.frozen_dtype")
     expect_usage_error(qlora_args(BASE, "--fsdp.frozen_dtype=nf4", "--fsdp.quant_block=48"), "fsdp.quant_block=48")
@@ -242,6 +276,11 @@ def test_flux_quantizes_its_linear_layers_and_keeps_the_modulation_unless_asked(
         quantized = losses(2, f"--checkpoint.init_from={folder}", *lora, "--fsdp.frozen_dtype=nf4",
                            "--fsdp.quant_block=32", f"--fsdp.quantize_all_linear={str(all_linear).lower()}")
         assert quantized == losses(2, f"--checkpoint.init_from={reference}", *lora), all_linear
+        if all_linear:  # bf16 gathers: every quantized weight, modulation too, read from the 16-bit copy alone
+            bf16 = ("--fsdp.param_dtype=bf16",)
+            assert losses(2, f"--checkpoint.init_from={folder}", *lora, *bf16, "--fsdp.frozen_dtype=nf4",
+                          "--fsdp.quant_block=32", "--fsdp.quantize_all_linear=true") == \
+                losses(2, f"--checkpoint.init_from={reference}", *lora, *bf16)
 
 
 BNB_FOLDERS = os.path.join(ROOT, "tests", "fixtures", "bnb", "llama")
@@ -299,6 +338,9 @@ def test_a_quantized_teacher_distills_as_its_dequantized_weights():
     quantized, first, _ = training(2, BASE, f"--distill.teacher={BASE}", "--distill.teacher_dtype=nf4", *student)
     assert quantized == training(2, BASE, f"--distill.teacher={dequantized_base('nf4')}", *student)[0]
     assert quantized != training(2, BASE, f"--distill.teacher={BASE}", *student)[0]
+    bf16 = "--fsdp.param_dtype=bf16"  # where bf16 GEMMs are native, the teacher's weights live in its 16-bit copies alone
+    assert training(2, BASE, f"--distill.teacher={BASE}", "--distill.teacher_dtype=nf4", *student, bf16)[0] == \
+        training(2, BASE, f"--distill.teacher={dequantized_base('nf4')}", *student, bf16)[0]
     # On 2 ranks the teacher's 18432 quantized elements take 36 bytes a block of 64 instead of 4 a
     # piece, halved by the sharding, and its two block buffers hold their blocks' records (9216
     # elements each): the plan (what was allocated, held == planned) shrinks by the difference.

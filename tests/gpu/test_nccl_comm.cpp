@@ -215,6 +215,33 @@ TEST_F(CudaDeviceMemoryTest, EmptyCacheReturnsCachedBlocksToTheDriver) {
   EXPECT_GE(device().reserved_bytes(), device().gemm_workspace_bytes()) << "the workspace is in use, not cached";
 }
 
+TEST_F(CudaDeviceMemoryTest, ABackedPrefixHoldsOnlyItsHeadZeroedAndReturnsIt) {
+  // 1 MiB + 12 bytes backed of 96 MiB reserved: the reserved bytes grow by the head rounded to the
+  // driver's granularity (2 MiB on current GPUs), not by the whole range.
+  const size_t backed = (size_t{1} << 20) + 12, bytes = size_t{96} << 20;
+  const size_t before = device().reserved_bytes();
+  void* p = device().allocate_backed_prefix(backed, bytes);
+  ASSERT_NE(p, nullptr);
+  const size_t grown = device().reserved_bytes() - before;
+  EXPECT_GE(grown, backed);
+  EXPECT_LE(grown, size_t{4} << 20) << "the unbacked tail has memory behind it";
+  std::vector<uint8_t> back(backed, 0xFF), pattern(backed);
+  device().copy_to_host(back.data(), p, backed);
+  EXPECT_EQ(back, std::vector<uint8_t>(backed, 0)) << "the head is zeroed";
+  for (size_t i = 0; i < backed; i++) pattern[i] = static_cast<uint8_t>(i * 37 + 1);
+  device().copy_to_device(p, pattern.data(), backed);
+  device().copy_to_host(back.data(), p, backed);
+  EXPECT_EQ(back, pattern);
+  device().release_backed_prefix(p, backed, bytes);
+  EXPECT_EQ(device().reserved_bytes(), before);
+  // And a DeviceArray backed in part releases the same way.
+  {
+    DeviceArray<float> partial(device(), 1u << 20, 1000);
+    EXPECT_EQ(partial.bytes(), 1000 * sizeof(float));
+  }
+  EXPECT_EQ(device().reserved_bytes(), before);
+}
+
 TEST_F(CudaDeviceMemoryTest, CopyRoundTripsHostDeviceDeviceHost) {
   const size_t bytes = 1000003;  // odd, not a multiple of any size class
   std::vector<uint8_t> host(bytes);

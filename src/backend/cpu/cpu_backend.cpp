@@ -9,6 +9,9 @@
 #include <type_traits>
 #include <vector>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include "backend/cpu/bf16_gemm.hpp"
 #include "backend/cpu/gemm.hpp"
 #include "backend/cpu/ops.hpp"
@@ -32,12 +35,30 @@ class HostDevice : public Device {
   void zero(void* p, size_t bytes) override {
     if (bytes) std::memset(p, 0, bytes);
   }
+  // One anonymous mapping, inaccessible beyond the backed pages: a stray read there is a SIGSEGV
+  // (the crash report names it), not a silent value. Untouched anonymous pages read as zero.
+  void* allocate_backed_prefix(size_t backed, size_t bytes) override {
+    void* p = mmap(nullptr, page_round(bytes), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    if (backed && mprotect(p, page_round(backed), PROT_READ | PROT_WRITE) != 0) {
+      munmap(p, page_round(bytes));
+      throw std::bad_alloc();
+    }
+    return p;
+  }
+  void release_backed_prefix(void* p, size_t, size_t bytes) override { munmap(p, page_round(bytes)); }
 
  protected:
   void transfer(void* dst, const void* src, size_t bytes, CopyKind) override {
     if (bytes) std::memmove(dst, src, bytes);
   }
   void wait_for_work() override {}
+
+ private:
+  static size_t page_round(size_t bytes) {
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    return (bytes + page - 1) / page * page;
+  }
 };
 
 template <typename Real>
@@ -245,6 +266,13 @@ class CpuLayerOps : public LayerOps<Real> {
     if constexpr (std::is_same_v<Real, float>)
       if (bf16_) half_copies_.unbind(values);
   }
+  bool multiplies_half_copies(DType type) const override { return bf16_ && bf16_->onednn() && type == DTYPE_BF16; }
+  void copy_operand(Real* dst, const Real* src, size_t n) const override {
+    if constexpr (std::is_same_v<Real, float>)
+      if (const uint16_t* half = bf16_ ? half_copies_.find(src, n, DTYPE_BF16) : nullptr)
+        return widen_half(dst, half, n, DTYPE_BF16);
+    std::memcpy(dst, src, n * sizeof(Real));
+  }
 
  private:
   cpu::Bf16Gemm* bf16_ = nullptr;
@@ -276,13 +304,13 @@ class CpuShardOps : public ShardOps {
     for (size_t b = 0; b < blocks; b++) {
       const uint8_t* codes = records + b * record;
       const float scale = quant_scale(type, codes, block);
-      float* o = out + b * block;
+      float* o = out ? out + b * block : nullptr;
       uint16_t* h = half ? half + b * block : nullptr;
       if (type == QUANT_FP8 || type == QUANT_BF16) {
         for (size_t i = 0; i < block; i++) {
           float v = type == QUANT_FP8 ? e4m3[codes[i]] * scale : dequantize_element(type, codes, block, i);
           if (h) h[i] = float_to_half(v, half_type), v = half_to_float(h[i], half_type);
-          o[i] = v;
+          if (o) o[i] = v;
         }
         continue;
       }
@@ -294,7 +322,7 @@ class CpuShardOps : public ShardOps {
       }
       for (size_t j = 0; j < block / 2; j++) {
         const int high = codes[j] >> 4, low = codes[j] & 15;
-        o[2 * j] = value[high], o[2 * j + 1] = value[low];
+        if (o) o[2 * j] = value[high], o[2 * j + 1] = value[low];
         if (h) h[2 * j] = rounded[high], h[2 * j + 1] = rounded[low];
       }
     }

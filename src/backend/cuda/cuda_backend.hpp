@@ -39,6 +39,9 @@ class CudaDevice : public Device {
   void* allocate(size_t bytes) override;  // from the cache; cudaMalloc when it has no fit
   void release(void* p, size_t bytes) override;  // back to the cache
   void zero(void* p, size_t bytes) override;
+  // Reserved addresses with device memory mapped at their start (the driver's virtual memory).
+  void* allocate_backed_prefix(size_t backed, size_t bytes) override;
+  void release_backed_prefix(void* p, size_t backed, size_t bytes) override;
 
   DeviceStream* compute_stream() const override;
   DeviceStream* create_stream(bool urgent) override;

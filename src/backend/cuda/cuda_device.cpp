@@ -19,7 +19,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
+#include <cstdio>
+#include <type_traits>
 #include <unordered_map>
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
 
 #include "backend/cuda/cuda_backend.hpp"
 #include "backend/cuda/cuda_handles.hpp"
@@ -32,7 +37,55 @@ namespace shardtrain {
 struct CudaDevice::Cache {
   std::multimap<size_t, void*> free_blocks;  // cached: block bytes -> block
   std::unordered_map<void*, size_t> in_use;  // handed out: block -> block bytes
+  // allocate_backed_prefix's ranges: the driver's reservation and the memory mapped at its start,
+  // or (fallback) a block of the allocator backing it all.
+  struct Prefix {
+    size_t reserved = 0, mapped = 0;
+    CUmemGenericAllocationHandle handle = 0;
+    bool fallback = false;
+  };
+  std::unordered_map<void*, Prefix> prefixes;
 };
+
+namespace {
+
+// The driver's virtual memory calls, found through the runtime (the binary does not link
+// libcuda: it starts, and says "no GPU", where the driver is absent).
+struct VirtualMemoryCalls {
+  PFN_cuMemGetAllocationGranularity_v10020 granularity = nullptr;
+  PFN_cuMemAddressReserve_v10020 reserve = nullptr;
+  PFN_cuMemAddressFree_v10020 free = nullptr;
+  PFN_cuMemCreate_v10020 create = nullptr;
+  PFN_cuMemRelease_v10020 release = nullptr;
+  PFN_cuMemMap_v10020 map = nullptr;
+  PFN_cuMemUnmap_v10020 unmap = nullptr;
+  PFN_cuMemSetAccess_v10020 set_access = nullptr;
+  bool ok = false;
+};
+
+const VirtualMemoryCalls& virtual_memory_calls() {
+  static const VirtualMemoryCalls calls = [] {
+    VirtualMemoryCalls c;
+    auto find = [](const char* symbol, auto* fn) {
+      cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+      void* p = nullptr;
+      if (cudaGetDriverEntryPointByVersion(symbol, &p, 10020, cudaEnableDefault, &found) != cudaSuccess ||
+          found != cudaDriverEntryPointSuccess) {
+        (void)cudaGetLastError();
+        return false;
+      }
+      *fn = reinterpret_cast<std::remove_pointer_t<decltype(fn)>>(p);
+      return true;
+    };
+    c.ok = find("cuMemGetAllocationGranularity", &c.granularity) && find("cuMemAddressReserve", &c.reserve) &&
+           find("cuMemAddressFree", &c.free) && find("cuMemCreate", &c.create) && find("cuMemRelease", &c.release) &&
+           find("cuMemMap", &c.map) && find("cuMemUnmap", &c.unmap) && find("cuMemSetAccess", &c.set_access);
+    return c;
+  }();
+  return calls;
+}
+
+}  // namespace
 
 bool cuda_available(std::string* why) {
   int count = 0;
@@ -164,6 +217,82 @@ void CudaDevice::transfer(void* dst, const void* src, size_t bytes, CopyKind kin
                                                             : cudaMemcpyDeviceToHost;
   CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, direction, compute_));
   if (kind == COPY_TO_HOST) CUDA_CHECK(cudaStreamSynchronize(compute_));  // the caller reads the bytes next
+}
+
+// The driver reserves `bytes` of addresses and maps physical memory at the start of them, rounded
+// up to its granularity (2 MiB on current GPUs); the rest stays unmapped, and a kernel that touches
+// it stops with an illegal address. Where the driver lacks these calls the allocator's block backs
+// it all, said once.
+void* CudaDevice::allocate_backed_prefix(size_t backed, size_t bytes) {
+  const VirtualMemoryCalls& vm = virtual_memory_calls();
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = ordinal_;
+  size_t granularity = 0;
+  if (!vm.ok || vm.granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS ||
+      granularity == 0) {
+    static bool warned = false;
+    if (!warned)
+      std::fprintf(stderr, "warning: %s: the driver cannot map memory into reserved addresses; the gathered "
+                   "fp32 buffers are fully backed (more memory than planned)\n", name_.c_str());
+    warned = true;
+    void* p = allocate(bytes);
+    cache_->prefixes[p] = Cache::Prefix{bytes, 0, 0, true};
+    return p;
+  }
+  auto round = [granularity](size_t n) { return (n + granularity - 1) / granularity * granularity; };
+  Cache::Prefix prefix{round(bytes), round(backed), 0, false};
+  CUdeviceptr address = 0;
+  auto check = [&](CUresult rc, const char* call) {
+    if (rc == CUDA_SUCCESS) return;
+    fatal_internal(__FILE__, __LINE__, __func__,
+                   strprintf("%s failed (CUresult %d) for %zu of %zu bytes on %s", call, static_cast<int>(rc), backed,
+                             bytes, name_.c_str()));
+  };
+  check(vm.reserve(&address, prefix.reserved, 0, 0, 0), "cuMemAddressReserve");
+  if (prefix.mapped) {
+    const CUresult rc = vm.create(&prefix.handle, prefix.mapped, &prop, 0);
+    if (rc == CUDA_ERROR_OUT_OF_MEMORY) {
+      (void)vm.free(address, prefix.reserved);
+      empty_cache();  // the cache's blocks are memory the driver could map
+      check(vm.reserve(&address, prefix.reserved, 0, 0, 0), "cuMemAddressReserve");
+      check(vm.create(&prefix.handle, prefix.mapped, &prop, 0), "cuMemCreate (out of GPU memory)");
+    } else {
+      check(rc, "cuMemCreate");
+    }
+    check(vm.map(address, prefix.mapped, 0, prefix.handle, 0), "cuMemMap");
+    CUmemAccessDesc access{};
+    access.location = prop.location;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    check(vm.set_access(address, prefix.mapped, &access, 1), "cuMemSetAccess");
+    reserved_ += prefix.mapped;
+    peak_reserved_ = std::max(peak_reserved_, reserved_);
+  }
+  void* p = reinterpret_cast<void*>(address);
+  cache_->prefixes[p] = prefix;
+  zero(p, backed);
+  return p;
+}
+
+void CudaDevice::release_backed_prefix(void* p, size_t backed, size_t bytes) {
+  auto it = cache_->prefixes.find(p);
+  SHARD_CHECK(it != cache_->prefixes.end(), "release of %zu bytes at %p, which %s did not reserve", bytes, p,
+              name_.c_str());
+  const Cache::Prefix prefix = it->second;
+  cache_->prefixes.erase(it);
+  (void)backed;
+  if (prefix.fallback) return release(p, bytes);
+  // Unmapping frees the memory at once: queued work on any stream that reads it must finish first.
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const VirtualMemoryCalls& vm = virtual_memory_calls();
+  const CUdeviceptr address = reinterpret_cast<CUdeviceptr>(p);
+  if (prefix.mapped) {
+    (void)vm.unmap(address, prefix.mapped);
+    (void)vm.release(prefix.handle);
+    reserved_ -= prefix.mapped;
+  }
+  (void)vm.free(address, prefix.reserved);
 }
 
 void CudaDevice::zero(void* p, size_t bytes) {

@@ -276,6 +276,12 @@ class CudaLayerOps final : public LayerOps<float> {
     half_copies_.bind(values, half, n, type);
   }
   void unbind_half_copy(const float* values) const override { half_copies_.unbind(values); }
+  bool multiplies_half_copies(DType type) const override { return gemm_.operands == type; }
+  void copy_operand(float* dst, const float* src, size_t n) const override {
+    if (const uint16_t* half = gemm_.operands == DTYPE_FP32 ? nullptr : half_copies_.find(src, n, gemm_.operands))
+      return kernels::launch_from_half(dst, half, n, gemm_.operands, launch());
+    device().copy_on_device(dst, src, n * sizeof(float));
+  }
 
  private:
   // The bound 16-bit copy of a GEMM operand (rows x cols: a weight or an input) in the GEMMs' operand
