@@ -298,9 +298,20 @@ void gemm_row_major(const GemmContext& ctx, bool trans_a, bool trans_b, int M, i
                    "run in fp32\n", dtype_name(ctx.operands), trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, batch);
     if (ctx.plans) ctx.plans->warned_fp32_fallback = true;
   }
-  if (!try_gemm_col_major(ctx, trans_b, trans_a, N, M, K, alpha, B, CUDA_R_32F, ldb, stride_b, A, CUDA_R_32F, lda,
-                          stride_a, beta, C, ldc, stride_c, batch, nullptr))
-    no_gemm_kernel(trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc, batch, "fp32");
+  // A bound 16-bit copy is the operand: widened into a temporary, as its fp32 values may have no
+  // memory behind them (a quantized base dequantized into the copy alone, FsdpEngine).
+  float* widened = nullptr;
+  if (ctx.operands != DTYPE_FP32 && (A16 || B16)) {
+    const size_t na = A16 ? operand_extent(trans_a ? K : M, trans_a ? M : K, lda, stride_a, batch) : 0;
+    const size_t nb = B16 ? operand_extent(trans_b ? N : K, trans_b ? K : N, ldb, stride_b, batch) : 0;
+    CUDA_CHECK(cudaMallocAsync(&widened, (na + nb) * sizeof(float), ctx.launch.stream));
+    if (A16) launch_from_half(widened, A16, na, ctx.operands, ctx.launch), A = widened;
+    if (B16) launch_from_half(widened + na, B16, nb, ctx.operands, ctx.launch), B = widened + na;
+  }
+  const bool ok = try_gemm_col_major(ctx, trans_b, trans_a, N, M, K, alpha, B, CUDA_R_32F, ldb, stride_b, A,
+                                     CUDA_R_32F, lda, stride_a, beta, C, ldc, stride_c, batch, nullptr);
+  if (widened) CUDA_CHECK(cudaFreeAsync(widened, ctx.launch.stream));
+  if (!ok) no_gemm_kernel(trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc, batch, "fp32");
 }
 
 namespace {

@@ -59,7 +59,7 @@ struct ComputeOptions {
 };
 
 // Whether the backend's linear layers multiply the gathered 16-bit copies themselves, never their
-// fp32 widening (LayerOps::multiplies_half_copies; EngineOptions::quantized_in_half_only): CUDA's
+// fp32 widening (LayerOps::multiplies_half_copies; EngineOptions::linear_weights_in_half_only): CUDA's
 // 16-bit GEMMs, and on the CPU oneDNN's bf16 kernels where the CPU has bf16 dot products.
 bool gemms_multiply_half_copies(const ComputeOptions& options);
 

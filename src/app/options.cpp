@@ -938,7 +938,7 @@ EngineOptions engine_options(const Config& c) {
   o.limit_all_gathers = c.fsdp.limit_all_gathers;
   o.cpu_offload = c.fsdp.cpu_offload;
   o.nccl = compute_options(c).nccl();
-  o.quantized_in_half_only = gemms_multiply_half_copies(compute_options(c));
+  o.linear_weights_in_half_only = gemms_multiply_half_copies(compute_options(c));
   o.overlap_reduce_scatter = o.nccl;  // NCCL progresses on its own stream; MPI does not
   return o;
 }

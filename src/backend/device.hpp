@@ -48,7 +48,7 @@ class Device {
   // `bytes` of addresses of which only the first `backed` are memory (zero-filled); an access
   // beyond them faults at once. For a buffer that the ops find by address but never read in full:
   // a gathered unit whose quantized weights exist only as their 16-bit copy
-  // (EngineOptions::quantized_in_half_only). Devices that cannot leave addresses unbacked say so.
+  // (EngineOptions::linear_weights_in_half_only). Devices that cannot leave addresses unbacked say so.
   virtual void* allocate_backed_prefix(size_t backed, size_t bytes) {
     (void)backed, (void)bytes;
     fatal_internal(__FILE__, __LINE__, __func__, strprintf("%s cannot leave addresses unbacked", name()));

@@ -215,7 +215,7 @@ class LayerOps {
   }
   virtual void unbind_half_copy(const Real* values) const { (void)values; }
   // Whether matmul_forward/backward multiply a bound copy of `type` itself, never reading the fp32
-  // values beside it -- which may then be addresses only (EngineOptions::quantized_in_half_only).
+  // values beside it -- which may then be addresses only (EngineOptions::linear_weights_in_half_only).
   virtual bool multiplies_half_copies(DType type) const {
     (void)type;
     return false;
@@ -242,7 +242,7 @@ class ShardOps {
   // A gathered quantized space (backend/quant.hpp): `blocks` records of `block` elements each into
   // out[b * block + i], and with a 16-bit `half` (non-null) their rounding to half_type into half,
   // out then being its widening (what LayerOps::bind_half_copy requires of a bound buffer). A null
-  // `out` writes the 16-bit copy alone (EngineOptions::quantized_in_half_only).
+  // `out` writes the 16-bit copy alone (EngineOptions::linear_weights_in_half_only).
   virtual void dequantize_blocks(float* out, uint16_t* half, DType half_type, const uint8_t* records, size_t blocks,
                                  QuantType type, size_t block) const {
     throw MissingOp("this compute backend has no dequantization kernels: a quantized frozen base "

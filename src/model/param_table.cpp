@@ -152,6 +152,8 @@ void ParamTable::apply_freeze(const std::vector<std::string>& patterns) {
         if (param(static_cast<int>(u), q).frozen != param(static_cast<int>(u), group.params[0]).frozen)
           throw UsageError("train.freeze freezes part of " + units_[u].name + "'s " + group.label +
                            ", which is multiplied as one matrix: freeze all of the group or none of it");
+  for (int l = 0; l < block_count(); l++)
+    for (const LinearSite& site : block_sites(l)) params_[units_[block_unit(l)].params[site.weight]].linear_weight = true;
   mark_quantized();
   assign_offsets();
 }

@@ -65,6 +65,9 @@ struct ParamInfo {
   size_t file_offset = 0;  // in declaration order (checkpoints' unit coordinates)
   bool frozen = false;
   bool quantized = false;  // a frozen linear weight held in the run's quantized format (fsdp.frozen_dtype)
+  // A block linear layer's weight: read only as a GEMM operand (LayerOps::copy_operand elsewhere),
+  // so it may live in the gathered 16-bit copy alone (EngineOptions::linear_weights_in_half_only).
+  bool linear_weight = false;
   bool adapter = false;  // an adapter's parameter (model/adapter.hpp), not the base model's
   InitRule init = INIT_ZEROS;
   bool weight_decay = false;

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "core/error.hpp"
 #include "core/random.hpp"
@@ -134,7 +135,7 @@ std::vector<FsdpEngine::GatherSlot> FsdpEngine::plan_gather_slots(const std::vec
                                                                  const EngineOptions& options) {
   const bool sharded = layout[ROOT_UNIT].padded_numel() != layout[ROOT_UNIT].shard_numel();
   const bool half = options.param_dtype != DTYPE_FP32;
-  const bool half_only = half && options.quantized_in_half_only;
+  const bool half_only = half && options.linear_weights_in_half_only;
   GatherSlot block;
   for (size_t u = 1; u < layout.size(); u++) {
     block.numel = std::max(block.numel, layout[u].padded_numel());
@@ -185,11 +186,29 @@ FsdpEngine::FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_
   engine_bytes_ = plan_memory(layout, options_);
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++) memory_.add(static_cast<MemCategory>(c), engine_bytes_[c]);
   const bool half = options_.param_dtype != DTYPE_FP32;
-  SHARD_CHECK(!half || !options_.quantized_in_half_only || backend_.ops->multiplies_half_copies(options_.param_dtype),
-              "quantized_in_half_only where the GEMMs read fp32 operands");
+  const bool half_only = half && options_.linear_weights_in_half_only;
+  SHARD_CHECK(!half_only || backend_.ops->multiplies_half_copies(options_.param_dtype),
+              "linear_weights_in_half_only where the GEMMs read fp32 operands");
+  if (half_only)
+    for (size_t u = 0; u < layout.size(); u++) {
+      std::vector<FlatRange> read;  // in the gathered buffer, in order
+      for (int id : table.units()[u].params)
+        if (const ParamInfo& p = table.params()[id]; !p.linear_weight)
+          read.push_back({layout[u].lead() + p.offset, layout[u].lead() + p.offset + p.numel});
+      std::sort(read.begin(), read.end(), [](const FlatRange& a, const FlatRange& b) { return a.begin < b.begin; });
+      std::vector<FlatRange>& ranges = widened_.emplace_back();
+      for (const FlatRange& r : read) {
+        if (!ranges.empty() && ranges.back().end == r.begin)
+          ranges.back().end = r.end;
+        else
+          ranges.push_back(r);
+      }
+    }
   for (const GatherSlot& planned : plan_gather_slots(layout, options_)) {
     ParamSlot slot;
     slot.values = DeviceArray<float>(dev, planned.numel, planned.backed);
+    // What no gather widens reads as NaN, so a read that should have taken the 16-bit copy shows.
+    if (half_only) backend_.ops->scale(slot.values.data(), planned.backed, std::numeric_limits<float>::quiet_NaN());
     if (half) {  // the GEMMs multiply the gathered 16-bit copy: the weights are rounded once, by the gather
       slot.wire = DeviceArray<uint16_t>(dev, planned.numel);
       backend_.ops->bind_half_copy(slot.values.data(), slot.wire.data(), planned.numel, options_.param_dtype);
@@ -333,6 +352,8 @@ void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
     float* own_values = slot.values.data() + slot_begin + sp.begin;
     const float* master = s.params.data() + sp.local;
     if (!half || options_.cpu_offload) {  // up to the device first, into the part of the slot the gather overwrites
+      SHARD_CHECK((slot_begin + sp.begin + sp.shard_numel) * sizeof(float) <= slot.values.bytes(),
+                  "unit %d's shard staged past its gathered buffer's memory", unit);
       copy_from_master(own_values, master, sp.shard_numel * sizeof(float));
       master = own_values;
     }
@@ -375,8 +396,14 @@ void FsdpEngine::finish_gather(ParamSlot& slot) {
     if (handle >= 0) shard_comm_.wait(handle), handle = -1;
   const UnitLayout& l = shards_[slot.unit].layout;
   const bool half = options_.param_dtype != DTYPE_FP32;
-  const bool half_only = half && options_.quantized_in_half_only;
-  if (half) backend_.shard_ops->from_half(slot.values.data(), slot.wire.data(), l.backed_numel(half_only), options_.param_dtype);
+  const bool half_only = half && options_.linear_weights_in_half_only;
+  if (half_only) {
+    for (const FlatRange& r : widened_[slot.unit])
+      backend_.shard_ops->from_half(slot.values.data() + r.begin, slot.wire.data() + r.begin, r.size(),
+                                    options_.param_dtype);
+  } else if (half) {
+    backend_.shard_ops->from_half(slot.values.data(), slot.wire.data(), l.padded_numel(), options_.param_dtype);
+  }
   if (l.quantized.numel == 0) return;
   // After the frozen space's gather, whose trailing padding this overwrites; in the 16-bit copy
   // alone where the fp32 buffer has no memory there.

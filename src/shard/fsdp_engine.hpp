@@ -82,13 +82,14 @@ struct EngineOptions {
   // The communicators are NCCL's (train.device=cuda): their reduce-scatter scratch differs from the
   // MPI ring's, and the plan counts what they allocate.
   bool nccl = false;
-  // A quantized space with a 16-bit param_dtype is dequantized into the gathered 16-bit copy alone:
-  // where the GEMMs multiply that copy themselves (LayerOps::multiplies_half_copies), the quantized
-  // weights' place in the fp32 gathered buffer is addresses with no memory behind them
-  // (Device::allocate_backed_prefix), so no fp32 copy of a frozen unit exists. The trainer sets it
-  // from the backend (gemms_multiply_half_copies): CUDA's 16-bit GEMMs and oneDNN's bf16 kernels,
-  // not the CPU's emulated bf16, which multiplies fp32 values.
-  bool quantized_in_half_only = false;
+  // With a 16-bit param_dtype, where the GEMMs multiply the gathered 16-bit copy themselves
+  // (LayerOps::multiplies_half_copies), the blocks' linear weights (ParamInfo::linear_weight) are
+  // gathered into that copy alone: a quantized space is dequantized into it, its place in the fp32
+  // gathered buffer addresses with no memory behind them (Device::allocate_backed_prefix), so no
+  // fp32 copy of a frozen unit exists; the other linear weights are not widened to fp32. The
+  // trainer sets it from the backend (gemms_multiply_half_copies): CUDA's 16-bit GEMMs and oneDNN's
+  // bf16 kernels, not the CPU's emulated bf16, which multiplies fp32 values.
+  bool linear_weights_in_half_only = false;
   // Generation only (decode_step): no gradients -- the shards carry none, no gradient or reduction
   // buffers are made and the plan counts none; training with it is a bug.
   bool inference = false;
@@ -141,10 +142,12 @@ struct UnitLayout {
   size_t padded_numel() const {
     return std::max(trainable.padded_numel + frozen.padded_numel, quantized_slot_begin() + quantized.padded_numel);
   }
-  // The gathered buffer's elements with fp32 memory behind them: up to the quantized space where it
-  // lives in the 16-bit copy alone (EngineOptions::quantized_in_half_only), else all.
-  size_t backed_numel(bool quantized_in_half_only) const {
-    return quantized_in_half_only && quant != QUANT_NONE ? quantized_slot_begin() : padded_numel();
+  // The gathered buffer's elements with fp32 memory behind them: the trainable and frozen spaces
+  // with their padding (cpu_offload stages a frozen shard there, padding and all) where the
+  // quantized space lives in the 16-bit copy alone (EngineOptions::linear_weights_in_half_only), else all.
+  size_t backed_numel(bool linear_weights_in_half_only) const {
+    return linear_weights_in_half_only && quant != QUANT_NONE ? trainable.padded_numel + frozen.padded_numel
+                                                              : padded_numel();
   }
   size_t shard_numel() const { return trainable.shard_numel + frozen.shard_numel + quantized.shard_numel; }
   // The fp32 elements the rank holds: all but the quantized space's.
@@ -345,6 +348,9 @@ class FsdpEngine {
   // Gradients: root and one block per micro-batch, or one per unit when they accumulate
   // unsharded over the step.
   std::vector<ParamSlot> slots_;
+  // Per unit, where linear_weights_in_half_only: the gathered elements read in fp32 (all but the
+  // linear weights), which are all a gather widens from the 16-bit copy.
+  std::vector<std::vector<FlatRange>> widened_;
   int current_slot_ = -1;  // the block slot in use by the computation
   std::vector<DeviceArray<float>> grad_buffers_;
   std::vector<DeviceArray<float>> device_grads_;  // cpu_offload: each unit's gradient shard on the device

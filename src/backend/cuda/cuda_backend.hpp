@@ -81,6 +81,9 @@ class CudaDevice : public Device {
  private:
   CudaDevice() = default;
   struct Cache;
+  // "out of GPU memory ..." naming the request and what to change: exit 2, or an InputError the
+  // caller may catch (abort_on_exhaustion).
+  [[noreturn]] void out_of_memory(size_t bytes);
   int ordinal_ = -1;
   std::string name_;
   CUstream_st* compute_ = nullptr;

@@ -139,6 +139,18 @@ CudaDevice::~CudaDevice() {
   if (compute_) (void)cudaStreamDestroy(compute_);
 }
 
+void CudaDevice::out_of_memory(size_t bytes) {
+  const std::string message = strprintf(
+      "out of GPU memory on %s: allocating %zu bytes (%s) failed with %s reserved by this rank, %s free "
+      "of %s; use a smaller train.micro_batch, fsdp.activation_checkpointing=true, "
+      "fsdp.sharding_strategy=FULL_SHARD or fsdp.cpu_offload=true ('shardtrain plan' lists what fits)",
+      name_.c_str(), bytes, human_bytes(static_cast<double>(bytes)).c_str(),
+      human_bytes(static_cast<double>(reserved_)).c_str(), human_bytes(static_cast<double>(free_memory())).c_str(),
+      human_bytes(static_cast<double>(total_memory())).c_str());
+  if (abort_on_exhaustion_) fatal_input(message);
+  throw InputError(message);
+}
+
 void* CudaDevice::allocate(size_t bytes) {
   if (bytes == 0) return nullptr;
   const size_t request = gpu::allocator_block_bytes(bytes);  // SIZE_MAX where rounding overflows
@@ -157,16 +169,7 @@ void* CudaDevice::allocate(size_t bytes) {
       rc = request == SIZE_MAX ? cudaErrorMemoryAllocation : cudaMalloc(&p, request);
       if (rc == cudaErrorMemoryAllocation) {
         (void)cudaGetLastError();
-        const std::string message = strprintf(
-            "out of GPU memory on %s: allocating %zu bytes (%s) failed with %s reserved by this rank, %s free "
-            "of %s; use a smaller train.micro_batch, fsdp.activation_checkpointing=true, "
-            "fsdp.sharding_strategy=FULL_SHARD or fsdp.cpu_offload=true ('shardtrain plan' lists what fits)",
-            name_.c_str(), bytes, human_bytes(static_cast<double>(bytes)).c_str(),
-            human_bytes(static_cast<double>(reserved_)).c_str(),
-            human_bytes(static_cast<double>(free_memory())).c_str(),
-            human_bytes(static_cast<double>(total_memory())).c_str());
-        if (abort_on_exhaustion_) fatal_input(message);
-        throw InputError(message);
+        out_of_memory(bytes);
       }
     }
     CUDA_CHECK(rc);
@@ -252,15 +255,16 @@ void* CudaDevice::allocate_backed_prefix(size_t backed, size_t bytes) {
   };
   check(vm.reserve(&address, prefix.reserved, 0, 0, 0), "cuMemAddressReserve");
   if (prefix.mapped) {
-    const CUresult rc = vm.create(&prefix.handle, prefix.mapped, &prop, 0);
+    CUresult rc = vm.create(&prefix.handle, prefix.mapped, &prop, 0);
+    if (rc == CUDA_ERROR_OUT_OF_MEMORY) {
+      empty_cache();  // the cache's blocks are memory the driver could map
+      rc = vm.create(&prefix.handle, prefix.mapped, &prop, 0);
+    }
     if (rc == CUDA_ERROR_OUT_OF_MEMORY) {
       (void)vm.free(address, prefix.reserved);
-      empty_cache();  // the cache's blocks are memory the driver could map
-      check(vm.reserve(&address, prefix.reserved, 0, 0, 0), "cuMemAddressReserve");
-      check(vm.create(&prefix.handle, prefix.mapped, &prop, 0), "cuMemCreate (out of GPU memory)");
-    } else {
-      check(rc, "cuMemCreate");
+      out_of_memory(backed);
     }
+    check(rc, "cuMemCreate");
     check(vm.map(address, prefix.mapped, 0, prefix.handle, 0), "cuMemMap");
     CUmemAccessDesc access{};
     access.location = prop.location;
@@ -284,7 +288,8 @@ void CudaDevice::release_backed_prefix(void* p, size_t backed, size_t bytes) {
   (void)backed;
   if (prefix.fallback) return release(p, bytes);
   // Unmapping frees the memory at once: queued work on any stream that reads it must finish first.
-  CUDA_CHECK(cudaDeviceSynchronize());
+  // Best effort, as teardown is: a broken context has no work left to wait for.
+  if (cudaDeviceSynchronize() != cudaSuccess) (void)cudaGetLastError();
   const VirtualMemoryCalls& vm = virtual_memory_calls();
   const CUdeviceptr address = reinterpret_cast<CUdeviceptr>(p);
   if (prefix.mapped) {
