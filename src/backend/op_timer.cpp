@@ -265,6 +265,11 @@ class TimedLayerOps final : public LayerOps<float> {
     inner_.bind_half_copy(values, half, n, type);
   }
   void unbind_half_copy(const float* values) const override { inner_.unbind_half_copy(values); }
+  bool multiplies_half_copies(DType type) const override { return inner_.multiplies_half_copies(type); }
+  void copy_operand(float* dst, const float* src, size_t n) const override {
+    timed("copy_operand", [&] { inner_.copy_operand(dst, src, n); });
+  }
+  void documents_changed(const int* doc_start) const override { inner_.documents_changed(doc_start); }
 
  private:
   template <typename Call>

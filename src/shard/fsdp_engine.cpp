@@ -207,7 +207,8 @@ FsdpEngine::FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_
   for (const GatherSlot& planned : plan_gather_slots(layout, options_)) {
     ParamSlot slot;
     slot.values = DeviceArray<float>(dev, planned.numel, planned.backed);
-    // What no gather widens reads as NaN, so a read that should have taken the 16-bit copy shows.
+    // Until a gather writes there it reads as NaN, so a read that should have taken the 16-bit
+    // copy shows (later it may be another unit's values, in a block buffer shared by layouts).
     if (half_only) backend_.ops->scale(slot.values.data(), planned.backed, std::numeric_limits<float>::quiet_NaN());
     if (half) {  // the GEMMs multiply the gathered 16-bit copy: the weights are rounded once, by the gather
       slot.wire = DeviceArray<uint16_t>(dev, planned.numel);

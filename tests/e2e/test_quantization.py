@@ -225,6 +225,9 @@ def test_a_16_bit_gather_dequantizes_into_the_16_bit_copy_alone():
                          (3, ("--fsdp.cpu_offload=true",))):
         got = training(np_, BASE, "--fsdp.frozen_dtype=nf4", *bf16, *options)[0]
         assert got == training(np_, dequantized_base("nf4"), *bf16, *options)[0], options
+    # Timing every op (train.op_times wraps the layer ops) changes nothing: DoRA still reads the copy.
+    dora = ("--fsdp.frozen_dtype=nf4", *bf16, "--adapter.type=dora")
+    assert training(2, BASE, *dora, "--train.op_times=true")[0] == training(2, BASE, *dora)[0]
     # Each of the two block buffers lacks the fp32 copy of a block's 9216 quantized weights where the
     # GEMMs take the 16-bit copy itself (oneDNN's bf16 kernels; CPUs without them multiply fp32).
     dequantized = training(2, dequantized_base("nf4"), *bf16)[1]["peak_mem"]["gathered_units"]
