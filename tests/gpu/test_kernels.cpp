@@ -2440,6 +2440,11 @@ TEST_F(DequantizeTest, MatchesCpuBitwise) {
             ASSERT_EQ(got_half[i], want_half[i]) << label << " element " << i;
           }
         }
+        if (with_half) {  // into the 16-bit copy alone: the same copy
+          DeviceBuffer<uint16_t> d_half_only(device(), "half only", n, 0);
+          shard_ops().dequantize_blocks(nullptr, d_half_only.data(), half, d_records.data(), blocks, type, block);
+          EXPECT_EQ(d_half_only.download(label), want_half) << label << " into the copy alone";
+        }
       }
 }
 

@@ -192,6 +192,10 @@ TEST(Quant, BackendDequantizationIsTheDefinition) {
       std::vector<uint16_t> half(x.size());
       cpu_shard_ops().dequantize_blocks(out.data(), nullptr, DTYPE_FP32, records.data(), blocks, type, block);
       cpu_shard_ops().dequantize_blocks(widened.data(), half.data(), DTYPE_BF16, records.data(), blocks, type, block);
+      // Into the 16-bit copy alone (the gather where the GEMMs take it): the same copy.
+      std::vector<uint16_t> half_only(x.size());
+      cpu_shard_ops().dequantize_blocks(nullptr, half_only.data(), DTYPE_BF16, records.data(), blocks, type, block);
+      EXPECT_EQ(half_only, half) << quant_type_name(type) << " " << block;
       for (size_t i = 0; i < x.size(); i++) {
         const float want = dequantize_element(type, records.data() + i / block * record, block, i % block);
         ASSERT_EQ(float_bits(out[i]), float_bits(want)) << quant_type_name(type) << " " << block << " " << i;
