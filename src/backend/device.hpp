@@ -53,7 +53,7 @@ class Device {
     (void)backed, (void)bytes;
     fatal_internal(__FILE__, __LINE__, __func__, strprintf("%s cannot leave addresses unbacked", name()));
   }
-  virtual void release_backed_prefix(void* p, size_t backed, size_t bytes) { (void)p, (void)backed, (void)bytes; }
+  virtual void release_backed_prefix(void* p, size_t bytes) { (void)p, (void)bytes; }
 
   // ---- copies; `src`/`dst` without "host" are this device's memory ----
   // Into host memory; returns once the bytes are there (a host synchronization).
@@ -186,7 +186,7 @@ class DeviceArray {
     if (size_) device_->zero(data_, bytes());
   }
   void reset() {
-    if (data_ && backed_ < size_) device_->release_backed_prefix(data_, bytes(), size_ * sizeof(T));
+    if (data_ && backed_ < size_) device_->release_backed_prefix(data_, size_ * sizeof(T));
     else if (data_) device_->release(data_, bytes());
     if (data_) device_->count_release(bytes());
     data_ = nullptr;

@@ -232,7 +232,7 @@ TEST_F(CudaDeviceMemoryTest, ABackedPrefixHoldsOnlyItsHeadZeroedAndReturnsIt) {
   device().copy_to_device(p, pattern.data(), backed);
   device().copy_to_host(back.data(), p, backed);
   EXPECT_EQ(back, pattern);
-  device().release_backed_prefix(p, backed, bytes);
+  device().release_backed_prefix(p, bytes);
   EXPECT_EQ(device().reserved_bytes(), before);
   // And a DeviceArray backed in part releases the same way.
   {

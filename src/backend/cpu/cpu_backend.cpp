@@ -76,7 +76,7 @@ class HostDevice : public Device {
     }
     return p;
   }
-  void release_backed_prefix(void* p, size_t, size_t bytes) override { munmap(p, page_round(bytes)); }
+  void release_backed_prefix(void* p, size_t bytes) override { munmap(p, page_round(bytes)); }
 
  protected:
   void transfer(void* dst, const void* src, size_t bytes, CopyKind) override {

@@ -41,7 +41,7 @@ class CudaDevice : public Device {
   void zero(void* p, size_t bytes) override;
   // Reserved addresses with device memory mapped at their start (the driver's virtual memory).
   void* allocate_backed_prefix(size_t backed, size_t bytes) override;
-  void release_backed_prefix(void* p, size_t backed, size_t bytes) override;
+  void release_backed_prefix(void* p, size_t bytes) override;
 
   DeviceStream* compute_stream() const override;
   DeviceStream* create_stream(bool urgent) override;

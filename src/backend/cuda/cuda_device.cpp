@@ -279,13 +279,12 @@ void* CudaDevice::allocate_backed_prefix(size_t backed, size_t bytes) {
   return p;
 }
 
-void CudaDevice::release_backed_prefix(void* p, size_t backed, size_t bytes) {
+void CudaDevice::release_backed_prefix(void* p, size_t bytes) {
   auto it = cache_->prefixes.find(p);
   SHARD_CHECK(it != cache_->prefixes.end(), "release of %zu bytes at %p, which %s did not reserve", bytes, p,
               name_.c_str());
   const Cache::Prefix prefix = it->second;
   cache_->prefixes.erase(it);
-  (void)backed;
   if (prefix.fallback) return release(p, bytes);
   // Unmapping frees the memory at once: queued work on any stream that reads it must finish first.
   // Best effort, as teardown is: a broken context has no work left to wait for.
