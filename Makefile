@@ -79,6 +79,12 @@ CPPFLAGS += -DOMPI_SKIP_MPICXX=1
 CPPFLAGS += -DSHARDTRAIN_VERSION='"$(shell git describe --always --dirty 2>/dev/null)"'
 CPPFLAGS += -DSHARDTRAIN_MARCH='"$(or $(patsubst -march=%,%,$(filter -march=%,$(OPT))),default)"'
 CXXFLAGS := -std=c++17 $(OPT) -g -fopenmp -Wall -Wextra -Wno-unused-parameter -MMD -MP
+# Nothing reads or traps on floating-point exception flags, and nothing reads errno after a math
+# function. Under GCC's defaults the clamp in exp_fast stays a branch for AVX2 (-ftrapping-math), so
+# GELU, SiLU, softmax and attention's exponentials ran scalar in the portable build, and AdamW's
+# sqrt kept a call to sqrtf for negative inputs (-fmath-errno), so the optimizer step ran scalar in
+# every build (docs/performance.md, "Elementwise loops in vector code").
+CXXFLAGS += -fno-trapping-math -fno-math-errno
 LDFLAGS  := -fopenmp -L$(OPENBLAS_LIB) -Wl,-rpath,$(OPENBLAS_LIB) -L$(HDF5_LIB) -Wl,-rpath,$(HDF5_LIB)
 LDFLAGS  += $(foreach r,$(DEP_ROOTS),-L$(r)/lib -L$(r)/lib64 -Wl,-rpath,$(r)/lib -Wl,-rpath,$(r)/lib64)
 LDLIBS   := -lopenblas -ldnnl -lhdf5 -lboost_program_options -lpcre2-8 -lutf8proc -lpng16 -lpthread
