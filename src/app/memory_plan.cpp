@@ -224,12 +224,18 @@ GpuBackendPlan plan_gpu_backend(const ParamTable& table, const GroupShape& group
   // Every allocation from the caching allocator: the planned arrays and the backend's own buffers
   // (not NCCL's, which NCCL makes with cudaMalloc).
   std::vector<size_t> sizes;
-  for (const PlannedAllocation& a : allocations) sizes.push_back(a.bytes);
+  size_t mapped_rounding = 0, mapped = 0;
+  for (const PlannedAllocation& a : allocations) {
+    if (a.mapped)
+      mapped_rounding += gpu::mapped_block_bytes(a.bytes) - a.bytes, mapped++;
+    else
+      sizes.push_back(a.bytes);
+  }
   for (size_t bytes : {g.cublaslt, g.kernel_workspace, g.reduce_scratch, g.operand_copies})
     if (bytes) sizes.push_back(bytes);
   for (size_t bytes : g.cudnn_attention.allocations()) sizes.push_back(bytes);  // each buffer its own
-  g.rounding = gpu::allocator_rounding_bytes(sizes);
-  g.allocations = sizes.size();
+  g.rounding = gpu::allocator_rounding_bytes(sizes) + mapped_rounding;
+  g.allocations = sizes.size() + mapped;
   return g;
 }
 

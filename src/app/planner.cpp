@@ -106,7 +106,7 @@ std::vector<Candidate> plan_candidates(const Config& config, int world, int rank
 void describe_gpu_backend(const GpuBackendPlan& g, bool nccl) {
   std::printf("\nGPU backend (in peak/rank): workspace = cuBLASLt %s + kernels %s (largest: %s) + reductions %s + "
               "16-bit GEMM operands %s%s; rounding = the caching allocator's size classes (512 B up to 1 MiB, "
-              "2 MiB above) over %zu allocations\n",
+              "2 MiB above) and the mapped fp32 heads' 2 MiB granules, over %zu allocations\n",
               human_bytes(static_cast<double>(g.cublaslt)).c_str(),
               human_bytes(static_cast<double>(g.kernel_workspace)).c_str(), g.largest_kernel,
               human_bytes(static_cast<double>(g.reduce_scratch)).c_str(),

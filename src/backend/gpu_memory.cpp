@@ -24,6 +24,8 @@ size_t allocator_block_bytes(size_t bytes) {
   return round_up(bytes, bytes <= kAllocatorSmallLimit ? kAllocatorSmallGranule : kAllocatorLargeGranule);
 }
 
+size_t mapped_block_bytes(size_t bytes) { return round_up(bytes, kMappedGranule); }
+
 size_t allocator_rounding_bytes(const std::vector<size_t>& allocations) {
   size_t extra = 0;
   for (size_t bytes : allocations) extra += allocator_block_bytes(bytes) - bytes;

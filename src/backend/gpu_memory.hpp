@@ -20,6 +20,10 @@ namespace shardtrain::gpu {
 constexpr size_t kAllocatorSmallLimit = size_t{1} << 20;
 constexpr size_t kAllocatorSmallGranule = 512;
 constexpr size_t kAllocatorLargeGranule = size_t{2} << 20;
+// A backed prefix (CudaDevice::allocate_backed_prefix) maps physical memory in the driver's
+// minimum granularity, queried at run time: 2 MiB on every GPU the program runs on today.
+constexpr size_t kMappedGranule = size_t{2} << 20;
+size_t mapped_block_bytes(size_t bytes);
 // The block a request of `bytes` gets from the driver (0 for 0; SIZE_MAX where rounding overflows).
 size_t allocator_block_bytes(size_t bytes);
 // What rounding adds over these allocations: the sum of block_bytes(b) - b.

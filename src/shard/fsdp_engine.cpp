@@ -83,8 +83,8 @@ std::vector<UnitLayout> FsdpEngine::plan_layout(const ParamTable& table, const G
 std::vector<PlannedAllocation> FsdpEngine::plan_allocations(const std::vector<UnitLayout>& layout,
                                                            const EngineOptions& options) {
   std::vector<PlannedAllocation> list;
-  auto add = [&](MemCategory category, size_t bytes) {
-    if (bytes) list.push_back({category, bytes});
+  auto add = [&](MemCategory category, size_t bytes, bool mapped = false) {
+    if (bytes) list.push_back({category, bytes, mapped});
   };
   // Each unit's master shard and its gradient shard, then its quantized records (UnitShard); with
   // cpu_offload the master shards and gradients are host memory and the device keeps a gradient
@@ -101,7 +101,7 @@ std::vector<PlannedAllocation> FsdpEngine::plan_allocations(const std::vector<Un
   // param_dtype the gathered 16-bit copy the GEMMs multiply, and a quantized unit's gathered records.
   const bool half = options.param_dtype != DTYPE_FP32;
   for (const GatherSlot& slot : plan_gather_slots(layout, options)) {
-    add(MEM_GATHERED_UNITS, slot.backed * sizeof(float));
+    add(MEM_GATHERED_UNITS, slot.backed * sizeof(float), slot.backed < slot.numel);
     if (half) add(MEM_COMM_BUFFERS, slot.numel * sizeof(uint16_t));
     add(MEM_COMM_BUFFERS, slot.record_bytes);
   }

@@ -20,10 +20,13 @@ enum MemCategory {
 };
 
 // One planned device allocation: its category and bytes (the planner's lists, and the allocator's
-// rounding of each).
+// rounding of each). `mapped`: the backed head of a gathered fp32 buffer whose quantized tail has
+// no memory (Device::allocate_backed_prefix), which CUDA maps in the driver's granularity rather
+// than taking from the caching allocator.
 struct PlannedAllocation {
   MemCategory category;
   size_t bytes;
+  bool mapped = false;
 };
 
 inline const char* mem_category_name(MemCategory c) {

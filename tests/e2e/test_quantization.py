@@ -234,13 +234,22 @@ def test_a_16_bit_gather_dequantizes_into_the_16_bit_copy_alone():
     quantized = training(2, BASE, "--fsdp.frozen_dtype=nf4", *bf16)[1]["peak_mem"]["gathered_units"]
     assert dequantized - quantized == (2 * 9216 * 4 if cpu_has_bf16_dot_products() else 0), (quantized, dequantized)
     # A GPU plan takes the 16-bit copies on any host.
-    def gpu_gathered(*extra):
+    def gpu_plan(*extra):
         proc = run_single(["plan", "--world-size=2", "--format=lines", "--train.device=cuda",
                            *qlora_args(BASE, *bf16, *extra)[1:]])
         line = next(l for l in proc.stdout.splitlines()
                     if l.startswith("PLAN strategy=FULL_SHARD reduce=micro checkpointing=no offload=no"))
-        return int(line.split("gathered_units_bytes=")[1].split()[0])
-    assert gpu_gathered() - gpu_gathered("--fsdp.frozen_dtype=nf4") == 2 * 9216 * 4
+        return {k: int(v) for k, v in (kv.split("=", 1) for kv in line.split()[1:]) if v.isdigit()}
+    nf4 = "--fsdp.frozen_dtype=nf4"
+    assert gpu_plan()["gathered_units_bytes"] - gpu_plan(nf4)["gathered_units_bytes"] == 2 * 9216 * 4
+    # CUDA maps a block buffer's fp32 head in the driver's 2 MiB granules, not the allocator's 512 B
+    # classes: one more block buffer adds its head to gathered_units and 2 MiB minus the head to the
+    # rounding, beside its 16-bit copy's and records' 512 B classes.
+    two, three = gpu_plan(nf4, "--fsdp.limit_all_gathers=2"), gpu_plan(nf4, "--fsdp.limit_all_gathers=3")
+    head = three["gathered_units_bytes"] - two["gathered_units_bytes"]
+    assert 0 < head < 1 << 20, head
+    classes = three["rounding_bytes"] - two["rounding_bytes"] - ((2 << 20) - head)
+    assert 0 <= classes < 2 * 512, (head, two["rounding_bytes"], three["rounding_bytes"])
 
 
 def test_bad_quantization_settings_are_refused():
