@@ -11,6 +11,7 @@
 #include "app/memory_plan.hpp"
 #include "backend/gpu_memory.hpp"
 #include "model/adapter.hpp"
+#include "shard/fsdp_engine.hpp"
 #include "support/model_fixtures.hpp"
 
 namespace shardtrain {
@@ -301,6 +302,43 @@ TEST(GpuMemoryPlan, ActivationListCoversAdapters) {
   for (const PlannedAllocation& a : plan_device_allocations(table, GroupShape{}, EngineOptions{}, 2, 24, false))
     if (a.category == MEM_ACTIVATIONS) sum += a.bytes;
   EXPECT_EQ(sum, plan_activation_bytes(table, 2, 24, false));
+}
+
+// With bf16 operands a block buffer's quantized tail has no memory: CUDA maps its fp32 head in
+// the driver's 2 MiB granules, and the rounding counts those, not the allocator's classes, for
+// exactly the gathered buffers that take that path (a DeviceArray whose backed part is short).
+TEST(GpuMemoryPlan, MappedHeadsRoundToTheDriversGranule) {
+  AdapterConfig lora;
+  lora.type = ADAPTER_LORA, lora.rank = 4, lora.targets = {"q_proj"};
+  const ParamTable table(llama_config(), {}, lora, QuantConfig{QUANT_NF4, 32});
+  EngineOptions e;
+  e.param_dtype = DTYPE_BF16, e.linear_weights_in_half_only = true;
+  const GroupShape groups{2, 0, 1, 0};
+  std::vector<PlannedAllocation> list = plan_device_allocations(table, groups, e, 2, 24, false);
+  size_t short_slots = 0;
+  for (const FsdpEngine::GatherSlot& slot : FsdpEngine::plan_gather_slots(FsdpEngine::plan_layout(table, groups), e))
+    short_slots += slot.backed > 0 && slot.backed < slot.numel;
+  size_t mapped = 0, expected = 0;
+  for (PlannedAllocation& a : list)
+    if (a.mapped) {
+      EXPECT_EQ(a.category, MEM_GATHERED_UNITS);
+      EXPECT_LT(a.bytes, size_t{1} << 20);  // llama_config's heads: where the two roundings differ
+      mapped++;
+      expected += ((a.bytes + (size_t{2} << 20) - 1) / (size_t{2} << 20) * (size_t{2} << 20) - a.bytes) -
+                  (naive_block(a.bytes) - a.bytes);
+      a.mapped = false;  // as an allocator block
+    }
+  EXPECT_EQ(mapped, short_slots);
+  EXPECT_GT(mapped, 0u);
+  ComputeOptions cuda;
+  cuda.device = "cuda", cuda.compute_dtype = DTYPE_BF16, cuda.attention = ATTENTION_TILED;
+  const GemmWorkload gemms = gemm_workload(table.config(), {}, 2, 24);
+  const GpuBackendPlan as_mapped =
+      plan_gpu_backend(table, groups, 2, 24, cuda, gemms, plan_device_allocations(table, groups, e, 2, 24, false),
+                       false, {});
+  const GpuBackendPlan as_blocks = plan_gpu_backend(table, groups, 2, 24, cuda, gemms, list, false, {});
+  EXPECT_EQ(as_mapped.rounding - as_blocks.rounding, expected);
+  EXPECT_EQ(as_mapped.allocations, as_blocks.allocations);
 }
 
 // cuda minus cpu, with the same engine options: exactly the GPU-only items, summed here from the
