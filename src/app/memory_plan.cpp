@@ -222,19 +222,18 @@ GpuBackendPlan plan_gpu_backend(const ParamTable& table, const GroupShape& group
     }
   }
   // Every allocation from the caching allocator: the planned arrays and the backend's own buffers
-  // (not NCCL's, which NCCL makes with cudaMalloc).
+  // (not NCCL's, which NCCL makes with cudaMalloc). A mapped head comes from the driver instead.
   std::vector<size_t> sizes;
-  size_t mapped_rounding = 0, mapped = 0;
-  for (const PlannedAllocation& a : allocations) {
+  for (const PlannedAllocation& a : allocations)
     if (a.mapped)
-      mapped_rounding += gpu::mapped_block_bytes(a.bytes) - a.bytes, mapped++;
+      g.rounding += gpu::mapped_block_bytes(a.bytes) - a.bytes;
     else
       sizes.push_back(a.bytes);
-  }
+  const size_t mapped = allocations.size() - sizes.size();
   for (size_t bytes : {g.cublaslt, g.kernel_workspace, g.reduce_scratch, g.operand_copies})
     if (bytes) sizes.push_back(bytes);
   for (size_t bytes : g.cudnn_attention.allocations()) sizes.push_back(bytes);  // each buffer its own
-  g.rounding = gpu::allocator_rounding_bytes(sizes) + mapped_rounding;
+  g.rounding += gpu::allocator_rounding_bytes(sizes);
   g.allocations = sizes.size() + mapped;
   return g;
 }

@@ -22,9 +22,9 @@ class Skip(Exception):
     """Raised by a test that cannot run here; counted as skipped."""
 
 
-def mpirun_command(np_, argv, timeout=120):
+def mpirun_command(np_, argv, timeout=120, mpirun_args=()):
     # --bind-to none: ranks must not be pinned to one core each when they use 2 threads.
-    return ["timeout", "-k", "5", str(timeout), "mpirun", "--oversubscribe", "--bind-to", "none",
+    return ["timeout", "-k", "5", str(timeout), "mpirun", *mpirun_args, "--oversubscribe", "--bind-to", "none",
             "-np", str(np_), *argv]
 
 

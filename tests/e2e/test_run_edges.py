@@ -108,9 +108,7 @@ def test_memory_held_matches_the_plan():
 def signalled_run(ckdir, metrics, *extra, mpirun_args=()):
     args = tiny_args(f"--train.steps={STEPS}", f"--checkpoint.dir={ckdir}", f"--train.metrics_file={metrics}",
                      "--checkpoint.every=0", "--train.eval_every=0", *extra)
-    cmd = mpirun_command(2, [EXE, *args], timeout=120)
-    at = cmd.index("mpirun") + 1
-    cmd[at:at] = list(mpirun_args)
+    cmd = mpirun_command(2, [EXE, *args], timeout=120, mpirun_args=mpirun_args)
     # A session of its own: the signal goes to mpirun alone, as a terminal's Ctrl-C would reach it.
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -189,9 +187,8 @@ def test_ctrl_c_under_mpirun_tells_the_terminal_what_happened():
     ckdir, metrics = tempdir(), os.path.join(tempdir(), "m.jsonl")
     cmd = mpirun_command(2, [EXE, *tiny_args(f"--train.steps={STEPS}", f"--checkpoint.dir={ckdir}",
                                              f"--train.metrics_file={metrics}", "--checkpoint.every=0",
-                                             "--train.eval_every=0")], timeout=120)
-    at = cmd.index("mpirun") + 1
-    cmd[at:at] = ["--mca", "odls_base_sigkill_timeout", "5"]
+                                             "--train.eval_every=0")], timeout=120,
+                         mpirun_args=("--mca", "odls_base_sigkill_timeout", "5"))
     master, slave = pty.openpty()
 
     def own_terminal():  # a session whose controlling terminal is the pty

@@ -245,11 +245,12 @@ void* CudaDevice::allocate_backed_prefix(size_t backed, size_t bytes) {
     return p;
   }
   static bool coarser_warned = false;
-  if (granularity > gpu::kMappedGranule && !coarser_warned)
+  if (granularity > gpu::kMappedGranule && !coarser_warned) {
     std::fprintf(stderr, "warning: %s maps memory in %zu-byte granules; the memory plan counted %zu: each gathered "
                  "fp32 buffer may hold up to %zu bytes more than planned\n", name_.c_str(), granularity,
                  gpu::kMappedGranule, granularity - gpu::kMappedGranule);
-  coarser_warned = coarser_warned || granularity > gpu::kMappedGranule;
+    coarser_warned = true;
+  }
   auto round = [granularity](size_t n) { return (n + granularity - 1) / granularity * granularity; };
   Cache::Prefix prefix{round(bytes), round(backed), 0, false};
   CUdeviceptr address = 0;
