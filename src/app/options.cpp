@@ -23,6 +23,7 @@
 #include "comm/runtime.hpp"
 #include "core/error.hpp"
 #include "data/token_file.hpp"
+#include "model/rope_scaling.hpp"
 #include "shard/fsdp_engine.hpp"
 
 namespace po = boost::program_options;
@@ -135,6 +136,9 @@ void declare_options(OptionList& o, Config& c) {
         "llama: key/value heads, a divisor of model.n_head (grouped-query attention); 0 = model.n_head");
   o.add("model.intermediate_size", &c.model.intermediate_size, "llama: width of the SwiGLU MLP; 0 = 4 x model.n_embd");
   o.add("model.rope_theta", &c.model.rope_theta, "llama, flux: base of the rotary embedding's frequencies");
+  o.add("model.rope_scaling", &c.model.rope_scaling,
+        "llama: scaled rotary frequencies (config.json's rope_scaling): empty for none, 'linear:factor=F' or "
+        "'llama3:factor=F,low_freq_factor=A,high_freq_factor=B,original_max_position_embeddings=N' (Llama 3.1+)");
   o.add("model.norm_eps", &c.model.norm_eps,
         "llama: RMSNorm epsilon; flux: its LayerNorms' and q/k RMSNorms' (FLUX.1: 1e-6); gpt2's LayerNorm has 1e-5");
   o.add("model.tie_embeddings", &c.model.tie_embeddings,
@@ -579,6 +583,9 @@ void take_model_shape_from_hf_folder(const po::variables_map& vm, Config& c) {
   if (reads("model.guidance_embeds")) take("model.guidance_embeds", &c.model.guidance_embeds, hf.guidance_embeds, flag);
   if (reads("model.rope_axes"))
     take("model.rope_axes", &c.model.rope_axes, hf.rope_axes, [](const std::string& a) { return a; });
+  if (reads("model.rope_scaling"))
+    take("model.rope_scaling", &c.model.rope_scaling, hf.rope_scaling,
+         [](const std::string& a) { return a.empty() ? std::string("none") : a; });
   require(mismatches.empty(), "checkpoint.init_from='" + printable_text(c.checkpoint.init_from) + "': " + mismatches +
                                   "; the shape comes from " + source + ": remove these model.* keys from the "
                                   "configuration (or set them to its values)");
@@ -641,6 +648,12 @@ ParsedTrainArgs parse_train_args(const std::vector<std::string>& raw_args, const
     throw UsageError(option_error_text(e) + (where.empty() ? "" : " (" + where + ")") +
                      "; see 'shardtrain " + command + " --help'");
   }
+  {  // model.rope_scaling in its exact text form, so that checkpoints and config.json compare by value
+    RopeScaling scaling;
+    std::string defect;  // reported with the model's other defects (validate_config)
+    std::string& text = parsed.config.model.rope_scaling;
+    if (RopeScaling::parse(text, &scaling, &defect)) text = scaling.text();
+  }
   take_model_shape_from_hf_folder(vm, parsed.config);
   // A Hugging Face folder brings its tokenizer too, unless the configuration names one ("" included).
   std::string& tokenizer = parsed.config.data.tokenizer;
@@ -684,7 +697,8 @@ void validate_architecture(const ModelConfig& m) {
       {"model.condition_len", m.condition_len != d.condition_len},
       {"model.pixel_patch", m.pixel_patch != d.pixel_patch},
       {"model.guidance_embeds", m.guidance_embeds != d.guidance_embeds},
-      {"model.rope_axes", m.rope_axes != d.rope_axes}};
+      {"model.rope_axes", m.rope_axes != d.rope_axes},
+      {"model.rope_scaling", m.rope_scaling != d.rope_scaling}};
   for (const auto& [key, set] : family_keys) {
     if (!set || family.reads_key(key)) continue;
     std::string takers;

@@ -451,6 +451,7 @@ const char* ADAPTER_METHOD_INTS[6] = {"adapter.decompose_both", "adapter.decompo
 // config's family reads it (ModelFamily::config_keys): META_ATTRS's rows with a `family_int`.
 const char* FAMILY_GUIDANCE = "model.guidance_embeds";
 const char* FAMILY_ROPE_AXES = "model.rope_axes";
+const char* FAMILY_ROPE_SCALING = "model.rope_scaling";
 
 std::array<int64_t, 6> adapter_method_ints(const AdapterConfig& a) {
   return {a.decompose_both, a.decompose_factor, a.block_size, a.cayley_neumann, a.neumann_terms, a.block_share};
@@ -471,8 +472,8 @@ struct MetaValue {
 };
 enum class AttrType { STR, I64, U64, F64 };
 // When a file of the attribute's version or later holds it: always; when the model's family reads
-// the key (FAMILY), or reads it and the value is not 0 (FAMILY_NONZERO: a key added after files
-// without it); or with its group -- the data's identity (written by every save), a text encoder
+// the key (FAMILY), or reads it and the value is not 0 or empty (FAMILY_NONZERO: a key added after
+// files without it); or with its group -- the data's identity (written by every save), a text encoder
 // in the job, a quantized base's records (written when the state has them) -- which a reader reads
 // when the group's first attribute is in the file.
 enum class Presence { ALWAYS, FAMILY, FAMILY_NONZERO, DATASET, TEXT_ENCODER, RECORDS };
@@ -551,6 +552,7 @@ const MetaAttr META_ATTRS[] = {
     {"model.pixel_patch", AT::I64, 6, P::FAMILY_NONZERO, nullptr, &ModelConfig::pixel_patch, true},
     {"model.guidance_embeds", AT::I64, 6, P::FAMILY, [](S s) { return int_value(s.model.guidance_embeds); }},
     {"model.rope_axes", AT::STR, 6, P::FAMILY, [](S s) { return text_value(s.model.rope_axes); }},
+    {"model.rope_scaling", AT::STR, 8, P::FAMILY_NONZERO, [](S s) { return text_value(s.model.rope_scaling); }},
     {"text_encoder.source", AT::STR, 1, P::TEXT_ENCODER, [](S s) { return text_value(s.text_encoder); }},
     {"text_encoder.layers", AT::STR, 1, P::TEXT_ENCODER, [](S s) { return text_value(s.text_encoder_layers); }},
     {"text_encoder.tokenizer", AT::STR, 1, P::TEXT_ENCODER, [](S s) { return text_value(s.text_encoder_tokenizer); }},
@@ -592,7 +594,7 @@ void write_state(hid_t file, const CheckpointState& state, const ModelConfig& mo
     switch (a.presence) {
       case P::ALWAYS: case P::DATASET: break;
       case P::FAMILY: written = family.reads_key(a.name); break;
-      case P::FAMILY_NONZERO: written = family.reads_key(a.name) && v.i != 0; break;
+      case P::FAMILY_NONZERO: written = family.reads_key(a.name) && (a.type == AT::STR ? !v.text.empty() : v.i != 0); break;
       case P::TEXT_ENCODER: written = !s.text_encoder.empty(); break;
       case P::RECORDS: written = !s.quantized_dtype.empty(); break;
     }
@@ -788,6 +790,7 @@ CheckpointState read_state(hid_t file, const std::string& path) {
     throw CheckpointError(where + "attribute " + FAMILY_GUIDANCE + " is neither 0 nor 1; the file is damaged");
   m.guidance_embeds = guidance == 1;
   if (has(FAMILY_ROPE_AXES)) m.rope_axes = str(FAMILY_ROPE_AXES);
+  if (has(FAMILY_ROPE_SCALING)) m.rope_scaling = str(FAMILY_ROPE_SCALING);
   defect = model_arch_defect(m);
   if (!defect.empty()) throw CheckpointError(where + "attribute " + defect + "; the file is damaged");
   return s;
@@ -999,6 +1002,7 @@ std::string model_mismatch(const std::string& path, const ModelConfig& stored, c
       differ(a.name, std::to_string(stored.*a.family_int), std::to_string(configured.*a.family_int));
   differ(FAMILY_GUIDANCE, stored.guidance_embeds ? "true" : "false", configured.guidance_embeds ? "true" : "false");
   differ(FAMILY_ROPE_AXES, stored.rope_axes, configured.rope_axes);
+  differ(FAMILY_ROPE_SCALING, stored.rope_scaling, configured.rope_scaling);
   if (differences.empty()) return "";
   return "checkpoint '" + path + "' holds another model: " + differences +
          "; set model.* to match, or use another checkpoint.dir";

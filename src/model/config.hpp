@@ -20,6 +20,7 @@ struct ModelConfig {
   int n_kv_head = 0;          // key/value heads; 0 = n_head (plain multi-head attention)
   int intermediate_size = 0;  // SwiGLU width; 0 = 4 n_embd
   double rope_theta = 10000.0;
+  std::string rope_scaling;  // llama: scaled rotary frequencies, "" for none (model/rope_scaling.hpp)
   double norm_eps = 1e-5;
   bool tie_embeddings = true;  // LM head = token embedding; false: its own lm_head.weight
   // flux's (model/families/flux): n_layer double-stream blocks then n_single_layer single-stream

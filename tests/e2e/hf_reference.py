@@ -26,6 +26,7 @@ layout: every file written is opened with safe_open).
 """
 import hashlib
 import json
+import math
 import os
 import sys
 
@@ -227,11 +228,40 @@ def rms_norm(x, w, eps):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
 
-def rotary_cos_sin(T, d, theta):
-    """LlamaRotaryEmbedding, rope_type default: inv_freq = 1 / theta^(arange(0, d, 2) / d) and the
-    angles position * inv_freq, each computed in float32 as transformers does; emb = cat(freqs,
-    freqs); cos and sin of it held in float32."""
-    inv_freq = np.float32(1.0) / (np.float32(theta) ** (np.arange(0, d, 2).astype(np.float32) / np.float32(d)))
+def rope_inverse_frequencies(d, theta, scaling=None):
+    """LlamaRotaryEmbedding's inv_freq (modeling_rope_utils), each step in float32 as transformers
+    computes it, bit for bit: 1 / theta^(arange(0, d, 2) / d); rope_type linear divides it by factor; llama3
+    (_compute_llama3_parameters) divides the frequencies whose wavelength exceeds
+    original_max_position_embeddings / low_freq_factor by factor, keeps those below
+    original_max_position_embeddings / high_freq_factor, and blends the ones between."""
+    f32 = np.float32
+    exponents = np.arange(0, d, 2).astype(f32) / f32(d)
+    # torch's pow of a float32 base: the correctly rounded power (numpy's float32 ** is off by one
+    # unit in the last place for some exponents)
+    powers = np.array([math.pow(float(f32(theta)), float(e)) for e in exponents]).astype(f32)
+    inv_freq = f32(1.0) / powers
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / f32(scaling["factor"])
+    elif kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = f32(old / low), f32(old / high)
+        wavelen = f32(2 * np.pi) / inv_freq
+        kept = np.where(wavelen > low_wavelen, inv_freq / f32(factor), inv_freq)
+        smooth = (f32(old) / wavelen - f32(low)) / f32(high - low)
+        smoothed = (f32(1.0) - smooth) * kept / f32(factor) + smooth * kept
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = np.where(medium, smoothed, kept).astype(f32)
+    else:
+        assert kind == "default", scaling
+    return inv_freq
+
+
+def rotary_cos_sin(T, d, theta, scaling=None):
+    """LlamaRotaryEmbedding: the angles position * inv_freq, computed in float32 as transformers
+    does; emb = cat(freqs, freqs); cos and sin of it held in float32."""
+    inv_freq = rope_inverse_frequencies(d, theta, scaling)
     freqs = np.arange(T, dtype=np.float32)[:, None] * inv_freq[None, :]
     emb = np.concatenate([freqs, freqs], -1).astype(np.float64)
     return np.cos(emb).astype(np.float32).astype(np.float64), np.sin(emb).astype(np.float32).astype(np.float64)
@@ -248,9 +278,11 @@ def llama_hidden_states(config, w, inputs):
     L, C, H = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
     KV = config.get("num_key_value_heads") or H
     d = config.get("head_dim") or C // H
-    eps, theta = config.get("rms_norm_eps", 1e-6), config.get("rope_theta", 10000.0)
+    # transformers 5's rope_parameters, or rope_theta and (transformers 4) rope_scaling
+    rope = config.get("rope_parameters") or config.get("rope_scaling")
+    eps, theta = config.get("rms_norm_eps", 1e-6), (rope or {}).get("rope_theta", config.get("rope_theta", 10000.0))
     T = len(inputs)
-    cos, sin = rotary_cos_sin(T, d, theta)
+    cos, sin = rotary_cos_sin(T, d, theta, rope)
     mask = np.triu(np.full((T, T), -np.inf), 1)
     x = w["embed_tokens.weight"][inputs]
     states = [x]

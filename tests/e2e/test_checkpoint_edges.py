@@ -89,8 +89,10 @@ META_ORDER_V5 = ("adapter.decompose_both", "adapter.decompose_factor", "adapter.
 META_ORDER_V6 = {"flux": ("model.n_single_layer", "model.in_channels", "model.context_dim", "model.context_len",
                           "model.condition_len", "model.pooled_dim", "model.pixel_patch", "model.guidance_embeds",
                           "model.rope_axes")}
-# Written only when not 0 (a pixel-space model's patch).
-META_OPTIONAL = ("model.pixel_patch",)
+# Version 8 appends the decoders' scaled rotary embedding.
+META_ORDER_V8 = {"llama": ("model.rope_scaling",), "qwen2": ("model.rope_scaling",)}
+# Written only when not 0 or empty (a pixel-space model's patch, a scaled rotary embedding).
+META_OPTIONAL = ("model.pixel_patch", "model.rope_scaling")
 # Then, in a file of a run with a text encoder in the job (any version), its record.
 META_ORDER_TEXT_ENCODER = ("text_encoder.source", "text_encoder.layers", "text_encoder.tokenizer", "text_encoder.dtype",
                            "text_encoder.quant_block", "text_encoder.quantize_all_linear", "text_encoder.checksum")
@@ -105,9 +107,9 @@ def text_of(value):
 def meta_checksum(attrs):
     """FNV-1a 64 over name NUL value NUL of each attribute in META_ORDER (and, from version 2,
     META_ORDER_V2; then META_ORDER_DATASET where present; from version 3 META_ORDER_V3; from version 4
-    META_ORDER_V4; from version 5 META_ORDER_V5; from version 6 its family's META_ORDER_V6, the
-    META_OPTIONAL ones where present; then META_ORDER_TEXT_ENCODER and META_ORDER_QUANTIZED where present), integers in
-    decimal, reals as %.17g."""
+    META_ORDER_V4; from version 5 META_ORDER_V5; from version 6 its family's META_ORDER_V6, from
+    version 8 its META_ORDER_V8, the META_OPTIONAL ones where present; then META_ORDER_TEXT_ENCODER and
+    META_ORDER_QUANTIZED where present), integers in decimal, reals as %.17g."""
     h = 0xCBF29CE484222325
     for name in (META_ORDER + (META_ORDER_V2 if int(attrs["version"]) >= 2 else ()) +
                  (META_ORDER_DATASET if "dataset.train" in attrs else ()) +
@@ -115,6 +117,7 @@ def meta_checksum(attrs):
                  (META_ORDER_V4 if int(attrs["version"]) >= 4 else ()) +
                  (META_ORDER_V5 if int(attrs["version"]) >= 5 else ()) +
                  (META_ORDER_V6.get(text_of(attrs["model.arch"]), ()) if int(attrs["version"]) >= 6 else ()) +
+                 (META_ORDER_V8.get(text_of(attrs["model.arch"]), ()) if int(attrs["version"]) >= 8 else ()) +
                  (META_ORDER_TEXT_ENCODER if "text_encoder.source" in attrs else ()) +
                  (META_ORDER_QUANTIZED if "quantized.dtype" in attrs else ())):
         if name in META_OPTIONAL and name not in attrs:

@@ -346,6 +346,67 @@ def test_llama_export_round_trips_and_matches_the_checkpoint():
     assert json.load(open(os.path.join(half, "config.json")))["torch_dtype"] == "bfloat16"
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 256}
+LLAMA3_TEXT = "llama3:factor=8,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=256"
+
+
+def test_scaled_rotary_embeddings_give_transformers_loss_and_travel_with_the_model():
+    """Llama 3.1's rope_scaling (llama3: head size 10 over 256 original positions keeps two
+    frequencies, blends one and divides two) and linear scaling (transformers 5's rope_parameters)
+    give the reference's loss -- whose inverse frequencies are transformers' bit for bit
+    (tests/unit/test_rope_scaling.cpp) -- and not the unscaled model's; the setting goes into the
+    checkpoint and back out to config.json."""
+    data, window = periodic_data()
+    cases = [(llama_folder("F32", config={"rope_scaling": LLAMA3}), LLAMA3_TEXT, (1, 2)),
+             (llama_folder("BF16", seed=2, config={"rope_scaling": DROP, "rope_theta": DROP, "rope_parameters": {
+                 "rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0}}), "linear:factor=4", (3,))]
+    for folder, text, ranks in cases:
+        expected = reference("loss", folder, *window)["loss"]
+        plain = json.load(open(os.path.join(folder, "config.json")))
+        plain["rope_theta"] = (plain.pop("rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        plain.pop("rope_scaling", None)
+        unscaled_folder = os.path.join(tempdir(), "unscaled")
+        shutil.copytree(folder, unscaled_folder)
+        json.dump(plain, open(os.path.join(unscaled_folder, "config.json"), "w"))
+        unscaled = reference("loss", unscaled_folder, *window)["loss"]
+        assert rel_diff(unscaled, expected) > 1e-3, (unscaled, expected)  # the scaling is in play
+        for np_ in ranks:
+            loss, proc = first_loss(folder, data, np_=np_, args=llama_args)
+            assert f"rope_scaling={text}" in proc.stdout, proc.stdout
+            assert rel_diff(loss, expected) < 2e-6, (folder, np_, loss, expected)
+
+    # Import -> checkpoint -> export: config.json's rope_scaling comes back, and the model's loss.
+    folder = cases[0][0]
+    ckdir = tempdir()
+    proc = run(2, llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}", "--data.val_file=",
+                             "--train.steps=1", "--train.lr=1e-30", f"--checkpoint.dir={ckdir}"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = os.path.join(ckdir, "ckpt-00000001.h5")
+    with h5py.File(ckpt, "r") as f:
+        assert int(f.attrs["version"]) == 8
+        assert f.attrs["model.rope_scaling"] in (LLAMA3_TEXT, LLAMA3_TEXT.encode())
+    out = os.path.join(tempdir(), "exported")
+    proc = run(1, ["export", "--format", "hf", "--checkpoint", ckpt, "--output", out])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.load(open(os.path.join(out, "config.json")))["rope_scaling"] == LLAMA3
+    assert reference("loss", out, *window) == reference("loss", folder, *window)
+    # A configuration that says otherwise is refused, naming both; one that says the same (in any
+    # spelling of the numbers) is the same model.
+    expect_usage_error(llama_args(f"--checkpoint.init_from={folder}", "--model.rope_scaling=linear:factor=8"),
+                       f"model.rope_scaling=linear:factor=8 but config.json says {LLAMA3_TEXT}")
+    expect_usage_error(llama_args(f"--checkpoint.init_from={unscaled_folder}", "--model.rope_scaling=linear:factor=8"),
+                       "but config.json says none")
+    loss, _ = first_loss(folder, data, "--model.rope_scaling=" + LLAMA3_TEXT.replace("=8,", "=8.0,"), np_=1,
+                         args=llama_args)
+    assert rel_diff(loss, reference("loss", folder, *window)["loss"]) < 2e-6
+    expect_usage_error(tiny_args("--model.rope_scaling=linear:factor=2"), "model.rope_scaling is not a gpt2 option")
+    expect_usage_error(llama_args("--model.arch=llama", "--model.rope_scaling=yarn:factor=2"), "unknown type 'yarn'")
+    both = llama_folder("F32", config={"rope_scaling": LLAMA3, "rope_parameters": {"rope_type": "linear",
+                                                                                     "factor": 2.0}})
+    expect_usage_error(llama_args(f"--checkpoint.init_from={both}"), "rope_scaling and rope_parameters disagree")
+
+
 def test_llama_shape_comes_from_config_json():
     folder = llama_folder("F32")
     # Keys the configuration sets must agree with config.json; each disagreement is named.
@@ -379,7 +440,12 @@ def test_llama_bad_folders_are_refused_naming_file_and_key():
 
     cases = []
     for key, value, needle in (
-            ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "rope_scaling {"),
+            ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope_type 'dynamic' is not implemented"),
+            ("rope_scaling", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+             "needs 'original_max_position_embeddings'"),
+            ("rope_scaling", {"rope_type": "linear", "factor": 2.0, "low_freq_factor": 1.0},
+             "'low_freq_factor' is not implemented for rope_type linear"),
+            ("rope_scaling", {"rope_type": "linear", "factor": -2.0}, "rope_scaling.factor -2.0 is not a positive"),
             ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}, "rope_parameters {"),
             ("head_dim", 20, "head_dim 20"), ("attention_bias", True, "attention_bias true"),
             ("mlp_bias", True, "mlp_bias true"), ("hidden_act", "gelu", "hidden_act 'gelu'"),

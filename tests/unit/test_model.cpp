@@ -142,12 +142,18 @@ TEST(ParamTable, ShippedShapesHaveTheirNominalSizes) {
   EXPECT_NEAR(count(20, 1024, 16) / 1e6, 304.0, 1.5);
 }
 
-// Hugging Face's published parameter counts: SmolLM-135M (tied) and TinyLlama-1.1B (untied).
+// Hugging Face's published parameter counts: SmolLM-135M and Llama-3.2-1B (tied), TinyLlama-1.1B (untied).
 TEST(ParamTable, LlamaShapesHaveTheParameterCountsOfTheRealModels) {
   ModelConfig smol;
   smol.arch = "llama", smol.n_layer = 30, smol.n_embd = 576, smol.n_head = 9, smol.n_kv_head = 3;
   smol.intermediate_size = 1536, smol.vocab_size = 49152, smol.max_seq_len = 2048, smol.tie_embeddings = true;
   EXPECT_EQ(ParamTable(smol).total_params(), 134515008u);
+  ModelConfig llama32 = smol;
+  llama32.n_layer = 16, llama32.n_embd = 2048, llama32.n_head = 32, llama32.n_kv_head = 8;
+  llama32.intermediate_size = 8192, llama32.vocab_size = 128256, llama32.max_seq_len = 131072;
+  llama32.rope_theta = 500000, llama32.rope_scaling = "llama3:factor=32,low_freq_factor=1,high_freq_factor=4,"
+                                                      "original_max_position_embeddings=8192";
+  EXPECT_EQ(ParamTable(llama32).total_params(), 1235814400u);
   ModelConfig tiny = smol;
   tiny.n_layer = 22, tiny.n_embd = 2048, tiny.n_head = 32, tiny.n_kv_head = 4, tiny.intermediate_size = 5632;
   tiny.vocab_size = 32000, tiny.tie_embeddings = false;

@@ -4,22 +4,94 @@
 // inv_freq buffers of older files are ignored.
 #include "model/families/llama/llama_family.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.hpp"
 #include "model/families/llama/llama_model.hpp"
 #include "model/param_table.hpp"
+#include "model/rope_scaling.hpp"
 
 namespace shardtrain {
+namespace {
+
+// config.json's rope_scaling and rope_parameters (either, or both saying the same): the plain
+// rotary embedding (rope_type default), linear or llama3, in model.rope_scaling's text form; a
+// rope_theta inside sets *theta. Every other type or key is refused, naming it.
+std::string read_rope_scaling(const HfConfig& j, double* theta) {
+  std::string found;
+  const char* found_in = nullptr;
+  for (const char* key : {"rope_scaling", "rope_parameters"}) {
+    const nlohmann::json& rope = j[key];
+    if (rope.is_null()) continue;
+    const std::string where = std::string(key) + " " + rope.dump();
+    if (!rope.is_object()) j.fail(where + " is not a JSON object or null");
+    const nlohmann::json type_value =
+        rope.contains("rope_type") ? rope["rope_type"] : rope.value("type", nlohmann::json("default"));
+    const std::string type = type_value.is_string() ? type_value.get<std::string>() : type_value.dump();
+    if (type != "default" && type != "linear" && type != "llama3")
+      j.fail(where + ": rope_type '" + type + "' is not implemented; ShardTrain's rotary embeddings are the plain "
+                     "one (default), linear and llama3");
+    const std::vector<std::string> settings =
+        type == "default" ? std::vector<std::string>{}
+        : type == "linear" ? std::vector<std::string>{"factor"}
+                           : std::vector<std::string>{"factor", "low_freq_factor", "high_freq_factor",
+                                                      "original_max_position_embeddings"};
+    std::string text = type == "default" ? "" : type + ":";
+    for (const auto& item : rope.items()) {
+      const std::string& name = item.key();
+      if (name == "rope_type" || name == "type") continue;
+      const bool setting = std::find(settings.begin(), settings.end(), name) != settings.end();
+      if (!setting && name != "rope_theta")
+        j.fail(where + ": '" + name + "' is not implemented for rope_type " + type + " (ShardTrain reads " +
+               (settings.empty() ? std::string("rope_theta") : "rope_theta and its settings") + ")");
+      if (!item.value().is_number() || !(item.value().get<double>() > 0))
+        j.fail(std::string(key) + "." + name + " " + item.value().dump() + " is not a positive number");
+      if (name == "rope_theta") *theta = item.value().get<double>();
+    }
+    for (const std::string& name : settings) {
+      if (!rope.contains(name)) j.fail(where + ": rope_type " + type + " needs '" + name + "'");
+      text += (text.back() == ':' ? "" : ",") + name + "=" + strprintf("%.17g", rope[name].get<double>());
+    }
+    RopeScaling scaling;
+    std::string defect;
+    if (!RopeScaling::parse(text, &scaling, &defect)) j.fail(where + ": " + defect.substr(defect.find("': ") + 3));
+    if (found_in && scaling.text() != found)
+      j.fail(std::string(found_in) + " and " + key + " disagree; give one");
+    found = scaling.text(), found_in = key;
+  }
+  return found;
+}
+
+// The text form as config.json's rope_scaling (null for none), as transformers 4 writes it.
+nlohmann::ordered_json rope_scaling_json(const std::string& text) {
+  RopeScaling s;
+  std::string defect;
+  SHARD_CHECK(RopeScaling::parse(text, &s, &defect), "%s", defect.c_str());
+  if (s.type == RopeScaling::NONE) return nullptr;
+  nlohmann::ordered_json j;
+  j["rope_type"] = s.type == RopeScaling::LINEAR ? "linear" : "llama3";
+  j["factor"] = s.factor;
+  if (s.type == RopeScaling::LLAMA3) {
+    j["low_freq_factor"] = s.low_freq_factor;
+    j["high_freq_factor"] = s.high_freq_factor;
+    j["original_max_position_embeddings"] = static_cast<int64_t>(s.original_max_position_embeddings);
+  }
+  return j;
+}
+
+}  // namespace
 
 std::string LlamaFamily::summary(const ModelConfig& c) const {
-  return strprintf("%s L=%d C=%d H=%d KV=%d MLP=%d V=%d max_seq_len=%d rope_theta=%g norm_eps=%g %s",
-                   display_name(), c.n_layer, c.n_embd, c.n_head, c.kv_heads(), c.mlp_size(),
-                   c.vocab_size, c.max_seq_len, c.rope_theta, c.norm_eps, c.tie_embeddings ? "tied" : "untied");
+  return strprintf("%s L=%d C=%d H=%d KV=%d MLP=%d V=%d max_seq_len=%d rope_theta=%g norm_eps=%g %s%s%s",
+                   display_name(), c.n_layer, c.n_embd, c.n_head, c.kv_heads(), c.mlp_size(), c.vocab_size,
+                   c.max_seq_len, c.rope_theta, c.norm_eps, c.tie_embeddings ? "tied" : "untied",
+                   c.rope_scaling.empty() ? "" : " rope_scaling=", c.rope_scaling.c_str());
 }
 
 std::vector<std::string> LlamaFamily::config_keys() const {
-  return {"model.n_kv_head", "model.intermediate_size", "model.rope_theta", "model.norm_eps", "model.tie_embeddings"};
+  return {"model.n_kv_head", "model.intermediate_size", "model.rope_theta", "model.rope_scaling", "model.norm_eps",
+          "model.tie_embeddings"};
 }
 
 std::string LlamaFamily::config_defect(const ModelConfig& m) const {
@@ -33,6 +105,9 @@ std::string LlamaFamily::config_defect(const ModelConfig& m) const {
     return strprintf("model.intermediate_size=%d is not in [0, 2^24] (0 = 4 x model.n_embd) or makes more than 10^13 "
                      "parameters", m.intermediate_size);
   if (!(m.rope_theta > 0) || !std::isfinite(m.rope_theta)) return strprintf("model.rope_theta=%g must be > 0", m.rope_theta);
+  RopeScaling scaling;
+  std::string defect;
+  if (!RopeScaling::parse(m.rope_scaling, &scaling, &defect)) return defect;
   if (!(m.norm_eps > 0) || !std::isfinite(m.norm_eps)) return strprintf("model.norm_eps=%g must be > 0", m.norm_eps);
   return "";
 }
@@ -149,24 +224,8 @@ ModelConfig LlamaFamily::read_decoder_config(const HfConfig& j, const ModelConfi
   m.rope_theta = j.positive("rope_theta", 10000.0);
   m.norm_eps = j.positive("rms_norm_eps", 1e-6);
   m.tie_embeddings = j.flag("tie_word_embeddings", defaults.tie_embeddings);
-  // The rotary settings may also come as transformers 5's rope_parameters; either dict may only
-  // name the plain rotary embedding (rope_type default) and its theta.
-  for (const char* key : {"rope_scaling", "rope_parameters"}) {
-    const nlohmann::json& rope = j[key];
-    if (rope.is_null()) continue;
-    if (!rope.is_object()) j.fail(std::string(key) + " " + rope.dump() + " is not a JSON object or null");
-    const nlohmann::json type =
-        rope.contains("rope_type") ? rope["rope_type"] : rope.value("type", nlohmann::json("default"));
-    for (const auto& item : rope.items())
-      if (type != "default" || (item.key() != "rope_type" && item.key() != "type" && item.key() != "rope_theta"))
-        j.fail(std::string(key) + " " + rope.dump() +
-               " is not implemented; ShardTrain's rotary embedding is the plain one (rope_type default, rope_theta)");
-    if (rope.contains("rope_theta")) {
-      if (!rope["rope_theta"].is_number() || !(rope["rope_theta"].get<double>() > 0))
-        j.fail(std::string(key) + ".rope_theta " + rope["rope_theta"].dump() + " is not a positive number");
-      m.rope_theta = rope["rope_theta"].get<double>();
-    }
-  }
+  // The rotary settings may also come as transformers 5's rope_parameters (with rope_theta inside).
+  m.rope_scaling = read_rope_scaling(j, &m.rope_theta);
   const std::string act = j.text("hidden_act", "silu");
   if (act != "silu" && act != "swish")
     j.fail("hidden_act '" + act + "' is not implemented; ShardTrain's " + display_name() + " MLP uses silu");
@@ -217,7 +276,7 @@ void LlamaFamily::write_decoder_config(const ModelConfig& m, const char* model_t
   j["hidden_act"] = "silu";
   j["rms_norm_eps"] = m.norm_eps;
   j["rope_theta"] = m.rope_theta;
-  j["rope_scaling"] = nullptr;
+  j["rope_scaling"] = rope_scaling_json(m.rope_scaling);
   j["attention_dropout"] = 0.0;
   j["tie_word_embeddings"] = m.tie_embeddings;
   // The token ids are not known to a checkpoint: null, rather than absent, which the config classes

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "core/error.hpp"
+#include "model/rope_scaling.hpp"
 
 namespace shardtrain {
 
@@ -33,16 +34,19 @@ LlamaModel<Real>::LlamaModel(const ParamTable& table, int batch, int seq_len, bo
   list.done();
 }
 
-// Hugging Face's tables: inv_freq[i] = theta^(-2i/d) and the angle t * inv_freq[i], both rounded
-// to fp32 as its rotary embedding computes them; cos and sin of that angle.
+// Hugging Face's tables: inv_freq[i] (theta^(-2i/d), scaled: model/rope_scaling.hpp) and the angle
+// t * inv_freq[i], both rounded to fp32 as its rotary embedding computes them; cos and sin of that angle.
 template <typename Real>
 void LlamaModel<Real>::make_rope_tables(int T, Array& cos_table, Array& sin_table) const {
   const size_t half = cfg_.head_size() / 2;
+  RopeScaling scaling;
+  std::string defect;
+  SHARD_CHECK(RopeScaling::parse(cfg_.rope_scaling, &scaling, &defect), "%s", defect.c_str());
+  const std::vector<float> inv_freq = rope_inverse_frequencies(cfg_.head_size(), cfg_.rope_theta, scaling);
   std::vector<Real> cos(T * half), sin(T * half);
   for (int t = 0; t < T; t++)
     for (size_t i = 0; i < half; i++) {
-      const float inv_freq = static_cast<float>(std::pow(cfg_.rope_theta, -2.0 * i / cfg_.head_size()));
-      const double angle = static_cast<float>(t) * inv_freq;
+      const double angle = static_cast<float>(t) * inv_freq[i];
       cos[t * half + i] = static_cast<Real>(std::cos(angle)), sin[t * half + i] = static_cast<Real>(std::sin(angle));
     }
   Device& dev = ops_.device();

@@ -1,0 +1,90 @@
+// Scaled rotary embeddings (model/rope_scaling.hpp): the inverse frequencies against the bits
+// transformers 5.24 computes (ROPE_INIT_FUNCTIONS, LlamaConfig of that shape; recorded once from
+// it), and model.rope_scaling's text form.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "model/rope_scaling.hpp"
+
+using namespace shardtrain;
+
+namespace {
+
+std::vector<uint32_t> bits_of(const std::vector<float>& values) {
+  std::vector<uint32_t> bits(values.size());
+  std::memcpy(bits.data(), values.data(), values.size() * sizeof(float));
+  return bits;
+}
+
+RopeScaling parsed(const std::string& text) {
+  RopeScaling s;
+  std::string error;
+  EXPECT_TRUE(RopeScaling::parse(text, &s, &error)) << error;
+  return s;
+}
+
+std::string parse_error(const std::string& text) {
+  RopeScaling s;
+  std::string error;
+  EXPECT_FALSE(RopeScaling::parse(text, &s, &error)) << text;
+  return error;
+}
+
+}  // namespace
+
+TEST(RopeScaling, Llama32InverseFrequenciesAreTransformersBits) {
+  // Llama-3.2-1B: head size 64, rope_theta 500000, llama3 with factor 32: the first frequencies
+  // kept, the middle ones blended, the last ones divided by 32.
+  const std::vector<uint32_t> expected = {
+      0x3f800000, 0x3f29e1c6, 0x3ee177bc, 0x3e959ee3, 0x3e4693b0, 0x3e03c6a0, 0x3daee4ad, 0x3d681e67,
+      0x3d1a08c8, 0x3ccc6f49, 0x3c87a9c3, 0x3c340d6d, 0x3beef74f, 0x3b9e9402, 0x3b527720, 0x3aa9279b,
+      0x39e13620, 0x38cb98f7, 0x37a3418d, 0x3758ac81, 0x370fc8f8, 0x36bed4f4, 0x367d45c3, 0x3628126b,
+      0x35df10c4, 0x359406cb, 0x35447610, 0x35025f34, 0x34ad07a7, 0x3465a54d, 0x341864a7, 0x33ca41b0};
+  const RopeScaling s =
+      parsed("llama3:factor=32,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=8192");
+  EXPECT_EQ(bits_of(rope_inverse_frequencies(64, 500000.0, s)), expected);
+}
+
+TEST(RopeScaling, SmallHeadsKeepBlendAndDivideAsTransformers) {
+  // Head size 10, theta 10000: default; linear factor 2; llama3 factor 8 over 256 positions
+  // (wavelengths 6.3 and 40 kept, 251 blended, 1579 and 9952 divided).
+  const std::vector<uint32_t> plain = {0x3f800000, 0x3e224b06, 0x3ccdc613, 0x3b8273a4, 0x3a2566d4};
+  const std::vector<uint32_t> linear = {0x3f000000, 0x3da24b06, 0x3c4dc613, 0x3b0273a4, 0x39a566d4};
+  const std::vector<uint32_t> llama3 = {0x3f800000, 0x3e224b06, 0x3b59068b, 0x3a0273a4, 0x38a566d4};
+  EXPECT_EQ(bits_of(rope_inverse_frequencies(10, 10000.0, RopeScaling())), plain);
+  EXPECT_EQ(bits_of(rope_inverse_frequencies(10, 10000.0, parsed("linear:factor=2"))), linear);
+  EXPECT_EQ(bits_of(rope_inverse_frequencies(
+                10, 10000.0,
+                parsed("llama3:factor=8,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=256"))),
+            llama3);
+}
+
+TEST(RopeScaling, TheTextFormRoundTripsExactly) {
+  EXPECT_EQ(parsed("").text(), "");
+  EXPECT_EQ(parsed("linear:factor=2.0").text(), "linear:factor=2");
+  const RopeScaling s =
+      parsed("llama3:original_max_position_embeddings=8192,factor=0.1,high_freq_factor=4,low_freq_factor=1");
+  EXPECT_EQ(s.text(),
+            "llama3:factor=0.10000000000000001,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=8192");
+  EXPECT_EQ(parsed(s.text()).factor, 0.1);
+}
+
+TEST(RopeScaling, DefectsAreNamed) {
+  EXPECT_NE(parse_error("yarn:factor=4").find("unknown type 'yarn'"), std::string::npos);
+  EXPECT_NE(parse_error("linear").find("linear needs factor"), std::string::npos);
+  EXPECT_NE(parse_error("linear:factor=0").find("factor='0' is not a positive number"), std::string::npos);
+  EXPECT_NE(parse_error("linear:factor=2,low_freq_factor=1").find("'low_freq_factor' is not a setting of linear"),
+            std::string::npos);
+  EXPECT_NE(parse_error("linear:factor=2,factor=3").find("given twice"), std::string::npos);
+  EXPECT_NE(parse_error("llama3:factor=8,low_freq_factor=4,high_freq_factor=4,original_max_position_embeddings=8192")
+                .find("high_freq_factor must be greater than low_freq_factor"),
+            std::string::npos);
+  EXPECT_NE(parse_error("llama3:factor=8,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=81.5")
+                .find("whole number"),
+            std::string::npos);
+  EXPECT_NE(parse_error("llama3:factor=8").find("llama3 needs low_freq_factor"), std::string::npos);
+}
