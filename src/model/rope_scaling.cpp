@@ -51,8 +51,9 @@ bool RopeScaling::parse(const std::string& text, RopeScaling* out, std::string* 
     const std::string value = eq == std::string::npos ? "" : item.substr(eq + 1);
     char* end = nullptr;
     const double v = std::strtod(value.c_str(), &end);
-    if (value.empty() || *end != '\0' || !std::isfinite(v) || !(v > 0))
-      return fail(key + "='" + value + "' is not a positive number");
+    // Bounded so that every value and its fp32 rounding stay normal, finite and nonzero.
+    if (value.empty() || *end != '\0' || !(v >= 1e-30 && v <= 1e30))
+      return fail(key + "='" + value + "' is not a number in [1e-30, 1e30]");
     *llama3_field(s, k) = v, seen[k] = true;
   }
   for (int k = 0; k < keys; k++)
@@ -75,7 +76,9 @@ std::string RopeScaling::text() const {
 
 std::vector<float> rope_inverse_frequencies(int head_size, double theta, const RopeScaling& s) {
   std::vector<float> inv(head_size / 2);
-  // transformers computes each step below in fp32, the Python numbers rounded to fp32 first.
+  // transformers computes each step below in fp32, the Python numbers rounded to fp32 first; torch
+  // divides a number by a tensor as the tensor's reciprocal times the number. Products that GCC would
+  // fuse with the sum or difference after them into one multiply-add are rounded on their own (volatile).
   const float factor = static_cast<float>(s.factor);
   const float old_len = static_cast<float>(s.original_max_position_embeddings);
   const float low_wavelen = static_cast<float>(s.original_max_position_embeddings / s.low_freq_factor);
@@ -84,15 +87,15 @@ std::vector<float> rope_inverse_frequencies(int head_size, double theta, const R
   const float span = static_cast<float>(s.high_freq_factor - s.low_freq_factor);
   for (size_t i = 0; i < inv.size(); i++) {
     // 1 / theta^(2i / d): the exponent in fp32, the power correctly rounded to fp32 (torch's pow of
-    // an fp32 base), its reciprocal in fp32.
+    // an fp32 base is, but for an element in rare shapes: one unit in the last place), its reciprocal.
     const float exponent = static_cast<float>(2 * i) / static_cast<float>(head_size);
     float f = 1.0f / static_cast<float>(std::pow(static_cast<double>(static_cast<float>(theta)), exponent));
     if (s.type == RopeScaling::LINEAR) f = f / factor;
     if (s.type == RopeScaling::LLAMA3) {
-      const float wavelen = static_cast<float>(2.0 * M_PI) / f;
+      const float wavelen = (1.0f / f) * static_cast<float>(2.0 * M_PI);
       const float kept = wavelen > low_wavelen ? f / factor : f;
-      const float smooth = (old_len / wavelen - low) / span;
-      // The product rounded on its own: GCC would fuse it with the sum into one multiply-add.
+      const volatile float periods = (1.0f / wavelen) * old_len;
+      const float smooth = (periods - low) / span;
       const volatile float smooth_kept = smooth * kept;
       const float smoothed = (1.0f - smooth) * kept / factor + smooth_kept;
       f = !(wavelen < high_wavelen) && !(wavelen > low_wavelen) ? smoothed : kept;

@@ -7,7 +7,9 @@
 //           between move smoothly from one to the other.
 // The text form, as model.rope_scaling and checkpoints hold it: "" (none), "linear:factor=F" or
 // "llama3:factor=F,low_freq_factor=A,high_freq_factor=B,original_max_position_embeddings=N".
-// The arithmetic is transformers' (modeling_rope_utils), operation for operation in fp32.
+// The arithmetic is transformers' (modeling_rope_utils), operation for operation in fp32: the
+// same bits as its inv_freq (tests/unit/test_rope_scaling.cpp), up to torch's pow, which is not
+// correctly rounded for every exponent (one unit in the last place, rarely).
 #pragma once
 
 #include <string>
@@ -28,7 +30,7 @@ struct RopeScaling {
 };
 
 // The inverse frequencies of a head of `head_size` dimensions, head_size / 2 of them:
-// 1 / theta^(2i / head_size) in fp32, then scaled: transformers' inv_freq bit for bit.
+// 1 / theta^(2i / head_size) in fp32, then scaled, as transformers computes its inv_freq.
 std::vector<float> rope_inverse_frequencies(int head_size, double theta, const RopeScaling& scaling);
 
 }  // namespace shardtrain

@@ -230,7 +230,7 @@ def rms_norm(x, w, eps):
 
 def rope_inverse_frequencies(d, theta, scaling=None):
     """LlamaRotaryEmbedding's inv_freq (modeling_rope_utils), each step in float32 as transformers
-    computes it, bit for bit: 1 / theta^(arange(0, d, 2) / d); rope_type linear divides it by factor; llama3
+    computes it (the same bits, but where torch's pow is not correctly rounded): 1 / theta^(arange(0, d, 2) / d); rope_type linear divides it by factor; llama3
     (_compute_llama3_parameters) divides the frequencies whose wavelength exceeds
     original_max_position_embeddings / low_freq_factor by factor, keeps those below
     original_max_position_embeddings / high_freq_factor, and blends the ones between."""
@@ -247,9 +247,10 @@ def rope_inverse_frequencies(d, theta, scaling=None):
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old = scaling["original_max_position_embeddings"]
         low_wavelen, high_wavelen = f32(old / low), f32(old / high)
-        wavelen = f32(2 * np.pi) / inv_freq
+        # torch divides a number by a tensor as the tensor's reciprocal times the number
+        wavelen = (f32(1.0) / inv_freq) * f32(2 * np.pi)
         kept = np.where(wavelen > low_wavelen, inv_freq / f32(factor), inv_freq)
-        smooth = (f32(old) / wavelen - f32(low)) / f32(high - low)
+        smooth = ((f32(1.0) / wavelen) * f32(old) - f32(low)) / f32(high - low)
         smoothed = (f32(1.0) - smooth) * kept / f32(factor) + smooth * kept
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv_freq = np.where(medium, smoothed, kept).astype(f32)

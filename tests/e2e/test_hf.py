@@ -405,6 +405,10 @@ def test_scaled_rotary_embeddings_give_transformers_loss_and_travel_with_the_mod
     both = llama_folder("F32", config={"rope_scaling": LLAMA3, "rope_parameters": {"rope_type": "linear",
                                                                                      "factor": 2.0}})
     expect_usage_error(llama_args(f"--checkpoint.init_from={both}"), "rope_scaling and rope_parameters disagree")
+    thetas = llama_folder("F32", config={"rope_scaling": dict(LLAMA3, rope_theta=77.0),
+                                          "rope_parameters": dict(LLAMA3, rope_theta=10000.0)})
+    expect_usage_error(llama_args(f"--checkpoint.init_from={thetas}"),
+                       "rope_scaling and rope_parameters disagree on rope_theta")
 
 
 def test_llama_shape_comes_from_config_json():
@@ -446,6 +450,8 @@ def test_llama_bad_folders_are_refused_naming_file_and_key():
             ("rope_scaling", {"rope_type": "linear", "factor": 2.0, "low_freq_factor": 1.0},
              "'low_freq_factor' is not implemented for rope_type linear"),
             ("rope_scaling", {"rope_type": "linear", "factor": -2.0}, "rope_scaling.factor -2.0 is not a positive"),
+            ("rope_scaling", {"rope_type": "linear", "factor": 1e-40}, "factor='9.9999999999999993e-41' is not a number"),
+            ("rope_scaling", {"rope_type": "linear", "type": "dynamic", "factor": 2.0}, "type and rope_type differ"),
             ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}, "rope_parameters {"),
             ("head_dim", 20, "head_dim 20"), ("attention_bias", True, "attention_bias true"),
             ("mlp_bias", True, "mlp_bias true"), ("hidden_act", "gelu", "hidden_act 'gelu'"),

@@ -49,6 +49,34 @@ TEST(RopeScaling, Llama32InverseFrequenciesAreTransformersBits) {
   EXPECT_EQ(bits_of(rope_inverse_frequencies(64, 500000.0, s)), expected);
 }
 
+TEST(RopeScaling, BlendedFrequenciesOfOtherShapesAreTransformersBits) {
+  // Head size 128, theta 10000, factor 8 over 8192 positions; head size 64, theta 500000, factor 8
+  // over 3000 positions (not a power of two): torch's division of a number by a tensor (the
+  // reciprocal, times the number) shows in the blended frequencies.
+  const std::vector<uint32_t> head128 = {
+      0x3f800000, 0x3f5dafd7, 0x3f3ff911, 0x3f263de0, 0x3f0ff59a, 0x3ef953cf, 0x3ed7e89b, 0x3ebaf81b, 0x3ea1e89b,
+      0x3e8c3504, 0x3e72d423, 0x3e5247ed, 0x3e361887, 0x3e1db040, 0x3e088d77, 0x3dec7fd6, 0x3dcccccd, 0x3db15978,
+      0x3d99940d, 0x3d84fe4d, 0x3d6655c2, 0x3d47763f, 0x3d2cba15, 0x3d159348, 0x3d0186e3, 0x3ce054d2, 0x3cc2434f,
+      0x3ca8398b, 0x3c91ad39, 0x3c7c4d33, 0x3c5a7bf2, 0x3c3d3311, 0x3c23d70a, 0x3c0de12d, 0x3bf5b9b0, 0x3bd4ca15,
+      0x3bb8449c, 0x3b9f91cc, 0x3b8a2e77, 0x3b6f520e, 0x3b4f3e38, 0x3b1cf9a4, 0x3ae47c6e, 0x3aa553d9, 0x3a6d8ae2,
+      0x3a291d20, 0x39ee0430, 0x39a4f64a, 0x395ffbd9, 0x3913adec, 0x38c4948c, 0x38aa3b44, 0x38936a16, 0x387f4fac,
+      0x385d1725, 0x383f74d7, 0x3825cb60, 0x380f9272, 0x37f8a815, 0x37d753e4, 0x37ba7753, 0x37a17916, 0x378bd472,
+      0x37722ce2};
+  const std::vector<uint32_t> over3000 = {
+      0x3f800000, 0x3f29e1c6, 0x3ee177bc, 0x3e959ee3, 0x3e4693b0, 0x3e03c6a0, 0x3daee4ad, 0x3d681e67,
+      0x3d1a08c8, 0x3ccc6f49, 0x3c87a9c3, 0x3c340d6d, 0x3bcadc95, 0x3b20e297, 0x3a6c318e, 0x3991611b,
+      0x39395d21, 0x38f603ea, 0x38a3418d, 0x3858ac81, 0x380fc8f8, 0x37bed4f4, 0x377d45c3, 0x3728126b,
+      0x36df10c4, 0x369406cb, 0x36447610, 0x36025f34, 0x35ad07a7, 0x3565a54d, 0x351864a7, 0x34ca41b0};
+  EXPECT_EQ(bits_of(rope_inverse_frequencies(
+                128, 10000.0,
+                parsed("llama3:factor=8,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=8192"))),
+            head128);
+  EXPECT_EQ(bits_of(rope_inverse_frequencies(
+                64, 500000.0,
+                parsed("llama3:factor=8,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=3000"))),
+            over3000);
+}
+
 TEST(RopeScaling, SmallHeadsKeepBlendAndDivideAsTransformers) {
   // Head size 10, theta 10000: default; linear factor 2; llama3 factor 8 over 256 positions
   // (wavelengths 6.3 and 40 kept, 251 blended, 1579 and 9952 divided).
@@ -76,7 +104,8 @@ TEST(RopeScaling, TheTextFormRoundTripsExactly) {
 TEST(RopeScaling, DefectsAreNamed) {
   EXPECT_NE(parse_error("yarn:factor=4").find("unknown type 'yarn'"), std::string::npos);
   EXPECT_NE(parse_error("linear").find("linear needs factor"), std::string::npos);
-  EXPECT_NE(parse_error("linear:factor=0").find("factor='0' is not a positive number"), std::string::npos);
+  EXPECT_NE(parse_error("linear:factor=0").find("factor='0' is not a number in [1e-30, 1e30]"), std::string::npos);
+  EXPECT_NE(parse_error("linear:factor=1e-40").find("is not a number in"), std::string::npos);  // 0 in fp32
   EXPECT_NE(parse_error("linear:factor=2,low_freq_factor=1").find("'low_freq_factor' is not a setting of linear"),
             std::string::npos);
   EXPECT_NE(parse_error("linear:factor=2,factor=3").find("given twice"), std::string::npos);

@@ -15,12 +15,14 @@
 namespace shardtrain {
 namespace {
 
-// config.json's rope_scaling and rope_parameters (either, or both saying the same): the plain
-// rotary embedding (rope_type default), linear or llama3, in model.rope_scaling's text form; a
-// rope_theta inside sets *theta. Every other type or key is refused, naming it.
+// config.json's rope_scaling and rope_parameters (either, or both saying the same -- transformers 4
+// and 5 read them differently): the plain rotary embedding (rope_type default), linear or llama3,
+// in model.rope_scaling's text form; a rope_theta inside sets *theta. Every other type or key is
+// refused, naming it.
 std::string read_rope_scaling(const HfConfig& j, double* theta) {
   std::string found;
   const char* found_in = nullptr;
+  double found_theta = 0;  // a rope_theta inside the dict read first, or 0
   for (const char* key : {"rope_scaling", "rope_parameters"}) {
     const nlohmann::json& rope = j[key];
     if (rope.is_null()) continue;
@@ -28,6 +30,8 @@ std::string read_rope_scaling(const HfConfig& j, double* theta) {
     if (!rope.is_object()) j.fail(where + " is not a JSON object or null");
     const nlohmann::json type_value =
         rope.contains("rope_type") ? rope["rope_type"] : rope.value("type", nlohmann::json("default"));
+    if (rope.contains("rope_type") && rope.contains("type") && rope["type"] != rope["rope_type"])
+      j.fail(where + ": its type and rope_type differ; give one");
     const std::string type = type_value.is_string() ? type_value.get<std::string>() : type_value.dump();
     if (type != "default" && type != "linear" && type != "llama3")
       j.fail(where + ": rope_type '" + type + "' is not implemented; ShardTrain's rotary embeddings are the plain "
@@ -47,7 +51,11 @@ std::string read_rope_scaling(const HfConfig& j, double* theta) {
                (settings.empty() ? std::string("rope_theta") : "rope_theta and its settings") + ")");
       if (!item.value().is_number() || !(item.value().get<double>() > 0))
         j.fail(std::string(key) + "." + name + " " + item.value().dump() + " is not a positive number");
-      if (name == "rope_theta") *theta = item.value().get<double>();
+      if (name != "rope_theta") continue;
+      const double value = item.value().get<double>();
+      if (found_in && found_theta != 0 && value != found_theta)
+        j.fail(std::string(found_in) + " and " + key + " disagree on rope_theta; give one");
+      *theta = found_theta = value;
     }
     for (const std::string& name : settings) {
       if (!rope.contains(name)) j.fail(where + ": rope_type " + type + " needs '" + name + "'");
