@@ -135,6 +135,8 @@ void declare_options(OptionList& o, Config& c) {
   o.add("model.n_kv_head", &c.model.n_kv_head,
         "llama: key/value heads, a divisor of model.n_head (grouped-query attention); 0 = model.n_head");
   o.add("model.intermediate_size", &c.model.intermediate_size, "llama: width of the SwiGLU MLP; 0 = 4 x model.n_embd");
+  o.add("model.head_dim", &c.model.head_dim,
+        "llama: attention head size when not model.n_embd / model.n_head (Mistral-Nemo: 128 on 5120 / 32); 0 = that");
   o.add("model.rope_theta", &c.model.rope_theta, "llama, flux: base of the rotary embedding's frequencies");
   o.add("model.rope_scaling", &c.model.rope_scaling,
         "llama: scaled rotary frequencies (config.json's rope_scaling): empty for none, 'linear:factor=F' or "
@@ -570,6 +572,10 @@ void take_model_shape_from_hf_folder(const po::variables_map& vm, Config& c) {
     if (c.model.intermediate_size == 0) c.model.intermediate_size = 4 * c.model.n_embd;
     take("model.intermediate_size", &c.model.intermediate_size, hf.intermediate_size, whole);
   }
+  if (reads("model.head_dim")) {  // compared as the head size it means
+    if (c.model.head_dim == c.model.n_embd / c.model.n_head) c.model.head_dim = 0;
+    take("model.head_dim", &c.model.head_dim, hf.head_dim, whole);
+  }
   if (reads("model.rope_theta")) take("model.rope_theta", &c.model.rope_theta, hf.rope_theta, real);
   if (reads("model.norm_eps")) take("model.norm_eps", &c.model.norm_eps, hf.norm_eps, real);
   auto flag = [](bool b) { return std::string(b ? "true" : "false"); };
@@ -686,6 +692,7 @@ void validate_architecture(const ModelConfig& m) {
   const std::pair<const char*, bool> family_keys[] = {
       {"model.n_kv_head", m.n_kv_head != d.n_kv_head && m.n_kv_head != m.n_head},
       {"model.intermediate_size", m.intermediate_size != d.intermediate_size && m.intermediate_size != 4 * m.n_embd},
+      {"model.head_dim", m.head_dim != d.head_dim && m.head_dim != m.n_embd / m.n_head},
       {"model.rope_theta", m.rope_theta != d.rope_theta},
       {"model.norm_eps", m.norm_eps != d.norm_eps},
       {"model.tie_embeddings", m.tie_embeddings != d.tie_embeddings},

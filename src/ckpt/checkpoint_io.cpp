@@ -553,6 +553,7 @@ const MetaAttr META_ATTRS[] = {
     {"model.guidance_embeds", AT::I64, 6, P::FAMILY, [](S s) { return int_value(s.model.guidance_embeds); }},
     {"model.rope_axes", AT::STR, 6, P::FAMILY, [](S s) { return text_value(s.model.rope_axes); }},
     {"model.rope_scaling", AT::STR, 8, P::FAMILY_NONZERO, [](S s) { return text_value(s.model.rope_scaling); }},
+    {"model.head_dim", AT::I64, 8, P::FAMILY_NONZERO, nullptr, &ModelConfig::head_dim, true},
     {"text_encoder.source", AT::STR, 1, P::TEXT_ENCODER, [](S s) { return text_value(s.text_encoder); }},
     {"text_encoder.layers", AT::STR, 1, P::TEXT_ENCODER, [](S s) { return text_value(s.text_encoder_layers); }},
     {"text_encoder.tokenizer", AT::STR, 1, P::TEXT_ENCODER, [](S s) { return text_value(s.text_encoder_tokenizer); }},

@@ -19,6 +19,7 @@ struct ModelConfig {
   // = n_head, an MLP of 4 n_embd, LayerNorm eps 1e-5, a tied head.
   int n_kv_head = 0;          // key/value heads; 0 = n_head (plain multi-head attention)
   int intermediate_size = 0;  // SwiGLU width; 0 = 4 n_embd
+  int head_dim = 0;           // llama: attention head size; 0 = n_embd / n_head
   double rope_theta = 10000.0;
   std::string rope_scaling;  // llama: scaled rotary frequencies, "" for none (model/rope_scaling.hpp)
   double norm_eps = 1e-5;
@@ -35,7 +36,10 @@ struct ModelConfig {
   bool guidance_embeds = true;  // a guidance embedder (dev, Kontext); schnell has none
   std::string rope_axes = "16,56,56";  // widths of the rotary axes (position ids' three coordinates)
 
-  int head_size() const { return n_embd / n_head; }
+  int head_size() const { return head_dim > 0 ? head_dim : n_embd / n_head; }
+  // Width of the query projection and of the attention's output: n_head x head size (n_embd unless
+  // head_dim sets the head size apart, as Mistral-Nemo's 32 heads of 128 on a width of 5120).
+  int attn_size() const { return n_head * head_size(); }
   int kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
   int mlp_size() const { return intermediate_size > 0 ? intermediate_size : 4 * n_embd; }
   // Width of the fused q|k|v projection's output: query heads plus key and value heads.

@@ -45,17 +45,19 @@ def gpt2_shapes(L, C, V, T):
     return shapes
 
 
-def llama_shapes(L, C, H, KV, I, V, tied):
-    """LlamaForCausalLM's tensors, as transformers names them ("model." prefix, lm_head.weight without)."""
-    KVD = KV * (C // H)
+def llama_shapes(L, C, H, KV, I, V, tied, head_dim=None):
+    """LlamaForCausalLM's tensors, as transformers names them ("model." prefix, lm_head.weight without);
+    head_dim: a head size other than C // H."""
+    d = head_dim or C // H
+    KVD, A = KV * d, H * d
     shapes = {"model.embed_tokens.weight": (V, C), "model.norm.weight": (C,)}
     if not tied:
         shapes["lm_head.weight"] = (V, C)
     for l in range(L):
         p = f"model.layers.{l}."
-        shapes.update({p + "input_layernorm.weight": (C,), p + "self_attn.q_proj.weight": (C, C),
+        shapes.update({p + "input_layernorm.weight": (C,), p + "self_attn.q_proj.weight": (A, C),
                        p + "self_attn.k_proj.weight": (KVD, C), p + "self_attn.v_proj.weight": (KVD, C),
-                       p + "self_attn.o_proj.weight": (C, C), p + "post_attention_layernorm.weight": (C,),
+                       p + "self_attn.o_proj.weight": (C, A), p + "post_attention_layernorm.weight": (C,),
                        p + "mlp.gate_proj.weight": (I, C), p + "mlp.up_proj.weight": (I, C),
                        p + "mlp.down_proj.weight": (C, I)})
     return shapes
@@ -122,26 +124,30 @@ def read_tensors(path):
 def make_llama(folder, L, C, H, KV, I, V, T, tied, dtype, seed, prefix, extras=()):
     """Random weights, scaled so attention is far from uniform (q and k large: the rotary angles
     matter) and every layer moves the residual stream. Extras are tensors real files may hold that
-    are not parameters: a tied model's lm_head.weight, the inv_freq buffers of transformers < 4.31."""
+    are not parameters: a tied model's lm_head.weight, the inv_freq buffers of transformers < 4.31;
+    "head_dim=N" gives the heads a size of their own (config.json's head_dim)."""
     rng = np.random.default_rng(seed)
     scale = {"embed_tokens": 0.4, "q_proj": 0.3, "k_proj": 0.3, "v_proj": 0.15, "o_proj": 0.15, "gate_proj": 0.15,
              "up_proj": 0.15, "down_proj": 0.1, "lm_head": 0.1}
     tensors = {}
-    shapes = llama_shapes(L, C, H, KV or H, I, V, tied)
+    head_dim = next((int(e.split("=")[1]) for e in extras if e.startswith("head_dim=")), None)
+    shapes = llama_shapes(L, C, H, KV or H, I, V, tied, head_dim)
     if "lm_head" in extras:
         shapes["lm_head.weight"] = (V, C)
     if "inv_freq" in extras:
-        shapes.update({f"model.layers.{l}.self_attn.rotary_emb.inv_freq": (C // H // 2,) for l in range(L)})
+        shapes.update({f"model.layers.{l}.self_attn.rotary_emb.inv_freq": ((head_dim or C // H) // 2,)
+                       for l in range(L)})
     qwen2 = "qwen2" in extras
     if qwen2:
-        KVD = (KV or H) * (C // H)
-        shapes.update({f"model.layers.{l}.self_attn.{n}_proj.bias": (C if n == "q" else KVD,)
+        d = head_dim or C // H
+        shapes.update({f"model.layers.{l}.self_attn.{n}_proj.bias": (H * d if n == "q" else (KV or H) * d,)
                        for l in range(L) for n in "qkv"})
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):
             values = 1.0 + 0.1 * rng.standard_normal(shape)
         elif name.endswith("inv_freq"):
-            values = 10000.0 ** -(np.arange(0, C // H, 2) / (C // H))
+            d = head_dim or C // H
+            values = 10000.0 ** -(np.arange(0, d, 2) / d)
         elif name.endswith(".bias"):
             values = 0.5 * rng.standard_normal(shape)
         else:
@@ -159,6 +165,8 @@ def make_llama(folder, L, C, H, KV, I, V, T, tied, dtype, seed, prefix, extras=(
               "torch_dtype": {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}[dtype]}
     if not KV:
         del config["num_key_value_heads"]
+    if head_dim:
+        config["head_dim"] = head_dim
     if qwen2:  # Qwen2Config's keys: no attention_bias or mlp_bias (q/k/v always have biases)
         del config["attention_bias"], config["mlp_bias"]
         config.update({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rope_theta": 1000000.0,

@@ -411,6 +411,40 @@ def test_scaled_rotary_embeddings_give_transformers_loss_and_travel_with_the_mod
                        "rope_scaling and rope_parameters disagree on rope_theta")
 
 
+def test_heads_of_their_own_size_give_transformers_loss_and_travel_with_the_model():
+    """config.json's head_dim apart from hidden_size / num_attention_heads (Mistral-Nemo's 128 heads on
+    5120 / 32; here 4 heads of 12 on a width of 40): q_proj (48, 40), o_proj (40, 48), the reference's
+    loss on 1 and 2 ranks, Qwen2 (biases of 48 and 24) on 3, LoRA on q_proj and o_proj; the size goes
+    into the checkpoint and back out to config.json."""
+    data, window = periodic_data()
+    for extras, ranks, lora in ((["head_dim=12"], (1, 2), False), (["head_dim=12", "qwen2"], (3,), False),
+                                (["head_dim=12"], (2,), True)):
+        folder = llama_folder("F32", extras=extras)
+        expected = reference("loss", folder, *window)["loss"]
+        adapters = ["--adapter.type=lora", "--adapter.targets=q_proj,o_proj", "--adapter.rank=4"] if lora else []
+        for np_ in ranks:
+            loss, proc = first_loss(folder, data, *adapters, np_=np_, args=llama_args)
+            assert " head_dim=12" in proc.stdout, proc.stdout
+            assert rel_diff(loss, expected) < 2e-6, (extras, np_, loss, expected)
+    folder = llama_folder("F32", extras=["head_dim=12"])
+    ckdir = tempdir()
+    proc = run(2, llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}", "--data.val_file=",
+                             "--train.steps=1", "--train.lr=1e-30", f"--checkpoint.dir={ckdir}"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = os.path.join(ckdir, "ckpt-00000001.h5")
+    with h5py.File(ckpt, "r") as f:
+        assert int(f.attrs["model.head_dim"]) == 12
+    out = os.path.join(tempdir(), "exported")
+    proc = run(1, ["export", "--format", "hf", "--checkpoint", ckpt, "--output", out])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.load(open(os.path.join(out, "config.json")))["head_dim"] == 12
+    assert reference("equal", out, folder)["equal"]
+    expect_usage_error(llama_args(f"--checkpoint.init_from={folder}", "--model.head_dim=16"),
+                       "model.head_dim=16 but config.json says 12")
+    expect_usage_error(llama_args("--model.arch=llama", "--model.head_dim=7"), "head size", "= 7 must be even")
+    expect_usage_error(tiny_args("--model.head_dim=16"), "model.head_dim is not a gpt2 option")
+
+
 def test_llama_shape_comes_from_config_json():
     folder = llama_folder("F32")
     # Keys the configuration sets must agree with config.json; each disagreement is named.
@@ -453,7 +487,7 @@ def test_llama_bad_folders_are_refused_naming_file_and_key():
             ("rope_scaling", {"rope_type": "linear", "factor": 1e-40}, "factor='9.9999999999999993e-41' is not a number"),
             ("rope_scaling", {"rope_type": "linear", "type": "dynamic", "factor": 2.0}, "type and rope_type differ"),
             ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}, "rope_parameters {"),
-            ("head_dim", 20, "head_dim 20"), ("attention_bias", True, "attention_bias true"),
+            ("head_dim", 7, "head size 7"), ("attention_bias", True, "attention_bias true"),
             ("mlp_bias", True, "mlp_bias true"), ("hidden_act", "gelu", "hidden_act 'gelu'"),
             ("num_key_value_heads", 3, "num_key_value_heads"),
             ("sliding_window", 16, "sliding_window 16")):

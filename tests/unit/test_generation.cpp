@@ -56,8 +56,18 @@ ModelConfig qwen2_config() {
   return c;
 }
 
+// Heads of their own size (6, not 16 / 4) and llama3-scaled rotary frequencies: the cache and the
+// attention output 24 wide on a width of 16.
+ModelConfig llama_head_dim_config() {
+  ModelConfig c = llama_config();
+  c.head_dim = 6;
+  c.rope_scaling = "llama3:factor=4,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=8";
+  return c;
+}
+
 const ArchCase ARCH_CASES[] = {{"gpt2", gpt_config},
                                {"llama_gqa_untied", llama_config},
+                               {"llama_head_dim", llama_head_dim_config},
                                {"llama_mqa_tied", llama_tied_mqa_config},
                                {"qwen2_gqa_untied", qwen2_config}};
 

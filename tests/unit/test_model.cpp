@@ -25,6 +25,15 @@ ModelConfig tiny_llama_tied_config() {
   return c;
 }
 
+// Heads of their own size (head_dim 6, not 16 / 4), scaled llama3 rotary frequencies: the
+// attention 24 wide on a width of 16, q_proj (24, 16) and o_proj (16, 24).
+ModelConfig tiny_llama_head_dim_config() {
+  ModelConfig c = tiny_llama_config();
+  c.head_dim = 6;
+  c.rope_scaling = "llama3:factor=4,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=16";
+  return c;
+}
+
 struct ArchCase {
   const char* name;
   ModelConfig (*config)();
@@ -32,6 +41,7 @@ struct ArchCase {
 const ArchCase ARCH_CASES[] = {{"gpt2", tiny_gpt2_config},
                                {"llama", tiny_llama_config},
                                {"llama_tied", tiny_llama_tied_config},
+                               {"llama_head_dim", tiny_llama_head_dim_config},
                                {"qwen2", tiny_qwen2_config}};
 
 class ModelArchTest : public ::testing::TestWithParam<ArchCase> {};
@@ -142,7 +152,8 @@ TEST(ParamTable, ShippedShapesHaveTheirNominalSizes) {
   EXPECT_NEAR(count(20, 1024, 16) / 1e6, 304.0, 1.5);
 }
 
-// Hugging Face's published parameter counts: SmolLM-135M and Llama-3.2-1B (tied), TinyLlama-1.1B (untied).
+// Hugging Face's published parameter counts: SmolLM-135M and Llama-3.2-1B (tied), Mistral-Nemo-12B and
+// TinyLlama-1.1B (untied).
 TEST(ParamTable, LlamaShapesHaveTheParameterCountsOfTheRealModels) {
   ModelConfig smol;
   smol.arch = "llama", smol.n_layer = 30, smol.n_embd = 576, smol.n_head = 9, smol.n_kv_head = 3;
@@ -154,6 +165,10 @@ TEST(ParamTable, LlamaShapesHaveTheParameterCountsOfTheRealModels) {
   llama32.rope_theta = 500000, llama32.rope_scaling = "llama3:factor=32,low_freq_factor=1,high_freq_factor=4,"
                                                       "original_max_position_embeddings=8192";
   EXPECT_EQ(ParamTable(llama32).total_params(), 1235814400u);
+  ModelConfig nemo = llama32;  // Mistral-Nemo-12B: 32 heads of 128 on a width of 5120, untied
+  nemo.n_layer = 40, nemo.n_embd = 5120, nemo.n_head = 32, nemo.n_kv_head = 8, nemo.head_dim = 128;
+  nemo.intermediate_size = 14336, nemo.vocab_size = 131072, nemo.tie_embeddings = false, nemo.rope_scaling = "";
+  EXPECT_EQ(ParamTable(nemo).total_params(), 12247782400u);
   ModelConfig tiny = smol;
   tiny.n_layer = 22, tiny.n_embd = 2048, tiny.n_head = 32, tiny.n_kv_head = 4, tiny.intermediate_size = 5632;
   tiny.vocab_size = 32000, tiny.tie_embeddings = false;
@@ -507,7 +522,7 @@ TEST_P(ModelArchTest, ActivationBytesAreTheAllocatedBytes) {
   size_t S = 0;
   for (size_t n : plan_saved_tensor_elements(c, B, T)) S += n;
   EXPECT_EQ(S, static_cast<size_t>(B) * T *
-                   (c.arch != "gpt2" ? 3 * c.n_embd + c.qkv_size() + 3 * c.mlp_size() : 14 * c.n_embd));
+                   (c.arch != "gpt2" ? 2 * c.n_embd + c.attn_size() + c.qkv_size() + 3 * c.mlp_size() : 14 * c.n_embd));
   for (bool checkpointing : {false, true}) {
     const long K = checkpointing ? 1 : c.n_layer;
     long fp32_bytes = 0;

@@ -91,23 +91,28 @@ nlohmann::ordered_json rope_scaling_json(const std::string& text) {
 }  // namespace
 
 std::string LlamaFamily::summary(const ModelConfig& c) const {
-  return strprintf("%s L=%d C=%d H=%d KV=%d MLP=%d V=%d max_seq_len=%d rope_theta=%g norm_eps=%g %s%s%s",
+  return strprintf("%s L=%d C=%d H=%d KV=%d MLP=%d V=%d max_seq_len=%d rope_theta=%g norm_eps=%g %s%s%s%s",
                    display_name(), c.n_layer, c.n_embd, c.n_head, c.kv_heads(), c.mlp_size(), c.vocab_size,
                    c.max_seq_len, c.rope_theta, c.norm_eps, c.tie_embeddings ? "tied" : "untied",
+                   c.head_dim > 0 ? strprintf(" head_dim=%d", c.head_dim).c_str() : "",
                    c.rope_scaling.empty() ? "" : " rope_scaling=", c.rope_scaling.c_str());
 }
 
 std::vector<std::string> LlamaFamily::config_keys() const {
-  return {"model.n_kv_head", "model.intermediate_size", "model.rope_theta", "model.rope_scaling", "model.norm_eps",
-          "model.tie_embeddings"};
+  return {"model.n_kv_head", "model.intermediate_size", "model.head_dim", "model.rope_theta", "model.rope_scaling",
+          "model.norm_eps", "model.tie_embeddings"};
 }
 
 std::string LlamaFamily::config_defect(const ModelConfig& m) const {
   if (m.n_kv_head < 0 || m.n_kv_head > m.n_head || m.n_head % m.kv_heads())
     return strprintf("model.n_kv_head=%d must divide model.n_head=%d (0 = model.n_head)", m.n_kv_head, m.n_head);
+  if (m.head_dim < 0 || m.head_dim > (1 << 16))
+    return strprintf("model.head_dim=%d is not in [0, 65536] (0 = model.n_embd / model.n_head)", m.head_dim);
   if (m.head_size() % 2)
-    return strprintf("model.n_embd / model.n_head = %d must be even: rotary embeddings turn pairs of dimensions",
-                     m.head_size());
+    return strprintf("the head size (model.head_dim, or model.n_embd / model.n_head) = %d must be even: rotary "
+                     "embeddings turn pairs of dimensions", m.head_size());
+  if (static_cast<double>(m.n_layer) * 4 * m.n_embd * m.attn_size() > 1e13)
+    return strprintf("model.head_dim=%d makes more than 10^13 parameters", m.head_dim);
   if (m.intermediate_size < 0 || m.intermediate_size > (1 << 24) ||
       static_cast<double>(m.n_layer) * 3 * m.n_embd * m.mlp_size() > 1e13)
     return strprintf("model.intermediate_size=%d is not in [0, 2^24] (0 = 4 x model.n_embd) or makes more than 10^13 "
@@ -122,7 +127,7 @@ std::string LlamaFamily::config_defect(const ModelConfig& m) const {
 
 void LlamaFamily::add_params(ParamTable& t) const {
   const ModelConfig& c = t.config();
-  const int C = c.n_embd, KV = c.kv_heads() * c.head_size(), I = c.mlp_size();
+  const int C = c.n_embd, A = c.attn_size(), KV = c.kv_heads() * c.head_size(), I = c.mlp_size();
   // Order must match enum LlamaRootParam.
   t.add_param(ROOT_UNIT, "embed_tokens.weight", {c.vocab_size, C}, INIT_NORMAL, true);
   t.add_param(ROOT_UNIT, "norm.weight", {C}, INIT_ONES, false);
@@ -132,16 +137,16 @@ void LlamaFamily::add_params(ParamTable& t) const {
     const int u = t.add_unit(h);
     // Order must match enum LlamaBlockParam.
     t.add_param(u, h + ".input_layernorm.weight", {C}, INIT_ONES, false);
-    t.add_param(u, h + ".self_attn.q_proj.weight", {C, C}, INIT_NORMAL, true);
+    t.add_param(u, h + ".self_attn.q_proj.weight", {A, C}, INIT_NORMAL, true);
     t.add_param(u, h + ".self_attn.k_proj.weight", {KV, C}, INIT_NORMAL, true);
     t.add_param(u, h + ".self_attn.v_proj.weight", {KV, C}, INIT_NORMAL, true);
-    t.add_param(u, h + ".self_attn.o_proj.weight", {C, C}, INIT_NORMAL_RESIDUAL, true);
+    t.add_param(u, h + ".self_attn.o_proj.weight", {C, A}, INIT_NORMAL_RESIDUAL, true);
     t.add_param(u, h + ".post_attention_layernorm.weight", {C}, INIT_ONES, false);
     t.add_param(u, h + ".mlp.gate_proj.weight", {I, C}, INIT_NORMAL, true);
     t.add_param(u, h + ".mlp.up_proj.weight", {I, C}, INIT_NORMAL, true);
     t.add_param(u, h + ".mlp.down_proj.weight", {C, I}, INIT_NORMAL_RESIDUAL, true);
     if (!qkv_bias()) continue;
-    t.add_param(u, h + ".self_attn.q_proj.bias", {C}, INIT_ZEROS, false);
+    t.add_param(u, h + ".self_attn.q_proj.bias", {A}, INIT_ZEROS, false);
     t.add_param(u, h + ".self_attn.k_proj.bias", {KV}, INIT_ZEROS, false);
     t.add_param(u, h + ".self_attn.v_proj.bias", {KV}, INIT_ZEROS, false);
   }
@@ -154,13 +159,13 @@ std::vector<ModelFamily::FusedGroup> LlamaFamily::fused_groups(const ModelConfig
   return groups;
 }
 
-// 6 x (parameters outside the embedding table, + V x C for a tied head) + 12 L T C for attention's
-// scores and weighted sums.
+// 6 x (parameters outside the embedding table, + V x C for a tied head) + 12 L T A for attention's
+// scores and weighted sums (A = n_head x head size).
 double LlamaFamily::flops_per_token(const ParamTable& t, int seq_len) const {
   const ModelConfig& c = t.config();
   const double embedding = static_cast<double>(c.vocab_size) * c.n_embd;
   const double matmul_params = static_cast<double>(t.total_params()) - embedding + (c.tie_embeddings ? embedding : 0);
-  return 6.0 * matmul_params + 12.0 * c.n_layer * seq_len * c.n_embd;
+  return 6.0 * matmul_params + 12.0 * c.n_layer * seq_len * c.attn_size();
 }
 
 std::unique_ptr<TransformerModel<float>> LlamaFamily::make_model(const ParamTable& table, int batch, int seq_len,
@@ -179,12 +184,13 @@ std::vector<size_t> LlamaFamily::activation_arrays(const ModelConfig& c, int bat
                                                    bool checkpointing) const {
   const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, NH = c.n_head, V = c.vocab_size;
   const size_t QKV = c.qkv_size(), I = c.mlp_size(), rope = static_cast<size_t>(seq_len) * (c.head_size() / 2);
+  const size_t dln = BT * std::max(C, static_cast<size_t>(c.attn_size()));  // also the attention output's gradient
   std::vector<size_t> a = {rope, rope};  // the rotary cos and sin tables
   a.insert(a.end(), c.n_layer + 1, BT * C);  // the residual stream
   for (int l = 0; l < (checkpointing ? 1 : c.n_layer); l++)  // ln1's rstd, lse, resid2, ln2's rstd
     a.insert(a.end(), {BT, BT * NH, BT * C, BT});
   a.insert(a.end(), {BT * C, BT, BT * V, BT});                            // lnf, its rstd, probs, losses
-  a.insert(a.end(), {BT * C, BT * C, BT * QKV, BT * 2 * I, BT * I});  // dresid, dln, dqkv, dgate_up, dact
+  a.insert(a.end(), {BT * C, dln, BT * QKV, BT * 2 * I, BT * I});  // dresid, dln, dqkv, dgate_up, dact
   return a;
 }
 
@@ -198,16 +204,17 @@ size_t LlamaFamily::plan_decode_elements(const ModelConfig& c, int max_len, int 
 
 std::vector<LinearShape> LlamaFamily::gemm_shapes(const ModelConfig& c) const {
   const int C = c.n_embd, I = c.mlp_size();
-  return {{C, c.qkv_size()}, {C, C}, {C, 2 * I}, {I, C}, {C, c.vocab_size}};  // gate|up fused
+  return {{C, c.qkv_size()}, {c.attn_size(), C}, {C, 2 * I}, {I, C}, {C, c.vocab_size}};  // gate|up fused
 }
 
 std::vector<LinearSite> LlamaFamily::linear_sites(const ModelConfig& c, const std::string&) const {
-  const int C = c.n_embd, KV = c.kv_heads() * c.head_size(), QKV = c.qkv_size(), I = c.mlp_size();
+  const int C = c.n_embd, A = c.attn_size(), KV = c.kv_heads() * c.head_size(), QKV = c.qkv_size();
+  const int I = c.mlp_size();
   const bool b = qkv_bias();
-  return {{"self_attn.q_proj", LLAMA_Q_W, b ? LLAMA_Q_B : -1, PRODUCT_QKV, C, C, 0, QKV},
-          {"self_attn.k_proj", LLAMA_K_W, b ? LLAMA_K_B : -1, PRODUCT_QKV, C, KV, C, QKV},
-          {"self_attn.v_proj", LLAMA_V_W, b ? LLAMA_V_B : -1, PRODUCT_QKV, C, KV, C + KV, QKV},
-          {"self_attn.o_proj", LLAMA_O_W, -1, PRODUCT_ATTN_OUT, C, C, 0, C},
+  return {{"self_attn.q_proj", LLAMA_Q_W, b ? LLAMA_Q_B : -1, PRODUCT_QKV, C, A, 0, QKV},
+          {"self_attn.k_proj", LLAMA_K_W, b ? LLAMA_K_B : -1, PRODUCT_QKV, C, KV, A, QKV},
+          {"self_attn.v_proj", LLAMA_V_W, b ? LLAMA_V_B : -1, PRODUCT_QKV, C, KV, A + KV, QKV},
+          {"self_attn.o_proj", LLAMA_O_W, -1, PRODUCT_ATTN_OUT, A, C, 0, C},
           {"mlp.gate_proj", LLAMA_GATE_W, -1, PRODUCT_MLP_UP, C, I, 0, 2 * I},
           {"mlp.up_proj", LLAMA_UP_W, -1, PRODUCT_MLP_UP, C, I, I, 2 * I},
           {"mlp.down_proj", LLAMA_DOWN_W, -1, PRODUCT_MLP_DOWN, I, C, 0, C}};
@@ -238,12 +245,11 @@ ModelConfig LlamaFamily::read_decoder_config(const HfConfig& j, const ModelConfi
   if (act != "silu" && act != "swish")
     j.fail("hidden_act '" + act + "' is not implemented; ShardTrain's " + display_name() + " MLP uses silu");
   if (m.n_embd % m.n_head != 0) j.fail("hidden_size is not a multiple of num_attention_heads");
-  if (j.has("head_dim") && j.whole("head_dim") != m.head_size())
-    j.fail(strprintf("head_dim %d is not implemented; ShardTrain's head size is hidden_size / num_attention_heads = %d",
-                     j.whole("head_dim"), m.head_size()));
+  // A head size of its own (Mistral-Nemo's 128 on 5120 / 32); the usual one is kept as 0.
+  if (j.has("head_dim") && j.whole("head_dim") != m.n_embd / m.n_head) m.head_dim = j.whole("head_dim");
   if (m.head_size() % 2 != 0)
-    j.fail(strprintf("hidden_size / num_attention_heads = %d is odd; rotary embeddings turn pairs of dimensions",
-                     m.head_size()));
+    j.fail(strprintf("the head size %d (head_dim, or hidden_size / num_attention_heads) is odd; rotary embeddings "
+                     "turn pairs of dimensions", m.head_size()));
   if (m.n_head % m.n_kv_head != 0) j.fail("num_attention_heads is not a multiple of num_key_value_heads");
   return m;
 }
@@ -279,6 +285,7 @@ void LlamaFamily::write_decoder_config(const ModelConfig& m, const char* model_t
   j["num_hidden_layers"] = m.n_layer;
   j["num_attention_heads"] = m.n_head;
   j["num_key_value_heads"] = m.kv_heads();
+  if (m.head_dim > 0) j["head_dim"] = m.head_dim;
   j["vocab_size"] = m.vocab_size;
   j["max_position_embeddings"] = m.max_seq_len;
   j["hidden_act"] = "silu";

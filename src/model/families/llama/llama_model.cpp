@@ -4,6 +4,7 @@
 // The backward runs the same steps in reverse with one running residual gradient dresid_.
 #include "model/families/llama/llama_model.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.hpp"
@@ -20,6 +21,7 @@ LlamaModel<Real>::LlamaModel(const ParamTable& table, int batch, int seq_len, bo
   SHARD_CHECK(cfg_.head_size() % 2 == 0, "rotary embeddings need an even head size, not %d", cfg_.head_size());
   const size_t BT = static_cast<size_t>(B_) * T_, C = cfg_.n_embd, NH = cfg_.n_head, I = cfg_.mlp_size();
   const size_t rope = static_cast<size_t>(T_) * (cfg_.head_size() / 2);
+  const size_t A = cfg_.attn_size();
   ActivationList list = this->activation_list();  // LlamaFamily::activation_arrays: the plan, in order
   rope_cos_ = list.take(rope), rope_sin_ = list.take(rope);
   make_rope_tables(T_, rope_cos_, rope_sin_);
@@ -29,7 +31,7 @@ LlamaModel<Real>::LlamaModel(const ParamTable& table, int batch, int seq_len, bo
     a.ln1_rstd = list.take(BT), a.lse = list.take(BT * NH), a.resid2 = list.take(BT * C), a.ln2_rstd = list.take(BT);
   lnf_ = list.take(BT * C), lnf_rstd_ = list.take(BT);
   probs_ = list.take(BT * cfg_.vocab_size), losses_ = list.take(BT);
-  dresid_ = list.take(BT * C), dln_ = list.take(BT * C), dqkv_ = list.take(BT * cfg_.qkv_size());
+  dresid_ = list.take(BT * C), dln_ = list.take(BT * std::max(C, A)), dqkv_ = list.take(BT * cfg_.qkv_size());
   dgate_up_ = list.take(BT * 2 * I), dact_ = list.take(BT * I);
   list.done();
 }
@@ -59,7 +61,8 @@ template <typename Real>
 std::vector<size_t> LlamaModel<Real>::saved_tensor_elements(const ModelConfig& c, int batch, int seq_len) {
   const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, I = c.mlp_size();
   std::vector<size_t> sizes(ACT + 1);
-  sizes[LN1] = sizes[ATTY] = sizes[LN2] = BT * C;
+  sizes[LN1] = sizes[LN2] = BT * C;
+  sizes[ATTY] = BT * c.attn_size();
   sizes[QKV] = BT * c.qkv_size();
   sizes[GATE_UP] = BT * 2 * I;
   sizes[ACT] = BT * I;
@@ -92,7 +95,7 @@ void LlamaModel<Real>::block_forward(int l, const Real* w) {
   ops_.attention_forward(S(ATTY), a.lse.data(), S(QKV), B_, T_, NH, KV, HS, this->doc_start());
   produced(ATTY);
   // The projection output is only needed summed into the residual: reuse resid2 for it.
-  adapters_.linear_forward(l, PRODUCT_ATTN_OUT, a.resid2.data(), S(ATTY), W(LLAMA_O_W), nullptr, C, C, w);
+  adapters_.linear_forward(l, PRODUCT_ATTN_OUT, a.resid2.data(), S(ATTY), W(LLAMA_O_W), nullptr, NH * HS, C, w);
   ops_.residual_forward(a.resid2.data(), a.resid2.data(), x, a.resid2.size());
   ops_.rmsnorm_forward(S(LN2), a.ln2_rstd.data(), a.resid2.data(), W(LLAMA_MLP_NORM_W), eps, N, C);
   produced(LN2);
@@ -156,7 +159,7 @@ void LlamaModel<Real>::block_backward(int l, Real* g, const Real* w) {
                         a.ln2_rstd.data(), N, C);
   // Attention: r2 = x + o(attn(rope(qkv(norm1(x))))); dresid_ becomes d(x).
   adapters_.linear_backward(l, PRODUCT_ATTN_OUT, dln_.data(), G(LLAMA_O_W), nullptr, dresid_.data(), S(ATTY),
-                            W(LLAMA_O_W), C, C, w, g);
+                            W(LLAMA_O_W), NH * HS, C, w, g);
   ops_.attention_backward(dqkv_.data(), dln_.data(), S(QKV), S(ATTY), a.lse.data(), B_, T_, NH, KV, HS,
                           this->doc_start());
   ops_.rope_backward(dqkv_.data(), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS, this->positions());
@@ -177,8 +180,9 @@ size_t LlamaModel<Real>::plan_decode_elements(const ModelConfig& c, int max_len,
   const size_t C = c.n_embd, L = c.n_layer, M = max_len, n = max_chunk, I = c.mlp_size();
   const size_t cache = 2 * L * M * c.kv_heads() * c.head_size();
   const size_t rope = 2 * M * (c.head_size() / 2);
-  // x, ln, atty, resid2; rstd; qkv; gate_up, act; the scores; the logits
-  const size_t step = 4 * n * C + n + n * c.qkv_size() + n * 3 * I + n * c.n_head * M + c.vocab_size;
+  // x, ln, resid2; atty; rstd; qkv; gate_up, act; the scores; the logits
+  const size_t step = 3 * n * C + n * c.attn_size() + n + n * c.qkv_size() + n * 3 * I + n * c.n_head * M +
+                      c.vocab_size;
   return cache + rope + step;
 }
 
@@ -198,7 +202,7 @@ void LlamaModel<Real>::begin_decode(int max_len, int max_chunk) {
   make_rope_tables(max_len, d.rope_cos, d.rope_sin);
   for (int l = 0; l < cfg_.n_layer; l++) d.k.push_back(array(M * KVC)), d.v.push_back(array(M * KVC));
   d.x = array(n * C), d.ln = array(n * C), d.rstd = array(n), d.qkv = array(n * cfg_.qkv_size());
-  d.atty = array(n * C), d.resid2 = array(n * C), d.gate_up = array(n * 2 * I), d.act = array(n * I);
+  d.atty = array(n * cfg_.attn_size()), d.resid2 = array(n * C), d.gate_up = array(n * 2 * I), d.act = array(n * I);
   d.scores = array(n * cfg_.n_head * M), d.logits = array(cfg_.vocab_size);
 }
 
@@ -227,7 +231,8 @@ void LlamaModel<Real>::decode_block(int l, const Real* w) {
                     KV, HS, nullptr);
   ops_.attention_decode(d.atty.data(), d.scores.data(), d.k[l].data(), d.v[l].data(), d.qkv.data(), N, d.start, NH,
                         KV, HS);
-  adapters_.linear_decode(l, PRODUCT_ATTN_OUT, d.resid2.data(), d.atty.data(), W(LLAMA_O_W), nullptr, C, C, w, N);
+  adapters_.linear_decode(l, PRODUCT_ATTN_OUT, d.resid2.data(), d.atty.data(), W(LLAMA_O_W), nullptr, NH * HS, C, w,
+                          N);
   ops_.residual_forward(d.resid2.data(), d.resid2.data(), d.x.data(), static_cast<size_t>(N) * C);
   ops_.rmsnorm_forward(d.ln.data(), d.rstd.data(), d.resid2.data(), W(LLAMA_MLP_NORM_W), eps, N, C);
   adapters_.linear_decode(l, PRODUCT_MLP_UP, d.gate_up.data(), d.ln.data(), W(LLAMA_GATE_W), nullptr, C, 2 * I, w, N);
