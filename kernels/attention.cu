@@ -33,6 +33,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "backend/gpu_memory.hpp"
 #include "backend/math.hpp"
 #include "common.cuh"
 
@@ -44,6 +45,7 @@ constexpr int kTile = kWarpSize;                // query rows and keys per tile:
 constexpr int kWarps = 8;                       // per attention block
 constexpr int kRowsPerWarp = kTile / kWarps;    // rows (or keys) a warp owns
 constexpr int kMaxDimsPerLane = 8;              // HS <= 256
+static_assert(kWarpSize * kMaxDimsPerLane == gpu::kTiledAttentionMaxHeadSize, "the planner's and options' bound");
 constexpr int kAttentionThreads = kWarps * kWarpSize;
 
 // A (kTile, HS) tile in shared memory, rows padded to HS + 1 floats so that lanes reading one

@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "app/memory_plan.hpp"
+#include "backend/gpu_memory.hpp"
 #include "ckpt/checkpoint_manager.hpp"
 #include "ckpt/hf_model.hpp"
 #include "comm/runtime.hpp"
@@ -572,9 +573,10 @@ void take_model_shape_from_hf_folder(const po::variables_map& vm, Config& c) {
     if (c.model.intermediate_size == 0) c.model.intermediate_size = 4 * c.model.n_embd;
     take("model.intermediate_size", &c.model.intermediate_size, hf.intermediate_size, whole);
   }
-  if (reads("model.head_dim")) {  // compared as the head size it means
+  if (reads("model.head_dim")) {  // as the head size it means, on the folder's width and heads (taken above)
     if (c.model.head_dim == c.model.n_embd / c.model.n_head) c.model.head_dim = 0;
-    take("model.head_dim", &c.model.head_dim, hf.head_dim, whole);
+    take("model.head_dim", &c.model.head_dim, hf.head_dim,
+         [&](int v) { return std::to_string(v > 0 ? v : hf.n_embd / hf.n_head); });
   }
   if (reads("model.rope_theta")) take("model.rope_theta", &c.model.rope_theta, hf.rope_theta, real);
   if (reads("model.norm_eps")) take("model.norm_eps", &c.model.norm_eps, hf.norm_eps, real);
@@ -654,11 +656,13 @@ ParsedTrainArgs parse_train_args(const std::vector<std::string>& raw_args, const
     throw UsageError(option_error_text(e) + (where.empty() ? "" : " (" + where + ")") +
                      "; see 'shardtrain " + command + " --help'");
   }
-  {  // model.rope_scaling in its exact text form, so that checkpoints and config.json compare by value
+  {  // model.rope_scaling in its exact text form and model.head_dim 0 for the usual head size, so
+     // that checkpoints and config.json compare by value
+    ModelConfig& m = parsed.config.model;
     RopeScaling scaling;
     std::string defect;  // reported with the model's other defects (validate_config)
-    std::string& text = parsed.config.model.rope_scaling;
-    if (RopeScaling::parse(text, &scaling, &defect)) text = scaling.text();
+    if (RopeScaling::parse(m.rope_scaling, &scaling, &defect)) m.rope_scaling = scaling.text();
+    if (m.n_head > 0 && m.head_dim == m.n_embd / m.n_head) m.head_dim = 0;
   }
   take_model_shape_from_hf_folder(vm, parsed.config);
   // A Hugging Face folder brings its tokenizer too, unless the configuration names one ("" included).
@@ -823,6 +827,9 @@ void validate_config(const Config& c, int world) {
           "fsdp.comm_backend=nccl needs train.device=cuda; on the CPU collectives are MPI's (use auto or mpi)");
   require(t.device == "cuda" || c.train.attention != ATTENTION_CUDNN,
           "train.attention=cudnn needs train.device=cuda; the CPU has the tiled kernels (use auto or tiled)");
+  require(t.device != "cuda" || m.head_size() <= gpu::kTiledAttentionMaxHeadSize,
+          strprintf("train.device=cuda: the head size %d is over %d, the most the GPU's attention kernels take",
+                    m.head_size(), gpu::kTiledAttentionMaxHeadSize));
   require(t.device == "cpu" || !c.debug.skip_communication,
           "debug.skip_communication is implemented for train.device=cpu only; remove it");
   require(c.fsdp.shard_group_size >= 0, "fsdp.shard_group_size must be >= 0 (0 = the ranks of one node)");

@@ -116,6 +116,8 @@ inline int gemm_padded_row(int cols) { return (cols + 7) / 8 * 8; }
 constexpr int kCudnnAttentionHeadSizeMultiple = 8;
 constexpr int kCudnnAttentionMaxHeadSize = 128;
 std::string cudnn_attention_head_size_refusal(int HS);
+// The largest head size the tiled attention kernels hold (kernels/attention.cu: 32 lanes x 8 dims).
+constexpr int kTiledAttentionMaxHeadSize = 256;
 inline bool cudnn_attention_takes_head_size(int HS) { return cudnn_attention_head_size_refusal(HS).empty(); }
 
 // Its staging buffers, each one grow-only allocation that every call reuses (sized here, for the

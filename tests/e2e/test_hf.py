@@ -443,6 +443,11 @@ def test_heads_of_their_own_size_give_transformers_loss_and_travel_with_the_mode
                        "model.head_dim=16 but config.json says 12")
     expect_usage_error(llama_args("--model.arch=llama", "--model.head_dim=7"), "head size", "= 7 must be even")
     expect_usage_error(tiny_args("--model.head_dim=16"), "model.head_dim is not a gpt2 option")
+    # The usual head size given explicitly is the same model (kept as 0: checkpoints compare equal).
+    plain = llama_folder("F32")
+    expected = reference("loss", plain, *window)["loss"]
+    loss, proc = first_loss(plain, data, f"--model.head_dim={C // H}", np_=1, args=llama_args)
+    assert rel_diff(loss, expected) < 2e-6 and " head_dim=" not in proc.stdout, proc.stdout
 
 
 def test_llama_shape_comes_from_config_json():

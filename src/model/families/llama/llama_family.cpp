@@ -111,12 +111,16 @@ std::string LlamaFamily::config_defect(const ModelConfig& m) const {
   if (m.head_size() % 2)
     return strprintf("the head size (model.head_dim, or model.n_embd / model.n_head) = %d must be even: rotary "
                      "embeddings turn pairs of dimensions", m.head_size());
-  if (static_cast<double>(m.n_layer) * 4 * m.n_embd * m.attn_size() > 1e13)
-    return strprintf("model.head_dim=%d makes more than 10^13 parameters", m.head_dim);
+  // In 64 bits before any int product of them (attn_size, qkv_size) is formed.
+  if (static_cast<int64_t>(m.n_head) * m.head_size() > (1 << 24))
+    return strprintf("model.n_head x the head size = %lld is above 2^24", static_cast<long long>(m.n_head) * m.head_size());
   if (m.intermediate_size < 0 || m.intermediate_size > (1 << 24) ||
       static_cast<double>(m.n_layer) * 3 * m.n_embd * m.mlp_size() > 1e13)
     return strprintf("model.intermediate_size=%d is not in [0, 2^24] (0 = 4 x model.n_embd) or makes more than 10^13 "
                      "parameters", m.intermediate_size);
+  const double C = m.n_embd, attention = (static_cast<double>(m.attn_size()) + m.kv_heads() * m.head_size()) * 2 * C;
+  if (m.n_layer * (attention + 3 * C * m.mlp_size()) + 2.0 * m.vocab_size * C > 1e13)
+    return "model.head_dim, model.intermediate_size and the width make more than 10^13 parameters";
   if (!(m.rope_theta > 0) || !std::isfinite(m.rope_theta)) return strprintf("model.rope_theta=%g must be > 0", m.rope_theta);
   RopeScaling scaling;
   std::string defect;
