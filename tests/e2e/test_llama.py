@@ -373,7 +373,7 @@ def test_llama_options_are_checked():
         usage_error_single(tiny_args(f"--model.{key}={value}"), f"model.{key}", "model.arch=llama")
     usage_error_single(llama_args("--model.n_kv_head=3"), "model.n_kv_head=3", "model.n_head=4")
     usage_error_single(llama_args("--model.n_kv_head=8"), "model.n_kv_head=8", "model.n_head=4")
-    usage_error_single(llama_args("--model.n_head=8"), "model.n_embd / model.n_head = 5", "even")
+    usage_error_single(llama_args("--model.n_head=8"), "model.n_embd / model.n_head) = 5", "even")
     usage_error_single(llama_args("--model.arch=mamba"), "model.arch", "gpt2, llama")
     # The same checks in the planner, which takes the same options.
     usage_error_single(["plan", "--world-size=2", *llama_args("--model.n_kv_head=3")[1:]], "model.n_kv_head=3")
