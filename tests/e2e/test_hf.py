@@ -346,6 +346,19 @@ def test_llama_export_round_trips_and_matches_the_checkpoint():
     assert json.load(open(os.path.join(half, "config.json")))["torch_dtype"] == "bfloat16"
 
 
+def imported_then_exported(folder, data):
+    """The folder imported on 2 ranks into a checkpoint (one step at lr 1e-30: its weights), and that
+    checkpoint exported as a Hugging Face folder: (checkpoint, exported folder)."""
+    ckdir = tempdir()
+    proc = run(2, llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}", "--data.val_file=",
+                             "--train.steps=1", "--train.lr=1e-30", f"--checkpoint.dir={ckdir}"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt, out = os.path.join(ckdir, "ckpt-00000001.h5"), os.path.join(tempdir(), "exported")
+    proc = run(1, ["export", "--format", "hf", "--checkpoint", ckpt, "--output", out])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return ckpt, out
+
+
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 256}
 LLAMA3_TEXT = "llama3:factor=8,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=256"
@@ -378,17 +391,10 @@ def test_scaled_rotary_embeddings_give_transformers_loss_and_travel_with_the_mod
 
     # Import -> checkpoint -> export: config.json's rope_scaling comes back, and the model's loss.
     folder = cases[0][0]
-    ckdir = tempdir()
-    proc = run(2, llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}", "--data.val_file=",
-                             "--train.steps=1", "--train.lr=1e-30", f"--checkpoint.dir={ckdir}"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ckpt = os.path.join(ckdir, "ckpt-00000001.h5")
+    ckpt, out = imported_then_exported(folder, data)
     with h5py.File(ckpt, "r") as f:
         assert int(f.attrs["version"]) == 8
         assert f.attrs["model.rope_scaling"] in (LLAMA3_TEXT, LLAMA3_TEXT.encode())
-    out = os.path.join(tempdir(), "exported")
-    proc = run(1, ["export", "--format", "hf", "--checkpoint", ckpt, "--output", out])
-    assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.load(open(os.path.join(out, "config.json")))["rope_scaling"] == LLAMA3
     assert reference("loss", out, *window) == reference("loss", folder, *window)
     # A configuration that says otherwise is refused, naming both; one that says the same (in any
@@ -427,16 +433,9 @@ def test_heads_of_their_own_size_give_transformers_loss_and_travel_with_the_mode
             assert " head_dim=12" in proc.stdout, proc.stdout
             assert rel_diff(loss, expected) < 2e-6, (extras, np_, loss, expected)
     folder = llama_folder("F32", extras=["head_dim=12"])
-    ckdir = tempdir()
-    proc = run(2, llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}", "--data.val_file=",
-                             "--train.steps=1", "--train.lr=1e-30", f"--checkpoint.dir={ckdir}"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ckpt = os.path.join(ckdir, "ckpt-00000001.h5")
+    ckpt, out = imported_then_exported(folder, data)
     with h5py.File(ckpt, "r") as f:
         assert int(f.attrs["model.head_dim"]) == 12
-    out = os.path.join(tempdir(), "exported")
-    proc = run(1, ["export", "--format", "hf", "--checkpoint", ckpt, "--output", out])
-    assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.load(open(os.path.join(out, "config.json")))["head_dim"] == 12
     assert reference("equal", out, folder)["equal"]
     expect_usage_error(llama_args(f"--checkpoint.init_from={folder}", "--model.head_dim=16"),
