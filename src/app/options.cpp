@@ -24,7 +24,6 @@
 #include "comm/runtime.hpp"
 #include "core/error.hpp"
 #include "data/token_file.hpp"
-#include "model/rope_scaling.hpp"
 #include "shard/fsdp_engine.hpp"
 
 namespace po = boost::program_options;
@@ -574,7 +573,7 @@ void take_model_shape_from_hf_folder(const po::variables_map& vm, Config& c) {
     take("model.intermediate_size", &c.model.intermediate_size, hf.intermediate_size, whole);
   }
   if (reads("model.head_dim")) {  // as the head size it means, on the folder's width and heads (taken above)
-    if (c.model.head_dim == c.model.n_embd / c.model.n_head) c.model.head_dim = 0;
+    canonicalize(c.model);
     take("model.head_dim", &c.model.head_dim, hf.head_dim,
          [&](int v) { return std::to_string(v > 0 ? v : hf.n_embd / hf.n_head); });
   }
@@ -656,14 +655,7 @@ ParsedTrainArgs parse_train_args(const std::vector<std::string>& raw_args, const
     throw UsageError(option_error_text(e) + (where.empty() ? "" : " (" + where + ")") +
                      "; see 'shardtrain " + command + " --help'");
   }
-  {  // model.rope_scaling in its exact text form and model.head_dim 0 for the usual head size, so
-     // that checkpoints and config.json compare by value
-    ModelConfig& m = parsed.config.model;
-    RopeScaling scaling;
-    std::string defect;  // reported with the model's other defects (validate_config)
-    if (RopeScaling::parse(m.rope_scaling, &scaling, &defect)) m.rope_scaling = scaling.text();
-    if (m.n_head > 0 && m.head_dim == m.n_embd / m.n_head) m.head_dim = 0;
-  }
+  canonicalize(parsed.config.model);
   take_model_shape_from_hf_folder(vm, parsed.config);
   // A Hugging Face folder brings its tokenizer too, unless the configuration names one ("" included).
   std::string& tokenizer = parsed.config.data.tokenizer;

@@ -792,7 +792,7 @@ CheckpointState read_state(hid_t file, const std::string& path) {
   m.guidance_embeds = guidance == 1;
   if (has(FAMILY_ROPE_AXES)) m.rope_axes = str(FAMILY_ROPE_AXES);
   if (has(FAMILY_ROPE_SCALING)) m.rope_scaling = str(FAMILY_ROPE_SCALING);
-  if (m.head_dim == m.n_embd / m.n_head) m.head_dim = 0;  // the usual head size (saves never write it)
+  canonicalize(m);  // a head_dim of the usual size (saves never write one)
   defect = model_arch_defect(m);
   if (!defect.empty()) throw CheckpointError(where + "attribute " + defect + "; the file is damaged");
   return s;

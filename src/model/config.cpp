@@ -3,8 +3,16 @@
 
 #include "core/error.hpp"
 #include "data/token_file.hpp"
+#include "model/rope_scaling.hpp"
 
 namespace shardtrain {
+
+void canonicalize(ModelConfig& m) {
+  if (m.n_head > 0 && m.head_dim == m.n_embd / m.n_head) m.head_dim = 0;
+  RopeScaling scaling;
+  std::string defect;
+  if (RopeScaling::parse(m.rope_scaling, &scaling, &defect)) m.rope_scaling = scaling.text();
+}
 
 std::string model_shape_defect(int64_t L, int64_t C, int64_t H, int64_t V, int64_t P, int64_t I) {
   const auto ll = [](int64_t x) { return static_cast<long long>(x); };

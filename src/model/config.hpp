@@ -51,6 +51,11 @@ struct ModelConfig {
 // ..."). Taken as 64-bit so a file's raw numbers are checked before they are narrowed; the
 // parameter count is capped at 10^13 so that no size computed from the shape wraps around and a
 // plan of an absurd shape answers at once instead of building a table for a minute.
+// The one spelling of equal models, so that options, checkpoints and config.json compare by value:
+// head_dim 0 for the usual head size, rope_scaling in its exact text form (where it parses; a
+// defect is left for the family's check to name).
+void canonicalize(ModelConfig& m);
+
 std::string model_shape_defect(int64_t n_layer, int64_t n_embd, int64_t n_head, int64_t vocab_size,
                                int64_t max_seq_len, int64_t intermediate_size = 0);
 

@@ -1,6 +1,7 @@
 // See rope_scaling.hpp.
 #include "model/rope_scaling.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 
@@ -9,14 +10,31 @@
 namespace shardtrain {
 namespace {
 
-const char* const LLAMA3_KEYS[] = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"};
+const std::vector<std::string> LINEAR_SETTINGS = {"factor"};
+const std::vector<std::string> LLAMA3_SETTINGS = {"factor", "low_freq_factor", "high_freq_factor",
+                                                  "original_max_position_embeddings"};
 
-double* llama3_field(RopeScaling& s, int k) {
+// Setting k of either type (linear's one setting is llama3's first).
+double* setting_field(RopeScaling& s, size_t k) {
   double* fields[] = {&s.factor, &s.low_freq_factor, &s.high_freq_factor, &s.original_max_position_embeddings};
   return fields[k];
 }
 
 }  // namespace
+
+const std::vector<std::string>* RopeScaling::settings_of(const std::string& type) {
+  return type == "linear" ? &LINEAR_SETTINGS : type == "llama3" ? &LLAMA3_SETTINGS : nullptr;
+}
+
+std::string RopeScaling::type_name() const { return type == LINEAR ? "linear" : type == LLAMA3 ? "llama3" : ""; }
+
+std::vector<std::pair<std::string, double>> RopeScaling::settings() const {
+  std::vector<std::pair<std::string, double>> list;
+  const std::vector<std::string>* names = settings_of(type_name());
+  RopeScaling copy = *this;
+  for (size_t k = 0; names && k < names->size(); k++) list.emplace_back((*names)[k], *setting_field(copy, k));
+  return list;
+}
 
 bool RopeScaling::parse(const std::string& text, RopeScaling* out, std::string* error) {
   RopeScaling s;
@@ -29,14 +47,10 @@ bool RopeScaling::parse(const std::string& text, RopeScaling* out, std::string* 
   if (text.empty()) return *out = s, true;
   const size_t colon = text.find(':');
   const std::string type = text.substr(0, colon);
-  if (type == "linear")
-    s.type = LINEAR;
-  else if (type == "llama3")
-    s.type = LLAMA3;
-  else
-    return fail("unknown type '" + type + "'");
-  const int keys = s.type == LINEAR ? 1 : 4;
-  bool seen[4] = {false, false, false, false};
+  const std::vector<std::string>* keys = settings_of(type);
+  if (!keys) return fail("unknown type '" + type + "'");
+  s.type = type == "linear" ? LINEAR : LLAMA3;
+  std::vector<bool> seen(keys->size());
   size_t at = colon == std::string::npos ? text.size() : colon + 1;
   while (at < text.size()) {
     const size_t comma = std::min(text.find(',', at), text.size());
@@ -44,9 +58,8 @@ bool RopeScaling::parse(const std::string& text, RopeScaling* out, std::string* 
     at = comma + 1;
     const size_t eq = item.find('=');
     const std::string key = item.substr(0, eq);
-    int k = 0;
-    while (k < keys && key != LLAMA3_KEYS[k]) k++;
-    if (k == keys) return fail("'" + key + "' is not a setting of " + type);
+    const size_t k = std::find(keys->begin(), keys->end(), key) - keys->begin();
+    if (k == keys->size()) return fail("'" + key + "' is not a setting of " + type);
     if (seen[k]) return fail("'" + key + "' is given twice");
     const std::string value = eq == std::string::npos ? "" : item.substr(eq + 1);
     char* end = nullptr;
@@ -54,10 +67,10 @@ bool RopeScaling::parse(const std::string& text, RopeScaling* out, std::string* 
     // Bounded so that every value and its fp32 rounding stay normal, finite and nonzero.
     if (value.empty() || *end != '\0' || !(v >= 1e-30 && v <= 1e30))
       return fail(key + "='" + value + "' is not a number in [1e-30, 1e30]");
-    *llama3_field(s, k) = v, seen[k] = true;
+    *setting_field(s, k) = v, seen[k] = true;
   }
-  for (int k = 0; k < keys; k++)
-    if (!seen[k]) return fail(type + " needs " + LLAMA3_KEYS[k]);
+  for (size_t k = 0; k < keys->size(); k++)
+    if (!seen[k]) return fail(type + " needs " + (*keys)[k]);
   if (s.type == LLAMA3) {
     if (s.high_freq_factor <= s.low_freq_factor) return fail("high_freq_factor must be greater than low_freq_factor");
     const double n = s.original_max_position_embeddings;
@@ -68,10 +81,10 @@ bool RopeScaling::parse(const std::string& text, RopeScaling* out, std::string* 
 }
 
 std::string RopeScaling::text() const {
-  if (type == NONE) return "";
-  if (type == LINEAR) return strprintf("linear:factor=%.17g", factor);
-  return strprintf("llama3:factor=%.17g,low_freq_factor=%.17g,high_freq_factor=%.17g,original_max_position_embeddings=%.17g",
-                   factor, low_freq_factor, high_freq_factor, original_max_position_embeddings);
+  std::string t = type_name();
+  const char* separator = ":";
+  for (const auto& [name, value] : settings()) t += separator + name + "=" + strprintf("%.17g", value), separator = ",";
+  return t;
 }
 
 std::vector<float> rope_inverse_frequencies(int head_size, double theta, const RopeScaling& s) {

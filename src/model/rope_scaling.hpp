@@ -13,6 +13,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace shardtrain {
@@ -27,6 +28,13 @@ struct RopeScaling {
   static bool parse(const std::string& text, RopeScaling* out, std::string* error);
   // The text form, exact (every number as %.17g) -- parse(text()) gives back the same settings.
   std::string text() const;
+  // The settings a type takes, in the text form's order (linear: factor; llama3: four), or null for
+  // a type this build does not know.
+  static const std::vector<std::string>* settings_of(const std::string& type);
+  // This scaling's type as the text form and Hugging Face name it ("" for none), and its settings
+  // with their values, in settings_of's order.
+  std::string type_name() const;
+  std::vector<std::pair<std::string, double>> settings() const;
 };
 
 // The inverse frequencies of a head of `head_size` dimensions, head_size / 2 of them:

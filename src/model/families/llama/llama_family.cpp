@@ -33,14 +33,12 @@ std::string read_rope_scaling(const HfConfig& j, double* theta) {
     if (rope.contains("rope_type") && rope.contains("type") && rope["type"] != rope["rope_type"])
       j.fail(where + ": its type and rope_type differ; give one");
     const std::string type = type_value.is_string() ? type_value.get<std::string>() : type_value.dump();
-    if (type != "default" && type != "linear" && type != "llama3")
+    static const std::vector<std::string> none;
+    const std::vector<std::string>* known = type == "default" ? &none : RopeScaling::settings_of(type);
+    if (!known)
       j.fail(where + ": rope_type '" + type + "' is not implemented; ShardTrain's rotary embeddings are the plain "
                      "one (default), linear and llama3");
-    const std::vector<std::string> settings =
-        type == "default" ? std::vector<std::string>{}
-        : type == "linear" ? std::vector<std::string>{"factor"}
-                           : std::vector<std::string>{"factor", "low_freq_factor", "high_freq_factor",
-                                                      "original_max_position_embeddings"};
+    const std::vector<std::string>& settings = *known;
     std::string text = type == "default" ? "" : type + ":";
     for (const auto& item : rope.items()) {
       const std::string& name = item.key();
@@ -78,13 +76,12 @@ nlohmann::ordered_json rope_scaling_json(const std::string& text) {
   SHARD_CHECK(RopeScaling::parse(text, &s, &defect), "%s", defect.c_str());
   if (s.type == RopeScaling::NONE) return nullptr;
   nlohmann::ordered_json j;
-  j["rope_type"] = s.type == RopeScaling::LINEAR ? "linear" : "llama3";
-  j["factor"] = s.factor;
-  if (s.type == RopeScaling::LLAMA3) {
-    j["low_freq_factor"] = s.low_freq_factor;
-    j["high_freq_factor"] = s.high_freq_factor;
-    j["original_max_position_embeddings"] = static_cast<int64_t>(s.original_max_position_embeddings);
-  }
+  j["rope_type"] = s.type_name();
+  for (const auto& [name, value] : s.settings())  // an integer where transformers has one
+    if (name == "original_max_position_embeddings")
+      j[name] = static_cast<int64_t>(value);
+    else
+      j[name] = value;
   return j;
 }
 
@@ -250,7 +247,8 @@ ModelConfig LlamaFamily::read_decoder_config(const HfConfig& j, const ModelConfi
     j.fail("hidden_act '" + act + "' is not implemented; ShardTrain's " + display_name() + " MLP uses silu");
   if (m.n_embd % m.n_head != 0) j.fail("hidden_size is not a multiple of num_attention_heads");
   // A head size of its own (Mistral-Nemo's 128 on 5120 / 32); the usual one is kept as 0.
-  if (j.has("head_dim") && j.whole("head_dim") != m.n_embd / m.n_head) m.head_dim = j.whole("head_dim");
+  if (j.has("head_dim")) m.head_dim = j.whole("head_dim");
+  canonicalize(m);
   if (m.head_size() % 2 != 0)
     j.fail(strprintf("the head size %d (head_dim, or hidden_size / num_attention_heads) is odd; rotary embeddings "
                      "turn pairs of dimensions", m.head_size()));
