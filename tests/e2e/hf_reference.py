@@ -3,8 +3,9 @@
 files back, and compute the loss the way transformers computes it, in float64 numpy: GPT2LMHeadModel
 (Conv1D weights (in, out), tanh GELU, LayerNorm eps 1e-5, tied head) and LlamaForCausalLM
 (modeling_llama: RMSNorm, rotary embeddings with rotate_half, repeat_kv for grouped-query attention,
-SwiGLU, final norm, tied or untied head) and Qwen2ForCausalLM (modeling_qwen2: Llama's with biases on
-q_proj, k_proj and v_proj). Commands print JSON. gpt2_shapes and llama_shapes need only
+SwiGLU, final norm, tied or untied head), Qwen2ForCausalLM (modeling_qwen2: Llama's with biases on
+q_proj, k_proj and v_proj) and Qwen3ForCausalLM (modeling_qwen3: Llama's with an RMSNorm over each query
+and key head before the rotary turn, heads of 128 unless head_dim says). Commands print JSON. gpt2_shapes and llama_shapes need only
 numpy (the e2e tests, under Debian's python, import them); the commands import `safetensors`.
 numpy has no bfloat16: BF16 files are written and read here byte by byte (the package checks the
 layout: every file written is opened with safe_open).
@@ -15,7 +16,9 @@ layout: every file written is opened with safe_open).
                                                                key left out; PREFIX "-": none; EXTRAS, comma-
                                                                separated: lm_head (written although tied),
                                                                inv_freq (older files' rotary buffers), qwen2
-                                                               (a Qwen2 model: q/k/v biases, rope_theta 1e6))
+                                                               (a Qwen2 model: q/k/v biases, rope_theta 1e6),
+                                                               qwen3 (a Qwen3 model: q/k norms, rope_theta 1e6,
+                                                               head_dim written), head_dim=N
   hf_reference.py loss FOLDER TOKENS...                        mean next-token cross-entropy (config.json's model_type)
   hf_reference.py caption-context FOLDER LAYERS LEN IN OUT     a text encoder's context for IN's captions
                                                                (LAYERS comma-separated, non-negative), into a copy
@@ -137,11 +140,13 @@ def make_llama(folder, L, C, H, KV, I, V, T, tied, dtype, seed, prefix, extras=(
     if "inv_freq" in extras:
         shapes.update({f"model.layers.{l}.self_attn.rotary_emb.inv_freq": ((head_dim or C // H) // 2,)
                        for l in range(L)})
-    qwen2 = "qwen2" in extras
+    qwen2, qwen3 = "qwen2" in extras, "qwen3" in extras
+    d = head_dim or C // H
     if qwen2:
-        d = head_dim or C // H
         shapes.update({f"model.layers.{l}.self_attn.{n}_proj.bias": (H * d if n == "q" else (KV or H) * d,)
                        for l in range(L) for n in "qkv"})
+    if qwen3:
+        shapes.update({f"model.layers.{l}.self_attn.{n}_norm.weight": (d,) for l in range(L) for n in "qk"})
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):
             values = 1.0 + 0.1 * rng.standard_normal(shape)
@@ -167,10 +172,14 @@ def make_llama(folder, L, C, H, KV, I, V, T, tied, dtype, seed, prefix, extras=(
         del config["num_key_value_heads"]
     if head_dim:
         config["head_dim"] = head_dim
-    if qwen2:  # Qwen2Config's keys: no attention_bias or mlp_bias (q/k/v always have biases)
+    if qwen2 or qwen3:  # Qwen2Config's keys: no attention_bias or mlp_bias (q/k/v always have biases)
         del config["attention_bias"], config["mlp_bias"]
-        config.update({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rope_theta": 1000000.0,
-                       "use_sliding_window": False, "sliding_window": None, "max_window_layers": L})
+        name = "qwen2" if qwen2 else "qwen3"
+        config.update({"architectures": [name.capitalize() + "ForCausalLM"], "model_type": name,
+                       "rope_theta": 1000000.0, "use_sliding_window": False, "sliding_window": None,
+                       "max_window_layers": L})
+    if qwen3:  # Qwen3Config's: attention_bias, and head_dim always (its default is 128)
+        config.update({"attention_bias": False, "head_dim": d})
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
 
@@ -282,11 +291,12 @@ def rotate_half(x):
 
 
 def llama_hidden_states(config, w, inputs):
-    """LlamaModel's forward (modeling_llama), or Qwen2Model's (q/k/v biases), over one sequence: its
-    output_hidden_states -- the embeddings, each block's output, the last one through the final norm."""
+    """LlamaModel's forward (modeling_llama), Qwen2Model's (q/k/v biases) or Qwen3Model's (q/k norms),
+    over one sequence: its output_hidden_states -- the embeddings, each block's output, the last one
+    through the final norm."""
     L, C, H = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
     KV = config.get("num_key_value_heads") or H
-    d = config.get("head_dim") or C // H
+    d = config.get("head_dim", 128 if config["model_type"] == "qwen3" else None) or C // H
     # transformers 5's rope_parameters, or rope_theta and (transformers 4) rope_scaling
     rope = config.get("rope_parameters") or config.get("rope_scaling")
     eps, theta = config.get("rms_norm_eps", 1e-6), (rope or {}).get("rope_theta", config.get("rope_theta", 10000.0))
@@ -301,6 +311,8 @@ def llama_hidden_states(config, w, inputs):
         bias = {n: w.get(p + f"self_attn.{n}_proj.bias", 0.0) for n in "qkv"}
         q, k, v = ((h @ w[p + f"self_attn.{n}_proj.weight"].T + bias[n]).reshape(T, -1, d).transpose(1, 0, 2)
                    for n in "qkv")
+        if p + "self_attn.q_norm.weight" in w:  # Qwen3: each head's q and k normed over its d
+            q, k = (rms_norm(t, w[p + f"self_attn.{n}_norm.weight"], eps) for t, n in ((q, "q"), (k, "k")))
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin  # apply_rotary_pos_emb
         k, v = np.repeat(k, H // KV, axis=0), np.repeat(v, H // KV, axis=0)  # repeat_kv: head j serves H/KV queries
         att = q @ k.transpose(0, 2, 1) / np.sqrt(d) + mask
@@ -368,7 +380,7 @@ def caption_context(folder, layers, length, source, out):
 
 def loss(folder, tokens):
     config = json.load(open(os.path.join(folder, "config.json")))
-    if config["model_type"] in ("llama", "mistral", "qwen2"):
+    if config["model_type"] in ("llama", "mistral", "qwen2", "qwen3"):
         return llama_loss(config, load_folder(folder), tokens)
     w = gpt2_weights(load_folder(folder))
     inputs, targets = np.array(tokens[:-1]), np.array(tokens[1:])

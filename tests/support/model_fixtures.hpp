@@ -37,6 +37,14 @@ inline ModelConfig tiny_qwen2_config() {
   return c;
 }
 
+// Qwen3: the Llama shape above with q/k norms on heads of their own size (6, not 16 / 4).
+inline ModelConfig tiny_qwen3_config() {
+  ModelConfig c = tiny_llama_config();
+  c.arch = "qwen3";
+  c.head_dim = 6;
+  return c;
+}
+
 // Every parameter ~ N(0, scale) from the counter stream keyed by salt + its id (norm gains 1 +- it),
 // in the table's unit layout.
 template <typename Real>

@@ -46,7 +46,8 @@ double loss_of(const ParamTable& table, Units& units, Units* grads, const Batch&
 }  // namespace
 
 TEST(Distillation, ATeacherThatIsTheStudentAddsNoKlAndNoGradient) {
-  for (const ModelConfig& config : {tiny_gpt2_config(), tiny_llama_config(), tiny_qwen2_config()}) {
+  for (const ModelConfig& config :
+       {tiny_gpt2_config(), tiny_llama_config(), tiny_qwen2_config(), tiny_qwen3_config()}) {
     const ParamTable table(config);
     Units units = random_units<double>(table, 0.3, 5), plain_grads, grads;
     const Batch batch = make_batch(B, T, config.vocab_size);

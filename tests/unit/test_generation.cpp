@@ -56,6 +56,14 @@ ModelConfig qwen2_config() {
   return c;
 }
 
+// Qwen3: q/k norms on heads of their own size (the cache holds normed keys, after rope).
+ModelConfig qwen3_config() {
+  ModelConfig c = llama_config();
+  c.arch = "qwen3";
+  c.head_dim = 6;
+  return c;
+}
+
 // Heads of their own size (6, not 16 / 4) and llama3-scaled rotary frequencies: the cache and the
 // attention output 24 wide on a width of 16.
 ModelConfig llama_head_dim_config() {
@@ -69,7 +77,8 @@ const ArchCase ARCH_CASES[] = {{"gpt2", gpt_config},
                                {"llama_gqa_untied", llama_config},
                                {"llama_head_dim", llama_head_dim_config},
                                {"llama_mqa_tied", llama_tied_mqa_config},
-                               {"qwen2_gqa_untied", qwen2_config}};
+                               {"qwen2_gqa_untied", qwen2_config},
+                               {"qwen3_head_dim", qwen3_config}};
 
 class GenerationTest : public ::testing::TestWithParam<ArchCase> {};
 std::string arch_case_name(const ::testing::TestParamInfo<ArchCase>& info) { return info.param.name; }

@@ -160,6 +160,7 @@ TEST(Lora, ModelEqualsTheBaseWithMergedWeights) {
       {tiny_gpt2_config(), {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"}},
       {tiny_llama_config(), {"self_attn.q_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.up_proj", "down_proj"}},
       {tiny_qwen2_config(), {"self_attn.q_proj", "self_attn.k_proj", "mlp.gate_proj"}},
+      {tiny_qwen3_config(), {"self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj"}},  // before the q/k norms
   };
   const int B = 2, T = 5;
   for (const auto& [config, targets] : cases) {

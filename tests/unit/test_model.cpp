@@ -42,7 +42,8 @@ const ArchCase ARCH_CASES[] = {{"gpt2", tiny_gpt2_config},
                                {"llama", tiny_llama_config},
                                {"llama_tied", tiny_llama_tied_config},
                                {"llama_head_dim", tiny_llama_head_dim_config},
-                               {"qwen2", tiny_qwen2_config}};
+                               {"qwen2", tiny_qwen2_config},
+                               {"qwen3", tiny_qwen3_config}};
 
 class ModelArchTest : public ::testing::TestWithParam<ArchCase> {};
 std::string arch_case_name(const ::testing::TestParamInfo<ArchCase>& info) { return info.param.name; }
@@ -204,6 +205,26 @@ TEST(ParamTable, Qwen2ShapeHasTheParameterCountOfTheRealModel) {
   EXPECT_EQ(p[block[LLAMA_V_B]].offset, p[block[LLAMA_K_B]].offset + 128);
 }
 
+// Qwen3-0.6B's count (tied; heads of 128 on a width of 1024): 0.44 B outside the embedding, as
+// published, with one q_norm and one k_norm of 128 per block after the weights.
+TEST(ParamTable, Qwen3ShapeHasTheParameterCountOfTheRealModel) {
+  ModelConfig q;
+  q.arch = "qwen3", q.n_layer = 28, q.n_embd = 1024, q.n_head = 16, q.n_kv_head = 8, q.head_dim = 128;
+  q.intermediate_size = 3072, q.vocab_size = 151936, q.max_seq_len = 40960, q.rope_theta = 1e6, q.norm_eps = 1e-6;
+  q.tie_embeddings = true;
+  const ParamTable table(q);
+  EXPECT_EQ(table.total_params(), 596049920u);
+  EXPECT_EQ(table.total_params() - 151936u * 1024, 440467456u);
+  const auto& p = table.params();
+  const std::vector<int>& block = table.units()[block_unit(5)].params;
+  ASSERT_EQ(block.size(), static_cast<size_t>(LLAMA_BLOCK_PARAM_COUNT + 2));
+  const LlamaVariant qwen3{false, true};
+  EXPECT_EQ(p[block[qwen3.q_norm_param()]].name, "layers.5.self_attn.q_norm.weight");
+  EXPECT_EQ(p[block[qwen3.k_norm_param()]].name, "layers.5.self_attn.k_norm.weight");
+  EXPECT_EQ(p[block[qwen3.k_norm_param()]].shape, (std::vector<int>{128}));
+  EXPECT_EQ(p[block[LLAMA_Q_W]].shape, (std::vector<int>{2048, 1024}));
+}
+
 namespace {
 
 // The CPU's operations, counting the multiply-adds of the forward pass in the cost model that
@@ -248,6 +269,9 @@ class CountingOps : public LayerOps<double> {
   }
   void residual_forward(double* out, const double* a, const double* b, size_t n) const override {
     cpu().residual_forward(out, a, b, n);
+  }
+  void copy_rows(double* dst, int ld_dst, const double* src, int ld_src, int rows, int cols) const override {
+    cpu().copy_rows(dst, ld_dst, src, ld_src, rows, cols);
   }
   void row_norms(double* out, const double* x, int rows, int cols) const override {
     cpu().row_norms(out, x, rows, cols);
@@ -437,7 +461,7 @@ void check_documents_alone(ModelConfig c, bool restart_positions, double toleran
 }
 
 TEST(PackedDocuments, RotaryModelsGiveEachDocumentWhatItGetsAlone) {
-  for (ModelConfig (*config)() : {tiny_llama_config, tiny_llama_tied_config, tiny_qwen2_config})
+  for (ModelConfig (*config)() : {tiny_llama_config, tiny_llama_tied_config, tiny_qwen2_config, tiny_qwen3_config})
     check_documents_alone(config(), false, 1e-6);
 }
 
@@ -521,8 +545,10 @@ TEST_P(ModelArchTest, ActivationBytesAreTheAllocatedBytes) {
   const int B = 2, T = 6;
   size_t S = 0;
   for (size_t n : plan_saved_tensor_elements(c, B, T)) S += n;
+  const int qk_norm_input = c.arch == "qwen3" ? (c.n_head + c.kv_heads()) * c.head_size() : 0;
   EXPECT_EQ(S, static_cast<size_t>(B) * T *
-                   (c.arch != "gpt2" ? 2 * c.n_embd + c.attn_size() + c.qkv_size() + 3 * c.mlp_size() : 14 * c.n_embd));
+                   (c.arch != "gpt2" ? 2 * c.n_embd + c.attn_size() + c.qkv_size() + 3 * c.mlp_size() + qk_norm_input
+                                     : 14 * c.n_embd));
   for (bool checkpointing : {false, true}) {
     const long K = checkpointing ? 1 : c.n_layer;
     long fp32_bytes = 0;

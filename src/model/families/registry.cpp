@@ -6,6 +6,7 @@
 #include "model/families/gpt2/gpt2_family.hpp"
 #include "model/families/llama/llama_family.hpp"
 #include "model/families/qwen2/qwen2_family.hpp"
+#include "model/families/qwen3/qwen3_family.hpp"
 #include "model/family.hpp"
 
 namespace shardtrain {
@@ -17,6 +18,7 @@ std::vector<const ModelFamily*>& registry() {
       &gpt2_family(),
       &llama_family(),
       &qwen2_family(),
+      &qwen3_family(),
       &flux_family(),
       &flux2_family(),
   };

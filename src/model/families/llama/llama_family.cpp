@@ -146,38 +146,45 @@ void LlamaFamily::add_params(ParamTable& t) const {
     t.add_param(u, h + ".mlp.gate_proj.weight", {I, C}, INIT_NORMAL, true);
     t.add_param(u, h + ".mlp.up_proj.weight", {I, C}, INIT_NORMAL, true);
     t.add_param(u, h + ".mlp.down_proj.weight", {C, I}, INIT_NORMAL_RESIDUAL, true);
-    if (!qkv_bias()) continue;
-    t.add_param(u, h + ".self_attn.q_proj.bias", {A}, INIT_ZEROS, false);
-    t.add_param(u, h + ".self_attn.k_proj.bias", {KV}, INIT_ZEROS, false);
-    t.add_param(u, h + ".self_attn.v_proj.bias", {KV}, INIT_ZEROS, false);
+    if (variant().qkv_bias) {
+      t.add_param(u, h + ".self_attn.q_proj.bias", {A}, INIT_ZEROS, false);
+      t.add_param(u, h + ".self_attn.k_proj.bias", {KV}, INIT_ZEROS, false);
+      t.add_param(u, h + ".self_attn.v_proj.bias", {KV}, INIT_ZEROS, false);
+    }
+    if (variant().qk_norm) {
+      t.add_param(u, h + ".self_attn.q_norm.weight", {c.head_size()}, INIT_ONES, false);
+      t.add_param(u, h + ".self_attn.k_norm.weight", {c.head_size()}, INIT_ONES, false);
+    }
   }
 }
 
 std::vector<ModelFamily::FusedGroup> LlamaFamily::fused_groups(const ModelConfig&, const std::string&) const {
   std::vector<FusedGroup> groups = {{{LLAMA_Q_W, LLAMA_K_W, LLAMA_V_W}, "q_proj|k_proj|v_proj"},
                                     {{LLAMA_GATE_W, LLAMA_UP_W}, "gate_proj|up_proj"}};
-  if (qkv_bias()) groups.push_back({{LLAMA_Q_B, LLAMA_K_B, LLAMA_V_B}, "q_proj|k_proj|v_proj biases"});
+  if (variant().qkv_bias) groups.push_back({{LLAMA_Q_B, LLAMA_K_B, LLAMA_V_B}, "q_proj|k_proj|v_proj biases"});
   return groups;
 }
 
 // 6 x (parameters outside the embedding table, + V x C for a tied head) + 12 L T A for attention's
-// scores and weighted sums (A = n_head x head size).
+// scores and weighted sums (A = n_head x head size). The q/k norms' gains apply once per head:
+// (n_head + KV) x head size per token where the parameters count 2 x head size.
 double LlamaFamily::flops_per_token(const ParamTable& t, int seq_len) const {
   const ModelConfig& c = t.config();
   const double embedding = static_cast<double>(c.vocab_size) * c.n_embd;
-  const double matmul_params = static_cast<double>(t.total_params()) - embedding + (c.tie_embeddings ? embedding : 0);
-  return 6.0 * matmul_params + 12.0 * c.n_layer * seq_len * c.attn_size();
+  double applied = static_cast<double>(t.total_params()) - embedding + (c.tie_embeddings ? embedding : 0);
+  if (variant().qk_norm) applied += static_cast<double>(c.n_layer) * (c.n_head + c.kv_heads() - 2) * c.head_size();
+  return 6.0 * applied + 12.0 * c.n_layer * seq_len * c.attn_size();
 }
 
 std::unique_ptr<TransformerModel<float>> LlamaFamily::make_model(const ParamTable& table, int batch, int seq_len,
                                                                  bool ckpt, const LayerOps<float>& ops,
                                                                  DType act) const {
-  return std::make_unique<LlamaModel<float>>(table, batch, seq_len, ckpt, ops, act, qkv_bias());
+  return std::make_unique<LlamaModel<float>>(table, batch, seq_len, ckpt, ops, act, variant());
 }
 std::unique_ptr<TransformerModel<double>> LlamaFamily::make_model(const ParamTable& table, int batch, int seq_len,
                                                                   bool ckpt, const LayerOps<double>& ops,
                                                                   DType act) const {
-  return std::make_unique<LlamaModel<double>>(table, batch, seq_len, ckpt, ops, act, qkv_bias());
+  return std::make_unique<LlamaModel<double>>(table, batch, seq_len, ckpt, ops, act, variant());
 }
 
 // LlamaModel's constructor's arrays, in its order.
@@ -188,19 +195,24 @@ std::vector<size_t> LlamaFamily::activation_arrays(const ModelConfig& c, int bat
   const size_t dln = BT * std::max(C, static_cast<size_t>(c.attn_size()));  // also the attention output's gradient
   std::vector<size_t> a = {rope, rope};  // the rotary cos and sin tables
   a.insert(a.end(), c.n_layer + 1, BT * C);  // the residual stream
-  for (int l = 0; l < (checkpointing ? 1 : c.n_layer); l++)  // ln1's rstd, lse, resid2, ln2's rstd
+  const bool qk_norm = variant().qk_norm;
+  for (int l = 0; l < (checkpointing ? 1 : c.n_layer); l++) {  // ln1's rstd, lse, resid2, ln2's rstd
     a.insert(a.end(), {BT, BT * NH, BT * C, BT});
+    if (qk_norm) a.insert(a.end(), {BT * NH, BT * c.kv_heads()});  // the q and k norms' rstd
+  }
   a.insert(a.end(), {BT * C, BT, BT * V, BT});                            // lnf, its rstd, probs, losses
   a.insert(a.end(), {BT * C, dln, BT * QKV, BT * 2 * I, BT * I});  // dresid, dln, dqkv, dgate_up, dact
+  if (qk_norm)  // the q|k norms' scratch and their input gradient
+    a.insert(a.end(), 2, BT * (c.attn_size() + c.kv_heads() * c.head_size()));
   return a;
 }
 
 std::vector<size_t> LlamaFamily::saved_tensor_elements(const ModelConfig& c, int batch, int seq_len) const {
-  return LlamaModel<float>::saved_tensor_elements(c, batch, seq_len);
+  return LlamaModel<float>::saved_tensor_elements(c, variant(), batch, seq_len);
 }
 
 size_t LlamaFamily::plan_decode_elements(const ModelConfig& c, int max_len, int max_chunk) const {
-  return LlamaModel<float>::plan_decode_elements(c, max_len, max_chunk);
+  return LlamaModel<float>::plan_decode_elements(c, variant(), max_len, max_chunk);
 }
 
 std::vector<LinearShape> LlamaFamily::gemm_shapes(const ModelConfig& c) const {
@@ -211,7 +223,7 @@ std::vector<LinearShape> LlamaFamily::gemm_shapes(const ModelConfig& c) const {
 std::vector<LinearSite> LlamaFamily::linear_sites(const ModelConfig& c, const std::string&) const {
   const int C = c.n_embd, A = c.attn_size(), KV = c.kv_heads() * c.head_size(), QKV = c.qkv_size();
   const int I = c.mlp_size();
-  const bool b = qkv_bias();
+  const bool b = variant().qkv_bias;
   return {{"self_attn.q_proj", LLAMA_Q_W, b ? LLAMA_Q_B : -1, PRODUCT_QKV, C, A, 0, QKV},
           {"self_attn.k_proj", LLAMA_K_W, b ? LLAMA_K_B : -1, PRODUCT_QKV, C, KV, A, QKV},
           {"self_attn.v_proj", LLAMA_V_W, b ? LLAMA_V_B : -1, PRODUCT_QKV, C, KV, A + KV, QKV},
@@ -247,13 +259,24 @@ ModelConfig LlamaFamily::read_decoder_config(const HfConfig& j, const ModelConfi
     j.fail("hidden_act '" + act + "' is not implemented; ShardTrain's " + display_name() + " MLP uses silu");
   if (m.n_embd % m.n_head != 0) j.fail("hidden_size is not a multiple of num_attention_heads");
   // A head size of its own (Mistral-Nemo's 128 on 5120 / 32); the usual one is kept as 0.
-  if (j.has("head_dim")) m.head_dim = j.whole("head_dim");
+  if (j.has("head_dim"))
+    m.head_dim = j.whole("head_dim");
+  else if (!j.present("head_dim"))
+    m.head_dim = defaults.head_dim;  // Qwen3Config's 128
   canonicalize(m);
   if (m.head_size() % 2 != 0)
     j.fail(strprintf("the head size %d (head_dim, or hidden_size / num_attention_heads) is odd; rotary embeddings "
                      "turn pairs of dimensions", m.head_size()));
   if (m.n_head % m.n_kv_head != 0) j.fail("num_attention_heads is not a multiple of num_key_value_heads");
   return m;
+}
+
+void LlamaFamily::refuse_qwen_sliding_window(const HfConfig& j, const ModelConfig& m) {
+  if (!j.flag("use_sliding_window", false)) return;
+  const int window = j.has("sliding_window") ? j.whole("sliding_window") : 0;
+  if (window > 0 && window < m.max_seq_len)  // a window that no sequence reaches changes nothing
+    j.fail(strprintf("use_sliding_window true with sliding_window %d is not implemented; ShardTrain's attention "
+                     "sees every earlier position (use_sliding_window false is read)", window));
 }
 
 // LlamaConfig's keys, absent ones taking its defaults (MistralConfig's for a mistral folder).

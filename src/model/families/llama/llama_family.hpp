@@ -2,7 +2,7 @@
 // rotary positions, grouped-query attention, a SwiGLU MLP, no biases, a tied or untied LM head;
 // Hugging Face's parameter names less the "model." prefix. Mistral folders without a sliding
 // window read as Llama. The descriptor is a class so that decoders that are Llama plus a little
-// (Qwen2: q/k/v biases) derive from it in their own folders.
+// (Qwen2: q/k/v biases; Qwen3: q/k norms) derive from it in their own folders.
 #pragma once
 
 #include "model/family.hpp"
@@ -10,14 +10,25 @@
 namespace shardtrain {
 
 // Positions of the parameters inside a block unit and the root unit. q|k|v and gate|up are
-// adjacent, so each group is one GEMM; the q|k|v biases (LlamaFamily::qkv_bias) follow the
-// block's weights, adjacent too.
+// adjacent, so each group is one GEMM; a variant's parameters (LlamaVariant) follow the block's
+// weights.
 enum LlamaBlockParam {
   LLAMA_ATTN_NORM_W, LLAMA_Q_W, LLAMA_K_W, LLAMA_V_W, LLAMA_O_W,
   LLAMA_MLP_NORM_W, LLAMA_GATE_W, LLAMA_UP_W, LLAMA_DOWN_W, LLAMA_BLOCK_PARAM_COUNT,
-  LLAMA_Q_B = LLAMA_BLOCK_PARAM_COUNT, LLAMA_K_B, LLAMA_V_B,
+  LLAMA_Q_B = LLAMA_BLOCK_PARAM_COUNT, LLAMA_K_B, LLAMA_V_B,  // with qkv_bias, adjacent
 };
 enum LlamaRootParam { LLAMA_EMBED, LLAMA_NORM_W, LLAMA_LM_HEAD };  // LLAMA_LM_HEAD only when untied
+
+// What a decoder built on Llama's block adds to it, each part's parameters present only when set,
+// in this order after the block's weights: biases on q_proj, k_proj and v_proj (Qwen2), and an
+// RMSNorm over each query and each key head's head_dim before the rotary turn, one weight of
+// head_dim for all query heads and one for all key heads (Qwen3's q_norm and k_norm).
+struct LlamaVariant {
+  bool qkv_bias = false;
+  bool qk_norm = false;
+  int q_norm_param() const { return LLAMA_BLOCK_PARAM_COUNT + (qkv_bias ? 3 : 0); }
+  int k_norm_param() const { return q_norm_param() + 1; }
+};
 
 class LlamaFamily : public ModelFamily {
  public:
@@ -66,8 +77,10 @@ class LlamaFamily : public ModelFamily {
  protected:
   // The family as logs name it: "Llama".
   virtual const char* display_name() const { return "Llama"; }
-  // Whether q_proj, k_proj and v_proj have biases (Qwen2's attention; not Llama's).
-  virtual bool qkv_bias() const { return false; }
+  // What the decoder adds to Llama's block (none: Llama).
+  virtual LlamaVariant variant() const { return {}; }
+  // Qwen's use_sliding_window and sliding_window keys: a window that some sequence reaches is refused.
+  static void refuse_qwen_sliding_window(const HfConfig& json, const ModelConfig& config);
   // LlamaConfig's keys common to the decoders built on it; `defaults`: the family's when absent.
   ModelConfig read_decoder_config(const HfConfig& json, const ModelConfig& defaults) const;
   // And written: the keys LlamaConfig shares with the decoders built on it.

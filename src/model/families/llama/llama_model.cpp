@@ -1,5 +1,6 @@
 // Llama forward/backward on explicit buffers (see model.hpp, llama_model.hpp). Each block:
-//   n1 = rms(x) w1; q|k|v = n1 Wqkv^T (+ b: Qwen2); rope(q, k); y = attn(q, k, v); r2 = x + y Wo^T;
+//   n1 = rms(x) w1; q|k|v = n1 Wqkv^T (+ b: Qwen2); (Qwen3: q, k = rms(q) wq, rms(k) wk per head);
+//   rope(q, k); y = attn(q, k, v); r2 = x + y Wo^T;
 //   n2 = rms(r2) w2; g|u = n2 Wgu^T; out = r2 + (silu(g) * u) Wdown^T.
 // The backward runs the same steps in reverse with one running residual gradient dresid_.
 #include "model/families/llama/llama_model.hpp"
@@ -14,25 +15,31 @@ namespace shardtrain {
 
 template <typename Real>
 LlamaModel<Real>::LlamaModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
-                             const LayerOps<Real>& ops, DType activation_dtype, bool qkv_bias)
+                             const LayerOps<Real>& ops, DType activation_dtype, LlamaVariant variant)
     : Base(table, batch, seq_len, activation_checkpointing, ops, activation_dtype,
-           saved_tensor_elements(table.config(), batch, seq_len)),
-      qkv_bias_(qkv_bias) {
+           saved_tensor_elements(table.config(), variant, batch, seq_len)),
+      variant_(variant) {
   SHARD_CHECK(cfg_.head_size() % 2 == 0, "rotary embeddings need an even head size, not %d", cfg_.head_size());
   const size_t BT = static_cast<size_t>(B_) * T_, C = cfg_.n_embd, NH = cfg_.n_head, I = cfg_.mlp_size();
   const size_t rope = static_cast<size_t>(T_) * (cfg_.head_size() / 2);
-  const size_t A = cfg_.attn_size();
+  const size_t A = cfg_.attn_size(), KV = cfg_.kv_heads();
   ActivationList list = this->activation_list();  // LlamaFamily::activation_arrays: the plan, in order
   rope_cos_ = list.take(rope), rope_sin_ = list.take(rope);
   make_rope_tables(T_, rope_cos_, rope_sin_);
   for (int l = 0; l <= cfg_.n_layer; l++) resid_.push_back(list.take(BT * C));
   layers_.resize(checkpointing_ ? 1 : cfg_.n_layer);
-  for (Layer& a : layers_)
+  for (Layer& a : layers_) {
     a.ln1_rstd = list.take(BT), a.lse = list.take(BT * NH), a.resid2 = list.take(BT * C), a.ln2_rstd = list.take(BT);
+    if (variant_.qk_norm) a.q_rstd = list.take(BT * NH), a.k_rstd = list.take(BT * KV);
+  }
   lnf_ = list.take(BT * C), lnf_rstd_ = list.take(BT);
   probs_ = list.take(BT * cfg_.vocab_size), losses_ = list.take(BT);
   dresid_ = list.take(BT * C), dln_ = list.take(BT * std::max(C, A)), dqkv_ = list.take(BT * cfg_.qkv_size());
   dgate_up_ = list.take(BT * 2 * I), dact_ = list.take(BT * I);
+  if (variant_.qk_norm) {
+    const size_t qk = BT * (NH + KV) * cfg_.head_size();
+    qk_scratch_ = list.take(qk), dqk_pre_ = list.take(qk);
+  }
   list.done();
 }
 
@@ -58,9 +65,11 @@ void LlamaModel<Real>::make_rope_tables(int T, Array& cos_table, Array& sin_tabl
 }
 
 template <typename Real>
-std::vector<size_t> LlamaModel<Real>::saved_tensor_elements(const ModelConfig& c, int batch, int seq_len) {
+std::vector<size_t> LlamaModel<Real>::saved_tensor_elements(const ModelConfig& c, LlamaVariant variant, int batch,
+                                                            int seq_len) {
   const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, I = c.mlp_size();
-  std::vector<size_t> sizes(ACT + 1);
+  std::vector<size_t> sizes(variant.qk_norm ? QK_PRE + 1 : ACT + 1);
+  if (variant.qk_norm) sizes[QK_PRE] = BT * (c.n_head + c.kv_heads()) * c.head_size();
   sizes[LN1] = sizes[LN2] = BT * C;
   sizes[ATTY] = BT * c.attn_size();
   sizes[QKV] = BT * c.qkv_size();
@@ -90,6 +99,11 @@ void LlamaModel<Real>::block_forward(int l, const Real* w) {
   produced(LN1);
   adapters_.linear_forward(l, PRODUCT_QKV, S(QKV), S(LN1), W(LLAMA_Q_W), qkv_bias(w, l), C, cfg_.qkv_size(),
                            w);  // q|k|v fused
+  if (variant_.qk_norm) {
+    split_qk(S(QK_PRE), S(QKV), N);
+    produced(QK_PRE);
+    qk_norm_forward(l, w, S(QKV), S(QK_PRE), qk_scratch_.data(), a.q_rstd.data(), a.k_rstd.data(), N);
+  }
   ops_.rope_forward(S(QKV), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS, this->positions());
   produced(QKV);  // after rope: what attention reads (rope's backward needs no values)
   ops_.attention_forward(S(ATTY), a.lse.data(), S(QKV), B_, T_, NH, KV, HS, this->doc_start());
@@ -163,10 +177,51 @@ void LlamaModel<Real>::block_backward(int l, Real* g, const Real* w) {
   ops_.attention_backward(dqkv_.data(), dln_.data(), S(QKV), S(ATTY), a.lse.data(), B_, T_, NH, KV, HS,
                           this->doc_start());
   ops_.rope_backward(dqkv_.data(), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS, this->positions());
+  if (variant_.qk_norm) qk_norm_backward(l, w, g, dqkv_.data(), S(QK_PRE), a.q_rstd.data(), a.k_rstd.data(), N);
   adapters_.linear_backward(l, PRODUCT_QKV, dln_.data(), G(LLAMA_Q_W), qkv_bias_grad(g, l), dqkv_.data(), S(LN1),
                             W(LLAMA_Q_W), C, cfg_.qkv_size(), w, g);
   ops_.rmsnorm_backward(dresid_.data(), G(LLAMA_ATTN_NORM_W), dln_.data(), resid_[l].data(), W(LLAMA_ATTN_NORM_W),
                         a.ln1_rstd.data(), N, C);
+}
+
+template <typename Real>
+void LlamaModel<Real>::split_qk(Real* pre, const Real* qkv, int N) const {
+  const int A = cfg_.attn_size(), KVS = cfg_.kv_heads() * cfg_.head_size(), QKV = cfg_.qkv_size();
+  ops_.copy_rows(pre, A, qkv, QKV, N, A);
+  ops_.copy_rows(pre + static_cast<size_t>(N) * A, KVS, qkv + A, QKV, N, KVS);
+}
+
+template <typename Real>
+void LlamaModel<Real>::qk_norm_forward(int l, const Real* w, Real* qkv, const Real* pre, Real* normed, Real* q_rstd,
+                                       Real* k_rstd, int N) const {
+  const int A = cfg_.attn_size(), KVS = cfg_.kv_heads() * cfg_.head_size(), QKV = cfg_.qkv_size();
+  const int HS = cfg_.head_size();
+  const Real eps = static_cast<Real>(cfg_.norm_eps);
+  const size_t k_at = static_cast<size_t>(N) * A;
+  ops_.rmsnorm_forward(normed, q_rstd, pre, param_in(table_, w, block_unit(l), variant_.q_norm_param()), eps,
+                       N * cfg_.n_head, HS);
+  ops_.rmsnorm_forward(normed + k_at, k_rstd, pre + k_at, param_in(table_, w, block_unit(l), variant_.k_norm_param()),
+                       eps, N * cfg_.kv_heads(), HS);
+  ops_.copy_rows(qkv, QKV, normed, A, N, A);
+  ops_.copy_rows(qkv + A, QKV, normed + k_at, KVS, N, KVS);
+}
+
+template <typename Real>
+void LlamaModel<Real>::qk_norm_backward(int l, const Real* w, Real* g, Real* dqkv, const Real* pre,
+                                        const Real* q_rstd, const Real* k_rstd, int N) {
+  const int A = cfg_.attn_size(), KVS = cfg_.kv_heads() * cfg_.head_size(), QKV = cfg_.qkv_size();
+  const int HS = cfg_.head_size(), u = block_unit(l);
+  const size_t k_at = static_cast<size_t>(N) * A;
+  Real* dout = qk_scratch_.data();
+  Real* dinp = dqk_pre_.data();
+  split_qk(dout, dqkv, N);
+  dqk_pre_.zero();  // rmsnorm_backward adds into its input gradient
+  ops_.rmsnorm_backward(dinp, grad_in(table_, g, u, variant_.q_norm_param()), dout, pre,
+                        param_in(table_, w, u, variant_.q_norm_param()), q_rstd, N * cfg_.n_head, HS);
+  ops_.rmsnorm_backward(dinp + k_at, grad_in(table_, g, u, variant_.k_norm_param()), dout + k_at, pre + k_at,
+                        param_in(table_, w, u, variant_.k_norm_param()), k_rstd, N * cfg_.kv_heads(), HS);
+  ops_.copy_rows(dqkv, QKV, dinp, A, N, A);
+  ops_.copy_rows(dqkv + A, QKV, dinp + k_at, KVS, N, KVS);
 }
 
 template <typename Real>
@@ -176,14 +231,17 @@ void LlamaModel<Real>::embed_backward(Real* g) {
 }
 
 template <typename Real>
-size_t LlamaModel<Real>::plan_decode_elements(const ModelConfig& c, int max_len, int max_chunk) {
+size_t LlamaModel<Real>::plan_decode_elements(const ModelConfig& c, LlamaVariant variant, int max_len,
+                                              int max_chunk) {
   const size_t C = c.n_embd, L = c.n_layer, M = max_len, n = max_chunk, I = c.mlp_size();
   const size_t cache = 2 * L * M * c.kv_heads() * c.head_size();
   const size_t rope = 2 * M * (c.head_size() / 2);
   // x, ln, resid2; atty; rstd; qkv; gate_up, act; the scores; the logits
   const size_t step = 3 * n * C + n * c.attn_size() + n + n * c.qkv_size() + n * 3 * I + n * c.n_head * M +
                       c.vocab_size;
-  return cache + rope + step;
+  // the q/k norms' input, output and rstd
+  const size_t qk_norm = variant.qk_norm ? n * (c.n_head + c.kv_heads()) * (2 * c.head_size() + 1) : 0;
+  return cache + rope + step + qk_norm;
 }
 
 template <typename Real>
@@ -204,6 +262,10 @@ void LlamaModel<Real>::begin_decode(int max_len, int max_chunk) {
   d.x = array(n * C), d.ln = array(n * C), d.rstd = array(n), d.qkv = array(n * cfg_.qkv_size());
   d.atty = array(n * cfg_.attn_size()), d.resid2 = array(n * C), d.gate_up = array(n * 2 * I), d.act = array(n * I);
   d.scores = array(n * cfg_.n_head * M), d.logits = array(cfg_.vocab_size);
+  if (variant_.qk_norm) {
+    const size_t heads = n * (cfg_.n_head + cfg_.kv_heads());
+    d.qk_pre = array(heads * cfg_.head_size()), d.qk_normed = array(heads * cfg_.head_size()), d.qk_rstd = array(heads);
+  }
 }
 
 template <typename Real>
@@ -226,6 +288,11 @@ void LlamaModel<Real>::decode_block(int l, const Real* w) {
   ops_.rmsnorm_forward(d.ln.data(), d.rstd.data(), d.x.data(), W(LLAMA_ATTN_NORM_W), eps, N, C);
   adapters_.linear_decode(l, PRODUCT_QKV, d.qkv.data(), d.ln.data(), W(LLAMA_Q_W), qkv_bias(w, l), C, cfg_.qkv_size(),
                           w, N);
+  if (variant_.qk_norm) {
+    split_qk(d.qk_pre.data(), d.qkv.data(), N);
+    qk_norm_forward(l, w, d.qkv.data(), d.qk_pre.data(), d.qk_normed.data(), d.qk_rstd.data(),
+                    d.qk_rstd.data() + static_cast<size_t>(N) * NH, N);
+  }
   // Positions start..start+N-1: the tables from row start on, as one sequence of N.
   ops_.rope_forward(d.qkv.data(), d.rope_cos.data() + d.start * half, d.rope_sin.data() + d.start * half, 1, N, NH,
                     KV, HS, nullptr);

@@ -22,13 +22,7 @@ class Qwen2Family final : public LlamaFamily {
     defaults.max_seq_len = 32768;
     defaults.tie_embeddings = false;
     const ModelConfig m = read_decoder_config(j, defaults);
-    // A window that no sequence reaches changes nothing.
-    if (j.flag("use_sliding_window", false)) {
-      const int window = j.has("sliding_window") ? j.whole("sliding_window") : 0;
-      if (window > 0 && window < m.max_seq_len)
-        j.fail(strprintf("use_sliding_window true with sliding_window %d is not implemented; ShardTrain's attention "
-                         "sees every earlier position (use_sliding_window false is read)", window));
-    }
+    refuse_qwen_sliding_window(j, m);
     return m;
   }
   // Qwen2ForCausalLM as transformers 4 writes it.
@@ -41,7 +35,7 @@ class Qwen2Family final : public LlamaFamily {
 
  protected:
   const char* display_name() const override { return "Qwen2"; }
-  bool qkv_bias() const override { return true; }
+  LlamaVariant variant() const override { return {true, false}; }
 };
 
 }  // namespace

@@ -1,0 +1,155 @@
+"""model.arch=qwen3 (dense Qwen3 decoders: Llama's block with an RMSNorm over each query and key head
+before the rotary turn, heads of their own size), the family added as its own folder plus a registry
+line on the Llama model. Each property against an independent oracle:
+
+- a Qwen3ForCausalLM folder imports with the loss of modeling_qwen3 computed in float64 numpy
+  (hf_reference.py) on 1-3 ranks, untied F32 and tied BF16, heads of their own size or the usual;
+- import -> checkpoint -> export gives the same file bit for bit and transformers' config.json keys;
+  a trained model's export (the q/k norms trained too) imports again with the reference's loss;
+- training's losses do not depend on the rank count; LoRA on q/k/v trains, exports as a PEFT folder
+  for Qwen3ForCausalLM and merges; greedy generation is the same on 1 and 2 ranks;
+- what Qwen3's attention has and ShardTrain does not (biases, a sliding window) is refused, exit 2;
+- the shipped Qwen3-0.6B config plans its published parameter count.
+"""
+import json
+import os
+
+from harness import ROOT, read_metrics, rel_diff, run, tempdir, tiny_args
+from test_bad_input import expect_usage_error
+from test_hf import C, H, I, KV, L, MAXT, first_loss, llama_args, periodic_data, reference
+
+QWEN3_INI = os.path.join(ROOT, "inputs", "qwen3-0.6b.ini")
+
+
+def qwen3_folder(dtype="F32", tied=False, seed=1, head_dim=12, config=None):
+    """A random Qwen3 folder (head_dim written, as Qwen3's files do); `config` updates config.json."""
+    folder = os.path.join(tempdir(), "qwen3-hf")
+    extras = ["qwen3"] + ([f"head_dim={head_dim}"] if head_dim else [])
+    reference("make-llama", folder, L, C, H, KV, I, 256, MAXT, "tied" if tied else "untied", dtype, seed, "model.",
+              ",".join(extras))
+    if config:
+        path = os.path.join(folder, "config.json")
+        c = json.load(open(path))
+        c.update(config)
+        json.dump(c, open(path, "w"))
+    return folder
+
+
+def ok(proc, what=""):
+    assert proc.returncode == 0, f"{what}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_qwen3_import_gives_the_reference_loss():
+    data, window = periodic_data()
+    cases = [(qwen3_folder("F32"), (1, 2, 3), "KV=2 MLP=104 V=256 max_seq_len=64 rope_theta=1e+06 norm_eps=1e-05 "
+              "untied head_dim=12"),
+             (qwen3_folder("BF16", tied=True, seed=2, head_dim=None), (2,), "KV=2 MLP=104 V=256 max_seq_len=64 "
+              "rope_theta=1e+06 norm_eps=1e-05 tied")]
+    for folder, ranks, summary in cases:
+        expected = reference("loss", folder, *window)["loss"]
+        for np_ in ranks:
+            loss, proc = first_loss(folder, data, np_=np_, args=llama_args)
+            assert f"Qwen3 L=2 C=40 H=4 {summary}" in proc.stdout, proc.stdout
+            assert rel_diff(loss, expected) < 2e-6, (folder, np_, loss, expected)
+    # Qwen3's files write head_dim (its default, absent, is 128).
+    config = json.load(open(os.path.join(cases[0][0], "config.json")))
+    assert config["model_type"] == "qwen3" and config["head_dim"] == 12
+
+
+def test_qwen3_export_round_trips_and_trained_norms_come_back():
+    data, window = periodic_data()
+    folder = qwen3_folder("F32")
+    ckdir = tempdir()
+    ok(run(2, llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}", "--data.val_file=",
+                         "--train.steps=1", "--train.lr=1e-30", f"--checkpoint.dir={ckdir}")), "import")
+    out = os.path.join(tempdir(), "exported")
+    proc = ok(run(3, ["export", "--format", "hf", "--checkpoint", os.path.join(ckdir, "ckpt-00000001.h5"),
+                      "--output", out]), "export")
+    assert "Qwen3ForCausalLM" in proc.stdout, proc.stdout
+    assert reference("equal", out, folder)["equal"]
+    config = json.load(open(os.path.join(out, "config.json")))
+    expected = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": C,
+                "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": H, "num_key_value_heads": KV,
+                "head_dim": 12, "vocab_size": 256, "max_position_embeddings": MAXT, "hidden_act": "silu",
+                "rms_norm_eps": 1e-5, "rope_theta": 1e6, "attention_bias": False, "use_sliding_window": False,
+                "tie_word_embeddings": False}
+    assert {k: config.get(k, "absent") for k in expected} == expected, config
+    # Trained for 3 steps: the norms move, and the export imports again with the reference's loss.
+    ckdir = tempdir()
+    ok(run(2, llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}", "--data.val_file=",
+                         "--train.steps=3", "--train.lr=1e-2", "--train.warmup_steps=0",
+                         f"--checkpoint.dir={ckdir}")), "train")
+    trained = os.path.join(tempdir(), "trained")
+    ok(run(2, ["export", "--format", "hf", "--checkpoint", os.path.join(ckdir, "ckpt-00000003.h5"),
+               "--output", trained]), "export trained")
+    before, after = reference("tensors", os.path.join(folder, "model.safetensors")), \
+        reference("tensors", os.path.join(trained, "model.safetensors"))
+    for l in range(L):
+        for n in "qk":
+            name = f"model.layers.{l}.self_attn.{n}_norm.weight"
+            assert before["tensors"][name][:2] == after["tensors"][name][:2] == ["float32", [12]], name
+            assert before["tensors"][name][2] != after["tensors"][name][2], f"{name} did not train"
+    expected_loss = reference("loss", trained, *window)["loss"]
+    again, _ = first_loss(trained, data, args=llama_args)
+    assert rel_diff(again, expected_loss) < 2e-6, (again, expected_loss)
+
+
+def qwen3_train_args(*overrides):
+    args = tiny_args("--model.arch=qwen3", "--model.head_dim=12", *overrides)
+    args[args.index("--config") + 1] = os.path.join(ROOT, "inputs", "llama-tiny.ini")
+    return args
+
+
+def test_qwen3_losses_do_not_depend_on_ranks_and_it_generates():
+    runs = []
+    for np_, extra in ((1, []), (2, []), (3, ["--fsdp.sharding_strategy=SHARD_GRAD_OP"])):
+        metrics, ckdir = os.path.join(tempdir(), "m.jsonl"), tempdir()
+        ok(run(np_, qwen3_train_args("--train.steps=4", f"--train.metrics_file={metrics}",
+                                     f"--checkpoint.dir={ckdir}", *extra)), str(np_))
+        runs.append([r["loss"] for r in read_metrics(metrics)])
+    assert runs[0][-1] < runs[0][0], runs[0]
+    for other in runs[1:]:
+        assert all(rel_diff(a, b) < 1e-5 for a, b in zip(runs[0], other)), runs
+    ckpt = os.path.join(ckdir, "ckpt-00000004.h5")
+    texts = [ok(run(np_, ["generate", "--checkpoint", ckpt, "--prompt", "Once upon", "--max-tokens", "12",
+                          "--temperature", "0"]), "generate").stdout for np_ in (1, 2)]
+    assert texts[0] == texts[1] and texts[0].startswith("Once upon") and len(texts[0]) > len("Once upon"), texts
+
+
+def test_qwen3_lora_exports_for_peft_and_merges():
+    data, window = periodic_data()
+    folder = qwen3_folder("F32", seed=5)
+    ckdir = tempdir()
+    lora = ["--adapter.type=lora", "--adapter.targets=q_proj,k_proj,v_proj", "--adapter.rank=4", "--adapter.alpha=8"]
+    ok(run(2, llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}", "--data.val_file=",
+                         "--train.steps=3", "--train.lr=1e-2", "--train.warmup_steps=0", f"--checkpoint.dir={ckdir}",
+                         *lora)), "lora")
+    ckpt = os.path.join(ckdir, "ckpt-00000003.h5")
+    peft = os.path.join(tempdir(), "peft")
+    ok(run(2, ["export", "--adapter", "--checkpoint", ckpt, "--output", peft]), "export --adapter")
+    config = json.load(open(os.path.join(peft, "adapter_config.json")))
+    assert config["auto_mapping"]["base_model_class"] == "Qwen3ForCausalLM", config
+    assert sorted(config["target_modules"]) == ["k_proj", "q_proj", "v_proj"], config
+    merged = os.path.join(tempdir(), "merged")
+    ok(run(2, ["export", "--format", "hf", "--merge", "--checkpoint", ckpt, "--output", merged]), "merge")
+    expected = reference("loss", merged, *window)["loss"]
+    assert rel_diff(expected, reference("loss", folder, *window)["loss"]) > 1e-4
+    again, _ = first_loss(merged, data, args=llama_args)
+    assert rel_diff(again, expected) < 2e-6, (again, expected)
+
+
+def test_qwen3_refuses_what_it_does_not_implement():
+    data, _ = periodic_data()
+    for config, needle in (({"attention_bias": True}, "attention_bias true is not implemented"),
+                           ({"use_sliding_window": True, "sliding_window": 16}, "sliding_window 16 is not implemented")):
+        folder = qwen3_folder("F32", config=config)
+        expect_usage_error(llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}",
+                                      "--data.val_file=", "--train.steps=1"), needle, "config.json")
+
+
+def test_qwen3_06b_config_plans_the_real_parameter_count():
+    proc = ok(run(1, ["plan", "--config", QWEN3_INI, "--world-size=4"]), "plan")
+    # Qwen3-0.6B: 596,049,920 parameters (tied embeddings; exact in the unit tests).
+    assert "Qwen3 L=28 C=1024 H=16 KV=8 MLP=3072 V=151936 max_seq_len=40960 rope_theta=1e+06 norm_eps=1e-06 tied " \
+           "head_dim=128 (596.0M parameters)" in proc.stdout, proc.stdout
