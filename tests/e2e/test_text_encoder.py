@@ -92,15 +92,16 @@ def cached(path, layers, folder=None):
     return out, got
 
 
-def qwen2_encoder():
-    """A random Qwen2 folder (q/k/v biases, rope_theta 1e6) whose tokenizer puts <s> first."""
-    if "qwen2" not in ENCODER:
-        folder = os.path.join(tempdir(), "qwen2-encoder")
-        reference("make-llama", folder, EL, EC, EH, EKV, EI, EV, 64, "untied", "F32", 5, "model.", "qwen2")
+def qwen_encoder(kind="qwen2"):
+    """A random Qwen2 folder (q/k/v biases, rope_theta 1e6) or Qwen3 folder (q/k norms, as Z-Image's
+    text encoder) whose tokenizer puts <s> first."""
+    if kind not in ENCODER:
+        folder = os.path.join(tempdir(), kind + "-encoder")
+        reference("make-llama", folder, EL, EC, EH, EKV, EI, EV, 64, "untied", "F32", 5, "model.", kind)
         with open(os.path.join(folder, "tokenizer.json"), "w") as f:
             json.dump(world_tokenizer(bos=True), f)
-        ENCODER["qwen2"] = folder
-    return ENCODER["qwen2"]
+        ENCODER[kind] = folder
+    return ENCODER[kind]
 
 
 def gpt2_encoder():
@@ -133,12 +134,13 @@ def test_the_sharded_encoder_computes_what_transformers_computes_on_any_rank_cou
     state and for an embedding, a block's output and the final norm's side by side; the same bits on
     1, 2 and 3 ranks (uneven slices of 96 captions, forwards of 5); every other dataset and
     attribute of the file copied. Captions of 8 and of 13 tokens (cut at 12) take both the padded
-    and the cut path. And a Qwen2 encoder (biases, another rotary base) whose tokenizer adds a BOS
-    token (9 and 12 tokens), and a GPT-2 encoder (learned positions, LayerNorm)."""
+    and the cut path. And Qwen2 and Qwen3 encoders (biases, q/k norms, another rotary base) whose
+    tokenizer adds a BOS token (9 and 12 tokens), and a GPT-2 encoder (learned positions, LayerNorm)."""
     w = world()
     for layers, hf_layers, folder, lengths in (("-1", "2", encoder(), [8, TOKENS]),
                                                ("0,1,-1", "0,1,2", encoder(), [8, TOKENS]),
-                                               ("-2", "1", qwen2_encoder(), [9, TOKENS]),
+                                               ("-2", "1", qwen_encoder(), [9, TOKENS]),
+                                               ("-1", "2", qwen_encoder("qwen3"), [9, TOKENS]),
                                                ("1,2", "1,2", gpt2_encoder(), [8, TOKENS])):
         want_file, got = cached(w["train"], hf_layers, folder)
         assert got["lengths"] == lengths, got  # padded and cut captions both present
