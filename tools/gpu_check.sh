@@ -219,6 +219,9 @@ LLAMA_CMP=(--train.steps=20 --train.threads=4 --train.micro_batch=4 --train.glob
 DOCUMENTS=(--data.documents=true --data.document_start=10 --data.restart_positions=true)
 CONFIG=inputs/llama-tiny.ini against_cpu "Llama (GQA, rotary, SwiGLU)" llama 2 1 "${LLAMA_CMP[@]}"
 CONFIG=inputs/llama-tiny.ini against_cpu "Llama, packed documents" llama-documents 2 1 "${LLAMA_CMP[@]}" "${DOCUMENTS[@]}"
+# Qwen3: each query and key head RMSNorm-ed (strided row copies around the norm kernels), heads of 12 on a width of 40.
+CONFIG=inputs/llama-tiny.ini against_cpu "Qwen3 (q/k norms, heads of their own size)" qwen3 2 1 "${LLAMA_CMP[@]}" \
+  --model.arch=qwen3 --model.head_dim=12
 against_cpu "GPT-2, packed documents" documents 2 1 "${CMP_MODEL[@]}" --train.micro_batch=4 --train.global_batch=8 "${DOCUMENTS[@]}"
 
 # The FLUX family (joint attention without the causal mask, interleaved rotary pairs, adaptive

@@ -250,7 +250,9 @@ def rope_inverse_frequencies(d, theta, scaling=None):
     computes it (the same bits, but where torch's pow is not correctly rounded): 1 / theta^(arange(0, d, 2) / d); rope_type linear divides it by factor; llama3
     (_compute_llama3_parameters) divides the frequencies whose wavelength exceeds
     original_max_position_embeddings / low_freq_factor by factor, keeps those below
-    original_max_position_embeddings / high_freq_factor, and blends the ones between."""
+    original_max_position_embeddings / high_freq_factor, and blends the ones between; yarn
+    (_compute_yarn_parameters) ramps from the kept to the divided frequencies between the dimensions
+    that turn beta_fast and beta_slow times over the original context."""
     f32 = np.float32
     exponents = np.arange(0, d, 2).astype(f32) / f32(d)
     # torch's pow of a float32 base: the correctly rounded power (numpy's float32 ** is off by one
@@ -271,18 +273,48 @@ def rope_inverse_frequencies(d, theta, scaling=None):
         smoothed = (f32(1.0) - smooth) * kept / f32(factor) + smooth * kept
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv_freq = np.where(medium, smoothed, kept).astype(f32)
+    elif kind == "yarn":
+        # _compute_yarn_parameters: the correction range in Python floats, the ramp and blend in float32
+        factor, old = scaling["factor"], scaling["original_max_position_embeddings"]
+        beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+        def correction_dim(turns):
+            return d * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(theta))
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        high = high + 0.001 if low == high else high
+        ramp = np.clip((np.arange(d // 2, dtype=f32) - f32(low)) / f32(high - low), 0, 1).astype(f32)
+        kept = f32(1) - ramp
+        interpolated = f32(1.0) / (f32(factor) * powers)
+        inv_freq = (interpolated * (f32(1) - kept) + inv_freq * kept).astype(f32)
     else:
         assert kind == "default", scaling
     return inv_freq
 
 
+def yarn_attention_factor(scaling):
+    """_compute_yarn_parameters' attention_factor: given, or get_mscale's 0.1 ln(factor) + 1 (the
+    ratio of two when mscale and mscale_all_dim are given)."""
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+
+    def get_mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return get_mscale(factor, m) / get_mscale(factor, m_all) if m and m_all else get_mscale(factor)
+
+
 def rotary_cos_sin(T, d, theta, scaling=None):
     """LlamaRotaryEmbedding: the angles position * inv_freq, computed in float32 as transformers
-    does; emb = cat(freqs, freqs); cos and sin of it held in float32."""
+    does; emb = cat(freqs, freqs); cos and sin of it held in float32 (times yarn's attention factor)."""
     inv_freq = rope_inverse_frequencies(d, theta, scaling)
     freqs = np.arange(T, dtype=np.float32)[:, None] * inv_freq[None, :]
     emb = np.concatenate([freqs, freqs], -1).astype(np.float64)
-    return np.cos(emb).astype(np.float32).astype(np.float64), np.sin(emb).astype(np.float32).astype(np.float64)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    m = np.float32(yarn_attention_factor(scaling) if kind == "yarn" else 1.0)
+    return (np.cos(emb).astype(np.float32) * m).astype(np.float64), (np.sin(emb).astype(np.float32) * m).astype(np.float64)
 
 
 def rotate_half(x):

@@ -5,6 +5,7 @@ The data file repeats one random sequence with period seq_len, so every training
 sequence whatever the sampler picks, and the first step's loss is the reference's loss on it."""
 import hashlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -309,6 +310,11 @@ def test_llama_export_round_trips_and_matches_the_checkpoint():
         "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": None, "eos_token_id": None}
     assert {k: config.get(k, "absent") for k in expected_config} == expected_config, config
     assert reference("loss", out, *window) == reference("loss", folder, *window)
+    # yarn's too, its defaults written out: transformers reads the same model from them.
+    _, out = imported_then_exported(cases[2][0], data)
+    assert json.load(open(os.path.join(out, "config.json")))["rope_scaling"] == dict(
+        YARN, attention_factor=0.1 * math.log(4) + 1, beta_fast=32.0, beta_slow=1.0, truncate=True)
+    assert rel_diff(reference("loss", out, *window)["loss"], reference("loss", cases[2][0], *window)["loss"]) < 1e-12
 
     # Trained (a tied model, so the head's gradient is the embedding's too), gathered checkpoint ->
     # export: every tensor is the checkpoint's, named as transformers names it.
@@ -362,18 +368,23 @@ def imported_then_exported(folder, data):
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 256}
 LLAMA3_TEXT = "llama3:factor=8,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=256"
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}  # Qwen's form, scaled down
+YARN_TEXT = ("yarn:factor=4,original_max_position_embeddings=16,attention_factor=%.17g,beta_fast=32,beta_slow=1,"
+             "truncate=1" % (0.1 * math.log(4) + 1))
 
 
 def test_scaled_rotary_embeddings_give_transformers_loss_and_travel_with_the_model():
     """Llama 3.1's rope_scaling (llama3: head size 10 over 256 original positions keeps two
-    frequencies, blends one and divides two) and linear scaling (transformers 5's rope_parameters)
-    give the reference's loss -- whose inverse frequencies are transformers' bit for bit
+    frequencies, blends one and divides two), linear scaling (transformers 5's rope_parameters) and
+    yarn (its ramp over 16 original positions, cos and sin times its attention factor) give the
+    reference's loss -- whose inverse frequencies are transformers' bit for bit
     (tests/unit/test_rope_scaling.cpp) -- and not the unscaled model's; the setting goes into the
     checkpoint and back out to config.json."""
     data, window = periodic_data()
     cases = [(llama_folder("F32", config={"rope_scaling": LLAMA3}), LLAMA3_TEXT, (1, 2)),
              (llama_folder("BF16", seed=2, config={"rope_scaling": DROP, "rope_theta": DROP, "rope_parameters": {
-                 "rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0}}), "linear:factor=4", (3,))]
+                 "rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0}}), "linear:factor=4", (3,)),
+             (llama_folder("F32", seed=3, config={"rope_scaling": YARN}), YARN_TEXT, (2,))]
     for folder, text, ranks in cases:
         expected = reference("loss", folder, *window)["loss"]
         plain = json.load(open(os.path.join(folder, "config.json")))
@@ -407,7 +418,10 @@ def test_scaled_rotary_embeddings_give_transformers_loss_and_travel_with_the_mod
                          args=llama_args)
     assert rel_diff(loss, reference("loss", folder, *window)["loss"]) < 2e-6
     expect_usage_error(tiny_args("--model.rope_scaling=linear:factor=2"), "model.rope_scaling is not a gpt2 option")
-    expect_usage_error(llama_args("--model.arch=llama", "--model.rope_scaling=yarn:factor=2"), "unknown type 'yarn'")
+    expect_usage_error(llama_args("--model.arch=llama", "--model.rope_scaling=dynamic:factor=2"),
+                       "unknown type 'dynamic'")
+    expect_usage_error(llama_args("--model.arch=llama", "--model.rope_scaling=yarn:factor=2"),
+                       "yarn needs 'original_max_position_embeddings'")
     both = llama_folder("F32", config={"rope_scaling": LLAMA3, "rope_parameters": {"rope_type": "linear",
                                                                                      "factor": 2.0}})
     expect_usage_error(llama_args(f"--checkpoint.init_from={both}"), "rope_scaling and rope_parameters disagree")

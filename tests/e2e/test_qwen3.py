@@ -22,7 +22,8 @@ QWEN3_INI = os.path.join(ROOT, "inputs", "qwen3-0.6b.ini")
 
 
 def qwen3_folder(dtype="F32", tied=False, seed=1, head_dim=12, config=None):
-    """A random Qwen3 folder (head_dim written, as Qwen3's files do); `config` updates config.json."""
+    """A random Qwen3 folder (head_dim written, as Qwen3's files do); `config` updates config.json,
+    a value of None removing the key."""
     folder = os.path.join(tempdir(), "qwen3-hf")
     extras = ["qwen3"] + ([f"head_dim={head_dim}"] if head_dim else [])
     reference("make-llama", folder, L, C, H, KV, I, 256, MAXT, "tied" if tied else "untied", dtype, seed, "model.",
@@ -30,7 +31,11 @@ def qwen3_folder(dtype="F32", tied=False, seed=1, head_dim=12, config=None):
     if config:
         path = os.path.join(folder, "config.json")
         c = json.load(open(path))
-        c.update(config)
+        for key, value in config.items():
+            if value is None:
+                c.pop(key, None)
+            else:
+                c[key] = value
         json.dump(c, open(path, "w"))
     return folder
 
@@ -52,9 +57,11 @@ def test_qwen3_import_gives_the_reference_loss():
             loss, proc = first_loss(folder, data, np_=np_, args=llama_args)
             assert f"Qwen3 L=2 C=40 H=4 {summary}" in proc.stdout, proc.stdout
             assert rel_diff(loss, expected) < 2e-6, (folder, np_, loss, expected)
-    # Qwen3's files write head_dim (its default, absent, is 128).
-    config = json.load(open(os.path.join(cases[0][0], "config.json")))
-    assert config["model_type"] == "qwen3" and config["head_dim"] == 12
+    # Qwen3Config's head size, when config.json has no head_dim, is 128 -- not hidden_size / heads.
+    folder = qwen3_folder("F32", seed=3, head_dim=128, config={"head_dim": None})
+    loss, proc = first_loss(folder, data, np_=2, args=llama_args)
+    assert "head_dim=128" in proc.stdout, proc.stdout
+    assert rel_diff(loss, reference("loss", folder, *window)["loss"]) < 2e-6
 
 
 def test_qwen3_export_round_trips_and_trained_norms_come_back():
@@ -108,8 +115,9 @@ def test_qwen3_losses_do_not_depend_on_ranks_and_it_generates():
         ok(run(np_, qwen3_train_args("--train.steps=4", f"--train.metrics_file={metrics}",
                                      f"--checkpoint.dir={ckdir}", *extra)), str(np_))
         runs.append([r["loss"] for r in read_metrics(metrics)])
-    assert runs[0][-1] < runs[0][0], runs[0]
+    assert len(runs[0]) == 4 and runs[0][-1] < runs[0][0], runs[0]
     for other in runs[1:]:
+        assert len(other) == len(runs[0]), runs
         assert all(rel_diff(a, b) < 1e-5 for a, b in zip(runs[0], other)), runs
     ckpt = os.path.join(ckdir, "ckpt-00000004.h5")
     texts = [ok(run(np_, ["generate", "--checkpoint", ckpt, "--prompt", "Once upon", "--max-tokens", "12",
@@ -140,12 +148,25 @@ def test_qwen3_lora_exports_for_peft_and_merges():
 
 
 def test_qwen3_refuses_what_it_does_not_implement():
-    data, _ = periodic_data()
-    for config, needle in (({"attention_bias": True}, "attention_bias true is not implemented"),
-                           ({"use_sliding_window": True, "sliding_window": 16}, "sliding_window 16 is not implemented")):
+    """Biases, and a sliding window that some layer uses and some sequence reaches (Qwen3Config's:
+    sliding_window 4096 when absent, on the layers from max_window_layers, 28 when absent, or those
+    layer_types names); a window no layer uses reads as the model it is."""
+    data, window = periodic_data()
+    for config, needle in (
+            ({"attention_bias": True}, "attention_bias true is not implemented"),
+            ({"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, "16 positions on 1 of the 2"),
+            ({"use_sliding_window": True, "sliding_window": 16, "max_window_layers": None,
+              "layer_types": ["full_attention", "sliding_attention"]}, "16 positions on 1 of the 2"),
+            ({"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0,
+              "max_position_embeddings": 8192}, "4096 positions on 2 of the 2")):
         folder = qwen3_folder("F32", config=config)
         expect_usage_error(llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}",
                                       "--data.val_file=", "--train.steps=1"), needle, "config.json")
+    # The window on no layer (max_window_layers = num_hidden_layers, as Qwen's released files say):
+    # the reference's loss, which has none.
+    folder = qwen3_folder("F32", config={"use_sliding_window": True, "sliding_window": 16, "max_window_layers": L})
+    loss, _ = first_loss(folder, data, args=llama_args)
+    assert rel_diff(loss, reference("loss", folder, *window)["loss"]) < 2e-6
 
 
 def test_qwen3_06b_config_plans_the_real_parameter_count():

@@ -91,6 +91,64 @@ TEST(RopeScaling, SmallHeadsKeepBlendAndDivideAsTransformers) {
             llama3);
 }
 
+// YaRN as transformers 5.24's _compute_yarn_parameters computes it (bits and attention factor
+// recorded from it): Qwen3's recommended setting on heads of 128, a small original context with the
+// default betas, truncate false with betas of its own, and the attention factor from mscale and
+// mscale_all_dim.
+TEST(RopeScaling, YarnInverseFrequenciesAndAttentionFactorAreTransformers) {
+  struct Case {
+    int head;
+    double theta;
+    std::string text;
+    double attention_factor;
+    std::vector<uint32_t> bits;
+    int pow_off = -1;  // the pair where torch's pow is one unit in the last place off the correctly rounded power
+  };
+  const std::vector<Case> cases = {
+      {128, 1e6, "yarn:factor=4,original_max_position_embeddings=32768", 1.138629436111989,
+       {0x3f800000, 0x3f4e4bad, 0x3f263de0, 0x3f05f6ef, 0x3ed7e89b, 0x3eadfcff, 0x3e8c3504, 0x3e61f835, 0x3e361887,
+        0x3e12bd91, 0x3dec7fd6, 0x3dbe94c6, 0x3d99940d, 0x3d778513, 0x3d47763f, 0x3d20bc1d, 0x3d0186e3, 0x3cd0c1a8,
+        0x3ca8398b, 0x3c879008, 0x3c5a7bf2, 0x3c301052, 0x3c0de12d, 0x3be4aa46, 0x3bb02377, 0x3b876388, 0x3b4fa550,
+        0x3b1ed248, 0x3af241df, 0x3ab82bc0, 0x3a8b8207, 0x3a527db8, 0x3a1e0eb2, 0x39ec1968, 0x39af3d02, 0x39811c3e,
+        0x393c93be, 0x39083e38, 0x38c23e9a, 0x38881d0a, 0x383a7753, 0x38164324, 0x37f22ce2, 0x37c327b5, 0x379d43a4,
+        0x377d75d4, 0x374c3fbe, 0x372497ab, 0x3704a2b2, 0x36d5c441, 0x36ac431d, 0x368ad0ed, 0x365fba4f, 0x36344a0e,
+        0x361148e3, 0x35ea2732, 0x35bcb0c1, 0x35980e02, 0x35751070, 0x35457bab, 0x351f23e4, 0x35003dec, 0x34ceaf79,
+        0x34a68e4c},
+       37},
+      {64, 10000, "yarn:factor=8,original_max_position_embeddings=256", 1.2079441541679836,
+       {0x3f800000, 0x3f330d39, 0x3ef92914, 0x3eac4fcb, 0x3e6ca2bc, 0x3e211b83, 0x3dd91d3f, 0x3d906e3e,
+        0x3d3d0bd0, 0x3cf22e63, 0x3c969a88, 0x3c335ec6, 0x3bc745ac, 0x3b42434f, 0x3b11ad39, 0x3ada7bf2,
+        0x3aa3d70a, 0x3a75b9b0, 0x3a38449c, 0x3a0a2e77, 0x39cf3e38, 0x399b690d, 0x39691528, 0x392ec98e,
+        0x3903126f, 0x38c4948c, 0x38936a16, 0x385d1725, 0x3825cb60, 0x37f8a815, 0x37ba7753, 0x378bd472}},
+      {10, 500000, "yarn:factor=2.5,original_max_position_embeddings=100,beta_fast=16,beta_slow=2,truncate=0",
+       1.0916290731874154, {0x3f800000, 0x3ced7eec, 0x3b09b4a8, 0x391fb0a5, 0x37392f25}},
+  };
+  for (const Case& c : cases) {
+    const RopeScaling s = parsed(c.text);
+    std::vector<uint32_t> bits = bits_of(rope_inverse_frequencies(c.head, c.theta, s)), want = c.bits;
+    if (c.pow_off >= 0) {  // 1e6^(74/128): ours 2942.7273, torch's 2942.727; one unit apart after the blend too
+      EXPECT_EQ(bits[c.pow_off] + 1, want[c.pow_off]) << c.text;
+      bits[c.pow_off] = want[c.pow_off];
+    }
+    EXPECT_EQ(bits, want) << c.text;
+    EXPECT_NEAR(s.attention_scaling(), c.attention_factor, 1e-15) << c.text;
+  }
+  // config.json's mscale and mscale_all_dim give the factor (DeepSeek's form); the text form keeps
+  // the result, and an explicit attention_factor wins.
+  RopeScaling s;
+  std::string error;
+  ASSERT_TRUE(RopeScaling::from_settings(
+      "yarn", {{"factor", 16}, {"original_max_position_embeddings", 64}, {"mscale", 0.707}, {"mscale_all_dim", 1}}, &s,
+      &error))
+      << error;
+  EXPECT_NEAR(s.attention_scaling(), 0.9363975061530204, 1e-15);
+  EXPECT_EQ(bits_of(rope_inverse_frequencies(12, 10000, s)),
+            (std::vector<uint32_t>{0x3f800000, 0x3dea6708, 0x3b3e1e95, 0x3a23d70a, 0x390d3169, 0x37f35a5c}));
+  EXPECT_EQ(parsed(s.text()).attention_factor, s.attention_factor);
+  EXPECT_EQ(parsed("yarn:factor=4,original_max_position_embeddings=64,attention_factor=0.5").attention_scaling(), 0.5);
+  EXPECT_EQ(parsed("linear:factor=4").attention_scaling(), 1.0);
+}
+
 TEST(RopeScaling, TheTextFormRoundTripsExactly) {
   EXPECT_EQ(parsed("").text(), "");
   EXPECT_EQ(parsed("linear:factor=2.0").text(), "linear:factor=2");
@@ -99,11 +157,20 @@ TEST(RopeScaling, TheTextFormRoundTripsExactly) {
   EXPECT_EQ(s.text(),
             "llama3:factor=0.10000000000000001,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=8192");
   EXPECT_EQ(parsed(s.text()).factor, 0.1);
+  // yarn's optional settings written out with their defaults.
+  EXPECT_EQ(parsed("yarn:original_max_position_embeddings=4096,factor=2").text(),
+            "yarn:factor=2,original_max_position_embeddings=4096,attention_factor=1.0693147180559945,beta_fast=32,"
+            "beta_slow=1,truncate=1");
 }
 
 TEST(RopeScaling, DefectsAreNamed) {
-  EXPECT_NE(parse_error("yarn:factor=4").find("unknown type 'yarn'"), std::string::npos);
-  EXPECT_NE(parse_error("linear").find("linear needs factor"), std::string::npos);
+  EXPECT_NE(parse_error("dynamic:factor=4").find("unknown type 'dynamic'"), std::string::npos);
+  EXPECT_NE(parse_error("linear").find("linear needs 'factor'"), std::string::npos);
+  EXPECT_NE(parse_error("yarn:factor=4").find("yarn needs 'original_max_position_embeddings'"), std::string::npos);
+  EXPECT_NE(parse_error("yarn:factor=4,original_max_position_embeddings=64,truncate=2").find("is not 0 or 1"),
+            std::string::npos);
+  EXPECT_NE(parse_error("yarn:factor=4,original_max_position_embeddings=64,mscale=1").find("not a setting of yarn"),
+            std::string::npos);
   EXPECT_NE(parse_error("linear:factor=0").find("factor='0' is not a number in [1e-30, 1e30]"), std::string::npos);
   EXPECT_NE(parse_error("linear:factor=1e-40").find("is not a number in"), std::string::npos);  // 0 in fp32
   EXPECT_NE(parse_error("linear:factor=2,low_freq_factor=1").find("'low_freq_factor' is not a setting of linear"),
@@ -115,5 +182,5 @@ TEST(RopeScaling, DefectsAreNamed) {
   EXPECT_NE(parse_error("llama3:factor=8,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=81.5")
                 .find("whole number"),
             std::string::npos);
-  EXPECT_NE(parse_error("llama3:factor=8").find("llama3 needs low_freq_factor"), std::string::npos);
+  EXPECT_NE(parse_error("llama3:factor=8").find("llama3 needs 'low_freq_factor'"), std::string::npos);
 }

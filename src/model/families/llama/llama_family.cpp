@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 
 #include "core/error.hpp"
 #include "model/families/llama/llama_model.hpp"
@@ -16,9 +17,9 @@ namespace shardtrain {
 namespace {
 
 // config.json's rope_scaling and rope_parameters (either, or both saying the same -- transformers 4
-// and 5 read them differently): the plain rotary embedding (rope_type default), linear or llama3,
-// in model.rope_scaling's text form; a rope_theta inside sets *theta. Every other type or key is
-// refused, naming it.
+// and 5 read them differently): the plain rotary embedding (rope_type default), linear, llama3 or
+// yarn, in model.rope_scaling's text form; a rope_theta inside sets *theta. Every other type or key
+// is refused, naming it.
 std::string read_rope_scaling(const HfConfig& j, double* theta) {
   std::string found;
   const char* found_in = nullptr;
@@ -33,35 +34,34 @@ std::string read_rope_scaling(const HfConfig& j, double* theta) {
     if (rope.contains("rope_type") && rope.contains("type") && rope["type"] != rope["rope_type"])
       j.fail(where + ": its type and rope_type differ; give one");
     const std::string type = type_value.is_string() ? type_value.get<std::string>() : type_value.dump();
-    static const std::vector<std::string> none;
-    const std::vector<std::string>* known = type == "default" ? &none : RopeScaling::settings_of(type);
-    if (!known)
+    if (type != "default" && !RopeScaling::settings_of(type))
       j.fail(where + ": rope_type '" + type + "' is not implemented; ShardTrain's rotary embeddings are the plain "
-                     "one (default), linear and llama3");
-    const std::vector<std::string>& settings = *known;
-    std::string text = type == "default" ? "" : type + ":";
+                     "one (default), linear, llama3 and yarn");
+    std::map<std::string, double> given;
     for (const auto& item : rope.items()) {
       const std::string& name = item.key();
       if (name == "rope_type" || name == "type") continue;
-      const bool setting = std::find(settings.begin(), settings.end(), name) != settings.end();
-      if (!setting && name != "rope_theta")
+      if (name != "rope_theta" && !RopeScaling::reads(type, name))
         j.fail(where + ": '" + name + "' is not implemented for rope_type " + type + " (ShardTrain reads " +
-               (settings.empty() ? std::string("rope_theta") : "rope_theta and its settings") + ")");
+               (type == "default" ? std::string("rope_theta") : "rope_theta and its settings") + ")");
+      if (name == "truncate" && item.value().is_boolean()) {  // yarn's
+        given[name] = item.value().get<bool>() ? 1 : 0;
+        continue;
+      }
       if (!item.value().is_number() || !(item.value().get<double>() > 0))
         j.fail(std::string(key) + "." + name + " " + item.value().dump() + " is not a positive number");
-      if (name != "rope_theta") continue;
       const double value = item.value().get<double>();
+      if (name != "rope_theta") {
+        given[name] = value;
+        continue;
+      }
       if (found_in && found_theta != 0 && value != found_theta)
         j.fail(std::string(found_in) + " and " + key + " disagree on rope_theta; give one");
       *theta = found_theta = value;
     }
-    for (const std::string& name : settings) {
-      if (!rope.contains(name)) j.fail(where + ": rope_type " + type + " needs '" + name + "'");
-      text += (text.back() == ':' ? "" : ",") + name + "=" + strprintf("%.17g", rope[name].get<double>());
-    }
     RopeScaling scaling;
     std::string defect;
-    if (!RopeScaling::parse(text, &scaling, &defect)) j.fail(where + ": " + defect.substr(defect.find("': ") + 3));
+    if (type != "default" && !RopeScaling::from_settings(type, given, &scaling, &defect)) j.fail(where + ": " + defect);
     if (found_in && scaling.text() != found)
       j.fail(std::string(found_in) + " and " + key + " disagree; give one");
     found = scaling.text(), found_in = key;
@@ -77,9 +77,11 @@ nlohmann::ordered_json rope_scaling_json(const std::string& text) {
   if (s.type == RopeScaling::NONE) return nullptr;
   nlohmann::ordered_json j;
   j["rope_type"] = s.type_name();
-  for (const auto& [name, value] : s.settings())  // an integer where transformers has one
+  for (const auto& [name, value] : s.settings())  // an integer or a bool where transformers has one
     if (name == "original_max_position_embeddings")
       j[name] = static_cast<int64_t>(value);
+    else if (name == "truncate")
+      j[name] = value != 0;
     else
       j[name] = value;
   return j;
@@ -271,12 +273,28 @@ ModelConfig LlamaFamily::read_decoder_config(const HfConfig& j, const ModelConfi
   return m;
 }
 
+// Qwen2Config and Qwen3Config slide the window (sliding_window, 4096 when absent) only with
+// use_sliding_window, and only over the layers layer_types marks "sliding_attention" (without
+// layer_types: from max_window_layers, 28 when absent, on).
 void LlamaFamily::refuse_qwen_sliding_window(const HfConfig& j, const ModelConfig& m) {
   if (!j.flag("use_sliding_window", false)) return;
-  const int window = j.has("sliding_window") ? j.whole("sliding_window") : 0;
-  if (window > 0 && window < m.max_seq_len)  // a window that no sequence reaches changes nothing
-    j.fail(strprintf("use_sliding_window true with sliding_window %d is not implemented; ShardTrain's attention "
-                     "sees every earlier position (use_sliding_window false is read)", window));
+  const int window = !j.present("sliding_window") ? 4096 : j.has("sliding_window") ? j.whole("sliding_window") : 0;
+  if (window <= 0 || window >= m.max_seq_len) return;  // a window that no sequence reaches changes nothing
+  const nlohmann::json& types = j["layer_types"];
+  int sliding = 0;
+  if (types.is_array()) {
+    for (const nlohmann::json& type : types) sliding += type == "sliding_attention";
+  } else {
+    const nlohmann::json& first = j["max_window_layers"];
+    if (!first.is_null() && !(first.is_number_integer() && first.get<int64_t>() >= 0))
+      j.fail("max_window_layers " + first.dump() + " is not a whole number >= 0");
+    sliding = static_cast<int>(std::max<int64_t>(0, m.n_layer - (first.is_null() ? 28 : first.get<int64_t>())));
+  }
+  if (sliding > 0)
+    j.fail(strprintf("use_sliding_window true with a window of %d positions on %d of the %d layers is not "
+                     "implemented; ShardTrain's attention sees every earlier position (use_sliding_window false, or "
+                     "max_window_layers at least num_hidden_layers, is read)",
+                     window, sliding, m.n_layer));
 }
 
 // LlamaConfig's keys, absent ones taking its defaults (MistralConfig's for a mistral folder).

@@ -44,7 +44,8 @@ LlamaModel<Real>::LlamaModel(const ParamTable& table, int batch, int seq_len, bo
 }
 
 // Hugging Face's tables: inv_freq[i] (theta^(-2i/d), scaled: model/rope_scaling.hpp) and the angle
-// t * inv_freq[i], both rounded to fp32 as its rotary embedding computes them; cos and sin of that angle.
+// t * inv_freq[i], both rounded to fp32 as its rotary embedding computes them; cos and sin of that
+// angle, times yarn's attention factor (1 for the other types).
 template <typename Real>
 void LlamaModel<Real>::make_rope_tables(int T, Array& cos_table, Array& sin_table) const {
   const size_t half = cfg_.head_size() / 2;
@@ -52,11 +53,13 @@ void LlamaModel<Real>::make_rope_tables(int T, Array& cos_table, Array& sin_tabl
   std::string defect;
   SHARD_CHECK(RopeScaling::parse(cfg_.rope_scaling, &scaling, &defect), "%s", defect.c_str());
   const std::vector<float> inv_freq = rope_inverse_frequencies(cfg_.head_size(), cfg_.rope_theta, scaling);
+  const double m = scaling.attention_scaling();
   std::vector<Real> cos(T * half), sin(T * half);
   for (int t = 0; t < T; t++)
     for (size_t i = 0; i < half; i++) {
       const double angle = static_cast<float>(t) * inv_freq[i];
-      cos[t * half + i] = static_cast<Real>(std::cos(angle)), sin[t * half + i] = static_cast<Real>(std::sin(angle));
+      cos[t * half + i] = static_cast<Real>(std::cos(angle) * m);
+      sin[t * half + i] = static_cast<Real>(std::sin(angle) * m);
     }
   Device& dev = ops_.device();
   if (cos_table.size() != cos.size()) cos_table = Array(dev, cos.size()), sin_table = Array(dev, sin.size());
