@@ -139,8 +139,10 @@ void declare_options(OptionList& o, Config& c) {
         "llama: attention head size when not model.n_embd / model.n_head (Mistral-Nemo: 128 on 5120 / 32); 0 = that");
   o.add("model.rope_theta", &c.model.rope_theta, "llama, flux: base of the rotary embedding's frequencies");
   o.add("model.rope_scaling", &c.model.rope_scaling,
-        "llama: scaled rotary frequencies (config.json's rope_scaling): empty for none, 'linear:factor=F' or "
-        "'llama3:factor=F,low_freq_factor=A,high_freq_factor=B,original_max_position_embeddings=N' (Llama 3.1+)");
+        "llama: scaled rotary frequencies (config.json's rope_scaling): empty for none, 'linear:factor=F', "
+        "'llama3:factor=F,low_freq_factor=A,high_freq_factor=B,original_max_position_embeddings=N' (Llama 3.1+) or "
+        "'yarn:factor=F,original_max_position_embeddings=N' (optional attention_factor, beta_fast, beta_slow, "
+        "truncate; Qwen's long context)");
   o.add("model.norm_eps", &c.model.norm_eps,
         "llama: RMSNorm epsilon; flux: its LayerNorms' and q/k RMSNorms' (FLUX.1: 1e-6); gpt2's LayerNorm has 1e-5");
   o.add("model.tie_embeddings", &c.model.tie_embeddings,

@@ -10,6 +10,8 @@ for 2 ranks, SGEMM runs on both at once). The machine's OpenBLAS environment is 
 
 Architectures (--only arch): gpt2-124M beside llama-135M at T = 64 and T = 1024 (see arch_section).
 FLUX (--only flux): FLUX.1- and FLUX.2-shaped models of GPT-2 small's width beside gpt2-124M (see flux_section).
+Llama's variants (--only families): llama-135M's shape as llama, qwen2 (q/k/v biases) and qwen3 (q/k norms)
+at T = 256 (see families_section).
 
 Adapters (--only adapters): gpt2-124M and llama-135M (--adapter-models) full fine-tuning against LoRA
 (rank 8 and 64 on every linear layer), LoHa, LoKr, OFT and freezing all but the last two blocks, on 1,
@@ -188,7 +190,8 @@ def main():
     parser.add_argument("--ckpt-repeats", type=int, default=3)
     parser.add_argument("--ckpt-profile", action="store_true",
                         help="also time the checksums and the same bytes through MPI-IO alone")
-    parser.add_argument("--only", choices=("layers", "train", "ckpt", "arch", "flux", "adapters", "distill", "gemm",
+    parser.add_argument("--only", choices=("layers", "train", "ckpt", "arch", "families", "flux", "adapters", "distill",
+                                           "gemm",
                                            "bf16", "quant",
                                            "activations",
                                            "convert", "baseline"),
@@ -216,8 +219,8 @@ def main():
     if os.geteuid() == 0:
         os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    sections = [args.only] if args.only else ["train", "ckpt", "arch", "flux", "adapters", "quant", "distill", "gemm",
-                                              "bf16"]
+    sections = [args.only] if args.only else ["train", "ckpt", "arch", "families", "flux", "adapters", "quant",
+                                              "distill", "gemm", "bf16"]
     if not args.only and not args.skip_layers:
         sections.insert(0, "layers")
     if "layers" in sections:
@@ -231,6 +234,8 @@ def main():
         ckpt_section(build, args.ckpt_repeats, args.ckpt_profile)
     if "arch" in sections:
         arch_section(build, args.steps, args.arch_rounds)
+    if "families" in sections:
+        families_section(build, args.steps, args.arch_rounds)
     if "adapters" in sections:
         adapter_section(build, args.steps, args.adapter_models.split(","),
                         [c for c in args.adapter_cases.split(",") if c])
@@ -376,6 +381,30 @@ def arch_section(build, steps, rounds):
                   flush=True)
         print(f"T={seq_len:5d} MFU llama / gpt2 (medians): {medians[ARCH_CONFIGS[1]] / medians[ARCH_CONFIGS[0]]:.3f}",
               flush=True)
+
+
+FAMILY_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def families_section(build, steps, rounds):
+    """llama-135M's shape (SmolLM-135M: heads of 64) built as each of Llama's variants -- the same
+    GEMMs, so what differs is a variant's own work: Qwen2's biases added to q|k|v, Qwen3's RMSNorm of
+    each query and key head and its row copies -- on 1 rank x 2 threads at T = 256, micro-batch 4,
+    interleaved in each round; tokens/s against llama's (medians) and the activations each plans."""
+    print(f"\n== Llama's variants at llama-135M's shape: {', '.join(FAMILY_ARCHS)}, 1 rank x 2 threads, T = 256, "
+          f"{rounds} rounds of {steps} steps (first step of each run dropped)", flush=True)
+    rows = {}
+    for _ in range(rounds):
+        for arch in FAMILY_ARCHS:
+            run_rows, _, _ = train_run(build, 1, 2, steps, "llama-135M.ini", 256, 4, 4, [f"--model.arch={arch}"])
+            rows.setdefault(arch, []).extend(run_rows)
+    medians = {}
+    for arch in FAMILY_ARCHS:
+        tps = summarize([r["tokens_per_s"] for r in rows[arch]])
+        medians[arch] = tps[1]
+        activations = rows[arch][-1]["peak_mem"]["activations"]
+        print(f"{arch:6s} | tokens/s min {tps[0]:.1f} median {tps[1]:.1f} max {tps[2]:.1f} | "
+              f"{tps[1] / medians['llama']:.3f} of llama | activations {activations} B", flush=True)
 
 
 # A FLUX-shaped model of GPT-2 small's width (C = 768: 6 heads of 128, rotary axes 16,56,56) with

@@ -310,11 +310,6 @@ def test_llama_export_round_trips_and_matches_the_checkpoint():
         "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": None, "eos_token_id": None}
     assert {k: config.get(k, "absent") for k in expected_config} == expected_config, config
     assert reference("loss", out, *window) == reference("loss", folder, *window)
-    # yarn's too, its defaults written out: transformers reads the same model from them.
-    _, out = imported_then_exported(cases[2][0], data)
-    assert json.load(open(os.path.join(out, "config.json")))["rope_scaling"] == dict(
-        YARN, attention_factor=0.1 * math.log(4) + 1, beta_fast=32.0, beta_slow=1.0, truncate=True)
-    assert rel_diff(reference("loss", out, *window)["loss"], reference("loss", cases[2][0], *window)["loss"]) < 1e-12
 
     # Trained (a tied model, so the head's gradient is the embedding's too), gathered checkpoint ->
     # export: every tensor is the checkpoint's, named as transformers names it.
@@ -408,6 +403,19 @@ def test_scaled_rotary_embeddings_give_transformers_loss_and_travel_with_the_mod
         assert f.attrs["model.rope_scaling"] in (LLAMA3_TEXT, LLAMA3_TEXT.encode())
     assert json.load(open(os.path.join(out, "config.json")))["rope_scaling"] == LLAMA3
     assert reference("loss", out, *window) == reference("loss", folder, *window)
+    # yarn's too, its defaults written out: transformers reads the same model from them.
+    _, out = imported_then_exported(cases[2][0], data)
+    assert json.load(open(os.path.join(out, "config.json")))["rope_scaling"] == dict(
+        YARN, attention_factor=0.1 * math.log(4) + 1, beta_fast=32.0, beta_slow=1.0, truncate=True)
+    assert rel_diff(reference("loss", out, *window)["loss"], reference("loss", cases[2][0], *window)["loss"]) < 1e-12
+    # Nulls read as transformers reads them: factor max_position_embeddings / original (64 / 16),
+    # truncate none, the others their defaults -- the model of the explicit settings.
+    nulls = llama_folder("F32", seed=3, config={"rope_scaling": dict(YARN, factor=None, truncate=None, beta_fast=None,
+                                                                      attention_factor=None)})
+    explicit = llama_folder("F32", seed=3, config={"rope_scaling": dict(YARN, truncate=False)})
+    loss, proc = first_loss(nulls, data, np_=1, args=llama_args)
+    assert "rope_scaling=" + YARN_TEXT.replace("truncate=1", "truncate=0") in proc.stdout, proc.stdout
+    assert rel_diff(loss, reference("loss", explicit, *window)["loss"]) < 2e-6
     # A configuration that says otherwise is refused, naming both; one that says the same (in any
     # spelling of the numbers) is the same model.
     expect_usage_error(llama_args(f"--checkpoint.init_from={folder}", "--model.rope_scaling=linear:factor=8"),

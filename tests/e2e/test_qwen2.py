@@ -14,11 +14,10 @@ independent oracle:
 import json
 import os
 
-import numpy as np
-
 from harness import ROOT, read_metrics, rel_diff, run, tempdir, tiny_args
+from llama_variants import check_export_round_trip, check_lora_exports_for_peft_and_merges, ok
 from test_bad_input import expect_usage_error
-from test_hf import C, H, I, KV, L, MAXT, SEQ, V, first_loss, llama_args, periodic_data, reference
+from test_hf import C, H, I, KV, L, MAXT, V, first_loss, llama_args, periodic_data, reference
 
 QWEN_INI = os.path.join(ROOT, "inputs", "qwen2.5-0.5b.ini")
 
@@ -29,10 +28,6 @@ def qwen2_folder(dtype="F32", tied=False, kv=KV, seed=1, prefix="model."):
               prefix or "-", "qwen2")
     return folder
 
-
-def ok(proc, what=""):
-    assert proc.returncode == 0, f"{what}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    return proc
 
 
 def test_qwen2_import_gives_the_reference_loss():
@@ -53,40 +48,12 @@ def test_qwen2_import_gives_the_reference_loss():
 
 
 def test_qwen2_export_round_trips_and_trained_biases_come_back():
-    data, window = periodic_data()
-    folder = qwen2_folder("F32")
-    ckdir = tempdir()
-    ok(run(2, llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}", "--data.val_file=",
-                         "--train.steps=1", "--train.lr=1e-30", f"--checkpoint.dir={ckdir}")), "import")
-    out = os.path.join(tempdir(), "exported")
-    proc = ok(run(3, ["export", "--format", "hf", "--checkpoint", os.path.join(ckdir, "ckpt-00000001.h5"),
-                      "--output", out]), "export")
-    assert "Qwen2ForCausalLM" in proc.stdout, proc.stdout
-    assert reference("equal", out, folder)["equal"]
-    config = json.load(open(os.path.join(out, "config.json")))
     expected = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": C,
                 "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": H, "num_key_value_heads": KV,
                 "vocab_size": V, "max_position_embeddings": MAXT, "hidden_act": "silu", "rms_norm_eps": 1e-5,
                 "rope_theta": 1e6, "use_sliding_window": False, "tie_word_embeddings": False}
-    assert {k: config.get(k, "absent") for k in expected} == expected, config
-    # Trained for 3 steps: the biases move, and the export imports again with the reference's loss.
-    ckdir = tempdir()
-    ok(run(2, llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}", "--data.val_file=",
-                         "--train.steps=3", "--train.lr=1e-2", "--train.warmup_steps=0",
-                         f"--checkpoint.dir={ckdir}")), "train")
-    trained = os.path.join(tempdir(), "trained")
-    ok(run(2, ["export", "--format", "hf", "--checkpoint", os.path.join(ckdir, "ckpt-00000003.h5"),
-               "--output", trained]), "export trained")
-    before, after = reference("tensors", os.path.join(folder, "model.safetensors")), \
-        reference("tensors", os.path.join(trained, "model.safetensors"))
-    for l in range(L):
-        for n in "qkv":
-            name = f"model.layers.{l}.self_attn.{n}_proj.bias"
-            assert before["tensors"][name][:2] == after["tensors"][name][:2], name
-            assert before["tensors"][name][2] != after["tensors"][name][2], f"{name} did not train"
-    expected_loss = reference("loss", trained, *window)["loss"]
-    again, _ = first_loss(trained, data, args=llama_args)
-    assert rel_diff(again, expected_loss) < 2e-6, (again, expected_loss)
+    check_export_round_trip(qwen2_folder("F32"), "Qwen2ForCausalLM", expected,
+                            [f"model.layers.{l}.self_attn.{n}_proj.bias" for l in range(L) for n in "qkv"])
 
 
 def qwen2_train_args(*overrides):
@@ -114,27 +81,7 @@ def test_qwen2_losses_do_not_depend_on_ranks_or_strategy():
 
 
 def test_qwen2_lora_exports_for_peft_and_merges():
-    data, window = periodic_data()
-    folder = qwen2_folder("F32", seed=5)
-    ckdir = tempdir()
-    lora = ["--adapter.type=lora", "--adapter.targets=q_proj,k_proj,v_proj", "--adapter.rank=4", "--adapter.alpha=8"]
-    ok(run(2, llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}", "--data.val_file=",
-                         "--train.steps=3", "--train.lr=1e-2", "--train.warmup_steps=0", f"--checkpoint.dir={ckdir}",
-                         *lora)), "lora")
-    ckpt = os.path.join(ckdir, "ckpt-00000003.h5")
-    peft = os.path.join(tempdir(), "peft")
-    ok(run(2, ["export", "--adapter", "--checkpoint", ckpt, "--output", peft]), "export --adapter")
-    config = json.load(open(os.path.join(peft, "adapter_config.json")))
-    assert config["auto_mapping"]["base_model_class"] == "Qwen2ForCausalLM", config
-    assert config["fan_in_fan_out"] is False and sorted(config["target_modules"]) == ["k_proj", "q_proj", "v_proj"]
-    merged = os.path.join(tempdir(), "merged")
-    ok(run(2, ["export", "--format", "hf", "--merge", "--checkpoint", ckpt, "--output", merged]), "merge")
-    # The merged model is the adapted one: its reference loss differs from the base's, and it
-    # imports with that loss.
-    expected = reference("loss", merged, *window)["loss"]
-    assert rel_diff(expected, reference("loss", folder, *window)["loss"]) > 1e-4
-    again, _ = first_loss(merged, data, args=llama_args)
-    assert rel_diff(again, expected) < 2e-6, (again, expected)
+    check_lora_exports_for_peft_and_merges(qwen2_folder("F32", seed=5), "Qwen2ForCausalLM")
 
 
 def test_qwen2_generates_distils_and_converts():

@@ -15,6 +15,7 @@ import json
 import os
 
 from harness import ROOT, read_metrics, rel_diff, run, tempdir, tiny_args
+from llama_variants import check_export_round_trip, check_lora_exports_for_peft_and_merges, ok
 from test_bad_input import expect_usage_error
 from test_hf import C, H, I, KV, L, MAXT, first_loss, llama_args, periodic_data, reference
 
@@ -40,10 +41,6 @@ def qwen3_folder(dtype="F32", tied=False, seed=1, head_dim=12, config=None):
     return folder
 
 
-def ok(proc, what=""):
-    assert proc.returncode == 0, f"{what}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    return proc
-
 
 def test_qwen3_import_gives_the_reference_loss():
     data, window = periodic_data()
@@ -65,41 +62,13 @@ def test_qwen3_import_gives_the_reference_loss():
 
 
 def test_qwen3_export_round_trips_and_trained_norms_come_back():
-    data, window = periodic_data()
-    folder = qwen3_folder("F32")
-    ckdir = tempdir()
-    ok(run(2, llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}", "--data.val_file=",
-                         "--train.steps=1", "--train.lr=1e-30", f"--checkpoint.dir={ckdir}")), "import")
-    out = os.path.join(tempdir(), "exported")
-    proc = ok(run(3, ["export", "--format", "hf", "--checkpoint", os.path.join(ckdir, "ckpt-00000001.h5"),
-                      "--output", out]), "export")
-    assert "Qwen3ForCausalLM" in proc.stdout, proc.stdout
-    assert reference("equal", out, folder)["equal"]
-    config = json.load(open(os.path.join(out, "config.json")))
     expected = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": C,
                 "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": H, "num_key_value_heads": KV,
                 "head_dim": 12, "vocab_size": 256, "max_position_embeddings": MAXT, "hidden_act": "silu",
                 "rms_norm_eps": 1e-5, "rope_theta": 1e6, "attention_bias": False, "use_sliding_window": False,
                 "tie_word_embeddings": False}
-    assert {k: config.get(k, "absent") for k in expected} == expected, config
-    # Trained for 3 steps: the norms move, and the export imports again with the reference's loss.
-    ckdir = tempdir()
-    ok(run(2, llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}", "--data.val_file=",
-                         "--train.steps=3", "--train.lr=1e-2", "--train.warmup_steps=0",
-                         f"--checkpoint.dir={ckdir}")), "train")
-    trained = os.path.join(tempdir(), "trained")
-    ok(run(2, ["export", "--format", "hf", "--checkpoint", os.path.join(ckdir, "ckpt-00000003.h5"),
-               "--output", trained]), "export trained")
-    before, after = reference("tensors", os.path.join(folder, "model.safetensors")), \
-        reference("tensors", os.path.join(trained, "model.safetensors"))
-    for l in range(L):
-        for n in "qk":
-            name = f"model.layers.{l}.self_attn.{n}_norm.weight"
-            assert before["tensors"][name][:2] == after["tensors"][name][:2] == ["float32", [12]], name
-            assert before["tensors"][name][2] != after["tensors"][name][2], f"{name} did not train"
-    expected_loss = reference("loss", trained, *window)["loss"]
-    again, _ = first_loss(trained, data, args=llama_args)
-    assert rel_diff(again, expected_loss) < 2e-6, (again, expected_loss)
+    check_export_round_trip(qwen3_folder("F32"), "Qwen3ForCausalLM", expected,
+                            [f"model.layers.{l}.self_attn.{n}_norm.weight" for l in range(L) for n in "qk"])
 
 
 def qwen3_train_args(*overrides):
@@ -126,25 +95,7 @@ def test_qwen3_losses_do_not_depend_on_ranks_and_it_generates():
 
 
 def test_qwen3_lora_exports_for_peft_and_merges():
-    data, window = periodic_data()
-    folder = qwen3_folder("F32", seed=5)
-    ckdir = tempdir()
-    lora = ["--adapter.type=lora", "--adapter.targets=q_proj,k_proj,v_proj", "--adapter.rank=4", "--adapter.alpha=8"]
-    ok(run(2, llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}", "--data.val_file=",
-                         "--train.steps=3", "--train.lr=1e-2", "--train.warmup_steps=0", f"--checkpoint.dir={ckdir}",
-                         *lora)), "lora")
-    ckpt = os.path.join(ckdir, "ckpt-00000003.h5")
-    peft = os.path.join(tempdir(), "peft")
-    ok(run(2, ["export", "--adapter", "--checkpoint", ckpt, "--output", peft]), "export --adapter")
-    config = json.load(open(os.path.join(peft, "adapter_config.json")))
-    assert config["auto_mapping"]["base_model_class"] == "Qwen3ForCausalLM", config
-    assert sorted(config["target_modules"]) == ["k_proj", "q_proj", "v_proj"], config
-    merged = os.path.join(tempdir(), "merged")
-    ok(run(2, ["export", "--format", "hf", "--merge", "--checkpoint", ckpt, "--output", merged]), "merge")
-    expected = reference("loss", merged, *window)["loss"]
-    assert rel_diff(expected, reference("loss", folder, *window)["loss"]) > 1e-4
-    again, _ = first_loss(merged, data, args=llama_args)
-    assert rel_diff(again, expected) < 2e-6, (again, expected)
+    check_lora_exports_for_peft_and_merges(qwen3_folder("F32", seed=5), "Qwen3ForCausalLM")
 
 
 def test_qwen3_refuses_what_it_does_not_implement():

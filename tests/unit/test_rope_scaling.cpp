@@ -122,6 +122,17 @@ TEST(RopeScaling, YarnInverseFrequenciesAndAttentionFactorAreTransformers) {
         0x3903126f, 0x38c4948c, 0x38936a16, 0x385d1725, 0x3825cb60, 0x37f8a815, 0x37ba7753, 0x378bd472}},
       {10, 500000, "yarn:factor=2.5,original_max_position_embeddings=100,beta_fast=16,beta_slow=2,truncate=0",
        1.0916290731874154, {0x3f800000, 0x3ced7eec, 0x3b09b4a8, 0x391fb0a5, 0x37392f25}},
+      // Qwen's setting untruncated: the ramp's ends fractional, pairs 24..39 other than truncated.
+      {128, 1e6, "yarn:factor=4,original_max_position_embeddings=32768,truncate=0", 1.138629436111989,
+       {0x3f800000, 0x3f4e4bad, 0x3f263de0, 0x3f05f6ef, 0x3ed7e89b, 0x3eadfcff, 0x3e8c3504, 0x3e61f835, 0x3e361887,
+        0x3e12bd91, 0x3dec7fd6, 0x3dbe94c6, 0x3d99940d, 0x3d778513, 0x3d47763f, 0x3d20bc1d, 0x3d0186e3, 0x3cd0c1a8,
+        0x3ca8398b, 0x3c879008, 0x3c5a7bf2, 0x3c301052, 0x3c0de12d, 0x3be4aa46, 0x3bb4ca38, 0x3b8ac05f, 0x3b54719c,
+        0x3b222fe1, 0x3af6dfdc, 0x3abb3db8, 0x3a8d7535, 0x3a54c9f8, 0x3a1f3a76, 0x39ece3a5, 0x39aefda2, 0x398032c5,
+        0x3939f57b, 0x39053534, 0x38bbdc7e, 0x3881c48a, 0x383a7753, 0x38164324, 0x37f22ce2, 0x37c327b5, 0x379d43a4,
+        0x377d75d4, 0x374c3fbe, 0x372497ab, 0x3704a2b2, 0x36d5c441, 0x36ac431d, 0x368ad0ed, 0x365fba4f, 0x36344a0e,
+        0x361148e3, 0x35ea2732, 0x35bcb0c1, 0x35980e02, 0x35751070, 0x35457bab, 0x351f23e4, 0x35003dec, 0x34ceaf79,
+        0x34a68e4c},
+       37},
   };
   for (const Case& c : cases) {
     const RopeScaling s = parsed(c.text);

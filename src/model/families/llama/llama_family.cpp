@@ -38,19 +38,28 @@ std::string read_rope_scaling(const HfConfig& j, double* theta) {
       j.fail(where + ": rope_type '" + type + "' is not implemented; ShardTrain's rotary embeddings are the plain "
                      "one (default), linear, llama3 and yarn");
     std::map<std::string, double> given;
+    bool yarn_factor_from_lengths = false;
     for (const auto& item : rope.items()) {
       const std::string& name = item.key();
       if (name == "rope_type" || name == "type") continue;
       if (name != "rope_theta" && !RopeScaling::reads(type, name))
         j.fail(where + ": '" + name + "' is not implemented for rope_type " + type + " (ShardTrain reads " +
                (type == "default" ? std::string("rope_theta") : "rope_theta and its settings") + ")");
-      if (name == "truncate" && item.value().is_boolean()) {  // yarn's
-        given[name] = item.value().get<bool>() ? 1 : 0;
+      const nlohmann::json& v = item.value();
+      if (type == "yarn" && v.is_null() && name != "original_max_position_embeddings") {
+        // transformers: a null setting takes its default, but truncate's None (falsy) truncates
+        // nothing and factor's is max_position_embeddings / original_max_position_embeddings.
+        if (name == "truncate") given[name] = 0;
+        if (name == "factor") yarn_factor_from_lengths = true;
         continue;
       }
-      if (!item.value().is_number() || !(item.value().get<double>() > 0))
-        j.fail(std::string(key) + "." + name + " " + item.value().dump() + " is not a positive number");
-      const double value = item.value().get<double>();
+      if (name == "truncate" && (v.is_boolean() || v == 0 || v == 1)) {  // yarn's
+        given[name] = v.is_boolean() ? (v.get<bool>() ? 1 : 0) : v.get<double>();
+        continue;
+      }
+      if (!v.is_number() || !(v.get<double>() > 0))
+        j.fail(std::string(key) + "." + name + " " + v.dump() + " is not a positive number");
+      const double value = v.get<double>();
       if (name != "rope_theta") {
         given[name] = value;
         continue;
@@ -59,6 +68,8 @@ std::string read_rope_scaling(const HfConfig& j, double* theta) {
         j.fail(std::string(found_in) + " and " + key + " disagree on rope_theta; give one");
       *theta = found_theta = value;
     }
+    if (yarn_factor_from_lengths && given.count("original_max_position_embeddings"))
+      given["factor"] = j.whole("max_position_embeddings") / given["original_max_position_embeddings"];
     RopeScaling scaling;
     std::string defect;
     if (type != "default" && !RopeScaling::from_settings(type, given, &scaling, &defect)) j.fail(where + ": " + defect);

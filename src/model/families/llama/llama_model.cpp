@@ -58,8 +58,9 @@ void LlamaModel<Real>::make_rope_tables(int T, Array& cos_table, Array& sin_tabl
   for (int t = 0; t < T; t++)
     for (size_t i = 0; i < half; i++) {
       const double angle = static_cast<float>(t) * inv_freq[i];
-      cos[t * half + i] = static_cast<Real>(std::cos(angle) * m);
-      sin[t * half + i] = static_cast<Real>(std::sin(angle) * m);
+      // rounded, then scaled in that precision, as transformers' fp32 cos() * attention_scaling
+      cos[t * half + i] = static_cast<Real>(std::cos(angle)) * static_cast<Real>(m);
+      sin[t * half + i] = static_cast<Real>(std::sin(angle)) * static_cast<Real>(m);
     }
   Device& dev = ops_.device();
   if (cos_table.size() != cos.size()) cos_table = Array(dev, cos.size()), sin_table = Array(dev, sin.size());
