@@ -140,6 +140,7 @@ void declare_options(OptionList& o, Config& c) {
   o.add("model.rope_theta", &c.model.rope_theta, "llama, flux: base of the rotary embedding's frequencies");
   o.add("model.rope_scaling", &c.model.rope_scaling,
         "llama: scaled rotary frequencies (config.json's rope_scaling): empty for none, 'linear:factor=F', "
+        "'dynamic:factor=F' (the plain frequencies at every length ShardTrain trains), "
         "'llama3:factor=F,low_freq_factor=A,high_freq_factor=B,original_max_position_embeddings=N' (Llama 3.1+) or "
         "'yarn:factor=F,original_max_position_embeddings=N' (optional attention_factor, beta_fast, beta_slow, "
         "truncate; Qwen's long context)");

@@ -28,7 +28,7 @@ bool is_hf_model(const std::string& path);
 // The model config.json describes (architecture and shape). Throws CheckpointError naming the file
 // and the key for what ShardTrain does not implement (another model_type; gpt2: activation_function
 // not gelu_new, an untied head, n_inner not 4 x n_embd, layer_norm_epsilon not 1e-5, ...; llama:
-// rope_scaling other than linear, llama3 and yarn, attention or MLP biases, hidden_act
+// rope_scaling other than linear, dynamic, llama3 and yarn, attention or MLP biases, hidden_act
 // not silu, a sliding window, ...) or a malformed file. A single file's config comes from its
 // tensors' shapes.
 ModelConfig read_hf_model_config(const std::string& path);

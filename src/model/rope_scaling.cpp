@@ -10,7 +10,7 @@
 namespace shardtrain {
 namespace {
 
-const std::vector<std::string> LINEAR_SETTINGS = {"factor"};
+const std::vector<std::string> FACTOR_SETTINGS = {"factor"};  // linear, dynamic
 const std::vector<std::string> LLAMA3_SETTINGS = {"factor", "low_freq_factor", "high_freq_factor",
                                                   "original_max_position_embeddings"};
 const std::vector<std::string> YARN_SETTINGS = {"factor",    "original_max_position_embeddings", "attention_factor",
@@ -37,10 +37,10 @@ double yarn_mscale(double scale, double mscale) { return scale <= 1 ? 1.0 : 0.1 
 }  // namespace
 
 const std::vector<std::string>* RopeScaling::settings_of(const std::string& type) {
-  return type == "linear" ? &LINEAR_SETTINGS
-         : type == "llama3" ? &LLAMA3_SETTINGS
-         : type == "yarn"   ? &YARN_SETTINGS
-                            : nullptr;
+  return type == "linear" || type == "dynamic" ? &FACTOR_SETTINGS
+         : type == "llama3"                     ? &LLAMA3_SETTINGS
+         : type == "yarn"                       ? &YARN_SETTINGS
+                                                : nullptr;
 }
 
 bool RopeScaling::reads(const std::string& type, const std::string& key) {
@@ -50,7 +50,8 @@ bool RopeScaling::reads(const std::string& type, const std::string& key) {
 }
 
 std::string RopeScaling::type_name() const {
-  return type == LINEAR ? "linear" : type == LLAMA3 ? "llama3" : type == YARN ? "yarn" : "";
+  const char* names[] = {"", "linear", "dynamic", "llama3", "yarn"};  // by Type
+  return names[type];
 }
 
 std::vector<std::pair<std::string, double>> RopeScaling::settings() const {
@@ -66,7 +67,7 @@ bool RopeScaling::from_settings(const std::string& type, const std::map<std::str
   RopeScaling s;
   const std::vector<std::string>* names = settings_of(type);
   if (!names) return *error = "unknown type '" + type + "'", false;
-  s.type = type == "linear" ? LINEAR : type == "llama3" ? LLAMA3 : YARN;
+  s.type = type == "linear" ? LINEAR : type == "dynamic" ? DYNAMIC : type == "llama3" ? LLAMA3 : YARN;
   auto value = [&](const std::string& key, double fallback) {
     const auto it = given.find(key);
     return it == given.end() ? fallback : it->second;
@@ -94,7 +95,7 @@ bool RopeScaling::from_settings(const std::string& type, const std::map<std::str
   if (s.type == LLAMA3 && s.high_freq_factor <= s.low_freq_factor)
     return *error = "high_freq_factor must be greater than low_freq_factor", false;
   const double n = s.original_max_position_embeddings;
-  if (s.type != LINEAR && (n != std::floor(n) || n > (1 << 24)))
+  if ((s.type == LLAMA3 || s.type == YARN) && (n != std::floor(n) || n > (1 << 24)))
     return *error = "original_max_position_embeddings must be a whole number <= 2^24", false;
   *out = s;
   return true;
@@ -103,7 +104,7 @@ bool RopeScaling::from_settings(const std::string& type, const std::map<std::str
 bool RopeScaling::parse(const std::string& text, RopeScaling* out, std::string* error) {
   auto fail = [&](const std::string& why) {
     *error = "model.rope_scaling='" + text + "': " + why +
-             " (the forms: empty for none, 'linear:factor=F', 'llama3:factor=F,low_freq_factor=A,high_freq_factor=B,"
+             " (the forms: empty for none, 'linear:factor=F', 'dynamic:factor=F', 'llama3:factor=F,low_freq_factor=A,high_freq_factor=B,"
              "original_max_position_embeddings=N', 'yarn:factor=F,original_max_position_embeddings=N' with optional "
              "attention_factor, beta_fast, beta_slow, truncate)";
     return false;

@@ -5,6 +5,9 @@
 //           original_max_position_embeddings / high_freq_factor stay, those above
 //           original_max_position_embeddings / low_freq_factor are divided by factor, and the ones
 //           between move smoothly from one to the other.
+//   dynamic dynamic NTK: transformers raises theta only for a sequence longer than
+//           max_position_embeddings, which ShardTrain's never are (model.max_seq_len is that), so
+//           the frequencies are the plain ones; kept so that an export says what the folder said.
 //   yarn    YaRN (Qwen's long-context setting): dimensions that turn more than beta_fast times
 //           over original_max_position_embeddings positions keep their frequency, those turning
 //           fewer than beta_slow times are divided by factor, a linear ramp between; cos and sin
@@ -12,6 +15,7 @@
 //           config.json's mscale and mscale_all_dim give). truncate (1, transformers' default)
 //           rounds the ramp's ends to whole dimensions.
 // The text form, as model.rope_scaling and checkpoints hold it: "" (none), "linear:factor=F",
+// "dynamic:factor=F",
 // "llama3:factor=F,low_freq_factor=A,high_freq_factor=B,original_max_position_embeddings=N" or
 // "yarn:factor=F,original_max_position_embeddings=N,attention_factor=M,beta_fast=32,beta_slow=1,
 // truncate=1" (yarn's last four optional, taking those defaults).
@@ -28,7 +32,7 @@
 namespace shardtrain {
 
 struct RopeScaling {
-  enum Type { NONE, LINEAR, LLAMA3, YARN } type = NONE;
+  enum Type { NONE, LINEAR, DYNAMIC, LLAMA3, YARN } type = NONE;
   double factor = 1.0;
   double low_freq_factor = 1.0, high_freq_factor = 4.0;  // llama3
   double original_max_position_embeddings = 8192;        // llama3, yarn (an integer)
@@ -48,7 +52,7 @@ struct RopeScaling {
   double attention_scaling() const { return type == YARN ? attention_factor : 1.0; }
   // The text form, exact (every number as %.17g) -- parse(text()) gives back the same settings.
   std::string text() const;
-  // The settings a type takes, in the text form's order (linear: factor; llama3: four; yarn: six),
+  // The settings a type takes, in the text form's order (linear, dynamic: factor; llama3: four; yarn: six),
   // or null for a type this build does not know.
   static const std::vector<std::string>* settings_of(const std::string& type);
   // This scaling's type as the text form and Hugging Face name it ("" for none), and its settings

@@ -289,8 +289,8 @@ def rope_inverse_frequencies(d, theta, scaling=None):
         kept = f32(1) - ramp
         interpolated = f32(1.0) / (f32(factor) * powers)
         inv_freq = (interpolated * (f32(1) - kept) + inv_freq * kept).astype(f32)
-    else:
-        assert kind == "default", scaling
+    else:  # dynamic: LlamaRotaryEmbedding raises theta only for a sequence past max_position_embeddings
+        assert kind in ("default", "dynamic"), scaling
     return inv_freq
 
 

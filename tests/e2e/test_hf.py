@@ -408,6 +408,15 @@ def test_scaled_rotary_embeddings_give_transformers_loss_and_travel_with_the_mod
     assert json.load(open(os.path.join(out, "config.json")))["rope_scaling"] == dict(
         YARN, attention_factor=0.1 * math.log(4) + 1, beta_fast=32.0, beta_slow=1.0, truncate=True)
     assert rel_diff(reference("loss", out, *window)["loss"], reference("loss", cases[2][0], *window)["loss"]) < 1e-12
+    # Dynamic NTK (transformers 4's "type" key) raises theta only past max_position_embeddings, which
+    # no sequence reaches: the plain model's loss, and the setting back in the export.
+    dynamic = llama_folder("F32", seed=4, config={"rope_scaling": {"type": "dynamic", "factor": 2.0}})
+    plain = llama_folder("F32", seed=4)
+    loss, proc = first_loss(dynamic, data, np_=2, args=llama_args)
+    assert "rope_scaling=dynamic:factor=2" in proc.stdout, proc.stdout
+    assert rel_diff(loss, reference("loss", plain, *window)["loss"]) < 2e-6
+    _, out = imported_then_exported(dynamic, data)
+    assert json.load(open(os.path.join(out, "config.json")))["rope_scaling"] == {"rope_type": "dynamic", "factor": 2.0}
     # Nulls read as transformers reads them: factor max_position_embeddings / original (64 / 16),
     # truncate none, the others their defaults -- the model of the explicit settings.
     nulls = llama_folder("F32", seed=3, config={"rope_scaling": dict(YARN, factor=None, truncate=None, beta_fast=None,
@@ -426,8 +435,8 @@ def test_scaled_rotary_embeddings_give_transformers_loss_and_travel_with_the_mod
                          args=llama_args)
     assert rel_diff(loss, reference("loss", folder, *window)["loss"]) < 2e-6
     expect_usage_error(tiny_args("--model.rope_scaling=linear:factor=2"), "model.rope_scaling is not a gpt2 option")
-    expect_usage_error(llama_args("--model.arch=llama", "--model.rope_scaling=dynamic:factor=2"),
-                       "unknown type 'dynamic'")
+    expect_usage_error(llama_args("--model.arch=llama", "--model.rope_scaling=longrope:factor=2"),
+                       "unknown type 'longrope'")
     expect_usage_error(llama_args("--model.arch=llama", "--model.rope_scaling=yarn:factor=2"),
                        "yarn needs 'original_max_position_embeddings'")
     both = llama_folder("F32", config={"rope_scaling": LLAMA3, "rope_parameters": {"rope_type": "linear",
@@ -504,7 +513,7 @@ def test_llama_bad_folders_are_refused_naming_file_and_key():
 
     cases = []
     for key, value, needle in (
-            ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope_type 'dynamic' is not implemented"),
+            ("rope_scaling", {"rope_type": "longrope", "factor": 2.0}, "rope_type 'longrope' is not implemented"),
             ("rope_scaling", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
              "needs 'original_max_position_embeddings'"),
             ("rope_scaling", {"rope_type": "linear", "factor": 2.0, "low_freq_factor": 1.0},

@@ -160,6 +160,15 @@ TEST(RopeScaling, YarnInverseFrequenciesAndAttentionFactorAreTransformers) {
   EXPECT_EQ(parsed("linear:factor=4").attention_scaling(), 1.0);
 }
 
+// Dynamic NTK changes nothing below max_position_embeddings, which bounds every sequence: the plain
+// frequencies, the setting kept.
+TEST(RopeScaling, DynamicKeepsThePlainFrequencies) {
+  const RopeScaling dynamic = parsed("dynamic:factor=2.0");
+  EXPECT_EQ(dynamic.text(), "dynamic:factor=2");
+  EXPECT_EQ(bits_of(rope_inverse_frequencies(64, 500000, dynamic)), bits_of(rope_inverse_frequencies(64, 500000, {})));
+  EXPECT_EQ(dynamic.attention_scaling(), 1.0);
+}
+
 TEST(RopeScaling, TheTextFormRoundTripsExactly) {
   EXPECT_EQ(parsed("").text(), "");
   EXPECT_EQ(parsed("linear:factor=2.0").text(), "linear:factor=2");
@@ -175,7 +184,7 @@ TEST(RopeScaling, TheTextFormRoundTripsExactly) {
 }
 
 TEST(RopeScaling, DefectsAreNamed) {
-  EXPECT_NE(parse_error("dynamic:factor=4").find("unknown type 'dynamic'"), std::string::npos);
+  EXPECT_NE(parse_error("longrope:factor=4").find("unknown type 'longrope'"), std::string::npos);
   EXPECT_NE(parse_error("linear").find("linear needs 'factor'"), std::string::npos);
   EXPECT_NE(parse_error("yarn:factor=4").find("yarn needs 'original_max_position_embeddings'"), std::string::npos);
   EXPECT_NE(parse_error("yarn:factor=4,original_max_position_embeddings=64,truncate=2").find("is not 0 or 1"),

@@ -36,7 +36,7 @@ std::string read_rope_scaling(const HfConfig& j, double* theta) {
     const std::string type = type_value.is_string() ? type_value.get<std::string>() : type_value.dump();
     if (type != "default" && !RopeScaling::settings_of(type))
       j.fail(where + ": rope_type '" + type + "' is not implemented; ShardTrain's rotary embeddings are the plain "
-                     "one (default), linear, llama3 and yarn");
+                     "one (default), linear, dynamic, llama3 and yarn");
     std::map<std::string, double> given;
     bool yarn_factor_from_lengths = false;
     for (const auto& item : rope.items()) {
