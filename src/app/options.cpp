@@ -144,6 +144,9 @@ void declare_options(OptionList& o, Config& c) {
         "'llama3:factor=F,low_freq_factor=A,high_freq_factor=B,original_max_position_embeddings=N' (Llama 3.1+) or "
         "'yarn:factor=F,original_max_position_embeddings=N' (optional attention_factor, beta_fast, beta_slow, "
         "truncate; Qwen's long context)");
+  o.add("model.nope_layers", &c.model.nope_layers,
+        "smollm3: the blocks without rotary embeddings (NoPE), comma-separated indices from 0 (SmolLM3: every "
+        "fourth, 3,7,11,...); empty for none");
   o.add("model.norm_eps", &c.model.norm_eps,
         "llama: RMSNorm epsilon; flux: its LayerNorms' and q/k RMSNorms' (FLUX.1: 1e-6); gpt2's LayerNorm has 1e-5");
   o.add("model.tie_embeddings", &c.model.tie_embeddings,
@@ -596,6 +599,11 @@ void take_model_shape_from_hf_folder(const po::variables_map& vm, Config& c) {
   if (reads("model.rope_scaling"))
     take("model.rope_scaling", &c.model.rope_scaling, hf.rope_scaling,
          [](const std::string& a) { return a.empty() ? std::string("none") : a; });
+  if (reads("model.nope_layers")) {
+    canonicalize(c.model);
+    take("model.nope_layers", &c.model.nope_layers, hf.nope_layers,
+         [](const std::string& a) { return a.empty() ? std::string("none") : a; });
+  }
   require(mismatches.empty(), "checkpoint.init_from='" + printable_text(c.checkpoint.init_from) + "': " + mismatches +
                                   "; the shape comes from " + source + ": remove these model.* keys from the "
                                   "configuration (or set them to its values)");
@@ -704,7 +712,8 @@ void validate_architecture(const ModelConfig& m) {
       {"model.pixel_patch", m.pixel_patch != d.pixel_patch},
       {"model.guidance_embeds", m.guidance_embeds != d.guidance_embeds},
       {"model.rope_axes", m.rope_axes != d.rope_axes},
-      {"model.rope_scaling", m.rope_scaling != d.rope_scaling}};
+      {"model.rope_scaling", m.rope_scaling != d.rope_scaling},
+      {"model.nope_layers", m.nope_layers != d.nope_layers}};
   for (const auto& [key, set] : family_keys) {
     if (!set || family.reads_key(key)) continue;
     std::string takers;

@@ -452,6 +452,7 @@ const char* ADAPTER_METHOD_INTS[6] = {"adapter.decompose_both", "adapter.decompo
 const char* FAMILY_GUIDANCE = "model.guidance_embeds";
 const char* FAMILY_ROPE_AXES = "model.rope_axes";
 const char* FAMILY_ROPE_SCALING = "model.rope_scaling";
+const char* FAMILY_NOPE_LAYERS = "model.nope_layers";
 
 std::array<int64_t, 6> adapter_method_ints(const AdapterConfig& a) {
   return {a.decompose_both, a.decompose_factor, a.block_size, a.cayley_neumann, a.neumann_terms, a.block_share};
@@ -554,6 +555,7 @@ const MetaAttr META_ATTRS[] = {
     {"model.rope_axes", AT::STR, 6, P::FAMILY, [](S s) { return text_value(s.model.rope_axes); }},
     {"model.rope_scaling", AT::STR, 8, P::FAMILY_NONZERO, [](S s) { return text_value(s.model.rope_scaling); }},
     {"model.head_dim", AT::I64, 8, P::FAMILY_NONZERO, nullptr, &ModelConfig::head_dim, true},
+    {"model.nope_layers", AT::STR, 8, P::FAMILY_NONZERO, [](S s) { return text_value(s.model.nope_layers); }},
     {"text_encoder.source", AT::STR, 1, P::TEXT_ENCODER, [](S s) { return text_value(s.text_encoder); }},
     {"text_encoder.layers", AT::STR, 1, P::TEXT_ENCODER, [](S s) { return text_value(s.text_encoder_layers); }},
     {"text_encoder.tokenizer", AT::STR, 1, P::TEXT_ENCODER, [](S s) { return text_value(s.text_encoder_tokenizer); }},
@@ -792,6 +794,7 @@ CheckpointState read_state(hid_t file, const std::string& path) {
   m.guidance_embeds = guidance == 1;
   if (has(FAMILY_ROPE_AXES)) m.rope_axes = str(FAMILY_ROPE_AXES);
   if (has(FAMILY_ROPE_SCALING)) m.rope_scaling = str(FAMILY_ROPE_SCALING);
+  if (has(FAMILY_NOPE_LAYERS)) m.nope_layers = str(FAMILY_NOPE_LAYERS);
   canonicalize(m);  // a head_dim of the usual size (saves never write one)
   defect = model_arch_defect(m);
   if (!defect.empty()) throw CheckpointError(where + "attribute " + defect + "; the file is damaged");
@@ -1005,6 +1008,7 @@ std::string model_mismatch(const std::string& path, const ModelConfig& stored, c
   differ(FAMILY_GUIDANCE, stored.guidance_embeds ? "true" : "false", configured.guidance_embeds ? "true" : "false");
   differ(FAMILY_ROPE_AXES, stored.rope_axes, configured.rope_axes);
   differ(FAMILY_ROPE_SCALING, stored.rope_scaling, configured.rope_scaling);
+  differ(FAMILY_NOPE_LAYERS, stored.nope_layers, configured.nope_layers);
   if (differences.empty()) return "";
   return "checkpoint '" + path + "' holds another model: " + differences +
          "; set model.* to match, or use another checkpoint.dir";

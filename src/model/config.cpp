@@ -1,6 +1,9 @@
 // See config.hpp.
 #include "model/config.hpp"
 
+#include <algorithm>
+#include <cstdlib>
+
 #include "core/error.hpp"
 #include "data/token_file.hpp"
 #include "model/rope_scaling.hpp"
@@ -12,6 +15,35 @@ void canonicalize(ModelConfig& m) {
   RopeScaling scaling;
   std::string defect;
   if (RopeScaling::parse(m.rope_scaling, &scaling, &defect)) m.rope_scaling = scaling.text();
+  std::vector<bool> without;
+  if (parse_nope_layers(m.nope_layers, m.n_layer, &without, &defect)) m.nope_layers = nope_layers_text(without);
+}
+
+bool parse_nope_layers(const std::string& text, int n_layer, std::vector<bool>* without, std::string* error) {
+  without->assign(std::max(n_layer, 0), false);
+  size_t at = 0;
+  while (at < text.size()) {
+    const size_t comma = std::min(text.find(',', at), text.size());
+    const std::string item = text.substr(at, comma - at);
+    at = comma + 1;
+    char* end = nullptr;
+    const long l = std::strtol(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || l < 0 || l >= n_layer)
+      return *error = strprintf("model.nope_layers='%s': '%s' is not a block index in [0, %d)", text.c_str(),
+                                item.c_str(), n_layer),
+             false;
+    if ((*without)[l])
+      return *error = strprintf("model.nope_layers='%s': block %ld is given twice", text.c_str(), l), false;
+    (*without)[l] = true;
+  }
+  return true;
+}
+
+std::string nope_layers_text(const std::vector<bool>& without) {
+  std::string text;
+  for (size_t l = 0; l < without.size(); l++)
+    if (without[l]) text += (text.empty() ? "" : ",") + std::to_string(l);
+  return text;
 }
 
 std::string model_shape_defect(int64_t L, int64_t C, int64_t H, int64_t V, int64_t P, int64_t I) {

@@ -4,11 +4,12 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace shardtrain {
 
 struct ModelConfig {
-  // The model family's name (model/family.hpp): gpt2, llama, qwen2, qwen3, flux, flux2.
+  // The model family's name (model/family.hpp): gpt2, llama, qwen2, qwen3, smollm3, flux, flux2.
   std::string arch = "gpt2";
   int n_layer = 2;
   int n_embd = 32;
@@ -22,6 +23,7 @@ struct ModelConfig {
   int head_dim = 0;           // llama: attention head size; 0 = n_embd / n_head
   double rope_theta = 10000.0;
   std::string rope_scaling;  // llama: scaled rotary frequencies, "" for none (model/rope_scaling.hpp)
+  std::string nope_layers;   // smollm3: the blocks without rotary embeddings ("3,7,11"), "" for none
   double norm_eps = 1e-5;
   bool tie_embeddings = true;  // LM head = token embedding; false: its own lm_head.weight
   // flux's (model/families/flux): n_layer double-stream blocks then n_single_layer single-stream
@@ -52,9 +54,15 @@ struct ModelConfig {
 // parameter count is capped at 10^13 so that no size computed from the shape wraps around and a
 // plan of an absurd shape answers at once instead of building a table for a minute.
 // The one spelling of equal models, so that options, checkpoints and config.json compare by value:
-// head_dim 0 for the usual head size, rope_scaling in its exact text form (where it parses; a
-// defect is left for the family's check to name).
+// head_dim 0 for the usual head size, rope_scaling in its exact text form, nope_layers ascending
+// (where they parse; a defect is left for the family's check to name).
 void canonicalize(ModelConfig& m);
+
+// model.nope_layers' text: block indices in [0, n_layer), comma-separated, each once. *without[l]
+// is whether block l has no rotary embeddings; on a defect returns false with *error naming it.
+bool parse_nope_layers(const std::string& text, int n_layer, std::vector<bool>* without, std::string* error);
+// The text of such a list, ascending ("" for none).
+std::string nope_layers_text(const std::vector<bool>& without);
 
 std::string model_shape_defect(int64_t n_layer, int64_t n_embd, int64_t n_head, int64_t vocab_size,
                                int64_t max_seq_len, int64_t intermediate_size = 0);

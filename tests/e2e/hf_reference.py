@@ -4,8 +4,9 @@ files back, and compute the loss the way transformers computes it, in float64 nu
 (Conv1D weights (in, out), tanh GELU, LayerNorm eps 1e-5, tied head) and LlamaForCausalLM
 (modeling_llama: RMSNorm, rotary embeddings with rotate_half, repeat_kv for grouped-query attention,
 SwiGLU, final norm, tied or untied head), Qwen2ForCausalLM (modeling_qwen2: Llama's with biases on
-q_proj, k_proj and v_proj) and Qwen3ForCausalLM (modeling_qwen3: Llama's with an RMSNorm over each query
-and key head before the rotary turn, heads of 128 unless head_dim says). Commands print JSON. gpt2_shapes and llama_shapes need only
+q_proj, k_proj and v_proj), Qwen3ForCausalLM (modeling_qwen3: Llama's with an RMSNorm over each query
+and key head before the rotary turn, heads of 128 unless head_dim says) and SmolLM3ForCausalLM
+(modeling_smollm3: Llama's with no rotary turn in the blocks no_rope_layers marks 0). Commands print JSON. gpt2_shapes and llama_shapes need only
 numpy (the e2e tests, under Debian's python, import them); the commands import `safetensors`.
 numpy has no bfloat16: BF16 files are written and read here byte by byte (the package checks the
 layout: every file written is opened with safe_open).
@@ -18,7 +19,8 @@ layout: every file written is opened with safe_open).
                                                                inv_freq (older files' rotary buffers), qwen2
                                                                (a Qwen2 model: q/k/v biases, rope_theta 1e6),
                                                                qwen3 (a Qwen3 model: q/k norms, rope_theta 1e6,
-                                                               head_dim written), head_dim=N
+                                                               head_dim written), smollm3 (a SmolLM3 model: the
+                                                               last block without rotary embeddings), head_dim=N
   hf_reference.py loss FOLDER TOKENS...                        mean next-token cross-entropy (config.json's model_type)
   hf_reference.py caption-context FOLDER LAYERS LEN IN OUT     a text encoder's context for IN's captions
                                                                (LAYERS comma-separated, non-negative), into a copy
@@ -180,6 +182,10 @@ def make_llama(folder, L, C, H, KV, I, V, T, tied, dtype, seed, prefix, extras=(
                        "max_window_layers": L})
     if qwen3:  # Qwen3Config's: attention_bias, and head_dim always (its default is 128)
         config.update({"attention_bias": False, "head_dim": d})
+    if "smollm3" in extras:  # SmolLM3Config's: 1 where the block turns q and k
+        config.update({"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "rope_theta": 5000000.0,
+                       "no_rope_layers": [1] * (L - 1) + [0], "use_sliding_window": False, "sliding_window": None,
+                       "pad_token_id": None})  # its default, 128004, is past this vocabulary
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
 
@@ -329,6 +335,11 @@ def llama_hidden_states(config, w, inputs):
     L, C, H = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
     KV = config.get("num_key_value_heads") or H
     d = config.get("head_dim", 128 if config["model_type"] == "qwen3" else None) or C // H
+    if config["model_type"] == "smollm3":  # SmolLM3Config: without the list, every no_rope_layer_interval-th block
+        interval = config.get("no_rope_layer_interval", 4)
+        use_rope = config.get("no_rope_layers") or [int((l + 1) % interval != 0) for l in range(L)]
+    else:
+        use_rope = [1] * L
     # transformers 5's rope_parameters, or rope_theta and (transformers 4) rope_scaling
     rope = config.get("rope_parameters") or config.get("rope_scaling")
     eps, theta = config.get("rms_norm_eps", 1e-6), (rope or {}).get("rope_theta", config.get("rope_theta", 10000.0))
@@ -345,7 +356,8 @@ def llama_hidden_states(config, w, inputs):
                    for n in "qkv")
         if p + "self_attn.q_norm.weight" in w:  # Qwen3: each head's q and k normed over its d
             q, k = (rms_norm(t, w[p + f"self_attn.{n}_norm.weight"], eps) for t, n in ((q, "q"), (k, "k")))
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin  # apply_rotary_pos_emb
+        if use_rope[l]:
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin  # apply_rotary_pos_emb
         k, v = np.repeat(k, H // KV, axis=0), np.repeat(v, H // KV, axis=0)  # repeat_kv: head j serves H/KV queries
         att = q @ k.transpose(0, 2, 1) / np.sqrt(d) + mask
         att = np.exp(att - att.max(-1, keepdims=True))
@@ -412,7 +424,7 @@ def caption_context(folder, layers, length, source, out):
 
 def loss(folder, tokens):
     config = json.load(open(os.path.join(folder, "config.json")))
-    if config["model_type"] in ("llama", "mistral", "qwen2", "qwen3"):
+    if config["model_type"] in ("llama", "mistral", "qwen2", "qwen3", "smollm3"):
         return llama_loss(config, load_folder(folder), tokens)
     w = gpt2_weights(load_folder(folder))
     inputs, targets = np.array(tokens[:-1]), np.array(tokens[1:])

@@ -45,6 +45,15 @@ inline ModelConfig tiny_qwen3_config() {
   return c;
 }
 
+// SmolLM3: the Llama shape above, block 1 without rotary embeddings (NoPE), tied.
+inline ModelConfig tiny_smollm3_config() {
+  ModelConfig c = tiny_llama_config();
+  c.arch = "smollm3";
+  c.nope_layers = "1";
+  c.tie_embeddings = true;
+  return c;
+}
+
 // Every parameter ~ N(0, scale) from the counter stream keyed by salt + its id (norm gains 1 +- it),
 // in the table's unit layout.
 template <typename Real>

@@ -74,7 +74,7 @@ TEST(ModelFamilies, TheRegistryNamesEachFamilyOnce) {
   for (const ModelFamily* f : model_families()) EXPECT_EQ(find_model_family(f->name()), f);
   EXPECT_EQ(find_model_family("mamba"), nullptr);
   ModelConfig c;
-  for (const char* arch : {"gpt2", "llama", "qwen2", "qwen3"}) {
+  for (const char* arch : {"gpt2", "llama", "qwen2", "qwen3", "smollm3"}) {
     c.arch = arch;
     EXPECT_STREQ(family_of(c).name(), arch);
   }
@@ -91,7 +91,7 @@ TEST(ModelFamilies, GenerateAndDistillationRefuseAFamilyWithoutTheirCapability) 
     } catch (const UsageError& e) {
       const std::string what = e.what();
       EXPECT_NE(what.find("checkpoint 'x.h5' is a 'two_kinds' model"), std::string::npos) << what;
-      EXPECT_NE(what.find("(gpt2, llama, qwen2, qwen3)"), std::string::npos) << what;
+      EXPECT_NE(what.find("(gpt2, llama, qwen2, qwen3, smollm3)"), std::string::npos) << what;
     }
     ModelConfig llama;
     llama.arch = "llama";

@@ -64,6 +64,14 @@ ModelConfig qwen3_config() {
   return c;
 }
 
+// SmolLM3: block 1 without rotary embeddings (its cached keys unturned).
+ModelConfig smollm3_config() {
+  ModelConfig c = llama_config();
+  c.arch = "smollm3";
+  c.nope_layers = "1";
+  return c;
+}
+
 // Heads of their own size (6, not 16 / 4) and llama3-scaled rotary frequencies: the cache and the
 // attention output 24 wide on a width of 16.
 ModelConfig llama_head_dim_config() {
@@ -78,7 +86,8 @@ const ArchCase ARCH_CASES[] = {{"gpt2", gpt_config},
                                {"llama_head_dim", llama_head_dim_config},
                                {"llama_mqa_tied", llama_tied_mqa_config},
                                {"qwen2_gqa_untied", qwen2_config},
-                               {"qwen3_head_dim", qwen3_config}};
+                               {"qwen3_head_dim", qwen3_config},
+                               {"smollm3_nope", smollm3_config}};
 
 class GenerationTest : public ::testing::TestWithParam<ArchCase> {};
 std::string arch_case_name(const ::testing::TestParamInfo<ArchCase>& info) { return info.param.name; }

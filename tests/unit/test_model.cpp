@@ -43,7 +43,8 @@ const ArchCase ARCH_CASES[] = {{"gpt2", tiny_gpt2_config},
                                {"llama_tied", tiny_llama_tied_config},
                                {"llama_head_dim", tiny_llama_head_dim_config},
                                {"qwen2", tiny_qwen2_config},
-                               {"qwen3", tiny_qwen3_config}};
+                               {"qwen3", tiny_qwen3_config},
+                               {"smollm3", tiny_smollm3_config}};
 
 class ModelArchTest : public ::testing::TestWithParam<ArchCase> {};
 std::string arch_case_name(const ::testing::TestParamInfo<ArchCase>& info) { return info.param.name; }
@@ -223,6 +224,22 @@ TEST(ParamTable, Qwen3ShapeHasTheParameterCountOfTheRealModel) {
   EXPECT_EQ(p[block[qwen3.k_norm_param()]].name, "layers.5.self_attn.k_norm.weight");
   EXPECT_EQ(p[block[qwen3.k_norm_param()]].shape, (std::vector<int>{128}));
   EXPECT_EQ(p[block[LLAMA_Q_W]].shape, (std::vector<int>{2048, 1024}));
+}
+
+// SmolLM3-3B's count (tied, 16 heads of 128 on 4): its NoPE blocks have the same parameters.
+TEST(ParamTable, SmolLM3ShapeHasTheParameterCountOfTheRealModel) {
+  ModelConfig s;
+  s.arch = "smollm3", s.n_layer = 36, s.n_embd = 2048, s.n_head = 16, s.n_kv_head = 4, s.intermediate_size = 11008;
+  s.vocab_size = 128256, s.max_seq_len = 65536, s.rope_theta = 5e6, s.norm_eps = 1e-6, s.tie_embeddings = true;
+  s.nope_layers = "3,7,11,15,19,23,27,31,35";
+  EXPECT_EQ(ParamTable(s).total_params(), 3075098624u);
+  EXPECT_EQ(family_of(s).config_defect(s), "");
+  s.nope_layers = "3,36";
+  EXPECT_NE(family_of(s).config_defect(s).find("'36' is not a block index in [0, 36)"), std::string::npos);
+  s.nope_layers = "3,3";
+  EXPECT_NE(family_of(s).config_defect(s).find("block 3 is given twice"), std::string::npos);
+  s.nope_layers = "35,3,7", canonicalize(s);
+  EXPECT_EQ(s.nope_layers, "3,7,35");
 }
 
 namespace {
@@ -461,7 +478,8 @@ void check_documents_alone(ModelConfig c, bool restart_positions, double toleran
 }
 
 TEST(PackedDocuments, RotaryModelsGiveEachDocumentWhatItGetsAlone) {
-  for (ModelConfig (*config)() : {tiny_llama_config, tiny_llama_tied_config, tiny_qwen2_config, tiny_qwen3_config})
+  for (ModelConfig (*config)() :
+       {tiny_llama_config, tiny_llama_tied_config, tiny_qwen2_config, tiny_qwen3_config, tiny_smollm3_config})
     check_documents_alone(config(), false, 1e-6);
 }
 

@@ -7,6 +7,7 @@
 #include "model/families/llama/llama_family.hpp"
 #include "model/families/qwen2/qwen2_family.hpp"
 #include "model/families/qwen3/qwen3_family.hpp"
+#include "model/families/smollm3/smollm3_family.hpp"
 #include "model/family.hpp"
 
 namespace shardtrain {
@@ -19,6 +20,7 @@ std::vector<const ModelFamily*>& registry() {
       &llama_family(),
       &qwen2_family(),
       &qwen3_family(),
+      &smollm3_family(),
       &flux_family(),
       &flux2_family(),
   };

@@ -101,11 +101,12 @@ nlohmann::ordered_json rope_scaling_json(const std::string& text) {
 }  // namespace
 
 std::string LlamaFamily::summary(const ModelConfig& c) const {
-  return strprintf("%s L=%d C=%d H=%d KV=%d MLP=%d V=%d max_seq_len=%d rope_theta=%g norm_eps=%g %s%s%s%s",
+  return strprintf("%s L=%d C=%d H=%d KV=%d MLP=%d V=%d max_seq_len=%d rope_theta=%g norm_eps=%g %s%s%s%s%s%s",
                    display_name(), c.n_layer, c.n_embd, c.n_head, c.kv_heads(), c.mlp_size(), c.vocab_size,
                    c.max_seq_len, c.rope_theta, c.norm_eps, c.tie_embeddings ? "tied" : "untied",
                    c.head_dim > 0 ? strprintf(" head_dim=%d", c.head_dim).c_str() : "",
-                   c.rope_scaling.empty() ? "" : " rope_scaling=", c.rope_scaling.c_str());
+                   c.rope_scaling.empty() ? "" : " rope_scaling=", c.rope_scaling.c_str(),
+                   c.nope_layers.empty() ? "" : " nope_layers=", c.nope_layers.c_str());
 }
 
 std::vector<std::string> LlamaFamily::config_keys() const {
@@ -135,6 +136,8 @@ std::string LlamaFamily::config_defect(const ModelConfig& m) const {
   RopeScaling scaling;
   std::string defect;
   if (!RopeScaling::parse(m.rope_scaling, &scaling, &defect)) return defect;
+  std::vector<bool> nope;
+  if (!parse_nope_layers(m.nope_layers, m.n_layer, &nope, &defect)) return defect;
   if (!(m.norm_eps > 0) || !std::isfinite(m.norm_eps)) return strprintf("model.norm_eps=%g must be > 0", m.norm_eps);
   return "";
 }

@@ -1,6 +1,6 @@
 // Llama forward/backward on explicit buffers (see model.hpp, llama_model.hpp). Each block:
 //   n1 = rms(x) w1; q|k|v = n1 Wqkv^T (+ b: Qwen2); (Qwen3: q, k = rms(q) wq, rms(k) wk per head);
-//   rope(q, k); y = attn(q, k, v); r2 = x + y Wo^T;
+//   rope(q, k) (not in model.nope_layers' blocks: SmolLM3); y = attn(q, k, v); r2 = x + y Wo^T;
 //   n2 = rms(r2) w2; g|u = n2 Wgu^T; out = r2 + (silu(g) * u) Wdown^T.
 // The backward runs the same steps in reverse with one running residual gradient dresid_.
 #include "model/families/llama/llama_model.hpp"
@@ -20,6 +20,8 @@ LlamaModel<Real>::LlamaModel(const ParamTable& table, int batch, int seq_len, bo
            saved_tensor_elements(table.config(), variant, batch, seq_len)),
       variant_(variant) {
   SHARD_CHECK(cfg_.head_size() % 2 == 0, "rotary embeddings need an even head size, not %d", cfg_.head_size());
+  std::string defect;
+  SHARD_CHECK(parse_nope_layers(cfg_.nope_layers, cfg_.n_layer, &nope_, &defect), "%s", defect.c_str());
   const size_t BT = static_cast<size_t>(B_) * T_, C = cfg_.n_embd, NH = cfg_.n_head, I = cfg_.mlp_size();
   const size_t rope = static_cast<size_t>(T_) * (cfg_.head_size() / 2);
   const size_t A = cfg_.attn_size(), KV = cfg_.kv_heads();
@@ -108,7 +110,8 @@ void LlamaModel<Real>::block_forward(int l, const Real* w) {
     produced(QK_PRE);
     qk_norm_forward(l, w, S(QKV), S(QK_PRE), qk_scratch_.data(), a.q_rstd.data(), a.k_rstd.data(), N);
   }
-  ops_.rope_forward(S(QKV), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS, this->positions());
+  if (!nope_[l])  // SmolLM3's NoPE blocks attend without positions
+    ops_.rope_forward(S(QKV), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS, this->positions());
   produced(QKV);  // after rope: what attention reads (rope's backward needs no values)
   ops_.attention_forward(S(ATTY), a.lse.data(), S(QKV), B_, T_, NH, KV, HS, this->doc_start());
   produced(ATTY);
@@ -180,7 +183,8 @@ void LlamaModel<Real>::block_backward(int l, Real* g, const Real* w) {
                             W(LLAMA_O_W), NH * HS, C, w, g);
   ops_.attention_backward(dqkv_.data(), dln_.data(), S(QKV), S(ATTY), a.lse.data(), B_, T_, NH, KV, HS,
                           this->doc_start());
-  ops_.rope_backward(dqkv_.data(), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS, this->positions());
+  if (!nope_[l])
+    ops_.rope_backward(dqkv_.data(), rope_cos_.data(), rope_sin_.data(), B_, T_, NH, KV, HS, this->positions());
   if (variant_.qk_norm) qk_norm_backward(l, w, g, dqkv_.data(), S(QK_PRE), a.q_rstd.data(), a.k_rstd.data(), N);
   adapters_.linear_backward(l, PRODUCT_QKV, dln_.data(), G(LLAMA_Q_W), qkv_bias_grad(g, l), dqkv_.data(), S(LN1),
                             W(LLAMA_Q_W), C, cfg_.qkv_size(), w, g);
@@ -298,8 +302,9 @@ void LlamaModel<Real>::decode_block(int l, const Real* w) {
                     d.qk_rstd.data() + static_cast<size_t>(N) * NH, N);
   }
   // Positions start..start+N-1: the tables from row start on, as one sequence of N.
-  ops_.rope_forward(d.qkv.data(), d.rope_cos.data() + d.start * half, d.rope_sin.data() + d.start * half, 1, N, NH,
-                    KV, HS, nullptr);
+  if (!nope_[l])
+    ops_.rope_forward(d.qkv.data(), d.rope_cos.data() + d.start * half, d.rope_sin.data() + d.start * half, 1, N, NH,
+                      KV, HS, nullptr);
   ops_.attention_decode(d.atty.data(), d.scores.data(), d.k[l].data(), d.v[l].data(), d.qkv.data(), N, d.start, NH,
                         KV, HS);
   adapters_.linear_decode(l, PRODUCT_ATTN_OUT, d.resid2.data(), d.atty.data(), W(LLAMA_O_W), nullptr, NH * HS, C, w,

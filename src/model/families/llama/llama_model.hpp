@@ -79,6 +79,7 @@ class LlamaModel : public DecoderLM<Real> {
                         const Real* q_rstd, const Real* k_rstd, int N);
 
   LlamaVariant variant_;
+  std::vector<bool> nope_;  // per block: no rotary embeddings (model.nope_layers, SmolLM3)
   Array rope_cos_, rope_sin_;  // (T, head_size / 2)
   std::vector<Layer> layers_;  // one per block, or a single shared one when checkpointing
   Array lnf_rstd_;
