@@ -602,7 +602,7 @@ void take_model_shape_from_hf_folder(const po::variables_map& vm, Config& c) {
   if (reads("model.nope_layers")) {
     canonicalize(c.model);
     take("model.nope_layers", &c.model.nope_layers, hf.nope_layers,
-         [](const std::string& a) { return a.empty() ? std::string("none") : a; });
+         [](const std::string& a) { return a.empty() ? std::string("''") : a; });
   }
   require(mismatches.empty(), "checkpoint.init_from='" + printable_text(c.checkpoint.init_from) + "': " + mismatches +
                                   "; the shape comes from " + source + ": remove these model.* keys from the "

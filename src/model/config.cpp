@@ -2,7 +2,6 @@
 #include "model/config.hpp"
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "core/error.hpp"
 #include "data/token_file.hpp"
@@ -26,9 +25,12 @@ bool parse_nope_layers(const std::string& text, int n_layer, std::vector<bool>* 
     const size_t comma = std::min(text.find(',', at), text.size());
     const std::string item = text.substr(at, comma - at);
     at = comma + 1;
-    char* end = nullptr;
-    const long l = std::strtol(item.c_str(), &end, 10);
-    if (item.empty() || *end != '\0' || l < 0 || l >= n_layer)
+    if (comma + 1 == text.size())
+      return *error = strprintf("model.nope_layers='%s' ends with a comma", text.c_str()), false;
+    const bool digits = !item.empty() && item.size() <= 9 &&
+                        std::all_of(item.begin(), item.end(), [](char c) { return c >= '0' && c <= '9'; });
+    const long l = digits ? std::stol(item) : -1;
+    if (!digits || l >= n_layer)
       return *error = strprintf("model.nope_layers='%s': '%s' is not a block index in [0, %d)", text.c_str(),
                                 item.c_str(), n_layer),
              false;

@@ -342,7 +342,8 @@ def llama_hidden_states(config, w, inputs):
         use_rope = [1] * L
     # transformers 5's rope_parameters, or rope_theta and (transformers 4) rope_scaling
     rope = config.get("rope_parameters") or config.get("rope_scaling")
-    eps, theta = config.get("rms_norm_eps", 1e-6), (rope or {}).get("rope_theta", config.get("rope_theta", 10000.0))
+    default_theta = 2000000.0 if config["model_type"] == "smollm3" else 10000.0  # the config class's default_theta
+    eps, theta = config.get("rms_norm_eps", 1e-6), (rope or {}).get("rope_theta", config.get("rope_theta", default_theta))
     T = len(inputs)
     cos, sin = rotary_cos_sin(T, d, theta, rope)
     mask = np.triu(np.full((T, T), -np.inf), 1)

@@ -90,10 +90,12 @@ META_ORDER_V6 = {"flux": ("model.n_single_layer", "model.in_channels", "model.co
                           "model.condition_len", "model.pooled_dim", "model.pixel_patch", "model.guidance_embeds",
                           "model.rope_axes")}
 # Version 8 appends the decoders' scaled rotary embedding and head size.
-META_ORDER_V8 = {"llama": ("model.rope_scaling", "model.head_dim"), "qwen2": ("model.rope_scaling", "model.head_dim")}
+META_ORDER_V8 = {"llama": ("model.rope_scaling", "model.head_dim"), "qwen2": ("model.rope_scaling", "model.head_dim"),
+                 "qwen3": ("model.rope_scaling", "model.head_dim"),
+                 "smollm3": ("model.rope_scaling", "model.head_dim", "model.nope_layers")}
 # Written only when not 0 or empty (a pixel-space model's patch, a scaled rotary embedding, a head
 # size of its own).
-META_OPTIONAL = ("model.pixel_patch", "model.rope_scaling", "model.head_dim")
+META_OPTIONAL = ("model.pixel_patch", "model.rope_scaling", "model.head_dim", "model.nope_layers")
 # Then, in a file of a run with a text encoder in the job (any version), its record.
 META_ORDER_TEXT_ENCODER = ("text_encoder.source", "text_encoder.layers", "text_encoder.tokenizer", "text_encoder.dtype",
                            "text_encoder.quant_block", "text_encoder.quantize_all_linear", "text_encoder.checksum")

@@ -53,13 +53,18 @@ def test_smollm3_import_gives_the_reference_loss():
             assert rel_diff(loss, expected) < 2e-6, (folder, np_, loss, expected)
     loss, _ = first_loss(rotary, data, args=llama_args)
     assert rel_diff(loss, reference("loss", rotary, *window)["loss"]) < 2e-6
+    # Without rope_theta, SmolLM3Config's default_theta (2e6), not Llama's 10000.
+    default_theta = smollm3_folder(config={"rope_theta": None})
+    loss, proc = first_loss(default_theta, data, args=llama_args)
+    assert "rope_theta=2e+06" in proc.stdout, proc.stdout
+    assert rel_diff(loss, reference("loss", default_theta, *window)["loss"]) < 2e-6
 
 
 def test_smollm3_export_round_trips_lora_merges_and_the_setting_is_kept():
     expected = {"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "hidden_size": C,
                 "num_hidden_layers": L, "num_attention_heads": H, "num_key_value_heads": KV,
                 "no_rope_layers": [1] * (L - 1) + [0], "rope_theta": 5e6, "use_sliding_window": False,
-                "tie_word_embeddings": True}
+                "tie_word_embeddings": True, "pad_token_id": None}
     check_export_round_trip(smollm3_folder(), "SmolLM3ForCausalLM", expected,
                             [f"model.layers.{l}.self_attn.o_proj.weight" for l in range(L)])
     check_lora_exports_for_peft_and_merges(smollm3_folder(seed=5), "SmolLM3ForCausalLM")
@@ -67,6 +72,7 @@ def test_smollm3_export_round_trips_lora_merges_and_the_setting_is_kept():
     data, _ = periodic_data()
     expect_usage_error(llama_args(f"--checkpoint.init_from={smollm3_folder()}", f"--data.train_file={data}",
                                   "--model.nope_layers=0"), "model.nope_layers=0 but config.json says 1")
+    expect_usage_error(llama_args("--model.arch=smollm3", "--model.nope_layers=1,"), "ends with a comma")
     expect_usage_error(llama_args("--model.arch=smollm3", "--model.nope_layers=0,2"),
                        "model.nope_layers='0,2': '2' is not a block index in [0, 2)")
     expect_usage_error(llama_args("--model.arch=llama", "--model.nope_layers=1"), "model.nope_layers is not a llama option")
@@ -74,9 +80,15 @@ def test_smollm3_export_round_trips_lora_merges_and_the_setting_is_kept():
 
 def test_smollm3_refuses_a_sliding_window_and_plans_the_real_model():
     data, _ = periodic_data()
-    folder = smollm3_folder(config={"use_sliding_window": True, "sliding_window": 16})
-    expect_usage_error(llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}", "--data.val_file=",
-                                  "--train.steps=1"), "sliding_window 16 is not implemented", "config.json")
+    # transformers slides it over the NoPE blocks, or those layer_types names; a window on none is read.
+    for config, needle in (({"use_sliding_window": True, "sliding_window": 16}, "sliding_window 16 on 1 of the 2"),
+                           ({"use_sliding_window": True, "sliding_window": 16,
+                             "layer_types": ["sliding_attention"] * L}, "sliding_window 16 on 2 of the 2")):
+        expect_usage_error(llama_args(f"--checkpoint.init_from={smollm3_folder(config=config)}",
+                                      f"--data.train_file={data}", "--data.val_file=", "--train.steps=1"),
+                           needle, "config.json")
+    first_loss(smollm3_folder(config={"use_sliding_window": True, "sliding_window": 16,
+                                      "layer_types": ["full_attention"] * L}), data, args=llama_args)
     proc = ok(run(1, ["plan", "--config", SMOLLM3_INI, "--world-size=8"]), "plan")
     # SmolLM3-3B: 3,075,098,624 parameters (tied; exact in the unit tests).
     assert "SmolLM3 L=36 C=2048 H=16 KV=4 MLP=11008 V=128256 max_seq_len=65536 rope_theta=5e+06 norm_eps=1e-06 tied " \

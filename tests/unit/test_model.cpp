@@ -240,6 +240,26 @@ TEST(ParamTable, SmolLM3ShapeHasTheParameterCountOfTheRealModel) {
   EXPECT_NE(family_of(s).config_defect(s).find("block 3 is given twice"), std::string::npos);
   s.nope_layers = "35,3,7", canonicalize(s);
   EXPECT_EQ(s.nope_layers, "3,7,35");
+  for (const char* spelled : {"3, 7", "+3", "3,", ",3", "3x"}) {
+    s.nope_layers = spelled;
+    EXPECT_NE(family_of(s).config_defect(s), "") << spelled;
+  }
+}
+
+// The NoPE block takes its q and k unturned: the same weights give another loss than with every
+// block rotary, and with none listed exactly Llama's.
+TEST(SmolLM3, NopeBlocksSkipTheRotaryTurn) {
+  ModelConfig nope = tiny_smollm3_config(), plain = nope, llama = nope;
+  plain.nope_layers = "";
+  llama.arch = "llama", llama.nope_layers = "";
+  const Batch batch = make_batch(2, 6, nope.vocab_size);
+  auto loss_of = [&](const ModelConfig& c) {
+    const ParamTable table(c);
+    auto model = make_model<double>(table, 2, 6, false, cpu_layer_ops<double>());
+    return forward_loss(*model, table, random_units<double>(table, 0.3, 7), batch);
+  };
+  EXPECT_EQ(loss_of(plain), loss_of(llama));
+  EXPECT_GT(std::fabs(loss_of(nope) - loss_of(plain)), 1e-6);
 }
 
 namespace {

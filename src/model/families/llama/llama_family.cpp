@@ -265,7 +265,7 @@ ModelConfig LlamaFamily::read_decoder_config(const HfConfig& j, const ModelConfi
   m.intermediate_size = j.whole("intermediate_size");
   m.vocab_size = j.whole("vocab_size");
   m.max_seq_len = j.whole("max_position_embeddings", defaults.max_seq_len);
-  m.rope_theta = j.positive("rope_theta", 10000.0);
+  m.rope_theta = j.positive("rope_theta", defaults.rope_theta);  // transformers' default_theta
   m.norm_eps = j.positive("rms_norm_eps", 1e-6);
   m.tie_embeddings = j.flag("tie_word_embeddings", defaults.tie_embeddings);
   // The rotary settings may also come as transformers 5's rope_parameters (with rope_theta inside).

@@ -27,6 +27,7 @@ class SmolLM3Family final : public LlamaFamily {
     ModelConfig defaults;
     defaults.n_kv_head = 4;
     defaults.max_seq_len = 32768;
+    defaults.rope_theta = 2000000.0;  // SmolLM3Config's default_theta
     defaults.tie_embeddings = true;
     ModelConfig m = read_decoder_config(j, defaults);
     for (const char* key : {"attention_bias", "mlp_bias"})
@@ -36,21 +37,31 @@ class SmolLM3Family final : public LlamaFamily {
     if (flags.is_null()) {
       const int interval = j.whole("no_rope_layer_interval", 4);
       for (int l = 0; l < m.n_layer; l++) nope[l] = (l + 1) % interval == 0;
-    } else {
-      if (!flags.is_array() || static_cast<int>(flags.size()) != m.n_layer)
+    } else {  // transformers reads the first num_hidden_layers flags
+      if (!flags.is_array() || static_cast<int>(flags.size()) < m.n_layer)
         j.fail(strprintf("no_rope_layers is not a list of num_hidden_layers = %d flags", m.n_layer));
       for (int l = 0; l < m.n_layer; l++) {
-        if (flags[l] != 0 && flags[l] != 1) j.fail("no_rope_layers " + flags.dump() + " holds a value other than 0 or 1");
-        nope[l] = flags[l] == 0;
+        const nlohmann::json& f = flags[l];
+        if (!(f.is_boolean() || f == 0 || f == 1))
+          j.fail("no_rope_layers " + flags.dump() + " holds a value other than 0 or 1");
+        nope[l] = f.is_boolean() ? !f.get<bool>() : f == 0;
       }
     }
     m.nope_layers = nope_layers_text(nope);
-    // transformers slides the window over the NoPE blocks only, with use_sliding_window and a window.
-    if (j.flag("use_sliding_window", false) && j.has("sliding_window") && j.whole("sliding_window") < m.max_seq_len &&
-        !m.nope_layers.empty())
-      j.fail(strprintf("use_sliding_window true with sliding_window %d is not implemented; ShardTrain's attention sees "
-                       "every earlier position (use_sliding_window false is read)",
-                       j.whole("sliding_window")));
+    // transformers slides a window only with use_sliding_window and a window, over the blocks
+    // layer_types marks sliding_attention (without layer_types: the NoPE blocks).
+    if (j.flag("use_sliding_window", false) && j.has("sliding_window") && j.whole("sliding_window") < m.max_seq_len) {
+      const nlohmann::json& types = j["layer_types"];
+      int sliding = 0;
+      if (types.is_array())
+        for (const nlohmann::json& type : types) sliding += type == "sliding_attention";
+      else
+        for (bool without : nope) sliding += without;
+      if (sliding > 0)
+        j.fail(strprintf("use_sliding_window true with sliding_window %d on %d of the %d blocks is not implemented; "
+                         "ShardTrain's attention sees every earlier position (use_sliding_window false is read)",
+                         j.whole("sliding_window"), sliding, m.n_layer));
+    }
     return m;
   }
   // SmolLM3ForCausalLM as transformers writes it: the flags for every block.
@@ -66,6 +77,7 @@ class SmolLM3Family final : public LlamaFamily {
     j["mlp_bias"] = false;
     j["use_sliding_window"] = false;
     j["sliding_window"] = nullptr;
+    j["pad_token_id"] = nullptr;  // SmolLM3Config's default, 128004, would be past a smaller vocabulary
   }
 
  protected:
