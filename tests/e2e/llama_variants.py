@@ -12,6 +12,18 @@ def ok(proc, what=""):
     return proc
 
 
+def update_config(folder, changes):
+    """config.json updated with `changes`, a value of None removing the key."""
+    path = os.path.join(folder, "config.json")
+    config = json.load(open(path))
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    json.dump(config, open(path, "w"))
+
+
 def train(folder, data, steps, *extra):
     """`steps` steps from the folder on 2 ranks (lr 1e-30 for one: the import alone); the last checkpoint."""
     ckdir = tempdir()

@@ -11,11 +11,10 @@ line on the Llama model. Each property against an independent oracle:
 - what Qwen3's attention has and ShardTrain does not (biases, a sliding window) is refused, exit 2;
 - the shipped Qwen3-0.6B config plans its published parameter count.
 """
-import json
 import os
 
 from harness import ROOT, read_metrics, rel_diff, run, tempdir, tiny_args
-from llama_variants import check_export_round_trip, check_lora_exports_for_peft_and_merges, ok
+from llama_variants import check_export_round_trip, check_lora_exports_for_peft_and_merges, ok, update_config
 from test_bad_input import expect_usage_error
 from test_hf import C, H, I, KV, L, MAXT, first_loss, llama_args, periodic_data, reference
 
@@ -29,15 +28,7 @@ def qwen3_folder(dtype="F32", tied=False, seed=1, head_dim=12, config=None):
     extras = ["qwen3"] + ([f"head_dim={head_dim}"] if head_dim else [])
     reference("make-llama", folder, L, C, H, KV, I, 256, MAXT, "tied" if tied else "untied", dtype, seed, "model.",
               ",".join(extras))
-    if config:
-        path = os.path.join(folder, "config.json")
-        c = json.load(open(path))
-        for key, value in config.items():
-            if value is None:
-                c.pop(key, None)
-            else:
-                c[key] = value
-        json.dump(c, open(path, "w"))
+    update_config(folder, config or {})
     return folder
 
 

@@ -9,11 +9,10 @@ oracle, modeling_smollm3's forward in float64 numpy (hf_reference.py):
 - a sliding window over the NoPE blocks is refused, exit 2; model.nope_layers is checked and kept;
 - the shipped SmolLM3-3B config plans its published parameter count.
 """
-import json
 import os
 
 from harness import ROOT, rel_diff, run, tempdir
-from llama_variants import check_export_round_trip, check_lora_exports_for_peft_and_merges, ok
+from llama_variants import check_export_round_trip, check_lora_exports_for_peft_and_merges, ok, update_config
 from test_bad_input import expect_usage_error
 from test_hf import C, H, I, KV, L, MAXT, first_loss, llama_args, periodic_data, reference
 
@@ -25,15 +24,7 @@ def smollm3_folder(seed=1, config=None):
     config.json, a value of None removing the key."""
     folder = os.path.join(tempdir(), "smollm3-hf")
     reference("make-llama", folder, L, C, H, KV, I, 256, MAXT, "tied", "F32", seed, "model.", "smollm3")
-    if config:
-        path = os.path.join(folder, "config.json")
-        c = json.load(open(path))
-        for key, value in config.items():
-            if value is None:
-                c.pop(key, None)
-            else:
-                c[key] = value
-        json.dump(c, open(path, "w"))
+    update_config(folder, config or {})
     return folder
 
 
