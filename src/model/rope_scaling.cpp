@@ -104,7 +104,8 @@ bool RopeScaling::from_settings(const std::string& type, const std::map<std::str
 bool RopeScaling::parse(const std::string& text, RopeScaling* out, std::string* error) {
   auto fail = [&](const std::string& why) {
     *error = "model.rope_scaling='" + text + "': " + why +
-             " (the forms: empty for none, 'linear:factor=F', 'dynamic:factor=F', 'llama3:factor=F,low_freq_factor=A,high_freq_factor=B,"
+             " (the forms: empty for none, 'linear:factor=F', 'dynamic:factor=F', "
+             "'llama3:factor=F,low_freq_factor=A,high_freq_factor=B,"
              "original_max_position_embeddings=N', 'yarn:factor=F,original_max_position_embeddings=N' with optional "
              "attention_factor, beta_fast, beta_slow, truncate)";
     return false;

@@ -66,7 +66,8 @@ def test_smollm3_export_round_trips_lora_merges_and_the_setting_is_kept():
     expect_usage_error(llama_args("--model.arch=smollm3", "--model.nope_layers=1,"), "ends with a comma")
     expect_usage_error(llama_args("--model.arch=smollm3", "--model.nope_layers=0,2"),
                        "model.nope_layers='0,2': '2' is not a block index in [0, 2)")
-    expect_usage_error(llama_args("--model.arch=llama", "--model.nope_layers=1"), "model.nope_layers is not a llama option")
+    expect_usage_error(llama_args("--model.arch=llama", "--model.nope_layers=1"),
+                       "model.nope_layers is not a llama option")
 
 
 def test_smollm3_refuses_a_sliding_window_and_plans_the_real_model():
