@@ -141,8 +141,8 @@ def test_bad_input_exits_2_on_every_rank():
     expect_usage_error(["convert", "--input", ckpt, "--output", out, "--dtype", "fp8"], "--dtype")
     expect_usage_error(["convert", "--input", folder], "--output")
     # What the architecture does not implement, named as config.json names it.
-    scaled = llama_folder("F32", config={"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
-    expect_usage_error(["convert", "--input", scaled, "--output", out], "rope_scaling", "rope_type 'dynamic'")
+    scaled = llama_folder("F32", config={"rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
+    expect_usage_error(["convert", "--input", scaled, "--output", out], "rope_scaling", "rope_type 'longrope'")
     # An INI whose model disagrees with config.json.
     ini = os.path.join(tempdir(), "model.ini")
     open(ini, "w").write(f"[model]\narch = llama\nn_layer = {L + 1}\n")
