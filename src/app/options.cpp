@@ -569,6 +569,7 @@ void take_model_shape_from_hf_folder(const po::variables_map& vm, Config& c) {
   take("model.vocab_size", &c.model.vocab_size, hf.vocab_size, whole);
   if (family_of(hf).fixes_max_seq_len()) take("model.max_seq_len", &c.model.max_seq_len, hf.max_seq_len, whole);
   auto reads = [&](const char* key) { return family_of(hf).reads_key(key); };
+  canonicalize(c.model);  // on the folder's shape, taken above: head_dim's usual size, nope_layers' blocks
   // 0 means n_head key/value heads and an MLP of 4 n_embd: compare what they mean.
   if (reads("model.n_kv_head")) {
     if (c.model.n_kv_head == 0) c.model.n_kv_head = c.model.n_head;
@@ -578,11 +579,9 @@ void take_model_shape_from_hf_folder(const po::variables_map& vm, Config& c) {
     if (c.model.intermediate_size == 0) c.model.intermediate_size = 4 * c.model.n_embd;
     take("model.intermediate_size", &c.model.intermediate_size, hf.intermediate_size, whole);
   }
-  if (reads("model.head_dim")) {  // as the head size it means, on the folder's width and heads (taken above)
-    canonicalize(c.model);
+  if (reads("model.head_dim"))  // as the head size it means
     take("model.head_dim", &c.model.head_dim, hf.head_dim,
          [&](int v) { return std::to_string(v > 0 ? v : hf.n_embd / hf.n_head); });
-  }
   if (reads("model.rope_theta")) take("model.rope_theta", &c.model.rope_theta, hf.rope_theta, real);
   if (reads("model.norm_eps")) take("model.norm_eps", &c.model.norm_eps, hf.norm_eps, real);
   auto flag = [](bool b) { return std::string(b ? "true" : "false"); };
@@ -599,11 +598,9 @@ void take_model_shape_from_hf_folder(const po::variables_map& vm, Config& c) {
   if (reads("model.rope_scaling"))
     take("model.rope_scaling", &c.model.rope_scaling, hf.rope_scaling,
          [](const std::string& a) { return a.empty() ? std::string("none") : a; });
-  if (reads("model.nope_layers")) {
-    canonicalize(c.model);
+  if (reads("model.nope_layers"))
     take("model.nope_layers", &c.model.nope_layers, hf.nope_layers,
          [](const std::string& a) { return a.empty() ? std::string("''") : a; });
-  }
   require(mismatches.empty(), "checkpoint.init_from='" + printable_text(c.checkpoint.init_from) + "': " + mismatches +
                                   "; the shape comes from " + source + ": remove these model.* keys from the "
                                   "configuration (or set them to its values)");

@@ -200,26 +200,30 @@ void LlamaModel<Real>::split_qk(Real* pre, const Real* qkv, int N) const {
 }
 
 template <typename Real>
+void LlamaModel<Real>::merge_qk(Real* qkv, const Real* from, int N) const {
+  const int A = cfg_.attn_size(), KVS = cfg_.kv_heads() * cfg_.head_size(), QKV = cfg_.qkv_size();
+  ops_.copy_rows(qkv, QKV, from, A, N, A);
+  ops_.copy_rows(qkv + A, QKV, from + static_cast<size_t>(N) * A, KVS, N, KVS);
+}
+
+template <typename Real>
 void LlamaModel<Real>::qk_norm_forward(int l, const Real* w, Real* qkv, const Real* pre, Real* normed, Real* q_rstd,
                                        Real* k_rstd, int N) const {
-  const int A = cfg_.attn_size(), KVS = cfg_.kv_heads() * cfg_.head_size(), QKV = cfg_.qkv_size();
   const int HS = cfg_.head_size();
   const Real eps = static_cast<Real>(cfg_.norm_eps);
-  const size_t k_at = static_cast<size_t>(N) * A;
+  const size_t k_at = static_cast<size_t>(N) * cfg_.attn_size();
   ops_.rmsnorm_forward(normed, q_rstd, pre, param_in(table_, w, block_unit(l), variant_.q_norm_param()), eps,
                        N * cfg_.n_head, HS);
   ops_.rmsnorm_forward(normed + k_at, k_rstd, pre + k_at, param_in(table_, w, block_unit(l), variant_.k_norm_param()),
                        eps, N * cfg_.kv_heads(), HS);
-  ops_.copy_rows(qkv, QKV, normed, A, N, A);
-  ops_.copy_rows(qkv + A, QKV, normed + k_at, KVS, N, KVS);
+  merge_qk(qkv, normed, N);
 }
 
 template <typename Real>
 void LlamaModel<Real>::qk_norm_backward(int l, const Real* w, Real* g, Real* dqkv, const Real* pre,
                                         const Real* q_rstd, const Real* k_rstd, int N) {
-  const int A = cfg_.attn_size(), KVS = cfg_.kv_heads() * cfg_.head_size(), QKV = cfg_.qkv_size();
   const int HS = cfg_.head_size(), u = block_unit(l);
-  const size_t k_at = static_cast<size_t>(N) * A;
+  const size_t k_at = static_cast<size_t>(N) * cfg_.attn_size();
   Real* dout = qk_scratch_.data();
   Real* dinp = dqk_pre_.data();
   split_qk(dout, dqkv, N);
@@ -228,8 +232,7 @@ void LlamaModel<Real>::qk_norm_backward(int l, const Real* w, Real* g, Real* dqk
                         param_in(table_, w, u, variant_.q_norm_param()), q_rstd, N * cfg_.n_head, HS);
   ops_.rmsnorm_backward(dinp + k_at, grad_in(table_, g, u, variant_.k_norm_param()), dout + k_at, pre + k_at,
                         param_in(table_, w, u, variant_.k_norm_param()), k_rstd, N * cfg_.kv_heads(), HS);
-  ops_.copy_rows(dqkv, QKV, dinp, A, N, A);
-  ops_.copy_rows(dqkv + A, QKV, dinp + k_at, KVS, N, KVS);
+  merge_qk(dqkv, dinp, N);
 }
 
 template <typename Real>

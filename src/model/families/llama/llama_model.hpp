@@ -69,8 +69,9 @@ class LlamaModel : public DecoderLM<Real> {
     return variant_.qkv_bias ? grad_in(table_, block_grad, block_unit(layer), LLAMA_Q_B) : nullptr;
   }
   // The q/k norms on N rows of q|k|v: q and k copied out of them (into pre: all rows' q, then all
-  // rows' k), and normed back into them from pre (normed: the same layout, scratch).
+  // rows' k) and back (merge_qk), and normed back into them from pre (normed: the same layout, scratch).
   void split_qk(Real* pre, const Real* qkv, int N) const;
+  void merge_qk(Real* qkv, const Real* from, int N) const;
   void qk_norm_forward(int layer, const Real* block, Real* qkv, const Real* pre, Real* normed, Real* q_rstd,
                        Real* k_rstd, int N) const;
   // Their backward in place on dqkv's q and k columns (the gradients of the normed q and k in,
