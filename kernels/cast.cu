@@ -105,16 +105,17 @@ void launch_round_to_half(float* values, uint16_t* half, size_t n, DType type, c
 }  // namespace shardtrain::kernels
 
 // ShardOps::dequantize_blocks (backend/quant.hpp's records): one thread per element, the element's
-// record found by its block; the same dequantize_element and float_to_half as the CPU, so the
+// record found by its block; the same record_scale, dequantize_code and float_to_half as the CPU, so the
 // values (and the 16-bit copy) are the CPU's bit for bit.
 namespace shardtrain::kernels {
 namespace {
 
 __global__ void dequantize_blocks_kernel(float* out, uint16_t* half, DType half_type, const uint8_t* records,
-                                         size_t n, QuantType type, size_t block, size_t record) {
+                                         size_t n, QuantType type, size_t block, size_t record, NestedScales nested) {
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    float v = dequantize_element(type, records + i / block * record, block, i % block);
+    const uint8_t* r = records + i / block * record;
+    float v = dequantize_code(type, r, i % block, record_scale(type, r, block, nested, i / block));
     if (half) {
       half[i] = float_to_half(v, half_type);
       v = half_to_float(half[i], half_type);
@@ -126,7 +127,7 @@ __global__ void dequantize_blocks_kernel(float* out, uint16_t* half, DType half_
 }  // namespace
 
 void launch_dequantize_blocks(float* out, uint16_t* half, DType half_type, const uint8_t* records, size_t blocks,
-                              QuantType type, size_t block, const LaunchContext& ctx) {
+                              QuantType type, size_t block, const NestedScales& nested, const LaunchContext& ctx) {
   SHARD_CHECK(type != QUANT_NONE && quant_block_ok(static_cast<int>(block)), "dequantize_blocks of %s in blocks of %zu",
               quant_type_name(type), block);
   SHARD_CHECK(out || half, "dequantize_blocks with neither an fp32 nor a 16-bit output");
@@ -134,7 +135,7 @@ void launch_dequantize_blocks(float* out, uint16_t* half, DType half_type, const
   const size_t n = blocks * block;
   if (n == 0) return;
   dequantize_blocks_kernel<<<grid_for(n, kThreads, ctx), kThreads, 0, ctx.stream>>>(
-      out, half, half_type, records, n, type, block, quant_record_bytes(type, block));
+      out, half, half_type, records, n, type, block, quant_record_bytes(type, block, nested.map), nested);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -267,7 +267,7 @@ void launch_from_half(float* out, const uint16_t* in, size_t n, DType type, cons
 void launch_round_to_half(float* values, uint16_t* half, size_t n, DType type, const LaunchContext& ctx);
 // ShardOps::dequantize_blocks: `blocks` quantized records into out (and, half non-null, half_type copies).
 void launch_dequantize_blocks(float* out, uint16_t* half, DType half_type, const uint8_t* records, size_t blocks,
-                              QuantType type, size_t block, const LaunchContext& ctx);
+                              QuantType type, size_t block, const NestedScales& nested, const LaunchContext& ctx);
 // ShardOps::adamw_multi: one launch, one block per segment (device-memory table), the multiplier
 // from `sums` (device memory) in every thread, no update when adamw_grad_multiplier says so.
 void launch_adamw_multi(const AdamWSegment* segments, size_t count, const double* sums, const AdamWClip& clip,

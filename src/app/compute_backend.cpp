@@ -137,7 +137,7 @@ size_t plan_comm_staging_bytes(const ComputeOptions& compute, const GroupShape& 
           if (space->numel > 0)
             gathers = std::max(gathers, staging_bytes_all_gather(space->padded_numel, gather_elem));
       if (gather_ranks > 1 && u.quantized.numel > 0)  // its records, bytes
-        gathers = std::max(gathers, staging_bytes_all_gather(u.gathered_record_bytes(), 1));
+        gathers = std::max(gathers, staging_bytes_all_gather(u.all_records() * u.record_bytes(), 1));
       if (!gradients || u.trainable.numel == 0) continue;
       if (groups.shard_size > 1)
         shard = std::max(shard, staging_bytes_reduce_scatter(u.trainable.shard_numel, groups.shard_size));

@@ -36,7 +36,7 @@ const char* HELP = "; see 'shardtrain convert --help'";
 struct ConvertOptions {
   std::string input, output, layout = "sharded", dtype = "fp32", config, max_file_size = "5GB", timeout = "300",
                                  frozen_dtype = "fp32", quant_block = "64";
-  bool overwrite = false, quantize_all_linear = false;
+  bool overwrite = false, quantize_all_linear = false, double_quant = false;
   // Options given that apply to one direction only.
   bool layout_given = false, config_given = false, dtype_given = false, max_file_size_given = false,
        quant_given = false, quant_block_given = false;
@@ -72,6 +72,9 @@ bool parse_convert_args(const Runtime& rt, const std::vector<std::string>& args,
        "teacher, a text encoder); fp32: every weight as it is")
       ("quant-block", po::value(&o.quant_block)->default_value(o.quant_block),
        "to a checkpoint with --frozen-dtype: elements per block, a power of two from 32 to 4096")
+      ("double-quant", po::bool_switch(&o.double_quant),
+       "to a checkpoint with --frozen-dtype nf4 or fp4: each block's absmax as an 8-bit code (bitsandbytes' "
+       "double quantization, as fsdp.double_quant)")
       ("quantize-all-linear", po::bool_switch(&o.quantize_all_linear),
        "to a checkpoint with --frozen-dtype: also the linear layers a family keeps in full precision (FLUX's "
        "modulation)")
@@ -94,7 +97,7 @@ bool parse_convert_args(const Runtime& rt, const std::vector<std::string>& args,
   o.layout_given = !vm["layout"].defaulted(), o.config_given = vm.count("config") > 0;
   o.dtype_given = !vm["dtype"].defaulted(), o.max_file_size_given = !vm["max-file-size"].defaulted();
   o.quant_block_given = !vm["quant-block"].defaulted();
-  o.quant_given = !vm["frozen-dtype"].defaulted() || o.quant_block_given || o.quantize_all_linear;
+  o.quant_given = !vm["frozen-dtype"].defaulted() || o.quant_block_given || o.quantize_all_linear || o.double_quant;
   return true;
 }
 
@@ -199,9 +202,13 @@ void folder_to_checkpoint(const Runtime& rt, const ConvertOptions& o, Watchdog& 
     quant.block = static_cast<size_t>(parse_whole_number(o.quant_block, "--quant-block", 1, 1 << 20));
     if (!quant_block_ok(static_cast<int>(quant.block)))
       throw UsageError("--quant-block=" + o.quant_block + " is not a power of two from 32 to 4096" + HELP);
-    if (quant.type == QUANT_NONE && (o.quant_block_given || o.quantize_all_linear))
-      throw UsageError("--quant-block and --quantize-all-linear shape a quantized base: add --frozen-dtype" +
-                       std::string(HELP));
+    if (quant.type == QUANT_NONE && (o.quant_block_given || o.quantize_all_linear || o.double_quant))
+      throw UsageError("--quant-block, --double-quant and --quantize-all-linear shape a quantized base: add "
+                       "--frozen-dtype" + std::string(HELP));
+    if (o.double_quant && !quant_nestable(quant.type))
+      throw UsageError("--double-quant codes the absmax of nf4 and fp4 blocks and --frozen-dtype=" + o.frozen_dtype +
+                       " has none: use nf4 or fp4" + HELP);
+    quant.nested = o.double_quant;
   });
   std::unique_ptr<ParamTable> quantized_table;
   rt.agree_on([&] { quantized_table = std::make_unique<ParamTable>(config.model, std::vector<std::string>{},

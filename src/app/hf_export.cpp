@@ -207,7 +207,7 @@ void write_bnb_weight(SafetensorsWriter& writer, const std::vector<size_t>& entr
     writer.write_bytes(entries[k++], 0, w.absmax_codes.size(), w.absmax_codes.data());
     writer.write_fp32(entries[k++], 0, 16, map);
     writer.write_fp32(entries[k++], 0, w.nested_absmax.size(), w.nested_absmax.data());
-    writer.write_fp32(entries[k++], 0, 256, bnb_dynamic_map());
+    writer.write_fp32(entries[k++], 0, 256, quant_dynamic_map());
   } else {
     writer.write_fp32(entries[k++], 0, w.absmax.size(), w.absmax.data());
     writer.write_fp32(entries[k++], 0, 16, map);

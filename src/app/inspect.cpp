@@ -75,12 +75,16 @@ void inspect_checkpoint(const std::string& path) {
         weights++, elements += p.numel;
     QuantType type = QUANT_NONE;
     parse_quant_type(s.quantized_dtype, &type);
-    std::printf("quantized frozen base: %s in %s (%s per element) as their records in /quantized, "
+    const size_t block = static_cast<size_t>(s.quantized_block);
+    const bool nested = s.quantized_double_quant == 1;
+    std::printf("quantized frozen base: %s in %s%s (%s per element) as their records in /quantized%s, "
                 "%s; the norms below are of the dequantized values\n",
                 counted(static_cast<long long>(weights), "weight").c_str(), s.quantized_dtype.c_str(),
-                strprintf("%zu-element blocks, %.4g bytes", static_cast<size_t>(s.quantized_block),
-                          quant_bytes_per_element(type, static_cast<size_t>(s.quantized_block))).c_str(),
-                human_bytes(elements * quant_bytes_per_element(type, static_cast<size_t>(s.quantized_block))).c_str());
+                nested ? " with double quantization" : "",
+                strprintf("%zu-element blocks, %.4g bytes", block, quant_bytes_per_element(type, block, nested))
+                    .c_str(),
+                nested ? " and /quantized_nested" : "",
+                human_bytes(elements * quant_bytes_per_element(type, block, nested)).c_str());
   }
   if (!s.text_encoder.empty())
     std::printf("text encoder in the job: %s, hidden states %s, held in %s, tokenizer %s, checksum %s (not in the "

@@ -92,6 +92,7 @@ struct FsdpOptions {
   QuantType frozen_dtype = QUANT_NONE;   // frozen linear weights held in NF4, FP4 or FP8 (backend/quant.hpp)
   int quant_block = 64;                  // its block of elements
   bool quantize_all_linear = false;      // FLUX's modulation too
+  bool double_quant = false;             // NF4/FP4 absmax as 8-bit codes (bitsandbytes' compress_statistics)
 };
 
 struct CheckpointOptions {

@@ -48,7 +48,8 @@ double traffic_per_step(const ParamTable& table, const Candidate& c, const Engin
   const QuantConfig& quant = table.quant();
   auto gathered_bytes = [&](const UnitInfo& unit) {
     return padded(static_cast<double>(unit.plain_numel)) * dtype_bytes(options.param_dtype) +
-           padded(static_cast<double>(unit.quantized_numel / quant.block)) * quant_record_bytes(quant.type, quant.block);
+           padded(static_cast<double>(unit.quantized_numel / quant.block)) *
+               quant_record_bytes(quant.type, quant.block, quant.nested);
   };
   double psi = 0, trainable = 0, block = 0;
   for (size_t u = 0; u < table.units().size(); u++) {

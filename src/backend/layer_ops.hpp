@@ -242,9 +242,10 @@ class ShardOps {
   // A gathered quantized space (backend/quant.hpp): `blocks` records of `block` elements each into
   // out[b * block + i], and with a 16-bit `half` (non-null) their rounding to half_type into half,
   // out then being its widening (what LayerOps::bind_half_copy requires of a bound buffer). A null
-  // `out` writes the 16-bit copy alone (EngineOptions::linear_weights_in_half_only).
+  // `out` writes the 16-bit copy alone (EngineOptions::linear_weights_in_half_only). Under double
+  // quantization `nested` is the unit's nested table in the same memory (else empty).
   virtual void dequantize_blocks(float* out, uint16_t* half, DType half_type, const uint8_t* records, size_t blocks,
-                                 QuantType type, size_t block) const {
+                                 QuantType type, size_t block, const NestedScales& nested) const {
     throw MissingOp("this compute backend has no dequantization kernels: a quantized frozen base "
                     "(fsdp.frozen_dtype) cannot be gathered on it");
   }

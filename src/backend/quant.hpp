@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "backend/dtype.hpp"
 
@@ -48,12 +49,21 @@ HOST_DEVICE inline bool quant_has_scale(QuantType t) { return t != QUANT_BF16; }
 // bitsandbytes' block sizes (powers of two 32..4096); FP8 takes the same.
 inline bool quant_block_ok(int block) { return block >= 32 && block <= 4096 && (block & (block - 1)) == 0; }
 HOST_DEVICE inline size_t quant_code_bytes(QuantType t, size_t block) { return block * quant_bits(t) / 8; }
-HOST_DEVICE inline size_t quant_record_bytes(QuantType t, size_t block) {
-  return quant_code_bytes(t, block) + (quant_has_scale(t) ? sizeof(float) : 0);
+// Double quantization (bitsandbytes' compress_statistics, NF4 and FP4 only): a record's absmax is
+// one byte, the code of absmax - offset over bitsandbytes' signed dynamic map in groups of
+// QUANT_NESTED_BLOCK records of one weight, each group with an fp32 scale (its largest
+// |absmax - offset|) and each weight with its offset (the mean of its absmax). The offsets and group
+// scales are not in the records: a unit's nested table (NestedScales) holds them.
+constexpr size_t QUANT_NESTED_BLOCK = 256;
+HOST_DEVICE inline bool quant_nestable(QuantType t) { return t == QUANT_NF4 || t == QUANT_FP4; }
+HOST_DEVICE inline size_t quant_record_bytes(QuantType t, size_t block, bool nested = false) {
+  return quant_code_bytes(t, block) + (nested ? 1 : (quant_has_scale(t) ? sizeof(float) : 0));
 }
-// Bytes per element of a quantized tensor (codes and scales): 0.5625 for NF4 in blocks of 64, 2 for bf16.
-inline double quant_bytes_per_element(QuantType t, size_t block) {
-  return static_cast<double>(quant_record_bytes(t, block)) / static_cast<double>(block);
+// Bytes per element of a quantized tensor (codes and scales): 0.5625 for NF4 in blocks of 64, 2 for
+// bf16; nested, 0.515625 plus the nested table's 4 bytes per group and per weight.
+inline double quant_bytes_per_element(QuantType t, size_t block, bool nested = false) {
+  return static_cast<double>(quant_record_bytes(t, block, nested)) / static_cast<double>(block) +
+         (nested ? static_cast<double>(sizeof(float)) / static_cast<double>(block * QUANT_NESTED_BLOCK) : 0.0);
 }
 
 // fsdp.frozen_dtype and fsdp.quant_block: the format of the frozen linear weights (QUANT_NONE: fp32
@@ -64,6 +74,7 @@ struct QuantConfig {
   bool all_linear = false;  // also the layers a family keeps in full precision (FLUX's modulation)
   bool inference = false;   // a model that never trains (a distillation teacher): its linear weights are frozen
   const char* option = "fsdp.frozen_dtype";  // what sets it, for messages
+  bool nested = false;  // double quantization of the absmax (fsdp.double_quant; NF4 and FP4)
 };
 
 // NF4's 16 values (bitsandbytes' table, as fp32), sorted; FP4's are e2m1's values over 12 in
@@ -167,17 +178,105 @@ HOST_DEVICE inline float quant_scale(QuantType t, const uint8_t* record, size_t 
   return scale;
 }
 
-// Element i of a block from its record.
-HOST_DEVICE inline float dequantize_element(QuantType t, const uint8_t* record, size_t block, size_t i) {
+// Element i of a block from its record and the block's scale.
+HOST_DEVICE inline float dequantize_code(QuantType t, const uint8_t* record, size_t i, float scale) {
   if (t == QUANT_BF16) {
     uint16_t h;
     std::memcpy(&h, record + 2 * i, sizeof h);
     return bf16_to_float(h);
   }
-  const float scale = quant_scale(t, record, block);
   if (t == QUANT_FP8) return e4m3_to_float(record[i]) * scale;
   const uint8_t pair = record[i / 2];
   return quant4_code_value(t, i % 2 ? pair & 15 : pair >> 4) * scale;
 }
+
+// Element i of a block from its record.
+HOST_DEVICE inline float dequantize_element(QuantType t, const uint8_t* record, size_t block, size_t i) {
+  return dequantize_code(t, record, i, quant_scale(t, record, block));
+}
+
+// A rounded product that no compiler fuses into a multiply-add: bitsandbytes rounds the absmax's
+// product before adding the offset.
+HOST_DEVICE inline float product_rounded(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  const volatile float p = a * b;
+  return p;
+#endif
+}
+
+// One weight of a unit's quantized space under double quantization: its records (unit record
+// indices [first_record, first_record + records)), its first group in the table's scales and its
+// offset.
+struct NestedWeight {
+  uint64_t first_record = 0, records = 0, first_group = 0;
+  float offset = 0;
+  uint32_t unused = 0;
+  HOST_DEVICE bool holds(uint64_t record) const { return record - first_record < records; }  // (wraps below)
+  HOST_DEVICE uint64_t group_of(uint64_t record) const {
+    return first_group + (record - first_record) / QUANT_NESTED_BLOCK;
+  }
+};
+// The groups of a weight of `records` records.
+HOST_DEVICE inline uint64_t nested_groups(uint64_t records) {
+  return (records + QUANT_NESTED_BLOCK - 1) / QUANT_NESTED_BLOCK;
+}
+
+// A unit's nested table as the dequantization reads it (`map` null: the records hold their fp32
+// absmax). The table's bytes (nested_table_bytes) are the map's 256 floats, `count` NestedWeights and
+// the group scales, replicated on every rank; `first_record` is the unit record index of the
+// first record handed to a dequantization (a rank's shard starts past 0).
+struct NestedScales {
+  const float* map = nullptr;
+  const NestedWeight* weights = nullptr;
+  const float* group_scale = nullptr;
+  size_t count = 0;
+  size_t first_record = 0;
+};
+inline size_t nested_table_bytes(size_t weights, size_t groups) {
+  return 256 * sizeof(float) + weights * sizeof(NestedWeight) + groups * sizeof(float);
+}
+inline NestedScales nested_scales(const uint8_t* table, size_t weights, size_t first_record = 0) {
+  NestedScales n;
+  n.map = reinterpret_cast<const float*>(table);
+  n.weights = reinterpret_cast<const NestedWeight*>(table + 256 * sizeof(float));
+  n.group_scale = reinterpret_cast<const float*>(table + 256 * sizeof(float) + weights * sizeof(NestedWeight));
+  n.count = weights;
+  n.first_record = first_record;
+  return n;
+}
+
+// The absmax of record r (counted from n.first_record) whose absmax code is `code`, as bitsandbytes
+// dequantizes it: map[code] x scale, rounded, plus the offset. 0 for padding after the weights.
+HOST_DEVICE inline float nested_absmax(const NestedScales& n, size_t r, uint8_t code) {
+  const uint64_t record = n.first_record + r;
+  for (size_t w = 0; w < n.count; w++) {
+    const NestedWeight& x = n.weights[w];
+    if (x.holds(record)) return product_rounded(n.map[code], n.group_scale[x.group_of(record)]) + x.offset;
+  }
+  return 0.0f;
+}
+
+// The scale of record r: its fp32 absmax or scale, or (nested) its decoded absmax.
+HOST_DEVICE inline float record_scale(QuantType t, const uint8_t* record, size_t block, const NestedScales& n,
+                                      size_t r) {
+  return n.map ? nested_absmax(n, r, record[quant_code_bytes(t, block)]) : quant_scale(t, record, block);
+}
+
+// bitsandbytes' signed 8-bit dynamic map (functional.create_dynamic_map()), 256 values ascending.
+const float* quant_dynamic_map();
+// The code of an absmax in a group of `scale` around `offset`: the nearest map value of
+// (absmax - offset) / scale clamped to [-1, 1] (the first of two as near; 0 for a scale of 0).
+uint8_t nested_code(float absmax, float offset, float scale);
+// The same, except that a neighbouring code which decodes to `absmax` exactly is taken: an absmax
+// that came from a code (a file's) gets that code's value back, however its producer searched.
+uint8_t nested_code_of_decoded(float absmax, float offset, float scale);
+// Double quantization of one weight's n absmax: returns the offset (their mean, summed in double
+// and rounded once) and writes the scale of each group of QUANT_NESTED_BLOCK into `scales`.
+float nested_scales_of(const float* absmax, size_t n, float* scales);
+// The nested table of a lone weight of `records` records from its offset and group scales as files
+// store them (offset first): nested_scales(table.data(), 1) reads it.
+std::vector<uint8_t> lone_weight_nested_table(const std::vector<float>& offset_and_scales, uint64_t records);
 
 }  // namespace shardtrain

@@ -42,6 +42,10 @@ class Bnb4bitTensor {
   const std::vector<std::string>& keys() const { return keys_; }
   const std::string& quant_type() const { return quant_type_; }
   int64_t blocksize() const { return blocksize_; }
+  // Under double quantization in bitsandbytes' own layout (nested blocks of 256 over its dynamic map,
+  // the quant_map the type's), the offset and the nested absmax as a run's nested table takes them
+  // (HostShard::upload); else empty.
+  std::vector<float> nested_table() const;
 
  private:
   SafetensorsPart packed_, absmax_, nested_absmax_;
@@ -70,7 +74,7 @@ struct Bnb4bitWeight {
   std::vector<uint8_t> packed;        // (numel + 1) / 2 bytes
   std::vector<float> absmax;          // per block (without double quantization)
   std::vector<uint8_t> absmax_codes;  // per block (with it), and:
-  std::vector<float> nested_absmax;   // per block of BNB_NESTED_BLOCK absmax
+  std::vector<float> nested_absmax;   // per block of QUANT_NESTED_BLOCK absmax
   float offset = 0;
   bool double_quant() const { return !absmax_codes.empty(); }
   // The quant_state's JSON as bitsandbytes packs it -- `dtype` the weights' torch dtype
@@ -80,10 +84,6 @@ struct Bnb4bitWeight {
   static size_t quant_state_bytes(const std::vector<int64_t>& shape, bool double_quant);
 };
 
-// bitsandbytes' nested block (quantize_blockwise's default) and its signed 8-bit dynamic map
-// (functional.create_dynamic_map()), 256 values sorted ascending.
-constexpr size_t BNB_NESTED_BLOCK = 256;
-const float* bnb_dynamic_map();
 // The JSON key of a weight's quant_state tensor: "<weight>.quant_state.bitsandbytes__nf4".
 std::string bnb_quant_state_suffix(QuantType type);
 

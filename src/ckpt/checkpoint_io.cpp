@@ -77,6 +77,24 @@ class HostShards {
   bool has_moments() const { return moments_.empty() || moments_[0]; }
   // The rank's records of unit u's quantized space (UnitShard::packed) on the host (a save's).
   const uint8_t* records(size_t unit) const { return records_[unit]; }
+  // A save's: a quantized weight's offset and group scales under double quantization, from its
+  // unit's nested table (after the records in UnitShard::packed).
+  std::vector<float> nested_values(FsdpEngine& engine, int param) const {
+    const ParamInfo& p = engine.table().params()[param];
+    const UnitLayout& l = engine.shards()[p.unit].layout;
+    const NestedScales n = l.nested_view(records_[p.unit], l.shard_records(), 0);
+    size_t w = 0;
+    for (int id : engine.table().units()[p.unit].params) {
+      if (id == param) break;
+      w += engine.table().params()[id].quantized;
+    }
+    SHARD_CHECK(w < n.count, "%s has no nested table", p.name.c_str());
+    const NestedWeight& x = n.weights[w];
+    std::vector<float> values{x.offset};
+    values.insert(values.end(), n.group_scale + x.first_group,
+                  n.group_scale + x.first_group + (x.records + QUANT_NESTED_BLOCK - 1) / QUANT_NESTED_BLOCK);
+    return values;
+  }
   // k: 0 parameters, 1 first moment, 2 second moment. Element `index` of the unit's shard buffer
   // (UnitLayout::local_part), in `space`.
   float* at(size_t unit, int k, const UnitLayout& layout, const SpaceLayout& space, size_t index) {
@@ -95,9 +113,11 @@ class HostShards {
     for (size_t i = 0; i < moments_.size(); i++)
       if (float* values = buffer(i / 2, 1 + i % 2)) std::fill(values, values + moments_[i]->size(), 0.0f);
   }
-  // with_quantized false: the quantized spaces were not read (an adapter-only file) and keep their records.
-  void upload(bool with_quantized) {
-    for (HostShard& p : params_) p.upload(with_quantized);
+  // with_quantized false: the quantized spaces were not read (an adapter-only file) and keep their
+  // records. nested_given: per unit, HostShard::upload's (null: none).
+  void upload(bool with_quantized, const std::vector<std::vector<std::vector<float>>>* nested_given = nullptr) {
+    for (size_t u = 0; u < params_.size(); u++)
+      params_[u].upload(with_quantized, nested_given ? &(*nested_given)[u] : nullptr);
     for (size_t i = 0; i < moments_.size(); i++)
       if (moments_[i] && !moments_[i]->on_host())
         moments_[i]->device()->copy_to_device(moments_[i]->data(), copies_[i].data(), moments_[i]->bytes());
@@ -113,9 +133,12 @@ class HostShards {
 };
 
 const char* TENSOR_PARTS[3] = {"params", "exp_avg", "exp_avg_sq"};
-// The fourth kind of dataset: a quantized weight's records, /quantized/<param> in either layout.
-constexpr int TENSOR_RECORDS = 3;
+// The fourth kind of dataset: a quantized weight's records, /quantized/<param> in either layout;
+// the fifth, under double quantization, its offset and group scales: /quantized_nested/<param>,
+// float32 (1 + groups), the same on every rank (rank 0 writes it, every rank reads all of it).
+constexpr int TENSOR_RECORDS = 3, TENSOR_NESTED = 4;
 const char* RECORDS_GROUP = "/quantized/";
+const char* NESTED_GROUP = "/quantized_nested/";
 const char* TENSOR_PREFIXES[3] = {"/model/", "/optim/exp_avg/", "/optim/exp_avg_sq/"};
 
 // Where one tensor (0 parameters, 1 first moment, 2 second moment) of a parameter lives.
@@ -138,7 +161,7 @@ CheckpointContent content_of_run(const ParamTable& table, bool adapters_only) {
   CheckpointContent c;
   c.adapters_only = adapters_only;
   if (adapters_only || table.quant().type == QUANT_NONE) return c;
-  c.quant = table.quant().type, c.block = table.quant().block;
+  c.quant = table.quant().type, c.block = table.quant().block, c.nested = table.quant().nested;
   c.records.resize(table.params().size());
   for (const ParamInfo& p : table.params()) c.records[p.id] = p.quantized;
   return c;
@@ -170,6 +193,7 @@ struct DatasetSpec {
   size_t unit = 0;
   int tensor = 0;
   std::vector<DatasetRun> runs;
+  int param = -1;  // records and nested tables: the parameter's id
 };
 
 std::vector<DatasetSpec> dataset_specs(const ParamTable& table, const ParamTable& run, const std::string& layout,
@@ -213,9 +237,13 @@ std::vector<DatasetSpec> dataset_specs(const ParamTable& table, const ParamTable
     }
     for (int id : unit.params) {
       const ParamInfo& p = table.params()[id];
-      if (content.in_records(p))
-        specs.push_back({RECORDS_GROUP + p.name, {content.blocks(p), content.record_bytes()}, content.blocks(p), u,
-                         TENSOR_RECORDS, {{0, run.params()[id].offset, p.numel}}});
+      if (!content.in_records(p)) continue;
+      const FlatRange in_run{run.params()[id].offset, run.params()[id].offset + p.numel};
+      if (content.nested)  // before the records, which a load dequantizes with it
+        specs.push_back({NESTED_GROUP + p.name, {1 + content.groups(p)}, 1 + content.groups(p), u, TENSOR_NESTED,
+                         {{0, in_run.begin, p.numel}}, id});
+      specs.push_back({RECORDS_GROUP + p.name, {content.blocks(p), content.record_bytes()}, content.blocks(p), u,
+                       TENSOR_RECORDS, {{0, in_run.begin, p.numel}}, id});
     }
   }
   return specs;
@@ -226,7 +254,7 @@ std::vector<Piece> plan_pieces(const std::vector<DatasetSpec>& specs, FsdpEngine
   std::vector<Piece> pieces;
   for (size_t i = 0; i < specs.size(); i++) {
     const DatasetSpec& d = specs[i];
-    if (d.tensor == TENSOR_RECORDS) continue;  // RecordPiece
+    if (d.tensor >= TENSOR_RECORDS) continue;  // records and nested tables: their own transfers
     const UnitLayout& shard = engine.shards()[d.unit].layout;
     for (const DatasetRun& run : d.runs) {
       const FlatRange range{run.unit_begin, run.unit_begin + run.numel};
@@ -251,7 +279,7 @@ bool is_moment(const DatasetSpec& d) { return d.tensor == 1 || d.tensor == 2; }
 // The dataset's shape in a new file: a sharded unit's flat buffer padded to a multiple of the
 // rank count (the format's promise; readers accept any padding below it).
 std::vector<hsize_t> file_dims(const DatasetSpec& d, const std::string& layout, int world) {
-  if (layout != "sharded" || d.tensor == TENSOR_RECORDS) return d.dims;
+  if (layout != "sharded" || d.tensor >= TENSOR_RECORDS) return d.dims;
   const hsize_t w = static_cast<hsize_t>(world);
   return {(d.numel + w - 1) / w * w};
 }
@@ -477,7 +505,7 @@ enum class AttrType { STR, I64, U64, F64 };
 // files without it); or with its group -- the data's identity (written by every save), a text encoder
 // in the job, a quantized base's records (written when the state has them) -- which a reader reads
 // when the group's first attribute is in the file.
-enum class Presence { ALWAYS, FAMILY, FAMILY_NONZERO, DATASET, TEXT_ENCODER, RECORDS };
+enum class Presence { ALWAYS, FAMILY, FAMILY_NONZERO, DATASET, TEXT_ENCODER, RECORDS, RECORDS_NONZERO };
 
 // The root attributes (docs/checkpoint-format.md), in the order written, which is the metadata
 // checksum's: name, HDF5 type, the format version that added it, when a file holds it, and its
@@ -566,6 +594,7 @@ const MetaAttr META_ATTRS[] = {
     {"text_encoder.checksum", AT::U64, 1, P::TEXT_ENCODER, [](S s) { return u64_value(s.text_encoder_checksum); }},
     {"quantized.dtype", AT::STR, 7, P::RECORDS, [](S s) { return text_value(s.quantized_dtype); }},
     {"quantized.block", AT::I64, 7, P::RECORDS, [](S s) { return int_value(s.quantized_block); }},
+    {"quantized.double_quant", AT::I64, 9, P::RECORDS_NONZERO, [](S s) { return int_value(s.quantized_double_quant); }},
 };
 
 // The attribute whose presence says whether a file holds a group.
@@ -600,6 +629,7 @@ void write_state(hid_t file, const CheckpointState& state, const ModelConfig& mo
       case P::FAMILY_NONZERO: written = family.reads_key(a.name) && (a.type == AT::STR ? !v.text.empty() : v.i != 0); break;
       case P::TEXT_ENCODER: written = !s.text_encoder.empty(); break;
       case P::RECORDS: written = !s.quantized_dtype.empty(); break;
+      case P::RECORDS_NONZERO: written = !s.quantized_dtype.empty() && v.i != 0; break;
     }
     if (!written) continue;
     switch (a.type) {
@@ -654,6 +684,9 @@ CheckpointState read_state(hid_t file, const std::string& path) {
       case P::ALWAYS: break;
       case P::FAMILY: present = family && family->reads_key(a.name); break;
       case P::FAMILY_NONZERO: present = family && family->reads_key(a.name) && h5_has_attr(file, a.name); break;
+      case P::RECORDS_NONZERO:
+        present = h5_has_attr(file, group_leader(P::RECORDS)) && h5_has_attr(file, a.name);
+        break;
       default: present = h5_has_attr(file, group_leader(a.presence));
     }
     if (!present) continue;
@@ -736,11 +769,13 @@ CheckpointState read_state(hid_t file, const std::string& path) {
   if (has("quantized.dtype")) {
     s.quantized_dtype = str("quantized.dtype");
     s.quantized_block = i64("quantized.block");
+    s.quantized_double_quant = has("quantized.double_quant") ? i64("quantized.double_quant") : 0;
     QuantType type;
     if (!parse_quant_type(s.quantized_dtype, &type) || type == QUANT_NONE || s.quantized_block > 4096 ||
-        !quant_block_ok(static_cast<int>(s.quantized_block)))
-      throw CheckpointError(where + "attributes quantized.dtype and quantized.block hold no valid format; the file "
-                            "is damaged");
+        !quant_block_ok(static_cast<int>(s.quantized_block)) || s.quantized_double_quant < 0 ||
+        s.quantized_double_quant > 1 || (s.quantized_double_quant == 1 && !quant_nestable(type)))
+      throw CheckpointError(where + "attributes quantized.dtype, quantized.block and quantized.double_quant hold no "
+                            "valid format; the file is damaged");
   }
   // The groups' own checks first, then the checksum, then the values that build the model.
   if (!h5_has_attr(file, META_CHECKSUM))
@@ -840,6 +875,7 @@ CheckpointContent file_content(hid_t file, const ParamTable& table, const Checkp
                           "damaged");
   SHARD_CHECK(parse_quant_type(s.quantized_dtype, &c.quant), "quantized.dtype %s", s.quantized_dtype.c_str());
   c.block = static_cast<size_t>(s.quantized_block);
+  c.nested = s.quantized_double_quant == 1;
   c.records.assign(table.params().size(), false);
   std::vector<std::string> found;
   h5_check(H5Lvisit(file, H5_INDEX_NAME, H5_ITER_NATIVE, collect_link, &found), path, "H5Lvisit");
@@ -867,8 +903,8 @@ std::pair<std::vector<hsize_t>, uint64_t> check_dataset(hid_t dataset, const Dat
   // A sharded unit was padded for the rank count at save time (less than one element per rank).
   const uint64_t world = static_cast<uint64_t>(s.world_size);
   const bool records = d.tensor == TENSOR_RECORDS;
-  bool shape_ok = s.layout == "sharded" && !records ? dims.size() == 1 && dims[0] >= d.numel && dims[0] - d.numel < world
-                                                    : dims == d.dims;
+  const bool flat = s.layout == "sharded" && d.tensor < TENSOR_RECORDS;
+  bool shape_ok = flat ? dims.size() == 1 && dims[0] >= d.numel && dims[0] - d.numel < world : dims == d.dims;
   std::string got;
   for (size_t i = 0; i < dims.size(); i++) got += (i ? "x" : "") + std::to_string(dims[i]);
   const std::string where = "checkpoint '" + path + "': dataset " + d.path;
@@ -888,16 +924,23 @@ std::string checksum_failure(const std::string& path, const std::string& dataset
          " fails its checksum (corrupted data); use another checkpoint";
 }
 
-// Reads flat elements [first, first + count) of a dataset (collectively when dxpl says so).
-herr_t read_flat(hid_t dataset, const std::vector<hsize_t>& dims, uint64_t first, uint64_t count, float* out,
-                 hid_t dxpl, const std::string& path) {
+// Reads or writes flat elements [first, first + count) of a dataset (collectively when dxpl says
+// so; count 0: takes part, transferring nothing).
+herr_t transfer_flat(hid_t dataset, bool write, const std::vector<hsize_t>& dims, uint64_t first, uint64_t count,
+                     float* data, hid_t dxpl, const std::string& path) {
   H5Id space(h5_check_id(H5Dget_space(dataset), path, "H5Dget_space"), H5Sclose);
   select_flat_range(space, dims, first, count, path);
   hsize_t mem_n = std::max<uint64_t>(count, 1);
   H5Id memspace(h5_check_id(H5Screate_simple(1, &mem_n, nullptr), path, "H5Screate_simple"), H5Sclose);
   if (count == 0) h5_check(H5Sselect_none(memspace), path, "H5Sselect_none");
   float scratch = 0;
-  return H5Dread(dataset, H5T_NATIVE_FLOAT, memspace, space, dxpl, count ? out : &scratch);
+  float* buffer = count ? data : &scratch;
+  return write ? H5Dwrite(dataset, H5T_NATIVE_FLOAT, memspace, space, dxpl, buffer)
+               : H5Dread(dataset, H5T_NATIVE_FLOAT, memspace, space, dxpl, buffer);
+}
+herr_t read_flat(hid_t dataset, const std::vector<hsize_t>& dims, uint64_t first, uint64_t count, float* out,
+                 hid_t dxpl, const std::string& path) {
+  return transfer_flat(dataset, false, dims, first, count, out, dxpl, path);
 }
 
 std::string folder_of(const std::string& path) {
@@ -1084,6 +1127,7 @@ static void save_checkpoint_impl(const std::string& path, const CheckpointState&
   CheckpointState written = state;
   written.quantized_dtype = content.quant == QUANT_NONE ? "" : quant_type_name(content.quant);
   written.quantized_block = static_cast<int64_t>(content.block);
+  written.quantized_double_quant = content.nested;
   HostShards host(engine, optimizer, true);
   const std::vector<DatasetSpec> specs = dataset_specs(table, table, state.layout, content);
   std::vector<Piece> pieces = plan_pieces(specs, engine, host, true);
@@ -1107,6 +1151,13 @@ static void save_checkpoint_impl(const std::string& path, const CheckpointState&
     if (record_parts[i].second)
       sums[i] += records_checksum(record_parts[i].second, record_parts[i].first.count, record_parts[i].first.first,
                                   content.record_bytes());
+  // The nested tables, replicated: rank 0's are written and summed.
+  std::vector<std::vector<float>> nested_parts(specs.size());
+  for (size_t i = 0; i < specs.size(); i++) {
+    if (specs[i].tensor != TENSOR_NESTED) continue;
+    nested_parts[i] = host.nested_values(engine, specs[i].param);
+    if (comm.rank() == 0) sums[i] += checksum_elements(nested_parts[i].data(), nested_parts[i].size(), 0);
+  }
   // The host shards lack the quantized spaces' values: the base checksum dequantizes one unit at a time.
   sums.back() = state.adapters_only || table.quant().type != QUANT_NONE
                     ? local_base_checksum_by_unit(engine)
@@ -1178,24 +1229,24 @@ static void save_checkpoint_impl(const std::string& path, const CheckpointState&
     for (const Piece& p : pieces) {
       const DatasetSpec& d = specs[p.spec];
       if (is_moment(d) && !optimizer) continue;  // the same on every rank: no collective is skipped by one alone
-      H5Id space(h5_check_id(H5Dget_space(datasets[p.spec]), path, "H5Dget_space"), H5Sclose);
-      select_flat_range(space, file_dims(d, state.layout, comm.size()), p.first, p.count, path);
-      hsize_t mem_n = std::max<uint64_t>(p.count, 1);
-      H5Id memspace(h5_check_id(H5Screate_simple(1, &mem_n, nullptr), path, "H5Screate_simple"), H5Sclose);
-      if (p.count == 0) h5_check(H5Sselect_none(memspace), path, "H5Sselect_none");
       // A failure may be this rank's alone: note it and go on taking part in the collective writes.
       errno = 0;
       Watchdog::Scope scope(ranks.watchdog, "checkpoint save: H5Dwrite");
-      if (H5Dwrite(datasets[p.spec], H5T_NATIVE_FLOAT, memspace, space, dxpl, p.data) < 0 && local.empty())
+      if (transfer_flat(datasets[p.spec], true, file_dims(d, state.layout, comm.size()), p.first, p.count, p.data, dxpl,
+                        path) < 0 && local.empty())
         local = write_failure(errno, d.path, path, ranks.folder_option);
     }
     for (size_t i = 0; i < specs.size(); i++) {
-      if (specs[i].tensor != TENSOR_RECORDS) continue;
+      if (specs[i].tensor < TENSOR_RECORDS) continue;
       errno = 0;
       Watchdog::Scope scope(ranks.watchdog, "checkpoint save: H5Dwrite");
-      if (transfer_rows(datasets[i], true, record_parts[i].first, content.record_bytes(),
-                        const_cast<uint8_t*>(record_parts[i].second), dxpl, path) < 0 && local.empty())
-        local = write_failure(errno, specs[i].path, path, ranks.folder_option);
+      const bool failed =
+          specs[i].tensor == TENSOR_RECORDS
+              ? transfer_rows(datasets[i], true, record_parts[i].first, content.record_bytes(),
+                              const_cast<uint8_t*>(record_parts[i].second), dxpl, path) < 0
+              : transfer_flat(datasets[i], true, specs[i].dims, 0, comm.rank() == 0 ? specs[i].numel : 0,
+                              nested_parts[i].data(), dxpl, path) < 0;  // the same on every rank: rank 0's
+      if (failed && local.empty()) local = write_failure(errno, specs[i].path, path, ranks.folder_option);
     }
     if (!local.empty()) throw CheckpointError(local);
   });
@@ -1281,6 +1332,7 @@ static CheckpointState load_checkpoint_impl(const std::string& path, FsdpEngine&
   if (!state.adapters_only && file_table->params().size() == table.params().size()) host.zero();
   std::vector<Piece> pieces = plan_pieces(specs, engine, host, false);
   std::vector<uint64_t> stored(specs.size()), computed(specs.size());
+  std::vector<std::vector<float>> nested_of(table.params().size());  // by parameter: the file's nested tables
   std::string local_error;
   H5Id dxpl = collective_transfer(path);
   size_t next = 0;  // pieces are in the order of their datasets
@@ -1289,6 +1341,14 @@ static CheckpointState load_checkpoint_impl(const std::string& path, FsdpEngine&
     H5Id dataset(h5_check_id(H5Dopen2(file, specs[i].path.c_str(), H5P_DEFAULT), path, "H5Dopen2"), H5Dclose);
     auto [dims, checksum] = check_dataset(dataset, specs[i], state, path);
     stored[i] = checksum;
+    if (specs[i].tensor == TENSOR_NESTED) {  // all of it on every rank, summed on rank 0
+      std::vector<float>& values = nested_of[specs[i].param];
+      values.resize(specs[i].numel);
+      if (read_flat(dataset, dims, 0, values.size(), values.data(), dxpl, path) < 0 && local_error.empty())
+        local_error = "checkpoint '" + path + "': reading " + specs[i].path + " failed (damaged data)";
+      if (comm.rank() == 0) computed[i] += checksum_elements(values.data(), values.size(), 0);
+      continue;
+    }
     if (specs[i].tensor == TENSOR_RECORDS) {
       // The blocks covering this rank's part of the weight, dequantized into its host shard.
       const DatasetSpec& d = specs[i];
@@ -1304,10 +1364,14 @@ static CheckpointState load_checkpoint_impl(const std::string& path, FsdpEngine&
       const UnitLayout::Local part = layout.local_part({run.unit_begin, run.unit_begin + run.numel}, false);
       if (part.range.empty()) continue;
       float* out = host.at(d.unit, 0, layout, layout.space_of(run.unit_begin), part.index);
+      const std::vector<uint8_t> table =
+          content.nested ? lone_weight_nested_table(nested_of[d.param], d.numel) : std::vector<uint8_t>{};
+      const NestedScales nested = content.nested ? nested_scales(table.data(), 1, rows.first) : NestedScales{};
       for (size_t x = part.range.begin; x < part.range.end; x++) {
         const size_t e = x - run.unit_begin;
-        out[x - part.range.begin] = dequantize_element(content.quant, records.data() + (e / block - rows.first) * bytes,
-                                                       block, e % block);
+        const uint8_t* record = records.data() + (e / block - rows.first) * bytes;
+        const float scale = record_scale(content.quant, record, block, nested, e / block - rows.first);
+        out[x - part.range.begin] = dequantize_code(content.quant, record, e % block, scale);
       }
       continue;
     }
@@ -1333,7 +1397,15 @@ static CheckpointState load_checkpoint_impl(const std::string& path, FsdpEngine&
     Watchdog::Scope scope(ranks.watchdog, "checkpoint load: H5Fclose");
     dxpl.reset(), file.reset();
   }
-  host.upload(!state.adapters_only);
+  // A run that double-quantizes as the file did codes the file's absmax under the file's offsets
+  // and group scales: it holds the values it saved (a resume is exact).
+  std::vector<std::vector<std::vector<float>>> given(engine.shards().size());
+  const bool same = table.quant().nested && content.nested && table.quant().type == content.quant &&
+                    table.quant().block == content.block;
+  for (size_t u = 0; u < given.size() && same; u++)
+    for (int id : table.units()[u].params)
+      if (table.params()[id].quantized) given[u].push_back(nested_of[id]);
+  host.upload(!state.adapters_only, same ? &given : nullptr);
   return state;
 }
 
@@ -1443,8 +1515,22 @@ std::vector<float> CheckpointReader::read(const ParamInfo& param, const std::str
     std::vector<uint8_t> records(content_.blocks(param) * bytes);
     h5_check(transfer_rows(dataset, false, {0, content_.blocks(param)}, bytes, records.data(), H5P_DEFAULT, path_),
              path_, ("reading " + where).c_str());
-    for (size_t e = 0; e < param.numel; e++)
-      values[e] = dequantize_element(content_.quant, records.data() + e / block * bytes, block, e % block);
+    std::vector<uint8_t> table;
+    NestedScales nested;
+    if (content_.nested) {
+      const std::string name = NESTED_GROUP + param.name;
+      H5Id d(h5_check_id(H5Dopen2(file_, name.c_str(), H5P_DEFAULT), path_, "H5Dopen2"), H5Dclose);
+      std::vector<float> stored(1 + content_.groups(param));
+      h5_check(read_flat(d, {stored.size()}, 0, stored.size(), stored.data(), H5P_DEFAULT, path_), path_,
+               ("reading " + name).c_str());
+      table = lone_weight_nested_table(stored, content_.blocks(param));
+      nested = nested_scales(table.data(), 1);
+    }
+    for (size_t e = 0; e < param.numel; e++) {
+      const uint8_t* record = records.data() + e / block * bytes;
+      values[e] = dequantize_code(content_.quant, record, e % block,
+                                  record_scale(content_.quant, record, block, nested, e / block));
+    }
     return values;
   }
   H5Id dataset(h5_check_id(H5Dopen2(file_, where.c_str(), H5P_DEFAULT), path_, "H5Dopen2"), H5Dclose);

@@ -42,7 +42,7 @@ constexpr const char* CKPT_FORMAT_NAME = "shardtrain-checkpoint";
 // of the families beyond the decoders (FLUX's); 5: LoKr's and OFT's settings and
 // the teacher's checksum; 4: adapter-only files and the base model's checksum; 3: the adapter's
 // settings; 2: the model's architecture (1: gpt2); all still read.
-constexpr int64_t CKPT_FORMAT_VERSION = 8;
+constexpr int64_t CKPT_FORMAT_VERSION = 9;
 
 // Everything besides the tensors that resuming needs.
 struct CheckpointState {
@@ -81,6 +81,9 @@ struct CheckpointState {
   // /quantized ("" and 0: the file has none; every parameter is fp32).
   std::string quantized_dtype;
   int64_t quantized_block = 0;
+  // Version 9: 1 when the records' absmax are double-quantized codes, each weight's offset and
+  // group scales in /quantized_nested/<param>; written only then (absent: 0).
+  int64_t quantized_double_quant = 0;
   std::string warning;             // read only: why the file is usable but not fully verified ("" if it is)
   int64_t version = CKPT_FORMAT_VERSION;  // read only: the file's format version (saves write CKPT_FORMAT_VERSION)
 };
@@ -98,8 +101,10 @@ struct CheckpointContent {
   // Whether the flat or per-parameter fp32 datasets (values, moments) hold p.
   bool stored(const ParamInfo& p) const { return (!adapters_only || p.adapter) && !in_records(p); }
   bool holds(const ParamInfo& p) const { return stored(p) || in_records(p); }
-  size_t record_bytes() const { return quant_record_bytes(quant, block); }
+  bool nested = false;  // double quantization: /quantized_nested holds each weight's offset and group scales
+  size_t record_bytes() const { return quant_record_bytes(quant, block, nested); }
   uint64_t blocks(const ParamInfo& p) const { return (p.numel + block - 1) / block; }
+  uint64_t groups(const ParamInfo& p) const { return nested_groups(blocks(p)); }
 };
 
 // The ranks that write or read one checkpoint together, and how they talk: `comm` (on host

@@ -73,6 +73,10 @@ std::vector<UnitLayout> FsdpEngine::plan_layout(const ParamTable& table, const G
     if (u.quantized_numel > 0) {
       l.quant = table.quant().type;
       l.block = table.quant().block;
+      l.nested = table.quant().nested;
+      for (int id : u.params)
+        if (const ParamInfo& p = table.params()[id]; p.quantized && l.nested)
+          l.nested_weights++, l.nested_groups += nested_groups((p.numel + l.block - 1) / l.block);
     }
     l.quantized = plan_space(u.plain_numel, u.quantized_numel, false, l.held_numel(), g, std::max<size_t>(l.block, 1));
     layout.push_back(l);
@@ -249,8 +253,14 @@ std::vector<size_t> block_valid_counts(const UnitLayout& l, const ParamTable& ta
 
 }  // namespace
 
-HostShard::HostShard(UnitShard& shard, const ParamTable& table, int unit, bool with_quantized)
-    : shard_(shard), table_(table), unit_(unit), direct_(shard.params.on_host() && shard.layout.quantized.numel == 0) {
+HostShard::HostShard(UnitShard& shard, const ParamTable& table, int unit, bool with_quantized, Comm& comm,
+                     Device& device)
+    : shard_(shard),
+      table_(table),
+      unit_(unit),
+      comm_(comm),
+      device_(device),
+      direct_(shard.params.on_host() && shard.layout.quantized.numel == 0) {
   if (direct_) return;
   const UnitLayout& l = shard.layout;
   copy_.assign(l.shard_numel(), 0.0f);
@@ -259,10 +269,11 @@ HostShard::HostShard(UnitShard& shard, const ParamTable& table, int unit, bool w
   std::vector<uint8_t> records(shard.packed.size());
   shard.packed.device()->copy_to_host(records.data(), shard.packed.data(), shard.packed.bytes());
   cpu_shard_ops().dequantize_blocks(copy_.data() + l.held_numel(), nullptr, DTYPE_FP32, records.data(),
-                                    l.quantized.shard_numel / l.block, l.quant, l.block);
+                                    l.shard_records(), l.quant, l.block,
+                                    l.nested_view(records.data(), l.shard_records(), l.quantized.begin / l.block));
 }
 
-void HostShard::upload(bool with_quantized) {
+void HostShard::upload(bool with_quantized, const std::vector<std::vector<float>>* nested_given) {
   if (direct_) return;
   const UnitLayout& l = shard_.layout;
   if (shard_.params.size()) shard_.params.device()->copy_to_device(shard_.params.data(), copy_.data(), shard_.params.bytes());
@@ -270,11 +281,83 @@ void HostShard::upload(bool with_quantized) {
   const std::vector<size_t> valid = block_valid_counts(l, table_, unit_);
   std::vector<uint8_t> records(shard_.packed.size());
   const float* values = copy_.data() + l.held_numel();
-  const size_t record = l.record_bytes();
+  if (!l.nested) {
+    const size_t record = l.record_bytes();
 #pragma omp parallel for schedule(static)
-  for (size_t b = 0; b < valid.size(); b++)
-    quantize_block(l.quant, values + b * l.block, valid[b], l.block, records.data() + b * record);
+    for (size_t b = 0; b < valid.size(); b++)
+      quantize_block(l.quant, values + b * l.block, valid[b], l.block, records.data() + b * record);
+    shard_.packed.device()->copy_to_device(shard_.packed.data(), records.data(), shard_.packed.bytes());
+    return;
+  }
+  // Each block as bitsandbytes quantizes it, its fp32 absmax kept apart; then the absmax coded
+  // under the weight's offset and its group's scale.
+  const size_t plain = quant_record_bytes(l.quant, l.block), code_bytes = quant_code_bytes(l.quant, l.block);
+  const size_t record = l.record_bytes();
+  std::vector<float> absmax(valid.size());
+#pragma omp parallel for schedule(static)
+  for (size_t b = 0; b < valid.size(); b++) {
+    std::vector<uint8_t> block_record(plain);
+    quantize_block(l.quant, values + b * l.block, valid[b], l.block, block_record.data());
+    std::memcpy(records.data() + b * record, block_record.data(), code_bytes);
+    absmax[b] = quant_scale(l.quant, block_record.data(), l.block);
+  }
+  fill_nested_table(absmax, nested_given, records.data() + l.table_offset(valid.size()));
+  const NestedScales nested = l.nested_view(records.data(), valid.size(), l.quantized.begin / l.block);
+  for (size_t b = 0; b < valid.size(); b++) {
+    uint8_t& code = records[b * record + code_bytes];
+    code = 0;  // padding after the weights
+    for (size_t w = 0; w < nested.count; w++)
+      if (const NestedWeight& x = nested.weights[w]; x.holds(nested.first_record + b))
+        code = nested_code_of_decoded(absmax[b], x.offset, nested.group_scale[x.group_of(nested.first_record + b)]);
+  }
   shard_.packed.device()->copy_to_device(shard_.packed.data(), records.data(), shard_.packed.bytes());
+}
+
+void HostShard::fill_nested_table(const std::vector<float>& absmax, const std::vector<std::vector<float>>* given,
+                                  uint8_t* table) {
+  const UnitLayout& l = shard_.layout;
+  SHARD_CHECK(!given || given->size() == l.nested_weights, "%zu nested tables given for %zu weights",
+              given ? given->size() : 0, l.nested_weights);
+  std::vector<float> all;
+  if (!given || std::any_of(given->begin(), given->end(), [](const std::vector<float>& t) { return t.empty(); })) {
+    // Every rank's absmax, in the order of the unit's records: gathered in host memory, or on a GPU
+    // in the device memory its communicator takes. A loader's transient, like the host shard.
+    const size_t mine = absmax.size() * sizeof(float), total = mine * static_cast<size_t>(comm_.size());
+    all.resize(l.all_records());
+    uint8_t* host = reinterpret_cast<uint8_t*>(all.data());
+    DeviceArray<uint8_t> on_device(device_, device_.is_host() ? 0 : total);
+    uint8_t* wire = device_.is_host() ? host : on_device.data();
+    uint8_t* own = wire + mine * static_cast<size_t>(comm_.rank());
+    device_.copy_to_device(own, absmax.data(), mine);
+    comm_.all_gather(Span<const uint8_t>(own, mine), Span<uint8_t>(wire, total),
+                     "all_gather(absmax for double quantization)");
+    if (!device_.is_host()) device_.copy_to_host(host, wire, total);
+  }
+  // The table: the map, then per quantized weight its records, offset and group scales.
+  std::memcpy(table, quant_dynamic_map(), 256 * sizeof(float));
+  NestedWeight* weights = reinterpret_cast<NestedWeight*>(table + 256 * sizeof(float));
+  float* scales = reinterpret_cast<float*>(table + 256 * sizeof(float) + l.nested_weights * sizeof(NestedWeight));
+  size_t w = 0, group = 0;
+  for (int id : table_.units()[unit_].params) {
+    const ParamInfo& p = table_.params()[id];
+    if (!p.quantized) continue;
+    NestedWeight& x = weights[w++];
+    x.first_record = (p.offset - table_.units()[unit_].plain_numel) / l.block;
+    x.records = (p.numel + l.block - 1) / l.block;
+    x.first_group = group;
+    const size_t groups = nested_groups(x.records);
+    if (const std::vector<float>* t = given ? &(*given)[w - 1] : nullptr; t && !t->empty()) {
+      SHARD_CHECK(t->size() == 1 + groups, "%s: a nested table of %zu values for %zu groups", p.name.c_str(),
+                  t->size(), groups);
+      x.offset = (*t)[0];
+      std::copy(t->begin() + 1, t->end(), scales + group);
+    } else {
+      x.offset = nested_scales_of(all.data() + x.first_record, x.records, scales + group);
+    }
+    group += groups;
+  }
+  SHARD_CHECK(w == l.nested_weights && group == l.nested_groups, "a nested table of %zu weights and %zu groups", w,
+              group);
 }
 
 FsdpEngine::~FsdpEngine() {
@@ -380,9 +463,13 @@ void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
   const UnitLayout& l = s.layout;
   if (l.quantized.numel > 0) {  // the records themselves travel
     uint8_t* own = slot.records.data() + l.quantized.begin / l.block * l.record_bytes();
-    copy_from_master(own, s.packed.data(), s.packed.bytes());
-    Span<const uint8_t> shard(own, s.packed.size());
-    Span<uint8_t> full(slot.records.data(), l.gathered_record_bytes());
+    const size_t mine = l.shard_records() * l.record_bytes();
+    copy_from_master(own, s.packed.data(), mine);
+    if (l.nested)  // the replicated table beside the records, not gathered
+      copy_from_master(slot.records.data() + l.table_offset(l.all_records()),
+                       s.packed.data() + l.table_offset(l.shard_records()), l.table_bytes());
+    Span<const uint8_t> shard(own, mine);
+    Span<uint8_t> full(slot.records.data(), l.all_records() * l.record_bytes());
     const char* what = async ? "all_gather(quantized params, prefetched)" : "all_gather(quantized params)";
     if (async)
       slot.handles[2] = shard_comm_.start_all_gather(shard, full, what);
@@ -411,7 +498,8 @@ void FsdpEngine::finish_gather(ParamSlot& slot) {
   const size_t at = l.quantized_slot_begin();
   backend_.shard_ops->dequantize_blocks(half_only ? nullptr : slot.values.data() + at,
                                         half ? slot.wire.data() + at : nullptr, options_.param_dtype,
-                                        slot.records.data(), l.quantized.padded_numel / l.block, l.quant, l.block);
+                                        slot.records.data(), l.all_records(), l.quant, l.block,
+                                        l.nested_view(slot.records.data(), l.all_records(), 0));
 }
 
 const float* FsdpEngine::gather_params(int unit, bool for_backward) {

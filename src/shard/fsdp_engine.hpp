@@ -136,6 +136,11 @@ struct UnitLayout {
   SpaceLayout trainable, frozen, quantized;
   QuantType quant = QUANT_NONE;
   size_t block = 0;  // the quantized space's block (elements)
+  // Double quantization (QuantConfig::nested): the records' absmax are codes and the unit's nested
+  // table (backend/quant.hpp), replicated, follows the records in UnitShard::packed and in a
+  // gather slot's records, 16-byte aligned: its weights (the quantized parameters) and groups.
+  bool nested = false;
+  size_t nested_weights = 0, nested_groups = 0;
   // The gathered buffer: the trainable and frozen spaces gathered, then the quantized space
   // dequantized right after the frozen elements (over the frozen space's trailing padding).
   size_t quantized_slot_begin() const { return trainable.padded_numel + frozen.numel; }
@@ -153,10 +158,22 @@ struct UnitLayout {
   // The fp32 elements the rank holds: all but the quantized space's.
   size_t held_numel() const { return trainable.shard_numel + frozen.shard_numel; }
   // The quantized space's records: this rank's, and the whole space's once gathered.
-  size_t record_bytes() const { return quant == QUANT_NONE ? 0 : quant_record_bytes(quant, block); }
-  size_t packed_bytes() const { return quant == QUANT_NONE ? 0 : quantized.shard_numel / block * record_bytes(); }
+  size_t record_bytes() const { return quant == QUANT_NONE ? 0 : quant_record_bytes(quant, block, nested); }
+  size_t shard_records() const { return quant == QUANT_NONE ? 0 : quantized.shard_numel / block; }
+  size_t all_records() const { return quant == QUANT_NONE ? 0 : quantized.padded_numel / block; }
+  size_t table_bytes() const { return nested ? nested_table_bytes(nested_weights, nested_groups) : 0; }
+  // Where the nested table follows `records` records.
+  size_t table_offset(size_t records) const { return nested ? (records * record_bytes() + 15) / 16 * 16 : 0; }
+  size_t packed_bytes() const {
+    return nested ? table_offset(shard_records()) + table_bytes() : shard_records() * record_bytes();
+  }
   size_t gathered_record_bytes() const {
-    return quant == QUANT_NONE ? 0 : quantized.padded_numel / block * record_bytes();
+    return nested ? table_offset(all_records()) + table_bytes() : all_records() * record_bytes();
+  }
+  // The nested table (on the host or a device) after `records` records at `data`; the first
+  // record's unit index `first_record`. Empty without double quantization.
+  NestedScales nested_view(const uint8_t* data, size_t records, size_t first_record) const {
+    return nested ? nested_scales(data + table_offset(records), nested_weights, first_record) : NestedScales{};
   }
   // The unit's first element in its gathered buffer.
   size_t lead() const { return trainable.lead; }
@@ -205,17 +222,30 @@ class HostShard {
  public:
   // with_quantized false: the quantized space is left zero, not dequantized (a caller that only
   // writes it, or reads none of it); upload() then quantizes only what the caller wrote there.
-  HostShard(UnitShard& shard, const ParamTable& table, int unit, bool with_quantized = true);
+  // Under double quantization upload() gathers the absmax of the unit's weights over `comm` (the
+  // shard group, on `device`'s memory) to find their offsets and group scales: it is then collective.
+  HostShard(UnitShard& shard, const ParamTable& table, int unit, bool with_quantized, Comm& comm, Device& device);
   float* data() { return direct_ ? shard_.params.data() : copy_.data(); }
   size_t size() const { return shard_.layout.shard_numel(); }
   // with_quantized false: the caller changed nothing in the quantized space (an adapter's load),
   // which keeps its records as they are rather than quantizing their values again.
-  void upload(bool with_quantized = true);
+  // Under double quantization `nested_given` may hold, per quantized weight of the unit in
+  // declaration order, its offset and group scales as a file stored them (empty: computed from the
+  // values); the absmax are coded as the nearest under them, so values that came from such records
+  // come back as the same values.
+  void upload(bool with_quantized = true, const std::vector<std::vector<float>>* nested_given = nullptr);
 
  private:
+  // Fills the nested table: the given weights' offsets and scales, the others' from every rank's
+  // absmax of the unit's records (`absmax`, this rank's), gathered when any is not given.
+  void fill_nested_table(const std::vector<float>& absmax, const std::vector<std::vector<float>>* given,
+                         uint8_t* table);
+
   UnitShard& shard_;
   const ParamTable& table_;
   int unit_;
+  Comm& comm_;
+  Device& device_;
   bool direct_;
   std::vector<float> copy_;
 };
@@ -262,7 +292,7 @@ class FsdpEngine {
   std::vector<UnitShard>& shards() { return shards_; }
   // Unit u's whole shard on the host (see HostShard).
   HostShard host_shard(int unit, bool with_quantized = true) {
-    return HostShard(shards_[unit], table_, unit, with_quantized);
+    return HostShard(shards_[unit], table_, unit, with_quantized, shard_comm_, *backend_.device);
   }
   const std::vector<UnitShard>& shards() const { return shards_; }
   size_t local_param_count() const;  // elements of this rank's shards, padding included

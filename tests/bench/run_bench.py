@@ -37,7 +37,7 @@ baseline_section).
 
 A quantized frozen base (--only quant): llama-135M with LoRA r=8 on every linear layer (T = 64,
 micro_batch 4, global_batch 16, fsdp.param_dtype=bf16) on a base held fp32 (gathered in bf16), NF4
-or FP8, 1 rank x 2 threads and 2 ranks x 1 thread, rounds interleaved: tokens/s (median of the
+(also with double quantization) or FP8, 1 rank x 2 threads and 2 ranks x 1 thread, rounds interleaved: tokens/s (median of the
 steps after the first, min/median over rounds), the sharded parameters per rank and the bytes sent
 per step (see quant_section).
 Distillation (--only distill): gpt2-124M alone and distilled from a gpt-300M teacher on 1, 2 and 4
@@ -559,7 +559,8 @@ def adapter_model_runs(build, steps, config, cases):
                   " ".join(f"{m:7.1f}" for m in mib) + f" {sum(mib):8.1f}", flush=True)
 
 
-QUANT_FORMATS = ("fp32", "nf4", "fp8")
+QUANT_FORMATS = {"fp32": ("--fsdp.frozen_dtype=fp32",), "nf4": ("--fsdp.frozen_dtype=nf4",),
+                 "nf4+dq": ("--fsdp.frozen_dtype=nf4", "--fsdp.double_quant=true"), "fp8": ("--fsdp.frozen_dtype=fp8",)}
 
 
 def quant_section(build, steps, rounds):
@@ -582,7 +583,7 @@ def quant_section(build, steps, rounds):
                 with tempfile.TemporaryDirectory(dir=ROOT) as ckpt:  # the final step's full checkpoint
                     out = []
                     rows, _, _ = train_run(build, ranks, threads, steps, config=config, stdout=out,
-                                           extra=(*lora, "--fsdp.param_dtype=bf16", f"--fsdp.frozen_dtype={fmt}",
+                                           extra=(*lora, "--fsdp.param_dtype=bf16", *QUANT_FORMATS[fmt],
                                                   "--checkpoint.save=true", f"--checkpoint.dir={ckpt}"))
                     saved = re.search(r"saved (\S+) \(sharded, ([\d.]+) s\)", out[0])
                     saves[fmt].append((os.path.getsize(saved.group(1)), float(saved.group(2))))
@@ -592,7 +593,7 @@ def quant_section(build, steps, rounds):
             tps = [t for t, _ in runs[fmt]]
             last = runs[fmt][-1][1]
             seconds = [t for _, t in saves[fmt]]
-            print(f"{ranks} x {threads} | {fmt:4s} | {min(tps):8.1f} / {statistics.median(tps):8.1f} | "
+            print(f"{ranks} x {threads} | {fmt:6s} | {min(tps):8.1f} / {statistics.median(tps):8.1f} | "
                   f"{statistics.median(tps) / base:5.2f} | {last['peak_mem']['sharded_params'] / 2**20:8.2f} | "
                   f"{last['comm_bytes'] / 2**20:8.2f} | {saves[fmt][-1][0] / 2**20:8.1f}, "
                   f"{min(seconds):.2f} / {statistics.median(seconds):.2f}", flush=True)

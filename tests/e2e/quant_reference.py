@@ -87,13 +87,40 @@ def round_to_bf16(x):
     return u.astype(np.uint32).view(F32)
 
 
-def quantize_dequantize(x, fmt, block):
-    """What a run with fsdp.frozen_dtype=fmt computes with in place of the weight x (fp32)."""
+def double_quantize(absmax, dynamic_map, nested=256):
+    """bitsandbytes' compress_statistics of one weight's absmax: (codes, group scales, offset). The
+    offset is their mean summed in order in float64 and rounded once; each group of `nested` takes
+    max |absmax - offset| as its scale and each absmax the nearest map value of (absmax - offset) /
+    scale (the lower of two as near)."""
+    offset = F32(np.cumsum(absmax.astype(np.float64))[-1] / absmax.size)
+    shifted = (absmax - offset).astype(F32)
+    scales = np.array([np.abs(shifted[g:g + nested]).max() for g in range(0, absmax.size, nested)], dtype=F32)
+    per_block = np.repeat(scales, nested)[:absmax.size]
+    scaled = np.where(per_block > 0, np.clip(shifted / np.where(per_block > 0, per_block, F32(1)), F32(-1), F32(1)),
+                      F32(0)).astype(F32)
+    above = np.searchsorted(dynamic_map, scaled, side="left")
+    codes = np.minimum(above, 255)
+    lower = np.maximum(above - 1, 0)
+    nearer_below = (above > 0) & ((above == 256) | (scaled - dynamic_map[lower] <= dynamic_map[codes] - scaled))
+    codes = np.where(nearer_below, lower, codes)
+    return codes, scales, offset
+
+
+def double_dequantize(codes, scales, offset, dynamic_map, nested=256):
+    """The absmax bitsandbytes decodes: map[code] x scale, rounded, plus the offset."""
+    return ((dynamic_map[codes] * np.repeat(scales, nested)[:codes.size]).astype(F32) + offset).astype(F32)
+
+
+def quantize_dequantize(x, fmt, block, dynamic_map=None):
+    """What a run with fsdp.frozen_dtype=fmt computes with in place of the weight x (fp32); with
+    bitsandbytes' dynamic map (nf4 and fp4), what it computes with under fsdp.double_quant."""
     x = np.asarray(x, dtype=F32)
     if fmt == "bf16":
         return round_to_bf16(x)
     if fmt in TABLES:
         codes, absmax = quantize_4bit(x, fmt, block)
+        if dynamic_map is not None:
+            absmax = double_dequantize(*double_quantize(absmax, dynamic_map), dynamic_map)
         return dequantize_4bit(codes, absmax, fmt, block).reshape(x.shape)
     assert fmt == "fp8", fmt
     flat = x.reshape(-1)

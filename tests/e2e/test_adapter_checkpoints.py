@@ -81,7 +81,7 @@ def test_adapter_only_file_is_small_and_holds_the_adapters_alone():
             ratio = os.path.getsize(only) / os.path.getsize(full)
             assert ratio < 0.1, (fmt, step, os.path.getsize(only), os.path.getsize(full))
             with h5py.File(only, "r") as f, h5py.File(full, "r") as g:
-                assert int(f.attrs["version"]) == 8 and int(f.attrs["adapters_only"]) == 1
+                assert int(f.attrs["version"]) == 9 and int(f.attrs["adapters_only"]) == 1
                 assert int(g.attrs["adapters_only"]) == 0
                 assert text(f.attrs["layout"]) == fmt and text(f.attrs["adapter.type"]) == "lora"
                 # The base the adapters were trained on, by the definition, in both files.

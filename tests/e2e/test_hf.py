@@ -399,7 +399,7 @@ def test_scaled_rotary_embeddings_give_transformers_loss_and_travel_with_the_mod
     folder = cases[0][0]
     ckpt, out = imported_then_exported(folder, data)
     with h5py.File(ckpt, "r") as f:
-        assert int(f.attrs["version"]) == 8
+        assert int(f.attrs["version"]) == 9
         assert f.attrs["model.rope_scaling"] in (LLAMA3_TEXT, LLAMA3_TEXT.encode())
     assert json.load(open(os.path.join(out, "config.json")))["rope_scaling"] == LLAMA3
     assert reference("loss", out, *window) == reference("loss", folder, *window)

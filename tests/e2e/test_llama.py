@@ -229,7 +229,7 @@ def test_llama_checkpoint_records_the_architecture():
     shapes = llama_shapes()
     with h5py.File(gathered, "r") as f:
         a = f.attrs
-        assert int(a["version"]) == 8 and text(a["layout"]) == "gathered"
+        assert int(a["version"]) == 9 and text(a["layout"]) == "gathered"
         assert text(a["model.arch"]) == "llama"
         assert [int(a[k]) for k in ("model.n_layer", "model.n_embd", "model.n_head", "model.vocab_size",
                                     "model.max_seq_len")] == [2, 40, 4, 256, 64]

@@ -2407,45 +2407,58 @@ INSTANTIATE_TEST_SUITE_P(
 
 // The quantized base's gather-side kernel (ShardOps::dequantize_blocks): bit for bit the CPU's,
 // which tests/unit/test_quant.cpp holds to bitsandbytes' own dequantization, for every format, in
-// fp32 and with the bf16 / fp16 copy the GEMMs read, misaligned outputs included.
+// fp32 and with the bf16 / fp16 copy the GEMMs read, misaligned outputs included, and double-quantized
+// records decoded through a nested table in device memory.
 class DequantizeTest : public GpuSuite<::testing::Test> {};
 TEST_F(DequantizeTest, MatchesCpuBitwise) {
   for (QuantType type : {QUANT_NF4, QUANT_FP4, QUANT_FP8, QUANT_BF16})
-    for (size_t block : {size_t{32}, size_t{64}, size_t{4096}})
-      for (DType half : {DTYPE_FP32, DTYPE_BF16, DTYPE_FP16}) {
-        const size_t blocks = block == 4096 ? 3 : 37, record = quant_record_bytes(type, block), n = blocks * block;
-        std::vector<float> x(n);
-        fill_uniform(x.data(), n, 91, -3.0, 3.0);
-        std::vector<uint8_t> records(blocks * record);
-        for (size_t b = 0; b < blocks; b++)
-          quantize_block(type, x.data() + b * block, b == 1 ? block / 3 : block, block, records.data() + b * record);
-        std::vector<float> want(n);
-        std::vector<uint16_t> want_half(n);
-        const bool with_half = half != DTYPE_FP32;
-        cpu_shard_ops().dequantize_blocks(want.data(), with_half ? want_half.data() : nullptr, half, records.data(),
-                                          blocks, type, block);
-        DeviceBuffer<uint8_t> d_records = on_device(device(), "records", records, 0);
-        DeviceBuffer<float> d_out(device(), "out", n, 1);
-        DeviceBuffer<uint16_t> d_half(device(), "half", n, 0);
-        d_out.fill(kNaN);
-        shard_ops().dequantize_blocks(d_out.data(), with_half ? d_half.data() : nullptr, half, d_records.data(), blocks,
-                                      type, block);
-        const std::string label = std::string(quant_type_name(type)) + " block " + std::to_string(block) + " " +
-                                  dtype_name(half);
-        const std::vector<float> got = d_out.download(label);
-        const std::vector<uint16_t> got_half = d_half.download(label);
-        for (size_t i = 0; i < n; i++) {
-          ASSERT_EQ(float_bits(got[i]), float_bits(want[i])) << label << " element " << i;
-          if (with_half) {
-            ASSERT_EQ(got_half[i], want_half[i]) << label << " element " << i;
+    for (bool nested : {false, true})
+      for (size_t block : {size_t{32}, size_t{64}, size_t{4096}})
+        for (DType half : {DTYPE_FP32, DTYPE_BF16, DTYPE_FP16}) {
+          if (nested && !quant_nestable(type)) continue;
+          const size_t blocks = block == 4096 ? 3 : 37, plain = quant_record_bytes(type, block), n = blocks * block;
+          const size_t record = quant_record_bytes(type, block, nested);
+          std::vector<float> x(n);
+          fill_uniform(x.data(), n, 91, -3.0, 3.0);
+          std::vector<uint8_t> block_record(plain), records(blocks * record);
+          for (size_t b = 0; b < blocks; b++) {
+            quantize_block(type, x.data() + b * block, b == 1 ? block / 3 : block, block, block_record.data());
+            std::copy(block_record.begin(), block_record.begin() + record, records.begin() + b * record);
+            if (nested) records[b * record + block / 2] = static_cast<uint8_t>(b * 37 % 256);  // its absmax code
+          }
+          // Double quantization: one weight of `blocks` records, offset 0.25, group scale 1.5.
+          const std::vector<uint8_t> table = lone_weight_nested_table({0.25f, 1.5f}, blocks);
+          DeviceBuffer<uint8_t> d_table = on_device(device(), "table", table, 0);
+          const NestedScales cpu_nested = nested ? nested_scales(table.data(), 1) : NestedScales{};
+          const NestedScales gpu_nested = nested ? nested_scales(d_table.data(), 1) : NestedScales{};
+          std::vector<float> want(n);
+          std::vector<uint16_t> want_half(n);
+          const bool with_half = half != DTYPE_FP32;
+          cpu_shard_ops().dequantize_blocks(want.data(), with_half ? want_half.data() : nullptr, half, records.data(),
+                                            blocks, type, block, cpu_nested);
+          DeviceBuffer<uint8_t> d_records = on_device(device(), "records", records, 0);
+          DeviceBuffer<float> d_out(device(), "out", n, 1);
+          DeviceBuffer<uint16_t> d_half(device(), "half", n, 0);
+          d_out.fill(kNaN);
+          shard_ops().dequantize_blocks(d_out.data(), with_half ? d_half.data() : nullptr, half, d_records.data(),
+                                        blocks, type, block, gpu_nested);
+          const std::string label = std::string(quant_type_name(type)) + (nested ? " nested" : "") + " block " +
+                                    std::to_string(block) + " " + dtype_name(half);
+          const std::vector<float> got = d_out.download(label);
+          const std::vector<uint16_t> got_half = d_half.download(label);
+          for (size_t i = 0; i < n; i++) {
+            ASSERT_EQ(float_bits(got[i]), float_bits(want[i])) << label << " element " << i;
+            if (with_half) {
+              ASSERT_EQ(got_half[i], want_half[i]) << label << " element " << i;
+            }
+          }
+          if (with_half) {  // into the 16-bit copy alone: the same copy
+            DeviceBuffer<uint16_t> d_half_only(device(), "half only", n, 0);
+            shard_ops().dequantize_blocks(nullptr, d_half_only.data(), half, d_records.data(), blocks, type, block,
+                                          gpu_nested);
+            EXPECT_EQ(d_half_only.download(label), want_half) << label << " into the copy alone";
           }
         }
-        if (with_half) {  // into the 16-bit copy alone: the same copy
-          DeviceBuffer<uint16_t> d_half_only(device(), "half only", n, 0);
-          shard_ops().dequantize_blocks(nullptr, d_half_only.data(), half, d_records.data(), blocks, type, block);
-          EXPECT_EQ(d_half_only.download(label), want_half) << label << " into the copy alone";
-        }
-      }
 }
 
 // ==================================================================================================

@@ -57,7 +57,7 @@ TEST(Quant, FourBitCodesAndScalesAreBitsandbytesOwn) {
 // true ones, and the weights within the 4-bit error the plain absmax give.
 TEST(Quant, DoubleQuantizationIsBitsandbytesLayoutWithTheNearestCodes) {
   SafetensorsReader file(FIXTURE);
-  const float* map = bnb_dynamic_map();
+  const float* map = quant_dynamic_map();
   EXPECT_EQ(std::vector<float>(map, map + 256), read<float>(file, "nf4.nested.nested_quant_map", "F32"));
   for (QuantType type : {QUANT_NF4, QUANT_FP4}) {
     const std::string key = std::string(quant_type_name(type)) + ".nested";
@@ -95,6 +95,42 @@ TEST(Quant, DoubleQuantizationIsBitsandbytesLayoutWithTheNearestCodes) {
       ASSERT_LE(std::fabs(value - x[i]), 0.6f * plain.absmax[i / 64] + 1e-6f) << key << " element " << i;
     }
   }
+}
+
+// Double quantization held as records (codes, then one absmax code) and a nested table: bitsandbytes'
+// own codes, group scales and offset from the fixture, laid out so, decode through the backend's
+// kernel to bitsandbytes' dequantized values bit for bit -- from the first record, and from a record
+// past a group boundary as a rank's shard starts (NestedScales::first_record).
+TEST(Quant, NestedRecordsDecodeAsBitsandbytesDoubleQuantization) {
+  SafetensorsReader file(FIXTURE);
+  for (QuantType type : {QUANT_NF4, QUANT_FP4}) {
+    const std::string key = std::string(quant_type_name(type)) + ".nested";
+    const std::vector<uint8_t> packed = read<uint8_t>(file, key + ".packed", "U8");
+    const std::vector<uint8_t> codes = read<uint8_t>(file, key + ".absmax", "U8");
+    std::vector<float> table_values = {read<float>(file, key + ".offset", "F32")[0]};
+    for (float s : read<float>(file, key + ".nested_absmax", "F32")) table_values.push_back(s);
+    const std::vector<float> want = read<float>(file, key + ".dequant", "F32");
+    const size_t block = 64, blocks = codes.size(), record = quant_record_bytes(type, block, true);
+    ASSERT_EQ(record, 33u);
+    std::vector<uint8_t> records(blocks * record, 0);
+    for (size_t b = 0; b < blocks; b++) {
+      for (size_t j = 0; j < block / 2 && b * block / 2 + j < packed.size(); j++)
+        records[b * record + j] = packed[b * block / 2 + j];
+      records[b * record + block / 2] = codes[b];
+    }
+    const std::vector<uint8_t> table = lone_weight_nested_table(table_values, blocks);
+    for (size_t first : {size_t{0}, size_t{259}}) {
+      std::vector<float> out((blocks - first) * block);
+      cpu_shard_ops().dequantize_blocks(out.data(), nullptr, DTYPE_FP32, records.data() + first * record,
+                                        blocks - first, type, block, nested_scales(table.data(), 1, first));
+      for (size_t i = first * block; i < want.size(); i++)
+        ASSERT_EQ(float_bits(out[i - first * block]), float_bits(want[i])) << key << " from " << first << ", " << i;
+    }
+  }
+  // A record past the weights (a shard's padding) decodes to zero.
+  const std::vector<uint8_t> table = lone_weight_nested_table({0.5f, 2.0f}, 3);
+  EXPECT_EQ(nested_absmax(nested_scales(table.data(), 1, 3), 0, 200), 0.0f);
+  EXPECT_EQ(nested_absmax(nested_scales(table.data(), 1, 2), 0, 255), 1.0f * 2.0f + 0.5f);
 }
 
 TEST(Quant, FourBitDequantizationIsBitsandbytesOwnInFp32AndBf16) {
@@ -190,11 +226,12 @@ TEST(Quant, BackendDequantizationIsTheDefinition) {
         quantize_block(type, x.data() + b * block, b == 3 ? block / 2 + 1 : block, block, records.data() + b * record);
       std::vector<float> out(x.size()), widened(x.size());
       std::vector<uint16_t> half(x.size());
-      cpu_shard_ops().dequantize_blocks(out.data(), nullptr, DTYPE_FP32, records.data(), blocks, type, block);
-      cpu_shard_ops().dequantize_blocks(widened.data(), half.data(), DTYPE_BF16, records.data(), blocks, type, block);
+      cpu_shard_ops().dequantize_blocks(out.data(), nullptr, DTYPE_FP32, records.data(), blocks, type, block, {});
+      cpu_shard_ops().dequantize_blocks(widened.data(), half.data(), DTYPE_BF16, records.data(), blocks, type, block,
+                                        {});
       // Into the 16-bit copy alone (the gather where the GEMMs take it): the same copy.
       std::vector<uint16_t> half_only(x.size());
-      cpu_shard_ops().dequantize_blocks(nullptr, half_only.data(), DTYPE_BF16, records.data(), blocks, type, block);
+      cpu_shard_ops().dequantize_blocks(nullptr, half_only.data(), DTYPE_BF16, records.data(), blocks, type, block, {});
       EXPECT_EQ(half_only, half) << quant_type_name(type) << " " << block;
       for (size_t i = 0; i < x.size(); i++) {
         const float want = dequantize_element(type, records.data() + i / block * record, block, i % block);

@@ -312,21 +312,21 @@ class CpuShardOps : public ShardOps {
   void from_half(float* out, const uint16_t* in, size_t n, DType type) const override {
     convert_from_half(out, in, n, type);
   }
-  // Per block: the scale read once, 4-bit codes looked up in the block's 16 products code x scale
-  // (the same products the element-wise definition forms), FP8 codes in a 256-entry table, bf16
-  // widened.
+  // Per block: the scale read (or decoded) once, 4-bit codes looked up in the block's 16 products
+  // code x scale (the same products the element-wise definition forms), FP8 codes in a 256-entry
+  // table, bf16 widened.
   void dequantize_blocks(float* out, uint16_t* half, DType half_type, const uint8_t* records, size_t blocks,
-                         QuantType type, size_t block) const override {
+                         QuantType type, size_t block, const NestedScales& nested) const override {
     static const std::array<float, 256> e4m3 = [] {
       std::array<float, 256> t{};
       for (int c = 0; c < 256; c++) t[c] = e4m3_to_float(static_cast<uint8_t>(c));
       return t;
     }();
-    const size_t record = quant_record_bytes(type, block);
+    const size_t record = quant_record_bytes(type, block, nested.map);
 #pragma omp parallel for schedule(static)
     for (size_t b = 0; b < blocks; b++) {
       const uint8_t* codes = records + b * record;
-      const float scale = quant_scale(type, codes, block);
+      const float scale = record_scale(type, codes, block, nested, b);
       float* o = out ? out + b * block : nullptr;
       uint16_t* h = half ? half + b * block : nullptr;
       if (type == QUANT_FP8 && !o && half_type == DTYPE_BF16) {  // the 16-bit copy alone: one loop, no branches
@@ -335,7 +335,7 @@ class CpuShardOps : public ShardOps {
       }
       if (type == QUANT_FP8 || type == QUANT_BF16) {
         for (size_t i = 0; i < block; i++) {
-          float v = type == QUANT_FP8 ? e4m3[codes[i]] * scale : dequantize_element(type, codes, block, i);
+          float v = type == QUANT_FP8 ? e4m3[codes[i]] * scale : dequantize_code(type, codes, i, scale);
           if (h) h[i] = float_to_half(v, half_type), v = half_to_float(h[i], half_type);
           if (o) o[i] = v;
         }

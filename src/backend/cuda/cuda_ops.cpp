@@ -351,8 +351,8 @@ class CudaShardOps final : public ShardOps {
     kernels::launch_from_half(out, in, n, type, launch_);
   }
   void dequantize_blocks(float* out, uint16_t* half, DType half_type, const uint8_t* records, size_t blocks,
-                         QuantType type, size_t block) const override {
-    kernels::launch_dequantize_blocks(out, half, half_type, records, blocks, type, block, launch_);
+                         QuantType type, size_t block, const NestedScales& nested) const override {
+    kernels::launch_dequantize_blocks(out, half, half_type, records, blocks, type, block, nested, launch_);
   }
   void adamw_multi(const AdamWSegment* segments, size_t count, const double* sums, const AdamWClip& clip,
                    const AdamWStep& step) const override {
