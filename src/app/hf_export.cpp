@@ -248,10 +248,15 @@ void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const st
       if (p.id % rt.world() != rt.rank()) continue;
       const std::vector<float> values = to_hf_order(model, p, merged_weight(*reader, adapted, p));
       const auto [file, entry] = plan.where[p.id];
+      // A double-quantized checkpoint's weight, unmerged, in its format: coded under its own tables,
+      // so the folder holds the checkpoint's values.
+      const CheckpointContent& held = reader->content();
+      const bool as_held = quant.double_quant && held.nested && held.quant == quant.type && held.block == quant.block &&
+                           !merge && !hf_tensor_of(model, p).transposed;
       if (!plan.quantized[p.id].empty())
         write_bnb_weight(*writers[file], plan.quantized[p.id],
                          Bnb4bitWeight(values.data(), hf_tensor_of(model, p).shape, quant.type, quant.block,
-                                       quant.double_quant),
+                                       quant.double_quant, as_held ? reader->nested_table(p) : std::vector<float>{}),
                          dtype);
       else
         writers[file]->write_fp32(entry, 0, values.size(), values.data());

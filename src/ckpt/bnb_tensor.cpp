@@ -170,7 +170,7 @@ std::string quant_state_text(QuantType type, size_t block, const std::vector<int
 }  // namespace
 
 Bnb4bitWeight::Bnb4bitWeight(const float* values, const std::vector<int64_t>& shape, QuantType type, size_t block,
-                             bool double_quant)
+                             bool double_quant, const std::vector<float>& nested_given)
     : type(type), block(block), shape(shape) {
   SHARD_CHECK((type == QUANT_NF4 || type == QUANT_FP4) && quant_block_ok(static_cast<int>(block)),
               "Bnb4bitWeight of %s in blocks of %zu", quant_type_name(type), block);
@@ -187,11 +187,19 @@ Bnb4bitWeight::Bnb4bitWeight(const float* values, const std::vector<int64_t>& sh
     absmax[b] = quant_scale(type, record.data(), block);
   }
   if (!double_quant) return;
-  nested_absmax.resize((blocks + QUANT_NESTED_BLOCK - 1) / QUANT_NESTED_BLOCK);
-  offset = nested_scales_of(absmax.data(), blocks, nested_absmax.data());
+  nested_absmax.resize(nested_groups(blocks));
+  const bool given = !nested_given.empty();
+  SHARD_CHECK(!given || nested_given.size() == 1 + nested_absmax.size(), "%zu nested values for %zu groups",
+              nested_given.size(), nested_absmax.size());
+  if (given)
+    offset = nested_given[0], std::copy(nested_given.begin() + 1, nested_given.end(), nested_absmax.begin());
+  else
+    offset = nested_scales_of(absmax.data(), blocks, nested_absmax.data());
   absmax_codes.resize(blocks);
-  for (size_t b = 0; b < blocks; b++)
-    absmax_codes[b] = nested_code(absmax[b], offset, nested_absmax[b / QUANT_NESTED_BLOCK]);
+  for (size_t b = 0; b < blocks; b++) {
+    const float scale = nested_absmax[b / QUANT_NESTED_BLOCK];
+    absmax_codes[b] = given ? nested_code_of_decoded(absmax[b], offset, scale) : nested_code(absmax[b], offset, scale);
+  }
   absmax.clear();
 }
 

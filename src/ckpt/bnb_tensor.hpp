@@ -66,8 +66,10 @@ class Bnb4bitTensor {
 // kernel searches the map inexactly and sometimes takes the one below: such a file still
 // dequantizes as written, in bitsandbytes as here (docs/quantization.md).
 struct Bnb4bitWeight {
+  // `nested_given` (double quantization): the offset and group scales to code the absmax under, as
+  // a double-quantized checkpoint holds them -- its values then come back exactly; empty: computed.
   Bnb4bitWeight(const float* values, const std::vector<int64_t>& shape, QuantType type, size_t block,
-                bool double_quant);
+                bool double_quant, const std::vector<float>& nested_given = {});
   QuantType type;
   size_t block;
   std::vector<int64_t> shape;

@@ -1501,6 +1501,17 @@ bool CheckpointReader::holds(const ParamInfo& param) const {
   return content_.holds(table_->params()[param.id]);
 }
 
+std::vector<float> CheckpointReader::nested_table(const ParamInfo& param) const {
+  H5QuietErrors quiet;
+  if (!content_.nested || !content_.in_records(table_->params()[param.id])) return {};
+  const std::string name = NESTED_GROUP + param.name;
+  H5Id d(h5_check_id(H5Dopen2(file_, name.c_str(), H5P_DEFAULT), path_, "H5Dopen2"), H5Dclose);
+  std::vector<float> stored(1 + content_.groups(param));
+  h5_check(read_flat(d, {stored.size()}, 0, stored.size(), stored.data(), H5P_DEFAULT, path_), path_,
+           ("reading " + name).c_str());
+  return stored;
+}
+
 std::vector<float> CheckpointReader::read(const ParamInfo& param, const std::string& unit_name, Tensor tensor) const {
   H5QuietErrors quiet;
   if (!holds(param))
@@ -1515,17 +1526,9 @@ std::vector<float> CheckpointReader::read(const ParamInfo& param, const std::str
     std::vector<uint8_t> records(content_.blocks(param) * bytes);
     h5_check(transfer_rows(dataset, false, {0, content_.blocks(param)}, bytes, records.data(), H5P_DEFAULT, path_),
              path_, ("reading " + where).c_str());
-    std::vector<uint8_t> table;
-    NestedScales nested;
-    if (content_.nested) {
-      const std::string name = NESTED_GROUP + param.name;
-      H5Id d(h5_check_id(H5Dopen2(file_, name.c_str(), H5P_DEFAULT), path_, "H5Dopen2"), H5Dclose);
-      std::vector<float> stored(1 + content_.groups(param));
-      h5_check(read_flat(d, {stored.size()}, 0, stored.size(), stored.data(), H5P_DEFAULT, path_), path_,
-               ("reading " + name).c_str());
-      table = lone_weight_nested_table(stored, content_.blocks(param));
-      nested = nested_scales(table.data(), 1);
-    }
+    const std::vector<uint8_t> table =
+        content_.nested ? lone_weight_nested_table(nested_table(param), content_.blocks(param)) : std::vector<uint8_t>{};
+    const NestedScales nested = content_.nested ? nested_scales(table.data(), 1) : NestedScales{};
     for (size_t e = 0; e < param.numel; e++) {
       const uint8_t* record = records.data() + e / block * bytes;
       values[e] = dequantize_code(content_.quant, record, e % block,

@@ -188,6 +188,8 @@ class CheckpointReader {
   // adapters): all do, but an adapter-only file holds the adapters alone.
   bool holds(const ParamInfo& param) const;
   // The values of one parameter (its numel elements, row-major); the file must hold it.
+  // A double-quantized weight's offset and group scales (/quantized_nested), or empty.
+  std::vector<float> nested_table(const ParamInfo& param) const;
   std::vector<float> read(const ParamInfo& param, const std::string& unit_name, Tensor tensor) const;
   // What the file holds where: which parameters are quantized records, in which format.
   const CheckpointContent& content() const { return content_; }

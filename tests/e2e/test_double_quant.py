@@ -18,13 +18,13 @@ import shutil
 import numpy as np
 
 from harness import read_metrics, run, run_single, tempdir, tiny_args
-from quant_reference import (dequantize_4bit, double_dequantize, double_quantize, pack_4bit, quantize_4bit,
-                             quantize_dequantize)
+from quant_reference import (dequantize_4bit, dequantize_bnb_tensor, double_dequantize, double_quantize, pack_4bit,
+                             quantize_4bit, quantize_dequantize)
 from test_bad_input import expect_usage_error
 from test_freeze import latest
 from test_llama import ok
-from test_quantization import (BASE, BASE_MODEL, BNB_FOLDERS, SAVE_AT, fixture_tensors, load_file, qlora_args, quantized_names,
-                               save_file, training)
+from test_quantization import (BASE, BASE_MODEL, BNB_FOLDERS, SAVE_AT, fixture_tensors, folder_tensors, load_file,
+                               qlora_args, quantized_names, save_file, training)
 
 DQ = ("--fsdp.frozen_dtype=nf4", "--fsdp.double_quant=true")
 
@@ -219,3 +219,25 @@ def test_a_folder_bitsandbytes_double_quantized_keeps_its_values_in_a_double_qua
     folder, dequantized = (os.path.join(BNB_FOLDERS, name) for name in ("nf4", "dequant-nf4"))
     for np_ in (1, 2, 3):
         assert training(np_, folder, *DQ)[0] == training(np_, dequantized)[0], np_
+
+
+def test_export_of_a_double_quantized_checkpoint_writes_its_own_codes_and_tables():
+    """export --quantize nf4 --double-quant of a checkpoint that convert --double-quant wrote: every
+    linear weight's absmax codes, nested absmax and offset are the checkpoint's (h5py), so bitsandbytes'
+    dequantization of the folder (the numpy transcription) is the numpy-dequantized base, bit for bit;
+    a LoRA run from the folder in a double-quantized base trains as from that base."""
+    import h5py
+    ckpt, out = os.path.join(tempdir(), "dq.h5"), os.path.join(tempdir(), "nf4-dq")
+    ok(run(2, ["convert", "--input", BASE, "--output", ckpt, "--frozen-dtype=nf4", "--double-quant"]), "convert")
+    ok(run(2, ["export", ckpt, "--format", "hf", "--output", out, "--quantize=nf4", "--double-quant"]), "export")
+    tensors = folder_tensors(out)
+    reference = load_file(os.path.join(dq_base(), "model.safetensors"))
+    with h5py.File(ckpt, "r") as f:
+        for name in quantized_names(reference):
+            key = name[len("model."):]
+            assert np.array_equal(tensors[name + ".absmax"], f["quantized"][key][:, 32]), name
+            nested = f["quantized_nested"][key][...]
+            assert np.array_equal(tensors[name + ".nested_absmax"], nested[1:]), name
+            got = dequantize_bnb_tensor(tensors, name)
+            assert np.array_equal(got.view(np.uint32), reference[name].view(np.uint32)), name
+    assert training(2, out, *DQ)[0] == training(2, dq_base())[0]
