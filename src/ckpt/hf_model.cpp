@@ -261,60 +261,44 @@ void load_hf_shards(const std::string& path, FsdpEngine& engine) {
                                           q->blocksize() == static_cast<int64_t>(quant.block)
                                       ? q->nested_table()
                                       : std::vector<float>{});
-  std::exception_ptr failed;  // the first error; every rank still uploads every unit
-  for (size_t u = 0; u < engine.shards().size(); u++) {
-    UnitShard& s = engine.shards()[u];
-    HostShard values = engine.host_shard(static_cast<int>(u));  // what the file lacks (adapters, padding) keeps its value
-    std::vector<float> block;
-    if (!failed) try {
-      for (int id : table.units()[u].params) {
-        const ParamInfo& p = table.params()[id];
-        const UnitLayout::Local local = s.layout.local_part(p.range());
-        const FlatRange part = local.range;
-        if (part.empty() || p.adapter) continue;
-        const auto& [reader, tensor, transposed, quantized, rows] = sources[p.id];
-        float* slice = values.data() + local.index;
-        const size_t first = part.begin - p.offset, count = part.size();
-        if (quantized) {
-          quantized->read(first, count, slice);
-        } else if (!rows.empty()) {
-          // Our elements of each piece of rows, read from where the piece lies in the stored tensor.
-          const size_t cols = p.numel / p.shape[0];
-          size_t ours = 0;  // our first element of the piece
-          for (const auto& [stored_row, piece_rows] : rows) {
-            const size_t piece = static_cast<size_t>(piece_rows) * cols;
-            const size_t lo = std::max(first, ours), hi = std::min(first + count, ours + piece);
-            if (lo < hi) reader->read_fp32(*tensor, stored_row * cols + (lo - ours), hi - lo, slice + (lo - first));
-            ours += piece;
-          }
-        } else if (!transposed) {
-          reader->read_fp32(*tensor, first, count, slice);
-        } else {
-          // Ours is (out, in), the file's (in, out): our rows [o0, o1] are the file's columns, read
-          // as one contiguous run per file row, a bounded piece of rows at a time.
-          const size_t in = p.shape[1], out = p.shape[0];
-          for_row_pieces(first, count, in, [&](size_t pf, size_t pc) {
-            const size_t o0 = pf / in, o1 = (pf + pc - 1) / in, width = o1 - o0 + 1;
-            block.resize(in * width);
-            for (size_t i = 0; i < in; i++) reader->read_fp32(*tensor, i * out + o0, width, block.data() + i * width);
-            for (size_t flat = pf; flat < pf + pc; flat++)
-              slice[flat - first] = block[(flat % in) * width + (flat / in - o0)];
-          });
-        }
-        const float* bad = std::find_if(slice, slice + count, [](float x) { return !std::isfinite(x); });
-        if (bad != slice + count)
-          throw CheckpointError(strprintf("%s '%s': tensor '%s' holds %g: the file is damaged or comes from a run "
-                                          "that diverged; use another model",
-                                          reader ? "safetensors file" : "Hugging Face folder",
-                                          (reader ? reader->path() : path).c_str(),
-                                          (tensor ? tensor->name : tensor_of(p).name).c_str(), *bad));
+  std::vector<float> block;
+  engine.fill_base_shards([&](const ParamInfo& p, float* slice, const FlatRange& part) {
+    const auto& [reader, tensor, transposed, quantized, rows] = sources[p.id];
+    const size_t first = part.begin - p.offset, count = part.size();
+    if (quantized) {
+      quantized->read(first, count, slice);
+    } else if (!rows.empty()) {
+      // Our elements of each piece of rows, read from where the piece lies in the stored tensor.
+      const size_t cols = p.numel / p.shape[0];
+      size_t ours = 0;  // our first element of the piece
+      for (const auto& [stored_row, piece_rows] : rows) {
+        const size_t piece = static_cast<size_t>(piece_rows) * cols;
+        const size_t lo = std::max(first, ours), hi = std::min(first + count, ours + piece);
+        if (lo < hi) reader->read_fp32(*tensor, stored_row * cols + (lo - ours), hi - lo, slice + (lo - first));
+        ours += piece;
       }
-    } catch (...) {
-      failed = std::current_exception();
+    } else if (!transposed) {
+      reader->read_fp32(*tensor, first, count, slice);
+    } else {
+      // Ours is (out, in), the file's (in, out): our rows [o0, o1] are the file's columns, read
+      // as one contiguous run per file row, a bounded piece of rows at a time.
+      const size_t in = p.shape[1], out = p.shape[0];
+      for_row_pieces(first, count, in, [&](size_t pf, size_t pc) {
+        const size_t o0 = pf / in, o1 = (pf + pc - 1) / in, width = o1 - o0 + 1;
+        block.resize(in * width);
+        for (size_t i = 0; i < in; i++) reader->read_fp32(*tensor, i * out + o0, width, block.data() + i * width);
+        for (size_t flat = pf; flat < pf + pc; flat++)
+          slice[flat - first] = block[(flat % in) * width + (flat / in - o0)];
+      });
     }
-    values.upload(true, &nested_given[u]);  // collective under fsdp.double_quant: a rank that failed takes part too
-  }
-  if (failed) std::rethrow_exception(failed);
+    const float* bad = std::find_if(slice, slice + count, [](float x) { return !std::isfinite(x); });
+    if (bad != slice + count)
+      throw CheckpointError(strprintf("%s '%s': tensor '%s' holds %g: the file is damaged or comes from a run "
+                                      "that diverged; use another model",
+                                      reader ? "safetensors file" : "Hugging Face folder",
+                                      (reader ? reader->path() : path).c_str(),
+                                      (tensor ? tensor->name : tensor_of(p).name).c_str(), *bad));
+  }, &nested_given);
 }
 
 void write_hf_shards(FsdpEngine& engine, const HfExportPlan& plan,

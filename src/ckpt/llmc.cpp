@@ -2,7 +2,6 @@
 #include "ckpt/llmc.hpp"
 
 #include <algorithm>
-#include <exception>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -107,38 +106,19 @@ void load_llmc_shards(const std::string& path, FsdpEngine& engine) {
     throw CheckpointError("checkpoint.init_from '" + path + "': padded vocabulary smaller than the vocabulary");
   // Offsets assume our padding rule; llm.c files always use a multiple of 128 (50304 for GPT-2).
   const long long vocab_extra = static_cast<long long>(header[7] - llmc_padded_vocab(m.vocab_size)) * m.n_embd;
-  std::exception_ptr failed;  // the first error; every rank still uploads every unit
-  for (size_t u = 0; u < engine.shards().size(); u++) {
-    UnitShard& s = engine.shards()[u];
-    HostShard values = engine.host_shard(static_cast<int>(u));  // what the file lacks stays
-    if (!failed) try {
-      for (int id : table.units()[u].params) {
-        const ParamInfo& p = table.params()[id];
-        const UnitLayout::Local local = s.layout.local_part(p.range());
-        const FlatRange part = local.range;
-        if (part.empty() || p.adapter) continue;
-        const size_t from = part.begin, to = part.end;
-        long long element = static_cast<long long>(llmc_element_offset(base, base.params()[id])) +
-                            (id == 0 ? 0 : vocab_extra) +
-                            static_cast<long long>(from - p.offset);
-        float* slice = values.data() + local.index;
-        if (std::fseek(in, 1024 + element * 4, SEEK_SET) != 0 ||
-            std::fread(slice, sizeof(float), to - from, in) != to - from)
-          throw CheckpointError("checkpoint.init_from '" + path + "': file too short (truncated?) while reading " +
-                                p.name);
-        // Caught here, not steps later as a divergence. Each rank checks its slice; the caller agrees.
-        const float* bad = std::find_if(slice, slice + (to - from), [](float x) { return !std::isfinite(x); });
-        if (bad != slice + (to - from))
-          throw CheckpointError(strprintf("checkpoint.init_from '%s': tensor %s holds %g at element %zu: the file is "
-                                          "damaged or comes from a run that diverged; use another file",
-                                          path.c_str(), p.name.c_str(), *bad, from - p.offset + (bad - slice)));
-      }
-    } catch (...) {
-      failed = std::current_exception();
-    }
-    values.upload();  // collective under fsdp.double_quant: a rank that failed takes part too
-  }
-  if (failed) std::rethrow_exception(failed);
+  engine.fill_base_shards([&](const ParamInfo& p, float* slice, const FlatRange& part) {
+    const size_t from = part.begin, to = part.end;
+    long long element = static_cast<long long>(llmc_element_offset(base, base.params()[p.id])) +
+                        (p.id == 0 ? 0 : vocab_extra) + static_cast<long long>(from - p.offset);
+    if (std::fseek(in, 1024 + element * 4, SEEK_SET) != 0 || std::fread(slice, sizeof(float), to - from, in) != to - from)
+      throw CheckpointError("checkpoint.init_from '" + path + "': file too short (truncated?) while reading " + p.name);
+    // Caught here, not steps later as a divergence. Each rank checks its slice; the caller agrees.
+    const float* bad = std::find_if(slice, slice + (to - from), [](float x) { return !std::isfinite(x); });
+    if (bad != slice + (to - from))
+      throw CheckpointError(strprintf("checkpoint.init_from '%s': tensor %s holds %g at element %zu: the file is "
+                                      "damaged or comes from a run that diverged; use another file",
+                                      path.c_str(), p.name.c_str(), *bad, from - p.offset + (bad - slice)));
+  });
 }
 
 }  // namespace shardtrain

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <limits>
 
 #include "core/error.hpp"
@@ -358,6 +359,25 @@ void HostShard::fill_nested_table(const std::vector<float>& absmax, const std::v
   }
   SHARD_CHECK(w == l.nested_weights && group == l.nested_groups, "a nested table of %zu weights and %zu groups", w,
               group);
+}
+
+void FsdpEngine::fill_base_shards(const std::function<void(const ParamInfo&, float*, const FlatRange&)>& read,
+                                  const std::vector<std::vector<std::vector<float>>>* nested_given) {
+  std::exception_ptr failed;
+  for (size_t u = 0; u < shards_.size(); u++) {
+    HostShard values = host_shard(static_cast<int>(u));
+    if (!failed) try {
+      for (int id : table_.units()[u].params) {
+        const ParamInfo& p = table_.params()[id];
+        const UnitLayout::Local local = shards_[u].layout.local_part(p.range());
+        if (!local.range.empty() && !p.adapter) read(p, values.data() + local.index, local.range);
+      }
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    values.upload(true, nested_given ? &(*nested_given)[u] : nullptr);
+  }
+  if (failed) std::rethrow_exception(failed);
 }
 
 FsdpEngine::~FsdpEngine() {

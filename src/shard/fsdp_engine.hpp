@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -291,6 +292,13 @@ class FsdpEngine {
   }
   std::vector<UnitShard>& shards() { return shards_; }
   // Unit u's whole shard on the host (see HostShard).
+  // Fills the base model's parameters from a file: read(param, slice, part) writes the elements
+  // `part` (unit coordinates) of `param` that this rank holds into `slice`; adapters, padding and
+  // what read leaves keep their values. Every rank uploads every unit (collective under double
+  // quantization), so a rank whose read throws goes on uploading and rethrows its first error at
+  // the end. nested_given: per unit, HostShard::upload's.
+  void fill_base_shards(const std::function<void(const ParamInfo&, float*, const FlatRange&)>& read,
+                        const std::vector<std::vector<std::vector<float>>>* nested_given = nullptr);
   HostShard host_shard(int unit, bool with_quantized = true) {
     return HostShard(shards_[unit], table_, unit, with_quantized, shard_comm_, *backend_.device);
   }

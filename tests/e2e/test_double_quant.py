@@ -241,3 +241,18 @@ def test_export_of_a_double_quantized_checkpoint_writes_its_own_codes_and_tables
             got = dequantize_bnb_tensor(tensors, name)
             assert np.array_equal(got.view(np.uint32), reference[name].view(np.uint32)), name
     assert training(2, out, *DQ)[0] == training(2, dq_base())[0]
+
+
+def test_a_bad_value_one_rank_reads_stops_every_rank_with_one_line():
+    """Loading is collective under double quantization (the absmax are all-gathered unit by unit):
+    a NaN in the part of a weight that only the last rank reads still ends the run on every rank
+    with one line naming the tensor and exit 2, never a hang."""
+    d = tempdir()
+    shutil.copy(os.path.join(BASE, "config.json"), d)
+    tensors = load_file(os.path.join(BASE, "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = tensors[name].copy()
+    tensors[name].reshape(-1)[-1] = np.nan
+    save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    expect_usage_error(qlora_args(d, *DQ, f"--checkpoint.dir={tempdir()}"), "layers.0.mlp.down_proj.weight",
+                       "holds nan", np_=3)
