@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "backend/quant.hpp"
+#include "core/error.hpp"
 
 namespace shardtrain {
 
@@ -63,6 +64,7 @@ uint8_t nested_code(float absmax, float offset, float scale) {
 }
 
 std::vector<uint8_t> lone_weight_nested_table(const std::vector<float>& offset_and_scales, uint64_t records) {
+  SHARD_CHECK(!offset_and_scales.empty(), "a nested table without its offset");
   const size_t groups = offset_and_scales.size() - 1;
   std::vector<uint8_t> table(nested_table_bytes(1, groups));
   std::memcpy(table.data(), quant_dynamic_map(), 256 * sizeof(float));
@@ -74,12 +76,17 @@ std::vector<uint8_t> lone_weight_nested_table(const std::vector<float>& offset_a
   return table;
 }
 
-uint8_t nested_code_of_decoded(float absmax, float offset, float scale) {
+int nested_code_decoding_to(float target, float offset, float scale) {
   const float* map = quant_dynamic_map();
-  const int nearest = nested_code(absmax, offset, scale);
+  const int nearest = nested_code(target, offset, scale);
   for (int code : {nearest, nearest - 1, nearest + 1})
-    if (code >= 0 && code < 256 && product_rounded(map[code], scale) + offset == absmax) return static_cast<uint8_t>(code);
-  return static_cast<uint8_t>(nearest);
+    if (code >= 0 && code < 256 && product_rounded(map[code], scale) + offset == target) return code;
+  return -1;
+}
+
+uint8_t nested_code_of_decoded(float absmax, float offset, float scale) {
+  const int exact = nested_code_decoding_to(absmax, offset, scale);
+  return static_cast<uint8_t>(exact >= 0 ? exact : nested_code(absmax, offset, scale));
 }
 
 float nested_scales_of(const float* absmax, size_t n, float* scales) {

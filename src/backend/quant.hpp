@@ -60,7 +60,8 @@ HOST_DEVICE inline size_t quant_record_bytes(QuantType t, size_t block, bool nes
   return quant_code_bytes(t, block) + (nested ? 1 : (quant_has_scale(t) ? sizeof(float) : 0));
 }
 // Bytes per element of a quantized tensor (codes and scales): 0.5625 for NF4 in blocks of 64, 2 for
-// bf16; nested, 0.515625 plus the nested table's 4 bytes per group and per weight.
+// bf16; nested, 0.515625 plus the nested table's 4 bytes per group (its fixed part, the map and
+// 32 bytes per weight, not counted).
 inline double quant_bytes_per_element(QuantType t, size_t block, bool nested = false) {
   return static_cast<double>(quant_record_bytes(t, block, nested)) / static_cast<double>(block) +
          (nested ? static_cast<double>(sizeof(float)) / static_cast<double>(block * QUANT_NESTED_BLOCK) : 0.0);
@@ -269,8 +270,10 @@ const float* quant_dynamic_map();
 // The code of an absmax in a group of `scale` around `offset`: the nearest map value of
 // (absmax - offset) / scale clamped to [-1, 1] (the first of two as near; 0 for a scale of 0).
 uint8_t nested_code(float absmax, float offset, float scale);
-// The same, except that a neighbouring code which decodes to `absmax` exactly is taken: an absmax
-// that came from a code (a file's) gets that code's value back, however its producer searched.
+// The code among the nearest to `target` and its two neighbours that decodes to it exactly, or -1.
+int nested_code_decoding_to(float target, float offset, float scale);
+// nested_code, except that a code which decodes to `absmax` exactly is taken: an absmax that came
+// from a code (a file's) gets that code's value back, however its producer searched.
 uint8_t nested_code_of_decoded(float absmax, float offset, float scale);
 // Double quantization of one weight's n absmax: returns the offset (their mean, summed in double
 // and rounded once) and writes the scale of each group of QUANT_NESTED_BLOCK into `scales`.

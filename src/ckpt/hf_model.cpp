@@ -175,7 +175,7 @@ ModelConfig read_hf_model_config(const std::string& path) {
 
 HfTensor hf_tensor_of(const ModelConfig& config, const ParamInfo& p) { return family_of(config).hf_tensor(p); }
 
-void load_hf_shards(const std::string& path, FsdpEngine& engine) {
+static void read_hf_shards(const std::string& path, FsdpEngine& engine) {
   const ParamTable& table = engine.table();
   const ModelFamily& family = family_of(table.config());
   // A folder, or the family's single file: where each parameter lies, by the file's key.
@@ -299,6 +299,10 @@ void load_hf_shards(const std::string& path, FsdpEngine& engine) {
                                       (reader ? reader->path() : path).c_str(),
                                       (tensor ? tensor->name : tensor_of(p).name).c_str(), *bad));
   }, &nested_given);
+}
+
+void load_hf_shards(const std::string& path, FsdpEngine& engine) {
+  engine.load_base([&] { read_hf_shards(path, engine); });
 }
 
 void write_hf_shards(FsdpEngine& engine, const HfExportPlan& plan,

@@ -76,7 +76,7 @@ void export_llmc(const std::string& checkpoint_path, const std::string& out_path
               m.n_layer, m.n_embd, m.n_head, m.vocab_size, header[7], m.max_seq_len);
 }
 
-void load_llmc_shards(const std::string& path, FsdpEngine& engine) {
+static void read_llmc_shards(const std::string& path, FsdpEngine& engine) {
   const ParamTable& table = engine.table();
   const ModelConfig& m = table.config();
   const ParamTable base(m);  // the file's layout: the model without adapters (theirs come after, by id)
@@ -119,6 +119,10 @@ void load_llmc_shards(const std::string& path, FsdpEngine& engine) {
                                       "damaged or comes from a run that diverged; use another file",
                                       path.c_str(), p.name.c_str(), *bad, from - p.offset + (bad - slice)));
   });
+}
+
+void load_llmc_shards(const std::string& path, FsdpEngine& engine) {
+  engine.load_base([&] { read_llmc_shards(path, engine); });
 }
 
 }  // namespace shardtrain

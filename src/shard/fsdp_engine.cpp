@@ -307,9 +307,25 @@ void HostShard::upload(bool with_quantized, const std::vector<std::vector<float>
   for (size_t b = 0; b < valid.size(); b++) {
     uint8_t& code = records[b * record + code_bytes];
     code = 0;  // padding after the weights
-    for (size_t w = 0; w < nested.count; w++)
-      if (const NestedWeight& x = nested.weights[w]; x.holds(nested.first_record + b))
-        code = nested_code_of_decoded(absmax[b], x.offset, nested.group_scale[x.group_of(nested.first_record + b)]);
+    for (size_t w = 0; w < nested.count; w++) {
+      const NestedWeight& x = nested.weights[w];
+      if (!x.holds(nested.first_record + b)) continue;
+      const float scale = nested.group_scale[x.group_of(nested.first_record + b)];
+      code = nested_code_of_decoded(absmax[b], x.offset, scale);
+      // bitsandbytes decodes a block's absmax below zero where it is small beside its group's: the
+      // block's values are its codes times that negative number. Found exactly, such a block is
+      // coded from its negated values under it, which gives its codes back.
+      const int negative = absmax[b] > 0 && product_rounded(quant_dynamic_map()[code], scale) + x.offset != absmax[b]
+                               ? nested_code_decoding_to(-absmax[b], x.offset, scale)
+                               : -1;
+      if (negative < 0) continue;
+      std::vector<float> negated(values + b * l.block, values + b * l.block + valid[b]);
+      for (float& v : negated) v = -v;
+      std::vector<uint8_t> block_record(plain);
+      quantize_block(l.quant, negated.data(), valid[b], l.block, block_record.data());
+      std::memcpy(records.data() + b * record, block_record.data(), code_bytes);
+      code = static_cast<uint8_t>(negative);
+    }
   }
   shard_.packed.device()->copy_to_device(shard_.packed.data(), records.data(), shard_.packed.bytes());
 }
@@ -319,8 +335,10 @@ void HostShard::fill_nested_table(const std::vector<float>& absmax, const std::v
   const UnitLayout& l = shard_.layout;
   SHARD_CHECK(!given || given->size() == l.nested_weights, "%zu nested tables given for %zu weights",
               given ? given->size() : 0, l.nested_weights);
+  // Gathered whether or not every weight's table is given: which collectives run must not depend
+  // on what one rank read.
   std::vector<float> all;
-  if (!given || std::any_of(given->begin(), given->end(), [](const std::vector<float>& t) { return t.empty(); })) {
+  {
     // Every rank's absmax, in the order of the unit's records: gathered in host memory, or on a GPU
     // in the device memory its communicator takes. A loader's transient, like the host shard.
     const size_t mine = absmax.size() * sizeof(float), total = mine * static_cast<size_t>(comm_.size());
@@ -363,6 +381,7 @@ void HostShard::fill_nested_table(const std::vector<float>& absmax, const std::v
 
 void FsdpEngine::fill_base_shards(const std::function<void(const ParamInfo&, float*, const FlatRange&)>& read,
                                   const std::vector<std::vector<std::vector<float>>>* nested_given) {
+  filling_ = true;
   std::exception_ptr failed;
   for (size_t u = 0; u < shards_.size(); u++) {
     HostShard values = host_shard(static_cast<int>(u));
@@ -378,6 +397,16 @@ void FsdpEngine::fill_base_shards(const std::function<void(const ParamInfo&, flo
     values.upload(true, nested_given ? &(*nested_given)[u] : nullptr);
   }
   if (failed) std::rethrow_exception(failed);
+}
+
+void FsdpEngine::load_base(const std::function<void()>& loader) {
+  filling_ = false;
+  try {
+    loader();
+  } catch (...) {
+    if (!filling_ && table_.quant().nested) fill_base_shards([](const ParamInfo&, float*, const FlatRange&) {});
+    throw;
+  }
 }
 
 FsdpEngine::~FsdpEngine() {

@@ -217,8 +217,8 @@ struct UnitShard {
 // This rank's whole shard of one unit in fp32 on the host, indexed as UnitLayout::local_part: the
 // trainable and frozen spaces as held, the quantized space dequantized (the values the model
 // computes with). upload() stores it back -- quantizing the quantized space shard-locally, block by
-// block -- which is how every loader fills a shard. In place where the shard lives on the host and
-// has no quantized space.
+// block, under double quantization with the shard group's absmax gathered -- which is how every
+// loader fills a shard. In place where the shard lives on the host and has no quantized space.
 class HostShard {
  public:
   // with_quantized false: the quantized space is left zero, not dequantized (a caller that only
@@ -299,6 +299,10 @@ class FsdpEngine {
   // the end. nested_given: per unit, HostShard::upload's.
   void fill_base_shards(const std::function<void(const ParamInfo&, float*, const FlatRange&)>& read,
                         const std::vector<std::vector<std::vector<float>>>* nested_given = nullptr);
+  // Runs a loader that ends in fill_base_shards. Where it throws before reaching it (a header this
+  // rank alone failed to read), the rank still takes part in the uploads, reading nothing, and
+  // then rethrows: the other ranks are not left waiting in a collective upload.
+  void load_base(const std::function<void()>& loader);
   HostShard host_shard(int unit, bool with_quantized = true) {
     return HostShard(shards_[unit], table_, unit, with_quantized, shard_comm_, *backend_.device);
   }
@@ -390,6 +394,7 @@ class FsdpEngine {
   // linear weights), which are all a gather widens from the 16-bit copy.
   std::vector<std::vector<FlatRange>> widened_;
   int current_slot_ = -1;  // the block slot in use by the computation
+  bool filling_ = false;   // fill_base_shards has started (load_base)
   std::vector<DeviceArray<float>> grad_buffers_;
   std::vector<DeviceArray<float>> device_grads_;  // cpu_offload: each unit's gradient shard on the device
   std::vector<int> reduce_handles_;  // per gradient buffer: its started reduce-scatter, or -1

@@ -256,3 +256,31 @@ def test_a_bad_value_one_rank_reads_stops_every_rank_with_one_line():
     save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
     expect_usage_error(qlora_args(d, *DQ, f"--checkpoint.dir={tempdir()}"), "layers.0.mlp.down_proj.weight",
                        "holds nan", np_=3)
+
+
+def test_a_block_decoded_below_zero_keeps_its_values():
+    """bitsandbytes decodes the absmax of a block that is tiny beside its group's (here a 1e-4-scaled
+    first block of q_proj, with a large second block) below zero: 4.4e-6 becomes -0.0019, and the
+    block's values flip sign as bitsandbytes' do. A double-quantized run starting from such a
+    checkpoint holds those values exactly, as an fp32 run from it does."""
+    d = tempdir()
+    shutil.copy(os.path.join(BASE, "config.json"), d)
+    tensors = load_file(os.path.join(BASE, "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name] = tensors[name].copy()
+    flat = tensors[name].reshape(-1)
+    flat[:64] *= 1e-4
+    flat[64:128] *= 8
+    save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    codes, absmax = quantize_4bit(tensors[name], "nf4", 64)
+    assert double_dequantize(*double_quantize(absmax, dynamic_map()), dynamic_map())[0] < 0
+    ckpt = os.path.join(tempdir(), "negative.h5")
+    ok(run(2, ["convert", "--input", d, "--output", ckpt, "--frozen-dtype=nf4", "--double-quant"]), "convert")
+    want = training(2, ckpt, *BASE_MODEL)[0]
+    assert training(2, ckpt, *BASE_MODEL, *DQ)[0] == want
+    reference = tempdir()
+    shutil.copy(os.path.join(BASE, "config.json"), reference)
+    for key in quantized_names(tensors):
+        tensors[key] = quantize_dequantize(tensors[key], "nf4", 64, dynamic_map())
+    save_file(tensors, os.path.join(reference, "model.safetensors"), metadata={"format": "pt"})
+    assert want == training(2, reference)[0]

@@ -2426,11 +2426,13 @@ TEST_F(DequantizeTest, MatchesCpuBitwise) {
             std::copy(block_record.begin(), block_record.begin() + record, records.begin() + b * record);
             if (nested) records[b * record + block / 2] = static_cast<uint8_t>(b * 37 % 256);  // its absmax code
           }
-          // Double quantization: one weight of `blocks` records, offset 0.25, group scale 1.5.
-          const std::vector<uint8_t> table = lone_weight_nested_table({0.25f, 1.5f}, blocks);
+          // Double quantization: one weight of blocks - 3 records, offset 0.25, group scale 1.5, the
+          // records handed over starting at its third (a shard's start), the last five past the
+          // weight (padding, decoded as zeros).
+          const std::vector<uint8_t> table = lone_weight_nested_table({0.25f, 1.5f}, blocks - 3);
           DeviceBuffer<uint8_t> d_table = on_device(device(), "table", table, 0);
-          const NestedScales cpu_nested = nested ? nested_scales(table.data(), 1) : NestedScales{};
-          const NestedScales gpu_nested = nested ? nested_scales(d_table.data(), 1) : NestedScales{};
+          const NestedScales cpu_nested = nested ? nested_scales(table.data(), 1, 2) : NestedScales{};
+          const NestedScales gpu_nested = nested ? nested_scales(d_table.data(), 1, 2) : NestedScales{};
           std::vector<float> want(n);
           std::vector<uint16_t> want_half(n);
           const bool with_half = half != DTYPE_FP32;
