@@ -95,12 +95,14 @@ META_ORDER_V8 = {"llama": ("model.rope_scaling", "model.head_dim"), "qwen2": ("m
                  "smollm3": ("model.rope_scaling", "model.head_dim", "model.nope_layers")}
 # Written only when not 0 or empty (a pixel-space model's patch, a scaled rotary embedding, a head
 # size of its own).
-META_OPTIONAL = ("model.pixel_patch", "model.rope_scaling", "model.head_dim", "model.nope_layers")
+META_OPTIONAL = ("model.pixel_patch", "model.rope_scaling", "model.head_dim", "model.nope_layers",
+                 "quantized.double_quant")
 # Then, in a file of a run with a text encoder in the job (any version), its record.
 META_ORDER_TEXT_ENCODER = ("text_encoder.source", "text_encoder.layers", "text_encoder.tokenizer", "text_encoder.dtype",
                            "text_encoder.quant_block", "text_encoder.quantize_all_linear", "text_encoder.checksum")
-# Then, from version 7 in a file holding a quantized base's records, their format.
-META_ORDER_QUANTIZED = ("quantized.dtype", "quantized.block")
+# Then, from version 7 in a file holding a quantized base's records, their format (from version 9
+# whether their absmax are double-quantized, written when they are).
+META_ORDER_QUANTIZED = ("quantized.dtype", "quantized.block", "quantized.double_quant")
 
 
 def text_of(value):

@@ -21,6 +21,7 @@ from harness import read_metrics, run, run_single, tempdir, tiny_args
 from quant_reference import (dequantize_4bit, dequantize_bnb_tensor, double_dequantize, double_quantize, pack_4bit,
                              quantize_4bit, quantize_dequantize)
 from test_bad_input import expect_usage_error
+from test_checkpoint_edges import meta_checksum
 from test_freeze import latest
 from test_llama import ok
 from test_quantization import (BASE, BASE_MODEL, BNB_FOLDERS, SAVE_AT, fixture_tensors, folder_tensors, load_file,
@@ -158,6 +159,7 @@ def test_checkpoints_hold_the_codes_and_tables_and_resume_exactly():
         saved = os.path.join(d, f"ckpt-{SAVE_AT:08d}.h5")
         with h5py.File(saved, "r") as f:
             assert f.attrs["version"] == 9 and f.attrs["quantized.double_quant"] == 1
+            assert f.attrs["meta_checksum"] == meta_checksum(f.attrs)
             assert sorted(f["quantized"]) == sorted(oracle) == sorted(f["quantized_nested"]), layout
             for name, (packed, absmax_codes, table) in oracle.items():
                 records = f["quantized"][name][...]

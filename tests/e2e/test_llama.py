@@ -301,7 +301,7 @@ def test_llama_inspect():
     for fmt in ("gathered", "sharded"):
         path = os.path.join(baseline(fmt)[0], ckpt_name(STEPS))
         proc = ok(run_single(["inspect", path]), "inspect")
-        assert SUMMARY in proc.stdout and "version 8" in proc.stdout, proc.stdout[:2000]
+        assert SUMMARY in proc.stdout and "version 9" in proc.stdout, proc.stdout[:2000]
         arrays = read_datasets(path) if fmt == "gathered" else reassemble(path)
         rows = {l.split()[0]: l.split() for l in proc.stdout.splitlines() if l.split() and l.split()[0] in
                 llama_shapes()}
