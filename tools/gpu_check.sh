@@ -207,11 +207,12 @@ done
 against_cpu "LoRA on an NF4 base" qlora 2 1 "${CMP_MODEL[@]}" --train.micro_batch=4 --train.global_batch=8 \
   --adapter.type=lora --adapter.targets=attn.c_attn,mlp.c_fc --fsdp.frozen_dtype=nf4
 # ... and in bf16, where the quantized weights live in the gathered 16-bit copies alone (their fp32
-# place reserved but not mapped: the driver's virtual memory) and DoRA reads them through the copy.
-bf16_cudnn_against_cpu "DoRA on an NF4 base in bf16 (dequantized into the 16-bit copy alone)" qdora-bf16 \
+# place reserved but not mapped: the driver's virtual memory) and DoRA reads them through the copy;
+# double-quantized, so the kernel decodes each absmax through the unit's nested table on the device.
+bf16_cudnn_against_cpu "DoRA on a double-quantized NF4 base in bf16 (dequantized into the 16-bit copy alone)" qdora-bf16 \
   inputs/llama-tiny.ini --train.steps=20 --train.threads=4 --train.micro_batch=4 --train.global_batch=8 \
   --model.n_embd=64 --model.n_head=4 --adapter.type=dora --adapter.targets=q_proj,v_proj,down_proj \
-  --fsdp.frozen_dtype=nf4 --fsdp.quant_block=32
+  --fsdp.frozen_dtype=nf4 --fsdp.quant_block=32 --fsdp.double_quant=true
 
 # The Llama family (grouped-query attention, rotary, RMSNorm, SwiGLU, untied head) and packed
 # documents (attention within each document, positions restarting: the kernels' document starts).
