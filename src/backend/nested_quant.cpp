@@ -63,16 +63,21 @@ uint8_t nested_code(float absmax, float offset, float scale) {
   return static_cast<uint8_t>(code);
 }
 
+void write_nested_table(uint8_t* table, const std::vector<NestedWeight>& weights, const std::vector<float>& scales) {
+  std::memcpy(table, quant_dynamic_map(), 256 * sizeof(float));
+  std::memcpy(table + 256 * sizeof(float), weights.data(), weights.size() * sizeof(NestedWeight));
+  std::memcpy(table + 256 * sizeof(float) + weights.size() * sizeof(NestedWeight), scales.data(),
+              scales.size() * sizeof(float));
+}
+
 std::vector<uint8_t> lone_weight_nested_table(const std::vector<float>& offset_and_scales, uint64_t records) {
   SHARD_CHECK(!offset_and_scales.empty(), "a nested table without its offset");
-  const size_t groups = offset_and_scales.size() - 1;
-  std::vector<uint8_t> table(nested_table_bytes(1, groups));
-  std::memcpy(table.data(), quant_dynamic_map(), 256 * sizeof(float));
   NestedWeight w;
   w.records = records;
   w.offset = offset_and_scales[0];
-  std::memcpy(table.data() + 256 * sizeof(float), &w, sizeof w);
-  std::memcpy(table.data() + 256 * sizeof(float) + sizeof w, offset_and_scales.data() + 1, groups * sizeof(float));
+  const std::vector<float> scales(offset_and_scales.begin() + 1, offset_and_scales.end());
+  std::vector<uint8_t> table(nested_table_bytes(1, scales.size()));
+  write_nested_table(table.data(), {w}, scales);
   return table;
 }
 

@@ -248,15 +248,22 @@ inline NestedScales nested_scales(const uint8_t* table, size_t weights, size_t f
   return n;
 }
 
-// The absmax of record r (counted from n.first_record) whose absmax code is `code`, as bitsandbytes
-// dequantizes it: map[code] x scale, rounded, plus the offset. 0 for padding after the weights.
+// The weight record r (counted from n.first_record) belongs to, or null (padding after the weights).
+HOST_DEVICE inline const NestedWeight* nested_weight(const NestedScales& n, size_t r) {
+  for (size_t w = 0; w < n.count; w++)
+    if (n.weights[w].holds(n.first_record + r)) return &n.weights[w];
+  return nullptr;
+}
+// The scale of record r's group (its weight x's).
+HOST_DEVICE inline float nested_group_scale(const NestedScales& n, const NestedWeight& x, size_t r) {
+  return n.group_scale[x.group_of(n.first_record + r)];
+}
+
+// The absmax of record r whose absmax code is `code`, as bitsandbytes dequantizes it: map[code] x
+// scale, rounded, plus the offset. 0 for padding after the weights.
 HOST_DEVICE inline float nested_absmax(const NestedScales& n, size_t r, uint8_t code) {
-  const uint64_t record = n.first_record + r;
-  for (size_t w = 0; w < n.count; w++) {
-    const NestedWeight& x = n.weights[w];
-    if (x.holds(record)) return product_rounded(n.map[code], n.group_scale[x.group_of(record)]) + x.offset;
-  }
-  return 0.0f;
+  const NestedWeight* x = nested_weight(n, r);
+  return x ? product_rounded(n.map[code], nested_group_scale(n, *x, r)) + x->offset : 0.0f;
 }
 
 // The scale of record r: its fp32 absmax or scale, or (nested) its decoded absmax.
@@ -278,6 +285,9 @@ uint8_t nested_code_of_decoded(float absmax, float offset, float scale);
 // Double quantization of one weight's n absmax: returns the offset (their mean, summed in double
 // and rounded once) and writes the scale of each group of QUANT_NESTED_BLOCK into `scales`.
 float nested_scales_of(const float* absmax, size_t n, float* scales);
+// Writes a nested table (nested_table_bytes(weights.size(), scales.size()) bytes at `table`): the
+// map, the weights, the group scales.
+void write_nested_table(uint8_t* table, const std::vector<NestedWeight>& weights, const std::vector<float>& scales);
 // The nested table of a lone weight of `records` records from its offset and group scales as files
 // store them (offset first): nested_scales(table.data(), 1) reads it.
 std::vector<uint8_t> lone_weight_nested_table(const std::vector<float>& offset_and_scales, uint64_t records);

@@ -91,8 +91,7 @@ class HostShards {
     SHARD_CHECK(w < n.count, "%s has no nested table", p.name.c_str());
     const NestedWeight& x = n.weights[w];
     std::vector<float> values{x.offset};
-    values.insert(values.end(), n.group_scale + x.first_group,
-                  n.group_scale + x.first_group + (x.records + QUANT_NESTED_BLOCK - 1) / QUANT_NESTED_BLOCK);
+    values.insert(values.end(), n.group_scale + x.first_group, n.group_scale + x.first_group + nested_groups(x.records));
     return values;
   }
   // k: 0 parameters, 1 first moment, 2 second moment. Element `index` of the unit's shard buffer
@@ -238,12 +237,12 @@ std::vector<DatasetSpec> dataset_specs(const ParamTable& table, const ParamTable
     for (int id : unit.params) {
       const ParamInfo& p = table.params()[id];
       if (!content.in_records(p)) continue;
-      const FlatRange in_run{run.params()[id].offset, run.params()[id].offset + p.numel};
+      const DatasetRun whole{0, run.params()[id].offset, p.numel};
       if (content.nested)  // before the records, which a load dequantizes with it
         specs.push_back({NESTED_GROUP + p.name, {1 + content.groups(p)}, 1 + content.groups(p), u, TENSOR_NESTED,
-                         {{0, in_run.begin, p.numel}}, id});
+                         {whole}, id});
       specs.push_back({RECORDS_GROUP + p.name, {content.blocks(p), content.record_bytes()}, content.blocks(p), u,
-                       TENSOR_RECORDS, {{0, in_run.begin, p.numel}}, id});
+                       TENSOR_RECORDS, {whole}, id});
     }
   }
   return specs;

@@ -306,26 +306,26 @@ void HostShard::upload(bool with_quantized, const std::vector<std::vector<float>
   const NestedScales nested = l.nested_view(records.data(), valid.size(), l.quantized.begin / l.block);
   for (size_t b = 0; b < valid.size(); b++) {
     uint8_t& code = records[b * record + code_bytes];
-    code = 0;  // padding after the weights
-    for (size_t w = 0; w < nested.count; w++) {
-      const NestedWeight& x = nested.weights[w];
-      if (!x.holds(nested.first_record + b)) continue;
-      const float scale = nested.group_scale[x.group_of(nested.first_record + b)];
-      code = nested_code_of_decoded(absmax[b], x.offset, scale);
-      // bitsandbytes decodes a block's absmax below zero where it is small beside its group's: the
-      // block's values are its codes times that negative number. Found exactly, such a block is
-      // coded from its negated values under it, which gives its codes back.
-      const int negative = absmax[b] > 0 && product_rounded(quant_dynamic_map()[code], scale) + x.offset != absmax[b]
-                               ? nested_code_decoding_to(-absmax[b], x.offset, scale)
-                               : -1;
-      if (negative < 0) continue;
-      std::vector<float> negated(values + b * l.block, values + b * l.block + valid[b]);
-      for (float& v : negated) v = -v;
-      std::vector<uint8_t> block_record(plain);
-      quantize_block(l.quant, negated.data(), valid[b], l.block, block_record.data());
-      std::memcpy(records.data() + b * record, block_record.data(), code_bytes);
-      code = static_cast<uint8_t>(negative);
+    const NestedWeight* x = nested_weight(nested, b);
+    if (!x) {
+      code = 0;  // padding after the weights
+      continue;
     }
+    const float scale = nested_group_scale(nested, *x, b);
+    code = nested_code_of_decoded(absmax[b], x->offset, scale);
+    // bitsandbytes decodes a block's absmax below zero where it is small beside its group's: the
+    // block's values are its codes times that negative number. Found exactly, such a block is
+    // coded from its negated values under it, which gives its codes back.
+    const int negative = absmax[b] > 0 && nested_absmax(nested, b, code) != absmax[b]
+                             ? nested_code_decoding_to(-absmax[b], x->offset, scale)
+                             : -1;
+    if (negative < 0) continue;
+    std::vector<float> negated(values + b * l.block, values + b * l.block + valid[b]);
+    for (float& v : negated) v = -v;
+    std::vector<uint8_t> block_record(plain);
+    quantize_block(l.quant, negated.data(), valid[b], l.block, block_record.data());
+    std::memcpy(records.data() + b * record, block_record.data(), code_bytes);
+    code = static_cast<uint8_t>(negative);
   }
   shard_.packed.device()->copy_to_device(shard_.packed.data(), records.data(), shard_.packed.bytes());
 }
@@ -352,31 +352,32 @@ void HostShard::fill_nested_table(const std::vector<float>& absmax, const std::v
                      "all_gather(absmax for double quantization)");
     if (!device_.is_host()) device_.copy_to_host(host, wire, total);
   }
-  // The table: the map, then per quantized weight its records, offset and group scales.
-  std::memcpy(table, quant_dynamic_map(), 256 * sizeof(float));
-  NestedWeight* weights = reinterpret_cast<NestedWeight*>(table + 256 * sizeof(float));
-  float* scales = reinterpret_cast<float*>(table + 256 * sizeof(float) + l.nested_weights * sizeof(NestedWeight));
-  size_t w = 0, group = 0;
+  // Per quantized weight its records, offset and group scales.
+  std::vector<NestedWeight> weights;
+  std::vector<float> scales(l.nested_groups);
+  size_t group = 0;
   for (int id : table_.units()[unit_].params) {
     const ParamInfo& p = table_.params()[id];
     if (!p.quantized) continue;
-    NestedWeight& x = weights[w++];
+    NestedWeight& x = weights.emplace_back();
     x.first_record = (p.offset - table_.units()[unit_].plain_numel) / l.block;
     x.records = (p.numel + l.block - 1) / l.block;
     x.first_group = group;
     const size_t groups = nested_groups(x.records);
-    if (const std::vector<float>* t = given ? &(*given)[w - 1] : nullptr; t && !t->empty()) {
+    SHARD_CHECK(group + groups <= scales.size(), "a nested table of %zu groups", scales.size());
+    float* own = scales.data() + group;
+    group += groups;
+    if (const std::vector<float>* t = given ? &(*given)[weights.size() - 1] : nullptr; t && !t->empty()) {
       SHARD_CHECK(t->size() == 1 + groups, "%s: a nested table of %zu values for %zu groups", p.name.c_str(),
                   t->size(), groups);
       x.offset = (*t)[0];
-      std::copy(t->begin() + 1, t->end(), scales + group);
+      std::copy(t->begin() + 1, t->end(), own);
     } else {
-      x.offset = nested_scales_of(all.data() + x.first_record, x.records, scales + group);
+      x.offset = nested_scales_of(all.data() + x.first_record, x.records, own);
     }
-    group += groups;
   }
-  SHARD_CHECK(w == l.nested_weights && group == l.nested_groups, "a nested table of %zu weights and %zu groups", w,
-              group);
+  SHARD_CHECK(weights.size() == l.nested_weights, "a nested table of %zu weights", weights.size());
+  write_nested_table(table, weights, scales);
 }
 
 void FsdpEngine::fill_base_shards(const std::function<void(const ParamInfo&, float*, const FlatRange&)>& read,

@@ -291,7 +291,6 @@ class FsdpEngine {
     return options_.cpu_offload ? *backend_.host_shard_ops : *backend_.shard_ops;
   }
   std::vector<UnitShard>& shards() { return shards_; }
-  // Unit u's whole shard on the host (see HostShard).
   // Fills the base model's parameters from a file: read(param, slice, part) writes the elements
   // `part` (unit coordinates) of `param` that this rank holds into `slice`; adapters, padding and
   // what read leaves keep their values. Every rank uploads every unit (collective under double
@@ -303,6 +302,7 @@ class FsdpEngine {
   // rank alone failed to read), the rank still takes part in the uploads, reading nothing, and
   // then rethrows: the other ranks are not left waiting in a collective upload.
   void load_base(const std::function<void()>& loader);
+  // Unit u's whole shard on the host (see HostShard).
   HostShard host_shard(int unit, bool with_quantized = true) {
     return HostShard(shards_[unit], table_, unit, with_quantized, shard_comm_, *backend_.device);
   }
