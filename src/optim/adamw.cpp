@@ -116,6 +116,7 @@ double AdamW::step(int step, const double* sums, double grad_scale) {
   s.bias_correction2 = static_cast<float>(1.0 - std::pow(config_.beta2, step + 1));
   engine_.master_shard_ops().adamw_multi(segments_.data(), segment_count_, sums,
                                          AdamWClip{config_.grad_clip, grad_scale}, s);
+  engine_.params_changed();
   return lr;
 }
 

@@ -85,6 +85,10 @@ std::vector<UnitLayout> FsdpEngine::plan_layout(const ParamTable& table, const G
   return layout;
 }
 
+bool FsdpEngine::keeps_half_shard(const EngineOptions& options) {
+  return options.keep_half_shard && options.param_dtype != DTYPE_FP32;
+}
+
 std::vector<PlannedAllocation> FsdpEngine::plan_allocations(const std::vector<UnitLayout>& layout,
                                                            const EngineOptions& options) {
   std::vector<PlannedAllocation> list;
@@ -99,6 +103,7 @@ std::vector<PlannedAllocation> FsdpEngine::plan_allocations(const std::vector<Un
     if (!options.cpu_offload) add(MEM_SHARDED_PARAMS, l.held_numel() * sizeof(float));
     if (!options.inference) add(MEM_GRADIENTS, l.trainable.shard_numel * sizeof(float));
     if (!options.cpu_offload) add(MEM_SHARDED_PARAMS, l.packed_bytes());
+    if (keeps_half_shard(options)) add(MEM_SHARDED_PARAMS, l.held_numel() * sizeof(uint16_t));  // on the device
     max_grad_shard = std::max(max_grad_shard, l.trainable.shard_numel);
     if (&l != &layout[ROOT_UNIT]) max_block_trainable = std::max(max_block_trainable, l.trainable.padded_numel);
   }
@@ -185,7 +190,7 @@ FsdpEngine::FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_
   GroupShape groups{shard_comm.size(), shard_comm.rank(), replica_comm.size(), replica_comm.rank()};
   std::vector<UnitLayout> layout = plan_layout(table, groups);
   for (const UnitLayout& l : layout) {
-    shards_.emplace_back(l, master, !options_.inference);
+    shards_.emplace_back(l, master, !options_.inference, keeps_half_shard(options_) ? &dev : nullptr);
     if (options_.cpu_offload && !options_.inference) device_grads_.emplace_back(dev, l.trainable.shard_numel);
   }
   engine_bytes_ = plan_memory(layout, options_);
@@ -217,7 +222,8 @@ FsdpEngine::FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_
     if (half_only) backend_.ops->scale(slot.values.data(), planned.backed, std::numeric_limits<float>::quiet_NaN());
     if (half) {  // the GEMMs multiply the gathered 16-bit copy: the weights are rounded once, by the gather
       slot.wire = DeviceArray<uint16_t>(dev, planned.numel);
-      backend_.ops->bind_half_copy(slot.values.data(), slot.wire.data(), planned.numel, options_.param_dtype);
+      slot.half = slot.wire.data();
+      backend_.ops->bind_half_copy(slot.values.data(), slot.half, planned.numel, options_.param_dtype);
     }
     slot.records = DeviceArray<uint8_t>(dev, planned.record_bytes);
     slots_.push_back(std::move(slot));
@@ -262,6 +268,7 @@ HostShard::HostShard(UnitShard& shard, const ParamTable& table, int unit, bool w
       comm_(comm),
       device_(device),
       direct_(shard.params.on_host() && shard.layout.quantized.numel == 0) {
+  shard.half_current = false;  // written in place where direct_, else by upload()
   if (direct_) return;
   const UnitLayout& l = shard.layout;
   copy_.assign(l.shard_numel(), 0.0f);
@@ -275,6 +282,7 @@ HostShard::HostShard(UnitShard& shard, const ParamTable& table, int unit, bool w
 }
 
 void HostShard::upload(bool with_quantized, const std::vector<std::vector<float>>* nested_given) {
+  shard_.half_current = false;
   if (direct_) return;
   const UnitLayout& l = shard_.layout;
   if (shard_.params.size()) shard_.params.device()->copy_to_device(shard_.params.data(), copy_.data(), shard_.params.bytes());
@@ -473,9 +481,21 @@ DeviceArray<float>& FsdpEngine::grad_buffer(int unit) {
 // Each space is gathered on its own: the trainable one into the slot's first
 // trainable.padded_numel elements, the frozen one after it.
 void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
-  const UnitShard& s = shards_[unit];
+  UnitShard& s = shards_[unit];
   slot.unit = unit;
   const bool half = options_.param_dtype != DTYPE_FP32;
+  // The shard's kept 16-bit copy (keep_half_shard): rounded here only if the masters changed since.
+  const bool kept = s.half.size() > 0, fresh = kept && s.half_current;
+  if (half) {
+    // On a shard group of one an unquantized unit's shard is the whole unit, laid out as gathered
+    // (no padding between the spaces): its kept copy is the gathered copy.
+    uint16_t* copy = kept && shard_comm_.size() == 1 && s.layout.quantized.numel == 0 ? s.half.data() : slot.wire.data();
+    if (copy != slot.half) {
+      slot.half = copy;
+      backend_.ops->bind_half_copy(slot.values.data(), copy, copy == s.half.data() ? s.half.size() : slot.wire.size(),
+                                   options_.param_dtype);
+    }
+  }
   const SpaceLayout* spaces[2] = {&s.layout.trainable, &s.layout.frozen};
   size_t at = 0;  // the space's first element in the slot
   for (int k = 0; k < 2; k++) {
@@ -485,7 +505,7 @@ void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
     if (sp.numel == 0) continue;
     float* own_values = slot.values.data() + slot_begin + sp.begin;
     const float* master = s.params.data() + sp.local;
-    if (!half || options_.cpu_offload) {  // up to the device first, into the part of the slot the gather overwrites
+    if (!half || (options_.cpu_offload && !fresh)) {  // up to the device first, into the part of the slot the gather overwrites
       SHARD_CHECK((slot_begin + sp.begin + sp.shard_numel) * sizeof(float) <= slot.values.bytes(),
                   "unit %d's shard staged past its gathered buffer's memory", unit);
       copy_from_master(own_values, master, sp.shard_numel * sizeof(float));
@@ -502,7 +522,17 @@ void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
       continue;
     }
     uint16_t* wire = slot.wire.data() + slot_begin;
-    backend_.shard_ops->to_half(wire + sp.begin, master, sp.shard_numel, options_.param_dtype);
+    if (kept) {
+      uint16_t* own_half = s.half.data() + sp.local;
+      if (!fresh) backend_.shard_ops->to_half(own_half, master, sp.shard_numel, options_.param_dtype);
+      if (slot.half == s.half.data()) {  // the gathered copy itself
+        SHARD_CHECK(sp.local == slot_begin + sp.begin, "unit %d's kept copy is not laid out as gathered", unit);
+        continue;
+      }
+      backend_.device->copy_on_device(wire + sp.begin, own_half, sp.shard_numel * sizeof(uint16_t));
+    } else {
+      backend_.shard_ops->to_half(wire + sp.begin, master, sp.shard_numel, options_.param_dtype);
+    }
     Span<const uint16_t> own(wire + sp.begin, sp.shard_numel);
     Span<uint16_t> full(wire, sp.padded_numel);
     if (async)
@@ -510,6 +540,7 @@ void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
     else
       shard_comm_.all_gather(own, full, what);
   }
+  s.half_current = kept;
   const UnitLayout& l = s.layout;
   if (l.quantized.numel > 0) {  // the records themselves travel
     uint8_t* own = slot.records.data() + l.quantized.begin / l.block * l.record_bytes();
@@ -537,17 +568,17 @@ void FsdpEngine::finish_gather(ParamSlot& slot) {
   const bool half_only = half && options_.linear_weights_in_half_only;
   if (half_only) {
     for (const FlatRange& r : widened_[slot.unit])
-      backend_.shard_ops->from_half(slot.values.data() + r.begin, slot.wire.data() + r.begin, r.size(),
+      backend_.shard_ops->from_half(slot.values.data() + r.begin, slot.half + r.begin, r.size(),
                                     options_.param_dtype);
   } else if (half) {
-    backend_.shard_ops->from_half(slot.values.data(), slot.wire.data(), l.padded_numel(), options_.param_dtype);
+    backend_.shard_ops->from_half(slot.values.data(), slot.half, l.padded_numel(), options_.param_dtype);
   }
   if (l.quantized.numel == 0) return;
   // After the frozen space's gather, whose trailing padding this overwrites; in the 16-bit copy
   // alone where the fp32 buffer has no memory there.
   const size_t at = l.quantized_slot_begin();
   backend_.shard_ops->dequantize_blocks(half_only ? nullptr : slot.values.data() + at,
-                                        half ? slot.wire.data() + at : nullptr, options_.param_dtype,
+                                        half ? slot.half + at : nullptr, options_.param_dtype,
                                         slot.records.data(), l.all_records(), l.quant, l.block,
                                         l.nested_view(slot.records.data(), l.all_records(), 0));
 }

@@ -91,6 +91,12 @@ struct EngineOptions {
   // trainer sets it from the backend (gemms_multiply_half_copies): CUDA's 16-bit GEMMs and oneDNN's
   // bf16 kernels, not the CPU's emulated bf16, which multiplies fp32 values.
   bool linear_weights_in_half_only = false;
+  // With a 16-bit param_dtype: each unit's shard is also kept in param_dtype on the compute device
+  // (UnitShard::half), rounded from the master once after each change of it (an optimizer step, a
+  // load) instead of at every gather -- with gradient accumulation a unit is gathered twice per
+  // micro-batch. On a shard group of one, an unquantized unit's copy is the gathered copy itself:
+  // nothing is rounded or copied per gather. Costs 2 bytes per held element (sharded_params).
+  bool keep_half_shard = false;
   // Generation only (decode_step): no gradients -- the shards carry none, no gradient or reduction
   // buffers are made and the plan counts none; training with it is a bug.
   bool inference = false;
@@ -201,17 +207,23 @@ struct GroupShape {
 };
 
 // The fp32 master parameters of this rank's shard of one unit (trainable space, then frozen), the
-// records of its quantized space, and the gradient of its trainable space, on `device`. Read and
-// write the whole shard through HostShard: `params` lacks the quantized space.
+// records of its quantized space, and the gradient of its trainable space, on `device`; with
+// EngineOptions::keep_half_shard the masters rounded to param_dtype (`half`, laid out as `params`)
+// on `half_device`, the compute device. Read and write the whole shard through HostShard: `params`
+// lacks the quantized space. Whatever writes `params` otherwise must clear `half_current`
+// (FsdpEngine::params_changed).
 struct UnitShard {
-  UnitShard(const UnitLayout& layout, Device& device, bool with_grads = true)
+  UnitShard(const UnitLayout& layout, Device& device, bool with_grads = true, Device* half_device = nullptr)
       : layout(layout),
         params(device, layout.held_numel()),
         grads(device, with_grads ? layout.trainable.shard_numel : 0),
-        packed(device, layout.packed_bytes()) {}
+        packed(device, layout.packed_bytes()),
+        half(half_device ? *half_device : device, half_device ? layout.held_numel() : 0) {}
   UnitLayout layout;
   DeviceArray<float> params, grads;
   DeviceArray<uint8_t> packed;
+  DeviceArray<uint16_t> half;
+  bool half_current = false;  // `half` is `params` rounded
 };
 
 // This rank's whole shard of one unit in fp32 on the host, indexed as UnitLayout::local_part: the
@@ -274,6 +286,8 @@ class FsdpEngine {
     size_t record_bytes = 0;  // the gathered quantized records
   };
   static std::vector<GatherSlot> plan_gather_slots(const std::vector<UnitLayout>& layout, const EngineOptions& options);
+  // Whether the shards keep a 16-bit copy (EngineOptions::keep_half_shard with a 16-bit param_dtype).
+  static bool keeps_half_shard(const EngineOptions& options);
   static std::array<size_t, MEM_CATEGORY_COUNT> plan_memory(const std::vector<UnitLayout>& layout,
                                                             const EngineOptions& options);
 
@@ -291,6 +305,11 @@ class FsdpEngine {
     return options_.cpu_offload ? *backend_.host_shard_ops : *backend_.shard_ops;
   }
   std::vector<UnitShard>& shards() { return shards_; }
+  // The master shards were written other than through HostShard (the optimizer's step): their
+  // 16-bit copies (keep_half_shard) are rounded again at the next gather.
+  void params_changed() {
+    for (UnitShard& s : shards_) s.half_current = false;
+  }
   // Fills the base model's parameters from a file: read(param, slice, part) writes the elements
   // `part` (unit coordinates) of `param` that this rank holds into `slice`; adapters, padding and
   // what read leaves keep their values. Every rank uploads every unit (collective under double
@@ -356,9 +375,11 @@ class FsdpEngine {
   // per space: trainable, frozen).
   struct ParamSlot {
     DeviceArray<float> values;
-    // The gathered unit in a 16-bit param_dtype, `values` its widening: bound to the ops as that
-    // copy (LayerOps::bind_half_copy) from construction to destruction, so the GEMMs multiply it.
+    // The gathered unit in a 16-bit param_dtype, `values` its widening: `half` is bound to the ops
+    // as that copy (LayerOps::bind_half_copy), so the GEMMs multiply it. `half` is `wire`, or on a
+    // shard group of one, for a unit without a quantized space, that unit's own UnitShard::half.
     DeviceArray<uint16_t> wire;
+    uint16_t* half = nullptr;
     DeviceArray<uint8_t> records;  // the gathered quantized space, before dequantization
     int unit = -1;                 // the unit held (valid for the current micro-batch), or -1
     int handles[3] = {-1, -1, -1};  // started all-gathers (trainable, frozen, quantized) not yet waited for

@@ -22,6 +22,7 @@
 
 using namespace shardtrain;
 using shardtrain::testing::all_ranks;
+using shardtrain::testing::token_batch;
 using shardtrain::testing::TrainingRun;
 
 namespace {
@@ -49,11 +50,14 @@ struct Bf16Run {
 TEST(RoundedOnce, TrainingRoundsNoWeightAndBothKernelsAgree) {
   for (ShardingStrategy strategy : {SHARDING_FULL_SHARD, SHARDING_SHARD_GRAD_OP, SHARDING_NO_SHARD}) {
     for (bool offload : {false, true}) {
-      for (DType activations : {DTYPE_FP32, DTYPE_BF16}) {
-        SCOPED_TRACE(::testing::Message() << "activations " << dtype_name(activations));
+      for (int variant = 0; variant < 3; variant++) {  // activations fp32, bf16; bf16 with the shard's copy kept
+        const DType activations = variant == 0 ? DTYPE_FP32 : DTYPE_BF16;
+        SCOPED_TRACE(::testing::Message() << "activations " << dtype_name(activations) << " keep_half_shard "
+                                          << (variant == 2));
         EngineOptions options = TrainingRun::options(offload, false);
         options.strategy = strategy;
         options.param_dtype = options.reduce_dtype = DTYPE_BF16;
+        options.keep_half_shard = variant == 2;
         Bf16Run emulated(false, options, activations);
         emulated.run->train(3, 2);
         EXPECT_TRUE(all_ranks(emulated.gemm->weight_elements_rounded() == 0))
@@ -72,6 +76,41 @@ TEST(RoundedOnce, TrainingRoundsNoWeightAndBothKernelsAgree) {
                                       << native.run->losses.back() << " (oneDNN) against "
                                       << emulated.run->losses.back() << " (SGEMM)";
       }
+    }
+  }
+}
+
+// fsdp.keep_half_shard: the shard's 16-bit copy is rounded again only after the masters change. The
+// oracle is the same run rounding at every gather: the same bits through optimizer steps with
+// gradient accumulation, and after the masters are written again through HostShard (as every
+// loader does) in the middle of a run, which stale copies would not see.
+TEST(RoundedOnce, TheKeptShardCopyFollowsStepsAndWrites) {
+  for (ShardingStrategy strategy : {SHARDING_FULL_SHARD, SHARDING_SHARD_GRAD_OP}) {
+    for (bool offload : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << sharding_strategy_name(strategy) << " offload " << offload);
+      EngineOptions options = TrainingRun::options(offload, false);
+      options.strategy = strategy;
+      options.param_dtype = DTYPE_BF16;
+      Bf16Run every_gather(false, options, DTYPE_BF16);
+      options.keep_half_shard = true;
+      Bf16Run kept(false, options, DTYPE_BF16);
+      every_gather.run->train(3, 2);
+      kept.run->train(3, 2);
+      EXPECT_TRUE(all_ranks(kept.run->losses == every_gather.run->losses));
+      const std::vector<double> before = kept.run->losses;
+      std::vector<int> tokens(10, 3), targets(10, 5);
+      for (Bf16Run* r : {&every_gather, &kept}) {
+        // A forward after the last step gathers every unit (so the kept copies are current), then
+        // the masters are written through HostShard, as a loader writes them.
+        DeviceArray<double> loss(r->run->engine.compute_device(), 1);
+        r->run->engine.eval_micro_batch(r->run->model, token_batch(tokens, targets, 2, 5), loss.data());
+        r->run->engine.init_parameters(12);
+      }
+      every_gather.run->train(2, 2);
+      kept.run->train(2, 2);
+      EXPECT_TRUE(all_ranks(kept.run->losses == every_gather.run->losses));
+      EXPECT_TRUE(all_ranks(kept.run->parameters() == every_gather.run->parameters()));
+      EXPECT_NE(kept.run->losses[3], before[2]);  // the new values show
     }
   }
 }
