@@ -37,6 +37,16 @@ inline const char* activation_dtype_name(ActivationDtype a) {
   return a == ACTIVATIONS_FP32 ? "fp32" : a == ACTIVATIONS_BF16 ? "bf16" : a == ACTIVATIONS_FP16 ? "fp16" : "auto";
 }
 
+// fsdp.keep_half_shard: whether each shard keeps its 16-bit copy between optimizer steps
+// (EngineOptions::keep_half_shard). AUTO: on the CPU without cpu_offload, where rounding the masters
+// at every gather is a memory pass per unit that the step of a small model feels; off on a GPU,
+// where that pass is short against the step and memory is what runs out, and with offload.
+enum KeepHalfShard { KEEP_HALF_AUTO, KEEP_HALF_ON, KEEP_HALF_OFF };
+constexpr KeepHalfShard KEEP_HALF_CHOICES[] = {KEEP_HALF_AUTO, KEEP_HALF_ON, KEEP_HALF_OFF};
+inline const char* keep_half_shard_name(KeepHalfShard k) {
+  return k == KEEP_HALF_ON ? "true" : k == KEEP_HALF_OFF ? "false" : "auto";
+}
+
 struct ComputeOptions {
   std::string device = "cpu";  // cpu | cuda
   // fsdp.param_dtype: on a GPU bf16/fp16 GEMM operands for the tensor cores; on the CPU bf16

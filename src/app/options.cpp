@@ -329,9 +329,10 @@ void declare_options(OptionList& o, Config& c) {
   o.add("fsdp.cpu_offload", &c.fsdp.cpu_offload,
         "keep the fp32 master shards, their gradients and the AdamW moments in (pinned) host memory and step the "
         "optimizer on the CPU: less device memory, a copy of each shard per gather and per step");
-  o.add("fsdp.keep_half_shard", &c.fsdp.keep_half_shard,
-        "with a 16-bit param_dtype, keep each rank's shard also in that type, rounded once after each optimizer "
-        "step instead of at every gather (2 bytes per shard element; on one rank nothing is copied per gather)");
+  o.add_choice("fsdp.keep_half_shard", &c.fsdp.keep_half_shard, KEEP_HALF_CHOICES, keep_half_shard_name,
+               "with a 16-bit param_dtype, keep each rank's shard also in that type, rounded once after each "
+               "optimizer step instead of at every gather (2 bytes more per shard element, on the compute device; "
+               "on one rank nothing is rounded or copied per gather); auto = true on the CPU without cpu_offload");
   o.add("fsdp.limit_all_gathers", &c.fsdp.limit_all_gathers,
         "unsharded blocks held at once (FULL_SHARD, HYBRID_SHARD): 2 lets one all-gather run ahead, each more "
         "costs one block of memory; 1 disables prefetching");
@@ -981,7 +982,8 @@ EngineOptions engine_options(const Config& c) {
   o.backward_prefetch = c.fsdp.backward_prefetch;
   o.limit_all_gathers = c.fsdp.limit_all_gathers;
   o.cpu_offload = c.fsdp.cpu_offload;
-  o.keep_half_shard = c.fsdp.keep_half_shard;
+  o.keep_half_shard = c.fsdp.keep_half_shard == KEEP_HALF_ON ||
+                      (c.fsdp.keep_half_shard == KEEP_HALF_AUTO && !compute_options(c).gpu() && !c.fsdp.cpu_offload);
   o.nccl = compute_options(c).nccl();
   o.linear_weights_in_half_only = gemms_multiply_half_copies(compute_options(c));
   o.overlap_reduce_scatter = o.nccl;  // NCCL progresses on its own stream; MPI does not

@@ -86,7 +86,7 @@ struct FsdpOptions {
   BackwardPrefetch backward_prefetch = BACKWARD_PREFETCH_PRE;
   int limit_all_gathers = 2;  // unsharded block buffers; 1 disables prefetching
   bool cpu_offload = false;   // master shards, gradients and moments in host memory, AdamW on the CPU
-  bool keep_half_shard = true;  // 16-bit param_dtype: each shard also kept rounded, once per step (EngineOptions)
+  KeepHalfShard keep_half_shard = KEEP_HALF_AUTO;  // 16-bit param_dtype: each shard also kept rounded (EngineOptions)
   MemorySize memory_limit;    // e.g. 24GiB: emulates a device's memory; none by default
   double comm_timeout = 300;  // seconds; 0 disables the watchdog
   CommBackend comm_backend = COMM_AUTO;  // collectives on device buffers: NCCL or MPI

@@ -87,8 +87,10 @@ std::vector<Candidate> plan_candidates(const Config& config, int world, int rank
         if (offload && s != SHARDING_FULL_SHARD) continue;
         for (bool ckpt : {false, true}) {
           Candidate c{s, every, ckpt, offload, shard, world / shard, {}, 0, false};
-          EngineOptions options = engine_options(config);
-          options.strategy = s, options.reduce_every_microbatch = every, options.cpu_offload = offload;
+          Config candidate = config;  // what the engine derives from them (fsdp.keep_half_shard=auto) follows
+          candidate.fsdp.sharding_strategy = s, candidate.fsdp.reduce_every_microbatch = every;
+          candidate.fsdp.cpu_offload = offload;
+          const EngineOptions options = engine_options(candidate);
           c.memory = plan_rank_memory(table, GroupShape{shard, 0, world / shard, 0}, options,
                                       config.train.micro_batch, config.train.seq_len, ckpt,
                                       compute_options(config), gemms, frozen);

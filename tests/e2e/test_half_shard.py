@@ -5,8 +5,9 @@ at every gather (keep_half_shard=false): the same bits, step losses and evaluati
 strategy, with offload, fp16's skipped steps, a quantized base, and across a resume. Its memory is
 2 bytes per held shard element, planned and held alike."""
 import os
+import subprocess
 
-from harness import read_metrics, run, tempdir, tiny_args
+from harness import EXE, ROOT, read_metrics, run, tempdir, tiny_args
 from test_quantization import BASE, training
 
 STEPS = 8
@@ -79,3 +80,25 @@ def test_the_copy_costs_two_bytes_per_held_element():
     # fp32 gathers have nothing to keep.
     fp32 = history(2)[2][0]
     assert fp32["peak_mem"]["sharded_params"] == 4 * held[2]
+    # auto keeps no copy where the masters are offloaded; asked for, it stays on the device.
+    offloaded = history(2, BF16, "--fsdp.cpu_offload=true")[2][0]
+    assert offloaded["peak_mem"].get("sharded_params", 0) == 0, offloaded["peak_mem"]
+    kept = history(2, BF16, "--fsdp.cpu_offload=true", "--fsdp.keep_half_shard=true")[2][0]
+    assert kept["peak_mem"]["sharded_params"] == 2 * held[2]
+
+
+def plan_params(*overrides):
+    """The params column of `plan`'s FULL_SHARD row (micro, no checkpointing, no offload), in bytes."""
+    out = subprocess.run([EXE, "plan", "--config", os.path.join(ROOT, "inputs", "tiny.ini"), "--world-size", "2", BF16,
+                          *overrides], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    row = next(l.split() for l in out.stdout.splitlines() if l.split()[:4] == ["FULL_SHARD", "micro", "no", "no"])
+    value, unit = float(row[4]), row[5]
+    return value * {"B": 1, "KiB": 1024, "MiB": 1024 ** 2}[unit]
+
+
+def test_a_gpu_plan_keeps_no_copy_unless_asked():
+    held = (12880 + 2 * 19720) // 2
+    gpu = plan_params("--train.device=cuda")
+    assert abs(plan_params("--train.device=cuda", "--fsdp.keep_half_shard=true") - (gpu + 2 * held)) < 103  # shown to 0.1 KiB
+    assert abs(plan_params() - (gpu + 2 * held)) < 103  # the CPU's auto keeps it
