@@ -285,6 +285,16 @@ for acts in fp32 bf16; do
     report "$(tail -15 "$WORK/act-cpu-$acts.log"; tail -15 "$WORK/act-gpu-$acts.log")"; report '```'
   fi
 done
+# fsdp.keep_half_shard=true (off by default on a GPU): the shard's bf16 copy kept on the card, rounded
+# once per optimizer step, gives the losses of rounding at every gather (1e-6: a stale copy would be
+# a learning-rate step away).
+if run "keep-gpu-bf16" cuda 1 inputs/tiny.ini "${BF16_OPTS[@]}" --fsdp.keep_half_shard=true &&
+   out=$(compare_losses "$WORK/keep-gpu-bf16.jsonl" "$WORK/act-gpu-bf16.jsonl" 1e-6); then
+  report "- ok   keep_half_shard=true on the GPU: $out"
+else
+  FAILED=1; report "- FAIL keep_half_shard=true on the GPU: ${out:-the run failed}"; report '```'
+  report "$(tail -15 "$WORK/keep-gpu-bf16.log")"; report '```'
+fi
 
 fi
 
