@@ -76,7 +76,7 @@ bool RopeScaling::from_settings(const std::string& type, const std::map<std::str
     if (!reads(type, key)) return *error = "'" + key + "' is not a setting of " + type, false;
     // Bounded so that every value and its fp32 rounding stay normal, finite and nonzero.
     if (key == "truncate" ? v != 0 && v != 1 : !(v >= 1e-30 && v <= 1e30))
-      return *error = key + "='" + strprintf("%.17g", v) +
+      return *error = key + "='" + strprintf("%g", v) +
                       (key == "truncate" ? "' is not 0 or 1 (false or true)" : "' is not a number in [1e-30, 1e30]"),
              false;
   }

@@ -11,6 +11,7 @@ line on the Llama model. Each property against an independent oracle:
 - what Qwen3's attention has and ShardTrain does not (biases, a sliding window) is refused, exit 2;
 - the shipped Qwen3-0.6B config plans its published parameter count.
 """
+import json
 import os
 
 from harness import ROOT, read_metrics, rel_diff, run, tempdir, tiny_args
@@ -104,6 +105,15 @@ def test_qwen3_refuses_what_it_does_not_implement():
         folder = qwen3_folder("F32", config=config)
         expect_usage_error(llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}",
                                       "--data.val_file=", "--train.steps=1"), needle, "config.json")
+    # max_window_layers null (not absent) with no layer_types: transformers' TypeError, our one line.
+    folder = qwen3_folder("F32", config={"use_sliding_window": True, "sliding_window": 16, "layer_types": None})
+    with open(os.path.join(folder, "config.json")) as f:
+        written = json.load(f)
+    written["max_window_layers"] = None  # JSON null
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(written, f)
+    expect_usage_error(llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}", "--data.val_file=",
+                                  "--train.steps=1"), "max_window_layers null is not a whole number >= 0", "config.json")
     # The window on no layer (max_window_layers = num_hidden_layers, as Qwen's released files say):
     # the reference's loss, which has none.
     folder = qwen3_folder("F32", config={"use_sliding_window": True, "sliding_window": 16, "max_window_layers": L})

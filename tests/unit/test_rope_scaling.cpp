@@ -192,7 +192,9 @@ TEST(RopeScaling, DefectsAreNamed) {
   EXPECT_NE(parse_error("yarn:factor=4,original_max_position_embeddings=64,mscale=1").find("not a setting of yarn"),
             std::string::npos);
   EXPECT_NE(parse_error("linear:factor=0").find("factor='0' is not a number in [1e-30, 1e30]"), std::string::npos);
-  EXPECT_NE(parse_error("linear:factor=1e-40").find("is not a number in"), std::string::npos);  // 0 in fp32
+  EXPECT_NE(parse_error("linear:factor=1e-40").find("factor='1e-40' is not a number in"), std::string::npos);  // 0 in fp32
+  EXPECT_NE(parse_error("yarn:factor=4,original_max_position_embeddings=64,truncate=0.1").find("truncate='0.1' is not 0"),
+            std::string::npos);  // the value as written, not 0.10000000000000001
   EXPECT_NE(parse_error("linear:factor=2,low_freq_factor=1").find("'low_freq_factor' is not a setting of linear"),
             std::string::npos);
   EXPECT_NE(parse_error("linear:factor=2,factor=3").find("given twice"), std::string::npos);

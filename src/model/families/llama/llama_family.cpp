@@ -289,7 +289,7 @@ ModelConfig LlamaFamily::read_decoder_config(const HfConfig& j, const ModelConfi
 
 // Qwen2Config and Qwen3Config slide the window (sliding_window, 4096 when absent) only with
 // use_sliding_window, and only over the layers layer_types marks "sliding_attention" (without
-// layer_types: from max_window_layers, 28 when absent, on).
+// layer_types: from max_window_layers, 28 when absent, on; null there is transformers' TypeError).
 void LlamaFamily::refuse_qwen_sliding_window(const HfConfig& j, const ModelConfig& m) {
   if (!j.flag("use_sliding_window", false)) return;
   const int window = !j.present("sliding_window") ? 4096 : j.has("sliding_window") ? j.whole("sliding_window") : 0;
@@ -299,10 +299,11 @@ void LlamaFamily::refuse_qwen_sliding_window(const HfConfig& j, const ModelConfi
   if (types.is_array()) {
     for (const nlohmann::json& type : types) sliding += type == "sliding_attention";
   } else {
+    const bool absent = !j.present("max_window_layers");
     const nlohmann::json& first = j["max_window_layers"];
-    if (!first.is_null() && !(first.is_number_integer() && first.get<int64_t>() >= 0))
-      j.fail("max_window_layers " + first.dump() + " is not a whole number >= 0");
-    sliding = static_cast<int>(std::max<int64_t>(0, m.n_layer - (first.is_null() ? 28 : first.get<int64_t>())));
+    if (!absent && !(first.is_number_integer() && first.get<int64_t>() >= 0))
+      j.fail("max_window_layers " + first.dump() + " is not a whole number >= 0 (the first layer of the window)");
+    sliding = static_cast<int>(std::max<int64_t>(0, m.n_layer - (absent ? 28 : first.get<int64_t>())));
   }
   if (sliding > 0)
     j.fail(strprintf("use_sliding_window true with a window of %d positions on %d of the %d layers is not "
