@@ -268,7 +268,6 @@ HostShard::HostShard(UnitShard& shard, const ParamTable& table, int unit, bool w
       comm_(comm),
       device_(device),
       direct_(shard.params.on_host() && shard.layout.quantized.numel == 0) {
-  shard.half_current = false;  // written in place where direct_, else by upload()
   if (direct_) return;
   const UnitLayout& l = shard.layout;
   copy_.assign(l.shard_numel(), 0.0f);
@@ -282,7 +281,7 @@ HostShard::HostShard(UnitShard& shard, const ParamTable& table, int unit, bool w
 }
 
 void HostShard::upload(bool with_quantized, const std::vector<std::vector<float>>* nested_given) {
-  shard_.half_current = false;
+  shard_.half_current[0] = shard_.half_current[1] = false;  // direct_: written in place, stale all the same
   if (direct_) return;
   const UnitLayout& l = shard_.layout;
   if (shard_.params.size()) shard_.params.device()->copy_to_device(shard_.params.data(), copy_.data(), shard_.params.bytes());
@@ -485,7 +484,7 @@ void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
   slot.unit = unit;
   const bool half = options_.param_dtype != DTYPE_FP32;
   // The shard's kept 16-bit copy (keep_half_shard): rounded here only if the masters changed since.
-  const bool kept = s.half.size() > 0, fresh = kept && s.half_current;
+  const bool kept = s.half.size() > 0;
   if (half) {
     // On a shard group of one an unquantized unit's shard is the whole unit, laid out as gathered
     // (no padding between the spaces): its kept copy is the gathered copy.
@@ -505,6 +504,7 @@ void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
     if (sp.numel == 0) continue;
     float* own_values = slot.values.data() + slot_begin + sp.begin;
     const float* master = s.params.data() + sp.local;
+    const bool fresh = kept && s.half_current[k];
     if (!half || (options_.cpu_offload && !fresh)) {  // up to the device first, into the part of the slot the gather overwrites
       SHARD_CHECK((slot_begin + sp.begin + sp.shard_numel) * sizeof(float) <= slot.values.bytes(),
                   "unit %d's shard staged past its gathered buffer's memory", unit);
@@ -525,6 +525,7 @@ void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
     if (kept) {
       uint16_t* own_half = s.half.data() + sp.local;
       if (!fresh) backend_.shard_ops->to_half(own_half, master, sp.shard_numel, options_.param_dtype);
+      s.half_current[k] = true;
       if (slot.half == s.half.data()) {  // the gathered copy itself
         SHARD_CHECK(sp.local == slot_begin + sp.begin, "unit %d's kept copy is not laid out as gathered", unit);
         continue;
@@ -540,7 +541,6 @@ void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
     else
       shard_comm_.all_gather(own, full, what);
   }
-  s.half_current = kept;
   const UnitLayout& l = s.layout;
   if (l.quantized.numel > 0) {  // the records themselves travel
     uint8_t* own = slot.records.data() + l.quantized.begin / l.block * l.record_bytes();
@@ -557,7 +557,9 @@ void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
     else
       shard_comm_.all_gather(shard, full, what);
   }
-  if (!async) finish_gather(slot);
+  // Nothing started (the kept copy is the gathered one): nothing for a prefetch to wait for, and
+  // gather_params finishes only pending slots.
+  if (!async || !slot.pending()) finish_gather(slot);
 }
 
 void FsdpEngine::finish_gather(ParamSlot& slot) {

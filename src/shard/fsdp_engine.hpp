@@ -210,8 +210,8 @@ struct GroupShape {
 // records of its quantized space, and the gradient of its trainable space, on `device`; with
 // EngineOptions::keep_half_shard the masters rounded to param_dtype (`half`, laid out as `params`)
 // on `half_device`, the compute device. Read and write the whole shard through HostShard: `params`
-// lacks the quantized space. Whatever writes `params` otherwise must clear `half_current`
-// (FsdpEngine::params_changed).
+// lacks the quantized space. HostShard::upload marks both spaces' copies stale; whatever writes
+// `params` otherwise must say so (FsdpEngine::params_changed: the trainable spaces).
 struct UnitShard {
   UnitShard(const UnitLayout& layout, Device& device, bool with_grads = true, Device* half_device = nullptr)
       : layout(layout),
@@ -223,7 +223,7 @@ struct UnitShard {
   DeviceArray<float> params, grads;
   DeviceArray<uint8_t> packed;
   DeviceArray<uint16_t> half;
-  bool half_current = false;  // `half` is `params` rounded
+  bool half_current[2] = {false, false};  // per space (trainable, frozen): `half` is `params` rounded
 };
 
 // This rank's whole shard of one unit in fp32 on the host, indexed as UnitLayout::local_part: the
@@ -305,10 +305,11 @@ class FsdpEngine {
     return options_.cpu_offload ? *backend_.host_shard_ops : *backend_.shard_ops;
   }
   std::vector<UnitShard>& shards() { return shards_; }
-  // The master shards were written other than through HostShard (the optimizer's step): their
-  // 16-bit copies (keep_half_shard) are rounded again at the next gather.
+  // The trainable master shards were written other than through HostShard (the optimizer's step):
+  // their 16-bit copies (keep_half_shard) are rounded again at the next gather. The frozen spaces'
+  // copies stay: a frozen base is rounded once.
   void params_changed() {
-    for (UnitShard& s : shards_) s.half_current = false;
+    for (UnitShard& s : shards_) s.half_current[0] = false;
   }
   // Fills the base model's parameters from a file: read(param, slice, part) writes the elements
   // `part` (unit coordinates) of `param` that this rank holds into `slice`; adapters, padding and

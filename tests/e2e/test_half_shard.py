@@ -31,6 +31,11 @@ def test_the_kept_copy_gives_the_bits_of_rounding_at_every_gather():
     cases = [
         (1, BF16),  # the kept copy is the gathered unit
         (1, BF16, "--fsdp.limit_all_gathers=1"),
+        # Prefetches into block buffers that held another block (4 blocks, 2 buffers).
+        (1, BF16, "--model.n_layer=4"),
+        (1, BF16, "--model.n_layer=4", "--fsdp.forward_prefetch=true"),
+        (2, BF16, "--model.n_layer=4", "--fsdp.forward_prefetch=true", "--fsdp.sharding_strategy=NO_SHARD"),
+        (2, BF16, "--model.n_layer=4", "--fsdp.forward_prefetch=true"),
         (2, BF16),  # copied into the gather
         (3, BF16, "--fsdp.sharding_strategy=SHARD_GRAD_OP"),
         (4, BF16, "--fsdp.sharding_strategy=HYBRID_SHARD", "--fsdp.shard_group_size=2"),
@@ -46,12 +51,14 @@ def test_the_kept_copy_gives_the_bits_of_rounding_at_every_gather():
         assert kept[0][0] != kept[0][-1], kept[0]  # the masters moved, so stale copies would show
 
 
-def test_a_quantized_base_under_lora_gives_the_same_bits():
-    # Units with records gather through the slot's buffer; the adapters' and the root's kept copies.
-    for np_ in (1, 2):
-        every_gather = training(np_, BASE, "--fsdp.frozen_dtype=nf4", BF16, "--fsdp.keep_half_shard=false")[0]
-        kept = training(np_, BASE, "--fsdp.frozen_dtype=nf4", BF16, "--fsdp.keep_half_shard=true")[0]
-        assert kept == every_gather, (np_, kept, every_gather)
+def test_a_frozen_base_under_lora_gives_the_same_bits():
+    # The frozen spaces' copies are rounded once, the adapters' after every step; units with records
+    # gather through the slot's buffer.
+    for base in ((), ("--fsdp.frozen_dtype=nf4",)):
+        for np_ in (1, 2):
+            every_gather = training(np_, BASE, *base, BF16, "--fsdp.keep_half_shard=false")[0]
+            kept = training(np_, BASE, *base, BF16, "--fsdp.keep_half_shard=true")[0]
+            assert kept == every_gather, (base, np_, kept, every_gather)
 
 
 def test_a_resumed_run_rounds_the_loaded_masters():

@@ -85,11 +85,13 @@ TEST(RoundedOnce, TrainingRoundsNoWeightAndBothKernelsAgree) {
 // gradient accumulation, and after the masters are written again through HostShard (as every
 // loader does) in the middle of a run, which stale copies would not see.
 TEST(RoundedOnce, TheKeptShardCopyFollowsStepsAndWrites) {
-  for (ShardingStrategy strategy : {SHARDING_FULL_SHARD, SHARDING_SHARD_GRAD_OP}) {
+  for (ShardingStrategy strategy : {SHARDING_FULL_SHARD, SHARDING_SHARD_GRAD_OP, SHARDING_NO_SHARD}) {
     for (bool offload : {false, true}) {
+      if (offload && strategy == SHARDING_NO_SHARD) continue;
       SCOPED_TRACE(::testing::Message() << sharding_strategy_name(strategy) << " offload " << offload);
       EngineOptions options = TrainingRun::options(offload, false);
       options.strategy = strategy;
+      options.forward_prefetch = true;  // a prefetched block: into a buffer that held the other one
       options.param_dtype = DTYPE_BF16;
       Bf16Run every_gather(false, options, DTYPE_BF16);
       options.keep_half_shard = true;
