@@ -112,7 +112,7 @@ std::vector<PlannedAllocation> FsdpEngine::plan_allocations(const std::vector<Un
   const bool half = options.param_dtype != DTYPE_FP32;
   for (const GatherSlot& slot : plan_gather_slots(layout, options)) {
     add(MEM_GATHERED_UNITS, slot.backed * sizeof(float), slot.backed < slot.numel);
-    if (half) add(MEM_COMM_BUFFERS, slot.numel * sizeof(uint16_t));
+    add(MEM_COMM_BUFFERS, slot.wire * sizeof(uint16_t));
     add(MEM_COMM_BUFFERS, slot.record_bytes);
   }
   const bool sharded = layout[ROOT_UNIT].padded_numel() != layout[ROOT_UNIT].shard_numel();
@@ -164,6 +164,9 @@ std::vector<FsdpEngine::GatherSlot> FsdpEngine::plan_gather_slots(const std::vec
     slots.push_back(slot_of(layout[ROOT_UNIT]));
     slots.insert(slots.end(), static_cast<size_t>(options.limit_all_gathers), block);
   }
+  // start_gather's choice: on a shard group of one a unit without records is gathered as its kept copy.
+  for (GatherSlot& slot : slots)
+    slot.wire = half && !(keeps_half_shard(options) && !sharded && slot.record_bytes == 0) ? slot.numel : 0;
   return slots;
 }
 
@@ -220,10 +223,10 @@ FsdpEngine::FsdpEngine(const ParamTable& table, Comm& shard_comm, Comm& replica_
     // Until a gather writes there it reads as NaN, so a read that should have taken the 16-bit
     // copy shows (later it may be another unit's values, in a block buffer shared by layouts).
     if (half_only) backend_.ops->scale(slot.values.data(), planned.backed, std::numeric_limits<float>::quiet_NaN());
-    if (half) {  // the GEMMs multiply the gathered 16-bit copy: the weights are rounded once, by the gather
-      slot.wire = DeviceArray<uint16_t>(dev, planned.numel);
+    if (planned.wire) {  // the GEMMs multiply the gathered 16-bit copy: the weights are rounded once, by the gather
+      slot.wire = DeviceArray<uint16_t>(dev, planned.wire);
       slot.half = slot.wire.data();
-      backend_.ops->bind_half_copy(slot.values.data(), slot.half, planned.numel, options_.param_dtype);
+      backend_.ops->bind_half_copy(slot.values.data(), slot.half, planned.wire, options_.param_dtype);
     }
     slot.records = DeviceArray<uint8_t>(dev, planned.record_bytes);
     slots_.push_back(std::move(slot));
@@ -419,7 +422,7 @@ void FsdpEngine::load_base(const std::function<void()>& loader) {
 
 FsdpEngine::~FsdpEngine() {
   for (const ParamSlot& slot : slots_)
-    if (slot.wire.size()) backend_.ops->unbind_half_copy(slot.values.data());
+    if (slot.half) backend_.ops->unbind_half_copy(slot.values.data());
   for (int c = 0; c < MEM_CATEGORY_COUNT; c++) memory_.sub(static_cast<MemCategory>(c), engine_bytes_[c]);
 }
 
@@ -489,6 +492,7 @@ void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
     // On a shard group of one an unquantized unit's shard is the whole unit, laid out as gathered
     // (no padding between the spaces): its kept copy is the gathered copy.
     uint16_t* copy = kept && shard_comm_.size() == 1 && s.layout.quantized.numel == 0 ? s.half.data() : slot.wire.data();
+    SHARD_CHECK(copy, "unit %d has no gathered 16-bit buffer", unit);
     if (copy != slot.half) {
       slot.half = copy;
       backend_.ops->bind_half_copy(slot.values.data(), copy, copy == s.half.data() ? s.half.size() : slot.wire.size(),

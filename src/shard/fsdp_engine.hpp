@@ -284,6 +284,10 @@ class FsdpEngine {
     size_t numel = 0;         // the gathered buffer's elements (the largest unit it takes)
     size_t backed = 0;        // of them with fp32 memory behind (UnitLayout::backed_numel)
     size_t record_bytes = 0;  // the gathered quantized records
+    // Elements of the slot's own 16-bit buffer (ParamSlot::wire): a 16-bit param_dtype's gathered
+    // copy, but none where every unit it takes is gathered as its kept copy (a shard group of one
+    // with keep_half_shard, no quantized space).
+    size_t wire = 0;
   };
   static std::vector<GatherSlot> plan_gather_slots(const std::vector<UnitLayout>& layout, const EngineOptions& options);
   // Whether the shards keep a 16-bit copy (EngineOptions::keep_half_shard with a 16-bit param_dtype).

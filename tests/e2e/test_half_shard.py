@@ -84,6 +84,9 @@ def test_the_copy_costs_two_bytes_per_held_element():
         assert kept["peak_mem"]["sharded_params"] == without["peak_mem"]["sharded_params"] + 2 * held[np_]
         for step in (kept, without):
             assert step["held_mem_bytes"] == step["planned_mem_bytes"]
+        if np_ == 1:  # the kept copies are the gathered ones: the root's and 2 block buffers' own copies go
+            saved = without["peak_mem"]["comm_buffers"] - kept["peak_mem"].get("comm_buffers", 0)
+            assert saved == 2 * (12880 + 2 * 19720), saved
     # fp32 gathers have nothing to keep.
     fp32 = history(2)[2][0]
     assert fp32["peak_mem"]["sharded_params"] == 4 * held[2]
