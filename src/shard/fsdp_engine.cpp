@@ -108,8 +108,8 @@ std::vector<PlannedAllocation> FsdpEngine::plan_allocations(const std::vector<Un
     if (&l != &layout[ROOT_UNIT]) max_block_trainable = std::max(max_block_trainable, l.trainable.padded_numel);
   }
   // The gather slots: each its fp32 values (those with memory behind them), with a 16-bit
-  // param_dtype the gathered 16-bit copy the GEMMs multiply, and a quantized unit's gathered records.
-  const bool half = options.param_dtype != DTYPE_FP32;
+  // param_dtype the gathered 16-bit copy the GEMMs multiply (unless the units' kept copies are it),
+  // and a quantized unit's gathered records.
   for (const GatherSlot& slot : plan_gather_slots(layout, options)) {
     add(MEM_GATHERED_UNITS, slot.backed * sizeof(float), slot.backed < slot.numel);
     add(MEM_COMM_BUFFERS, slot.wire * sizeof(uint16_t));
