@@ -11,7 +11,8 @@
 #                  settings; 2 and 4 ranks sharing it with fsdp.comm_backend=mpi), no benchmarks (make test-gpu)
 #   --only LIST    only these sections, comma-separated: kernels (gpu_tests), train (fp32 and bf16
 #                  against the CPU, one host wait per step), memory (reserved against the plan),
-#                  shared (ranks sharing the GPU), bench (throughput), flux (FLUX in bf16 with
+#                  shared (ranks sharing the GPU), inference (generation and distillation against
+#                  the CPU), bench (throughput), flux (FLUX in bf16 with
 #                  cuDNN against the CPU, then its throughput), documents (packed documents in
 #                  bf16 with cuDNN against the CPU); for a short second run
 #
@@ -23,14 +24,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-BIN="" REPORT="" TESTS_ONLY=0 ONLY=kernels,train,memory,shared,bench,flux,documents
+BIN="" REPORT="" TESTS_ONLY=0 ONLY=kernels,train,memory,shared,inference,bench,flux,documents
 while [ $# -gt 0 ]; do
   case "$1" in
     --bin) BIN=$2; shift 2 ;;
     --report) REPORT=$2; shift 2 ;;
     --tests-only) TESTS_ONLY=1; shift ;;
     --only) ONLY=$2; shift 2 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument '$1'; see --help" >&2; exit 2 ;;
   esac
 done
@@ -330,6 +331,45 @@ else
   report '```'; report "$(tail -5 "$WORK/shared-nccl-2.log")"; report '```'
 fi
 
+fi
+
+if want inference; then
+section "Generation and distillation on the GPU against the CPU (the same text; distilled losses within 1e-3 relative)"
+# A Llama trained on the CPU is the checkpoint to generate from (greedy, then sampled with a seed:
+# the KV cache's decode attention, top-k/top-p and the sampler on the GPU's logits) and the teacher
+# of a distillation run (its forward on the student's buffers), in fp32 and as an NF4 teacher.
+INF_OPTS=(--train.steps=20 --train.threads=4 --train.micro_batch=4 --train.global_batch=8)
+run inf-teacher cpu 2 inputs/llama-tiny.ini "${INF_OPTS[@]}" --train.steps=300  # greedy text of more than spaces
+teacher=$(ls "$WORK"/ckpt-inf-teacher/ckpt-*.h5 2>/dev/null | tail -1)
+if [ -z "$teacher" ]; then
+  FAILED=1; report "- FAIL the teacher's training run wrote no checkpoint:"; report '```'
+  report "$(tail -8 "$WORK/inf-teacher.log")"; report '```'
+else
+  for mode in greedy sampled; do
+    case $mode in
+      greedy) opts=(--max-tokens 48 --temperature 0) ;;
+      sampled) opts=(--max-tokens 48 --temperature 1 --top-k 40 --top-p 0.95 --seed 7) ;;
+    esac
+    for device in cuda cpu; do
+      lim=$(limit) || break
+      timeout "$lim" mpirun --oversubscribe --bind-to none -np 1 "$BIN/shardtrain" generate --checkpoint "$teacher" \
+        --prompt "The " --ignore-eos --threads 4 --device $device "${opts[@]}" \
+        >"$WORK/generate-$mode-$device.txt" 2>"$WORK/generate-$mode-$device.log"
+    done
+    if [ -s "$WORK/generate-$mode-cuda.txt" ] && cmp -s "$WORK/generate-$mode-cuda.txt" "$WORK/generate-$mode-cpu.txt"; then
+      report "- ok   generate, $mode: the same $(wc -c <"$WORK/generate-$mode-cuda.txt") bytes on the GPU as on the CPU ($(grep -oE 'generate: [0-9]+ tokens? in [^|]*' "$WORK/generate-$mode-cuda.log" | head -1) on the GPU)"
+    else
+      FAILED=1; report "- FAIL generate, $mode: the GPU's text differs from the CPU's (or is empty):"; report '```'
+      report "$(head -c 300 "$WORK/generate-$mode-cuda.txt"; echo; head -c 300 "$WORK/generate-$mode-cpu.txt"; echo; tail -5 "$WORK/generate-$mode-cuda.log")"
+      report '```'
+    fi
+  done
+  CONFIG=inputs/llama-tiny.ini against_cpu "distillation from a Llama teacher (alpha 0.5, temperature 2)" distill 2 1 \
+    "${INF_OPTS[@]}" --distill.teacher="$teacher" --distill.alpha=0.5 --distill.temperature=2
+  CONFIG=inputs/llama-tiny.ini against_cpu "distillation from the same teacher quantized to NF4" distill-nf4 2 1 \
+    "${INF_OPTS[@]}" --distill.teacher="$teacher" --distill.alpha=0.5 --distill.temperature=2 \
+    --distill.teacher_dtype=nf4 --fsdp.quant_block=32
+fi
 fi
 
 # The disabled attention benchmark of gpu_tests: cuDNN against the tiled kernels.
