@@ -1844,6 +1844,42 @@ TEST_P(HalfActivationsTest, WidenHalfRoundTrips) {
   expect_same_bits(d_values.download(label), widened, label + " then round_to_half: fp32 values");
 }
 
+// The conversions take packs of 8 elements through 16-byte accesses where every pointer is
+// 16-byte aligned, and the rest one by one: every length around a pack's edge, at each pairing of
+// aligned and misaligned buffers (misaligned by 1-3 floats or 1-7 halves), gives the host's bits
+// and writes nothing outside its n elements (the buffers' guard zones).
+TEST_P(HalfActivationsTest, EveryLengthAndAlignmentGivesTheHostBits) {
+  const DType type = GetParam();
+  const std::vector<float> pool = awkward_floats();
+  for (size_t n : {1, 2, 7, 8, 9, 15, 16, 17, 31, 33, 64, 1000, 4101}) {
+    for (auto [float_shift, half_shift] : {std::pair{0, 0}, {0, 3}, {1, 0}, {2, 5}, {3, 1}, {0, 4}, {4, 8}}) {
+      const std::string label = std::string(dtype_name(type)) + " n=" + std::to_string(n) + " float shift " +
+                                std::to_string(float_shift) + " half shift " + std::to_string(half_shift);
+      const std::vector<float> floats(pool.begin() + n * 37 % 1000, pool.begin() + n * 37 % 1000 + n);
+      std::vector<uint16_t> halves(n);
+      std::vector<float> widened(n);
+      for (size_t i = 0; i < n; i++) {
+        halves[i] = float_to_half(floats[i], type);
+        widened[i] = half_to_float(halves[i], type);
+      }
+      auto d_floats = on_device(device(), "floats", floats, float_shift);
+      DeviceBuffer<uint16_t> d_halves(device(), "halves", n, half_shift);
+      shard_ops().to_half(d_halves.data(), d_floats.data(), n, type);
+      expect_same_bits(d_halves.download(label), halves, label + ": to_half");
+      DeviceBuffer<float> d_widened(device(), "widened", n, float_shift);
+      shard_ops().from_half(d_widened.data(), d_halves.data(), n, type);
+      expect_same_bits(d_widened.download(label), widened, label + ": from_half");
+      d_widened.fill(kNaN);
+      ops().widen_half(d_widened.data(), d_halves.data(), n, type);
+      expect_same_bits(d_widened.download(label), widened, label + ": widen_half");
+      DeviceBuffer<uint16_t> d_kept(device(), "kept", n, half_shift);
+      ops().round_to_half(d_floats.data(), d_kept.data(), n, type);
+      expect_same_bits(d_kept.download(label), halves, label + ": round_to_half's 16-bit values");
+      expect_same_bits(d_floats.download(label), widened, label + ": round_to_half's rounded values");
+    }
+  }
+}
+
 TEST_P(HalfActivationsTest, EmptyIsANoOp) {
   const DType type = GetParam();
   const float not_16_bit = bits_float(0x3F800001u);  // 1 + 2^-23: rounding would change it

@@ -495,6 +495,26 @@ TEST_P(NcclWireKernelTest, ToWireRoundsExactlyLikeTheCpuAndZeroesTheOwnSlot) {
   }
 }
 
+// The wire kernel converts packs of 8 and then the last n % 8 elements in a launch of their own:
+// a zeroed slot that reaches into that tail (or lies wholly in it) is zeroed there too.
+TEST_P(NcclWireKernelTest, TheOwnSlotIsZeroedInTheUnpackedTail) {
+  const DType wire = GetParam();
+  const auto cases = rounding_cases();
+  const size_t n = 8 * 41 + 5;  // 41 packs and a tail of 5
+  const std::vector<float> in(cases.begin(), cases.begin() + n);
+  for (auto [zero_begin, zero_end] : {std::pair<size_t, size_t>{n - 9, n - 2}, {n - 4, n - 3}, {n - 5, n}, {3, n - 1}}) {
+    auto d_in = upload(device(), in);
+    DeviceArray<uint16_t> d_out(device(), n);
+    kernels::launch_to_half(d_out.data(), d_in.data(), n, wire, launch(), zero_begin, zero_end);
+    const auto out = download(device(), d_out);
+    for (size_t i = 0; i < n; i++) {
+      const uint16_t expected = (i >= zero_begin && i < zero_end) ? 0 : float_to_half(in[i], wire);
+      ASSERT_EQ(out[i], expected) << dtype_name(wire) << " element " << i << " of " << n << ", zeroed ["
+                                  << zero_begin << ", " << zero_end << ")";
+    }
+  }
+}
+
 TEST_P(NcclWireKernelTest, AddFromWireWidensLikeTheCpu) {
   const DType wire = GetParam();
   const auto values = rounding_cases();
