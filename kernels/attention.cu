@@ -368,21 +368,23 @@ __global__ void kv_append_kernel(float* k_cache, float* v_cache, const float* qk
 }
 
 // One block per (new token i, query head h): scores of its q against the cached k rows 0..start+i
-// into scratch, the softmax (block max and sum, fixed trees), then out = sum_p a_p v_p with the
-// threads split into `groups` of HS (each group every groups-th position), the groups' partial sums
-// added in group order. No atomics: the bits repeat.
+// (from start+i-window+1 with a window) into scratch, the softmax (block max and sum, fixed
+// trees), then out = sum_p a_p v_p with the threads split into `groups` of HS (each group every
+// groups-th position), the groups' partial sums added in group order. No atomics: the bits repeat.
 __global__ void attention_decode_kernel(float* out, float* scratch, const float* k_cache, const float* v_cache,
-                                        const float* qkv, int start, int T, int NH, int KV, int HS, float scale) {
+                                        const float* qkv, int start, int T, int NH, int KV, int HS, int window,
+                                        float scale) {
   extern __shared__ float q[];  // HS
   __shared__ float reduce[kWarpSize];
   __shared__ float partial[kThreads];
   const int i = blockIdx.x / NH, h = blockIdx.x % NH, kv = h / (NH / KV), len = start + i + 1;
+  const int first = window > 0 ? max(0, len - window) : 0;
   const int row = (NH + 2 * KV) * HS, kv_width = KV * HS;
   for (int d = threadIdx.x; d < HS; d += blockDim.x) q[d] = qkv[static_cast<size_t>(i) * row + h * HS + d];
   __syncthreads();
   float* s = scratch + (static_cast<size_t>(i) * NH + h) * T;
   float max = -INFINITY;
-  for (int p = threadIdx.x; p < len; p += blockDim.x) {
+  for (int p = first + threadIdx.x; p < len; p += blockDim.x) {
     const float* k = k_cache + static_cast<size_t>(p) * kv_width + kv * HS;
     float dot = 0.0f;
     for (int d = 0; d < HS; d++) dot += q[d] * k[d];
@@ -391,7 +393,7 @@ __global__ void attention_decode_kernel(float* out, float* scratch, const float*
   }
   max = block_max(max, reduce);
   float sum = 0.0f;
-  for (int p = threadIdx.x; p < len; p += blockDim.x) {
+  for (int p = first + threadIdx.x; p < len; p += blockDim.x) {
     const float e = expf(s[p] - max);
     s[p] = e;
     sum += e;
@@ -403,7 +405,7 @@ __global__ void attention_decode_kernel(float* out, float* scratch, const float*
   if (groups == 1) {
     for (int d = threadIdx.x; d < HS; d += blockDim.x) {
       float acc = 0.0f;
-      for (int p = 0; p < len; p++) acc += s[p] * v[static_cast<size_t>(p) * kv_width + d];
+      for (int p = first; p < len; p++) acc += s[p] * v[static_cast<size_t>(p) * kv_width + d];
       o[d] = acc * inv;
     }
     return;
@@ -411,7 +413,7 @@ __global__ void attention_decode_kernel(float* out, float* scratch, const float*
   const int g = threadIdx.x / HS, d = threadIdx.x % HS;
   if (g < groups) {
     float acc = 0.0f;
-    for (int p = g; p < len; p += groups) acc += s[p] * v[static_cast<size_t>(p) * kv_width + d];
+    for (int p = first + g; p < len; p += groups) acc += s[p] * v[static_cast<size_t>(p) * kv_width + d];
     partial[threadIdx.x] = acc;
   }
   __syncthreads();
@@ -526,9 +528,9 @@ void launch_bidirectional_attention_backward(float* dqkv, const float* dout, con
 }
 
 void launch_attention_decode(float* out, float* scratch, float* k_cache, float* v_cache, const float* qkv, int Q,
-                             int start, int NH, int KV, int HS, const LaunchContext& ctx) {
+                             int start, int NH, int KV, int HS, int window, const LaunchContext& ctx) {
   check_attention_args("attention_decode", 1, Q, NH, KV, HS);
-  SHARD_CHECK(start >= 0, "attention_decode: start=%d", start);
+  SHARD_CHECK(start >= 0 && window >= 0, "attention_decode: start=%d window=%d", start, window);
   if (Q == 0) return;
   const int kv_width = KV * HS;
   const size_t n = static_cast<size_t>(Q) * 2 * kv_width;
@@ -537,7 +539,7 @@ void launch_attention_decode(float* out, float* scratch, float* k_cache, float* 
   CUDA_CHECK_LAUNCH();
   const float scale = 1.0f / sqrtf(static_cast<float>(HS));
   attention_decode_kernel<<<static_cast<unsigned>(Q) * NH, kThreads, HS * sizeof(float), ctx.stream>>>(
-      out, scratch, k_cache, v_cache, qkv, start, start + Q, NH, KV, HS, scale);
+      out, scratch, k_cache, v_cache, qkv, start, start + Q, NH, KV, HS, window, scale);
   CUDA_CHECK_LAUNCH();
 }
 

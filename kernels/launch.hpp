@@ -145,9 +145,10 @@ void launch_bidirectional_attention_backward(float* dqkv, const float* dout, con
                                              const LaunchContext& ctx);
 
 // Generation: Q new tokens' q|k|v rows at positions start..start+Q-1; k, v appended to the caches
-// (max_len, KV*HS), each query attending causally over the cache; scratch Q*NH*(start+Q) floats.
+// (max_len, KV*HS), each query attending causally over the cache (its last `window` positions; 0:
+// all); scratch Q*NH*(start+Q) floats.
 void launch_attention_decode(float* out, float* scratch, float* k_cache, float* v_cache, const float* qkv, int Q,
-                             int start, int NH, int KV, int HS, const LaunchContext& ctx);
+                             int start, int NH, int KV, int HS, int window, const LaunchContext& ctx);
 
 // Rotary embedding in place on the q and k heads of qkv (attention.cu); cos, sin: (T, HS/2) device
 // tables; HS even. The backward turns dqkv back (the rotation's transpose). positions (B,T) or

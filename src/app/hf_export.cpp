@@ -263,7 +263,7 @@ void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const st
     }
   }, recorded_tokenizer(reader->state()));
   rt.info("wrote %s: Hugging Face %s (config.json, %s, %s in %s, %s) from step %lld, written by %s",
-          out_dir.c_str(), family_of(model).hf_class(),
+          out_dir.c_str(), family_of(model).hf_class_of(model),
           plan.entry_name().c_str(),
           counted(static_cast<long long>(plan.tensor_count()), "tensor").c_str(),
           counted(static_cast<long long>(plan.files.size()), "file").c_str(),

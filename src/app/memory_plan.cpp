@@ -191,9 +191,11 @@ gpu::CudnnAttentionMemory plan_cudnn_attention(const ModelConfig& trained, const
       m.grow_to(gpu::cudnn_attention_memory(micro_batch, T, c.n_head, c.kv_heads(), c.head_size(), backward,
                                             documents));
   };
-  add(trained, seq_len, true, compute.packed_documents);
+  // A sliding window is masked as the documents are (model/decoder_lm.hpp: the rows' first keys).
+  add(trained, seq_len, true, compute.packed_documents || trained.window_within(seq_len));
   for (const FrozenCompanion& f : frozen)  // forward only
-    add(f.table.config(), f.seq_len, false, compute.packed_documents && f.documents);
+    add(f.table.config(), f.seq_len, false,
+        (compute.packed_documents && f.documents) || f.table.config().window_within(f.seq_len));
   return m;
 }
 

@@ -147,6 +147,9 @@ void declare_options(OptionList& o, Config& c) {
   o.add("model.nope_layers", &c.model.nope_layers,
         "smollm3: the blocks without rotary embeddings (NoPE), comma-separated indices from 0 (SmolLM3: every "
         "fourth, 3,7,11,...); empty for none");
+  o.add("model.sliding_window", &c.model.sliding_window,
+        "llama families: each query sees itself and the model.sliding_window - 1 positions before it in every block "
+        "(Mistral 7B v0.1: 4096); 0 = every earlier position");
   o.add("model.norm_eps", &c.model.norm_eps,
         "llama: RMSNorm epsilon; flux: its LayerNorms' and q/k RMSNorms' (FLUX.1: 1e-6); gpt2's LayerNorm has 1e-5");
   o.add("model.tie_embeddings", &c.model.tie_embeddings,
@@ -593,10 +596,11 @@ void take_model_shape_from_hf_folder(const po::variables_map& vm, Config& c) {
   if (reads("model.norm_eps")) take("model.norm_eps", &c.model.norm_eps, hf.norm_eps, real);
   auto flag = [](bool b) { return std::string(b ? "true" : "false"); };
   if (reads("model.tie_embeddings")) take("model.tie_embeddings", &c.model.tie_embeddings, hf.tie_embeddings, flag);
-  // flux's shape keys (model.context_len is the data's, not the folder's).
+  // The families' integer keys: flux's shape (model.context_len is the data's, not the folder's), the window.
   const std::pair<const char*, int ModelConfig::*> family_ints[] = {
       {"model.n_single_layer", &ModelConfig::n_single_layer}, {"model.in_channels", &ModelConfig::in_channels},
-      {"model.context_dim", &ModelConfig::context_dim}, {"model.pooled_dim", &ModelConfig::pooled_dim}};
+      {"model.context_dim", &ModelConfig::context_dim}, {"model.pooled_dim", &ModelConfig::pooled_dim},
+      {"model.sliding_window", &ModelConfig::sliding_window}};
   for (const auto& [key, field] : family_ints)
     if (reads(key)) take(key, &(c.model.*field), hf.*field, whole);
   if (reads("model.guidance_embeds")) take("model.guidance_embeds", &c.model.guidance_embeds, hf.guidance_embeds, flag);

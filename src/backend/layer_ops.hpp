@@ -84,10 +84,11 @@ class LayerOps {
   virtual void rope_backward(Real* dqkv, const Real* cos, const Real* sin, int B, int T, int NH, int KV, int HS,
                              const int* positions) const = 0;
   // Generation with a key/value cache (backend/cpu/ops.hpp): Q new tokens' q|k|v rows appended to
-  // the cache and attended causally over it. `scratch`: Q*NH*(start+Q) elements. Not pure: a
-  // backend that does not generate (a test's counting stand-in) need not provide it.
+  // the cache and attended causally over it (over its last `window` positions; 0: all of it).
+  // `scratch`: Q*NH*(start+Q) elements. Not pure: a backend that does not generate (a test's
+  // counting stand-in) need not provide it.
   virtual void attention_decode(Real* out, Real* scratch, Real* k_cache, Real* v_cache, const Real* qkv, int Q,
-                                int start, int NH, int KV, int HS) const = 0;
+                                int start, int NH, int KV, int HS, int window) const = 0;
   virtual void swiglu_forward(Real* out, const Real* gate_up, int N, int I) const = 0;
   virtual void swiglu_backward(Real* dgate_up, const Real* dout, const Real* gate_up, int N, int I) const = 0;
   virtual void gelu_forward(Real* out, const Real* inp, size_t n) const = 0;

@@ -133,9 +133,9 @@ class TimedLayerOps final : public LayerOps<float> {
     timed("rope_backward", [&] { inner_.rope_backward(dqkv, cos, sin, B, T, NH, KV, HS, positions); });
   }
   void attention_decode(float* out, float* scratch, float* k_cache, float* v_cache, const float* qkv, int Q, int start,
-                        int NH, int KV, int HS) const override {
+                        int NH, int KV, int HS, int window) const override {
     timed("attention_decode",
-          [&] { inner_.attention_decode(out, scratch, k_cache, v_cache, qkv, Q, start, NH, KV, HS); });
+          [&] { inner_.attention_decode(out, scratch, k_cache, v_cache, qkv, Q, start, NH, KV, HS, window); });
   }
   void bidirectional_attention_forward(float* out, float* lse, const float* qkv, int B, int T, int NH,
                                        int HS) const override {

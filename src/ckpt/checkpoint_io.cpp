@@ -583,6 +583,7 @@ const MetaAttr META_ATTRS[] = {
     {"model.rope_scaling", AT::STR, 8, P::FAMILY_NONZERO, [](S s) { return text_value(s.model.rope_scaling); }},
     {"model.head_dim", AT::I64, 8, P::FAMILY_NONZERO, nullptr, &ModelConfig::head_dim, true},
     {"model.nope_layers", AT::STR, 8, P::FAMILY_NONZERO, [](S s) { return text_value(s.model.nope_layers); }},
+    {"model.sliding_window", AT::I64, 10, P::FAMILY_NONZERO, nullptr, &ModelConfig::sliding_window, true},
     {"text_encoder.source", AT::STR, 1, P::TEXT_ENCODER, [](S s) { return text_value(s.text_encoder); }},
     {"text_encoder.layers", AT::STR, 1, P::TEXT_ENCODER, [](S s) { return text_value(s.text_encoder_layers); }},
     {"text_encoder.tokenizer", AT::STR, 1, P::TEXT_ENCODER, [](S s) { return text_value(s.text_encoder_tokenizer); }},

@@ -42,7 +42,7 @@ constexpr const char* CKPT_FORMAT_NAME = "shardtrain-checkpoint";
 // of the families beyond the decoders (FLUX's); 5: LoKr's and OFT's settings and
 // the teacher's checksum; 4: adapter-only files and the base model's checksum; 3: the adapter's
 // settings; 2: the model's architecture (1: gpt2); all still read.
-constexpr int64_t CKPT_FORMAT_VERSION = 9;
+constexpr int64_t CKPT_FORMAT_VERSION = 10;
 
 // Everything besides the tensors that resuming needs.
 struct CheckpointState {

@@ -65,7 +65,7 @@ std::string peft_adapter_config_json(const ParamTable& table, const std::string&
   j["layers_pattern"] = nullptr;
   j["exclude_modules"] = nullptr;
   const ModelFamily& family = family_of(c);
-  j["auto_mapping"] = {{"base_model_class", family.hf_class()}};
+  j["auto_mapping"] = {{"base_model_class", family.hf_class_of(c)}};
   const bool conv1d = family.hf_conv1d();  // transformers' Conv1D stores the weights (in, out)
   switch (a.type) {
     case ADAPTER_LORA:

@@ -24,6 +24,9 @@ struct ModelConfig {
   double rope_theta = 10000.0;
   std::string rope_scaling;  // llama: scaled rotary frequencies, "" for none (model/rope_scaling.hpp)
   std::string nope_layers;   // smollm3: the blocks without rotary embeddings ("3,7,11"), "" for none
+  // llama families: each query sees itself and the sliding_window - 1 positions before it, in every
+  // block (Mistral 7B v0.1's 4096); 0 = every earlier position.
+  int sliding_window = 0;
   double norm_eps = 1e-5;
   bool tie_embeddings = true;  // LM head = token embedding; false: its own lm_head.weight
   // flux's (model/families/flux): n_layer double-stream blocks then n_single_layer single-stream
@@ -39,6 +42,8 @@ struct ModelConfig {
   std::string rope_axes = "16,56,56";  // widths of the rotary axes (position ids' three coordinates)
 
   int head_size() const { return head_dim > 0 ? head_dim : n_embd / n_head; }
+  // Whether the sliding window masks anything in sequences of seq_len tokens.
+  bool window_within(int seq_len) const { return sliding_window > 0 && sliding_window < seq_len; }
   // Width of the query projection and of the attention's output: n_head x head size (n_embd unless
   // head_dim sets the head size apart, as Mistral-Nemo's 32 heads of 128 on a width of 5120).
   int attn_size() const { return n_head * head_size(); }

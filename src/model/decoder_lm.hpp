@@ -7,6 +7,7 @@
 // positions, which this constructor makes (decoder_lm_id_bytes).
 #pragma once
 
+#include <algorithm>
 #include <vector>
 
 #include "core/error.hpp"
@@ -101,13 +102,22 @@ class DecoderLM : public TransformerModel<Real>,
   // The final norm of the last block's output into lnf_ (the head's input), returned.
   virtual const Real* final_norm(const Real* root) = 0;
   // The micro-batch's tokens, and its documents if it packs several per row, to the device
-  // (embed_forward); doc_start() is then what the attention reads.
+  // (embed_forward); doc_start() is then what the attention reads. A sliding window that the
+  // sequence reaches is masked the same way: row t's first visible key is t - window + 1, or its
+  // document's start if later (the attention kernels take any first keys that never move back).
   void upload_tokens(const Batch& batch) {
     ops_.device().copy_to_device(tokens_.data(), batch.get<int>(BATCH_TOKENS, tokens_.size()), tokens_.bytes());
-    documents_ = batch.has(BATCH_DOC_STARTS);
-    if (documents_) {
-      ops_.device().copy_to_device(doc_starts_.data(), batch.get<int>(BATCH_DOC_STARTS, doc_starts_.size()),
-                                   doc_starts_.bytes());
+    const bool documents = batch.has(BATCH_DOC_STARTS);
+    masked_ = documents || cfg_.window_within(T_);
+    if (masked_) {
+      const int* starts = documents ? batch.get<int>(BATCH_DOC_STARTS, doc_starts_.size()) : nullptr;
+      if (cfg_.window_within(T_)) {
+        window_starts_.resize(doc_starts_.size());
+        for (size_t i = 0; i < window_starts_.size(); i++)
+          window_starts_[i] = std::max(starts ? starts[i] : 0, static_cast<int>(i % T_) - cfg_.sliding_window + 1);
+        starts = window_starts_.data();
+      }
+      ops_.device().copy_to_device(doc_starts_.data(), starts, doc_starts_.bytes());
       ops_.documents_changed(doc_starts_.data());
     }
     restarted_ = batch.has(BATCH_POSITIONS);
@@ -115,7 +125,7 @@ class DecoderLM : public TransformerModel<Real>,
       ops_.device().copy_to_device(positions_.data(), batch.get<int>(BATCH_POSITIONS, positions_.size()),
                                    positions_.bytes());
   }
-  const int* doc_start() const { return documents_ ? doc_starts_.data() : nullptr; }
+  const int* doc_start() const { return masked_ ? doc_starts_.data() : nullptr; }
   // The position of each token when they restart per document (the position table's row, the rope
   // angle's); nullptr: its place in the sequence.
   const int* positions() const { return restarted_ ? positions_.data() : nullptr; }
@@ -133,7 +143,8 @@ class DecoderLM : public TransformerModel<Real>,
   bool checkpointing_;
   CrossEntropyLoss<Real> cross_entropy_;
   DeviceArray<int> tokens_, targets_, doc_starts_, positions_;
-  bool documents_ = false;  // the micro-batch packs documents (doc_starts_)
+  bool masked_ = false;     // doc_starts_ holds each row's first key: documents, a sliding window or both
+  std::vector<int> window_starts_;  // the host's first keys under the sliding window
   bool restarted_ = false;  // and its positions restart with each (positions_)
   std::vector<Array> resid_;      // resid_[l]: input of block l; resid_[L]: output of the last
   SavedActivations<Real> saved_;  // one layer with checkpointing, else every layer

@@ -159,6 +159,12 @@ class ModelFamily {
   // The transformers class ("LlamaForCausalLM") and whether a config.json's model_type is read by
   // this family.
   virtual const char* hf_class() const = 0;
+  // The class a model of this configuration exports as (the family's, unless a setting needs
+  // another: a Llama with a sliding window is a MistralForCausalLM).
+  virtual const char* hf_class_of(const ModelConfig& config) const {
+    (void)config;
+    return hf_class();
+  }
   virtual bool reads_model_type(const std::string& model_type) const = 0;
   // Whether this family reads a folder with this config.json: by its model_type (transformers), or
   // another key (diffusers' _class_name).

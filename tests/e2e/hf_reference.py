@@ -328,6 +328,25 @@ def rotate_half(x):
     return np.concatenate([-x[..., half:], x[..., :half]], -1)
 
 
+def sliding_layers(config, use_rope):
+    """The sliding window and which blocks slide, as the config classes decide: MistralConfig over
+    every block (4096 when absent, null for none); Qwen2Config, Qwen3Config and SmolLM3Config only with
+    use_sliding_window, over the blocks layer_types marks sliding_attention (without it: Qwen's from
+    max_window_layers, 28 when absent, on; SmolLM3's NoPE blocks)."""
+    L, kind = config["num_hidden_layers"], config["model_type"]
+    if kind == "mistral":
+        window = config.get("sliding_window", 4096)
+        return window, [bool(window)] * L
+    if kind not in ("qwen2", "qwen3", "smollm3") or not config.get("use_sliding_window", False):
+        return None, [False] * L
+    window = config.get("sliding_window", 4096)
+    if config.get("layer_types"):
+        return window, [t == "sliding_attention" and bool(window) for t in config["layer_types"]]
+    if kind == "smollm3":
+        return window, [not r and bool(window) for r in use_rope]
+    return window, [l >= config.get("max_window_layers", 28) and bool(window) for l in range(L)]
+
+
 def llama_hidden_states(config, w, inputs):
     """LlamaModel's forward (modeling_llama), Qwen2Model's (q/k/v biases) or Qwen3Model's (q/k norms),
     over one sequence: its output_hidden_states -- the embeddings, each block's output, the last one
@@ -347,6 +366,9 @@ def llama_hidden_states(config, w, inputs):
     T = len(inputs)
     cos, sin = rotary_cos_sin(T, d, theta, rope)
     mask = np.triu(np.full((T, T), -np.inf), 1)
+    window, sliding = sliding_layers(config, use_rope)
+    # masking_utils' sliding_window_overlay: key j is seen by query i when j > i - window
+    window_mask = mask + np.tril(np.full((T, T), -np.inf), -window) if window else mask
     x = w["embed_tokens.weight"][inputs]
     states = [x]
     for l in range(L):
@@ -360,7 +382,7 @@ def llama_hidden_states(config, w, inputs):
         if use_rope[l]:
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin  # apply_rotary_pos_emb
         k, v = np.repeat(k, H // KV, axis=0), np.repeat(v, H // KV, axis=0)  # repeat_kv: head j serves H/KV queries
-        att = q @ k.transpose(0, 2, 1) / np.sqrt(d) + mask
+        att = q @ k.transpose(0, 2, 1) / np.sqrt(d) + (window_mask if sliding[l] else mask)
         att = np.exp(att - att.max(-1, keepdims=True))
         att /= att.sum(-1, keepdims=True)
         x = x + (att @ v).transpose(1, 0, 2).reshape(T, H * d) @ w[p + "self_attn.o_proj.weight"].T

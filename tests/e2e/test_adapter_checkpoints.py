@@ -81,7 +81,7 @@ def test_adapter_only_file_is_small_and_holds_the_adapters_alone():
             ratio = os.path.getsize(only) / os.path.getsize(full)
             assert ratio < 0.1, (fmt, step, os.path.getsize(only), os.path.getsize(full))
             with h5py.File(only, "r") as f, h5py.File(full, "r") as g:
-                assert int(f.attrs["version"]) == 9 and int(f.attrs["adapters_only"]) == 1
+                assert int(f.attrs["version"]) == 10 and int(f.attrs["adapters_only"]) == 1
                 assert int(g.attrs["adapters_only"]) == 0
                 assert text(f.attrs["layout"]) == fmt and text(f.attrs["adapter.type"]) == "lora"
                 # The base the adapters were trained on, by the definition, in both files.
@@ -102,7 +102,7 @@ def test_adapter_only_file_is_small_and_holds_the_adapters_alone():
                     assert index[:4] == ["h.0.attn.qkv.lora_A.weight", "0", "160", "4x40"], index
                     assert int(f["shards/h.0/params"].attrs["numel"]) == 160 + 480 + 640 + 160
         proc = ok(run_single(["inspect", os.path.join(only_dir, ckpt_name(STEPS))]), "inspect")
-        assert "adapter-only checkpoint" in proc.stdout and "version 9" in proc.stdout, proc.stdout[:2000]
+        assert "adapter-only checkpoint" in proc.stdout and "version 10" in proc.stdout, proc.stdout[:2000]
         assert f"base model checksum 0x{expected_base:016x} (not in the file)" in proc.stdout, proc.stdout[:2000]
         prefix = "/" + names[0].split("/")[0] + "/"  # /model/ or /shards/: a row of the parameter table
         rows = [l.split()[0] for l in proc.stdout.splitlines() if l.split() and l.split()[-1].startswith(prefix)]

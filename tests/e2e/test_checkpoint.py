@@ -226,7 +226,7 @@ def test_gathered_checkpoint_reads_with_h5py():
         assert text(attrs["format"]) == "shardtrain-checkpoint"
         # 4: adapter-only files and the base checksum; 3: the adapter's attributes; 2: the
         # architecture's (test_llama.py: version 1 still loads)
-        assert int(attrs["version"]) == 9
+        assert int(attrs["version"]) == 10
         assert int(attrs["adapters_only"]) == 0
         assert text(attrs["adapter.type"]) == "none" and text(attrs["adapter.targets"]) == ""
         assert text(attrs["model.arch"]) == "gpt2"

@@ -158,7 +158,7 @@ def test_checkpoints_hold_the_codes_and_tables_and_resume_exactly():
         straight, _, d = training(2, BASE, *options)
         saved = os.path.join(d, f"ckpt-{SAVE_AT:08d}.h5")
         with h5py.File(saved, "r") as f:
-            assert f.attrs["version"] == 9 and f.attrs["quantized.double_quant"] == 1
+            assert f.attrs["version"] == 10 and f.attrs["quantized.double_quant"] == 1
             assert f.attrs["meta_checksum"] == meta_checksum(f.attrs)
             assert sorted(f["quantized"]) == sorted(oracle) == sorted(f["quantized_nested"]), layout
             for name, (packed, absmax_codes, table) in oracle.items():

@@ -509,7 +509,7 @@ def test_generate_refuses_flux():
     ok(run(1, flux_args(f"--checkpoint.dir={folder}", "--train.steps=1")))
     # The checkpoint records FLUX's keys (format version 6) under its metadata checksum.
     with h5py.File(os.path.join(folder, "ckpt-00000001.h5"), "r") as f:
-        assert int(f.attrs["version"]) == 9 and int(f.attrs["model.n_single_layer"]) == 2
+        assert int(f.attrs["version"]) == 10 and int(f.attrs["model.n_single_layer"]) == 2
         assert f.attrs["model.rope_axes"] in (b"4,10,10", "4,10,10") and int(f.attrs["model.condition_len"]) == 0
         assert int(f.attrs["meta_checksum"]) == meta_checksum(f.attrs)
     expect_usage_error(["generate", "--checkpoint", folder, "--prompt", "a cat"], "'flux' model",

@@ -264,8 +264,10 @@ def test_export_options_are_checked():
 
 def test_llama_import_gives_transformers_loss():
     """Grouped-query and plain multi-head attention, untied and tied heads, F32, BF16 and F16 files,
-    with and without the "model." prefix, a mistral folder without a sliding window, LlamaConfig's
-    defaults for left-out keys, and the non-parameter tensors real files carry, on 1-3 ranks."""
+    with and without the "model." prefix, mistral folders without a sliding window, with one that
+    slides within the sequence (every query seeing itself and the 4 keys before it, as transformers'
+    masking_utils has it) and with MistralConfig's default window, LlamaConfig's defaults for
+    left-out keys, and the non-parameter tensors real files carry, on 1-3 ranks."""
     data, window = periodic_data()
     cases = [
         (llama_folder("F32", extras=["inv_freq"]), (1, 2, 3), "KV=2 MLP=104 V=256 max_seq_len=64 rope_theta=10000 "
@@ -277,6 +279,10 @@ def test_llama_import_gives_transformers_loss():
         (llama_folder("F16", kv=1, seed=3, prefix="", config={"model_type": "mistral", "sliding_window": None,
                                                               "rope_theta": 500000.0}), (1,), "KV=1 MLP=104 V=256 "
          "max_seq_len=64 rope_theta=500000 norm_eps=1e-05 untied"),
+        (llama_folder(seed=5, config={"model_type": "mistral", "sliding_window": 5}), (1, 2, 3),
+         "KV=2 MLP=104 V=256 max_seq_len=64 rope_theta=10000 norm_eps=1e-05 untied sliding_window=5"),
+        (llama_folder(seed=6, config={"model_type": "mistral"}), (2,),  # MistralConfig's default window
+         "KV=2 MLP=104 V=256 max_seq_len=64 rope_theta=10000 norm_eps=1e-05 untied sliding_window=4096"),
     ]
     for folder, ranks, summary in cases:
         expected = reference("loss", folder, *window)["loss"]
@@ -284,6 +290,41 @@ def test_llama_import_gives_transformers_loss():
             loss, proc = first_loss(folder, data, np_=np_, args=llama_args)
             assert f"Llama L=2 C=40 H=4 {summary}" in proc.stdout, proc.stdout
             assert rel_diff(loss, expected) < 2e-6, (folder, np_, loss, expected)
+
+
+def test_a_mistral_window_trains_exports_and_generates_as_transformers_has_it():
+    """A mistral folder whose window (5) the sequences reach: its loss is the reference's and not the
+    unwindowed model's; import -> checkpoint -> export writes MistralForCausalLM with the window and
+    the same file; after training the export imports with the reference's loss; the checkpoint
+    records model.sliding_window and a run with another window is refused; greedy generation past
+    the window (the cache attended over its last 5 rows) is the same on 1 and 2 ranks."""
+    from llama_variants import check_export_round_trip
+    data, window = periodic_data()
+    folder = llama_folder(seed=8, config={"model_type": "mistral", "architectures": ["MistralForCausalLM"],
+                                          "sliding_window": 5})
+    unwindowed = llama_folder(seed=8)
+    assert rel_diff(reference("loss", folder, *window)["loss"], reference("loss", unwindowed, *window)["loss"]) > 1e-3
+    check_export_round_trip(folder, "MistralForCausalLM", {"architectures": ["MistralForCausalLM"],
+                                                           "model_type": "mistral", "sliding_window": 5},
+                            ["model.layers.0.self_attn.q_proj.weight"])
+    ckdir = tempdir()
+    ok_proc = run(2, llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}", "--data.val_file=",
+                                "--train.steps=2", f"--checkpoint.dir={ckdir}"))
+    assert ok_proc.returncode == 0, ok_proc.stderr[-3000:]
+    ckpt = os.path.join(ckdir, "ckpt-00000002.h5")
+    with h5py.File(ckpt, "r") as f:
+        assert int(f.attrs["model.sliding_window"]) == 5 and int(f.attrs["version"]) == 10
+    expect_usage_error(llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}", "--data.val_file=",
+                                  "--train.steps=3", f"--checkpoint.dir={ckdir}", "--model.sliding_window=6"),
+                       "model.sliding_window")
+    outputs = []
+    for np_ in (1, 2):
+        proc = run(np_, ["generate", "--checkpoint", ckpt, "--prompt", "ab", "--max-tokens", "20", "--temperature",
+                         "0", "--ignore-eos", "--tokenizer="])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "sliding_window=5" in proc.stderr, proc.stderr
+        outputs.append(proc.stdout)
+    assert outputs[0] == outputs[1] and len(outputs[0].encode("latin-1", "replace")) >= 20, outputs
 
 
 def test_llama_export_round_trips_and_matches_the_checkpoint():
@@ -399,7 +440,7 @@ def test_scaled_rotary_embeddings_give_transformers_loss_and_travel_with_the_mod
     folder = cases[0][0]
     ckpt, out = imported_then_exported(folder, data)
     with h5py.File(ckpt, "r") as f:
-        assert int(f.attrs["version"]) == 9
+        assert int(f.attrs["version"]) == 10
         assert f.attrs["model.rope_scaling"] in (LLAMA3_TEXT, LLAMA3_TEXT.encode())
     assert json.load(open(os.path.join(out, "config.json")))["rope_scaling"] == LLAMA3
     assert reference("loss", out, *window) == reference("loss", folder, *window)
@@ -524,12 +565,8 @@ def test_llama_bad_folders_are_refused_naming_file_and_key():
             ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}, "rope_parameters {"),
             ("head_dim", 7, "head size 7"), ("attention_bias", True, "attention_bias true"),
             ("mlp_bias", True, "mlp_bias true"), ("hidden_act", "gelu", "hidden_act 'gelu'"),
-            ("num_key_value_heads", 3, "num_key_value_heads"),
-            ("sliding_window", 16, "sliding_window 16")):
-        config = {key: value, "model_type": "mistral"} if key == "sliding_window" else {key: value}
-        cases.append((variant(f"config-{key}", config=config), ["config.json", needle, "error"]))
-    cases.append((variant("mistral-default-window", config={"model_type": "mistral", "max_position_embeddings": 8192}),
-                  ["sliding_window 4096", "default"]))
+            ("num_key_value_heads", 3, "num_key_value_heads")):
+        cases.append((variant(f"config-{key}", config={key: value}), ["config.json", needle, "error"]))
     missing = dict(header)  # its bytes now belong to an older file's rotary buffer, which is ignored
     missing["model.layers.0.self_attn.rotary_emb.inv_freq"] = missing.pop("lm_head.weight")
     cases.append((variant("missing", tensors=missing), ["'lm_head.weight' is missing"]))

@@ -229,7 +229,7 @@ def test_llama_checkpoint_records_the_architecture():
     shapes = llama_shapes()
     with h5py.File(gathered, "r") as f:
         a = f.attrs
-        assert int(a["version"]) == 9 and text(a["layout"]) == "gathered"
+        assert int(a["version"]) == 10 and text(a["layout"]) == "gathered"
         assert text(a["model.arch"]) == "llama"
         assert [int(a[k]) for k in ("model.n_layer", "model.n_embd", "model.n_head", "model.vocab_size",
                                     "model.max_seq_len")] == [2, 40, 4, 256, 64]
@@ -301,7 +301,7 @@ def test_llama_inspect():
     for fmt in ("gathered", "sharded"):
         path = os.path.join(baseline(fmt)[0], ckpt_name(STEPS))
         proc = ok(run_single(["inspect", path]), "inspect")
-        assert SUMMARY in proc.stdout and "version 9" in proc.stdout, proc.stdout[:2000]
+        assert SUMMARY in proc.stdout and "version 10" in proc.stdout, proc.stdout[:2000]
         arrays = read_datasets(path) if fmt == "gathered" else reassemble(path)
         rows = {l.split()[0]: l.split() for l in proc.stdout.splitlines() if l.split() and l.split()[0] in
                 llama_shapes()}

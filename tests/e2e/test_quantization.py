@@ -516,7 +516,7 @@ def test_checkpoints_store_a_quantized_base_as_its_records():
         straight, _, d = training(2, BASE, *options)
         saved = os.path.join(d, f"ckpt-{SAVE_AT:08d}.h5")
         with h5py.File(saved, "r") as f:
-            assert f.attrs["version"] == 9 and f.attrs["quantized.dtype"] in ("nf4", b"nf4")
+            assert f.attrs["version"] == 10 and f.attrs["quantized.dtype"] in ("nf4", b"nf4")
             assert f.attrs["quantized.block"] == 64 and f.attrs["meta_checksum"] == meta_checksum(f.attrs)
             assert sorted(f["quantized"]) == sorted(oracle), layout
             for name, (packed, absmax) in oracle.items():

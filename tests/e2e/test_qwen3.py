@@ -8,7 +8,8 @@ line on the Llama model. Each property against an independent oracle:
   a trained model's export (the q/k norms trained too) imports again with the reference's loss;
 - training's losses do not depend on the rank count; LoRA on q/k/v trains, exports as a PEFT folder
   for Qwen3ForCausalLM and merges; greedy generation is the same on 1 and 2 ranks;
-- what Qwen3's attention has and ShardTrain does not (biases, a sliding window) is refused, exit 2;
+- what Qwen3's attention has and ShardTrain does not (biases, a sliding window on some layers only) is
+  refused, exit 2; a window on every layer gives the reference's loss;
 - the shipped Qwen3-0.6B config plans its published parameter count.
 """
 import json
@@ -91,17 +92,16 @@ def test_qwen3_lora_exports_for_peft_and_merges():
 
 
 def test_qwen3_refuses_what_it_does_not_implement():
-    """Biases, and a sliding window that some layer uses and some sequence reaches (Qwen3Config's:
-    sliding_window 4096 when absent, on the layers from max_window_layers, 28 when absent, or those
-    layer_types names); a window no layer uses reads as the model it is."""
+    """Biases, and a sliding window that some layers use and others not and some sequence reaches
+    (Qwen3Config's: sliding_window 4096 when absent, on the layers from max_window_layers, 28 when
+    absent, or those layer_types names); a window no layer uses reads as the model it is, and one
+    on every layer as model.sliding_window, giving the reference's loss."""
     data, window = periodic_data()
     for config, needle in (
             ({"attention_bias": True}, "attention_bias true is not implemented"),
             ({"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, "16 positions on 1 of the 2"),
             ({"use_sliding_window": True, "sliding_window": 16, "max_window_layers": None,
-              "layer_types": ["full_attention", "sliding_attention"]}, "16 positions on 1 of the 2"),
-            ({"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0,
-              "max_position_embeddings": 8192}, "4096 positions on 2 of the 2")):
+              "layer_types": ["full_attention", "sliding_attention"]}, "16 positions on 1 of the 2")):
         folder = qwen3_folder("F32", config=config)
         expect_usage_error(llama_args(f"--checkpoint.init_from={folder}", f"--data.train_file={data}",
                                       "--data.val_file=", "--train.steps=1"), needle, "config.json")
@@ -119,6 +119,13 @@ def test_qwen3_refuses_what_it_does_not_implement():
     folder = qwen3_folder("F32", config={"use_sliding_window": True, "sliding_window": 16, "max_window_layers": L})
     loss, _ = first_loss(folder, data, args=llama_args)
     assert rel_diff(loss, reference("loss", folder, *window)["loss"]) < 2e-6
+    # On every layer (max_window_layers 0, or layer_types): a window of 5 that the sequence reaches.
+    for config in ({"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 0},
+                   {"use_sliding_window": True, "sliding_window": 5, "layer_types": ["sliding_attention"] * L}):
+        folder = qwen3_folder("F32", config=config)
+        loss, proc = first_loss(folder, data, args=llama_args)
+        assert "sliding_window=5" in proc.stdout, proc.stdout
+        assert rel_diff(loss, reference("loss", folder, *window)["loss"]) < 2e-6
 
 
 def test_qwen3_06b_config_plans_the_real_parameter_count():

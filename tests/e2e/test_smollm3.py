@@ -6,7 +6,8 @@ oracle, modeling_smollm3's forward in float64 numpy (hf_reference.py):
   listed or left to no_rope_layer_interval, and that loss is not the all-rotary model's;
 - import -> checkpoint -> export gives the same file bit for bit and transformers' config.json keys;
   a trained model's export imports again with the reference's loss; LoRA exports for PEFT and merges;
-- a sliding window over the NoPE blocks is refused, exit 2; model.nope_layers is checked and kept;
+- a sliding window over the NoPE blocks only is refused, exit 2, one over every block gives the
+  reference's loss; model.nope_layers is checked and kept;
 - the shipped SmolLM3-3B config plans its published parameter count.
 """
 import os
@@ -70,17 +71,20 @@ def test_smollm3_export_round_trips_lora_merges_and_the_setting_is_kept():
                        "model.nope_layers is not a llama option")
 
 
-def test_smollm3_refuses_a_sliding_window_and_plans_the_real_model():
-    data, _ = periodic_data()
-    # transformers slides it over the NoPE blocks, or those layer_types names; a window on none is read.
-    for config, needle in (({"use_sliding_window": True, "sliding_window": 16}, "sliding_window 16 on 1 of the 2"),
-                           ({"use_sliding_window": True, "sliding_window": 16,
-                             "layer_types": ["sliding_attention"] * L}, "sliding_window 16 on 2 of the 2")):
-        expect_usage_error(llama_args(f"--checkpoint.init_from={smollm3_folder(config=config)}",
-                                      f"--data.train_file={data}", "--data.val_file=", "--train.steps=1"),
-                           needle, "config.json")
+def test_smollm3_reads_a_sliding_window_and_plans_the_real_model():
+    data, window = periodic_data()
+    # transformers slides it over the NoPE blocks, or those layer_types names: some blocks only is
+    # refused; a window on none is read, and one on every block as model.sliding_window.
+    expect_usage_error(llama_args(f"--checkpoint.init_from={smollm3_folder(config={'use_sliding_window': True, 'sliding_window': 16})}",
+                                  f"--data.train_file={data}", "--data.val_file=", "--train.steps=1"),
+                       "16 positions on 1 of the 2", "config.json")
     first_loss(smollm3_folder(config={"use_sliding_window": True, "sliding_window": 16,
                                       "layer_types": ["full_attention"] * L}), data, args=llama_args)
+    folder = smollm3_folder(config={"use_sliding_window": True, "sliding_window": 5,
+                                    "layer_types": ["sliding_attention"] * L})
+    loss, proc = first_loss(folder, data, args=llama_args)
+    assert "sliding_window=5" in proc.stdout, proc.stdout
+    assert rel_diff(loss, reference("loss", folder, *window)["loss"]) < 2e-6
     proc = ok(run(1, ["plan", "--config", SMOLLM3_INI, "--world-size=8"]), "plan")
     # SmolLM3-3B: 3,075,098,624 parameters (tied; exact in the unit tests).
     assert "SmolLM3 L=36 C=2048 H=16 KV=4 MLP=11008 V=128256 max_seq_len=65536 rope_theta=5e+06 norm_eps=1e-06 tied " \

@@ -1140,24 +1140,28 @@ class AttentionDecodeTest : public GpuSuite<::testing::TestWithParam<DecodeShape
 TEST_P(AttentionDecodeTest, MatchesCpu) {
   const DecodeShape s = GetParam();
   const size_t row = static_cast<size_t>(s.NH + 2 * s.KV) * s.HS, cache = static_cast<size_t>(s.max_len) * s.KV * s.HS;
-  const std::vector<float> qkv = uniform_vector(s.Q * row, 91);
-  std::vector<float> k = uniform_vector(cache, 92), v = uniform_vector(cache, 93);
-  auto d_qkv = on_device(device(), "qkv", qkv, 0), d_k = on_device(device(), "k_cache", k, 0),
-       d_v = on_device(device(), "v_cache", v, 0);
-  const size_t out_size = static_cast<size_t>(s.Q) * s.NH * s.HS, scores = static_cast<size_t>(s.Q) * s.NH * s.T();
-  std::vector<float> out(out_size), scratch(scores);
-  cpu::attention_decode(out.data(), scratch.data(), k.data(), v.data(), qkv.data(), s.Q, s.start, s.NH, s.KV, s.HS);
-  DeviceBuffer<float> d_out(device(), "out", out_size), d_scratch(device(), "scratch", scores);
-  d_out.fill(kNaN);
-  d_scratch.fill(kNaN);
-  ops().attention_decode(d_out.data(), d_scratch.data(), d_k.data(), d_v.data(), d_qkv.data(), s.Q, s.start, s.NH,
-                         s.KV, s.HS);
-  expect_same_bits(d_k.download("attention_decode k_cache"), k, "k_cache");
-  expect_same_bits(d_v.download("attention_decode v_cache"), v, "v_cache");
-  // Scores: HS products; the softmax over up to T; out: T more products (as attention_forward).
-  expect_close(d_out.download("attention_decode").data(), widen(out), fp32_pair(s.HS + 2 * s.T() + 8),
-               "attention_decode out");
-  d_scratch.download("attention_decode (scratch)");
+  // Every cached position, then a sliding window of 3 (Mistral's, shortened so that it slides here).
+  for (int window : {0, 3}) {
+    const std::string label = "attention_decode window " + std::to_string(window);
+    const std::vector<float> qkv = uniform_vector(s.Q * row, 91);
+    std::vector<float> k = uniform_vector(cache, 92), v = uniform_vector(cache, 93);
+    auto d_qkv = on_device(device(), "qkv", qkv, 0), d_k = on_device(device(), "k_cache", k, 0),
+         d_v = on_device(device(), "v_cache", v, 0);
+    const size_t out_size = static_cast<size_t>(s.Q) * s.NH * s.HS, scores = static_cast<size_t>(s.Q) * s.NH * s.T();
+    std::vector<float> out(out_size), scratch(scores);
+    cpu::attention_decode(out.data(), scratch.data(), k.data(), v.data(), qkv.data(), s.Q, s.start, s.NH, s.KV, s.HS,
+                          window);
+    DeviceBuffer<float> d_out(device(), "out", out_size), d_scratch(device(), "scratch", scores);
+    d_out.fill(kNaN);
+    d_scratch.fill(kNaN);
+    ops().attention_decode(d_out.data(), d_scratch.data(), d_k.data(), d_v.data(), d_qkv.data(), s.Q, s.start, s.NH,
+                           s.KV, s.HS, window);
+    expect_same_bits(d_k.download(label), k, label + " k_cache");
+    expect_same_bits(d_v.download(label), v, label + " v_cache");
+    // Scores: HS products; the softmax over up to T; out: T more products (as attention_forward).
+    expect_close(d_out.download(label).data(), widen(out), fp32_pair(s.HS + 2 * s.T() + 8), label + " out");
+    d_scratch.download(label + " (scratch)");
+  }
 }
 
 TEST_P(AttentionDecodeTest, RepeatsBitwise) {
@@ -1171,7 +1175,7 @@ TEST_P(AttentionDecodeTest, RepeatsBitwise) {
   std::vector<float> first;
   for (int run = 0; run < 2; run++) {  // the second run appends the same k, v again: the same state
     ops().attention_decode(d_out.data(), d_scratch.data(), d_k.data(), d_v.data(), d_qkv.data(), s.Q, s.start, s.NH,
-                           s.KV, s.HS);
+                           s.KV, s.HS, 0);
     std::vector<float> out = d_out.download("run");
     if (run == 0)
       first = out;

@@ -81,10 +81,19 @@ ModelConfig llama_head_dim_config() {
   return c;
 }
 
+// Mistral's sliding window, shortened to 4 so that it slides from the fifth token on: the prompt's
+// rows (decoded together) and every later token see only the last 4 cache rows.
+ModelConfig mistral_window_config() {
+  ModelConfig c = llama_config();
+  c.sliding_window = 4;
+  return c;
+}
+
 const ArchCase ARCH_CASES[] = {{"gpt2", gpt_config},
                                {"llama_gqa_untied", llama_config},
                                {"llama_head_dim", llama_head_dim_config},
                                {"llama_mqa_tied", llama_tied_mqa_config},
+                               {"mistral_window", mistral_window_config},
                                {"qwen2_gqa_untied", qwen2_config},
                                {"qwen3_head_dim", qwen3_config},
                                {"smollm3_nope", smollm3_config}};

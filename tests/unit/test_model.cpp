@@ -34,6 +34,14 @@ ModelConfig tiny_llama_head_dim_config() {
   return c;
 }
 
+// Mistral's sliding window, shortened to 3 so that every test's sequences reach it: each query
+// sees itself and the 2 keys before it (and, with packed documents, none before its document).
+ModelConfig tiny_mistral_window_config() {
+  ModelConfig c = tiny_llama_config();
+  c.sliding_window = 3;
+  return c;
+}
+
 struct ArchCase {
   const char* name;
   ModelConfig (*config)();
@@ -42,6 +50,7 @@ const ArchCase ARCH_CASES[] = {{"gpt2", tiny_gpt2_config},
                                {"llama", tiny_llama_config},
                                {"llama_tied", tiny_llama_tied_config},
                                {"llama_head_dim", tiny_llama_head_dim_config},
+                               {"mistral_window", tiny_mistral_window_config},
                                {"qwen2", tiny_qwen2_config},
                                {"qwen3", tiny_qwen3_config},
                                {"smollm3", tiny_smollm3_config}};
@@ -378,7 +387,7 @@ class CountingOps : public LayerOps<double> {
   void rope_backward(double*, const double*, const double*, int, int, int, int, int, const int*) const override {
     unused();
   }
-  void attention_decode(double*, double*, double*, double*, const double*, int, int, int, int, int) const override {
+  void attention_decode(double*, double*, double*, double*, const double*, int, int, int, int, int, int) const override {
     unused();
   }
   void gelu_backward(double*, const double*, const double*, size_t) const override { unused(); }
@@ -430,6 +439,42 @@ Batch packed_batch(const std::vector<int>& tokens, const std::vector<int>& targe
     for (int t = 0; t < kPackedT; t++) positions[t] = t < kSecondDocument ? t : t - kSecondDocument;
   }
   return batch;
+}
+
+// A sliding window of W over L blocks: position t's prediction reads tokens t - L(W-1) .. t and no
+// earlier one. Changing token 0 of 9 (W = 3, L = 2: a reach of 5) leaves positions 5.. bit for bit
+// and changes position 4; without the window it changes them all (the test can tell).
+TEST(ModelWindowTest, ASlidingWindowBoundsWhatEachPositionReads) {
+  constexpr int T = 9, kReach = 5;
+  for (int window : {3, 0}) {
+    ModelConfig c = tiny_mistral_window_config();
+    c.max_seq_len = T, c.sliding_window = window;
+    ParamTable table(c);
+    const int V = c.vocab_size;
+    auto model = make_model<double>(table, 1, T, false, cpu_layer_ops<double>());
+    const auto units = random_units<double>(table, 0.3, 101);
+    std::vector<int> tokens(T), targets(T);
+    for (int t = 0; t < T; t++) tokens[t] = (t * 5 + 3) % V, targets[t] = (t * 7 + 1) % V;
+    std::vector<std::vector<double>> probs;
+    for (int first : {tokens[0], (tokens[0] + 1) % V}) {
+      tokens[0] = first;
+      forward_loss(*model, table, units, token_batch(tokens, targets, 1, T));
+      probs.emplace_back(static_cast<size_t>(T) * V);
+      for (int t = 0; t < T; t++) model->token_logits()->copy_head_probs(t, probs.back().data() + size_t(t) * V);
+    }
+    auto changed = [&](int t) {
+      double largest = 0;
+      for (int v = 0; v < V; v++) largest = std::max(largest, std::fabs(probs[0][t * V + v] - probs[1][t * V + v]));
+      return largest;
+    };
+    EXPECT_GT(changed(kReach - 1), 1e-9) << "window " << window << ": position " << kReach - 1 << " reads token 0";
+    for (int t = kReach; t < T; t++) {
+      if (window)
+        EXPECT_EQ(changed(t), 0.0) << "position " << t << " read token 0 through a window of " << window;
+      else
+        EXPECT_GT(changed(t), 1e-9) << "without a window position " << t << " should read token 0";
+    }
+  }
 }
 
 // The second document's predictions do not depend on the first document's tokens with documents

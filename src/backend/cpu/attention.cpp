@@ -263,7 +263,7 @@ void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Rea
 
 template <typename Real>
 void attention_decode(Real* out, Real* scratch, Real* k_cache, Real* v_cache, const Real* qkv, int Q, int start,
-                      int NH, int KV, int HS) {
+                      int NH, int KV, int HS, int window) {
   const int row = (NH + 2 * KV) * HS, group = NH / KV, C = NH * HS, KVC = KV * HS, T = start + Q;
   const Real scale = Real(1) / std::sqrt(Real(HS));
   for (int i = 0; i < Q; i++) {
@@ -275,11 +275,11 @@ void attention_decode(Real* out, Real* scratch, Real* k_cache, Real* v_cache, co
 #pragma omp parallel for collapse(2) schedule(static)
   for (int i = 0; i < Q; i++) {
     for (int h = 0; h < NH; h++) {
-      const int len = start + i + 1, kv = h / group;
+      const int len = start + i + 1, kv = h / group, first = window > 0 ? std::max(0, len - window) : 0;
       const Real* q = qkv + static_cast<size_t>(i) * row + h * HS;
       Real* s = scratch + (static_cast<size_t>(i) * NH + h) * T;
       Real max = -std::numeric_limits<Real>::infinity();
-      for (int p = 0; p < len; p++) {
+      for (int p = first; p < len; p++) {
         const Real* k = k_cache + static_cast<size_t>(p) * KVC + kv * HS;
         Real dot = 0;
         for (int d = 0; d < HS; d++) dot += q[d] * k[d];
@@ -287,14 +287,14 @@ void attention_decode(Real* out, Real* scratch, Real* k_cache, Real* v_cache, co
         max = s[p] > max ? s[p] : max;
       }
       Real sum = 0;
-      for (int p = 0; p < len; p++) {
+      for (int p = first; p < len; p++) {
         s[p] = std::exp(s[p] - max);
         sum += s[p];
       }
       const Real inv = Real(1) / sum;
       Real* o = out + static_cast<size_t>(i) * C + h * HS;
       for (int d = 0; d < HS; d++) o[d] = 0;
-      for (int p = 0; p < len; p++) {
+      for (int p = first; p < len; p++) {
         const Real a = s[p] * inv;
         const Real* v = v_cache + static_cast<size_t>(p) * KVC + kv * HS;
         for (int d = 0; d < HS; d++) o[d] += a * v[d];
@@ -357,7 +357,7 @@ void rope_pairs_backward(Real* dqkv, const Real* cos, const Real* sin, int B, in
                                         const int*);                                                            \
   template void attention_backward<Real>(Real*, const Real*, const Real*, const Real*, const Real*, int, int, int, \
                                          int, int, AttentionTiles, bool, const int*);                           \
-  template void attention_decode<Real>(Real*, Real*, Real*, Real*, const Real*, int, int, int, int, int);         \
+  template void attention_decode<Real>(Real*, Real*, Real*, Real*, const Real*, int, int, int, int, int, int);         \
   template void rope_forward<Real>(Real*, const Real*, const Real*, int, int, int, int, int, const int*);        \
   template void rope_backward<Real>(Real*, const Real*, const Real*, int, int, int, int, int, const int*);       \
   template void rope_pairs_forward<Real>(Real*, const Real*, const Real*, int, int, int, int, int);              \

@@ -142,8 +142,8 @@ class CpuLayerOps : public LayerOps<Real> {
     cpu::attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, HS, cpu::AttentionTiles(), true, doc_start);
   }
   void attention_decode(Real* out, Real* scratch, Real* k_cache, Real* v_cache, const Real* qkv, int Q, int start,
-                        int NH, int KV, int HS) const override {
-    cpu::attention_decode(out, scratch, k_cache, v_cache, qkv, Q, start, NH, KV, HS);
+                        int NH, int KV, int HS, int window) const override {
+    cpu::attention_decode(out, scratch, k_cache, v_cache, qkv, Q, start, NH, KV, HS, window);
   }
   void bidirectional_attention_forward(Real* out, Real* lse, const Real* qkv, int B, int T, int NH,
                                        int HS) const override {

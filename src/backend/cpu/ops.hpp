@@ -86,12 +86,13 @@ void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Rea
 // Attention for generation with a key/value cache (one sequence). qkv(Q,(NH+2KV)*HS) holds Q new
 // tokens at positions start..start+Q-1, laid out as above (rope already applied). Their k and v
 // are first copied to rows start..start+Q-1 of k_cache and v_cache (each (max_len, KV*HS), row p
-// the k or v heads of position p); then query row i attends causally over cache rows 0..start+i:
+// the k or v heads of position p); then query row i attends causally over cache rows 0..start+i
+// (with a `window` > 0, only the last `window` of them: from start+i-window+1 on):
 // out(Q,NH*HS) = softmax(q k^T / sqrt(HS)) v, what attention_forward gives for that position of
 // the whole sequence (up to rounding). scratch: Q*NH*(start+Q) elements (the scores).
 template <typename Real>
 void attention_decode(Real* out, Real* scratch, Real* k_cache, Real* v_cache, const Real* qkv, int Q, int start,
-                      int NH, int KV, int HS);
+                      int NH, int KV, int HS, int window = 0);
 
 // Rotary position embedding in place on the q and k heads of qkv (layout as attention; v is
 // untouched), Hugging Face's "rotate_half" form: in each head vector, element i < HS/2 pairs with

@@ -124,8 +124,8 @@ class CudaLayerOps final : public LayerOps<float> {
     kernels::launch_rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, N, C, ws, launch());
   }
   void attention_decode(float* out, float* scratch, float* k_cache, float* v_cache, const float* qkv, int Q,
-                        int start, int NH, int KV, int HS) const override {
-    kernels::launch_attention_decode(out, scratch, k_cache, v_cache, qkv, Q, start, NH, KV, HS, launch());
+                        int start, int NH, int KV, int HS, int window) const override {
+    kernels::launch_attention_decode(out, scratch, k_cache, v_cache, qkv, Q, start, NH, KV, HS, window, launch());
   }
   void rope_forward(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int KV, int HS,
                     const int* positions) const override {

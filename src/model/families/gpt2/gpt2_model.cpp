@@ -189,7 +189,7 @@ void GptModel<Real>::decode_block(int l, const Real* w) {
   ops_.layernorm_forward(d.ln.data(), d.mean.data(), d.rstd.data(), d.x.data(), W(BLOCK_LN1_W), W(BLOCK_LN1_B), N, C);
   adapters_.linear_decode(l, PRODUCT_QKV, d.qkv.data(), d.ln.data(), W(BLOCK_QKV_W), W(BLOCK_QKV_B), C, 3 * C, w, N);
   ops_.attention_decode(d.atty.data(), d.scores.data(), d.k[l].data(), d.v[l].data(), d.qkv.data(), N, d.start, NH,
-                        NH, C / NH);
+                        NH, C / NH, 0);
   adapters_.linear_decode(l, PRODUCT_ATTN_OUT, d.resid2.data(), d.atty.data(), W(BLOCK_ATTPROJ_W), W(BLOCK_ATTPROJ_B),
                           C, C, w, N);
   ops_.residual_forward(d.resid2.data(), d.resid2.data(), d.x.data(), static_cast<size_t>(N) * C);

@@ -101,17 +101,18 @@ nlohmann::ordered_json rope_scaling_json(const std::string& text) {
 }  // namespace
 
 std::string LlamaFamily::summary(const ModelConfig& c) const {
-  return strprintf("%s L=%d C=%d H=%d KV=%d MLP=%d V=%d max_seq_len=%d rope_theta=%g norm_eps=%g %s%s%s%s%s%s",
+  return strprintf("%s L=%d C=%d H=%d KV=%d MLP=%d V=%d max_seq_len=%d rope_theta=%g norm_eps=%g %s%s%s%s%s%s%s",
                    display_name(), c.n_layer, c.n_embd, c.n_head, c.kv_heads(), c.mlp_size(), c.vocab_size,
                    c.max_seq_len, c.rope_theta, c.norm_eps, c.tie_embeddings ? "tied" : "untied",
                    c.head_dim > 0 ? strprintf(" head_dim=%d", c.head_dim).c_str() : "",
                    c.rope_scaling.empty() ? "" : " rope_scaling=", c.rope_scaling.c_str(),
-                   c.nope_layers.empty() ? "" : " nope_layers=", c.nope_layers.c_str());
+                   c.nope_layers.empty() ? "" : " nope_layers=", c.nope_layers.c_str(),
+                   c.sliding_window > 0 ? strprintf(" sliding_window=%d", c.sliding_window).c_str() : "");
 }
 
 std::vector<std::string> LlamaFamily::config_keys() const {
   return {"model.n_kv_head", "model.intermediate_size", "model.head_dim", "model.rope_theta", "model.rope_scaling",
-          "model.norm_eps", "model.tie_embeddings"};
+          "model.norm_eps", "model.tie_embeddings", "model.sliding_window"};
 }
 
 std::string LlamaFamily::config_defect(const ModelConfig& m) const {
@@ -139,6 +140,8 @@ std::string LlamaFamily::config_defect(const ModelConfig& m) const {
   std::vector<bool> nope;
   if (!parse_nope_layers(m.nope_layers, m.n_layer, &nope, &defect)) return defect;
   if (!(m.norm_eps > 0) || !std::isfinite(m.norm_eps)) return strprintf("model.norm_eps=%g must be > 0", m.norm_eps);
+  if (m.sliding_window < 0 || m.sliding_window > (1 << 24))
+    return strprintf("model.sliding_window=%d is not in [0, 2^24] (0 = every earlier position)", m.sliding_window);
   return "";
 }
 
@@ -290,10 +293,10 @@ ModelConfig LlamaFamily::read_decoder_config(const HfConfig& j, const ModelConfi
 // Qwen2Config and Qwen3Config slide the window (sliding_window, 4096 when absent) only with
 // use_sliding_window, and only over the layers layer_types marks "sliding_attention" (without
 // layer_types: from max_window_layers, 28 when absent, on; null there is transformers' TypeError).
-void LlamaFamily::refuse_qwen_sliding_window(const HfConfig& j, const ModelConfig& m) {
-  if (!j.flag("use_sliding_window", false)) return;
+int LlamaFamily::read_qwen_sliding_window(const HfConfig& j, const ModelConfig& m) {
+  if (!j.flag("use_sliding_window", false)) return 0;
   const int window = !j.present("sliding_window") ? 4096 : j.has("sliding_window") ? j.whole("sliding_window") : 0;
-  if (window <= 0 || window >= m.max_seq_len) return;  // a window that no sequence reaches changes nothing
+  if (window <= 0) return 0;
   const nlohmann::json& types = j["layer_types"];
   int sliding = 0;
   if (types.is_array()) {
@@ -305,11 +308,25 @@ void LlamaFamily::refuse_qwen_sliding_window(const HfConfig& j, const ModelConfi
       j.fail("max_window_layers " + first.dump() + " is not a whole number >= 0 (the first layer of the window)");
     sliding = static_cast<int>(std::max<int64_t>(0, m.n_layer - (absent ? 28 : first.get<int64_t>())));
   }
-  if (sliding > 0)
-    j.fail(strprintf("use_sliding_window true with a window of %d positions on %d of the %d layers is not "
-                     "implemented; ShardTrain's attention sees every earlier position (use_sliding_window false, or "
-                     "max_window_layers at least num_hidden_layers, is read)",
-                     window, sliding, m.n_layer));
+  return sliding_window_over(j, m, window, sliding);
+}
+
+int LlamaFamily::sliding_window_over(const HfConfig& j, const ModelConfig& m, int window, int sliding) {
+  if (sliding == 0 || window <= 0) return 0;
+  if (sliding == m.n_layer) return window;
+  if (window >= m.max_seq_len) return 0;  // a window that no sequence reaches changes nothing
+  j.fail(strprintf("a sliding window of %d positions on %d of the %d layers (the others seeing every earlier "
+                   "position) is not implemented; ShardTrain slides its window over every layer or none "
+                   "(use_sliding_window false, or a window on every layer, is read)",
+                   window, sliding, m.n_layer));
+}
+
+void LlamaFamily::write_qwen_sliding_window(const ModelConfig& m, nlohmann::ordered_json& j) {
+  const bool slides = m.sliding_window > 0;
+  j["use_sliding_window"] = slides;
+  j["sliding_window"] = slides ? nlohmann::ordered_json(m.sliding_window) : nlohmann::ordered_json(nullptr);
+  j["max_window_layers"] = slides ? 0 : m.n_layer;
+  if (slides) j["layer_types"] = std::vector<std::string>(m.n_layer, "sliding_attention");
 }
 
 // LlamaConfig's keys, absent ones taking its defaults (MistralConfig's for a mistral folder).
@@ -319,24 +336,19 @@ ModelConfig LlamaFamily::read_hf_config(const HfConfig& j) const {
   defaults.n_kv_head = mistral ? 8 : 0;  // MistralConfig's default when the key is absent
   defaults.max_seq_len = mistral ? 4096 * 32 : 2048;
   defaults.tie_embeddings = false;
-  const ModelConfig m = read_decoder_config(j, defaults);
+  ModelConfig m = read_decoder_config(j, defaults);
   for (const char* key : {"attention_bias", "mlp_bias"})
     if (j.flag(key, false)) j.fail(std::string(key) + " true is not implemented; ShardTrain's Llama has no biases");
-  // Mistral's window masks keys sliding_window or more positions back; one that no sequence
-  // reaches changes nothing.
+  // Mistral's window: each query sees itself and the sliding_window - 1 positions before it.
   if (mistral) {
     const bool absent = !j.present("sliding_window");  // MistralConfig's default is 4096
-    const int window = absent ? 4096 : j.has("sliding_window") ? j.whole("sliding_window") : 0;
-    if (window > 0 && window < m.max_seq_len)
-      j.fail(strprintf("sliding_window %d%s is not implemented; ShardTrain's attention sees every earlier position "
-                       "(null, or at least max_position_embeddings = %d, is read)",
-                       window, absent ? " (MistralConfig's default, the key being absent)" : "", m.max_seq_len));
+    m.sliding_window = absent ? 4096 : j.has("sliding_window") ? j.whole("sliding_window") : 0;
   }
   return m;
 }
 
 void LlamaFamily::write_decoder_config(const ModelConfig& m, const char* model_type, nlohmann::ordered_json& j) const {
-  j["architectures"] = {hf_class()};
+  j["architectures"] = {hf_class_of(m)};
   j["model_type"] = model_type;
   j["hidden_size"] = m.n_embd;
   j["intermediate_size"] = m.mlp_size();
@@ -361,8 +373,16 @@ void LlamaFamily::write_decoder_config(const ModelConfig& m, const char* model_t
 }
 
 // LlamaForCausalLM as transformers 4 writes it.
+// LlamaConfig has no window: a Llama with one is Mistral's (the families built on Llama write
+// their own configs and keep their classes).
+const char* LlamaFamily::hf_class_of(const ModelConfig& m) const {
+  return m.sliding_window > 0 && m.arch == "llama" ? "MistralForCausalLM" : hf_class();
+}
+
 void LlamaFamily::write_hf_config(const ModelConfig& m, nlohmann::ordered_json& j) const {
-  write_decoder_config(m, "llama", j);
+  const bool mistral = m.sliding_window > 0;
+  write_decoder_config(m, mistral ? "mistral" : "llama", j);
+  if (mistral) j["sliding_window"] = m.sliding_window;
   j["head_dim"] = m.head_size();
   j["attention_bias"] = false;
   j["mlp_bias"] = false;

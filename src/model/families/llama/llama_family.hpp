@@ -66,6 +66,7 @@ class LlamaFamily : public ModelFamily {
   std::string module_path(const ModelConfig& config, int layer, const LinearSite& site) const override;
 
   const char* hf_class() const override { return "LlamaForCausalLM"; }
+  const char* hf_class_of(const ModelConfig& config) const override;
   bool reads_model_type(const std::string& type) const override { return type == "llama" || type == "mistral"; }
   ModelConfig read_hf_config(const HfConfig& json) const override;
   void write_hf_config(const ModelConfig& config, nlohmann::ordered_json& json) const override;
@@ -79,8 +80,15 @@ class LlamaFamily : public ModelFamily {
   virtual const char* display_name() const { return "Llama"; }
   // What the decoder adds to Llama's block (none: Llama).
   virtual LlamaVariant variant() const { return {}; }
-  // Qwen's use_sliding_window and sliding_window keys: a window that some sequence reaches is refused.
-  static void refuse_qwen_sliding_window(const HfConfig& json, const ModelConfig& config);
+  // Qwen's use_sliding_window, sliding_window, layer_types and max_window_layers keys: the window
+  // when every layer slides, 0 when none does (or no sequence reaches the window); a window over
+  // some layers only is refused (sliding_window_over).
+  static int read_qwen_sliding_window(const HfConfig& json, const ModelConfig& config);
+  // model.sliding_window from a window of `window` positions over `sliding` of the layers: the
+  // window, 0 for none, or json.fail naming the mix, which ShardTrain does not implement.
+  static int sliding_window_over(const HfConfig& json, const ModelConfig& config, int window, int sliding);
+  // And written back as Qwen2Config, Qwen3Config and SmolLM3Config read them (layer_types too).
+  static void write_qwen_sliding_window(const ModelConfig& config, nlohmann::ordered_json& json);
   // LlamaConfig's keys common to the decoders built on it; `defaults`: the family's when absent.
   ModelConfig read_decoder_config(const HfConfig& json, const ModelConfig& defaults) const;
   // And written: the keys LlamaConfig shares with the decoders built on it.

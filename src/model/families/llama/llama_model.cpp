@@ -309,7 +309,7 @@ void LlamaModel<Real>::decode_block(int l, const Real* w) {
     ops_.rope_forward(d.qkv.data(), d.rope_cos.data() + d.start * half, d.rope_sin.data() + d.start * half, 1, N, NH,
                       KV, HS, nullptr);
   ops_.attention_decode(d.atty.data(), d.scores.data(), d.k[l].data(), d.v[l].data(), d.qkv.data(), N, d.start, NH,
-                        KV, HS);
+                        KV, HS, cfg_.sliding_window);
   adapters_.linear_decode(l, PRODUCT_ATTN_OUT, d.resid2.data(), d.atty.data(), W(LLAMA_O_W), nullptr, NH * HS, C, w,
                           N);
   ops_.residual_forward(d.resid2.data(), d.resid2.data(), d.x.data(), static_cast<size_t>(N) * C);

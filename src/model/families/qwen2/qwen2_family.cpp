@@ -21,16 +21,14 @@ class Qwen2Family final : public LlamaFamily {
     defaults.n_kv_head = 32;
     defaults.max_seq_len = 32768;
     defaults.tie_embeddings = false;
-    const ModelConfig m = read_decoder_config(j, defaults);
-    refuse_qwen_sliding_window(j, m);
+    ModelConfig m = read_decoder_config(j, defaults);
+    m.sliding_window = read_qwen_sliding_window(j, m);
     return m;
   }
   // Qwen2ForCausalLM as transformers 4 writes it.
   void write_hf_config(const ModelConfig& m, nlohmann::ordered_json& j) const override {
     write_decoder_config(m, "qwen2", j);
-    j["use_sliding_window"] = false;
-    j["sliding_window"] = nullptr;
-    j["max_window_layers"] = m.n_layer;
+    write_qwen_sliding_window(m, j);
   }
 
  protected:

@@ -24,11 +24,11 @@ class Qwen3Family final : public LlamaFamily {
     defaults.head_dim = 128;
     defaults.max_seq_len = 32768;
     defaults.tie_embeddings = false;
-    const ModelConfig m = read_decoder_config(j, defaults);
+    ModelConfig m = read_decoder_config(j, defaults);
     // Qwen3's attention_bias would put biases on o_proj too.
     if (j.flag("attention_bias", false))
       j.fail("attention_bias true is not implemented; ShardTrain's Qwen3 has no biases");
-    refuse_qwen_sliding_window(j, m);
+    m.sliding_window = read_qwen_sliding_window(j, m);
     return m;
   }
   // Qwen3ForCausalLM as transformers 4 writes it.
@@ -36,9 +36,7 @@ class Qwen3Family final : public LlamaFamily {
     write_decoder_config(m, "qwen3", j);
     j["head_dim"] = m.head_size();
     j["attention_bias"] = false;
-    j["use_sliding_window"] = false;
-    j["sliding_window"] = nullptr;
-    j["max_window_layers"] = m.n_layer;
+    write_qwen_sliding_window(m, j);
   }
 
   // The q/k norms' backward runs over every row's heads.

@@ -50,17 +50,14 @@ class SmolLM3Family final : public LlamaFamily {
     m.nope_layers = nope_layers_text(nope);
     // transformers slides a window only with use_sliding_window and a window, over the blocks
     // layer_types marks sliding_attention (without layer_types: the NoPE blocks).
-    if (j.flag("use_sliding_window", false) && j.has("sliding_window") && j.whole("sliding_window") < m.max_seq_len) {
+    if (j.flag("use_sliding_window", false) && j.has("sliding_window")) {
       const nlohmann::json& types = j["layer_types"];
       int sliding = 0;
       if (types.is_array())
         for (const nlohmann::json& type : types) sliding += type == "sliding_attention";
       else
         for (bool without : nope) sliding += without;
-      if (sliding > 0)
-        j.fail(strprintf("use_sliding_window true with sliding_window %d on %d of the %d blocks is not implemented; "
-                         "ShardTrain's attention sees every earlier position (use_sliding_window false is read)",
-                         j.whole("sliding_window"), sliding, m.n_layer));
+      m.sliding_window = sliding_window_over(j, m, j.whole("sliding_window"), sliding);
     }
     return m;
   }
@@ -75,8 +72,9 @@ class SmolLM3Family final : public LlamaFamily {
     j["no_rope_layers"] = flags;
     j["attention_bias"] = false;
     j["mlp_bias"] = false;
-    j["use_sliding_window"] = false;
-    j["sliding_window"] = nullptr;
+    j["use_sliding_window"] = m.sliding_window > 0;  // over every block (layer_types), as read
+    j["sliding_window"] = m.sliding_window > 0 ? nlohmann::ordered_json(m.sliding_window) : nlohmann::ordered_json(nullptr);
+    if (m.sliding_window > 0) j["layer_types"] = std::vector<std::string>(m.n_layer, "sliding_attention");
     j["pad_token_id"] = nullptr;  // SmolLM3Config's default, 128004, would be past a smaller vocabulary
   }
 
