@@ -297,7 +297,8 @@ def test_a_mistral_window_trains_exports_and_generates_as_transformers_has_it():
     unwindowed model's; import -> checkpoint -> export writes MistralForCausalLM with the window and
     the same file; after training the export imports with the reference's loss; the checkpoint
     records model.sliding_window and a run with another window is refused; greedy generation past
-    the window (the cache attended over its last 5 rows) is the same on 1 and 2 ranks."""
+    the window (the cache attended over its last 5 rows) is the same on 1 and 2 ranks; the shipped
+    Mistral-7B-v0.1 config plans."""
     from llama_variants import check_export_round_trip
     data, window = periodic_data()
     folder = llama_folder(seed=8, config={"model_type": "mistral", "architectures": ["MistralForCausalLM"],
@@ -325,6 +326,10 @@ def test_a_mistral_window_trains_exports_and_generates_as_transformers_has_it():
         assert "sliding_window=5" in proc.stderr, proc.stderr
         outputs.append(proc.stdout)
     assert outputs[0] == outputs[1] and len(outputs[0].encode("latin-1", "replace")) >= 20, outputs
+    # The shipped Mistral-7B-v0.1 shape plans with its window and published parameter count.
+    proc = run(1, ["plan", "--config", os.path.join(harness.ROOT, "inputs", "mistral-7b.ini"), "--world-size=8"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "untied sliding_window=4096 (7241.7M parameters)" in proc.stdout, proc.stdout[:2000]
 
 
 def test_llama_export_round_trips_and_matches_the_checkpoint():

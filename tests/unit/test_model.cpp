@@ -163,8 +163,8 @@ TEST(ParamTable, ShippedShapesHaveTheirNominalSizes) {
   EXPECT_NEAR(count(20, 1024, 16) / 1e6, 304.0, 1.5);
 }
 
-// Hugging Face's published parameter counts: SmolLM-135M and Llama-3.2-1B (tied), Mistral-Nemo-12B and
-// TinyLlama-1.1B (untied).
+// Hugging Face's published parameter counts: SmolLM-135M and Llama-3.2-1B (tied), Mistral-Nemo-12B,
+// TinyLlama-1.1B and Mistral-7B-v0.1 (untied).
 TEST(ParamTable, LlamaShapesHaveTheParameterCountsOfTheRealModels) {
   ModelConfig smol;
   smol.arch = "llama", smol.n_layer = 30, smol.n_embd = 576, smol.n_head = 9, smol.n_kv_head = 3;
@@ -185,6 +185,10 @@ TEST(ParamTable, LlamaShapesHaveTheParameterCountsOfTheRealModels) {
   tiny.vocab_size = 32000, tiny.tie_embeddings = false;
   const ParamTable table(tiny);
   EXPECT_EQ(table.total_params(), 1100048384u);
+  ModelConfig mistral = tiny;  // Mistral-7B-v0.1 (inputs/mistral-7b.ini): its window adds no parameter
+  mistral.n_layer = 32, mistral.n_embd = 4096, mistral.n_head = 32, mistral.n_kv_head = 8;
+  mistral.intermediate_size = 14336, mistral.max_seq_len = 32768, mistral.sliding_window = 4096;
+  EXPECT_EQ(ParamTable(mistral).total_params(), 7241732096u);
   // Hugging Face's names less "model.", q|k|v and gate|up adjacent in that order.
   const auto& p = table.params();
   EXPECT_EQ(p[table.units()[ROOT_UNIT].params[LLAMA_LM_HEAD]].name, "lm_head.weight");
