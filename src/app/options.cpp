@@ -721,7 +721,8 @@ void validate_architecture(const ModelConfig& m) {
       {"model.guidance_embeds", m.guidance_embeds != d.guidance_embeds},
       {"model.rope_axes", m.rope_axes != d.rope_axes},
       {"model.rope_scaling", m.rope_scaling != d.rope_scaling},
-      {"model.nope_layers", m.nope_layers != d.nope_layers}};
+      {"model.nope_layers", m.nope_layers != d.nope_layers},
+      {"model.sliding_window", m.sliding_window != d.sliding_window}};
   for (const auto& [key, set] : family_keys) {
     if (!set || family.reads_key(key)) continue;
     std::string takers;

@@ -60,7 +60,8 @@ struct ModelConfig {
 // plan of an absurd shape answers at once instead of building a table for a minute.
 // The one spelling of equal models, so that options, checkpoints and config.json compare by value:
 // head_dim 0 for the usual head size, rope_scaling in its exact text form, nope_layers ascending
-// (where they parse; a defect is left for the family's check to name).
+// (where they parse; a defect is left for the family's check to name), sliding_window 0 when
+// max_seq_len does not exceed it.
 void canonicalize(ModelConfig& m);
 
 // model.nope_layers' text: block indices in [0, n_layer), comma-separated, each once. *without[l]

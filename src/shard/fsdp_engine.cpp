@@ -154,8 +154,15 @@ std::vector<FsdpEngine::GatherSlot> FsdpEngine::plan_gather_slots(const std::vec
   }
   // fp32 on a shard group of one with nothing quantized: the model reads the shards themselves.
   if (!sharded && !half && !options.cpu_offload && block.record_bytes == 0) return {};
-  auto slot_of = [half_only](const UnitLayout& l) {
-    return GatherSlot{l.padded_numel(), l.backed_numel(half_only), l.gathered_record_bytes()};
+  // A 16-bit buffer of its own unless every unit the slot takes is gathered as its kept copy.
+  auto as_kept_copy = [&options](const UnitLayout& l) {
+    return keeps_half_shard(options) && l.shard_is_gathered_layout();
+  };
+  const bool blocks_as_kept = std::all_of(layout.begin() + 1, layout.end(), as_kept_copy);
+  block.wire = half && !blocks_as_kept ? block.numel : 0;
+  auto slot_of = [&](const UnitLayout& l) {
+    return GatherSlot{l.padded_numel(), l.backed_numel(half_only), l.gathered_record_bytes(),
+                      half && !as_kept_copy(l) ? l.padded_numel() : 0};
   };
   std::vector<GatherSlot> slots;
   if (options.strategy == SHARDING_SHARD_GRAD_OP) {
@@ -164,9 +171,6 @@ std::vector<FsdpEngine::GatherSlot> FsdpEngine::plan_gather_slots(const std::vec
     slots.push_back(slot_of(layout[ROOT_UNIT]));
     slots.insert(slots.end(), static_cast<size_t>(options.limit_all_gathers), block);
   }
-  // start_gather's choice: on a shard group of one a unit without records is gathered as its kept copy.
-  for (GatherSlot& slot : slots)
-    slot.wire = half && !(keeps_half_shard(options) && !sharded && slot.record_bytes == 0) ? slot.numel : 0;
   return slots;
 }
 
@@ -489,9 +493,8 @@ void FsdpEngine::start_gather(ParamSlot& slot, int unit, bool async) {
   // The shard's kept 16-bit copy (keep_half_shard): rounded here only if the masters changed since.
   const bool kept = s.half.size() > 0;
   if (half) {
-    // On a shard group of one an unquantized unit's shard is the whole unit, laid out as gathered
-    // (no padding between the spaces): its kept copy is the gathered copy.
-    uint16_t* copy = kept && shard_comm_.size() == 1 && s.layout.quantized.numel == 0 ? s.half.data() : slot.wire.data();
+    // A shard that is the whole unit as gathered: its kept copy is the gathered copy.
+    uint16_t* copy = kept && s.layout.shard_is_gathered_layout() ? s.half.data() : slot.wire.data();
     SHARD_CHECK(copy, "unit %d has no gathered 16-bit buffer", unit);
     if (copy != slot.half) {
       slot.half = copy;

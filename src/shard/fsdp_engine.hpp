@@ -162,6 +162,10 @@ struct UnitLayout {
                                                               : padded_numel();
   }
   size_t shard_numel() const { return trainable.shard_numel + frozen.shard_numel + quantized.shard_numel; }
+  // Whether the rank's shard is the whole unit laid out as gathered: on a shard group of one, no
+  // quantized space (no padding between the spaces). A kept 16-bit copy of it is then the
+  // gathered 16-bit copy (start_gather; plan_gather_slots plans no buffer for it).
+  bool shard_is_gathered_layout() const { return quantized.numel == 0 && shard_numel() == padded_numel(); }
   // The fp32 elements the rank holds: all but the quantized space's.
   size_t held_numel() const { return trainable.shard_numel + frozen.shard_numel; }
   // The quantized space's records: this rank's, and the whole space's once gathered.

@@ -266,7 +266,8 @@ def test_llama_import_gives_transformers_loss():
     """Grouped-query and plain multi-head attention, untied and tied heads, F32, BF16 and F16 files,
     with and without the "model." prefix, mistral folders without a sliding window, with one that
     slides within the sequence (every query seeing itself and the 4 keys before it, as transformers'
-    masking_utils has it) and with MistralConfig's default window, LlamaConfig's defaults for
+    masking_utils has it) and with MistralConfig's default window (beyond the model's 64 positions:
+    read as none), LlamaConfig's defaults for
     left-out keys, and the non-parameter tensors real files carry, on 1-3 ranks."""
     data, window = periodic_data()
     cases = [
@@ -281,8 +282,9 @@ def test_llama_import_gives_transformers_loss():
          "max_seq_len=64 rope_theta=500000 norm_eps=1e-05 untied"),
         (llama_folder(seed=5, config={"model_type": "mistral", "sliding_window": 5}), (1, 2, 3),
          "KV=2 MLP=104 V=256 max_seq_len=64 rope_theta=10000 norm_eps=1e-05 untied sliding_window=5"),
-        (llama_folder(seed=6, config={"model_type": "mistral"}), (2,),  # MistralConfig's default window
-         "KV=2 MLP=104 V=256 max_seq_len=64 rope_theta=10000 norm_eps=1e-05 untied sliding_window=4096"),
+        # MistralConfig's default window, 4096, which no sequence of this model (64) reaches: none.
+        (llama_folder(seed=6, config={"model_type": "mistral"}), (2,),
+         "KV=2 MLP=104 V=256 max_seq_len=64 rope_theta=10000 norm_eps=1e-05 untied | "),
     ]
     for folder, ranks, summary in cases:
         expected = reference("loss", folder, *window)["loss"]
@@ -326,6 +328,12 @@ def test_a_mistral_window_trains_exports_and_generates_as_transformers_has_it():
         assert "sliding_window=5" in proc.stderr, proc.stderr
         outputs.append(proc.stdout)
     assert outputs[0] == outputs[1] and len(outputs[0].encode("latin-1", "replace")) >= 20, outputs
+    # A family without the key refuses it, as any key it does not read; a window at least
+    # model.max_seq_len is no window.
+    expect_usage_error(tiny_args("--model.sliding_window=4"), "model.sliding_window is not a gpt2 option")
+    proc = run(1, ["plan", "--config", os.path.join(harness.ROOT, "inputs", "llama-tiny.ini"), "--world-size=1",
+                   "--model.sliding_window=64"])
+    assert proc.returncode == 0 and "sliding_window" not in proc.stdout, proc.stdout[:2000] + proc.stderr[-2000:]
     # The shipped Mistral-7B-v0.1 shape plans with its window and published parameter count.
     proc = run(1, ["plan", "--config", os.path.join(harness.ROOT, "inputs", "mistral-7b.ini"), "--world-size=8"])
     assert proc.returncode == 0, proc.stderr[-2000:]

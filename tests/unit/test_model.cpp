@@ -306,7 +306,14 @@ class CountingOps : public LayerOps<double> {
   }
   void attention_forward(double* out, double* lse, const double* qkv, int B, int T, int NH, int KV, int HS,
                          const int* doc_start) const override {
-    macs_ += 2.0 * B * T * T * NH * HS;  // per query head: T x T scores of HS, then T x HS outputs of T
+    // Per query head: T x span scores of HS, then T x HS outputs of span keys, the span the most keys
+    // a row may see (its first key: doc_start, here only a sliding window's), counted whole.
+    int span = T;
+    if (doc_start) {
+      span = 0;
+      for (int t = 0; t < T; t++) span = std::max(span, t - doc_start[t] + 1);
+    }
+    macs_ += 2.0 * B * T * span * NH * HS;
     cpu().attention_forward(out, lse, qkv, B, T, NH, KV, HS, doc_start);
   }
   void rope_forward(double* qkv, const double* cos, const double* sin, int B, int T, int NH, int KV, int HS,

@@ -185,14 +185,16 @@ std::vector<ModelFamily::FusedGroup> LlamaFamily::fused_groups(const ModelConfig
 }
 
 // 6 x (parameters outside the embedding table, + V x C for a tied head) + 12 L T A for attention's
-// scores and weighted sums (A = n_head x head size). The q/k norms' gains apply once per head:
-// (n_head + KV) x head size per token where the parameters count 2 x head size.
+// scores and weighted sums (A = n_head x head size; T the keys a query spans, counted whole as
+// llm.c does: the window's W where a sliding window is shorter). The q/k norms' gains apply once
+// per head: (n_head + KV) x head size per token where the parameters count 2 x head size.
 double LlamaFamily::flops_per_token(const ParamTable& t, int seq_len) const {
   const ModelConfig& c = t.config();
   const double embedding = static_cast<double>(c.vocab_size) * c.n_embd;
   double applied = static_cast<double>(t.total_params()) - embedding + (c.tie_embeddings ? embedding : 0);
   if (variant().qk_norm) applied += static_cast<double>(c.n_layer) * (c.n_head + c.kv_heads() - 2) * c.head_size();
-  return 6.0 * applied + 12.0 * c.n_layer * seq_len * c.attn_size();
+  const int span = c.window_within(seq_len) ? c.sliding_window : seq_len;
+  return 6.0 * applied + 12.0 * c.n_layer * span * c.attn_size();
 }
 
 std::unique_ptr<TransformerModel<float>> LlamaFamily::make_model(const ParamTable& table, int batch, int seq_len,
@@ -312,9 +314,8 @@ int LlamaFamily::read_qwen_sliding_window(const HfConfig& j, const ModelConfig& 
 }
 
 int LlamaFamily::sliding_window_over(const HfConfig& j, const ModelConfig& m, int window, int sliding) {
-  if (sliding == 0 || window <= 0) return 0;
+  if (sliding == 0 || window <= 0 || window >= m.max_seq_len) return 0;  // none that any sequence reaches
   if (sliding == m.n_layer) return window;
-  if (window >= m.max_seq_len) return 0;  // a window that no sequence reaches changes nothing
   j.fail(strprintf("a sliding window of %d positions on %d of the %d layers (the others seeing every earlier "
                    "position) is not implemented; ShardTrain slides its window over every layer or none "
                    "(use_sliding_window false, or a window on every layer, is read)",
@@ -343,6 +344,7 @@ ModelConfig LlamaFamily::read_hf_config(const HfConfig& j) const {
   if (mistral) {
     const bool absent = !j.present("sliding_window");  // MistralConfig's default is 4096
     m.sliding_window = absent ? 4096 : j.has("sliding_window") ? j.whole("sliding_window") : 0;
+    canonicalize(m);
   }
   return m;
 }
