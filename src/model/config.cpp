@@ -18,7 +18,7 @@ void canonicalize(ModelConfig& m) {
   if (parse_nope_layers(m.nope_layers, m.n_layer, &without, &defect)) m.nope_layers = nope_layers_text(without);
   // A window no sequence of the model reaches is no window (Mistral's default 4096 on a shorter
   // model; what checkpoints before the window recorded as none).
-  if (!m.window_within(m.max_seq_len)) m.sliding_window = 0;
+  if (m.sliding_window >= m.max_seq_len) m.sliding_window = 0;  // a negative one is left to be named
 }
 
 bool parse_nope_layers(const std::string& text, int n_layer, std::vector<bool>* without, std::string* error) {

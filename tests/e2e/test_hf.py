@@ -331,6 +331,8 @@ def test_a_mistral_window_trains_exports_and_generates_as_transformers_has_it():
     # A family without the key refuses it, as any key it does not read; a window at least
     # model.max_seq_len is no window.
     expect_usage_error(tiny_args("--model.sliding_window=4"), "model.sliding_window is not a gpt2 option")
+    expect_usage_error(llama_args("--model.arch=llama", "--model.sliding_window=-3"),
+                       "model.sliding_window=-3 is not in [0, 2^24]")
     proc = run(1, ["plan", "--config", os.path.join(harness.ROOT, "inputs", "llama-tiny.ini"), "--world-size=1",
                    "--model.sliding_window=64"])
     assert proc.returncode == 0 and "sliding_window" not in proc.stdout, proc.stdout[:2000] + proc.stderr[-2000:]

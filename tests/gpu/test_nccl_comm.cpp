@@ -480,6 +480,17 @@ std::vector<float> rounding_cases() {
 
 class NcclWireKernelTest : public GpuTest, public ::testing::WithParamInterface<DType> {};
 
+// The wire launch_to_half writes: every element rounded as the CPU rounds it, [zero_begin, zero_end) +0.
+void expect_wire(const std::vector<uint16_t>& out, const std::vector<float>& in, DType wire, size_t zero_begin,
+                 size_t zero_end) {
+  for (size_t i = 0; i < in.size(); i++) {
+    const uint16_t expected = (i >= zero_begin && i < zero_end) ? 0 : float_to_half(in[i], wire);
+    ASSERT_EQ(out[i], expected) << dtype_name(wire) << " element " << i << " of " << in.size() << " = " << in[i]
+                                << " (bits 0x" << std::hex << float_bits(in[i]) << std::dec << "), zeroed ["
+                                << zero_begin << ", " << zero_end << ")";
+  }
+}
+
 TEST_P(NcclWireKernelTest, ToWireRoundsExactlyLikeTheCpuAndZeroesTheOwnSlot) {
   const DType wire = GetParam();
   const auto in = rounding_cases();
@@ -487,12 +498,7 @@ TEST_P(NcclWireKernelTest, ToWireRoundsExactlyLikeTheCpuAndZeroesTheOwnSlot) {
   auto d_in = upload(device(), in);
   DeviceArray<uint16_t> d_out(device(), n);
   kernels::launch_to_half(d_out.data(), d_in.data(), n, wire, launch(), zero_begin, zero_end);
-  const auto out = download(device(), d_out);
-  for (size_t i = 0; i < n; i++) {
-    const uint16_t expected = (i >= zero_begin && i < zero_end) ? 0 : float_to_half(in[i], wire);
-    ASSERT_EQ(out[i], expected) << dtype_name(wire) << " element " << i << " = " << in[i] << " (bits 0x" << std::hex
-                                << float_bits(in[i]) << ")";
-  }
+  expect_wire(download(device(), d_out), in, wire, zero_begin, zero_end);
 }
 
 // The wire kernel converts packs of 8 and then the last n % 8 elements in a launch of their own:
@@ -506,12 +512,7 @@ TEST_P(NcclWireKernelTest, TheOwnSlotIsZeroedInTheUnpackedTail) {
     auto d_in = upload(device(), in);
     DeviceArray<uint16_t> d_out(device(), n);
     kernels::launch_to_half(d_out.data(), d_in.data(), n, wire, launch(), zero_begin, zero_end);
-    const auto out = download(device(), d_out);
-    for (size_t i = 0; i < n; i++) {
-      const uint16_t expected = (i >= zero_begin && i < zero_end) ? 0 : float_to_half(in[i], wire);
-      ASSERT_EQ(out[i], expected) << dtype_name(wire) << " element " << i << " of " << n << ", zeroed ["
-                                  << zero_begin << ", " << zero_end << ")";
-    }
+    expect_wire(download(device(), d_out), in, wire, zero_begin, zero_end);
   }
 }
 
