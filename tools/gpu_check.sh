@@ -224,6 +224,9 @@ CONFIG=inputs/llama-tiny.ini against_cpu "Llama, packed documents" llama-documen
 # Qwen3: each query and key head RMSNorm-ed (strided row copies around the norm kernels), heads of 12 on a width of 40.
 CONFIG=inputs/llama-tiny.ini against_cpu "Qwen3 (q/k norms, heads of their own size)" qwen3 2 1 "${LLAMA_CMP[@]}" \
   --model.arch=qwen3 --model.head_dim=12
+# Mistral's sliding window (5 of the 32 positions): each row's first key, as packed documents give them.
+CONFIG=inputs/llama-tiny.ini against_cpu "Llama with a sliding window of 5" llama-window 2 1 "${LLAMA_CMP[@]}" \
+  --model.sliding_window=5
 against_cpu "GPT-2, packed documents" documents 2 1 "${CMP_MODEL[@]}" --train.micro_batch=4 --train.global_batch=8 "${DOCUMENTS[@]}"
 
 # The FLUX family (joint attention without the causal mask, interleaved rotary pairs, adaptive
@@ -335,11 +338,13 @@ fi
 
 if want inference; then
 section "Generation and distillation on the GPU against the CPU (the same text; distilled losses within 1e-3 relative)"
-# A Llama trained on the CPU is the checkpoint to generate from (greedy, then sampled with a seed:
-# the KV cache's decode attention, top-k/top-p and the sampler on the GPU's logits) and the teacher
-# of a distillation run (its forward on the student's buffers), in fp32 and as an NF4 teacher.
+# A Llama trained on the CPU, with a sliding window of 12 that its 32-token sequences and the 48
+# generated tokens pass, is the checkpoint to generate from (greedy, then sampled with a seed: the
+# KV cache's decode attention over the window, top-k/top-p and the sampler on the GPU's logits) and
+# the teacher of a distillation run (its forward on the student's buffers), in fp32 and as an NF4
+# teacher.
 INF_OPTS=(--train.steps=20 --train.threads=4 --train.micro_batch=4 --train.global_batch=8)
-run inf-teacher cpu 2 inputs/llama-tiny.ini "${INF_OPTS[@]}" --train.steps=300  # greedy text of more than spaces
+run inf-teacher cpu 2 inputs/llama-tiny.ini "${INF_OPTS[@]}" --train.steps=300 --model.sliding_window=12
 teacher=$(ls "$WORK"/ckpt-inf-teacher/ckpt-*.h5 2>/dev/null | tail -1)
 if [ -z "$teacher" ]; then
   FAILED=1; report "- FAIL the teacher's training run wrote no checkpoint:"; report '```'
