@@ -9,7 +9,7 @@ line on the Llama model. Each property against an independent oracle:
 - training's losses do not depend on the rank count; LoRA on q/k/v trains, exports as a PEFT folder
   for Qwen3ForCausalLM and merges; greedy generation is the same on 1 and 2 ranks;
 - what Qwen3's attention has and ShardTrain does not (biases, a sliding window on some layers only) is
-  refused, exit 2; a window on every layer gives the reference's loss;
+  refused, exit 2; a window on every layer gives the reference's loss and exports back;
 - the shipped Qwen3-0.6B config plans its published parameter count.
 """
 import json
@@ -126,6 +126,10 @@ def test_qwen3_refuses_what_it_does_not_implement():
         loss, proc = first_loss(folder, data, args=llama_args)
         assert "sliding_window=5" in proc.stdout, proc.stdout
         assert rel_diff(loss, reference("loss", folder, *window)["loss"]) < 2e-6
+    # ... and exported back as Qwen3Config reads it: every layer's type written out.
+    check_export_round_trip(folder, "Qwen3ForCausalLM",
+                            {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 0,
+                             "layer_types": ["sliding_attention"] * L}, ["model.layers.0.self_attn.q_proj.weight"])
 
 
 def test_qwen3_06b_config_plans_the_real_parameter_count():
