@@ -105,13 +105,15 @@ class DecoderLM : public TransformerModel<Real>,
   // (embed_forward); doc_start() is then what the attention reads. A sliding window that the
   // sequence reaches is masked the same way: row t's first visible key is t - window + 1, or its
   // document's start if later (the attention kernels take any first keys that never move back).
+  // The window's alone are the same for every micro-batch: uploaded once, so the ops keep what they
+  // derive from them (cuDNN's score bias).
   void upload_tokens(const Batch& batch) {
     ops_.device().copy_to_device(tokens_.data(), batch.get<int>(BATCH_TOKENS, tokens_.size()), tokens_.bytes());
-    const bool documents = batch.has(BATCH_DOC_STARTS);
-    masked_ = documents || cfg_.window_within(T_);
-    if (masked_) {
+    const bool documents = batch.has(BATCH_DOC_STARTS), window = cfg_.window_within(T_);
+    masked_ = documents || window;
+    if (masked_ && (documents || !window_alone_uploaded_)) {
       const int* starts = documents ? batch.get<int>(BATCH_DOC_STARTS, doc_starts_.size()) : nullptr;
-      if (cfg_.window_within(T_)) {
+      if (window) {
         window_starts_.resize(doc_starts_.size());
         for (size_t i = 0; i < window_starts_.size(); i++)
           window_starts_[i] = std::max(starts ? starts[i] : 0, static_cast<int>(i % T_) - cfg_.sliding_window + 1);
@@ -119,6 +121,7 @@ class DecoderLM : public TransformerModel<Real>,
       }
       ops_.device().copy_to_device(doc_starts_.data(), starts, doc_starts_.bytes());
       ops_.documents_changed(doc_starts_.data());
+      window_alone_uploaded_ = !documents;
     }
     restarted_ = batch.has(BATCH_POSITIONS);
     if (restarted_)
@@ -145,6 +148,7 @@ class DecoderLM : public TransformerModel<Real>,
   DeviceArray<int> tokens_, targets_, doc_starts_, positions_;
   bool masked_ = false;     // doc_starts_ holds each row's first key: documents, a sliding window or both
   std::vector<int> window_starts_;  // the host's first keys under the sliding window
+  bool window_alone_uploaded_ = false;  // doc_starts_ holds the window's first keys without documents
   bool restarted_ = false;  // and its positions restart with each (positions_)
   std::vector<Array> resid_;      // resid_[l]: input of block l; resid_[L]: output of the last
   SavedActivations<Real> saved_;  // one layer with checkpointing, else every layer
