@@ -49,6 +49,20 @@ double flux_resolution_shift(int image_tokens) {
   return std::exp(0.5 + (1.15 - 0.5) / (4096 - 256) * (image_tokens - 256));
 }
 
+double flux2_empirical_shift(int image_tokens, int steps) {
+  // mu's fit at 10 and at 200 steps, each linear in the image tokens; between them linear in the
+  // steps, and past 4300 tokens the 200-step line alone (diffusers' compute_empirical_mu).
+  const double at_200 = 0.00016927 * image_tokens + 0.45666666;
+  if (image_tokens > 4300) return std::exp(at_200);
+  const double at_10 = 8.73809524e-05 * image_tokens + 1.89833333;
+  const double slope = (at_200 - at_10) / 190.0;
+  return std::exp(at_200 + slope * (steps - 200));
+}
+
+double auto_sampling_shift(const ModelConfig& model, int image_tokens, int steps) {
+  return is_flux2(model) ? flux2_empirical_shift(image_tokens, steps) : flux_resolution_shift(image_tokens);
+}
+
 namespace {
 
 constexpr const char* USAGE_LINE =
@@ -96,8 +110,8 @@ bool parse_sample_args(const Runtime& rt, const std::vector<std::string>& args, 
        "a Kontext model's images to edit: HDF5 file of condition_latents (one, or one per prompt) with "
        "condition_grid_rows and condition_grid_cols, as tools/encode_images.py encode --condition-images writes them")
       ("shift", po::value(&o.shift)->default_value(o.shift),
-       "the schedule's shift: auto (by the image size, as FLUX.1-dev's pipeline), or a factor s (1 = none; "
-       "FLUX.1-schnell: 1)")
+       "the schedule's shift: auto (by the image size as FLUX.1-dev's pipeline does; FLUX.2 by the image size "
+       "and --steps, as its pipeline does), or a factor s (1 = none; FLUX.1-schnell: 1)")
       ("seed", po::value(&seed)->default_value(seed), "the starting noise: a seed gives the same images on any rank count")
       ("batch", po::value(&batch)->default_value(batch), "prompts per forward")
       ("device", po::value(&o.device)->default_value(o.device), "cpu or cuda (one GPU per rank)")
@@ -392,7 +406,7 @@ int sample(const Runtime& rt, const SampleOptions& o) {
       negative = encoder->encode_captions(negative_captions, o.negative.empty() ? "the empty caption"
                                                                                  : "--negative='" + o.negative + "'");
   }
-  const double shift = o.shift == "auto" ? flux_resolution_shift(N) : std::strtod(o.shift.c_str(), nullptr);
+  const double shift = o.shift == "auto" ? auto_sampling_shift(m, N, o.steps) : std::strtod(o.shift.c_str(), nullptr);
   if (rt.is_root())
     std::fprintf(stderr,
                  "sample: %s (step %lld) | %s | %s, %s | %d %s of %d x %d latent tokens, %d steps, shift %.4g, guidance "

@@ -2,8 +2,8 @@
 // "Sampling"). Every rank loads its shards into an inference FSDP engine (any rank count) and runs
 // the same forwards, the parameters gathered block by block as in training. The flow-matching Euler
 // sampler integrates dx/dsigma = v from pure noise at sigma = 1 to sigma = 0 over --steps steps:
-// x <- x + (sigma_next - sigma) v(x, sigma), on FLUX.1's schedule (sigmas linear from 1 to 1/steps,
-// then shifted: by the image size as FLUX.1-dev's pipeline does, by a fixed factor, or not), the
+// x <- x + (sigma_next - sigma) v(x, sigma), on FLUX's schedule (sigmas linear from 1 to 1/steps,
+// then shifted: as the family's diffusers pipeline does, by a fixed factor, or not), the
 // guidance value fed to a guidance-embedding model, and classifier-free guidance against negative
 // prompts (v = v_neg + cfg (v - v_neg)), and for a Kontext model its condition images (clean
 // tokens after the target's, ids (1, row, col)). The prompts are text embeddings (tools/encode_images.py
@@ -29,9 +29,13 @@ class TransformerModel;
 
 // The noise levels of the sampler's `steps` steps and the final 0: linear from 1 to 1/steps, each
 // shifted by sigma' = s sigma / (1 + (s - 1) sigma) (s = 1: none). FLUX.1-dev's pipeline uses s =
-// exp(mu), mu linear from 0.5 at 256 image tokens to 1.15 at 4096 (flux_resolution_shift).
+// exp(mu), mu linear from 0.5 at 256 image tokens to 1.15 at 4096 (flux_resolution_shift); FLUX.2's
+// pipeline an empirical mu of the image tokens and the step count (flux2_empirical_shift).
 std::vector<double> flow_sigmas(int steps, double shift);
 double flux_resolution_shift(int image_tokens);
+double flux2_empirical_shift(int image_tokens, int steps);
+// The shift `--shift auto` and training's samples use: the model family's pipeline's.
+double auto_sampling_shift(const ModelConfig& model, int image_tokens, int steps);
 
 // Prompts as text embeddings: `count` of them, each `tokens` tokens of the model's context_dim and
 // a pooled vector.

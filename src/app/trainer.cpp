@@ -310,7 +310,7 @@ void Trainer::sample_images(int step) {
   SamplerSettings settings;
   settings.rows = rows, settings.cols = cols, settings.steps = cfg_.flow.sample_steps;
   settings.guidance = cfg_.flow.sample_guidance, settings.seed = cfg_.train.seed, settings.cfg = cfg_.flow.sample_cfg;
-  settings.shift = flux_resolution_shift(rows * cols);
+  settings.shift = auto_sampling_shift(cfg_.model, rows * cols, settings.steps);
   const double t0 = now_seconds();
   // The empty caption, as flow.caption_dropout trains it: zeros, or the text encoder's "".
   Prompts empty;

@@ -313,16 +313,25 @@ def euler_reference(params, cfg, text, pooled, rows, cols, steps, shift, guidanc
     """sample's images from the equations: the Euler steps of the flow from each prompt's noise, in
     float64 from the noise of the sampler's stream (rounded to float32 as it draws it). condition
     (P or 1, M, in_channels): Kontext's clean condition tokens after the target's, ids (1, row, col),
-    in the negative prompts' forwards too."""
-    from flux_reference import counter_normal, mix64
+    in the negative prompts' forwards too. cfg["arch"] == "flux2": FLUX.2's forward (no pooled
+    vector) and ids (image (0, row, col, 0), text (0, 0, 0, l), a condition image's t = 10)."""
+    from flux_reference import counter_normal, flux2_forward, mix64
+    flux2 = cfg.get("arch") == "flux2"
     N = rows * cols
-    img_ids = [[0, i // cols, i % cols] for i in range(N)]
+    img_ids = [[0, i // cols, i % cols] + [0] * flux2 for i in range(N)]
     if condition is not None:
-        img_ids += [[1, i // condition_cols, i % condition_cols] for i in range(condition.shape[1])]
+        img_ids += [[10 if flux2 else 1, i // condition_cols, i % condition_cols] + [0] * flux2
+                    for i in range(condition.shape[1])]
     img_ids = np.array(img_ids, np.float32)
-    txt_ids = np.zeros((text.shape[1], 3), np.float32)
+    txt_ids = np.array([[0, 0, 0, l] if flux2 else [0, 0, 0] for l in range(text.shape[1])], np.float32)
     sigmas = [1.0 - (1.0 - 1.0 / steps) * i / (steps - 1) if steps > 1 else 1.0 for i in range(steps)]
     sigmas = [shift * s / (1 + (shift - 1) * s) for s in sigmas] + [0.0]
+
+    def forward(hidden, t, p, s32):
+        if flux2:
+            return flux2_forward(params, cfg, hidden, t, [s32], [guidance], img_ids, txt_ids)
+        return flux_forward(params, cfg, hidden, t, p, [s32], [guidance], img_ids, txt_ids)
+
     out = []
     for k in range(text.shape[0]):
         key = mix64(mix64(seed ^ 0x73616D706C696E67) ^ mix64(k))
@@ -332,10 +341,9 @@ def euler_reference(params, cfg, text, pooled, rows, cols, steps, shift, guidanc
         for i in range(steps):
             s32 = np.float32(sigmas[i])
             hidden = x if clean is None else np.concatenate([x, clean], 1)
-            v = flux_forward(params, cfg, hidden, text[k:k + 1], pooled[k:k + 1], [s32], [guidance], img_ids, txt_ids)
+            v = forward(hidden, text[k:k + 1], None if flux2 else pooled[k:k + 1], s32)
             if cfg_scale > 1:
-                vn = flux_forward(params, cfg, hidden, neg_text[0:1], neg_pooled[0:1], [s32], [guidance], img_ids,
-                                  txt_ids)
+                vn = forward(hidden, neg_text[0:1], None if flux2 else neg_pooled[0:1], s32)
                 v = vn + cfg_scale * (v - vn)
             x = x + (sigmas[i + 1] - sigmas[i]) * v[:, :N]  # the target's tokens leave
         out.append(x[0])

@@ -10,7 +10,9 @@ latent shards, each property against an independent oracle:
 - folder -> checkpoint -> folder is bit for bit, with diffusers' config keys;
 - losses do not depend on the rank count or the sharding strategy;
 - LoRA on diffusers' module names trains the adapters alone and exports diffusers' LoRA file;
-- a FLUX.2 configuration that names a pooled vector is refused with one line (exit 2).
+- a FLUX.2 configuration that names a pooled vector is refused with one line (exit 2);
+- `sample` draws the float64 Euler steps of the same forward on 1 and 2 ranks, on Flux2Pipeline's
+  schedule (its empirical mu of the image tokens and the step count).
 """
 import json
 import os
@@ -22,7 +24,7 @@ from flux_reference import flow_sample, flux2_forward, gelu_tanh, make_diffusers
 from harness import ROOT, read_metrics, rel_diff, run, tempdir
 from test_adapters import safetensors_arrays
 from test_bad_input import expect_usage_error
-from test_flux import flux_args, latent_file, ok
+from test_flux import euler_reference, flux_args, latent_file, ok, prompts_file
 from test_flux import losses as flux_losses
 
 FLUX2_INI = os.path.join(ROOT, "inputs", "flux2-tiny.ini")
@@ -198,3 +200,45 @@ def test_the_text_encoder_in_the_job_gives_flux2_its_cached_context():
     in_job = losses(2, f"--data.train_file={files['train']}", f"--data.val_file={files['val']}", *shape,
                     f"--text_encoder.source={encoder()}", "--text_encoder.layers=0,-1")
     assert max(rel_diff(a, b) for a, b in zip(in_job, on_cache)) < 1e-9, (in_job, on_cache)
+
+
+def empirical_mu(image_tokens, steps):
+    """Flux2Pipeline's compute_empirical_mu (diffusers 0.42.1)."""
+    a1, b1, a2, b2 = 8.73809524e-05, 1.89833333, 0.00016927, 0.45666666
+    m_200 = a2 * image_tokens + b2
+    if image_tokens > 4300:
+        return m_200
+    a = (m_200 - (a1 * image_tokens + b1)) / 190.0
+    return a * steps + m_200 - 200.0 * a
+
+
+def prompt_text(path):
+    with h5py.File(path, "r") as f:
+        return f["encoder_hidden_states"][()].astype(np.float64)
+
+
+def test_sample_draws_flux2_on_its_pipelines_schedule_on_any_rank_count():
+    folder = os.path.join(tempdir(), "flux2-sample")
+    params = make_diffusers_folder(folder, CFG, seed=21)
+    ckpt = tempdir()
+    ok(run(1, ["convert", "--input", folder, "--output", os.path.join(ckpt, "ckpt-00000000.h5"), "--layout",
+               "gathered"]))
+    prompts, negative = prompts_file(2, 31, tokens=6), prompts_file(1, 32, tokens=6)
+    shift = float(np.exp(empirical_mu(6, 3)))
+    outputs = []
+    for np_ in (1, 2):
+        out = os.path.join(tempdir(), "samples.h5")
+        ok(run(np_, ["sample", "--checkpoint", ckpt, "--prompts", prompts, "--output", out, "--grid", "2x3",
+                     "--steps", "3", "--guidance", "2.5", "--seed", "3", "--cfg", "1.5", "--negative", negative]))
+        with h5py.File(out, "r") as f:
+            outputs.append(f["latents"][()])
+            assert abs(float(f.attrs["shift"]) - shift) < 1e-12 * shift, (float(f.attrs["shift"]), shift)
+    text, neg_text = prompt_text(prompts), prompt_text(negative)
+    expected = euler_reference(params, CFG, text, None, 2, 3, 3, shift, 2.5, 3, 1.5, neg_text)
+    for got in outputs:
+        error = np.abs(got - expected).max() / np.abs(expected).max()
+        assert error < 1e-5, error
+    # FLUX.1's image-size shift would have drawn other images.
+    flux1 = euler_reference(params, CFG, text, None, 2, 3, 3, float(np.exp(0.5 + 0.65 / 3840 * (6 - 256))), 2.5, 3,
+                            1.5, neg_text)
+    assert np.abs(flux1 - expected).max() / np.abs(expected).max() > 1e-3

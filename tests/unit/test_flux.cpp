@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "app/sample.hpp"
 #include "model/families/flux/flux_family.hpp"
 #include "model/family.hpp"
 #include "model/model.hpp"
@@ -260,4 +261,35 @@ TEST(Flux, Flux2AdapterGradientsMatchCentralFiniteDifferences) {
 TEST(Flux, GenerateAndDistillationRefuseIt) {
   EXPECT_THROW(require_capability(tiny_flux_config(), "generate", "checkpoint 'x'"), UsageError);
   EXPECT_THROW(require_capability(tiny_flux_config(), "distillation", "distill.teacher"), UsageError);
+}
+
+// The sampler's noise levels against diffusers' FlowMatchEulerDiscreteScheduler (0.42.1), given the
+// shift its pipelines compute: FluxPipeline's calculate_shift (linear mu) and Flux2Pipeline's
+// compute_empirical_mu, with use_dynamic_shifting and the exponential time shift. Printed by
+// scheduler.set_timesteps(N, sigmas=np.linspace(1, 1/N, N), mu=mu); scheduler.sigmas (fp32).
+TEST(FluxSampling, SigmasAreTheDiffusersPipelines) {
+  struct Case {
+    bool flux2;
+    int tokens, steps;
+    std::vector<double> sigmas;
+  };
+  const Case cases[] = {
+      {true, 6, 3, {1.0, 0.93370837, 0.77882057, 0.0}},
+      {true, 5000, 4, {1.0, 0.91695148, 0.7863422, 0.55092388, 0.0}},  // past 4300 tokens: the 200-step line
+      {true, 4096, 50, {}},
+      {false, 1024, 4, {1.0, 0.84923482, 0.65248942, 0.38494474, 0.0}},
+  };
+  ModelConfig flux2 = tiny_flux_config(), flux1 = tiny_flux_config();
+  flux2.arch = "flux2";
+  for (const Case& c : cases) {
+    const std::vector<double> got = flow_sigmas(c.steps, auto_sampling_shift(c.flux2 ? flux2 : flux1, c.tokens, c.steps));
+    ASSERT_EQ(got.size(), static_cast<size_t>(c.steps + 1));
+    for (size_t i = 0; i < c.sigmas.size(); i++) EXPECT_NEAR(got[i], c.sigmas[i], 1e-7) << c.tokens << " tokens, " << i;
+  }
+  // 4096 tokens in 50 steps: the pipeline's mu of 2.02335, its 49th level 0.13371895.
+  EXPECT_NEAR(std::log(flux2_empirical_shift(4096, 50)), 2.0233511571292637, 1e-12);
+  EXPECT_NEAR(flow_sigmas(50, flux2_empirical_shift(4096, 50))[49], 0.13371895, 1e-7);
+  // FLUX.1's shift does not depend on the steps; FLUX.2's does below 4300 tokens.
+  EXPECT_EQ(auto_sampling_shift(flux1, 1024, 4), auto_sampling_shift(flux1, 1024, 28));
+  EXPECT_NE(auto_sampling_shift(flux2, 1024, 4), auto_sampling_shift(flux2, 1024, 28));
 }
