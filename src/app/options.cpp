@@ -189,6 +189,10 @@ void declare_options(OptionList& o, Config& c) {
         "(latents for tools/encode_images.py decode; a pixel-space model's also as a PNG grid); 0 = never");
   o.add("flow.sample_prompts", &c.flow.sample_prompts,
         "flux: HDF5 file of prompt embeddings (tools/encode_images.py prompts), model.context_len tokens each");
+  o.add("flow.sample_condition", &c.flow.sample_condition,
+        "flux, a Kontext model (model.condition_len > 0): HDF5 file of the images those samples edit, "
+        "condition_latents of model.condition_len tokens (one, or one per prompt; tools/encode_images.py encode "
+        "--condition-images writes them, and a Kontext latent shard holds them)");
   o.add("flow.sample_steps", &c.flow.sample_steps, "flux: Euler steps of those samples");
   o.add("flow.sample_guidance", &c.flow.sample_guidance, "flux: the guidance value of those samples");
   o.add("flow.sample_cfg", &c.flow.sample_cfg,
@@ -769,7 +773,7 @@ void validate_config(const Config& c, int world) {
     const FlowOptions d, &f = c.flow;
     const bool set = f.sigma_sampling != d.sigma_sampling || f.logit_mean != d.logit_mean || f.logit_std != d.logit_std ||
                      f.shift != d.shift || f.resolution_shift != d.resolution_shift || f.guidance != d.guidance ||
-                     f.sample_every != d.sample_every || !f.sample_prompts.empty() ||
+                     f.sample_every != d.sample_every || !f.sample_prompts.empty() || !f.sample_condition.empty() ||
                      f.sample_steps != d.sample_steps || f.sample_guidance != d.sample_guidance ||
                      f.caption_dropout != d.caption_dropout || f.sample_cfg != d.sample_cfg;
     require(!set || !family_of(m).token_data(),
@@ -787,9 +791,14 @@ void validate_config(const Config& c, int world) {
             "flow.sample_every: model.arch=" + m.arch + " draws no images (a FLUX model does); set it to 0");
     require(!c.flow.sample_prompts.empty(),
             "flow.sample_every needs flow.sample_prompts, prompt embeddings from tools/encode_images.py prompts");
-    require(m.condition_len == 0, "flow.sample_every: sampling a Kontext model (model.condition_len > 0) is not "
-                                  "implemented yet; set flow.sample_every=0");
+    require(m.condition_len == 0 || !c.flow.sample_condition.empty(),
+            "flow.sample_every: a Kontext model (model.condition_len > 0) edits images: name them, "
+            "flow.sample_condition=FILE.h5 (condition_latents, as tools/encode_images.py encode --condition-images "
+            "writes them)");
   }
+  require(c.flow.sample_condition.empty() || (c.flow.sample_every > 0 && m.condition_len > 0),
+          "flow.sample_condition is the images a Kontext model's samples edit: it needs flow.sample_every > 0 and "
+          "model.condition_len > 0; remove it");
   require(c.flow.shift > 0, "flow.shift must be > 0 (1 = no shift)");
   require(c.flow.caption_dropout >= 0 && c.flow.caption_dropout <= 1, "flow.caption_dropout must be in [0, 1]");
   require(c.flow.sample_cfg >= 1, "flow.sample_cfg must be >= 1 (1 = no classifier-free guidance)");

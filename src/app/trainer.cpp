@@ -290,13 +290,13 @@ double Trainer::evaluate() {
   return sums[0] / normaliser;
 }
 
-void Trainer::sample_images(int step) {
-  if (!sample_prompts_ && text_encoder_) {  // the prompts' captions, encoded once
+// flow.sample_every's inputs, read (and checked) at start-up rather than at the first sample.
+void Trainer::load_sample_inputs() {
+  if (text_encoder_) {  // the prompts' captions, encoded once
     std::vector<std::string> captions;
     rt_.agree_on([&] { captions = read_prompt_captions(cfg_.flow.sample_prompts, "flow.sample_prompts"); });
     sample_prompts_ = text_encoder_->encode_captions(captions, "flow.sample_prompts='" + cfg_.flow.sample_prompts + "'");
-  }
-  if (!sample_prompts_) {
+  } else {
     rt_.agree_on([&] {
       sample_prompts_ = read_prompts(cfg_.flow.sample_prompts, cfg_.model, "flow.sample_prompts");
       if (sample_prompts_->tokens != cfg_.model.context_len)
@@ -306,6 +306,23 @@ void Trainer::sample_images(int step) {
                                    cfg_.model.context_len));
     });
   }
+  if (cfg_.model.condition_len > 0) {
+    rt_.agree_on([&] {
+      ConditionImages c = read_condition_images(cfg_.flow.sample_condition, cfg_.model, "flow.sample_condition");
+      if (c.tokens != cfg_.model.condition_len)
+        throw UsageError(strprintf("flow.sample_condition='%s' holds condition images of %d tokens; the model is "
+                                   "trained on %d (model.condition_len): encode them at the training data's size",
+                                   cfg_.flow.sample_condition.c_str(), c.tokens, cfg_.model.condition_len));
+      if (c.count != 1 && c.count != sample_prompts_->count)
+        throw UsageError(strprintf("flow.sample_condition='%s' holds %d condition images; give one, or one per "
+                                   "prompt (%d)",
+                                   cfg_.flow.sample_condition.c_str(), c.count, sample_prompts_->count));
+      sample_condition_ = std::move(c);
+    });
+  }
+}
+
+void Trainer::sample_images(int step) {
   const auto [rows, cols] = train_data_->image_grid();
   SamplerSettings settings;
   settings.rows = rows, settings.cols = cols, settings.steps = cfg_.flow.sample_steps;
@@ -322,7 +339,9 @@ void Trainer::sample_images(int step) {
     empty.pooled.assign(cfg_.model.pooled_dim, 0.0f);
   }
   const std::vector<float> latents =
-      FlowSampler(engine_, *model_, cfg_.model, settings).draw(*sample_prompts_, settings.cfg > 1 ? &empty : nullptr);
+      FlowSampler(engine_, *model_, cfg_.model, settings)
+          .draw(*sample_prompts_, settings.cfg > 1 ? &empty : nullptr,
+                sample_condition_ ? &*sample_condition_ : nullptr);
   const std::string folder = checkpoints_.dir() + "/samples";
   const std::string path = folder + strprintf("/step-%08d.h5", step + 1);
   std::string wrote;
@@ -346,6 +365,7 @@ void Trainer::sample_images(int step) {
 int Trainer::run() {
   print_summary();
   checkpoints_.check_dir();  // a file where the run folder should be: exit 2 on every rank, before any use
+  if (cfg_.flow.sample_every > 0) load_sample_inputs();
   const int start = resume();
   const int steps = steps_;
   if (rt_.is_root()) std::filesystem::remove(stop_marker_path(checkpoints_.dir()));

@@ -107,6 +107,7 @@ class Trainer {
   void accumulate_gradients(int step);
   double evaluate();
   // flow.sample_every: the model draws flow.sample_prompts' images into <run folder>/samples/.
+  void load_sample_inputs();
   void sample_images(int step);
   // What a step's summed loss is divided by: the output units its loss averages over, on every rank
   // and micro-batch of the step (Loss::units_per_row).
@@ -164,6 +165,7 @@ class Trainer {
   std::shared_ptr<const CaptionTokenizer> captions_;  // text_encoder.source's tokenizer, for the data
   std::unique_ptr<TextEncoder> text_encoder_;          // text_encoder.source, beside the model
   std::optional<Prompts> sample_prompts_;  // flow.sample_prompts, read once
+  std::optional<ConditionImages> sample_condition_;  // flow.sample_condition, read once
   // The step's summed loss and squared gradient norm (then the validation loss) in the compute
   // device's memory, read once at the end of a step into host_sums_; with cpu_offload the
   // optimizer reads them from offloaded_sums_ (the backend's host memory).

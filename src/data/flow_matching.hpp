@@ -31,6 +31,7 @@ struct FlowOptions {
   // images (app/sample.hpp), sample_steps Euler steps at sample_guidance, on the data's grid.
   int sample_every = 0;
   std::string sample_prompts;
+  std::string sample_condition;  // a Kontext model's images to edit, one or one per prompt
   int sample_steps = 20;
   double sample_guidance = 3.5;
   double sample_cfg = 1;  // > 1: classifier-free guidance against the empty caption
