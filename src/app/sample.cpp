@@ -154,11 +154,15 @@ Prompts read_prompts(const std::string& path, const ModelConfig& m, const std::s
   Prompts p;
   std::vector<hsize_t> td, pd;
   const std::string hint = " (tools/encode_images.py prompts and shardtrain data synth-images write them)";
-  p.text = h5_read_floats(path, FLUX_ENCODER_HIDDEN_STATES, &td, hint);
-  if (m.pooled_dim > 0)
-    p.pooled = h5_read_floats(path, FLUX_POOLED, &pd, hint);
-  else if (td.size() == 3)  // FLUX.2 reads none
-    pd = {td[0], 0};
+  try {
+    p.text = h5_read_floats(path, FLUX_ENCODER_HIDDEN_STATES, &td, hint);
+    if (m.pooled_dim > 0)
+      p.pooled = h5_read_floats(path, FLUX_POOLED, &pd, hint);
+    else if (td.size() == 3)  // FLUX.2 reads none
+      pd = {td[0], 0};
+  } catch (const DataError& e) {
+    throw DataError(option + ": " + e.what());
+  }
   if (m.pooled_dim == 0 && (td.size() != 3 || td[0] < 1 || td[2] != hsize_t(m.context_dim)))
     throw DataError(strprintf("%s='%s': encoder_hidden_states must be (P, L, %d) for this model (model.context_dim), "
                               "one row per prompt",
@@ -175,8 +179,12 @@ Prompts read_prompts(const std::string& path, const ModelConfig& m, const std::s
 ConditionImages read_condition_images(const std::string& path, const ModelConfig& m, const std::string& option) {
   ConditionImages c;
   std::vector<hsize_t> dims;
-  c.latents = h5_read_floats(path, "condition_latents", &dims,
-                             " (tools/encode_images.py encode --condition-images writes condition latents)");
+  try {
+    c.latents = h5_read_floats(path, "condition_latents", &dims,
+                               " (tools/encode_images.py encode --condition-images writes condition latents)");
+  } catch (const DataError& e) {
+    throw DataError(option + ": " + e.what());
+  }
   if (dims.size() != 3 || dims[0] < 1 || dims[1] < 1 || dims[2] != hsize_t(m.in_channels))
     throw DataError(strprintf("%s='%s': condition_latents must be (P, M, %d) for this model (model.in_channels): one "
                               "condition image, or one per prompt",
@@ -184,7 +192,9 @@ ConditionImages read_condition_images(const std::string& path, const ModelConfig
   c.count = static_cast<int>(dims[0]), c.tokens = static_cast<int>(dims[1]);
   H5QuietErrors quiet;
   H5Id file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
-  c.cols = packed_grid_cols(file, path, option + "='" + path + "'", "condition_", c.tokens, "condition latents");
+  const std::string where = option + "='" + path + "'";
+  c.grids = packed_grids(file, path, where, "condition_", c.tokens, "condition latents");
+  check_condition_image_count(m, c.grids.size(), where);
   return c;
 }
 
@@ -203,8 +213,8 @@ std::vector<float> FlowSampler::draw(const Prompts& prompts, const Prompts* nega
   const std::vector<double> sigmas = flow_sigmas(o.steps, o.shift);
   Batch batch;
   const int A = flux_id_axes(m);
-  fill_flux_ids(m, batch.put<float>(FLUX_IMG_IDS, {N + M, A}), batch.put<float>(FLUX_TXT_IDS, {L, A}), N, o.cols, M,
-                condition ? condition->cols : 1);
+  fill_flux_ids(m, batch.put<float>(FLUX_IMG_IDS, {N + M, A}), batch.put<float>(FLUX_TXT_IDS, {L, A}), N, o.cols,
+                condition ? condition->grids : std::vector<PackedGrid>{});
   const size_t image = static_cast<size_t>(N) * IN, text = static_cast<size_t>(L) * m.context_dim;
   std::vector<float> latents(static_cast<size_t>(prompts.count) * image), velocity(B * image), negative_v(B * image);
   // The velocity of `x` (B samples of the prompts `images`: their condition images) at noise level

@@ -20,6 +20,7 @@
 #include "comm/runtime.hpp"
 #include "data/pixel_image.hpp"
 #include "model/config.hpp"
+#include "model/families/flux/flux_family.hpp"
 
 namespace shardtrain {
 
@@ -50,15 +51,18 @@ Prompts read_prompts(const std::string& path, const ModelConfig& model, const st
 // model conditioned by a text encoder in the job; DataError naming `option` and the file.
 std::vector<std::string> read_prompt_captions(const std::string& path, const std::string& option);
 
-// Kontext's condition images as packed latents: `count` of them (one for every prompt, or one per
-// prompt), each `tokens` tokens of in_channels on a grid `cols` wide; clean, after the target's
-// tokens, with position ids (1, row, col).
+// Kontext's condition images as packed latents: `count` sets of them (one for every prompt, or one
+// per prompt), each `tokens` tokens of in_channels: one image (FLUX.1 Kontext) or several reference
+// images (FLUX.2) on their `grids`, concatenated; clean, after the target's tokens, with the
+// position ids fill_flux_ids gives them.
 struct ConditionImages {
   std::vector<float> latents;
-  int count = 0, tokens = 0, cols = 0;
+  int count = 0, tokens = 0;
+  std::vector<PackedGrid> grids;
 };
 // An HDF5 file's condition_latents (P, M, in_channels) with condition_grid_rows and
-// condition_grid_cols (what tools/encode_images.py writes with --condition-images); DataError
+// condition_grid_cols, scalars or one per image (what tools/encode_images.py writes with
+// --condition-images); DataError
 // naming `option` and the file unless they fit the model.
 ConditionImages read_condition_images(const std::string& path, const ModelConfig& model, const std::string& option);
 

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 
 #include "core/format.hpp"
 
@@ -56,25 +57,43 @@ static H5Id open_attr(hid_t obj, const char* name, const std::string& file) {
   return H5Id(h5_check_id(H5Aopen(obj, name, H5P_DEFAULT), file, name), H5Aclose);
 }
 
-int64_t h5_read_attr_i64(hid_t obj, const char* name, const std::string& file) {
+static size_t attr_values(hid_t attr, const char* name, const std::string& file) {
+  H5Id space(h5_check_id(H5Aget_space(attr), file, name), H5Sclose);
+  const hssize_t n = H5Sget_simple_extent_npoints(space);
+  if (n < 0) throw CheckpointError("'" + file + "': attribute '" + name + "' has an unreadable dataspace");
+  return static_cast<size_t>(n);
+}
+
+// One number: an attribute of more values (an array) would overrun it, so it is refused.
+template <typename T>
+static T read_number_attr(hid_t obj, const char* name, const std::string& file, hid_t memory_type) {
   H5Id attr = open_attr(obj, name, file);
-  int64_t value = 0;
-  h5_check(H5Aread(attr, H5T_NATIVE_INT64, &value), file, name);
+  const size_t n = attr_values(attr, name, file);
+  if (n != 1)
+    throw CheckpointError(strprintf("'%s': attribute '%s' holds %zu values where one number belongs", file.c_str(),
+                                    name, n));
+  T value = 0;
+  h5_check(H5Aread(attr, memory_type, &value), file, name);
   return value;
+}
+
+int64_t h5_read_attr_i64(hid_t obj, const char* name, const std::string& file) {
+  return read_number_attr<int64_t>(obj, name, file, H5T_NATIVE_INT64);
 }
 
 uint64_t h5_read_attr_u64(hid_t obj, const char* name, const std::string& file) {
-  H5Id attr = open_attr(obj, name, file);
-  uint64_t value = 0;
-  h5_check(H5Aread(attr, H5T_NATIVE_UINT64, &value), file, name);
-  return value;
+  return read_number_attr<uint64_t>(obj, name, file, H5T_NATIVE_UINT64);
 }
 
 double h5_read_attr_f64(hid_t obj, const char* name, const std::string& file) {
+  return read_number_attr<double>(obj, name, file, H5T_NATIVE_DOUBLE);
+}
+
+std::vector<int64_t> h5_read_attr_i64s(hid_t obj, const char* name, const std::string& file) {
   H5Id attr = open_attr(obj, name, file);
-  double value = 0;
-  h5_check(H5Aread(attr, H5T_NATIVE_DOUBLE, &value), file, name);
-  return value;
+  std::vector<int64_t> values(attr_values(attr, name, file));
+  if (!values.empty()) h5_check(H5Aread(attr, H5T_NATIVE_INT64, values.data()), file, name);
+  return values;
 }
 
 std::string h5_read_attr_str(hid_t obj, const char* name, const std::string& file) {
@@ -98,12 +117,20 @@ std::vector<hsize_t> h5_dataset_dims(hid_t dataset, const std::string& file) {
 
 namespace {
 
+// A serial file opened to read; DataError telling a missing file from one that is not HDF5.
+H5Id open_serial_file(const std::string& path, const std::string& hint) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) throw DataError("'" + path + "' does not exist" + hint);
+  H5Id file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  if (file.get() < 0) throw DataError("'" + path + "' is not an HDF5 file" + hint);
+  return file;
+}
+
 template <typename T>
 std::vector<T> read_whole(const std::string& path, const char* name, std::vector<hsize_t>* dims, hid_t memory_type,
                           const char* type_name, const std::string& hint) {
   H5QuietErrors quiet;
-  H5Id file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
-  if (file.get() < 0) throw DataError("'" + path + "' is not an HDF5 file" + hint);
+  H5Id file = open_serial_file(path, hint);
   if (H5Lexists(file, name, H5P_DEFAULT) <= 0) throw DataError("'" + path + "' has no dataset '" + name + "'");
   H5Id set(H5Dopen2(file, name, H5P_DEFAULT), H5Dclose);
   H5Id space(H5Dget_space(set), H5Sclose);
@@ -173,8 +200,7 @@ std::vector<std::string> h5_read_strings(hid_t set, uint64_t first, uint64_t cou
 
 std::vector<std::string> h5_read_strings(const std::string& path, const char* name, const std::string& hint) {
   H5QuietErrors quiet;
-  H5Id file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
-  if (file.get() < 0) throw DataError("'" + path + "' is not an HDF5 file" + hint);
+  H5Id file = open_serial_file(path, hint);
   if (H5Lexists(file, name, H5P_DEFAULT) <= 0) throw DataError("'" + path + "' has no dataset '" + name + "'" + hint);
   H5Id set(H5Dopen2(file, name, H5P_DEFAULT), H5Dclose);
   const std::string where = "'" + path + "': dataset '" + name + "'";

@@ -73,6 +73,8 @@ void h5_write_attr_f64(hid_t obj, const char* name, double value, const std::str
 void h5_write_attr_str(hid_t obj, const char* name, const std::string& value, const std::string& file);
 bool h5_has_attr(hid_t obj, const char* name);
 int64_t h5_read_attr_i64(hid_t obj, const char* name, const std::string& file);
+// A scalar or an array attribute's values, as int64.
+std::vector<int64_t> h5_read_attr_i64s(hid_t obj, const char* name, const std::string& file);
 uint64_t h5_read_attr_u64(hid_t obj, const char* name, const std::string& file);
 double h5_read_attr_f64(hid_t obj, const char* name, const std::string& file);
 std::string h5_read_attr_str(hid_t obj, const char* name, const std::string& file);

@@ -26,20 +26,42 @@ struct LatentDataset::File {
   H5Id captions;                                // with a text encoder, in place of text and pooled
 };
 
-int packed_grid_cols(hid_t file, const std::string& path, const std::string& where, const char* prefix, int tokens,
-                     const char* what) {
-  int64_t grid[2] = {0, 0};
+std::vector<PackedGrid> packed_grids(hid_t file, const std::string& path, const std::string& where, const char* prefix,
+                                     int tokens, const char* what) {
+  std::vector<int64_t> grid[2];
+  const std::string names[2] = {std::string(prefix) + "grid_rows", std::string(prefix) + "grid_cols"};
   for (int k = 0; k < 2; k++) {
-    const std::string name = std::string(prefix) + (k ? "grid_cols" : "grid_rows");
-    if (!h5_has_attr(file, name.c_str()))
-      throw DataError(where + " has no attribute '" + name + "' (the packed " + what + " grid's size)");
-    grid[k] = h5_read_attr_i64(file, name.c_str(), path);
+    if (!h5_has_attr(file, names[k].c_str()))
+      throw DataError(where + " has no attribute '" + names[k] + "' (the packed " + what + " grid's size)");
+    grid[k] = h5_read_attr_i64s(file, names[k].c_str(), path);
   }
-  if (grid[0] < 1 || grid[1] < 1 || grid[0] * grid[1] != tokens)
-    throw DataError(strprintf("%s: %sgrid_rows x %sgrid_cols = %lld x %lld is not the %d tokens of its %s",
-                              where.c_str(), prefix, prefix, static_cast<long long>(grid[0]),
-                              static_cast<long long>(grid[1]), tokens, what));
-  return static_cast<int>(grid[1]);
+  if (grid[0].empty() || grid[0].size() != grid[1].size())
+    throw DataError(strprintf("%s: %s holds %zu values, %s %zu: one (rows, cols) pair per image", where.c_str(),
+                              names[0].c_str(), grid[0].size(), names[1].c_str(), grid[1].size()));
+  std::vector<PackedGrid> grids;
+  int64_t total = 0;
+  std::string listed;
+  for (size_t i = 0; i < grid[0].size(); i++) {
+    const int64_t rows = grid[0][i], cols = grid[1][i];
+    if (rows < 1 || cols < 1 || rows > (1 << 15) || cols > (1 << 15))
+      throw DataError(strprintf("%s: %s x %s = %lld x %lld is no grid", where.c_str(), names[0].c_str(),
+                                names[1].c_str(), static_cast<long long>(rows), static_cast<long long>(cols)));
+    grids.push_back({static_cast<int>(rows), static_cast<int>(cols)});
+    total += rows * cols;
+    listed += strprintf("%s%lld x %lld", i ? " + " : "", static_cast<long long>(rows), static_cast<long long>(cols));
+  }
+  if (total != tokens)
+    throw DataError(strprintf("%s: %s x %s = %s is not the %d tokens of its %s", where.c_str(), names[0].c_str(),
+                              names[1].c_str(), listed.c_str(), tokens, what));
+  return grids;
+}
+
+int packed_grid_cols(hid_t file, const std::string& path, const std::string& where, int tokens) {
+  const std::vector<PackedGrid> grids = packed_grids(file, path, where, "", tokens, "latents");
+  if (grids.size() != 1)
+    throw DataError(strprintf("%s: grid_rows and grid_cols name %zu grids; the target latents are one image",
+                              where.c_str(), grids.size()));
+  return grids[0].cols;
 }
 
 LatentDataset::LatentDataset(const std::string& option, const std::string& value, const ModelConfig& model,
@@ -124,7 +146,7 @@ LatentDataset::LatentDataset(const std::string& option, const std::string& value
                                   static_cast<unsigned long long>(f->records)));
     }
     // The packed grids (the position ids): the target's, and Kontext's condition image's.
-    const int cols = packed_grid_cols(f->file, path, where, "", N_, "latents");
+    const int cols = packed_grid_cols(f->file, path, where, N_);
     // Pixel patches or VAE latents: the model must be trained on what the file holds.
     const int64_t patch = h5_has_attr(f->file, "pixel_patch") ? h5_read_attr_i64(f->file, "pixel_patch", path) : 0;
     if (patch != model.pixel_patch)
@@ -136,15 +158,17 @@ LatentDataset::LatentDataset(const std::string& option, const std::string& value
                                             "a file of pixel patches (shardtrain data synth-images) or set "
                                             "model.pixel_patch=0",
                                             where.c_str(), model.pixel_patch));
-    const int condition_cols =
-        model.condition_len > 0 ? packed_grid_cols(f->file, path, where, "condition_", model.condition_len,
-                                                   "condition latents")
-                                : 0;
-    if (grid_cols_ && (cols != grid_cols_ || condition_cols != condition_cols_))
-      throw DataError(strprintf("%s: a packed grid %d tokens wide, the first file's is %d: one run trains one image "
-                                "size (encode the images at one resolution)",
-                                where.c_str(), cols, grid_cols_));
-    grid_cols_ = cols, condition_cols_ = condition_cols;
+    std::vector<PackedGrid> conditions;
+    if (model.condition_len > 0) {
+      conditions = packed_grids(f->file, path, where, "condition_", model.condition_len, "condition latents");
+      check_condition_image_count(model, conditions.size(), where);
+    }
+    if (grid_cols_ && (cols != grid_cols_ || conditions != condition_grids_))
+      throw DataError(strprintf("%s: its packed grids (the target's %d tokens wide, the condition images') differ "
+                                "from the first file's: one run trains one image size (encode the images at one "
+                                "resolution)",
+                                where.c_str(), cols));
+    grid_cols_ = cols, condition_grids_ = conditions;
     first_record_.push_back(first_record_.back() + f->records);
     files_.push_back(std::move(f));
   }
@@ -168,8 +192,8 @@ void LatentDataset::begin(Batch& b, int rows) const {
   b.put<float>(FLUX_TIMESTEP, {rows});
   b.put<float>(FLUX_GUIDANCE, {rows});
   const int A = flux_id_axes(model_);
-  fill_flux_ids(model_, b.put<float>(FLUX_IMG_IDS, {N_ + M, A}), b.put<float>(FLUX_TXT_IDS, {L, A}), N_, grid_cols_, M,
-                condition_cols_);
+  fill_flux_ids(model_, b.put<float>(FLUX_IMG_IDS, {N_ + M, A}), b.put<float>(FLUX_TXT_IDS, {L, A}), N_, grid_cols_,
+                condition_grids_);
 }
 
 void LatentDataset::read(const File& f, hid_t set, const char* name, uint64_t local, float* dst, size_t numel) const {

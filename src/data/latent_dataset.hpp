@@ -26,15 +26,18 @@
 #include "data/data_source.hpp"
 #include "data/flow_matching.hpp"
 #include "model/config.hpp"
+#include "model/families/flux/flux_family.hpp"
 
 namespace shardtrain {
 
-// The width of the packed grid of `tokens` tokens that an open HDF5 file's attributes
-// PREFIXgrid_rows and PREFIXgrid_cols give (prefix "" for the target latents, "condition_" for
-// Kontext's); DataError starting with `where` (naming `what`) when they are missing or do not
-// multiply to `tokens`.
-int packed_grid_cols(hid_t file, const std::string& path, const std::string& where, const char* prefix, int tokens,
-                     const char* what);
+// The packed grids of `tokens` tokens that an open HDF5 file's attributes PREFIXgrid_rows and
+// PREFIXgrid_cols give (prefix "" for the target latents, "condition_" for the condition images):
+// scalars for one image, or arrays of one (rows, cols) per image, their tokens concatenated;
+// DataError starting with `where` (naming `what`) when they are missing, or do not add up to `tokens`.
+std::vector<PackedGrid> packed_grids(hid_t file, const std::string& path, const std::string& where, const char* prefix,
+                                     int tokens, const char* what);
+// The target latents' one grid's width.
+int packed_grid_cols(hid_t file, const std::string& path, const std::string& where, int tokens);
 
 class LatentDataset final : public DataSource {
  public:
@@ -62,7 +65,8 @@ class LatentDataset final : public DataSource {
 
   std::string option_, value_;
   ModelConfig model_;
-  int N_, grid_cols_ = 0, condition_cols_ = 0;
+  int N_, grid_cols_ = 0;
+  std::vector<PackedGrid> condition_grids_;  // the condition images', in order (none: text to image)
   uint64_t seed_;
   FlowOptions flow_;
   std::shared_ptr<const CaptionTokenizer> captions_;

@@ -295,6 +295,8 @@ def test_bad_latent_files_are_refused_with_one_line():
     bad(lambda d, a: d.update(latents=d["latents"][:, :, :8]), "'latents' has shape (12, 16, 8)", "model.in_channels")
     bad(lambda d, a: d.pop("pooled_projections"), "no dataset 'pooled_projections'")
     bad(lambda d, a: a.update(grid_rows=np.int64(2)), "grid_rows x grid_cols = 2 x 4")
+    bad(lambda d, a: a.update(grid_rows=np.array([2, 2]), grid_cols=np.array([4, 4])), "name 2 grids",
+        "the target latents are one image")
     bad(lambda d, a: d.update(encoder_hidden_states=d["encoder_hidden_states"][:6]), "holds 6 records")
     bad(lambda d, a: d.update(latents=d["latents"].astype(np.float16)), "is not float32")
 
@@ -313,15 +315,19 @@ def euler_reference(params, cfg, text, pooled, rows, cols, steps, shift, guidanc
     """sample's images from the equations: the Euler steps of the flow from each prompt's noise, in
     float64 from the noise of the sampler's stream (rounded to float32 as it draws it). condition
     (P or 1, M, in_channels): Kontext's clean condition tokens after the target's, ids (1, row, col),
-    in the negative prompts' forwards too. cfg["arch"] == "flux2": FLUX.2's forward (no pooled
-    vector) and ids (image (0, row, col, 0), text (0, 0, 0, l), a condition image's t = 10)."""
+    in the negative prompts' forwards too; condition_cols: their grid's width, or FLUX.2's reference
+    images' grids [(rows, cols), ...]. cfg["arch"] == "flux2": FLUX.2's forward (no pooled vector)
+    and ids (image (0, row, col, 0), text (0, 0, 0, l), reference image k's t = 10 + 10 k)."""
     from flux_reference import counter_normal, flux2_forward, mix64
     flux2 = cfg.get("arch") == "flux2"
     N = rows * cols
     img_ids = [[0, i // cols, i % cols] + [0] * flux2 for i in range(N)]
     if condition is not None:
-        img_ids += [[10 if flux2 else 1, i // condition_cols, i % condition_cols] + [0] * flux2
-                    for i in range(condition.shape[1])]
+        grids = condition_cols if isinstance(condition_cols, list) else [
+            (condition.shape[1] // condition_cols, condition_cols)]
+        for k, (rows_k, cols_k) in enumerate(grids):
+            img_ids += [[10 + 10 * k if flux2 else 1, i // cols_k, i % cols_k] + [0] * flux2
+                        for i in range(rows_k * cols_k)]
     img_ids = np.array(img_ids, np.float32)
     txt_ids = np.array([[0, 0, 0, l] if flux2 else [0, 0, 0] for l in range(text.shape[1])], np.float32)
     sigmas = [1.0 - (1.0 - 1.0 / steps) * i / (steps - 1) if steps > 1 else 1.0 for i in range(steps)]
@@ -493,6 +499,53 @@ def test_training_draws_samples_as_sample_does():
     assert np.abs(after - during).max() / np.abs(after).max() < 1e-5, np.abs(after - during).max()
     expect_usage_error(flux_args("--flow.sample_every=2"), "flow.sample_every needs flow.sample_prompts")
     expect_usage_error(tiny_args("--flow.shift=3"), "a flow.* key is set, but model.arch=gpt2 trains on tokens")
+
+
+def test_a_kontext_model_draws_its_edits_while_training_as_sample_does():
+    # Kontext training with flow.sample_condition: the samples edit those images, and `sample` on the
+    # last checkpoint with --condition draws the same; bad inputs stop before the first step.
+    ckpt = tempdir()
+    train, val = latent_file(24, 41, condition=(2, 4)), latent_file(6, 42, condition=(2, 4))
+    prompts = prompts_file(2, 43, tokens=8)
+    picked = {}
+    for name, source in (("same", val), ("other", train)):  # each file's first two condition images
+        picked[name] = os.path.join(tempdir(), f"condition-{name}.h5")
+        with h5py.File(source, "r") as f, h5py.File(picked[name], "w") as g:
+            g["condition_latents"] = f["condition_latents"][:2]
+            for key in ("condition_grid_rows", "condition_grid_cols"):
+                g.attrs[key] = f.attrs[key]
+    base = os.path.join(tempdir(), "kontext-sampled-base")
+    make_diffusers_folder(base, CFG, seed=45)  # weights under which the condition image matters
+    kontext = (f"--data.train_file={train}", f"--data.val_file={val}", "--model.condition_len=8",
+               f"--checkpoint.init_from={base}")
+    ok(run(2, flux_args(*kontext, f"--checkpoint.dir={ckpt}", "--flow.sample_every=4",
+                        f"--flow.sample_prompts={prompts}", f"--flow.sample_condition={picked['same']}",
+                        "--flow.sample_steps=2")))
+    with h5py.File(os.path.join(ckpt, "samples", "step-00000004.h5"), "r") as f:
+        during = f["latents"][()]
+    assert during.shape == (2, 16, 16) and np.isfinite(during).all()
+    outputs = {}
+    for name, condition in picked.items():
+        out = os.path.join(tempdir(), f"after-{name}.h5")
+        ok(run(1, ["sample", "--checkpoint", ckpt, "--prompts", prompts, "--output", out, "--grid", "4x4",
+                   "--steps", "2", "--guidance", "3.5", "--seed", str(SEED), "--condition", condition, "--batch", "2"]))
+        with h5py.File(out, "r") as f:
+            outputs[name] = f["latents"][()]
+    scale = np.abs(outputs["same"]).max()
+    assert np.abs(outputs["same"] - during).max() / scale < 1e-5, np.abs(outputs["same"] - during).max()
+    assert np.abs(outputs["other"] - during).max() / scale > 1e-2, "other condition images, the same samples"
+    # A Kontext model's samples need their images (with as many tokens as the model's); a plain
+    # model takes none; an unreadable prompts file stops the run before its first step.
+    sampling = ("--flow.sample_every=2", f"--flow.sample_prompts={prompts}")
+    expect_usage_error(flux_args(*kontext, *sampling), "flow.sample_condition=FILE.h5")
+    expect_usage_error(flux_args(*sampling, f"--flow.sample_condition={picked['same']}"), "flow.sample_condition",
+                       "model.condition_len > 0")
+    expect_usage_error(flux_args(*kontext, *sampling, f"--flow.sample_condition={val}"), "holds 6 condition images")
+    wide = latent_file(2, 44, condition=(3, 4))
+    expect_usage_error(flux_args(*kontext, *sampling, f"--flow.sample_condition={wide}"), "12 tokens",
+                       "model.condition_len")
+    expect_usage_error(flux_args("--flow.sample_every=2", "--flow.sample_prompts=/nonexistent/p.h5"),
+                       "flow.sample_prompts: '/nonexistent/p.h5' does not exist")
 
 
 def test_the_shipped_flux1_shapes_plan():

@@ -56,19 +56,22 @@ def losses(np_, *overrides):
     return steps + val
 
 
-def reference_loss(params, step, path=None, condition_t=10, **variant):
+def reference_loss(params, step, path=None, condition_t=10, condition_step=10, **variant):
     """The summed squared error / elements of 0-based `step` in float64 from the equations, with
-    FLUX.2's ids: image (0, row, col, 0), text (0, 0, 0, l), a condition image's (10, row, col, 0) after
-    the target's; text_ids_zero=True is FLUX.1's zeros."""
+    FLUX.2's ids: image (0, row, col, 0), text (0, 0, 0, l), reference image k's (condition_t +
+    condition_step k, row, col, 0) after the target's, each on its own grid (the file's
+    condition_grid_rows and condition_grid_cols: scalars, or one per image); text_ids_zero=True is
+    FLUX.1's zeros."""
     text_ids_zero = variant.pop("text_ids_zero", False)
     with h5py.File(path or FILES["train"], "r") as f:
         x0, text = f["latents"][()], f["encoder_hidden_states"][()]
         cond = f["condition_latents"][()] if "condition_latents" in f else None
-        cond_cols = int(f.attrs["condition_grid_cols"]) if cond is not None else 1
+        grids = list(zip(np.atleast_1d(f.attrs["condition_grid_rows"]), np.atleast_1d(f.attrs["condition_grid_cols"]))
+                     ) if cond is not None else []
     N, L = CFG["rows"] * CFG["cols"], CFG["context_len"]
     ids = [[0, i // CFG["cols"], i % CFG["cols"], 0] for i in range(N)]
-    if cond is not None:
-        ids += [[condition_t, i // cond_cols, i % cond_cols, 0] for i in range(cond.shape[1])]
+    for k, (rows, cols) in enumerate(grids):
+        ids += [[condition_t + condition_step * k, i // cols, i % cols, 0] for i in range(rows * cols)]
     img_ids = np.array(ids, np.float32)
     txt_ids = np.array([[0, 0, 0, 0 if text_ids_zero else l] for l in range(L)], np.float32)
     total = 0.0
@@ -126,6 +129,68 @@ def test_a_condition_image_enters_flux2_as_its_first_reference_image():
     logged = read_metrics(metrics)[0]["loss"]
     assert rel_diff(logged, reference_loss(params, 0, path=train)) < 1e-6
     assert rel_diff(logged, reference_loss(params, 0, path=train, condition_t=1)) > 1e-6  # FLUX.1 Kontext's t
+
+
+def two_grids(data, attrs):
+    """A 2 x 4 and a 3 x 2 reference image per record (14 condition tokens)."""
+    attrs["condition_grid_rows"], attrs["condition_grid_cols"] = np.array([2, 3]), np.array([4, 2])
+
+
+def two_references(data, attrs):
+    no_pooled(data, attrs)
+    two_grids(data, attrs)
+
+
+def test_several_reference_images_enter_flux2_each_on_its_own_grid_and_time():
+    """Several reference images (multi-reference editing): each one's tokens on its own grid with
+    t = 10, 20, ..., as Flux2Pipeline's _prepare_image_ids numbers them; FLUX.1 Kontext refuses them."""
+    folder = os.path.join(tempdir(), "flux2-references")
+    params = make_diffusers_folder(folder, CFG, seed=6)
+    train = latent_file(RECORDS, 15, condition=(2, 7), edit=two_references)
+    val = latent_file(6, 16, condition=(2, 7), edit=two_references)
+    metrics, ckpt = os.path.join(tempdir(), "metrics.jsonl"), tempdir()
+    ok(run(2, flux2_args(f"--checkpoint.init_from={folder}", "--train.steps=1", "--model.condition_len=14",
+                         f"--data.train_file={train}", f"--data.val_file={val}", f"--checkpoint.dir={ckpt}",
+                         "--checkpoint.format=gathered", metrics=metrics)))
+    logged = read_metrics(metrics)[0]["loss"]
+    assert rel_diff(logged, reference_loss(params, 0, path=train)) < 1e-6
+    assert rel_diff(logged, reference_loss(params, 0, path=train, condition_step=0)) > 1e-6  # all at t = 10
+    # FLUX.1 Kontext takes one image; the grid attributes must pair up and add up.
+    flux1 = latent_file(RECORDS, 17, condition=(2, 7), edit=two_grids)
+    expect_usage_error(flux_args(f"--data.train_file={flux1}", f"--data.val_file={flux1}", "--model.condition_len=14"),
+                       "2 condition images per sample", "FLUX.1 Kontext edits one")
+
+    def unpaired(data, attrs):
+        two_references(data, attrs)
+        attrs["condition_grid_cols"] = np.array([7])
+
+    def short(data, attrs):
+        two_references(data, attrs)
+        attrs["condition_grid_cols"] = np.array([4, 1])
+
+    # `sample` edits with both references: the float64 Euler steps with the same ids.
+    with h5py.File(os.path.join(ckpt, "ckpt-00000001.h5"), "r") as f:
+        trained = {name: f["model"][name][()].astype(np.float64) for name in f["model"]}
+    prompts = prompts_file(2, 33, tokens=6)
+    references = os.path.join(tempdir(), "references.h5")
+    with h5py.File(val, "r") as f, h5py.File(references, "w") as g:
+        g["condition_latents"] = f["condition_latents"][:2]
+        for key in ("condition_grid_rows", "condition_grid_cols"):
+            g.attrs[key] = f.attrs[key]
+        condition = f["condition_latents"][:2].astype(np.float64)
+    out = os.path.join(tempdir(), "edits.h5")
+    ok(run(2, ["sample", "--checkpoint", ckpt, "--prompts", prompts, "--output", out, "--grid", "2x3", "--steps", "2",
+               "--guidance", "2.5", "--seed", "4", "--shift", "1.5", "--condition", references]))
+    with h5py.File(out, "r") as f:
+        got = f["latents"][()]
+    expected = euler_reference(trained, CFG, prompt_text(prompts), None, 2, 3, 2, 1.5, 2.5, 4, condition=condition,
+                               condition_cols=[(2, 4), (3, 2)])
+    assert np.abs(got - expected).max() / np.abs(expected).max() < 1e-5
+    for edit, needle in ((unpaired, "condition_grid_rows holds 2 values, condition_grid_cols 1"),
+                         (short, "2 x 4 + 3 x 1 is not the 14 tokens")):
+        bad = latent_file(RECORDS, 18, condition=(2, 7), edit=edit)
+        expect_usage_error(flux2_args("--model.condition_len=14", f"--data.train_file={bad}",
+                                      f"--data.val_file={val}"), needle)
 
 
 def test_flux2_losses_do_not_depend_on_the_rank_count_or_strategy():

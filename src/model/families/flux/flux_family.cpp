@@ -39,21 +39,34 @@ int flux_mlp_width(const ModelConfig& c) {
 }
 int flux_id_axes(const ModelConfig& c) { return is_flux2(c) ? 4 : 3; }
 
-void fill_flux_ids(const ModelConfig& c, float* img_ids, float* txt_ids, int N, int cols, int M, int condition_cols) {
+void fill_flux_ids(const ModelConfig& c, float* img_ids, float* txt_ids, int N, int cols,
+                   const std::vector<PackedGrid>& conditions) {
   const int A = flux_id_axes(c);
-  const float condition_t = is_flux2(c) ? 10.0f : 1.0f;
-  for (int i = 0; i < N + M; i++) {
-    const bool condition = i >= N;
-    const int k = condition ? i - N : i, w = condition ? condition_cols : cols;
-    float* id = img_ids + static_cast<size_t>(A) * i;
-    std::fill(id, id + A, 0.0f);
-    id[0] = condition ? condition_t : 0.0f, id[1] = static_cast<float>(k / w), id[2] = static_cast<float>(k % w);
+  auto fill_grid = [&](float t, int first, int count, int width) {
+    for (int k = 0; k < count; k++) {
+      float* id = img_ids + static_cast<size_t>(A) * (first + k);
+      std::fill(id, id + A, 0.0f);
+      id[0] = t, id[1] = static_cast<float>(k / width), id[2] = static_cast<float>(k % width);
+    }
+  };
+  fill_grid(0.0f, 0, N, cols);
+  int first = N;
+  for (size_t k = 0; k < conditions.size(); k++) {
+    fill_grid(is_flux2(c) ? 10.0f * (k + 1) : 1.0f, first, conditions[k].tokens(), conditions[k].cols);
+    first += conditions[k].tokens();
   }
   for (int l = 0; l < c.context_len; l++) {
     float* id = txt_ids + static_cast<size_t>(A) * l;
     std::fill(id, id + A, 0.0f);
     if (A == 4) id[3] = static_cast<float>(l);
   }
+}
+
+void check_condition_image_count(const ModelConfig& c, size_t images, const std::string& where) {
+  if (images > 1 && !is_flux2(c))
+    throw DataError(strprintf("%s holds %zu condition images per sample; FLUX.1 Kontext edits one (several reference "
+                              "images are FLUX.2's, model.arch=flux2): give one",
+                              where.c_str(), images));
 }
 
 FluxLayout flux_layout(const ModelConfig& c) {

@@ -108,11 +108,21 @@ inline constexpr const char* FLUX_CAPTION_LENGTHS = "caption_lengths";
 
 // Coordinates per position id: FLUX.1's three (t, row, col), FLUX.2's four (t, row, col, l).
 int flux_id_axes(const ModelConfig& c);
+// A packed latent grid: rows x cols tokens, row-major.
+struct PackedGrid {
+  int rows = 0, cols = 0;
+  int tokens() const { return rows * cols; }
+  bool operator==(const PackedGrid& o) const { return rows == o.rows && cols == o.cols; }
+};
 // The position ids of a sample's tokens: img_ids (N + M, axes) -- the N target tokens' (0, row, col)
-// on a grid `cols` wide, then Kontext's M condition tokens' (t, row, col) on their own grid
-// `condition_cols` wide, t = 1 (FLUX.1) or 10 (FLUX.2's first reference image) -- and txt_ids (L,
-// axes): zeros in FLUX.1, (0, 0, 0, l) in FLUX.2, as diffusers' pipelines make them.
-void fill_flux_ids(const ModelConfig& c, float* img_ids, float* txt_ids, int N, int cols, int M, int condition_cols);
+// on a grid `cols` wide, then the condition images' tokens, each image k on its own grid with t = 1
+// (FLUX.1 Kontext's one image) or 10 + 10 k (FLUX.2's reference images) -- and txt_ids (L, axes):
+// zeros in FLUX.1, (0, 0, 0, l) in FLUX.2, as diffusers' pipelines make them.
+void fill_flux_ids(const ModelConfig& c, float* img_ids, float* txt_ids, int N, int cols,
+                   const std::vector<PackedGrid>& conditions);
+// DataError starting with `where` unless the family takes that many condition images (FLUX.1
+// Kontext one, FLUX.2 any number).
+void check_condition_image_count(const ModelConfig& c, size_t images, const std::string& where);
 
 // Width of the timestep and guidance sinusoids.
 inline constexpr int FLUX_TIME_CHANNELS = 256;
