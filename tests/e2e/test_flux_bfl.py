@@ -144,9 +144,8 @@ def test_bad_black_forest_labs_files_are_named():
                                            t["double_blocks.0.txt_attn.qkv.weight"][:-1]))
     expect_usage_error(["convert", "--input", short, "--output", out], "'double_blocks.0.txt_attn.qkv.weight' has shape [767, 256]",
                        "needs [768, 256]", np_=1)
-    # FLUX.2's single file: no pooled vector and no biases -- named, not read as a broken FLUX.1 one.
-    flux2 = broken(lambda t: [t.pop(n) for n in list(t) if n.startswith("vector_in.") or n.endswith(".bias")])
-    expect_usage_error(["convert", "--input", flux2, "--output", out], "FLUX.2 layout", "Flux2Transformer2DModel folder",
+    no_pooled = broken(lambda t: [t.pop(n) for n in list(t) if n.startswith("vector_in.")])
+    expect_usage_error(["convert", "--input", no_pooled, "--output", out], "without a 2-dimensional 'vector_in",
                        np_=1)
     other = os.path.join(tempdir(), "other.safetensors")
     write_safetensors({"encoder.weight": np.zeros((2, 2), np.float32)}, other)
@@ -161,7 +160,9 @@ def test_bad_black_forest_labs_files_are_named():
 # a fused module's up matrix.
 def kohya_modules(cfg):
     C = cfg["n_head"] * cfg["head_dim"]
-    F = 4 * C
+    flux2 = cfg.get("arch") == "flux2"  # SwiGLU MLPs (2F rows in), a single block's linear1 one module
+    F = cfg["mlp_width"] if flux2 else 4 * C
+    mlp_in, mlp_out, F_in = (".linear_in", ".linear_out", 2 * F) if flux2 else (".net.0.proj", ".net.2", F)
     modules = {}  # kohya module -> [(diffusers module, first row, rows)], (in, rows)
     for l in range(cfg["n_layer"]):
         t, b = f"transformer_blocks.{l}.", f"lora_unet_double_blocks_{l}_"
@@ -169,10 +170,14 @@ def kohya_modules(cfg):
                                  ("txt_", ("add_q_proj", "add_k_proj", "add_v_proj"), "to_add_out", "ff_context")):
             modules[b + s + "attn_qkv"] = ([(t + "attn." + n, i * C, C) for i, n in enumerate(qkv)], (C, 3 * C))
             modules[b + s + "attn_proj"] = ([(t + "attn." + proj, 0, C)], (C, C))
-            modules[b + s + "mlp_0"] = ([(t + ff + ".net.0.proj", 0, F)], (C, F))
-            modules[b + s + "mlp_2"] = ([(t + ff + ".net.2", 0, C)], (F, C))
+            modules[b + s + "mlp_0"] = ([(t + ff + mlp_in, 0, F_in)], (C, F_in))
+            modules[b + s + "mlp_2"] = ([(t + ff + mlp_out, 0, C)], (F, C))
     for l in range(cfg["n_single_layer"]):
         t, b = f"single_transformer_blocks.{l}.", f"lora_unet_single_blocks_{l}_"
+        if flux2:
+            modules[b + "linear1"] = ([(t + "attn.to_qkv_mlp_proj", 0, 3 * C + F_in)], (C, 3 * C + F_in))
+            modules[b + "linear2"] = ([(t + "attn.to_out", 0, C)], (C + F, C))
+            continue
         parts = ["attn.to_q", "attn.to_k", "attn.to_v"]
         modules[b + "linear1"] = ([(t + p, i * C, C) for i, p in enumerate(parts)] + [(t + "proj_mlp", 3 * C, F)],
                                   (C, 3 * C + F))
@@ -261,3 +266,104 @@ def test_a_checkpoint_converts_to_a_black_forest_labs_file_and_back():
     expect_usage_error(["convert", "--input", os.path.join(gpt, "ckpt-00000001.h5"), "--output",
                         os.path.join(tempdir(), "gpt.safetensors")], "model.arch=gpt2 goes to a Hugging Face folder",
                        np_=1)
+
+
+# FLUX.2: four rotary axes for heads of 128, one block of each kind, a SwiGLU MLP 2.5 x wide.
+CFG2 = dict(arch="flux2", n_layer=1, n_single_layer=1, n_head=2, head_dim=128, mlp_width=640, norm_eps=1e-6,
+            guidance_embeds=True, rope_axes=(32, 32, 32, 32), rope_theta=2000.0, in_channels=16, context_dim=32,
+            context_len=8)
+
+
+def bfl2_tensors(d, cfg):
+    """diffusers' Flux2Transformer2DModel tensors `d` in Black Forest Labs' FLUX.2 names: the inverse of
+    diffusers' convert_flux2_transformer_checkpoint_to_diffusers (single_file_utils.py), which was run
+    on this function's output of a random model and gave back `d` exactly (diffusers 0.42.1)."""
+    root = {"img_in": "x_embedder", "txt_in": "context_embedder",
+            "time_in.in_layer": "time_guidance_embed.timestep_embedder.linear_1",
+            "time_in.out_layer": "time_guidance_embed.timestep_embedder.linear_2",
+            "double_stream_modulation_img.lin": "double_stream_modulation_img.linear",
+            "double_stream_modulation_txt.lin": "double_stream_modulation_txt.linear",
+            "single_stream_modulation.lin": "single_stream_modulation.linear", "final_layer.linear": "proj_out"}
+    if cfg["guidance_embeds"]:
+        root["guidance_in.in_layer"] = "time_guidance_embed.guidance_embedder.linear_1"
+        root["guidance_in.out_layer"] = "time_guidance_embed.guidance_embedder.linear_2"
+    out = {bfl + ".weight": d[ours + ".weight"] for bfl, ours in root.items()}
+    scale, shift = np.split(d["norm_out.linear.weight"], 2)
+    out["final_layer.adaLN_modulation.1.weight"] = np.concatenate([shift, scale])
+    for l in range(cfg["n_layer"]):
+        b, t = f"double_blocks.{l}.", f"transformer_blocks.{l}.attn."
+        for s, qkv, norms, proj, ff in (("img_", ("to_q", "to_k", "to_v"), ("norm_q", "norm_k"), "to_out.0", "ff"),
+                                        ("txt_", ("add_q_proj", "add_k_proj", "add_v_proj"),
+                                         ("norm_added_q", "norm_added_k"), "to_add_out", "ff_context")):
+            out[b + s + "attn.qkv.weight"] = np.concatenate([d[t + n + ".weight"] for n in qkv])
+            out[b + s + "attn.norm.query_norm.scale"] = d[t + norms[0] + ".weight"]
+            out[b + s + "attn.norm.key_norm.scale"] = d[t + norms[1] + ".weight"]
+            out[b + s + "attn.proj.weight"] = d[t + proj + ".weight"]
+            out[b + s + "mlp.0.weight"] = d[f"transformer_blocks.{l}.{ff}.linear_in.weight"]
+            out[b + s + "mlp.2.weight"] = d[f"transformer_blocks.{l}.{ff}.linear_out.weight"]
+    for l in range(cfg["n_single_layer"]):
+        b, t = f"single_blocks.{l}.", f"single_transformer_blocks.{l}.attn."
+        out[b + "linear1.weight"], out[b + "linear2.weight"] = d[t + "to_qkv_mlp_proj.weight"], d[t + "to_out.weight"]
+        out[b + "norm.query_norm.scale"], out[b + "norm.key_norm.scale"] = d[t + "norm_q.weight"], d[t + "norm_k.weight"]
+    return out
+
+
+def test_a_flux2_black_forest_labs_file_converts_as_its_folder_trains_and_goes_back():
+    folder = os.path.join(tempdir(), "flux2-diffusers")
+    params = make_diffusers_folder(folder, CFG2, 10)
+    want = os.path.join(tempdir(), "folder.h5")
+    convert(folder, want)
+    for prefix in ("", "model.diffusion_model."):  # BFL's own files, ComfyUI's copies
+        single = os.path.join(tempdir(), "flux2-test.safetensors")
+        write_safetensors({prefix + k: v.astype(np.float32) for k, v in bfl2_tensors(params, CFG2).items()}, single)
+        got = os.path.join(tempdir(), "single.h5")
+        convert(single, got)
+        a, b = datasets(want), datasets(got)
+        assert sorted(a) == sorted(b) and len(a) > 10
+        for name in a:
+            assert np.array_equal(a[name], b[name]), (prefix, name)
+        with h5py.File(want, "r") as f, h5py.File(got, "r") as g:
+            for key in ("model.arch", "model.n_layer", "model.n_single_layer", "model.n_embd", "model.n_head", "model.in_channels",
+                        "model.context_dim", "model.pooled_dim", "model.guidance_embeds", "model.rope_axes",
+                        "model.rope_theta", "model.intermediate_size"):
+                assert f.attrs[key] == g.attrs[key], key
+    # Out: the checkpoint as a FLUX.2 single file holds exactly those tensors.
+    out = os.path.join(tempdir(), "flux2-out.safetensors")
+    proc = run(2, ["convert", "--input", want, "--output", out])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    written, expected = read_safetensors(out)[0], bfl2_tensors(params, CFG2)
+    assert sorted(written) == sorted(expected)
+    for name, value in expected.items():
+        assert np.array_equal(written[name], value.astype(np.float32)), name
+    # checkpoint.init_from takes the file: the model's shape from it.
+    from test_flux import latent_file
+    from test_flux2 import no_pooled
+    train = latent_file(6, 3, channels=16, text=(8, 32), edit=no_pooled)
+    proc = run(1, ["train", "--model.arch=flux2", f"--checkpoint.init_from={out}", f"--checkpoint.dir={tempdir()}",
+                   f"--data.train_file={train}", "--data.val_file=", "--train.steps=1", "--train.global_batch=2",
+                   "--train.micro_batch=2", "--train.seq_len=16", "--model.context_len=8", "--train.warmup_steps=0"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "C=256 H=2" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_a_kohya_lora_file_adapts_flux2_by_its_black_forest_labs_modules():
+    # FLUX.2's modules in BFL's names (its single blocks' linear1 and linear2 whole): the merged
+    # export equals W + (alpha / rank) up down for every adapted weight.
+    from test_flux2 import CFG as TINY2, LORA_TARGETS as TARGETS2, flux2_args
+    from test_flux import ok
+    folder = os.path.join(tempdir(), "base2")
+    params = make_diffusers_folder(folder, TINY2, seed=13)
+    kohya = os.path.join(tempdir(), "kohya2.safetensors")
+    updates = kohya_file(TINY2, 4, 14, kohya)
+    ckpt = tempdir()
+    ok(run(2, flux2_args(f"--checkpoint.init_from={folder}", "--adapter.type=lora", f"--adapter.targets={TARGETS2}",
+                         "--adapter.rank=4", "--adapter.alpha=4", "--checkpoint.format=gathered",
+                         f"--adapter.init_from={kohya}", "--train.lr=1e-30", "--train.steps=1", "--train.eval_every=0",
+                         f"--checkpoint.dir={ckpt}")))
+    merged_dir = os.path.join(tempdir(), "merged2")
+    ok(run(2, ["export", "--checkpoint", os.path.join(ckpt, "ckpt-00000001.h5"), "--format", "hf", "--merge",
+               "--output", merged_dir]))
+    merged = read_safetensors(os.path.join(merged_dir, "diffusion_pytorch_model.safetensors"))[0]
+    assert len(updates) == 2 * 12 + 2 * 2
+    for name, base in params.items():
+        assert np.allclose(merged[name], base + updates.get(name, 0), rtol=1e-5, atol=1e-6), name

@@ -37,6 +37,43 @@ const std::pair<const char*, const char*> DOUBLE_MODULES[][2] = {
 const char* const DOUBLE_QKV[2][3] = {{"attn.to_q", "attn.to_k", "attn.to_v"},
                                       {"attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"}};
 
+// FLUX.2's: the root's modules (the shared modulations among them), a double block's per stream,
+// a single block's (its fused q | k | v | MLP in is one tensor in both layouts).
+const std::pair<const char*, const char*> FLUX2_ROOT_MODULES[] = {
+    {"x_embedder", "img_in"},
+    {"context_embedder", "txt_in"},
+    {"time_guidance_embed.timestep_embedder.linear_1", "time_in.in_layer"},
+    {"time_guidance_embed.timestep_embedder.linear_2", "time_in.out_layer"},
+    {"time_guidance_embed.guidance_embedder.linear_1", "guidance_in.in_layer"},
+    {"time_guidance_embed.guidance_embedder.linear_2", "guidance_in.out_layer"},
+    {"double_stream_modulation_img.linear", "double_stream_modulation_img.lin"},
+    {"double_stream_modulation_txt.linear", "double_stream_modulation_txt.lin"},
+    {"single_stream_modulation.linear", "single_stream_modulation.lin"},
+    {"norm_out.linear", "final_layer.adaLN_modulation.1"},
+    {"proj_out", "final_layer.linear"},
+};
+const std::pair<const char*, const char*> FLUX2_DOUBLE_MODULES[][2] = {
+    {{"attn.to_out.0", "attn.proj"}, {"attn.to_add_out", "attn.proj"}},
+    {{"ff.linear_in", "mlp.0"}, {"ff_context.linear_in", "mlp.0"}},
+    {{"ff.linear_out", "mlp.2"}, {"ff_context.linear_out", "mlp.2"}},
+    {{"attn.norm_q", "attn.norm.query_norm"}, {"attn.norm_added_q", "attn.norm.query_norm"}},
+    {{"attn.norm_k", "attn.norm.key_norm"}, {"attn.norm_added_k", "attn.norm.key_norm"}},
+};
+const std::pair<const char*, const char*> FLUX2_SINGLE_MODULES[] = {
+    {"attn.to_qkv_mlp_proj", "linear1"},
+    {"attn.to_out", "linear2"},
+    {"attn.norm_q", "norm.query_norm"},
+    {"attn.norm_k", "norm.key_norm"},
+};
+
+// BFL's name of our module `ours` in a table of (ours, BFL's); null when it has none.
+template <size_t N>
+const char* renamed(const std::pair<const char*, const char*> (&table)[N], const std::string& ours) {
+  for (const auto& [diffusers, bfl] : table)
+    if (ours == diffusers) return bfl;
+  return nullptr;
+}
+
 std::vector<int64_t> shape_of(const TensorShapes& t, const std::string& name) {
   auto it = t.find(name);
   return it == t.end() ? std::vector<int64_t>{} : it->second;
@@ -61,28 +98,26 @@ int count_blocks(const TensorShapes& t, const std::string& kind, const std::stri
 
 }  // namespace
 
-bool is_bfl_flux_file(const TensorShapes& tensors) {
-  return tensors.count("img_in.weight") && tensors.count("final_layer.adaLN_modulation.1.weight");
+bool is_bfl_flux_file(const TensorShapes& tensors, bool flux2) {
+  // FLUX.2's file is told by its shared modulations.
+  return tensors.count("img_in.weight") && tensors.count("final_layer.adaLN_modulation.1.weight") &&
+         flux2 == (tensors.count("double_stream_modulation_img.lin.weight") > 0);
 }
 
-ModelConfig bfl_flux_config(const TensorShapes& t, const std::string& path) {
+ModelConfig bfl_flux_config(const TensorShapes& t, const std::string& path, bool flux2) {
   auto need = [&](const std::string& name, size_t rank) {
     const std::vector<int64_t> s = shape_of(t, name);
     if (s.size() != rank)
-      throw CheckpointError("safetensors file '" + path + "': Black Forest Labs' FLUX layout without a " +
-                            std::to_string(rank) + "-dimensional '" + name + "'");
+      throw CheckpointError("safetensors file '" + path + "': Black Forest Labs' " + (flux2 ? "FLUX.2" : "FLUX") +
+                            " layout without a " + std::to_string(rank) + "-dimensional '" + name + "'");
     return s;
   };
   ModelConfig m;
-  m.arch = "flux";
+  m.arch = flux2 ? "flux2" : "flux";
   const std::vector<int64_t> img_in = need("img_in.weight", 2);
   m.n_embd = static_cast<int>(img_in[0]), m.in_channels = static_cast<int>(img_in[1]);
   m.context_dim = static_cast<int>(need("txt_in.weight", 2)[1]);
-  if (!t.count("vector_in.in_layer.weight") && !t.count("img_in.bias"))  // FLUX.2: no pooled vector, no biases
-    throw CheckpointError("safetensors file '" + path + "': Black Forest Labs' FLUX.2 layout (no 'vector_in', no "
-                          "biases), which ShardTrain does not read: convert it to a diffusers "
-                          "Flux2Transformer2DModel folder and give that (model.arch=flux2)");
-  m.pooled_dim = static_cast<int>(need("vector_in.in_layer.weight", 2)[1]);
+  m.pooled_dim = flux2 ? 0 : static_cast<int>(need("vector_in.in_layer.weight", 2)[1]);
   m.guidance_embeds = t.count("guidance_in.in_layer.weight") > 0;
   m.n_layer = count_blocks(t, "double_blocks", path);
   m.n_single_layer = count_blocks(t, "single_blocks", path);
@@ -95,17 +130,30 @@ ModelConfig bfl_flux_config(const TensorShapes& t, const std::string& path) {
   m.n_head = static_cast<int>(m.n_embd / head);
   if (head != 128)
     throw CheckpointError(strprintf("safetensors file '%s': heads of %lld dimensions; Black Forest Labs' files hold "
-                                    "FLUX.1's heads of 128, whose rotary axes (16, 56, 56) are all ShardTrain knows "
-                                    "for them: convert the model to a diffusers folder, whose config.json names "
-                                    "its axes_dims_rope",
+                                    "heads of 128, whose rotary axes (FLUX.1's 16, 56, 56, FLUX.2's 32, 32, 32, 32) "
+                                    "are all ShardTrain knows for them: convert the model to a diffusers folder, "
+                                    "whose config.json names its axes_dims_rope",
                                     path.c_str(), static_cast<long long>(head)));
-  m.rope_axes = "16,56,56", m.rope_theta = 10000, m.norm_eps = 1e-6;
+  m.norm_eps = 1e-6;
+  if (flux2) {  // Flux2Transformer2DModel's rotary axes and theta; the MLP's width from its input product
+    m.rope_axes = "32,32,32,32", m.rope_theta = 2000;
+    const int64_t two_f = m.n_layer ? need("double_blocks.0.img_mlp.0.weight", 2)[0]
+                                    : need("single_blocks.0.linear1.weight", 2)[0] - 3 * int64_t{m.n_embd};
+    if (two_f <= 0 || two_f % 2)
+      throw CheckpointError(strprintf("safetensors file '%s': an MLP input product of %lld rows is no SwiGLU's 2 x "
+                                      "its width",
+                                      path.c_str(), static_cast<long long>(two_f)));
+    m.intermediate_size = static_cast<int>(two_f / 2);
+  } else {
+    m.rope_axes = "16,56,56", m.rope_theta = 10000;
+  }
   m.max_seq_len = 4096;  // as a diffusers folder: a bound on a run's image tokens
   return m;
 }
 
 HfTensor bfl_flux_tensor(const ModelConfig& c, const ParamInfo& p) {
-  const int64_t C = c.n_embd, F = 4 * C;
+  const int64_t C = c.n_embd, F = flux_mlp_width(c);
+  const bool flux2 = is_flux2(c);
   // The module and the parameter's own suffix: "x_embedder" + ".weight".
   const size_t dot = p.name.rfind('.');
   const std::string module = p.name.substr(0, dot), suffix = p.name.substr(dot);
@@ -121,35 +169,45 @@ HfTensor bfl_flux_tensor(const ModelConfig& c, const ParamInfo& p) {
     stored[0] = rows;
     return HfTensor{name + suffix, false, stored, {{first, ours[0]}}};
   };
-  for (const auto& [diffusers, bfl] : ROOT_MODULES)
-    if (module == diffusers) {
-      if (module != "norm_out.linear") return whole(bfl);
-      // (shift, scale) stored, (scale, shift) ours.
-      return HfTensor{std::string(bfl) + suffix, false, ours, {{C, C}, {0, C}}};
-    }
-  const std::string double_prefix = "transformer_blocks.", single_prefix = "single_transformer_blocks.";
-  if (module.rfind(double_prefix, 0) == 0) {
-    const size_t at = module.find('.', double_prefix.size());
-    const std::string block = "double_blocks." + module.substr(double_prefix.size(), at - double_prefix.size()) + ".";
-    const std::string rest = module.substr(at + 1);
+  if (const char* bfl = flux2 ? renamed(FLUX2_ROOT_MODULES, module) : renamed(ROOT_MODULES, module)) {
+    if (module != "norm_out.linear") return whole(bfl);
+    // (shift, scale) stored, (scale, shift) ours.
+    return HfTensor{std::string(bfl) + suffix, false, ours, {{C, C}, {0, C}}};
+  }
+  // A block's module: "transformer_blocks.3.attn.to_q" -> ("double_blocks.3.", "attn.to_q").
+  auto in_block = [&](const std::string& prefix, const char* bfl_kind, std::string* block, std::string* rest) {
+    if (module.rfind(prefix, 0) != 0) return false;
+    const size_t at = module.find('.', prefix.size());
+    *block = std::string(bfl_kind) + "." + module.substr(prefix.size(), at - prefix.size()) + ".";
+    *rest = module.substr(at + 1);
+    return true;
+  };
+  std::string block, rest;
+  if (in_block("transformer_blocks.", "double_blocks", &block, &rest)) {
     for (int s = 0; s < 2; s++) {
       const std::string stream = block + (s == 0 ? "img_" : "txt_");
-      for (const auto& modules : DOUBLE_MODULES)
-        if (rest == modules[s].first) return whole(stream + modules[s].second);
+      if (flux2) {
+        for (const auto& modules : FLUX2_DOUBLE_MODULES)
+          if (rest == modules[s].first) return whole(stream + modules[s].second);
+      } else {
+        for (const auto& modules : DOUBLE_MODULES)
+          if (rest == modules[s].first) return whole(stream + modules[s].second);
+      }
       for (int i = 0; i < 3; i++)
         if (rest == DOUBLE_QKV[s][i]) return part_of(stream + "attn.qkv", 3 * C, i * C);
     }
-  } else if (module.rfind(single_prefix, 0) == 0) {
-    const size_t at = module.find('.', single_prefix.size());
-    const std::string block = "single_blocks." + module.substr(single_prefix.size(), at - single_prefix.size()) + ".";
-    const std::string rest = module.substr(at + 1);
-    if (rest == "norm.linear") return whole(block + "modulation.lin");
-    if (rest == "attn.norm_q") return whole(block + "norm.query_norm");
-    if (rest == "attn.norm_k") return whole(block + "norm.key_norm");
-    if (rest == "proj_out") return whole(block + "linear2");
-    const char* const fused[] = {"attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"};
-    for (int i = 0; i < 4; i++)
-      if (rest == fused[i]) return part_of(block + "linear1", 3 * C + F, i * C);
+  } else if (in_block("single_transformer_blocks.", "single_blocks", &block, &rest)) {
+    if (flux2) {
+      if (const char* bfl = renamed(FLUX2_SINGLE_MODULES, rest)) return whole(block + bfl);
+    } else {
+      if (rest == "norm.linear") return whole(block + "modulation.lin");
+      if (rest == "attn.norm_q") return whole(block + "norm.query_norm");
+      if (rest == "attn.norm_k") return whole(block + "norm.key_norm");
+      if (rest == "proj_out") return whole(block + "linear2");
+      const char* const fused[] = {"attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"};
+      for (int i = 0; i < 4; i++)
+        if (rest == fused[i]) return part_of(block + "linear1", 3 * C + F, i * C);
+    }
   }
   fatal_internal(__FILE__, __LINE__, __func__, "FLUX parameter '" + p.name + "' has no Black Forest Labs name");
 }

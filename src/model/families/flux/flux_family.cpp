@@ -540,11 +540,13 @@ class FluxFamily final : public ModelFamily {
     return {param.name, false, std::vector<int64_t>(param.shape.begin(), param.shape.end()), {}};
   }
   bool hf_ignorable(const std::string&) const override { return false; }
-  // Black Forest Labs' single files (flux_bfl.hpp): FLUX.1's only.
-  const char* single_file_layout() const override { return flux2_ ? nullptr : "Black Forest Labs' FLUX.1"; }
-  bool reads_single_file(const TensorShapes& tensors) const override { return !flux2_ && is_bfl_flux_file(tensors); }
+  // Black Forest Labs' single files (flux_bfl.hpp).
+  const char* single_file_layout() const override {
+    return flux2_ ? "Black Forest Labs' FLUX.2" : "Black Forest Labs' FLUX.1";
+  }
+  bool reads_single_file(const TensorShapes& tensors) const override { return is_bfl_flux_file(tensors, flux2_); }
   ModelConfig read_single_file_config(const TensorShapes& tensors, const std::string& path) const override {
-    return bfl_flux_config(tensors, path);
+    return bfl_flux_config(tensors, path, flux2_);
   }
   HfTensor single_file_tensor(const ModelConfig& config, const ParamInfo& param) const override {
     return bfl_flux_tensor(config, param);
