@@ -19,11 +19,20 @@ is resized to cover --resolution (width x height, multiples of 16), center-cropp
 tokenizer_2/), as diffusers' from_pretrained reads it. Records go to --output-dir in shards of
 --shard-records: train-00000.h5, ... (and val-00000.h5 for --val-fraction of them).
 
+A FLUX.2 repository (vae/ an AutoencoderKLFlux2; text_encoder/ FLUX.2-dev's Mistral 3 with Pixtral's
+processor in tokenizer/, which needs torchvision, or FLUX.2 [klein]'s Qwen3 with its tokenizer) is
+encoded as Flux2Pipeline and Flux2KleinPipeline do: the latents the VAE's mode packed 2 x 2 (4 x 32
+channels) and normalised by the VAE's batch-norm statistics, (z - running_mean) / sqrt(running_var +
+batch_norm_eps); encoder_hidden_states the text encoder's hidden states after layers 10, 20 and 30
+(Klein: 9, 18, 27) side by side (3 x its width) for every token of the chat-formatted caption (dev:
+the pipeline's system message and a user turn; Klein: a user turn, thinking off) padded to
+--max-sequence-length; no pooled_projections.
+
 prompts: each line of --prompts (a text file) -> its T5 embeddings and CLIP pooled vector, the
 datasets encoder_hidden_states and pooled_projections of an HDF5 file, for `shardtrain sample`.
 
-decode: latents (N, 64) of a grid -- a file with datasets `latents` and attributes grid_rows,
-grid_cols, as `encode` writes them -- unpacked, unscaled and decoded by the VAE into PNG files.
+decode: latents (N, 64; FLUX.2 128) of a grid -- a file with datasets `latents` and attributes
+grid_rows, grid_cols, as `encode` writes them -- unpacked, unscaled and decoded by the VAE into PNG files.
 """
 import argparse
 import json
@@ -39,20 +48,143 @@ def fail(message):
     sys.exit(f"encode_images: error: {message}")
 
 
-def load_stack(model, device, dtype):
-    import torch
-    from diffusers import AutoencoderKL
-    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
-    for sub in ("vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"):
-        if not os.path.isdir(os.path.join(model, sub)):
-            fail(f"--model {model!r} has no {sub}/ folder: give a FLUX.1 repository folder (as from_pretrained reads it)")
-    vae = AutoencoderKL.from_pretrained(model, subfolder="vae", torch_dtype=dtype).to(device).eval()
-    clip = CLIPTextModel.from_pretrained(model, subfolder="text_encoder", torch_dtype=dtype).to(device).eval()
-    t5 = T5EncoderModel.from_pretrained(model, subfolder="text_encoder_2", torch_dtype=dtype).to(device).eval()
-    clip_tok = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer")
-    t5_tok = T5TokenizerFast.from_pretrained(model, subfolder="tokenizer_2")
-    torch.set_grad_enabled(False)
-    return vae, clip, clip_tok, t5, t5_tok
+def repository_kind(model):
+    """"flux1" (AutoencoderKL, CLIP and T5), "flux2" (FLUX.2-dev: AutoencoderKLFlux2 and Mistral 3) or
+    "flux2-klein" (AutoencoderKLFlux2 and Qwen3), from the folder's vae/ and text_encoder/ configs."""
+    def config(sub):
+        path = os.path.join(model, sub, "config.json")
+        if not os.path.exists(path):
+            fail(f"--model {model!r} has no {sub}/config.json: give a FLUX.1 or FLUX.2 repository folder (as "
+                 "from_pretrained reads it)")
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    if config("vae").get("_class_name") != "AutoencoderKLFlux2":
+        return "flux1"
+    model_type = config("text_encoder").get("model_type")
+    if model_type not in FLUX2_TEXT_ENCODERS:
+        fail(f"--model {model!r}: a FLUX.2 VAE with a text encoder of model_type {model_type!r}; FLUX.2's are "
+             f"{', '.join(FLUX2_TEXT_ENCODERS)}")
+    return "flux2" if model_type == "mistral3" else "flux2-klein"
+
+
+# FLUX.2's text encoders: the hidden states their pipelines stack (Flux2Pipeline, Flux2KleinPipeline).
+FLUX2_TEXT_ENCODERS = {"mistral3": (10, 20, 30), "qwen3": (9, 18, 27)}
+
+
+class Flux1Stack:
+    """FLUX.1: AutoencoderKL latents shifted and scaled, T5's last hidden state, CLIP's pooled output."""
+
+    def __init__(self, model, device, dtype, text=True):
+        import torch
+        from diffusers import AutoencoderKL
+        for sub in ("vae",) + (("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2") if text else ()):
+            if not os.path.isdir(os.path.join(model, sub)):
+                fail(f"--model {model!r} has no {sub}/ folder: give a FLUX.1 repository folder (as from_pretrained "
+                     "reads it)")
+        self.vae = AutoencoderKL.from_pretrained(model, subfolder="vae", torch_dtype=dtype).to(device).eval()
+        if text:
+            from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+            self.clip = CLIPTextModel.from_pretrained(model, subfolder="text_encoder", torch_dtype=dtype).to(device)
+            self.t5 = T5EncoderModel.from_pretrained(model, subfolder="text_encoder_2", torch_dtype=dtype).to(device)
+            self.clip_tok = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer")
+            self.t5_tok = T5TokenizerFast.from_pretrained(model, subfolder="tokenizer_2")
+        torch.set_grad_enabled(False)
+
+    def latents(self, pixels, sample, generator):
+        """(1, 3, H, W) in [-1, 1] -> packed (H/16 * W/16, 64), rows, cols."""
+        dist = self.vae.encode(pixels.to(self.vae.device, self.vae.dtype)).latent_dist
+        z = dist.sample(generator) if sample else dist.mode()
+        shift = getattr(self.vae.config, "shift_factor", None) or 0.0
+        z = (z - shift) * self.vae.config.scaling_factor
+        return pack(z)[0].float().cpu().numpy(), z.shape[2] // 2, z.shape[3] // 2
+
+    def pixels(self, packed, rows, cols):
+        z = unpack(packed.to(self.vae.device), rows, cols)
+        shift = getattr(self.vae.config, "shift_factor", None) or 0.0
+        return self.vae.decode((z / self.vae.config.scaling_factor + shift).to(self.vae.dtype)).sample
+
+    def text(self, captions, max_length):
+        """T5's embeddings (B, max_length, 4096) and CLIP's pooled vectors (B, 768)."""
+        ids = self.clip_tok(captions, padding="max_length", max_length=self.clip_tok.model_max_length,
+                            truncation=True, return_tensors="pt").input_ids.to(self.clip.device)
+        pooled = self.clip(ids, output_hidden_states=False).pooler_output
+        ids = self.t5_tok(captions, padding="max_length", max_length=max_length, truncation=True,
+                          return_tensors="pt").input_ids.to(self.t5.device)
+        embeds = self.t5(ids, output_hidden_states=False)[0]
+        return embeds.float().cpu().numpy(), pooled.float().cpu().numpy()
+
+
+class Flux2Stack:
+    """FLUX.2: AutoencoderKLFlux2's latent mode packed 2 x 2 and normalised by the VAE's batch-norm
+    statistics, (z - running_mean) / sqrt(running_var + batch_norm_eps) per packed channel; the text
+    encoder's hidden states after the layers its pipeline names, stacked along the features (3 x
+    hidden) for every token of the chat-formatted caption padded to max_length; no pooled vector."""
+
+    def __init__(self, model, device, dtype, kind, text=True, layers=None):
+        import torch
+        from diffusers import AutoencoderKLFlux2
+        self.vae = AutoencoderKLFlux2.from_pretrained(model, subfolder="vae", torch_dtype=dtype).to(device).eval()
+        bn = self.vae.bn
+        self.mean = bn.running_mean.float().cpu()
+        self.std = torch.sqrt(bn.running_var.float().cpu() + self.vae.config.batch_norm_eps)
+        self.kind = kind
+        if text:
+            from transformers import AutoProcessor, AutoTokenizer, Mistral3ForConditionalGeneration, Qwen3ForCausalLM
+            for sub in ("text_encoder", "tokenizer"):
+                if not os.path.isdir(os.path.join(model, sub)):
+                    fail(f"--model {model!r} has no {sub}/ folder: give a FLUX.2 repository folder")
+            if kind == "flux2":
+                self.encoder = Mistral3ForConditionalGeneration.from_pretrained(model, subfolder="text_encoder",
+                                                                                 torch_dtype=dtype).to(device).eval()
+                self.tokenizer = AutoProcessor.from_pretrained(model, subfolder="tokenizer")
+                from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+                self.system = SYSTEM_MESSAGE
+            else:
+                self.encoder = Qwen3ForCausalLM.from_pretrained(model, subfolder="text_encoder",
+                                                                torch_dtype=dtype).to(device).eval()
+                self.tokenizer = AutoTokenizer.from_pretrained(model, subfolder="tokenizer")
+            self.layers = layers or FLUX2_TEXT_ENCODERS["mistral3" if kind == "flux2" else "qwen3"]
+        torch.set_grad_enabled(False)
+
+    def latents(self, pixels, sample, generator):
+        """(1, 3, H, W) in [-1, 1] -> packed (H/16 * W/16, 4 latent channels), rows, cols."""
+        dist = self.vae.encode(pixels.to(self.vae.device, self.vae.dtype)).latent_dist
+        z = dist.sample(generator) if sample else dist.mode()
+        packed = (pack(z)[0].float().cpu() - self.mean) / self.std
+        return packed.numpy(), z.shape[2] // 2, z.shape[3] // 2
+
+    def pixels(self, packed, rows, cols):
+        z = unpack(packed.float() * self.std + self.mean, rows, cols).to(self.vae.device, self.vae.dtype)
+        return self.vae.decode(z).sample
+
+    def text(self, captions, max_length):
+        import torch
+        if self.kind == "flux2":  # a system and a user turn, [IMG] markers removed (Flux2Pipeline's format_input)
+            chats = [[{"role": "system", "content": [{"type": "text", "text": self.system}]},
+                      {"role": "user", "content": [{"type": "text", "text": c.replace("[IMG]", "")}]}]
+                     for c in captions]
+            inputs = self.tokenizer.apply_chat_template(chats, add_generation_prompt=False, tokenize=True,
+                                                        return_dict=True, return_tensors="pt", padding="max_length",
+                                                        truncation=True, max_length=max_length)
+        else:  # a user turn, the assistant's turn opened, thinking off (Flux2KleinPipeline)
+            texts = [self.tokenizer.apply_chat_template([{"role": "user", "content": c}], tokenize=False,
+                                                        add_generation_prompt=True, enable_thinking=False)
+                     for c in captions]
+            inputs = self.tokenizer(texts, return_tensors="pt", padding="max_length", truncation=True,
+                                    max_length=max_length)
+        out = self.encoder(input_ids=inputs["input_ids"].to(self.encoder.device),
+                           attention_mask=inputs["attention_mask"].to(self.encoder.device), output_hidden_states=True,
+                           use_cache=False)
+        if max(self.layers) >= len(out.hidden_states):
+            fail(f"the text encoder has {len(out.hidden_states) - 1} layers; FLUX.2 stacks the hidden states after "
+                 f"layers {self.layers}")
+        stacked = torch.cat([out.hidden_states[k] for k in self.layers], dim=-1)  # (B, L, 3 hidden)
+        return stacked.float().cpu().numpy(), None
+
+
+def load_stack(model, device, dtype, text=True):
+    kind = repository_kind(model)
+    return Flux1Stack(model, device, dtype, text) if kind == "flux1" else Flux2Stack(model, device, dtype, kind, text)
 
 
 def pack(latents):
@@ -84,28 +216,6 @@ def image_tensor(path, width, height):
     return torch.from_numpy(pixels).permute(2, 0, 1)[None]
 
 
-def encode_image(vae, path, width, height, sample, generator):
-    import torch
-    pixels = image_tensor(path, width, height).to(vae.device, vae.dtype)
-    dist = vae.encode(pixels).latent_dist
-    z = dist.sample(generator) if sample else dist.mode()
-    shift = getattr(vae.config, "shift_factor", None) or 0.0
-    z = (z - shift) * vae.config.scaling_factor
-    packed = pack(z).to(torch.float32)
-    return packed[0].cpu().numpy(), z.shape[2] // 2, z.shape[3] // 2
-
-
-def encode_text(captions, clip, clip_tok, t5, t5_tok, max_length):
-    import torch
-    ids = clip_tok(captions, padding="max_length", max_length=clip_tok.model_max_length, truncation=True,
-                   return_tensors="pt").input_ids.to(clip.device)
-    pooled = clip(ids, output_hidden_states=False).pooler_output
-    ids = t5_tok(captions, padding="max_length", max_length=max_length, truncation=True,
-                 return_tensors="pt").input_ids.to(t5.device)
-    embeds = t5(ids, output_hidden_states=False)[0]
-    return embeds.to(torch.float32).cpu().numpy(), pooled.to(torch.float32).cpu().numpy()
-
-
 def parse_resolution(text, option):
     try:
         w, h = (int(v) for v in text.lower().split("x"))
@@ -121,7 +231,8 @@ def write_shard(path, records, rows, cols, condition_grid):
     with h5py.File(path + ".tmp", "w") as f:
         f["latents"] = np.stack([r["latents"] for r in records]).astype(np.float32)
         f["encoder_hidden_states"] = np.stack([r["text"] for r in records]).astype(np.float32)
-        f["pooled_projections"] = np.stack([r["pooled"] for r in records]).astype(np.float32)
+        if records[0]["pooled"] is not None:  # FLUX.2 has none
+            f["pooled_projections"] = np.stack([r["pooled"] for r in records]).astype(np.float32)
         f.attrs["grid_rows"], f.attrs["grid_cols"] = np.int64(rows), np.int64(cols)
         if condition_grid:
             f["condition_latents"] = np.stack([r["condition"] for r in records]).astype(np.float32)
@@ -146,22 +257,24 @@ def encode(args):
         with open(caption_path, encoding="utf-8") as f:
             items.append((name, f.read().strip()))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    vae, clip, clip_tok, t5, t5_tok = load_stack(args.model, args.device, dtype)
+    stack = load_stack(args.model, args.device, dtype)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     records, grid, condition_grid = [], None, None
     for start in range(0, len(items), args.batch):
         chunk = items[start:start + args.batch]
-        text, pooled = encode_text([c for _, c in chunk], clip, clip_tok, t5, t5_tok, args.max_sequence_length)
+        text, pooled = stack.text([c for _, c in chunk], args.max_sequence_length)
         for k, (name, caption) in enumerate(chunk):
-            latents, rows, cols = encode_image(vae, os.path.join(args.images, name), width, height, args.sample,
-                                               generator)
+            latents, rows, cols = stack.latents(image_tensor(os.path.join(args.images, name), width, height),
+                                                args.sample, generator)
             grid = (rows, cols)
-            record = {"latents": latents, "text": text[k], "pooled": pooled[k], "caption": caption}
+            record = {"latents": latents, "text": text[k], "pooled": None if pooled is None else pooled[k],
+                      "caption": caption}
             if args.condition_images:
                 path = os.path.join(args.condition_images, name)
                 if not os.path.exists(path):
                     fail(f"--condition-images: no {path!r} for {name!r}")
-                record["condition"], c_rows, c_cols = encode_image(vae, path, cond_w, cond_h, args.sample, generator)
+                record["condition"], c_rows, c_cols = stack.latents(image_tensor(path, cond_w, cond_h), args.sample,
+                                                                    generator)
                 condition_grid = (c_rows, c_cols)
             records.append(record)
         print(f"encoded {len(records)}/{len(items)} images", file=sys.stderr)
@@ -176,7 +289,7 @@ def encode(args):
     n = grid[0] * grid[1]
     print(f"FLUX settings: train.seq_len={n} model.max_seq_len>={n} model.in_channels={records[0]['latents'].shape[1]} "
           f"model.context_len={records[0]['text'].shape[0]} model.context_dim={records[0]['text'].shape[1]} "
-          f"model.pooled_dim={records[0]['pooled'].shape[0]}"
+          f"model.pooled_dim={0 if records[0]['pooled'] is None else records[0]['pooled'].shape[0]}"
           + (f" model.condition_len={condition_grid[0] * condition_grid[1]}" if condition_grid else ""))
 
 
@@ -188,11 +301,11 @@ def prompts(args):
     if not lines:
         fail(f"--prompts {args.prompts!r} holds no prompt (one per line)")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    _, clip, clip_tok, t5, t5_tok = load_stack(args.model, args.device, dtype)
-    text, pooled = encode_text(lines, clip, clip_tok, t5, t5_tok, args.max_sequence_length)
+    text, pooled = load_stack(args.model, args.device, dtype).text(lines, args.max_sequence_length)
     with h5py.File(args.output + ".tmp", "w") as f:
         f["encoder_hidden_states"] = text.astype(np.float32)
-        f["pooled_projections"] = pooled.astype(np.float32)
+        if pooled is not None:
+            f["pooled_projections"] = pooled.astype(np.float32)
         f.attrs["prompts"] = json.dumps(lines)
     os.replace(args.output + ".tmp", args.output)
     print(f"wrote {args.output}: {len(lines)} prompts of {text.shape[1]} tokens", file=sys.stderr)
@@ -201,21 +314,16 @@ def prompts(args):
 def decode(args):
     import h5py
     import torch
-    from diffusers import AutoencoderKL
     from PIL import Image
     with h5py.File(args.latents, "r") as f:
         if "latents" not in f or "grid_rows" not in f.attrs or "grid_cols" not in f.attrs:
             fail(f"{args.latents!r}: needs a dataset 'latents' and attributes grid_rows, grid_cols")
         packed = f["latents"][()]
         rows, cols = int(f.attrs["grid_rows"]), int(f.attrs["grid_cols"])
-    vae = AutoencoderKL.from_pretrained(args.model, subfolder="vae").to(args.device).eval()
-    torch.set_grad_enabled(False)
+    stack = load_stack(args.model, args.device, torch.float32, text=False)
     os.makedirs(args.output_dir, exist_ok=True)
-    shift = getattr(vae.config, "shift_factor", None) or 0.0
     for i in range(packed.shape[0]):
-        z = unpack(torch.from_numpy(packed[i:i + 1]).to(args.device), rows, cols)
-        z = z / vae.config.scaling_factor + shift
-        pixels = vae.decode(z.to(vae.dtype)).sample[0].float().clamp(-1, 1)
+        pixels = stack.pixels(torch.from_numpy(packed[i:i + 1]), rows, cols)[0].float().clamp(-1, 1)
         image = ((pixels.permute(1, 2, 0).cpu().numpy() + 1) * 127.5).round().astype(np.uint8)
         path = os.path.join(args.output_dir, f"{i:05d}.png")
         Image.fromarray(image).save(path)
@@ -226,13 +334,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     e = sub.add_parser("encode", help="images and captions -> latent shards")
-    e.add_argument("--model", required=True, help="a FLUX.1 repository folder (vae/, text_encoder*/, tokenizer*/)")
+    e.add_argument("--model", required=True, help="a FLUX.1 or FLUX.2 repository folder (vae/, text_encoder*/, tokenizer*/)")
     e.add_argument("--images", required=True, help="a folder of images, each with a caption file NAME.txt")
     e.add_argument("--output-dir", required=True)
     e.add_argument("--resolution", default="1024x1024", help="WIDTHxHEIGHT, multiples of 16")
     e.add_argument("--condition-images", default="", help="Kontext: a folder of condition images of the same names")
     e.add_argument("--condition-resolution", default="", help="WIDTHxHEIGHT of the condition images (default: --resolution)")
-    e.add_argument("--max-sequence-length", type=int, default=512, help="T5 tokens (FLUX.1-dev 512, schnell 256)")
+    e.add_argument("--max-sequence-length", type=int, default=512, help="text tokens (FLUX.1-dev 512, schnell 256; FLUX.2 512)")
     e.add_argument("--shard-records", type=int, default=1000)
     e.add_argument("--val-fraction", type=float, default=0.0)
     e.add_argument("--batch", type=int, default=8, help="captions encoded together")
@@ -241,14 +349,14 @@ def main():
     e.add_argument("--device", default="cpu")
     e.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     p = sub.add_parser("prompts", help="prompts (one per line) -> text embeddings for shardtrain sample")
-    p.add_argument("--model", required=True, help="a FLUX.1 repository folder (text_encoder*/, tokenizer*/)")
+    p.add_argument("--model", required=True, help="a FLUX.1 or FLUX.2 repository folder (text_encoder*/, tokenizer*/)")
     p.add_argument("--prompts", required=True, help="a text file, one prompt per line")
     p.add_argument("--output", required=True, help="the HDF5 file to write")
-    p.add_argument("--max-sequence-length", type=int, default=512, help="T5 tokens (FLUX.1-dev 512, schnell 256)")
+    p.add_argument("--max-sequence-length", type=int, default=512, help="text tokens (FLUX.1-dev 512, schnell 256; FLUX.2 512)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     d = sub.add_parser("decode", help="packed latents -> PNG files")
-    d.add_argument("--model", required=True, help="a FLUX.1 repository folder (its vae/)")
+    d.add_argument("--model", required=True, help="a FLUX.1 or FLUX.2 repository folder (its vae/)")
     d.add_argument("--latents", required=True, help="an HDF5 file with 'latents' (N, C*4) and grid_rows, grid_cols")
     d.add_argument("--output-dir", required=True)
     d.add_argument("--device", default="cpu")

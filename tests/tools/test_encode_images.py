@@ -20,6 +20,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TORCH_PACKAGES = ["torch==2.15.0", "numpy", "nvidia-cusparselt-cu13==0.8.1", "nvidia-nvshmem-cu13==3.7.2",
                   "cuda-toolkit[cufile]==13.2.2", "nvidia-cufile", "nvidia-nccl-cu13==2.30.7"]
+# FLUX.2-dev's tokenizer is Pixtral's processor, which needs torchvision (the release beside torch 2.15).
+NO_DEPS_PACKAGES = ["torchvision==0.29.2"]
 OTHER_PACKAGES = ["typing_extensions", "sympy", "networkx", "jinja2", "fsspec", "filelock", "diffusers",
                   "transformers", "safetensors", "tokenizers", "pillow", "h5py"]
 
@@ -32,9 +34,13 @@ def environment(build):
         python = os.path.join(venv, "bin", "python")
         if not os.path.exists(os.path.join(venv, ".ready")):
             subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-            subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", *TORCH_PACKAGES], check=True)
+            subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", *TORCH_PACKAGES, *NO_DEPS_PACKAGES],
+                           check=True)
             subprocess.run([python, "-m", "pip", "install", "-q", *OTHER_PACKAGES], check=True)
             open(os.path.join(venv, ".ready"), "w").close()
+    # A venv made before FLUX.2's check: torchvision added to it once.
+    if subprocess.run([python, "-c", "import torchvision"], capture_output=True).returncode != 0:
+        subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", *NO_DEPS_PACKAGES], check=True)
     env = dict(os.environ)
     site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
@@ -98,6 +104,104 @@ for i, caption in enumerate(captions):
             os.path.join(top, folder, f"img{i}.png"))
     open(os.path.join(top, "images", f"img{i}.txt"), "w").write(caption)
 '''
+
+# A tiny random FLUX.2 repository (sys.argv[2]: "flux2", FLUX.2-dev's Mistral 3 text encoder with
+# Pixtral's processor, or "flux2-klein", Qwen3's): an AutoencoderKLFlux2 of 8 latent channels with
+# random batch-norm statistics, a word-level tokenizer with a chat template, a text encoder deep
+# enough for the hidden states its pipeline stacks (after layers 10, 20, 30; Klein's 9, 18, 27).
+MAKE_FLUX2_REPOSITORY = r'''
+import json, os, sys
+import numpy as np, torch
+from diffusers import AutoencoderKLFlux2
+from transformers import PreTrainedTokenizerFast
+from tokenizers import Tokenizer, models, pre_tokenizers
+top, kind = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+vae = AutoencoderKLFlux2(in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(8, 8, 8, 8),
+                         layers_per_block=1, norm_num_groups=4, mid_block_add_attention=False)
+vae.bn.running_mean.copy_(0.3 * torch.randn(32)); vae.bn.running_var.copy_(0.5 + torch.rand(32))
+vae.save_pretrained(os.path.join(top, "vae"))
+words = ["a", "red", "blue", "green", "circle", "square", "on", "the", "left", "right", "small", "big", "You", "are",
+         "an", "AI", "that", "reasons", "about", "image", "descriptions"]
+if kind == "flux2":
+    from transformers import (Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralImageProcessor,
+                              PixtralProcessor, PixtralVisionConfig)
+    specials = ["<pad>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]",
+                "[IMG_BREAK]", "[IMG_END]"]
+    template = ("{{ bos_token }}{%- for m in messages %}{%- if m.role == 'system' %}[SYSTEM_PROMPT]{{ m.content[0].text }}"
+                "[/SYSTEM_PROMPT]{%- elif m.role == 'user' %}[INST]{{ m.content[0].text }}[/INST]{%- endif %}{%- endfor %}")
+else:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+    template = ("{%- for m in messages %}<|im_start|>{{ m.role }} {{ m.content }}<|im_end|>{%- endfor %}"
+                "{%- if add_generation_prompt %}<|im_start|>assistant{%- if enable_thinking is defined and "
+                "enable_thinking is false %} <think> </think>{%- endif %}{%- endif %}")
+    words += ["user", "assistant"]
+vocab = {t: i for i, t in enumerate(["<unk>"] + specials + words)}
+t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>")); t.pre_tokenizer = pre_tokenizers.Whitespace()
+tok = PreTrainedTokenizerFast(tokenizer_object=t, pad_token=specials[0], unk_token="<unk>",
+                              eos_token=specials[2], bos_token=specials[1])
+tok.add_special_tokens({"additional_special_tokens": specials[3:]})
+if kind == "flux2":
+    PixtralProcessor(image_processor=PixtralImageProcessor(), tokenizer=tok, chat_template=template, patch_size=16,
+                     image_token="[IMG]", image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]"
+                     ).save_pretrained(os.path.join(top, "tokenizer"))
+    text = MistralConfig(vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=30,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64)
+    vision = PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 image_size=32, patch_size=16, head_dim=8)
+    Mistral3ForConditionalGeneration(Mistral3Config(text_config=text, vision_config=vision,
+                                                    image_token_index=vocab["[IMG]"], spatial_merge_size=1)
+                                     ).save_pretrained(os.path.join(top, "text_encoder"))
+else:
+    tok.chat_template = template
+    tok.save_pretrained(os.path.join(top, "tokenizer"))
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=27,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64,
+                                 tie_word_embeddings=True)).save_pretrained(os.path.join(top, "text_encoder"))
+'''
+
+# The FLUX.2 shards against Flux2Pipeline's (or Flux2KleinPipeline's) own code: _encode_vae_image
+# (the VAE's latent mode, patchified, normalised by its batch-norm statistics) then _pack_latents,
+# and the prompt embeddings of _get_mistral_3_small_prompt_embeds (_get_qwen3_prompt_embeds).
+CHECK_FLUX2 = r'''
+import json, os, sys, types
+import h5py, numpy as np, torch
+from diffusers import AutoencoderKLFlux2
+from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline
+from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
+sys.path.insert(0, sys.argv[4])
+from encode_images import image_tensor
+top, out, kind, pictures = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[5]
+torch.set_grad_enabled(False)
+with h5py.File(os.path.join(out, "train-00000.h5"), "r") as f:
+    captions = json.loads(f.attrs["captions"])
+    latents, text, cond = f["latents"][()], f["encoder_hidden_states"][()], f["condition_latents"][()]
+    assert "pooled_projections" not in f, "FLUX.2 has no pooled vector"
+    assert (int(f.attrs["grid_rows"]), int(f.attrs["grid_cols"])) == (2, 2), dict(f.attrs)
+assert latents.shape == (2, 4, 32) and text.shape == (2, 16, 48) and cond.shape == (2, 1, 32), (latents.shape, text.shape)
+vae = AutoencoderKLFlux2.from_pretrained(os.path.join(top, "vae"))
+pipe = types.SimpleNamespace(vae=vae, _patchify_latents=Flux2Pipeline._patchify_latents)
+for k, name in enumerate(["img1", "img2"]):  # img0 went to val
+    for got, folder, size in ((latents[k], "images", 32), (cond[k], "conditions", 16)):
+        image = image_tensor(os.path.join(pictures, folder, name + ".png"), size, size)
+        want = Flux2Pipeline._pack_latents(Flux2Pipeline._encode_vae_image(pipe, image, None))[0].numpy()
+        assert np.allclose(got, want, atol=1e-5), (name, folder, np.abs(got - want).max())
+if kind == "flux2":
+    from transformers import AutoProcessor, Mistral3ForConditionalGeneration
+    encoder = Mistral3ForConditionalGeneration.from_pretrained(os.path.join(top, "text_encoder"))
+    want = Flux2Pipeline._get_mistral_3_small_prompt_embeds(
+        encoder, AutoProcessor.from_pretrained(os.path.join(top, "tokenizer")), captions, max_sequence_length=16)
+else:
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+    encoder = Qwen3ForCausalLM.from_pretrained(os.path.join(top, "text_encoder"))
+    want = Flux2KleinPipeline._get_qwen3_prompt_embeds(
+        encoder, AutoTokenizer.from_pretrained(os.path.join(top, "tokenizer")), captions, max_sequence_length=16)
+assert np.allclose(text, want.numpy(), atol=1e-5), np.abs(text - want.numpy()).max()
+assert np.abs(text).max() > 0.1
+print(f"{kind} shards match the pipeline's VAE latents and prompt embeddings")
+'''
+
 
 CHECK = r'''
 import json, os, sys
@@ -167,6 +271,40 @@ def run(cmd, env=None, cwd=None):
     return proc
 
 
+def check_flux2(python, env, tool, exe, top, kind):
+    """FLUX.2's encode against its pipeline, then training, prompts, sampling and decoding end to end."""
+    repo = os.path.join(top, kind)
+    os.makedirs(repo)
+    run([python, "-c", MAKE_FLUX2_REPOSITORY, repo, kind], env)
+    out = os.path.join(repo, "latents")
+    run([python, tool, "encode", "--model", repo, "--images", os.path.join(top, "images"), "--output-dir", out,
+         "--resolution", "32x32", "--condition-images", os.path.join(top, "conditions"), "--condition-resolution",
+         "16x16", "--max-sequence-length", "16", "--val-fraction", "0.34"], env)
+    print(run([python, "-c", CHECK_FLUX2, repo, out, kind, os.path.join(ROOT, "tools"), top], env).stdout.strip())
+    mpi = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    shape = ["--model.in_channels=32", "--model.context_dim=48", "--model.context_len=16", "--train.seq_len=4",
+             "--train.global_batch=2", "--train.steps=2", "--train.eval_every=0"]
+    for name, extra in (("kontext", ["--model.condition_len=1"]), ("t2i", [])):
+        run(["mpirun", "--oversubscribe", "--allow-run-as-root", "-np", "2", exe, "train", "--config",
+             os.path.join(ROOT, "inputs", "flux2-tiny.ini"), f"--data.train_file={out}/train-*.h5",
+             f"--data.val_file={out}/val-*.h5", *shape, *extra, f"--checkpoint.dir={repo}/{name}"], env=mpi)
+    with open(os.path.join(repo, "prompts.txt"), "w") as f:
+        f.write("a red circle\na big blue square on the left\n")
+    prompts = os.path.join(repo, "prompts.h5")
+    run([python, tool, "prompts", "--model", repo, "--prompts", os.path.join(repo, "prompts.txt"), "--output", prompts,
+         "--max-sequence-length", "16"], env)
+    run(["mpirun", "--oversubscribe", "--allow-run-as-root", "-np", "2", exe, "sample", "--checkpoint", f"{repo}/t2i",
+         "--prompts", prompts, "--output", os.path.join(repo, "samples.h5"), "--grid", "2x2", "--steps", "2"], env=mpi)
+    pngs = os.path.join(repo, "samples")
+    run([python, tool, "decode", "--model", repo, "--latents", os.path.join(repo, "samples.h5"), "--output-dir", pngs],
+        env)
+    sizes = run([python, "-c", "import sys; from PIL import Image; print([Image.open(p).size for p in sys.argv[1:]])",
+                 *sorted(os.path.join(pngs, n) for n in os.listdir(pngs))], env).stdout.strip()
+    assert sizes == "[(32, 32), (32, 32)]", sizes
+    print(f"{kind}: shardtrain trains on the shards (with and without the condition image), samples the prompts, "
+          "and they decode to PNG files")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--build", default="build")
@@ -219,7 +357,10 @@ def main():
         run([python, tool, "decode", "--model", top, "--latents", os.path.join(top, "samples.h5"), "--output-dir",
              os.path.join(top, "samples")], env)
         assert sorted(os.listdir(os.path.join(top, "samples"))) == ["00000.png", "00001.png"]
-        print("sample's latents decode to PNG files: test-encode passed")
+        print("sample's latents decode to PNG files")
+        for kind in ("flux2", "flux2-klein"):
+            check_flux2(python, env, tool, exe, top, kind)
+        print("test-encode passed")
     finally:
         shutil.rmtree(top, ignore_errors=True)
 
