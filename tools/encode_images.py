@@ -14,7 +14,10 @@ is resized to cover --resolution (width x height, multiples of 16), center-cropp
                          (FLUX.1-dev 512, schnell 256): text_encoder_2 with tokenizer_2;
   pooled_projections     CLIP's pooled output of the caption (77 tokens): text_encoder with tokenizer;
   condition_latents      with --condition-images DIR (Kontext): the image of the same name there,
-                         encoded like the target at --condition-resolution (default: the same).
+                         encoded like the target at --condition-resolution (default: the same);
+                         FLUX.2's reference images: DIR1,DIR2,... (and one resolution each, or
+                         one for all), their tokens one after the other, condition_grid_rows and
+                         condition_grid_cols then one per image.
 --model is a FLUX.1 repository folder (vae/, text_encoder/, tokenizer/, text_encoder_2/,
 tokenizer_2/), as diffusers' from_pretrained reads it. Records go to --output-dir in shards of
 --shard-records: train-00000.h5, ... (and val-00000.h5 for --val-fraction of them).
@@ -226,7 +229,7 @@ def parse_resolution(text, option):
     return w, h
 
 
-def write_shard(path, records, rows, cols, condition_grid):
+def write_shard(path, records, rows, cols, condition_grids):
     import h5py
     with h5py.File(path + ".tmp", "w") as f:
         f["latents"] = np.stack([r["latents"] for r in records]).astype(np.float32)
@@ -234,10 +237,12 @@ def write_shard(path, records, rows, cols, condition_grid):
         if records[0]["pooled"] is not None:  # FLUX.2 has none
             f["pooled_projections"] = np.stack([r["pooled"] for r in records]).astype(np.float32)
         f.attrs["grid_rows"], f.attrs["grid_cols"] = np.int64(rows), np.int64(cols)
-        if condition_grid:
+        if condition_grids:
             f["condition_latents"] = np.stack([r["condition"] for r in records]).astype(np.float32)
-            f.attrs["condition_grid_rows"] = np.int64(condition_grid[0])
-            f.attrs["condition_grid_cols"] = np.int64(condition_grid[1])
+            rows_, cols_ = (np.array([g[k] for g in condition_grids], np.int64) for k in (0, 1))
+            # One image: scalars, as FLUX.1 Kontext's files have them; several: one per image.
+            f.attrs["condition_grid_rows"] = rows_[0] if len(rows_) == 1 else rows_
+            f.attrs["condition_grid_cols"] = cols_[0] if len(cols_) == 1 else cols_
         f.attrs["captions"] = json.dumps([r["caption"] for r in records])
     os.replace(path + ".tmp", path)
 
@@ -245,7 +250,13 @@ def write_shard(path, records, rows, cols, condition_grid):
 def encode(args):
     import torch
     width, height = parse_resolution(args.resolution, "--resolution")
-    cond_w, cond_h = parse_resolution(args.condition_resolution or args.resolution, "--condition-resolution")
+    folders = [d for d in args.condition_images.split(",") if d]
+    sizes = [parse_resolution(r, "--condition-resolution")
+             for r in (args.condition_resolution or args.resolution).split(",")]
+    if len(sizes) not in (1, len(folders) or 1):
+        fail(f"--condition-resolution={args.condition_resolution!r}: give one WIDTHxHEIGHT, or one per "
+             f"--condition-images folder ({len(folders)})")
+    sizes = sizes * len(folders) if len(sizes) == 1 else sizes
     names = sorted(n for n in os.listdir(args.images) if n.lower().endswith(IMAGE_SUFFIXES))
     if not names:
         fail(f"--images {args.images!r} holds no image ({', '.join(IMAGE_SUFFIXES)})")
@@ -258,8 +269,11 @@ def encode(args):
             items.append((name, f.read().strip()))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     stack = load_stack(args.model, args.device, dtype)
+    if len(folders) > 1 and isinstance(stack, Flux1Stack):
+        fail(f"--condition-images names {len(folders)} folders: several reference images are FLUX.2's; FLUX.1 "
+             "Kontext edits one")
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
-    records, grid, condition_grid = [], None, None
+    records, grid, condition_grids = [], None, []
     for start in range(0, len(items), args.batch):
         chunk = items[start:start + args.batch]
         text, pooled = stack.text([c for _, c in chunk], args.max_sequence_length)
@@ -269,13 +283,16 @@ def encode(args):
             grid = (rows, cols)
             record = {"latents": latents, "text": text[k], "pooled": None if pooled is None else pooled[k],
                       "caption": caption}
-            if args.condition_images:
-                path = os.path.join(args.condition_images, name)
+            parts, condition_grids = [], []
+            for folder, (cond_w, cond_h) in zip(folders, sizes):
+                path = os.path.join(folder, name)
                 if not os.path.exists(path):
                     fail(f"--condition-images: no {path!r} for {name!r}")
-                record["condition"], c_rows, c_cols = stack.latents(image_tensor(path, cond_w, cond_h), args.sample,
-                                                                    generator)
-                condition_grid = (c_rows, c_cols)
+                latents_c, c_rows, c_cols = stack.latents(image_tensor(path, cond_w, cond_h), args.sample, generator)
+                parts.append(latents_c)
+                condition_grids.append((c_rows, c_cols))
+            if parts:
+                record["condition"] = np.concatenate(parts)
             records.append(record)
         print(f"encoded {len(records)}/{len(items)} images", file=sys.stderr)
     os.makedirs(args.output_dir, exist_ok=True)
@@ -284,13 +301,13 @@ def encode(args):
     for split, chosen in splits:
         for s, first in enumerate(range(0, len(chosen), args.shard_records)):
             path = os.path.join(args.output_dir, f"{split}-{s:05d}.h5")
-            write_shard(path, chosen[first:first + args.shard_records], grid[0], grid[1], condition_grid)
+            write_shard(path, chosen[first:first + args.shard_records], grid[0], grid[1], condition_grids)
             print(f"wrote {path}: {len(chosen[first:first + args.shard_records])} records", file=sys.stderr)
     n = grid[0] * grid[1]
     print(f"FLUX settings: train.seq_len={n} model.max_seq_len>={n} model.in_channels={records[0]['latents'].shape[1]} "
           f"model.context_len={records[0]['text'].shape[0]} model.context_dim={records[0]['text'].shape[1]} "
           f"model.pooled_dim={0 if records[0]['pooled'] is None else records[0]['pooled'].shape[0]}"
-          + (f" model.condition_len={condition_grid[0] * condition_grid[1]}" if condition_grid else ""))
+          + (f" model.condition_len={sum(r * c for r, c in condition_grids)}" if condition_grids else ""))
 
 
 def prompts(args):
@@ -338,8 +355,11 @@ def main():
     e.add_argument("--images", required=True, help="a folder of images, each with a caption file NAME.txt")
     e.add_argument("--output-dir", required=True)
     e.add_argument("--resolution", default="1024x1024", help="WIDTHxHEIGHT, multiples of 16")
-    e.add_argument("--condition-images", default="", help="Kontext: a folder of condition images of the same names")
-    e.add_argument("--condition-resolution", default="", help="WIDTHxHEIGHT of the condition images (default: --resolution)")
+    e.add_argument("--condition-images", default="",
+                   help="Kontext: a folder of condition images of the same names; FLUX.2: DIR1,DIR2,... of its "
+                        "reference images")
+    e.add_argument("--condition-resolution", default="",
+                   help="WIDTHxHEIGHT of the condition images, or one per folder (default: --resolution)")
     e.add_argument("--max-sequence-length", type=int, default=512, help="text tokens (FLUX.1-dev 512, schnell 256; FLUX.2 512)")
     e.add_argument("--shard-records", type=int, default=1000)
     e.add_argument("--val-fraction", type=float, default=0.0)

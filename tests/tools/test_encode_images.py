@@ -5,7 +5,10 @@ channels with FLUX's scaling and shift factors, a CLIP text encoder and tokenize
 tokenizer. Checked: the shards' layout; a record's latents equal the VAE's mean of that image,
 shifted, scaled and packed as FluxPipeline packs them; its text embeddings and pooled vector equal
 the encoders' own; Kontext's condition latents; decode gives back the images' size; and
-`shardtrain train` trains two steps on the shards. Not part of `make test`: it needs PyTorch,
+`shardtrain train` trains two steps on the shards. Then the same for tiny FLUX.2-dev and FLUX.2
+[klein] repositories (AutoencoderKLFlux2, Mistral 3 with Pixtral's processor, Qwen3), held to
+Flux2Pipeline's and Flux2KleinPipeline's own functions, FLUX.2-dev with two reference images per
+record; shardtrain trains, samples and decodes on them. Not part of `make test`: it needs PyTorch,
 diffusers and transformers, which this target installs into <build>/encode-venv (several GB,
 minutes; shared/notes' recipe for these CPU machines) unless ENCODE_PYTHON names a python that
 has them."""
@@ -173,20 +176,30 @@ from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
 sys.path.insert(0, sys.argv[4])
 from encode_images import image_tensor
 top, out, kind, pictures = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[5]
+references = [int(s) for s in sys.argv[6].split(",")]  # the condition images' sizes, one per reference image
 torch.set_grad_enabled(False)
 with h5py.File(os.path.join(out, "train-00000.h5"), "r") as f:
     captions = json.loads(f.attrs["captions"])
     latents, text, cond = f["latents"][()], f["encoder_hidden_states"][()], f["condition_latents"][()]
     assert "pooled_projections" not in f, "FLUX.2 has no pooled vector"
     assert (int(f.attrs["grid_rows"]), int(f.attrs["grid_cols"])) == (2, 2), dict(f.attrs)
-assert latents.shape == (2, 4, 32) and text.shape == (2, 16, 48) and cond.shape == (2, 1, 32), (latents.shape, text.shape)
+    grids = [s // 16 for s in references]
+    assert list(np.atleast_1d(f.attrs["condition_grid_rows"])) == grids, dict(f.attrs)
+    assert list(np.atleast_1d(f.attrs["condition_grid_cols"])) == grids, dict(f.attrs)
+    assert np.ndim(f.attrs["condition_grid_rows"]) == (len(grids) > 1)  # one image: scalars
+tokens = sum(g * g for g in grids)
+assert latents.shape == (2, 4, 32) and text.shape == (2, 16, 48) and cond.shape == (2, tokens, 32), (latents.shape,
+                                                                                                    cond.shape)
 vae = AutoencoderKLFlux2.from_pretrained(os.path.join(top, "vae"))
 pipe = types.SimpleNamespace(vae=vae, _patchify_latents=Flux2Pipeline._patchify_latents)
 for k, name in enumerate(["img1", "img2"]):  # img0 went to val
-    for got, folder, size in ((latents[k], "images", 32), (cond[k], "conditions", 16)):
+    def encoded(folder, size):
         image = image_tensor(os.path.join(pictures, folder, name + ".png"), size, size)
-        want = Flux2Pipeline._pack_latents(Flux2Pipeline._encode_vae_image(pipe, image, None))[0].numpy()
-        assert np.allclose(got, want, atol=1e-5), (name, folder, np.abs(got - want).max())
+        return Flux2Pipeline._pack_latents(Flux2Pipeline._encode_vae_image(pipe, image, None))[0].numpy()
+    # The reference images' tokens one after the other, as Flux2Pipeline.prepare_image_latents concatenates them.
+    for got, want in ((latents[k], encoded("images", 32)),
+                      (cond[k], np.concatenate([encoded("conditions", s) for s in references]))):
+        assert np.allclose(got, want, atol=1e-5), (name, np.abs(got - want).max())
 if kind == "flux2":
     from transformers import AutoProcessor, Mistral3ForConditionalGeneration
     encoder = Mistral3ForConditionalGeneration.from_pretrained(os.path.join(top, "text_encoder"))
@@ -277,14 +290,19 @@ def check_flux2(python, env, tool, exe, top, kind):
     os.makedirs(repo)
     run([python, "-c", MAKE_FLUX2_REPOSITORY, repo, kind], env)
     out = os.path.join(repo, "latents")
+    # FLUX.2-dev with two reference images (1 x 1 and 2 x 2 tokens), Klein with one.
+    sizes = [16, 32] if kind == "flux2" else [16]
     run([python, tool, "encode", "--model", repo, "--images", os.path.join(top, "images"), "--output-dir", out,
-         "--resolution", "32x32", "--condition-images", os.path.join(top, "conditions"), "--condition-resolution",
-         "16x16", "--max-sequence-length", "16", "--val-fraction", "0.34"], env)
-    print(run([python, "-c", CHECK_FLUX2, repo, out, kind, os.path.join(ROOT, "tools"), top], env).stdout.strip())
+         "--resolution", "32x32", "--condition-images", ",".join([os.path.join(top, "conditions")] * len(sizes)),
+         "--condition-resolution", ",".join(f"{s}x{s}" for s in sizes), "--max-sequence-length", "16",
+         "--val-fraction", "0.34"], env)
+    print(run([python, "-c", CHECK_FLUX2, repo, out, kind, os.path.join(ROOT, "tools"), top,
+               ",".join(map(str, sizes))], env).stdout.strip())
     mpi = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     shape = ["--model.in_channels=32", "--model.context_dim=48", "--model.context_len=16", "--train.seq_len=4",
              "--train.global_batch=2", "--train.steps=2", "--train.eval_every=0"]
-    for name, extra in (("kontext", ["--model.condition_len=1"]), ("t2i", [])):
+    condition_len = sum((s // 16) ** 2 for s in sizes)
+    for name, extra in (("kontext", [f"--model.condition_len={condition_len}"]), ("t2i", [])):
         run(["mpirun", "--oversubscribe", "--allow-run-as-root", "-np", "2", exe, "train", "--config",
              os.path.join(ROOT, "inputs", "flux2-tiny.ini"), f"--data.train_file={out}/train-*.h5",
              f"--data.val_file={out}/val-*.h5", *shape, *extra, f"--checkpoint.dir={repo}/{name}"], env=mpi)
@@ -298,11 +316,11 @@ def check_flux2(python, env, tool, exe, top, kind):
     pngs = os.path.join(repo, "samples")
     run([python, tool, "decode", "--model", repo, "--latents", os.path.join(repo, "samples.h5"), "--output-dir", pngs],
         env)
-    sizes = run([python, "-c", "import sys; from PIL import Image; print([Image.open(p).size for p in sys.argv[1:]])",
-                 *sorted(os.path.join(pngs, n) for n in os.listdir(pngs))], env).stdout.strip()
-    assert sizes == "[(32, 32), (32, 32)]", sizes
-    print(f"{kind}: shardtrain trains on the shards (with and without the condition image), samples the prompts, "
-          "and they decode to PNG files")
+    decoded = run([python, "-c", "import sys; from PIL import Image; print([Image.open(p).size for p in sys.argv[1:]])",
+                   *sorted(os.path.join(pngs, n) for n in os.listdir(pngs))], env).stdout.strip()
+    assert decoded == "[(32, 32), (32, 32)]", decoded
+    print(f"{kind}: shardtrain trains on the shards (with and without the {len(sizes)} reference image(s)), samples "
+          "the prompts, and they decode to PNG files")
 
 
 def main():
