@@ -195,6 +195,15 @@ std::vector<float> merged_weight(const CheckpointReader& reader, const ParamTabl
   return w;
 }
 
+// A whole parameter written as its pieces of rows of the stored tensor: {first stored row, rows}.
+void write_row_pieces(SafetensorsWriter& writer, size_t entry, const std::vector<std::pair<int64_t, int64_t>>& pieces,
+                      size_t cols, const float* values) {
+  for (const auto& [stored_row, rows] : pieces) {
+    writer.write_fp32(entry, stored_row * cols, rows * cols, values);
+    values += rows * cols;
+  }
+}
+
 // A bitsandbytes 4-bit weight's tensors into its entries (HfExportPlan::quantized's order);
 // `dtype` the export's, which its quant_state names.
 void write_bnb_weight(SafetensorsWriter& writer, const std::vector<size_t>& entries, const Bnb4bitWeight& w,
@@ -258,8 +267,10 @@ void export_hf_folder(const Runtime& rt, const std::string& checkpoint, const st
                          Bnb4bitWeight(values.data(), hf_tensor_of(model, p).shape, quant.type, quant.block,
                                        quant.double_quant, as_held ? reader->nested_table(p) : std::vector<float>{}),
                          dtype);
-      else
+      else if (plan.rows[p.id].empty())
         writers[file]->write_fp32(entry, 0, values.size(), values.data());
+      else  // our rows, in pieces, of a tensor that others' rows share (Phi-3's qkv_proj)
+        write_row_pieces(*writers[file], entry, plan.rows[p.id], p.numel / p.shape[0], values.data());
     }
   }, recorded_tokenizer(reader->state()));
   rt.info("wrote %s: Hugging Face %s (config.json, %s, %s in %s, %s) from step %lld, written by %s",

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -173,7 +174,7 @@ ModelConfig read_hf_model_config(const std::string& path) {
   return m;
 }
 
-HfTensor hf_tensor_of(const ModelConfig& config, const ParamInfo& p) { return family_of(config).hf_tensor(p); }
+HfTensor hf_tensor_of(const ModelConfig& config, const ParamInfo& p) { return family_of(config).hf_tensor(config, p); }
 
 static void read_hf_shards(const std::string& path, FsdpEngine& engine) {
   const ParamTable& table = engine.table();
@@ -182,7 +183,7 @@ static void read_hf_shards(const std::string& path, FsdpEngine& engine) {
   const bool single = single_file_family(path) != nullptr;
   const HfFiles files = single ? open_single_file(path) : open_hf_files(path, family);
   auto tensor_of = [&](const ParamInfo& p) {
-    return single ? family.single_file_tensor(table.config(), p) : family.hf_tensor(p);
+    return single ? family.single_file_tensor(table.config(), p) : family.hf_tensor(table.config(), p);
   };
   const std::string source = std::string(single ? "safetensors file '" : "Hugging Face folder '") + path + "'";
   // Each parameter's tensor in the files, checked before anything is read.
@@ -377,8 +378,16 @@ HfExportPlan hf_export_plan(const ParamTable& table, DType dtype, uint64_t max_f
       for (const LinearSite& site : table.block_sites(l)) quantized[table.param(block_unit(l), site.weight).id] = true;
   plan.quantized.resize(table.params().size());
   uint64_t in_group = 0;
+  std::map<std::string, std::pair<size_t, size_t>> fused;  // a fused tensor's (file, entry), once placed
   for (const ParamInfo& p : table.params()) {
     const HfTensor t = hf_tensor_of(table.config(), p);
+    if (!t.rows.empty() && !quantized[p.id]) {  // our rows of a tensor that others' rows share (Phi-3's qkv_proj)
+      if (auto it = fused.find(t.name); it != fused.end()) {
+        plan.where.push_back(it->second);
+        plan.rows.push_back(t.rows);
+        continue;
+      }
+    }
     std::vector<SafetensorsEntry> entries;
     if (!quantized[p.id]) {
       entries.push_back({t.name, dtype, t.shape});
@@ -411,7 +420,8 @@ HfExportPlan hf_export_plan(const ParamTable& table, DType dtype, uint64_t max_f
     if (quantized[p.id])
       for (size_t k = 0; k < entries.size(); k++) plan.quantized[p.id].push_back(groups.back().size() + k);
     plan.where.emplace_back(groups.size() - 1, groups.back().size());
-    plan.rows.emplace_back();
+    plan.rows.push_back(quantized[p.id] ? std::vector<std::pair<int64_t, int64_t>>{} : t.rows);
+    if (!t.rows.empty()) fused.emplace(t.name, plan.where.back());
     groups.back().insert(groups.back().end(), entries.begin(), entries.end());
     in_group += bytes;
     plan.tensor_bytes += bytes;

@@ -28,7 +28,13 @@ std::vector<PeftTensor> peft_tensors(const ParamTable& table, const std::string&
     std::string base = table.param(block_unit(l), site.weight).name;
     base = base.substr(0, base.size() - std::string(".weight").size()) + ".";
     const std::string module = prefix + family.module_path(table.config(), l, site) + ".";
-    for (size_t q = a; q < unit.params.size(); q++) {
+    // A layer the family's files fuse with others (Phi-3's q_proj in qkv_proj) is part of one module
+    // with one adapter to PEFT, which ours are not.
+    const HfTensor stored = family.hf_tensor(table.config(), table.param(block_unit(l), site.weight));
+    if (!stored.rows.empty())
+      throw UsageError("model.arch=" + table.config().arch + " stores " + site.module + " as rows of '" + stored.name +
+                       "', which PEFT adapts as one layer: its adapters have no PEFT form; export the model with them "
+                       "merged (export --format hf --merge), or adapt only layers stored whole (o_proj, down_proj)");    for (size_t q = a; q < unit.params.size(); q++) {
       const ParamInfo& p = table.params()[unit.params[q]];
       if (!p.adapter || p.name.compare(0, base.size(), base) != 0) break;
       out.push_back({p.id, module + p.name.substr(base.size())});

@@ -9,7 +9,7 @@
 namespace shardtrain {
 
 struct ModelConfig {
-  // The model family's name (model/family.hpp): gpt2, llama, qwen2, qwen3, smollm3, flux, flux2.
+  // The model family's name (model/family.hpp): gpt2, llama, qwen2, qwen3, smollm3, phi3, flux, flux2.
   std::string arch = "gpt2";
   int n_layer = 2;
   int n_embd = 32;

@@ -184,7 +184,7 @@ class ModelFamily {
   virtual void write_hf_config(const ModelConfig& config, nlohmann::ordered_json& json) const = 0;
   // transformers' base_model_prefix, which files may leave out: "model.".
   virtual const char* hf_prefix() const = 0;
-  virtual HfTensor hf_tensor(const ParamInfo& param) const = 0;
+  virtual HfTensor hf_tensor(const ModelConfig& config, const ParamInfo& param) const = 0;
   // Whether a tensor of a file (its name less the prefix) is no parameter and may be left over.
   virtual bool hf_ignorable(const std::string& key) const = 0;
   // Whether transformers' bitsandbytes 4-bit loading (load_in_4bit) replaces exactly the blocks'

@@ -20,7 +20,9 @@ layout: every file written is opened with safe_open).
                                                                (a Qwen2 model: q/k/v biases, rope_theta 1e6),
                                                                qwen3 (a Qwen3 model: q/k norms, rope_theta 1e6,
                                                                head_dim written), smollm3 (a SmolLM3 model: the
-                                                               last block without rotary embeddings), head_dim=N
+                                                               last block without rotary embeddings), phi3 (a
+                                                               Phi-3 model: fused qkv_proj and gate_up_proj),
+                                                               head_dim=N
   hf_reference.py loss FOLDER TOKENS...                        mean next-token cross-entropy (config.json's model_type)
   hf_reference.py caption-context FOLDER LAYERS LEN IN OUT     a text encoder's context for IN's captions
                                                                (LAYERS comma-separated, non-negative), into a copy
@@ -160,9 +162,16 @@ def make_llama(folder, L, C, H, KV, I, V, T, tied, dtype, seed, prefix, extras=(
         else:
             values = scale[name.split(".")[-2]] * rng.standard_normal(shape)
         name = name[len("model."):] if name.startswith("model.") else name
-        values = values.astype(np.float32)
-        tensors[(prefix if name != "lm_head.weight" else "") + name] = (
-            ("BF16", values) if dtype == "BF16" else values.astype({"F32": np.float32, "F16": np.float16}[dtype]))
+        tensors[(prefix if name != "lm_head.weight" else "") + name] = values.astype(np.float32)
+    if "phi3" in extras:  # Phi-3's files: q|k|v as one qkv_proj, gate|up as one gate_up_proj
+        for l in range(L):
+            at = f"{prefix}layers.{l}."
+            tensors[at + "self_attn.qkv_proj.weight"] = np.concatenate(
+                [tensors.pop(at + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            tensors[at + "mlp.gate_up_proj.weight"] = np.concatenate(
+                [tensors.pop(at + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
+    tensors = {name: ("BF16", v) if dtype == "BF16" else v.astype({"F32": np.float32, "F16": np.float16}[dtype])
+               for name, v in tensors.items()}
     os.makedirs(folder, exist_ok=True)
     save_tensors(tensors, os.path.join(folder, "model.safetensors"))
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": C, "intermediate_size": I,
@@ -182,6 +191,11 @@ def make_llama(folder, L, C, H, KV, I, V, T, tied, dtype, seed, prefix, extras=(
                        "max_window_layers": L})
     if qwen3:  # Qwen3Config's: attention_bias, and head_dim always (its default is 128)
         config.update({"attention_bias": False, "head_dim": d})
+    if "phi3" in extras:  # Phi3Config's keys: no attention_bias or mlp_bias; dropouts, a window (none)
+        del config["attention_bias"], config["mlp_bias"]
+        config.update({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "resid_pdrop": 0.0,
+                       "embd_pdrop": 0.0, "attention_dropout": 0.0, "sliding_window": None,
+                       "original_max_position_embeddings": T, "pad_token_id": None})  # its 32000 is past V
     if "smollm3" in extras:  # SmolLM3Config's: 1 where the block turns q and k
         config.update({"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "rope_theta": 5000000.0,
                        "no_rope_layers": [1] * (L - 1) + [0], "use_sliding_window": False, "sliding_window": None,
@@ -334,8 +348,8 @@ def sliding_layers(config, use_rope):
     use_sliding_window, over the blocks layer_types marks sliding_attention (without it: Qwen's from
     max_window_layers, 28 when absent, on; SmolLM3's NoPE blocks)."""
     L, kind = config["num_hidden_layers"], config["model_type"]
-    if kind == "mistral":
-        window = config.get("sliding_window", 4096)
+    if kind in ("mistral", "phi3"):  # Phi3Config: over every block, none by default
+        window = config.get("sliding_window", 4096 if kind == "mistral" else None)
         return window, [bool(window)] * L
     if kind not in ("qwen2", "qwen3", "smollm3") or not config.get("use_sliding_window", False):
         return None, [False] * L
@@ -394,13 +408,26 @@ def llama_hidden_states(config, w, inputs):
     return states
 
 
-def llama_weights(raw):
-    return {k[len("model."):] if k.startswith("model.") else k: v.astype(np.float64) for k, v in raw.items()}
+def llama_weights(raw, config=None):
+    """The tensors by LlamaModel's names, float64; Phi-3's fused qkv_proj and gate_up_proj split as
+    Phi3Attention and Phi3MLP slice them (q, k, v rows; gate, then up)."""
+    w = {k[len("model."):] if k.startswith("model.") else k: v.astype(np.float64) for k, v in raw.items()}
+    if config and config["model_type"] == "phi3":
+        H, C = config["num_attention_heads"], config["hidden_size"]
+        d, KV = C // H, config.get("num_key_value_heads") or H
+        for name in [n for n in w if n.endswith("qkv_proj.weight")]:
+            qkv, at = w.pop(name), name[:-len("qkv_proj.weight")]
+            w[at + "q_proj.weight"], w[at + "k_proj.weight"], w[at + "v_proj.weight"] = np.split(
+                qkv, [H * d, H * d + KV * d])
+        for name in [n for n in w if n.endswith("gate_up_proj.weight")]:
+            at = name[:-len("gate_up_proj.weight")]
+            w[at + "gate_proj.weight"], w[at + "up_proj.weight"] = np.split(w.pop(name), 2)
+    return w
 
 
 def llama_loss(config, raw, tokens):
     """LlamaForCausalLM's forward and its shifted cross-entropy."""
-    w = llama_weights(raw)
+    w = llama_weights(raw, config)
     inputs, targets = np.array(tokens[:-1]), np.array(tokens[1:])
     x = llama_hidden_states(config, w, inputs)[-1]
     # Tied: the head is the embedding (tie_weights), whatever lm_head.weight a file may hold.
@@ -447,7 +474,7 @@ def caption_context(folder, layers, length, source, out):
 
 def loss(folder, tokens):
     config = json.load(open(os.path.join(folder, "config.json")))
-    if config["model_type"] in ("llama", "mistral", "qwen2", "qwen3", "smollm3"):
+    if config["model_type"] in ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"):
         return llama_loss(config, load_folder(folder), tokens)
     w = gpt2_weights(load_folder(folder))
     inputs, targets = np.array(tokens[:-1]), np.array(tokens[1:])

@@ -239,6 +239,41 @@ TEST(ParamTable, Qwen3ShapeHasTheParameterCountOfTheRealModel) {
   EXPECT_EQ(p[block[LLAMA_Q_W]].shape, (std::vector<int>{2048, 1024}));
 }
 
+// Phi-3-mini-4k's count (untied, 32 heads of 96, no grouping), and where the Hugging Face file keeps
+// each projection: q, k and v as rows of qkv_proj, gate and up as halves of gate_up_proj -- checked
+// on Phi-3-medium's grouped heads (40 of 128 on 10), whose k and v are narrower than q.
+TEST(ParamTable, Phi3ShapesHaveTheirParameterCountsAndFusedRows) {
+  ModelConfig m;
+  m.arch = "phi3", m.n_layer = 32, m.n_embd = 3072, m.n_head = 32, m.n_kv_head = 32, m.intermediate_size = 8192;
+  m.vocab_size = 32064, m.max_seq_len = 4096, m.norm_eps = 1e-5, m.tie_embeddings = false, m.sliding_window = 2047;
+  EXPECT_EQ(ParamTable(m).total_params(), 3821079552u);
+  ModelConfig medium = m;
+  medium.n_layer = 40, medium.n_embd = 5120, medium.n_head = 40, medium.n_kv_head = 10, medium.intermediate_size = 17920;
+  const ParamTable table(medium);
+  EXPECT_EQ(table.total_params(), 13960238080u);
+  const auto& p = table.params();
+  const std::vector<int>& block = table.units()[block_unit(7)].params;
+  const ModelFamily& family = family_of(medium);
+  struct Want {
+    int param;
+    const char* name;
+    int64_t stored_rows, first, rows;
+  } wants[] = {{LLAMA_Q_W, "model.layers.7.self_attn.qkv_proj.weight", 7680, 0, 5120},
+               {LLAMA_K_W, "model.layers.7.self_attn.qkv_proj.weight", 7680, 5120, 1280},
+               {LLAMA_V_W, "model.layers.7.self_attn.qkv_proj.weight", 7680, 6400, 1280},
+               {LLAMA_GATE_W, "model.layers.7.mlp.gate_up_proj.weight", 35840, 0, 17920},
+               {LLAMA_UP_W, "model.layers.7.mlp.gate_up_proj.weight", 35840, 17920, 17920}};
+  for (const Want& w : wants) {
+    const HfTensor t = family.hf_tensor(medium, p[block[w.param]]);
+    EXPECT_EQ(t.name, w.name);
+    EXPECT_EQ(t.shape, (std::vector<int64_t>{w.stored_rows, 5120}));
+    EXPECT_EQ(t.rows, (std::vector<std::pair<int64_t, int64_t>>{{w.first, w.rows}})) << w.name;
+  }
+  const HfTensor down = family.hf_tensor(medium, p[block[LLAMA_DOWN_W]]);
+  EXPECT_EQ(down.name, "model.layers.7.mlp.down_proj.weight");
+  EXPECT_TRUE(down.rows.empty());
+}
+
 // SmolLM3-3B's count (tied, 16 heads of 128 on 4): its NoPE blocks have the same parameters.
 TEST(ParamTable, SmolLM3ShapeHasTheParameterCountOfTheRealModel) {
   ModelConfig s;

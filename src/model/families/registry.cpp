@@ -5,6 +5,7 @@
 #include "model/families/flux/flux_family.hpp"
 #include "model/families/gpt2/gpt2_family.hpp"
 #include "model/families/llama/llama_family.hpp"
+#include "model/families/phi3/phi3_family.hpp"
 #include "model/families/qwen2/qwen2_family.hpp"
 #include "model/families/qwen3/qwen3_family.hpp"
 #include "model/families/smollm3/smollm3_family.hpp"
@@ -21,6 +22,7 @@ std::vector<const ModelFamily*>& registry() {
       &qwen2_family(),
       &qwen3_family(),
       &smollm3_family(),
+      &phi3_family(),
       &flux_family(),
       &flux2_family(),
   };

@@ -536,7 +536,7 @@ class FluxFamily final : public ModelFamily {
     j["pooled_projection_dim"] = c.pooled_dim;
   }
   const char* hf_prefix() const override { return ""; }
-  HfTensor hf_tensor(const ParamInfo& param) const override {
+  HfTensor hf_tensor(const ModelConfig&, const ParamInfo& param) const override {
     return {param.name, false, std::vector<int64_t>(param.shape.begin(), param.shape.end()), {}};
   }
   bool hf_ignorable(const std::string&) const override { return false; }

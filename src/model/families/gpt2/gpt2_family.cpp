@@ -176,7 +176,7 @@ class Gpt2Family final : public ModelFamily {
     j["attn_pdrop"] = 0.0;
   }
   const char* hf_prefix() const override { return "transformer."; }
-  HfTensor hf_tensor(const ParamInfo& p) const override {
+  HfTensor hf_tensor(const ModelConfig&, const ParamInfo& p) const override {
     HfTensor t;
     for (int d : p.shape) t.shape.push_back(d);
     static const std::pair<const char*, const char*> renames[] = {

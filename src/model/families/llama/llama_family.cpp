@@ -391,7 +391,7 @@ void LlamaFamily::write_hf_config(const ModelConfig& m, nlohmann::ordered_json& 
   j["pretraining_tp"] = 1;
 }
 
-HfTensor LlamaFamily::hf_tensor(const ParamInfo& p) const {
+HfTensor LlamaFamily::hf_tensor(const ModelConfig&, const ParamInfo& p) const {
   HfTensor t;  // Hugging Face's names less the prefix, nn.Linear's (out, in) as ours
   for (int d : p.shape) t.shape.push_back(d);
   t.name = p.name == "lm_head.weight" ? p.name : hf_prefix() + p.name;

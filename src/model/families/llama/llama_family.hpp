@@ -72,7 +72,7 @@ class LlamaFamily : public ModelFamily {
   void write_hf_config(const ModelConfig& config, nlohmann::ordered_json& json) const override;
   const char* hf_prefix() const override { return "model."; }
   bool hf_bnb_4bit() const override { return true; }
-  HfTensor hf_tensor(const ParamInfo& param) const override;
+  HfTensor hf_tensor(const ModelConfig& config, const ParamInfo& param) const override;
   bool hf_ignorable(const std::string& key) const override;
 
  protected:
