@@ -66,6 +66,13 @@ def check_lora_exports_for_peft_and_merges(folder, hf_class):
     config = json.load(open(os.path.join(peft, "adapter_config.json")))
     assert config["auto_mapping"]["base_model_class"] == hf_class, config
     assert config["fan_in_fan_out"] is False and sorted(config["target_modules"]) == ["k_proj", "q_proj", "v_proj"]
+    check_merged_export(folder, ckpt)
+
+
+def check_merged_export(folder, ckpt):
+    """The merged export of an adapted checkpoint trained from `folder` is the adapted model: its
+    reference loss is not the base's, and it imports with that loss."""
+    data, window = periodic_data()
     merged = os.path.join(tempdir(), "merged")
     ok(run(2, ["export", "--format", "hf", "--merge", "--checkpoint", ckpt, "--output", merged]), "merge")
     expected = reference("loss", merged, *window)["loss"]

@@ -438,12 +438,19 @@ def prompts_file(count, seed, tokens=5):
     return path
 
 
-def test_sample_draws_the_reference_eulers_images_on_any_rank_count():
-    folder = os.path.join(tempdir(), "flux-diffusers")
-    params = make_diffusers_folder(folder, CFG, seed=9)
+def converted_folder(cfg, seed, name):
+    """A random diffusers folder of `cfg` and a run folder holding it as a gathered checkpoint: (its
+    parameters, the run folder)."""
+    folder = os.path.join(tempdir(), name)
+    params = make_diffusers_folder(folder, cfg, seed=seed)
     ckpt = tempdir()
     ok(run(1, ["convert", "--input", folder, "--output", os.path.join(ckpt, "ckpt-00000000.h5"), "--layout",
                "gathered"]))
+    return params, ckpt
+
+
+def test_sample_draws_the_reference_eulers_images_on_any_rank_count():
+    params, ckpt = converted_folder(CFG, 9, "flux-diffusers")
     prompts, negative = prompts_file(3, 1), prompts_file(1, 2)
     outputs = []
     for np_, batch in ((1, 1), (2, 2), (3, 3)):

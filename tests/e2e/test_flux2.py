@@ -24,7 +24,7 @@ from flux_reference import flow_sample, flux2_forward, gelu_tanh, make_diffusers
 from harness import ROOT, read_metrics, rel_diff, run, tempdir
 from test_adapters import safetensors_arrays
 from test_bad_input import expect_usage_error
-from test_flux import euler_reference, flux_args, latent_file, ok, prompts_file
+from test_flux import converted_folder, euler_reference, flux_args, latent_file, ok, prompts_file
 from test_flux import losses as flux_losses
 
 FLUX2_INI = os.path.join(ROOT, "inputs", "flux2-tiny.ini")
@@ -283,11 +283,7 @@ def prompt_text(path):
 
 
 def test_sample_draws_flux2_on_its_pipelines_schedule_on_any_rank_count():
-    folder = os.path.join(tempdir(), "flux2-sample")
-    params = make_diffusers_folder(folder, CFG, seed=21)
-    ckpt = tempdir()
-    ok(run(1, ["convert", "--input", folder, "--output", os.path.join(ckpt, "ckpt-00000000.h5"), "--layout",
-               "gathered"]))
+    params, ckpt = converted_folder(CFG, 21, "flux2-sample")
     prompts, negative = prompts_file(2, 31, tokens=6), prompts_file(1, 32, tokens=6)
     shift = float(np.exp(empirical_mu(6, 3)))
     outputs = []

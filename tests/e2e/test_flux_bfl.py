@@ -89,20 +89,28 @@ def folder_and_file(cfg=CFG, seed=5, prefix=""):
     return folder, single
 
 
+SHAPE_KEYS = ("model.n_layer", "model.n_single_layer", "model.n_embd", "model.n_head", "model.in_channels",
+              "model.context_dim", "model.pooled_dim", "model.guidance_embeds", "model.rope_axes")
+
+
+def assert_same_checkpoint(want, got, keys, label):
+    """Two checkpoints with the same datasets bit for bit and the same `keys` attributes."""
+    a, b = datasets(want), datasets(got)
+    assert sorted(a) == sorted(b) and len(a) > 10
+    for name in a:
+        assert np.array_equal(a[name], b[name]), (label, name)
+    with h5py.File(want, "r") as f, h5py.File(got, "r") as g:
+        for key in keys:
+            assert f.attrs[key] == g.attrs[key], (label, key)
+
+
 def test_a_black_forest_labs_file_converts_as_its_diffusers_folder():
     for prefix in ("", "model.diffusion_model."):  # BFL's own files, ComfyUI's copies
         folder, single = folder_and_file(prefix=prefix)
         want, got = os.path.join(tempdir(), "a.h5"), os.path.join(tempdir(), "b.h5")
         convert(folder, want)
         convert(single, got)
-        a, b = datasets(want), datasets(got)
-        assert sorted(a) == sorted(b) and len(a) > 10
-        for name in a:
-            assert np.array_equal(a[name], b[name]), (prefix, name)
-        with h5py.File(want, "r") as f, h5py.File(got, "r") as g:
-            for key in ("model.n_layer", "model.n_single_layer", "model.n_embd", "model.n_head", "model.in_channels",
-                        "model.context_dim", "model.pooled_dim", "model.guidance_embeds", "model.rope_axes"):
-                assert f.attrs[key] == g.attrs[key], key
+        assert_same_checkpoint(want, got, SHAPE_KEYS, prefix)
 
 
 def test_a_schnell_file_has_no_guidance_embedder_and_trains_from_init_from():
@@ -318,15 +326,8 @@ def test_a_flux2_black_forest_labs_file_converts_as_its_folder_trains_and_goes_b
         write_safetensors({prefix + k: v.astype(np.float32) for k, v in bfl2_tensors(params, CFG2).items()}, single)
         got = os.path.join(tempdir(), "single.h5")
         convert(single, got)
-        a, b = datasets(want), datasets(got)
-        assert sorted(a) == sorted(b) and len(a) > 10
-        for name in a:
-            assert np.array_equal(a[name], b[name]), (prefix, name)
-        with h5py.File(want, "r") as f, h5py.File(got, "r") as g:
-            for key in ("model.arch", "model.n_layer", "model.n_single_layer", "model.n_embd", "model.n_head", "model.in_channels",
-                        "model.context_dim", "model.pooled_dim", "model.guidance_embeds", "model.rope_axes",
-                        "model.rope_theta", "model.intermediate_size"):
-                assert f.attrs[key] == g.attrs[key], key
+        assert_same_checkpoint(want, got, SHAPE_KEYS + ("model.arch", "model.rope_theta", "model.intermediate_size"),
+                               prefix)
     # Out: the checkpoint as a FLUX.2 single file holds exactly those tensors.
     out = os.path.join(tempdir(), "flux2-out.safetensors")
     proc = run(2, ["convert", "--input", want, "--output", out])

@@ -18,7 +18,7 @@ import json
 import os
 
 from harness import ROOT, rel_diff, run, tempdir
-from llama_variants import check_export_round_trip, ok, train, update_config
+from llama_variants import check_export_round_trip, check_merged_export, ok, train, update_config
 from test_bad_input import expect_usage_error
 from test_hf import C, H, I, KV, L, MAXT, first_loss, llama_args, periodic_data, reference
 
@@ -52,16 +52,11 @@ def test_phi3_export_round_trips_its_fused_tensors():
 
 
 def test_phi3_lora_merges_into_the_fused_tensors_and_peft_takes_the_unfused_layers():
-    data, window = periodic_data()
+    data, _ = periodic_data()
     folder = phi3_folder("F32", seed=5)
     lora = ("--adapter.type=lora", "--adapter.rank=4", "--adapter.alpha=8")
     ckpt = train(folder, data, 3, *lora, "--adapter.targets=q_proj,k_proj,v_proj,gate_proj")
-    merged = os.path.join(tempdir(), "merged")
-    ok(run(2, ["export", "--format", "hf", "--merge", "--checkpoint", ckpt, "--output", merged]), "merge")
-    expected = reference("loss", merged, *window)["loss"]
-    assert rel_diff(expected, reference("loss", folder, *window)["loss"]) > 1e-4
-    again, _ = first_loss(merged, data, args=llama_args)
-    assert rel_diff(again, expected) < 2e-6, (again, expected)
+    check_merged_export(folder, ckpt)
     expect_usage_error(["export", "--adapter", "--checkpoint", ckpt, "--output", os.path.join(tempdir(), "peft")],
                        "stores self_attn.q_proj as rows of 'model.layers.0.self_attn.qkv_proj.weight'", "--merge")
     ckpt = train(folder, data, 3, *lora, "--adapter.targets=o_proj,down_proj")
