@@ -33,8 +33,10 @@ std::vector<PeftTensor> peft_tensors(const ParamTable& table, const std::string&
     const HfTensor stored = family.hf_tensor(table.config(), table.param(block_unit(l), site.weight));
     if (!stored.rows.empty())
       throw UsageError("model.arch=" + table.config().arch + " stores " + site.module + " as rows of '" + stored.name +
-                       "', which PEFT adapts as one layer: its adapters have no PEFT form; export the model with them "
-                       "merged (export --format hf --merge), or adapt only layers stored whole (o_proj, down_proj)");    for (size_t q = a; q < unit.params.size(); q++) {
+                       "', which PEFT adapts as one layer (one A and one B for all its parts): its adapters have no "
+                       "PEFT form; merge them (export --format hf --merge), or adapt only layers stored whole "
+                       "(o_proj, down_proj)");
+    for (size_t q = a; q < unit.params.size(); q++) {
       const ParamInfo& p = table.params()[unit.params[q]];
       if (!p.adapter || p.name.compare(0, base.size(), base) != 0) break;
       out.push_back({p.id, module + p.name.substr(base.size())});

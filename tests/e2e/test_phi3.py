@@ -10,6 +10,7 @@ the Llama model. Each property against an independent oracle:
 - LoRA on q/k/v merges into the fused tensors (the merged folder's reference loss); their adapters
   have no PEFT form (PEFT adapts qkv_proj as one layer) and are refused with one line, while LoRA on
   o_proj and down_proj exports as a PEFT folder;
+- training's losses do not depend on the rank count, and greedy generation is the same on 1 and 2 ranks;
 - a window on every layer gives the reference's loss and exports back; what Phi-3.5 and Phi-4-mini
   add (a partial rotary factor, LongRoPE) is refused, exit 2;
 - the shipped Phi-3-mini-4k shape plans its published parameter count.
@@ -17,7 +18,7 @@ the Llama model. Each property against an independent oracle:
 import json
 import os
 
-from harness import ROOT, rel_diff, run, tempdir
+from harness import ROOT, read_metrics, rel_diff, run, tempdir, tiny_args
 from llama_variants import check_export_round_trip, check_merged_export, ok, train, update_config
 from test_bad_input import expect_usage_error
 from test_hf import C, H, I, KV, L, MAXT, first_loss, llama_args, periodic_data, reference
@@ -81,6 +82,23 @@ def test_phi3_window_and_what_it_refuses():
         bad = phi3_folder("F32", config=config)
         expect_usage_error(llama_args(f"--checkpoint.init_from={bad}", f"--data.train_file={data}", "--data.val_file=",
                                       "--train.steps=1"), needle, "config.json")
+
+
+def test_phi3_trains_the_same_on_any_rank_count_and_generates():
+    runs = []
+    for np_ in (1, 2):
+        metrics, ckdir = os.path.join(tempdir(), "m.jsonl"), tempdir()
+        args = tiny_args("--model.arch=phi3", "--train.steps=4", f"--train.metrics_file={metrics}",
+                         f"--checkpoint.dir={ckdir}")
+        args[args.index("--config") + 1] = os.path.join(ROOT, "inputs", "llama-tiny.ini")
+        ok(run(np_, args), str(np_))
+        runs.append([r["loss"] for r in read_metrics(metrics)])
+    assert len(runs[0]) == 4 and runs[0][-1] < runs[0][0], runs[0]
+    assert all(rel_diff(a, b) < 1e-5 for a, b in zip(*runs)), runs
+    ckpt = os.path.join(ckdir, "ckpt-00000004.h5")
+    texts = [ok(run(np_, ["generate", "--checkpoint", ckpt, "--prompt", "Once upon", "--max-tokens", "12",
+                          "--temperature", "0"]), "generate").stdout for np_ in (1, 2)]
+    assert texts[0] == texts[1] and texts[0].startswith("Once upon") and len(texts[0]) > len("Once upon"), texts
 
 
 def test_phi3_mini_config_plans_the_real_parameter_count():
