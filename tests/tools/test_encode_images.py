@@ -13,7 +13,6 @@ diffusers and transformers, which this target installs into <build>/encode-venv 
 minutes; shared/notes' recipe for these CPU machines) unless ENCODE_PYTHON names a python that
 has them."""
 import argparse
-import json
 import os
 import shutil
 import subprocess
