@@ -52,8 +52,9 @@ def fail(message):
 
 
 def repository_kind(model):
-    """"flux1" (AutoencoderKL, CLIP and T5), "flux2" (FLUX.2-dev: AutoencoderKLFlux2 and Mistral 3) or
-    "flux2-klein" (AutoencoderKLFlux2 and Qwen3), from the folder's vae/ and text_encoder/ configs."""
+    """"flux1" (AutoencoderKL, CLIP and T5), or a FLUX.2 repository's text encoder model_type:
+    "mistral3" (FLUX.2-dev) or "qwen3" (FLUX.2 [klein]), from the folder's vae/ and text_encoder/
+    configs."""
     def config(sub):
         path = os.path.join(model, sub, "config.json")
         if not os.path.exists(path):
@@ -67,11 +68,17 @@ def repository_kind(model):
     if model_type not in FLUX2_TEXT_ENCODERS:
         fail(f"--model {model!r}: a FLUX.2 VAE with a text encoder of model_type {model_type!r}; FLUX.2's are "
              f"{', '.join(FLUX2_TEXT_ENCODERS)}")
-    return "flux2" if model_type == "mistral3" else "flux2-klein"
+    return model_type
 
 
 # FLUX.2's text encoders: the hidden states their pipelines stack (Flux2Pipeline, Flux2KleinPipeline).
 FLUX2_TEXT_ENCODERS = {"mistral3": (10, 20, 30), "qwen3": (9, 18, 27)}
+
+
+def vae_latents(vae, pixels, sample, generator):
+    """The VAE's latent mode (or a sample) of (1, 3, H, W) pixels in [-1, 1]."""
+    dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+    return dist.sample(generator) if sample else dist.mode()
 
 
 class Flux1Stack:
@@ -95,10 +102,8 @@ class Flux1Stack:
 
     def latents(self, pixels, sample, generator):
         """(1, 3, H, W) in [-1, 1] -> packed (H/16 * W/16, 64), rows, cols."""
-        dist = self.vae.encode(pixels.to(self.vae.device, self.vae.dtype)).latent_dist
-        z = dist.sample(generator) if sample else dist.mode()
         shift = getattr(self.vae.config, "shift_factor", None) or 0.0
-        z = (z - shift) * self.vae.config.scaling_factor
+        z = (vae_latents(self.vae, pixels, sample, generator) - shift) * self.vae.config.scaling_factor
         return pack(z)[0].float().cpu().numpy(), z.shape[2] // 2, z.shape[3] // 2
 
     def pixels(self, packed, rows, cols):
@@ -123,20 +128,20 @@ class Flux2Stack:
     encoder's hidden states after the layers its pipeline names, stacked along the features (3 x
     hidden) for every token of the chat-formatted caption padded to max_length; no pooled vector."""
 
-    def __init__(self, model, device, dtype, kind, text=True, layers=None):
+    def __init__(self, model, device, dtype, text_encoder, text=True):
         import torch
         from diffusers import AutoencoderKLFlux2
         self.vae = AutoencoderKLFlux2.from_pretrained(model, subfolder="vae", torch_dtype=dtype).to(device).eval()
         bn = self.vae.bn
         self.mean = bn.running_mean.float().cpu()
         self.std = torch.sqrt(bn.running_var.float().cpu() + self.vae.config.batch_norm_eps)
-        self.kind = kind
+        self.mistral = text_encoder == "mistral3"  # FLUX.2-dev's; else FLUX.2 [klein]'s Qwen3
         if text:
             from transformers import AutoProcessor, AutoTokenizer, Mistral3ForConditionalGeneration, Qwen3ForCausalLM
             for sub in ("text_encoder", "tokenizer"):
                 if not os.path.isdir(os.path.join(model, sub)):
                     fail(f"--model {model!r} has no {sub}/ folder: give a FLUX.2 repository folder")
-            if kind == "flux2":
+            if self.mistral:
                 self.encoder = Mistral3ForConditionalGeneration.from_pretrained(model, subfolder="text_encoder",
                                                                                  torch_dtype=dtype).to(device).eval()
                 self.tokenizer = AutoProcessor.from_pretrained(model, subfolder="tokenizer")
@@ -146,13 +151,12 @@ class Flux2Stack:
                 self.encoder = Qwen3ForCausalLM.from_pretrained(model, subfolder="text_encoder",
                                                                 torch_dtype=dtype).to(device).eval()
                 self.tokenizer = AutoTokenizer.from_pretrained(model, subfolder="tokenizer")
-            self.layers = layers or FLUX2_TEXT_ENCODERS["mistral3" if kind == "flux2" else "qwen3"]
+            self.layers = FLUX2_TEXT_ENCODERS[text_encoder]
         torch.set_grad_enabled(False)
 
     def latents(self, pixels, sample, generator):
         """(1, 3, H, W) in [-1, 1] -> packed (H/16 * W/16, 4 latent channels), rows, cols."""
-        dist = self.vae.encode(pixels.to(self.vae.device, self.vae.dtype)).latent_dist
-        z = dist.sample(generator) if sample else dist.mode()
+        z = vae_latents(self.vae, pixels, sample, generator)
         packed = (pack(z)[0].float().cpu() - self.mean) / self.std
         return packed.numpy(), z.shape[2] // 2, z.shape[3] // 2
 
@@ -162,7 +166,7 @@ class Flux2Stack:
 
     def text(self, captions, max_length):
         import torch
-        if self.kind == "flux2":  # a system and a user turn, [IMG] markers removed (Flux2Pipeline's format_input)
+        if self.mistral:  # a system and a user turn, [IMG] markers removed (Flux2Pipeline's format_input)
             chats = [[{"role": "system", "content": [{"type": "text", "text": self.system}]},
                       {"role": "user", "content": [{"type": "text", "text": c.replace("[IMG]", "")}]}]
                      for c in captions]

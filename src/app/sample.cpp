@@ -139,30 +139,38 @@ bool parse_sample_args(const Runtime& rt, const std::vector<std::string>& args, 
 
 }  // namespace
 
-std::vector<std::string> read_prompt_captions(const std::string& path, const std::string& option) {
+namespace {
+
+// `read()`, its DataError (which names the file) prefixed with the option that named the file.
+template <typename Read>
+auto naming_option(const std::string& option, Read read) {
   try {
+    return read();
+  } catch (const DataError& e) {
+    throw DataError(option + ": " + e.what());
+  }
+}
+
+}  // namespace
+
+std::vector<std::string> read_prompt_captions(const std::string& path, const std::string& option) {
+  return naming_option(option, [&] {
     std::vector<std::string> captions =
         h5_read_strings(path, "captions", " (shardtrain data synth-images writes prompts with their captions)");
     if (captions.empty()) throw DataError("'" + path + "' holds no captions");
     return captions;
-  } catch (const DataError& e) {
-    throw DataError(option + ": " + e.what());
-  }
+  });
 }
 
 Prompts read_prompts(const std::string& path, const ModelConfig& m, const std::string& option) {
   Prompts p;
   std::vector<hsize_t> td, pd;
   const std::string hint = " (tools/encode_images.py prompts and shardtrain data synth-images write them)";
-  try {
-    p.text = h5_read_floats(path, FLUX_ENCODER_HIDDEN_STATES, &td, hint);
-    if (m.pooled_dim > 0)
-      p.pooled = h5_read_floats(path, FLUX_POOLED, &pd, hint);
-    else if (td.size() == 3)  // FLUX.2 reads none
-      pd = {td[0], 0};
-  } catch (const DataError& e) {
-    throw DataError(option + ": " + e.what());
-  }
+  p.text = naming_option(option, [&] { return h5_read_floats(path, FLUX_ENCODER_HIDDEN_STATES, &td, hint); });
+  if (m.pooled_dim > 0)
+    p.pooled = naming_option(option, [&] { return h5_read_floats(path, FLUX_POOLED, &pd, hint); });
+  else if (td.size() == 3)  // FLUX.2 reads none
+    pd = {td[0], 0};
   if (m.pooled_dim == 0 && (td.size() != 3 || td[0] < 1 || td[2] != hsize_t(m.context_dim)))
     throw DataError(strprintf("%s='%s': encoder_hidden_states must be (P, L, %d) for this model (model.context_dim), "
                               "one row per prompt",
@@ -176,25 +184,25 @@ Prompts read_prompts(const std::string& path, const ModelConfig& m, const std::s
   return p;
 }
 
-ConditionImages read_condition_images(const std::string& path, const ModelConfig& m, const std::string& option) {
+ConditionImages read_condition_images(const std::string& path, const ModelConfig& m, const std::string& option,
+                                      int prompts) {
   ConditionImages c;
   std::vector<hsize_t> dims;
-  try {
-    c.latents = h5_read_floats(path, "condition_latents", &dims,
-                               " (tools/encode_images.py encode --condition-images writes condition latents)");
-  } catch (const DataError& e) {
-    throw DataError(option + ": " + e.what());
-  }
+  c.latents = naming_option(option, [&] {
+    return h5_read_floats(path, "condition_latents", &dims,
+                          " (tools/encode_images.py encode --condition-images writes condition latents)");
+  });
   if (dims.size() != 3 || dims[0] < 1 || dims[1] < 1 || dims[2] != hsize_t(m.in_channels))
     throw DataError(strprintf("%s='%s': condition_latents must be (P, M, %d) for this model (model.in_channels): one "
                               "condition image, or one per prompt",
                               option.c_str(), path.c_str(), m.in_channels));
   c.count = static_cast<int>(dims[0]), c.tokens = static_cast<int>(dims[1]);
+  if (c.count != 1 && c.count != prompts)
+    throw UsageError(strprintf("%s='%s' holds %d condition images; give one, or one per prompt (%d)", option.c_str(),
+                               path.c_str(), c.count, prompts));
   H5QuietErrors quiet;
   H5Id file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
-  const std::string where = option + "='" + path + "'";
-  c.grids = packed_grids(file, path, where, "condition_", c.tokens, "condition latents");
-  check_condition_image_count(m, c.grids.size(), where);
+  c.grids = packed_condition_grids(file, path, option + "='" + path + "'", m, c.tokens);
   return c;
 }
 
@@ -372,10 +380,7 @@ int sample(const Runtime& rt, const SampleOptions& o) {
       throw UsageError("--condition: checkpoint '" + path + "' is no Kontext model (it was trained with "
                        "model.condition_len=0): sample it without --condition");
     if (!o.condition.empty()) {
-      condition = read_condition_images(o.condition, state.model, "--condition");
-      if (condition.count != 1 && condition.count != prompts.count)
-        throw UsageError(strprintf("--condition='%s' holds %d condition images; give one, or one per prompt (%d)",
-                                   o.condition.c_str(), condition.count, prompts.count));
+      condition = read_condition_images(o.condition, state.model, "--condition", prompts.count);
     }
   });
   // The run's sizes: the prompts' text length, the grid's image tokens.

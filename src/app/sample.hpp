@@ -62,9 +62,10 @@ struct ConditionImages {
 };
 // An HDF5 file's condition_latents (P, M, in_channels) with condition_grid_rows and
 // condition_grid_cols, scalars or one per image (what tools/encode_images.py writes with
-// --condition-images); DataError
-// naming `option` and the file unless they fit the model.
-ConditionImages read_condition_images(const std::string& path, const ModelConfig& model, const std::string& option);
+// --condition-images); DataError naming `option` and the file unless they fit the model, UsageError
+// unless they are one, or one for each of `prompts`.
+ConditionImages read_condition_images(const std::string& path, const ModelConfig& model, const std::string& option,
+                                      int prompts);
 
 // How the sampler steps.
 struct SamplerSettings {

@@ -308,15 +308,12 @@ void Trainer::load_sample_inputs() {
   }
   if (cfg_.model.condition_len > 0) {
     rt_.agree_on([&] {
-      ConditionImages c = read_condition_images(cfg_.flow.sample_condition, cfg_.model, "flow.sample_condition");
+      ConditionImages c = read_condition_images(cfg_.flow.sample_condition, cfg_.model, "flow.sample_condition",
+                                                sample_prompts_->count);
       if (c.tokens != cfg_.model.condition_len)
         throw UsageError(strprintf("flow.sample_condition='%s' holds condition images of %d tokens; the model is "
                                    "trained on %d (model.condition_len): encode them at the training data's size",
                                    cfg_.flow.sample_condition.c_str(), c.tokens, cfg_.model.condition_len));
-      if (c.count != 1 && c.count != sample_prompts_->count)
-        throw UsageError(strprintf("flow.sample_condition='%s' holds %d condition images; give one, or one per "
-                                   "prompt (%d)",
-                                   cfg_.flow.sample_condition.c_str(), c.count, sample_prompts_->count));
       sample_condition_ = std::move(c);
     });
   }

@@ -56,6 +56,13 @@ std::vector<PackedGrid> packed_grids(hid_t file, const std::string& path, const 
   return grids;
 }
 
+std::vector<PackedGrid> packed_condition_grids(hid_t file, const std::string& path, const std::string& where,
+                                               const ModelConfig& model, int tokens) {
+  std::vector<PackedGrid> grids = packed_grids(file, path, where, "condition_", tokens, "condition latents");
+  check_condition_image_count(model, grids.size(), where);
+  return grids;
+}
+
 int packed_grid_cols(hid_t file, const std::string& path, const std::string& where, int tokens) {
   const std::vector<PackedGrid> grids = packed_grids(file, path, where, "", tokens, "latents");
   if (grids.size() != 1)
@@ -158,11 +165,9 @@ LatentDataset::LatentDataset(const std::string& option, const std::string& value
                                             "a file of pixel patches (shardtrain data synth-images) or set "
                                             "model.pixel_patch=0",
                                             where.c_str(), model.pixel_patch));
-    std::vector<PackedGrid> conditions;
-    if (model.condition_len > 0) {
-      conditions = packed_grids(f->file, path, where, "condition_", model.condition_len, "condition latents");
-      check_condition_image_count(model, conditions.size(), where);
-    }
+    const std::vector<PackedGrid> conditions =
+        model.condition_len > 0 ? packed_condition_grids(f->file, path, where, model, model.condition_len)
+                                : std::vector<PackedGrid>{};
     if (grid_cols_ && (cols != grid_cols_ || conditions != condition_grids_))
       throw DataError(strprintf("%s: its packed grids (the target's %d tokens wide, the condition images') differ "
                                 "from the first file's: one run trains one image size (encode the images at one "

@@ -36,6 +36,10 @@ namespace shardtrain {
 // DataError starting with `where` (naming `what`) when they are missing, or do not add up to `tokens`.
 std::vector<PackedGrid> packed_grids(hid_t file, const std::string& path, const std::string& where, const char* prefix,
                                      int tokens, const char* what);
+// The condition images' grids (prefix "condition_"), DataError unless the family takes that many
+// (check_condition_image_count).
+std::vector<PackedGrid> packed_condition_grids(hid_t file, const std::string& path, const std::string& where,
+                                               const ModelConfig& model, int tokens);
 // The target latents' one grid's width.
 int packed_grid_cols(hid_t file, const std::string& path, const std::string& where, int tokens);
 
