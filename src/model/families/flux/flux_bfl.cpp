@@ -34,6 +34,13 @@ const std::pair<const char*, const char*> DOUBLE_MODULES[][2] = {
     {{"attn.norm_q", "attn.norm.query_norm"}, {"attn.norm_added_q", "attn.norm.query_norm"}},
     {{"attn.norm_k", "attn.norm.key_norm"}, {"attn.norm_added_k", "attn.norm.key_norm"}},
 };
+// A single block's modules stored whole (q, k, v and proj_mlp are linear1's rows).
+const std::pair<const char*, const char*> SINGLE_MODULES[] = {
+    {"norm.linear", "modulation.lin"},
+    {"attn.norm_q", "norm.query_norm"},
+    {"attn.norm_k", "norm.key_norm"},
+    {"proj_out", "linear2"},
+};
 const char* const DOUBLE_QKV[2][3] = {{"attn.to_q", "attn.to_k", "attn.to_v"},
                                       {"attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"}};
 
@@ -71,6 +78,13 @@ template <size_t N>
 const char* renamed(const std::pair<const char*, const char*> (&table)[N], const std::string& ours) {
   for (const auto& [diffusers, bfl] : table)
     if (ours == diffusers) return bfl;
+  return nullptr;
+}
+// And in a table of a double block's modules by stream (0 image, 1 text).
+template <size_t N>
+const char* renamed(const std::pair<const char*, const char*> (&table)[N][2], int stream, const std::string& ours) {
+  for (const auto& modules : table)
+    if (ours == modules[stream].first) return modules[stream].second;
   return nullptr;
 }
 
@@ -186,24 +200,15 @@ HfTensor bfl_flux_tensor(const ModelConfig& c, const ParamInfo& p) {
   if (in_block("transformer_blocks.", "double_blocks", &block, &rest)) {
     for (int s = 0; s < 2; s++) {
       const std::string stream = block + (s == 0 ? "img_" : "txt_");
-      if (flux2) {
-        for (const auto& modules : FLUX2_DOUBLE_MODULES)
-          if (rest == modules[s].first) return whole(stream + modules[s].second);
-      } else {
-        for (const auto& modules : DOUBLE_MODULES)
-          if (rest == modules[s].first) return whole(stream + modules[s].second);
-      }
+      if (const char* bfl = flux2 ? renamed(FLUX2_DOUBLE_MODULES, s, rest) : renamed(DOUBLE_MODULES, s, rest))
+        return whole(stream + bfl);
       for (int i = 0; i < 3; i++)
         if (rest == DOUBLE_QKV[s][i]) return part_of(stream + "attn.qkv", 3 * C, i * C);
     }
   } else if (in_block("single_transformer_blocks.", "single_blocks", &block, &rest)) {
-    if (flux2) {
-      if (const char* bfl = renamed(FLUX2_SINGLE_MODULES, rest)) return whole(block + bfl);
-    } else {
-      if (rest == "norm.linear") return whole(block + "modulation.lin");
-      if (rest == "attn.norm_q") return whole(block + "norm.query_norm");
-      if (rest == "attn.norm_k") return whole(block + "norm.key_norm");
-      if (rest == "proj_out") return whole(block + "linear2");
+    if (const char* bfl = flux2 ? renamed(FLUX2_SINGLE_MODULES, rest) : renamed(SINGLE_MODULES, rest))
+      return whole(block + bfl);
+    if (!flux2) {
       const char* const fused[] = {"attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"};
       for (int i = 0; i < 4; i++)
         if (rest == fused[i]) return part_of(block + "linear1", 3 * C + F, i * C);
