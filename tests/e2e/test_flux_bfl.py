@@ -210,22 +210,28 @@ def kohya_file(cfg, rank, seed, path, alphas=(2.0, 4.0, 8.0)):
     return updates
 
 
+def merged_after_reading(args, lora, kohya):
+    """The merged export's tensors after one step at a learning rate of 1e-30 (the adapters as read
+    from the kohya file) of the training command `args(*lora, ...)`."""
+    from test_flux import ok
+    ckpt = tempdir()
+    ok(run(2, args(*lora, f"--adapter.init_from={kohya}", "--train.lr=1e-30", "--train.steps=1",
+                   "--train.eval_every=0", f"--checkpoint.dir={ckpt}")))
+    merged_dir = os.path.join(tempdir(), "merged")
+    ok(run(2, ["export", "--checkpoint", os.path.join(ckpt, "ckpt-00000001.h5"), "--format", "hf", "--merge",
+               "--output", merged_dir]))
+    return read_safetensors(os.path.join(merged_dir, "diffusion_pytorch_model.safetensors"))[0]
+
+
 def test_a_kohya_lora_file_is_read_into_each_fused_layer():
-    from test_flux import CFG as TINY, LORA_TARGETS, flux_args, ok
+    from test_flux import CFG as TINY, LORA_TARGETS, flux_args
     folder = os.path.join(tempdir(), "base")
     params = make_diffusers_folder(folder, TINY, seed=11)
     kohya = os.path.join(tempdir(), "kohya.safetensors")
     updates = kohya_file(TINY, 4, 12, kohya)
     lora = (f"--checkpoint.init_from={folder}", "--adapter.type=lora", f"--adapter.targets={LORA_TARGETS}",
             "--adapter.rank=4", "--adapter.alpha=4", "--checkpoint.format=gathered")
-    ckpt = tempdir()
-    # One step at a learning rate of 1e-30: the adapters as read.
-    ok(run(2, flux_args(*lora, f"--adapter.init_from={kohya}", "--train.lr=1e-30", "--train.steps=1",
-                        "--train.eval_every=0", f"--checkpoint.dir={ckpt}")))
-    merged_dir = os.path.join(tempdir(), "merged")
-    ok(run(2, ["export", "--checkpoint", os.path.join(ckpt, "ckpt-00000001.h5"), "--format", "hf", "--merge",
-               "--output", merged_dir]))
-    merged = read_safetensors(os.path.join(merged_dir, "diffusion_pytorch_model.safetensors"))[0]
+    merged = merged_after_reading(flux_args, lora, kohya)
     assert len(updates) == 2 * 12 + 2 * 5
     for name, base in params.items():
         expected = base + updates.get(name, 0)
@@ -351,20 +357,13 @@ def test_a_kohya_lora_file_adapts_flux2_by_its_black_forest_labs_modules():
     # FLUX.2's modules in BFL's names (its single blocks' linear1 and linear2 whole): the merged
     # export equals W + (alpha / rank) up down for every adapted weight.
     from test_flux2 import CFG as TINY2, LORA_TARGETS as TARGETS2, flux2_args
-    from test_flux import ok
     folder = os.path.join(tempdir(), "base2")
     params = make_diffusers_folder(folder, TINY2, seed=13)
     kohya = os.path.join(tempdir(), "kohya2.safetensors")
     updates = kohya_file(TINY2, 4, 14, kohya)
-    ckpt = tempdir()
-    ok(run(2, flux2_args(f"--checkpoint.init_from={folder}", "--adapter.type=lora", f"--adapter.targets={TARGETS2}",
-                         "--adapter.rank=4", "--adapter.alpha=4", "--checkpoint.format=gathered",
-                         f"--adapter.init_from={kohya}", "--train.lr=1e-30", "--train.steps=1", "--train.eval_every=0",
-                         f"--checkpoint.dir={ckpt}")))
-    merged_dir = os.path.join(tempdir(), "merged2")
-    ok(run(2, ["export", "--checkpoint", os.path.join(ckpt, "ckpt-00000001.h5"), "--format", "hf", "--merge",
-               "--output", merged_dir]))
-    merged = read_safetensors(os.path.join(merged_dir, "diffusion_pytorch_model.safetensors"))[0]
+    lora = (f"--checkpoint.init_from={folder}", "--adapter.type=lora", f"--adapter.targets={TARGETS2}",
+            "--adapter.rank=4", "--adapter.alpha=4", "--checkpoint.format=gathered")
+    merged = merged_after_reading(flux2_args, lora, kohya)
     assert len(updates) == 2 * 12 + 2 * 2
     for name, base in params.items():
         assert np.allclose(merged[name], base + updates.get(name, 0), rtol=1e-5, atol=1e-6), name
