@@ -28,8 +28,9 @@ inline const char* attention_kernel_name(AttentionKernel a) {
   return a == ATTENTION_TILED ? "tiled" : a == ATTENTION_CUDNN ? "cudnn" : "auto";
 }
 
-// fsdp.activation_dtype: how a block's saved activations are stored and computed from
-// (model/saved_activations.hpp). AUTO: as fsdp.param_dtype.
+// fsdp.activation_dtype: how the activations backward reads are stored and computed from: a
+// decoder's saved tensors (model/saved_activations.hpp), FLUX's block inputs
+// (model/families/flux/flux_model.hpp). AUTO: as fsdp.param_dtype.
 enum ActivationDtype { ACTIVATIONS_AUTO, ACTIVATIONS_FP32, ACTIVATIONS_BF16, ACTIVATIONS_FP16 };
 constexpr ActivationDtype ACTIVATION_DTYPES[] = {ACTIVATIONS_AUTO, ACTIVATIONS_FP32, ACTIVATIONS_BF16,
                                                  ACTIVATIONS_FP16};

@@ -131,7 +131,7 @@ void add_activation_allocations(const ParamTable& table, int batch, int seq_len,
     list->push_back({MEM_ACTIVATIONS, BT * sizeof(int)});  // document starts
     list->push_back({MEM_ACTIVATIONS, BT * sizeof(int)});  // positions
   }
-  for (size_t n : family.activation_arrays(c, batch, seq_len, checkpointing))
+  for (size_t n : family.activation_arrays(c, batch, seq_len, checkpointing, activation_dtype))
     if (n) list->push_back({MEM_ACTIVATIONS, n * sizeof(float)});  // an empty array allocates nothing
   const size_t adapters = plan_adapter_bytes(table, family.product_rows(c, batch, seq_len), sizeof(float),
                                              family.adapter_key_rows(c, batch, seq_len));

@@ -326,8 +326,9 @@ void declare_options(OptionList& o, Config& c) {
   o.add_choice("fsdp.reduce_dtype", &c.fsdp.reduce_dtype, DTYPES, dtype_name,
                "the type gradients are reduce-scattered in (replica all-reduces stay fp32)");
   o.add_choice("fsdp.activation_dtype", &c.fsdp.activation_dtype, ACTIVATION_DTYPES, activation_dtype_name,
-               "the type the blocks' activations are stored in for backward, each rounded where it is produced "
-               "(statistics, softmax and the residual stream stay fp32); auto = fsdp.param_dtype");
+               "the type activations are stored in for backward, each rounded where it is produced: a decoder's "
+               "saved tensors (statistics, softmax and the residual stream stay fp32), FLUX's block inputs (the "
+               "residual streams checkpointing keeps); auto = fsdp.param_dtype");
   o.add("fsdp.forward_prefetch", &c.fsdp.forward_prefetch,
         "start the next block's all-gather before the current block's forward computes");
   o.add_choice("fsdp.backward_prefetch", &c.fsdp.backward_prefetch, PREFETCHES, backward_prefetch_name,
@@ -764,11 +765,6 @@ void validate_config(const Config& c, int world) {
                                                m.intermediate_size);
   require(shape.empty(), shape + ": not a shape this program holds");
   validate_architecture(m);
-  require(c.fsdp.activation_dtype == ACTIVATIONS_AUTO || c.fsdp.activation_dtype == ACTIVATIONS_FP32 ||
-              family_of(m).half_saved_activations(),
-          "fsdp.activation_dtype=" + std::string(activation_dtype_name(c.fsdp.activation_dtype)) + ": model.arch=" +
-              m.arch + " keeps its activations in fp32 (16-bit saved activations are the decoders' for now); remove "
-              "it");
   {  // the [flow] keys act on flow-matching families only: elsewhere a set one would do nothing
     const FlowOptions d, &f = c.flow;
     const bool set = f.sigma_sampling != d.sigma_sampling || f.logit_mean != d.logit_mean || f.logit_std != d.logit_std ||
@@ -1009,9 +1005,7 @@ ComputeOptions compute_options(const Config& c) {
   o.device = c.train.device;
   o.compute_dtype = c.fsdp.param_dtype;
   switch (c.fsdp.activation_dtype) {
-    case ACTIVATIONS_AUTO:  // the compute dtype, where the family saves 16-bit activations
-      o.activation_dtype = family_of(c.model).half_saved_activations() ? c.fsdp.param_dtype : DTYPE_FP32;
-      break;
+    case ACTIVATIONS_AUTO: o.activation_dtype = c.fsdp.param_dtype; break;  // the compute dtype
     case ACTIVATIONS_FP32: o.activation_dtype = DTYPE_FP32; break;
     case ACTIVATIONS_BF16: o.activation_dtype = DTYPE_BF16; break;
     case ACTIVATIONS_FP16: o.activation_dtype = DTYPE_FP16; break;

@@ -96,9 +96,10 @@ class ModelFamily {
                                                                const LayerOps<double>& ops,
                                                                DType activation_dtype) const = 0;
   // Elements of each array the model allocates besides its saved tensors, tokens and targets, in
-  // the order its constructor allocates them (the planner's allocation list).
+  // the order its constructor allocates them (the planner's allocation list), with its blocks'
+  // saved tensors in activation_dtype (fsdp.activation_dtype).
   virtual std::vector<size_t> activation_arrays(const ModelConfig& config, int batch, int seq_len,
-                                                bool activation_checkpointing) const = 0;
+                                                bool activation_checkpointing, DType activation_dtype) const = 0;
   // Bytes of the integer arrays its model allocates besides those (a language model's token ids
   // and targets).
   virtual size_t id_bytes(const ModelConfig&, int /*batch*/, int /*seq_len*/) const { return 0; }
@@ -125,8 +126,6 @@ class ModelFamily {
   // Whether model.max_seq_len is the model's own (a position table, max_position_embeddings), so
   // that a checkpoint or folder fixes it; else it only bounds a run's sequences (FLUX's image tokens).
   virtual bool fixes_max_seq_len() const { return true; }
-  // Whether its models can keep their saved tensors in 16 bits (fsdp.activation_dtype; model/saved_activations.hpp).
-  virtual bool half_saved_activations() const { return true; }
   // Whether it trains on token files (the language models) or on latent shards (data/latent_dataset.hpp).
   virtual bool token_data() const { return true; }
 

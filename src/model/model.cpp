@@ -23,7 +23,8 @@ size_t plan_activation_bytes(const ParamTable& table, int batch, int seq_len, bo
   const ModelConfig& config = table.config();
   const ModelFamily& family = family_of(config);
   size_t elements = 0;
-  for (size_t n : family.activation_arrays(config, batch, seq_len, activation_checkpointing)) elements += n;
+  for (size_t n : family.activation_arrays(config, batch, seq_len, activation_checkpointing, activation_dtype))
+    elements += n;
   const std::vector<size_t> saved = plan_saved_tensor_elements(config, batch, seq_len);
   const int saved_layers = activation_checkpointing ? 1 : config.n_layer;
   return elements * real_bytes +

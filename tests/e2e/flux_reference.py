@@ -153,14 +153,23 @@ def heads(x, H):
     return x.reshape(B, S, H, C // H)
 
 
+def bf16_round(x):
+    """x rounded to bfloat16 (to fp32, then to nearest even in its top 16 bits), as float64."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+    return u.view(np.float32).astype(np.float64)
+
+
 def flux_forward(p, cfg, hidden, text, pooled, timestep, guidance, img_ids, txt_ids, rope_halves=False,
-                 final_shift_first=False):
+                 final_shift_first=False, keep=lambda v: v):
     """The image tokens' prediction (B, N, in_channels) of FluxTransformer2DModel, float64. The two
     flags are negative controls (what FLUX does not do): Llama's half-split rotary, and the final
-    layer's modulation read as (shift, scale) as Black Forest Labs' files store it."""
+    layer's modulation read as (shift, scale) as Black Forest Labs' files store it. keep: what
+    becomes of the residual streams where the embedders and each block make them (bf16_round:
+    fsdp.activation_dtype=bf16)."""
     H, eps = cfg["n_head"], cfg["norm_eps"]
-    x = linear(p, "x_embedder", hidden)
-    c = linear(p, "context_embedder", text)
+    x = keep(linear(p, "x_embedder", hidden))
+    c = keep(linear(p, "context_embedder", text))
 
     def mlp(prefix, v):
         return linear(p, prefix + ".linear_2", silu(linear(p, prefix + ".linear_1", v)))
@@ -201,6 +210,7 @@ def flux_forward(p, cfg, hidden, text, pooled, timestep, guidance, img_ids, txt_
                                                                   layer_norm(x, eps) * (1 + sc2) + sh2)))
         c = c + cg2 * linear(p, b + "ff_context.net.2", gelu_tanh(linear(p, b + "ff_context.net.0.proj",
                                                                            layer_norm(c, eps) * (1 + csc2) + csh2)))
+        x, c = keep(x), keep(c)
     h = np.concatenate([c, x], 1)
     for l in range(cfg["n_single_layer"]):
         b = f"single_transformer_blocks.{l}."
@@ -209,7 +219,7 @@ def flux_forward(p, cfg, hidden, text, pooled, timestep, guidance, img_ids, txt_
         q, k, v = qk(b, hn, "attn.to_q", "attn.to_k", "attn.to_v", "attn.norm_q", "attn.norm_k")
         y = attention(rope(q, cos, sin, rope_halves), rope(k, cos, sin, rope_halves), v)
         y = y.reshape(y.shape[0], y.shape[1], -1)
-        h = h + g * linear(p, b + "proj_out", np.concatenate([y, gelu_tanh(linear(p, b + "proj_mlp", hn))], -1))
+        h = keep(h + g * linear(p, b + "proj_out", np.concatenate([y, gelu_tanh(linear(p, b + "proj_mlp", hn))], -1)))
     x = h[:, L:]
     scale, shift = mod("norm_out.linear", 2)  # AdaLayerNormContinuous: scale first
     if final_shift_first:
@@ -223,16 +233,17 @@ def swiglu(x):
     return silu(x[..., :half]) * x[..., half:]
 
 
-def flux2_forward(p, cfg, hidden, text, timestep, guidance, img_ids, txt_ids, activation=swiglu, shared_mod=True):
+def flux2_forward(p, cfg, hidden, text, timestep, guidance, img_ids, txt_ids, activation=swiglu, shared_mod=True,
+                  keep=lambda v: v):
     """The image tokens' prediction (B, N, in_channels) of Flux2Transformer2DModel, float64: no
     biases, no pooled vector, the three modulations computed once from temb and shared by every block
     of their kind, SwiGLU MLPs, the single blocks' fused q|k|v|MLP product. Negative controls:
     activation=gelu_tanh-of-the-first-half (FLUX.1's MLP), shared_mod=False (each double block's text
-    stream modulated by the image stream's parameters, a wrong wiring)."""
+    stream modulated by the image stream's parameters, a wrong wiring). keep: as flux_forward's."""
     H, eps, C = cfg["n_head"], cfg["norm_eps"], cfg["n_head"] * cfg["head_dim"]
     F = cfg["mlp_width"]
-    x = linear(p, "x_embedder", hidden)
-    c = linear(p, "context_embedder", text)
+    x = keep(linear(p, "x_embedder", hidden))
+    c = keep(linear(p, "context_embedder", text))
 
     def mlp(prefix, v):
         return linear(p, prefix + ".linear_2", silu(linear(p, prefix + ".linear_1", v)))
@@ -275,6 +286,7 @@ def flux2_forward(p, cfg, hidden, text, timestep, guidance, img_ids, txt_ids, ac
                                                                          layer_norm(x, eps) * (1 + sc2) + sh2)))
         c = c + cg2 * linear(p, b + "ff_context.linear_out", activation(linear(p, b + "ff_context.linear_in",
                                                                                   layer_norm(c, eps) * (1 + csc2) + csh2)))
+        x, c = keep(x), keep(c)
     h = np.concatenate([c, x], 1)
     for l in range(cfg["n_single_layer"]):
         b = f"single_transformer_blocks.{l}."
@@ -284,7 +296,7 @@ def flux2_forward(p, cfg, hidden, text, timestep, guidance, img_ids, txt_ids, ac
         v = heads(fused[..., 2 * C:3 * C], H)
         y = attention(rope(q, cos, sin), rope(k, cos, sin), v)
         y = y.reshape(y.shape[0], y.shape[1], -1)
-        h = h + g * linear(p, b + "attn.to_out", np.concatenate([y, activation(fused[..., 3 * C:])], -1))
+        h = keep(h + g * linear(p, b + "attn.to_out", np.concatenate([y, activation(fused[..., 3 * C:])], -1)))
     x = h[:, L:]
     scale, shift = np.split(linear(p, "norm_out.linear", e)[:, None, :], 2, -1)
     return linear(p, "proj_out", layer_norm(x, eps) * (1 + scale) + shift)

@@ -17,7 +17,7 @@ import numpy as np
 
 import json
 
-from flux_reference import flow_sample, flux_forward, make_diffusers_folder, window
+from flux_reference import bf16_round, flow_sample, flux_forward, make_diffusers_folder, window
 from harness import ROOT, read_metrics, rel_diff, run, tempdir, tiny_args
 from test_adapters import safetensors_arrays
 from test_bad_input import expect_usage_error
@@ -101,10 +101,11 @@ def test_losses_do_not_depend_on_the_rank_count_or_strategy():
             assert rel_diff(a, b) < 1e-5, (np_, overrides, got, base)
 
 
-def reference_loss(params, step, records, with_rope_halves=False, final_shift_first=False, path=None):
+def reference_loss(params, step, records, with_rope_halves=False, final_shift_first=False, path=None,
+                   keep=lambda v: v):
     """The summed squared error / elements of 0-based `step`, in float64 from the equations; a file
     with condition latents trains Kontext-style (the condition tokens after the target's, ids
-    (1, row, col), the loss on the target tokens)."""
+    (1, row, col), the loss on the target tokens). keep: flux_forward's."""
     with h5py.File(path or TRAIN["path"], "r") as f:
         x0, text, pooled = f["latents"][()], f["encoder_hidden_states"][()], f["pooled_projections"][()]
         cond = f["condition_latents"][()] if "condition_latents" in f else None
@@ -122,7 +123,7 @@ def reference_loss(params, step, records, with_rope_halves=False, final_shift_fi
         hidden = noisy if cond is None else np.concatenate([noisy, cond[r]], 0)
         out = flux_forward(params, CFG, hidden[None].astype(np.float64), text[r][None].astype(np.float64),
                            pooled[r][None].astype(np.float64), [sigma], [1.0], img_ids, txt_ids,
-                           rope_halves=with_rope_halves, final_shift_first=final_shift_first)
+                           rope_halves=with_rope_halves, final_shift_first=final_shift_first, keep=keep)
         total += float(((out[0, :N] - target.astype(np.float64)) ** 2).sum())
     return total / (GLOBAL_BATCH * N * CFG["in_channels"])
 
@@ -152,6 +153,31 @@ def test_a_steps_loss_is_the_reference_forward_of_the_checkpoint_before_it():
     for halves, swapped in ((True, False), (False, True)):
         wrong = reference_loss(params, 1, 24, with_rope_halves=halves, final_shift_first=swapped)
         assert rel_diff(logged[0]["loss"], wrong) > 1e-3, (halves, swapped, logged[0]["loss"], wrong)
+
+
+def check_bf16_block_inputs(args, folder, reference):
+    """fsdp.activation_dtype=bf16 keeps the block inputs in 16 bits: the first step's loss from the
+    diffusers `folder` (`args`: the family's training command) is nearer reference(bf16_round) --
+    the residual streams rounded where the embedders and each block make them -- than
+    reference(identity), with checkpointing (its recompute reads the rounded inputs) and without.
+    Only nearer: where an fp32 value and the float64 one lie on two sides of a bf16 rounding
+    boundary they round one unit apart, a few of the thousands of roundings, each worth a few times
+    an ordinary rounding's share. Measured: 0.11 (FLUX.1) and 0.23 (FLUX.2) of the distance
+    between the two references; a missing rounding point would leave the loss near reference(identity)."""
+    for extra in ([], ["--fsdp.activation_checkpointing=true"]):
+        metrics = os.path.join(tempdir(), "metrics.jsonl")
+        ok(run(2, args(f"--checkpoint.init_from={folder}", "--train.steps=1", "--fsdp.activation_dtype=bf16", *extra,
+                       metrics=metrics)), extra)
+        got = read_metrics(metrics)[0]["loss"]
+        rounded, exact = reference(bf16_round), reference(lambda v: v)  # (the run wrote the data files)
+        assert abs(got - rounded) < 0.5 * abs(rounded - exact), (extra, got, rounded, exact)
+        assert rel_diff(rounded, exact) > 2e-5, (rounded, exact)
+
+
+def test_bf16_block_inputs_follow_the_reference_rounding_each_blocks_output():
+    folder = os.path.join(tempdir(), "flux-diffusers")
+    params = make_diffusers_folder(folder, CFG, seed=3)
+    check_bf16_block_inputs(flux_args, folder, lambda keep: reference_loss(params, 0, 24, keep=keep))
 
 
 def test_a_diffusers_folder_trains_from_its_weights_and_converts_both_ways_bit_for_bit():

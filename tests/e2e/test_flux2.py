@@ -24,7 +24,7 @@ from flux_reference import flow_sample, flux2_forward, gelu_tanh, make_diffusers
 from harness import ROOT, read_metrics, rel_diff, run, tempdir
 from test_adapters import safetensors_arrays
 from test_bad_input import expect_usage_error
-from test_flux import converted_folder, euler_reference, flux_args, latent_file, ok, prompts_file
+from test_flux import check_bf16_block_inputs, converted_folder, euler_reference, flux_args, latent_file, ok, prompts_file
 from test_flux import losses as flux_losses
 
 FLUX2_INI = os.path.join(ROOT, "inputs", "flux2-tiny.ini")
@@ -114,6 +114,12 @@ def test_a_flux2_folder_trains_from_its_weights_and_converts_both_ways_bit_for_b
         written, read = json.load(g), json.load(f)
     for key, value in read.items():
         assert written[key] == value, (key, written.get(key), value)
+
+
+def test_bf16_block_inputs_follow_the_reference_rounding_each_blocks_output():
+    folder = os.path.join(tempdir(), "flux2-diffusers")
+    params = make_diffusers_folder(folder, CFG, seed=3)
+    check_bf16_block_inputs(flux2_args, folder, lambda keep: reference_loss(params, 0, keep=keep))
 
 
 def test_a_condition_image_enters_flux2_as_its_first_reference_image():

@@ -328,16 +328,15 @@ class FluxFamily final : public ModelFamily {
 
   std::unique_ptr<TransformerModel<float>> make_model(const ParamTable& table, int batch, int seq_len, bool ckpt,
                                                       const LayerOps<float>& ops, DType act) const override {
-    check_activation_dtype(act);
-    return std::make_unique<FluxModel<float>>(table, batch, seq_len, ckpt, ops);
+    return std::make_unique<FluxModel<float>>(table, batch, seq_len, ckpt, ops, act);
   }
   std::unique_ptr<TransformerModel<double>> make_model(const ParamTable& table, int batch, int seq_len, bool ckpt,
                                                        const LayerOps<double>& ops, DType act) const override {
-    check_activation_dtype(act);
-    return std::make_unique<FluxModel<double>>(table, batch, seq_len, ckpt, ops);
+    return std::make_unique<FluxModel<double>>(table, batch, seq_len, ckpt, ops, act);
   }
-  std::vector<size_t> activation_arrays(const ModelConfig& c, int batch, int seq_len, bool ckpt) const override {
-    return FluxModel<float>::buffer_elements(c, batch, seq_len, ckpt);
+  std::vector<size_t> activation_arrays(const ModelConfig& c, int batch, int seq_len, bool ckpt,
+                                        DType act) const override {
+    return FluxModel<float>::buffer_elements(c, batch, seq_len, ckpt, act);
   }
   std::vector<size_t> saved_tensor_elements(const ModelConfig&, int, int) const override { return {}; }
   size_t plan_decode_elements(const ModelConfig&, int, int) const override { return 0; }
@@ -377,7 +376,6 @@ class FluxFamily final : public ModelFamily {
   bool quantizable(const LinearSite& site) const override { return std::string(site.module).find("norm") == std::string::npos; }
   // (FLUX.2's modulations are the root's, never quantized: only the blocks' linear layers are.)
   bool token_data() const override { return false; }
-  bool half_saved_activations() const override { return false; }
   bool fixes_max_seq_len() const override { return false; }
 
   // Adapters: every linear layer of the blocks, by diffusers' module names.
@@ -553,10 +551,6 @@ class FluxFamily final : public ModelFamily {
   }
 
  private:
-  void check_activation_dtype(DType act) const {
-    if (act != DTYPE_FP32)
-      throw UsageError(strprintf("model.arch=%s keeps its activations in fp32: remove fsdp.activation_dtype", name()));
-  }
   bool flux2_;
 };
 

@@ -38,10 +38,44 @@ typename FluxModel<Real>::Dims FluxModel<Real>::dims_of(const ModelConfig& c, in
 }
 
 template <typename Real>
-template <typename Take>
-void FluxModel<Real>::lay_out(Buffers& b, const Dims& d, bool checkpointing, Take&& take) {
-  const size_t B = d.B, T = d.T, N = d.N, L = d.L, S = d.S, C = d.C, H = d.H, F = d.F, FH = d.FH;
+typename FluxModel<Real>::Span FluxModel<Real>::Carver::operator()(size_t n) {
+  const Span span{base ? base + used : nullptr, n};
+  used += (n + 63) / 64 * 64;  // each array 256-byte aligned (in floats), as the allocator's
+  return span;
+}
+
+template <typename Real>
+void FluxModel<Real>::carve(DoubleLayer& a, const Dims& d, Carver& take) {
+  const size_t B = d.B, N = d.N, L = d.L, S = d.S, C = d.C, H = d.H, F = d.F, FH = d.FH;
   const size_t mods = d.flux2 ? 0 : 1;  // FLUX.1's modulations are the blocks' own, FLUX.2's the root's
+  for (int s = 0; s < 2; s++) {
+    Stream& t = a.s[s];
+    const size_t n = B * (s == 0 ? N : L);  // rows
+    t.mod = take(mods * B * 6 * C), t.xn = take(n * C), t.mean1 = take(n), t.rstd1 = take(n);
+    t.q = take(n * C), t.k = take(n * C), t.v = take(n * C), t.qn = take(n * C), t.kn = take(n * C);
+    t.q_rstd = take(n * H), t.k_rstd = take(n * H), t.y = take(n * C), t.a = take(n * C), t.x2 = take(n * C);
+    t.xn2 = take(n * C), t.mean2 = take(n), t.rstd2 = take(n), t.h = take(n * FH), t.g = take(n * F);
+    t.f = take(n * C);
+  }
+  a.qkv = take(B * S * 3 * C), a.y = take(B * S * C), a.lse = take(B * H * S);
+}
+
+template <typename Real>
+void FluxModel<Real>::carve(SingleLayer& a, const Dims& d, Carver& take) {
+  const size_t B = d.B, S = d.S, C = d.C, H = d.H, F = d.F, FH = d.FH, n = B * S;
+  const size_t mods = d.flux2 ? 0 : 1;
+  a.mod = take(mods * B * 3 * C), a.hn = take(n * C), a.mean = take(n), a.rstd = take(n);
+  a.q = take(n * C), a.k = take(n * C), a.v = take(n * C), a.qn = take(n * C), a.kn = take(n * C);
+  a.q_rstd = take(n * H), a.k_rstd = take(n * H), a.qkv = take(n * 3 * C), a.y = take(n * C);
+  a.lse = take(B * H * S), a.m = take(n * FH), a.cat = take(n * (C + F)), a.p = take(n * C);
+}
+
+template <typename Real>
+template <typename Take, typename TakeHalf>
+void FluxModel<Real>::lay_out(Buffers& b, const Dims& d, bool checkpointing, DType activation_dtype, Take&& take,
+                              TakeHalf&& take_half) {
+  const size_t B = d.B, T = d.T, N = d.N, L = d.L, S = d.S, C = d.C, F = d.F, FH = d.FH;
+  const size_t mods = d.flux2 ? 0 : 1;
   b.in_img = take(B * N * d.IN), b.in_txt = take(B * L * d.X), b.in_pooled = take(B * d.P);
   b.t_proj = take(B * FLUX_TIME_CHANNELS), b.g_proj = take(d.guidance ? B * FLUX_TIME_CHANNELS : 0);
   b.target = take(B * T * d.IN), b.rope_cos = take(S * (d.D / 2)), b.rope_sin = take(S * (d.D / 2));
@@ -50,30 +84,35 @@ void FluxModel<Real>::lay_out(Buffers& b, const Dims& d, bool checkpointing, Tak
   b.p_h = take(pooled * B * C), b.p_a = take(pooled * B * C), b.part = take(B * C), b.temb = take(B * C);
   b.temb_silu = take(B * C);
   for (int s = 0; s < 3; s++) b.shared_mod[s] = take((1 - mods) * B * (s < 2 ? 6 : 3) * C);
-  b.img.clear(), b.txt.clear(), b.joint.clear();
-  for (int l = 0; l <= d.double_blocks; l++) b.img.push_back(take(B * N * C)), b.txt.push_back(take(B * L * C));
-  for (int j = 0; j <= d.single_blocks && d.single_blocks > 0; j++) b.joint.push_back(take(B * S * C));
-  b.doubles.clear(), b.singles.clear();
-  b.doubles.resize(d.double_blocks == 0 ? 0 : checkpointing ? 1 : d.double_blocks);
-  for (DoubleLayer& a : b.doubles) {
-    for (int s = 0; s < 2; s++) {
-      Stream& t = a.s[s];
-      const size_t n = B * (s == 0 ? N : L);  // rows
-      t.mod = take(mods * B * 6 * C), t.xn = take(n * C), t.mean1 = take(n), t.rstd1 = take(n);
-      t.q = take(n * C), t.k = take(n * C), t.v = take(n * C), t.qn = take(n * C), t.kn = take(n * C);
-      t.q_rstd = take(n * H), t.k_rstd = take(n * H), t.y = take(n * C), t.a = take(n * C), t.x2 = take(n * C);
-      t.xn2 = take(n * C), t.mean2 = take(n), t.rstd2 = take(n), t.h = take(n * FH), t.g = take(n * F);
-      t.f = take(n * C);
-    }
-    a.qkv = take(B * S * 3 * C), a.y = take(B * S * C), a.lse = take(B * H * S);
-  }
-  b.singles.resize(d.single_blocks == 0 ? 0 : checkpointing ? 1 : d.single_blocks);
-  for (SingleLayer& a : b.singles) {
-    const size_t n = B * S;
-    a.mod = take(mods * B * 3 * C), a.hn = take(n * C), a.mean = take(n), a.rstd = take(n);
-    a.q = take(n * C), a.k = take(n * C), a.v = take(n * C), a.qn = take(n * C), a.kn = take(n * C);
-    a.q_rstd = take(n * H), a.k_rstd = take(n * H), a.qkv = take(n * 3 * C), a.y = take(n * C);
-    a.lse = take(B * H * S), a.m = take(n * FH), a.cat = take(n * (C + F)), a.p = take(n * C);
+  const bool half = activation_dtype != DTYPE_FP32;
+  auto block_inputs = [&](BlockInputs& s, int count, size_t n) {
+    s.work.clear(), s.half.clear();
+    for (int i = 0; i < (half ? std::min(count, 2) : count); i++) s.work.push_back(take(n));
+    for (int i = 0; half && i < count; i++) s.half.push_back(take_half(n));
+  };
+  block_inputs(b.img, d.double_blocks + 1, B * N * C);
+  block_inputs(b.txt, d.double_blocks + 1, B * L * C);
+  block_inputs(b.joint, d.single_blocks > 0 ? d.single_blocks + 1 : 0, B * S * C);
+  // The blocks' working sets: one region per block, or with checkpointing one for all.
+  b.doubles.assign(d.double_blocks == 0 ? 0 : checkpointing ? 1 : d.double_blocks, DoubleLayer{});
+  b.singles.assign(d.single_blocks == 0 ? 0 : checkpointing ? 1 : d.single_blocks, SingleLayer{});
+  Carver count_double{nullptr}, count_single{nullptr};
+  DoubleLayer double_sizes;
+  SingleLayer single_sizes;
+  carve(double_sizes, d, count_double), carve(single_sizes, d, count_single);
+  b.regions.clear();
+  auto carve_into = [&](auto& layer, Array& region) {
+    Carver from{region.data()};
+    carve(layer, d, from);
+  };
+  if (checkpointing && !(b.doubles.empty() && b.singles.empty())) {
+    b.regions.push_back(take(std::max(b.doubles.empty() ? 0 : count_double.used,
+                                      b.singles.empty() ? 0 : count_single.used)));
+    for (DoubleLayer& a : b.doubles) carve_into(a, b.regions.back());
+    for (SingleLayer& a : b.singles) carve_into(a, b.regions.back());
+  } else {  // (a region moved by the vector's growth keeps its memory: the spans stay valid)
+    for (DoubleLayer& a : b.doubles) b.regions.push_back(take(count_double.used)), carve_into(a, b.regions.back());
+    for (SingleLayer& a : b.singles) b.regions.push_back(take(count_single.used)), carve_into(a, b.regions.back());
   }
   b.x_final = take(B * T * C), b.mod_out = take(B * 2 * C), b.xo = take(B * T * C), b.xo_mean = take(B * T);
   b.xo_rstd = take(B * T), b.out = take(B * T * d.IN), b.losses = take(B * T);
@@ -93,26 +132,35 @@ void FluxModel<Real>::lay_out(Buffers& b, const Dims& d, bool checkpointing, Tak
 
 template <typename Real>
 std::vector<size_t> FluxModel<Real>::buffer_elements(const ModelConfig& c, int batch, int image_tokens,
-                                                     bool checkpointing) {
+                                                     bool checkpointing, DType activation_dtype) {
   std::vector<size_t> sizes;
+  // Counting only: the arrays taken are empty, the regions' spans null.
   Buffers b;
-  lay_out(b, dims_of(c, batch, image_tokens), checkpointing, [&](size_t n) {
-    sizes.push_back(n);
-    return Array();
-  });
+  lay_out(
+      b, dims_of(c, batch, image_tokens), checkpointing, activation_dtype,
+      [&](size_t n) {
+        sizes.push_back(n);
+        return Array();
+      },
+      [&](size_t n) {
+        sizes.push_back(half_as_reals(n));
+        return DeviceArray<uint16_t>();
+      });
   return sizes;
 }
 
 template <typename Real>
 FluxModel<Real>::FluxModel(const ParamTable& table, int batch, int image_tokens, bool activation_checkpointing,
-                           const LayerOps<Real>& ops)
+                           const LayerOps<Real>& ops, DType activation_dtype)
     : table_(table), ops_(ops), d_(dims_of(table.config(), batch, image_tokens)), lay_(flux_layout(table.config())),
-      checkpointing_(activation_checkpointing),
+      checkpointing_(activation_checkpointing), activation_dtype_(activation_dtype),
       adapter_bytes_(plan_adapter_bytes(table, batch * d_.S, sizeof(Real),
                                         dropout_key_rows(table.config(), batch, image_tokens))),
       adapters_(table, batch * d_.S, ops, dropout_key_rows(table.config(), batch, image_tokens)) {
   SHARD_CHECK(image_tokens >= 1 && image_tokens <= table.config().max_seq_len, "%d target tokens, max_seq_len %d",
               image_tokens, table.config().max_seq_len);
+  SHARD_CHECK(activation_dtype == DTYPE_FP32 || activation_dtype == DTYPE_BF16 || activation_dtype == DTYPE_FP16,
+              "block inputs in %s", dtype_name(activation_dtype));
   // Pair k of rotary axis a turns by id_a * theta^(-2k / axes[a]) (computed in double as diffusers does).
   std::vector<int> axes;
   parse_rope_axes(table.config().rope_axes, d_.A, &axes);
@@ -121,10 +169,31 @@ FluxModel<Real>::FluxModel(const ParamTable& table, int batch, int image_tokens,
       rope_axis_.push_back(a);
       rope_freq_.push_back(1.0 / std::pow(table.config().rope_theta, 2.0 * k / axes[a]));
     }
-  lay_out(buf_, d_, checkpointing_, [&](size_t n) {
-    bytes_ += n * sizeof(Real);
-    return Array(ops.device(), n);
-  });
+  lay_out(
+      buf_, d_, checkpointing_, activation_dtype_,
+      [&](size_t n) {
+        bytes_ += n * sizeof(Real);
+        return Array(ops.device(), n);
+      },
+      [&](size_t n) {
+        const size_t elements = half_as_reals(n) * sizeof(Real) / sizeof(uint16_t);
+        bytes_ += elements * sizeof(uint16_t);
+        return DeviceArray<uint16_t>(ops.device(), elements);
+      });
+}
+
+template <typename Real>
+void FluxModel<Real>::keep_input(BlockInputs& s, int i) {
+  if (s.half.empty()) return;
+  Array& work = s.work[i % 2];
+  ops_.round_to_half(work.data(), s.half[i].data(), work.size(), activation_dtype_);
+}
+
+template <typename Real>
+void FluxModel<Real>::restore_input(BlockInputs& s, int i) {
+  if (s.half.empty()) return;
+  Array& work = s.work[i % 2];
+  ops_.widen_half(work.data(), s.half[i].data(), work.size(), activation_dtype_);
 }
 
 // --- inputs ---
@@ -241,8 +310,9 @@ void FluxModel<Real>::embed_forward(const Real* root, const Batch& batch) {
   upload_sinusoid(b.t_proj, batch, FLUX_TIMESTEP);
   if (d_.guidance) upload_sinusoid(b.g_proj, batch, FLUX_GUIDANCE);
   upload_rope(batch);
-  root_linear_forward(b.img[0].data(), b.in_img.data(), B * d_.N, d_.IN, C, lay_.x_embed);
-  root_linear_forward(b.txt[0].data(), b.in_txt.data(), B * d_.L, d_.X, C, lay_.ctx_embed);
+  root_linear_forward(input(b.img, 0), b.in_img.data(), B * d_.N, d_.IN, C, lay_.x_embed);
+  root_linear_forward(input(b.txt, 0), b.in_txt.data(), B * d_.L, d_.X, C, lay_.ctx_embed);
+  keep_input(b.img, 0), keep_input(b.txt, 0);
   // The conditioning: each embedder is Linear, SiLU, Linear.
   auto mlp = [&](Real* out, Real* h, Real* a, const Real* in, int in_width, FluxLinear first, FluxLinear second) {
     root_linear_forward(h, in, B, in_width, C, first);
@@ -364,12 +434,12 @@ void FluxModel<Real>::mlp_activation_backward(Real* dh, const Real* dg, const Re
 }
 
 template <typename Real>
-void FluxModel<Real>::double_forward(int l, const Real* w) {
+void FluxModel<Real>::double_forward(int l, const Real* w, bool recompute) {
   const int B = d_.B, C = d_.C;
   DoubleLayer& a = double_layer(l);
   const int rows[2] = {d_.N, d_.L}, offset[2] = {d_.L, 0};  // image rows follow the text's
-  const Real* in[2] = {buf_.img[l].data(), buf_.txt[l].data()};
-  Real* out[2] = {buf_.img[l + 1].data(), buf_.txt[l + 1].data()};
+  const Real* in[2] = {input(buf_.img, l), input(buf_.txt, l)};
+  Real* out[2] = {input(buf_.img, l + 1), input(buf_.txt, l + 1)};
   for (int s = 0; s < 2; s++) {
     Stream& t = a.s[s];
     const FluxLayout::Stream& lin = lay_.stream[s];
@@ -401,6 +471,7 @@ void FluxModel<Real>::double_forward(int l, const Real* w) {
     linear_forward(l, q0 + FLUX_P_FF2, t.f.data(), t.g.data(), B * n, d_.F, C, w, lin.ff2);
     ops_.gate_forward(out[s], t.x2.data(), t.f.data(), mod + 5 * C, 6 * C, B, n, C);
   }
+  if (!recompute) keep_input(buf_.img, l + 1), keep_input(buf_.txt, l + 1);
 }
 
 // FLUX.2's single block up to its output product: q|k|v|gate|up = hn W_fused, q and k normed, the
@@ -418,14 +489,15 @@ void FluxModel<Real>::single_fused_forward(SingleLayer& a, int block, const Real
 }
 
 template <typename Real>
-void FluxModel<Real>::single_forward(int j, const Real* w) {
+void FluxModel<Real>::single_forward(int j, const Real* w, bool recompute) {
   const int B = d_.B, C = d_.C, S = d_.S, block = d_.double_blocks + j, F = d_.F;
   SingleLayer& a = single_layer(j);
-  if (j == 0) {  // the streams join: [text; image]
-    join(buf_.joint[0].data(), C, 0, buf_.txt[d_.double_blocks].data(), d_.L, 0);
-    join(buf_.joint[0].data(), C, 0, buf_.img[d_.double_blocks].data(), d_.N, d_.L);
+  if (j == 0 && !recompute) {  // the streams join: [text; image]
+    join(input(buf_.joint, 0), C, 0, input(buf_.txt, d_.double_blocks), d_.L, 0);
+    join(input(buf_.joint, 0), C, 0, input(buf_.img, d_.double_blocks), d_.N, d_.L);
+    keep_input(buf_.joint, 0);
   }
-  const Real* in = buf_.joint[j].data();
+  const Real* in = input(buf_.joint, j);
   if (!d_.flux2) linear_forward(block, FLUX_SP_MOD, a.mod.data(), buf_.temb_silu.data(), B, C, 3 * C, w, lay_.s_mod);
   const Real* mod = modulation(2, a.mod.data());
   ops_.modulate_forward(a.hn.data(), a.mean.data(), a.rstd.data(), in, mod, mod + C, 3 * C, B, S, C, d_.eps);
@@ -447,7 +519,8 @@ void FluxModel<Real>::single_forward(int j, const Real* w) {
   ops_.copy_rows(a.cat.data(), C + F, a.y.data(), C, rows, C);
   ops_.copy_rows(a.cat.data() + C, C + F, buf_.gelu_out.data(), F, rows, F);
   linear_forward(block, FLUX_SP_OUT, a.p.data(), a.cat.data(), rows, C + F, C, w, lay_.s_out);
-  ops_.gate_forward(buf_.joint[j + 1].data(), in, a.p.data(), mod + 2 * C, 3 * C, B, S, C);
+  ops_.gate_forward(input(buf_.joint, j + 1), in, a.p.data(), mod + 2 * C, 3 * C, B, S, C);
+  if (!recompute) keep_input(buf_.joint, j + 1);
 }
 
 template <typename Real>
@@ -464,9 +537,9 @@ const Real* FluxModel<Real>::predict(const Real* root) {
   Buffers& b = buf_;
   root_ = root;
   if (d_.single_blocks > 0)  // only the target image tokens leave
-    split(b.x_final.data(), b.joint[d_.single_blocks].data(), C, 0, N, d_.L);
+    split(b.x_final.data(), input(b.joint, d_.single_blocks), C, 0, N, d_.L);
   else
-    split(b.x_final.data(), b.img[d_.double_blocks].data(), C, 0, N, 0, d_.N);
+    split(b.x_final.data(), input(b.img, d_.double_blocks), C, 0, N, 0, d_.N);
   root_linear_forward(b.mod_out.data(), b.temb_silu.data(), B, C, 2 * C, lay_.norm_out);
   ops_.modulate_forward(b.xo.data(), b.xo_mean.data(), b.xo_rstd.data(), b.x_final.data(), b.mod_out.data() + C,
                         b.mod_out.data(), 2 * C, B, N, C, d_.eps);  // AdaLayerNormContinuous: scale, then shift
@@ -551,11 +624,12 @@ void FluxModel<Real>::qkv_backward(int block, int q_product, const Real* x, cons
 template <typename Real>
 void FluxModel<Real>::double_backward(int l, Real* g, const Real* w) {
   const int B = d_.B, C = d_.C;
-  if (checkpointing_) double_forward(l, w);  // this block's activations again, from its input
-  DoubleLayer& a = double_layer(l);
   Buffers& b = buf_;
+  restore_input(b.img, l), restore_input(b.txt, l);
+  if (checkpointing_) double_forward(l, w, true);  // this block's activations again, from its input
+  DoubleLayer& a = double_layer(l);
   const int rows[2] = {d_.N, d_.L}, offset[2] = {d_.L, 0};
-  const Real* in[2] = {b.img[l].data(), b.txt[l].data()};
+  const Real* in[2] = {input(b.img, l), input(b.txt, l)};
   Real* d_res[2] = {b.d_img.data(), b.d_txt.data()};  // the running residual gradients
   // The modulations' gradients: this block's own (FLUX.1), or added to the root's (FLUX.2).
   if (!d_.flux2) b.d_mod.zero();
@@ -618,9 +692,10 @@ void FluxModel<Real>::single_fused_backward(SingleLayer& a, int block, Real* g, 
 template <typename Real>
 void FluxModel<Real>::single_backward(int j, Real* g, const Real* w) {
   const int B = d_.B, C = d_.C, S = d_.S, rows = B * S, block = d_.double_blocks + j, F = d_.F;
-  if (checkpointing_) single_forward(j, w);
-  SingleLayer& a = single_layer(j);
   Buffers& b = buf_;
+  restore_input(b.joint, j);
+  if (checkpointing_) single_forward(j, w, true);
+  SingleLayer& a = single_layer(j);
   const Real* mod = modulation(2, a.mod.data());
   Real* d_mod = d_.flux2 ? b.d_shared_mod[2].data() : b.d_mod.data();
   if (!d_.flux2) b.d_mod.zero();
@@ -648,7 +723,7 @@ void FluxModel<Real>::single_backward(int j, Real* g, const Real* w) {
                  lin);
     ops_.residual_forward(b.d_xn.data(), b.d_xn.data(), b.d_a.data(), static_cast<size_t>(rows) * C);
   }
-  ops_.modulate_backward(b.d_joint.data(), d_mod, d_mod + C, b.d_xn.data(), b.joint[j].data(), mod + C, a.mean.data(),
+  ops_.modulate_backward(b.d_joint.data(), d_mod, d_mod + C, b.d_xn.data(), input(b.joint, j), mod + C, a.mean.data(),
                          a.rstd.data(), 3 * C, B, S, C);
   if (!d_.flux2) modulation_backward(block, FLUX_SP_MOD, b.d_mod.data(), 3 * C, g, w, lay_.s_mod);
   if (j == 0) {  // the joined stream's gradient back to the two streams

@@ -19,14 +19,17 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
  public:
   using Array = DeviceArray<Real>;
   // batch samples of image_tokens target tokens (the predicted ones), then config.condition_len
-  // condition tokens (Kontext), and config.context_len text tokens each.
+  // condition tokens (Kontext), and config.context_len text tokens each. activation_dtype: how the
+  // block inputs -- the residual streams between blocks, what checkpointing keeps -- are kept
+  // (fsdp.activation_dtype: fp32, or bf16 | fp16 rounded where each block's output is made).
   FluxModel(const ParamTable& table, int batch, int image_tokens, bool activation_checkpointing,
-            const LayerOps<Real>& ops);
+            const LayerOps<Real>& ops, DType activation_dtype = DTYPE_FP32);
 
-  // The elements of every array the constructor allocates, in its order: the planner's list (the
-  // same function lays out both).
+  // The elements of every array the constructor allocates, in its order, in Reals (a 16-bit
+  // array's counted as the Reals its bytes fill): the planner's list (the same function lays out
+  // both).
   static std::vector<size_t> buffer_elements(const ModelConfig& config, int batch, int image_tokens,
-                                             bool activation_checkpointing);
+                                             bool activation_checkpointing, DType activation_dtype = DTYPE_FP32);
   // Adapter dropout's keys: a run per kind of row (the image tokens, the text tokens, the joint
   // sequence, the samples).
   static int dropout_key_rows(const ModelConfig& config, int batch, int image_tokens);
@@ -69,25 +72,52 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   size_t dropout_key_first(int run) const;
   void select_dropout_keys(int block, int product);
 
+  // An array within a block's working set: each block's arrays are carved from one allocation (a
+  // region), so that with checkpointing the double and the single blocks share theirs -- never
+  // live at once, as each block's backward recomputes its own.
+  struct Span {
+    Real* ptr = nullptr;
+    size_t n = 0;
+    Real* data() const { return ptr; }
+    size_t size() const { return n; }
+  };
   // One stream (image or text) of a double-stream block: its modulation, normed inputs, q/k/v
   // before and after their norms, its rows of the attention output, the gated sums and the MLP.
   struct Stream {
-    Array mod, xn, mean1, rstd1, q, k, v, qn, kn, q_rstd, k_rstd, y, a, x2, xn2, mean2, rstd2, h, g, f;
+    Span mod, xn, mean1, rstd1, q, k, v, qn, kn, q_rstd, k_rstd, y, a, x2, xn2, mean2, rstd2, h, g, f;
   };
   struct DoubleLayer {
     Stream s[2];  // image, text
-    Array qkv, y, lse;  // the joint sequence [text; image]
+    Span qkv, y, lse;  // the joint sequence [text; image]
   };
   // m: the MLP's input product (FLUX.2: its gate | up columns of the fused product)
   struct SingleLayer {
-    Array mod, hn, mean, rstd, q, k, v, qn, kn, q_rstd, k_rstd, qkv, y, lse, m, cat, p;
+    Span mod, hn, mean, rstd, q, k, v, qn, kn, q_rstd, k_rstd, qkv, y, lse, m, cat, p;
+  };
+  // A block's working set carved from `base` (null: only its size counted, in `used`).
+  struct Carver {
+    Real* base;
+    size_t used = 0;
+    Span operator()(size_t n);
+  };
+  static void carve(DoubleLayer& a, const Dims& d, Carver& take);
+  static void carve(SingleLayer& a, const Dims& d, Carver& take);
+  // A stream's block inputs (index i: block i's input; the last, the last block's output). In
+  // fp32 an array per index. In 16 bits two fp32 arrays that the blocks alternate between (block
+  // i reads i % 2 and writes the other) and a 16-bit copy per index: an output is rounded where it
+  // is made (the next block computes from the numbers its backward will see, as a network in 16
+  // bits does) and widened back before its block's backward.
+  struct BlockInputs {
+    std::vector<Array> work;
+    std::vector<DeviceArray<uint16_t>> half;
   };
   // Every array, laid out by lay_out.
   struct Buffers {
     Array in_img, in_txt, in_pooled, t_proj, g_proj, target, rope_cos, rope_sin;
     Array t_h, t_a, g_h, g_a, p_h, p_a, part, temb, temb_silu;
     Array shared_mod[3], d_shared_mod[3];  // FLUX.2: the root's modulations (image, text, single) and their gradients
-    std::vector<Array> img, txt, joint;  // block inputs (and the last blocks' outputs)
+    BlockInputs img, txt, joint;
+    std::vector<Array> regions;          // the blocks' working sets
     std::vector<DoubleLayer> doubles;    // one per block, or one shared with checkpointing
     std::vector<SingleLayer> singles;
     Array x_final, mod_out, xo, xo_mean, xo_rstd, out, losses;
@@ -95,10 +125,20 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
     Array d_img, d_txt, d_joint, d_mod, d_silu, d_small, d_small2, d_a, d_y, d_qkv, d_q, d_k, d_v, d_q_pre,
         d_k_pre, d_xn, d_tmp, d_h, d_g, d_cat, gelu_out, fused, d_xo, d_final;
   };
-  // Assigns every array of `b` in one fixed order from take(elements): the constructor's
-  // allocation and buffer_elements' count.
-  template <typename Take>
-  static void lay_out(Buffers& b, const Dims& d, bool checkpointing, Take&& take);
+  // Assigns every array of `b` in one fixed order from take(elements) and take_half(elements):
+  // the constructor's allocation and buffer_elements' count.
+  template <typename Take, typename TakeHalf>
+  static void lay_out(Buffers& b, const Dims& d, bool checkpointing, DType activation_dtype, Take&& take,
+                      TakeHalf&& take_half);
+  // The Reals a 16-bit array of n elements is counted as, and the elements it is allocated with
+  // (as many as fill those Reals: the planner's bytes exactly).
+  static size_t half_as_reals(size_t n) { return (2 * n + sizeof(Real) - 1) / sizeof(Real); }
+  // Block input i of a stream (BlockInputs), where its producer writes and its block reads.
+  Real* input(BlockInputs& s, int i) { return s.half.empty() ? s.work[i].data() : s.work[i % 2].data(); }
+  // Input i has been written: with 16 bits, rounded and kept. restore: widened back before its
+  // block's backward. Both no-ops in fp32.
+  void keep_input(BlockInputs& s, int i);
+  void restore_input(BlockInputs& s, int i);
 
   DoubleLayer& double_layer(int l) { return buf_.doubles[checkpointing_ ? 0 : l]; }
   SingleLayer& single_layer(int j) { return buf_.singles[checkpointing_ ? 0 : j]; }
@@ -113,8 +153,10 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   void join(Real* joint, int joint_width, int column, const Real* stream, int n, int offset, int joint_rows = 0);
   void split(Real* stream, const Real* joint, int joint_width, int column, int n, int offset, int joint_rows = 0);
 
-  void double_forward(int l, const Real* w);
-  void single_forward(int j, const Real* w);
+  // recompute: checkpointing's second forward of the block, in its backward (its output is not
+  // kept again, the joined streams not joined again).
+  void double_forward(int l, const Real* w, bool recompute = false);
+  void single_forward(int j, const Real* w, bool recompute = false);
   void double_backward(int l, Real* g, const Real* w);
   void single_backward(int j, Real* g, const Real* w);
   // A parameter of a unit by its position in the layout (null where the variant has none), and its gradient.
@@ -160,6 +202,7 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   Dims d_;
   FluxLayout lay_;  // where each layer's parameters are
   bool checkpointing_;
+  DType activation_dtype_;
   size_t bytes_ = 0, adapter_bytes_ = 0;
   ModelAdapters<Real> adapters_;  // around every linear layer of the blocks (model/adapter_layers.hpp)
   Buffers buf_;

@@ -94,8 +94,8 @@ class Gpt2Family final : public ModelFamily {
     return std::make_unique<GptModel<double>>(table, batch, seq_len, ckpt, ops, act);
   }
   // GptModel's constructor's arrays, in its order.
-  std::vector<size_t> activation_arrays(const ModelConfig& c, int batch, int seq_len,
-                                        bool checkpointing) const override {
+  std::vector<size_t> activation_arrays(const ModelConfig& c, int batch, int seq_len, bool checkpointing,
+                                        DType /*in SavedActivations*/) const override {
     const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, NH = c.n_head, V = c.vocab_size;
     std::vector<size_t> a(c.n_layer + 1, BT * C);  // the residual stream
     for (int l = 0; l < (checkpointing ? 1 : c.n_layer); l++)  // ln1's mean and rstd, lse, resid2, ln2's

@@ -49,8 +49,8 @@ class LlamaFamily : public ModelFamily {
                                                       const LayerOps<float>& ops, DType act) const override;
   std::unique_ptr<TransformerModel<double>> make_model(const ParamTable& table, int batch, int seq_len, bool ckpt,
                                                        const LayerOps<double>& ops, DType act) const override;
-  std::vector<size_t> activation_arrays(const ModelConfig& config, int batch, int seq_len,
-                                        bool checkpointing) const override;
+  std::vector<size_t> activation_arrays(const ModelConfig& config, int batch, int seq_len, bool checkpointing,
+                                        DType activation_dtype) const override;
   std::vector<size_t> saved_tensor_elements(const ModelConfig& config, int batch, int seq_len) const override;
   size_t plan_decode_elements(const ModelConfig& config, int max_len, int max_chunk) const override;
   std::vector<LinearShape> gemm_shapes(const ModelConfig& config) const override;
