@@ -125,8 +125,8 @@ void FluxModel<Real>::lay_out(Buffers& b, const Dims& d, bool checkpointing, DTy
   b.d_xn = take(rows * C), b.d_tmp = take(rows * C);
   b.d_h = take(rows * (d.single_blocks ? std::max<size_t>(FH, d.SW) : FH));  // a single block's fused product's too
   b.d_g = take(rows * F);
-  b.d_cat = take(d.single_blocks ? rows * (C + F) : 0), b.gelu_out = take(d.single_blocks ? rows * F : 0);
-  b.fused = take(d.single_blocks && d.flux2 ? rows * d.SW : 0);
+  b.d_cat = take(d.single_blocks ? rows * (C + F) : 0);
+  b.d_gate_up = take(d.single_blocks && d.flux2 ? rows * FH : 0);
   b.d_xo = take(B * T * C), b.d_final = take(B * T * C);
 }
 
@@ -479,11 +479,14 @@ void FluxModel<Real>::double_forward(int l, const Real* w, bool recompute) {
 template <typename Real>
 void FluxModel<Real>::single_fused_forward(SingleLayer& a, int block, const Real* w) {
   const int B = d_.B, C = d_.C, S = d_.S, rows = B * S, SW = d_.SW;
-  linear_forward(block, FLUX_SP_QKV_MLP, buf_.fused.data(), a.hn.data(), rows, C, SW, w, lay_.s_qkv_mlp);
-  ops_.copy_rows(a.q.data(), C, buf_.fused.data(), SW, rows, C);
-  ops_.copy_rows(a.k.data(), C, buf_.fused.data() + C, SW, rows, C);
-  ops_.copy_rows(a.v.data(), C, buf_.fused.data() + 2 * C, SW, rows, C);
-  ops_.copy_rows(a.m.data(), d_.FH, buf_.fused.data() + 3 * C, SW, rows, d_.FH);
+  // The product goes through d_h (rows x SW), a backward scratch free here: a block's backward
+  // writes it only after its recompute.
+  Real* fused = buf_.d_h.data();
+  linear_forward(block, FLUX_SP_QKV_MLP, fused, a.hn.data(), rows, C, SW, w, lay_.s_qkv_mlp);
+  ops_.copy_rows(a.q.data(), C, fused, SW, rows, C);
+  ops_.copy_rows(a.k.data(), C, fused + C, SW, rows, C);
+  ops_.copy_rows(a.v.data(), C, fused + 2 * C, SW, rows, C);
+  ops_.copy_rows(a.m.data(), d_.FH, fused + 3 * C, SW, rows, d_.FH);
   qk_norm_forward(block, a.qn.data(), a.kn.data(), a.q_rstd.data(), a.k_rstd.data(), a.q.data(), a.k.data(), rows, w,
                   lay_.s_norm_q, lay_.s_norm_k);
 }
@@ -515,9 +518,12 @@ void FluxModel<Real>::single_forward(int j, const Real* w, bool recompute) {
   ops_.rope_pairs_forward(a.qkv.data(), buf_.rope_cos.data(), buf_.rope_sin.data(), B, S, d_.H, d_.H, d_.D);
   ops_.bidirectional_attention_forward(a.y.data(), a.lse.data(), a.qkv.data(), B, S, d_.H, d_.D);
   if (!d_.flux2) linear_forward(block, FLUX_SP_MLP, a.m.data(), a.hn.data(), rows, C, F, w, lay_.s_mlp);
-  mlp_activation_forward(buf_.gelu_out.data(), a.m.data(), rows);
+  // The MLP's output goes through d_g (rows x F), a backward scratch free here: a block's
+  // backward writes it only after its recompute.
+  Real* mlp_out = buf_.d_g.data();
+  mlp_activation_forward(mlp_out, a.m.data(), rows);
   ops_.copy_rows(a.cat.data(), C + F, a.y.data(), C, rows, C);
-  ops_.copy_rows(a.cat.data() + C, C + F, buf_.gelu_out.data(), F, rows, F);
+  ops_.copy_rows(a.cat.data() + C, C + F, mlp_out, F, rows, F);
   linear_forward(block, FLUX_SP_OUT, a.p.data(), a.cat.data(), rows, C + F, C, w, lay_.s_out);
   ops_.gate_forward(input(buf_.joint, j + 1), in, a.p.data(), mod + 2 * C, 3 * C, B, S, C);
   if (!recompute) keep_input(buf_.joint, j + 1);
@@ -684,8 +690,8 @@ void FluxModel<Real>::single_fused_backward(SingleLayer& a, int block, Real* g, 
   ops_.copy_rows(d_fused, SW, b.d_q_pre.data(), C, rows, C);
   ops_.copy_rows(d_fused + C, SW, b.d_k_pre.data(), C, rows, C);
   ops_.copy_rows(d_fused + 2 * C, SW, b.d_v.data(), C, rows, C);
-  mlp_activation_backward(b.fused.data(), b.d_g.data(), a.m.data(), rows);  // the forward's scratch, free now
-  ops_.copy_rows(d_fused + 3 * C, SW, b.fused.data(), d_.FH, rows, d_.FH);
+  mlp_activation_backward(b.d_gate_up.data(), b.d_g.data(), a.m.data(), rows);
+  ops_.copy_rows(d_fused + 3 * C, SW, b.d_gate_up.data(), d_.FH, rows, d_.FH);
   linear_backward(block, FLUX_SP_QKV_MLP, b.d_xn.data(), a.hn.data(), d_fused, rows, C, SW, g, w, lay_.s_qkv_mlp);
 }
 

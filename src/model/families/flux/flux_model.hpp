@@ -121,9 +121,10 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
     std::vector<DoubleLayer> doubles;    // one per block, or one shared with checkpointing
     std::vector<SingleLayer> singles;
     Array x_final, mod_out, xo, xo_mean, xo_rstd, out, losses;
-    // backward scratch, shared by every block
+    // backward scratch, shared by every block (d_h and d_g also the single blocks' forward scratch;
+    // d_gate_up: FLUX.2's single blocks' MLP gradient before it joins the fused product's)
     Array d_img, d_txt, d_joint, d_mod, d_silu, d_small, d_small2, d_a, d_y, d_qkv, d_q, d_k, d_v, d_q_pre,
-        d_k_pre, d_xn, d_tmp, d_h, d_g, d_cat, gelu_out, fused, d_xo, d_final;
+        d_k_pre, d_xn, d_tmp, d_h, d_g, d_cat, d_gate_up, d_xo, d_final;
   };
   // Assigns every array of `b` in one fixed order from take(elements) and take_half(elements):
   // the constructor's allocation and buffer_elements' count.
