@@ -174,6 +174,25 @@ def check_bf16_block_inputs(args, folder, reference):
         assert rel_diff(rounded, exact) > 2e-5, (rounded, exact)
 
 
+def check_held_equals_planned(args, cases):
+    """What a run's arrays hold (counted at allocation) equals its plan byte for byte, on 2 ranks,
+    for each case of options (`args`: the family's training command)."""
+    for case in cases:
+        metrics = os.path.join(tempdir(), "m.jsonl")
+        ok(run(2, args("--train.steps=2", "--train.eval_every=0", *case, metrics=metrics)), case)
+        r = read_metrics(metrics)[-1]
+        assert r["held_mem_bytes"] == r["peak_mem_bytes"], (case, r["held_mem_bytes"], r["peak_mem_bytes"])
+
+
+def test_memory_held_matches_the_plan():
+    # The block inputs in fp32 and bf16, with and without checkpointing (its one working set shared
+    # by the double and single blocks), and with fp32 parameters but bf16 block inputs.
+    check_held_equals_planned(flux_args, [(), ("--fsdp.activation_checkpointing=true",),
+                                          ("--fsdp.param_dtype=bf16",),
+                                          ("--fsdp.param_dtype=bf16", "--fsdp.activation_checkpointing=true"),
+                                          ("--fsdp.activation_dtype=fp16", "--fsdp.activation_checkpointing=true")])
+
+
 def test_bf16_block_inputs_follow_the_reference_rounding_each_blocks_output():
     folder = os.path.join(tempdir(), "flux-diffusers")
     params = make_diffusers_folder(folder, CFG, seed=3)

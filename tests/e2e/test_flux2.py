@@ -24,7 +24,7 @@ from flux_reference import flow_sample, flux2_forward, gelu_tanh, make_diffusers
 from harness import ROOT, read_metrics, rel_diff, run, tempdir
 from test_adapters import safetensors_arrays
 from test_bad_input import expect_usage_error
-from test_flux import check_bf16_block_inputs, converted_folder, euler_reference, flux_args, latent_file, ok, prompts_file
+from test_flux import check_bf16_block_inputs, check_held_equals_planned, converted_folder, euler_reference, flux_args, latent_file, ok, prompts_file
 from test_flux import losses as flux_losses
 
 FLUX2_INI = os.path.join(ROOT, "inputs", "flux2-tiny.ini")
@@ -114,6 +114,11 @@ def test_a_flux2_folder_trains_from_its_weights_and_converts_both_ways_bit_for_b
         written, read = json.load(g), json.load(f)
     for key, value in read.items():
         assert written[key] == value, (key, written.get(key), value)
+
+
+def test_memory_held_matches_the_plan():
+    check_held_equals_planned(flux2_args, [("--fsdp.activation_checkpointing=true",),
+                                           ("--fsdp.activation_dtype=bf16", "--fsdp.activation_checkpointing=true")])
 
 
 def test_bf16_block_inputs_follow_the_reference_rounding_each_blocks_output():
