@@ -765,6 +765,9 @@ void validate_config(const Config& c, int world) {
                                                m.intermediate_size);
   require(shape.empty(), shape + ": not a shape this program holds");
   validate_architecture(m);
+  require(c.fsdp.activation_dtype != ACTIVATIONS_FP16 || family_of(m).fp16_activations(),
+          "fsdp.activation_dtype=fp16: model.arch=" + m.arch + "'s residual streams outgrow fp16's range (65504); use "
+          "bf16 or fp32");
   {  // the [flow] keys act on flow-matching families only: elsewhere a set one would do nothing
     const FlowOptions d, &f = c.flow;
     const bool set = f.sigma_sampling != d.sigma_sampling || f.logit_mean != d.logit_mean || f.logit_std != d.logit_std ||
@@ -1005,7 +1008,11 @@ ComputeOptions compute_options(const Config& c) {
   o.device = c.train.device;
   o.compute_dtype = c.fsdp.param_dtype;
   switch (c.fsdp.activation_dtype) {
-    case ACTIVATIONS_AUTO: o.activation_dtype = c.fsdp.param_dtype; break;  // the compute dtype
+    case ACTIVATIONS_AUTO:  // the compute dtype, unless fp16 and the family's activations outgrow it
+      o.activation_dtype = c.fsdp.param_dtype == DTYPE_FP16 && !family_of(c.model).fp16_activations()
+                               ? DTYPE_FP32
+                               : c.fsdp.param_dtype;
+      break;
     case ACTIVATIONS_FP32: o.activation_dtype = DTYPE_FP32; break;
     case ACTIVATIONS_BF16: o.activation_dtype = DTYPE_BF16; break;
     case ACTIVATIONS_FP16: o.activation_dtype = DTYPE_FP16; break;

@@ -126,6 +126,9 @@ class ModelFamily {
   // Whether model.max_seq_len is the model's own (a position table, max_position_embeddings), so
   // that a checkpoint or folder fixes it; else it only bounds a run's sequences (FLUX's image tokens).
   virtual bool fixes_max_seq_len() const { return true; }
+  // Whether its activations stay within fp16's range, so that fsdp.activation_dtype may be fp16
+  // (FLUX's residual streams outgrow 65504: diffusers clips them in fp16).
+  virtual bool fp16_activations() const { return true; }
   // Whether it trains on token files (the language models) or on latent shards (data/latent_dataset.hpp).
   virtual bool token_data() const { return true; }
 

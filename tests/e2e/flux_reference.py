@@ -165,8 +165,8 @@ def flux_forward(p, cfg, hidden, text, pooled, timestep, guidance, img_ids, txt_
     """The image tokens' prediction (B, N, in_channels) of FluxTransformer2DModel, float64. The two
     flags are negative controls (what FLUX does not do): Llama's half-split rotary, and the final
     layer's modulation read as (shift, scale) as Black Forest Labs' files store it. keep: what
-    becomes of the residual streams where the embedders and each block make them (bf16_round:
-    fsdp.activation_dtype=bf16)."""
+    becomes of the residual streams where the embedders and each block but the last make them
+    (bf16_round: fsdp.activation_dtype=bf16)."""
     H, eps = cfg["n_head"], cfg["norm_eps"]
     x = keep(linear(p, "x_embedder", hidden))
     c = keep(linear(p, "context_embedder", text))
@@ -210,7 +210,8 @@ def flux_forward(p, cfg, hidden, text, pooled, timestep, guidance, img_ids, txt_
                                                                   layer_norm(x, eps) * (1 + sc2) + sh2)))
         c = c + cg2 * linear(p, b + "ff_context.net.2", gelu_tanh(linear(p, b + "ff_context.net.0.proj",
                                                                            layer_norm(c, eps) * (1 + csc2) + csh2)))
-        x, c = keep(x), keep(c)
+        if l < cfg["n_layer"] - 1 or cfg["n_single_layer"]:  # the model's output is no block's input
+            x, c = keep(x), keep(c)
     h = np.concatenate([c, x], 1)
     for l in range(cfg["n_single_layer"]):
         b = f"single_transformer_blocks.{l}."
@@ -219,7 +220,8 @@ def flux_forward(p, cfg, hidden, text, pooled, timestep, guidance, img_ids, txt_
         q, k, v = qk(b, hn, "attn.to_q", "attn.to_k", "attn.to_v", "attn.norm_q", "attn.norm_k")
         y = attention(rope(q, cos, sin, rope_halves), rope(k, cos, sin, rope_halves), v)
         y = y.reshape(y.shape[0], y.shape[1], -1)
-        h = keep(h + g * linear(p, b + "proj_out", np.concatenate([y, gelu_tanh(linear(p, b + "proj_mlp", hn))], -1)))
+        h = h + g * linear(p, b + "proj_out", np.concatenate([y, gelu_tanh(linear(p, b + "proj_mlp", hn))], -1))
+        h = keep(h) if l < cfg["n_single_layer"] - 1 else h
     x = h[:, L:]
     scale, shift = mod("norm_out.linear", 2)  # AdaLayerNormContinuous: scale first
     if final_shift_first:
@@ -286,7 +288,8 @@ def flux2_forward(p, cfg, hidden, text, timestep, guidance, img_ids, txt_ids, ac
                                                                          layer_norm(x, eps) * (1 + sc2) + sh2)))
         c = c + cg2 * linear(p, b + "ff_context.linear_out", activation(linear(p, b + "ff_context.linear_in",
                                                                                   layer_norm(c, eps) * (1 + csc2) + csh2)))
-        x, c = keep(x), keep(c)
+        if l < cfg["n_layer"] - 1 or cfg["n_single_layer"]:
+            x, c = keep(x), keep(c)
     h = np.concatenate([c, x], 1)
     for l in range(cfg["n_single_layer"]):
         b = f"single_transformer_blocks.{l}."
@@ -296,7 +299,8 @@ def flux2_forward(p, cfg, hidden, text, timestep, guidance, img_ids, txt_ids, ac
         v = heads(fused[..., 2 * C:3 * C], H)
         y = attention(rope(q, cos, sin), rope(k, cos, sin), v)
         y = y.reshape(y.shape[0], y.shape[1], -1)
-        h = keep(h + g * linear(p, b + "attn.to_out", np.concatenate([y, activation(fused[..., 3 * C:])], -1)))
+        h = h + g * linear(p, b + "attn.to_out", np.concatenate([y, activation(fused[..., 3 * C:])], -1))
+        h = keep(h) if l < cfg["n_single_layer"] - 1 else h
     x = h[:, L:]
     scale, shift = np.split(linear(p, "norm_out.linear", e)[:, None, :], 2, -1)
     return linear(p, "proj_out", layer_norm(x, eps) * (1 + scale) + shift)

@@ -124,7 +124,7 @@ def test_memory_held_matches_the_plan():
 def test_bf16_block_inputs_follow_the_reference_rounding_each_blocks_output():
     folder = os.path.join(tempdir(), "flux2-diffusers")
     params = make_diffusers_folder(folder, CFG, seed=3)
-    check_bf16_block_inputs(flux2_args, folder, lambda keep: reference_loss(params, 0, keep=keep))
+    check_bf16_block_inputs(flux2_args, folder, lambda step, keep: reference_loss(params, step, keep=keep))
 
 
 def test_a_condition_image_enters_flux2_as_its_first_reference_image():

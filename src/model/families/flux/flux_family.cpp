@@ -376,6 +376,7 @@ class FluxFamily final : public ModelFamily {
   bool quantizable(const LinearSite& site) const override { return std::string(site.module).find("norm") == std::string::npos; }
   // (FLUX.2's modulations are the root's, never quantized: only the blocks' linear layers are.)
   bool token_data() const override { return false; }
+  bool fp16_activations() const override { return false; }
   bool fixes_max_seq_len() const override { return false; }
 
   // Adapters: every linear layer of the blocks, by diffusers' module names.

@@ -39,7 +39,7 @@ typename FluxModel<Real>::Dims FluxModel<Real>::dims_of(const ModelConfig& c, in
 
 template <typename Real>
 typename FluxModel<Real>::Span FluxModel<Real>::Carver::operator()(size_t n) {
-  const Span span{base ? base + used : nullptr, n};
+  const Span span{base && n ? base + used : nullptr, n};  // an empty one points nowhere
   used += (n + 63) / 64 * 64;  // each array 256-byte aligned (in floats), as the allocator's
   return span;
 }
@@ -88,7 +88,7 @@ void FluxModel<Real>::lay_out(Buffers& b, const Dims& d, bool checkpointing, DTy
   auto block_inputs = [&](BlockInputs& s, int count, size_t n) {
     s.work.clear(), s.half.clear();
     for (int i = 0; i < (half ? std::min(count, 2) : count); i++) s.work.push_back(take(n));
-    for (int i = 0; half && i < count; i++) s.half.push_back(take_half(n));
+    for (int i = 0; half && i < count - 1; i++) s.half.push_back(take_half(n));
   };
   block_inputs(b.img, d.double_blocks + 1, B * N * C);
   block_inputs(b.txt, d.double_blocks + 1, B * L * C);
@@ -184,7 +184,7 @@ FluxModel<Real>::FluxModel(const ParamTable& table, int batch, int image_tokens,
 
 template <typename Real>
 void FluxModel<Real>::keep_input(BlockInputs& s, int i) {
-  if (s.half.empty()) return;
+  if (i >= static_cast<int>(s.half.size())) return;  // fp32, or the last index
   Array& work = s.work[i % 2];
   ops_.round_to_half(work.data(), s.half[i].data(), work.size(), activation_dtype_);
 }

@@ -104,9 +104,11 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   static void carve(SingleLayer& a, const Dims& d, Carver& take);
   // A stream's block inputs (index i: block i's input; the last, the last block's output). In
   // fp32 an array per index. In 16 bits two fp32 arrays that the blocks alternate between (block
-  // i reads i % 2 and writes the other) and a 16-bit copy per index: an output is rounded where it
-  // is made (the next block computes from the numbers its backward will see, as a network in 16
-  // bits does) and widened back before its block's backward.
+  // i reads i % 2 and writes the other) and a 16-bit copy per index but the last: an output is
+  // rounded where it is made (the next block computes from the numbers its backward will see, as a
+  // network in 16 bits does) and widened back before its block's backward. The last index is no
+  // block's input (the head's, or the double blocks' output, which the joined sequence's first
+  // index rounds and keeps): neither rounded nor kept.
   struct BlockInputs {
     std::vector<Array> work;
     std::vector<DeviceArray<uint16_t>> half;
@@ -136,8 +138,8 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   static size_t half_as_reals(size_t n) { return (2 * n + sizeof(Real) - 1) / sizeof(Real); }
   // Block input i of a stream (BlockInputs), where its producer writes and its block reads.
   Real* input(BlockInputs& s, int i) { return s.half.empty() ? s.work[i].data() : s.work[i % 2].data(); }
-  // Input i has been written: with 16 bits, rounded and kept. restore: widened back before its
-  // block's backward. Both no-ops in fp32.
+  // Input i has been written: with 16 bits, rounded and kept (but the last). restore: widened back
+  // before its block's backward. Both no-ops in fp32.
   void keep_input(BlockInputs& s, int i);
   void restore_input(BlockInputs& s, int i);
 
