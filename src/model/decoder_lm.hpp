@@ -95,7 +95,8 @@ class DecoderLM : public TransformerModel<Real>,
     size_t next_ = 0;
   };
   ActivationList activation_list() const {
-    return ActivationList(ops_.device(), family_of(cfg_).activation_arrays(cfg_, B_, T_, checkpointing_, saved_.dtype()));
+    return ActivationList(ops_.device(),
+                          family_of(cfg_).activation_arrays(cfg_, B_, T_, checkpointing_, saved_.dtype()));
   }
 
   Loss<Real>& own_loss() override { return cross_entropy_; }

@@ -159,8 +159,6 @@ FluxModel<Real>::FluxModel(const ParamTable& table, int batch, int image_tokens,
       adapters_(table, batch * d_.S, ops, dropout_key_rows(table.config(), batch, image_tokens)) {
   SHARD_CHECK(image_tokens >= 1 && image_tokens <= table.config().max_seq_len, "%d target tokens, max_seq_len %d",
               image_tokens, table.config().max_seq_len);
-  SHARD_CHECK(activation_dtype == DTYPE_FP32 || activation_dtype == DTYPE_BF16 || activation_dtype == DTYPE_FP16,
-              "block inputs in %s", dtype_name(activation_dtype));
   // Pair k of rotary axis a turns by id_a * theta^(-2k / axes[a]) (computed in double as diffusers does).
   std::vector<int> axes;
   parse_rope_axes(table.config().rope_axes, d_.A, &axes);
