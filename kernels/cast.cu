@@ -66,7 +66,8 @@ __global__ void from_half_kernel(float* out, const uint16_t* in, size_t packs) {
   }
 }
 
-// values[i] rounded in place and its 16-bit value kept: afterwards values[i] == widen(half[i]).
+// values[i] rounded in place and its 16-bit value kept (unless half is null): afterwards
+// values[i] == widen(half[i]).
 template <DType kType, int E>
 __global__ void round_to_half_kernel(float* values, uint16_t* half, size_t packs) {
   for (size_t p = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; p < packs;
@@ -78,7 +79,7 @@ __global__ void round_to_half_kernel(float* values, uint16_t* half, size_t packs
       h.v[k] = float_to_half(x.v[k], kType);
       x.v[k] = half_to_float(h.v[k], kType);
     }
-    store_pack<E>(half, p, h);
+    if (half) store_pack<E>(half, p, h);
     store_pack<E>(values, p, x);
   }
 }
@@ -155,10 +156,11 @@ void launch_round_to_half(float* values, uint16_t* half, size_t n, DType type, c
   launch_packed(n, all_aligned16(values, half), [&](auto e, size_t first, size_t packs) {
     constexpr int E = decltype(e)::value;
     const unsigned grid = grid_for(packs, kThreads, ctx);
+    uint16_t* kept = half ? half + first : nullptr;  // null: rounded in place only
     if (type == DTYPE_BF16)
-      round_to_half_kernel<DTYPE_BF16, E><<<grid, kThreads, 0, ctx.stream>>>(values + first, half + first, packs);
+      round_to_half_kernel<DTYPE_BF16, E><<<grid, kThreads, 0, ctx.stream>>>(values + first, kept + first, packs);
     else
-      round_to_half_kernel<DTYPE_FP16, E><<<grid, kThreads, 0, ctx.stream>>>(values + first, half + first, packs);
+      round_to_half_kernel<DTYPE_FP16, E><<<grid, kThreads, 0, ctx.stream>>>(values + first, kept + first, packs);
     CUDA_CHECK_LAUNCH();
   });
 }

@@ -264,7 +264,7 @@ void launch_to_half_rows(uint16_t* out, int ld, const float* in, int rows, int c
                          const LaunchContext& ctx);
 void launch_from_half(float* out, const uint16_t* in, size_t n, DType type, const LaunchContext& ctx);
 // LayerOps::round_to_half: values[i] rounded in place (float_to_half, then widened) and half[i] the
-// 16-bit value, in one pass: the bits of launch_to_half then launch_from_half.
+// 16-bit value (a null half: none kept), in one pass: the bits of launch_to_half then launch_from_half.
 void launch_round_to_half(float* values, uint16_t* half, size_t n, DType type, const LaunchContext& ctx);
 // ShardOps::dequantize_blocks: `blocks` quantized records into out (and, half non-null, half_type copies).
 void launch_dequantize_blocks(float* out, uint16_t* half, DType half_type, const uint8_t* records, size_t blocks,

@@ -198,7 +198,8 @@ class LayerOps {
 
   // 16-bit activation storage (fsdp.activation_dtype, model/saved_activations.hpp): values[i]
   // rounded to `type` in place (round to nearest even as backend/dtype.hpp) and the 16-bit value
-  // written to half[i], so that afterwards values[i] == widen(half[i]). One pass.
+  // written to half[i], so that afterwards values[i] == widen(half[i]). One pass. A null half: the
+  // rounding alone (a recomputed activation, whose copy checkpointing does not keep).
   virtual void round_to_half(Real* values, uint16_t* half, size_t n, DType type) const = 0;
   // values[i] = widen(half[i]).
   virtual void widen_half(Real* values, const uint16_t* half, size_t n, DType type) const = 0;

@@ -460,18 +460,18 @@ def flux_section(build, steps, rounds):
     """The FLUX.1- and FLUX.2-shaped models (FLUX_BENCH, FLUX2_BENCH) beside gpt2-124M at T = 320 (their
     joint sequence: 256 image + 64 text tokens), 1 rank x 2 threads, interleaved rounds; MFU against
     each run's SGEMM peak, and the achieved GFLOP/s (tokens/s x the model's FLOPs per token: for
-    FLUX, per image token). And FLUX.1's with its block inputs in bf16 (fsdp.activation_dtype,
+    FLUX, per image token). And FLUX.1's with its activations in bf16 (fsdp.activation_dtype,
     fp32 parameters): what rounding and widening them costs."""
     print(f"\n== FLUX beside GPT-2: {rounds} rounds of {steps} steps, 1 rank x 2 threads (first step dropped)",
           flush=True)
-    rows = {"flux": [], "flux-bf16-inputs": [], "flux2": [], "gpt2": []}
+    rows = {"flux": [], "flux-bf16-activations": [], "flux2": [], "gpt2": []}
     with tempfile.TemporaryDirectory() as tmp:
         latents = flux_latents(tmp)
         for _ in range(rounds):
             r, peak, flops = flux_run(build, steps, latents)
             rows["flux"].extend((x, peak, flops) for x in r)
             r, peak, flops = flux_run(build, steps, latents, extra=["--fsdp.activation_dtype=bf16"])
-            rows["flux-bf16-inputs"].extend((x, peak, flops) for x in r)
+            rows["flux-bf16-activations"].extend((x, peak, flops) for x in r)
             r, peak, flops = flux_run(build, steps, latents, flux2=True)
             rows["flux2"].extend((x, peak, flops) for x in r)
             r, peak, out = [], 0, []
@@ -487,7 +487,7 @@ def flux_section(build, steps, rounds):
         print(f"{name:16s} | SGEMM peak median {statistics.median(p for _, p, _ in data):.1f} GFLOP/s | "
               f"{data[0][2] / 1e6:.1f} MFLOP per token | tokens/s min {tps[0]:.1f} median {tps[1]:.1f} max {tps[2]:.1f} | "
               f"MFU min {mfu[0]:.3f} median {mfu[1]:.3f} max {mfu[2]:.3f} | GFLOP/s median {gflops:.1f}", flush=True)
-    print(f"flux-bf16-inputs / flux (medians): MFU {medians['flux-bf16-inputs'][0] / medians['flux'][0]:.3f}", flush=True)
+    print(f"flux-bf16-activations / flux (medians): MFU {medians['flux-bf16-activations'][0] / medians['flux'][0]:.3f}", flush=True)
     for name in ("flux", "flux2"):
         print(f"{name} / gpt2 (medians): MFU {medians[name][0] / medians['gpt2'][0]:.3f}, "
               f"GFLOP/s {medians[name][1] / medians['gpt2'][1]:.3f}", flush=True)

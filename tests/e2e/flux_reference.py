@@ -165,8 +165,10 @@ def flux_forward(p, cfg, hidden, text, pooled, timestep, guidance, img_ids, txt_
     """The image tokens' prediction (B, N, in_channels) of FluxTransformer2DModel, float64. The two
     flags are negative controls (what FLUX does not do): Llama's half-split rotary, and the final
     layer's modulation read as (shift, scale) as Black Forest Labs' files store it. keep: what
-    becomes of the residual streams where the embedders and each block but the last make them
-    (bf16_round: fsdp.activation_dtype=bf16)."""
+    becomes of each activation the backward reads, where it is made -- the residual streams the
+    embedders and each block but the last make, and inside the blocks the normed inputs, q and k
+    before their norms and [q; k; v] after the rotary turn, the attention output, the output
+    products, the gated sums and the MLP's products (bf16_round: fsdp.activation_dtype=bf16)."""
     H, eps = cfg["n_head"], cfg["norm_eps"]
     x = keep(linear(p, "x_embedder", hidden))
     c = keep(linear(p, "context_embedder", text))
@@ -183,44 +185,46 @@ def flux_forward(p, cfg, hidden, text, pooled, timestep, guidance, img_ids, txt_
     cos, sin = rope_tables(ids, cfg["rope_axes"], cfg["rope_theta"])
     L = text.shape[1]
 
+    def mlp_out(prefix, v):  # the block's GELU MLP, its three products kept
+        return keep(linear(p, prefix + ".2", keep(gelu_tanh(keep(linear(p, prefix + ".0.proj", v))))))
+
     def mod(name, chunks):
         return np.split(linear(p, name, e)[:, None, :], chunks, -1)
 
     def qk(prefix, x, q, k, v, nq, nk):
-        return (rms_norm(heads(linear(p, prefix + q, x), H), p[prefix + nq + ".weight"], eps),
-                rms_norm(heads(linear(p, prefix + k, x), H), p[prefix + nk + ".weight"], eps),
+        return (rms_norm(heads(keep(linear(p, prefix + q, x)), H), p[prefix + nq + ".weight"], eps),
+                rms_norm(heads(keep(linear(p, prefix + k, x)), H), p[prefix + nk + ".weight"], eps),
                 heads(linear(p, prefix + v, x), H))
 
     for l in range(cfg["n_layer"]):
         b = f"transformer_blocks.{l}."
         sh1, sc1, g1, sh2, sc2, g2 = mod(b + "norm1.linear", 6)
         csh1, csc1, cg1, csh2, csc2, cg2 = mod(b + "norm1_context.linear", 6)
-        xn = layer_norm(x, eps) * (1 + sc1) + sh1
-        cn = layer_norm(c, eps) * (1 + csc1) + csh1
+        xn = keep(layer_norm(x, eps) * (1 + sc1) + sh1)
+        cn = keep(layer_norm(c, eps) * (1 + csc1) + csh1)
         qi, ki, vi = qk(b, xn, "attn.to_q", "attn.to_k", "attn.to_v", "attn.norm_q", "attn.norm_k")
         qt, kt, vt = qk(b, cn, "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.norm_added_q",
                         "attn.norm_added_k")
-        q = rope(np.concatenate([qt, qi], 1), cos, sin, rope_halves)
-        k = rope(np.concatenate([kt, ki], 1), cos, sin, rope_halves)
-        y = attention(q, k, np.concatenate([vt, vi], 1))
+        q = keep(rope(np.concatenate([qt, qi], 1), cos, sin, rope_halves))
+        k = keep(rope(np.concatenate([kt, ki], 1), cos, sin, rope_halves))
+        y = keep(attention(q, k, keep(np.concatenate([vt, vi], 1))))
         y = y.reshape(y.shape[0], y.shape[1], -1)
-        x = x + g1 * linear(p, b + "attn.to_out.0", y[:, L:])
-        c = c + cg1 * linear(p, b + "attn.to_add_out", y[:, :L])
-        x = x + g2 * linear(p, b + "ff.net.2", gelu_tanh(linear(p, b + "ff.net.0.proj",
-                                                                  layer_norm(x, eps) * (1 + sc2) + sh2)))
-        c = c + cg2 * linear(p, b + "ff_context.net.2", gelu_tanh(linear(p, b + "ff_context.net.0.proj",
-                                                                           layer_norm(c, eps) * (1 + csc2) + csh2)))
+        x = keep(x + g1 * keep(linear(p, b + "attn.to_out.0", y[:, L:])))
+        c = keep(c + cg1 * keep(linear(p, b + "attn.to_add_out", y[:, :L])))
+        x = x + g2 * mlp_out(b + "ff.net", keep(layer_norm(x, eps) * (1 + sc2) + sh2))
+        c = c + cg2 * mlp_out(b + "ff_context.net", keep(layer_norm(c, eps) * (1 + csc2) + csh2))
         if l < cfg["n_layer"] - 1 or cfg["n_single_layer"]:  # the model's output is no block's input
             x, c = keep(x), keep(c)
     h = np.concatenate([c, x], 1)
     for l in range(cfg["n_single_layer"]):
         b = f"single_transformer_blocks.{l}."
         sh, sc, g = mod(b + "norm.linear", 3)
-        hn = layer_norm(h, eps) * (1 + sc) + sh
+        hn = keep(layer_norm(h, eps) * (1 + sc) + sh)
         q, k, v = qk(b, hn, "attn.to_q", "attn.to_k", "attn.to_v", "attn.norm_q", "attn.norm_k")
-        y = attention(rope(q, cos, sin, rope_halves), rope(k, cos, sin, rope_halves), v)
+        y = attention(keep(rope(q, cos, sin, rope_halves)), keep(rope(k, cos, sin, rope_halves)), keep(v))
         y = y.reshape(y.shape[0], y.shape[1], -1)
-        h = h + g * linear(p, b + "proj_out", np.concatenate([y, gelu_tanh(linear(p, b + "proj_mlp", hn))], -1))
+        cat = keep(np.concatenate([y, gelu_tanh(keep(linear(p, b + "proj_mlp", hn)))], -1))
+        h = h + g * keep(linear(p, b + "proj_out", cat))
         h = keep(h) if l < cfg["n_single_layer"] - 1 else h
     x = h[:, L:]
     scale, shift = mod("norm_out.linear", 2)  # AdaLayerNormContinuous: scale first
@@ -264,42 +268,44 @@ def flux2_forward(p, cfg, hidden, text, timestep, guidance, img_ids, txt_ids, ac
     L = text.shape[1]
 
     def qk_norm(prefix, q, k, nq, nk):
-        return (rms_norm(heads(q, H), p[prefix + nq + ".weight"], eps),
-                rms_norm(heads(k, H), p[prefix + nk + ".weight"], eps))
+        return (rms_norm(heads(keep(q), H), p[prefix + nq + ".weight"], eps),
+                rms_norm(heads(keep(k), H), p[prefix + nk + ".weight"], eps))
+
+    def mlp_out(prefix, v):  # the block's MLP, its three products kept
+        return keep(linear(p, prefix + "_out", keep(activation(keep(linear(p, prefix + "_in", v))))))
 
     for l in range(cfg["n_layer"]):
         b = f"transformer_blocks.{l}."
         sh1, sc1, g1, sh2, sc2, g2 = mod_img
         csh1, csc1, cg1, csh2, csc2, cg2 = mod_txt
-        xn = layer_norm(x, eps) * (1 + sc1) + sh1
-        cn = layer_norm(c, eps) * (1 + csc1) + csh1
+        xn = keep(layer_norm(x, eps) * (1 + sc1) + sh1)
+        cn = keep(layer_norm(c, eps) * (1 + csc1) + csh1)
         qi, ki = qk_norm(b, linear(p, b + "attn.to_q", xn), linear(p, b + "attn.to_k", xn), "attn.norm_q",
                          "attn.norm_k")
         qt, kt = qk_norm(b, linear(p, b + "attn.add_q_proj", cn), linear(p, b + "attn.add_k_proj", cn),
                          "attn.norm_added_q", "attn.norm_added_k")
         vi, vt = heads(linear(p, b + "attn.to_v", xn), H), heads(linear(p, b + "attn.add_v_proj", cn), H)
-        q = rope(np.concatenate([qt, qi], 1), cos, sin)
-        k = rope(np.concatenate([kt, ki], 1), cos, sin)
-        y = attention(q, k, np.concatenate([vt, vi], 1))
+        q = keep(rope(np.concatenate([qt, qi], 1), cos, sin))
+        k = keep(rope(np.concatenate([kt, ki], 1), cos, sin))
+        y = keep(attention(q, k, keep(np.concatenate([vt, vi], 1))))
         y = y.reshape(y.shape[0], y.shape[1], -1)
-        x = x + g1 * linear(p, b + "attn.to_out.0", y[:, L:])
-        c = c + cg1 * linear(p, b + "attn.to_add_out", y[:, :L])
-        x = x + g2 * linear(p, b + "ff.linear_out", activation(linear(p, b + "ff.linear_in",
-                                                                         layer_norm(x, eps) * (1 + sc2) + sh2)))
-        c = c + cg2 * linear(p, b + "ff_context.linear_out", activation(linear(p, b + "ff_context.linear_in",
-                                                                                  layer_norm(c, eps) * (1 + csc2) + csh2)))
+        x = keep(x + g1 * keep(linear(p, b + "attn.to_out.0", y[:, L:])))
+        c = keep(c + cg1 * keep(linear(p, b + "attn.to_add_out", y[:, :L])))
+        x = x + g2 * mlp_out(b + "ff.linear", keep(layer_norm(x, eps) * (1 + sc2) + sh2))
+        c = c + cg2 * mlp_out(b + "ff_context.linear", keep(layer_norm(c, eps) * (1 + csc2) + csh2))
         if l < cfg["n_layer"] - 1 or cfg["n_single_layer"]:
             x, c = keep(x), keep(c)
     h = np.concatenate([c, x], 1)
     for l in range(cfg["n_single_layer"]):
         b = f"single_transformer_blocks.{l}."
-        hn = layer_norm(h, eps) * (1 + sc) + sh
+        hn = keep(layer_norm(h, eps) * (1 + sc) + sh)
         fused = linear(p, b + "attn.to_qkv_mlp_proj", hn)
         q, k = qk_norm(b, fused[..., :C], fused[..., C:2 * C], "attn.norm_q", "attn.norm_k")
         v = heads(fused[..., 2 * C:3 * C], H)
-        y = attention(rope(q, cos, sin), rope(k, cos, sin), v)
+        y = attention(keep(rope(q, cos, sin)), keep(rope(k, cos, sin)), keep(v))
         y = y.reshape(y.shape[0], y.shape[1], -1)
-        h = h + g * linear(p, b + "attn.to_out", np.concatenate([y, activation(fused[..., 3 * C:])], -1))
+        cat = keep(np.concatenate([y, activation(keep(fused[..., 3 * C:]))], -1))
+        h = h + g * keep(linear(p, b + "attn.to_out", cat))
         h = keep(h) if l < cfg["n_single_layer"] - 1 else h
     x = h[:, L:]
     scale, shift = np.split(linear(p, "norm_out.linear", e)[:, None, :], 2, -1)

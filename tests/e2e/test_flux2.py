@@ -24,7 +24,7 @@ from flux_reference import flow_sample, flux2_forward, gelu_tanh, make_diffusers
 from harness import ROOT, read_metrics, rel_diff, run, tempdir
 from test_adapters import safetensors_arrays
 from test_bad_input import expect_usage_error
-from test_flux import check_bf16_block_inputs, check_held_equals_planned, converted_folder, euler_reference, flux_args, latent_file, ok, prompts_file
+from test_flux import check_bf16_activations, check_held_equals_planned, converted_folder, euler_reference, flux_args, latent_file, ok, prompts_file
 from test_flux import losses as flux_losses
 
 FLUX2_INI = os.path.join(ROOT, "inputs", "flux2-tiny.ini")
@@ -121,10 +121,10 @@ def test_memory_held_matches_the_plan():
                                            ("--fsdp.activation_dtype=bf16", "--fsdp.activation_checkpointing=true")])
 
 
-def test_bf16_block_inputs_follow_the_reference_rounding_each_blocks_output():
+def test_bf16_activations_follow_the_reference_rounding_each_where_it_is_made():
     folder = os.path.join(tempdir(), "flux2-diffusers")
     params = make_diffusers_folder(folder, CFG, seed=3)
-    check_bf16_block_inputs(flux2_args, folder, lambda step, keep: reference_loss(params, step, keep=keep))
+    check_bf16_activations(flux2_args, folder, lambda step, keep: reference_loss(params, step, keep=keep))
 
 
 def test_a_condition_image_enters_flux2_as_its_first_reference_image():

@@ -5,7 +5,9 @@
 // against an independent reference: tests/e2e/test_flux.py.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <set>
 #include <string>
 #include <vector>
@@ -146,10 +148,12 @@ TEST(Flux, ActivationCheckpointingChangesNoBits) {
   }
 }
 
-// fsdp.activation_dtype=bf16 | fp16: the block inputs in 16 bits. Checkpointing's recompute reads
-// the same rounded inputs (no bits change here either), and the gradients stay fp32's to the
-// format's precision -- a block's backward from another block's input would miss by far more.
-TEST(Flux, HalfBlockInputsRecomputeTheSameBitsAndStayNearFp32) {
+// fsdp.activation_dtype=bf16 | fp16: the block inputs and the tensors each block's backward reads
+// in 16 bits, rounded where they are made. Checkpointing's recompute rounds them the same way in
+// place (no bits change here either: its working set is what the widened copies give), and the
+// gradients stay fp32's to the format's precision -- a backward from values its forward did not
+// compute would miss by far more.
+TEST(Flux, HalfActivationsRecomputeTheSameBitsAndStayNearFp32) {
   for (const ModelConfig& config : {tiny_flux_config(), tiny_flux2_config()}) {
     const ParamTable table(config);
     auto units = random_units<float>(table, 0.3, 17);
@@ -165,24 +169,32 @@ TEST(Flux, HalfBlockInputsRecomputeTheSameBitsAndStayNearFp32) {
       const double l2 = loss_and_grads(*checkpointed, table, units, &recomputed, batch, 1.0f);
       EXPECT_EQ(l1, l2);
       EXPECT_EQ(kept, recomputed);
-      // 8 and 11 significant bits: at most 2.5e-2 and 1.9e-3 of a tensor's largest gradient seen.
-      const double tolerance = dtype == DTYPE_BF16 ? 5e-2 : 6e-3;
+      // 8 and 11 significant bits: measured at most 4.2e-2 and 1.3e-2 of a tensor's largest gradient
+      // (FLUX.2's fp16 gains less than 8x on bf16: its activations here reach 600, where rounding
+      // errors pass through softmaxes with large logits).
+      const double tolerance = dtype == DTYPE_BF16 ? 8e-2 : 3e-2;
       EXPECT_NE(l1, l32);
       EXPECT_NEAR(l1, l32, tolerance * std::fabs(l32));
+      double worst = 0;
+      std::string worst_name;
       for (const ParamInfo& p : table.params()) {
-        double scale = 0;
+        double scale = 1e-9;
         for (size_t i = 0; i < p.numel; i++) scale = std::max(scale, std::fabs(double(g32[p.unit][p.offset + i])));
-        for (size_t i = 0; i < p.numel; i++)
-          ASSERT_NEAR(kept[p.unit][p.offset + i], g32[p.unit][p.offset + i], tolerance * scale + 1e-9)
-              << p.name << "[" << i << "]";
+        for (size_t i = 0; i < p.numel; i++) {
+          const double off = std::fabs(double(kept[p.unit][p.offset + i]) - g32[p.unit][p.offset + i]) / scale;
+          if (off > worst) worst = off, worst_name = p.name;
+        }
       }
+      std::printf("[ %s %s ] loss %.2g relative, gradients %.2g of their tensor's largest (%s)\n", config.arch.c_str(),
+                  dtype_name(dtype), std::fabs(l1 - l32) / std::fabs(l32), worst, worst_name.c_str());
+      EXPECT_LT(worst, tolerance) << worst_name;
     }
   }
 }
 
 // What the model allocates, counted by the device, is what the planner says, with and without
-// checkpointing, with block inputs in fp32 and 16 bits; and the loss is the flow-matching mean
-// squared error's sum.
+// checkpointing, with activations in fp32 and 16 bits (what 16 bits saves: the next test); and the
+// loss is the flow-matching mean squared error's sum.
 TEST(Flux, AllocationEqualsThePlan) {
   for (const ModelConfig& config : {tiny_flux_config(), tiny_flux2_config()}) {
   const ParamTable table(config);
@@ -207,18 +219,10 @@ TEST(Flux, AllocationEqualsThePlan) {
       EXPECT_EQ(model->activation_bytes(), plan_activation_bytes(table, B, N, ckpt, sizeof(float), dtype));
       EXPECT_EQ(model->output_rows(), B * N);
       EXPECT_EQ(model->loss().units_per_row(model->output_width()), config.in_channels);
-      if (dtype == DTYPE_FP32) {
+      if (dtype == DTYPE_FP32)
         fp32_bytes = model->activation_bytes();
-        continue;
-      }
-      // Each stream's k block inputs of n elements: k fp32 arrays become two fp32 ones and 16-bit
-      // copies of all but the last (no block's input).
-      const long C = config.n_embd, D = config.n_layer, J = config.n_single_layer, S = N + config.context_len;
-      long saved = 0;
-      for (const auto& [k, n] : {std::pair<long, long>{D + 1, B * N * C}, {D + 1, B * config.context_len * C},
-                                 {J + 1, B * S * C}})
-        saved += k * n * 4 - (std::min(k, 2L) * n * 4 + (k - 1) * n * 2);
-      EXPECT_EQ(static_cast<long>(fp32_bytes) - static_cast<long>(model->activation_bytes()), saved);
+      else if (!ckpt)  // (with checkpointing two block inputs are kept in fp32 anyway: no less here)
+        EXPECT_LT(model->activation_bytes(), fp32_bytes);
     }
   }
   }
@@ -226,9 +230,14 @@ TEST(Flux, AllocationEqualsThePlan) {
 
 // FLUX.1-dev (19 double, 38 single, C = 3072, 24 heads, 64 channels, T5 4096, CLIP 768, guidance):
 // 11,901,408,320 parameters, the count of diffusers' FluxTransformer2DModel.
-TEST(Flux, Flux1DevHasItsPublishedParameterCount) {
+static ModelConfig flux1_dev_config() {
   ModelConfig c;
   c.arch = "flux", c.n_layer = 19, c.n_single_layer = 38, c.n_embd = 3072, c.n_head = 24, c.max_seq_len = 4096;
+  return c;
+}
+
+TEST(Flux, Flux1DevHasItsPublishedParameterCount) {
+  ModelConfig c = flux1_dev_config();
   EXPECT_EQ(family_of(c).config_defect(c), "");
   const ParamTable table(c);
   EXPECT_EQ(table.total_params(), 11901408320u);
@@ -242,11 +251,16 @@ TEST(Flux, Flux1DevHasItsPublishedParameterCount) {
 // FLUX.2-dev (8 double, 48 single, C = 6144, 48 heads, MLP 3 x, 128 channels, 15360-wide text,
 // guidance): 32,223,281,152 parameters, the count of diffusers' Flux2Transformer2DModel (0.42.1,
 // its defaults); 32,183,959,552 without the guidance embedder.
-TEST(Flux, Flux2DevHasItsPublishedParameterCount) {
+static ModelConfig flux2_dev_config() {
   ModelConfig c;
   c.arch = "flux2", c.n_layer = 8, c.n_single_layer = 48, c.n_embd = 6144, c.n_head = 48, c.max_seq_len = 4096;
   c.in_channels = 128, c.context_dim = 15360, c.pooled_dim = 0, c.intermediate_size = 18432;
   c.rope_axes = "32,32,32,32", c.rope_theta = 2000, c.norm_eps = 1e-6;
+  return c;
+}
+
+TEST(Flux, Flux2DevHasItsPublishedParameterCount) {
+  ModelConfig c = flux2_dev_config();
   EXPECT_EQ(family_of(c).config_defect(c), "");
   const ParamTable table(c);
   EXPECT_EQ(table.total_params(), 32223281152u);
@@ -265,6 +279,36 @@ TEST(Flux, Flux2DevHasItsPublishedParameterCount) {
       << family_of(c).config_defect(c);
   c.intermediate_size = 3 * 3584;
   EXPECT_EQ(family_of(c).config_defect(c), "");
+}
+
+// fsdp.activation_dtype=bf16 without checkpointing, by the equations: every tensor a block's
+// backward reads (per row of a double block's stream: its normed inputs, q and k before their
+// norms, the output product, the gated sum, the second normed input and the MLP's three products:
+// 7C + FH + F; per joint row: [q; k; v] after the rotary turn and the attention output, 4C; per
+// row of a single block: 8C + FH + F with its [attention | MLP] input) is kept in 2 bytes instead
+// of 4, while the one working set shared by every block grows by a double block's kept tensors in
+// fp32; the block inputs save as the test above. Statistics stay fp32. FLUX.1-dev and FLUX.2-dev at
+// 1024 x 1024 (4096 image tokens), to the arrays' 256-byte alignment.
+TEST(Flux, SixteenBitActivationsHalveWhatTheBackwardReads) {
+  for (const ModelConfig& c : {flux1_dev_config(), flux2_dev_config()}) {
+    SCOPED_TRACE(c.arch);
+    const ParamTable table(c);
+    const int Bt = 1, T = 4096;
+    const double C = c.n_embd, F = flux_mlp_width(c), FH = is_flux2(c) ? 2 * F : F, D = c.n_layer,
+                 J = c.n_single_layer, L = c.context_len, S = T + L;
+    const double double_kept = Bt * S * (11 * C + FH + F), single_kept = Bt * S * (8 * C + FH + F);
+    const double working_set_growth = 4 * double_kept;
+    // k block inputs of n elements: k fp32 arrays become two and 16-bit copies of all but the last
+    auto input_saving = [](double k, double n) { return k * n * 4 - (std::min(k, 2.0) * n * 4 + (k - 1) * n * 2); };
+    const double inputs = input_saving(D + 1, Bt * T * C) + input_saving(D + 1, Bt * L * C) +
+                          input_saving(J + 1, Bt * S * C);
+    const double kept_saving = 2 * (D * double_kept + J * single_kept);
+    const double expected = kept_saving - working_set_growth + inputs;
+    const double fp32 = static_cast<double>(plan_activation_bytes(table, Bt, T, false, sizeof(float), DTYPE_FP32));
+    const double bf16 = static_cast<double>(plan_activation_bytes(table, Bt, T, false, sizeof(float), DTYPE_BF16));
+    std::printf("[ %s ] activations fp32 %.2f GiB, bf16 %.2f GiB\n", c.arch.c_str(), fp32 / (1 << 30), bf16 / (1 << 30));
+    EXPECT_NEAR(fp32 - bf16, expected, 2e-5 * fp32);  // the alignment: 256 bytes per array at most
+  }
 }
 
 // Adapters on every kind of linear layer -- the streams' q/k/v and outputs, the MLPs, the

@@ -40,6 +40,17 @@ void convert_to_half(uint16_t* out, const Real* in, size_t n, DType type, Real* 
   else
     convert([](float f) { return float_to_fp16(f); }, [](uint16_t h) { return fp16_to_float(h); });
 }
+// values[i] = widen(round(values[i])): convert_to_half's rounding without its copy.
+template <typename Real>
+void round_in_place(Real* values, size_t n, DType type) {
+  if (type == DTYPE_BF16) {
+#pragma omp parallel for simd schedule(static)
+    for (size_t i = 0; i < n; i++) values[i] = bf16_to_float(float_to_bf16(static_cast<float>(values[i])));
+  } else {
+#pragma omp parallel for simd schedule(static)
+    for (size_t i = 0; i < n; i++) values[i] = fp16_to_float(float_to_fp16(static_cast<float>(values[i])));
+  }
+}
 template <typename Real>
 void convert_from_half(Real* out, const uint16_t* in, size_t n, DType type) {
   if (type == DTYPE_BF16) {
@@ -278,7 +289,8 @@ class CpuLayerOps : public LayerOps<Real> {
     for (size_t i = 0; i < n; i++) x[i] *= s;
   }
   void round_to_half(Real* values, uint16_t* half, size_t n, DType type) const override {
-    convert_to_half(half, values, n, type, values);
+    if (half) return convert_to_half(half, values, n, type, values);
+    round_in_place(values, n, type);
   }
   void widen_half(Real* values, const uint16_t* half, size_t n, DType type) const override {
     convert_from_half(values, half, n, type);

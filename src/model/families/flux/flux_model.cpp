@@ -38,9 +38,25 @@ typename FluxModel<Real>::Dims FluxModel<Real>::dims_of(const ModelConfig& c, in
 }
 
 template <typename Real>
-typename FluxModel<Real>::Span FluxModel<Real>::Carver::operator()(size_t n) {
+typename FluxModel<Real>::Span FluxModel<Real>::Carver::take(Real* base, size_t& used, size_t n) {
   const Span span{base && n ? base + used : nullptr, n};  // an empty one points nowhere
   used += (n + 63) / 64 * 64;  // each array 256-byte aligned (in floats), as the allocator's
+  return span;
+}
+
+template <typename Real>
+typename FluxModel<Real>::Span FluxModel<Real>::Carver::kept(size_t n) {
+  Span span;
+  if (!checkpointing && !half) {
+    span = take(own, own_used, n);
+  } else {
+    span = scratch(n);
+    if (!checkpointing) {  // 16 bits: the copy the block keeps
+      span.half = own_half && n ? own_half + half_used : nullptr;
+      half_used += (n + 127) / 128 * 128;  // 256-byte aligned too
+    }
+  }
+  if (kept_list) kept_list->push_back(span);
   return span;
 }
 
@@ -48,26 +64,34 @@ template <typename Real>
 void FluxModel<Real>::carve(DoubleLayer& a, const Dims& d, Carver& take) {
   const size_t B = d.B, N = d.N, L = d.L, S = d.S, C = d.C, H = d.H, F = d.F, FH = d.FH;
   const size_t mods = d.flux2 ? 0 : 1;  // FLUX.1's modulations are the blocks' own, FLUX.2's the root's
+  a.kept.clear(), take.kept_list = &a.kept;
   for (int s = 0; s < 2; s++) {
     Stream& t = a.s[s];
     const size_t n = B * (s == 0 ? N : L);  // rows
-    t.mod = take(mods * B * 6 * C), t.xn = take(n * C), t.mean1 = take(n), t.rstd1 = take(n);
-    t.q = take(n * C), t.k = take(n * C), t.v = take(n * C), t.qn = take(n * C), t.kn = take(n * C);
-    t.q_rstd = take(n * H), t.k_rstd = take(n * H), t.y = take(n * C), t.a = take(n * C), t.x2 = take(n * C);
-    t.xn2 = take(n * C), t.mean2 = take(n), t.rstd2 = take(n), t.h = take(n * FH), t.g = take(n * F);
-    t.f = take(n * C);
+    t.mod = take.stat(mods * B * 6 * C), t.xn = take.kept(n * C), t.mean1 = take.stat(n), t.rstd1 = take.stat(n);
+    // v, qn and kn live on in the joint qkv; y is split from the joint y again in the backward
+    t.att = {take.kept(n * C), take.kept(n * C), take.scratch(n * C), take.scratch(n * C), take.scratch(n * C),
+             take.stat(n * H), take.stat(n * H)};
+    t.y = take.scratch(n * C), t.a = take.kept(n * C), t.x2 = take.kept(n * C), t.xn2 = take.kept(n * C);
+    t.mean2 = take.stat(n), t.rstd2 = take.stat(n), t.h = take.kept(n * FH), t.g = take.kept(n * F);
+    t.f = take.kept(n * C);
   }
-  a.qkv = take(B * S * 3 * C), a.y = take(B * S * C), a.lse = take(B * H * S);
+  a.qkv = take.kept(B * S * 3 * C), a.y = take.kept(B * S * C), a.lse = take.stat(B * H * S);
+  take.kept_list = nullptr;
 }
 
 template <typename Real>
 void FluxModel<Real>::carve(SingleLayer& a, const Dims& d, Carver& take) {
   const size_t B = d.B, S = d.S, C = d.C, H = d.H, F = d.F, FH = d.FH, n = B * S;
   const size_t mods = d.flux2 ? 0 : 1;
-  a.mod = take(mods * B * 3 * C), a.hn = take(n * C), a.mean = take(n), a.rstd = take(n);
-  a.q = take(n * C), a.k = take(n * C), a.v = take(n * C), a.qn = take(n * C), a.kn = take(n * C);
-  a.q_rstd = take(n * H), a.k_rstd = take(n * H), a.qkv = take(n * 3 * C), a.y = take(n * C);
-  a.lse = take(B * H * S), a.m = take(n * FH), a.cat = take(n * (C + F)), a.p = take(n * C);
+  a.kept.clear(), take.kept_list = &a.kept;
+  a.mod = take.stat(mods * B * 3 * C), a.hn = take.kept(n * C), a.mean = take.stat(n), a.rstd = take.stat(n);
+  a.att = {take.kept(n * C), take.kept(n * C), take.scratch(n * C), take.scratch(n * C), take.scratch(n * C),
+           take.stat(n * H), take.stat(n * H)};
+  // y is copied out of cat again in the backward
+  a.qkv = take.kept(n * 3 * C), a.y = take.scratch(n * C), a.lse = take.stat(B * H * S), a.m = take.kept(n * FH);
+  a.cat = take.kept(n * (C + F)), a.p = take.kept(n * C);
+  take.kept_list = nullptr;
 }
 
 template <typename Real>
@@ -93,27 +117,34 @@ void FluxModel<Real>::lay_out(Buffers& b, const Dims& d, bool checkpointing, DTy
   block_inputs(b.img, d.double_blocks + 1, B * N * C);
   block_inputs(b.txt, d.double_blocks + 1, B * L * C);
   block_inputs(b.joint, d.single_blocks > 0 ? d.single_blocks + 1 : 0, B * S * C);
-  // The blocks' working sets: one region per block, or with checkpointing one for all.
+  // The blocks' working sets (Carver): the shared one, then each block's own regions.
   b.doubles.assign(d.double_blocks == 0 ? 0 : checkpointing ? 1 : d.double_blocks, DoubleLayer{});
   b.singles.assign(d.single_blocks == 0 ? 0 : checkpointing ? 1 : d.single_blocks, SingleLayer{});
-  Carver count_double{nullptr}, count_single{nullptr};
+  auto carver = [&](Real* shared, Real* own, uint16_t* own_half) {
+    Carver c;
+    c.shared = shared, c.own = own, c.own_half = own_half, c.checkpointing = checkpointing, c.half = half;
+    return c;
+  };
+  Carver count_double = carver(nullptr, nullptr, nullptr), count_single = count_double;
   DoubleLayer double_sizes;
   SingleLayer single_sizes;
   carve(double_sizes, d, count_double), carve(single_sizes, d, count_single);
-  b.regions.clear();
-  auto carve_into = [&](auto& layer, Array& region) {
-    Carver from{region.data()};
+  b.regions.clear(), b.half_regions.clear();
+  if (!b.doubles.empty() || !b.singles.empty())
+    b.regions.push_back(take(std::max(b.doubles.empty() ? 0 : count_double.shared_used,
+                                      b.singles.empty() ? 0 : count_single.shared_used)));
+  Real* shared = b.regions.empty() ? nullptr : b.regions[0].data();
+  // (a region moved by the vectors' growth keeps its memory: the spans stay valid)
+  auto carve_block = [&](auto& layer, const Carver& sizes) {
+    Real* own = nullptr;
+    uint16_t* own_half = nullptr;
+    if (sizes.own_used) b.regions.push_back(take(sizes.own_used)), own = b.regions.back().data();
+    if (sizes.half_used) b.half_regions.push_back(take_half(sizes.half_used)), own_half = b.half_regions.back().data();
+    Carver from = carver(shared, own, own_half);
     carve(layer, d, from);
   };
-  if (checkpointing && !(b.doubles.empty() && b.singles.empty())) {
-    b.regions.push_back(take(std::max(b.doubles.empty() ? 0 : count_double.used,
-                                      b.singles.empty() ? 0 : count_single.used)));
-    for (DoubleLayer& a : b.doubles) carve_into(a, b.regions.back());
-    for (SingleLayer& a : b.singles) carve_into(a, b.regions.back());
-  } else {  // (a region moved by the vector's growth keeps its memory: the spans stay valid)
-    for (DoubleLayer& a : b.doubles) b.regions.push_back(take(count_double.used)), carve_into(a, b.regions.back());
-    for (SingleLayer& a : b.singles) b.regions.push_back(take(count_single.used)), carve_into(a, b.regions.back());
-  }
+  for (DoubleLayer& a : b.doubles) carve_block(a, count_double);
+  for (SingleLayer& a : b.singles) carve_block(a, count_single);
   b.x_final = take(B * T * C), b.mod_out = take(B * 2 * C), b.xo = take(B * T * C), b.xo_mean = take(B * T);
   b.xo_rstd = take(B * T), b.out = take(B * T * d.IN), b.losses = take(B * T);
   const size_t rows = B * S;  // the scratch serves every stream and the joint sequence
@@ -192,6 +223,17 @@ void FluxModel<Real>::restore_input(BlockInputs& s, int i) {
   if (s.half.empty()) return;
   Array& work = s.work[i % 2];
   ops_.widen_half(work.data(), s.half[i].data(), work.size(), activation_dtype_);
+}
+
+template <typename Real>
+void FluxModel<Real>::keep(const Span& s) {
+  if (activation_dtype_ != DTYPE_FP32) ops_.round_to_half(s.data(), s.half, s.size(), activation_dtype_);
+}
+
+template <typename Real>
+void FluxModel<Real>::restore(const std::vector<Span>& kept) {
+  for (const Span& s : kept)
+    if (s.half) ops_.widen_half(s.data(), s.half, s.size(), activation_dtype_);
 }
 
 // --- inputs ---
@@ -397,22 +439,21 @@ void FluxModel<Real>::linear_backward(int block, int product, Real* dx, const Re
 }
 
 template <typename Real>
-void FluxModel<Real>::qk_norm_forward(int block, Real* qn, Real* kn, Real* q_rstd, Real* k_rstd, const Real* q,
-                                      const Real* k, int rows, const Real* w, int norm_q, int norm_k) {
+void FluxModel<Real>::qk_norm_forward(int block, Attention& att, int rows, const Real* w, int norm_q, int norm_k) {
   const int unit = block_unit(block);
-  ops_.rmsnorm_forward(qn, q_rstd, q, at(w, unit, norm_q), d_.eps, rows * d_.H, d_.D);
-  ops_.rmsnorm_forward(kn, k_rstd, k, at(w, unit, norm_k), d_.eps, rows * d_.H, d_.D);
+  keep(att.q), keep(att.k);
+  ops_.rmsnorm_forward(att.qn.data(), att.q_rstd.data(), att.q.data(), at(w, unit, norm_q), d_.eps, rows * d_.H, d_.D);
+  ops_.rmsnorm_forward(att.kn.data(), att.k_rstd.data(), att.k.data(), at(w, unit, norm_k), d_.eps, rows * d_.H, d_.D);
 }
 
 template <typename Real>
-void FluxModel<Real>::qkv_forward(int block, int q_product, Real* q, Real* k, Real* v, Real* qn, Real* kn,
-                                  Real* q_rstd, Real* k_rstd, const Real* x, int rows, const Real* w,
+void FluxModel<Real>::qkv_forward(int block, int q_product, Attention& att, const Real* x, int rows, const Real* w,
                                   const FluxLayout::Stream& lin) {
   const int C = d_.C;
-  linear_forward(block, q_product, q, x, rows, C, C, w, lin.q);
-  linear_forward(block, q_product + 1, k, x, rows, C, C, w, lin.k);
-  linear_forward(block, q_product + 2, v, x, rows, C, C, w, lin.v);
-  qk_norm_forward(block, qn, kn, q_rstd, k_rstd, q, k, rows, w, lin.norm_q, lin.norm_k);
+  linear_forward(block, q_product, att.q.data(), x, rows, C, C, w, lin.q);
+  linear_forward(block, q_product + 1, att.k.data(), x, rows, C, C, w, lin.k);
+  linear_forward(block, q_product + 2, att.v.data(), x, rows, C, C, w, lin.v);
+  qk_norm_forward(block, att, rows, w, lin.norm_q, lin.norm_k);
 }
 
 template <typename Real>
@@ -446,14 +487,16 @@ void FluxModel<Real>::double_forward(int l, const Real* w, bool recompute) {
       linear_forward(l, q0 + FLUX_P_MOD, t.mod.data(), buf_.temb_silu.data(), B, C, 6 * C, w, lin.mod);
     const Real* mod = modulation(s, t.mod.data());
     ops_.modulate_forward(t.xn.data(), t.mean1.data(), t.rstd1.data(), in[s], mod, mod + C, 6 * C, B, n, C, d_.eps);
-    qkv_forward(l, q0 + FLUX_P_Q, t.q.data(), t.k.data(), t.v.data(), t.qn.data(), t.kn.data(), t.q_rstd.data(),
-                t.k_rstd.data(), t.xn.data(), B * n, w, lin);
-    join(a.qkv.data(), 3 * C, 0, t.qn.data(), n, offset[s]);
-    join(a.qkv.data(), 3 * C, C, t.kn.data(), n, offset[s]);
-    join(a.qkv.data(), 3 * C, 2 * C, t.v.data(), n, offset[s]);
+    keep(t.xn);
+    qkv_forward(l, q0 + FLUX_P_Q, t.att, t.xn.data(), B * n, w, lin);
+    join(a.qkv.data(), 3 * C, 0, t.att.qn.data(), n, offset[s]);
+    join(a.qkv.data(), 3 * C, C, t.att.kn.data(), n, offset[s]);
+    join(a.qkv.data(), 3 * C, 2 * C, t.att.v.data(), n, offset[s]);
   }
   ops_.rope_pairs_forward(a.qkv.data(), buf_.rope_cos.data(), buf_.rope_sin.data(), B, d_.S, d_.H, d_.H, d_.D);
+  keep(a.qkv);
   ops_.bidirectional_attention_forward(a.y.data(), a.lse.data(), a.qkv.data(), B, d_.S, d_.H, d_.D);
+  keep(a.y);
   for (int s = 0; s < 2; s++) {
     Stream& t = a.s[s];
     const FluxLayout::Stream& lin = lay_.stream[s];
@@ -461,12 +504,18 @@ void FluxModel<Real>::double_forward(int l, const Real* w, bool recompute) {
     const Real* mod = modulation(s, t.mod.data());
     split(t.y.data(), a.y.data(), C, 0, n, offset[s]);
     linear_forward(l, q0 + FLUX_P_OUT, t.a.data(), t.y.data(), B * n, C, C, w, lin.out);
+    keep(t.a);
     ops_.gate_forward(t.x2.data(), in[s], t.a.data(), mod + 2 * C, 6 * C, B, n, C);
+    keep(t.x2);
     ops_.modulate_forward(t.xn2.data(), t.mean2.data(), t.rstd2.data(), t.x2.data(), mod + 3 * C, mod + 4 * C, 6 * C,
                           B, n, C, d_.eps);
+    keep(t.xn2);
     linear_forward(l, q0 + FLUX_P_FF1, t.h.data(), t.xn2.data(), B * n, C, d_.FH, w, lin.ff1);
+    keep(t.h);
     mlp_activation_forward(t.g.data(), t.h.data(), B * n);
+    keep(t.g);
     linear_forward(l, q0 + FLUX_P_FF2, t.f.data(), t.g.data(), B * n, d_.F, C, w, lin.ff2);
+    keep(t.f);
     ops_.gate_forward(out[s], t.x2.data(), t.f.data(), mod + 5 * C, 6 * C, B, n, C);
   }
   if (!recompute) keep_input(buf_.img, l + 1), keep_input(buf_.txt, l + 1);
@@ -481,12 +530,12 @@ void FluxModel<Real>::single_fused_forward(SingleLayer& a, int block, const Real
   // writes it only after its recompute.
   Real* fused = buf_.d_h.data();
   linear_forward(block, FLUX_SP_QKV_MLP, fused, a.hn.data(), rows, C, SW, w, lay_.s_qkv_mlp);
-  ops_.copy_rows(a.q.data(), C, fused, SW, rows, C);
-  ops_.copy_rows(a.k.data(), C, fused + C, SW, rows, C);
-  ops_.copy_rows(a.v.data(), C, fused + 2 * C, SW, rows, C);
+  ops_.copy_rows(a.att.q.data(), C, fused, SW, rows, C);
+  ops_.copy_rows(a.att.k.data(), C, fused + C, SW, rows, C);
+  ops_.copy_rows(a.att.v.data(), C, fused + 2 * C, SW, rows, C);
   ops_.copy_rows(a.m.data(), d_.FH, fused + 3 * C, SW, rows, d_.FH);
-  qk_norm_forward(block, a.qn.data(), a.kn.data(), a.q_rstd.data(), a.k_rstd.data(), a.q.data(), a.k.data(), rows, w,
-                  lay_.s_norm_q, lay_.s_norm_k);
+  keep(a.m);
+  qk_norm_forward(block, a.att, rows, w, lay_.s_norm_q, lay_.s_norm_k);
 }
 
 template <typename Real>
@@ -502,27 +551,33 @@ void FluxModel<Real>::single_forward(int j, const Real* w, bool recompute) {
   if (!d_.flux2) linear_forward(block, FLUX_SP_MOD, a.mod.data(), buf_.temb_silu.data(), B, C, 3 * C, w, lay_.s_mod);
   const Real* mod = modulation(2, a.mod.data());
   ops_.modulate_forward(a.hn.data(), a.mean.data(), a.rstd.data(), in, mod, mod + C, 3 * C, B, S, C, d_.eps);
+  keep(a.hn);
   const int rows = B * S;
   if (d_.flux2) {
     single_fused_forward(a, block, w);  // q, k, v and the MLP's input product at once
   } else {
     const FluxLayout::Stream lin{{}, lay_.s_q, lay_.s_k, lay_.s_v, {}, {}, {}, lay_.s_norm_q, lay_.s_norm_k};
-    qkv_forward(block, FLUX_SP_Q, a.q.data(), a.k.data(), a.v.data(), a.qn.data(), a.kn.data(), a.q_rstd.data(),
-                a.k_rstd.data(), a.hn.data(), rows, w, lin);
+    qkv_forward(block, FLUX_SP_Q, a.att, a.hn.data(), rows, w, lin);
   }
-  ops_.copy_rows(a.qkv.data(), 3 * C, a.qn.data(), C, rows, C);
-  ops_.copy_rows(a.qkv.data() + C, 3 * C, a.kn.data(), C, rows, C);
-  ops_.copy_rows(a.qkv.data() + 2 * C, 3 * C, a.v.data(), C, rows, C);
+  ops_.copy_rows(a.qkv.data(), 3 * C, a.att.qn.data(), C, rows, C);
+  ops_.copy_rows(a.qkv.data() + C, 3 * C, a.att.kn.data(), C, rows, C);
+  ops_.copy_rows(a.qkv.data() + 2 * C, 3 * C, a.att.v.data(), C, rows, C);
   ops_.rope_pairs_forward(a.qkv.data(), buf_.rope_cos.data(), buf_.rope_sin.data(), B, S, d_.H, d_.H, d_.D);
+  keep(a.qkv);
   ops_.bidirectional_attention_forward(a.y.data(), a.lse.data(), a.qkv.data(), B, S, d_.H, d_.D);
-  if (!d_.flux2) linear_forward(block, FLUX_SP_MLP, a.m.data(), a.hn.data(), rows, C, F, w, lay_.s_mlp);
+  if (!d_.flux2) {
+    linear_forward(block, FLUX_SP_MLP, a.m.data(), a.hn.data(), rows, C, F, w, lay_.s_mlp);
+    keep(a.m);
+  }
   // The MLP's output goes through d_g (rows x F), a backward scratch free here: a block's
   // backward writes it only after its recompute.
   Real* mlp_out = buf_.d_g.data();
   mlp_activation_forward(mlp_out, a.m.data(), rows);
   ops_.copy_rows(a.cat.data(), C + F, a.y.data(), C, rows, C);
   ops_.copy_rows(a.cat.data() + C, C + F, mlp_out, F, rows, F);
+  keep(a.cat);  // (y's kept copy: the backward copies it out again)
   linear_forward(block, FLUX_SP_OUT, a.p.data(), a.cat.data(), rows, C + F, C, w, lay_.s_out);
+  keep(a.p);
   ops_.gate_forward(input(buf_.joint, j + 1), in, a.p.data(), mod + 2 * C, 3 * C, B, S, C);
   if (!recompute) keep_input(buf_.joint, j + 1);
 }
@@ -595,29 +650,28 @@ void FluxModel<Real>::modulation_backward(int block, int product, const Real* d_
 }
 
 template <typename Real>
-void FluxModel<Real>::qk_norm_backward(int block, const Real* q, const Real* k, const Real* q_rstd, const Real* k_rstd,
-                                       int rows, Real* g, const Real* w, int norm_q, int norm_k) {
+void FluxModel<Real>::qk_norm_backward(int block, const Attention& att, int rows, Real* g, const Real* w, int norm_q,
+                                       int norm_k) {
   const int unit = block_unit(block);
   Buffers& b = buf_;
   const size_t n = static_cast<size_t>(rows) * d_.C;
   ops_.device().zero(b.d_q_pre.data(), n * sizeof(Real));
   ops_.device().zero(b.d_k_pre.data(), n * sizeof(Real));
-  ops_.rmsnorm_backward(b.d_q_pre.data(), grad_at(g, unit, norm_q), b.d_q.data(), q, at(w, unit, norm_q), q_rstd,
-                        rows * d_.H, d_.D);
-  ops_.rmsnorm_backward(b.d_k_pre.data(), grad_at(g, unit, norm_k), b.d_k.data(), k, at(w, unit, norm_k), k_rstd,
-                        rows * d_.H, d_.D);
+  ops_.rmsnorm_backward(b.d_q_pre.data(), grad_at(g, unit, norm_q), b.d_q.data(), att.q.data(), at(w, unit, norm_q),
+                        att.q_rstd.data(), rows * d_.H, d_.D);
+  ops_.rmsnorm_backward(b.d_k_pre.data(), grad_at(g, unit, norm_k), b.d_k.data(), att.k.data(), at(w, unit, norm_k),
+                        att.k_rstd.data(), rows * d_.H, d_.D);
 }
 
 // From d_q, d_k, d_v (gradients of the normed q, k and of v): the norms' and projections'
 // gradients, and the input's in d_xn.
 template <typename Real>
-void FluxModel<Real>::qkv_backward(int block, int q_product, const Real* x, const Real* q, const Real* k,
-                                   const Real* q_rstd, const Real* k_rstd, int rows, Real* g, const Real* w,
-                                   const FluxLayout::Stream& lin) {
+void FluxModel<Real>::qkv_backward(int block, int q_product, const Real* x, const Attention& att, int rows, Real* g,
+                                   const Real* w, const FluxLayout::Stream& lin) {
   const int C = d_.C;
   Buffers& b = buf_;
   const size_t n = static_cast<size_t>(rows) * C;
-  qk_norm_backward(block, q, k, q_rstd, k_rstd, rows, g, w, lin.norm_q, lin.norm_k);
+  qk_norm_backward(block, att, rows, g, w, lin.norm_q, lin.norm_k);
   linear_backward(block, q_product, b.d_xn.data(), x, b.d_q_pre.data(), rows, C, C, g, w, lin.q);
   linear_backward(block, q_product + 1, b.d_tmp.data(), x, b.d_k_pre.data(), rows, C, C, g, w, lin.k);
   ops_.residual_forward(b.d_xn.data(), b.d_xn.data(), b.d_tmp.data(), n);
@@ -630,8 +684,11 @@ void FluxModel<Real>::double_backward(int l, Real* g, const Real* w) {
   const int B = d_.B, C = d_.C;
   Buffers& b = buf_;
   restore_input(b.img, l), restore_input(b.txt, l);
-  if (checkpointing_) double_forward(l, w, true);  // this block's activations again, from its input
   DoubleLayer& a = double_layer(l);
+  if (checkpointing_)
+    double_forward(l, w, true);  // this block's activations again, from its input
+  else
+    restore(a.kept);
   const int rows[2] = {d_.N, d_.L}, offset[2] = {d_.L, 0};
   const Real* in[2] = {input(b.img, l), input(b.txt, l)};
   Real* d_res[2] = {b.d_img.data(), b.d_txt.data()};  // the running residual gradients
@@ -653,6 +710,7 @@ void FluxModel<Real>::double_backward(int l, Real* g, const Real* w) {
     ops_.modulate_backward(d_res[s], d_mod + 3 * C, d_mod + 4 * C, b.d_xn.data(), t.x2.data(), mod + 4 * C,
                            t.mean2.data(), t.rstd2.data(), 6 * C, B, n, C);
     ops_.gate_backward(b.d_a.data(), d_mod + 2 * C, d_res[s], t.a.data(), mod + 2 * C, 6 * C, B, n, C);
+    split(t.y.data(), a.y.data(), C, 0, n, offset[s]);  // its rows of the attention output, again
     linear_backward(l, q0 + FLUX_P_OUT, b.d_tmp.data(), t.y.data(), b.d_a.data(), B * n, C, C, g, w, lin.out);
     join(b.d_y.data(), C, 0, b.d_tmp.data(), n, offset[s]);
   }
@@ -668,8 +726,7 @@ void FluxModel<Real>::double_backward(int l, Real* g, const Real* w) {
     split(b.d_q.data(), b.d_qkv.data(), 3 * C, 0, n, offset[s]);
     split(b.d_k.data(), b.d_qkv.data(), 3 * C, C, n, offset[s]);
     split(b.d_v.data(), b.d_qkv.data(), 3 * C, 2 * C, n, offset[s]);
-    qkv_backward(l, q0 + FLUX_P_Q, t.xn.data(), t.q.data(), t.k.data(), t.q_rstd.data(), t.k_rstd.data(), B * n, g,
-                 w, lin);
+    qkv_backward(l, q0 + FLUX_P_Q, t.xn.data(), t.att, B * n, g, w, lin);
     ops_.modulate_backward(d_res[s], d_mod, d_mod + C, b.d_xn.data(), in[s], mod + C, t.mean1.data(),
                            t.rstd1.data(), 6 * C, B, n, C);
     if (!d_.flux2) modulation_backward(l, q0 + FLUX_P_MOD, d_mod, 6 * C, g, w, lin.mod);
@@ -682,8 +739,7 @@ template <typename Real>
 void FluxModel<Real>::single_fused_backward(SingleLayer& a, int block, Real* g, const Real* w) {
   const int C = d_.C, rows = d_.B * d_.S, SW = d_.SW;
   Buffers& b = buf_;
-  qk_norm_backward(block, a.q.data(), a.k.data(), a.q_rstd.data(), a.k_rstd.data(), rows, g, w, lay_.s_norm_q,
-                   lay_.s_norm_k);
+  qk_norm_backward(block, a.att, rows, g, w, lay_.s_norm_q, lay_.s_norm_k);
   Real* d_fused = b.d_h.data();  // rows x SW
   ops_.copy_rows(d_fused, SW, b.d_q_pre.data(), C, rows, C);
   ops_.copy_rows(d_fused + C, SW, b.d_k_pre.data(), C, rows, C);
@@ -698,8 +754,11 @@ void FluxModel<Real>::single_backward(int j, Real* g, const Real* w) {
   const int B = d_.B, C = d_.C, S = d_.S, rows = B * S, block = d_.double_blocks + j, F = d_.F;
   Buffers& b = buf_;
   restore_input(b.joint, j);
-  if (checkpointing_) single_forward(j, w, true);
   SingleLayer& a = single_layer(j);
+  if (checkpointing_)
+    single_forward(j, w, true);
+  else
+    restore(a.kept);
   const Real* mod = modulation(2, a.mod.data());
   Real* d_mod = d_.flux2 ? b.d_shared_mod[2].data() : b.d_mod.data();
   if (!d_.flux2) b.d_mod.zero();
@@ -707,6 +766,7 @@ void FluxModel<Real>::single_backward(int j, Real* g, const Real* w) {
   linear_backward(block, FLUX_SP_OUT, b.d_cat.data(), a.cat.data(), b.d_a.data(), rows, C + F, C, g, w, lay_.s_out);
   ops_.copy_rows(b.d_y.data(), C, b.d_cat.data(), C + F, rows, C);
   ops_.copy_rows(b.d_g.data(), F, b.d_cat.data() + C, C + F, rows, F);
+  ops_.copy_rows(a.y.data(), C, a.cat.data(), C + F, rows, C);  // the attention output, again
   if (!d_.flux2) {
     mlp_activation_backward(b.d_h.data(), b.d_g.data(), a.m.data(), rows);
     // The MLP's input gradient (kept in d_a while the attention's is computed into d_xn).
@@ -723,8 +783,7 @@ void FluxModel<Real>::single_backward(int j, Real* g, const Real* w) {
   } else {
     ops_.device().copy_on_device(b.d_a.data(), b.d_xn.data(), static_cast<size_t>(rows) * C * sizeof(Real));
     const FluxLayout::Stream lin{{}, lay_.s_q, lay_.s_k, lay_.s_v, {}, {}, {}, lay_.s_norm_q, lay_.s_norm_k};
-    qkv_backward(block, FLUX_SP_Q, a.hn.data(), a.q.data(), a.k.data(), a.q_rstd.data(), a.k_rstd.data(), rows, g, w,
-                 lin);
+    qkv_backward(block, FLUX_SP_Q, a.hn.data(), a.att, rows, g, w, lin);
     ops_.residual_forward(b.d_xn.data(), b.d_xn.data(), b.d_a.data(), static_cast<size_t>(rows) * C);
   }
   ops_.modulate_backward(b.d_joint.data(), d_mod, d_mod + C, b.d_xn.data(), input(b.joint, j), mod + C, a.mean.data(),

@@ -20,8 +20,9 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   using Array = DeviceArray<Real>;
   // batch samples of image_tokens target tokens (the predicted ones), then config.condition_len
   // condition tokens (Kontext), and config.context_len text tokens each. activation_dtype: how the
-  // block inputs -- the residual streams between blocks, what checkpointing keeps -- are kept
-  // (fsdp.activation_dtype: fp32, or bf16 | fp16 rounded where each block's output is made).
+  // activations the backward reads -- the block inputs (the residual streams between blocks, what
+  // checkpointing keeps) and the tensors inside each block -- are kept (fsdp.activation_dtype: fp32,
+  // or bf16 | fp16 rounded where each is made).
   FluxModel(const ParamTable& table, int batch, int image_tokens, bool activation_checkpointing,
             const LayerOps<Real>& ops, DType activation_dtype = DTYPE_FP32);
 
@@ -72,33 +73,63 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   size_t dropout_key_first(int run) const;
   void select_dropout_keys(int block, int product);
 
-  // An array within a block's working set: each block's arrays are carved from one allocation (a
-  // region), so that with checkpointing the double and the single blocks share theirs -- never
-  // live at once, as each block's backward recomputes its own.
+  // An array of a block's activations. Each block's arrays are carved from regions (Carver): one
+  // working set shared by every block -- the double and the single blocks are never live at once,
+  // as each block's backward begins by recomputing or widening back its own -- and, without
+  // checkpointing, each block's own fp32 and 16-bit regions for what its backward reads.
+  // `half`: a kept tensor's 16-bit copy (16-bit activations without checkpointing).
   struct Span {
     Real* ptr = nullptr;
     size_t n = 0;
+    uint16_t* half = nullptr;
     Real* data() const { return ptr; }
     size_t size() const { return n; }
   };
-  // One stream (image or text) of a double-stream block: its modulation, normed inputs, q/k/v
-  // before and after their norms, its rows of the attention output, the gated sums and the MLP.
-  struct Stream {
-    Span mod, xn, mean1, rstd1, q, k, v, qn, kn, q_rstd, k_rstd, y, a, x2, xn2, mean2, rstd2, h, g, f;
+  // q, k, v of a stream (before the q/k norms), the normed q and k and the norms' statistics.
+  struct Attention {
+    Span q, k, v, qn, kn, q_rstd, k_rstd;
   };
+  // One stream (image or text) of a double-stream block: its modulation, normed inputs, attention
+  // inputs, its rows of the attention output, the gated sums and the MLP.
+  struct Stream {
+    Span mod, xn, mean1, rstd1;
+    Attention att;
+    Span y, a, x2, xn2, mean2, rstd2, h, g, f;
+  };
+  // `kept`: the tensors the backward reads, in carving order (Carver::kept).
   struct DoubleLayer {
     Stream s[2];  // image, text
     Span qkv, y, lse;  // the joint sequence [text; image]
+    std::vector<Span> kept;
   };
-  // m: the MLP's input product (FLUX.2: its gate | up columns of the fused product)
+  // m: the MLP's input product (FLUX.2: its gate | up columns of the fused product); cat: the
+  // output product's input [attention | MLP]
   struct SingleLayer {
-    Span mod, hn, mean, rstd, q, k, v, qn, kn, q_rstd, k_rstd, qkv, y, lse, m, cat, p;
+    Span mod, hn, mean, rstd;
+    Attention att;
+    Span qkv, y, lse, m, cat, p;
+    std::vector<Span> kept;
   };
-  // A block's working set carved from `base` (null: only its size counted, in `used`).
+  // Carves one block's arrays, by what the backward does with them:
+  //   scratch(n): only the forward reads it (or the backward makes it again): the shared working set;
+  //   stat(n): a small fp32 array the backward reads (row statistics, FLUX.1's modulations);
+  //   kept(n): a large tensor the backward reads, rounded where it is made in 16 bits (keep()).
+  // With checkpointing everything is scratch (each backward recomputes its block first). Without
+  // it, stat and fp32 kept tensors are the block's own; a 16-bit kept tensor computes in the
+  // working set and keeps a copy in the block's 16-bit region. Null bases count sizes only.
   struct Carver {
-    Real* base;
-    size_t used = 0;
-    Span operator()(size_t n);
+    Real* shared = nullptr;
+    Real* own = nullptr;
+    uint16_t* own_half = nullptr;
+    bool checkpointing = false, half = false;
+    std::vector<Span>* kept_list = nullptr;
+    size_t shared_used = 0, own_used = 0, half_used = 0;
+    Span scratch(size_t n) { return take(shared, shared_used, n); }
+    Span stat(size_t n) { return checkpointing ? scratch(n) : take(own, own_used, n); }
+    Span kept(size_t n);
+
+   private:
+    static Span take(Real* base, size_t& used, size_t n);
   };
   static void carve(DoubleLayer& a, const Dims& d, Carver& take);
   static void carve(SingleLayer& a, const Dims& d, Carver& take);
@@ -119,7 +150,8 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
     Array t_h, t_a, g_h, g_a, p_h, p_a, part, temb, temb_silu;
     Array shared_mod[3], d_shared_mod[3];  // FLUX.2: the root's modulations (image, text, single) and their gradients
     BlockInputs img, txt, joint;
-    std::vector<Array> regions;          // the blocks' working sets
+    std::vector<Array> regions;          // the shared working set, then each block's own (Carver)
+    std::vector<DeviceArray<uint16_t>> half_regions;  // each block's 16-bit copies
     std::vector<DoubleLayer> doubles;    // one per block, or one shared with checkpointing
     std::vector<SingleLayer> singles;
     Array x_final, mod_out, xo, xo_mean, xo_rstd, out, losses;
@@ -143,6 +175,12 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   void keep_input(BlockInputs& s, int i);
   void restore_input(BlockInputs& s, int i);
 
+  // A kept tensor has been written: in 16 bits, rounded in place (and its copy kept, without
+  // checkpointing), so the forward goes on from the numbers the backward will see. fp32: nothing.
+  void keep(const Span& s);
+  // Before a block's backward without checkpointing: its kept tensors widened back into the working
+  // set (16 bits; nothing in fp32, where they are the block's own).
+  void restore(const std::vector<Span>& kept);
   DoubleLayer& double_layer(int l) { return buf_.doubles[checkpointing_ ? 0 : l]; }
   SingleLayer& single_layer(int j) { return buf_.singles[checkpointing_ ? 0 : j]; }
   // Host floats of the batch's tensor `name` (numel elements) into a device array.
@@ -176,19 +214,17 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   void root_linear_forward(Real* out, const Real* x, int rows, int in, int width, FluxLinear lin);
   void root_linear_backward(Real* dx, const Real* x, const Real* dout, int rows, int in, int width, Real* g,
                             FluxLinear lin);
-  // The q/k norms of a stream: q and k (rows, C) normed per head into qn, kn.
-  void qk_norm_forward(int block, Real* qn, Real* kn, Real* q_rstd, Real* k_rstd, const Real* q, const Real* k,
-                       int rows, const Real* w, int norm_q, int norm_k);
+  // The q/k norms of a stream: att.q and att.k (rows, C), kept, normed per head into att.qn, att.kn.
+  void qk_norm_forward(int block, Attention& att, int rows, const Real* w, int norm_q, int norm_k);
   // Their backward from d_q, d_k into d_q_pre, d_k_pre.
-  void qk_norm_backward(int block, const Real* q, const Real* k, const Real* q_rstd, const Real* k_rstd, int rows,
-                        Real* g, const Real* w, int norm_q, int norm_k);
+  void qk_norm_backward(int block, const Attention& att, int rows, Real* g, const Real* w, int norm_q, int norm_k);
   // q, k, v of `x` (rows), q and k normed per head: the attention inputs of a stream (products
   // q_product, +1, +2).
-  void qkv_forward(int block, int q_product, Real* q, Real* k, Real* v, Real* qn, Real* kn, Real* q_rstd,
-                   Real* k_rstd, const Real* x, int rows, const Real* w, const FluxLayout::Stream& lin);
+  void qkv_forward(int block, int q_product, Attention& att, const Real* x, int rows, const Real* w,
+                   const FluxLayout::Stream& lin);
   // Their backward from d_q, d_k, d_v (the normed q, k and v's gradients): d_xn = the input's.
-  void qkv_backward(int block, int q_product, const Real* x, const Real* q, const Real* k, const Real* q_rstd,
-                    const Real* k_rstd, int rows, Real* g, const Real* w, const FluxLayout::Stream& lin);
+  void qkv_backward(int block, int q_product, const Real* x, const Attention& att, int rows, Real* g, const Real* w,
+                    const FluxLayout::Stream& lin);
   // The modulation product's gradient into its weights and the conditioning's (d_silu +=).
   void modulation_backward(int block, int product, const Real* d_mod, int width, Real* g, const Real* w,
                            FluxLinear lin);
