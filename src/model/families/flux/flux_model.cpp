@@ -73,7 +73,8 @@ void FluxModel<Real>::carve(DoubleLayer& a, const Dims& d, Carver& take) {
     t.att = {take.kept(n * C), take.kept(n * C), take.scratch(n * C), take.scratch(n * C), take.scratch(n * C),
              take.stat(n * H), take.stat(n * H)};
     t.y = take.scratch(n * C), t.a = take.kept(n * C), t.x2 = take.kept(n * C), t.xn2 = take.kept(n * C);
-    t.mean2 = take.stat(n), t.rstd2 = take.stat(n), t.h = take.kept(n * FH), t.g = take.kept(n * F);
+    // g, the MLP's activation of h, is made again from h in the backward
+    t.mean2 = take.stat(n), t.rstd2 = take.stat(n), t.h = take.kept(n * FH), t.g = take.scratch(n * F);
     t.f = take.kept(n * C);
   }
   a.qkv = take.kept(B * S * 3 * C), a.y = take.kept(B * S * C), a.lse = take.stat(B * H * S);
@@ -88,9 +89,9 @@ void FluxModel<Real>::carve(SingleLayer& a, const Dims& d, Carver& take) {
   a.mod = take.stat(mods * B * 3 * C), a.hn = take.kept(n * C), a.mean = take.stat(n), a.rstd = take.stat(n);
   a.att = {take.kept(n * C), take.kept(n * C), take.scratch(n * C), take.scratch(n * C), take.scratch(n * C),
            take.stat(n * H), take.stat(n * H)};
-  // y is copied out of cat again in the backward
-  a.qkv = take.kept(n * 3 * C), a.y = take.scratch(n * C), a.lse = take.stat(B * H * S), a.m = take.kept(n * FH);
-  a.cat = take.kept(n * (C + F)), a.p = take.kept(n * C);
+  // cat = [y | the MLP's activation of m] is made again from y and m in the backward (join_cat)
+  a.qkv = take.kept(n * 3 * C), a.y = take.kept(n * C), a.lse = take.stat(B * H * S), a.m = take.kept(n * FH);
+  a.cat = take.scratch(n * (C + F)), a.p = take.kept(n * C);
   take.kept_list = nullptr;
 }
 
@@ -539,6 +540,18 @@ void FluxModel<Real>::single_fused_forward(SingleLayer& a, int block, const Real
 }
 
 template <typename Real>
+void FluxModel<Real>::join_cat(SingleLayer& a) {
+  const int rows = d_.B * d_.S, C = d_.C, F = d_.F;
+  // The MLP's output goes through d_g (rows x F), a backward scratch free here: a block's backward
+  // writes it only after its recompute, or after this.
+  Real* mlp_out = buf_.d_g.data();
+  mlp_activation_forward(mlp_out, a.m.data(), rows);
+  keep(Span{mlp_out, static_cast<size_t>(rows) * F});
+  ops_.copy_rows(a.cat.data(), C + F, a.y.data(), C, rows, C);
+  ops_.copy_rows(a.cat.data() + C, C + F, mlp_out, F, rows, F);
+}
+
+template <typename Real>
 void FluxModel<Real>::single_forward(int j, const Real* w, bool recompute) {
   const int B = d_.B, C = d_.C, S = d_.S, block = d_.double_blocks + j, F = d_.F;
   SingleLayer& a = single_layer(j);
@@ -565,17 +578,12 @@ void FluxModel<Real>::single_forward(int j, const Real* w, bool recompute) {
   ops_.rope_pairs_forward(a.qkv.data(), buf_.rope_cos.data(), buf_.rope_sin.data(), B, S, d_.H, d_.H, d_.D);
   keep(a.qkv);
   ops_.bidirectional_attention_forward(a.y.data(), a.lse.data(), a.qkv.data(), B, S, d_.H, d_.D);
+  keep(a.y);
   if (!d_.flux2) {
     linear_forward(block, FLUX_SP_MLP, a.m.data(), a.hn.data(), rows, C, F, w, lay_.s_mlp);
     keep(a.m);
   }
-  // The MLP's output goes through d_g (rows x F), a backward scratch free here: a block's
-  // backward writes it only after its recompute.
-  Real* mlp_out = buf_.d_g.data();
-  mlp_activation_forward(mlp_out, a.m.data(), rows);
-  ops_.copy_rows(a.cat.data(), C + F, a.y.data(), C, rows, C);
-  ops_.copy_rows(a.cat.data() + C, C + F, mlp_out, F, rows, F);
-  keep(a.cat);  // (y's kept copy: the backward copies it out again)
+  join_cat(a);
   linear_forward(block, FLUX_SP_OUT, a.p.data(), a.cat.data(), rows, C + F, C, w, lay_.s_out);
   keep(a.p);
   ops_.gate_forward(input(buf_.joint, j + 1), in, a.p.data(), mod + 2 * C, 3 * C, B, S, C);
@@ -685,10 +693,15 @@ void FluxModel<Real>::double_backward(int l, Real* g, const Real* w) {
   Buffers& b = buf_;
   restore_input(b.img, l), restore_input(b.txt, l);
   DoubleLayer& a = double_layer(l);
-  if (checkpointing_)
+  if (checkpointing_) {
     double_forward(l, w, true);  // this block's activations again, from its input
-  else
+  } else {
     restore(a.kept);
+    for (int s = 0; s < 2; s++) {  // the MLP's activation again, rounded as the forward's
+      mlp_activation_forward(a.s[s].g.data(), a.s[s].h.data(), B * (s == 0 ? d_.N : d_.L));
+      keep(a.s[s].g);
+    }
+  }
   const int rows[2] = {d_.N, d_.L}, offset[2] = {d_.L, 0};
   const Real* in[2] = {input(b.img, l), input(b.txt, l)};
   Real* d_res[2] = {b.d_img.data(), b.d_txt.data()};  // the running residual gradients
@@ -755,10 +768,12 @@ void FluxModel<Real>::single_backward(int j, Real* g, const Real* w) {
   Buffers& b = buf_;
   restore_input(b.joint, j);
   SingleLayer& a = single_layer(j);
-  if (checkpointing_)
+  if (checkpointing_) {
     single_forward(j, w, true);
-  else
+  } else {
     restore(a.kept);
+    join_cat(a);
+  }
   const Real* mod = modulation(2, a.mod.data());
   Real* d_mod = d_.flux2 ? b.d_shared_mod[2].data() : b.d_mod.data();
   if (!d_.flux2) b.d_mod.zero();
@@ -766,7 +781,6 @@ void FluxModel<Real>::single_backward(int j, Real* g, const Real* w) {
   linear_backward(block, FLUX_SP_OUT, b.d_cat.data(), a.cat.data(), b.d_a.data(), rows, C + F, C, g, w, lay_.s_out);
   ops_.copy_rows(b.d_y.data(), C, b.d_cat.data(), C + F, rows, C);
   ops_.copy_rows(b.d_g.data(), F, b.d_cat.data() + C, C + F, rows, F);
-  ops_.copy_rows(a.y.data(), C, a.cat.data(), C + F, rows, C);  // the attention output, again
   if (!d_.flux2) {
     mlp_activation_backward(b.d_h.data(), b.d_g.data(), a.m.data(), rows);
     // The MLP's input gradient (kept in d_a while the attention's is computed into d_xn).

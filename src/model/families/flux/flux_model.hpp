@@ -234,6 +234,9 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   // A modulation's rows: stream s's of a double block (0 image, 1 text) or a single block's (s = 2).
   const Real* modulation(int s, const Real* own) const { return d_.flux2 ? buf_.shared_mod[s].data() : own; }
   void single_fused_forward(SingleLayer& a, int block, const Real* w);
+  // A single block's output product's input cat = [y | the MLP's activation of m], in the forward
+  // and again before its backward (the activation rounded as a kept tensor).
+  void join_cat(SingleLayer& a);
   void single_fused_backward(SingleLayer& a, int block, Real* g, const Real* w);
 
   const ParamTable& table_;
