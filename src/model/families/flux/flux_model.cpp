@@ -152,13 +152,14 @@ void FluxModel<Real>::lay_out(Buffers& b, const Dims& d, bool checkpointing, DTy
   b.d_img = take(B * N * C), b.d_txt = take(B * L * C), b.d_joint = take(d.single_blocks ? rows * C : 0);
   b.d_mod = take(mods * 2 * B * 6 * C), b.d_silu = take(B * C), b.d_small = take(B * C), b.d_small2 = take(B * C);
   for (int s = 0; s < 3; s++) b.d_shared_mod[s] = take((1 - mods) * B * (s < 2 ? 6 : 3) * C);
-  b.d_a = take(rows * C), b.d_y = take(rows * C), b.d_qkv = take(rows * 3 * C), b.d_q = take(rows * C);
+  b.d_a = take(rows * C), b.d_y = take(rows * C), b.d_q = {b.d_y.data(), rows * C};
   b.d_k = take(rows * C), b.d_v = take(rows * C), b.d_q_pre = take(rows * C), b.d_k_pre = take(rows * C);
   b.d_xn = take(rows * C), b.d_tmp = take(rows * C);
   b.d_h = take(rows * (d.single_blocks ? std::max<size_t>(FH, d.SW) : FH));  // a single block's fused product's too
   b.d_g = take(rows * F);
-  b.d_cat = take(d.single_blocks ? rows * (C + F) : 0);
-  b.d_gate_up = take(d.single_blocks && d.flux2 ? rows * FH : 0);
+  const size_t cat = d.single_blocks ? rows * (C + F) : 0, gate_up = d.single_blocks && d.flux2 ? rows * FH : 0;
+  b.d_wide = take(std::max({cat, rows * 3 * C, gate_up}));
+  b.d_cat = {b.d_wide.data(), cat}, b.d_qkv = {b.d_wide.data(), rows * 3 * C}, b.d_gate_up = {b.d_wide.data(), gate_up};
   b.d_xo = take(B * T * C), b.d_final = take(B * T * C);
 }
 

@@ -156,9 +156,14 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
     std::vector<SingleLayer> singles;
     Array x_final, mod_out, xo, xo_mean, xo_rstd, out, losses;
     // backward scratch, shared by every block (d_h and d_g also the single blocks' forward scratch;
-    // d_gate_up: FLUX.2's single blocks' MLP gradient before it joins the fused product's)
-    Array d_img, d_txt, d_joint, d_mod, d_silu, d_small, d_small2, d_a, d_y, d_qkv, d_q, d_k, d_v, d_q_pre,
-        d_k_pre, d_xn, d_tmp, d_h, d_g, d_cat, d_gate_up, d_xo, d_final;
+    // d_gate_up: FLUX.2's single blocks' MLP gradient before it joins the fused product's). Arrays
+    // never live at once share memory, in a block's backward in this order: d_cat (until d_y and
+    // d_g are copied out of it), d_qkv (the attention's gradient until d_q, d_k and d_v are copied
+    // out of it) and d_gate_up in d_wide; d_y (until the attention's backward has read it), then
+    // d_q.
+    Array d_img, d_txt, d_joint, d_mod, d_silu, d_small, d_small2, d_a, d_y, d_k, d_v, d_q_pre, d_k_pre, d_xn, d_tmp,
+        d_h, d_g, d_wide, d_xo, d_final;
+    Span d_q, d_qkv, d_cat, d_gate_up;
   };
   // Assigns every array of `b` in one fixed order from take(elements) and take_half(elements):
   // the constructor's allocation and buffer_elements' count.
