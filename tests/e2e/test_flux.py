@@ -161,18 +161,21 @@ def check_bf16_activations(args, folder, reference, steps=4):
     of 1e-30, which leaves every fp32 weight as it is) lie nearer reference(step, bf16_round) -- the
     residual streams rounded where the embedders and each block but the last make them, and every
     kept tensor inside the blocks where it is made -- than reference(step, identity), with
-    checkpointing (its recompute rounds the same way) and without. Only nearer: where an fp32 value
-    and the float64 one lie on two sides of a bf16 rounding boundary they round one unit apart, a
-    few of the thousands of roundings, each worth a few times an ordinary rounding's share; summed
+    checkpointing and without (the same losses to the bit: checkpointing rounds in place what it
+    does not keep). Only nearer: where an fp32 value and the float64 one lie on two sides of a bf16
+    rounding boundary they round one unit apart, a few of the thousands of roundings, each worth a
+    few times an ordinary rounding's share; summed
     over the steps, measured 0.115 (FLUX.1) and 0.185 (FLUX.2) of the distance between the two
     references. It tells rounding where the reference does from not rounding; one missing point of
     the fifteen or so per block would move the losses by less than that margin."""
     rounded = exact = None
+    losses = []
     for extra in ([], ["--fsdp.activation_checkpointing=true"]):
         metrics = os.path.join(tempdir(), "metrics.jsonl")
         ok(run(2, args(f"--checkpoint.init_from={folder}", f"--train.steps={steps}", "--train.lr=1e-30",
                        "--fsdp.activation_dtype=bf16", *extra, metrics=metrics)), extra)
         got = [r["loss"] for r in read_metrics(metrics)]
+        losses.append(got)
         if rounded is None:  # (the run wrote the data files)
             rounded = [reference(step, bf16_round) for step in range(steps)]
             exact = [reference(step, lambda v: v) for step in range(steps)]
@@ -180,6 +183,8 @@ def check_bf16_activations(args, folder, reference, steps=4):
         shift = sum(abs(r - e) for r, e in zip(rounded, exact))
         print(f"bf16 activations {extra}: {off / shift:.3f} of the distance between the references")
         assert len(got) == steps and off < 0.5 * shift, (extra, got, rounded, exact)
+    # Checkpointing's recompute rounds as the kept copies were rounded: the same losses to the bit.
+    assert losses[0] == losses[1], losses
 
 
 def check_held_equals_planned(args, cases):
