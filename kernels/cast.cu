@@ -158,9 +158,9 @@ void launch_round_to_half(float* values, uint16_t* half, size_t n, DType type, c
     const unsigned grid = grid_for(packs, kThreads, ctx);
     uint16_t* kept = half ? half + first : nullptr;  // null: rounded in place only
     if (type == DTYPE_BF16)
-      round_to_half_kernel<DTYPE_BF16, E><<<grid, kThreads, 0, ctx.stream>>>(values + first, kept + first, packs);
+      round_to_half_kernel<DTYPE_BF16, E><<<grid, kThreads, 0, ctx.stream>>>(values + first, kept, packs);
     else
-      round_to_half_kernel<DTYPE_FP16, E><<<grid, kThreads, 0, ctx.stream>>>(values + first, kept + first, packs);
+      round_to_half_kernel<DTYPE_FP16, E><<<grid, kThreads, 0, ctx.stream>>>(values + first, kept, packs);
     CUDA_CHECK_LAUNCH();
   });
 }

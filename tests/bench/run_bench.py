@@ -461,10 +461,12 @@ def flux_section(build, steps, rounds):
     joint sequence: 256 image + 64 text tokens), 1 rank x 2 threads, interleaved rounds; MFU against
     each run's SGEMM peak, and the achieved GFLOP/s (tokens/s x the model's FLOPs per token: for
     FLUX, per image token). And FLUX.1's with its activations in bf16 (fsdp.activation_dtype,
-    fp32 parameters): what rounding and widening them costs."""
+    fp32 parameters): what rounding and widening them costs; FLUX.2's with activation
+    checkpointing: what recomputing each block's forward costs (MFU counts the model's FLOPs, not
+    the recompute's)."""
     print(f"\n== FLUX beside GPT-2: {rounds} rounds of {steps} steps, 1 rank x 2 threads (first step dropped)",
           flush=True)
-    rows = {"flux": [], "flux-bf16-activations": [], "flux2": [], "gpt2": []}
+    rows = {"flux": [], "flux-bf16-activations": [], "flux2": [], "flux2-checkpointing": [], "gpt2": []}
     with tempfile.TemporaryDirectory() as tmp:
         latents = flux_latents(tmp)
         for _ in range(rounds):
@@ -474,6 +476,8 @@ def flux_section(build, steps, rounds):
             rows["flux-bf16-activations"].extend((x, peak, flops) for x in r)
             r, peak, flops = flux_run(build, steps, latents, flux2=True)
             rows["flux2"].extend((x, peak, flops) for x in r)
+            r, peak, flops = flux_run(build, steps, latents, flux2=True, extra=["--fsdp.activation_checkpointing=true"])
+            rows["flux2-checkpointing"].extend((x, peak, flops) for x in r)
             r, peak, out = [], 0, []
             run_rows, peak, _ = train_run(build, 1, 2, steps, "gpt2-124M.ini", 320, 1, 4, stdout=out)
             flops = float(re.search(r"\| ([\d.]+) MFLOP per token", out[0]).group(1)) * 1e6
@@ -484,10 +488,12 @@ def flux_section(build, steps, rounds):
         mfu = summarize([r["mfu"] for r, _, _ in data])
         gflops = statistics.median(r["tokens_per_s"] * f / 1e9 for r, _, f in data)
         medians[name] = (mfu[1], gflops)
-        print(f"{name:16s} | SGEMM peak median {statistics.median(p for _, p, _ in data):.1f} GFLOP/s | "
+        print(f"{name:21s} | SGEMM peak median {statistics.median(p for _, p, _ in data):.1f} GFLOP/s | "
               f"{data[0][2] / 1e6:.1f} MFLOP per token | tokens/s min {tps[0]:.1f} median {tps[1]:.1f} max {tps[2]:.1f} | "
               f"MFU min {mfu[0]:.3f} median {mfu[1]:.3f} max {mfu[2]:.3f} | GFLOP/s median {gflops:.1f}", flush=True)
     print(f"flux-bf16-activations / flux (medians): MFU {medians['flux-bf16-activations'][0] / medians['flux'][0]:.3f}", flush=True)
+    print(f"flux2-checkpointing / flux2 (medians): MFU {medians['flux2-checkpointing'][0] / medians['flux2'][0]:.3f}",
+          flush=True)
     for name in ("flux", "flux2"):
         print(f"{name} / gpt2 (medians): MFU {medians[name][0] / medians['gpt2'][0]:.3f}, "
               f"GFLOP/s {medians[name][1] / medians['gpt2'][1]:.3f}", flush=True)

@@ -1815,9 +1815,11 @@ TEST_P(HalfActivationsTest, RoundToHalfIsToHalfThenFromHalfBitwise) {
   const std::vector<uint16_t> got_halves = d_halves.download(label);
   expect_same_bits(got_halves, halves, label + " 16-bit values");
   expect_same_bits(got_values, widened, label + " rounded values");
-  auto d_alone = on_device(device(), "values", floats, 1);  // a null copy: the rounding alone
-  ops().round_to_half(d_alone.data(), nullptr, floats.size(), type);
-  expect_same_bits(d_alone.download(label), widened, label + " rounded in place, no copy");
+  for (int shift : {0, 1}) {  // a null copy: the rounding alone, packed (with a tail) and one by one
+    auto d_alone = on_device(device(), "values", floats, shift);
+    ops().round_to_half(d_alone.data(), nullptr, floats.size(), type);
+    expect_same_bits(d_alone.download(label), widened, label + " rounded in place, no copy");
+  }
 
   auto d_floats = on_device(device(), "floats", floats, 0);
   DeviceBuffer<uint16_t> d_to(device(), "to_half", floats.size(), 0);
