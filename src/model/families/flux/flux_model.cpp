@@ -459,11 +459,12 @@ void FluxModel<Real>::qkv_forward(int block, int q_product, Attention& att, cons
 }
 
 template <typename Real>
-void FluxModel<Real>::mlp_activation_forward(Real* g, const Real* h, int rows) {
+void FluxModel<Real>::mlp_activation_forward(const Span& g, const Real* h, int rows) {
   if (d_.flux2)
-    ops_.swiglu_forward(g, h, rows, d_.F);
+    ops_.swiglu_forward(g.data(), h, rows, d_.F);
   else
-    ops_.gelu_forward(g, h, static_cast<size_t>(rows) * d_.F);
+    ops_.gelu_forward(g.data(), h, static_cast<size_t>(rows) * d_.F);
+  keep(g);
 }
 
 template <typename Real>
@@ -514,8 +515,7 @@ void FluxModel<Real>::double_forward(int l, const Real* w, bool recompute) {
     keep(t.xn2);
     linear_forward(l, q0 + FLUX_P_FF1, t.h.data(), t.xn2.data(), B * n, C, d_.FH, w, lin.ff1);
     keep(t.h);
-    mlp_activation_forward(t.g.data(), t.h.data(), B * n);
-    keep(t.g);
+    mlp_activation_forward(t.g, t.h.data(), B * n);
     linear_forward(l, q0 + FLUX_P_FF2, t.f.data(), t.g.data(), B * n, d_.F, C, w, lin.ff2);
     keep(t.f);
     ops_.gate_forward(out[s], t.x2.data(), t.f.data(), mod + 5 * C, 6 * C, B, n, C);
@@ -546,8 +546,7 @@ void FluxModel<Real>::join_cat(SingleLayer& a) {
   // The MLP's output goes through d_g (rows x F), a backward scratch free here: a block's backward
   // writes it only after its recompute, or after this.
   Real* mlp_out = buf_.d_g.data();
-  mlp_activation_forward(mlp_out, a.m.data(), rows);
-  keep(Span{mlp_out, static_cast<size_t>(rows) * F});
+  mlp_activation_forward(Span{mlp_out, static_cast<size_t>(rows) * F}, a.m.data(), rows);
   ops_.copy_rows(a.cat.data(), C + F, a.y.data(), C, rows, C);
   ops_.copy_rows(a.cat.data() + C, C + F, mlp_out, F, rows, F);
 }
@@ -694,16 +693,16 @@ void FluxModel<Real>::double_backward(int l, Real* g, const Real* w) {
   Buffers& b = buf_;
   restore_input(b.img, l), restore_input(b.txt, l);
   DoubleLayer& a = double_layer(l);
+  const int rows[2] = {d_.N, d_.L}, offset[2] = {d_.L, 0};
   if (checkpointing_) {
     double_forward(l, w, true);  // this block's activations again, from its input
-  } else {
+  } else {  // the kept tensors back, and what the backward reads but the forward did not keep made again
     restore(a.kept);
-    for (int s = 0; s < 2; s++) {  // the MLP's activation again, rounded as the forward's
-      mlp_activation_forward(a.s[s].g.data(), a.s[s].h.data(), B * (s == 0 ? d_.N : d_.L));
-      keep(a.s[s].g);
+    for (int s = 0; s < 2; s++) {
+      split(a.s[s].y.data(), a.y.data(), C, 0, rows[s], offset[s]);  // its rows of the attention output
+      mlp_activation_forward(a.s[s].g, a.s[s].h.data(), B * rows[s]);
     }
   }
-  const int rows[2] = {d_.N, d_.L}, offset[2] = {d_.L, 0};
   const Real* in[2] = {input(b.img, l), input(b.txt, l)};
   Real* d_res[2] = {b.d_img.data(), b.d_txt.data()};  // the running residual gradients
   // The modulations' gradients: this block's own (FLUX.1), or added to the root's (FLUX.2).
@@ -724,7 +723,6 @@ void FluxModel<Real>::double_backward(int l, Real* g, const Real* w) {
     ops_.modulate_backward(d_res[s], d_mod + 3 * C, d_mod + 4 * C, b.d_xn.data(), t.x2.data(), mod + 4 * C,
                            t.mean2.data(), t.rstd2.data(), 6 * C, B, n, C);
     ops_.gate_backward(b.d_a.data(), d_mod + 2 * C, d_res[s], t.a.data(), mod + 2 * C, 6 * C, B, n, C);
-    split(t.y.data(), a.y.data(), C, 0, n, offset[s]);  // its rows of the attention output, again
     linear_backward(l, q0 + FLUX_P_OUT, b.d_tmp.data(), t.y.data(), b.d_a.data(), B * n, C, C, g, w, lin.out);
     join(b.d_y.data(), C, 0, b.d_tmp.data(), n, offset[s]);
   }

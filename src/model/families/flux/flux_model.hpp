@@ -233,8 +233,9 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   // The modulation product's gradient into its weights and the conditioning's (d_silu +=).
   void modulation_backward(int block, int product, const Real* d_mod, int width, Real* g, const Real* w,
                            FluxLinear lin);
-  // The MLP's activation (GELU; FLUX.2: SwiGLU of gate | up) of `rows` rows of h (FH wide) into g (F wide).
-  void mlp_activation_forward(Real* g, const Real* h, int rows);
+  // The MLP's activation (GELU; FLUX.2: SwiGLU of gate | up) of `rows` rows of h (FH wide) into g (F wide),
+  // rounded as a kept tensor (keep()): the backward makes it again rather than keeping it.
+  void mlp_activation_forward(const Span& g, const Real* h, int rows);
   void mlp_activation_backward(Real* dh, const Real* dg, const Real* h, int rows);
   // A modulation's rows: stream s's of a double block (0 image, 1 text) or a single block's (s = 2).
   const Real* modulation(int s, const Real* own) const { return d_.flux2 ? buf_.shared_mod[s].data() : own; }
