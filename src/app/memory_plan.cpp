@@ -112,15 +112,15 @@ namespace {
 
 // The model's activation arrays as its constructor makes them (ModelFamily::activation_arrays; their
 // sum is plan_activation_bytes): the saved tensors
-// (SavedActivations: per layer in fp32, or one fp32 working set and per-layer 16-bit copies), then
+// (SavedActivations: per set in fp32, or one fp32 working set and per-set 16-bit copies), then
 // the rest. The adapters' buffers count as one allocation.
-void add_activation_allocations(const ParamTable& table, int batch, int seq_len, bool checkpointing,
+void add_activation_allocations(const ParamTable& table, int batch, int seq_len, Checkpointing checkpointing,
                                 DType activation_dtype, std::vector<PlannedAllocation>* list) {
   const ModelConfig& c = table.config();
   const size_t BT = static_cast<size_t>(batch) * seq_len;
-  const size_t layers = checkpointing ? 1 : c.n_layer;
-  for (size_t bytes : SavedActivations<float>::plan_allocations(
-           activation_dtype, static_cast<int>(layers), plan_saved_tensor_elements(c, batch, seq_len), sizeof(float)))
+  const int sets = checkpointing.run(0, c.n_layer).sets();
+  for (size_t bytes : SavedActivations<float>::plan_allocations(activation_dtype, sets,
+                                                                plan_saved_tensor_elements(c, batch, seq_len), sizeof(float)))
     list->push_back({MEM_ACTIVATIONS, bytes});
   const ModelFamily& family = family_of(c);
   if (family.id_bytes(c, batch, seq_len) > 0) {  // a decoder's (model/decoder_lm.hpp)
@@ -162,7 +162,7 @@ std::pair<size_t, const char*> largest_kernel_workspace(const ParamTable& table,
 
 std::vector<PlannedAllocation> plan_device_allocations(const ParamTable& table, const GroupShape& groups,
                                                        const EngineOptions& engine, int micro_batch, int seq_len,
-                                                       bool activation_checkpointing, DType activation_dtype) {
+                                                       Checkpointing activation_checkpointing, DType activation_dtype) {
   const std::vector<UnitLayout> layout = FsdpEngine::plan_layout(table, groups);
   std::vector<PlannedAllocation> list = FsdpEngine::plan_allocations(layout, engine);  // the engine's, its reductions'
   auto add = [&](MemCategory category, size_t bytes) {
@@ -241,7 +241,7 @@ GpuBackendPlan plan_gpu_backend(const ParamTable& table, const GroupShape& group
 }
 
 MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, const EngineOptions& engine,
-                            int micro_batch, int seq_len, bool activation_checkpointing,
+                            int micro_batch, int seq_len, Checkpointing activation_checkpointing,
                             const ComputeOptions& compute, const GemmWorkload& gemms,
                             const std::vector<FrozenCompanion>& frozen) {
   std::vector<UnitLayout> layout = FsdpEngine::plan_layout(table, groups);

@@ -101,7 +101,7 @@ struct MemoryPlan {
 // the device and its kernels; `gemms`: the linear layers multiplied (gemm_workload), for the GEMMs'
 // workspace.
 MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, const EngineOptions& engine,
-                            int micro_batch, int seq_len, bool activation_checkpointing,
+                            int micro_batch, int seq_len, Checkpointing activation_checkpointing,
                             const ComputeOptions& compute, const GemmWorkload& gemms,
                             const std::vector<FrozenCompanion>& frozen = {});
 // The device arrays of the engine, the optimizer and the model that `bytes` sums, one by one, in
@@ -109,7 +109,7 @@ MemoryPlan plan_rank_memory(const ParamTable& table, const GroupShape& groups, c
 // masters, their gradients and the moments are host memory and not listed.
 std::vector<PlannedAllocation> plan_device_allocations(const ParamTable& table, const GroupShape& groups,
                                                        const EngineOptions& engine, int micro_batch, int seq_len,
-                                                       bool activation_checkpointing,
+                                                       Checkpointing activation_checkpointing,
                                                        DType activation_dtype = DTYPE_FP32);
 // The CUDA backend's own memory for this run (GpuBackendPlan), given the allocations it rounds.
 // step_communicator: the trainer's world communicator for the step's sums (made on a GPU unless

@@ -320,6 +320,10 @@ void declare_options(OptionList& o, Config& c) {
   o.add("fsdp.activation_checkpointing", &c.fsdp.activation_checkpointing,
         "keep only each block's input and recompute the block in backward (less activation memory, ~1/3 more "
         "compute)");
+  o.add("fsdp.checkpoint_blocks", &c.fsdp.checkpoint_blocks,
+        "with fsdp.activation_checkpointing: recompute only the first N blocks (FLUX: double, then single), "
+        "the rest keep their activations -- each recomputed block past the first saves one block's; 0 = every "
+        "block ('shardtrain plan' finds the fewest that fit)");
   o.add_choice("fsdp.param_dtype", &c.fsdp.param_dtype, DTYPES, dtype_name,
                "the type parameters are gathered and communicated in (fp32 master weights and moments; on the "
                "CPU, compute widens to fp32); fp16 turns on dynamic loss scaling");
@@ -876,6 +880,14 @@ void validate_config(const Config& c, int world) {
           "from checkpoint.init_from, which is empty: set it to the base model (a Hugging Face folder, llm.c "
           "file or ShardTrain checkpoint)");
   require(c.fsdp.limit_all_gathers >= 1, "fsdp.limit_all_gathers must be >= 1 (1 disables prefetching)");
+  const int blocks = c.model.n_layer + c.model.n_single_layer;
+  require(c.fsdp.checkpoint_blocks >= 0 && c.fsdp.checkpoint_blocks <= blocks,
+          strprintf("fsdp.checkpoint_blocks=%d is not a count of the model's %d blocks: use 1 to %d, or 0 for every "
+                    "block", c.fsdp.checkpoint_blocks, blocks, blocks));
+  require(c.fsdp.checkpoint_blocks == 0 || c.fsdp.activation_checkpointing,
+          strprintf("fsdp.checkpoint_blocks=%d chooses which blocks activation checkpointing recomputes, but "
+                    "fsdp.activation_checkpointing=false: set it to true, or remove fsdp.checkpoint_blocks",
+                    c.fsdp.checkpoint_blocks));
   require(c.fsdp.comm_timeout >= 0, "fsdp.comm_timeout must be >= 0 seconds (0 disables the watchdog)");
   const AdapterOptions& a = c.adapter;
   require(a.rank >= 1, "adapter.rank must be >= 1");
@@ -1001,6 +1013,11 @@ EngineOptions engine_options(const Config& c) {
   o.linear_weights_in_half_only = gemms_multiply_half_copies(compute_options(c));
   o.overlap_reduce_scatter = o.nccl;  // NCCL progresses on its own stream; MPI does not
   return o;
+}
+
+Checkpointing checkpointing_of(const Config& c) {
+  if (!c.fsdp.activation_checkpointing) return false;
+  return c.fsdp.checkpoint_blocks == 0 ? Checkpointing(true) : Checkpointing::first(c.fsdp.checkpoint_blocks);
 }
 
 ComputeOptions compute_options(const Config& c) {

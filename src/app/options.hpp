@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "app/compute_options.hpp"
+#include "model/checkpointing.hpp"
 #include "core/format.hpp"
 #include "data/flow_matching.hpp"
 #include "model/config.hpp"
@@ -79,6 +80,7 @@ struct FsdpOptions {
   int shard_group_size = 0;            // HYBRID_SHARD: ranks per shard group; 0 = the ranks of a node
   bool reduce_every_microbatch = true;  // false: accumulate unsharded, reduce once per step
   bool activation_checkpointing = false;
+  int checkpoint_blocks = 0;  // with it: recompute only the first N blocks; 0 = every block
   DType param_dtype = DTYPE_FP32;   // gathered parameters and their all-gather
   DType reduce_dtype = DTYPE_FP32;  // the gradient reduce-scatter's wire type
   ActivationDtype activation_dtype = ACTIVATIONS_AUTO;  // the blocks' saved activations
@@ -185,6 +187,8 @@ std::string resolved_ini(const Config& config);
 EngineOptions engine_options(const Config& config);
 // train.device, fsdp.param_dtype, fsdp.comm_backend and train.attention.
 ComputeOptions compute_options(const Config& config);
+// fsdp.activation_checkpointing with fsdp.checkpoint_blocks: which blocks recompute.
+Checkpointing checkpointing_of(const Config& config);
 // The parameter table the configuration trains: the model with train.freeze applied. Throws
 // UsageError for a pattern that matches nothing or freezes what cannot be (model/param_table.hpp).
 ParamTable config_param_table(const Config& config);

@@ -1,7 +1,9 @@
 // See planner.hpp. Speed order among the combinations that fit: no CPU offload first (it copies
 // every shard to the device per gather and runs AdamW on the CPU: the last resort, considered for
-// FULL_SHARD only), then no recomputation (activation checkpointing repeats each block's forward,
-// about a third more compute), then the fewest bytes moved per step per rank. Traffic per rank per
+// FULL_SHARD only), then the fewest blocks recomputed (activation checkpointing repeats a block's
+// forward, about a third more of its compute: where recomputing every block fits and none does
+// not, the fewest first blocks that fit, fsdp.checkpoint_blocks), then the fewest bytes moved per
+// step per rank. Traffic per rank per
 // step, Psi = padded parameters, N = shard group size, R = replicas, A = micro-batches per step
 // (ring collectives move (n-1)/n):
 //   FULL_SHARD/HYBRID  A (Psi + max(0, L - K) Psi_block)(N-1)/N all-gathers (the backward re-gathers
@@ -32,7 +34,8 @@ struct Candidate {
   const char* reduce_label() const { return reduce_every_microbatch && strategy != SHARDING_NO_SHARD ? "micro" : "step"; }
   ShardingStrategy strategy;
   bool reduce_every_microbatch;
-  bool checkpointing;
+  Checkpointing checkpointing;
+  int recomputed;  // blocks: 0, some (fsdp.checkpoint_blocks) or all
   bool offload;
   int shard_size, replicas;
   MemoryPlan memory;
@@ -75,6 +78,7 @@ std::vector<Candidate> plan_candidates(const Config& config, int world, int rank
   const std::vector<FrozenCompanion> frozen = frozen_companions(config, world);  // a teacher's, a text encoder's; read once
   const int accumulation = std::max(1, config.train.global_batch / (config.train.micro_batch * world));
   const GemmWorkload gemms = gemm_workload(config.model, frozen, config.train.micro_batch, config.train.seq_len);
+  const int blocks = table.block_count();
   std::vector<Candidate> candidates;
   const ShardingStrategy strategies[] = {SHARDING_NO_SHARD, SHARDING_HYBRID_SHARD, SHARDING_SHARD_GRAD_OP,
                                          SHARDING_FULL_SHARD};
@@ -85,19 +89,32 @@ std::vector<Candidate> plan_candidates(const Config& config, int world, int rank
       if (s == SHARDING_NO_SHARD && every) continue;  // NO_SHARD always reduces once per step
       for (bool offload : {false, true}) {
         if (offload && s != SHARDING_FULL_SHARD) continue;
-        for (bool ckpt : {false, true}) {
-          Candidate c{s, every, ckpt, offload, shard, world / shard, {}, 0, false};
-          Config candidate = config;  // what the engine derives from them (fsdp.keep_half_shard=auto) follows
-          candidate.fsdp.sharding_strategy = s, candidate.fsdp.reduce_every_microbatch = every;
-          candidate.fsdp.cpu_offload = offload;
-          const EngineOptions options = engine_options(candidate);
+        Config candidate = config;  // what the engine derives from them (fsdp.keep_half_shard=auto) follows
+        candidate.fsdp.sharding_strategy = s, candidate.fsdp.reduce_every_microbatch = every;
+        candidate.fsdp.cpu_offload = offload;
+        const EngineOptions options = engine_options(candidate);
+        auto plan = [&](Checkpointing ckpt) {
+          Candidate c{s, every, ckpt, ckpt.count(blocks), offload, shard, world / shard, {}, 0, false};
           c.memory = plan_rank_memory(table, GroupShape{shard, 0, world / shard, 0}, options,
                                       config.train.micro_batch, config.train.seq_len, ckpt,
                                       compute_options(config), gemms, frozen);
           c.traffic_bytes = traffic_per_step(table, c, options, accumulation);
           c.fits = limit == 0 || c.memory.total() <= limit;
-          candidates.push_back(c);
-        }
+          return c;
+        };
+        const Candidate none = plan(false), every_block = plan(true);
+        candidates.push_back(none);
+        // Between them, the fewest first blocks that fit. One recomputed block saves nothing (the
+        // set it shares is its own); each further block saves about one block's activations.
+        if (!none.fits && every_block.fits)
+          for (int k = 2; k < blocks; k++) {
+            const Candidate some = plan(Checkpointing::first(k));
+            if (some.fits) {
+              candidates.push_back(some);
+              break;
+            }
+          }
+        candidates.push_back(every_block);
       }
     }
   }
@@ -142,7 +159,7 @@ const Candidate* recommend(const std::vector<Candidate>& candidates) {
   const Candidate* best = nullptr;
   auto faster = [](const Candidate& a, const Candidate& b) {
     if (a.offload != b.offload) return !a.offload;
-    if (a.checkpointing != b.checkpointing) return !a.checkpointing;
+    if (a.recomputed != b.recomputed) return a.recomputed < b.recomputed;
     if (a.traffic_bytes != b.traffic_bytes) return a.traffic_bytes < b.traffic_bytes;
     return a.memory.total() < b.memory.total();
   };
@@ -151,9 +168,17 @@ const Candidate* recommend(const std::vector<Candidate>& candidates) {
   return best;
 }
 
+// "no", "yes" (every block) or "12/56" (the first 12 of 56 blocks).
+std::string recompute_label(const Candidate& c, int blocks) {
+  return c.recomputed == 0 ? "no" : c.checkpointing.every() ? "yes" : strprintf("%d/%d", c.recomputed, blocks);
+}
+
 std::string describe_fit(const Candidate& c) {
   return strprintf("%s per rank with %s%s%s", human_bytes(static_cast<double>(c.memory.total())).c_str(),
-                   sharding_strategy_name(c.strategy), c.checkpointing ? " + activation checkpointing" : "",
+                   sharding_strategy_name(c.strategy),
+                   !c.checkpointing.any()    ? ""
+                   : c.checkpointing.every() ? " + activation checkpointing"
+                                             : strprintf(" + activation checkpointing of %d blocks", c.recomputed).c_str(),
                    c.offload ? " + CPU offload" : "");
 }
 
@@ -268,7 +293,7 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
     const auto& b = c.memory.bytes;
     const GpuBackendPlan& g = c.memory.gpu;
     std::printf("%-14s %-9s %-5s %-7s %10s %10s %10s %10s %10s %11s", sharding_strategy_name(c.strategy),
-                c.reduce_label(), c.checkpointing ? "yes" : "no", c.offload ? "yes" : "no",
+                c.reduce_label(), recompute_label(c, table.block_count()).c_str(), c.offload ? "yes" : "no",
                 human_bytes(b[MEM_SHARDED_PARAMS]).c_str(), human_bytes(b[MEM_GATHERED_UNITS]).c_str(),
                 human_bytes(b[MEM_GRADIENTS]).c_str(), human_bytes(b[MEM_OPTIMIZER_STATE]).c_str(),
                 human_bytes(b[MEM_ACTIVATIONS]).c_str(),
@@ -294,7 +319,7 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
   // The same table for scripts: exact bytes (on a GPU also the backend's: nccl_bytes is the estimate).
   for (const Candidate& c : lines ? candidates : std::vector<Candidate>{}) {
     std::printf("PLAN strategy=%s reduce=%s checkpointing=%s offload=%s peak_bytes=%zu traffic_bytes=%.0f fits=%d",
-                sharding_strategy_name(c.strategy), c.reduce_label(), c.checkpointing ? "yes" : "no",
+                sharding_strategy_name(c.strategy), c.reduce_label(), recompute_label(c, table.block_count()).c_str(),
                 c.offload ? "yes" : "no", c.memory.total(), c.traffic_bytes, c.fits ? 1 : 0);
     const GpuBackendPlan& g = c.memory.gpu;
     if (gpu)
@@ -313,9 +338,13 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
   }
   const Candidate& best = *recommended;
   std::printf("\nrecommended: fsdp.sharding_strategy=%s fsdp.reduce_every_microbatch=%s "
-              "fsdp.activation_checkpointing=%s fsdp.cpu_offload=%s%s\n",
+              "fsdp.activation_checkpointing=%s%s fsdp.cpu_offload=%s%s\n",
               sharding_strategy_name(best.strategy), best.reduce_every_microbatch ? "true" : "false",
-              best.checkpointing ? "true" : "false", best.offload ? "true" : "false",
+              best.checkpointing.any() ? "true" : "false",
+              best.checkpointing.any() && !best.checkpointing.every()
+                  ? strprintf(" fsdp.checkpoint_blocks=%d", best.recomputed).c_str()
+                  : "",
+              best.offload ? "true" : "false",
               best.strategy == SHARDING_HYBRID_SHARD ? strprintf(" fsdp.shard_group_size=%d", best.shard_size).c_str()
                                                      : "");
   std::printf("why: it needs %s per rank%s and moves %s per step per rank, the least among the combinations "
@@ -324,10 +353,13 @@ void run_planner(const Runtime& rt, const std::vector<std::string>& args) {
               limit ? strprintf(" (limit %s)", human_bytes(static_cast<double>(limit)).c_str()).c_str() : "",
               human_bytes(best.traffic_bytes).c_str(),
               best.offload ? "; CPU offload is needed because nothing fits on the device without it"
-              : best.checkpointing ? "; activation checkpointing is needed because nothing fits without it"
-                                   : " without recomputing activations");
+              : best.checkpointing.every() ? "; activation checkpointing is needed because nothing fits without it"
+              : best.checkpointing.any()
+                  ? strprintf("; recomputing the first %d of the %d blocks fits and recomputing fewer does not",
+                              best.recomputed, table.block_count()).c_str()
+                  : " without recomputing activations");
   for (const Candidate& c : candidates)
-    if (!c.fits && !c.checkpointing && !c.offload && c.traffic_bytes < best.traffic_bytes)
+    if (!c.fits && !c.checkpointing.any() && !c.offload && c.traffic_bytes < best.traffic_bytes)
       std::printf("  %s (reduce per %s) would move less but needs %s per rank\n", sharding_strategy_name(c.strategy),
                   c.reduce_label(), human_bytes(c.memory.total()).c_str());
 }

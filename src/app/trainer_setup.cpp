@@ -89,7 +89,7 @@ MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrat
                                const std::vector<FrozenCompanion>& frozen) {
   GroupShape groups{shard.size(), shard.rank(), replica.size(), replica.rank()};
   MemoryPlan plan = plan_rank_memory(config_param_table(c), groups, engine_options(c), c.train.micro_batch,
-                                     c.train.seq_len, c.fsdp.activation_checkpointing, compute.options(), gemms,
+                                     c.train.seq_len, checkpointing_of(c), compute.options(), gemms,
                                      frozen);
   rt.agree_on([&] {
     // Host memory: the whole plan on the CPU backend, the offloaded state on a GPU. Checked against
@@ -184,7 +184,7 @@ Trainer::Trainer(const Runtime& rt, const Config& config)
     op_timer_ = std::make_unique<OpTimer>(*compute_.backend().device);
     timed_ops_ = make_timed_layer_ops(*compute_.backend().ops, *op_timer_);
   }
-  model_ = make_model<float>(table_, B_, T_, cfg_.fsdp.activation_checkpointing,
+  model_ = make_model<float>(table_, B_, T_, checkpointing_of(cfg_),
                              timed_ops_ ? *timed_ops_ : *compute_.backend().ops,
                              compute_.options().activation_dtype);
   memory_.add(MEM_ACTIVATIONS, model_->activation_bytes());

@@ -55,13 +55,14 @@ class DecoderLM : public TransformerModel<Real>,
 
  protected:
   using Array = DeviceArray<Real>;
-  // saved_sizes: the family's saved tensors per layer (SavedActivations), kept for one layer with
-  // activation checkpointing, for every layer without.
-  DecoderLM(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing, const LayerOps<Real>& ops,
+  // saved_sizes: the family's saved tensors per layer (SavedActivations), a set for each layer that
+  // keeps its own and one shared by the recomputing layers (model/checkpointing.hpp).
+  DecoderLM(const ParamTable& table, int batch, int seq_len, Checkpointing activation_checkpointing, const LayerOps<Real>& ops,
             DType activation_dtype, const std::vector<size_t>& saved_sizes)
       : table_(table), ops_(ops), adapters_(table, batch * seq_len, ops), cfg_(table.config()), B_(batch),
         T_(seq_len), checkpointing_(activation_checkpointing),
-        saved_(ops, activation_dtype, activation_checkpointing ? 1 : table.config().n_layer, saved_sizes) {
+        recompute_(activation_checkpointing.run(0, table.config().n_layer)),
+        saved_(ops, activation_dtype, recompute_, saved_sizes) {
     SHARD_CHECK(seq_len <= cfg_.max_seq_len, "seq_len %d > max_seq_len %d", seq_len, cfg_.max_seq_len);
     const size_t BT = static_cast<size_t>(B_) * T_;
     tokens_ = DeviceArray<int>(ops.device(), BT);
@@ -144,7 +145,8 @@ class DecoderLM : public TransformerModel<Real>,
   ModelAdapters<Real> adapters_;  // the adapters around the block products (model/adapter_layers.hpp)
   ModelConfig cfg_;
   int B_, T_;
-  bool checkpointing_;
+  Checkpointing checkpointing_;
+  CheckpointedRun recompute_;  // which layers recompute and where each keeps its saved tensors
   CrossEntropyLoss<Real> cross_entropy_;
   DeviceArray<int> tokens_, targets_, doc_starts_, positions_;
   bool masked_ = false;     // doc_starts_ holds each row's first key: documents, a sliding window or both
@@ -152,7 +154,7 @@ class DecoderLM : public TransformerModel<Real>,
   bool window_alone_uploaded_ = false;  // doc_starts_ holds the window's first keys without documents
   bool restarted_ = false;  // and its positions restart with each (positions_)
   std::vector<Array> resid_;      // resid_[l]: input of block l; resid_[L]: output of the last
-  SavedActivations<Real> saved_;  // one layer with checkpointing, else every layer
+  SavedActivations<Real> saved_;  // a set per layer that keeps its own, one for the recomputing layers
   Array lnf_, probs_, losses_;    // the final norm's output, the logits then probabilities, the losses
   Array dresid_, dln_;            // backward scratch shared by all layers: the residual's gradient, a norm's
 };

@@ -17,6 +17,7 @@
 #include "backend/dtype.hpp"
 #include "backend/layer_ops.hpp"
 #include "model/adapter.hpp"
+#include "model/checkpointing.hpp"
 #include "model/config.hpp"
 #include "model/hf_config.hpp"
 
@@ -88,18 +89,18 @@ class ModelFamily {
 
   // --- compute ---
   virtual std::unique_ptr<TransformerModel<float>> make_model(const ParamTable& table, int batch, int seq_len,
-                                                              bool activation_checkpointing,
+                                                              Checkpointing activation_checkpointing,
                                                               const LayerOps<float>& ops,
                                                               DType activation_dtype) const = 0;
   virtual std::unique_ptr<TransformerModel<double>> make_model(const ParamTable& table, int batch, int seq_len,
-                                                               bool activation_checkpointing,
+                                                               Checkpointing activation_checkpointing,
                                                                const LayerOps<double>& ops,
                                                                DType activation_dtype) const = 0;
   // Elements of each array the model allocates besides its saved tensors, tokens and targets, in
   // the order its constructor allocates them (the planner's allocation list), with its blocks'
   // saved tensors in activation_dtype (fsdp.activation_dtype).
   virtual std::vector<size_t> activation_arrays(const ModelConfig& config, int batch, int seq_len,
-                                                bool activation_checkpointing, DType activation_dtype) const = 0;
+                                                Checkpointing activation_checkpointing, DType activation_dtype) const = 0;
   // Bytes of the integer arrays its model allocates besides those (a language model's token ids
   // and targets).
   virtual size_t id_bytes(const ModelConfig&, int /*batch*/, int /*seq_len*/) const { return 0; }

@@ -9,7 +9,7 @@ namespace shardtrain {
 
 template <typename Real>
 std::unique_ptr<TransformerModel<Real>> make_model(const ParamTable& table, int batch, int seq_len,
-                                                   bool activation_checkpointing, const LayerOps<Real>& ops,
+                                                   Checkpointing activation_checkpointing, const LayerOps<Real>& ops,
                                                    DType activation_dtype) {
   return family_of(table.config()).make_model(table, batch, seq_len, activation_checkpointing, ops, activation_dtype);
 }
@@ -18,7 +18,7 @@ std::vector<size_t> plan_saved_tensor_elements(const ModelConfig& config, int ba
   return family_of(config).saved_tensor_elements(config, batch, seq_len);
 }
 
-size_t plan_activation_bytes(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
+size_t plan_activation_bytes(const ParamTable& table, int batch, int seq_len, Checkpointing activation_checkpointing,
                              size_t real_bytes, DType activation_dtype) {
   const ModelConfig& config = table.config();
   const ModelFamily& family = family_of(config);
@@ -26,7 +26,7 @@ size_t plan_activation_bytes(const ParamTable& table, int batch, int seq_len, bo
   for (size_t n : family.activation_arrays(config, batch, seq_len, activation_checkpointing, activation_dtype))
     elements += n;
   const std::vector<size_t> saved = plan_saved_tensor_elements(config, batch, seq_len);
-  const int saved_layers = activation_checkpointing ? 1 : config.n_layer;
+  const int saved_layers = activation_checkpointing.run(0, config.n_layer).sets();
   return elements * real_bytes +
          SavedActivations<float>::plan_bytes(activation_dtype, saved_layers, saved, real_bytes) +
          plan_adapter_bytes(table, family.product_rows(config, batch, seq_len), real_bytes,
@@ -56,9 +56,9 @@ double forward_backward_unsharded(TransformerModel<Real>& model, const ParamTabl
   return loss;
 }
 
-template std::unique_ptr<TransformerModel<float>> make_model<float>(const ParamTable&, int, int, bool,
+template std::unique_ptr<TransformerModel<float>> make_model<float>(const ParamTable&, int, int, Checkpointing,
                                                                     const LayerOps<float>&, DType);
-template std::unique_ptr<TransformerModel<double>> make_model<double>(const ParamTable&, int, int, bool,
+template std::unique_ptr<TransformerModel<double>> make_model<double>(const ParamTable&, int, int, Checkpointing,
                                                                       const LayerOps<double>&, DType);
 template double forward_backward_unsharded<float>(TransformerModel<float>&, const ParamTable&,
                                                   const std::vector<const float*>&, const std::vector<float*>&,

@@ -22,6 +22,7 @@
 #include "backend/layer_ops.hpp"
 #include "core/error.hpp"
 #include "model/batch.hpp"
+#include "model/checkpointing.hpp"
 #include "model/loss.hpp"
 #include "model/param_table.hpp"
 
@@ -168,7 +169,7 @@ struct DecodeCursor {
 // backward reads (fsdp.activation_dtype; model/saved_activations.hpp).
 template <typename Real>
 std::unique_ptr<TransformerModel<Real>> make_model(const ParamTable& table, int batch, int seq_len,
-                                                   bool activation_checkpointing, const LayerOps<Real>& ops,
+                                                   Checkpointing activation_checkpointing, const LayerOps<Real>& ops,
                                                    DType activation_dtype = DTYPE_FP32);
 
 // Elements of each of a layer's saved tensors for the config's architecture (the models'
@@ -177,7 +178,7 @@ std::vector<size_t> plan_saved_tensor_elements(const ModelConfig& config, int ba
 
 // Bytes of activations and backward scratch for these dimensions, without allocating: the one
 // source for the models' own accounting and the planner.
-size_t plan_activation_bytes(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
+size_t plan_activation_bytes(const ParamTable& table, int batch, int seq_len, Checkpointing activation_checkpointing,
                              size_t real_bytes = sizeof(float), DType activation_dtype = DTYPE_FP32);
 
 // Bytes of a decode state (KvDecoder::begin_decode): the key/value cache, L x 2 x max_len x

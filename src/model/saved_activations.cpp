@@ -5,19 +5,20 @@
 namespace shardtrain {
 
 template <typename Real>
-SavedActivations<Real>::SavedActivations(const LayerOps<Real>& ops, DType dtype, int layers,
+SavedActivations<Real>::SavedActivations(const LayerOps<Real>& ops, DType dtype, const CheckpointedRun& layers,
                                          const std::vector<size_t>& sizes)
     : ops_(ops), dtype_(dtype), layers_(layers) {
-  SHARD_CHECK(layers >= 1, "SavedActivations for %d layers", layers);
+  const int sets = layers.sets();
+  SHARD_CHECK(sets >= 1, "SavedActivations for %d layers", layers.blocks);
   Device& dev = ops.device();
   if (dtype == DTYPE_FP32) {
-    fp32_.resize(layers);
+    fp32_.resize(sets);
     for (auto& layer : fp32_)
       for (size_t n : sizes) layer.emplace_back(dev, n);
     return;
   }
   for (size_t n : sizes) work_.emplace_back(dev, n);
-  half_.resize(layers);
+  half_.resize(sets);
   for (auto& layer : half_)
     for (size_t n : sizes) layer.emplace_back(dev, n);
 }
@@ -28,25 +29,25 @@ SavedActivations<Real>::~SavedActivations() {
 }
 
 template <typename Real>
-std::vector<size_t> SavedActivations<Real>::plan_allocations(DType dtype, int layers, const std::vector<size_t>& sizes,
+std::vector<size_t> SavedActivations<Real>::plan_allocations(DType dtype, int sets, const std::vector<size_t>& sizes,
                                                              size_t real_bytes) {
   std::vector<size_t> bytes;
   if (dtype == DTYPE_FP32) {
-    for (int l = 0; l < layers; l++)
+    for (int l = 0; l < sets; l++)
       for (size_t n : sizes) bytes.push_back(n * real_bytes);
     return bytes;
   }
   for (size_t n : sizes) bytes.push_back(n * real_bytes);  // the working set
-  for (int l = 0; l < layers; l++)
+  for (int l = 0; l < sets; l++)
     for (size_t n : sizes) bytes.push_back(n * dtype_bytes(dtype));
   return bytes;
 }
 
 template <typename Real>
-size_t SavedActivations<Real>::plan_bytes(DType dtype, int layers, const std::vector<size_t>& sizes,
+size_t SavedActivations<Real>::plan_bytes(DType dtype, int sets, const std::vector<size_t>& sizes,
                                           size_t real_bytes) {
   size_t total = 0;
-  for (size_t b : plan_allocations(dtype, layers, sizes, real_bytes)) total += b;
+  for (size_t b : plan_allocations(dtype, sets, sizes, real_bytes)) total += b;
   return total;
 }
 

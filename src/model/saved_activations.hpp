@@ -1,8 +1,8 @@
 // A block's large activations -- the tensors its backward reads again -- kept per layer, in fp32
 // or, with fsdp.activation_dtype = bf16 | fp16, in 16 bits.
 //
-// fp32: each layer (or, with activation checkpointing, the one recomputed set) has its own
-// buffers, and at(layer, t) is that layer's.
+// fp32: each layer that keeps its activations has its own buffers, the layers that recompute
+// theirs (activation checkpointing) share one set, and at(layer, t) is the layer's set's.
 // 16 bits: the block computes in one fp32 working set shared by every layer, and each layer keeps
 // only 16-bit copies. A tensor is rounded where it is produced (produced(): LayerOps::round_to_half,
 // so the working values become exactly the stored ones and the forward goes on from the numbers
@@ -20,23 +20,26 @@
 #include "backend/device.hpp"
 #include "backend/dtype.hpp"
 #include "backend/layer_ops.hpp"
+#include "model/checkpointing.hpp"
 
 namespace shardtrain {
 
 template <typename Real>
 class SavedActivations {
  public:
-  // `sizes`: each tensor's elements in one layer; `layers`: the layers that keep theirs (1 with
-  // activation checkpointing, whose recompute fills the single set).
-  SavedActivations(const LayerOps<Real>& ops, DType dtype, int layers, const std::vector<size_t>& sizes);
+  // `sizes`: each tensor's elements in one layer; `layers`: which recompute (their set is shared,
+  // each recompute fills it) and which keep their own.
+  SavedActivations(const LayerOps<Real>& ops, DType dtype, const CheckpointedRun& layers,
+                   const std::vector<size_t>& sizes);
   ~SavedActivations();
   SavedActivations(const SavedActivations&) = delete;
   SavedActivations& operator=(const SavedActivations&) = delete;
 
-  // The arrays the constructor allocates, in bytes each, in its order; and their sum.
-  static std::vector<size_t> plan_allocations(DType dtype, int layers, const std::vector<size_t>& sizes,
+  // The arrays the constructor allocates for `sets` sets (CheckpointedRun::sets), in bytes each, in
+  // its order; and their sum.
+  static std::vector<size_t> plan_allocations(DType dtype, int sets, const std::vector<size_t>& sizes,
                                               size_t real_bytes);
-  static size_t plan_bytes(DType dtype, int layers, const std::vector<size_t>& sizes, size_t real_bytes);
+  static size_t plan_bytes(DType dtype, int sets, const std::vector<size_t>& sizes, size_t real_bytes);
 
   DType dtype() const { return dtype_; }
   // Tensor t of layer l, where its producer writes and its readers read.
@@ -48,12 +51,12 @@ class SavedActivations {
   void restore(int layer);
 
  private:
-  int slot(int layer) const { return layers_ == 1 ? 0 : layer; }
+  int slot(int layer) const { return layers_.set(layer); }
   void bind(int layer, int t);
 
   const LayerOps<Real>& ops_;
   DType dtype_;
-  int layers_;
+  CheckpointedRun layers_;
   std::vector<std::vector<DeviceArray<Real>>> fp32_;     // fp32: [layer][tensor]
   std::vector<DeviceArray<Real>> work_;                  // 16 bits: the shared working set
   std::vector<std::vector<DeviceArray<uint16_t>>> half_;  // 16 bits: [layer][tensor]

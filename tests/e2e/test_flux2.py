@@ -16,6 +16,7 @@ latent shards, each property against an independent oracle:
 """
 import json
 import os
+import re
 
 import h5py
 import numpy as np
@@ -119,6 +120,49 @@ def test_a_flux2_folder_trains_from_its_weights_and_converts_both_ways_bit_for_b
 def test_memory_held_matches_the_plan():
     check_held_equals_planned(flux2_args, [("--fsdp.activation_checkpointing=true",),
                                            ("--fsdp.activation_dtype=bf16", "--fsdp.activation_checkpointing=true")])
+
+
+def test_the_plan_recomputes_the_fewest_blocks_that_fit_and_the_run_keeps_the_bits():
+    """Under a memory limit between recomputing no block and every block, `shardtrain plan`
+    recommends the fewest first blocks that fit (fsdp.checkpoint_blocks). A run with them holds
+    what the plan says, under the limit, and gives the losses of keeping every activation bit for
+    bit; one block fewer is refused by the trainer's own check (exit 2), and so are a count
+    without checkpointing and one past the model's blocks."""
+    shape = ("--model.n_single_layer=4", "--train.steps=2", "--train.eval_every=0")  # 2 double + 4 single
+
+    def plan(*options):
+        proc = ok(run(1, ["plan", "--world-size=2", "--format=lines", *flux2_args(*shape, *options)[1:]]), "plan")
+        rows = re.findall(r"^PLAN strategy=FULL_SHARD reduce=micro checkpointing=(\S+) offload=no peak_bytes=(\d+) "
+                          r"\S+ fits=(\d)", proc.stdout, re.M)
+        return proc.stdout, {ckpt: (int(peak), fits == "1") for ckpt, peak, fits in rows}
+
+    _, rows = plan()
+    none, every = rows["no"][0], rows["yes"][0]
+    assert every < none, rows
+    limit = every + (none - every) // 2
+    out, rows = plan(f"--fsdp.memory_limit={limit}B")
+    recommended = re.search(r"^recommended: fsdp.sharding_strategy=FULL_SHARD fsdp.reduce_every_microbatch=true "
+                            r"fsdp.activation_checkpointing=true fsdp.checkpoint_blocks=(\d+) ", out, re.M)
+    assert recommended, out
+    k = int(recommended.group(1))
+    assert 2 <= k < 6 and rows[f"{k}/6"][1] and rows[f"{k}/6"][0] <= limit, (k, rows)
+    print(f"      limit {limit} B: the first {k} of 6 blocks recompute ({rows})")
+    assert not rows["no"][1] and rows["yes"][1], rows
+    chosen = ("--fsdp.activation_checkpointing=true", f"--fsdp.checkpoint_blocks={k}", f"--fsdp.memory_limit={limit}B")
+    metrics = os.path.join(tempdir(), "m.jsonl")
+    ok(run(2, flux2_args(*shape, *chosen, metrics=metrics)), chosen)
+    records = read_metrics(metrics)
+    assert records[-1]["held_mem_bytes"] == records[-1]["peak_mem_bytes"] == rows[f"{k}/6"][0], (records[-1], rows)
+    kept = os.path.join(tempdir(), "kept.jsonl")
+    ok(run(2, flux2_args(*shape, metrics=kept)), "no checkpointing")
+    assert [r["loss"] for r in records] == [r["loss"] for r in read_metrics(kept)]
+    if k > 2:
+        expect_usage_error(flux2_args(*shape, *chosen[:1], f"--fsdp.checkpoint_blocks={k - 1}", chosen[2]),
+                           "out of memory", f"fsdp.memory_limit={limit}B", np_=2)
+    expect_usage_error(flux2_args(*shape, "--fsdp.checkpoint_blocks=2"), "fsdp.checkpoint_blocks=2",
+                       "fsdp.activation_checkpointing=false", np_=2)
+    expect_usage_error(flux2_args(*shape, "--fsdp.activation_checkpointing=true", "--fsdp.checkpoint_blocks=7"),
+                       "fsdp.checkpoint_blocks=7", "the model's 6 blocks", np_=2)
 
 
 def test_bf16_activations_follow_the_reference_rounding_each_where_it_is_made():

@@ -148,6 +148,39 @@ TEST(Flux, ActivationCheckpointingChangesNoBits) {
   }
 }
 
+// fsdp.checkpoint_blocks: only the first k blocks recompute (the double blocks, then the single):
+// the same bits as keeping everything, in fp32 and 16 bits; the allocation is the plan; less is
+// held once two blocks of a kind share their set (k = 2: both double blocks), and k = every block
+// is what recomputing every block holds.
+TEST(Flux, RecomputingTheFirstBlocksChangesNoBits) {
+  for (const ModelConfig& config : {tiny_flux_config(), tiny_flux2_config()}) {
+    const ParamTable table(config);
+    const int blocks = config.n_layer + config.n_single_layer;
+    ASSERT_EQ(config.n_layer, 2);
+    auto units = random_units<float>(table, 0.3, 17);
+    const Batch batch = make_flux_batch(config, B, ROWS, COLS, 5);
+    Device& dev = cpu_layer_ops<float>().device();
+    for (DType dtype : {DTYPE_FP32, DTYPE_BF16}) {
+      auto plain = make_model<float>(table, B, N, false, cpu_layer_ops<float>(), dtype);
+      std::vector<std::vector<float>> want;
+      const double loss = loss_and_grads(*plain, table, units, &want, batch, 0.5f);
+      for (int k = 1; k <= blocks; k++) {
+        SCOPED_TRACE(::testing::Message() << config.arch << " " << dtype_name(dtype) << " first " << k);
+        const Checkpointing first = Checkpointing::first(k);
+        const size_t before = dev.live_bytes();
+        auto model = make_model<float>(table, B, N, first, cpu_layer_ops<float>(), dtype);
+        EXPECT_EQ(dev.live_bytes() - before, plan_activation_bytes(table, B, N, first, sizeof(float), dtype));
+        std::vector<std::vector<float>> got;
+        EXPECT_EQ(loss_and_grads(*model, table, units, &got, batch, 0.5f), loss);
+        EXPECT_EQ(got, want);
+        if (k >= 2) EXPECT_LT(model->activation_bytes(), plain->activation_bytes());
+        if (k == blocks)
+          EXPECT_EQ(model->activation_bytes(), plan_activation_bytes(table, B, N, true, sizeof(float), dtype));
+      }
+    }
+  }
+}
+
 // fsdp.activation_dtype=bf16 | fp16: the block inputs and the tensors each block's backward reads
 // in 16 bits, rounded where they are made. Checkpointing's recompute rounds them the same way in
 // place (no bits change here either: its working set is what the widened copies give), and the

@@ -615,6 +615,49 @@ TEST_P(ModelArchTest, RecomputationGivesIdenticalGradients) {
   EXPECT_LT(recomputing->activation_bytes(), plain->activation_bytes());
 }
 
+// fsdp.checkpoint_blocks: only the first k blocks recompute. The gradients are those of keeping
+// everything, bit for bit, in fp64 and in 16-bit storage; the allocation is the plan; and each
+// recomputed block past the first frees one block's activations: with L blocks,
+// none - every = (L - 1) x a block's, none - first k = (k - 1) x a block's.
+TEST_P(ModelArchTest, RecomputingTheFirstBlocksKeepsTheBitsAndFreesABlockEach) {
+  ModelConfig config = GetParam().config();
+  config.n_layer = 4;
+  const ParamTable table(config);
+  const int B = 2, T = 6, L = config.n_layer;
+  const Batch batch = make_batch(B, T, config.vocab_size);
+  auto units = random_units<double>(table, 0.3, 99);
+  auto plain = make_model<double>(table, B, T, false, cpu_layer_ops<double>());
+  std::vector<std::vector<double>> want;
+  const double loss = loss_and_grads(*plain, table, units, want, batch, 1.0 / (B * T));
+  const long none = static_cast<long>(plan_activation_bytes(table, B, T, false));
+  const long every = static_cast<long>(plan_activation_bytes(table, B, T, true));
+  ASSERT_GT(none, every);
+  ASSERT_EQ((none - every) % (L - 1), 0);
+  const long block = (none - every) / (L - 1);
+  auto units32 = random_units<float>(table, 0.3, 99);
+  auto plain16 = make_model<float>(table, B, T, false, cpu_layer_ops<float>(), DTYPE_BF16);
+  std::vector<std::vector<float>> want16;
+  const double loss16 = loss_and_grads(*plain16, table, units32, want16, batch, 1.0f / (B * T));
+  for (int k = 1; k <= L; k++) {
+    SCOPED_TRACE(::testing::Message() << "first " << k << " blocks");
+    const Checkpointing first = Checkpointing::first(k);
+    auto model = make_model<double>(table, B, T, first, cpu_layer_ops<double>());
+    std::vector<std::vector<double>> got;
+    EXPECT_EQ(loss_and_grads(*model, table, units, got, batch, 1.0 / (B * T)), loss);
+    EXPECT_EQ(got, want);
+    const size_t before = host_device().live_bytes();
+    auto model16 = make_model<float>(table, B, T, first, cpu_layer_ops<float>(), DTYPE_BF16);
+    EXPECT_EQ(host_device().live_bytes() - before, plan_activation_bytes(table, B, T, first, sizeof(float), DTYPE_BF16));
+    std::vector<std::vector<float>> got16;
+    EXPECT_EQ(loss_and_grads(*model16, table, units32, got16, batch, 1.0f / (B * T)), loss16);
+    EXPECT_EQ(got16, want16);
+    model16.reset();
+    const size_t before32 = host_device().live_bytes();
+    auto model32 = make_model<float>(table, B, T, first, cpu_layer_ops<float>());
+    EXPECT_EQ(none - static_cast<long>(host_device().live_bytes() - before32), (k - 1) * block);
+  }
+}
+
 // 16-bit activation storage (fsdp.activation_dtype, model/saved_activations.hpp). Backward widens
 // the saved copies where checkpointing recomputes them: both see the same 16-bit values, so the
 // gradients are bit-identical here too.

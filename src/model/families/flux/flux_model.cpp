@@ -47,11 +47,11 @@ typename FluxModel<Real>::Span FluxModel<Real>::Carver::take(Real* base, size_t&
 template <typename Real>
 typename FluxModel<Real>::Span FluxModel<Real>::Carver::kept(size_t n) {
   Span span;
-  if (!checkpointing && !half) {
+  if (!recomputing && !half) {
     span = take(own, own_used, n);
   } else {
     span = scratch(n);
-    if (!checkpointing) {  // 16 bits: the copy the block keeps
+    if (!recomputing) {  // 16 bits: the copy the block keeps
       span.half = own_half && n ? own_half + half_used : nullptr;
       half_used += (n + 127) / 128 * 128;  // 256-byte aligned too
     }
@@ -97,7 +97,7 @@ void FluxModel<Real>::carve(SingleLayer& a, const Dims& d, Carver& take) {
 
 template <typename Real>
 template <typename Take, typename TakeHalf>
-void FluxModel<Real>::lay_out(Buffers& b, const Dims& d, bool checkpointing, DType activation_dtype, Take&& take,
+void FluxModel<Real>::lay_out(Buffers& b, const Dims& d, Checkpointing checkpointing, DType activation_dtype, Take&& take,
                               TakeHalf&& take_half) {
   const size_t B = d.B, T = d.T, N = d.N, L = d.L, S = d.S, C = d.C, F = d.F, FH = d.FH;
   const size_t mods = d.flux2 ? 0 : 1;
@@ -118,34 +118,47 @@ void FluxModel<Real>::lay_out(Buffers& b, const Dims& d, bool checkpointing, DTy
   block_inputs(b.img, d.double_blocks + 1, B * N * C);
   block_inputs(b.txt, d.double_blocks + 1, B * L * C);
   block_inputs(b.joint, d.single_blocks > 0 ? d.single_blocks + 1 : 0, B * S * C);
-  // The blocks' working sets (Carver): the shared one, then each block's own regions.
-  b.doubles.assign(d.double_blocks == 0 ? 0 : checkpointing ? 1 : d.double_blocks, DoubleLayer{});
-  b.singles.assign(d.single_blocks == 0 ? 0 : checkpointing ? 1 : d.single_blocks, SingleLayer{});
-  auto carver = [&](Real* shared, Real* own, uint16_t* own_half) {
+  // The blocks' working sets (Carver): the shared one, then the own regions of each block that keeps
+  // its activations (a set of a kind's blocks: the first shared by those that recompute).
+  const CheckpointedRun runs[2] = {checkpointing.run(0, d.double_blocks),
+                                   checkpointing.run(d.double_blocks, d.single_blocks)};
+  b.doubles.assign(runs[0].sets(), DoubleLayer{});
+  b.singles.assign(runs[1].sets(), SingleLayer{});
+  auto carver = [&](Real* shared, Real* own, uint16_t* own_half, bool recomputing) {
     Carver c;
-    c.shared = shared, c.own = own, c.own_half = own_half, c.checkpointing = checkpointing, c.half = half;
+    c.shared = shared, c.own = own, c.own_half = own_half, c.recomputing = recomputing, c.half = half;
     return c;
   };
-  Carver count_double = carver(nullptr, nullptr, nullptr), count_single = count_double;
-  DoubleLayer double_sizes;
-  SingleLayer single_sizes;
-  carve(double_sizes, d, count_double), carve(single_sizes, d, count_single);
+  // Each kind's sizes as a recomputing block and as a keeping one carves them; [kind][recomputing]
+  Carver sizes[2][2];
+  for (int r = 0; r < 2; r++) {
+    sizes[0][r] = sizes[1][r] = carver(nullptr, nullptr, nullptr, r == 1);
+    DoubleLayer double_sizes;
+    SingleLayer single_sizes;
+    carve(double_sizes, d, sizes[0][r]), carve(single_sizes, d, sizes[1][r]);
+  }
+  size_t shared_used = 0;
+  for (int kind = 0; kind < 2; kind++) {
+    if (runs[kind].recomputed > 0) shared_used = std::max(shared_used, sizes[kind][1].shared_used);
+    if (runs[kind].recomputed < runs[kind].blocks) shared_used = std::max(shared_used, sizes[kind][0].shared_used);
+  }
   b.regions.clear(), b.half_regions.clear();
-  if (!b.doubles.empty() || !b.singles.empty())
-    b.regions.push_back(take(std::max(b.doubles.empty() ? 0 : count_double.shared_used,
-                                      b.singles.empty() ? 0 : count_single.shared_used)));
+  if (!b.doubles.empty() || !b.singles.empty()) b.regions.push_back(take(shared_used));
   Real* shared = b.regions.empty() ? nullptr : b.regions[0].data();
   // (a region moved by the vectors' growth keeps its memory: the spans stay valid)
-  auto carve_block = [&](auto& layer, const Carver& sizes) {
-    Real* own = nullptr;
-    uint16_t* own_half = nullptr;
-    if (sizes.own_used) b.regions.push_back(take(sizes.own_used)), own = b.regions.back().data();
-    if (sizes.half_used) b.half_regions.push_back(take_half(sizes.half_used)), own_half = b.half_regions.back().data();
-    Carver from = carver(shared, own, own_half);
-    carve(layer, d, from);
+  auto carve_sets = [&](auto& sets, int kind) {
+    for (size_t i = 0; i < sets.size(); i++) {
+      const bool recomputing = i == 0 && runs[kind].recomputed > 0;
+      const Carver& size = sizes[kind][recomputing];
+      Real* own = nullptr;
+      uint16_t* own_half = nullptr;
+      if (size.own_used) b.regions.push_back(take(size.own_used)), own = b.regions.back().data();
+      if (size.half_used) b.half_regions.push_back(take_half(size.half_used)), own_half = b.half_regions.back().data();
+      Carver from = carver(shared, own, own_half, recomputing);
+      carve(sets[i], d, from);
+    }
   };
-  for (DoubleLayer& a : b.doubles) carve_block(a, count_double);
-  for (SingleLayer& a : b.singles) carve_block(a, count_single);
+  carve_sets(b.doubles, 0), carve_sets(b.singles, 1);
   b.x_final = take(B * T * C), b.mod_out = take(B * 2 * C), b.xo = take(B * T * C), b.xo_mean = take(B * T);
   b.xo_rstd = take(B * T), b.out = take(B * T * d.IN), b.losses = take(B * T);
   const size_t rows = B * S;  // the scratch serves every stream and the joint sequence
@@ -165,7 +178,7 @@ void FluxModel<Real>::lay_out(Buffers& b, const Dims& d, bool checkpointing, DTy
 
 template <typename Real>
 std::vector<size_t> FluxModel<Real>::buffer_elements(const ModelConfig& c, int batch, int image_tokens,
-                                                     bool checkpointing, DType activation_dtype) {
+                                                     Checkpointing checkpointing, DType activation_dtype) {
   std::vector<size_t> sizes;
   // Counting only: the arrays taken are empty, the regions' spans null.
   Buffers b;
@@ -183,10 +196,11 @@ std::vector<size_t> FluxModel<Real>::buffer_elements(const ModelConfig& c, int b
 }
 
 template <typename Real>
-FluxModel<Real>::FluxModel(const ParamTable& table, int batch, int image_tokens, bool activation_checkpointing,
+FluxModel<Real>::FluxModel(const ParamTable& table, int batch, int image_tokens, Checkpointing activation_checkpointing,
                            const LayerOps<Real>& ops, DType activation_dtype)
     : table_(table), ops_(ops), d_(dims_of(table.config(), batch, image_tokens)), lay_(flux_layout(table.config())),
-      checkpointing_(activation_checkpointing), activation_dtype_(activation_dtype),
+      checkpointing_(activation_checkpointing), doubles_(activation_checkpointing.run(0, d_.double_blocks)),
+      singles_(activation_checkpointing.run(d_.double_blocks, d_.single_blocks)), activation_dtype_(activation_dtype),
       adapter_bytes_(plan_adapter_bytes(table, batch * d_.S, sizeof(Real),
                                         dropout_key_rows(table.config(), batch, image_tokens))),
       adapters_(table, batch * d_.S, ops, dropout_key_rows(table.config(), batch, image_tokens)) {
@@ -694,7 +708,7 @@ void FluxModel<Real>::double_backward(int l, Real* g, const Real* w) {
   restore_input(b.img, l), restore_input(b.txt, l);
   DoubleLayer& a = double_layer(l);
   const int rows[2] = {d_.N, d_.L}, offset[2] = {d_.L, 0};
-  if (checkpointing_) {
+  if (doubles_.recomputes(l)) {
     double_forward(l, w, true);  // this block's activations again, from its input
   } else {  // the kept tensors back, and what the backward reads but the forward did not keep made again
     restore(a.kept);
@@ -767,7 +781,7 @@ void FluxModel<Real>::single_backward(int j, Real* g, const Real* w) {
   Buffers& b = buf_;
   restore_input(b.joint, j);
   SingleLayer& a = single_layer(j);
-  if (checkpointing_) {
+  if (singles_.recomputes(j)) {
     single_forward(j, w, true);
   } else {
     restore(a.kept);

@@ -23,14 +23,14 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   // activations the backward reads -- the block inputs (the residual streams between blocks, what
   // checkpointing keeps) and the tensors inside each block -- are kept (fsdp.activation_dtype: fp32,
   // or bf16 | fp16 rounded where each is made).
-  FluxModel(const ParamTable& table, int batch, int image_tokens, bool activation_checkpointing,
+  FluxModel(const ParamTable& table, int batch, int image_tokens, Checkpointing activation_checkpointing,
             const LayerOps<Real>& ops, DType activation_dtype = DTYPE_FP32);
 
   // The elements of every array the constructor allocates, in its order, in Reals (a 16-bit
   // array's counted as the Reals its bytes fill): the planner's list (the same function lays out
   // both).
   static std::vector<size_t> buffer_elements(const ModelConfig& config, int batch, int image_tokens,
-                                             bool activation_checkpointing, DType activation_dtype = DTYPE_FP32);
+                                             Checkpointing activation_checkpointing, DType activation_dtype = DTYPE_FP32);
   // Adapter dropout's keys: a run per kind of row (the image tokens, the text tokens, the joint
   // sequence, the samples).
   static int dropout_key_rows(const ModelConfig& config, int batch, int image_tokens);
@@ -75,9 +75,9 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
 
   // An array of a block's activations. Each block's arrays are carved from regions (Carver): one
   // working set shared by every block -- the double and the single blocks are never live at once,
-  // as each block's backward begins by recomputing or widening back its own -- and, without
-  // checkpointing, each block's own fp32 and 16-bit regions for what its backward reads.
-  // `half`: a kept tensor's 16-bit copy (16-bit activations without checkpointing).
+  // as each block's backward begins by recomputing or widening back its own -- and, for each block
+  // that keeps its activations (does not recompute), its own fp32 and 16-bit regions for what its
+  // backward reads. `half`: a kept tensor's 16-bit copy (16-bit activations of a keeping block).
   struct Span {
     Real* ptr = nullptr;
     size_t n = 0;
@@ -114,18 +114,18 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   //   scratch(n): only the forward reads it (or the backward makes it again): the shared working set;
   //   stat(n): a small fp32 array the backward reads (row statistics, FLUX.1's modulations);
   //   kept(n): a large tensor the backward reads, rounded where it is made in 16 bits (keep()).
-  // With checkpointing everything is scratch (each backward recomputes its block first). Without
-  // it, stat and fp32 kept tensors are the block's own; a 16-bit kept tensor computes in the
-  // working set and keeps a copy in the block's 16-bit region. Null bases count sizes only.
+  // A recomputing block's are all scratch (its backward recomputes it first). A keeping block's
+  // stat and fp32 kept tensors are its own; a 16-bit kept tensor computes in the working set and
+  // keeps a copy in the block's 16-bit region. Null bases count sizes only.
   struct Carver {
     Real* shared = nullptr;
     Real* own = nullptr;
     uint16_t* own_half = nullptr;
-    bool checkpointing = false, half = false;
+    bool recomputing = false, half = false;
     std::vector<Span>* kept_list = nullptr;
     size_t shared_used = 0, own_used = 0, half_used = 0;
     Span scratch(size_t n) { return take(shared, shared_used, n); }
-    Span stat(size_t n) { return checkpointing ? scratch(n) : take(own, own_used, n); }
+    Span stat(size_t n) { return recomputing ? scratch(n) : take(own, own_used, n); }
     Span kept(size_t n);
 
    private:
@@ -152,7 +152,7 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
     BlockInputs img, txt, joint;
     std::vector<Array> regions;          // the shared working set, then each block's own (Carver)
     std::vector<DeviceArray<uint16_t>> half_regions;  // each block's 16-bit copies
-    std::vector<DoubleLayer> doubles;    // one per block, or one shared with checkpointing
+    std::vector<DoubleLayer> doubles;    // one per keeping block, one shared by the recomputing blocks
     std::vector<SingleLayer> singles;
     Array x_final, mod_out, xo, xo_mean, xo_rstd, out, losses;
     // backward scratch, shared by every block (d_h and d_g also the single blocks' forward scratch;
@@ -168,7 +168,7 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   // Assigns every array of `b` in one fixed order from take(elements) and take_half(elements):
   // the constructor's allocation and buffer_elements' count.
   template <typename Take, typename TakeHalf>
-  static void lay_out(Buffers& b, const Dims& d, bool checkpointing, DType activation_dtype, Take&& take,
+  static void lay_out(Buffers& b, const Dims& d, Checkpointing checkpointing, DType activation_dtype, Take&& take,
                       TakeHalf&& take_half);
   // The Reals a 16-bit array of n elements is counted as, and the elements it is allocated with
   // (as many as fill those Reals: the planner's bytes exactly).
@@ -180,14 +180,14 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   void keep_input(BlockInputs& s, int i);
   void restore_input(BlockInputs& s, int i);
 
-  // A kept tensor has been written: in 16 bits, rounded in place (and its copy kept, without
-  // checkpointing), so the forward goes on from the numbers the backward will see. fp32: nothing.
+  // A kept tensor has been written: in 16 bits, rounded in place (and its copy kept, in a keeping
+  // block), so the forward goes on from the numbers the backward will see. fp32: nothing.
   void keep(const Span& s);
-  // Before a block's backward without checkpointing: its kept tensors widened back into the working
+  // Before a keeping block's backward: its kept tensors widened back into the working
   // set (16 bits; nothing in fp32, where they are the block's own).
   void restore(const std::vector<Span>& kept);
-  DoubleLayer& double_layer(int l) { return buf_.doubles[checkpointing_ ? 0 : l]; }
-  SingleLayer& single_layer(int j) { return buf_.singles[checkpointing_ ? 0 : j]; }
+  DoubleLayer& double_layer(int l) { return buf_.doubles[doubles_.set(l)]; }
+  SingleLayer& single_layer(int j) { return buf_.singles[singles_.set(j)]; }
   // Host floats of the batch's tensor `name` (numel elements) into a device array.
   void upload(Array& dst, const Batch& batch, const char* name);
   // The sinusoid of 1000 x each sample's value of `name` into dst (B x 256).
@@ -249,7 +249,8 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   const LayerOps<Real>& ops_;
   Dims d_;
   FluxLayout lay_;  // where each layer's parameters are
-  bool checkpointing_;
+  Checkpointing checkpointing_;
+  CheckpointedRun doubles_, singles_;  // which double and single blocks recompute, where each keeps its set
   DType activation_dtype_;
   size_t bytes_ = 0, adapter_bytes_ = 0;
   ModelAdapters<Real> adapters_;  // around every linear layer of the blocks (model/adapter_layers.hpp)

@@ -85,20 +85,20 @@ class Gpt2Family final : public ModelFamily {
     return 6.0 * (static_cast<double>(t.total_params()) - positions) + 12.0 * c.n_layer * seq_len * c.n_embd;
   }
 
-  std::unique_ptr<TransformerModel<float>> make_model(const ParamTable& table, int batch, int seq_len, bool ckpt,
+  std::unique_ptr<TransformerModel<float>> make_model(const ParamTable& table, int batch, int seq_len, Checkpointing ckpt,
                                                       const LayerOps<float>& ops, DType act) const override {
     return std::make_unique<GptModel<float>>(table, batch, seq_len, ckpt, ops, act);
   }
-  std::unique_ptr<TransformerModel<double>> make_model(const ParamTable& table, int batch, int seq_len, bool ckpt,
+  std::unique_ptr<TransformerModel<double>> make_model(const ParamTable& table, int batch, int seq_len, Checkpointing ckpt,
                                                        const LayerOps<double>& ops, DType act) const override {
     return std::make_unique<GptModel<double>>(table, batch, seq_len, ckpt, ops, act);
   }
   // GptModel's constructor's arrays, in its order.
-  std::vector<size_t> activation_arrays(const ModelConfig& c, int batch, int seq_len, bool checkpointing,
+  std::vector<size_t> activation_arrays(const ModelConfig& c, int batch, int seq_len, Checkpointing checkpointing,
                                         DType /*in SavedActivations*/) const override {
     const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, NH = c.n_head, V = c.vocab_size;
     std::vector<size_t> a(c.n_layer + 1, BT * C);  // the residual stream
-    for (int l = 0; l < (checkpointing ? 1 : c.n_layer); l++)  // ln1's mean and rstd, lse, resid2, ln2's
+    for (int l = 0; l < checkpointing.run(0, c.n_layer).sets(); l++)  // ln1's mean and rstd, lse, resid2, ln2's
       a.insert(a.end(), {BT, BT, BT * NH, BT * C, BT, BT});
     a.insert(a.end(), {BT * C, BT, BT, BT * V, BT});                 // lnf, its mean and rstd, probs, losses
     a.insert(a.end(), {BT * C, BT * C, BT * 3 * C, BT * 4 * C});  // dresid, dln, dqkv, dfch

@@ -11,14 +11,14 @@
 namespace shardtrain {
 
 template <typename Real>
-GptModel<Real>::GptModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
+GptModel<Real>::GptModel(const ParamTable& table, int batch, int seq_len, Checkpointing activation_checkpointing,
                          const LayerOps<Real>& ops, DType activation_dtype)
     : Base(table, batch, seq_len, activation_checkpointing, ops, activation_dtype,
            saved_tensor_elements(table.config(), batch, seq_len)) {
   const size_t BT = static_cast<size_t>(B_) * T_, C = cfg_.n_embd, NH = cfg_.n_head;
   ActivationList list = this->activation_list();  // Gpt2Family::activation_arrays: the plan, in order
   for (int l = 0; l <= cfg_.n_layer; l++) resid_.push_back(list.take(BT * C));
-  layers_.resize(checkpointing_ ? 1 : cfg_.n_layer);
+  layers_.resize(recompute_.sets());
   for (Layer& a : layers_) {
     a.ln1_mean = list.take(BT), a.ln1_rstd = list.take(BT), a.lse = list.take(BT * NH), a.resid2 = list.take(BT * C);
     a.ln2_mean = list.take(BT), a.ln2_rstd = list.take(BT);
@@ -110,7 +110,7 @@ void GptModel<Real>::head_backward(Real* g, const Real* root, Real dloss) {
 template <typename Real>
 void GptModel<Real>::block_backward(int l, Real* g, const Real* w) {
   const int N = B_ * T_, C = cfg_.n_embd, NH = cfg_.n_head;
-  if (checkpointing_)
+  if (recompute_.recomputes(l))
     block_forward(l, w);  // recompute this block's activations from its saved input
   else
     saved_.restore(l);

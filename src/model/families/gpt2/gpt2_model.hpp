@@ -13,7 +13,7 @@ template <typename Real>
 class GptModel : public DecoderLM<Real> {
  public:
   // activation_dtype: how a block's saved tensors are stored (model/saved_activations.hpp).
-  GptModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing, const LayerOps<Real>& ops,
+  GptModel(const ParamTable& table, int batch, int seq_len, Checkpointing activation_checkpointing, const LayerOps<Real>& ops,
            DType activation_dtype = DTYPE_FP32);
 
   // Elements of each of a layer's saved tensors (SavedActivations' sizes).
@@ -43,7 +43,7 @@ class GptModel : public DecoderLM<Real> {
   using Base = DecoderLM<Real>;
   using typename Base::Array;
   using typename Base::ActivationList;
-  using Base::table_, Base::ops_, Base::adapters_, Base::cfg_, Base::B_, Base::T_, Base::checkpointing_;
+  using Base::table_, Base::ops_, Base::adapters_, Base::cfg_, Base::B_, Base::T_, Base::recompute_;
   using Base::tokens_, Base::targets_, Base::resid_, Base::saved_, Base::lnf_, Base::probs_, Base::losses_;
   using Base::dresid_, Base::dln_;
   // A layer's saved tensors (in saved_) and its fp32 rest.
@@ -51,9 +51,9 @@ class GptModel : public DecoderLM<Real> {
   struct Layer {
     Array ln1_mean, ln1_rstd, lse, resid2, ln2_mean, ln2_rstd;
   };
-  Layer& layer(int l) { return layers_[checkpointing_ ? 0 : l]; }
+  Layer& layer(int l) { return layers_[recompute_.set(l)]; }
 
-  std::vector<Layer> layers_;  // one per block, or a single shared one when checkpointing
+  std::vector<Layer> layers_;  // one per block that keeps its own, one shared by the recomputing blocks
   Array lnf_mean_, lnf_rstd_;
   Array dqkv_, dfch_;  // backward scratch, shared by all layers
   // Generation: the key/value cache and one step's buffers (rows of its tokens; the head uses row 0

@@ -198,18 +198,18 @@ double LlamaFamily::flops_per_token(const ParamTable& t, int seq_len) const {
 }
 
 std::unique_ptr<TransformerModel<float>> LlamaFamily::make_model(const ParamTable& table, int batch, int seq_len,
-                                                                 bool ckpt, const LayerOps<float>& ops,
+                                                                 Checkpointing ckpt, const LayerOps<float>& ops,
                                                                  DType act) const {
   return std::make_unique<LlamaModel<float>>(table, batch, seq_len, ckpt, ops, act, variant());
 }
 std::unique_ptr<TransformerModel<double>> LlamaFamily::make_model(const ParamTable& table, int batch, int seq_len,
-                                                                  bool ckpt, const LayerOps<double>& ops,
+                                                                  Checkpointing ckpt, const LayerOps<double>& ops,
                                                                   DType act) const {
   return std::make_unique<LlamaModel<double>>(table, batch, seq_len, ckpt, ops, act, variant());
 }
 
 // LlamaModel's constructor's arrays, in its order.
-std::vector<size_t> LlamaFamily::activation_arrays(const ModelConfig& c, int batch, int seq_len, bool checkpointing,
+std::vector<size_t> LlamaFamily::activation_arrays(const ModelConfig& c, int batch, int seq_len, Checkpointing checkpointing,
                                                    DType /*in SavedActivations*/) const {
   const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, NH = c.n_head, V = c.vocab_size;
   const size_t QKV = c.qkv_size(), I = c.mlp_size(), rope = static_cast<size_t>(seq_len) * (c.head_size() / 2);
@@ -217,7 +217,7 @@ std::vector<size_t> LlamaFamily::activation_arrays(const ModelConfig& c, int bat
   std::vector<size_t> a = {rope, rope};  // the rotary cos and sin tables
   a.insert(a.end(), c.n_layer + 1, BT * C);  // the residual stream
   const bool qk_norm = variant().qk_norm;
-  for (int l = 0; l < (checkpointing ? 1 : c.n_layer); l++) {  // ln1's rstd, lse, resid2, ln2's rstd
+  for (int l = 0; l < checkpointing.run(0, c.n_layer).sets(); l++) {  // ln1's rstd, lse, resid2, ln2's rstd
     a.insert(a.end(), {BT, BT * NH, BT * C, BT});
     if (qk_norm) a.insert(a.end(), {BT * NH, BT * c.kv_heads()});  // the q and k norms' rstd
   }

@@ -14,7 +14,7 @@
 namespace shardtrain {
 
 template <typename Real>
-LlamaModel<Real>::LlamaModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
+LlamaModel<Real>::LlamaModel(const ParamTable& table, int batch, int seq_len, Checkpointing activation_checkpointing,
                              const LayerOps<Real>& ops, DType activation_dtype, LlamaVariant variant)
     : Base(table, batch, seq_len, activation_checkpointing, ops, activation_dtype,
            saved_tensor_elements(table.config(), variant, batch, seq_len)),
@@ -29,7 +29,7 @@ LlamaModel<Real>::LlamaModel(const ParamTable& table, int batch, int seq_len, bo
   rope_cos_ = list.take(rope), rope_sin_ = list.take(rope);
   make_rope_tables(T_, rope_cos_, rope_sin_);
   for (int l = 0; l <= cfg_.n_layer; l++) resid_.push_back(list.take(BT * C));
-  layers_.resize(checkpointing_ ? 1 : cfg_.n_layer);
+  layers_.resize(recompute_.sets());
   for (Layer& a : layers_) {
     a.ln1_rstd = list.take(BT), a.lse = list.take(BT * NH), a.resid2 = list.take(BT * C), a.ln2_rstd = list.take(BT);
     if (variant_.qk_norm) a.q_rstd = list.take(BT * NH), a.k_rstd = list.take(BT * KV);
@@ -162,7 +162,7 @@ template <typename Real>
 void LlamaModel<Real>::block_backward(int l, Real* g, const Real* w) {
   const int N = B_ * T_, C = cfg_.n_embd, NH = cfg_.n_head, KV = cfg_.kv_heads(), HS = cfg_.head_size();
   const int I = cfg_.mlp_size();
-  if (checkpointing_)
+  if (recompute_.recomputes(l))
     block_forward(l, w);  // recompute this block's activations from its saved input
   else
     saved_.restore(l);

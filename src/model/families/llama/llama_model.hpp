@@ -17,7 +17,7 @@ template <typename Real>
 class LlamaModel : public DecoderLM<Real> {
  public:
   // activation_dtype: how a block's saved tensors are stored (model/saved_activations.hpp).
-  LlamaModel(const ParamTable& table, int batch, int seq_len, bool activation_checkpointing,
+  LlamaModel(const ParamTable& table, int batch, int seq_len, Checkpointing activation_checkpointing,
              const LayerOps<Real>& ops, DType activation_dtype = DTYPE_FP32, LlamaVariant variant = {});
 
   // Elements of each of a layer's saved tensors (SavedActivations' sizes).
@@ -48,7 +48,7 @@ class LlamaModel : public DecoderLM<Real> {
   using Base = DecoderLM<Real>;
   using typename Base::Array;
   using typename Base::ActivationList;
-  using Base::table_, Base::ops_, Base::adapters_, Base::cfg_, Base::B_, Base::T_, Base::checkpointing_;
+  using Base::table_, Base::ops_, Base::adapters_, Base::cfg_, Base::B_, Base::T_, Base::recompute_;
   using Base::tokens_, Base::targets_, Base::resid_, Base::saved_, Base::lnf_, Base::probs_, Base::losses_;
   using Base::dresid_, Base::dln_;
   // A layer's saved tensors (in saved_) and its fp32 rest. QK_PRE (with q/k norms): the heads'
@@ -58,7 +58,7 @@ class LlamaModel : public DecoderLM<Real> {
     Array ln1_rstd, lse, resid2, ln2_rstd;
     Array q_rstd, k_rstd;  // with q/k norms: per row and head
   };
-  Layer& layer(int l) { return layers_[checkpointing_ ? 0 : l]; }
+  Layer& layer(int l) { return layers_[recompute_.set(l)]; }
   // The LM head's weight in the root unit: lm_head, or the tied embedding.
   int head_param() const { return cfg_.tie_embeddings ? LLAMA_EMBED : LLAMA_LM_HEAD; }
   // The q|k|v bias in a block's parameters and its gradient, or null.
@@ -82,7 +82,7 @@ class LlamaModel : public DecoderLM<Real> {
   LlamaVariant variant_;
   std::vector<bool> nope_;  // per block: no rotary embeddings (model.nope_layers, SmolLM3)
   Array rope_cos_, rope_sin_;  // (T, head_size / 2)
-  std::vector<Layer> layers_;  // one per block, or a single shared one when checkpointing
+  std::vector<Layer> layers_;  // one per block that keeps its own, one shared by the recomputing blocks
   Array lnf_rstd_;
   Array dqkv_, dgate_up_, dact_;  // backward scratch, shared by all layers
   Array qk_scratch_, dqk_pre_;     // with q/k norms: their normed output, then their output and input gradients
