@@ -462,11 +462,13 @@ def flux_section(build, steps, rounds):
     each run's SGEMM peak, and the achieved GFLOP/s (tokens/s x the model's FLOPs per token: for
     FLUX, per image token). And FLUX.1's with its activations in bf16 (fsdp.activation_dtype,
     fp32 parameters): what rounding and widening them costs; FLUX.2's with activation
-    checkpointing: what recomputing each block's forward costs (MFU counts the model's FLOPs, not
-    the recompute's)."""
+    checkpointing: what recomputing each block's forward costs, and recomputing only the first 3 of
+    its 6 blocks (fsdp.checkpoint_blocks) half of that (MFU counts the model's FLOPs, not the
+    recompute's)."""
     print(f"\n== FLUX beside GPT-2: {rounds} rounds of {steps} steps, 1 rank x 2 threads (first step dropped)",
           flush=True)
-    rows = {"flux": [], "flux-bf16-activations": [], "flux2": [], "flux2-checkpointing": [], "gpt2": []}
+    rows = {"flux": [], "flux-bf16-activations": [], "flux2": [], "flux2-checkpointing": [],
+            "flux2-recompute-half": [], "gpt2": []}
     with tempfile.TemporaryDirectory() as tmp:
         latents = flux_latents(tmp)
         for _ in range(rounds):
@@ -478,6 +480,9 @@ def flux_section(build, steps, rounds):
             rows["flux2"].extend((x, peak, flops) for x in r)
             r, peak, flops = flux_run(build, steps, latents, flux2=True, extra=["--fsdp.activation_checkpointing=true"])
             rows["flux2-checkpointing"].extend((x, peak, flops) for x in r)
+            r, peak, flops = flux_run(build, steps, latents, flux2=True, extra=["--fsdp.activation_checkpointing=true",
+                                                                                "--fsdp.checkpoint_blocks=3"])
+            rows["flux2-recompute-half"].extend((x, peak, flops) for x in r)
             r, peak, out = [], 0, []
             run_rows, peak, _ = train_run(build, 1, 2, steps, "gpt2-124M.ini", 320, 1, 4, stdout=out)
             flops = float(re.search(r"\| ([\d.]+) MFLOP per token", out[0]).group(1)) * 1e6
@@ -492,8 +497,8 @@ def flux_section(build, steps, rounds):
               f"{data[0][2] / 1e6:.1f} MFLOP per token | tokens/s min {tps[0]:.1f} median {tps[1]:.1f} max {tps[2]:.1f} | "
               f"MFU min {mfu[0]:.3f} median {mfu[1]:.3f} max {mfu[2]:.3f} | GFLOP/s median {gflops:.1f}", flush=True)
     print(f"flux-bf16-activations / flux (medians): MFU {medians['flux-bf16-activations'][0] / medians['flux'][0]:.3f}", flush=True)
-    print(f"flux2-checkpointing / flux2 (medians): MFU {medians['flux2-checkpointing'][0] / medians['flux2'][0]:.3f}",
-          flush=True)
+    for name in ("flux2-checkpointing", "flux2-recompute-half"):
+        print(f"{name} / flux2 (medians): MFU {medians[name][0] / medians['flux2'][0]:.3f}", flush=True)
     for name in ("flux", "flux2"):
         print(f"{name} / gpt2 (medians): MFU {medians[name][0] / medians['gpt2'][0]:.3f}, "
               f"GFLOP/s {medians[name][1] / medians['gpt2'][1]:.3f}", flush=True)
