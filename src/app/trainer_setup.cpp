@@ -83,6 +83,16 @@ std::vector<FrozenCompanion> read_frozen_companions(const Runtime& rt, const Con
   return frozen;
 }
 
+// What recomputing more would take, for the out-of-memory messages: turning activation
+// checkpointing on, or recomputing more blocks than fsdp.checkpoint_blocks; empty when every block
+// already recomputes.
+std::string recompute_more(const Config& c) {
+  if (!c.fsdp.activation_checkpointing) return "fsdp.activation_checkpointing=true or ";
+  if (c.fsdp.checkpoint_blocks > 0)
+    return strprintf("a larger fsdp.checkpoint_blocks (now %d; 0 = every block) or ", c.fsdp.checkpoint_blocks);
+  return "";
+}
+
 // The rank's planned bytes; an InputError (agreed) when they exceed fsdp.memory_limit.
 MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrategy strategy, const Comm& shard,
                                const Comm& replica, const ComputeBackend& compute, const GemmWorkload& gemms,
@@ -101,27 +111,28 @@ MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrat
     if (available > 0 && host_need * rt.local_size() > available)
       throw UsageError(strprintf(
           "out of memory: rank %d needs %s of host memory and this node has %s available for its %d rank%s (%s "
-          "each) (%s); shard over more ranks or nodes, or use fsdp.activation_checkpointing=true or a smaller "
-          "train.micro_batch -- 'shardtrain plan' lists what fits",
+          "each) (%s); shard over more ranks or nodes, or use %sa smaller train.micro_batch -- 'shardtrain plan' "
+          "lists what fits",
           rt.rank(), human_bytes(host_need).c_str(), human_bytes(available).c_str(), rt.local_size(),
-          rt.local_size() == 1 ? "" : "s", human_bytes(available / rt.local_size()).c_str(), plan.describe().c_str()));
+          rt.local_size() == 1 ? "" : "s", human_bytes(available / rt.local_size()).c_str(), plan.describe().c_str(),
+          recompute_more(c).c_str()));
     const size_t limit = c.fsdp.memory_limit.bytes;
     if (limit && plan.total() > limit)
       throw UsageError(strprintf(
           "out of memory: rank %d needs %s > fsdp.memory_limit=%s (%s); try a sharding strategy that shards "
-          "more (FULL_SHARD), fsdp.activation_checkpointing=true or a smaller train.micro_batch -- 'shardtrain "
-          "plan' lists what fits",
+          "more (FULL_SHARD), %sa smaller train.micro_batch -- 'shardtrain plan' lists what fits",
           rt.rank(), human_bytes(static_cast<double>(plan.total())).c_str(), c.fsdp.memory_limit.text.c_str(),
-          plan.describe().c_str()));
+          plan.describe().c_str(), recompute_more(c).c_str()));
     // The GPU's own limit, checked the same way (plan.total() includes the GPU backend's own memory).
     if (compute.on_gpu() && plan.total() > compute.gpu_free_bytes())
       throw UsageError(strprintf(
           "out of GPU memory: rank %d needs %s but %s has %s free of %s (%s); try a sharding strategy that shards "
-          "more (FULL_SHARD), fsdp.activation_checkpointing=true, fsdp.cpu_offload=true or a smaller "
-          "train.micro_batch -- 'shardtrain plan --memory-limit' lists what fits",
+          "more (FULL_SHARD), %sfsdp.cpu_offload=true or a smaller train.micro_batch -- 'shardtrain plan "
+          "--memory-limit' lists what fits",
           rt.rank(), human_bytes(static_cast<double>(plan.total())).c_str(), compute.describe().c_str(),
           human_bytes(static_cast<double>(compute.gpu_free_bytes())).c_str(),
-          human_bytes(static_cast<double>(compute.gpu_total_bytes())).c_str(), plan.describe().c_str()));
+          human_bytes(static_cast<double>(compute.gpu_total_bytes())).c_str(), plan.describe().c_str(),
+          recompute_more(c).c_str()));
   });
   return plan;
 }
