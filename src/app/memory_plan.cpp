@@ -119,8 +119,8 @@ void add_activation_allocations(const ParamTable& table, int batch, int seq_len,
   const ModelConfig& c = table.config();
   const size_t BT = static_cast<size_t>(batch) * seq_len;
   const int sets = checkpointing.run(0, c.n_layer).sets();
-  for (size_t bytes : SavedActivations<float>::plan_allocations(activation_dtype, sets,
-                                                                plan_saved_tensor_elements(c, batch, seq_len), sizeof(float)))
+  for (size_t bytes : SavedActivations<float>::plan_allocations(
+           activation_dtype, sets, plan_saved_tensor_elements(c, batch, seq_len), sizeof(float)))
     list->push_back({MEM_ACTIVATIONS, bytes});
   const ModelFamily& family = family_of(c);
   if (family.id_bytes(c, batch, seq_len) > 0) {  // a decoder's (model/decoder_lm.hpp)

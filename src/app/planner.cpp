@@ -176,9 +176,10 @@ std::string recompute_label(const Candidate& c, int blocks) {
 std::string describe_fit(const Candidate& c) {
   return strprintf("%s per rank with %s%s%s", human_bytes(static_cast<double>(c.memory.total())).c_str(),
                    sharding_strategy_name(c.strategy),
-                   !c.checkpointing.any()    ? ""
-                   : c.checkpointing.every() ? " + activation checkpointing"
-                                             : strprintf(" + activation checkpointing of %d blocks", c.recomputed).c_str(),
+                   !c.checkpointing.any() ? ""
+                   : c.checkpointing.every()
+                       ? " + activation checkpointing"
+                       : strprintf(" + activation checkpointing of %d blocks", c.recomputed).c_str(),
                    c.offload ? " + CPU offload" : "");
 }
 

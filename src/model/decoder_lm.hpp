@@ -57,8 +57,8 @@ class DecoderLM : public TransformerModel<Real>,
   using Array = DeviceArray<Real>;
   // saved_sizes: the family's saved tensors per layer (SavedActivations), a set for each layer that
   // keeps its own and one shared by the recomputing layers (model/checkpointing.hpp).
-  DecoderLM(const ParamTable& table, int batch, int seq_len, Checkpointing activation_checkpointing, const LayerOps<Real>& ops,
-            DType activation_dtype, const std::vector<size_t>& saved_sizes)
+  DecoderLM(const ParamTable& table, int batch, int seq_len, Checkpointing activation_checkpointing,
+            const LayerOps<Real>& ops, DType activation_dtype, const std::vector<size_t>& saved_sizes)
       : table_(table), ops_(ops), adapters_(table, batch * seq_len, ops), cfg_(table.config()), B_(batch),
         T_(seq_len), checkpointing_(activation_checkpointing),
         recompute_(activation_checkpointing.run(0, table.config().n_layer)),

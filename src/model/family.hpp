@@ -100,7 +100,8 @@ class ModelFamily {
   // the order its constructor allocates them (the planner's allocation list), with its blocks'
   // saved tensors in activation_dtype (fsdp.activation_dtype).
   virtual std::vector<size_t> activation_arrays(const ModelConfig& config, int batch, int seq_len,
-                                                Checkpointing activation_checkpointing, DType activation_dtype) const = 0;
+                                                Checkpointing activation_checkpointing,
+                                                DType activation_dtype) const = 0;
   // Bytes of the integer arrays its model allocates besides those (a language model's token ids
   // and targets).
   virtual size_t id_bytes(const ModelConfig&, int /*batch*/, int /*seq_len*/) const { return 0; }

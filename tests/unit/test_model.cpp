@@ -647,7 +647,8 @@ TEST_P(ModelArchTest, RecomputingTheFirstBlocksKeepsTheBitsAndFreesABlockEach) {
     EXPECT_EQ(got, want);
     const size_t before = host_device().live_bytes();
     auto model16 = make_model<float>(table, B, T, first, cpu_layer_ops<float>(), DTYPE_BF16);
-    EXPECT_EQ(host_device().live_bytes() - before, plan_activation_bytes(table, B, T, first, sizeof(float), DTYPE_BF16));
+    EXPECT_EQ(host_device().live_bytes() - before,
+              plan_activation_bytes(table, B, T, first, sizeof(float), DTYPE_BF16));
     std::vector<std::vector<float>> got16;
     EXPECT_EQ(loss_and_grads(*model16, table, units32, got16, batch, 1.0f / (B * T)), loss16);
     EXPECT_EQ(got16, want16);

@@ -326,12 +326,14 @@ class FluxFamily final : public ModelFamily {
     return (6.0 * per_sample + 6.0 * attention) / N;
   }
 
-  std::unique_ptr<TransformerModel<float>> make_model(const ParamTable& table, int batch, int seq_len, Checkpointing ckpt,
-                                                      const LayerOps<float>& ops, DType act) const override {
+  std::unique_ptr<TransformerModel<float>> make_model(const ParamTable& table, int batch, int seq_len,
+                                                      Checkpointing ckpt, const LayerOps<float>& ops,
+                                                      DType act) const override {
     return std::make_unique<FluxModel<float>>(table, batch, seq_len, ckpt, ops, act);
   }
-  std::unique_ptr<TransformerModel<double>> make_model(const ParamTable& table, int batch, int seq_len, Checkpointing ckpt,
-                                                       const LayerOps<double>& ops, DType act) const override {
+  std::unique_ptr<TransformerModel<double>> make_model(const ParamTable& table, int batch, int seq_len,
+                                                       Checkpointing ckpt, const LayerOps<double>& ops,
+                                                       DType act) const override {
     return std::make_unique<FluxModel<double>>(table, batch, seq_len, ckpt, ops, act);
   }
   std::vector<size_t> activation_arrays(const ModelConfig& c, int batch, int seq_len, Checkpointing ckpt,

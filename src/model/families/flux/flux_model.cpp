@@ -97,8 +97,8 @@ void FluxModel<Real>::carve(SingleLayer& a, const Dims& d, Carver& take) {
 
 template <typename Real>
 template <typename Take, typename TakeHalf>
-void FluxModel<Real>::lay_out(Buffers& b, const Dims& d, Checkpointing checkpointing, DType activation_dtype, Take&& take,
-                              TakeHalf&& take_half) {
+void FluxModel<Real>::lay_out(Buffers& b, const Dims& d, Checkpointing checkpointing, DType activation_dtype,
+                              Take&& take, TakeHalf&& take_half) {
   const size_t B = d.B, T = d.T, N = d.N, L = d.L, S = d.S, C = d.C, F = d.F, FH = d.FH;
   const size_t mods = d.flux2 ? 0 : 1;
   b.in_img = take(B * N * d.IN), b.in_txt = take(B * L * d.X), b.in_pooled = take(B * d.P);

@@ -30,7 +30,8 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   // array's counted as the Reals its bytes fill): the planner's list (the same function lays out
   // both).
   static std::vector<size_t> buffer_elements(const ModelConfig& config, int batch, int image_tokens,
-                                             Checkpointing activation_checkpointing, DType activation_dtype = DTYPE_FP32);
+                                             Checkpointing activation_checkpointing,
+                                             DType activation_dtype = DTYPE_FP32);
   // Adapter dropout's keys: a run per kind of row (the image tokens, the text tokens, the joint
   // sequence, the samples).
   static int dropout_key_rows(const ModelConfig& config, int batch, int image_tokens);

@@ -85,12 +85,14 @@ class Gpt2Family final : public ModelFamily {
     return 6.0 * (static_cast<double>(t.total_params()) - positions) + 12.0 * c.n_layer * seq_len * c.n_embd;
   }
 
-  std::unique_ptr<TransformerModel<float>> make_model(const ParamTable& table, int batch, int seq_len, Checkpointing ckpt,
-                                                      const LayerOps<float>& ops, DType act) const override {
+  std::unique_ptr<TransformerModel<float>> make_model(const ParamTable& table, int batch, int seq_len,
+                                                      Checkpointing ckpt, const LayerOps<float>& ops,
+                                                      DType act) const override {
     return std::make_unique<GptModel<float>>(table, batch, seq_len, ckpt, ops, act);
   }
-  std::unique_ptr<TransformerModel<double>> make_model(const ParamTable& table, int batch, int seq_len, Checkpointing ckpt,
-                                                       const LayerOps<double>& ops, DType act) const override {
+  std::unique_ptr<TransformerModel<double>> make_model(const ParamTable& table, int batch, int seq_len,
+                                                       Checkpointing ckpt, const LayerOps<double>& ops,
+                                                       DType act) const override {
     return std::make_unique<GptModel<double>>(table, batch, seq_len, ckpt, ops, act);
   }
   // GptModel's constructor's arrays, in its order.

@@ -13,8 +13,8 @@ template <typename Real>
 class GptModel : public DecoderLM<Real> {
  public:
   // activation_dtype: how a block's saved tensors are stored (model/saved_activations.hpp).
-  GptModel(const ParamTable& table, int batch, int seq_len, Checkpointing activation_checkpointing, const LayerOps<Real>& ops,
-           DType activation_dtype = DTYPE_FP32);
+  GptModel(const ParamTable& table, int batch, int seq_len, Checkpointing activation_checkpointing,
+           const LayerOps<Real>& ops, DType activation_dtype = DTYPE_FP32);
 
   // Elements of each of a layer's saved tensors (SavedActivations' sizes).
   static std::vector<size_t> saved_tensor_elements(const ModelConfig& config, int batch, int seq_len);

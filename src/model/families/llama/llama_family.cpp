@@ -209,8 +209,8 @@ std::unique_ptr<TransformerModel<double>> LlamaFamily::make_model(const ParamTab
 }
 
 // LlamaModel's constructor's arrays, in its order.
-std::vector<size_t> LlamaFamily::activation_arrays(const ModelConfig& c, int batch, int seq_len, Checkpointing checkpointing,
-                                                   DType /*in SavedActivations*/) const {
+std::vector<size_t> LlamaFamily::activation_arrays(const ModelConfig& c, int batch, int seq_len,
+                                                   Checkpointing checkpointing, DType /*in SavedActivations*/) const {
   const size_t BT = static_cast<size_t>(batch) * seq_len, C = c.n_embd, NH = c.n_head, V = c.vocab_size;
   const size_t QKV = c.qkv_size(), I = c.mlp_size(), rope = static_cast<size_t>(seq_len) * (c.head_size() / 2);
   const size_t dln = BT * std::max(C, static_cast<size_t>(c.attn_size()));  // also the attention output's gradient

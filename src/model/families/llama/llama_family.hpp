@@ -45,10 +45,12 @@ class LlamaFamily : public ModelFamily {
   std::vector<int> input_params() const override { return {LLAMA_EMBED}; }
   double flops_per_token(const ParamTable& table, int seq_len) const override;
 
-  std::unique_ptr<TransformerModel<float>> make_model(const ParamTable& table, int batch, int seq_len, Checkpointing ckpt,
-                                                      const LayerOps<float>& ops, DType act) const override;
-  std::unique_ptr<TransformerModel<double>> make_model(const ParamTable& table, int batch, int seq_len, Checkpointing ckpt,
-                                                       const LayerOps<double>& ops, DType act) const override;
+  std::unique_ptr<TransformerModel<float>> make_model(const ParamTable& table, int batch, int seq_len,
+                                                      Checkpointing ckpt, const LayerOps<float>& ops,
+                                                      DType act) const override;
+  std::unique_ptr<TransformerModel<double>> make_model(const ParamTable& table, int batch, int seq_len,
+                                                       Checkpointing ckpt, const LayerOps<double>& ops,
+                                                       DType act) const override;
   std::vector<size_t> activation_arrays(const ModelConfig& config, int batch, int seq_len, Checkpointing checkpointing,
                                         DType activation_dtype) const override;
   std::vector<size_t> saved_tensor_elements(const ModelConfig& config, int batch, int seq_len) const override;
