@@ -238,16 +238,27 @@ TRAIN_FILE=$WORK/data/flux_train.h5 CONFIG=inputs/flux-tiny.ini against_cpu "FLU
 TRAIN_FILE=$WORK/data/flux_train.h5 CONFIG=inputs/flux2-tiny.ini against_cpu \
   "FLUX.2 (shared modulations, SwiGLU, fused single blocks; the same latents, their pooled vector unread)" \
   flux2 2 1 --train.steps=10 --train.micro_batch=2 --train.global_batch=4 --train.threads=4
-# Recomputing only the first 3 of FLUX.2's 4 blocks (fsdp.checkpoint_blocks) on the GPU: the losses
-# of its run above that kept every activation (the same kernels on the same inputs: within 1e-6).
-if TRAIN_FILE=$WORK/data/flux_train.h5 run "flux2-recompute-gpu" cuda 1 inputs/flux2-tiny.ini --train.steps=10 \
-     --train.micro_batch=2 --train.global_batch=4 --fsdp.activation_checkpointing=true --fsdp.checkpoint_blocks=3 &&
-   out=$(compare_losses "$WORK/flux2-recompute-gpu.jsonl" "$WORK/cmp-gpu-flux2.jsonl" 1e-6); then
-  report "- ok   FLUX.2 recomputing 3 of 4 blocks vs keeping all, on the GPU: $out"
-else
-  FAILED=1; report "- FAIL FLUX.2 recomputing 3 of 4 blocks on the GPU: ${out:-a run failed}"; report '```'
-  report "$(tail -8 "$WORK/flux2-recompute-gpu.log" 2>/dev/null)"; report '```'
-fi
+# Recomputing only the first 3 of FLUX.2's 4 blocks (fsdp.checkpoint_blocks) on the GPU against
+# keeping every activation, in fp32 (its run above) and with bf16 parameters and activations: the
+# same kernels on the same inputs, so the losses within 1e-6.
+FLUX2_GPU=(--train.steps=10 --train.micro_batch=2 --train.global_batch=4)
+RECOMPUTE=(--fsdp.activation_checkpointing=true --fsdp.checkpoint_blocks=3)
+for dtype in fp32 bf16; do
+  out="" kept="cmp-gpu-flux2"
+  if [ "$dtype" = bf16 ]; then
+    kept="flux2-keep-gpu-bf16"
+    TRAIN_FILE=$WORK/data/flux_train.h5 run "$kept" cuda 1 inputs/flux2-tiny.ini "${FLUX2_GPU[@]}" --fsdp.param_dtype=bf16
+  fi
+  if TRAIN_FILE=$WORK/data/flux_train.h5 run "flux2-recompute-gpu-$dtype" cuda 1 inputs/flux2-tiny.ini "${FLUX2_GPU[@]}" \
+       --fsdp.param_dtype=$dtype "${RECOMPUTE[@]}" &&
+     out=$(compare_losses "$WORK/flux2-recompute-gpu-$dtype.jsonl" "$WORK/$kept.jsonl" 1e-6); then
+    report "- ok   FLUX.2 $dtype recomputing 3 of 4 blocks vs keeping all, on the GPU: $out"
+  else
+    FAILED=1; report "- FAIL FLUX.2 $dtype recomputing 3 of 4 blocks on the GPU: ${out:-a run failed}"; report '```'
+    report "$(tail -8 "$WORK/flux2-recompute-gpu-$dtype.log" 2>/dev/null; tail -8 "$WORK/$kept.log" 2>/dev/null)"
+    report '```'
+  fi
+done
 flux_ckpt=$(ls "$WORK"/ckpt-cmp-gpu-flux/ckpt-*.h5 2>/dev/null | tail -1)
 for device in cuda cpu; do
   lim=$(limit) || break

@@ -322,8 +322,8 @@ void declare_options(OptionList& o, Config& c) {
         "compute)");
   o.add("fsdp.checkpoint_blocks", &c.fsdp.checkpoint_blocks,
         "with fsdp.activation_checkpointing: recompute only the first N blocks (FLUX: double, then single), "
-        "the rest keep their activations -- each recomputed block past the first saves one block's; 0 = every "
-        "block ('shardtrain plan' finds the fewest that fit)");
+        "the rest keep their activations -- each recomputed block frees about one block's; 0 = every block "
+        "('shardtrain plan' finds the fewest that fit)");
   o.add_choice("fsdp.param_dtype", &c.fsdp.param_dtype, DTYPES, dtype_name,
                "the type parameters are gathered and communicated in (fp32 master weights and moments; on the "
                "CPU, compute widens to fp32); fp16 turns on dynamic loss scaling");

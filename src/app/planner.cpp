@@ -104,16 +104,19 @@ std::vector<Candidate> plan_candidates(const Config& config, int world, int rank
         };
         const Candidate none = plan(false), every_block = plan(true);
         candidates.push_back(none);
-        // Between them, the fewest first blocks that fit. One recomputed block saves nothing (the
-        // set it shares is its own); each further block saves about one block's activations.
-        if (!none.fits && every_block.fits)
-          for (int k = 2; k < blocks; k++) {
-            const Candidate some = plan(Checkpointing::first(k));
-            if (some.fits) {
-              candidates.push_back(some);
-              break;
-            }
+        // Between them, the fewest first blocks that fit: each recomputed block frees its
+        // activations (but a decoder's first, whose set the others share), so the bytes fall with
+        // the count, and a bisection finds it.
+        if (!none.fits && every_block.fits) {
+          std::optional<Candidate> fewest;
+          for (int lo = 1, hi = blocks - 1; lo <= hi;) {
+            const int k = (lo + hi) / 2;
+            Candidate some = plan(Checkpointing::first(k));
+            if (some.fits) fewest = some, hi = k - 1;
+            else lo = k + 1;
           }
+          if (fewest) candidates.push_back(*fewest);
+        }
         candidates.push_back(every_block);
       }
     }

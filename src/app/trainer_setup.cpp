@@ -88,7 +88,7 @@ std::vector<FrozenCompanion> read_frozen_companions(const Runtime& rt, const Con
 // already recomputes.
 std::string recompute_more(const Config& c) {
   if (!c.fsdp.activation_checkpointing) return "fsdp.activation_checkpointing=true or ";
-  if (c.fsdp.checkpoint_blocks > 0)
+  if (c.fsdp.checkpoint_blocks > 0 && c.fsdp.checkpoint_blocks < c.model.n_layer + c.model.n_single_layer)
     return strprintf("a larger fsdp.checkpoint_blocks (now %d; 0 = every block) or ", c.fsdp.checkpoint_blocks);
   return "";
 }

@@ -9,8 +9,9 @@
 //   head_backward, block_backward(L-1..0), embed_backward
 // with the root unit's parameters valid from embed_forward to embed_backward. Gradients are
 // accumulated (+=) into the unit gradient buffers. With activation checkpointing only each
-// block's input is kept; block_backward recomputes the block's forward into one shared set of
-// buffers first (deterministically: the same bits as without). Templated on float (training) and
+// recomputing block's input is kept (every block's, or the first N's: model/checkpointing.hpp);
+// block_backward recomputes such a block's forward into one set of buffers the recomputing blocks
+// share first (deterministically: the same bits as without). Templated on float (training) and
 // double (finite-difference checks); forward_backward_unsharded runs the whole sequence with every
 // unit present, the oracle for the sharded engine. Every buffer lives on the device of `ops` (host
 // for the CPU backend, the GPU for the CUDA one); the micro-batch comes from host memory.

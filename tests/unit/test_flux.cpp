@@ -150,8 +150,8 @@ TEST(Flux, ActivationCheckpointingChangesNoBits) {
 
 // fsdp.checkpoint_blocks: only the first k blocks recompute (the double blocks, then the single):
 // the same bits as keeping everything, in fp32 and 16 bits; the allocation is the plan; less is
-// held once two blocks of a kind share their set (k = 2: both double blocks), and k = every block
-// is what recomputing every block holds.
+// held from the first recomputed block in 16 bits and once two share the working set in fp32, and
+// k = every block is what recomputing every block holds.
 TEST(Flux, RecomputingTheFirstBlocksChangesNoBits) {
   for (const ModelConfig& config : {tiny_flux_config(), tiny_flux2_config()}) {
     const ParamTable table(config);
@@ -173,7 +173,9 @@ TEST(Flux, RecomputingTheFirstBlocksChangesNoBits) {
         std::vector<std::vector<float>> got;
         EXPECT_EQ(loss_and_grads(*model, table, units, &got, batch, 0.5f), loss);
         EXPECT_EQ(got, want);
-        if (k >= 2) EXPECT_LT(model->activation_bytes(), plain->activation_bytes());
+        // A recomputing block keeps no region of its own: in 16 bits its copies are freed from the
+        // first; in fp32 its kept tensors move into the working set, which grows by as much.
+        if (k >= 2 || dtype != DTYPE_FP32) EXPECT_LT(model->activation_bytes(), plain->activation_bytes());
         if (k == blocks)
           EXPECT_EQ(model->activation_bytes(), plan_activation_bytes(table, B, N, true, sizeof(float), dtype));
       }
