@@ -156,6 +156,11 @@ def test_the_plan_recomputes_the_fewest_blocks_that_fit_and_the_run_keeps_the_bi
     kept = os.path.join(tempdir(), "kept.jsonl")
     ok(run(2, flux2_args(*shape, metrics=kept)), "no checkpointing")
     assert [r["loss"] for r in records] == [r["loss"] for r in read_metrics(kept)]
+    # With bf16 parameters and activations too (the blocks' 16-bit copies, and a recomputing block's
+    # rounding in place): the losses of keeping everything, bit for bit.
+    half = ("--fsdp.param_dtype=bf16",)
+    assert (flux_losses(2, *shape, *half, *chosen[:2], config=FLUX2_INI, files=data_files())
+            == flux_losses(2, *shape, *half, config=FLUX2_INI, files=data_files()))
     if k > 2:
         expect_usage_error(flux2_args(*shape, *chosen[:1], f"--fsdp.checkpoint_blocks={k - 1}", chosen[2]),
                            "out of memory", f"fsdp.memory_limit={limit}B", np_=2)
