@@ -880,10 +880,6 @@ void validate_config(const Config& c, int world) {
           "from checkpoint.init_from, which is empty: set it to the base model (a Hugging Face folder, llm.c "
           "file or ShardTrain checkpoint)");
   require(c.fsdp.limit_all_gathers >= 1, "fsdp.limit_all_gathers must be >= 1 (1 disables prefetching)");
-  const int blocks = c.model.n_layer + c.model.n_single_layer;
-  require(c.fsdp.checkpoint_blocks >= 0 && c.fsdp.checkpoint_blocks <= blocks,
-          strprintf("fsdp.checkpoint_blocks=%d is not a count of the model's %d blocks: use 1 to %d, or 0 for every "
-                    "block", c.fsdp.checkpoint_blocks, blocks, blocks));
   require(c.fsdp.checkpoint_blocks == 0 || c.fsdp.activation_checkpointing,
           strprintf("fsdp.checkpoint_blocks=%d chooses which blocks activation checkpointing recomputes, but "
                     "fsdp.activation_checkpointing=false: set it to true, or remove fsdp.checkpoint_blocks",
@@ -948,7 +944,10 @@ void validate_config(const Config& c, int world) {
             "text_encoder.source conditions a diffusion transformer on captions; model.arch=" + m.arch +
                 " trains on tokens: remove it");
   }
-  config_param_table(c);  // train.freeze's patterns, adapter.targets
+  const int blocks = config_param_table(c).block_count();  // and train.freeze's patterns, adapter.targets
+  require(c.fsdp.checkpoint_blocks >= 0 && c.fsdp.checkpoint_blocks <= blocks,
+          strprintf("fsdp.checkpoint_blocks=%d is not a count of the model's %d blocks: use 1 to %d, or 0 for every "
+                    "block", c.fsdp.checkpoint_blocks, blocks, blocks));
 }
 
 AdapterConfig adapter_config(const Config& c) {

@@ -85,10 +85,10 @@ std::vector<FrozenCompanion> read_frozen_companions(const Runtime& rt, const Con
 
 // What recomputing more would take, for the out-of-memory messages: turning activation
 // checkpointing on, or recomputing more blocks than fsdp.checkpoint_blocks; empty when every block
-// already recomputes.
-std::string recompute_more(const Config& c) {
+// already recomputes (`blocks`: the model's).
+std::string recompute_more(const Config& c, int blocks) {
   if (!c.fsdp.activation_checkpointing) return "fsdp.activation_checkpointing=true or ";
-  if (c.fsdp.checkpoint_blocks > 0 && c.fsdp.checkpoint_blocks < c.model.n_layer + c.model.n_single_layer)
+  if (c.fsdp.checkpoint_blocks > 0 && c.fsdp.checkpoint_blocks < blocks)
     return strprintf("a larger fsdp.checkpoint_blocks (now %d; 0 = every block) or ", c.fsdp.checkpoint_blocks);
   return "";
 }
@@ -98,9 +98,10 @@ MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrat
                                const Comm& replica, const ComputeBackend& compute, const GemmWorkload& gemms,
                                const std::vector<FrozenCompanion>& frozen) {
   GroupShape groups{shard.size(), shard.rank(), replica.size(), replica.rank()};
-  MemoryPlan plan = plan_rank_memory(config_param_table(c), groups, engine_options(c), c.train.micro_batch,
-                                     c.train.seq_len, checkpointing_of(c), compute.options(), gemms,
-                                     frozen);
+  const ParamTable table = config_param_table(c);
+  MemoryPlan plan = plan_rank_memory(table, groups, engine_options(c), c.train.micro_batch, c.train.seq_len,
+                                     checkpointing_of(c), compute.options(), gemms, frozen);
+  const std::string recompute_hint = recompute_more(c, table.block_count());
   rt.agree_on([&] {
     // Host memory: the whole plan on the CPU backend, the offloaded state on a GPU. Checked against
     // what the node has available, shared by its ranks, so a model that cannot fit stops here
@@ -115,14 +116,14 @@ MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrat
           "lists what fits",
           rt.rank(), human_bytes(host_need).c_str(), human_bytes(available).c_str(), rt.local_size(),
           rt.local_size() == 1 ? "" : "s", human_bytes(available / rt.local_size()).c_str(), plan.describe().c_str(),
-          recompute_more(c).c_str()));
+          recompute_hint.c_str()));
     const size_t limit = c.fsdp.memory_limit.bytes;
     if (limit && plan.total() > limit)
       throw UsageError(strprintf(
           "out of memory: rank %d needs %s > fsdp.memory_limit=%s (%s); try a sharding strategy that shards "
           "more (FULL_SHARD), %sa smaller train.micro_batch -- 'shardtrain plan' lists what fits",
           rt.rank(), human_bytes(static_cast<double>(plan.total())).c_str(), c.fsdp.memory_limit.text.c_str(),
-          plan.describe().c_str(), recompute_more(c).c_str()));
+          plan.describe().c_str(), recompute_hint.c_str()));
     // The GPU's own limit, checked the same way (plan.total() includes the GPU backend's own memory).
     if (compute.on_gpu() && plan.total() > compute.gpu_free_bytes())
       throw UsageError(strprintf(
@@ -132,7 +133,7 @@ MemoryPlan checked_memory_plan(const Runtime& rt, const Config& c, ShardingStrat
           rt.rank(), human_bytes(static_cast<double>(plan.total())).c_str(), compute.describe().c_str(),
           human_bytes(static_cast<double>(compute.gpu_free_bytes())).c_str(),
           human_bytes(static_cast<double>(compute.gpu_total_bytes())).c_str(), plan.describe().c_str(),
-          recompute_more(c).c_str()));
+          recompute_hint.c_str()));
   });
   return plan;
 }

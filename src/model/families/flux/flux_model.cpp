@@ -199,7 +199,7 @@ template <typename Real>
 FluxModel<Real>::FluxModel(const ParamTable& table, int batch, int image_tokens, Checkpointing activation_checkpointing,
                            const LayerOps<Real>& ops, DType activation_dtype)
     : table_(table), ops_(ops), d_(dims_of(table.config(), batch, image_tokens)), lay_(flux_layout(table.config())),
-      checkpointing_(activation_checkpointing), doubles_(activation_checkpointing.run(0, d_.double_blocks)),
+      doubles_(activation_checkpointing.run(0, d_.double_blocks)),
       singles_(activation_checkpointing.run(d_.double_blocks, d_.single_blocks)), activation_dtype_(activation_dtype),
       adapter_bytes_(plan_adapter_bytes(table, batch * d_.S, sizeof(Real),
                                         dropout_key_rows(table.config(), batch, image_tokens))),
@@ -215,7 +215,7 @@ FluxModel<Real>::FluxModel(const ParamTable& table, int batch, int image_tokens,
       rope_freq_.push_back(1.0 / std::pow(table.config().rope_theta, 2.0 * k / axes[a]));
     }
   lay_out(
-      buf_, d_, checkpointing_, activation_dtype_,
+      buf_, d_, activation_checkpointing, activation_dtype_,
       [&](size_t n) {
         bytes_ += n * sizeof(Real);
         return Array(ops.device(), n);

@@ -250,7 +250,6 @@ class FluxModel final : public TransformerModel<Real>, public Predictor<Real> {
   const LayerOps<Real>& ops_;
   Dims d_;
   FluxLayout lay_;  // where each layer's parameters are
-  Checkpointing checkpointing_;
   CheckpointedRun doubles_, singles_;  // which double and single blocks recompute, where each keeps its set
   DType activation_dtype_;
   size_t bytes_ = 0, adapter_bytes_ = 0;
