@@ -15,6 +15,9 @@
 //                                 tiled (cpu::attention_*) or materialised (the pre-issue-17 T x T
 //                                 path, kept in this file as the baseline); counter "saved+scratch
 //                                 MiB": what the forward keeps for the backward plus its scratch
+//   BM_AttentionBackwardPasses/<shape>/<one|two>  FLOP/s = 4 B T^2 NH HS causally, 8 B T^2 NH HS over
+//                                 every key (the backward's four products, without the recompute):
+//                                 the backward in one pass or two (cpu::AttentionTiles::passes)
 //   BM_LayernormForward           bytes/s = 4 (2 N C) (read inp, write out; per-row stats ignored)
 //   BM_LayernormBackward          bytes/s = 4 (4 N C) (read dout, inp; read+write dinp)
 //   BM_RmsnormForward             bytes/s = 4 (2 N C) (llama shapes; read inp, write out)
@@ -224,6 +227,34 @@ void backward(float* dqkv, float* scratch, const float* dout, const float* qkv, 
     }
 }
 }  // namespace materialised
+
+// The attention backward in one pass and in two (cpu::AttentionTiles::passes) at the shapes the
+// training benchmarks run: llama-135M's grouped heads at T = 256 (B = 4) and 1024 (B = 1), GPT-2's at
+// T = 1024, and the FLUX-shaped joint attention (320 rows, 6 heads of 128, every key).
+struct PassesShape {
+  const char* name;
+  int B, T, NH, KV, HS;
+  bool causal;
+};
+constexpr PassesShape PASSES_SHAPES[] = {{"llama_T256_B4", 4, 256, 9, 3, 64, true},
+                                         {"llama_T1024_B1", 1, 1024, 9, 3, 64, true},
+                                         {"gpt2_T1024_B1", 1, 1024, 12, 12, 64, true},
+                                         {"flux_joint_T320", 1, 320, 6, 6, 128, false}};
+void BM_AttentionBackwardPasses(benchmark::State& state, PassesShape s, cpu::AttentionTiles::Passes passes) {
+  const size_t rows = size_t(s.B) * s.T;
+  auto qkv = filled(rows * (s.NH + 2 * s.KV) * s.HS, 7, 0.5f), dout = filled(rows * s.NH * s.HS, 8, 0.01f);
+  std::vector<float> out(rows * s.NH * s.HS), lse(rows * s.NH), dqkv(qkv.size());
+  cpu::AttentionTiles tiles;
+  tiles.passes = passes;
+  cpu::attention_forward(out.data(), lse.data(), qkv.data(), s.B, s.T, s.NH, s.KV, s.HS, tiles, s.causal);
+  for (auto _ : state) {
+    cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), s.B, s.T, s.NH, s.KV, s.HS,
+                            tiles, s.causal);
+    benchmark::DoNotOptimize(dqkv.data());
+    benchmark::ClobberMemory();
+  }
+  set_flops(state, (s.causal ? 4.0 : 8.0) * s.B * s.T * s.T * s.NH * s.HS);
+}
 
 // One training step's attention, forward then backward, at GPT-2's heads (12 x 64), B = 1, for
 // long sequences: the tiled op against the materialised baseline.
@@ -459,6 +490,11 @@ void register_benchmarks() {
         benchmark::RegisterBenchmark((std::string("BM_MatmulBackward/") + s.name).c_str(), BM_MatmulBackward, s));
   configure(benchmark::RegisterBenchmark("BM_AttentionForward", BM_AttentionForward));
   configure(benchmark::RegisterBenchmark("BM_AttentionBackward", BM_AttentionBackward));
+  for (const PassesShape& s : PASSES_SHAPES)
+    for (auto passes : {cpu::AttentionTiles::Passes::one, cpu::AttentionTiles::Passes::two})
+      configure(benchmark::RegisterBenchmark(
+          (std::string("BM_AttentionBackwardPasses/") + s.name + (passes == cpu::AttentionTiles::Passes::one ? "/one" : "/two")).c_str(),
+          BM_AttentionBackwardPasses, s, passes));
   for (int seq_len : {256, 1024, 4096})
     for (bool tiled : {true, false})
       configure(benchmark::RegisterBenchmark(

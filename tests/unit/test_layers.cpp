@@ -1034,6 +1034,64 @@ TEST(DocumentAttention, OneDocumentPerSequenceGivesTheUnpackedBits) {
   EXPECT_TRUE(same_bits(dqkv2, dqkv));
 }
 
+// The backward in one pass (a task per sequence and key/value head that gathers dQ on the way) and
+// in two (dK and dV by key tiles, then dQ by query tiles) give the same bits: which one runs follows
+// the thread count. Causal, packed documents, and over every key (a diffusion transformer's joint
+// attention); tiles whose key tile is a multiple of the query tile (others always take two passes),
+// with partial tiles at the end and documents that end mid-tile.
+struct PassesCase {
+  AttentionShape shape;
+  bool causal;
+  std::vector<std::vector<int>> starts;  // per sequence, its documents' first positions; empty: none
+};
+class AttentionPassesTest : public ::testing::TestWithParam<PassesCase> {};
+TEST_P(AttentionPassesTest, OnePassGivesTheTwoPassesBits) {
+  const PassesCase& c = GetParam();
+  const AttentionShape& s = c.shape;
+  std::vector<float> qkv(qkv_size(s)), out(attention_out_size(s)), lse(lse_size(s)), dout(out.size());
+  fill_uniform(qkv.data(), qkv.size(), 99, -2.0, 2.0);
+  fill_uniform(dout.data(), dout.size(), 100);
+  std::vector<int> doc_start;
+  for (const std::vector<int>& starts : c.starts)
+    for (int t = 0, d = 0; t < s.T; t++) {
+      while (d + 1 < static_cast<int>(starts.size()) && starts[d + 1] <= t) d++;
+      doc_start.push_back(starts[d]);
+    }
+  const int* docs = doc_start.empty() ? nullptr : doc_start.data();
+  cpu::attention_forward(out.data(), lse.data(), qkv.data(), s.B, s.T, s.NH, s.KV, s.HS, s.op_tiles(), c.causal, docs);
+  const auto backward = [&](cpu::AttentionTiles::Passes passes, int threads) {
+    cpu::AttentionTiles tiles = s.op_tiles();
+    tiles.passes = passes;
+    std::vector<float> dqkv(qkv.size(), quiet_nan<float>());
+    with_threads(threads, [&] {
+      cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), s.B, s.T, s.NH, s.KV, s.HS,
+                              tiles, c.causal, docs);
+    });
+    return dqkv;
+  };
+  const std::vector<float> two = backward(cpu::AttentionTiles::Passes::two, 2);
+  size_t finite = 0, nonzero = 0;
+  for (float v : two) finite += std::isfinite(v), nonzero += v != 0.0f;
+  EXPECT_EQ(finite, two.size()) << "two passes left non-finite values";
+  EXPECT_GT(nonzero, two.size() / 2) << "dqkv is mostly zero";
+  for (int threads : {1, 2, 3})
+    EXPECT_TRUE(same_bits(backward(cpu::AttentionTiles::Passes::one, threads), two))
+        << name_of(s) << (c.causal ? " causal" : " joint") << ": one pass on " << threads << " threads";
+}
+const PassesCase kPassesCases[] = {
+    {{2, 130, 8, 2, 16}, true, {}},                               // the default tiles, grouped heads
+    {{1, 300, 4, 1, 16}, true, {}},                               // default tiles, a partial last key tile
+    {{2, 37, 6, 2, 5, {4, 8}}, true, {}},                         // two query tiles per key tile
+    {{2, 33, 4, 4, 8, {1, 7}}, true, {}},                         // one-row query tiles
+    {{2, 23, 4, 4, 8, {4, 4}}, true, {{0, 5, 6, 14}, {0, 1, 2, 3, 20}}},  // documents, one-token ones
+    {{1, 40, 4, 2, 8, {4, 8}}, true, {{0, 9, 31}}},                // documents over tiles
+    {{1, 150, 4, 1, 16}, true, {{0, 70, 129}}},                    // documents, the default tiles
+    {{1, 45, 3, 3, 12, {8, 16}}, false, {}},                       // joint attention, partial tiles
+    {{1, 300, 6, 6, 16}, false, {}},                               // joint attention, the default tiles
+};
+INSTANTIATE_TEST_SUITE_P(Cases, AttentionPassesTest, ::testing::ValuesIn(kPassesCases),
+                         [](const ::testing::TestParamInfo<PassesCase>& info) { return "case" + std::to_string(info.index); });
+
 // ==================================================================================================
 // Rotary position embedding, in place on the q and k heads of qkv (the attention layout above), v
 // untouched. The tables (T, HS/2) are the reference's rope_tables with theta = 100 (angles up to

@@ -13,10 +13,13 @@
 // probabilities P = exp(S - lse) of their tiles: dK and dV by key tiles (one task per (batch,
 // key/value head, key tile), summing its group's query heads and all later query tiles in a fixed
 // order), and dQ by query tiles (one task per (batch, query head, query tile), summing the key
-// tiles in order). dS = P * (dP - D) with dP = dout v^T. Every output element is computed by one
-// task in a fixed order, with single-threaded GEMMs inside the parallel loop: no atomics, the same
-// bits for any thread count (the tasks are scheduled dynamically, largest first, for the causal
-// imbalance; which thread runs a task does not change its arithmetic).
+// tiles in order). dS = P * (dP - D) with dP = dout v^T. When its tasks keep the threads busy, one
+// pass does both: a task per (batch, key/value head) walks the key tiles in order and adds each tile
+// pair's dQ share as it goes, 5 products a pair instead of 7, with the two passes' very products.
+// Every output element is computed by one task in a fixed order, with single-threaded GEMMs inside
+// the parallel loop: no atomics, the same bits for any thread count (the tasks are scheduled
+// dynamically, largest first, for the causal imbalance; which thread runs a task does not change
+// its arithmetic).
 // Decode: one (new token, query head) pair per iteration, scores, softmax and the weighted sum of v
 // as plain loops over the cached positions (a row, not a matrix: no GEMM to gain from).
 #include <algorithm>
@@ -168,6 +171,32 @@ void attention_forward(Real* out, Real* lse, const Real* qkv, int B, int T, int 
   }
 }
 
+namespace {
+
+// A tile pair's probabilities P = exp(S - lse) (into p) and score gradients dS = P * (dP - D) (into
+// dp), (nq, nk) each: what every backward pass recomputes from q, k, v, dy and the forward's lse.
+template <typename Real>
+void tile_gradients(Real* p, Real* dp, const Real* q, const Real* dy, const Real* k, const Real* v, int nq, int nk,
+                    int t0, int k0, const Real* lse, const Real* D, const RowMask& mask, const HeadView& V,
+                    Real scale) {
+  gemm(false, true, nq, nk, V.HS, scale, q, V.row, k, V.row, Real(0), p, nk);
+  probabilities(p, nq, nk, t0, k0, lse, mask);
+  gemm(false, true, nq, nk, V.HS, Real(1), dy, V.C, v, V.row, Real(0), dp, nk);  // dP = dy v^T
+  score_gradient(dp, p, nq, nk, D);
+}
+
+// One pass makes 5 products of a tile pair where two make 7 (and one exp where two make two), but
+// it has only B * KV tasks, equal without documents: worth it unless the threads idle more than
+// that saves. Both give the same bits, so the choice may follow the thread count.
+bool one_pass_pays(int tasks, int threads, AttentionTiles tiles) {
+  if (tiles.key % tiles.query != 0) return false;  // its query tiles must be the dQ pass's
+  if (tiles.passes != AttentionTiles::Passes::automatic) return tiles.passes == AttentionTiles::Passes::one;
+  const long rounds = (tasks + threads - 1) / threads;
+  return 5 * rounds * threads <= 7L * tasks;
+}
+
+}  // namespace
+
 template <typename Real>
 void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Real* out, const Real* lse, int B, int T,
                         int NH, int KV, int HS, AttentionTiles tiles, bool causal, const int* doc_start) {
@@ -189,20 +218,27 @@ void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Rea
       }
 
   const int k_tiles = tiles_of(T, BK), q_tiles = tiles_of(T, BQ);
+  const bool one_pass = one_pass_pays(B * KV, omp_get_max_threads(), tiles);
 #pragma omp parallel
   {
     std::vector<Real> p(static_cast<size_t>(BQ) * BK), dp(p.size());
-    std::vector<Real> dk(static_cast<size_t>(BK) * HS), dv(dk.size()), dq(static_cast<size_t>(BQ) * HS);
-    // dK, dV of key tile [k0, k0 + nk): every query head of the group, every query row that sees it
-    // (causally t >= k0; with documents, the rows before the first whose document starts after the tile).
-#pragma omp for schedule(dynamic, 1) nowait
-    for (int task = 0; task < B * KV * k_tiles; task++) {
-      const int kt = task % k_tiles, bkv = task / k_tiles, b = bkv / KV, kv = bkv % KV;  // first tiles first
+    std::vector<Real> dk(static_cast<size_t>(BK) * HS), dv(dk.size());
+    // dq of a query tile (in dqkv) += dS k scale, the first of its key tiles writing it.
+    const auto add_dq = [&](Real* dq, const Real* ds, const Real* k, int nq, int nk, bool first) {
+      gemm(false, false, nq, HS, nk, scale, ds, nk, k, V.row, first ? Real(0) : Real(1), dq, V.row);
+    };
+    // dK, dV of key tile [k0, k0 + nk): every query head of the group, every query tile with a row
+    // that sees it (causally t >= k0; with documents, up to the first row whose document starts
+    // after the tile). In one pass, each of those tile pairs also adds its share to dQ of the query
+    // tile, straight into dqkv: the task owns the group's query heads of its sequence, and visits
+    // each query tile's key tiles in the dQ pass's order. OpenBLAS's bits depend on a product's
+    // shape, so both passes make every tile's products whole, masked rows and columns included:
+    // one pass then repeats the two passes' products exactly.
+    const auto key_tile = [&](int b, int kv, int kt, bool with_dq) {
       const int k0 = kt * BK, nk = std::min(BK, T - k0);
       const RowMask mask{causal, doc_start ? doc_start + static_cast<size_t>(b) * T : nullptr};
       int t_end = T;
-      if (mask.first)
-        t_end = static_cast<int>(std::lower_bound(mask.first, mask.first + T, k0 + nk) - mask.first);
+      if (mask.first) t_end = static_cast<int>(std::lower_bound(mask.first, mask.first + T, k0 + nk) - mask.first);
       const Real* k = qkv + V.k_offset(b, kv) + static_cast<size_t>(k0) * V.row;
       const Real* v = qkv + V.v_offset(b, kv) + static_cast<size_t>(k0) * V.row;
       for (int g = 0; g < V.group; g++) {
@@ -215,16 +251,17 @@ void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Rea
           continue;
         }
         for (int t0 = t_begin; t0 < t_end; t0 += BQ) {
-          const int nq = std::min(BQ, t_end - t0);
+          const int nq = std::min(BQ, T - t0);
           const Real beta = t0 == t_begin ? beta0 : Real(1);
           const Real* q = qkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row;
           const Real* dy = dout + V.y_offset(b, h) + static_cast<size_t>(t0) * V.C;
-          gemm(false, true, nq, nk, HS, scale, q, V.row, k, V.row, Real(0), p.data(), nk);
-          probabilities(p.data(), nq, nk, t0, k0, lse + V.stat_offset(b, h) + t0, mask);
+          tile_gradients(p.data(), dp.data(), q, dy, k, v, nq, nk, t0, k0, lse + V.stat_offset(b, h) + t0,
+                         D.data() + V.stat_offset(b, h) + t0, mask, V, scale);
           gemm(true, false, nk, HS, nq, Real(1), p.data(), nk, dy, V.C, beta, dv.data(), HS);  // dv += P^T dy
-          gemm(false, true, nq, nk, HS, Real(1), dy, V.C, v, V.row, Real(0), dp.data(), nk);   // dP = dy v^T
-          score_gradient(dp.data(), p.data(), nq, nk, D.data() + V.stat_offset(b, h) + t0);
           gemm(true, false, nk, HS, nq, scale, dp.data(), nk, q, V.row, beta, dk.data(), HS);  // dk += dS^T q scale
+          if (with_dq)
+            add_dq(dqkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row, dp.data(), k, nq, nk,
+                   k0 == keys_begin(mask, t0, BK));
         }
       }
       Real* dk_out = dqkv + V.k_offset(b, kv) + static_cast<size_t>(k0) * V.row;
@@ -233,30 +270,35 @@ void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Rea
         std::memcpy(dk_out + static_cast<size_t>(j) * V.row, dk.data() + static_cast<size_t>(j) * HS, HS * sizeof(Real));
         std::memcpy(dv_out + static_cast<size_t>(j) * V.row, dv.data() + static_cast<size_t>(j) * HS, HS * sizeof(Real));
       }
-    }
-    // dQ of query tile [t0, t0 + nq): the key tiles it sees (causally up to the diagonal), in order.
+    };
+    if (one_pass) {
 #pragma omp for schedule(dynamic, 1)
-    for (int task = 0; task < B * NH * q_tiles; task++) {
-      const int qt = q_tiles - 1 - task % q_tiles, bh = task / q_tiles, b = bh / NH, h = bh % NH;  // last tiles first
-      const int t0 = qt * BQ, nq = std::min(BQ, T - t0), kv = h / V.group;
-      const RowMask mask{causal, doc_start ? doc_start + static_cast<size_t>(b) * T : nullptr};
-      const Real* q = qkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row;
-      const Real* dy = dout + V.y_offset(b, h) + static_cast<size_t>(t0) * V.C;
-      const int k_begin = keys_begin(mask, t0, BK), k_end = keys_end(t0, nq, T, causal);
-      for (int k0 = k_begin; k0 < k_end; k0 += BK) {
-        const int nk = std::min(BK, k_end - k0);
-        const Real* k = qkv + V.k_offset(b, kv) + static_cast<size_t>(k0) * V.row;
-        const Real* v = qkv + V.v_offset(b, kv) + static_cast<size_t>(k0) * V.row;
-        gemm(false, true, nq, nk, HS, scale, q, V.row, k, V.row, Real(0), p.data(), nk);
-        probabilities(p.data(), nq, nk, t0, k0, lse + V.stat_offset(b, h) + t0, mask);
-        gemm(false, true, nq, nk, HS, Real(1), dy, V.C, v, V.row, Real(0), dp.data(), nk);
-        score_gradient(dp.data(), p.data(), nq, nk, D.data() + V.stat_offset(b, h) + t0);
-        gemm(false, false, nq, HS, nk, scale, dp.data(), nk, k, V.row, k0 == k_begin ? Real(0) : Real(1), dq.data(),
-             HS);
+      for (int task = 0; task < B * KV; task++)
+        for (int kt = 0; kt < k_tiles; kt++) key_tile(task / KV, task % KV, kt, true);
+    } else {
+#pragma omp for schedule(dynamic, 1) nowait
+      for (int task = 0; task < B * KV * k_tiles; task++) {  // first tiles first
+        const int bkv = task / k_tiles;
+        key_tile(bkv / KV, bkv % KV, task % k_tiles, false);
       }
-      Real* dq_out = dqkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row;
-      for (int i = 0; i < nq; i++)
-        std::memcpy(dq_out + static_cast<size_t>(i) * V.row, dq.data() + static_cast<size_t>(i) * HS, HS * sizeof(Real));
+      // dQ of query tile [t0, t0 + nq): the key tiles it sees (causally up to the diagonal), in order.
+#pragma omp for schedule(dynamic, 1)
+      for (int task = 0; task < B * NH * q_tiles; task++) {
+        const int qt = q_tiles - 1 - task % q_tiles, bh = task / q_tiles, b = bh / NH, h = bh % NH;  // last tiles first
+        const int t0 = qt * BQ, nq = std::min(BQ, T - t0), kv = h / V.group;
+        const RowMask mask{causal, doc_start ? doc_start + static_cast<size_t>(b) * T : nullptr};
+        const Real* q = qkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row;
+        const Real* dy = dout + V.y_offset(b, h) + static_cast<size_t>(t0) * V.C;
+        const int k_begin = keys_begin(mask, t0, BK), k_end = keys_end(t0, nq, T, causal);
+        for (int k0 = k_begin; k0 < k_end; k0 += BK) {
+          const int nk = std::min(BK, T - k0);
+          const Real* k = qkv + V.k_offset(b, kv) + static_cast<size_t>(k0) * V.row;
+          tile_gradients(p.data(), dp.data(), q, dy, k, qkv + V.v_offset(b, kv) + static_cast<size_t>(k0) * V.row, nq,
+                         nk, t0, k0, lse + V.stat_offset(b, h) + t0, D.data() + V.stat_offset(b, h) + t0, mask, V,
+                         scale);
+          add_dq(dqkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row, dp.data(), k, nq, nk, k0 == k_begin);
+        }
+      }
     }
   }
 }
