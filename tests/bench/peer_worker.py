@@ -6,6 +6,7 @@ in the warm-up under torch.compile).
   gpt2   transformers' GPT2LMHeadModel of gpt2-124M's shape (SDPA attention), random tokens
   llama  LlamaForCausalLM of llama-135M's shape (SmolLM-135M: 30 x 576, 9 heads on 3 key/value
          heads, SwiGLU 1536, vocabulary 49152, tied head), SDPA
+  qwen2  Qwen2ForCausalLM of the same shape (Qwen2's q/k/v biases), SDPA
   flux   diffusers' FluxTransformer2DModel of run_bench.py's FLUX_BENCH shape (C = 768, 2 double and
          4 single blocks, 256 image and 64 text tokens), flow-matching MSE against a random target;
          tokens are image tokens, as ShardTrain counts them
@@ -30,12 +31,20 @@ def gpt2(batch, seq):
                                                 n_positions=1024)), batch, seq)
 
 
+# llama-135M's shape (inputs/llama-135M.ini), for Llama and its variants.
+SMOLLM_SHAPE = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048,
+                    rope_theta=10000.0, rms_norm_eps=1e-5)
+
+
 def llama(batch, seq):
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                         intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
-                         max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5)
-    return causal_lm(LlamaForCausalLM(config), batch, seq)
+    return causal_lm(LlamaForCausalLM(LlamaConfig(**SMOLLM_SHAPE)), batch, seq)
+
+
+def qwen2(batch, seq):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return causal_lm(Qwen2ForCausalLM(Qwen2Config(**SMOLLM_SHAPE)), batch, seq)
 
 
 def flux(batch, seq):
@@ -62,7 +71,7 @@ def flux(batch, seq):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=("gpt2", "llama", "flux"), required=True)
+    parser.add_argument("--model", choices=("gpt2", "llama", "qwen2", "flux"), required=True)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=1)
@@ -73,7 +82,7 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model, loss_of, tokens = {"gpt2": gpt2, "llama": llama, "flux": flux}[args.model](args.micro_batch, args.seq)
+    model, loss_of, tokens = {"gpt2": gpt2, "llama": llama, "qwen2": qwen2, "flux": flux}[args.model](args.micro_batch, args.seq)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     step_model = torch.compile(model) if args.compile else model
