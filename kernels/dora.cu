@@ -16,6 +16,8 @@
 //  - column_affine: one thread per column, looping over rows (scale and shift stay in registers);
 //    y = fmaf(scale, y - shift, shift): the CPU's expression as GCC contracts it with
 //    -march=native on FMA hardware (the C++ default -ffp-contract=fast).
+//  - scale_rows: one thread per element (grid-stride), (scale[r] + offset) * y: two roundings, as
+//    the CPU's (a sum, then a product: nothing to contract), so the bits are the CPU's.
 // Strided operands (ld > cols: a column slice of a wider product) need only 4-byte alignment:
 // scalar loads, a warp reading 32 consecutive floats of a row.
 #include "common.cuh"
@@ -48,6 +50,13 @@ __global__ void column_affine_kernel(float* y, int ld, int rows, int cols, const
     float* p = y + static_cast<size_t>(r) * ld + c;
     *p = fmaf(s, __fsub_rn(*p, b), b);
   }
+}
+
+// y[r*cols + c] = (scale[r] + offset) * y[r*cols + c], grid-stride over the rows*cols elements.
+__global__ void scale_rows_kernel(float* y, size_t n, int cols, const float* scale, float offset) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    y[i] = __fmul_rn(__fadd_rn(scale[i / cols], offset), y[i]);
 }
 
 // Stage 1: partial[chunk * cols + c] = sum over the chunk's rows of a[r, c] * b[r, c] (double).
@@ -111,6 +120,15 @@ void launch_column_affine(float* y, int ld, int rows, int cols, const float* sca
   const size_t fill = ceil_div(static_cast<size_t>(std::max(1, ctx.sm_count)) * 8, col_blocks);
   const unsigned row_blocks = static_cast<unsigned>(std::min<size_t>({static_cast<size_t>(rows), fill, 65535}));
   column_affine_kernel<<<dim3(col_blocks, row_blocks), threads, 0, ctx.stream>>>(y, ld, rows, cols, scale, shift);
+  CUDA_CHECK_LAUNCH();
+}
+
+void launch_scale_rows(float* y, int rows, int cols, const float* scale, float offset, const LaunchContext& ctx) {
+  SHARD_CHECK(rows >= 0 && cols >= 0, "scale_rows: rows=%d cols=%d", rows, cols);
+  const size_t n = static_cast<size_t>(rows) * cols;
+  if (n == 0) return;
+  const size_t blocks = std::min<size_t>(ceil_div(n, kRowThreads), static_cast<size_t>(std::max(1, ctx.sm_count)) * 32);
+  scale_rows_kernel<<<static_cast<unsigned>(blocks), kRowThreads, 0, ctx.stream>>>(y, n, cols, scale, offset);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -206,12 +206,14 @@ void launch_dropout(float* out, const float* inp, const uint64_t* row_keys, uint
 // DoRA's per-output-feature arithmetic (dora.cu; divide: pointwise.cu), backend/cpu/ops.hpp's:
 // out[r] = sqrt(sum_c x[r*cols + c]^2), x dense (rows, cols);
 // y[r*ld + c] = scale[c] * (y[r*ld + c] - shift[c]) + shift[c] in place, shift may be null (0);
+// y[r*cols + c] = (scale[r] + offset) * y[r*cols + c] in place, y dense (rows, cols);
 // out[c] += (sum_r a[r*lda + c] * b[r*ldb + c]) / divisor[c] (rows = 0: out[c] += 0 / divisor[c]);
 // out[i] = a[i] / b[i] (out may be a or b). ld, lda, ldb >= cols: column slices of wider rows,
 // 4-byte aligned suffices. Sums in double, deterministic (no atomics, fixed orders).
 void launch_row_norms(float* out, const float* x, int rows, int cols, const LaunchContext& ctx);
 void launch_column_affine(float* y, int ld, int rows, int cols, const float* scale, const float* shift,
                           const LaunchContext& ctx);
+void launch_scale_rows(float* y, int rows, int cols, const float* scale, float offset, const LaunchContext& ctx);
 using gpu::column_dot_accumulate_workspace_bytes;
 void launch_column_dot_accumulate(float* out, const float* a, int lda, const float* b, int ldb, int rows, int cols,
                                   const float* divisor, void* workspace, const LaunchContext& ctx);

@@ -894,9 +894,6 @@ void validate_config(const Config& c, int world) {
                     "alpha is rank to 2 x rank); lower adapter.alpha",
                     a.alpha, a.alpha / a.rank));
   require(a.dropout >= 0 && a.dropout < 1, "adapter.dropout must be in [0, 1)");
-  require(a.type != ADAPTER_DORA || a.dropout == 0,
-          "adapter.dropout with adapter.type=dora is not implemented (PEFT's DoRA also rescales the dropped "
-          "input's base product); set adapter.dropout=0 or use adapter.type=lora");
   require(!changes_weight(a.type) || a.dropout == 0,
           std::string("adapter.dropout is LoRA's input dropout; adapter.type=") + adapter_type_name(a.type) +
               " has none (PEFT's rank and module dropout of LoHa and LoKr are not implemented): set "

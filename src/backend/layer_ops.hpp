@@ -142,9 +142,11 @@ class LayerOps {
   }
 
   // DoRA's per-output-feature arithmetic (backend/cpu/ops.hpp): row norms of a dense matrix, a
-  // column-wise affine map and a column-wise dot product over a strided slice, a quotient.
+  // column-wise affine map, a row-wise scale and a column-wise dot product over a strided slice, a
+  // quotient.
   virtual void row_norms(Real* out, const Real* x, int rows, int cols) const = 0;
   virtual void column_affine(Real* y, int ld, int rows, int cols, const Real* scale, const Real* shift) const = 0;
+  virtual void scale_rows(Real* y, int rows, int cols, const Real* scale, Real offset) const = 0;
   virtual void column_dot_accumulate(Real* out, const Real* a, int lda, const Real* b, int ldb, int rows, int cols,
                                      const Real* divisor) const = 0;
   virtual void divide(Real* out, const Real* a, const Real* b, size_t n) const = 0;

@@ -206,6 +206,9 @@ class TimedLayerOps final : public LayerOps<float> {
   void column_affine(float* y, int ld, int rows, int cols, const float* scale, const float* shift) const override {
     timed("column_affine", [&] { inner_.column_affine(y, ld, rows, cols, scale, shift); });
   }
+  void scale_rows(float* y, int rows, int cols, const float* scale, float offset) const override {
+    timed("scale_rows", [&] { inner_.scale_rows(y, rows, cols, scale, offset); });
+  }
   void column_dot_accumulate(float* out, const float* a, int lda, const float* b, int ldb, int rows, int cols,
                              const float* divisor) const override {
     timed("column_dot_accumulate", [&] { inner_.column_dot_accumulate(out, a, lda, b, ldb, rows, cols, divisor); });

@@ -3,6 +3,8 @@
 //   forward   u = x~ A^T (n, r);  y[:, slice] += s u B^T
 //   backward  x~, u again;  dB += s dy[:, slice]^T u;  du = s dy[:, slice] B;  dA += du^T x~;
 //             dx += dropout(du A), with x~'s mask
+// DoRA with dropout adds y[:, slice] += x~ E^T with the effective weight E = (g - 1) (x) W + s g (x) B A
+// (rows scaled by their gains, effective_weight), and its backward dx += dropout(dy[:, slice] E).
 #include "model/lora.hpp"
 
 #include <algorithm>
@@ -39,6 +41,7 @@ LoraLayers<Real>::LoraLayers(const ParamTable& table, int rows, const LayerOps<R
     dz_ = DeviceArray<Real>(ops.device(), static_cast<size_t>(rows) * widest_product);
   }
   if (dropout_ == 0) return;
+  if (dora()) gained_b_ = DeviceArray<Real>(ops.device(), static_cast<size_t>(most_out) * rank_);
   row_keys_ = DeviceArray<uint64_t>(ops.device(), key_rows);
   dropped_ = DeviceArray<Real>(ops.device(), static_cast<size_t>(rows) * widest);
   dx_ = DeviceArray<Real>(ops.device(), static_cast<size_t>(rows) * widest);
@@ -58,6 +61,7 @@ size_t LoraLayers<Real>::plan_bytes(const ParamTable& table, int rows, size_t re
   if (table.adapter().type == ADAPTER_DORA)
     bytes += (largest + 2 * most_out + rows * (most_out + widest_product)) * real_bytes;
   if (table.adapter().dropout == 0) return bytes;
+  if (table.adapter().type == ADAPTER_DORA) bytes += most_out * table.adapter().rank * real_bytes;
   return bytes + key_rows * sizeof(uint64_t) + 2 * rows * widest * real_bytes;
 }
 
@@ -81,6 +85,20 @@ void LoraLayers<Real>::dora_gains(int layer, size_t k, const Real* unit) const {
             param_in(table_, unit, u, a), site.in, Real(1), weight_.data(), site.in);  // W + s B A
   ops_.row_norms(norm_.data(), weight_.data(), site.out, site.in);
   ops_.divide(gain_.data(), param_in(table_, unit, u, a + 2), norm_.data(), site.out);
+}
+
+template <typename Real>
+void LoraLayers<Real>::effective_weight(int layer, size_t k, const Real* unit) const {
+  const LinearSite& site = sites(layer)[k];
+  const int u = block_unit(layer), a = table_.adapter_param(layer, static_cast<int>(k)), r = rank_;
+  dora_gains(layer, k, unit);
+  ops_.copy_operand(weight_.data(), param_in(table_, unit, u, site.weight), static_cast<size_t>(site.out) * site.in);
+  ops_.scale_rows(weight_.data(), site.out, site.in, gain_.data(), Real(-1));  // (g - 1) (x) W
+  ops_.device().copy_on_device(gained_b_.data(), param_in(table_, unit, u, a + 1),
+                               static_cast<size_t>(site.out) * r * sizeof(Real));
+  ops_.scale_rows(gained_b_.data(), site.out, r, gain_.data(), Real(0));  // g (x) B
+  ops_.gemm(false, false, site.out, site.in, r, scaling_, gained_b_.data(), r, param_in(table_, unit, u, a), site.in,
+            Real(1), weight_.data(), site.in);
 }
 
 template <typename Real>
@@ -112,6 +130,12 @@ void LoraLayers<Real>::forward(int layer, BlockProduct product, const Real* x, R
     const Real* A = unit + table_.offset(unit_index, a);
     const Real* B = unit + table_.offset(unit_index, a + 1);
     const Real* xin = input(layer, k, x, n, site.in);
+    if (dora() && dropping_) {  // out += x~ E^T: PEFT's (g - 1) (x) x~ W^T + g (x) s x~ A^T B^T
+      effective_weight(layer, k, unit);
+      ops_.gemm(false, true, n, site.out, site.in, Real(1), xin, site.in, weight_.data(), site.in, Real(1),
+                out + site.column, site.width);
+      continue;
+    }
     ops_.gemm(false, true, n, r, site.in, Real(1), xin, site.in, A, site.in, Real(0), u_.data(), r);
     ops_.gemm(false, true, n, site.out, r, scaling_, u_.data(), r, B, r, Real(1), out + site.column, site.width);
     if (!dora()) continue;
@@ -130,22 +154,25 @@ const Real* LoraLayers<Real>::output_grad(int layer, BlockProduct product, const
   bool copied = false;
   for (const auto& [k, a] : adapted(layer, product)) {
     const LinearSite& site = sites(layer)[k];
-    if (!copied) ops_.device().copy_on_device(dz_.data(), dout, static_cast<size_t>(n) * site.width * sizeof(Real));
-    copied = true;
+    // With dropout the base layer keeps dy (its output is x W^T + b, ungained): nothing to copy.
+    if (!copied && !dropping_)
+      ops_.device().copy_on_device(dz_.data(), dout, static_cast<size_t>(n) * site.width * sizeof(Real));
+    copied = !dropping_;
     dora_gains(layer, k, unit);
     if (Real* dm = grad_in(table_, unit_grads, unit_index, a + 2)) {
-      // dm += sum over rows of dy (x) z / n, z = x W^T + s x A^T B^T again.
+      // dm += sum over rows of dy (x) z / n, z = x~ W^T + s x~ A^T B^T again.
       const Real* A = param_in(table_, unit, unit_index, a);
+      const Real* xin = input(layer, k, x, n, site.in);
       ops_.copy_operand(weight_.data(), param_in(table_, unit, unit_index, site.weight),
                         static_cast<size_t>(site.out) * site.in);
-      ops_.gemm(false, true, n, site.out, site.in, Real(1), x, site.in, weight_.data(), site.in, Real(0), z_.data(),
+      ops_.gemm(false, true, n, site.out, site.in, Real(1), xin, site.in, weight_.data(), site.in, Real(0), z_.data(),
                 site.out);
-      ops_.gemm(false, true, n, r, site.in, Real(1), x, site.in, A, site.in, Real(0), u_.data(), r);
+      ops_.gemm(false, true, n, r, site.in, Real(1), xin, site.in, A, site.in, Real(0), u_.data(), r);
       ops_.gemm(false, true, n, site.out, r, scaling_, u_.data(), r, param_in(table_, unit, unit_index, a + 1), r,
                 Real(1), z_.data(), site.out);
       ops_.column_dot_accumulate(dm, dout + site.column, site.width, z_.data(), site.out, n, site.out, norm_.data());
     }
-    ops_.column_affine(dz_.data() + site.column, site.width, n, site.out, gain_.data(), nullptr);
+    if (!dropping_) ops_.column_affine(dz_.data() + site.column, site.width, n, site.out, gain_.data(), nullptr);
   }
   return copied ? dz_.data() : dout;
 }
@@ -161,17 +188,29 @@ void LoraLayers<Real>::backward(int layer, BlockProduct product, const Real* x, 
     Real* dA = grad_in(table_, unit_grads, unit_index, a);
     Real* dB = grad_in(table_, unit_grads, unit_index, a + 1);
     const Real* dy = dout + site.column;
+    int ld_dy = site.width;
     const Real* xin = input(layer, k, x, n, site.in);
+    if (dora() && dropping_) {  // A and B see g (x) dy (dense in z_); x~ sees dy E
+      effective_weight(layer, k, unit);
+      ops_.copy_rows(z_.data(), site.out, dy, site.width, n, site.out);
+      ops_.column_affine(z_.data(), site.out, n, site.out, gain_.data(), nullptr);
+      dy = z_.data(), ld_dy = site.out;
+    }
     ops_.gemm(false, true, n, r, site.in, Real(1), xin, site.in, A, site.in, Real(0), u_.data(), r);
-    if (dB) ops_.gemm(true, false, site.out, r, n, scaling_, dy, site.width, u_.data(), r, Real(1), dB, r);
-    ops_.gemm(false, false, n, r, site.out, scaling_, dy, site.width, B, r, Real(0), du_.data(), r);
+    if (dB) ops_.gemm(true, false, site.out, r, n, scaling_, dy, ld_dy, u_.data(), r, Real(1), dB, r);
+    ops_.gemm(false, false, n, r, site.out, scaling_, dy, ld_dy, B, r, Real(0), du_.data(), r);
     if (dA) ops_.gemm(true, false, r, site.in, n, Real(1), du_.data(), r, xin, site.in, Real(1), dA, site.in);
     if (!dropping_) {
       ops_.gemm(false, false, n, site.in, r, Real(1), du_.data(), r, A, site.in, Real(1), dx, site.in);
       continue;
     }
-    // Through the dropout: the gradient of x~ masked as x~ was.
-    ops_.gemm(false, false, n, site.in, r, Real(1), du_.data(), r, A, site.in, Real(0), dx_.data(), site.in);
+    // Through the dropout: the gradient of x~ masked as x~ was. DoRA's is dy E (E holds s g (x) B A,
+    // so du A is in it).
+    if (dora())
+      ops_.gemm(false, false, n, site.in, site.out, Real(1), dout + site.column, site.width, weight_.data(), site.in,
+                Real(0), dx_.data(), site.in);
+    else
+      ops_.gemm(false, false, n, site.in, r, Real(1), du_.data(), r, A, site.in, Real(0), dx_.data(), site.in);
     ops_.dropout(dx_.data(), dx_.data(), keys(n), site_key(layer, k), n, site.in, dropout_);
     ops_.residual_forward(dx, dx, dx_.data(), static_cast<size_t>(n) * site.in);
   }

@@ -15,7 +15,10 @@
 //   y = b + g (x) (x W^T + s x A^T B^T),   g = m / ||W + s B A||_row,
 // the norm of each output feature's row taken as a constant (detached, as PEFT does): m gets its
 // gradient through g, A and B through the scaled output gradient g (x) dy, which output_grad
-// hands the base layer's and the adapters' backward. Its dropout is not implemented.
+// hands the base layer's and the adapters' backward. With dropout (PEFT's formula) the base layer
+// keeps its own output and input gradient, and the adapter adds
+//   y += (g - 1) (x) x~ W^T + g (x) s x~ A^T B^T = x~ E^T,   E = (g - 1) (x) W + s g (x) B A,
+// an extra product of the layer's size each way; m's gradient takes x~ in z.
 #pragma once
 
 #include <cstddef>
@@ -62,15 +65,18 @@ class LoraLayers : public AdapterLayers<Real> {
   size_t key_first_ = 0;  // select_row_keys
   const uint64_t* keys(int n) const;  // the product's n row keys
   mutable DeviceArray<Real> u_, du_, dropped_, dx_;  // the last two with dropout: rows x the widest input
-  // DoRA: the adapted weight W + s B A, its row norms and the gains; the product before the gains
-  // (rows x out) and the scaled output gradient (rows x width).
-  mutable DeviceArray<Real> weight_, norm_, gain_, z_, dz_;
+  // DoRA: the adapted weight W + s B A (with dropout, then E), its row norms and the gains; the
+  // product before the gains (rows x out) and the scaled output gradient (rows x width); with
+  // dropout, g (x) B (out x rank).
+  mutable DeviceArray<Real> weight_, norm_, gain_, z_, dz_, gained_b_;
   bool dora() const { return table_.adapter().type == ADAPTER_DORA; }
   const std::vector<LinearSite>& sites(int layer) const { return table_.block_sites(layer); }
   // The adapted layers of `product` in block `layer`: their sites() index and lora_A's position.
   std::vector<std::pair<size_t, int>> adapted(int layer, BlockProduct product) const;
   // DoRA: the gains of block `layer`'s adapted layer `site` into gain_, its norms into norm_.
   void dora_gains(int layer, size_t site, const Real* unit) const;
+  // DoRA with dropout: the gains, then E = (g - 1) (x) W + s g (x) B A into weight_.
+  void effective_weight(int layer, size_t site, const Real* unit) const;
   // The layer's input, dropped out where training (into dropped_); the site keys the layer.
   const Real* input(int layer, size_t site, const Real* x, int n, int in) const;
   uint64_t site_key(int layer, size_t site) const { return 1 + static_cast<uint64_t>(layer) * most_sites_ + site; }

@@ -2215,6 +2215,24 @@ TEST_P(DoraTest, RowNormsMatchCpu) {
   expect_same_bits(d_x.download("row_norms (x)"), x, "row_norms leaves x alone");
 }
 
+// scale_rows (DoRA with dropout's effective weight): a sum, then a product, per element on both
+// sides -- the CPU's bits, with the offset of 0 (g (x) B) and of -1 ((g - 1) (x) W).
+TEST_P(DoraTest, ScaleRowsIsTheCpusBits) {
+  const DoraShape s = GetParam();
+  const std::vector<float> y = uniform_vector(static_cast<size_t>(s.rows) * s.cols, 221, -2.0, 2.0),
+                           scale = uniform_vector(s.rows, 222, 0.5, 1.5);
+  auto d_scale = on_device(device(), "scale", scale, s.misalign);
+  DeviceBuffer<float> d_y(device(), "y", y.size(), s.misalign);
+  for (float offset : {0.0f, -1.0f}) {
+    std::vector<float> ref = y;
+    cpu::scale_rows(ref.data(), s.rows, s.cols, scale.data(), offset);
+    d_y.upload(y);
+    ops().scale_rows(d_y.data(), s.rows, s.cols, d_scale.data(), offset);
+    expect_same_bits(d_y.download("scale_rows"), ref, "scale_rows " + name_of(s) + " offset " + std::to_string(offset));
+  }
+  expect_same_bits(d_scale.download("scale_rows (scale)"), scale, "scale_rows leaves scale alone");
+}
+
 TEST_P(DoraTest, ColumnAffineMatchesCpu) {
   const DoraShape s = GetParam();
   ASSERT_LE(s.offset + s.cols, s.ld);

@@ -32,9 +32,12 @@ AdapterConfig lora(std::vector<std::string> targets, int rank = 3, double alpha 
   return a;
 }
 
+// The loss (and gradients) of one micro-batch; `keys`: the rows' dropout keys (null: no dropout).
 double loss_and_grads(const ParamTable& table, std::vector<std::vector<double>>& units,
-                      std::vector<std::vector<double>>* grads, const Batch& batch, int B, int T) {
+                      std::vector<std::vector<double>>* grads, const Batch& batch, int B, int T,
+                      const uint64_t* keys = nullptr) {
   auto model = make_model<double>(table, B, T, false, cpu_layer_ops<double>());
+  model->set_dropout_keys(keys);
   std::vector<const double*> u;
   std::vector<double*> g;
   std::vector<std::vector<double>> scratch;
@@ -368,7 +371,11 @@ TEST(Dora, ModelEqualsTheBaseWithPeftsMergedWeights) {
 
 // Finite differences of the detached-norm formulation: moving A or B moves ||W + s B A|| too, which
 // DoRA's gradient ignores, so the numeric side keeps every gain m / n fixed by moving m with n.
-TEST(Dora, GradientsMatchFiniteDifferencesWithTheNormDetached) {
+// Without dropout and with it (PEFT's other formula; the mask is a pure function of the row keys,
+// so the loss stays differentiable in the parameters).
+namespace {
+
+void check_dora_gradients(double dropout) {
   const std::vector<std::pair<ModelConfig, std::vector<std::string>>> cases = {
       {tiny_gpt2_config(), {"attn.c_attn", "mlp.c_proj"}},
       {tiny_llama_config(), {"self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj"}},
@@ -376,10 +383,16 @@ TEST(Dora, GradientsMatchFiniteDifferencesWithTheNormDetached) {
   };
   const int B = 2, T = 5;
   for (const auto& [config, targets] : cases) {
-    const ParamTable table(config, {}, dora(targets)), base(config);
+    AdapterConfig a = dora(targets);
+    a.dropout = dropout;
+    const ParamTable table(config, {}, a), base(config);
     std::vector<std::vector<double>> units = adapter_units(table), grads;
     const Batch batch = make_batch(B, T, config.vocab_size);
-    loss_and_grads(table, units, &grads, batch, B, T);
+    std::vector<uint64_t> row_keys(B * T);
+    for (int i = 0; i < B * T; i++) row_keys[i] = dropout_token_key(42, 7, i / T, i % T);
+    const uint64_t* keys = dropout > 0 ? row_keys.data() : nullptr;
+    const double loss = loss_and_grads(table, units, &grads, batch, B, T, keys);
+    if (keys) EXPECT_GT(std::fabs(loss - loss_and_grads(table, units, nullptr, batch, B, T)), 1e-6) << config.arch;
     const std::vector<LinearSite> sites = table.block_sites(0);
     // The row norms n = ||W + s B A|| of every adapted weight, in adapter order.
     auto norms = [&](const std::vector<std::vector<double>>& v) {
@@ -418,7 +431,7 @@ TEST(Dora, GradientsMatchFiniteDifferencesWithTheNormDetached) {
           for (size_t o = 0; o < n1[i].size(); o++) m[o] *= n1[i][o] / n0[i][o];
           i++;
         }
-      return loss_and_grads(table, v, nullptr, batch, B, T);
+      return loss_and_grads(table, v, nullptr, batch, B, T, keys);
     };
     for (const ParamInfo& p : table.params()) {
       if (!p.adapter) continue;
@@ -428,14 +441,120 @@ TEST(Dora, GradientsMatchFiniteDifferencesWithTheNormDetached) {
         up[p.unit][p.offset + i] += h, down[p.unit][p.offset + i] -= h;
         // The magnitude's own perturbation is not compensated: only A and B move the norm.
         const double numeric =
-            (p.shape.size() == 1 ? loss_and_grads(table, up, nullptr, batch, B, T) -
-                                       loss_and_grads(table, down, nullptr, batch, B, T)
+            (p.shape.size() == 1 ? loss_and_grads(table, up, nullptr, batch, B, T, keys) -
+                                       loss_and_grads(table, down, nullptr, batch, B, T, keys)
                                  : detached_loss(up) - detached_loss(down)) /
             (2 * h) / (B * T);
-        EXPECT_NEAR(grads[p.unit][p.offset + i], numeric, 1e-8 + 1e-6 * std::fabs(numeric)) << p.name << "[" << i << "]";
+        EXPECT_NEAR(grads[p.unit][p.offset + i], numeric, 1e-8 + 1e-6 * std::fabs(numeric)) << p.name << "[" << i << "] dropout " << dropout;
       }
     }
   }
+}
+
+}  // namespace
+
+TEST(Dora, GradientsMatchFiniteDifferencesWithTheNormDetached) {
+  for (double dropout : {0.0, 0.3}) check_dora_gradients(dropout);
+}
+
+// DoRA with dropout is PEFT's DoraLinearLayer given a dropout module: the base layer keeps x W^T + b
+// and the adapter adds (g - 1) (x) x~ W^T + g (x) s x~ A^T B^T, x~ the dropped-out input and
+// g = m / ||W + s B A|| (detached). The layer's output, the base layer's output gradient (dy
+// itself), m's, A's and B's gradients and the input gradient (through x~'s mask) against naive
+// loops of that formula, on Qwen2's q and v columns of q|k|v (biases, two slices).
+TEST(Dora, DropoutIsPeftsFormulaOnTheDroppedInput) {
+  AdapterConfig a = dora({"self_attn.q_proj", "self_attn.v_proj"});
+  a.dropout = 0.3;
+  const ParamTable table(tiny_qwen2_config(), {}, a);
+  const int B = 2, T = 5, n = B * T, layer = 1, unit = block_unit(layer), r = a.rank;
+  const double s = table.adapter().scaling();
+  const double kept = 1 - static_cast<double>(static_cast<float>(a.dropout));  // p reaches the op as a float
+  std::vector<uint64_t> keys(n);
+  for (int i = 0; i < n; i++) keys[i] = dropout_token_key(42, 7, i / T, i % T);
+  std::vector<std::vector<double>> units = adapter_units(table);
+  const double* w = units[unit].data();
+  const std::vector<LinearSite> sites = table.block_sites(layer);
+  const int in = sites[0].in, width = sites[0].width;  // q|k|v's input and width
+  std::vector<double> x(n * in), y(n * width), dy(n * width), dx(n * in);
+  for (size_t i = 0; i < x.size(); i++) x[i] = counter_normal(1, i), dx[i] = counter_normal(4, i);
+  for (size_t i = 0; i < y.size(); i++) y[i] = counter_normal(2, i), dy[i] = counter_normal(3, i);
+  std::vector<double> expected_y = y, expected_dx = dx, grads(units[unit].size(), 0.0);
+  LoraLayers<double> layers(table, n, cpu_layer_ops<double>(), n);
+  layers.set_row_keys(keys.data());
+  layers.forward(layer, PRODUCT_QKV, x.data(), y.data(), n, w);
+  const double* base_dy = layers.output_grad(layer, PRODUCT_QKV, x.data(), dy.data(), n, w, grads.data());
+  EXPECT_EQ(base_dy, dy.data()) << "the base layer's output gradient is dy itself";
+  layers.backward(layer, PRODUCT_QKV, x.data(), base_dy, dx.data(), n, w, grads.data());
+  int adapted = 0;
+  for (size_t k = 0; k < sites.size(); k++) {
+    const int ap = table.adapter_param(layer, static_cast<int>(k));
+    if (ap < 0 || sites[k].product != PRODUCT_QKV) continue;
+    adapted++;
+    const LinearSite& site = sites[k];
+    const int out = site.out;
+    const double* W = w + table.offset(unit, site.weight);
+    const double *A = w + table.offset(unit, ap), *Bm = w + table.offset(unit, ap + 1), *m = w + table.offset(unit, ap + 2);
+    std::vector<double> scale(n * in), xd(n * in), norm(out), g(out), u(n * r, 0.0), gdy(n * out), du(n * r, 0.0);
+    size_t dropped = 0;
+    for (int i = 0; i < n; i++)
+      for (int j = 0; j < in; j++) {
+        const bool keep = counter_keep(dropout_row_key(keys[i], 1 + layer * sites.size() + k), j,
+                                       dropout_threshold24(static_cast<float>(a.dropout)));
+        scale[i * in + j] = keep ? 1 / kept : 0.0, dropped += !keep;
+        xd[i * in + j] = keep ? x[i * in + j] / kept : 0.0;
+      }
+    EXPECT_GT(dropped, xd.size() / 6);
+    for (int o = 0; o < out; o++) {
+      double sq = 0;
+      for (int j = 0; j < in; j++) {
+        double v = W[o * in + j];
+        for (int q = 0; q < r; q++) v += s * Bm[o * r + q] * A[q * in + j];
+        sq += v * v;
+      }
+      norm[o] = std::sqrt(sq), g[o] = m[o] / norm[o];
+    }
+    for (int i = 0; i < n; i++)
+      for (int q = 0; q < r; q++)
+        for (int j = 0; j < in; j++) u[i * r + q] += xd[i * in + j] * A[q * in + j];
+    std::vector<double> dm(out, 0.0), dA(r * in, 0.0), dB(out * r, 0.0);
+    for (int i = 0; i < n; i++)
+      for (int o = 0; o < out; o++) {
+        double xw = 0, lora = 0;
+        for (int j = 0; j < in; j++) xw += xd[i * in + j] * W[o * in + j];
+        for (int q = 0; q < r; q++) lora += s * u[i * r + q] * Bm[o * r + q];
+        expected_y[i * width + site.column + o] += (g[o] - 1) * xw + g[o] * lora;
+        const double d = dy[i * width + site.column + o];
+        dm[o] += d * (xw + lora) / norm[o];
+        gdy[i * out + o] = g[o] * d;
+      }
+    for (int o = 0; o < out; o++)
+      for (int q = 0; q < r; q++)
+        for (int i = 0; i < n; i++) dB[o * r + q] += s * gdy[i * out + o] * u[i * r + q];
+    for (int i = 0; i < n; i++)
+      for (int q = 0; q < r; q++)
+        for (int o = 0; o < out; o++) du[i * r + q] += s * gdy[i * out + o] * Bm[o * r + q];
+    for (int q = 0; q < r; q++)
+      for (int j = 0; j < in; j++)
+        for (int i = 0; i < n; i++) dA[q * in + j] += du[i * r + q] * xd[i * in + j];
+    for (int i = 0; i < n; i++)
+      for (int j = 0; j < in; j++) {
+        double dxd = 0;  // the gradient of x~: (g - 1) (x) dy through W, plus du through A
+        for (int o = 0; o < out; o++) dxd += (g[o] - 1) * dy[i * width + site.column + o] * W[o * in + j];
+        for (int q = 0; q < r; q++) dxd += du[i * r + q] * A[q * in + j];
+        expected_dx[i * in + j] += scale[i * in + j] * dxd;
+      }
+    const auto expect_grads = [&](int param, const std::vector<double>& expected, const char* what) {
+      const double* got = grads.data() + table.offset(unit, param);
+      for (size_t i = 0; i < expected.size(); i++)
+        ASSERT_NEAR(got[i], expected[i], 1e-12 * (1 + std::fabs(expected[i]))) << what << "[" << i << "] site " << k;
+    };
+    expect_grads(ap, dA, "dA");
+    expect_grads(ap + 1, dB, "dB");
+    expect_grads(ap + 2, dm, "dm");
+  }
+  EXPECT_EQ(adapted, 2);
+  for (size_t i = 0; i < y.size(); i++) ASSERT_NEAR(y[i], expected_y[i], 1e-12 * (1 + std::fabs(expected_y[i]))) << i;
+  for (size_t i = 0; i < dx.size(); i++) ASSERT_NEAR(dx[i], expected_dx[i], 1e-12 * (1 + std::fabs(expected_dx[i]))) << i;
 }
 
 // Generation with adapters: the decode path (key/value cache, steps of a few tokens) gives the

@@ -372,6 +372,9 @@ class CountingOps : public LayerOps<double> {
     macs_ += static_cast<double>(rows) * cols;
     cpu().column_affine(y, ld, rows, cols, scale, shift);
   }
+  void scale_rows(double* y, int rows, int cols, const double* scale, double offset) const override {
+    cpu().scale_rows(y, rows, cols, scale, offset);  // a weight's rows: per layer, not per token
+  }
   void column_dot_accumulate(double* out, const double* a, int lda, const double* b, int ldb, int rows, int cols,
                              const double* divisor) const override {
     cpu().column_dot_accumulate(out, a, lda, b, ldb, rows, cols, divisor);

@@ -228,6 +228,9 @@ class CpuLayerOps : public LayerOps<Real> {
   void column_affine(Real* y, int ld, int rows, int cols, const Real* scale, const Real* shift) const override {
     cpu::column_affine(y, ld, rows, cols, scale, shift);
   }
+  void scale_rows(Real* y, int rows, int cols, const Real* scale, Real offset) const override {
+    cpu::scale_rows(y, rows, cols, scale, offset);
+  }
   void column_dot_accumulate(Real* out, const Real* a, int lda, const Real* b, int ldb, int rows, int cols,
                              const Real* divisor) const override {
     cpu::column_dot_accumulate(out, a, lda, b, ldb, rows, cols, divisor);

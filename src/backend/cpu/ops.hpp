@@ -184,6 +184,10 @@ void row_norms(Real* out, const Real* x, int rows, int cols);
 // y[r*ld + c] = scale[c] * (y[r*ld + c] - shift[c]) + shift[c]; shift may be null (0).
 template <typename Real>
 void column_affine(Real* y, int ld, int rows, int cols, const Real* scale, const Real* shift);
+// y[r*cols + c] = (scale[r] + offset) * y[r*cols + c], y dense (rows, cols): DoRA-with-dropout's
+// weights with each output feature's row scaled by its gain (offset 0) or its gain less one (-1).
+template <typename Real>
+void scale_rows(Real* y, int rows, int cols, const Real* scale, Real offset);
 // out[c] += (sum_r a[r*lda + c] * b[r*ldb + c]) / divisor[c]; the sum in double, rows in order.
 template <typename Real>
 void column_dot_accumulate(Real* out, const Real* a, int lda, const Real* b, int ldb, int rows, int cols,

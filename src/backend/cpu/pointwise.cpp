@@ -122,6 +122,16 @@ void column_affine(Real* y, int ld, int rows, int cols, const Real* scale, const
 }
 
 template <typename Real>
+void scale_rows(Real* y, int rows, int cols, const Real* scale, Real offset) {
+#pragma omp parallel for schedule(static)
+  for (int r = 0; r < rows; r++) {
+    const Real factor = scale[r] + offset;
+    Real* row = y + static_cast<size_t>(r) * cols;
+    for (int c = 0; c < cols; c++) row[c] = factor * row[c];
+  }
+}
+
+template <typename Real>
 void column_dot_accumulate(Real* out, const Real* a, int lda, const Real* b, int ldb, int rows, int cols,
                            const Real* divisor) {
 #pragma omp parallel for schedule(static)
@@ -209,6 +219,7 @@ void softmax_crossentropy_backward(Real* probs_to_dlogits, const int* targets, R
   template void dropout<Real>(Real*, const Real*, const uint64_t*, uint64_t, int, int, float);              \
   template void row_norms<Real>(Real*, const Real*, int, int);                                              \
   template void column_affine<Real>(Real*, int, int, int, const Real*, const Real*);                        \
+  template void scale_rows<Real>(Real*, int, int, const Real*, Real);                                          \
   template void column_dot_accumulate<Real>(Real*, const Real*, int, const Real*, int, int, int, const Real*); \
   template void divide<Real>(Real*, const Real*, const Real*, size_t);                                      \
   template void softmax_crossentropy_forward<Real>(Real*, Real*, const int*, int, int);                     \

@@ -212,6 +212,9 @@ class CudaLayerOps final : public LayerOps<float> {
   void column_affine(float* y, int ld, int rows, int cols, const float* scale, const float* shift) const override {
     kernels::launch_column_affine(y, ld, rows, cols, scale, shift, launch());
   }
+  void scale_rows(float* y, int rows, int cols, const float* scale, float offset) const override {
+    kernels::launch_scale_rows(y, rows, cols, scale, offset, launch());
+  }
   void column_dot_accumulate(float* out, const float* a, int lda, const float* b, int ldb, int rows, int cols,
                              const float* divisor) const override {
     void* ws = cols > 0 ? workspace(kernels::column_dot_accumulate_workspace_bytes(rows, cols)) : nullptr;  // partials
