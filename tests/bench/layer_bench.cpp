@@ -491,10 +491,11 @@ void register_benchmarks() {
   configure(benchmark::RegisterBenchmark("BM_AttentionForward", BM_AttentionForward));
   configure(benchmark::RegisterBenchmark("BM_AttentionBackward", BM_AttentionBackward));
   for (const PassesShape& s : PASSES_SHAPES)
-    for (auto passes : {cpu::AttentionTiles::Passes::one, cpu::AttentionTiles::Passes::two})
-      configure(benchmark::RegisterBenchmark(
-          (std::string("BM_AttentionBackwardPasses/") + s.name + (passes == cpu::AttentionTiles::Passes::one ? "/one" : "/two")).c_str(),
-          BM_AttentionBackwardPasses, s, passes));
+    for (auto passes : {cpu::AttentionTiles::Passes::one, cpu::AttentionTiles::Passes::two}) {
+      const char* pass_name = passes == cpu::AttentionTiles::Passes::one ? "/one" : "/two";
+      configure(benchmark::RegisterBenchmark((std::string("BM_AttentionBackwardPasses/") + s.name + pass_name).c_str(),
+                                             BM_AttentionBackwardPasses, s, passes));
+    }
   for (int seq_len : {256, 1024, 4096})
     for (bool tiled : {true, false})
       configure(benchmark::RegisterBenchmark(

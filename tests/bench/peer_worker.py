@@ -82,7 +82,8 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model, loss_of, tokens = {"gpt2": gpt2, "llama": llama, "qwen2": qwen2, "flux": flux}[args.model](args.micro_batch, args.seq)
+    peers = {"gpt2": gpt2, "llama": llama, "qwen2": qwen2, "flux": flux}
+    model, loss_of, tokens = peers[args.model](args.micro_batch, args.seq)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     step_model = torch.compile(model) if args.compile else model

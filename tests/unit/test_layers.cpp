@@ -1090,7 +1090,9 @@ const PassesCase kPassesCases[] = {
     {{1, 300, 6, 6, 16}, false, {}},                               // joint attention, the default tiles
 };
 INSTANTIATE_TEST_SUITE_P(Cases, AttentionPassesTest, ::testing::ValuesIn(kPassesCases),
-                         [](const ::testing::TestParamInfo<PassesCase>& info) { return "case" + std::to_string(info.index); });
+                         [](const ::testing::TestParamInfo<PassesCase>& info) {
+                           return "case" + std::to_string(info.index);
+                         });
 
 // ==================================================================================================
 // Rotary position embedding, in place on the q and k heads of qkv (the attention layout above), v

@@ -392,7 +392,9 @@ void check_dora_gradients(double dropout) {
     for (int i = 0; i < B * T; i++) row_keys[i] = dropout_token_key(42, 7, i / T, i % T);
     const uint64_t* keys = dropout > 0 ? row_keys.data() : nullptr;
     const double loss = loss_and_grads(table, units, &grads, batch, B, T, keys);
-    if (keys) EXPECT_GT(std::fabs(loss - loss_and_grads(table, units, nullptr, batch, B, T)), 1e-6) << config.arch;
+    if (keys) {
+      EXPECT_GT(std::fabs(loss - loss_and_grads(table, units, nullptr, batch, B, T)), 1e-6) << config.arch;
+    }
     const std::vector<LinearSite> sites = table.block_sites(0);
     // The row norms n = ||W + s B A|| of every adapted weight, in adapter order.
     auto norms = [&](const std::vector<std::vector<double>>& v) {
@@ -445,7 +447,8 @@ void check_dora_gradients(double dropout) {
                                        loss_and_grads(table, down, nullptr, batch, B, T, keys)
                                  : detached_loss(up) - detached_loss(down)) /
             (2 * h) / (B * T);
-        EXPECT_NEAR(grads[p.unit][p.offset + i], numeric, 1e-8 + 1e-6 * std::fabs(numeric)) << p.name << "[" << i << "] dropout " << dropout;
+        EXPECT_NEAR(grads[p.unit][p.offset + i], numeric, 1e-8 + 1e-6 * std::fabs(numeric))
+            << p.name << "[" << i << "] dropout " << dropout;
       }
     }
   }
@@ -493,7 +496,9 @@ TEST(Dora, DropoutIsPeftsFormulaOnTheDroppedInput) {
     const LinearSite& site = sites[k];
     const int out = site.out;
     const double* W = w + table.offset(unit, site.weight);
-    const double *A = w + table.offset(unit, ap), *Bm = w + table.offset(unit, ap + 1), *m = w + table.offset(unit, ap + 2);
+    const double* A = w + table.offset(unit, ap);
+    const double* Bm = w + table.offset(unit, ap + 1);
+    const double* m = w + table.offset(unit, ap + 2);
     std::vector<double> scale(n * in), xd(n * in), norm(out), g(out), u(n * r, 0.0), gdy(n * out), du(n * r, 0.0);
     size_t dropped = 0;
     for (int i = 0; i < n; i++)
@@ -554,7 +559,8 @@ TEST(Dora, DropoutIsPeftsFormulaOnTheDroppedInput) {
   }
   EXPECT_EQ(adapted, 2);
   for (size_t i = 0; i < y.size(); i++) ASSERT_NEAR(y[i], expected_y[i], 1e-12 * (1 + std::fabs(expected_y[i]))) << i;
-  for (size_t i = 0; i < dx.size(); i++) ASSERT_NEAR(dx[i], expected_dx[i], 1e-12 * (1 + std::fabs(expected_dx[i]))) << i;
+  for (size_t i = 0; i < dx.size(); i++)
+    ASSERT_NEAR(dx[i], expected_dx[i], 1e-12 * (1 + std::fabs(expected_dx[i]))) << i;
 }
 
 // Generation with adapters: the decode path (key/value cache, steps of a few tokens) gives the
