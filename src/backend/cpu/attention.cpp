@@ -11,11 +11,13 @@
 // end out /= l and lse = m + log(l) is saved.
 // Backward: D = rowsum(dout * out) per query row, then two passes that each recompute the
 // probabilities P = exp(S - lse) of their tiles: dK and dV by key tiles (one task per (batch,
-// key/value head, key tile), summing its group's query heads and all later query tiles in a fixed
-// order), and dQ by query tiles (one task per (batch, query head, query tile), summing the key
-// tiles in order). dS = P * (dP - D) with dP = dout v^T. When its tasks keep the threads busy, one
-// pass does both: a task per (batch, key/value head) walks the key tiles in order and adds each tile
-// pair's dQ share as it goes, 5 products a pair instead of 7, with the two passes' very products.
+// query head, key tile), summing all later query tiles in a fixed order), and dQ by query tiles
+// (one task per (batch, query head, query tile), summing the key tiles in order). dS = P * (dP - D)
+// with dP = dout v^T. When its tasks keep the threads busy, one pass does both: a task per (batch,
+// query head) walks the key tiles in order and adds each tile pair's dQ share as it goes, 5
+// products a pair instead of 7, with the two passes' very products. Grouped heads share dK and dV:
+// each query head's share goes to its own rows (the group's first head straight into dqkv, the
+// others into a buffer of (NH - KV) heads), summed over the group in head order at the end.
 // Every output element is computed by one task in a fixed order, with single-threaded GEMMs inside
 // the parallel loop: no atomics, the same bits for any thread count (the tasks are scheduled
 // dynamically, largest first, for the causal imbalance; which thread runs a task does not change
@@ -26,6 +28,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "backend/cpu/gemm.hpp"
@@ -185,10 +188,25 @@ void tile_gradients(Real* p, Real* dp, const Real* q, const Real* dy, const Real
   score_gradient(dp, p, nq, nk, D);
 }
 
+// rows x n of src (rows src_stride apart) into, or with add onto, dst (dst_stride apart).
+template <typename Real>
+void put_rows(Real* dst, size_t dst_stride, const Real* src, size_t src_stride, int rows, int n, bool add) {
+  for (int i = 0; i < rows; i++) {
+    Real* d = dst + i * dst_stride;
+    const Real* r = src + i * src_stride;
+    if (!add) {
+      std::memcpy(d, r, n * sizeof(Real));
+      continue;
+    }
+#pragma omp simd
+    for (int j = 0; j < n; j++) d[j] += r[j];
+  }
+}
+
 // One pass makes 5 products of a tile pair where two make 7 (and one exp where two make two), but
-// it has only B * KV tasks, equal without documents: worth it when the threads idle at most a
-// sixth of the time (measured: 3 tasks on 2 threads ran slower than two passes, 12 or 6 faster).
-// Both give the same bits, so the choice may follow the thread count.
+// it has only B * NH tasks: worth it when the threads idle at most a sixth of the time (measured:
+// 3 tasks on 2 threads ran slower than two passes, 12 or 6 faster). Both give the same bits, so
+// the choice may follow the thread count.
 bool one_pass_pays(int tasks, int threads, AttentionTiles tiles) {
   if (tiles.key % tiles.query != 0) return false;  // its query tiles must be the dQ pass's
   if (tiles.passes != AttentionTiles::Passes::automatic) return tiles.passes == AttentionTiles::Passes::one;
@@ -219,7 +237,15 @@ void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Rea
       }
 
   const int k_tiles = tiles_of(T, BK), q_tiles = tiles_of(T, BQ);
-  const bool one_pass = one_pass_pays(B * KV, omp_get_max_threads(), tiles);
+  const bool one_pass = one_pass_pays(B * NH, omp_get_max_threads(), tiles);
+  // In one pass, dK and dV of the group's heads after its first, (B, KV, group - 1, T, HS) each:
+  // every row is written before it is summed.
+  const size_t others = one_pass ? static_cast<size_t>(B) * (NH - KV) * T * HS : 0;
+  const std::unique_ptr<Real[]> dk_others(new Real[others]), dv_others(new Real[others]);
+  const auto other_rows = [&](Real* base, int b, int h) {
+    const int kv = h / V.group, g = h % V.group;
+    return base + ((static_cast<size_t>(b) * KV + kv) * (V.group - 1) + (g - 1)) * T * HS;
+  };
 #pragma omp parallel
   {
     std::vector<Real> p(static_cast<size_t>(BQ) * BK), dp(p.size());
@@ -228,59 +254,82 @@ void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Rea
     const auto add_dq = [&](Real* dq, const Real* ds, const Real* k, int nq, int nk, bool first) {
       gemm(false, false, nq, HS, nk, scale, ds, nk, k, V.row, first ? Real(0) : Real(1), dq, V.row);
     };
-    // dK, dV of key tile [k0, k0 + nk): every query head of the group, every query tile with a row
-    // that sees it (causally t >= k0; with documents, up to the first row whose document starts
-    // after the tile). In one pass, each of those tile pairs also adds its share to dQ of the query
-    // tile, straight into dqkv: the task owns the group's query heads of its sequence, and visits
-    // each query tile's key tiles in the dQ pass's order. OpenBLAS's bits depend on a product's
-    // shape, so both passes make every tile's products whole, masked rows and columns included:
-    // one pass then repeats the two passes' products exactly.
-    const auto key_tile = [&](int b, int kv, int kt, bool with_dq) {
-      const int k0 = kt * BK, nk = std::min(BK, T - k0);
+    // Query head h's share of dK, dV of key tile [k0, k0 + nk): every query tile with a row that
+    // sees it (causally t >= k0; with documents, up to the first row whose document starts after
+    // the tile). In one pass, each of those tile pairs also adds its share to dQ of the query tile,
+    // straight into dqkv: the task owns the head of its sequence, and visits each query tile's key
+    // tiles in the dQ pass's order. OpenBLAS's bits depend on a product's shape, so both passes make
+    // every tile's products whole, masked rows and columns included: one pass then repeats the two
+    // passes' products exactly.
+    const auto key_tile = [&](int b, int h, int kt, bool with_dq) {
+      const int k0 = kt * BK, nk = std::min(BK, T - k0), kv = h / V.group;
       const RowMask mask{causal, doc_start ? doc_start + static_cast<size_t>(b) * T : nullptr};
       int t_end = T;
       if (mask.first) t_end = static_cast<int>(std::lower_bound(mask.first, mask.first + T, k0 + nk) - mask.first);
       const Real* k = qkv + V.k_offset(b, kv) + static_cast<size_t>(k0) * V.row;
       const Real* v = qkv + V.v_offset(b, kv) + static_cast<size_t>(k0) * V.row;
-      for (int g = 0; g < V.group; g++) {
-        const int h = kv * V.group + g;
-        const Real beta0 = g == 0 ? Real(0) : Real(1);  // the first product writes dk, dv; the rest add
-        const int t_begin = causal ? k0 : 0;
-        if (t_begin >= t_end) {  // no row sees the tile (only with documents): its gradients are 0
-          std::fill(dk.begin(), dk.end(), Real(0));
-          std::fill(dv.begin(), dv.end(), Real(0));
-          continue;
-        }
-        for (int t0 = t_begin; t0 < t_end; t0 += BQ) {
-          const int nq = std::min(BQ, T - t0);
-          const Real beta = t0 == t_begin ? beta0 : Real(1);
-          const Real* q = qkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row;
-          const Real* dy = dout + V.y_offset(b, h) + static_cast<size_t>(t0) * V.C;
-          tile_gradients(p.data(), dp.data(), q, dy, k, v, nq, nk, t0, k0, lse + V.stat_offset(b, h) + t0,
-                         D.data() + V.stat_offset(b, h) + t0, mask, V, scale);
-          gemm(true, false, nk, HS, nq, Real(1), p.data(), nk, dy, V.C, beta, dv.data(), HS);  // dv += P^T dy
-          gemm(true, false, nk, HS, nq, scale, dp.data(), nk, q, V.row, beta, dk.data(), HS);  // dk += dS^T q scale
-          if (with_dq)
-            add_dq(dqkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row, dp.data(), k, nq, nk,
-                   k0 == keys_begin(mask, t0, BK));
-        }
+      const int t_begin = causal ? k0 : 0;
+      if (t_begin >= t_end) {  // no row sees the tile (only with documents): its gradients are 0
+        std::fill(dk.begin(), dk.end(), Real(0));
+        std::fill(dv.begin(), dv.end(), Real(0));
       }
-      Real* dk_out = dqkv + V.k_offset(b, kv) + static_cast<size_t>(k0) * V.row;
-      Real* dv_out = dqkv + V.v_offset(b, kv) + static_cast<size_t>(k0) * V.row;
-      for (int j = 0; j < nk; j++) {
-        std::memcpy(dk_out + static_cast<size_t>(j) * V.row, dk.data() + static_cast<size_t>(j) * HS, HS * sizeof(Real));
-        std::memcpy(dv_out + static_cast<size_t>(j) * V.row, dv.data() + static_cast<size_t>(j) * HS, HS * sizeof(Real));
+      for (int t0 = t_begin; t0 < t_end; t0 += BQ) {
+        const int nq = std::min(BQ, T - t0);
+        const Real beta = t0 == t_begin ? Real(0) : Real(1);  // the first product writes dk, dv; the rest add
+        const Real* q = qkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row;
+        const Real* dy = dout + V.y_offset(b, h) + static_cast<size_t>(t0) * V.C;
+        tile_gradients(p.data(), dp.data(), q, dy, k, v, nq, nk, t0, k0, lse + V.stat_offset(b, h) + t0,
+                       D.data() + V.stat_offset(b, h) + t0, mask, V, scale);
+        gemm(true, false, nk, HS, nq, Real(1), p.data(), nk, dy, V.C, beta, dv.data(), HS);  // dv += P^T dy
+        gemm(true, false, nk, HS, nq, scale, dp.data(), nk, q, V.row, beta, dk.data(), HS);  // dk += dS^T q scale
+        if (with_dq)
+          add_dq(dqkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row, dp.data(), k, nq, nk,
+                 k0 == keys_begin(mask, t0, BK));
       }
     };
-    if (one_pass) {
+    // Tile rows [k0, k0 + nk) of dk and dv into (add: onto) rows k0.. of dk_out and dv_out.
+    const auto store = [&](Real* dk_out, Real* dv_out, size_t stride, int kt, bool add) {
+      const size_t k0 = static_cast<size_t>(kt) * BK;
+      const int nk = std::min(BK, T - kt * BK);
+      put_rows(dk_out + k0 * stride, stride, dk.data(), HS, nk, HS, add);
+      put_rows(dv_out + k0 * stride, stride, dv.data(), HS, nk, HS, add);
+    };
+    if (one_pass) {  // the group's first head into dqkv, the others into their own rows
 #pragma omp for schedule(dynamic, 1)
-      for (int task = 0; task < B * KV; task++)
-        for (int kt = 0; kt < k_tiles; kt++) key_tile(task / KV, task % KV, kt, true);
-    } else {
+      for (int task = 0; task < B * NH; task++) {
+        const int b = task / NH, h = task % NH, kv = h / V.group;
+        const bool first = h % V.group == 0;
+        for (int kt = 0; kt < k_tiles; kt++) {
+          key_tile(b, h, kt, true);
+          if (first)
+            store(dqkv + V.k_offset(b, kv), dqkv + V.v_offset(b, kv), V.row, kt, false);
+          else
+            store(other_rows(dk_others.get(), b, h), other_rows(dv_others.get(), b, h), HS, kt, false);
+        }
+      }
+      // dK, dV of a grouped key/value head: its first query head's share plus the others', in order.
+      if (V.group > 1) {
+#pragma omp for schedule(static)
+        for (int task = 0; task < B * KV * k_tiles; task++) {
+          const int bkv = task / k_tiles, b = bkv / KV, kv = bkv % KV, k0 = task % k_tiles * BK;
+          const int nk = std::min(BK, T - k0);
+          const size_t at = static_cast<size_t>(k0) * HS;
+          for (int h = kv * V.group + 1; h < (kv + 1) * V.group; h++) {
+            put_rows(dqkv + V.k_offset(b, kv) + static_cast<size_t>(k0) * V.row, V.row,
+                     other_rows(dk_others.get(), b, h) + at, HS, nk, HS, true);
+            put_rows(dqkv + V.v_offset(b, kv) + static_cast<size_t>(k0) * V.row, V.row,
+                     other_rows(dv_others.get(), b, h) + at, HS, nk, HS, true);
+          }
+        }
+      }
+    } else {  // a task per key tile sums the group's heads as it goes, in the same order
 #pragma omp for schedule(dynamic, 1) nowait
       for (int task = 0; task < B * KV * k_tiles; task++) {  // first tiles first
-        const int bkv = task / k_tiles;
-        key_tile(bkv / KV, bkv % KV, task % k_tiles, false);
+        const int bkv = task / k_tiles, b = bkv / KV, kv = bkv % KV, kt = task % k_tiles;
+        for (int g = 0; g < V.group; g++) {
+          key_tile(b, kv * V.group + g, kt, false);
+          store(dqkv + V.k_offset(b, kv), dqkv + V.v_offset(b, kv), V.row, kt, g > 0);
+        }
       }
       // dQ of query tile [t0, t0 + nq): the key tiles it sees (causally up to the diagonal), in order.
 #pragma omp for schedule(dynamic, 1)
