@@ -69,8 +69,8 @@ void matmul_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout, c
 // the measured best, docs/performance.md); the values differ between tile sizes only by rounding.
 // `passes`: how the backward shares its work among threads -- two passes (dK and dV by key tiles,
 // then dQ by query tiles, each recomputing the tiles' probabilities: B*KV*T/key + B*NH*T/query
-// tasks) or one (dK, dV and dQ together, one task per sequence and key/value head: 5 products per
-// tile pair instead of 7). The bits are the same; `automatic` picks one pass when its B*KV tasks
+// tasks) or one (dK, dV and dQ together, one task per sequence and query head: 5 products per
+// tile pair instead of 7). The bits are the same; `automatic` picks one pass when its B*NH tasks
 // keep the threads busy enough to gain (and the key tile is a multiple of the query tile).
 struct AttentionTiles {
   int query = 64, key = 128;
