@@ -15,9 +15,11 @@
 //                                 tiled (cpu::attention_*) or materialised (the pre-issue-17 T x T
 //                                 path, kept in this file as the baseline); counter "saved+scratch
 //                                 MiB": what the forward keeps for the backward plus its scratch
-//   BM_AttentionBackwardPasses/<shape>/<one|two>  FLOP/s = 4 B T^2 NH HS causally, 8 B T^2 NH HS over
-//                                 every key (the backward's four products, without the recompute):
-//                                 the backward in one pass or two (cpu::AttentionTiles::passes)
+//   BM_AttentionBackwardPasses/<shape>/<one|two|automatic>  FLOP/s = 4 B T^2 NH HS causally, 8 B T^2
+//                                 NH HS over every key (the backward's four products, without the
+//                                 recompute): the backward in one pass, two, or the heads of whole
+//                                 rounds of the threads in one and the rest in two
+//                                 (cpu::AttentionTiles::passes)
 //   BM_LayernormForward           bytes/s = 4 (2 N C) (read inp, write out; per-row stats ignored)
 //   BM_LayernormBackward          bytes/s = 4 (4 N C) (read dout, inp; read+write dinp)
 //   BM_RmsnormForward             bytes/s = 4 (2 N C) (llama shapes; read inp, write out)
@@ -491,8 +493,11 @@ void register_benchmarks() {
   configure(benchmark::RegisterBenchmark("BM_AttentionForward", BM_AttentionForward));
   configure(benchmark::RegisterBenchmark("BM_AttentionBackward", BM_AttentionBackward));
   for (const PassesShape& s : PASSES_SHAPES)
-    for (auto passes : {cpu::AttentionTiles::Passes::one, cpu::AttentionTiles::Passes::two}) {
-      const char* pass_name = passes == cpu::AttentionTiles::Passes::one ? "/one" : "/two";
+    for (auto passes : {cpu::AttentionTiles::Passes::one, cpu::AttentionTiles::Passes::two,
+                        cpu::AttentionTiles::Passes::automatic}) {
+      const char* pass_name = passes == cpu::AttentionTiles::Passes::one   ? "/one"
+                              : passes == cpu::AttentionTiles::Passes::two ? "/two"
+                                                                           : "/automatic";
       configure(benchmark::RegisterBenchmark((std::string("BM_AttentionBackwardPasses/") + s.name + pass_name).c_str(),
                                              BM_AttentionBackwardPasses, s, passes));
     }

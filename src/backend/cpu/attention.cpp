@@ -13,9 +13,10 @@
 // probabilities P = exp(S - lse) of their tiles: dK and dV by key tiles (one task per (batch,
 // query head, key tile), summing all later query tiles in a fixed order), and dQ by query tiles
 // (one task per (batch, query head, query tile), summing the key tiles in order). dS = P * (dP - D)
-// with dP = dout v^T. When its tasks keep the threads busy, one pass does both: a task per (batch,
-// query head) walks the key tiles in order and adds each tile pair's dQ share as it goes, 5
-// products a pair instead of 7, with the two passes' very products. Grouped heads share dK and dV:
+// with dP = dout v^T. One pass does both with a task per (batch, query head): it walks the key
+// tiles in order and adds each tile pair's dQ share as it goes, 5 products a pair instead of 7,
+// with the two passes' very products. The heads that fill whole rounds of the threads take one
+// pass, the rest two (their small tasks share out the last round). Grouped heads share dK and dV:
 // each query head's share goes to its own rows (the group's first head straight into dqkv, the
 // others into a buffer of (NH - KV) heads), summed over the group in head order at the end.
 // Every output element is computed by one task in a fixed order, with single-threaded GEMMs inside
@@ -203,15 +204,15 @@ void put_rows(Real* dst, size_t dst_stride, const Real* src, size_t src_stride, 
   }
 }
 
-// One pass makes 5 products of a tile pair where two make 7 (and one exp where two make two), but
-// it has only B * NH tasks: worth it when the threads idle at most a sixth of the time (measured:
-// 3 tasks on 2 threads ran slower than two passes, 12 or 6 faster). Both give the same bits, so
-// the choice may follow the thread count.
-bool one_pass_pays(int tasks, int threads, AttentionTiles tiles) {
-  if (tiles.key % tiles.query != 0) return false;  // its query tiles must be the dQ pass's
-  if (tiles.passes != AttentionTiles::Passes::automatic) return tiles.passes == AttentionTiles::Passes::one;
-  const long rounds = (tasks + threads - 1) / threads;
-  return 5 * rounds * threads <= 6L * tasks;
+// How many of the B * NH (sequence, query head) tasks take one pass; the rest take two. One pass
+// makes 5 products of a tile pair where two make 7 (and one exp where two make two), but its task
+// is a whole head: the heads that would leave threads idle in a last, partial round take two
+// passes instead, whose tasks (a key tile or a query tile of a head) are small enough to share
+// out over every thread. Both give the same bits, so the split may follow the thread count.
+int one_pass_heads(int tasks, int threads, AttentionTiles tiles) {
+  if (tiles.key % tiles.query != 0) return 0;  // its query tiles must be the dQ pass's
+  if (tiles.passes != AttentionTiles::Passes::automatic) return tiles.passes == AttentionTiles::Passes::one ? tasks : 0;
+  return tasks / threads * threads;
 }
 
 }  // namespace
@@ -237,10 +238,10 @@ void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Rea
       }
 
   const int k_tiles = tiles_of(T, BK), q_tiles = tiles_of(T, BQ);
-  const bool one_pass = one_pass_pays(B * NH, omp_get_max_threads(), tiles);
-  // In one pass, dK and dV of the group's heads after its first, (B, KV, group - 1, T, HS) each:
-  // every row is written before it is summed.
-  const size_t others = one_pass ? static_cast<size_t>(B) * (NH - KV) * T * HS : 0;
+  const int heads = B * NH, whole = one_pass_heads(heads, omp_get_max_threads(), tiles);
+  // dK and dV shares of each group's heads after its first, (B, KV, group - 1, T, HS) each: every
+  // row is written before it is summed.
+  const size_t others = static_cast<size_t>(B) * (NH - KV) * T * HS;
   const std::unique_ptr<Real[]> dk_others(new Real[others]), dv_others(new Real[others]);
   const auto other_rows = [&](Real* base, int b, int h) {
     const int kv = h / V.group, g = h % V.group;
@@ -254,13 +255,13 @@ void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Rea
     const auto add_dq = [&](Real* dq, const Real* ds, const Real* k, int nq, int nk, bool first) {
       gemm(false, false, nq, HS, nk, scale, ds, nk, k, V.row, first ? Real(0) : Real(1), dq, V.row);
     };
-    // Query head h's share of dK, dV of key tile [k0, k0 + nk): every query tile with a row that
-    // sees it (causally t >= k0; with documents, up to the first row whose document starts after
-    // the tile). In one pass, each of those tile pairs also adds its share to dQ of the query tile,
-    // straight into dqkv: the task owns the head of its sequence, and visits each query tile's key
-    // tiles in the dQ pass's order. OpenBLAS's bits depend on a product's shape, so both passes make
-    // every tile's products whole, masked rows and columns included: one pass then repeats the two
-    // passes' products exactly.
+    // Query head h's share of dK, dV of key tile [k0, k0 + nk), into dk and dv: every query tile with
+    // a row that sees it (causally t >= k0; with documents, up to the first row whose document
+    // starts after the tile). In one pass, each of those tile pairs also adds its share to dQ of the
+    // query tile, straight into dqkv: the task owns the head of its sequence, and visits each query
+    // tile's key tiles in the dQ pass's order. OpenBLAS's bits depend on a product's shape, so both
+    // passes make every tile's products whole, masked rows and columns included: one pass then
+    // repeats the two passes' products exactly.
     const auto key_tile = [&](int b, int h, int kt, bool with_dq) {
       const int k0 = kt * BK, nk = std::min(BK, T - k0), kv = h / V.group;
       const RowMask mask{causal, doc_start ? doc_start + static_cast<size_t>(b) * T : nullptr};
@@ -286,67 +287,54 @@ void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Rea
           add_dq(dqkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row, dp.data(), k, nq, nk,
                  k0 == keys_begin(mask, t0, BK));
       }
+      // The share's rows: the group's first head's into dqkv, the others' into their own.
+      const bool first = h % V.group == 0;
+      const size_t stride = first ? V.row : HS, rows = static_cast<size_t>(k0) * stride;
+      put_rows((first ? dqkv + V.k_offset(b, kv) : other_rows(dk_others.get(), b, h)) + rows, stride, dk.data(), HS,
+               nk, HS, false);
+      put_rows((first ? dqkv + V.v_offset(b, kv) : other_rows(dv_others.get(), b, h)) + rows, stride, dv.data(), HS,
+               nk, HS, false);
     };
-    // Tile rows [k0, k0 + nk) of dk and dv into (add: onto) rows k0.. of dk_out and dv_out.
-    const auto store = [&](Real* dk_out, Real* dv_out, size_t stride, int kt, bool add) {
-      const size_t k0 = static_cast<size_t>(kt) * BK;
-      const int nk = std::min(BK, T - kt * BK);
-      put_rows(dk_out + k0 * stride, stride, dk.data(), HS, nk, HS, add);
-      put_rows(dv_out + k0 * stride, stride, dv.data(), HS, nk, HS, add);
-    };
-    if (one_pass) {  // the group's first head into dqkv, the others into their own rows
-#pragma omp for schedule(dynamic, 1)
-      for (int task = 0; task < B * NH; task++) {
-        const int b = task / NH, h = task % NH, kv = h / V.group;
-        const bool first = h % V.group == 0;
-        for (int kt = 0; kt < k_tiles; kt++) {
-          key_tile(b, h, kt, true);
-          if (first)
-            store(dqkv + V.k_offset(b, kv), dqkv + V.v_offset(b, kv), V.row, kt, false);
-          else
-            store(other_rows(dk_others.get(), b, h), other_rows(dv_others.get(), b, h), HS, kt, false);
-        }
-      }
-      // dK, dV of a grouped key/value head: its first query head's share plus the others', in order.
-      if (V.group > 1) {
-#pragma omp for schedule(static)
-        for (int task = 0; task < B * KV * k_tiles; task++) {
-          const int bkv = task / k_tiles, b = bkv / KV, kv = bkv % KV, k0 = task % k_tiles * BK;
-          const int nk = std::min(BK, T - k0);
-          const size_t at = static_cast<size_t>(k0) * HS;
-          for (int h = kv * V.group + 1; h < (kv + 1) * V.group; h++) {
-            put_rows(dqkv + V.k_offset(b, kv) + static_cast<size_t>(k0) * V.row, V.row,
-                     other_rows(dk_others.get(), b, h) + at, HS, nk, HS, true);
-            put_rows(dqkv + V.v_offset(b, kv) + static_cast<size_t>(k0) * V.row, V.row,
-                     other_rows(dv_others.get(), b, h) + at, HS, nk, HS, true);
-          }
-        }
-      }
-    } else {  // a task per key tile sums the group's heads as it goes, in the same order
+    // One pass for the first `whole` (sequence, head) tasks; threads that finish go on to the rest.
 #pragma omp for schedule(dynamic, 1) nowait
-      for (int task = 0; task < B * KV * k_tiles; task++) {  // first tiles first
-        const int bkv = task / k_tiles, b = bkv / KV, kv = bkv % KV, kt = task % k_tiles;
-        for (int g = 0; g < V.group; g++) {
-          key_tile(b, kv * V.group + g, kt, false);
-          store(dqkv + V.k_offset(b, kv), dqkv + V.v_offset(b, kv), V.row, kt, g > 0);
-        }
-      }
-      // dQ of query tile [t0, t0 + nq): the key tiles it sees (causally up to the diagonal), in order.
+    for (int task = 0; task < whole; task++)
+      for (int kt = 0; kt < k_tiles; kt++) key_tile(task / NH, task % NH, kt, true);
+    // Two passes for the rest: dK and dV by key tiles (first tiles first), then dQ of query tile
+    // [t0, t0 + nq) from the key tiles it sees (causally up to the diagonal), in order.
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int task = 0; task < (heads - whole) * k_tiles; task++) {
+      const int bh = whole + task / k_tiles;
+      key_tile(bh / NH, bh % NH, task % k_tiles, false);
+    }
 #pragma omp for schedule(dynamic, 1)
-      for (int task = 0; task < B * NH * q_tiles; task++) {
-        const int qt = q_tiles - 1 - task % q_tiles, bh = task / q_tiles, b = bh / NH, h = bh % NH;  // last tiles first
-        const int t0 = qt * BQ, nq = std::min(BQ, T - t0), kv = h / V.group;
-        const RowMask mask{causal, doc_start ? doc_start + static_cast<size_t>(b) * T : nullptr};
-        const Real* q = qkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row;
-        const Real* dy = dout + V.y_offset(b, h) + static_cast<size_t>(t0) * V.C;
-        const int k_begin = keys_begin(mask, t0, BK), k_end = keys_end(t0, nq, T, causal);
-        for (int k0 = k_begin; k0 < k_end; k0 += BK) {
-          const int nk = std::min(BK, T - k0);
-          const Real* k = qkv + V.k_offset(b, kv) + static_cast<size_t>(k0) * V.row;
-          tile_gradients(p.data(), dp.data(), q, dy, k, qkv + V.v_offset(b, kv) + static_cast<size_t>(k0) * V.row, nq,
-                         nk, t0, k0, lse + V.stat_offset(b, h) + t0, D.data() + V.stat_offset(b, h) + t0, mask, V,
-                         scale);
-          add_dq(dqkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row, dp.data(), k, nq, nk, k0 == k_begin);
+    for (int task = 0; task < (heads - whole) * q_tiles; task++) {
+      const int qt = q_tiles - 1 - task % q_tiles, bh = whole + task / q_tiles, b = bh / NH, h = bh % NH;  // last first
+      const int t0 = qt * BQ, nq = std::min(BQ, T - t0), kv = h / V.group;
+      const RowMask mask{causal, doc_start ? doc_start + static_cast<size_t>(b) * T : nullptr};
+      const Real* q = qkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row;
+      const Real* dy = dout + V.y_offset(b, h) + static_cast<size_t>(t0) * V.C;
+      const int k_begin = keys_begin(mask, t0, BK), k_end = keys_end(t0, nq, T, causal);
+      for (int k0 = k_begin; k0 < k_end; k0 += BK) {
+        const int nk = std::min(BK, T - k0);
+        const Real* k = qkv + V.k_offset(b, kv) + static_cast<size_t>(k0) * V.row;
+        tile_gradients(p.data(), dp.data(), q, dy, k, qkv + V.v_offset(b, kv) + static_cast<size_t>(k0) * V.row, nq,
+                       nk, t0, k0, lse + V.stat_offset(b, h) + t0, D.data() + V.stat_offset(b, h) + t0, mask, V,
+                       scale);
+        add_dq(dqkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row, dp.data(), k, nq, nk, k0 == k_begin);
+      }
+    }
+    // dK, dV of a grouped key/value head: its first query head's share plus the others', in order.
+    if (V.group > 1) {
+#pragma omp for schedule(static)
+      for (int task = 0; task < B * KV * k_tiles; task++) {
+        const int bkv = task / k_tiles, b = bkv / KV, kv = bkv % KV, k0 = task % k_tiles * BK;
+        const int nk = std::min(BK, T - k0);
+        const size_t at = static_cast<size_t>(k0) * HS;
+        for (int h = kv * V.group + 1; h < (kv + 1) * V.group; h++) {
+          put_rows(dqkv + V.k_offset(b, kv) + static_cast<size_t>(k0) * V.row, V.row,
+                   other_rows(dk_others.get(), b, h) + at, HS, nk, HS, true);
+          put_rows(dqkv + V.v_offset(b, kv) + static_cast<size_t>(k0) * V.row, V.row,
+                   other_rows(dv_others.get(), b, h) + at, HS, nk, HS, true);
         }
       }
     }

@@ -68,10 +68,11 @@ void matmul_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout, c
 // it). `tiles`: the query and key tile sizes, a speed choice (tests vary them; the default is
 // the measured best, docs/performance.md); the values differ between tile sizes only by rounding.
 // `passes`: how the backward shares its work among threads -- two passes (dK and dV by key tiles,
-// then dQ by query tiles, each recomputing the tiles' probabilities: B*KV*T/key + B*NH*T/query
+// then dQ by query tiles, each recomputing the tiles' probabilities: B*NH*T/key + B*NH*T/query
 // tasks) or one (dK, dV and dQ together, one task per sequence and query head: 5 products per
-// tile pair instead of 7). The bits are the same; `automatic` picks one pass when its B*NH tasks
-// keep the threads busy enough to gain (and the key tile is a multiple of the query tile).
+// tile pair instead of 7). The bits are the same; `automatic` gives one pass to the heads that
+// fill whole rounds of the threads and two to the rest (one pass needs the key tile to be a
+// multiple of the query tile).
 struct AttentionTiles {
   int query = 64, key = 128;
   enum class Passes { automatic, one, two } passes = Passes::automatic;
