@@ -19,8 +19,9 @@
 // pass, the rest two (their small tasks share out the last round). Grouped heads share dK and dV:
 // each query head's share goes to its own rows (the group's first head straight into dqkv, the
 // others into a buffer of (NH - KV) heads), summed over the group in head order at the end.
-// Every output element is computed by one task in a fixed order, with single-threaded GEMMs inside
-// the parallel loop: no atomics, the same bits for any thread count (the tasks are scheduled
+// Every output element is computed by one task in a fixed order (a grouped dK or dV: by its heads'
+// tasks, then summed in head order by a fixed reduction), with single-threaded GEMMs inside the
+// parallel loop: no atomics, the same bits for any thread count (the tasks are scheduled
 // dynamically, largest first, for the causal imbalance; which thread runs a task does not change
 // its arithmetic).
 // Decode: one (new token, query head) pair per iteration, scores, softmax and the weighted sum of v
@@ -323,7 +324,9 @@ void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Rea
         add_dq(dqkv + V.q_offset(b, h) + static_cast<size_t>(t0) * V.row, dp.data(), k, nq, nk, k0 == k_begin);
       }
     }
-    // dK, dV of a grouped key/value head: its first query head's share plus the others', in order.
+    // dK, dV of a grouped key/value head: its first query head's share plus the others', in order
+    // (after the barrier that ends the dQ loop, which every thread reaches only after its share of
+    // the loops before it).
     if (V.group > 1) {
 #pragma omp for schedule(static)
       for (int task = 0; task < B * KV * k_tiles; task++) {
