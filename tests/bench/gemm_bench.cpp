@@ -3,7 +3,8 @@
 // the llama-135M shape, forward (out = inp W^T) and both backward products (dinp = dout W,
 // dweight += dout^T inp), for N = B*T rows -- and a 2048^3 square, on 1 and 2 threads.
 // Libraries are timed interleaved per repeat (one library's turn never all lands in a quiet or a
-// busy moment of a shared machine); prints min and median GFLOP/s per case and library.
+// busy moment of a shared machine); prints min and median GFLOP/s per case and library, and for
+// every thread count after the first whether each library's C has the first one's bits.
 //
 //   build/gemm_bench [--threads 1,2] [--rows 256,1024,4096] [--repeats 5] [--quick]
 #include <omp.h>
@@ -14,6 +15,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <oneapi/dnnl/dnnl.hpp>
+#include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -108,6 +111,13 @@ Stats stats(std::vector<double> v) {
   return {v.front(), v[v.size() / 2]};
 }
 
+uint64_t fnv1a(const std::vector<float>& values) {
+  uint64_t hash = 1469598103934665603ull;
+  const auto* bytes = reinterpret_cast<const unsigned char*>(values.data());
+  for (size_t i = 0; i < values.size() * sizeof(float); i++) hash = (hash ^ bytes[i]) * 1099511628211ull;
+  return hash;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -146,8 +156,8 @@ int main(int argc, char** argv) {
   const char* libs[] = {"openblas", "blis", "onednn-f32", "onednn-bf16"};
   std::printf("%-34s %3s | %s\n", "product (M x N x K)", "thr",
               "GFLOP/s min/median: openblas | blis | onednn-f32 | onednn-bf16");
-  std::mt19937 rng(7);
   std::uniform_real_distribution<float> uniform(-1.f, 1.f);
+  std::map<std::pair<std::string, int>, uint64_t> first_bits;  // (product, library) -> C's hash
   for (int t : threads) {
     omp_set_num_threads(t);
     openblas_set_num_threads(t);
@@ -156,12 +166,20 @@ int main(int argc, char** argv) {
       Operands op;
       op.a.resize(static_cast<size_t>(p.M) * p.K), op.b.resize(static_cast<size_t>(p.K) * p.N);
       op.c.assign(static_cast<size_t>(p.M) * p.N, 0.f);
+      std::mt19937 rng(7);  // the same operands on every thread count, for the bits check
       for (float& x : op.a) x = uniform(rng);
       for (float& x : op.b) x = uniform(rng);
       op.a16.resize(op.a.size()), op.b16.resize(op.b.size());
       for (size_t i = 0; i < op.a.size(); i++) op.a16[i] = shardtrain::float_to_bf16(op.a[i]);
       for (size_t i = 0; i < op.b.size(); i++) op.b16[i] = shardtrain::float_to_bf16(op.b[i]);
-      OneDnnMatmul f32(p, false, engine), bf16(p, true, engine);
+      OneDnnMatmul f32(p, false, engine);
+      // oneDNN has no bf16 matmul without AVX-512 (an AVX2 CPU): that column is then left out.
+      std::optional<OneDnnMatmul> bf16;
+      try {
+        bf16.emplace(p, true, engine);
+      } catch (const dnnl::error&) {
+      }
+      const int library_count = bf16 ? 4 : 3;
       const int lda = p.trans_a ? p.M : p.K, ldb = p.trans_b ? p.K : p.N;
       const float beta = p.accumulate ? 1.f : 0.f;
       auto run = [&](int lib) {
@@ -178,13 +196,13 @@ int main(int argc, char** argv) {
             break;
           }
           case 2: f32.run(stream, op.a.data(), op.b.data(), op.c.data()); break;
-          case 3: bf16.run(stream, op.a16.data(), op.b16.data(), op.c.data()); break;
+          case 3: bf16->run(stream, op.a16.data(), op.b16.data(), op.c.data()); break;
         }
       };
       const double flop = 2.0 * p.M * p.N * p.K;
       // Enough calls per timing to last ~20 ms, so small products are not timer noise.
       std::vector<int> calls(4, 1);
-      for (int lib = 0; lib < 4; lib++) {
+      for (int lib = 0; lib < library_count; lib++) {
         run(lib);
         auto t0 = Clock::now();
         run(lib);
@@ -192,7 +210,7 @@ int main(int argc, char** argv) {
       }
       std::vector<std::vector<double>> gflops(4);
       for (int r = 0; r < repeats; r++)
-        for (int lib = 0; lib < 4; lib++) {
+        for (int lib = 0; lib < library_count; lib++) {
           auto t0 = Clock::now();
           for (int c = 0; c < calls[lib]; c++) run(lib);
           gflops[lib].push_back(flop * calls[lib] / seconds_since(t0) / 1e9);
@@ -200,14 +218,27 @@ int main(int argc, char** argv) {
       char dims[64];
       std::snprintf(dims, sizeof dims, " (%dx%dx%d)", p.M, p.N, p.K);
       std::printf("%-34s %3d |", (p.name + (p.name.rfind("square", 0) == 0 ? "" : dims)).c_str(), t);
-      for (int lib = 0; lib < 4; lib++) {
+      for (int lib = 0; lib < library_count; lib++) {
         Stats s = stats(gflops[lib]);
         std::printf(" %s %.1f/%.1f", libs[lib], s.min, s.median);
       }
+      // The bits of each library's C from zero, against the first thread count's: whether the
+      // library's own split over threads leaves the result alone.
+      std::string bits;
+      for (int lib = 0; lib < library_count; lib++) {
+        std::fill(op.c.begin(), op.c.end(), 0.f);
+        run(lib);
+        const uint64_t hash = fnv1a(op.c);
+        const auto [first, inserted] = first_bits.emplace(std::make_pair(p.name, lib), hash);
+        if (!inserted) bits += std::string(bits.empty() ? "" : ", ") + libs[lib] + (first->second == hash ? " =" : " differ");
+      }
+      if (!bits.empty()) std::printf(" | bits vs %d thread%s: %s", threads.front(), threads.front() == 1 ? "" : "s",
+                                     bits.c_str());
       std::printf("\n");
       std::fflush(stdout);
       if (p.name.rfind("square", 0) == 0 && t == threads.front())
-        std::printf("  oneDNN kernels: f32 %s, bf16 %s\n", f32.impl().c_str(), bf16.impl().c_str());
+        std::printf("  oneDNN kernels: f32 %s, bf16 %s\n", f32.impl().c_str(),
+                    bf16 ? bf16->impl().c_str() : "none on this CPU");
     }
   }
   return 0;

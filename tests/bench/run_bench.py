@@ -283,11 +283,12 @@ def gemm_section(build, repeats, quick):
         else:
             key, flop, cells = ("square 2048^3", 2048, int(square.group(1))), 2.0 * 2048 ** 3, square.group(2)
         medians = [float(x) for x in re.findall(r"\S+ [\d.]+/([\d.]+)", cells)]
-        g = groups.setdefault(key, [0.0, [0.0] * len(GEMM_LIBS)])
+        g = groups.setdefault(key, [0.0, [0.0] * len(medians)])  # no onednn-bf16 on a CPU without AVX-512
         g[0] += flop
         for i, gflops in enumerate(medians):
             g[1][i] += flop / (gflops * 1e9)
-    print(f"{'shape':<14} {'N':>5} {'thr':>3} | " + " | ".join(f"{lib:>17}" for lib in GEMM_LIBS))
+    libraries = GEMM_LIBS[:max((len(g[1]) for g in groups.values()), default=0)]
+    print(f"{'shape':<14} {'N':>5} {'thr':>3} | " + " | ".join(f"{lib:>17}" for lib in libraries))
     for (model, rows, threads), (flop, seconds) in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
         rates = [flop / s / 1e9 for s in seconds]
         print(f"{model:<14} {rows:>5} {threads:>3} | " +
