@@ -230,7 +230,8 @@ int main(int argc, char** argv) {
         run(lib);
         const uint64_t hash = fnv1a(op.c);
         const auto [first, inserted] = first_bits.emplace(std::make_pair(p.name, lib), hash);
-        if (!inserted) bits += std::string(bits.empty() ? "" : ", ") + libs[lib] + (first->second == hash ? " =" : " differ");
+        if (!inserted)
+          bits += std::string(bits.empty() ? "" : ", ") + libs[lib] + (first->second == hash ? " =" : " differ");
       }
       if (!bits.empty()) std::printf(" | bits vs %d thread%s: %s", threads.front(), threads.front() == 1 ? "" : "s",
                                      bits.c_str());
