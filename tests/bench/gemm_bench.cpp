@@ -112,7 +112,7 @@ Stats stats(std::vector<double> v) {
 }
 
 uint64_t fnv1a(const std::vector<float>& values) {
-  uint64_t hash = 1469598103934665603ull;
+  uint64_t hash = 14695981039346656037ull;  // FNV-1a offset basis
   const auto* bytes = reinterpret_cast<const unsigned char*>(values.data());
   for (size_t i = 0; i < values.size() * sizeof(float); i++) hash = (hash ^ bytes[i]) * 1099511628211ull;
   return hash;
